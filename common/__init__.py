@@ -1,0 +1,1 @@
+"""What every pdserve process shares: config, wire protocol, model, KV cache, worker."""

@@ -1,0 +1,146 @@
+"""One frozen config per role, validated at creation."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|npu(:\d+)?)$")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def parse_bytes(text: str | int | None) -> int | None:
+    """'512MiB', '2GiB', '1000000' -> bytes."""
+    if text is None or isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot read a size from {text!r}; say e.g. 512MiB or 2GiB")
+    unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(unit or " "))
+
+
+def endpoint(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str | None = None          # a Hugging Face model directory ...
+    shape: str | None = None          # ... or a preset shape with random weights
+    device: str = "cpu"
+    dtype: str | None = None          # default: float32 on cpu, bfloat16 elsewhere
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; default: kv_cache_fraction of free memory
+    kv_cache_fraction: float = 0.85   # of free accelerator memory after the weights
+    cpu_kv_cache_memory: int = 256 * 2**20  # the CPU default budget
+    max_batch_size: int = 64          # decode rows held on the device
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    use_graphs: bool = True           # CUDA graphs for decode steps where available
+    seed: int = 0                     # random weights
+
+    def __post_init__(self) -> None:
+        if (self.model is None) == (self.shape is None):
+            raise ValueError("give exactly one of model (a directory) or shape (a preset)")
+        if not _DEVICE_RE.match(self.device):
+            raise ValueError(f"device must be cpu, cuda[:N] or npu[:N], got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.kv_cache_fraction < 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1), got {self.kv_cache_fraction}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            return torch.float32 if self.device == "cpu" else torch.bfloat16
+        return DTYPES[self.dtype]
+
+
+def _check_endpoint(name: str, value: str, allow_remote: bool) -> None:
+    m = re.fullmatch(r"tcp://\[?([^\]]+?)\]?:(\d+)|ipc://.+|inproc://.+", value)
+    if not m:
+        raise ValueError(f"{name} must be tcp://HOST:PORT or ipc://PATH, got {value!r}")
+    if m.group(1) and m.group(1) not in _LOOPBACK and not allow_remote:
+        raise ValueError(f"{name} {value} is not a loopback address; pass allow_remote=True "
+                         f"(--allow-remote) to serve beyond this machine")
+
+
+@dataclass(frozen=True)
+class NodeLinks:
+    """The timing and size rules every process applies to its sockets."""
+    heartbeat_s: float = 0.5           # a node reports its load this often
+    dead_after_s: float = 3.0          # silence after which a peer is taken for dead
+    max_message_bytes: int = 16 * 2**20  # control and client messages
+    log_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_s < self.dead_after_s:
+            raise ValueError("need 0 < heartbeat_s < dead_after_s")
+        if self.max_message_bytes < 1024:
+            raise ValueError("max_message_bytes must be at least 1024")
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    worker: WorkerConfig
+    frontend_endpoint: str            # the frontend's node endpoint (we connect)
+    decode_kv_endpoint: str           # the decode node's KV endpoint (we connect)
+    name: str = "prefill-0"
+    token_budget: int = 2048          # prompt tokens per forward pass
+    max_batch_prompts: int = 64
+    handoff_lease_s: float = 10.0     # unconfirmed handoffs are failed and freed after this
+    links: NodeLinks = field(default_factory=NodeLinks)
+    allow_remote: bool = False
+
+    def __post_init__(self) -> None:
+        _check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
+        _check_endpoint("decode_kv_endpoint", self.decode_kv_endpoint, self.allow_remote)
+        if self.token_budget < self.worker.block_size:
+            raise ValueError(f"token_budget must be >= block_size ({self.worker.block_size})")
+        if self.max_batch_prompts < 1 or self.handoff_lease_s <= 0:
+            raise ValueError("max_batch_prompts must be >= 1 and handoff_lease_s > 0")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    worker: WorkerConfig
+    frontend_endpoint: str            # the frontend's node endpoint (we connect)
+    kv_endpoint: str                  # where prefill nodes hand KV to us (we bind)
+    name: str = "decode-0"
+    max_queue: int = 256              # handoffs held while waiting for admission
+    links: NodeLinks = field(default_factory=NodeLinks)
+    allow_remote: bool = False
+
+    def __post_init__(self) -> None:
+        _check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
+        _check_endpoint("kv_endpoint", self.kv_endpoint, self.allow_remote)
+        if self.max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    model: str                        # for the tokenizer and the model's limits
+    client_endpoint: str              # clients connect here (we bind)
+    node_endpoint: str                # nodes connect here (we bind)
+    default_timeout_s: float = 600.0  # a request with no timeout_s ends after this
+    max_model_len: int | None = None
+    links: NodeLinks = field(default_factory=NodeLinks)
+    allow_remote: bool = False
+
+    def __post_init__(self) -> None:
+        _check_endpoint("client_endpoint", self.client_endpoint, self.allow_remote)
+        _check_endpoint("node_endpoint", self.node_endpoint, self.allow_remote)
+        if self.default_timeout_s <= 0:
+            raise ValueError("default_timeout_s must be positive")

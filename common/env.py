@@ -1,0 +1,27 @@
+"""Every environment variable pdserve reads, declared once, all prefixed PDSERVE_.
+
+The shell scripts in launch/ read PDSERVE_VENV and PDSERVE_TORCH_SPEC (set-up
+only); everything the Python processes read is here.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Env:
+    log_level: str            # PDSERVE_LOG_LEVEL: DEBUG, INFO (default), WARNING
+    home: Path                # PDSERVE_HOME: cache for the generated tiny model
+    disable_triton: bool      # PDSERVE_DISABLE_TRITON=1: portable kernels on CUDA too
+    disable_graphs: bool      # PDSERVE_DISABLE_GRAPHS=1: eager decode on CUDA
+
+
+def read_env() -> Env:
+    return Env(
+        log_level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper(),
+        home=Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve")),
+        disable_triton=os.environ.get("PDSERVE_DISABLE_TRITON", "0") == "1",
+        disable_graphs=os.environ.get("PDSERVE_DISABLE_GRAPHS", "0") == "1",
+    )

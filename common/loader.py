@@ -1,0 +1,62 @@
+"""Load a Hugging Face Qwen3 checkpoint (single or sharded safetensors) into Qwen3Weights."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from common.model_spec import ModelSpec
+from common.qwen3 import LayerWeights, Qwen3Weights
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def load_weights(model_dir: str | Path, spec: ModelSpec, device, dtype) -> Qwen3Weights:
+    model_dir = Path(model_dir)
+    raw: dict[str, torch.Tensor] = {}
+    for path in _checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                raw[name.removeprefix("model.")] = f.get_tensor(name)
+
+    def take(name: str) -> torch.Tensor:
+        if name not in raw:
+            raise KeyError(f"checkpoint {model_dir} has no tensor {name!r}")
+        return raw.pop(name).to(device=device, dtype=dtype)
+
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        a = p + "self_attn."
+        qkv = torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"),
+                         take(a + "v_proj.weight")])
+        bias = None
+        if spec.has_attention_bias:
+            bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"),
+                              take(a + "v_proj.bias")])
+        layers.append(LayerWeights(
+            input_norm=take(p + "input_layernorm.weight"), qkv=qkv, qkv_bias=bias,
+            q_norm=take(a + "q_norm.weight"), k_norm=take(a + "k_norm.weight"),
+            o_proj=take(a + "o_proj.weight"),
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+            down=take(p + "mlp.down_proj.weight"),
+        ))
+    embed = take("embed_tokens.weight")
+    if "lm_head.weight" in raw and not spec.is_tied_embeddings:
+        lm_head = take("lm_head.weight")
+    else:
+        raw.pop("lm_head.weight", None)
+        lm_head = embed
+    return Qwen3Weights(embed=embed, layers=layers, norm=take("norm.weight"), lm_head=lm_head)

@@ -1,0 +1,122 @@
+"""Qwen3 dense: the model as plain functions over kernels/.
+
+Weights are held fused: one [q;k;v] projection and one [gate;up] projection
+per layer, so a layer is four matmuls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from common.model_spec import ModelSpec
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor       # [H]
+    qkv: torch.Tensor              # [(Hq + 2 Hk) * D, H]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hk) * D]
+    q_norm: torch.Tensor           # [D]
+    k_norm: torch.Tensor           # [D]
+    o_proj: torch.Tensor           # [H, Hq * D]
+    post_norm: torch.Tensor        # [H]
+    gate_up: torch.Tensor          # [2 I, H]
+    down: torch.Tensor             # [H, I]
+
+
+@dataclass
+class Qwen3Weights:
+    embed: torch.Tensor            # [V, H]
+    layers: list[LayerWeights]
+    norm: torch.Tensor             # [H]
+    lm_head: torch.Tensor          # [V, H]; the embedding itself when tied
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.embed, self.norm, self.lm_head]
+        for layer in self.layers:
+            out += [t for t in vars(layer).values() if t is not None]
+        return out
+
+    def num_bytes(self) -> int:
+        seen: dict[int, int] = {}
+        for t in self.tensors():
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+
+def random_weights(spec: ModelSpec, device, dtype, seed: int = 0, std: float = 0.02) -> Qwen3Weights:
+    """Random weights of the exact shape, made on the device (benchmarks: values do not change cost)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
+
+    def ones(n):
+        return torch.ones(n, device=device, dtype=dtype)
+
+    h, d = spec.hidden_size, spec.head_dim
+    layers = [LayerWeights(
+        input_norm=ones(h), qkv=rand(spec.q_size + 2 * spec.kv_size, h),
+        qkv_bias=rand(spec.q_size + 2 * spec.kv_size) if spec.has_attention_bias else None,
+        q_norm=ones(d), k_norm=ones(d), o_proj=rand(h, spec.q_size), post_norm=ones(h),
+        gate_up=rand(2 * spec.intermediate_size, h), down=rand(h, spec.intermediate_size),
+    ) for _ in range(spec.num_layers)]
+    embed = rand(spec.vocab_size, h)
+    lm_head = embed if spec.is_tied_embeddings else rand(spec.vocab_size, h)
+    return Qwen3Weights(embed=embed, layers=layers, norm=ones(h), lm_head=lm_head)
+
+
+@dataclass
+class AttentionInputs:
+    """What attention needs for one forward. Prefill: query_lens/context_lens are
+    host lists. Decode: seq_lens is a device tensor and every query_len is 1."""
+    is_prefill: bool
+    slot_mapping: torch.Tensor                 # [T] int64
+    block_tables: torch.Tensor                 # [B, W] int32
+    seq_lens: torch.Tensor | None = None       # [B] int32, decode
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+
+
+def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
+            input_ids: torch.Tensor, positions: torch.Tensor,
+            attn: AttentionInputs) -> torch.Tensor:
+    """input_ids, positions [T]; kv_cache [L, 2, num_blocks, block_size, Hk, D].
+    Returns the final normed hidden states [T, H]."""
+    num_tokens = input_ids.shape[0]
+    eps, d = spec.rms_norm_eps, spec.head_dim
+    scale = d ** -0.5
+    h = F.embedding(input_ids, w.embed)
+    residual = None
+    for i, layer in enumerate(w.layers):
+        if residual is None:
+            x, residual = kernels.rms_norm(h, layer.input_norm, eps), h
+        else:
+            x, residual = kernels.add_rms_norm(h, residual, layer.input_norm, eps)
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        q = q.view(num_tokens, spec.num_heads, d)
+        k = k.view(num_tokens, spec.num_kv_heads, d)
+        v = v.view(num_tokens, spec.num_kv_heads, d)
+        q, k = kernels.qk_norm_rope(q, k, layer.q_norm, layer.k_norm, cos_sin, positions, eps)
+        k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+        kernels.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+        if attn.is_prefill:
+            o = kernels.prefill_attention(q, k_cache, v_cache, attn.block_tables,
+                                          attn.query_lens, attn.context_lens, scale)
+        else:
+            o = kernels.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale)
+        h = F.linear(o.reshape(num_tokens, spec.q_size), layer.o_proj)
+        x, residual = kernels.add_rms_norm(h, residual, layer.post_norm, eps)
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, layer.down)
+    h, _ = kernels.add_rms_norm(h, residual, w.norm, eps)
+    return h
+
+
+def compute_logits(w: Qwen3Weights, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [N, H] -> fp32 logits [N, V]."""
+    return F.linear(hidden, w.lm_head).float()

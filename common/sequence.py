@@ -1,0 +1,67 @@
+"""A request's host-side state on a node, and the rules every loop applies to it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.kv_cache import BlockAllocator, num_blocks_for
+from common.sampling import SamplingParams
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_len: int
+    params: SamplingParams
+    block_ids: list[int] = field(default_factory=list)
+    num_reserved: int = 0          # blocks promised by the allocator, not yet taken
+    output_ids: list[int] = field(default_factory=list)
+
+    def num_blocks_needed(self, block_size: int) -> int:
+        """Blocks for every token that will be written to the cache: the prompt and
+        all outputs but the last."""
+        return num_blocks_for(self.prompt_len + self.params.max_tokens - 1, block_size)
+
+    def take_reserved_block(self, allocator: BlockAllocator) -> int:
+        if self.num_reserved < 1:
+            raise RuntimeError(f"{self.request_id}: no reserved block left")
+        self.num_reserved -= 1
+        block = allocator.allocate_reserved()
+        self.block_ids.append(block)
+        return block
+
+    def release(self, allocator: BlockAllocator) -> None:
+        """Give every block and reservation back; safe to call once per sequence."""
+        allocator.free(self.block_ids)
+        allocator.unreserve(self.num_reserved)
+        self.block_ids, self.num_reserved = [], 0
+
+
+def finish_reason(seq: Sequence, token: int, eos_ids: tuple[int, ...], max_model_len: int) -> str | None:
+    """Why seq ends after emitting token (already appended to output_ids), or None."""
+    p = seq.params
+    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids):
+        return FINISH_STOP
+    if len(seq.output_ids) >= p.max_tokens or seq.prompt_len + len(seq.output_ids) >= max_model_len:
+        return FINISH_LENGTH
+    return None
+
+
+def blocks_to_join(seq: Sequence, block_size: int, allocator: BlockAllocator) -> None:
+    """Before joining the decode batch the cache must hold room for the prompt and
+    the first output token (position prompt_len)."""
+    while len(seq.block_ids) < num_blocks_for(seq.prompt_len + 1, block_size):
+        seq.take_reserved_block(allocator)
+
+
+def grow_blocks(worker, seqs: dict[str, Sequence], allocator: BlockAllocator) -> None:
+    """Before a decode step: a sequence whose next token starts a new block gets
+    one from its reservation (one block-table entry on the device)."""
+    bs = worker.block_size
+    for key in worker.decode_keys():
+        if worker.next_position(key) // bs >= worker.num_blocks(key):
+            worker.append_block(key, seqs[key].take_reserved_block(allocator))

@@ -1,0 +1,354 @@
+"""The device worker: the one owner of a node's device state.
+
+prepare() loads the weights, allocates the KV cache as one tensor and every
+persistent buffer, once; prefill() and decode_step() then run any number of
+times; close() releases all of it.
+
+Decode step state lives on the device in buffers sized for max_batch_size rows.
+Rows [0, num_decode_seqs) are live and dense: a leaving row is filled by the
+last live one (a device-side copy). A step computes slot_mapping from seq_lens
+and the block table, runs the model, samples, writes the samples into the next
+step's input_ids and advances seq_lens, all on the device. The host writes
+into these buffers only when a sequence joins or crosses into a new block;
+every host-to-device write goes through _h2d(), which counts it.
+"""
+from __future__ import annotations
+
+import atexit
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import kernels
+from common import qwen3
+from common.config import WorkerConfig
+from common.kv_cache import NULL_BLOCK, kv_cache_blocks, num_blocks_for
+from common.model_spec import ModelSpec, load_spec, preset_spec
+from common.sampling import SamplingParams, sample
+
+
+@dataclass
+class PrefillChunk:
+    token_ids: list[int]                 # this chunk's tokens
+    context_len: int                     # tokens of the same prompt already in the cache
+    block_ids: list[int]                 # blocks covering context_len + len(token_ids)
+    params: SamplingParams | None = None  # set on a prompt's last chunk: sample its first token
+
+
+class DeviceWorker:
+    def __init__(self, cfg: WorkerConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = cfg.torch_dtype
+        self.block_size = cfg.block_size
+        self.is_prepared = False
+        self.num_h2d_writes = 0
+        self.num_h2d_bytes = 0
+        self.num_decode_steps = 0
+        self.num_prefill_tokens = 0
+        self.max_decode_batch = 0
+
+    # ---- life cycle -------------------------------------------------------
+
+    def prepare(self) -> "DeviceWorker":
+        if self.is_prepared:
+            return self
+        cfg = self.cfg
+        if self.device.type == "npu":
+            import torch_npu  # noqa: F401  (registers the npu device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.spec: ModelSpec = load_spec(cfg.model) if cfg.model else preset_spec(cfg.shape)
+        if cfg.model:
+            from common.loader import load_weights
+            self.weights = load_weights(cfg.model, self.spec, self.device, self.dtype)
+        else:
+            self.weights = qwen3.random_weights(self.spec, self.device, self.dtype, cfg.seed)
+        self.max_model_len = min(cfg.max_model_len or self.spec.max_position_embeddings,
+                                 self.spec.max_position_embeddings)
+        self.cos_sin = kernels.rotary_cos_sin(self.max_model_len, self.spec.head_dim,
+                                              self.spec.rope_theta, self.device)
+        budget = cfg.kv_cache_memory
+        if budget is None and self.device.type == "cpu":
+            budget = cfg.cpu_kv_cache_memory
+        self.num_kv_blocks = kv_cache_blocks(self.spec, self.block_size, self.dtype, self.device,
+                                             budget, cfg.kv_cache_fraction)
+        s = self.spec
+        self.kv_cache = torch.zeros(s.num_layers, 2, self.num_kv_blocks, self.block_size,
+                                    s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device)
+        self._allocate_decode_state()
+        self.is_prepared = True
+        atexit.register(self.close)
+        return self
+
+    def close(self) -> None:
+        if not self.is_prepared:
+            return
+        self.is_prepared = False
+        atexit.unregister(self.close)
+        for name in ("weights", "kv_cache", "cos_sin", "_input_ids", "_seq_lens", "_step_inc",
+                     "_block_tables", "_slot_mapping", "_temperature", "_top_p", "_top_k",
+                     "_seeds", "_sampled", "_sampled_host"):
+            self.__dict__.pop(name, None)
+        self._slots = {}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "DeviceWorker":
+        return self.prepare()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens the KV cache holds (the null block excluded)."""
+        return (self.num_kv_blocks - 1) * self.block_size
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return num_blocks_for(self.max_model_len, self.block_size)
+
+    def stats(self) -> dict:
+        return {"num_h2d_writes": self.num_h2d_writes, "num_h2d_bytes": self.num_h2d_bytes,
+                "num_decode_steps": self.num_decode_steps,
+                "num_prefill_tokens": self.num_prefill_tokens,
+                "max_decode_batch": self.max_decode_batch,
+                "num_kv_blocks": self.num_kv_blocks, "token_capacity": self.token_capacity}
+
+    # ---- the one way host data reaches the device --------------------------
+
+    def _h2d(self, dst: torch.Tensor, values) -> None:
+        """Copy host values into the device tensor dst (same shape), counted."""
+        src = torch.as_tensor(values, dtype=dst.dtype).reshape(dst.shape)
+        dst.copy_(src, non_blocking=False)
+        self.num_h2d_writes += 1
+        self.num_h2d_bytes += src.numel() * src.element_size()
+
+    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        """A fresh device tensor from host values (prefill inputs), counted."""
+        t = torch.empty(np.shape(values), dtype=dtype, device=self.device)
+        self._h2d(t, values)
+        return t
+
+    # ---- prefill -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, chunks: list[PrefillChunk],
+                return_logits: bool = False) -> tuple[list[int | None], torch.Tensor | None]:
+        """Run prompt chunks as one batch; write their KV; sample the first token of
+        every chunk that carries params. Returns (token or None per chunk, and the
+        fp32 logits [num_sampled, V] of the sampled chunks when asked)."""
+        bs = self.block_size
+        ids, positions, slots = [], [], []
+        width = max(len(c.block_ids) for c in chunks)
+        tables = np.zeros((len(chunks), width), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            end = c.context_len + len(c.token_ids)
+            if len(c.block_ids) < num_blocks_for(end, bs):
+                raise ValueError(f"chunk of {end} tokens given {len(c.block_ids)} blocks")
+            ids += c.token_ids
+            pos = np.arange(c.context_len, end)
+            positions.append(pos)
+            slots.append(np.asarray(c.block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            tables[i, : len(c.block_ids)] = c.block_ids
+        attn = qwen3.AttentionInputs(
+            is_prefill=True, slot_mapping=self._to_device(np.concatenate(slots), torch.int64),
+            block_tables=self._to_device(tables, torch.int32),
+            query_lens=[len(c.token_ids) for c in chunks],
+            context_lens=[c.context_len for c in chunks])
+        hidden = qwen3.forward(self.spec, self.weights, self.kv_cache, self.cos_sin,
+                               self._to_device(ids, torch.int64),
+                               self._to_device(np.concatenate(positions), torch.int64), attn)
+        self.num_prefill_tokens += len(ids)
+        last_rows = np.cumsum(attn.query_lens) - 1
+        sampled_idx = [i for i, c in enumerate(chunks) if c.params is not None]
+        out: list[int | None] = [None] * len(chunks)
+        if not sampled_idx:
+            return out, None
+        logits = qwen3.compute_logits(
+            self.weights, hidden[self._to_device(last_rows[sampled_idx], torch.int64)])
+        ps = [chunks[i].params for i in sampled_idx]
+        tokens = sample(logits,
+                        self._to_device([p.temperature for p in ps], torch.float32),
+                        self._to_device([p.top_p for p in ps], torch.float32),
+                        self._to_device([p.top_k for p in ps], torch.int32),
+                        self._to_device([p.seed for p in ps], torch.int64),
+                        self._to_device([chunks[i].context_len + len(chunks[i].token_ids)
+                                         for i in sampled_idx], torch.int64)).tolist()
+        for i, t in zip(sampled_idx, tokens):
+            out[i] = t
+        return out, (logits if return_logits else None)
+
+    # ---- KV handoff --------------------------------------------------------
+
+    @torch.inference_mode()
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A host copy of the blocks: [L, 2, n, block_size, Hk, D]."""
+        idx = torch.tensor(block_ids, dtype=torch.int64).to(self.device)
+        return self.kv_cache.index_select(2, idx).to("cpu")
+
+    @torch.inference_mode()
+    def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Write host blocks [L, 2, n, block_size, Hk, D] into our cache at block_ids."""
+        expected = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
+        if tuple(blocks.shape) != expected or blocks.dtype != self.dtype:
+            raise ValueError(f"KV blocks of shape {tuple(blocks.shape)} {blocks.dtype} do not fit "
+                             f"this cache: expected {expected} {self.dtype}")
+        idx = self._to_device(block_ids, torch.int64)
+        data = torch.empty(blocks.shape, dtype=self.dtype, device=self.device)
+        self._h2d(data, blocks)
+        self.kv_cache.index_copy_(2, idx, data)
+
+    # ---- decode: device-resident step state ---------------------------------
+
+    def _allocate_decode_state(self) -> None:
+        n, dev = self.cfg.max_batch_size, self.device
+        self._input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self._step_inc = torch.zeros(n, dtype=torch.int32, device=dev)
+        self._block_tables = torch.full((n, self.max_blocks_per_seq), NULL_BLOCK,
+                                        dtype=torch.int32, device=dev)
+        self._slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._temperature = torch.zeros(n, dtype=torch.float32, device=dev)
+        self._top_p = torch.ones(n, dtype=torch.float32, device=dev)
+        self._top_k = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        self._seeds = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._sampled = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._sampled_host = torch.zeros(n, dtype=torch.int64,
+                                         pin_memory=self.device.type == "cuda")
+        # Host mirrors, advanced without reading the device back.
+        self.host_seq_lens = np.ones(n, dtype=np.int32)
+        self._host_num_blocks = np.zeros(n, dtype=np.int32)
+        self._host_is_greedy = np.ones(n, dtype=bool)
+        self._slots: dict[str, int] = {}
+        self._keys: list[str] = []
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return len(self._keys)
+
+    def decode_keys(self) -> list[str]:
+        """Live sequences in row order: decode_step()'s output order."""
+        return list(self._keys)
+
+    def _decode_row_buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self._input_ids, self._seq_lens, self._step_inc, self._block_tables,
+                self._temperature, self._top_p, self._top_k, self._seeds)
+
+    @torch.inference_mode()
+    def add_decode_seq(self, key: str, token_id: int, num_cached: int, block_ids: list[int],
+                       params: SamplingParams) -> None:
+        """A sequence joins the batch: num_cached tokens are in the cache at
+        block_ids, and token_id (at position num_cached) is its next input."""
+        if key in self._slots:
+            raise ValueError(f"sequence {key!r} is already decoding")
+        row = self.num_decode_seqs
+        if row >= self.cfg.max_batch_size:
+            raise RuntimeError(f"decode batch is full ({self.cfg.max_batch_size} rows)")
+        if len(block_ids) < num_blocks_for(num_cached + 1, self.block_size):
+            raise ValueError(f"{num_cached + 1} tokens need more than {len(block_ids)} blocks")
+        if len(block_ids) > self.max_blocks_per_seq:
+            raise ValueError(f"{len(block_ids)} blocks exceed max_model_len {self.max_model_len}")
+        self._h2d(self._input_ids[row], token_id)
+        self._h2d(self._seq_lens[row], num_cached + 1)
+        self._h2d(self._step_inc[row], 1)
+        self._h2d(self._block_tables[row, : len(block_ids)], block_ids)
+        self._h2d(self._temperature[row], params.temperature)
+        self._h2d(self._top_p[row], params.top_p)
+        self._h2d(self._top_k[row], params.top_k)
+        self._h2d(self._seeds[row], params.seed)
+        self.host_seq_lens[row] = num_cached + 1
+        self._host_num_blocks[row] = len(block_ids)
+        self._host_is_greedy[row] = params.is_greedy
+        self._slots[key] = row
+        self._keys.append(key)
+
+    @torch.inference_mode()
+    def remove_decode_seq(self, key: str) -> None:
+        row = self._slots.pop(key)
+        last = self.num_decode_seqs - 1
+        if row != last:
+            moved = self._keys[last]
+            for buf in self._decode_row_buffers():
+                buf[row].copy_(buf[last])
+            for mirror in (self.host_seq_lens, self._host_num_blocks, self._host_is_greedy):
+                mirror[row] = mirror[last]
+            self._keys[row] = moved
+            self._slots[moved] = row
+        self._keys.pop()
+        self._reset_row(last)
+
+    def _reset_row(self, row: int) -> None:
+        """Padding values: input 0, one token at the null block, never advancing."""
+        self._input_ids[row].fill_(0)
+        self._seq_lens[row].fill_(1)
+        self._step_inc[row].fill_(0)
+        self._block_tables[row].fill_(NULL_BLOCK)
+        self._temperature[row].fill_(0.0)
+        self.host_seq_lens[row] = 1
+        self._host_num_blocks[row] = 0
+        self._host_is_greedy[row] = True
+
+    def next_position(self, key: str) -> int:
+        """The position the sequence's next step writes."""
+        return int(self.host_seq_lens[self._slots[key]]) - 1
+
+    def num_blocks(self, key: str) -> int:
+        return int(self._host_num_blocks[self._slots[key]])
+
+    def append_block(self, key: str, block_id: int) -> None:
+        """The sequence crosses into a new block: one block-table entry."""
+        row = self._slots[key]
+        col = int(self._host_num_blocks[row])
+        self._h2d(self._block_tables[row, col], block_id)
+        self._host_num_blocks[row] = col + 1
+
+    @torch.inference_mode()
+    def decode_step(self) -> list[int]:
+        """One token for every live sequence, in decode_keys() order."""
+        n = self.num_decode_seqs
+        if n == 0:
+            return []
+        for row in range(n):
+            if self.host_seq_lens[row] > self._host_num_blocks[row] * self.block_size:
+                raise RuntimeError(f"sequence {self._keys[row]!r} needs a block at position "
+                                   f"{self.host_seq_lens[row] - 1}; call append_block first")
+        width = num_blocks_for(int(self.host_seq_lens[:n].max()), self.block_size)
+        self._run_decode(n, width, bool(self._host_is_greedy[:n].all()))
+        self._sampled_host[:n].copy_(self._sampled[:n], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.host_seq_lens[:n] += 1
+        self.num_decode_steps += 1
+        self.max_decode_batch = max(self.max_decode_batch, n)
+        return self._sampled_host[:n].tolist()
+
+    def _run_decode(self, n: int, width: int, is_greedy: bool) -> None:
+        """The device part of a step over rows [0, n) with block tables [n, width]."""
+        seq_lens = self._seq_lens[:n]
+        slot_mapping = self._slot_mapping[:n]
+        block_tables = self._block_tables[:n, :width]
+        kernels.compute_slot_mapping(seq_lens, block_tables, self.block_size, slot_mapping)
+        attn = qwen3.AttentionInputs(is_prefill=False, slot_mapping=slot_mapping,
+                                     block_tables=block_tables, seq_lens=seq_lens)
+        hidden = qwen3.forward(self.spec, self.weights, self.kv_cache, self.cos_sin,
+                               self._input_ids[:n], (seq_lens - 1).long(), attn)
+        logits = qwen3.compute_logits(self.weights, hidden)
+        if is_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = sample(logits, self._temperature[:n], self._top_p[:n], self._top_k[:n],
+                             self._seeds[:n], seq_lens.long())
+        self._sampled[:n].copy_(sampled)
+        kernels.advance_step(self._input_ids[:n], sampled, seq_lens, self._step_inc[:n])
+
+
+def timed(fn, *args, **kwargs):
+    """(result, seconds) for one call."""
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0

@@ -1,0 +1,41 @@
+"""Device ops behind one function each. Every function picks the fastest
+implementation for its tensors' device; `portable` is always there and is what
+CPU (and CI) runs."""
+from __future__ import annotations
+
+from kernels import portable
+from kernels.portable import rotary_cos_sin  # noqa: F401  (table set-up, not a hot op)
+from kernels.backends import backend_for
+
+
+def rms_norm(x, weight, eps):
+    return backend_for(x).rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    return backend_for(x).add_rms_norm(x, residual, weight, eps)
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps):
+    return backend_for(q).qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps)
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    return backend_for(k).write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_lens, scale):
+    return backend_for(q).prefill_attention(q, k_cache, v_cache, block_tables,
+                                            query_lens, context_lens, scale)
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    return backend_for(q).decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def compute_slot_mapping(seq_lens, block_tables, block_size, out):
+    return portable.compute_slot_mapping(seq_lens, block_tables, block_size, out)
+
+
+def advance_step(input_ids, sampled, seq_lens, step_inc):
+    return portable.advance_step(input_ids, sampled, seq_lens, step_inc)

@@ -1,0 +1,40 @@
+"""Which implementation serves a device type. A backend is a module exposing
+the op functions; a fast backend may leave an op out and the portable one
+serves it. Chosen once per device type, not per call."""
+from __future__ import annotations
+
+import types
+from functools import lru_cache
+
+import torch
+
+from kernels import portable
+
+_OPS = ("rms_norm", "add_rms_norm", "qk_norm_rope", "write_kv", "prefill_attention",
+        "decode_attention")
+
+
+def _merge(fast) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**{op: getattr(fast, op, getattr(portable, op)) for op in _OPS})
+
+
+@lru_cache(maxsize=None)
+def _backend_for_type(device_type: str):
+    from common.env import read_env
+    if device_type == "cuda" and not read_env().disable_triton:
+        try:
+            from kernels import triton_cuda
+        except ImportError:
+            return portable
+        return _merge(triton_cuda)
+    if device_type == "npu":
+        try:
+            from kernels import npu
+        except ImportError:
+            return portable
+        return _merge(npu)
+    return portable
+
+
+def backend_for(t: torch.Tensor):
+    return _backend_for_type(t.device.type)

@@ -1,0 +1,127 @@
+"""Portable PyTorch implementations of every device op. They run on any device
+and are the reference the fast versions are tested against.
+
+Layout of one layer's cache: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim].
+A slot is block_id * block_size + offset.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] -> [..., D]; statistics in fp32, scale in the input dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual)."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary_cos_sin(max_positions: int, head_dim: int, theta: float,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """[max_positions, 2, head_dim] fp32 table of (cos, sin), halves repeated."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return torch.stack((emb.cos(), emb.sin()), dim=1).to(device)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos_sin: torch.Tensor, positions: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm then rotary embedding.
+    q [T, Hq, D], k [T, Hk, D], cos_sin [max_pos, 2, D], positions [T]."""
+    cs = cos_sin[positions]                         # [T, 2, D]
+    cos = cs[:, 0, None, :].to(q.dtype)
+    sin = cs[:, 1, None, :].to(q.dtype)
+    q = rms_norm(q, q_weight, eps)
+    k = rms_norm(k, k_weight, eps)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hk, D] into the caches at slot_mapping [T]."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), v)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """q [B, Hk, G, Q, D]; k, v [B, Hk, S, D]; mask [B, 1, 1, Q, S] bool (True = keep)."""
+    scores = torch.matmul(q.float(), k.float().unsqueeze(2).transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float().unsqueeze(2)).to(q.dtype)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_lens: list[int], context_lens: list[int],
+                      scale: float) -> torch.Tensor:
+    """Causal attention for a variable-length batch of prompt chunks whose KV is
+    already in the cache. q [T, Hq, D] packs the chunks back to back; chunk i has
+    query_lens[i] tokens that follow context_lens[i] cached ones. -> [T, Hq, D]."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    block_size = k_cache.shape[1]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens)):
+        total = ctx_len + q_len
+        blocks = block_tables[i, : (total + block_size - 1) // block_size].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:total]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:total]
+        qi = q[start:start + q_len].view(q_len, num_kv_heads, group, head_dim)
+        q_pos = torch.arange(ctx_len, total, device=q.device)
+        mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+        o = _attend(qi.permute(1, 2, 0, 3)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                    mask[None, None, None], scale)
+        out[start:start + q_len] = o[0].permute(2, 0, 1, 3).reshape(q_len, -1, head_dim)
+        start += q_len
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence over its paged context.
+    q [B, Hq, D], block_tables [B, W] (W blocks cover the longest context),
+    seq_lens [B] (tokens in the cache, the current one included). -> [B, Hq, D].
+    Every shape is fixed by B and W, so this can be captured in a device graph."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    width = block_tables.shape[1] * block_size
+    k = k_cache[block_tables.long()].view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[block_tables.long()].view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
+    mask = torch.arange(width, device=q.device)[None, :] < seq_lens[:, None]
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, 1, head_dim)
+    o = _attend(qg, k, v, mask[:, None, None, None, :], scale)
+    return o.view(num_seqs, num_heads, head_dim)
+
+
+def compute_slot_mapping(seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                         out: torch.Tensor) -> None:
+    """The slot of each sequence's current token (position seq_lens - 1), into out [B]."""
+    pos = (seq_lens - 1).long()
+    block = block_tables.gather(1, (pos // block_size).clamp_(0, block_tables.shape[1] - 1)[:, None])
+    out.copy_(block[:, 0].long() * block_size + pos % block_size)
+
+
+def advance_step(input_ids: torch.Tensor, sampled: torch.Tensor, seq_lens: torch.Tensor,
+                 step_inc: torch.Tensor) -> None:
+    """After sampling: the sampled ids become the next inputs, each live sequence grows by one.
+    step_inc [B] is 1 for live rows and 0 for padding rows."""
+    input_ids.copy_(sampled)
+    seq_lens.add_(step_inc)
