@@ -1,0 +1,27 @@
+"""python -m decode_node --frontend tcp://127.0.0.1:5601 --kv-bind tcp://127.0.0.1:5602 --model DIR"""
+import argparse
+
+from common.config import DecodeConfig, NodeLinks
+from common.process import add_worker_args, die_with_parent, stop_event_on_signals, worker_config
+from decode_node.node import DecodeNode
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m decode_node", description=__doc__)
+    add_worker_args(p)
+    p.add_argument("--frontend", required=True, help="the frontend's node endpoint")
+    p.add_argument("--kv-bind", required=True, help="where prefill nodes hand KV to this node")
+    p.add_argument("--name", default="decode-0")
+    p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--allow-remote", action="store_true")
+    a = p.parse_args(argv)
+    die_with_parent()
+    stop = stop_event_on_signals()
+    cfg = DecodeConfig(worker=worker_config(a), frontend_endpoint=a.frontend, kv_endpoint=a.kv_bind,
+                       name=a.name, max_queue=a.max_queue, links=NodeLinks(),
+                       allow_remote=a.allow_remote)
+    DecodeNode(cfg).run(stop)
+
+
+if __name__ == "__main__":
+    main()

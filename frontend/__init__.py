@@ -1,0 +1,1 @@
+"""The tokenizing frontend, the client library and its command line."""

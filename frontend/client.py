@@ -1,0 +1,263 @@
+"""The pdserve client: a library (blocking and asyncio) and a command line.
+
+    python -m frontend.client --endpoint tcp://127.0.0.1:5600 --prompt "Hello" [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator
+
+import zmq
+import zmq.asyncio
+
+from common.channel import AsyncChannel, BadMessage, Channel
+from common.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateRequest,
+                             StatsReply, StatsRequest)
+
+REPLIES = (GenerateOutput, StatsReply, ErrorReply)
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+@dataclass
+class Result:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    usage: dict | None = None
+    timings: dict | None = None
+
+    def add(self, out: GenerateOutput) -> None:
+        self.token_ids += out.token_ids
+        self.text += out.text
+        if out.is_finished:
+            self.finish_reason, self.error, self.usage = out.finish_reason, out.error, out.usage
+        if out.timings:
+            self.timings = out.timings
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def make_request(prompt=None, *, request_id: str | None = None, **kw) -> GenerateRequest:
+    """kw: prompt_token_ids, messages, max_tokens, temperature, top_p, top_k, seed, stop,
+    stop_token_ids, ignore_eos, timeout_s."""
+    return GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt, **kw)
+
+
+def _as_output(rid: str, msg) -> GenerateOutput:
+    """An ErrorReply about a request ends that request's stream."""
+    if isinstance(msg, ErrorReply):
+        return GenerateOutput(rid, [], "", True, "error", msg.error)
+    return msg
+
+
+class Client:
+    """Blocking client. Several requests may be in flight; outputs are sorted by request id."""
+
+    def __init__(self, endpoint: str, idle_timeout_s: float = 60.0):
+        self._ctx = zmq.Context()
+        self._ch = Channel(self._ctx, False, endpoint)
+        self.idle_timeout_s = idle_timeout_s
+        self._inbox: dict[str, list] = {}
+
+    def close(self) -> None:
+        self._ch.close()
+        self._ctx.term()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _recv(self, timeout_s: float):
+        if not self._ch.sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no reply from the frontend within {timeout_s:.0f}s")
+        _, msg = self._ch.recv(REPLIES)
+        if isinstance(msg, BadMessage):
+            raise ServerError(f"malformed reply: {msg.error}")
+        return msg
+
+    def _next_for(self, rid: str) -> GenerateOutput:
+        deadline = time.monotonic() + self.idle_timeout_s
+        while not self._inbox.get(rid):
+            msg = self._recv(max(deadline - time.monotonic(), 0.001))
+            key = getattr(msg, "request_id", None)
+            if key is None:
+                raise ServerError(getattr(msg, "error", f"unexpected {type(msg).__name__}"))
+            self._inbox.setdefault(key, []).append(_as_output(key, msg))
+        return self._inbox[rid].pop(0)
+
+    def submit(self, req: GenerateRequest) -> str:
+        self._inbox.setdefault(req.request_id, [])
+        self._ch.send(req)
+        return req.request_id
+
+    def stream(self, rid: str) -> Iterator[GenerateOutput]:
+        while True:
+            out = self._next_for(rid)
+            yield out
+            if out.is_finished:
+                self._inbox.pop(rid, None)
+                return
+
+    def generate(self, prompt=None, **kw) -> Iterator[GenerateOutput]:
+        return self.stream(self.submit(make_request(prompt, **kw)))
+
+    def complete(self, prompt=None, **kw) -> Result:
+        return self.complete_many([dict(prompt=prompt, **kw)])[0]
+
+    def complete_many(self, requests: list[dict]) -> list[Result]:
+        """Send every request at once, then collect each one whole."""
+        rids = [self.submit(make_request(**r)) for r in requests]
+        results = []
+        for rid in rids:
+            result = Result(rid)
+            for out in self.stream(rid):
+                result.add(out)
+            results.append(result)
+        return results
+
+    def abort(self, request_id: str) -> None:
+        self._ch.send(AbortRequest(request_id))
+
+    def stats(self, timeout_s: float = 5.0) -> StatsReply:
+        self._ch.send(StatsRequest())
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self._recv(max(deadline - time.monotonic(), 0.001))
+            if isinstance(msg, StatsReply):
+                return msg
+            self._inbox.setdefault(msg.request_id, []).append(_as_output(msg.request_id, msg))
+
+    def wait_ready(self, timeout_s: float) -> StatsReply:
+        """Until the frontend has a live prefill and decode node (a handshake, not a sleep)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                reply = self.stats(timeout_s=min(1.0, max(deadline - time.monotonic(), 0.001)))
+                if reply.is_ready:
+                    return reply
+            except TimeoutError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the cluster was not ready within {timeout_s:.0f}s")
+            time.sleep(0.1)
+
+
+class AsyncClient:
+    """asyncio client: any number of concurrent streams over one socket."""
+
+    def __init__(self, endpoint: str, idle_timeout_s: float = 60.0):
+        self._ctx = zmq.asyncio.Context()
+        self._ch = AsyncChannel(self._ctx, False, endpoint)
+        self.idle_timeout_s = idle_timeout_s
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._stats: asyncio.Queue = asyncio.Queue()
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            _, msg = await self._ch.recv(REPLIES)
+            if isinstance(msg, StatsReply):
+                self._stats.put_nowait(msg)
+            elif not isinstance(msg, BadMessage) and msg.request_id in self._streams:
+                self._streams[msg.request_id].put_nowait(_as_output(msg.request_id, msg))
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        self._ch.close()
+        self._ctx.term()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def generate(self, prompt=None, **kw) -> AsyncIterator[GenerateOutput]:
+        req = make_request(prompt, **kw)
+        queue = self._streams[req.request_id] = asyncio.Queue()
+        await self._ch.send(req)
+        try:
+            while True:
+                out = await asyncio.wait_for(queue.get(), self.idle_timeout_s)
+                yield out
+                if out.is_finished:
+                    return
+        finally:
+            self._streams.pop(req.request_id, None)
+
+    async def complete(self, prompt=None, **kw) -> Result:
+        kw.setdefault("request_id", uuid.uuid4().hex)
+        result = Result(kw["request_id"])
+        async for out in self.generate(prompt, **kw):
+            result.add(out)
+        return result
+
+    async def abort(self, request_id: str) -> None:
+        await self._ch.send(AbortRequest(request_id))
+
+    async def stats(self, timeout_s: float = 5.0) -> StatsReply:
+        await self._ch.send(StatsRequest())
+        return await asyncio.wait_for(self._stats.get(), timeout_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m frontend.client", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5600")
+    p.add_argument("--prompt", action="append", default=[], help="repeat for several prompts")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=None, help="per request, seconds")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.add_argument("--stats", action="store_true", help="print the cluster's stats")
+    p.add_argument("--wait-ready", type=float, default=None, metavar="SECONDS",
+                   help="wait until a prefill and a decode node are ready")
+    a = p.parse_args(argv)
+    with Client(a.endpoint) as client:
+        try:
+            if a.wait_ready is not None:
+                client.wait_ready(a.wait_ready)
+            if a.stats:
+                print(json.dumps(vars(client.stats()), indent=2))
+            if not a.prompt:
+                return 0
+            params = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                          top_k=a.top_k, seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos,
+                          timeout_s=a.timeout)
+            if a.json or len(a.prompt) > 1:
+                results = client.complete_many([dict(prompt=t, **params) for t in a.prompt])
+                for prompt, r in zip(a.prompt, results):
+                    print(json.dumps(r.to_dict()) if a.json else
+                          f"> {prompt}\n{r.text}\n[{r.finish_reason}{': ' + r.error if r.error else ''}]\n")
+            else:
+                for out in client.generate(a.prompt[0], **params):  # stream as it comes
+                    print(out.text, end="", flush=True)
+                    if out.is_finished:
+                        print(f"\n[{out.finish_reason}{': ' + out.error if out.error else ''}]")
+        except (TimeoutError, ServerError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The prefill process: batches prompts, computes their KV and first token, hands them to decode."""
