@@ -1,0 +1,118 @@
+"""Start pdserve processes for tests and make sure none outlives them."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_base_port() -> int:
+    """A port p with p, p+1 and p+2 free on 127.0.0.1."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + 2 > 65535:
+            continue
+        try:
+            for port in (base, base + 1, base + 2):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")
+
+
+def endpoints(base: int) -> tuple[str, str, str]:
+    return (f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}", f"tcp://127.0.0.1:{base + 2}")
+
+
+def children_of(pid: int) -> list[int]:
+    """Every live descendant of pid, from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                if stat.rsplit(")", 1)[1].split()[0] != "Z":
+                    parents.setdefault(ppid, []).append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for(cond, timeout_s: float, what: str, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def spawn(module: str, *args: str, log_path: Path | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                            stdout=out, stderr=subprocess.STDOUT)
+
+
+class Processes:
+    """The three processes started directly (no launcher), so one can be killed and restarted."""
+
+    def __init__(self, model: Path, base: int, log_dir: Path, **extra: list[str]):
+        """extra: role -> further arguments (frontend=[...], prefill=[...], decode=[...])."""
+        self.model, self.log_dir = model, log_dir
+        self.clients, self.nodes, self.kv = endpoints(base)
+        self.extra = extra
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, role: str) -> subprocess.Popen:
+        log = self.log_dir / f"{role}.log"
+        extra = self.extra.get(role, [])
+        if role == "frontend":
+            p = spawn("frontend", "--model", str(self.model), "--clients", self.clients,
+                      "--nodes", self.nodes, "--dead-after", "2", *extra, log_path=log)
+        elif role == "prefill":
+            p = spawn("prefill_node", "--model", str(self.model), "--frontend", self.nodes,
+                      "--decode-kv", self.kv, "--kv-cache-memory", "4MiB",
+                      "--handoff-lease", "3", "--token-budget", "64", *extra, log_path=log)
+        else:
+            p = spawn("decode_node", "--model", str(self.model), "--frontend", self.nodes,
+                      "--kv-bind", self.kv, "--kv-cache-memory", "4MiB",
+                      "--max-batch-size", "16", *extra, log_path=log)
+        self.procs[role] = p
+        return p
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

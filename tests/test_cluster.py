@@ -1,0 +1,232 @@
+"""End to end through launch/start_cluster.sh on CPU: correctness against
+transformers, batching, seeds, streaming, stop strings, cancellation, deadlines,
+bad input, and that the launcher leaves nothing behind."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from frontend.client import AsyncClient, Client
+from tests.cluster_util import ROOT, children_of, free_base_port, is_alive, wait_for
+from tests.conftest import hf_greedy
+
+NEW_TOKENS = 24
+
+
+class Cluster:
+    def __init__(self, model, log_path, *extra):
+        self.base = free_base_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.base}"
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            ["bash", str(ROOT / "launch/start_cluster.sh"), "--model", str(model),
+             "--base-port", str(self.base), "--kv-cache-memory", "8MiB", *extra],
+            stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT, start_new_session=True)
+        line = self.proc.stdout.readline().decode()
+        assert line.startswith("PDSERVE_ENDPOINT="), f"cluster did not start: {line!r}"
+        self.children = children_of(self.proc.pid)
+
+    def stats(self) -> dict:
+        with Client(self.endpoint) as c:
+            return c.stats().nodes
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    c = Cluster(tiny_model, tmp_path_factory.mktemp("logs") / "cluster.log")
+    yield c
+    c.stop()
+
+
+def _prompts(n=64, seed=0):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(0, 400, size=int(rng.randint(1, 120))).tolist() for _ in range(n)]
+
+
+def test_64_concurrent_requests_match_transformers(cluster, tiny_model):
+    prompts = _prompts()
+
+    async def run():
+        async with AsyncClient(cluster.endpoint) as client:
+            return await asyncio.gather(*[
+                client.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True)
+                for p in prompts])
+    results = asyncio.run(run())
+    expected = hf_greedy(tiny_model, prompts, NEW_TOKENS)
+    for i, (r, ref) in enumerate(zip(results, expected)):
+        assert r.error is None, r.error
+        assert r.token_ids == ref, f"request {i} ({len(prompts[i])} prompt tokens) diverged"
+        assert r.finish_reason == "length"
+        assert r.usage == {"prompt_tokens": len(prompts[i]), "completion_tokens": NEW_TOKENS}
+    decode = cluster.stats()["decode-0"]
+    assert decode["max_decode_batch"] > 1 and decode["num_batched_steps"] > 0
+
+
+def test_ttft_is_split_into_its_parts(cluster):
+    with Client(cluster.endpoint) as c:
+        first = next(c.generate("hello there", max_tokens=4))
+        r = c.complete("hello there", max_tokens=4)
+    for t in (first.timings, r.timings):
+        for part in ("queue_ms", "prefill_ms", "kv_transfer_ms", "decode_admission_ms", "ttft_ms"):
+            assert t[part] is not None and t[part] >= 0, part
+        assert t["ttft_ms"] >= t["prefill_ms"]
+    assert r.timings["total_ms"] >= r.timings["ttft_ms"]
+
+
+def test_seeded_sampling_repeats_through_the_cluster(cluster):
+    kw = dict(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    with Client(cluster.endpoint) as c:
+        a, b = c.complete("sample me", **kw), c.complete("sample me", **kw)
+        other = c.complete("sample me", **{**kw, "seed": 99})
+    assert a.token_ids == b.token_ids and a.text == b.text
+    assert other.token_ids != a.token_ids
+
+
+def test_text_chat_and_stop_strings(cluster):
+    with Client(cluster.endpoint) as c:
+        full = c.complete("The day is", max_tokens=20, ignore_eos=True)
+        assert full.text and full.finish_reason == "length"
+        stop = full.text[len(full.text) // 2:][:3]
+        cut = c.complete("The day is", max_tokens=20, ignore_eos=True, stop=[stop])
+        assert cut.finish_reason == "stop"
+        assert cut.text == full.text[: full.text.index(stop)]
+        chat = c.complete(messages=[{"role": "user", "content": "hi"}], max_tokens=5, ignore_eos=True)
+        assert len(chat.token_ids) == 5 and chat.usage["prompt_tokens"] > 3
+
+
+def test_cancel_and_deadline_free_blocks_on_both_nodes(cluster):
+    start = {n: s["num_free_blocks"] for n, s in cluster.stats().items()}
+    with Client(cluster.endpoint) as c:
+        stream = c.generate("cancel me", max_tokens=600, ignore_eos=True, request_id="cancel-1")
+        next(stream)
+        next(stream)
+        c.abort("cancel-1")
+        last = list(stream)[-1]
+        assert last.finish_reason == "abort" and "cancelled" in last.error
+        timed = c.complete("too slow", max_tokens=900, ignore_eos=True, timeout_s=0.3)
+        assert timed.finish_reason == "abort" and "deadline" in timed.error
+    wait_for(lambda: {n: s["num_free_blocks"] for n, s in cluster.stats().items()} == start,
+             10, "free blocks to return on both nodes")
+
+
+def _raw(endpoint):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    return ctx, s
+
+
+def _reply(s, timeout_ms=5000):
+    assert s.poll(timeout_ms), "no reply"
+    return msgpack.unpackb(s.recv())
+
+
+def test_bad_client_input_gets_clear_errors_and_service_goes_on(cluster):
+    ctx, s = _raw(cluster.endpoint)
+    cases = [
+        (b"\xc1garbage", "malformed msgpack"),
+        (msgpack.packb({"v": 1, "type": "launch_missiles"}), "unknown message type"),
+        (msgpack.packb({"v": 1, "type": "generate"}), "missing field 'request_id'"),
+        (msgpack.packb({"v": 1, "type": "generate", "request_id": "b1", "prompt": 5}), "prompt must be str"),
+        (msgpack.packb({"v": 1, "type": "generate", "request_id": "b2", "prompt": "x",
+                        "max_tokens": 0}), "max_tokens"),
+        (msgpack.packb({"v": 1, "type": "generate", "request_id": "b3", "prompt": "x",
+                        "temperature": -1.0}), "temperature"),
+        (msgpack.packb({"v": 1, "type": "generate", "request_id": "b4", "prompt": "x",
+                        "top_p": 0.0}), "top_p"),
+        (msgpack.packb({"v": 1, "type": "generate", "request_id": "b5",
+                        "prompt_token_ids": [1] * 1020, "max_tokens": 10}), "maximum length"),
+        (msgpack.packb({"v": 1, "type": "generate", "request_id": "b6",
+                        "prompt_token_ids": [1, 100000]}), "outside the vocabulary"),
+        (msgpack.packb({"v": 1, "type": "generate", "request_id": "b7"}), "exactly one of"),
+        (msgpack.packb({"v": 1, "type": "abort", "request_id": "nobody"}), "unknown request_id"),
+    ]
+    try:
+        for payload, match in cases:
+            s.send(payload)
+            reply = _reply(s)
+            assert match in reply["error"], (match, reply)
+        # A duplicate id while the first is still running is refused; the first is unharmed.
+        gen = {"v": 1, "type": "generate", "request_id": "dup", "prompt": "x", "max_tokens": 200,
+               "ignore_eos": True}
+        s.send(msgpack.packb(gen))
+        s.send(msgpack.packb(gen))
+        replies = [_reply(s) for _ in range(3)]
+        assert any(r["type"] == "error" and "duplicate" in r["error"] for r in replies)
+        s.send(msgpack.packb({"v": 1, "type": "abort", "request_id": "dup"}))
+        # An oversized message closes that connection, and only that one.
+        big_ctx, big = _raw(cluster.endpoint)
+        big.send(b"\x00" * (17 * 2**20))
+        assert not big.poll(500)
+        big_ctx.destroy()
+    finally:
+        ctx.destroy()
+    with Client(cluster.endpoint) as c:
+        assert c.complete("still serving", max_tokens=3).finish_reason in ("length", "stop")
+
+
+def test_malformed_messages_on_node_sockets_are_survived(cluster):
+    """Garbage into the frontend's node endpoint and the decode node's KV endpoint."""
+    for port in (cluster.base + 1, cluster.base + 2):
+        ctx, s = _raw(f"tcp://127.0.0.1:{port}")
+        s.send(b"\x93\x01")
+        s.send(msgpack.packb({"v": 1, "type": "kv_handoff", "request_id": "evil", "prompt_len": 1,
+                              "first_token": 1, "params": {}, "timings": {},
+                              "tensors": [["kv", "float32", [2]]]}), zmq.SNDMORE)
+        s.send(b"\x00" * 3)
+        s.send(msgpack.packb({"v": 1, "type": "heartbeat", "role": "x", "name": "y", "stats": {}}))
+        time.sleep(0.3)
+        ctx.destroy()
+    with Client(cluster.endpoint) as c:
+        assert c.complete("after garbage", max_tokens=3).error is None
+    assert all(is_alive(pid) for pid in cluster.children)
+
+
+def _descendants_gone(pids):
+    return all(not is_alive(p) for p in pids)
+
+
+def test_sigterm_leaves_no_process(tiny_model, tmp_path):
+    c = Cluster(tiny_model, tmp_path / "c.log")
+    pids = c.children
+    assert len(pids) >= 3
+    c.proc.send_signal(signal.SIGTERM)
+    assert c.proc.wait(30) != 0
+    wait_for(lambda: _descendants_gone(pids), 15, "every cluster process to exit")
+    c.log.close()
+
+
+def test_dead_child_stops_the_cluster(tiny_model, tmp_path):
+    c = Cluster(tiny_model, tmp_path / "c.log")
+    pids = c.children
+    decode = next(p for p in pids if b"decode_node" in open(f"/proc/{p}/cmdline", "rb").read())
+    os.kill(decode, signal.SIGKILL)
+    assert c.proc.wait(30) == 1
+    wait_for(lambda: _descendants_gone(pids), 15, "every cluster process to exit")
+    c.log.close()
+
+
+def test_demo_command_prints_answers(tmp_path):
+    env = {**os.environ, "PDSERVE_HOME": str(tmp_path)}
+    out = subprocess.run(["bash", str(ROOT / "launch/start_cluster.sh"), "--demo",
+                          "--base-port", str(free_base_port())],
+                         capture_output=True, env=env, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    text = out.stdout.decode()
+    assert text.count("[length]") == 4 and "> Hello, world! How are you?" in text
+    assert (tmp_path / "tiny-qwen3" / "config.json").exists()

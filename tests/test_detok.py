@@ -1,0 +1,37 @@
+"""Incremental detokenization: multi-byte characters and stop strings."""
+from frontend.detok import IncrementalDetokenizer
+
+
+def _stream(tok, ids, stop=()):
+    d = IncrementalDetokenizer(tok, list(stop))
+    pieces = []
+    for t in ids:
+        d.add([t])
+        pieces.append(d.take())
+        if d.is_stopped:
+            break
+    pieces.append(d.take(is_final=True))
+    return pieces, d
+
+
+def test_multibyte_characters_are_never_split(tiny_model):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    text = "emoji 🙂🚀 and 中文字符 and café"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # some tokens are partial characters
+    pieces, _ = _stream(tok, ids)
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_ends_and_is_not_streamed(tiny_model):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    text = "the water is hot and the day is long"
+    pieces, d = _stream(tok, tok.encode(text), stop=["is hot"])
+    assert d.is_stopped
+    assert "".join(pieces) == "the water "
+    # A stop string never seen: everything streams, the held-back tail at the end.
+    pieces, d = _stream(tok, tok.encode(text), stop=["zzz"])
+    assert not d.is_stopped and "".join(pieces) == text

@@ -1,0 +1,163 @@
+"""Node failure, restart, refusal and backpressure, with the processes started
+one by one so that each can be killed, frozen or restarted."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from frontend.client import AsyncClient, Client
+from tests.cluster_util import Processes, free_base_port, wait_for
+
+
+def _nodes(endpoint):
+    with Client(endpoint) as c:
+        return c.stats().nodes
+
+
+def _free_blocks(endpoint, name):
+    node = _nodes(endpoint).get(name, {})
+    return node.get("num_free_blocks") if node.get("is_alive") else None
+
+
+def _start(procs: Processes, *roles):
+    for role in roles:
+        procs.start(role)
+    with Client(procs.clients) as c:
+        c.wait_ready(120)
+
+
+@pytest.fixture
+def procs(tiny_model, tmp_path):
+    p = Processes(tiny_model, free_base_port(), tmp_path)
+    yield p
+    p.stop()
+
+
+def test_killed_decode_node_fails_its_requests_fast_and_a_new_one_serves(procs):
+    _start(procs, "frontend", "prefill", "decode")
+    start_prefill = _free_blocks(procs.clients, "prefill-0")
+    start_decode = _free_blocks(procs.clients, "decode-0")
+
+    async def stream_then_kill():
+        async with AsyncClient(procs.clients, idle_timeout_s=20) as client:
+            async def one(i):
+                first_at = None
+                async for out in client.generate(f"request {i}", max_tokens=900, ignore_eos=True):
+                    first_at = first_at or time.monotonic()
+                    if out.is_finished:
+                        return out, time.monotonic()
+            tasks = [asyncio.create_task(one(i)) for i in range(6)]
+            await asyncio.sleep(2.0)  # all are streaming by now
+            killed_at = time.monotonic()
+            os.kill(procs.procs["decode"].pid, signal.SIGKILL)
+            return killed_at, await asyncio.gather(*tasks)
+    killed_at, results = asyncio.run(stream_then_kill())
+    for out, ended_at in results:
+        assert out.finish_reason == "error" and "decode-0" in out.error
+        assert ended_at - killed_at < 5.0
+    assert procs.procs["frontend"].poll() is None and procs.procs["prefill"].poll() is None
+    # The surviving prefill node gets every block back.
+    wait_for(lambda: _free_blocks(procs.clients, "prefill-0") == start_prefill, 10,
+             "prefill blocks to come back")
+    with Client(procs.clients) as c:
+        r = c.complete("no decode node", max_tokens=3)
+        assert r.finish_reason == "error" and "no live" in r.error
+    procs.start("decode")
+    with Client(procs.clients) as c:
+        c.wait_ready(120)
+        r = c.complete("served again", max_tokens=5, ignore_eos=True)
+        assert r.error is None and len(r.token_ids) == 5
+    wait_for(lambda: _free_blocks(procs.clients, "decode-0") == start_decode, 10,
+             "decode blocks to be free")
+
+
+def test_mixed_endings_leak_no_blocks(procs):
+    """Finished, cancelled, timed-out, rejected and stop-string requests together."""
+    _start(procs, "frontend", "prefill", "decode")
+    start = {n: _free_blocks(procs.clients, n) for n in ("prefill-0", "decode-0")}
+
+    async def mix():
+        async with AsyncClient(procs.clients) as client:
+            async def cancelled(i):
+                rid = f"c{i}"
+                async for out in client.generate("cancel", request_id=rid, max_tokens=500,
+                                                 ignore_eos=True):
+                    if out.token_ids and not out.is_finished:
+                        await client.abort(rid)
+                    if out.is_finished:
+                        return out
+            jobs = [client.complete(f"finish {i}", max_tokens=10 + i, ignore_eos=True) for i in range(8)]
+            jobs += [cancelled(i) for i in range(4)]
+            jobs += [client.complete("slow", max_tokens=800, ignore_eos=True, timeout_s=0.5) for _ in range(3)]
+            jobs += [client.complete("bad", max_tokens=0), client.complete(prompt_token_ids=[10**6])]
+            jobs += [client.complete("stop early", max_tokens=200, ignore_eos=True, stop=["e"])]
+            return await asyncio.gather(*jobs)
+    results = asyncio.run(mix())
+    reasons = [r.finish_reason for r in results]
+    assert reasons[:8] == ["length"] * 8
+    assert reasons[8:12] == ["abort"] * 4 and reasons[12:15] == ["abort"] * 3
+    assert reasons[15:17] == ["error"] * 2
+    for name, free in start.items():
+        wait_for(lambda: _free_blocks(procs.clients, name) == free, 10, f"{name} blocks back")
+
+
+def test_decode_node_refuses_what_it_cannot_hold(tiny_model, tmp_path):
+    # 256 KiB of KV on the decode node: 31 usable blocks of 16 tokens.
+    p = Processes(tiny_model, free_base_port(), tmp_path, decode=["--kv-cache-memory", "256KiB"])
+    try:
+        _start(p, "frontend", "prefill", "decode")
+        with Client(p.clients) as c:
+            r = c.complete(prompt_token_ids=list(range(300)), max_tokens=300)
+            assert r.finish_reason == "error" and "refused" in r.error and "KV blocks" in r.error
+            assert c.complete("small", max_tokens=4, ignore_eos=True).error is None
+    finally:
+        p.stop()
+
+
+def test_prefill_backpressure_waits_instead_of_failing(tiny_model, tmp_path):
+    # 8 KiB per 16-token block: 64 KiB gives 7 usable blocks; each 40-token prompt takes 3.
+    p = Processes(tiny_model, free_base_port(), tmp_path,
+                  frontend=["--dead-after", "30"],
+                  prefill=["--kv-cache-memory", "64KiB", "--handoff-lease", "30"])
+    try:
+        _start(p, "frontend", "prefill", "decode")
+        decode = p.procs["decode"]
+        decode.send_signal(signal.SIGSTOP)  # handoffs go unconfirmed; the prefill pool fills
+        try:
+            async def three():
+                async with AsyncClient(p.clients) as client:
+                    jobs = [asyncio.create_task(client.complete(prompt_token_ids=[i + 1] * 40, max_tokens=4,
+                                                                ignore_eos=True)) for i in range(3)]
+                    await asyncio.sleep(1.5)
+                    stats = (await client.stats()).nodes["prefill-0"]
+                    decode.send_signal(signal.SIGCONT)
+                    return stats, await asyncio.gather(*jobs)
+            stats, results = asyncio.run(three())
+        finally:
+            decode.send_signal(signal.SIGCONT)
+        assert stats["num_pending_handoffs"] == 2 and stats["num_waiting"] == 1
+        assert all(r.error is None and len(r.token_ids) == 4 for r in results)
+    finally:
+        p.stop()
+
+
+def test_unconfirmed_handoff_lease_expires(tiny_model, tmp_path):
+    p = Processes(tiny_model, free_base_port(), tmp_path, frontend=["--dead-after", "30"],
+                  prefill=["--handoff-lease", "1"])
+    try:
+        _start(p, "frontend", "prefill", "decode")
+        start = _free_blocks(p.clients, "prefill-0")
+        p.procs["decode"].send_signal(signal.SIGSTOP)
+        try:
+            with Client(p.clients) as c:
+                r = c.complete("never confirmed", max_tokens=4)
+                assert r.finish_reason == "error" and "did not confirm" in r.error
+            wait_for(lambda: _free_blocks(p.clients, "prefill-0") == start, 5, "lease to free blocks")
+        finally:
+            p.procs["decode"].send_signal(signal.SIGCONT)
+    finally:
+        p.stop()

@@ -1,0 +1,100 @@
+"""Every message type survives encode/decode; malformed input is named, not crashed on."""
+import dataclasses
+
+import msgpack
+import pytest
+import torch
+
+from common import protocol as p
+from common.sampling import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, top_k=20, seed=5,
+                        stop_token_ids=(3, 4), ignore_eos=True)
+KV = torch.randn(2, 2, 3, 4, 2, 8).to(torch.bfloat16)
+
+EXAMPLES = [
+    p.GenerateRequest("r1", prompt="hi", max_tokens=4, stop=["x"], seed=None, timeout_s=2.5),
+    p.GenerateRequest("r2", prompt_token_ids=[1, 2, 3], temperature=1, top_k=5),
+    p.GenerateRequest("r3", messages=[{"role": "user", "content": "yo"}]),
+    p.AbortRequest("r1"),
+    p.StatsRequest(),
+    p.GenerateOutput("r1", [5, 6], "ab", True, "stop", None, {"prompt_tokens": 2}, {"ttft_ms": 1.5}),
+    p.StatsReply(True, {"decode-0": {"role": "decode"}}),
+    p.ErrorReply("bad", None),
+    p.PrefillRequest("r1", [1, 2], PARAMS, 123.5),
+    p.NodeAbort("r1"),
+    p.Shutdown(),
+    p.NodeReady("prefill", "prefill-0", 42, "cpu", 100, 16, 1024, "tcp://127.0.0.1:5602"),
+    p.Heartbeat("decode", "decode-0", {"num_running": 3}),
+    p.RequestFailed("r1", "boom"),
+    p.TokenBatch([p.TokenUpdate("r1", [7], None, {"queue_ms": 1.0}), p.TokenUpdate("r2", [8], "length")]),
+    p.KVHandoff("r1", 40, 9, PARAMS, {"prefill_end": 1.0}, KV),
+    p.HandoffAck("r1", False, True, "queue full"),
+]
+
+
+def _equal(a, b):
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+        else:
+            assert x == y, f.name
+
+
+def test_every_message_type_has_an_example():
+    assert {type(m) for m in EXAMPLES} == set(p.MESSAGES.values())
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.TYPE)
+def test_round_trip(msg):
+    frames = p.encode(msg)
+    back = p.decode([bytes(f) for f in frames])
+    assert type(back) is type(msg)
+    _equal(msg, back)
+
+
+def test_kv_travels_as_a_raw_frame_not_msgpack():
+    frames = p.encode(EXAMPLES[-2])
+    assert len(frames) == 2
+    header = msgpack.unpackb(frames[0])
+    assert "kv" not in header and header["tensors"] == [["kv", "bfloat16", list(KV.shape)]]
+    assert len(bytes(frames[1])) == KV.numel() * 2
+    assert len(frames[0]) < 512
+
+
+def _header(**fields):
+    return [msgpack.packb({"v": 1, **fields})]
+
+
+@pytest.mark.parametrize("frames,match", [
+    ([b"\xc1\xff"], "malformed msgpack"),
+    ([msgpack.packb([1, 2])], "msgpack map"),
+    (_header(type="nope"), "unknown message type"),
+    ([msgpack.packb({"v": 99, "type": "abort", "request_id": "a"})], "protocol version"),
+    (_header(type="abort"), "missing field 'request_id'"),
+    (_header(type="abort", request_id=5), "request_id must be str"),
+    (_header(type="generate", request_id="a", max_tokens="many"), "max_tokens must be int"),
+    (_header(type="generate", request_id="a", max_tokens=True), "max_tokens must be an integer"),
+    (_header(type="generate", request_id="a", prompt_token_ids=[1, "x"]), r"prompt_token_ids\[1\]"),
+    (_header(type="generate", request_id="a", colour="blue"), "unknown field 'colour'"),
+    (_header(type="prefill", request_id="a", prompt_token_ids=[1], arrival_time=0.0,
+             params={"max_tokens": "x"}), "params.max_tokens"),
+    (_header(type="kv_handoff", request_id="a", prompt_len=1, first_token=1, params={}, timings={},
+             tensors=[["kv", "float32", [4]]]), "tensor frame"),
+])
+def test_malformed_is_named(frames, match):
+    with pytest.raises(p.ProtocolError, match=match):
+        p.decode(frames)
+
+
+def test_tensor_size_mismatch_is_caught_and_request_id_kept():
+    frames = p.encode(EXAMPLES[-2])
+    with pytest.raises(p.ProtocolError, match="holds") as e:
+        p.decode([frames[0], bytes(frames[1])[:-2]])
+    assert e.value.request_id == "r1"
+
+
+def test_allowed_types_filter():
+    with pytest.raises(p.ProtocolError, match="unknown message type"):
+        p.decode(p.encode(p.Shutdown()), allowed=(p.GenerateRequest,))
