@@ -24,6 +24,7 @@ import torch
 import kernels
 from common import qwen3
 from common.config import WorkerConfig
+from common.env import read_env
 from common.kv_cache import NULL_BLOCK, kv_cache_blocks, num_blocks_for
 from common.model_spec import ModelSpec, load_spec, preset_spec
 from common.sampling import SamplingParams, sample
@@ -46,9 +47,14 @@ class DeviceWorker:
         self.is_prepared = False
         self.num_h2d_writes = 0
         self.num_h2d_bytes = 0
+        self.num_block_writes = 0     # of which block-table entries at block crossings
         self.num_decode_steps = 0
         self.num_prefill_tokens = 0
         self.max_decode_batch = 0
+        self.prefill_busy_s = 0.0
+        self.device_busy_s = 0.0      # decode steps, measured on the device (CUDA only)
+        self.device_idle_s = 0.0      # gaps between consecutive decode steps on the device
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
 
     # ---- life cycle -------------------------------------------------------
 
@@ -79,6 +85,7 @@ class DeviceWorker:
         self.kv_cache = torch.zeros(s.num_layers, 2, self.num_kv_blocks, self.block_size,
                                     s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device)
         self._allocate_decode_state()
+        self._capture_graphs()
         self.is_prepared = True
         atexit.register(self.close)
         return self
@@ -90,9 +97,9 @@ class DeviceWorker:
         atexit.unregister(self.close)
         for name in ("weights", "kv_cache", "cos_sin", "_input_ids", "_seq_lens", "_step_inc",
                      "_block_tables", "_slot_mapping", "_temperature", "_top_p", "_top_k",
-                     "_seeds", "_sampled", "_sampled_host"):
+                     "_seeds", "_sampled", "_sampled_host", "_graphs", "_events"):
             self.__dict__.pop(name, None)
-        self._slots = {}
+        self._slots, self._graphs, self._events = {}, {}, []
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -114,7 +121,11 @@ class DeviceWorker:
 
     def stats(self) -> dict:
         return {"num_h2d_writes": self.num_h2d_writes, "num_h2d_bytes": self.num_h2d_bytes,
+                "num_block_writes": self.num_block_writes,
                 "num_decode_steps": self.num_decode_steps,
+                "device_busy_s": round(self.device_busy_s, 6),
+                "device_idle_s": round(self.device_idle_s, 6),
+                "is_graphed": bool(self._graphs), "prefill_busy_s": round(self.prefill_busy_s, 6),
                 "num_prefill_tokens": self.num_prefill_tokens,
                 "max_decode_batch": self.max_decode_batch,
                 "num_kv_blocks": self.num_kv_blocks, "token_capacity": self.token_capacity}
@@ -142,6 +153,12 @@ class DeviceWorker:
         """Run prompt chunks as one batch; write their KV; sample the first token of
         every chunk that carries params. Returns (token or None per chunk, and the
         fp32 logits [num_sampled, V] of the sampled chunks when asked)."""
+        t0 = time.perf_counter()
+        out, logits = self._prefill(chunks, return_logits)
+        self.prefill_busy_s += time.perf_counter() - t0  # _prefill ends in a device sync
+        return out, logits
+
+    def _prefill(self, chunks: list[PrefillChunk], return_logits: bool):
         bs = self.block_size
         ids, positions, slots = [], [], []
         width = max(len(c.block_ids) for c in chunks)
@@ -305,6 +322,7 @@ class DeviceWorker:
         row = self._slots[key]
         col = int(self._host_num_blocks[row])
         self._h2d(self._block_tables[row, col], block_id)
+        self.num_block_writes += 1
         self._host_num_blocks[row] = col + 1
 
     @torch.inference_mode()
@@ -317,15 +335,72 @@ class DeviceWorker:
             if self.host_seq_lens[row] > self._host_num_blocks[row] * self.block_size:
                 raise RuntimeError(f"sequence {self._keys[row]!r} needs a block at position "
                                    f"{self.host_seq_lens[row] - 1}; call append_block first")
-        width = num_blocks_for(int(self.host_seq_lens[:n].max()), self.block_size)
-        self._run_decode(n, width, bool(self._host_is_greedy[:n].all()))
+        is_greedy = bool(self._host_is_greedy[:n].all())
+        start, end = self._events[self.num_decode_steps % 2] if self._events else (None, None)
+        if start is not None:
+            start.record()
+        if self._graphs:
+            bucket = next(b for b in self._graph_buckets if b >= n)
+            self._graphs[(bucket, is_greedy)].replay()
+        else:
+            width = num_blocks_for(int(self.host_seq_lens[:n].max()), self.block_size)
+            self._run_decode(n, width, is_greedy)
+        if end is not None:
+            end.record()
         self._sampled_host[:n].copy_(self._sampled[:n], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+            self.device_busy_s += start.elapsed_time(end) / 1e3
+            prev_end = self._events[(self.num_decode_steps + 1) % 2][1]
+            if self._is_prev_step_adjacent:
+                self.device_idle_s += prev_end.elapsed_time(start) / 1e3
+            self._is_prev_step_adjacent = True
         self.host_seq_lens[:n] += 1
         self.num_decode_steps += 1
         self.max_decode_batch = max(self.max_decode_batch, n)
         return self._sampled_host[:n].tolist()
+
+    def mark_idle(self) -> None:
+        """The node has nothing to run: the gap before the next step is not device idleness."""
+        self._is_prev_step_adjacent = False
+
+    # Batch sizes with a captured graph; a batch runs in the smallest bucket that holds it.
+    GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+    def _capture_graphs(self) -> None:
+        """One CUDA graph per (batch bucket, greedy or sampling) over the persistent
+        buffers; rows past the live ones are padding rows writing to the null block."""
+        self._events = []
+        self._is_prev_step_adjacent = False
+        if self.device.type != "cuda":
+            return
+        self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                        for _ in range(2)]
+        from kernels import portable
+        if not self.cfg.use_graphs or read_env().disable_graphs or \
+                kernels.backend_for(self.kv_cache).decode_attention is portable.decode_attention:
+            return  # portable attention reads the full table width: graphs would not pay
+        max_b = self.cfg.max_batch_size
+        self._graph_buckets = sorted({b for b in self.GRAPH_BUCKETS if b < max_b} | {max_b})
+        width = self.max_blocks_per_seq
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.inference_mode():  # compile kernels, size workspaces
+            for b in self._graph_buckets:
+                for is_greedy in (True, False):
+                    self._run_decode(b, width, is_greedy)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        pool = None
+        with torch.inference_mode():
+            for b in reversed(self._graph_buckets):
+                for is_greedy in (True, False):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._run_decode(b, width, is_greedy)
+                    pool = graph.pool()
+                    self._graphs[(b, is_greedy)] = graph
+            self._input_ids.zero_()  # the warm-up steps sampled into the padding rows
+        torch.cuda.synchronize(self.device)
 
     def _run_decode(self, n: int, width: int, is_greedy: bool) -> None:
         """The device part of a step over rows [0, n) with block tables [n, width]."""

@@ -64,6 +64,8 @@ class DecodeNode:
                     updates = self._admit()
                     if self.worker.num_decode_seqs:
                         updates += self._step()
+                    else:
+                        self.worker.mark_idle()
                     if updates:
                         self._send(TokenBatch(updates))
                     self._report()

@@ -26,8 +26,12 @@ if [ ! -f "$_stamp" ] || [ "$PDSERVE_ROOT/pyproject.toml" -nt "$_stamp" ]; then
         echo "[pdserve] installing ${PDSERVE_TORCH_SPEC:-torch==2.13.0}" >&2
         "$PY" -m pip install -q --disable-pip-version-check "${PDSERVE_TORCH_SPEC:-torch==2.13.0}"
     fi
-    echo "[pdserve] installing pdserve and its dependencies" >&2
-    "$PY" -m pip install -q --disable-pip-version-check -e "$PDSERVE_ROOT[test]"
+    # Only ask the registry for what is missing: a host with everything installed
+    # (an offline accelerator image, say) needs no network.
+    if ! "$PY" -c "import transformers, safetensors, numpy, zmq, msgpack, pytest" >/dev/null 2>&1; then
+        echo "[pdserve] installing pdserve and its dependencies" >&2
+        "$PY" -m pip install -q --disable-pip-version-check -e "$PDSERVE_ROOT[test]"
+    fi
     touch "$_stamp"
 fi
 export PYTHONPATH="$PDSERVE_ROOT${PYTHONPATH:+:$PYTHONPATH}"

@@ -1,0 +1,259 @@
+"""Triton kernels for CUDA, behind the same op functions as kernels/portable.py.
+
+Importing this module fails where Triton is missing; kernels/backends.py then
+keeps the portable ops. Ops not defined here fall back to the portable ones.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import portable
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not be rounded to tf32 inside tl.dot, or fp32 results drift.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---- RMSNorm, fused residual add ---------------------------------------------
+
+@triton.jit
+def _rms_norm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, N, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # Round the sum to the model dtype first, as the unfused model does.
+        x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    y = w * (xf * inv).to(x.dtype)
+    tl.store(Out + row * stride_o + cols, y, mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x2 = _rows(x.reshape(-1, x.shape[-1]))
+    out = torch.empty_like(x2)
+    n = x2.shape[-1]
+    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0,
+                                     n, eps, HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(n))
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x2 = _rows(x.reshape(-1, x.shape[-1]))
+    r2 = _rows(residual.reshape(-1, x.shape[-1]))
+    out, res_out = torch.empty_like(x2), torch.empty_like(x2)
+    n = x2.shape[-1]
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0),
+                                     out.stride(0), res_out.stride(0), n, eps,
+                                     HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(n))
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+# ---- per-head RMSNorm + rotary embedding ---------------------------------------
+
+@triton.jit
+def _qk_norm_rope_kernel(Q, K, QW, KW, CS, Pos, QOut, KOut, stride_qt, stride_qh, stride_kt,
+                         stride_kh, num_q_heads, num_kv_heads, eps, D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    half: tl.constexpr = D // 2
+    d = tl.arange(0, half)
+    if h < num_q_heads:
+        src = Q + t * stride_qt + h * stride_qh
+        w_ptr = QW
+        dst = QOut + (t * num_q_heads + h) * D
+    else:
+        kh = h - num_q_heads
+        src = K + t * stride_kt + kh * stride_kh
+        w_ptr = KW
+        dst = KOut + (t * num_kv_heads + kh) * D
+    x1 = tl.load(src + d)
+    x2 = tl.load(src + half + d)
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    inv = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
+    y1 = (tl.load(w_ptr + d) * (f1 * inv).to(x1.dtype)).to(tl.float32)
+    y2 = (tl.load(w_ptr + half + d) * (f2 * inv).to(x1.dtype)).to(tl.float32)
+    pos = tl.load(Pos + t)
+    cos = tl.load(CS + pos * 2 * D + d)          # halves repeat, so the first half serves both
+    sin = tl.load(CS + pos * 2 * D + D + d)
+    tl.store(dst + d, (y1 * cos - y2 * sin).to(x1.dtype))
+    tl.store(dst + half + d, (y2 * cos + y1 * sin).to(x1.dtype))
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps):
+    num_tokens, num_q_heads, d = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = torch.empty((num_tokens, num_q_heads, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((num_tokens, num_kv_heads, d), dtype=k.dtype, device=k.device)
+    if num_tokens:
+        _qk_norm_rope_kernel[(num_tokens, num_q_heads + num_kv_heads)](
+            q, k, q_weight, k_weight, cos_sin, positions, q_out, k_out, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), num_q_heads, num_kv_heads, eps, D=d)
+    return q_out, k_out
+
+
+# ---- KV cache write -------------------------------------------------------------
+
+@triton.jit
+def _write_kv_kernel(K, V, KC, VC, Slots, stride_kt, stride_vt, ROW: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(Slots + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < ROW
+    tl.store(KC + slot * ROW + offs, tl.load(K + t * stride_kt + offs, mask=mask), mask=mask)
+    tl.store(VC + slot * ROW + offs, tl.load(V + t * stride_vt + offs, mask=mask), mask=mask)
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    """k, v [T, Hk, D] (each token's heads contiguous) into caches [NB, bs, Hk, D]."""
+    row = k.shape[1] * k.shape[2]
+    if k.stride(1) != k.shape[2] or v.stride(1) != v.shape[2] or k.stride(2) != 1 or v.stride(2) != 1:
+        return portable.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    if k.shape[0]:
+        _write_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0),
+                                        v.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row))
+
+
+# ---- paged decode attention (split along the context) ---------------------------
+
+@triton.jit
+def _decode_attn_kernel(Q, KC, VC, BT, SL, Out, MidO, MidML, scale, stride_qb, stride_qh,
+                        stride_bt, stride_slot, stride_cache_h, num_splits,
+                        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IS_SPLIT: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(SL + b)
+    num_tiles = tl.cdiv(seq_len, TILE)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_start = s * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    heads = kvh * G + g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=(g < G)[:, None], other=0.0)
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    t = tl.arange(0, TILE)
+    for tile in range(tile_start, tile_end):
+        pos = tile * TILE + t
+        valid = pos < seq_len
+        block = tl.load(BT + b * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        offs = slot[:, None] * stride_slot + kvh * stride_cache_h + d[None, :]
+        k = tl.load(KC + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(VC + offs, mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    if IS_SPLIT:
+        # Partial results [B, Hq, S, D] and (max, sum) [B, Hq, S, 2]; an empty split leaves m = -inf.
+        row = (b * tl.num_programs(1) * G + heads) * num_splits + s
+        tl.store(MidO + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
+        tl.store(MidML + row * 2, m, mask=g < G)
+        tl.store(MidML + row * 2 + 1, l, mask=g < G)
+    else:
+        out = acc / l[:, None]
+        tl.store(Out + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=(g < G)[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(MidO, MidML, Out, stride_ob, stride_oh, num_heads, num_splits,
+                          S_PAD: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D)
+    row = (b * num_heads + h) * num_splits + s
+    ok = s < num_splits
+    m = tl.load(MidML + row * 2, mask=ok, other=float("-inf"))
+    l = tl.load(MidML + row * 2 + 1, mask=ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+    acc = tl.load(MidO + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+def _num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU about twice; batches that fill it alone need no split."""
+    # (A CPU tensor only reaches here under Triton's interpreter, in tests.)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(32, (2 * sms) // max(batch * num_kv_heads, 1)))
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    num_seqs, num_heads, d = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty((num_seqs, num_heads, d), dtype=q.dtype, device=q.device)
+    splits = _num_splits(num_seqs, num_kv_heads, q.device)
+    tile = max(16, min(64, block_size * 4))
+    mid_o = mid_ml = out
+    if splits > 1:
+        mid_o = torch.empty((num_seqs, num_heads, splits, d), dtype=torch.float32, device=q.device)
+        mid_ml = torch.empty((num_seqs, num_heads, splits, 2), dtype=torch.float32, device=q.device)
+    _decode_attn_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_ml, scale,
+        q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
+        splits, G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d,
+        BLOCK_SIZE=block_size, TILE=tile, IS_SPLIT=splits > 1, PRECISION=_precision(q.dtype))
+    if splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            mid_o, mid_ml, out, out.stride(0), out.stride(1), num_heads, splits,
+            S_PAD=max(2, triton.next_power_of_2(splits)), D=d)
+    return out
+
+
+# ---- prefill attention ------------------------------------------------------------
+
+def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_lens, scale):
+    """Per sequence, the fused attention of torch (flash on recent GPUs) over the
+    sequence's keys gathered from the cache. A chunk after cached context gets
+    an explicit causal mask aligned to the end."""
+    num_kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens)):
+        total = ctx_len + q_len
+        blocks = block_tables[i, : (total + block_size - 1) // block_size].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, d)[:total].transpose(0, 1)[None]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, d)[:total].transpose(0, 1)[None]
+        qi = q[start:start + q_len].transpose(0, 1)[None]
+        mask = None
+        if ctx_len:
+            q_pos = torch.arange(ctx_len, total, device=q.device)
+            mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qi, k, v, attn_mask=mask, is_causal=not ctx_len, scale=scale, enable_gqa=True)
+        out[start:start + q_len] = o[0].transpose(0, 1)
+        start += q_len
+    return out

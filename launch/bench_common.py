@@ -1,0 +1,187 @@
+"""What both benchmarks share: the hardware floors, the transformers baseline,
+and a stand-in frontend that starts one node and talks to it over its sockets."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from common.channel import BadMessage, Channel, Poller
+from common.config import DTYPES, endpoint
+from common.model_spec import ModelSpec, load_spec, preset_spec
+from common.protocol import Heartbeat, NodeReady
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--model", help="a Hugging Face Qwen3 directory")
+    g.add_argument("--shape", help="a preset shape with random weights made on the device, "
+                                   "e.g. qwen3-0.6b or qwen3-14b")
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on accelerators, float32 on cpu")
+    p.add_argument("--kv-cache-memory", default=None)
+    p.add_argument("--base-port", type=int, default=5700)
+    p.add_argument("--baseline", choices=["none", "transformers"], default="none")
+    p.add_argument("--node-log", default=None, help="file for the node's log (default: discard)")
+
+
+def resolve(a: argparse.Namespace) -> tuple[ModelSpec, torch.dtype]:
+    spec = load_spec(a.model) if a.model else preset_spec(a.shape)
+    dtype = DTYPES[a.dtype] if a.dtype else (torch.float32 if a.device == "cpu" else torch.bfloat16)
+    return spec, dtype
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return device
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_floors(device_str: str, dtype: torch.dtype) -> dict:
+    """Memory bandwidth (a large device copy, bytes read + written) and the dense
+    matmul rate (8192^3 in the model dtype), each the best of several runs."""
+    device = torch.device(device_str)
+    n = (1 << 30) if device.type == "cuda" else (1 << 26)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(8):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    bandwidth = 2 * n / best
+    del src, dst
+    m = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(m, m, device=device, dtype=dtype)
+    b = torch.randn(m, m, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(8):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del a, b
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"bandwidth_GBps": round(bandwidth / 1e9, 1), "matmul_TFLOPs": round(2 * m ** 3 / best / 1e12, 1)}
+
+
+def matmul_params(spec: ModelSpec) -> int:
+    """Weights that take part in a token's matmuls (the embedding lookup does not)."""
+    per_layer = spec.hidden_size * (spec.q_size + 2 * spec.kv_size) + spec.q_size * spec.hidden_size \
+        + 3 * spec.hidden_size * spec.intermediate_size
+    return spec.num_layers * per_layer + spec.vocab_size * spec.hidden_size
+
+
+def hf_model(spec: ModelSpec, device: str, dtype: torch.dtype):
+    """transformers' Qwen3 of the same shape, random weights, on the device."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    config = Qwen3Config(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                         head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
+                         tie_word_embeddings=spec.is_tied_embeddings, rms_norm_eps=spec.rms_norm_eps,
+                         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+class NodeUnderTest:
+    """Starts one node as a subprocess and stands in for the frontend (and, for the
+    decode benchmark, the prefill node) on its sockets."""
+
+    def __init__(self, module: str, args: list[str], base_port: int, log: str | None, kv_is_router: bool):
+        """kv_is_router: we bind the KV endpoint (the prefill node hands off to us)."""
+        import zmq
+        self.ctx = zmq.Context()
+        self.node_endpoint = endpoint("127.0.0.1", base_port + 1)
+        self.kv_endpoint = endpoint("127.0.0.1", base_port + 2)
+        self.link = Channel(self.ctx, True, self.node_endpoint, max_message_bytes=None)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        out = open(log, "ab") if log else subprocess.DEVNULL
+        cmd = [sys.executable, "-m", module, *args, "--frontend", self.node_endpoint]
+        cmd += ["--kv-bind" if not kv_is_router else "--decode-kv", self.kv_endpoint]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.kv = Channel(self.ctx, kv_is_router, self.kv_endpoint, max_message_bytes=None)
+        self.poller = Poller(self.link, self.kv)
+        self.identity: bytes | None = None
+        self.last_stats: dict = {}
+        self.last_stats_at = 0.0
+
+    def poll(self, timeout_s: float) -> list[tuple[Channel, bytes | None, object]]:
+        """Messages from the node (heartbeats are absorbed into last_stats)."""
+        out = []
+        for ch in self.poller.wait(timeout_s):
+            while ch.sock.poll(0):
+                sender, msg = ch.recv()
+                if isinstance(msg, BadMessage):
+                    raise RuntimeError(f"bad message from the node: {msg.error}")
+                if isinstance(msg, NodeReady):
+                    self.identity = sender
+                elif isinstance(msg, Heartbeat):
+                    self.last_stats, self.last_stats_at = msg.stats, time.perf_counter()
+                out.append((ch, sender, msg))
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the node exited with code {self.proc.returncode}")
+        return out
+
+    def wait_ready(self, timeout_s: float = 900) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.identity is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the node did not become ready")
+            self.poll(0.1)
+
+    def next_heartbeat(self, after: float) -> tuple[float, dict]:
+        while self.last_stats_at <= after:
+            self.poll(0.05)
+        return self.last_stats_at, dict(self.last_stats)
+
+    def send(self, msg) -> None:
+        self.link.send(msg, to=self.identity)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.link.close()
+        self.kv.close()
+        self.ctx.term()
+
+
+def worker_args(a: argparse.Namespace, max_batch: int, max_model_len: int) -> list[str]:
+    args = ["--model", a.model] if a.model else ["--shape", a.shape]
+    args += ["--device", a.device, "--max-batch-size", str(max_batch), "--max-model-len", str(max_model_len)]
+    if a.dtype:
+        args += ["--dtype", a.dtype]
+    if a.kv_cache_memory:
+        args += ["--kv-cache-memory", a.kv_cache_memory]
+    return args
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
