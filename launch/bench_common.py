@@ -119,7 +119,7 @@ class NodeUnderTest:
         self.node_endpoint = endpoint("127.0.0.1", base_port + 1)
         self.kv_endpoint = endpoint("127.0.0.1", base_port + 2)
         self.link = Channel(self.ctx, True, self.node_endpoint, max_message_bytes=None)
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         out = open(log, "ab") if log else subprocess.DEVNULL
         cmd = [sys.executable, "-m", module, *args, "--frontend", self.node_endpoint]
         cmd += ["--kv-bind" if not kv_is_router else "--decode-kv", self.kv_endpoint]

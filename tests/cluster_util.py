@@ -73,7 +73,7 @@ def wait_for(cond, timeout_s: float, what: str, interval_s: float = 0.05):
 
 
 def spawn(module: str, *args: str, log_path: Path | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "TOKENIZERS_PARALLELISM": "false"}
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                             stdout=out, stderr=subprocess.STDOUT)
