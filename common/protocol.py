@@ -8,6 +8,7 @@ decode() checks every field's type and names what is wrong.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 import warnings
@@ -197,8 +198,14 @@ def _to_wire(value: Any) -> Any:
     return value
 
 
-def _tensor_fields(cls) -> list[str]:
-    return [name for name, t in typing.get_type_hints(cls).items() if t is torch.Tensor]
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_fields(cls) -> tuple[str, ...]:
+    return tuple(name for name, t in _hints(cls).items() if t is torch.Tensor)
 
 
 def encode(msg) -> list:
@@ -260,7 +267,7 @@ def _check(value: Any, t, where: str) -> Any:
 
 
 def _build(cls, fields: dict, prefix: str = ""):
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(fields) - set(known)
     if unknown:

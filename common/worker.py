@@ -38,6 +38,16 @@ class PrefillChunk:
     params: SamplingParams | None = None  # set on a prompt's last chunk: sample its first token
 
 
+@dataclass
+class DecodeTicket:
+    """A launched decode step: whose tokens it makes and where they land on the host."""
+    keys: list[str]
+    slot: int
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+    copied: torch.cuda.Event | None = None
+
+
 class DeviceWorker:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
@@ -47,7 +57,8 @@ class DeviceWorker:
         self.is_prepared = False
         self.num_h2d_writes = 0
         self.num_h2d_bytes = 0
-        self.num_block_writes = 0     # of which block-table entries at block crossings
+        self.num_block_writes = 0     # block-table entries at block crossings
+        self.num_block_copies = 0     # the H2D copies that carried them (one per step at most)
         self.num_decode_steps = 0
         self.num_prefill_tokens = 0
         self.max_decode_batch = 0
@@ -97,9 +108,10 @@ class DeviceWorker:
         atexit.unregister(self.close)
         for name in ("weights", "kv_cache", "cos_sin", "_input_ids", "_seq_lens", "_step_inc",
                      "_block_tables", "_slot_mapping", "_temperature", "_top_p", "_top_k",
-                     "_seeds", "_sampled", "_sampled_host", "_graphs", "_events"):
+                     "_seeds", "_sampled", "_sampled_host", "_graphs", "_last_end",
+                     "_block_staging", "_block_updates"):
             self.__dict__.pop(name, None)
-        self._slots, self._graphs, self._events = {}, {}, []
+        self._slots, self._graphs, self._last_end = {}, {}, None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -121,7 +133,7 @@ class DeviceWorker:
 
     def stats(self) -> dict:
         return {"num_h2d_writes": self.num_h2d_writes, "num_h2d_bytes": self.num_h2d_bytes,
-                "num_block_writes": self.num_block_writes,
+                "num_block_writes": self.num_block_writes, "num_block_copies": self.num_block_copies,
                 "num_decode_steps": self.num_decode_steps,
                 "device_busy_s": round(self.device_busy_s, 6),
                 "device_idle_s": round(self.device_idle_s, 6),
@@ -133,9 +145,11 @@ class DeviceWorker:
     # ---- the one way host data reaches the device --------------------------
 
     def _h2d(self, dst: torch.Tensor, values) -> None:
-        """Copy host values into the device tensor dst (same shape), counted."""
+        """Copy host values into the device tensor dst (same shape), counted. A pinned
+        source is copied without waiting; the caller keeps it unchanged until the
+        device has read it."""
         src = torch.as_tensor(values, dtype=dst.dtype).reshape(dst.shape)
-        dst.copy_(src, non_blocking=False)
+        dst.copy_(src, non_blocking=src.is_pinned())
         self.num_h2d_writes += 1
         self.num_h2d_bytes += src.numel() * src.element_size()
 
@@ -235,7 +249,8 @@ class DeviceWorker:
         self._top_k = torch.full((n,), -1, dtype=torch.int32, device=dev)
         self._seeds = torch.zeros(n, dtype=torch.int64, device=dev)
         self._sampled = torch.zeros(n, dtype=torch.int64, device=dev)
-        self._sampled_host = torch.zeros(n, dtype=torch.int64,
+        # Two host slots: a step may be collected while the next one is in flight.
+        self._sampled_host = torch.zeros(2, n, dtype=torch.int64,
                                          pin_memory=self.device.type == "cuda")
         # Host mirrors, advanced without reading the device back.
         self.host_seq_lens = np.ones(n, dtype=np.int32)
@@ -243,6 +258,12 @@ class DeviceWorker:
         self._host_is_greedy = np.ones(n, dtype=bool)
         self._slots: dict[str, int] = {}
         self._keys: list[str] = []
+        # Block-table entries waiting for the next launch; staged in two pinned slots
+        # because one may still be read by the device while the other is filled.
+        self._pending_blocks: list[tuple[int, int, int]] = []
+        self._block_staging = torch.zeros(2, 3, n, dtype=torch.int32,
+                                          pin_memory=self.device.type == "cuda")
+        self._block_updates = torch.zeros(3, n, dtype=torch.int32, device=dev)
 
     @property
     def num_decode_seqs(self) -> int:
@@ -286,6 +307,7 @@ class DeviceWorker:
 
     @torch.inference_mode()
     def remove_decode_seq(self, key: str) -> None:
+        self._flush_block_writes()  # pending entries name rows that are about to move
         row = self._slots.pop(key)
         last = self.num_decode_seqs - 1
         if row != last:
@@ -318,51 +340,84 @@ class DeviceWorker:
         return int(self._host_num_blocks[self._slots[key]])
 
     def append_block(self, key: str, block_id: int) -> None:
-        """The sequence crosses into a new block: one block-table entry."""
+        """The sequence crosses into a new block: one block-table entry, written
+        with the next launch."""
         row = self._slots[key]
         col = int(self._host_num_blocks[row])
-        self._h2d(self._block_tables[row, col], block_id)
+        self._pending_blocks.append((row, col, block_id))
         self.num_block_writes += 1
         self._host_num_blocks[row] = col + 1
 
-    @torch.inference_mode()
+    def _flush_block_writes(self) -> None:
+        """All block-table entries since the last launch in one copy: (row, col, block)
+        triples from pinned memory, scattered on the device. The host does not wait,
+        so this may be queued behind a step still running."""
+        if not self._pending_blocks:
+            return
+        k = len(self._pending_blocks)
+        staged = self._block_staging[self.num_decode_steps % 2, :, :k]
+        staged.copy_(torch.tensor(self._pending_blocks, dtype=torch.int32).T)
+        dev = self._block_updates[:, :k]
+        self._h2d(dev, staged)
+        self.num_block_copies += 1
+        self._block_tables.index_put_((dev[0].long(), dev[1].long()), dev[2])
+        self._pending_blocks.clear()
+
     def decode_step(self) -> list[int]:
         """One token for every live sequence, in decode_keys() order."""
+        ticket = self.launch_decode()
+        return self.collect_decode(ticket) if ticket else []
+
+    @torch.inference_mode()
+    def launch_decode(self) -> DecodeTicket | None:
+        """Queue one step on the device and the copy of its samples to the host;
+        return without waiting. The next step may be launched before this one is
+        collected: its inputs are already on the device. The batch must not change
+        while a step is in flight."""
         n = self.num_decode_seqs
         if n == 0:
-            return []
+            return None
         for row in range(n):
             if self.host_seq_lens[row] > self._host_num_blocks[row] * self.block_size:
                 raise RuntimeError(f"sequence {self._keys[row]!r} needs a block at position "
                                    f"{self.host_seq_lens[row] - 1}; call append_block first")
+        self._flush_block_writes()
         is_greedy = bool(self._host_is_greedy[:n].all())
-        start, end = self._events[self.num_decode_steps % 2] if self._events else (None, None)
-        if start is not None:
-            start.record()
+        ticket = DecodeTicket(self._keys[:n], self.num_decode_steps % 2)
+        if self.device.type == "cuda":
+            ticket.start, ticket.end, ticket.copied = (torch.cuda.Event(enable_timing=True),
+                                                       torch.cuda.Event(enable_timing=True),
+                                                       torch.cuda.Event())
+            ticket.start.record()
         if self._graphs:
             bucket = next(b for b in self._graph_buckets if b >= n)
             self._graphs[(bucket, is_greedy)].replay()
         else:
             width = num_blocks_for(int(self.host_seq_lens[:n].max()), self.block_size)
             self._run_decode(n, width, is_greedy)
-        if end is not None:
-            end.record()
-        self._sampled_host[:n].copy_(self._sampled[:n], non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-            self.device_busy_s += start.elapsed_time(end) / 1e3
-            prev_end = self._events[(self.num_decode_steps + 1) % 2][1]
-            if self._is_prev_step_adjacent:
-                self.device_idle_s += prev_end.elapsed_time(start) / 1e3
-            self._is_prev_step_adjacent = True
+        if ticket.end is not None:
+            ticket.end.record()
+        self._sampled_host[ticket.slot, :n].copy_(self._sampled[:n], non_blocking=True)
+        if ticket.copied is not None:
+            ticket.copied.record()
         self.host_seq_lens[:n] += 1
         self.num_decode_steps += 1
         self.max_decode_batch = max(self.max_decode_batch, n)
-        return self._sampled_host[:n].tolist()
+        return ticket
+
+    def collect_decode(self, ticket: DecodeTicket) -> list[int]:
+        """Wait for a launched step; its tokens, in the ticket's key order."""
+        if ticket.copied is not None:
+            ticket.copied.synchronize()
+            self.device_busy_s += ticket.start.elapsed_time(ticket.end) / 1e3
+            if self._last_end is not None:
+                self.device_idle_s += max(self._last_end.elapsed_time(ticket.start), 0.0) / 1e3
+            self._last_end = ticket.end
+        return self._sampled_host[ticket.slot, : len(ticket.keys)].tolist()
 
     def mark_idle(self) -> None:
         """The node has nothing to run: the gap before the next step is not device idleness."""
-        self._is_prev_step_adjacent = False
+        self._last_end = None
 
     # Batch sizes with a captured graph; a batch runs in the smallest bucket that holds it.
     GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -370,12 +425,9 @@ class DeviceWorker:
     def _capture_graphs(self) -> None:
         """One CUDA graph per (batch bucket, greedy or sampling) over the persistent
         buffers; rows past the live ones are padding rows writing to the null block."""
-        self._events = []
-        self._is_prev_step_adjacent = False
+        self._last_end = None
         if self.device.type != "cuda":
             return
-        self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                        for _ in range(2)]
         from kernels import portable
         if not self.cfg.use_graphs or read_env().disable_graphs or \
                 kernels.backend_for(self.kv_cache).decode_attention is portable.decode_attention:

@@ -19,7 +19,7 @@ from common.log import get_logger
 from common.protocol import (HandoffAck, Heartbeat, KVHandoff, NodeAbort, NodeReady, Shutdown,
                              TokenBatch, TokenUpdate)
 from common.sequence import blocks_to_join, finish_reason, grow_blocks
-from common.worker import DeviceWorker
+from common.worker import DecodeTicket, DeviceWorker
 from decode_node.scheduler import DecodeScheduler
 
 log = get_logger("decode")
@@ -31,6 +31,9 @@ class DecodeNode:
         self.cfg = cfg
         self.worker = DeviceWorker(cfg.worker)
         self.recently_aborted: dict[str, float] = {}
+        self.pending_aborts: set[str] = set()
+        self.zombies: set[str] = set()   # finished, but their row is in the step in flight
+        self.num_discarded_tokens = 0
         self.num_finished = 0
         self.num_batched_steps = 0      # steps that ran more than one request
         self._last_heartbeat = self._last_log = 0.0
@@ -57,14 +60,23 @@ class DecodeNode:
                          self.cfg.worker.device, self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.worker.max_batch_size,
                          self.cfg.kv_endpoint)
+                inflight: DecodeTicket | None = None
                 while not stop.is_set():
-                    is_busy = bool(self.scheduler.running or self.scheduler.queue)
+                    is_busy = bool(inflight or self.scheduler.running or self.scheduler.queue)
                     for ch in poller.wait(0 if is_busy else 0.02):
                         self._receive_all(ch, stop)
-                    updates = self._admit()
-                    if self.worker.num_decode_seqs:
-                        updates += self._step()
+                    if inflight is None:
+                        # Nothing on the device: the batch may change.
+                        self._apply_aborts()
+                        updates = self._admit()
+                        inflight = self._launch() if self.worker.num_decode_seqs else None
                     else:
+                        # Queue the next step behind the running one when the batch
+                        # stays as it is, so the device never waits for this host work.
+                        upcoming = self._launch() if self._can_pipeline() else None
+                        updates = self._collect(inflight, is_next_launched=upcoming is not None)
+                        inflight = upcoming
+                    if not inflight and not self.scheduler.running:
                         self.worker.mark_idle()
                     if updates:
                         self._send(TokenBatch(updates))
@@ -134,10 +146,15 @@ class DecodeNode:
         self.recently_aborted = {r: t for r, t in self.recently_aborted.items()
                                  if now - t < ABORT_MEMORY_S}
         if request_id in self.scheduler.running:
-            self.worker.remove_decode_seq(request_id)
-            self.scheduler.finish(request_id)
+            self.pending_aborts.add(request_id)  # removed between steps, not under one
         elif not self.scheduler.drop_queued(request_id):
             self.recently_aborted[request_id] = now  # its handoff may still be on the way
+
+    def _apply_aborts(self) -> None:
+        for rid in self.pending_aborts:
+            if rid in self.scheduler.running:
+                self._finished(rid, in_batch=True, count=False)
+        self.pending_aborts.clear()
 
     # ---- admit, step --------------------------------------------------------
 
@@ -160,30 +177,55 @@ class DecodeNode:
                                        seq.block_ids, h.params)
         return updates
 
-    def _step(self) -> list[TokenUpdate]:
+    def _launch(self) -> DecodeTicket:
         grow_blocks(self.worker, self.scheduler.running, self.allocator)
-        keys = self.worker.decode_keys()
-        tokens = self.worker.decode_step()
+        return self.worker.launch_decode()
+
+    def _can_pipeline(self) -> bool:
+        """The next step may run before this one's tokens are seen only if the batch
+        will not change: no abort, admission or leftover row to remove, and no
+        request that surely ends with the running step (its extra step would write
+        past its reserved blocks)."""
+        if self.pending_aborts or self.zombies or self.scheduler.has_admissible():
+            return False
+        limit = self.worker.max_model_len
+        return not any(len(s.output_ids) + 1 >= s.params.max_tokens
+                       or s.prompt_len + len(s.output_ids) + 1 >= limit
+                       for s in self.scheduler.running.values())
+
+    def _collect(self, ticket: DecodeTicket, is_next_launched: bool) -> list[TokenUpdate]:
+        tokens = self.worker.collect_decode(ticket)
         self._log_steps += 1
-        self._log_tokens += len(tokens)
         if len(tokens) > 1:
             self.num_batched_steps += 1
         updates = []
-        for key, token in zip(keys, tokens):
+        for key, token in zip(ticket.keys, tokens):
+            if key in self.zombies or key not in self.scheduler.running:
+                self.num_discarded_tokens += 1  # ended in the previous step: past its end
+                continue
+            self._log_tokens += 1
             seq = self.scheduler.running[key]
             seq.output_ids.append(token)
             reason = finish_reason(seq, token, self.worker.spec.eos_token_ids,
                                    self.worker.max_model_len)
             updates.append(TokenUpdate(key, [token], reason))
             if reason:
-                self._finished(key, in_batch=True)
+                self.num_finished += 1
+                if is_next_launched:
+                    self.zombies.add(key)  # its row runs once more; removed after that
+                else:
+                    self._finished(key, in_batch=True, count=False)
+        if not is_next_launched:
+            for key in self.zombies:
+                self._finished(key, in_batch=True, count=False)
+            self.zombies.clear()
         return updates
 
-    def _finished(self, request_id: str, in_batch: bool) -> None:
+    def _finished(self, request_id: str, in_batch: bool, count: bool = True) -> None:
         if in_batch:
             self.worker.remove_decode_seq(request_id)
         self.scheduler.finish(request_id)
-        self.num_finished += 1
+        self.num_finished += count
 
     # ---- send and report ------------------------------------------------------
 
@@ -201,6 +243,7 @@ class DecodeNode:
         return {**self.worker.stats(), "num_running": len(self.scheduler.running),
                 "num_queued": len(self.scheduler.queue), "num_finished": self.num_finished,
                 "num_batched_steps": self.num_batched_steps,
+                "num_discarded_tokens": self.num_discarded_tokens,
                 "num_free_blocks": self.allocator.num_free,
                 "num_reserved_blocks": self.allocator.num_reserved,
                 "num_usable_blocks": self.allocator.capacity}

@@ -49,6 +49,10 @@ class DecodeScheduler:
     def enqueue(self, handoff: KVHandoff) -> None:
         self.queue.append(Arrival(handoff))
 
+    def has_admissible(self) -> bool:
+        return bool(self.queue) and len(self.running) < self.max_batch_size and \
+            self.allocator.can_allocate(self.blocks_needed(self.queue[0].handoff))
+
     def next_admissible(self) -> Arrival | None:
         """The head of the queue if it fits now (FIFO: nothing overtakes it)."""
         if not self.queue or len(self.running) >= self.max_batch_size:

@@ -4,8 +4,9 @@ handoffs (random KV at a given context length), for a sweep of batch sizes.
     python -m launch.bench_decode --shape qwen3-0.6b --device cuda:0 --batch-sizes 1,64 \
         --context-len 256 [--baseline transformers]
 
-One JSON line per batch size: steady-state ms per step and tokens/s, host-to-device
-writes per steady step (block-table entries at block crossings are counted apart),
+One JSON line per batch size: ms per step and tokens/s over --steps full-batch steps
+(with the mean context they ran at), host-to-device writes per steady step (the
+copies that carry block-table entries at block crossings are counted apart),
 the share of each step the device sat idle, and the memory-bandwidth floor:
 (weight bytes + KV bytes read) / measured bandwidth.
 """
@@ -24,7 +25,7 @@ from launch.bench_common import (NodeUnderTest, add_common_args, device_name, em
 
 
 def run_batch(node: NodeUnderTest, spec, dtype, batch: int, ctx_len: int, block_size: int,
-              window_s: float, max_tokens: int) -> dict:
+              window_s: float, max_tokens: int, num_steps: int, warm_steps: int = 8) -> dict:
     num_blocks = num_blocks_for(ctx_len, block_size)
     kv = torch.randn(spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
                      dtype=torch.float32).mul_(0.1).to(dtype)
@@ -33,15 +34,25 @@ def run_batch(node: NodeUnderTest, spec, dtype, batch: int, ctx_len: int, block_
     _, s0 = node.next_heartbeat(time.perf_counter())
     for i, rid in enumerate(rids):
         node.kv.send(KVHandoff(rid, ctx_len, i + 1, params, {}, kv))
-    started: set[str] = set()
-    while len(started) < batch:
+    # Each TokenBatch is one step. Time num_steps full-batch steps, and note the
+    # step at which each request joined, to know the context the steps ran at.
+    admitted_at: dict[str, int] = {}
+    step, full_steps = 0, []
+    while len(full_steps) < warm_steps + num_steps + 1:
         for _, _, msg in node.poll(0.05):
             if isinstance(msg, TokenBatch):
-                started |= {u.request_id for u in msg.updates}
+                step += 1
+                for u in msg.updates:
+                    admitted_at.setdefault(u.request_id, step)
+                if len(admitted_at) == batch and len(msg.updates) == batch:
+                    full_steps.append((step, time.perf_counter()))
             elif isinstance(msg, HandoffAck) and not msg.is_accepted:
                 raise RuntimeError(f"decode node refused {msg.request_id}: {msg.reason}")
-    # Steady state: every request is in the batch. Measure between two heartbeats.
-    t1, s1 = node.next_heartbeat(time.perf_counter() + 0.3)
+    (first_step, t_first), (last_step, t_last) = full_steps[warm_steps], full_steps[-1]
+    ms = (t_last - t_first) * 1e3 / (last_step - first_step)
+    mean_ctx = ctx_len + (first_step + last_step) / 2 - sum(admitted_at.values()) / batch
+    # Counters over a longer steady window, between two heartbeats.
+    t1, s1 = node.next_heartbeat(time.perf_counter())
     t2, s2 = node.next_heartbeat(t1 + window_s)
     for rid in rids:
         node.send(NodeAbort(rid))
@@ -51,16 +62,15 @@ def run_batch(node: NodeUnderTest, spec, dtype, batch: int, ctx_len: int, block_
     if steps <= 0 or s2["num_finished"] != s0["num_finished"]:
         raise RuntimeError("the window did not hold steady decode steps; raise --max-tokens")
     writes = s2["num_h2d_writes"] - s1["num_h2d_writes"]
-    block_writes = s2["num_block_writes"] - s1["num_block_writes"]
+    block_copies = s2["num_block_copies"] - s1["num_block_copies"]
     busy = s2["device_busy_s"] - s1["device_busy_s"]
     idle = s2["device_idle_s"] - s1["device_idle_s"]
-    ms = (t2 - t1) * 1e3 / steps
-    mid_step = (s1["num_decode_steps"] + s2["num_decode_steps"]) / 2 - s0["num_decode_steps"]
     return {"ms_per_step": round(ms, 3), "tokens_per_s": round(batch * 1e3 / ms, 1),
-            "steady_steps": steps, "h2d_writes_per_steady_step": (writes - block_writes) / steps,
-            "block_table_writes_per_step": round(block_writes / steps, 4),
+            "mean_context_len": round(mean_ctx, 1), "timed_steps": last_step - first_step,
+            "h2d_writes_per_steady_step": (writes - block_copies) / steps,
+            "block_entries_per_step": round((s2["num_block_writes"] - s1["num_block_writes"]) / steps, 4),
             "device_idle_share": round(idle / (busy + idle), 4) if busy else None,
-            "is_graphed": s2.get("is_graphed"), "mean_context_len": round(ctx_len + mid_step, 1)}
+            "counter_window_steps": steps, "is_graphed": s2.get("is_graphed")}
 
 
 def transformers_decode(spec, device: str, dtype, batch: int, ctx_len: int, steps: int = 20) -> float:
@@ -93,7 +103,9 @@ def main(argv=None) -> None:
     add_common_args(p)
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--context-len", type=int, default=256)
-    p.add_argument("--window", type=float, default=2.0, help="seconds of steady state to measure")
+    p.add_argument("--steps", type=int, default=64, help="full-batch steps timed per batch size")
+    p.add_argument("--window", type=float, default=1.0,
+                   help="seconds over which write and idle counters are read")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=3072,
                    help="per synthetic request; must outlast the window")
@@ -110,7 +122,8 @@ def main(argv=None) -> None:
         elem = torch.tensor([], dtype=dtype).element_size()
         weight_bytes = matmul_params(spec) * elem   # every matmul weight is read once per step
         for batch in batches:
-            r = run_batch(node, spec, dtype, batch, a.context_len, a.block_size, a.window, a.max_tokens)
+            r = run_batch(node, spec, dtype, batch, a.context_len, a.block_size, a.window,
+                          a.max_tokens, a.steps)
             kv_bytes = batch * r["mean_context_len"] * spec.kv_bytes_per_token(elem)
             floor_ms = (weight_bytes + kv_bytes) / (floors["bandwidth_GBps"] * 1e9) * 1e3
             results.append((batch, r, floor_ms))

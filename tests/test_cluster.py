@@ -108,6 +108,32 @@ def test_text_chat_and_stop_strings(cluster):
         assert len(chat.token_ids) == 5 and chat.usage["prompt_tokens"] > 3
 
 
+def test_stop_token_mid_stream_beside_a_running_request(cluster):
+    """A request that stops on a token while another keeps the decode batch busy
+    (the next step is already queued when the stop is seen) ends exactly there."""
+    start = {n: s["num_free_blocks"] for n, s in cluster.stats().items()}
+    discarded = cluster.stats()["decode-0"]["num_discarded_tokens"]
+
+    async def run():
+        async with AsyncClient(cluster.endpoint) as client:
+            free = await client.complete("stop here", max_tokens=30, ignore_eos=True)
+            stop_at = free.token_ids[12]
+            first = free.token_ids.index(stop_at)
+            long = asyncio.create_task(client.complete("keep going", max_tokens=120, ignore_eos=True))
+            await asyncio.sleep(0.2)
+            stopped = await client.complete("stop here", max_tokens=30, ignore_eos=True,
+                                            stop_token_ids=[stop_at])
+            return free, first, stopped, await long
+    free, first, stopped, long = asyncio.run(run())
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: first + 1]
+    assert long.finish_reason == "length" and len(long.token_ids) == 120
+    # The step queued behind the stopping one ran, and its token for the stopped request was dropped.
+    wait_for(lambda: cluster.stats()["decode-0"]["num_discarded_tokens"] > discarded, 5,
+             "the pipelined step's extra token to be discarded")
+    wait_for(lambda: {n: s["num_free_blocks"] for n, s in cluster.stats().items()} == start,
+             10, "free blocks to return")
+
+
 def test_cancel_and_deadline_free_blocks_on_both_nodes(cluster):
     start = {n: s["num_free_blocks"] for n, s in cluster.stats().items()}
     with Client(cluster.endpoint) as c:

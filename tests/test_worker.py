@@ -41,12 +41,14 @@ def test_steady_decode_makes_no_host_to_device_writes(tiny_model):
         while worker.next_position("2") < bs:
             grow_blocks(worker, seqs, alloc)
             worker.decode_step()
+        bytes_before = worker.num_h2d_bytes
         before = worker.num_h2d_writes
         grow_blocks(worker, seqs, alloc)
-        assert worker.num_h2d_writes == before + 1
-        assert worker.num_blocks("2") == 2
+        worker.decode_step()  # the crossing step: one block-table entry, nothing else
+        assert worker.num_h2d_writes == before + 1 and worker.num_h2d_bytes - bytes_before == 12
+        assert worker.num_blocks("2") == 2 and worker.stats()["num_block_writes"] == 1
         worker.decode_step()
-        assert worker.stats()["num_h2d_writes"] == before + 1
+        assert worker.num_h2d_writes == before + 1
 
 
 def test_close_releases_weights_and_cache(tiny_model):
