@@ -79,6 +79,7 @@ class AttentionInputs:
     seq_lens: torch.Tensor | None = None       # [B] int32, decode
     query_lens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)
+    prefill_meta: torch.Tensor | None = None   # [3, B] int32: chunk starts, lengths, contexts
 
 
 def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
@@ -106,13 +107,13 @@ def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: t
         kernels.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
         if attn.is_prefill:
             o = kernels.prefill_attention(q, k_cache, v_cache, attn.block_tables,
-                                          attn.query_lens, attn.context_lens, scale)
+                                          attn.query_lens, attn.context_lens, scale,
+                                          attn.prefill_meta)
         else:
             o = kernels.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale)
         h = F.linear(o.reshape(num_tokens, spec.q_size), layer.o_proj)
         x, residual = kernels.add_rms_norm(h, residual, layer.post_norm, eps)
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, layer.down)
+        h = F.linear(kernels.silu_mul(F.linear(x, layer.gate_up)), layer.down)
     h, _ = kernels.add_rms_norm(h, residual, w.norm, eps)
     return h
 

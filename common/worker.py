@@ -191,6 +191,9 @@ class DeviceWorker:
             block_tables=self._to_device(tables, torch.int32),
             query_lens=[len(c.token_ids) for c in chunks],
             context_lens=[c.context_len for c in chunks])
+        starts = np.cumsum([0] + attn.query_lens[:-1])
+        attn.prefill_meta = self._to_device(np.stack([starts, attn.query_lens, attn.context_lens]),
+                                            torch.int32)
         hidden = qwen3.forward(self.spec, self.weights, self.kv_cache, self.cos_sin,
                                self._to_device(ids, torch.int64),
                                self._to_device(np.concatenate(positions), torch.int64), attn)

@@ -24,9 +24,13 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     return backend_for(k).write_kv(k_cache, v_cache, k, v, slot_mapping)
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_lens, scale):
+def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, meta=None):
     return backend_for(q).prefill_attention(q, k_cache, v_cache, block_tables,
-                                            query_lens, context_lens, scale)
+                                            query_lens, context_lens, scale, meta)
+
+
+def silu_mul(gate_up):
+    return backend_for(gate_up).silu_mul(gate_up)
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):

@@ -70,7 +70,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_lens: list[int], context_lens: list[int],
-                      scale: float) -> torch.Tensor:
+                      scale: float, meta: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for a variable-length batch of prompt chunks whose KV is
     already in the cache. q [T, Hq, D] packs the chunks back to back; chunk i has
     query_lens[i] tokens that follow context_lens[i] cached ones. -> [T, Hq, D]."""
@@ -109,6 +109,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, 1, head_dim)
     o = _attend(qg, k, v, mask[:, None, None, None, :], scale)
     return o.view(num_seqs, num_heads, head_dim)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up) -> silu(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def compute_slot_mapping(seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,

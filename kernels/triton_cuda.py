@@ -65,33 +65,38 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 # ---- per-head RMSNorm + rotary embedding ---------------------------------------
 
 @triton.jit
-def _qk_norm_rope_kernel(Q, K, QW, KW, CS, Pos, QOut, KOut, stride_qt, stride_qh, stride_kt,
-                         stride_kh, num_q_heads, num_kv_heads, eps, D: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
+def _norm_rope_heads(src, stride_h, W, dst, num_heads, cos, sin, eps,
+                     H_PAD: tl.constexpr, D: tl.constexpr):
+    """RMSNorm each head of one token over D, scale by W, rotate; [H_PAD, D/2] halves."""
     half: tl.constexpr = D // 2
-    d = tl.arange(0, half)
-    if h < num_q_heads:
-        src = Q + t * stride_qt + h * stride_qh
-        w_ptr = QW
-        dst = QOut + (t * num_q_heads + h) * D
-    else:
-        kh = h - num_q_heads
-        src = K + t * stride_kt + kh * stride_kh
-        w_ptr = KW
-        dst = KOut + (t * num_kv_heads + kh) * D
-    x1 = tl.load(src + d)
-    x2 = tl.load(src + half + d)
+    h = tl.arange(0, H_PAD)[:, None]
+    d = tl.arange(0, half)[None, :]
+    ok = h < num_heads
+    x1 = tl.load(src + h * stride_h + d, mask=ok, other=0.0)
+    x2 = tl.load(src + h * stride_h + half + d, mask=ok, other=0.0)
     f1 = x1.to(tl.float32)
     f2 = x2.to(tl.float32)
-    inv = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
-    y1 = (tl.load(w_ptr + d) * (f1 * inv).to(x1.dtype)).to(tl.float32)
-    y2 = (tl.load(w_ptr + half + d) * (f2 * inv).to(x1.dtype)).to(tl.float32)
+    inv = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / D + eps)[:, None]
+    y1 = (tl.load(W + d) * (f1 * inv).to(x1.dtype)).to(tl.float32)
+    y2 = (tl.load(W + half + d) * (f2 * inv).to(x1.dtype)).to(tl.float32)
+    tl.store(dst + h * D + d, (y1 * cos - y2 * sin).to(x1.dtype), mask=ok)
+    tl.store(dst + h * D + half + d, (y2 * cos + y1 * sin).to(x1.dtype), mask=ok)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(Q, K, QW, KW, CS, Pos, QOut, KOut, stride_qt, stride_qh, stride_kt,
+                         stride_kh, num_q_heads, num_kv_heads, eps, D: tl.constexpr,
+                         HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    half: tl.constexpr = D // 2
+    d = tl.arange(0, half)[None, :]
     pos = tl.load(Pos + t)
     cos = tl.load(CS + pos * 2 * D + d)          # halves repeat, so the first half serves both
     sin = tl.load(CS + pos * 2 * D + D + d)
-    tl.store(dst + d, (y1 * cos - y2 * sin).to(x1.dtype))
-    tl.store(dst + half + d, (y2 * cos + y1 * sin).to(x1.dtype))
+    _norm_rope_heads(Q + t * stride_qt, stride_qh, QW, QOut + t * num_q_heads * D, num_q_heads,
+                     cos, sin, eps, HQ_PAD, D)
+    _norm_rope_heads(K + t * stride_kt, stride_kh, KW, KOut + t * num_kv_heads * D, num_kv_heads,
+                     cos, sin, eps, HK_PAD, D)
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps):
@@ -100,10 +105,36 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps):
     q_out = torch.empty((num_tokens, num_q_heads, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((num_tokens, num_kv_heads, d), dtype=k.dtype, device=k.device)
     if num_tokens:
-        _qk_norm_rope_kernel[(num_tokens, num_q_heads + num_kv_heads)](
+        _qk_norm_rope_kernel[(num_tokens,)](
             q, k, q_weight, k_weight, cos_sin, positions, q_out, k_out, q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1), num_q_heads, num_kv_heads, eps, D=d)
+            k.stride(0), k.stride(1), num_q_heads, num_kv_heads, eps, D=d,
+            HQ_PAD=triton.next_power_of_2(num_q_heads), HK_PAD=triton.next_power_of_2(num_kv_heads))
     return q_out, k_out
+
+
+# ---- SwiGLU ------------------------------------------------------------------------
+
+@triton.jit
+def _silu_mul_kernel(X, Out, stride_x, stride_o, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + N + cols, mask=mask, other=0.0)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    tl.store(Out + row * stride_o + cols, silu * up, mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up) -> silu(gate) * up [T, I], in one pass."""
+    n = gate_up.shape[-1] // 2
+    x = _rows(gate_up)
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    block = 1024
+    if x.shape[0]:
+        _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n,
+                                                               BLOCK=block)
+    return out
 
 
 # ---- KV cache write -------------------------------------------------------------
@@ -232,28 +263,72 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
     return out
 
 
-# ---- prefill attention ------------------------------------------------------------
+# ---- prefill attention: paged, variable length, causal ---------------------------
 
-def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_lens, scale):
-    """Per sequence, the fused attention of torch (flash on recent GPUs) over the
-    sequence's keys gathered from the cache. A chunk after cached context gets
-    an explicit causal mask aligned to the end."""
-    num_kv_heads, d = k_cache.shape[2], k_cache.shape[3]
-    block_size = k_cache.shape[1]
-    out = torch.empty_like(q)
-    start = 0
-    for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens)):
-        total = ctx_len + q_len
-        blocks = block_tables[i, : (total + block_size - 1) // block_size].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, d)[:total].transpose(0, 1)[None]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, d)[:total].transpose(0, 1)[None]
-        qi = q[start:start + q_len].transpose(0, 1)[None]
-        mask = None
-        if ctx_len:
-            q_pos = torch.arange(ctx_len, total, device=q.device)
-            mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qi, k, v, attn_mask=mask, is_causal=not ctx_len, scale=scale, enable_gqa=True)
-        out[start:start + q_len] = o[0].transpose(0, 1)
-        start += q_len
+@triton.jit
+def _prefill_attn_kernel(Q, KC, VC, BT, Meta, Out, scale, num_seqs, stride_qt, stride_qh,
+                         stride_bt, stride_slot, stride_cache_h, G: tl.constexpr, D: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    """One program per (sequence, BLOCK_M queries, head). Keys come from the cache
+    through the block table: the chunk's own keys were written there just before,
+    and any earlier context is read the same way."""
+    seq = tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    h = tl.program_id(2)
+    q_start = tl.load(Meta + seq)
+    q_len = tl.load(Meta + num_seqs + seq)
+    ctx = tl.load(Meta + 2 * num_seqs + seq)
+    if m0 >= q_len:
+        return
+    kvh = h // G
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    valid_m = offs_m < q_len
+    d = tl.arange(0, D)
+    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=valid_m[:, None], other=0.0)
+    q_pos = ctx + offs_m
+    end = tl.minimum(ctx + m0 + BLOCK_M, ctx + q_len)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(0, end, BLOCK_N):
+        k_pos = n0 + tl.arange(0, BLOCK_N)
+        valid_n = k_pos < end
+        block = tl.load(BT + seq * stride_bt + k_pos // BLOCK_SIZE, mask=valid_n, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
+        offs = slot[:, None] * stride_slot + kvh * stride_cache_h + d[None, :]
+        k = tl.load(KC + offs, mask=valid_n[:, None], other=0.0)
+        v = tl.load(VC + offs, mask=valid_n[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & valid_n[None, :], s, float("-inf"))
+        # The first key tile holds position 0, which every query sees: m_i is finite after it.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(Out + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + d[None, :],
+             out.to(Out.dtype.element_ty), mask=valid_m[:, None])
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, meta=None):
+    """q [T, Hq, D] packed chunks; meta [3, B] int32 on the device: each chunk's first
+    row in q, its length, and its cached context (made by the worker once per forward)."""
+    if meta is None:
+        return portable.prefill_attention(q, k_cache, v_cache, block_tables, query_lens,
+                                          context_lens, scale)
+    num_tokens, num_heads, d = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty((num_tokens, num_heads, d), dtype=q.dtype, device=q.device)
+    block_m = 64
+    grid = (len(query_lens), triton.cdiv(max(query_lens), block_m), num_heads)
+    _prefill_attn_kernel[grid](
+        q, k_cache, v_cache, block_tables, meta, out, scale, len(query_lens), q.stride(0),
+        q.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
+        G=num_heads // num_kv_heads, D=d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64,
+        PRECISION=_precision(q.dtype))
     return out

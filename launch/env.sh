@@ -9,14 +9,16 @@ PDSERVE_VENV="${PDSERVE_VENV:-$PDSERVE_ROOT/.venv}"
 _py="${PYTHON:-python3}"
 
 if [ ! -x "$PDSERVE_VENV/bin/python" ]; then
-    # A host that already has torch (a CUDA or Ascend image) keeps it: the venv
-    # sees the system packages and pip then finds torch satisfied.
+    echo "[pdserve] creating $PDSERVE_VENV" >&2
+    "$_py" -m venv "$PDSERVE_VENV"
+    # A host that already has torch (a CUDA or Ascend image) keeps it: the new
+    # environment sees the host interpreter's packages, also when that
+    # interpreter is itself a virtual environment, and pip finds them satisfied.
     if "$_py" -c "import torch" >/dev/null 2>&1; then
-        echo "[pdserve] creating $PDSERVE_VENV (reusing the system torch)" >&2
-        "$_py" -m venv --system-site-packages "$PDSERVE_VENV"
-    else
-        echo "[pdserve] creating $PDSERVE_VENV" >&2
-        "$_py" -m venv "$PDSERVE_VENV"
+        echo "[pdserve] reusing the host's torch ($("$_py" -c 'import torch; print(torch.__version__)'))" >&2
+        _host_site=$("$_py" -c "import site, sysconfig; print('\n'.join(dict.fromkeys([sysconfig.get_paths()['purelib'], sysconfig.get_paths()['platlib'], *site.getsitepackages()])))")
+        _venv_site=$("$PDSERVE_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        echo "$_host_site" > "$_venv_site/_pdserve_host_packages.pth"
     fi
 fi
 PY="$PDSERVE_VENV/bin/python"

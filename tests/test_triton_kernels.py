@@ -82,8 +82,15 @@ def test_prefill_attention_with_and_without_context(dtype):
     kc = torch.randn(40, bs, hk, d, device=DEV).to(dtype)
     vc = torch.randn(40, bs, hk, d, device=DEV).to(dtype)
     tables = torch.randperm(39, device=DEV)[:18].view(2, 9).int() + 1
-    qlens, ctx = [37, 20], [0, 100]
+    qlens, ctx = [37, 70], [0, 30]
     q = torch.randn(sum(qlens), hq, d, device=DEV).to(dtype)
-    got = triton_cuda.prefill_attention(q, kc, vc, tables, qlens, ctx, d ** -0.5)
+    meta = torch.tensor([[0, qlens[0]], qlens, ctx], dtype=torch.int32, device=DEV)
+    got = triton_cuda.prefill_attention(q, kc, vc, tables, qlens, ctx, d ** -0.5, meta)
     ref = portable.prefill_attention(q, kc, vc, tables, qlens, ctx, d ** -0.5)
     _close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    x = torch.randn(5, 2 * 1500, device=DEV).to(dtype)
+    _close(triton_cuda.silu_mul(x), portable.silu_mul(x), dtype)
