@@ -102,9 +102,9 @@ def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: t
         q = q.view(num_tokens, spec.num_heads, d)
         k = k.view(num_tokens, spec.num_kv_heads, d)
         v = v.view(num_tokens, spec.num_kv_heads, d)
-        q, k = kernels.qk_norm_rope(q, k, layer.q_norm, layer.k_norm, cos_sin, positions, eps)
         k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-        kernels.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+        q = kernels.qk_norm_rope_write_kv(q, k, v, layer.q_norm, layer.k_norm, cos_sin, positions,
+                                          eps, k_cache, v_cache, attn.slot_mapping)
         if attn.is_prefill:
             o = kernels.prefill_attention(q, k_cache, v_cache, attn.block_tables,
                                           attn.query_lens, attn.context_lens, scale,

@@ -20,6 +20,12 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps):
     return backend_for(q).qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps)
 
 
+def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache,
+                          slot_mapping):
+    return backend_for(q).qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, cos_sin, positions,
+                                                eps, k_cache, v_cache, slot_mapping)
+
+
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     return backend_for(k).write_kv(k_cache, v_cache, k, v, slot_mapping)
 

@@ -51,6 +51,14 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache,
+                          slot_mapping):
+    """qk_norm_rope, then k and v into their cache slots. -> q."""
+    q, k = qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps)
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v [T, Hk, D] into the caches at slot_mapping [T]."""

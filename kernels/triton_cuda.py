@@ -67,7 +67,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 @triton.jit
 def _norm_rope_heads(src, stride_h, W, dst, num_heads, cos, sin, eps,
                      H_PAD: tl.constexpr, D: tl.constexpr):
-    """RMSNorm each head of one token over D, scale by W, rotate; [H_PAD, D/2] halves."""
+    """RMSNorm each head of one token over D, scale by W, rotate; [H_PAD, D/2] halves.
+    dst: the token's heads, contiguous [num_heads, D] (a q row or a KV-cache slot)."""
     half: tl.constexpr = D // 2
     h = tl.arange(0, H_PAD)[:, None]
     d = tl.arange(0, half)[None, :]
@@ -84,9 +85,11 @@ def _norm_rope_heads(src, stride_h, W, dst, num_heads, cos, sin, eps,
 
 
 @triton.jit
-def _qk_norm_rope_kernel(Q, K, QW, KW, CS, Pos, QOut, KOut, stride_qt, stride_qh, stride_kt,
-                         stride_kh, num_q_heads, num_kv_heads, eps, D: tl.constexpr,
-                         HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr):
+def _qk_norm_rope_kernel(Q, K, V, QW, KW, CS, Pos, QOut, KOut, VOut, Slots, stride_qt, stride_qh,
+                         stride_kt, stride_kh, stride_vt, stride_vh, num_q_heads, num_kv_heads, eps,
+                         D: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+                         TO_CACHE: tl.constexpr):
+    """With TO_CACHE, k goes straight to its cache slot and v is copied beside it."""
     t = tl.program_id(0)
     half: tl.constexpr = D // 2
     d = tl.arange(0, half)[None, :]
@@ -95,8 +98,15 @@ def _qk_norm_rope_kernel(Q, K, QW, KW, CS, Pos, QOut, KOut, stride_qt, stride_qh
     sin = tl.load(CS + pos * 2 * D + D + d)
     _norm_rope_heads(Q + t * stride_qt, stride_qh, QW, QOut + t * num_q_heads * D, num_q_heads,
                      cos, sin, eps, HQ_PAD, D)
-    _norm_rope_heads(K + t * stride_kt, stride_kh, KW, KOut + t * num_kv_heads * D, num_kv_heads,
+    row = tl.load(Slots + t).to(tl.int64) if TO_CACHE else t
+    _norm_rope_heads(K + t * stride_kt, stride_kh, KW, KOut + row * num_kv_heads * D, num_kv_heads,
                      cos, sin, eps, HK_PAD, D)
+    if TO_CACHE:
+        h = tl.arange(0, HK_PAD)[:, None]
+        dd = tl.arange(0, D)[None, :]
+        ok = h < num_kv_heads
+        v = tl.load(V + t * stride_vt + h * stride_vh + dd, mask=ok)
+        tl.store(VOut + row * num_kv_heads * D + h * D + dd, v, mask=ok)
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps):
@@ -106,10 +116,26 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps):
     k_out = torch.empty((num_tokens, num_kv_heads, d), dtype=k.dtype, device=k.device)
     if num_tokens:
         _qk_norm_rope_kernel[(num_tokens,)](
-            q, k, q_weight, k_weight, cos_sin, positions, q_out, k_out, q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1), num_q_heads, num_kv_heads, eps, D=d,
-            HQ_PAD=triton.next_power_of_2(num_q_heads), HK_PAD=triton.next_power_of_2(num_kv_heads))
+            q, k, k, q_weight, k_weight, cos_sin, positions, q_out, k_out, k_out, positions,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), 0, 0, num_q_heads, num_kv_heads,
+            eps, D=d, HQ_PAD=triton.next_power_of_2(num_q_heads),
+            HK_PAD=triton.next_power_of_2(num_kv_heads), TO_CACHE=False)
     return q_out, k_out
+
+
+def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache,
+                          slot_mapping):
+    """qk_norm_rope, with k and v written to their cache slots in the same pass. -> q."""
+    num_tokens, num_q_heads, d = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = torch.empty((num_tokens, num_q_heads, d), dtype=q.dtype, device=q.device)
+    if num_tokens:
+        _qk_norm_rope_kernel[(num_tokens,)](
+            q, k, v, q_weight, k_weight, cos_sin, positions, q_out, k_cache, v_cache, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            num_q_heads, num_kv_heads, eps, D=d, HQ_PAD=triton.next_power_of_2(num_q_heads),
+            HK_PAD=triton.next_power_of_2(num_kv_heads), TO_CACHE=True)
+    return q_out
 
 
 # ---- SwiGLU ------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def test_cluster_on_gpu_fp32_matches_transformers(make_model, tmp_path):
                                                               ignore_eos=True) for p in prompts])
         results = asyncio.run(run())
         for r, ref in zip(results, hf_greedy(model, prompts, 32)):
-            assert r.token_ids == ref
+            assert r.token_ids == ref, r.error
         stats = c.stats()["decode-0"]
         assert stats["is_graphed"] and stats["max_decode_batch"] > 1
     finally:

@@ -50,6 +50,24 @@ def test_qk_norm_rope_on_strided_views(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_write_kv_fused(dtype):
+    hq, hk, d, t = 4, 2, 32, 6
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device=DEV).to(dtype)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
+    qw, kw = torch.randn(d, device=DEV).to(dtype), torch.randn(d, device=DEV).to(dtype)
+    table = portable.rotary_cos_sin(64, d, 1e6, DEV)
+    pos = torch.randint(0, 64, (t,), device=DEV)
+    slots = torch.tensor([5, 0, 17, 3, 30, 9], device=DEV)
+    caches = [torch.zeros(4, 8, hk, d, device=DEV, dtype=dtype) for _ in range(4)]
+    got_q = triton_cuda.qk_norm_rope_write_kv(q, k, v, qw, kw, table, pos, 1e-6, caches[0], caches[1], slots)
+    ref_q = portable.qk_norm_rope_write_kv(q, k, v, qw, kw, table, pos, 1e-6, caches[2], caches[3], slots)
+    _close(got_q, ref_q, dtype)
+    _close(caches[0], caches[2], dtype)
+    assert torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv(dtype):
     kc, vc = torch.zeros(2, 6, 4, 2, 16, device=DEV, dtype=dtype).unbind(0)
     k, v = torch.randn(2, 5, 2, 16, device=DEV).to(dtype).unbind(0)
