@@ -96,6 +96,7 @@ class DeviceWorker:
         self.kv_cache = torch.zeros(s.num_layers, 2, self.num_kv_blocks, self.block_size,
                                     s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device)
         self._allocate_decode_state()
+        self._warm_up()
         self._capture_graphs()
         self.is_prepared = True
         atexit.register(self.close)
@@ -421,6 +422,17 @@ class DeviceWorker:
     def mark_idle(self) -> None:
         """The node has nothing to run: the gap before the next step is not device idleness."""
         self._last_end = None
+
+    def _warm_up(self) -> None:
+        """Compile the device kernels now, not inside the first request: a node that
+        stalls for seconds on it would look dead to the frontend. Writes go to the
+        null block; the counters start from zero afterwards."""
+        if self.device.type == "cpu":
+            return
+        bs = self.block_size
+        self._prefill([PrefillChunk([0], 0, [NULL_BLOCK], SamplingParams()),
+                       PrefillChunk([0] * (bs + 1), 0, [NULL_BLOCK] * 2, SamplingParams())], False)
+        self.num_h2d_writes = self.num_h2d_bytes = 0
 
     # Batch sizes with a captured graph; a batch runs in the smallest bucket that holds it.
     GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)

@@ -188,7 +188,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
 
 # ---- paged decode attention (split along the context) ---------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_attn_kernel(Q, KC, VC, BT, SL, Out, MidO, MidML, scale, stride_qb, stride_qh,
                         stride_bt, stride_slot, stride_cache_h, num_splits,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
@@ -240,7 +240,7 @@ def _decode_attn_kernel(Q, KC, VC, BT, SL, Out, MidO, MidML, scale, stride_qb, s
                  out.to(Out.dtype.element_ty), mask=(g < G)[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(MidO, MidML, Out, stride_ob, stride_oh, num_heads, num_splits,
                           S_PAD: tl.constexpr, D: tl.constexpr):
     b = tl.program_id(0)
@@ -291,7 +291,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
 
 # ---- prefill attention: paged, variable length, causal ---------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_attn_kernel(Q, KC, VC, BT, Meta, Out, scale, num_seqs, stride_qt, stride_qh,
                          stride_bt, stride_slot, stride_cache_h, G: tl.constexpr, D: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

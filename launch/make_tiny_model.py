@@ -54,7 +54,7 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 2, hidden_size: int = 
                     intermediate_size: int = 128, heads: int = 4, kv_heads: int = 2,
                     head_dim: int = 16, vocab_size: int = 512, max_position_embeddings: int = 1024,
                     tie_embeddings: bool = True, seed: int = 0, dtype: str = "float32",
-                    max_shard_size: str | None = None) -> Path:
+                    max_shard_size: str | None = None, weight_std: float = 0.3) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -85,7 +85,7 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 2, hidden_size: int = 
             elif "embed" in name or "lm_head" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=gen) * weight_std)
     model = model.to(getattr(torch, dtype))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
@@ -113,13 +113,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-shard-size", default=None, help="e.g. 100KB: write a sharded checkpoint")
+    p.add_argument("--weight-std", type=float, default=0.3,
+                   help="std of the layer weights (large enough that greedy output varies)")
     a = p.parse_args(argv)
     out = make_tiny_model(a.out_dir, layers=a.layers, hidden_size=a.hidden_size,
                           intermediate_size=a.intermediate_size, heads=a.heads, kv_heads=a.kv_heads,
                           head_dim=a.head_dim, vocab_size=a.vocab_size,
                           max_position_embeddings=a.max_position_embeddings,
                           tie_embeddings=a.tie_embeddings, seed=a.seed, dtype=a.dtype,
-                          max_shard_size=a.max_shard_size)
+                          max_shard_size=a.max_shard_size, weight_std=a.weight_std)
     print(out)
 
 

@@ -58,11 +58,14 @@ def test_graphed_steady_steps_copy_nothing_host_to_device(make_model):
         assert any("DtoH" in n for n in names)  # the sampled ids do come back
 
 
-def test_bf16_prefill_logits_within_1e2_relative(make_model):
-    """Against transformers in bf16 on the same GPU within 1e-2 (relative, L2), and no
-    further from the fp32 logits than transformers' own bf16 run is."""
+@pytest.mark.parametrize("weight_std", [0.02, 0.3])
+def test_bf16_prefill_logits_as_accurate_as_transformers(make_model, weight_std):
+    """Relative error = max |logit error| / max |logit|, against fp32 transformers.
+    bf16 rounding alone puts tiny models near 1e-2, transformers' own bf16 included:
+    ours must be no less accurate than that, and under 1e-2 on average for a model
+    with realistic weight scales."""
     from transformers import Qwen3ForCausalLM
-    model = make_model(**SHAPE)
+    model = make_model(**SHAPE, weight_std=weight_std)
     prompts = _prompts(1)
     hf32 = Qwen3ForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     hf16 = Qwen3ForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16).cuda().eval()
@@ -72,13 +75,16 @@ def test_bf16_prefill_logits_within_1e2_relative(make_model):
         chunks = [PrefillChunk(p, 0, alloc.allocate(num_blocks_for(len(p), 16)), SamplingParams())
                   for p in prompts]
         _, logits = worker.prefill(chunks, return_logits=True)
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
+    ours_errs = []
     with torch.no_grad():
         for p, ours in zip(prompts, logits.cpu()):
             ref32 = hf32(torch.tensor([p])).logits[0, -1]
             ref16 = hf16(torch.tensor([p], device="cuda")).logits[0, -1].float().cpu()
-            assert rel(ours, ref16) < 1e-2, f"{rel(ours, ref16):.2e} from transformers bf16 ({len(p)} tokens)"
-            assert rel(ours, ref32) <= 1.5 * rel(ref16, ref32) + 1e-3, (rel(ours, ref32), rel(ref16, ref32))
+            ours_errs.append(rel(ours, ref32))
+            assert ours_errs[-1] <= 1.25 * rel(ref16, ref32) + 2e-3, (len(p), ours_errs[-1], rel(ref16, ref32))
+    if weight_std == 0.02:
+        assert sum(ours_errs) / len(ours_errs) < 1e-2, ours_errs
 
 
 def test_cluster_on_gpu_fp32_matches_transformers(make_model, tmp_path):
