@@ -77,6 +77,7 @@ class AttentionInputs:
     slot_mapping: torch.Tensor                 # [T] int64
     block_tables: torch.Tensor                 # [B, W] int32
     seq_lens: torch.Tensor | None = None       # [B] int32, decode
+    host_seq_lens: torch.Tensor | None = None  # the same on the host (for Ascend's kernels)
     query_lens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)
     prefill_meta: torch.Tensor | None = None   # [3, B] int32: chunk starts, lengths, contexts
@@ -110,7 +111,8 @@ def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: t
                                           attn.query_lens, attn.context_lens, scale,
                                           attn.prefill_meta)
         else:
-            o = kernels.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale)
+            o = kernels.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale,
+                                         attn.host_seq_lens)
         h = F.linear(o.reshape(num_tokens, spec.q_size), layer.o_proj)
         x, residual = kernels.add_rms_norm(h, residual, layer.post_norm, eps)
         h = F.linear(kernels.silu_mul(F.linear(x, layer.gate_up)), layer.down)

@@ -411,6 +411,8 @@ class DeviceWorker:
 
     def collect_decode(self, ticket: DecodeTicket) -> list[int]:
         """Wait for a launched step; its tokens, in the ticket's key order."""
+        if self.device.type not in ("cpu", "cuda"):
+            getattr(torch, self.device.type).synchronize(self.device)  # npu: no events used
         if ticket.copied is not None:
             ticket.copied.synchronize()
             self.device_busy_s += ticket.start.elapsed_time(ticket.end) / 1e3
@@ -475,8 +477,12 @@ class DeviceWorker:
         slot_mapping = self._slot_mapping[:n]
         block_tables = self._block_tables[:n, :width]
         kernels.compute_slot_mapping(seq_lens, block_tables, self.block_size, slot_mapping)
+        # The host mirror rides along for kernels that take lengths on the host (Ascend);
+        # a captured CUDA graph never reads it.
+        host_lens = None if self._graphs else torch.from_numpy(self.host_seq_lens[:n])
         attn = qwen3.AttentionInputs(is_prefill=False, slot_mapping=slot_mapping,
-                                     block_tables=block_tables, seq_lens=seq_lens)
+                                     block_tables=block_tables, seq_lens=seq_lens,
+                                     host_seq_lens=host_lens)
         hidden = qwen3.forward(self.spec, self.weights, self.kv_cache, self.cos_sin,
                                self._input_ids[:n], (seq_lens - 1).long(), attn)
         logits = qwen3.compute_logits(self.weights, hidden)

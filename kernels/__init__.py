@@ -39,8 +39,9 @@ def silu_mul(gate_up):
     return backend_for(gate_up).silu_mul(gate_up)
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    return backend_for(q).decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_seq_lens=None):
+    return backend_for(q).decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                           host_seq_lens)
 
 
 def compute_slot_mapping(seq_lens, block_tables, block_size, out):

@@ -103,10 +103,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     host_seq_lens: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over its paged context.
     q [B, Hq, D], block_tables [B, W] (W blocks cover the longest context),
     seq_lens [B] (tokens in the cache, the current one included). -> [B, Hq, D].
+    host_seq_lens: the same on the host, for backends whose kernels read it there.
     Every shape is fixed by B and W, so this can be captured in a device graph."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -265,7 +265,7 @@ def _num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     return max(1, min(32, (2 * sms) // max(batch * num_kv_heads, 1)))
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_seq_lens=None):
     num_seqs, num_heads, d = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
