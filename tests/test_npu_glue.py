@@ -102,6 +102,7 @@ def test_worker_hands_its_host_lengths_to_the_npu_kernels(npu, tiny_model, monke
     with DeviceWorker(WorkerConfig(model=str(tiny_model), kv_cache_memory=2**20)) as w:
         ref = generate(w, prompts, params)
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in ref]
-    # Decode steps saw lengths prompt+1, prompt+2, ... straight from the host mirror.
-    assert calls["paged"][0] == [4, 21] and calls["paged"][1] == [5, 22]
-    assert len(calls["paged"]) == 5 * w.spec.num_layers
+    # Each layer of each decode step saw lengths prompt+1, prompt+2, ... from the host mirror.
+    layers = w.spec.num_layers
+    assert len(calls["paged"]) == 5 * layers
+    assert [calls["paged"][step * layers] for step in range(5)] == [[4 + s, 21 + s] for s in range(5)]
