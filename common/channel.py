@@ -39,6 +39,17 @@ def _configure(sock: zmq.Socket, max_message_bytes: int | None, identity: str | 
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted node takes its name back
 
 
+def _unpack(frames: list, is_router: bool, allowed) -> tuple[bytes | None, object]:
+    """(sender, message or BadMessage) from received frames; a ROUTER's first frame names the sender."""
+    sender = None
+    if is_router:
+        sender, frames = frames[0].bytes, frames[1:]
+    try:
+        return sender, protocol.decode(frames, allowed)
+    except ProtocolError as e:
+        return sender, BadMessage(sender, str(e), e.request_id)
+
+
 class Channel:
     """One socket. ROUTER channels (bind) address peers by identity; DEALER
     channels (connect) have one logical peer."""
@@ -68,14 +79,7 @@ class Channel:
 
     def recv(self, allowed: tuple[type, ...] | None = None) -> tuple[bytes | None, object]:
         """(sender, message or BadMessage). Blocks; poll first to avoid that."""
-        frames = self.sock.recv_multipart(copy=False)
-        sender = None
-        if self.is_router:
-            sender, frames = frames[0].bytes, frames[1:]
-        try:
-            return sender, protocol.decode(frames, allowed)
-        except ProtocolError as e:
-            return sender, BadMessage(sender, str(e), e.request_id)
+        return _unpack(self.sock.recv_multipart(copy=False), self.is_router, allowed)
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -109,14 +113,7 @@ class AsyncChannel:
         await self.sock.send_multipart([to, *frames] if self.is_router else frames, copy=False)
 
     async def recv(self, allowed: tuple[type, ...] | None = None) -> tuple[bytes | None, object]:
-        frames = await self.sock.recv_multipart(copy=False)
-        sender = None
-        if self.is_router:
-            sender, frames = frames[0].bytes, frames[1:]
-        try:
-            return sender, protocol.decode(frames, allowed)
-        except ProtocolError as e:
-            return sender, BadMessage(sender, str(e), e.request_id)
+        return _unpack(await self.sock.recv_multipart(copy=False), self.is_router, allowed)
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -494,9 +494,3 @@ class DeviceWorker:
         self._sampled[:n].copy_(sampled)
         kernels.advance_step(self._input_ids[:n], sampled, seq_lens, self._step_inc[:n])
 
-
-def timed(fn, *args, **kwargs):
-    """(result, seconds) for one call."""
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0

@@ -15,8 +15,9 @@ import zmq
 from common.channel import BadMessage, Channel, Poller
 from common.config import DecodeConfig
 from common.kv_cache import BlockAllocator
+from common.heartbeat import HeartbeatThread
 from common.log import get_logger
-from common.protocol import (HandoffAck, Heartbeat, KVHandoff, NodeAbort, NodeReady, Shutdown,
+from common.protocol import (HandoffAck, KVHandoff, NodeAbort, NodeReady, Shutdown,
                              TokenBatch, TokenUpdate)
 from common.sequence import blocks_to_join, finish_reason, grow_blocks
 from common.worker import DecodeTicket, DeviceWorker
@@ -36,7 +37,7 @@ class DecodeNode:
         self.num_discarded_tokens = 0
         self.num_finished = 0
         self.num_batched_steps = 0      # steps that ran more than one request
-        self._last_heartbeat = self._last_log = 0.0
+        self._last_log = 0.0
         self._log_tokens = self._log_steps = 0
 
     # ---- the loop ---------------------------------------------------------
@@ -56,6 +57,8 @@ class DecodeNode:
                 self.scheduler = DecodeScheduler(self.allocator, self.worker.block_size,
                                                  self.cfg.worker.max_batch_size, self.cfg.max_queue)
                 self._send_ready()
+                self.heartbeat = HeartbeatThread(ctx, self.cfg.frontend_endpoint, "decode", self.cfg.name,
+                                                 self.stats, self.cfg.links.heartbeat_s).start()
                 log.info("ready on %s: %d KV blocks (%d tokens), batch up to %d, KV at %s",
                          self.cfg.worker.device, self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.worker.max_batch_size,
@@ -82,6 +85,8 @@ class DecodeNode:
                         self._send(TokenBatch(updates))
                     self._report()
         finally:
+            if hasattr(self, "heartbeat"):
+                self.heartbeat.stop()
             self.frontend.close()
             if hasattr(self, "kv"):
                 self.kv.close()
@@ -250,9 +255,7 @@ class DecodeNode:
 
     def _report(self) -> None:
         now = time.monotonic()
-        if now - self._last_heartbeat >= self.cfg.links.heartbeat_s:
-            self._last_heartbeat = now
-            self._send(Heartbeat("decode", self.cfg.name, self.stats()))
+        self.heartbeat.last_turn = now
         if now - self._last_log >= self.cfg.links.log_interval_s:
             elapsed = now - self._last_log if self._last_log else 0.0
             s = self.stats()

@@ -216,23 +216,30 @@ class Frontend:
         if isinstance(msg, NodeReady):
             await self._on_ready(sender, msg)
             return
+        if isinstance(msg, Heartbeat):  # from the node's heartbeat socket: known by name
+            node = self.nodes.get(msg.name)
+            if node is not None:
+                self._seen(node)
+                node.stats = msg.stats
+            return
         node = next((n for n in self.nodes.values() if n.identity == sender), None)
         if node is None:
             log.warning("message from unregistered node %r ignored", sender)
             return
-        node.last_seen = time.monotonic()
-        if not node.is_alive:
-            node.is_alive = True
-            log.info("%s node %s is back", node.ready.role, node.ready.name)
-        if isinstance(msg, Heartbeat):
-            node.stats = msg.stats
-        elif isinstance(msg, RequestFailed):
+        self._seen(node)
+        if isinstance(msg, RequestFailed):
             req = self.requests.get(msg.request_id)
             if req is not None:
                 await self._finish(req, FINISH_ERROR, msg.error)
         elif isinstance(msg, TokenBatch):
             for u in msg.updates:
                 await self._on_tokens(node, u)
+
+    def _seen(self, node: NodeState) -> None:
+        node.last_seen = time.monotonic()
+        if not node.is_alive:
+            node.is_alive = True
+            log.info("%s node %s is back", node.ready.role, node.ready.name)
 
     async def _on_ready(self, sender: bytes, ready: NodeReady) -> None:
         old = self.nodes.get(ready.name)

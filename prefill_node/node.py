@@ -16,8 +16,9 @@ import zmq
 from common.channel import BadMessage, Channel, Poller
 from common.config import PrefillConfig
 from common.kv_cache import BlockAllocator
+from common.heartbeat import HeartbeatThread
 from common.log import get_logger
-from common.protocol import (HandoffAck, Heartbeat, KVHandoff, NodeAbort, NodeReady,
+from common.protocol import (HandoffAck, KVHandoff, NodeAbort, NodeReady,
                              PrefillRequest, RequestFailed, Shutdown)
 from common.sampling import validate_prompt
 from common.worker import DeviceWorker, PrefillChunk
@@ -42,7 +43,7 @@ class PrefillNode:
         self.pending: dict[str, PendingHandoff] = {}
         self.num_handoffs = 0
         self.num_failed = 0
-        self._last_heartbeat = self._last_log = 0.0
+        self._last_log = 0.0
         self._log_tokens = 0
 
     # ---- the loop ---------------------------------------------------------
@@ -61,6 +62,8 @@ class PrefillNode:
                 self.scheduler = PrefillScheduler(self.allocator, self.worker.block_size,
                                                   self.cfg.token_budget, self.cfg.max_batch_prompts)
                 self._send_ready()
+                self.heartbeat = HeartbeatThread(ctx, self.cfg.frontend_endpoint, "prefill", self.cfg.name,
+                                                 self.stats, self.cfg.links.heartbeat_s).start()
                 log.info("ready on %s: %d KV blocks (%d tokens), token budget %d",
                          self.cfg.worker.device, self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.token_budget)
@@ -74,6 +77,8 @@ class PrefillNode:
                         self._forward(chunks)
                     self._report()
         finally:
+            if hasattr(self, "heartbeat"):
+                self.heartbeat.stop()
             self.frontend.close()
             self.kv.close()
             ctx.term()
@@ -196,9 +201,7 @@ class PrefillNode:
 
     def _report(self) -> None:
         now = time.monotonic()
-        if now - self._last_heartbeat >= self.cfg.links.heartbeat_s:
-            self._last_heartbeat = now
-            self.frontend.send(Heartbeat("prefill", self.cfg.name, self.stats()), block=False)
+        self.heartbeat.last_turn = now
         if now - self._last_log >= self.cfg.links.log_interval_s:
             elapsed = now - self._last_log if self._last_log else 0.0
             s = self.stats()

@@ -39,8 +39,8 @@ def procs(tiny_model, tmp_path):
 
 def test_killed_decode_node_fails_its_requests_fast_and_a_new_one_serves(procs):
     _start(procs, "frontend", "prefill", "decode")
-    start_prefill = _free_blocks(procs.clients, "prefill-0")
-    start_decode = _free_blocks(procs.clients, "decode-0")
+    start_prefill = wait_for(lambda: _free_blocks(procs.clients, "prefill-0"), 5, "prefill stats")
+    start_decode = wait_for(lambda: _free_blocks(procs.clients, "decode-0"), 5, "decode stats")
 
     async def stream_then_kill():
         async with AsyncClient(procs.clients, idle_timeout_s=20) as client:
@@ -78,7 +78,8 @@ def test_killed_decode_node_fails_its_requests_fast_and_a_new_one_serves(procs):
 def test_mixed_endings_leak_no_blocks(procs):
     """Finished, cancelled, timed-out, rejected and stop-string requests together."""
     _start(procs, "frontend", "prefill", "decode")
-    start = {n: _free_blocks(procs.clients, n) for n in ("prefill-0", "decode-0")}
+    start = {n: wait_for(lambda: _free_blocks(procs.clients, n), 5, f"{n} stats")
+             for n in ("prefill-0", "decode-0")}
 
     async def mix():
         async with AsyncClient(procs.clients) as client:
@@ -150,7 +151,7 @@ def test_unconfirmed_handoff_lease_expires(tiny_model, tmp_path):
                   prefill=["--handoff-lease", "1"])
     try:
         _start(p, "frontend", "prefill", "decode")
-        start = _free_blocks(p.clients, "prefill-0")
+        start = wait_for(lambda: _free_blocks(p.clients, "prefill-0"), 5, "prefill stats")
         p.procs["decode"].send_signal(signal.SIGSTOP)
         try:
             with Client(p.clients) as c:
