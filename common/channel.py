@@ -50,6 +50,15 @@ def _unpack(frames: list, is_router: bool, allowed) -> tuple[bytes | None, objec
         return sender, BadMessage(sender, str(e), e.request_id)
 
 
+def open_context() -> zmq.Context:
+    """The process's ZeroMQ context, for the channels it opens."""
+    return zmq.Context()
+
+
+def open_async_context() -> zmq.asyncio.Context:
+    return zmq.asyncio.Context()
+
+
 class Channel:
     """One socket. ROUTER channels (bind) address peers by identity; DEALER
     channels (connect) have one logical peer."""
@@ -76,6 +85,10 @@ class Channel:
         except zmq.Again:
             return False
         return True
+
+    def has_message(self, timeout_s: float = 0.0) -> bool:
+        """Whether a message waits, after waiting at most timeout_s for one."""
+        return bool(self.sock.poll(int(timeout_s * 1000)))
 
     def recv(self, allowed: tuple[type, ...] | None = None) -> tuple[bytes | None, object]:
         """(sender, message or BadMessage). Blocks; poll first to avoid that."""

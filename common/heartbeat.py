@@ -6,14 +6,12 @@ import threading
 import time
 from typing import Callable
 
-import zmq
-
 from common.channel import Channel
 from common.protocol import Heartbeat
 
 
 class HeartbeatThread:
-    def __init__(self, ctx: zmq.Context, endpoint: str, role: str, name: str,
+    def __init__(self, ctx, endpoint: str, role: str, name: str,
                  stats: Callable[[], dict], interval_s: float):
         self._args = (ctx, endpoint, role, name, stats, interval_s)
         self._stop = threading.Event()

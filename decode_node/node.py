@@ -10,9 +10,7 @@ import os
 import threading
 import time
 
-import zmq
-
-from common.channel import BadMessage, Channel, Poller
+from common.channel import BadMessage, Channel, Poller, open_context
 from common.config import DecodeConfig
 from common.kv_cache import BlockAllocator
 from common.heartbeat import HeartbeatThread
@@ -43,7 +41,7 @@ class DecodeNode:
     # ---- the loop ---------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        ctx = zmq.Context()
+        ctx = open_context()
         links = self.cfg.links
         self.frontend = Channel(ctx, False, self.cfg.frontend_endpoint, identity=self.cfg.name,
                                 max_message_bytes=links.max_message_bytes)
@@ -96,7 +94,7 @@ class DecodeNode:
     # ---- receive ----------------------------------------------------------
 
     def _receive_all(self, ch: Channel, stop: threading.Event) -> None:
-        while ch.sock.poll(0):
+        while ch.has_message():
             sender, msg = ch.recv()
             if isinstance(msg, BadMessage):
                 log.warning("dropped a malformed message: %s", msg.error)

@@ -13,10 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
-import zmq
-import zmq.asyncio
-
-from common.channel import AsyncChannel, BadMessage, Channel
+from common.channel import AsyncChannel, BadMessage, Channel, open_async_context, open_context
 from common.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateRequest,
                              StatsReply, StatsRequest)
 
@@ -66,7 +63,7 @@ class Client:
     """Blocking client. Several requests may be in flight; outputs are sorted by request id."""
 
     def __init__(self, endpoint: str, idle_timeout_s: float = 60.0):
-        self._ctx = zmq.Context()
+        self._ctx = open_context()
         self._ch = Channel(self._ctx, False, endpoint)
         self.idle_timeout_s = idle_timeout_s
         self._inbox: dict[str, list] = {}
@@ -82,7 +79,7 @@ class Client:
         self.close()
 
     def _recv(self, timeout_s: float):
-        if not self._ch.sock.poll(int(timeout_s * 1000)):
+        if not self._ch.has_message(timeout_s):
             raise TimeoutError(f"no reply from the frontend within {timeout_s:.0f}s")
         _, msg = self._ch.recv(REPLIES)
         if isinstance(msg, BadMessage):
@@ -160,7 +157,7 @@ class AsyncClient:
     """asyncio client: any number of concurrent streams over one socket."""
 
     def __init__(self, endpoint: str, idle_timeout_s: float = 60.0):
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = open_async_context()
         self._ch = AsyncChannel(self._ctx, False, endpoint)
         self.idle_timeout_s = idle_timeout_s
         self._streams: dict[str, asyncio.Queue] = {}

@@ -12,9 +12,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-import zmq.asyncio
-
-from common.channel import AsyncChannel, BadMessage
+from common.channel import AsyncChannel, BadMessage, open_async_context
 from common.config import FrontendConfig
 from common.log import get_logger
 from common.model_spec import load_spec
@@ -68,7 +66,7 @@ class Frontend:
     # ---- life cycle ---------------------------------------------------------
 
     async def run(self) -> None:
-        ctx = zmq.asyncio.Context()
+        ctx = open_async_context()
         limit = self.cfg.links.max_message_bytes
         self.clients = AsyncChannel(ctx, True, self.cfg.client_endpoint, max_message_bytes=limit)
         self.node_link = AsyncChannel(ctx, True, self.cfg.node_endpoint, max_message_bytes=limit)

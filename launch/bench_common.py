@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from common.channel import BadMessage, Channel, Poller
+from common.channel import BadMessage, Channel, Poller, open_context
 from common.config import DTYPES, endpoint
 from common.model_spec import ModelSpec, load_spec, preset_spec
 from common.protocol import Heartbeat, NodeReady
@@ -114,8 +114,7 @@ class NodeUnderTest:
 
     def __init__(self, module: str, args: list[str], base_port: int, log: str | None, kv_is_router: bool):
         """kv_is_router: we bind the KV endpoint (the prefill node hands off to us)."""
-        import zmq
-        self.ctx = zmq.Context()
+        self.ctx = open_context()
         self.node_endpoint = endpoint("127.0.0.1", base_port + 1)
         self.kv_endpoint = endpoint("127.0.0.1", base_port + 2)
         self.link = Channel(self.ctx, True, self.node_endpoint, max_message_bytes=None)
@@ -134,7 +133,7 @@ class NodeUnderTest:
         """Messages from the node (heartbeats are absorbed into last_stats)."""
         out = []
         for ch in self.poller.wait(timeout_s):
-            while ch.sock.poll(0):
+            while ch.has_message():
                 sender, msg = ch.recv()
                 if isinstance(msg, BadMessage):
                     raise RuntimeError(f"bad message from the node: {msg.error}")

@@ -11,9 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-import zmq
-
-from common.channel import BadMessage, Channel, Poller
+from common.channel import BadMessage, Channel, Poller, open_context
 from common.config import PrefillConfig
 from common.kv_cache import BlockAllocator
 from common.heartbeat import HeartbeatThread
@@ -49,7 +47,7 @@ class PrefillNode:
     # ---- the loop ---------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        ctx = zmq.Context()
+        ctx = open_context()
         links = self.cfg.links
         self.frontend = Channel(ctx, False, self.cfg.frontend_endpoint, identity=self.cfg.name,
                                 max_message_bytes=links.max_message_bytes)
@@ -87,7 +85,7 @@ class PrefillNode:
     # ---- receive ----------------------------------------------------------
 
     def _receive_all(self, ch: Channel, stop: threading.Event) -> None:
-        while ch.sock.poll(0):
+        while ch.has_message():
             _, msg = ch.recv()
             if isinstance(msg, BadMessage):
                 log.warning("dropped a malformed message: %s", msg.error)

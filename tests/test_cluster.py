@@ -117,16 +117,19 @@ def test_stop_token_mid_stream_beside_a_running_request(cluster):
     async def run():
         async with AsyncClient(cluster.endpoint) as client:
             free = await client.complete("stop here", max_tokens=30, ignore_eos=True)
-            stop_at = free.token_ids[12]
-            first = free.token_ids.index(stop_at)
-            long = asyncio.create_task(client.complete("keep going", max_tokens=120, ignore_eos=True))
-            await asyncio.sleep(0.2)
+            # A token first seen at index >= 3, so the stop happens in a decode step.
+            first = next(i for i, t in enumerate(free.token_ids) if i >= 3 and t not in free.token_ids[:i])
+            stop_at = free.token_ids[first]
+            long_stream = client.generate("keep going", max_tokens=120, ignore_eos=True)
+            long_tokens = (await long_stream.__anext__()).token_ids  # it is in the batch now
             stopped = await client.complete("stop here", max_tokens=30, ignore_eos=True,
                                             stop_token_ids=[stop_at])
-            return free, first, stopped, await long
+            async for out in long_stream:
+                long_tokens += out.token_ids
+            return free, first, stopped, (long_tokens, out.finish_reason)
     free, first, stopped, long = asyncio.run(run())
     assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: first + 1]
-    assert long.finish_reason == "length" and len(long.token_ids) == 120
+    assert long == (long[0], "length") and len(long[0]) == 120
     # The step queued behind the stopping one ran, and its token for the stopped request was dropped.
     wait_for(lambda: cluster.stats()["decode-0"]["num_discarded_tokens"] > discarded, 5,
              "the pipelined step's extra token to be discarded")
