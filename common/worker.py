@@ -311,7 +311,7 @@ class DeviceWorker:
 
     @torch.inference_mode()
     def remove_decode_seq(self, key: str) -> None:
-        self._flush_block_writes()  # pending entries name rows that are about to move
+        self._flush_block_writes(False)  # pending entries name rows that are about to move
         row = self._slots.pop(key)
         last = self.num_decode_seqs - 1
         if row != last:
@@ -352,17 +352,22 @@ class DeviceWorker:
         self.num_block_writes += 1
         self._host_num_blocks[row] = col + 1
 
-    def _flush_block_writes(self) -> None:
-        """All block-table entries since the last launch in one copy: (row, col, block)
-        triples from pinned memory, scattered on the device. The host does not wait,
-        so this may be queued behind a step still running."""
+    def _flush_block_writes(self, is_queued_behind_step: bool) -> None:
+        """All block-table entries since the last flush in one copy: (row, col, block)
+        triples, scattered on the device. Queued behind a running step (at launch),
+        they go from a pinned slot without waiting; a launch reuses a slot only after
+        the step two launches back was collected, so that copy is done. Otherwise
+        (between steps) the copy is a plain blocking one."""
         if not self._pending_blocks:
             return
         k = len(self._pending_blocks)
-        staged = self._block_staging[self.num_decode_steps % 2, :, :k]
-        staged.copy_(torch.tensor(self._pending_blocks, dtype=torch.int32).T)
+        triples = torch.tensor(self._pending_blocks, dtype=torch.int32).T
+        if is_queued_behind_step:
+            staged = self._block_staging[self.num_decode_steps % 2, :, :k]
+            staged.copy_(triples)
+            triples = staged
         dev = self._block_updates[:, :k]
-        self._h2d(dev, staged)
+        self._h2d(dev, triples)
         self.num_block_copies += 1
         self._block_tables.index_put_((dev[0].long(), dev[1].long()), dev[2])
         self._pending_blocks.clear()
@@ -385,7 +390,7 @@ class DeviceWorker:
             if self.host_seq_lens[row] > self._host_num_blocks[row] * self.block_size:
                 raise RuntimeError(f"sequence {self._keys[row]!r} needs a block at position "
                                    f"{self.host_seq_lens[row] - 1}; call append_block first")
-        self._flush_block_writes()
+        self._flush_block_writes(True)
         is_greedy = bool(self._host_is_greedy[:n].all())
         ticket = DecodeTicket(self._keys[:n], self.num_decode_steps % 2)
         if self.device.type == "cuda":
