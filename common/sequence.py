@@ -61,7 +61,5 @@ def blocks_to_join(seq: Sequence, block_size: int, allocator: BlockAllocator) ->
 def grow_blocks(worker, seqs: dict[str, Sequence], allocator: BlockAllocator) -> None:
     """Before a decode step: a sequence whose next token starts a new block gets
     one from its reservation (one block-table entry on the device)."""
-    bs = worker.block_size
-    for key in worker.decode_keys():
-        if worker.next_position(key) // bs >= worker.num_blocks(key):
-            worker.append_block(key, seqs[key].take_reserved_block(allocator))
+    for key in worker.keys_needing_block():
+        worker.append_block(key, seqs[key].take_reserved_block(allocator))

@@ -336,6 +336,12 @@ class DeviceWorker:
         self._host_num_blocks[row] = 0
         self._host_is_greedy[row] = True
 
+    def keys_needing_block(self) -> list[str]:
+        """Live sequences whose next token falls past their last block (from the host mirrors)."""
+        n = self.num_decode_seqs
+        rows = np.flatnonzero(self.host_seq_lens[:n] > self._host_num_blocks[:n] * self.block_size)
+        return [self._keys[r] for r in rows]
+
     def next_position(self, key: str) -> int:
         """The position the sequence's next step writes."""
         return int(self.host_seq_lens[self._slots[key]]) - 1
@@ -386,10 +392,10 @@ class DeviceWorker:
         n = self.num_decode_seqs
         if n == 0:
             return None
-        for row in range(n):
-            if self.host_seq_lens[row] > self._host_num_blocks[row] * self.block_size:
-                raise RuntimeError(f"sequence {self._keys[row]!r} needs a block at position "
-                                   f"{self.host_seq_lens[row] - 1}; call append_block first")
+        short = self.keys_needing_block()
+        if short:
+            raise RuntimeError(f"sequences {short} need a block for their next position; "
+                               f"call append_block first")
         self._flush_block_writes(True)
         is_greedy = bool(self._host_is_greedy[:n].all())
         ticket = DecodeTicket(self._keys[:n], self.num_decode_steps % 2)

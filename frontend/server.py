@@ -129,7 +129,7 @@ class Frontend:
                 raise ValueError("each message needs a string role and string content")
         ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
                                                  tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # an encoding or a list
 
     async def _on_generate(self, client: bytes, req: GenerateRequest) -> None:
         if not req.request_id:

@@ -188,6 +188,34 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
 
 # ---- paged decode attention (split along the context) ---------------------------
 
+@triton.jit
+def _load_paged_kv(KC, VC, table_row, pos, valid, kv_head, stride_slot, stride_cache_h,
+                   D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The K and V rows [len(pos), D] of one KV head at token positions pos, found
+    through the sequence's block-table row; invalid positions read as zeros."""
+    block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+    offs = slot[:, None] * stride_slot + kv_head * stride_cache_h + tl.arange(0, D)[None, :]
+    k = tl.load(KC + offs, mask=valid[:, None], other=0.0)
+    v = tl.load(VC + offs, mask=valid[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, keep, m, l, acc, scale, PRECISION: tl.constexpr):
+    """Fold one key tile into the running (max, sum, weighted values) of each query row.
+    keep [rows, keys] marks the scores that count; every row must keep one key by
+    the end of its first tile, or its max stays -inf."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    scores = tl.where(keep, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_attn_kernel(Q, KC, VC, BT, SL, Out, MidO, MidML, scale, stride_qb, stride_qh,
                         stride_bt, stride_slot, stride_cache_h, num_splits,
@@ -215,19 +243,9 @@ def _decode_attn_kernel(Q, KC, VC, BT, SL, Out, MidO, MidML, scale, stride_qb, s
     for tile in range(tile_start, tile_end):
         pos = tile * TILE + t
         valid = pos < seq_len
-        block = tl.load(BT + b * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        offs = slot[:, None] * stride_slot + kvh * stride_cache_h + d[None, :]
-        k = tl.load(KC + offs, mask=valid[:, None], other=0.0)
-        v = tl.load(VC + offs, mask=valid[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        k, v = _load_paged_kv(KC, VC, BT + b * stride_bt, pos, valid, kvh, stride_slot,
+                              stride_cache_h, D, BLOCK_SIZE)
+        m, l, acc = _online_softmax_step(q, k, v, valid[None, :], m, l, acc, scale, PRECISION)
     if IS_SPLIT:
         # Partial results [B, Hq, S, D] and (max, sum) [B, Hq, S, 2]; an empty split leaves m = -inf.
         row = (b * tl.num_programs(1) * G + heads) * num_splits + s
@@ -321,20 +339,11 @@ def _prefill_attn_kernel(Q, KC, VC, BT, Meta, Out, scale, num_seqs, stride_qt, s
     for n0 in range(0, end, BLOCK_N):
         k_pos = n0 + tl.arange(0, BLOCK_N)
         valid_n = k_pos < end
-        block = tl.load(BT + seq * stride_bt + k_pos // BLOCK_SIZE, mask=valid_n, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
-        offs = slot[:, None] * stride_slot + kvh * stride_cache_h + d[None, :]
-        k = tl.load(KC + offs, mask=valid_n[:, None], other=0.0)
-        v = tl.load(VC + offs, mask=valid_n[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & valid_n[None, :], s, float("-inf"))
-        # The first key tile holds position 0, which every query sees: m_i is finite after it.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        k, v = _load_paged_kv(KC, VC, BT + seq * stride_bt, k_pos, valid_n, kvh, stride_slot,
+                              stride_cache_h, D, BLOCK_SIZE)
+        # The first key tile holds position 0, which every query sees.
+        keep = (k_pos[None, :] <= q_pos[:, None]) & valid_n[None, :]
+        m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, PRECISION)
     out = acc / l_i[:, None]
     tl.store(Out + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + d[None, :],
              out.to(Out.dtype.element_ty), mask=valid_m[:, None])
