@@ -44,14 +44,17 @@ def test_killed_decode_node_fails_its_requests_fast_and_a_new_one_serves(procs):
 
     async def stream_then_kill():
         async with AsyncClient(procs.clients, idle_timeout_s=20) as client:
+            streaming = [asyncio.Event() for _ in range(6)]
+
             async def one(i):
-                first_at = None
                 async for out in client.generate(f"request {i}", max_tokens=900, ignore_eos=True):
-                    first_at = first_at or time.monotonic()
+                    streaming[i].set()
                     if out.is_finished:
                         return out, time.monotonic()
             tasks = [asyncio.create_task(one(i)) for i in range(6)]
-            await asyncio.sleep(2.0)  # all are streaming by now
+            # Kill as soon as every request streams: each still has ~900 steps to go.
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 60)
+            assert not any(t.done() for t in tasks), "a request ended before the kill"
             killed_at = time.monotonic()
             os.kill(procs.procs["decode"].pid, signal.SIGKILL)
             return killed_at, await asyncio.gather(*tasks)
@@ -133,8 +136,12 @@ def test_prefill_backpressure_waits_instead_of_failing(tiny_model, tmp_path):
                 async with AsyncClient(p.clients) as client:
                     jobs = [asyncio.create_task(client.complete(prompt_token_ids=[i + 1] * 40, max_tokens=4,
                                                                 ignore_eos=True)) for i in range(3)]
-                    await asyncio.sleep(1.5)
-                    stats = (await client.stats()).nodes["prefill-0"]
+                    stats = {}
+                    for _ in range(200):  # until the pool is full and the third prompt waits
+                        stats = (await client.stats()).nodes["prefill-0"]
+                        if stats.get("num_pending_handoffs") == 2 and stats.get("num_waiting") == 1:
+                            break
+                        await asyncio.sleep(0.05)
                     decode.send_signal(signal.SIGCONT)
                     return stats, await asyncio.gather(*jobs)
             stats, results = asyncio.run(three())
