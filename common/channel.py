@@ -103,8 +103,11 @@ class Poller:
         self._poller = zmq.Poller()
         self._by_sock = {}
         for ch in channels:
-            self._poller.register(ch.sock, zmq.POLLIN)
-            self._by_sock[ch.sock] = ch
+            self.add(ch)
+
+    def add(self, ch: Channel) -> None:
+        self._poller.register(ch.sock, zmq.POLLIN)
+        self._by_sock[ch.sock] = ch
 
     def wait(self, timeout_s: float) -> list[Channel]:
         """Channels with a message waiting, after at most timeout_s."""

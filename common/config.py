@@ -40,6 +40,7 @@ class WorkerConfig:
     max_batch_size: int = 64          # decode rows held on the device
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     use_graphs: bool = True           # CUDA graphs for decode steps where available
+    is_kv_shared: bool = False        # CPU: the cache lives in shared memory (ipc KV transfer)
     seed: int = 0                     # random weights
 
     def __post_init__(self) -> None:
@@ -67,7 +68,7 @@ class WorkerConfig:
         return DTYPES[self.dtype]
 
 
-def _check_endpoint(name: str, value: str, allow_remote: bool) -> None:
+def check_endpoint(name: str, value: str, allow_remote: bool) -> None:
     m = re.fullmatch(r"tcp://\[?([^\]]+?)\]?:(\d+)|ipc://.+|inproc://.+", value)
     if not m:
         raise ValueError(f"{name} must be tcp://HOST:PORT or ipc://PATH, got {value!r}")
@@ -91,21 +92,29 @@ class NodeLinks:
             raise ValueError("max_message_bytes must be at least 1024")
 
 
+KV_TRANSFERS = ("auto", "ipc", "tcp")   # see common/transfer
+
+
+def _check_kv_transfer(value: str) -> None:
+    if value not in KV_TRANSFERS:
+        raise ValueError(f"kv_transfer must be one of {KV_TRANSFERS}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     worker: WorkerConfig
     frontend_endpoint: str            # the frontend's node endpoint (we connect)
-    decode_kv_endpoint: str           # the decode node's KV endpoint (we connect)
     name: str = "prefill-0"
     token_budget: int = 2048          # prompt tokens per forward pass
     max_batch_prompts: int = 64
-    handoff_lease_s: float = 10.0     # unconfirmed handoffs are failed and freed after this
+    handoff_lease_s: float = 10.0     # a handoff not committed this long after its prefill fails
+    kv_transfer: str = "auto"         # auto: ipc with a decode node on this host, else tcp
     links: NodeLinks = field(default_factory=NodeLinks)
     allow_remote: bool = False
 
     def __post_init__(self) -> None:
-        _check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
-        _check_endpoint("decode_kv_endpoint", self.decode_kv_endpoint, self.allow_remote)
+        check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
+        _check_kv_transfer(self.kv_transfer)
         if self.token_budget < self.worker.block_size:
             raise ValueError(f"token_budget must be >= block_size ({self.worker.block_size})")
         if self.max_batch_prompts < 1 or self.handoff_lease_s <= 0:
@@ -118,15 +127,18 @@ class DecodeConfig:
     frontend_endpoint: str            # the frontend's node endpoint (we connect)
     kv_endpoint: str                  # where prefill nodes hand KV to us (we bind)
     name: str = "decode-0"
-    max_queue: int = 256              # handoffs held while waiting for admission
+    max_queue: int = 256              # reservations held (writing or waiting for a batch row)
+    reservation_lease_s: float = 30.0  # a reservation not committed within this is freed
+    kv_transfer: str = "auto"         # what prefill nodes may use: auto offers ipc and tcp
     links: NodeLinks = field(default_factory=NodeLinks)
     allow_remote: bool = False
 
     def __post_init__(self) -> None:
-        _check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
-        _check_endpoint("kv_endpoint", self.kv_endpoint, self.allow_remote)
-        if self.max_queue < 1:
-            raise ValueError("max_queue must be >= 1")
+        check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
+        check_endpoint("kv_endpoint", self.kv_endpoint, self.allow_remote)
+        _check_kv_transfer(self.kv_transfer)
+        if self.max_queue < 1 or self.reservation_lease_s <= 0:
+            raise ValueError("max_queue must be >= 1 and reservation_lease_s > 0")
 
 
 @dataclass(frozen=True)
@@ -140,7 +152,7 @@ class FrontendConfig:
     allow_remote: bool = False
 
     def __post_init__(self) -> None:
-        _check_endpoint("client_endpoint", self.client_endpoint, self.allow_remote)
-        _check_endpoint("node_endpoint", self.node_endpoint, self.allow_remote)
+        check_endpoint("client_endpoint", self.client_endpoint, self.allow_remote)
+        check_endpoint("node_endpoint", self.node_endpoint, self.allow_remote)
         if self.default_timeout_s <= 0:
             raise ValueError("default_timeout_s must be positive")

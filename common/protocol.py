@@ -99,6 +99,8 @@ class PrefillRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    decode_node: str          # the decode node chosen for this request ...
+    decode_kv_endpoint: str   # ... and where its KV link listens
 
 
 @dataclass
@@ -124,7 +126,8 @@ class NodeReady:
     num_kv_blocks: int
     block_size: int
     max_model_len: int
-    peer: str | None = None   # a prefill node's decode node
+    kv_endpoint: str | None = None   # a decode node's KV link
+    kv_transfer: str = "auto"        # the KV transfer backend the node asked for
 
 
 @dataclass
@@ -156,18 +159,91 @@ class TokenBatch:
     updates: list[TokenUpdate]
 
 
-# ---- prefill -> decode (KV handoff) -------------------------------------------
+# ---- prefill <-> decode (KV link) ----------------------------------------------
+# A handoff is reserve -> write -> commit: the decode node reserves destination
+# blocks, the prefill node's transfer backend writes its blocks into them, and
+# the commit makes the request runnable on the decode node without a copy.
 
 @dataclass
-class KVHandoff:
-    """kv [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] travels as one raw frame."""
-    TYPE: ClassVar[str] = "kv_handoff"
+class CudaIpcHandle:
+    """A CUDA allocation shared across processes (what torch's storage sharing returns)."""
+    device: int
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    is_event_sync_required: bool
+
+
+@dataclass
+class KVHello:
+    """prefill -> decode, on first contact and whenever the decode node's epoch changes."""
+    TYPE: ClassVar[str] = "kv_hello"
+    prefill_node: str
+
+
+@dataclass
+class KVWelcome:
+    """decode -> prefill: the decode node's cache, and how it may be written."""
+    TYPE: ClassVar[str] = "kv_welcome"
+    epoch: str                       # changes when the decode node restarts
+    host_id: str                     # machine identity: ipc only between equal host ids
+    device: str
+    cache_shape: list[int]           # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    dtype: str
+    backends: list[str]              # what this decode node accepts, best first
+    shm_name: str | None = None      # ipc on CPU: the cache's shared-memory segment
+    cuda_ipc: CudaIpcHandle | None = None  # ipc on CUDA
+
+
+@dataclass
+class KVReserve:
+    TYPE: ClassVar[str] = "kv_reserve"
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+
+
+@dataclass
+class KVReserved:
+    """decode -> prefill: block_ids for the prompt, or a refusal."""
+    TYPE: ClassVar[str] = "kv_reserved"
+    request_id: str
+    epoch: str
+    block_ids: list[int] | None = None
+    is_retryable: bool = False
+    reason: str | None = None
+
+
+@dataclass
+class KVBlocks:
+    """tcp backend: layers [first_layer, first_layer + kv.shape[0]) of a reservation's blocks.
+    kv [layers, 2, num_blocks, block_size, kv_heads, head_dim] travels as one raw frame."""
+    TYPE: ClassVar[str] = "kv_blocks"
+    request_id: str
+    first_layer: int
+    kv: torch.Tensor
+
+
+@dataclass
+class KVCommit:
+    """prefill -> decode: the reserved blocks hold the prompt's KV; start decoding."""
+    TYPE: ClassVar[str] = "kv_commit"
     request_id: str
     prompt_len: int
     first_token: int
     params: SamplingParams
     timings: dict
-    kv: torch.Tensor
+    backend: str
+
+
+@dataclass
+class KVRelease:
+    """prefill -> decode: drop a reservation that will never be committed."""
+    TYPE: ClassVar[str] = "kv_release"
+    request_id: str
 
 
 @dataclass
@@ -182,7 +258,15 @@ class HandoffAck:
 MESSAGES: dict[str, type] = {cls.TYPE: cls for cls in (
     GenerateRequest, AbortRequest, StatsRequest, GenerateOutput, StatsReply, ErrorReply,
     PrefillRequest, NodeAbort, Shutdown, NodeReady, Heartbeat, RequestFailed, TokenBatch,
-    KVHandoff, HandoffAck)}
+    KVHello, KVWelcome, KVReserve, KVReserved, KVBlocks, KVCommit, KVRelease, HandoffAck)}
+
+# What each link carries, per direction.
+CLIENT_TO_FRONTEND = (GenerateRequest, AbortRequest, StatsRequest)
+FRONTEND_TO_CLIENT = (GenerateOutput, StatsReply, ErrorReply)
+FRONTEND_TO_NODE = (PrefillRequest, NodeAbort, Shutdown)
+NODE_TO_FRONTEND = (NodeReady, Heartbeat, RequestFailed, TokenBatch)
+PREFILL_TO_DECODE = (KVHello, KVReserve, KVBlocks, KVCommit, KVRelease)
+DECODE_TO_PREFILL = (KVWelcome, KVReserved, HandoffAck)
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in
            (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8)}

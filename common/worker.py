@@ -93,8 +93,14 @@ class DeviceWorker:
         self.num_kv_blocks = kv_cache_blocks(self.spec, self.block_size, self.dtype, self.device,
                                              budget, cfg.kv_cache_fraction)
         s = self.spec
-        self.kv_cache = torch.zeros(s.num_layers, 2, self.num_kv_blocks, self.block_size,
-                                    s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device)
+        shape = (s.num_layers, 2, self.num_kv_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        self.kv_shm = None   # the cache's shared-memory segment, when shared on CPU
+        if cfg.is_kv_shared and self.device.type == "cpu":
+            from common.transfer.ipc import allocate_shared_cpu_cache
+            self.kv_cache, self.kv_shm = allocate_shared_cpu_cache(shape, self.dtype)
+        else:
+            # On CUDA any allocation can be shared through an IPC handle.
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._allocate_decode_state()
         self._warm_up()
         self._capture_graphs()
@@ -113,6 +119,10 @@ class DeviceWorker:
                      "_block_staging", "_block_updates"):
             self.__dict__.pop(name, None)
         self._slots, self._graphs, self._last_end = {}, {}, None
+        if self.kv_shm is not None:
+            from common.transfer.ipc import release_shared_cpu_cache
+            release_shared_cpu_cache(self.kv_shm)
+            self.kv_shm = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -218,25 +228,11 @@ class DeviceWorker:
             out[i] = t
         return out, (logits if return_logits else None)
 
-    # ---- KV handoff --------------------------------------------------------
-
     @torch.inference_mode()
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A host copy of the blocks: [L, 2, n, block_size, Hk, D]."""
+        """A host copy of the blocks: [L, 2, n, block_size, Hk, D] (tests and tools)."""
         idx = torch.tensor(block_ids, dtype=torch.int64).to(self.device)
         return self.kv_cache.index_select(2, idx).to("cpu")
-
-    @torch.inference_mode()
-    def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        """Write host blocks [L, 2, n, block_size, Hk, D] into our cache at block_ids."""
-        expected = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
-        if tuple(blocks.shape) != expected or blocks.dtype != self.dtype:
-            raise ValueError(f"KV blocks of shape {tuple(blocks.shape)} {blocks.dtype} do not fit "
-                             f"this cache: expected {expected} {self.dtype}")
-        idx = self._to_device(block_ids, torch.int64)
-        data = torch.empty(blocks.shape, dtype=self.dtype, device=self.device)
-        self._h2d(data, blocks)
-        self.kv_cache.index_copy_(2, idx, data)
 
     # ---- decode: device-resident step state ---------------------------------
 

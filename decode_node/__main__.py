@@ -1,7 +1,9 @@
 """python -m decode_node --frontend tcp://127.0.0.1:5601 --kv-bind tcp://127.0.0.1:5602 --model DIR"""
 import argparse
 
-from common.config import DecodeConfig, NodeLinks
+import dataclasses
+
+from common.config import KV_TRANSFERS, DecodeConfig, NodeLinks
 from common.process import add_worker_args, die_with_parent, stop_event_on_signals, worker_config
 from decode_node.node import DecodeNode
 
@@ -12,14 +14,22 @@ def main(argv=None) -> None:
     p.add_argument("--frontend", required=True, help="the frontend's node endpoint")
     p.add_argument("--kv-bind", required=True, help="where prefill nodes hand KV to this node")
     p.add_argument("--name", default="decode-0")
-    p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="reservations held (being written or waiting for a batch row)")
+    p.add_argument("--reservation-lease", type=float, default=30.0,
+                   help="seconds before an uncommitted reservation is freed")
+    p.add_argument("--kv-transfer", choices=KV_TRANSFERS, default="auto",
+                   help="KV transfer backends offered to prefill nodes (auto: ipc and tcp)")
     p.add_argument("--allow-remote", action="store_true")
     a = p.parse_args(argv)
     die_with_parent()
     stop = stop_event_on_signals()
-    cfg = DecodeConfig(worker=worker_config(a), frontend_endpoint=a.frontend, kv_endpoint=a.kv_bind,
-                       name=a.name, max_queue=a.max_queue, links=NodeLinks(),
-                       allow_remote=a.allow_remote)
+    worker = worker_config(a)
+    # ipc on CPU maps the cache through shared memory, so it is allocated there.
+    worker = dataclasses.replace(worker, is_kv_shared=a.kv_transfer in ("auto", "ipc"))
+    cfg = DecodeConfig(worker=worker, frontend_endpoint=a.frontend, kv_endpoint=a.kv_bind,
+                       name=a.name, max_queue=a.max_queue, reservation_lease_s=a.reservation_lease,
+                       kv_transfer=a.kv_transfer, links=NodeLinks(), allow_remote=a.allow_remote)
     DecodeNode(cfg).run(stop)
 
 

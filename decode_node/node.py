@@ -1,12 +1,15 @@
 """The decode node: receive -> admit -> step -> sample -> send, in one loop.
 
-Every step sends the new token of every running request to the frontend in
-one message. A request's first update carries its first token (sampled by the
-prefill node) and the timings that make up its time to first token.
+Prefill nodes reserve blocks here, write their KV into them through the
+transfer backend, and commit; a committed request joins the batch without a
+copy. Every step sends the new token of every running request to the frontend
+in one message. A request's first update carries its first token (sampled by
+the prefill node) and the timings that make up its time to first token.
 """
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 import time
 
@@ -15,11 +18,13 @@ from common.config import DecodeConfig
 from common.kv_cache import BlockAllocator
 from common.heartbeat import HeartbeatThread
 from common.log import get_logger
-from common.protocol import (HandoffAck, KVHandoff, NodeAbort, NodeReady, Shutdown,
-                             TokenBatch, TokenUpdate)
+from common import transfer
+from common.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, HandoffAck, KVBlocks, KVCommit,
+                             KVHello, KVRelease, KVReserve, KVReserved, NodeAbort, NodeReady,
+                             Shutdown, TokenBatch, TokenUpdate)
 from common.sequence import blocks_to_join, finish_reason, grow_blocks
 from common.worker import DecodeTicket, DeviceWorker
-from decode_node.scheduler import DecodeScheduler
+from decode_node.scheduler import DecodeScheduler, Reservation
 
 log = get_logger("decode")
 ABORT_MEMORY_S = 60.0   # a handoff arriving this long after its abort is still dropped
@@ -29,6 +34,7 @@ class DecodeNode:
     def __init__(self, cfg: DecodeConfig):
         self.cfg = cfg
         self.worker = DeviceWorker(cfg.worker)
+        self.epoch = f"{os.getpid()}-{secrets.token_hex(4)}"   # new on every start
         self.recently_aborted: dict[str, float] = {}
         self.pending_aborts: set[str] = set()
         self.zombies: set[str] = set()   # finished, but their row is in the step in flight
@@ -50,6 +56,9 @@ class DecodeNode:
                 kv_limit = 64 * 2**20 + self.worker.max_model_len * \
                     self.worker.spec.kv_bytes_per_token(self.worker.kv_cache.element_size())
                 self.kv = Channel(ctx, True, self.cfg.kv_endpoint, max_message_bytes=kv_limit)
+                self.sink = transfer.KVSink(self.worker.kv_cache, getattr(self.worker.kv_shm, "name", None),
+                                            transfer.accepted_backends(self.cfg.kv_transfer,
+                                                                       self.worker.device))
                 poller = Poller(self.frontend, self.kv)
                 self.allocator = BlockAllocator(self.worker.num_kv_blocks)
                 self.scheduler = DecodeScheduler(self.allocator, self.worker.block_size,
@@ -57,15 +66,16 @@ class DecodeNode:
                 self._send_ready()
                 self.heartbeat = HeartbeatThread(ctx, self.cfg.frontend_endpoint, "decode", self.cfg.name,
                                                  self.stats, self.cfg.links.heartbeat_s).start()
-                log.info("ready on %s: %d KV blocks (%d tokens), batch up to %d, KV at %s",
+                log.info("ready on %s: %d KV blocks (%d tokens), batch up to %d, KV at %s (%s)",
                          self.cfg.worker.device, self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.worker.max_batch_size,
-                         self.cfg.kv_endpoint)
+                         self.cfg.kv_endpoint, ", ".join(self.sink.accepted))
                 inflight: DecodeTicket | None = None
                 while not stop.is_set():
-                    is_busy = bool(inflight or self.scheduler.running or self.scheduler.queue)
+                    is_busy = bool(inflight or self.scheduler.running or self.scheduler.ready)
                     for ch in poller.wait(0 if is_busy else 0.02):
                         self._receive_all(ch, stop)
+                    self._expire_reservations()
                     if inflight is None:
                         # Nothing on the device: the batch may change.
                         self._apply_aborts()
@@ -85,6 +95,8 @@ class DecodeNode:
         finally:
             if hasattr(self, "heartbeat"):
                 self.heartbeat.stop()
+            if hasattr(self, "sink"):
+                self.sink.close()
             self.frontend.close()
             if hasattr(self, "kv"):
                 self.kv.close()
@@ -94,55 +106,105 @@ class DecodeNode:
     # ---- receive ----------------------------------------------------------
 
     def _receive_all(self, ch: Channel, stop: threading.Event) -> None:
+        allowed = PREFILL_TO_DECODE if ch is self.kv else FRONTEND_TO_NODE
         while ch.has_message():
-            sender, msg = ch.recv()
+            sender, msg = ch.recv(allowed)
             if isinstance(msg, BadMessage):
                 log.warning("dropped a malformed message: %s", msg.error)
                 if msg.request_id and ch is self.kv:
-                    self.kv.send(HandoffAck(msg.request_id, False, False, msg.error), to=sender)
-            elif isinstance(msg, KVHandoff):
-                self._on_handoff(sender, msg)
+                    self._refuse_write(sender, msg.request_id, msg.error)
+            elif isinstance(msg, KVHello):
+                log.info("prefill node %s connected to the KV link", msg.prefill_node)
+                self.kv.send(self.sink.welcome(self.epoch), to=sender)
+            elif isinstance(msg, KVReserve):
+                self._on_reserve(sender, msg)
+            elif isinstance(msg, KVBlocks):
+                self._on_blocks(sender, msg)
+            elif isinstance(msg, KVCommit):
+                self._on_commit(sender, msg)
+            elif isinstance(msg, KVRelease):
+                if self._reservation_of(sender, msg.request_id):
+                    self._release(msg.request_id)
             elif isinstance(msg, NodeAbort):
                 self._abort(msg.request_id)
             elif isinstance(msg, Shutdown):
                 log.info("shutdown requested by the frontend")
                 stop.set()
-            else:
-                log.warning("ignored an unexpected %s message", type(msg).__name__)
 
-    def _on_handoff(self, sender: bytes, h: KVHandoff) -> None:
-        h.timings["decode_recv"] = time.time()
-        if h.request_id in self.recently_aborted:
-            self.kv.send(HandoffAck(h.request_id, True), to=sender)  # taken, and dropped
-            return
-        refusal = self._check_handoff(h)
+    def _reservation_of(self, sender: bytes, request_id: str) -> Reservation | None:
+        """A reservation, if the sender is the prefill node that made it."""
+        r = self.scheduler.reservations.get(request_id)
+        return r if r is not None and r.sender == sender else None
+
+    def _on_reserve(self, sender: bytes, m: KVReserve) -> None:
+        w = self.worker
+        if m.request_id in self.recently_aborted:
+            refusal = ("the request was aborted", False)
+        elif m.prompt_len < 1 or m.max_tokens < 1:
+            refusal = (f"bad reservation: prompt_len {m.prompt_len}, max_tokens {m.max_tokens}", False)
+        elif m.prompt_len + m.max_tokens > w.max_model_len:
+            refusal = (f"prompt + max_tokens exceeds max_model_len {w.max_model_len}", False)
+        else:
+            refusal = self.scheduler.refusal(m.request_id, m.prompt_len, m.max_tokens)
         if refusal:
             reason, is_retryable = refusal
             if not is_retryable:
-                log.warning("refused handoff %s: %s", h.request_id, reason)
-            self.kv.send(HandoffAck(h.request_id, False, is_retryable, reason), to=sender)
+                log.warning("refused reservation %s: %s", m.request_id, reason)
+            self.kv.send(KVReserved(m.request_id, self.epoch, None, is_retryable, reason), to=sender)
             return
-        # NOTE: the KV frames are only read, when the request is admitted; the
-        # tensor aliases zmq's receive buffer, which it keeps alive.
-        self.scheduler.enqueue(h)
-        self.kv.send(HandoffAck(h.request_id, True), to=sender)
+        r = self.scheduler.reserve(m.request_id, sender, m.prompt_len, m.max_tokens,
+                                   self.cfg.reservation_lease_s)
+        self.kv.send(KVReserved(m.request_id, self.epoch, list(r.block_ids)), to=sender)
 
-    def _check_handoff(self, h: KVHandoff) -> tuple[str, bool] | None:
-        w = self.worker
-        expected = (*w.kv_cache.shape[:2], -1, *w.kv_cache.shape[3:])
-        shape_ok = h.kv.dim() == 6 and all(e in (-1, s) for e, s in zip(expected, h.kv.shape))
-        if not shape_ok or h.kv.dtype != w.dtype:
-            return (f"KV of shape {tuple(h.kv.shape)} {h.kv.dtype} does not fit this node's cache "
-                    f"{tuple(expected)} {w.dtype}"), False
-        if h.kv.shape[2] * w.block_size < h.prompt_len:
-            return f"{h.kv.shape[2]} blocks cannot hold a prompt of {h.prompt_len} tokens", False
+    def _on_blocks(self, sender: bytes, m: KVBlocks) -> None:
+        r = self._reservation_of(sender, m.request_id)
+        if r is None or r.error or r.commit is not None:
+            return  # released, expired, already failed, or not this sender's
         try:
-            h.params.validate(w.spec.vocab_size)
+            self.sink.receive(m, r.block_ids)
+        except transfer.TransferError as e:
+            log.warning("refused KV frame for %s: %s", m.request_id, e)
+            r.error = str(e)
+
+    def _on_commit(self, sender: bytes, c: KVCommit) -> None:
+        c.timings["decode_recv"] = time.time()
+        r = self._reservation_of(sender, c.request_id)
+        if r is None:
+            reason = "the request was aborted" if c.request_id in self.recently_aborted else \
+                "no reservation for this request (expired or released)"
+            self._refuse_write(sender, c.request_id, reason)
+            return
+        try:
+            c.params.validate(self.worker.spec.vocab_size)
+            if c.prompt_len != r.prompt_len or c.params.max_tokens > r.max_tokens:
+                raise ValueError(f"commit for {c.prompt_len} tokens + {c.params.max_tokens} outputs "
+                                 f"does not match the reservation ({r.prompt_len} + {r.max_tokens})")
+            if not 0 <= c.first_token < self.worker.spec.vocab_size:
+                raise ValueError(f"first token {c.first_token} is outside the vocabulary")
+            if r.error:
+                raise ValueError(r.error)
         except ValueError as e:
-            return str(e), False
-        if h.prompt_len + h.params.max_tokens > w.max_model_len:
-            return f"prompt + max_tokens exceeds max_model_len {w.max_model_len}", False
-        return self.scheduler.refusal(h)
+            self._refuse_write(sender, c.request_id, str(e))
+            return
+        self.scheduler.commit(r, c)
+        self.kv.send(HandoffAck(c.request_id, True), to=sender)
+
+    def _refuse_write(self, sender: bytes, request_id: str, reason: str) -> None:
+        """Refuse a handoff for good; its reservation, if the sender made one, is freed."""
+        if self._reservation_of(sender, request_id):
+            self._release(request_id)
+        log.warning("refused handoff %s: %s", request_id, reason)
+        self.kv.send(HandoffAck(request_id, False, False, reason), to=sender)
+
+    def _release(self, request_id: str) -> None:
+        self.sink.forget(request_id)  # waits for frames still landing in its blocks
+        self.scheduler.release(request_id)
+
+    def _expire_reservations(self) -> None:
+        for rid in self.scheduler.expired(time.monotonic()):
+            log.warning("reservation %s was not committed within %.0fs: freed", rid,
+                        self.cfg.reservation_lease_s)
+            self._release(rid)
 
     def _abort(self, request_id: str) -> None:
         now = time.monotonic()
@@ -150,8 +212,11 @@ class DecodeNode:
                                  if now - t < ABORT_MEMORY_S}
         if request_id in self.scheduler.running:
             self.pending_aborts.add(request_id)  # removed between steps, not under one
-        elif not self.scheduler.drop_queued(request_id):
-            self.recently_aborted[request_id] = now  # its handoff may still be on the way
+        elif request_id in self.scheduler.reservations:
+            self._release(request_id)
+            self.recently_aborted[request_id] = now  # a late commit is refused, not an error
+        else:
+            self.recently_aborted[request_id] = now  # its reservation may still be on the way
 
     def _apply_aborts(self) -> None:
         for rid in self.pending_aborts:
@@ -163,21 +228,20 @@ class DecodeNode:
 
     def _admit(self) -> list[TokenUpdate]:
         updates = []
-        while (arrival := self.scheduler.next_admissible()) is not None:
-            h = arrival.handoff
-            seq = self.scheduler.start(arrival)
-            self.worker.import_blocks(seq.block_ids, h.kv[:, :, : len(seq.block_ids)])
-            h.timings["decode_admit"] = time.time()
-            seq.output_ids.append(h.first_token)
-            reason = finish_reason(seq, h.first_token, self.worker.spec.eos_token_ids,
+        while (r := self.scheduler.next_admissible(self.sink.is_landed)) is not None:
+            c = r.commit
+            seq = self.scheduler.start(r)
+            c.timings["decode_admit"] = time.time()
+            seq.output_ids.append(c.first_token)
+            reason = finish_reason(seq, c.first_token, self.worker.spec.eos_token_ids,
                                    self.worker.max_model_len)
-            updates.append(TokenUpdate(h.request_id, [h.first_token], reason, _ttft_parts(h.timings)))
+            updates.append(TokenUpdate(c.request_id, [c.first_token], reason, _ttft_parts(c.timings)))
             if reason:
-                self._finished(h.request_id, in_batch=False)
+                self._finished(c.request_id, in_batch=False)
                 continue
             blocks_to_join(seq, self.worker.block_size, self.allocator)
-            self.worker.add_decode_seq(h.request_id, h.first_token, h.prompt_len,
-                                       seq.block_ids, h.params)
+            self.worker.add_decode_seq(c.request_id, c.first_token, c.prompt_len,
+                                       seq.block_ids, c.params)
         return updates
 
     def _launch(self) -> DecodeTicket:
@@ -189,7 +253,7 @@ class DecodeNode:
         will not change: no abort, admission or leftover row to remove, and no
         request that surely ends with the running step (its extra step would write
         past its reserved blocks)."""
-        if self.pending_aborts or self.zombies or self.scheduler.has_admissible():
+        if self.pending_aborts or self.zombies or self.scheduler.has_admissible(self.sink.is_landed):
             return False
         limit = self.worker.max_model_len
         return not any(len(s.output_ids) + 1 >= s.params.max_tokens
@@ -240,15 +304,17 @@ class DecodeNode:
         w = self.worker
         self._send(NodeReady("decode", self.cfg.name, os.getpid(), self.cfg.worker.device,
                              w.num_kv_blocks, w.block_size, w.max_model_len,
-                             peer=self.cfg.kv_endpoint))
+                             kv_endpoint=self.cfg.kv_endpoint, kv_transfer=self.cfg.kv_transfer))
 
     def stats(self) -> dict:
         return {**self.worker.stats(), "num_running": len(self.scheduler.running),
-                "num_queued": len(self.scheduler.queue), "num_finished": self.num_finished,
+                "num_queued": len(self.scheduler.ready),
+                "num_reservations": len(self.scheduler.reservations), "num_finished": self.num_finished,
                 "num_batched_steps": self.num_batched_steps,
                 "num_discarded_tokens": self.num_discarded_tokens,
                 "num_free_blocks": self.allocator.num_free,
                 "num_reserved_blocks": self.allocator.num_reserved,
+                "num_available_blocks": self.allocator.num_available,
                 "num_usable_blocks": self.allocator.capacity}
 
     def _report(self) -> None:
@@ -266,8 +332,10 @@ class DecodeNode:
 
 def _ttft_parts(t: dict) -> dict:
     """Milliseconds spent in each stage before the first token could be streamed."""
-    ms = lambda a, b: round((t[b] - t[a]) * 1e3, 3) if t.get(a) and t.get(b) else None  # noqa: E731
+    def ms(a: str, b: str) -> float | None:
+        x, y = t.get(a), t.get(b)
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (x, y))
+        return round((y - x) * 1e3, 3) if ok else None
     return {"queue_ms": ms("arrival", "prefill_start"), "prefill_ms": ms("prefill_start", "prefill_end"),
             "kv_transfer_ms": ms("prefill_end", "decode_recv"),
-            "decode_admission_ms": ms("decode_recv", "decode_admit"),
-            "first_token_at": t.get("decode_admit")}
+            "decode_admission_ms": ms("decode_recv", "decode_admit")}

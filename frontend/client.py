@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
 from common.channel import AsyncChannel, BadMessage, Channel, open_async_context, open_context
+from common.protocol import FRONTEND_TO_CLIENT as REPLIES
 from common.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateRequest,
                              StatsReply, StatsRequest)
-
-REPLIES = (GenerateOutput, StatsReply, ErrorReply)
 
 
 class ServerError(RuntimeError):
@@ -138,13 +137,15 @@ class Client:
                 return msg
             self._inbox.setdefault(msg.request_id, []).append(_as_output(msg.request_id, msg))
 
-    def wait_ready(self, timeout_s: float) -> StatsReply:
-        """Until the frontend has a live prefill and decode node (a handshake, not a sleep)."""
+    def wait_ready(self, timeout_s: float, num_nodes: int = 0) -> StatsReply:
+        """Until the frontend has a live prefill and decode node, and at least num_nodes
+        live nodes in all (a handshake, not a sleep)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 reply = self.stats(timeout_s=min(1.0, max(deadline - time.monotonic(), 0.001)))
-                if reply.is_ready:
+                num_live = sum(bool(n.get("is_alive")) for n in reply.nodes.values())
+                if reply.is_ready and num_live >= num_nodes:
                     return reply
             except TimeoutError:
                 pass
@@ -228,11 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stats", action="store_true", help="print the cluster's stats")
     p.add_argument("--wait-ready", type=float, default=None, metavar="SECONDS",
                    help="wait until a prefill and a decode node are ready")
+    p.add_argument("--wait-nodes", type=int, default=0, metavar="N",
+                   help="with --wait-ready: until N nodes in all are live")
     a = p.parse_args(argv)
     with Client(a.endpoint) as client:
         try:
             if a.wait_ready is not None:
-                client.wait_ready(a.wait_ready)
+                client.wait_ready(a.wait_ready, a.wait_nodes)
             if a.stats:
                 print(json.dumps(vars(client.stats()), indent=2))
             if not a.prompt:

@@ -16,25 +16,16 @@ from common.channel import AsyncChannel, BadMessage, open_async_context
 from common.config import FrontendConfig
 from common.log import get_logger
 from common.model_spec import load_spec
-from common.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateRequest,
+from common.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, ErrorReply, GenerateOutput, GenerateRequest,
                              Heartbeat, NodeAbort, NodeReady, PrefillRequest, RequestFailed,
                              StatsReply, StatsRequest, TokenBatch)
 from common.sampling import SamplingParams, validate_prompt
 from common.sequence import FINISH_ABORT, FINISH_ERROR, FINISH_STOP
+from frontend import router
 from frontend.detok import IncrementalDetokenizer
+from frontend.router import NodeState
 
 log = get_logger("frontend")
-CLIENT_MESSAGES = (GenerateRequest, AbortRequest, StatsRequest)
-NODE_MESSAGES = (NodeReady, Heartbeat, RequestFailed, TokenBatch)
-
-
-@dataclass
-class NodeState:
-    ready: NodeReady
-    identity: bytes
-    last_seen: float
-    stats: dict = field(default_factory=dict)
-    is_alive: bool = True
 
 
 @dataclass
@@ -49,6 +40,7 @@ class RequestState:
     decode_node: str
     num_tokens: int = 0
     timings: dict = field(default_factory=dict)
+    is_prefilled: bool = False   # its first token came back (or it ended)
 
 
 class Frontend:
@@ -92,7 +84,7 @@ class Frontend:
 
     async def _client_loop(self) -> None:
         while True:
-            client, msg = await self.clients.recv(CLIENT_MESSAGES)
+            client, msg = await self.clients.recv(CLIENT_TO_FRONTEND)
             try:
                 if isinstance(msg, BadMessage):
                     await self._reply_error(client, msg.request_id, msg.error)
@@ -154,7 +146,7 @@ class Frontend:
         except ValueError as e:
             await self._reply_error(client, req.request_id, str(e))
             return
-        route = self._route()
+        route = router.choose(self.nodes)
         if route is None:
             await self._reply_error(client, req.request_id,
                                     "no live prefill and decode node pair is available")
@@ -165,7 +157,9 @@ class Frontend:
                              IncrementalDetokenizer(self.tokenizer, req.stop), time.time(),
                              time.monotonic() + timeout, prefill.ready.name, decode.ready.name)
         self.requests[req.request_id] = state
-        await self.node_link.send(PrefillRequest(req.request_id, ids, params, state.arrival_time),
+        router.routed(prefill, decode, len(ids))
+        await self.node_link.send(PrefillRequest(req.request_id, ids, params, state.arrival_time,
+                                                 decode.ready.name, decode.ready.kv_endpoint),
                                   to=prefill.identity)
 
     async def _on_abort(self, client: bytes, request_id: str) -> None:
@@ -178,30 +172,21 @@ class Frontend:
 
     # ---- routing --------------------------------------------------------------
 
-    def _route(self) -> tuple[NodeState, NodeState] | None:
-        """The least-loaded live prefill node whose decode node is alive."""
-        decodes = {n.ready.peer: n for n in self.nodes.values()
-                   if n.is_alive and n.ready.role == "decode"}
-        pairs = [(p, decodes[p.ready.peer]) for p in self.nodes.values()
-                 if p.is_alive and p.ready.role == "prefill" and p.ready.peer in decodes]
-        if not pairs:
-            return None
-        return min(pairs, key=lambda pd: pd[0].stats.get("num_waiting", 0))
-
     def is_ready(self) -> bool:
-        return self._route() is not None
+        return router.choose(self.nodes) is not None
 
     def node_stats(self) -> dict:
         now = time.monotonic()
         return {name: {"role": n.ready.role, "is_alive": n.is_alive, "pid": n.ready.pid,
-                       "device": n.ready.device, "seconds_since_seen": round(now - n.last_seen, 3),
-                       **n.stats} for name, n in self.nodes.items()}
+                       "device": n.ready.device, "kv_transfer": n.ready.kv_transfer,
+                       "seconds_since_seen": round(now - n.last_seen, 3),
+                       "num_routed": n.num_routed, **n.stats} for name, n in self.nodes.items()}
 
     # ---- nodes ----------------------------------------------------------------
 
     async def _node_loop(self) -> None:
         while True:
-            sender, msg = await self.node_link.recv(NODE_MESSAGES)
+            sender, msg = await self.node_link.recv(NODE_TO_FRONTEND)
             try:
                 await self._on_node_message(sender, msg)
             except Exception:
@@ -252,8 +237,11 @@ class Frontend:
         if req is None:  # finished or failed here already: the node should drop it too
             await self.node_link.send(NodeAbort(u.request_id), to=node.identity)
             return
+        if not req.is_prefilled:
+            req.is_prefilled = True
+            router.prefill_done(self.nodes.get(req.prefill_node), req.prompt_len)
         if u.timings:
-            req.timings.update({k: v for k, v in u.timings.items() if k != "first_token_at"})
+            req.timings.update(u.timings)
             req.timings["ttft_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
         req.num_tokens += len(u.token_ids)
         req.detok.add(u.token_ids)
@@ -271,6 +259,10 @@ class Frontend:
         """The last message of a request; the nodes drop it unless they ended it themselves."""
         if self.requests.pop(req.request_id, None) is None:
             return
+        if not req.is_prefilled:
+            req.is_prefilled = True
+            router.prefill_done(self.nodes.get(req.prefill_node), req.prompt_len)
+        router.decode_done(self.nodes.get(req.decode_node))
         if not is_node_done:
             for name in (req.prefill_node, req.decode_node):
                 node = self.nodes.get(name)

@@ -15,7 +15,9 @@ import torch
 from common.channel import BadMessage, Channel, Poller, open_context
 from common.config import DTYPES, endpoint
 from common.model_spec import ModelSpec, load_spec, preset_spec
-from common.protocol import Heartbeat, NodeReady
+from common.protocol import (HandoffAck, Heartbeat, KVBlocks, KVCommit, KVHello, KVReserve,
+                             KVReserved, KVWelcome, NodeReady)
+from common.transfer import host_id
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,7 +123,8 @@ class NodeUnderTest:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         out = open(log, "ab") if log else subprocess.DEVNULL
         cmd = [sys.executable, "-m", module, *args, "--frontend", self.node_endpoint]
-        cmd += ["--kv-bind" if not kv_is_router else "--decode-kv", self.kv_endpoint]
+        if not kv_is_router:
+            cmd += ["--kv-bind", self.kv_endpoint]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         self.kv = Channel(self.ctx, kv_is_router, self.kv_endpoint, max_message_bytes=None)
         self.poller = Poller(self.link, self.kv)
@@ -160,6 +163,43 @@ class NodeUnderTest:
 
     def send(self, msg) -> None:
         self.link.send(msg, to=self.identity)
+
+    # ---- standing in for the other node on the KV link (tcp transfer) ----------
+
+    def answer_kv(self, sender: bytes, msg, spec: ModelSpec, dtype: torch.dtype,
+                  block_size: int) -> KVCommit | None:
+        """As a decode node that discards what it is sent: welcome, reserve, accept.
+        Returns a commit once it is acknowledged."""
+        if isinstance(msg, KVHello):
+            shape = [spec.num_layers, 2, 2**30, block_size, spec.num_kv_heads, spec.head_dim]
+            self.kv.send(KVWelcome("bench", host_id(), "cpu", shape, str(dtype).removeprefix("torch."),
+                                   ["tcp"]), to=sender)
+        elif isinstance(msg, KVReserve):
+            n = -(-msg.prompt_len // block_size)
+            self.kv.send(KVReserved(msg.request_id, "bench", list(range(1, n + 1))), to=sender)
+        elif isinstance(msg, KVCommit):
+            self.kv.send(HandoffAck(msg.request_id, True), to=sender)
+            return msg
+        return None
+
+    def hand_off(self, request_id: str, prompt_len: int, first_token: int, params,
+                 kv: torch.Tensor) -> None:
+        """As a prefill node: reserve blocks on the decode node, write kv into them
+        as tcp frames, commit."""
+        while True:
+            self.kv.send(KVReserve(request_id, prompt_len, params.max_tokens))
+            reply = None
+            while reply is None:
+                got = [m for ch, _, m in self.poll(0.05) if ch is self.kv]
+                reply = next((m for m in got if isinstance(m, KVReserved)
+                              and m.request_id == request_id), None)
+            if reply.block_ids is not None or not reply.is_retryable:
+                break
+            time.sleep(0.05)   # the decode node is full for now
+        if reply.block_ids is None:
+            raise RuntimeError(f"decode node refused {request_id}: {reply.reason}")
+        self.kv.send(KVBlocks(request_id, 0, kv[:, :, : len(reply.block_ids)].contiguous()))
+        self.kv.send(KVCommit(request_id, prompt_len, first_token, params, {}, "tcp"))
 
     def close(self) -> None:
         self.proc.terminate()

@@ -18,7 +18,7 @@ import time
 import torch
 
 from common.kv_cache import num_blocks_for
-from common.protocol import HandoffAck, KVHandoff, NodeAbort, TokenBatch
+from common.protocol import HandoffAck, NodeAbort, TokenBatch
 from common.sampling import SamplingParams
 from launch.bench_common import (NodeUnderTest, add_common_args, device_name, emit, hf_model,
                                  matmul_params, measure_floors, resolve, sync, worker_args)
@@ -33,7 +33,7 @@ def run_batch(node: NodeUnderTest, spec, dtype, batch: int, ctx_len: int, block_
     rids = [f"b{batch}-{i}" for i in range(batch)]
     _, s0 = node.next_heartbeat(time.perf_counter())
     for i, rid in enumerate(rids):
-        node.kv.send(KVHandoff(rid, ctx_len, i + 1, params, {}, kv))
+        node.hand_off(rid, ctx_len, i + 1, params, kv)
     # Each TokenBatch is one step. Time num_steps full-batch steps, and note the
     # step at which each request joined, to know the context the steps ran at.
     admitted_at: dict[str, int] = {}

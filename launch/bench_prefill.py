@@ -5,8 +5,8 @@ in for the decode node, accepting and discarding every handoff.
         [--baseline transformers]
 
 One JSON line: prompt tokens/s of the forward passes, end to end (send to the
-last handoff received), time to first token, handoff time, and the matmul
-floor: FLOPs / measured matmul rate.
+last handoff committed, over the tcp KV transfer), time to first token, handoff
+time, and the matmul floor: FLOPs / measured matmul rate.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from common.protocol import HandoffAck, KVHandoff, PrefillRequest, RequestFailed
+from common.protocol import PrefillRequest, RequestFailed
 from common.sampling import SamplingParams
 from launch.bench_common import (NodeUnderTest, add_common_args, device_name, emit, hf_model,
                                  matmul_params, measure_floors, resolve, sync, worker_args)
@@ -31,19 +31,21 @@ def prefill_flops(spec, batch: int, prompt_len: int) -> float:
     return dense + 2 * spec.vocab_size * spec.hidden_size * batch + attn
 
 
-def run_round(node: NodeUnderTest, spec, batch: int, prompt_len: int, tag: str) -> dict:
+def run_round(node: NodeUnderTest, spec, dtype, block_size: int, batch: int, prompt_len: int,
+              tag: str) -> dict:
     gen = torch.Generator().manual_seed(hash(tag) % 2**31)
     params = SamplingParams(max_tokens=1)
     t0 = time.time()
     for i in range(batch):
         ids = torch.randint(0, spec.vocab_size, (prompt_len,), generator=gen).tolist()
-        node.send(PrefillRequest(f"{tag}-{i}", ids, params, t0))
+        node.send(PrefillRequest(f"{tag}-{i}", ids, params, t0, "bench-decode", node.kv_endpoint))
     got: list[tuple[float, dict]] = []
     while len(got) < batch:
         for ch, sender, msg in node.poll(0.05):
-            if isinstance(msg, KVHandoff):
-                got.append((time.time(), msg.timings))
-                node.kv.send(HandoffAck(msg.request_id, True), to=sender)
+            if ch is node.kv:
+                commit = node.answer_kv(sender, msg, spec, dtype, block_size)
+                if commit is not None:
+                    got.append((time.time(), commit.timings))
             elif isinstance(msg, RequestFailed):
                 raise RuntimeError(f"{msg.request_id} failed: {msg.error}")
     forward_s = max(t["prefill_end"] for _, t in got) - min(t["prefill_start"] for _, t in got)
@@ -82,12 +84,15 @@ def main(argv=None) -> None:
     spec, dtype = resolve(a)
     floors = measure_floors(a.device, dtype)
     tokens = a.batch * a.prompt_len
-    args = worker_args(a, a.batch, a.prompt_len + 16) + ["--token-budget", str(tokens)]
+    args = worker_args(a, a.batch, a.prompt_len + 16) + ["--token-budget", str(tokens),
+                                                         "--kv-transfer", "tcp"]
     node = NodeUnderTest("prefill_node", args, a.base_port, a.node_log, kv_is_router=True)
+    block_size = 16
     try:
         node.wait_ready()
-        run_round(node, spec, a.batch, a.prompt_len, "warmup")
-        rounds = [run_round(node, spec, a.batch, a.prompt_len, f"r{i}") for i in range(a.rounds)]
+        run_round(node, spec, dtype, block_size, a.batch, a.prompt_len, "warmup")
+        rounds = [run_round(node, spec, dtype, block_size, a.batch, a.prompt_len, f"r{i}")
+                  for i in range(a.rounds)]
     finally:
         node.close()
     forward_s = min(r["forward_s"] for r in rounds)

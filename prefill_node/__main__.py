@@ -1,7 +1,10 @@
-"""python -m prefill_node --frontend tcp://127.0.0.1:5601 --decode-kv tcp://127.0.0.1:5602 --model DIR"""
+"""python -m prefill_node --frontend tcp://127.0.0.1:5601 --model DIR
+
+The frontend names the decode node of each request; this node connects to
+that decode node's KV link on first use."""
 import argparse
 
-from common.config import NodeLinks, PrefillConfig
+from common.config import KV_TRANSFERS, NodeLinks, PrefillConfig
 from common.process import add_worker_args, die_with_parent, stop_event_on_signals, worker_config
 from prefill_node.node import PrefillNode
 
@@ -10,17 +13,19 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m prefill_node", description=__doc__)
     add_worker_args(p)
     p.add_argument("--frontend", required=True, help="the frontend's node endpoint")
-    p.add_argument("--decode-kv", required=True, help="the decode node's KV endpoint")
     p.add_argument("--name", default="prefill-0")
     p.add_argument("--token-budget", type=int, default=2048, help="prompt tokens per pass")
-    p.add_argument("--handoff-lease", type=float, default=10.0, help="seconds")
+    p.add_argument("--handoff-lease", type=float, default=10.0,
+                   help="seconds after its prefill within which a handoff must be committed")
+    p.add_argument("--kv-transfer", choices=KV_TRANSFERS, default="auto",
+                   help="auto: ipc with a decode node on this host, else tcp")
     p.add_argument("--allow-remote", action="store_true")
     a = p.parse_args(argv)
     die_with_parent()
     stop = stop_event_on_signals()
     cfg = PrefillConfig(worker=worker_config(a), frontend_endpoint=a.frontend,
-                        decode_kv_endpoint=a.decode_kv, name=a.name, token_budget=a.token_budget,
-                        handoff_lease_s=a.handoff_lease, links=NodeLinks(),
+                        name=a.name, token_budget=a.token_budget,
+                        handoff_lease_s=a.handoff_lease, kv_transfer=a.kv_transfer, links=NodeLinks(),
                         allow_remote=a.allow_remote)
     PrefillNode(cfg).run(stop)
 

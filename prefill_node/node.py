@@ -1,45 +1,34 @@
 """The prefill node: receive -> schedule -> forward -> sample -> hand off, in one loop.
 
-A finished prompt's KV blocks stay allocated (under a lease) until the decode
-node confirms it holds them; an unconfirmed handoff is failed and freed when
-its lease runs out.
+Each request names its decode node. Its reservation there is asked for when
+its prefill starts; when the prompt is done, the transfer backend writes the
+blocks into the reserved ones and the commit follows (prefill_node/handoff.py).
+A prompt's blocks stay allocated here until that write has completed.
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 from common.channel import BadMessage, Channel, Poller, open_context
-from common.config import PrefillConfig
-from common.kv_cache import BlockAllocator
+from common.config import PrefillConfig, check_endpoint
 from common.heartbeat import HeartbeatThread
+from common.kv_cache import BlockAllocator
 from common.log import get_logger
-from common.protocol import (HandoffAck, KVHandoff, NodeAbort, NodeReady,
-                             PrefillRequest, RequestFailed, Shutdown)
+from common.protocol import FRONTEND_TO_NODE, NodeAbort, NodeReady, PrefillRequest, RequestFailed, Shutdown
 from common.sampling import validate_prompt
 from common.worker import DeviceWorker, PrefillChunk
+from prefill_node.handoff import Handoffs
 from prefill_node.scheduler import PrefillJob, PrefillScheduler, ScheduledChunk
 
 log = get_logger("prefill")
-RETRY_S = 0.05
-
-
-@dataclass
-class PendingHandoff:
-    job: PrefillJob
-    msg: KVHandoff
-    lease_deadline: float
-    next_send: float          # 0: sent, waiting for the ack
 
 
 class PrefillNode:
     def __init__(self, cfg: PrefillConfig):
         self.cfg = cfg
         self.worker = DeviceWorker(cfg.worker)
-        self.pending: dict[str, PendingHandoff] = {}
-        self.num_handoffs = 0
         self.num_failed = 0
         self._last_log = 0.0
         self._log_tokens = 0
@@ -48,60 +37,62 @@ class PrefillNode:
 
     def run(self, stop: threading.Event) -> None:
         ctx = open_context()
-        links = self.cfg.links
         self.frontend = Channel(ctx, False, self.cfg.frontend_endpoint, identity=self.cfg.name,
-                                max_message_bytes=links.max_message_bytes)
-        self.kv = Channel(ctx, False, self.cfg.decode_kv_endpoint, is_immediate=True,
-                          max_message_bytes=links.max_message_bytes)
-        poller = Poller(self.frontend, self.kv)
+                                max_message_bytes=self.cfg.links.max_message_bytes)
+        poller = Poller(self.frontend)
         try:
             with self.worker:
                 self.allocator = BlockAllocator(self.worker.num_kv_blocks)
                 self.scheduler = PrefillScheduler(self.allocator, self.worker.block_size,
                                                   self.cfg.token_budget, self.cfg.max_batch_prompts)
+                self.handoffs = Handoffs(ctx, self.cfg, self.worker.kv_cache, self.allocator,
+                                         self.scheduler, poller, self._fail)
                 self._send_ready()
                 self.heartbeat = HeartbeatThread(ctx, self.cfg.frontend_endpoint, "prefill", self.cfg.name,
                                                  self.stats, self.cfg.links.heartbeat_s).start()
-                log.info("ready on %s: %d KV blocks (%d tokens), token budget %d",
+                log.info("ready on %s: %d KV blocks (%d tokens), token budget %d, KV transfer %s",
                          self.cfg.worker.device, self.worker.num_kv_blocks,
-                         self.worker.token_capacity, self.cfg.token_budget)
+                         self.worker.token_capacity, self.cfg.token_budget, self.cfg.kv_transfer)
                 while not stop.is_set():
-                    is_busy = bool(self.scheduler.prefilling or self.scheduler.waiting)
+                    is_busy = bool(self.scheduler.prefilling or self.scheduler.waiting
+                                   or self.handoffs.by_id)
                     for ch in poller.wait(0 if is_busy else 0.02):
-                        self._receive_all(ch, stop)
-                    self._resend_and_expire()
+                        if ch is self.frontend:
+                            self._receive_all(stop)
+                        else:
+                            self.handoffs.receive(ch)
+                    self.handoffs.advance()
                     chunks = self.scheduler.schedule()
                     if chunks:
                         self._forward(chunks)
+                        self.handoffs.advance()
                     self._report()
         finally:
             if hasattr(self, "heartbeat"):
                 self.heartbeat.stop()
+            if hasattr(self, "handoffs"):
+                self.handoffs.close()
             self.frontend.close()
-            self.kv.close()
             ctx.term()
             log.info("stopped")
 
     # ---- receive ----------------------------------------------------------
 
-    def _receive_all(self, ch: Channel, stop: threading.Event) -> None:
-        while ch.has_message():
-            _, msg = ch.recv()
+    def _receive_all(self, stop: threading.Event) -> None:
+        while self.frontend.has_message():
+            _, msg = self.frontend.recv(FRONTEND_TO_NODE)
             if isinstance(msg, BadMessage):
                 log.warning("dropped a malformed message: %s", msg.error)
-                if msg.request_id and ch is self.frontend:
+                if msg.request_id:
                     self._fail(msg.request_id, f"malformed prefill message: {msg.error}")
             elif isinstance(msg, PrefillRequest):
                 self._accept(msg)
-            elif isinstance(msg, HandoffAck):
-                self._on_ack(msg)
             elif isinstance(msg, NodeAbort):
-                self._abort(msg.request_id)
+                if not self.handoffs.abort(msg.request_id):
+                    self.scheduler.abort(msg.request_id)
             elif isinstance(msg, Shutdown):
                 log.info("shutdown requested by the frontend")
                 stop.set()
-            else:
-                log.warning("ignored an unexpected %s message", type(msg).__name__)
 
     def _accept(self, req: PrefillRequest) -> None:
         try:
@@ -111,70 +102,31 @@ class PrefillNode:
             if not self.scheduler.fits_at_all(len(req.prompt_token_ids)):
                 raise ValueError(f"prompt of {len(req.prompt_token_ids)} tokens exceeds this "
                                  f"prefill node's KV cache ({self.worker.token_capacity} tokens)")
+            check_endpoint("decode_kv_endpoint", req.decode_kv_endpoint, self.cfg.allow_remote)
         except ValueError as e:
             self._fail(req.request_id, str(e))
             return
         self.scheduler.add(PrefillJob(req.request_id, list(req.prompt_token_ids), req.params,
-                                      req.arrival_time))
-
-    def _on_ack(self, ack: HandoffAck) -> None:
-        pending = self.pending.get(ack.request_id)
-        if pending is None:
-            return  # aborted or expired meanwhile; its blocks are already free
-        if ack.is_accepted:
-            self._release(ack.request_id)
-        elif ack.is_retryable:
-            pending.next_send = time.monotonic() + RETRY_S
-        else:
-            self._release(ack.request_id)
-            self._fail(ack.request_id, f"decode node refused the request: {ack.reason}")
-
-    def _abort(self, request_id: str) -> None:
-        if request_id in self.pending:
-            self._release(request_id)
-        elif self.scheduler.abort(request_id) is None:
-            log.debug("abort for unknown request %s", request_id)
+                                      req.arrival_time, req.decode_node, req.decode_kv_endpoint))
 
     # ---- forward and hand off ----------------------------------------------
 
     def _forward(self, chunks: list[ScheduledChunk]) -> None:
+        for c in chunks:
+            if c.start == 0:
+                self.handoffs.begin(c.job)   # the reservation comes back during the forward
         batch = [PrefillChunk(c.job.token_ids[c.start:c.end], c.start, c.job.block_ids,
                               c.job.params if c.is_last else None) for c in chunks]
         tokens, _ = self.worker.prefill(batch)
         self._log_tokens += sum(c.end - c.start for c in chunks)
         done_at = time.time()
         for c, token in zip(chunks, tokens):
-            if not c.is_last:
-                continue
-            job = c.job
-            timings = {"arrival": job.arrival_time, "prefill_recv": job.recv_time,
-                       "prefill_start": job.start_time, "prefill_end": done_at}
-            msg = KVHandoff(job.request_id, job.prompt_len, token, job.params, timings,
-                            self.worker.export_blocks(job.block_ids))
-            self.pending[job.request_id] = PendingHandoff(
-                job, msg, time.monotonic() + self.cfg.handoff_lease_s, time.monotonic())
+            if c.is_last:
+                job = c.job
+                self.handoffs.prefilled(job, token, {
+                    "arrival": job.arrival_time, "prefill_recv": job.recv_time,
+                    "prefill_start": job.start_time, "prefill_end": done_at})
         self.scheduler.complete(chunks)
-        self._resend_and_expire()
-
-    def _resend_and_expire(self) -> None:
-        now = time.monotonic()
-        for rid, p in list(self.pending.items()):
-            if now > p.lease_deadline:
-                self._release(rid)
-                self._fail(rid, f"decode node did not confirm the KV handoff within "
-                                f"{self.cfg.handoff_lease_s:.0f}s")
-            elif p.next_send and now >= p.next_send:
-                if self.kv.send(p.msg, block=False):
-                    p.msg.timings["sent"] = time.time()
-                    p.next_send = 0.0
-                    self.num_handoffs += 1
-                else:
-                    p.next_send = now + RETRY_S  # no decode node connected yet
-
-    def _release(self, request_id: str) -> None:
-        p = self.pending.pop(request_id)
-        self.allocator.free(p.job.block_ids)
-        p.job.block_ids = []
 
     def _fail(self, request_id: str, error: str) -> None:
         self.num_failed += 1
@@ -188,14 +140,19 @@ class PrefillNode:
         w = self.worker
         self.frontend.send(NodeReady("prefill", self.cfg.name, os.getpid(), self.cfg.worker.device,
                                      w.num_kv_blocks, w.block_size, w.max_model_len,
-                                     peer=self.cfg.decode_kv_endpoint))
+                                     kv_transfer=self.cfg.kv_transfer))
 
     def stats(self) -> dict:
         return {**self.worker.stats(), "num_waiting": self.scheduler.num_waiting,
+                "num_waiting_tokens": self.scheduler.num_waiting_tokens,
                 "num_prefilling": len(self.scheduler.prefilling),
-                "num_pending_handoffs": len(self.pending), "num_handoffs": self.num_handoffs,
+                "num_pending_handoffs": self.handoffs.num_pending,
+                "num_handoffs": self.handoffs.num_handoffs,
+                "num_kv_bytes_written": self.handoffs.bytes_written,
                 "num_failed": self.num_failed, "num_free_blocks": self.allocator.num_free,
-                "num_usable_blocks": self.allocator.capacity}
+                "num_usable_blocks": self.allocator.capacity,
+                "kv_links": {p.name: (p.writer.name if p.writer else p.error or "connecting")
+                             for p in list(self.handoffs.peers.values())}}
 
     def _report(self) -> None:
         now = time.monotonic()

@@ -21,6 +21,8 @@ class PrefillJob:
     token_ids: list[int]
     params: SamplingParams
     arrival_time: float            # at the frontend (wall clock)
+    decode_node: str               # where its KV goes
+    decode_kv_endpoint: str
     recv_time: float = field(default_factory=time.time)
     start_time: float | None = None
     block_ids: list[int] = field(default_factory=list)
@@ -55,6 +57,12 @@ class PrefillScheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens not yet computed, waiting or part-way through."""
+        return sum(j.prompt_len for j in self.waiting) + \
+            sum(j.prompt_len - j.num_computed for j in self.prefilling)
 
     def fits_at_all(self, prompt_len: int) -> bool:
         return num_blocks_for(prompt_len, self.block_size) <= self.allocator.capacity

@@ -97,7 +97,7 @@ class Processes:
                       "--nodes", self.nodes, "--dead-after", "2", *extra, log_path=log)
         elif role == "prefill":
             p = spawn("prefill_node", "--model", str(self.model), "--frontend", self.nodes,
-                      "--decode-kv", self.kv, "--kv-cache-memory", "4MiB",
+                      "--kv-cache-memory", "4MiB",
                       "--handoff-lease", "3", "--token-budget", "64", *extra, log_path=log)
         else:
             p = spawn("decode_node", "--model", str(self.model), "--frontend", self.nodes,

@@ -1,10 +1,16 @@
-"""The KV blocks a decode worker holds for a request equal the prefill worker's,
-after travelling through the wire encoding, and decoding goes on from them exactly."""
+"""KV transfer backends, in one process: after reserve -> write the decode
+worker's reserved blocks equal the prefill worker's, and decoding goes on from
+them exactly. Layouts, handles and frames that do not fit are refused with a
+clear error."""
+import dataclasses
+
+import pytest
 import torch
 
-from common import protocol
+from common import protocol, transfer
 from common.config import WorkerConfig
 from common.kv_cache import BlockAllocator, num_blocks_for
+from common.protocol import KVBlocks
 from common.sampling import SamplingParams
 from common.sequence import blocks_to_join
 from common.worker import DeviceWorker, PrefillChunk
@@ -12,34 +18,172 @@ from decode_node.scheduler import DecodeScheduler
 from launch.generate import generate
 
 
-def test_decode_blocks_equal_prefill_blocks(tiny_model):
+def _wire(msg):
+    """Through the real encoding, as the KV link carries it."""
+    return protocol.decode([bytes(f) for f in protocol.encode(msg)])
+
+
+@pytest.fixture
+def workers(tiny_model):
+    cfg = WorkerConfig(model=str(tiny_model), block_size=16, kv_cache_memory=2 * 2**20)
+    with DeviceWorker(cfg) as pw, DeviceWorker(dataclasses.replace(cfg, is_kv_shared=True)) as dw:
+        yield pw, dw
+
+
+@pytest.mark.parametrize("backend", ["ipc", "tcp"])
+def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, backend):
+    pw, dw = workers
     prompt = list(range(3, 60))
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    cfg = WorkerConfig(model=str(tiny_model), block_size=16, kv_cache_memory=2 * 2**20)
-    with DeviceWorker(cfg) as pw, DeviceWorker(cfg) as dw:
-        palloc = BlockAllocator(pw.num_kv_blocks)
-        palloc.allocate(5)  # so the two nodes' block ids differ
-        src = palloc.allocate(num_blocks_for(len(prompt), 16))
-        (first,), _ = pw.prefill([PrefillChunk(prompt, 0, src, params)])
-        msg = protocol.KVHandoff("r", len(prompt), first, params, {}, pw.export_blocks(src))
-        received = protocol.decode([bytes(f) for f in protocol.encode(msg)])
+    palloc = BlockAllocator(pw.num_kv_blocks)
+    palloc.allocate(5)  # so the two nodes' block ids differ
+    src = palloc.allocate(num_blocks_for(len(prompt), 16))
+    (first,), _ = pw.prefill([PrefillChunk(prompt, 0, src, params)])
 
-        dalloc = BlockAllocator(dw.num_kv_blocks)
-        sched = DecodeScheduler(dalloc, 16, 4, 4)
-        sched.enqueue(received)
-        seq = sched.start(sched.next_admissible())
-        dw.import_blocks(seq.block_ids, received.kv)
-        assert seq.block_ids != src
-        assert torch.equal(dw.kv_cache[:, :, seq.block_ids], pw.kv_cache[:, :, src])
-        assert dalloc.num_reserved == seq.num_reserved  # the rest of its blocks are promised
+    sched = DecodeScheduler(BlockAllocator(dw.num_kv_blocks), 16, 4, 4)
+    sched.allocator.allocate(2)
+    r = sched.reserve("r", b"p", len(prompt), params.max_tokens, lease_s=10)
+    sink = transfer.KVSink(dw.kv_cache, dw.kv_shm.name, transfer.accepted_backends("auto", dw.device))
+    frames = []
+    writer = transfer.open_writer(backend, _wire(sink.welcome("e1")), pw.kv_cache,
+                                  lambda m: frames.append(_wire(m)) or True)
+    assert writer.name == backend
+    writer.write("r", src, r.block_ids)
+    assert writer.poll() == ["r"]
+    assert bool(frames) == (backend == "tcp")
+    for f in frames:
+        sink.receive(f, r.block_ids)
+    assert sink.is_landed("r")
+    assert r.block_ids != src
+    assert torch.equal(dw.kv_cache[:, :, r.block_ids], pw.kv_cache[:, :, src])
 
-        blocks_to_join(seq, 16, dalloc)
-        dw.add_decode_seq("r", first, len(prompt), seq.block_ids, params)
-        tokens = [first]
-        for _ in range(params.max_tokens - 1):
-            if dw.next_position("r") // 16 >= dw.num_blocks("r"):
-                dw.append_block("r", seq.take_reserved_block(dalloc))
-            tokens += dw.decode_step()
-        assert tokens == generate(pw, [prompt], [params])[0]["token_ids"]
-        sched.finish("r")
-        assert dalloc.num_free == dalloc.capacity and dalloc.num_reserved == 0
+    sched.commit(r, protocol.KVCommit("r", len(prompt), first, params, {}, backend))
+    seq = sched.start(sched.next_admissible(sink.is_landed))
+    blocks_to_join(seq, 16, sched.allocator)
+    dw.add_decode_seq("r", first, len(prompt), seq.block_ids, params)
+    tokens = [first]
+    for _ in range(params.max_tokens - 1):
+        if dw.next_position("r") // 16 >= dw.num_blocks("r"):
+            dw.append_block("r", seq.take_reserved_block(sched.allocator))
+        tokens += dw.decode_step()
+    assert tokens == generate(pw, [prompt], [params])[0]["token_ids"]
+    dw.remove_decode_seq("r")
+    sched.finish("r")
+    sched.allocator.free([1, 2])
+    assert sched.allocator.num_free == sched.allocator.capacity and sched.allocator.num_reserved == 0
+    writer.close()
+    sink.close()
+
+
+def test_tcp_frames_are_a_group_of_layers_each(workers, monkeypatch):
+    pw, dw = workers
+    monkeypatch.setattr(transfer.tcp, "FRAME_BYTES", 1)  # one layer per frame
+    src = [1, 2, 3]
+    pw.kv_cache[:, :, src] = torch.randn_like(pw.kv_cache[:, :, src])
+    frames = []
+    writer = transfer.tcp.TcpWriter(pw.kv_cache, lambda m: frames.append(m) or True)
+    writer.write("r", src, [7, 8, 9])
+    assert writer.poll() == ["r"]
+    assert [f.first_layer for f in frames] == list(range(pw.kv_cache.shape[0]))
+    sink = transfer.KVSink(dw.kv_cache, None, ["tcp"])
+    for f in frames:
+        sink.receive(_wire(f), [7, 8, 9])
+    assert torch.equal(dw.kv_cache[:, :, [7, 8, 9]], pw.kv_cache[:, :, src])
+
+
+def test_the_decode_cache_is_shared_memory_and_freed_on_close(tiny_model):
+    import os
+    cfg = WorkerConfig(model=str(tiny_model), kv_cache_memory=2**20, is_kv_shared=True)
+    w = DeviceWorker(cfg).prepare()
+    path = f"/dev/shm/{w.kv_shm.name}"
+    assert os.path.exists(path)
+    w.close()
+    assert not os.path.exists(path)
+
+
+def _welcome(dw, **change):
+    sink = transfer.KVSink(dw.kv_cache, dw.kv_shm.name, ["ipc", "tcp"])
+    return dataclasses.replace(sink.welcome("e1"), **change)
+
+
+def test_a_cache_of_another_layout_is_refused(workers):
+    pw, dw = workers
+    shape = list(dw.kv_cache.shape)
+    for change in ({"cache_shape": [shape[0] + 1, *shape[1:]]}, {"dtype": "bfloat16"},
+                   {"cache_shape": shape[:3] + [32] + shape[4:]}):
+        with pytest.raises(transfer.TransferError, match="does not match"):
+            transfer.open_writer("auto", _welcome(dw, **change), pw.kv_cache, lambda m: True)
+
+
+def test_ipc_needs_the_same_host_and_a_real_segment(workers):
+    pw, dw = workers
+    assert transfer.open_writer("auto", _welcome(dw, host_id="elsewhere/1"), pw.kv_cache,
+                                lambda m: True).name == "tcp"
+    with pytest.raises(transfer.TransferError, match="another host"):
+        transfer.open_writer("ipc", _welcome(dw, host_id="elsewhere/1"), pw.kv_cache, lambda m: True)
+    for name in ("pdserve-kv-0-missing", "../etc/passwd", None):
+        with pytest.raises(transfer.TransferError, match="segment"):
+            transfer.open_writer("ipc", _welcome(dw, shm_name=name), pw.kv_cache, lambda m: True)
+    with pytest.raises(transfer.TransferError, match="tcp"):
+        transfer.open_writer("tcp", _welcome(dw, backends=["ipc"]), pw.kv_cache, lambda m: True)
+
+
+def test_ipc_refuses_blocks_outside_the_decode_cache(workers):
+    pw, dw = workers
+    writer = transfer.open_writer("ipc", _welcome(dw), pw.kv_cache, lambda m: True)
+    for dst in ([0], [dw.num_kv_blocks]):
+        with pytest.raises(transfer.TransferError, match="outside"):
+            writer.write("r", [1], dst)
+    writer.close()
+
+
+def test_a_frame_of_the_wrong_shape_or_dtype_is_refused(workers):
+    pw, dw = workers
+    sink = transfer.KVSink(dw.kv_cache, None, ["tcp"])
+    good = pw.kv_cache[:2, :, [1, 2]].clone()
+    before = dw.kv_cache.clone()
+    for kv, first_layer in ((good[:, :, :1], 0), (good.to(torch.float16), 0),
+                            (good, dw.kv_cache.shape[0] - 1), (good.flatten(0, 1), 0),
+                            (good[:, :, :, :8].contiguous(), 0)):
+        with pytest.raises(transfer.TransferError, match="does not fit"):
+            sink.receive(_wire(KVBlocks("r", first_layer, kv)), [5, 6])
+    assert torch.equal(dw.kv_cache, before)
+
+
+def test_copy_blocks_handles_scattered_ids():
+    src = torch.randn(2, 2, 40, 4, 1, 3)
+    dst = torch.zeros_like(src)
+    s_ids = list(range(1, 40, 2))            # 20 runs: the gather path
+    d_ids = list(range(39, 19, -1))
+    transfer.copy_blocks(src, s_ids, dst, d_ids)
+    assert torch.equal(dst[:, :, d_ids], src[:, :, s_ids])
+    transfer.copy_blocks(src, [3, 4, 5], dst, [10, 11, 12])   # one run: a slice copy
+    assert torch.equal(dst[:, :, 10:13], src[:, :, 3:6])
+    with pytest.raises(transfer.TransferError):
+        transfer.copy_blocks(src, [1, 2], dst, [3])
+
+
+def test_auto_prefers_ipc_on_one_host():
+    w = protocol.KVWelcome("e", transfer.host_id(), "cpu", [1, 2, 4, 16, 1, 8], "float32", ["ipc", "tcp"])
+    assert transfer.choose_backend("auto", w, torch.device("cpu")) == "ipc"
+    assert transfer.choose_backend("tcp", w, torch.device("cpu")) == "tcp"
+    assert transfer.choose_backend("auto", dataclasses.replace(w, host_id="x/y"),
+                                   torch.device("cpu")) == "tcp"
+    assert transfer.accepted_backends("tcp", torch.device("cpu")) == ["tcp"]
+    with pytest.raises(ValueError):
+        transfer.accepted_backends("smoke-signals", torch.device("cpu"))
+
+
+def test_a_reservation_holds_every_block_until_released():
+    sched = DecodeScheduler(BlockAllocator(20), 16, 4, 2)
+    r = sched.reserve("a", b"p", 40, 30, lease_s=0.0)
+    assert len(r.block_ids) == 3 and r.num_reserved == num_blocks_for(69, 16) - 3
+    assert sched.refusal("a", 40, 30)[1] is False              # a duplicate, for good
+    assert sched.refusal("b", 300, 30)[1] is False             # never fits
+    assert sched.refusal("b", 200, 100)[1] is True             # not now
+    sched.reserve("b", b"p", 10, 5, lease_s=10)
+    assert "queue is full" in sched.refusal("c", 10, 5)[0]
+    assert sched.expired(float("inf")) == ["a", "b"] and sched.expired(0.0) == []
+    sched.release("a")
+    sched.release("b")
+    assert sched.allocator.num_free == 19 and sched.allocator.num_reserved == 0

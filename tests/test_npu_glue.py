@@ -5,7 +5,6 @@ that the real ops behave so; that needs Ascend hardware."""
 import sys
 import types
 
-import numpy as np
 import pytest
 import torch
 

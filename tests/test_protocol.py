@@ -21,16 +21,27 @@ EXAMPLES = [
     p.GenerateOutput("r1", [5, 6], "ab", True, "stop", None, {"prompt_tokens": 2}, {"ttft_ms": 1.5}),
     p.StatsReply(True, {"decode-0": {"role": "decode"}}),
     p.ErrorReply("bad", None),
-    p.PrefillRequest("r1", [1, 2], PARAMS, 123.5),
+    p.PrefillRequest("r1", [1, 2], PARAMS, 123.5, "decode-1", "tcp://127.0.0.1:5603"),
     p.NodeAbort("r1"),
     p.Shutdown(),
-    p.NodeReady("prefill", "prefill-0", 42, "cpu", 100, 16, 1024, "tcp://127.0.0.1:5602"),
+    p.NodeReady("decode", "decode-0", 42, "cpu", 100, 16, 1024, "tcp://127.0.0.1:5602", "ipc"),
     p.Heartbeat("decode", "decode-0", {"num_running": 3}),
     p.RequestFailed("r1", "boom"),
     p.TokenBatch([p.TokenUpdate("r1", [7], None, {"queue_ms": 1.0}), p.TokenUpdate("r2", [8], "length")]),
-    p.KVHandoff("r1", 40, 9, PARAMS, {"prefill_end": 1.0}, KV),
-    p.HandoffAck("r1", False, True, "queue full"),
+    p.KVHello("prefill-0"),
+    p.KVWelcome("123-ab", "host/boot", "cuda:0", [2, 2, 100, 16, 2, 8], "bfloat16", ["ipc", "tcp"],
+                cuda_ipc=p.CudaIpcHandle(0, b"\x00\x01handle", 4096, 0, b"/refcount", 8, None, True)),
+    p.KVWelcome("123-ab", "host/boot", "cpu", [2, 2, 100, 16, 2, 8], "float32", ["tcp"],
+                shm_name="pdserve-kv-1-ab"),
+    p.KVReserve("r1", 40, 8),
+    p.KVReserved("r1", "123-ab", [3, 4, 5]),
+    p.KVReserved("r2", "123-ab", None, True, "decode queue is full (4)"),
+    p.KVBlocks("r1", 2, KV),
+    p.KVCommit("r1", 40, 9, PARAMS, {"prefill_end": 1.0}, "ipc"),
+    p.KVRelease("r1"),
+    p.HandoffAck("r1", False, False, "no reservation"),
 ]
+KV_EXAMPLE = next(m for m in EXAMPLES if isinstance(m, p.KVBlocks))
 
 
 def _equal(a, b):
@@ -55,7 +66,7 @@ def test_round_trip(msg):
 
 
 def test_kv_travels_as_a_raw_frame_not_msgpack():
-    frames = p.encode(EXAMPLES[-2])
+    frames = p.encode(KV_EXAMPLE)
     assert len(frames) == 2
     header = msgpack.unpackb(frames[0])
     assert "kv" not in header and header["tensors"] == [["kv", "bfloat16", list(KV.shape)]]
@@ -79,9 +90,12 @@ def _header(**fields):
     (_header(type="generate", request_id="a", prompt_token_ids=[1, "x"]), r"prompt_token_ids\[1\]"),
     (_header(type="generate", request_id="a", colour="blue"), "unknown field 'colour'"),
     (_header(type="prefill", request_id="a", prompt_token_ids=[1], arrival_time=0.0,
-             params={"max_tokens": "x"}), "params.max_tokens"),
-    (_header(type="kv_handoff", request_id="a", prompt_len=1, first_token=1, params={}, timings={},
-             tensors=[["kv", "float32", [4]]]), "tensor frame"),
+             params={"max_tokens": "x"}, decode_node="d", decode_kv_endpoint="tcp://x:1"),
+     "params.max_tokens"),
+    (_header(type="kv_blocks", request_id="a", first_layer=0, tensors=[["kv", "float32", [4]]]),
+     "tensor frame"),
+    (_header(type="kv_welcome", epoch="e", host_id="h", device="cpu", cache_shape=[1], dtype="x",
+             backends=["ipc"], cuda_ipc={"device": 0}), "missing field"),
 ])
 def test_malformed_is_named(frames, match):
     with pytest.raises(p.ProtocolError, match=match):
@@ -89,7 +103,7 @@ def test_malformed_is_named(frames, match):
 
 
 def test_tensor_size_mismatch_is_caught_and_request_id_kept():
-    frames = p.encode(EXAMPLES[-2])
+    frames = p.encode(KV_EXAMPLE)
     with pytest.raises(p.ProtocolError, match="holds") as e:
         p.decode([frames[0], bytes(frames[1])[:-2]])
     assert e.value.request_id == "r1"

@@ -1,0 +1,126 @@
+"""KV transfer: how a prefill node's KV blocks reach a decode node's reserved blocks.
+
+A handoff is reserve -> write -> commit. The decode node reserves destination
+blocks, the prefill node writes its blocks into them through a KVWriter, and
+the commit makes the request runnable on the decode node without a copy. Node
+code calls only what this module exports; it never names a backend.
+
+    prefill node                                  decode node
+    open_writer(requested, welcome, cache, send)  KVSink(cache, shm_name, accepted)
+    writer.write(rid, src_ids, dst_ids)           sink.welcome(epoch) -> KVWelcome
+    writer.poll() -> rids whose write is done     sink.receive(KVBlocks, dst_ids)   (tcp)
+    writer.close()                                sink.is_landed(rid) / sink.forget(rid)
+
+Backends:
+    ipc  one host: the decode node's cache is mapped into the prefill process once
+         (CUDA IPC handle; a shared-memory segment on CPU) and written device to device.
+    tcp  anywhere: blocks travel as raw frames on the KV link, gathered on a side
+         stream into pinned memory and written on arrival into the reserved blocks.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from common.config import KV_TRANSFERS
+from common.protocol import KVBlocks, KVWelcome
+from common.transfer import ipc, tcp
+from common.transfer.copy import TransferError, copy_blocks, host_id  # noqa: F401
+
+CHOICES = KV_TRANSFERS               # what --kv-transfer takes
+BACKENDS = tuple(c for c in CHOICES if c != "auto")
+
+
+class KVWriter(Protocol):
+    """Prefill side, one per decode node: writes local blocks into reserved remote ones."""
+    name: str
+
+    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Start the write; returns at once. Source blocks stay untouched until poll() names it."""
+
+    def poll(self) -> list[str]:
+        """Request ids whose write has completed since the last call."""
+
+    def close(self) -> None: ...
+
+
+def accepted_backends(requested: str, device: torch.device) -> list[str]:
+    """What a decode node offers its prefill nodes, best first."""
+    if requested not in CHOICES:
+        raise ValueError(f"kv transfer must be one of {CHOICES}, got {requested!r}")
+    offered = [b for b in BACKENDS if requested in ("auto", b)]
+    return [b for b in offered if b != "ipc" or ipc.is_supported(device)]
+
+
+def choose_backend(requested: str, welcome: KVWelcome, device: torch.device) -> str:
+    """The backend a prefill node on `device` uses for the decode node that sent `welcome`."""
+    if requested not in CHOICES:
+        raise TransferError(f"kv transfer must be one of {CHOICES}, got {requested!r}")
+    is_local = welcome.host_id == host_id()
+    usable = [b for b in welcome.backends if b in BACKENDS and
+              (b != "ipc" or (is_local and ipc.can_write(device, torch.device(welcome.device))))]
+    if requested != "auto":
+        if requested not in usable:
+            why = "it is on another host" if requested == "ipc" and not is_local else \
+                f"it accepts {welcome.backends}"
+            raise TransferError(f"cannot use the {requested} KV transfer with this decode node: {why}")
+        return requested
+    if not usable:
+        raise TransferError(f"no KV transfer in common: the decode node accepts {welcome.backends}")
+    return usable[0]
+
+
+def check_layout(welcome: KVWelcome, cache: torch.Tensor) -> None:
+    """The decode node's cache must match ours block for block: same layers, block size,
+    heads, head size and dtype."""
+    theirs = list(welcome.cache_shape)
+    ours = list(cache.shape)
+    our_dtype = str(cache.dtype).removeprefix("torch.")
+    if len(theirs) != 6 or theirs[:2] + theirs[3:] != ours[:2] + ours[3:] or welcome.dtype != our_dtype:
+        raise TransferError(f"the decode node's KV cache {theirs} {welcome.dtype} does not match this "
+                            f"node's {ours} {our_dtype} (outside the block count)")
+
+
+def open_writer(requested: str, welcome: KVWelcome, cache: torch.Tensor,
+                send: Callable[[KVBlocks], bool]) -> KVWriter:
+    """A writer into the decode node that sent `welcome`; TransferError says why not."""
+    check_layout(welcome, cache)
+    backend = choose_backend(requested, welcome, cache.device)
+    if backend == "ipc":
+        return ipc.IpcWriter(welcome, cache)
+    return tcp.TcpWriter(cache, send)
+
+
+class KVSink:
+    """Decode side: describes the cache to prefill nodes and lands tcp frames in it."""
+
+    def __init__(self, cache: torch.Tensor, shm_name: str | None, accepted: list[str]):
+        self.cache = cache
+        self.shm_name = shm_name
+        self.accepted = accepted
+        self.tcp = tcp.TcpReceiver(cache)
+
+    def welcome(self, epoch: str) -> KVWelcome:
+        c = self.cache
+        return KVWelcome(epoch, host_id(), str(c.device), list(c.shape),
+                         str(c.dtype).removeprefix("torch."), list(self.accepted),
+                         shm_name=self.shm_name if "ipc" in self.accepted else None,
+                         cuda_ipc=ipc.share_cuda(c) if "ipc" in self.accepted and c.is_cuda else None)
+
+    def receive(self, msg: KVBlocks, dst_block_ids: list[int]) -> None:
+        """Write one tcp frame into dst_block_ids; TransferError if it does not fit."""
+        if "tcp" not in self.accepted:
+            raise TransferError("this decode node does not accept tcp KV frames")
+        self.tcp.receive(msg, dst_block_ids)
+
+    def is_landed(self, request_id: str) -> bool:
+        """Every frame received for the request is in the cache."""
+        return self.tcp.is_landed(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self.tcp.forget(request_id)
+
+    def close(self) -> None:
+        self.tcp.forget_all()
+        self.cache = None

@@ -1,0 +1,263 @@
+"""Handoffs from this prefill node to decode nodes: reserve -> write -> commit.
+
+A request's reservation is asked for when its prefill starts, so the decode
+node's answer arrives while the forward pass runs. Once the prompt is done and
+the blocks are reserved, the transfer backend writes them; when the write has
+completed the local blocks are freed and the commit goes out. A handoff not
+committed and acknowledged within the lease after its prefill ended is failed
+and everything it holds, here and on the decode node, is released.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from common import transfer
+from common.channel import Channel, Poller
+from common.config import PrefillConfig
+from common.kv_cache import BlockAllocator
+from common.log import get_logger
+from common.protocol import (DECODE_TO_PREFILL, HandoffAck, KVCommit, KVHello, KVRelease,
+                             KVReserve, KVReserved, KVWelcome)
+from prefill_node.scheduler import PrefillJob, PrefillScheduler
+
+log = get_logger("prefill")
+RETRY_S = 0.05      # a retryable refusal (decode node full) is asked again after this
+HELLO_EVERY_S = 1.0
+
+
+@dataclass
+class DecodePeer:
+    name: str
+    endpoint: str
+    channel: Channel
+    epoch: str | None = None              # of the welcome the writer was opened from
+    writer: transfer.KVWriter | None = None
+    error: str | None = None              # why this decode node cannot be written to
+    hello_at: float = 0.0
+
+
+@dataclass
+class Handoff:
+    job: PrefillJob
+    peer: DecodePeer
+    dst_block_ids: list[int] | None = None
+    epoch: str | None = None              # the decode node's, when it reserved
+    next_reserve_at: float = 0.0          # 0: a reservation request is out
+    first_token: int | None = None        # set when the prompt is done
+    timings: dict = field(default_factory=dict)
+    lease_deadline: float = float("inf")
+    is_writing: bool = False
+    is_written: bool = False              # local blocks freed, commit sent
+    is_aborted: bool = False
+    error: str | None = None              # why it ends, once its write has finished
+
+
+class Handoffs:
+    def __init__(self, ctx, cfg: PrefillConfig, cache, allocator: BlockAllocator,
+                 scheduler: PrefillScheduler, poller: Poller, fail: Callable[[str, str], None]):
+        self.ctx, self.cfg, self.cache = ctx, cfg, cache
+        self.allocator, self.scheduler, self.poller = allocator, scheduler, poller
+        self.fail = fail
+        self.peers: dict[str, DecodePeer] = {}      # by KV endpoint
+        self.by_id: dict[str, Handoff] = {}
+        self.num_handoffs = 0
+        self.bytes_written = 0
+
+    # ---- peers --------------------------------------------------------------
+
+    def peer_for(self, name: str, endpoint: str) -> DecodePeer:
+        peer = self.peers.get(endpoint)
+        if peer is None:
+            ch = Channel(self.ctx, False, endpoint, identity=self.cfg.name, is_immediate=True,
+                         max_message_bytes=self.cfg.links.max_message_bytes)
+            peer = self.peers[endpoint] = DecodePeer(name, endpoint, ch)
+            self.poller.add(ch)
+        peer.name = name
+        return peer
+
+    def _hello(self, peer: DecodePeer) -> None:
+        now = time.monotonic()
+        if now - peer.hello_at >= HELLO_EVERY_S and peer.channel.send(KVHello(self.cfg.name), block=False):
+            peer.hello_at = now
+
+    def _on_welcome(self, peer: DecodePeer, w: KVWelcome) -> None:
+        if w.epoch == peer.epoch:
+            return
+        if peer.writer is not None:
+            peer.writer.close()   # waits for its copies: their blocks may be freed now
+            for h in self.by_id.values():
+                if h.peer is peer and h.is_writing:
+                    h.is_writing, h.is_aborted = False, True
+                    h.error = f"decode node {peer.name} restarted during the KV write"
+        peer.writer, peer.epoch, peer.error = None, w.epoch, None
+        try:
+            peer.writer = transfer.open_writer(self.cfg.kv_transfer, w, self.cache,
+                                               lambda m: peer.channel.send(m, block=False))
+            log.info("KV link to %s (%s): %s transfer", peer.name, peer.endpoint, peer.writer.name)
+        except transfer.TransferError as e:
+            peer.error = f"cannot hand KV to decode node {peer.name}: {e}"
+            log.error("%s", peer.error)
+        for h in self.by_id.values():   # reservations from an earlier life of that node are void
+            if h.peer is peer and h.epoch not in (None, w.epoch) and not h.is_writing:
+                h.dst_block_ids, h.epoch, h.next_reserve_at = None, None, time.monotonic()
+
+    def receive(self, ch: Channel) -> None:
+        peer = next(p for p in self.peers.values() if p.channel is ch)
+        while ch.has_message():
+            _, msg = ch.recv(DECODE_TO_PREFILL)
+            if isinstance(msg, KVWelcome):
+                self._on_welcome(peer, msg)
+            elif isinstance(msg, KVReserved):
+                self._on_reserved(peer, msg)
+            elif isinstance(msg, HandoffAck):
+                self._on_ack(peer, msg)
+            else:
+                log.warning("dropped a bad message from decode node %s: %s", peer.name, msg.error)
+
+    # ---- one request ----------------------------------------------------------
+
+    def begin(self, job: PrefillJob) -> None:
+        """The prompt starts prefilling: ask its decode node for blocks now."""
+        peer = self.peer_for(job.decode_node, job.decode_kv_endpoint)
+        h = self.by_id[job.request_id] = Handoff(job, peer, next_reserve_at=time.monotonic())
+        if peer.epoch is None:
+            self._hello(peer)
+        self._reserve(h)
+
+    def _reserve(self, h: Handoff) -> None:
+        msg = KVReserve(h.job.request_id, h.job.prompt_len, h.job.params.max_tokens)
+        if h.peer.channel.send(msg, block=False):
+            h.next_reserve_at = 0.0
+        else:
+            h.next_reserve_at = time.monotonic() + RETRY_S   # not connected yet
+
+    def _on_reserved(self, peer: DecodePeer, r: KVReserved) -> None:
+        h = self.by_id.get(r.request_id)
+        if h is None or h.peer is not peer or h.dst_block_ids is not None:
+            if r.block_ids is not None and (h is None or h.peer is not peer):
+                peer.channel.send(KVRelease(r.request_id), block=False)  # nobody wants it now
+            return
+        if r.block_ids is None:
+            if r.is_retryable:
+                h.next_reserve_at = time.monotonic() + RETRY_S
+            else:
+                self._end(h, f"decode node refused the request: {r.reason}")
+            return
+        if h.is_aborted:
+            peer.channel.send(KVRelease(r.request_id), block=False)
+            self._end(h, None)
+            return
+        h.dst_block_ids, h.epoch = list(r.block_ids), r.epoch
+        if r.epoch != peer.epoch:
+            self._hello(peer)   # a decode node we have not mapped (or that restarted)
+
+    def _on_ack(self, peer: DecodePeer, ack: HandoffAck) -> None:
+        h = self.by_id.get(ack.request_id)
+        if h is None or h.peer is not peer:
+            return
+        if ack.is_accepted:
+            self.num_handoffs += 1
+            self._end(h, None)
+        else:
+            self._end(h, f"decode node refused the request: {ack.reason}")
+
+    def prefilled(self, job: PrefillJob, first_token: int, timings: dict) -> None:
+        h = self.by_id.get(job.request_id)
+        if h is None:
+            return
+        h.first_token, h.timings = first_token, timings
+        h.lease_deadline = time.monotonic() + self.cfg.handoff_lease_s
+
+    def abort(self, request_id: str) -> bool:
+        """False if this request has no handoff (still waiting, or unknown)."""
+        h = self.by_id.get(request_id)
+        if h is None:
+            return False
+        h.is_aborted = True
+        self.advance()
+        return True
+
+    # ---- progress ---------------------------------------------------------------
+
+    def advance(self) -> None:
+        """Start writes whose blocks are reserved, send commits for finished writes,
+        retry reservations, and end handoffs whose lease has run out."""
+        now = time.monotonic()
+        for peer in self.peers.values():
+            if peer.writer is not None:
+                for rid in peer.writer.poll():
+                    self._written(self.by_id.get(rid))
+        for h in list(self.by_id.values()):
+            if h.is_writing:
+                continue   # the device still reads its blocks: wait for the write
+            if h.is_aborted:
+                if h.dst_block_ids is not None:
+                    h.peer.channel.send(KVRelease(h.job.request_id), block=False)
+                self._end(h, h.error)
+            elif h.peer.error:
+                self._end(h, h.peer.error)
+            elif now > h.lease_deadline:
+                if h.dst_block_ids is not None:
+                    h.peer.channel.send(KVRelease(h.job.request_id), block=False)
+                self._end(h, f"decode node did not confirm the KV handoff within "
+                             f"{self.cfg.handoff_lease_s:.0f}s")
+            elif h.dst_block_ids is None:
+                if h.next_reserve_at and now >= h.next_reserve_at:
+                    self._reserve(h)
+            elif h.first_token is not None and not h.is_written and h.peer.writer is not None \
+                    and h.epoch == h.peer.epoch:
+                self._write(h)
+            elif h.epoch != h.peer.epoch:
+                self._hello(h.peer)
+
+    def _write(self, h: Handoff) -> None:
+        try:
+            h.peer.writer.write(h.job.request_id, h.job.block_ids, h.dst_block_ids)
+        except transfer.TransferError as e:
+            h.peer.channel.send(KVRelease(h.job.request_id), block=False)
+            self._end(h, f"KV transfer to {h.peer.name} failed: {e}")
+            return
+        h.is_writing = True
+        self.bytes_written += len(h.job.block_ids) * self.cache[:, :, 0].numel() * self.cache.element_size()
+
+    def _written(self, h: Handoff | None) -> None:
+        if h is None or not h.is_writing:
+            return
+        h.is_writing, h.is_written = False, True
+        self.allocator.free(h.job.block_ids)   # the decode node holds them now
+        h.job.block_ids = []
+        if h.is_aborted:
+            return   # advance() releases the reservation
+        j = h.job
+        h.timings["written"] = time.time()
+        h.peer.channel.send(KVCommit(j.request_id, j.prompt_len, h.first_token, j.params,
+                                     h.timings, h.peer.writer.name), block=False)
+
+    def _end(self, h: Handoff, error: str | None) -> None:
+        """Drop the handoff and free what it holds here; fail the request if error."""
+        if h.is_writing:   # NOTE: blocks under a device copy are freed only when it ends
+            h.is_aborted, h.error = True, h.error or error
+            return
+        self.by_id.pop(h.job.request_id, None)
+        if h.job.block_ids:
+            if self.scheduler.abort(h.job.request_id) is None:
+                self.allocator.free(h.job.block_ids)
+            h.job.block_ids = []
+        if error:
+            self.fail(h.job.request_id, error)
+
+    # ---- figures ------------------------------------------------------------------
+
+    @property
+    def num_pending(self) -> int:
+        """Prompts done, waiting for their handoff to be committed."""
+        return sum(h.first_token is not None for h in self.by_id.values())
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            if peer.writer is not None:
+                peer.writer.close()
+            peer.channel.close()
+        self.peers.clear()
