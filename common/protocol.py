@@ -80,6 +80,7 @@ class StatsReply:
     TYPE: ClassVar[str] = "stats_reply"
     is_ready: bool
     nodes: dict
+    model: dict | None = None   # {"name", "vocab_size", "max_model_len"}
 
 
 @dataclass

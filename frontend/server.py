@@ -11,6 +11,7 @@ import random
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from common.channel import AsyncChannel, BadMessage, open_async_context
 from common.config import FrontendConfig
@@ -93,7 +94,8 @@ class Frontend:
                 elif isinstance(msg, AbortRequest):
                     await self._on_abort(client, msg.request_id)
                 elif isinstance(msg, StatsRequest):
-                    await self.clients.send(StatsReply(self.is_ready(), self.node_stats()), to=client)
+                    await self.clients.send(StatsReply(self.is_ready(), self.node_stats(),
+                                                       self.model_info()), to=client)
             except Exception:  # one bad request must not stop the service
                 log.exception("error while handling a %s", type(msg).__name__)
                 rid = getattr(msg, "request_id", None)
@@ -174,6 +176,10 @@ class Frontend:
 
     def is_ready(self) -> bool:
         return router.choose(self.nodes) is not None
+
+    def model_info(self) -> dict:
+        return {"name": Path(self.cfg.model).name, "vocab_size": self.spec.vocab_size,
+                "max_model_len": self.max_model_len}
 
     def node_stats(self) -> dict:
         now = time.monotonic()

@@ -87,13 +87,14 @@ def test_bf16_prefill_logits_as_accurate_as_transformers(make_model, weight_std)
         assert sum(ours_errs) / len(ours_errs) < 1e-2, ours_errs
 
 
-def test_cluster_on_gpu_fp32_matches_transformers(make_model, tmp_path):
+@pytest.mark.parametrize("kv_transfer,expected", [("auto", "ipc"), ("tcp", "tcp")])
+def test_cluster_on_gpu_fp32_matches_transformers(make_model, tmp_path, kv_transfer, expected):
     import asyncio
     from frontend.client import AsyncClient
     from tests.test_cluster import Cluster
     model = make_model(**SHAPE)
     c = Cluster(model, tmp_path / "gpu-cluster.log", "--prefill-device", "cuda:0",
-                "--decode-device", "cuda:0", "--dtype", "float32")
+                "--decode-device", "cuda:0", "--dtype", "float32", "--kv-transfer", kv_transfer)
     try:
         rng = np.random.RandomState(5)
         prompts = [rng.randint(0, 400, size=int(rng.randint(1, 200))).tolist() for _ in range(32)]
@@ -105,7 +106,8 @@ def test_cluster_on_gpu_fp32_matches_transformers(make_model, tmp_path):
         results = asyncio.run(run())
         for r, ref in zip(results, hf_greedy(model, prompts, 32)):
             assert r.token_ids == ref, r.error
-        stats = c.stats()["decode-0"]
-        assert stats["is_graphed"] and stats["max_decode_batch"] > 1
+        stats = c.stats()
+        assert stats["decode-0"]["is_graphed"] and stats["decode-0"]["max_decode_batch"] > 1
+        assert stats["prefill-0"]["kv_links"] == {"decode-0": expected}
     finally:
         c.stop()

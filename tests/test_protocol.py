@@ -19,7 +19,7 @@ EXAMPLES = [
     p.AbortRequest("r1"),
     p.StatsRequest(),
     p.GenerateOutput("r1", [5, 6], "ab", True, "stop", None, {"prompt_tokens": 2}, {"ttft_ms": 1.5}),
-    p.StatsReply(True, {"decode-0": {"role": "decode"}}),
+    p.StatsReply(True, {"decode-0": {"role": "decode"}}, {"name": "m", "vocab_size": 512}),
     p.ErrorReply("bad", None),
     p.PrefillRequest("r1", [1, 2], PARAMS, 123.5, "decode-1", "tcp://127.0.0.1:5603"),
     p.NodeAbort("r1"),

@@ -1,0 +1,245 @@
+"""KV transfer throughput, per backend: a real decode node, and this process as the
+prefill side writing through the same transfer interface a prefill node uses.
+
+    python -m launch.bench_transfer --shape qwen3-0.6b --prefill-device cuda:0 --decode-device cuda:0 \
+        --prompt-len 1024 --num-requests 32 --backends ipc,tcp [--decode-batch 32]
+
+Each handoff is reserve -> write -> commit. Per backend, one JSON line:
+- one at a time: ms per request from the start of the write to the commit's
+  acknowledgement (the reservation is left out: a prefill node asks for it
+  while the prompt is still being computed);
+- all at once: GB/s of KV moved with every request's write in flight;
+- the floor: for ipc on one device, the device's copy bandwidth (a block copy
+  reads and writes every byte); otherwise the link, measured here as one
+  large ZeroMQ frame over the same transport.
+With --decode-batch B the decode node first runs B long requests, and its
+step time is read from its heartbeats with and without handoffs arriving.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import torch
+import zmq
+
+from common import transfer
+from common.config import endpoint
+from common.kv_cache import num_blocks_for
+from common.protocol import (HandoffAck, KVCommit, KVHello, KVReserve, KVReserved, KVWelcome,
+                             NodeAbort)
+from common.sampling import SamplingParams
+from launch.bench_common import NodeUnderTest, device_name, emit, measure_floors, sync, worker_args
+
+
+class PrefillSide:
+    """This process standing in for a prefill node on one decode node's KV link."""
+
+    def __init__(self, node: NodeUnderTest, cache: torch.Tensor, backend: str):
+        self.node, self.cache = node, cache
+        node.kv.send(KVHello("bench-prefill"))
+        welcome = self._wait(lambda m: isinstance(m, KVWelcome))
+        self.writer = transfer.open_writer(backend, welcome, cache, lambda m: node.kv.send(m, block=False))
+
+    def _wait(self, match, timeout_s: float = 60.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for ch, _, msg in self.node.poll(0.01):
+                if ch is self.node.kv and match(msg):
+                    return msg
+        raise TimeoutError("the decode node did not answer")
+
+    def reserve(self, rid: str, prompt_len: int) -> list[int]:
+        while True:
+            self.node.kv.send(KVReserve(rid, prompt_len, 1))
+            r = self._wait(lambda m: isinstance(m, KVReserved) and m.request_id == rid)
+            if r.block_ids is not None:
+                return r.block_ids
+            if not r.is_retryable:
+                raise RuntimeError(f"reservation refused: {r.reason}")
+            time.sleep(0.01)
+
+    def commit(self, rid: str, prompt_len: int) -> None:
+        self.node.kv.send(KVCommit(rid, prompt_len, 1, SamplingParams(max_tokens=1, ignore_eos=True),
+                                   {}, self.writer.name))
+
+    def wait_written(self, rids: set[str], on_written) -> None:
+        while rids:
+            for rid in self.writer.poll():
+                rids.discard(rid)
+                on_written(rid)
+            if rids:
+                self.node.poll(0)   # keep the KV link moving (acks, tokens)
+
+    def wait_acks(self, rids: set[str]) -> None:
+        while rids:
+            for ch, _, msg in self.node.poll(0.01):
+                if ch is self.node.kv and isinstance(msg, HandoffAck):
+                    if not msg.is_accepted:
+                        raise RuntimeError(f"commit refused: {msg.reason}")
+                    rids.discard(msg.request_id)
+
+
+def link_floor_GBps(num_bytes: int, tries: int = 3) -> float:
+    """One num_bytes frame over ZeroMQ on loopback TCP, best of tries: the link the tcp backend has."""
+    ctx = zmq.Context()
+    rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = rx.bind_to_random_port("tcp://127.0.0.1")
+    tx.connect(f"tcp://127.0.0.1:{port}")
+    payload = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()).numpy()
+    best = float("inf")
+    for _ in range(tries):
+        t = threading.Thread(target=lambda: rx.recv(copy=False))
+        t.start()
+        t0 = time.perf_counter()
+        tx.send(payload, copy=False)
+        t.join()
+        best = min(best, time.perf_counter() - t0)
+    rx.close(0), tx.close(0), ctx.term()
+    return num_bytes / best / 1e9
+
+
+def step_ms(node: NodeUnderTest, window_s: float) -> float:
+    t1, s1 = node.next_heartbeat(time.perf_counter())
+    t2, s2 = node.next_heartbeat(t1 + window_s)
+    steps = s2["num_decode_steps"] - s1["num_decode_steps"]
+    return (t2 - t1) * 1e3 / steps if steps else float("nan")
+
+
+def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
+    bs = a.block_size
+    n_blocks = num_blocks_for(a.prompt_len, bs)
+    req_bytes = n_blocks * bs * spec.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+    ns = argparse.Namespace(model=None, shape=a.shape, device=a.decode_device, dtype=a.dtype,
+                            kv_cache_memory=a.kv_cache_memory)
+    args = worker_args(ns, max(a.decode_batch, 1), a.prompt_len + a.decode_tokens + 16)
+    node = NodeUnderTest("decode_node", args + ["--kv-transfer", backend, "--block-size", str(bs)],
+                         base_port, a.node_log, kv_is_router=False)
+    try:
+        node.wait_ready()
+        # Source blocks [1, n] on the prefill device, random (zeros hide unwritten copies).
+        cache = torch.randn(spec.num_layers, 2, n_blocks + 1, bs, spec.num_kv_heads, spec.head_dim,
+                            device=a.prefill_device, dtype=torch.float32).to(dtype)
+        src = list(range(1, n_blocks + 1))
+        side = PrefillSide(node, cache, backend)
+        running = []
+        if a.decode_batch:   # long requests that keep the decode node stepping
+            params = SamplingParams(max_tokens=a.decode_tokens, ignore_eos=True)
+            for i in range(a.decode_batch):
+                rid = f"bg-{i}"
+                dst = side.reserve(rid, a.prompt_len)
+                side.writer.write(rid, src, dst)
+                side.wait_written({rid}, lambda r: None)
+                node.kv.send(KVCommit(rid, a.prompt_len, 1, params, {}, side.writer.name))
+                running.append(rid)
+            while node.next_heartbeat(time.perf_counter())[1]["num_running"] < a.decode_batch:
+                pass
+            quiet_ms = step_ms(node, a.window)
+
+        def one_at_a_time(tag: str) -> list[float]:
+            out = []
+            for i in range(a.num_requests):
+                rid = f"{tag}-{i}"
+                dst = side.reserve(rid, a.prompt_len)
+                sync(cache.device)
+                t0 = time.perf_counter()
+                side.writer.write(rid, src, dst)
+                side.wait_written({rid}, lambda r: side.commit(r, a.prompt_len))
+                side.wait_acks({rid})
+                out.append((time.perf_counter() - t0) * 1e3)
+            return out
+
+        one_at_a_time("warm")
+        latencies = one_at_a_time("seq")
+
+        def all_at_once(tag: str) -> float:
+            rids = [f"{tag}-{i}" for i in range(a.num_requests)]
+            dsts = [side.reserve(rid, a.prompt_len) for rid in rids]
+            sync(cache.device)
+            t0 = time.perf_counter()
+            for rid, dst in zip(rids, dsts):
+                side.writer.write(rid, src, dst)
+            side.wait_written(set(rids), lambda r: side.commit(r, a.prompt_len))
+            side.wait_acks(set(rids))
+            return time.perf_counter() - t0
+
+        burst_s = all_at_once("burst")
+        busy_ms = None
+        if a.decode_batch:
+            # Handoffs arrive back to back for a window; the step rate between the
+            # first and the last heartbeat of that window is the loaded step time.
+            t1, s1 = node.next_heartbeat(time.perf_counter())
+            n_rounds = 0
+            while node.last_stats_at < t1 + a.window:
+                all_at_once(f"load{n_rounds}")
+                n_rounds += 1
+            t2, s2 = node.last_stats_at, node.last_stats
+            steps = s2["num_decode_steps"] - s1["num_decode_steps"]
+            busy_ms = (t2 - t1) * 1e3 / steps if steps else None
+            for rid in running:
+                node.send(NodeAbort(rid))
+        side.writer.close()
+    finally:
+        node.close()
+    total = req_bytes * a.num_requests
+    record = {"bench": "kv_transfer", "backend": backend, "shape": a.shape,
+              "dtype": str(dtype).removeprefix("torch."),
+              "prefill_device": device_name(a.prefill_device), "decode_device": a.decode_device,
+              "prompt_len": a.prompt_len, "num_requests": a.num_requests,
+              "MB_per_request": round(req_bytes / 1e6, 2),
+              "ms_per_request_median": round(statistics.median(latencies), 3),
+              "ms_per_request_p90": round(sorted(latencies)[int(0.9 * (len(latencies) - 1))], 3),
+              "GBps_one_at_a_time": round(req_bytes / (statistics.median(latencies) / 1e3) / 1e9, 2),
+              "GBps_all_at_once": round(total / burst_s / 1e9, 2)}
+    if a.decode_batch:
+        record.update({"decode_batch": a.decode_batch, "decode_step_ms_quiet": round(quiet_ms, 3),
+                       "decode_step_ms_while_receiving": round(busy_ms, 3) if busy_ms else None})
+    return record
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m launch.bench_transfer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-0.6b", help="a preset model shape (random weights)")
+    has_cuda = torch.cuda.is_available()
+    p.add_argument("--prefill-device", default="cuda:0" if has_cuda else "cpu")
+    p.add_argument("--decode-device", default="cuda:0" if has_cuda else "cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--backends", default="ipc,tcp")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", default=None, help="the decode node's, e.g. 8GiB")
+    p.add_argument("--decode-batch", type=int, default=0,
+                   help="run this many long requests on the decode node and compare its step time")
+    p.add_argument("--decode-tokens", type=int, default=4096, help="their max_tokens")
+    p.add_argument("--window", type=float, default=3.0, help="seconds per step-time reading")
+    p.add_argument("--base-port", type=int, default=5800)
+    p.add_argument("--node-log", default=None)
+    a = p.parse_args(argv)
+    from common.model_spec import preset_spec
+    from common.config import DTYPES
+    spec = preset_spec(a.shape)
+    dtype = DTYPES[a.dtype] if a.dtype else (torch.float32 if a.prefill_device == "cpu" else torch.bfloat16)
+    if a.kv_cache_memory is None:
+        need = (a.num_requests + a.decode_batch + 2) * (a.prompt_len + a.decode_tokens) * \
+            spec.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+        a.kv_cache_memory = str(int(need * 1.2))
+    bytes_per_req = num_blocks_for(a.prompt_len, a.block_size) * a.block_size * \
+        spec.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+    for i, backend in enumerate(a.backends.split(",")):
+        record = run_backend(a, backend, a.base_port + 10 * i, spec, dtype)
+        if backend == "ipc" and a.prefill_device == a.decode_device:
+            bw = measure_floors(a.decode_device, dtype)["bandwidth_GBps"]
+            record.update({"floor": "device copy bandwidth (read + write)", "floor_GBps": round(bw / 2, 1)})
+        else:
+            record.update({"floor": "ZeroMQ frame on loopback TCP",
+                           "floor_GBps": round(link_floor_GBps(bytes_per_req), 2)})
+        record["floor_fraction"] = round(record["GBps_all_at_once"] / record["floor_GBps"], 3)
+        emit(record)
+
+
+if __name__ == "__main__":
+    main()
