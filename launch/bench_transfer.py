@@ -114,7 +114,8 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
     req_bytes = n_blocks * bs * spec.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
     ns = argparse.Namespace(model=None, shape=a.shape, device=a.decode_device, dtype=a.dtype,
                             kv_cache_memory=a.kv_cache_memory)
-    args = worker_args(ns, max(a.decode_batch, 1), a.prompt_len + a.decode_tokens + 16)
+    # One row beyond the long requests: a timed handoff (max_tokens 1) ends at admission.
+    args = worker_args(ns, a.decode_batch + 1, a.prompt_len + a.decode_tokens + 16)
     node = NodeUnderTest("decode_node", args + ["--kv-transfer", backend, "--block-size", str(bs)],
                          base_port, a.node_log, kv_is_router=False)
     try:
@@ -224,8 +225,8 @@ def main(argv=None) -> None:
     spec = preset_spec(a.shape)
     dtype = DTYPES[a.dtype] if a.dtype else (torch.float32 if a.prefill_device == "cpu" else torch.bfloat16)
     if a.kv_cache_memory is None:
-        need = (a.num_requests + a.decode_batch + 2) * (a.prompt_len + a.decode_tokens) * \
-            spec.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+        tokens = (a.num_requests + 2) * (a.prompt_len + 16) + a.decode_batch * (a.prompt_len + a.decode_tokens)
+        need = tokens * spec.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
         a.kv_cache_memory = str(int(need * 1.2))
     bytes_per_req = num_blocks_for(a.prompt_len, a.block_size) * a.block_size * \
         spec.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
