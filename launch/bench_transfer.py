@@ -26,7 +26,6 @@ import torch
 import zmq
 
 from common import transfer
-from common.config import endpoint
 from common.kv_cache import num_blocks_for
 from common.protocol import (HandoffAck, KVCommit, KVHello, KVReserve, KVReserved, KVWelcome,
                              NodeAbort)
