@@ -50,9 +50,9 @@ class PrefillSide:
                     return msg
         raise TimeoutError("the decode node did not answer")
 
-    def reserve(self, rid: str, prompt_len: int) -> list[int]:
+    def reserve(self, rid: str, prompt_len: int, max_tokens: int = 1) -> list[int]:
         while True:
-            self.node.kv.send(KVReserve(rid, prompt_len, 1))
+            self.node.kv.send(KVReserve(rid, prompt_len, max_tokens))
             r = self._wait(lambda m: isinstance(m, KVReserved) and m.request_id == rid)
             if r.block_ids is not None:
                 return r.block_ids
@@ -129,10 +129,11 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
             params = SamplingParams(max_tokens=a.decode_tokens, ignore_eos=True)
             for i in range(a.decode_batch):
                 rid = f"bg-{i}"
-                dst = side.reserve(rid, a.prompt_len)
+                dst = side.reserve(rid, a.prompt_len, a.decode_tokens)
                 side.writer.write(rid, src, dst)
                 side.wait_written({rid}, lambda r: None)
                 node.kv.send(KVCommit(rid, a.prompt_len, 1, params, {}, side.writer.name))
+                side.wait_acks({rid})
                 running.append(rid)
             while node.next_heartbeat(time.perf_counter())[1]["num_running"] < a.decode_batch:
                 pass

@@ -12,16 +12,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_base_port() -> int:
-    """A port p with p, p+1 and p+2 free on 127.0.0.1."""
+def free_base_port(count: int = 3) -> int:
+    """A port p with p .. p+count-1 free on 127.0.0.1."""
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        if base + 2 > 65535:
+        if base + count - 1 > 65535:
             continue
         try:
-            for port in (base, base + 1, base + 2):
+            for port in range(base, base + count):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port))
             return base
@@ -89,9 +89,10 @@ class Processes:
         self.extra = extra
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, role: str) -> subprocess.Popen:
-        log = self.log_dir / f"{role}.log"
-        extra = self.extra.get(role, [])
+    def start(self, role: str, name: str | None = None, kv: str | None = None) -> subprocess.Popen:
+        """role: frontend, prefill or decode; a further decode node needs its own name and kv."""
+        log = self.log_dir / f"{name or role}.log"
+        extra = self.extra.get(role, []) + (["--name", name] if name else [])
         if role == "frontend":
             p = spawn("frontend", "--model", str(self.model), "--clients", self.clients,
                       "--nodes", self.nodes, "--dead-after", "2", *extra, log_path=log)
@@ -101,9 +102,9 @@ class Processes:
                       "--handoff-lease", "3", "--token-budget", "64", *extra, log_path=log)
         else:
             p = spawn("decode_node", "--model", str(self.model), "--frontend", self.nodes,
-                      "--kv-bind", self.kv, "--kv-cache-memory", "4MiB",
+                      "--kv-bind", kv or self.kv, "--kv-cache-memory", "4MiB",
                       "--max-batch-size", "16", *extra, log_path=log)
-        self.procs[role] = p
+        self.procs[name or role] = p
         return p
 
     def stop(self) -> None:

@@ -49,6 +49,8 @@ def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_id
         for s, d, n in runs:
             dst[:, :, d: d + n].copy_(src[:, :, s: s + n], non_blocking=True)
         return
+    # NOTE: the temporaries below belong to the current stream; callers on a side
+    # stream enter it first, so they are not reused while it still reads them.
     gathered = src.index_select(2, torch.tensor(src_ids, dtype=torch.int64).to(src.device, non_blocking=True))
     dst.index_copy_(2, torch.tensor(dst_ids, dtype=torch.int64).to(dst.device, non_blocking=True),
                     gathered.to(dst.device, non_blocking=True))

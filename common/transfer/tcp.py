@@ -48,8 +48,11 @@ class TcpWriter:
         step = layers_per_frame(self.src, n)
         idx = torch.tensor(src_block_ids, dtype=torch.int64)
         if self.stream is not None:
-            idx = idx.to(self.src.device, non_blocking=True)
             self.stream.wait_stream(torch.cuda.current_stream(self.src.device))
+            # NOTE: made on the side stream that reads it; made on the default stream,
+            # its memory could go to the next forward pass before the gathers read it.
+            with torch.cuda.stream(self.stream):
+                idx = idx.to(self.src.device, non_blocking=True)
         for first in range(0, num_layers, step):
             group = self.src[first: first + step]
             if self.stream is None:

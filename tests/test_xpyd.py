@@ -1,0 +1,204 @@
+"""KV transfer through running nodes, for every backend, and xPyD: any prefill node
+hands off to any decode node. Also what the decode node does with a handoff that
+never commits, a frame that does not fit, and a commit that does not match."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from common.channel import Channel, open_context
+from common.protocol import (HandoffAck, KVBlocks, KVCommit, KVHello, KVRelease, KVReserve,
+                             KVReserved, KVWelcome)
+from common.sampling import SamplingParams
+from frontend.client import AsyncClient, Client
+from tests.cluster_util import Processes, free_base_port, wait_for
+from tests.conftest import hf_greedy
+from tests.test_cluster import Cluster
+
+NEW_TOKENS = 16
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.RandomState(seed)
+    return [rng.randint(0, 400, size=int(rng.randint(1, 90))).tolist() for _ in range(n)]
+
+
+def _complete_all(endpoint: str, prompts: list[list[int]]):
+    async def run():
+        async with AsyncClient(endpoint) as client:
+            return await asyncio.gather(*[client.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS,
+                                                          ignore_eos=True) for p in prompts])
+    return asyncio.run(run())
+
+
+def _all_free(stats: dict) -> bool:
+    return all(s["num_free_blocks"] == s["num_usable_blocks"] and not s.get("num_reserved_blocks")
+               for s in stats.values() if s.get("is_alive"))
+
+
+@pytest.mark.parametrize("backend", ["ipc", "tcp"])
+def test_each_backend_gives_transformers_tokens(tiny_model, tmp_path, backend):
+    c = Cluster(tiny_model, tmp_path / "cluster.log", "--kv-transfer", backend)
+    try:
+        prompts = _prompts(12, seed=3)
+        results = _complete_all(c.endpoint, prompts)
+        for r, ref in zip(results, hf_greedy(tiny_model, prompts, NEW_TOKENS)):
+            assert r.error is None and r.token_ids == ref
+        stats = c.stats()
+        assert stats["prefill-0"]["kv_links"] == {"decode-0": backend}
+        assert stats["prefill-0"]["num_kv_bytes_written"] > 0
+        wait_for(lambda: _all_free(c.stats()), 10, "every block free")
+    finally:
+        c.stop()
+
+
+def test_two_prefill_two_decode_nodes_serve_64_requests_exactly(tiny_model, tmp_path):
+    c = Cluster(tiny_model, tmp_path / "cluster.log", "--num-prefill", "2", "--num-decode", "2")
+    try:
+        prompts = _prompts(64, seed=4)
+        results = _complete_all(c.endpoint, prompts)
+        for r, ref in zip(results, hf_greedy(tiny_model, prompts, NEW_TOKENS)):
+            assert r.error is None and r.token_ids == ref
+        stats = c.stats()
+        assert set(stats) == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
+        for name in stats:  # routing spread the load over every node
+            assert stats[name]["num_routed"] >= 16, (name, stats[name]["num_routed"])
+        wait_for(lambda: all(s.get("num_finished", 1) > 0 for s in c.stats().values()), 5,
+                 "both decode nodes to report finished requests")
+        # Every prefill node handed off to both decode nodes over ipc.
+        for p in ("prefill-0", "prefill-1"):
+            assert stats[p]["kv_links"] == {"decode-0": "ipc", "decode-1": "ipc"}
+        wait_for(lambda: _all_free(c.stats()), 10, "every block free")
+    finally:
+        c.stop()
+
+
+def test_killing_one_decode_node_of_two_fails_only_its_requests(tiny_model, tmp_path):
+    base = free_base_port(4)
+    p = Processes(tiny_model, base, tmp_path)
+    try:
+        for role in ("frontend", "prefill", "decode"):
+            p.start(role)
+        p.start("decode", name="decode-1", kv=f"tcp://127.0.0.1:{base + 3}")
+        with Client(p.clients) as c:
+            c.wait_ready(120, num_nodes=3)
+
+        async def run():
+            async with AsyncClient(p.clients, idle_timeout_s=20) as client:
+                streaming = [asyncio.Event() for _ in range(8)]
+
+                async def one(i):
+                    async for out in client.generate(f"request {i}", max_tokens=900, ignore_eos=True):
+                        streaming[i].set()
+                        if out.is_finished:
+                            return out
+                tasks = [asyncio.create_task(one(i)) for i in range(8)]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 60)
+                routed = {n: s["num_routed"] for n, s in (await client.stats()).nodes.items()}
+                os.kill(p.procs["decode"].pid, signal.SIGKILL)
+                done, pending = await asyncio.wait(tasks, timeout=8)
+                after = await client.complete("still served", max_tokens=5, ignore_eos=True)
+                for t in pending:
+                    t.cancel()
+                return routed, [t.result() for t in done], after
+        routed, ended, after = asyncio.run(run())
+        assert routed["decode-0"] == 4 and routed["decode-1"] == 4
+        errors = [r for r in ended if r.finish_reason == "error"]
+        assert len(errors) == 4 and all("decode-0" in r.error for r in errors)
+        assert all(r.finish_reason == "length" for r in ended if r not in errors)
+        assert after.error is None and len(after.token_ids) == 5
+    finally:
+        p.stop()
+
+
+class FakePrefill:
+    """A prefill node's side of the KV link, by hand."""
+
+    def __init__(self, kv_endpoint: str, identity: str = "fake-prefill"):
+        self.ctx = open_context()
+        self.ch = Channel(self.ctx, False, kv_endpoint, identity=identity)
+
+    def ask(self, msg, reply_type):
+        self.ch.send(msg)
+        while True:
+            assert self.ch.has_message(10), f"no {reply_type.__name__}"
+            _, got = self.ch.recv()
+            if isinstance(got, reply_type):
+                return got
+
+    def close(self):
+        self.ch.close()
+        self.ctx.term()
+
+
+def _decode_stats(endpoint):
+    with Client(endpoint) as c:
+        return c.stats().nodes["decode-0"]
+
+
+def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, tmp_path):
+    p = Processes(tiny_model, free_base_port(), tmp_path, decode=["--reservation-lease", "3"])
+    fake = None
+    try:
+        for role in ("frontend", "prefill", "decode"):
+            p.start(role)
+        with Client(p.clients) as c:
+            c.wait_ready(120)
+        free = wait_for(lambda: _decode_stats(p.clients).get("num_free_blocks"), 5, "decode stats")
+        fake = FakePrefill(p.kv)
+        welcome = fake.ask(KVHello("fake-prefill"), KVWelcome)
+        assert welcome.backends == ["ipc", "tcp"] and welcome.shm_name
+
+        # Reserved, never committed: freed when the lease ends.
+        r = fake.ask(KVReserve("never", 40, 8), KVReserved)
+        assert len(r.block_ids) == 3
+        # Stats come from heartbeats (every 0.5 s): see the blocks held, then given back.
+        wait_for(lambda: _decode_stats(p.clients)["num_free_blocks"] == free - 3, 2, "blocks held")
+        wait_for(lambda: _decode_stats(p.clients)["num_free_blocks"] == free
+                 and _decode_stats(p.clients)["num_reserved_blocks"] == 0, 10, "the lease to free it")
+        late = fake.ask(KVCommit("never", 40, 1, SamplingParams(max_tokens=8), {}, "tcp"), HandoffAck)
+        assert not late.is_accepted and "no reservation" in late.reason
+
+        # Released by the prefill side.
+        fake.ask(KVReserve("gone", 40, 8), KVReserved)
+        fake.ch.send(KVRelease("gone"))
+        wait_for(lambda: _decode_stats(p.clients)["num_free_blocks"] == free, 5, "the release")
+
+        # A frame of the wrong shape or dtype: the commit is refused with the reason.
+        shape = welcome.cache_shape
+        for name, bad in (("dtype", torch.zeros(shape[0], 2, 3, *shape[3:], dtype=torch.float16)),
+                          ("shape", torch.zeros(shape[0], 2, 2, *shape[3:], dtype=torch.float32))):
+            fake.ask(KVReserve(name, 40, 8), KVReserved)
+            fake.ch.send(KVBlocks(name, 0, bad))
+            ack = fake.ask(KVCommit(name, 40, 1, SamplingParams(max_tokens=8), {}, "tcp"), HandoffAck)
+            assert not ack.is_accepted and "does not fit" in ack.reason
+        # A commit that asks for more than was reserved.
+        fake.ask(KVReserve("greedy", 40, 8), KVReserved)
+        ack = fake.ask(KVCommit("greedy", 40, 1, SamplingParams(max_tokens=500), {}, "tcp"), HandoffAck)
+        assert not ack.is_accepted and "does not match the reservation" in ack.reason
+        wait_for(lambda: _decode_stats(p.clients)["num_free_blocks"] == free
+                 and _decode_stats(p.clients)["num_reserved_blocks"] == 0, 5, "every block back")
+        # Someone else's reservation cannot be released or committed.
+        other = FakePrefill(p.kv, "another-prefill")
+        try:
+            fake.ask(KVReserve("mine", 40, 8), KVReserved)
+            other.ch.send(KVRelease("mine"))
+            ack = other.ask(KVCommit("mine", 40, 1, SamplingParams(max_tokens=8), {}, "tcp"), HandoffAck)
+            assert not ack.is_accepted
+            ack = fake.ask(KVCommit("mine", 40, 1, SamplingParams(max_tokens=8), {}, "tcp"), HandoffAck)
+            assert ack.is_accepted   # still reserved for its owner
+        finally:
+            other.close()
+        # The cluster still serves.
+        with Client(p.clients) as c:
+            r = c.complete("after all that", max_tokens=4, ignore_eos=True)
+            assert r.error is None and len(r.token_ids) == 4
+    finally:
+        if fake:
+            fake.close()
+        p.stop()
