@@ -338,4 +338,6 @@ def _ttft_parts(t: dict) -> dict:
         return round((y - x) * 1e3, 3) if ok else None
     return {"queue_ms": ms("arrival", "prefill_start"), "prefill_ms": ms("prefill_start", "prefill_end"),
             "kv_transfer_ms": ms("prefill_end", "decode_recv"),
+            # kv_transfer_ms in two: the write (reservation wait included), the commit's trip
+            "kv_write_ms": ms("prefill_end", "written"), "kv_commit_ms": ms("written", "decode_recv"),
             "decode_admission_ms": ms("decode_recv", "decode_admit")}

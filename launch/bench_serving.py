@@ -27,7 +27,8 @@ from pathlib import Path
 
 from frontend.client import AsyncClient
 
-PARTS = ("queue_ms", "prefill_ms", "kv_transfer_ms", "decode_admission_ms")
+PARTS = ("queue_ms", "prefill_ms", "kv_transfer_ms", "kv_write_ms", "kv_commit_ms",
+         "decode_admission_ms")
 
 
 @dataclass
