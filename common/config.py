@@ -105,7 +105,7 @@ class PrefillConfig:
     worker: WorkerConfig
     frontend_endpoint: str            # the frontend's node endpoint (we connect)
     name: str = "prefill-0"
-    token_budget: int = 2048          # prompt tokens per forward pass
+    token_budget: int = 8192          # prompt tokens per forward pass
     max_batch_prompts: int = 64
     handoff_lease_s: float = 10.0     # a handoff not committed this long after its prefill fails
     kv_transfer: str = "auto"         # auto: ipc with a decode node on this host, else tcp

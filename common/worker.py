@@ -173,17 +173,20 @@ class DeviceWorker:
     # ---- prefill -----------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, chunks: list[PrefillChunk],
-                return_logits: bool = False) -> tuple[list[int | None], torch.Tensor | None]:
+    def prefill(self, chunks: list[PrefillChunk], return_logits: bool = False,
+                on_kv_written=None) -> tuple[list[int | None], torch.Tensor | None]:
         """Run prompt chunks as one batch; write their KV; sample the first token of
         every chunk that carries params. Returns (token or None per chunk, and the
-        fp32 logits [num_sampled, V] of the sampled chunks when asked)."""
+        fp32 logits [num_sampled, V] of the sampled chunks when asked).
+        on_kv_written(), if given, is called once every layer's KV write is queued
+        on the device, before the sampling waits for it: work queued there (a KV
+        transfer) starts right behind the forward pass."""
         t0 = time.perf_counter()
-        out, logits = self._prefill(chunks, return_logits)
+        out, logits = self._prefill(chunks, return_logits, on_kv_written)
         self.prefill_busy_s += time.perf_counter() - t0  # _prefill ends in a device sync
         return out, logits
 
-    def _prefill(self, chunks: list[PrefillChunk], return_logits: bool):
+    def _prefill(self, chunks: list[PrefillChunk], return_logits: bool, on_kv_written=None):
         bs = self.block_size
         ids, positions, slots = [], [], []
         width = max(len(c.block_ids) for c in chunks)
@@ -209,6 +212,8 @@ class DeviceWorker:
                                self._to_device(ids, torch.int64),
                                self._to_device(np.concatenate(positions), torch.int64), attn)
         self.num_prefill_tokens += len(ids)
+        if on_kv_written is not None:
+            on_kv_written()
         last_rows = np.cumsum(attn.query_lens) - 1
         sampled_idx = [i for i, c in enumerate(chunks) if c.params is not None]
         out: list[int | None] = [None] * len(chunks)

@@ -14,7 +14,9 @@ def main(argv=None) -> None:
     add_worker_args(p)
     p.add_argument("--frontend", required=True, help="the frontend's node endpoint")
     p.add_argument("--name", default="prefill-0")
-    p.add_argument("--token-budget", type=int, default=2048, help="prompt tokens per pass")
+    p.add_argument("--token-budget", type=int, default=8192,
+                   help="prompt tokens per forward pass (a prefill node runs no decode "
+                        "steps, so larger passes cost no one latency)")
     p.add_argument("--handoff-lease", type=float, default=10.0,
                    help="seconds after its prefill within which a handoff must be committed")
     p.add_argument("--kv-transfer", choices=KV_TRANSFERS, default="auto",

@@ -1,9 +1,11 @@
 """Handoffs from this prefill node to decode nodes: reserve -> write -> commit.
 
-A request's reservation is asked for when its prefill starts, so the decode
-node's answer arrives while the forward pass runs. Once the prompt is done and
-the blocks are reserved, the transfer backend writes them; when the write has
-completed the local blocks are freed and the commit goes out. A handoff not
+A request's reservation is asked for when it arrives, so the decode node's
+answer is usually here before its prefill starts. Once the prompt's KV is
+computed (queued on the device) and the blocks are reserved, the transfer
+backend writes them, right behind the forward pass; when the write has
+completed the local blocks are freed, and the commit goes out once the first
+token is sampled too. A handoff not
 committed and acknowledged within the lease after its prefill ended is failed
 and everything it holds, here and on the decode node, is released.
 """
@@ -48,8 +50,11 @@ class Handoff:
     first_token: int | None = None        # set when the prompt is done
     timings: dict = field(default_factory=dict)
     lease_deadline: float = float("inf")
+    is_computed: bool = False             # every layer's KV is queued on the device
     is_writing: bool = False
-    is_written: bool = False              # local blocks freed, commit sent
+    is_written: bool = False              # local blocks freed
+    written_at: float = 0.0
+    is_commit_sent: bool = False
     is_aborted: bool = False
     error: str | None = None              # why it ends, once its write has finished
 
@@ -119,7 +124,7 @@ class Handoffs:
     # ---- one request ----------------------------------------------------------
 
     def begin(self, job: PrefillJob) -> None:
-        """The prompt starts prefilling: ask its decode node for blocks now."""
+        """A request is accepted: ask its decode node for blocks now."""
         peer = self.peer_for(job.decode_node, job.decode_kv_endpoint)
         h = self.by_id[job.request_id] = Handoff(job, peer, next_reserve_at=time.monotonic())
         if peer.epoch is None:
@@ -163,21 +168,29 @@ class Handoffs:
         else:
             self._end(h, f"decode node refused the request: {ack.reason}")
 
+    def computed(self, jobs: list[PrefillJob]) -> None:
+        """These prompts' KV is queued on the device: start the writes that can start.
+        Called inside the forward pass, so nothing here may end a handoff."""
+        for job in jobs:
+            h = self.by_id.get(job.request_id)
+            if h is not None:
+                h.is_computed = True
+                if self._can_write(h):
+                    self._write(h)
+
     def prefilled(self, job: PrefillJob, first_token: int, timings: dict) -> None:
         h = self.by_id.get(job.request_id)
         if h is None:
             return
         h.first_token, h.timings = first_token, timings
         h.lease_deadline = time.monotonic() + self.cfg.handoff_lease_s
+        self._commit(h)
 
-    def abort(self, request_id: str) -> bool:
-        """False if this request has no handoff (still waiting, or unknown)."""
+    def abort(self, request_id: str) -> None:
         h = self.by_id.get(request_id)
-        if h is None:
-            return False
-        h.is_aborted = True
-        self.advance()
-        return True
+        if h is not None:
+            h.is_aborted = True
+            self.advance()
 
     # ---- progress ---------------------------------------------------------------
 
@@ -206,18 +219,23 @@ class Handoffs:
             elif h.dst_block_ids is None:
                 if h.next_reserve_at and now >= h.next_reserve_at:
                     self._reserve(h)
-            elif h.first_token is not None and not h.is_written and h.peer.writer is not None \
-                    and h.epoch == h.peer.epoch:
+            elif self._can_write(h):
                 self._write(h)
             elif h.epoch != h.peer.epoch:
                 self._hello(h.peer)
+
+    @staticmethod
+    def _can_write(h: Handoff) -> bool:
+        return (h.is_computed and h.dst_block_ids is not None and not h.is_written
+                and not h.is_writing and not h.is_aborted and h.peer.writer is not None
+                and h.epoch == h.peer.epoch)
 
     def _write(self, h: Handoff) -> None:
         try:
             h.peer.writer.write(h.job.request_id, h.job.block_ids, h.dst_block_ids)
         except transfer.TransferError as e:
-            h.peer.channel.send(KVRelease(h.job.request_id), block=False)
-            self._end(h, f"KV transfer to {h.peer.name} failed: {e}")
+            h.is_aborted = True   # advance() releases the reservation and fails it
+            h.error = f"KV transfer to {h.peer.name} failed: {e}"
             return
         h.is_writing = True
         self.bytes_written += len(h.job.block_ids) * self.cache[:, :, 0].numel() * self.cache.element_size()
@@ -225,13 +243,18 @@ class Handoffs:
     def _written(self, h: Handoff | None) -> None:
         if h is None or not h.is_writing:
             return
-        h.is_writing, h.is_written = False, True
+        h.is_writing, h.is_written, h.written_at = False, True, time.time()
         self.allocator.free(h.job.block_ids)   # the decode node holds them now
         h.job.block_ids = []
-        if h.is_aborted:
-            return   # advance() releases the reservation
+        self._commit(h)
+
+    def _commit(self, h: Handoff) -> None:
+        """Once the blocks are written and the first token is sampled (either order)."""
+        if not h.is_written or h.first_token is None or h.is_commit_sent or h.is_aborted:
+            return
         j = h.job
-        h.timings["written"] = time.time()
+        h.timings["written"] = h.written_at
+        h.is_commit_sent = True
         h.peer.channel.send(KVCommit(j.request_id, j.prompt_len, h.first_token, j.params,
                                      h.timings, h.peer.writer.name), block=False)
 
@@ -241,10 +264,10 @@ class Handoffs:
             h.is_aborted, h.error = True, h.error or error
             return
         self.by_id.pop(h.job.request_id, None)
-        if h.job.block_ids:
-            if self.scheduler.abort(h.job.request_id) is None:
-                self.allocator.free(h.job.block_ids)
-            h.job.block_ids = []
+        # Waiting or part-way: the scheduler drops it (and frees its blocks).
+        if self.scheduler.abort(h.job.request_id) is None and h.job.block_ids:
+            self.allocator.free(h.job.block_ids)
+        h.job.block_ids = []
         if error:
             self.fail(h.job.request_id, error)
 

@@ -1,8 +1,9 @@
 """The prefill node: receive -> schedule -> forward -> sample -> hand off, in one loop.
 
 Each request names its decode node. Its reservation there is asked for when
-its prefill starts; when the prompt is done, the transfer backend writes the
-blocks into the reserved ones and the commit follows (prefill_node/handoff.py).
+the request arrives; once the prompt's KV is computed, the transfer backend
+writes the blocks into the reserved ones and the commit follows
+(prefill_node/handoff.py).
 A prompt's blocks stay allocated here until that write has completed.
 """
 from __future__ import annotations
@@ -88,8 +89,7 @@ class PrefillNode:
             elif isinstance(msg, PrefillRequest):
                 self._accept(msg)
             elif isinstance(msg, NodeAbort):
-                if not self.handoffs.abort(msg.request_id):
-                    self.scheduler.abort(msg.request_id)
+                self.handoffs.abort(msg.request_id)
             elif isinstance(msg, Shutdown):
                 log.info("shutdown requested by the frontend")
                 stop.set()
@@ -106,18 +106,20 @@ class PrefillNode:
         except ValueError as e:
             self._fail(req.request_id, str(e))
             return
-        self.scheduler.add(PrefillJob(req.request_id, list(req.prompt_token_ids), req.params,
-                                      req.arrival_time, req.decode_node, req.decode_kv_endpoint))
+        job = PrefillJob(req.request_id, list(req.prompt_token_ids), req.params,
+                         req.arrival_time, req.decode_node, req.decode_kv_endpoint)
+        self.scheduler.add(job)
+        self.handoffs.begin(job)   # the reservation comes back while the prompt waits or runs
 
     # ---- forward and hand off ----------------------------------------------
 
     def _forward(self, chunks: list[ScheduledChunk]) -> None:
-        for c in chunks:
-            if c.start == 0:
-                self.handoffs.begin(c.job)   # the reservation comes back during the forward
         batch = [PrefillChunk(c.job.token_ids[c.start:c.end], c.start, c.job.block_ids,
                               c.job.params if c.is_last else None) for c in chunks]
-        tokens, _ = self.worker.prefill(batch)
+        finished = [c.job for c in chunks if c.is_last]
+        # The KV writes of finished prompts are queued right behind the forward pass,
+        # before the first tokens are sampled, so their commits can go out at once.
+        tokens, _ = self.worker.prefill(batch, on_kv_written=lambda: self.handoffs.computed(finished))
         self._log_tokens += sum(c.end - c.start for c in chunks)
         done_at = time.time()
         for c, token in zip(chunks, tokens):
