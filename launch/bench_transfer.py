@@ -38,17 +38,27 @@ class PrefillSide:
 
     def __init__(self, node: NodeUnderTest, cache: torch.Tensor, backend: str):
         self.node, self.cache = node, cache
+        self.inbox: list = []   # KV-link messages read but not yet taken
         node.kv.send(KVHello("bench-prefill"))
         welcome = self._wait(lambda m: isinstance(m, KVWelcome))
         self.writer = transfer.open_writer(backend, welcome, cache, lambda m: node.kv.send(m, block=False))
 
+    def _pump(self, timeout_s: float) -> None:
+        self.inbox += [msg for ch, _, msg in self.node.poll(timeout_s) if ch is self.node.kv]
+
+    def _take(self, match):
+        for i, msg in enumerate(self.inbox):
+            if match(msg):
+                return self.inbox.pop(i)
+        return None
+
     def _wait(self, match, timeout_s: float = 60.0):
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for ch, _, msg in self.node.poll(0.01):
-                if ch is self.node.kv and match(msg):
-                    return msg
-        raise TimeoutError("the decode node did not answer")
+        while (msg := self._take(match)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the decode node did not answer")
+            self._pump(0.01)
+        return msg
 
     def reserve(self, rid: str, prompt_len: int, max_tokens: int = 1) -> list[int]:
         while True:
@@ -70,15 +80,14 @@ class PrefillSide:
                 rids.discard(rid)
                 on_written(rid)
             if rids:
-                self.node.poll(0)   # keep the KV link moving (acks, tokens)
+                self._pump(0)   # keep the KV link moving
 
     def wait_acks(self, rids: set[str]) -> None:
         while rids:
-            for ch, _, msg in self.node.poll(0.01):
-                if ch is self.node.kv and isinstance(msg, HandoffAck):
-                    if not msg.is_accepted:
-                        raise RuntimeError(f"commit refused: {msg.reason}")
-                    rids.discard(msg.request_id)
+            ack = self._wait(lambda m: isinstance(m, HandoffAck) and m.request_id in rids)
+            if not ack.is_accepted:
+                raise RuntimeError(f"commit refused: {ack.reason}")
+            rids.discard(ack.request_id)
 
 
 def link_floor_GBps(num_bytes: int, tries: int = 3) -> float:
