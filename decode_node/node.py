@@ -21,7 +21,7 @@ from common.log import get_logger
 from common import transfer
 from common.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, HandoffAck, KVBlocks, KVCommit,
                              KVHello, KVRelease, KVReserve, KVReserved, NodeAbort, NodeReady,
-                             Shutdown, TokenBatch, TokenUpdate)
+                             RequestFailed, Shutdown, TokenBatch, TokenUpdate)
 from common.sequence import blocks_to_join, finish_reason, grow_blocks
 from common.worker import DecodeTicket, DeviceWorker
 from decode_node.scheduler import DecodeScheduler, Reservation
@@ -231,6 +231,12 @@ class DecodeNode:
         while (r := self.scheduler.next_admissible(self.sink.is_landed)) is not None:
             c = r.commit
             seq = self.scheduler.start(r)
+            error = self.sink.landing_error(c.request_id)
+            if error:
+                self.sink.forget(c.request_id)
+                self._finished(c.request_id, in_batch=False, count=False)
+                self._send(RequestFailed(c.request_id, error))
+                continue
             c.timings["decode_admit"] = time.time()
             seq.output_ids.append(c.first_token)
             reason = finish_reason(seq, c.first_token, self.worker.spec.eos_token_ids,

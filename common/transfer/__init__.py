@@ -9,7 +9,8 @@ code calls only what this module exports; it never names a backend.
     open_writer(requested, welcome, cache, send)  KVSink(cache, shm_name, accepted)
     writer.write(rid, src_ids, dst_ids)           sink.welcome(epoch) -> KVWelcome
     writer.poll() -> rids whose write is done     sink.receive(KVBlocks, dst_ids)   (tcp)
-    writer.close()                                sink.is_landed(rid) / sink.forget(rid)
+    writer.close()                                sink.is_landed(rid) / landing_error(rid)
+                                                  sink.forget(rid)
 
 Backends:
     ipc  one host: the decode node's cache is mapped into the prefill process once
@@ -117,6 +118,10 @@ class KVSink:
     def is_landed(self, request_id: str) -> bool:
         """Every frame received for the request is in the cache."""
         return self.tcp.is_landed(request_id)
+
+    def landing_error(self, request_id: str) -> str | None:
+        """Why a landed request's KV is not usable, if it is not."""
+        return self.tcp.failed.get(request_id)
 
     def forget(self, request_id: str) -> None:
         self.tcp.forget(request_id)

@@ -1,18 +1,23 @@
 """tcp: anywhere. The blocks travel as raw frames on the KV link, a group of
 layers per frame. On CUDA the prefill side gathers each group into pinned
 memory on a side stream, so the forward pass that follows is not held up; the
-decode side lands each frame in the reserved blocks on its own side stream and
-admits the request once every frame is in."""
+decode side lands each frame in the reserved blocks from a thread of its own,
+on its own side stream, and admits the request once every frame is in."""
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from common.log import get_logger
 from common.protocol import KVBlocks
 from common.transfer.copy import TransferError, copy_blocks
+
+log = get_logger("transfer")
 
 FRAME_BYTES = 16 * 2**20   # aim per frame: large enough to stream, small enough to pipeline
 
@@ -89,12 +94,22 @@ class TcpWriter:
 
 
 class TcpReceiver:
+    """Lands frames in the reserved blocks. On CUDA a thread of its own does the host
+    copy into pinned memory and queues the device copy on a side stream, so the
+    decode loop only checks a frame's shape and hands it over."""
+
     def __init__(self, cache: torch.Tensor):
         self.cache = cache
-        self.stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
-        self._landing: dict[str, list[torch.cuda.Event]] = {}
+        self._landing: dict[str, list] = {}     # request -> events, or None while queued
+        self.failed: dict[str, str] = {}        # request -> why its KV did not land
+        self._lock = threading.Condition()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.stream = None
+        if cache.is_cuda:
+            self.stream = torch.cuda.Stream(cache.device)
+            self._thread = threading.Thread(target=self._run, name="kv-tcp-receiver", daemon=True)
+            self._thread.start()
 
-    @torch.inference_mode()
     def receive(self, msg: KVBlocks, dst_block_ids: list[int]) -> None:
         kv, c = msg.kv, self.cache
         layers = kv.shape[0] if kv.dim() == 6 else 0
@@ -104,33 +119,59 @@ class TcpReceiver:
             raise TransferError(f"KV frame {tuple(kv.shape)} {kv.dtype} at layer {msg.first_layer} "
                                 f"does not fit {len(dst_block_ids)} reserved blocks of this cache "
                                 f"{tuple(c.shape)} {c.dtype}")
-        dst = c[msg.first_layer: msg.first_layer + layers]
-        src_ids = list(range(len(dst_block_ids)))
         if self.stream is None:
-            copy_blocks(kv, src_ids, dst, dst_block_ids)
+            with torch.inference_mode():
+                copy_blocks(kv, list(range(len(dst_block_ids))),
+                            c[msg.first_layer: msg.first_layer + layers], dst_block_ids)
             return
-        # NOTE: the frame is zmq's receive buffer (pageable): one host copy into pinned
-        # memory, then the device copy runs on a side stream beside the decode steps.
-        pinned = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-        pinned.copy_(kv)
-        with torch.cuda.stream(self.stream):
-            staged = pinned.to(c.device, non_blocking=True)
-            copy_blocks(staged, src_ids, dst, dst_block_ids)
+        with self._lock:
+            self._landing.setdefault(msg.request_id, []).append(None)
+        # NOTE: kv aliases zmq's receive buffer, which the tensor keeps alive.
+        self._queue.put((msg.request_id, msg.first_layer, kv, list(dst_block_ids)))
+
+    @torch.inference_mode()
+    def _run(self) -> None:
+        torch.cuda.set_device(self.cache.device)
+        while (item := self._queue.get()) is not None:
+            rid, first, kv, dst_ids = item
             landed = torch.cuda.Event()
-            landed.record(self.stream)
-        self._landing.setdefault(msg.request_id, []).append(landed)
+            try:
+                pinned = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+                pinned.copy_(kv)   # the host copy, off the decode loop
+                with torch.cuda.stream(self.stream):
+                    staged = pinned.to(self.cache.device, non_blocking=True)
+                    copy_blocks(staged, list(range(len(dst_ids))),
+                                self.cache[first: first + kv.shape[0]], dst_ids)
+                    landed.record(self.stream)
+            except Exception as e:  # the request fails; the thread goes on with the others
+                log.exception("landing a KV frame for %s failed", rid)
+                self.failed[rid] = f"landing its KV failed: {e}"
+                landed.record(self.stream)
+            with self._lock:
+                events = self._landing.get(rid)
+                if events is not None:
+                    events[events.index(None)] = landed
+                self._lock.notify_all()
 
     def is_landed(self, request_id: str) -> bool:
-        events = self._landing.get(request_id)
-        if events and all(e.query() for e in events):
-            del self._landing[request_id]
-        return request_id not in self._landing
+        with self._lock:
+            events = self._landing.get(request_id)
+            if events and all(e is not None and e.query() for e in events):
+                del self._landing[request_id]
+            return request_id not in self._landing
 
     def forget(self, request_id: str) -> None:
-        events = self._landing.pop(request_id, [])
+        """Wait until no copy can still write the request's blocks (they go back to the pool)."""
+        with self._lock:
+            self._lock.wait_for(lambda: None not in self._landing.get(request_id, []))
+            events = self._landing.pop(request_id, [])
+            self.failed.pop(request_id, None)
         for e in events:
-            e.synchronize()  # the blocks go back to the pool: no copy may still write them
+            e.synchronize()
 
     def forget_all(self) -> None:
         for rid in list(self._landing):
             self.forget(rid)
+        if self.stream is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10)
