@@ -421,11 +421,16 @@ class DeviceWorker:
         self.max_decode_batch = max(self.max_decode_batch, n)
         return ticket
 
-    def collect_decode(self, ticket: DecodeTicket) -> list[int]:
-        """Wait for a launched step; its tokens, in the ticket's key order."""
+    def collect_decode(self, ticket: DecodeTicket, while_waiting=None) -> list[int]:
+        """Wait for a launched step; its tokens, in the ticket's key order.
+        while_waiting(), if given, is called repeatedly until the step is done
+        (CUDA): host work that must not wait a whole step."""
         if self.device.type not in ("cpu", "cuda"):
             getattr(torch, self.device.type).synchronize(self.device)  # npu: no events used
         if ticket.copied is not None:
+            if while_waiting is not None:
+                while not ticket.copied.query():
+                    while_waiting()
             ticket.copied.synchronize()
             self.device_busy_s += ticket.start.elapsed_time(ticket.end) / 1e3
             if self._last_end is not None:

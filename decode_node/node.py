@@ -59,7 +59,8 @@ class DecodeNode:
                 self.sink = transfer.KVSink(self.worker.kv_cache, getattr(self.worker.kv_shm, "name", None),
                                             transfer.accepted_backends(self.cfg.kv_transfer,
                                                                        self.worker.device))
-                poller = Poller(self.frontend, self.kv)
+                poller = self._poller = Poller(self.frontend, self.kv)
+                self._stop = stop
                 self.allocator = BlockAllocator(self.worker.num_kv_blocks)
                 self.scheduler = DecodeScheduler(self.allocator, self.worker.block_size,
                                                  self.cfg.worker.max_batch_size, self.cfg.max_queue)
@@ -266,8 +267,14 @@ class DecodeNode:
                        or s.prompt_len + len(s.output_ids) + 1 >= limit
                        for s in self.scheduler.running.values())
 
+    def _receive_while_stepping(self) -> None:
+        """While a step runs: reservations, KV frames and commits need not wait for it.
+        Nothing received here changes the running batch (aborts are applied between steps)."""
+        for ch in self._poller.wait(0):
+            self._receive_all(ch, self._stop)
+
     def _collect(self, ticket: DecodeTicket, is_next_launched: bool) -> list[TokenUpdate]:
-        tokens = self.worker.collect_decode(ticket)
+        tokens = self.worker.collect_decode(ticket, self._receive_while_stepping)
         self._log_steps += 1
         if len(tokens) > 1:
             self.num_batched_steps += 1
