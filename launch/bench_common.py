@@ -14,6 +14,7 @@ import torch
 
 from common.channel import BadMessage, Channel, Poller, open_context
 from common.config import DTYPES, endpoint
+from common.kv_cache import num_blocks_for
 from common.model_spec import ModelSpec, load_spec, preset_spec
 from common.protocol import (HandoffAck, Heartbeat, KVBlocks, KVCommit, KVHello, KVReserve,
                              KVReserved, KVWelcome, NodeReady)
@@ -175,7 +176,7 @@ class NodeUnderTest:
             self.kv.send(KVWelcome("bench", host_id(), "cpu", shape, str(dtype).removeprefix("torch."),
                                    ["tcp"]), to=sender)
         elif isinstance(msg, KVReserve):
-            n = -(-msg.prompt_len // block_size)
+            n = num_blocks_for(msg.prompt_len, block_size)
             self.kv.send(KVReserved(msg.request_id, "bench", list(range(1, n + 1))), to=sender)
         elif isinstance(msg, KVCommit):
             self.kv.send(HandoffAck(msg.request_id, True), to=sender)

@@ -116,10 +116,14 @@ def step_ms(node: NodeUnderTest, window_s: float) -> float:
     return (t2 - t1) * 1e3 / steps if steps else float("nan")
 
 
+def kv_bytes(spec, dtype: torch.dtype, num_tokens: int) -> int:
+    return num_tokens * spec.kv_bytes_per_token(dtype.itemsize)
+
+
 def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
     bs = a.block_size
     n_blocks = num_blocks_for(a.prompt_len, bs)
-    req_bytes = n_blocks * bs * spec.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+    req_bytes = kv_bytes(spec, dtype, n_blocks * bs)
     ns = argparse.Namespace(model=None, shape=a.shape, device=a.decode_device, dtype=a.dtype,
                             kv_cache_memory=a.kv_cache_memory)
     # One row beyond the long requests: a timed handoff (max_tokens 1) ends at admission.
@@ -235,10 +239,9 @@ def main(argv=None) -> None:
     dtype = DTYPES[a.dtype] if a.dtype else (torch.float32 if a.prefill_device == "cpu" else torch.bfloat16)
     if a.kv_cache_memory is None:
         tokens = (a.num_requests + 2) * (a.prompt_len + 16) + a.decode_batch * (a.prompt_len + a.decode_tokens)
-        need = tokens * spec.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+        need = kv_bytes(spec, dtype, tokens)
         a.kv_cache_memory = str(int(need * 1.2))
-    bytes_per_req = num_blocks_for(a.prompt_len, a.block_size) * a.block_size * \
-        spec.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+    bytes_per_req = kv_bytes(spec, dtype, num_blocks_for(a.prompt_len, a.block_size) * a.block_size)
     for i, backend in enumerate(a.backends.split(",")):
         record = run_backend(a, backend, a.base_port + 10 * i, spec, dtype)
         if backend == "ipc" and a.prefill_device == a.decode_device:

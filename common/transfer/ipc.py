@@ -4,6 +4,7 @@ the reserved ones: device to device on CUDA (a peer copy across devices), a
 memory copy through a shared-memory segment on CPU."""
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import secrets
@@ -15,6 +16,10 @@ from common.protocol import CudaIpcHandle, KVWelcome
 from common.transfer.copy import TransferError, copy_blocks
 
 SHM_PREFIX = "pdserve-kv"
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
 def is_supported(device: torch.device) -> bool:
@@ -32,10 +37,7 @@ def allocate_shared_cpu_cache(shape: tuple[int, ...], dtype: torch.dtype
     """A zeroed CPU tensor in a fresh shared-memory segment. Python's resource tracker
     unlinks the segment if this process dies without closing it."""
     _remove_stale_segments()
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    nbytes = _nbytes(shape, dtype)
     shm = shared_memory.SharedMemory(f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}",
                                      create=True, size=max(nbytes, 1))
     cache = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
@@ -89,10 +91,7 @@ def _open_cpu(welcome: KVWelcome, dtype: torch.dtype, shape: list[int]) -> tuple
     name = welcome.shm_name or ""
     if not name.startswith(SHM_PREFIX + "-") or "/" in name:
         raise TransferError(f"the decode node named no usable shared-memory segment ({name!r})")
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    nbytes = _nbytes(shape, dtype)
     # NOTE: opened with os/mmap rather than SharedMemory, whose resource tracker
     # would unlink the decode node's segment when this process exits.
     try:
@@ -116,14 +115,10 @@ def _open_cuda(h: CudaIpcHandle, dtype: torch.dtype, shape: list[int]) -> torch.
             h.ref_counter_offset, h.event_handle or b"", h.is_event_sync_required)
     except Exception as e:  # a bad or foreign handle: CUDA's error, whatever its type
         raise TransferError(f"cannot open the decode node's CUDA IPC handle: {e}") from None
-    cache = torch.empty(0, dtype=dtype, device=f"cuda:{h.device}")
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel * cache.element_size() > storage.nbytes():
+    if _nbytes(shape, dtype) > storage.nbytes():
         raise TransferError(f"the shared allocation holds {storage.nbytes()} bytes, "
-                            f"the cache {shape} needs {numel * cache.element_size()}")
-    return cache.set_(storage, 0, shape)
+                            f"the cache {shape} needs {_nbytes(shape, dtype)}")
+    return torch.empty(0, dtype=dtype, device=f"cuda:{h.device}").set_(storage, 0, shape)
 
 
 class IpcWriter:
