@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -13,13 +14,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_base_port(count: int = 3) -> int:
-    """A port p with p .. p+count-1 free on 127.0.0.1."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count - 1 > 65535:
-            continue
+    """A port p with p .. p+count-1 free on 127.0.0.1.
+
+    NOTE: chosen below the kernel's ephemeral range: a port from that range can be
+    taken between this check and the bind by any outbound connection (the tests'
+    own ZeroMQ links make many), while ports below it are only ever bound explicitly."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, max(low - count, 10001))
         try:
             for port in range(base, base + count):
                 with socket.socket() as s:
