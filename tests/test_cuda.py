@@ -91,6 +91,7 @@ def test_bf16_prefill_logits_as_accurate_as_transformers(make_model, weight_std)
 def test_cluster_on_gpu_fp32_matches_transformers(make_model, tmp_path, kv_transfer, expected):
     import asyncio
     from frontend.client import AsyncClient
+    from tests.cluster_util import wait_for
     from tests.test_cluster import Cluster
     model = make_model(**SHAPE)
     c = Cluster(model, tmp_path / "gpu-cluster.log", "--prefill-device", "cuda:0",
@@ -106,8 +107,9 @@ def test_cluster_on_gpu_fp32_matches_transformers(make_model, tmp_path, kv_trans
         results = asyncio.run(run())
         for r, ref in zip(results, hf_greedy(model, prompts, 32)):
             assert r.token_ids == ref, r.error
+        # Heartbeat figures are up to one beat old: wait for them rather than sample once.
+        wait_for(lambda: c.stats()["prefill-0"]["kv_links"] == {"decode-0": expected}, 10, "the link")
         stats = c.stats()
         assert stats["decode-0"]["is_graphed"] and stats["decode-0"]["max_decode_batch"] > 1
-        assert stats["prefill-0"]["kv_links"] == {"decode-0": expected}
     finally:
         c.stop()

@@ -48,9 +48,10 @@ def test_each_backend_gives_transformers_tokens(tiny_model, tmp_path, backend):
     c = Cluster(tiny_model, tmp_path / "cluster.log", "--kv-transfer", backend)
     try:
         _assert_transformers_tokens(c.endpoint, tiny_model, _prompts(12, seed=3))
-        stats = c.stats()
-        assert stats["prefill-0"]["kv_links"] == {"decode-0": backend}
-        assert stats["prefill-0"]["num_kv_bytes_written"] > 0
+        # NOTE: node figures come from heartbeats, up to one beat old: wait, do not sample.
+        wait_for(lambda: c.stats()["prefill-0"]["kv_links"] == {"decode-0": backend}, 10,
+                 f"the prefill node to report its {backend} link")
+        assert c.stats()["prefill-0"]["num_kv_bytes_written"] > 0
         wait_for(lambda: _all_free(c.stats()), 10, "every block free")
     finally:
         c.stop()
@@ -64,9 +65,9 @@ def test_two_prefill_two_decode_nodes_serve_64_requests_exactly(tiny_model, tmp_
         assert set(stats) == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
         for name in stats:  # routing spread the load over every node
             assert stats[name]["num_routed"] >= 8, (name, stats[name]["num_routed"])
-        # Every prefill node handed off to both decode nodes over ipc.
-        for p in ("prefill-0", "prefill-1"):
-            assert stats[p]["kv_links"] == {"decode-0": "ipc", "decode-1": "ipc"}
+        # Every prefill node handed off to both decode nodes over ipc (heartbeat figures: wait).
+        wait_for(lambda: all(c.stats()[p]["kv_links"] == {"decode-0": "ipc", "decode-1": "ipc"}
+                             for p in ("prefill-0", "prefill-1")), 10, "both prefill nodes' links")
         wait_for(lambda: _all_free(c.stats()), 10, "every block free")
     finally:
         c.stop()
