@@ -111,6 +111,7 @@ class PrefillConfig:
     kv_transfer: str = "auto"         # auto: ipc with a decode node on this host, else tcp
     links: NodeLinks = field(default_factory=NodeLinks)
     allow_remote: bool = False
+    keys_dir: str | None = None       # CURVE keys (launch/keys.py), this node's under its name
 
     def __post_init__(self) -> None:
         check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
@@ -132,6 +133,7 @@ class DecodeConfig:
     kv_transfer: str = "auto"         # what prefill nodes may use: auto offers ipc and tcp
     links: NodeLinks = field(default_factory=NodeLinks)
     allow_remote: bool = False
+    keys_dir: str | None = None       # CURVE keys (launch/keys.py), this node's under its name
 
     def __post_init__(self) -> None:
         check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
@@ -150,9 +152,25 @@ class FrontendConfig:
     max_model_len: int | None = None
     links: NodeLinks = field(default_factory=NodeLinks)
     allow_remote: bool = False
+    keys_dir: str | None = None       # CURVE keys (launch/keys.py); None: open links
+    is_client_auth: bool = False      # clients too must hold a key from keys_dir/clients
+    max_requests_per_client: int = 4096   # in flight (waiting + running) per client connection
+    max_kv_tokens_per_client: int = 2**24  # prompt + max_tokens over its requests in flight
+    max_queued_tokens: int = 32768    # prompt tokens sent to one prefill node, not yet prefilled
+    hung_after_s: float = 30.0        # a node whose loop has not turned this long is dead
+    forget_after_s: float = 60.0      # a dead node is dropped from the node list after this
+    drain_timeout_s: float = 30.0     # on SIGTERM, running requests get this long to finish
 
     def __post_init__(self) -> None:
         check_endpoint("client_endpoint", self.client_endpoint, self.allow_remote)
         check_endpoint("node_endpoint", self.node_endpoint, self.allow_remote)
         if self.default_timeout_s <= 0:
             raise ValueError("default_timeout_s must be positive")
+        if self.is_client_auth and not self.keys_dir:
+            raise ValueError("client keys need a key directory (--keys DIR)")
+        if min(self.max_requests_per_client, self.max_kv_tokens_per_client, self.max_queued_tokens) < 1:
+            raise ValueError("per-client limits and max_queued_tokens must be >= 1")
+        if self.hung_after_s <= 0:
+            raise ValueError("hung_after_s must be positive")
+        if self.forget_after_s <= 0 or self.drain_timeout_s < 0:
+            raise ValueError("forget_after_s must be positive and drain_timeout_s >= 0")

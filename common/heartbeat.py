@@ -1,5 +1,6 @@
-"""A node's heartbeat, sent from its own thread and socket so that a long forward
-pass (or a first-time kernel compile) never makes a live node look dead."""
+"""A node's standing with the frontend: its registration, and its heartbeat, sent
+from its own thread and socket so that a long forward pass (or a first-time
+kernel compile) never makes a live node look dead."""
 from __future__ import annotations
 
 import threading
@@ -7,7 +8,50 @@ import time
 from typing import Callable
 
 from common.channel import Channel
-from common.protocol import Heartbeat
+from common.protocol import FRONTEND_TO_HEARTBEAT, Heartbeat, ReadyReply
+
+READY_EVERY_S = 1.0   # a ready not yet answered is sent again this often
+
+
+class Registration:
+    """Ready is sent until the frontend accepts it. A refusal that cannot change (a bad
+    name, no right to it) stops the node; a retryable one (a live node holds the name,
+    perhaps this node's dead predecessor not yet noticed) is retried for give_up_s."""
+
+    def __init__(self, send_ready: Callable[[], bool], give_up_s: float):
+        self.send_ready = send_ready
+        self.give_up_s = give_up_s
+        self.is_accepted = False
+        self._sent_at = 0.0
+        self._refused_since: float | None = None
+        self.reason: str | None = None
+
+    def again(self) -> None:
+        """The frontend forgot us (or restarted): register anew."""
+        self.is_accepted, self._sent_at = False, 0.0
+
+    def on_reply(self, reply: ReadyReply) -> str | None:
+        """The reason to stop, if the frontend refused this node for good."""
+        if reply.is_accepted:
+            self.is_accepted, self._refused_since, self.reason = True, None, None
+            return None
+        self.is_accepted, self.reason = False, reply.reason
+        if not reply.is_retryable:
+            return f"the frontend refused this node: {reply.reason}"
+        if self._refused_since is None:
+            self._refused_since = time.monotonic()
+        return None
+
+    def tick(self) -> str | None:
+        """Send ready again when due; the reason to stop if refusals lasted past give_up_s."""
+        now = time.monotonic()
+        if self.is_accepted:
+            return None
+        if self._refused_since is not None and now - self._refused_since > self.give_up_s:
+            return f"the frontend refused this node for {self.give_up_s:.0f}s: {self.reason}"
+        if now - self._sent_at >= READY_EVERY_S and self.send_ready():
+            self._sent_at = now
+        return None
 
 
 class HeartbeatThread:
@@ -17,6 +61,7 @@ class HeartbeatThread:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-heartbeat", daemon=True)
         self.last_turn = time.monotonic()   # the node loop's last turn, set by the loop
+        self.is_forgotten = threading.Event()   # the frontend asked us to register again
 
     def start(self) -> "HeartbeatThread":
         self._thread.start()
@@ -29,7 +74,7 @@ class HeartbeatThread:
     def _run(self) -> None:
         ctx, endpoint, role, name, stats, interval_s = self._args
         # NOTE: a zmq socket belongs to the thread that made it.
-        ch = Channel(ctx, False, endpoint, identity=f"{name}.heartbeat")
+        ch = Channel(ctx, False, endpoint, identity=f"{name}.heartbeat", server="frontend")
         try:
             while True:
                 try:
@@ -38,6 +83,10 @@ class HeartbeatThread:
                     figures = None
                 if figures is not None:
                     ch.send(Heartbeat(role, name, figures), block=False)
+                while ch.has_message():
+                    _, reply = ch.recv(FRONTEND_TO_HEARTBEAT)
+                    if isinstance(reply, ReadyReply) and not reply.is_accepted:
+                        self.is_forgotten.set()
                 if self._stop.wait(interval_s):
                     break
         finally:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar, Union
 
 import msgpack
 import torch
@@ -31,22 +32,58 @@ class ProtocolError(ValueError):
         self.request_id = request_id
 
 
+# ---- field limits -------------------------------------------------------------
+# Every value is checked against what its receiver will do with it: ints that
+# reach int32 device tensors stay in int32, names and ids stay short, maps of
+# figures stay flat and finite. Limits live on the field types themselves.
+
+I32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Range:
+    lo: float
+    hi: float
+
+
+@dataclass(frozen=True)
+class MaxLen:
+    n: int
+
+
+@dataclass(frozen=True)
+class Plain:
+    """A map of plain data: string keys, at most max_items entries per level, depth
+    levels deep, finite numbers; is_numbers: every value a finite number >= 0."""
+    depth: int = 3
+    max_items: int = 256
+    is_numbers: bool = False
+
+
+Name = Annotated[str, MaxLen(128)]        # node names, message kinds
+Id = Annotated[str, MaxLen(256)]          # request ids
+Text = Annotated[str, MaxLen(4096)]       # errors, reasons
+I32 = Annotated[int, Range(0, I32_MAX)]   # token ids, block ids, lengths, counts
+Stamps = Annotated[dict, Plain(depth=1, max_items=32, is_numbers=True)]   # timings
+Figures = Annotated[dict, Plain()]        # a node's stats
+
+
 # ---- client <-> frontend (documented in docs/protocol.md) ---------------------
 
 @dataclass
 class GenerateRequest:
     TYPE: ClassVar[str] = "generate"
-    request_id: str
+    request_id: Id
     prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    messages: list[dict] | None = None
-    max_tokens: int = 16
+    prompt_token_ids: list[I32] | None = None
+    messages: list[Annotated[dict, Plain(depth=2, max_items=16)]] | None = None
+    max_tokens: Annotated[int, Range(1, I32_MAX)] = 16
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    top_k: Annotated[int, Range(-1, I32_MAX)] = -1
+    seed: Annotated[int, Range(0, 2**63 - 1)] | None = None
+    stop: list[Annotated[str, MaxLen(1024)]] = field(default_factory=list)
+    stop_token_ids: list[I32] = field(default_factory=list)
     ignore_eos: bool = False
     timeout_s: float | None = None
 
@@ -54,7 +91,7 @@ class GenerateRequest:
 @dataclass
 class AbortRequest:
     TYPE: ClassVar[str] = "abort"
-    request_id: str
+    request_id: Id
 
 
 @dataclass
@@ -81,6 +118,7 @@ class StatsReply:
     is_ready: bool
     nodes: dict
     model: dict | None = None   # {"name", "vocab_size", "max_model_len"}
+    frontend: dict | None = None  # {"pid", "is_draining", "num_waiting", "num_running", ...}
 
 
 @dataclass
@@ -96,18 +134,18 @@ class ErrorReply:
 @dataclass
 class PrefillRequest:
     TYPE: ClassVar[str] = "prefill"
-    request_id: str
-    prompt_token_ids: list[int]
+    request_id: Id
+    prompt_token_ids: list[I32]
     params: SamplingParams
-    arrival_time: float
-    decode_node: str          # the decode node chosen for this request ...
-    decode_kv_endpoint: str   # ... and where its KV link listens
+    arrival_time: Annotated[float, Range(0, 1e12)]
+    decode_node: Name         # the decode node chosen for this request ...
+    decode_kv_endpoint: Annotated[str, MaxLen(512)]   # ... and where its KV link listens
 
 
 @dataclass
 class NodeAbort:
     TYPE: ClassVar[str] = "node_abort"
-    request_id: str
+    request_id: Id
 
 
 @dataclass
@@ -115,43 +153,54 @@ class Shutdown:
     TYPE: ClassVar[str] = "shutdown"
 
 
+@dataclass
+class ReadyReply:
+    """frontend -> node, for each NodeReady (and to a heartbeat from a node it has
+    forgotten): registered, or why not. A retryable refusal is asked again."""
+    TYPE: ClassVar[str] = "ready_reply"
+    is_accepted: bool
+    reason: Text | None = None
+    is_retryable: bool = False
+
+
 # ---- nodes -> frontend --------------------------------------------------------
 
 @dataclass
 class NodeReady:
     TYPE: ClassVar[str] = "ready"
-    role: str                 # "prefill" or "decode"
-    name: str
-    pid: int
-    device: str
-    num_kv_blocks: int
-    block_size: int
-    max_model_len: int
-    kv_endpoint: str | None = None   # a decode node's KV link
-    kv_transfer: str = "auto"        # the KV transfer backend the node asked for
+    role: Name                # "prefill" or "decode"
+    name: Name
+    pid: I32
+    device: Name
+    num_kv_blocks: I32
+    block_size: Annotated[int, Range(1, 4096)]
+    max_model_len: I32
+    kv_endpoint: Annotated[str, MaxLen(512)] | None = None   # a decode node's KV link
+    kv_transfer: Name = "auto"       # the KV transfer backend the node asked for
+    max_batch_size: I32 = 0          # a decode node's batch rows (0: not said)
 
 
 @dataclass
 class Heartbeat:
     TYPE: ClassVar[str] = "heartbeat"
-    role: str
-    name: str
-    stats: dict
+    role: Name
+    name: Name
+    stats: Figures
 
 
 @dataclass
 class RequestFailed:
     TYPE: ClassVar[str] = "failed"
-    request_id: str
-    error: str
+    request_id: Id
+    error: Text
 
 
 @dataclass
 class TokenUpdate:
-    request_id: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    timings: dict | None = None   # on a request's first update: where its TTFT went
+    request_id: Id
+    token_ids: list[I32]
+    finish_reason: Name | None = None
+    timings: Stamps | None = None   # on a request's first update: where its TTFT went
 
 
 @dataclass
@@ -182,40 +231,40 @@ class CudaIpcHandle:
 class KVHello:
     """prefill -> decode, on first contact and whenever the decode node's epoch changes."""
     TYPE: ClassVar[str] = "kv_hello"
-    prefill_node: str
+    prefill_node: Name
 
 
 @dataclass
 class KVWelcome:
     """decode -> prefill: the decode node's cache, and how it may be written."""
     TYPE: ClassVar[str] = "kv_welcome"
-    epoch: str                       # changes when the decode node restarts
-    host_id: str                     # machine identity: ipc only between equal host ids
-    device: str
-    cache_shape: list[int]           # [layers, 2, blocks, block_size, kv_heads, head_dim]
-    dtype: str
-    backends: list[str]              # what this decode node accepts, best first
-    shm_name: str | None = None      # ipc on CPU: the cache's shared-memory segment
+    epoch: Name                      # changes when the decode node restarts
+    host_id: Annotated[str, MaxLen(512)]   # machine identity: ipc only between equal host ids
+    device: Name
+    cache_shape: list[I32]           # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    dtype: Name
+    backends: list[Name]             # what this decode node accepts, best first
+    shm_name: Name | None = None     # ipc on CPU: the cache's shared-memory segment
     cuda_ipc: CudaIpcHandle | None = None  # ipc on CUDA
 
 
 @dataclass
 class KVReserve:
     TYPE: ClassVar[str] = "kv_reserve"
-    request_id: str
-    prompt_len: int
-    max_tokens: int
+    request_id: Id
+    prompt_len: I32
+    max_tokens: I32
 
 
 @dataclass
 class KVReserved:
     """decode -> prefill: block_ids for the prompt, or a refusal."""
     TYPE: ClassVar[str] = "kv_reserved"
-    request_id: str
-    epoch: str
-    block_ids: list[int] | None = None
+    request_id: Id
+    epoch: Name
+    block_ids: list[I32] | None = None
     is_retryable: bool = False
-    reason: str | None = None
+    reason: Text | None = None
 
 
 @dataclass
@@ -223,8 +272,8 @@ class KVBlocks:
     """tcp backend: layers [first_layer, first_layer + kv.shape[0]) of a reservation's blocks.
     kv [layers, 2, num_blocks, block_size, kv_heads, head_dim] travels as one raw frame."""
     TYPE: ClassVar[str] = "kv_blocks"
-    request_id: str
-    first_layer: int
+    request_id: Id
+    first_layer: Annotated[int, Range(0, 4096)]
     kv: torch.Tensor
 
 
@@ -232,39 +281,40 @@ class KVBlocks:
 class KVCommit:
     """prefill -> decode: the reserved blocks hold the prompt's KV; start decoding."""
     TYPE: ClassVar[str] = "kv_commit"
-    request_id: str
-    prompt_len: int
-    first_token: int
+    request_id: Id
+    prompt_len: I32
+    first_token: I32
     params: SamplingParams
-    timings: dict
-    backend: str
+    timings: Stamps
+    backend: Name
 
 
 @dataclass
 class KVRelease:
     """prefill -> decode: drop a reservation that will never be committed."""
     TYPE: ClassVar[str] = "kv_release"
-    request_id: str
+    request_id: Id
 
 
 @dataclass
 class HandoffAck:
     TYPE: ClassVar[str] = "kv_ack"
-    request_id: str
+    request_id: Id
     is_accepted: bool
     is_retryable: bool = False
-    reason: str | None = None
+    reason: Text | None = None
 
 
 MESSAGES: dict[str, type] = {cls.TYPE: cls for cls in (
     GenerateRequest, AbortRequest, StatsRequest, GenerateOutput, StatsReply, ErrorReply,
-    PrefillRequest, NodeAbort, Shutdown, NodeReady, Heartbeat, RequestFailed, TokenBatch,
+    PrefillRequest, NodeAbort, Shutdown, ReadyReply, NodeReady, Heartbeat, RequestFailed, TokenBatch,
     KVHello, KVWelcome, KVReserve, KVReserved, KVBlocks, KVCommit, KVRelease, HandoffAck)}
 
 # What each link carries, per direction.
 CLIENT_TO_FRONTEND = (GenerateRequest, AbortRequest, StatsRequest)
 FRONTEND_TO_CLIENT = (GenerateOutput, StatsReply, ErrorReply)
-FRONTEND_TO_NODE = (PrefillRequest, NodeAbort, Shutdown)
+FRONTEND_TO_NODE = (PrefillRequest, NodeAbort, Shutdown, ReadyReply)
+FRONTEND_TO_HEARTBEAT = (ReadyReply,)
 NODE_TO_FRONTEND = (NodeReady, Heartbeat, RequestFailed, TokenBatch)
 PREFILL_TO_DECODE = (KVHello, KVReserve, KVBlocks, KVCommit, KVRelease)
 DECODE_TO_PREFILL = (KVWelcome, KVReserved, HandoffAck)
@@ -285,7 +335,7 @@ def _to_wire(value: Any) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -316,9 +366,20 @@ def _type_name(t) -> str:
     return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 
-def _check(value: Any, t, where: str) -> Any:
+MAX_DEPTH = 8   # of nested lists and maps in any field
+
+
+def _check(value: Any, t, where: str, depth: int = 0) -> Any:
     """value as type t, or ProtocolError naming the field."""
+    if depth > MAX_DEPTH:
+        raise ProtocolError(f"{where} is nested too deeply")
     origin = typing.get_origin(t)
+    if origin is Annotated:
+        base, *limits = typing.get_args(t)
+        value = _check(value, base, where, depth)
+        for limit in limits:
+            _limit(value, limit, where)
+        return value
     if origin in (Union, types.UnionType):
         options = typing.get_args(t)
         if value is None and type(None) in options:
@@ -326,7 +387,7 @@ def _check(value: Any, t, where: str) -> Any:
         errors = []
         for option in (o for o in options if o is not type(None)):
             try:
-                return _check(value, option, where)
+                return _check(value, option, where, depth)
             except ProtocolError as e:
                 errors.append(str(e))
         raise ProtocolError(errors[0] if errors else f"{where} must not be null")
@@ -334,7 +395,7 @@ def _check(value: Any, t, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ProtocolError(f"{where} must be a list, got {type(value).__name__}")
         item = typing.get_args(t)[0]
-        items = [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        items = [_check(v, item, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if dataclasses.is_dataclass(t):
         if not isinstance(value, dict):
@@ -343,12 +404,58 @@ def _check(value: Any, t, where: str) -> Any:
     if t is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ProtocolError(f"{where} must be a number, got {type(value).__name__}")
+        if not math.isfinite(value):
+            raise ProtocolError(f"{where} must be finite, got {value!r}")
         return float(value)
-    if t is int and isinstance(value, bool):
-        raise ProtocolError(f"{where} must be an integer, got bool")
+    if t is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(f"{where} must be an integer, got {type(value).__name__}")
+        if not -2**63 <= value < 2**63:
+            raise ProtocolError(f"{where} is outside the 64-bit range")
+        return value
+    if t is dict:
+        _plain(value, Plain(), where, depth)
+        return value
     if t is Any or isinstance(value, t):
         return value
     raise ProtocolError(f"{where} must be {_type_name(t)}, got {type(value).__name__}")
+
+
+def _limit(value: Any, limit, where: str) -> None:
+    if isinstance(limit, Range) and not limit.lo <= value <= limit.hi:
+        raise ProtocolError(f"{where} must be in [{limit.lo}, {limit.hi}], got {value!r}")
+    if isinstance(limit, MaxLen) and len(value) > limit.n:
+        raise ProtocolError(f"{where} is longer than {limit.n}")
+    if isinstance(limit, Plain):
+        _plain(value, limit, where, 0)
+
+
+def _plain(value: Any, rule: Plain, where: str, depth: int) -> None:
+    """Plain data: maps with string keys, lists, and finite scalars, within rule's bounds."""
+    if isinstance(value, dict):
+        if depth >= rule.depth or len(value) > rule.max_items:
+            raise ProtocolError(f"{where} is too large or too deeply nested")
+        for k, v in value.items():
+            if not isinstance(k, str) or len(k) > 128:
+                raise ProtocolError(f"{where} keys must be short strings")
+            if rule.is_numbers:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e15:
+                    raise ProtocolError(f"{where}[{k!r}] must be a finite number >= 0, got {v!r}")
+            else:
+                _plain(v, rule, f"{where}[{k!r}]", depth + 1)
+    elif isinstance(value, list):
+        if depth >= rule.depth or len(value) > rule.max_items:
+            raise ProtocolError(f"{where} is too large or too deeply nested")
+        for i, v in enumerate(value):
+            _plain(v, rule, f"{where}[{i}]", depth + 1)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ProtocolError(f"{where} must be finite")
+    elif isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+        raise ProtocolError(f"{where} is outside the 64-bit range")
+    elif isinstance(value, str) and len(value) > 4096:
+        raise ProtocolError(f"{where} is longer than 4096")
+    elif not isinstance(value, (type(None), bool, int, float, str)):
+        raise ProtocolError(f"{where} holds a {type(value).__name__}")
 
 
 def _build(cls, fields: dict, prefix: str = ""):
@@ -367,49 +474,68 @@ def _build(cls, fields: dict, prefix: str = ""):
     return cls(**kwargs)
 
 
+MAX_DIMS = 8
+
+
 def decode(frames: list, allowed: tuple[type, ...] | None = None):
-    """Frames -> a message. Raises ProtocolError for anything malformed."""
+    """Frames -> a message. Raises ProtocolError for anything malformed, and nothing else."""
     if not frames:
         raise ProtocolError("empty message")
     try:
         header = msgpack.unpackb(bytes(frames[0]), raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types
-        raise ProtocolError(f"malformed msgpack: {e}") from None
+        raise ProtocolError(f"malformed msgpack: {type(e).__name__}") from None
     if not isinstance(header, dict):
         raise ProtocolError("a message must be a msgpack map")
-    rid = header.get("request_id") if isinstance(header.get("request_id"), str) else None
+    rid = header.get("request_id")
+    rid = rid if isinstance(rid, str) and 0 < len(rid) <= 256 else None
     if header.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {header.get('v')!r} is not {PROTOCOL_VERSION}", rid)
-    cls = MESSAGES.get(header.get("type"))
+        raise ProtocolError(f"protocol version {_short(header.get('v'))} is not {PROTOCOL_VERSION}", rid)
+    kind = header.get("type")
+    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
     if cls is None or (allowed is not None and cls not in allowed):
-        raise ProtocolError(f"unknown message type {header.get('type')!r}", rid)
+        raise ProtocolError(f"unknown message type {_short(kind)}", rid)
     fields = {k: v for k, v in header.items() if k not in ("v", "type", "tensors")}
     tensor_names = _tensor_fields(cls)
     described = header.get("tensors", [])
-    if len(described) != len(tensor_names) or len(frames) != 1 + len(tensor_names):
-        raise ProtocolError(f"{cls.TYPE} needs {len(tensor_names)} tensor frame(s), "
-                            f"got {len(frames) - 1}", rid)
+    if not isinstance(described, list) or len(described) != len(tensor_names) \
+            or len(frames) != 1 + len(tensor_names):
+        raise ProtocolError(f"{cls.TYPE} takes {len(tensor_names)} tensor frame(s) described in "
+                            f"'tensors', got {len(frames) - 1} and {_short(described)}", rid)
     for desc, frame in zip(described, frames[1:]):
-        fields[desc[0]] = _tensor_from_frame(desc, frame, rid)
+        name = desc[0] if isinstance(desc, list) and desc else None
+        if name not in tensor_names or name in fields:
+            raise ProtocolError(f"bad tensor description {_short(desc)}", rid)
+        fields[name] = _tensor_from_frame(desc, frame, rid)
     try:
         return _build(cls, fields)
     except ProtocolError as e:
         raise ProtocolError(str(e), rid) from None
+    except (RecursionError, ValueError, TypeError, OverflowError) as e:  # a constructor's own check
+        raise ProtocolError(f"bad {cls.TYPE} message: {type(e).__name__}", rid) from None
+
+
+def _short(value: Any) -> str:
+    """A value for an error message, cut short: errors are echoed to whoever sent it."""
+    text = repr(value)
+    return text if len(text) <= 64 else text[:61] + "..."
 
 
 def _tensor_from_frame(desc, frame, rid) -> torch.Tensor:
     try:
         name, dtype_name, shape = desc
         dtype = _DTYPES[dtype_name]
-        shape = [int(s) for s in shape]
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or \
+                not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= I32_MAX for s in shape):
+            raise ValueError
     except (ValueError, TypeError, KeyError):
-        raise ProtocolError(f"bad tensor description {desc!r}", rid) from None
+        raise ProtocolError(f"bad tensor description {_short(desc)}", rid) from None
     buf = memoryview(getattr(frame, "buffer", frame))
     numel = 1
     for s in shape:
         numel *= s
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    if any(s < 0 for s in shape) or buf.nbytes != numel * itemsize:
+    if buf.nbytes != numel * itemsize:
         raise ProtocolError(f"tensor {name!r} frame holds {buf.nbytes} bytes, "
                             f"shape {shape} {dtype_name} needs {numel * itemsize}", rid)
     if numel == 0:

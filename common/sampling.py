@@ -13,6 +13,7 @@ import torch
 # top_k <= 0 disables top-k; -1 is the documented spelling.
 TOP_K_DISABLED = -1
 _M32 = 0xFFFFFFFF
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,14 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (-1 or 0 disables), got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or \
+                not -1 <= self.top_k <= vocab_size:
+            raise ValueError(f"top_k must be an integer in [-1, {vocab_size}] (the vocabulary; "
+                             f"-1 or 0 disables), got {self.top_k!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids entry {t!r} is outside the vocabulary [0, {vocab_size})")

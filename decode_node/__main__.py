@@ -1,14 +1,16 @@
 """python -m decode_node --frontend tcp://127.0.0.1:5601 --kv-bind tcp://127.0.0.1:5602 --model DIR"""
 import argparse
+import sys
 
 import dataclasses
 
+from common.channel import LinkError
 from common.config import KV_TRANSFERS, DecodeConfig, NodeLinks
 from common.process import add_worker_args, die_with_parent, stop_event_on_signals, worker_config
 from decode_node.node import DecodeNode
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m decode_node", description=__doc__)
     add_worker_args(p)
     p.add_argument("--frontend", required=True, help="the frontend's node endpoint")
@@ -20,6 +22,8 @@ def main(argv=None) -> None:
                    help="seconds before an uncommitted reservation is freed")
     p.add_argument("--kv-transfer", choices=KV_TRANSFERS, default="auto",
                    help="KV transfer backends offered to prefill nodes (auto: ipc and tcp)")
+    p.add_argument("--keys", default=None, metavar="DIR",
+                   help="CURVE keys (python -m launch.keys DIR); this node's is DIR/NAME.key_secret")
     p.add_argument("--allow-remote", action="store_true")
     a = p.parse_args(argv)
     die_with_parent()
@@ -29,9 +33,13 @@ def main(argv=None) -> None:
     worker = dataclasses.replace(worker, is_kv_shared=a.kv_transfer in ("auto", "ipc"))
     cfg = DecodeConfig(worker=worker, frontend_endpoint=a.frontend, kv_endpoint=a.kv_bind,
                        name=a.name, max_queue=a.max_queue, reservation_lease_s=a.reservation_lease,
-                       kv_transfer=a.kv_transfer, links=NodeLinks(), allow_remote=a.allow_remote)
-    DecodeNode(cfg).run(stop)
+                       kv_transfer=a.kv_transfer, links=NodeLinks(), allow_remote=a.allow_remote, keys_dir=a.keys)
+    try:
+        return DecodeNode(cfg).run(stop)
+    except LinkError as e:
+        print(f"decode_node: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,16 +12,18 @@ import os
 import secrets
 import threading
 import time
+from pathlib import Path
 
 from common.channel import BadMessage, Channel, Poller, open_context
 from common.config import DecodeConfig
+from common.keys import ClusterKeys
 from common.kv_cache import BlockAllocator
-from common.heartbeat import HeartbeatThread
+from common.heartbeat import HeartbeatThread, Registration
 from common.log import get_logger
 from common import transfer
 from common.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, HandoffAck, KVBlocks, KVCommit,
                              KVHello, KVRelease, KVReserve, KVReserved, NodeAbort, NodeReady,
-                             RequestFailed, Shutdown, TokenBatch, TokenUpdate)
+                             ReadyReply, RequestFailed, Shutdown, TokenBatch, TokenUpdate)
 from common.sequence import blocks_to_join, finish_reason, grow_blocks
 from common.worker import DecodeTicket, DeviceWorker
 from decode_node.scheduler import DecodeScheduler, Reservation
@@ -41,21 +43,26 @@ class DecodeNode:
         self.num_discarded_tokens = 0
         self.num_finished = 0
         self.num_batched_steps = 0      # steps that ran more than one request
+        self.exit_code = 0
         self._last_log = 0.0
         self._log_tokens = self._log_steps = 0
 
     # ---- the loop ---------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> None:
-        ctx = open_context()
+    def run(self, stop: threading.Event) -> int:
+        """Serve until stopped; the process's exit code (1: refused by the frontend)."""
+        keys = ClusterKeys(Path(self.cfg.keys_dir), self.cfg.name) if self.cfg.keys_dir else None
+        ctx = open_context(keys)
         links = self.cfg.links
         self.frontend = Channel(ctx, False, self.cfg.frontend_endpoint, identity=self.cfg.name,
-                                max_message_bytes=links.max_message_bytes)
+                                max_message_bytes=links.max_message_bytes, server="frontend")
         try:
             with self.worker:
                 kv_limit = 64 * 2**20 + self.worker.max_model_len * \
                     self.worker.spec.kv_bytes_per_token(self.worker.kv_cache.element_size())
-                self.kv = Channel(ctx, True, self.cfg.kv_endpoint, max_message_bytes=kv_limit)
+                # With keys, only the cluster's nodes get past the handshake.
+                self.kv = Channel(ctx, True, self.cfg.kv_endpoint, max_message_bytes=kv_limit,
+                                  domain="nodes")
                 self.sink = transfer.KVSink(self.worker.kv_cache, getattr(self.worker.kv_shm, "name", None),
                                             transfer.accepted_backends(self.cfg.kv_transfer,
                                                                        self.worker.device))
@@ -64,7 +71,8 @@ class DecodeNode:
                 self.allocator = BlockAllocator(self.worker.num_kv_blocks)
                 self.scheduler = DecodeScheduler(self.allocator, self.worker.block_size,
                                                  self.cfg.worker.max_batch_size, self.cfg.max_queue)
-                self._send_ready()
+                self.registration = Registration(self._send_ready, 2 * links.dead_after_s + 5)
+                self.registration.tick()
                 self.heartbeat = HeartbeatThread(ctx, self.cfg.frontend_endpoint, "decode", self.cfg.name,
                                                  self.stats, self.cfg.links.heartbeat_s).start()
                 log.info("ready on %s: %d KV blocks (%d tokens), batch up to %d, KV at %s (%s)",
@@ -103,6 +111,7 @@ class DecodeNode:
                 self.kv.close()
             ctx.term()
             log.info("stopped")
+        return self.exit_code
 
     # ---- receive ----------------------------------------------------------
 
@@ -128,9 +137,17 @@ class DecodeNode:
                     self._release(msg.request_id)
             elif isinstance(msg, NodeAbort):
                 self._abort(msg.request_id)
+            elif isinstance(msg, ReadyReply):
+                self._quit(self.registration.on_reply(msg))
             elif isinstance(msg, Shutdown):
                 log.info("shutdown requested by the frontend")
                 stop.set()
+
+    def _quit(self, reason: str | None) -> None:
+        if reason:
+            log.error("stopping: %s", reason)
+            self.exit_code = 1
+            self._stop.set()
 
     def _reservation_of(self, sender: bytes, request_id: str) -> Reservation | None:
         """A reservation, if the sender is the prefill node that made it."""
@@ -313,11 +330,13 @@ class DecodeNode:
         if not self.frontend.send(msg, block=False):
             log.error("frontend queue full: dropped a %s message", type(msg).__name__)
 
-    def _send_ready(self) -> None:
+    def _send_ready(self) -> bool:
         w = self.worker
-        self._send(NodeReady("decode", self.cfg.name, os.getpid(), self.cfg.worker.device,
-                             w.num_kv_blocks, w.block_size, w.max_model_len,
-                             kv_endpoint=self.cfg.kv_endpoint, kv_transfer=self.cfg.kv_transfer))
+        return self.frontend.send(NodeReady("decode", self.cfg.name, os.getpid(), self.cfg.worker.device,
+                                            w.num_kv_blocks, w.block_size, w.max_model_len,
+                                            kv_endpoint=self.cfg.kv_endpoint,
+                                            kv_transfer=self.cfg.kv_transfer,
+                                            max_batch_size=self.cfg.worker.max_batch_size), block=False)
 
     def stats(self) -> dict:
         return {**self.worker.stats(), "num_running": len(self.scheduler.running),
@@ -328,11 +347,17 @@ class DecodeNode:
                 "num_free_blocks": self.allocator.num_free,
                 "num_reserved_blocks": self.allocator.num_reserved,
                 "num_available_blocks": self.allocator.num_available,
+                "num_bad_messages": self.frontend.num_bad + self.kv.num_bad,
+                "is_registered": self.registration.is_accepted,
                 "num_usable_blocks": self.allocator.capacity}
 
     def _report(self) -> None:
         now = time.monotonic()
         self.heartbeat.last_turn = now
+        if self.heartbeat.is_forgotten.is_set():
+            self.heartbeat.is_forgotten.clear()
+            self.registration.again()
+        self._quit(self.registration.tick())
         if now - self._last_log >= self.cfg.links.log_interval_s:
             elapsed = now - self._last_log if self._last_log else 0.0
             s = self.stats()

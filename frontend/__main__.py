@@ -1,32 +1,65 @@
 """python -m frontend --model DIR --clients tcp://127.0.0.1:5600 --nodes tcp://127.0.0.1:5601"""
 import argparse
 import asyncio
+import sys
 
+from common.channel import LinkError
 from common.config import FrontendConfig, NodeLinks
 from common.process import die_with_parent
 from frontend.server import Frontend
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m frontend", description=__doc__)
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m frontend", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="model directory (tokenizer and limits)")
     p.add_argument("--clients", required=True, help="endpoint clients connect to")
     p.add_argument("--nodes", required=True, help="endpoint nodes connect to")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--default-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--dead-after", type=float, default=3.0, help="seconds of node silence")
+    p.add_argument("--hung-after", type=float, default=30.0,
+                   help="seconds a node's loop may go without turning before it counts as dead")
+    p.add_argument("--forget-after", type=float, default=60.0,
+                   help="seconds after which a dead node leaves the node list")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests get to finish")
+    p.add_argument("--keys", default=None, metavar="DIR",
+                   help="CURVE keys (python -m launch.keys DIR): nodes must hold one")
+    p.add_argument("--client-keys", action="store_true",
+                   help="clients too must hold a key (DIR/clients/NAME)")
+    p.add_argument("--max-requests-per-client", type=int, default=4096,
+                   help="requests in flight per client connection; past it: overloaded")
+    p.add_argument("--max-kv-tokens-per-client", type=int, default=2**24,
+                   help="prompt + max_tokens over a client's requests in flight; past it: overloaded")
+    p.add_argument("--max-queued-tokens", type=int, default=32768,
+                   help="prompt tokens sent to one prefill node and not yet prefilled; "
+                        "the rest wait here, clients taking turns")
     p.add_argument("--allow-remote", action="store_true")
     a = p.parse_args(argv)
     die_with_parent()
-    cfg = FrontendConfig(model=a.model, client_endpoint=a.clients, node_endpoint=a.nodes,
-                         max_model_len=a.max_model_len, default_timeout_s=a.default_timeout,
-                         links=NodeLinks(dead_after_s=a.dead_after), allow_remote=a.allow_remote)
     try:
-        import uvloop
-        uvloop.run(Frontend(cfg).run())
-    except ImportError:
-        asyncio.run(Frontend(cfg).run())
-
+        cfg = FrontendConfig(model=a.model, client_endpoint=a.clients, node_endpoint=a.nodes,
+                             max_model_len=a.max_model_len, default_timeout_s=a.default_timeout,
+                             links=NodeLinks(dead_after_s=a.dead_after), allow_remote=a.allow_remote,
+                             keys_dir=a.keys, is_client_auth=a.client_keys,
+                             max_requests_per_client=a.max_requests_per_client,
+                             max_kv_tokens_per_client=a.max_kv_tokens_per_client,
+                             max_queued_tokens=a.max_queued_tokens, hung_after_s=a.hung_after,
+                             forget_after_s=a.forget_after, drain_timeout_s=a.drain_timeout)
+        frontend = Frontend(cfg)
+    except ValueError as e:
+        print(f"frontend: {e}", file=sys.stderr)
+        return 2
+    try:
+        try:
+            import uvloop
+            return uvloop.run(frontend.run())
+        except ImportError:
+            return asyncio.run(frontend.run())
+    except LinkError as e:
+        print(f"frontend: {e}", file=sys.stderr)
+        return 1
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

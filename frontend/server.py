@@ -1,12 +1,18 @@
 """The frontend: an asyncio service between clients and the nodes.
 
-client loop:  receive a request -> validate, tokenize -> route to a prefill node
+client loop:  receive a request -> validate, tokenize -> admit under its client's limits
+dispatch:     clients take turns; a request goes to a prefill/decode pair with room
 node loop:    tokens from decode -> detokenize, stop strings -> stream to the client
-watchdog:     nodes silent past dead_after_s fail their requests; deadlines abort
+watchdog:     silent or hung nodes fail their requests; deadlines abort; the dead are forgotten
+
+Request ids are the client's own, scoped to its connection; nodes see ids made
+here, so no client can name another's request. A node may speak only for the
+requests routed to it, and (with keys) only under the name its key proves.
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import signal
 import time
@@ -15,71 +21,111 @@ from pathlib import Path
 
 from common.channel import AsyncChannel, BadMessage, open_async_context
 from common.config import FrontendConfig
+from common.keys import ClusterKeys
 from common.log import get_logger
 from common.model_spec import load_spec
-from common.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, ErrorReply, GenerateOutput, GenerateRequest,
-                             Heartbeat, NodeAbort, NodeReady, PrefillRequest, RequestFailed,
-                             StatsReply, StatsRequest, TokenBatch)
+from common.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, ErrorReply, GenerateOutput,
+                             GenerateRequest, Heartbeat, NodeAbort, NodeReady, PrefillRequest, ReadyReply,
+                             RequestFailed, StatsReply, StatsRequest, TokenBatch, TokenUpdate)
 from common.sampling import SamplingParams, validate_prompt
 from common.sequence import FINISH_ABORT, FINISH_ERROR, FINISH_STOP
 from frontend import router
+from frontend.admission import Admission
 from frontend.detok import IncrementalDetokenizer
-from frontend.router import NodeState
+from frontend.router import NodeState, figure
 
 log = get_logger("frontend")
+ROLES = ("prefill", "decode")
 
 
-@dataclass
+@dataclass(eq=False)
 class RequestState:
-    request_id: str
+    node_id: str                 # the id the nodes know it by
+    request_id: str              # the client's id, unique within its connection
     client: bytes
-    prompt_len: int
+    prompt_ids: list[int]
+    params: SamplingParams
     detok: IncrementalDetokenizer
     arrival_time: float          # wall clock, comparable with the nodes' stamps
     deadline: float              # monotonic
-    prefill_node: str
-    decode_node: str
+    prefill_node: str | None = None   # None while it waits here for its turn
+    decode_node: str | None = None
     num_tokens: int = 0
     timings: dict = field(default_factory=dict)
     is_prefilled: bool = False   # its first token came back (or it ended)
+
+    @property
+    def kv_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
 
 
 class Frontend:
     def __init__(self, cfg: FrontendConfig):
         from transformers import AutoTokenizer
         self.cfg = cfg
+        self.keys = ClusterKeys(Path(cfg.keys_dir), "frontend") if cfg.keys_dir else None
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.spec = load_spec(cfg.model)
         self.max_model_len = min(cfg.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         self.nodes: dict[str, NodeState] = {}
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState] = {}                  # by node id
+        self.by_client: dict[tuple[bytes, str], RequestState] = {}   # by (client, its id)
+        self.admission = Admission(cfg.max_requests_per_client, cfg.max_kv_tokens_per_client)
+        self.num_requests = 0
         self.num_served = 0
+        self.is_draining = False
 
     # ---- life cycle ---------------------------------------------------------
 
-    async def run(self) -> None:
-        ctx = open_async_context()
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (then drain) or a task fails (then exit 1, loudly)."""
+        ctx = open_async_context(self.keys)
         limit = self.cfg.links.max_message_bytes
-        self.clients = AsyncChannel(ctx, True, self.cfg.client_endpoint, max_message_bytes=limit)
-        self.node_link = AsyncChannel(ctx, True, self.cfg.node_endpoint, max_message_bytes=limit)
+        self.clients = AsyncChannel(ctx, True, self.cfg.client_endpoint, max_message_bytes=limit,
+                                    domain="clients" if self.cfg.is_client_auth else None)
+        self.node_link = AsyncChannel(ctx, True, self.cfg.node_endpoint, max_message_bytes=limit,
+                                      domain="nodes")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        log.info("serving clients at %s, nodes at %s", self.cfg.client_endpoint, self.cfg.node_endpoint)
-        tasks = [asyncio.create_task(c) for c in
-                 (self._client_loop(), self._node_loop(), self._watchdog_loop())]
-        await stop.wait()
+        self._wake = asyncio.Event()
+        log.info("serving clients at %s, nodes at %s (%s)", self.cfg.client_endpoint,
+                 self.cfg.node_endpoint, f"CURVE keys from {self.cfg.keys_dir}" if self.keys
+                 else "open links: anyone who reaches the node port can join")
+        tasks = [asyncio.create_task(c, name=c.__name__) for c in
+                 (self._client_loop(), self._node_loop(), self._dispatch_loop(), self._watchdog_loop())]
+        stopped = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([*tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
+        rc = 0
+        for t in done:
+            if t is not stopped:   # NOTE: a loop never ends by itself; if it did, say so and exit
+                rc = 1
+                log.error("the %s task died: the frontend stops", t.get_name(),
+                          exc_info=t.exception() if not t.cancelled() else None)
+        if rc == 0:
+            await self._drain()
         log.info("stopping: %d requests in flight are aborted", len(self.requests))
         for req in list(self.requests.values()):
             await self._finish(req, FINISH_ABORT, "the frontend is shutting down")
-        for t in tasks:
+        for t in [*tasks, stopped]:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, stopped, return_exceptions=True)
         self.clients.close()
         self.node_link.close()
         ctx.term()
+        return rc
+
+    async def _drain(self) -> None:
+        """Take no new requests; let running ones finish within drain_timeout_s."""
+        self.is_draining = True
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        if self.requests:
+            log.info("draining: %d requests in flight get up to %.0fs to finish", len(self.requests),
+                     self.cfg.drain_timeout_s)
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     # ---- clients ------------------------------------------------------------
 
@@ -95,16 +141,16 @@ class Frontend:
                     await self._on_abort(client, msg.request_id)
                 elif isinstance(msg, StatsRequest):
                     await self.clients.send(StatsReply(self.is_ready(), self.node_stats(),
-                                                       self.model_info()), to=client)
+                                                       self.model_info(), self.frontend_stats()), to=client)
             except Exception:  # one bad request must not stop the service
                 log.exception("error while handling a %s", type(msg).__name__)
-                rid = getattr(msg, "request_id", None)
-                if rid in self.requests:
-                    await self._finish(self.requests[rid], FINISH_ERROR, "internal error")
+                req = self.by_client.get((client, getattr(msg, "request_id", None)))
+                if req is not None:
+                    await self._finish(req, FINISH_ERROR, "internal error")
 
     async def _reply_error(self, client: bytes, request_id: str | None, error: str) -> None:
         log.info("rejected request %s: %s", request_id, error)
-        if request_id is not None and request_id not in self.requests:
+        if request_id is not None and (client, request_id) not in self.by_client:
             await self.clients.send(GenerateOutput(request_id, [], "", True, FINISH_ERROR, error),
                                     to=client)
         else:
@@ -129,15 +175,17 @@ class Frontend:
         if not req.request_id:
             await self._reply_error(client, None, "request_id must be a non-empty string")
             return
-        if req.request_id in self.requests:
-            await self.clients.send(ErrorReply(f"duplicate request_id {req.request_id!r}: that "
-                                               f"request is still running", req.request_id), to=client)
+        if (client, req.request_id) in self.by_client:
+            await self.clients.send(ErrorReply(f"duplicate request_id {req.request_id!r}: your "
+                                               f"request of that id is still running", req.request_id),
+                                    to=client)
+            return
+        if self.is_draining:
+            await self._reply_error(client, req.request_id, "the cluster is shutting down")
             return
         try:
             if req.timeout_s is not None and not req.timeout_s > 0:
                 raise ValueError(f"timeout_s must be positive, got {req.timeout_s}")
-            if not all(isinstance(s, str) for s in req.stop):
-                raise ValueError("stop must be a list of strings")
             params = SamplingParams(
                 max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                 top_k=req.top_k, seed=req.seed if req.seed is not None else random.getrandbits(63),
@@ -148,38 +196,69 @@ class Frontend:
         except ValueError as e:
             await self._reply_error(client, req.request_id, str(e))
             return
-        route = router.choose(self.nodes)
-        if route is None:
+        if router.choose(self.nodes) is None:
             await self._reply_error(client, req.request_id,
                                     "no live prefill and decode node pair is available")
             return
-        prefill, decode = route
+        refusal = self.admission.refusal(client, len(ids) + params.max_tokens)
+        if refusal:
+            await self._reply_error(client, req.request_id, refusal)
+            return
+        self.num_requests += 1
         timeout = req.timeout_s or self.cfg.default_timeout_s
-        state = RequestState(req.request_id, client, len(ids),
+        state = RequestState(f"{self.num_requests:x}", req.request_id, client, ids, params,
                              IncrementalDetokenizer(self.tokenizer, req.stop), time.time(),
-                             time.monotonic() + timeout, prefill.ready.name, decode.ready.name)
-        self.requests[req.request_id] = state
-        router.routed(prefill, decode, len(ids))
-        await self.node_link.send(PrefillRequest(req.request_id, ids, params, state.arrival_time,
-                                                 decode.ready.name, decode.ready.kv_endpoint),
-                                  to=prefill.identity)
+                             time.monotonic() + timeout)
+        self.requests[state.node_id] = state
+        self.by_client[(client, req.request_id)] = state
+        self.admission.add(client, state, state.kv_tokens)
+        self._wake.set()
 
     async def _on_abort(self, client: bytes, request_id: str) -> None:
-        req = self.requests.get(request_id)
-        if req is None or req.client != client:
+        req = self.by_client.get((client, request_id))
+        if req is None:
             await self.clients.send(ErrorReply(f"unknown request_id {request_id!r}", request_id),
                                     to=client)
             return
         await self._finish(req, FINISH_ABORT, "cancelled by the client")
 
+    # ---- dispatch -----------------------------------------------------------
+
+    async def _dispatch_loop(self) -> None:
+        """Send waiting requests, clients in turn, while a node pair has room. Woken by
+        arrivals, by requests that leave a node, and by the watchdog's tick."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.admission.num_waiting:
+                route = router.choose(self.nodes, self.cfg.max_queued_tokens)
+                if route is None:
+                    break
+                req = self.admission.next()
+                prefill, decode = route
+                req.prefill_node, req.decode_node = prefill.name, decode.name
+                router.routed(prefill, decode, len(req.prompt_ids))
+                await self.node_link.send(PrefillRequest(req.node_id, req.prompt_ids, req.params,
+                                                         req.arrival_time, decode.name,
+                                                         decode.ready.kv_endpoint), to=prefill.identity)
+
     # ---- routing --------------------------------------------------------------
 
     def is_ready(self) -> bool:
-        return router.choose(self.nodes) is not None
+        return router.choose(self.nodes) is not None and not self.is_draining
 
     def model_info(self) -> dict:
         return {"name": Path(self.cfg.model).name, "vocab_size": self.spec.vocab_size,
                 "max_model_len": self.max_model_len}
+
+    def frontend_stats(self) -> dict:
+        return {"pid": os.getpid(), "is_draining": self.is_draining, "is_authenticated": bool(self.keys),
+                "num_waiting": self.admission.num_waiting,
+                "num_running": len(self.requests) - self.admission.num_waiting,
+                "num_clients": len(self.admission.clients), "num_served": self.num_served,
+                "num_overloaded": self.admission.num_refused,
+                "num_bad_client_messages": self.clients.num_bad,
+                "num_bad_node_messages": self.node_link.num_bad}
 
     def node_stats(self) -> dict:
         now = time.monotonic()
@@ -198,6 +277,13 @@ class Frontend:
             except Exception:
                 log.exception("error while handling a %s from a node", type(msg).__name__)
 
+    def _claims(self, sender: bytes, name: str, suffix: str = "") -> bool:
+        """Whether the sender may speak as node `name`: its key proves it, or (open
+        links) its socket identity says it."""
+        if self.keys is not None:
+            return self.node_link.peer_name(sender) == name
+        return sender == f"{name}{suffix}".encode()
+
     async def _on_node_message(self, sender: bytes, msg) -> None:
         if isinstance(msg, BadMessage):
             log.warning("dropped a malformed message from %r: %s", sender, msg.error)
@@ -205,9 +291,14 @@ class Frontend:
         if isinstance(msg, NodeReady):
             await self._on_ready(sender, msg)
             return
-        if isinstance(msg, Heartbeat):  # from the node's heartbeat socket: known by name
+        if isinstance(msg, Heartbeat):  # from the node's heartbeat socket
             node = self.nodes.get(msg.name)
-            if node is not None:
+            if not self._claims(sender, msg.name, ".heartbeat"):
+                log.warning("dropped a heartbeat for %r from a peer that is not that node", msg.name)
+            elif node is None:   # forgotten while silent: ask it to register again
+                await self.node_link.send(ReadyReply(False, "unknown node: register again", True),
+                                          to=sender)
+            else:
                 self._seen(node)
                 node.stats = msg.stats
             return
@@ -218,7 +309,7 @@ class Frontend:
         self._seen(node)
         if isinstance(msg, RequestFailed):
             req = self.requests.get(msg.request_id)
-            if req is not None:
+            if req is not None and node.name in (req.prefill_node, req.decode_node):
                 await self._finish(req, FINISH_ERROR, msg.error)
         elif isinstance(msg, TokenBatch):
             for u in msg.updates:
@@ -226,26 +317,53 @@ class Frontend:
 
     def _seen(self, node: NodeState) -> None:
         node.last_seen = time.monotonic()
-        if not node.is_alive:
+        is_hung = figure(node.stats, "loop_age_s") > self.cfg.hung_after_s
+        if not node.is_alive and not is_hung:
             node.is_alive = True
             log.info("%s node %s is back", node.ready.role, node.ready.name)
+            self._wake.set()
 
     async def _on_ready(self, sender: bytes, ready: NodeReady) -> None:
         old = self.nodes.get(ready.name)
-        if old is not None and old.ready.pid != ready.pid:
-            await self._fail_node_requests(old, f"{old.ready.role} node {ready.name} restarted")
-        self.nodes[ready.name] = NodeState(ready, sender, time.monotonic())
-        log.info("%s node %s ready (pid %d, %s, %d KV blocks)", ready.role, ready.name, ready.pid,
-                 ready.device, ready.num_kv_blocks)
+        if ready.role not in ROLES or (ready.role == "decode") != bool(ready.kv_endpoint):
+            reason, is_retryable = f"bad ready: role {ready.role!r} with kv_endpoint {ready.kv_endpoint!r}", False
+        elif not self._claims(sender, ready.name):
+            reason, is_retryable = f"this peer may not register as {ready.name!r}", False
+        elif old is not None and old.is_alive and old.identity != sender and old.ready.pid != ready.pid:
+            reason, is_retryable = (f"a live {old.ready.role} node named {ready.name!r} is registered "
+                                    f"(pid {old.ready.pid}); choose another --name"), True
+        else:
+            reason = None
+        if reason:
+            log.warning("refused a node registering as %r: %s", ready.name, reason)
+            await self.node_link.send(ReadyReply(False, reason, is_retryable), to=sender)
+            return
+        if old is not None and old.ready.pid == ready.pid:   # the same process, asking again
+            old.ready, old.identity = ready, sender
+            self._seen(old)
+        else:
+            if old is not None:
+                await self._fail_node_requests(old, f"{old.ready.role} node {ready.name} restarted")
+            self.nodes[ready.name] = NodeState(ready, sender, time.monotonic())
+            log.info("%s node %s ready (pid %d, %s, %d KV blocks)", ready.role, ready.name, ready.pid,
+                     ready.device, ready.num_kv_blocks)
+        await self.node_link.send(ReadyReply(True), to=sender)
+        self._wake.set()
 
-    async def _on_tokens(self, node: NodeState, u) -> None:
+    async def _on_tokens(self, node: NodeState, u: TokenUpdate) -> None:
         req = self.requests.get(u.request_id)
-        if req is None:  # finished or failed here already: the node should drop it too
+        if req is None or req.decode_node != node.name:
+            # Finished here already (the node should drop it too), or not this node's to report.
             await self.node_link.send(NodeAbort(u.request_id), to=node.identity)
+            return
+        if any(t >= self.spec.vocab_size for t in u.token_ids):
+            await self._finish(req, FINISH_ERROR, f"decode node {node.name} sent a token outside "
+                                                  f"the vocabulary")
             return
         if not req.is_prefilled:
             req.is_prefilled = True
-            router.prefill_done(self.nodes.get(req.prefill_node), req.prompt_len)
+            router.prefill_done(self.nodes.get(req.prefill_node), len(req.prompt_ids))
+            self._wake.set()
         if u.timings:
             req.timings.update(u.timings)
             req.timings["ttft_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
@@ -254,7 +372,8 @@ class Frontend:
         if req.detok.is_stopped:
             await self._finish(req, FINISH_STOP, None, u.token_ids)
         elif u.finish_reason:
-            await self._finish(req, u.finish_reason, None, u.token_ids, is_node_done=True)
+            reason = u.finish_reason if u.finish_reason in ("stop", "length") else FINISH_ERROR
+            await self._finish(req, reason, None, u.token_ids, is_node_done=True)
         else:
             await self.clients.send(GenerateOutput(req.request_id, u.token_ids, req.detok.take(),
                                                    timings=req.timings if u.timings else None),
@@ -263,19 +382,23 @@ class Frontend:
     async def _finish(self, req: RequestState, reason: str, error: str | None,
                       token_ids: list[int] = (), is_node_done: bool = False) -> None:
         """The last message of a request; the nodes drop it unless they ended it themselves."""
-        if self.requests.pop(req.request_id, None) is None:
+        if self.requests.pop(req.node_id, None) is None:
             return
-        if not req.is_prefilled:
-            req.is_prefilled = True
-            router.prefill_done(self.nodes.get(req.prefill_node), req.prompt_len)
-        router.decode_done(self.nodes.get(req.decode_node))
+        self.by_client.pop((req.client, req.request_id), None)
+        self.admission.done(req.client, req, req.kv_tokens)
+        if req.prefill_node is not None:
+            if not req.is_prefilled:
+                req.is_prefilled = True
+                router.prefill_done(self.nodes.get(req.prefill_node), len(req.prompt_ids))
+            router.decode_done(self.nodes.get(req.decode_node))
+            self._wake.set()
         if not is_node_done:
             for name in (req.prefill_node, req.decode_node):
                 node = self.nodes.get(name)
                 if node is not None and node.is_alive:
-                    await self.node_link.send(NodeAbort(req.request_id), to=node.identity)
+                    await self.node_link.send(NodeAbort(req.node_id), to=node.identity)
         req.timings["total_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
-        usage = {"prompt_tokens": req.prompt_len, "completion_tokens": req.num_tokens}
+        usage = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": req.num_tokens}
         self.num_served += 1
         await self.clients.send(GenerateOutput(req.request_id, list(token_ids), req.detok.take(True),
                                                True, reason, error, usage, req.timings),
@@ -293,13 +416,26 @@ class Frontend:
         while True:
             await asyncio.sleep(0.1)
             now = time.monotonic()
-            for node in self.nodes.values():
+            for node in list(self.nodes.values()):
+                loop_age = figure(node.stats, "loop_age_s")
                 if node.is_alive and now - node.last_seen > self.cfg.links.dead_after_s:
-                    node.is_alive = False
-                    log.error("%s node %s silent for %.1fs: failing its requests",
-                              node.ready.role, node.ready.name, now - node.last_seen)
-                    await self._fail_node_requests(
-                        node, f"{node.ready.role} node {node.ready.name} stopped responding")
+                    why = f"{node.role} node {node.name} stopped responding"
+                    log.error("%s node %s silent for %.1fs: failing its requests", node.role,
+                              node.name, now - node.last_seen)
+                elif node.is_alive and loop_age > self.cfg.hung_after_s:
+                    why = f"{node.role} node {node.name} is hung: its loop has not turned for {loop_age:.0f}s"
+                    log.error("%s: failing its requests", why)
+                else:
+                    if not node.is_alive and now - node.dead_since > self.cfg.forget_after_s:
+                        log.info("forgetting %s node %s, dead for %.0fs", node.role, node.name,
+                                 now - node.dead_since)
+                        del self.nodes[node.name]
+                    continue
+                node.is_alive, node.dead_since = False, now
+                await self._fail_node_requests(node, why)
             for req in list(self.requests.values()):
                 if now > req.deadline:
                     await self._finish(req, FINISH_ABORT, "deadline exceeded")
+            if self.admission.num_waiting:
+                self._wake.set()
+

@@ -3,13 +3,15 @@
 The frontend names the decode node of each request; this node connects to
 that decode node's KV link on first use."""
 import argparse
+import sys
 
+from common.channel import LinkError
 from common.config import KV_TRANSFERS, NodeLinks, PrefillConfig
 from common.process import add_worker_args, die_with_parent, stop_event_on_signals, worker_config
 from prefill_node.node import PrefillNode
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefill_node", description=__doc__)
     add_worker_args(p)
     p.add_argument("--frontend", required=True, help="the frontend's node endpoint")
@@ -21,6 +23,8 @@ def main(argv=None) -> None:
                    help="seconds after its prefill within which a handoff must be committed")
     p.add_argument("--kv-transfer", choices=KV_TRANSFERS, default="auto",
                    help="auto: ipc with a decode node on this host, else tcp")
+    p.add_argument("--keys", default=None, metavar="DIR",
+                   help="CURVE keys (python -m launch.keys DIR); this node's is DIR/NAME.key_secret")
     p.add_argument("--allow-remote", action="store_true")
     a = p.parse_args(argv)
     die_with_parent()
@@ -28,9 +32,13 @@ def main(argv=None) -> None:
     cfg = PrefillConfig(worker=worker_config(a), frontend_endpoint=a.frontend,
                         name=a.name, token_budget=a.token_budget,
                         handoff_lease_s=a.handoff_lease, kv_transfer=a.kv_transfer, links=NodeLinks(),
-                        allow_remote=a.allow_remote)
-    PrefillNode(cfg).run(stop)
+                        allow_remote=a.allow_remote, keys_dir=a.keys)
+    try:
+        return PrefillNode(cfg).run(stop)
+    except LinkError as e:
+        print(f"prefill_node: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

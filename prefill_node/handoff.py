@@ -18,7 +18,7 @@ from typing import Callable
 from common import transfer
 from common.channel import Channel, Poller
 from common.config import PrefillConfig
-from common.kv_cache import BlockAllocator
+from common.kv_cache import BlockAllocator, num_blocks_for
 from common.log import get_logger
 from common.protocol import (DECODE_TO_PREFILL, HandoffAck, KVCommit, KVHello, KVRelease,
                              KVReserve, KVReserved, KVWelcome)
@@ -38,6 +38,7 @@ class DecodePeer:
     writer: transfer.KVWriter | None = None
     error: str | None = None              # why this decode node cannot be written to
     hello_at: float = 0.0
+    num_blocks: int = 0                   # in its cache, from its welcome
 
 
 @dataclass
@@ -69,14 +70,16 @@ class Handoffs:
         self.by_id: dict[str, Handoff] = {}
         self.num_handoffs = 0
         self.bytes_written = 0
+        self.num_bad_replies = 0
 
     # ---- peers --------------------------------------------------------------
 
     def peer_for(self, name: str, endpoint: str) -> DecodePeer:
         peer = self.peers.get(endpoint)
         if peer is None:
+            # With keys, the decode node must prove the key of the name the frontend chose.
             ch = Channel(self.ctx, False, endpoint, identity=self.cfg.name, is_immediate=True,
-                         max_message_bytes=self.cfg.links.max_message_bytes)
+                         max_message_bytes=self.cfg.links.max_message_bytes, server=name)
             peer = self.peers[endpoint] = DecodePeer(name, endpoint, ch)
             self.poller.add(ch)
         peer.name = name
@@ -97,6 +100,7 @@ class Handoffs:
                     h.is_writing, h.is_aborted = False, True
                     h.error = f"decode node {peer.name} restarted during the KV write"
         peer.writer, peer.epoch, peer.error = None, w.epoch, None
+        peer.num_blocks = w.cache_shape[2] if len(w.cache_shape) == 6 else 0
         try:
             peer.writer = transfer.open_writer(self.cfg.kv_transfer, w, self.cache,
                                                lambda m: peer.channel.send(m, block=False))
@@ -120,6 +124,10 @@ class Handoffs:
                 self._on_ack(peer, msg)
             else:
                 log.warning("dropped a bad message from decode node %s: %s", peer.name, msg.error)
+
+    @property
+    def num_bad(self) -> int:
+        return self.num_bad_replies + sum(p.channel.num_bad for p in self.peers.values())
 
     # ---- one request ----------------------------------------------------------
 
@@ -153,6 +161,13 @@ class Handoffs:
         if h.is_aborted:
             peer.channel.send(KVRelease(r.request_id), block=False)
             self._end(h, None)
+            return
+        num_needed = num_blocks_for(h.job.prompt_len, self.cache.shape[3])
+        if len(r.block_ids) != num_needed or len(set(r.block_ids)) != num_needed:
+            self.num_bad_replies += 1
+            peer.channel.send(KVRelease(r.request_id), block=False)
+            self._end(h, f"decode node {peer.name} reserved {len(r.block_ids)} blocks, not one "
+                         f"distinct block per prompt block")
             return
         h.dst_block_ids, h.epoch = list(r.block_ids), r.epoch
         if r.epoch != peer.epoch:
@@ -232,6 +247,11 @@ class Handoffs:
 
     def _write(self, h: Handoff) -> None:
         try:
+            # NOTE: an id past the peer's cache would index out of bounds on the device.
+            if len(h.dst_block_ids) != len(h.job.block_ids) or \
+                    not all(0 <= b < h.peer.num_blocks for b in h.dst_block_ids):
+                raise transfer.TransferError(f"reserved block ids do not fit the decode node's "
+                                             f"{h.peer.num_blocks}-block cache")
             h.peer.writer.write(h.job.request_id, h.job.block_ids, h.dst_block_ids)
         except transfer.TransferError as e:
             h.is_aborted = True   # advance() releases the reservation and fails it

@@ -11,13 +11,16 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 
-from common.channel import BadMessage, Channel, Poller, open_context
+from common.channel import BadMessage, Channel, LinkError, Poller, open_context
 from common.config import PrefillConfig, check_endpoint
-from common.heartbeat import HeartbeatThread
+from common.heartbeat import HeartbeatThread, Registration
+from common.keys import ClusterKeys
 from common.kv_cache import BlockAllocator
 from common.log import get_logger
-from common.protocol import FRONTEND_TO_NODE, NodeAbort, NodeReady, PrefillRequest, RequestFailed, Shutdown
+from common.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, PrefillRequest, ReadyReply,
+                             RequestFailed, Shutdown)
 from common.sampling import validate_prompt
 from common.worker import DeviceWorker, PrefillChunk
 from prefill_node.handoff import Handoffs
@@ -31,15 +34,19 @@ class PrefillNode:
         self.cfg = cfg
         self.worker = DeviceWorker(cfg.worker)
         self.num_failed = 0
+        self.exit_code = 0
         self._last_log = 0.0
         self._log_tokens = 0
 
     # ---- the loop ---------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> None:
-        ctx = open_context()
+    def run(self, stop: threading.Event) -> int:
+        """Serve until stopped; the process's exit code (1: refused by the frontend)."""
+        keys = ClusterKeys(Path(self.cfg.keys_dir), self.cfg.name) if self.cfg.keys_dir else None
+        ctx = open_context(keys)
+        self._stop = stop
         self.frontend = Channel(ctx, False, self.cfg.frontend_endpoint, identity=self.cfg.name,
-                                max_message_bytes=self.cfg.links.max_message_bytes)
+                                max_message_bytes=self.cfg.links.max_message_bytes, server="frontend")
         poller = Poller(self.frontend)
         try:
             with self.worker:
@@ -48,7 +55,8 @@ class PrefillNode:
                                                   self.cfg.token_budget, self.cfg.max_batch_prompts)
                 self.handoffs = Handoffs(ctx, self.cfg, self.worker.kv_cache, self.allocator,
                                          self.scheduler, poller, self._fail)
-                self._send_ready()
+                self.registration = Registration(self._send_ready, 2 * self.cfg.links.dead_after_s + 5)
+                self.registration.tick()
                 self.heartbeat = HeartbeatThread(ctx, self.cfg.frontend_endpoint, "prefill", self.cfg.name,
                                                  self.stats, self.cfg.links.heartbeat_s).start()
                 log.info("ready on %s: %d KV blocks (%d tokens), token budget %d, KV transfer %s",
@@ -76,6 +84,7 @@ class PrefillNode:
             self.frontend.close()
             ctx.term()
             log.info("stopped")
+        return self.exit_code
 
     # ---- receive ----------------------------------------------------------
 
@@ -90,9 +99,17 @@ class PrefillNode:
                 self._accept(msg)
             elif isinstance(msg, NodeAbort):
                 self.handoffs.abort(msg.request_id)
+            elif isinstance(msg, ReadyReply):
+                self._quit(self.registration.on_reply(msg))
             elif isinstance(msg, Shutdown):
                 log.info("shutdown requested by the frontend")
                 stop.set()
+
+    def _quit(self, reason: str | None) -> None:
+        if reason:
+            log.error("stopping: %s", reason)
+            self.exit_code = 1
+            self._stop.set()
 
     def _accept(self, req: PrefillRequest) -> None:
         try:
@@ -103,13 +120,15 @@ class PrefillNode:
                 raise ValueError(f"prompt of {len(req.prompt_token_ids)} tokens exceeds this "
                                  f"prefill node's KV cache ({self.worker.token_capacity} tokens)")
             check_endpoint("decode_kv_endpoint", req.decode_kv_endpoint, self.cfg.allow_remote)
-        except ValueError as e:
+            if req.request_id in self.handoffs.by_id:
+                raise ValueError("a request of this id is already here")
+            job = PrefillJob(req.request_id, list(req.prompt_token_ids), req.params,
+                             req.arrival_time, req.decode_node, req.decode_kv_endpoint)
+            self.handoffs.begin(job)   # the reservation comes back while the prompt waits or runs
+        except (ValueError, LinkError) as e:
             self._fail(req.request_id, str(e))
             return
-        job = PrefillJob(req.request_id, list(req.prompt_token_ids), req.params,
-                         req.arrival_time, req.decode_node, req.decode_kv_endpoint)
         self.scheduler.add(job)
-        self.handoffs.begin(job)   # the reservation comes back while the prompt waits or runs
 
     # ---- forward and hand off ----------------------------------------------
 
@@ -138,11 +157,11 @@ class PrefillNode:
 
     # ---- report -------------------------------------------------------------
 
-    def _send_ready(self) -> None:
+    def _send_ready(self) -> bool:
         w = self.worker
-        self.frontend.send(NodeReady("prefill", self.cfg.name, os.getpid(), self.cfg.worker.device,
-                                     w.num_kv_blocks, w.block_size, w.max_model_len,
-                                     kv_transfer=self.cfg.kv_transfer))
+        return self.frontend.send(NodeReady("prefill", self.cfg.name, os.getpid(), self.cfg.worker.device,
+                                            w.num_kv_blocks, w.block_size, w.max_model_len,
+                                            kv_transfer=self.cfg.kv_transfer), block=False)
 
     def stats(self) -> dict:
         return {**self.worker.stats(), "num_waiting": self.scheduler.num_waiting,
@@ -152,6 +171,8 @@ class PrefillNode:
                 "num_handoffs": self.handoffs.num_handoffs,
                 "num_kv_bytes_written": self.handoffs.bytes_written,
                 "num_failed": self.num_failed, "num_free_blocks": self.allocator.num_free,
+                "num_bad_messages": self.frontend.num_bad + self.handoffs.num_bad,
+                "is_registered": self.registration.is_accepted,
                 "num_usable_blocks": self.allocator.capacity,
                 "kv_links": {p.name: (p.writer.name if p.writer else p.error or "connecting")
                              for p in list(self.handoffs.peers.values())}}
@@ -159,6 +180,10 @@ class PrefillNode:
     def _report(self) -> None:
         now = time.monotonic()
         self.heartbeat.last_turn = now
+        if self.heartbeat.is_forgotten.is_set():
+            self.heartbeat.is_forgotten.clear()
+            self.registration.again()
+        self._quit(self.registration.tick())
         if now - self._last_log >= self.cfg.links.log_interval_s:
             elapsed = now - self._last_log if self._last_log else 0.0
             s = self.stats()

@@ -1,0 +1,80 @@
+"""Per-client admission: limits, and round-robin dispatch across clients.
+
+A request is admitted under its client's limits (requests in flight, KV tokens
+they may claim) or refused at once as overloaded. Admitted requests wait here,
+one queue per client, until the nodes have room; then clients take turns, one
+request each, so a client with thousands queued delays another's request by at
+most one turn of the queue.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Hashable
+
+
+@dataclass
+class ClientLoad:
+    waiting: deque = field(default_factory=deque)   # admitted, not yet sent to a node
+    num_requests: int = 0                             # waiting + running
+    num_kv_tokens: int = 0                            # prompt + max_tokens, over those
+
+
+class Admission:
+    def __init__(self, max_requests: int, max_kv_tokens: int):
+        self.max_requests = max_requests
+        self.max_kv_tokens = max_kv_tokens
+        self.clients: OrderedDict[Hashable, ClientLoad] = OrderedDict()   # turn order
+        self.num_waiting = 0
+        self.num_refused = 0
+
+    def refusal(self, client: Hashable, kv_tokens: int) -> str | None:
+        """Why this client may not add a request of kv_tokens now, or None."""
+        load = self.clients.get(client) or ClientLoad()
+        if load.num_requests >= self.max_requests:
+            why = f"{load.num_requests} requests in flight (the limit per client is {self.max_requests})"
+        elif load.num_kv_tokens + kv_tokens > self.max_kv_tokens:
+            why = (f"{load.num_kv_tokens} + {kv_tokens} KV tokens claimed (the limit per client is "
+                   f"{self.max_kv_tokens}; prompt + max_tokens counts)")
+        else:
+            return None
+        self.num_refused += 1
+        return f"overloaded: this client has {why}; retry when some finish"
+
+    def add(self, client: Hashable, item, kv_tokens: int) -> None:
+        load = self.clients.setdefault(client, ClientLoad())
+        load.waiting.append(item)
+        load.num_requests += 1
+        load.num_kv_tokens += kv_tokens
+        self.num_waiting += 1
+
+    def next(self):
+        """The next waiting item, taking clients in turn; None if none waits."""
+        for client in list(self.clients):
+            load = self.clients[client]
+            self.clients.move_to_end(client)   # whoever is served goes to the back
+            if load.waiting:
+                self.num_waiting -= 1
+                return load.waiting.popleft()
+        return None
+
+    def put_back(self, client: Hashable, item) -> None:
+        """An item taken by next() that could not be sent: first again, its turn kept."""
+        self.clients[client].waiting.appendleft(item)
+        self.clients.move_to_end(client, last=False)
+        self.num_waiting += 1
+
+    def done(self, client: Hashable, item, kv_tokens: int) -> None:
+        """The item ended, waiting or running."""
+        load = self.clients.get(client)
+        if load is None:
+            return
+        try:
+            load.waiting.remove(item)
+            self.num_waiting -= 1
+        except ValueError:
+            pass   # it was running
+        load.num_requests -= 1
+        load.num_kv_tokens -= kv_tokens
+        if load.num_requests <= 0:
+            del self.clients[client]
