@@ -98,12 +98,11 @@ def _open(ctx: Context, sock: zmq.Socket, is_router: bool, endpoint: str, max_me
             sock.zap_domain = domain.encode()
         else:
             sock.curve_serverkey = keys.public(server)
-        # NOTE: no chosen identity under CURVE: a chosen one could take over another
-        # peer's route (ROUTER_HANDOVER); names come from keys instead.
+        # Under CURVE names come from keys, not from identities peers choose.
     elif identity:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
-    if sock.type == zmq.ROUTER:
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted node takes its name back
+    # NOTE: no ROUTER_HANDOVER: with it, any peer claiming a live node's identity would take
+    # over that node's route. A killed node's connection closes, which frees its identity.
     try:
         (sock.bind if is_router else sock.connect)(endpoint)
     except zmq.ZMQError as e:

@@ -11,9 +11,11 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 from common.channel import AsyncChannel, BadMessage, Channel, open_async_context, open_context
+from common.keys import CLIENTS, ClusterKeys
 from common.protocol import FRONTEND_TO_CLIENT as REPLIES
 from common.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateRequest,
                              StatsReply, StatsRequest)
@@ -51,6 +53,11 @@ def make_request(prompt=None, *, request_id: str | None = None, **kw) -> Generat
     return GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt, **kw)
 
 
+def _keys(keys_dir: str | None, key_name: str | None) -> ClusterKeys | None:
+    """A client's CURVE key, for a frontend started with --client-keys."""
+    return ClusterKeys(Path(keys_dir), f"{CLIENTS}/{key_name or 'client'}") if keys_dir else None
+
+
 def _as_output(rid: str, msg) -> GenerateOutput:
     """An ErrorReply about a request ends that request's stream."""
     if isinstance(msg, ErrorReply):
@@ -61,9 +68,10 @@ def _as_output(rid: str, msg) -> GenerateOutput:
 class Client:
     """Blocking client. Several requests may be in flight; outputs are sorted by request id."""
 
-    def __init__(self, endpoint: str, idle_timeout_s: float = 60.0):
-        self._ctx = open_context()
-        self._ch = Channel(self._ctx, False, endpoint)
+    def __init__(self, endpoint: str, idle_timeout_s: float = 60.0, keys_dir: str | None = None,
+                 key_name: str | None = None):
+        self._ctx = open_context(_keys(keys_dir, key_name))
+        self._ch = Channel(self._ctx, False, endpoint, server="frontend")
         self.idle_timeout_s = idle_timeout_s
         self._inbox: dict[str, list] = {}
 
@@ -137,14 +145,20 @@ class Client:
                 return msg
             self._inbox.setdefault(msg.request_id, []).append(_as_output(msg.request_id, msg))
 
-    def wait_ready(self, timeout_s: float, num_nodes: int = 0) -> StatsReply:
+    def wait_ready(self, timeout_s: float, num_nodes: int = 0,
+                   frontend_pid: int | None = None) -> StatsReply:
         """Until the frontend has a live prefill and decode node, and at least num_nodes
-        live nodes in all (a handshake, not a sleep)."""
+        live nodes in all (a handshake, not a sleep). With frontend_pid, the answer must
+        come from that process: another cluster on the same port is not ready."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 reply = self.stats(timeout_s=min(1.0, max(deadline - time.monotonic(), 0.001)))
                 num_live = sum(bool(n.get("is_alive")) for n in reply.nodes.values())
+                pid = (reply.frontend or {}).get("pid")
+                if frontend_pid is not None and pid != frontend_pid:
+                    raise ServerError(f"the frontend at this endpoint is pid {pid}, "
+                                      f"not {frontend_pid}: the port belongs to another cluster")
                 if reply.is_ready and num_live >= num_nodes:
                     return reply
             except TimeoutError:
@@ -157,9 +171,10 @@ class Client:
 class AsyncClient:
     """asyncio client: any number of concurrent streams over one socket."""
 
-    def __init__(self, endpoint: str, idle_timeout_s: float = 60.0):
-        self._ctx = open_async_context()
-        self._ch = AsyncChannel(self._ctx, False, endpoint)
+    def __init__(self, endpoint: str, idle_timeout_s: float = 60.0, keys_dir: str | None = None,
+                 key_name: str | None = None):
+        self._ctx = open_async_context(_keys(keys_dir, key_name))
+        self._ch = AsyncChannel(self._ctx, False, endpoint, server="frontend")
         self.idle_timeout_s = idle_timeout_s
         self._streams: dict[str, asyncio.Queue] = {}
         self._stats: asyncio.Queue = asyncio.Queue()
@@ -231,11 +246,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="wait until a prefill and a decode node are ready")
     p.add_argument("--wait-nodes", type=int, default=0, metavar="N",
                    help="with --wait-ready: until N nodes in all are live")
+    p.add_argument("--frontend-pid", type=int, default=None,
+                   help="with --wait-ready: the answer must come from this frontend process")
+    p.add_argument("--keys", default=None, metavar="DIR",
+                   help="for a frontend with --client-keys: the key directory ...")
+    p.add_argument("--key-name", default="client", help="... and this client's key in DIR/clients")
     a = p.parse_args(argv)
-    with Client(a.endpoint) as client:
+    with Client(a.endpoint, keys_dir=a.keys, key_name=a.key_name) as client:
         try:
             if a.wait_ready is not None:
-                client.wait_ready(a.wait_ready, a.wait_nodes)
+                client.wait_ready(a.wait_ready, a.wait_nodes, a.frontend_pid)
             if a.stats:
                 print(json.dumps(vars(client.stats()), indent=2))
             if not a.prompt:

@@ -5,41 +5,62 @@
 #        [--prefill-devices D[,D...]] [--decode-devices D[,D...]]      one node per device listed
 #        [--num-prefill N] [--num-decode M]     N or M nodes on the one device given (default 1)
 #        [--kv-transfer auto|ipc|tcp] [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N]
-#        [--ready-timeout S] [--prefill-arg ARG]... [--decode-arg ARG]...
+#        [--keys DIR | --no-keys] [--no-restart-nodes] [--drain-timeout S]
+#        [--ready-timeout S] [--frontend-arg ARG]... [--prefill-arg ARG]... [--decode-arg ARG]...
 #
 # Endpoints derive from the base port: clients connect to BASE, nodes to the
 # frontend at BASE+1, and decode node i takes KV handoffs at BASE+2+i.
 # --prefill-device / --decode-device are the one-device spellings.
 # With no --model, a tiny random Qwen3 is made on first use (no download).
-# SIGINT/SIGTERM stop every process; if one process dies, the rest are stopped.
+# Node links use CURVE keys: a fresh set per cluster (removed at exit) unless
+# --keys DIR names a kept one (python -m launch.keys DIR); --no-keys leaves them open.
+# A node that dies is restarted with backoff (1 s doubling to 30 s); if the
+# frontend dies, everything stops. SIGTERM/SIGINT drain: no new requests, running
+# ones get --drain-timeout seconds (default 30) to finish, then every process stops.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 MODEL="" PREFILL_DEVICES=cpu DECODE_DEVICES=cpu NUM_PREFILL="" NUM_DECODE="" HOST=127.0.0.1
 BASE_PORT=5600 DEMO=0 DTYPE="" KV_MEM="" MAX_BATCH=64 READY_TIMEOUT=300 KV_TRANSFER=auto
-PREFILL_EXTRA=() DECODE_EXTRA=()
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
+KEYS="" USE_KEYS=1 RESTART=1 DRAIN_TIMEOUT=30
+FRONTEND_EXTRA=() PREFILL_EXTRA=() DECODE_EXTRA=()
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
+die() { echo "start_cluster: $*" >&2; exit 2; }
+value() {  # value OPTION "$@": the option's argument, or a one-line error
+    [ $# -ge 2 ] && [ -n "$2" ] && [[ "$2" != --* ]] || die "$1 needs a value"
+    printf '%s' "$2"
+}
 while [ $# -gt 0 ]; do
     case "$1" in
-        --model) MODEL="$2"; shift 2 ;;
-        --prefill-device|--prefill-devices) PREFILL_DEVICES="$2"; shift 2 ;;
-        --decode-device|--decode-devices) DECODE_DEVICES="$2"; shift 2 ;;
-        --num-prefill) NUM_PREFILL="$2"; shift 2 ;;
-        --num-decode) NUM_DECODE="$2"; shift 2 ;;
-        --kv-transfer) KV_TRANSFER="$2"; shift 2 ;;
-        --host) HOST="$2"; shift 2 ;;
-        --base-port) BASE_PORT="$2"; shift 2 ;;
-        --dtype) DTYPE="$2"; shift 2 ;;
-        --kv-cache-memory) KV_MEM="$2"; shift 2 ;;
-        --max-batch-size) MAX_BATCH="$2"; shift 2 ;;
-        --ready-timeout) READY_TIMEOUT="$2"; shift 2 ;;
-        --prefill-arg) PREFILL_EXTRA+=("$2"); shift 2 ;;
-        --decode-arg) DECODE_EXTRA+=("$2"); shift 2 ;;
+        --model) MODEL="$(value "$@")"; shift 2 ;;
+        --prefill-device|--prefill-devices) PREFILL_DEVICES="$(value "$@")"; shift 2 ;;
+        --decode-device|--decode-devices) DECODE_DEVICES="$(value "$@")"; shift 2 ;;
+        --num-prefill) NUM_PREFILL="$(value "$@")"; shift 2 ;;
+        --num-decode) NUM_DECODE="$(value "$@")"; shift 2 ;;
+        --kv-transfer) KV_TRANSFER="$(value "$@")"; shift 2 ;;
+        --host) HOST="$(value "$@")"; shift 2 ;;
+        --base-port) BASE_PORT="$(value "$@")"; shift 2 ;;
+        --dtype) DTYPE="$(value "$@")"; shift 2 ;;
+        --kv-cache-memory) KV_MEM="$(value "$@")"; shift 2 ;;
+        --max-batch-size) MAX_BATCH="$(value "$@")"; shift 2 ;;
+        --ready-timeout) READY_TIMEOUT="$(value "$@")"; shift 2 ;;
+        --keys) KEYS="$(value "$@")"; shift 2 ;;
+        --no-keys) USE_KEYS=0; shift ;;
+        --no-restart-nodes) RESTART=0; shift ;;
+        --restart-nodes) RESTART=1; shift ;;
+        --drain-timeout) DRAIN_TIMEOUT="$(value "$@")"; shift 2 ;;
+        --frontend-arg) [ $# -ge 2 ] || die "$1 needs a value"; FRONTEND_EXTRA+=("$2"); shift 2 ;;
+        --prefill-arg) [ $# -ge 2 ] || die "$1 needs a value"; PREFILL_EXTRA+=("$2"); shift 2 ;;
+        --decode-arg) [ $# -ge 2 ] || die "$1 needs a value"; DECODE_EXTRA+=("$2"); shift 2 ;;
         --demo) DEMO=1; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "start_cluster: unknown option $1" >&2; usage >&2; exit 2 ;;
     esac
 done
+[[ "$BASE_PORT" =~ ^[0-9]+$ ]] && [ "$BASE_PORT" -ge 1 ] && [ "$BASE_PORT" -le 65000 ] \
+    || die "--base-port needs a port number, got '$BASE_PORT'"
+[[ "$READY_TIMEOUT" =~ ^[0-9]+$ ]] || die "--ready-timeout needs whole seconds, got '$READY_TIMEOUT'"
+[[ "$DRAIN_TIMEOUT" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "--drain-timeout needs seconds, got '$DRAIN_TIMEOUT'"
 
 # One device per node: a list gives one node each; a count repeats the one device.
 devices_for() {  # devices_for LIST COUNT ROLE -> one device per line
@@ -78,44 +99,93 @@ COMMON=(--model "$MODEL" --max-batch-size "$MAX_BATCH" --kv-transfer "$KV_TRANSF
 REMOTE=()
 case "$HOST" in 127.*|localhost|::1) ;; *) REMOTE=(--allow-remote) ;; esac
 
-PIDS=()
-cleanup() {
+# Every port this cluster binds must be free now: a port in use means another
+# cluster, which must not answer our readiness check or receive our nodes.
+PORTS=("$BASE_PORT" "$((BASE_PORT + 1))")
+for i in "${!DECODE_DEVS[@]}"; do PORTS+=("$((BASE_PORT + 2 + i))"); done
+if ! "$PY" - "$HOST" "${PORTS[@]}" <<'PYEOF'
+import socket, sys
+host, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
+family = socket.AF_INET6 if ":" in host else socket.AF_INET
+for port in ports:
+    with socket.socket(family) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            sys.exit(f"start_cluster: port {port} on {host} is in use ({e.strerror}): another "
+                     f"cluster? choose another --base-port")
+PYEOF
+then exit 1; fi
+
+# The node list: name, role, device, and the command that starts it.
+NAMES=() ROLES=() DEVS=() KVS=()
+for i in "${!DECODE_DEVS[@]}"; do
+    NAMES+=("decode-$i") ROLES+=(decode) DEVS+=("${DECODE_DEVS[$i]}") KVS+=("tcp://$ADDR:$((BASE_PORT + 2 + i))")
+done
+for i in "${!PREFILL_DEVS[@]}"; do
+    NAMES+=("prefill-$i") ROLES+=(prefill) DEVS+=("${PREFILL_DEVS[$i]}") KVS+=("")
+done
+NUM_NODES=${#NAMES[@]}
+
+KEY_ARGS=() TMP_KEYS="" LINKS="open node links"
+if [ $USE_KEYS = 1 ]; then
+    if [ -z "$KEYS" ]; then TMP_KEYS="$(mktemp -d)"; KEYS="$TMP_KEYS"; fi
+    "$PY" -m launch.keys "$KEYS" --nodes "$(IFS=,; echo "${NAMES[*]}")" >/dev/null
+    KEY_ARGS=(--keys "$KEYS") LINKS="CURVE keys in $KEYS"
+fi
+# NOTE: each process gets a session of its own, so a terminal's Ctrl-C reaches this
+# script alone and the cluster drains in order; PDEATHSIG still ties them to it.
+SETSID=(); command -v setsid >/dev/null && SETSID=(setsid)
+
+FRONTEND_PID="" NODE_PIDS=() STARTED_AT=() BACKOFF=() RESTART_AT=()
+cleanup() {  # stop everything: the frontend drains first, then the nodes stop
     trap - INT TERM
-    local pid
-    for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    if [ -n "$FRONTEND_PID" ] && kill -0 "$FRONTEND_PID" 2>/dev/null; then
+        kill -TERM "$FRONTEND_PID" 2>/dev/null || true
+        local limit=$(( ${DRAIN_TIMEOUT%.*} * 10 + 100 ))   # the drain and 10 s more
+        for _ in $(seq "$limit"); do kill -0 "$FRONTEND_PID" 2>/dev/null || break; sleep 0.1; done
+    fi
+    local pid all=("$FRONTEND_PID" "${NODE_PIDS[@]}")
+    for pid in "${all[@]}"; do [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null || true; done
     for _ in $(seq 100); do  # up to 10 s for a graceful stop
         local alive=0
-        for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        for pid in "${all[@]}"; do [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && alive=1; done
         [ $alive = 0 ] && break
         sleep 0.1
     done
-    for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+    for pid in "${all[@]}"; do [ -n "$pid" ] && kill -KILL "$pid" 2>/dev/null || true; done
     wait 2>/dev/null || true
+    [ -n "$TMP_KEYS" ] && rm -rf "$TMP_KEYS"
+    return 0
 }
-trap 'echo "[pdserve] stopping" >&2; cleanup; exit 130' INT
-trap 'echo "[pdserve] stopping" >&2; cleanup; exit 143' TERM
+trap 'echo "[pdserve] stopping (draining for up to ${DRAIN_TIMEOUT}s)" >&2; cleanup; exit 130' INT
+trap 'echo "[pdserve] stopping (draining for up to ${DRAIN_TIMEOUT}s)" >&2; cleanup; exit 143' TERM
 
-"$PY" -m frontend --model "$MODEL" --clients "$CLIENTS" --nodes "$NODES" "${REMOTE[@]}" &
-PIDS+=($!)
-for i in "${!DECODE_DEVS[@]}"; do
-    "$PY" -m decode_node "${COMMON[@]}" --device "${DECODE_DEVS[$i]}" --name "decode-$i" \
-        --frontend "$NODES" --kv-bind "tcp://$ADDR:$((BASE_PORT + 2 + i))" \
-        "${REMOTE[@]}" "${DECODE_EXTRA[@]}" &
-    PIDS+=($!)
-done
-for i in "${!PREFILL_DEVS[@]}"; do
-    "$PY" -m prefill_node "${COMMON[@]}" --device "${PREFILL_DEVS[$i]}" --name "prefill-$i" \
-        --frontend "$NODES" "${REMOTE[@]}" "${PREFILL_EXTRA[@]}" &
-    PIDS+=($!)
-done
-NUM_NODES=$(( ${#PREFILL_DEVS[@]} + ${#DECODE_DEVS[@]} ))
+start_node() {  # start_node INDEX
+    local i=$1
+    if [ "${ROLES[$i]}" = decode ]; then
+        "${SETSID[@]}" "$PY" -m decode_node "${COMMON[@]}" --device "${DEVS[$i]}" --name "${NAMES[$i]}" \
+            --frontend "$NODES" --kv-bind "${KVS[$i]}" "${KEY_ARGS[@]}" "${REMOTE[@]}" \
+            "${DECODE_EXTRA[@]}" &
+    else
+        "${SETSID[@]}" "$PY" -m prefill_node "${COMMON[@]}" --device "${DEVS[$i]}" --name "${NAMES[$i]}" \
+            --frontend "$NODES" "${KEY_ARGS[@]}" "${REMOTE[@]}" "${PREFILL_EXTRA[@]}" &
+    fi
+    NODE_PIDS[$i]=$!
+    STARTED_AT[$i]=$SECONDS
+}
 
-all_alive() { local pid; for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || return 1; done; }
+"${SETSID[@]}" "$PY" -m frontend --model "$MODEL" --clients "$CLIENTS" --nodes "$NODES" "${KEY_ARGS[@]}" \
+    --drain-timeout "$DRAIN_TIMEOUT" "${REMOTE[@]}" "${FRONTEND_EXTRA[@]}" &
+FRONTEND_PID=$!
+for i in $(seq 0 $((NUM_NODES - 1))); do start_node "$i"; BACKOFF[$i]=1; RESTART_AT[$i]=""; done
 
-# Ready means the frontend has heard from both nodes: a handshake, not a sleep.
+all_alive() { local pid; for pid in "$FRONTEND_PID" "${NODE_PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || return 1; done; }
+
+# Ready means our frontend has heard from every node: a handshake, not a sleep.
 deadline=$((SECONDS + READY_TIMEOUT))
 until "$PY" -m frontend.client --endpoint "$CLIENTS" --wait-ready 2 --wait-nodes "$NUM_NODES" \
-        >/dev/null 2>&1; do
+        --frontend-pid "$FRONTEND_PID" >/dev/null 2>&1; do
     if ! all_alive; then
         echo "[pdserve] a process exited during start-up; stopping" >&2
         cleanup; exit 1
@@ -125,7 +195,7 @@ until "$PY" -m frontend.client --endpoint "$CLIENTS" --wait-ready 2 --wait-nodes
         cleanup; exit 1
     fi
 done
-echo "[pdserve] ready: ${#PREFILL_DEVS[@]} prefill + ${#DECODE_DEVS[@]} decode nodes; clients connect to $CLIENTS (pids ${PIDS[*]})" >&2
+echo "[pdserve] ready: ${#PREFILL_DEVS[@]} prefill + ${#DECODE_DEVS[@]} decode nodes; clients connect to $CLIENTS (frontend pid $FRONTEND_PID, node pids ${NODE_PIDS[*]}; $LINKS)" >&2
 echo "PDSERVE_ENDPOINT=$CLIENTS"
 
 if [ $DEMO = 1 ]; then
@@ -141,8 +211,32 @@ if [ $DEMO = 1 ]; then
     exit $rc
 fi
 
-# Serve until a signal arrives or any process exits; then stop the rest.
-wait -n "${PIDS[@]}" || true
-echo "[pdserve] a process exited; stopping the cluster" >&2
-cleanup
-exit 1
+# Serve until a signal arrives or the frontend exits. A node that exits is started
+# again after its backoff (which resets once a node has run for a minute).
+while true; do
+    sleep 0.2
+    if ! kill -0 "$FRONTEND_PID" 2>/dev/null; then
+        rc=0; wait "$FRONTEND_PID" || rc=$?
+        echo "[pdserve] the frontend (pid $FRONTEND_PID) exited with code $rc; stopping the cluster" >&2
+        FRONTEND_PID=""
+        cleanup; exit 1
+    fi
+    for i in $(seq 0 $((NUM_NODES - 1))); do
+        if [ -n "${RESTART_AT[$i]}" ]; then
+            if [ $SECONDS -ge "${RESTART_AT[$i]}" ]; then
+                echo "[pdserve] restarting ${NAMES[$i]}" >&2
+                RESTART_AT[$i]=""; start_node "$i"
+            fi
+        elif ! kill -0 "${NODE_PIDS[$i]}" 2>/dev/null; then
+            rc=0; wait "${NODE_PIDS[$i]}" || rc=$?
+            if [ $RESTART = 0 ]; then
+                echo "[pdserve] ${NAMES[$i]} (pid ${NODE_PIDS[$i]}) exited with code $rc; stopping the cluster" >&2
+                cleanup; exit 1
+            fi
+            [ $((SECONDS - STARTED_AT[$i])) -ge 60 ] && BACKOFF[$i]=1
+            echo "[pdserve] ${NAMES[$i]} (pid ${NODE_PIDS[$i]}) exited with code $rc; restarting in ${BACKOFF[$i]}s" >&2
+            RESTART_AT[$i]=$((SECONDS + BACKOFF[$i]))
+            BACKOFF[$i]=$(( BACKOFF[$i] * 2 > 30 ? 30 : BACKOFF[$i] * 2 ))
+        fi
+    done
+done

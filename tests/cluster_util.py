@@ -60,6 +60,18 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def python_children_of(pid: int) -> list[int]:
+    """The Python processes among pid's descendants (a launcher's shell utilities come and go)."""
+    out = []
+    for child in children_of(pid):
+        try:
+            if b"python" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(child)
+        except OSError:
+            continue
+    return out
+
+
 def is_alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()

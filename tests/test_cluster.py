@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from frontend.client import AsyncClient, Client
-from tests.cluster_util import ROOT, children_of, free_base_port, is_alive, wait_for
+from tests.cluster_util import ROOT, children_of, free_base_port, is_alive, python_children_of, wait_for
 from tests.conftest import hf_greedy
 
 NEW_TOKENS = 24
@@ -32,7 +32,7 @@ class Cluster:
             stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT, start_new_session=True)
         line = self.proc.stdout.readline().decode()
         assert line.startswith("PDSERVE_ENDPOINT="), f"cluster did not start: {line!r}"
-        self.children = children_of(self.proc.pid)
+        self.children = python_children_of(self.proc.pid)
 
     def stats(self) -> dict:
         with Client(self.endpoint) as c:
@@ -243,11 +243,21 @@ def test_sigterm_leaves_no_process(tiny_model, tmp_path):
     c.log.close()
 
 
-def test_dead_child_stops_the_cluster(tiny_model, tmp_path):
-    c = Cluster(tiny_model, tmp_path / "c.log")
+def test_dead_child_stops_the_cluster_without_restarts(tiny_model, tmp_path):
+    c = Cluster(tiny_model, tmp_path / "c.log", "--no-restart-nodes")
     pids = c.children
     decode = next(p for p in pids if b"decode_node" in open(f"/proc/{p}/cmdline", "rb").read())
     os.kill(decode, signal.SIGKILL)
+    assert c.proc.wait(30) == 1
+    wait_for(lambda: _descendants_gone(pids), 15, "every cluster process to exit")
+    c.log.close()
+
+
+def test_dead_frontend_stops_the_cluster(tiny_model, tmp_path):
+    c = Cluster(tiny_model, tmp_path / "c.log")
+    pids = c.children
+    frontend = next(p for p in pids if b"-mfrontend" in open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b""))
+    os.kill(frontend, signal.SIGKILL)
     assert c.proc.wait(30) == 1
     wait_for(lambda: _descendants_gone(pids), 15, "every cluster process to exit")
     c.log.close()
