@@ -3,6 +3,7 @@ from its own thread and socket so that a long forward pass (or a first-time
 kernel compile) never makes a live node look dead."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Callable
@@ -11,6 +12,7 @@ from common.channel import Channel
 from common.protocol import FRONTEND_TO_HEARTBEAT, Heartbeat, ReadyReply
 
 READY_EVERY_S = 1.0   # a ready not yet answered is sent again this often
+SILENCE_LIMIT_S = 120.0  # registering this long with no answer at all: give up, loudly
 
 
 class Registration:
@@ -24,11 +26,12 @@ class Registration:
         self.is_accepted = False
         self._sent_at = 0.0
         self._refused_since: float | None = None
+        self._asked_since = time.monotonic()
         self.reason: str | None = None
 
     def again(self) -> None:
         """The frontend forgot us (or restarted): register anew."""
-        self.is_accepted, self._sent_at = False, 0.0
+        self.is_accepted, self._sent_at, self._asked_since = False, 0.0, time.monotonic()
 
     def on_reply(self, reply: ReadyReply) -> str | None:
         """The reason to stop, if the frontend refused this node for good."""
@@ -49,6 +52,9 @@ class Registration:
             return None
         if self._refused_since is not None and now - self._refused_since > self.give_up_s:
             return f"the frontend refused this node for {self.give_up_s:.0f}s: {self.reason}"
+        if self._refused_since is None and now - self._asked_since > SILENCE_LIMIT_S:
+            return (f"no answer from the frontend in {SILENCE_LIMIT_S:.0f}s: is it running at that "
+                    f"endpoint, and (with --keys) does it hold the same key directory?")
         if now - self._sent_at >= READY_EVERY_S and self.send_ready():
             self._sent_at = now
         return None
@@ -74,7 +80,7 @@ class HeartbeatThread:
     def _run(self) -> None:
         ctx, endpoint, role, name, stats, interval_s = self._args
         # NOTE: a zmq socket belongs to the thread that made it.
-        ch = Channel(ctx, False, endpoint, identity=f"{name}.heartbeat", server="frontend")
+        ch = Channel(ctx, False, endpoint, identity=f"{name}/{os.getpid()}/heartbeat", server="frontend")
         try:
             while True:
                 try:
@@ -82,7 +88,7 @@ class HeartbeatThread:
                 except RuntimeError:  # a container changed size under us: skip this beat
                     figures = None
                 if figures is not None:
-                    ch.send(Heartbeat(role, name, figures), block=False)
+                    ch.send(Heartbeat(role, name, figures, os.getpid()), block=False)
                 while ch.has_message():
                     _, reply = ch.recv(FRONTEND_TO_HEARTBEAT)
                     if isinstance(reply, ReadyReply) and not reply.is_accepted:

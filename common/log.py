@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 from common.env import read_env
 
@@ -17,3 +18,33 @@ def get_logger(role: str) -> logging.Logger:
         logger.setLevel(read_env().log_level)
         logger.propagate = False
     return logger
+
+
+class Throttle:
+    """Log lines about input from outside (malformed messages, refused peers) at most
+    `limit` per `window_s`; past that, one line says how many were held back. A
+    flood of bad messages must not become a flood of log lines."""
+
+    def __init__(self, logger: logging.Logger, limit: int = 20, window_s: float = 10.0):
+        self.logger, self.limit, self.window_s = logger, limit, window_s
+        self._window_start = 0.0
+        self._num_logged = self._num_held = 0
+
+    def log(self, level: int, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._window_start >= self.window_s:
+            if self._num_held:
+                self.logger.warning("... and %d more lines like these in %.0fs, not shown",
+                                    self._num_held, self.window_s)
+            self._window_start, self._num_logged, self._num_held = now, 0, 0
+        if self._num_logged < self.limit:
+            self._num_logged += 1
+            self.logger.log(level, msg, *args)
+        else:
+            self._num_held += 1
+
+    def warning(self, msg: str, *args) -> None:
+        self.log(logging.WARNING, msg, *args)
+
+    def info(self, msg: str, *args) -> None:
+        self.log(logging.INFO, msg, *args)

@@ -186,6 +186,7 @@ class Heartbeat:
     role: Name
     name: Name
     stats: Figures
+    pid: I32 = 0              # counts only for the registered process of that name
 
 
 @dataclass
@@ -414,6 +415,8 @@ def _check(value: Any, t, where: str, depth: int = 0) -> Any:
             raise ProtocolError(f"{where} is outside the 64-bit range")
         return value
     if t is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where} must be a map, got {type(value).__name__}")
         _plain(value, Plain(), where, depth)
         return value
     if t is Any or isinstance(value, t):

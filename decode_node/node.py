@@ -19,7 +19,7 @@ from common.config import DecodeConfig
 from common.keys import ClusterKeys
 from common.kv_cache import BlockAllocator
 from common.heartbeat import HeartbeatThread, Registration
-from common.log import get_logger
+from common.log import Throttle, get_logger
 from common import transfer
 from common.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, HandoffAck, KVBlocks, KVCommit,
                              KVHello, KVRelease, KVReserve, KVReserved, NodeAbort, NodeReady,
@@ -29,6 +29,7 @@ from common.worker import DecodeTicket, DeviceWorker
 from decode_node.scheduler import DecodeScheduler, Reservation
 
 log = get_logger("decode")
+noisy = Throttle(log)   # lines about what peers send
 ABORT_MEMORY_S = 60.0   # a handoff arriving this long after its abort is still dropped
 
 
@@ -54,7 +55,7 @@ class DecodeNode:
         keys = ClusterKeys(Path(self.cfg.keys_dir), self.cfg.name) if self.cfg.keys_dir else None
         ctx = open_context(keys)
         links = self.cfg.links
-        self.frontend = Channel(ctx, False, self.cfg.frontend_endpoint, identity=self.cfg.name,
+        self.frontend = Channel(ctx, False, self.cfg.frontend_endpoint, identity=f"{self.cfg.name}/{os.getpid()}",
                                 max_message_bytes=links.max_message_bytes, server="frontend")
         try:
             with self.worker:
@@ -120,11 +121,11 @@ class DecodeNode:
         while ch.has_message():
             sender, msg = ch.recv(allowed)
             if isinstance(msg, BadMessage):
-                log.warning("dropped a malformed message: %s", msg.error)
+                noisy.warning("dropped a malformed message: %s", msg.error)
                 if msg.request_id and ch is self.kv:
                     self._refuse_write(sender, msg.request_id, msg.error)
             elif isinstance(msg, KVHello):
-                log.info("prefill node %s connected to the KV link", msg.prefill_node)
+                noisy.info("prefill node %s connected to the KV link", msg.prefill_node)
                 self.kv.send(self.sink.welcome(self.epoch), to=sender)
             elif isinstance(msg, KVReserve):
                 self._on_reserve(sender, msg)
@@ -167,7 +168,7 @@ class DecodeNode:
         if refusal:
             reason, is_retryable = refusal
             if not is_retryable:
-                log.warning("refused reservation %s: %s", m.request_id, reason)
+                noisy.warning("refused reservation %s: %s", m.request_id, reason)
             self.kv.send(KVReserved(m.request_id, self.epoch, None, is_retryable, reason), to=sender)
             return
         r = self.scheduler.reserve(m.request_id, sender, m.prompt_len, m.max_tokens,
@@ -181,7 +182,7 @@ class DecodeNode:
         try:
             self.sink.receive(m, r.block_ids)
         except transfer.TransferError as e:
-            log.warning("refused KV frame for %s: %s", m.request_id, e)
+            noisy.warning("refused KV frame for %s: %s", m.request_id, e)
             r.error = str(e)
 
     def _on_commit(self, sender: bytes, c: KVCommit) -> None:
@@ -211,7 +212,7 @@ class DecodeNode:
         """Refuse a handoff for good; its reservation, if the sender made one, is freed."""
         if self._reservation_of(sender, request_id):
             self._release(request_id)
-        log.warning("refused handoff %s: %s", request_id, reason)
+        noisy.warning("refused handoff %s: %s", request_id, reason)
         self.kv.send(HandoffAck(request_id, False, False, reason), to=sender)
 
     def _release(self, request_id: str) -> None:
@@ -220,7 +221,7 @@ class DecodeNode:
 
     def _expire_reservations(self) -> None:
         for rid in self.scheduler.expired(time.monotonic()):
-            log.warning("reservation %s was not committed within %.0fs: freed", rid,
+            noisy.warning("reservation %s was not committed within %.0fs: freed", rid,
                         self.cfg.reservation_lease_s)
             self._release(rid)
 

@@ -97,6 +97,8 @@ class Client:
         deadline = time.monotonic() + self.idle_timeout_s
         while not self._inbox.get(rid):
             msg = self._recv(max(deadline - time.monotonic(), 0.001))
+            if isinstance(msg, StatsReply):
+                continue   # the late answer to a stats call that timed out
             key = getattr(msg, "request_id", None)
             if key is None:
                 raise ServerError(getattr(msg, "error", f"unexpected {type(msg).__name__}"))

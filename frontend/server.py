@@ -22,7 +22,7 @@ from pathlib import Path
 from common.channel import AsyncChannel, BadMessage, open_async_context
 from common.config import FrontendConfig
 from common.keys import ClusterKeys
-from common.log import get_logger
+from common.log import Throttle, get_logger
 from common.model_spec import load_spec
 from common.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, ErrorReply, GenerateOutput,
                              GenerateRequest, Heartbeat, NodeAbort, NodeReady, PrefillRequest, ReadyReply,
@@ -35,6 +35,7 @@ from frontend.detok import IncrementalDetokenizer
 from frontend.router import NodeState, figure
 
 log = get_logger("frontend")
+noisy = Throttle(log)   # lines about what clients and peers send
 ROLES = ("prefill", "decode")
 
 
@@ -149,7 +150,7 @@ class Frontend:
                     await self._finish(req, FINISH_ERROR, "internal error")
 
     async def _reply_error(self, client: bytes, request_id: str | None, error: str) -> None:
-        log.info("rejected request %s: %s", request_id, error)
+        noisy.info("rejected request %s: %s", request_id, error)
         if request_id is not None and (client, request_id) not in self.by_client:
             await self.clients.send(GenerateOutput(request_id, [], "", True, FINISH_ERROR, error),
                                     to=client)
@@ -277,34 +278,37 @@ class Frontend:
             except Exception:
                 log.exception("error while handling a %s from a node", type(msg).__name__)
 
-    def _claims(self, sender: bytes, name: str, suffix: str = "") -> bool:
-        """Whether the sender may speak as node `name`: its key proves it, or (open
-        links) its socket identity says it."""
+    def _claims(self, sender: bytes, name: str, pid: int, suffix: str = "") -> bool:
+        """Whether the sender may speak as node `name` (process pid): its key proves the
+        name, or (open links) its socket identity says "name/pid" (then a name is only
+        as good as the port's reach)."""
         if self.keys is not None:
             return self.node_link.peer_name(sender) == name
-        return sender == f"{name}{suffix}".encode()
+        return sender == f"{name}/{pid}{suffix}".encode()
 
     async def _on_node_message(self, sender: bytes, msg) -> None:
         if isinstance(msg, BadMessage):
-            log.warning("dropped a malformed message from %r: %s", sender, msg.error)
+            noisy.warning("dropped a malformed message from %r: %s", sender, msg.error)
             return
         if isinstance(msg, NodeReady):
             await self._on_ready(sender, msg)
             return
         if isinstance(msg, Heartbeat):  # from the node's heartbeat socket
             node = self.nodes.get(msg.name)
-            if not self._claims(sender, msg.name, ".heartbeat"):
-                log.warning("dropped a heartbeat for %r from a peer that is not that node", msg.name)
+            if not self._claims(sender, msg.name, msg.pid, "/heartbeat"):
+                noisy.warning("dropped a heartbeat for %r from a peer that is not that node", msg.name)
             elif node is None:   # forgotten while silent: ask it to register again
                 await self.node_link.send(ReadyReply(False, "unknown node: register again", True),
                                           to=sender)
+            elif node.ready.pid != msg.pid:
+                pass   # NOTE: a restarted node, still refused while its predecessor counts as alive
             else:
                 self._seen(node)
                 node.stats = msg.stats
             return
         node = next((n for n in self.nodes.values() if n.identity == sender), None)
         if node is None:
-            log.warning("message from unregistered node %r ignored", sender)
+            noisy.warning("message from unregistered node %r ignored", sender)
             return
         self._seen(node)
         if isinstance(msg, RequestFailed):
@@ -327,7 +331,7 @@ class Frontend:
         old = self.nodes.get(ready.name)
         if ready.role not in ROLES or (ready.role == "decode") != bool(ready.kv_endpoint):
             reason, is_retryable = f"bad ready: role {ready.role!r} with kv_endpoint {ready.kv_endpoint!r}", False
-        elif not self._claims(sender, ready.name):
+        elif not self._claims(sender, ready.name, ready.pid):
             reason, is_retryable = f"this peer may not register as {ready.name!r}", False
         elif old is not None and old.is_alive and old.identity != sender and old.ready.pid != ready.pid:
             reason, is_retryable = (f"a live {old.ready.role} node named {ready.name!r} is registered "
@@ -335,7 +339,7 @@ class Frontend:
         else:
             reason = None
         if reason:
-            log.warning("refused a node registering as %r: %s", ready.name, reason)
+            noisy.warning("refused a node registering as %r: %s", ready.name, reason)
             await self.node_link.send(ReadyReply(False, reason, is_retryable), to=sender)
             return
         if old is not None and old.ready.pid == ready.pid:   # the same process, asking again

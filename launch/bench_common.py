@@ -14,9 +14,10 @@ import torch
 
 from common.channel import BadMessage, Channel, Poller, open_context
 from common.config import DTYPES, endpoint
+from common.keys import ClusterKeys
 from common.kv_cache import num_blocks_for
 from common.model_spec import ModelSpec, load_spec, preset_spec
-from common.protocol import (HandoffAck, Heartbeat, KVBlocks, KVCommit, KVHello, KVReserve,
+from common.protocol import (HandoffAck, Heartbeat, ReadyReply, KVBlocks, KVCommit, KVHello, KVReserve,
                              KVReserved, KVWelcome, NodeReady)
 from common.transfer import host_id
 
@@ -115,19 +116,28 @@ class NodeUnderTest:
     """Starts one node as a subprocess and stands in for the frontend (and, for the
     decode benchmark, the prefill node) on its sockets."""
 
-    def __init__(self, module: str, args: list[str], base_port: int, log: str | None, kv_is_router: bool):
-        """kv_is_router: we bind the KV endpoint (the prefill node hands off to us)."""
-        self.ctx = open_context()
+    def __init__(self, module: str, args: list[str], base_port: int, log: str | None, kv_is_router: bool,
+                 keys_dir: str | None = None):
+        """kv_is_router: we bind the KV endpoint (the prefill node hands off to us).
+        keys_dir: CURVE on both links; we hold the frontend's key and the other node's."""
+        name = "prefill-0" if module == "decode_node" else "decode-0"
+        keys = (lambda who: ClusterKeys(Path(keys_dir), who)) if keys_dir else (lambda who: None)
+        self.ctx = open_context(keys("frontend"))
+        self.kv_ctx = open_context(keys(name))
         self.node_endpoint = endpoint("127.0.0.1", base_port + 1)
         self.kv_endpoint = endpoint("127.0.0.1", base_port + 2)
-        self.link = Channel(self.ctx, True, self.node_endpoint, max_message_bytes=None)
+        self.link = Channel(self.ctx, True, self.node_endpoint, max_message_bytes=None, domain="nodes")
+        if keys_dir:
+            args = [*args, "--keys", keys_dir]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         out = open(log, "ab") if log else subprocess.DEVNULL
         cmd = [sys.executable, "-m", module, *args, "--frontend", self.node_endpoint]
         if not kv_is_router:
             cmd += ["--kv-bind", self.kv_endpoint]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        self.kv = Channel(self.ctx, kv_is_router, self.kv_endpoint, max_message_bytes=None)
+        self.kv = Channel(self.kv_ctx, kv_is_router, self.kv_endpoint, max_message_bytes=None,
+                          domain="nodes" if kv_is_router else None,
+                          server=None if kv_is_router else "decode-0")
         self.poller = Poller(self.link, self.kv)
         self.identity: bytes | None = None
         self.last_stats: dict = {}
@@ -143,6 +153,7 @@ class NodeUnderTest:
                     raise RuntimeError(f"bad message from the node: {msg.error}")
                 if isinstance(msg, NodeReady):
                     self.identity = sender
+                    self.link.send(ReadyReply(True), to=sender)   # registered, as a frontend says
                 elif isinstance(msg, Heartbeat):
                     self.last_stats, self.last_stats_at = msg.stats, time.perf_counter()
                 out.append((ch, sender, msg))
@@ -211,6 +222,7 @@ class NodeUnderTest:
         self.link.close()
         self.kv.close()
         self.ctx.term()
+        self.kv_ctx.term()
 
 
 def worker_args(a: argparse.Namespace, max_batch: int, max_model_len: int) -> list[str]:

@@ -39,7 +39,7 @@ class PrefillSide:
     def __init__(self, node: NodeUnderTest, cache: torch.Tensor, backend: str):
         self.node, self.cache = node, cache
         self.inbox: list = []   # KV-link messages read but not yet taken
-        node.kv.send(KVHello("bench-prefill"))
+        node.kv.send(KVHello("prefill-0"))
         welcome = self._wait(lambda m: isinstance(m, KVWelcome))
         self.writer = transfer.open_writer(backend, welcome, cache, lambda m: node.kv.send(m, block=False))
 
@@ -129,7 +129,7 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
     # One row beyond the long requests: a timed handoff (max_tokens 1) ends at admission.
     args = worker_args(ns, a.decode_batch + 1, a.prompt_len + a.decode_tokens + 16)
     node = NodeUnderTest("decode_node", args + ["--kv-transfer", backend, "--block-size", str(bs)],
-                         base_port, a.node_log, kv_is_router=False)
+                         base_port, a.node_log, kv_is_router=False, keys_dir=a.keys_dir)
     try:
         node.wait_ready()
         # Source blocks [1, n] on the prefill device, random (zeros hide unwritten copies).
@@ -232,7 +232,15 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=float, default=3.0, help="seconds per step-time reading")
     p.add_argument("--base-port", type=int, default=5800)
     p.add_argument("--node-log", default=None)
+    p.add_argument("--curve", action="store_true",
+                   help="CURVE keys on the node and KV links, as start_cluster.sh runs them")
     a = p.parse_args(argv)
+    a.keys_dir = None
+    if a.curve:
+        import tempfile
+        from common.keys import make_keys
+        a.keys_dir = tempfile.mkdtemp(prefix="pdserve-bench-keys-")
+        make_keys(a.keys_dir, ["prefill-0", "decode-0"])
     from common.model_spec import preset_spec
     from common.config import DTYPES
     spec = preset_spec(a.shape)
@@ -251,6 +259,7 @@ def main(argv=None) -> None:
             record.update({"floor": "ZeroMQ frame on loopback TCP",
                            "floor_GBps": round(link_floor_GBps(bytes_per_req), 2)})
         record["floor_fraction"] = round(record["GBps_all_at_once"] / record["floor_GBps"], 3)
+        record["is_curve"] = bool(a.curve)
         emit(record)
 
 

@@ -11,6 +11,7 @@ and everything it holds, here and on the decode node, is released.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -78,7 +79,7 @@ class Handoffs:
         peer = self.peers.get(endpoint)
         if peer is None:
             # With keys, the decode node must prove the key of the name the frontend chose.
-            ch = Channel(self.ctx, False, endpoint, identity=self.cfg.name, is_immediate=True,
+            ch = Channel(self.ctx, False, endpoint, identity=f"{self.cfg.name}/{os.getpid()}", is_immediate=True,
                          max_message_bytes=self.cfg.links.max_message_bytes, server=name)
             peer = self.peers[endpoint] = DecodePeer(name, endpoint, ch)
             self.poller.add(ch)

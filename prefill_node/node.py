@@ -18,7 +18,7 @@ from common.config import PrefillConfig, check_endpoint
 from common.heartbeat import HeartbeatThread, Registration
 from common.keys import ClusterKeys
 from common.kv_cache import BlockAllocator
-from common.log import get_logger
+from common.log import Throttle, get_logger
 from common.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, PrefillRequest, ReadyReply,
                              RequestFailed, Shutdown)
 from common.sampling import validate_prompt
@@ -27,6 +27,7 @@ from prefill_node.handoff import Handoffs
 from prefill_node.scheduler import PrefillJob, PrefillScheduler, ScheduledChunk
 
 log = get_logger("prefill")
+noisy = Throttle(log)   # lines about what peers send
 
 
 class PrefillNode:
@@ -45,7 +46,7 @@ class PrefillNode:
         keys = ClusterKeys(Path(self.cfg.keys_dir), self.cfg.name) if self.cfg.keys_dir else None
         ctx = open_context(keys)
         self._stop = stop
-        self.frontend = Channel(ctx, False, self.cfg.frontend_endpoint, identity=self.cfg.name,
+        self.frontend = Channel(ctx, False, self.cfg.frontend_endpoint, identity=f"{self.cfg.name}/{os.getpid()}",
                                 max_message_bytes=self.cfg.links.max_message_bytes, server="frontend")
         poller = Poller(self.frontend)
         try:
@@ -92,7 +93,7 @@ class PrefillNode:
         while self.frontend.has_message():
             _, msg = self.frontend.recv(FRONTEND_TO_NODE)
             if isinstance(msg, BadMessage):
-                log.warning("dropped a malformed message: %s", msg.error)
+                noisy.warning("dropped a malformed message: %s", msg.error)
                 if msg.request_id:
                     self._fail(msg.request_id, f"malformed prefill message: {msg.error}")
             elif isinstance(msg, PrefillRequest):
@@ -151,7 +152,7 @@ class PrefillNode:
 
     def _fail(self, request_id: str, error: str) -> None:
         self.num_failed += 1
-        log.warning("request %s failed: %s", request_id, error)
+        noisy.warning("request %s failed: %s", request_id, error)
         if not self.frontend.send(RequestFailed(request_id, error), block=False):
             log.error("could not tell the frontend that %s failed", request_id)
 

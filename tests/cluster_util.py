@@ -113,7 +113,8 @@ class Processes:
         extra = self.extra.get(role, []) + (["--name", name] if name else [])
         if role == "frontend":
             p = spawn("frontend", "--model", str(self.model), "--clients", self.clients,
-                      "--nodes", self.nodes, "--dead-after", "2", *extra, log_path=log)
+                      "--nodes", self.nodes, "--dead-after", "2", "--drain-timeout", "1", *extra,
+                      log_path=log)
         elif role == "prefill":
             p = spawn("prefill_node", "--model", str(self.model), "--frontend", self.nodes,
                       "--kv-cache-memory", "4MiB",

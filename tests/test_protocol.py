@@ -28,7 +28,7 @@ EXAMPLES = [
     p.ReadyReply(True),
     p.ReadyReply(False, "a live decode node named 'decode-0' is registered", True),
     p.NodeReady("decode", "decode-0", 42, "cpu", 100, 16, 1024, "tcp://127.0.0.1:5602", "ipc", 64),
-    p.Heartbeat("decode", "decode-0", {"num_running": 3}),
+    p.Heartbeat("decode", "decode-0", {"num_running": 3}, 42),
     p.RequestFailed("r1", "boom"),
     p.TokenBatch([p.TokenUpdate("r1", [7], None, {"queue_ms": 1.0}), p.TokenUpdate("r2", [8], "length")]),
     p.KVHello("prefill-0"),
@@ -115,3 +115,14 @@ def test_tensor_size_mismatch_is_caught_and_request_id_kept():
 def test_allowed_types_filter():
     with pytest.raises(p.ProtocolError, match="unknown message type"):
         p.decode(p.encode(p.Shutdown()), allowed=(p.GenerateRequest,))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("timings", "soon"), ("timings", [1, 2]), ("timings", {"arrival": "now"}), ("timings", {"a": -1.0}),
+    ("timings", {"a": float("nan")}), ("first_token", 2**31), ("prompt_len", -1), ("request_id", "x" * 257)])
+def test_field_limits_refuse_what_receivers_cannot_use(field, value):
+    commit = {"v": 1, "type": "kv_commit", "request_id": "r1", "prompt_len": 4, "first_token": 1,
+              "params": {"max_tokens": 2}, "timings": {"prefill_end": 1.0}, "backend": "tcp"}
+    p.decode([msgpack.packb(commit)])   # as given: fine
+    with pytest.raises(p.ProtocolError, match=field):
+        p.decode([msgpack.packb({**commit, field: value})])
