@@ -79,8 +79,24 @@ def open_async_context(keys: ClusterKeys | None = None) -> Context:
 
 def _open(ctx: Context, sock: zmq.Socket, is_router: bool, endpoint: str, max_message_bytes: int | None,
           identity: str | None, server: str | None, domain: str | None) -> None:
-    """Options, security, then bind (router) or connect (dealer).
-    server: a dealer's CURVE server, by key name. domain: whom a router admits."""
+    """Options, security, then bind (router) or connect (dealer); the socket is closed
+    if any of it fails. server: a dealer's CURVE server, by key name. domain: whom a
+    router admits."""
+    try:
+        _configure(ctx, sock, is_router, max_message_bytes, identity, server, domain)
+        (sock.bind if is_router else sock.connect)(endpoint)
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        why = "the address is in use (another pdserve cluster?): choose another port" \
+            if e.errno == zmq.EADDRINUSE else str(e)
+        raise LinkError(f"cannot {'bind' if is_router else 'connect to'} {endpoint}: {why}") from None
+    except ValueError as e:   # no key for that peer
+        sock.close(linger=0)
+        raise LinkError(f"cannot open a link to {endpoint}: {e}") from None
+
+
+def _configure(ctx: Context, sock: zmq.Socket, is_router: bool, max_message_bytes: int | None,
+               identity: str | None, server: str | None, domain: str | None) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     # Token streams are many small messages; a full queue must not drop or block them.
     sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -103,13 +119,6 @@ def _open(ctx: Context, sock: zmq.Socket, is_router: bool, endpoint: str, max_me
         sock.setsockopt(zmq.IDENTITY, identity.encode())
     # NOTE: no ROUTER_HANDOVER: with it, any peer claiming a live node's identity would take
     # over that node's route. A killed node's connection closes, which frees its identity.
-    try:
-        (sock.bind if is_router else sock.connect)(endpoint)
-    except zmq.ZMQError as e:
-        sock.close(linger=0)
-        why = "the address is in use (another pdserve cluster?): choose another port" \
-            if e.errno == zmq.EADDRINUSE else str(e)
-        raise LinkError(f"cannot {'bind' if is_router else 'connect to'} {endpoint}: {why}") from None
 
 
 class _Receiver:
