@@ -64,7 +64,8 @@ Name = Annotated[str, MaxLen(128)]        # node names, message kinds
 Id = Annotated[str, MaxLen(256)]          # request ids
 Text = Annotated[str, MaxLen(4096)]       # errors, reasons
 I32 = Annotated[int, Range(0, I32_MAX)]   # token ids, block ids, lengths, counts
-Stamps = Annotated[dict, Plain(depth=1, max_items=32, is_numbers=True)]   # timings
+Stamps = Annotated[dict, Plain(depth=1, max_items=32, is_numbers=True)]   # wall-clock stamps
+Parts = Annotated[dict, Plain(depth=1, max_items=32)]   # durations: finite, maybe < 0 across clocks
 Figures = Annotated[dict, Plain()]        # a node's stats
 
 
@@ -201,7 +202,7 @@ class TokenUpdate:
     request_id: Id
     token_ids: list[I32]
     finish_reason: Name | None = None
-    timings: Stamps | None = None   # on a request's first update: where its TTFT went
+    timings: Parts | None = None    # on a request's first update: where its TTFT went
 
 
 @dataclass

@@ -508,3 +508,34 @@ def test_a_second_node_under_a_live_name_is_refused(procs):
             twin.kill()
     assert b"a live prefill node named 'prefill-0' is registered" in (procs.log_dir / "twin.log").read_bytes()
     assert _nodes(procs.clients)["prefill-0"]["pid"] == procs.procs["prefill"].pid
+
+
+def test_a_commit_with_odd_timings_costs_no_other_request_its_tokens(procs, tiny_model):
+    """Token updates of many requests travel in one batch: a part that cannot be computed
+    (no stamps) or comes out negative (skewed clocks) must not void the batch."""
+    from common.protocol import HandoffAck, KVCommit, KVHello, KVReserve, KVReserved, KVWelcome
+    from common.sampling import SamplingParams
+    from tests.test_xpyd import FakePrefill
+    _start(procs, "frontend", "prefill", "decode")
+    fake = FakePrefill(procs.kv)
+    try:
+        fake.ask(KVHello("fake-prefill"), KVWelcome)
+
+        async def run():
+            client = AsyncClient(procs.clients)
+            job = asyncio.create_task(client.complete(prompt_token_ids=PROMPT, max_tokens=120, ignore_eos=True))
+            await asyncio.sleep(0.3)
+            for rid, stamps in (("no-stamps", {}), ("skewed", {"arrival": 9e12, "prefill_start": 1.0})):
+                fake.ask(KVReserve(rid, 16, 200), KVReserved)
+                ack = fake.ask(KVCommit(rid, 16, 1, SamplingParams(max_tokens=200, ignore_eos=True), stamps,
+                                        "tcp"), HandoffAck)
+                assert ack.is_accepted
+            r = await job
+            await client.close()
+            return r
+        r = asyncio.run(run())
+        assert r.error is None and r.token_ids == hf_greedy(tiny_model, [PROMPT], 120)[0]
+        with Client(procs.clients) as c:
+            assert c.stats().frontend["num_bad_node_messages"] == 0   # no token batch was dropped
+    finally:
+        fake.close()
