@@ -109,6 +109,8 @@ host, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
 family = socket.AF_INET6 if ":" in host else socket.AF_INET
 for port in ports:
     with socket.socket(family) as s:
+        # As ZeroMQ binds: past connections lingering in TIME_WAIT do not hold the port.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
