@@ -4,6 +4,7 @@ bad input, and that the launcher leaves nothing behind."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import signal
 import subprocess
@@ -30,9 +31,16 @@ class Cluster:
             ["bash", str(ROOT / "launch/start_cluster.sh"), "--model", str(model),
              "--base-port", str(self.base), "--kv-cache-memory", "8MiB", *extra],
             stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT, start_new_session=True)
+        # NOTE: a test that fails before stop() must not leave a launcher that restarts
+        # its nodes forever: whatever is still running at exit is stopped.
+        atexit.register(self._kill)
         line = self.proc.stdout.readline().decode()
         assert line.startswith("PDSERVE_ENDPOINT="), f"cluster did not start: {line!r}"
         self.children = python_children_of(self.proc.pid)
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)   # its own session: launcher and children
 
     def stats(self) -> dict:
         with Client(self.endpoint) as c:
