@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from common import protocol
-from common.keys import ClusterKeys
+from common.keys import DOMAINS, ClusterKeys
 from common.protocol import ProtocolError
 
 MAX_PEER_NAMES = 4096   # routing ids remembered per authenticated socket
@@ -59,7 +59,7 @@ class Context:
             from zmq.auth.thread import ThreadAuthenticator
             self._auth = ThreadAuthenticator(self.zmq, log=None)
             self._auth.start()
-            for domain in ("nodes", "clients"):
+            for domain in DOMAINS:
                 self._auth.configure_curve_callback(domain=domain, credentials_provider=_Admit(self.keys))
 
     def term(self) -> None:
@@ -143,7 +143,7 @@ class _Receiver:
             if self.is_router:
                 sender, frames = frames[0].bytes, frames[1:]
             if self._keys is not None and frames:
-                self._learn(sender, frames[0].get("User-Id"))
+                self._learn(sender, frames[0].get("User-Id"))   # NOTE: per message, see _learn
             return sender, protocol.decode(frames, allowed)
         except ProtocolError as e:
             self.num_bad += 1
@@ -153,13 +153,15 @@ class _Receiver:
             return sender, BadMessage(sender, f"undecodable message ({type(e).__name__})", None)
 
     def _learn(self, sender: bytes, user_id: str) -> None:
-        if sender in self.peer_names:
-            return
+        """Name the sender by the key it proved. Read for every message, not cached by
+        routing id: a peer may reconnect under a routing id another peer had."""
         name = self._members.get(user_id)
         if name is None:
             self._members = {k.decode(): n for k, n in self._keys.members(self._domain).items()}
             name = self._members.get(user_id)
-        if name is not None:
+        if name is None:
+            self.peer_names.pop(sender, None)
+        elif self.peer_names.get(sender) != name:
             if len(self.peer_names) >= MAX_PEER_NAMES:
                 self.peer_names.pop(next(iter(self.peer_names)))
             self.peer_names[sender] = name

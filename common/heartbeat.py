@@ -28,10 +28,7 @@ class Registration:
         self._refused_since: float | None = None
         self._asked_since = time.monotonic()
         self.reason: str | None = None
-
-    def again(self) -> None:
-        """The frontend forgot us (or restarted): register anew."""
-        self.is_accepted, self._sent_at, self._asked_since = False, 0.0, time.monotonic()
+        self.is_forgotten = threading.Event()   # set by the heartbeat thread: register anew
 
     def on_reply(self, reply: ReadyReply) -> str | None:
         """The reason to stop, if the frontend refused this node for good."""
@@ -48,6 +45,9 @@ class Registration:
     def tick(self) -> str | None:
         """Send ready again when due; the reason to stop if refusals lasted past give_up_s."""
         now = time.monotonic()
+        if self.is_forgotten.is_set():   # the frontend forgot us (or restarted)
+            self.is_forgotten.clear()
+            self.is_accepted, self._sent_at, self._asked_since = False, 0.0, now
         if self.is_accepted:
             return None
         if self._refused_since is not None and now - self._refused_since > self.give_up_s:
@@ -62,12 +62,12 @@ class Registration:
 
 class HeartbeatThread:
     def __init__(self, ctx, endpoint: str, role: str, name: str,
-                 stats: Callable[[], dict], interval_s: float):
+                 stats: Callable[[], dict], interval_s: float, is_forgotten: threading.Event):
         self._args = (ctx, endpoint, role, name, stats, interval_s)
+        self.is_forgotten = is_forgotten   # set when the frontend asks us to register again
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-heartbeat", daemon=True)
         self.last_turn = time.monotonic()   # the node loop's last turn, set by the loop
-        self.is_forgotten = threading.Event()   # the frontend asked us to register again
 
     def start(self) -> "HeartbeatThread":
         self._thread.start()

@@ -46,6 +46,11 @@ def make_keys(key_dir: str | Path, names: list[str], clients: list[str] = ()) ->
     return made
 
 
+def load_keys(key_dir: str | Path | None, name: str) -> "ClusterKeys | None":
+    """The keys a process named `name` holds, or None for open links (no directory)."""
+    return ClusterKeys(Path(key_dir), name) if key_dir else None
+
+
 @dataclass(frozen=True)
 class ClusterKeys:
     """What one process holds: the key directory and the name whose secret key it uses

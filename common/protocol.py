@@ -375,10 +375,16 @@ def _check(value: Any, t, where: str, depth: int = 0) -> Any:
     """value as type t, or ProtocolError naming the field."""
     if depth > MAX_DEPTH:
         raise ProtocolError(f"{where} is nested too deeply")
+    if t is dict:   # a bare map: the default rule for plain data
+        t = Annotated[dict, Plain()]
     origin = typing.get_origin(t)
     if origin is Annotated:
         base, *limits = typing.get_args(t)
-        value = _check(value, base, where, depth)
+        if base is dict:   # the map's own rule walks it, once
+            if not isinstance(value, dict):
+                raise ProtocolError(f"{where} must be a map, got {type(value).__name__}")
+        else:
+            value = _check(value, base, where, depth)
         for limit in limits:
             _limit(value, limit, where)
         return value
@@ -414,11 +420,6 @@ def _check(value: Any, t, where: str, depth: int = 0) -> Any:
             raise ProtocolError(f"{where} must be an integer, got {type(value).__name__}")
         if not -2**63 <= value < 2**63:
             raise ProtocolError(f"{where} is outside the 64-bit range")
-        return value
-    if t is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where} must be a map, got {type(value).__name__}")
-        _plain(value, Plain(), where, depth)
         return value
     if t is Any or isinstance(value, t):
         return value

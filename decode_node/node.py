@@ -12,11 +12,10 @@ import os
 import secrets
 import threading
 import time
-from pathlib import Path
 
 from common.channel import BadMessage, Channel, Poller, open_context
 from common.config import DecodeConfig
-from common.keys import ClusterKeys
+from common.keys import load_keys
 from common.kv_cache import BlockAllocator
 from common.heartbeat import HeartbeatThread, Registration
 from common.log import Throttle, get_logger
@@ -52,8 +51,7 @@ class DecodeNode:
 
     def run(self, stop: threading.Event) -> int:
         """Serve until stopped; the process's exit code (1: refused by the frontend)."""
-        keys = ClusterKeys(Path(self.cfg.keys_dir), self.cfg.name) if self.cfg.keys_dir else None
-        ctx = open_context(keys)
+        ctx = open_context(load_keys(self.cfg.keys_dir, self.cfg.name))
         links = self.cfg.links
         self.frontend = Channel(ctx, False, self.cfg.frontend_endpoint, identity=f"{self.cfg.name}/{os.getpid()}",
                                 max_message_bytes=links.max_message_bytes, server="frontend")
@@ -75,7 +73,8 @@ class DecodeNode:
                 self.registration = Registration(self._send_ready, 2 * links.dead_after_s + 5)
                 self.registration.tick()
                 self.heartbeat = HeartbeatThread(ctx, self.cfg.frontend_endpoint, "decode", self.cfg.name,
-                                                 self.stats, self.cfg.links.heartbeat_s).start()
+                                                 self.stats, self.cfg.links.heartbeat_s,
+                                                 self.registration.is_forgotten).start()
                 log.info("ready on %s: %d KV blocks (%d tokens), batch up to %d, KV at %s (%s)",
                          self.cfg.worker.device, self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.worker.max_batch_size,
@@ -355,9 +354,6 @@ class DecodeNode:
     def _report(self) -> None:
         now = time.monotonic()
         self.heartbeat.last_turn = now
-        if self.heartbeat.is_forgotten.is_set():
-            self.heartbeat.is_forgotten.clear()
-            self.registration.again()
         self._quit(self.registration.tick())
         if now - self._last_log >= self.cfg.links.log_interval_s:
             elapsed = now - self._last_log if self._last_log else 0.0

@@ -1,12 +1,17 @@
 """python -m frontend --model DIR --clients tcp://127.0.0.1:5600 --nodes tcp://127.0.0.1:5601"""
 import argparse
 import asyncio
+import dataclasses
 import sys
 
 from common.channel import LinkError
 from common.config import FrontendConfig, NodeLinks
 from common.process import die_with_parent
 from frontend.server import Frontend
+
+
+# The flags' defaults are the config's own.
+DEFAULT = {f.name: f.default for f in dataclasses.fields(FrontendConfig)}
 
 
 def main(argv=None) -> int:
@@ -16,23 +21,25 @@ def main(argv=None) -> int:
     p.add_argument("--clients", required=True, help="endpoint clients connect to")
     p.add_argument("--nodes", required=True, help="endpoint nodes connect to")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--default-timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--dead-after", type=float, default=3.0, help="seconds of node silence")
-    p.add_argument("--hung-after", type=float, default=30.0,
+    p.add_argument("--default-timeout", type=float, default=DEFAULT["default_timeout_s"],
+                   help="seconds per request")
+    p.add_argument("--dead-after", type=float, default=NodeLinks.dead_after_s,
+                   help="seconds of node silence")
+    p.add_argument("--hung-after", type=float, default=DEFAULT["hung_after_s"],
                    help="seconds a node's loop may go without turning before it counts as dead")
-    p.add_argument("--forget-after", type=float, default=60.0,
+    p.add_argument("--forget-after", type=float, default=DEFAULT["forget_after_s"],
                    help="seconds after which a dead node leaves the node list")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT["drain_timeout_s"],
                    help="on SIGTERM, seconds running requests get to finish")
     p.add_argument("--keys", default=None, metavar="DIR",
                    help="CURVE keys (python -m launch.keys DIR): nodes must hold one")
     p.add_argument("--client-keys", action="store_true",
                    help="clients too must hold a key (DIR/clients/NAME)")
-    p.add_argument("--max-requests-per-client", type=int, default=4096,
+    p.add_argument("--max-requests-per-client", type=int, default=DEFAULT["max_requests_per_client"],
                    help="requests in flight per client connection; past it: overloaded")
-    p.add_argument("--max-kv-tokens-per-client", type=int, default=2**24,
+    p.add_argument("--max-kv-tokens-per-client", type=int, default=DEFAULT["max_kv_tokens_per_client"],
                    help="prompt + max_tokens over a client's requests in flight; past it: overloaded")
-    p.add_argument("--max-queued-tokens", type=int, default=32768,
+    p.add_argument("--max-queued-tokens", type=int, default=DEFAULT["max_queued_tokens"],
                    help="prompt tokens sent to one prefill node and not yet prefilled; "
                         "the rest wait here, clients taking turns")
     p.add_argument("--allow-remote", action="store_true")

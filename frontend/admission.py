@@ -58,12 +58,6 @@ class Admission:
                 return load.waiting.popleft()
         return None
 
-    def put_back(self, client: Hashable, item) -> None:
-        """An item taken by next() that could not be sent: first again, its turn kept."""
-        self.clients[client].waiting.appendleft(item)
-        self.clients.move_to_end(client, last=False)
-        self.num_waiting += 1
-
     def done(self, client: Hashable, item, kv_tokens: int) -> None:
         """The item ended, waiting or running."""
         load = self.clients.get(client)

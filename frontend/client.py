@@ -11,11 +11,10 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 from common.channel import AsyncChannel, BadMessage, Channel, open_async_context, open_context
-from common.keys import CLIENTS, ClusterKeys
+from common.keys import CLIENTS, load_keys
 from common.protocol import FRONTEND_TO_CLIENT as REPLIES
 from common.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateRequest,
                              StatsReply, StatsRequest)
@@ -53,11 +52,6 @@ def make_request(prompt=None, *, request_id: str | None = None, **kw) -> Generat
     return GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt, **kw)
 
 
-def _keys(keys_dir: str | None, key_name: str | None) -> ClusterKeys | None:
-    """A client's CURVE key, for a frontend started with --client-keys."""
-    return ClusterKeys(Path(keys_dir), f"{CLIENTS}/{key_name or 'client'}") if keys_dir else None
-
-
 def _as_output(rid: str, msg) -> GenerateOutput:
     """An ErrorReply about a request ends that request's stream."""
     if isinstance(msg, ErrorReply):
@@ -70,7 +64,8 @@ class Client:
 
     def __init__(self, endpoint: str, idle_timeout_s: float = 60.0, keys_dir: str | None = None,
                  key_name: str | None = None):
-        self._ctx = open_context(_keys(keys_dir, key_name))
+        # A client's CURVE key, for a frontend started with --client-keys.
+        self._ctx = open_context(load_keys(keys_dir, f"{CLIENTS}/{key_name or 'client'}"))
         self._ch = Channel(self._ctx, False, endpoint, server="frontend")
         self.idle_timeout_s = idle_timeout_s
         self._inbox: dict[str, list] = {}
@@ -175,7 +170,7 @@ class AsyncClient:
 
     def __init__(self, endpoint: str, idle_timeout_s: float = 60.0, keys_dir: str | None = None,
                  key_name: str | None = None):
-        self._ctx = open_async_context(_keys(keys_dir, key_name))
+        self._ctx = open_async_context(load_keys(keys_dir, f"{CLIENTS}/{key_name or 'client'}"))
         self._ch = AsyncChannel(self._ctx, False, endpoint, server="frontend")
         self.idle_timeout_s = idle_timeout_s
         self._streams: dict[str, asyncio.Queue] = {}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from common.channel import AsyncChannel, BadMessage, open_async_context
 from common.config import FrontendConfig
-from common.keys import ClusterKeys
+from common.keys import FRONTEND, load_keys
 from common.log import Throttle, get_logger
 from common.model_spec import load_spec
 from common.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, ErrorReply, GenerateOutput,
@@ -64,7 +64,7 @@ class Frontend:
     def __init__(self, cfg: FrontendConfig):
         from transformers import AutoTokenizer
         self.cfg = cfg
-        self.keys = ClusterKeys(Path(cfg.keys_dir), "frontend") if cfg.keys_dir else None
+        self.keys = load_keys(cfg.keys_dir, FRONTEND)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.spec = load_spec(cfg.model)
         self.max_model_len = min(cfg.max_model_len or self.spec.max_position_embeddings,

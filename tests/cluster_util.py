@@ -1,6 +1,7 @@
 """Start pdserve processes for tests and make sure none outlives them."""
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -88,6 +89,24 @@ def wait_for(cond, timeout_s: float, what: str, interval_s: float = 0.05):
             return value
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+async def start_streams(client, n: int, max_tokens: int) -> list[asyncio.Task]:
+    """n requests (distinct prompts, ignore_eos) through an AsyncClient, returned once
+    every one has streamed a token: a condition to act on (kill, stop, drain), not a
+    sleep. Each task gives (its outputs, the monotonic time its stream ended)."""
+    started = [asyncio.Event() for _ in range(n)]
+
+    async def one(i):
+        outs = []
+        async for out in client.generate(prompt_token_ids=[i + 1] * 9, max_tokens=max_tokens,
+                                         ignore_eos=True):
+            started[i].set()
+            outs.append(out)
+        return outs, time.monotonic()
+    tasks = [asyncio.create_task(one(i)) for i in range(n)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    return tasks
 
 
 def spawn(module: str, *args: str, log_path: Path | None = None) -> subprocess.Popen:

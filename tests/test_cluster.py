@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from frontend.client import AsyncClient, Client
-from tests.cluster_util import ROOT, children_of, free_base_port, is_alive, python_children_of, wait_for
+from tests.cluster_util import ROOT, free_base_port, is_alive, python_children_of, wait_for
 from tests.conftest import hf_greedy
 
 NEW_TOKENS = 24

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from frontend.client import AsyncClient, Client
-from tests.cluster_util import Processes, free_base_port, wait_for
+from tests.cluster_util import Processes, free_base_port, start_streams, wait_for
 
 
 def _nodes(endpoint):
@@ -44,22 +44,15 @@ def test_killed_decode_node_fails_its_requests_fast_and_a_new_one_serves(procs):
 
     async def stream_then_kill():
         async with AsyncClient(procs.clients, idle_timeout_s=20) as client:
-            streaming = [asyncio.Event() for _ in range(6)]
-
-            async def one(i):
-                async for out in client.generate(f"request {i}", max_tokens=900, ignore_eos=True):
-                    streaming[i].set()
-                    if out.is_finished:
-                        return out, time.monotonic()
-            tasks = [asyncio.create_task(one(i)) for i in range(6)]
             # Kill as soon as every request streams: each still has ~900 steps to go.
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 60)
+            tasks = await start_streams(client, 6, 900)
             assert not any(t.done() for t in tasks), "a request ended before the kill"
             killed_at = time.monotonic()
             os.kill(procs.procs["decode"].pid, signal.SIGKILL)
             return killed_at, await asyncio.gather(*tasks)
     killed_at, results = asyncio.run(stream_then_kill())
-    for out, ended_at in results:
+    for outs, ended_at in results:
+        out = outs[-1]
         assert out.finish_reason == "error" and "decode-0" in out.error
         assert ended_at - killed_at < 5.0
     assert procs.procs["frontend"].poll() is None and procs.procs["prefill"].poll() is None

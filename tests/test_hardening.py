@@ -16,7 +16,7 @@ import zmq
 
 from common.keys import make_keys
 from frontend.client import AsyncClient, Client
-from tests.cluster_util import ROOT, Processes, free_base_port, is_alive, spawn, wait_for
+from tests.cluster_util import ROOT, Processes, free_base_port, is_alive, spawn, start_streams, wait_for
 from tests.conftest import hf_greedy
 from tests.test_cluster import Cluster
 
@@ -72,21 +72,10 @@ def _start(p: Processes, *roles) -> None:
         c.wait_ready(120, num_nodes=2)
 
 
-async def _streaming(endpoint: str, n: int, max_tokens: int, prompt=None):
-    """n requests that have all streamed a token; returns (client, tasks)."""
+async def _streaming(endpoint: str, n: int, max_tokens: int):
+    """A client (to close) and n requests that have all streamed a token."""
     client = AsyncClient(endpoint, idle_timeout_s=30)
-    started = [asyncio.Event() for _ in range(n)]
-
-    async def one(i):
-        result = []
-        async for out in client.generate(prompt_token_ids=prompt or [i + 1] * 9, max_tokens=max_tokens,
-                                         ignore_eos=True):
-            started[i].set()
-            result.append(out)
-        return result, time.monotonic()
-    tasks = [asyncio.create_task(one(i)) for i in range(n)]
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-    return client, tasks
+    return client, await start_streams(client, n, max_tokens)
 
 
 @pytest.fixture

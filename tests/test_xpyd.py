@@ -16,7 +16,7 @@ from common.protocol import (HandoffAck, KVBlocks, KVCommit, KVHello, KVRelease,
                              KVReserved, KVWelcome)
 from common.sampling import SamplingParams
 from frontend.client import AsyncClient, Client
-from tests.cluster_util import Processes, free_base_port, wait_for
+from tests.cluster_util import Processes, free_base_port, start_streams, wait_for
 from tests.conftest import hf_greedy
 from tests.test_cluster import Cluster
 
@@ -85,22 +85,14 @@ def test_killing_one_decode_node_of_two_fails_only_its_requests(tiny_model, tmp_
 
         async def run():
             async with AsyncClient(p.clients, idle_timeout_s=20) as client:
-                streaming = [asyncio.Event() for _ in range(8)]
-
-                async def one(i):
-                    async for out in client.generate(f"request {i}", max_tokens=900, ignore_eos=True):
-                        streaming[i].set()
-                        if out.is_finished:
-                            return out
-                tasks = [asyncio.create_task(one(i)) for i in range(8)]
-                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 60)
+                tasks = await start_streams(client, 8, 900)
                 routed = {n: s["num_routed"] for n, s in (await client.stats()).nodes.items()}
                 os.kill(p.procs["decode"].pid, signal.SIGKILL)
                 done, pending = await asyncio.wait(tasks, timeout=8)
                 after = await client.complete("still served", max_tokens=5, ignore_eos=True)
                 for t in pending:
                     t.cancel()
-                return routed, [t.result() for t in done], after
+                return routed, [t.result()[0][-1] for t in done], after
         routed, ended, after = asyncio.run(run())
         assert routed["decode-0"] == 4 and routed["decode-1"] == 4
         errors = [r for r in ended if r.finish_reason == "error"]
