@@ -99,15 +99,17 @@ def test_kv_port_takes_only_kv_messages_and_none_can_stop_it(procs, tiny_model):
               params={"max_tokens": 2}, timings={"prefill_end": "soon", "arrival": "now"})
         for rid in range(1, 40):   # the frontend's ids for the running requests are among these
             _send(s, type="node_abort", request_id=f"{rid:x}")
-        await asyncio.sleep(1.0)
-        ctx.destroy()
         results = await asyncio.gather(*tasks)
         await client.close()
-        return results
-    for outs, _ in asyncio.run(run()):
+        return ctx, results
+    ctx, results = asyncio.run(run())
+    for outs, _ in results:
         assert outs[-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs) == 200
     assert procs.procs["decode"].poll() is None
-    assert _nodes(procs.clients)["decode-0"]["num_bad_messages"] >= 3
+    # Read and counted (heartbeat figures: wait for them); the socket stays open till then.
+    wait_for(lambda: _nodes(procs.clients)["decode-0"].get("num_bad_messages", 0) >= 3, 10,
+             "the decode node to count what it dropped")
+    ctx.destroy()
     _exact(procs.clients, tiny_model)
 
 
@@ -179,7 +181,6 @@ def test_a_live_node_name_cannot_be_taken(procs):
                      block_size=16, max_model_len=256, kv_endpoint="tcp://127.0.0.1:1")
         for _, s in socks:
             _send(s, **ready)
-        await asyncio.sleep(1.0)
         replies = [_replies(s, 2) for _, s in socks]
         for ctx, _ in socks:
             ctx.destroy()
@@ -203,11 +204,14 @@ def test_a_node_speaks_only_for_requests_routed_to_it(procs, tiny_model):
         client = AsyncClient(procs.clients)
         jobs = [asyncio.create_task(client.complete(prompt_token_ids=p, max_tokens=60, ignore_eos=True))
                 for p in prompts]
-        await asyncio.sleep(0.5)
+        # Every request routed to the real nodes before the rogue joins.
+        while (f := (await client.stats()).frontend)["num_waiting"] or \
+                f["num_running"] + f["num_served"] < len(prompts):
+            await asyncio.sleep(0.02)
         ctx, s = _raw(procs.nodes, identity=b"rogue-0/1")
         _send(s, type="ready", role="prefill", name="rogue-0", pid=1, device="cpu", num_kv_blocks=8,
               block_size=16, max_model_len=256)
-        await asyncio.sleep(0.3)
+        assert _replies(s, 10)[0]["is_accepted"]   # registered: its reports reach the checks
         for rid in range(1, 40):
             _send(s, type="tokens", updates=[{"request_id": f"{rid:x}", "token_ids": [1, 2, 3],
                                               "finish_reason": "stop"}])
@@ -232,7 +236,8 @@ def test_a_heavy_client_cannot_starve_a_light_one(tiny_model, tmp_path):
             # 64 admitted x 240 tokens over 16 batch rows: ~1,000 steps of queued work.
             jobs = [asyncio.create_task(heavy.complete(prompt_token_ids=[i % 50 + 1] * 20, max_tokens=240,
                                                        ignore_eos=True)) for i in range(96)]
-            await asyncio.sleep(0.5)
+            while (await light.stats()).frontend["num_waiting"] == 0:   # the heavy client queues
+                await asyncio.sleep(0.02)
             latencies, waiting = [], []
             for i in range(3):
                 t0 = time.monotonic()
@@ -512,18 +517,18 @@ def test_a_commit_with_odd_timings_costs_no_other_request_its_tokens(procs, tiny
 
         async def run():
             client = AsyncClient(procs.clients)
-            job = asyncio.create_task(client.complete(prompt_token_ids=PROMPT, max_tokens=120, ignore_eos=True))
-            await asyncio.sleep(0.3)
+            job, = await start_streams(client, 1, 120)   # running: its tokens share batches with these
             for rid, stamps in (("no-stamps", {}), ("skewed", {"arrival": 9e12, "prefill_start": 1.0})):
                 fake.ask(KVReserve(rid, 16, 200), KVReserved)
                 ack = fake.ask(KVCommit(rid, 16, 1, SamplingParams(max_tokens=200, ignore_eos=True), stamps,
                                         "tcp"), HandoffAck)
                 assert ack.is_accepted
-            r = await job
+            outs, _ = await job
             await client.close()
-            return r
-        r = asyncio.run(run())
-        assert r.error is None and r.token_ids == hf_greedy(tiny_model, [PROMPT], 120)[0]
+            return outs
+        outs = asyncio.run(run())
+        tokens = [t for o in outs for t in o.token_ids]
+        assert outs[-1].error is None and tokens == hf_greedy(tiny_model, [[1] * 9], 120)[0]
         with Client(procs.clients) as c:
             assert c.stats().frontend["num_bad_node_messages"] == 0   # no token batch was dropped
     finally:
