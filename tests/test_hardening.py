@@ -36,8 +36,15 @@ def _raw(endpoint: str, identity: bytes | None = None, curve: tuple | None = Non
     return ctx, s
 
 
-def _send(s, **header) -> None:
-    s.send(msgpack.packb({"v": 1, **header}))
+def _send(s, **header) -> bool:
+    """Queue a message; False if it could not be. NOTE: never blocking: a keyed link
+    tears down the queue of a peer whose handshake failed, and a blocking send would
+    then wait forever."""
+    try:
+        s.send(msgpack.packb({"v": 1, **header}), zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False
 
 
 def _replies(s, timeout_s: float) -> list[dict]:
