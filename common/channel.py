@@ -202,8 +202,9 @@ class Channel(_Receiver):
         """(sender, message or BadMessage). Blocks; poll first to avoid that."""
         return self._unpack(self.sock.recv_multipart(copy=False), allowed)
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger_s: float = 0.0) -> None:
+        """linger_s: how long queued messages (a client's last aborts) may take to leave."""
+        self.sock.close(linger=int(linger_s * 1000))
 
 
 class Poller:
@@ -239,5 +240,6 @@ class AsyncChannel(_Receiver):
     async def recv(self, allowed: tuple[type, ...] | None = None) -> tuple[bytes | None, object]:
         return self._unpack(await self.sock.recv_multipart(copy=False), allowed)
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger_s: float = 0.0) -> None:
+        """linger_s: how long queued messages (a client's last aborts) may take to leave."""
+        self.sock.close(linger=int(linger_s * 1000))

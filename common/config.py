@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+          "fp16": torch.float16, "half": torch.float16}
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|npu(:\d+)?)$")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -25,6 +27,25 @@ def parse_bytes(text: str | int | None) -> int | None:
 
 def endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def check_model_dir(path: str, needs_tokenizer: bool = False) -> None:
+    """A local Hugging Face model directory, or a ValueError a user can act on."""
+    d = Path(path)
+    if not d.exists():
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith((".", "/")):
+            raise ValueError(f"'{path}' looks like a model id, and there is no such directory here: "
+                             f"pdserve loads models from local directories and downloads nothing; "
+                             f"give --model the directory holding config.json and the weights")
+        raise ValueError(f"no model directory at {path}: give --model a directory holding "
+                         f"config.json and the weights")
+    if not (d / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json: give --model a Hugging Face model directory")
+    if needs_tokenizer and not any((d / f).is_file() for f in ("tokenizer.json", "vocab.json",
+                                                               "tokenizer.model")):
+        raise ValueError(f"{path} has no tokenizer files (tokenizer.json, or vocab.json and "
+                         f"merges.txt): the frontend tokenizes prompts with the model's tokenizer; "
+                         f"copy them into the directory")
 
 
 @dataclass(frozen=True)
@@ -46,6 +67,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if (self.model is None) == (self.shape is None):
             raise ValueError("give exactly one of model (a directory) or shape (a preset)")
+        if self.model is not None:
+            check_model_dir(self.model)
         if not _DEVICE_RE.match(self.device):
             raise ValueError(f"device must be cpu, cuda[:N] or npu[:N], got {self.device!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -160,10 +183,25 @@ class FrontendConfig:
     hung_after_s: float = 30.0        # a node whose loop has not turned this long is dead
     forget_after_s: float = 60.0      # a dead node is dropped from the node list after this
     drain_timeout_s: float = 30.0     # on SIGTERM, running requests get this long to finish
+    http_port: int | None = None      # OpenAI API, /metrics and /health; None: no HTTP
+    metrics_port: int | None = None   # /metrics and /health alone, when http_port is None
+    http_host: str = "127.0.0.1"
+    served_model_name: str | None = None  # the model name HTTP clients use; default: the directory's
 
     def __post_init__(self) -> None:
+        check_model_dir(self.model, needs_tokenizer=True)
         check_endpoint("client_endpoint", self.client_endpoint, self.allow_remote)
         check_endpoint("node_endpoint", self.node_endpoint, self.allow_remote)
+        for name in ("http_port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 1 <= port <= 65535:
+                raise ValueError(f"{name} must be a port number in [1, 65535], got {port}")
+        if self.http_port is not None and self.http_port == self.metrics_port:
+            raise ValueError("metrics are served on the HTTP port already: give metrics_port only "
+                             "without http_port")
+        if self.http_host not in _LOOPBACK and not self.allow_remote:
+            raise ValueError(f"http_host {self.http_host} is not a loopback address; pass "
+                             f"--allow-remote to serve HTTP beyond this machine")
         if self.default_timeout_s <= 0:
             raise ValueError("default_timeout_s must be positive")
         if self.is_client_auth and not self.keys_dir:

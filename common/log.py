@@ -8,16 +8,35 @@ import time
 from common.env import read_env
 
 
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def get_logger(role: str) -> logging.Logger:
+    """A role's logger. Its level is the "pdserve" parent's: PDSERVE_LOG_LEVEL, or
+    --log-level once parsed (set_level)."""
+    parent = logging.getLogger("pdserve")
+    if parent.level == logging.NOTSET:
+        level = read_env().log_level
+        parent.setLevel(level if level in LEVELS else "INFO")
     logger = logging.getLogger(f"pdserve.{role}")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(
             f"%(asctime)s.%(msecs)03d {role:<8} %(levelname)s %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
-        logger.setLevel(read_env().log_level)
         logger.propagate = False
     return logger
+
+
+def add_log_level_arg(p) -> None:
+    p.add_argument("--log-level", type=str.upper, choices=LEVELS, default=None,
+                   help="default: PDSERVE_LOG_LEVEL, else INFO")
+
+
+def set_level(level: str | None) -> None:
+    """Every pdserve logger's level (they inherit it from their parent)."""
+    if level:
+        logging.getLogger("pdserve").setLevel(level)
 
 
 class Throttle:

@@ -8,29 +8,86 @@ import signal
 import sys
 import threading
 
+from common.channel import LinkError
 from common.config import WorkerConfig, parse_bytes
+from common.log import add_log_level_arg, set_level
+
+
+class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the description's layout and shows every default."""
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """Worker options; where vLLM has a flag of the same meaning, its name works too."""
     g = p.add_argument_group("model and device")
     g.add_argument("--model", help="a Hugging Face Qwen3 model directory")
     g.add_argument("--shape", help="a preset shape with random weights (e.g. qwen3-0.6b)")
     g.add_argument("--device", default="cpu", help="cpu, cuda:N or npu:N")
-    g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--dtype", default=None,
+                   help="float32, bfloat16 or float16 (also: half, float, auto); "
+                        "default: float32 on cpu, bfloat16 elsewhere")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB")
-    g.add_argument("--kv-cache-fraction", type=float, default=0.85,
-                   help="of free accelerator memory, when --kv-cache-memory is not given")
-    g.add_argument("--max-batch-size", type=int, default=64)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-graphs", action="store_true", help="eager decode steps on CUDA")
+    g.add_argument("--kv-cache-fraction", "--gpu-memory-utilization", type=float, default=0.85,
+                   help="share of the accelerator memory left after the weights that the KV "
+                        "cache takes, when --kv-cache-memory is not given (NOTE: vLLM's flag "
+                        "counts the weights in; here they are taken out first)")
+    g.add_argument("--max-batch-size", "--max-num-seqs", type=int, default=64,
+                   help="decode: requests in one batch")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the model's max_position_embeddings")
+    g.add_argument("--no-graphs", "--enforce-eager", action="store_true",
+                   help="eager decode steps on CUDA")
+    add_log_level_arg(p)
 
 
 def worker_config(a: argparse.Namespace) -> WorkerConfig:
-    return WorkerConfig(model=a.model, shape=a.shape, device=a.device, dtype=a.dtype,
+    """The worker config from parsed options: ValueError names what is wrong."""
+    set_level(a.log_level)
+    check_device(a.device)
+    return WorkerConfig(model=a.model, shape=a.shape, device=a.device,
+                        dtype=None if a.dtype == "auto" else a.dtype,
                         block_size=a.block_size, kv_cache_memory=parse_bytes(a.kv_cache_memory),
                         kv_cache_fraction=a.kv_cache_fraction, max_batch_size=a.max_batch_size,
                         max_model_len=a.max_model_len, use_graphs=not a.no_graphs)
+
+
+def check_device(device: str) -> None:
+    """The device exists on this machine, or a ValueError saying what to use instead."""
+    kind, _, index = device.partition(":")
+    if kind == "cuda":
+        import torch
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {device}: this machine has no usable CUDA device "
+                             f"(torch {torch.__version__}); use --device cpu")
+        if index and int(index) >= count:
+            raise ValueError(f"--device {device}: this machine has {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}")
+    elif kind == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--device {device}: torch_npu is not installed; use --device cpu "
+                             f"or install torch_npu on an Ascend host") from None
+
+
+def run_node(prog: str, build, stop: threading.Event) -> int:
+    """Build a node and run it; a bad option or an unusable device, model or port ends
+    the process with one line on stderr (exit 2 for options, 1 for the rest)."""
+    try:
+        node = build()
+    except ValueError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    except LinkError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    try:
+        return node.run(stop)
+    except LinkError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
 
 
 def die_with_parent() -> None:

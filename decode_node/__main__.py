@@ -1,17 +1,16 @@
 """python -m decode_node --frontend tcp://127.0.0.1:5601 --kv-bind tcp://127.0.0.1:5602 --model DIR"""
 import argparse
+import dataclasses
 import sys
 
-import dataclasses
-
-from common.channel import LinkError
 from common.config import KV_TRANSFERS, DecodeConfig, NodeLinks
-from common.process import add_worker_args, die_with_parent, stop_event_on_signals, worker_config
+from common.process import HelpFormat, add_worker_args, die_with_parent, run_node, stop_event_on_signals, worker_config
 from decode_node.node import DecodeNode
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m decode_node", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m decode_node", description=__doc__,
+                                formatter_class=HelpFormat)
     add_worker_args(p)
     p.add_argument("--frontend", required=True, help="the frontend's node endpoint")
     p.add_argument("--kv-bind", required=True, help="where prefill nodes hand KV to this node")
@@ -28,17 +27,15 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     die_with_parent()
     stop = stop_event_on_signals()
-    worker = worker_config(a)
-    # ipc on CPU maps the cache through shared memory, so it is allocated there.
-    worker = dataclasses.replace(worker, is_kv_shared=a.kv_transfer in ("auto", "ipc"))
-    cfg = DecodeConfig(worker=worker, frontend_endpoint=a.frontend, kv_endpoint=a.kv_bind,
-                       name=a.name, max_queue=a.max_queue, reservation_lease_s=a.reservation_lease,
-                       kv_transfer=a.kv_transfer, links=NodeLinks(), allow_remote=a.allow_remote, keys_dir=a.keys)
-    try:
-        return DecodeNode(cfg).run(stop)
-    except LinkError as e:
-        print(f"decode_node: {e}", file=sys.stderr)
-        return 1
+
+    def build() -> DecodeNode:
+        # ipc on CPU maps the cache through shared memory, so it is allocated there.
+        worker = dataclasses.replace(worker_config(a), is_kv_shared=a.kv_transfer in ("auto", "ipc"))
+        return DecodeNode(DecodeConfig(
+            worker=worker, frontend_endpoint=a.frontend, kv_endpoint=a.kv_bind, name=a.name,
+            max_queue=a.max_queue, reservation_lease_s=a.reservation_lease, kv_transfer=a.kv_transfer,
+            links=NodeLinks(), allow_remote=a.allow_remote, keys_dir=a.keys))
+    return run_node("decode_node", build, stop)
 
 
 if __name__ == "__main__":

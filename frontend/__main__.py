@@ -6,7 +6,8 @@ import sys
 
 from common.channel import LinkError
 from common.config import FrontendConfig, NodeLinks
-from common.process import die_with_parent
+from common.log import add_log_level_arg, set_level
+from common.process import HelpFormat, die_with_parent
 from frontend.server import Frontend
 
 
@@ -16,7 +17,7 @@ DEFAULT = {f.name: f.default for f in dataclasses.fields(FrontendConfig)}
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m frontend", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormat)
     p.add_argument("--model", required=True, help="model directory (tokenizer and limits)")
     p.add_argument("--clients", required=True, help="endpoint clients connect to")
     p.add_argument("--nodes", required=True, help="endpoint nodes connect to")
@@ -42,8 +43,19 @@ def main(argv=None) -> int:
     p.add_argument("--max-queued-tokens", type=int, default=DEFAULT["max_queued_tokens"],
                    help="prompt tokens sent to one prefill node and not yet prefilled; "
                         "the rest wait here, clients taking turns")
-    p.add_argument("--allow-remote", action="store_true")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="serve the OpenAI API, /metrics and /health on this port (default: no HTTP)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="without --http-port: serve /metrics and /health alone on this port")
+    p.add_argument("--http-host", default=None,
+                   help="HTTP address (default: 127.0.0.1, or 0.0.0.0 with --allow-remote)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name HTTP clients use (default: the model directory's name)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="serve clients, nodes and HTTP beyond this machine")
+    add_log_level_arg(p)
     a = p.parse_args(argv)
+    set_level(a.log_level)
     die_with_parent()
     try:
         cfg = FrontendConfig(model=a.model, client_endpoint=a.clients, node_endpoint=a.nodes,
@@ -53,7 +65,10 @@ def main(argv=None) -> int:
                              max_requests_per_client=a.max_requests_per_client,
                              max_kv_tokens_per_client=a.max_kv_tokens_per_client,
                              max_queued_tokens=a.max_queued_tokens, hung_after_s=a.hung_after,
-                             forget_after_s=a.forget_after, drain_timeout_s=a.drain_timeout)
+                             forget_after_s=a.forget_after, drain_timeout_s=a.drain_timeout,
+                             http_port=a.http_port, metrics_port=a.metrics_port,
+                             http_host=a.http_host or ("0.0.0.0" if a.allow_remote else "127.0.0.1"),
+                             served_model_name=a.served_model_name)
         frontend = Frontend(cfg)
     except ValueError as e:
         print(f"frontend: {e}", file=sys.stderr)

@@ -1,6 +1,10 @@
 """The pdserve client: a library (blocking and asyncio) and a command line.
 
-    python -m frontend.client --endpoint tcp://127.0.0.1:5600 --prompt "Hello" [--json]
+    .venv/bin/pdserve client --endpoint tcp://127.0.0.1:5600 --prompt "Hello" [--json]
+
+A request the caller walks away from (a loop broken out of, a cancelled task,
+Ctrl-C, a closed client) is aborted on the cluster, which frees its KV blocks.
+The first request checks that a frontend answers within connect_timeout_s.
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
 from common.channel import AsyncChannel, BadMessage, Channel, open_async_context, open_context
+from common.config import check_endpoint
+from common.process import HelpFormat
 from common.keys import CLIENTS, load_keys
 from common.protocol import FRONTEND_TO_CLIENT as REPLIES
 from common.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateRequest,
@@ -22,6 +28,21 @@ from common.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateR
 
 class ServerError(RuntimeError):
     pass
+
+
+DEFAULT_MAX_TOKENS = GenerateRequest.max_tokens   # the CLI's default is the library's
+
+
+def _check(endpoint: str) -> None:
+    try:
+        check_endpoint("endpoint", endpoint, allow_remote=True)
+    except ValueError as e:
+        raise ValueError(f"{e} (the frontend's client endpoint, e.g. tcp://127.0.0.1:5600)") from None
+
+
+def _silent(endpoint: str, timeout_s: float) -> TimeoutError:
+    return TimeoutError(f"nothing answers at {endpoint} within {timeout_s:g}s: is the cluster "
+                        f"running there (and, with --client-keys, is this client's key admitted)?")
 
 
 @dataclass
@@ -63,16 +84,32 @@ class Client:
     """Blocking client. Several requests may be in flight; outputs are sorted by request id."""
 
     def __init__(self, endpoint: str, idle_timeout_s: float = 60.0, keys_dir: str | None = None,
-                 key_name: str | None = None):
+                 key_name: str | None = None, connect_timeout_s: float = 5.0):
+        _check(endpoint)
         # A client's CURVE key, for a frontend started with --client-keys.
         self._ctx = open_context(load_keys(keys_dir, f"{CLIENTS}/{key_name or 'client'}"))
         self._ch = Channel(self._ctx, False, endpoint, server="frontend")
+        self.endpoint = endpoint
         self.idle_timeout_s = idle_timeout_s
-        self._inbox: dict[str, list] = {}
+        self.connect_timeout_s = connect_timeout_s
+        self.is_connected = False
+        self._inbox: dict[str, list] = {}   # requests in flight -> outputs not yet read
 
     def close(self) -> None:
-        self._ch.close()
+        """Aborts every request still in flight, then closes the socket."""
+        for rid in list(self._inbox):
+            self.abort(rid)
+        self._ch.close(linger_s=1.0 if self._inbox else 0.0)
+        self._inbox.clear()
         self._ctx.term()
+
+    def connect(self) -> None:
+        """Check that a frontend answers (a stats round trip), once."""
+        if not self.is_connected:
+            try:
+                self.stats(self.connect_timeout_s)
+            except TimeoutError:
+                raise _silent(self.endpoint, self.connect_timeout_s) from None
 
     def __enter__(self) -> "Client":
         return self
@@ -97,21 +134,26 @@ class Client:
             key = getattr(msg, "request_id", None)
             if key is None:
                 raise ServerError(getattr(msg, "error", f"unexpected {type(msg).__name__}"))
-            self._inbox.setdefault(key, []).append(_as_output(key, msg))
+            if key in self._inbox:   # else: the late word on a request this client left
+                self._inbox[key].append(_as_output(key, msg))
         return self._inbox[rid].pop(0)
 
     def submit(self, req: GenerateRequest) -> str:
+        self.connect()
         self._inbox.setdefault(req.request_id, [])
         self._ch.send(req)
         return req.request_id
 
     def stream(self, rid: str) -> Iterator[GenerateOutput]:
-        while True:
-            out = self._next_for(rid)
-            yield out
-            if out.is_finished:
-                self._inbox.pop(rid, None)
-                return
+        is_finished = False
+        try:
+            while not is_finished:
+                out = self._next_for(rid)
+                is_finished = out.is_finished
+                yield out
+        finally:   # NOTE: also when the caller breaks out or an exception ends its loop
+            if self._inbox.pop(rid, None) is not None and not is_finished:
+                self.abort(rid)
 
     def generate(self, prompt=None, **kw) -> Iterator[GenerateOutput]:
         return self.stream(self.submit(make_request(prompt, **kw)))
@@ -138,9 +180,11 @@ class Client:
         deadline = time.monotonic() + timeout_s
         while True:
             msg = self._recv(max(deadline - time.monotonic(), 0.001))
+            self.is_connected = True
             if isinstance(msg, StatsReply):
                 return msg
-            self._inbox.setdefault(msg.request_id, []).append(_as_output(msg.request_id, msg))
+            if getattr(msg, "request_id", None) in self._inbox:
+                self._inbox[msg.request_id].append(_as_output(msg.request_id, msg))
 
     def wait_ready(self, timeout_s: float, num_nodes: int = 0,
                    frontend_pid: int | None = None) -> StatsReply:
@@ -169,10 +213,14 @@ class AsyncClient:
     """asyncio client: any number of concurrent streams over one socket."""
 
     def __init__(self, endpoint: str, idle_timeout_s: float = 60.0, keys_dir: str | None = None,
-                 key_name: str | None = None):
+                 key_name: str | None = None, connect_timeout_s: float = 5.0):
+        _check(endpoint)
         self._ctx = open_async_context(load_keys(keys_dir, f"{CLIENTS}/{key_name or 'client'}"))
         self._ch = AsyncChannel(self._ctx, False, endpoint, server="frontend")
+        self.endpoint = endpoint
         self.idle_timeout_s = idle_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._connected: asyncio.Future | None = None   # the first stats round trip
         self._streams: dict[str, asyncio.Queue] = {}
         self._stats: asyncio.Queue = asyncio.Queue()
         self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -186,9 +234,23 @@ class AsyncClient:
                 self._streams[msg.request_id].put_nowait(_as_output(msg.request_id, msg))
 
     async def close(self) -> None:
+        """Aborts every request still in flight, then closes the socket."""
         self._reader.cancel()
-        self._ch.close()
+        for rid in list(self._streams):
+            await self.abort(rid)
+        self._ch.close(linger_s=1.0 if self._streams else 0.0)
+        self._streams.clear()
         self._ctx.term()
+
+    async def connect(self) -> None:
+        """Check that a frontend answers (a stats round trip), once; concurrent callers share it."""
+        if self._connected is None:
+            self._connected = asyncio.ensure_future(self.stats(self.connect_timeout_s))
+        try:
+            await asyncio.shield(self._connected)
+        except asyncio.TimeoutError:
+            self._connected = None
+            raise _silent(self.endpoint, self.connect_timeout_s) from None
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -198,16 +260,18 @@ class AsyncClient:
 
     async def generate(self, prompt=None, **kw) -> AsyncIterator[GenerateOutput]:
         req = make_request(prompt, **kw)
+        await self.connect()
         queue = self._streams[req.request_id] = asyncio.Queue()
-        await self._ch.send(req)
+        is_finished = False
         try:
-            while True:
+            await self._ch.send(req)
+            while not is_finished:
                 out = await asyncio.wait_for(queue.get(), self.idle_timeout_s)
+                is_finished = out.is_finished
                 yield out
-                if out.is_finished:
-                    return
-        finally:
-            self._streams.pop(req.request_id, None)
+        finally:   # NOTE: also on cancellation, or when the caller leaves its async for
+            if self._streams.pop(req.request_id, None) is not None and not is_finished:
+                await self.abort(req.request_id)
 
     async def complete(self, prompt=None, **kw) -> Result:
         kw.setdefault("request_id", uuid.uuid4().hex)
@@ -225,18 +289,22 @@ class AsyncClient:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m frontend.client", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5600")
+    """Exit 0 when every request finished normally; 1 when one failed or the frontend
+    did not answer; 2 for bad options; 130 on Ctrl-C (the requests are aborted)."""
+    p = argparse.ArgumentParser(prog="pdserve client", description=__doc__, formatter_class=HelpFormat)
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5600", help="the frontend's client endpoint")
     p.add_argument("--prompt", action="append", default=[], help="repeat for several prompts")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--top-k", type=int, default=-1, help="-1: off")
+    p.add_argument("--seed", type=int, default=None, help="default: a random seed per request")
+    p.add_argument("--stop", action="append", default=[], help="a stop string; repeat for several")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--timeout", type=float, default=None, help="per request, seconds")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for the frontend to answer at all")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may run on the cluster (default: the frontend's)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--stats", action="store_true", help="print the cluster's stats")
     p.add_argument("--wait-ready", type=float, default=None, metavar="SECONDS",
@@ -249,31 +317,43 @@ def main(argv: list[str] | None = None) -> int:
                    help="for a frontend with --client-keys: the key directory ...")
     p.add_argument("--key-name", default="client", help="... and this client's key in DIR/clients")
     a = p.parse_args(argv)
-    with Client(a.endpoint, keys_dir=a.keys, key_name=a.key_name) as client:
+    try:
+        client = Client(a.endpoint, keys_dir=a.keys, key_name=a.key_name, connect_timeout_s=a.timeout)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rc = 0
+    with client:
         try:
             if a.wait_ready is not None:
                 client.wait_ready(a.wait_ready, a.wait_nodes, a.frontend_pid)
             if a.stats:
+                client.connect()
                 print(json.dumps(vars(client.stats()), indent=2))
             if not a.prompt:
                 return 0
             params = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                           top_k=a.top_k, seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos,
-                          timeout_s=a.timeout)
+                          timeout_s=a.request_timeout)
             if a.json or len(a.prompt) > 1:
                 results = client.complete_many([dict(prompt=t, **params) for t in a.prompt])
                 for prompt, r in zip(a.prompt, results):
                     print(json.dumps(r.to_dict()) if a.json else
                           f"> {prompt}\n{r.text}\n[{r.finish_reason}{': ' + r.error if r.error else ''}]\n")
+                    rc |= r.finish_reason not in ("stop", "length")
             else:
                 for out in client.generate(a.prompt[0], **params):  # stream as it comes
                     print(out.text, end="", flush=True)
                     if out.is_finished:
                         print(f"\n[{out.finish_reason}{': ' + out.error if out.error else ''}]")
+                        rc |= out.finish_reason not in ("stop", "length")
         except (TimeoutError, ServerError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    return 0
+        except KeyboardInterrupt:   # leaving the with block aborts what is in flight
+            print("\ninterrupted: requests aborted", file=sys.stderr)
+            return 130
+    return int(rc)
 
 
 if __name__ == "__main__":

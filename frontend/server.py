@@ -18,8 +18,9 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from common.channel import AsyncChannel, BadMessage, open_async_context
+from common.channel import AsyncChannel, BadMessage, LinkError, open_async_context
 from common.config import FrontendConfig
 from common.keys import FRONTEND, load_keys
 from common.log import Throttle, get_logger
@@ -29,12 +30,16 @@ from common.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest,
                              RequestFailed, StatsReply, StatsRequest, TokenBatch, TokenUpdate)
 from common.sampling import SamplingParams, validate_prompt
 from common.sequence import FINISH_ABORT, FINISH_ERROR, FINISH_STOP
-from frontend import router
+from frontend import http, router
 from frontend.admission import Admission
 from frontend.detok import IncrementalDetokenizer
+from frontend.metrics import Metrics
 from frontend.router import NodeState, figure
 
 log = get_logger("frontend")
+# A ZeroMQ client is its routing id; an in-process one (HTTP) a (kind, peer) pair, so
+# the two can never share a key.
+Client = bytes | tuple[str, str]
 noisy = Throttle(log)   # lines about what clients and peers send
 ROLES = ("prefill", "decode")
 
@@ -43,7 +48,7 @@ ROLES = ("prefill", "decode")
 class RequestState:
     node_id: str                 # the id the nodes know it by
     request_id: str              # the client's id, unique within its connection
-    client: bytes
+    client: Client
     prompt_ids: list[int]
     params: SamplingParams
     detok: IncrementalDetokenizer
@@ -54,6 +59,8 @@ class RequestState:
     num_tokens: int = 0
     timings: dict = field(default_factory=dict)
     is_prefilled: bool = False   # its first token came back (or it ended)
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None   # monotonic
 
     @property
     def kv_tokens(self) -> int:
@@ -67,6 +74,7 @@ class Frontend:
         self.keys = load_keys(cfg.keys_dir, FRONTEND)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.spec = load_spec(cfg.model)
+        self.served_model = cfg.served_model_name or Path(cfg.model).name
         self.max_model_len = min(cfg.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         self.nodes: dict[str, NodeState] = {}
@@ -76,6 +84,9 @@ class Frontend:
         self.num_requests = 0
         self.num_served = 0
         self.is_draining = False
+        self.metrics = Metrics(self)
+        # In-process clients' replies: local_sink(client, message, http_status).
+        self.local_sink: Callable[[Client, object, int | None], None] | None = None
 
     # ---- life cycle ---------------------------------------------------------
 
@@ -87,6 +98,13 @@ class Frontend:
                                     domain="clients" if self.cfg.is_client_auth else None)
         self.node_link = AsyncChannel(ctx, True, self.cfg.node_endpoint, max_message_bytes=limit,
                                       domain="nodes")
+        try:
+            web = await http.serve(self, self.cfg)
+        except LinkError:
+            self.clients.close()
+            self.node_link.close()
+            ctx.term()
+            raise
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -109,10 +127,12 @@ class Frontend:
             await self._drain()
         log.info("stopping: %d requests in flight are aborted", len(self.requests))
         for req in list(self.requests.values()):
-            await self._finish(req, FINISH_ABORT, "the frontend is shutting down")
+            await self._finish(req, FINISH_ABORT, "the frontend is shutting down", status=503)
         for t in [*tasks, stopped]:
             t.cancel()
         await asyncio.gather(*tasks, stopped, return_exceptions=True)
+        if web is not None:
+            await web.cleanup()
         self.clients.close()
         self.node_link.close()
         ctx.term()
@@ -137,25 +157,34 @@ class Frontend:
                 if isinstance(msg, BadMessage):
                     await self._reply_error(client, msg.request_id, msg.error)
                 elif isinstance(msg, GenerateRequest):
-                    await self._on_generate(client, msg)
+                    await self.submit(client, msg)
                 elif isinstance(msg, AbortRequest):
-                    await self._on_abort(client, msg.request_id)
+                    await self.abort(client, msg.request_id)
                 elif isinstance(msg, StatsRequest):
-                    await self.clients.send(StatsReply(self.is_ready(), self.node_stats(),
-                                                       self.model_info(), self.frontend_stats()), to=client)
+                    await self._reply(client, StatsReply(self.is_ready(), self.node_stats(),
+                                                         self.model_info(), self.frontend_stats()))
             except Exception:  # one bad request must not stop the service
                 log.exception("error while handling a %s", type(msg).__name__)
                 req = self.by_client.get((client, getattr(msg, "request_id", None)))
                 if req is not None:
-                    await self._finish(req, FINISH_ERROR, "internal error")
+                    await self._finish(req, FINISH_ERROR, "internal error", status=500)
 
-    async def _reply_error(self, client: bytes, request_id: str | None, error: str) -> None:
+    async def _reply(self, client: Client, msg, status: int | None = None) -> None:
+        """To a ZeroMQ client (its routing id) or an in-process one (the HTTP server's
+        key); status is the HTTP status an error maps to."""
+        if isinstance(client, bytes):
+            await self.clients.send(msg, to=client)
+        elif self.local_sink is not None:
+            self.local_sink(client, msg, status)
+
+    async def _reply_error(self, client: Client, request_id: str | None, error: str,
+                           status: int = 400) -> None:
         noisy.info("rejected request %s: %s", request_id, error)
         if request_id is not None and (client, request_id) not in self.by_client:
-            await self.clients.send(GenerateOutput(request_id, [], "", True, FINISH_ERROR, error),
-                                    to=client)
+            await self._reply(client, GenerateOutput(request_id, [], "", True, FINISH_ERROR, error),
+                              status)
         else:
-            await self.clients.send(ErrorReply(error, request_id), to=client)
+            await self._reply(client, ErrorReply(error, request_id), status)
 
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
         given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
@@ -172,38 +201,46 @@ class Frontend:
                                                  tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # an encoding or a list
 
-    async def _on_generate(self, client: bytes, req: GenerateRequest) -> None:
+    def prepare(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the sampling parameters, or ValueError saying what is
+        wrong. max_tokens None (HTTP chat) means what the model length leaves."""
+        if req.timeout_s is not None and not req.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {req.timeout_s}")
+        ids = self._prompt_ids(req)
+        max_tokens = req.max_tokens if req.max_tokens is not None else max(self.max_model_len - len(ids), 1)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+            top_k=req.top_k, seed=req.seed if req.seed is not None else random.getrandbits(63),
+            stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos)
+        params.validate(self.spec.vocab_size)
+        validate_prompt(ids, params.max_tokens, self.spec.vocab_size, self.max_model_len)
+        return ids, params
+
+    async def submit(self, client: Client, req: GenerateRequest) -> None:
+        """Take a request from a client: admitted, or answered with an error."""
         if not req.request_id:
             await self._reply_error(client, None, "request_id must be a non-empty string")
             return
         if (client, req.request_id) in self.by_client:
-            await self.clients.send(ErrorReply(f"duplicate request_id {req.request_id!r}: your "
-                                               f"request of that id is still running", req.request_id),
-                                    to=client)
+            await self._reply(client, ErrorReply(f"duplicate request_id {req.request_id!r}: your "
+                                                 f"request of that id is still running", req.request_id),
+                              400)
             return
         if self.is_draining:
-            await self._reply_error(client, req.request_id, "the cluster is shutting down")
+            await self._reply_error(client, req.request_id, "the cluster is shutting down", 503)
             return
         try:
-            if req.timeout_s is not None and not req.timeout_s > 0:
-                raise ValueError(f"timeout_s must be positive, got {req.timeout_s}")
-            params = SamplingParams(
-                max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                top_k=req.top_k, seed=req.seed if req.seed is not None else random.getrandbits(63),
-                stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos)
-            params.validate(self.spec.vocab_size)
-            ids = self._prompt_ids(req)
-            validate_prompt(ids, params.max_tokens, self.spec.vocab_size, self.max_model_len)
+            ids, params = self.prepare(req)
         except ValueError as e:
             await self._reply_error(client, req.request_id, str(e))
             return
         if router.choose(self.nodes) is None:
             await self._reply_error(client, req.request_id,
-                                    "no live prefill and decode node pair is available")
+                                    "no live prefill and decode node pair is available", 503)
             return
         refusal = self.admission.refusal(client, len(ids) + params.max_tokens)
         if refusal:
-            await self._reply_error(client, req.request_id, refusal)
+            await self._reply_error(client, req.request_id, refusal, 429)
             return
         self.num_requests += 1
         timeout = req.timeout_s or self.cfg.default_timeout_s
@@ -215,11 +252,10 @@ class Frontend:
         self.admission.add(client, state, state.kv_tokens)
         self._wake.set()
 
-    async def _on_abort(self, client: bytes, request_id: str) -> None:
+    async def abort(self, client: Client, request_id: str) -> None:
         req = self.by_client.get((client, request_id))
         if req is None:
-            await self.clients.send(ErrorReply(f"unknown request_id {request_id!r}", request_id),
-                                    to=client)
+            await self._reply(client, ErrorReply(f"unknown request_id {request_id!r}", request_id), 404)
             return
         await self._finish(req, FINISH_ABORT, "cancelled by the client")
 
@@ -249,7 +285,7 @@ class Frontend:
         return router.choose(self.nodes) is not None and not self.is_draining
 
     def model_info(self) -> dict:
-        return {"name": Path(self.cfg.model).name, "vocab_size": self.spec.vocab_size,
+        return {"name": self.served_model, "vocab_size": self.spec.vocab_size,
                 "max_model_len": self.max_model_len}
 
     def frontend_stats(self) -> dict:
@@ -265,6 +301,7 @@ class Frontend:
         now = time.monotonic()
         return {name: {"role": n.ready.role, "is_alive": n.is_alive, "pid": n.ready.pid,
                        "device": n.ready.device, "kv_transfer": n.ready.kv_transfer,
+                       "max_batch_size": n.ready.max_batch_size,
                        "seconds_since_seen": round(now - n.last_seen, 3),
                        "num_routed": n.num_routed, **n.stats} for name, n in self.nodes.items()}
 
@@ -314,7 +351,7 @@ class Frontend:
         if isinstance(msg, RequestFailed):
             req = self.requests.get(msg.request_id)
             if req is not None and node.name in (req.prefill_node, req.decode_node):
-                await self._finish(req, FINISH_ERROR, msg.error)
+                await self._finish(req, FINISH_ERROR, msg.error, status=500)
         elif isinstance(msg, TokenBatch):
             for u in msg.updates:
                 await self._on_tokens(node, u)
@@ -362,12 +399,14 @@ class Frontend:
             return
         if any(t >= self.spec.vocab_size for t in u.token_ids):
             await self._finish(req, FINISH_ERROR, f"decode node {node.name} sent a token outside "
-                                                  f"the vocabulary")
+                                                  f"the vocabulary", status=502)
             return
         if not req.is_prefilled:
             req.is_prefilled = True
             router.prefill_done(self.nodes.get(req.prefill_node), len(req.prompt_ids))
             self._wake.set()
+        if req.num_tokens == 0 and u.token_ids:
+            req.first_token_at = time.monotonic()
         if u.timings:
             req.timings.update(u.timings)
             req.timings["ttft_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
@@ -379,13 +418,14 @@ class Frontend:
             reason = u.finish_reason if u.finish_reason in ("stop", "length") else FINISH_ERROR
             await self._finish(req, reason, None, u.token_ids, is_node_done=True)
         else:
-            await self.clients.send(GenerateOutput(req.request_id, u.token_ids, req.detok.take(),
-                                                   timings=req.timings if u.timings else None),
-                                    to=req.client)
+            await self._reply(req.client, GenerateOutput(req.request_id, u.token_ids, req.detok.take(),
+                                                         timings=req.timings if u.timings else None))
 
     async def _finish(self, req: RequestState, reason: str, error: str | None,
-                      token_ids: list[int] = (), is_node_done: bool = False) -> None:
-        """The last message of a request; the nodes drop it unless they ended it themselves."""
+                      token_ids: list[int] = (), is_node_done: bool = False,
+                      status: int | None = None) -> None:
+        """The last message of a request; the nodes drop it unless they ended it themselves.
+        status: the HTTP status an error maps to (for in-process clients)."""
         if self.requests.pop(req.node_id, None) is None:
             return
         self.by_client.pop((req.client, req.request_id), None)
@@ -404,15 +444,15 @@ class Frontend:
         req.timings["total_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
         usage = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": req.num_tokens}
         self.num_served += 1
-        await self.clients.send(GenerateOutput(req.request_id, list(token_ids), req.detok.take(True),
-                                               True, reason, error, usage, req.timings),
-                                to=req.client)
+        self.metrics.finished(req, reason)
+        await self._reply(req.client, GenerateOutput(req.request_id, list(token_ids), req.detok.take(True),
+                                                     True, reason, error, usage, req.timings), status)
 
     async def _fail_node_requests(self, node: NodeState, error: str) -> None:
         name = node.ready.name
         for req in list(self.requests.values()):
             if req.decode_node == name or (req.prefill_node == name and req.num_tokens == 0):
-                await self._finish(req, FINISH_ERROR, error)
+                await self._finish(req, FINISH_ERROR, error, status=503)
 
     # ---- watchdog -------------------------------------------------------------
 
@@ -439,7 +479,7 @@ class Frontend:
                 await self._fail_node_requests(node, why)
             for req in list(self.requests.values()):
                 if now > req.deadline:
-                    await self._finish(req, FINISH_ABORT, "deadline exceeded")
+                    await self._finish(req, FINISH_ABORT, "deadline exceeded", status=504)
             if self.admission.num_waiting:
                 self._wake.set()
 

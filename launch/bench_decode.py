@@ -18,6 +18,7 @@ import time
 import torch
 
 from common.kv_cache import num_blocks_for
+from common.process import HelpFormat
 from common.protocol import HandoffAck, NodeAbort, TokenBatch
 from common.sampling import SamplingParams
 from launch.bench_common import (NodeUnderTest, add_common_args, device_name, emit, hf_model,
@@ -99,7 +100,7 @@ def transformers_decode(spec, device: str, dtype, batch: int, ctx_len: int, step
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat)
     add_common_args(p)
     p.add_argument("--batch-sizes", default="1,8,64")
     p.add_argument("--context-len", type=int, default=256)

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from common.process import HelpFormat
 from common.protocol import PrefillRequest, RequestFailed
 from common.sampling import SamplingParams
 from launch.bench_common import (NodeUnderTest, add_common_args, device_name, emit, hf_model,
@@ -75,7 +76,7 @@ def transformers_prefill(spec, device: str, dtype, batch: int, prompt_len: int, 
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat)
     add_common_args(p)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=1024)

@@ -1,8 +1,14 @@
 """End-to-end serving benchmark against a running cluster, as a user measures it:
 requests arrive at a rate, and what counts is what the client sees.
 
-    python -m launch.bench_serving --endpoint tcp://127.0.0.1:5600 --input-len 1024 \
-        --output-len 128 --num-prompts 200 --request-rate 8,16,24,inf [--slo ttft_ms=500,tpot_ms=20]
+    pdserve bench --endpoint tcp://127.0.0.1:5600 --input-len 1024 --output-len 128 \
+        --num-prompts 200 --request-rate 8,16,24,inf [--slo ttft_ms=500,tpot_ms=20] \
+        [--save-json out.json] [--plot out.png]
+    pdserve bench --base-url http://127.0.0.1:8000 ...     the same through the OpenAI API
+
+Over ZeroMQ (--endpoint) it speaks pdserve's protocol; over HTTP (--base-url) it
+streams /v1/completions with server-sent events, as an OpenAI client does, so the
+two interfaces can be compared on one cluster.
 
 Workloads: random token ids (--input-len / --output-len, spread by --range-ratio)
 or a JSONL file of {"prompt": str} or {"prompt_token_ids": [...]} lines, each with
@@ -22,9 +28,11 @@ import statistics
 import sys
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.process import HelpFormat
 from frontend.client import AsyncClient
 
 PARTS = ("queue_ms", "prefill_ms", "kv_transfer_ms", "kv_write_ms", "kv_commit_ms",
@@ -47,6 +55,7 @@ class Outcome:
     ended_at: float = 0.0
     error: str | None = None
     parts: dict = field(default_factory=dict)
+    interface: str = "zmq"
 
     @property
     def ttft_s(self) -> float | None:
@@ -78,6 +87,7 @@ def make_jobs(a: argparse.Namespace, vocab_size: int, rng: random.Random) -> lis
 
 
 async def one(client: AsyncClient, job: Job, ignore_eos: bool) -> Outcome:
+    """One request over ZeroMQ."""
     out = Outcome(len(job.prompt_token_ids or ()), time.perf_counter())
     try:
         async for o in client.generate(job.prompt, prompt_token_ids=job.prompt_token_ids,
@@ -99,21 +109,70 @@ async def one(client: AsyncClient, job: Job, ignore_eos: bool) -> Outcome:
     return out
 
 
-async def run_rate(client: AsyncClient, jobs: list[Job], rate: float, max_concurrency: int | None,
+async def one_http(http: HttpTarget, job: Job, ignore_eos: bool) -> Outcome:
+    """One request through the OpenAI API: a streamed /v1/completions."""
+    out = Outcome(len(job.prompt_token_ids or ()), time.perf_counter(), interface="http")
+    body = {"model": http.model, "prompt": job.prompt if job.prompt is not None else job.prompt_token_ids,
+            "max_tokens": job.output_len, "temperature": 0.0, "ignore_eos": ignore_eos,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    try:
+        async with http.session.post(http.url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                out.error = f"HTTP {r.status}: {(await r.json()).get('error', {}).get('message')}"
+            else:
+                async for line in r.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        out.error = event["error"].get("message")
+                    for choice in event.get("choices") or ():
+                        if choice.get("token_ids"):
+                            out.chunk_at.append(time.perf_counter())
+                            out.num_tokens += len(choice["token_ids"])
+                    if event.get("usage"):
+                        out.input_len = event["usage"].get("prompt_tokens", out.input_len)
+                    timings = event.get("timings") or {}
+                    out.parts.update({k: timings[k] for k in PARTS if timings.get(k) is not None})
+    except Exception as e:   # a timeout or a dropped connection counts as an error, not a crash
+        out.error = f"{type(e).__name__}: {e}"
+    out.ended_at = time.perf_counter()
+    return out
+
+
+@dataclass
+class HttpTarget:
+    url: str
+    model: str
+    session: object   # aiohttp.ClientSession
+
+
+def _bar(rate: float, done: int, total: int, started: float) -> str:
+    width = 30
+    filled = int(width * done / total)
+    elapsed = time.perf_counter() - started
+    return (f"\r  rate {rate:g} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+            f"{elapsed:6.1f}s")
+
+
+async def run_rate(target, jobs: list[Job], rate: float, max_concurrency: int | None,
                    ignore_eos: bool, rng: random.Random, show: bool) -> tuple[list[Outcome], float]:
+    """target: an AsyncClient (ZeroMQ) or an HttpTarget."""
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    send = one_http if isinstance(target, HttpTarget) else one
     done = 0
+    started = time.perf_counter()
 
     async def gated(job: Job) -> Outcome:
         nonlocal done
         if gate is None:
-            result = await one(client, job, ignore_eos)
+            result = await send(target, job, ignore_eos)
         else:
             async with gate:
-                result = await one(client, job, ignore_eos)
+                result = await send(target, job, ignore_eos)
         done += 1
         if show:
-            print(f"\r  rate {rate:g}: {done}/{len(jobs)} done", end="", file=sys.stderr, flush=True)
+            print(_bar(rate, done, len(jobs), started), end="", file=sys.stderr, flush=True)
         return result
 
     start = time.perf_counter()
@@ -189,35 +248,98 @@ def parse_slo(text: str) -> dict:
     return slo
 
 
-async def main_async(a: argparse.Namespace) -> list[dict]:
+@asynccontextmanager
+async def open_target(a: argparse.Namespace):
+    """(target, model info, live nodes) for the ZeroMQ endpoint or the HTTP base URL."""
+    if a.base_url:
+        import aiohttp
+        url = a.base_url.rstrip("/").removesuffix("/v1")
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=a.request_timeout)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            try:
+                async with session.get(url + "/health") as r:
+                    if r.status != 200:
+                        raise SystemExit(f"bench_serving: {url}/health says {r.status}: no live "
+                                         f"prefill/decode pair")
+                async with session.get(url + "/v1/models") as r:
+                    card = (await r.json())["data"][0]
+            except aiohttp.ClientError as e:
+                raise SystemExit(f"bench_serving: nothing answers at {url}: {e}") from None
+            model = {"name": card["id"], "vocab_size": card.get("vocab_size"),
+                     "max_model_len": card.get("max_model_len")}
+            yield HttpTarget(url, card["id"], session), model, None
+        return
     async with AsyncClient(a.endpoint, idle_timeout_s=a.request_timeout) as client:
         stats = await client.stats(timeout_s=10)
         if not stats.is_ready:
             raise SystemExit(f"bench_serving: the cluster at {a.endpoint} has no live prefill/decode pair")
-        model = stats.model or {}
-        rng = random.Random(a.seed)
-        jobs = make_jobs(a, int(model.get("vocab_size") or 1000), rng)
         nodes = {n: (s.get("role"), s.get("device"), s.get("kv_transfer")) for n, s in stats.nodes.items()
                  if s.get("is_alive")}
+        yield client, stats.model or {}, nodes
+
+
+async def main_async(a: argparse.Namespace) -> tuple[list[dict], list[list[Outcome]]]:
+    async with open_target(a) as (target, model, nodes):
+        max_len = model.get("max_model_len")
+        if max_len and not a.dataset and a.input_len + a.output_len > max_len:
+            raise SystemExit(f"bench_serving: --input-len {a.input_len} + --output-len {a.output_len} "
+                             f"exceeds the model's max_model_len {max_len}; shorten them")
+        rng = random.Random(a.seed)
+        jobs = make_jobs(a, int(model.get("vocab_size") or 1000), rng)
         if a.num_warmup:
-            await run_rate(client, jobs[: a.num_warmup], float("inf"), None, a.ignore_eos, rng, False)
-        records = []
+            await run_rate(target, jobs[: a.num_warmup], float("inf"), None, a.ignore_eos, rng, False)
+        records, runs = [], []
         for rate in a.request_rate:
-            outcomes, duration = await run_rate(client, jobs, rate, a.max_concurrency, a.ignore_eos,
+            outcomes, duration = await run_rate(target, jobs, rate, a.max_concurrency, a.ignore_eos,
                                                 rng, not a.quiet)
-            record = {"bench": "serving", "target": a.endpoint, "model": model.get("name"),
+            record = {"bench": "serving", "interface": "http" if a.base_url else "zmq",
+                      "target": a.base_url or a.endpoint, "model": model.get("name"),
                       "nodes": nodes, "input_len": a.input_len if not a.dataset else None,
                       "output_len": a.output_len, "max_concurrency": a.max_concurrency,
                       **summarize(outcomes, duration, rate, a.slo)}
             print(json.dumps(record), flush=True)
             records.append(record)
-        return records
+            runs.append(outcomes)
+        return records, runs
+
+
+def plot(path: str, records: list[dict], runs: list[list[Outcome]]) -> None:
+    """Latency percentiles against achieved throughput across the sweep (the knee),
+    and the TTFT and TPOT distributions at each rate."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    x = [r["request_throughput"] for r in records]
+    for ax, key, title in ((axes[0][0], "ttft_ms", "TTFT"), (axes[0][1], "tpot_ms", "TPOT")):
+        for stat, style in (("median", "o-"), ("p90", "s--"), ("p99", "^:")):
+            ax.plot(x, [r[key][stat] for r in records], style, label=stat)
+        ax.set(xlabel="achieved requests/s", ylabel=f"{title} (ms)", title=f"{title} against throughput")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    for ax, attr, title in ((axes[1][0], "ttft_s", "TTFT"), (axes[1][1], "tpot_s", "TPOT")):
+        for record, outcomes in zip(records, runs):
+            values = sorted(v * 1e3 for o in outcomes if o.error is None and (v := getattr(o, attr)) is not None)
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))],
+                        label=f"rate {record['request_rate']}")
+        ax.set(xlabel=f"{title} (ms)", ylabel="fraction of requests", title=f"{title} distribution (CDF)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    first = records[0]
+    fig.suptitle(f"pdserve bench: {first['model']} over {first['interface']}, input {first['input_len']}, "
+                 f"output {first['output_len']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.bench_serving", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5600", help="the cluster's client endpoint")
+    p = argparse.ArgumentParser(prog="pdserve bench", description=__doc__, formatter_class=HelpFormat)
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5600",
+                   help="the cluster's ZeroMQ client endpoint")
+    p.add_argument("--base-url", default=None,
+                   help="benchmark the OpenAI API at this URL instead (e.g. http://127.0.0.1:8000)")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths spread by ± this fraction")
@@ -233,19 +355,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds of silence per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-json", default=None, help="also write every rate's record to this file")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="latency against throughput and the TTFT / TPOT distributions (matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     a = p.parse_args(argv)
     if not 0 <= a.range_ratio < 1 or a.input_len < 1 or a.output_len < 1 or a.num_prompts < 1:
         p.error("need --input-len, --output-len, --num-prompts >= 1 and 0 <= --range-ratio < 1")
     if a.max_concurrency is not None and a.max_concurrency < 1:
         p.error("--max-concurrency must be >= 1")
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401  (fail before the run, not after it)
+        except ImportError:
+            p.error("--plot needs matplotlib: pip install 'pdserve[bench]'")
     try:
         import uvloop
-        records = uvloop.run(main_async(a))
+        records, runs = uvloop.run(main_async(a))
     except ImportError:
-        records = asyncio.run(main_async(a))
+        records, runs = asyncio.run(main_async(a))
     if a.save_json:
         Path(a.save_json).write_text(json.dumps(records, indent=1))
+    if a.plot:
+        plot(a.plot, records, runs)
+        print(f"bench_serving: wrote {a.plot}", file=sys.stderr)
     return 1 if any(r["errors"] for r in records) else 0
 
 

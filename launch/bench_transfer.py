@@ -27,6 +27,7 @@ import zmq
 
 from common import transfer
 from common.kv_cache import num_blocks_for
+from common.process import HelpFormat
 from common.protocol import (HandoffAck, KVCommit, KVHello, KVReserve, KVReserved, KVWelcome,
                              NodeAbort)
 from common.sampling import SamplingParams
@@ -215,7 +216,7 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m launch.bench_transfer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormat)
     p.add_argument("--shape", default="qwen3-0.6b", help="a preset model shape (random weights)")
     has_cuda = torch.cuda.is_available()
     p.add_argument("--prefill-device", default="cuda:0" if has_cuda else "cpu")

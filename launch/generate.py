@@ -10,6 +10,7 @@ import time
 
 from common.config import WorkerConfig
 from common.kv_cache import BlockAllocator, num_blocks_for
+from common.process import HelpFormat
 from common.sampling import SamplingParams, validate_prompt
 from common.sequence import Sequence, blocks_to_join, finish_reason, grow_blocks
 from common.worker import DeviceWorker, PrefillChunk
@@ -64,7 +65,7 @@ def generate(worker: DeviceWorker, prompts: list[list[int]],
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat)
     p.add_argument("--model", required=True)
     p.add_argument("--prompt", action="append", required=True)
     p.add_argument("--max-tokens", type=int, default=32)

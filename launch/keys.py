@@ -11,11 +11,12 @@ import argparse
 import sys
 
 from common.keys import make_keys
+from common.process import HelpFormat
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.keys", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormat)
     p.add_argument("dir", help="the key directory (made if missing)")
     p.add_argument("--nodes", default="prefill-0,decode-0", help="node names, comma-separated")
     p.add_argument("--clients", default="", help="client names, comma-separated (for --client-keys)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from common.process import HelpFormat
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -99,7 +100,7 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 2, hidden_size: int = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat)
     p.add_argument("out_dir")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)

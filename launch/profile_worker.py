@@ -12,12 +12,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from common.config import WorkerConfig, parse_bytes
 from common.kv_cache import BlockAllocator, num_blocks_for
+from common.process import HelpFormat
 from common.sampling import SamplingParams
 from common.worker import DeviceWorker, PrefillChunk
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat)
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--batch", type=int, default=8)

@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from common.process import HelpFormat
 from frontend.client import AsyncClient, Client
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +98,7 @@ async def _load(endpoint: str, duration_s: float, concurrency: int, vocab: int, 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormat)
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     p.add_argument("--concurrency", type=int, default=24)
     p.add_argument("--model", default=None, help="default: the tiny model start_cluster makes")

@@ -5,11 +5,16 @@
 #        [--prefill-devices D[,D...]] [--decode-devices D[,D...]]      one node per device listed
 #        [--num-prefill N] [--num-decode M]     N or M nodes on the one device given (default 1)
 #        [--kv-transfer auto|ipc|tcp] [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N]
+#        [--max-model-len N] [--block-size N] [--token-budget N] [--kv-cache-fraction F]
+#        [--http-port 8000 | --no-http] [--served-model-name NAME] [--log-level LEVEL]
 #        [--keys DIR | --no-keys] [--no-restart-nodes] [--drain-timeout S]
 #        [--ready-timeout S] [--frontend-arg ARG]... [--prefill-arg ARG]... [--decode-arg ARG]...
 #
 # Endpoints derive from the base port: clients connect to BASE, nodes to the
-# frontend at BASE+1, and decode node i takes KV handoffs at BASE+2+i.
+# frontend at BASE+1, and decode node i takes KV handoffs at BASE+2+i. The
+# frontend serves the OpenAI API, /metrics and /health at --http-port (8000).
+# vLLM's names work too: --max-num-seqs, --max-num-batched-tokens,
+# --gpu-memory-utilization (see the nodes' --help), --max-model-len, --block-size.
 # --prefill-device / --decode-device are the one-device spellings.
 # With no --model, a tiny random Qwen3 is made on first use (no download).
 # Node links use CURVE keys: a fresh set per cluster (removed at exit) unless
@@ -22,9 +27,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 MODEL="" PREFILL_DEVICES=cpu DECODE_DEVICES=cpu NUM_PREFILL="" NUM_DECODE="" HOST=127.0.0.1
 BASE_PORT=5600 DEMO=0 DTYPE="" KV_MEM="" MAX_BATCH=64 READY_TIMEOUT=300 KV_TRANSFER=auto
-KEYS="" USE_KEYS=1 RESTART=1 DRAIN_TIMEOUT=30
+KEYS="" USE_KEYS=1 RESTART=1 DRAIN_TIMEOUT=30 HTTP_PORT=8000 SERVED_NAME="" LOG_LEVEL=""
+MAX_MODEL_LEN="" BLOCK_SIZE="" TOKEN_BUDGET="" KV_FRACTION=""
 FRONTEND_EXTRA=() PREFILL_EXTRA=() DECODE_EXTRA=()
-usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "start_cluster: $*" >&2; exit 2; }
 value() {  # value OPTION "$@": the option's argument, or a one-line error
     [ $# -ge 2 ] && [ -n "$2" ] && [[ "$2" != --* ]] || die "$1 needs a value"
@@ -42,7 +48,15 @@ while [ $# -gt 0 ]; do
         --base-port) BASE_PORT="$(value "$@")"; shift 2 ;;
         --dtype) DTYPE="$(value "$@")"; shift 2 ;;
         --kv-cache-memory) KV_MEM="$(value "$@")"; shift 2 ;;
-        --max-batch-size) MAX_BATCH="$(value "$@")"; shift 2 ;;
+        --max-batch-size|--max-num-seqs) MAX_BATCH="$(value "$@")"; shift 2 ;;
+        --max-model-len) MAX_MODEL_LEN="$(value "$@")"; shift 2 ;;
+        --block-size) BLOCK_SIZE="$(value "$@")"; shift 2 ;;
+        --token-budget|--max-num-batched-tokens) TOKEN_BUDGET="$(value "$@")"; shift 2 ;;
+        --kv-cache-fraction|--gpu-memory-utilization) KV_FRACTION="$(value "$@")"; shift 2 ;;
+        --http-port) HTTP_PORT="$(value "$@")"; shift 2 ;;
+        --no-http) HTTP_PORT=""; shift ;;
+        --served-model-name) SERVED_NAME="$(value "$@")"; shift 2 ;;
+        --log-level) LOG_LEVEL="$(value "$@")"; shift 2 ;;
         --ready-timeout) READY_TIMEOUT="$(value "$@")"; shift 2 ;;
         --keys) KEYS="$(value "$@")"; shift 2 ;;
         --no-keys) USE_KEYS=0; shift ;;
@@ -59,6 +73,8 @@ while [ $# -gt 0 ]; do
 done
 [[ "$BASE_PORT" =~ ^[0-9]+$ ]] && [ "$BASE_PORT" -ge 1 ] && [ "$BASE_PORT" -le 65000 ] \
     || die "--base-port needs a port number, got '$BASE_PORT'"
+[ -z "$HTTP_PORT" ] || { [[ "$HTTP_PORT" =~ ^[0-9]+$ ]] && [ "$HTTP_PORT" -ge 1 ] && [ "$HTTP_PORT" -le 65535 ]; } \
+    || die "--http-port needs a port number, got '$HTTP_PORT'"
 [[ "$READY_TIMEOUT" =~ ^[0-9]+$ ]] || die "--ready-timeout needs whole seconds, got '$READY_TIMEOUT'"
 [[ "$DRAIN_TIMEOUT" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "--drain-timeout needs seconds, got '$DRAIN_TIMEOUT'"
 
@@ -96,12 +112,22 @@ NODES="tcp://$ADDR:$((BASE_PORT + 1))"
 COMMON=(--model "$MODEL" --max-batch-size "$MAX_BATCH" --kv-transfer "$KV_TRANSFER")
 [ -n "$DTYPE" ] && COMMON+=(--dtype "$DTYPE")
 [ -n "$KV_MEM" ] && COMMON+=(--kv-cache-memory "$KV_MEM")
+[ -n "$MAX_MODEL_LEN" ] && COMMON+=(--max-model-len "$MAX_MODEL_LEN")
+[ -n "$BLOCK_SIZE" ] && COMMON+=(--block-size "$BLOCK_SIZE")
+[ -n "$KV_FRACTION" ] && COMMON+=(--kv-cache-fraction "$KV_FRACTION")
+[ -n "$LOG_LEVEL" ] && COMMON+=(--log-level "$LOG_LEVEL")
+[ -n "$TOKEN_BUDGET" ] && PREFILL_EXTRA=(--token-budget "$TOKEN_BUDGET" "${PREFILL_EXTRA[@]}")
+FRONTEND_OPTS=()
+[ -n "$HTTP_PORT" ] && FRONTEND_OPTS+=(--http-port "$HTTP_PORT")
+[ -n "$SERVED_NAME" ] && FRONTEND_OPTS+=(--served-model-name "$SERVED_NAME")
+[ -n "$MAX_MODEL_LEN" ] && FRONTEND_OPTS+=(--max-model-len "$MAX_MODEL_LEN")
+[ -n "$LOG_LEVEL" ] && FRONTEND_OPTS+=(--log-level "$LOG_LEVEL")
 REMOTE=()
 case "$HOST" in 127.*|localhost|::1) ;; *) REMOTE=(--allow-remote) ;; esac
 
 # Every port this cluster binds must be free now: a port in use means another
 # cluster, which must not answer our readiness check or receive our nodes.
-PORTS=("$BASE_PORT" "$((BASE_PORT + 1))")
+PORTS=("$BASE_PORT" "$((BASE_PORT + 1))" $HTTP_PORT)
 for i in "${!DECODE_DEVS[@]}"; do PORTS+=("$((BASE_PORT + 2 + i))"); done
 if ! "$PY" - "$HOST" "${PORTS[@]}" <<'PYEOF'
 import socket, sys
@@ -115,7 +141,7 @@ for port in ports:
             s.bind((host, port))
         except OSError as e:
             sys.exit(f"start_cluster: port {port} on {host} is in use ({e.strerror}): another "
-                     f"cluster? choose another --base-port")
+                     f"cluster? choose another --base-port (or --http-port)")
 PYEOF
 then exit 1; fi
 
@@ -178,18 +204,31 @@ start_node() {  # start_node INDEX
 }
 
 "${SETSID[@]}" "$PY" -m frontend --model "$MODEL" --clients "$CLIENTS" --nodes "$NODES" "${KEY_ARGS[@]}" \
-    --drain-timeout "$DRAIN_TIMEOUT" "${REMOTE[@]}" "${FRONTEND_EXTRA[@]}" &
+    --drain-timeout "$DRAIN_TIMEOUT" "${REMOTE[@]}" "${FRONTEND_OPTS[@]}" "${FRONTEND_EXTRA[@]}" &
 FRONTEND_PID=$!
 for i in $(seq 0 $((NUM_NODES - 1))); do start_node "$i"; BACKOFF[$i]=1; RESTART_AT[$i]=""; done
 
-all_alive() { local pid; for pid in "$FRONTEND_PID" "${NODE_PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || return 1; done; }
+DEAD=""
+find_dead() {  # sets DEAD to "NAME (pid P) exited with code C" for a process that exited
+    local i rc   # NOTE: not in a subshell: only this shell can wait for its children
+    DEAD=""
+    if ! kill -0 "$FRONTEND_PID" 2>/dev/null; then
+        rc=0; wait "$FRONTEND_PID" || rc=$?; DEAD="the frontend (pid $FRONTEND_PID) exited with code $rc"; return
+    fi
+    for i in "${!NODE_PIDS[@]}"; do
+        if ! kill -0 "${NODE_PIDS[$i]}" 2>/dev/null; then
+            rc=0; wait "${NODE_PIDS[$i]}" || rc=$?; DEAD="${NAMES[$i]} (pid ${NODE_PIDS[$i]}) exited with code $rc"; return
+        fi
+    done
+}
 
 # Ready means our frontend has heard from every node: a handshake, not a sleep.
 deadline=$((SECONDS + READY_TIMEOUT))
 until "$PY" -m frontend.client --endpoint "$CLIENTS" --wait-ready 2 --wait-nodes "$NUM_NODES" \
         --frontend-pid "$FRONTEND_PID" >/dev/null 2>&1; do
-    if ! all_alive; then
-        echo "[pdserve] a process exited during start-up; stopping" >&2
+    find_dead
+    if [ -n "$DEAD" ]; then
+        echo "[pdserve] $DEAD during start-up (its error is above); stopping" >&2
         cleanup; exit 1
     fi
     if [ $SECONDS -ge $deadline ]; then
@@ -197,7 +236,8 @@ until "$PY" -m frontend.client --endpoint "$CLIENTS" --wait-ready 2 --wait-nodes
         cleanup; exit 1
     fi
 done
-echo "[pdserve] ready: ${#PREFILL_DEVS[@]} prefill + ${#DECODE_DEVS[@]} decode nodes; clients connect to $CLIENTS (frontend pid $FRONTEND_PID, node pids ${NODE_PIDS[*]}; $LINKS)" >&2
+HTTP_NOTE=""; [ -n "$HTTP_PORT" ] && HTTP_NOTE=", OpenAI API at http://$ADDR:$HTTP_PORT/v1"
+echo "[pdserve] ready: ${#PREFILL_DEVS[@]} prefill + ${#DECODE_DEVS[@]} decode nodes; clients connect to $CLIENTS$HTTP_NOTE (frontend pid $FRONTEND_PID, node pids ${NODE_PIDS[*]}; $LINKS)" >&2
 echo "PDSERVE_ENDPOINT=$CLIENTS"
 
 if [ $DEMO = 1 ]; then

@@ -5,18 +5,18 @@ that decode node's KV link on first use."""
 import argparse
 import sys
 
-from common.channel import LinkError
 from common.config import KV_TRANSFERS, NodeLinks, PrefillConfig
-from common.process import add_worker_args, die_with_parent, stop_event_on_signals, worker_config
+from common.process import HelpFormat, add_worker_args, die_with_parent, run_node, stop_event_on_signals, worker_config
 from prefill_node.node import PrefillNode
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefill_node", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m prefill_node", description=__doc__,
+                                formatter_class=HelpFormat)
     add_worker_args(p)
     p.add_argument("--frontend", required=True, help="the frontend's node endpoint")
     p.add_argument("--name", default="prefill-0")
-    p.add_argument("--token-budget", type=int, default=8192,
+    p.add_argument("--token-budget", "--max-num-batched-tokens", type=int, default=8192,
                    help="prompt tokens per forward pass (a prefill node runs no decode "
                         "steps, so larger passes cost no one latency)")
     p.add_argument("--handoff-lease", type=float, default=10.0,
@@ -29,15 +29,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     die_with_parent()
     stop = stop_event_on_signals()
-    cfg = PrefillConfig(worker=worker_config(a), frontend_endpoint=a.frontend,
-                        name=a.name, token_budget=a.token_budget,
-                        handoff_lease_s=a.handoff_lease, kv_transfer=a.kv_transfer, links=NodeLinks(),
-                        allow_remote=a.allow_remote, keys_dir=a.keys)
-    try:
-        return PrefillNode(cfg).run(stop)
-    except LinkError as e:
-        print(f"prefill_node: {e}", file=sys.stderr)
-        return 1
+
+    def build() -> PrefillNode:
+        return PrefillNode(PrefillConfig(
+            worker=worker_config(a), frontend_endpoint=a.frontend, name=a.name,
+            token_budget=a.token_budget, handoff_lease_s=a.handoff_lease, kv_transfer=a.kv_transfer,
+            links=NodeLinks(), allow_remote=a.allow_remote, keys_dir=a.keys))
+    return run_node("prefill_node", build, stop)
 
 
 if __name__ == "__main__":

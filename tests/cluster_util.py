@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import random
 import signal
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from frontend.client import Client
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,3 +158,39 @@ class Processes:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+class Cluster:
+    """A cluster started by launch/start_cluster.sh, HTTP included."""
+
+    def __init__(self, model, log_path, *extra):
+        # Ports: clients, nodes, one KV port per decode node (up to 3), HTTP.
+        self.base = free_base_port(6)
+        self.endpoint = f"tcp://127.0.0.1:{self.base}"
+        self.http = f"http://127.0.0.1:{self.base + 5}"
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            ["bash", str(ROOT / "launch/start_cluster.sh"), "--model", str(model),
+             "--base-port", str(self.base), "--http-port", str(self.base + 5),
+             "--kv-cache-memory", "8MiB", *extra],
+            stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT, start_new_session=True)
+        # NOTE: a test that fails before stop() must not leave a launcher that restarts
+        # its nodes forever: whatever is still running at exit is stopped.
+        atexit.register(self._kill)
+        line = self.proc.stdout.readline().decode()
+        assert line.startswith("PDSERVE_ENDPOINT="), f"cluster did not start: {line!r}"
+        self.children = python_children_of(self.proc.pid)
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)   # its own session: launcher and children
+
+    def stats(self) -> dict:
+        with Client(self.endpoint) as c:
+            return c.stats().nodes
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+        self.log.close()

@@ -4,7 +4,6 @@ bad input, and that the launcher leaves nothing behind."""
 from __future__ import annotations
 
 import asyncio
-import atexit
 import os
 import signal
 import subprocess
@@ -16,41 +15,10 @@ import pytest
 import zmq
 
 from frontend.client import AsyncClient, Client
-from tests.cluster_util import ROOT, free_base_port, is_alive, python_children_of, wait_for
+from tests.cluster_util import ROOT, Cluster, free_base_port, is_alive, python_children_of, wait_for
 from tests.conftest import hf_greedy
 
 NEW_TOKENS = 24
-
-
-class Cluster:
-    def __init__(self, model, log_path, *extra):
-        self.base = free_base_port()
-        self.endpoint = f"tcp://127.0.0.1:{self.base}"
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            ["bash", str(ROOT / "launch/start_cluster.sh"), "--model", str(model),
-             "--base-port", str(self.base), "--kv-cache-memory", "8MiB", *extra],
-            stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT, start_new_session=True)
-        # NOTE: a test that fails before stop() must not leave a launcher that restarts
-        # its nodes forever: whatever is still running at exit is stopped.
-        atexit.register(self._kill)
-        line = self.proc.stdout.readline().decode()
-        assert line.startswith("PDSERVE_ENDPOINT="), f"cluster did not start: {line!r}"
-        self.children = python_children_of(self.proc.pid)
-
-    def _kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)   # its own session: launcher and children
-
-    def stats(self) -> dict:
-        with Client(self.endpoint) as c:
-            return c.stats().nodes
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -273,8 +241,9 @@ def test_dead_frontend_stops_the_cluster(tiny_model, tmp_path):
 
 def test_demo_command_prints_answers(tmp_path):
     env = {**os.environ, "PDSERVE_HOME": str(tmp_path)}
+    base = free_base_port(4)
     out = subprocess.run(["bash", str(ROOT / "launch/start_cluster.sh"), "--demo",
-                          "--base-port", str(free_base_port())],
+                          "--base-port", str(base), "--http-port", str(base + 3)],
                          capture_output=True, env=env, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     text = out.stdout.decode()

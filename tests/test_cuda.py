@@ -92,7 +92,7 @@ def test_cluster_on_gpu_fp32_matches_transformers(make_model, tmp_path, kv_trans
     import asyncio
     from frontend.client import AsyncClient
     from tests.cluster_util import wait_for
-    from tests.test_cluster import Cluster
+    from tests.cluster_util import Cluster
     model = make_model(**SHAPE)
     c = Cluster(model, tmp_path / "gpu-cluster.log", "--prefill-device", "cuda:0",
                 "--decode-device", "cuda:0", "--dtype", "float32", "--kv-transfer", kv_transfer)

@@ -18,7 +18,7 @@ from common.keys import make_keys
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import ROOT, Processes, free_base_port, is_alive, spawn, start_streams, wait_for
 from tests.conftest import hf_greedy
-from tests.test_cluster import Cluster
+from tests.cluster_util import Cluster
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8]
 

@@ -18,7 +18,7 @@ from common.sampling import SamplingParams
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import Processes, free_base_port, start_streams, wait_for
 from tests.conftest import hf_greedy
-from tests.test_cluster import Cluster
+from tests.cluster_util import Cluster
 
 NEW_TOKENS = 16
 

@@ -1,0 +1,94 @@
+"""Prometheus metrics of the frontend, served at /metrics.
+
+Request counters and latency histograms are updated as requests end; the gauges
+(requests running and waiting, and every node's figures from its last heartbeat)
+are read at scrape time, so a forgotten node leaves no stale series behind.
+Each frontend has a registry of its own: no process-wide state.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Latency buckets in seconds, from a fast GPU step to a long CPU request.
+_FAST = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+_SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+# Heartbeat figures exported per node: metric suffix -> (stats key, help).
+NODE_FIGURES = {
+    "kv_blocks_free": ("num_free_blocks", "KV blocks free"),
+    "kv_blocks_usable": ("num_usable_blocks", "KV blocks in the cache"),
+    "kv_blocks_reserved": ("num_reserved_blocks", "decode: KV blocks reserved for handoffs"),
+    "batch_size": ("num_running", "decode: requests in the running batch"),
+    "queue_len": ("num_queued", "decode: committed requests waiting for a batch row"),
+    "waiting_prompts": ("num_waiting", "prefill: prompts waiting to be prefilled"),
+    "waiting_prompt_tokens": ("num_waiting_tokens", "prefill: prompt tokens waiting"),
+    "pending_handoffs": ("num_pending_handoffs", "prefill: KV handoffs not yet committed"),
+}
+
+
+class Metrics:
+    def __init__(self, frontend):
+        self.frontend = frontend
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.finished_total = Counter("pdserve_requests_finished", "requests finished, by reason",
+                                      ["reason"], registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of finished requests",
+                                     registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens",
+                                         "tokens generated for finished requests", registry=r)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "arrival to first token",
+                              buckets=_SLOW, registry=r)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds",
+                              "after the first token, seconds per further token", buckets=_FAST,
+                              registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "arrival to the last token",
+                             buckets=_SLOW, registry=r)
+        self.kv_transfer = Histogram("pdserve_kv_transfer_seconds",
+                                     "KV handoff, prefill done to commit on the decode node",
+                                     buckets=_FAST, registry=r)
+        r.register(self)   # the gauges, via collect()
+
+    def finished(self, req, reason: str) -> None:
+        now = time.monotonic()
+        self.finished_total.labels(reason).inc()
+        self.prompt_tokens.inc(len(req.prompt_ids))
+        self.generation_tokens.inc(req.num_tokens)
+        self.e2e.observe(now - req.submitted_at)
+        if req.first_token_at is not None:
+            self.ttft.observe(req.first_token_at - req.submitted_at)
+            if req.num_tokens > 1:
+                self.tpot.observe((now - req.first_token_at) / (req.num_tokens - 1))
+        kv_ms = req.timings.get("kv_transfer_ms")
+        if isinstance(kv_ms, (int, float)):
+            self.kv_transfer.observe(kv_ms / 1e3)
+
+    def describe(self):
+        return []   # the gauges' names vary with the nodes: collected, not described
+
+    def collect(self):
+        fe = self.frontend
+        num_waiting = fe.admission.num_waiting
+        yield GaugeMetricFamily("pdserve_requests_running", "requests sent to the nodes, not finished",
+                                value=len(fe.requests) - num_waiting)
+        yield GaugeMetricFamily("pdserve_requests_waiting", "requests waiting at the frontend",
+                                value=num_waiting)
+        alive = GaugeMetricFamily("pdserve_node_is_alive", "1 while the node is live",
+                                  labels=["node", "role"])
+        families = {k: GaugeMetricFamily(f"pdserve_node_{k}", h, labels=["node", "role"])
+                    for k, (_, h) in NODE_FIGURES.items()}
+        for name, node in list(fe.nodes.items()):
+            labels = [name, node.role]
+            alive.add_metric(labels, float(node.is_alive))
+            for k, (key, _) in NODE_FIGURES.items():
+                value = node.stats.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    families[k].add_metric(labels, value)
+        yield alive
+        yield from families.values()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

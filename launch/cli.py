@@ -1,0 +1,52 @@
+"""The `pdserve` command, installed into the project's environment:
+
+    pdserve serve [start_cluster options]     start a cluster (launch/start_cluster.sh)
+    pdserve client [options]                  send prompts, read stats (frontend.client)
+    pdserve bench [options]                   the serving benchmark (launch.bench_serving)
+    pdserve keys DIR --nodes ...              make CURVE keys (launch.keys)
+    pdserve make-tiny-model DIR               a tiny random Qwen3 checkpoint
+
+`pdserve COMMAND --help` shows each command's options and defaults.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _serve(argv: list[str]) -> int:
+    # The launcher is a shell script (it supervises processes); it runs with this
+    # interpreter's environment.
+    env = {**os.environ, "PDSERVE_VENV": os.environ.get("PDSERVE_VENV", str(Path(sys.prefix)))}
+    os.execvpe("bash", ["bash", str(ROOT / "launch" / "start_cluster.sh"), *argv], env)
+    return 1   # not reached
+
+
+def _module(name: str):
+    def run(argv: list[str]) -> int:
+        import importlib
+        return importlib.import_module(name).main(argv) or 0
+    return run
+
+
+COMMANDS = {"serve": _serve, "client": _module("frontend.client"), "bench": _module("launch.bench_serving"),
+            "keys": _module("launch.keys"), "make-tiny-model": _module("launch.make_tiny_model")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"pdserve: unknown command {argv[0]!r}; one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    return command(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
