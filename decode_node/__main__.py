@@ -14,7 +14,7 @@ def main(argv=None) -> int:
     add_worker_args(p)
     p.add_argument("--frontend", required=True, help="the frontend's node endpoint")
     p.add_argument("--kv-bind", required=True, help="where prefill nodes hand KV to this node")
-    p.add_argument("--name", default="decode-0")
+    p.add_argument("--name", default="decode-0", help="unique in the cluster (with keys: its key's name)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="reservations held (being written or waiting for a batch row)")
     p.add_argument("--reservation-lease", type=float, default=30.0,
@@ -23,7 +23,7 @@ def main(argv=None) -> int:
                    help="KV transfer backends offered to prefill nodes (auto: ipc and tcp)")
     p.add_argument("--keys", default=None, metavar="DIR",
                    help="CURVE keys (python -m launch.keys DIR); this node's is DIR/NAME.key_secret")
-    p.add_argument("--allow-remote", action="store_true")
+    p.add_argument("--allow-remote", action="store_true", help="allow non-loopback endpoints")
     a = p.parse_args(argv)
     die_with_parent()
     stop = stop_event_on_signals()

@@ -21,7 +21,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", required=True, help="model directory (tokenizer and limits)")
     p.add_argument("--clients", required=True, help="endpoint clients connect to")
     p.add_argument("--nodes", required=True, help="endpoint nodes connect to")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + max_tokens limit (default: the model's max_position_embeddings)")
     p.add_argument("--default-timeout", type=float, default=DEFAULT["default_timeout_s"],
                    help="seconds per request")
     p.add_argument("--dead-after", type=float, default=NodeLinks.dead_after_s,

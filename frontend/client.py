@@ -294,13 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve client", description=__doc__, formatter_class=HelpFormat)
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5600", help="the frontend's client endpoint")
     p.add_argument("--prompt", action="append", default=[], help="repeat for several prompts")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--top-k", type=int, default=-1, help="-1: off")
     p.add_argument("--seed", type=int, default=None, help="default: a random seed per request")
     p.add_argument("--stop", action="append", default=[], help="a stop string; repeat for several")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens whatever comes")
     p.add_argument("--timeout", type=float, default=5.0,
                    help="seconds to wait for the frontend to answer at all")
     p.add_argument("--request-timeout", type=float, default=None,

@@ -340,20 +340,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="the cluster's ZeroMQ client endpoint")
     p.add_argument("--base-url", default=None,
                    help="benchmark the OpenAI API at this URL instead (e.g. http://127.0.0.1:8000)")
-    p.add_argument("--input-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random ids)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths spread by ± this fraction")
     p.add_argument("--dataset", default=None, help="a JSONL file of prompts instead of random ids")
     p.add_argument("--num-prompts", type=int, default=200, help="requests per rate")
     p.add_argument("--num-warmup", type=int, default=4, help="requests sent (at once) before timing")
     p.add_argument("--request-rate", type=parse_rates, default=[float("inf")],
                    help="requests/s, Poisson arrivals; a comma list sweeps; inf sends all at once")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly the output length (default on)")
     p.add_argument("--slo", type=parse_slo, default={}, help="e.g. ttft_ms=500,tpot_ms=20")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds of silence per request")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="for the prompts and the arrival times")
     p.add_argument("--save-json", default=None, help="also write every rate's record to this file")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="latency against throughput and the TTFT / TPOT distributions (matplotlib)")

@@ -15,7 +15,7 @@ def main(argv=None) -> int:
                                 formatter_class=HelpFormat)
     add_worker_args(p)
     p.add_argument("--frontend", required=True, help="the frontend's node endpoint")
-    p.add_argument("--name", default="prefill-0")
+    p.add_argument("--name", default="prefill-0", help="unique in the cluster (with keys: its key's name)")
     p.add_argument("--token-budget", "--max-num-batched-tokens", type=int, default=8192,
                    help="prompt tokens per forward pass (a prefill node runs no decode "
                         "steps, so larger passes cost no one latency)")
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
                    help="auto: ipc with a decode node on this host, else tcp")
     p.add_argument("--keys", default=None, metavar="DIR",
                    help="CURVE keys (python -m launch.keys DIR); this node's is DIR/NAME.key_secret")
-    p.add_argument("--allow-remote", action="store_true")
+    p.add_argument("--allow-remote", action="store_true", help="allow non-loopback endpoints")
     a = p.parse_args(argv)
     die_with_parent()
     stop = stop_event_on_signals()

@@ -1,0 +1,211 @@
+"""What a new user meets: the client cleans up after itself, the command line says
+when it failed, start-up errors are one actionable line, the `pdserve` command
+works, and the serving benchmark runs over both interfaces."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from frontend.client import AsyncClient, Client
+from tests.cluster_util import ROOT, Cluster, free_base_port, wait_for
+
+PDSERVE = Path(sys.executable).parent / "pdserve"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    c = Cluster(tiny_model, tmp_path_factory.mktemp("logs") / "usability.log")
+    yield c
+    c.stop()
+
+
+def _idle(cluster) -> bool:
+    """No request on any node and every KV block free."""
+    nodes = cluster.stats().values()
+    return all(s["num_free_blocks"] == s["num_usable_blocks"] and not s.get("num_reserved_blocks")
+               and not s.get("num_running") and not s.get("num_prefilling") for s in nodes)
+
+
+def _num_running(cluster) -> int:
+    with Client(cluster.endpoint) as c:
+        return c.stats().frontend["num_running"] + c.stats().frontend["num_waiting"]
+
+
+def _run(*args, timeout=120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+
+
+# ---- the client aborts what it walks away from ----------------------------------
+
+def test_breaking_out_of_generate_aborts_the_request(cluster):
+    with Client(cluster.endpoint) as c:
+        for out in c.generate(prompt_token_ids=[1, 2, 3], max_tokens=900, ignore_eos=True):
+            if out.token_ids:
+                break
+        wait_for(lambda: _num_running(cluster) == 0, 30, "the request to be aborted")
+    wait_for(lambda: _idle(cluster), 30, "every block freed")
+
+
+def test_cancelling_an_async_client_task_aborts_the_request(cluster):
+    async def run():
+        async with AsyncClient(cluster.endpoint) as c:
+            started = asyncio.Event()
+
+            async def consume():
+                async for out in c.generate(prompt_token_ids=[4, 5, 6], max_tokens=900, ignore_eos=True):
+                    started.set()
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(started.wait(), 60)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # The same client still serves: the cancelled stream left nothing behind.
+            result = await c.complete(prompt_token_ids=[7, 8], max_tokens=3, ignore_eos=True)
+            assert len(result.token_ids) == 3
+    asyncio.run(run())
+    wait_for(lambda: _num_running(cluster) == 0, 30, "the request to be aborted")
+    wait_for(lambda: _idle(cluster), 30, "every block freed")
+
+
+def test_ctrl_c_on_the_cli_aborts_its_request(cluster):
+    p = subprocess.Popen([str(PDSERVE), "client", "--endpoint", cluster.endpoint, "--prompt", "x",
+                          "--max-tokens", "900", "--ignore-eos"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.read(1)   # it streams ...
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and b"interrupted" in err
+    wait_for(lambda: _num_running(cluster) == 0, 30, "the request to be aborted")
+    wait_for(lambda: _idle(cluster), 30, "every block freed")
+
+
+# ---- the command line says when it failed ------------------------------------------
+
+def test_cli_exits_nonzero_when_a_request_fails(cluster):
+    ok = _run(str(PDSERVE), "client", "--endpoint", cluster.endpoint, "--prompt", "hi", "--max-tokens", "2")
+    assert ok.returncode == 0, ok.stderr
+    bad = _run(str(PDSERVE), "client", "--endpoint", cluster.endpoint, "--prompt", "hi",
+               "--temperature", "-1")
+    assert bad.returncode == 1 and "[error: temperature" in bad.stdout
+    long = _run(str(PDSERVE), "client", "--endpoint", cluster.endpoint, "--json",
+                "--prompt", "hi", "--prompt", "x " * 2000)
+    assert long.returncode == 1
+    assert [json.loads(line)["finish_reason"] for line in long.stdout.splitlines()] == ["length", "error"]
+
+
+def test_cli_says_fast_when_nothing_answers_and_rejects_a_bad_endpoint():
+    port = free_base_port(1)
+    t = time.monotonic()
+    r = _run(str(PDSERVE), "client", "--endpoint", f"tcp://127.0.0.1:{port}", "--prompt", "x",
+             "--timeout", "2")
+    assert r.returncode == 1 and "nothing answers at" in r.stderr and time.monotonic() - t < 30
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = _run(str(PDSERVE), "client", "--endpoint", "localhost:5600", "--prompt", "x")
+    assert r.returncode == 2 and "endpoint must be tcp://HOST:PORT" in r.stderr
+    assert "Traceback" not in r.stderr
+    with pytest.raises(ValueError, match="endpoint must be"):
+        Client("127.0.0.1:5600")
+
+
+def test_help_shows_defaults():
+    r = _run(str(PDSERVE), "client", "--help")
+    assert r.returncode == 0 and "(default: 16)" in " ".join(r.stdout.split())   # the library's max_tokens
+    for module in ("frontend", "prefill_node", "decode_node"):
+        r = _run(sys.executable, "-m", module, "--help")
+        assert r.returncode == 0 and "(default:" in r.stdout and "--log-level" in r.stdout
+    r = _run(sys.executable, "-m", "prefill_node", "--help")
+    assert "--max-num-batched-tokens" in r.stdout and "--gpu-memory-utilization" in r.stdout
+
+
+# ---- start-up errors are one line that names the fix --------------------------------
+
+def _one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None:
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert all(n in r.stderr for n in needles), r.stderr[-3000:]
+
+
+def test_startup_errors_are_one_actionable_line(tiny_model, tmp_path):
+    port = free_base_port(2)
+    fe = [sys.executable, "-m", "frontend", "--clients", f"tcp://127.0.0.1:{port}",
+          "--nodes", f"tcp://127.0.0.1:{port + 1}"]
+    _one_line_error(_run(*fe, "--model", "Qwen/Qwen3-0.6B"), "looks like a model id", "downloads nothing")
+    _one_line_error(_run(*fe, "--model", str(tmp_path / "missing")), "no model directory at")
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model, bare)
+    for f in bare.iterdir():
+        if "token" in f.name or f.name in ("vocab.json", "merges.txt"):
+            f.unlink()
+    _one_line_error(_run(*fe, "--model", str(bare)), "has no tokenizer files")
+    node = [sys.executable, "-m", "prefill_node", "--frontend", f"tcp://127.0.0.1:{port + 1}"]
+    _one_line_error(_run(*node, "--model", str(tmp_path / "missing")), "prefill_node: no model directory")
+    import torch
+    if not torch.cuda.is_available():
+        _one_line_error(_run(*node, "--model", str(tiny_model), "--device", "cuda:0"),
+                        "no usable CUDA device", "--device cpu")
+    _one_line_error(_run(*fe, "--model", str(tiny_model), "--http-port", "0"), "http_port must be")
+
+
+def test_the_launcher_names_the_process_that_failed(tiny_model):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    base = free_base_port(4)
+    r = _run("bash", "launch/start_cluster.sh", "--model", str(tiny_model), "--base-port", str(base),
+             "--http-port", str(base + 3), "--decode-device", "cuda:0", "--no-keys", timeout=300)
+    _one_line_error(r, "no usable CUDA device", "decode-0 (pid")
+    assert re.search(r"decode-0 \(pid \d+\) exited with code 2 during start-up", r.stderr)
+
+
+def test_an_http_port_in_use_is_one_line(tiny_model, cluster):
+    port = free_base_port(2)
+    r = _run(sys.executable, "-m", "frontend", "--model", str(tiny_model), "--clients",
+             f"tcp://127.0.0.1:{port}", "--nodes", f"tcp://127.0.0.1:{port + 1}",
+             "--http-port", cluster.http.rsplit(":", 1)[1])
+    _one_line_error(r, "cannot serve HTTP on 127.0.0.1", "choose another --http-port")
+
+
+# ---- the pdserve command and the README --------------------------------------------
+
+def test_pdserve_command_and_readme_snippets():
+    r = _run(str(PDSERVE))
+    assert r.returncode == 2 and "pdserve serve" in r.stdout
+    r = _run(str(PDSERVE), "serve", "--help")
+    assert r.returncode == 0 and "--http-port" in r.stdout
+    readme = (ROOT / "README.md").read_text()
+    for block in re.findall(r"```python\n(.*?)```", readme, re.S):
+        compile(block, "README.md", "exec")   # every Python snippet is valid as written
+    for line in re.findall(r"```(?:bash|sh)\n(.*?)```", readme, re.S):
+        for cmd in line.splitlines():
+            assert not re.match(r"\s*python3? ", cmd), f"README runs a bare python: {cmd}"
+
+
+# ---- the serving benchmark -------------------------------------------------------
+
+@pytest.mark.parametrize("interface", ["zmq", "http"])
+def test_bench_serving_over_both_interfaces(cluster, tmp_path, interface):
+    target = ["--endpoint", cluster.endpoint] if interface == "zmq" else ["--base-url", cluster.http]
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    r = _run(str(PDSERVE), "bench", *target, "--input-len", "32", "--output-len", "8",
+             "--num-prompts", "12", "--request-rate", "20,inf", "--num-warmup", "2",
+             "--slo", "ttft_ms=60000,tpot_ms=60000", "--save-json", str(out_json), "--plot", str(out_png),
+             timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [x["request_rate"] for x in lines] == [20.0, "inf"]
+    for x in lines:
+        assert x["interface"] == interface and x["completed"] == 12 and x["errors"] == 0
+        assert x["goodput"] > 0 and x["ttft_ms"]["p99"] >= x["ttft_ms"]["median"] > 0
+        assert x["output_tokens_per_s"] > 0 and x["cluster_ttft_parts_median_ms"]["prefill_ms"] is not None
+    assert json.loads(out_json.read_text()) == lines
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
