@@ -17,6 +17,8 @@ from common.config import DTYPES, endpoint
 from common.keys import ClusterKeys
 from common.kv_cache import num_blocks_for
 from common.model_spec import ModelSpec, load_spec, preset_spec
+from common.config import check_model_dir
+from common.process import check_device
 from common.protocol import (HandoffAck, Heartbeat, ReadyReply, KVBlocks, KVCommit, KVHello, KVReserve,
                              KVReserved, KVWelcome, NodeReady)
 from common.transfer import host_id
@@ -38,9 +40,29 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve(a: argparse.Namespace) -> tuple[ModelSpec, torch.dtype]:
+    """The model's shape and dtype; a model or device this machine cannot run exits
+    with one line saying why."""
+    try:
+        check_device(a.device)
+        if a.model:
+            check_model_dir(a.model)
+    except ValueError as e:
+        raise SystemExit(f"{Path(sys.argv[0]).stem}: {e}") from None
     spec = load_spec(a.model) if a.model else preset_spec(a.shape)
     dtype = DTYPES[a.dtype] if a.dtype else (torch.float32 if a.device == "cpu" else torch.bfloat16)
     return spec, dtype
+
+
+def fit_len(given: int | None, default: int, room: int, flag: str) -> int:
+    """A length option: the given value, which must fit in `room` tokens of the
+    model's length, or the default cut down to fit."""
+    if room < 1:
+        raise SystemExit(f"{flag}: the model's maximum length leaves no room; shorten the other lengths")
+    if given is None:
+        return min(default, room)
+    if given > room:
+        raise SystemExit(f"{flag} {given} does not fit the model's maximum length: at most {room} here")
+    return given
 
 
 def device_name(device: str) -> str:

@@ -21,7 +21,7 @@ from common.kv_cache import num_blocks_for
 from common.process import HelpFormat
 from common.protocol import HandoffAck, NodeAbort, TokenBatch
 from common.sampling import SamplingParams
-from launch.bench_common import (NodeUnderTest, add_common_args, device_name, emit, hf_model,
+from launch.bench_common import (NodeUnderTest, add_common_args, device_name, emit, fit_len, hf_model,
                                  matmul_params, measure_floors, resolve, sync, worker_args)
 
 
@@ -61,7 +61,9 @@ def run_batch(node: NodeUnderTest, spec, dtype, batch: int, ctx_len: int, block_
         pass
     steps = s2["num_decode_steps"] - s1["num_decode_steps"]
     if steps <= 0 or s2["num_finished"] != s0["num_finished"]:
-        raise RuntimeError("the window did not hold steady decode steps; raise --max-tokens")
+        raise SystemExit(f"bench_decode: the requests ran out ({max_tokens} tokens at {ms:.2f} ms/step) "
+                         f"before the {window_s:g}s counter window closed: raise --max-tokens (the "
+                         f"model's length permitting), lower --context-len or --window")
     writes = s2["num_h2d_writes"] - s1["num_h2d_writes"]
     block_copies = s2["num_block_copies"] - s1["num_block_copies"]
     busy = s2["device_busy_s"] - s1["device_busy_s"]
@@ -108,10 +110,13 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=float, default=1.0,
                    help="seconds over which write and idle counters are read")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=3072,
-                   help="per synthetic request; must outlast the window")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="per synthetic request; must outlast the window (default: 3072, or what "
+                        "the model's length leaves after --context-len)")
     a = p.parse_args(argv)
     spec, dtype = resolve(a)
+    a.max_tokens = fit_len(a.max_tokens, 3072, spec.max_position_embeddings - a.context_len - 1,
+                           "--max-tokens")
     batches = [int(b) for b in a.batch_sizes.split(",")]
     floors = measure_floors(a.device, dtype)
     max_len = a.context_len + a.max_tokens

@@ -19,7 +19,7 @@ import torch
 from common.process import HelpFormat
 from common.protocol import PrefillRequest, RequestFailed
 from common.sampling import SamplingParams
-from launch.bench_common import (NodeUnderTest, add_common_args, device_name, emit, hf_model,
+from launch.bench_common import (NodeUnderTest, add_common_args, device_name, emit, fit_len, hf_model,
                                  matmul_params, measure_floors, resolve, sync, worker_args)
 
 
@@ -79,10 +79,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat)
     add_common_args(p)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="default: 1024, or what the model's length allows")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds; the best counts")
     a = p.parse_args(argv)
     spec, dtype = resolve(a)
+    a.prompt_len = fit_len(a.prompt_len, 1024, spec.max_position_embeddings - 16, "--prompt-len")
     floors = measure_floors(a.device, dtype)
     tokens = a.batch * a.prompt_len
     args = worker_args(a, a.batch, a.prompt_len + 16) + ["--token-budget", str(tokens),

@@ -15,21 +15,36 @@ from common.kv_cache import BlockAllocator, num_blocks_for
 from common.process import HelpFormat
 from common.sampling import SamplingParams
 from common.worker import DeviceWorker, PrefillChunk
+from launch.bench_common import fit_len, resolve
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat)
-    p.add_argument("--shape", default="qwen3-0.6b")
-    p.add_argument("--device", default="cuda:0")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--decode-steps", type=int, default=20)
-    p.add_argument("--kv-cache-memory", default="8GiB")
-    p.add_argument("--top", type=int, default=15)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--shape", default=None, help="a preset shape (default: qwen3-0.6b)")
+    g.add_argument("--model", default=None, help="a Hugging Face Qwen3 directory")
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch", type=int, default=8, help="prompts in the prefill and rows in decode")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="default: 1024, or what the model's length allows")
+    p.add_argument("--decode-steps", type=int, default=20, help="decode steps profiled")
+    p.add_argument("--kv-cache-memory", default=None, help="default: 8GiB on accelerators, 1GiB on cpu")
+    p.add_argument("--top", type=int, default=15, help="kernels listed")
     a = p.parse_args(argv)
-    cfg = WorkerConfig(shape=a.shape, device=a.device, max_batch_size=a.batch,
+    if a.model is None and a.shape is None:
+        a.shape = "qwen3-0.6b"
+    a.dtype = None   # the worker default for the device
+    spec, _ = resolve(a)
+    a.prompt_len = fit_len(a.prompt_len, 1024, spec.max_position_embeddings - a.decode_steps - 16,
+                           "--prompt-len")
+    memory = a.kv_cache_memory or ("1GiB" if a.device == "cpu" else "8GiB")
+    cfg = WorkerConfig(model=a.model, shape=a.shape, device=a.device, max_batch_size=a.batch,
                        max_model_len=a.prompt_len + a.decode_steps + 16,
-                       kv_cache_memory=parse_bytes(a.kv_cache_memory))
+                       kv_cache_memory=parse_bytes(memory))
+    # On CPU the profile is of host time; elsewhere of device kernels.
+    is_cpu = a.device == "cpu"
+    activities = [ProfilerActivity.CPU if is_cpu else ProfilerActivity.CUDA]
+    sort_by = "cpu_time_total" if is_cpu else "cuda_time_total"
     with DeviceWorker(cfg) as w:
         alloc = BlockAllocator(w.num_kv_blocks)
         params = SamplingParams(max_tokens=a.decode_steps + 2, ignore_eos=True)
@@ -38,18 +53,18 @@ def main(argv=None) -> None:
         ids = torch.randint(0, w.spec.vocab_size, (a.batch, a.prompt_len)).tolist()
         chunks = [PrefillChunk(ids[i], 0, blocks[i], params) for i in range(a.batch)]
         w.prefill(chunks)  # warm-up
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=activities) as prof:
             firsts, _ = w.prefill(chunks)
         print(f"== prefill {a.batch} x {a.prompt_len}")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.top))
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=a.top))
         for i, (b, t) in enumerate(zip(blocks, firsts)):
             w.add_decode_seq(str(i), t, a.prompt_len, b, params)
         w.decode_step()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=activities) as prof:
             for _ in range(a.decode_steps):
                 w.decode_step()
         print(f"== decode batch {a.batch}, {a.decode_steps} steps (graphed: {bool(w.stats()['is_graphed'])})")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.top))
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=a.top))
 
 
 if __name__ == "__main__":
