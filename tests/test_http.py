@@ -227,3 +227,19 @@ def test_health_and_a_dead_decode_node(tiny_model, tmp_path):
         assert "no live prefill and decode node pair" in reply["error"]["message"]
     finally:
         procs.stop()
+
+
+def test_metrics_port_without_http(tiny_model, tmp_path):
+    """--metrics-port serves /metrics and /health alone; the OpenAI routes stay off."""
+    base = free_base_port(4)
+    procs = Processes(tiny_model, base, tmp_path, frontend=["--metrics-port", str(base + 3)])
+    url = f"http://127.0.0.1:{base + 3}"
+    try:
+        procs.start("frontend")
+        wait_for(lambda: _get(url + "/health")[0] == 503, 120, "/health to say 503 with no nodes")
+        status, text = _get(url + "/metrics")
+        names = {f.name for f in text_string_to_metric_families(text.decode())}
+        assert status == 200 and {"pdserve_requests_running", "pdserve_requests_finished"} <= names
+        assert _get(url + "/v1/models")[0] == 404
+    finally:
+        procs.stop()
