@@ -303,9 +303,17 @@ async def main_async(a: argparse.Namespace) -> tuple[list[dict], list[list[Outco
         return records, runs
 
 
-def plot(path: str, records: list[dict], runs: list[list[Outcome]]) -> None:
+def samples(outcomes: list[Outcome]) -> dict:
+    """Each completed request's TTFT and TPOT (ms): what the distributions are drawn from."""
+    ok = [o for o in outcomes if o.error is None]
+    return {"ttft_ms": [round(o.ttft_s * 1e3, 3) for o in ok if o.ttft_s is not None],
+            "tpot_ms": [round(o.tpot_s * 1e3, 3) for o in ok if o.tpot_s is not None]}
+
+
+def plot(path: str, records: list[dict]) -> None:
     """Latency percentiles against achieved throughput across the sweep (the knee),
-    and the TTFT and TPOT distributions at each rate."""
+    and the TTFT and TPOT distributions at each rate. records: as --save-json
+    writes them, each with its "samples"."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -317,9 +325,9 @@ def plot(path: str, records: list[dict], runs: list[list[Outcome]]) -> None:
         ax.set(xlabel="achieved requests/s", ylabel=f"{title} (ms)", title=f"{title} against throughput")
         ax.grid(alpha=0.3)
         ax.legend()
-    for ax, attr, title in ((axes[1][0], "ttft_s", "TTFT"), (axes[1][1], "tpot_s", "TPOT")):
-        for record, outcomes in zip(records, runs):
-            values = sorted(v * 1e3 for o in outcomes if o.error is None and (v := getattr(o, attr)) is not None)
+    for ax, key, title in ((axes[1][0], "ttft_ms", "TTFT"), (axes[1][1], "tpot_ms", "TPOT")):
+        for record in records:
+            values = sorted(record["samples"][key])
             if values:
                 ax.plot(values, [(i + 1) / len(values) for i in range(len(values))],
                         label=f"rate {record['request_rate']}")
@@ -357,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-json", default=None, help="also write every rate's record to this file")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="latency against throughput and the TTFT / TPOT distributions (matplotlib)")
+    p.add_argument("--replot", default=None, metavar="FILE.json",
+                   help="with --plot: draw from a --save-json file instead of running")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     a = p.parse_args(argv)
     if not 0 <= a.range_ratio < 1 or a.input_len < 1 or a.output_len < 1 or a.num_prompts < 1:
@@ -368,15 +378,23 @@ def main(argv: list[str] | None = None) -> int:
             import matplotlib  # noqa: F401  (fail before the run, not after it)
         except ImportError:
             p.error("--plot needs matplotlib: pip install 'pdserve[bench]'")
+    if a.replot:
+        if not a.plot:
+            p.error("--replot needs --plot FILE.png")
+        plot(a.plot, json.loads(Path(a.replot).read_text()))
+        print(f"bench_serving: wrote {a.plot}", file=sys.stderr)
+        return 0
     try:
         import uvloop
         records, runs = uvloop.run(main_async(a))
     except ImportError:
         records, runs = asyncio.run(main_async(a))
+    # The file also holds each request's TTFT and TPOT, so a plot can be drawn later (--replot).
+    records = [{**r, "samples": samples(outcomes)} for r, outcomes in zip(records, runs)]
     if a.save_json:
         Path(a.save_json).write_text(json.dumps(records, indent=1))
     if a.plot:
-        plot(a.plot, records, runs)
+        plot(a.plot, records)
         print(f"bench_serving: wrote {a.plot}", file=sys.stderr)
     return 1 if any(r["errors"] for r in records) else 0
 

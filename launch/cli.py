@@ -18,9 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _serve(argv: list[str]) -> int:
-    # The launcher is a shell script (it supervises processes); it runs with this
-    # interpreter's environment.
-    env = {**os.environ, "PDSERVE_VENV": os.environ.get("PDSERVE_VENV", str(Path(sys.prefix)))}
+    # The launcher is a shell script (it supervises processes); it runs in this
+    # interpreter's virtual environment, or the project's .venv.
+    env = dict(os.environ)
+    if sys.prefix != sys.base_prefix:
+        env.setdefault("PDSERVE_VENV", sys.prefix)
     os.execvpe("bash", ["bash", str(ROOT / "launch" / "start_cluster.sh"), *argv], env)
     return 1   # not reached
 

@@ -19,7 +19,10 @@ import pytest
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import ROOT, Cluster, free_base_port, wait_for
 
-PDSERVE = Path(sys.executable).parent / "pdserve"
+# The installed command; where the environment is not the project's own (an
+# accelerator image without a registry), the same entry point as a module.
+_SCRIPT = Path(sys.executable).parent / "pdserve"
+PDSERVE = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "launch.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +81,7 @@ def test_cancelling_an_async_client_task_aborts_the_request(cluster):
 
 
 def test_ctrl_c_on_the_cli_aborts_its_request(cluster):
-    p = subprocess.Popen([str(PDSERVE), "client", "--endpoint", cluster.endpoint, "--prompt", "x",
+    p = subprocess.Popen([*PDSERVE, "client", "--endpoint", cluster.endpoint, "--prompt", "x",
                           "--max-tokens", "900", "--ignore-eos"], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)
     p.stdout.read(1)   # it streams ...
@@ -92,12 +95,12 @@ def test_ctrl_c_on_the_cli_aborts_its_request(cluster):
 # ---- the command line says when it failed ------------------------------------------
 
 def test_cli_exits_nonzero_when_a_request_fails(cluster):
-    ok = _run(str(PDSERVE), "client", "--endpoint", cluster.endpoint, "--prompt", "hi", "--max-tokens", "2")
+    ok = _run(*PDSERVE, "client", "--endpoint", cluster.endpoint, "--prompt", "hi", "--max-tokens", "2")
     assert ok.returncode == 0, ok.stderr
-    bad = _run(str(PDSERVE), "client", "--endpoint", cluster.endpoint, "--prompt", "hi",
+    bad = _run(*PDSERVE, "client", "--endpoint", cluster.endpoint, "--prompt", "hi",
                "--temperature", "-1")
     assert bad.returncode == 1 and "[error: temperature" in bad.stdout
-    long = _run(str(PDSERVE), "client", "--endpoint", cluster.endpoint, "--json",
+    long = _run(*PDSERVE, "client", "--endpoint", cluster.endpoint, "--json",
                 "--prompt", "hi", "--prompt", "x " * 2000)
     assert long.returncode == 1
     assert [json.loads(line)["finish_reason"] for line in long.stdout.splitlines()] == ["length", "error"]
@@ -106,11 +109,11 @@ def test_cli_exits_nonzero_when_a_request_fails(cluster):
 def test_cli_says_fast_when_nothing_answers_and_rejects_a_bad_endpoint():
     port = free_base_port(1)
     t = time.monotonic()
-    r = _run(str(PDSERVE), "client", "--endpoint", f"tcp://127.0.0.1:{port}", "--prompt", "x",
+    r = _run(*PDSERVE, "client", "--endpoint", f"tcp://127.0.0.1:{port}", "--prompt", "x",
              "--timeout", "2")
     assert r.returncode == 1 and "nothing answers at" in r.stderr and time.monotonic() - t < 30
     assert len(r.stderr.strip().splitlines()) == 1
-    r = _run(str(PDSERVE), "client", "--endpoint", "localhost:5600", "--prompt", "x")
+    r = _run(*PDSERVE, "client", "--endpoint", "localhost:5600", "--prompt", "x")
     assert r.returncode == 2 and "endpoint must be tcp://HOST:PORT" in r.stderr
     assert "Traceback" not in r.stderr
     with pytest.raises(ValueError, match="endpoint must be"):
@@ -118,7 +121,7 @@ def test_cli_says_fast_when_nothing_answers_and_rejects_a_bad_endpoint():
 
 
 def test_help_shows_defaults():
-    r = _run(str(PDSERVE), "client", "--help")
+    r = _run(*PDSERVE, "client", "--help")
     assert r.returncode == 0 and "(default: 16)" in " ".join(r.stdout.split())   # the library's max_tokens
     for module in ("frontend", "prefill_node", "decode_node"):
         r = _run(sys.executable, "-m", module, "--help")
@@ -178,9 +181,11 @@ def test_an_http_port_in_use_is_one_line(tiny_model, cluster):
 # ---- the pdserve command and the README --------------------------------------------
 
 def test_pdserve_command_and_readme_snippets():
-    r = _run(str(PDSERVE))
+    if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():
+        assert _SCRIPT.exists(), "launch/env.sh installs the pdserve command into .venv"
+    r = _run(*PDSERVE)
     assert r.returncode == 2 and "pdserve serve" in r.stdout
-    r = _run(str(PDSERVE), "serve", "--help")
+    r = _run(*PDSERVE, "serve", "--help")
     assert r.returncode == 0 and "--http-port" in r.stdout
     readme = (ROOT / "README.md").read_text()
     for block in re.findall(r"```python\n(.*?)```", readme, re.S):
@@ -196,7 +201,7 @@ def test_pdserve_command_and_readme_snippets():
 def test_bench_serving_over_both_interfaces(cluster, tmp_path, interface):
     target = ["--endpoint", cluster.endpoint] if interface == "zmq" else ["--base-url", cluster.http]
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
-    r = _run(str(PDSERVE), "bench", *target, "--input-len", "32", "--output-len", "8",
+    r = _run(*PDSERVE, "bench", *target, "--input-len", "32", "--output-len", "8",
              "--num-prompts", "12", "--request-rate", "20,inf", "--num-warmup", "2",
              "--slo", "ttft_ms=60000,tpot_ms=60000", "--save-json", str(out_json), "--plot", str(out_png),
              timeout=300)
@@ -207,8 +212,13 @@ def test_bench_serving_over_both_interfaces(cluster, tmp_path, interface):
         assert x["interface"] == interface and x["completed"] == 12 and x["errors"] == 0
         assert x["goodput"] > 0 and x["ttft_ms"]["p99"] >= x["ttft_ms"]["median"] > 0
         assert x["output_tokens_per_s"] > 0 and x["cluster_ttft_parts_median_ms"]["prefill_ms"] is not None
-    assert json.loads(out_json.read_text()) == lines
+    saved = json.loads(out_json.read_text())
+    assert [{k: v for k, v in x.items() if k != "samples"} for x in saved] == lines
+    assert all(len(x["samples"]["ttft_ms"]) == 12 for x in saved)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = tmp_path / "again.png"
+    r = _run(*PDSERVE, "bench", "--replot", str(out_json), "--plot", str(again))
+    assert r.returncode == 0 and again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_node_benchmarks_fit_the_model_or_say_why(tiny_model):
