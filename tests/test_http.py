@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import urllib.error
 import urllib.request
 
@@ -110,6 +111,21 @@ def test_chat_streamed_and_not_equal_transformers(oai, tiny_model):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_seed_and_stop_strings(oai):
+    def sample(seed):
+        r = oai.completions.create(model=MODEL_NAME, prompt="Once", max_tokens=16, temperature=1.0,
+                                   seed=seed, extra_body={"ignore_eos": True, "return_token_ids": True})
+        return r.choices[0]
+    a, b, c = sample(7), sample(7), sample(8)
+    assert a.model_extra["token_ids"] == b.model_extra["token_ids"] != c.model_extra["token_ids"]
+    full = oai.completions.create(model=MODEL_NAME, prompt="Once", max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[3:5]
+    cut = oai.completions.create(model=MODEL_NAME, prompt="Once", max_tokens=16, temperature=0,
+                                 stop=[stop, "never seen"], extra_body={"ignore_eos": True}).choices[0]
+    assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
+
+
 def test_sse_events_parse_and_end_with_done(cluster):
     host, port = cluster.http.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
@@ -208,11 +224,13 @@ def test_metrics_parse_and_move_by_the_right_amounts(cluster, oai):
     assert after[("pdserve_node_kv_blocks_free", (("node", "decode-0"), ("role", "decode")))] > 0
 
 
-def test_health_and_a_dead_decode_node(tiny_model, tmp_path):
-    """503 with OpenAI's error body once no prefill/decode pair is alive."""
+def test_health_deadline_and_a_dead_decode_node(tiny_model, tmp_path):
+    """504 when the request's deadline passes; 503 with OpenAI's error body once no
+    prefill/decode pair is alive."""
     base = free_base_port(4)
     procs = Processes(tiny_model, base, tmp_path,
-                      frontend=["--http-port", str(base + 3), "--served-model-name", MODEL_NAME])
+                      frontend=["--http-port", str(base + 3), "--served-model-name", MODEL_NAME,
+                                "--default-timeout", "2", "--dead-after", "5"])
     url = f"http://127.0.0.1:{base + 3}"
     try:
         for role in ("frontend", "prefill", "decode"):
@@ -220,7 +238,14 @@ def test_health_and_a_dead_decode_node(tiny_model, tmp_path):
         wait_for(lambda: _get(url + "/health")[0] == 200, 120, "/health to say 200")
         code, reply = _post(url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
         assert code == 200 and reply["usage"]["completion_tokens"] == 2
-        procs.procs["decode"].kill()
+        decode = procs.procs["decode"]
+        decode.send_signal(signal.SIGSTOP)   # frozen: silent for 5 s before it counts as dead
+        try:
+            code, reply = _post(url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+            assert code == 504 and reply["error"]["type"] == "timeout", reply
+        finally:
+            decode.send_signal(signal.SIGCONT)
+        decode.kill()
         wait_for(lambda: _get(url + "/health")[0] == 503, 30, "/health to say 503")
         code, reply = _post(url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
         assert code == 503 and reply["error"]["type"] == "service_unavailable"
