@@ -91,6 +91,12 @@ class WorkerConfig:
         return DTYPES[self.dtype]
 
 
+def endpoint_host(value: str) -> str:
+    """The host of tcp://HOST:PORT (127.0.0.1 for ipc:// and inproc://)."""
+    m = re.fullmatch(r"tcp://\[?([^\]]+?)\]?:(\d+)", value)
+    return m.group(1) if m else "127.0.0.1"
+
+
 def check_endpoint(name: str, value: str, allow_remote: bool) -> None:
     m = re.fullmatch(r"tcp://\[?([^\]]+?)\]?:(\d+)|ipc://.+|inproc://.+", value)
     if not m:
@@ -115,7 +121,7 @@ class NodeLinks:
             raise ValueError("max_message_bytes must be at least 1024")
 
 
-KV_TRANSFERS = ("auto", "ipc", "tcp")   # see common/transfer
+KV_TRANSFERS = ("auto", "ipc", "tcp", "dist")   # see common/transfer; auto: ipc, else tcp
 
 
 def _check_kv_transfer(value: str) -> None:

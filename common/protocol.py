@@ -248,6 +248,7 @@ class KVWelcome:
     backends: list[Name]             # what this decode node accepts, best first
     shm_name: Name | None = None     # ipc on CPU: the cache's shared-memory segment
     cuda_ipc: CudaIpcHandle | None = None  # ipc on CUDA
+    dist_store: Name | None = None   # dist: "host:port" of the TCPStore pairs meet at
 
 
 @dataclass
@@ -277,6 +278,16 @@ class KVBlocks:
     request_id: Id
     first_layer: Annotated[int, Range(0, 4096)]
     kv: torch.Tensor
+
+
+@dataclass
+class KVDist:
+    """dist backend, prefill -> decode: the request's blocks follow as one send on the
+    pair's process group `group` under `tag`; the decode node posts the receive."""
+    TYPE: ClassVar[str] = "kv_dist"
+    request_id: Id
+    group: Name
+    tag: Annotated[int, Range(0, 2**31 - 1)]
 
 
 @dataclass
@@ -310,7 +321,7 @@ class HandoffAck:
 MESSAGES: dict[str, type] = {cls.TYPE: cls for cls in (
     GenerateRequest, AbortRequest, StatsRequest, GenerateOutput, StatsReply, ErrorReply,
     PrefillRequest, NodeAbort, Shutdown, ReadyReply, NodeReady, Heartbeat, RequestFailed, TokenBatch,
-    KVHello, KVWelcome, KVReserve, KVReserved, KVBlocks, KVCommit, KVRelease, HandoffAck)}
+    KVHello, KVWelcome, KVReserve, KVReserved, KVBlocks, KVDist, KVCommit, KVRelease, HandoffAck)}
 
 # What each link carries, per direction.
 CLIENT_TO_FRONTEND = (GenerateRequest, AbortRequest, StatsRequest)
@@ -318,7 +329,7 @@ FRONTEND_TO_CLIENT = (GenerateOutput, StatsReply, ErrorReply)
 FRONTEND_TO_NODE = (PrefillRequest, NodeAbort, Shutdown, ReadyReply)
 FRONTEND_TO_HEARTBEAT = (ReadyReply,)
 NODE_TO_FRONTEND = (NodeReady, Heartbeat, RequestFailed, TokenBatch)
-PREFILL_TO_DECODE = (KVHello, KVReserve, KVBlocks, KVCommit, KVRelease)
+PREFILL_TO_DECODE = (KVHello, KVReserve, KVBlocks, KVDist, KVCommit, KVRelease)
 DECODE_TO_PREFILL = (KVWelcome, KVReserved, HandoffAck)
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in

@@ -14,13 +14,13 @@ import threading
 import time
 
 from common.channel import BadMessage, Channel, Poller, open_context
-from common.config import DecodeConfig
+from common.config import DecodeConfig, endpoint_host
 from common.keys import load_keys
 from common.kv_cache import BlockAllocator
 from common.heartbeat import HeartbeatThread, Registration
 from common.log import Throttle, get_logger
 from common import transfer
-from common.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, HandoffAck, KVBlocks, KVCommit,
+from common.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, HandoffAck, KVBlocks, KVCommit, KVDist,
                              KVHello, KVRelease, KVReserve, KVReserved, NodeAbort, NodeReady,
                              ReadyReply, RequestFailed, Shutdown, TokenBatch, TokenUpdate)
 from common.sequence import blocks_to_join, finish_reason, grow_blocks
@@ -64,7 +64,8 @@ class DecodeNode:
                                   domain="nodes")
                 self.sink = transfer.KVSink(self.worker.kv_cache, getattr(self.worker.kv_shm, "name", None),
                                             transfer.accepted_backends(self.cfg.kv_transfer,
-                                                                       self.worker.device))
+                                                                       self.worker.device),
+                                            endpoint_host(self.cfg.kv_endpoint))
                 poller = self._poller = Poller(self.frontend, self.kv)
                 self._stop = stop
                 self.allocator = BlockAllocator(self.worker.num_kv_blocks)
@@ -128,7 +129,7 @@ class DecodeNode:
                 self.kv.send(self.sink.welcome(self.epoch), to=sender)
             elif isinstance(msg, KVReserve):
                 self._on_reserve(sender, msg)
-            elif isinstance(msg, KVBlocks):
+            elif isinstance(msg, (KVBlocks, KVDist)):
                 self._on_blocks(sender, msg)
             elif isinstance(msg, KVCommit):
                 self._on_commit(sender, msg)
@@ -174,12 +175,12 @@ class DecodeNode:
                                    self.cfg.reservation_lease_s)
         self.kv.send(KVReserved(m.request_id, self.epoch, list(r.block_ids)), to=sender)
 
-    def _on_blocks(self, sender: bytes, m: KVBlocks) -> None:
+    def _on_blocks(self, sender: bytes, m: KVBlocks | KVDist) -> None:
         r = self._reservation_of(sender, m.request_id)
         if r is None or r.error or r.commit is not None:
             return  # released, expired, already failed, or not this sender's
         try:
-            self.sink.receive(m, r.block_ids)
+            self.sink.receive(sender, m, r.block_ids)
         except transfer.TransferError as e:
             noisy.warning("refused KV frame for %s: %s", m.request_id, e)
             r.error = str(e)

@@ -288,6 +288,27 @@ class AsyncClient:
         return await asyncio.wait_for(self._stats.get(), timeout_s)
 
 
+def format_stats(stats: StatsReply) -> str:
+    """Every node, one line each, and how many requests took each prefill -> decode route."""
+    cols = ("node", "role", "alive", "device", "kv", "routed", "running", "waiting", "free blocks")
+    rows = []
+    for name, n in sorted(stats.nodes.items()):
+        waiting = n.get("num_waiting", n.get("num_queued", ""))
+        free = f"{n.get('num_free_blocks', '?')}/{n.get('num_usable_blocks', '?')}"
+        rows.append((name, n.get("role", "?"), "yes" if n.get("is_alive") else "NO", n.get("device", "?"),
+                     n.get("kv_transfer", "?"), n.get("num_routed", 0),
+                     n.get("num_running", n.get("num_prefilling", "")), waiting, free))
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (cols, *rows)]
+    fe = stats.frontend or {}
+    lines.append(f"\nready: {stats.is_ready}; model {(stats.model or {}).get('name')}; "
+                 f"frontend: {fe.get('num_running', 0)} running, {fe.get('num_waiting', 0)} waiting, "
+                 f"{fe.get('num_served', 0)} served")
+    routes = fe.get("routes") or {}
+    lines.append("routes: " + (", ".join(f"{k}: {v}" for k, v in sorted(routes.items())) or "none yet"))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 when every request finished normally; 1 when one failed or the frontend
     did not answer; 2 for bad options; 130 on Ctrl-C (the requests are aborted)."""
@@ -306,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may run on the cluster (default: the frontend's)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    p.add_argument("--stats", action="store_true", help="print the cluster's stats")
+    p.add_argument("--stats", action="store_true",
+                   help="print every node and the routing counts (with --json: everything, as JSON)")
     p.add_argument("--wait-ready", type=float, default=None, metavar="SECONDS",
                    help="wait until a prefill and a decode node are ready")
     p.add_argument("--wait-nodes", type=int, default=0, metavar="N",
@@ -329,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                 client.wait_ready(a.wait_ready, a.wait_nodes, a.frontend_pid)
             if a.stats:
                 client.connect()
-                print(json.dumps(vars(client.stats()), indent=2))
+                stats = client.stats()
+                print(json.dumps(vars(stats), indent=2) if a.json else format_stats(stats))
             if not a.prompt:
                 return 0
             params = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,

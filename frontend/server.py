@@ -84,6 +84,7 @@ class Frontend:
         self.num_requests = 0
         self.num_served = 0
         self.is_draining = False
+        self.num_routes: dict[str, int] = {}   # "prefill -> decode" -> requests routed that way
         self.metrics = Metrics(self)
         # In-process clients' replies: local_sink(client, message, http_status).
         self.local_sink: Callable[[Client, object, int | None], None] | None = None
@@ -275,6 +276,8 @@ class Frontend:
                 prefill, decode = route
                 req.prefill_node, req.decode_node = prefill.name, decode.name
                 router.routed(prefill, decode, len(req.prompt_ids))
+                pair = f"{prefill.name} -> {decode.name}"
+                self.num_routes[pair] = self.num_routes.get(pair, 0) + 1
                 await self.node_link.send(PrefillRequest(req.node_id, req.prompt_ids, req.params,
                                                          req.arrival_time, decode.name,
                                                          decode.ready.kv_endpoint), to=prefill.identity)
@@ -295,7 +298,8 @@ class Frontend:
                 "num_clients": len(self.admission.clients), "num_served": self.num_served,
                 "num_overloaded": self.admission.num_refused,
                 "num_bad_client_messages": self.clients.num_bad,
-                "num_bad_node_messages": self.node_link.num_bad}
+                "num_bad_node_messages": self.node_link.num_bad,
+                "routes": dict(self.num_routes)}
 
     def node_stats(self) -> dict:
         now = time.monotonic()

@@ -2,7 +2,7 @@
 prefill side writing through the same transfer interface a prefill node uses.
 
     python -m launch.bench_transfer --shape qwen3-0.6b --prefill-device cuda:0 --decode-device cuda:0 \
-        --prompt-len 1024 --num-requests 32 --backends ipc,tcp [--decode-batch 32]
+        --prompt-len 1024 --num-requests 32 --backends ipc,tcp,dist [--decode-batch 32]
 
 Each handoff is reserve -> write -> commit. Per backend, one JSON line:
 - one at a time: ms per request from the start of the write to the commit's
@@ -11,7 +11,7 @@ Each handoff is reserve -> write -> commit. Per backend, one JSON line:
 - all at once: GB/s of KV moved with every request's write in flight;
 - the floor: for ipc on one device, the device's copy bandwidth (a block copy
   reads and writes every byte); otherwise the link, measured here as one
-  large ZeroMQ frame over the same transport.
+  large ZeroMQ frame over the same transport (for dist on CPU: one gloo send).
 With --decode-batch B the decode node first runs B long requests, and its
 step time is read from its heartbeats with and without handoffs arriving.
 """
@@ -107,6 +107,31 @@ def link_floor_GBps(num_bytes: int, tries: int = 3) -> float:
         t.join()
         best = min(best, time.perf_counter() - t0)
     rx.close(0), tx.close(0), ctx.term()
+    return num_bytes / best / 1e9
+
+
+def gloo_floor_GBps(num_bytes: int, tries: int = 3) -> float:
+    """One num_bytes send between two ranks of a gloo group on loopback TCP, best of
+    tries: the link the dist backend has on CPU."""
+    import torch.distributed as dist
+    from datetime import timedelta
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    groups = [None, None]
+
+    def join(rank):   # rank 1 joins through a client of its own, as a prefill node does
+        client = store if rank == 0 else dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("floor", client), rank, 2, timedelta(seconds=30))
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    src, dst = torch.ones(num_bytes, dtype=torch.uint8), torch.empty(num_bytes, dtype=torch.uint8)
+    best = float("inf")
+    for i in range(tries):
+        t0 = time.perf_counter()
+        recv = groups[0].recv([dst], 1, i)
+        groups[1].send([src], 0, i).wait()
+        recv.wait()
+        best = min(best, time.perf_counter() - t0)
     return num_bytes / best / 1e9
 
 
@@ -259,6 +284,9 @@ def main(argv=None) -> None:
         else:
             record.update({"floor": "ZeroMQ frame on loopback TCP",
                            "floor_GBps": round(link_floor_GBps(bytes_per_req), 2)})
+        if backend == "dist" and a.decode_device == "cpu":
+            record.update({"floor": "gloo send on loopback TCP",
+                           "floor_GBps": round(gloo_floor_GBps(bytes_per_req), 2)})
         record["floor_fraction"] = round(record["GBps_all_at_once"] / record["floor_GBps"], 3)
         record["is_curve"] = bool(a.curve)
         emit(record)

@@ -4,7 +4,7 @@
 #   bash launch/start_cluster.sh [--demo] [--model DIR] [--host 127.0.0.1] [--base-port 5600]
 #        [--prefill-devices D[,D...]] [--decode-devices D[,D...]]      one node per device listed
 #        [--num-prefill N] [--num-decode M]     N or M nodes on the one device given (default 1)
-#        [--kv-transfer auto|ipc|tcp] [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N]
+#        [--kv-transfer auto|ipc|tcp|dist] [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N]
 #        [--max-model-len N] [--block-size N] [--token-budget N] [--kv-cache-fraction F]
 #        [--http-port 8000 | --no-http] [--served-model-name NAME] [--log-level LEVEL]
 #        [--keys DIR | --no-keys] [--no-restart-nodes] [--drain-timeout S]

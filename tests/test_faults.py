@@ -71,8 +71,19 @@ def test_killed_decode_node_fails_its_requests_fast_and_a_new_one_serves(procs):
              "decode blocks to be free")
 
 
-def test_mixed_endings_leak_no_blocks(procs):
-    """Finished, cancelled, timed-out, rejected and stop-string requests together."""
+@pytest.mark.parametrize("backend", ["auto", "tcp", "dist"])
+def test_mixed_endings_leak_no_blocks(tiny_model, tmp_path, backend):
+    """Finished, cancelled, timed-out, rejected and stop-string requests together,
+    with each KV transfer backend (auto is ipc here)."""
+    kv = ["--kv-transfer", backend]
+    procs = Processes(tiny_model, free_base_port(), tmp_path, prefill=kv, decode=kv)
+    try:
+        _mixed_endings(procs)
+    finally:
+        procs.stop()
+
+
+def _mixed_endings(procs):
     _start(procs, "frontend", "prefill", "decode")
     start = {n: wait_for(lambda: _free_blocks(procs.clients, n), 5, f"{n} stats")
              for n in ("prefill-0", "decode-0")}

@@ -3,6 +3,7 @@ worker's reserved blocks equal the prefill worker's, and decoding goes on from
 them exactly. Layouts, handles and frames that do not fit are refused with a
 clear error."""
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def workers(tiny_model):
         yield pw, dw
 
 
-@pytest.mark.parametrize("backend", ["ipc", "tcp"])
+@pytest.mark.parametrize("backend", ["ipc", "tcp", "dist"])
 def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, backend):
     pw, dw = workers
     prompt = list(range(3, 60))
@@ -43,17 +44,23 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
     sched = DecodeScheduler(BlockAllocator(dw.num_kv_blocks), 16, 4, 4)
     sched.allocator.allocate(2)
     r = sched.reserve("r", b"p", len(prompt), params.max_tokens, lease_s=10)
-    sink = transfer.KVSink(dw.kv_cache, dw.kv_shm.name, transfer.accepted_backends("auto", dw.device))
+    offered = "dist" if backend == "dist" else "auto"   # auto never offers dist
+    sink = transfer.KVSink(dw.kv_cache, dw.kv_shm.name, transfer.accepted_backends(offered, dw.device),
+                           "127.0.0.1")
     frames = []
     writer = transfer.open_writer(backend, _wire(sink.welcome("e1")), pw.kv_cache,
                                   lambda m: frames.append(_wire(m)) or True)
     assert writer.name == backend
     writer.write("r", src, r.block_ids)
-    assert writer.poll() == ["r"]
-    assert bool(frames) == (backend == "tcp")
-    for f in frames:
-        sink.receive(f, r.block_ids)
-    assert sink.is_landed("r")
+    done, num_frames, deadline = [], 0, time.monotonic() + 60
+    while not (done and sink.is_landed("r")):   # dist: both sides join their group first
+        assert time.monotonic() < deadline, "the write did not complete"
+        done += writer.poll()
+        for f in frames:
+            sink.receive(b"p", f, r.block_ids)
+        num_frames += len(frames)
+        frames.clear()
+    assert done == ["r"] and bool(num_frames) == (backend != "ipc")
     assert r.block_ids != src
     assert torch.equal(dw.kv_cache[:, :, r.block_ids], pw.kv_cache[:, :, src])
 
@@ -85,9 +92,9 @@ def test_tcp_frames_are_a_group_of_layers_each(workers, monkeypatch):
     writer.write("r", src, [7, 8, 9])
     assert writer.poll() == ["r"]
     assert [f.first_layer for f in frames] == list(range(pw.kv_cache.shape[0]))
-    sink = transfer.KVSink(dw.kv_cache, None, ["tcp"])
+    sink = transfer.KVSink(dw.kv_cache, None, ["tcp"], "127.0.0.1")
     for f in frames:
-        sink.receive(_wire(f), [7, 8, 9])
+        sink.receive(b"p", _wire(f), [7, 8, 9])
     assert torch.equal(dw.kv_cache[:, :, [7, 8, 9]], pw.kv_cache[:, :, src])
 
 
@@ -102,7 +109,7 @@ def test_the_decode_cache_is_shared_memory_and_freed_on_close(tiny_model):
 
 
 def _welcome(dw, **change):
-    sink = transfer.KVSink(dw.kv_cache, dw.kv_shm.name, ["ipc", "tcp"])
+    sink = transfer.KVSink(dw.kv_cache, dw.kv_shm.name, ["ipc", "tcp"], "127.0.0.1")
     return dataclasses.replace(sink.welcome("e1"), **change)
 
 
@@ -139,15 +146,32 @@ def test_ipc_refuses_blocks_outside_the_decode_cache(workers):
 
 def test_a_frame_of_the_wrong_shape_or_dtype_is_refused(workers):
     pw, dw = workers
-    sink = transfer.KVSink(dw.kv_cache, None, ["tcp"])
+    sink = transfer.KVSink(dw.kv_cache, None, ["tcp"], "127.0.0.1")
     good = pw.kv_cache[:2, :, [1, 2]].clone()
     before = dw.kv_cache.clone()
     for kv, first_layer in ((good[:, :, :1], 0), (good.to(torch.float16), 0),
                             (good, dw.kv_cache.shape[0] - 1), (good.flatten(0, 1), 0),
                             (good[:, :, :, :8].contiguous(), 0)):
         with pytest.raises(transfer.TransferError, match="does not fit"):
-            sink.receive(_wire(KVBlocks("r", first_layer, kv)), [5, 6])
+            sink.receive(b"p", _wire(KVBlocks("r", first_layer, kv)), [5, 6])
     assert torch.equal(dw.kv_cache, before)
+    with pytest.raises(transfer.TransferError, match="does not accept dist"):
+        sink.receive(b"p", protocol.KVDist("r", "g", 1), [5, 6])
+
+
+def test_a_dist_group_belongs_to_the_peer_that_made_it(workers):
+    _, dw = workers
+    sink = transfer.KVSink(dw.kv_cache, None, ["dist"], "127.0.0.1")
+    assert sink.welcome("e").dist_store.startswith("127.0.0.1:")
+    sink.receive(b"peer-a", protocol.KVDist("r1", "g", 1), [5, 6])
+    with pytest.raises(transfer.TransferError, match="another prefill node"):
+        sink.receive(b"peer-b", protocol.KVDist("r2", "g", 2), [7])
+    with pytest.raises(transfer.TransferError, match="second KV announcement"):
+        sink.receive(b"peer-a", protocol.KVDist("r1", "g", 3), [5, 6])
+    assert not sink.is_landed("r1")   # posted, never sent: nothing lands in the cache
+    sink.forget("r1")
+    assert sink.is_landed("r1")
+    sink.close()
 
 
 def test_copy_blocks_handles_scattered_ids():
@@ -170,6 +194,8 @@ def test_auto_prefers_ipc_on_one_host():
     assert transfer.choose_backend("auto", dataclasses.replace(w, host_id="x/y"),
                                    torch.device("cpu")) == "tcp"
     assert transfer.accepted_backends("tcp", torch.device("cpu")) == ["tcp"]
+    assert transfer.accepted_backends("auto", torch.device("cpu")) == ["ipc", "tcp"]   # never dist
+    assert transfer.accepted_backends("dist", torch.device("cpu")) == ["dist"]
     with pytest.raises(ValueError):
         transfer.accepted_backends("smoke-signals", torch.device("cpu"))
 

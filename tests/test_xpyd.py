@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -43,7 +46,7 @@ def _all_free(stats: dict) -> bool:
                for s in stats.values() if s.get("is_alive"))
 
 
-@pytest.mark.parametrize("backend", ["ipc", "tcp"])
+@pytest.mark.parametrize("backend", ["ipc", "tcp", "dist"])
 def test_each_backend_gives_transformers_tokens(tiny_model, tmp_path, backend):
     c = Cluster(tiny_model, tmp_path / "cluster.log", "--kv-transfer", backend)
     try:
@@ -69,6 +72,15 @@ def test_two_prefill_two_decode_nodes_serve_64_requests_exactly(tiny_model, tmp_
         wait_for(lambda: all(c.stats()[p]["kv_links"] == {"decode-0": "ipc", "decode-1": "ipc"}
                              for p in ("prefill-0", "prefill-1")), 10, "both prefill nodes' links")
         wait_for(lambda: _all_free(c.stats()), 10, "every block free")
+        # --stats: every node on a line, and the routes taken, which add up to the requests.
+        out = subprocess.run([sys.executable, "-m", "frontend.client", "--endpoint", c.endpoint, "--stats"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0].split()[:2] == ["node", "role"]
+        assert sorted(line.split()[0] for line in lines[1:5]) == sorted(stats)
+        routes = dict(re.findall(r"(prefill-\d -> decode-\d): (\d+)", out.stdout))
+        assert len(routes) >= 2 and sum(map(int, routes.values())) == 64
     finally:
         c.stop()
 

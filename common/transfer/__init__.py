@@ -8,7 +8,7 @@ code calls only what this module exports; it never names a backend.
     prefill node                                  decode node
     open_writer(requested, welcome, cache, send)  KVSink(cache, shm_name, accepted)
     writer.write(rid, src_ids, dst_ids)           sink.welcome(epoch) -> KVWelcome
-    writer.poll() -> rids whose write is done     sink.receive(KVBlocks, dst_ids)   (tcp)
+    writer.poll() -> rids whose write is done     sink.receive(sender, msg, dst_ids)  (tcp, dist)
     writer.close()                                sink.is_landed(rid) / landing_error(rid)
                                                   sink.forget(rid)
 
@@ -17,6 +17,9 @@ Backends:
          (CUDA IPC handle; a shared-memory segment on CPU) and written device to device.
     tcp  anywhere: blocks travel as raw frames on the KV link, gathered on a side
          stream into pinned memory and written on arrival into the reserved blocks.
+    dist torch.distributed point-to-point (gloo on CPU, nccl on CUDA, hccl on Ascend),
+         one process group per prefill/decode pair, joined on first contact; only
+         when asked for by name (its connections are not authenticated).
 """
 from __future__ import annotations
 
@@ -25,8 +28,8 @@ from typing import Callable, Protocol
 import torch
 
 from common.config import KV_TRANSFERS
-from common.protocol import KVBlocks, KVWelcome
-from common.transfer import ipc, tcp
+from common.protocol import KVBlocks, KVDist, KVWelcome
+from common.transfer import dist, ipc, tcp
 from common.transfer.copy import TransferError, copy_blocks, host_id  # noqa: F401
 
 CHOICES = KV_TRANSFERS               # what --kv-transfer takes
@@ -50,7 +53,8 @@ def accepted_backends(requested: str, device: torch.device) -> list[str]:
     """What a decode node offers its prefill nodes, best first."""
     if requested not in CHOICES:
         raise ValueError(f"kv transfer must be one of {CHOICES}, got {requested!r}")
-    offered = [b for b in BACKENDS if requested in ("auto", b)]
+    # NOTE: auto never offers dist: its store and groups are not authenticated.
+    offered = [b for b in BACKENDS if requested == b or (requested == "auto" and b != "dist")]
     return [b for b in offered if b != "ipc" or ipc.is_supported(device)]
 
 
@@ -84,48 +88,65 @@ def check_layout(welcome: KVWelcome, cache: torch.Tensor) -> None:
 
 
 def open_writer(requested: str, welcome: KVWelcome, cache: torch.Tensor,
-                send: Callable[[KVBlocks], bool]) -> KVWriter:
+                send: Callable[[KVBlocks | KVDist], bool]) -> KVWriter:
     """A writer into the decode node that sent `welcome`; TransferError says why not."""
     check_layout(welcome, cache)
     backend = choose_backend(requested, welcome, cache.device)
     if backend == "ipc":
         return ipc.IpcWriter(welcome, cache)
+    if backend == "dist":
+        if not welcome.dist_store:
+            raise TransferError("the decode node offers dist but names no store")
+        return dist.DistWriter(welcome.dist_store, cache, send)
     return tcp.TcpWriter(cache, send)
 
 
 class KVSink:
-    """Decode side: describes the cache to prefill nodes and lands tcp frames in it."""
+    """Decode side: describes the cache to prefill nodes and lands tcp frames and dist
+    receives in it. host: the KV link's address (dist's store listens there)."""
 
-    def __init__(self, cache: torch.Tensor, shm_name: str | None, accepted: list[str]):
+    def __init__(self, cache: torch.Tensor, shm_name: str | None, accepted: list[str], host: str):
         self.cache = cache
         self.shm_name = shm_name
         self.accepted = accepted
         self.tcp = tcp.TcpReceiver(cache)
+        self.dist = dist.DistReceiver(cache, host) if "dist" in accepted else None
 
     def welcome(self, epoch: str) -> KVWelcome:
         c = self.cache
         return KVWelcome(epoch, host_id(), str(c.device), list(c.shape),
                          str(c.dtype).removeprefix("torch."), list(self.accepted),
                          shm_name=self.shm_name if "ipc" in self.accepted else None,
-                         cuda_ipc=ipc.share_cuda(c) if "ipc" in self.accepted and c.is_cuda else None)
+                         cuda_ipc=ipc.share_cuda(c) if "ipc" in self.accepted and c.is_cuda else None,
+                         dist_store=self.dist.address if self.dist is not None else None)
 
-    def receive(self, msg: KVBlocks, dst_block_ids: list[int]) -> None:
-        """Write one tcp frame into dst_block_ids; TransferError if it does not fit."""
+    def receive(self, sender: bytes, msg: KVBlocks | KVDist, dst_block_ids: list[int]) -> None:
+        """A tcp frame (written into dst_block_ids) or a dist announcement (its receive
+        posted); TransferError if it does not fit or is not accepted here."""
+        if isinstance(msg, KVDist):
+            if self.dist is None:
+                raise TransferError("this decode node does not accept dist KV transfers")
+            self.dist.receive(sender, msg, dst_block_ids)
+            return
         if "tcp" not in self.accepted:
             raise TransferError("this decode node does not accept tcp KV frames")
         self.tcp.receive(msg, dst_block_ids)
 
     def is_landed(self, request_id: str) -> bool:
-        """Every frame received for the request is in the cache."""
-        return self.tcp.is_landed(request_id)
+        """Every frame or receive for the request is in the cache."""
+        return self.tcp.is_landed(request_id) and (self.dist is None or self.dist.is_landed(request_id))
 
     def landing_error(self, request_id: str) -> str | None:
         """Why a landed request's KV is not usable, if it is not."""
-        return self.tcp.failed.get(request_id)
+        return self.tcp.failed.get(request_id) or (self.dist.failed.get(request_id) if self.dist else None)
 
     def forget(self, request_id: str) -> None:
         self.tcp.forget(request_id)
+        if self.dist is not None:
+            self.dist.forget(request_id)
 
     def close(self) -> None:
         self.tcp.forget_all()
+        if self.dist is not None:
+            self.dist.close()
         self.cache = None
