@@ -171,6 +171,10 @@ def test_a_dist_group_belongs_to_the_peer_that_made_it(workers):
     assert not sink.is_landed("r1")   # posted, never sent: nothing lands in the cache
     sink.forget("r1")
     assert sink.is_landed("r1")
+    sink.receive(b"peer-a", protocol.KVDist("r3", "g", 4), [8])
+    sink.receive(b"peer-a", protocol.KVDist("r4", "g2", 1), [9])   # a new group replaces "g"
+    assert sink.is_landed("r3") and "replaced" in sink.landing_error("r3")
+    assert len(sink.dist._groups) == 1
     sink.close()
 
 

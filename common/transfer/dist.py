@@ -185,6 +185,12 @@ class DistReceiver:
         if owner != sender:
             raise TransferError("that KV process group belongs to another prefill node")
         if pipe is None:
+            # One group per prefill node: a new one from the same peer replaces the old
+            # (joining threads stay bounded whatever a peer sends).
+            for old in [g for g, (peer, _) in self._groups.items() if peer == sender]:
+                self._groups.pop(old)[1].close()
+                for rid in [rid for rid, r in self._recvs.items() if r.group == old]:
+                    self.failed[rid] = "its KV process group was replaced"
             group, device = msg.group, self.cache.device
             pipe = _Pipe(lambda: _group(self.store, group, 0, device), group[:8])
             self._groups[group] = (sender, pipe)
@@ -199,7 +205,8 @@ class DistReceiver:
         r = self._recvs.get(request_id)
         if r is None:
             return True
-        error = self._groups[r.group][1].error
+        _, pipe = self._groups.get(r.group, (None, None))
+        error = self.failed.get(request_id) or (pipe.error if pipe else "its KV process group was replaced")
         if error:
             self.failed[request_id] = error
         elif not r.is_done:
