@@ -141,6 +141,7 @@ class PrefillConfig:
     links: NodeLinks = field(default_factory=NodeLinks)
     allow_remote: bool = False
     keys_dir: str | None = None       # CURVE keys (launch/keys.py), this node's under its name
+    is_prefix_caching: bool = True    # reuse full prompt blocks computed before (common/prefix.py)
 
     def __post_init__(self) -> None:
         check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)

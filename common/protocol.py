@@ -155,6 +155,18 @@ class Shutdown:
 
 
 @dataclass
+class PrefixUpdate:
+    """prefill -> frontend: route keys (common/prefix.route_key) of blocks the node's
+    prefix cache added and evicted since its last update; is_reset: added is all it holds."""
+    TYPE: ClassVar[str] = "prefix_update"
+    name: Name
+    pid: I32
+    added: Annotated[list[int], MaxLen(65536)]
+    removed: Annotated[list[int], MaxLen(65536)]
+    is_reset: bool = False
+
+
+@dataclass
 class ReadyReply:
     """frontend -> node, for each NodeReady (and to a heartbeat from a node it has
     forgotten): registered, or why not. A retryable refusal is asked again."""
@@ -321,6 +333,7 @@ class HandoffAck:
 MESSAGES: dict[str, type] = {cls.TYPE: cls for cls in (
     GenerateRequest, AbortRequest, StatsRequest, GenerateOutput, StatsReply, ErrorReply,
     PrefillRequest, NodeAbort, Shutdown, ReadyReply, NodeReady, Heartbeat, RequestFailed, TokenBatch,
+    PrefixUpdate,
     KVHello, KVWelcome, KVReserve, KVReserved, KVBlocks, KVDist, KVCommit, KVRelease, HandoffAck)}
 
 # What each link carries, per direction.
@@ -328,7 +341,7 @@ CLIENT_TO_FRONTEND = (GenerateRequest, AbortRequest, StatsRequest)
 FRONTEND_TO_CLIENT = (GenerateOutput, StatsReply, ErrorReply)
 FRONTEND_TO_NODE = (PrefillRequest, NodeAbort, Shutdown, ReadyReply)
 FRONTEND_TO_HEARTBEAT = (ReadyReply,)
-NODE_TO_FRONTEND = (NodeReady, Heartbeat, RequestFailed, TokenBatch)
+NODE_TO_FRONTEND = (NodeReady, Heartbeat, RequestFailed, TokenBatch, PrefixUpdate)
 PREFILL_TO_DECODE = (KVHello, KVReserve, KVBlocks, KVDist, KVCommit, KVRelease)
 DECODE_TO_PREFILL = (KVWelcome, KVReserved, HandoffAck)
 

@@ -48,6 +48,10 @@ class Admission:
         load.num_kv_tokens += kv_tokens
         self.num_waiting += 1
 
+    def peek(self):
+        """The item next() would give, left in place; None if none waits."""
+        return next((load.waiting[0] for load in self.clients.values() if load.waiting), None)
+
     def next(self):
         """The next waiting item, taking clients in turn; None if none waits."""
         for client in list(self.clients):

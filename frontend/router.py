@@ -1,6 +1,10 @@
 """Which prefill node and which decode node serve a request (xPyD: any to any).
 
-Prefill: the fewest prompt tokens routed there and not yet prefilled. Decode:
+Prefill: the least work before this prompt's prefill ends there: the prompt
+tokens routed there and not yet prefilled, plus this prompt's tokens minus the
+prefix that node already caches (cache-aware: nodes report the blocks they
+cache, and a repeated prefix goes where it is, unless that node is busier by
+more than the prefix saves). Decode:
 the fewest requests routed there and not yet finished, then the most KV blocks
 free after reservations (from its last heartbeat). Both counts are kept here,
 at routing time, so a burst of requests spreads at once instead of waiting for
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.prefix import num_reusable_blocks
 from common.protocol import NodeReady
 
 
@@ -23,7 +28,8 @@ class NodeState:
     dead_since: float = 0.0       # monotonic; a node dead past the grace period is forgotten
     num_routed: int = 0           # requests ever sent here
     num_active: int = 0           # decode: routed, not finished
-    num_queued_tokens: int = 0    # prefill: prompt tokens routed, not yet prefilled
+    num_queued_tokens: int = 0    # prefill: prompt tokens routed, not yet prefilled (less cached ones)
+    prefix_keys: set[int] = field(default_factory=set)   # prefill: route keys of its cached blocks
 
     @property
     def role(self) -> str:
@@ -45,8 +51,22 @@ def has_room(node: NodeState, max_queued_tokens: int) -> bool:
     return not rows or node.num_active < rows + max(rows // 2, 8)
 
 
-def choose(nodes: dict[str, NodeState], max_queued_tokens: int | None = None
-           ) -> tuple[NodeState, NodeState] | None:
+def cached_tokens(node: NodeState, prompt_len: int, keys: dict[int, list[int]] | None) -> int:
+    """Prompt tokens the node can take from its prefix cache. keys: block size -> the
+    route keys of the prompt's full blocks (common/prefix.py)."""
+    bs = node.ready.block_size
+    if not keys or not node.prefix_keys or bs not in keys:
+        return 0
+    n = 0
+    for k in keys[bs][:num_reusable_blocks(prompt_len, bs)]:
+        if k not in node.prefix_keys:
+            break
+        n += 1
+    return n * bs
+
+
+def choose(nodes: dict[str, NodeState], max_queued_tokens: int | None = None, prompt_len: int = 0,
+           keys: dict[int, list[int]] | None = None) -> tuple[NodeState, NodeState] | None:
     """(prefill node, decode node), or None if either role has no live node (with
     max_queued_tokens: no live node with room)."""
     live = [n for n in nodes.values() if n.is_alive and
@@ -55,7 +75,8 @@ def choose(nodes: dict[str, NodeState], max_queued_tokens: int | None = None
     decodes = [n for n in live if n.role == "decode" and n.ready.kv_endpoint]
     if not prefills or not decodes:
         return None
-    prefill = min(prefills, key=lambda n: (n.num_queued_tokens, n.num_routed))
+    prefill = min(prefills, key=lambda n: (n.num_queued_tokens + prompt_len - cached_tokens(n, prompt_len, keys),
+                                           n.num_queued_tokens, n.num_routed))
     decode = min(decodes, key=lambda n: (n.num_active, -figure(n.stats, "num_available_blocks"),
                                          n.num_routed))
     return prefill, decode
@@ -67,16 +88,25 @@ def figure(stats: dict, key: str) -> float:
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
 
 
-def routed(prefill: NodeState, decode: NodeState, prompt_len: int) -> None:
+def routed(prefill: NodeState, decode: NodeState, work_tokens: int) -> None:
+    """work_tokens: the prompt tokens the prefill node is expected to compute."""
     prefill.num_routed += 1
-    prefill.num_queued_tokens += prompt_len
+    prefill.num_queued_tokens += work_tokens
     decode.num_routed += 1
     decode.num_active += 1
 
 
-def prefill_done(prefill: NodeState | None, prompt_len: int) -> None:
+def prefill_done(prefill: NodeState | None, work_tokens: int) -> None:
     if prefill is not None:
-        prefill.num_queued_tokens = max(prefill.num_queued_tokens - prompt_len, 0)
+        prefill.num_queued_tokens = max(prefill.num_queued_tokens - work_tokens, 0)
+
+
+def update_prefix(node: NodeState, added: list[int], removed: list[int], is_reset: bool) -> None:
+    if is_reset:
+        node.prefix_keys = set(added)
+        return
+    node.prefix_keys.difference_update(removed)
+    node.prefix_keys.update(added)
 
 
 def decode_done(decode: NodeState | None) -> None:

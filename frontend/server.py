@@ -25,9 +25,10 @@ from common.config import FrontendConfig
 from common.keys import FRONTEND, load_keys
 from common.log import Throttle, get_logger
 from common.model_spec import load_spec
+from common.prefix import block_hashes, route_key
 from common.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, ErrorReply, GenerateOutput,
-                             GenerateRequest, Heartbeat, NodeAbort, NodeReady, PrefillRequest, ReadyReply,
-                             RequestFailed, StatsReply, StatsRequest, TokenBatch, TokenUpdate)
+                             GenerateRequest, Heartbeat, NodeAbort, NodeReady, PrefillRequest, PrefixUpdate,
+                             ReadyReply, RequestFailed, StatsReply, StatsRequest, TokenBatch, TokenUpdate)
 from common.sampling import SamplingParams, validate_prompt
 from common.sequence import FINISH_ABORT, FINISH_ERROR, FINISH_STOP
 from frontend import http, router
@@ -59,6 +60,7 @@ class RequestState:
     num_tokens: int = 0
     timings: dict = field(default_factory=dict)
     is_prefilled: bool = False   # its first token came back (or it ended)
+    work_tokens: int = 0         # prompt tokens its prefill node was expected to compute
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None   # monotonic
 
@@ -269,13 +271,16 @@ class Frontend:
             await self._wake.wait()
             self._wake.clear()
             while self.admission.num_waiting:
-                route = router.choose(self.nodes, self.cfg.max_queued_tokens)
+                req = self.admission.peek()
+                keys = self._prefix_keys(req.prompt_ids)
+                route = router.choose(self.nodes, self.cfg.max_queued_tokens, len(req.prompt_ids), keys)
                 if route is None:
                     break
-                req = self.admission.next()
+                self.admission.next()
                 prefill, decode = route
                 req.prefill_node, req.decode_node = prefill.name, decode.name
-                router.routed(prefill, decode, len(req.prompt_ids))
+                req.work_tokens = len(req.prompt_ids) - router.cached_tokens(prefill, len(req.prompt_ids), keys)
+                router.routed(prefill, decode, req.work_tokens)
                 pair = f"{prefill.name} -> {decode.name}"
                 self.num_routes[pair] = self.num_routes.get(pair, 0) + 1
                 await self.node_link.send(PrefillRequest(req.node_id, req.prompt_ids, req.params,
@@ -283,6 +288,12 @@ class Frontend:
                                                          decode.ready.kv_endpoint), to=prefill.identity)
 
     # ---- routing --------------------------------------------------------------
+
+    def _prefix_keys(self, prompt_ids: list[int]) -> dict[int, list[int]] | None:
+        """Route keys of the prompt's full blocks, per block size of the prefill nodes
+        that report a prefix cache (None when none does)."""
+        sizes = {n.ready.block_size for n in self.nodes.values() if n.role == "prefill" and n.prefix_keys}
+        return {bs: [route_key(h) for h in block_hashes(prompt_ids, bs)] for bs in sizes} or None
 
     def is_ready(self) -> bool:
         return router.choose(self.nodes) is not None and not self.is_draining
@@ -305,7 +316,7 @@ class Frontend:
         now = time.monotonic()
         return {name: {"role": n.ready.role, "is_alive": n.is_alive, "pid": n.ready.pid,
                        "device": n.ready.device, "kv_transfer": n.ready.kv_transfer,
-                       "max_batch_size": n.ready.max_batch_size,
+                       "max_batch_size": n.ready.max_batch_size, "num_prefix_keys": len(n.prefix_keys),
                        "seconds_since_seen": round(now - n.last_seen, 3),
                        "num_routed": n.num_routed, **n.stats} for name, n in self.nodes.items()}
 
@@ -359,6 +370,8 @@ class Frontend:
         elif isinstance(msg, TokenBatch):
             for u in msg.updates:
                 await self._on_tokens(node, u)
+        elif isinstance(msg, PrefixUpdate) and node.role == "prefill" and node.ready.pid == msg.pid:
+            router.update_prefix(node, msg.added, msg.removed, msg.is_reset)
 
     def _seen(self, node: NodeState) -> None:
         node.last_seen = time.monotonic()
@@ -407,7 +420,7 @@ class Frontend:
             return
         if not req.is_prefilled:
             req.is_prefilled = True
-            router.prefill_done(self.nodes.get(req.prefill_node), len(req.prompt_ids))
+            router.prefill_done(self.nodes.get(req.prefill_node), req.work_tokens)
             self._wake.set()
         if req.num_tokens == 0 and u.token_ids:
             req.first_token_at = time.monotonic()
@@ -437,7 +450,7 @@ class Frontend:
         if req.prefill_node is not None:
             if not req.is_prefilled:
                 req.is_prefilled = True
-                router.prefill_done(self.nodes.get(req.prefill_node), len(req.prompt_ids))
+                router.prefill_done(self.nodes.get(req.prefill_node), req.work_tokens)
             router.decode_done(self.nodes.get(req.decode_node))
             self._wake.set()
         if not is_node_done:
@@ -480,6 +493,7 @@ class Frontend:
                         del self.nodes[node.name]
                     continue
                 node.is_alive, node.dead_since = False, now
+                node.prefix_keys = set()   # if it comes back, its next full resync restores it
                 await self._fail_node_requests(node, why)
             for req in list(self.requests.values()):
                 if now > req.deadline:

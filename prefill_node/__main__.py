@@ -25,6 +25,8 @@ def main(argv=None) -> int:
                    help="auto: ipc with a decode node on this host, else tcp")
     p.add_argument("--keys", default=None, metavar="DIR",
                    help="CURVE keys (python -m launch.keys DIR); this node's is DIR/NAME.key_secret")
+    p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
+                   help="compute every prompt from scratch (default: reuse cached full blocks)")
     p.add_argument("--allow-remote", action="store_true", help="allow non-loopback endpoints")
     a = p.parse_args(argv)
     die_with_parent()
@@ -34,7 +36,8 @@ def main(argv=None) -> int:
         return PrefillNode(PrefillConfig(
             worker=worker_config(a), frontend_endpoint=a.frontend, name=a.name,
             token_budget=a.token_budget, handoff_lease_s=a.handoff_lease, kv_transfer=a.kv_transfer,
-            links=NodeLinks(), allow_remote=a.allow_remote, keys_dir=a.keys))
+            links=NodeLinks(), allow_remote=a.allow_remote, keys_dir=a.keys,
+            is_prefix_caching=not a.no_prefix_caching))
     return run_node("prefill_node", build, stop)
 
 

@@ -16,15 +16,17 @@ from common.channel import BadMessage, Channel, LinkError, Poller, open_context
 from common.config import PrefillConfig, check_endpoint
 from common.heartbeat import HeartbeatThread, Registration
 from common.keys import load_keys
-from common.kv_cache import BlockAllocator
+from common.prefix import PrefixCache
 from common.log import Throttle, get_logger
-from common.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, PrefillRequest, ReadyReply,
-                             RequestFailed, Shutdown)
+from common.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, PrefillRequest, PrefixUpdate,
+                             ReadyReply, RequestFailed, Shutdown)
 from common.sampling import validate_prompt
 from common.worker import DeviceWorker, PrefillChunk
 from prefill_node.handoff import Handoffs
 from prefill_node.scheduler import PrefillJob, PrefillScheduler, ScheduledChunk
 
+MAX_PREFIX_KEYS = 65536   # per PrefixUpdate (the protocol's limit); a full resync sends the newest
+PREFIX_RESYNC_S = 30.0
 log = get_logger("prefill")
 noisy = Throttle(log)   # lines about what peers send
 
@@ -34,6 +36,8 @@ class PrefillNode:
         self.cfg = cfg
         self.worker = DeviceWorker(cfg.worker)
         self.num_failed = 0
+        self._is_prefix_synced = False
+        self._prefix_synced_at = 0.0
         self.exit_code = 0
         self._last_log = 0.0
         self._log_tokens = 0
@@ -49,7 +53,7 @@ class PrefillNode:
         poller = Poller(self.frontend)
         try:
             with self.worker:
-                self.allocator = BlockAllocator(self.worker.num_kv_blocks)
+                self.allocator = PrefixCache(self.worker.num_kv_blocks, self.cfg.is_prefix_caching)
                 self.scheduler = PrefillScheduler(self.allocator, self.worker.block_size,
                                                   self.cfg.token_budget, self.cfg.max_batch_prompts)
                 self.handoffs = Handoffs(ctx, self.cfg, self.worker.kv_cache, self.allocator,
@@ -163,6 +167,29 @@ class PrefillNode:
                                             w.num_kv_blocks, w.block_size, w.max_model_len,
                                             kv_transfer=self.cfg.kv_transfer), block=False)
 
+    def _send_prefix_update(self) -> None:
+        """The frontend routes by what this node caches: tell it what changed, or all
+        of it after each registration (it may have forgotten us, or restarted)."""
+        if not self.cfg.is_prefix_caching or not self.registration.is_accepted:
+            self._is_prefix_synced = False
+            self.allocator.take_updates()   # a full resync follows registration
+            return
+        added, removed = self.allocator.take_updates()
+        now = time.monotonic()
+        # NOTE: a full resync every PREFIX_RESYNC_S heals any drift (a node declared dead
+        # and back, a lost update).
+        if not self._is_prefix_synced or max(len(added), len(removed)) > MAX_PREFIX_KEYS \
+                or now - self._prefix_synced_at > PREFIX_RESYNC_S:
+            self._prefix_synced_at = now
+            update = PrefixUpdate(self.cfg.name, os.getpid(), self.allocator.snapshot()[-MAX_PREFIX_KEYS:],
+                                  [], True)
+        elif added or removed:
+            update = PrefixUpdate(self.cfg.name, os.getpid(), added, removed)
+        else:
+            return
+        # NOTE: if the socket cannot take it now, resynchronize in full next turn.
+        self._is_prefix_synced = self.frontend.send(update, block=False)
+
     def stats(self) -> dict:
         return {**self.worker.stats(), "num_waiting": self.scheduler.num_waiting,
                 "num_waiting_tokens": self.scheduler.num_waiting_tokens,
@@ -172,7 +199,7 @@ class PrefillNode:
                 "num_kv_bytes_written": self.handoffs.bytes_written,
                 "num_failed": self.num_failed, "num_free_blocks": self.allocator.num_free,
                 "num_bad_messages": self.frontend.num_bad + self.handoffs.num_bad,
-                "is_registered": self.registration.is_accepted,
+                "is_registered": self.registration.is_accepted, **self.allocator.stats(),
                 "num_usable_blocks": self.allocator.capacity,
                 "kv_links": {p.name: (p.writer.name if p.writer else p.error or "connecting")
                              for p in list(self.handoffs.peers.values())}}
@@ -181,6 +208,7 @@ class PrefillNode:
         now = time.monotonic()
         self.heartbeat.last_turn = now
         self._quit(self.registration.tick())
+        self._send_prefix_update()
         if now - self._last_log >= self.cfg.links.log_interval_s:
             elapsed = now - self._last_log if self._last_log else 0.0
             s = self.stats()

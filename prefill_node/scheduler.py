@@ -1,9 +1,12 @@
 """Which prompt chunks go into the next prefill pass.
 
-A prompt takes blocks for its whole length when it starts; a prompt longer
-than the token budget runs in chunks across passes. When the pool cannot hold
-the next prompt (blocks still wait for a handoff to be confirmed), no new
-prompt starts: backpressure, not failure.
+A prompt takes blocks for its whole length when it starts: first the longest
+run of its full blocks already in the prefix cache (computed for an earlier
+prompt), then new blocks for the rest, which is all it computes. A prompt
+longer than the token budget runs in chunks across passes; each full block
+computed is published to the cache. When the pool cannot hold the next prompt
+(blocks still wait for a handoff to be confirmed), no new prompt starts:
+backpressure, not failure.
 """
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.kv_cache import BlockAllocator, num_blocks_for
+from common.kv_cache import num_blocks_for
+from common.prefix import PrefixCache, block_hashes, num_reusable_blocks
 from common.sampling import SamplingParams
 
 
@@ -26,7 +30,10 @@ class PrefillJob:
     recv_time: float = field(default_factory=time.time)
     start_time: float | None = None
     block_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
+    num_computed: int = 0          # prompt tokens whose KV is in block_ids
+    num_cached_tokens: int = 0     # of those, taken from the prefix cache
+    num_published: int = 0         # full blocks given to the prefix cache
+    hashes: list[bytes] = field(default_factory=list)   # each full block's chained hash
 
     @property
     def prompt_len(self) -> int:
@@ -45,7 +52,7 @@ class ScheduledChunk:
 
 
 class PrefillScheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, token_budget: int,
+    def __init__(self, allocator: PrefixCache, block_size: int, token_budget: int,
                  max_batch_prompts: int):
         self.allocator = allocator
         self.block_size = block_size
@@ -95,23 +102,35 @@ class PrefillScheduler:
             budget -= end - job.num_computed
         while self.waiting and budget > 0 and len(chunks) < self.max_batch_prompts:
             job = self.waiting[0]
-            need = num_blocks_for(job.prompt_len, self.block_size)
+            bs = self.block_size
+            if not job.hashes:
+                job.hashes = block_hashes(job.token_ids, bs)
+            cached = self.allocator.match(job.hashes[:num_reusable_blocks(job.prompt_len, bs)])
+            need = num_blocks_for(job.prompt_len, bs) - len(cached)
             if not self.allocator.can_allocate(need):
+                self.allocator.free(cached)
                 break  # backpressure: wait for handoffs to free blocks
             self.waiting.popleft()
-            job.block_ids = self.allocator.allocate(need)
+            job.block_ids = cached + self.allocator.allocate(need)
+            job.num_computed = job.num_cached_tokens = len(cached) * bs
+            job.num_published = len(cached)
+            self.allocator.count(job.prompt_len, job.num_cached_tokens)
             job.start_time = time.time()
             self.prefilling.append(job)
-            end = min(job.prompt_len, budget)
-            chunks.append(ScheduledChunk(job, 0, end))
-            budget -= end
+            end = min(job.prompt_len, job.num_computed + budget)
+            chunks.append(ScheduledChunk(job, job.num_computed, end))
+            budget -= end - job.num_computed
         return chunks
 
     def complete(self, chunks: list[ScheduledChunk]) -> list[PrefillJob]:
         """Record a pass; return the jobs whose whole prompt is now in the cache."""
         done = []
         for c in chunks:
-            c.job.num_computed = c.end
+            job = c.job
+            job.num_computed = c.end
+            for i in range(job.num_published, min(c.end // self.block_size, len(job.hashes))):
+                self.allocator.publish(job.block_ids[i], job.hashes[i])
+            job.num_published = max(job.num_published, c.end // self.block_size)
             if c.is_last:
                 self.prefilling.remove(c.job)
                 done.append(c.job)

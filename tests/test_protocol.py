@@ -30,6 +30,7 @@ EXAMPLES = [
     p.NodeReady("decode", "decode-0", 42, "cpu", 100, 16, 1024, "tcp://127.0.0.1:5602", "ipc", 64),
     p.Heartbeat("decode", "decode-0", {"num_running": 3}, 42),
     p.RequestFailed("r1", "boom"),
+    p.PrefixUpdate("prefill-0", 42, [-5, 2**62], [7], False),
     p.TokenBatch([p.TokenUpdate("r1", [7], None, {"queue_ms": 1.0}), p.TokenUpdate("r2", [8], "length")]),
     p.KVHello("prefill-0"),
     p.KVWelcome("123-ab", "host/boot", "cuda:0", [2, 2, 100, 16, 2, 8], "bfloat16", ["ipc", "tcp"],
