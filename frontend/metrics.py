@@ -26,6 +26,9 @@ NODE_FIGURES = {
     "waiting_prompts": ("num_waiting", "prefill: prompts waiting to be prefilled"),
     "waiting_prompt_tokens": ("num_waiting_tokens", "prefill: prompt tokens waiting"),
     "pending_handoffs": ("num_pending_handoffs", "prefill: KV handoffs not yet committed"),
+    "prefix_cached_blocks": ("num_cached_blocks", "prefill: blocks held by the prefix cache"),
+    "prefix_hit_rate": ("prefix_hit_rate", "prefill: share of prompt tokens taken from the prefix cache"),
+    "prefix_evictions": ("num_prefix_evictions", "prefill: prefix-cache blocks evicted (a running count)"),
 }
 
 

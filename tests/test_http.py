@@ -222,6 +222,7 @@ def test_metrics_parse_and_move_by_the_right_amounts(cluster, oai):
     nodes = {dict(k[1])["node"]: v for k, v in after.items() if k[0] == "pdserve_node_is_alive"}
     assert nodes == {"prefill-0": 1.0, "decode-0": 1.0}
     assert after[("pdserve_node_kv_blocks_free", (("node", "decode-0"), ("role", "decode")))] > 0
+    assert ("pdserve_node_prefix_hit_rate", (("node", "prefill-0"), ("role", "prefill"))) in after
 
 
 def test_health_deadline_and_a_dead_decode_node(tiny_model, tmp_path):
