@@ -266,12 +266,28 @@ class AsyncClient:
         try:
             await self._ch.send(req)
             while not is_finished:
-                out = await asyncio.wait_for(queue.get(), self.idle_timeout_s)
+                out = await self._next(queue)
                 is_finished = out.is_finished
                 yield out
         finally:   # NOTE: also on cancellation, or when the caller leaves its async for
             if self._streams.pop(req.request_id, None) is not None and not is_finished:
                 await self.abort(req.request_id)
+
+    async def _next(self, queue: asyncio.Queue) -> GenerateOutput:
+        """The stream's next output, or TimeoutError after idle_timeout_s of silence.
+        NOTE: not asyncio.wait_for, which (before Python 3.12) can swallow a
+        cancellation that arrives as the output does: a cancelled stream would go on."""
+        if not queue.empty():
+            return queue.get_nowait()
+        getter = asyncio.ensure_future(queue.get())
+        try:
+            done, _ = await asyncio.wait({getter}, timeout=self.idle_timeout_s)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if not done:
+            raise TimeoutError(f"no output from the frontend for {self.idle_timeout_s:g}s")
+        return getter.result()
 
     async def complete(self, prompt=None, **kw) -> Result:
         kw.setdefault("request_id", uuid.uuid4().hex)
