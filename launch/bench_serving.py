@@ -68,7 +68,10 @@ class Outcome:
         return (self.chunk_at[-1] - self.chunk_at[0]) / (self.num_tokens - 1)
 
 
-def make_jobs(a: argparse.Namespace, vocab_size: int, rng: random.Random) -> list[Job]:
+def make_jobs(a: argparse.Namespace, vocab_size: int, rng: random.Random, prefix: list[int],
+              num: int) -> list[Job]:
+    """num requests. Random ids are drawn afresh on every call, so no rate of a sweep
+    finds the prompts of another in a prefix cache; prefix (--prefix-len) is shared."""
     if a.dataset:
         jobs = []
         for line in Path(a.dataset).read_text().splitlines():
@@ -78,12 +81,12 @@ def make_jobs(a: argparse.Namespace, vocab_size: int, rng: random.Random) -> lis
                                 int(d.get("output_len", a.output_len))))
         if not jobs:
             raise SystemExit(f"bench_serving: {a.dataset} holds no prompts")
-        return [jobs[i % len(jobs)] for i in range(a.num_prompts)]
+        return [jobs[i % len(jobs)] for i in range(num)]
 
     def spread(n: int) -> int:
         return max(1, rng.randint(int(n * (1 - a.range_ratio)), int(n * (1 + a.range_ratio))))
-    return [Job(None, [rng.randrange(vocab_size) for _ in range(spread(a.input_len))], spread(a.output_len))
-            for _ in range(a.num_prompts)]
+    return [Job(None, prefix + [rng.randrange(vocab_size) for _ in range(spread(a.input_len))],
+                spread(a.output_len)) for _ in range(num)]
 
 
 async def one(client: AsyncClient, job: Job, ignore_eos: bool) -> Outcome:
@@ -248,6 +251,25 @@ def parse_slo(text: str) -> dict:
     return slo
 
 
+async def prefill_tokens(target) -> float | None:
+    """Prompt tokens the prefill nodes have computed so far (over ZeroMQ, from their
+    heartbeats, once two readings 0.6 s apart agree); None over HTTP."""
+    if isinstance(target, HttpTarget):
+        return None
+
+    async def read() -> float:
+        stats = await target.stats(timeout_s=10)
+        return sum(s.get("num_prefill_tokens", 0) for s in stats.nodes.values() if s.get("role") == "prefill")
+    last, deadline = await read(), time.monotonic() + 5
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.6)   # a heartbeat is 0.5 s
+        now = await read()
+        if now == last:
+            break
+        last = now
+    return last
+
+
 @asynccontextmanager
 async def open_target(a: argparse.Namespace):
     """(target, model info, live nodes) for the ZeroMQ endpoint or the HTTP base URL."""
@@ -281,21 +303,28 @@ async def open_target(a: argparse.Namespace):
 async def main_async(a: argparse.Namespace) -> tuple[list[dict], list[list[Outcome]]]:
     async with open_target(a) as (target, model, nodes):
         max_len = model.get("max_model_len")
-        if max_len and not a.dataset and a.input_len + a.output_len > max_len:
-            raise SystemExit(f"bench_serving: --input-len {a.input_len} + --output-len {a.output_len} "
-                             f"exceeds the model's max_model_len {max_len}; shorten them")
+        if max_len and not a.dataset and a.prefix_len + a.input_len + a.output_len > max_len:
+            raise SystemExit(f"bench_serving: --prefix-len {a.prefix_len} + --input-len {a.input_len} + "
+                             f"--output-len {a.output_len} exceeds the model's max_model_len {max_len}; "
+                             f"shorten them")
         rng = random.Random(a.seed)
-        jobs = make_jobs(a, int(model.get("vocab_size") or 1000), rng)
-        if a.num_warmup:
-            await run_rate(target, jobs[: a.num_warmup], float("inf"), None, a.ignore_eos, rng, False)
+        vocab = int(model.get("vocab_size") or 1000)
+        prefix = [rng.randrange(vocab) for _ in range(a.prefix_len)]
+        if a.num_warmup:   # NOTE: with --prefix-len this also puts the prefix in the cache
+            await run_rate(target, make_jobs(a, vocab, rng, prefix, a.num_warmup), float("inf"), None,
+                           a.ignore_eos, rng, False)
         records, runs = [], []
         for rate in a.request_rate:
-            outcomes, duration = await run_rate(target, jobs, rate, a.max_concurrency, a.ignore_eos,
-                                                rng, not a.quiet)
+            computed = await prefill_tokens(target)
+            outcomes, duration = await run_rate(target, make_jobs(a, vocab, rng, prefix, a.num_prompts),
+                                                rate, a.max_concurrency, a.ignore_eos, rng, not a.quiet)
+            if computed is not None:
+                computed = round(((await prefill_tokens(target)) - computed) / len(outcomes), 1)
             record = {"bench": "serving", "interface": "http" if a.base_url else "zmq",
                       "target": a.base_url or a.endpoint, "model": model.get("name"),
                       "nodes": nodes, "input_len": a.input_len if not a.dataset else None,
-                      "output_len": a.output_len, "max_concurrency": a.max_concurrency,
+                      "prefix_len": a.prefix_len, "output_len": a.output_len,
+                      "max_concurrency": a.max_concurrency, "prefill_tokens_per_request": computed,
                       **summarize(outcomes, duration, rate, a.slo)}
             print(json.dumps(record), flush=True)
             records.append(record)
@@ -349,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", default=None,
                    help="benchmark the OpenAI API at this URL instead (e.g. http://127.0.0.1:8000)")
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random ids)")
+    p.add_argument("--prefix-len", type=int, default=0,
+                   help="random ids every prompt starts with, before its --input-len own ones "
+                        "(a shared system prompt: what prefix caching saves)")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths spread by ± this fraction")
     p.add_argument("--dataset", default=None, help="a JSONL file of prompts instead of random ids")
@@ -369,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --plot: draw from a --save-json file instead of running")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     a = p.parse_args(argv)
-    if not 0 <= a.range_ratio < 1 or a.input_len < 1 or a.output_len < 1 or a.num_prompts < 1:
+    if not 0 <= a.range_ratio < 1 or a.input_len < 1 or a.output_len < 1 or a.num_prompts < 1 \
+            or a.prefix_len < 0:
         p.error("need --input-len, --output-len, --num-prompts >= 1 and 0 <= --range-ratio < 1")
     if a.max_concurrency is not None and a.max_concurrency < 1:
         p.error("--max-concurrency must be >= 1")
