@@ -4,7 +4,8 @@ import dataclasses
 import sys
 
 from common.config import KV_TRANSFERS, DecodeConfig, NodeLinks
-from common.process import HelpFormat, add_worker_args, die_with_parent, run_node, stop_event_on_signals, worker_config
+from common.process import (HelpFormat, add_worker_args, die_with_parent, run_node, stop_event_on_signals,
+                            worker_config)
 from decode_node.node import DecodeNode
 
 

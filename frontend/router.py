@@ -75,8 +75,8 @@ def choose(nodes: dict[str, NodeState], max_queued_tokens: int | None = None, pr
     decodes = [n for n in live if n.role == "decode" and n.ready.kv_endpoint]
     if not prefills or not decodes:
         return None
-    prefill = min(prefills, key=lambda n: (n.num_queued_tokens + prompt_len - cached_tokens(n, prompt_len, keys),
-                                           n.num_queued_tokens, n.num_routed))
+    prefill = min(prefills, key=lambda n: (
+        n.num_queued_tokens + prompt_len - cached_tokens(n, prompt_len, keys), n.num_queued_tokens, n.num_routed))
     decode = min(decodes, key=lambda n: (n.num_active, -figure(n.stats, "num_available_blocks"),
                                          n.num_routed))
     return prefill, decode

@@ -279,7 +279,8 @@ class Frontend:
                 self.admission.next()
                 prefill, decode = route
                 req.prefill_node, req.decode_node = prefill.name, decode.name
-                req.work_tokens = len(req.prompt_ids) - router.cached_tokens(prefill, len(req.prompt_ids), keys)
+                num_cached = router.cached_tokens(prefill, len(req.prompt_ids), keys)
+                req.work_tokens = len(req.prompt_ids) - num_cached
                 router.routed(prefill, decode, req.work_tokens)
                 pair = f"{prefill.name} -> {decode.name}"
                 self.num_routes[pair] = self.num_routes.get(pair, 0) + 1
@@ -316,7 +317,8 @@ class Frontend:
         now = time.monotonic()
         return {name: {"role": n.ready.role, "is_alive": n.is_alive, "pid": n.ready.pid,
                        "device": n.ready.device, "kv_transfer": n.ready.kv_transfer,
-                       "max_batch_size": n.ready.max_batch_size, "num_prefix_keys": len(n.prefix_keys),
+                       "max_batch_size": n.ready.max_batch_size,
+                       "num_prefix_keys": len(n.prefix_keys),
                        "seconds_since_seen": round(now - n.last_seen, 3),
                        "num_routed": n.num_routed, **n.stats} for name, n in self.nodes.items()}
 
