@@ -126,7 +126,8 @@ class PrefixCache(BlockAllocator):
     def take_updates(self) -> tuple[list[int], list[int]]:
         """Route keys added and removed since the last call."""
         out = self.added, self.removed
-        self.added, self.removed = [], []
+        if out[0] or out[1]:   # NOTE: asked every loop turn: new lists only after a change
+            self.added, self.removed = [], []
         return out
 
     def snapshot(self) -> list[int]:

@@ -19,8 +19,8 @@ from typing import AsyncIterator, Iterator
 
 from common.channel import AsyncChannel, BadMessage, Channel, open_async_context, open_context
 from common.config import check_endpoint
-from common.process import HelpFormat
 from common.keys import CLIENTS, load_keys
+from common.process import HelpFormat
 from common.protocol import FRONTEND_TO_CLIENT as REPLIES
 from common.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateRequest,
                              StatsReply, StatsRequest)
@@ -38,6 +38,11 @@ def _check(endpoint: str) -> None:
         check_endpoint("endpoint", endpoint, allow_remote=True)
     except ValueError as e:
         raise ValueError(f"{e} (the frontend's client endpoint, e.g. tcp://127.0.0.1:5600)") from None
+
+
+def _client_keys(keys_dir: str | None, key_name: str | None):
+    """A client's CURVE key, for a frontend started with --client-keys."""
+    return load_keys(keys_dir, f"{CLIENTS}/{key_name or 'client'}")
 
 
 def _silent(endpoint: str, timeout_s: float) -> TimeoutError:
@@ -86,8 +91,7 @@ class Client:
     def __init__(self, endpoint: str, idle_timeout_s: float = 60.0, keys_dir: str | None = None,
                  key_name: str | None = None, connect_timeout_s: float = 5.0):
         _check(endpoint)
-        # A client's CURVE key, for a frontend started with --client-keys.
-        self._ctx = open_context(load_keys(keys_dir, f"{CLIENTS}/{key_name or 'client'}"))
+        self._ctx = open_context(_client_keys(keys_dir, key_name))
         self._ch = Channel(self._ctx, False, endpoint, server="frontend")
         self.endpoint = endpoint
         self.idle_timeout_s = idle_timeout_s
@@ -215,7 +219,7 @@ class AsyncClient:
     def __init__(self, endpoint: str, idle_timeout_s: float = 60.0, keys_dir: str | None = None,
                  key_name: str | None = None, connect_timeout_s: float = 5.0):
         _check(endpoint)
-        self._ctx = open_async_context(load_keys(keys_dir, f"{CLIENTS}/{key_name or 'client'}"))
+        self._ctx = open_async_context(_client_keys(keys_dir, key_name))
         self._ch = AsyncChannel(self._ctx, False, endpoint, server="frontend")
         self.endpoint = endpoint
         self.idle_timeout_s = idle_timeout_s

@@ -77,7 +77,7 @@ class HttpServer:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
             try:
-                body = await request.json(loads=json.loads)
+                body = await request.json()
             except (ValueError, UnicodeDecodeError):
                 raise ApiError(400, "the request body is not valid JSON")
             # Completions default to 16 tokens, as OpenAI's; chat to what the model length leaves.

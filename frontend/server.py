@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from common.channel import AsyncChannel, BadMessage, LinkError, open_async_context
+from common.channel import AsyncChannel, BadMessage, open_async_context
 from common.config import FrontendConfig
 from common.keys import FRONTEND, load_keys
 from common.log import Throttle, get_logger
@@ -61,6 +61,7 @@ class RequestState:
     timings: dict = field(default_factory=dict)
     is_prefilled: bool = False   # its first token came back (or it ended)
     work_tokens: int = 0         # prompt tokens its prefill node was expected to compute
+    route_keys: dict[int, list[int]] = field(default_factory=dict)   # block size -> its blocks' keys
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None   # monotonic
 
@@ -101,13 +102,18 @@ class Frontend:
                                     domain="clients" if self.cfg.is_client_auth else None)
         self.node_link = AsyncChannel(ctx, True, self.cfg.node_endpoint, max_message_bytes=limit,
                                       domain="nodes")
+        web = None
         try:
             web = await http.serve(self, self.cfg)
-        except LinkError:
+            return await self._serve()
+        finally:
+            if web is not None:
+                await web.cleanup()
             self.clients.close()
             self.node_link.close()
             ctx.term()
-            raise
+
+    async def _serve(self) -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -134,11 +140,6 @@ class Frontend:
         for t in [*tasks, stopped]:
             t.cancel()
         await asyncio.gather(*tasks, stopped, return_exceptions=True)
-        if web is not None:
-            await web.cleanup()
-        self.clients.close()
-        self.node_link.close()
-        ctx.term()
         return rc
 
     async def _drain(self) -> None:
@@ -272,7 +273,7 @@ class Frontend:
             self._wake.clear()
             while self.admission.num_waiting:
                 req = self.admission.peek()
-                keys = self._prefix_keys(req.prompt_ids)
+                keys = self._prefix_keys(req)
                 route = router.choose(self.nodes, self.cfg.max_queued_tokens, len(req.prompt_ids), keys)
                 if route is None:
                     break
@@ -290,11 +291,15 @@ class Frontend:
 
     # ---- routing --------------------------------------------------------------
 
-    def _prefix_keys(self, prompt_ids: list[int]) -> dict[int, list[int]] | None:
+    def _prefix_keys(self, req: RequestState) -> dict[int, list[int]] | None:
         """Route keys of the prompt's full blocks, per block size of the prefill nodes
-        that report a prefix cache (None when none does)."""
-        sizes = {n.ready.block_size for n in self.nodes.values() if n.role == "prefill" and n.prefix_keys}
-        return {bs: [route_key(h) for h in block_hashes(prompt_ids, bs)] for bs in sizes} or None
+        that report a prefix cache (None when none does). Hashed once per request and
+        size: a request waiting here is tried again at every wake."""
+        for n in self.nodes.values():
+            bs = n.ready.block_size
+            if n.role == "prefill" and n.prefix_keys and bs not in req.route_keys:
+                req.route_keys[bs] = [route_key(h) for h in block_hashes(req.prompt_ids, bs)]
+        return req.route_keys or None
 
     def is_ready(self) -> bool:
         return router.choose(self.nodes) is not None and not self.is_draining

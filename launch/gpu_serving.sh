@@ -12,23 +12,10 @@
 set -uo pipefail
 out="${1:?OUT_DIR}"; backend="${2:-ipc}"; groups="${3:-8,16,24:200 40,60,80,100:600}"
 interfaces="${4:-zmq http}"
-py="${PYTHON:-python3}"
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-model="${PDSERVE_BENCH_MODEL:-/tmp/pdserve-qwen3-0.6b-shape}"
-if [ ! -f "$model/config.json" ]; then
-    "$py" -m launch.make_tiny_model "$model" --layers 28 --hidden-size 1024 --intermediate-size 3072 \
-        --heads 16 --kv-heads 8 --head-dim 128 --vocab-size 151936 --max-position-embeddings 40960 \
-        --dtype bfloat16 --weight-std 0.02 >/dev/null || exit 1
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh"
+bench_model
 port=5600 http_port=8000
-bash launch/start_cluster.sh --model "$model" --prefill-device cuda:0 --decode-device cuda:0 \
-    --kv-transfer "$backend" --kv-cache-memory 12GiB --max-batch-size 128 --base-port $port \
-    --http-port $http_port \
-    --ready-timeout 300 > "$out/cluster-$backend.out" 2> "$out/cluster-$backend.log" &
-launcher=$!
-for _ in $(seq 600); do grep -q PDSERVE_ENDPOINT "$out/cluster-$backend.out" 2>/dev/null && break
-    kill -0 $launcher 2>/dev/null || { echo "cluster failed to start" >&2; tail -20 "$out/cluster-$backend.log" >&2; exit 1; }
-    sleep 0.5; done
+start_bench_cluster "$out" "$backend" --kv-transfer "$backend" --base-port $port --http-port $http_port
 rc=0
 has_plot=0; "$py" -c "import matplotlib" 2>/dev/null && has_plot=1
 for interface in $interfaces; do
