@@ -164,6 +164,8 @@ class DecodeConfig:
     links: NodeLinks = field(default_factory=NodeLinks)
     allow_remote: bool = False
     keys_dir: str | None = None       # CURVE keys (launch/keys.py), this node's under its name
+    is_preemptive: bool = True        # admit on what a request needs now; preempt when full
+    swap_space: int = 4 * 2**30       # bytes of host memory for preempted KV; past it: recompute
 
     def __post_init__(self) -> None:
         check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
@@ -171,6 +173,8 @@ class DecodeConfig:
         _check_kv_transfer(self.kv_transfer)
         if self.max_queue < 1 or self.reservation_lease_s <= 0:
             raise ValueError("max_queue must be >= 1 and reservation_lease_s > 0")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
 
 
 @dataclass(frozen=True)

@@ -312,6 +312,7 @@ class KVCommit:
     params: SamplingParams
     timings: Stamps
     backend: Name
+    prompt_ids: list[I32]            # the decode node recomputes from them if it preempts
 
 
 @dataclass

@@ -20,17 +20,31 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     num_reserved: int = 0          # blocks promised by the allocator, not yet taken
     output_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)   # decode: to recompute a dropped KV
+    admit_order: int = 0           # decode: the most recently admitted is preempted first
+    num_preemptions: int = 0
+    preempted_s: float = 0.0       # time spent preempted, all preemptions
+    preempted_at: float = 0.0      # monotonic, while preempted
+    is_swapped: bool = False       # preempted with its KV in host memory (else: recomputed)
+
+    @property
+    def num_cached(self) -> int:
+        """Tokens whose KV is in the cache between decode steps: all but the last output,
+        which is the next step's input."""
+        return self.prompt_len + len(self.output_ids) - 1
 
     def num_blocks_needed(self, block_size: int) -> int:
         """Blocks for every token that will be written to the cache: the prompt and
         all outputs but the last."""
         return num_blocks_for(self.prompt_len + self.params.max_tokens - 1, block_size)
 
-    def take_reserved_block(self, allocator: BlockAllocator) -> int:
-        if self.num_reserved < 1:
-            raise RuntimeError(f"{self.request_id}: no reserved block left")
-        self.num_reserved -= 1
-        block = allocator.allocate_reserved()
+    def take_block(self, allocator: BlockAllocator) -> int:
+        """One more block: a promised one if any is left, else one from the free pool."""
+        if self.num_reserved > 0:
+            self.num_reserved -= 1
+            block = allocator.allocate_reserved()
+        else:
+            block = allocator.allocate(1)[0]
         self.block_ids.append(block)
         return block
 
@@ -55,11 +69,18 @@ def blocks_to_join(seq: Sequence, block_size: int, allocator: BlockAllocator) ->
     """Before joining the decode batch the cache must hold room for the prompt and
     the first output token (position prompt_len)."""
     while len(seq.block_ids) < num_blocks_for(seq.prompt_len + 1, block_size):
-        seq.take_reserved_block(allocator)
+        seq.take_block(allocator)
 
 
 def grow_blocks(worker, seqs: dict[str, Sequence], allocator: BlockAllocator) -> None:
     """Before a decode step: a sequence whose next token starts a new block gets
-    one from its reservation (one block-table entry on the device)."""
+    one, from its reservation or the free pool (one block-table entry on the device).
+    The caller has made sure the pool has them (num_blocks_short)."""
     for key in worker.keys_needing_block():
-        worker.append_block(key, seqs[key].take_reserved_block(allocator))
+        worker.append_block(key, seqs[key].take_block(allocator))
+
+
+def num_blocks_short(worker, seqs: dict[str, Sequence], allocator: BlockAllocator) -> int:
+    """Blocks the next decode step needs beyond what reservations and the free pool hold."""
+    need = sum(1 for key in worker.keys_needing_block() if seqs[key].num_reserved == 0)
+    return max(need - allocator.num_available, 0)

@@ -60,6 +60,10 @@ class DeviceWorker:
         self.num_block_writes = 0     # block-table entries at block crossings
         self.num_block_copies = 0     # the H2D copies that carried them (one per step at most)
         self.num_decode_steps = 0
+        self.num_decode_rows = 0      # summed over steps: / num_decode_steps is the mean batch
+        self.num_swap_bytes = 0       # moved by swap_out and swap_in, both ways
+        self._swapped: dict[str, torch.Tensor] = {}   # preempted sequences' KV on the host
+        self.swapped_bytes = 0        # held in _swapped now (an int: heartbeats read it)
         self.num_prefill_tokens = 0
         self.max_decode_batch = 0
         self.prefill_busy_s = 0.0
@@ -118,7 +122,8 @@ class DeviceWorker:
                      "_seeds", "_sampled", "_sampled_host", "_graphs", "_last_end",
                      "_block_staging", "_block_updates"):
             self.__dict__.pop(name, None)
-        self._slots, self._graphs, self._last_end = {}, {}, None
+        self._slots, self._graphs, self._last_end, self._swapped = {}, {}, None, {}
+        self.swapped_bytes = 0
         if self.kv_shm is not None:
             from common.transfer.ipc import release_shared_cpu_cache
             release_shared_cpu_cache(self.kv_shm)
@@ -145,7 +150,9 @@ class DeviceWorker:
     def stats(self) -> dict:
         return {"num_h2d_writes": self.num_h2d_writes, "num_h2d_bytes": self.num_h2d_bytes,
                 "num_block_writes": self.num_block_writes, "num_block_copies": self.num_block_copies,
-                "num_decode_steps": self.num_decode_steps,
+                "num_decode_steps": self.num_decode_steps, "num_decode_rows": self.num_decode_rows,
+                "num_swap_bytes": self.num_swap_bytes,
+                "swapped_bytes": self.swapped_bytes,
                 "device_busy_s": round(self.device_busy_s, 6),
                 "device_idle_s": round(self.device_idle_s, 6),
                 "is_graphed": bool(self._graphs), "prefill_busy_s": round(self.prefill_busy_s, 6),
@@ -232,6 +239,52 @@ class DeviceWorker:
         for i, t in zip(sampled_idx, tokens):
             out[i] = t
         return out, (logits if return_logits else None)
+
+    # ---- preemption: a sequence's KV leaves the cache and comes back ----------
+
+    @torch.inference_mode()
+    def swap_out(self, key: str, block_ids: list[int]) -> None:
+        """Copy the blocks to host memory (pinned on CUDA), held under key until
+        swap_in or drop_swapped. Returns once the copy is done.
+        NOTE: blocking on purpose: the caller frees the blocks at once, and a prefill
+        node may write into them through the KV transfer right after."""
+        idx = torch.tensor(block_ids, dtype=torch.int64).to(self.device)
+        s = self.kv_cache.shape
+        host = torch.empty((s[0], s[1], len(block_ids), *s[3:]), dtype=self.dtype,
+                           pin_memory=self.device.type == "cuda")
+        host.copy_(self.kv_cache.index_select(2, idx))
+        self._swapped[key] = host
+        self.num_swap_bytes += host.numel() * host.element_size()
+        self.swapped_bytes += host.numel() * host.element_size()
+
+    @torch.inference_mode()
+    def swap_in(self, key: str, block_ids: list[int]) -> None:
+        """The swapped blocks of key back into the cache at block_ids (as many as were
+        swapped out); the copy is queued ahead of the next step."""
+        host = self._swapped.pop(key)
+        idx = torch.tensor(block_ids[: host.shape[2]], dtype=torch.int64).to(self.device)
+        self.kv_cache.index_copy_(2, idx, host.to(self.device, non_blocking=host.is_pinned()))
+        self.num_swap_bytes += host.numel() * host.element_size()
+        self.swapped_bytes -= host.numel() * host.element_size()
+
+    def drop_swapped(self, key: str) -> None:
+        host = self._swapped.pop(key, None)
+        if host is not None:
+            self.swapped_bytes -= host.numel() * host.element_size()
+
+    def block_bytes(self) -> int:
+        """One block of the cache across every layer, K and V."""
+        return self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+
+    @torch.inference_mode()
+    def recompute(self, token_ids: list[int], block_ids: list[int], chunk_len: int = 2048) -> None:
+        """Write the KV of token_ids (positions 0..) into block_ids by prefilling them
+        again, in chunks of chunk_len tokens; nothing is sampled."""
+        for start in range(0, len(token_ids), chunk_len):
+            chunk = token_ids[start:start + chunk_len]
+            end = start + len(chunk)
+            self._prefill([PrefillChunk(chunk, start, block_ids[:num_blocks_for(end, self.block_size)])],
+                          False)
 
     @torch.inference_mode()
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -418,6 +471,7 @@ class DeviceWorker:
             ticket.copied.record()
         self.host_seq_lens[:n] += 1
         self.num_decode_steps += 1
+        self.num_decode_rows += n
         self.max_decode_batch = max(self.max_decode_batch, n)
         return ticket
 

@@ -5,6 +5,11 @@ transfer backend, and commit; a committed request joins the batch without a
 copy. Every step sends the new token of every running request to the frontend
 in one message. A request's first update carries its first token (sampled by
 the prefill node) and the timings that make up its time to first token.
+
+When a step needs a block the pool lacks, the most recently admitted request is
+preempted between steps: its KV goes to host memory (up to --swap-space) or is
+dropped, and it resumes, swapped back in or recomputed from its tokens, before
+anything new is admitted (decode_node/scheduler.py).
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ from common import transfer
 from common.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, HandoffAck, KVBlocks, KVCommit, KVDist,
                              KVHello, KVRelease, KVReserve, KVReserved, NodeAbort, NodeReady,
                              ReadyReply, RequestFailed, Shutdown, TokenBatch, TokenUpdate)
-from common.sequence import blocks_to_join, finish_reason, grow_blocks
+from common.kv_cache import num_blocks_for
+from common.sequence import Sequence, blocks_to_join, finish_reason, grow_blocks, num_blocks_short
 from common.worker import DecodeTicket, DeviceWorker
 from decode_node.scheduler import DecodeScheduler, Reservation
 
@@ -43,6 +49,9 @@ class DecodeNode:
         self.num_discarded_tokens = 0
         self.num_finished = 0
         self.num_batched_steps = 0      # steps that ran more than one request
+        self.num_preemptions = 0
+        self.num_swapped = 0            # preemptions that kept the KV in host memory
+        self.num_recomputed = 0         # resumptions that prefilled the KV again
         self.exit_code = 0
         self._last_log = 0.0
         self._log_tokens = self._log_steps = 0
@@ -70,19 +79,23 @@ class DecodeNode:
                 self._stop = stop
                 self.allocator = BlockAllocator(self.worker.num_kv_blocks)
                 self.scheduler = DecodeScheduler(self.allocator, self.worker.block_size,
-                                                 self.cfg.worker.max_batch_size, self.cfg.max_queue)
+                                                 self.cfg.worker.max_batch_size, self.cfg.max_queue,
+                                                 self.cfg.is_preemptive)
                 self.registration = Registration(self._send_ready, 2 * links.dead_after_s + 5)
                 self.registration.tick()
                 self.heartbeat = HeartbeatThread(ctx, self.cfg.frontend_endpoint, "decode", self.cfg.name,
                                                  self.stats, self.cfg.links.heartbeat_s,
                                                  self.registration.is_forgotten).start()
-                log.info("ready on %s: %d KV blocks (%d tokens), batch up to %d, KV at %s (%s)",
+                log.info("ready on %s: %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
                          self.cfg.worker.device, self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.worker.max_batch_size,
-                         self.cfg.kv_endpoint, ", ".join(self.sink.accepted))
+                         self.cfg.kv_endpoint, ", ".join(self.sink.accepted),
+                         f"preemption on, {self.cfg.swap_space / 2**20:.4g} MiB swap"
+                         if self.cfg.is_preemptive else "full reservation")
                 inflight: DecodeTicket | None = None
                 while not stop.is_set():
-                    is_busy = bool(inflight or self.scheduler.running or self.scheduler.ready)
+                    is_busy = bool(inflight or self.scheduler.running or self.scheduler.ready
+                                   or self.scheduler.preempted)
                     for ch in poller.wait(0 if is_busy else 0.02):
                         self._receive_all(ch, stop)
                     self._expire_reservations()
@@ -90,7 +103,8 @@ class DecodeNode:
                         # Nothing on the device: the batch may change.
                         self._apply_aborts()
                         updates = self._admit()
-                        inflight = self._launch() if self.worker.num_decode_seqs else None
+                        self._make_room()
+                        inflight = self._launch()
                     else:
                         # Queue the next step behind the running one when the batch
                         # stays as it is, so the device never waits for this host work.
@@ -195,6 +209,9 @@ class DecodeNode:
             return
         try:
             c.params.validate(self.worker.spec.vocab_size)
+            if len(c.prompt_ids) != c.prompt_len or \
+                    any(t >= self.worker.spec.vocab_size for t in c.prompt_ids):
+                raise ValueError("the commit's prompt ids do not match its length or the vocabulary")
             if c.prompt_len != r.prompt_len or c.params.max_tokens > r.max_tokens:
                 raise ValueError(f"commit for {c.prompt_len} tokens + {c.params.max_tokens} outputs "
                                  f"does not match the reservation ({r.prompt_len} + {r.max_tokens})")
@@ -231,6 +248,8 @@ class DecodeNode:
                                  if now - t < ABORT_MEMORY_S}
         if request_id in self.scheduler.running:
             self.pending_aborts.add(request_id)  # removed between steps, not under one
+        elif self.scheduler.drop_preempted(request_id):
+            self.worker.drop_swapped(request_id)
         elif request_id in self.scheduler.reservations:
             self._release(request_id)
             self.recently_aborted[request_id] = now  # a late commit is refused, not an error
@@ -246,6 +265,8 @@ class DecodeNode:
     # ---- admit, step --------------------------------------------------------
 
     def _admit(self) -> list[TokenUpdate]:
+        while (seq := self.scheduler.next_resumable()) is not None:
+            self._resume(seq)
         updates = []
         while (r := self.scheduler.next_admissible(self.sink.is_landed)) is not None:
             c = r.commit
@@ -269,16 +290,54 @@ class DecodeNode:
                                        seq.block_ids, c.params)
         return updates
 
-    def _launch(self) -> DecodeTicket:
+    def _launch(self) -> DecodeTicket | None:
         grow_blocks(self.worker, self.scheduler.running, self.allocator)
         return self.worker.launch_decode()
+
+    # ---- preemption (between steps only: no step in flight) -------------------
+
+    def _make_room(self) -> None:
+        """Preempt until the next step's new blocks fit in the pool."""
+        while num_blocks_short(self.worker, self.scheduler.running, self.allocator):
+            self._preempt(self.scheduler.victim())
+
+    def _preempt(self, seq: Sequence) -> None:
+        rid = seq.request_id
+        self.worker.remove_decode_seq(rid)
+        keep = seq.block_ids[:num_blocks_for(seq.num_cached, self.worker.block_size)]
+        seq.is_swapped = self.worker.swapped_bytes + len(keep) * self.worker.block_bytes() \
+            <= self.cfg.swap_space
+        if seq.is_swapped:
+            self.worker.swap_out(rid, keep)
+            self.num_swapped += 1
+        self.scheduler.preempt(seq, time.monotonic())
+        self.num_preemptions += 1
+        log.debug("preempted %s at %d tokens (%s): %d KV blocks free, %d running", rid, seq.num_cached,
+                 "swapped to host" if seq.is_swapped else "to be recomputed",
+                 self.allocator.num_free, len(self.scheduler.running))
+
+    def _resume(self, seq: Sequence) -> None:
+        rid = seq.request_id
+        block_ids = self.scheduler.resume(seq, time.monotonic())
+        if seq.is_swapped:
+            self.worker.swap_in(rid, block_ids)
+        else:
+            self.worker.recompute(seq.prompt_ids + seq.output_ids[:-1], block_ids)
+            self.num_recomputed += 1
+        self.worker.add_decode_seq(rid, seq.output_ids[-1], seq.num_cached, block_ids, seq.params)
+        log.debug("resumed %s after %.0f ms (%s)", rid, seq.preempted_s * 1e3,
+                 "swapped in" if seq.is_swapped else "recomputed")
+        seq.is_swapped = False
 
     def _can_pipeline(self) -> bool:
         """The next step may run before this one's tokens are seen only if the batch
         will not change: no abort, admission or leftover row to remove, and no
         request that surely ends with the running step (its extra step would write
-        past its reserved blocks)."""
-        if self.pending_aborts or self.zombies or self.scheduler.has_admissible(self.sink.is_landed):
+        past its reserved blocks), no preempted request that could resume, and no
+        block the next step needs that only a preemption would free."""
+        if self.pending_aborts or self.zombies or self.scheduler.has_admissible(self.sink.is_landed) \
+                or self.scheduler.next_resumable() \
+                or num_blocks_short(self.worker, self.scheduler.running, self.allocator):
             return False
         limit = self.worker.max_model_len
         return not any(len(s.output_ids) + 1 >= s.params.max_tokens
@@ -306,7 +365,7 @@ class DecodeNode:
             seq.output_ids.append(token)
             reason = finish_reason(seq, token, self.worker.spec.eos_token_ids,
                                    self.worker.max_model_len)
-            updates.append(TokenUpdate(key, [token], reason))
+            updates.append(TokenUpdate(key, [token], reason, _preemption_parts(seq) if reason else None))
             if reason:
                 self.num_finished += 1
                 if is_next_launched:
@@ -344,6 +403,8 @@ class DecodeNode:
                 "num_queued": len(self.scheduler.ready),
                 "num_reservations": len(self.scheduler.reservations), "num_finished": self.num_finished,
                 "num_batched_steps": self.num_batched_steps,
+                "num_preemptions": self.num_preemptions, "num_swapped": self.num_swapped,
+                "num_recomputed": self.num_recomputed, "num_preempted": len(self.scheduler.preempted),
                 "num_discarded_tokens": self.num_discarded_tokens,
                 "num_free_blocks": self.allocator.num_free,
                 "num_reserved_blocks": self.allocator.num_reserved,
@@ -359,11 +420,21 @@ class DecodeNode:
         if now - self._last_log >= self.cfg.links.log_interval_s:
             elapsed = now - self._last_log if self._last_log else 0.0
             s = self.stats()
+            preempted = f" | preempted {s['num_preempted']} now, {s['num_preemptions']} in all " \
+                f"({s['num_swapped']} swapped, {s['num_recomputed']} recomputed)" \
+                if s["num_preemptions"] else ""
             log.info("%.0f tok/s, %.1f avg batch | running %d, queued %d | free blocks %d/%d "
-                     "(%d reserved)", self._log_tokens / elapsed if elapsed else 0.0,
+                     "(%d reserved)%s", self._log_tokens / elapsed if elapsed else 0.0,
                      self._log_tokens / max(self._log_steps, 1), s["num_running"], s["num_queued"],
-                     s["num_free_blocks"], s["num_usable_blocks"], s["num_reserved_blocks"])
+                     s["num_free_blocks"], s["num_usable_blocks"], s["num_reserved_blocks"], preempted)
             self._last_log, self._log_tokens, self._log_steps = now, 0, 0
+
+
+def _preemption_parts(seq: Sequence) -> dict | None:
+    """On a preempted request's last update: how often and how long it was preempted."""
+    if not seq.num_preemptions:
+        return None
+    return {"num_preemptions": seq.num_preemptions, "preempted_ms": round(seq.preempted_s * 1e3, 3)}
 
 
 def _ttft_parts(t: dict) -> dict:

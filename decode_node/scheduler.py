@@ -1,14 +1,23 @@
-"""Reservations and admission for the decode batch.
+"""Reservations, admission and preemption for the decode batch.
 
 A handoff reserves first: the prompt's blocks are taken (their ids go back to
-the prefill node, which writes into them) and every further block the request
-could need is promised, so a running request never fails for lack of KV
-blocks. A committed reservation waits for a free batch row; admission copies
-nothing. A reservation not committed before its lease ends is freed.
+the prefill node, which writes into them). A committed reservation waits for a
+free batch row; admission copies nothing. A reservation not committed before
+its lease ends is freed.
+
+Preemptive (the default): a reservation takes what the request needs to join
+the batch, and only while a watermark of the pool stays free for running
+sequences to grow into. When a step needs a block the pool does not have, the
+most recently admitted sequence is preempted (the node swaps its KV to host
+memory or drops it to be recomputed) and waits; preempted sequences are resumed,
+oldest first, before anything new is admitted or reserved.
+Full reservation (is_preemptive=False): every block a request could need is
+promised at reservation, so nothing is ever preempted and the batch is smaller.
 """
 from __future__ import annotations
 
 import time
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -31,37 +40,55 @@ class Reservation:
     reserved_at: float = field(default_factory=time.time)
 
 
+WATERMARK = 0.01   # of the pool, kept free by admission for running sequences to grow into
+
+
 class DecodeScheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_batch_size: int,
-                 max_queue: int):
+                 max_queue: int, is_preemptive: bool = True):
         self.allocator = allocator
         self.block_size = block_size
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
+        self.is_preemptive = is_preemptive
+        self.watermark = math.ceil(allocator.capacity * WATERMARK) if is_preemptive else 0
         self.reservations: dict[str, Reservation] = {}   # reserved, not yet running
         self.ready: deque[str] = deque()                  # committed, waiting for a row
         self.running: dict[str, Sequence] = {}
+        self.preempted: list[Sequence] = []               # oldest admission first
+        self.num_admitted = 0
 
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
         """Every token written to the cache: the prompt and all outputs but the last."""
         return num_blocks_for(prompt_len + max_tokens - 1, self.block_size)
 
+    def blocks_at_reserve(self, prompt_len: int, max_tokens: int) -> int:
+        """Blocks a reservation takes: enough to join the batch (the prompt and the
+        first output's position), or with full reservation, everything."""
+        need = self.blocks_needed(prompt_len, max_tokens)
+        return min(num_blocks_for(prompt_len + 1, self.block_size), need) if self.is_preemptive else need
+
     def refusal(self, request_id: str, prompt_len: int, max_tokens: int) -> tuple[str, bool] | None:
         """(reason, is_retryable) if this request cannot be reserved now."""
-        if request_id in self.running or request_id in self.reservations:
+        if request_id in self.running or request_id in self.reservations or \
+                any(s.request_id == request_id for s in self.preempted):
             return f"request {request_id!r} is already on this decode node", False
         need = self.blocks_needed(prompt_len, max_tokens)
         if need > self.allocator.capacity:
+            # NOTE: this also guarantees that a preempted sequence, alone, always fits.
             return f"needs {need} KV blocks, this decode node has {self.allocator.capacity}", False
         if len(self.reservations) >= self.max_queue:
             return f"decode queue is full ({self.max_queue})", True
-        if not self.allocator.can_allocate(need):
-            return f"needs {need} KV blocks, {self.allocator.num_available} are free now", True
+        if self.preempted:
+            return f"{len(self.preempted)} preempted requests resume first", True
+        now = self.blocks_at_reserve(prompt_len, max_tokens)
+        if not self.allocator.can_allocate(now + self.watermark):
+            return f"needs {now} KV blocks, {self.allocator.num_available} are free now", True
         return None
 
     def reserve(self, request_id: str, sender: bytes, prompt_len: int, max_tokens: int,
                 lease_s: float) -> Reservation:
-        need = self.blocks_needed(prompt_len, max_tokens)
+        need = self.blocks_at_reserve(prompt_len, max_tokens)
         num_prompt = num_blocks_for(prompt_len, self.block_size)
         block_ids = self.allocator.allocate(num_prompt)
         self.allocator.reserve(need - num_prompt)
@@ -90,7 +117,9 @@ class DecodeScheduler:
         return [rid for rid, r in self.reservations.items() if r.commit is None and now > r.deadline]
 
     def has_admissible(self, is_landed) -> bool:
-        return bool(self.ready) and len(self.running) < self.max_batch_size and is_landed(self.ready[0])
+        # Preempted sequences go first, unless nothing runs that could free blocks for them.
+        return bool(self.ready) and len(self.running) < self.max_batch_size and \
+            (not self.preempted or not self.running) and is_landed(self.ready[0])
 
     def next_admissible(self, is_landed) -> Reservation | None:
         """The oldest committed reservation whose blocks have landed, if a row is free
@@ -101,9 +130,55 @@ class DecodeScheduler:
 
     def start(self, r: Reservation) -> Sequence:
         """A committed reservation becomes a running sequence with the same blocks."""
-        seq = Sequence(r.request_id, r.prompt_len, r.commit.params, r.block_ids, r.num_reserved)
+        seq = Sequence(r.request_id, r.prompt_len, r.commit.params, r.block_ids, r.num_reserved,
+                       prompt_ids=r.commit.prompt_ids, admit_order=self.num_admitted)
+        self.num_admitted += 1
         self.running[seq.request_id] = seq
         return seq
+
+    # ---- preemption ----------------------------------------------------------
+
+    def victim(self) -> Sequence:
+        """The running sequence to preempt: the most recently admitted."""
+        return max(self.running.values(), key=lambda s: s.admit_order)
+
+    def preempt(self, seq: Sequence, now: float) -> None:
+        """seq leaves the batch and gives its blocks back (its KV saved or not by the caller)."""
+        del self.running[seq.request_id]
+        seq.release(self.allocator)
+        seq.num_preemptions += 1
+        seq.preempted_at = now
+        self.preempted.append(seq)
+        self.preempted.sort(key=lambda s: s.admit_order)
+
+    def blocks_to_resume(self, seq: Sequence) -> int:
+        """Blocks for its cached tokens and its next position."""
+        return num_blocks_for(seq.num_cached + 1, self.block_size)
+
+    def next_resumable(self) -> Sequence | None:
+        """The oldest preempted sequence, if a row and its blocks are free; while others
+        run, the watermark stays free too, so it is not preempted again at once."""
+        if not self.preempted or len(self.running) >= self.max_batch_size:
+            return None
+        seq = self.preempted[0]
+        margin = self.watermark if self.running else 0
+        return seq if self.allocator.can_allocate(self.blocks_to_resume(seq) + margin) else None
+
+    def resume(self, seq: Sequence, now: float) -> list[int]:
+        """seq runs again; its new blocks (for the caller to fill)."""
+        self.preempted.remove(seq)
+        seq.block_ids = self.allocator.allocate(self.blocks_to_resume(seq))
+        seq.preempted_s += now - seq.preempted_at
+        self.running[seq.request_id] = seq
+        return seq.block_ids
+
+    def drop_preempted(self, request_id: str) -> Sequence | None:
+        """An aborted preempted sequence: it holds no blocks."""
+        for seq in self.preempted:
+            if seq.request_id == request_id:
+                self.preempted.remove(seq)
+                return seq
+        return None
 
     def finish(self, request_id: str) -> Sequence:
         seq = self.running.pop(request_id)

@@ -29,6 +29,9 @@ NODE_FIGURES = {
     "prefix_cached_blocks": ("num_cached_blocks", "prefill: blocks held by the prefix cache"),
     "prefix_hit_rate": ("prefix_hit_rate", "prefill: share of prompt tokens taken from the prefix cache"),
     "prefix_evictions": ("num_prefix_evictions", "prefill: prefix-cache blocks evicted (a running count)"),
+    "preemptions": ("num_preemptions", "decode: requests preempted for KV blocks (a running count)"),
+    "preempted": ("num_preempted", "decode: preempted requests waiting to resume"),
+    "swapped_bytes": ("swapped_bytes", "decode: host memory holding preempted requests' KV"),
 }
 
 

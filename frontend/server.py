@@ -429,10 +429,12 @@ class Frontend:
             req.is_prefilled = True
             router.prefill_done(self.nodes.get(req.prefill_node), req.work_tokens)
             self._wake.set()
-        if req.num_tokens == 0 and u.token_ids:
+        is_first = req.num_tokens == 0 and bool(u.token_ids)
+        if is_first:
             req.first_token_at = time.monotonic()
-        if u.timings:
+        if u.timings:   # the first update's: TTFT parts; a preempted request's last: its preemptions
             req.timings.update(u.timings)
+        if is_first:
             req.timings["ttft_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
         req.num_tokens += len(u.token_ids)
         req.detok.add(u.token_ids)

@@ -233,7 +233,7 @@ class NodeUnderTest:
         if reply.block_ids is None:
             raise RuntimeError(f"decode node refused {request_id}: {reply.reason}")
         self.kv.send(KVBlocks(request_id, 0, kv[:, :, : len(reply.block_ids)].contiguous()))
-        self.kv.send(KVCommit(request_id, prompt_len, first_token, params, {}, "tcp"))
+        self.kv.send(KVCommit(request_id, prompt_len, first_token, params, {}, "tcp", [1] * prompt_len))
 
     def close(self) -> None:
         self.proc.terminate()

@@ -73,7 +73,7 @@ class PrefillSide:
 
     def commit(self, rid: str, prompt_len: int) -> None:
         self.node.kv.send(KVCommit(rid, prompt_len, 1, SamplingParams(max_tokens=1, ignore_eos=True),
-                                   {}, self.writer.name))
+                                   {}, self.writer.name, [1] * prompt_len))
 
     def wait_written(self, rids: set[str], on_written) -> None:
         while rids:
@@ -171,7 +171,7 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
                 dst = side.reserve(rid, a.prompt_len, a.decode_tokens)
                 side.writer.write(rid, src, dst)
                 side.wait_written({rid}, lambda r: None)
-                node.kv.send(KVCommit(rid, a.prompt_len, 1, params, {}, side.writer.name))
+                node.kv.send(KVCommit(rid, a.prompt_len, 1, params, {}, side.writer.name, [1] * a.prompt_len))
                 side.wait_acks({rid})
                 running.append(rid)
             while node.next_heartbeat(time.perf_counter())[1]["num_running"] < a.decode_batch:

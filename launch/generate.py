@@ -30,7 +30,7 @@ def generate(worker: DeviceWorker, prompts: list[list[int]],
         seq.num_reserved = seq.num_blocks_needed(bs)
         alloc.reserve(seq.num_reserved)
         for _ in range(num_blocks_for(len(ids), bs)):
-            seq.take_reserved_block(alloc)
+            seq.take_block(alloc)
         seqs[seq.request_id] = seq
     t0 = time.perf_counter()
     firsts, _ = worker.prefill([PrefillChunk(ids, 0, s.block_ids, s.params)

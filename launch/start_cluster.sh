@@ -7,6 +7,7 @@
 #        [--kv-transfer auto|ipc|tcp|dist] [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N]
 #        [--max-model-len N] [--block-size N] [--token-budget N] [--kv-cache-fraction F]
 #        [--http-port 8000 | --no-http] [--served-model-name NAME] [--log-level LEVEL]
+#        [--no-prefix-caching] [--swap-space GIB] [--no-preemption]
 #        [--keys DIR | --no-keys] [--no-restart-nodes] [--drain-timeout S]
 #        [--ready-timeout S] [--frontend-arg ARG]... [--prefill-arg ARG]... [--decode-arg ARG]...
 #
@@ -30,7 +31,7 @@ BASE_PORT=5600 DEMO=0 DTYPE="" KV_MEM="" MAX_BATCH=64 READY_TIMEOUT=300 KV_TRANS
 KEYS="" USE_KEYS=1 RESTART=1 DRAIN_TIMEOUT=30 HTTP_PORT=8000 SERVED_NAME="" LOG_LEVEL=""
 MAX_MODEL_LEN="" BLOCK_SIZE="" TOKEN_BUDGET="" KV_FRACTION=""
 FRONTEND_EXTRA=() PREFILL_EXTRA=() DECODE_EXTRA=()
-usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "start_cluster: $*" >&2; exit 2; }
 value() {  # value OPTION "$@": the option's argument, or a one-line error
     [ $# -ge 2 ] && [ -n "$2" ] && [[ "$2" != --* ]] || die "$1 needs a value"
@@ -66,6 +67,9 @@ while [ $# -gt 0 ]; do
         --frontend-arg) [ $# -ge 2 ] || die "$1 needs a value"; FRONTEND_EXTRA+=("$2"); shift 2 ;;
         --prefill-arg) [ $# -ge 2 ] || die "$1 needs a value"; PREFILL_EXTRA+=("$2"); shift 2 ;;
         --decode-arg) [ $# -ge 2 ] || die "$1 needs a value"; DECODE_EXTRA+=("$2"); shift 2 ;;
+        --no-prefix-caching|--no-enable-prefix-caching) PREFILL_EXTRA+=(--no-prefix-caching); shift ;;
+        --swap-space) DECODE_EXTRA+=(--swap-space "$(value "$@")"); shift 2 ;;
+        --no-preemption) DECODE_EXTRA+=(--no-preemption); shift ;;
         --demo) DEMO=1; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "start_cluster: unknown option $1" >&2; usage >&2; exit 2 ;;

@@ -156,6 +156,10 @@ class Handoffs:
         if r.block_ids is None:
             if r.is_retryable:
                 h.next_reserve_at = time.monotonic() + RETRY_S
+                if h.first_token is not None:
+                    # The decode node answers, and is full: waiting on it is backpressure, not
+                    # a lost handoff (the request's own deadline still bounds the wait).
+                    h.lease_deadline = time.monotonic() + self.cfg.handoff_lease_s
             else:
                 self._end(h, f"decode node refused the request: {r.reason}")
             return
@@ -276,7 +280,7 @@ class Handoffs:
         h.timings["written"] = h.written_at
         h.is_commit_sent = True
         h.peer.channel.send(KVCommit(j.request_id, j.prompt_len, h.first_token, j.params,
-                                     h.timings, h.peer.writer.name), block=False)
+                                     h.timings, h.peer.writer.name, j.token_ids), block=False)
 
     def _end(self, h: Handoff, error: str | None) -> None:
         """Drop the handoff and free what it holds here; fail the request if error."""

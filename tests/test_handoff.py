@@ -64,14 +64,14 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
     assert r.block_ids != src
     assert torch.equal(dw.kv_cache[:, :, r.block_ids], pw.kv_cache[:, :, src])
 
-    sched.commit(r, protocol.KVCommit("r", len(prompt), first, params, {}, backend))
+    sched.commit(r, protocol.KVCommit("r", len(prompt), first, params, {}, backend, prompt))
     seq = sched.start(sched.next_admissible(sink.is_landed))
     blocks_to_join(seq, 16, sched.allocator)
     dw.add_decode_seq("r", first, len(prompt), seq.block_ids, params)
     tokens = [first]
     for _ in range(params.max_tokens - 1):
         if dw.next_position("r") // 16 >= dw.num_blocks("r"):
-            dw.append_block("r", seq.take_reserved_block(sched.allocator))
+            dw.append_block("r", seq.take_block(sched.allocator))
         tokens += dw.decode_step()
     assert tokens == generate(pw, [prompt], [params])[0]["token_ids"]
     dw.remove_decode_seq("r")
@@ -204,8 +204,8 @@ def test_auto_prefers_ipc_on_one_host():
         transfer.accepted_backends("smoke-signals", torch.device("cpu"))
 
 
-def test_a_reservation_holds_every_block_until_released():
-    sched = DecodeScheduler(BlockAllocator(20), 16, 4, 2)
+def test_a_full_reservation_holds_every_block_until_released():
+    sched = DecodeScheduler(BlockAllocator(20), 16, 4, 2, is_preemptive=False)
     r = sched.reserve("a", b"p", 40, 30, lease_s=0.0)
     assert len(r.block_ids) == 3 and r.num_reserved == num_blocks_for(69, 16) - 3
     assert sched.refusal("a", 40, 30)[1] is False              # a duplicate, for good

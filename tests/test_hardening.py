@@ -528,7 +528,7 @@ def test_a_commit_with_odd_timings_costs_no_other_request_its_tokens(procs, tiny
             for rid, stamps in (("no-stamps", {}), ("skewed", {"arrival": 9e12, "prefill_start": 1.0})):
                 fake.ask(KVReserve(rid, 16, 200), KVReserved)
                 ack = fake.ask(KVCommit(rid, 16, 1, SamplingParams(max_tokens=200, ignore_eos=True), stamps,
-                                        "tcp"), HandoffAck)
+                                        "tcp", [1] * 16), HandoffAck)
                 assert ack.is_accepted
             outs, _ = await job
             await client.close()

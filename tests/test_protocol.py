@@ -44,7 +44,7 @@ EXAMPLES = [
     p.KVReserved("r2", "123-ab", None, True, "decode queue is full (4)"),
     p.KVBlocks("r1", 2, KV),
     p.KVDist("r1", "5f0c9a", 17),
-    p.KVCommit("r1", 40, 9, PARAMS, {"prefill_end": 1.0}, "ipc"),
+    p.KVCommit("r1", 40, 9, PARAMS, {"prefill_end": 1.0}, "ipc", [3] * 40),
     p.KVRelease("r1"),
     p.HandoffAck("r1", False, False, "no reservation"),
 ]
@@ -123,10 +123,12 @@ def test_allowed_types_filter():
 
 @pytest.mark.parametrize("field,value", [
     ("timings", "soon"), ("timings", [1, 2]), ("timings", {"arrival": "now"}), ("timings", {"a": -1.0}),
-    ("timings", {"a": float("nan")}), ("first_token", 2**31), ("prompt_len", -1), ("request_id", "x" * 257)])
+    ("timings", {"a": float("nan")}), ("first_token", 2**31), ("prompt_len", -1), ("request_id", "x" * 257),
+    ("prompt_ids", [1, -2]), ("prompt_ids", "1234")])
 def test_field_limits_refuse_what_receivers_cannot_use(field, value):
     commit = {"v": 1, "type": "kv_commit", "request_id": "r1", "prompt_len": 4, "first_token": 1,
-              "params": {"max_tokens": 2}, "timings": {"prefill_end": 1.0}, "backend": "tcp"}
+              "params": {"max_tokens": 2}, "timings": {"prefill_end": 1.0}, "backend": "tcp",
+              "prompt_ids": [5, 6, 7, 8]}
     p.decode([msgpack.packb(commit)])   # as given: fine
     with pytest.raises(p.ProtocolError, match=field):
         p.decode([msgpack.packb({**commit, field: value})])

@@ -27,7 +27,7 @@ def test_steady_decode_makes_no_host_to_device_writes(tiny_model):
             seq = Sequence(str(i), len(prompt), p, num_reserved=0)
             seq.num_reserved = seq.num_blocks_needed(bs)
             alloc.reserve(seq.num_reserved)
-            seq.take_reserved_block(alloc)
+            seq.take_block(alloc)
             (tok,), _ = worker.prefill([PrefillChunk(prompt, 0, seq.block_ids, p)])
             blocks_to_join(seq, bs, alloc)
             worker.add_decode_seq(seq.request_id, tok, len(prompt), seq.block_ids, p)

@@ -160,7 +160,7 @@ def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, t
         wait_for(lambda: _decode_stats(p.clients)["num_free_blocks"] == free - 3, 2, "blocks held")
         wait_for(lambda: _decode_stats(p.clients)["num_free_blocks"] == free
                  and _decode_stats(p.clients)["num_reserved_blocks"] == 0, 10, "the lease to free it")
-        late = fake.ask(KVCommit("never", 40, 1, SamplingParams(max_tokens=8), {}, "tcp"), HandoffAck)
+        late = fake.ask(KVCommit("never", 40, 1, SamplingParams(max_tokens=8), {}, "tcp", [1] * 40), HandoffAck)
         assert not late.is_accepted and "no reservation" in late.reason
 
         # Released by the prefill side.
@@ -174,11 +174,11 @@ def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, t
                           ("shape", torch.zeros(shape[0], 2, 2, *shape[3:], dtype=torch.float32))):
             fake.ask(KVReserve(name, 40, 8), KVReserved)
             fake.ch.send(KVBlocks(name, 0, bad))
-            ack = fake.ask(KVCommit(name, 40, 1, SamplingParams(max_tokens=8), {}, "tcp"), HandoffAck)
+            ack = fake.ask(KVCommit(name, 40, 1, SamplingParams(max_tokens=8), {}, "tcp", [1] * 40), HandoffAck)
             assert not ack.is_accepted and "does not fit" in ack.reason
         # A commit that asks for more than was reserved.
         fake.ask(KVReserve("greedy", 40, 8), KVReserved)
-        ack = fake.ask(KVCommit("greedy", 40, 1, SamplingParams(max_tokens=500), {}, "tcp"), HandoffAck)
+        ack = fake.ask(KVCommit("greedy", 40, 1, SamplingParams(max_tokens=500), {}, "tcp", [1] * 40), HandoffAck)
         assert not ack.is_accepted and "does not match the reservation" in ack.reason
         wait_for(lambda: _decode_stats(p.clients)["num_free_blocks"] == free
                  and _decode_stats(p.clients)["num_reserved_blocks"] == 0, 5, "every block back")
@@ -187,9 +187,9 @@ def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, t
         try:
             fake.ask(KVReserve("mine", 40, 8), KVReserved)
             other.ch.send(KVRelease("mine"))
-            ack = other.ask(KVCommit("mine", 40, 1, SamplingParams(max_tokens=8), {}, "tcp"), HandoffAck)
+            ack = other.ask(KVCommit("mine", 40, 1, SamplingParams(max_tokens=8), {}, "tcp", [1] * 40), HandoffAck)
             assert not ack.is_accepted
-            ack = fake.ask(KVCommit("mine", 40, 1, SamplingParams(max_tokens=8), {}, "tcp"), HandoffAck)
+            ack = fake.ask(KVCommit("mine", 40, 1, SamplingParams(max_tokens=8), {}, "tcp", [1] * 40), HandoffAck)
             assert ack.is_accepted   # still reserved for its owner
         finally:
             other.close()

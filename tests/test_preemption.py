@@ -1,0 +1,173 @@
+"""Preemption on the decode node: admission on what a request needs now, and a
+preempted request resumed (swapped back in, or recomputed) token for token."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from common.config import WorkerConfig
+from common.kv_cache import BlockAllocator, num_blocks_for
+from common.protocol import KVCommit
+from common.sampling import SamplingParams
+from common.sequence import Sequence
+from common.worker import DeviceWorker, PrefillChunk
+from decode_node.scheduler import DecodeScheduler
+from frontend.client import AsyncClient, Client
+from tests.cluster_util import Processes, free_base_port, wait_for
+from tests.conftest import hf_greedy
+
+
+def _start(sched: DecodeScheduler, rid: str, prompt_len: int, max_tokens: int) -> Sequence:
+    r = sched.reserve(rid, b"p", prompt_len, max_tokens, lease_s=10)
+    sched.commit(r, KVCommit(rid, prompt_len, 1, SamplingParams(max_tokens=max_tokens), {}, "tcp",
+                             [1] * prompt_len))
+    seq = sched.start(sched.next_admissible(lambda _: True))
+    seq.output_ids.append(1)
+    return seq
+
+
+def test_preemptive_admission_reserves_what_a_request_needs_now():
+    sched = DecodeScheduler(BlockAllocator(41), 16, 8, 8)    # 40 usable blocks, watermark 1
+    r = sched.reserve("a", b"p", 40, 1000, lease_s=10)
+    assert len(r.block_ids) == 3 and r.num_reserved == 0       # 41 tokens fit in 3 blocks
+    r = sched.reserve("b", b"p", 48, 1000, lease_s=10)
+    assert len(r.block_ids) == 3 and r.num_reserved == 1       # its first output starts block 4
+    assert sched.refusal("c", 40, 1000)[1] is False            # more than the whole pool
+    assert sched.refusal("c", 600, 10)[1] is True              # fits the pool, not the free part
+    assert sched.refusal("c", 16 * 32 - 1, 10) is None         # 32 of 33 free: 1 left, the watermark
+    assert sched.refusal("c", 16 * 32, 10)[1] is True          # 33 would eat the watermark
+    sched.release("a")
+    sched.release("b")
+    assert sched.allocator.num_free == 40 and sched.allocator.num_reserved == 0
+
+
+def test_the_newest_is_preempted_and_the_oldest_resumes_first():
+    sched = DecodeScheduler(BlockAllocator(41), 16, 8, 8)
+    seqs = [_start(sched, rid, 40, 200) for rid in "abc"]
+    assert sched.victim() is seqs[2]
+    sched.preempt(seqs[2], now=1.0)
+    sched.preempt(sched.victim(), now=2.0)
+    assert [s.request_id for s in sched.preempted] == ["b", "c"] and list(sched.running) == ["a"]
+    assert sched.allocator.num_free == 37                      # b's and c's blocks are back
+    assert "resume first" in sched.refusal("d", 10, 10)[0]     # nothing new while they wait
+    seq = sched.next_resumable()
+    assert seq is seqs[1]
+    blocks = sched.resume(seq, now=5.0)
+    assert len(blocks) == num_blocks_for(seq.num_cached + 1, 16) and seq.preempted_s == 3.0
+    assert sched.drop_preempted("c") is seqs[2] and not sched.preempted
+    for rid in ("a", "b"):
+        sched.finish(rid)
+    assert sched.allocator.num_free == 40
+
+
+@pytest.mark.parametrize("how", ["swap", "recompute"])
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=48, ignore_eos=True),
+                                    SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.9,
+                                                   top_k=40, seed=1234)], ids=["greedy", "seeded"])
+def test_a_resumed_sequence_continues_token_for_token(tiny_model, how, params):
+    """Decode, preempt mid-block, clobber the freed blocks, resume in other blocks:
+    the tokens equal an unpreempted run's."""
+    bs, prompt = 16, list(range(3, 24))
+    with DeviceWorker(WorkerConfig(model=str(tiny_model), block_size=bs, kv_cache_memory=2**20)) as w:
+        def run(preempt_at: int | None) -> list[int]:
+            alloc = BlockAllocator(w.num_kv_blocks)
+            seq = Sequence("s", len(prompt), params, prompt_ids=prompt)
+            seq.block_ids = alloc.allocate(num_blocks_for(len(prompt) + 1, bs))
+            (first,), _ = w.prefill([PrefillChunk(prompt, 0, seq.block_ids, params)])
+            seq.output_ids.append(first)
+            w.add_decode_seq("s", first, len(prompt), seq.block_ids, params)
+            while len(seq.output_ids) < params.max_tokens:
+                if len(seq.output_ids) == preempt_at:
+                    w.remove_decode_seq("s")
+                    old = seq.block_ids
+                    if how == "swap":
+                        w.swap_out("s", old[:num_blocks_for(seq.num_cached, bs)])
+                    w.kv_cache[:, :, old] = 7.0          # the blocks go to someone else
+                    seq.block_ids = alloc.allocate(num_blocks_for(seq.num_cached + 1, bs))
+                    alloc.free(old)
+                    assert not set(seq.block_ids) & set(old)
+                    if how == "swap":
+                        w.swap_in("s", seq.block_ids)
+                        assert w.swapped_bytes == 0
+                    else:
+                        w.recompute(prompt + seq.output_ids[:-1], seq.block_ids, chunk_len=16)
+                    w.add_decode_seq("s", seq.output_ids[-1], seq.num_cached, seq.block_ids, params)
+                if w.keys_needing_block():
+                    w.append_block("s", seq.take_block(alloc))
+                seq.output_ids += w.decode_step()
+            w.remove_decode_seq("s")
+            return seq.output_ids
+        reference = run(None)
+        assert run(29) == reference          # 21 + 28 = 49 tokens cached: mid-block
+        assert run(12) == reference          # 32 cached: on a block boundary
+
+
+@pytest.fixture
+def squeezed(tiny_model, tmp_path):
+    """A cluster whose decode node holds 19 blocks of 16 tokens (8 KiB each) and room in
+    host memory for the KV of about two preempted requests."""
+    p = Processes(tiny_model, free_base_port(), tmp_path,
+                  decode=["--kv-cache-memory", "160KiB", "--max-batch-size", "64",
+                          "--swap-space", "48KiB"],
+                  frontend=["--dead-after", "10"])
+    for role in ("frontend", "prefill", "decode"):
+        p.start(role)
+    with Client(p.clients) as c:
+        c.wait_ready(120)
+    yield p
+    p.stop()
+
+
+def _decode_stats(p: Processes) -> dict:
+    with Client(p.clients) as c:
+        return c.stats().nodes.get("decode-0", {})
+
+
+def test_64_requests_far_past_the_pool_all_complete_token_exact(squeezed, tiny_model):
+    """max_tokens 200 (14 blocks with the prompt) for each of 64 requests on 19 blocks:
+    full reservation would run one at a time. Each greedy request stops on a token of
+    its own at 21 to 60 outputs, so the pool runs out mid-flight again and again."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 500) for _ in range(rng.randrange(8, 30))] for _ in range(64)]
+    expected = hf_greedy(tiny_model, prompts, 60)
+    stops = []
+    for out in expected:
+        firsts = [i for i in range(20, 60) if out[i] not in out[:i]]
+        stops.append(rng.choice(firsts))
+    seeded = [SamplingParams(max_tokens=40, temperature=0.8, top_k=50, seed=100 + i, ignore_eos=True)
+              for i in range(8)]
+
+    async def burst():
+        async with AsyncClient(squeezed.clients, idle_timeout_s=120) as client:
+            greedy = [client.complete(prompt_token_ids=ids, max_tokens=200, ignore_eos=True,
+                                      stop_token_ids=[out[k]])
+                      for ids, out, k in zip(prompts, expected, stops)]
+            sampled = [client.complete(prompt_token_ids=prompts[i], max_tokens=p.max_tokens,
+                                       temperature=p.temperature, top_k=p.top_k, seed=p.seed,
+                                       ignore_eos=True) for i, p in enumerate(seeded)]
+            return await asyncio.gather(*greedy, *sampled)
+    results = asyncio.run(burst())
+    for r, out, k in zip(results, expected, stops):
+        assert r.error is None and r.finish_reason == "stop"
+        assert r.token_ids == out[:k + 1]
+    stats = wait_for(lambda: (s := _decode_stats(squeezed)).get("num_finished", 0) >= 72 and s, 10,
+                     "a heartbeat after the burst")
+    assert stats["num_preemptions"] > 0 and stats["num_swapped"] > 0 and stats["num_recomputed"] > 0
+    assert any(r.timings.get("num_preemptions", 0) > 0 and r.timings.get("preempted_ms", -1) >= 0
+               for r in results)
+    # Nothing left behind: every block free, no swapped KV, nobody waiting.
+    wait_for(lambda: (s := _decode_stats(squeezed))["num_free_blocks"] == s["num_usable_blocks"]
+             and s["swapped_bytes"] == 0 and s["num_preempted"] == 0, 10, "every block back")
+
+    # Seeded sampling: each request again, alone (never preempted), gives the same tokens.
+    with Client(squeezed.clients) as c:
+        for i, (p, r) in enumerate(zip(seeded, results[64:])):
+            alone = c.complete(prompt_token_ids=prompts[i], max_tokens=p.max_tokens,
+                               temperature=p.temperature, top_k=p.top_k, seed=p.seed, ignore_eos=True)
+            assert alone.token_ids == r.token_ids and len(r.token_ids) == 40
+    before = _decode_stats(squeezed)["num_preemptions"]
+    assert wait_for(lambda: _decode_stats(squeezed)["num_finished"] >= 80, 10, "a heartbeat") and \
+        _decode_stats(squeezed)["num_preemptions"] == before
