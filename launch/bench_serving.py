@@ -44,6 +44,8 @@ class Job:
     prompt: str | None
     prompt_token_ids: list[int] | None
     output_len: int
+    max_tokens: int = 0            # asked for, if more than output_len: the client stops reading
+                                   # after output_len tokens, and the request is aborted there
 
 
 @dataclass
@@ -73,20 +75,23 @@ def make_jobs(a: argparse.Namespace, vocab_size: int, rng: random.Random, prefix
     """num requests. Random ids are drawn afresh on every call, so no rate of a sweep
     finds the prompts of another in a prefix cache; prefix (--prefix-len) is shared."""
     if a.dataset:
-        jobs = []
+        jobs: list[Job] = []
         for line in Path(a.dataset).read_text().splitlines():
             if line.strip():
                 d = json.loads(line)
-                jobs.append(Job(d.get("prompt"), d.get("prompt_token_ids"),
-                                int(d.get("output_len", a.output_len))))
+                n = int(d.get("output_len", a.output_len))
+                jobs.append(Job(d.get("prompt"), d.get("prompt_token_ids"), n, max(n, a.max_tokens or 0)))
         if not jobs:
             raise SystemExit(f"bench_serving: {a.dataset} holds no prompts")
         return [jobs[i % len(jobs)] for i in range(num)]
 
     def spread(n: int) -> int:
         return max(1, rng.randint(int(n * (1 - a.range_ratio)), int(n * (1 + a.range_ratio))))
-    return [Job(None, prefix + [rng.randrange(vocab_size) for _ in range(spread(a.input_len))],
+    jobs = [Job(None, prefix + [rng.randrange(vocab_size) for _ in range(spread(a.input_len))],
                 spread(a.output_len)) for _ in range(num)]
+    for job in jobs:
+        job.max_tokens = max(job.output_len, a.max_tokens or 0)
+    return jobs
 
 
 async def one(client: AsyncClient, job: Job, ignore_eos: bool) -> Outcome:
@@ -94,11 +99,13 @@ async def one(client: AsyncClient, job: Job, ignore_eos: bool) -> Outcome:
     out = Outcome(len(job.prompt_token_ids or ()), time.perf_counter())
     try:
         async for o in client.generate(job.prompt, prompt_token_ids=job.prompt_token_ids,
-                                       max_tokens=job.output_len, ignore_eos=ignore_eos,
-                                       request_id=uuid.uuid4().hex):
+                                       max_tokens=max(job.max_tokens, job.output_len),
+                                       ignore_eos=ignore_eos, request_id=uuid.uuid4().hex):
             if o.token_ids:
                 out.chunk_at.append(time.perf_counter())
                 out.num_tokens += len(o.token_ids)
+                if job.max_tokens > job.output_len and out.num_tokens >= job.output_len:
+                    break   # leaving the stream aborts the request on the cluster
             if o.timings:
                 out.parts.update({k: o.timings[k] for k in PARTS if o.timings.get(k) is not None})
             if o.is_finished:
@@ -116,7 +123,7 @@ async def one_http(http: HttpTarget, job: Job, ignore_eos: bool) -> Outcome:
     """One request through the OpenAI API: a streamed /v1/completions."""
     out = Outcome(len(job.prompt_token_ids or ()), time.perf_counter(), interface="http")
     body = {"model": http.model, "prompt": job.prompt if job.prompt is not None else job.prompt_token_ids,
-            "max_tokens": job.output_len, "temperature": 0.0, "ignore_eos": ignore_eos,
+            "max_tokens": max(job.max_tokens, job.output_len), "temperature": 0.0, "ignore_eos": ignore_eos,
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     try:
         async with http.session.post(http.url + "/v1/completions", json=body) as r:
@@ -133,6 +140,8 @@ async def one_http(http: HttpTarget, job: Job, ignore_eos: bool) -> Outcome:
                         if choice.get("token_ids"):
                             out.chunk_at.append(time.perf_counter())
                             out.num_tokens += len(choice["token_ids"])
+                    if job.max_tokens > job.output_len and out.num_tokens >= job.output_len:
+                        break   # closing the stream aborts the request on the cluster
                     if event.get("usage"):
                         out.input_len = event["usage"].get("prompt_tokens", out.input_len)
                     timings = event.get("timings") or {}
@@ -251,15 +260,20 @@ def parse_slo(text: str) -> dict:
     return slo
 
 
-async def prefill_tokens(target) -> float | None:
-    """Prompt tokens the prefill nodes have computed so far (over ZeroMQ, from their
-    heartbeats, once two readings 0.6 s apart agree); None over HTTP."""
+CLUSTER_FIGURES = {"num_prefill_tokens": "prefill", "num_decode_rows": "decode",
+                   "num_decode_steps": "decode", "num_preemptions": "decode"}
+
+
+async def cluster_figures(target) -> dict | None:
+    """Running counts summed over the nodes of each role (CLUSTER_FIGURES), over ZeroMQ,
+    from heartbeats, once two readings 0.6 s apart agree; None over HTTP."""
     if isinstance(target, HttpTarget):
         return None
 
-    async def read() -> float:
+    async def read() -> dict:
         stats = await target.stats(timeout_s=10)
-        return sum(s.get("num_prefill_tokens", 0) for s in stats.nodes.values() if s.get("role") == "prefill")
+        return {k: sum(s.get(k, 0) for s in stats.nodes.values() if s.get("role") == role)
+                for k, role in CLUSTER_FIGURES.items()}
     last, deadline = await read(), time.monotonic() + 5
     while time.monotonic() < deadline:
         await asyncio.sleep(0.6)   # a heartbeat is 0.5 s
@@ -268,6 +282,18 @@ async def prefill_tokens(target) -> float | None:
             break
         last = now
     return last
+
+
+def cluster_record(before: dict | None, after: dict | None, num_requests: int) -> dict:
+    """What the cluster did over one rate: prompt tokens computed per request (prefix
+    caching shows here), the mean decode batch and the preemptions."""
+    if before is None or after is None:
+        return {"prefill_tokens_per_request": None}
+    d = {k: after[k] - before[k] for k in before}
+    return {"prefill_tokens_per_request": round(d["num_prefill_tokens"] / max(num_requests, 1), 1),
+            "mean_decode_batch": round(d["num_decode_rows"] / d["num_decode_steps"], 2)
+            if d["num_decode_steps"] else None,
+            "num_preemptions": d["num_preemptions"]}
 
 
 @asynccontextmanager
@@ -303,9 +329,10 @@ async def open_target(a: argparse.Namespace):
 async def main_async(a: argparse.Namespace) -> tuple[list[dict], list[list[Outcome]]]:
     async with open_target(a) as (target, model, nodes):
         max_len = model.get("max_model_len")
-        if max_len and not a.dataset and a.prefix_len + a.input_len + a.output_len > max_len:
+        asked = max(a.output_len, a.max_tokens or 0)
+        if max_len and not a.dataset and a.prefix_len + a.input_len + asked > max_len:
             raise SystemExit(f"bench_serving: --prefix-len {a.prefix_len} + --input-len {a.input_len} + "
-                             f"--output-len {a.output_len} exceeds the model's max_model_len {max_len}; "
+                             f"{asked} output tokens exceeds the model's max_model_len {max_len}; "
                              f"shorten them")
         rng = random.Random(a.seed)
         vocab = int(model.get("vocab_size") or 1000)
@@ -315,16 +342,15 @@ async def main_async(a: argparse.Namespace) -> tuple[list[dict], list[list[Outco
                            a.ignore_eos, rng, False)
         records, runs = [], []
         for rate in a.request_rate:
-            computed = await prefill_tokens(target)
+            before = await cluster_figures(target)
             outcomes, duration = await run_rate(target, make_jobs(a, vocab, rng, prefix, a.num_prompts),
                                                 rate, a.max_concurrency, a.ignore_eos, rng, not a.quiet)
-            if computed is not None:
-                computed = round(((await prefill_tokens(target)) - computed) / len(outcomes), 1)
+            cluster = cluster_record(before, await cluster_figures(target), len(outcomes))
             record = {"bench": "serving", "interface": "http" if a.base_url else "zmq",
                       "target": a.base_url or a.endpoint, "model": model.get("name"),
                       "nodes": nodes, "input_len": a.input_len if not a.dataset else None,
-                      "prefix_len": a.prefix_len, "output_len": a.output_len,
-                      "max_concurrency": a.max_concurrency, "prefill_tokens_per_request": computed,
+                      "prefix_len": a.prefix_len, "output_len": a.output_len, "max_tokens": a.max_tokens,
+                      "max_concurrency": a.max_concurrency, **cluster,
                       **summarize(outcomes, duration, rate, a.slo)}
             print(json.dumps(record), flush=True)
             records.append(record)
@@ -382,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="random ids every prompt starts with, before its --input-len own ones "
                         "(a shared system prompt: what prefix caching saves)")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="ask for this many tokens, and stop reading each request after its "
+                        "--output-len (the request is aborted there): what the decode node must "
+                        "admit for, against what it generates")
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths spread by ± this fraction")
     p.add_argument("--dataset", default=None, help="a JSONL file of prompts instead of random ids")
     p.add_argument("--num-prompts", type=int, default=200, help="requests per rate")
@@ -406,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need --input-len, --output-len, --num-prompts >= 1 and 0 <= --range-ratio < 1")
     if a.max_concurrency is not None and a.max_concurrency < 1:
         p.error("--max-concurrency must be >= 1")
+    if a.max_tokens is not None and a.max_tokens < a.output_len:
+        p.error("--max-tokens must be >= --output-len")
     if a.plot:
         try:
             import matplotlib  # noqa: F401  (fail before the run, not after it)

@@ -1,4 +1,4 @@
-# Sourced by the GPU benchmark scripts (gpu_serving.sh, gpu_prefix.sh): the model
+# Sourced by the GPU benchmark scripts (gpu_serving.sh, gpu_prefix.sh, gpu_preempt.sh): the model
 # they share and how they start a cluster on it.
 #   bench_model                      -> $model, a Qwen3-0.6B shape (random bf16 weights, made once)
 #   start_bench_cluster OUT TAG ARGS -> a cluster on cuda:0 with ARGS; $launcher is its pid
