@@ -248,7 +248,7 @@ class DeviceWorker:
         swap_in or drop_swapped. Returns once the copy is done.
         NOTE: blocking on purpose: the caller frees the blocks at once, and a prefill
         node may write into them through the KV transfer right after."""
-        idx = torch.tensor(block_ids, dtype=torch.int64).to(self.device)
+        idx = self._to_device(block_ids, torch.int64)
         s = self.kv_cache.shape
         host = torch.empty((s[0], s[1], len(block_ids), *s[3:]), dtype=self.dtype,
                            pin_memory=self.device.type == "cuda")
@@ -262,8 +262,10 @@ class DeviceWorker:
         """The swapped blocks of key back into the cache at block_ids (as many as were
         swapped out); the copy is queued ahead of the next step."""
         host = self._swapped.pop(key)
-        idx = torch.tensor(block_ids[: host.shape[2]], dtype=torch.int64).to(self.device)
-        self.kv_cache.index_copy_(2, idx, host.to(self.device, non_blocking=host.is_pinned()))
+        idx = self._to_device(block_ids[: host.shape[2]], torch.int64)
+        # NOTE: a pinned source is copied without waiting; the caching host allocator
+        # keeps its memory from reuse until the copy is done.
+        self.kv_cache.index_copy_(2, idx, self._to_device(host, self.dtype))
         self.num_swap_bytes += host.numel() * host.element_size()
         self.swapped_bytes -= host.numel() * host.element_size()
 

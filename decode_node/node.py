@@ -308,13 +308,17 @@ class DecodeNode:
         seq.is_swapped = self.worker.swapped_bytes + len(keep) * self.worker.block_bytes() \
             <= self.cfg.swap_space
         if seq.is_swapped:
-            self.worker.swap_out(rid, keep)
-            self.num_swapped += 1
+            try:
+                self.worker.swap_out(rid, keep)
+                self.num_swapped += 1
+            except RuntimeError as e:   # host memory could not be had: recompute instead
+                noisy.warning("swap-out of %s failed, it will be recomputed: %s", rid, e)
+                seq.is_swapped = False
         self.scheduler.preempt(seq, time.monotonic())
         self.num_preemptions += 1
         log.debug("preempted %s at %d tokens (%s): %d KV blocks free, %d running", rid, seq.num_cached,
-                 "swapped to host" if seq.is_swapped else "to be recomputed",
-                 self.allocator.num_free, len(self.scheduler.running))
+                  "swapped to host" if seq.is_swapped else "to be recomputed",
+                  self.allocator.num_free, len(self.scheduler.running))
 
     def _resume(self, seq: Sequence) -> None:
         rid = seq.request_id
@@ -326,7 +330,7 @@ class DecodeNode:
             self.num_recomputed += 1
         self.worker.add_decode_seq(rid, seq.output_ids[-1], seq.num_cached, block_ids, seq.params)
         log.debug("resumed %s after %.0f ms (%s)", rid, seq.preempted_s * 1e3,
-                 "swapped in" if seq.is_swapped else "recomputed")
+                  "swapped in" if seq.is_swapped else "recomputed")
         seq.is_swapped = False
 
     def _can_pipeline(self) -> bool:
