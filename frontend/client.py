@@ -310,14 +310,16 @@ class AsyncClient:
 
 def format_stats(stats: StatsReply) -> str:
     """Every node, one line each, and how many requests took each prefill -> decode route."""
-    cols = ("node", "role", "alive", "device", "kv", "routed", "running", "waiting", "free blocks")
+    cols = ("node", "role", "alive", "device", "kv", "routed", "running", "waiting", "free blocks",
+            "preempted")
     rows = []
     for name, n in sorted(stats.nodes.items()):
         waiting = n.get("num_waiting", n.get("num_queued", ""))
         free = f"{n.get('num_free_blocks', '?')}/{n.get('num_usable_blocks', '?')}"
         rows.append((name, n.get("role", "?"), "yes" if n.get("is_alive") else "NO", n.get("device", "?"),
                      n.get("kv_transfer", "?"), n.get("num_routed", 0),
-                     n.get("num_running", n.get("num_prefilling", "")), waiting, free))
+                     n.get("num_running", n.get("num_prefilling", "")), waiting, free,
+                     n.get("num_preemptions", "")))
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (cols, *rows)]
     fe = stats.frontend or {}
