@@ -82,5 +82,7 @@ def grow_blocks(worker, seqs: dict[str, Sequence], allocator: BlockAllocator) ->
 
 def num_blocks_short(worker, seqs: dict[str, Sequence], allocator: BlockAllocator) -> int:
     """Blocks the next decode step needs beyond what reservations and the free pool hold."""
+    if allocator.num_available >= len(seqs):
+        return 0   # a step takes at most one block per sequence: no need to look (every step)
     need = sum(1 for key in worker.keys_needing_block() if seqs[key].num_reserved == 0)
     return max(need - allocator.num_available, 0)

@@ -44,8 +44,12 @@ class Job:
     prompt: str | None
     prompt_token_ids: list[int] | None
     output_len: int
-    max_tokens: int = 0            # asked for, if more than output_len: the client stops reading
-                                   # after output_len tokens, and the request is aborted there
+    max_tokens: int                # asked for; past output_len, the client stops reading at
+                                   # output_len tokens and the request is aborted there
+
+    def is_read(self, num_tokens: int) -> bool:
+        """The client has read what it wants of a request that would go on."""
+        return self.max_tokens > self.output_len and num_tokens >= self.output_len
 
 
 @dataclass
@@ -87,10 +91,10 @@ def make_jobs(a: argparse.Namespace, vocab_size: int, rng: random.Random, prefix
 
     def spread(n: int) -> int:
         return max(1, rng.randint(int(n * (1 - a.range_ratio)), int(n * (1 + a.range_ratio))))
-    jobs = [Job(None, prefix + [rng.randrange(vocab_size) for _ in range(spread(a.input_len))],
-                spread(a.output_len)) for _ in range(num)]
-    for job in jobs:
-        job.max_tokens = max(job.output_len, a.max_tokens or 0)
+    jobs = []
+    for _ in range(num):
+        ids, n = prefix + [rng.randrange(vocab_size) for _ in range(spread(a.input_len))], spread(a.output_len)
+        jobs.append(Job(None, ids, n, max(n, a.max_tokens or 0)))
     return jobs
 
 
@@ -99,12 +103,12 @@ async def one(client: AsyncClient, job: Job, ignore_eos: bool) -> Outcome:
     out = Outcome(len(job.prompt_token_ids or ()), time.perf_counter())
     try:
         async for o in client.generate(job.prompt, prompt_token_ids=job.prompt_token_ids,
-                                       max_tokens=max(job.max_tokens, job.output_len),
-                                       ignore_eos=ignore_eos, request_id=uuid.uuid4().hex):
+                                       max_tokens=job.max_tokens, ignore_eos=ignore_eos,
+                                       request_id=uuid.uuid4().hex):
             if o.token_ids:
                 out.chunk_at.append(time.perf_counter())
                 out.num_tokens += len(o.token_ids)
-                if job.max_tokens > job.output_len and out.num_tokens >= job.output_len:
+                if job.is_read(out.num_tokens):
                     break   # leaving the stream aborts the request on the cluster
             if o.timings:
                 out.parts.update({k: o.timings[k] for k in PARTS if o.timings.get(k) is not None})
@@ -123,7 +127,7 @@ async def one_http(http: HttpTarget, job: Job, ignore_eos: bool) -> Outcome:
     """One request through the OpenAI API: a streamed /v1/completions."""
     out = Outcome(len(job.prompt_token_ids or ()), time.perf_counter(), interface="http")
     body = {"model": http.model, "prompt": job.prompt if job.prompt is not None else job.prompt_token_ids,
-            "max_tokens": max(job.max_tokens, job.output_len), "temperature": 0.0, "ignore_eos": ignore_eos,
+            "max_tokens": job.max_tokens, "temperature": 0.0, "ignore_eos": ignore_eos,
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     try:
         async with http.session.post(http.url + "/v1/completions", json=body) as r:
@@ -140,7 +144,7 @@ async def one_http(http: HttpTarget, job: Job, ignore_eos: bool) -> Outcome:
                         if choice.get("token_ids"):
                             out.chunk_at.append(time.perf_counter())
                             out.num_tokens += len(choice["token_ids"])
-                    if job.max_tokens > job.output_len and out.num_tokens >= job.output_len:
+                    if job.is_read(out.num_tokens):
                         break   # closing the stream aborts the request on the cluster
                     if event.get("usage"):
                         out.input_len = event["usage"].get("prompt_tokens", out.input_len)

@@ -3,6 +3,9 @@
 #   bench_model                      -> $model, a Qwen3-0.6B shape (random bf16 weights, made once)
 #   start_bench_cluster OUT TAG ARGS -> a cluster on cuda:0 with ARGS; $launcher is its pid
 #                                       (its output in OUT/cluster-TAG.{out,log})
+#   bench_on_cluster OUT TAG [CLUSTER ARGS] -- [BENCH ARGS]
+#                                    -> a cluster (no HTTP) with CLUSTER ARGS, one ZeroMQ
+#                                       benchmark with BENCH ARGS into OUT/TAG.json, stopped
 py="${PYTHON:-python3}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -25,4 +28,17 @@ start_bench_cluster() {  # start_bench_cluster OUT TAG [start_cluster args...]
         kill -0 $launcher 2>/dev/null || { echo "cluster failed to start" >&2; tail -20 "$out/cluster-$tag.log" >&2; exit 1; }
         sleep 0.5; done
     echo "cluster not ready after 300 s" >&2; exit 1
+}
+
+bench_on_cluster() {  # bench_on_cluster OUT TAG [start_cluster args...] -- [bench_serving args...]
+    local out="$1" tag="$2" port=5600 rc=0
+    local start=()
+    shift 2
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do start+=("$1"); shift; done
+    [ $# -gt 0 ] && shift   # the --
+    start_bench_cluster "$out" "$tag" --base-port $port --no-http "${start[@]}"
+    "$py" -m launch.bench_serving --endpoint "tcp://127.0.0.1:$port" --quiet --save-json "$out/$tag.json" \
+        "$@" || rc=1
+    kill -TERM $launcher; wait $launcher
+    return $rc
 }

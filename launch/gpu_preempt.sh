@@ -11,13 +11,8 @@ set -uo pipefail
 out="${1:?OUT_DIR}"; rates="${2:-16,inf}"; num="${3:-256}"; kv="${4:-4GiB}"
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh"
 bench_model
-port=5600 rc=0
-for mode in on off; do
-    extra=(); [ $mode = off ] && extra=(--no-preemption)
-    start_bench_cluster "$out" "preempt-$mode" --base-port $port --no-http --kv-cache-memory "$kv" "${extra[@]}"
-    "$py" -m launch.bench_serving --endpoint "tcp://127.0.0.1:$port" --input-len 1024 --output-len 128 \
-        --max-tokens 4096 --num-prompts "$num" --request-rate "$rates" --quiet \
-        --save-json "$out/preempt-$mode.json" || rc=1
-    kill -TERM $launcher; wait $launcher
-done
+bench=(--input-len 1024 --output-len 128 --max-tokens 4096 --num-prompts "$num" --request-rate "$rates")
+rc=0
+bench_on_cluster "$out" preempt-on --kv-cache-memory "$kv" -- "${bench[@]}" || rc=1
+bench_on_cluster "$out" preempt-off --kv-cache-memory "$kv" --no-preemption -- "${bench[@]}" || rc=1
 exit $rc

@@ -9,13 +9,8 @@ set -uo pipefail
 out="${1:?OUT_DIR}"; rates="${2:-2,4,8,16}"; num="${3:-200}"
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh"
 bench_model
-port=5600 rc=0
-for mode in on off; do
-    extra=(); [ $mode = off ] && extra=(--prefill-arg --no-prefix-caching)
-    start_bench_cluster "$out" "prefix-$mode" --base-port $port --no-http "${extra[@]}"
-    "$py" -m launch.bench_serving --endpoint "tcp://127.0.0.1:$port" --prefix-len 2048 --input-len 128 \
-        --output-len 128 --num-prompts "$num" --request-rate "$rates" --quiet \
-        --save-json "$out/prefix-$mode.json" || rc=1
-    kill -TERM $launcher; wait $launcher
-done
+bench=(--prefix-len 2048 --input-len 128 --output-len 128 --num-prompts "$num" --request-rate "$rates")
+rc=0
+bench_on_cluster "$out" prefix-on -- "${bench[@]}" || rc=1
+bench_on_cluster "$out" prefix-off --no-prefix-caching -- "${bench[@]}" || rc=1
 exit $rc
