@@ -16,7 +16,7 @@ import zmq
 
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import ROOT, Cluster, free_base_port, is_alive, python_children_of, wait_for
-from tests.conftest import hf_greedy
+from tests.conftest import clear_prompts
 
 NEW_TOKENS = 24
 
@@ -40,7 +40,7 @@ def _prompts(n=64, seed=0):
 
 
 def test_64_concurrent_requests_match_transformers(cluster, tiny_model):
-    prompts = _prompts()
+    prompts, expected = clear_prompts(tiny_model, _prompts(96), NEW_TOKENS, 64)
 
     async def run():
         async with AsyncClient(cluster.endpoint) as client:
@@ -48,7 +48,6 @@ def test_64_concurrent_requests_match_transformers(cluster, tiny_model):
                 client.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True)
                 for p in prompts])
     results = asyncio.run(run())
-    expected = hf_greedy(tiny_model, prompts, NEW_TOKENS)
     for i, (r, ref) in enumerate(zip(results, expected)):
         assert r.error is None, r.error
         assert r.token_ids == ref, f"request {i} ({len(prompts[i])} prompt tokens) diverged"

@@ -17,7 +17,7 @@ from common.worker import DeviceWorker, PrefillChunk
 from decode_node.scheduler import DecodeScheduler
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import Processes, free_base_port, wait_for
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy_gaps
 
 
 def _start(sched: DecodeScheduler, rid: str, prompt_len: int, max_tokens: int) -> Sequence:
@@ -131,12 +131,18 @@ def test_64_requests_far_past_the_pool_all_complete_token_exact(squeezed, tiny_m
     full reservation would run one at a time. Each greedy request stops on a token of
     its own at 21 to 60 outputs, so the pool runs out mid-flight again and again."""
     rng = random.Random(7)
-    prompts = [[rng.randrange(1, 500) for _ in range(rng.randrange(8, 30))] for _ in range(64)]
-    expected = hf_greedy(tiny_model, prompts, 60)
-    stops = []
-    for out in expected:
-        firsts = [i for i in range(20, 60) if out[i] not in out[:i]]
-        stops.append(rng.choice(firsts))
+    candidates = [[rng.randrange(1, 500) for _ in range(rng.randrange(8, 30))] for _ in range(96)]
+    prompts, expected, stops = [], [], []
+    for ids, (out, gaps) in zip(candidates, hf_greedy_gaps(tiny_model, candidates, 60)):
+        # Stop on a token's first appearance, before any step whose two best logits
+        # are within rounding of each other (no single right answer there).
+        clear_len = next((i for i, g in enumerate(gaps) if g < 1e-3), len(gaps))
+        firsts = [i for i in range(20, clear_len) if out[i] not in out[:i]]
+        if firsts and len(prompts) < 64:
+            prompts.append(ids)
+            expected.append(out)
+            stops.append(rng.choice(firsts))
+    assert len(prompts) == 64
     seeded = [SamplingParams(max_tokens=40, temperature=0.8, top_k=50, seed=100 + i, ignore_eos=True)
               for i in range(8)]
 
