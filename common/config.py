@@ -136,7 +136,8 @@ class PrefillConfig:
     name: str = "prefill-0"
     token_budget: int = 8192          # prompt tokens per forward pass
     max_batch_prompts: int = 64
-    handoff_lease_s: float = 10.0     # a handoff not committed this long after its prefill fails
+    handoff_lease_s: float = 10.0     # a handoff not committed this long after its prefill, or
+                                      # a reservation request unanswered this long, fails
     kv_transfer: str = "auto"         # auto: ipc with a decode node on this host, else tcp
     links: NodeLinks = field(default_factory=NodeLinks)
     allow_remote: bool = False

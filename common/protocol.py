@@ -273,13 +273,16 @@ class KVReserve:
 
 @dataclass
 class KVReserved:
-    """decode -> prefill: block_ids for the prompt, or a refusal."""
+    """decode -> prefill: block_ids for the prompt, or a refusal. The blocks stay
+    reserved for lease_s from when the KVReserve reached the decode node (0: until
+    released); the same KVReserve again renews them."""
     TYPE: ClassVar[str] = "kv_reserved"
     request_id: Id
     epoch: Name
     block_ids: list[I32] | None = None
     is_retryable: bool = False
     reason: Text | None = None
+    lease_s: Annotated[float, Range(0, 86400)] = 0.0
 
 
 @dataclass

@@ -52,6 +52,7 @@ class DecodeNode:
         self.num_preemptions = 0
         self.num_swapped = 0            # preemptions that kept the KV in host memory
         self.num_recomputed = 0         # resumptions that prefilled the KV again
+        self.num_expired_reservations = 0   # not renewed or committed within the lease
         self.exit_code = 0
         self._last_log = 0.0
         self._log_tokens = self._log_steps = 0
@@ -171,6 +172,13 @@ class DecodeNode:
 
     def _on_reserve(self, sender: bytes, m: KVReserve) -> None:
         w = self.worker
+        lease_s = self.cfg.reservation_lease_s
+        r = self._reservation_of(sender, m.request_id)
+        if r is not None and r.commit is None and (r.prompt_len, r.max_tokens) == (m.prompt_len, m.max_tokens):
+            # The prefill node renews what it still means to write: same blocks, new lease.
+            self.scheduler.renew(r, lease_s)
+            self.kv.send(KVReserved(m.request_id, self.epoch, list(r.block_ids), lease_s=lease_s), to=sender)
+            return
         if m.request_id in self.recently_aborted:
             refusal = ("the request was aborted", False)
         elif m.prompt_len < 1 or m.max_tokens < 1:
@@ -185,9 +193,8 @@ class DecodeNode:
                 noisy.warning("refused reservation %s: %s", m.request_id, reason)
             self.kv.send(KVReserved(m.request_id, self.epoch, None, is_retryable, reason), to=sender)
             return
-        r = self.scheduler.reserve(m.request_id, sender, m.prompt_len, m.max_tokens,
-                                   self.cfg.reservation_lease_s)
-        self.kv.send(KVReserved(m.request_id, self.epoch, list(r.block_ids)), to=sender)
+        r = self.scheduler.reserve(m.request_id, sender, m.prompt_len, m.max_tokens, lease_s)
+        self.kv.send(KVReserved(m.request_id, self.epoch, list(r.block_ids), lease_s=lease_s), to=sender)
 
     def _on_blocks(self, sender: bytes, m: KVBlocks | KVDist) -> None:
         r = self._reservation_of(sender, m.request_id)
@@ -238,8 +245,9 @@ class DecodeNode:
 
     def _expire_reservations(self) -> None:
         for rid in self.scheduler.expired(time.monotonic()):
-            noisy.warning("reservation %s was not committed within %.0fs: freed", rid,
-                        self.cfg.reservation_lease_s)
+            noisy.warning("reservation %s was neither renewed nor committed within %.0fs: freed", rid,
+                          self.cfg.reservation_lease_s)
+            self.num_expired_reservations += 1
             self._release(rid)
 
     def _abort(self, request_id: str) -> None:
@@ -406,6 +414,7 @@ class DecodeNode:
         return {**self.worker.stats(), "num_running": len(self.scheduler.running),
                 "num_queued": len(self.scheduler.ready),
                 "num_reservations": len(self.scheduler.reservations), "num_finished": self.num_finished,
+                "num_expired_reservations": self.num_expired_reservations,
                 "num_batched_steps": self.num_batched_steps,
                 "num_preemptions": self.num_preemptions, "num_swapped": self.num_swapped,
                 "num_recomputed": self.num_recomputed, "num_preempted": len(self.scheduler.preempted),

@@ -2,8 +2,8 @@
 
 A handoff reserves first: the prompt's blocks are taken (their ids go back to
 the prefill node, which writes into them). A committed reservation waits for a
-free batch row; admission copies nothing. A reservation not committed before
-its lease ends is freed.
+free batch row; admission copies nothing. A reservation neither renewed nor
+committed before its lease ends is freed (its prefill node is gone).
 
 Preemptive (the default): a reservation takes what the request needs to join
 the batch, and only while a watermark of the pool stays free for running
@@ -96,6 +96,9 @@ class DecodeScheduler:
                         time.monotonic() + lease_s)
         self.reservations[request_id] = r
         return r
+
+    def renew(self, r: Reservation, lease_s: float) -> None:
+        r.deadline = time.monotonic() + lease_s
 
     def commit(self, r: Reservation, commit: KVCommit) -> None:
         r.commit = commit

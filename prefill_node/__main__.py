@@ -21,7 +21,8 @@ def main(argv=None) -> int:
                    help="prompt tokens per forward pass (a prefill node runs no decode "
                         "steps, so larger passes cost no one latency)")
     p.add_argument("--handoff-lease", type=float, default=10.0,
-                   help="seconds after its prefill within which a handoff must be committed")
+                   help="seconds after its prefill within which a handoff must be committed, "
+                        "and within which a decode node must answer a reservation request")
     p.add_argument("--kv-transfer", choices=KV_TRANSFERS, default="auto",
                    help="auto: ipc with a decode node on this host, else tcp")
     p.add_argument("--keys", default=None, metavar="DIR",

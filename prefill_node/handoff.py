@@ -1,18 +1,27 @@
 """Handoffs from this prefill node to decode nodes: reserve -> write -> commit.
 
-A request's reservation is asked for when it arrives, so the decode node's
-answer is usually here before its prefill starts. Once the prompt's KV is
-computed (queued on the device) and the blocks are reserved, the transfer
-backend writes them, right behind the forward pass; when the write has
+A request's reservation is asked for when it arrives; its prompt is prefilled
+only once the blocks are reserved (prefill_node/scheduler.py), and the transfer
+backend writes them right behind the forward pass. When the write has
 completed the local blocks are freed, and the commit goes out once the first
-token is sampled too. A handoff not
-committed and acknowledged within the lease after its prefill ended is failed
-and everything it holds, here and on the decode node, is released.
+token is sampled too. A handoff not committed and acknowledged within the
+lease after its prefill ended, or whose decode node leaves a reservation
+request unanswered that long, is failed and everything it holds, here and on
+the decode node, is released.
+
+A reservation has a lease on the decode node too, counted from when our
+KVReserve reached it; until the commit, the same KVReserve is sent again every
+third of it to renew it. Our view of its end is counted from when we sent the
+request answered (so it is never later than the decode node's), and no write
+starts in the last third of it.
+NOTE: ipc writes straight into the decode node's memory: a write into blocks
+whose reservation has ended could land in another request's KV.
 """
 from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -49,6 +58,11 @@ class Handoff:
     dst_block_ids: list[int] | None = None
     epoch: str | None = None              # the decode node's, when it reserved
     next_reserve_at: float = 0.0          # 0: a reservation request is out
+    reserve_sent: deque = field(default_factory=deque)   # monotonic send times of unanswered KVReserves
+    silent_since: float | None = None     # asked the decode node, no answer yet (monotonic)
+    reserved_until: float = float("inf")  # our view of the reservation's end (monotonic)
+    renew_at: float = float("inf")
+    lease_s: float = 0.0                  # the decode node's; 0: held until released
     first_token: int | None = None        # set when the prompt is done
     timings: dict = field(default_factory=dict)
     lease_deadline: float = float("inf")
@@ -111,7 +125,7 @@ class Handoffs:
             log.error("%s", peer.error)
         for h in self.by_id.values():   # reservations from an earlier life of that node are void
             if h.peer is peer and h.epoch not in (None, w.epoch) and not h.is_writing:
-                h.dst_block_ids, h.epoch, h.next_reserve_at = None, None, time.monotonic()
+                self._drop_reservation(h)
 
     def receive(self, ch: Channel) -> None:
         peer = next(p for p in self.peers.values() if p.channel is ch)
@@ -141,18 +155,48 @@ class Handoffs:
         self._reserve(h)
 
     def _reserve(self, h: Handoff) -> None:
+        """Ask for the blocks, or renew them once reserved."""
         msg = KVReserve(h.job.request_id, h.job.prompt_len, h.job.params.max_tokens)
+        now = time.monotonic()
+        if h.silent_since is None:
+            h.silent_since = now
         if h.peer.channel.send(msg, block=False):
+            h.reserve_sent.append(now)
             h.next_reserve_at = 0.0
+            h.renew_at = float("inf")
+        elif h.dst_block_ids is None:
+            h.next_reserve_at = now + RETRY_S   # not connected yet
         else:
-            h.next_reserve_at = time.monotonic() + RETRY_S   # not connected yet
+            h.renew_at = now + RETRY_S
+
+    def _drop_reservation(self, h: Handoff) -> None:
+        """Its blocks there are not ours to write any more: ask again."""
+        h.dst_block_ids, h.epoch, h.next_reserve_at = None, None, time.monotonic()
+        h.reserve_sent.clear()
+        h.reserved_until = h.renew_at = float("inf")
+        h.job.is_reserved = False
 
     def _on_reserved(self, peer: DecodePeer, r: KVReserved) -> None:
         h = self.by_id.get(r.request_id)
-        if h is None or h.peer is not peer or h.dst_block_ids is not None:
-            if r.block_ids is not None and (h is None or h.peer is not peer):
+        if h is None or h.peer is not peer:
+            if r.block_ids is not None:
                 peer.channel.send(KVRelease(r.request_id), block=False)  # nobody wants it now
             return
+        h.silent_since = None
+        # NOTE: answers come in the order asked; an answer to a request sent before a
+        # restart of the decode node pairs with an older time, which only shortens the lease.
+        sent_at = h.reserve_sent.popleft() if h.reserve_sent else time.monotonic()
+        if h.dst_block_ids is not None:
+            if r.block_ids == h.dst_block_ids and r.epoch == h.epoch:
+                self._lease(h, sent_at, r.lease_s)   # renewed
+                return
+            if h.is_writing or h.is_written:
+                return   # the commit's answer says whether the blocks were still ours
+            # Our reservation ended there (new blocks, or a refusal): start from this answer.
+            self._drop_reservation(h)
+            h.next_reserve_at = 0.0 if r.block_ids is not None else time.monotonic() + RETRY_S
+            if r.block_ids is None:
+                return
         if r.block_ids is None:
             if r.is_retryable:
                 h.next_reserve_at = time.monotonic() + RETRY_S
@@ -175,8 +219,19 @@ class Handoffs:
                          f"distinct block per prompt block")
             return
         h.dst_block_ids, h.epoch = list(r.block_ids), r.epoch
+        h.job.is_reserved = True   # the scheduler may start its prefill now
+        self._lease(h, sent_at, r.lease_s)
         if r.epoch != peer.epoch:
             self._hello(peer)   # a decode node we have not mapped (or that restarted)
+
+    @staticmethod
+    def _lease(h: Handoff, sent_at: float, lease_s: float) -> None:
+        h.lease_s = lease_s
+        if lease_s > 0:
+            h.reserved_until = sent_at + lease_s
+            h.renew_at = time.monotonic() + lease_s / 3
+        else:   # held until released
+            h.reserved_until = h.renew_at = float("inf")
 
     def _on_ack(self, peer: DecodePeer, ack: HandoffAck) -> None:
         h = self.by_id.get(ack.request_id)
@@ -231,6 +286,11 @@ class Handoffs:
                 self._end(h, h.error)
             elif h.peer.error:
                 self._end(h, h.peer.error)
+            elif h.silent_since is not None and now - h.silent_since > self.cfg.handoff_lease_s:
+                if h.dst_block_ids is not None:
+                    h.peer.channel.send(KVRelease(h.job.request_id), block=False)
+                self._end(h, f"decode node {h.peer.name} did not answer for a reservation within "
+                             f"{self.cfg.handoff_lease_s:.0f}s")
             elif now > h.lease_deadline:
                 if h.dst_block_ids is not None:
                     h.peer.channel.send(KVRelease(h.job.request_id), block=False)
@@ -239,16 +299,23 @@ class Handoffs:
             elif h.dst_block_ids is None:
                 if h.next_reserve_at and now >= h.next_reserve_at:
                     self._reserve(h)
-            elif self._can_write(h):
-                self._write(h)
-            elif h.epoch != h.peer.epoch:
-                self._hello(h.peer)
+            elif now >= h.reserved_until and not h.is_written:
+                log.warning("reservation of %s on %s ran out before its write: reserving again",
+                            h.job.request_id, h.peer.name)
+                self._drop_reservation(h)
+            else:
+                if self._can_write(h):
+                    self._write(h)
+                elif h.epoch != h.peer.epoch:
+                    self._hello(h.peer)
+                if now >= h.renew_at and not h.is_commit_sent:
+                    self._reserve(h)
 
     @staticmethod
     def _can_write(h: Handoff) -> bool:
         return (h.is_computed and h.dst_block_ids is not None and not h.is_written
                 and not h.is_writing and not h.is_aborted and h.peer.writer is not None
-                and h.epoch == h.peer.epoch)
+                and h.epoch == h.peer.epoch and time.monotonic() < h.reserved_until - h.lease_s / 3)
 
     def _write(self, h: Handoff) -> None:
         try:
@@ -296,6 +363,10 @@ class Handoffs:
             self.fail(h.job.request_id, error)
 
     # ---- figures ------------------------------------------------------------------
+
+    @property
+    def num_writing(self) -> int:
+        return sum(h.is_writing for h in self.by_id.values())
 
     @property
     def num_pending(self) -> int:

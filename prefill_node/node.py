@@ -67,9 +67,11 @@ class PrefillNode:
                          self.cfg.worker.device, self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.token_budget, self.cfg.kv_transfer)
                 while not stop.is_set():
-                    is_busy = bool(self.scheduler.prefilling or self.scheduler.waiting
-                                   or self.handoffs.by_id)
-                    for ch in poller.wait(0 if is_busy else 0.02):
+                    sched = self.scheduler
+                    # Writes are polled; reservations and retries come by message or within 50 ms.
+                    is_busy = bool(sched.prefilling or sched.num_waiting > sched.num_unreserved
+                                   or self.handoffs.num_writing)
+                    for ch in poller.wait(0 if is_busy else 0.005 if self.handoffs.by_id else 0.02):
                         if ch is self.frontend:
                             self._receive_all(stop)
                         else:
@@ -192,6 +194,7 @@ class PrefillNode:
 
     def stats(self) -> dict:
         return {**self.worker.stats(), "num_waiting": self.scheduler.num_waiting,
+                "num_unreserved": self.scheduler.num_unreserved,
                 "num_waiting_tokens": self.scheduler.num_waiting_tokens,
                 "num_prefilling": len(self.scheduler.prefilling),
                 "num_pending_handoffs": self.handoffs.num_pending,
@@ -212,8 +215,8 @@ class PrefillNode:
         if now - self._last_log >= self.cfg.links.log_interval_s:
             elapsed = now - self._last_log if self._last_log else 0.0
             s = self.stats()
-            log.info("%.0f prompt tok/s | waiting %d, prefilling %d, pending handoffs %d | "
-                     "free blocks %d/%d", self._log_tokens / elapsed if elapsed else 0.0,
-                     s["num_waiting"], s["num_prefilling"], s["num_pending_handoffs"],
+            log.info("%.0f prompt tok/s | waiting %d (%d for a decode reservation), prefilling %d, "
+                     "pending handoffs %d | free blocks %d/%d", self._log_tokens / elapsed if elapsed else 0.0,
+                     s["num_waiting"], s["num_unreserved"], s["num_prefilling"], s["num_pending_handoffs"],
                      s["num_free_blocks"], s["num_usable_blocks"])
             self._last_log, self._log_tokens = now, 0

@@ -7,6 +7,11 @@ longer than the token budget runs in chunks across passes; each full block
 computed is published to the cache. When the pool cannot hold the next prompt
 (blocks still wait for a handoff to be confirmed), no new prompt starts:
 backpressure, not failure.
+
+A prompt starts only once its decode node has reserved blocks for it. NOTE:
+otherwise prompts computed for a full decode node could fill this pool while
+that node's blocks are reserved for prompts waiting here: each side would wait
+for the other.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ class PrefillJob:
     num_cached_tokens: int = 0     # of those, taken from the prefix cache
     num_published: int = 0         # full blocks given to the prefix cache
     hashes: list[bytes] = field(default_factory=list)   # each full block's chained hash
+    is_reserved: bool = False      # its decode node holds blocks for it (set by the handoff)
 
     @property
     def prompt_len(self) -> int:
@@ -64,6 +70,11 @@ class PrefillScheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_unreserved(self) -> int:
+        """Waiting prompts whose decode node has no blocks for them yet."""
+        return sum(not j.is_reserved for j in self.waiting)
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -100,8 +111,11 @@ class PrefillScheduler:
             end = min(job.prompt_len, job.num_computed + budget)
             chunks.append(ScheduledChunk(job, job.num_computed, end))
             budget -= end - job.num_computed
-        while self.waiting and budget > 0 and len(chunks) < self.max_batch_prompts:
-            job = self.waiting[0]
+        for job in list(self.waiting):   # in arrival order, passing those not reserved yet
+            if budget == 0 or len(chunks) == self.max_batch_prompts:
+                break
+            if not job.is_reserved:
+                continue
             bs = self.block_size
             if not job.hashes:
                 job.hashes = block_hashes(job.token_ids, bs)
@@ -110,7 +124,7 @@ class PrefillScheduler:
             if not self.allocator.can_allocate(need):
                 self.allocator.free(cached)
                 break  # backpressure: wait for handoffs to free blocks
-            self.waiting.popleft()
+            self.waiting.remove(job)
             job.block_ids = cached + self.allocator.allocate(need)
             job.num_computed = job.num_cached_tokens = len(cached) * bs
             job.num_published = len(cached)

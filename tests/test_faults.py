@@ -126,24 +126,27 @@ def test_decode_node_refuses_what_it_cannot_hold(tiny_model, tmp_path):
         p.stop()
 
 
-def test_prefill_backpressure_waits_instead_of_failing(tiny_model, tmp_path):
-    # 8 KiB per 16-token block: 64 KiB gives 7 usable blocks; each 40-token prompt takes 3.
+def test_prompts_for_a_stalled_decode_node_wait_holding_nothing(tiny_model, tmp_path):
+    """A prompt is prefilled only once its decode node has reserved blocks for it: while
+    that node is stopped, prompts wait at the prefill node without taking its blocks,
+    then all complete."""
     p = Processes(tiny_model, free_base_port(), tmp_path,
                   frontend=["--dead-after", "30"],
                   prefill=["--kv-cache-memory", "64KiB", "--handoff-lease", "30"])
     try:
         _start(p, "frontend", "prefill", "decode")
+        start = wait_for(lambda: _free_blocks(p.clients, "prefill-0"), 5, "prefill stats")
         decode = p.procs["decode"]
-        decode.send_signal(signal.SIGSTOP)  # handoffs go unconfirmed; the prefill pool fills
+        decode.send_signal(signal.SIGSTOP)
         try:
             async def three():
                 async with AsyncClient(p.clients) as client:
                     jobs = [asyncio.create_task(client.complete(prompt_token_ids=[i + 1] * 40, max_tokens=4,
                                                                 ignore_eos=True)) for i in range(3)]
                     stats = {}
-                    for _ in range(200):  # until the pool is full and the third prompt waits
+                    for _ in range(200):  # until all three wait for their reservations
                         stats = (await client.stats()).nodes["prefill-0"]
-                        if stats.get("num_pending_handoffs") == 2 and stats.get("num_waiting") == 1:
+                        if stats.get("num_unreserved") == 3:
                             break
                         await asyncio.sleep(0.05)
                     decode.send_signal(signal.SIGCONT)
@@ -151,13 +154,14 @@ def test_prefill_backpressure_waits_instead_of_failing(tiny_model, tmp_path):
             stats, results = asyncio.run(three())
         finally:
             decode.send_signal(signal.SIGCONT)
-        assert stats["num_pending_handoffs"] == 2 and stats["num_waiting"] == 1
+        assert stats["num_waiting"] == 3 and stats["num_unreserved"] == 3
+        assert stats["num_free_blocks"] == start and stats["num_pending_handoffs"] == 0
         assert all(r.error is None and len(r.token_ids) == 4 for r in results)
     finally:
         p.stop()
 
 
-def test_unconfirmed_handoff_lease_expires(tiny_model, tmp_path):
+def test_unanswered_reservation_fails_within_the_handoff_lease(tiny_model, tmp_path):
     p = Processes(tiny_model, free_base_port(), tmp_path, frontend=["--dead-after", "30"],
                   prefill=["--handoff-lease", "1"])
     try:
@@ -166,9 +170,11 @@ def test_unconfirmed_handoff_lease_expires(tiny_model, tmp_path):
         p.procs["decode"].send_signal(signal.SIGSTOP)
         try:
             with Client(p.clients) as c:
-                r = c.complete("never confirmed", max_tokens=4)
-                assert r.finish_reason == "error" and "did not confirm" in r.error
-            wait_for(lambda: _free_blocks(p.clients, "prefill-0") == start, 5, "lease to free blocks")
+                t0 = time.monotonic()
+                r = c.complete("never answered", max_tokens=4)
+                assert r.finish_reason == "error" and "did not answer" in r.error
+                assert time.monotonic() - t0 < 10   # not the frontend's 30 s dead-node limit
+            assert _free_blocks(p.clients, "prefill-0") == start
         finally:
             p.procs["decode"].send_signal(signal.SIGCONT)
     finally:

@@ -217,3 +217,22 @@ def test_a_full_reservation_holds_every_block_until_released():
     sched.release("a")
     sched.release("b")
     assert sched.allocator.num_free == 19 and sched.allocator.num_reserved == 0
+
+
+def test_no_write_starts_in_the_last_third_of_a_reservation_lease():
+    """ipc writes straight into the decode node's memory: once the reservation may have
+    ended there, its blocks may be another request's."""
+    from prefill_node.handoff import DecodePeer, Handoff, Handoffs
+    from prefill_node.scheduler import PrefillJob
+    job = PrefillJob("r", [1] * 20, SamplingParams(max_tokens=4), 0.0, "decode-0", "tcp://127.0.0.1:1")
+    peer = DecodePeer("decode-0", "tcp://127.0.0.1:1", channel=None, epoch="e", writer=object(), num_blocks=8)
+    h = Handoff(job, peer, dst_block_ids=[3, 4], epoch="e", is_computed=True)
+    now = time.monotonic()
+    Handoffs._lease(h, now, 30.0)                      # just answered
+    assert Handoffs._can_write(h) and h.renew_at > now + 9
+    Handoffs._lease(h, now - 19, 30.0)                 # asked 19 s ago: 11 s left
+    assert Handoffs._can_write(h)
+    Handoffs._lease(h, now - 21, 30.0)                 # 9 s left: renew first
+    assert not Handoffs._can_write(h)
+    Handoffs._lease(h, now - 1000, 0.0)                # no lease: held until released
+    assert Handoffs._can_write(h)

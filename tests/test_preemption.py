@@ -105,6 +105,25 @@ def test_a_resumed_sequence_continues_token_for_token(tiny_model, how, params):
         assert run(12) == reference          # 32 cached: on a block boundary
 
 
+def _stopping_prompts(model_dir, num_prompts: int, seed: int):
+    """Prompts, their greedy outputs, and for each an output index to stop on: a token's
+    first appearance, 20 to 60 tokens in, before any step whose two best logits are
+    within rounding of each other (no single right answer there)."""
+    rng = random.Random(seed)
+    candidates = [[rng.randrange(1, 500) for _ in range(rng.randrange(8, 30))]
+                  for _ in range(num_prompts * 3 // 2)]
+    prompts, expected, stops = [], [], []
+    for ids, (out, gaps) in zip(candidates, hf_greedy_gaps(model_dir, candidates, 60)):
+        clear_len = next((i for i, g in enumerate(gaps) if g < 1e-3), len(gaps))
+        firsts = [i for i in range(20, clear_len) if out[i] not in out[:i]]
+        if firsts and len(prompts) < num_prompts:
+            prompts.append(ids)
+            expected.append(out)
+            stops.append(rng.choice(firsts))
+    assert len(prompts) == num_prompts
+    return prompts, expected, stops
+
+
 @pytest.fixture
 def squeezed(tiny_model, tmp_path):
     """A cluster whose decode node holds 19 blocks of 16 tokens (8 KiB each) and room in
@@ -130,19 +149,7 @@ def test_64_requests_far_past_the_pool_all_complete_token_exact(squeezed, tiny_m
     """max_tokens 200 (14 blocks with the prompt) for each of 64 requests on 19 blocks:
     full reservation would run one at a time. Each greedy request stops on a token of
     its own at 21 to 60 outputs, so the pool runs out mid-flight again and again."""
-    rng = random.Random(7)
-    candidates = [[rng.randrange(1, 500) for _ in range(rng.randrange(8, 30))] for _ in range(96)]
-    prompts, expected, stops = [], [], []
-    for ids, (out, gaps) in zip(candidates, hf_greedy_gaps(tiny_model, candidates, 60)):
-        # Stop on a token's first appearance, before any step whose two best logits
-        # are within rounding of each other (no single right answer there).
-        clear_len = next((i for i, g in enumerate(gaps) if g < 1e-3), len(gaps))
-        firsts = [i for i in range(20, clear_len) if out[i] not in out[:i]]
-        if firsts and len(prompts) < 64:
-            prompts.append(ids)
-            expected.append(out)
-            stops.append(rng.choice(firsts))
-    assert len(prompts) == 64
+    prompts, expected, stops = _stopping_prompts(tiny_model, 64, 7)
     seeded = [SamplingParams(max_tokens=40, temperature=0.8, top_k=50, seed=100 + i, ignore_eos=True)
               for i in range(8)]
 
@@ -177,3 +184,39 @@ def test_64_requests_far_past_the_pool_all_complete_token_exact(squeezed, tiny_m
     before = _decode_stats(squeezed)["num_preemptions"]
     assert wait_for(lambda: _decode_stats(squeezed)["num_finished"] >= 80, 10, "a heartbeat") and \
         _decode_stats(squeezed)["num_preemptions"] == before
+
+
+def test_full_prefill_and_decode_pools_never_wait_on_each_other(tiny_model, tmp_path):
+    """Both pools squeezed and the decode node's reservation lease 2 s. A prompt is
+    prefilled only once its decode blocks are reserved; otherwise prompts computed for
+    a full decode node fill the prefill pool while the decode node's blocks wait for
+    prompts queued behind them, until leases run out and requests fail. Waiting
+    reservations are renewed, so none runs out while its prefill node lives."""
+    p = Processes(tiny_model, free_base_port(), tmp_path,
+                  prefill=["--kv-cache-memory", "48KiB"],
+                  decode=["--kv-cache-memory", "160KiB", "--max-batch-size", "64", "--swap-space", "48KiB",
+                          "--reservation-lease", "2"],
+                  frontend=["--dead-after", "10"])
+    try:
+        for role in ("frontend", "prefill", "decode"):
+            p.start(role)
+        with Client(p.clients) as c:
+            c.wait_ready(120)
+        prompts, expected, stops = _stopping_prompts(tiny_model, 64, 11)
+
+        async def burst():
+            async with AsyncClient(p.clients, idle_timeout_s=120) as client:
+                return await asyncio.gather(*(
+                    client.complete(prompt_token_ids=ids, max_tokens=200, ignore_eos=True,
+                                    stop_token_ids=[out[k]]) for ids, out, k in zip(prompts, expected, stops)))
+        for r, out, k in zip(asyncio.run(burst()), expected, stops):
+            assert r.error is None and r.token_ids == out[:k + 1]
+        stats = wait_for(lambda: (s := _decode_stats(p)).get("num_finished", 0) >= 64 and s, 10, "a heartbeat")
+        assert stats["num_expired_reservations"] == 0 and stats["num_preemptions"] > 0
+        wait_for(lambda: (s := _decode_stats(p))["num_free_blocks"] == s["num_usable_blocks"], 10,
+                 "every decode block back")
+        with Client(p.clients) as c:
+            prefill = c.stats().nodes["prefill-0"]
+        assert prefill["num_free_blocks"] == prefill["num_usable_blocks"]
+    finally:
+        p.stop()

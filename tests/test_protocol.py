@@ -40,7 +40,7 @@ EXAMPLES = [
     p.KVWelcome("123-ab", "host/boot", "cpu", [2, 2, 100, 16, 2, 8], "float32", ["dist"],
                 dist_store="127.0.0.1:40123"),
     p.KVReserve("r1", 40, 8),
-    p.KVReserved("r1", "123-ab", [3, 4, 5]),
+    p.KVReserved("r1", "123-ab", [3, 4, 5], lease_s=30.0),
     p.KVReserved("r2", "123-ab", None, True, "decode queue is full (4)"),
     p.KVBlocks("r1", 2, KV),
     p.KVDist("r1", "5f0c9a", 17),

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -164,6 +165,19 @@ def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, t
                  and _decode_stats(p.clients)["num_reserved_blocks"] == 0, 10, "the lease to free it")
         late = fake.ask(KVCommit("never", 40, 1, SamplingParams(max_tokens=8), {}, "tcp", [1] * 40), HandoffAck)
         assert not late.is_accepted and "no reservation" in late.reason
+        assert _decode_stats(p.clients)["num_expired_reservations"] == 1
+
+        # Renewed by the same KVReserve: the same blocks, held past the lease.
+        r = fake.ask(KVReserve("renewed", 40, 8), KVReserved)
+        assert r.lease_s == 3.0
+        end = time.monotonic() + 4.5
+        while time.monotonic() < end:
+            time.sleep(1)
+            again = fake.ask(KVReserve("renewed", 40, 8), KVReserved)
+            assert again.block_ids == r.block_ids and again.lease_s == 3.0
+        ack = fake.ask(KVCommit("renewed", 40, 1, SamplingParams(max_tokens=8), {}, "tcp", [1] * 40), HandoffAck)
+        assert ack.is_accepted
+        assert _decode_stats(p.clients)["num_expired_reservations"] == 1
 
         # Released by the prefill side.
         fake.ask(KVReserve("gone", 40, 8), KVReserved)
