@@ -171,8 +171,8 @@ class Handoffs:
 
     def _drop_reservation(self, h: Handoff) -> None:
         """Its blocks there are not ours to write any more: ask again."""
+        # NOTE: reserve_sent is kept: answers still on the way pair with its times.
         h.dst_block_ids, h.epoch, h.next_reserve_at = None, None, time.monotonic()
-        h.reserve_sent.clear()
         h.reserved_until = h.renew_at = float("inf")
         h.job.is_reserved = False
 
@@ -184,8 +184,9 @@ class Handoffs:
             return
         h.silent_since = None
         # NOTE: answers come in the order asked; an answer to a request sent before a
-        # restart of the decode node pairs with an older time, which only shortens the lease.
-        sent_at = h.reserve_sent.popleft() if h.reserve_sent else time.monotonic()
+        # restart of the decode node pairs with an older time, which only shortens the lease,
+        # and an answer nobody asked for grants none (it is asked again).
+        sent_at = h.reserve_sent.popleft() if h.reserve_sent else float("-inf")
         if h.dst_block_ids is not None:
             if r.block_ids == h.dst_block_ids and r.epoch == h.epoch:
                 self._lease(h, sent_at, r.lease_s)   # renewed

@@ -236,3 +236,22 @@ def test_no_write_starts_in_the_last_third_of_a_reservation_lease():
     assert not Handoffs._can_write(h)
     Handoffs._lease(h, now - 1000, 0.0)                # no lease: held until released
     assert Handoffs._can_write(h)
+
+
+def test_a_reservation_lease_counts_from_the_request_it_answers():
+    from prefill_node.handoff import DecodePeer, Handoff, Handoffs
+    from prefill_node.scheduler import PrefillJob
+    hs = Handoffs.__new__(Handoffs)
+    hs.cache, hs.by_id = torch.zeros(1, 2, 4, 16, 1, 1), {}
+    peer = DecodePeer("decode-0", "tcp://127.0.0.1:1", channel=None, epoch="e", writer=object(), num_blocks=8)
+    job = PrefillJob("r", [1] * 20, SamplingParams(max_tokens=4), 0.0, "decode-0", "tcp://127.0.0.1:1")
+    h = hs.by_id["r"] = Handoff(job, peer, is_computed=True)
+    now = time.monotonic()
+    h.reserve_sent.extend([now - 25, now - 1])     # two asked; answers come in that order
+    hs._on_reserved(peer, protocol.KVReserved("r", "e", [3, 4], lease_s=30.0))
+    assert job.is_reserved and h.dst_block_ids == [3, 4]
+    assert abs(h.reserved_until - (now + 5)) < 0.1 and not Handoffs._can_write(h)   # from the older one
+    hs._on_reserved(peer, protocol.KVReserved("r", "e", [3, 4], lease_s=30.0))    # the renewal's answer
+    assert abs(h.reserved_until - (now + 29)) < 0.1 and Handoffs._can_write(h)
+    hs._on_reserved(peer, protocol.KVReserved("r", "e", [3, 4], lease_s=30.0))    # asked by nobody
+    assert h.reserved_until == float("-inf")   # grants nothing: the next turn asks again
