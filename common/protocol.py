@@ -275,7 +275,10 @@ class KVReserve:
 class KVReserved:
     """decode -> prefill: block_ids for the prompt, or a refusal. The blocks stay
     reserved for lease_s from when the KVReserve reached the decode node (0: until
-    released); the same KVReserve again renews them."""
+    released); the same KVReserve again renews them.
+    is_queued, without blocks: the request waits its turn there and the blocks will
+    follow unasked; the same KVReserve within lease_s keeps its place. With blocks:
+    they are that turn (no request is answered, and the lease runs from now)."""
     TYPE: ClassVar[str] = "kv_reserved"
     request_id: Id
     epoch: Name
@@ -283,6 +286,7 @@ class KVReserved:
     is_retryable: bool = False
     reason: Text | None = None
     lease_s: Annotated[float, Range(0, 86400)] = 0.0
+    is_queued: bool = False
 
 
 @dataclass

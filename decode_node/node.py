@@ -31,7 +31,7 @@ from common.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, HandoffAck, KV
 from common.kv_cache import num_blocks_for
 from common.sequence import Sequence, blocks_to_join, finish_reason, grow_blocks, num_blocks_short
 from common.worker import DecodeTicket, DeviceWorker
-from decode_node.scheduler import DecodeScheduler, Reservation
+from decode_node.scheduler import Ask, DecodeScheduler, Reservation
 
 log = get_logger("decode")
 noisy = Throttle(log)   # lines about what peers send
@@ -53,6 +53,7 @@ class DecodeNode:
         self.num_swapped = 0            # preemptions that kept the KV in host memory
         self.num_recomputed = 0         # resumptions that prefilled the KV again
         self.num_expired_reservations = 0   # not renewed or committed within the lease
+        self.num_granted = 0            # reservations granted from the waiting line
         self.exit_code = 0
         self._last_log = 0.0
         self._log_tokens = self._log_steps = 0
@@ -100,6 +101,7 @@ class DecodeNode:
                     for ch in poller.wait(0 if is_busy else 0.02):
                         self._receive_all(ch, stop)
                     self._expire_reservations()
+                    self._grant()
                     if inflight is None:
                         # Nothing on the device: the batch may change.
                         self._apply_aborts()
@@ -151,6 +153,8 @@ class DecodeNode:
             elif isinstance(msg, KVRelease):
                 if self._reservation_of(sender, msg.request_id):
                     self._release(msg.request_id)
+                else:
+                    self.scheduler.drop_ask(msg.request_id, sender)
             elif isinstance(msg, NodeAbort):
                 self._abort(msg.request_id)
             elif isinstance(msg, ReadyReply):
@@ -185,16 +189,45 @@ class DecodeNode:
             refusal = (f"bad reservation: prompt_len {m.prompt_len}, max_tokens {m.max_tokens}", False)
         elif m.prompt_len + m.max_tokens > w.max_model_len:
             refusal = (f"prompt + max_tokens exceeds max_model_len {w.max_model_len}", False)
+        elif (ask := self.scheduler.find_ask(m.request_id)) is not None:
+            if ask.sender == sender and (ask.prompt_len, ask.max_tokens) == (m.prompt_len, m.max_tokens):
+                ask.deadline = time.monotonic() + lease_s   # keeps its place
+                self.kv.send(KVReserved(m.request_id, self.epoch, None, True, "waiting for blocks",
+                                        lease_s, is_queued=True), to=sender)
+                return
+            refusal = (f"request {m.request_id!r} is already on this decode node", False)
         else:
             refusal = self.scheduler.refusal(m.request_id, m.prompt_len, m.max_tokens)
+            if refusal is None and self.scheduler.asking:
+                refusal = (f"{len(self.scheduler.asking)} requests wait for blocks first", True)
         if refusal:
             reason, is_retryable = refusal
+            if is_retryable and len(self.scheduler.asking) < self.cfg.max_queue:
+                # NOTE: first come, first served: granted unasked as blocks free (_grant).
+                self.scheduler.asking.append(Ask(m.request_id, sender, m.prompt_len, m.max_tokens,
+                                                 time.monotonic() + lease_s))
+                self.kv.send(KVReserved(m.request_id, self.epoch, None, True, reason, lease_s,
+                                        is_queued=True), to=sender)
+                return
             if not is_retryable:
                 noisy.warning("refused reservation %s: %s", m.request_id, reason)
             self.kv.send(KVReserved(m.request_id, self.epoch, None, is_retryable, reason), to=sender)
             return
         r = self.scheduler.reserve(m.request_id, sender, m.prompt_len, m.max_tokens, lease_s)
         self.kv.send(KVReserved(m.request_id, self.epoch, list(r.block_ids), lease_s=lease_s), to=sender)
+
+    def _grant(self) -> None:
+        """Reserve blocks for waiting requests, oldest first, while they fit."""
+        lease_s = self.cfg.reservation_lease_s
+        while (turn := self.scheduler.next_grant()) is not None:
+            a, refusal = turn
+            if refusal is not None:
+                self.kv.send(KVReserved(a.request_id, self.epoch, None, False, refusal[0]), to=a.sender)
+                continue
+            r = self.scheduler.reserve(a.request_id, a.sender, a.prompt_len, a.max_tokens, lease_s)
+            self.num_granted += 1
+            self.kv.send(KVReserved(a.request_id, self.epoch, list(r.block_ids), lease_s=lease_s,
+                                    is_queued=True), to=a.sender)
 
     def _on_blocks(self, sender: bytes, m: KVBlocks | KVDist) -> None:
         r = self._reservation_of(sender, m.request_id)
@@ -244,7 +277,12 @@ class DecodeNode:
         self.scheduler.release(request_id)
 
     def _expire_reservations(self) -> None:
-        for rid in self.scheduler.expired(time.monotonic()):
+        now = time.monotonic()
+        for a in [a for a in self.scheduler.asking if now > a.deadline]:
+            noisy.warning("reservation request %s was not asked again within %.0fs: dropped",
+                          a.request_id, self.cfg.reservation_lease_s)
+            self.scheduler.asking.remove(a)
+        for rid in self.scheduler.expired(now):
             noisy.warning("reservation %s was neither renewed nor committed within %.0fs: freed", rid,
                           self.cfg.reservation_lease_s)
             self.num_expired_reservations += 1
@@ -261,6 +299,8 @@ class DecodeNode:
         elif request_id in self.scheduler.reservations:
             self._release(request_id)
             self.recently_aborted[request_id] = now  # a late commit is refused, not an error
+        elif self.scheduler.drop_ask(request_id):
+            self.recently_aborted[request_id] = now
         else:
             self.recently_aborted[request_id] = now  # its reservation may still be on the way
 
@@ -415,6 +455,7 @@ class DecodeNode:
                 "num_queued": len(self.scheduler.ready),
                 "num_reservations": len(self.scheduler.reservations), "num_finished": self.num_finished,
                 "num_expired_reservations": self.num_expired_reservations,
+                "num_asking": len(self.scheduler.asking), "num_granted": self.num_granted,
                 "num_batched_steps": self.num_batched_steps,
                 "num_preemptions": self.num_preemptions, "num_swapped": self.num_swapped,
                 "num_recomputed": self.num_recomputed, "num_preempted": len(self.scheduler.preempted),

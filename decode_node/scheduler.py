@@ -1,7 +1,9 @@
 """Reservations, admission and preemption for the decode batch.
 
 A handoff reserves first: the prompt's blocks are taken (their ids go back to
-the prefill node, which writes into them). A committed reservation waits for a
+the prefill node, which writes into them). A request that does not fit now
+waits its turn in `asking` (first come, first served) and is granted its
+blocks as they free up, without being asked again. A committed reservation waits for a
 free batch row; admission copies nothing. A reservation neither renewed nor
 committed before its lease ends is freed (its prefill node is gone).
 
@@ -40,6 +42,16 @@ class Reservation:
     reserved_at: float = field(default_factory=time.time)
 
 
+@dataclass
+class Ask:
+    """A reservation request waiting for blocks."""
+    request_id: str
+    sender: bytes
+    prompt_len: int
+    max_tokens: int
+    deadline: float               # monotonic: dropped unless asked again by then
+
+
 WATERMARK = 0.01   # of the pool, kept free by admission for running sequences to grow into
 
 
@@ -56,6 +68,7 @@ class DecodeScheduler:
         self.ready: deque[str] = deque()                  # committed, waiting for a row
         self.running: dict[str, Sequence] = {}
         self.preempted: list[Sequence] = []               # oldest admission first
+        self.asking: deque[Ask] = deque()                 # waiting for blocks, oldest first
         self.num_admitted = 0
 
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
@@ -96,6 +109,28 @@ class DecodeScheduler:
                         time.monotonic() + lease_s)
         self.reservations[request_id] = r
         return r
+
+    def find_ask(self, request_id: str) -> Ask | None:
+        return next((a for a in self.asking if a.request_id == request_id), None)
+
+    def drop_ask(self, request_id: str, sender: bytes | None = None) -> bool:
+        a = self.find_ask(request_id)
+        if a is None or (sender is not None and a.sender != sender):
+            return False
+        self.asking.remove(a)
+        return True
+
+    def next_grant(self) -> tuple[Ask, tuple[str, bool] | None] | None:
+        """The oldest waiting request and its refusal (None: grant it), once it no
+        longer has to wait; None while it does."""
+        if not self.asking:
+            return None
+        a = self.asking[0]
+        refusal = self.refusal(a.request_id, a.prompt_len, a.max_tokens)
+        if refusal is not None and refusal[1]:
+            return None
+        self.asking.popleft()
+        return a, refusal
 
     def renew(self, r: Reservation, lease_s: float) -> None:
         r.deadline = time.monotonic() + lease_s

@@ -60,6 +60,8 @@ class Handoff:
     next_reserve_at: float = 0.0          # 0: a reservation request is out
     reserve_sent: deque = field(default_factory=deque)   # monotonic send times of unanswered KVReserves
     silent_since: float | None = None     # asked the decode node, no answer yet (monotonic)
+    is_queued: bool = False               # waiting its turn there: the blocks come unasked
+    queued_at: float = float("-inf")      # when the request it queued was sent (monotonic)
     reserved_until: float = float("inf")  # our view of the reservation's end (monotonic)
     renew_at: float = float("inf")
     lease_s: float = 0.0                  # the decode node's; 0: held until released
@@ -174,7 +176,7 @@ class Handoffs:
         # NOTE: reserve_sent is kept: answers still on the way pair with its times.
         h.dst_block_ids, h.epoch, h.next_reserve_at = None, None, time.monotonic()
         h.reserved_until = h.renew_at = float("inf")
-        h.job.is_reserved = False
+        h.job.is_reserved = h.is_queued = False
 
     def _on_reserved(self, peer: DecodePeer, r: KVReserved) -> None:
         h = self.by_id.get(r.request_id)
@@ -185,8 +187,13 @@ class Handoffs:
         h.silent_since = None
         # NOTE: answers come in the order asked; an answer to a request sent before a
         # restart of the decode node pairs with an older time, which only shortens the lease,
-        # and an answer nobody asked for grants none (it is asked again).
-        sent_at = h.reserve_sent.popleft() if h.reserve_sent else float("-inf")
+        # and an answer nobody asked for grants none (it is asked again). Blocks granted
+        # from the waiting line answer no request: they were granted after the request
+        # that queued reached the decode node.
+        if r.is_queued and r.block_ids is not None:
+            sent_at = h.queued_at if h.is_queued else float("-inf")
+        else:
+            sent_at = h.reserve_sent.popleft() if h.reserve_sent else float("-inf")
         if h.dst_block_ids is not None:
             if r.block_ids == h.dst_block_ids and r.epoch == h.epoch:
                 self._lease(h, sent_at, r.lease_s)   # renewed
@@ -195,17 +202,19 @@ class Handoffs:
                 return   # the commit's answer says whether the blocks were still ours
             # Our reservation ended there (new blocks, or a refusal): start from this answer.
             self._drop_reservation(h)
-            h.next_reserve_at = 0.0 if r.block_ids is not None else time.monotonic() + RETRY_S
-            if r.block_ids is None:
-                return
         if r.block_ids is None:
-            if r.is_retryable:
+            if r.is_queued:
+                h.is_queued, h.queued_at, h.epoch = True, sent_at, r.epoch
+                h.next_reserve_at = time.monotonic() + r.lease_s / 3 if r.lease_s else 0.0  # keeps its place
+            elif r.is_retryable:   # its line is full too: ask again soon
+                h.is_queued = False
                 h.next_reserve_at = time.monotonic() + RETRY_S
                 if h.first_token is not None:
                     # The decode node answers, and is full: waiting on it is backpressure, not
                     # a lost handoff (the request's own deadline still bounds the wait).
                     h.lease_deadline = time.monotonic() + self.cfg.handoff_lease_s
             else:
+                h.is_queued = False
                 self._end(h, f"decode node refused the request: {r.reason}")
             return
         if h.is_aborted:
@@ -220,7 +229,7 @@ class Handoffs:
                          f"distinct block per prompt block")
             return
         h.dst_block_ids, h.epoch = list(r.block_ids), r.epoch
-        h.job.is_reserved = True   # the scheduler may start its prefill now
+        h.job.is_reserved, h.is_queued = True, False   # the scheduler may start its prefill now
         self._lease(h, sent_at, r.lease_s)
         if r.epoch != peer.epoch:
             self._hello(peer)   # a decode node we have not mapped (or that restarted)
@@ -356,6 +365,8 @@ class Handoffs:
             h.is_aborted, h.error = True, h.error or error
             return
         self.by_id.pop(h.job.request_id, None)
+        if h.is_queued:   # its place in the decode node's waiting line
+            h.peer.channel.send(KVRelease(h.job.request_id), block=False)
         # Waiting or part-way: the scheduler drops it (and frees its blocks).
         if self.scheduler.abort(h.job.request_id) is None and h.job.block_ids:
             self.allocator.free(h.job.block_ids)

@@ -42,6 +42,7 @@ EXAMPLES = [
     p.KVReserve("r1", 40, 8),
     p.KVReserved("r1", "123-ab", [3, 4, 5], lease_s=30.0),
     p.KVReserved("r2", "123-ab", None, True, "decode queue is full (4)"),
+    p.KVReserved("r3", "123-ab", None, True, "needs 3 KV blocks, 1 are free now", 30.0, True),
     p.KVBlocks("r1", 2, KV),
     p.KVDist("r1", "5f0c9a", 17),
     p.KVCommit("r1", 40, 9, PARAMS, {"prefill_end": 1.0}, "ipc", [3] * 40),

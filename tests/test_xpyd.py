@@ -55,9 +55,8 @@ def test_each_backend_gives_transformers_tokens(tiny_model, tmp_path, backend):
     try:
         _assert_transformers_tokens(c.endpoint, tiny_model, _prompts(12, seed=3))
         # NOTE: node figures come from heartbeats, up to one beat old: wait, do not sample.
-        wait_for(lambda: c.stats()["prefill-0"]["kv_links"] == {"decode-0": backend}, 10,
-                 f"the prefill node to report its {backend} link")
-        assert c.stats()["prefill-0"]["num_kv_bytes_written"] > 0
+        wait_for(lambda: (s := c.stats()["prefill-0"])["kv_links"] == {"decode-0": backend}
+                 and s["num_kv_bytes_written"] > 0, 10, f"the prefill node to report its {backend} writes")
         wait_for(lambda: _all_free(c.stats()), 10, "every block free")
     finally:
         c.stop()
@@ -141,6 +140,56 @@ class FakePrefill:
 def _decode_stats(endpoint):
     with Client(endpoint) as c:
         return c.stats().nodes["decode-0"]
+
+
+def test_requests_that_do_not_fit_wait_in_line_and_are_granted_unasked(tiny_model, tmp_path):
+    """19 blocks of 16 tokens. A request that does not fit now waits its turn, and so
+    does everything after it (first come, first served), and the blocks come without
+    asking again once they free up."""
+    p = Processes(tiny_model, free_base_port(), tmp_path,
+                  decode=["--kv-cache-memory", "160KiB", "--reservation-lease", "3"])
+    fake = other = None
+    try:
+        for role in ("frontend", "decode"):
+            p.start(role)
+        fake = FakePrefill(p.kv)
+        fake.ask(KVHello("fake-prefill"), KVWelcome)
+        a = fake.ask(KVReserve("a", 200, 8), KVReserved)           # 13 blocks
+        assert len(a.block_ids) == 13
+        b = fake.ask(KVReserve("b", 100, 8), KVReserved)           # 7 more do not fit
+        assert b.block_ids is None and b.is_queued and b.is_retryable and b.lease_s == 3.0
+        c = fake.ask(KVReserve("c", 16, 8), KVReserved)            # would fit, but b is first
+        assert c.block_ids is None and c.is_queued and "wait for blocks first" in c.reason
+        d = fake.ask(KVReserve("d", 16, 8), KVReserved)
+        assert d.is_queued
+        fake.ch.send(KVRelease("d"))                               # gives up its place
+        other = FakePrefill(p.kv, "another-prefill")
+        taken = other.ask(KVReserve("b", 100, 8), KVReserved)      # b is someone else's
+        assert taken.block_ids is None and not taken.is_retryable
+        again = fake.ask(KVReserve("b", 100, 8), KVReserved)       # keeps its place
+        assert again.is_queued and again.block_ids is None
+
+        fake.ch.send(KVRelease("a"))
+        grants = []
+        while len(grants) < 2:
+            assert fake.ch.has_message(10), "no grant"
+            _, got = fake.ch.recv()
+            if isinstance(got, KVReserved):
+                grants.append(got)
+        assert [g.request_id for g in grants] == ["b", "c"]
+        assert all(g.is_queued and g.lease_s == 3.0 for g in grants)
+        assert len(grants[0].block_ids) == 7 and len(grants[1].block_ids) == 1   # prompt blocks
+        assert not fake.ch.has_message(1)                          # d left the line: no grant
+        stats = wait_for(lambda: (s := _decode_stats(p.clients)).get("num_granted") == 2 and s, 5, "stats")
+        assert stats["num_asking"] == 0 and stats["num_reservations"] == 2
+        # Never committed: the lease frees them, and the line holds nothing.
+        wait_for(lambda: (s := _decode_stats(p.clients))["num_free_blocks"] == s["num_usable_blocks"], 10,
+                 "the leases to free the grants")
+    finally:
+        for f in (fake, other):
+            if f is not None:
+                f.close()
+        p.stop()
 
 
 def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, tmp_path):
