@@ -177,44 +177,26 @@ class DecodeNode:
     def _on_reserve(self, sender: bytes, m: KVReserve) -> None:
         w = self.worker
         lease_s = self.cfg.reservation_lease_s
-        r = self._reservation_of(sender, m.request_id)
-        if r is not None and r.commit is None and (r.prompt_len, r.max_tokens) == (m.prompt_len, m.max_tokens):
-            # The prefill node renews what it still means to write: same blocks, new lease.
-            self.scheduler.renew(r, lease_s)
-            self.kv.send(KVReserved(m.request_id, self.epoch, list(r.block_ids), lease_s=lease_s), to=sender)
-            return
         if m.request_id in self.recently_aborted:
-            refusal = ("the request was aborted", False)
+            got = ("the request was aborted", False)
         elif m.prompt_len < 1 or m.max_tokens < 1:
-            refusal = (f"bad reservation: prompt_len {m.prompt_len}, max_tokens {m.max_tokens}", False)
+            got = (f"bad reservation: prompt_len {m.prompt_len}, max_tokens {m.max_tokens}", False)
         elif m.prompt_len + m.max_tokens > w.max_model_len:
-            refusal = (f"prompt + max_tokens exceeds max_model_len {w.max_model_len}", False)
-        elif (ask := self.scheduler.find_ask(m.request_id)) is not None:
-            if ask.sender == sender and (ask.prompt_len, ask.max_tokens) == (m.prompt_len, m.max_tokens):
-                ask.deadline = time.monotonic() + lease_s   # keeps its place
-                self.kv.send(KVReserved(m.request_id, self.epoch, None, True, "waiting for blocks",
-                                        lease_s, is_queued=True), to=sender)
-                return
-            refusal = (f"request {m.request_id!r} is already on this decode node", False)
+            got = (f"prompt + max_tokens exceeds max_model_len {w.max_model_len}", False)
         else:
-            refusal = self.scheduler.refusal(m.request_id, m.prompt_len, m.max_tokens)
-            if refusal is None and self.scheduler.asking:
-                refusal = (f"{len(self.scheduler.asking)} requests wait for blocks first", True)
-        if refusal:
-            reason, is_retryable = refusal
-            if is_retryable and len(self.scheduler.asking) < self.cfg.max_queue:
-                # NOTE: first come, first served: granted unasked as blocks free (_grant).
-                self.scheduler.asking.append(Ask(m.request_id, sender, m.prompt_len, m.max_tokens,
-                                                 time.monotonic() + lease_s))
-                self.kv.send(KVReserved(m.request_id, self.epoch, None, True, reason, lease_s,
-                                        is_queued=True), to=sender)
-                return
+            # NOTE: first come, first served: a request in line is granted unasked (_grant).
+            got = self.scheduler.request(m.request_id, sender, m.prompt_len, m.max_tokens, lease_s,
+                                         self.cfg.max_queue)
+        if isinstance(got, Reservation):
+            reply = KVReserved(m.request_id, self.epoch, list(got.block_ids), lease_s=lease_s)
+        elif isinstance(got, Ask):
+            reply = KVReserved(m.request_id, self.epoch, None, True, got.reason, lease_s, is_queued=True)
+        else:
+            reason, is_retryable = got
             if not is_retryable:
                 noisy.warning("refused reservation %s: %s", m.request_id, reason)
-            self.kv.send(KVReserved(m.request_id, self.epoch, None, is_retryable, reason), to=sender)
-            return
-        r = self.scheduler.reserve(m.request_id, sender, m.prompt_len, m.max_tokens, lease_s)
-        self.kv.send(KVReserved(m.request_id, self.epoch, list(r.block_ids), lease_s=lease_s), to=sender)
+            reply = KVReserved(m.request_id, self.epoch, None, is_retryable, reason)
+        self.kv.send(reply, to=sender)
 
     def _grant(self) -> None:
         """Reserve blocks for waiting requests, oldest first, while they fit."""

@@ -50,6 +50,7 @@ class Ask:
     prompt_len: int
     max_tokens: int
     deadline: float               # monotonic: dropped unless asked again by then
+    reason: str = "waiting for blocks"   # why it waits, for the answer
 
 
 WATERMARK = 0.01   # of the pool, kept free by admission for running sequences to grow into
@@ -110,6 +111,34 @@ class DecodeScheduler:
         self.reservations[request_id] = r
         return r
 
+    def request(self, request_id: str, sender: bytes, prompt_len: int, max_tokens: int,
+                lease_s: float, max_line: int) -> Reservation | Ask | tuple[str, bool]:
+        """A KVReserve: its reservation (new, or renewed when the sender asks again for
+        what it holds), its place in line (new, or kept), or a refusal (reason,
+        is_retryable) when the line is full or the request can never be held."""
+        now = time.monotonic()
+        r = self.reservations.get(request_id)
+        if r is not None and r.sender == sender and r.commit is None and \
+                (r.prompt_len, r.max_tokens) == (prompt_len, max_tokens):
+            r.deadline = now + lease_s
+            return r
+        a = self.find_ask(request_id)
+        if a is not None:
+            if (a.sender, a.prompt_len, a.max_tokens) != (sender, prompt_len, max_tokens):
+                return f"request {request_id!r} is already on this decode node", False
+            a.deadline, a.reason = now + lease_s, "waiting for blocks"
+            return a
+        refusal = self.refusal(request_id, prompt_len, max_tokens)
+        if refusal is None and self.asking:
+            refusal = f"{len(self.asking)} requests wait for blocks first", True
+        if refusal is None:
+            return self.reserve(request_id, sender, prompt_len, max_tokens, lease_s)
+        if refusal[1] and len(self.asking) < max_line:
+            a = Ask(request_id, sender, prompt_len, max_tokens, now + lease_s, refusal[0])
+            self.asking.append(a)
+            return a
+        return refusal
+
     def find_ask(self, request_id: str) -> Ask | None:
         return next((a for a in self.asking if a.request_id == request_id), None)
 
@@ -131,9 +160,6 @@ class DecodeScheduler:
             return None
         self.asking.popleft()
         return a, refusal
-
-    def renew(self, r: Reservation, lease_s: float) -> None:
-        r.deadline = time.monotonic() + lease_s
 
     def commit(self, r: Reservation, commit: KVCommit) -> None:
         r.commit = commit

@@ -377,8 +377,8 @@ class Handoffs:
     # ---- figures ------------------------------------------------------------------
 
     @property
-    def num_writing(self) -> int:
-        return sum(h.is_writing for h in self.by_id.values())
+    def is_writing(self) -> bool:
+        return any(h.is_writing for h in self.by_id.values())
 
     @property
     def num_pending(self) -> int:

@@ -67,10 +67,9 @@ class PrefillNode:
                          self.cfg.worker.device, self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.token_budget, self.cfg.kv_transfer)
                 while not stop.is_set():
-                    sched = self.scheduler
-                    # Writes are polled; reservations and retries come by message or within 50 ms.
-                    is_busy = bool(sched.prefilling or sched.num_waiting > sched.num_unreserved
-                                   or self.handoffs.num_writing)
+                    # Writes are polled; reservations (which let prompts start), acks (which
+                    # free blocks) and retries come by message or within 50 ms.
+                    is_busy = bool(self.scheduler.prefilling or self.handoffs.is_writing)
                     for ch in poller.wait(0 if is_busy else 0.005 if self.handoffs.by_id else 0.02):
                         if ch is self.frontend:
                             self._receive_all(stop)
