@@ -35,7 +35,8 @@ from common.protocol import (DECODE_TO_PREFILL, HandoffAck, KVCommit, KVHello, K
 from prefill_node.scheduler import PrefillJob, PrefillScheduler
 
 log = get_logger("prefill")
-RETRY_S = 0.05      # a retryable refusal (decode node full) is asked again after this
+RETRY_S = 0.05      # a retryable refusal (decode node and its line full) is asked again after
+MAX_RETRY_S = 0.8   # this, doubling up to this: a long backlog must not flood the decode node
 HELLO_EVERY_S = 1.0
 
 
@@ -65,6 +66,7 @@ class Handoff:
     reserved_until: float = float("inf")  # our view of the reservation's end (monotonic)
     renew_at: float = float("inf")
     lease_s: float = 0.0                  # the decode node's; 0: held until released
+    num_refusals: int = 0                 # retryable ones in a row
     first_token: int | None = None        # set when the prompt is done
     timings: dict = field(default_factory=dict)
     lease_deadline: float = float("inf")
@@ -204,11 +206,12 @@ class Handoffs:
             self._drop_reservation(h)
         if r.block_ids is None:
             if r.is_queued:
-                h.is_queued, h.queued_at, h.epoch = True, sent_at, r.epoch
+                h.is_queued, h.queued_at, h.epoch, h.num_refusals = True, sent_at, r.epoch, 0
                 h.next_reserve_at = time.monotonic() + r.lease_s / 3 if r.lease_s else 0.0  # keeps its place
             elif r.is_retryable:   # its line is full too: ask again soon
                 h.is_queued = False
-                h.next_reserve_at = time.monotonic() + RETRY_S
+                h.next_reserve_at = time.monotonic() + min(RETRY_S * 2 ** h.num_refusals, MAX_RETRY_S)
+                h.num_refusals += 1
                 if h.first_token is not None:
                     # The decode node answers, and is full: waiting on it is backpressure, not
                     # a lost handoff (the request's own deadline still bounds the wait).
@@ -229,7 +232,7 @@ class Handoffs:
                          f"distinct block per prompt block")
             return
         h.dst_block_ids, h.epoch = list(r.block_ids), r.epoch
-        h.job.is_reserved, h.is_queued = True, False   # the scheduler may start its prefill now
+        h.job.is_reserved, h.is_queued, h.num_refusals = True, False, 0   # its prefill may start now
         self._lease(h, sent_at, r.lease_s)
         if r.epoch != peer.epoch:
             self._hello(peer)   # a decode node we have not mapped (or that restarted)

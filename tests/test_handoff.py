@@ -255,3 +255,60 @@ def test_a_reservation_lease_counts_from_the_request_it_answers():
     assert abs(h.reserved_until - (now + 29)) < 0.1 and Handoffs._can_write(h)
     hs._on_reserved(peer, protocol.KVReserved("r", "e", [3, 4], lease_s=30.0))    # asked by nobody
     assert h.reserved_until == float("-inf")   # grants nothing: the next turn asks again
+
+
+def test_a_commit_the_decode_node_never_acknowledges_fails_its_request_and_releases_the_blocks():
+    """Written and committed, then silence: after the handoff lease the request fails with
+    a clear error, the reservation is released there, and a late answer is ignored."""
+    from types import SimpleNamespace
+    from prefill_node.handoff import DecodePeer, Handoff, Handoffs
+    from prefill_node.scheduler import PrefillJob
+    sent, failed = [], []
+    channel = SimpleNamespace(send=lambda m, block=True: sent.append(m) or True)
+    hs = Handoffs.__new__(Handoffs)
+    hs.cfg, hs.peers, hs.by_id, hs.num_handoffs = SimpleNamespace(handoff_lease_s=10.0), {}, {}, 0
+    hs.scheduler = SimpleNamespace(abort=lambda rid: None)
+    hs.allocator = BlockAllocator(8)
+    hs.fail = lambda rid, error: failed.append((rid, error))
+    peer = DecodePeer("decode-0", "tcp://127.0.0.1:1", channel=channel, epoch="e", num_blocks=8)
+    job = PrefillJob("r", [1] * 20, SamplingParams(max_tokens=4), 0.0, "decode-0", "tcp://127.0.0.1:1")
+    h = hs.by_id["r"] = Handoff(job, peer, dst_block_ids=[3, 4], epoch="e", first_token=7,
+                                is_computed=True, is_written=True, is_commit_sent=True)
+    h.lease_deadline = time.monotonic() + 60
+    hs.advance()
+    assert not failed and not sent and "r" in hs.by_id        # within the lease: waits
+    h.lease_deadline = time.monotonic() - 0.01
+    hs.advance()
+    assert failed == [("r", "decode node did not confirm the KV handoff within 10s")]
+    assert [type(m).__name__ for m in sent] == ["KVRelease"] and sent[0].request_id == "r"
+    assert "r" not in hs.by_id
+    hs._on_ack(peer, protocol.HandoffAck("r", True))            # too late: nobody's
+    assert hs.num_handoffs == 0 and len(failed) == 1
+
+
+def test_retryable_refusals_are_asked_again_less_and_less_often():
+    """Past the decode node's waiting line, a backlog of prompts must not ask 20 times a
+    second each; a place in line or a grant starts the count again."""
+    from types import SimpleNamespace
+    from prefill_node.handoff import MAX_RETRY_S, RETRY_S, DecodePeer, Handoff, Handoffs
+    from prefill_node.scheduler import PrefillJob
+    hs = Handoffs.__new__(Handoffs)
+    hs.cfg, hs.by_id = SimpleNamespace(handoff_lease_s=10.0), {}
+    hs.cache = torch.zeros(1, 2, 4, 16, 1, 1)
+    peer = DecodePeer("decode-0", "tcp://127.0.0.1:1", channel=None, epoch="e", num_blocks=8)
+    job = PrefillJob("r", [1] * 20, SamplingParams(max_tokens=4), 0.0, "decode-0", "tcp://127.0.0.1:1")
+    h = hs.by_id["r"] = Handoff(job, peer)
+    delays = []
+    for _ in range(7):
+        now = time.monotonic()
+        hs._on_reserved(peer, protocol.KVReserved("r", "e", None, True, "line full"))
+        delays.append(h.next_reserve_at - now)
+    expected = [min(RETRY_S * 2 ** i, MAX_RETRY_S) for i in range(7)]
+    assert all(abs(d - e) < 0.01 for d, e in zip(delays, expected)) and delays[-1] < 1.0
+    hs._on_reserved(peer, protocol.KVReserved("r", "e", None, reason="waiting", is_queued=True, lease_s=30.0))
+    assert h.is_queued and h.num_refusals == 0
+    now = time.monotonic()
+    hs._on_reserved(peer, protocol.KVReserved("r", "e", None, True, "line full"))
+    assert abs(h.next_reserve_at - now - RETRY_S) < 0.01
+    hs._on_reserved(peer, protocol.KVReserved("r", "e", [3, 4], lease_s=30.0))
+    assert job.is_reserved and h.num_refusals == 0
