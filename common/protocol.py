@@ -14,14 +14,14 @@ import types
 import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Union
+from typing import Annotated, Any, Callable, ClassVar, Union
 
 import msgpack
 import torch
 
 from common.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class ProtocolError(ValueError):
@@ -111,6 +111,14 @@ class GenerateOutput:
     error: str | None = None
     usage: dict | None = None
     timings: dict | None = None
+
+
+@dataclass
+class OutputBatch:
+    """Outputs for several of one client's requests, sent together: one message per
+    client per decode step instead of one per request."""
+    TYPE: ClassVar[str] = "outputs"
+    outputs: list[GenerateOutput]
 
 
 @dataclass
@@ -339,14 +347,14 @@ class HandoffAck:
 
 
 MESSAGES: dict[str, type] = {cls.TYPE: cls for cls in (
-    GenerateRequest, AbortRequest, StatsRequest, GenerateOutput, StatsReply, ErrorReply,
+    GenerateRequest, AbortRequest, StatsRequest, GenerateOutput, OutputBatch, StatsReply, ErrorReply,
     PrefillRequest, NodeAbort, Shutdown, ReadyReply, NodeReady, Heartbeat, RequestFailed, TokenBatch,
     PrefixUpdate,
     KVHello, KVWelcome, KVReserve, KVReserved, KVBlocks, KVDist, KVCommit, KVRelease, HandoffAck)}
 
 # What each link carries, per direction.
 CLIENT_TO_FRONTEND = (GenerateRequest, AbortRequest, StatsRequest)
-FRONTEND_TO_CLIENT = (GenerateOutput, StatsReply, ErrorReply)
+FRONTEND_TO_CLIENT = (GenerateOutput, OutputBatch, StatsReply, ErrorReply)
 FRONTEND_TO_NODE = (PrefillRequest, NodeAbort, Shutdown, ReadyReply)
 FRONTEND_TO_HEARTBEAT = (ReadyReply,)
 NODE_TO_FRONTEND = (NodeReady, Heartbeat, RequestFailed, TokenBatch, PrefixUpdate)
@@ -359,11 +367,21 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in
 
 # ---- codec --------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def _field_names(cls) -> tuple[str, ...] | None:
+    """A dataclass's field names; None for any other type."""
+    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
+
+
 def _to_wire(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    names = _field_names(type(value))
+    if names is not None:
+        return {name: _to_wire(getattr(value, name)) for name in names}
     if isinstance(value, (list, tuple)):
-        return [_to_wire(v) for v in value]
+        # NOTE: lists are homogeneous: one of scalars (token ids) goes as it is.
+        if value and (_field_names(type(value[0])) is not None or isinstance(value[0], (list, tuple))):
+            return [_to_wire(v) for v in value]
+        return value
     return value
 
 
@@ -405,57 +423,92 @@ MAX_DEPTH = 8   # of nested lists and maps in any field
 
 def _check(value: Any, t, where: str, depth: int = 0) -> Any:
     """value as type t, or ProtocolError naming the field."""
-    if depth > MAX_DEPTH:
-        raise ProtocolError(f"{where} is nested too deeply")
+    return _checker(t)(value, where, depth)
+
+
+@functools.lru_cache(maxsize=None)
+def _checker(t) -> Callable[[Any, str, int], Any]:
+    """The check for type t, worked out once per type: (value, where, depth) -> value.
+    NOTE: `where` is only read to word an error, so list items are checked under
+    their list's name and checked again under their own only when one fails."""
     if t is dict:   # a bare map: the default rule for plain data
         t = Annotated[dict, Plain()]
     origin = typing.get_origin(t)
     if origin is Annotated:
         base, *limits = typing.get_args(t)
-        if base is dict:   # the map's own rule walks it, once
+        inner = _is_map if base is dict else _checker(base)   # a map's own rule walks it, once
+
+        def check(value, where, depth):
+            value = inner(value, where, depth)
+            for limit in limits:
+                _limit(value, limit, where)
+            return value
+    elif origin in (Union, types.UnionType):
+        options = [_checker(o) for o in typing.get_args(t) if o is not type(None)]
+        is_optional = type(None) in typing.get_args(t)
+
+        def check(value, where, depth):
+            if value is None and is_optional:
+                return None
+            errors = []
+            for option in options:
+                try:
+                    return option(value, where, depth)
+                except ProtocolError as e:
+                    errors.append(str(e))
+            raise ProtocolError(errors[0] if errors else f"{where} must not be null")
+    elif origin in (list, tuple):
+        item = _checker(typing.get_args(t)[0])
+        as_type = tuple if origin is tuple else list
+
+        def check(value, where, depth):
+            if not isinstance(value, (list, tuple)):
+                raise ProtocolError(f"{where} must be a list, got {type(value).__name__}")
+            items = []
+            try:
+                for v in value:
+                    items.append(item(v, where, depth + 1))
+            except ProtocolError:   # say which item: check it again under its own name
+                i = len(items)
+                item(value[i], f"{where}[{i}]", depth + 1)
+                raise
+            return as_type(items)
+    elif dataclasses.is_dataclass(t):
+        def check(value, where, depth):
             if not isinstance(value, dict):
                 raise ProtocolError(f"{where} must be a map, got {type(value).__name__}")
-        else:
-            value = _check(value, base, where, depth)
-        for limit in limits:
-            _limit(value, limit, where)
-        return value
-    if origin in (Union, types.UnionType):
-        options = typing.get_args(t)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in (o for o in options if o is not type(None)):
-            try:
-                return _check(value, option, where, depth)
-            except ProtocolError as e:
-                errors.append(str(e))
-        raise ProtocolError(errors[0] if errors else f"{where} must not be null")
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ProtocolError(f"{where} must be a list, got {type(value).__name__}")
-        item = typing.get_args(t)[0]
-        items = [_check(v, item, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if dataclasses.is_dataclass(t):
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where} must be a map, got {type(value).__name__}")
-        return _build(t, value, where + ".")
-    if t is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(f"{where} must be a number, got {type(value).__name__}")
-        if not math.isfinite(value):
-            raise ProtocolError(f"{where} must be finite, got {value!r}")
-        return float(value)
-    if t is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ProtocolError(f"{where} must be an integer, got {type(value).__name__}")
-        if not -2**63 <= value < 2**63:
-            raise ProtocolError(f"{where} is outside the 64-bit range")
-        return value
-    if t is Any or isinstance(value, t):
-        return value
-    raise ProtocolError(f"{where} must be {_type_name(t)}, got {type(value).__name__}")
+            return _build(t, value, where + ".")
+    elif t is float:
+        def check(value, where, depth):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ProtocolError(f"{where} must be a number, got {type(value).__name__}")
+            if not math.isfinite(value):
+                raise ProtocolError(f"{where} must be finite, got {value!r}")
+            return float(value)
+    elif t is int:
+        def check(value, where, depth):
+            if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ProtocolError(f"{where} must be an integer, got {type(value).__name__}")
+            if not -2**63 <= value < 2**63:
+                raise ProtocolError(f"{where} is outside the 64-bit range")
+            return value
+    else:
+        def check(value, where, depth):
+            if t is Any or isinstance(value, t):
+                return value
+            raise ProtocolError(f"{where} must be {_type_name(t)}, got {type(value).__name__}")
+
+    def checked(value, where, depth):
+        if depth > MAX_DEPTH:
+            raise ProtocolError(f"{where} is nested too deeply")
+        return check(value, where, depth)
+    return checked
+
+
+def _is_map(value, where, depth):
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{where} must be a map, got {type(value).__name__}")
+    return value
 
 
 def _limit(value: Any, limit, where: str) -> None:
@@ -495,20 +548,32 @@ def _plain(value: Any, rule: Plain, where: str, depth: int) -> None:
         raise ProtocolError(f"{where} holds a {type(value).__name__}")
 
 
-def _build(cls, fields: dict, prefix: str = ""):
+@functools.lru_cache(maxsize=None)
+def _schema(cls) -> tuple[tuple[str, Callable, bool], ...]:
+    """(name, check, is_required) per field of a message dataclass."""
     hints = _hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(fields) - set(known)
-    if unknown:
+    return tuple((f.name, _checker(hints[f.name]),
+                  f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                 for f in dataclasses.fields(cls))
+
+
+def _build(cls, fields: dict, prefix: str = ""):
+    schema = _schema(cls)
+    if not fields.keys() <= _field_set(cls):
+        unknown = set(fields) - _field_set(cls)
         raise ProtocolError(f"unknown field {prefix}{sorted(unknown)[0]!r} in {cls.__name__}")
     kwargs = {}
-    for name, f in known.items():
-        if name not in fields:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"missing field {prefix}{name!r}")
-            continue
-        kwargs[name] = _check(fields[name], hints[name], prefix + name)
+    for name, check, is_required in schema:
+        if name in fields:
+            kwargs[name] = check(fields[name], prefix + name, 0)
+        elif is_required:
+            raise ProtocolError(f"missing field {prefix}{name!r}")
     return cls(**kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _field_set(cls) -> frozenset:
+    return frozenset(_field_names(cls))
 
 
 MAX_DIMS = 8

@@ -22,7 +22,7 @@ from common.config import check_endpoint
 from common.keys import CLIENTS, load_keys
 from common.process import HelpFormat
 from common.protocol import FRONTEND_TO_CLIENT as REPLIES
-from common.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateRequest,
+from common.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateRequest, OutputBatch,
                              StatsReply, StatsRequest)
 
 
@@ -76,6 +76,11 @@ def make_request(prompt=None, *, request_id: str | None = None, **kw) -> Generat
     """kw: prompt_token_ids, messages, max_tokens, temperature, top_p, top_k, seed, stop,
     stop_token_ids, ignore_eos, timeout_s."""
     return GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt, **kw)
+
+
+def _unbatch(msg) -> list:
+    """A reply as the messages it carries (an OutputBatch holds several requests' outputs)."""
+    return list(msg.outputs) if isinstance(msg, OutputBatch) else [msg]
 
 
 def _as_output(rid: str, msg) -> GenerateOutput:
@@ -132,14 +137,14 @@ class Client:
     def _next_for(self, rid: str) -> GenerateOutput:
         deadline = time.monotonic() + self.idle_timeout_s
         while not self._inbox.get(rid):
-            msg = self._recv(max(deadline - time.monotonic(), 0.001))
-            if isinstance(msg, StatsReply):
-                continue   # the late answer to a stats call that timed out
-            key = getattr(msg, "request_id", None)
-            if key is None:
-                raise ServerError(getattr(msg, "error", f"unexpected {type(msg).__name__}"))
-            if key in self._inbox:   # else: the late word on a request this client left
-                self._inbox[key].append(_as_output(key, msg))
+            for msg in _unbatch(self._recv(max(deadline - time.monotonic(), 0.001))):
+                if isinstance(msg, StatsReply):
+                    continue   # the late answer to a stats call that timed out
+                key = getattr(msg, "request_id", None)
+                if key is None:
+                    raise ServerError(getattr(msg, "error", f"unexpected {type(msg).__name__}"))
+                if key in self._inbox:   # else: the late word on a request this client left
+                    self._inbox[key].append(_as_output(key, msg))
         return self._inbox[rid].pop(0)
 
     def submit(self, req: GenerateRequest) -> str:
@@ -231,11 +236,12 @@ class AsyncClient:
 
     async def _read(self) -> None:
         while True:
-            _, msg = await self._ch.recv(REPLIES)
-            if isinstance(msg, StatsReply):
-                self._stats.put_nowait(msg)
-            elif not isinstance(msg, BadMessage) and msg.request_id in self._streams:
-                self._streams[msg.request_id].put_nowait(_as_output(msg.request_id, msg))
+            _, reply = await self._ch.recv(REPLIES)
+            for msg in _unbatch(reply):
+                if isinstance(msg, StatsReply):
+                    self._stats.put_nowait(msg)
+                elif not isinstance(msg, BadMessage) and msg.request_id in self._streams:
+                    self._streams[msg.request_id].put_nowait(_as_output(msg.request_id, msg))
 
     async def close(self) -> None:
         """Aborts every request still in flight, then closes the socket."""

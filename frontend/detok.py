@@ -9,9 +9,19 @@ from __future__ import annotations
 REPLACEMENT = "\ufffd"
 
 
+def text_decoder(tokenizer):
+    """ids -> text, special tokens skipped. A fast tokenizer that cleans up no spaces
+    is called directly: the transformers wrapper would add nothing but time, and this
+    runs twice per streamed token."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str] = ()):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, stop: list[str] = (), decode=None):
+        self._decode = decode or text_decoder(tokenizer)
         self.stop = [s for s in stop if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
@@ -20,9 +30,6 @@ class IncrementalDetokenizer:
         self._read = 0            # tokens already turned into text
         self._num_sent = 0        # characters handed out by take()
         self.is_stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_ids: list[int]) -> None:
         """Append tokens; sets is_stopped (and cuts the text) when a stop string appears."""

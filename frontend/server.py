@@ -27,13 +27,14 @@ from common.log import Throttle, get_logger
 from common.model_spec import load_spec
 from common.prefix import block_hashes, route_key
 from common.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, ErrorReply, GenerateOutput,
-                             GenerateRequest, Heartbeat, NodeAbort, NodeReady, PrefillRequest, PrefixUpdate,
-                             ReadyReply, RequestFailed, StatsReply, StatsRequest, TokenBatch, TokenUpdate)
+                             GenerateRequest, Heartbeat, NodeAbort, NodeReady, OutputBatch, PrefillRequest,
+                             PrefixUpdate, ReadyReply, RequestFailed, StatsReply, StatsRequest, TokenBatch,
+                             TokenUpdate)
 from common.sampling import SamplingParams, validate_prompt
 from common.sequence import FINISH_ABORT, FINISH_ERROR, FINISH_STOP
 from frontend import http, router
 from frontend.admission import Admission
-from frontend.detok import IncrementalDetokenizer
+from frontend.detok import IncrementalDetokenizer, text_decoder
 from frontend.metrics import Metrics
 from frontend.router import NodeState, figure
 
@@ -76,6 +77,7 @@ class Frontend:
         self.cfg = cfg
         self.keys = load_keys(cfg.keys_dir, FRONTEND)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        self.decode_text = text_decoder(self.tokenizer)
         self.spec = load_spec(cfg.model)
         self.served_model = cfg.served_model_name or Path(cfg.model).name
         self.max_model_len = min(cfg.max_model_len or self.spec.max_position_embeddings,
@@ -91,6 +93,8 @@ class Frontend:
         self.metrics = Metrics(self)
         # In-process clients' replies: local_sink(client, message, http_status).
         self.local_sink: Callable[[Client, object, int | None], None] | None = None
+        # ZeroMQ clients' outputs while a TokenBatch is handled: sent as one message each.
+        self.outbox: dict[bytes, list[GenerateOutput]] | None = None
 
     # ---- life cycle ---------------------------------------------------------
 
@@ -177,7 +181,10 @@ class Frontend:
         """To a ZeroMQ client (its routing id) or an in-process one (the HTTP server's
         key); status is the HTTP status an error maps to."""
         if isinstance(client, bytes):
-            await self.clients.send(msg, to=client)
+            if self.outbox is not None and isinstance(msg, GenerateOutput):
+                self.outbox.setdefault(client, []).append(msg)
+            else:
+                await self.clients.send(msg, to=client)
         elif self.local_sink is not None:
             self.local_sink(client, msg, status)
 
@@ -249,7 +256,7 @@ class Frontend:
         self.num_requests += 1
         timeout = req.timeout_s or self.cfg.default_timeout_s
         state = RequestState(f"{self.num_requests:x}", req.request_id, client, ids, params,
-                             IncrementalDetokenizer(self.tokenizer, req.stop), time.time(),
+                             IncrementalDetokenizer(self.tokenizer, req.stop, self.decode_text), time.time(),
                              time.monotonic() + timeout)
         self.requests[state.node_id] = state
         self.by_client[(client, req.request_id)] = state
@@ -375,8 +382,15 @@ class Frontend:
             if req is not None and node.name in (req.prefill_node, req.decode_node):
                 await self._finish(req, FINISH_ERROR, msg.error, status=500)
         elif isinstance(msg, TokenBatch):
-            for u in msg.updates:
-                await self._on_tokens(node, u)
+            self.outbox = {}
+            try:
+                for u in msg.updates:
+                    await self._on_tokens(node, u)
+            finally:
+                outbox, self.outbox = self.outbox, None
+                for client, outputs in outbox.items():
+                    await self.clients.send(outputs[0] if len(outputs) == 1 else OutputBatch(outputs),
+                                            to=client)
         elif isinstance(msg, PrefixUpdate) and node.role == "prefill" and node.ready.pid == msg.pid:
             router.update_prefix(node, msg.added, msg.removed, msg.is_reset)
 

@@ -70,7 +70,7 @@ def message(rng: random.Random) -> list[bytes]:
         return [rng.randbytes(rng.randint(0, 64))]
     kind = rng.choice(TYPES)
     cls = protocol.MESSAGES.get(kind)
-    header: dict = {"v": 1 if rng.random() < 0.9 else rng.choice(NUMBERS + ["1", None]),
+    header: dict = {"v": 2 if rng.random() < 0.9 else rng.choice(NUMBERS + ["1", None]),
                     "type": kind if rng.random() < 0.92 else _any(rng)}
     frames = []
     if cls is not None:
@@ -94,7 +94,7 @@ def message(rng: random.Random) -> list[bytes]:
     try:
         packed = msgpack.packb(header, use_bin_type=True)
     except (ValueError, TypeError, OverflowError):   # nesting or ints msgpack itself refuses
-        packed = msgpack.packb({"v": 1, "type": kind}, use_bin_type=True)
+        packed = msgpack.packb({"v": 2, "type": kind}, use_bin_type=True)
     if rng.random() < 0.05:
         packed = packed[: rng.randint(0, len(packed))]   # truncated
     return [packed, *frames]

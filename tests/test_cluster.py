@@ -147,21 +147,21 @@ def test_bad_client_input_gets_clear_errors_and_service_goes_on(cluster):
     ctx, s = _raw(cluster.endpoint)
     cases = [
         (b"\xc1garbage", "malformed msgpack"),
-        (msgpack.packb({"v": 1, "type": "launch_missiles"}), "unknown message type"),
-        (msgpack.packb({"v": 1, "type": "generate"}), "missing field 'request_id'"),
-        (msgpack.packb({"v": 1, "type": "generate", "request_id": "b1", "prompt": 5}), "prompt must be str"),
-        (msgpack.packb({"v": 1, "type": "generate", "request_id": "b2", "prompt": "x",
+        (msgpack.packb({"v": 2, "type": "launch_missiles"}), "unknown message type"),
+        (msgpack.packb({"v": 2, "type": "generate"}), "missing field 'request_id'"),
+        (msgpack.packb({"v": 2, "type": "generate", "request_id": "b1", "prompt": 5}), "prompt must be str"),
+        (msgpack.packb({"v": 2, "type": "generate", "request_id": "b2", "prompt": "x",
                         "max_tokens": 0}), "max_tokens"),
-        (msgpack.packb({"v": 1, "type": "generate", "request_id": "b3", "prompt": "x",
+        (msgpack.packb({"v": 2, "type": "generate", "request_id": "b3", "prompt": "x",
                         "temperature": -1.0}), "temperature"),
-        (msgpack.packb({"v": 1, "type": "generate", "request_id": "b4", "prompt": "x",
+        (msgpack.packb({"v": 2, "type": "generate", "request_id": "b4", "prompt": "x",
                         "top_p": 0.0}), "top_p"),
-        (msgpack.packb({"v": 1, "type": "generate", "request_id": "b5",
+        (msgpack.packb({"v": 2, "type": "generate", "request_id": "b5",
                         "prompt_token_ids": [1] * 1020, "max_tokens": 10}), "maximum length"),
-        (msgpack.packb({"v": 1, "type": "generate", "request_id": "b6",
+        (msgpack.packb({"v": 2, "type": "generate", "request_id": "b6",
                         "prompt_token_ids": [1, 100000]}), "outside the vocabulary"),
-        (msgpack.packb({"v": 1, "type": "generate", "request_id": "b7"}), "exactly one of"),
-        (msgpack.packb({"v": 1, "type": "abort", "request_id": "nobody"}), "unknown request_id"),
+        (msgpack.packb({"v": 2, "type": "generate", "request_id": "b7"}), "exactly one of"),
+        (msgpack.packb({"v": 2, "type": "abort", "request_id": "nobody"}), "unknown request_id"),
     ]
     try:
         for payload, match in cases:
@@ -169,13 +169,13 @@ def test_bad_client_input_gets_clear_errors_and_service_goes_on(cluster):
             reply = _reply(s)
             assert match in reply["error"], (match, reply)
         # A duplicate id while the first is still running is refused; the first is unharmed.
-        gen = {"v": 1, "type": "generate", "request_id": "dup", "prompt": "x", "max_tokens": 200,
+        gen = {"v": 2, "type": "generate", "request_id": "dup", "prompt": "x", "max_tokens": 200,
                "ignore_eos": True}
         s.send(msgpack.packb(gen))
         s.send(msgpack.packb(gen))
         replies = [_reply(s) for _ in range(3)]
         assert any(r["type"] == "error" and "duplicate" in r["error"] for r in replies)
-        s.send(msgpack.packb({"v": 1, "type": "abort", "request_id": "dup"}))
+        s.send(msgpack.packb({"v": 2, "type": "abort", "request_id": "dup"}))
         # An oversized message closes that connection, and only that one.
         big_ctx, big = _raw(cluster.endpoint)
         big.send(b"\x00" * (17 * 2**20))
@@ -196,11 +196,11 @@ def test_malformed_messages_on_node_sockets_are_survived(cluster):
         s.setsockopt(zmq.SNDTIMEO, 2000)
         try:
             s.send(b"\x93\x01")
-            s.send(msgpack.packb({"v": 1, "type": "kv_handoff", "request_id": "evil", "prompt_len": 1,
+            s.send(msgpack.packb({"v": 2, "type": "kv_handoff", "request_id": "evil", "prompt_len": 1,
                                   "first_token": 1, "params": {}, "timings": {},
                                   "tensors": [["kv", "float32", [2]]]}), zmq.SNDMORE)
             s.send(b"\x00" * 3)
-            s.send(msgpack.packb({"v": 1, "type": "heartbeat", "role": "x", "name": "y", "stats": {}}))
+            s.send(msgpack.packb({"v": 2, "type": "heartbeat", "role": "x", "name": "y", "stats": {}}))
             time.sleep(0.3)
         except zmq.Again:
             pass   # refused at the handshake: nothing reached the node

@@ -35,3 +35,22 @@ def test_stop_string_ends_and_is_not_streamed(tiny_model):
     # A stop string never seen: everything streams, the held-back tail at the end.
     pieces, d = _stream(tok, tok.encode(text), stop=["zzz"])
     assert not d.is_stopped and "".join(pieces) == text
+
+
+def test_the_direct_decoder_matches_the_tokenizer_and_is_used_only_where_it_may_be(tiny_model):
+    import random
+
+    from transformers import AutoTokenizer
+
+    from frontend.detok import text_decoder
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    assert tok.clean_up_tokenization_spaces is False
+    decode, rng = text_decoder(tok), random.Random(0)
+    specials = tok.all_special_ids
+    for _ in range(200):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(rng.randint(1, 12))]
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=True)
+    tok.clean_up_tokenization_spaces = True   # the wrapper's clean-up must then run
+    calls = []
+    tok.decode = lambda ids, **kw: calls.append(kw) or "x"
+    assert text_decoder(tok)([1, 2]) == "x" and calls == [{"skip_special_tokens": True}]

@@ -41,7 +41,7 @@ def _send(s, **header) -> bool:
     tears down the queue of a peer whose handshake failed, and a blocking send would
     then wait forever."""
     try:
-        s.send(msgpack.packb({"v": 1, **header}), zmq.NOBLOCK)
+        s.send(msgpack.packb({"v": 2, **header}), zmq.NOBLOCK)
         return True
     except zmq.Again:
         return False
@@ -147,7 +147,7 @@ def test_client_port_answers_any_frames_and_keeps_serving(procs, tiny_model):
         _send(s, type="generate", request_id=["x"], prompt="hi")
         _send(s, type="generate", request_id="deep", prompt=[[[[[[[[[[[]]]]]]]]]]])
         s.send(b"\xc1\xff\x00")
-        s.send_multipart([msgpack.packb({"v": 1, "type": "stats"}), b"extra"])
+        s.send_multipart([msgpack.packb({"v": 2, "type": "stats"}), b"extra"])
         replies = _replies(s, 5)
         assert len(replies) == 7 and all(r.get("error") for r in replies), replies
         _send(s, type="stats")

@@ -19,6 +19,7 @@ EXAMPLES = [
     p.AbortRequest("r1"),
     p.StatsRequest(),
     p.GenerateOutput("r1", [5, 6], "ab", True, "stop", None, {"prompt_tokens": 2}, {"ttft_ms": 1.5}),
+    p.OutputBatch([p.GenerateOutput("r1", [5], "a"), p.GenerateOutput("r2", [], "", True, "error", "no")]),
     p.StatsReply(True, {"decode-0": {"role": "decode"}}, {"name": "m", "vocab_size": 512},
                  {"pid": 7, "num_waiting": 0}),
     p.ErrorReply("bad", None),
@@ -83,7 +84,7 @@ def test_kv_travels_as_a_raw_frame_not_msgpack():
 
 
 def _header(**fields):
-    return [msgpack.packb({"v": 1, **fields})]
+    return [msgpack.packb({"v": 2, **fields})]
 
 
 @pytest.mark.parametrize("frames,match", [
@@ -127,7 +128,7 @@ def test_allowed_types_filter():
     ("timings", {"a": float("nan")}), ("first_token", 2**31), ("prompt_len", -1), ("request_id", "x" * 257),
     ("prompt_ids", [1, -2]), ("prompt_ids", "1234")])
 def test_field_limits_refuse_what_receivers_cannot_use(field, value):
-    commit = {"v": 1, "type": "kv_commit", "request_id": "r1", "prompt_len": 4, "first_token": 1,
+    commit = {"v": 2, "type": "kv_commit", "request_id": "r1", "prompt_len": 4, "first_token": 1,
               "params": {"max_tokens": 2}, "timings": {"prefill_end": 1.0}, "backend": "tcp",
               "prompt_ids": [5, 6, 7, 8]}
     p.decode([msgpack.packb(commit)])   # as given: fine
