@@ -65,6 +65,8 @@ class DeviceWorker:
         self._swapped: dict[str, torch.Tensor] = {}   # preempted sequences' KV on the host
         self.swapped_bytes = 0        # held in _swapped now (an int: heartbeats read it)
         self.num_prefill_tokens = 0
+        self.num_prefill_passes = 0
+        self.num_prefill_chunks = 0   # summed over passes: / num_prefill_passes is the mean batch
         self.max_decode_batch = 0
         self.prefill_busy_s = 0.0
         self.device_busy_s = 0.0      # decode steps, measured on the device (CUDA only)
@@ -157,6 +159,7 @@ class DeviceWorker:
                 "device_idle_s": round(self.device_idle_s, 6),
                 "is_graphed": bool(self._graphs), "prefill_busy_s": round(self.prefill_busy_s, 6),
                 "num_prefill_tokens": self.num_prefill_tokens,
+                "num_prefill_passes": self.num_prefill_passes, "num_prefill_chunks": self.num_prefill_chunks,
                 "max_decode_batch": self.max_decode_batch,
                 "num_kv_blocks": self.num_kv_blocks, "token_capacity": self.token_capacity}
 
@@ -219,6 +222,8 @@ class DeviceWorker:
                                self._to_device(ids, torch.int64),
                                self._to_device(np.concatenate(positions), torch.int64), attn)
         self.num_prefill_tokens += len(ids)
+        self.num_prefill_passes += 1
+        self.num_prefill_chunks += len(chunks)
         if on_kv_written is not None:
             on_kv_written()
         last_rows = np.cumsum(attn.query_lens) - 1

@@ -264,7 +264,8 @@ def parse_slo(text: str) -> dict:
     return slo
 
 
-CLUSTER_FIGURES = {"num_prefill_tokens": "prefill", "num_decode_rows": "decode",
+CLUSTER_FIGURES = {"num_prefill_tokens": "prefill", "num_prefill_passes": "prefill",
+                   "num_prefill_chunks": "prefill", "num_decode_rows": "decode",
                    "num_decode_steps": "decode", "num_preemptions": "decode"}
 
 
@@ -290,11 +291,13 @@ async def cluster_figures(target) -> dict | None:
 
 def cluster_record(before: dict | None, after: dict | None, num_requests: int) -> dict:
     """What the cluster did over one rate: prompt tokens computed per request (prefix
-    caching shows here), the mean decode batch and the preemptions."""
+    caching shows here), the mean prefill and decode batches and the preemptions."""
     if before is None or after is None:
         return {"prefill_tokens_per_request": None}
     d = {k: after[k] - before[k] for k in before}
     return {"prefill_tokens_per_request": round(d["num_prefill_tokens"] / max(num_requests, 1), 1),
+            "mean_prefill_batch": round(d["num_prefill_chunks"] / d["num_prefill_passes"], 2)
+            if d["num_prefill_passes"] else None,
             "mean_decode_batch": round(d["num_decode_rows"] / d["num_decode_steps"], 2)
             if d["num_decode_steps"] else None,
             "num_preemptions": d["num_preemptions"]}
