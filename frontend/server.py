@@ -388,9 +388,12 @@ class Frontend:
                     await self._on_tokens(node, u)
             finally:
                 outbox, self.outbox = self.outbox, None
-                for client, outputs in outbox.items():
-                    await self.clients.send(outputs[0] if len(outputs) == 1 else OutputBatch(outputs),
-                                            to=client)
+                for client, outputs in outbox.items():   # NOTE: one client's failure is not another's
+                    try:
+                        await self.clients.send(outputs[0] if len(outputs) == 1 else OutputBatch(outputs),
+                                                to=client)
+                    except Exception:
+                        log.exception("could not send %d outputs to a client", len(outputs))
         elif isinstance(msg, PrefixUpdate) and node.role == "prefill" and node.ready.pid == msg.pid:
             router.update_prefix(node, msg.added, msg.removed, msg.is_reset)
 
