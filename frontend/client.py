@@ -126,25 +126,30 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _recv(self, timeout_s: float):
+    def _recv(self, timeout_s: float) -> list:
+        """The next reply, as the messages it carries (an OutputBatch holds several)."""
         if not self._ch.has_message(timeout_s):
             raise TimeoutError(f"no reply from the frontend within {timeout_s:.0f}s")
         _, msg = self._ch.recv(REPLIES)
         if isinstance(msg, BadMessage):
             raise ServerError(f"malformed reply: {msg.error}")
-        return msg
+        return _unbatch(msg)
+
+    def _file(self, msg) -> None:
+        """A request's output (or error) into its inbox; the late word on a request this
+        client left is dropped."""
+        if msg.request_id in self._inbox:
+            self._inbox[msg.request_id].append(_as_output(msg.request_id, msg))
 
     def _next_for(self, rid: str) -> GenerateOutput:
         deadline = time.monotonic() + self.idle_timeout_s
         while not self._inbox.get(rid):
-            for msg in _unbatch(self._recv(max(deadline - time.monotonic(), 0.001))):
+            for msg in self._recv(max(deadline - time.monotonic(), 0.001)):
                 if isinstance(msg, StatsReply):
                     continue   # the late answer to a stats call that timed out
-                key = getattr(msg, "request_id", None)
-                if key is None:
+                if getattr(msg, "request_id", None) is None:
                     raise ServerError(getattr(msg, "error", f"unexpected {type(msg).__name__}"))
-                if key in self._inbox:   # else: the late word on a request this client left
-                    self._inbox[key].append(_as_output(key, msg))
+                self._file(msg)
         return self._inbox[rid].pop(0)
 
     def submit(self, req: GenerateRequest) -> str:
@@ -188,12 +193,12 @@ class Client:
         self._ch.send(StatsRequest())
         deadline = time.monotonic() + timeout_s
         while True:
-            msg = self._recv(max(deadline - time.monotonic(), 0.001))
-            self.is_connected = True
-            if isinstance(msg, StatsReply):
-                return msg
-            if getattr(msg, "request_id", None) in self._inbox:
-                self._inbox[msg.request_id].append(_as_output(msg.request_id, msg))
+            for msg in self._recv(max(deadline - time.monotonic(), 0.001)):
+                self.is_connected = True
+                if isinstance(msg, StatsReply):
+                    return msg   # NOTE: never batched, so nothing after it is left unread
+                if getattr(msg, "request_id", None) is not None:
+                    self._file(msg)
 
     def wait_ready(self, timeout_s: float, num_nodes: int = 0,
                    frontend_pid: int | None = None) -> StatsReply:

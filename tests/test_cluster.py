@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zmq
 
-from frontend.client import AsyncClient, Client
+from frontend.client import AsyncClient, Client, make_request
 from tests.cluster_util import ROOT, Cluster, free_base_port, is_alive, python_children_of, wait_for
 from tests.conftest import clear_prompts
 
@@ -67,6 +67,18 @@ def test_ttft_is_split_into_its_parts(cluster):
             assert t[part] is not None and t[part] >= 0, part
         assert t["ttft_ms"] >= t["prefill_ms"]
     assert r.timings["total_ms"] >= r.timings["ttft_ms"]
+
+
+def test_outputs_read_during_a_stats_call_reach_their_streams(cluster):
+    """Requests decoded together get their outputs in one message; the blocking client
+    reads those while it waits for a stats reply and must keep every one."""
+    with Client(cluster.endpoint, idle_timeout_s=10) as c:
+        rids = [c.submit(make_request(prompt_token_ids=[5 + i] * 8, max_tokens=32, ignore_eos=True))
+                for i in range(8)]
+        wait_for(lambda: c.stats().frontend["num_running"] == 0, 60, "the requests to finish")
+        for rid in rids:
+            outs = list(c.stream(rid))
+            assert sum(len(o.token_ids) for o in outs) == 32 and outs[-1].finish_reason == "length"
 
 
 def test_seeded_sampling_repeats_through_the_cluster(cluster):
