@@ -20,8 +20,8 @@ def text_decoder(tokenizer):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str] = (), decode=None):
-        self._decode = decode or text_decoder(tokenizer)
+    def __init__(self, tokenizer, stop: list[str] = ()):
+        self._decode = text_decoder(tokenizer)
         self.stop = [s for s in stop if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []

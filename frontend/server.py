@@ -34,7 +34,7 @@ from common.sampling import SamplingParams, validate_prompt
 from common.sequence import FINISH_ABORT, FINISH_ERROR, FINISH_STOP
 from frontend import http, router
 from frontend.admission import Admission
-from frontend.detok import IncrementalDetokenizer, text_decoder
+from frontend.detok import IncrementalDetokenizer
 from frontend.metrics import Metrics
 from frontend.router import NodeState, figure
 
@@ -77,7 +77,6 @@ class Frontend:
         self.cfg = cfg
         self.keys = load_keys(cfg.keys_dir, FRONTEND)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        self.decode_text = text_decoder(self.tokenizer)
         self.spec = load_spec(cfg.model)
         self.served_model = cfg.served_model_name or Path(cfg.model).name
         self.max_model_len = min(cfg.max_model_len or self.spec.max_position_embeddings,
@@ -256,7 +255,7 @@ class Frontend:
         self.num_requests += 1
         timeout = req.timeout_s or self.cfg.default_timeout_s
         state = RequestState(f"{self.num_requests:x}", req.request_id, client, ids, params,
-                             IncrementalDetokenizer(self.tokenizer, req.stop, self.decode_text), time.time(),
+                             IncrementalDetokenizer(self.tokenizer, req.stop), time.time(),
                              time.monotonic() + timeout)
         self.requests[state.node_id] = state
         self.by_client[(client, req.request_id)] = state

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from common.process import HelpFormat
 from frontend.client import AsyncClient, Client
+from launch.reference import clear_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 COUNTED = ("num_preemptions", "num_swapped", "num_recomputed", "num_prefix_hit_tokens",
@@ -67,12 +68,11 @@ KILL_GRACE_S = 20.0  # a request may fail this long after a node is killed
 
 class Outcomes(Counter):
     """Outcomes by kind; an error soon after a kill is expected."""
-    last_kill_at = float("-inf")
-    kill_errors: Counter   # what those errors said
 
     def __init__(self) -> None:
         super().__init__()
-        self.kill_errors = Counter()
+        self.last_kill_at = float("-inf")
+        self.kill_errors = Counter()   # what those errors said
 
     def finished(self, reason: str, error: str | None, expected: tuple[str, ...], ok: str | None = None) -> None:
         if reason in expected:
@@ -85,27 +85,13 @@ class Outcomes(Counter):
 
 
 def _reference(model_dir: Path, vocab: int, count: int = 8) -> list[tuple[list[int], list[int]]]:
-    """(prompt, transformers' greedy tokens) for count prompts whose every step's two best
-    logits are at least 1e-3 apart: closer, a sum taken in another order (a batch, paged
-    attention) may rightly pick the other token. Two pairs share a 64-token prefix."""
-    import torch
-    from transformers import Qwen3ForCausalLM
-    model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    rng, chosen = random.Random(1234), []
+    """(prompt, transformers' greedy tokens) for count prompts with a clear best token at
+    every step; two pairs share a 64-token prefix."""
+    rng = random.Random(1234)
     prefixes = [rng.choices(range(vocab), k=64) for _ in range(2)]
-    with torch.no_grad():
-        for i in range(count * 8):
-            ids = rng.choices(range(vocab), k=rng.randint(8, 100))
-            if i % 4 == 0:
-                ids = prefixes[(i // 4) % 2] + ids[:16]
-            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=CHECKED_LEN, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-            if min(float(t[0] - t[1]) for t in (lg[0].topk(2).values for lg in gen.logits)) >= 1e-3:
-                chosen.append((ids, gen.sequences[0, len(ids):].tolist()))
-            if len(chosen) == count:
-                return chosen
-    raise SystemExit(f"soak: only {len(chosen)} prompts with clear greedy tokens")
+    candidates = [rng.choices(range(vocab), k=rng.randint(8, 100)) for _ in range(count * 4)]
+    candidates = [prefixes[i // 4 % 2] + ids[:16] if i % 4 == 0 else ids for i, ids in enumerate(candidates)]
+    return list(zip(*clear_prompts(model_dir, candidates, CHECKED_LEN, count)))
 
 
 async def _one(client: AsyncClient, rng: random.Random, vocab: int, max_model_len: int,

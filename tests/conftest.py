@@ -8,6 +8,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from launch.reference import clear_prompts, hf_greedy, hf_greedy_gaps  # noqa: E402,F401 (the tests import them here)
+
 
 @pytest.fixture(scope="session")
 def make_model(tmp_path_factory):
@@ -26,36 +28,3 @@ def make_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(make_model) -> Path:
     return make_model()
-
-
-def hf_greedy(model_dir, prompts, max_new_tokens):
-    """transformers' own greedy tokens for each prompt, one prompt at a time."""
-    return [tokens for tokens, _ in hf_greedy_gaps(model_dir, prompts, max_new_tokens)]
-
-
-def hf_greedy_gaps(model_dir, prompts, max_new_tokens):
-    """transformers' greedy tokens for each prompt, and at each step the gap between the
-    two best logits. NOTE: where the gap is within float32 rounding (the tiny models'
-    logits are about 1 in size), sums taken in another order (a batch, paged
-    attention) may pick the other token: such a step has no single right answer."""
-    import torch
-    from transformers import Qwen3ForCausalLM
-    model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-            gaps = [float(top[0] - top[1]) for top in (lg[0].topk(2).values for lg in gen.logits)]
-            out.append((gen.sequences[0, len(ids):].tolist(), gaps))
-    return out
-
-
-def clear_prompts(model_dir, candidates, max_new_tokens, count, min_gap=1e-3):
-    """The first count candidates whose greedy tokens are unambiguous (every step's two
-    best logits at least min_gap apart), and those tokens."""
-    chosen = [(ids, tokens) for ids, (tokens, gaps) in
-              zip(candidates, hf_greedy_gaps(model_dir, candidates, max_new_tokens)) if min(gaps) >= min_gap]
-    assert len(chosen) >= count, f"only {len(chosen)} of {len(candidates)} candidates are unambiguous"
-    return [ids for ids, _ in chosen[:count]], [tokens for _, tokens in chosen[:count]]
