@@ -105,7 +105,10 @@ def measure_floors(device_str: str, dtype: torch.dtype) -> dict:
     del a, b
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"bandwidth_GBps": round(bandwidth / 1e9, 1), "matmul_TFLOPs": round(2 * m ** 3 / best / 1e12, 1)}
+    # NOTE: three significant figures, not one decimal: a busy 2-core CPU does about
+    # 0.04 TFLOP/s, which one decimal rounds to 0 (and a floor to a division by zero).
+    return {"bandwidth_GBps": float(f"{bandwidth / 1e9:.3g}"),
+            "matmul_TFLOPs": float(f"{2 * m ** 3 / best / 1e12:.3g}")}
 
 
 def matmul_params(spec: ModelSpec) -> int:
