@@ -16,13 +16,16 @@ an optional "output_len". Arrivals: Poisson at each --request-rate (inf: all at
 once), at most --max-concurrency in flight. One JSON line per rate: request and
 token throughput; mean / median / p90 / p99 of TTFT, TPOT, ITL and end-to-end
 latency (ms); goodput under --slo; errors; and the medians of the cluster's own
-TTFT parts (queue, prefill, KV transfer, decode admission).
+TTFT parts (queue, prefill, KV transfer, decode admission). Over ZeroMQ also the
+mean prefill and decode batches and, where the frontend runs on this host, its CPU
+time per streamed token (all it did meanwhile, other clients included).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -286,16 +289,34 @@ async def cluster_figures(target) -> dict | None:
         if now == last:
             break
         last = now
-    return last
+    return {**last, "frontend_cpu_s": frontend_cpu_s((await target.stats(timeout_s=10)).frontend)}
 
 
-def cluster_record(before: dict | None, after: dict | None, num_requests: int) -> dict:
+def frontend_cpu_s(frontend: dict | None) -> float | None:
+    """CPU seconds the frontend process has used, where it runs on this host; else None."""
+    pid = (frontend or {}).get("pid")
+    try:
+        if b"frontend" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return None   # another process, or the frontend is on another host
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cluster_record(before: dict | None, after: dict | None, outcomes: list[Outcome]) -> dict:
     """What the cluster did over one rate: prompt tokens computed per request (prefix
-    caching shows here), the mean prefill and decode batches and the preemptions."""
+    caching shows here), the mean prefill and decode batches, the preemptions, and the
+    frontend's CPU time per token it streamed (where it runs on this host)."""
     if before is None or after is None:
         return {"prefill_tokens_per_request": None}
-    d = {k: after[k] - before[k] for k in before}
-    return {"prefill_tokens_per_request": round(d["num_prefill_tokens"] / max(num_requests, 1), 1),
+    d = {k: after[k] - before[k] for k in before if k != "frontend_cpu_s"}
+    num_tokens = sum(o.num_tokens for o in outcomes)
+    cpu_s = None if None in (before["frontend_cpu_s"], after["frontend_cpu_s"]) else \
+        after["frontend_cpu_s"] - before["frontend_cpu_s"]
+    return {"prefill_tokens_per_request": round(d["num_prefill_tokens"] / max(len(outcomes), 1), 1),
+            "frontend_cpu_us_per_token": round(cpu_s / num_tokens * 1e6, 1)
+            if cpu_s is not None and num_tokens else None,
             "mean_prefill_batch": round(d["num_prefill_chunks"] / d["num_prefill_passes"], 2)
             if d["num_prefill_passes"] else None,
             "mean_decode_batch": round(d["num_decode_rows"] / d["num_decode_steps"], 2)
@@ -352,7 +373,7 @@ async def main_async(a: argparse.Namespace) -> tuple[list[dict], list[list[Outco
             before = await cluster_figures(target)
             outcomes, duration = await run_rate(target, make_jobs(a, vocab, rng, prefix, a.num_prompts),
                                                 rate, a.max_concurrency, a.ignore_eos, rng, not a.quiet)
-            cluster = cluster_record(before, await cluster_figures(target), len(outcomes))
+            cluster = cluster_record(before, await cluster_figures(target), outcomes)
             record = {"bench": "serving", "interface": "http" if a.base_url else "zmq",
                       "target": a.base_url or a.endpoint, "model": model.get("name"),
                       "nodes": nodes, "input_len": a.input_len if not a.dataset else None,

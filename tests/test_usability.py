@@ -218,7 +218,7 @@ def test_bench_serving_over_both_interfaces(cluster, tmp_path, interface):
         assert abs(x["output_tokens_per_s"] * x["duration_s"] - 12 * 8) < 1
         if interface == "zmq":   # the decode node's own figures, from its heartbeats
             assert x["max_tokens"] == 40 and x["mean_decode_batch"] >= 1 and x["num_preemptions"] == 0
-            assert 1 <= x["mean_prefill_batch"] <= 12
+            assert 1 <= x["mean_prefill_batch"] <= 12 and x["frontend_cpu_us_per_token"] > 0
     # Every prompt starts with the same 32 tokens, cached since the warm-up: a prefill
     # node computes the other 32 (over HTTP the figure is not available).
     for x in lines:
