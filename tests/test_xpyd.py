@@ -152,6 +152,8 @@ def test_requests_that_do_not_fit_wait_in_line_and_are_granted_unasked(tiny_mode
     try:
         for role in ("frontend", "decode"):
             p.start(role)
+        with Client(p.clients) as c:   # its figures are read through the frontend below
+            wait_for(lambda: "decode-0" in c.stats(60).nodes, 120, "the decode node to register")
         fake = FakePrefill(p.kv)
         fake.ask(KVHello("fake-prefill"), KVWelcome)
         a = fake.ask(KVReserve("a", 200, 8), KVReserved)           # 13 blocks
