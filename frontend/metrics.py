@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -57,6 +57,8 @@ class Metrics:
                                      "KV handoff, prefill done to commit on the decode node",
                                      buckets=_FAST, registry=r)
         r.register(self)   # the gauges, via collect()
+        # process_cpu_seconds_total, resident memory, open fds: the frontend's own cost.
+        ProcessCollector(registry=r)
 
     def finished(self, req, reason: str) -> None:
         now = time.monotonic()

@@ -16,16 +16,15 @@ an optional "output_len". Arrivals: Poisson at each --request-rate (inf: all at
 once), at most --max-concurrency in flight. One JSON line per rate: request and
 token throughput; mean / median / p90 / p99 of TTFT, TPOT, ITL and end-to-end
 latency (ms); goodput under --slo; errors; and the medians of the cluster's own
-TTFT parts (queue, prefill, KV transfer, decode admission). Over ZeroMQ also the
-mean prefill and decode batches and, where the frontend runs on this host, its CPU
-time per streamed token (all it did meanwhile, other clients included).
+TTFT parts (queue, prefill, KV transfer, decode admission); the frontend's CPU
+time per streamed token (all it did meanwhile, other clients included). Over
+ZeroMQ also the mean prefill and decode batches.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import sys
@@ -272,11 +271,12 @@ CLUSTER_FIGURES = {"num_prefill_tokens": "prefill", "num_prefill_passes": "prefi
                    "num_decode_steps": "decode", "num_preemptions": "decode"}
 
 
-async def cluster_figures(target) -> dict | None:
-    """Running counts summed over the nodes of each role (CLUSTER_FIGURES), over ZeroMQ,
-    from heartbeats, once two readings 0.6 s apart agree; None over HTTP."""
+async def cluster_figures(target) -> dict:
+    """Running counts summed over the nodes of each role (CLUSTER_FIGURES), from
+    heartbeats, once two readings 0.6 s apart agree, and the frontend's CPU seconds.
+    Over HTTP only the CPU seconds (process_cpu_seconds_total from /metrics)."""
     if isinstance(target, HttpTarget):
-        return None
+        return {"frontend_cpu_s": await http_cpu_s(target)}
 
     async def read() -> dict:
         stats = await target.stats(timeout_s=10)
@@ -289,34 +289,36 @@ async def cluster_figures(target) -> dict | None:
         if now == last:
             break
         last = now
-    return {**last, "frontend_cpu_s": frontend_cpu_s((await target.stats(timeout_s=10)).frontend)}
+    return {**last, "frontend_cpu_s": (await target.stats(timeout_s=10)).frontend.get("cpu_s")}
 
 
-def frontend_cpu_s(frontend: dict | None) -> float | None:
-    """CPU seconds the frontend process has used, where it runs on this host; else None."""
-    pid = (frontend or {}).get("pid")
+async def http_cpu_s(target: HttpTarget) -> float | None:
+    """The frontend's process_cpu_seconds_total, as its /metrics says; None if absent."""
     try:
-        if b"frontend" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return None   # another process, or the frontend is on another host
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
-    except (OSError, ValueError, IndexError):
+        async with target.session.get(target.url + "/metrics") as r:
+            text = await r.text()
+    except Exception:   # noqa: BLE001 - a figure, not the benchmark's outcome
         return None
+    for line in text.splitlines():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    return None
 
 
-def cluster_record(before: dict | None, after: dict | None, outcomes: list[Outcome]) -> dict:
+def cluster_record(before: dict, after: dict, outcomes: list[Outcome]) -> dict:
     """What the cluster did over one rate: prompt tokens computed per request (prefix
-    caching shows here), the mean prefill and decode batches, the preemptions, and the
-    frontend's CPU time per token it streamed (where it runs on this host)."""
-    if before is None or after is None:
-        return {"prefill_tokens_per_request": None}
+    caching shows here), the mean prefill and decode batches and the preemptions (over
+    ZeroMQ), and the frontend's CPU time per token it streamed (all it did meanwhile)."""
     d = {k: after[k] - before[k] for k in before if k != "frontend_cpu_s"}
     num_tokens = sum(o.num_tokens for o in outcomes)
     cpu_s = None if None in (before["frontend_cpu_s"], after["frontend_cpu_s"]) else \
         after["frontend_cpu_s"] - before["frontend_cpu_s"]
+    record = {"frontend_cpu_us_per_token": round(cpu_s / num_tokens * 1e6, 1)
+              if cpu_s is not None and num_tokens else None}
+    if not d:   # over HTTP
+        return {"prefill_tokens_per_request": None, **record}
     return {"prefill_tokens_per_request": round(d["num_prefill_tokens"] / max(len(outcomes), 1), 1),
-            "frontend_cpu_us_per_token": round(cpu_s / num_tokens * 1e6, 1)
-            if cpu_s is not None and num_tokens else None,
+            **record,
             "mean_prefill_batch": round(d["num_prefill_chunks"] / d["num_prefill_passes"], 2)
             if d["num_prefill_passes"] else None,
             "mean_decode_batch": round(d["num_decode_rows"] / d["num_decode_steps"], 2)

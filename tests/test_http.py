@@ -223,6 +223,9 @@ def test_metrics_parse_and_move_by_the_right_amounts(cluster, oai):
     assert nodes == {"prefill-0": 1.0, "decode-0": 1.0}
     assert after[("pdserve_node_kv_blocks_free", (("node", "decode-0"), ("role", "decode")))] > 0
     assert ("pdserve_node_prefix_hit_rate", (("node", "prefill-0"), ("role", "prefill"))) in after
+    # The frontend process's own cost, as every Prometheus exporter names it.
+    assert after[("process_resident_memory_bytes", ())] > 10 * 2**20
+    assert after[("process_cpu_seconds_total", ())] >= before[("process_cpu_seconds_total", ())] > 0
 
 
 def test_health_deadline_and_a_dead_decode_node(tiny_model, tmp_path):

@@ -216,9 +216,13 @@ def test_bench_serving_over_both_interfaces(cluster, tmp_path, interface):
         assert x["goodput"] > 0 and x["ttft_ms"]["p99"] >= x["ttft_ms"]["median"] > 0
         assert x["output_tokens_per_s"] > 0 and x["cluster_ttft_parts_median_ms"]["prefill_ms"] is not None
         assert abs(x["output_tokens_per_s"] * x["duration_s"] - 12 * 8) < 1
+        # The frontend's CPU time: its stats over ZeroMQ, /metrics' process_cpu_seconds_total
+        # (10 ms ticks, so possibly 0 for this short run) over HTTP.
+        assert x["frontend_cpu_us_per_token"] > 0 if interface == "zmq" else \
+            x["frontend_cpu_us_per_token"] >= 0
         if interface == "zmq":   # the decode node's own figures, from its heartbeats
             assert x["max_tokens"] == 40 and x["mean_decode_batch"] >= 1 and x["num_preemptions"] == 0
-            assert 1 <= x["mean_prefill_batch"] <= 12 and x["frontend_cpu_us_per_token"] > 0
+            assert 1 <= x["mean_prefill_batch"] <= 12
     # Every prompt starts with the same 32 tokens, cached since the warm-up: a prefill
     # node computes the other 32 (over HTTP the figure is not available).
     for x in lines:
