@@ -10,7 +10,6 @@ request, which frees its KV blocks on every node.
 from __future__ import annotations
 
 import asyncio
-import json
 
 from aiohttp import web
 
@@ -131,29 +130,35 @@ class HttpServer:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", **HEADERS})
         await out.prepare(request)
         created = api.now()
-
-        async def send(event: dict) -> None:
-            await out.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
-
-        if call.is_chat:
-            await send(api.chunk(call, created, is_role=True))
+        event = api.text_events(call, created)
+        # Events not yet written. Everything already queued goes out in one write: a
+        # socket write per event is most of a stream's cost, and a client that lags
+        # a step behind gets its backlog at once.
+        events = [api.stream_event(api.chunk(call, created, is_role=True))] if call.is_chat else []
         status = None
         while True:
             if msg.text or (call.is_token_ids and msg.token_ids):   # held-back text waits
-                await send(api.chunk(call, created, msg.text, msg.token_ids))
+                events.append(event(msg.text, msg.token_ids))
             if msg.is_finished:
                 break
-            msg, status = await queue.get()
+            if queue.empty():
+                if events:
+                    await out.write(b"".join(events))
+                    events.clear()
+                msg, status = await queue.get()
+            else:
+                msg, status = queue.get_nowait()
         if msg.finish_reason in ("stop", "length"):
-            await send(api.chunk(call, created, finish_reason=api.finish_reason(msg.finish_reason)))
+            events.append(api.stream_event(
+                api.chunk(call, created, finish_reason=api.finish_reason(msg.finish_reason))))
             if call.is_usage_streamed and msg.usage:
                 # pdserve's TTFT parts ride along on the usage chunk (an extra key).
-                await send({**api.chunk(call, created, use=api.usage(**msg.usage)),
-                            "timings": msg.timings or {}})
+                events.append(api.stream_event({**api.chunk(call, created, use=api.usage(**msg.usage)),
+                                                "timings": msg.timings or {}}))
         else:   # the status line is sent: the error goes in the stream, as OpenAI's servers do
-            await send(api.error_body(status or 500, msg.error or msg.finish_reason))
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
+            events.append(api.stream_event(api.error_body(status or 500, msg.error or msg.finish_reason)))
+        events.append(b"data: [DONE]\n\n")
+        await out.write_eof(b"".join(events))
         return out
 
 
