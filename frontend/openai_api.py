@@ -239,7 +239,7 @@ def text_events(call: Call, created: int) -> Callable[[str, list[int]], bytes]:
         mid, tail = tail.split(json.dumps(_IDS_MARK).encode())
 
     def event(text: str, token_ids: list[int]) -> bytes:
-        if not text:   # an empty chat delta is {}, not {"content": ""}: the template does not fit
+        if not text and call.is_chat:   # an empty delta is {}, not {"content": ""}: no template
             return stream_event(chunk(call, created, text, token_ids))
         if not call.is_token_ids:
             return head + json.dumps(text).encode() + tail
