@@ -12,6 +12,9 @@ load, from prompts whose every step has a clear best token), some ask for far
 more tokens than they read (the
 client aborts them: what preemption admits for), some are aborted mid-stream,
 some hit short deadlines, some are invalid, and stats calls run beside them.
+A share goes through the OpenAI API instead: checked completions, streamed or
+not; streams the client drops after a few tokens (which must free their
+blocks); and unsupported parameters (a 400 each).
 With --kill-every S, a random node is killed (SIGKILL) every S seconds and the
 cluster restarts it: a request may then fail with an error within 20 s of a
 kill, but a checked request that finishes must still be exact, no client may
@@ -132,16 +135,63 @@ async def _one(client: AsyncClient, rng: random.Random, vocab: int, max_model_le
             outcomes.finished(out.finish_reason, out.error, expected)
 
 
-async def _load(endpoint: str, duration_s: float, concurrency: int, model: dict, pids: dict,
-                outcomes: Outcomes, reference: list, kill_every_s: float | None) -> list[dict]:
+async def _one_http(session, url: str, rng: random.Random, outcomes: Outcomes, reference: list) -> None:
+    """One request through the OpenAI API: checked (streamed or not), dropped mid-stream,
+    or invalid. session: an aiohttp.ClientSession whose timeout bounds every request."""
+    kind = rng.choices(["checked", "drop", "invalid"], [6, 3, 1])[0]
+    prompt, expected = rng.choice(reference)
+    body = {"prompt": prompt, "max_tokens": CHECKED_LEN, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": kind == "drop" or rng.random() < 0.5}
+    if kind == "invalid":
+        body["n"] = 2
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            error = (await r.json(content_type=None)).get("error", {}).get("message")
+            if kind == "invalid" and r.status == 400:
+                outcomes["http invalid"] += 1
+            else:
+                outcomes.finished("error", f"HTTP {r.status}: {error}", ())
+            return
+        if not body["stream"]:
+            choice = (await r.json())["choices"][0]
+            ids, reason, error = choice["token_ids"], choice["finish_reason"], None
+        else:
+            ids, reason, error = [], None, None
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
+                    continue   # blank separators and [DONE]
+                event = json.loads(line[6:])
+                if "error" in event:
+                    reason, error = "error", event["error"]["message"]
+                elif event["choices"]:
+                    ids += event["choices"][0].get("token_ids", [])
+                    reason = event["choices"][0]["finish_reason"] or reason
+                if kind == "drop" and len(ids) >= 4 and reason is None:
+                    r.close()   # the server must abort it and free its blocks
+                    outcomes["http dropped"] += 1
+                    return
+    if reason == "length" and ids != expected:
+        outcomes["unexpected wrong tokens (http)"] += 1
+    else:
+        outcomes.finished(reason, error, ("length",), "http checked")
+
+
+async def _load(endpoint: str, http_url: str, duration_s: float, concurrency: int, model: dict,
+                pids: dict, outcomes: Outcomes, reference: list, kill_every_s: float | None) -> list[dict]:
+    import aiohttp
     samples: list[dict] = []
     end = time.monotonic() + duration_s
-    async with AsyncClient(endpoint, idle_timeout_s=60) as client:
+    async with AsyncClient(endpoint, idle_timeout_s=60) as client, \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         async def worker(i: int) -> None:
             local = random.Random(i)
             while time.monotonic() < end:
                 try:
-                    await _one(client, local, model["vocab_size"], model["max_model_len"], outcomes, reference)
+                    if local.random() < 0.15:
+                        await _one_http(session, http_url, local, outcomes, reference)
+                    else:
+                        await _one(client, local, model["vocab_size"], model["max_model_len"], outcomes,
+                                   reference)
                 except Exception as e:  # noqa: BLE001 - counted and reported, the soak goes on
                     outcomes[f"unexpected {type(e).__name__}: {e}"] += 1
 
@@ -177,14 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     p.add_argument("--concurrency", type=int, default=24)
     p.add_argument("--model", default=None, help="default: the tiny model start_cluster makes")
-    p.add_argument("--base-port", type=int, default=5700)
+    p.add_argument("--base-port", type=int, default=5700, help="and the OpenAI API at this + 90")
     p.add_argument("--cluster-arg", action="append", default=[], metavar="ARG",
                    help="passed on to start_cluster.sh, e.g. --cluster-arg=--num-decode --cluster-arg=2")
     p.add_argument("--kill-every", type=float, default=None, metavar="S",
                    help="SIGKILL a random node every S seconds (the cluster restarts it)")
     a = p.parse_args(argv)
+    http_port = a.base_port + 90
     cmd = ["bash", str(ROOT / "launch/start_cluster.sh"), "--base-port", str(a.base_port),
-           "--max-batch-size", "32", *(["--model", a.model] if a.model else []), *a.cluster_arg]
+           "--http-port", str(http_port), "--max-batch-size", "32",
+           *(["--model", a.model] if a.model else []), *a.cluster_arg]
     cluster = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True)
     try:
         line = cluster.stdout.readline().decode()
@@ -203,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache/pdserve")) / "tiny-qwen3"
         reference = _reference(model_dir, model["vocab_size"])
         outcomes = Outcomes()
-        samples = asyncio.run(_load(endpoint, a.duration, a.concurrency, model, pids, outcomes, reference,
-                                    a.kill_every))
+        samples = asyncio.run(_load(endpoint, f"http://127.0.0.1:{http_port}", a.duration, a.concurrency,
+                                    model, pids, outcomes, reference, a.kill_every))
         time.sleep(3)   # the last aborts and deadlines reach the nodes
         with Client(endpoint) as c:
             nodes = {n: v for n, v in c.stats().nodes.items() if v.get("is_alive", True)}
