@@ -315,7 +315,8 @@ class Frontend:
                 "max_model_len": self.max_model_len}
 
     def frontend_stats(self) -> dict:
-        return {"pid": os.getpid(), "cpu_s": round(time.process_time(), 3), "is_draining": self.is_draining, "is_authenticated": bool(self.keys),
+        return {"pid": os.getpid(), "cpu_s": round(time.process_time(), 3),   # the process's CPU time
+                "is_draining": self.is_draining, "is_authenticated": bool(self.keys),
                 "num_waiting": self.admission.num_waiting,
                 "num_running": len(self.requests) - self.admission.num_waiting,
                 "num_clients": len(self.admission.clients), "num_served": self.num_served,

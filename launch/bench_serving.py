@@ -289,7 +289,7 @@ async def cluster_figures(target) -> dict:
         if now == last:
             break
         last = now
-    return {**last, "frontend_cpu_s": (await target.stats(timeout_s=10)).frontend.get("cpu_s")}
+    return {**last, "frontend_cpu_s": ((await target.stats(timeout_s=10)).frontend or {}).get("cpu_s")}
 
 
 async def http_cpu_s(target: HttpTarget) -> float | None:
