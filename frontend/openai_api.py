@@ -84,6 +84,8 @@ def _stop(body: dict) -> list[str]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
         raise ApiError(400, "'stop' must be a string or a list of at most 16 strings", "stop")
+    if "" in stop:
+        raise ApiError(400, "a stop string must not be empty", "stop")
     return stop
 
 

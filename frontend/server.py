@@ -216,6 +216,8 @@ class Frontend:
         wrong. max_tokens None (HTTP chat) means what the model length leaves."""
         if req.timeout_s is not None and not req.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {req.timeout_s}")
+        if "" in req.stop:   # it would match at once: an answer of nothing, surely not what was meant
+            raise ValueError("a stop string must not be empty")
         ids = self._prompt_ids(req)
         max_tokens = req.max_tokens if req.max_tokens is not None else max(self.max_model_len - len(ids), 1)
         params = SamplingParams(

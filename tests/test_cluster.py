@@ -173,6 +173,8 @@ def test_bad_client_input_gets_clear_errors_and_service_goes_on(cluster):
         (msgpack.packb({"v": 2, "type": "generate", "request_id": "b6",
                         "prompt_token_ids": [1, 100000]}), "outside the vocabulary"),
         (msgpack.packb({"v": 2, "type": "generate", "request_id": "b7"}), "exactly one of"),
+        (msgpack.packb({"v": 2, "type": "generate", "request_id": "b8", "prompt": "x",
+                        "stop": ["ok", ""]}), "stop string must not be empty"),
         (msgpack.packb({"v": 2, "type": "abort", "request_id": "nobody"}), "unknown request_id"),
     ]
     try:
