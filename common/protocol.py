@@ -421,14 +421,10 @@ def _type_name(t) -> str:
 MAX_DEPTH = 8   # of nested lists and maps in any field
 
 
-def _check(value: Any, t, where: str, depth: int = 0) -> Any:
-    """value as type t, or ProtocolError naming the field."""
-    return _checker(t)(value, where, depth)
-
-
 @functools.lru_cache(maxsize=None)
 def _checker(t) -> Callable[[Any, str, int], Any]:
-    """The check for type t, worked out once per type: (value, where, depth) -> value.
+    """The check for type t, worked out once per type: (value, where, depth) -> value
+    as type t, or ProtocolError naming the field.
     NOTE: `where` is only read to word an error, so list items are checked under
     their list's name and checked again under their own only when one fails."""
     if t is dict:   # a bare map: the default rule for plain data
@@ -558,12 +554,12 @@ def _schema(cls) -> tuple[tuple[str, Callable, bool], ...]:
 
 
 def _build(cls, fields: dict, prefix: str = ""):
-    schema = _schema(cls)
-    if not fields.keys() <= _field_set(cls):
-        unknown = set(fields) - _field_set(cls)
-        raise ProtocolError(f"unknown field {prefix}{sorted(unknown)[0]!r} in {cls.__name__}")
+    known = _field_set(cls)
+    if not fields.keys() <= known:
+        unknown = sorted(set(fields) - known)[0]
+        raise ProtocolError(f"unknown field {prefix}{unknown!r} in {cls.__name__}")
     kwargs = {}
-    for name, check, is_required in schema:
+    for name, check, is_required in _schema(cls):
         if name in fields:
             kwargs[name] = check(fields[name], prefix + name, 0)
         elif is_required:

@@ -22,7 +22,7 @@ def text_decoder(tokenizer):
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: list[str] = ()):
         self._decode = text_decoder(tokenizer)
-        self.stop = [s for s in stop if s]
+        self.stop = list(stop)   # each non-empty: the frontend refuses an empty one
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""            # decoded so far, stable characters only
