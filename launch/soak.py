@@ -145,6 +145,9 @@ async def _one_http(session, url: str, rng: random.Random, outcomes: Outcomes, r
     if kind == "invalid":
         body["n"] = 2
     async with session.post(url + "/v1/completions", json=body) as r:
+        if kind == "invalid" and r.status == 200:
+            outcomes["unexpected: n=2 accepted over HTTP"] += 1
+            return
         if r.status != 200:
             error = (await r.json(content_type=None)).get("error", {}).get("message")
             if kind == "invalid" and r.status == 400:
