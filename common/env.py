@@ -13,9 +13,10 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Env:
     log_level: str            # PDSERVE_LOG_LEVEL: DEBUG, INFO (default), WARNING
-    home: Path                # PDSERVE_HOME: cache for the generated tiny model
+    home: Path                # PDSERVE_HOME: cache for the generated tiny model and built kernels
     disable_triton: bool      # PDSERVE_DISABLE_TRITON=1: portable kernels on CUDA too
     disable_graphs: bool      # PDSERVE_DISABLE_GRAPHS=1: eager decode on CUDA
+    disable_cpu_kernels: bool  # PDSERVE_DISABLE_CPU_KERNELS=1: portable attention on CPU too
 
 
 def read_env() -> Env:
@@ -24,4 +25,5 @@ def read_env() -> Env:
         home=Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve")),
         disable_triton=os.environ.get("PDSERVE_DISABLE_TRITON", "0") == "1",
         disable_graphs=os.environ.get("PDSERVE_DISABLE_GRAPHS", "0") == "1",
+        disable_cpu_kernels=os.environ.get("PDSERVE_DISABLE_CPU_KERNELS", "0") == "1",
     )

@@ -27,6 +27,15 @@ def _backend_for_type(device_type: str):
         except ImportError:
             return portable
         return _merge(triton_cuda)
+    if device_type == "cpu":
+        try:
+            from kernels import cpu
+        except ImportError as e:
+            from common.log import get_logger
+            get_logger("kernels").warning("CPU attention kernel unavailable (%s): the portable "
+                                          "one serves", e)
+            return portable
+        return _merge(cpu)
     if device_type == "npu":
         try:
             from kernels import npu

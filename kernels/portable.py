@@ -7,6 +7,7 @@ A slot is block_id * block_size + offset.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,15 +68,6 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), v)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """q [B, Hk, G, Q, D]; k, v [B, Hk, S, D]; mask [B, 1, 1, Q, S] bool (True = keep)."""
-    scores = torch.matmul(q.float(), k.float().unsqueeze(2).transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v.float().unsqueeze(2)).to(q.dtype)
-
-
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_lens: list[int], context_lens: list[int],
                       scale: float, meta: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,20 +76,24 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     query_lens[i] tokens that follow context_lens[i] cached ones. -> [T, Hq, D]."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     block_size = k_cache.shape[1]
-    group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens)):
         total = ctx_len + q_len
         blocks = block_tables[i, : (total + block_size - 1) // block_size].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:total]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:total]
-        qi = q[start:start + q_len].view(q_len, num_kv_heads, group, head_dim)
-        q_pos = torch.arange(ctx_len, total, device=q.device)
-        mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
-        o = _attend(qi.permute(1, 2, 0, 3)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                    mask[None, None, None], scale)
-        out[start:start + q_len] = o[0].permute(2, 0, 1, 3).reshape(q_len, -1, head_dim)
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:total].transpose(0, 1)[None]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:total].transpose(0, 1)[None]
+        qi = q[start:start + q_len].transpose(0, 1)[None]                 # [1, Hq, q_len, D]
+        # NOTE: is_causal aligns the mask top-left; after a cached context the
+        # diagonal is shifted by ctx_len, so that case takes an explicit mask. The
+        # batch dimension matters: 3-D inputs miss the fused CPU kernel.
+        mask = None
+        if ctx_len:
+            q_pos = torch.arange(ctx_len, total, device=q.device)
+            mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=not ctx_len,
+                                           scale=scale, enable_gqa=True)
+        out[start:start + q_len] = o[0].transpose(0, 1)
         start += q_len
     return out
 
@@ -115,10 +111,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     width = block_tables.shape[1] * block_size
     k = k_cache[block_tables.long()].view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache[block_tables.long()].view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
-    mask = torch.arange(width, device=q.device)[None, :] < seq_lens[:, None]
-    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, 1, head_dim)
-    o = _attend(qg, k, v, mask[:, None, None, None, :], scale)
-    return o.view(num_seqs, num_heads, head_dim)
+    mask = torch.arange(width, device=q.device)[None, :] < seq_lens[:, None]    # [B, width]
+    o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :],
+                                       scale=scale, enable_gqa=True)          # [B, Hq, 1, D]
+    return o[:, :, 0]
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
