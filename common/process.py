@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import signal
 import sys
 import threading
@@ -38,13 +39,66 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="default: the model's max_position_embeddings")
     g.add_argument("--no-graphs", "--enforce-eager", action="store_true",
                    help="eager decode steps on CUDA")
+    add_thread_args(p)
     add_log_level_arg(p)
+
+
+def add_thread_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("host threads")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch threads in this process (default: one per core it may run on for "
+                        "a cpu device, 1 for an accelerator, whose host work is launching); "
+                        "start_cluster.sh divides the host's cores among the processes it starts")
+    g.add_argument("--cpus", default=None, metavar="LIST",
+                   help="run only on these cores, e.g. 0-3 or 1,5 (Linux)")
+
+
+def parse_cpus(text: str) -> set[int]:
+    """'0-3,6' -> {0, 1, 2, 3, 6}, or a ValueError."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"--cpus takes core numbers such as 0-3 or 1,5, got {text!r}") from None
+    if not cpus:
+        raise ValueError(f"--cpus names no core: {text!r}")
+    return cpus
+
+
+def apply_threads(threads: int | None, cpus: str | None, device: str) -> None:
+    """Pin and size this process's thread pool before any work.
+    NOTE: call before torch's first parallel op: its pool is sized once."""
+    import torch
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    if cpus:
+        if not hasattr(os, "sched_setaffinity"):
+            raise ValueError("--cpus needs an OS that can pin threads (Linux)")
+        try:
+            os.sched_setaffinity(0, parse_cpus(cpus))
+        except OSError as e:
+            raise ValueError(f"--cpus {cpus}: {e.strerror}") from None
+    num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(threads or (num_cores if device == "cpu" else 1))
+
+
+def describe_threads() -> str:
+    """'1 torch thread on cores 0-1', for a process's start-up line."""
+    import torch
+    num = torch.get_num_threads()
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    where = f"cores {cores[0]}-{cores[-1]}" if cores and cores == list(range(cores[0], cores[-1] + 1)) \
+        else f"cores {','.join(map(str, cores))}" if cores else f"{os.cpu_count()} cores"
+    return f"{num} torch thread{'s' * (num > 1)} on {where}"
 
 
 def worker_config(a: argparse.Namespace) -> WorkerConfig:
     """The worker config from parsed options: ValueError names what is wrong."""
     set_level(a.log_level)
     check_device(a.device)
+    apply_threads(a.threads, a.cpus, a.device)
     return WorkerConfig(model=a.model, shape=a.shape, device=a.device,
                         dtype=None if a.dtype == "auto" else a.dtype,
                         block_size=a.block_size, kv_cache_memory=parse_bytes(a.kv_cache_memory),

@@ -15,7 +15,10 @@ every host-to-device write goes through _h2d(), which counts it.
 from __future__ import annotations
 
 import atexit
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +31,21 @@ from common.env import read_env
 from common.kv_cache import NULL_BLOCK, kv_cache_blocks, num_blocks_for
 from common.model_spec import ModelSpec, load_spec, preset_spec
 from common.sampling import SamplingParams, sample
+
+
+# Lane threads yield to the host's latency-bound work (decode steps, the frontend):
+# prefill throughput takes the cores those leave, not a share fixed in advance.
+LANE_NICE = 10
+
+
+def _start_lane() -> None:
+    torch.set_num_threads(1)
+    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+        try:   # NOTE: Linux applies a thread id's priority to that thread alone
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                           os.getpriority(os.PRIO_PROCESS, 0) + LANE_NICE)
+        except OSError:
+            pass
 
 
 @dataclass
@@ -72,6 +90,9 @@ class DeviceWorker:
         self.device_busy_s = 0.0      # decode steps, measured on the device (CUDA only)
         self.device_idle_s = 0.0      # gaps between consecutive decode steps on the device
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._count_lock = threading.Lock()
+        self.num_lanes = 1            # CPU prefill: a pass's chunks split over this many threads
+        self._lane_pool: ThreadPoolExecutor | None = None
 
     # ---- life cycle -------------------------------------------------------
 
@@ -108,6 +129,13 @@ class DeviceWorker:
             # On CUDA any allocation can be shared through an IPC handle.
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._allocate_decode_state()
+        if self.device.type == "cpu" and torch.get_num_threads() > 1:
+            # NOTE: a lane runs whole forwards on one torch thread: no barrier per op waits
+            # for a core another process holds, and a busy host just time-slices the lanes.
+            self.num_lanes = torch.get_num_threads()
+            self._lane_pool = ThreadPoolExecutor(self.num_lanes, thread_name_prefix="prefill-lane",
+                                                 initializer=_start_lane)
+            torch.set_num_threads(1)   # the loop's own ops are small: no pool to wait on
         self._warm_up()
         self._capture_graphs()
         self.is_prepared = True
@@ -125,6 +153,9 @@ class DeviceWorker:
                      "_block_staging", "_block_updates"):
             self.__dict__.pop(name, None)
         self._slots, self._graphs, self._last_end, self._swapped = {}, {}, None, {}
+        if self._lane_pool is not None:
+            self._lane_pool.shutdown()
+            self._lane_pool, self.num_lanes = None, 1
         self.swapped_bytes = 0
         if self.kv_shm is not None:
             from common.transfer.ipc import release_shared_cpu_cache
@@ -171,8 +202,9 @@ class DeviceWorker:
         device has read it."""
         src = torch.as_tensor(values, dtype=dst.dtype).reshape(dst.shape)
         dst.copy_(src, non_blocking=src.is_pinned())
-        self.num_h2d_writes += 1
-        self.num_h2d_bytes += src.numel() * src.element_size()
+        with self._count_lock:   # prefill lanes count from several threads
+            self.num_h2d_writes += 1
+            self.num_h2d_bytes += src.numel() * src.element_size()
 
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         """A fresh device tensor from host values (prefill inputs), counted."""
@@ -196,7 +228,9 @@ class DeviceWorker:
         self.prefill_busy_s += time.perf_counter() - t0  # _prefill ends in a device sync
         return out, logits
 
-    def _prefill(self, chunks: list[PrefillChunk], return_logits: bool, on_kv_written=None):
+    def _forward_chunks(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """One forward over the chunks, packed; their KV into the cache. -> the hidden
+        state of each chunk's last token [len(chunks), H]."""
         bs = self.block_size
         ids, positions, slots = [], [], []
         width = max(len(c.block_ids) for c in chunks)
@@ -221,18 +255,60 @@ class DeviceWorker:
         hidden = qwen3.forward(self.spec, self.weights, self.kv_cache, self.cos_sin,
                                self._to_device(ids, torch.int64),
                                self._to_device(np.concatenate(positions), torch.int64), attn)
-        self.num_prefill_tokens += len(ids)
+        return hidden[self._to_device(np.cumsum(attn.query_lens) - 1, torch.int64)]
+
+    # A lone chunk shorter than this per thread runs on one lane: an op split over threads
+    # waits at its end for every one of them, and on a shared host one may have no core.
+    MIN_TOKENS_PER_THREAD = 1024
+
+    @torch.inference_mode()   # NOTE: thread-local: a lane thread must enter it itself
+    def _forward_lane(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        return self._forward_chunks(chunks)
+
+    def _split_into_lanes(self, chunks: list[PrefillChunk]) -> list[list[int]]:
+        """Chunk indices per lane, balanced by tokens (largest first); one lane unless
+        this is a CPU worker with several threads and the pass has several chunks."""
+        num_lanes = min(self.num_lanes, len(chunks))
+        if num_lanes < 2:
+            return [list(range(len(chunks)))]
+        lanes: list[list[int]] = [[] for _ in range(num_lanes)]
+        loads = [0] * num_lanes
+        for i in sorted(range(len(chunks)), key=lambda i: -len(chunks[i].token_ids)):
+            j = loads.index(min(loads))
+            lanes[j].append(i)
+            loads[j] += len(chunks[i].token_ids) + chunks[i].context_len // 4
+        return [sorted(lane) for lane in lanes if lane]
+
+    def _prefill(self, chunks: list[PrefillChunk], return_logits: bool, on_kv_written=None):
+        lanes = self._split_into_lanes(chunks)
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        if self._lane_pool is None:
+            last_hidden = self._forward_chunks(chunks)
+        elif len(lanes) == 1 and num_tokens >= self.MIN_TOKENS_PER_THREAD * self.num_lanes:
+            torch.set_num_threads(self.num_lanes)   # every thread on one long chunk
+            try:
+                last_hidden = self._forward_chunks(chunks)
+            finally:
+                torch.set_num_threads(1)
+        elif len(lanes) == 1:
+            last_hidden = self._lane_pool.submit(self._forward_lane, chunks).result()
+        else:
+            # NOTE: lanes write disjoint blocks of the one cache; the sampling below waits for all.
+            parts = list(self._lane_pool.map(self._forward_lane, [[chunks[i] for i in lane]
+                                                                  for lane in lanes]))
+            order = torch.tensor([i for lane in lanes for i in lane])
+            last_hidden = torch.empty_like(torch.cat(parts))
+            last_hidden[order] = torch.cat(parts)
+        self.num_prefill_tokens += num_tokens
         self.num_prefill_passes += 1
         self.num_prefill_chunks += len(chunks)
         if on_kv_written is not None:
             on_kv_written()
-        last_rows = np.cumsum(attn.query_lens) - 1
         sampled_idx = [i for i, c in enumerate(chunks) if c.params is not None]
         out: list[int | None] = [None] * len(chunks)
         if not sampled_idx:
             return out, None
-        logits = qwen3.compute_logits(
-            self.weights, hidden[self._to_device(last_rows[sampled_idx], torch.int64)])
+        logits = qwen3.compute_logits(self.weights, last_hidden[sampled_idx])
         ps = [chunks[i].params for i in sampled_idx]
         tokens = sample(logits,
                         self._to_device([p.temperature for p in ps], torch.float32),

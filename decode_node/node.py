@@ -21,6 +21,7 @@ import time
 from common.channel import BadMessage, Channel, Poller, open_context
 from common.config import DecodeConfig, endpoint_host
 from common.keys import load_keys
+from common.process import describe_threads
 from common.kv_cache import BlockAllocator
 from common.heartbeat import HeartbeatThread, Registration
 from common.log import Throttle, get_logger
@@ -88,8 +89,8 @@ class DecodeNode:
                 self.heartbeat = HeartbeatThread(ctx, self.cfg.frontend_endpoint, "decode", self.cfg.name,
                                                  self.stats, self.cfg.links.heartbeat_s,
                                                  self.registration.is_forgotten).start()
-                log.info("ready on %s: %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
-                         self.cfg.worker.device, self.worker.num_kv_blocks,
+                log.info("ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
+                         self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.worker.max_batch_size,
                          self.cfg.kv_endpoint, ", ".join(self.sink.accepted),
                          f"preemption on, {self.cfg.swap_space / 2**20:.4g} MiB swap"

@@ -7,7 +7,7 @@ import sys
 from common.channel import LinkError
 from common.config import FrontendConfig, NodeLinks
 from common.log import add_log_level_arg, set_level
-from common.process import HelpFormat, die_with_parent
+from common.process import HelpFormat, add_thread_args, apply_threads, die_with_parent
 from frontend.server import Frontend
 
 
@@ -54,11 +54,13 @@ def main(argv=None) -> int:
                    help="the model name HTTP clients use (default: the model directory's name)")
     p.add_argument("--allow-remote", action="store_true",
                    help="serve clients, nodes and HTTP beyond this machine")
+    add_thread_args(p)
     add_log_level_arg(p)
     a = p.parse_args(argv)
     set_level(a.log_level)
     die_with_parent()
     try:
+        apply_threads(a.threads, a.cpus, device="none")   # no device: one thread unless told
         cfg = FrontendConfig(model=a.model, client_endpoint=a.clients, node_endpoint=a.nodes,
                              max_model_len=a.max_model_len, default_timeout_s=a.default_timeout,
                              links=NodeLinks(dead_after_s=a.dead_after), allow_remote=a.allow_remote,

@@ -26,6 +26,7 @@ from common.keys import FRONTEND, load_keys
 from common.log import Throttle, get_logger
 from common.model_spec import load_spec
 from common.prefix import block_hashes, route_key
+from common.process import describe_threads
 from common.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, ErrorReply, GenerateOutput,
                              GenerateRequest, Heartbeat, NodeAbort, NodeReady, OutputBatch, PrefillRequest,
                              PrefixUpdate, ReadyReply, RequestFailed, StatsReply, StatsRequest, TokenBatch,
@@ -122,9 +123,9 @@ class Frontend:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         self._wake = asyncio.Event()
-        log.info("serving clients at %s, nodes at %s (%s)", self.cfg.client_endpoint,
+        log.info("serving clients at %s, nodes at %s (%s; %s)", self.cfg.client_endpoint,
                  self.cfg.node_endpoint, f"CURVE keys from {self.cfg.keys_dir}" if self.keys
-                 else "open links: anyone who reaches the node port can join")
+                 else "open links: anyone who reaches the node port can join", describe_threads())
         tasks = [asyncio.create_task(c, name=c.__name__) for c in
                  (self._client_loop(), self._node_loop(), self._dispatch_loop(), self._watchdog_loop())]
         stopped = asyncio.create_task(stop.wait())

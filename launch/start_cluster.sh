@@ -149,6 +149,25 @@ for port in ports:
 PYEOF
 then exit 1; fi
 
+# The thread budget: this host's cores divided among the processes started here. A
+# decode node (latency-bound) gets an even share of the cores among the CPU nodes;
+# a prefill node's lanes run at low priority and take what the others leave, so the
+# CPU prefill nodes divide every core among themselves; the frontend and accelerator
+# nodes, whose host work is messages and launches, get one thread each. A --threads
+# given with --prefill-arg / --decode-arg / --frontend-arg comes later and wins.
+NUM_CORES=$(nproc 2>/dev/null || echo 1)
+count_cpu() { local n=0 d; for d in "$@"; do [ "$d" = cpu ] && n=$((n + 1)); done; echo $n; }
+NUM_CPU_PREFILL=$(count_cpu "${PREFILL_DEVS[@]}") NUM_CPU_DECODE=$(count_cpu "${DECODE_DEVS[@]}")
+share() { local n=$(( $1 / ($2 > 0 ? $2 : 1) )); echo $(( n > 0 ? n : 1 )); }
+PREFILL_THREADS=$(share "$NUM_CORES" "$NUM_CPU_PREFILL")
+DECODE_THREADS=$(share "$NUM_CORES" $((NUM_CPU_PREFILL + NUM_CPU_DECODE)))
+threads_for() {  # threads_for DEVICE ROLE -> --threads N
+    if [ "$1" != cpu ]; then echo "--threads 1"
+    elif [ "$2" = prefill ]; then echo "--threads $PREFILL_THREADS"
+    else echo "--threads $DECODE_THREADS"; fi
+}
+echo "[pdserve] $NUM_CORES cores: each cpu prefill node $PREFILL_THREADS low-priority lane(s), each cpu decode node $DECODE_THREADS thread(s), the frontend 1" >&2
+
 # The node list: name, role, device, and the command that starts it.
 NAMES=() ROLES=() DEVS=() KVS=()
 for i in "${!DECODE_DEVS[@]}"; do
@@ -197,17 +216,19 @@ start_node() {  # start_node INDEX
     local i=$1
     if [ "${ROLES[$i]}" = decode ]; then
         "${SETSID[@]}" "$PY" -m decode_node "${COMMON[@]}" --device "${DEVS[$i]}" --name "${NAMES[$i]}" \
+            $(threads_for "${DEVS[$i]}" decode) \
             --frontend "$NODES" --kv-bind "${KVS[$i]}" "${KEY_ARGS[@]}" "${REMOTE[@]}" \
             "${DECODE_EXTRA[@]}" &
     else
         "${SETSID[@]}" "$PY" -m prefill_node "${COMMON[@]}" --device "${DEVS[$i]}" --name "${NAMES[$i]}" \
+            $(threads_for "${DEVS[$i]}" prefill) \
             --frontend "$NODES" "${KEY_ARGS[@]}" "${REMOTE[@]}" "${PREFILL_EXTRA[@]}" &
     fi
     NODE_PIDS[$i]=$!
     STARTED_AT[$i]=$SECONDS
 }
 
-"${SETSID[@]}" "$PY" -m frontend --model "$MODEL" --clients "$CLIENTS" --nodes "$NODES" "${KEY_ARGS[@]}" \
+"${SETSID[@]}" "$PY" -m frontend --model "$MODEL" --clients "$CLIENTS" --nodes "$NODES" "${KEY_ARGS[@]}" --threads 1 \
     --drain-timeout "$DRAIN_TIMEOUT" "${REMOTE[@]}" "${FRONTEND_OPTS[@]}" "${FRONTEND_EXTRA[@]}" &
 FRONTEND_PID=$!
 for i in $(seq 0 $((NUM_NODES - 1))); do start_node "$i"; BACKOFF[$i]=1; RESTART_AT[$i]=""; done

@@ -16,6 +16,7 @@ from common.channel import BadMessage, Channel, LinkError, Poller, open_context
 from common.config import PrefillConfig, check_endpoint
 from common.heartbeat import HeartbeatThread, Registration
 from common.keys import load_keys
+from common.process import describe_threads
 from common.prefix import PrefixCache
 from common.log import Throttle, get_logger
 from common.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, PrefillRequest, PrefixUpdate,
@@ -63,8 +64,8 @@ class PrefillNode:
                 self.heartbeat = HeartbeatThread(ctx, self.cfg.frontend_endpoint, "prefill", self.cfg.name,
                                                  self.stats, self.cfg.links.heartbeat_s,
                                                  self.registration.is_forgotten).start()
-                log.info("ready on %s: %d KV blocks (%d tokens), token budget %d, KV transfer %s",
-                         self.cfg.worker.device, self.worker.num_kv_blocks,
+                log.info("ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s",
+                         self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.token_budget, self.cfg.kv_transfer)
                 while not stop.is_set():
                     # Writes are polled; reservations (which let prompts start), acks (which
