@@ -365,7 +365,7 @@ async def main_async(a: argparse.Namespace) -> tuple[list[dict], list[list[Outco
                              f"{asked} output tokens exceeds the model's max_model_len {max_len}; "
                              f"shorten them")
         rng = random.Random(a.seed)
-        vocab = int(model.get("vocab_size") or 1000)
+        vocab = int(a.vocab_size or model.get("vocab_size") or 1000)
         prefix = [rng.randrange(vocab) for _ in range(a.prefix_len)]
         if a.num_warmup:   # NOTE: with --prefix-len this also puts the prefix in the cache
             await run_rate(target, make_jobs(a, vocab, rng, prefix, a.num_warmup), float("inf"), None,
@@ -434,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", default=None,
                    help="benchmark the OpenAI API at this URL instead (e.g. http://127.0.0.1:8000)")
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random ids)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="draw random ids below this (default: the vocabulary the server reports; "
+                        "a server that reports none, as vLLM, needs it)")
     p.add_argument("--prefix-len", type=int, default=0,
                    help="random ids every prompt starts with, before its --input-len own ones "
                         "(a shared system prompt: what prefix caching saves)")
@@ -462,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress line")
     a = p.parse_args(argv)
     if not 0 <= a.range_ratio < 1 or a.input_len < 1 or a.output_len < 1 or a.num_prompts < 1 \
-            or a.prefix_len < 0:
+            or a.prefix_len < 0 or (a.vocab_size is not None and a.vocab_size < 1):
         p.error("need --input-len, --output-len, --num-prompts >= 1 and 0 <= --range-ratio < 1")
     if a.max_concurrency is not None and a.max_concurrency < 1:
         p.error("--max-concurrency must be >= 1")

@@ -1,0 +1,227 @@
+"""pdserve against vLLM on the same machine, model and client: each server is
+started alone, the same `pdserve bench` workloads go to its OpenAI API, it is
+stopped, then the other; --runs repeats the pair. One table with the ratios,
+and one JSON line with every figure.
+
+    bash launch/bench_vs.sh [--model DIR] [--runs 3] [--vllm-python PATH] [--workloads sat430,...]
+
+With no --model, a tiny Qwen3 of the shape both servers' CPU attention takes
+(hidden 128, 4 heads of 32, 2 KV heads) is made on first use. vLLM is run only
+where --vllm-python (or $VLLM_PYTHON) names an interpreter that imports it; see
+docs/BENCHMARKS.md for installing its CPU build beside pdserve (never into it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from common.process import HelpFormat
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "64"]
+# name: (bench flags, what the table shows for it)
+WORKLOADS = {
+    "sat430": (["--input-len", "430", "--output-len", "64", "--num-prompts", "128",
+                "--request-rate", "inf"], "~430 in / 64 out, 128 at once"),
+    "sat1000": (["--input-len", "1000", "--output-len", "32", "--num-prompts", "128",
+                 "--request-rate", "inf"], "~1,000 in / 32 out, 128 at once"),
+    "rate4": (["--input-len", "430", "--output-len", "64", "--num-prompts", "48",
+               "--request-rate", "4"], "~430 in / 64 out at 4 req/s"),
+}
+TINY_SHAPE = ["--hidden-size", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
+              "--intermediate-size", "256", "--max-position-embeddings", "4096"]
+
+
+def log(msg: str) -> None:
+    print(f"[bench_vs] {msg}", file=sys.stderr, flush=True)
+
+
+def is_healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            if r.status != 200:
+                return False
+        with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+            return bool(json.loads(r.read())["data"])
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+class Server:
+    """One server process group, started alone and stopped whole."""
+
+    def __init__(self, name: str, cmd: list[str], url: str, env: dict, log_path: Path):
+        self.name, self.url = name, url
+        self.log_file = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log_file, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"bench_vs: {self.name} exited with code {self.proc.returncode} "
+                                 f"while starting; see {self.log_file.name}")
+            if is_healthy(self.url):
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"bench_vs: {self.name} not ready after {timeout_s:.0f}s; see {self.log_file.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:   # anything the group left behind
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.log_file.close()
+
+
+def start_pdserve(a, model: str, logs: Path) -> Server:
+    cmd = ["bash", str(ROOT / "launch" / "start_cluster.sh"), "--model", model, *SERVER_ARGS,
+           "--base-port", str(a.base_port), "--http-port", str(a.port), *a.pdserve_arg]
+    return Server("pdserve", cmd, f"http://127.0.0.1:{a.port}", dict(os.environ), logs / "pdserve.log")
+
+
+def start_vllm(a, model: str, logs: Path) -> Server:
+    # NOTE: `vllm serve` looks up a distribution named vllm, which the CPU build is not.
+    cmd = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *SERVER_ARGS,
+           "--host", "127.0.0.1", "--port", str(a.port), *a.vllm_arg]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env.pop("PYTHONPATH", None)
+    return Server("vllm", cmd, f"http://127.0.0.1:{a.port}", env, logs / "vllm.log")
+
+
+def run_workload(url: str, flags: list[str], vocab_size: int, seed: int) -> dict:
+    cmd = [sys.executable, "-m", "launch.bench_serving", "--base-url", url, "--quiet",
+           "--vocab-size", str(vocab_size), "--seed", str(seed), "--ignore-eos", *flags]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        raise SystemExit(f"bench_vs: the benchmark printed no figures (exit {p.returncode}):\n"
+                         f"{p.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def figures(r: dict) -> dict:
+    return {"request_throughput": r["request_throughput"], "errors": r["errors"],
+            "completed": r["completed"], "ttft_p50_ms": r["ttft_ms"]["median"],
+            "ttft_p99_ms": r["ttft_ms"]["p99"], "tpot_p50_ms": r["tpot_ms"]["median"],
+            "output_tokens_per_s": r["output_tokens_per_s"]}
+
+
+def spread(values: list[float]) -> str:
+    med = statistics.median(values)
+    return f"{med:.1f}" if len(values) == 1 else f"{med:.1f} ({min(values):.1f}–{max(values):.1f})"
+
+
+def table(results: dict, servers: list[str], workloads: list[str]) -> str:
+    rows = [("workload", "figure", *servers, *(["pdserve/vllm"] if len(servers) == 2 else []))]
+    for w in workloads:
+        shown = ["request_throughput", "tpot_p50_ms"] if w.startswith("sat") else \
+            ["ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms"]
+        for fig in shown:
+            vals = {s: [run[fig] for run in results[s][w]] for s in servers}
+            row = [WORKLOADS[w][1], fig, *(spread(vals[s]) for s in servers)]
+            if len(servers) == 2:
+                a, b = statistics.median(vals["pdserve"]), statistics.median(vals["vllm"])
+                row.append(f"{a / b:.2f}x" if b else "-")
+            rows.append(tuple(row))
+        errs = {s: sum(run["errors"] for run in results[s][w]) for s in servers}
+        rows.append((WORKLOADS[w][1], "failed requests", *(str(errs[s]) for s in servers),
+                     *([""] if len(servers) == 2 else [])))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_vs", description=__doc__, formatter_class=HelpFormat)
+    p.add_argument("--model", default=None, help="a Qwen3 model directory (default: a tiny one made here)")
+    p.add_argument("--runs", type=int, default=3, help="each server this many times, alternating")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"a comma list of {', '.join(WORKLOADS)}")
+    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
+                   help="an interpreter whose environment has vLLM (default: $VLLM_PYTHON); "
+                        "without it only pdserve runs")
+    p.add_argument("--port", type=int, default=8300, help="each server's HTTP port in turn")
+    p.add_argument("--base-port", type=int, default=5900, help="pdserve's ZeroMQ base port")
+    p.add_argument("--pdserve-arg", action="append", default=[], help="one more start_cluster.sh flag")
+    p.add_argument("--vllm-arg", action="append", default=[], help="one more vLLM server flag")
+    p.add_argument("--logs", default=None, help="server logs go here (default: a temporary folder)")
+    p.add_argument("--save-json", default=None, help="also append the JSON line to this file")
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    a = p.parse_args(argv)
+    workloads = [w for w in a.workloads.split(",") if w]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown or not workloads or a.runs < 1:
+        p.error(f"--workloads takes {', '.join(WORKLOADS)}; --runs >= 1")
+    servers = ["pdserve"]
+    if a.vllm_python:
+        check = subprocess.run([a.vllm_python, "-c", "import vllm"], capture_output=True, text=True)
+        if check.returncode != 0:
+            p.error(f"{a.vllm_python} cannot import vllm: {check.stderr.strip().splitlines()[-1:]}")
+        servers.append("vllm")
+    else:
+        log("no --vllm-python (or $VLLM_PYTHON): measuring pdserve alone")
+    model = a.model
+    if model is None:
+        model = str(Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve")) / "tiny-qwen3-vs")
+        if not (Path(model) / "config.json").is_file():
+            log(f"making a tiny Qwen3 at {model}")
+            subprocess.run([sys.executable, "-m", "launch.make_tiny_model", model, *TINY_SHAPE],
+                           check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    import tempfile
+    logs = Path(a.logs or tempfile.mkdtemp(prefix="bench_vs-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    results = {s: {w: [] for w in workloads} for s in servers}
+    starters = {"pdserve": start_pdserve, "vllm": start_vllm}
+    for run in range(a.runs):
+        for name in servers:
+            log(f"run {run + 1}/{a.runs}: starting {name}")
+            server = starters[name](a, model, logs)
+            try:
+                server.wait_ready(a.ready_timeout)
+                for w in workloads:
+                    r = figures(run_workload(server.url, WORKLOADS[w][0], vocab, seed=run))
+                    results[name][w].append(r)
+                    log(f"  {name} {w}: {r['request_throughput']:.1f} req/s, TTFT p50 "
+                        f"{r['ttft_p50_ms']:.1f} ms, TPOT p50 {r['tpot_p50_ms']:.1f} ms, "
+                        f"{r['errors']} failed")
+            finally:
+                server.stop()
+    from launch.bench_common import device_name
+    print(table(results, servers, workloads), file=sys.stderr)
+    record = {"bench": "vs", "device": device_name("cpu"), "model": model, "runs": a.runs,
+              "server_args": SERVER_ARGS, "pdserve_args": a.pdserve_arg, "results": results,
+              "bound": "vllm" if "vllm" in servers else None}
+    if "vllm" in servers:
+        record["ratios"] = {w: {"request_throughput": statistics.median(
+            r["request_throughput"] for r in results["pdserve"][w]) / statistics.median(
+            r["request_throughput"] for r in results["vllm"][w]),
+            "ttft_p50_ms": statistics.median(r["ttft_p50_ms"] for r in results["pdserve"][w]) /
+            statistics.median(r["ttft_p50_ms"] for r in results["vllm"][w])} for w in workloads}
+    line = json.dumps(record)
+    print(line, flush=True)
+    if a.save_json:
+        with open(a.save_json, "a") as f:
+            f.write(line + "\n")
+    return 1 if any(r["errors"] for s in servers for w in workloads for r in results[s][w]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
