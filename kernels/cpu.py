@@ -1,4 +1,5 @@
-"""CPU ops beyond the portable ones: paged decode attention in C (cpu_attention.c).
+"""CPU ops beyond the portable ones, in C (cpu_attention.c): paged decode attention,
+and fp32 norms, rotary embedding and the gated activation in one pass each.
 
 The C file is built once per source, compiler and CPU with the system compiler
 and cached under $PDSERVE_HOME/kernels; importing this module raises ImportError
@@ -77,10 +78,16 @@ def _load():
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32]
         fn.restype = ctypes.c_int
         fns[dtype] = fn
-    return fns
+    i64p, f32p = ctypes.c_int64, ctypes.c_float
+    elementwise = {"rms_norm": (lib.pdserve_rms_norm_f32, [ptr, i64p, ptr, i64p, ptr, ptr, ptr, i64p, i64p, f32p]),
+                   "norm_rope": (lib.pdserve_norm_rope_f32, [ptr, i64p, ptr, ptr, ptr, ptr, i64p, i64p, i64p, f32p]),
+                   "silu_mul": (lib.pdserve_silu_mul_f32, [ptr, i64p, ptr, i64p, i64p])}
+    for fn, argtypes in elementwise.values():
+        fn.argtypes, fn.restype = argtypes, None
+    return fns, {name: fn for name, (fn, _) in elementwise.items()}
 
 
-_FNS = _load()
+_FNS, _ELEMENTWISE = _load()
 _POOL: list[ThreadPoolExecutor] = []   # made on first use by a process given several threads
 
 
@@ -122,3 +129,66 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_se
     if any(codes):
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    """fp32 on the CPU, last dimension contiguous, rows evenly strided: what the C ops read."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 and \
+        (x.dim() == 2 or x.is_contiguous() or x[0].is_contiguous())
+
+
+def rms_norm(x, weight, eps):
+    """As portable.rms_norm, in one pass (fp32; other dtypes: the portable op)."""
+    if not (_rows_ok(x) and x.dim() == 2 and weight.dtype == torch.float32):
+        return portable.rms_norm(x, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _ELEMENTWISE["rms_norm"](x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), None,
+                             x.shape[0], x.shape[1], eps)
+    return out
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """As portable.add_rms_norm: (rms_norm(x + residual), x + residual), in one pass."""
+    if not (_rows_ok(x) and _rows_ok(residual) and x.dim() == 2 and x.shape == residual.shape
+            and weight.dtype == torch.float32):
+        return portable.add_rms_norm(x, residual, weight, eps)
+    out, summed = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+    _ELEMENTWISE["rms_norm"](x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
+                             weight.data_ptr(), out.data_ptr(), summed.data_ptr(), x.shape[0],
+                             x.shape[1], eps)
+    return out, summed
+
+
+def _norm_rope(x, weight, cos_sin, positions, eps):
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _ELEMENTWISE["norm_rope"](x.data_ptr(), x.stride(0), weight.data_ptr(), cos_sin.data_ptr(),
+                              positions.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                              x.shape[2], eps)
+    return out
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps):
+    """As portable.qk_norm_rope: per-head RMSNorm and the rotation in one pass per tensor."""
+    positions = positions.to(torch.int64)
+    if not (_rows_ok(q) and _rows_ok(k) and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]
+            and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
+            and positions.is_contiguous() and q_weight.dtype == torch.float32):
+        return portable.qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps)
+    return _norm_rope(q, q_weight, cos_sin, positions, eps), _norm_rope(k, k_weight, cos_sin, positions, eps)
+
+
+def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache,
+                          slot_mapping):
+    q, k = qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps)
+    portable.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q
+
+
+def silu_mul(gate_up):
+    """As portable.silu_mul, in one pass."""
+    if not (_rows_ok(gate_up) and gate_up.dim() == 2):
+        return portable.silu_mul(gate_up)
+    size = gate_up.shape[1] // 2
+    out = torch.empty((gate_up.shape[0], size), dtype=gate_up.dtype)
+    _ELEMENTWISE["silu_mul"](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], size)
+    return out

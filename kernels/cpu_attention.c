@@ -93,3 +93,65 @@ int NAME(const float *q, const T *kc, const T *vc, const int32_t *block_tables, 
 
 DEFINE_DECODE(pdserve_decode_attention_f32, float, attend_f32)
 DEFINE_DECODE(pdserve_decode_attention_bf16, uint16_t, attend_bf16)
+
+/* ---- fp32 elementwise ops, one pass each over rows whose last dimension is
+ * contiguous (row strides in elements). ---- */
+
+/* out[t] = rms_norm(x[t] (+ res[t])) * w; with res, x + res is also written to res_out.
+ * x, res: [T, H] (row strides xs, rs); out, res_out: [T, H] contiguous. */
+void pdserve_rms_norm_f32(const float *x, int64_t xs, const float *res, int64_t rs,
+                          const float *w, float *out, float *res_out, int64_t T, int64_t H,
+                          float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * xs;
+        float *ot = out + t * H, ss = 0.0f;
+        if (res) {
+            const float *rt = res + t * rs;
+            float *st = res_out + t * H;
+            _Pragma("omp simd reduction(+:ss)")
+            for (int64_t h = 0; h < H; h++) { st[h] = xt[h] + rt[h]; ss += st[h] * st[h]; }
+            xt = st;
+        } else {
+            _Pragma("omp simd reduction(+:ss)")
+            for (int64_t h = 0; h < H; h++) ss += xt[h] * xt[h];
+        }
+        float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        _Pragma("omp simd")
+        for (int64_t h = 0; h < H; h++) ot[h] = w[h] * (xt[h] * inv);
+    }
+}
+
+/* Per-head RMSNorm, then the rotary embedding at each token's position.
+ * x: [T, nh, D] (token stride xs, heads contiguous); out: [T, nh, D] contiguous;
+ * cos_sin: [max_pos, 2, D] (halves repeated); positions: [T] int64. */
+void pdserve_norm_rope_f32(const float *x, int64_t xs, const float *w, const float *cos_sin,
+                           const int64_t *positions, float *out, int64_t T, int64_t nh,
+                           int64_t D, float eps) {
+    int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_sin + positions[t] * 2 * D, *s = c + D;
+        for (int64_t h = 0; h < nh; h++) {
+            const float *xh = x + t * xs + h * D;
+            float *oh = out + (t * nh + h) * D, ss = 0.0f;
+            _Pragma("omp simd reduction(+:ss)")
+            for (int64_t d = 0; d < D; d++) ss += xh[d] * xh[d];
+            float inv = 1.0f / sqrtf(ss / (float)D + eps);
+            _Pragma("omp simd")
+            for (int64_t d = 0; d < half; d++) {
+                float a = w[d] * (xh[d] * inv), b = w[d + half] * (xh[d + half] * inv);
+                oh[d] = a * c[d] - b * s[d];
+                oh[d + half] = b * c[d + half] + a * s[d + half];
+            }
+        }
+    }
+}
+
+/* out[t] = silu(gate[t]) * up[t]; gate_up: [T, 2I] (row stride gs), out: [T, I]. */
+void pdserve_silu_mul_f32(const float *gate_up, int64_t gs, float *out, int64_t T, int64_t I) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * gs, *u = g + I;
+        float *o = out + t * I;
+        _Pragma("omp simd")
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
