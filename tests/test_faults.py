@@ -100,7 +100,8 @@ def _mixed_endings(procs):
                         return out
             jobs = [client.complete(f"finish {i}", max_tokens=10 + i, ignore_eos=True) for i in range(8)]
             jobs += [cancelled(i) for i in range(4)]
-            jobs += [client.complete("slow", max_tokens=800, ignore_eos=True, timeout_s=0.5) for _ in range(3)]
+            # NOTE: the deadline must end them, however fast decoding gets (1,000 tokens in 50 ms is 20,000 steps/s)
+            jobs += [client.complete("slow", max_tokens=1000, ignore_eos=True, timeout_s=0.05) for _ in range(3)]
             jobs += [client.complete("bad", max_tokens=0), client.complete(prompt_token_ids=[10**6])]
             jobs += [client.complete("stop early", max_tokens=200, ignore_eos=True, stop=["e"])]
             return await asyncio.gather(*jobs)

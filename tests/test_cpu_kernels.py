@@ -1,0 +1,151 @@
+"""The CPU backend (kernels/cpu.py, C) against the portable ops it must equal, the
+prefill lanes against one lane, and the thread flags."""
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import portable
+from kernels.backends import backend_for
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+# NOTE: where a compiler is, a kernel that fails to build fails here, not skips.
+cpu = importlib.import_module("kernels.cpu") if HAS_CC else None
+needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler: the portable ops serve")
+
+
+def _paged_cache(lens, num_kv_heads, head_dim, block_size, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    width = max((n + block_size - 1) // block_size for n in lens)
+    num_blocks = len(lens) * width + 1
+    k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    # shuffled blocks: a sequence's blocks are nowhere near each other
+    tables = (torch.randperm(num_blocks - 1, generator=g)[:len(lens) * width] + 1).int().view(len(lens), width)
+    return k, v, tables
+
+
+@needs_cc
+def test_the_cpu_backend_is_the_c_one_where_a_compiler_is():
+    """CI has a compiler: the exactness tests then run through the C ops, not a silent fallback."""
+    ops = backend_for(torch.zeros(1))
+    assert ops.decode_attention is cpu.decode_attention and ops.qk_norm_rope is cpu.qk_norm_rope
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hk,d", [(4, 2, 32), (8, 8, 16), (6, 1, 64)])
+def test_decode_attention_equals_the_portable_op(dtype, hq, hk, d):
+    lens = [1, 5, 16, 17, 33, 200]
+    k, v, tables = _paged_cache(lens, hk, d, 16, dtype, seed=hq * d)
+    q = torch.randn(len(lens), hq, d).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    want = portable.decode_attention(q, k, v, tables, seq_lens, d ** -0.5)
+    got = cpu.decode_attention(q, k, v, tables, seq_lens, d ** -0.5)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.allclose(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@needs_cc
+def test_decode_attention_split_over_threads_equals_one_thread():
+    lens = list(range(1, 130, 4))   # 33 rows: split into parts of >= 8 rows
+    k, v, tables = _paged_cache(lens, 2, 32, 16, torch.float32, seed=3)
+    q, seq_lens = torch.randn(len(lens), 4, 32), torch.tensor(lens, dtype=torch.int32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.decode_attention(q, k, v, tables, seq_lens, 0.2)
+        torch.set_num_threads(3)
+        split = cpu.decode_attention(q, k, v, tables, seq_lens, 0.2)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, split)
+
+
+@needs_cc
+def test_norms_rope_and_activation_equal_the_portable_ops():
+    t = 37
+    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)   # q and k are strided views into it, as in the model
+    q, k = qkv[:, :128].view(t, 4, 32), qkv[:, 128:192].view(t, 2, 32)
+    qw, kw = torch.randn(32), torch.randn(32)
+    table = portable.rotary_cos_sin(512, 32, 1e6)
+    pos = torch.randint(0, 512, (t,))
+    for got, want in zip(cpu.qk_norm_rope(q, k, qw, kw, table, pos, 1e-6),
+                         portable.qk_norm_rope(q, k, qw, kw, table, pos, 1e-6)):
+        assert torch.allclose(got, want, atol=1e-5)
+    x, res, w = torch.randn(t, 96), torch.randn(t, 96), torch.randn(96)
+    assert torch.allclose(cpu.rms_norm(x, w, 1e-6), portable.rms_norm(x, w, 1e-6), atol=1e-5)
+    for got, want in zip(cpu.add_rms_norm(x, res, w, 1e-6), portable.add_rms_norm(x, res, w, 1e-6)):
+        assert torch.allclose(got, want, atol=1e-5)
+    gate_up = torch.randn(t, 2 * 48) * 4
+    assert torch.allclose(cpu.silu_mul(gate_up), portable.silu_mul(gate_up), atol=1e-5)
+    # other dtypes are the portable op's, exactly
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(cpu.rms_norm(xb, wb, 1e-6), portable.rms_norm(xb, wb, 1e-6))
+
+
+def _kernels_backend_in_a_fresh_process(env: dict) -> subprocess.CompletedProcess:
+    code = ("import torch; from kernels.backends import backend_for; from kernels import portable; "
+            "print(backend_for(torch.zeros(1)).decode_attention is portable.decode_attention)")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=120)
+
+
+def test_an_unbuildable_kernel_leaves_the_portable_op_and_says_why(tmp_path):
+    done = _kernels_backend_in_a_fresh_process({"CC": "false", "PDSERVE_HOME": str(tmp_path)})
+    assert done.stdout.strip() == "True", done.stderr
+    assert "CPU attention kernel unavailable" in done.stderr and "failed" in done.stderr
+    done = _kernels_backend_in_a_fresh_process({"PDSERVE_DISABLE_CPU_KERNELS": "1"})
+    assert done.stdout.strip() == "True" and "PDSERVE_DISABLE_CPU_KERNELS" in done.stderr
+
+
+def test_prefill_lanes_equal_one_lane(tiny_model):
+    """A pass split over two lanes (threads) writes the same KV and samples the same tokens."""
+    from common.config import WorkerConfig
+    from common.sampling import SamplingParams
+    from common.worker import DeviceWorker, PrefillChunk
+    g = torch.Generator().manual_seed(0)
+    lens = [40, 7, 23, 64, 1]
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in lens]
+
+    def run(num_threads: int):
+        before = torch.get_num_threads()
+        torch.set_num_threads(num_threads)
+        try:
+            with DeviceWorker(WorkerConfig(model=str(tiny_model), max_model_len=256)) as w:
+                chunks, start = [], 1
+                for p in prompts:
+                    n = (len(p) + w.block_size - 1) // w.block_size
+                    chunks.append(PrefillChunk(p, 0, list(range(start, start + n)), SamplingParams()))
+                    start += n
+                tokens, logits = w.prefill(chunks, return_logits=True)
+                return w.num_lanes, tokens, logits, w.export_blocks(list(range(1, start)))
+        finally:
+            torch.set_num_threads(before)
+    lanes1, tokens1, logits1, kv1 = run(1)
+    lanes2, tokens2, logits2, kv2 = run(2)
+    assert (lanes1, lanes2) == (1, 2)
+    assert tokens1 == tokens2
+    assert torch.allclose(logits1, logits2, atol=1e-4) and torch.allclose(kv1, kv2, atol=1e-5)
+
+
+@pytest.mark.parametrize("flag,match", [(["--threads", "0"], "--threads must be >= 1"),
+                                        (["--cpus", "x-y"], "--cpus takes core numbers")])
+def test_bad_thread_flags_are_one_line(tiny_model, flag, match):
+    done = subprocess.run([sys.executable, "-m", "prefill_node", "--frontend", "tcp://127.0.0.1:1",
+                           "--model", str(tiny_model), *flag], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert done.returncode == 2 and match in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_parse_cpus():
+    from common.process import parse_cpus
+    assert parse_cpus("0-2,5") == {0, 1, 2, 5} and parse_cpus("3") == {3}
+    with pytest.raises(ValueError, match="core numbers"):
+        parse_cpus("a")
