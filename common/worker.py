@@ -297,8 +297,9 @@ class DeviceWorker:
             parts = list(self._lane_pool.map(self._forward_lane, [[chunks[i] for i in lane]
                                                                   for lane in lanes]))
             order = torch.tensor([i for lane in lanes for i in lane])
-            last_hidden = torch.empty_like(torch.cat(parts))
-            last_hidden[order] = torch.cat(parts)
+            packed = torch.cat(parts)            # lane order -> chunk order
+            last_hidden = torch.empty_like(packed)
+            last_hidden[order] = packed
         self.num_prefill_tokens += num_tokens
         self.num_prefill_passes += 1
         self.num_prefill_chunks += len(chunks)
