@@ -232,7 +232,7 @@ def summarize(outcomes: list[Outcome], duration_s: float, rate: float, slo: dict
     return {
         "request_rate": "inf" if rate == float("inf") else rate, "num_requests": len(outcomes),
         "completed": len(ok), "errors": len(outcomes) - len(ok), "error_kinds": errors[:5],
-        "duration_s": round(duration_s, 3),
+        "duration_s": round(duration_s, 4), "num_input_tokens": num_in, "num_output_tokens": num_out,
         "request_throughput": round(len(ok) / duration_s, 3),
         "output_tokens_per_s": round(num_out / duration_s, 1),
         "total_tokens_per_s": round((num_in + num_out) / duration_s, 1),
