@@ -1,5 +1,5 @@
-"""CPU ops beyond the portable ones, in C (cpu_attention.c): paged decode attention,
-and fp32 norms, rotary embedding and the gated activation in one pass each.
+"""CPU ops beyond the portable ones, in C (cpu_attention.c): paged decode and prefill
+attention, and fp32 norms, rotary embedding and the gated activation in one pass each.
 
 The C file is built once per source, compiler and CPU with the system compiler
 and cached under $PDSERVE_HOME/kernels; importing this module raises ImportError
@@ -28,6 +28,7 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 # scores are finite and the max it subtracts is one of them.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC", "-std=gnu11"]
 MIN_ROWS_PER_THREAD = 8
+PREFILL_HEAD_DIM_MULTIPLE = 16   # the prefill kernel's register tile (DB in the C file)
 
 
 def _cpu_flags() -> str:
@@ -78,16 +79,24 @@ def _load():
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32]
         fn.restype = ctypes.c_int
         fns[dtype] = fn
+    prefill = {}
+    for dtype, name in ((torch.float32, "pdserve_prefill_attention_f32"),
+                        (torch.bfloat16, "pdserve_prefill_attention_bf16")):
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32,
+                       i64, i64]
+        fn.restype = ctypes.c_int
+        prefill[dtype] = fn
     i64p, f32p = ctypes.c_int64, ctypes.c_float
     elementwise = {"rms_norm": (lib.pdserve_rms_norm_f32, [ptr, i64p, ptr, i64p, ptr, ptr, ptr, i64p, i64p, f32p]),
                    "norm_rope": (lib.pdserve_norm_rope_f32, [ptr, i64p, ptr, ptr, ptr, ptr, i64p, i64p, i64p, f32p]),
                    "silu_mul": (lib.pdserve_silu_mul_f32, [ptr, i64p, ptr, i64p, i64p])}
     for fn, argtypes in elementwise.values():
         fn.argtypes, fn.restype = argtypes, None
-    return fns, {name: fn for name, (fn, _) in elementwise.items()}
+    return fns, prefill, {name: fn for name, (fn, _) in elementwise.items()}
 
 
-_FNS, _ELEMENTWISE = _load()
+_FNS, _PREFILL, _ELEMENTWISE = _load()
 _POOL: list[ThreadPoolExecutor] = []   # made on first use by a process given several threads
 
 
@@ -100,8 +109,7 @@ def _pool(num_threads: int) -> ThreadPoolExecutor:
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_seq_lens=None):
     """As portable.decode_attention: q [B, Hq, D] over the paged cache -> [B, Hq, D]."""
     fn = _FNS.get(k_cache.dtype)
-    if fn is None or k_cache.device.type != "cpu" or k_cache.stride(-1) != 1 \
-            or k_cache.stride(-2) != k_cache.shape[-1] or v_cache.stride() != k_cache.stride():
+    if fn is None or not _is_cache_ok(k_cache, v_cache) or q.device.type != "cpu":
         return portable.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -126,6 +134,50 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_se
         codes = list(_pool(num_parts).map(run, bounds[:-1], bounds[1:]))
     else:
         codes = [run(0, num_seqs)]
+    if any(codes):
+        raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _is_cache_ok(k_cache, v_cache) -> bool:
+    """A layout the C kernels read in place: [blocks, block_size, Hk, D], each token's row whole."""
+    return k_cache.device.type == "cpu" and k_cache.stride(-1) == 1 \
+        and k_cache.stride(-2) == k_cache.shape[-1] and v_cache.stride() == k_cache.stride()
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, meta=None):
+    """As portable.prefill_attention: causal attention of packed chunks [T, Hq, D] over
+    their cached KV, read in place. Work is split by (chunk, KV head) over the threads."""
+    fn = _PREFILL.get(k_cache.dtype)
+    if fn is None or not _is_cache_ok(k_cache, v_cache) or q.device.type != "cpu" \
+            or q.shape[-1] % PREFILL_HEAD_DIM_MULTIPLE:
+        return portable.prefill_attention(q, k_cache, v_cache, block_tables, query_lens,
+                                          context_lens, scale, meta)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    qf = q.float().contiguous()
+    out = torch.empty(q.shape, dtype=torch.float32)
+    tables = block_tables.to(torch.int32)
+    if tables.stride(-1) != 1:
+        tables = tables.contiguous()
+    q_lens = torch.tensor(query_lens, dtype=torch.int32)
+    ctx_lens = torch.tensor(context_lens, dtype=torch.int32)
+    starts = torch.zeros(len(query_lens), dtype=torch.int32)
+    torch.cumsum(q_lens[:-1], 0, out=starts[1:])
+
+    def run(w0: int, w1: int) -> int:
+        return fn(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                  tables.stride(0), starts.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(),
+                  out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, k_cache.stride(0),
+                  k_cache.stride(1), scale, w0, w1)
+
+    num_items = len(query_lens) * num_kv_heads
+    num_parts = min(torch.get_num_threads(), num_items)
+    if num_parts > 1:
+        bounds = [num_items * i // num_parts for i in range(num_parts + 1)]
+        codes = list(_pool(num_parts).map(run, bounds[:-1], bounds[1:]))
+    else:
+        codes = [run(0, num_items)]
     if any(codes):
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
     return out if q.dtype == torch.float32 else out.to(q.dtype)

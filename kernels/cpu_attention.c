@@ -94,6 +94,111 @@ int NAME(const float *q, const T *kc, const T *vc, const int32_t *block_tables, 
 DEFINE_DECODE(pdserve_decode_attention_f32, float, attend_f32)
 DEFINE_DECODE(pdserve_decode_attention_bf16, uint16_t, attend_bf16)
 
+/* ---- paged prefill attention: causal, over chunks whose KV is in the cache ----
+ *
+ * Work item w = chunk * Hk + g: chunk's query rows for the G query heads of KV
+ * head g. Its keys (context and chunk, n of them) are packed once: K in tiles of
+ * KB keys, each transposed [D, KB], so a tile's scores are D vector FMAs kept in
+ * registers (no horizontal sums); V as [n, D]. Query row r sits at position ctx + r and reads keys 0 .. ctx + r.
+ *   q, out      [T, Hq, D] fp32 contiguous (chunks back to back from q_starts)
+ *   tables      [num_chunks, bt_stride] int32; q_starts, q_lens, ctx_lens [num_chunks] int32
+ * Items [item0, item1) only, so callers can split the work over threads. */
+#define KB 32   /* keys per score tile */
+#define DB 16   /* output features per register tile: head_dim must be a multiple */
+#define JU 4    /* keys in flight per output tile (KB must be a multiple) */
+
+/* Scores of two query vectors (qa over La keys, qb over Lb >= La) against packed K
+ * tiles, into sa and sb: each K load feeds both, and the 2 x KB sums are independent
+ * chains of FMAs, held in registers. */
+static void scores2(const float *qa, const float *qb, const float *kt, int64_t Lb, int64_t D,
+                    float scale, float *sa, float *sb) {
+    for (int64_t j0 = 0; j0 < Lb; j0 += KB) {
+        float s0[KB] = {0}, s1[KB] = {0};
+        for (int64_t d = 0; d < D; d++) {
+            const float a = qa[d], b = qb[d], *kd = kt + (j0 * D + d * KB);
+            _Pragma("omp simd")
+            for (int64_t j = 0; j < KB; j++) { s0[j] += a * kd[j]; s1[j] += b * kd[j]; }
+        }
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < KB; j++) { sa[j0 + j] = s0[j] * scale; sb[j0 + j] = s1[j] * scale; }
+    }
+}
+
+/* o[D] = softmax(sc[0:L]) @ V[0:L]; sc is overwritten. vp: [>= round_up(L, JU), D],
+ * rows past the keys zero. */
+static void softmax_pv(float *sc, int64_t L, const float *vp, int64_t D, float *o) {
+    float m = sc[0], sum = 0.0f;
+    _Pragma("omp simd reduction(max:m)")
+    for (int64_t j = 0; j < L; j++) m = sc[j] > m ? sc[j] : m;
+    _Pragma("omp simd reduction(+:sum)")
+    for (int64_t j = 0; j < L; j++) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
+    for (int64_t j = L; j < (L + JU - 1) / JU * JU; j++) sc[j] = 0.0f;
+    const float inv = 1.0f / sum;
+    for (int64_t d0 = 0; d0 < D; d0 += DB) {   /* DB outputs in registers */
+        float a[JU][DB] = {{0}};               /* JU independent sums: no FMA latency chain */
+        for (int64_t j = 0; j < L; j += JU) {
+            for (int64_t u = 0; u < JU; u++) {
+                const float p = sc[j + u], *vj = vp + (j + u) * D + d0;
+                _Pragma("omp simd")
+                for (int64_t d = 0; d < DB; d++) a[u][d] += p * vj[d];
+            }
+        }
+        for (int64_t u = 1; u < JU; u++)
+            for (int64_t d = 0; d < DB; d++) a[0][d] += a[u][d];
+        _Pragma("omp simd")
+        for (int64_t d = 0; d < DB; d++) o[d0 + d] = a[0][d] * inv;
+    }
+}
+
+#define DEFINE_PREFILL(NAME, T, LOAD)                                                    \
+int NAME(const float *q, const T *kc, const T *vc, const int32_t *tables,               \
+         int64_t bt_stride, const int32_t *q_starts, const int32_t *q_lens,             \
+         const int32_t *ctx_lens, float *out, int64_t Hq, int64_t Hk, int64_t D,        \
+         int64_t bs, int64_t block_stride, int64_t tok_stride, float scale,             \
+         int64_t item0, int64_t item1) {                                                \
+    const int64_t G = Hq / Hk;                                                          \
+    int64_t max_n = 1;                                                                  \
+    for (int64_t w = item0; w < item1; w++) {                                           \
+        int64_t n = (int64_t)ctx_lens[w / Hk] + q_lens[w / Hk];                         \
+        max_n = n > max_n ? n : max_n;                                                  \
+    }                                                                                   \
+    max_n = (max_n + KB - 1) / KB * KB;                                                 \
+    float *kt = malloc(sizeof(float) * (2 * D * max_n + 2 * max_n));                    \
+    if (!kt) return -1;                                                                 \
+    float *vp = kt + D * max_n, *sa = vp + D * max_n, *sb = sa + max_n;                 \
+    for (int64_t w = item0; w < item1; w++) {                                           \
+        const int64_t c = w / Hk, g = w % Hk, ctx = ctx_lens[c], nq = q_lens[c];        \
+        const int64_t n_real = ctx + nq, n = (n_real + KB - 1) / KB * KB;               \
+        const int32_t *table = tables + c * bt_stride;                                  \
+        /* The pads of the last tile: zero keys, and zero values (never 0 * garbage). */ \
+        memset(kt + n_real / KB * KB * D, 0, sizeof(float) * KB * D);                   \
+        memset(vp + n_real * D, 0, sizeof(float) * (n - n_real) * D);                   \
+        for (int64_t t = 0; t < n_real; t++) {                                          \
+            int64_t off = (int64_t)table[t / bs] * block_stride + (t % bs) * tok_stride + g * D; \
+            const T *k = kc + off, *v = vc + off;                                       \
+            for (int64_t d = 0; d < D; d++) kt[(t / KB * D + d) * KB + t % KB] = LOAD(k[d]); \
+            _Pragma("omp simd")                                                         \
+            for (int64_t d = 0; d < D; d++) vp[t * D + d] = LOAD(v[d]);                 \
+        }                                                                               \
+        /* Query vectors i = row * G + head in group, two at a time (the second never   \
+         * has fewer keys); an odd last one is paired with itself. */                    \
+        for (int64_t i = 0; i < nq * G; i += 2) {                                       \
+            const int64_t i2 = i + 1 < nq * G ? i + 1 : i;                              \
+            const int64_t ra = i / G, rb = i2 / G, La = ctx + ra + 1, Lb = ctx + rb + 1; \
+            const int64_t ta = (q_starts[c] + ra) * Hq + g * G + i % G;                 \
+            const int64_t tb = (q_starts[c] + rb) * Hq + g * G + i2 % G;                \
+            scores2(q + ta * D, q + tb * D, kt, Lb, D, scale, sa, sb);                   \
+            softmax_pv(sa, La, vp, D, out + ta * D);                                    \
+            if (i2 != i) softmax_pv(sb, Lb, vp, D, out + tb * D);                       \
+        }                                                                               \
+    }                                                                                   \
+    free(kt);                                                                           \
+    return 0;                                                                           \
+}
+
+DEFINE_PREFILL(pdserve_prefill_attention_f32, float, LOAD_F32)
+DEFINE_PREFILL(pdserve_prefill_attention_bf16, uint16_t, LOAD_BF16)
+
 /* ---- fp32 elementwise ops, one pass each over rows whose last dimension is
  * contiguous (row strides in elements). ---- */
 

@@ -36,6 +36,7 @@ def test_the_cpu_backend_is_the_c_one_where_a_compiler_is():
     """CI has a compiler: the exactness tests then run through the C ops, not a silent fallback."""
     ops = backend_for(torch.zeros(1))
     assert ops.decode_attention is cpu.decode_attention and ops.qk_norm_rope is cpu.qk_norm_rope
+    assert ops.prefill_attention is cpu.prefill_attention
 
 
 @needs_cc
@@ -50,6 +51,42 @@ def test_decode_attention_equals_the_portable_op(dtype, hq, hk, d):
     got = cpu.decode_attention(q, k, v, tables, seq_lens, d ** -0.5)
     assert got.dtype == dtype and got.shape == want.shape
     assert torch.allclose(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hk,d", [(4, 2, 32), (8, 8, 16), (6, 1, 64), (3, 3, 128)])
+def test_prefill_attention_equals_the_portable_op(dtype, hq, hk, d):
+    # chunks with and without a cached context; odd query counts pair a vector with itself
+    query_lens, context_lens = [37, 1, 100, 3, 64], [0, 50, 17, 0, 33]
+    k, v, tables = _paged_cache([a + b for a, b in zip(query_lens, context_lens)], hk, d, 16, dtype,
+                                seed=hq + d)
+    q = torch.randn(sum(query_lens), hq, d).to(dtype)
+    want = portable.prefill_attention(q, k, v, tables, query_lens, context_lens, d ** -0.5)
+    got = cpu.prefill_attention(q, k, v, tables, query_lens, context_lens, d ** -0.5)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.allclose(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@needs_cc
+def test_prefill_attention_split_over_threads_equals_one_thread_and_odd_heads_fall_back():
+    query_lens, context_lens = [70, 5, 40], [0, 20, 0]
+    k, v, tables = _paged_cache([a + b for a, b in zip(query_lens, context_lens)], 2, 32, 16,
+                                torch.float32, seed=5)
+    q = torch.randn(sum(query_lens), 4, 32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.prefill_attention(q, k, v, tables, query_lens, context_lens, 0.2)
+        torch.set_num_threads(2)   # (chunk, KV head) items split over two threads
+        two = cpu.prefill_attention(q, k, v, tables, query_lens, context_lens, 0.2)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    # a head size off the kernel's tile: the portable op serves, with the same result
+    k8, v8, q8 = k[..., :8].contiguous(), v[..., :8].contiguous(), q[..., :8].contiguous()
+    assert torch.allclose(cpu.prefill_attention(q8, k8, v8, tables, query_lens, context_lens, 0.3),
+                          portable.prefill_attention(q8, k8, v8, tables, query_lens, context_lens, 0.3))
 
 
 @needs_cc
