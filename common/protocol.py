@@ -225,6 +225,21 @@ class TokenUpdate:
     timings: Parts | None = None    # on a request's first update: where its TTFT went
 
 
+def ttft_parts(t: dict) -> dict:
+    """Milliseconds spent in each stage from a request's stamps; a part whose stamps are
+    not there (yet) is left out."""
+    def ms(a: str, b: str) -> float | None:
+        x, y = t.get(a), t.get(b)
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (x, y))
+        return round((y - x) * 1e3, 3) if ok else None
+    parts = {"queue_ms": ms("arrival", "prefill_start"), "prefill_ms": ms("prefill_start", "prefill_end"),
+             "kv_transfer_ms": ms("prefill_end", "decode_recv"),
+             # kv_transfer_ms in two: the write (reservation wait included), the commit's trip
+             "kv_write_ms": ms("prefill_end", "written"), "kv_commit_ms": ms("written", "decode_recv"),
+             "decode_admission_ms": ms("decode_recv", "decode_admit")}
+    return {k: v for k, v in parts.items() if v is not None}
+
+
 @dataclass
 class TokenBatch:
     TYPE: ClassVar[str] = "tokens"

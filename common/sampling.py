@@ -14,6 +14,8 @@ import torch
 TOP_K_DISABLED = -1
 _M32 = 0xFFFFFFFF
 MAX_STOP_TOKEN_IDS = 64
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,16 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids entry {t!r} is outside the vocabulary [0, {vocab_size})")
+
+
+def stop_reason(p: SamplingParams, token: int, num_output: int, prompt_len: int,
+                eos_ids: tuple[int, ...], max_model_len: int) -> str | None:
+    """Why a request ends once token is its num_output-th output token, or None."""
+    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids):
+        return FINISH_STOP
+    if num_output >= p.max_tokens or prompt_len + num_output >= max_model_len:
+        return FINISH_LENGTH
+    return None
 
 
 def validate_prompt(token_ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int) -> None:

@@ -4,10 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.kv_cache import BlockAllocator, num_blocks_for
-from common.sampling import SamplingParams
+from common.sampling import FINISH_LENGTH, FINISH_STOP, SamplingParams, stop_reason
 
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
 
@@ -57,12 +55,7 @@ class Sequence:
 
 def finish_reason(seq: Sequence, token: int, eos_ids: tuple[int, ...], max_model_len: int) -> str | None:
     """Why seq ends after emitting token (already appended to output_ids), or None."""
-    p = seq.params
-    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids):
-        return FINISH_STOP
-    if len(seq.output_ids) >= p.max_tokens or seq.prompt_len + len(seq.output_ids) >= max_model_len:
-        return FINISH_LENGTH
-    return None
+    return stop_reason(seq.params, token, len(seq.output_ids), seq.prompt_len, eos_ids, max_model_len)
 
 
 def blocks_to_join(seq: Sequence, block_size: int, allocator: BlockAllocator) -> None:

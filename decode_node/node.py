@@ -28,7 +28,7 @@ from common.log import Throttle, get_logger
 from common import transfer
 from common.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, HandoffAck, KVBlocks, KVCommit, KVDist,
                              KVHello, KVRelease, KVReserve, KVReserved, NodeAbort, NodeReady,
-                             ReadyReply, RequestFailed, Shutdown, TokenBatch, TokenUpdate)
+                             ReadyReply, RequestFailed, Shutdown, TokenBatch, TokenUpdate, ttft_parts)
 from common.kv_cache import num_blocks_for
 from common.sequence import Sequence, blocks_to_join, finish_reason, grow_blocks, num_blocks_short
 from common.worker import DecodeTicket, DeviceWorker
@@ -214,8 +214,10 @@ class DecodeNode:
 
     def _on_blocks(self, sender: bytes, m: KVBlocks | KVDist) -> None:
         r = self._reservation_of(sender, m.request_id)
-        if r is None or r.error or r.commit is not None:
-            return  # released, expired, already failed, or not this sender's
+        if r is None or r.commit is not None:
+            return  # released, expired, or not this sender's
+        # NOTE: taken even once the request failed or was aborted: a dist send waits for
+        # its receive, and every later send from that node waits behind it.
         try:
             self.sink.receive(sender, m, r.block_ids)
         except transfer.TransferError as e:
@@ -279,6 +281,12 @@ class DecodeNode:
             self.pending_aborts.add(request_id)  # removed between steps, not under one
         elif self.scheduler.drop_preempted(request_id):
             self.worker.drop_swapped(request_id)
+        elif (r := self.scheduler.reservations.get(request_id)) is not None and r.commit is None:
+            # NOTE: its prefill node may be writing into these blocks right now (ipc copies,
+            # a dist send waiting for its receive): they are freed when that node releases
+            # them or commits (refused), or when the lease ends, never under a write.
+            r.error = r.error or "the request was aborted"
+            self.recently_aborted[request_id] = now
         elif request_id in self.scheduler.reservations:
             self._release(request_id)
             self.recently_aborted[request_id] = now  # a late commit is refused, not an error
@@ -312,7 +320,7 @@ class DecodeNode:
             seq.output_ids.append(c.first_token)
             reason = finish_reason(seq, c.first_token, self.worker.spec.eos_token_ids,
                                    self.worker.max_model_len)
-            updates.append(TokenUpdate(c.request_id, [c.first_token], reason, _ttft_parts(c.timings)))
+            updates.append(TokenUpdate(c.request_id, [c.first_token], reason, ttft_parts(c.timings)))
             if reason:
                 self._finished(c.request_id, in_batch=False)
                 continue
@@ -472,18 +480,3 @@ def _preemption_parts(seq: Sequence) -> dict | None:
     if not seq.num_preemptions:
         return None
     return {"num_preemptions": seq.num_preemptions, "preempted_ms": round(seq.preempted_s * 1e3, 3)}
-
-
-def _ttft_parts(t: dict) -> dict:
-    """Milliseconds spent in each stage before the first token could be streamed; a part
-    whose stamps the commit did not carry is left out."""
-    def ms(a: str, b: str) -> float | None:
-        x, y = t.get(a), t.get(b)
-        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (x, y))
-        return round((y - x) * 1e3, 3) if ok else None
-    parts = {"queue_ms": ms("arrival", "prefill_start"), "prefill_ms": ms("prefill_start", "prefill_end"),
-             "kv_transfer_ms": ms("prefill_end", "decode_recv"),
-             # kv_transfer_ms in two: the write (reservation wait included), the commit's trip
-             "kv_write_ms": ms("prefill_end", "written"), "kv_commit_ms": ms("written", "decode_recv"),
-             "decode_admission_ms": ms("decode_recv", "decode_admit")}
-    return {k: v for k, v in parts.items() if v is not None}

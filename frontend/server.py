@@ -62,6 +62,8 @@ class RequestState:
     num_tokens: int = 0
     timings: dict = field(default_factory=dict)
     is_prefilled: bool = False   # its first token came back (or it ended)
+    early_token: int | None = None   # the first token, streamed by the prefill node
+    is_decoding: bool = False    # its decode node has sent its first update
     work_tokens: int = 0         # prompt tokens its prefill node was expected to compute
     route_keys: dict[int, list[int]] = field(default_factory=dict)   # block size -> its blocks' keys
     submitted_at: float = field(default_factory=time.monotonic)
@@ -437,35 +439,52 @@ class Frontend:
 
     async def _on_tokens(self, node: NodeState, u: TokenUpdate) -> None:
         req = self.requests.get(u.request_id)
-        if req is None or req.decode_node != node.name:
+        if req is None or node.name not in (req.prefill_node, req.decode_node):
             # Finished here already (the node should drop it too), or not this node's to report.
             await self.node_link.send(NodeAbort(u.request_id), to=node.identity)
             return
         if any(t >= self.spec.vocab_size for t in u.token_ids):
-            await self._finish(req, FINISH_ERROR, f"decode node {node.name} sent a token outside "
+            await self._finish(req, FINISH_ERROR, f"{node.role} node {node.name} sent a token outside "
                                                   f"the vocabulary", status=502)
             return
+        token_ids = u.token_ids
+        if node.name != req.decode_node:
+            # The prefill node's first token, streamed while its KV travels. The decode
+            # node's first update repeats it; if that came first, this one is late.
+            if req.is_decoding or req.num_tokens or len(token_ids) != 1 or u.finish_reason:
+                return
+            req.early_token = token_ids[0]
+        elif not req.is_decoding:
+            req.is_decoding = True
+            if req.early_token is not None:
+                if token_ids[:1] != [req.early_token]:
+                    await self._finish(req, FINISH_ERROR, f"decode node {node.name} began with another "
+                                                          f"first token than the prefill node", status=502)
+                    return
+                token_ids = token_ids[1:]
         if not req.is_prefilled:
             req.is_prefilled = True
             router.prefill_done(self.nodes.get(req.prefill_node), req.work_tokens)
             self._wake.set()
-        is_first = req.num_tokens == 0 and bool(u.token_ids)
+        is_first = req.num_tokens == 0 and bool(token_ids)
         if is_first:
             req.first_token_at = time.monotonic()
-        if u.timings:   # the first update's: TTFT parts; a preempted request's last: its preemptions
+        if u.timings:   # the first updates': TTFT parts; a preempted request's last: its preemptions
             req.timings.update(u.timings)
         if is_first:
             req.timings["ttft_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
-        req.num_tokens += len(u.token_ids)
-        req.detok.add(u.token_ids)
+        if not token_ids and not u.finish_reason:
+            return   # the repeated first token alone: nothing new for the client
+        req.num_tokens += len(token_ids)
+        req.detok.add(token_ids)
         if req.detok.is_stopped:
-            await self._finish(req, FINISH_STOP, None, u.token_ids)
+            await self._finish(req, FINISH_STOP, None, token_ids)
         elif u.finish_reason:
             reason = u.finish_reason if u.finish_reason in ("stop", "length") else FINISH_ERROR
-            await self._finish(req, reason, None, u.token_ids, is_node_done=True)
+            await self._finish(req, reason, None, token_ids, is_node_done=True)
         else:
-            await self._reply(req.client, GenerateOutput(req.request_id, u.token_ids, req.detok.take(),
-                                                         timings=req.timings if u.timings else None))
+            await self._reply(req.client, GenerateOutput(req.request_id, token_ids, req.detok.take(),
+                                                         timings=req.timings if is_first else None))
 
     async def _finish(self, req: RequestState, reason: str, error: str | None,
                       token_ids: list[int] = (), is_node_done: bool = False,
@@ -497,7 +516,7 @@ class Frontend:
     async def _fail_node_requests(self, node: NodeState, error: str) -> None:
         name = node.ready.name
         for req in list(self.requests.values()):
-            if req.decode_node == name or (req.prefill_node == name and req.num_tokens == 0):
+            if req.decode_node == name or (req.prefill_node == name and not req.is_decoding):
                 await self._finish(req, FINISH_ERROR, error, status=503)
 
     # ---- watchdog -------------------------------------------------------------

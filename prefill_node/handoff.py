@@ -1,7 +1,8 @@
 """Handoffs from this prefill node to decode nodes: reserve -> write -> commit.
 
 A request's reservation is asked for when it arrives; its prompt is prefilled
-only once the blocks are reserved (prefill_node/scheduler.py), and the transfer
+once the blocks are reserved (or, at light load, while the answer is on its
+way: prefill_node/scheduler.py), and the transfer
 backend writes them right behind the forward pass. When the write has
 completed the local blocks are freed, and the commit goes out once the first
 token is sampled too. A handoff not committed and acknowledged within the
@@ -50,6 +51,7 @@ class DecodePeer:
     error: str | None = None              # why this decode node cannot be written to
     hello_at: float = 0.0
     num_blocks: int = 0                   # in its cache, from its welcome
+    is_granting: bool = False             # its last answer granted blocks at once
 
 
 @dataclass
@@ -154,6 +156,7 @@ class Handoffs:
         """A request is accepted: ask its decode node for blocks now."""
         peer = self.peer_for(job.decode_node, job.decode_kv_endpoint)
         h = self.by_id[job.request_id] = Handoff(job, peer, next_reserve_at=time.monotonic())
+        job.is_peer_granting = peer.is_granting and peer.writer is not None
         if peer.epoch is None:
             self._hello(peer)
         self._reserve(h)
@@ -203,7 +206,12 @@ class Handoffs:
             if h.is_writing or h.is_written:
                 return   # the commit's answer says whether the blocks were still ours
             # Our reservation ended there (new blocks, or a refusal): start from this answer.
+            # NOTE: after a refusal, release what was ours: an aborted request's blocks stay
+            # reserved there until released (a write may be landing in them).
+            if r.block_ids is None:
+                h.peer.channel.send(KVRelease(r.request_id), block=False)
             self._drop_reservation(h)
+        peer.is_granting = r.block_ids is not None and not r.is_queued
         if r.block_ids is None:
             if r.is_queued:
                 h.is_queued, h.queued_at, h.epoch, h.num_refusals = True, sent_at, r.epoch, 0

@@ -3,7 +3,8 @@
 Each request names its decode node. Its reservation there is asked for when
 the request arrives; once the prompt's KV is computed, the transfer backend
 writes the blocks into the reserved ones and the commit follows
-(prefill_node/handoff.py).
+(prefill_node/handoff.py). The first token goes to the frontend as soon as it
+is sampled, so the client sees it while the KV is on its way.
 A prompt's blocks stay allocated here until that write has completed.
 """
 from __future__ import annotations
@@ -20,8 +21,8 @@ from common.process import describe_threads
 from common.prefix import PrefixCache
 from common.log import Throttle, get_logger
 from common.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, PrefillRequest, PrefixUpdate,
-                             ReadyReply, RequestFailed, Shutdown)
-from common.sampling import validate_prompt
+                             ReadyReply, RequestFailed, Shutdown, TokenBatch, TokenUpdate, ttft_parts)
+from common.sampling import stop_reason, validate_prompt
 from common.worker import DeviceWorker, PrefillChunk
 from prefill_node.handoff import Handoffs
 from prefill_node.scheduler import PrefillJob, PrefillScheduler, ScheduledChunk
@@ -147,12 +148,20 @@ class PrefillNode:
         tokens, _ = self.worker.prefill(batch, on_kv_written=lambda: self.handoffs.computed(finished))
         self._log_tokens += sum(c.end - c.start for c in chunks)
         done_at = time.time()
+        early = []
         for c, token in zip(chunks, tokens):
             if c.is_last:
                 job = c.job
-                self.handoffs.prefilled(job, token, {
-                    "arrival": job.arrival_time, "prefill_recv": job.recv_time,
-                    "prefill_start": job.start_time, "prefill_end": done_at})
+                stamps = {"arrival": job.arrival_time, "prefill_recv": job.recv_time,
+                          "prefill_start": job.start_time, "prefill_end": done_at}
+                self.handoffs.prefilled(job, token, stamps)
+                # The first token streams now, while its KV travels; one that ends the
+                # request is left to the decode node, which ends it.
+                if stop_reason(job.params, token, 1, job.prompt_len, self.worker.spec.eos_token_ids,
+                               self.worker.max_model_len) is None:
+                    early.append(TokenUpdate(job.request_id, [token], None, ttft_parts(stamps)))
+        if early and not self.frontend.send(TokenBatch(early), block=False):
+            noisy.warning("could not stream %d first tokens early: the decode nodes will", len(early))
         self.scheduler.complete(chunks)
 
     def _fail(self, request_id: str, error: str) -> None:

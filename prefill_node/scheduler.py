@@ -8,10 +8,13 @@ computed is published to the cache. When the pool cannot hold the next prompt
 (blocks still wait for a handoff to be confirmed), no new prompt starts:
 backpressure, not failure.
 
-A prompt starts only once its decode node has reserved blocks for it. NOTE:
+A prompt starts once its decode node has reserved blocks for it. NOTE:
 otherwise prompts computed for a full decode node could fill this pool while
 that node's blocks are reserved for prompts waiting here: each side would wait
-for the other.
+for the other. The one exception keeps a light load from waiting a round trip:
+a prompt whose decode node granted the previous request at once may start
+before its own answer, one such prompt at a time and only while it takes at
+most half the free blocks, so the pool never fills with them.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ class PrefillJob:
     num_published: int = 0         # full blocks given to the prefix cache
     hashes: list[bytes] = field(default_factory=list)   # each full block's chained hash
     is_reserved: bool = False      # its decode node holds blocks for it (set by the handoff)
+    is_peer_granting: bool = False  # its decode node granted the previous request at once
 
     @property
     def prompt_len(self) -> int:
@@ -66,6 +70,7 @@ class PrefillScheduler:
         self.max_batch_prompts = max_batch_prompts
         self.waiting: deque[PrefillJob] = deque()
         self.prefilling: list[PrefillJob] = []   # started, not yet complete
+        self.early: PrefillJob | None = None     # the last prompt started before its reservation
 
     @property
     def num_waiting(self) -> int:
@@ -114,16 +119,20 @@ class PrefillScheduler:
         for job in list(self.waiting):   # in arrival order, passing those not reserved yet
             if budget == 0 or len(chunks) == self.max_batch_prompts:
                 break
-            if not job.is_reserved:
+            if not job.is_reserved and not (job.is_peer_granting and self._is_early_free()):
                 continue
             bs = self.block_size
             if not job.hashes:
                 job.hashes = block_hashes(job.token_ids, bs)
             cached = self.allocator.match(job.hashes[:num_reusable_blocks(job.prompt_len, bs)])
             need = num_blocks_for(job.prompt_len, bs) - len(cached)
-            if not self.allocator.can_allocate(need):
+            if not self.allocator.can_allocate(need if job.is_reserved else 2 * need):
                 self.allocator.free(cached)
+                if not job.is_reserved:
+                    continue
                 break  # backpressure: wait for handoffs to free blocks
+            if not job.is_reserved:
+                self.early = job
             self.waiting.remove(job)
             job.block_ids = cached + self.allocator.allocate(need)
             job.num_computed = job.num_cached_tokens = len(cached) * bs
@@ -135,6 +144,11 @@ class PrefillScheduler:
             chunks.append(ScheduledChunk(job, job.num_computed, end))
             budget -= end - job.num_computed
         return chunks
+
+    def _is_early_free(self) -> bool:
+        """No prompt started before its reservation still holds blocks here unreserved."""
+        e = self.early
+        return e is None or e.is_reserved or not e.block_ids
 
     def complete(self, chunks: list[ScheduledChunk]) -> list[PrefillJob]:
         """Record a pass; return the jobs whose whole prompt is now in the cache."""

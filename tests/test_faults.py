@@ -180,3 +180,29 @@ def test_unanswered_reservation_fails_within_the_handoff_lease(tiny_model, tmp_p
             p.procs["decode"].send_signal(signal.SIGCONT)
     finally:
         p.stop()
+
+
+def test_the_first_token_streams_before_the_kv_reaches_the_decode_node(procs):
+    """At light load a prompt starts while its reservation is on its way, and its first
+    token streams from the prefill node: a stopped decode node holds back only the rest."""
+    _start(procs, "frontend", "prefill", "decode")
+    decode = procs.procs["decode"]
+    with Client(procs.clients, idle_timeout_s=20) as c:
+        # The reference, and the decode node's at-once grant that lets the next prompt start early.
+        want = c.complete(prompt_token_ids=[7] * 40, max_tokens=6, ignore_eos=True)
+        assert want.error is None and len(want.token_ids) == 6
+        decode.send_signal(signal.SIGSTOP)
+        try:
+            stream = c.generate(prompt_token_ids=[7] * 40, max_tokens=6, ignore_eos=True)
+            first = next(stream)
+            assert first.token_ids == want.token_ids[:1] and not first.is_finished
+            assert set(first.timings) >= {"queue_ms", "prefill_ms", "ttft_ms"}
+            assert "kv_transfer_ms" not in first.timings   # the KV has not reached decode yet
+        finally:
+            decode.send_signal(signal.SIGCONT)
+        rest = list(stream)
+    assert rest[-1].finish_reason == "length" and rest[-1].error is None
+    # The decode node's first update repeats that token: it is streamed once.
+    assert first.token_ids + [t for o in rest for t in o.token_ids] == want.token_ids
+    assert rest[-1].usage["completion_tokens"] == 6
+    assert rest[-1].timings["kv_transfer_ms"] >= 0
