@@ -115,9 +115,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_se
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     qf = q.float().contiguous()
     out = torch.empty(q.shape, dtype=torch.float32)
-    tables = block_tables.to(torch.int32)
-    if tables.stride(-1) != 1:
-        tables = tables.contiguous()
+    tables = _int32_rows(block_tables)
     lens = seq_lens.to(torch.int32).contiguous()
     row = num_heads * head_dim
 
@@ -127,16 +125,26 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_se
                   lens.data_ptr() + 4 * b0, out.data_ptr() + 4 * b0 * row, b1 - b0, num_heads,
                   num_kv_heads, head_dim, block_size, k_cache.stride(0), k_cache.stride(1), scale)
 
-    # NOTE: ctypes drops the GIL for the call, so slices of the batch run in parallel.
-    num_parts = min(torch.get_num_threads(), num_seqs // MIN_ROWS_PER_THREAD)
+    _run_split(run, num_seqs, num_seqs // MIN_ROWS_PER_THREAD)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _int32_rows(block_tables: torch.Tensor) -> torch.Tensor:
+    tables = block_tables.to(torch.int32)
+    return tables if tables.stride(-1) == 1 else tables.contiguous()
+
+
+def _run_split(run, num_items: int, max_parts: int) -> None:
+    """run(i0, i1) over [0, num_items), in up to max_parts slices on the torch threads.
+    NOTE: ctypes drops the GIL for the call, so the slices run in parallel."""
+    num_parts = min(torch.get_num_threads(), max_parts)
     if num_parts > 1:
-        bounds = [num_seqs * i // num_parts for i in range(num_parts + 1)]
+        bounds = [num_items * i // num_parts for i in range(num_parts + 1)]
         codes = list(_pool(num_parts).map(run, bounds[:-1], bounds[1:]))
     else:
-        codes = [run(0, num_seqs)]
+        codes = [run(0, num_items)]
     if any(codes):
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def _is_cache_ok(k_cache, v_cache) -> bool:
@@ -157,13 +165,11 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_len
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     qf = q.float().contiguous()
     out = torch.empty(q.shape, dtype=torch.float32)
-    tables = block_tables.to(torch.int32)
-    if tables.stride(-1) != 1:
-        tables = tables.contiguous()
-    q_lens = torch.tensor(query_lens, dtype=torch.int32)
-    ctx_lens = torch.tensor(context_lens, dtype=torch.int32)
-    starts = torch.zeros(len(query_lens), dtype=torch.int32)
-    torch.cumsum(q_lens[:-1], 0, out=starts[1:])
+    tables = _int32_rows(block_tables)
+    if meta is None or meta.dtype != torch.int32 or not meta.is_contiguous():
+        meta = torch.tensor([[sum(query_lens[:i]) for i in range(len(query_lens))], query_lens,
+                             context_lens], dtype=torch.int32)
+    starts, q_lens, ctx_lens = meta
 
     def run(w0: int, w1: int) -> int:
         return fn(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
@@ -172,14 +178,7 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_len
                   k_cache.stride(1), scale, w0, w1)
 
     num_items = len(query_lens) * num_kv_heads
-    num_parts = min(torch.get_num_threads(), num_items)
-    if num_parts > 1:
-        bounds = [num_items * i // num_parts for i in range(num_parts + 1)]
-        codes = list(_pool(num_parts).map(run, bounds[:-1], bounds[1:]))
-    else:
-        codes = [run(0, num_items)]
-    if any(codes):
-        raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+    _run_split(run, num_items, num_items)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
