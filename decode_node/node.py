@@ -281,14 +281,14 @@ class DecodeNode:
             self.pending_aborts.add(request_id)  # removed between steps, not under one
         elif self.scheduler.drop_preempted(request_id):
             self.worker.drop_swapped(request_id)
-        elif (r := self.scheduler.reservations.get(request_id)) is not None and r.commit is None:
-            # NOTE: its prefill node may be writing into these blocks right now (ipc copies,
-            # a dist send waiting for its receive): they are freed when that node releases
-            # them or commits (refused), or when the lease ends, never under a write.
-            r.error = r.error or "the request was aborted"
-            self.recently_aborted[request_id] = now
-        elif request_id in self.scheduler.reservations:
-            self._release(request_id)
+        elif (r := self.scheduler.reservations.get(request_id)) is not None:
+            if r.commit is None:
+                # NOTE: its prefill node may be writing into these blocks right now (ipc
+                # copies, a dist send waiting for its receive): they are freed when that node
+                # releases them or commits (refused), or when the lease ends, never under a write.
+                r.error = r.error or "the request was aborted"
+            else:
+                self._release(request_id)
             self.recently_aborted[request_id] = now  # a late commit is refused, not an error
         elif self.scheduler.drop_ask(request_id):
             self.recently_aborted[request_id] = now
