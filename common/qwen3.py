@@ -91,32 +91,33 @@ def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: t
     num_tokens = input_ids.shape[0]
     eps, d = spec.rms_norm_eps, spec.head_dim
     scale = d ** -0.5
+    ops = kernels.ops_for(input_ids)
     h = F.embedding(input_ids, w.embed)
     residual = None
     for i, layer in enumerate(w.layers):
         if residual is None:
-            x, residual = kernels.rms_norm(h, layer.input_norm, eps), h
+            x, residual = ops.rms_norm(h, layer.input_norm, eps), h
         else:
-            x, residual = kernels.add_rms_norm(h, residual, layer.input_norm, eps)
+            x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         q = q.view(num_tokens, spec.num_heads, d)
         k = k.view(num_tokens, spec.num_kv_heads, d)
         v = v.view(num_tokens, spec.num_kv_heads, d)
         k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-        q = kernels.qk_norm_rope_write_kv(q, k, v, layer.q_norm, layer.k_norm, cos_sin, positions,
+        q = ops.qk_norm_rope_write_kv(q, k, v, layer.q_norm, layer.k_norm, cos_sin, positions,
                                           eps, k_cache, v_cache, attn.slot_mapping)
         if attn.is_prefill:
-            o = kernels.prefill_attention(q, k_cache, v_cache, attn.block_tables,
+            o = ops.prefill_attention(q, k_cache, v_cache, attn.block_tables,
                                           attn.query_lens, attn.context_lens, scale,
                                           attn.prefill_meta)
         else:
-            o = kernels.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale,
+            o = ops.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale,
                                          attn.host_seq_lens)
         h = F.linear(o.reshape(num_tokens, spec.q_size), layer.o_proj)
-        x, residual = kernels.add_rms_norm(h, residual, layer.post_norm, eps)
-        h = F.linear(kernels.silu_mul(F.linear(x, layer.gate_up)), layer.down)
-    h, _ = kernels.add_rms_norm(h, residual, w.norm, eps)
+        x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
+        h = F.linear(ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)
+    h, _ = ops.add_rms_norm(h, residual, w.norm, eps)
     return h
 
 

@@ -386,6 +386,7 @@ class DeviceWorker:
         self._block_tables = torch.full((n, self.max_blocks_per_seq), NULL_BLOCK,
                                         dtype=torch.int32, device=dev)
         self._slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self._temperature = torch.zeros(n, dtype=torch.float32, device=dev)
         self._top_p = torch.ones(n, dtype=torch.float32, device=dev)
         self._top_k = torch.full((n,), -1, dtype=torch.int32, device=dev)
@@ -396,6 +397,7 @@ class DeviceWorker:
                                          pin_memory=self.device.type == "cuda")
         # Host mirrors, advanced without reading the device back.
         self.host_seq_lens = np.ones(n, dtype=np.int32)
+        self._host_seq_lens_t = torch.from_numpy(self.host_seq_lens)   # the same memory
         self._host_num_blocks = np.zeros(n, dtype=np.int32)
         self._host_is_greedy = np.ones(n, dtype=bool)
         self._slots: dict[str, int] = {}
@@ -634,12 +636,13 @@ class DeviceWorker:
         kernels.compute_slot_mapping(seq_lens, block_tables, self.block_size, slot_mapping)
         # The host mirror rides along for kernels that take lengths on the host (Ascend);
         # a captured CUDA graph never reads it.
-        host_lens = None if self._graphs else torch.from_numpy(self.host_seq_lens[:n])
+        host_lens = None if self._graphs else self._host_seq_lens_t[:n]
         attn = qwen3.AttentionInputs(is_prefill=False, slot_mapping=slot_mapping,
                                      block_tables=block_tables, seq_lens=seq_lens,
                                      host_seq_lens=host_lens)
         hidden = qwen3.forward(self.spec, self.weights, self.kv_cache, self.cos_sin,
-                               self._input_ids[:n], (seq_lens - 1).long(), attn)
+                               self._input_ids[:n], torch.sub(seq_lens, 1, out=self._positions[:n]),
+                               attn)
         logits = qwen3.compute_logits(self.weights, hidden)
         if is_greedy:
             sampled = logits.argmax(dim=-1)

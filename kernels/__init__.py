@@ -45,8 +45,14 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_se
 
 
 def compute_slot_mapping(seq_lens, block_tables, block_size, out):
-    return portable.compute_slot_mapping(seq_lens, block_tables, block_size, out)
+    return backend_for(seq_lens).compute_slot_mapping(seq_lens, block_tables, block_size, out)
 
 
 def advance_step(input_ids, sampled, seq_lens, step_inc):
-    return portable.advance_step(input_ids, sampled, seq_lens, step_inc)
+    return backend_for(input_ids).advance_step(input_ids, sampled, seq_lens, step_inc)
+
+
+def ops_for(t):
+    """Every op above for t's device, as attributes: a forward resolves them once,
+    not once per call (on CPU the lookup is a visible share of a small step)."""
+    return backend_for(t)

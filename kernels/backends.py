@@ -11,7 +11,8 @@ import torch
 from kernels import portable
 
 _OPS = ("rms_norm", "add_rms_norm", "qk_norm_rope", "write_kv", "prefill_attention",
-        "decode_attention", "silu_mul", "qk_norm_rope_write_kv")
+        "decode_attention", "silu_mul", "qk_norm_rope_write_kv", "compute_slot_mapping",
+        "advance_step")
 
 
 def _merge(fast) -> types.SimpleNamespace:

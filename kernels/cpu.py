@@ -87,10 +87,11 @@ def _load():
                        i64, i64]
         fn.restype = ctypes.c_int
         prefill[dtype] = fn
-    i64p, f32p = ctypes.c_int64, ctypes.c_float
-    elementwise = {"rms_norm": (lib.pdserve_rms_norm_f32, [ptr, i64p, ptr, i64p, ptr, ptr, ptr, i64p, i64p, f32p]),
-                   "norm_rope": (lib.pdserve_norm_rope_f32, [ptr, i64p, ptr, ptr, ptr, ptr, i64p, i64p, i64p, f32p]),
-                   "silu_mul": (lib.pdserve_silu_mul_f32, [ptr, i64p, ptr, i64p, i64p])}
+    elementwise = {"rms_norm": (lib.pdserve_rms_norm_f32, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32]),
+                   "norm_rope": (lib.pdserve_norm_rope_f32, [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32]),
+                   "silu_mul": (lib.pdserve_silu_mul_f32, [ptr, i64, ptr, i64, i64]),
+                   "scatter_rows": (lib.pdserve_scatter_rows_f32, [ptr, i64, ptr, ptr, i64, i64]),
+                   "slot_mapping": (lib.pdserve_slot_mapping, [ptr, ptr, i64, i64, i64, ptr, i64])}
     for fn, argtypes in elementwise.values():
         fn.argtypes, fn.restype = argtypes, None
     return fns, prefill, {name: fn for name, (fn, _) in elementwise.items()}
@@ -210,29 +211,56 @@ def add_rms_norm(x, residual, weight, eps):
     return out, summed
 
 
-def _norm_rope(x, weight, cos_sin, positions, eps):
-    out = torch.empty(x.shape, dtype=x.dtype)
+def _norm_rope(x, weight, cos_sin, positions, eps, out=None, slots=None):
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype)
     _ELEMENTWISE["norm_rope"](x.data_ptr(), x.stride(0), weight.data_ptr(), cos_sin.data_ptr(),
-                              positions.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                              positions.data_ptr(), out.data_ptr(),
+                              None if slots is None else slots.data_ptr(), x.shape[0], x.shape[1],
                               x.shape[2], eps)
     return out
+
+
+def _is_rope_ok(q, k, q_weight, cos_sin, positions) -> bool:
+    return _rows_ok(q) and _rows_ok(k) and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2] \
+        and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() \
+        and positions.is_contiguous() and q_weight.dtype == torch.float32
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps):
     """As portable.qk_norm_rope: per-head RMSNorm and the rotation in one pass per tensor."""
     positions = positions.to(torch.int64)
-    if not (_rows_ok(q) and _rows_ok(k) and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]
-            and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
-            and positions.is_contiguous() and q_weight.dtype == torch.float32):
+    if not _is_rope_ok(q, k, q_weight, cos_sin, positions):
         return portable.qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps)
     return _norm_rope(q, q_weight, cos_sin, positions, eps), _norm_rope(k, k_weight, cos_sin, positions, eps)
 
 
 def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache,
                           slot_mapping):
-    q, k = qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps)
-    portable.write_kv(k_cache, v_cache, k, v, slot_mapping)
-    return q
+    """As portable.qk_norm_rope_write_kv; into an fp32 cache, the rotated k and v are
+    written straight to their slots (no [T, Hk, D] intermediate, no index copy)."""
+    positions = positions.to(torch.int64)
+    if not (k_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and _rows_ok(v) and v.stride(1) == v.shape[2]
+            and _is_rope_ok(q, k, q_weight, cos_sin, positions)):
+        q, k = qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps)
+        portable.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return q
+    _norm_rope(k, k_weight, cos_sin, positions, eps, k_cache, slot_mapping)
+    _ELEMENTWISE["scatter_rows"](v.data_ptr(), v.stride(0), v_cache.data_ptr(), slot_mapping.data_ptr(),
+                                 v.shape[0], v.shape[1] * v.shape[2])
+    return _norm_rope(q, q_weight, cos_sin, positions, eps)
+
+
+def compute_slot_mapping(seq_lens, block_tables, block_size, out):
+    """As portable.compute_slot_mapping, in one pass."""
+    if not (seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and out.dtype == torch.int64
+            and out.is_contiguous() and block_tables.dtype == torch.int32
+            and block_tables.stride(-1) == 1 and seq_lens.device.type == "cpu"):
+        return portable.compute_slot_mapping(seq_lens, block_tables, block_size, out)
+    _ELEMENTWISE["slot_mapping"](seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                                 block_tables.shape[1], block_size, out.data_ptr(), seq_lens.shape[0])
 
 
 def silu_mul(gate_up):

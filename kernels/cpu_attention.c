@@ -16,6 +16,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Scratch aligned to a cache line. NOTE: malloc's 16-byte alignment puts every vector
+ * load of a large (mmap-backed) buffer across two cache lines: the same call then runs
+ * 1.6x slower, depending only on where the heap placed it. NULL when none can be had. */
+static float *alloc_scratch(size_t num_floats) {
+    void *p = NULL;
+    size_t size = (num_floats * sizeof(float) + 63) / 64 * 64;
+    return posix_memalign(&p, 64, size) == 0 ? (float *)p : NULL;
+}
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
     float f;
@@ -79,7 +88,7 @@ int NAME(const float *q, const T *kc, const T *vc, const int32_t *block_tables, 
          float scale) {                                                                  \
     int64_t max_n = 1;                                                                   \
     for (int64_t b = 0; b < B; b++) max_n = seq_lens[b] > max_n ? seq_lens[b] : max_n;  \
-    float *scratch = malloc(sizeof(float) * Hq * (max_n + D));                           \
+    float *scratch = alloc_scratch(Hq * (max_n + D));                                 \
     if (!scratch) return -1;                                                             \
     for (int64_t b = 0; b < B; b++) {                                                    \
         int64_t n = seq_lens[b] < 1 ? 1 : seq_lens[b];                                   \
@@ -105,50 +114,73 @@ DEFINE_DECODE(pdserve_decode_attention_bf16, uint16_t, attend_bf16)
  * Items [item0, item1) only, so callers can split the work over threads. */
 #define KB 32   /* keys per score tile */
 #define DB 16   /* output features per register tile: head_dim must be a multiple */
-#define JU 4    /* keys in flight per output tile (KB must be a multiple) */
+#define JU 2    /* keys in flight per output tile (KB must be a multiple) */
+#define QV 8    /* query vectors sharing each K and V load */
 
-/* Scores of two query vectors (qa over La keys, qb over Lb >= La) against packed K
- * tiles, into sa and sb: each K load feeds both, and the 2 x KB sums are independent
- * chains of FMAs, held in registers. */
-static void scores2(const float *qa, const float *qb, const float *kt, int64_t Lb, int64_t D,
-                    float scale, float *sa, float *sb) {
-    for (int64_t j0 = 0; j0 < Lb; j0 += KB) {
-        float s0[KB] = {0}, s1[KB] = {0};
-        for (int64_t d = 0; d < D; d++) {
-            const float a = qa[d], b = qb[d], *kd = kt + (j0 * D + d * KB);
-            _Pragma("omp simd")
-            for (int64_t j = 0; j < KB; j++) { s0[j] += a * kd[j]; s1[j] += b * kd[j]; }
-        }
-        _Pragma("omp simd")
-        for (int64_t j = 0; j < KB; j++) { sa[j0 + j] = s0[j] * scale; sb[j0 + j] = s1[j] * scale; }
-    }
-}
-
-/* o[D] = softmax(sc[0:L]) @ V[0:L]; sc is overwritten. vp: [>= round_up(L, JU), D],
- * rows past the keys zero. */
-static void softmax_pv(float *sc, int64_t L, const float *vp, int64_t D, float *o) {
+/* sc[0:L] -> exp(sc - max), zero up to round_up(Lpad, JU); returns 1 / sum. */
+static float softmax_in_place(float *sc, int64_t L, int64_t Lpad) {
     float m = sc[0], sum = 0.0f;
     _Pragma("omp simd reduction(max:m)")
     for (int64_t j = 0; j < L; j++) m = sc[j] > m ? sc[j] : m;
     _Pragma("omp simd reduction(+:sum)")
     for (int64_t j = 0; j < L; j++) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
-    for (int64_t j = L; j < (L + JU - 1) / JU * JU; j++) sc[j] = 0.0f;
-    const float inv = 1.0f / sum;
-    for (int64_t d0 = 0; d0 < D; d0 += DB) {   /* DB outputs in registers */
-        float a[JU][DB] = {{0}};               /* JU independent sums: no FMA latency chain */
-        for (int64_t j = 0; j < L; j += JU) {
-            for (int64_t u = 0; u < JU; u++) {
-                const float p = sc[j + u], *vj = vp + (j + u) * D + d0;
-                _Pragma("omp simd")
-                for (int64_t d = 0; d < DB; d++) a[u][d] += p * vj[d];
-            }
-        }
-        for (int64_t u = 1; u < JU; u++)
-            for (int64_t d = 0; d < DB; d++) a[0][d] += a[u][d];
-        _Pragma("omp simd")
-        for (int64_t d = 0; d < DB; d++) o[d0 + d] = a[0][d] * inv;
-    }
+    for (int64_t j = L; j < (Lpad + JU - 1) / JU * JU; j++) sc[j] = 0.0f;
+    return 1.0f / sum;
 }
+
+/* For NV query vectors at once (each over its own L[v] keys, the last having the most,
+ * Lmax), so that each K and V load feeds all NV and every sum is its own FMA chain:
+ *   scores_NV      scores against packed K tiles into sc[v] (NV x KB sums in registers);
+ *   softmax_pv_NV  o[v][D] = softmax(sc[v][0:L[v]]) @ V; sc is overwritten.
+ *                  vp: [>= round_up(Lmax, JU), D], rows past the keys zero. */
+#define DEFINE_QV(NV)                                                                        \
+static void scores_##NV(const float *const *qv, const float *kt, int64_t Lmax, int64_t D,    \
+                      float scale, float *const *sc) {                                       \
+    for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {                                              \
+        float s[NV][KB] = {{0}};                                                             \
+        for (int64_t d = 0; d < D; d++) {                                                    \
+            const float *kd = kt + (j0 * D + d * KB);                                        \
+            for (int64_t v = 0; v < NV; v++) {                                               \
+                const float a = qv[v][d];                                                    \
+                _Pragma("omp simd")                                                          \
+                for (int64_t j = 0; j < KB; j++) s[v][j] += a * kd[j];                       \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t v = 0; v < NV; v++) {                                                   \
+            _Pragma("omp simd")                                                              \
+            for (int64_t j = 0; j < KB; j++) sc[v][j0 + j] = s[v][j] * scale;                \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+static void softmax_pv_##NV(float *const *sc, const int64_t *L, const float *vp, int64_t D,  \
+                          float *const *o) {                                                 \
+    const int64_t Lmax = L[NV - 1];                                                          \
+    float inv[NV];                                                                           \
+    for (int64_t v = 0; v < NV; v++) inv[v] = softmax_in_place(sc[v], L[v], Lmax);           \
+    for (int64_t d0 = 0; d0 < D; d0 += DB) {   /* DB outputs in registers */                 \
+        float a[NV][JU][DB] = {{{0}}};         /* JU sums each: no FMA latency chain */      \
+        for (int64_t j = 0; j < Lmax; j += JU) {                                             \
+            for (int64_t u = 0; u < JU; u++) {                                               \
+                const float *vj = vp + (j + u) * D + d0;                                     \
+                for (int64_t v = 0; v < NV; v++) {                                           \
+                    const float p = sc[v][j + u];                                            \
+                    _Pragma("omp simd")                                                      \
+                    for (int64_t d = 0; d < DB; d++) a[v][u][d] += p * vj[d];                \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t v = 0; v < NV; v++) {                                                   \
+            for (int64_t u = 1; u < JU; u++)                                                 \
+                for (int64_t d = 0; d < DB; d++) a[v][0][d] += a[v][u][d];                   \
+            _Pragma("omp simd")                                                              \
+            for (int64_t d = 0; d < DB; d++) o[v][d0 + d] = a[v][0][d] * inv[v];             \
+        }                                                                                    \
+    }                                                                                        \
+}
+
+DEFINE_QV(QV)
+DEFINE_QV(1)
 
 #define DEFINE_PREFILL(NAME, T, LOAD)                                                    \
 int NAME(const float *q, const T *kc, const T *vc, const int32_t *tables,               \
@@ -163,9 +195,10 @@ int NAME(const float *q, const T *kc, const T *vc, const int32_t *tables,       
         max_n = n > max_n ? n : max_n;                                                  \
     }                                                                                   \
     max_n = (max_n + KB - 1) / KB * KB;                                                 \
-    float *kt = malloc(sizeof(float) * (2 * D * max_n + 2 * max_n));                    \
+    float *kt = alloc_scratch(2 * D * max_n + QV * max_n);                               \
     if (!kt) return -1;                                                                 \
-    float *vp = kt + D * max_n, *sa = vp + D * max_n, *sb = sa + max_n;                 \
+    float *vp = kt + D * max_n, *sc[QV];                                                \
+    for (int64_t v = 0; v < QV; v++) sc[v] = vp + D * max_n + v * max_n;                \
     for (int64_t w = item0; w < item1; w++) {                                           \
         const int64_t c = w / Hk, g = w % Hk, ctx = ctx_lens[c], nq = q_lens[c];        \
         const int64_t n_real = ctx + nq, n = (n_real + KB - 1) / KB * KB;               \
@@ -180,16 +213,24 @@ int NAME(const float *q, const T *kc, const T *vc, const int32_t *tables,       
             _Pragma("omp simd")                                                         \
             for (int64_t d = 0; d < D; d++) vp[t * D + d] = LOAD(v[d]);                 \
         }                                                                               \
-        /* Query vectors i = row * G + head in group, two at a time (the second never   \
-         * has fewer keys); an odd last one is paired with itself. */                    \
-        for (int64_t i = 0; i < nq * G; i += 2) {                                       \
-            const int64_t i2 = i + 1 < nq * G ? i + 1 : i;                              \
-            const int64_t ra = i / G, rb = i2 / G, La = ctx + ra + 1, Lb = ctx + rb + 1; \
-            const int64_t ta = (q_starts[c] + ra) * Hq + g * G + i % G;                 \
-            const int64_t tb = (q_starts[c] + rb) * Hq + g * G + i2 % G;                \
-            scores2(q + ta * D, q + tb * D, kt, Lb, D, scale, sa, sb);                   \
-            softmax_pv(sa, La, vp, D, out + ta * D);                                    \
-            if (i2 != i) softmax_pv(sb, Lb, vp, D, out + tb * D);                       \
+        /* Query vectors i = row * G + head in group, QV at a time (none has fewer keys \
+         * than the one before), then the rest one by one. */                           \
+        for (int64_t i = 0; i < nq * G;) {                                              \
+            const int64_t nv = nq * G - i >= QV ? QV : 1;                               \
+            const float *qv[QV];                                                        \
+            float *ov[QV];                                                              \
+            int64_t L[QV];                                                              \
+            for (int64_t v = 0; v < nv; v++, i++) {                                     \
+                const int64_t r = i / G, tv = (q_starts[c] + r) * Hq + g * G + i % G;   \
+                qv[v] = q + tv * D, ov[v] = out + tv * D, L[v] = ctx + r + 1;           \
+            }                                                                           \
+            if (nv == QV) {                                                             \
+                scores_QV(qv, kt, L[QV - 1], D, scale, sc);                             \
+                softmax_pv_QV(sc, L, vp, D, ov);                                        \
+            } else {                                                                    \
+                scores_1(qv, kt, L[0], D, scale, sc);                                   \
+                softmax_pv_1(sc, L, vp, D, ov);                                         \
+            }                                                                           \
         }                                                                               \
     }                                                                                   \
     free(kt);                                                                           \
@@ -227,17 +268,19 @@ void pdserve_rms_norm_f32(const float *x, int64_t xs, const float *res, int64_t 
 }
 
 /* Per-head RMSNorm, then the rotary embedding at each token's position.
- * x: [T, nh, D] (token stride xs, heads contiguous); out: [T, nh, D] contiguous;
- * cos_sin: [max_pos, 2, D] (halves repeated); positions: [T] int64. */
+ * x: [T, nh, D] (token stride xs, heads contiguous); cos_sin: [max_pos, 2, D] (halves
+ * repeated); positions: [T] int64. out: [T, nh, D] contiguous, or, given slots [T]
+ * int64, token t's row goes to out + slots[t] * nh * D (a contiguous cache). */
 void pdserve_norm_rope_f32(const float *x, int64_t xs, const float *w, const float *cos_sin,
-                           const int64_t *positions, float *out, int64_t T, int64_t nh,
-                           int64_t D, float eps) {
+                           const int64_t *positions, float *out, const int64_t *slots, int64_t T,
+                           int64_t nh, int64_t D, float eps) {
     int64_t half = D / 2;
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_sin + positions[t] * 2 * D, *s = c + D;
+        float *ot = out + (slots ? slots[t] : t) * nh * D;
         for (int64_t h = 0; h < nh; h++) {
             const float *xh = x + t * xs + h * D;
-            float *oh = out + (t * nh + h) * D, ss = 0.0f;
+            float *oh = ot + h * D, ss = 0.0f;
             _Pragma("omp simd reduction(+:ss)")
             for (int64_t d = 0; d < D; d++) ss += xh[d] * xh[d];
             float inv = 1.0f / sqrtf(ss / (float)D + eps);
@@ -258,5 +301,25 @@ void pdserve_silu_mul_f32(const float *gate_up, int64_t gs, float *out, int64_t 
         float *o = out + t * I;
         _Pragma("omp simd")
         for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* dst row slots[t] = src row t: rows of `row` floats; src row stride ss, dst contiguous rows. */
+void pdserve_scatter_rows_f32(const float *src, int64_t ss, float *dst, const int64_t *slots,
+                              int64_t T, int64_t row) {
+    for (int64_t t = 0; t < T; t++)
+        memcpy(dst + slots[t] * row, src + t * ss, sizeof(float) * row);
+}
+
+/* The slot of each sequence's current token (position seq_lens[b] - 1): out [B] int64.
+ * tables [B, bt_stride] int32 with W usable entries; seq_lens [B] int32. */
+void pdserve_slot_mapping(const int32_t *seq_lens, const int32_t *tables, int64_t bt_stride,
+                          int64_t W, int64_t bs, int64_t *out, int64_t B) {
+    for (int64_t b = 0; b < B; b++) {
+        /* floor division and modulo as the portable op (a padding row has length 0) */
+        const int64_t pos = seq_lens[b] - 1, r = ((pos % bs) + bs) % bs;
+        int64_t i = (pos - r) / bs;
+        i = i < 0 ? 0 : (i >= W ? W - 1 : i);
+        out[b] = (int64_t)tables[b * bt_stride + i] * bs + r;
     }
 }

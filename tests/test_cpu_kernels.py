@@ -127,6 +127,34 @@ def test_norms_rope_and_activation_equal_the_portable_ops():
     assert torch.equal(cpu.rms_norm(xb, wb, 1e-6), portable.rms_norm(xb, wb, 1e-6))
 
 
+
+@needs_cc
+def test_rope_written_into_the_cache_and_slot_mapping_equal_the_portable_ops():
+    t, nb, bs = 23, 9, 16
+    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)
+    q, k, v = (qkv[:, :128].view(t, 4, 32), qkv[:, 128:192].view(t, 2, 32),
+               qkv[:, 192:].view(t, 2, 32))
+    qw, kw = torch.randn(32), torch.randn(32)
+    table = portable.rotary_cos_sin(512, 32, 1e6)
+    pos = torch.randint(0, 512, (t,))
+    slots = torch.randperm(nb * bs)[:t]   # scattered, as a batch's current tokens are
+    caches = [(torch.zeros(nb, bs, 2, 32), torch.zeros(nb, bs, 2, 32)) for _ in range(2)]
+    got_q = cpu.qk_norm_rope_write_kv(q, k, v, qw, kw, table, pos, 1e-6, *caches[0], slots)
+    want_q = portable.qk_norm_rope_write_kv(q, k, v, qw, kw, table, pos, 1e-6, *caches[1], slots)
+    assert torch.allclose(got_q, want_q, atol=1e-5)
+    assert torch.allclose(caches[0][0], caches[1][0], atol=1e-5)
+    assert torch.equal(caches[0][1], caches[1][1])
+
+    tables = torch.randint(0, 1000, (6, 4), dtype=torch.int32)
+    # lengths at block edges, past the table (clamped) and a padding row of length 0
+    lens = torch.tensor([1, 16, 17, 64, 70, 0], dtype=torch.int32)
+    got, want = torch.empty(6, dtype=torch.int64), torch.empty(6, dtype=torch.int64)
+    cpu.compute_slot_mapping(lens, tables, bs, got)
+    portable.compute_slot_mapping(lens, tables, bs, want)
+    assert torch.equal(got, want)
+    ops = backend_for(lens)
+    assert ops.compute_slot_mapping is cpu.compute_slot_mapping
+
 def _kernels_backend_in_a_fresh_process(env: dict) -> subprocess.CompletedProcess:
     code = ("import torch; from kernels.backends import backend_for; from kernels import portable; "
             "print(backend_for(torch.zeros(1)).decode_attention is portable.decode_attention)")
