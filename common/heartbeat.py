@@ -1,6 +1,6 @@
 """A node's standing with the frontend: its registration, and its heartbeat, sent
 from its own thread and socket so that a long forward pass (or a first-time
-kernel compile) never makes a live node look dead."""
+kernel compile) never makes a live node look dead. common/runtime.py drives both."""
 from __future__ import annotations
 
 import os
@@ -13,6 +13,7 @@ from common.protocol import FRONTEND_TO_HEARTBEAT, Heartbeat, ReadyReply
 
 READY_EVERY_S = 1.0   # a ready not yet answered is sent again this often
 SILENCE_LIMIT_S = 120.0  # registering this long with no answer at all: give up, loudly
+STATS_LEAD_S = 0.05      # a heartbeat asks the loop for its stats this long before it is due
 
 
 class Registration:
@@ -61,13 +62,19 @@ class Registration:
 
 
 class HeartbeatThread:
-    def __init__(self, ctx, endpoint: str, role: str, name: str,
-                 stats: Callable[[], dict], interval_s: float, is_forgotten: threading.Event):
-        self._args = (ctx, endpoint, role, name, stats, interval_s)
+    """Sends the last stats snapshot the node loop published, with the loop's age.
+    NOTE: it never reads the loop's containers: a snapshot is a dict the loop made
+    and no longer touches, replaced whole by publish()."""
+
+    def __init__(self, ctx, endpoint: str, role: str, name: str, first_stats: dict,
+                 interval_s: float, is_forgotten: threading.Event):
+        self._args = (ctx, endpoint, role, name, interval_s)
         self.is_forgotten = is_forgotten   # set when the frontend asks us to register again
+        self.wants_stats = threading.Event()   # set shortly before each beat
+        self._stats = first_stats
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-heartbeat", daemon=True)
-        self.last_turn = time.monotonic()   # the node loop's last turn, set by the loop
+        self._last_turn = time.monotonic()
 
     def start(self) -> "HeartbeatThread":
         self._thread.start()
@@ -77,23 +84,31 @@ class HeartbeatThread:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def mark_turn(self) -> None:
+        """The node loop took a turn (a loop stuck in one turn ages in each beat)."""
+        self._last_turn = time.monotonic()
+
+    def publish(self, stats: dict) -> None:
+        self._stats = stats
+
     def _run(self) -> None:
-        ctx, endpoint, role, name, stats, interval_s = self._args
+        ctx, endpoint, role, name, interval_s = self._args
+        lead_s = min(STATS_LEAD_S, interval_s / 4)
         # NOTE: a zmq socket belongs to the thread that made it.
         ch = Channel(ctx, False, endpoint, identity=f"{name}/{os.getpid()}/heartbeat", server="frontend")
         try:
             while True:
-                try:
-                    figures = {**stats(), "loop_age_s": round(time.monotonic() - self.last_turn, 3)}
-                except RuntimeError:  # a container changed size under us: skip this beat
-                    figures = None
-                if figures is not None:
-                    ch.send(Heartbeat(role, name, figures, os.getpid()), block=False)
+                figures = {**self._stats, "loop_age_s": round(time.monotonic() - self._last_turn, 3)}
+                ch.send(Heartbeat(role, name, figures, os.getpid()), block=False)
                 while ch.has_message():
                     _, reply = ch.recv(FRONTEND_TO_HEARTBEAT)
                     if isinstance(reply, ReadyReply) and not reply.is_accepted:
                         self.is_forgotten.set()
-                if self._stop.wait(interval_s):
+                # Ask for a snapshot shortly before the next beat, so it goes out fresh.
+                if self._stop.wait(interval_s - lead_s):
+                    break
+                self.wants_stats.set()
+                if self._stop.wait(lead_s):
                     break
         finally:
             ch.close()

@@ -18,17 +18,16 @@ import secrets
 import threading
 import time
 
-from common.channel import BadMessage, Channel, Poller, open_context
+from common.channel import BadMessage, Channel, Poller
 from common.config import DecodeConfig, endpoint_host
-from common.keys import load_keys
 from common.process import describe_threads
 from common.kv_cache import BlockAllocator
-from common.heartbeat import HeartbeatThread, Registration
 from common.log import Throttle, get_logger
+from common.runtime import NodeRuntime
 from common import transfer
 from common.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, HandoffAck, KVBlocks, KVCommit, KVDist,
                              KVHello, KVRelease, KVReserve, KVReserved, NodeAbort, NodeReady,
-                             ReadyReply, RequestFailed, Shutdown, TokenBatch, TokenUpdate, ttft_parts)
+                             RequestFailed, TokenBatch, TokenUpdate, ttft_parts)
 from common.kv_cache import num_blocks_for
 from common.sequence import Sequence, blocks_to_join, finish_reason, grow_blocks, num_blocks_short
 from common.worker import DecodeTicket, DeviceWorker
@@ -55,7 +54,6 @@ class DecodeNode:
         self.num_recomputed = 0         # resumptions that prefilled the KV again
         self.num_expired_reservations = 0   # not renewed or committed within the lease
         self.num_granted = 0            # reservations granted from the waiting line
-        self.exit_code = 0
         self._last_log = 0.0
         self._log_tokens = self._log_steps = 0
 
@@ -63,32 +61,26 @@ class DecodeNode:
 
     def run(self, stop: threading.Event) -> int:
         """Serve until stopped; the process's exit code (1: refused by the frontend)."""
-        ctx = open_context(load_keys(self.cfg.keys_dir, self.cfg.name))
-        links = self.cfg.links
-        self.frontend = Channel(ctx, False, self.cfg.frontend_endpoint, identity=f"{self.cfg.name}/{os.getpid()}",
-                                max_message_bytes=links.max_message_bytes, server="frontend")
+        rt = self.runtime = NodeRuntime("decode", self.cfg.name, self.cfg.frontend_endpoint,
+                                        self.cfg.keys_dir, self.cfg.links, stop, log)
+        self.frontend = rt.frontend
         try:
             with self.worker:
                 kv_limit = 64 * 2**20 + self.worker.max_model_len * \
                     self.worker.spec.kv_bytes_per_token(self.worker.kv_cache.element_size())
                 # With keys, only the cluster's nodes get past the handshake.
-                self.kv = Channel(ctx, True, self.cfg.kv_endpoint, max_message_bytes=kv_limit,
+                self.kv = Channel(rt.ctx, True, self.cfg.kv_endpoint, max_message_bytes=kv_limit,
                                   domain="nodes")
                 self.sink = transfer.KVSink(self.worker.kv_cache, getattr(self.worker.kv_shm, "name", None),
                                             transfer.accepted_backends(self.cfg.kv_transfer,
                                                                        self.worker.device),
                                             endpoint_host(self.cfg.kv_endpoint))
                 poller = self._poller = Poller(self.frontend, self.kv)
-                self._stop = stop
                 self.allocator = BlockAllocator(self.worker.num_kv_blocks)
                 self.scheduler = DecodeScheduler(self.allocator, self.worker.block_size,
                                                  self.cfg.worker.max_batch_size, self.cfg.max_queue,
                                                  self.cfg.is_preemptive)
-                self.registration = Registration(self._send_ready, 2 * links.dead_after_s + 5)
-                self.registration.tick()
-                self.heartbeat = HeartbeatThread(ctx, self.cfg.frontend_endpoint, "decode", self.cfg.name,
-                                                 self.stats, self.cfg.links.heartbeat_s,
-                                                 self.registration.is_forgotten).start()
+                rt.start(self._send_ready, self.stats)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
                          self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.worker.max_batch_size,
@@ -100,7 +92,7 @@ class DecodeNode:
                     is_busy = bool(inflight or self.scheduler.running or self.scheduler.ready
                                    or self.scheduler.preempted)
                     for ch in poller.wait(0 if is_busy else 0.02):
-                        self._receive_all(ch, stop)
+                        self._receive_all(ch)
                     self._expire_reservations()
                     self._grant()
                     if inflight is None:
@@ -121,23 +113,22 @@ class DecodeNode:
                         self._send(TokenBatch(updates))
                     self._report()
         finally:
-            if hasattr(self, "heartbeat"):
-                self.heartbeat.stop()
+            rt.close()
             if hasattr(self, "sink"):
                 self.sink.close()
-            self.frontend.close()
             if hasattr(self, "kv"):
                 self.kv.close()
-            ctx.term()
-            log.info("stopped")
-        return self.exit_code
+            rt.term()
+        return rt.exit_code
 
     # ---- receive ----------------------------------------------------------
 
-    def _receive_all(self, ch: Channel, stop: threading.Event) -> None:
+    def _receive_all(self, ch: Channel) -> None:
         allowed = PREFILL_TO_DECODE if ch is self.kv else FRONTEND_TO_NODE
         while ch.has_message():
             sender, msg = ch.recv(allowed)
+            if ch is self.frontend and self.runtime.on_control(msg):
+                continue
             if isinstance(msg, BadMessage):
                 noisy.warning("dropped a malformed message: %s", msg.error)
                 if msg.request_id and ch is self.kv:
@@ -158,17 +149,6 @@ class DecodeNode:
                     self.scheduler.drop_ask(msg.request_id, sender)
             elif isinstance(msg, NodeAbort):
                 self._abort(msg.request_id)
-            elif isinstance(msg, ReadyReply):
-                self._quit(self.registration.on_reply(msg))
-            elif isinstance(msg, Shutdown):
-                log.info("shutdown requested by the frontend")
-                stop.set()
-
-    def _quit(self, reason: str | None) -> None:
-        if reason:
-            log.error("stopping: %s", reason)
-            self.exit_code = 1
-            self._stop.set()
 
     def _reservation_of(self, sender: bytes, request_id: str) -> Reservation | None:
         """A reservation, if the sender is the prefill node that made it."""
@@ -391,7 +371,7 @@ class DecodeNode:
         """While a step runs: reservations, KV frames and commits need not wait for it.
         Nothing received here changes the running batch (aborts are applied between steps)."""
         for ch in self._poller.wait(0):
-            self._receive_all(ch, self._stop)
+            self._receive_all(ch)
 
     def _collect(self, ticket: DecodeTicket, is_next_launched: bool) -> list[TokenUpdate]:
         tokens = self.worker.collect_decode(ticket, self._receive_while_stepping)
@@ -430,8 +410,7 @@ class DecodeNode:
     # ---- send and report ------------------------------------------------------
 
     def _send(self, msg) -> None:
-        if not self.frontend.send(msg, block=False):
-            log.error("frontend queue full: dropped a %s message", type(msg).__name__)
+        self.runtime.send(msg)
 
     def _send_ready(self) -> bool:
         w = self.worker
@@ -455,13 +434,12 @@ class DecodeNode:
                 "num_reserved_blocks": self.allocator.num_reserved,
                 "num_available_blocks": self.allocator.num_available,
                 "num_bad_messages": self.frontend.num_bad + self.kv.num_bad,
-                "is_registered": self.registration.is_accepted,
+                "is_registered": self.runtime.is_registered,
                 "num_usable_blocks": self.allocator.capacity}
 
     def _report(self) -> None:
         now = time.monotonic()
-        self.heartbeat.last_turn = now
-        self._quit(self.registration.tick())
+        self.runtime.turn()
         if now - self._last_log >= self.cfg.links.log_interval_s:
             elapsed = now - self._last_log if self._last_log else 0.0
             s = self.stats()

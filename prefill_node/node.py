@@ -13,15 +13,14 @@ import os
 import threading
 import time
 
-from common.channel import BadMessage, Channel, LinkError, Poller, open_context
+from common.channel import BadMessage, LinkError, Poller
 from common.config import PrefillConfig, check_endpoint
-from common.heartbeat import HeartbeatThread, Registration
-from common.keys import load_keys
 from common.process import describe_threads
+from common.runtime import NodeRuntime
 from common.prefix import PrefixCache
 from common.log import Throttle, get_logger
 from common.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, PrefillRequest, PrefixUpdate,
-                             ReadyReply, RequestFailed, Shutdown, TokenBatch, TokenUpdate, ttft_parts)
+                             RequestFailed, TokenBatch, TokenUpdate, ttft_parts)
 from common.sampling import stop_reason, validate_prompt
 from common.worker import DeviceWorker, PrefillChunk
 from prefill_node.handoff import Handoffs
@@ -40,7 +39,6 @@ class PrefillNode:
         self.num_failed = 0
         self._is_prefix_synced = False
         self._prefix_synced_at = 0.0
-        self.exit_code = 0
         self._last_log = 0.0
         self._log_tokens = 0
 
@@ -48,23 +46,18 @@ class PrefillNode:
 
     def run(self, stop: threading.Event) -> int:
         """Serve until stopped; the process's exit code (1: refused by the frontend)."""
-        ctx = open_context(load_keys(self.cfg.keys_dir, self.cfg.name))
-        self._stop = stop
-        self.frontend = Channel(ctx, False, self.cfg.frontend_endpoint, identity=f"{self.cfg.name}/{os.getpid()}",
-                                max_message_bytes=self.cfg.links.max_message_bytes, server="frontend")
+        rt = self.runtime = NodeRuntime("prefill", self.cfg.name, self.cfg.frontend_endpoint,
+                                        self.cfg.keys_dir, self.cfg.links, stop, log)
+        self.frontend = rt.frontend
         poller = Poller(self.frontend)
         try:
             with self.worker:
                 self.allocator = PrefixCache(self.worker.num_kv_blocks, self.cfg.is_prefix_caching)
                 self.scheduler = PrefillScheduler(self.allocator, self.worker.block_size,
                                                   self.cfg.token_budget, self.cfg.max_batch_prompts)
-                self.handoffs = Handoffs(ctx, self.cfg, self.worker.kv_cache, self.allocator,
+                self.handoffs = Handoffs(rt.ctx, self.cfg, self.worker.kv_cache, self.allocator,
                                          self.scheduler, poller, self._fail)
-                self.registration = Registration(self._send_ready, 2 * self.cfg.links.dead_after_s + 5)
-                self.registration.tick()
-                self.heartbeat = HeartbeatThread(ctx, self.cfg.frontend_endpoint, "prefill", self.cfg.name,
-                                                 self.stats, self.cfg.links.heartbeat_s,
-                                                 self.registration.is_forgotten).start()
+                rt.start(self._send_ready, self.stats)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s",
                          self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.token_budget, self.cfg.kv_transfer)
@@ -74,7 +67,7 @@ class PrefillNode:
                     is_busy = bool(self.scheduler.prefilling or self.handoffs.is_writing)
                     for ch in poller.wait(0 if is_busy else 0.005 if self.handoffs.by_id else 0.02):
                         if ch is self.frontend:
-                            self._receive_all(stop)
+                            self._receive_all()
                         else:
                             self.handoffs.receive(ch)
                     self.handoffs.advance()
@@ -84,20 +77,19 @@ class PrefillNode:
                         self.handoffs.advance()
                     self._report()
         finally:
-            if hasattr(self, "heartbeat"):
-                self.heartbeat.stop()
+            rt.close()
             if hasattr(self, "handoffs"):
                 self.handoffs.close()
-            self.frontend.close()
-            ctx.term()
-            log.info("stopped")
-        return self.exit_code
+            rt.term()
+        return rt.exit_code
 
     # ---- receive ----------------------------------------------------------
 
-    def _receive_all(self, stop: threading.Event) -> None:
+    def _receive_all(self) -> None:
         while self.frontend.has_message():
             _, msg = self.frontend.recv(FRONTEND_TO_NODE)
+            if self.runtime.on_control(msg):
+                continue
             if isinstance(msg, BadMessage):
                 noisy.warning("dropped a malformed message: %s", msg.error)
                 if msg.request_id:
@@ -106,17 +98,6 @@ class PrefillNode:
                 self._accept(msg)
             elif isinstance(msg, NodeAbort):
                 self.handoffs.abort(msg.request_id)
-            elif isinstance(msg, ReadyReply):
-                self._quit(self.registration.on_reply(msg))
-            elif isinstance(msg, Shutdown):
-                log.info("shutdown requested by the frontend")
-                stop.set()
-
-    def _quit(self, reason: str | None) -> None:
-        if reason:
-            log.error("stopping: %s", reason)
-            self.exit_code = 1
-            self._stop.set()
 
     def _accept(self, req: PrefillRequest) -> None:
         try:
@@ -181,7 +162,7 @@ class PrefillNode:
     def _send_prefix_update(self) -> None:
         """The frontend routes by what this node caches: tell it what changed, or all
         of it after each registration (it may have forgotten us, or restarted)."""
-        if not self.cfg.is_prefix_caching or not self.registration.is_accepted:
+        if not self.cfg.is_prefix_caching or not self.runtime.is_registered:
             self._is_prefix_synced = False
             self.allocator.take_updates()   # a full resync follows registration
             return
@@ -211,15 +192,14 @@ class PrefillNode:
                 "num_kv_bytes_written": self.handoffs.bytes_written,
                 "num_failed": self.num_failed, "num_free_blocks": self.allocator.num_free,
                 "num_bad_messages": self.frontend.num_bad + self.handoffs.num_bad,
-                "is_registered": self.registration.is_accepted, **self.allocator.stats(),
+                "is_registered": self.runtime.is_registered, **self.allocator.stats(),
                 "num_usable_blocks": self.allocator.capacity,
                 "kv_links": {p.name: (p.writer.name if p.writer else p.error or "connecting")
                              for p in list(self.handoffs.peers.values())}}
 
     def _report(self) -> None:
         now = time.monotonic()
-        self.heartbeat.last_turn = now
-        self._quit(self.registration.tick())
+        self.runtime.turn()
         self._send_prefix_update()
         if now - self._last_log >= self.cfg.links.log_interval_s:
             elapsed = now - self._last_log if self._last_log else 0.0
