@@ -91,7 +91,9 @@ def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: t
     num_tokens = input_ids.shape[0]
     eps, d = spec.rms_norm_eps, spec.head_dim
     scale = d ** -0.5
-    ops = kernels.ops_for(input_ids)
+    # The ops for this device, looked up once per forward (per call, on CPU, the lookup
+    # is a visible share of a small step).
+    ops = kernels.backend_for(input_ids)
     h = F.embedding(input_ids, w.embed)
     residual = None
     for i, layer in enumerate(w.layers):
@@ -106,14 +108,13 @@ def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: t
         v = v.view(num_tokens, spec.num_kv_heads, d)
         k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
         q = ops.qk_norm_rope_write_kv(q, k, v, layer.q_norm, layer.k_norm, cos_sin, positions,
-                                          eps, k_cache, v_cache, attn.slot_mapping)
+                                      eps, k_cache, v_cache, attn.slot_mapping)
         if attn.is_prefill:
             o = ops.prefill_attention(q, k_cache, v_cache, attn.block_tables,
-                                          attn.query_lens, attn.context_lens, scale,
-                                          attn.prefill_meta)
+                                      attn.query_lens, attn.context_lens, scale, attn.prefill_meta)
         else:
             o = ops.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale,
-                                         attn.host_seq_lens)
+                                     attn.host_seq_lens)
         h = F.linear(o.reshape(num_tokens, spec.q_size), layer.o_proj)
         x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
         h = F.linear(ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)

@@ -110,7 +110,7 @@ class DecodeNode:
                     if not inflight and not self.scheduler.running:
                         self.worker.mark_idle()
                     if updates:
-                        self._send(TokenBatch(updates))
+                        self.runtime.send(TokenBatch(updates))
                     self._report()
         finally:
             rt.close()
@@ -294,7 +294,7 @@ class DecodeNode:
             if error:
                 self.sink.forget(c.request_id)
                 self._finished(c.request_id, in_batch=False, count=False)
-                self._send(RequestFailed(c.request_id, error))
+                self.runtime.send(RequestFailed(c.request_id, error))
                 continue
             c.timings["decode_admit"] = time.time()
             seq.output_ids.append(c.first_token)
@@ -408,9 +408,6 @@ class DecodeNode:
         self.num_finished += count
 
     # ---- send and report ------------------------------------------------------
-
-    def _send(self, msg) -> None:
-        self.runtime.send(msg)
 
     def _send_ready(self) -> bool:
         w = self.worker

@@ -1,6 +1,7 @@
 """Device ops behind one function each. Every function picks the fastest
-implementation for its tensors' device; `portable` is always there and is what
-CPU (and CI) runs."""
+implementation for its tensors' device (backend_for gives them all at once);
+`portable` is always there: the reference, and what serves where no faster
+backend loads."""
 from __future__ import annotations
 
 from kernels import portable
@@ -50,9 +51,3 @@ def compute_slot_mapping(seq_lens, block_tables, block_size, out):
 
 def advance_step(input_ids, sampled, seq_lens, step_inc):
     return backend_for(input_ids).advance_step(input_ids, sampled, seq_lens, step_inc)
-
-
-def ops_for(t):
-    """Every op above for t's device, as attributes: a forward resolves them once,
-    not once per call (on CPU the lookup is a visible share of a small step)."""
-    return backend_for(t)
