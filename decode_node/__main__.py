@@ -3,8 +3,8 @@ import argparse
 import dataclasses
 import sys
 
-from common.config import KV_TRANSFERS, DecodeConfig, NodeLinks, parse_bytes
-from common.process import (HelpFormat, add_worker_args, die_with_parent, run_node, stop_event_on_signals,
+from common.base.config import KV_TRANSFERS, DecodeConfig, NodeLinks, parse_bytes
+from common.runtime.process import (HelpFormat, add_worker_args, die_with_parent, run_node, stop_event_on_signals,
                             worker_config)
 from decode_node.node import DecodeNode
 
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
 
     def build() -> DecodeNode:
         # ipc on CPU maps the cache through shared memory, so it is allocated there.
-        worker = dataclasses.replace(worker_config(a), is_kv_shared=a.kv_transfer in ("auto", "ipc"))
+        worker = dataclasses.replace(worker_config(a), is_cache_in_shm=a.kv_transfer in ("auto", "ipc"))
         return DecodeNode(DecodeConfig(
             worker=worker, frontend_endpoint=a.frontend, kv_endpoint=a.kv_bind, name=a.name,
             max_queue=a.max_queue, reservation_lease_s=a.reservation_lease, kv_transfer=a.kv_transfer,

@@ -1,4 +1,4 @@
-"""The decode node: receive -> admit -> step -> sample -> send, in one loop.
+"""The decode node: receive -> admit -> launch -> collect -> send, in one loop.
 
 Prefill nodes reserve blocks here, write their KV into them through the
 transfer backend, and commit; a committed request joins the batch without a
@@ -18,20 +18,20 @@ import secrets
 import threading
 import time
 
-from common.channel import BadMessage, Channel, Poller
-from common.config import DecodeConfig, endpoint_host
-from common.process import describe_threads
-from common.kv_cache import BlockAllocator
-from common.log import Throttle, get_logger
-from common.runtime import NodeRuntime
+from common.wire.channel import BadMessage, Channel, Poller
+from common.base.config import DecodeConfig, endpoint_host
+from common.runtime.process import describe_threads
+from common.kv.blocks import BlockAllocator
+from common.base.log import Throttle, get_logger
+from common.runtime.node import NodeRuntime
 from common import transfer
-from common.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, HandoffAck, KVBlocks, KVCommit, KVDist,
+from common.wire.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, HandoffAck, KVBlocks, KVCommit, KVDist,
                              KVHello, KVRelease, KVReserve, KVReserved, NodeAbort, NodeReady,
                              RequestFailed, TokenBatch, TokenUpdate, ttft_parts)
-from common.kv_cache import num_blocks_for
-from common.sequence import Sequence, blocks_to_join, finish_reason, grow_blocks, num_blocks_short
-from common.worker import DecodeTicket, DeviceWorker
-from decode_node.scheduler import Ask, DecodeScheduler, Reservation
+from common.kv.blocks import num_blocks_for
+from common.kv.sequence import Sequence, blocks_to_join, finish_reason, num_blocks_short
+from common.engine.worker import DecodeTicket, DeviceWorker
+from decode_node.scheduler import WaitingReserve, DecodeScheduler, Reservation
 
 log = get_logger("decode")
 noisy = Throttle(log)   # lines about what peers send
@@ -45,7 +45,7 @@ class DecodeNode:
         self.epoch = f"{os.getpid()}-{secrets.token_hex(4)}"   # new on every start
         self.recently_aborted: dict[str, float] = {}
         self.pending_aborts: set[str] = set()
-        self.zombies: set[str] = set()   # finished, but their row is in the step in flight
+        self.finished_in_flight: set[str] = set()   # finished, but their row is in the step in flight
         self.num_discarded_tokens = 0
         self.num_finished = 0
         self.num_batched_steps = 0      # steps that ran more than one request
@@ -71,13 +71,13 @@ class DecodeNode:
                 # With keys, only the cluster's nodes get past the handshake.
                 self.kv = Channel(rt.ctx, True, self.cfg.kv_endpoint, max_message_bytes=kv_limit,
                                   domain="nodes")
-                self.sink = transfer.KVSink(self.worker.kv_cache, getattr(self.worker.kv_shm, "name", None),
+                self.sink = transfer.KVSink(self.worker.kv_cache, self.worker.kv_shm_name,
                                             transfer.accepted_backends(self.cfg.kv_transfer,
                                                                        self.worker.device),
                                             endpoint_host(self.cfg.kv_endpoint))
-                poller = self._poller = Poller(self.frontend, self.kv)
-                self.allocator = BlockAllocator(self.worker.num_kv_blocks)
-                self.scheduler = DecodeScheduler(self.allocator, self.worker.block_size,
+                self._poller = Poller(self.frontend, self.kv)
+                self.blocks = BlockAllocator(self.worker.num_kv_blocks)
+                self.scheduler = DecodeScheduler(self.blocks, self.worker.block_size,
                                                  self.cfg.worker.max_batch_size, self.cfg.max_queue,
                                                  self.cfg.is_preemptive)
                 rt.start(self._send_ready, self.stats)
@@ -91,20 +91,21 @@ class DecodeNode:
                 while not stop.is_set():
                     is_busy = bool(inflight or self.scheduler.running or self.scheduler.ready
                                    or self.scheduler.preempted)
-                    for ch in poller.wait(0 if is_busy else 0.02):
-                        self._receive_all(ch)
-                    self._expire_reservations()
-                    self._grant()
+                    self._receive(timeout=0 if is_busy else 0.02)
                     if inflight is None:
                         # Nothing on the device: the batch may change.
                         self._apply_aborts()
-                        updates = self._admit()
+                        updates = self._admit()          # first tokens of the newly admitted
                         self._make_room()
                         inflight = self._launch()
                     else:
-                        # Queue the next step behind the running one when the batch
-                        # stays as it is, so the device never waits for this host work.
+                        # Step k runs. Queue step k+1 behind it when the batch stays as it
+                        # is, so the device never waits for this host work; then read the
+                        # links until step k is done (nothing read changes the batch:
+                        # aborts wait for the next turn) and take its tokens.
                         upcoming = self._launch() if self._can_pipeline() else None
+                        while not self.worker.is_step_done(inflight):
+                            self._receive(timeout=0)
                         updates = self._collect(inflight, is_next_launched=upcoming is not None)
                         inflight = upcoming
                     if not inflight and not self.scheduler.running:
@@ -122,6 +123,14 @@ class DecodeNode:
         return rt.exit_code
 
     # ---- receive ----------------------------------------------------------
+
+    def _receive(self, timeout: float) -> None:
+        """Everything waiting on both links, then the handoff's bookkeeping: leases
+        that ran out, reservations granted from the line."""
+        for ch in self._poller.wait(timeout):
+            self._receive_all(ch)
+        self._expire_reservations()
+        self._grant()
 
     def _receive_all(self, ch: Channel) -> None:
         allowed = PREFILL_TO_DECODE if ch is self.kv else FRONTEND_TO_NODE
@@ -146,7 +155,7 @@ class DecodeNode:
                 if self._reservation_of(sender, msg.request_id):
                     self._release(msg.request_id)
                 else:
-                    self.scheduler.drop_ask(msg.request_id, sender)
+                    self.scheduler.drop_waiting(msg.request_id, sender)
             elif isinstance(msg, NodeAbort):
                 self._abort(msg.request_id)
 
@@ -170,7 +179,7 @@ class DecodeNode:
                                          self.cfg.max_queue)
         if isinstance(got, Reservation):
             reply = KVReserved(m.request_id, self.epoch, list(got.block_ids), lease_s=lease_s)
-        elif isinstance(got, Ask):
+        elif isinstance(got, WaitingReserve):
             reply = KVReserved(m.request_id, self.epoch, None, True, got.reason, lease_s, is_queued=True)
         else:
             reason, is_retryable = got
@@ -243,10 +252,10 @@ class DecodeNode:
 
     def _expire_reservations(self) -> None:
         now = time.monotonic()
-        for a in [a for a in self.scheduler.asking if now > a.deadline]:
+        for a in [a for a in self.scheduler.waiting if now > a.deadline]:
             noisy.warning("reservation request %s was not asked again within %.0fs: dropped",
                           a.request_id, self.cfg.reservation_lease_s)
-            self.scheduler.asking.remove(a)
+            self.scheduler.waiting.remove(a)
         for rid in self.scheduler.expired(now):
             noisy.warning("reservation %s was neither renewed nor committed within %.0fs: freed", rid,
                           self.cfg.reservation_lease_s)
@@ -270,7 +279,7 @@ class DecodeNode:
             else:
                 self._release(request_id)
             self.recently_aborted[request_id] = now  # a late commit is refused, not an error
-        elif self.scheduler.drop_ask(request_id):
+        elif self.scheduler.drop_waiting(request_id):
             self.recently_aborted[request_id] = now
         else:
             self.recently_aborted[request_id] = now  # its reservation may still be on the way
@@ -304,20 +313,20 @@ class DecodeNode:
             if reason:
                 self._finished(c.request_id, in_batch=False)
                 continue
-            blocks_to_join(seq, self.worker.block_size, self.allocator)
+            blocks_to_join(seq, self.worker.block_size, self.blocks)
             self.worker.add_decode_seq(c.request_id, c.first_token, c.prompt_len,
                                        seq.block_ids, c.params)
         return updates
 
     def _launch(self) -> DecodeTicket | None:
-        grow_blocks(self.worker, self.scheduler.running, self.allocator)
+        self.worker.grow_blocks(self.scheduler.running, self.blocks)
         return self.worker.launch_decode()
 
     # ---- preemption (between steps only: no step in flight) -------------------
 
     def _make_room(self) -> None:
         """Preempt until the next step's new blocks fit in the pool."""
-        while num_blocks_short(self.worker, self.scheduler.running, self.allocator):
+        while num_blocks_short(self.worker.keys_needing_block, self.scheduler.running, self.blocks):
             self._preempt(self.scheduler.victim())
 
     def _preempt(self, seq: Sequence) -> None:
@@ -337,7 +346,7 @@ class DecodeNode:
         self.num_preemptions += 1
         log.debug("preempted %s at %d tokens (%s): %d KV blocks free, %d running", rid, seq.num_cached,
                   "swapped to host" if seq.is_swapped else "to be recomputed",
-                  self.allocator.num_free, len(self.scheduler.running))
+                  self.blocks.num_free, len(self.scheduler.running))
 
     def _resume(self, seq: Sequence) -> None:
         rid = seq.request_id
@@ -358,29 +367,23 @@ class DecodeNode:
         request that surely ends with the running step (its extra step would write
         past its reserved blocks), no preempted request that could resume, and no
         block the next step needs that only a preemption would free."""
-        if self.pending_aborts or self.zombies or self.scheduler.has_admissible(self.sink.is_landed) \
+        if self.pending_aborts or self.finished_in_flight or self.scheduler.has_admissible(self.sink.is_landed) \
                 or self.scheduler.next_resumable() \
-                or num_blocks_short(self.worker, self.scheduler.running, self.allocator):
+                or num_blocks_short(self.worker.keys_needing_block, self.scheduler.running, self.blocks):
             return False
         limit = self.worker.max_model_len
         return not any(len(s.output_ids) + 1 >= s.params.max_tokens
                        or s.prompt_len + len(s.output_ids) + 1 >= limit
                        for s in self.scheduler.running.values())
 
-    def _receive_while_stepping(self) -> None:
-        """While a step runs: reservations, KV frames and commits need not wait for it.
-        Nothing received here changes the running batch (aborts are applied between steps)."""
-        for ch in self._poller.wait(0):
-            self._receive_all(ch)
-
     def _collect(self, ticket: DecodeTicket, is_next_launched: bool) -> list[TokenUpdate]:
-        tokens = self.worker.collect_decode(ticket, self._receive_while_stepping)
+        tokens = self.worker.collect_decode(ticket)
         self._log_steps += 1
         if len(tokens) > 1:
             self.num_batched_steps += 1
         updates = []
         for key, token in zip(ticket.keys, tokens):
-            if key in self.zombies or key not in self.scheduler.running:
+            if key in self.finished_in_flight or key not in self.scheduler.running:
                 self.num_discarded_tokens += 1  # ended in the previous step: past its end
                 continue
             self._log_tokens += 1
@@ -392,13 +395,13 @@ class DecodeNode:
             if reason:
                 self.num_finished += 1
                 if is_next_launched:
-                    self.zombies.add(key)  # its row runs once more; removed after that
+                    self.finished_in_flight.add(key)  # its row runs once more; removed after that
                 else:
                     self._finished(key, in_batch=True, count=False)
         if not is_next_launched:
-            for key in self.zombies:
+            for key in self.finished_in_flight:
                 self._finished(key, in_batch=True, count=False)
-            self.zombies.clear()
+            self.finished_in_flight.clear()
         return updates
 
     def _finished(self, request_id: str, in_batch: bool, count: bool = True) -> None:
@@ -422,17 +425,17 @@ class DecodeNode:
                 "num_queued": len(self.scheduler.ready),
                 "num_reservations": len(self.scheduler.reservations), "num_finished": self.num_finished,
                 "num_expired_reservations": self.num_expired_reservations,
-                "num_asking": len(self.scheduler.asking), "num_granted": self.num_granted,
+                "num_asking": len(self.scheduler.waiting), "num_granted": self.num_granted,
                 "num_batched_steps": self.num_batched_steps,
                 "num_preemptions": self.num_preemptions, "num_swapped": self.num_swapped,
                 "num_recomputed": self.num_recomputed, "num_preempted": len(self.scheduler.preempted),
                 "num_discarded_tokens": self.num_discarded_tokens,
-                "num_free_blocks": self.allocator.num_free,
-                "num_reserved_blocks": self.allocator.num_reserved,
-                "num_available_blocks": self.allocator.num_available,
+                "num_free_blocks": self.blocks.num_free,
+                "num_reserved_blocks": self.blocks.num_reserved,
+                "num_available_blocks": self.blocks.num_available,
                 "num_bad_messages": self.frontend.num_bad + self.kv.num_bad,
                 "is_registered": self.runtime.is_registered,
-                "num_usable_blocks": self.allocator.capacity}
+                "num_usable_blocks": self.blocks.capacity}
 
     def _report(self) -> None:
         now = time.monotonic()

@@ -2,7 +2,7 @@
 
 A handoff reserves first: the prompt's blocks are taken (their ids go back to
 the prefill node, which writes into them). A request that does not fit now
-waits its turn in `asking` (first come, first served) and is granted its
+waits its turn in `waiting` (first come, first served) and is granted its
 blocks as they free up, without being asked again. A committed reservation waits for a
 free batch row; admission copies nothing. A reservation neither renewed nor
 committed before its lease ends is freed (its prefill node is gone).
@@ -23,9 +23,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.kv_cache import BlockAllocator, num_blocks_for
-from common.protocol import KVCommit
-from common.sequence import Sequence
+from common.kv.blocks import BlockAllocator, num_blocks_for
+from common.wire.protocol import KVCommit
+from common.kv.sequence import Sequence
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Reservation:
 
 
 @dataclass
-class Ask:
+class WaitingReserve:
     """A reservation request waiting for blocks."""
     request_id: str
     sender: bytes
@@ -57,19 +57,19 @@ WATERMARK = 0.01   # of the pool, kept free by admission for running sequences t
 
 
 class DecodeScheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_batch_size: int,
+    def __init__(self, blocks: BlockAllocator, block_size: int, max_batch_size: int,
                  max_queue: int, is_preemptive: bool = True):
-        self.allocator = allocator
+        self.blocks = blocks
         self.block_size = block_size
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.is_preemptive = is_preemptive
-        self.watermark = math.ceil(allocator.capacity * WATERMARK) if is_preemptive else 0
+        self.watermark = math.ceil(blocks.capacity * WATERMARK) if is_preemptive else 0
         self.reservations: dict[str, Reservation] = {}   # reserved, not yet running
         self.ready: deque[str] = deque()                  # committed, waiting for a row
         self.running: dict[str, Sequence] = {}
         self.preempted: list[Sequence] = []               # oldest admission first
-        self.asking: deque[Ask] = deque()                 # waiting for blocks, oldest first
+        self.waiting: deque[WaitingReserve] = deque()                 # waiting for blocks, oldest first
         self.num_admitted = 0
 
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
@@ -88,31 +88,31 @@ class DecodeScheduler:
                 any(s.request_id == request_id for s in self.preempted):
             return f"request {request_id!r} is already on this decode node", False
         need = self.blocks_needed(prompt_len, max_tokens)
-        if need > self.allocator.capacity:
+        if need > self.blocks.capacity:
             # NOTE: this also guarantees that a preempted sequence, alone, always fits.
-            return f"needs {need} KV blocks, this decode node has {self.allocator.capacity}", False
+            return f"needs {need} KV blocks, this decode node has {self.blocks.capacity}", False
         if len(self.reservations) >= self.max_queue:
             return f"decode queue is full ({self.max_queue})", True
         if self.preempted:
             return f"{len(self.preempted)} preempted requests resume first", True
         now = self.blocks_at_reserve(prompt_len, max_tokens)
-        if not self.allocator.can_allocate(now + self.watermark):
-            return f"needs {now} KV blocks, {self.allocator.num_available} are free now", True
+        if not self.blocks.can_allocate(now + self.watermark):
+            return f"needs {now} KV blocks, {self.blocks.num_available} are free now", True
         return None
 
     def reserve(self, request_id: str, sender: bytes, prompt_len: int, max_tokens: int,
                 lease_s: float) -> Reservation:
         need = self.blocks_at_reserve(prompt_len, max_tokens)
         num_prompt = num_blocks_for(prompt_len, self.block_size)
-        block_ids = self.allocator.allocate(num_prompt)
-        self.allocator.reserve(need - num_prompt)
+        block_ids = self.blocks.allocate(num_prompt)
+        self.blocks.reserve(need - num_prompt)
         r = Reservation(request_id, sender, prompt_len, max_tokens, block_ids, need - num_prompt,
                         time.monotonic() + lease_s)
         self.reservations[request_id] = r
         return r
 
     def request(self, request_id: str, sender: bytes, prompt_len: int, max_tokens: int,
-                lease_s: float, max_line: int) -> Reservation | Ask | tuple[str, bool]:
+                lease_s: float, max_line: int) -> Reservation | WaitingReserve | tuple[str, bool]:
         """A KVReserve: its reservation (new, or renewed when the sender asks again for
         what it holds), its place in line (new, or kept), or a refusal (reason,
         is_retryable) when the line is full or the request can never be held."""
@@ -122,43 +122,43 @@ class DecodeScheduler:
                 (r.prompt_len, r.max_tokens) == (prompt_len, max_tokens):
             r.deadline = now + lease_s
             return r
-        a = self.find_ask(request_id)
+        a = self.find_waiting(request_id)
         if a is not None:
             if (a.sender, a.prompt_len, a.max_tokens) != (sender, prompt_len, max_tokens):
                 return f"request {request_id!r} is already on this decode node", False
             a.deadline, a.reason = now + lease_s, "waiting for blocks"
             return a
         refusal = self.refusal(request_id, prompt_len, max_tokens)
-        if refusal is None and self.asking:
-            refusal = f"{len(self.asking)} requests wait for blocks first", True
+        if refusal is None and self.waiting:
+            refusal = f"{len(self.waiting)} requests wait for blocks first", True
         if refusal is None:
             return self.reserve(request_id, sender, prompt_len, max_tokens, lease_s)
-        if refusal[1] and len(self.asking) < max_line:
-            a = Ask(request_id, sender, prompt_len, max_tokens, now + lease_s, refusal[0])
-            self.asking.append(a)
+        if refusal[1] and len(self.waiting) < max_line:
+            a = WaitingReserve(request_id, sender, prompt_len, max_tokens, now + lease_s, refusal[0])
+            self.waiting.append(a)
             return a
         return refusal
 
-    def find_ask(self, request_id: str) -> Ask | None:
-        return next((a for a in self.asking if a.request_id == request_id), None)
+    def find_waiting(self, request_id: str) -> WaitingReserve | None:
+        return next((a for a in self.waiting if a.request_id == request_id), None)
 
-    def drop_ask(self, request_id: str, sender: bytes | None = None) -> bool:
-        a = self.find_ask(request_id)
+    def drop_waiting(self, request_id: str, sender: bytes | None = None) -> bool:
+        a = self.find_waiting(request_id)
         if a is None or (sender is not None and a.sender != sender):
             return False
-        self.asking.remove(a)
+        self.waiting.remove(a)
         return True
 
-    def next_grant(self) -> tuple[Ask, tuple[str, bool] | None] | None:
+    def next_grant(self) -> tuple[WaitingReserve, tuple[str, bool] | None] | None:
         """The oldest waiting request and its refusal (None: grant it), once it no
         longer has to wait; None while it does."""
-        if not self.asking:
+        if not self.waiting:
             return None
-        a = self.asking[0]
+        a = self.waiting[0]
         refusal = self.refusal(a.request_id, a.prompt_len, a.max_tokens)
         if refusal is not None and refusal[1]:
             return None
-        self.asking.popleft()
+        self.waiting.popleft()
         return a, refusal
 
     def commit(self, r: Reservation, commit: KVCommit) -> None:
@@ -172,8 +172,8 @@ class DecodeScheduler:
             return None
         if r.commit is not None:
             self.ready.remove(request_id)
-        self.allocator.free(r.block_ids)
-        self.allocator.unreserve(r.num_reserved)
+        self.blocks.free(r.block_ids)
+        self.blocks.unreserve(r.num_reserved)
         r.block_ids, r.num_reserved = [], 0
         return r
 
@@ -209,7 +209,7 @@ class DecodeScheduler:
     def preempt(self, seq: Sequence, now: float) -> None:
         """seq leaves the batch and gives its blocks back (its KV saved or not by the caller)."""
         del self.running[seq.request_id]
-        seq.release(self.allocator)
+        seq.release(self.blocks)
         seq.num_preemptions += 1
         seq.preempted_at = now
         self.preempted.append(seq)
@@ -226,12 +226,12 @@ class DecodeScheduler:
             return None
         seq = self.preempted[0]
         margin = self.watermark if self.running else 0
-        return seq if self.allocator.can_allocate(self.blocks_to_resume(seq) + margin) else None
+        return seq if self.blocks.can_allocate(self.blocks_to_resume(seq) + margin) else None
 
     def resume(self, seq: Sequence, now: float) -> list[int]:
         """seq runs again; its new blocks (for the caller to fill)."""
         self.preempted.remove(seq)
-        seq.block_ids = self.allocator.allocate(self.blocks_to_resume(seq))
+        seq.block_ids = self.blocks.allocate(self.blocks_to_resume(seq))
         seq.preempted_s += now - seq.preempted_at
         self.running[seq.request_id] = seq
         return seq.block_ids
@@ -246,5 +246,5 @@ class DecodeScheduler:
 
     def finish(self, request_id: str) -> Sequence:
         seq = self.running.pop(request_id)
-        seq.release(self.allocator)
+        seq.release(self.blocks)
         return seq

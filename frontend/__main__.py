@@ -4,10 +4,10 @@ import asyncio
 import dataclasses
 import sys
 
-from common.channel import LinkError
-from common.config import FrontendConfig, NodeLinks
-from common.log import add_log_level_arg, set_level
-from common.process import HelpFormat, add_thread_args, apply_threads, die_with_parent
+from common.wire.channel import LinkError
+from common.base.config import FrontendConfig, NodeLinks
+from common.base.log import add_log_level_arg, set_level
+from common.runtime.process import HelpFormat, add_thread_args, apply_threads, die_with_parent
 from frontend.server import Frontend
 
 

@@ -17,12 +17,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
-from common.channel import AsyncChannel, BadMessage, Channel, open_async_context, open_context
-from common.config import check_endpoint
-from common.keys import CLIENTS, load_keys
-from common.process import HelpFormat
-from common.protocol import FRONTEND_TO_CLIENT as REPLIES
-from common.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateRequest, OutputBatch,
+from common.wire.channel import AsyncChannel, BadMessage, Channel, open_async_context, open_context
+from common.base.config import check_endpoint
+from common.wire.keys import CLIENTS, load_keys
+from common.runtime.process import HelpFormat
+from common.wire.protocol import FRONTEND_TO_CLIENT as REPLIES
+from common.wire.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateRequest, OutputBatch,
                              StatsReply, StatsRequest)
 
 

@@ -13,9 +13,9 @@ import asyncio
 
 from aiohttp import web
 
-from common.channel import LinkError
-from common.log import Throttle, get_logger
-from common.protocol import ErrorReply, GenerateOutput
+from common.wire.channel import LinkError
+from common.base.log import Throttle, get_logger
+from common.wire.protocol import ErrorReply, GenerateOutput
 from frontend import openai_api as api
 from frontend.metrics import CONTENT_TYPE
 from frontend.openai_api import ApiError

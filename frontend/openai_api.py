@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from common.protocol import GenerateRequest
+from common.wire.protocol import GenerateRequest
 
 
 class ApiError(Exception):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.prefix import num_reusable_blocks
-from common.protocol import NodeReady
+from common.kv.prefix import num_reusable_blocks
+from common.wire.protocol import NodeReady
 
 
 @dataclass

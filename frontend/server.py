@@ -20,19 +20,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from common.channel import AsyncChannel, BadMessage, open_async_context
-from common.config import FrontendConfig
-from common.keys import FRONTEND, load_keys
-from common.log import Throttle, get_logger
-from common.model_spec import load_spec
-from common.prefix import block_hashes, route_key
-from common.process import describe_threads
-from common.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, ErrorReply, GenerateOutput,
+from common.wire.channel import AsyncChannel, BadMessage, open_async_context
+from common.base.config import FrontendConfig, clamp_model_len
+from common.wire.keys import FRONTEND, load_keys
+from common.base.log import Throttle, get_logger
+from common.base.model_spec import load_spec
+from common.kv.prefix import block_hashes, route_key
+from common.runtime.process import describe_threads
+from common.wire.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, ErrorReply, GenerateOutput,
                              GenerateRequest, Heartbeat, NodeAbort, NodeReady, OutputBatch, PrefillRequest,
                              PrefixUpdate, ReadyReply, RequestFailed, StatsReply, StatsRequest, TokenBatch,
                              TokenUpdate)
-from common.sampling import SamplingParams, validate_prompt
-from common.sequence import FINISH_ABORT, FINISH_ERROR, FINISH_STOP
+from common.base.request import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, SamplingParams, validate_prompt
 from frontend import http, router
 from frontend.admission import Admission
 from frontend.detok import IncrementalDetokenizer
@@ -82,8 +81,7 @@ class Frontend:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.spec = load_spec(cfg.model)
         self.served_model = cfg.served_model_name or Path(cfg.model).name
-        self.max_model_len = min(cfg.max_model_len or self.spec.max_position_embeddings,
-                                 self.spec.max_position_embeddings)
+        self.max_model_len = clamp_model_len(cfg.max_model_len, self.spec.max_position_embeddings)
         self.nodes: dict[str, NodeState] = {}
         self.requests: dict[str, RequestState] = {}                  # by node id
         self.by_client: dict[tuple[bytes, str], RequestState] = {}   # by (client, its id)

@@ -21,7 +21,7 @@ def _merge(fast) -> types.SimpleNamespace:
 
 @lru_cache(maxsize=None)
 def _backend_for_type(device_type: str):
-    from common.env import read_env
+    from common.base.env import read_env
     if device_type == "cuda" and not read_env().disable_triton:
         try:
             from kernels import triton_cuda
@@ -32,7 +32,7 @@ def _backend_for_type(device_type: str):
         try:
             from kernels import cpu
         except ImportError as e:
-            from common.log import get_logger
+            from common.base.log import get_logger
             get_logger("kernels").warning("CPU attention kernel unavailable (%s): the portable "
                                           "one serves", e)
             return portable

@@ -66,7 +66,7 @@ def _build(cache_dir: Path) -> Path:
 
 
 def _load():
-    from common.env import read_env
+    from common.base.env import read_env
     env = read_env()
     if env.disable_cpu_kernels:
         raise ImportError("PDSERVE_DISABLE_CPU_KERNELS=1")

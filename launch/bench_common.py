@@ -12,14 +12,15 @@ from pathlib import Path
 
 import torch
 
-from common.channel import BadMessage, Channel, Poller, open_context
-from common.config import DTYPES, endpoint
-from common.keys import ClusterKeys
-from common.kv_cache import num_blocks_for
-from common.model_spec import ModelSpec, load_spec, preset_spec
-from common.config import check_model_dir
-from common.process import check_device
-from common.protocol import (HandoffAck, Heartbeat, ReadyReply, KVBlocks, KVCommit, KVHello, KVReserve,
+from common.wire.codec import dtype_name
+from common.wire.channel import BadMessage, Channel, Poller, open_context
+from common.base.config import DTYPES, endpoint
+from common.wire.keys import ClusterKeys
+from common.kv.blocks import num_blocks_for
+from common.base.model_spec import ModelSpec, load_spec, preset_spec
+from common.base.config import check_model_dir
+from common.runtime.process import check_device
+from common.wire.protocol import (HandoffAck, Heartbeat, ReadyReply, KVBlocks, KVCommit, KVHello, KVReserve,
                              KVReserved, KVWelcome, NodeReady)
 from common.transfer import host_id
 
@@ -209,7 +210,7 @@ class NodeUnderTest:
         Returns a commit once it is acknowledged."""
         if isinstance(msg, KVHello):
             shape = [spec.num_layers, 2, 2**30, block_size, spec.num_kv_heads, spec.head_dim]
-            self.kv.send(KVWelcome("bench", host_id(), "cpu", shape, str(dtype).removeprefix("torch."),
+            self.kv.send(KVWelcome("bench", host_id(), "cpu", shape, dtype_name(dtype),
                                    ["tcp"]), to=sender)
         elif isinstance(msg, KVReserve):
             n = num_blocks_for(msg.prompt_len, block_size)

@@ -17,10 +17,11 @@ import time
 
 import torch
 
-from common.kv_cache import num_blocks_for
-from common.process import HelpFormat
-from common.protocol import HandoffAck, NodeAbort, TokenBatch
-from common.sampling import SamplingParams
+from common.wire.codec import dtype_name
+from common.kv.blocks import num_blocks_for
+from common.runtime.process import HelpFormat
+from common.wire.protocol import HandoffAck, NodeAbort, TokenBatch
+from common.base.request import SamplingParams
 from launch.bench_common import (NodeUnderTest, add_common_args, device_name, emit, fit_len, hf_model,
                                  matmul_params, measure_floors, resolve, sync, worker_args)
 
@@ -137,7 +138,7 @@ def main(argv=None) -> None:
         node.close()
     for batch, r, floor_ms in results:
         record = {"bench": "decode", "device": device_name(a.device), "shape": a.shape or a.model,
-                  "dtype": str(dtype).removeprefix("torch."), "batch": batch,
+                  "dtype": dtype_name(dtype), "batch": batch,
                   "context_len": a.context_len, **r, "floor": "memory bandwidth",
                   "floor_ms_per_step": round(floor_ms, 3),
                   "floor_fraction": round(floor_ms / r["ms_per_step"], 3), **floors}

@@ -16,9 +16,10 @@ import time
 
 import torch
 
-from common.process import HelpFormat
-from common.protocol import PrefillRequest, RequestFailed
-from common.sampling import SamplingParams
+from common.wire.codec import dtype_name
+from common.runtime.process import HelpFormat
+from common.wire.protocol import PrefillRequest, RequestFailed
+from common.base.request import SamplingParams
 from launch.bench_common import (NodeUnderTest, add_common_args, device_name, emit, fit_len, hf_model,
                                  matmul_params, measure_floors, resolve, sync, worker_args)
 
@@ -102,7 +103,7 @@ def main(argv=None) -> None:
     e2e_s = min(r["end_to_end_s"] for r in rounds)
     floor_s = prefill_flops(spec, a.batch, a.prompt_len) / (floors["matmul_TFLOPs"] * 1e12)
     record = {"bench": "prefill", "device": device_name(a.device), "shape": a.shape or a.model,
-              "dtype": str(dtype).removeprefix("torch."), "batch": a.batch, "prompt_len": a.prompt_len,
+              "dtype": dtype_name(dtype), "batch": a.batch, "prompt_len": a.prompt_len,
               "prompt_tokens_per_s": round(tokens / forward_s, 1),
               "end_to_end_tokens_per_s": round(tokens / e2e_s, 1),
               "forward_ms": round(forward_s * 1e3, 2),

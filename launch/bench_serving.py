@@ -34,7 +34,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.process import HelpFormat
+from common.runtime.process import HelpFormat
 from frontend.client import AsyncClient
 
 PARTS = ("queue_ms", "prefill_ms", "kv_transfer_ms", "kv_write_ms", "kv_commit_ms",

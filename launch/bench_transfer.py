@@ -26,11 +26,12 @@ import torch
 import zmq
 
 from common import transfer
-from common.kv_cache import num_blocks_for
-from common.process import HelpFormat
-from common.protocol import (HandoffAck, KVCommit, KVHello, KVReserve, KVReserved, KVWelcome,
+from common.wire.codec import dtype_name
+from common.kv.blocks import num_blocks_for
+from common.runtime.process import HelpFormat
+from common.wire.protocol import (HandoffAck, KVCommit, KVHello, KVReserve, KVReserved, KVWelcome,
                              NodeAbort)
-from common.sampling import SamplingParams
+from common.base.request import SamplingParams
 from launch.bench_common import NodeUnderTest, device_name, emit, measure_floors, sync, worker_args
 
 
@@ -225,7 +226,7 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
         node.close()
     total = req_bytes * a.num_requests
     record = {"bench": "kv_transfer", "backend": backend, "shape": a.shape,
-              "dtype": str(dtype).removeprefix("torch."),
+              "dtype": dtype_name(dtype),
               "prefill_device": device_name(a.prefill_device), "decode_device": a.decode_device,
               "prompt_len": a.prompt_len, "num_requests": a.num_requests,
               "MB_per_request": round(req_bytes / 1e6, 2),
@@ -264,11 +265,11 @@ def main(argv=None) -> None:
     a.keys_dir = None
     if a.curve:
         import tempfile
-        from common.keys import make_keys
+        from common.wire.keys import make_keys
         a.keys_dir = tempfile.mkdtemp(prefix="pdserve-bench-keys-")
         make_keys(a.keys_dir, ["prefill-0", "decode-0"])
-    from common.model_spec import preset_spec
-    from common.config import DTYPES
+    from common.base.model_spec import preset_spec
+    from common.base.config import DTYPES
     spec = preset_spec(a.shape)
     dtype = DTYPES[a.dtype] if a.dtype else (torch.float32 if a.prefill_device == "cpu" else torch.bfloat16)
     if a.kv_cache_memory is None:

@@ -23,7 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from common.process import HelpFormat
+from common.runtime.process import HelpFormat
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "64"]

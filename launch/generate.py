@@ -8,12 +8,12 @@ import argparse
 import json
 import time
 
-from common.config import WorkerConfig
-from common.kv_cache import BlockAllocator, num_blocks_for
-from common.process import HelpFormat
-from common.sampling import SamplingParams, validate_prompt
-from common.sequence import Sequence, blocks_to_join, finish_reason, grow_blocks
-from common.worker import DeviceWorker, PrefillChunk
+from common.base.config import WorkerConfig
+from common.kv.blocks import BlockAllocator, num_blocks_for
+from common.runtime.process import HelpFormat
+from common.base.request import SamplingParams, validate_prompt
+from common.kv.sequence import Sequence, blocks_to_join, finish_reason
+from common.engine.worker import DeviceWorker, PrefillChunk
 
 
 def generate(worker: DeviceWorker, prompts: list[list[int]],
@@ -48,7 +48,7 @@ def generate(worker: DeviceWorker, prompts: list[list[int]],
         worker.add_decode_seq(key, tok, len(ids), seq.block_ids, seq.params)
     num_steps, t1 = 0, time.perf_counter()
     while worker.num_decode_seqs:
-        grow_blocks(worker, seqs, alloc)
+        worker.grow_blocks(seqs, alloc)
         keys = worker.decode_keys()
         for key, tok in zip(keys, worker.decode_step()):
             seq = seqs[key]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.keys import make_keys
-from common.process import HelpFormat
+from common.wire.keys import make_keys
+from common.runtime.process import HelpFormat
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,11 +10,11 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common.config import WorkerConfig, parse_bytes
-from common.kv_cache import BlockAllocator, num_blocks_for
-from common.process import HelpFormat
-from common.sampling import SamplingParams
-from common.worker import DeviceWorker, PrefillChunk
+from common.base.config import WorkerConfig, parse_bytes
+from common.kv.blocks import BlockAllocator, num_blocks_for
+from common.runtime.process import HelpFormat
+from common.base.request import SamplingParams
+from common.engine.worker import DeviceWorker, PrefillChunk
 from launch.bench_common import fit_len, resolve
 
 

@@ -40,7 +40,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common.process import HelpFormat
+from common.runtime.process import HelpFormat
 from frontend.client import AsyncClient, Client
 from launch.reference import clear_prompts
 

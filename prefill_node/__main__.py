@@ -5,8 +5,8 @@ that decode node's KV link on first use."""
 import argparse
 import sys
 
-from common.config import KV_TRANSFERS, NodeLinks, PrefillConfig
-from common.process import (HelpFormat, add_worker_args, die_with_parent, run_node, stop_event_on_signals,
+from common.base.config import KV_TRANSFERS, NodeLinks, PrefillConfig
+from common.runtime.process import (HelpFormat, add_worker_args, die_with_parent, run_node, stop_event_on_signals,
                             worker_config)
 from prefill_node.node import PrefillNode
 

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from common import transfer
-from common.channel import Channel, Poller
-from common.config import PrefillConfig
-from common.kv_cache import BlockAllocator, num_blocks_for
-from common.log import get_logger
-from common.protocol import (DECODE_TO_PREFILL, HandoffAck, KVCommit, KVHello, KVRelease,
+from common.wire.channel import Channel, Poller
+from common.base.config import PrefillConfig
+from common.kv.blocks import BlockAllocator, num_blocks_for
+from common.base.log import get_logger
+from common.wire.protocol import (DECODE_TO_PREFILL, HandoffAck, KVCommit, KVHello, KVRelease,
                              KVReserve, KVReserved, KVWelcome)
 from prefill_node.scheduler import PrefillJob, PrefillScheduler
 
@@ -82,10 +82,10 @@ class Handoff:
 
 
 class Handoffs:
-    def __init__(self, ctx, cfg: PrefillConfig, cache, allocator: BlockAllocator,
+    def __init__(self, ctx, cfg: PrefillConfig, cache, prefix_cache: BlockAllocator,
                  scheduler: PrefillScheduler, poller: Poller, fail: Callable[[str, str], None]):
         self.ctx, self.cfg, self.cache = ctx, cfg, cache
-        self.allocator, self.scheduler, self.poller = allocator, scheduler, poller
+        self.prefix_cache, self.scheduler, self.poller = prefix_cache, scheduler, poller
         self.fail = fail
         self.peers: dict[str, DecodePeer] = {}      # by KV endpoint
         self.by_id: dict[str, Handoff] = {}
@@ -356,7 +356,7 @@ class Handoffs:
         if h is None or not h.is_writing:
             return
         h.is_writing, h.is_written, h.written_at = False, True, time.time()
-        self.allocator.free(h.job.block_ids)   # the decode node holds them now
+        self.prefix_cache.free(h.job.block_ids)   # the decode node holds them now
         h.job.block_ids = []
         self._commit(h)
 
@@ -380,7 +380,7 @@ class Handoffs:
             h.peer.channel.send(KVRelease(h.job.request_id), block=False)
         # Waiting or part-way: the scheduler drops it (and frees its blocks).
         if self.scheduler.abort(h.job.request_id) is None and h.job.block_ids:
-            self.allocator.free(h.job.block_ids)
+            self.prefix_cache.free(h.job.block_ids)
         h.job.block_ids = []
         if error:
             self.fail(h.job.request_id, error)

@@ -13,16 +13,16 @@ import os
 import threading
 import time
 
-from common.channel import BadMessage, LinkError, Poller
-from common.config import PrefillConfig, check_endpoint
-from common.process import describe_threads
-from common.runtime import NodeRuntime
-from common.prefix import PrefixCache
-from common.log import Throttle, get_logger
-from common.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, PrefillRequest, PrefixUpdate,
+from common.wire.channel import BadMessage, LinkError, Poller
+from common.base.config import PrefillConfig, check_endpoint
+from common.runtime.process import describe_threads
+from common.runtime.node import NodeRuntime
+from common.kv.prefix import PrefixCache
+from common.base.log import Throttle, get_logger
+from common.wire.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, PrefillRequest, PrefixUpdate,
                              RequestFailed, TokenBatch, TokenUpdate, ttft_parts)
-from common.sampling import stop_reason, validate_prompt
-from common.worker import DeviceWorker, PrefillChunk
+from common.base.request import stop_reason, validate_prompt
+from common.engine.worker import DeviceWorker, PrefillChunk
 from prefill_node.handoff import Handoffs
 from prefill_node.scheduler import PrefillJob, PrefillScheduler, ScheduledChunk
 
@@ -52,10 +52,10 @@ class PrefillNode:
         poller = Poller(self.frontend)
         try:
             with self.worker:
-                self.allocator = PrefixCache(self.worker.num_kv_blocks, self.cfg.is_prefix_caching)
-                self.scheduler = PrefillScheduler(self.allocator, self.worker.block_size,
+                self.prefix_cache = PrefixCache(self.worker.num_kv_blocks, self.cfg.is_prefix_caching)
+                self.scheduler = PrefillScheduler(self.prefix_cache, self.worker.block_size,
                                                   self.cfg.token_budget, self.cfg.max_batch_prompts)
-                self.handoffs = Handoffs(rt.ctx, self.cfg, self.worker.kv_cache, self.allocator,
+                self.handoffs = Handoffs(rt.ctx, self.cfg, self.worker.kv_cache, self.prefix_cache,
                                          self.scheduler, poller, self._fail)
                 rt.start(self._send_ready, self.stats)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s",
@@ -164,16 +164,16 @@ class PrefillNode:
         of it after each registration (it may have forgotten us, or restarted)."""
         if not self.cfg.is_prefix_caching or not self.runtime.is_registered:
             self._is_prefix_synced = False
-            self.allocator.take_updates()   # a full resync follows registration
+            self.prefix_cache.take_updates()   # a full resync follows registration
             return
-        added, removed = self.allocator.take_updates()
+        added, removed = self.prefix_cache.take_updates()
         now = time.monotonic()
         # NOTE: a full resync every PREFIX_RESYNC_S heals any drift (a node declared dead
         # and back, a lost update).
         if not self._is_prefix_synced or max(len(added), len(removed)) > MAX_PREFIX_KEYS \
                 or now - self._prefix_synced_at > PREFIX_RESYNC_S:
             self._prefix_synced_at = now
-            update = PrefixUpdate(self.cfg.name, os.getpid(), self.allocator.snapshot()[-MAX_PREFIX_KEYS:],
+            update = PrefixUpdate(self.cfg.name, os.getpid(), self.prefix_cache.snapshot()[-MAX_PREFIX_KEYS:],
                                   [], True)
         elif added or removed:
             update = PrefixUpdate(self.cfg.name, os.getpid(), added, removed)
@@ -190,10 +190,10 @@ class PrefillNode:
                 "num_pending_handoffs": self.handoffs.num_pending,
                 "num_handoffs": self.handoffs.num_handoffs,
                 "num_kv_bytes_written": self.handoffs.bytes_written,
-                "num_failed": self.num_failed, "num_free_blocks": self.allocator.num_free,
+                "num_failed": self.num_failed, "num_free_blocks": self.prefix_cache.num_free,
                 "num_bad_messages": self.frontend.num_bad + self.handoffs.num_bad,
-                "is_registered": self.runtime.is_registered, **self.allocator.stats(),
-                "num_usable_blocks": self.allocator.capacity,
+                "is_registered": self.runtime.is_registered, **self.prefix_cache.stats(),
+                "num_usable_blocks": self.prefix_cache.capacity,
                 "kv_links": {p.name: (p.writer.name if p.writer else p.error or "connecting")
                              for p in list(self.handoffs.peers.values())}}
 

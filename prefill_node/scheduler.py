@@ -22,9 +22,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.kv_cache import num_blocks_for
-from common.prefix import PrefixCache, block_hashes, num_reusable_blocks
-from common.sampling import SamplingParams
+from common.kv.blocks import num_blocks_for
+from common.kv.prefix import PrefixCache, block_hashes, num_reusable_blocks
+from common.base.request import SamplingParams
 
 
 @dataclass
@@ -62,9 +62,9 @@ class ScheduledChunk:
 
 
 class PrefillScheduler:
-    def __init__(self, allocator: PrefixCache, block_size: int, token_budget: int,
+    def __init__(self, prefix_cache: PrefixCache, block_size: int, token_budget: int,
                  max_batch_prompts: int):
-        self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.block_size = block_size
         self.token_budget = token_budget
         self.max_batch_prompts = max_batch_prompts
@@ -88,7 +88,7 @@ class PrefillScheduler:
             sum(j.prompt_len - j.num_computed for j in self.prefilling)
 
     def fits_at_all(self, prompt_len: int) -> bool:
-        return num_blocks_for(prompt_len, self.block_size) <= self.allocator.capacity
+        return num_blocks_for(prompt_len, self.block_size) <= self.prefix_cache.capacity
 
     def add(self, job: PrefillJob) -> None:
         self.waiting.append(job)
@@ -102,7 +102,7 @@ class PrefillScheduler:
         for job in self.prefilling:
             if job.request_id == request_id:
                 self.prefilling.remove(job)
-                self.allocator.free(job.block_ids)
+                self.prefix_cache.free(job.block_ids)
                 job.block_ids = []
                 return job
         return None
@@ -124,20 +124,20 @@ class PrefillScheduler:
             bs = self.block_size
             if not job.hashes:
                 job.hashes = block_hashes(job.token_ids, bs)
-            cached = self.allocator.match(job.hashes[:num_reusable_blocks(job.prompt_len, bs)])
+            cached = self.prefix_cache.match(job.hashes[:num_reusable_blocks(job.prompt_len, bs)])
             need = num_blocks_for(job.prompt_len, bs) - len(cached)
-            if not self.allocator.can_allocate(need if job.is_reserved else 2 * need):
-                self.allocator.free(cached)
+            if not self.prefix_cache.can_allocate(need if job.is_reserved else 2 * need):
+                self.prefix_cache.free(cached)
                 if not job.is_reserved:
                     continue
                 break  # backpressure: wait for handoffs to free blocks
             if not job.is_reserved:
                 self.early = job
             self.waiting.remove(job)
-            job.block_ids = cached + self.allocator.allocate(need)
+            job.block_ids = cached + self.prefix_cache.allocate(need)
             job.num_computed = job.num_cached_tokens = len(cached) * bs
             job.num_published = len(cached)
-            self.allocator.count(job.prompt_len, job.num_cached_tokens)
+            self.prefix_cache.count(job.prompt_len, job.num_cached_tokens)
             job.start_time = time.time()
             self.prefilling.append(job)
             end = min(job.prompt_len, job.num_computed + budget)
@@ -157,7 +157,7 @@ class PrefillScheduler:
             job = c.job
             job.num_computed = c.end
             for i in range(job.num_published, min(c.end // self.block_size, len(job.hashes))):
-                self.allocator.publish(job.block_ids[i], job.hashes[i])
+                self.prefix_cache.publish(job.block_ids[i], job.hashes[i])
             job.num_published = max(job.num_published, c.end // self.block_size)
             if c.is_last:
                 self.prefilling.remove(c.job)

@@ -10,7 +10,7 @@ import random
 
 import msgpack
 
-from common import protocol
+from common.wire import codec, protocol
 
 NUMBERS = [0, 1, 2, 3, -1, 7, 15, 16, 17, 2**31 - 1, 2**31, 2**40, -2**63, 2**64 - 1,
            0.0, 0.5, 1.5, -1.0, float("nan"), float("inf"), -float("inf"), 1e308]
@@ -74,7 +74,7 @@ def message(rng: random.Random) -> list[bytes]:
                     "type": kind if rng.random() < 0.92 else _any(rng)}
     frames = []
     if cls is not None:
-        hints = protocol._hints(cls)
+        hints = codec._hints(cls)
         for f in dataclasses.fields(cls):
             if rng.random() < 0.08:
                 continue   # a field left out

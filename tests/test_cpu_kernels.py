@@ -172,9 +172,9 @@ def test_an_unbuildable_kernel_leaves_the_portable_op_and_says_why(tmp_path):
 
 def test_prefill_lanes_equal_one_lane(tiny_model):
     """A pass split over two lanes (threads) writes the same KV and samples the same tokens."""
-    from common.config import WorkerConfig
-    from common.sampling import SamplingParams
-    from common.worker import DeviceWorker, PrefillChunk
+    from common.base.config import WorkerConfig
+    from common.base.request import SamplingParams
+    from common.engine.worker import DeviceWorker, PrefillChunk
     g = torch.Generator().manual_seed(0)
     lens = [40, 7, 23, 64, 1]
     prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in lens]
@@ -210,7 +210,7 @@ def test_bad_thread_flags_are_one_line(tiny_model, flag, match):
 
 
 def test_parse_cpus():
-    from common.process import parse_cpus
+    from common.runtime.process import parse_cpus
     assert parse_cpus("0-2,5") == {0, 1, 2, 5} and parse_cpus("3") == {3}
     with pytest.raises(ValueError, match="core numbers"):
         parse_cpus("a")

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import WorkerConfig
-from common.kv_cache import BlockAllocator, num_blocks_for
-from common.sampling import SamplingParams
-from common.worker import DeviceWorker, PrefillChunk
+from common.base.config import WorkerConfig
+from common.kv.blocks import BlockAllocator, num_blocks_for
+from common.base.request import SamplingParams
+from common.engine.worker import DeviceWorker, PrefillChunk
 from launch.generate import generate
 from tests.conftest import hf_greedy
 

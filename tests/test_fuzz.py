@@ -10,8 +10,8 @@ from pathlib import Path
 
 import zmq
 
-from common import protocol
-from common.protocol import ProtocolError
+from common.wire import protocol
+from common.wire.protocol import ProtocolError
 from frontend.client import Client
 from tests.cluster_util import Processes, free_base_port, wait_for
 from tests.fuzz_messages import message

@@ -8,13 +8,15 @@ import time
 import pytest
 import torch
 
-from common import protocol, transfer
-from common.config import WorkerConfig
-from common.kv_cache import BlockAllocator, num_blocks_for
-from common.protocol import KVBlocks
-from common.sampling import SamplingParams
-from common.sequence import blocks_to_join
-from common.worker import DeviceWorker, PrefillChunk
+from common.wire import protocol
+
+from common import transfer
+from common.base.config import WorkerConfig
+from common.kv.blocks import BlockAllocator, num_blocks_for
+from common.wire.protocol import KVBlocks
+from common.base.request import SamplingParams
+from common.kv.sequence import blocks_to_join
+from common.engine.worker import DeviceWorker, PrefillChunk
 from decode_node.scheduler import DecodeScheduler
 from launch.generate import generate
 
@@ -27,7 +29,7 @@ def _wire(msg):
 @pytest.fixture
 def workers(tiny_model):
     cfg = WorkerConfig(model=str(tiny_model), block_size=16, kv_cache_memory=2 * 2**20)
-    with DeviceWorker(cfg) as pw, DeviceWorker(dataclasses.replace(cfg, is_kv_shared=True)) as dw:
+    with DeviceWorker(cfg) as pw, DeviceWorker(dataclasses.replace(cfg, is_cache_in_shm=True)) as dw:
         yield pw, dw
 
 
@@ -42,10 +44,10 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
     (first,), _ = pw.prefill([PrefillChunk(prompt, 0, src, params)])
 
     sched = DecodeScheduler(BlockAllocator(dw.num_kv_blocks), 16, 4, 4)
-    sched.allocator.allocate(2)
+    sched.blocks.allocate(2)
     r = sched.reserve("r", b"p", len(prompt), params.max_tokens, lease_s=10)
     offered = "dist" if backend == "dist" else "auto"   # auto never offers dist
-    sink = transfer.KVSink(dw.kv_cache, dw.kv_shm.name, transfer.accepted_backends(offered, dw.device),
+    sink = transfer.KVSink(dw.kv_cache, dw.kv_shm_name, transfer.accepted_backends(offered, dw.device),
                            "127.0.0.1")
     frames = []
     writer = transfer.open_writer(backend, _wire(sink.welcome("e1")), pw.kv_cache,
@@ -66,18 +68,18 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
 
     sched.commit(r, protocol.KVCommit("r", len(prompt), first, params, {}, backend, prompt))
     seq = sched.start(sched.next_admissible(sink.is_landed))
-    blocks_to_join(seq, 16, sched.allocator)
+    blocks_to_join(seq, 16, sched.blocks)
     dw.add_decode_seq("r", first, len(prompt), seq.block_ids, params)
     tokens = [first]
     for _ in range(params.max_tokens - 1):
         if dw.next_position("r") // 16 >= dw.num_blocks("r"):
-            dw.append_block("r", seq.take_block(sched.allocator))
+            dw.append_block("r", seq.take_block(sched.blocks))
         tokens += dw.decode_step()
     assert tokens == generate(pw, [prompt], [params])[0]["token_ids"]
     dw.remove_decode_seq("r")
     sched.finish("r")
-    sched.allocator.free([1, 2])
-    assert sched.allocator.num_free == sched.allocator.capacity and sched.allocator.num_reserved == 0
+    sched.blocks.free([1, 2])
+    assert sched.blocks.num_free == sched.blocks.capacity and sched.blocks.num_reserved == 0
     writer.close()
     sink.close()
 
@@ -100,16 +102,16 @@ def test_tcp_frames_are_a_group_of_layers_each(workers, monkeypatch):
 
 def test_the_decode_cache_is_shared_memory_and_freed_on_close(tiny_model):
     import os
-    cfg = WorkerConfig(model=str(tiny_model), kv_cache_memory=2**20, is_kv_shared=True)
+    cfg = WorkerConfig(model=str(tiny_model), kv_cache_memory=2**20, is_cache_in_shm=True)
     w = DeviceWorker(cfg).prepare()
-    path = f"/dev/shm/{w.kv_shm.name}"
+    path = f"/dev/shm/{w.kv_shm_name}"
     assert os.path.exists(path)
     w.close()
     assert not os.path.exists(path)
 
 
 def _welcome(dw, **change):
-    sink = transfer.KVSink(dw.kv_cache, dw.kv_shm.name, ["ipc", "tcp"], "127.0.0.1")
+    sink = transfer.KVSink(dw.kv_cache, dw.kv_shm_name, ["ipc", "tcp"], "127.0.0.1")
     return dataclasses.replace(sink.welcome("e1"), **change)
 
 
@@ -216,7 +218,7 @@ def test_a_full_reservation_holds_every_block_until_released():
     assert sched.expired(float("inf")) == ["a", "b"] and sched.expired(0.0) == []
     sched.release("a")
     sched.release("b")
-    assert sched.allocator.num_free == 19 and sched.allocator.num_reserved == 0
+    assert sched.blocks.num_free == 19 and sched.blocks.num_reserved == 0
 
 
 def test_no_write_starts_in_the_last_third_of_a_reservation_lease():
@@ -268,7 +270,7 @@ def test_a_commit_the_decode_node_never_acknowledges_fails_its_request_and_relea
     hs = Handoffs.__new__(Handoffs)
     hs.cfg, hs.peers, hs.by_id, hs.num_handoffs = SimpleNamespace(handoff_lease_s=10.0), {}, {}, 0
     hs.scheduler = SimpleNamespace(abort=lambda rid: None)
-    hs.allocator = BlockAllocator(8)
+    hs.prefix_cache = BlockAllocator(8)
     hs.fail = lambda rid, error: failed.append((rid, error))
     peer = DecodePeer("decode-0", "tcp://127.0.0.1:1", channel=channel, epoch="e", num_blocks=8)
     job = PrefillJob("r", [1] * 20, SamplingParams(max_tokens=4), 0.0, "decode-0", "tcp://127.0.0.1:1")

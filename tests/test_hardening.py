@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 
-from common.keys import make_keys
+from common.wire.keys import make_keys
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import ROOT, Processes, free_base_port, is_alive, spawn, start_streams, wait_for
 from tests.conftest import hf_greedy
@@ -300,7 +300,7 @@ def test_fake_nodes_are_forgotten(tiny_model, tmp_path):
 
 
 def test_a_dying_frontend_task_is_logged_and_exits_nonzero(tiny_model, capfd):
-    from common.config import FrontendConfig
+    from common.base.config import FrontendConfig
     from frontend.server import Frontend
     base = free_base_port()
     fe = Frontend(FrontendConfig(model=str(tiny_model), client_endpoint=f"tcp://127.0.0.1:{base}",
@@ -403,7 +403,7 @@ def test_a_stopped_node_fails_its_requests_and_serves_after_sigcont(procs, tiny_
 
 
 def test_a_hung_loop_counts_as_dead_and_recovers(tiny_model, tmp_path):
-    from common.config import DecodeConfig, WorkerConfig
+    from common.base.config import DecodeConfig, WorkerConfig
     from decode_node.node import DecodeNode
     p = Processes(tiny_model, free_base_port(), tmp_path, frontend=["--hung-after", "1.5"])
     stop, gate = threading.Event(), threading.Event()
@@ -412,7 +412,7 @@ def test_a_hung_loop_counts_as_dead_and_recovers(tiny_model, tmp_path):
         p.start("prefill")
         node = DecodeNode(DecodeConfig(
             worker=WorkerConfig(model=str(tiny_model), kv_cache_memory=4 * 2**20, max_batch_size=16,
-                                is_kv_shared=True),
+                                is_cache_in_shm=True),
             frontend_endpoint=p.nodes, kv_endpoint=p.kv))
         admit = node._admit
         node._admit = lambda: (gate.wait(), admit())[1]   # the loop blocks here while the gate is shut
@@ -514,8 +514,8 @@ def test_a_second_node_under_a_live_name_is_refused(procs):
 def test_a_commit_with_odd_timings_costs_no_other_request_its_tokens(procs, tiny_model):
     """Token updates of many requests travel in one batch: a part that cannot be computed
     (no stamps) or comes out negative (skewed clocks) must not void the batch."""
-    from common.protocol import HandoffAck, KVCommit, KVHello, KVReserve, KVReserved, KVWelcome
-    from common.sampling import SamplingParams
+    from common.wire.protocol import HandoffAck, KVCommit, KVHello, KVReserve, KVReserved, KVWelcome
+    from common.base.request import SamplingParams
     from tests.test_xpyd import FakePrefill
     _start(procs, "frontend", "prefill", "decode")
     fake = FakePrefill(procs.kv)

@@ -84,9 +84,9 @@ def test_npu_ops_match_portable(npu):
 
 def test_worker_hands_its_host_lengths_to_the_npu_kernels(npu, tiny_model, monkeypatch):
     """The decode kernels get the host mirror, equal to the device lengths, every step."""
-    from common.config import WorkerConfig
-    from common.sampling import SamplingParams
-    from common.worker import DeviceWorker
+    from common.base.config import WorkerConfig
+    from common.base.request import SamplingParams
+    from common.engine.worker import DeviceWorker
     from launch.generate import generate
     import kernels
     from kernels import backends

@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from common.config import WorkerConfig
-from common.kv_cache import BlockAllocator, num_blocks_for
-from common.protocol import KVCommit
-from common.sampling import SamplingParams
-from common.sequence import Sequence
-from common.worker import DeviceWorker, PrefillChunk
+from common.base.config import WorkerConfig
+from common.kv.blocks import BlockAllocator, num_blocks_for
+from common.wire.protocol import KVCommit
+from common.base.request import SamplingParams
+from common.kv.sequence import Sequence
+from common.engine.worker import DeviceWorker, PrefillChunk
 from decode_node.scheduler import DecodeScheduler
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import Processes, free_base_port, wait_for
@@ -41,7 +41,7 @@ def test_preemptive_admission_reserves_what_a_request_needs_now():
     assert sched.refusal("c", 16 * 32, 10)[1] is True          # 33 would eat the watermark
     sched.release("a")
     sched.release("b")
-    assert sched.allocator.num_free == 40 and sched.allocator.num_reserved == 0
+    assert sched.blocks.num_free == 40 and sched.blocks.num_reserved == 0
 
 
 def test_the_newest_is_preempted_and_the_oldest_resumes_first():
@@ -51,7 +51,7 @@ def test_the_newest_is_preempted_and_the_oldest_resumes_first():
     sched.preempt(seqs[2], now=1.0)
     sched.preempt(sched.victim(), now=2.0)
     assert [s.request_id for s in sched.preempted] == ["b", "c"] and list(sched.running) == ["a"]
-    assert sched.allocator.num_free == 37                      # b's and c's blocks are back
+    assert sched.blocks.num_free == 37                      # b's and c's blocks are back
     assert "resume first" in sched.refusal("d", 10, 10)[0]     # nothing new while they wait
     seq = sched.next_resumable()
     assert seq is seqs[1]
@@ -60,7 +60,7 @@ def test_the_newest_is_preempted_and_the_oldest_resumes_first():
     assert sched.drop_preempted("c") is seqs[2] and not sched.preempted
     for rid in ("a", "b"):
         sched.finish(rid)
-    assert sched.allocator.num_free == 40
+    assert sched.blocks.num_free == 40
 
 
 @pytest.mark.parametrize("how", ["swap", "recompute"])

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from common.prefix import PrefixCache, block_hashes, num_reusable_blocks, route_key
+from common.kv.prefix import PrefixCache, block_hashes, num_reusable_blocks, route_key
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import Processes, free_base_port, wait_for
 from tests.conftest import hf_greedy

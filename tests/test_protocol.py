@@ -5,8 +5,8 @@ import msgpack
 import pytest
 import torch
 
-from common import protocol as p
-from common.sampling import SamplingParams
+from common.wire import protocol as p
+from common.base.request import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, top_k=20, seed=5,
                         stop_token_ids=(3, 4), ignore_eos=True)

@@ -5,11 +5,12 @@ import weakref
 import pytest
 import torch
 
-from common.config import WorkerConfig
-from common.kv_cache import BlockAllocator
-from common.sampling import SamplingParams, sample, validate_prompt
-from common.sequence import Sequence, blocks_to_join, grow_blocks
-from common.worker import DeviceWorker, PrefillChunk
+from common.base.config import WorkerConfig
+from common.kv.blocks import BlockAllocator
+from common.engine.sampling import sample
+from common.base.request import SamplingParams, validate_prompt
+from common.kv.sequence import Sequence, blocks_to_join
+from common.engine.worker import DeviceWorker, PrefillChunk
 from launch.generate import generate
 
 
@@ -34,16 +35,16 @@ def test_steady_decode_makes_no_host_to_device_writes(tiny_model):
             seqs[seq.request_id] = seq
         before = worker.num_h2d_writes
         for _ in range(100):  # the longest reaches position 120 < 128: no crossing
-            grow_blocks(worker, seqs, alloc)
+            worker.grow_blocks(seqs, alloc)
             worker.decode_step()
         assert worker.num_h2d_writes == before
         # The 20-token prompt's next token is at position 120; it enters block 1 at 128.
         while worker.next_position("2") < bs:
-            grow_blocks(worker, seqs, alloc)
+            worker.grow_blocks(seqs, alloc)
             worker.decode_step()
         bytes_before = worker.num_h2d_bytes
         before = worker.num_h2d_writes
-        grow_blocks(worker, seqs, alloc)
+        worker.grow_blocks(seqs, alloc)
         worker.decode_step()  # the crossing step: one block-table entry, nothing else
         assert worker.num_h2d_writes == before + 1 and worker.num_h2d_bytes - bytes_before == 12
         assert worker.num_blocks("2") == 2 and worker.stats()["num_block_writes"] == 1

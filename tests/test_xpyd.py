@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from common.channel import Channel, open_context
-from common.protocol import (HandoffAck, KVBlocks, KVCommit, KVHello, KVRelease, KVReserve,
+from common.wire.channel import Channel, open_context
+from common.wire.protocol import (HandoffAck, KVBlocks, KVCommit, KVHello, KVRelease, KVReserve,
                              KVReserved, KVWelcome)
-from common.sampling import SamplingParams
+from common.base.request import SamplingParams
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import Processes, free_base_port, start_streams, wait_for
 from tests.conftest import clear_prompts

@@ -1,4 +1,5 @@
 """KV transfer: how a prefill node's KV blocks reach a decode node's reserved blocks.
+Imports base, kv, wire and engine (its device platform).
 
 A handoff is reserve -> write -> commit. The decode node reserves destination
 blocks, the prefill node writes its blocks into them through a KVWriter, and
@@ -27,8 +28,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from common.config import KV_TRANSFERS
-from common.protocol import KVBlocks, KVDist, KVWelcome
+from common.base.config import KV_TRANSFERS
+from common.wire.protocol import KVBlocks, KVDist, KVWelcome, dtype_name
 from common.transfer import dist, ipc, tcp
 from common.transfer.copy import TransferError, copy_blocks, host_id  # noqa: F401
 
@@ -81,7 +82,7 @@ def check_layout(welcome: KVWelcome, cache: torch.Tensor) -> None:
     heads, head size and dtype."""
     theirs = list(welcome.cache_shape)
     ours = list(cache.shape)
-    our_dtype = str(cache.dtype).removeprefix("torch.")
+    our_dtype = dtype_name(cache.dtype)
     if len(theirs) != 6 or theirs[:2] + theirs[3:] != ours[:2] + ours[3:] or welcome.dtype != our_dtype:
         raise TransferError(f"the decode node's KV cache {theirs} {welcome.dtype} does not match this "
                             f"node's {ours} {our_dtype} (outside the block count)")
@@ -115,9 +116,9 @@ class KVSink:
     def welcome(self, epoch: str) -> KVWelcome:
         c = self.cache
         return KVWelcome(epoch, host_id(), str(c.device), list(c.shape),
-                         str(c.dtype).removeprefix("torch."), list(self.accepted),
+                         dtype_name(c.dtype), list(self.accepted),
                          shm_name=self.shm_name if "ipc" in self.accepted else None,
-                         cuda_ipc=ipc.share_cuda(c) if "ipc" in self.accepted and c.is_cuda else None,
+                         cuda_ipc=ipc.share(c) if "ipc" in self.accepted and c.is_cuda else None,
                          dist_store=self.dist.address if self.dist is not None else None)
 
     def receive(self, sender: bytes, msg: KVBlocks | KVDist, dst_block_ids: list[int]) -> None:

@@ -26,8 +26,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from common.log import get_logger
-from common.protocol import KVDist
+from common.base.log import get_logger
+from common.wire.protocol import KVDist
+from common.engine.platform import platform_for
 from common.transfer.copy import TransferError, copy_blocks
 
 log = get_logger("transfer")
@@ -88,7 +89,7 @@ class _Send:
     request_id: str
     tag: int
     buf: torch.Tensor                   # the gathered blocks
-    ready: torch.cuda.Event | None      # the gather is done
+    ready: object | None                # the gather is done (a platform event)
     is_announced: bool = False
     is_done: bool = False
 
@@ -103,7 +104,8 @@ class DistWriter:
         host, _, port = store_addr.rpartition(":")
         self.src, self.send = cache, send
         self.group = uuid.uuid4().hex
-        self.stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
+        self._platform = platform_for(cache.device)
+        self.stream = self._platform.side_stream()
         self._num_tags = 0
         self._sends: deque[_Send] = deque()
 
@@ -121,11 +123,10 @@ class DistWriter:
         idx = torch.tensor(src_block_ids, dtype=torch.int64)
         ready = None
         if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.src.device))
-            with torch.cuda.stream(self.stream):
+            self._platform.wait_for_current(self.stream)
+            with self._platform.on_stream(self.stream):
                 buf = self.src.index_select(2, idx.to(self.src.device, non_blocking=True))
-                ready = torch.cuda.Event()
-                ready.record(self.stream)
+                ready = self._platform.event()
         else:
             buf = self.src.index_select(2, idx)
         self._num_tags = (self._num_tags + 1) % 2**31

@@ -13,8 +13,9 @@ from typing import Callable
 
 import torch
 
-from common.log import get_logger
-from common.protocol import KVBlocks
+from common.base.log import get_logger
+from common.wire.protocol import KVBlocks
+from common.engine.platform import platform_for
 from common.transfer.copy import TransferError, copy_blocks
 
 log = get_logger("transfer")
@@ -32,7 +33,7 @@ class _Frame:
     request_id: str
     first_layer: int
     kv: torch.Tensor                     # [layers, 2, n, block_size, Hk, D] on the host
-    ready: torch.cuda.Event | None       # the device-to-host copy is done
+    ready: object | None                 # the device-to-host copy is done (a platform event)
     is_last: bool
 
 
@@ -42,7 +43,8 @@ class TcpWriter:
     def __init__(self, cache: torch.Tensor, send: Callable[[KVBlocks], bool]):
         self.src = cache
         self.send = send
-        self.stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
+        self._platform = platform_for(cache.device)
+        self.stream = self._platform.side_stream()
         self._frames: deque[_Frame] = deque()
 
     @torch.inference_mode()
@@ -53,10 +55,10 @@ class TcpWriter:
         step = layers_per_frame(self.src, n)
         idx = torch.tensor(src_block_ids, dtype=torch.int64)
         if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.src.device))
+            self._platform.wait_for_current(self.stream)
             # NOTE: made on the side stream that reads it; made on the default stream,
             # its memory could go to the next forward pass before the gathers read it.
-            with torch.cuda.stream(self.stream):
+            with self._platform.on_stream(self.stream):
                 idx = idx.to(self.src.device, non_blocking=True)
         for first in range(0, num_layers, step):
             group = self.src[first: first + step]
@@ -64,12 +66,11 @@ class TcpWriter:
                 self._frames.append(_Frame(request_id, first, group.index_select(2, idx), None,
                                            first + step >= num_layers))
                 continue
-            with torch.cuda.stream(self.stream):
+            with self._platform.on_stream(self.stream):
                 host = torch.empty((group.shape[0], 2, n, *group.shape[3:]), dtype=group.dtype,
                                    pin_memory=True)
                 host.copy_(group.index_select(2, idx), non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self.stream)
+                ready = self._platform.event()
             self._frames.append(_Frame(request_id, first, host, ready, first + step >= num_layers))
 
     def poll(self) -> list[str]:
@@ -104,9 +105,9 @@ class TcpReceiver:
         self.failed: dict[str, str] = {}        # request -> why its KV did not land
         self._lock = threading.Condition()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.stream = None
-        if cache.is_cuda:
-            self.stream = torch.cuda.Stream(cache.device)
+        self._platform = platform_for(cache.device)
+        self.stream = self._platform.side_stream()
+        if self.stream is not None:
             self._thread = threading.Thread(target=self._run, name="kv-tcp-receiver", daemon=True)
             self._thread.start()
 
@@ -131,22 +132,23 @@ class TcpReceiver:
 
     @torch.inference_mode()
     def _run(self) -> None:
-        torch.cuda.set_device(self.cache.device)
+        p = self._platform
+        p.activate()
         while (item := self._queue.get()) is not None:
             rid, first, kv, dst_ids = item
-            landed = torch.cuda.Event()
             try:
                 pinned = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
                 pinned.copy_(kv)   # the host copy, off the decode loop
-                with torch.cuda.stream(self.stream):
+                with p.on_stream(self.stream):
                     staged = pinned.to(self.cache.device, non_blocking=True)
                     copy_blocks(staged, list(range(len(dst_ids))),
                                 self.cache[first: first + kv.shape[0]], dst_ids)
-                    landed.record(self.stream)
+                    landed = p.event()
             except Exception as e:  # the request fails; the thread goes on with the others
                 log.exception("landing a KV frame for %s failed", rid)
                 self.failed[rid] = f"landing its KV failed: {e}"
-                landed.record(self.stream)
+                with p.on_stream(self.stream):
+                    landed = p.event()
             with self._lock:
                 events = self._landing.get(rid)
                 if events is not None:

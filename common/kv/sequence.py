@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
-from common.kv_cache import BlockAllocator, num_blocks_for
-from common.sampling import FINISH_LENGTH, FINISH_STOP, SamplingParams, stop_reason
-
-FINISH_ABORT = "abort"
-FINISH_ERROR = "error"
+from common.kv.blocks import BlockAllocator, num_blocks_for
+from common.base.request import SamplingParams, stop_reason
 
 
 @dataclass
@@ -65,17 +63,18 @@ def blocks_to_join(seq: Sequence, block_size: int, allocator: BlockAllocator) ->
         seq.take_block(allocator)
 
 
-def grow_blocks(worker, seqs: dict[str, Sequence], allocator: BlockAllocator) -> None:
-    """Before a decode step: a sequence whose next token starts a new block gets
-    one, from its reservation or the free pool (one block-table entry on the device).
+def grow_blocks(keys_needing_block: list[str], seqs: dict[str, Sequence],
+                allocator: BlockAllocator) -> list[tuple[str, int]]:
+    """Before a decode step: each sequence whose next token starts a new block gets
+    one, from its reservation or the free pool; -> (key, block) for the block table.
     The caller has made sure the pool has them (num_blocks_short)."""
-    for key in worker.keys_needing_block():
-        worker.append_block(key, seqs[key].take_block(allocator))
+    return [(key, seqs[key].take_block(allocator)) for key in keys_needing_block]
 
 
-def num_blocks_short(worker, seqs: dict[str, Sequence], allocator: BlockAllocator) -> int:
+def num_blocks_short(keys_needing_block: Callable[[], list[str]], seqs: dict[str, Sequence],
+                     allocator: BlockAllocator) -> int:
     """Blocks the next decode step needs beyond what reservations and the free pool hold."""
     if allocator.num_available >= len(seqs):
         return 0   # a step takes at most one block per sequence: no need to look (every step)
-    need = sum(1 for key in worker.keys_needing_block() if seqs[key].num_reserved == 0)
+    need = sum(1 for key in keys_needing_block() if seqs[key].num_reserved == 0)
     return max(need - allocator.num_available, 0)

@@ -7,11 +7,11 @@ import os
 import threading
 from typing import Callable
 
-from common.channel import Channel, open_context
-from common.config import NodeLinks
-from common.heartbeat import HeartbeatThread, Registration
-from common.keys import load_keys
-from common.protocol import ReadyReply, Shutdown
+from common.wire.channel import Channel, open_context
+from common.base.config import NodeLinks
+from common.runtime.heartbeat import HeartbeatThread, Registration
+from common.wire.keys import load_keys
+from common.wire.protocol import ReadyReply, Shutdown
 
 
 class NodeRuntime:

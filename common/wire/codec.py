@@ -1,9 +1,8 @@
-"""The wire protocol: typed messages grouped by link, and their codec.
-
-A message is frame 0, a msgpack map {"v": PROTOCOL_VERSION, "type": TYPE, ...fields},
-followed by one raw frame per tensor field (KV blocks), described in the header
-by "tensors": [[field, dtype, shape], ...]. Tensors never travel as msgpack lists.
-decode() checks every field's type and names what is wrong.
+"""The codec: a message is frame 0, a msgpack map {"v": PROTOCOL_VERSION, "type": TYPE,
+...fields}, followed by one raw frame per tensor field (KV blocks), described in the
+header by "tensors": [[field, dtype, shape], ...]. Tensors never travel as msgpack
+lists. decode() checks every field's type against the limits declared on it and
+names what is wrong.
 """
 from __future__ import annotations
 
@@ -13,13 +12,12 @@ import math
 import types
 import typing
 import warnings
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Callable, ClassVar, Union
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Union
 
 import msgpack
 import torch
 
-from common.sampling import SamplingParams
 
 PROTOCOL_VERSION = 2
 
@@ -69,315 +67,15 @@ Parts = Annotated[dict, Plain(depth=1, max_items=32)]   # durations: finite, may
 Figures = Annotated[dict, Plain()]        # a node's stats
 
 
-# ---- client <-> frontend (documented in docs/protocol.md) ---------------------
 
-@dataclass
-class GenerateRequest:
-    TYPE: ClassVar[str] = "generate"
-    request_id: Id
-    prompt: str | None = None
-    prompt_token_ids: list[I32] | None = None
-    messages: list[Annotated[dict, Plain(depth=2, max_items=16)]] | None = None
-    max_tokens: Annotated[int, Range(1, I32_MAX)] = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: Annotated[int, Range(-1, I32_MAX)] = -1
-    seed: Annotated[int, Range(0, 2**63 - 1)] | None = None
-    stop: list[Annotated[str, MaxLen(1024)]] = field(default_factory=list)
-    stop_token_ids: list[I32] = field(default_factory=list)
-    ignore_eos: bool = False
-    timeout_s: float | None = None
+def dtype_name(dtype: torch.dtype) -> str:
+    """How a dtype is named on the wire ("float32", "bfloat16", ...)."""
+    return str(dtype).removeprefix("torch.")
 
 
-@dataclass
-class AbortRequest:
-    TYPE: ClassVar[str] = "abort"
-    request_id: Id
-
-
-@dataclass
-class StatsRequest:
-    TYPE: ClassVar[str] = "stats"
-
-
-@dataclass
-class GenerateOutput:
-    TYPE: ClassVar[str] = "output"
-    request_id: str
-    token_ids: list[int]
-    text: str
-    is_finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    usage: dict | None = None
-    timings: dict | None = None
-
-
-@dataclass
-class OutputBatch:
-    """Outputs for several of one client's requests, sent together: one message per
-    client per decode step instead of one per request."""
-    TYPE: ClassVar[str] = "outputs"
-    outputs: list[GenerateOutput]
-
-
-@dataclass
-class StatsReply:
-    TYPE: ClassVar[str] = "stats_reply"
-    is_ready: bool
-    nodes: dict
-    model: dict | None = None   # {"name", "vocab_size", "max_model_len"}
-    frontend: dict | None = None  # {"pid", "is_draining", "num_waiting", "num_running", ...}
-
-
-@dataclass
-class ErrorReply:
-    """For a message that named no request we could answer about."""
-    TYPE: ClassVar[str] = "error"
-    error: str
-    request_id: str | None = None
-
-
-# ---- frontend -> nodes --------------------------------------------------------
-
-@dataclass
-class PrefillRequest:
-    TYPE: ClassVar[str] = "prefill"
-    request_id: Id
-    prompt_token_ids: list[I32]
-    params: SamplingParams
-    arrival_time: Annotated[float, Range(0, 1e12)]
-    decode_node: Name         # the decode node chosen for this request ...
-    decode_kv_endpoint: Annotated[str, MaxLen(512)]   # ... and where its KV link listens
-
-
-@dataclass
-class NodeAbort:
-    TYPE: ClassVar[str] = "node_abort"
-    request_id: Id
-
-
-@dataclass
-class Shutdown:
-    TYPE: ClassVar[str] = "shutdown"
-
-
-@dataclass
-class PrefixUpdate:
-    """prefill -> frontend: route keys (common/prefix.route_key) of blocks the node's
-    prefix cache added and evicted since its last update; is_reset: added is all it holds."""
-    TYPE: ClassVar[str] = "prefix_update"
-    name: Name
-    pid: I32
-    added: Annotated[list[int], MaxLen(65536)]
-    removed: Annotated[list[int], MaxLen(65536)]
-    is_reset: bool = False
-
-
-@dataclass
-class ReadyReply:
-    """frontend -> node, for each NodeReady (and to a heartbeat from a node it has
-    forgotten): registered, or why not. A retryable refusal is asked again."""
-    TYPE: ClassVar[str] = "ready_reply"
-    is_accepted: bool
-    reason: Text | None = None
-    is_retryable: bool = False
-
-
-# ---- nodes -> frontend --------------------------------------------------------
-
-@dataclass
-class NodeReady:
-    TYPE: ClassVar[str] = "ready"
-    role: Name                # "prefill" or "decode"
-    name: Name
-    pid: I32
-    device: Name
-    num_kv_blocks: I32
-    block_size: Annotated[int, Range(1, 4096)]
-    max_model_len: I32
-    kv_endpoint: Annotated[str, MaxLen(512)] | None = None   # a decode node's KV link
-    kv_transfer: Name = "auto"       # the KV transfer backend the node asked for
-    max_batch_size: I32 = 0          # a decode node's batch rows (0: not said)
-
-
-@dataclass
-class Heartbeat:
-    TYPE: ClassVar[str] = "heartbeat"
-    role: Name
-    name: Name
-    stats: Figures
-    pid: I32 = 0              # counts only for the registered process of that name
-
-
-@dataclass
-class RequestFailed:
-    TYPE: ClassVar[str] = "failed"
-    request_id: Id
-    error: Text
-
-
-@dataclass
-class TokenUpdate:
-    request_id: Id
-    token_ids: list[I32]
-    finish_reason: Name | None = None
-    timings: Parts | None = None    # on a request's first update: where its TTFT went
-
-
-def ttft_parts(t: dict) -> dict:
-    """Milliseconds spent in each stage from a request's stamps; a part whose stamps are
-    not there (yet) is left out."""
-    def ms(a: str, b: str) -> float | None:
-        x, y = t.get(a), t.get(b)
-        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (x, y))
-        return round((y - x) * 1e3, 3) if ok else None
-    parts = {"queue_ms": ms("arrival", "prefill_start"), "prefill_ms": ms("prefill_start", "prefill_end"),
-             "kv_transfer_ms": ms("prefill_end", "decode_recv"),
-             # kv_transfer_ms in two: the write (reservation wait included), the commit's trip
-             "kv_write_ms": ms("prefill_end", "written"), "kv_commit_ms": ms("written", "decode_recv"),
-             "decode_admission_ms": ms("decode_recv", "decode_admit")}
-    return {k: v for k, v in parts.items() if v is not None}
-
-
-@dataclass
-class TokenBatch:
-    TYPE: ClassVar[str] = "tokens"
-    updates: list[TokenUpdate]
-
-
-# ---- prefill <-> decode (KV link) ----------------------------------------------
-# A handoff is reserve -> write -> commit: the decode node reserves destination
-# blocks, the prefill node's transfer backend writes its blocks into them, and
-# the commit makes the request runnable on the decode node without a copy.
-
-@dataclass
-class CudaIpcHandle:
-    """A CUDA allocation shared across processes (what torch's storage sharing returns)."""
-    device: int
-    handle: bytes
-    storage_size: int
-    storage_offset: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes | None
-    is_event_sync_required: bool
-
-
-@dataclass
-class KVHello:
-    """prefill -> decode, on first contact and whenever the decode node's epoch changes."""
-    TYPE: ClassVar[str] = "kv_hello"
-    prefill_node: Name
-
-
-@dataclass
-class KVWelcome:
-    """decode -> prefill: the decode node's cache, and how it may be written."""
-    TYPE: ClassVar[str] = "kv_welcome"
-    epoch: Name                      # changes when the decode node restarts
-    host_id: Annotated[str, MaxLen(512)]   # machine identity: ipc only between equal host ids
-    device: Name
-    cache_shape: list[I32]           # [layers, 2, blocks, block_size, kv_heads, head_dim]
-    dtype: Name
-    backends: list[Name]             # what this decode node accepts, best first
-    shm_name: Name | None = None     # ipc on CPU: the cache's shared-memory segment
-    cuda_ipc: CudaIpcHandle | None = None  # ipc on CUDA
-    dist_store: Name | None = None   # dist: "host:port" of the TCPStore pairs meet at
-
-
-@dataclass
-class KVReserve:
-    TYPE: ClassVar[str] = "kv_reserve"
-    request_id: Id
-    prompt_len: I32
-    max_tokens: I32
-
-
-@dataclass
-class KVReserved:
-    """decode -> prefill: block_ids for the prompt, or a refusal. The blocks stay
-    reserved for lease_s from when the KVReserve reached the decode node (0: until
-    released); the same KVReserve again renews them.
-    is_queued, without blocks: the request waits its turn there and the blocks will
-    follow unasked; the same KVReserve within lease_s keeps its place. With blocks:
-    they are that turn (no request is answered, and the lease runs from now)."""
-    TYPE: ClassVar[str] = "kv_reserved"
-    request_id: Id
-    epoch: Name
-    block_ids: list[I32] | None = None
-    is_retryable: bool = False
-    reason: Text | None = None
-    lease_s: Annotated[float, Range(0, 86400)] = 0.0
-    is_queued: bool = False
-
-
-@dataclass
-class KVBlocks:
-    """tcp backend: layers [first_layer, first_layer + kv.shape[0]) of a reservation's blocks.
-    kv [layers, 2, num_blocks, block_size, kv_heads, head_dim] travels as one raw frame."""
-    TYPE: ClassVar[str] = "kv_blocks"
-    request_id: Id
-    first_layer: Annotated[int, Range(0, 4096)]
-    kv: torch.Tensor
-
-
-@dataclass
-class KVDist:
-    """dist backend, prefill -> decode: the request's blocks follow as one send on the
-    pair's process group `group` under `tag`; the decode node posts the receive."""
-    TYPE: ClassVar[str] = "kv_dist"
-    request_id: Id
-    group: Name
-    tag: Annotated[int, Range(0, 2**31 - 1)]
-
-
-@dataclass
-class KVCommit:
-    """prefill -> decode: the reserved blocks hold the prompt's KV; start decoding."""
-    TYPE: ClassVar[str] = "kv_commit"
-    request_id: Id
-    prompt_len: I32
-    first_token: I32
-    params: SamplingParams
-    timings: Stamps
-    backend: Name
-    prompt_ids: list[I32]            # the decode node recomputes from them if it preempts
-
-
-@dataclass
-class KVRelease:
-    """prefill -> decode: drop a reservation that will never be committed."""
-    TYPE: ClassVar[str] = "kv_release"
-    request_id: Id
-
-
-@dataclass
-class HandoffAck:
-    TYPE: ClassVar[str] = "kv_ack"
-    request_id: Id
-    is_accepted: bool
-    is_retryable: bool = False
-    reason: Text | None = None
-
-
-MESSAGES: dict[str, type] = {cls.TYPE: cls for cls in (
-    GenerateRequest, AbortRequest, StatsRequest, GenerateOutput, OutputBatch, StatsReply, ErrorReply,
-    PrefillRequest, NodeAbort, Shutdown, ReadyReply, NodeReady, Heartbeat, RequestFailed, TokenBatch,
-    PrefixUpdate,
-    KVHello, KVWelcome, KVReserve, KVReserved, KVBlocks, KVDist, KVCommit, KVRelease, HandoffAck)}
-
-# What each link carries, per direction.
-CLIENT_TO_FRONTEND = (GenerateRequest, AbortRequest, StatsRequest)
-FRONTEND_TO_CLIENT = (GenerateOutput, OutputBatch, StatsReply, ErrorReply)
-FRONTEND_TO_NODE = (PrefillRequest, NodeAbort, Shutdown, ReadyReply)
-FRONTEND_TO_HEARTBEAT = (ReadyReply,)
-NODE_TO_FRONTEND = (NodeReady, Heartbeat, RequestFailed, TokenBatch, PrefixUpdate)
-PREFILL_TO_DECODE = (KVHello, KVReserve, KVBlocks, KVDist, KVCommit, KVRelease)
-DECODE_TO_PREFILL = (KVWelcome, KVReserved, HandoffAck)
-
-_DTYPES = {str(d).removeprefix("torch."): d for d in
+DTYPES = {dtype_name(d): d for d in
            (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8)}
+
 
 
 # ---- codec --------------------------------------------------------------------
@@ -420,7 +118,7 @@ def encode(msg) -> list:
         value = getattr(msg, f.name)
         if f.name in tensor_names:
             t = value.detach().to("cpu").contiguous()
-            described.append([f.name, str(t.dtype).removeprefix("torch."), list(t.shape)])
+            described.append([f.name, dtype_name(t.dtype), list(t.shape)])
             frames.append(t.reshape(-1).view(torch.uint8).numpy())
         else:
             header[f.name] = _to_wire(value)
@@ -590,7 +288,7 @@ def _field_set(cls) -> frozenset:
 MAX_DIMS = 8
 
 
-def decode(frames: list, allowed: tuple[type, ...] | None = None):
+def decode(frames: list, messages: dict[str, type], allowed: tuple[type, ...] | None = None):
     """Frames -> a message. Raises ProtocolError for anything malformed, and nothing else."""
     if not frames:
         raise ProtocolError("empty message")
@@ -605,7 +303,7 @@ def decode(frames: list, allowed: tuple[type, ...] | None = None):
     if header.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {_short(header.get('v'))} is not {PROTOCOL_VERSION}", rid)
     kind = header.get("type")
-    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
+    cls = messages.get(kind) if isinstance(kind, str) else None
     if cls is None or (allowed is not None and cls not in allowed):
         raise ProtocolError(f"unknown message type {_short(kind)}", rid)
     fields = {k: v for k, v in header.items() if k not in ("v", "type", "tensors")}
@@ -637,7 +335,7 @@ def _short(value: Any) -> str:
 def _tensor_from_frame(desc, frame, rid) -> torch.Tensor:
     try:
         name, dtype_name, shape = desc
-        dtype = _DTYPES[dtype_name]
+        dtype = DTYPES[dtype_name]
         if not isinstance(shape, list) or len(shape) > MAX_DIMS or \
                 not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= I32_MAX for s in shape):
             raise ValueError

@@ -9,9 +9,9 @@ import signal
 import sys
 import threading
 
-from common.channel import LinkError
-from common.config import WorkerConfig, parse_bytes
-from common.log import add_log_level_arg, set_level
+from common.wire.channel import LinkError
+from common.base.config import WorkerConfig, parse_bytes
+from common.base.log import add_log_level_arg, set_level
 
 
 class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -5,7 +5,7 @@ import logging
 import sys
 import time
 
-from common.env import read_env
+from common.base.env import read_env
 
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from common import protocol
-from common.keys import DOMAINS, ClusterKeys
-from common.protocol import ProtocolError
+from common.wire import protocol
+from common.wire.keys import DOMAINS, ClusterKeys
+from common.wire.protocol import ProtocolError
 
 MAX_PEER_NAMES = 4096   # routing ids remembered per authenticated socket
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from common.model_spec import ModelSpec
+from common.base.model_spec import ModelSpec
 
 
 @dataclass
@@ -45,6 +45,15 @@ class Qwen3Weights:
         for t in self.tensors():
             seen[t.data_ptr()] = t.numel() * t.element_size()
         return sum(seen.values())
+
+
+@dataclass
+class Model:
+    """A loaded model and the KV cache its forward passes read and write."""
+    spec: ModelSpec
+    weights: Qwen3Weights
+    cos_sin: torch.Tensor          # [max_model_len, D] rotary table
+    kv_cache: torch.Tensor         # [L, 2, num_blocks, block_size, Hk, D]
 
 
 def random_weights(spec: ModelSpec, device, dtype, seed: int = 0, std: float = 0.02) -> Qwen3Weights:

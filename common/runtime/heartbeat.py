@@ -8,8 +8,8 @@ import threading
 import time
 from typing import Callable
 
-from common.channel import Channel
-from common.protocol import FRONTEND_TO_HEARTBEAT, Heartbeat, ReadyReply
+from common.wire.channel import Channel
+from common.wire.protocol import FRONTEND_TO_HEARTBEAT, Heartbeat, ReadyReply
 
 READY_EVERY_S = 1.0   # a ready not yet answered is sent again this often
 SILENCE_LIMIT_S = 120.0  # registering this long with no answer at all: give up, loudly

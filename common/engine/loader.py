@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.model_spec import ModelSpec
-from common.qwen3 import LayerWeights, Qwen3Weights
+from common.base.model_spec import ModelSpec
+from common.engine.qwen3 import LayerWeights, Qwen3Weights
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:

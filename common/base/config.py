@@ -61,7 +61,7 @@ class WorkerConfig:
     max_batch_size: int = 64          # decode rows held on the device
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     use_graphs: bool = True           # CUDA graphs for decode steps where available
-    is_kv_shared: bool = False        # CPU: the cache lives in shared memory (ipc KV transfer)
+    is_cache_in_shm: bool = False     # CPU: the cache lives in a shared-memory segment (ipc KV transfer)
     seed: int = 0                     # random weights
 
     def __post_init__(self) -> None:
@@ -89,6 +89,11 @@ class WorkerConfig:
         if self.dtype is None:
             return torch.float32 if self.device == "cpu" else torch.bfloat16
         return DTYPES[self.dtype]
+
+
+def clamp_model_len(requested: int | None, max_position_embeddings: int) -> int:
+    """The longest sequence a node serves: what was asked for, never past the model's positions."""
+    return min(requested or max_position_embeddings, max_position_embeddings)
 
 
 def endpoint_host(value: str) -> str:

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from common.kv_cache import BlockAllocator
+from common.kv.blocks import BlockAllocator
 
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:

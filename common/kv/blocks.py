@@ -1,4 +1,4 @@
-"""The paged KV cache: sizing, and the block allocator schedulers use.
+"""The paged KV cache as schedulers see it: its layout, and the block allocator.
 
 The cache itself is one tensor the worker owns:
     kv_cache [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from common.model_spec import ModelSpec
 
 NULL_BLOCK = 0
 
@@ -18,25 +17,30 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
-def free_device_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "npu":
-        return torch.npu.mem_get_info(device)[0]  # type: ignore[attr-defined]
-    import os
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+# The cache layout, read in one place: [L, 2 (k, v), num_blocks, block_size, Hk, D].
+LAYER_DIM, BLOCK_DIM, SLOT_DIM = 0, 2, 3
 
 
-def kv_cache_blocks(spec: ModelSpec, block_size: int, dtype: torch.dtype, device: torch.device,
-                    memory_bytes: int | None, memory_fraction: float) -> int:
-    """How many blocks fit in memory_bytes, or else in memory_fraction of the device's free memory."""
-    block_bytes = spec.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
-    budget = memory_bytes if memory_bytes is not None else int(free_device_memory(device) * memory_fraction)
-    num_blocks = budget // block_bytes
-    if num_blocks < 2:
-        raise ValueError(f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
-                         f"{block_bytes} bytes; at least 2 are needed")
-    return int(num_blocks)
+def cache_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                head_dim: int) -> tuple[int, ...]:
+    return (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def is_cache_shape(shape) -> bool:
+    return len(shape) == 6 and shape[1] == 2
+
+
+def num_cache_blocks(shape) -> int:
+    return int(shape[BLOCK_DIM])
+
+
+def cache_block_size(shape) -> int:
+    return int(shape[SLOT_DIM])
+
+
+def block_bytes(cache: torch.Tensor) -> int:
+    """One block of the cache across every layer, K and V."""
+    return cache[:, :, 0].numel() * cache.element_size()
 
 
 class BlockAllocator:

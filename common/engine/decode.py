@@ -1,0 +1,273 @@
+"""The decode batch's step state, on the device.
+
+Buffers are sized for max_batch_size rows. Rows [0, num_seqs) are live and
+dense: a leaving row is filled by the last live one (a device-side copy). A step
+computes slot_mapping from seq_lens and the block table, runs the model, samples,
+writes the samples into the next step's input_ids and advances seq_lens, all on
+the device. The host writes into these buffers only when a sequence joins or
+crosses into a new block, through the counted HostToDevice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import kernels
+from common.base.request import SamplingParams
+from common.engine import qwen3
+from common.engine.graphs import GraphRunner
+from common.engine.h2d import HostToDevice
+from common.engine.sampling import sample
+from common.kv.blocks import NULL_BLOCK, num_blocks_for
+
+
+@dataclass
+class DecodeTicket:
+    """A launched decode step: whose tokens it makes and where they land on the host."""
+    keys: list[str]
+    slot: int
+    start: object | None = None     # platform events; None where work is not queued (CPU)
+    end: object | None = None
+    copied: object | None = None
+
+
+class DecodeBatch:
+    def __init__(self, model: "qwen3.Model", block_size: int, max_batch_size: int,
+                 max_blocks_per_seq: int, platform, h2d: HostToDevice):
+        self.model = model
+        self.block_size = block_size
+        self.max_batch_size = max_batch_size
+        self.platform = platform
+        self._h2d = h2d
+        self.graphs = GraphRunner(platform)
+        self.num_block_writes = 0     # block-table entries at block crossings
+        self.num_block_copies = 0     # the H2D copies that carried them (one per step at most)
+        self.num_steps = 0
+        self.num_rows = 0             # summed over steps: / num_steps is the mean batch
+        self.max_batch = 0
+        self.device_busy_s = 0.0      # steps, measured on the device (where it has events)
+        self.device_idle_s = 0.0      # gaps between consecutive steps on the device
+        self._last_end = None
+        n, dev, pinned = max_batch_size, h2d.device, platform.is_pinned
+        self._input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self._step_inc = torch.zeros(n, dtype=torch.int32, device=dev)
+        self._block_tables = torch.full((n, max_blocks_per_seq), NULL_BLOCK, dtype=torch.int32, device=dev)
+        self._slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._temperature = torch.zeros(n, dtype=torch.float32, device=dev)
+        self._top_p = torch.ones(n, dtype=torch.float32, device=dev)
+        self._top_k = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        self._seeds = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._sampled = torch.zeros(n, dtype=torch.int64, device=dev)
+        # Two host slots: a step may be collected while the next one is in flight.
+        self._sampled_host = torch.zeros(2, n, dtype=torch.int64, pin_memory=pinned)
+        # Host mirrors, advanced without reading the device back.
+        self.host_seq_lens = np.ones(n, dtype=np.int32)
+        self._host_seq_lens_t = torch.from_numpy(self.host_seq_lens)   # the same memory
+        self._host_num_blocks = np.zeros(n, dtype=np.int32)
+        self._host_is_greedy = np.ones(n, dtype=bool)
+        self._slots: dict[str, int] = {}
+        self._keys: list[str] = []
+        # Block-table entries waiting for the next launch; staged in two pinned slots
+        # because one may still be read by the device while the other is filled.
+        self._pending_blocks: list[tuple[int, int, int]] = []
+        self._block_staging = torch.zeros(2, 3, n, dtype=torch.int32, pin_memory=pinned)
+        self._block_updates = torch.zeros(3, n, dtype=torch.int32, device=dev)
+
+    def capture_graphs(self) -> None:
+        width = self._block_tables.shape[1]
+        self.graphs.capture(lambda n, is_greedy: self._run(n, width, is_greedy), self.max_batch_size)
+        self._input_ids.zero_()   # the warm-up steps sampled into the padding rows
+
+    # ---- rows ------------------------------------------------------------------
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self._keys)
+
+    def keys(self) -> list[str]:
+        """Live sequences in row order: a step's output order."""
+        return list(self._keys)
+
+    def _row_buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self._input_ids, self._seq_lens, self._step_inc, self._block_tables,
+                self._temperature, self._top_p, self._top_k, self._seeds)
+
+    @torch.inference_mode()
+    def add(self, key: str, token_id: int, num_cached: int, block_ids: list[int],
+            params: SamplingParams) -> None:
+        """A sequence joins: num_cached tokens are in the cache at block_ids, and
+        token_id (at position num_cached) is its next input."""
+        if key in self._slots:
+            raise ValueError(f"sequence {key!r} is already decoding")
+        row = self.num_seqs
+        if row >= self.max_batch_size:
+            raise RuntimeError(f"decode batch is full ({self.max_batch_size} rows)")
+        if len(block_ids) < num_blocks_for(num_cached + 1, self.block_size):
+            raise ValueError(f"{num_cached + 1} tokens need more than {len(block_ids)} blocks")
+        if len(block_ids) > self._block_tables.shape[1]:
+            raise ValueError(f"{len(block_ids)} blocks exceed the model's maximum length "
+                             f"({self._block_tables.shape[1]} blocks)")
+        w = self._h2d.write
+        w(self._input_ids[row], token_id)
+        w(self._seq_lens[row], num_cached + 1)
+        w(self._step_inc[row], 1)
+        w(self._block_tables[row, : len(block_ids)], block_ids)
+        w(self._temperature[row], params.temperature)
+        w(self._top_p[row], params.top_p)
+        w(self._top_k[row], params.top_k)
+        w(self._seeds[row], params.seed)
+        self.host_seq_lens[row] = num_cached + 1
+        self._host_num_blocks[row] = len(block_ids)
+        self._host_is_greedy[row] = params.is_greedy
+        self._slots[key] = row
+        self._keys.append(key)
+
+    @torch.inference_mode()
+    def remove(self, key: str) -> None:
+        self._flush_block_writes(False)  # pending entries name rows that are about to move
+        row = self._slots.pop(key)
+        last = self.num_seqs - 1
+        if row != last:
+            moved = self._keys[last]
+            for buf in self._row_buffers():
+                buf[row].copy_(buf[last])
+            for mirror in (self.host_seq_lens, self._host_num_blocks, self._host_is_greedy):
+                mirror[row] = mirror[last]
+            self._keys[row] = moved
+            self._slots[moved] = row
+        self._keys.pop()
+        self._reset_row(last)
+
+    def _reset_row(self, row: int) -> None:
+        """Padding values: input 0, one token at the null block, never advancing."""
+        self._input_ids[row].fill_(0)
+        self._seq_lens[row].fill_(1)
+        self._step_inc[row].fill_(0)
+        self._block_tables[row].fill_(NULL_BLOCK)
+        self._temperature[row].fill_(0.0)
+        self.host_seq_lens[row] = 1
+        self._host_num_blocks[row] = 0
+        self._host_is_greedy[row] = True
+
+    def keys_needing_block(self) -> list[str]:
+        """Live sequences whose next token falls past their last block (from the host mirrors)."""
+        n = self.num_seqs
+        rows = np.flatnonzero(self.host_seq_lens[:n] > self._host_num_blocks[:n] * self.block_size)
+        return [self._keys[r] for r in rows]
+
+    def next_position(self, key: str) -> int:
+        """The position the sequence's next step writes."""
+        return int(self.host_seq_lens[self._slots[key]]) - 1
+
+    def num_blocks(self, key: str) -> int:
+        return int(self._host_num_blocks[self._slots[key]])
+
+    def append_block(self, key: str, block_id: int) -> None:
+        """The sequence crosses into a new block: one block-table entry, written
+        with the next launch."""
+        row = self._slots[key]
+        col = int(self._host_num_blocks[row])
+        self._pending_blocks.append((row, col, block_id))
+        self.num_block_writes += 1
+        self._host_num_blocks[row] = col + 1
+
+    def _flush_block_writes(self, is_queued_behind_step: bool) -> None:
+        """All block-table entries since the last flush in one copy: (row, col, block)
+        triples, scattered on the device. Queued behind a running step (at launch),
+        they go from a pinned slot without waiting; a launch reuses a slot only after
+        the step two launches back was collected, so that copy is done. Otherwise
+        (between steps) the copy is a plain blocking one."""
+        if not self._pending_blocks:
+            return
+        k = len(self._pending_blocks)
+        triples = torch.tensor(self._pending_blocks, dtype=torch.int32).T
+        if is_queued_behind_step:
+            staged = self._block_staging[self.num_steps % 2, :, :k]
+            staged.copy_(triples)
+            triples = staged
+        dev = self._block_updates[:, :k]
+        self._h2d.write(dev, triples)
+        self.num_block_copies += 1
+        self._block_tables.index_put_((dev[0].long(), dev[1].long()), dev[2])
+        self._pending_blocks.clear()
+
+    # ---- steps -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def launch(self) -> DecodeTicket | None:
+        """Queue one step on the device and the copy of its samples to the host;
+        return without waiting. The next step may be launched before this one is
+        collected: its inputs are already on the device. The batch must not change
+        while a step is in flight."""
+        n = self.num_seqs
+        if n == 0:
+            return None
+        short = self.keys_needing_block()
+        if short:
+            raise RuntimeError(f"sequences {short} need a block for their next position; "
+                               f"call append_block first")
+        self._flush_block_writes(True)
+        is_greedy = bool(self._host_is_greedy[:n].all())
+        p = self.platform
+        ticket = DecodeTicket(self._keys[:n], self.num_steps % 2, start=p.event(timing=True))
+        if self.graphs.is_graphed:
+            self.graphs.replay(n, is_greedy)
+        else:
+            width = num_blocks_for(int(self.host_seq_lens[:n].max()), self.block_size)
+            self._run(n, width, is_greedy)
+        ticket.end = p.event(timing=True)
+        self._sampled_host[ticket.slot, :n].copy_(self._sampled[:n], non_blocking=True)
+        ticket.copied = p.event()
+        self.host_seq_lens[:n] += 1
+        self.num_steps += 1
+        self.num_rows += n
+        self.max_batch = max(self.max_batch, n)
+        return ticket
+
+    def is_done(self, ticket: DecodeTicket) -> bool:
+        """Whether collect() would return at once (always, where work is not queued)."""
+        return ticket.copied is None or ticket.copied.query()
+
+    def collect(self, ticket: DecodeTicket) -> list[int]:
+        """Wait for a launched step; its tokens, in the ticket's key order."""
+        if ticket.copied is None:
+            self.platform.synchronize()   # no events here: a no-op on CPU
+        else:
+            ticket.copied.synchronize()
+            self.device_busy_s += ticket.start.elapsed_time(ticket.end) / 1e3
+            if self._last_end is not None:
+                self.device_idle_s += max(self._last_end.elapsed_time(ticket.start), 0.0) / 1e3
+            self._last_end = ticket.end
+        return self._sampled_host[ticket.slot, : len(ticket.keys)].tolist()
+
+    def mark_idle(self) -> None:
+        """The node has nothing to run: the gap before the next step is not device idleness."""
+        self._last_end = None
+
+    def _run(self, n: int, width: int, is_greedy: bool) -> None:
+        """The device part of a step over rows [0, n) with block tables [n, width]."""
+        seq_lens = self._seq_lens[:n]
+        slot_mapping = self._slot_mapping[:n]
+        block_tables = self._block_tables[:n, :width]
+        kernels.compute_slot_mapping(seq_lens, block_tables, self.block_size, slot_mapping)
+        # The host mirror rides along for kernels that take lengths on the host (Ascend);
+        # a captured graph never reads it.
+        host_lens = None if self.graphs.is_graphed else self._host_seq_lens_t[:n]
+        attn = qwen3.AttentionInputs(is_prefill=False, slot_mapping=slot_mapping,
+                                     block_tables=block_tables, seq_lens=seq_lens,
+                                     host_seq_lens=host_lens)
+        m = self.model
+        hidden = qwen3.forward(m.spec, m.weights, m.kv_cache, m.cos_sin, self._input_ids[:n],
+                               torch.sub(seq_lens, 1, out=self._positions[:n]), attn)
+        logits = qwen3.compute_logits(m.weights, hidden)
+        if is_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = sample(logits, self._temperature[:n], self._top_p[:n], self._top_k[:n],
+                             self._seeds[:n], seq_lens.long())
+        self._sampled[:n].copy_(sampled)
+        kernels.advance_step(self._input_ids[:n], sampled, seq_lens, self._step_inc[:n])

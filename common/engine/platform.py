@@ -1,0 +1,271 @@
+"""The device platform: every call that differs by device type, behind one small
+interface, so that the worker and the transfer backends name no device API.
+A new device is one class here, registered in PLATFORMS, beside its kernels in
+kernels/.
+
+    activate()              make the device current (and import its torch plugin)
+    synchronize()           wait for all queued work
+    free_memory()           bytes free on the device (host: available RAM)
+    release_memory()        hand cached allocations back
+    is_pinned               host staging buffers are page-locked (async copies)
+    event(timing)           a marker queued on the current stream, or None (no queue)
+    side_stream()           a second queue for copies beside the forward pass, or None
+    on_stream(stream)       context: queue work on stream (nothing for None)
+    wait_for_current(s)     s waits for what the current stream has queued
+    can_capture_graphs      decode steps may be captured and replayed
+    capture(graph, pool)    context: capture into graph
+    allocate(shape, dtype, is_shared)   the KV cache, zeroed; shareable with other processes
+    share(cache)            a handle another process on this host can open
+    open_shared(h, ...)     that process's view of the shared allocation, and how to close it
+    release(cache)          the cache's shared segment, if any, is unlinked
+"""
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+from multiprocessing import shared_memory
+from typing import Callable
+
+import torch
+
+SHM_PREFIX = "pdserve-kv"   # /dev/shm/pdserve-kv-<pid>-<hex>: a CPU cache other processes map
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+class PlatformError(RuntimeError):
+    pass
+
+
+class CpuPlatform:
+    type = "cpu"
+    is_pinned = False
+    can_capture_graphs = False
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def activate(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def free_memory(self) -> int:
+        import os
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    def release_memory(self) -> None:
+        pass
+
+    def event(self, timing: bool = False):
+        return None   # work runs as it is called: nothing is queued to mark
+
+    def side_stream(self):
+        return None
+
+    def on_stream(self, stream):
+        return contextlib.nullcontext()
+
+    def wait_for_current(self, stream) -> None:
+        pass
+
+    def new_graph(self):
+        raise PlatformError("the CPU has no graphs")
+
+    def capture(self, graph, pool=None):
+        raise PlatformError("the CPU has no graphs")
+
+    # ---- a cache other processes map: a shared-memory segment ------------------
+
+    def allocate(self, shape, dtype: torch.dtype, is_shared: bool = False) -> torch.Tensor:
+        if not is_shared:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        _remove_stale_segments()
+        nbytes = _nbytes(shape, dtype)
+        # Python's resource tracker unlinks the segment if this process dies without closing it.
+        self._segment = shared_memory.SharedMemory(f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}",
+                                                   create=True, size=max(nbytes, 1))
+        # a fresh segment reads as zeros
+        return torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+    def share(self, cache: torch.Tensor) -> str:
+        segment = getattr(self, "_segment", None)
+        if segment is None:
+            raise PlatformError("this CPU cache was not allocated in shared memory")
+        return segment.name
+
+    def open_shared(self, handle, dtype: torch.dtype, shape: list[int]):
+        name = handle if isinstance(handle, str) else ""
+        if not name.startswith(SHM_PREFIX + "-") or "/" in name:
+            raise PlatformError(f"no usable shared-memory segment named ({name!r})")
+        nbytes = _nbytes(shape, dtype)
+        # NOTE: opened with os/mmap rather than SharedMemory, whose resource tracker
+        # would unlink the owner's segment when this process exits.
+        try:
+            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+        except OSError as e:
+            raise PlatformError(f"cannot open the shared segment {name}: {e}") from None
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                raise PlatformError(f"segment {name} holds {os.fstat(fd).st_size} bytes, "
+                                    f"{list(shape)} needs {nbytes}")
+            mapping = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+
+        def close() -> None:
+            try:
+                mapping.close()
+            except BufferError:   # a tensor view is still alive: the mapping goes at exit
+                pass
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape), close
+
+    def release(self, cache: torch.Tensor | None = None) -> None:
+        segment, self._segment = getattr(self, "_segment", None), None
+        if segment is None:
+            return
+        try:
+            segment.close()
+        except BufferError:  # a tensor view is still alive somewhere: the mapping goes at exit
+            pass
+        try:
+            segment.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class CudaPlatform(CpuPlatform):
+    type = "cuda"
+    is_pinned = True
+    can_capture_graphs = True
+
+    def activate(self) -> None:
+        torch.cuda.set_device(self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def free_memory(self) -> int:
+        return torch.cuda.mem_get_info(self.device)[0]
+
+    def release_memory(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    def event(self, timing: bool = False):
+        ev = torch.cuda.Event(enable_timing=timing)
+        ev.record()
+        return ev
+
+    def side_stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def on_stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    def wait_for_current(self, stream) -> None:
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def new_graph(self):
+        return torch.cuda.CUDAGraph()
+
+    def capture(self, graph, pool=None):
+        return torch.cuda.graph(graph, pool=pool)
+
+    def allocate(self, shape, dtype: torch.dtype, is_shared: bool = False) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)   # any allocation can be shared
+
+    def release(self, cache: torch.Tensor | None = None) -> None:
+        pass
+
+    def share(self, cache: torch.Tensor) -> tuple:
+        """The IPC handle of the cache's allocation: plain bytes and ints, in
+        CudaIpcHandle's field order."""
+        if cache.storage_offset() != 0:
+            raise PlatformError("the KV cache must start its allocation to be shared")
+        (device, handle, size, offset, ref_handle, ref_offset, event_handle,
+         is_sync) = cache.untyped_storage()._share_cuda_()
+        return (int(device), bytes(handle), int(size), int(offset), bytes(ref_handle),
+                int(ref_offset), bytes(event_handle) if event_handle else None, bool(is_sync))
+
+    def open_shared(self, handle, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        device, h, size, offset, ref_h, ref_offset, event_h, is_sync = handle
+        try:
+            storage = torch.UntypedStorage._new_shared_cuda(device, h, size, offset, ref_h, ref_offset,
+                                                            event_h or b"", is_sync)
+        except Exception as e:  # a bad or foreign handle: CUDA's error, whatever its type
+            raise PlatformError(f"cannot open the CUDA IPC handle: {e}") from None
+        nbytes = _nbytes(shape, dtype)
+        if nbytes > storage.nbytes():
+            raise PlatformError(f"the shared allocation holds {storage.nbytes()} bytes, "
+                                f"{list(shape)} needs {nbytes}")
+        return torch.empty(0, dtype=dtype, device=f"cuda:{device}").set_(storage, 0, shape), lambda: None
+
+
+class NpuPlatform(CpuPlatform):
+    """Ascend through torch_npu. NOTE: no events or side streams yet: a step is
+    collected by synchronizing, and transfers copy on the default stream."""
+    type = "npu"
+    is_pinned = True
+
+    def activate(self) -> None:
+        import torch_npu  # noqa: F401  (registers the npu device)
+        torch.npu.set_device(self.device)  # type: ignore[attr-defined]
+
+    def synchronize(self) -> None:
+        torch.npu.synchronize(self.device)  # type: ignore[attr-defined]
+
+    def free_memory(self) -> int:
+        return torch.npu.mem_get_info(self.device)[0]  # type: ignore[attr-defined]
+
+    def release_memory(self) -> None:
+        self.synchronize()
+        torch.npu.empty_cache()  # type: ignore[attr-defined]
+
+    def allocate(self, shape, dtype: torch.dtype, is_shared: bool = False) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def release(self, cache: torch.Tensor | None = None) -> None:
+        pass
+
+    def share(self, cache: torch.Tensor):
+        raise PlatformError("sharing an Ascend cache between processes is not supported")
+
+    def open_shared(self, handle, dtype: torch.dtype, shape: list[int]):
+        raise PlatformError("sharing an Ascend cache between processes is not supported")
+
+
+PLATFORMS: dict[str, Callable[[torch.device], CpuPlatform]] = {
+    "cpu": CpuPlatform, "cuda": CudaPlatform, "npu": NpuPlatform}
+
+
+def platform_for(device: torch.device | str) -> CpuPlatform:
+    device = torch.device(device)
+    if device.type not in PLATFORMS:
+        raise PlatformError(f"no platform for device type {device.type!r}; one of {sorted(PLATFORMS)}")
+    return PLATFORMS[device.type](device)
+
+
+def _remove_stale_segments() -> None:
+    """Segments of processes that died before their tracker could unlink them."""
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if name.startswith(SHM_PREFIX + "-") and len(parts) == 4 and parts[2].isdigit():
+            try:
+                os.kill(int(parts[2]), 0)
+            except ProcessLookupError:
+                try:
+                    os.unlink(os.path.join("/dev/shm", name))
+                except OSError:
+                    pass
+            except PermissionError:
+                pass

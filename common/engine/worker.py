@@ -1,0 +1,408 @@
+"""The device worker: the one owner of a node's device state.
+
+prepare() loads the weights, allocates the KV cache as one tensor and every
+persistent buffer, once; prefill() and the decode steps then run any number of
+times; close() releases all of it. The worker is the model and its prefill
+passes; the decode batch's step state (decode.py), the captured graphs
+(graphs.py) and the swap space (swap.py) are its parts, and every device call
+that differs by device type goes through its platform (platform.py).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import kernels
+from common.base.config import WorkerConfig, clamp_model_len
+from common.base.env import read_env
+from common.base.request import SamplingParams
+from common.engine import qwen3
+from common.engine.decode import DecodeBatch, DecodeTicket  # noqa: F401  (DecodeTicket: the nodes' type)
+from common.engine.h2d import HostToDevice
+from common.base.model_spec import ModelSpec, load_spec, preset_spec
+from common.engine.platform import platform_for
+from common.engine.sampling import sample
+from common.engine.swap import SwapSpace
+from common.kv.blocks import NULL_BLOCK, block_bytes, cache_shape, num_blocks_for
+from common.kv.sequence import grow_blocks
+
+
+def kv_cache_blocks(spec: ModelSpec, block_size: int, dtype: torch.dtype, free_bytes: int,
+                    memory_bytes: int | None, memory_fraction: float) -> int:
+    """How many blocks fit in memory_bytes, or else in memory_fraction of free_bytes."""
+    nbytes = spec.kv_bytes_per_token(dtype.itemsize) * block_size
+    budget = memory_bytes if memory_bytes is not None else int(free_bytes * memory_fraction)
+    num_blocks = budget // nbytes
+    if num_blocks < 2:
+        raise ValueError(f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
+                         f"{nbytes} bytes; at least 2 are needed")
+    return int(num_blocks)
+
+
+# Lane threads yield to the host's latency-bound work (decode steps, the frontend):
+# prefill throughput takes the cores those leave, not a share fixed in advance.
+LANE_NICE = 10
+
+
+def _start_lane() -> None:
+    torch.set_num_threads(1)
+    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+        try:   # NOTE: Linux applies a thread id's priority to that thread alone
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                           os.getpriority(os.PRIO_PROCESS, 0) + LANE_NICE)
+        except OSError:
+            pass
+
+
+@dataclass
+class PrefillChunk:
+    token_ids: list[int]                 # this chunk's tokens
+    context_len: int                     # tokens of the same prompt already in the cache
+    block_ids: list[int]                 # blocks covering context_len + len(token_ids)
+    params: SamplingParams | None = None  # set on a prompt's last chunk: sample its first token
+
+
+class DeviceWorker:
+    def __init__(self, cfg: WorkerConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.platform = platform_for(self.device)
+        self.dtype = cfg.torch_dtype
+        self.block_size = cfg.block_size
+        self.is_prepared = False
+        self.h2d = HostToDevice(self.device)
+        self.swap = SwapSpace(self.h2d, self.platform.is_pinned)
+        self.decode: DecodeBatch | None = None
+        self.num_prefill_tokens = 0
+        self.num_prefill_passes = 0
+        self.num_prefill_chunks = 0   # summed over passes: / num_prefill_passes is the mean batch
+        self.prefill_busy_s = 0.0
+        self.num_lanes = 1            # CPU prefill: a pass's chunks split over this many threads
+        self._lane_pool: ThreadPoolExecutor | None = None
+
+    # ---- life cycle -------------------------------------------------------
+
+    def prepare(self) -> "DeviceWorker":
+        if self.is_prepared:
+            return self
+        cfg, s = self.cfg, None
+        self.platform.activate()
+        self.spec: ModelSpec = load_spec(cfg.model) if cfg.model else preset_spec(cfg.shape)
+        s = self.spec
+        if cfg.model:
+            from common.engine.loader import load_weights
+            self.weights = load_weights(cfg.model, s, self.device, self.dtype)
+        else:
+            self.weights = qwen3.random_weights(s, self.device, self.dtype, cfg.seed)
+        self.max_model_len = clamp_model_len(cfg.max_model_len, s.max_position_embeddings)
+        self.cos_sin = kernels.rotary_cos_sin(self.max_model_len, s.head_dim, s.rope_theta, self.device)
+        budget = cfg.kv_cache_memory
+        if budget is None and self.device.type == "cpu":
+            budget = cfg.cpu_kv_cache_memory
+        self.num_kv_blocks = kv_cache_blocks(s, self.block_size, self.dtype, self.platform.free_memory(),
+                                             budget, cfg.kv_cache_fraction)
+        shape = cache_shape(s.num_layers, self.num_kv_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        self.kv_cache = self.platform.allocate(shape, self.dtype, cfg.is_cache_in_shm)
+        self.model = qwen3.Model(s, self.weights, self.cos_sin, self.kv_cache)
+        self.decode = DecodeBatch(self.model, self.block_size, cfg.max_batch_size, self.max_blocks_per_seq,
+                                  self.platform, self.h2d)
+        if self.device.type == "cpu" and torch.get_num_threads() > 1:
+            # NOTE: a lane runs whole forwards on one torch thread: no barrier per op waits
+            # for a core another process holds, and a busy host just time-slices the lanes.
+            self.num_lanes = torch.get_num_threads()
+            self._lane_pool = ThreadPoolExecutor(self.num_lanes, thread_name_prefix="prefill-lane",
+                                                 initializer=_start_lane)
+            torch.set_num_threads(1)   # the loop's own ops are small: no pool to wait on
+        self._warm_up()
+        if self._wants_graphs():
+            self.decode.capture_graphs()
+        self.is_prepared = True
+        atexit.register(self.close)
+        return self
+
+    def _wants_graphs(self) -> bool:
+        from kernels import portable
+        # Portable attention reads the full table width: graphs would not pay.
+        return self.platform.can_capture_graphs and self.cfg.use_graphs and not read_env().disable_graphs \
+            and kernels.backend_for(self.kv_cache).decode_attention is not portable.decode_attention
+
+    def close(self) -> None:
+        if not self.is_prepared:
+            return
+        self.is_prepared = False
+        atexit.unregister(self.close)
+        if self.decode is not None:
+            self.decode.graphs.clear()
+        for name in ("weights", "kv_cache", "cos_sin", "model"):
+            self.__dict__.pop(name, None)
+        self.decode = None
+        self.swap.clear()
+        if self._lane_pool is not None:
+            self._lane_pool.shutdown()
+            self._lane_pool, self.num_lanes = None, 1
+        self.platform.release()
+        self.platform.release_memory()
+
+    def __enter__(self) -> "DeviceWorker":
+        return self.prepare()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens the KV cache holds (the null block excluded)."""
+        return (self.num_kv_blocks - 1) * self.block_size
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return num_blocks_for(self.max_model_len, self.block_size)
+
+    @property
+    def kv_shm_name(self) -> str | None:
+        """The shared-memory segment other processes on this host map (a CPU cache
+        allocated with is_cache_in_shm), else None."""
+        return self.platform.share(self.kv_cache) if self.cfg.is_cache_in_shm and \
+            self.device.type == "cpu" else None
+
+    def block_bytes(self) -> int:
+        return block_bytes(self.kv_cache)
+
+    def stats(self) -> dict:
+        d, sw = self.decode, self.swap
+        return {"num_h2d_writes": self.h2d.num_writes, "num_h2d_bytes": self.h2d.num_bytes,
+                "num_block_writes": d.num_block_writes, "num_block_copies": d.num_block_copies,
+                "num_decode_steps": d.num_steps, "num_decode_rows": d.num_rows,
+                "num_swap_bytes": sw.num_swap_bytes, "swapped_bytes": sw.swapped_bytes,
+                "device_busy_s": round(d.device_busy_s, 6), "device_idle_s": round(d.device_idle_s, 6),
+                "is_graphed": d.graphs.is_graphed, "prefill_busy_s": round(self.prefill_busy_s, 6),
+                "num_prefill_tokens": self.num_prefill_tokens,
+                "num_prefill_passes": self.num_prefill_passes, "num_prefill_chunks": self.num_prefill_chunks,
+                "max_decode_batch": d.max_batch,
+                "num_kv_blocks": self.num_kv_blocks, "token_capacity": self.token_capacity}
+
+    # Counters the tests and benchmarks read by name.
+    num_h2d_writes = property(lambda self: self.h2d.num_writes)
+    num_h2d_bytes = property(lambda self: self.h2d.num_bytes)
+    num_decode_steps = property(lambda self: self.decode.num_steps)
+    num_block_writes = property(lambda self: self.decode.num_block_writes)
+    num_block_copies = property(lambda self: self.decode.num_block_copies)
+    num_decode_rows = property(lambda self: self.decode.num_rows)
+    max_decode_batch = property(lambda self: self.decode.max_batch)
+    device_busy_s = property(lambda self: self.decode.device_busy_s)
+    device_idle_s = property(lambda self: self.decode.device_idle_s)
+    swapped_bytes = property(lambda self: self.swap.swapped_bytes)
+    num_swap_bytes = property(lambda self: self.swap.num_swap_bytes)
+
+    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        return self.h2d.tensor(values, dtype)
+
+    # ---- prefill -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, chunks: list[PrefillChunk], return_logits: bool = False,
+                on_kv_written=None) -> tuple[list[int | None], torch.Tensor | None]:
+        """Run prompt chunks as one batch; write their KV; sample the first token of
+        every chunk that carries params. Returns (token or None per chunk, and the
+        fp32 logits [num_sampled, V] of the sampled chunks when asked).
+        on_kv_written(), if given, is called once every layer's KV write is queued
+        on the device, before the sampling waits for it: work queued there (a KV
+        transfer) starts right behind the forward pass."""
+        t0 = time.perf_counter()
+        out, logits = self._prefill(chunks, return_logits, on_kv_written)
+        self.prefill_busy_s += time.perf_counter() - t0  # _prefill ends in a device sync
+        return out, logits
+
+    def _forward_chunks(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """One forward over the chunks, packed; their KV into the cache. -> the hidden
+        state of each chunk's last token [len(chunks), H]."""
+        bs = self.block_size
+        ids, positions, slots = [], [], []
+        width = max(len(c.block_ids) for c in chunks)
+        tables = np.zeros((len(chunks), width), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            end = c.context_len + len(c.token_ids)
+            if len(c.block_ids) < num_blocks_for(end, bs):
+                raise ValueError(f"chunk of {end} tokens given {len(c.block_ids)} blocks")
+            ids += c.token_ids
+            pos = np.arange(c.context_len, end)
+            positions.append(pos)
+            slots.append(np.asarray(c.block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            tables[i, : len(c.block_ids)] = c.block_ids
+        attn = qwen3.AttentionInputs(
+            is_prefill=True, slot_mapping=self._to_device(np.concatenate(slots), torch.int64),
+            block_tables=self._to_device(tables, torch.int32),
+            query_lens=[len(c.token_ids) for c in chunks],
+            context_lens=[c.context_len for c in chunks])
+        starts = np.cumsum([0] + attn.query_lens[:-1])
+        attn.prefill_meta = self._to_device(np.stack([starts, attn.query_lens, attn.context_lens]),
+                                            torch.int32)
+        hidden = qwen3.forward(self.spec, self.weights, self.kv_cache, self.cos_sin,
+                               self._to_device(ids, torch.int64),
+                               self._to_device(np.concatenate(positions), torch.int64), attn)
+        return hidden[self._to_device(np.cumsum(attn.query_lens) - 1, torch.int64)]
+
+    # A lone chunk shorter than this per thread runs on one lane: an op split over threads
+    # waits at its end for every one of them, and on a shared host one may have no core.
+    MIN_TOKENS_PER_THREAD = 1024
+
+    @torch.inference_mode()   # NOTE: thread-local: a lane thread must enter it itself
+    def _forward_lane(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        return self._forward_chunks(chunks)
+
+    def _split_into_lanes(self, chunks: list[PrefillChunk]) -> list[list[int]]:
+        """Chunk indices per lane, balanced by tokens (largest first); one lane unless
+        this is a CPU worker with several threads and the pass has several chunks."""
+        num_lanes = min(self.num_lanes, len(chunks))
+        if num_lanes < 2:
+            return [list(range(len(chunks)))]
+        lanes: list[list[int]] = [[] for _ in range(num_lanes)]
+        loads = [0] * num_lanes
+        for i in sorted(range(len(chunks)), key=lambda i: -len(chunks[i].token_ids)):
+            j = loads.index(min(loads))
+            lanes[j].append(i)
+            loads[j] += len(chunks[i].token_ids) + chunks[i].context_len // 4
+        return [sorted(lane) for lane in lanes if lane]
+
+    def _prefill(self, chunks: list[PrefillChunk], return_logits: bool, on_kv_written=None):
+        lanes = self._split_into_lanes(chunks)
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        if self._lane_pool is None:
+            last_hidden = self._forward_chunks(chunks)
+        elif len(lanes) == 1 and num_tokens >= self.MIN_TOKENS_PER_THREAD * self.num_lanes:
+            torch.set_num_threads(self.num_lanes)   # every thread on one long chunk
+            try:
+                last_hidden = self._forward_chunks(chunks)
+            finally:
+                torch.set_num_threads(1)
+        elif len(lanes) == 1:
+            last_hidden = self._lane_pool.submit(self._forward_lane, chunks).result()
+        else:
+            # NOTE: lanes write disjoint blocks of the one cache; the sampling below waits for all.
+            parts = list(self._lane_pool.map(self._forward_lane, [[chunks[i] for i in lane]
+                                                                  for lane in lanes]))
+            order = torch.tensor([i for lane in lanes for i in lane])
+            packed = torch.cat(parts)            # lane order -> chunk order
+            last_hidden = torch.empty_like(packed)
+            last_hidden[order] = packed
+        self.num_prefill_tokens += num_tokens
+        self.num_prefill_passes += 1
+        self.num_prefill_chunks += len(chunks)
+        if on_kv_written is not None:
+            on_kv_written()
+        sampled_idx = [i for i, c in enumerate(chunks) if c.params is not None]
+        out: list[int | None] = [None] * len(chunks)
+        if not sampled_idx:
+            return out, None
+        logits = qwen3.compute_logits(self.weights, last_hidden[sampled_idx])
+        ps = [chunks[i].params for i in sampled_idx]
+        tokens = sample(logits,
+                        self._to_device([p.temperature for p in ps], torch.float32),
+                        self._to_device([p.top_p for p in ps], torch.float32),
+                        self._to_device([p.top_k for p in ps], torch.int32),
+                        self._to_device([p.seed for p in ps], torch.int64),
+                        self._to_device([chunks[i].context_len + len(chunks[i].token_ids)
+                                         for i in sampled_idx], torch.int64)).tolist()
+        for i, t in zip(sampled_idx, tokens):
+            out[i] = t
+        return out, (logits if return_logits else None)
+
+    # ---- preemption: a sequence's KV leaves the cache and comes back ----------
+
+    def swap_out(self, key: str, block_ids: list[int]) -> None:
+        self.swap.swap_out(self.kv_cache, key, block_ids)
+
+    def swap_in(self, key: str, block_ids: list[int]) -> None:
+        self.swap.swap_in(self.kv_cache, key, block_ids)
+
+    def drop_swapped(self, key: str) -> None:
+        self.swap.drop(key)
+
+    @torch.inference_mode()
+    def recompute(self, token_ids: list[int], block_ids: list[int], chunk_len: int = 2048) -> None:
+        """Write the KV of token_ids (positions 0..) into block_ids by prefilling them
+        again, in chunks of chunk_len tokens; nothing is sampled."""
+        for start in range(0, len(token_ids), chunk_len):
+            chunk = token_ids[start:start + chunk_len]
+            end = start + len(chunk)
+            self._prefill([PrefillChunk(chunk, start, block_ids[:num_blocks_for(end, self.block_size)])],
+                          False)
+
+    @torch.inference_mode()
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A host copy of the blocks: [L, 2, n, block_size, Hk, D] (tests and tools)."""
+        idx = torch.tensor(block_ids, dtype=torch.int64).to(self.device)
+        return self.kv_cache.index_select(2, idx).to("cpu")
+
+    # ---- decode: the batch's device-resident step state (decode.py) ------------
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return self.decode.num_seqs
+
+    @property
+    def host_seq_lens(self) -> np.ndarray:
+        return self.decode.host_seq_lens
+
+    def decode_keys(self) -> list[str]:
+        return self.decode.keys()
+
+    def add_decode_seq(self, key: str, token_id: int, num_cached: int, block_ids: list[int],
+                       params: SamplingParams) -> None:
+        self.decode.add(key, token_id, num_cached, block_ids, params)
+
+    def remove_decode_seq(self, key: str) -> None:
+        self.decode.remove(key)
+
+    def keys_needing_block(self) -> list[str]:
+        return self.decode.keys_needing_block()
+
+    def next_position(self, key: str) -> int:
+        return self.decode.next_position(key)
+
+    def num_blocks(self, key: str) -> int:
+        return self.decode.num_blocks(key)
+
+    def append_block(self, key: str, block_id: int) -> None:
+        self.decode.append_block(key, block_id)
+
+    def grow_blocks(self, seqs: dict, allocator) -> None:
+        """Before a step: every sequence whose next token starts a new block gets one
+        (kv.sequence.grow_blocks picks it) in its block table."""
+        for key, block in grow_blocks(self.decode.keys_needing_block(), seqs, allocator):
+            self.decode.append_block(key, block)
+
+    def launch_decode(self) -> DecodeTicket | None:
+        return self.decode.launch()
+
+    def is_step_done(self, ticket: DecodeTicket) -> bool:
+        return self.decode.is_done(ticket)
+
+    def collect_decode(self, ticket: DecodeTicket) -> list[int]:
+        return self.decode.collect(ticket)
+
+    def decode_step(self) -> list[int]:
+        """One token for every live sequence, in decode_keys() order."""
+        ticket = self.decode.launch()
+        return self.decode.collect(ticket) if ticket else []
+
+    def mark_idle(self) -> None:
+        self.decode.mark_idle()
+
+    def _warm_up(self) -> None:
+        """Compile the device kernels now, not inside the first request: a node that
+        stalls for seconds on it would look dead to the frontend. Writes go to the
+        null block; the counters start from zero afterwards."""
+        if self.device.type == "cpu":
+            return
+        bs = self.block_size
+        self._prefill([PrefillChunk([0], 0, [NULL_BLOCK], SamplingParams()),
+                       PrefillChunk([0] * (bs + 1), 0, [NULL_BLOCK] * 2, SamplingParams())], False)
+        self.h2d.reset()

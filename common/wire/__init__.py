@@ -1,0 +1,1 @@
+"""wire: every message by link, their codec, channels and CURVE keys. Imports base."""

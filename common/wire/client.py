@@ -1,0 +1,76 @@
+"""Messages between a client and the frontend (docs/protocol.md documents them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, ClassVar
+
+from common.wire.codec import Range, MaxLen, Plain, Id, I32, I32_MAX
+
+
+# ---- client <-> frontend (documented in docs/protocol.md) ---------------------
+
+@dataclass
+class GenerateRequest:
+    TYPE: ClassVar[str] = "generate"
+    request_id: Id
+    prompt: str | None = None
+    prompt_token_ids: list[I32] | None = None
+    messages: list[Annotated[dict, Plain(depth=2, max_items=16)]] | None = None
+    max_tokens: Annotated[int, Range(1, I32_MAX)] = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: Annotated[int, Range(-1, I32_MAX)] = -1
+    seed: Annotated[int, Range(0, 2**63 - 1)] | None = None
+    stop: list[Annotated[str, MaxLen(1024)]] = field(default_factory=list)
+    stop_token_ids: list[I32] = field(default_factory=list)
+    ignore_eos: bool = False
+    timeout_s: float | None = None
+
+
+@dataclass
+class AbortRequest:
+    TYPE: ClassVar[str] = "abort"
+    request_id: Id
+
+
+@dataclass
+class StatsRequest:
+    TYPE: ClassVar[str] = "stats"
+
+
+@dataclass
+class GenerateOutput:
+    TYPE: ClassVar[str] = "output"
+    request_id: str
+    token_ids: list[int]
+    text: str
+    is_finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    usage: dict | None = None
+    timings: dict | None = None
+
+
+@dataclass
+class OutputBatch:
+    """Outputs for several of one client's requests, sent together: one message per
+    client per decode step instead of one per request."""
+    TYPE: ClassVar[str] = "outputs"
+    outputs: list[GenerateOutput]
+
+
+@dataclass
+class StatsReply:
+    TYPE: ClassVar[str] = "stats_reply"
+    is_ready: bool
+    nodes: dict
+    model: dict | None = None   # {"name", "vocab_size", "max_model_len"}
+    frontend: dict | None = None  # {"pid", "is_draining", "num_waiting", "num_running", ...}
+
+
+@dataclass
+class ErrorReply:
+    """For a message that named no request we could answer about."""
+    TYPE: ClassVar[str] = "error"
+    error: str
+    request_id: str | None = None

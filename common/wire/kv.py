@@ -1,0 +1,125 @@
+"""Messages on the KV link between a prefill node and a decode node: the handoff's reserve, write and commit."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, ClassVar
+
+import torch
+
+from common.base.request import SamplingParams
+from common.wire.codec import Range, MaxLen, Name, Id, Text, I32, Stamps
+
+
+# ---- prefill <-> decode (KV link) ----------------------------------------------
+# A handoff is reserve -> write -> commit: the decode node reserves destination
+# blocks, the prefill node's transfer backend writes its blocks into them, and
+# the commit makes the request runnable on the decode node without a copy.
+
+@dataclass
+class CudaIpcHandle:
+    """A CUDA allocation shared across processes (what torch's storage sharing returns)."""
+    device: int
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    is_event_sync_required: bool
+
+
+@dataclass
+class KVHello:
+    """prefill -> decode, on first contact and whenever the decode node's epoch changes."""
+    TYPE: ClassVar[str] = "kv_hello"
+    prefill_node: Name
+
+
+@dataclass
+class KVWelcome:
+    """decode -> prefill: the decode node's cache, and how it may be written."""
+    TYPE: ClassVar[str] = "kv_welcome"
+    epoch: Name                      # changes when the decode node restarts
+    host_id: Annotated[str, MaxLen(512)]   # machine identity: ipc only between equal host ids
+    device: Name
+    cache_shape: list[I32]           # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    dtype: Name
+    backends: list[Name]             # what this decode node accepts, best first
+    shm_name: Name | None = None     # ipc on CPU: the cache's shared-memory segment
+    cuda_ipc: CudaIpcHandle | None = None  # ipc on CUDA
+    dist_store: Name | None = None   # dist: "host:port" of the TCPStore pairs meet at
+
+
+@dataclass
+class KVReserve:
+    TYPE: ClassVar[str] = "kv_reserve"
+    request_id: Id
+    prompt_len: I32
+    max_tokens: I32
+
+
+@dataclass
+class KVReserved:
+    """decode -> prefill: block_ids for the prompt, or a refusal. The blocks stay
+    reserved for lease_s from when the KVReserve reached the decode node (0: until
+    released); the same KVReserve again renews them.
+    is_queued, without blocks: the request waits its turn there and the blocks will
+    follow unasked; the same KVReserve within lease_s keeps its place. With blocks:
+    they are that turn (no request is answered, and the lease runs from now)."""
+    TYPE: ClassVar[str] = "kv_reserved"
+    request_id: Id
+    epoch: Name
+    block_ids: list[I32] | None = None
+    is_retryable: bool = False
+    reason: Text | None = None
+    lease_s: Annotated[float, Range(0, 86400)] = 0.0
+    is_queued: bool = False
+
+
+@dataclass
+class KVBlocks:
+    """tcp backend: layers [first_layer, first_layer + kv.shape[0]) of a reservation's blocks.
+    kv [layers, 2, num_blocks, block_size, kv_heads, head_dim] travels as one raw frame."""
+    TYPE: ClassVar[str] = "kv_blocks"
+    request_id: Id
+    first_layer: Annotated[int, Range(0, 4096)]
+    kv: torch.Tensor
+
+
+@dataclass
+class KVDist:
+    """dist backend, prefill -> decode: the request's blocks follow as one send on the
+    pair's process group `group` under `tag`; the decode node posts the receive."""
+    TYPE: ClassVar[str] = "kv_dist"
+    request_id: Id
+    group: Name
+    tag: Annotated[int, Range(0, 2**31 - 1)]
+
+
+@dataclass
+class KVCommit:
+    """prefill -> decode: the reserved blocks hold the prompt's KV; start decoding."""
+    TYPE: ClassVar[str] = "kv_commit"
+    request_id: Id
+    prompt_len: I32
+    first_token: I32
+    params: SamplingParams
+    timings: Stamps
+    backend: Name
+    prompt_ids: list[I32]            # the decode node recomputes from them if it preempts
+
+
+@dataclass
+class KVRelease:
+    """prefill -> decode: drop a reservation that will never be committed."""
+    TYPE: ClassVar[str] = "kv_release"
+    request_id: Id
+
+
+@dataclass
+class HandoffAck:
+    TYPE: ClassVar[str] = "kv_ack"
+    request_id: Id
+    is_accepted: bool
+    is_retryable: bool = False
+    reason: Text | None = None

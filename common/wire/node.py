@@ -1,0 +1,118 @@
+"""Messages between the frontend and its nodes: requests and control down, tokens, failures and health up."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, ClassVar
+
+from common.base.request import SamplingParams
+from common.wire.codec import Range, MaxLen, Name, Id, Text, I32, Parts, Figures
+
+
+# ---- frontend -> nodes --------------------------------------------------------
+
+@dataclass
+class PrefillRequest:
+    TYPE: ClassVar[str] = "prefill"
+    request_id: Id
+    prompt_token_ids: list[I32]
+    params: SamplingParams
+    arrival_time: Annotated[float, Range(0, 1e12)]
+    decode_node: Name         # the decode node chosen for this request ...
+    decode_kv_endpoint: Annotated[str, MaxLen(512)]   # ... and where its KV link listens
+
+
+@dataclass
+class NodeAbort:
+    TYPE: ClassVar[str] = "node_abort"
+    request_id: Id
+
+
+@dataclass
+class Shutdown:
+    TYPE: ClassVar[str] = "shutdown"
+
+
+@dataclass
+class PrefixUpdate:
+    """prefill -> frontend: route keys (common/prefix.route_key) of blocks the node's
+    prefix cache added and evicted since its last update; is_reset: added is all it holds."""
+    TYPE: ClassVar[str] = "prefix_update"
+    name: Name
+    pid: I32
+    added: Annotated[list[int], MaxLen(65536)]
+    removed: Annotated[list[int], MaxLen(65536)]
+    is_reset: bool = False
+
+
+@dataclass
+class ReadyReply:
+    """frontend -> node, for each NodeReady (and to a heartbeat from a node it has
+    forgotten): registered, or why not. A retryable refusal is asked again."""
+    TYPE: ClassVar[str] = "ready_reply"
+    is_accepted: bool
+    reason: Text | None = None
+    is_retryable: bool = False
+
+
+
+
+# ---- nodes -> frontend --------------------------------------------------------
+
+@dataclass
+class NodeReady:
+    TYPE: ClassVar[str] = "ready"
+    role: Name                # "prefill" or "decode"
+    name: Name
+    pid: I32
+    device: Name
+    num_kv_blocks: I32
+    block_size: Annotated[int, Range(1, 4096)]
+    max_model_len: I32
+    kv_endpoint: Annotated[str, MaxLen(512)] | None = None   # a decode node's KV link
+    kv_transfer: Name = "auto"       # the KV transfer backend the node asked for
+    max_batch_size: I32 = 0          # a decode node's batch rows (0: not said)
+
+
+@dataclass
+class Heartbeat:
+    TYPE: ClassVar[str] = "heartbeat"
+    role: Name
+    name: Name
+    stats: Figures
+    pid: I32 = 0              # counts only for the registered process of that name
+
+
+@dataclass
+class RequestFailed:
+    TYPE: ClassVar[str] = "failed"
+    request_id: Id
+    error: Text
+
+
+@dataclass
+class TokenUpdate:
+    request_id: Id
+    token_ids: list[I32]
+    finish_reason: Name | None = None
+    timings: Parts | None = None    # on a request's first update: where its TTFT went
+
+
+def ttft_parts(t: dict) -> dict:
+    """Milliseconds spent in each stage from a request's stamps; a part whose stamps are
+    not there (yet) is left out."""
+    def ms(a: str, b: str) -> float | None:
+        x, y = t.get(a), t.get(b)
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (x, y))
+        return round((y - x) * 1e3, 3) if ok else None
+    parts = {"queue_ms": ms("arrival", "prefill_start"), "prefill_ms": ms("prefill_start", "prefill_end"),
+             "kv_transfer_ms": ms("prefill_end", "decode_recv"),
+             # kv_transfer_ms in two: the write (reservation wait included), the commit's trip
+             "kv_write_ms": ms("prefill_end", "written"), "kv_commit_ms": ms("written", "decode_recv"),
+             "decode_admission_ms": ms("decode_recv", "decode_admit")}
+    return {k: v for k, v in parts.items() if v is not None}
+
+
+@dataclass
+class TokenBatch:
+    TYPE: ClassVar[str] = "tokens"
+    updates: list[TokenUpdate]

@@ -1,0 +1,36 @@
+"""The wire protocol: every message pdserve sends, grouped by link, and what each
+link may carry. The messages live in client.py, node.py and kv.py; the codec in
+codec.py. Code that sends or receives imports from here.
+"""
+from __future__ import annotations
+
+from common.wire import codec
+from common.wire.codec import PROTOCOL_VERSION, ProtocolError, dtype_name, encode  # noqa: F401
+from common.wire.client import (GenerateRequest, AbortRequest, StatsRequest, GenerateOutput,
+                                OutputBatch, StatsReply, ErrorReply)  # noqa: F401
+from common.wire.node import (PrefillRequest, NodeAbort, Shutdown, PrefixUpdate, ReadyReply,
+                              NodeReady, Heartbeat, RequestFailed, TokenUpdate, TokenBatch,
+                              ttft_parts)  # noqa: F401
+from common.wire.kv import (CudaIpcHandle, KVHello, KVWelcome, KVReserve, KVReserved, KVBlocks,
+                            KVDist, KVCommit, KVRelease, HandoffAck)  # noqa: F401
+
+MESSAGES: dict[str, type] = {cls.TYPE: cls for cls in (
+    GenerateRequest, AbortRequest, StatsRequest, GenerateOutput, OutputBatch, StatsReply, ErrorReply,
+    PrefillRequest, NodeAbort, Shutdown, ReadyReply, NodeReady, Heartbeat, RequestFailed, TokenBatch,
+    PrefixUpdate,
+    KVHello, KVWelcome, KVReserve, KVReserved, KVBlocks, KVDist, KVCommit, KVRelease, HandoffAck)}
+
+# What each link carries, per direction.
+CLIENT_TO_FRONTEND = (GenerateRequest, AbortRequest, StatsRequest)
+FRONTEND_TO_CLIENT = (GenerateOutput, OutputBatch, StatsReply, ErrorReply)
+FRONTEND_TO_NODE = (PrefillRequest, NodeAbort, Shutdown, ReadyReply)
+FRONTEND_TO_HEARTBEAT = (ReadyReply,)
+NODE_TO_FRONTEND = (NodeReady, Heartbeat, RequestFailed, TokenBatch, PrefixUpdate)
+PREFILL_TO_DECODE = (KVHello, KVReserve, KVBlocks, KVDist, KVCommit, KVRelease)
+DECODE_TO_PREFILL = (KVWelcome, KVReserved, HandoffAck)
+
+
+def decode(frames: list, allowed: tuple[type, ...] | None = None):
+    """Frames -> a message of one of the allowed types (any message when None).
+    Raises ProtocolError for anything malformed, and nothing else."""
+    return codec.decode(frames, MESSAGES, allowed)

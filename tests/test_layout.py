@@ -1,0 +1,105 @@
+"""The layout holds: imports run only down the rooms common/__init__.py lists, and
+every old module path still imports the module that moved."""
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# room -> the rooms it may import (besides itself); a room is the longest matching prefix.
+ALLOWED = {
+    "common.base": set(),
+    "kernels": {"common.base"},
+    "common.kv": {"common.base"},
+    "common.wire": {"common.base"},
+    "common.engine": {"common.base", "common.kv", "kernels"},
+    "common.transfer": {"common.base", "common.kv", "common.wire", "common.engine"},
+    "common.handoff": {"common.base", "common.kv", "common.wire", "common.transfer"},
+    "common.runtime": {"common.base", "common.wire"},
+    "frontend": {"common.base", "common.kv", "common.wire", "common.runtime"},
+    "prefill_node": {"common", "common.base", "common.kv", "common.wire", "common.engine",
+                     "common.transfer", "common.handoff", "common.runtime", "kernels"},
+    "decode_node": {"common", "common.base", "common.kv", "common.wire", "common.engine",
+                    "common.transfer", "common.handoff", "common.runtime", "kernels"},
+}
+OURS = ("common", "kernels", "frontend", "prefill_node", "decode_node", "launch")
+
+
+def _room(module: str) -> str | None:
+    matches = [r for r in ALLOWED if module == r or module.startswith(r + ".")]
+    return max(matches, key=len) if matches else ("common" if module == "common" else None)
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import of ours in the file, at any depth."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from common import transfer` imports common.transfer
+            out += [(node.lineno, f"{node.module}.{a.name}") if node.module in ("common", "kernels")
+                    else (node.lineno, node.module) for a in node.names]
+    return sorted((line, m) for line, m in out if m.split(".")[0] in OURS)
+
+
+def _sources() -> list[Path]:
+    return sorted(p for top in ALLOWED if "." not in top
+                  for p in (ROOT / top.replace(".", "/")).rglob("*.py")) + \
+        sorted((ROOT / "common").rglob("*.py"))
+
+
+def test_imports_run_only_down_the_rooms():
+    upward = []
+    for path in _sources():
+        here = _room(_module_of(path))
+        if here is None or here == "common":
+            continue
+        for line, module in _imports(path):
+            there = _room(module)
+            if there is None:
+                upward.append(f"{path.relative_to(ROOT)}:{line} imports {module} (outside every room)")
+            elif there != here and there not in ALLOWED[here]:
+                upward.append(f"{path.relative_to(ROOT)}:{line} ({here}) imports {module} ({there})")
+    assert not upward, "imports against the rooms' order:\n" + "\n".join(upward)
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The rule itself can fail: an engine module importing the wire is caught."""
+    assert _room("common.engine.worker") == "common.engine"
+    assert "common.wire" not in ALLOWED[_room("common.engine.worker")]
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from common.wire.channel import Channel\nimport kernels\n")
+    assert _imports(bad) == [(2, "common.wire.channel"), (3, "kernels")]
+
+
+def test_every_room_says_what_it_may_import():
+    for room in ALLOWED:
+        if not room.startswith("common."):
+            continue
+        doc = importlib.import_module(room).__doc__ or ""
+        assert "import" in doc.lower(), f"{room}/__init__.py does not say what it may import"
+
+
+@pytest.mark.parametrize("old", sorted(importlib.import_module("common").MOVED))
+def test_old_module_paths_still_import(old):
+    import common
+    module = importlib.import_module(old)
+    homes = [importlib.import_module(h) for h in common.MOVED[old]]
+    if len(homes) == 1:
+        assert module is homes[0]
+    for home in homes:
+        for name, value in vars(home).items():
+            if not name.startswith("_") and getattr(value, "__module__", None) == home.__name__:
+                assert getattr(module, name) is value
