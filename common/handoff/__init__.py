@@ -1,1 +1,0 @@
-"""handoff: reserve -> write -> commit between a prefill node and a decode node, both halves, and the leases they share. Imports base, kv, wire, transfer."""
