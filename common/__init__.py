@@ -27,7 +27,7 @@ MOVED = {
     "common.log": ("common.base.log",),
     "common.protocol": ("common.wire.protocol",), "common.channel": ("common.wire.channel",),
     "common.keys": ("common.wire.keys",),
-    "common.kv_cache": ("common.kv.blocks", "common.engine.worker"), "common.prefix": ("common.kv.prefix",),
+    "common.kv_cache": ("common.kv.blocks",), "common.prefix": ("common.kv.prefix",),
     "common.sequence": ("common.kv.sequence", "common.base.request"),
     "common.model_spec": ("common.base.model_spec",), "common.qwen3": ("common.engine.qwen3",),
     "common.loader": ("common.engine.loader",), "common.worker": ("common.engine.worker",),

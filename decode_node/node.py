@@ -92,6 +92,8 @@ class DecodeNode:
                     is_busy = bool(inflight or self.scheduler.running or self.scheduler.ready
                                    or self.scheduler.preempted)
                     self._receive(timeout=0 if is_busy else 0.02)
+                    self._expire_reservations()
+                    self._grant()
                     if inflight is None:
                         # Nothing on the device: the batch may change.
                         self._apply_aborts()
@@ -125,12 +127,9 @@ class DecodeNode:
     # ---- receive ----------------------------------------------------------
 
     def _receive(self, timeout: float) -> None:
-        """Everything waiting on both links, then the handoff's bookkeeping: leases
-        that ran out, reservations granted from the line."""
+        """Everything waiting on both links."""
         for ch in self._poller.wait(timeout):
             self._receive_all(ch)
-        self._expire_reservations()
-        self._grant()
 
     def _receive_all(self, ch: Channel) -> None:
         allowed = PREFILL_TO_DECODE if ch is self.kv else FRONTEND_TO_NODE

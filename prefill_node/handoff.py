@@ -29,7 +29,8 @@ from typing import Callable
 from common import transfer
 from common.wire.channel import Channel, Poller
 from common.base.config import PrefillConfig
-from common.kv.blocks import BlockAllocator, num_blocks_for
+from common.kv.blocks import (BlockAllocator, block_bytes, cache_block_size, is_cache_shape,
+                              num_blocks_for, num_cache_blocks)
 from common.base.log import get_logger
 from common.wire.protocol import (DECODE_TO_PREFILL, HandoffAck, KVCommit, KVHello, KVRelease,
                              KVReserve, KVReserved, KVWelcome)
@@ -121,7 +122,7 @@ class Handoffs:
                     h.is_writing, h.is_aborted = False, True
                     h.error = f"decode node {peer.name} restarted during the KV write"
         peer.writer, peer.epoch, peer.error = None, w.epoch, None
-        peer.num_blocks = w.cache_shape[2] if len(w.cache_shape) == 6 else 0
+        peer.num_blocks = num_cache_blocks(w.cache_shape) if is_cache_shape(w.cache_shape) else 0
         try:
             peer.writer = transfer.open_writer(self.cfg.kv_transfer, w, self.cache,
                                                lambda m: peer.channel.send(m, block=False))
@@ -232,7 +233,7 @@ class Handoffs:
             peer.channel.send(KVRelease(r.request_id), block=False)
             self._end(h, None)
             return
-        num_needed = num_blocks_for(h.job.prompt_len, self.cache.shape[3])
+        num_needed = num_blocks_for(h.job.prompt_len, cache_block_size(self.cache.shape))
         if len(r.block_ids) != num_needed or len(set(r.block_ids)) != num_needed:
             self.num_bad_replies += 1
             peer.channel.send(KVRelease(r.request_id), block=False)
@@ -350,7 +351,7 @@ class Handoffs:
             h.error = f"KV transfer to {h.peer.name} failed: {e}"
             return
         h.is_writing = True
-        self.bytes_written += len(h.job.block_ids) * self.cache[:, :, 0].numel() * self.cache.element_size()
+        self.bytes_written += len(h.job.block_ids) * block_bytes(self.cache)
 
     def _written(self, h: Handoff | None) -> None:
         if h is None or not h.is_writing:

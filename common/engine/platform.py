@@ -48,6 +48,7 @@ class CpuPlatform:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self._segment: shared_memory.SharedMemory | None = None   # a shared CPU cache's
 
     def activate(self) -> None:
         pass
@@ -94,7 +95,7 @@ class CpuPlatform:
         return torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
     def share(self, cache: torch.Tensor) -> str:
-        segment = getattr(self, "_segment", None)
+        segment = self._segment
         if segment is None:
             raise PlatformError("this CPU cache was not allocated in shared memory")
         return segment.name
@@ -126,7 +127,7 @@ class CpuPlatform:
         return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape), close
 
     def release(self, cache: torch.Tensor | None = None) -> None:
-        segment, self._segment = getattr(self, "_segment", None), None
+        segment, self._segment = self._segment, None
         if segment is None:
             return
         try:

@@ -92,10 +92,9 @@ class DeviceWorker:
     def prepare(self) -> "DeviceWorker":
         if self.is_prepared:
             return self
-        cfg, s = self.cfg, None
+        cfg = self.cfg
         self.platform.activate()
-        self.spec: ModelSpec = load_spec(cfg.model) if cfg.model else preset_spec(cfg.shape)
-        s = self.spec
+        s = self.spec = load_spec(cfg.model) if cfg.model else preset_spec(cfg.shape)
         if cfg.model:
             from common.engine.loader import load_weights
             self.weights = load_weights(cfg.model, s, self.device, self.dtype)
@@ -346,10 +345,6 @@ class DeviceWorker:
     @property
     def num_decode_seqs(self) -> int:
         return self.decode.num_seqs
-
-    @property
-    def host_seq_lens(self) -> np.ndarray:
-        return self.decode.host_seq_lens
 
     def decode_keys(self) -> list[str]:
         return self.decode.keys()

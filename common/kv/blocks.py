@@ -18,7 +18,7 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 # The cache layout, read in one place: [L, 2 (k, v), num_blocks, block_size, Hk, D].
-LAYER_DIM, BLOCK_DIM, SLOT_DIM = 0, 2, 3
+BLOCK_DIM, SLOT_DIM = 2, 3
 
 
 def cache_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
