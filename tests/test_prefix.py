@@ -150,7 +150,7 @@ def test_cache_aware_routing_keeps_a_prefix_on_one_node_and_spreads_the_rest(tin
             other = next(n for n in ("prefill-0", "prefill-1") if n != holder)
             assert final[other] - after[other] >= 3 and final[holder] - after[holder] >= 3
             # Heartbeat figures: wait for one that covers the six requests.
-            wait_for(lambda: c.stats().nodes[holder]["num_prefix_hit_tokens"] >= 6 * 96, 10,
+            wait_for(lambda: c.stats().nodes[holder].get("num_prefix_hit_tokens", 0) >= 6 * 96, 10,
                      "the holder to report its six prefix hits")
     finally:
         procs.stop()
