@@ -9,6 +9,7 @@ a room imports only the rooms it names (tests/test_layout.py checks it):
     wire      messages by link, their codec, channels, keys       base
     engine    device platform, model, loader, sampling, worker    base, kv, kernels
     transfer  KV transfer backends                                base, kv, wire, engine
+    handoff   reserve -> write -> commit, both halves             base, kv, wire, transfer
     runtime   a node process: frontend link, heartbeat, threads   base, wire
 
 The modules that lived at common/<name>.py before the rooms still import by their

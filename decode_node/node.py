@@ -1,8 +1,8 @@
 """The decode node: receive -> admit -> launch -> collect -> send, in one loop.
 
 Prefill nodes reserve blocks here, write their KV into them through the
-transfer backend, and commit; a committed request joins the batch without a
-copy. Every step sends the new token of every running request to the frontend
+transfer backend, and commit (common/handoff/receiver.py); a committed request
+joins the batch without a copy. Every step sends the new token of every running request to the frontend
 in one message. A request's first update carries its first token (sampled by
 the prefill node) and the timings that make up its time to first token.
 
@@ -25,17 +25,16 @@ from common.kv.blocks import BlockAllocator
 from common.base.log import Throttle, get_logger
 from common.runtime.node import NodeRuntime
 from common import transfer
-from common.wire.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, HandoffAck, KVBlocks, KVCommit, KVDist,
-                             KVHello, KVRelease, KVReserve, KVReserved, NodeAbort, NodeReady,
-                             RequestFailed, TokenBatch, TokenUpdate, ttft_parts)
+from common.wire.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, NodeAbort, NodeReady,
+                                  RequestFailed, TokenBatch, TokenUpdate, ttft_parts)
 from common.kv.blocks import num_blocks_for
 from common.kv.sequence import Sequence, blocks_to_join, finish_reason, num_blocks_short
 from common.engine.worker import DecodeTicket, DeviceWorker
-from decode_node.scheduler import WaitingReserve, DecodeScheduler, Reservation
+from common.handoff.receiver import Receiver
+from decode_node.scheduler import DecodeScheduler
 
 log = get_logger("decode")
 noisy = Throttle(log)   # lines about what peers send
-ABORT_MEMORY_S = 60.0   # a handoff arriving this long after its abort is still dropped
 
 
 class DecodeNode:
@@ -43,7 +42,6 @@ class DecodeNode:
         self.cfg = cfg
         self.worker = DeviceWorker(cfg.worker)
         self.epoch = f"{os.getpid()}-{secrets.token_hex(4)}"   # new on every start
-        self.recently_aborted: dict[str, float] = {}
         self.pending_aborts: set[str] = set()
         self.finished_in_flight: set[str] = set()   # finished, but their row is in the step in flight
         self.num_discarded_tokens = 0
@@ -52,8 +50,6 @@ class DecodeNode:
         self.num_preemptions = 0
         self.num_swapped = 0            # preemptions that kept the KV in host memory
         self.num_recomputed = 0         # resumptions that prefilled the KV again
-        self.num_expired_reservations = 0   # not renewed or committed within the lease
-        self.num_granted = 0            # reservations granted from the waiting line
         self._last_log = 0.0
         self._log_tokens = self._log_steps = 0
 
@@ -71,29 +67,29 @@ class DecodeNode:
                 # With keys, only the cluster's nodes get past the handshake.
                 self.kv = Channel(rt.ctx, True, self.cfg.kv_endpoint, max_message_bytes=kv_limit,
                                   domain="nodes")
-                self.sink = transfer.KVSink(self.worker.kv_cache, self.worker.kv_shm_name,
-                                            transfer.accepted_backends(self.cfg.kv_transfer,
-                                                                       self.worker.device),
-                                            endpoint_host(self.cfg.kv_endpoint))
+                sink = transfer.KVSink(self.worker.kv_cache, self.worker.kv_shm_name,
+                                       transfer.accepted_backends(self.cfg.kv_transfer, self.worker.device),
+                                       endpoint_host(self.cfg.kv_endpoint))
                 self._poller = Poller(self.frontend, self.kv)
                 self.blocks = BlockAllocator(self.worker.num_kv_blocks)
                 self.scheduler = DecodeScheduler(self.blocks, self.worker.block_size,
-                                                 self.cfg.worker.max_batch_size, self.cfg.max_queue,
-                                                 self.cfg.is_preemptive)
+                                                 self.cfg.worker.max_batch_size, self.cfg.is_preemptive)
+                self.handoff = Receiver(self.epoch, self.cfg.reservation_lease_s, self.cfg.max_queue,
+                                        self.scheduler, sink, self.kv.send, self.worker.spec.vocab_size,
+                                        self.worker.max_model_len)
                 rt.start(self._send_ready, self.stats)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
                          self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.worker.max_batch_size,
-                         self.cfg.kv_endpoint, ", ".join(self.sink.accepted),
+                         self.cfg.kv_endpoint, ", ".join(sink.accepted),
                          f"preemption on, {self.cfg.swap_space / 2**20:.4g} MiB swap"
                          if self.cfg.is_preemptive else "full reservation")
                 inflight: DecodeTicket | None = None
                 while not stop.is_set():
-                    is_busy = bool(inflight or self.scheduler.running or self.scheduler.ready
+                    is_busy = bool(inflight or self.scheduler.running or self.handoff.ready
                                    or self.scheduler.preempted)
                     self._receive(timeout=0 if is_busy else 0.02)
-                    self._expire_reservations()
-                    self._grant()
+                    self.handoff.turn()   # expire and grant reservations
                     if inflight is None:
                         # Nothing on the device: the batch may change.
                         self._apply_aborts()
@@ -117,8 +113,8 @@ class DecodeNode:
                     self._report()
         finally:
             rt.close()
-            if hasattr(self, "sink"):
-                self.sink.close()
+            if hasattr(self, "handoff"):
+                self.handoff.close()
             if hasattr(self, "kv"):
                 self.kv.close()
             rt.term()
@@ -132,156 +128,25 @@ class DecodeNode:
             self._receive_all(ch)
 
     def _receive_all(self, ch: Channel) -> None:
-        allowed = PREFILL_TO_DECODE if ch is self.kv else FRONTEND_TO_NODE
         while ch.has_message():
-            sender, msg = ch.recv(allowed)
-            if ch is self.frontend and self.runtime.on_control(msg):
+            if ch is self.kv:
+                self.handoff.receive(*ch.recv(PREFILL_TO_DECODE))
+                continue
+            _, msg = ch.recv(FRONTEND_TO_NODE)
+            if self.runtime.on_control(msg):
                 continue
             if isinstance(msg, BadMessage):
                 noisy.warning("dropped a malformed message: %s", msg.error)
-                if msg.request_id and ch is self.kv:
-                    self._refuse_write(sender, msg.request_id, msg.error)
-            elif isinstance(msg, KVHello):
-                noisy.info("prefill node %s connected to the KV link", msg.prefill_node)
-                self.kv.send(self.sink.welcome(self.epoch), to=sender)
-            elif isinstance(msg, KVReserve):
-                self._on_reserve(sender, msg)
-            elif isinstance(msg, (KVBlocks, KVDist)):
-                self._on_blocks(sender, msg)
-            elif isinstance(msg, KVCommit):
-                self._on_commit(sender, msg)
-            elif isinstance(msg, KVRelease):
-                if self._reservation_of(sender, msg.request_id):
-                    self._release(msg.request_id)
-                else:
-                    self.scheduler.drop_waiting(msg.request_id, sender)
             elif isinstance(msg, NodeAbort):
                 self._abort(msg.request_id)
 
-    def _reservation_of(self, sender: bytes, request_id: str) -> Reservation | None:
-        """A reservation, if the sender is the prefill node that made it."""
-        r = self.scheduler.reservations.get(request_id)
-        return r if r is not None and r.sender == sender else None
-
-    def _on_reserve(self, sender: bytes, m: KVReserve) -> None:
-        w = self.worker
-        lease_s = self.cfg.reservation_lease_s
-        if m.request_id in self.recently_aborted:
-            got = ("the request was aborted", False)
-        elif m.prompt_len < 1 or m.max_tokens < 1:
-            got = (f"bad reservation: prompt_len {m.prompt_len}, max_tokens {m.max_tokens}", False)
-        elif m.prompt_len + m.max_tokens > w.max_model_len:
-            got = (f"prompt + max_tokens exceeds max_model_len {w.max_model_len}", False)
-        else:
-            # NOTE: first come, first served: a request in line is granted unasked (_grant).
-            got = self.scheduler.request(m.request_id, sender, m.prompt_len, m.max_tokens, lease_s,
-                                         self.cfg.max_queue)
-        if isinstance(got, Reservation):
-            reply = KVReserved(m.request_id, self.epoch, list(got.block_ids), lease_s=lease_s)
-        elif isinstance(got, WaitingReserve):
-            reply = KVReserved(m.request_id, self.epoch, None, True, got.reason, lease_s, is_queued=True)
-        else:
-            reason, is_retryable = got
-            if not is_retryable:
-                noisy.warning("refused reservation %s: %s", m.request_id, reason)
-            reply = KVReserved(m.request_id, self.epoch, None, is_retryable, reason)
-        self.kv.send(reply, to=sender)
-
-    def _grant(self) -> None:
-        """Reserve blocks for waiting requests, oldest first, while they fit."""
-        lease_s = self.cfg.reservation_lease_s
-        while (turn := self.scheduler.next_grant()) is not None:
-            a, refusal = turn
-            if refusal is not None:
-                self.kv.send(KVReserved(a.request_id, self.epoch, None, False, refusal[0]), to=a.sender)
-                continue
-            r = self.scheduler.reserve(a.request_id, a.sender, a.prompt_len, a.max_tokens, lease_s)
-            self.num_granted += 1
-            self.kv.send(KVReserved(a.request_id, self.epoch, list(r.block_ids), lease_s=lease_s,
-                                    is_queued=True), to=a.sender)
-
-    def _on_blocks(self, sender: bytes, m: KVBlocks | KVDist) -> None:
-        r = self._reservation_of(sender, m.request_id)
-        if r is None or r.commit is not None:
-            return  # released, expired, or not this sender's
-        # NOTE: taken even once the request failed or was aborted: a dist send waits for
-        # its receive, and every later send from that node waits behind it.
-        try:
-            self.sink.receive(sender, m, r.block_ids)
-        except transfer.TransferError as e:
-            noisy.warning("refused KV frame for %s: %s", m.request_id, e)
-            r.error = str(e)
-
-    def _on_commit(self, sender: bytes, c: KVCommit) -> None:
-        c.timings["decode_recv"] = time.time()
-        r = self._reservation_of(sender, c.request_id)
-        if r is None:
-            reason = "the request was aborted" if c.request_id in self.recently_aborted else \
-                "no reservation for this request (expired or released)"
-            self._refuse_write(sender, c.request_id, reason)
-            return
-        try:
-            c.params.validate(self.worker.spec.vocab_size)
-            if len(c.prompt_ids) != c.prompt_len or \
-                    any(t >= self.worker.spec.vocab_size for t in c.prompt_ids):
-                raise ValueError("the commit's prompt ids do not match its length or the vocabulary")
-            if c.prompt_len != r.prompt_len or c.params.max_tokens > r.max_tokens:
-                raise ValueError(f"commit for {c.prompt_len} tokens + {c.params.max_tokens} outputs "
-                                 f"does not match the reservation ({r.prompt_len} + {r.max_tokens})")
-            if not 0 <= c.first_token < self.worker.spec.vocab_size:
-                raise ValueError(f"first token {c.first_token} is outside the vocabulary")
-            if r.error:
-                raise ValueError(r.error)
-        except ValueError as e:
-            self._refuse_write(sender, c.request_id, str(e))
-            return
-        self.scheduler.commit(r, c)
-        self.kv.send(HandoffAck(c.request_id, True), to=sender)
-
-    def _refuse_write(self, sender: bytes, request_id: str, reason: str) -> None:
-        """Refuse a handoff for good; its reservation, if the sender made one, is freed."""
-        if self._reservation_of(sender, request_id):
-            self._release(request_id)
-        noisy.warning("refused handoff %s: %s", request_id, reason)
-        self.kv.send(HandoffAck(request_id, False, False, reason), to=sender)
-
-    def _release(self, request_id: str) -> None:
-        self.sink.forget(request_id)  # waits for frames still landing in its blocks
-        self.scheduler.release(request_id)
-
-    def _expire_reservations(self) -> None:
-        now = time.monotonic()
-        for a in [a for a in self.scheduler.waiting if now > a.deadline]:
-            noisy.warning("reservation request %s was not asked again within %.0fs: dropped",
-                          a.request_id, self.cfg.reservation_lease_s)
-            self.scheduler.waiting.remove(a)
-        for rid in self.scheduler.expired(now):
-            noisy.warning("reservation %s was neither renewed nor committed within %.0fs: freed", rid,
-                          self.cfg.reservation_lease_s)
-            self.num_expired_reservations += 1
-            self._release(rid)
-
     def _abort(self, request_id: str) -> None:
-        now = time.monotonic()
-        self.recently_aborted = {r: t for r, t in self.recently_aborted.items()
-                                 if now - t < ABORT_MEMORY_S}
         if request_id in self.scheduler.running:
             self.pending_aborts.add(request_id)  # removed between steps, not under one
         elif self.scheduler.drop_preempted(request_id):
             self.worker.drop_swapped(request_id)
-        elif (r := self.scheduler.reservations.get(request_id)) is not None:
-            if r.commit is None:
-                # NOTE: its prefill node may be writing into these blocks right now (ipc
-                # copies, a dist send waiting for its receive): they are freed when that node
-                # releases them or commits (refused), or when the lease ends, never under a write.
-                r.error = r.error or "the request was aborted"
-            else:
-                self._release(request_id)
-            self.recently_aborted[request_id] = now  # a late commit is refused, not an error
-        elif self.scheduler.drop_waiting(request_id):
-            self.recently_aborted[request_id] = now
         else:
-            self.recently_aborted[request_id] = now  # its reservation may still be on the way
+            self.handoff.abort(request_id)
 
     def _apply_aborts(self) -> None:
         for rid in self.pending_aborts:
@@ -295,14 +160,12 @@ class DecodeNode:
         while (seq := self.scheduler.next_resumable()) is not None:
             self._resume(seq)
         updates = []
-        while (r := self.scheduler.next_admissible(self.sink.is_landed)) is not None:
+        while self.scheduler.can_admit() and (r := self.handoff.next_ready()) is not None:
             c = r.commit
             seq = self.scheduler.start(r)
-            error = self.sink.landing_error(c.request_id)
-            if error:
-                self.sink.forget(c.request_id)
+            if r.error:
                 self._finished(c.request_id, in_batch=False, count=False)
-                self.runtime.send(RequestFailed(c.request_id, error))
+                self.runtime.send(RequestFailed(c.request_id, r.error))
                 continue
             c.timings["decode_admit"] = time.time()
             seq.output_ids.append(c.first_token)
@@ -366,7 +229,8 @@ class DecodeNode:
         request that surely ends with the running step (its extra step would write
         past its reserved blocks), no preempted request that could resume, and no
         block the next step needs that only a preemption would free."""
-        if self.pending_aborts or self.finished_in_flight or self.scheduler.has_admissible(self.sink.is_landed) \
+        if self.pending_aborts or self.finished_in_flight \
+                or (self.scheduler.can_admit() and self.handoff.has_ready()) \
                 or self.scheduler.next_resumable() \
                 or num_blocks_short(self.worker.keys_needing_block, self.scheduler.running, self.blocks):
             return False
@@ -421,10 +285,10 @@ class DecodeNode:
 
     def stats(self) -> dict:
         return {**self.worker.stats(), "num_running": len(self.scheduler.running),
-                "num_queued": len(self.scheduler.ready),
-                "num_reservations": len(self.scheduler.reservations), "num_finished": self.num_finished,
-                "num_expired_reservations": self.num_expired_reservations,
-                "num_asking": len(self.scheduler.waiting), "num_granted": self.num_granted,
+                "num_queued": len(self.handoff.ready),
+                "num_reservations": len(self.handoff.held), "num_finished": self.num_finished,
+                "num_expired_reservations": self.handoff.num_expired,
+                "num_asking": len(self.handoff.waiting), "num_granted": self.handoff.num_granted,
                 "num_batched_steps": self.num_batched_steps,
                 "num_preemptions": self.num_preemptions, "num_swapped": self.num_swapped,
                 "num_recomputed": self.num_recomputed, "num_preempted": len(self.scheduler.preempted),

@@ -3,7 +3,7 @@
 Each request names its decode node. Its reservation there is asked for when
 the request arrives; once the prompt's KV is computed, the transfer backend
 writes the blocks into the reserved ones and the commit follows
-(prefill_node/handoff.py). The first token goes to the frontend as soon as it
+(common/handoff/sender.py). The first token goes to the frontend as soon as it
 is sampled, so the client sees it while the KV is on its way.
 A prompt's blocks stay allocated here until that write has completed.
 """
@@ -13,7 +13,8 @@ import os
 import threading
 import time
 
-from common.wire.channel import BadMessage, LinkError, Poller
+from common import transfer
+from common.wire.channel import BadMessage, Channel, LinkError, Poller
 from common.base.config import PrefillConfig, check_endpoint
 from common.runtime.process import describe_threads
 from common.runtime.node import NodeRuntime
@@ -23,7 +24,8 @@ from common.wire.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, Prefil
                              RequestFailed, TokenBatch, TokenUpdate, ttft_parts)
 from common.base.request import stop_reason, validate_prompt
 from common.engine.worker import DeviceWorker, PrefillChunk
-from prefill_node.handoff import Handoffs
+from common.handoff.sender import Sender
+from common.kv.blocks import block_bytes, cache_block_size
 from prefill_node.scheduler import PrefillJob, PrefillScheduler, ScheduledChunk
 
 MAX_PREFIX_KEYS = 65536   # per PrefixUpdate (the protocol's limit); a full resync sends the newest
@@ -49,14 +51,17 @@ class PrefillNode:
         rt = self.runtime = NodeRuntime("prefill", self.cfg.name, self.cfg.frontend_endpoint,
                                         self.cfg.keys_dir, self.cfg.links, stop, log)
         self.frontend = rt.frontend
-        poller = Poller(self.frontend)
+        poller = self._poller = Poller(self.frontend)
         try:
             with self.worker:
                 self.prefix_cache = PrefixCache(self.worker.num_kv_blocks, self.cfg.is_prefix_caching)
                 self.scheduler = PrefillScheduler(self.prefix_cache, self.worker.block_size,
                                                   self.cfg.token_budget, self.cfg.max_batch_prompts)
-                self.handoffs = Handoffs(rt.ctx, self.cfg, self.worker.kv_cache, self.prefix_cache,
-                                         self.scheduler, poller, self._fail)
+                cache = self.worker.kv_cache
+                self.handoffs = Sender(self.cfg.name, self.cfg.handoff_lease_s, cache_block_size(cache.shape),
+                                       block_bytes(cache), self._connect,
+                                       lambda w, send: transfer.open_writer(self.cfg.kv_transfer, w, cache, send),
+                                       self.prefix_cache.free, self._drop_job, self._fail)
                 rt.start(self._send_ready, self.stats)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s",
                          self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
@@ -117,6 +122,21 @@ class PrefillNode:
             self._fail(req.request_id, str(e))
             return
         self.scheduler.add(job)
+
+    def _connect(self, name: str, endpoint: str) -> Channel:
+        """The KV link to a decode node; with keys, it must prove the key of the name
+        the frontend chose."""
+        ch = Channel(self.runtime.ctx, False, endpoint, identity=f"{self.cfg.name}/{os.getpid()}",
+                     is_immediate=True, max_message_bytes=self.cfg.links.max_message_bytes, server=name)
+        self._poller.add(ch)
+        return ch
+
+    def _drop_job(self, job: PrefillJob) -> None:
+        """A handoff ended before its write: the prompt leaves the scheduler (waiting or
+        part-way) and its blocks are freed."""
+        if self.scheduler.abort(job.request_id) is None and job.block_ids:
+            self.prefix_cache.free(job.block_ids)
+        job.block_ids = []
 
     # ---- forward and hand off ----------------------------------------------
 
@@ -194,8 +214,7 @@ class PrefillNode:
                 "num_bad_messages": self.frontend.num_bad + self.handoffs.num_bad,
                 "is_registered": self.runtime.is_registered, **self.prefix_cache.stats(),
                 "num_usable_blocks": self.prefix_cache.capacity,
-                "kv_links": {p.name: (p.writer.name if p.writer else p.error or "connecting")
-                             for p in list(self.handoffs.peers.values())}}
+                "kv_links": self.handoffs.links()}
 
     def _report(self) -> None:
         now = time.monotonic()

@@ -17,7 +17,9 @@ from common.wire.protocol import KVBlocks
 from common.base.request import SamplingParams
 from common.kv.sequence import blocks_to_join
 from common.engine.worker import DeviceWorker, PrefillChunk
+from common.handoff.receiver import Receiver
 from decode_node.scheduler import DecodeScheduler
+from tests.handoff_util import reserve
 from launch.generate import generate
 
 
@@ -43,12 +45,13 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
     src = palloc.allocate(num_blocks_for(len(prompt), 16))
     (first,), _ = pw.prefill([PrefillChunk(prompt, 0, src, params)])
 
-    sched = DecodeScheduler(BlockAllocator(dw.num_kv_blocks), 16, 4, 4)
+    sched = DecodeScheduler(BlockAllocator(dw.num_kv_blocks), 16, 4)
     sched.blocks.allocate(2)
-    r = sched.reserve("r", b"p", len(prompt), params.max_tokens, lease_s=10)
     offered = "dist" if backend == "dist" else "auto"   # auto never offers dist
     sink = transfer.KVSink(dw.kv_cache, dw.kv_shm_name, transfer.accepted_backends(offered, dw.device),
                            "127.0.0.1")
+    rx = Receiver("e1", 10.0, 4, sched, sink, lambda msg, to: True, dw.spec.vocab_size, dw.max_model_len)
+    r = reserve(rx, "r", len(prompt), params.max_tokens)
     frames = []
     writer = transfer.open_writer(backend, _wire(sink.welcome("e1")), pw.kv_cache,
                                   lambda m: frames.append(_wire(m)) or True)
@@ -66,8 +69,8 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
     assert r.block_ids != src
     assert torch.equal(dw.kv_cache[:, :, r.block_ids], pw.kv_cache[:, :, src])
 
-    sched.commit(r, protocol.KVCommit("r", len(prompt), first, params, {}, backend, prompt))
-    seq = sched.start(sched.next_admissible(sink.is_landed))
+    rx.receive(b"p", protocol.KVCommit("r", len(prompt), first, params, {}, backend, prompt))
+    seq = sched.start(rx.next_ready())
     blocks_to_join(seq, 16, sched.blocks)
     dw.add_decode_seq("r", first, len(prompt), seq.block_ids, params)
     tokens = [first]
@@ -204,113 +207,3 @@ def test_auto_prefers_ipc_on_one_host():
     assert transfer.accepted_backends("dist", torch.device("cpu")) == ["dist"]
     with pytest.raises(ValueError):
         transfer.accepted_backends("smoke-signals", torch.device("cpu"))
-
-
-def test_a_full_reservation_holds_every_block_until_released():
-    sched = DecodeScheduler(BlockAllocator(20), 16, 4, 2, is_preemptive=False)
-    r = sched.reserve("a", b"p", 40, 30, lease_s=0.0)
-    assert len(r.block_ids) == 3 and r.num_reserved == num_blocks_for(69, 16) - 3
-    assert sched.refusal("a", 40, 30)[1] is False              # a duplicate, for good
-    assert sched.refusal("b", 300, 30)[1] is False             # never fits
-    assert sched.refusal("b", 200, 100)[1] is True             # not now
-    sched.reserve("b", b"p", 10, 5, lease_s=10)
-    assert "queue is full" in sched.refusal("c", 10, 5)[0]
-    assert sched.expired(float("inf")) == ["a", "b"] and sched.expired(0.0) == []
-    sched.release("a")
-    sched.release("b")
-    assert sched.blocks.num_free == 19 and sched.blocks.num_reserved == 0
-
-
-def test_no_write_starts_in_the_last_third_of_a_reservation_lease():
-    """ipc writes straight into the decode node's memory: once the reservation may have
-    ended there, its blocks may be another request's."""
-    from prefill_node.handoff import DecodePeer, Handoff, Handoffs
-    from prefill_node.scheduler import PrefillJob
-    job = PrefillJob("r", [1] * 20, SamplingParams(max_tokens=4), 0.0, "decode-0", "tcp://127.0.0.1:1")
-    peer = DecodePeer("decode-0", "tcp://127.0.0.1:1", channel=None, epoch="e", writer=object(), num_blocks=8)
-    h = Handoff(job, peer, dst_block_ids=[3, 4], epoch="e", is_computed=True)
-    now = time.monotonic()
-    Handoffs._lease(h, now, 30.0)                      # just answered
-    assert Handoffs._can_write(h) and h.renew_at > now + 9
-    Handoffs._lease(h, now - 19, 30.0)                 # asked 19 s ago: 11 s left
-    assert Handoffs._can_write(h)
-    Handoffs._lease(h, now - 21, 30.0)                 # 9 s left: renew first
-    assert not Handoffs._can_write(h)
-    Handoffs._lease(h, now - 1000, 0.0)                # no lease: held until released
-    assert Handoffs._can_write(h)
-
-
-def test_a_reservation_lease_counts_from_the_request_it_answers():
-    from prefill_node.handoff import DecodePeer, Handoff, Handoffs
-    from prefill_node.scheduler import PrefillJob
-    hs = Handoffs.__new__(Handoffs)
-    hs.cache, hs.by_id = torch.zeros(1, 2, 4, 16, 1, 1), {}
-    peer = DecodePeer("decode-0", "tcp://127.0.0.1:1", channel=None, epoch="e", writer=object(), num_blocks=8)
-    job = PrefillJob("r", [1] * 20, SamplingParams(max_tokens=4), 0.0, "decode-0", "tcp://127.0.0.1:1")
-    h = hs.by_id["r"] = Handoff(job, peer, is_computed=True)
-    now = time.monotonic()
-    h.reserve_sent.extend([now - 25, now - 1])     # two asked; answers come in that order
-    hs._on_reserved(peer, protocol.KVReserved("r", "e", [3, 4], lease_s=30.0))
-    assert job.is_reserved and h.dst_block_ids == [3, 4]
-    assert abs(h.reserved_until - (now + 5)) < 0.1 and not Handoffs._can_write(h)   # from the older one
-    hs._on_reserved(peer, protocol.KVReserved("r", "e", [3, 4], lease_s=30.0))    # the renewal's answer
-    assert abs(h.reserved_until - (now + 29)) < 0.1 and Handoffs._can_write(h)
-    hs._on_reserved(peer, protocol.KVReserved("r", "e", [3, 4], lease_s=30.0))    # asked by nobody
-    assert h.reserved_until == float("-inf")   # grants nothing: the next turn asks again
-
-
-def test_a_commit_the_decode_node_never_acknowledges_fails_its_request_and_releases_the_blocks():
-    """Written and committed, then silence: after the handoff lease the request fails with
-    a clear error, the reservation is released there, and a late answer is ignored."""
-    from types import SimpleNamespace
-    from prefill_node.handoff import DecodePeer, Handoff, Handoffs
-    from prefill_node.scheduler import PrefillJob
-    sent, failed = [], []
-    channel = SimpleNamespace(send=lambda m, block=True: sent.append(m) or True)
-    hs = Handoffs.__new__(Handoffs)
-    hs.cfg, hs.peers, hs.by_id, hs.num_handoffs = SimpleNamespace(handoff_lease_s=10.0), {}, {}, 0
-    hs.scheduler = SimpleNamespace(abort=lambda rid: None)
-    hs.prefix_cache = BlockAllocator(8)
-    hs.fail = lambda rid, error: failed.append((rid, error))
-    peer = DecodePeer("decode-0", "tcp://127.0.0.1:1", channel=channel, epoch="e", num_blocks=8)
-    job = PrefillJob("r", [1] * 20, SamplingParams(max_tokens=4), 0.0, "decode-0", "tcp://127.0.0.1:1")
-    h = hs.by_id["r"] = Handoff(job, peer, dst_block_ids=[3, 4], epoch="e", first_token=7,
-                                is_computed=True, is_written=True, is_commit_sent=True)
-    h.lease_deadline = time.monotonic() + 60
-    hs.advance()
-    assert not failed and not sent and "r" in hs.by_id        # within the lease: waits
-    h.lease_deadline = time.monotonic() - 0.01
-    hs.advance()
-    assert failed == [("r", "decode node did not confirm the KV handoff within 10s")]
-    assert [type(m).__name__ for m in sent] == ["KVRelease"] and sent[0].request_id == "r"
-    assert "r" not in hs.by_id
-    hs._on_ack(peer, protocol.HandoffAck("r", True))            # too late: nobody's
-    assert hs.num_handoffs == 0 and len(failed) == 1
-
-
-def test_retryable_refusals_are_asked_again_less_and_less_often():
-    """Past the decode node's waiting line, a backlog of prompts must not ask 20 times a
-    second each; a place in line or a grant starts the count again."""
-    from types import SimpleNamespace
-    from prefill_node.handoff import MAX_RETRY_S, RETRY_S, DecodePeer, Handoff, Handoffs
-    from prefill_node.scheduler import PrefillJob
-    hs = Handoffs.__new__(Handoffs)
-    hs.cfg, hs.by_id = SimpleNamespace(handoff_lease_s=10.0), {}
-    hs.cache = torch.zeros(1, 2, 4, 16, 1, 1)
-    peer = DecodePeer("decode-0", "tcp://127.0.0.1:1", channel=None, epoch="e", num_blocks=8)
-    job = PrefillJob("r", [1] * 20, SamplingParams(max_tokens=4), 0.0, "decode-0", "tcp://127.0.0.1:1")
-    h = hs.by_id["r"] = Handoff(job, peer)
-    delays = []
-    for _ in range(7):
-        now = time.monotonic()
-        hs._on_reserved(peer, protocol.KVReserved("r", "e", None, True, "line full"))
-        delays.append(h.next_reserve_at - now)
-    expected = [min(RETRY_S * 2 ** i, MAX_RETRY_S) for i in range(7)]
-    assert all(abs(d - e) < 0.01 for d, e in zip(delays, expected)) and delays[-1] < 1.0
-    hs._on_reserved(peer, protocol.KVReserved("r", "e", None, reason="waiting", is_queued=True, lease_s=30.0))
-    assert h.is_queued and h.num_refusals == 0
-    now = time.monotonic()
-    hs._on_reserved(peer, protocol.KVReserved("r", "e", None, True, "line full"))
-    assert abs(h.next_reserve_at - now - RETRY_S) < 0.01
-    hs._on_reserved(peer, protocol.KVReserved("r", "e", [3, 4], lease_s=30.0))
-    assert job.is_reserved and h.num_refusals == 0

@@ -18,12 +18,13 @@ ALLOWED = {
     "common.wire": {"common.base"},
     "common.engine": {"common.base", "common.kv", "kernels"},
     "common.transfer": {"common.base", "common.kv", "common.wire", "common.engine"},
+    "common.handoff": {"common.base", "common.kv", "common.wire", "common.transfer"},
     "common.runtime": {"common.base", "common.wire"},
     "frontend": {"common.base", "common.kv", "common.wire", "common.runtime"},
     "prefill_node": {"common", "common.base", "common.kv", "common.wire", "common.engine",
-                     "common.transfer", "common.runtime", "kernels"},
+                     "common.transfer", "common.handoff", "common.runtime", "kernels"},
     "decode_node": {"common", "common.base", "common.kv", "common.wire", "common.engine",
-                    "common.transfer", "common.runtime", "kernels"},
+                    "common.transfer", "common.handoff", "common.runtime", "kernels"},
 }
 OURS = ("common", "kernels", "frontend", "prefill_node", "decode_node", "launch")
 

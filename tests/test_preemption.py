@@ -6,53 +6,53 @@ import asyncio
 import random
 
 import pytest
-import torch
 
 from common.base.config import WorkerConfig
 from common.kv.blocks import BlockAllocator, num_blocks_for
-from common.wire.protocol import KVCommit
 from common.base.request import SamplingParams
 from common.kv.sequence import Sequence
 from common.engine.worker import DeviceWorker, PrefillChunk
 from decode_node.scheduler import DecodeScheduler
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import Processes, free_base_port, wait_for
+from tests.handoff_util import commit, receiver, reserve
 from tests.conftest import hf_greedy_gaps
 
 
-def _start(sched: DecodeScheduler, rid: str, prompt_len: int, max_tokens: int) -> Sequence:
-    r = sched.reserve(rid, b"p", prompt_len, max_tokens, lease_s=10)
-    sched.commit(r, KVCommit(rid, prompt_len, 1, SamplingParams(max_tokens=max_tokens), {}, "tcp",
-                             [1] * prompt_len))
-    seq = sched.start(sched.next_admissible(lambda _: True))
+def _start(sched: DecodeScheduler, rx, rid: str, prompt_len: int, max_tokens: int) -> Sequence:
+    reserve(rx, rid, prompt_len, max_tokens)
+    commit(rx, rid, prompt_len, max_tokens)
+    seq = sched.start(rx.next_ready())
     seq.output_ids.append(1)
     return seq
 
 
 def test_preemptive_admission_reserves_what_a_request_needs_now():
-    sched = DecodeScheduler(BlockAllocator(41), 16, 8, 8)    # 40 usable blocks, watermark 1
-    r = sched.reserve("a", b"p", 40, 1000, lease_s=10)
-    assert len(r.block_ids) == 3 and r.num_reserved == 0       # 41 tokens fit in 3 blocks
-    r = sched.reserve("b", b"p", 48, 1000, lease_s=10)
-    assert len(r.block_ids) == 3 and r.num_reserved == 1       # its first output starts block 4
-    assert sched.refusal("c", 40, 1000)[1] is False            # more than the whole pool
-    assert sched.refusal("c", 600, 10)[1] is True              # fits the pool, not the free part
-    assert sched.refusal("c", 16 * 32 - 1, 10) is None         # 32 of 33 free: 1 left, the watermark
-    assert sched.refusal("c", 16 * 32, 10)[1] is True          # 33 would eat the watermark
-    sched.release("a")
-    sched.release("b")
+    sched = DecodeScheduler(BlockAllocator(41), 16, 8)    # 40 usable blocks, watermark 1
+    rx = receiver(sched, max_queue=8)
+    a, num_a = sched.take_blocks(40, 1000)
+    assert len(a) == 3 and num_a == 0                          # 41 tokens fit in 3 blocks
+    b, num_b = sched.take_blocks(48, 1000)
+    assert len(b) == 3 and num_b == 1                          # its first output starts block 4
+    assert rx.refusal("c", 40, 1000)[1] is False               # more than the whole pool
+    assert rx.refusal("c", 600, 10)[1] is True                 # fits the pool, not the free part
+    assert rx.refusal("c", 16 * 32 - 1, 10) is None            # 32 of 33 free: 1 left, the watermark
+    assert rx.refusal("c", 16 * 32, 10)[1] is True             # 33 would eat the watermark
+    sched.give_back(a, num_a)
+    sched.give_back(b, num_b)
     assert sched.blocks.num_free == 40 and sched.blocks.num_reserved == 0
 
 
 def test_the_newest_is_preempted_and_the_oldest_resumes_first():
-    sched = DecodeScheduler(BlockAllocator(41), 16, 8, 8)
-    seqs = [_start(sched, rid, 40, 200) for rid in "abc"]
+    sched = DecodeScheduler(BlockAllocator(41), 16, 8)
+    rx = receiver(sched, max_queue=8)
+    seqs = [_start(sched, rx, rid, 40, 200) for rid in "abc"]
     assert sched.victim() is seqs[2]
     sched.preempt(seqs[2], now=1.0)
     sched.preempt(sched.victim(), now=2.0)
     assert [s.request_id for s in sched.preempted] == ["b", "c"] and list(sched.running) == ["a"]
     assert sched.blocks.num_free == 37                      # b's and c's blocks are back
-    assert "resume first" in sched.refusal("d", 10, 10)[0]     # nothing new while they wait
+    assert "resume first" in rx.refusal("d", 10, 10)[0]        # nothing new while they wait
     seq = sched.next_resumable()
     assert seq is seqs[1]
     blocks = sched.resume(seq, now=5.0)

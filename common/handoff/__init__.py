@@ -1,0 +1,15 @@
+"""The KV handoff, both halves: reserve -> write -> commit. Imports base, kv, wire, transfer.
+
+    prefill node (sender.py)                  decode node (receiver.py)
+    Sender.begin(job)          --KVReserve-->  Receiver: blocks, a place in line, or no
+                               <--KVReserved-  (granted later unasked from the line)
+    computed(jobs): writer.write  ==KV==>      sink lands tcp frames / dist receives
+    advance(): written -> local blocks freed
+    prefilled(job, token)      --KVCommit--->  checked, waits for a batch row
+                               <-HandoffAck--  next_ready() hands it to the batch
+
+Each side's state is one enum (states.py: Stage, Hold, with the transitions);
+both count the reservation's lease with lease.Lease. Time comes from a clock and messages
+through a link the caller passes in, so both halves run in a test with a fake
+clock and an in-memory link (tests/test_handoff_states.py).
+"""

@@ -1,0 +1,279 @@
+"""The decode node's half of a handoff: reservations, the waiting line, commits.
+
+A prefill node reserves first: the prompt's blocks are taken and their ids go
+back to it, and it writes into them through its transfer writer (tcp frames and
+dist announcements land through the sink). A request that does not fit now
+waits its turn in line (first come, first served) and is granted its blocks as
+they free up, unasked. A reservation neither renewed nor committed within its
+lease is freed (its prefill node is gone); a committed one waits for a batch
+row (the decode loop takes it with next_ready()). Only the prefill node that
+made a reservation may write, commit or release it.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, Protocol
+
+from common.base.log import Throttle, get_logger
+from common.base.request import validate_prompt
+from common.handoff.lease import Lease
+from common.handoff.states import Hold, Reservation
+from common.transfer import KVSink, TransferError
+from common.wire.channel import BadMessage
+from common.wire.protocol import (HandoffAck, KVBlocks, KVCommit, KVDist, KVHello, KVRelease, KVReserve,
+                                  KVReserved)
+
+log = get_logger("decode")
+noisy = Throttle(log)   # lines about what peers send
+ABORT_MEMORY_S = 60.0   # a handoff arriving this long after its abort is still dropped
+
+
+class Pool(Protocol):
+    """The decode batch's block accounting (decode_node/scheduler.py)."""
+    def refusal_for_good(self, request_id: str, prompt_len: int, max_tokens: int) -> str | None: ...
+    def refusal_for_now(self, prompt_len: int, max_tokens: int) -> str | None: ...
+    def take_blocks(self, prompt_len: int, max_tokens: int) -> tuple[list[int], int]: ...
+    def give_back(self, block_ids: list[int], num_reserved: int) -> None: ...
+
+
+class Receiver:
+    """Every reservation on one decode node. send(msg, to) answers a prefill node."""
+
+    def __init__(self, epoch: str, lease_s: float, max_queue: int, pool: Pool, sink: KVSink,
+                 send: Callable[..., bool], vocab_size: int, max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic):
+        self.epoch, self.lease_s, self.max_queue = epoch, lease_s, max_queue
+        self.pool, self.sink, self.send, self.clock = pool, sink, send, clock
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.held: dict[str, Reservation] = {}       # RESERVED, FAILED or COMMITTED
+        self.waiting: deque[Reservation] = deque()   # WAITING, oldest first
+        self.ready: deque[str] = deque()             # COMMITTED, in commit order
+        self.recently_aborted: dict[str, float] = {}
+        self.num_expired = 0          # not renewed or committed within the lease
+        self.num_granted = 0          # granted from the waiting line
+
+    # ---- messages ---------------------------------------------------------------
+
+    def receive(self, sender: bytes, msg) -> None:
+        """One message from a prefill node's KV link."""
+        if isinstance(msg, BadMessage):
+            noisy.warning("dropped a malformed message: %s", msg.error)
+            if msg.request_id:
+                self._refuse(sender, msg.request_id, msg.error)
+        elif isinstance(msg, KVHello):
+            noisy.info("prefill node %s connected to the KV link", msg.prefill_node)
+            self.send(self.sink.welcome(self.epoch), to=sender)
+        elif isinstance(msg, KVReserve):
+            self._on_reserve(sender, msg)
+        elif isinstance(msg, (KVBlocks, KVDist)):
+            self._on_blocks(sender, msg)
+        elif isinstance(msg, KVCommit):
+            self._on_commit(sender, msg)
+        elif isinstance(msg, KVRelease):
+            if self._held_by(sender, msg.request_id):
+                self._release(msg.request_id)
+            else:
+                self._drop_waiting(msg.request_id, sender)
+
+    def _held_by(self, sender: bytes, request_id: str) -> Reservation | None:
+        r = self.held.get(request_id)
+        return r if r is not None and r.sender == sender else None
+
+    def _on_reserve(self, sender: bytes, m: KVReserve) -> None:
+        self.send(self._answer(sender, m), to=sender)
+
+    def _answer(self, sender: bytes, m: KVReserve) -> KVReserved:
+        """Its reservation (new, or renewed when its holder asks again), its place in
+        line (new, or kept), or a refusal: retryable when the line is full, final when
+        the request can never be held."""
+        rid, lease = m.request_id, Lease(self.clock(), self.lease_s)
+        if rid in self.recently_aborted:
+            return self._refusal(rid, "the request was aborted")
+        if m.prompt_len < 1 or m.max_tokens < 1:
+            return self._refusal(rid, f"bad reservation: prompt_len {m.prompt_len}, max_tokens {m.max_tokens}")
+        if m.prompt_len + m.max_tokens > self.max_model_len:
+            return self._refusal(rid, f"prompt + max_tokens exceeds max_model_len {self.max_model_len}")
+        r = self.held.get(rid)
+        if r is not None and r.sender == sender and r.hold in (Hold.RESERVED, Hold.FAILED) and \
+                (r.prompt_len, r.max_tokens) == (m.prompt_len, m.max_tokens):
+            r.lease = lease
+            return KVReserved(rid, self.epoch, list(r.block_ids), lease_s=self.lease_s)
+        w = next((w for w in self.waiting if w.request_id == rid), None)
+        if w is not None:
+            if (w.sender, w.prompt_len, w.max_tokens) != (sender, m.prompt_len, m.max_tokens):
+                return self._refusal(rid, f"request {rid!r} is already on this decode node")
+            w.lease, w.reason = lease, "waiting for blocks"
+            return KVReserved(rid, self.epoch, None, True, w.reason, self.lease_s, is_queued=True)
+        refusal = self.refusal(rid, m.prompt_len, m.max_tokens)
+        if refusal is None and self.waiting:
+            refusal = f"{len(self.waiting)} requests wait for blocks first", True
+        r = Reservation(rid, sender, m.prompt_len, m.max_tokens, lease)
+        if refusal is None:
+            self._reserve(r)
+            return KVReserved(rid, self.epoch, list(r.block_ids), lease_s=self.lease_s)
+        # NOTE: first come, first served: a request in line is granted unasked (turn()).
+        r.reason, is_retryable = refusal
+        if is_retryable and len(self.waiting) < self.max_queue:
+            self.waiting.append(r)
+            return KVReserved(rid, self.epoch, None, True, r.reason, self.lease_s, is_queued=True)
+        return self._refusal(rid, r.reason, is_retryable)
+
+    def _refusal(self, request_id: str, reason: str, is_retryable: bool = False) -> KVReserved:
+        if not is_retryable:
+            noisy.warning("refused reservation %s: %s", request_id, reason)
+        return KVReserved(request_id, self.epoch, None, is_retryable, reason)
+
+    def refusal(self, request_id: str, prompt_len: int, max_tokens: int) -> tuple[str, bool] | None:
+        """(reason, is_retryable) if this request cannot be reserved now."""
+        if request_id in self.held:
+            return f"request {request_id!r} is already on this decode node", False
+        why = self.pool.refusal_for_good(request_id, prompt_len, max_tokens)
+        if why:
+            return why, False
+        if len(self.held) >= self.max_queue:
+            return f"decode queue is full ({self.max_queue})", True
+        why = self.pool.refusal_for_now(prompt_len, max_tokens)
+        return (why, True) if why else None
+
+    def _reserve(self, r: Reservation) -> None:
+        r.block_ids, r.num_reserved = self.pool.take_blocks(r.prompt_len, r.max_tokens)
+        r.hold, r.reserved_at = Hold.RESERVED, time.time()
+        self.held[r.request_id] = r
+
+    def _on_blocks(self, sender: bytes, m: KVBlocks | KVDist) -> None:
+        r = self._held_by(sender, m.request_id)
+        if r is None or r.hold is Hold.COMMITTED:
+            return  # released, expired, or not this sender's
+        # NOTE: taken even once the request failed or was aborted: a dist send waits for
+        # its receive, and every later send from that node waits behind it.
+        try:
+            self.sink.receive(sender, m, r.block_ids)
+        except TransferError as e:
+            noisy.warning("refused KV frame for %s: %s", m.request_id, e)
+            r.hold, r.error = Hold.FAILED, r.error or str(e)
+
+    def _on_commit(self, sender: bytes, c: KVCommit) -> None:
+        c.timings["decode_recv"] = time.time()
+        r = self._held_by(sender, c.request_id)
+        if r is not None and r.hold is Hold.COMMITTED:   # a second commit: the first stands
+            noisy.warning("refused a second commit for %s", c.request_id)
+            self.send(HandoffAck(c.request_id, False, False, "already committed"), to=sender)
+            return
+        if r is None:
+            reason = "the request was aborted" if c.request_id in self.recently_aborted else \
+                "no reservation for this request (expired or released)"
+            self._refuse(sender, c.request_id, reason)
+            return
+        try:
+            if r.hold is Hold.FAILED:
+                raise ValueError(r.error)
+            c.params.validate(self.vocab_size)
+            if len(c.prompt_ids) != c.prompt_len:
+                raise ValueError(f"the commit names {len(c.prompt_ids)} prompt ids for a "
+                                 f"{c.prompt_len}-token prompt")
+            validate_prompt(c.prompt_ids, c.params.max_tokens, self.vocab_size, self.max_model_len)
+            if c.prompt_len != r.prompt_len or c.params.max_tokens > r.max_tokens:
+                raise ValueError(f"commit for {c.prompt_len} tokens + {c.params.max_tokens} outputs "
+                                 f"does not match the reservation ({r.prompt_len} + {r.max_tokens})")
+            if not 0 <= c.first_token < self.vocab_size:
+                raise ValueError(f"first token {c.first_token} is outside the vocabulary")
+        except ValueError as e:
+            self._refuse(sender, c.request_id, str(e))
+            return
+        r.hold, r.commit = Hold.COMMITTED, c
+        self.ready.append(r.request_id)
+        self.send(HandoffAck(c.request_id, True), to=sender)
+
+    def _refuse(self, sender: bytes, request_id: str, reason: str) -> None:
+        """Refuse a handoff for good; its reservation, if the sender holds one, is freed."""
+        if self._held_by(sender, request_id):
+            self._release(request_id)
+        noisy.warning("refused handoff %s: %s", request_id, reason)
+        self.send(HandoffAck(request_id, False, False, reason), to=sender)
+
+    def _release(self, request_id: str) -> None:
+        """Give a reservation's blocks back (aborted, expired or refused)."""
+        self.sink.forget(request_id)  # waits for frames still landing in its blocks
+        r = self.held.pop(request_id, None)
+        if r is None:
+            return
+        if r.hold is Hold.COMMITTED:
+            self.ready.remove(request_id)
+        self.pool.give_back(r.block_ids, r.num_reserved)
+        r.block_ids, r.num_reserved = [], 0
+
+    def _drop_waiting(self, request_id: str, sender: bytes | None = None) -> bool:
+        w = next((w for w in self.waiting if w.request_id == request_id), None)
+        if w is None or (sender is not None and w.sender != sender):
+            return False
+        self.waiting.remove(w)
+        return True
+
+    # ---- each turn ------------------------------------------------------------------
+
+    def turn(self) -> None:
+        """Expire what its prefill node stopped renewing, then grant the line, oldest
+        first, while requests fit."""
+        now = self.clock()
+        for w in [w for w in self.waiting if w.lease.is_over(now)]:
+            noisy.warning("reservation request %s was not asked again within %.0fs: dropped",
+                          w.request_id, self.lease_s)
+            self.waiting.remove(w)
+        for rid in [rid for rid, r in self.held.items() if r.hold is not Hold.COMMITTED
+                    and r.lease.is_over(now)]:
+            noisy.warning("reservation %s was neither renewed nor committed within %.0fs: freed", rid,
+                          self.lease_s)
+            self.num_expired += 1
+            self._release(rid)
+        while self.waiting:
+            w = self.waiting[0]
+            refusal = self.refusal(w.request_id, w.prompt_len, w.max_tokens)
+            if refusal is not None and refusal[1]:
+                return
+            self.waiting.popleft()
+            if refusal is not None:
+                self.send(KVReserved(w.request_id, self.epoch, None, False, refusal[0]), to=w.sender)
+                continue
+            w.lease = Lease(now, self.lease_s)
+            self._reserve(w)
+            self.num_granted += 1
+            self.send(KVReserved(w.request_id, self.epoch, list(w.block_ids), lease_s=self.lease_s,
+                                 is_queued=True), to=w.sender)
+
+    def abort(self, request_id: str) -> None:
+        """The frontend gave the request up: whatever of it is held here goes."""
+        now = self.clock()
+        self.recently_aborted = {r: t for r, t in self.recently_aborted.items()
+                                 if now - t < ABORT_MEMORY_S}
+        self.recently_aborted[request_id] = now   # a late reserve or commit is refused
+        r = self.held.get(request_id)
+        if r is None:
+            self._drop_waiting(request_id)
+        elif r.hold is Hold.COMMITTED:
+            self._release(request_id)
+        else:
+            # NOTE: its prefill node may be writing into these blocks right now (ipc
+            # copies, a dist send waiting for its receive): they are freed when that node
+            # releases them or commits (refused), or when the lease ends, never under a write.
+            r.hold, r.error = Hold.FAILED, r.error or "the request was aborted"
+
+    # ---- admission -------------------------------------------------------------------
+
+    def has_ready(self) -> bool:
+        """The oldest committed request's KV has landed (FIFO: nothing overtakes it)."""
+        return bool(self.ready) and self.sink.is_landed(self.ready[0])
+
+    def next_ready(self) -> Reservation | None:
+        """The oldest committed reservation, once its KV has landed; it leaves the
+        handoff (its blocks are the caller's now). r.error: why its KV is unusable."""
+        if not self.has_ready():
+            return None
+        r = self.held.pop(self.ready.popleft())
+        r.error = self.sink.landing_error(r.request_id)
+        if r.error:
+            self.sink.forget(r.request_id)
+        return r
+
+    def close(self) -> None:
+        self.sink.close()

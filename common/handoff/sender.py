@@ -1,0 +1,351 @@
+"""The prefill node's half of a handoff: reserve -> write -> commit.
+
+A request's reservation is asked for when it arrives; the transfer writer copies
+its blocks right behind the forward pass that computed them, the local blocks
+are freed when the write completes, and the commit goes once the first token is
+sampled too. A handoff not acknowledged within the handoff lease after its
+prefill, or whose decode node leaves a KVReserve unanswered that long, fails,
+and what it holds on both sides is released.
+NOTE: ipc writes straight into the decode node's memory: a write into blocks
+whose reservation has ended could land in another request's KV (lease.py).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from common.base.log import get_logger
+from common.handoff.lease import INF, Lease
+from common.handoff.states import DecodePeer, Handoff, Job, Link, Stage
+from common.kv.blocks import is_cache_shape, num_blocks_for, num_cache_blocks
+from common.transfer import KVWriter, TransferError
+from common.wire.protocol import (DECODE_TO_PREFILL, HandoffAck, KVCommit, KVHello, KVRelease,
+                                  KVReserve, KVReserved, KVWelcome)
+
+log = get_logger("prefill")
+RETRY_S = 0.05      # a retryable refusal (decode node and its line full) is asked again after
+MAX_RETRY_S = 0.8   # this, doubling up to this: a long backlog must not flood the decode node
+HELLO_EVERY_S = 1.0
+
+
+class Sender:
+    """Every handoff of one prefill node, to any decode node.
+
+    connect(name, endpoint) opens the KV link to a decode node; open_writer(welcome,
+    send) opens a transfer writer into its cache; free_blocks(ids) gives local blocks
+    back once written; drop_job(job) takes a job that ends unwritten off the prefill
+    scheduler and frees its blocks; fail(request_id, error) tells the frontend."""
+
+    def __init__(self, name: str, handoff_lease_s: float, block_size: int, block_bytes: int,
+                 connect: Callable[[str, str], Link],
+                 open_writer: Callable[[KVWelcome, Callable], KVWriter],
+                 free_blocks: Callable[[list[int]], None], drop_job: Callable[[Job], None],
+                 fail: Callable[[str, str], None], clock: Callable[[], float] = time.monotonic):
+        self.name, self.handoff_lease_s = name, handoff_lease_s
+        self.block_size, self.block_bytes = block_size, block_bytes
+        self.connect, self.open_writer = connect, open_writer
+        self.free_blocks, self.drop_job, self.fail, self.clock = free_blocks, drop_job, fail, clock
+        self.peers: dict[str, DecodePeer] = {}      # by KV endpoint
+        self.by_id: dict[str, Handoff] = {}
+        self.num_handoffs = 0
+        self.bytes_written = 0
+        self.num_bad_replies = 0
+
+    # ---- peers --------------------------------------------------------------
+
+    def _peer_for(self, name: str, endpoint: str) -> DecodePeer:
+        peer = self.peers.get(endpoint)
+        if peer is None:
+            peer = self.peers[endpoint] = DecodePeer(name, endpoint, self.connect(name, endpoint))
+        peer.name = name
+        return peer
+
+    def _hello(self, peer: DecodePeer) -> None:
+        now = self.clock()
+        if now - peer.hello_at >= HELLO_EVERY_S and peer.link.send(KVHello(self.name), block=False):
+            peer.hello_at = now
+
+    def _on_welcome(self, peer: DecodePeer, w: KVWelcome) -> None:
+        if w.epoch == peer.epoch:
+            return
+        if peer.writer is not None:
+            peer.writer.close()   # waits for its copies: their blocks may be freed now
+            for h in self._of(peer, Stage.WRITING, Stage.CANCELLING):
+                h.stage = Stage.CANCELLED
+                h.error = h.error or f"decode node {peer.name} restarted during the KV write"
+        peer.writer, peer.epoch, peer.error = None, w.epoch, None
+        peer.num_blocks = num_cache_blocks(w.cache_shape) if is_cache_shape(w.cache_shape) else 0
+        try:
+            peer.writer = self.open_writer(w, lambda m: peer.link.send(m, block=False))
+            log.info("KV link to %s (%s): %s transfer", peer.name, peer.endpoint, peer.writer.name)
+        except TransferError as e:
+            peer.error = f"cannot hand KV to decode node {peer.name}: {e}"
+            log.error("%s", peer.error)
+        # Reservations from an earlier life of that node are void; KV written there is lost.
+        for h in self._of(peer, Stage.QUEUED, Stage.RESERVED, Stage.WRITTEN, Stage.COMMITTED):
+            if h.epoch not in (None, w.epoch):
+                if h.stage in (Stage.QUEUED, Stage.RESERVED):
+                    self._drop_reservation(h)
+                else:
+                    h.stage = Stage.CANCELLED
+                    h.error = f"decode node {peer.name} restarted before the handoff was committed"
+
+    def _of(self, peer: DecodePeer, *stages: Stage) -> list[Handoff]:
+        return [h for h in self.by_id.values() if h.peer is peer and h.stage in stages]
+
+    def receive(self, link: Link) -> None:
+        """Everything waiting on one decode node's KV link."""
+        peer = next(p for p in self.peers.values() if p.link is link)
+        while link.has_message():
+            _, msg = link.recv(DECODE_TO_PREFILL)
+            if isinstance(msg, KVWelcome):
+                self._on_welcome(peer, msg)
+            elif isinstance(msg, KVReserved):
+                self._on_reserved(peer, msg)
+            elif isinstance(msg, HandoffAck):
+                self._on_ack(peer, msg)
+            else:
+                log.warning("dropped a bad message from decode node %s: %s", peer.name, msg.error)
+
+    @property
+    def num_bad(self) -> int:
+        return self.num_bad_replies + sum(p.link.num_bad for p in self.peers.values())
+
+    # ---- one request ----------------------------------------------------------
+
+    def begin(self, job: Job) -> None:
+        """A request is accepted: ask its decode node for blocks now."""
+        peer = self._peer_for(job.decode_node, job.decode_kv_endpoint)
+        h = self.by_id[job.request_id] = Handoff(job, peer)
+        job.is_peer_granting = peer.is_granting and peer.writer is not None
+        if peer.epoch is None:
+            self._hello(peer)
+        self._ask(h)
+
+    def _ask(self, h: Handoff) -> None:
+        """Ask for the blocks, or renew them once reserved."""
+        now = self.clock()
+        if h.silent_since is None:
+            h.silent_since = now
+        if h.peer.link.send(KVReserve(h.job.request_id, h.job.prompt_len, h.job.params.max_tokens),
+                            block=False):
+            h.asks_out.append(now)
+            h.next_ask_at = INF    # until the answer
+        else:
+            h.next_ask_at = now + RETRY_S   # not connected yet
+
+    def _drop_reservation(self, h: Handoff) -> None:
+        """Its blocks there are not ours to write any more: ask again."""
+        # NOTE: asks_out is kept: answers still on the way pair with its times.
+        h.stage, h.dst_block_ids, h.epoch, h.lease = Stage.ASKING, None, None, Lease()
+        h.next_ask_at = self.clock()
+        h.job.is_reserved = False
+
+    def _on_reserved(self, peer: DecodePeer, r: KVReserved) -> None:
+        h = self.by_id.get(r.request_id)
+        if h is None or h.peer is not peer:
+            if r.block_ids is not None:
+                peer.link.send(KVRelease(r.request_id), block=False)  # nobody wants it now
+            return
+        h.silent_since = None
+        # NOTE: answers come in the order asked; an answer to a request sent before a
+        # restart of the decode node pairs with an older time, which only shortens the lease,
+        # and an answer nobody asked for grants none (it is asked again). Blocks granted
+        # from the waiting line answer no request: they were granted after the request
+        # that queued reached the decode node.
+        if r.is_queued and r.block_ids is not None:
+            sent_at = h.queued_at if h.stage is Stage.QUEUED else -INF
+        else:
+            sent_at = h.asks_out.popleft() if h.asks_out else -INF
+        if h.stage in (Stage.CANCELLING, Stage.CANCELLED):
+            return   # its end releases whatever the decode node holds for it
+        now = self.clock()
+        if h.dst_block_ids is not None:
+            if r.block_ids == h.dst_block_ids and r.epoch == h.epoch:
+                h.lease = Lease(sent_at, r.lease_s)   # renewed
+                h.next_ask_at = h.lease.renew_at
+                return
+            if h.stage is not Stage.RESERVED:
+                return   # the commit's answer says whether the blocks were still ours
+            # Our reservation ended there (new blocks, or a refusal): start from this answer.
+            # NOTE: after a refusal, release what was ours: an aborted request's blocks stay
+            # reserved there until released (a write may be landing in them).
+            if r.block_ids is None:
+                peer.link.send(KVRelease(r.request_id), block=False)
+            self._drop_reservation(h)
+        peer.is_granting = r.block_ids is not None and not r.is_queued
+        if r.block_ids is None:
+            if r.is_queued:   # keeps its place by asking again every third of the lease
+                h.stage, h.queued_at, h.epoch, h.num_refusals = Stage.QUEUED, sent_at, r.epoch, 0
+                h.next_ask_at = Lease(now, r.lease_s).renew_at
+            elif r.is_retryable:   # its line is full too: ask again soon
+                h.stage = Stage.ASKING
+                h.next_ask_at = now + min(RETRY_S * 2 ** h.num_refusals, MAX_RETRY_S)
+                h.num_refusals += 1
+                if h.first_token is not None:
+                    # The decode node answers, and is full: waiting on it is backpressure, not
+                    # a lost handoff (the request's own deadline still bounds the wait).
+                    h.lease_deadline = now + self.handoff_lease_s
+            else:
+                h.stage = Stage.ASKING
+                self._end(h, f"decode node refused the request: {r.reason}")
+            return
+        num_needed = num_blocks_for(h.job.prompt_len, self.block_size)
+        if len(r.block_ids) != num_needed or len(set(r.block_ids)) != num_needed:
+            self.num_bad_replies += 1
+            self._end(h, f"decode node {peer.name} reserved {len(r.block_ids)} blocks, not one "
+                         f"distinct block per prompt block", release=True)
+            return
+        h.stage, h.dst_block_ids, h.epoch, h.num_refusals = Stage.RESERVED, list(r.block_ids), r.epoch, 0
+        h.job.is_reserved = True   # its prefill may start now
+        h.lease = Lease(sent_at, r.lease_s)
+        h.next_ask_at = h.lease.renew_at
+        if r.epoch != peer.epoch:
+            self._hello(peer)   # a decode node we have not mapped (or that restarted)
+
+    def _on_ack(self, peer: DecodePeer, ack: HandoffAck) -> None:
+        h = self.by_id.get(ack.request_id)
+        if h is None or h.peer is not peer:
+            return
+        if ack.is_accepted:
+            self.num_handoffs += 1
+            self._end(h, None)
+        else:
+            self._end(h, f"decode node refused the request: {ack.reason}")
+
+    def computed(self, jobs: list[Job]) -> None:
+        """These prompts' KV is queued on the device: start the writes that can start.
+        Called inside the forward pass, so nothing here may end a handoff."""
+        for job in jobs:
+            h = self.by_id.get(job.request_id)
+            if h is not None:
+                h.is_computed = True
+                if self._can_write(h):
+                    self._write(h)
+
+    def prefilled(self, job: Job, first_token: int, timings: dict) -> None:
+        h = self.by_id.get(job.request_id)
+        if h is None:
+            return
+        h.first_token, h.timings = first_token, timings
+        h.lease_deadline = self.clock() + self.handoff_lease_s
+        self._commit(h)
+
+    def abort(self, request_id: str) -> None:
+        h = self.by_id.get(request_id)
+        if h is not None:
+            self._end(h, None, release=h.dst_block_ids is not None)
+
+    # ---- progress ---------------------------------------------------------------
+
+    def advance(self) -> None:
+        """Start writes whose blocks are reserved, send commits for finished writes,
+        ask and renew, and end handoffs whose time has run out."""
+        for peer in self.peers.values():
+            if peer.writer is not None:
+                for rid in peer.writer.poll():
+                    self._written(self.by_id.get(rid))
+        now = self.clock()
+        lease_s = self.handoff_lease_s
+        for h in list(self.by_id.values()):
+            held = h.dst_block_ids is not None
+            if h.stage in (Stage.WRITING, Stage.CANCELLING):
+                continue   # the device still reads its blocks: wait for the write
+            if h.stage is Stage.CANCELLED:
+                self._end(h, h.error, release=held)
+            elif h.peer.error:
+                self._end(h, h.peer.error)
+            elif h.silent_since is not None and now - h.silent_since > lease_s:
+                self._end(h, f"decode node {h.peer.name} did not answer for a reservation within "
+                             f"{lease_s:.0f}s", release=held)
+            elif now > h.lease_deadline:
+                self._end(h, f"decode node did not confirm the KV handoff within {lease_s:.0f}s",
+                          release=held)
+            elif h.stage in (Stage.ASKING, Stage.QUEUED):
+                if now >= h.next_ask_at:
+                    self._ask(h)
+            elif h.stage is Stage.RESERVED and now >= h.lease.end:
+                log.warning("reservation of %s on %s ran out before its write: reserving again",
+                            h.job.request_id, h.peer.name)
+                self._drop_reservation(h)
+            else:
+                if self._can_write(h):
+                    self._write(h)
+                elif h.epoch != h.peer.epoch:
+                    self._hello(h.peer)
+                if now >= h.next_ask_at and h.stage is not Stage.COMMITTED:
+                    self._ask(h)   # renew
+
+    def _can_write(self, h: Handoff) -> bool:
+        return (h.stage is Stage.RESERVED and h.is_computed and h.peer.writer is not None
+                and h.epoch == h.peer.epoch and self.clock() < h.lease.write_by)
+
+    def _write(self, h: Handoff) -> None:
+        try:
+            # NOTE: an id past the peer's cache would index out of bounds on the device.
+            if not all(0 <= b < h.peer.num_blocks for b in h.dst_block_ids):
+                raise TransferError(f"reserved block ids do not fit the decode node's "
+                                    f"{h.peer.num_blocks}-block cache")
+            h.peer.writer.write(h.job.request_id, h.job.block_ids, h.dst_block_ids)
+        except TransferError as e:
+            h.stage = Stage.CANCELLED   # advance() releases the reservation and fails it
+            h.error = f"KV transfer to {h.peer.name} failed: {e}"
+            return
+        h.stage = Stage.WRITING
+        self.bytes_written += len(h.job.block_ids) * self.block_bytes
+
+    def _written(self, h: Handoff | None) -> None:
+        if h is None or h.stage not in (Stage.WRITING, Stage.CANCELLING):
+            return
+        h.stage = Stage.WRITTEN if h.stage is Stage.WRITING else Stage.CANCELLED
+        h.written_at = time.time()
+        self.free_blocks(h.job.block_ids)   # the decode node holds them now
+        h.job.block_ids = []
+        self._commit(h)
+
+    def _commit(self, h: Handoff) -> None:
+        """Once the blocks are written and the first token is sampled (either order)."""
+        if h.stage is not Stage.WRITTEN or h.first_token is None:
+            return
+        j = h.job
+        h.timings["written"] = h.written_at
+        h.stage = Stage.COMMITTED
+        h.peer.link.send(KVCommit(j.request_id, j.prompt_len, h.first_token, j.params,
+                                  h.timings, h.peer.writer.name, j.token_ids), block=False)
+
+    def _end(self, h: Handoff, error: str | None, release: bool = False) -> None:
+        """Drop the handoff and free what it holds here (and there, if release); fail
+        the request if error."""
+        if h.stage in (Stage.WRITING, Stage.CANCELLING):
+            # NOTE: blocks under a device copy are freed only when it ends.
+            h.stage, h.error = Stage.CANCELLING, h.error or error
+            return
+        self.by_id.pop(h.job.request_id, None)
+        if release or h.stage is Stage.QUEUED:   # its blocks, or its place in line
+            h.peer.link.send(KVRelease(h.job.request_id), block=False)
+        self.drop_job(h.job)
+        if error:
+            self.fail(h.job.request_id, error)
+
+    # ---- figures ------------------------------------------------------------------
+
+    @property
+    def is_writing(self) -> bool:
+        return any(h.stage in (Stage.WRITING, Stage.CANCELLING) for h in self.by_id.values())
+
+    @property
+    def num_pending(self) -> int:
+        """Prompts done, waiting for their handoff to be committed."""
+        return sum(h.first_token is not None for h in self.by_id.values())
+
+    def links(self) -> dict[str, str]:
+        """Each decode node's name: the transfer in use, why none, or "connecting"."""
+        return {p.name: (p.writer.name if p.writer else p.error or "connecting")
+                for p in list(self.peers.values())}
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            if peer.writer is not None:
+                peer.writer.close()
+            peer.link.close()
+        self.peers.clear()

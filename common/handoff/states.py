@@ -1,0 +1,116 @@
+"""What each side of a handoff holds, and the states it moves through.
+
+Prefill side, one Handoff per request (sender.py), its Stage:
+    ASKING -> (QUEUED ->) RESERVED -> WRITING -> WRITTEN -> COMMITTED -> ended by the ack
+    RESERVED -> ASKING        its reservation ran out or the decode node restarted
+    WRITING -> CANCELLING     failed or aborted under a write: ends when the write does
+    any other -> CANCELLED    failed holding blocks there: ends, releasing them, next turn
+
+Decode side, one Reservation per request (receiver.py), its Hold:
+    WAITING -> RESERVED -> COMMITTED -> taken into the batch
+    RESERVED -> FAILED        a write failed or it was aborted: its commit is refused
+    freed when released by its prefill node, refused, or its lease ends uncommitted
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from common.base.request import SamplingParams
+from common.handoff.lease import INF, Lease
+from common.transfer import KVWriter
+from common.wire.protocol import KVCommit
+
+
+class Stage(enum.Enum):
+    ASKING = "asking"          # no blocks there: a KVReserve is out, or due at next_ask_at
+    QUEUED = "queued"          # in the decode node's waiting line: its blocks come unasked
+    RESERVED = "reserved"      # blocks reserved there; written once the prompt's KV is computed
+    WRITING = "writing"        # a copy reads the local blocks
+    WRITTEN = "written"        # local blocks freed; committed once the first token is sampled
+    COMMITTED = "committed"    # the decode node's answer to the commit ends the handoff
+    CANCELLING = "cancelling"  # failed or aborted during a write: ends when the write does
+    CANCELLED = "cancelled"    # failed holding blocks there: ends, releasing them, next advance
+
+
+class Job(Protocol):
+    """What the handoff reads of a prompt (prefill_node/scheduler.py's PrefillJob)."""
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    decode_node: str
+    decode_kv_endpoint: str
+    block_ids: list[int]        # local blocks; emptied once freed
+    is_reserved: bool           # set here: its decode node holds blocks for it
+    is_peer_granting: bool      # set here: that node granted the previous request at once
+    prompt_len: int
+
+
+class Link(Protocol):
+    """The KV link to one decode node (common/wire/channel.py's Channel)."""
+    num_bad: int
+    def send(self, msg, block: bool = True) -> bool: ...
+    def has_message(self) -> bool: ...
+    def recv(self, allowed: tuple) -> tuple[bytes, object]: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class DecodePeer:
+    name: str
+    endpoint: str
+    link: Link
+    epoch: str | None = None              # of the welcome the writer was opened from
+    writer: KVWriter | None = None
+    error: str | None = None              # why this decode node cannot be written to
+    hello_at: float = -INF
+    num_blocks: int = 0                   # in its cache, from its welcome
+    is_granting: bool = False             # its last answer granted blocks at once
+
+
+@dataclass
+class Handoff:
+    job: Job
+    peer: DecodePeer
+    stage: Stage = Stage.ASKING
+    dst_block_ids: list[int] | None = None
+    epoch: str | None = None              # the decode node's, when it reserved or queued
+    lease: Lease = Lease()
+    next_ask_at: float = 0.0              # the next KVReserve (ask or renew) goes then
+    asks_out: deque = field(default_factory=deque)   # send times of unanswered KVReserves
+    silent_since: float | None = None     # asked, no answer since
+    queued_at: float = -INF               # when the KVReserve that queued it was sent
+    num_refusals: int = 0                 # retryable ones in a row
+    is_computed: bool = False             # every layer's KV is queued on the device
+    first_token: int | None = None        # set when the prompt is done
+    timings: dict = field(default_factory=dict)
+    lease_deadline: float = INF           # the decode node must acknowledge the commit by then
+    written_at: float = 0.0               # wall clock
+    error: str | None = None              # why it ends, once its write has finished
+
+
+class Hold(enum.Enum):
+    WAITING = "waiting"       # in line for blocks, oldest first; granted unasked
+    RESERVED = "reserved"     # the prompt's blocks are held for its prefill node to write
+    FAILED = "failed"         # held, but a write failed or it was aborted: its commit is
+                              # refused; freed when released, committed or its lease ends
+    COMMITTED = "committed"   # written: waits for a batch row
+
+
+@dataclass
+class Reservation:
+    request_id: str
+    sender: bytes                 # the prefill node that asked: only it may write, commit, release
+    prompt_len: int
+    max_tokens: int
+    lease: Lease                  # renewed by each KVReserve for it
+    hold: Hold = Hold.WAITING
+    block_ids: list[int] = field(default_factory=list)   # the prompt's, written by the prefill node
+    num_reserved: int = 0         # further blocks promised for the outputs
+    commit: KVCommit | None = None
+    error: str | None = None      # FAILED: why; once taken by next_ready(): why its KV is unusable
+    reason: str = "waiting for blocks"   # WAITING: why, for the answer
+    reserved_at: float = field(default_factory=time.time)

@@ -1,0 +1,147 @@
+"""Both halves of a handoff in one process: a fake clock, an in-memory KV link
+whose messages pass through the real codec, and real tcp frames between two
+small CPU caches."""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from common import transfer
+from common.handoff.receiver import Receiver
+from common.handoff.states import Reservation
+from common.handoff.sender import Sender
+from common.kv.blocks import BlockAllocator, block_bytes
+from common.base.request import SamplingParams
+from common.wire import protocol
+from common.wire.protocol import PREFILL_TO_DECODE, KVCommit, KVReserve
+from decode_node.scheduler import DecodeScheduler
+from prefill_node.scheduler import PrefillJob
+
+PREFILL = b"prefill-0/1"
+BLOCK_SIZE = 4
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class MemLink:
+    """The prefill node's end of the KV link. is_cut: everything sent either way is
+    lost (a frozen peer or a cut network), while sends still succeed."""
+
+    def __init__(self):
+        self.to_decode: deque[list[bytes]] = deque()
+        self.to_prefill: deque[list[bytes]] = deque()
+        self.sent: list = []            # every message the prefill side sent, in order
+        self.num_bad = 0
+        self.is_cut = False
+        self.is_closed = False
+
+    def send(self, msg, block: bool = True) -> bool:
+        self.sent.append(msg)
+        if not self.is_cut:
+            self.to_decode.append([bytes(f) for f in protocol.encode(msg)])
+        return True
+
+    def has_message(self) -> bool:
+        return bool(self.to_prefill)
+
+    def recv(self, allowed: tuple):
+        return b"decode", protocol.decode(self.to_prefill.popleft(), allowed)
+
+    def close(self) -> None:
+        self.is_closed = True
+
+
+def receiver(pool: DecodeScheduler, send=None, clock=None, lease_s: float = 30.0, max_queue: int = 8,
+             cache: torch.Tensor | None = None, epoch: str = "e1") -> Receiver:
+    """A decode half over pool; without a cache, over a one-layer cache of its blocks."""
+    if cache is None:
+        cache = torch.zeros(1, 2, pool.blocks.capacity + 1, pool.block_size, 1, 2)
+    sink = transfer.KVSink(cache, None, ["tcp"], "127.0.0.1")
+    return Receiver(epoch, lease_s, max_queue, pool, sink, send or (lambda msg, to: True), 100, 1 << 16,
+                    **({"clock": clock} if clock else {}))
+
+
+def reserve(rx: Receiver, request_id: str, prompt_len: int, max_tokens: int, sender: bytes = b"p") -> Reservation:
+    rx.receive(sender, KVReserve(request_id, prompt_len, max_tokens))
+    return rx.held[request_id]
+
+
+def commit(rx: Receiver, request_id: str, prompt_len: int, max_tokens: int, sender: bytes = b"p") -> None:
+    rx.receive(sender, KVCommit(request_id, prompt_len, 1, SamplingParams(max_tokens=max_tokens), {}, "tcp",
+                                [1] * prompt_len))
+
+
+class Pair:
+    """A Sender and a Receiver joined by a MemLink, each on its own cache."""
+
+    def __init__(self, num_decode_blocks: int = 12, lease_s: float = 30.0, handoff_lease_s: float = 10.0,
+                 max_queue: int = 8, is_preemptive: bool = True):
+        self.clock = FakeClock()
+        self.lease_s, self.max_queue = lease_s, max_queue
+        self.num_decode_blocks, self.is_preemptive = num_decode_blocks, is_preemptive
+        self.src = torch.randn(2, 2, 17, BLOCK_SIZE, 1, 2)          # prefill cache, 16 usable blocks
+        self.prefix = BlockAllocator(17)
+        self.link = MemLink()
+        self.rx = self.start_decode("e1")
+        self.failed: list[tuple[str, str]] = []
+        self.tx = Sender("prefill-0", handoff_lease_s, BLOCK_SIZE, block_bytes(self.src),
+                         lambda name, endpoint: self.link,
+                         lambda w, send: transfer.open_writer("tcp", w, self.src, send),
+                         self.prefix.free, self._drop_job, lambda rid, e: self.failed.append((rid, e)),
+                         clock=self.clock)
+
+    def start_decode(self, epoch: str) -> Receiver:
+        """A decode node (again, after a restart: a new epoch, cache and pool)."""
+        self.pool = DecodeScheduler(BlockAllocator(self.num_decode_blocks + 1), BLOCK_SIZE, 4,
+                                    self.is_preemptive)
+        self.dst = torch.zeros(2, 2, self.pool.blocks.capacity + 1, BLOCK_SIZE, 1, 2)
+        self.rx = receiver(self.pool, self._to_prefill, self.clock, self.lease_s, self.max_queue,
+                           self.dst, epoch)
+        return self.rx
+
+    def _to_prefill(self, msg, to: bytes) -> bool:
+        assert to == PREFILL
+        if not self.link.is_cut:
+            self.link.to_prefill.append([bytes(f) for f in protocol.encode(msg)])
+        return True
+
+    def _drop_job(self, job: PrefillJob) -> None:
+        self.prefix.free(job.block_ids)
+        job.block_ids = []
+
+    def job(self, request_id: str, prompt_len: int = 10, max_tokens: int = 4) -> PrefillJob:
+        j = PrefillJob(request_id, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), 0.0,
+                       "decode-0", "tcp://127.0.0.1:1")
+        j.block_ids = self.prefix.allocate((prompt_len + BLOCK_SIZE - 1) // BLOCK_SIZE)
+        return j
+
+    def pump(self, turns: int = 20) -> None:
+        """Loop turns on both sides until no message is on the way."""
+        for _ in range(turns):
+            while self.link.to_decode:
+                self.rx.receive(PREFILL, protocol.decode(self.link.to_decode.popleft(), PREFILL_TO_DECODE))
+            self.rx.turn()
+            self.tx.receive(self.link)
+            self.tx.advance()
+            if not self.link.to_decode and not self.link.to_prefill:
+                return
+        raise AssertionError("the two halves kept talking")
+
+    def run_for(self, seconds: float, step_s: float = 0.5) -> None:
+        """Time passes in steps, both loops turning after each."""
+        for _ in range(round(seconds / step_s)):
+            self.clock.advance(step_s)
+            self.pump()
+
+    def sent(self, kind: type) -> int:
+        return sum(isinstance(m, kind) for m in self.link.sent)

@@ -1,0 +1,249 @@
+"""The handoff's two halves, joined by an in-memory KV link on a fake clock:
+reserve -> write -> commit, leases renewed every third, the waiting line,
+aborts under a write, restarts, silence, refusals. Each side's state is read
+from its enum (Stage on the prefill side, Hold on the decode side)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.handoff.lease import Lease
+from common.handoff.states import Hold
+from common.handoff.sender import MAX_RETRY_S, RETRY_S
+from common.handoff.states import Stage
+from common.kv.blocks import BlockAllocator, num_blocks_for
+from common.base.request import SamplingParams
+from common.wire import protocol
+from common.wire.protocol import HandoffAck, KVCommit, KVRelease, KVReserve, KVReserved
+from decode_node.scheduler import DecodeScheduler
+from tests.handoff_util import PREFILL, Pair, receiver, reserve
+
+
+def _handoff(p: Pair, rid: str, **job):
+    j = p.job(rid, **job)
+    p.tx.begin(j)
+    p.pump()
+    return j, p.tx.by_id[rid]
+
+
+def test_reserve_write_commit_lands_the_blocks_and_frees_them_here():
+    p = Pair()
+    num_free = p.prefix.num_free
+    job, h = _handoff(p, "r", prompt_len=10)
+    src = list(job.block_ids)
+    r = p.rx.held["r"]
+    assert h.stage is Stage.RESERVED and job.is_reserved and r.hold is Hold.RESERVED
+    assert h.dst_block_ids == r.block_ids and len(r.block_ids) == num_blocks_for(10, 4)
+    p.tx.computed([job])
+    assert h.stage is Stage.WRITING
+    p.pump()
+    assert h.stage is Stage.WRITTEN and job.block_ids == [] and p.prefix.num_free == num_free
+    assert torch.equal(p.dst[:, :, r.block_ids], p.src[:, :, src])   # the frames landed
+    p.tx.prefilled(job, 7, {"prefill_end": 1.0})
+    assert h.stage is Stage.COMMITTED
+    p.pump()
+    assert "r" not in p.tx.by_id and p.tx.num_handoffs == 1 and not p.failed
+    got = p.rx.next_ready()
+    assert got is r and got.error is None and got.commit.first_token == 7 and "r" not in p.rx.held
+    assert p.tx.bytes_written == len(src) * p.src[:, :, :1].numel() * 4
+
+
+def test_the_first_token_may_come_before_the_write_ends():
+    p = Pair()
+    job, h = _handoff(p, "r")
+    p.tx.prefilled(job, 5, {})
+    assert h.stage is Stage.RESERVED            # nothing to commit before the write
+    p.tx.computed([job])
+    p.pump()
+    assert "r" not in p.tx.by_id and p.rx.next_ready().commit.first_token == 5
+
+
+def test_renewals_every_third_keep_a_reservation_past_its_lease_and_silence_frees_it():
+    p = Pair(lease_s=30.0, handoff_lease_s=10.0)
+    job, h = _handoff(p, "r")
+    asks = p.sent(KVReserve)
+    p.run_for(100)                               # three leases: renewed about every 10 s
+    assert p.rx.held["r"].hold is Hold.RESERVED and h.stage is Stage.RESERVED
+    assert 9 <= p.sent(KVReserve) - asks <= 11
+    p.link.is_cut = True                         # the decode node hears nothing more
+    p.run_for(9.5)                               # silence counts from the first unanswered ask
+    assert not p.failed and "r" in p.rx.held
+    p.run_for(15)
+    assert p.failed == [("r", "decode node decode-0 did not answer for a reservation within 10s")]
+    assert "r" not in p.tx.by_id and job.block_ids == []
+    p.run_for(30)                                # the decode node's lease ends too
+    assert "r" not in p.rx.held and p.rx.num_expired == 1
+    assert p.pool.blocks.num_free == p.pool.blocks.capacity
+
+
+def test_no_write_starts_in_the_last_third_of_the_lease():
+    """ipc writes straight into the decode node's memory: once the reservation may have
+    ended there, its blocks may be another request's."""
+    p = Pair(lease_s=30.0, handoff_lease_s=100.0)
+    a, ha = _handoff(p, "a")
+    b, hb = _handoff(p, "b")
+    p.link.is_cut = True                         # renewals are lost
+    p.run_for(19)
+    p.tx.computed([a])
+    assert ha.stage is Stage.WRITING             # 11 s of the lease left: writes
+    p.run_for(2)
+    p.tx.computed([b])
+    assert hb.stage is Stage.RESERVED            # 9 s left: renew first
+    p.run_for(10)
+    assert hb.stage is Stage.ASKING and not b.is_reserved   # ran out: asked again
+
+
+def test_the_lease_counts_from_the_request_it_answers():
+    lease = Lease(1000.0, 30.0)
+    assert (lease.end, lease.renew_at, lease.write_by) == (1030.0, 1010.0, 1020.0)
+    assert Lease(5.0, 0.0).end == Lease(5.0, 0.0).write_by == float("inf")   # held until released
+    p = Pair()
+    job = p.job("r")
+    p.tx.begin(job)
+    h = p.tx.by_id["r"]
+    p.clock.advance(24)
+    p.tx._ask(h)                                 # two asked; answers come in that order
+    p.clock.advance(1)
+    peer = h.peer
+    p.tx._on_reserved(peer, KVReserved("r", "e1", [3, 4, 5], lease_s=30.0))
+    assert job.is_reserved and h.lease.end == pytest.approx(p.clock() + 5)   # from the older request
+    p.tx._on_reserved(peer, KVReserved("r", "e1", [3, 4, 5], lease_s=30.0))
+    assert h.lease.end == pytest.approx(p.clock() + 29)           # the renewal's answer
+    p.tx._on_reserved(peer, KVReserved("r", "e1", [3, 4, 5], lease_s=30.0))   # asked by nobody
+    assert h.lease.end == float("-inf")          # grants nothing: the next turn asks again
+
+
+def test_a_full_decode_node_queues_requests_and_grants_them_unasked_in_order():
+    p = Pair(num_decode_blocks=8, lease_s=30.0)
+    big, hb = _handoff(p, "big", prompt_len=24)          # 7 blocks with its first output's
+    a, ha = _handoff(p, "a", prompt_len=8)
+    b, hbb = _handoff(p, "b", prompt_len=8)
+    assert hb.stage is Stage.RESERVED and ha.stage is hbb.stage is Stage.QUEUED
+    assert [w.request_id for w in p.rx.waiting] == ["a", "b"]
+    p.run_for(25)                                         # the line keeps its place by asking
+    assert ha.stage is Stage.QUEUED and len(p.rx.waiting) == 2
+    p.tx.abort("big")
+    p.pump()
+    assert "big" not in p.rx.held and p.rx.num_granted == 2 and not p.rx.waiting
+    assert ha.stage is hbb.stage is Stage.RESERVED and set(ha.dst_block_ids).isdisjoint(hbb.dst_block_ids)
+    for j in (a, b):
+        p.tx.computed([j])
+        p.tx.prefilled(j, 3, {})
+    p.pump()
+    assert not p.tx.by_id and [p.rx.next_ready().request_id for _ in range(2)] == ["a", "b"]
+
+
+def test_an_abort_during_a_write_waits_for_it_then_releases_both_sides():
+    p = Pair()
+    num_free = p.prefix.num_free
+    job, h = _handoff(p, "r")
+    p.tx.computed([job])
+    p.tx.abort("r")
+    assert h.stage is Stage.CANCELLING and job.block_ids and "r" in p.rx.held   # still read
+    p.pump()
+    assert "r" not in p.tx.by_id and "r" not in p.rx.held and not p.failed
+    assert p.sent(KVRelease) == 1 and p.sent(KVCommit) == 0
+    assert p.prefix.num_free == num_free
+    assert p.pool.blocks.num_free == p.pool.blocks.capacity
+
+
+def test_an_abort_on_the_decode_node_refuses_the_commit_and_frees_the_blocks():
+    p = Pair()
+    job, h = _handoff(p, "r")
+    p.rx.abort("r")
+    assert p.rx.held["r"].hold is Hold.FAILED    # its prefill node may be writing
+    p.tx.computed([job])
+    p.tx.prefilled(job, 3, {})
+    p.pump()
+    assert p.failed == [("r", "decode node refused the request: the request was aborted")]
+    assert "r" not in p.rx.held and p.pool.blocks.num_free == p.pool.blocks.capacity
+
+
+def test_a_restarted_decode_node_voids_reservations_and_fails_what_was_written_there():
+    p = Pair()
+    queued, hq = _handoff(p, "q")
+    written, hw = _handoff(p, "w")
+    p.tx.computed([written])
+    p.pump()
+    assert hq.stage is Stage.RESERVED and hw.stage is Stage.WRITTEN
+    p.start_decode("e2")                         # the same address, a new life
+    p.link.to_prefill.append([bytes(f) for f in protocol.encode(p.rx.sink.welcome("e2"))])
+    p.pump()
+    assert hq.stage is Stage.RESERVED and hq.epoch == "e2" and p.rx.held["q"].hold is Hold.RESERVED
+    assert p.failed == [("w", "decode node decode-0 restarted before the handoff was committed")]
+    assert "w" not in p.rx.held
+
+
+def test_a_commit_never_acknowledged_fails_its_request_and_releases_the_blocks():
+    p = Pair(handoff_lease_s=10.0)
+    job, h = _handoff(p, "r")
+    p.tx.computed([job])
+    p.pump()
+    p.link.is_cut = True                         # the commit and its answer are lost
+    p.tx.prefilled(job, 7, {})
+    p.run_for(9.5)
+    assert not p.failed and h.stage is Stage.COMMITTED
+    p.run_for(1)
+    assert p.failed == [("r", "decode node did not confirm the KV handoff within 10s")]
+    assert isinstance(p.link.sent[-1], KVRelease) and "r" not in p.tx.by_id
+    p.tx._on_ack(h.peer, HandoffAck("r", True))   # too late: nobody's
+    assert p.tx.num_handoffs == 0 and len(p.failed) == 1
+
+
+def test_retryable_refusals_are_asked_again_less_and_less_often():
+    """Past the decode node's waiting line, a backlog of prompts must not ask 20 times a
+    second each; a place in line or a grant starts the count again."""
+    p = Pair()
+    job = p.job("r")
+    p.tx.begin(job)
+    h, peer = p.tx.by_id["r"], p.tx.by_id["r"].peer
+    delays = []
+    for _ in range(7):
+        p.tx._on_reserved(peer, KVReserved("r", "e1", None, True, "line full"))
+        delays.append(h.next_ask_at - p.clock())
+    assert delays == pytest.approx([min(RETRY_S * 2 ** i, MAX_RETRY_S) for i in range(7)]) and delays[-1] < 1.0
+    p.tx._on_reserved(peer, KVReserved("r", "e1", None, reason="waiting", is_queued=True, lease_s=30.0))
+    assert h.stage is Stage.QUEUED and h.num_refusals == 0 and h.next_ask_at == pytest.approx(p.clock() + 10)
+    p.tx._on_reserved(peer, KVReserved("r", "e1", None, True, "line full"))
+    assert h.next_ask_at - p.clock() == pytest.approx(RETRY_S)
+    p.tx._on_reserved(peer, KVReserved("r", "e1", [3, 4, 5], lease_s=30.0))
+    assert job.is_reserved and h.num_refusals == 0
+
+
+def test_a_reservation_of_the_wrong_size_is_refused_and_released():
+    p = Pair()
+    job = p.job("r")
+    p.tx.begin(job)
+    p.tx._on_reserved(p.tx.by_id["r"].peer, KVReserved("r", "e1", [3, 3, 4], lease_s=30.0))
+    assert p.failed and "not one distinct block per prompt block" in p.failed[0][1]
+    assert isinstance(p.link.sent[-1], KVRelease) and p.tx.num_bad_replies == 1
+
+
+def test_a_full_reservation_holds_every_block_until_released():
+    pool = DecodeScheduler(BlockAllocator(20), 16, 4, is_preemptive=False)
+    rx = receiver(pool, max_queue=2)
+    r = reserve(rx, "a", 40, 30)
+    assert len(r.block_ids) == 3 and r.num_reserved == num_blocks_for(69, 16) - 3
+    assert rx.refusal("a", 40, 30)[1] is False              # a duplicate, for good
+    assert rx.refusal("b", 300, 30)[1] is False             # never fits
+    assert rx.refusal("b", 200, 100)[1] is True             # not now
+    reserve(rx, "b", 10, 5)
+    assert "queue is full" in rx.refusal("c", 10, 5)[0]
+    rx.clock = lambda: float("inf")
+    rx.turn()                                             # both leases end
+    assert rx.num_expired == 2 and not rx.held
+    assert pool.blocks.num_free == 19 and pool.blocks.num_reserved == 0
+
+
+def test_only_the_prefill_node_that_reserved_may_commit_or_release():
+    pool = DecodeScheduler(BlockAllocator(20), 16, 4)
+    sent = []
+    rx = receiver(pool, lambda msg, to: sent.append((to, msg)) or True)
+    reserve(rx, "r", 20, 4, sender=PREFILL)
+    rx.receive(b"other", KVRelease("r"))
+    rx.receive(b"other", KVCommit("r", 20, 1, SamplingParams(max_tokens=4), {}, "tcp", [1] * 20))
+    assert rx.held["r"].hold is Hold.RESERVED
+    assert sent[-1] == (b"other", HandoffAck("r", False, False,
+                                             "no reservation for this request (expired or released)"))
+    rx.receive(PREFILL, KVCommit("r", 20, 1, SamplingParams(max_tokens=4), {}, "tcp", [1] * 19 + [100]))
+    assert "outside the vocabulary" in sent[-1][1].reason and "r" not in rx.held
