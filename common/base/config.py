@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from common.base.flags import flag
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "half": torch.float16}
@@ -23,6 +25,18 @@ def parse_bytes(text: str | int | None) -> int | None:
         raise ValueError(f"cannot read a size from {text!r}; say e.g. 512MiB or 2GiB")
     unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
     return int(float(m.group(1)) * 1024 ** " KMGT".index(unit or " "))
+
+
+def parse_swap(text: str) -> int:
+    """--swap-space: a bare number is GiB (as vLLM's flag), else a size with its unit."""
+    try:
+        return int(float(text) * 2**30)
+    except ValueError:
+        return parse_bytes(text)
+
+
+def parse_dtype(text: str) -> str | None:
+    return None if text == "auto" else text
 
 
 def endpoint(host: str, port: int) -> str:
@@ -50,17 +64,29 @@ def check_model_dir(path: str, needs_tokenizer: bool = False) -> None:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    model: str | None = None          # a Hugging Face model directory ...
-    shape: str | None = None          # ... or a preset shape with random weights
-    device: str = "cpu"
-    dtype: str | None = None          # default: float32 on cpu, bfloat16 elsewhere
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; default: kv_cache_fraction of free memory
-    kv_cache_fraction: float = 0.85   # of free accelerator memory after the weights
+    model: str | None = field(default=None, metadata=flag("--model", "a Hugging Face Qwen3 model directory"))
+    shape: str | None = field(default=None, metadata=flag(
+        "--shape", "a preset shape with random weights (e.g. qwen3-0.6b)"))
+    device: str = field(default="cpu", metadata=flag("--device", "cpu, cuda:N or npu:N"))
+    dtype: str | None = field(default=None, metadata=flag(
+        "--dtype", "float32, bfloat16 or float16 (also: half, float, auto); default: float32 on cpu, "
+        "bfloat16 elsewhere", parse=parse_dtype))
+    block_size: int = field(default=16, metadata=flag("--block-size", "tokens per KV block"))
+    kv_cache_memory: int | None = field(default=None, metadata=flag(
+        "--kv-cache-memory", "KV cache budget, e.g. 2GiB (default: --kv-cache-fraction of free "
+        "accelerator memory, 256MiB on cpu)", parse=parse_bytes, metavar="SIZE"))
+    kv_cache_fraction: float = field(default=0.85, metadata=flag(
+        "--kv-cache-fraction", "share of the accelerator memory left after the weights that the KV "
+        "cache takes, when --kv-cache-memory is not given (NOTE: vLLM's flag counts the weights in; "
+        "here they are taken out first)", "--gpu-memory-utilization"))
     cpu_kv_cache_memory: int = 256 * 2**20  # the CPU default budget
-    max_batch_size: int = 64          # decode rows held on the device
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    use_graphs: bool = True           # CUDA graphs for decode steps where available
+    max_batch_size: int = field(default=64, metadata=flag(
+        "--max-batch-size", "decode: requests in one batch (rows held on the device)", "--max-num-seqs"))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "--max-model-len", "default: the model's max_position_embeddings", parse=int))
+    use_graphs: bool = field(default=True, metadata=flag(
+        "--no-graphs", "eager decode steps on CUDA (default: CUDA graphs where available)",
+        "--enforce-eager"))
     is_cache_in_shm: bool = False     # CPU: the cache lives in a shared-memory segment (ipc KV transfer)
     seed: int = 0                     # random weights
 
@@ -115,7 +141,8 @@ def check_endpoint(name: str, value: str, allow_remote: bool) -> None:
 class NodeLinks:
     """The timing and size rules every process applies to its sockets."""
     heartbeat_s: float = 0.5           # a node reports its load this often
-    dead_after_s: float = 3.0          # silence after which a peer is taken for dead
+    dead_after_s: float = field(default=3.0, metadata=flag(
+        "--dead-after", "seconds of silence after which a node is taken for dead"))
     max_message_bytes: int = 16 * 2**20  # control and client messages
     log_interval_s: float = 10.0
 
@@ -127,6 +154,10 @@ class NodeLinks:
 
 
 KV_TRANSFERS = ("auto", "ipc", "tcp", "dist")   # see common/transfer; auto: ipc, else tcp
+_ALLOW_REMOTE = flag("--allow-remote", "allow non-loopback endpoints")
+_NAME = flag("--name", "unique in the cluster (with keys: its key's name)")
+_NODE_KEYS = flag("--keys", "CURVE keys (python -m launch.keys DIR); this node's is DIR/NAME.key_secret",
+                  metavar="DIR")
 
 
 def _check_kv_transfer(value: str) -> None:
@@ -137,17 +168,23 @@ def _check_kv_transfer(value: str) -> None:
 @dataclass(frozen=True)
 class PrefillConfig:
     worker: WorkerConfig
-    frontend_endpoint: str            # the frontend's node endpoint (we connect)
-    name: str = "prefill-0"
-    token_budget: int = 8192          # prompt tokens per forward pass
+    frontend_endpoint: str = field(metadata=flag("--frontend", "the frontend's node endpoint (we connect)"))
+    name: str = field(default="prefill-0", metadata=_NAME)
+    token_budget: int = field(default=8192, metadata=flag(
+        "--token-budget", "prompt tokens per forward pass (a prefill node runs no decode steps, so "
+        "larger passes cost no one latency)", "--max-num-batched-tokens"))
     max_batch_prompts: int = 64
-    handoff_lease_s: float = 10.0     # a handoff not committed this long after its prefill, or
-                                      # a reservation request unanswered this long, fails
-    kv_transfer: str = "auto"         # auto: ipc with a decode node on this host, else tcp
+    handoff_lease_s: float = field(default=10.0, metadata=flag(
+        "--handoff-lease", "seconds after its prefill within which a handoff must be committed, and "
+        "within which a decode node must answer a reservation request"))
+    kv_transfer: str = field(default="auto", metadata=flag(
+        "--kv-transfer", "auto: ipc with a decode node on this host, else tcp", choices=KV_TRANSFERS))
     links: NodeLinks = field(default_factory=NodeLinks)
-    allow_remote: bool = False
-    keys_dir: str | None = None       # CURVE keys (launch/keys.py), this node's under its name
-    is_prefix_caching: bool = True    # reuse full prompt blocks computed before (common/prefix.py)
+    allow_remote: bool = field(default=False, metadata=_ALLOW_REMOTE)
+    keys_dir: str | None = field(default=None, metadata=_NODE_KEYS)
+    is_prefix_caching: bool = field(default=True, metadata=flag(
+        "--no-prefix-caching", "compute every prompt from scratch (default: reuse cached full blocks)",
+        "--no-enable-prefix-caching"))
 
     def __post_init__(self) -> None:
         check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
@@ -161,17 +198,28 @@ class PrefillConfig:
 @dataclass(frozen=True)
 class DecodeConfig:
     worker: WorkerConfig
-    frontend_endpoint: str            # the frontend's node endpoint (we connect)
-    kv_endpoint: str                  # where prefill nodes hand KV to us (we bind)
-    name: str = "decode-0"
-    max_queue: int = 256              # reservations held (writing or waiting for a batch row)
-    reservation_lease_s: float = 30.0  # a reservation not committed within this is freed
-    kv_transfer: str = "auto"         # what prefill nodes may use: auto offers ipc and tcp
+    frontend_endpoint: str = field(metadata=flag("--frontend", "the frontend's node endpoint (we connect)"))
+    kv_endpoint: str = field(metadata=flag("--kv-bind", "where prefill nodes hand KV to this node (we bind)"))
+    name: str = field(default="decode-0", metadata=_NAME)
+    max_queue: int = field(default=256, metadata=flag(
+        "--max-queue", "reservations held (being written or waiting for a batch row), and requests "
+        "waiting in line for blocks"))
+    reservation_lease_s: float = field(default=30.0, metadata=flag(
+        "--reservation-lease", "seconds before a reservation neither renewed nor committed is freed"))
+    kv_transfer: str = field(default="auto", metadata=flag(
+        "--kv-transfer", "KV transfer backends offered to prefill nodes (auto: ipc and tcp)",
+        choices=KV_TRANSFERS))
     links: NodeLinks = field(default_factory=NodeLinks)
-    allow_remote: bool = False
-    keys_dir: str | None = None       # CURVE keys (launch/keys.py), this node's under its name
-    is_preemptive: bool = True        # admit on what a request needs now; preempt when full
-    swap_space: int = 4 * 2**30       # bytes of host memory for preempted KV; past it: recompute
+    allow_remote: bool = field(default=False, metadata=_ALLOW_REMOTE)
+    keys_dir: str | None = field(default=None, metadata=_NODE_KEYS)
+    is_preemptive: bool = field(default=True, metadata=flag(
+        "--no-preemption", "reserve every block a request could need (prompt + max_tokens) before it "
+        "starts, as a smaller batch that is never preempted (default: admit on what a request needs "
+        "now, preempt when full)"))
+    swap_space: int = field(default=4 * 2**30, metadata=flag(
+        "--swap-space", "host memory for the KV of preempted requests: GiB, or a size such as 512MiB; "
+        "past it, a preempted request's KV is dropped and recomputed when it resumes (0: always)",
+        parse=parse_swap, metavar="SIZE", default_text="4"))
 
     def __post_init__(self) -> None:
         check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
@@ -185,27 +233,49 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class FrontendConfig:
-    model: str                        # for the tokenizer and the model's limits
-    client_endpoint: str              # clients connect here (we bind)
-    node_endpoint: str                # nodes connect here (we bind)
-    default_timeout_s: float = 600.0  # a request with no timeout_s ends after this
-    max_model_len: int | None = None
+    model: str = field(metadata=flag("--model", "model directory (tokenizer and limits)"))
+    client_endpoint: str = field(metadata=flag("--clients", "endpoint clients connect to (we bind)"))
+    node_endpoint: str = field(metadata=flag("--nodes", "endpoint nodes connect to (we bind)"))
+    default_timeout_s: float = field(default=600.0, metadata=flag(
+        "--default-timeout", "seconds a request with no timeout_s may take"))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "--max-model-len", "prompt + max_tokens limit (default: the model's max_position_embeddings)",
+        parse=int))
     links: NodeLinks = field(default_factory=NodeLinks)
-    allow_remote: bool = False
-    keys_dir: str | None = None       # CURVE keys (launch/keys.py); None: open links
-    is_client_auth: bool = False      # clients too must hold a key from keys_dir/clients
-    max_requests_per_client: int = 4096   # in flight (waiting + running) per client connection
-    max_kv_tokens_per_client: int = 2**24  # prompt + max_tokens over its requests in flight
-    max_queued_tokens: int = 32768    # prompt tokens sent to one prefill node, not yet prefilled
-    hung_after_s: float = 30.0        # a node whose loop has not turned this long is dead
-    forget_after_s: float = 60.0      # a dead node is dropped from the node list after this
-    drain_timeout_s: float = 30.0     # on SIGTERM, running requests get this long to finish
-    http_port: int | None = None      # OpenAI API, /metrics and /health; None: no HTTP
-    metrics_port: int | None = None   # /metrics and /health alone, when http_port is None
-    http_host: str = "127.0.0.1"
-    served_model_name: str | None = None  # the model name HTTP clients use; default: the directory's
+    allow_remote: bool = field(default=False, metadata=flag(
+        "--allow-remote", "serve clients, nodes and HTTP beyond this machine"))
+    keys_dir: str | None = field(default=None, metadata=flag(
+        "--keys", "CURVE keys (python -m launch.keys DIR): nodes must hold one (default: open links)",
+        metavar="DIR"))
+    is_client_auth: bool = field(default=False, metadata=flag(
+        "--client-keys", "clients too must hold a key (DIR/clients/NAME)"))
+    max_requests_per_client: int = field(default=4096, metadata=flag(
+        "--max-requests-per-client", "requests in flight per client connection; past it: overloaded"))
+    max_kv_tokens_per_client: int = field(default=2**24, metadata=flag(
+        "--max-kv-tokens-per-client", "prompt + max_tokens over a client's requests in flight; past "
+        "it: overloaded"))
+    max_queued_tokens: int = field(default=32768, metadata=flag(
+        "--max-queued-tokens", "prompt tokens sent to one prefill node and not yet prefilled; the rest "
+        "wait here, clients taking turns"))
+    hung_after_s: float = field(default=30.0, metadata=flag(
+        "--hung-after", "seconds a node's loop may go without turning before it counts as dead"))
+    forget_after_s: float = field(default=60.0, metadata=flag(
+        "--forget-after", "seconds after which a dead node leaves the node list"))
+    drain_timeout_s: float = field(default=30.0, metadata=flag(
+        "--drain-timeout", "on SIGTERM, seconds running requests get to finish"))
+    http_port: int | None = field(default=None, metadata=flag(
+        "--http-port", "serve the OpenAI API, /metrics and /health on this port (default: no HTTP)",
+        parse=int))
+    metrics_port: int | None = field(default=None, metadata=flag(
+        "--metrics-port", "without --http-port: serve /metrics and /health alone on this port", parse=int))
+    http_host: str | None = field(default=None, metadata=flag(
+        "--http-host", "HTTP address (default: 127.0.0.1, or 0.0.0.0 with --allow-remote)"))
+    served_model_name: str | None = field(default=None, metadata=flag(
+        "--served-model-name", "the model name HTTP clients use (default: the model directory's name)"))
 
     def __post_init__(self) -> None:
+        if self.http_host is None:   # NOTE: frozen: set once, here
+            object.__setattr__(self, "http_host", "0.0.0.0" if self.allow_remote else "127.0.0.1")
         check_model_dir(self.model, needs_tokenizer=True)
         check_endpoint("client_endpoint", self.client_endpoint, self.allow_remote)
         check_endpoint("node_endpoint", self.node_endpoint, self.allow_remote)

@@ -10,35 +10,25 @@ import sys
 import threading
 
 from common.wire.channel import LinkError
-from common.base.config import WorkerConfig, parse_bytes
+from common.base.config import WorkerConfig
+from common.base.flags import add_flags, flagged
 from common.base.log import add_log_level_arg, set_level
 
 
 class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """--help keeps the description's layout and shows every default."""
+    """--help keeps the description's layout and shows every default (unless its help
+    already says it, or there is none to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default:" in text or action.default in (None, argparse.SUPPRESS, False):
+            return text
+        return super()._get_help_string(action)
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    """Worker options; where vLLM has a flag of the same meaning, its name works too."""
-    g = p.add_argument_group("model and device")
-    g.add_argument("--model", help="a Hugging Face Qwen3 model directory")
-    g.add_argument("--shape", help="a preset shape with random weights (e.g. qwen3-0.6b)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda:N or npu:N")
-    g.add_argument("--dtype", default=None,
-                   help="float32, bfloat16 or float16 (also: half, float, auto); "
-                        "default: float32 on cpu, bfloat16 elsewhere")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB")
-    g.add_argument("--kv-cache-fraction", "--gpu-memory-utilization", type=float, default=0.85,
-                   help="share of the accelerator memory left after the weights that the KV "
-                        "cache takes, when --kv-cache-memory is not given (NOTE: vLLM's flag "
-                        "counts the weights in; here they are taken out first)")
-    g.add_argument("--max-batch-size", "--max-num-seqs", type=int, default=64,
-                   help="decode: requests in one batch")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="default: the model's max_position_embeddings")
-    g.add_argument("--no-graphs", "--enforce-eager", action="store_true",
-                   help="eager decode steps on CUDA")
+    """Worker options (WorkerConfig's flags), then the process's threads and logging."""
+    add_flags(p, WorkerConfig, "model and device")
     add_thread_args(p)
     add_log_level_arg(p)
 
@@ -116,11 +106,7 @@ def worker_config(a: argparse.Namespace) -> WorkerConfig:
     apply_threads(a.threads, a.cpus, a.device)
     if a.device == "cpu":
         keep_freed_memory()
-    return WorkerConfig(model=a.model, shape=a.shape, device=a.device,
-                        dtype=None if a.dtype == "auto" else a.dtype,
-                        block_size=a.block_size, kv_cache_memory=parse_bytes(a.kv_cache_memory),
-                        kv_cache_fraction=a.kv_cache_fraction, max_batch_size=a.max_batch_size,
-                        max_model_len=a.max_model_len, use_graphs=not a.no_graphs)
+    return WorkerConfig(**flagged(WorkerConfig, a))
 
 
 def check_device(device: str) -> None:
