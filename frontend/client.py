@@ -1,4 +1,4 @@
-"""The pdserve client: a library (blocking and asyncio) and a command line.
+"""The pdserve client: a library (blocking and asyncio); its command line is frontend/cli.py.
 
     .venv/bin/pdserve client --endpoint tcp://127.0.0.1:5600 --prompt "Hello" [--json]
 
@@ -8,9 +8,7 @@ The first request checks that a frontend answers within connect_timeout_s.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import sys
 import time
 import uuid
@@ -20,7 +18,6 @@ from typing import AsyncIterator, Iterator
 from common.wire.channel import AsyncChannel, BadMessage, Channel, open_async_context, open_context
 from common.base.config import check_endpoint
 from common.wire.keys import CLIENTS, load_keys
-from common.runtime.process import HelpFormat
 from common.wire.protocol import FRONTEND_TO_CLIENT as REPLIES
 from common.wire.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateRequest, OutputBatch,
                              StatsReply, StatsRequest)
@@ -319,97 +316,10 @@ class AsyncClient:
         return await asyncio.wait_for(self._stats.get(), timeout_s)
 
 
-def format_stats(stats: StatsReply) -> str:
-    """Every node, one line each, and how many requests took each prefill -> decode route."""
-    cols = ("node", "role", "alive", "device", "kv", "routed", "running", "waiting", "free blocks",
-            "preempted")
-    rows = []
-    for name, n in sorted(stats.nodes.items()):
-        waiting = n.get("num_waiting", n.get("num_queued", ""))
-        free = f"{n.get('num_free_blocks', '?')}/{n.get('num_usable_blocks', '?')}"
-        rows.append((name, n.get("role", "?"), "yes" if n.get("is_alive") else "NO", n.get("device", "?"),
-                     n.get("kv_transfer", "?"), n.get("num_routed", 0),
-                     n.get("num_running", n.get("num_prefilling", "")), waiting, free,
-                     n.get("num_preemptions", "")))
-    widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (cols, *rows)]
-    fe = stats.frontend or {}
-    lines.append(f"\nready: {stats.is_ready}; model {(stats.model or {}).get('name')}; "
-                 f"frontend: {fe.get('num_running', 0)} running, {fe.get('num_waiting', 0)} waiting, "
-                 f"{fe.get('num_served', 0)} served")
-    routes = fe.get("routes") or {}
-    lines.append("routes: " + (", ".join(f"{k}: {v}" for k, v in sorted(routes.items())) or "none yet"))
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Exit 0 when every request finished normally; 1 when one failed or the frontend
-    did not answer; 2 for bad options; 130 on Ctrl-C (the requests are aborted)."""
-    p = argparse.ArgumentParser(prog="pdserve client", description=__doc__, formatter_class=HelpFormat)
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5600", help="the frontend's client endpoint")
-    p.add_argument("--prompt", action="append", default=[], help="repeat for several prompts")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--top-k", type=int, default=-1, help="-1: off")
-    p.add_argument("--seed", type=int, default=None, help="default: a random seed per request")
-    p.add_argument("--stop", action="append", default=[], help="a stop string; repeat for several")
-    p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens whatever comes")
-    p.add_argument("--timeout", type=float, default=5.0,
-                   help="seconds to wait for the frontend to answer at all")
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may run on the cluster (default: the frontend's)")
-    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    p.add_argument("--stats", action="store_true",
-                   help="print every node and the routing counts (with --json: everything, as JSON)")
-    p.add_argument("--wait-ready", type=float, default=None, metavar="SECONDS",
-                   help="wait until a prefill and a decode node are ready")
-    p.add_argument("--wait-nodes", type=int, default=0, metavar="N",
-                   help="with --wait-ready: until N nodes in all are live")
-    p.add_argument("--frontend-pid", type=int, default=None,
-                   help="with --wait-ready: the answer must come from this frontend process")
-    p.add_argument("--keys", default=None, metavar="DIR",
-                   help="for a frontend with --client-keys: the key directory ...")
-    p.add_argument("--key-name", default="client", help="... and this client's key in DIR/clients")
-    a = p.parse_args(argv)
-    try:
-        client = Client(a.endpoint, keys_dir=a.keys, key_name=a.key_name, connect_timeout_s=a.timeout)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    rc = 0
-    with client:
-        try:
-            if a.wait_ready is not None:
-                client.wait_ready(a.wait_ready, a.wait_nodes, a.frontend_pid)
-            if a.stats:
-                client.connect()
-                stats = client.stats()
-                print(json.dumps(vars(stats), indent=2) if a.json else format_stats(stats))
-            if not a.prompt:
-                return 0
-            params = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                          top_k=a.top_k, seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos,
-                          timeout_s=a.request_timeout)
-            if a.json or len(a.prompt) > 1:
-                results = client.complete_many([dict(prompt=t, **params) for t in a.prompt])
-                for prompt, r in zip(a.prompt, results):
-                    print(json.dumps(r.to_dict()) if a.json else
-                          f"> {prompt}\n{r.text}\n[{r.finish_reason}{': ' + r.error if r.error else ''}]\n")
-                    rc |= r.finish_reason not in ("stop", "length")
-            else:
-                for out in client.generate(a.prompt[0], **params):  # stream as it comes
-                    print(out.text, end="", flush=True)
-                    if out.is_finished:
-                        print(f"\n[{out.finish_reason}{': ' + out.error if out.error else ''}]")
-                        rc |= out.finish_reason not in ("stop", "length")
-        except (TimeoutError, ServerError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:   # leaving the with block aborts what is in flight
-            print("\ninterrupted: requests aborted", file=sys.stderr)
-            return 130
-    return int(rc)
+    """The command line (frontend/cli.py)."""
+    from frontend.cli import main as run
+    return run(argv)
 
 
 if __name__ == "__main__":

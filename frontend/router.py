@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.kv.prefix import num_reusable_blocks
+from common.kv.prefix import block_hashes, num_reusable_blocks, route_key
 from common.wire.protocol import NodeReady
 
 
@@ -80,6 +80,32 @@ def choose(nodes: dict[str, NodeState], max_queued_tokens: int | None = None, pr
     decode = min(decodes, key=lambda n: (n.num_active, -figure(n.stats, "num_available_blocks"),
                                          n.num_routed))
     return prefill, decode
+
+
+def prefix_keys(nodes: dict[str, NodeState], prompt_ids: list[int],
+                known: dict[int, list[int]]) -> dict[int, list[int]] | None:
+    """Route keys of the prompt's full blocks, per block size of the prefill nodes
+    that report a prefix cache (None when none does), added to known: hashed once
+    per request and size, as a request waiting for room is tried again at every wake."""
+    for n in nodes.values():
+        bs = n.ready.block_size
+        if n.role == "prefill" and n.prefix_keys and bs not in known:
+            known[bs] = [route_key(h) for h in block_hashes(prompt_ids, bs)]
+    return known or None
+
+
+def assign(nodes: dict[str, NodeState], max_queued_tokens: int, prompt_ids: list[int],
+           known_keys: dict[int, list[int]]) -> tuple[NodeState, NodeState, int] | None:
+    """Route a request now: (prefill node, decode node, prompt tokens the prefill node
+    is expected to compute), counted as routed; None while no pair has room."""
+    keys = prefix_keys(nodes, prompt_ids, known_keys)
+    route = choose(nodes, max_queued_tokens, len(prompt_ids), keys)
+    if route is None:
+        return None
+    prefill, decode = route
+    work_tokens = len(prompt_ids) - cached_tokens(prefill, len(prompt_ids), keys)
+    routed(prefill, decode, work_tokens)
+    return prefill, decode, work_tokens
 
 
 def figure(stats: dict, key: str) -> float:

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -25,52 +23,22 @@ from common.base.config import FrontendConfig, clamp_model_len
 from common.wire.keys import FRONTEND, load_keys
 from common.base.log import Throttle, get_logger
 from common.base.model_spec import load_spec
-from common.kv.prefix import block_hashes, route_key
 from common.runtime.process import describe_threads
 from common.wire.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, ErrorReply, GenerateOutput,
                              GenerateRequest, Heartbeat, NodeAbort, NodeReady, OutputBatch, PrefillRequest,
-                             PrefixUpdate, ReadyReply, RequestFailed, StatsReply, StatsRequest, TokenBatch,
+                             PrefixUpdate, RequestFailed, StatsReply, StatsRequest, TokenBatch,
                              TokenUpdate)
-from common.base.request import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, SamplingParams, validate_prompt
+from common.base.request import FINISH_ABORT, FINISH_ERROR, FINISH_STOP
 from frontend import http, router
 from frontend.admission import Admission
 from frontend.detok import IncrementalDetokenizer
 from frontend.metrics import Metrics
-from frontend.router import NodeState, figure
+from frontend.nodes import NodeRegistry
+from frontend.request import Client, RequestState, prepare
+from frontend.router import NodeState
 
 log = get_logger("frontend")
-# A ZeroMQ client is its routing id; an in-process one (HTTP) a (kind, peer) pair, so
-# the two can never share a key.
-Client = bytes | tuple[str, str]
 noisy = Throttle(log)   # lines about what clients and peers send
-ROLES = ("prefill", "decode")
-
-
-@dataclass(eq=False)
-class RequestState:
-    node_id: str                 # the id the nodes know it by
-    request_id: str              # the client's id, unique within its connection
-    client: Client
-    prompt_ids: list[int]
-    params: SamplingParams
-    detok: IncrementalDetokenizer
-    arrival_time: float          # wall clock, comparable with the nodes' stamps
-    deadline: float              # monotonic
-    prefill_node: str | None = None   # None while it waits here for its turn
-    decode_node: str | None = None
-    num_tokens: int = 0
-    timings: dict = field(default_factory=dict)
-    is_prefilled: bool = False   # its first token came back (or it ended)
-    early_token: int | None = None   # the first token, streamed by the prefill node
-    is_decoding: bool = False    # its decode node has sent its first update
-    work_tokens: int = 0         # prompt tokens its prefill node was expected to compute
-    route_keys: dict[int, list[int]] = field(default_factory=dict)   # block size -> its blocks' keys
-    submitted_at: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None   # monotonic
-
-    @property
-    def kv_tokens(self) -> int:
-        return len(self.prompt_ids) + self.params.max_tokens
 
 
 class Frontend:
@@ -82,7 +50,8 @@ class Frontend:
         self.spec = load_spec(cfg.model)
         self.served_model = cfg.served_model_name or Path(cfg.model).name
         self.max_model_len = clamp_model_len(cfg.max_model_len, self.spec.max_position_embeddings)
-        self.nodes: dict[str, NodeState] = {}
+        self.registry = NodeRegistry(cfg, self.keys is not None, self._fail_node_requests, self._wake_dispatch)
+        self.nodes = self.registry.nodes   # by name
         self.requests: dict[str, RequestState] = {}                  # by node id
         self.by_client: dict[tuple[bytes, str], RequestState] = {}   # by (client, its id)
         self.admission = Admission(cfg.max_requests_per_client, cfg.max_kv_tokens_per_client)
@@ -106,6 +75,7 @@ class Frontend:
                                     domain="clients" if self.cfg.is_client_auth else None)
         self.node_link = AsyncChannel(ctx, True, self.cfg.node_endpoint, max_message_bytes=limit,
                                       domain="nodes")
+        self.registry.link = self.node_link
         web = None
         try:
             web = await http.serve(self, self.cfg)
@@ -197,38 +167,6 @@ class Frontend:
         else:
             await self._reply(client, ErrorReply(error, request_id), status)
 
-    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
-        given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
-        if sum(given) != 1:
-            raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
-        if req.prompt is not None:
-            return self.tokenizer.encode(req.prompt)
-        if req.prompt_token_ids is not None:
-            return list(req.prompt_token_ids)
-        for m in req.messages:
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError("each message needs a string role and string content")
-        ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
-                                                 tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # an encoding or a list
-
-    def prepare(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids and the sampling parameters, or ValueError saying what is
-        wrong. max_tokens None (HTTP chat) means what the model length leaves."""
-        if req.timeout_s is not None and not req.timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {req.timeout_s}")
-        if "" in req.stop:   # it would match at once: an answer of nothing, surely not what was meant
-            raise ValueError("a stop string must not be empty")
-        ids = self._prompt_ids(req)
-        max_tokens = req.max_tokens if req.max_tokens is not None else max(self.max_model_len - len(ids), 1)
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-            top_k=req.top_k, seed=req.seed if req.seed is not None else random.getrandbits(63),
-            stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos)
-        params.validate(self.spec.vocab_size)
-        validate_prompt(ids, params.max_tokens, self.spec.vocab_size, self.max_model_len)
-        return ids, params
-
     async def submit(self, client: Client, req: GenerateRequest) -> None:
         """Take a request from a client: admitted, or answered with an error."""
         if not req.request_id:
@@ -243,7 +181,7 @@ class Frontend:
             await self._reply_error(client, req.request_id, "the cluster is shutting down", 503)
             return
         try:
-            ids, params = self.prepare(req)
+            ids, params = prepare(req, self.tokenizer, self.spec, self.max_model_len)
         except ValueError as e:
             await self._reply_error(client, req.request_id, str(e))
             return
@@ -282,33 +220,20 @@ class Frontend:
             self._wake.clear()
             while self.admission.num_waiting:
                 req = self.admission.peek()
-                keys = self._prefix_keys(req)
-                route = router.choose(self.nodes, self.cfg.max_queued_tokens, len(req.prompt_ids), keys)
+                route = router.assign(self.nodes, self.cfg.max_queued_tokens, req.prompt_ids,
+                                      req.route_keys)
                 if route is None:
                     break
                 self.admission.next()
-                prefill, decode = route
+                prefill, decode, req.work_tokens = route
                 req.prefill_node, req.decode_node = prefill.name, decode.name
-                num_cached = router.cached_tokens(prefill, len(req.prompt_ids), keys)
-                req.work_tokens = len(req.prompt_ids) - num_cached
-                router.routed(prefill, decode, req.work_tokens)
                 pair = f"{prefill.name} -> {decode.name}"
                 self.num_routes[pair] = self.num_routes.get(pair, 0) + 1
                 await self.node_link.send(PrefillRequest(req.node_id, req.prompt_ids, req.params,
                                                          req.arrival_time, decode.name,
                                                          decode.ready.kv_endpoint), to=prefill.identity)
 
-    # ---- routing --------------------------------------------------------------
-
-    def _prefix_keys(self, req: RequestState) -> dict[int, list[int]] | None:
-        """Route keys of the prompt's full blocks, per block size of the prefill nodes
-        that report a prefix cache (None when none does). Hashed once per request and
-        size: a request waiting here is tried again at every wake."""
-        for n in self.nodes.values():
-            bs = n.ready.block_size
-            if n.role == "prefill" and n.prefix_keys and bs not in req.route_keys:
-                req.route_keys[bs] = [route_key(h) for h in block_hashes(req.prompt_ids, bs)]
-        return req.route_keys or None
+    # ---- figures --------------------------------------------------------------
 
     def is_ready(self) -> bool:
         return router.choose(self.nodes) is not None and not self.is_draining
@@ -329,13 +254,7 @@ class Frontend:
                 "routes": dict(self.num_routes)}
 
     def node_stats(self) -> dict:
-        now = time.monotonic()
-        return {name: {"role": n.ready.role, "is_alive": n.is_alive, "pid": n.ready.pid,
-                       "device": n.ready.device, "kv_transfer": n.ready.kv_transfer,
-                       "max_batch_size": n.ready.max_batch_size,
-                       "num_prefix_keys": len(n.prefix_keys),
-                       "seconds_since_seen": round(now - n.last_seen, 3),
-                       "num_routed": n.num_routed, **n.stats} for name, n in self.nodes.items()}
+        return self.registry.stats()
 
     # ---- nodes ----------------------------------------------------------------
 
@@ -347,39 +266,21 @@ class Frontend:
             except Exception:
                 log.exception("error while handling a %s from a node", type(msg).__name__)
 
-    def _claims(self, sender: bytes, name: str, pid: int, suffix: str = "") -> bool:
-        """Whether the sender may speak as node `name` (process pid): its key proves the
-        name, or (open links) its socket identity says "name/pid" (then a name is only
-        as good as the port's reach)."""
-        if self.keys is not None:
-            return self.node_link.peer_name(sender) == name
-        return sender == f"{name}/{pid}{suffix}".encode()
-
     async def _on_node_message(self, sender: bytes, msg) -> None:
         if isinstance(msg, BadMessage):
             noisy.warning("dropped a malformed message from %r: %s", sender, msg.error)
             return
         if isinstance(msg, NodeReady):
-            await self._on_ready(sender, msg)
+            await self.registry.on_ready(sender, msg)
             return
-        if isinstance(msg, Heartbeat):  # from the node's heartbeat socket
-            node = self.nodes.get(msg.name)
-            if not self._claims(sender, msg.name, msg.pid, "/heartbeat"):
-                noisy.warning("dropped a heartbeat for %r from a peer that is not that node", msg.name)
-            elif node is None:   # forgotten while silent: ask it to register again
-                await self.node_link.send(ReadyReply(False, "unknown node: register again", True),
-                                          to=sender)
-            elif node.ready.pid != msg.pid:
-                pass   # NOTE: a restarted node, still refused while its predecessor counts as alive
-            else:
-                self._seen(node)
-                node.stats = msg.stats
+        if isinstance(msg, Heartbeat):
+            await self.registry.on_heartbeat(sender, msg)
             return
-        node = next((n for n in self.nodes.values() if n.identity == sender), None)
+        node = self.registry.by_identity(sender)
         if node is None:
             noisy.warning("message from unregistered node %r ignored", sender)
             return
-        self._seen(node)
+        self.registry.seen(node)
         if isinstance(msg, RequestFailed):
             req = self.requests.get(msg.request_id)
             if req is not None and node.name in (req.prefill_node, req.decode_node):
@@ -399,41 +300,6 @@ class Frontend:
                         log.exception("could not send %d outputs to a client", len(outputs))
         elif isinstance(msg, PrefixUpdate) and node.role == "prefill" and node.ready.pid == msg.pid:
             router.update_prefix(node, msg.added, msg.removed, msg.is_reset)
-
-    def _seen(self, node: NodeState) -> None:
-        node.last_seen = time.monotonic()
-        is_hung = figure(node.stats, "loop_age_s") > self.cfg.hung_after_s
-        if not node.is_alive and not is_hung:
-            node.is_alive = True
-            log.info("%s node %s is back", node.ready.role, node.ready.name)
-            self._wake.set()
-
-    async def _on_ready(self, sender: bytes, ready: NodeReady) -> None:
-        old = self.nodes.get(ready.name)
-        if ready.role not in ROLES or (ready.role == "decode") != bool(ready.kv_endpoint):
-            reason, is_retryable = f"bad ready: role {ready.role!r} with kv_endpoint {ready.kv_endpoint!r}", False
-        elif not self._claims(sender, ready.name, ready.pid):
-            reason, is_retryable = f"this peer may not register as {ready.name!r}", False
-        elif old is not None and old.is_alive and old.identity != sender and old.ready.pid != ready.pid:
-            reason, is_retryable = (f"a live {old.ready.role} node named {ready.name!r} is registered "
-                                    f"(pid {old.ready.pid}); choose another --name"), True
-        else:
-            reason = None
-        if reason:
-            noisy.warning("refused a node registering as %r: %s", ready.name, reason)
-            await self.node_link.send(ReadyReply(False, reason, is_retryable), to=sender)
-            return
-        if old is not None and old.ready.pid == ready.pid:   # the same process, asking again
-            old.ready, old.identity = ready, sender
-            self._seen(old)
-        else:
-            if old is not None:
-                await self._fail_node_requests(old, f"{old.ready.role} node {ready.name} restarted")
-            self.nodes[ready.name] = NodeState(ready, sender, time.monotonic())
-            log.info("%s node %s ready (pid %d, %s, %d KV blocks)", ready.role, ready.name, ready.pid,
-                     ready.device, ready.num_kv_blocks)
-        await self.node_link.send(ReadyReply(True), to=sender)
-        self._wake.set()
 
     async def _on_tokens(self, node: NodeState, u: TokenUpdate) -> None:
         req = self.requests.get(u.request_id)
@@ -511,6 +377,9 @@ class Frontend:
         await self._reply(req.client, GenerateOutput(req.request_id, list(token_ids), req.detok.take(True),
                                                      True, reason, error, usage, req.timings), status)
 
+    def _wake_dispatch(self) -> None:
+        self._wake.set()
+
     async def _fail_node_requests(self, node: NodeState, error: str) -> None:
         name = node.ready.name
         for req in list(self.requests.values()):
@@ -523,24 +392,7 @@ class Frontend:
         while True:
             await asyncio.sleep(0.1)
             now = time.monotonic()
-            for node in list(self.nodes.values()):
-                loop_age = figure(node.stats, "loop_age_s")
-                if node.is_alive and now - node.last_seen > self.cfg.links.dead_after_s:
-                    why = f"{node.role} node {node.name} stopped responding"
-                    log.error("%s node %s silent for %.1fs: failing its requests", node.role,
-                              node.name, now - node.last_seen)
-                elif node.is_alive and loop_age > self.cfg.hung_after_s:
-                    why = f"{node.role} node {node.name} is hung: its loop has not turned for {loop_age:.0f}s"
-                    log.error("%s: failing its requests", why)
-                else:
-                    if not node.is_alive and now - node.dead_since > self.cfg.forget_after_s:
-                        log.info("forgetting %s node %s, dead for %.0fs", node.role, node.name,
-                                 now - node.dead_since)
-                        del self.nodes[node.name]
-                    continue
-                node.is_alive, node.dead_since = False, now
-                node.prefix_keys = set()   # if it comes back, its next full resync restores it
-                await self._fail_node_requests(node, why)
+            await self.registry.check(now)
             for req in list(self.requests.values()):
                 if now > req.deadline:
                     await self._finish(req, FINISH_ABORT, "deadline exceeded", status=504)

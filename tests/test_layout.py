@@ -103,3 +103,13 @@ def test_old_module_paths_still_import(old):
         for name, value in vars(home).items():
             if not name.startswith("_") and getattr(value, "__module__", None) == home.__name__:
                 assert getattr(module, name) is value
+
+
+MAX_LINES = 410   # a file read in one sitting; tests are exempt
+
+
+def test_no_source_file_is_too_long_to_read_in_one_sitting():
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for top in (*OURS,)
+            for p in sorted((ROOT / top).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"over {MAX_LINES} lines:\n" + "\n".join(long)

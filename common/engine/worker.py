@@ -26,24 +26,12 @@ from common.base.request import SamplingParams
 from common.engine import qwen3
 from common.engine.decode import DecodeBatch, DecodeTicket  # noqa: F401  (DecodeTicket: the nodes' type)
 from common.engine.h2d import HostToDevice
-from common.base.model_spec import ModelSpec, load_spec, preset_spec
+from common.base.model_spec import load_spec, preset_spec
 from common.engine.platform import platform_for
 from common.engine.sampling import sample
 from common.engine.swap import SwapSpace
-from common.kv.blocks import NULL_BLOCK, block_bytes, cache_shape, num_blocks_for
+from common.kv.blocks import NULL_BLOCK, block_bytes, cache_shape, kv_cache_blocks, num_blocks_for
 from common.kv.sequence import grow_blocks
-
-
-def kv_cache_blocks(spec: ModelSpec, block_size: int, dtype: torch.dtype, free_bytes: int,
-                    memory_bytes: int | None, memory_fraction: float) -> int:
-    """How many blocks fit in memory_bytes, or else in memory_fraction of free_bytes."""
-    nbytes = spec.kv_bytes_per_token(dtype.itemsize) * block_size
-    budget = memory_bytes if memory_bytes is not None else int(free_bytes * memory_fraction)
-    num_blocks = budget // nbytes
-    if num_blocks < 2:
-        raise ValueError(f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
-                         f"{nbytes} bytes; at least 2 are needed")
-    return int(num_blocks)
 
 
 # Lane threads yield to the host's latency-bound work (decode steps, the frontend):

@@ -1,4 +1,5 @@
-"""The paged KV cache as schedulers see it: its layout, and the block allocator.
+"""The paged KV cache as schedulers see it: its layout, how many blocks a budget holds,
+and the block allocator.
 
 The cache itself is one tensor the worker owns:
     kv_cache [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]
@@ -8,6 +9,8 @@ never handed out.
 from __future__ import annotations
 
 import torch
+
+from common.base.model_spec import ModelSpec
 
 
 NULL_BLOCK = 0
@@ -106,3 +109,15 @@ class BlockAllocator:
         b = self._free.pop()
         self._is_free[b] = False
         return b
+
+
+def kv_cache_blocks(spec: ModelSpec, block_size: int, dtype: torch.dtype, free_bytes: int,
+                    memory_bytes: int | None, memory_fraction: float) -> int:
+    """How many blocks fit in memory_bytes, or else in memory_fraction of free_bytes."""
+    nbytes = spec.kv_bytes_per_token(dtype.itemsize) * block_size
+    budget = memory_bytes if memory_bytes is not None else int(free_bytes * memory_fraction)
+    num_blocks = budget // nbytes
+    if num_blocks < 2:
+        raise ValueError(f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
+                         f"{nbytes} bytes; at least 2 are needed")
+    return int(num_blocks)

@@ -1,0 +1,124 @@
+"""The frontend's node registry: who may register under which name, heartbeats,
+and which nodes are alive.
+
+A node registers with NodeReady and is refused if it cannot prove its name (its
+key, or with open links its socket identity "name/pid") or if a live node of
+that name is registered. A node silent past dead_after_s, or whose loop has not
+turned for hung_after_s, is dead: its requests fail (the frontend's callback).
+A dead node that speaks again is back; one dead past forget_after_s is dropped.
+"""
+from __future__ import annotations
+
+import time
+from typing import Awaitable, Callable
+
+from common.base.config import FrontendConfig
+from common.base.log import Throttle, get_logger
+from common.wire.protocol import Heartbeat, NodeReady, ReadyReply
+from frontend.router import NodeState, figure
+
+log = get_logger("frontend")
+noisy = Throttle(log)
+ROLES = ("prefill", "decode")
+
+
+class NodeRegistry:
+    """fail_requests(node, error) fails what a node held; wake() tells dispatch that
+    the nodes changed. link (the node channel) is set once it is open."""
+
+    def __init__(self, cfg: FrontendConfig, is_keyed: bool,
+                 fail_requests: Callable[[NodeState, str], Awaitable[None]], wake: Callable[[], None]):
+        self.cfg, self.is_keyed = cfg, is_keyed
+        self.fail_requests, self.wake = fail_requests, wake
+        self.nodes: dict[str, NodeState] = {}
+        self.link = None
+
+    def claims(self, sender: bytes, name: str, pid: int, suffix: str = "") -> bool:
+        """Whether the sender may speak as node `name` (process pid): its key proves the
+        name, or (open links) its socket identity says "name/pid" (then a name is only
+        as good as the port's reach)."""
+        if self.is_keyed:
+            return self.link.peer_name(sender) == name
+        return sender == f"{name}/{pid}{suffix}".encode()
+
+    def by_identity(self, sender: bytes) -> NodeState | None:
+        return next((n for n in self.nodes.values() if n.identity == sender), None)
+
+    def seen(self, node: NodeState) -> None:
+        node.last_seen = time.monotonic()
+        is_hung = figure(node.stats, "loop_age_s") > self.cfg.hung_after_s
+        if not node.is_alive and not is_hung:
+            node.is_alive = True
+            log.info("%s node %s is back", node.ready.role, node.ready.name)
+            self.wake()
+
+    async def on_heartbeat(self, sender: bytes, msg: Heartbeat) -> None:
+        """From the node's heartbeat socket."""
+        node = self.nodes.get(msg.name)
+        if not self.claims(sender, msg.name, msg.pid, "/heartbeat"):
+            noisy.warning("dropped a heartbeat for %r from a peer that is not that node", msg.name)
+        elif node is None:   # forgotten while silent: ask it to register again
+            await self.link.send(ReadyReply(False, "unknown node: register again", True), to=sender)
+        elif node.ready.pid != msg.pid:
+            pass   # NOTE: a restarted node, still refused while its predecessor counts as alive
+        else:
+            self.seen(node)
+            node.stats = msg.stats
+
+    async def on_ready(self, sender: bytes, ready: NodeReady) -> None:
+        old = self.nodes.get(ready.name)
+        if ready.role not in ROLES or (ready.role == "decode") != bool(ready.kv_endpoint):
+            reason, is_retryable = f"bad ready: role {ready.role!r} with kv_endpoint {ready.kv_endpoint!r}", False
+        elif not self.claims(sender, ready.name, ready.pid):
+            reason, is_retryable = f"this peer may not register as {ready.name!r}", False
+        elif old is not None and old.is_alive and old.identity != sender and old.ready.pid != ready.pid:
+            reason, is_retryable = (f"a live {old.ready.role} node named {ready.name!r} is registered "
+                                    f"(pid {old.ready.pid}); choose another --name"), True
+        else:
+            reason = None
+        if reason:
+            noisy.warning("refused a node registering as %r: %s", ready.name, reason)
+            await self.link.send(ReadyReply(False, reason, is_retryable), to=sender)
+            return
+        if old is not None and old.ready.pid == ready.pid:   # the same process, asking again
+            old.ready, old.identity = ready, sender
+            self.seen(old)
+        else:
+            if old is not None:
+                await self.fail_requests(old, f"{old.ready.role} node {ready.name} restarted")
+            self.nodes[ready.name] = NodeState(ready, sender, time.monotonic())
+            log.info("%s node %s ready (pid %d, %s, %d KV blocks)", ready.role, ready.name, ready.pid,
+                     ready.device, ready.num_kv_blocks)
+        await self.link.send(ReadyReply(True), to=sender)
+        self.wake()
+
+    async def check(self, now: float) -> None:
+        """The watchdog's look at every node: the silent and the hung die (their requests
+        fail), the long dead are forgotten."""
+        for node in list(self.nodes.values()):
+            loop_age = figure(node.stats, "loop_age_s")
+            if node.is_alive and now - node.last_seen > self.cfg.links.dead_after_s:
+                why = f"{node.role} node {node.name} stopped responding"
+                log.error("%s node %s silent for %.1fs: failing its requests", node.role,
+                          node.name, now - node.last_seen)
+            elif node.is_alive and loop_age > self.cfg.hung_after_s:
+                why = f"{node.role} node {node.name} is hung: its loop has not turned for {loop_age:.0f}s"
+                log.error("%s: failing its requests", why)
+            else:
+                if not node.is_alive and now - node.dead_since > self.cfg.forget_after_s:
+                    log.info("forgetting %s node %s, dead for %.0fs", node.role, node.name,
+                             now - node.dead_since)
+                    del self.nodes[node.name]
+                continue
+            node.is_alive, node.dead_since = False, now
+            node.prefix_keys = set()   # if it comes back, its next full resync restores it
+            await self.fail_requests(node, why)
+
+    def stats(self) -> dict:
+        now = time.monotonic()
+        return {name: {"role": n.ready.role, "is_alive": n.is_alive, "pid": n.ready.pid,
+                       "device": n.ready.device, "kv_transfer": n.ready.kv_transfer,
+                       "max_batch_size": n.ready.max_batch_size,
+                       "num_prefix_keys": len(n.prefix_keys),
+                       "seconds_since_seen": round(now - n.last_seen, 3),
+                       "num_routed": n.num_routed, **n.stats} for name, n in self.nodes.items()}
