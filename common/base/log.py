@@ -11,6 +11,19 @@ from common.base.env import read_env
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a line is logged, not when the logger
+    was made (a process that redirects stderr later still gets its lines)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def get_logger(role: str) -> logging.Logger:
     """A role's logger. Its level is the "pdserve" parent's: PDSERVE_LOG_LEVEL, or
     --log-level once parsed (set_level)."""
@@ -20,7 +33,7 @@ def get_logger(role: str) -> logging.Logger:
         parent.setLevel(level if level in LEVELS else "INFO")
     logger = logging.getLogger(f"pdserve.{role}")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter(
             f"%(asctime)s.%(msecs)03d {role:<8} %(levelname)s %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
