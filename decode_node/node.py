@@ -69,7 +69,7 @@ class DecodeNode:
                                   domain="nodes")
                 sink = transfer.KVSink(self.worker.kv_cache, self.worker.kv_shm_name,
                                        transfer.accepted_backends(self.cfg.kv_transfer, self.worker.device),
-                                       endpoint_host(self.cfg.kv_endpoint))
+                                       endpoint_host(self.cfg.kv_reachable))
                 self._poller = Poller(self.frontend, self.kv)
                 self.blocks = BlockAllocator(self.worker.num_kv_blocks)
                 self.scheduler = DecodeScheduler(self.blocks, self.worker.block_size,
@@ -81,7 +81,9 @@ class DecodeNode:
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
                          self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.worker.max_batch_size,
-                         self.cfg.kv_endpoint, ", ".join(sink.accepted),
+                         self.cfg.kv_endpoint if self.cfg.kv_advertise is None else
+                         f"{self.cfg.kv_endpoint}, advertised as {self.cfg.kv_advertise}",
+                         ", ".join(sink.accepted),
                          f"preemption on, {self.cfg.swap_space / 2**20:.4g} MiB swap"
                          if self.cfg.is_preemptive else "full reservation")
                 inflight: DecodeTicket | None = None
@@ -279,7 +281,7 @@ class DecodeNode:
         w = self.worker
         return self.frontend.send(NodeReady("decode", self.cfg.name, os.getpid(), self.cfg.worker.device,
                                             w.num_kv_blocks, w.block_size, w.max_model_len,
-                                            kv_endpoint=self.cfg.kv_endpoint,
+                                            kv_endpoint=self.cfg.kv_reachable,
                                             kv_transfer=self.cfg.kv_transfer,
                                             max_batch_size=self.cfg.worker.max_batch_size), block=False)
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Start a pdserve cluster: the frontend, prefill nodes and decode nodes (xPyD).
 #
-#   bash launch/start_cluster.sh [--demo] [--model DIR] [--host 127.0.0.1] [--base-port 5600]
+#   bash launch/start_cluster.sh [--demo] [--model DIR] [--host 127.0.0.1] [--advertise-host H]
+#        [--base-port 5600]
 #        [--prefill-devices D[,D...]] [--decode-devices D[,D...]]      one node per device listed
 #        [--num-prefill N] [--num-decode M]     N or M nodes on the one device given (default 1)
 #        [--kv-transfer auto|ipc|tcp|dist] [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N]
@@ -18,6 +19,8 @@
 # --gpu-memory-utilization (see the nodes' --help), --max-model-len, --block-size.
 # --prefill-device / --decode-device are the one-device spellings.
 # With no --model, a tiny random Qwen3 is made on first use (no download).
+# --host 0.0.0.0 (or ::) binds every interface; decode nodes then tell prefill nodes
+# to hand KV to --advertise-host (default: this host's first address, hostname -I).
 # Node links use CURVE keys: a fresh set per cluster (removed at exit) unless
 # --keys DIR names a kept one (python -m launch.keys DIR); --no-keys leaves them open.
 # A node that dies is restarted with backoff (1 s doubling to 30 s); if the
@@ -26,7 +29,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
-MODEL="" PREFILL_DEVICES=cpu DECODE_DEVICES=cpu NUM_PREFILL="" NUM_DECODE="" HOST=127.0.0.1
+MODEL="" PREFILL_DEVICES=cpu DECODE_DEVICES=cpu NUM_PREFILL="" NUM_DECODE="" HOST=127.0.0.1 ADVERTISE_HOST=""
 BASE_PORT=5600 DEMO=0 DTYPE="" KV_MEM="" MAX_BATCH=64 READY_TIMEOUT=300 KV_TRANSFER=auto
 KEYS="" USE_KEYS=1 RESTART=1 DRAIN_TIMEOUT=30 HTTP_PORT=8000 SERVED_NAME="" LOG_LEVEL=""
 MAX_MODEL_LEN="" BLOCK_SIZE="" TOKEN_BUDGET="" KV_FRACTION=""
@@ -46,6 +49,7 @@ while [ $# -gt 0 ]; do
         --num-decode) NUM_DECODE="$(value "$@")"; shift 2 ;;
         --kv-transfer) KV_TRANSFER="$(value "$@")"; shift 2 ;;
         --host) HOST="$(value "$@")"; shift 2 ;;
+        --advertise-host) ADVERTISE_HOST="$(value "$@")"; shift 2 ;;
         --base-port) BASE_PORT="$(value "$@")"; shift 2 ;;
         --dtype) DTYPE="$(value "$@")"; shift 2 ;;
         --kv-cache-memory) KV_MEM="$(value "$@")"; shift 2 ;;
@@ -128,6 +132,13 @@ FRONTEND_OPTS=()
 [ -n "$LOG_LEVEL" ] && FRONTEND_OPTS+=(--log-level "$LOG_LEVEL")
 REMOTE=()
 case "$HOST" in 127.*|localhost|::1) ;; *) REMOTE=(--allow-remote) ;; esac
+ADVERTISE=""   # a wildcard names no address a peer can reach: say which one
+case "$HOST" in
+    0.0.0.0|::|"*")
+        ADVERTISE="${ADVERTISE_HOST:-$(hostname -I 2>/dev/null | awk '{print $1}')}"
+        ADVERTISE="${ADVERTISE:-127.0.0.1}"
+        [[ "$ADVERTISE" == *:* ]] && ADVERTISE="[$ADVERTISE]" ;;
+esac
 
 # Every port this cluster binds must be free now: a port in use means another
 # cluster, which must not answer our readiness check or receive our nodes.
@@ -218,6 +229,7 @@ start_node() {  # start_node INDEX
         "${SETSID[@]}" "$PY" -m decode_node "${COMMON[@]}" --device "${DEVS[$i]}" --name "${NAMES[$i]}" \
             $(threads_for "${DEVS[$i]}" decode) \
             --frontend "$NODES" --kv-bind "${KVS[$i]}" "${KEY_ARGS[@]}" "${REMOTE[@]}" \
+            ${ADVERTISE:+--kv-advertise "tcp://$ADVERTISE:${KVS[$i]##*:}"} \
             "${DECODE_EXTRA[@]}" &
     else
         "${SETSID[@]}" "$PY" -m prefill_node "${COMMON[@]}" --device "${DEVS[$i]}" --name "${NAMES[$i]}" \

@@ -272,3 +272,22 @@ def test_demo_command_prints_answers(tmp_path):
     text = out.stdout.decode()
     assert text.count("[length]") == 4 and "> Hello, world! How are you?" in text
     assert (tmp_path / "tiny-qwen3" / "config.json").exists()
+
+
+def test_a_cluster_bound_to_every_interface_advertises_a_reachable_kv_address(tiny_model, tmp_path):
+    """--host 0.0.0.0: the decode node binds the wildcard but tells prefill nodes an
+    address they can connect to, and KV travels over it."""
+    c = Cluster(tiny_model, tmp_path / "c.log", "--host", "0.0.0.0", "--advertise-host", "127.0.0.1",
+                "--kv-transfer", "tcp")
+    try:
+        decode = next(p for p in c.children if b"decode_node" in open(f"/proc/{p}/cmdline", "rb").read())
+        argv = open(f"/proc/{decode}/cmdline", "rb").read().split(b"\0")
+        assert argv[argv.index(b"--kv-bind") + 1] == f"tcp://0.0.0.0:{c.base + 2}".encode()
+        assert argv[argv.index(b"--kv-advertise") + 1] == f"tcp://127.0.0.1:{c.base + 2}".encode()
+        with Client(c.endpoint) as client:
+            r = client.complete(prompt_token_ids=[5, 6, 7], max_tokens=6, ignore_eos=True)
+        assert r.finish_reason == "length" and len(r.token_ids) == 6
+        wait_for(lambda: c.stats()["prefill-0"].get("kv_links") == {"decode-0": "tcp"}, 5,
+                 "the prefill node's heartbeat to name its KV link")
+    finally:
+        c.stop()

@@ -73,3 +73,13 @@ def test_a_bad_value_is_an_error_before_anything_starts(argv, capsys):
     with pytest.raises(SystemExit) as e:
         decode_parser().parse_args(["--shape", "qwen3-0.6b", "--frontend", EP, "--kv-bind", EP, *argv])
     assert e.value.code == 2 and "error" in capsys.readouterr().err
+
+
+def test_a_wildcard_kv_bind_needs_an_address_prefill_nodes_can_reach():
+    with pytest.raises(ValueError, match="--kv-advertise"):
+        _decode("--allow-remote", "--kv-bind", "tcp://0.0.0.0:5602")
+    with pytest.raises(ValueError, match="wildcard"):
+        _decode("--allow-remote", "--kv-advertise", "tcp://[::]:5602")
+    cfg = _decode("--allow-remote", "--kv-bind", "tcp://0.0.0.0:5602", "--kv-advertise", "tcp://10.1.2.3:5602")
+    assert cfg.kv_endpoint == "tcp://0.0.0.0:5602" and cfg.kv_reachable == "tcp://10.1.2.3:5602"
+    assert _decode().kv_reachable == EP

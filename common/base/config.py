@@ -14,6 +14,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
           "fp16": torch.float16, "half": torch.float16}
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|npu(:\d+)?)$")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_WILDCARDS = ("0.0.0.0", "::", "*")
 
 
 def parse_bytes(text: str | int | None) -> int | None:
@@ -216,14 +217,31 @@ class DecodeConfig:
         "--no-preemption", "reserve every block a request could need (prompt + max_tokens) before it "
         "starts, as a smaller batch that is never preempted (default: admit on what a request needs "
         "now, preempt when full)"))
+    kv_advertise: str | None = field(default=None, metadata=flag(
+        "--kv-advertise", "the KV endpoint prefill nodes are told to connect to (default: --kv-bind; "
+        "needed when --kv-bind is a wildcard such as tcp://0.0.0.0:PORT)"))
     swap_space: int = field(default=4 * 2**30, metadata=flag(
         "--swap-space", "host memory for the KV of preempted requests: GiB, or a size such as 512MiB; "
         "past it, a preempted request's KV is dropped and recomputed when it resumes (0: always)",
         parse=parse_swap, metavar="SIZE", default_text="4"))
 
+    @property
+    def kv_reachable(self) -> str:
+        """The KV endpoint prefill nodes connect to."""
+        return self.kv_advertise or self.kv_endpoint
+
     def __post_init__(self) -> None:
         check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
         check_endpoint("kv_endpoint", self.kv_endpoint, self.allow_remote)
+        if self.kv_advertise is not None:
+            check_endpoint("kv_advertise", self.kv_advertise, self.allow_remote)
+        # NOTE: a wildcard binds every interface but names none: peers told it connect nowhere.
+        for name, value in (("kv_advertise", self.kv_advertise),
+                            ("kv_endpoint", self.kv_endpoint if self.kv_advertise is None else None)):
+            if value is not None and endpoint_host(value) in _WILDCARDS:
+                raise ValueError(f"{name} {value} is a wildcard address, which no prefill node can "
+                                 f"connect to: give --kv-advertise tcp://HOST:PORT, an address of this "
+                                 f"host that prefill nodes reach")
         _check_kv_transfer(self.kv_transfer)
         if self.max_queue < 1 or self.reservation_lease_s <= 0:
             raise ValueError("max_queue must be >= 1 and reservation_lease_s > 0")
