@@ -115,10 +115,15 @@ class NodeRegistry:
             await self.fail_requests(node, why)
 
     def stats(self) -> dict:
+        """Per node: what the registry knows of it, then its last heartbeat's figures.
+        NOTE: a heartbeat names only figures: what the registry says of a node (is it
+        alive, its pid, its role, ...) is never taken from the node itself."""
         now = time.monotonic()
-        return {name: {"role": n.ready.role, "is_alive": n.is_alive, "pid": n.ready.pid,
-                       "device": n.ready.device, "kv_transfer": n.ready.kv_transfer,
-                       "max_batch_size": n.ready.max_batch_size,
-                       "num_prefix_keys": len(n.prefix_keys),
-                       "seconds_since_seen": round(now - n.last_seen, 3),
-                       "num_routed": n.num_routed, **n.stats} for name, n in self.nodes.items()}
+        out = {}
+        for name, n in self.nodes.items():
+            own = {"role": n.ready.role, "is_alive": n.is_alive, "pid": n.ready.pid,
+                   "device": n.ready.device, "kv_transfer": n.ready.kv_transfer,
+                   "max_batch_size": n.ready.max_batch_size, "num_prefix_keys": len(n.prefix_keys),
+                   "seconds_since_seen": round(now - n.last_seen, 3), "num_routed": n.num_routed}
+            out[name] = {**{k: v for k, v in n.stats.items() if k not in own}, **own}
+        return out

@@ -292,6 +292,14 @@ def test_fake_nodes_are_forgotten(tiny_model, tmp_path):
         _send(s, type="ready", role="prefill", name="ghost", pid=1, device="cpu", num_kv_blocks=8,
               block_size=16, max_model_len=256)
         wait_for(lambda: "ghost" in _nodes(p.clients), 5, "the fake node to register")
+        # Its heartbeat may report figures, not what the frontend says of it.
+        hb_ctx, hb = _raw(p.nodes, identity=b"ghost/1/heartbeat")
+        _send(hb, type="heartbeat", role="prefill", name="ghost", pid=1,
+              stats={"num_free_blocks": 5, "is_alive": False, "pid": 99, "role": "decode", "num_routed": 7})
+        wait_for(lambda: _nodes(p.clients)["ghost"].get("num_free_blocks") == 5, 5, "the heartbeat")
+        ghost = _nodes(p.clients)["ghost"]
+        assert (ghost["is_alive"], ghost["pid"], ghost["role"], ghost["num_routed"]) == (True, 1, "prefill", 0)
+        hb_ctx.destroy()
         ctx.destroy()
         wait_for(lambda: "ghost" not in _nodes(p.clients), 10, "the fake node to be forgotten")
         assert set(_nodes(p.clients)) == {"prefill-0", "decode-0"}

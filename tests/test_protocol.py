@@ -92,6 +92,8 @@ def _header(**fields):
     ([msgpack.packb([1, 2])], "msgpack map"),
     (_header(type="nope"), "unknown message type"),
     ([msgpack.packb({"v": 99, "type": "abort", "request_id": "a"})], "protocol version"),
+    ([msgpack.packb({"v": 2.0, "type": "abort", "request_id": "a"})], "protocol version 2.0"),
+    ([msgpack.packb({"v": "2", "type": "abort", "request_id": "a"})], "protocol version"),
     (_header(type="abort"), "missing field 'request_id'"),
     (_header(type="abort", request_id=5), "request_id must be str"),
     (_header(type="generate", request_id="a", max_tokens="many"), "max_tokens must be an integer"),

@@ -300,8 +300,9 @@ def decode(frames: list, messages: dict[str, type], allowed: tuple[type, ...] | 
         raise ProtocolError("a message must be a msgpack map")
     rid = header.get("request_id")
     rid = rid if isinstance(rid, str) and 0 < len(rid) <= 256 else None
-    if header.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {_short(header.get('v'))} is not {PROTOCOL_VERSION}", rid)
+    version = header.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:   # NOTE: 2.0 == 2 and True == 1
+        raise ProtocolError(f"protocol version {_short(version)} is not {PROTOCOL_VERSION} (an integer)", rid)
     kind = header.get("type")
     cls = messages.get(kind) if isinstance(kind, str) else None
     if cls is None or (allowed is not None and cls not in allowed):
