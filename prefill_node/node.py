@@ -146,7 +146,7 @@ class PrefillNode:
         finished = [c.job for c in chunks if c.is_last]
         # The KV writes of finished prompts are queued right behind the forward pass,
         # before the first tokens are sampled, so their commits can go out at once.
-        tokens, _ = self.worker.prefill(batch, on_kv_written=lambda: self.handoffs.computed(finished))
+        tokens, _ = self.worker.prefill(batch, on_kv_queued=lambda: self.handoffs.start_writes(finished))
         self._log_tokens += sum(c.end - c.start for c in chunks)
         done_at = time.time()
         early = []
@@ -155,7 +155,7 @@ class PrefillNode:
                 job = c.job
                 stamps = {"arrival": job.arrival_time, "prefill_recv": job.recv_time,
                           "prefill_start": job.start_time, "prefill_end": done_at}
-                self.handoffs.prefilled(job, token, stamps)
+                self.handoffs.set_first_token(job, token, stamps)
                 # The first token streams now, while its KV travels; one that ends the
                 # request is left to the decode node, which ends it.
                 if stop_reason(job.params, token, 1, job.prompt_len, self.worker.spec.eos_token_ids,

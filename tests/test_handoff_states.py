@@ -34,12 +34,12 @@ def test_reserve_write_commit_lands_the_blocks_and_frees_them_here():
     r = p.rx.held["r"]
     assert h.stage is Stage.RESERVED and job.is_reserved and r.hold is Hold.RESERVED
     assert h.dst_block_ids == r.block_ids and len(r.block_ids) == num_blocks_for(10, 4)
-    p.tx.computed([job])
+    p.tx.start_writes([job])
     assert h.stage is Stage.WRITING
     p.pump()
     assert h.stage is Stage.WRITTEN and job.block_ids == [] and p.prefix.num_free == num_free
     assert torch.equal(p.dst[:, :, r.block_ids], p.src[:, :, src])   # the frames landed
-    p.tx.prefilled(job, 7, {"prefill_end": 1.0})
+    p.tx.set_first_token(job, 7, {"prefill_end": 1.0})
     assert h.stage is Stage.COMMITTED
     p.pump()
     assert "r" not in p.tx.by_id and p.tx.num_handoffs == 1 and not p.failed
@@ -51,9 +51,9 @@ def test_reserve_write_commit_lands_the_blocks_and_frees_them_here():
 def test_the_first_token_may_come_before_the_write_ends():
     p = Pair()
     job, h = _handoff(p, "r")
-    p.tx.prefilled(job, 5, {})
+    p.tx.set_first_token(job, 5, {})
     assert h.stage is Stage.RESERVED            # nothing to commit before the write
-    p.tx.computed([job])
+    p.tx.start_writes([job])
     p.pump()
     assert "r" not in p.tx.by_id and p.rx.next_ready().commit.first_token == 5
 
@@ -84,10 +84,10 @@ def test_no_write_starts_in_the_last_third_of_the_lease():
     b, hb = _handoff(p, "b")
     p.link.is_cut = True                         # renewals are lost
     p.run_for(19)
-    p.tx.computed([a])
+    p.tx.start_writes([a])
     assert ha.stage is Stage.WRITING             # 11 s of the lease left: writes
     p.run_for(2)
-    p.tx.computed([b])
+    p.tx.start_writes([b])
     assert hb.stage is Stage.RESERVED            # 9 s left: renew first
     p.run_for(10)
     assert hb.stage is Stage.ASKING and not b.is_reserved   # ran out: asked again
@@ -127,8 +127,8 @@ def test_a_full_decode_node_queues_requests_and_grants_them_unasked_in_order():
     assert "big" not in p.rx.held and p.rx.num_granted == 2 and not p.rx.waiting
     assert ha.stage is hbb.stage is Stage.RESERVED and set(ha.dst_block_ids).isdisjoint(hbb.dst_block_ids)
     for j in (a, b):
-        p.tx.computed([j])
-        p.tx.prefilled(j, 3, {})
+        p.tx.start_writes([j])
+        p.tx.set_first_token(j, 3, {})
     p.pump()
     assert not p.tx.by_id and [p.rx.next_ready().request_id for _ in range(2)] == ["a", "b"]
 
@@ -137,7 +137,7 @@ def test_an_abort_during_a_write_waits_for_it_then_releases_both_sides():
     p = Pair()
     num_free = p.prefix.num_free
     job, h = _handoff(p, "r")
-    p.tx.computed([job])
+    p.tx.start_writes([job])
     p.tx.abort("r")
     assert h.stage is Stage.CANCELLING and job.block_ids and "r" in p.rx.held   # still read
     p.pump()
@@ -152,8 +152,8 @@ def test_an_abort_on_the_decode_node_refuses_the_commit_and_frees_the_blocks():
     job, h = _handoff(p, "r")
     p.rx.abort("r")
     assert p.rx.held["r"].hold is Hold.FAILED    # its prefill node may be writing
-    p.tx.computed([job])
-    p.tx.prefilled(job, 3, {})
+    p.tx.start_writes([job])
+    p.tx.set_first_token(job, 3, {})
     p.pump()
     assert p.failed == [("r", "decode node refused the request: the request was aborted")]
     assert "r" not in p.rx.held and p.pool.blocks.num_free == p.pool.blocks.capacity
@@ -163,7 +163,7 @@ def test_a_restarted_decode_node_voids_reservations_and_fails_what_was_written_t
     p = Pair()
     queued, hq = _handoff(p, "q")
     written, hw = _handoff(p, "w")
-    p.tx.computed([written])
+    p.tx.start_writes([written])
     p.pump()
     assert hq.stage is Stage.RESERVED and hw.stage is Stage.WRITTEN
     p.start_decode("e2")                         # the same address, a new life
@@ -177,10 +177,10 @@ def test_a_restarted_decode_node_voids_reservations_and_fails_what_was_written_t
 def test_a_commit_never_acknowledged_fails_its_request_and_releases_the_blocks():
     p = Pair(handoff_lease_s=10.0)
     job, h = _handoff(p, "r")
-    p.tx.computed([job])
+    p.tx.start_writes([job])
     p.pump()
     p.link.is_cut = True                         # the commit and its answer are lost
-    p.tx.prefilled(job, 7, {})
+    p.tx.set_first_token(job, 7, {})
     p.run_for(9.5)
     assert not p.failed and h.stage is Stage.COMMITTED
     p.run_for(1)

@@ -195,15 +195,15 @@ class DeviceWorker:
 
     @torch.inference_mode()
     def prefill(self, chunks: list[PrefillChunk], return_logits: bool = False,
-                on_kv_written=None) -> tuple[list[int | None], torch.Tensor | None]:
+                on_kv_queued=None) -> tuple[list[int | None], torch.Tensor | None]:
         """Run prompt chunks as one batch; write their KV; sample the first token of
         every chunk that carries params. Returns (token or None per chunk, and the
         fp32 logits [num_sampled, V] of the sampled chunks when asked).
-        on_kv_written(), if given, is called once every layer's KV write is queued
+        on_kv_queued(), if given, is called once every layer's KV write is queued
         on the device, before the sampling waits for it: work queued there (a KV
         transfer) starts right behind the forward pass."""
         t0 = time.perf_counter()
-        out, logits = self._prefill(chunks, return_logits, on_kv_written)
+        out, logits = self._prefill(chunks, return_logits, on_kv_queued)
         self.prefill_busy_s += time.perf_counter() - t0  # _prefill ends in a device sync
         return out, logits
 
@@ -258,7 +258,7 @@ class DeviceWorker:
             loads[j] += len(chunks[i].token_ids) + chunks[i].context_len // 4
         return [sorted(lane) for lane in lanes if lane]
 
-    def _prefill(self, chunks: list[PrefillChunk], return_logits: bool, on_kv_written=None):
+    def _prefill(self, chunks: list[PrefillChunk], return_logits: bool, on_kv_queued=None):
         lanes = self._split_into_lanes(chunks)
         num_tokens = sum(len(c.token_ids) for c in chunks)
         if self._lane_pool is None:
@@ -282,8 +282,8 @@ class DeviceWorker:
         self.num_prefill_tokens += num_tokens
         self.num_prefill_passes += 1
         self.num_prefill_chunks += len(chunks)
-        if on_kv_written is not None:
-            on_kv_written()
+        if on_kv_queued is not None:
+            on_kv_queued()
         sampled_idx = [i for i, c in enumerate(chunks) if c.params is not None]
         out: list[int | None] = [None] * len(chunks)
         if not sampled_idx:

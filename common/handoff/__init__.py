@@ -3,9 +3,9 @@
     prefill node (sender.py)                  decode node (receiver.py)
     Sender.begin(job)          --KVReserve-->  Receiver: blocks, a place in line, or no
                                <--KVReserved-  (granted later unasked from the line)
-    computed(jobs): writer.write  ==KV==>      sink lands tcp frames / dist receives
+    start_writes(jobs)         ====KV====>     sink lands tcp frames / dist receives
     advance(): written -> local blocks freed
-    prefilled(job, token)      --KVCommit--->  checked, waits for a batch row
+    set_first_token(job, t)    --KVCommit--->  checked, waits for a batch row
                                <-HandoffAck--  next_ready() hands it to the batch
 
 Each side's state is one enum (states.py: Stage, Hold, with the transitions);

@@ -213,17 +213,17 @@ class Sender:
         else:
             self._end(h, f"decode node refused the request: {ack.reason}")
 
-    def computed(self, jobs: list[Job]) -> None:
+    def start_writes(self, jobs: list[Job]) -> None:
         """These prompts' KV is queued on the device: start the writes that can start.
         Called inside the forward pass, so nothing here may end a handoff."""
         for job in jobs:
             h = self.by_id.get(job.request_id)
             if h is not None:
-                h.is_computed = True
+                h.is_kv_queued = True
                 if self._can_write(h):
                     self._write(h)
 
-    def prefilled(self, job: Job, first_token: int, timings: dict) -> None:
+    def set_first_token(self, job: Job, first_token: int, timings: dict) -> None:
         h = self.by_id.get(job.request_id)
         if h is None:
             return
@@ -244,7 +244,7 @@ class Sender:
         for peer in self.peers.values():
             if peer.writer is not None:
                 for rid in peer.writer.poll():
-                    self._written(self.by_id.get(rid))
+                    self._finish_write(self.by_id.get(rid))
         now = self.clock()
         lease_s = self.handoff_lease_s
         for h in list(self.by_id.values()):
@@ -277,7 +277,7 @@ class Sender:
                     self._ask(h)   # renew
 
     def _can_write(self, h: Handoff) -> bool:
-        return (h.stage is Stage.RESERVED and h.is_computed and h.peer.writer is not None
+        return (h.stage is Stage.RESERVED and h.is_kv_queued and h.peer.writer is not None
                 and h.epoch == h.peer.epoch and self.clock() < h.lease.write_by)
 
     def _write(self, h: Handoff) -> None:
@@ -294,7 +294,7 @@ class Sender:
         h.stage = Stage.WRITING
         self.bytes_written += len(h.job.block_ids) * self.block_bytes
 
-    def _written(self, h: Handoff | None) -> None:
+    def _finish_write(self, h: Handoff | None) -> None:
         if h is None or h.stage not in (Stage.WRITING, Stage.CANCELLING):
             return
         h.stage = Stage.WRITTEN if h.stage is Stage.WRITING else Stage.CANCELLED

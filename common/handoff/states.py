@@ -84,7 +84,7 @@ class Handoff:
     silent_since: float | None = None     # asked, no answer since
     queued_at: float = -INF               # when the KVReserve that queued it was sent
     num_refusals: int = 0                 # retryable ones in a row
-    is_computed: bool = False             # every layer's KV is queued on the device
+    is_kv_queued: bool = False            # every layer's KV is queued on the device
     first_token: int | None = None        # set when the prompt is done
     timings: dict = field(default_factory=dict)
     lease_deadline: float = INF           # the decode node must acknowledge the commit by then
