@@ -10,7 +10,9 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from common.wire.figures import BUCKET_KEYS, WRITE_BUCKETS_S
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Latency buckets in seconds, from a fast GPU step to a long CPU request.
@@ -97,6 +99,45 @@ class Metrics:
                     families[k].add_metric(labels, value)
         yield alive
         yield from families.values()
+        yield from _transfer_families(fe.nodes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _transfer_families(nodes: dict):
+    """Per prefill node and KV transfer backend: transfers, bytes, failures and the write
+    time, from its heartbeat's kv_writes_BACKEND figures (one that does not parse is left out)."""
+    labels = ["node", "backend"]
+    transfers = CounterMetricFamily("pdserve_kv_transfers", "KV writes completed", labels=labels)
+    nbytes = CounterMetricFamily("pdserve_kv_transfer_bytes", "bytes in completed KV writes",
+                                 labels=labels)
+    failed = CounterMetricFamily("pdserve_kv_transfer_failures",
+                                 "KV writes refused at the start or cut by a decode node's restart",
+                                 labels=labels)
+    seconds = HistogramMetricFamily("pdserve_kv_write_seconds", "a KV write's start to its completion",
+                                    labels=labels)
+    for name, node in list(nodes.items()):
+        for key, f in node.stats.items():
+            if not key.startswith("kv_writes_"):
+                continue
+            backend = key.removeprefix("kv_writes_")
+            counts = [f.get(k) for k in BUCKET_KEYS] if isinstance(f, dict) else []
+            if not (isinstance(backend, str) and counts and all(map(_count, counts))
+                    and all(_count(f.get(k)) for k in ("num_transfers", "num_bytes", "num_failed"))
+                    and isinstance(f.get("write_s_sum"), (int, float))):
+                continue
+            row = [name, backend]
+            transfers.add_metric(row, f["num_transfers"])
+            nbytes.add_metric(row, f["num_bytes"])
+            failed.add_metric(row, f["num_failed"])
+            cumulative, total = [], 0
+            for bound, n in zip((*map(str, WRITE_BUCKETS_S), "+Inf"), counts):
+                total += n
+                cumulative.append((bound, total))
+            seconds.add_metric(row, cumulative, float(f["write_s_sum"]))
+    yield from (transfers, nbytes, failed, seconds)

@@ -9,6 +9,7 @@ import http.client
 import json
 import random
 import signal
+import time
 import urllib.error
 import urllib.request
 
@@ -225,7 +226,19 @@ def _metrics(cluster) -> dict:
     return out
 
 
+def _on_prefill(m: dict, name: str) -> float:
+    return sum(v for (n, labels), v in m.items() if n == name and dict(labels).get("node") == "prefill-0")
+
+
+def _transfers_settled(cluster) -> bool:
+    """The KV write counts (from heartbeats, 0.5 s apart) hold still: earlier writes are in."""
+    first = _on_prefill(_metrics(cluster), "pdserve_kv_transfers_total")
+    time.sleep(0.6)
+    return _on_prefill(_metrics(cluster), "pdserve_kv_transfers_total") == first
+
+
 def test_metrics_parse_and_move_by_the_right_amounts(cluster, oai):
+    wait_for(lambda: _transfers_settled(cluster), 10, "the KV write counts to settle")
     before = _metrics(cluster)
     lengths = [(7, 3), (20, 5), (33, 9)]
     for prompt_len, max_tokens in lengths:
@@ -247,6 +260,13 @@ def test_metrics_parse_and_move_by_the_right_amounts(cluster, oai):
     assert nodes == {"prefill-0": 1.0, "decode-0": 1.0}
     assert after[("pdserve_node_kv_blocks_free", (("node", "decode-0"), ("role", "decode")))] > 0
     assert ("pdserve_node_prefix_hit_rate", (("node", "prefill-0"), ("role", "prefill"))) in after
+    # KV transfers per prefill node and backend, from its heartbeats (a beat behind).
+    wait_for(lambda: _on_prefill(_metrics(cluster), "pdserve_kv_transfers_total")
+             == _on_prefill(before, "pdserve_kv_transfers_total") + 3, 5, "the KV transfers counted")
+    late = _metrics(cluster)
+    for name, moved_by in (("pdserve_kv_write_seconds_count", 3), ("pdserve_kv_transfer_failures_total", 0)):
+        assert _on_prefill(late, name) == _on_prefill(before, name) + moved_by, name
+    assert _on_prefill(late, "pdserve_kv_transfer_bytes_total") > _on_prefill(before, "pdserve_kv_transfer_bytes_total")
     # The frontend process's own cost, as every Prometheus exporter names it.
     assert after[("process_resident_memory_bytes", ())] > 10 * 2**20
     assert after[("process_cpu_seconds_total", ())] >= before[("process_cpu_seconds_total", ())] > 0

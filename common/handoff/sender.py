@@ -15,6 +15,7 @@ import time
 from typing import Callable
 
 from common.base.log import get_logger
+from common.wire.figures import TransferFigures
 from common.handoff.lease import INF, Lease
 from common.handoff.states import DecodePeer, Handoff, Job, Link, Stage
 from common.kv.blocks import is_cache_shape, num_blocks_for, num_cache_blocks
@@ -49,6 +50,7 @@ class Sender:
         self.by_id: dict[str, Handoff] = {}
         self.num_handoffs = 0
         self.bytes_written = 0
+        self.transfers: dict[str, TransferFigures] = {}   # by backend
         self.num_bad_replies = 0
 
     # ---- peers --------------------------------------------------------------
@@ -71,6 +73,7 @@ class Sender:
         if peer.writer is not None:
             peer.writer.close()   # waits for its copies: their blocks may be freed now
             for h in self._of(peer, Stage.WRITING, Stage.CANCELLING):
+                self._figures(peer).num_failed += 1
                 h.stage = Stage.CANCELLED
                 h.error = h.error or f"decode node {peer.name} restarted during the KV write"
         peer.writer, peer.epoch, peer.error = None, w.epoch, None
@@ -288,15 +291,19 @@ class Sender:
                                     f"{h.peer.num_blocks}-block cache")
             h.peer.writer.write(h.job.request_id, h.job.block_ids, h.dst_block_ids)
         except TransferError as e:
+            self._figures(h.peer).num_failed += 1
             h.stage = Stage.CANCELLED   # advance() releases the reservation and fails it
             h.error = f"KV transfer to {h.peer.name} failed: {e}"
             return
-        h.stage = Stage.WRITING
+        h.stage, h.write_started = Stage.WRITING, self.clock()
         self.bytes_written += len(h.job.block_ids) * self.block_bytes
 
     def _finish_write(self, h: Handoff | None) -> None:
         if h is None or h.stage not in (Stage.WRITING, Stage.CANCELLING):
             return
+        if h.stage is Stage.WRITING:
+            self._figures(h.peer).observe(self.clock() - h.write_started,
+                                          len(h.job.block_ids) * self.block_bytes)
         h.stage = Stage.WRITTEN if h.stage is Stage.WRITING else Stage.CANCELLED
         h.written_at = time.time()
         self.free_blocks(h.job.block_ids)   # the decode node holds them now
@@ -337,6 +344,15 @@ class Sender:
     def num_pending(self) -> int:
         """Prompts done, waiting for their handoff to be committed."""
         return sum(h.first_token is not None for h in self.by_id.values())
+
+    def _figures(self, peer: DecodePeer) -> TransferFigures:
+        name = peer.writer.name if peer.writer is not None else "none"
+        return self.transfers.setdefault(name, TransferFigures())
+
+    def transfer_figures(self) -> dict[str, dict]:
+        """Stats keys kv_writes_BACKEND: each backend's counts (flat: a stats reply nests
+        them under the node, within the codec's three levels)."""
+        return {f"kv_writes_{name}": f.as_dict() for name, f in self.transfers.items()}
 
     def links(self) -> dict[str, str]:
         """Each decode node's name: the transfer in use, why none, or "connecting"."""

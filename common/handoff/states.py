@@ -88,6 +88,7 @@ class Handoff:
     first_token: int | None = None        # set when the prompt is done
     timings: dict = field(default_factory=dict)
     lease_deadline: float = INF           # the decode node must acknowledge the commit by then
+    write_started: float = 0.0            # monotonic, by the handoff's clock
     written_at: float = 0.0               # wall clock
     error: str | None = None              # why it ends, once its write has finished
 

@@ -1,0 +1,36 @@
+"""A prefill node's running counts per KV transfer backend, as its stats carry them
+(`kv_writes_BACKEND`) and, through the frontend, /metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Upper bounds (seconds) of the write-time histogram: a write's start to its completion.
+WRITE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class TransferFigures:
+    num_transfers: int = 0        # writes completed
+    num_bytes: int = 0            # in those
+    num_failed: int = 0           # writes refused at the start, or cut by the decode node's restart
+    write_s_sum: float = 0.0
+    write_s_counts: list[int] = field(default_factory=lambda: [0] * (len(WRITE_BUCKETS_S) + 1))
+    # write_s_counts[i]: writes that took at most WRITE_BUCKETS_S[i] and more than the bucket
+    # before; the last entry: longer than every bound.
+
+    def observe(self, seconds: float, num_bytes: int) -> None:
+        self.num_transfers += 1
+        self.num_bytes += num_bytes
+        self.write_s_sum += seconds
+        self.write_s_counts[next((i for i, b in enumerate(WRITE_BUCKETS_S) if seconds <= b),
+                                 len(WRITE_BUCKETS_S))] += 1
+
+    def as_dict(self) -> dict:
+        # NOTE: flat: a heartbeat's figures nest three levels at most (common/wire/codec.py).
+        return {"num_transfers": self.num_transfers, "num_bytes": self.num_bytes,
+                "num_failed": self.num_failed, "write_s_sum": round(self.write_s_sum, 6),
+                **dict(zip(BUCKET_KEYS, self.write_s_counts))}
+
+
+# The histogram's counts in the stats, one key per bucket (not cumulative).
+BUCKET_KEYS = (*(f"write_s_le_{b:g}" for b in WRITE_BUCKETS_S), "write_s_le_inf")
