@@ -98,26 +98,36 @@ class Receiver:
         if r is not None and r.sender == sender and r.hold in (Hold.RESERVED, Hold.FAILED) and \
                 (r.prompt_len, r.max_tokens) == (m.prompt_len, m.max_tokens):
             r.lease = lease
-            return KVReserved(rid, self.epoch, list(r.block_ids), lease_s=self.lease_s)
-        w = next((w for w in self.waiting if w.request_id == rid), None)
+            return self._granted(r)
+        w = self._in_line(rid)
         if w is not None:
             if (w.sender, w.prompt_len, w.max_tokens) != (sender, m.prompt_len, m.max_tokens):
                 return self._refusal(rid, f"request {rid!r} is already on this decode node")
             w.lease, w.reason = lease, "waiting for blocks"
-            return KVReserved(rid, self.epoch, None, True, w.reason, self.lease_s, is_queued=True)
+            return self._queued(w)
         refusal = self.refusal(rid, m.prompt_len, m.max_tokens)
         if refusal is None and self.waiting:
             refusal = f"{len(self.waiting)} requests wait for blocks first", True
         r = Reservation(rid, sender, m.prompt_len, m.max_tokens, lease)
         if refusal is None:
             self._reserve(r)
-            return KVReserved(rid, self.epoch, list(r.block_ids), lease_s=self.lease_s)
+            return self._granted(r)
         # NOTE: first come, first served: a request in line is granted unasked (turn()).
         r.reason, is_retryable = refusal
         if is_retryable and len(self.waiting) < self.max_queue:
             self.waiting.append(r)
-            return KVReserved(rid, self.epoch, None, True, r.reason, self.lease_s, is_queued=True)
+            return self._queued(r)
         return self._refusal(rid, r.reason, is_retryable)
+
+    def _granted(self, r: Reservation, is_from_line: bool = False) -> KVReserved:
+        return KVReserved(r.request_id, self.epoch, list(r.block_ids), lease_s=self.lease_s,
+                          is_queued=is_from_line)
+
+    def _queued(self, w: Reservation) -> KVReserved:
+        return KVReserved(w.request_id, self.epoch, None, True, w.reason, self.lease_s, is_queued=True)
+
+    def _in_line(self, request_id: str) -> Reservation | None:
+        return next((w for w in self.waiting if w.request_id == request_id), None)
 
     def _refusal(self, request_id: str, reason: str, is_retryable: bool = False) -> KVReserved:
         if not is_retryable:
@@ -204,7 +214,7 @@ class Receiver:
         r.block_ids, r.num_reserved = [], 0
 
     def _drop_waiting(self, request_id: str, sender: bytes | None = None) -> bool:
-        w = next((w for w in self.waiting if w.request_id == request_id), None)
+        w = self._in_line(request_id)
         if w is None or (sender is not None and w.sender != sender):
             return False
         self.waiting.remove(w)
@@ -238,8 +248,7 @@ class Receiver:
             w.lease = Lease(now, self.lease_s)
             self._reserve(w)
             self.num_granted += 1
-            self.send(KVReserved(w.request_id, self.epoch, list(w.block_ids), lease_s=self.lease_s,
-                                 is_queued=True), to=w.sender)
+            self.send(self._granted(w, is_from_line=True), to=w.sender)
 
     def abort(self, request_id: str) -> None:
         """The frontend gave the request up: whatever of it is held here goes."""

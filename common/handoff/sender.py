@@ -346,8 +346,8 @@ class Sender:
         return sum(h.first_token is not None for h in self.by_id.values())
 
     def _figures(self, peer: DecodePeer) -> TransferFigures:
-        name = peer.writer.name if peer.writer is not None else "none"
-        return self.transfers.setdefault(name, TransferFigures())
+        """Its writer's backend's counts (called only while it has a writer)."""
+        return self.transfers.setdefault(peer.writer.name, TransferFigures())
 
     def transfer_figures(self) -> dict[str, dict]:
         """Stats keys kv_writes_BACKEND: each backend's counts (flat: a stats reply nests
