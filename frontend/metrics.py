@@ -111,7 +111,7 @@ def _count(value) -> bool:
 
 def _transfer_families(nodes: dict):
     """Per prefill node and KV transfer backend: transfers, bytes, failures and the write
-    time, from its heartbeat's kv_writes_BACKEND figures (one that does not parse is left out)."""
+    time, from its heartbeat's kv_writes (a figure that does not parse is left out)."""
     labels = ["node", "backend"]
     transfers = CounterMetricFamily("pdserve_kv_transfers", "KV writes completed", labels=labels)
     nbytes = CounterMetricFamily("pdserve_kv_transfer_bytes", "bytes in completed KV writes",
@@ -122,10 +122,8 @@ def _transfer_families(nodes: dict):
     seconds = HistogramMetricFamily("pdserve_kv_write_seconds", "a KV write's start to its completion",
                                     labels=labels)
     for name, node in list(nodes.items()):
-        for key, f in node.stats.items():
-            if not key.startswith("kv_writes_"):
-                continue
-            backend = key.removeprefix("kv_writes_")
+        writes = node.stats.get("kv_writes")
+        for backend, f in (writes.items() if isinstance(writes, dict) else ()):
             counts = [f.get(k) for k in BUCKET_KEYS] if isinstance(f, dict) else []
             if not (isinstance(backend, str) and counts and all(map(_count, counts))
                     and all(_count(f.get(k)) for k in ("num_transfers", "num_bytes", "num_failed"))

@@ -214,7 +214,7 @@ class PrefillNode:
                 "num_bad_messages": self.frontend.num_bad + self.handoffs.num_bad,
                 "is_registered": self.runtime.is_registered, **self.prefix_cache.stats(),
                 "num_usable_blocks": self.prefix_cache.capacity,
-                "kv_links": self.handoffs.links(), **self.handoffs.transfer_figures()}
+                "kv_links": self.handoffs.links(), "kv_writes": self.handoffs.transfer_figures()}
 
     def _report(self) -> None:
         now = time.monotonic()

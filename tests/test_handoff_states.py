@@ -256,17 +256,17 @@ def test_transfer_figures_count_writes_bytes_time_and_failures():
     p.tx.start_writes([job])
     p.clock.advance(0.003)                        # the write takes 3 ms by the clock
     p.pump()
-    f = p.tx.transfer_figures()["kv_writes_tcp"]
+    f = p.tx.transfer_figures()["tcp"]
     assert (f["num_transfers"], f["num_bytes"], f["num_failed"]) == (1, 3 * p.tx.block_bytes, 0)
     assert f["write_s_sum"] == pytest.approx(0.003)
     counts = [f[k] for k in BUCKET_KEYS]
     assert f["write_s_le_0.005"] == 1 and sum(counts) == 1 and len(counts) == len(WRITE_BUCKETS_S) + 1
     # As a heartbeat carries them: within the codec's bounds on a node's figures.
-    beat = protocol.Heartbeat("prefill", "prefill-0", p.tx.transfer_figures(), 1)
+    beat = protocol.Heartbeat("prefill", "prefill-0", {"kv_writes": p.tx.transfer_figures()}, 1)
     reply = protocol.StatsReply(True, {"prefill-0": beat.stats})
     for m in (beat, reply):
         assert protocol.decode([bytes(x) for x in protocol.encode(m)]) == m
     bad, hb = _handoff(p, "bad")
     hb.peer.num_blocks = 1                        # its reserved ids no longer fit: refused at the start
     p.tx.start_writes([bad])
-    assert p.tx.transfer_figures()["kv_writes_tcp"]["num_failed"] == 1 and hb.stage is Stage.CANCELLED
+    assert p.tx.transfer_figures()["tcp"]["num_failed"] == 1 and hb.stage is Stage.CANCELLED

@@ -107,6 +107,11 @@ def _header(**fields):
      "tensor frame"),
     (_header(type="kv_welcome", epoch="e", host_id="h", device="cpu", cache_shape=[1], dtype="x",
              backends=["ipc"], cuda_ipc={"device": 0}), "missing field"),
+    # A stats reply holds each node's figures one level down: one level more, no further.
+    (_header(type="stats_reply", is_ready=True, nodes={"n": {"a": {"b": {"c": {"d": 1}}}}}),
+     "too large or too deeply nested"),
+    (_header(type="heartbeat", role="prefill", name="n", stats={"a": {"b": {"c": {"d": 1}}}}),
+     "too large or too deeply nested"),
 ])
 def test_malformed_is_named(frames, match):
     with pytest.raises(p.ProtocolError, match=match):

@@ -350,9 +350,8 @@ class Sender:
         return self.transfers.setdefault(peer.writer.name, TransferFigures())
 
     def transfer_figures(self) -> dict[str, dict]:
-        """Stats keys kv_writes_BACKEND: each backend's counts (flat: a stats reply nests
-        them under the node, within the codec's three levels)."""
-        return {f"kv_writes_{name}": f.as_dict() for name, f in self.transfers.items()}
+        """Each backend's counts, by name (the stats' kv_writes)."""
+        return {name: f.as_dict() for name, f in self.transfers.items()}
 
     def links(self) -> dict[str, str]:
         """Each decode node's name: the transfer in use, why none, or "connecting"."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
-from common.wire.codec import Range, MaxLen, Plain, Id, I32, I32_MAX
+from common.wire.codec import Range, MaxLen, NodeFigures, Plain, Id, I32, I32_MAX
 
 
 # ---- client <-> frontend (documented in docs/protocol.md) ---------------------
@@ -63,7 +63,7 @@ class OutputBatch:
 class StatsReply:
     TYPE: ClassVar[str] = "stats_reply"
     is_ready: bool
-    nodes: dict
+    nodes: NodeFigures
     model: dict | None = None   # {"name", "vocab_size", "max_model_len"}
     frontend: dict | None = None  # {"pid", "is_draining", "num_waiting", "num_running", ...}
 

@@ -65,6 +65,7 @@ I32 = Annotated[int, Range(0, I32_MAX)]   # token ids, block ids, lengths, count
 Stamps = Annotated[dict, Plain(depth=1, max_items=32, is_numbers=True)]   # wall-clock stamps
 Parts = Annotated[dict, Plain(depth=1, max_items=32)]   # durations: finite, maybe < 0 across clocks
 Figures = Annotated[dict, Plain()]        # a node's stats
+NodeFigures = Annotated[dict, Plain(depth=Plain.depth + 1)]   # node name -> its Figures: one level more
 
 
 

@@ -1,5 +1,5 @@
 """A prefill node's running counts per KV transfer backend, as its stats carry them
-(`kv_writes_BACKEND`) and, through the frontend, /metrics."""
+(`kv_writes`: backend -> these) and, through the frontend, /metrics."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,7 +26,8 @@ class TransferFigures:
                                  len(WRITE_BUCKETS_S))] += 1
 
     def as_dict(self) -> dict:
-        # NOTE: flat: a heartbeat's figures nest three levels at most (common/wire/codec.py).
+        # NOTE: the bucket counts are keys, not a list: a heartbeat's figures nest three
+        # levels at most (common/wire/codec.py), and stats > kv_writes > backend takes them.
         return {"num_transfers": self.num_transfers, "num_bytes": self.num_bytes,
                 "num_failed": self.num_failed, "write_s_sum": round(self.write_s_sum, 6),
                 **dict(zip(BUCKET_KEYS, self.write_s_counts))}
