@@ -5,6 +5,10 @@ and one JSON line with every figure.
 
     bash launch/bench_vs.sh [--model DIR] [--runs 3] [--vllm-python PATH] [--workloads sat430,...]
 
+--against DIR runs another pdserve checkout in vLLM's place (say `git worktree add
+DIR COMMIT`): this tree and that one started alternately, so a change is measured
+against this machine's run-to-run spread. It runs on this environment's packages.
+
 With no --model, a tiny Qwen3 of the shape both servers' CPU attention takes
 (hidden 128, 4 heads of 32, 2 KV heads) is made on first use. vLLM is run only
 where --vllm-python (or $VLLM_PYTHON) names an interpreter that imports it; see
@@ -91,10 +95,11 @@ class Server:
         self.log_file.close()
 
 
-def start_pdserve(a, model: str, logs: Path) -> Server:
-    cmd = ["bash", str(ROOT / "launch" / "start_cluster.sh"), "--model", model, *SERVER_ARGS,
+def start_pdserve(a, model: str, logs: Path, root: Path = ROOT, name: str = "pdserve") -> Server:
+    cmd = ["bash", str(root / "launch" / "start_cluster.sh"), "--model", model, *SERVER_ARGS,
            "--base-port", str(a.base_port), "--http-port", str(a.port), *a.pdserve_arg]
-    return Server("pdserve", cmd, f"http://127.0.0.1:{a.port}", dict(os.environ), logs / "pdserve.log")
+    env = {**os.environ, "PDSERVE_VENV": sys.prefix}   # the other checkout: this environment
+    return Server(name, cmd, f"http://127.0.0.1:{a.port}", env, logs / f"{name.replace('/', '_')}.log")
 
 
 def start_vllm(a, model: str, logs: Path) -> Server:
@@ -130,7 +135,7 @@ def spread(values: list[float]) -> str:
 
 
 def table(results: dict, servers: list[str], workloads: list[str]) -> str:
-    rows = [("workload", "figure", *servers, *(["pdserve/vllm"] if len(servers) == 2 else []))]
+    rows = [("workload", "figure", *servers, *([f"{servers[0]}/{servers[1]}"] if len(servers) == 2 else []))]
     for w in workloads:
         shown = ["request_throughput", "tpot_p50_ms"] if w.startswith("sat") else \
             ["ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms"]
@@ -138,7 +143,7 @@ def table(results: dict, servers: list[str], workloads: list[str]) -> str:
             vals = {s: [run[fig] for run in results[s][w]] for s in servers}
             row = [WORKLOADS[w][1], fig, *(spread(vals[s]) for s in servers)]
             if len(servers) == 2:
-                a, b = statistics.median(vals["pdserve"]), statistics.median(vals["vllm"])
+                a, b = (statistics.median(vals[s]) for s in servers)
                 row.append(f"{a / b:.2f}x" if b else "-")
             rows.append(tuple(row))
         errs = {s: sum(run["errors"] for run in results[s][w]) for s in servers}
@@ -157,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
                    help="an interpreter whose environment has vLLM (default: $VLLM_PYTHON); "
                         "without it only pdserve runs")
+    p.add_argument("--against", default=None, metavar="DIR",
+                   help="another pdserve checkout, run in vLLM's place, alternately with this one")
     p.add_argument("--port", type=int, default=8300, help="each server's HTTP port in turn")
     p.add_argument("--base-port", type=int, default=5900, help="pdserve's ZeroMQ base port")
     p.add_argument("--pdserve-arg", action="append", default=[], help="one more start_cluster.sh flag")
@@ -170,13 +177,21 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not workloads or a.runs < 1:
         p.error(f"--workloads takes {', '.join(WORKLOADS)}; --runs >= 1")
     servers = ["pdserve"]
-    if a.vllm_python:
+    starters = {"pdserve": start_pdserve, "vllm": start_vllm}
+    if a.against:
+        other = Path(a.against).resolve()
+        if not (other / "launch" / "start_cluster.sh").is_file():
+            p.error(f"--against {a.against} is not a pdserve checkout")
+        name = f"pdserve@{other.name}"
+        starters[name] = lambda a, model, logs: start_pdserve(a, model, logs, other, name)
+        servers.append(name)
+    elif a.vllm_python:
         check = subprocess.run([a.vllm_python, "-c", "import vllm"], capture_output=True, text=True)
         if check.returncode != 0:
             p.error(f"{a.vllm_python} cannot import vllm: {check.stderr.strip().splitlines()[-1:]}")
         servers.append("vllm")
     else:
-        log("no --vllm-python (or $VLLM_PYTHON): measuring pdserve alone")
+        log("no --vllm-python (or $VLLM_PYTHON) and no --against: measuring pdserve alone")
     model = a.model
     if model is None:
         model = str(Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve")) / "tiny-qwen3-vs")
@@ -189,7 +204,6 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(a.logs or tempfile.mkdtemp(prefix="bench_vs-"))
     logs.mkdir(parents=True, exist_ok=True)
     results = {s: {w: [] for w in workloads} for s in servers}
-    starters = {"pdserve": start_pdserve, "vllm": start_vllm}
     for run in range(a.runs):
         for name in servers:
             log(f"run {run + 1}/{a.runs}: starting {name}")
@@ -208,13 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results, servers, workloads), file=sys.stderr)
     record = {"bench": "vs", "device": device_name("cpu"), "model": model, "runs": a.runs,
               "server_args": SERVER_ARGS, "pdserve_args": a.pdserve_arg, "results": results,
-              "bound": "vllm" if "vllm" in servers else None}
-    if "vllm" in servers:
-        record["ratios"] = {w: {"request_throughput": statistics.median(
-            r["request_throughput"] for r in results["pdserve"][w]) / statistics.median(
-            r["request_throughput"] for r in results["vllm"][w]),
-            "ttft_p50_ms": statistics.median(r["ttft_p50_ms"] for r in results["pdserve"][w]) /
-            statistics.median(r["ttft_p50_ms"] for r in results["vllm"][w])} for w in workloads}
+              "bound": servers[1] if len(servers) == 2 else None}
+    if len(servers) == 2:
+        def ratio(w: str, fig: str) -> float:
+            return statistics.median(r[fig] for r in results[servers[0]][w]) / \
+                statistics.median(r[fig] for r in results[servers[1]][w])
+        record["ratios"] = {w: {fig: ratio(w, fig) for fig in ("request_throughput", "ttft_p50_ms")}
+                            for w in workloads}
     line = json.dumps(record)
     print(line, flush=True)
     if a.save_json:
