@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import os
 import secrets
-import threading
 import time
 
 from common.wire.channel import BadMessage, Channel, Poller
 from common.base.config import DecodeConfig, endpoint_host
-from common.runtime.process import describe_threads
+from common.runtime.process import StopEvent, describe_threads
 from common.kv.blocks import BlockAllocator
 from common.base.log import Throttle, get_logger
 from common.runtime.node import NodeRuntime
@@ -55,10 +54,11 @@ class DecodeNode:
 
     # ---- the loop ---------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> int:
+    def run(self, stop: StopEvent) -> int:
         """Serve until stopped; the process's exit code (1: refused by the frontend)."""
         rt = self.runtime = NodeRuntime("decode", self.cfg.name, self.cfg.frontend_endpoint,
-                                        self.cfg.keys_dir, self.cfg.links, stop, log)
+                                        self.cfg.keys_dir, self.cfg.links, stop, log,
+                                        self.cfg.drain_timeout_s)
         self.frontend = rt.frontend
         try:
             with self.worker:
@@ -77,7 +77,7 @@ class DecodeNode:
                 self.handoff = Receiver(self.epoch, self.cfg.reservation_lease_s, self.cfg.max_queue,
                                         self.scheduler, sink, self.kv.send, self.worker.spec.vocab_size,
                                         self.worker.max_model_len)
-                rt.start(self._send_ready, self.stats)
+                rt.start(self._send_ready, self.stats, self._is_empty)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
                          self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.worker.max_batch_size,
@@ -284,6 +284,10 @@ class DecodeNode:
                                             kv_endpoint=self.cfg.kv_reachable,
                                             kv_transfer=self.cfg.kv_transfer,
                                             max_batch_size=self.cfg.worker.max_batch_size), block=False)
+
+    def _is_empty(self) -> bool:
+        h = self.handoff
+        return not (self.scheduler.running or self.scheduler.preempted or h.held or h.ready or h.waiting)
 
     def stats(self) -> dict:
         return {**self.worker.stats(), "num_running": len(self.scheduler.running),

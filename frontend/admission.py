@@ -62,6 +62,14 @@ class Admission:
                 return load.waiting.popleft()
         return None
 
+    def requeue(self, client: Hashable, item) -> None:
+        """A running item goes back to the front of its client's line (it moves to
+        other nodes); its claim on the client's limits stays as it was."""
+        load = self.clients.get(client)
+        if load is not None:
+            load.waiting.appendleft(item)
+            self.num_waiting += 1
+
     def done(self, client: Hashable, item, kv_tokens: int) -> None:
         """The item ended, waiting or running."""
         load = self.clients.get(client)

@@ -37,6 +37,30 @@ def format_stats(stats: StatsReply) -> str:
     return "\n".join(lines)
 
 
+def drain(argv: list[str] | None = None) -> int:
+    """pdserve drain NODE: stop routing to a node, move its requests to other nodes, and
+    let it exit once empty (a launcher restarts it). Exit 1 if refused."""
+    p = argparse.ArgumentParser(prog="pdserve drain", description=drain.__doc__, formatter_class=HelpFormat)
+    p.add_argument("node", help="the node's name, as in pdserve client --stats")
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5600", help="the frontend's client endpoint "
+                   "(a drain is refused unless it is loopback or clients are keyed)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the frontend's answer")
+    p.add_argument("--keys", default=None, metavar="DIR", help="for a frontend with --client-keys ...")
+    p.add_argument("--key-name", default="client", help="... and this client's key in DIR/clients")
+    a = p.parse_args(argv)
+    try:
+        with Client(a.endpoint, keys_dir=a.keys, key_name=a.key_name, connect_timeout_s=a.timeout) as c:
+            reply = c.drain(a.node, a.timeout)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (TimeoutError, ServerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"draining {reply.node}: {reply.num_moved} requests moving to other nodes; it stops once empty")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 when every request finished normally; 1 when one failed or the frontend
     did not answer; 2 for bad options; 130 on Ctrl-C (the requests are aborted)."""

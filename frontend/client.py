@@ -19,8 +19,8 @@ from common.wire.channel import AsyncChannel, BadMessage, Channel, open_async_co
 from common.base.config import check_endpoint
 from common.wire.keys import CLIENTS, load_keys
 from common.wire.protocol import FRONTEND_TO_CLIENT as REPLIES
-from common.wire.protocol import (AbortRequest, ErrorReply, GenerateOutput, GenerateRequest, OutputBatch,
-                             StatsReply, StatsRequest)
+from common.wire.protocol import (AbortRequest, DrainReply, DrainRequest, ErrorReply, GenerateOutput,
+                                  GenerateRequest, OutputBatch, StatsReply, StatsRequest)
 
 
 class ServerError(RuntimeError):
@@ -142,8 +142,8 @@ class Client:
         deadline = time.monotonic() + self.idle_timeout_s
         while not self._inbox.get(rid):
             for msg in self._recv(max(deadline - time.monotonic(), 0.001)):
-                if isinstance(msg, StatsReply):
-                    continue   # the late answer to a stats call that timed out
+                if isinstance(msg, (StatsReply, DrainReply)):
+                    continue   # the late answer to a call that timed out
                 if getattr(msg, "request_id", None) is None:
                     raise ServerError(getattr(msg, "error", f"unexpected {type(msg).__name__}"))
                 self._file(msg)
@@ -194,6 +194,21 @@ class Client:
                 self.is_connected = True
                 if isinstance(msg, StatsReply):
                     return msg   # NOTE: never batched, so nothing after it is left unread
+                if getattr(msg, "request_id", None) is not None:
+                    self._file(msg)
+
+    def drain(self, node: str, timeout_s: float = 5.0) -> DrainReply:
+        """Drain a node: the frontend routes nothing more to it and moves its requests to
+        other nodes; the node stops once empty. ServerError says why it was refused."""
+        self.connect()
+        self._ch.send(DrainRequest(node))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for msg in self._recv(max(deadline - time.monotonic(), 0.001)):
+                if isinstance(msg, DrainReply):
+                    return msg
+                if isinstance(msg, ErrorReply) and msg.request_id is None:
+                    raise ServerError(msg.error)
                 if getattr(msg, "request_id", None) is not None:
                     self._file(msg)
 

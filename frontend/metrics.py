@@ -100,6 +100,14 @@ class Metrics:
         yield alive
         yield from families.values()
         yield from _transfer_families(fe.nodes)
+        moved = CounterMetricFamily("pdserve_migrations", "requests moved to other nodes, by cause "
+                                    "(a node dead, hung, restarted, a cut handoff, a drain)", labels=["cause"])
+        for cause, n in fe.migrations.num_moved.items():
+            moved.add_metric([cause], n)
+        yield moved
+        yield CounterMetricFamily("pdserve_migration_failures", "requests that could not move: over "
+                                  "--max-migrations, or no node pair within --migration-wait",
+                                  value=fe.migrations.num_failed)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,7 +4,8 @@ and which nodes are alive.
 A node registers with NodeReady and is refused if it cannot prove its name (its
 key, or with open links its socket identity "name/pid") or if a live node of
 that name is registered. A node silent past dead_after_s, or whose loop has not
-turned for hung_after_s, is dead: its requests fail (the frontend's callback).
+turned for hung_after_s, is dead: it is lost to its requests (the frontend's
+callback moves them, or fails them).
 A dead node that speaks again is back; one dead past forget_after_s is dropped.
 """
 from __future__ import annotations
@@ -23,13 +24,14 @@ ROLES = ("prefill", "decode")
 
 
 class NodeRegistry:
-    """fail_requests(node, error) fails what a node held; wake() tells dispatch that
-    the nodes changed. link (the node channel) is set once it is open."""
+    """lost(node, cause, why) tells the frontend a node is gone from what it held;
+    wake() tells dispatch that the nodes changed. link (the node channel) is set
+    once it is open."""
 
     def __init__(self, cfg: FrontendConfig, is_keyed: bool,
-                 fail_requests: Callable[[NodeState, str], Awaitable[None]], wake: Callable[[], None]):
+                 lost: Callable[[NodeState, str, str], Awaitable[None]], wake: Callable[[], None]):
         self.cfg, self.is_keyed = cfg, is_keyed
-        self.fail_requests, self.wake = fail_requests, wake
+        self.lost, self.wake = lost, wake
         self.nodes: dict[str, NodeState] = {}
         self.link = None
 
@@ -85,7 +87,7 @@ class NodeRegistry:
             self.seen(old)
         else:
             if old is not None:
-                await self.fail_requests(old, f"{old.ready.role} node {ready.name} restarted")
+                await self.lost(old, "restarted", f"{old.ready.role} node {ready.name} restarted")
             self.nodes[ready.name] = NodeState(ready, sender, time.monotonic())
             log.info("%s node %s ready (pid %d, %s, %d KV blocks)", ready.role, ready.name, ready.pid,
                      ready.device, ready.num_kv_blocks)
@@ -93,17 +95,21 @@ class NodeRegistry:
         self.wake()
 
     async def check(self, now: float) -> None:
-        """The watchdog's look at every node: the silent and the hung die (their requests
-        fail), the long dead are forgotten."""
+        """The watchdog's look at every node: the silent and the hung die (lost to their
+        requests), the long dead are forgotten."""
         for node in list(self.nodes.values()):
             loop_age = figure(node.stats, "loop_age_s")
             if node.is_alive and now - node.last_seen > self.cfg.links.dead_after_s:
-                why = f"{node.role} node {node.name} stopped responding"
-                log.error("%s node %s silent for %.1fs: failing its requests", node.role,
-                          node.name, now - node.last_seen)
+                cause, why = "dead", f"{node.role} node {node.name} stopped responding"
+                if node.is_draining:
+                    log.info("%s node %s has drained and stopped", node.role, node.name)
+                else:
+                    log.error("%s node %s silent for %.1fs: it is lost to its requests", node.role,
+                              node.name, now - node.last_seen)
             elif node.is_alive and loop_age > self.cfg.hung_after_s:
+                cause = "hung"
                 why = f"{node.role} node {node.name} is hung: its loop has not turned for {loop_age:.0f}s"
-                log.error("%s: failing its requests", why)
+                log.error("%s: it is lost to its requests", why)
             else:
                 if not node.is_alive and now - node.dead_since > self.cfg.forget_after_s:
                     log.info("forgetting %s node %s, dead for %.0fs", node.role, node.name,
@@ -112,7 +118,7 @@ class NodeRegistry:
                 continue
             node.is_alive, node.dead_since = False, now
             node.prefix_keys = set()   # if it comes back, its next full resync restores it
-            await self.fail_requests(node, why)
+            await self.lost(node, cause, why)
 
     def stats(self) -> dict:
         """Per node: what the registry knows of it, then its last heartbeat's figures.
@@ -124,6 +130,7 @@ class NodeRegistry:
             own = {"role": n.ready.role, "is_alive": n.is_alive, "pid": n.ready.pid,
                    "device": n.ready.device, "kv_transfer": n.ready.kv_transfer,
                    "max_batch_size": n.ready.max_batch_size, "num_prefix_keys": len(n.prefix_keys),
+                   "is_draining": n.is_draining,
                    "seconds_since_seen": round(now - n.last_seen, 3), "num_routed": n.num_routed}
             out[name] = {**{k: v for k, v in n.stats.items() if k not in own}, **own}
         return out

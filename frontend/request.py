@@ -3,6 +3,7 @@ parameters (or a ValueError saying what is wrong, which the client gets as the
 request's error), and its state while it runs."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -38,10 +39,72 @@ class RequestState:
     route_keys: dict[int, list[int]] = field(default_factory=dict)   # block size -> its blocks' keys
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None   # monotonic
+    output_ids: list[int] = field(default_factory=list)   # every token sent to the client
+    last_output_at: float | None = None   # monotonic
+    # Moves to other nodes (a node lost or drained): how many, since when it waits to go
+    # on, and the client's wait for its next token (from the last token before the move).
+    num_migrations: int = 0
+    moved_at: float | None = None         # monotonic; None once routed again
+    moved_from: str = ""                  # "decode node X (why)", for the log
+    stalled_since: float | None = None    # monotonic; None once a token came after the move
+    migrated_s: float = 0.0
 
     @property
     def kv_tokens(self) -> int:
         return len(self.prompt_ids) + self.params.max_tokens
+
+    def new_tokens(self, node_name: str, token_ids: list[int], finish_reason: str | None) -> list[int] | None:
+        """Of a node's update, the tokens new to the client; None for an update to drop.
+        ValueError: the decode node began with another token than the prefill node."""
+        if node_name != self.decode_node:
+            # The prefill node's first token, streamed while its KV travels. The decode
+            # node's first update repeats it; if that came first, this one is late.
+            if self.is_decoding or self.early_token is not None or len(token_ids) != 1 or finish_reason:
+                return None
+            self.early_token = token_ids[0]
+        elif not self.is_decoding:
+            self.is_decoding = True
+            if self.early_token is not None:
+                if token_ids[:1] != [self.early_token]:
+                    raise ValueError(f"decode node {node_name} began with another first token than "
+                                     f"the prefill node")
+                return token_ids[1:]
+        return token_ids
+
+    def add_output(self, token_ids: list[int]) -> None:
+        """Tokens on their way to the client (a moved request's wait ends with the first)."""
+        self.num_tokens += len(token_ids)
+        self.output_ids += token_ids
+        self.detok.add(token_ids)
+        if token_ids:
+            now = time.monotonic()
+            if self.stalled_since is not None:
+                self.migrated_s += now - self.stalled_since
+                self.stalled_since = None
+            self.last_output_at = now
+
+    def continuation(self) -> tuple[list[int], SamplingParams]:
+        """What its next prefill computes: the prompt and every token streamed so far,
+        for the tokens still to come. Sampling is seeded by position, so the tokens that
+        follow are the ones an undisturbed run gives."""
+        if not self.output_ids:
+            return self.prompt_ids, self.params
+        return self.prompt_ids + self.output_ids, dataclasses.replace(
+            self.params, max_tokens=self.params.max_tokens - len(self.output_ids))
+
+    def move(self, node_id: str, moved_from: str) -> None:
+        """Forget its route: it waits to be routed again under a new id (what its old
+        nodes still say under the old one is dropped)."""
+        self.node_id, self.moved_from = node_id, moved_from
+        self.prefill_node = self.decode_node = None
+        self.is_prefilled = self.is_decoding = False
+        self.early_token = None
+        self.work_tokens = 0
+        self.route_keys = {}
+        self.num_migrations += 1
+        self.moved_at = time.monotonic()
+        if self.stalled_since is None:
+            self.stalled_since = self.last_output_at or self.submitted_at
 
 
 def prompt_ids(tokenizer, req: GenerateRequest) -> list[int]:

@@ -25,6 +25,7 @@ class NodeState:
     last_seen: float
     stats: dict = field(default_factory=dict)
     is_alive: bool = True
+    is_draining: bool = False     # routed nothing more; it leaves once what it holds is gone
     dead_since: float = 0.0       # monotonic; a node dead past the grace period is forgotten
     num_routed: int = 0           # requests ever sent here
     num_active: int = 0           # decode: routed, not finished
@@ -69,7 +70,7 @@ def choose(nodes: dict[str, NodeState], max_queued_tokens: int | None = None, pr
            keys: dict[int, list[int]] | None = None) -> tuple[NodeState, NodeState] | None:
     """(prefill node, decode node), or None if either role has no live node (with
     max_queued_tokens: no live node with room)."""
-    live = [n for n in nodes.values() if n.is_alive and
+    live = [n for n in nodes.values() if n.is_alive and not n.is_draining and
             (max_queued_tokens is None or has_room(n, max_queued_tokens))]
     prefills = [n for n in live if n.role == "prefill"]
     decodes = [n for n in live if n.role == "decode" and n.ready.kv_endpoint]

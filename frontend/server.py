@@ -3,7 +3,8 @@
 client loop:  receive a request -> validate, tokenize -> admit under its client's limits
 dispatch:     clients take turns; a request goes to a prefill/decode pair with room
 node loop:    tokens from decode -> detokenize, stop strings -> stream to the client
-watchdog:     silent or hung nodes fail their requests; deadlines abort; the dead are forgotten
+watchdog:     silent or hung nodes are lost (their requests move: migrate.py); deadlines
+              abort; the dead are forgotten
 
 Request ids are the client's own, scoped to its connection; nodes see ids made
 here, so no client can name another's request. A node may speak only for the
@@ -24,15 +25,16 @@ from common.wire.keys import FRONTEND, load_keys
 from common.base.log import Throttle, get_logger
 from common.base.model_spec import load_spec
 from common.runtime.process import describe_threads
-from common.wire.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, ErrorReply, GenerateOutput,
-                             GenerateRequest, Heartbeat, NodeAbort, NodeReady, OutputBatch, PrefillRequest,
-                             PrefixUpdate, RequestFailed, StatsReply, StatsRequest, TokenBatch,
-                             TokenUpdate)
+from common.wire.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, DrainRequest,
+                                  ErrorReply, GenerateOutput, GenerateRequest, Heartbeat, NodeAbort,
+                                  NodeDraining, NodeReady, OutputBatch, PrefillRequest, PrefixUpdate,
+                                  RequestFailed, StatsReply, StatsRequest, TokenBatch, TokenUpdate)
 from common.base.request import FINISH_ABORT, FINISH_ERROR, FINISH_STOP
 from frontend import http, router
 from frontend.admission import Admission
 from frontend.detok import IncrementalDetokenizer
 from frontend.metrics import Metrics
+from frontend.migrate import Migrations
 from frontend.nodes import NodeRegistry
 from frontend.request import Client, RequestState, prepare
 from frontend.router import NodeState
@@ -50,7 +52,9 @@ class Frontend:
         self.spec = load_spec(cfg.model)
         self.served_model = cfg.served_model_name or Path(cfg.model).name
         self.max_model_len = clamp_model_len(cfg.max_model_len, self.spec.max_position_embeddings)
-        self.registry = NodeRegistry(cfg, self.keys is not None, self._fail_node_requests, self._wake_dispatch)
+        self.migrations = Migrations(self)
+        self.registry = NodeRegistry(cfg, self.keys is not None, self.migrations.node_lost,
+                                     self._wake_dispatch)
         self.nodes = self.registry.nodes   # by name
         self.requests: dict[str, RequestState] = {}                  # by node id
         self.by_client: dict[tuple[bytes, str], RequestState] = {}   # by (client, its id)
@@ -110,7 +114,7 @@ class Frontend:
             await self._drain()
         log.info("stopping: %d requests in flight are aborted", len(self.requests))
         for req in list(self.requests.values()):
-            await self._finish(req, FINISH_ABORT, "the frontend is shutting down", status=503)
+            await self.finish(req, FINISH_ABORT, "the frontend is shutting down", status=503)
         for t in [*tasks, stopped]:
             t.cancel()
         await asyncio.gather(*tasks, stopped, return_exceptions=True)
@@ -141,11 +145,13 @@ class Frontend:
                 elif isinstance(msg, StatsRequest):
                     await self._reply(client, StatsReply(self.is_ready(), self.node_stats(),
                                                          self.model_info(), self.frontend_stats()))
+                elif isinstance(msg, DrainRequest):
+                    await self._reply(client, *await self.migrations.on_drain_request(msg.node))
             except Exception:  # one bad request must not stop the service
                 log.exception("error while handling a %s", type(msg).__name__)
                 req = self.by_client.get((client, getattr(msg, "request_id", None)))
                 if req is not None:
-                    await self._finish(req, FINISH_ERROR, "internal error", status=500)
+                    await self.finish(req, FINISH_ERROR, "internal error", status=500)
 
     async def _reply(self, client: Client, msg, status: int | None = None) -> None:
         """To a ZeroMQ client (its routing id) or an in-process one (the HTTP server's
@@ -208,7 +214,7 @@ class Frontend:
         if req is None:
             await self._reply(client, ErrorReply(f"unknown request_id {request_id!r}", request_id), 404)
             return
-        await self._finish(req, FINISH_ABORT, "cancelled by the client")
+        await self.finish(req, FINISH_ABORT, "cancelled by the client")
 
     # ---- dispatch -----------------------------------------------------------
 
@@ -220,8 +226,8 @@ class Frontend:
             self._wake.clear()
             while self.admission.num_waiting:
                 req = self.admission.peek()
-                route = router.assign(self.nodes, self.cfg.max_queued_tokens, req.prompt_ids,
-                                      req.route_keys)
+                ids, params = req.continuation()   # a moved request: its prompt and what it streamed
+                route = router.assign(self.nodes, self.cfg.max_queued_tokens, ids, req.route_keys)
                 if route is None:
                     break
                 self.admission.next()
@@ -229,9 +235,11 @@ class Frontend:
                 req.prefill_node, req.decode_node = prefill.name, decode.name
                 pair = f"{prefill.name} -> {decode.name}"
                 self.num_routes[pair] = self.num_routes.get(pair, 0) + 1
-                await self.node_link.send(PrefillRequest(req.node_id, req.prompt_ids, req.params,
-                                                         req.arrival_time, decode.name,
-                                                         decode.ready.kv_endpoint), to=prefill.identity)
+                if req.moved_at is not None:
+                    self.migrations.routed(req, pair)
+                await self.node_link.send(PrefillRequest(req.node_id, ids, params, req.arrival_time,
+                                                         decode.name, decode.ready.kv_endpoint),
+                                          to=prefill.identity)
 
     # ---- figures --------------------------------------------------------------
 
@@ -251,7 +259,7 @@ class Frontend:
                 "num_overloaded": self.admission.num_refused,
                 "num_bad_client_messages": self.clients.num_bad,
                 "num_bad_node_messages": self.node_link.num_bad,
-                "routes": dict(self.num_routes)}
+                "routes": dict(self.num_routes), "migrations": self.migrations.counts()}
 
     def node_stats(self) -> dict:
         return self.registry.stats()
@@ -283,8 +291,15 @@ class Frontend:
         self.registry.seen(node)
         if isinstance(msg, RequestFailed):
             req = self.requests.get(msg.request_id)
-            if req is not None and node.name in (req.prefill_node, req.decode_node):
-                await self._finish(req, FINISH_ERROR, msg.error, status=500)
+            if req is None or node.name not in (req.prefill_node, req.decode_node):
+                return
+            if msg.is_retryable and node.name == req.prefill_node:   # its KV's way was cut
+                await self.migrations.move_or_fail(req, req.decode_node, "handoff", msg.error)
+            else:
+                await self.finish(req, FINISH_ERROR, msg.error, status=500)
+        elif isinstance(msg, NodeDraining):
+            if msg.name == node.name and msg.pid == node.ready.pid:
+                await self.migrations.drain(node)
         elif isinstance(msg, TokenBatch):
             self.outbox = {}
             try:
@@ -308,24 +323,16 @@ class Frontend:
             await self.node_link.send(NodeAbort(u.request_id), to=node.identity)
             return
         if any(t >= self.spec.vocab_size for t in u.token_ids):
-            await self._finish(req, FINISH_ERROR, f"{node.role} node {node.name} sent a token outside "
+            await self.finish(req, FINISH_ERROR, f"{node.role} node {node.name} sent a token outside "
                                                   f"the vocabulary", status=502)
             return
-        token_ids = u.token_ids
-        if node.name != req.decode_node:
-            # The prefill node's first token, streamed while its KV travels. The decode
-            # node's first update repeats it; if that came first, this one is late.
-            if req.is_decoding or req.num_tokens or len(token_ids) != 1 or u.finish_reason:
-                return
-            req.early_token = token_ids[0]
-        elif not req.is_decoding:
-            req.is_decoding = True
-            if req.early_token is not None:
-                if token_ids[:1] != [req.early_token]:
-                    await self._finish(req, FINISH_ERROR, f"decode node {node.name} began with another "
-                                                          f"first token than the prefill node", status=502)
-                    return
-                token_ids = token_ids[1:]
+        try:
+            token_ids = req.new_tokens(node.name, u.token_ids, u.finish_reason)
+        except ValueError as e:
+            await self.finish(req, FINISH_ERROR, str(e), status=502)
+            return
+        if token_ids is None:
+            return
         if not req.is_prefilled:
             req.is_prefilled = True
             router.prefill_done(self.nodes.get(req.prefill_node), req.work_tokens)
@@ -334,23 +341,22 @@ class Frontend:
         if is_first:
             req.first_token_at = time.monotonic()
         if u.timings:   # the first updates': TTFT parts; a preempted request's last: its preemptions
-            req.timings.update(u.timings)
+            req.timings.update(self.migrations.timings(req, u.timings))
         if is_first:
             req.timings["ttft_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
         if not token_ids and not u.finish_reason:
             return   # the repeated first token alone: nothing new for the client
-        req.num_tokens += len(token_ids)
-        req.detok.add(token_ids)
+        req.add_output(token_ids)
         if req.detok.is_stopped:
-            await self._finish(req, FINISH_STOP, None, token_ids)
+            await self.finish(req, FINISH_STOP, None, token_ids)
         elif u.finish_reason:
             reason = u.finish_reason if u.finish_reason in ("stop", "length") else FINISH_ERROR
-            await self._finish(req, reason, None, token_ids, is_node_done=True)
+            await self.finish(req, reason, None, token_ids, is_node_done=True)
         else:
             await self._reply(req.client, GenerateOutput(req.request_id, token_ids, req.detok.take(),
                                                          timings=req.timings if is_first else None))
 
-    async def _finish(self, req: RequestState, reason: str, error: str | None,
+    async def finish(self, req: RequestState, reason: str, error: str | None,
                       token_ids: list[int] = (), is_node_done: bool = False,
                       status: int | None = None) -> None:
         """The last message of a request; the nodes drop it unless they ended it themselves.
@@ -359,32 +365,32 @@ class Frontend:
             return
         self.by_client.pop((req.client, req.request_id), None)
         self.admission.done(req.client, req, req.kv_tokens)
-        if req.prefill_node is not None:
-            if not req.is_prefilled:
-                req.is_prefilled = True
-                router.prefill_done(self.nodes.get(req.prefill_node), req.work_tokens)
-            router.decode_done(self.nodes.get(req.decode_node))
-            self._wake.set()
+        self.unroute(req)
         if not is_node_done:
             for name in (req.prefill_node, req.decode_node):
                 node = self.nodes.get(name)
                 if node is not None and node.is_alive:
                     await self.node_link.send(NodeAbort(req.node_id), to=node.identity)
         req.timings["total_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
+        if req.num_migrations:
+            req.timings.update(num_migrations=req.num_migrations, migrated_ms=round(req.migrated_s * 1e3, 3))
         usage = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": req.num_tokens}
         self.num_served += 1
         self.metrics.finished(req, reason)
         await self._reply(req.client, GenerateOutput(req.request_id, list(token_ids), req.detok.take(True),
                                                      True, reason, error, usage, req.timings), status)
 
+    def unroute(self, req: RequestState) -> None:
+        """Its nodes' counts no longer include it (it ended, or it moves)."""
+        if req.prefill_node is not None:
+            if not req.is_prefilled:
+                req.is_prefilled = True
+                router.prefill_done(self.nodes.get(req.prefill_node), req.work_tokens)
+            router.decode_done(self.nodes.get(req.decode_node))
+            self._wake.set()
+
     def _wake_dispatch(self) -> None:
         self._wake.set()
-
-    async def _fail_node_requests(self, node: NodeState, error: str) -> None:
-        name = node.ready.name
-        for req in list(self.requests.values()):
-            if req.decode_node == name or (req.prefill_node == name and not req.is_decoding):
-                await self._finish(req, FINISH_ERROR, error, status=503)
 
     # ---- watchdog -------------------------------------------------------------
 
@@ -395,7 +401,9 @@ class Frontend:
             await self.registry.check(now)
             for req in list(self.requests.values()):
                 if now > req.deadline:
-                    await self._finish(req, FINISH_ABORT, "deadline exceeded", status=504)
+                    await self.finish(req, FINISH_ABORT, "deadline exceeded", status=504)
+                else:
+                    await self.migrations.check_wait(req, now)
             if self.admission.num_waiting:
                 self._wake.set()
 

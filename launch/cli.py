@@ -3,6 +3,7 @@
     pdserve serve [start_cluster options]     start a cluster (launch/start_cluster.sh)
     pdserve client [options]                  send prompts, read stats (frontend.client)
     pdserve bench [options]                   the serving benchmark (launch.bench_serving)
+    pdserve drain NODE [--endpoint ...]       move a node's requests elsewhere; it stops once empty
     pdserve keys DIR --nodes ...              make CURVE keys (launch.keys)
     pdserve make-tiny-model DIR               a tiny random Qwen3 checkpoint
 
@@ -34,7 +35,13 @@ def _module(name: str):
     return run
 
 
-COMMANDS = {"serve": _serve, "client": _module("frontend.client"), "bench": _module("launch.bench_serving"),
+def _drain(argv: list[str]) -> int:
+    from frontend.cli import drain
+    return drain(argv)
+
+
+COMMANDS = {"serve": _serve, "client": _module("frontend.client"), "drain": _drain,
+            "bench": _module("launch.bench_serving"),
             "keys": _module("launch.keys"), "make-tiny-model": _module("launch.make_tiny_model")}
 
 

@@ -10,13 +10,12 @@ A prompt's blocks stay allocated here until that write has completed.
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 from common import transfer
 from common.wire.channel import BadMessage, Channel, LinkError, Poller
 from common.base.config import PrefillConfig, check_endpoint
-from common.runtime.process import describe_threads
+from common.runtime.process import StopEvent, describe_threads
 from common.runtime.node import NodeRuntime
 from common.kv.prefix import PrefixCache
 from common.base.log import Throttle, get_logger
@@ -46,10 +45,11 @@ class PrefillNode:
 
     # ---- the loop ---------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> int:
+    def run(self, stop: StopEvent) -> int:
         """Serve until stopped; the process's exit code (1: refused by the frontend)."""
         rt = self.runtime = NodeRuntime("prefill", self.cfg.name, self.cfg.frontend_endpoint,
-                                        self.cfg.keys_dir, self.cfg.links, stop, log)
+                                        self.cfg.keys_dir, self.cfg.links, stop, log,
+                                        self.cfg.drain_timeout_s)
         self.frontend = rt.frontend
         poller = self._poller = Poller(self.frontend)
         try:
@@ -62,7 +62,7 @@ class PrefillNode:
                                        block_bytes(cache), self._connect,
                                        lambda w, send: transfer.open_writer(self.cfg.kv_transfer, w, cache, send),
                                        self.prefix_cache.free, self._drop_job, self._fail)
-                rt.start(self._send_ready, self.stats)
+                rt.start(self._send_ready, self.stats, self._is_empty)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s",
                          self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
                          self.worker.token_capacity, self.cfg.token_budget, self.cfg.kv_transfer)
@@ -165,10 +165,10 @@ class PrefillNode:
             noisy.warning("could not stream %d first tokens early: the decode nodes will", len(early))
         self.scheduler.complete(chunks)
 
-    def _fail(self, request_id: str, error: str) -> None:
+    def _fail(self, request_id: str, error: str, is_retryable: bool = False) -> None:
         self.num_failed += 1
         noisy.warning("request %s failed: %s", request_id, error)
-        if not self.frontend.send(RequestFailed(request_id, error), block=False):
+        if not self.frontend.send(RequestFailed(request_id, error, is_retryable), block=False):
             log.error("could not tell the frontend that %s failed", request_id)
 
     # ---- report -------------------------------------------------------------
@@ -201,6 +201,9 @@ class PrefillNode:
             return
         # NOTE: if the socket cannot take it now, resynchronize in full next turn.
         self._is_prefix_synced = self.frontend.send(update, block=False)
+
+    def _is_empty(self) -> bool:
+        return not (self.scheduler.waiting or self.scheduler.prefilling or self.handoffs.by_id)
 
     def stats(self) -> dict:
         return {**self.worker.stats(), "num_waiting": self.scheduler.num_waiting,

@@ -94,10 +94,11 @@ class Pair:
         self.link = MemLink()
         self.rx = self.start_decode("e1")
         self.failed: list[tuple[str, str]] = []
+        self.retryable: set[str] = set()   # ids of failures the frontend may move elsewhere
         self.tx = Sender("prefill-0", handoff_lease_s, BLOCK_SIZE, block_bytes(self.src),
                          lambda name, endpoint: self.link,
                          lambda w, send: transfer.open_writer("tcp", w, self.src, send),
-                         self.prefix.free, self._drop_job, lambda rid, e: self.failed.append((rid, e)),
+                         self.prefix.free, self._drop_job, self._failed,
                          clock=self.clock)
 
     def start_decode(self, epoch: str) -> Receiver:
@@ -114,6 +115,11 @@ class Pair:
         if not self.link.is_cut:
             self.link.to_prefill.append([bytes(f) for f in protocol.encode(msg)])
         return True
+
+    def _failed(self, request_id: str, error: str, is_retryable: bool) -> None:
+        self.failed.append((request_id, error))
+        if is_retryable:
+            self.retryable.add(request_id)
 
     def _drop_job(self, job: PrefillJob) -> None:
         self.prefix.free(job.block_ids)

@@ -37,7 +37,16 @@ def procs(tiny_model, tmp_path):
     p.stop()
 
 
-def test_killed_decode_node_fails_its_requests_fast_and_a_new_one_serves(procs):
+def test_with_migration_off_a_killed_decode_node_fails_its_requests_fast_and_a_new_one_serves(
+        tiny_model, tmp_path):
+    procs = Processes(tiny_model, free_base_port(), tmp_path, frontend=["--max-migrations", "0"])
+    try:
+        _killed_decode_node_fails_its_requests(procs)
+    finally:
+        procs.stop()
+
+
+def _killed_decode_node_fails_its_requests(procs: Processes) -> None:
     _start(procs, "frontend", "prefill", "decode")
     start_prefill = wait_for(lambda: _free_blocks(procs.clients, "prefill-0"), 5, "prefill stats")
     start_decode = wait_for(lambda: _free_blocks(procs.clients, "decode-0"), 5, "decode stats")

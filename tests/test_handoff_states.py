@@ -157,6 +157,7 @@ def test_an_abort_on_the_decode_node_refuses_the_commit_and_frees_the_blocks():
     p.pump()
     assert p.failed == [("r", "decode node refused the request: the request was aborted")]
     assert "r" not in p.rx.held and p.pool.blocks.num_free == p.pool.blocks.capacity
+    assert not p.retryable   # the request's own ending: the frontend must not move it
 
 
 def test_a_restarted_decode_node_voids_reservations_and_fails_what_was_written_there():
@@ -172,6 +173,7 @@ def test_a_restarted_decode_node_voids_reservations_and_fails_what_was_written_t
     assert hq.stage is Stage.RESERVED and hq.epoch == "e2" and p.rx.held["q"].hold is Hold.RESERVED
     assert p.failed == [("w", "decode node decode-0 restarted before the handoff was committed")]
     assert "w" not in p.rx.held
+    assert p.retryable == {"w"}   # the path's failure: the frontend may move it
 
 
 def test_a_commit_never_acknowledged_fails_its_request_and_releases_the_blocks():
@@ -185,6 +187,7 @@ def test_a_commit_never_acknowledged_fails_its_request_and_releases_the_blocks()
     assert not p.failed and h.stage is Stage.COMMITTED
     p.run_for(1)
     assert p.failed == [("r", "decode node did not confirm the KV handoff within 10s")]
+    assert p.retryable == {"r"}
     assert isinstance(p.link.sent[-1], KVRelease) and "r" not in p.tx.by_id
     p.tx._on_ack(h.peer, HandoffAck("r", True))   # too late: nobody's
     assert p.tx.num_handoffs == 0 and len(p.failed) == 1

@@ -87,9 +87,9 @@ def test_two_prefill_two_decode_nodes_serve_64_requests_exactly(tiny_model, tmp_
         c.stop()
 
 
-def test_killing_one_decode_node_of_two_fails_only_its_requests(tiny_model, tmp_path):
+def test_with_migration_off_killing_one_decode_node_of_two_fails_only_its_requests(tiny_model, tmp_path):
     base = free_base_port(4)
-    p = Processes(tiny_model, base, tmp_path)
+    p = Processes(tiny_model, base, tmp_path, frontend=["--max-migrations", "0"])
     try:
         for role in ("frontend", "prefill", "decode"):
             p.start(role)

@@ -129,6 +129,11 @@ def endpoint_host(value: str) -> str:
     return m.group(1) if m else "127.0.0.1"
 
 
+def is_loopback_endpoint(value: str) -> bool:
+    """Only this machine can connect (tcp on a loopback address, ipc, inproc)."""
+    return endpoint_host(value) in _LOOPBACK
+
+
 def check_endpoint(name: str, value: str, allow_remote: bool) -> None:
     m = re.fullmatch(r"tcp://\[?([^\]]+?)\]?:(\d+)|ipc://.+|inproc://.+", value)
     if not m:
@@ -157,6 +162,8 @@ class NodeLinks:
 KV_TRANSFERS = ("auto", "ipc", "tcp", "dist")   # see common/transfer; auto: ipc, else tcp
 _ALLOW_REMOTE = flag("--allow-remote", "allow non-loopback endpoints")
 _NAME = flag("--name", "unique in the cluster (with keys: its key's name)")
+_NODE_DRAIN = flag("--drain-timeout", "on SIGTERM or a drain: seconds its requests get to move "
+                   "elsewhere or finish before it stops")
 _NODE_KEYS = flag("--keys", "CURVE keys (python -m launch.keys DIR); this node's is DIR/NAME.key_secret",
                   metavar="DIR")
 
@@ -186,6 +193,7 @@ class PrefillConfig:
     is_prefix_caching: bool = field(default=True, metadata=flag(
         "--no-prefix-caching", "compute every prompt from scratch (default: reuse cached full blocks)",
         "--no-enable-prefix-caching"))
+    drain_timeout_s: float = field(default=30.0, metadata=_NODE_DRAIN)
 
     def __post_init__(self) -> None:
         check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
@@ -194,6 +202,8 @@ class PrefillConfig:
             raise ValueError(f"token_budget must be >= block_size ({self.worker.block_size})")
         if self.max_batch_prompts < 1 or self.handoff_lease_s <= 0:
             raise ValueError("max_batch_prompts must be >= 1 and handoff_lease_s > 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -224,6 +234,7 @@ class DecodeConfig:
         "--swap-space", "host memory for the KV of preempted requests: GiB, or a size such as 512MiB; "
         "past it, a preempted request's KV is dropped and recomputed when it resumes (0: always)",
         parse=parse_swap, metavar="SIZE", default_text="4"))
+    drain_timeout_s: float = field(default=30.0, metadata=_NODE_DRAIN)
 
     @property
     def kv_reachable(self) -> str:
@@ -247,6 +258,8 @@ class DecodeConfig:
             raise ValueError("max_queue must be >= 1 and reservation_lease_s > 0")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -281,6 +294,12 @@ class FrontendConfig:
         "--forget-after", "seconds after which a dead node leaves the node list"))
     drain_timeout_s: float = field(default=30.0, metadata=flag(
         "--drain-timeout", "on SIGTERM, seconds running requests get to finish"))
+    max_migrations: int = field(default=3, metadata=flag(
+        "--max-migrations", "times a request may move to other nodes when its node is lost or "
+        "drained, resuming where its stream is (0: it fails with its node)"))
+    migration_wait_s: float = field(default=30.0, metadata=flag(
+        "--migration-wait", "seconds a moved request waits for a live prefill and decode node "
+        "before it fails"))
     http_port: int | None = field(default=None, metadata=flag(
         "--http-port", "serve the OpenAI API, /metrics and /health on this port (default: no HTTP)",
         parse=int))
@@ -317,3 +336,5 @@ class FrontendConfig:
             raise ValueError("hung_after_s must be positive")
         if self.forget_after_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("forget_after_s must be positive and drain_timeout_s >= 0")
+        if self.max_migrations < 0 or self.migration_wait_s < 0:
+            raise ValueError("max_migrations and migration_wait_s must be >= 0")

@@ -35,13 +35,15 @@ class Sender:
     connect(name, endpoint) opens the KV link to a decode node; open_writer(welcome,
     send) opens a transfer writer into its cache; free_blocks(ids) gives local blocks
     back once written; drop_job(job) takes a job that ends unwritten off the prefill
-    scheduler and frees its blocks; fail(request_id, error) tells the frontend."""
+    scheduler and frees its blocks; fail(request_id, error, is_retryable) tells the
+    frontend (retryable: the decode node restarted, went silent or the write failed,
+    so the request may go on elsewhere)."""
 
     def __init__(self, name: str, handoff_lease_s: float, block_size: int, block_bytes: int,
                  connect: Callable[[str, str], Link],
                  open_writer: Callable[[KVWelcome, Callable], KVWriter],
                  free_blocks: Callable[[list[int]], None], drop_job: Callable[[Job], None],
-                 fail: Callable[[str, str], None], clock: Callable[[], float] = time.monotonic):
+                 fail: Callable[[str, str, bool], None], clock: Callable[[], float] = time.monotonic):
         self.name, self.handoff_lease_s = name, handoff_lease_s
         self.block_size, self.block_bytes = block_size, block_bytes
         self.connect, self.open_writer = connect, open_writer
@@ -76,6 +78,7 @@ class Sender:
                 self._figures(peer).num_failed += 1
                 h.stage = Stage.CANCELLED
                 h.error = h.error or f"decode node {peer.name} restarted during the KV write"
+                h.is_retryable = True
         peer.writer, peer.epoch, peer.error = None, w.epoch, None
         peer.num_blocks = num_cache_blocks(w.cache_shape) if is_cache_shape(w.cache_shape) else 0
         try:
@@ -92,6 +95,7 @@ class Sender:
                 else:
                     h.stage = Stage.CANCELLED
                     h.error = f"decode node {peer.name} restarted before the handoff was committed"
+                    h.is_retryable = True
 
     def _of(self, peer: DecodePeer, *stages: Stage) -> list[Handoff]:
         return [h for h in self.by_id.values() if h.peer is peer and h.stage in stages]
@@ -260,10 +264,10 @@ class Sender:
                 self._end(h, h.peer.error)
             elif h.silent_since is not None and now - h.silent_since > lease_s:
                 self._end(h, f"decode node {h.peer.name} did not answer for a reservation within "
-                             f"{lease_s:.0f}s", release=held)
+                             f"{lease_s:.0f}s", release=held, is_retryable=True)
             elif now > h.lease_deadline:
                 self._end(h, f"decode node did not confirm the KV handoff within {lease_s:.0f}s",
-                          release=held)
+                          release=held, is_retryable=True)
             elif h.stage in (Stage.ASKING, Stage.QUEUED):
                 if now >= h.next_ask_at:
                     self._ask(h)
@@ -293,7 +297,7 @@ class Sender:
         except TransferError as e:
             self._figures(h.peer).num_failed += 1
             h.stage = Stage.CANCELLED   # advance() releases the reservation and fails it
-            h.error = f"KV transfer to {h.peer.name} failed: {e}"
+            h.error, h.is_retryable = f"KV transfer to {h.peer.name} failed: {e}", True
             return
         h.stage, h.write_started = Stage.WRITING, self.clock()
         self.bytes_written += len(h.job.block_ids) * self.block_bytes
@@ -320,19 +324,21 @@ class Sender:
         h.peer.link.send(KVCommit(j.request_id, j.prompt_len, h.first_token, j.params,
                                   h.timings, h.peer.writer.name, j.token_ids), block=False)
 
-    def _end(self, h: Handoff, error: str | None, release: bool = False) -> None:
+    def _end(self, h: Handoff, error: str | None, release: bool = False, is_retryable: bool = False) -> None:
         """Drop the handoff and free what it holds here (and there, if release); fail
         the request if error."""
+        if h.error is None:
+            h.error, h.is_retryable = error, is_retryable
         if h.stage in (Stage.WRITING, Stage.CANCELLING):
             # NOTE: blocks under a device copy are freed only when it ends.
-            h.stage, h.error = Stage.CANCELLING, h.error or error
+            h.stage = Stage.CANCELLING
             return
         self.by_id.pop(h.job.request_id, None)
         if release or h.stage is Stage.QUEUED:   # its blocks, or its place in line
             h.peer.link.send(KVRelease(h.job.request_id), block=False)
         self.drop_job(h.job)
-        if error:
-            self.fail(h.job.request_id, error)
+        if h.error:
+            self.fail(h.job.request_id, h.error, h.is_retryable)
 
     # ---- figures ------------------------------------------------------------------
 

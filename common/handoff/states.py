@@ -91,6 +91,7 @@ class Handoff:
     write_started: float = 0.0            # monotonic, by the handoff's clock
     written_at: float = 0.0               # wall clock
     error: str | None = None              # why it ends, once its write has finished
+    is_retryable: bool = False            # error is the path's (the decode node), not the request's
 
 
 class Hold(enum.Enum):

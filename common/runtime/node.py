@@ -1,23 +1,33 @@
 """What every node does besides its work: the frontend channel, registration and
-its ready message, the heartbeat, shutdown and the exit code. A node loop calls
-on_control() for the frontend's control messages and turn() once per turn."""
+its ready message, the heartbeat, draining, shutdown and the exit code. A node
+loop calls on_control() for the frontend's control messages and turn() once per
+turn.
+
+Draining (the frontend's Drain, or the first SIGTERM: stop.drain, see
+process.py): the node tells the frontend, which routes nothing more here and
+moves what it can to other nodes; the node stops once it holds nothing, or
+after drain_timeout_s. A second SIGTERM stops it at once."""
 from __future__ import annotations
 
 import os
-import threading
+import time
 from typing import Callable
 
 from common.wire.channel import Channel, open_context
 from common.base.config import NodeLinks
 from common.runtime.heartbeat import HeartbeatThread, Registration
+from common.runtime.process import StopEvent
 from common.wire.keys import load_keys
-from common.wire.protocol import ReadyReply, Shutdown
+from common.wire.protocol import Drain, NodeDraining, ReadyReply, Shutdown
 
 
 class NodeRuntime:
     def __init__(self, role: str, name: str, frontend_endpoint: str, keys_dir: str | None,
-                 links: NodeLinks, stop: threading.Event, log):
+                 links: NodeLinks, stop: StopEvent, log, drain_timeout_s: float = 30.0):
         self.role, self.name, self.links, self.stop, self.log = role, name, links, stop, log
+        self.drain_timeout_s = drain_timeout_s
+        self.drain_asked = stop.drain
+        self.drain_until: float | None = None   # monotonic; set while draining
         self.exit_code = 0
         self.ctx = open_context(load_keys(keys_dir, name))
         self.frontend = Channel(self.ctx, False, frontend_endpoint, identity=f"{name}/{os.getpid()}",
@@ -26,11 +36,14 @@ class NodeRuntime:
         self.registration: Registration | None = None
         self.heartbeat: HeartbeatThread | None = None
         self._stats: Callable[[], dict] | None = None
+        self._is_empty: Callable[[], bool] = lambda: True
 
-    def start(self, send_ready: Callable[[], bool], stats: Callable[[], dict]) -> None:
+    def start(self, send_ready: Callable[[], bool], stats: Callable[[], dict],
+              is_empty: Callable[[], bool]) -> None:
         """Register (ready is sent until accepted) and start the heartbeat, fed by
-        stats() snapshots that the loop takes in turn(), never the heartbeat thread."""
-        self._stats = stats
+        stats() snapshots that the loop takes in turn(), never the heartbeat thread.
+        is_empty(): the node holds no request (a draining node may stop)."""
+        self._stats, self._is_empty = stats, is_empty
         self.registration = Registration(send_ready, 2 * self.links.dead_after_s + 5)
         self.registration.tick()
         self.heartbeat = HeartbeatThread(self.ctx, self._endpoint, self.role, self.name, stats(),
@@ -47,6 +60,8 @@ class NodeRuntime:
         elif isinstance(msg, Shutdown):
             self.log.info("shutdown requested by the frontend")
             self.stop.set()
+        elif isinstance(msg, Drain):
+            self.drain_asked.set()
         else:
             return False
         return True
@@ -58,14 +73,31 @@ class NodeRuntime:
             self.exit_code = 1
             self.stop.set()
 
+    @property
+    def is_draining(self) -> bool:
+        return self.drain_until is not None
+
     def turn(self) -> None:
-        """Once per loop turn: the loop is alive, registration is kept, and the heartbeat
-        gets a fresh stats snapshot when it has sent the last one."""
+        """Once per loop turn: the loop is alive, registration is kept, the heartbeat
+        gets a fresh stats snapshot when it has sent the last one, and a drain goes on."""
         self.heartbeat.mark_turn()
         if self.heartbeat.wants_stats.is_set():
             self.heartbeat.wants_stats.clear()
             self.heartbeat.publish(self._stats())
         self.quit(self.registration.tick())
+        if self.drain_asked.is_set() and not self.is_draining:
+            self.drain_until = time.monotonic() + self.drain_timeout_s
+            self.log.info("draining: no new requests; stopping once those held have moved or "
+                          "finished (at most %.0fs)", self.drain_timeout_s)
+            self.send(NodeDraining(self.name, os.getpid()))
+        if self.is_draining:
+            if self._is_empty():
+                self.log.info("drained: nothing is held here")
+                self.stop.set()
+            elif time.monotonic() > self.drain_until:
+                self.log.warning("drain timeout (%.0fs) with requests still here: stopping",
+                                 self.drain_timeout_s)
+                self.stop.set()
 
     def send(self, msg) -> bool:
         """To the frontend without blocking; a full queue drops the message, loudly."""

@@ -154,9 +154,22 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def stop_event_on_signals() -> threading.Event:
-    """An event set by SIGTERM or SIGINT; the node loop checks it each turn."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+class StopEvent(threading.Event):
+    """Set to stop now. drain: set by the first SIGTERM, to stop once the node's
+    requests have moved elsewhere or finished (common/runtime/node.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drain = threading.Event()
+
+
+def stop_event_on_signals() -> StopEvent:
+    """The first SIGTERM asks for a drain, a second one (or SIGINT) stops at once; the
+    node loop checks both each turn."""
+    stop = StopEvent()
+
+    def on_term(*_) -> None:
+        (stop.set if stop.drain.is_set() else stop.drain.set)()
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     return stop

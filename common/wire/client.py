@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
-from common.wire.codec import Range, MaxLen, NodeFigures, Plain, Id, I32, I32_MAX
+from common.wire.codec import Range, MaxLen, NodeFigures, Plain, Id, Name, I32, I32_MAX
 
 
 # ---- client <-> frontend (documented in docs/protocol.md) ---------------------
@@ -39,6 +39,13 @@ class StatsRequest:
 
 
 @dataclass
+class DrainRequest:
+    """Stop routing to a node, move its requests to others, and let it exit once empty."""
+    TYPE: ClassVar[str] = "drain_node"
+    node: Name
+
+
+@dataclass
 class GenerateOutput:
     TYPE: ClassVar[str] = "output"
     request_id: str
@@ -66,6 +73,13 @@ class StatsReply:
     nodes: NodeFigures
     model: dict | None = None   # {"name", "vocab_size", "max_model_len"}
     frontend: dict | None = None  # {"pid", "is_draining", "num_waiting", "num_running", ...}
+
+
+@dataclass
+class DrainReply:
+    TYPE: ClassVar[str] = "drain_reply"
+    node: str
+    num_moved: int        # requests it held that are moving to other nodes
 
 
 @dataclass

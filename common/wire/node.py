@@ -33,6 +33,13 @@ class Shutdown:
 
 
 @dataclass
+class Drain:
+    """frontend -> node: take no new work, and stop once what it holds has moved
+    elsewhere or finished (pdserve drain NAME)."""
+    TYPE: ClassVar[str] = "drain"
+
+
+@dataclass
 class PrefixUpdate:
     """prefill -> frontend: route keys (common/prefix.route_key) of blocks the node's
     prefix cache added and evicted since its last update; is_reset: added is all it holds."""
@@ -52,9 +59,6 @@ class ReadyReply:
     is_accepted: bool
     reason: Text | None = None
     is_retryable: bool = False
-
-
-
 
 # ---- nodes -> frontend --------------------------------------------------------
 
@@ -84,9 +88,21 @@ class Heartbeat:
 
 @dataclass
 class RequestFailed:
+    """is_retryable: the failure was the path's, not the request's (its decode node
+    restarted, went silent or dropped the KV link): the frontend may move it."""
     TYPE: ClassVar[str] = "failed"
     request_id: Id
     error: Text
+    is_retryable: bool = False
+
+
+@dataclass
+class NodeDraining:
+    """node -> frontend, once it starts draining (SIGTERM or a Drain): route nothing
+    more here, move what it holds."""
+    TYPE: ClassVar[str] = "draining"
+    name: Name
+    pid: I32
 
 
 @dataclass

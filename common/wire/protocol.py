@@ -6,26 +6,27 @@ from __future__ import annotations
 
 from common.wire import codec
 from common.wire.codec import PROTOCOL_VERSION, ProtocolError, dtype_name, encode  # noqa: F401
-from common.wire.client import (GenerateRequest, AbortRequest, StatsRequest, GenerateOutput,
-                                OutputBatch, StatsReply, ErrorReply)  # noqa: F401
-from common.wire.node import (PrefillRequest, NodeAbort, Shutdown, PrefixUpdate, ReadyReply,
-                              NodeReady, Heartbeat, RequestFailed, TokenUpdate, TokenBatch,
+from common.wire.client import (GenerateRequest, AbortRequest, StatsRequest, DrainRequest, GenerateOutput,
+                                OutputBatch, StatsReply, DrainReply, ErrorReply)  # noqa: F401
+from common.wire.node import (PrefillRequest, NodeAbort, Shutdown, Drain, PrefixUpdate, ReadyReply,
+                              NodeReady, Heartbeat, RequestFailed, NodeDraining, TokenUpdate, TokenBatch,
                               ttft_parts)  # noqa: F401
 from common.wire.kv import (CudaIpcHandle, KVHello, KVWelcome, KVReserve, KVReserved, KVBlocks,
                             KVDist, KVCommit, KVRelease, HandoffAck)  # noqa: F401
 
 MESSAGES: dict[str, type] = {cls.TYPE: cls for cls in (
-    GenerateRequest, AbortRequest, StatsRequest, GenerateOutput, OutputBatch, StatsReply, ErrorReply,
-    PrefillRequest, NodeAbort, Shutdown, ReadyReply, NodeReady, Heartbeat, RequestFailed, TokenBatch,
-    PrefixUpdate,
+    GenerateRequest, AbortRequest, StatsRequest, DrainRequest, GenerateOutput, OutputBatch, StatsReply,
+    DrainReply, ErrorReply,
+    PrefillRequest, NodeAbort, Shutdown, Drain, ReadyReply, NodeReady, Heartbeat, RequestFailed,
+    NodeDraining, TokenBatch, PrefixUpdate,
     KVHello, KVWelcome, KVReserve, KVReserved, KVBlocks, KVDist, KVCommit, KVRelease, HandoffAck)}
 
 # What each link carries, per direction.
-CLIENT_TO_FRONTEND = (GenerateRequest, AbortRequest, StatsRequest)
-FRONTEND_TO_CLIENT = (GenerateOutput, OutputBatch, StatsReply, ErrorReply)
-FRONTEND_TO_NODE = (PrefillRequest, NodeAbort, Shutdown, ReadyReply)
+CLIENT_TO_FRONTEND = (GenerateRequest, AbortRequest, StatsRequest, DrainRequest)
+FRONTEND_TO_CLIENT = (GenerateOutput, OutputBatch, StatsReply, DrainReply, ErrorReply)
+FRONTEND_TO_NODE = (PrefillRequest, NodeAbort, Shutdown, Drain, ReadyReply)
 FRONTEND_TO_HEARTBEAT = (ReadyReply,)
-NODE_TO_FRONTEND = (NodeReady, Heartbeat, RequestFailed, TokenBatch, PrefixUpdate)
+NODE_TO_FRONTEND = (NodeReady, Heartbeat, RequestFailed, NodeDraining, TokenBatch, PrefixUpdate)
 PREFILL_TO_DECODE = (KVHello, KVReserve, KVBlocks, KVDist, KVCommit, KVRelease)
 DECODE_TO_PREFILL = (KVWelcome, KVReserved, HandoffAck)
 

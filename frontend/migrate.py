@@ -1,0 +1,153 @@
+"""Moving requests off a node that is lost or drained.
+
+A moved request is routed again, as a new prefill of its prompt and every token
+it streamed (RequestState.continuation), under a new node id: what its old
+nodes still say under the old id is dropped, and they are told to free it (a
+frozen node reads that when it thaws). Sampling is seeded by position, so the
+tokens that follow are those of an undisturbed run; the client's stream goes
+on, its stop strings and max_tokens counted across the move.
+
+Causes: "dead" (silent past --dead-after), "hung" (its loop stopped turning),
+"restarted" (a new process took its name), "handoff" (its prefill node could
+not hand the KV to the decode node: that node restarted or went silent),
+"drain" (pdserve drain, or SIGTERM to the node). A request moves at most
+--max-migrations times; a moved request waits at most --migration-wait seconds
+while no prefill and decode node pair is alive.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from common.base.config import is_loopback_endpoint
+from common.base.log import get_logger
+from common.base.request import FINISH_ERROR, stop_reason
+from common.wire.protocol import Drain, DrainReply, ErrorReply, NodeAbort
+from frontend import router
+from frontend.request import RequestState
+from frontend.router import NodeState
+
+if TYPE_CHECKING:
+    from frontend.server import Frontend
+
+log = get_logger("frontend")
+CAUSES = ("dead", "hung", "restarted", "handoff", "drain")
+# What a node's timings say of one of its lives; the rest describe a continuation's TTFT.
+_PER_NODE_PARTS = ("num_preemptions", "preempted_ms")
+
+
+class Migrations:
+    def __init__(self, frontend: Frontend):
+        self.fe = frontend
+        self.num_moved = dict.fromkeys(CAUSES, 0)
+        self.num_failed = 0   # could not move: over --max-migrations, or no node in time
+
+    # ---- moving -------------------------------------------------------------
+
+    async def node_lost(self, node: NodeState, cause: str, why: str) -> None:
+        """A node died, hung or restarted: what it held moves, or fails with why."""
+        for req in list(self.fe.requests.values()):
+            if req.decode_node == node.name or (req.prefill_node == node.name and not req.is_decoding):
+                await self.move_or_fail(req, node.name, cause, why)
+
+    async def move_or_fail(self, req: RequestState, lost: str, cause: str, why: str) -> None:
+        """Node lost is lost to it (cause, why): continue it elsewhere, or end it."""
+        fe = self.fe
+        limit = fe.cfg.max_migrations
+        done = self._is_done(req)
+        if done:   # every token it may have was streamed; only its ending was lost
+            await fe.finish(req, done, None)
+        elif req.num_migrations >= limit:
+            if limit:
+                self.num_failed += 1
+                why = f"{why} (it had moved {req.num_migrations} times, the limit: --max-migrations)"
+            await fe.finish(req, FINISH_ERROR, why, status=503)
+        else:
+            await self._move(req, lost, cause, why)
+
+    def _is_done(self, req: RequestState) -> str | None:
+        if not req.output_ids:
+            return None
+        spec = self.fe.spec
+        return stop_reason(req.params, req.output_ids[-1], len(req.output_ids), len(req.prompt_ids),
+                           spec.eos_token_ids, self.fe.max_model_len)
+
+    async def _move(self, req: RequestState, lost: str, cause: str, why: str) -> None:
+        fe = self.fe
+        old_id, old_nodes = req.node_id, (req.prefill_node, req.decode_node)
+        fe.unroute(req)
+        for name in dict.fromkeys(n for n in old_nodes if n is not None):
+            node = fe.nodes.get(name)
+            if node is not None:   # NOTE: dead too: a frozen node reads it when it thaws
+                await fe.node_link.send(NodeAbort(old_id), to=node.identity)
+        del fe.requests[old_id]
+        base = old_id.split(".")[0]
+        req.move(f"{base}.{req.num_migrations + 1}", f"{lost} ({why})")
+        fe.requests[req.node_id] = req
+        fe.admission.requeue(req.client, req)
+        self.num_moved[cause] += 1
+        log.warning("request %s of a client (node id %s) moves off %s: %s; %d of its tokens streamed, "
+                    "move %d of at most %d", req.request_id, old_id, lost, why, len(req.output_ids),
+                    req.num_migrations, fe.cfg.max_migrations)
+        fe._wake.set()
+
+    def routed(self, req: RequestState, pair: str) -> None:
+        """A moved request is routed again."""
+        log.info("request %s continues on %s as %s, after %d tokens (it left %s)", req.request_id,
+                 pair, req.node_id, len(req.output_ids), req.moved_from)
+        req.moved_at = None
+
+    def timings(self, req: RequestState, parts: dict) -> dict:
+        """A node's timings for this request that still hold: after a move, not the
+        continuation's TTFT parts (the client's first token came long before)."""
+        if not req.num_migrations:
+            return parts
+        return {k: v for k, v in parts.items() if k in _PER_NODE_PARTS}
+
+    async def check_wait(self, req: RequestState, now: float) -> None:
+        """The watchdog: a moved request that found no node pair in time fails."""
+        fe = self.fe
+        if req.moved_at is None or now - req.moved_at <= fe.cfg.migration_wait_s \
+                or router.choose(fe.nodes) is not None:
+            return
+        self.num_failed += 1
+        await fe.finish(req, FINISH_ERROR, f"no live prefill and decode node pair to continue on within "
+                                            f"{fe.cfg.migration_wait_s:.0f}s (--migration-wait) after it "
+                                            f"left {req.moved_from}", status=503)
+
+    # ---- draining ----------------------------------------------------------------
+
+    async def on_drain_request(self, name: str) -> tuple[DrainReply | ErrorReply, int | None]:
+        """A client's `pdserve drain NAME`: the reply, and its HTTP status."""
+        fe = self.fe
+        # NOTE: a drain stops a node: only a client the operator vouches for may ask.
+        if not (fe.cfg.is_client_auth or is_loopback_endpoint(fe.cfg.client_endpoint)):
+            return ErrorReply("drain is refused: clients of this frontend are neither local nor keyed "
+                              "(--client-keys)"), 403
+        node = fe.nodes.get(name)
+        if node is None or not node.is_alive:
+            return ErrorReply(f"no live node named {name!r}"), 404
+        return await self.drain(node, is_asked=True), None
+
+    async def drain(self, node: NodeState, is_asked: bool = False) -> DrainReply:
+        """Route nothing more to node and move what it holds where another node of its
+        role can take it (what cannot move finishes there); is_asked: tell the node."""
+        fe = self.fe
+        if not node.is_draining:
+            node.is_draining = True
+            log.info("draining %s node %s: no new requests go there", node.role, node.name)
+        if is_asked:
+            await fe.node_link.send(Drain(), to=node.identity)
+        has_peer = any(n.is_alive and not n.is_draining and n.role == node.role for n in fe.nodes.values())
+        num_moved = 0
+        for req in list(fe.requests.values()):
+            holds = req.decode_node == node.name if node.role == "decode" else \
+                req.prefill_node == node.name and not req.is_prefilled
+            if holds and has_peer and req.num_migrations < fe.cfg.max_migrations \
+                    and not self._is_done(req):
+                await self._move(req, node.name, "drain", f"{node.role} node {node.name} is draining")
+                num_moved += 1
+        fe._wake.set()
+        return DrainReply(node.name, num_moved)
+
+    def counts(self) -> dict:
+        return {**self.num_moved, "failed": self.num_failed}

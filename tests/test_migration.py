@@ -1,0 +1,259 @@
+"""Requests survive the loss of a node: each test runs the same requests twice on
+the same cluster, undisturbed and then through a kill, a freeze or a drain, and
+the second run must stream exactly the first run's tokens (greedy and seeded
+sampling), or fail with a clear error where the limits say so."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+
+from frontend.client import AsyncClient, Client
+from tests.cluster_util import Processes, free_base_port, wait_for
+
+MAX_TOKENS = 400
+
+
+def _requests(n: int, prompt_len: int = 9, max_tokens: int = MAX_TOKENS) -> list[dict]:
+    """Half greedy, half seeded sampling; distinct prompts."""
+    return [dict(prompt_token_ids=[(7 * i + j) % 500 + 1 for j in range(prompt_len)], max_tokens=max_tokens,
+                 ignore_eos=True, **({"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i} if i % 2 else {}))
+            for i in range(n)]
+
+
+async def _stream(client: AsyncClient, req: dict, counts: list[int], i: int):
+    outs = []
+    async for out in client.generate(**req):
+        counts[i] += len(out.token_ids) or 1   # the first update counts even if it holds no token
+        outs.append(out)
+    return outs
+
+
+async def _run(endpoint: str, requests: list[dict], disturb=None, wait_all_started: bool = True):
+    """Every request's outputs. disturb(client, counts) runs once each request has
+    streamed a token (or, without wait_all_started, once any has); counts[i] grows
+    with request i's stream."""
+    async with AsyncClient(endpoint, idle_timeout_s=60) as client:
+        counts = [0] * len(requests)
+        tasks = [asyncio.create_task(_stream(client, r, counts, i)) for i, r in enumerate(requests)]
+        if disturb is not None:
+            deadline = time.monotonic() + 60
+            while not (all(counts) if wait_all_started else any(counts)):
+                assert time.monotonic() < deadline, "the requests did not start"
+                await asyncio.sleep(0.005)
+            await asyncio.wait_for(disturb(client, counts), 60)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+
+def _tokens(outs) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def _nodes(endpoint: str) -> dict:
+    with Client(endpoint) as c:
+        return c.stats().nodes
+
+
+def _frontend(endpoint: str) -> dict:
+    with Client(endpoint) as c:
+        return c.stats().frontend
+
+
+def _start(p: Processes, num_prefill: int, num_decode: int, base: int) -> None:
+    for i in range(num_prefill):
+        p.start("prefill", name=f"prefill-{i}")
+    for i in range(num_decode):
+        p.start("decode", name=f"decode-{i}", kv=f"tcp://127.0.0.1:{base + 2 + i}")
+    with Client(p.clients) as c:
+        c.wait_ready(120, num_nodes=num_prefill + num_decode)
+
+
+def _idle(endpoint: str, names: list[str]) -> bool:
+    nodes = _nodes(endpoint)
+    return all(nodes[n].get("is_alive") and nodes[n]["num_free_blocks"] == nodes[n]["num_usable_blocks"]
+               and not nodes[n].get("num_reserved_blocks") and not nodes[n].get("num_running")
+               for n in names)
+
+
+def _assert_same(disturbed, undisturbed) -> None:
+    for i, (outs, ref) in enumerate(zip(disturbed, undisturbed)):
+        last = outs[-1]
+        assert last.finish_reason == "length", f"request {i}: {last.finish_reason}: {last.error}"
+        assert _tokens(outs) == _tokens(ref), f"request {i} streamed other tokens than undisturbed"
+        assert len(_tokens(outs)) == MAX_TOKENS and last.usage["completion_tokens"] == MAX_TOKENS
+
+
+def _moved(results) -> list:
+    return [outs[-1] for outs in results if outs[-1].timings.get("num_migrations")]
+
+
+@pytest.fixture
+def cluster(tiny_model, tmp_path):
+    """cluster(num_prefill, num_decode, *frontend_args) -> (Processes, base port)."""
+    made = []
+
+    def start(num_prefill: int, num_decode: int, *frontend_args: str):
+        base = free_base_port(3 + num_decode)   # clients, nodes, KV links, /metrics
+        p = Processes(tiny_model, base, tmp_path,
+                      frontend=["--metrics-port", str(base + 2 + num_decode), *frontend_args])
+        p.metrics = f"http://127.0.0.1:{base + 2 + num_decode}/metrics"
+        made.append(p)
+        p.start("frontend")
+        _start(p, num_prefill, num_decode, base)
+        return p, base
+    yield start
+    for p in made:
+        p.stop()
+
+
+def test_a_killed_decode_node_moves_its_requests_token_exact(cluster):
+    p, _ = cluster(1, 2)
+    requests = _requests(8)
+    undisturbed = asyncio.run(_run(p.clients, requests))
+
+    async def kill(client, counts):
+        os.kill(p.procs["decode-0"].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    disturbed = asyncio.run(_run(p.clients, requests, kill))
+    _assert_same(disturbed, undisturbed)
+    moved = _moved(disturbed)
+    assert len(moved) == 4, "decode-0 held half the requests"   # routed evenly
+    for last in moved:
+        assert last.timings["num_migrations"] == 1
+        assert 0 < last.timings["migrated_ms"] < (time.monotonic() - t0) * 1e3
+    counts = _frontend(p.clients)["migrations"]
+    assert counts["dead"] == 4 and counts["failed"] == 0
+    metrics = urllib.request.urlopen(p.metrics, timeout=10).read().decode()
+    assert 'pdserve_migrations_total{cause="dead"} 4.0' in metrics
+    assert "pdserve_migration_failures_total 0.0" in metrics
+
+
+def test_a_frozen_decode_node_thawed_after_its_requests_moved_says_nothing_to_clients(cluster):
+    p, _ = cluster(1, 2)
+    requests = _requests(8)
+    undisturbed = asyncio.run(_run(p.clients, requests))
+    decode = p.procs["decode-0"]
+
+    async def freeze(client, counts):
+        decode.send_signal(signal.SIGSTOP)
+        # Thawed as soon as the frontend declares it dead, while the moved requests stream.
+        while (await client.stats()).nodes["decode-0"]["is_alive"]:
+            await asyncio.sleep(0.05)
+        decode.send_signal(signal.SIGCONT)
+    disturbed = asyncio.run(_run(p.clients, requests, freeze))
+    _assert_same(disturbed, undisturbed)
+    assert len(_moved(disturbed)) == 4
+    # Back, it drops what moved: every block free again, nothing running there.
+    wait_for(lambda: _idle(p.clients, ["decode-0", "decode-1"]), 20, "both decode nodes idle")
+    assert decode.poll() is None
+    # And it serves again.
+    again = asyncio.run(_run(p.clients, requests[:4]))
+    assert [_tokens(o) for o in again] == [_tokens(o) for o in undisturbed[:4]]
+
+
+def test_a_killed_prefill_node_with_prompts_queued_moves_them_token_exact(tiny_model, tmp_path):
+    base = free_base_port(3)
+    # NOTE: blocks a lost prefill node reserved on the decode node are freed when their
+    # lease runs out (it might still be writing them): a short lease, to see that here.
+    p = Processes(tiny_model, base, tmp_path, prefill=["--no-prefix-caching", "--token-budget", "64"],
+                  decode=["--reservation-lease", "4"])
+    try:
+        p.start("frontend")
+        _start(p, 2, 1, base)
+        requests = _requests(16, prompt_len=300, max_tokens=24)
+        undisturbed = asyncio.run(_run(p.clients, requests))
+
+        async def kill(client, counts):
+            os.kill(p.procs["prefill-0"].pid, signal.SIGKILL)
+        disturbed = asyncio.run(_run(p.clients, requests, kill, wait_all_started=False))
+        for i, (outs, ref) in enumerate(zip(disturbed, undisturbed)):
+            assert outs[-1].finish_reason == "length", f"request {i}: {outs[-1].error}"
+            assert _tokens(outs) == _tokens(ref), f"request {i}"
+        assert _moved(disturbed), "some prompts were on the killed prefill node"
+        wait_for(lambda: _idle(p.clients, ["prefill-1", "decode-0"]), 20, "the live nodes idle")
+    finally:
+        p.stop()
+
+
+def test_a_drained_decode_node_hands_its_requests_on_and_exits(cluster):
+    p, _ = cluster(1, 2)
+    requests = _requests(8)
+    undisturbed = asyncio.run(_run(p.clients, requests))
+    replies = []
+
+    async def drain(client, counts):
+        with Client(p.clients) as c:
+            replies.append(c.drain("decode-0"))
+    disturbed = asyncio.run(_run(p.clients, requests, drain))
+    _assert_same(disturbed, undisturbed)
+    assert replies[0].node == "decode-0" and replies[0].num_moved == 4
+    assert len(_moved(disturbed)) == 4
+    assert p.procs["decode-0"].wait(20) == 0, "a drained node exits cleanly once empty"
+    assert _frontend(p.clients)["migrations"]["drain"] == 4
+    with Client(p.clients) as c, pytest.raises(Exception, match="no live node named 'decode-7'"):
+        c.drain("decode-7")
+
+
+def test_sigterm_drains_a_node_and_a_second_one_stops_it(cluster):
+    p, _ = cluster(1, 2)
+    requests = _requests(8)
+    undisturbed = asyncio.run(_run(p.clients, requests))
+
+    async def term(client, counts):
+        p.procs["decode-1"].send_signal(signal.SIGTERM)
+    disturbed = asyncio.run(_run(p.clients, requests, term))
+    _assert_same(disturbed, undisturbed)
+    assert p.procs["decode-1"].wait(20) == 0
+    assert _frontend(p.clients)["migrations"]["drain"] == 4
+
+
+def test_a_request_moves_at_most_max_migrations_times(cluster):
+    p, _ = cluster(1, 2, "--max-migrations", "1")
+    requests = _requests(8, max_tokens=1000)
+    decode = p.procs["decode-1"]
+
+    async def lose_twice(client, counts):
+        # Both decode nodes lost at once: all 8 move, and wait for a decode node.
+        decode.send_signal(signal.SIGSTOP)
+        os.kill(p.procs["decode-0"].pid, signal.SIGKILL)
+        while (await client.stats()).frontend["migrations"]["dead"] < 8:
+            await asyncio.sleep(0.05)
+        moved_at = list(counts)
+        decode.send_signal(signal.SIGCONT)   # back: all 8 go on there ...
+        while any(c <= m for c, m in zip(counts, moved_at)):
+            await asyncio.sleep(0.002)
+        decode.send_signal(signal.SIGSTOP)   # ... and are lost again: once too often
+        lose_twice.at = time.monotonic()
+    try:
+        results = asyncio.run(_run(p.clients, requests, lose_twice))
+    finally:
+        decode.send_signal(signal.SIGCONT)
+    errors = [outs[-1].error for outs in results]
+    assert all(outs[-1].finish_reason == "error" for outs in results), errors
+    assert all(e == "decode node decode-1 stopped responding (it had moved 1 times, the limit: "
+                    "--max-migrations)" for e in errors), errors
+    assert time.monotonic() - lose_twice.at < 2 + 3   # found dead within --dead-after (2 s here)
+    assert _frontend(p.clients)["migrations"]["failed"] == 8
+
+
+def test_a_moved_request_waits_at_most_migration_wait_for_a_node(cluster):
+    p, _ = cluster(1, 1, "--migration-wait", "2")
+    requests = _requests(4, max_tokens=1000)
+
+    async def kill(client, counts):
+        os.kill(p.procs["decode-0"].pid, signal.SIGKILL)
+        kill.at = time.monotonic()
+    results = asyncio.run(_run(p.clients, requests, kill))
+    waited = time.monotonic() - kill.at
+    errors = [outs[-1].error or "" for outs in results]
+    assert all(e.startswith("no live prefill and decode node pair to continue on within 2s "
+                            "(--migration-wait) after it left decode-0 (decode node decode-0 stopped "
+                            "responding)") for e in errors), errors
+    # Found dead (--dead-after 2, counted from its last heartbeat), then 2 s of waiting.
+    assert 2 + 1 <= waited < 2 + 2 + 3
+    counts = _frontend(p.clients)["migrations"]
+    assert counts["dead"] == 4 and counts["failed"] == 4
