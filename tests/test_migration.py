@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from frontend.client import AsyncClient, Client
-from tests.cluster_util import Processes, free_base_port, wait_for
+from tests.cluster_util import ROOT, Cluster, Processes, free_base_port, wait_for
 
 MAX_TOKENS = 400
 
@@ -25,7 +25,29 @@ def _requests(n: int, prompt_len: int = 9, max_tokens: int = MAX_TOKENS) -> list
             for i in range(n)]
 
 
+async def _stream_http(base_url: str, req: dict, counts: list[int], i: int):
+    """The same request as a streamed OpenAI completion: outputs as (text, finish_reason)."""
+    import openai
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+    req = dict(req)
+    body = dict(model="model0", prompt=req.pop("prompt_token_ids"), max_tokens=req.pop("max_tokens"),
+                temperature=req.pop("temperature", 0.0), stream=True, extra_body=dict(ignore_eos=True))
+    if "seed" in req:
+        body.update(seed=req["seed"], top_p=req["top_p"])
+    outs = []
+    async with await client.completions.create(**body) as stream:
+        async for chunk in stream:
+            if chunk.choices:
+                c = chunk.choices[0]
+                counts[i] += 1
+                outs.append((c.text, c.finish_reason))
+    await client.close()
+    return outs
+
+
 async def _stream(client: AsyncClient, req: dict, counts: list[int], i: int):
+    if req.get("http"):
+        return await _stream_http(req["http"], {k: v for k, v in req.items() if k != "http"}, counts, i)
     outs = []
     async for out in client.generate(**req):
         counts[i] += len(out.token_ids) or 1   # the first update counts even if it holds no token
@@ -97,10 +119,10 @@ def cluster(tiny_model, tmp_path):
     made = []
 
     def start(num_prefill: int, num_decode: int, *frontend_args: str):
-        base = free_base_port(3 + num_decode)   # clients, nodes, KV links, /metrics
+        base = free_base_port(3 + num_decode)   # clients, nodes, KV links, HTTP
         p = Processes(tiny_model, base, tmp_path,
-                      frontend=["--metrics-port", str(base + 2 + num_decode), *frontend_args])
-        p.metrics = f"http://127.0.0.1:{base + 2 + num_decode}/metrics"
+                      frontend=["--http-port", str(base + 2 + num_decode), *frontend_args])
+        p.http = f"http://127.0.0.1:{base + 2 + num_decode}"
         made.append(p)
         p.start("frontend")
         _start(p, num_prefill, num_decode, base)
@@ -113,22 +135,28 @@ def cluster(tiny_model, tmp_path):
 def test_a_killed_decode_node_moves_its_requests_token_exact(cluster):
     p, _ = cluster(1, 2)
     requests = _requests(8)
-    undisturbed = asyncio.run(_run(p.clients, requests))
+    # Two of them through the OpenAI API: their streams go on the same way.
+    http = [{**r, "http": p.http} for r in _requests(2, prompt_len=11)]
+    undisturbed = asyncio.run(_run(p.clients, requests + http))
 
     async def kill(client, counts):
         os.kill(p.procs["decode-0"].pid, signal.SIGKILL)
     t0 = time.monotonic()
-    disturbed = asyncio.run(_run(p.clients, requests, kill))
+    disturbed = asyncio.run(_run(p.clients, requests + http, kill))
+    for outs, ref in zip(disturbed[8:], undisturbed[8:]):
+        assert outs[-1][1] == "length" and "".join(t for t, _ in outs) == "".join(t for t, _ in ref)
+    disturbed, undisturbed = disturbed[:8], undisturbed[:8]
     _assert_same(disturbed, undisturbed)
     moved = _moved(disturbed)
-    assert len(moved) == 4, "decode-0 held half the requests"   # routed evenly
+    # Routed in turn: 4 of the 8 and one of the two HTTP streams were on decode-0.
+    assert len(moved) == 4
     for last in moved:
         assert last.timings["num_migrations"] == 1
         assert 0 < last.timings["migrated_ms"] < (time.monotonic() - t0) * 1e3
     counts = _frontend(p.clients)["migrations"]
-    assert counts["dead"] == 4 and counts["failed"] == 0
-    metrics = urllib.request.urlopen(p.metrics, timeout=10).read().decode()
-    assert 'pdserve_migrations_total{cause="dead"} 4.0' in metrics
+    assert counts["dead"] == 5 and counts["failed"] == 0   # 10 requests, half on decode-0
+    metrics = urllib.request.urlopen(p.http + "/metrics", timeout=10).read().decode()
+    assert 'pdserve_migrations_total{cause="dead"} 5.0' in metrics
     assert "pdserve_migration_failures_total 0.0" in metrics
 
 
@@ -257,3 +285,68 @@ def test_a_moved_request_waits_at_most_migration_wait_for_a_node(cluster):
     assert 2 + 1 <= waited < 2 + 2 + 3
     counts = _frontend(p.clients)["migrations"]
     assert counts["dead"] == 4 and counts["failed"] == 4
+
+
+def test_a_rolling_restart_under_load_fails_no_request(tiny_model, tmp_path):
+    """start_cluster.sh with two nodes of each role; each node in turn gets SIGTERM
+    (drain, exit, restarted by the launcher) while requests keep coming."""
+    c = Cluster(tiny_model, tmp_path / "cluster.log", "--num-prefill", "2", "--num-decode", "2")
+    try:
+        requests = _requests(8, max_tokens=200)
+        reference = [_tokens(o) for o in asyncio.run(_run(c.endpoint, requests))]
+        results: list = []
+
+        async def load(client, stop: asyncio.Event, k: int) -> None:
+            while not stop.is_set():
+                for i in range(k, len(requests), 4):
+                    outs = [o async for o in client.generate(**requests[i])]
+                    results.append((i, outs))
+
+        async def roll() -> list[str]:
+            async with AsyncClient(c.endpoint, idle_timeout_s=60) as client:
+                stop = asyncio.Event()
+                workers = [asyncio.create_task(load(client, stop, k)) for k in range(4)]
+                restarted = []
+                for name in ("decode-0", "prefill-0", "decode-1", "prefill-1"):
+                    old = (await client.stats()).nodes[name]["pid"]
+                    os.kill(old, signal.SIGTERM)
+                    deadline = time.monotonic() + 90
+                    while not ((n := (await client.stats()).nodes.get(name)) and n["is_alive"]
+                               and n["pid"] != old):
+                        assert time.monotonic() < deadline, f"{name} was not restarted"
+                        await asyncio.sleep(0.1)
+                    restarted.append(name)
+                stop.set()
+                await asyncio.wait_for(asyncio.gather(*workers), 120)
+                return restarted
+        assert asyncio.run(roll()) == ["decode-0", "prefill-0", "decode-1", "prefill-1"]
+        assert len(results) >= 16
+        for i, outs in results:
+            assert outs[-1].finish_reason == "length", outs[-1].error
+            assert _tokens(outs) == reference[i]
+        assert any(outs[-1].timings.get("num_migrations") for _, outs in results), "none moved"
+        assert _frontend(c.endpoint)["migrations"]["failed"] == 0
+    finally:
+        c.stop()
+
+
+def test_a_soak_with_kills_reaches_no_client_with_an_error(tiny_model):
+    """launch.soak --kill-every: two nodes of each role, a random one SIGKILLed every 10 s
+    (the launcher restarts it): no error reaches a client, every block comes back."""
+    import json
+    import subprocess
+    import sys
+    base = free_base_port(91)   # the soak's cluster ports and its HTTP port at +90
+    out = subprocess.run(
+        [sys.executable, "-m", "launch.soak", "--duration", "45", "--concurrency", "8", "--kill-every", "10",
+         "--model", str(tiny_model), "--base-port", str(base), "--cluster-arg=--num-prefill",
+         "--cluster-arg=2", "--cluster-arg=--num-decode", "--cluster-arg=2"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT)
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    summary = next(x for x in lines if x.get("summary"))
+    assert sum(1 for x in lines if "killed" in x) == 2
+    assert summary["num_unexpected"] == 0 and not summary.get("kill_errors"), summary
+    assert summary["is_every_block_free"] and summary["num_nodes_alive"] == 4, summary
+    if any(x["killed"].startswith("decode") for x in lines if "killed" in x):   # 8 streams: it held some
+        assert sum(v for k, v in summary["migrations"].items() if k != "failed") > 0
+    assert out.returncode == 0, out.stderr[-2000:]
