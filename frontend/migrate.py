@@ -88,7 +88,7 @@ class Migrations:
         log.warning("request %s of a client (node id %s) moves off %s: %s; %d of its tokens streamed, "
                     "move %d of at most %d", req.request_id, old_id, lost, why, len(req.output_ids),
                     req.num_migrations, fe.cfg.max_migrations)
-        fe._wake.set()
+        fe.wake_dispatch()
 
     def routed(self, req: RequestState, pair: str) -> None:
         """A moved request is routed again."""
@@ -146,7 +146,7 @@ class Migrations:
                     and not self._is_done(req):
                 await self._move(req, node.name, "drain", f"{node.role} node {node.name} is draining")
                 num_moved += 1
-        fe._wake.set()
+        fe.wake_dispatch()
         return DrainReply(node.name, num_moved)
 
     def counts(self) -> dict:

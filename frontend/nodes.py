@@ -73,7 +73,8 @@ class NodeRegistry:
             reason, is_retryable = f"bad ready: role {ready.role!r} with kv_endpoint {ready.kv_endpoint!r}", False
         elif not self.claims(sender, ready.name, ready.pid):
             reason, is_retryable = f"this peer may not register as {ready.name!r}", False
-        elif old is not None and old.is_alive and old.identity != sender and old.ready.pid != ready.pid:
+        elif old is not None and old.is_alive and not old.is_draining and old.identity != sender \
+                and old.ready.pid != ready.pid:   # NOTE: a draining one is leaving: its successor may come
             reason, is_retryable = (f"a live {old.ready.role} node named {ready.name!r} is registered "
                                     f"(pid {old.ready.pid}); choose another --name"), True
         else:

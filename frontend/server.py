@@ -54,7 +54,7 @@ class Frontend:
         self.max_model_len = clamp_model_len(cfg.max_model_len, self.spec.max_position_embeddings)
         self.migrations = Migrations(self)
         self.registry = NodeRegistry(cfg, self.keys is not None, self.migrations.node_lost,
-                                     self._wake_dispatch)
+                                     self.wake_dispatch)
         self.nodes = self.registry.nodes   # by name
         self.requests: dict[str, RequestState] = {}                  # by node id
         self.by_client: dict[tuple[bytes, str], RequestState] = {}   # by (client, its id)
@@ -389,7 +389,7 @@ class Frontend:
             router.decode_done(self.nodes.get(req.decode_node))
             self._wake.set()
 
-    def _wake_dispatch(self) -> None:
+    def wake_dispatch(self) -> None:
         self._wake.set()
 
     # ---- watchdog -------------------------------------------------------------

@@ -350,3 +350,29 @@ def test_a_soak_with_kills_reaches_no_client_with_an_error(tiny_model):
     if any(x["killed"].startswith("decode") for x in lines if "killed" in x):   # 8 streams: it held some
         assert sum(v for k, v in summary["migrations"].items() if k != "failed") > 0
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("endpoint, is_keyed, refused", [
+    ("tcp://127.0.0.1:5600", False, False), ("ipc:///tmp/pdserve-clients", False, False),
+    ("tcp://0.0.0.0:5600", False, True), ("tcp://10.1.2.3:5600", True, False)])
+def test_a_drain_is_refused_to_clients_neither_local_nor_keyed(endpoint, is_keyed, refused):
+    from types import SimpleNamespace
+    from common.wire.protocol import DrainReply, ErrorReply
+    from frontend.migrate import Migrations
+    sent = []
+
+    class Link:
+        async def send(self, msg, to):
+            sent.append((msg, to))
+    node = SimpleNamespace(name="decode-0", role="decode", is_alive=True, is_draining=False, identity=b"d0")
+    fe = SimpleNamespace(cfg=SimpleNamespace(client_endpoint=endpoint, is_client_auth=is_keyed, max_migrations=3),
+                         nodes={"decode-0": node}, requests={}, node_link=Link(), wake_dispatch=lambda: None)
+    reply, status = asyncio.run(Migrations(fe).on_drain_request("decode-0"))
+    if refused:
+        assert isinstance(reply, ErrorReply) and status == 403 and "neither local nor keyed" in reply.error
+        assert not node.is_draining and not sent
+    else:
+        assert reply == DrainReply("decode-0", 0) and status is None
+        assert node.is_draining and [type(m).__name__ for m, _ in sent] == ["Drain"]
+    reply, status = asyncio.run(Migrations(fe).on_drain_request("decode-9"))
+    assert status == (403 if refused else 404)
