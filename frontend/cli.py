@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="wait until a prefill and a decode node are ready")
     p.add_argument("--wait-nodes", type=int, default=0, metavar="N",
                    help="with --wait-ready: until N nodes in all are live")
+    p.add_argument("--wait-names", default=None, metavar="A,B",
+                   help="with --wait-ready: until these nodes are live (no prefill and decode pair needed)")
     p.add_argument("--frontend-pid", type=int, default=None,
                    help="with --wait-ready: the answer must come from this frontend process")
     p.add_argument("--keys", default=None, metavar="DIR",
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     with client:
         try:
             if a.wait_ready is not None:
-                client.wait_ready(a.wait_ready, a.wait_nodes, a.frontend_pid)
+                client.wait_ready(a.wait_ready, a.wait_nodes, a.frontend_pid,
+                                  [n for n in a.wait_names.split(",") if n] if a.wait_names is not None else None)
             if a.stats:
                 client.connect()
                 stats = client.stats()

@@ -213,10 +213,11 @@ class Client:
                     self._file(msg)
 
     def wait_ready(self, timeout_s: float, num_nodes: int = 0,
-                   frontend_pid: int | None = None) -> StatsReply:
+                   frontend_pid: int | None = None, names: list[str] | None = None) -> StatsReply:
         """Until the frontend has a live prefill and decode node, and at least num_nodes
-        live nodes in all (a handshake, not a sleep). With frontend_pid, the answer must
-        come from that process: another cluster on the same port is not ready."""
+        live nodes in all (a handshake, not a sleep); with names, until those nodes are
+        live instead (other hosts' nodes may join later). With frontend_pid, the answer
+        must come from that process: another cluster on the same port is not ready."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -226,7 +227,10 @@ class Client:
                 if frontend_pid is not None and pid != frontend_pid:
                     raise ServerError(f"the frontend at this endpoint is pid {pid}, "
                                       f"not {frontend_pid}: the port belongs to another cluster")
-                if reply.is_ready and num_live >= num_nodes:
+                if names is not None:
+                    if all(reply.nodes.get(n, {}).get("is_alive") for n in names):
+                        return reply
+                elif reply.is_ready and num_live >= num_nodes:
                     return reply
             except TimeoutError:
                 pass

@@ -2,9 +2,9 @@
 # Start a pdserve cluster: the frontend, prefill nodes and decode nodes (xPyD).
 #
 #   bash launch/start_cluster.sh [--demo] [--model DIR] [--host 127.0.0.1] [--advertise-host H]
-#        [--base-port 5600]
+#        [--base-port 5600] [--name-prefix P] [--join NODE_ENDPOINT]
 #        [--prefill-devices D[,D...]] [--decode-devices D[,D...]]      one node per device listed
-#        [--num-prefill N] [--num-decode M]     N or M nodes on the one device given (default 1)
+#        [--num-prefill N] [--num-decode M]     N or M nodes on the one device given (default 1; 0: none here)
 #        [--kv-transfer auto|ipc|tcp|dist] [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N]
 #        [--max-model-len N] [--block-size N] [--token-budget N] [--kv-cache-fraction F]
 #        [--http-port 8000 | --no-http] [--served-model-name NAME] [--log-level LEVEL]
@@ -23,6 +23,12 @@
 # to hand KV to --advertise-host (default: this host's first address, hostname -I).
 # Node links use CURVE keys: a fresh set per cluster (removed at exit) unless
 # --keys DIR names a kept one (python -m launch.keys DIR); --no-keys leaves them open.
+# Across hosts (README, "Across hosts"): make the keys once for every node name
+# (pdserve keys KEYS --nodes a-prefill-0,b-decode-0) and copy KEYS to each host;
+# --name-prefix P names this host's nodes P+prefill-0, ..., P+decode-0, ...; a host
+# with --join tcp://A:PORT (the frontend host's BASE+1) starts no frontend, only its
+# nodes, which register there (restarted here when they die) and take handoffs at
+# BASE+2+i on --host; it prints PDSERVE_JOINED=ENDPOINT once they are registered.
 # A node that dies is restarted with backoff (1 s doubling to 30 s); if the
 # frontend dies, everything stops. SIGTERM/SIGINT drain: no new requests, running
 # ones get --drain-timeout seconds (default 30) to finish, then every process stops.
@@ -31,7 +37,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 MODEL="" PREFILL_DEVICES=cpu DECODE_DEVICES=cpu NUM_PREFILL="" NUM_DECODE="" HOST=127.0.0.1 ADVERTISE_HOST=""
 BASE_PORT=5600 DEMO=0 DTYPE="" KV_MEM="" MAX_BATCH=64 READY_TIMEOUT=300 KV_TRANSFER=auto
-KEYS="" USE_KEYS=1 RESTART=1 DRAIN_TIMEOUT=30 HTTP_PORT=8000 SERVED_NAME="" LOG_LEVEL=""
+KEYS="" USE_KEYS=1 RESTART=1 DRAIN_TIMEOUT=30 HTTP_PORT=8000 SERVED_NAME="" LOG_LEVEL="" PREFIX="" JOIN=""
 MAX_MODEL_LEN="" BLOCK_SIZE="" TOKEN_BUDGET="" KV_FRACTION=""
 FRONTEND_EXTRA=() PREFILL_EXTRA=() DECODE_EXTRA=()
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'; }
@@ -51,6 +57,8 @@ while [ $# -gt 0 ]; do
         --host) HOST="$(value "$@")"; shift 2 ;;
         --advertise-host) ADVERTISE_HOST="$(value "$@")"; shift 2 ;;
         --base-port) BASE_PORT="$(value "$@")"; shift 2 ;;
+        --name-prefix) PREFIX="$(value "$@")"; shift 2 ;;
+        --join) JOIN="$(value "$@")"; shift 2 ;;
         --dtype) DTYPE="$(value "$@")"; shift 2 ;;
         --kv-cache-memory) KV_MEM="$(value "$@")"; shift 2 ;;
         --max-batch-size|--max-num-seqs) MAX_BATCH="$(value "$@")"; shift 2 ;;
@@ -94,8 +102,8 @@ devices_for() {  # devices_for LIST COUNT ROLE -> one device per line
         if [ "${#d[@]}" != 1 ]; then
             echo "start_cluster: give --num-$role with one --$role-devices device, not ${#d[@]}" >&2; exit 2
         fi
-        if ! [[ "$count" =~ ^[1-9][0-9]*$ ]]; then
-            echo "start_cluster: --num-$role needs a positive integer, got '$count'" >&2; exit 2
+        if ! [[ "$count" =~ ^[0-9]+$ ]]; then
+            echo "start_cluster: --num-$role needs a whole number, got '$count'" >&2; exit 2
         fi
         for _ in $(seq "$count"); do echo "${d[0]}"; done
     else
@@ -104,7 +112,13 @@ devices_for() {  # devices_for LIST COUNT ROLE -> one device per line
 }
 mapfile -t PREFILL_DEVS < <(devices_for "$PREFILL_DEVICES" "$NUM_PREFILL" prefill)
 mapfile -t DECODE_DEVS < <(devices_for "$DECODE_DEVICES" "$NUM_DECODE" decode)
-[ "${#PREFILL_DEVS[@]}" -gt 0 ] && [ "${#DECODE_DEVS[@]}" -gt 0 ] || exit 2
+[[ "$PREFIX" =~ ^[A-Za-z0-9._-]*$ ]] || die "--name-prefix takes letters, digits, '.', '_' and '-', got '$PREFIX'"
+if [ -n "$JOIN" ]; then
+    [[ "$JOIN" =~ ^tcp://[^/]+:[0-9]+$ ]] || die "--join needs the frontend's node endpoint tcp://HOST:PORT, got '$JOIN'"
+    [ $((${#PREFILL_DEVS[@]} + ${#DECODE_DEVS[@]})) -gt 0 ] || die "--join with no node to start (--num-prefill 0 --num-decode 0)"
+    [ $DEMO = 0 ] || die "--demo needs a frontend here: not with --join"
+    [ $USE_KEYS = 0 ] || [ -n "$KEYS" ] || die "--join needs --keys DIR, the cluster's key directory copied from the frontend's host (or --no-keys, as the frontend)"
+fi
 
 if [ -z "$MODEL" ]; then
     MODEL="${PDSERVE_HOME:-$HOME/.cache/pdserve}/tiny-qwen3"
@@ -116,7 +130,7 @@ fi
 
 if [[ "$HOST" == *:* ]]; then ADDR="[$HOST]"; else ADDR="$HOST"; fi
 CLIENTS="tcp://$ADDR:$BASE_PORT"
-NODES="tcp://$ADDR:$((BASE_PORT + 1))"
+NODES="${JOIN:-tcp://$ADDR:$((BASE_PORT + 1))}"
 COMMON=(--model "$MODEL" --max-batch-size "$MAX_BATCH" --kv-transfer "$KV_TRANSFER")
 [ -n "$DTYPE" ] && COMMON+=(--dtype "$DTYPE")
 [ -n "$KV_MEM" ] && COMMON+=(--kv-cache-memory "$KV_MEM")
@@ -132,6 +146,7 @@ FRONTEND_OPTS=()
 [ -n "$LOG_LEVEL" ] && FRONTEND_OPTS+=(--log-level "$LOG_LEVEL")
 REMOTE=()
 case "$HOST" in 127.*|localhost|::1) ;; *) REMOTE=(--allow-remote) ;; esac
+case "$NODES" in tcp://127.*|tcp://localhost:*|"tcp://[::1]:"*) ;; *) REMOTE=(--allow-remote) ;; esac
 ADVERTISE=""   # a wildcard names no address a peer can reach: say which one
 case "$HOST" in
     0.0.0.0|::|"*")
@@ -143,6 +158,7 @@ esac
 # Every port this cluster binds must be free now: a port in use means another
 # cluster, which must not answer our readiness check or receive our nodes.
 PORTS=("$BASE_PORT" "$((BASE_PORT + 1))" $HTTP_PORT)
+[ -n "$JOIN" ] && PORTS=()   # no frontend here: only the KV ports
 for i in "${!DECODE_DEVS[@]}"; do PORTS+=("$((BASE_PORT + 2 + i))"); done
 if ! "$PY" - "$HOST" "${PORTS[@]}" <<'PYEOF'
 import socket, sys
@@ -177,20 +193,25 @@ threads_for() {  # threads_for DEVICE ROLE -> --threads N
     elif [ "$2" = prefill ]; then echo "--threads $PREFILL_THREADS"
     else echo "--threads $DECODE_THREADS"; fi
 }
-echo "[pdserve] $NUM_CORES cores: each cpu prefill node $PREFILL_THREADS low-priority lane(s), each cpu decode node $DECODE_THREADS thread(s), the frontend 1" >&2
+echo "[pdserve] $NUM_CORES cores: each cpu prefill node $PREFILL_THREADS low-priority lane(s), each cpu decode node $DECODE_THREADS thread(s), $([ -n "$JOIN" ] && echo "no frontend here" || echo "the frontend 1")" >&2
 
 # The node list: name, role, device, and the command that starts it.
 NAMES=() ROLES=() DEVS=() KVS=()
 for i in "${!DECODE_DEVS[@]}"; do
-    NAMES+=("decode-$i") ROLES+=(decode) DEVS+=("${DECODE_DEVS[$i]}") KVS+=("tcp://$ADDR:$((BASE_PORT + 2 + i))")
+    NAMES+=("${PREFIX}decode-$i") ROLES+=(decode) DEVS+=("${DECODE_DEVS[$i]}") KVS+=("tcp://$ADDR:$((BASE_PORT + 2 + i))")
 done
 for i in "${!PREFILL_DEVS[@]}"; do
-    NAMES+=("prefill-$i") ROLES+=(prefill) DEVS+=("${PREFILL_DEVS[$i]}") KVS+=("")
+    NAMES+=("${PREFIX}prefill-$i") ROLES+=(prefill) DEVS+=("${PREFILL_DEVS[$i]}") KVS+=("")
 done
 NUM_NODES=${#NAMES[@]}
 
 KEY_ARGS=() TMP_KEYS="" LINKS="open node links"
-if [ $USE_KEYS = 1 ]; then
+if [ $USE_KEYS = 1 ] && [ -n "$JOIN" ]; then   # the frontend's host made them: use, never make
+    for file in frontend.key "${NAMES[@]/%/.key_secret}"; do
+        [ -f "$KEYS/$file" ] || die "$KEYS has no $file: make the keys once for every node name (pdserve keys KEYS --nodes ...) and copy the directory to each host"
+    done
+    KEY_ARGS=(--keys "$KEYS") LINKS="CURVE keys in $KEYS"
+elif [ $USE_KEYS = 1 ]; then
     if [ -z "$KEYS" ]; then TMP_KEYS="$(mktemp -d)"; KEYS="$TMP_KEYS"; fi
     "$PY" -m launch.keys "$KEYS" --nodes "$(IFS=,; echo "${NAMES[*]}")" >/dev/null
     KEY_ARGS=(--keys "$KEYS") LINKS="CURVE keys in $KEYS"
@@ -218,13 +239,17 @@ cleanup() {  # stop everything: the frontend drains first, then the nodes stop
     for pid in "${all[@]}"; do [ -n "$pid" ] && kill -KILL "$pid" 2>/dev/null || true; done
     wait 2>/dev/null || true
     [ -n "$TMP_KEYS" ] && rm -rf "$TMP_KEYS"
+    rm -rf "$READY_DIR"
     return 0
 }
 trap 'echo "[pdserve] stopping (draining for up to ${DRAIN_TIMEOUT}s)" >&2; cleanup; exit 130' INT
 trap 'echo "[pdserve] stopping (draining for up to ${DRAIN_TIMEOUT}s)" >&2; cleanup; exit 143' TERM
 
+READY_DIR="$(mktemp -d)"   # each node writes READY_DIR/NAME once the frontend accepts it
 start_node() {  # start_node INDEX
     local i=$1
+    rm -f "$READY_DIR/${NAMES[$i]}"
+    export PDSERVE_READY_FILE="$READY_DIR/${NAMES[$i]}"
     if [ "${ROLES[$i]}" = decode ]; then
         "${SETSID[@]}" "$PY" -m decode_node "${COMMON[@]}" --device "${DEVS[$i]}" --name "${NAMES[$i]}" \
             $(threads_for "${DEVS[$i]}" decode) \
@@ -240,16 +265,18 @@ start_node() {  # start_node INDEX
     STARTED_AT[$i]=$SECONDS
 }
 
-"${SETSID[@]}" "$PY" -m frontend --model "$MODEL" --clients "$CLIENTS" --nodes "$NODES" "${KEY_ARGS[@]}" --threads 1 \
-    --drain-timeout "$DRAIN_TIMEOUT" "${REMOTE[@]}" "${FRONTEND_OPTS[@]}" "${FRONTEND_EXTRA[@]}" &
-FRONTEND_PID=$!
+if [ -z "$JOIN" ]; then
+    "${SETSID[@]}" "$PY" -m frontend --model "$MODEL" --clients "$CLIENTS" --nodes "$NODES" "${KEY_ARGS[@]}" \
+        --threads 1 --drain-timeout "$DRAIN_TIMEOUT" "${REMOTE[@]}" "${FRONTEND_OPTS[@]}" "${FRONTEND_EXTRA[@]}" &
+    FRONTEND_PID=$!
+fi
 for i in $(seq 0 $((NUM_NODES - 1))); do start_node "$i"; BACKOFF[$i]=1; RESTART_AT[$i]=""; done
 
 DEAD=""
 find_dead() {  # sets DEAD to "NAME (pid P) exited with code C" for a process that exited
     local i rc   # NOTE: not in a subshell: only this shell can wait for its children
     DEAD=""
-    if ! kill -0 "$FRONTEND_PID" 2>/dev/null; then
+    if [ -n "$FRONTEND_PID" ] && ! kill -0 "$FRONTEND_PID" 2>/dev/null; then
         rc=0; wait "$FRONTEND_PID" || rc=$?; DEAD="the frontend (pid $FRONTEND_PID) exited with code $rc"; return
     fi
     for i in "${!NODE_PIDS[@]}"; do
@@ -259,23 +286,42 @@ find_dead() {  # sets DEAD to "NAME (pid P) exited with code C" for a process th
     done
 }
 
-# Ready means our frontend has heard from every node: a handshake, not a sleep.
+# Ready means our frontend has heard from every node started here (nodes of other
+# hosts may join later), or, joining, that every node here was accepted by the
+# frontend there: a handshake, not a sleep.
+is_ready() {
+    if [ -n "$JOIN" ]; then
+        local name
+        for name in "${NAMES[@]}"; do [ -f "$READY_DIR/$name" ] || return 1; done
+    else
+        "$PY" -m frontend.client --endpoint "$CLIENTS" --wait-ready 2 --wait-names "$(IFS=,; echo "${NAMES[*]}")" \
+            --frontend-pid "$FRONTEND_PID" >/dev/null 2>&1
+    fi
+}
 deadline=$((SECONDS + READY_TIMEOUT))
-until "$PY" -m frontend.client --endpoint "$CLIENTS" --wait-ready 2 --wait-nodes "$NUM_NODES" \
-        --frontend-pid "$FRONTEND_PID" >/dev/null 2>&1; do
+until is_ready; do
+    [ -n "$JOIN" ] && sleep 0.2
     find_dead
     if [ -n "$DEAD" ]; then
         echo "[pdserve] $DEAD during start-up (its error is above); stopping" >&2
         cleanup; exit 1
     fi
     if [ $SECONDS -ge $deadline ]; then
-        echo "[pdserve] not ready after ${READY_TIMEOUT}s; stopping" >&2
+        if [ -n "$JOIN" ]; then
+            echo "[pdserve] the frontend at $JOIN did not accept every node here within ${READY_TIMEOUT}s (unreachable, or other keys?); stopping" >&2
+        else
+            echo "[pdserve] not ready after ${READY_TIMEOUT}s; stopping" >&2
+        fi
         cleanup; exit 1
     fi
 done
+if [ -n "$JOIN" ]; then
+    echo "[pdserve] joined the frontend at $JOIN: ${NAMES[*]} registered (node pids ${NODE_PIDS[*]}; KV at $ADDR from port $((BASE_PORT + 2)); $LINKS)" >&2
+    echo "PDSERVE_JOINED=$JOIN"
+fi
 HTTP_NOTE=""; [ -n "$HTTP_PORT" ] && HTTP_NOTE=", OpenAI API at http://$ADDR:$HTTP_PORT/v1"
-echo "[pdserve] ready: ${#PREFILL_DEVS[@]} prefill + ${#DECODE_DEVS[@]} decode nodes; clients connect to $CLIENTS$HTTP_NOTE (frontend pid $FRONTEND_PID, node pids ${NODE_PIDS[*]}; $LINKS)" >&2
-echo "PDSERVE_ENDPOINT=$CLIENTS"
+[ -z "$JOIN" ] && echo "[pdserve] ready: ${#PREFILL_DEVS[@]} prefill + ${#DECODE_DEVS[@]} decode nodes; clients connect to $CLIENTS$HTTP_NOTE (frontend pid $FRONTEND_PID, node pids ${NODE_PIDS[*]}; $LINKS)" >&2
+[ -z "$JOIN" ] && echo "PDSERVE_ENDPOINT=$CLIENTS"
 
 if [ $DEMO = 1 ]; then
     rc=0
@@ -294,7 +340,7 @@ fi
 # again after its backoff (which resets once a node has run for a minute).
 while true; do
     sleep 0.2
-    if ! kill -0 "$FRONTEND_PID" 2>/dev/null; then
+    if [ -n "$FRONTEND_PID" ] && ! kill -0 "$FRONTEND_PID" 2>/dev/null; then
         rc=0; wait "$FRONTEND_PID" || rc=$?
         echo "[pdserve] the frontend (pid $FRONTEND_PID) exited with code $rc; stopping the cluster" >&2
         FRONTEND_PID=""

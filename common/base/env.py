@@ -17,6 +17,7 @@ class Env:
     disable_triton: bool      # PDSERVE_DISABLE_TRITON=1: portable kernels on CUDA too
     disable_graphs: bool      # PDSERVE_DISABLE_GRAPHS=1: eager decode on CUDA
     disable_cpu_kernels: bool  # PDSERVE_DISABLE_CPU_KERNELS=1: portable attention on CPU too
+    ready_file: Path | None   # PDSERVE_READY_FILE: a node writes it once the frontend accepts it
 
 
 def read_env() -> Env:
@@ -26,4 +27,5 @@ def read_env() -> Env:
         disable_triton=os.environ.get("PDSERVE_DISABLE_TRITON", "0") == "1",
         disable_graphs=os.environ.get("PDSERVE_DISABLE_GRAPHS", "0") == "1",
         disable_cpu_kernels=os.environ.get("PDSERVE_DISABLE_CPU_KERNELS", "0") == "1",
+        ready_file=Path(os.environ["PDSERVE_READY_FILE"]) if os.environ.get("PDSERVE_READY_FILE") else None,
     )

@@ -15,6 +15,7 @@ from typing import Callable
 
 from common.wire.channel import Channel, open_context
 from common.base.config import NodeLinks
+from common.base.env import read_env
 from common.runtime.heartbeat import HeartbeatThread, Registration
 from common.runtime.process import StopEvent
 from common.wire.keys import load_keys
@@ -37,6 +38,7 @@ class NodeRuntime:
         self.heartbeat: HeartbeatThread | None = None
         self._stats: Callable[[], dict] | None = None
         self._is_empty: Callable[[], bool] = lambda: True
+        self._is_ready_told = False
 
     def start(self, send_ready: Callable[[], bool], stats: Callable[[], dict],
               is_empty: Callable[[], bool]) -> None:
@@ -57,6 +59,8 @@ class NodeRuntime:
         """Handle the frontend's ready reply or shutdown; False for any other message."""
         if isinstance(msg, ReadyReply):
             self.quit(self.registration.on_reply(msg))
+            if self.registration.is_accepted and not self._is_ready_told:
+                self._tell_ready()
         elif isinstance(msg, Shutdown):
             self.log.info("shutdown requested by the frontend")
             self.stop.set()
@@ -72,6 +76,18 @@ class NodeRuntime:
             self.log.error("stopping: %s", reason)
             self.exit_code = 1
             self.stop.set()
+
+    def _tell_ready(self) -> None:
+        """The first acceptance: logged, and written to PDSERVE_READY_FILE for a
+        launcher that has no client link to the frontend (start_cluster.sh --join)."""
+        self._is_ready_told = True
+        self.log.info("registered with the frontend at %s", self._endpoint)
+        path = read_env().ready_file
+        if path is not None:
+            try:
+                path.write_text(f"{self.name}\n")
+            except OSError as e:
+                self.log.warning("could not write the ready file %s: %s", path, e.strerror)
 
     @property
     def is_draining(self) -> bool:
