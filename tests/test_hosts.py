@@ -4,10 +4,14 @@ this machine's loopback)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
+
+import pytest
 
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import ROOT, free_base_port, python_children_of, wait_for
@@ -107,3 +111,82 @@ def test_a_joining_host_without_its_key_says_so_in_one_line(tiny_model, tmp_path
                           "--num-prefill", "0", "--num-decode", "1"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 2 and "--join needs --keys DIR" in out.stderr
+
+
+def _client(hosts, endpoint: str, *args: str, timeout_s: float = 120) -> dict:
+    out = hosts.run("a", [sys.executable, "-m", "tests.netns_client", endpoint, *args], timeout_s=timeout_s,
+                    cwd=ROOT, env=_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_three_simulated_hosts_serve_exactly_and_survive_a_host_cut_off(tiny_model, tmp_path):
+    """Host a: the frontend and a prefill node; hosts b and c: a decode node each, by
+    the one-command-per-host contract, each host its own network namespace, hostname
+    and /dev/shm. Exact tokens over both decode hosts, KV over tcp (never ipc across
+    hosts); then b is cut off mid-stream: its requests move to c and finish, b is
+    declared dead, nothing stays held on a or c, and b serves again once back."""
+    from tests import netns_util
+    why = netns_util.why_not()
+    if why:
+        pytest.skip(why)
+    keys = tmp_path / "keys"
+    subprocess.run([sys.executable, "-m", "launch.keys", str(keys), "--nodes", "a-prefill-0,b-decode-0,c-decode-0"],
+                   check=True, cwd=ROOT, capture_output=True)
+    candidates = [[(13 * i + j) % 500 + 1 for j in range(6 + i)] for i in range(16)]
+    prompts, expected = clear_prompts(tiny_model, candidates, 12, 8)
+    with netns_util.Hosts(["a", "b", "c"]) as hosts:
+        common = ["bash", str(ROOT / "launch/start_cluster.sh"), "--model", str(tiny_model), "--keys", str(keys),
+                  "--kv-cache-memory", "8MiB", "--no-http", "--base-port", "5600"]
+        a = hosts.popen("a", [*common, "--host", hosts.addr("a"), "--name-prefix", "a-", "--num-prefill", "1",
+                              "--num-decode", "0"], stdout=subprocess.PIPE, stderr=open(tmp_path / "a.log", "wb"),
+                        cwd=ROOT, env=_env())
+        endpoint = f"tcp://{hosts.addr('a')}:5600"
+        assert a.stdout.readline().decode().strip() == f"PDSERVE_ENDPOINT={endpoint}"
+        join = f"tcp://{hosts.addr('a')}:5601"
+        for name in ("b", "c"):
+            h = hosts.popen(name, [*common, "--host", hosts.addr(name), "--name-prefix", f"{name}-",
+                                   "--join", join, "--num-prefill", "0", "--num-decode", "1"],
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / f"{name}.log", "wb"), cwd=ROOT, env=_env())
+            assert h.stdout.readline().decode().strip() == f"PDSERVE_JOINED={join}"
+
+        results = _client(hosts, endpoint, "complete", json.dumps(prompts), "12")["results"]
+        assert [r["tokens"] for r in results] == expected and all(r["error"] is None for r in results)
+        deadline = time.monotonic() + 20
+        while (nodes := _client(hosts, endpoint, "stats")["nodes"])["a-prefill-0"].get("kv_links") != \
+                {"b-decode-0": "tcp", "c-decode-0": "tcp"}:
+            assert time.monotonic() < deadline, nodes["a-prefill-0"].get("kv_links")
+            time.sleep(0.5)
+        assert nodes["b-decode-0"]["num_routed"] >= 2 and nodes["c-decode-0"]["num_routed"] >= 2
+
+        # Host b cut off mid-stream: silence, no reset.
+        streams = hosts.popen("a", [sys.executable, "-m", "tests.netns_client", endpoint, "streams",
+                                    json.dumps([[i + 1] * 9 for i in range(8)]), "800"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=_env())
+        assert json.loads(streams.stdout.readline())["started"]
+        cut_at = time.monotonic()
+        hosts.cut("b")
+        out, err = streams.communicate(timeout=120)
+        rows = json.loads(out.strip().splitlines()[-1])["results"]
+        for r in rows:
+            assert r["ended_at"] - cut_at < 20 + 8, r   # ended (or moved and finished) in time
+            assert r["reason"] == "length" and len(r["tokens"]) == 800, r
+        assert sum(r["num_migrations"] for r in rows) >= 1, "b held some of them"
+        stats = _client(hosts, endpoint, "stats")
+        assert not stats["nodes"]["b-decode-0"]["is_alive"]
+        results = _client(hosts, endpoint, "complete", json.dumps(prompts), "12")["results"]
+        assert [r["tokens"] for r in results] == expected
+
+        def idle() -> bool:
+            n = _client(hosts, endpoint, "stats")["nodes"]
+            return all(n[x]["num_free_blocks"] == n[x]["num_usable_blocks"] and not n[x].get("num_reserved_blocks")
+                       for x in ("a-prefill-0", "c-decode-0"))
+        wait_for(idle, 20, "nothing held on the hosts still up")
+
+        hosts.restore("b")
+        wait_for(lambda: _client(hosts, endpoint, "stats")["nodes"]["b-decode-0"]["is_alive"], 30, "b back")
+    assert not netns_util.leftover_namespaces()
