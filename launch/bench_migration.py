@@ -19,15 +19,13 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 from common.runtime.process import HelpFormat
 from frontend.client import AsyncClient, Client
+from launch.cluster_run import running_cluster
 
-ROOT = Path(__file__).resolve().parents[1]
 DEAD_AFTER_S = 3.0   # the frontend's default --dead-after
 
 
@@ -90,15 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="default: the tiny model start_cluster makes")
     p.add_argument("--base-port", type=int, default=5800)
     a = p.parse_args(argv)
-    cmd = ["bash", str(ROOT / "launch/start_cluster.sh"), "--num-decode", "2", "--no-http",
-           "--base-port", str(a.base_port), *(["--model", a.model] if a.model else [])]
-    cluster = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True)
-    try:
-        line = cluster.stdout.readline().decode()
-        if not line.startswith("PDSERVE_ENDPOINT="):
-            print("bench_migration: the cluster did not start", file=sys.stderr)
+    args = ["--num-decode", "2", "--no-http", "--base-port", str(a.base_port),
+            *(["--model", a.model] if a.model else [])]
+    with running_cluster(args, "bench_migration") as endpoint:
+        if endpoint is None:
             return 1
-        endpoint = line.strip().split("=", 1)[1]
         with Client(endpoint) as c:
             stats = c.stats()
         vocab = stats.model["vocab_size"]
@@ -114,10 +108,6 @@ def main(argv: list[str] | None = None) -> int:
                                             "node counts as dead), plus a prefill of its prompt and tokens"}}),
               flush=True)
         return 0 if not killed["num_failed"] and not undisturbed["num_failed"] else 1
-    finally:
-        if cluster.poll() is None:
-            os.killpg(cluster.pid, signal.SIGTERM)
-            cluster.wait(60)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ import os
 import random
 import re
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -43,9 +42,9 @@ from pathlib import Path
 
 from common.runtime.process import HelpFormat
 from frontend.client import AsyncClient, Client
+from launch.cluster_run import running_cluster
 from launch.reference import clear_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
 COUNTED = ("num_preemptions", "num_swapped", "num_recomputed", "num_prefix_hit_tokens",
            "num_prefix_evictions", "num_handoffs", "num_failed")   # summed over the nodes in the summary
 
@@ -239,16 +238,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="SIGKILL a random node every S seconds (the cluster restarts it)")
     a = p.parse_args(argv)
     http_port = a.base_port + 90
-    cmd = ["bash", str(ROOT / "launch/start_cluster.sh"), "--base-port", str(a.base_port),
-           "--http-port", str(http_port), "--max-batch-size", "32",
-           *(["--model", a.model] if a.model else []), *a.cluster_arg]
-    cluster = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True)
-    try:
-        line = cluster.stdout.readline().decode()
-        if not line.startswith("PDSERVE_ENDPOINT="):
-            print("soak: the cluster did not start", file=sys.stderr)
+    args = ["--base-port", str(a.base_port), "--http-port", str(http_port), "--max-batch-size", "32",
+            *(["--model", a.model] if a.model else []), *a.cluster_arg]
+    with running_cluster(args, "soak") as endpoint:
+        if endpoint is None:
             return 1
-        endpoint = line.strip().split("=", 1)[1]
         with Client(endpoint) as c:
             stats = c.stats()
         # A long request asks for all a decode node could ever hold: more is refused.
@@ -282,10 +276,6 @@ def main(argv: list[str] | None = None) -> int:
                                             for n in final if final[n] and first["rss_mb"].get(n)},
                           "is_every_block_free": is_free}), flush=True)
         return 0 if is_free and not unexpected else 1
-    finally:
-        if cluster.poll() is None:
-            os.killpg(cluster.pid, signal.SIGTERM)
-            cluster.wait(60)
 
 
 if __name__ == "__main__":
