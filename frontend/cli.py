@@ -37,19 +37,31 @@ def format_stats(stats: StatsReply) -> str:
     return "\n".join(lines)
 
 
+def _add_link_args(p: argparse.ArgumentParser) -> None:
+    """Where the frontend is and how to reach it: every command's options."""
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5600", help="the frontend's client endpoint")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for the frontend to answer at all")
+    p.add_argument("--keys", default=None, metavar="DIR",
+                   help="for a frontend with --client-keys: the key directory ...")
+    p.add_argument("--key-name", default="client", help="... and this client's key in DIR/clients")
+
+
+def _client(a: argparse.Namespace) -> Client:
+    """ValueError: a bad endpoint or key."""
+    return Client(a.endpoint, keys_dir=a.keys, key_name=a.key_name, connect_timeout_s=a.timeout)
+
+
 def drain(argv: list[str] | None = None) -> int:
     """pdserve drain NODE: stop routing to a node, move its requests to other nodes, and
-    let it exit once empty (a launcher restarts it). Exit 1 if refused."""
+    let it exit once empty (a launcher restarts it). Refused (exit 1) unless the client
+    endpoint is loopback or clients are keyed."""
     p = argparse.ArgumentParser(prog="pdserve drain", description=drain.__doc__, formatter_class=HelpFormat)
     p.add_argument("node", help="the node's name, as in pdserve client --stats")
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5600", help="the frontend's client endpoint "
-                   "(a drain is refused unless it is loopback or clients are keyed)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the frontend's answer")
-    p.add_argument("--keys", default=None, metavar="DIR", help="for a frontend with --client-keys ...")
-    p.add_argument("--key-name", default="client", help="... and this client's key in DIR/clients")
+    _add_link_args(p)
     a = p.parse_args(argv)
     try:
-        with Client(a.endpoint, keys_dir=a.keys, key_name=a.key_name, connect_timeout_s=a.timeout) as c:
+        with _client(a) as c:
             reply = c.drain(a.node, a.timeout)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -65,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit 0 when every request finished normally; 1 when one failed or the frontend
     did not answer; 2 for bad options; 130 on Ctrl-C (the requests are aborted)."""
     p = argparse.ArgumentParser(prog="pdserve client", description=__doc__, formatter_class=HelpFormat)
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5600", help="the frontend's client endpoint")
+    _add_link_args(p)
     p.add_argument("--prompt", action="append", default=[], help="repeat for several prompts")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -74,8 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None, help="default: a random seed per request")
     p.add_argument("--stop", action="append", default=[], help="a stop string; repeat for several")
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens whatever comes")
-    p.add_argument("--timeout", type=float, default=5.0,
-                   help="seconds to wait for the frontend to answer at all")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may run on the cluster (default: the frontend's)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
@@ -89,12 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --wait-ready: until these nodes are live (no prefill and decode pair needed)")
     p.add_argument("--frontend-pid", type=int, default=None,
                    help="with --wait-ready: the answer must come from this frontend process")
-    p.add_argument("--keys", default=None, metavar="DIR",
-                   help="for a frontend with --client-keys: the key directory ...")
-    p.add_argument("--key-name", default="client", help="... and this client's key in DIR/clients")
     a = p.parse_args(argv)
     try:
-        client = Client(a.endpoint, keys_dir=a.keys, key_name=a.key_name, connect_timeout_s=a.timeout)
+        client = _client(a)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

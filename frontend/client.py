@@ -186,31 +186,30 @@ class Client:
     def abort(self, request_id: str) -> None:
         self._ch.send(AbortRequest(request_id))
 
-    def stats(self, timeout_s: float = 5.0) -> StatsReply:
-        self._ch.send(StatsRequest())
+    def _call(self, msg, replies: tuple[type, ...], timeout_s: float):
+        """Send msg; the first reply of one of these types that names no request (the
+        outputs read meanwhile go to their requests' inboxes)."""
+        self._ch.send(msg)
         deadline = time.monotonic() + timeout_s
         while True:
-            for msg in self._recv(max(deadline - time.monotonic(), 0.001)):
+            for m in self._recv(max(deadline - time.monotonic(), 0.001)):
                 self.is_connected = True
-                if isinstance(msg, StatsReply):
-                    return msg   # NOTE: never batched, so nothing after it is left unread
-                if getattr(msg, "request_id", None) is not None:
-                    self._file(msg)
+                if getattr(m, "request_id", None) is not None:
+                    self._file(m)
+                elif isinstance(m, replies):
+                    return m   # NOTE: never batched, so nothing after it is left unread
+
+    def stats(self, timeout_s: float = 5.0) -> StatsReply:
+        return self._call(StatsRequest(), (StatsReply,), timeout_s)
 
     def drain(self, node: str, timeout_s: float = 5.0) -> DrainReply:
         """Drain a node: the frontend routes nothing more to it and moves its requests to
         other nodes; the node stops once empty. ServerError says why it was refused."""
         self.connect()
-        self._ch.send(DrainRequest(node))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            for msg in self._recv(max(deadline - time.monotonic(), 0.001)):
-                if isinstance(msg, DrainReply):
-                    return msg
-                if isinstance(msg, ErrorReply) and msg.request_id is None:
-                    raise ServerError(msg.error)
-                if getattr(msg, "request_id", None) is not None:
-                    self._file(msg)
+        reply = self._call(DrainRequest(node), (DrainReply, ErrorReply), timeout_s)
+        if isinstance(reply, ErrorReply):
+            raise ServerError(reply.error)
+        return reply
 
     def wait_ready(self, timeout_s: float, num_nodes: int = 0,
                    frontend_pid: int | None = None, names: list[str] | None = None) -> StatsReply:

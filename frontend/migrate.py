@@ -104,10 +104,10 @@ class Migrations:
         return {k: v for k, v in parts.items() if k in _PER_NODE_PARTS}
 
     async def check_wait(self, req: RequestState, now: float) -> None:
-        """The watchdog: a moved request that found no node pair in time fails."""
+        """The watchdog, for a moved request not yet routed again: it fails once it has
+        found no node pair for --migration-wait."""
         fe = self.fe
-        if req.moved_at is None or now - req.moved_at <= fe.cfg.migration_wait_s \
-                or router.choose(fe.nodes) is not None:
+        if now - req.moved_at <= fe.cfg.migration_wait_s or router.choose(fe.nodes) is not None:
             return
         self.num_failed += 1
         await fe.finish(req, FINISH_ERROR, f"no live prefill and decode node pair to continue on within "

@@ -30,7 +30,6 @@ class RequestState:
     deadline: float              # monotonic
     prefill_node: str | None = None   # None while it waits here for its turn
     decode_node: str | None = None
-    num_tokens: int = 0
     timings: dict = field(default_factory=dict)
     is_prefilled: bool = False   # its first token came back (or it ended)
     early_token: int | None = None   # the first token, streamed by the prefill node
@@ -48,6 +47,10 @@ class RequestState:
     moved_from: str = ""                  # "decode node X (why)", for the log
     stalled_since: float | None = None    # monotonic; None once a token came after the move
     migrated_s: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.output_ids)
 
     @property
     def kv_tokens(self) -> int:
@@ -73,7 +76,6 @@ class RequestState:
 
     def add_output(self, token_ids: list[int]) -> None:
         """Tokens on their way to the client (a moved request's wait ends with the first)."""
-        self.num_tokens += len(token_ids)
         self.output_ids += token_ids
         self.detok.add(token_ids)
         if token_ids:

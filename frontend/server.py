@@ -402,7 +402,7 @@ class Frontend:
             for req in list(self.requests.values()):
                 if now > req.deadline:
                     await self.finish(req, FINISH_ABORT, "deadline exceeded", status=504)
-                else:
+                elif req.moved_at is not None:   # NOTE: every request, every tick: test first
                     await self.migrations.check_wait(req, now)
             if self.admission.num_waiting:
                 self._wake.set()

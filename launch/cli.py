@@ -28,19 +28,14 @@ def _serve(argv: list[str]) -> int:
     return 1   # not reached
 
 
-def _module(name: str):
+def _module(name: str, function: str = "main"):
     def run(argv: list[str]) -> int:
         import importlib
-        return importlib.import_module(name).main(argv) or 0
+        return getattr(importlib.import_module(name), function)(argv) or 0
     return run
 
 
-def _drain(argv: list[str]) -> int:
-    from frontend.cli import drain
-    return drain(argv)
-
-
-COMMANDS = {"serve": _serve, "client": _module("frontend.client"), "drain": _drain,
+COMMANDS = {"serve": _serve, "client": _module("frontend.client"), "drain": _module("frontend.cli", "drain"),
             "bench": _module("launch.bench_serving"),
             "keys": _module("launch.keys"), "make-tiny-model": _module("launch.make_tiny_model")}
 

@@ -221,6 +221,7 @@ fi
 SETSID=(); command -v setsid >/dev/null && SETSID=(setsid)
 
 FRONTEND_PID="" NODE_PIDS=() STARTED_AT=() BACKOFF=() RESTART_AT=()
+READY_DIR="$(mktemp -d)"   # each node writes READY_DIR/NAME once the frontend accepts it
 cleanup() {  # stop everything: the frontend drains first, then the nodes stop
     trap - INT TERM
     if [ -n "$FRONTEND_PID" ] && kill -0 "$FRONTEND_PID" 2>/dev/null; then
@@ -245,7 +246,6 @@ cleanup() {  # stop everything: the frontend drains first, then the nodes stop
 trap 'echo "[pdserve] stopping (draining for up to ${DRAIN_TIMEOUT}s)" >&2; cleanup; exit 130' INT
 trap 'echo "[pdserve] stopping (draining for up to ${DRAIN_TIMEOUT}s)" >&2; cleanup; exit 143' TERM
 
-READY_DIR="$(mktemp -d)"   # each node writes READY_DIR/NAME once the frontend accepts it
 start_node() {  # start_node INDEX
     local i=$1
     rm -f "$READY_DIR/${NAMES[$i]}"
@@ -318,10 +318,11 @@ done
 if [ -n "$JOIN" ]; then
     echo "[pdserve] joined the frontend at $JOIN: ${NAMES[*]} registered (node pids ${NODE_PIDS[*]}; KV at $ADDR from port $((BASE_PORT + 2)); $LINKS)" >&2
     echo "PDSERVE_JOINED=$JOIN"
+else
+    HTTP_NOTE=""; [ -n "$HTTP_PORT" ] && HTTP_NOTE=", OpenAI API at http://$ADDR:$HTTP_PORT/v1"
+    echo "[pdserve] ready: ${#PREFILL_DEVS[@]} prefill + ${#DECODE_DEVS[@]} decode nodes; clients connect to $CLIENTS$HTTP_NOTE (frontend pid $FRONTEND_PID, node pids ${NODE_PIDS[*]}; $LINKS)" >&2
+    echo "PDSERVE_ENDPOINT=$CLIENTS"
 fi
-HTTP_NOTE=""; [ -n "$HTTP_PORT" ] && HTTP_NOTE=", OpenAI API at http://$ADDR:$HTTP_PORT/v1"
-[ -z "$JOIN" ] && echo "[pdserve] ready: ${#PREFILL_DEVS[@]} prefill + ${#DECODE_DEVS[@]} decode nodes; clients connect to $CLIENTS$HTTP_NOTE (frontend pid $FRONTEND_PID, node pids ${NODE_PIDS[*]}; $LINKS)" >&2
-[ -z "$JOIN" ] && echo "PDSERVE_ENDPOINT=$CLIENTS"
 
 if [ $DEMO = 1 ]; then
     rc=0

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from frontend.client import AsyncClient, Client
-from tests.cluster_util import ROOT, free_base_port, python_children_of, wait_for
+from tests.cluster_util import ROOT, free_base_port, is_alive, python_children_of, wait_for
 from tests.conftest import clear_prompts
 
 
@@ -34,9 +34,7 @@ class Launcher:
             self.proc.send_signal(signal.SIGTERM)
         rc = self.proc.wait(60)
         self.log.close()
-        wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") and
-                                 open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] != "Z"
-                                 for pid in children), 15, "no process left behind")
+        wait_for(lambda: not any(map(is_alive, children)), 15, "no process left behind")
         return rc
 
     def kill(self) -> None:
