@@ -12,6 +12,7 @@ from common.handoff.states import Hold
 from common.handoff.sender import MAX_RETRY_S, RETRY_S
 from common.handoff.states import Stage
 from common.kv.blocks import BlockAllocator, num_blocks_for
+from common import transfer
 from common.base.request import SamplingParams
 from common.wire import protocol
 from common.wire.protocol import HandoffAck, KVCommit, KVRelease, KVReserve, KVReserved
@@ -273,3 +274,30 @@ def test_transfer_figures_count_writes_bytes_time_and_failures():
     hb.peer.num_blocks = 1                        # its reserved ids no longer fit: refused at the start
     p.tx.start_writes([bad])
     assert p.tx.transfer_figures()["tcp"]["num_failed"] == 1 and hb.stage is Stage.CANCELLED
+
+
+def test_a_cache_that_cannot_be_opened_fails_only_what_its_process_answered():
+    """A welcome from a decode node on its way out (a drain: its cache already gone)
+    fails the handoffs that node answered, releasing their blocks; one its restarted
+    successor answers waits for the successor's welcome and lands."""
+    p = Pair()
+    opened = p.tx.open_writer
+
+    def gone_in_e1(welcome, send):
+        if welcome.epoch == "e1":
+            raise transfer.TransferError("cannot open the decode node's KV cache: no such segment")
+        return opened(welcome, send)
+    p.tx.open_writer = gone_in_e1
+    p.tx.begin(p.job("a"))
+    p.pump()
+    assert p.failed == [("a", "cannot hand KV to decode node decode-0: cannot open the decode node's "
+                              "KV cache: no such segment")]
+    assert "a" not in p.rx.held and p.pool.blocks.num_free == p.pool.blocks.capacity
+    p.start_decode("e2")                         # the successor, at the same address
+    p.clock.advance(1.0)                         # past the hello interval
+    job, h = _handoff(p, "b")
+    assert h.stage is Stage.RESERVED and h.epoch == "e2" and h.peer.writer is not None
+    p.tx.start_writes([job])
+    p.tx.set_first_token(job, 3, {})
+    p.pump()
+    assert len(p.failed) == 1 and p.rx.held["b"].hold is Hold.COMMITTED

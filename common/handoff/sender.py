@@ -260,8 +260,12 @@ class Sender:
                 continue   # the device still reads its blocks: wait for the write
             if h.stage is Stage.CANCELLED:
                 self._end(h, h.error, release=held)
-            elif h.peer.error:
-                self._end(h, h.peer.error)
+            elif h.peer.error and h.epoch == h.peer.epoch:
+                # NOTE: only what the process whose cache could not be opened answered. A
+                # welcome can come from a node on its way out (draining, its cache already
+                # gone); a handoff not yet answered, or answered by its successor, waits for
+                # that answer or the successor's welcome.
+                self._end(h, h.peer.error, release=held)
             elif h.silent_since is not None and now - h.silent_since > lease_s:
                 self._end(h, f"decode node {h.peer.name} did not answer for a reservation within "
                              f"{lease_s:.0f}s", release=held, is_retryable=True)
