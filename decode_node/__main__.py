@@ -3,7 +3,10 @@ import argparse
 import dataclasses
 import sys
 
-from common.base.config import DecodeConfig
+import torch
+
+from common import transfer
+from common.base.config import DecodeConfig, is_loopback_endpoint
 from common.base.flags import add_flags, flagged
 from common.runtime.process import (HelpFormat, add_worker_args, die_with_parent, run_node,
                                     stop_event_on_signals, worker_config)
@@ -14,7 +17,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m decode_node", description=__doc__,
                                 formatter_class=HelpFormat)
     add_worker_args(p)
-    add_flags(p, DecodeConfig)
+    add_flags(p, DecodeConfig, more_help={"kv_transfer": transfer.availability()})
     return p
 
 
@@ -24,8 +27,11 @@ def main(argv=None) -> int:
     stop = stop_event_on_signals()
 
     def build() -> DecodeNode:
-        # ipc on CPU maps the cache through shared memory, so it is allocated there.
-        worker = dataclasses.replace(worker_config(a), is_cache_in_shm=a.kv_transfer in ("auto", "ipc"))
+        # A backend may need the cache where other processes map it (ipc on CPU: shared memory).
+        worker = worker_config(a)
+        reachable = a.kv_advertise or a.kv_endpoint
+        worker = dataclasses.replace(worker, is_cache_in_shm=transfer.needs_shared_cache(
+            a.kv_transfer, torch.device(worker.device), not is_loopback_endpoint(reachable)))
         return DecodeNode(DecodeConfig(worker=worker, **flagged(DecodeConfig, a)))
     return run_node("decode_node", build, stop)
 

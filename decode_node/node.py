@@ -18,7 +18,7 @@ import secrets
 import time
 
 from common.wire.channel import BadMessage, Channel, Poller
-from common.base.config import DecodeConfig, endpoint_host
+from common.base.config import DecodeConfig, endpoint_host, is_loopback_endpoint
 from common.runtime.process import StopEvent, describe_threads
 from common.kv.blocks import BlockAllocator
 from common.base.log import Throttle, get_logger
@@ -67,9 +67,11 @@ class DecodeNode:
                 # With keys, only the cluster's nodes get past the handshake.
                 self.kv = Channel(rt.ctx, True, self.cfg.kv_endpoint, max_message_bytes=kv_limit,
                                   domain="nodes")
-                sink = transfer.KVSink(self.worker.kv_cache, self.worker.kv_shm_name,
-                                       transfer.accepted_backends(self.cfg.kv_transfer, self.worker.device),
-                                       endpoint_host(self.cfg.kv_reachable))
+                sink = transfer.KVSink(
+                    transfer.LocalCache(self.worker.kv_cache, endpoint_host(self.cfg.kv_reachable),
+                                        self.worker.kv_shm_name),
+                    transfer.offered(self.cfg.kv_transfer, self.worker.device,
+                                     not is_loopback_endpoint(self.cfg.kv_reachable)))
                 self._poller = Poller(self.frontend, self.kv)
                 self.blocks = BlockAllocator(self.worker.num_kv_blocks)
                 self.scheduler = DecodeScheduler(self.blocks, self.worker.block_size,
@@ -89,7 +91,7 @@ class DecodeNode:
                 inflight: DecodeTicket | None = None
                 while not stop.is_set():
                     is_busy = bool(inflight or self.scheduler.running or self.handoff.ready
-                                   or self.scheduler.preempted)
+                                   or self.scheduler.preempted) or self.handoff.progress()
                     self._receive(timeout=0 if is_busy else 0.02)
                     self.handoff.turn()   # expire and grant reservations
                     if inflight is None:

@@ -20,7 +20,7 @@ from common.kv.blocks import num_blocks_for
 from common.base.model_spec import ModelSpec, load_spec, preset_spec
 from common.base.config import check_model_dir
 from common.runtime.process import check_device
-from common.wire.protocol import (HandoffAck, Heartbeat, ReadyReply, KVBlocks, KVCommit, KVHello, KVReserve,
+from common.wire.protocol import (HandoffAck, Heartbeat, ReadyReply, KVTransfer, KVCommit, KVHello, KVReserve,
                              KVReserved, KVWelcome, NodeReady)
 from common.transfer import host_id
 
@@ -143,21 +143,26 @@ class NodeUnderTest:
     decode benchmark, the prefill node) on its sockets."""
 
     def __init__(self, module: str, args: list[str], base_port: int, log: str | None, kv_is_router: bool,
-                 keys_dir: str | None = None):
+                 keys_dir: str | None = None, host: str = "127.0.0.1", node_host: str = "127.0.0.1",
+                 prefix: tuple[str, ...] = ()):
         """kv_is_router: we bind the KV endpoint (the prefill node hands off to us).
-        keys_dir: CURVE on both links; we hold the frontend's key and the other node's."""
+        keys_dir: CURVE on both links; we hold the frontend's key and the other node's.
+        host: where we listen; node_host: where the node's KV link listens; prefix: what
+        runs the node on its host (another simulated host, say)."""
         name = "prefill-0" if module == "decode_node" else "decode-0"
         keys = (lambda who: ClusterKeys(Path(keys_dir), who)) if keys_dir else (lambda who: None)
         self.ctx = open_context(keys("frontend"))
         self.kv_ctx = open_context(keys(name))
-        self.node_endpoint = endpoint("127.0.0.1", base_port + 1)
-        self.kv_endpoint = endpoint("127.0.0.1", base_port + 2)
+        self.node_endpoint = endpoint(host, base_port + 1)
+        self.kv_endpoint = endpoint(host if kv_is_router else node_host, base_port + 2)
+        if (host, node_host) != ("127.0.0.1", "127.0.0.1"):
+            args = [*args, "--allow-remote"]
         self.link = Channel(self.ctx, True, self.node_endpoint, max_message_bytes=None, domain="nodes")
         if keys_dir:
             args = [*args, "--keys", keys_dir]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         out = open(log, "ab") if log else subprocess.DEVNULL
-        cmd = [sys.executable, "-m", module, *args, "--frontend", self.node_endpoint]
+        cmd = [*prefix, sys.executable, "-m", module, *args, "--frontend", self.node_endpoint]
         if not kv_is_router:
             cmd += ["--kv-bind", self.kv_endpoint]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -236,7 +241,8 @@ class NodeUnderTest:
             time.sleep(0.05)   # the decode node is full for now
         if reply.block_ids is None:
             raise RuntimeError(f"decode node refused {request_id}: {reply.reason}")
-        self.kv.send(KVBlocks(request_id, 0, kv[:, :, : len(reply.block_ids)].contiguous()))
+        self.kv.send(KVTransfer(request_id, "tcp", {"first_layer": 0},
+                                kv[:, :, : len(reply.block_ids)].contiguous()))
         self.kv.send(KVCommit(request_id, prompt_len, first_token, params, {}, "tcp", [1] * prompt_len))
 
     def close(self) -> None:

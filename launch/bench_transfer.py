@@ -2,7 +2,8 @@
 prefill side writing through the same transfer interface a prefill node uses.
 
     python -m launch.bench_transfer --shape qwen3-0.6b --prefill-device cuda:0 --decode-device cuda:0 \
-        --prompt-len 1024 --num-requests 32 --backends ipc,tcp,dist [--decode-batch 32]
+        --prompt-len 1024 --num-requests 32 --backends ipc,nixl,tcp,dist [--decode-batch 32]
+    python -m launch.bench_transfer --backends nixl,tcp --across-hosts     (root: simulated hosts)
 
 Each handoff is reserve -> write -> commit. Per backend, one JSON line:
 - one at a time: ms per request from the start of the write to the commit's
@@ -12,13 +13,21 @@ Each handoff is reserve -> write -> commit. Per backend, one JSON line:
 - the floor: for ipc on one device, the device's copy bandwidth (a block copy
   reads and writes every byte); otherwise the link, measured here as one
   large ZeroMQ frame over the same transport (for dist on CPU: one gloo send).
+With --across-hosts the decode node runs on a simulated host of its own
+(launch/netns.py: a network namespace joined to this side's by a veth pair and
+a bridge, UCX_TLS=tcp) and the floor is a ZeroMQ frame between the two hosts.
 With --decode-batch B the decode node first runs B long requests, and its
 step time is read from its heartbeats with and without handoffs arriving.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -33,6 +42,9 @@ from common.wire.protocol import (HandoffAck, KVCommit, KVHello, KVReserve, KVRe
                              NodeAbort)
 from common.base.request import SamplingParams
 from launch.bench_common import NodeUnderTest, device_name, emit, measure_floors, sync, worker_args
+
+
+LEASE_S = 30.0   # the decode node's reservation lease
 
 
 class PrefillSide:
@@ -78,7 +90,9 @@ class PrefillSide:
 
     def wait_written(self, rids: set[str], on_written) -> None:
         while rids:
-            for rid in self.writer.poll():
+            for rid, error in self.writer.poll():
+                if error:
+                    raise RuntimeError(f"the write of {rid} failed: {error}")
                 rids.discard(rid)
                 on_written(rid)
             if rids:
@@ -92,14 +106,27 @@ class PrefillSide:
             rids.discard(ack.request_id)
 
 
-def link_floor_GBps(num_bytes: int, tries: int = 3) -> float:
-    """One num_bytes frame over ZeroMQ on loopback TCP, best of tries: the link the tcp backend has."""
+def link_floor_GBps(num_bytes: int, tries: int = 3, place: dict | None = None) -> float:
+    """One num_bytes frame over ZeroMQ TCP, best of tries: the link the tcp backend has.
+    On loopback, or (place) to a receiver on the decode node's host that answers each frame."""
     ctx = zmq.Context()
+    payload = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()).numpy()
+    best = float("inf")
+    if place:
+        sink = subprocess.Popen([*place["prefix"], sys.executable, "-c", STREAM_SINK, place["decode_host"],
+                                 str(tries), str(num_bytes)], cwd=os.getcwd(), stdout=subprocess.PIPE)
+        with socket.create_connection((place["decode_host"], int(sink.stdout.readline()))) as tx:
+            for _ in range(tries):
+                t0 = time.perf_counter()
+                tx.sendall(payload)
+                tx.recv(1)
+                best = min(best, time.perf_counter() - t0)
+        sink.wait(30)
+        ctx.term()
+        return num_bytes / best / 1e9
     rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     port = rx.bind_to_random_port("tcp://127.0.0.1")
     tx.connect(f"tcp://127.0.0.1:{port}")
-    payload = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()).numpy()
-    best = float("inf")
     for _ in range(tries):
         t = threading.Thread(target=lambda: rx.recv(copy=False))
         t.start()
@@ -109,6 +136,20 @@ def link_floor_GBps(num_bytes: int, tries: int = 3) -> float:
         best = min(best, time.perf_counter() - t0)
     rx.close(0), tx.close(0), ctx.term()
     return num_bytes / best / 1e9
+
+
+# Run on the decode node's host: print a port, take each payload whole and answer one byte.
+STREAM_SINK = """import socket, sys
+ls = socket.create_server((sys.argv[1], 0))
+print(ls.getsockname()[1], flush=True)
+conn, _ = ls.accept()
+buf = memoryview(bytearray(int(sys.argv[3])))
+for _ in range(int(sys.argv[2])):
+    n = 0
+    while n < len(buf):
+        n += conn.recv_into(buf[n:])
+    conn.sendall(b"x")
+"""
 
 
 def gloo_floor_GBps(num_bytes: int, tries: int = 3) -> float:
@@ -155,8 +196,11 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
                             kv_cache_memory=a.kv_cache_memory)
     # One row beyond the long requests: a timed handoff (max_tokens 1) ends at admission.
     args = worker_args(ns, a.decode_batch + 1, a.prompt_len + a.decode_tokens + 16)
+    place = a.place or {}
     node = NodeUnderTest("decode_node", args + ["--kv-transfer", backend, "--block-size", str(bs)],
-                         base_port, a.node_log, kv_is_router=False, keys_dir=a.keys_dir)
+                         base_port, a.node_log, kv_is_router=False, keys_dir=a.keys_dir,
+                         host=place.get("host", "127.0.0.1"), node_host=place.get("decode_host", "127.0.0.1"),
+                         prefix=tuple(place.get("prefix", ())))
     try:
         node.wait_ready()
         # Source blocks [1, n] on the prefill device, random (zeros hide unwritten copies).
@@ -170,7 +214,7 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
             for i in range(a.decode_batch):
                 rid = f"bg-{i}"
                 dst = side.reserve(rid, a.prompt_len, a.decode_tokens)
-                side.writer.write(rid, src, dst)
+                side.writer.write(rid, src, dst, LEASE_S)
                 side.wait_written({rid}, lambda r: None)
                 node.kv.send(KVCommit(rid, a.prompt_len, 1, params, {}, side.writer.name, [1] * a.prompt_len))
                 side.wait_acks({rid})
@@ -186,7 +230,7 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
                 dst = side.reserve(rid, a.prompt_len)
                 sync(cache.device)
                 t0 = time.perf_counter()
-                side.writer.write(rid, src, dst)
+                side.writer.write(rid, src, dst, LEASE_S)
                 side.wait_written({rid}, lambda r: side.commit(r, a.prompt_len))
                 side.wait_acks({rid})
                 out.append((time.perf_counter() - t0) * 1e3)
@@ -201,7 +245,7 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
             sync(cache.device)
             t0 = time.perf_counter()
             for rid, dst in zip(rids, dsts):
-                side.writer.write(rid, src, dst)
+                side.writer.write(rid, src, dst, LEASE_S)
             side.wait_written(set(rids), lambda r: side.commit(r, a.prompt_len))
             side.wait_acks(set(rids))
             return time.perf_counter() - t0
@@ -261,7 +305,13 @@ def main(argv=None) -> None:
     p.add_argument("--node-log", default=None)
     p.add_argument("--curve", action="store_true",
                    help="CURVE keys on the node and KV links, as start_cluster.sh runs them")
+    p.add_argument("--across-hosts", action="store_true",
+                   help="the decode node on a simulated host of its own (needs root)")
+    p.add_argument("--place", type=json.loads, default=None, help=argparse.SUPPRESS)   # set by --across-hosts
     a = p.parse_args(argv)
+    if a.across_hosts and a.place is None:
+        across_hosts(sys.argv[1:] if argv is None else list(argv))
+        return
     a.keys_dir = None
     if a.curve:
         import tempfile
@@ -279,9 +329,14 @@ def main(argv=None) -> None:
     bytes_per_req = kv_bytes(spec, dtype, num_blocks_for(a.prompt_len, a.block_size) * a.block_size)
     for i, backend in enumerate(a.backends.split(",")):
         record = run_backend(a, backend, a.base_port + 10 * i, spec, dtype)
-        if backend == "ipc" and a.prefill_device == a.decode_device:
+        if backend in ("ipc", "nixl") and a.prefill_device == a.decode_device and not a.place:
+            # NOTE: one host: UCX moves nixl's writes through shared memory too (cma, cuda_ipc).
             bw = measure_floors(a.decode_device, dtype)["bandwidth_GBps"]
             record.update({"floor": "device copy bandwidth (read + write)", "floor_GBps": round(bw / 2, 1)})
+        elif a.place:
+            record.update({"floor": "one TCP stream between the hosts (veth pairs and a bridge)",
+                           "floor_GBps": round(link_floor_GBps(bytes_per_req, place=a.place), 2),
+                           "across_hosts": True})
         else:
             record.update({"floor": "ZeroMQ frame on loopback TCP",
                            "floor_GBps": round(link_floor_GBps(bytes_per_req), 2)})
@@ -291,6 +346,22 @@ def main(argv=None) -> None:
         record["floor_fraction"] = round(record["GBps_all_at_once"] / record["floor_GBps"], 3)
         record["is_curve"] = bool(a.curve)
         emit(record)
+
+
+def across_hosts(argv: list[str]) -> None:
+    """This benchmark again on simulated host a, its decode nodes on host b."""
+    from launch import netns
+    why = netns.why_not()
+    if why:
+        sys.exit(f"--across-hosts: {why}")
+    with netns.Hosts(["a", "b"]) as hosts:
+        place = {"host": hosts.addr("a"), "decode_host": hosts.addr("b"), "prefix": hosts.prefix("b")}
+        inner = [a for a in argv if a != "--across-hosts"] + ["--place", json.dumps(place)]
+        # NOTE: UCX sees one machine behind the namespaces and would pick shared memory.
+        env = {**os.environ, "UCX_TLS": "tcp", "PYTHONPATH": os.getcwd()}
+        rc = hosts.popen("a", [sys.executable, "-m", "launch.bench_transfer", *inner], env=env).wait()
+    if rc:
+        sys.exit(rc)
 
 
 if __name__ == "__main__":

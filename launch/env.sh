@@ -38,6 +38,11 @@ if [ ! -f "$_stamp" ] || [ "$PDSERVE_ROOT/pyproject.toml" -nt "$_stamp" ]; then
         "$PY" -m pip install -q --disable-pip-version-check --no-deps -e "$PDSERVE_ROOT" >/dev/null 2>&1 \
             || echo "[pdserve] could not install the pdserve command here; python -m launch.cli is the same" >&2
     fi
+    # The nixl KV transfer is optional: without it, pdserve offers the other backends.
+    if ! "$PY" -c "import nixl_cu12" >/dev/null 2>&1; then
+        "$PY" -m pip install -q --disable-pip-version-check --retries 1 --timeout 15 "nixl-cu12>=1.5.1,<2" >/dev/null 2>&1 \
+            || echo "[pdserve] nixl-cu12 could not be installed here: the nixl KV transfer is not offered" >&2
+    fi
     touch "$_stamp"
 fi
 export PYTHONPATH="$PDSERVE_ROOT${PYTHONPATH:+:$PYTHONPATH}"

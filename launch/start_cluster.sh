@@ -5,7 +5,7 @@
 #        [--base-port 5600] [--name-prefix P] [--join NODE_ENDPOINT]
 #        [--prefill-devices D[,D...]] [--decode-devices D[,D...]]      one node per device listed
 #        [--num-prefill N] [--num-decode M]     N or M nodes on the one device given (default 1; 0: none here)
-#        [--kv-transfer auto|ipc|tcp|dist] [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N]
+#        [--kv-transfer auto|ipc|nixl|tcp|dist] [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N]
 #        [--max-model-len N] [--block-size N] [--token-budget N] [--kv-cache-fraction F]
 #        [--http-port 8000 | --no-http] [--served-model-name NAME] [--log-level LEVEL]
 #        [--no-prefix-caching] [--swap-space GIB] [--no-preemption]

@@ -5,6 +5,7 @@ that decode node's KV link on first use."""
 import argparse
 import sys
 
+from common import transfer
 from common.base.config import PrefillConfig
 from common.base.flags import add_flags, flagged
 from common.runtime.process import (HelpFormat, add_worker_args, die_with_parent, run_node,
@@ -16,7 +17,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m prefill_node", description=__doc__,
                                 formatter_class=HelpFormat)
     add_worker_args(p)
-    add_flags(p, PrefillConfig)
+    add_flags(p, PrefillConfig, more_help={"kv_transfer": transfer.availability()})
     return p
 
 

@@ -66,7 +66,7 @@ def receiver(pool: DecodeScheduler, send=None, clock=None, lease_s: float = 30.0
     """A decode half over pool; without a cache, over a one-layer cache of its blocks."""
     if cache is None:
         cache = torch.zeros(1, 2, pool.blocks.capacity + 1, pool.block_size, 1, 2)
-    sink = transfer.KVSink(cache, None, ["tcp"], "127.0.0.1")
+    sink = transfer.KVSink(transfer.LocalCache(cache, "127.0.0.1"), ["tcp"])
     return Receiver(epoch, lease_s, max_queue, pool, sink, send or (lambda msg, to: True), 100, 1 << 16,
                     **({"clock": clock} if clock else {}))
 

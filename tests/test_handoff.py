@@ -13,7 +13,7 @@ from common.wire import protocol
 from common import transfer
 from common.base.config import WorkerConfig
 from common.kv.blocks import BlockAllocator, num_blocks_for
-from common.wire.protocol import KVBlocks
+from common.wire.protocol import KVTransfer
 from common.base.request import SamplingParams
 from common.kv.sequence import blocks_to_join
 from common.engine.worker import DeviceWorker, PrefillChunk
@@ -28,6 +28,22 @@ def _wire(msg):
     return protocol.decode([bytes(f) for f in protocol.encode(msg)])
 
 
+def _sink(dw, accepted, host="127.0.0.1"):
+    return transfer.KVSink(transfer.LocalCache(dw.kv_cache, host, dw.kv_shm_name), accepted)
+
+
+def _frame(rid, first_layer, kv):
+    return KVTransfer(rid, "tcp", {"first_layer": first_layer}, kv)
+
+
+def _dist(rid, group, tag):
+    return KVTransfer(rid, "dist", {"group": group, "tag": tag}, torch.empty(0, dtype=torch.uint8))
+
+
+needs_nixl = pytest.mark.skipif(transfer.backend("nixl").why_unusable(torch.device("cpu")) is not None,
+                                reason=str(transfer.backend("nixl").why_unusable(torch.device("cpu"))))
+
+
 @pytest.fixture
 def workers(tiny_model):
     cfg = WorkerConfig(model=str(tiny_model), block_size=16, kv_cache_memory=2 * 2**20)
@@ -35,7 +51,7 @@ def workers(tiny_model):
         yield pw, dw
 
 
-@pytest.mark.parametrize("backend", ["ipc", "tcp", "dist"])
+@pytest.mark.parametrize("backend", ["ipc", pytest.param("nixl", marks=needs_nixl), "tcp", "dist"])
 def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, backend):
     pw, dw = workers
     prompt = list(range(3, 60))
@@ -47,16 +63,15 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
 
     sched = DecodeScheduler(BlockAllocator(dw.num_kv_blocks), 16, 4)
     sched.blocks.allocate(2)
-    offered = "dist" if backend == "dist" else "auto"   # auto never offers dist
-    sink = transfer.KVSink(dw.kv_cache, dw.kv_shm_name, transfer.accepted_backends(offered, dw.device),
-                           "127.0.0.1")
+    offered = "auto" if backend in ("ipc", "tcp") else backend   # auto: never dist, nixl across hosts
+    sink = _sink(dw, transfer.offered(offered, dw.device, is_reachable_remotely=False))
     rx = Receiver("e1", 10.0, 4, sched, sink, lambda msg, to: True, dw.spec.vocab_size, dw.max_model_len)
     r = reserve(rx, "r", len(prompt), params.max_tokens)
     frames = []
     writer = transfer.open_writer(backend, _wire(sink.welcome("e1")), pw.kv_cache,
                                   lambda m: frames.append(_wire(m)) or True)
     assert writer.name == backend
-    writer.write("r", src, r.block_ids)
+    writer.write("r", src, r.block_ids, within_s=30)
     done, num_frames, deadline = [], 0, time.monotonic() + 60
     while not (done and sink.is_landed("r")):   # dist: both sides join their group first
         assert time.monotonic() < deadline, "the write did not complete"
@@ -65,7 +80,8 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
             sink.receive(b"p", f, r.block_ids)
         num_frames += len(frames)
         frames.clear()
-    assert done == ["r"] and bool(num_frames) == (backend != "ipc")
+        sink.progress()
+    assert done == [("r", None)] and bool(num_frames) == (backend != "ipc")
     assert r.block_ids != src
     assert torch.equal(dw.kv_cache[:, :, r.block_ids], pw.kv_cache[:, :, src])
 
@@ -94,10 +110,10 @@ def test_tcp_frames_are_a_group_of_layers_each(workers, monkeypatch):
     pw.kv_cache[:, :, src] = torch.randn_like(pw.kv_cache[:, :, src])
     frames = []
     writer = transfer.tcp.TcpWriter(pw.kv_cache, lambda m: frames.append(m) or True)
-    writer.write("r", src, [7, 8, 9])
-    assert writer.poll() == ["r"]
-    assert [f.first_layer for f in frames] == list(range(pw.kv_cache.shape[0]))
-    sink = transfer.KVSink(dw.kv_cache, None, ["tcp"], "127.0.0.1")
+    writer.write("r", src, [7, 8, 9], within_s=30)
+    assert writer.poll() == [("r", None)]
+    assert [f.header["first_layer"] for f in frames] == list(range(pw.kv_cache.shape[0]))
+    sink = _sink(dw, ["tcp"])
     for f in frames:
         sink.receive(b"p", _wire(f), [7, 8, 9])
     assert torch.equal(dw.kv_cache[:, :, [7, 8, 9]], pw.kv_cache[:, :, src])
@@ -114,7 +130,7 @@ def test_the_decode_cache_is_shared_memory_and_freed_on_close(tiny_model):
 
 
 def _welcome(dw, **change):
-    sink = transfer.KVSink(dw.kv_cache, dw.kv_shm_name, ["ipc", "tcp"], "127.0.0.1")
+    sink = _sink(dw, ["ipc", "tcp"])
     return dataclasses.replace(sink.welcome("e1"), **change)
 
 
@@ -135,9 +151,13 @@ def test_ipc_needs_the_same_host_and_a_real_segment(workers):
         transfer.open_writer("ipc", _welcome(dw, host_id="elsewhere/1"), pw.kv_cache, lambda m: True)
     for name in ("pdserve-kv-0-missing", "../etc/passwd", None):
         with pytest.raises(transfer.TransferError, match="segment"):
-            transfer.open_writer("ipc", _welcome(dw, shm_name=name), pw.kv_cache, lambda m: True)
-    with pytest.raises(transfer.TransferError, match="tcp"):
-        transfer.open_writer("tcp", _welcome(dw, backends=["ipc"]), pw.kv_cache, lambda m: True)
+            transfer.open_writer("ipc", _welcome(dw, backends={"ipc": {"shm_name": name}}), pw.kv_cache,
+                                 lambda m: True)
+    for bad in ({"shm_name": 7}, {"shm_name": "x", "smuggled": 1}, {"cuda": {"device": 0}}, "ipc"):
+        with pytest.raises(transfer.TransferError, match="ipc"):
+            transfer.open_writer("ipc", _welcome(dw, backends={"ipc": bad}), pw.kv_cache, lambda m: True)
+    with pytest.raises(transfer.TransferError, match="accepts ipc"):
+        transfer.open_writer("tcp", _welcome(dw, backends={"ipc": {}}), pw.kv_cache, lambda m: True)
 
 
 def test_ipc_refuses_blocks_outside_the_decode_cache(workers):
@@ -145,41 +165,46 @@ def test_ipc_refuses_blocks_outside_the_decode_cache(workers):
     writer = transfer.open_writer("ipc", _welcome(dw), pw.kv_cache, lambda m: True)
     for dst in ([0], [dw.num_kv_blocks]):
         with pytest.raises(transfer.TransferError, match="outside"):
-            writer.write("r", [1], dst)
+            writer.write("r", [1], dst, within_s=30)
     writer.close()
 
 
 def test_a_frame_of_the_wrong_shape_or_dtype_is_refused(workers):
     pw, dw = workers
-    sink = transfer.KVSink(dw.kv_cache, None, ["tcp"], "127.0.0.1")
+    sink = _sink(dw, ["tcp"])
     good = pw.kv_cache[:2, :, [1, 2]].clone()
     before = dw.kv_cache.clone()
     for kv, first_layer in ((good[:, :, :1], 0), (good.to(torch.float16), 0),
                             (good, dw.kv_cache.shape[0] - 1), (good.flatten(0, 1), 0),
                             (good[:, :, :, :8].contiguous(), 0)):
         with pytest.raises(transfer.TransferError, match="does not fit"):
-            sink.receive(b"p", _wire(KVBlocks("r", first_layer, kv)), [5, 6])
+            sink.receive(b"p", _wire(_frame("r", first_layer, kv)), [5, 6])
+    for header in ({}, {"first_layer": -1}, {"first_layer": "0"}, {"first_layer": 0, "extra": 1}):
+        with pytest.raises(transfer.TransferError, match="tcp header"):
+            sink.receive(b"p", _wire(KVTransfer("r", "tcp", header, good)), [5, 6])
     assert torch.equal(dw.kv_cache, before)
-    with pytest.raises(transfer.TransferError, match="does not accept dist"):
-        sink.receive(b"p", protocol.KVDist("r", "g", 1), [5, 6])
+    for name in ("dist", "smoke-signals"):
+        with pytest.raises(transfer.TransferError, match="does not accept"):
+            sink.receive(b"p", _dist("r", "g", 1) if name == "dist" else
+                         KVTransfer("r", name, {}, good), [5, 6])
 
 
 def test_a_dist_group_belongs_to_the_peer_that_made_it(workers):
     _, dw = workers
-    sink = transfer.KVSink(dw.kv_cache, None, ["dist"], "127.0.0.1")
-    assert sink.welcome("e").dist_store.startswith("127.0.0.1:")
-    sink.receive(b"peer-a", protocol.KVDist("r1", "g", 1), [5, 6])
+    sink = _sink(dw, ["dist"])
+    assert sink.welcome("e").backends["dist"]["store"].startswith("127.0.0.1:")
+    sink.receive(b"peer-a", _dist("r1", "g", 1), [5, 6])
     with pytest.raises(transfer.TransferError, match="another prefill node"):
-        sink.receive(b"peer-b", protocol.KVDist("r2", "g", 2), [7])
+        sink.receive(b"peer-b", _dist("r2", "g", 2), [7])
     with pytest.raises(transfer.TransferError, match="second KV announcement"):
-        sink.receive(b"peer-a", protocol.KVDist("r1", "g", 3), [5, 6])
+        sink.receive(b"peer-a", _dist("r1", "g", 3), [5, 6])
     assert not sink.is_landed("r1")   # posted, never sent: nothing lands in the cache
     sink.forget("r1")
     assert sink.is_landed("r1")
-    sink.receive(b"peer-a", protocol.KVDist("r3", "g", 4), [8])
-    sink.receive(b"peer-a", protocol.KVDist("r4", "g2", 1), [9])   # a new group replaces "g"
+    sink.receive(b"peer-a", _dist("r3", "g", 4), [8])
+    sink.receive(b"peer-a", _dist("r4", "g2", 1), [9])   # a new group replaces "g"
     assert sink.is_landed("r3") and "replaced" in sink.landing_error("r3")
-    assert len(sink.dist._groups) == 1
+    assert len(sink.receivers["dist"]._groups) == 1
     sink.close()
 
 
@@ -196,14 +221,119 @@ def test_copy_blocks_handles_scattered_ids():
         transfer.copy_blocks(src, [1, 2], dst, [3])
 
 
-def test_auto_prefers_ipc_on_one_host():
-    w = protocol.KVWelcome("e", transfer.host_id(), "cpu", [1, 2, 4, 16, 1, 8], "float32", ["ipc", "tcp"])
-    assert transfer.choose_backend("auto", w, torch.device("cpu")) == "ipc"
-    assert transfer.choose_backend("tcp", w, torch.device("cpu")) == "tcp"
-    assert transfer.choose_backend("auto", dataclasses.replace(w, host_id="x/y"),
-                                   torch.device("cpu")) == "tcp"
-    assert transfer.accepted_backends("tcp", torch.device("cpu")) == ["tcp"]
-    assert transfer.accepted_backends("auto", torch.device("cpu")) == ["ipc", "tcp"]   # never dist
-    assert transfer.accepted_backends("dist", torch.device("cpu")) == ["dist"]
-    with pytest.raises(ValueError):
-        transfer.accepted_backends("smoke-signals", torch.device("cpu"))
+def test_auto_prefers_ipc_on_one_host_and_nixl_across_hosts():
+    cpu = torch.device("cpu")
+    w = protocol.KVWelcome("e", transfer.host_id(), "cpu", [1, 2, 4, 16, 1, 8], "float32",
+                           {"ipc": {}, "nixl": {}, "tcp": {}, "dist": {}})
+    elsewhere = dataclasses.replace(w, host_id="x/y")
+    assert transfer.choose_backend("auto", w, cpu) == "ipc"
+    assert transfer.choose_backend("tcp", w, cpu) == "tcp"
+    has_nixl = transfer.backend("nixl").why_unusable(cpu) is None
+    assert transfer.choose_backend("auto", elsewhere, cpu) == ("nixl" if has_nixl else "tcp")
+    assert transfer.choose_backend("auto", dataclasses.replace(elsewhere, backends={"tcp": {}, "dist": {}}),
+                                   cpu) == "tcp"   # never dist, never ipc across hosts
+    with pytest.raises(transfer.TransferError, match="another host"):
+        transfer.choose_backend("ipc", elsewhere, cpu)
+    assert transfer.offered("tcp", cpu, False) == ["tcp"]
+    assert transfer.offered("auto", cpu, False) == ["ipc", "tcp"]   # never dist; nixl only across hosts
+    assert transfer.offered("auto", cpu, True) == ["ipc", "nixl", "tcp"] if has_nixl else ["ipc", "tcp"]
+    assert transfer.offered("dist", cpu, False) == ["dist"]
+    assert transfer.needs_shared_cache("auto", cpu) and not transfer.needs_shared_cache("tcp", cpu)
+    for bad in ("smoke-signals", "auto "):
+        with pytest.raises(transfer.TransferError, match="must be one of"):
+            transfer.offered(bad, cpu, False)
+    help_text = transfer.availability()
+    assert "usable here (cpu): ipc" in help_text and "tcp" in help_text
+
+
+def test_a_backend_that_cannot_be_imported_is_not_offered(monkeypatch, caplog):
+    from common.transfer import nixl
+    monkeypatch.setattr(nixl, "_module", lambda: (None, "cannot import nixl_cu12 (ImportError: gone)"))
+    cpu = torch.device("cpu")
+    with caplog.at_level("INFO", logger="pdserve.transfer"):
+        assert transfer.offered("auto", cpu, True) == ["ipc", "tcp"]
+    assert [r.getMessage() for r in caplog.records if "nixl" in r.getMessage()] == \
+        ["the nixl KV transfer is not offered: cannot import nixl_cu12 (ImportError: gone)"]
+    with pytest.raises(transfer.TransferError, match="cannot offer the nixl KV transfer: cannot import"):
+        transfer.offered("nixl", cpu, True)
+    assert "nixl: cannot import nixl_cu12" in transfer.availability()
+
+
+NIXL_DECODE = """
+import base64, json, sys, time, torch
+from common import transfer
+cache = torch.zeros(2, 2, 9, 4, 1, 8)
+r = transfer.backend("nixl").open_receiver(transfer.LocalCache(cache, "127.0.0.1"))
+d = r.describe()
+print(json.dumps({**d, "metadata": base64.b64encode(d["metadata"]).decode()}), flush=True)
+while True:
+    r.progress()
+    time.sleep(0.001)
+"""
+
+
+def _poll_until(writer, timeout_s: float = 20.0) -> list:
+    deadline, out = time.monotonic() + timeout_s, []
+    while not out and time.monotonic() < deadline:
+        out = writer.poll()
+    return out
+
+
+@needs_nixl
+def test_a_nixl_write_to_a_dead_decode_process_fails_at_once_and_only_it(tmp_path):
+    """A decode process that dies fails the next write with NIXL's reason (the handoff
+    then fails as retryable and frees its blocks); writes past their window never start."""
+    import base64
+    import json
+    import subprocess
+    import sys
+    from tests.cluster_util import ROOT
+    child = subprocess.Popen([sys.executable, "-c", NIXL_DECODE], stdout=subprocess.PIPE, cwd=ROOT,
+                             env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    try:
+        d = json.loads(child.stdout.readline())
+        d["metadata"] = base64.b64decode(d["metadata"])
+        welcome = protocol.KVWelcome("e", "x/y", "cpu", [2, 2, 9, 4, 1, 8], "float32", {"nixl": d})
+        sent = []
+        writer = transfer.open_writer("nixl", _wire(welcome), torch.randn(2, 2, 9, 4, 1, 8),
+                                      lambda m: sent.append(m) or True)
+        writer.write("late", [1], [5], within_s=0)
+        assert _poll_until(writer) == [("late", "it did not complete before its reservation could end")]
+        writer.write("a", [1, 2], [3, 4], within_s=30)
+        assert _poll_until(writer) == [("a", None)]
+        assert [(m.request_id, m.backend, m.header) for m in sent] == [("a", "nixl", {"agent": writer.agent.name})]
+        child.kill()
+        child.wait()
+        writer.write("b", [1, 2], [3, 4], within_s=30)
+        (rid, error), = _poll_until(writer, 5)
+        assert rid == "b" and "NIXL" in error
+        with pytest.raises(transfer.TransferError, match="cannot connect to the decode node's NIXL agent"):
+            writer.write("c", [1], [5], within_s=30)
+        writer.close()
+    finally:
+        child.kill()
+        child.wait()
+
+
+@needs_nixl
+def test_nixl_lands_only_what_its_announcer_notified(workers):
+    """The decode side admits a request once the notification from the agent that
+    announced it arrives, whichever comes first; another agent's is not enough."""
+    _, dw = workers
+    sink = _sink(dw, ["nixl"])
+    rx = sink.receivers["nixl"]
+    announce = lambda rid, agent: KVTransfer(rid, "nixl", {"agent": agent}, torch.empty(0, dtype=torch.uint8))
+    sink.receive(b"p", _wire(announce("r1", "writer-a")), [5])
+    assert not sink.is_landed("r1") and sink.progress()
+    rx._early[("writer-b", "r1")] = None      # as if writer-b had sent "r1"
+    rx._early[("writer-a", "r2")] = None      # a notification ahead of its announcement
+    sink.receive(b"p", _wire(announce("r2", "writer-a")), [6])
+    assert sink.is_landed("r2") and not sink.is_landed("r1")
+    with pytest.raises(transfer.TransferError, match="second NIXL write"):
+        sink.receive(b"p", announce("r1", "writer-a"), [5])
+    for bad in ({}, {"agent": 5}, {"agent": "a", "more": 1}):
+        with pytest.raises(transfer.TransferError, match="nixl header"):
+            sink.receive(b"p", KVTransfer("r3", "nixl", bad, torch.empty(0, dtype=torch.uint8)), [7])
+    sink.forget("r1")
+    assert sink.is_landed("r1") and not sink.progress()
+    sink.close()

@@ -12,7 +12,9 @@ import sys
 import time
 
 import pytest
+import torch
 
+from common import transfer
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import ROOT, free_base_port, is_alive, python_children_of, wait_for
 from tests.conftest import clear_prompts
@@ -119,17 +121,20 @@ def _client(hosts, endpoint: str, *args: str, timeout_s: float = 120) -> dict:
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    # NOTE: UCX sees one machine behind the namespaces and would pick shared memory
+    # transports between them; across real hosts it picks tcp (or RDMA) by itself.
+    return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "UCX_TLS": "tcp"}
 
 
-def test_three_simulated_hosts_serve_exactly_and_survive_a_host_cut_off(tiny_model, tmp_path):
+@pytest.mark.parametrize("backend", ["nixl", "tcp"])
+def test_three_simulated_hosts_serve_exactly_and_survive_a_host_cut_off(tiny_model, tmp_path, backend):
     """Host a: the frontend and a prefill node; hosts b and c: a decode node each, by
     the one-command-per-host contract, each host its own network namespace, hostname
-    and /dev/shm. Exact tokens over both decode hosts, KV over tcp (never ipc across
-    hosts); then b is cut off mid-stream: its requests move to c and finish, b is
-    declared dead, nothing stays held on a or c, and b serves again once back."""
-    from tests import netns_util
-    why = netns_util.why_not()
+    and /dev/shm. Exact tokens over both decode hosts, KV over the backend asked for
+    (never ipc across hosts); then b is cut off mid-stream: its requests move to c and
+    finish, b is declared dead, nothing stays held on a or c, and b serves again once back."""
+    from launch import netns as netns_util
+    why = netns_util.why_not() or transfer.backend(backend).why_unusable(torch.device("cpu"))
     if why:
         pytest.skip(why)
     keys = tmp_path / "keys"
@@ -139,7 +144,7 @@ def test_three_simulated_hosts_serve_exactly_and_survive_a_host_cut_off(tiny_mod
     prompts, expected = clear_prompts(tiny_model, candidates, 12, 8)
     with netns_util.Hosts(["a", "b", "c"]) as hosts:
         common = ["bash", str(ROOT / "launch/start_cluster.sh"), "--model", str(tiny_model), "--keys", str(keys),
-                  "--kv-cache-memory", "8MiB", "--no-http", "--base-port", "5600"]
+                  "--kv-cache-memory", "8MiB", "--no-http", "--base-port", "5600", "--kv-transfer", backend]
         a = hosts.popen("a", [*common, "--host", hosts.addr("a"), "--name-prefix", "a-", "--num-prefill", "1",
                               "--num-decode", "0"], stdout=subprocess.PIPE, stderr=open(tmp_path / "a.log", "wb"),
                         cwd=ROOT, env=_env())
@@ -156,7 +161,7 @@ def test_three_simulated_hosts_serve_exactly_and_survive_a_host_cut_off(tiny_mod
         assert [r["tokens"] for r in results] == expected and all(r["error"] is None for r in results)
         deadline = time.monotonic() + 20
         while (nodes := _client(hosts, endpoint, "stats")["nodes"])["a-prefill-0"].get("kv_links") != \
-                {"b-decode-0": "tcp", "c-decode-0": "tcp"}:
+                {"b-decode-0": backend, "c-decode-0": backend}:
             assert time.monotonic() < deadline, nodes["a-prefill-0"].get("kv_links")
             time.sleep(0.5)
         assert nodes["b-decode-0"]["num_routed"] >= 2 and nodes["c-decode-0"]["num_routed"] >= 2

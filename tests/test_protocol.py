@@ -39,23 +39,24 @@ EXAMPLES = [
     p.PrefixUpdate("prefill-0", 42, [-5, 2**62], [7], False),
     p.TokenBatch([p.TokenUpdate("r1", [7], None, {"queue_ms": 1.0}), p.TokenUpdate("r2", [8], "length")]),
     p.KVHello("prefill-0"),
-    p.KVWelcome("123-ab", "host/boot", "cuda:0", [2, 2, 100, 16, 2, 8], "bfloat16", ["ipc", "tcp"],
-                cuda_ipc=p.CudaIpcHandle(0, b"\x00\x01handle", 4096, 0, b"/refcount", 8, None, True)),
-    p.KVWelcome("123-ab", "host/boot", "cpu", [2, 2, 100, 16, 2, 8], "float32", ["tcp"],
-                shm_name="pdserve-kv-1-ab"),
-    p.KVWelcome("123-ab", "host/boot", "cpu", [2, 2, 100, 16, 2, 8], "float32", ["dist"],
-                dist_store="127.0.0.1:40123"),
+    p.KVWelcome("123-ab", "host/boot", "cuda:0", [2, 2, 100, 16, 2, 8], "bfloat16",
+                {"ipc": {"shm_name": None, "cuda": {"device": 0, "handle": b"\x00\x01handle",
+                                                    "storage_size": 4096, "event_handle": None}},
+                 "tcp": {}}),
+    p.KVWelcome("123-ab", "host/boot", "cpu", [2, 2, 100, 16, 2, 8], "float32",
+                {"nixl": {"agent": "pdserve-7-ab", "metadata": b"\x00" * 300, "address": 2**47,
+                          "device_id": 0}, "dist": {"store": "127.0.0.1:40123"}}),
     p.KVReserve("r1", 40, 8),
     p.KVReserved("r1", "123-ab", [3, 4, 5], lease_s=30.0),
     p.KVReserved("r2", "123-ab", None, True, "decode queue is full (4)"),
     p.KVReserved("r3", "123-ab", None, True, "needs 3 KV blocks, 1 are free now", 30.0, True),
-    p.KVBlocks("r1", 2, KV),
-    p.KVDist("r1", "5f0c9a", 17),
+    p.KVTransfer("r1", "tcp", {"first_layer": 2}, KV),
+    p.KVTransfer("r1", "dist", {"group": "5f0c9a", "tag": 17}, torch.empty(0, dtype=torch.uint8)),
     p.KVCommit("r1", 40, 9, PARAMS, {"prefill_end": 1.0}, "ipc", [3] * 40),
     p.KVRelease("r1"),
     p.HandoffAck("r1", False, False, "no reservation"),
 ]
-KV_EXAMPLE = next(m for m in EXAMPLES if isinstance(m, p.KVBlocks))
+KV_EXAMPLE = next(m for m in EXAMPLES if isinstance(m, p.KVTransfer))
 
 
 def _equal(a, b):
@@ -83,7 +84,7 @@ def test_kv_travels_as_a_raw_frame_not_msgpack():
     frames = p.encode(KV_EXAMPLE)
     assert len(frames) == 2
     header = msgpack.unpackb(frames[0])
-    assert "kv" not in header and header["tensors"] == [["kv", "bfloat16", list(KV.shape)]]
+    assert "data" not in header and header["tensors"] == [["data", "bfloat16", list(KV.shape)]]
     assert len(bytes(frames[1])) == KV.numel() * 2
     assert len(frames[0]) < 512
 
@@ -108,10 +109,18 @@ def _header(**fields):
     (_header(type="prefill", request_id="a", prompt_token_ids=[1], arrival_time=0.0,
              params={"max_tokens": "x"}, decode_node="d", decode_kv_endpoint="tcp://x:1"),
      "params.max_tokens"),
-    (_header(type="kv_blocks", request_id="a", first_layer=0, tensors=[["kv", "float32", [4]]]),
-     "tensor frame"),
+    (_header(type="kv_transfer", request_id="a", backend="tcp", header={},
+             tensors=[["data", "float32", [4]]]), "tensor frame"),
     (_header(type="kv_welcome", epoch="e", host_id="h", device="cpu", cache_shape=[1], dtype="x",
-             backends=["ipc"], cuda_ipc={"device": 0}), "missing field"),
+             backends=["ipc"]), "backends must be a map"),
+    # A backend's descriptor is plain data, bytes bounded: its backend checks the fields.
+    (_header(type="kv_welcome", epoch="e", host_id="h", device="cpu", cache_shape=[1], dtype="x",
+             backends={"nixl": {"metadata": b"x" * (64 * 2**10 + 1)}}), "longer than 65536 bytes"),
+    (_header(type="kv_welcome", epoch="e", host_id="h", device="cpu", cache_shape=[1], dtype="x",
+             backends={"ipc": {"a": {"b": {"c": 1}}}}), "too large or too deeply nested"),
+    (_header(type="kv_transfer", request_id="a", backend="tcp", header={"x": {"y": {"z": 1}}},
+             tensors=[["data", "uint8", [0]]]) + [b""], "too large or too deeply nested"),
+    (_header(type="stats_reply", is_ready=True, nodes={"n": {"a": b"1"}}), "holds a bytes"),
     # A stats reply holds each node's figures one level down: one level more, no further.
     (_header(type="stats_reply", is_ready=True, nodes={"n": {"a": {"b": {"c": {"d": 1}}}}}),
      "too large or too deeply nested"),

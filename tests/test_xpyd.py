@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from common import transfer
 from common.wire.channel import Channel, open_context
-from common.wire.protocol import (HandoffAck, KVBlocks, KVCommit, KVHello, KVRelease, KVReserve,
+from common.wire.protocol import (HandoffAck, KVTransfer, KVCommit, KVHello, KVRelease, KVReserve,
                              KVReserved, KVWelcome)
 from common.base.request import SamplingParams
 from frontend.client import AsyncClient, Client
@@ -44,12 +45,16 @@ def _assert_transformers_tokens(endpoint: str, model, candidates: list[list[int]
         assert r.error is None and r.token_ids == ref, f"request {i}: {r.error}"
 
 
+needs_nixl = pytest.mark.skipif(transfer.backend("nixl").why_unusable(torch.device("cpu")) is not None,
+                                reason=str(transfer.backend("nixl").why_unusable(torch.device("cpu"))))
+
+
 def _all_free(stats: dict) -> bool:
     return all(s["num_free_blocks"] == s["num_usable_blocks"] and not s.get("num_reserved_blocks")
                for s in stats.values() if s.get("is_alive"))
 
 
-@pytest.mark.parametrize("backend", ["ipc", "tcp", "dist"])
+@pytest.mark.parametrize("backend", ["ipc", pytest.param("nixl", marks=needs_nixl), "tcp", "dist"])
 def test_each_backend_gives_transformers_tokens(tiny_model, tmp_path, backend):
     c = Cluster(tiny_model, tmp_path / "cluster.log", "--kv-transfer", backend)
     try:
@@ -205,7 +210,7 @@ def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, t
         free = wait_for(lambda: _decode_stats(p.clients).get("num_free_blocks"), 5, "decode stats")
         fake = FakePrefill(p.kv)
         welcome = fake.ask(KVHello("fake-prefill"), KVWelcome)
-        assert welcome.backends == ["ipc", "tcp"] and welcome.shm_name
+        assert list(welcome.backends) == ["ipc", "tcp"] and welcome.backends["ipc"]["shm_name"]
 
         # Reserved, never committed: freed when the lease ends.
         r = fake.ask(KVReserve("never", 40, 8), KVReserved)
@@ -240,7 +245,7 @@ def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, t
         for name, bad in (("dtype", torch.zeros(shape[0], 2, 3, *shape[3:], dtype=torch.float16)),
                           ("shape", torch.zeros(shape[0], 2, 2, *shape[3:], dtype=torch.float32))):
             fake.ask(KVReserve(name, 40, 8), KVReserved)
-            fake.ch.send(KVBlocks(name, 0, bad))
+            fake.ch.send(KVTransfer(name, "tcp", {"first_layer": 0}, bad))
             ack = fake.ask(KVCommit(name, 40, 1, SamplingParams(max_tokens=8), {}, "tcp", [1] * 40), HandoffAck)
             assert not ack.is_accepted and "does not fit" in ack.reason
         # A commit that asks for more than was reserved.

@@ -159,7 +159,9 @@ class NodeLinks:
             raise ValueError("max_message_bytes must be at least 1024")
 
 
-KV_TRANSFERS = ("auto", "ipc", "tcp", "dist")   # see common/transfer; auto: ipc, else tcp
+# The KV transfer backends, best first: each is the module common/transfer/<name>.py.
+KV_BACKENDS = ("ipc", "nixl", "tcp", "dist")
+KV_TRANSFERS = ("auto", *KV_BACKENDS)   # what --kv-transfer takes
 _ALLOW_REMOTE = flag("--allow-remote", "allow non-loopback endpoints")
 _NAME = flag("--name", "unique in the cluster (with keys: its key's name)")
 _NODE_DRAIN = flag("--drain-timeout", "on SIGTERM or a drain: seconds its requests get to move "
@@ -186,7 +188,8 @@ class PrefillConfig:
         "--handoff-lease", "seconds after its prefill within which a handoff must be committed, and "
         "within which a decode node must answer a reservation request"))
     kv_transfer: str = field(default="auto", metadata=flag(
-        "--kv-transfer", "auto: ipc with a decode node on this host, else tcp", choices=KV_TRANSFERS))
+        "--kv-transfer", "auto: the best backend both nodes can use with that decode node: ipc on "
+        "this host, else nixl, else tcp", choices=KV_TRANSFERS))
     links: NodeLinks = field(default_factory=NodeLinks)
     allow_remote: bool = field(default=False, metadata=_ALLOW_REMOTE)
     keys_dir: str | None = field(default=None, metadata=_NODE_KEYS)
@@ -218,7 +221,8 @@ class DecodeConfig:
     reservation_lease_s: float = field(default=30.0, metadata=flag(
         "--reservation-lease", "seconds before a reservation neither renewed nor committed is freed"))
     kv_transfer: str = field(default="auto", metadata=flag(
-        "--kv-transfer", "KV transfer backends offered to prefill nodes (auto: ipc and tcp)",
+        "--kv-transfer", "KV transfer backends offered to prefill nodes (auto: ipc and tcp, and nixl "
+        "when the KV link is reachable from other hosts; never dist)",
         choices=KV_TRANSFERS))
     links: NodeLinks = field(default_factory=NodeLinks)
     allow_remote: bool = field(default=False, metadata=_ALLOW_REMOTE)

@@ -36,8 +36,10 @@ def flags_of(cls) -> list[tuple[dataclasses.Field, Flag]]:
     return [(f, f.metadata["flag"]) for f in dataclasses.fields(cls) if "flag" in f.metadata]
 
 
-def add_flags(p: argparse.ArgumentParser, cls, title: str | None = None, only: tuple[str, ...] = ()) -> None:
-    """cls's flags (or only these fields'), in a group of their own if titled."""
+def add_flags(p: argparse.ArgumentParser, cls, title: str | None = None, only: tuple[str, ...] = (),
+              more_help: dict[str, str] | None = None) -> None:
+    """cls's flags (or only these fields'), in a group of their own if titled; more_help:
+    text known only where the parser is made, added to a field's help."""
     g = p.add_argument_group(title) if title else p
     for f, fl in flags_of(cls):
         if only and f.name not in only:
@@ -53,7 +55,7 @@ def add_flags(p: argparse.ArgumentParser, cls, title: str | None = None, only: t
         default = fl.default_text if fl.default_text is not None else (f.default if has_default else None)
         g.add_argument(*names, dest=f.name, type=parse, default=default, required=not has_default,
                        metavar=fl.metavar or (None if fl.choices else fl.name.lstrip("-").upper().replace("-", "_")),
-                       choices=fl.choices, help=fl.help)
+                       choices=fl.choices, help="; ".join(filter(None, [fl.help, (more_help or {}).get(f.name)])))
 
 
 def flagged(cls, args: argparse.Namespace) -> dict:

@@ -1,8 +1,8 @@
 """The decode node's half of a handoff: reservations, the waiting line, commits.
 
 A prefill node reserves first: the prompt's blocks are taken and their ids go
-back to it, and it writes into them through its transfer writer (tcp frames and
-dist announcements land through the sink). A request that does not fit now
+back to it, and it writes into them through its transfer writer (what the backend
+sends on the KV link lands through the sink). A request that does not fit now
 waits its turn in line (first come, first served) and is granted its blocks as
 they free up, unasked. A reservation neither renewed nor committed within its
 lease is freed (its prefill node is gone); a committed one waits for a batch
@@ -21,8 +21,8 @@ from common.handoff.lease import Lease
 from common.handoff.states import Hold, Reservation
 from common.transfer import KVSink, TransferError
 from common.wire.channel import BadMessage
-from common.wire.protocol import (HandoffAck, KVBlocks, KVCommit, KVDist, KVHello, KVRelease, KVReserve,
-                                  KVReserved)
+from common.wire.protocol import (HandoffAck, KVCommit, KVHello, KVRelease, KVReserve, KVReserved,
+                                  KVTransfer)
 
 log = get_logger("decode")
 noisy = Throttle(log)   # lines about what peers send
@@ -66,8 +66,8 @@ class Receiver:
             self.send(self.sink.welcome(self.epoch), to=sender)
         elif isinstance(msg, KVReserve):
             self._on_reserve(sender, msg)
-        elif isinstance(msg, (KVBlocks, KVDist)):
-            self._on_blocks(sender, msg)
+        elif isinstance(msg, KVTransfer):
+            self._on_transfer(sender, msg)
         elif isinstance(msg, KVCommit):
             self._on_commit(sender, msg)
         elif isinstance(msg, KVRelease):
@@ -151,7 +151,7 @@ class Receiver:
         r.hold, r.reserved_at = Hold.RESERVED, time.time()
         self.held[r.request_id] = r
 
-    def _on_blocks(self, sender: bytes, m: KVBlocks | KVDist) -> None:
+    def _on_transfer(self, sender: bytes, m: KVTransfer) -> None:
         r = self._held_by(sender, m.request_id)
         if r is None or r.hold is Hold.COMMITTED:
             return  # released, expired, or not this sender's
@@ -160,7 +160,7 @@ class Receiver:
         try:
             self.sink.receive(sender, m, r.block_ids)
         except TransferError as e:
-            noisy.warning("refused KV frame for %s: %s", m.request_id, e)
+            noisy.warning("refused a %s KV transfer for %s: %s", m.backend[:32], m.request_id, e)
             r.hold, r.error = Hold.FAILED, r.error or str(e)
 
     def _on_commit(self, sender: bytes, c: KVCommit) -> None:
@@ -268,6 +268,10 @@ class Receiver:
             r.hold, r.error = Hold.FAILED, r.error or "the request was aborted"
 
     # ---- admission -------------------------------------------------------------------
+
+    def progress(self) -> bool:
+        """Drive the transfers this node must drive; True while one is under way."""
+        return self.sink.progress()
 
     def has_ready(self) -> bool:
         """The oldest committed request's KV has landed (FIFO: nothing overtakes it)."""

@@ -250,8 +250,8 @@ class Sender:
         ask and renew, and end handoffs whose time has run out."""
         for peer in self.peers.values():
             if peer.writer is not None:
-                for rid in peer.writer.poll():
-                    self._finish_write(self.by_id.get(rid))
+                for rid, error in peer.writer.poll():
+                    self._finish_write(self.by_id.get(rid), error)
         now = self.clock()
         lease_s = self.handoff_lease_s
         for h in list(self.by_id.values()):
@@ -297,7 +297,8 @@ class Sender:
             if not all(0 <= b < h.peer.num_blocks for b in h.dst_block_ids):
                 raise TransferError(f"reserved block ids do not fit the decode node's "
                                     f"{h.peer.num_blocks}-block cache")
-            h.peer.writer.write(h.job.request_id, h.job.block_ids, h.dst_block_ids)
+            h.peer.writer.write(h.job.request_id, h.job.block_ids, h.dst_block_ids,
+                                within_s=h.lease.end - self.clock())
         except TransferError as e:
             self._figures(h.peer).num_failed += 1
             h.stage = Stage.CANCELLED   # advance() releases the reservation and fails it
@@ -306,10 +307,15 @@ class Sender:
         h.stage, h.write_started = Stage.WRITING, self.clock()
         self.bytes_written += len(h.job.block_ids) * self.block_bytes
 
-    def _finish_write(self, h: Handoff | None) -> None:
+    def _finish_write(self, h: Handoff | None, error: str | None) -> None:
         if h is None or h.stage not in (Stage.WRITING, Stage.CANCELLING):
             return
-        if h.stage is Stage.WRITING:
+        if error is not None:
+            self._figures(h.peer).num_failed += 1
+            h.error = h.error or f"KV transfer to {h.peer.name} failed: {error}"
+            h.is_retryable = True
+            h.stage = Stage.CANCELLING   # ends below; advance() releases the reservation and fails it
+        elif h.stage is Stage.WRITING:
             self._figures(h.peer).observe(self.clock() - h.write_started,
                                           len(h.job.block_ids) * self.block_bytes)
         h.stage = Stage.WRITTEN if h.stage is Stage.WRITING else Stage.CANCELLED

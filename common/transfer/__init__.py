@@ -7,15 +7,17 @@ the commit makes the request runnable on the decode node without a copy. Node
 code calls only what this module exports; it never names a backend.
 
     prefill node                                  decode node
-    open_writer(requested, welcome, cache, send)  KVSink(cache, shm_name, accepted)
-    writer.write(rid, src_ids, dst_ids)           sink.welcome(epoch) -> KVWelcome
-    writer.poll() -> rids whose write is done     sink.receive(sender, msg, dst_ids)  (tcp, dist)
-    writer.close()                                sink.is_landed(rid) / landing_error(rid)
-                                                  sink.forget(rid)
+    open_writer(requested, welcome, cache, send)  KVSink(cache, offered(requested, ...))
+    writer.write(rid, src_ids, dst_ids, within_s) sink.welcome(epoch) -> KVWelcome
+    writer.poll() -> [(rid, error or None)]       sink.receive(sender, KVTransfer, dst_ids)
+    writer.close()                                sink.progress() / is_landed(rid) / forget(rid)
 
-Backends:
+Backends (backend.py says what one is; each is common/transfer/<name>.py, listed
+best first in KV_BACKENDS):
     ipc  one host: the decode node's cache is mapped into the prefill process once
          (CUDA IPC handle; a shared-memory segment on CPU) and written device to device.
+    nixl anywhere: NIXL (UCX) writes the blocks from the prefill node's registered cache
+         straight into the reserved ones; agent metadata travels on the keyed KV link.
     tcp  anywhere: blocks travel as raw frames on the KV link, gathered on a side
          stream into pinned memory and written on arrival into the reserved blocks.
     dist torch.distributed point-to-point (gloo on CPU, nccl on CUDA, hccl on Ascend),
@@ -24,56 +26,93 @@ Backends:
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+import functools
+import importlib
 
 import torch
 
-from common.base.config import KV_TRANSFERS
-from common.wire.protocol import KVBlocks, KVDist, KVWelcome, dtype_name
-from common.transfer import dist, ipc, tcp
+from common.base.config import KV_BACKENDS, KV_TRANSFERS
+from common.base.log import get_logger
+from common.transfer.backend import Backend, KVReceiver, KVWriter, LocalCache, Send  # noqa: F401
 from common.transfer.copy import TransferError, copy_blocks, host_id  # noqa: F401
+from common.wire.protocol import KVTransfer, KVWelcome, dtype_name
 
+log = get_logger("transfer")
 CHOICES = KV_TRANSFERS               # what --kv-transfer takes
-BACKENDS = tuple(c for c in CHOICES if c != "auto")
 
 
-class KVWriter(Protocol):
-    """Prefill side, one per decode node: writes local blocks into reserved remote ones."""
-    name: str
-
-    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
-        """Start the write; returns at once. Source blocks stay untouched until poll() names it."""
-
-    def poll(self) -> list[str]:
-        """Request ids whose write has completed since the last call."""
-
-    def close(self) -> None: ...
+@functools.lru_cache(maxsize=None)
+def backend(name: str) -> Backend:
+    if name not in KV_BACKENDS:
+        raise TransferError(f"no KV transfer backend {name!r}: there are {', '.join(KV_BACKENDS)}")
+    return importlib.import_module(f"common.transfer.{name}").BACKEND
 
 
-def accepted_backends(requested: str, device: torch.device) -> list[str]:
-    """What a decode node offers its prefill nodes, best first."""
+def availability(device: torch.device = torch.device("cpu")) -> str:
+    """One line for --help: which backends this process can use."""
+    why = {name: backend(name).why_unusable(device) for name in KV_BACKENDS}
+    usable = [n for n, w in why.items() if w is None]
+    return f"usable here ({device.type}): {', '.join(usable) or 'none'}" + "".join(
+        f"; {n}: {w}" for n, w in why.items() if w is not None)
+
+
+def _check(requested: str) -> None:
     if requested not in CHOICES:
-        raise ValueError(f"kv transfer must be one of {CHOICES}, got {requested!r}")
-    # NOTE: auto never offers dist: its store and groups are not authenticated.
-    offered = [b for b in BACKENDS if requested == b or (requested == "auto" and b != "dist")]
-    return [b for b in offered if b != "ipc" or ipc.is_supported(device)]
+        raise TransferError(f"kv transfer must be one of {CHOICES}, got {requested!r}")
+
+
+def offered(requested: str, device: torch.device, is_reachable_remotely: bool) -> list[str]:
+    """What a decode node on `device` offers its prefill nodes, best first.
+    is_reachable_remotely: its KV link listens where other hosts can reach it."""
+    _check(requested)
+    if requested != "auto":
+        why = backend(requested).why_unusable(device)
+        if why:
+            raise TransferError(f"cannot offer the {requested} KV transfer: {why}")
+        return [requested]
+    names = []
+    for name in KV_BACKENDS:
+        b = backend(name)
+        if not b.is_auto or (b.is_auto_across_hosts_only and not is_reachable_remotely):
+            continue
+        why = b.why_unusable(device)
+        if why:
+            log.info("the %s KV transfer is not offered: %s", name, why)
+        else:
+            names.append(name)
+    return names
+
+
+def needs_shared_cache(requested: str, device: torch.device, is_reachable_remotely: bool = False) -> bool:
+    """Whether a decode node's cache must be allocated where other processes can map it."""
+    try:
+        names = offered(requested, device, is_reachable_remotely)
+    except TransferError:
+        return False   # the node says why when it starts
+    return any(backend(n).needs_shared_cache(device) for n in names)
 
 
 def choose_backend(requested: str, welcome: KVWelcome, device: torch.device) -> str:
     """The backend a prefill node on `device` uses for the decode node that sent `welcome`."""
-    if requested not in CHOICES:
-        raise TransferError(f"kv transfer must be one of {CHOICES}, got {requested!r}")
+    _check(requested)
     is_local = welcome.host_id == host_id()
-    usable = [b for b in welcome.backends if b in BACKENDS and
-              (b != "ipc" or (is_local and ipc.can_write(device, torch.device(welcome.device))))]
+    theirs = [n for n in welcome.backends if n in KV_BACKENDS]
+
+    def why_not(name: str) -> str | None:
+        b = backend(name)
+        if name not in theirs:
+            return f"it accepts {', '.join(theirs) or 'none'}"
+        if b.is_local_only and not is_local:
+            return "it is on another host"
+        return b.why_unusable(device)
     if requested != "auto":
-        if requested not in usable:
-            why = "it is on another host" if requested == "ipc" and not is_local else \
-                f"it accepts {welcome.backends}"
+        why = why_not(requested)
+        if why:
             raise TransferError(f"cannot use the {requested} KV transfer with this decode node: {why}")
         return requested
+    usable = [n for n in KV_BACKENDS if backend(n).is_auto and why_not(n) is None]
     if not usable:
-        raise TransferError(f"no KV transfer in common: the decode node accepts {welcome.backends}")
+        raise TransferError(f"no KV transfer in common: the decode node accepts {', '.join(theirs) or 'none'}")
     return usable[0]
 
 
@@ -88,66 +127,58 @@ def check_layout(welcome: KVWelcome, cache: torch.Tensor) -> None:
                             f"node's {ours} {our_dtype} (outside the block count)")
 
 
-def open_writer(requested: str, welcome: KVWelcome, cache: torch.Tensor,
-                send: Callable[[KVBlocks | KVDist], bool]) -> KVWriter:
+def open_writer(requested: str, welcome: KVWelcome, cache: torch.Tensor, send: Send) -> KVWriter:
     """A writer into the decode node that sent `welcome`; TransferError says why not."""
     check_layout(welcome, cache)
-    backend = choose_backend(requested, welcome, cache.device)
-    if backend == "ipc":
-        return ipc.IpcWriter(welcome, cache)
-    if backend == "dist":
-        if not welcome.dist_store:
-            raise TransferError("the decode node offers dist but names no store")
-        return dist.DistWriter(welcome.dist_store, cache, send)
-    return tcp.TcpWriter(cache, send)
+    name = choose_backend(requested, welcome, cache.device)
+    return backend(name).open_writer(welcome.backends[name], welcome, cache, send)
 
 
 class KVSink:
-    """Decode side: describes the cache to prefill nodes and lands tcp frames and dist
-    receives in it. host: the KV link's address (dist's store listens there)."""
+    """Decode side: one receiver per offered backend, each describing the cache to
+    prefill nodes and landing what its writers send."""
 
-    def __init__(self, cache: torch.Tensor, shm_name: str | None, accepted: list[str], host: str):
-        self.cache = cache
-        self.shm_name = shm_name
-        self.accepted = accepted
-        self.tcp = tcp.TcpReceiver(cache)
-        self.dist = dist.DistReceiver(cache, host) if "dist" in accepted else None
+    def __init__(self, cache: LocalCache, accepted: list[str]):
+        self.cache = cache.tensor
+        self.accepted = list(accepted)
+        self.receivers: dict[str, KVReceiver] = {}
+        try:
+            for name in accepted:
+                self.receivers[name] = backend(name).open_receiver(cache)
+        except Exception:
+            self.close()
+            raise
 
     def welcome(self, epoch: str) -> KVWelcome:
         c = self.cache
-        return KVWelcome(epoch, host_id(), str(c.device), list(c.shape),
-                         dtype_name(c.dtype), list(self.accepted),
-                         shm_name=self.shm_name if "ipc" in self.accepted else None,
-                         cuda_ipc=ipc.share(c) if "ipc" in self.accepted and c.is_cuda else None,
-                         dist_store=self.dist.address if self.dist is not None else None)
+        return KVWelcome(epoch, host_id(), str(c.device), list(c.shape), dtype_name(c.dtype),
+                         {name: r.describe() for name, r in self.receivers.items()})
 
-    def receive(self, sender: bytes, msg: KVBlocks | KVDist, dst_block_ids: list[int]) -> None:
-        """A tcp frame (written into dst_block_ids) or a dist announcement (its receive
-        posted); TransferError if it does not fit or is not accepted here."""
-        if isinstance(msg, KVDist):
-            if self.dist is None:
-                raise TransferError("this decode node does not accept dist KV transfers")
-            self.dist.receive(sender, msg, dst_block_ids)
-            return
-        if "tcp" not in self.accepted:
-            raise TransferError("this decode node does not accept tcp KV frames")
-        self.tcp.receive(msg, dst_block_ids)
+    def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
+        """TransferError if the backend is not accepted here or the message does not fit."""
+        r = self.receivers.get(msg.backend)
+        if r is None:
+            raise TransferError(f"this decode node does not accept {msg.backend[:32]!r} KV transfers "
+                                f"(it accepts {', '.join(self.accepted)})")
+        r.receive(sender, msg, dst_block_ids)
+
+    def progress(self) -> bool:
+        """True while a transfer this process drives is under way (the loop must not sleep)."""
+        return any([r.progress() for r in self.receivers.values()])
 
     def is_landed(self, request_id: str) -> bool:
-        """Every frame or receive for the request is in the cache."""
-        return self.tcp.is_landed(request_id) and (self.dist is None or self.dist.is_landed(request_id))
+        return all(r.is_landed(request_id) for r in self.receivers.values())
 
     def landing_error(self, request_id: str) -> str | None:
         """Why a landed request's KV is not usable, if it is not."""
-        return self.tcp.failed.get(request_id) or (self.dist.failed.get(request_id) if self.dist else None)
+        return next((e for r in self.receivers.values() if (e := r.landing_error(request_id))), None)
 
     def forget(self, request_id: str) -> None:
-        self.tcp.forget(request_id)
-        if self.dist is not None:
-            self.dist.forget(request_id)
+        for r in self.receivers.values():
+            r.forget(request_id)
 
     def close(self) -> None:
-        self.tcp.forget_all()
-        if self.dist is not None:
-            self.dist.close()
+        for r in self.receivers.values():
+            r.close()
+        self.receivers.clear()
         self.cache = None

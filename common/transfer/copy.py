@@ -21,7 +21,7 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+def runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
     """(src_start, dst_start, length) for stretches where both id lists count up by one."""
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src_ids, dst_ids):
@@ -44,9 +44,9 @@ def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_id
         raise TransferError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
     if not src_ids:
         return
-    runs = _runs(src_ids, dst_ids)
-    if len(runs) <= MAX_SLICE_COPIES:
-        for s, d, n in runs:
+    stretches = runs(src_ids, dst_ids)
+    if len(stretches) <= MAX_SLICE_COPIES:
+        for s, d, n in stretches:
             dst[:, :, d: d + n].copy_(src[:, :, s: s + n], non_blocking=True)
         return
     # NOTE: the temporaries below belong to the current stream; callers on a side

@@ -21,18 +21,32 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Annotated, Callable
 
 import torch
 import torch.distributed as dist
 
 from common.base.log import get_logger
-from common.wire.protocol import KVDist
 from common.engine.platform import platform_for
+from common.transfer.backend import NO_DATA, Backend, LocalCache, Send, parse
 from common.transfer.copy import TransferError, copy_blocks
+from common.wire.codec import Name, Range
+from common.wire.protocol import KVTransfer, KVWelcome
 
 log = get_logger("transfer")
 JOIN_TIMEOUT = timedelta(seconds=30)
+
+
+@dataclass
+class DistDescriptor:
+    store: Name          # "host:port" of the TCPStore pairs meet at
+
+
+@dataclass
+class DistHeader:
+    """The request's blocks follow as one send on the pair's process group `group` under `tag`."""
+    group: Name
+    tag: Annotated[int, Range(0, 2**31 - 1)]
 
 
 def _group(store: dist.Store, name: str, rank: int, device: torch.device):
@@ -100,7 +114,7 @@ class _Send:
 class DistWriter:
     name = "dist"
 
-    def __init__(self, store_addr: str, cache: torch.Tensor, send: Callable[[KVDist], bool]):
+    def __init__(self, store_addr: str, cache: torch.Tensor, send: Send):
         host, _, port = store_addr.rpartition(":")
         self.src, self.send = cache, send
         self.group = uuid.uuid4().hex
@@ -115,7 +129,10 @@ class DistWriter:
         self._pipe = _Pipe(make, f"with the decode node at {store_addr}")
 
     @torch.inference_mode()
-    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> None:
+        # NOTE: within_s is not needed: a receive lands in a buffer of its own, copied into
+        # the blocks only while they are still reserved.
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
         if self._pipe.error:
@@ -132,20 +149,21 @@ class DistWriter:
         self._num_tags = (self._num_tags + 1) % 2**31
         self._sends.append(_Send(request_id, self._num_tags, buf, ready))
 
-    def poll(self) -> list[str]:
+    def poll(self) -> list[tuple[str, str | None]]:
         """Announce each gathered send, in order, and hand it to the group's thread;
         name the sends completed since the last call."""
         for s in self._sends:
             if s.is_announced:
                 continue
             if (s.ready is not None and not s.ready.query()) or \
-                    not self.send(KVDist(s.request_id, self.group, s.tag)):
+                    not self.send(KVTransfer(s.request_id, "dist", {"group": self.group, "tag": s.tag},
+                                             NO_DATA)):
                 break
             s.is_announced = True
             self._pipe.put(s)
         done = []
         while self._sends and self._sends[0].is_done:
-            done.append(self._sends.popleft().request_id)
+            done.append((self._sends.popleft().request_id, None))
         return done
 
     def close(self) -> None:
@@ -171,18 +189,28 @@ class DistReceiver:
     """Decode side: the store prefill nodes meet at, the groups they made, and the
     receives into reserved blocks."""
 
-    def __init__(self, cache: torch.Tensor, host: str):
-        self.cache = cache
+    def __init__(self, cache: LocalCache):
+        self.cache, host = cache.tensor, cache.host
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=JOIN_TIMEOUT)
         self.address = f"[{host}]:{self.store.port}" if ":" in host else f"{host}:{self.store.port}"
         self._groups: dict[str, tuple[bytes, _Pipe]] = {}   # name -> (the peer that made it, its pipe)
         self._recvs: dict[str, _Recv] = {}
         self.failed: dict[str, str] = {}
 
-    def receive(self, sender: bytes, msg: KVDist, dst_block_ids: list[int]) -> None:
+    def describe(self) -> dict:
+        return {"store": self.address}
+
+    def progress(self) -> bool:
+        return False
+
+    def landing_error(self, request_id: str) -> str | None:
+        return self.failed.get(request_id)
+
+    def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
+        m = parse(DistHeader, msg.header, "dist header")
         if msg.request_id in self._recvs:
             raise TransferError(f"a second KV announcement for {msg.request_id}")
-        owner, pipe = self._groups.get(msg.group, (sender, None))
+        owner, pipe = self._groups.get(m.group, (sender, None))
         if owner != sender:
             raise TransferError("that KV process group belongs to another prefill node")
         if pipe is None:
@@ -192,12 +220,12 @@ class DistReceiver:
                 self._groups.pop(old)[1].close()
                 for rid in [rid for rid, r in self._recvs.items() if r.group == old]:
                     self.failed[rid] = "its KV process group was replaced"
-            group, device = msg.group, self.cache.device
+            group, device = m.group, self.cache.device
             pipe = _Pipe(lambda: _group(self.store, group, 0, device), group[:8])
             self._groups[group] = (sender, pipe)
         c = self.cache
         buf = torch.empty((c.shape[0], 2, len(dst_block_ids), *c.shape[3:]), dtype=c.dtype, device=c.device)
-        r = self._recvs[msg.request_id] = _Recv(msg.group, msg.tag, list(dst_block_ids), buf)
+        r = self._recvs[msg.request_id] = _Recv(m.group, m.tag, list(dst_block_ids), buf)
         pipe.put(r)   # NOTE: even if the request is dropped later, to keep the pairing in order
 
     def is_landed(self, request_id: str) -> bool:
@@ -229,3 +257,11 @@ class DistReceiver:
         self._recvs.clear()
         self._groups.clear()
         self.store = None
+
+
+def _open_writer(descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send: Send) -> DistWriter:
+    return DistWriter(parse(DistDescriptor, descriptor, "dist").store, cache, send)
+
+
+# NOTE: never offered by auto: its store and groups are not authenticated.
+BACKEND = Backend("dist", lambda device: None, DistReceiver, _open_writer, is_auto=False)

@@ -4,42 +4,56 @@ the reserved ones: device to device on CUDA (a peer copy across devices), a
 memory copy through a shared-memory segment on CPU."""
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 
 import torch
 
 from common.engine.platform import PlatformError, platform_for
 from common.kv.blocks import is_cache_shape, num_cache_blocks
+from common.transfer.backend import Backend, LocalCache, Send, parse
 from common.transfer.copy import TransferError, copy_blocks
-from common.wire.protocol import CudaIpcHandle, KVWelcome
+from common.wire.codec import Name
+from common.wire.protocol import KVTransfer, KVWelcome
 
 
-def is_supported(device: torch.device) -> bool:
-    return device.type == "cpu" and os.path.isdir("/dev/shm") or device.type == "cuda"
+@dataclass
+class CudaIpcHandle:
+    """A CUDA allocation shared across processes (what torch's storage sharing returns)."""
+    device: int
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    is_event_sync_required: bool
 
 
-def can_write(ours: torch.device, theirs: torch.device) -> bool:
-    return ours.type == theirs.type and is_supported(ours)
+@dataclass
+class IpcDescriptor:
+    shm_name: Name | None = None       # CPU: the cache's shared-memory segment
+    cuda: CudaIpcHandle | None = None  # CUDA: the cache's allocation
 
 
-def share(cache: torch.Tensor) -> CudaIpcHandle:
-    """The IPC handle of a CUDA cache's allocation, as it travels in KVWelcome."""
-    try:
-        return CudaIpcHandle(*platform_for(cache.device).share(cache))
-    except PlatformError as e:
-        raise TransferError(str(e)) from None
+def why_unusable(device: torch.device) -> str | None:
+    if device.type == "cpu" and os.path.isdir("/dev/shm") or device.type == "cuda":
+        return None
+    return f"no shared {device.type} memory between processes here"
 
 
-def _open(welcome: KVWelcome, dtype: torch.dtype, shape: list[int], device: torch.device):
+def _open(desc: IpcDescriptor, welcome: KVWelcome, dtype: torch.dtype, shape: list[int],
+          device: torch.device):
     """The decode node's cache mapped here, and how to unmap it."""
+    if device.type != torch.device(welcome.device).type:
+        raise TransferError(f"the decode node's cache is on {welcome.device}, this node's on {device.type}")
     if device.type == "cuda":
-        if welcome.cuda_ipc is None:
+        if desc.cuda is None:
             raise TransferError("the decode node sent no CUDA IPC handle")
-        h = welcome.cuda_ipc
-        handle = (h.device, h.handle, h.storage_size, h.storage_offset, h.ref_counter_handle,
-                  h.ref_counter_offset, h.event_handle, h.is_event_sync_required)
+        handle = tuple(getattr(desc.cuda, f.name) for f in dataclasses.fields(CudaIpcHandle))
     else:
-        handle = welcome.shm_name or ""
+        handle = desc.shm_name or ""
     try:
         return platform_for(device).open_shared(handle, dtype, shape)
     except PlatformError as e:
@@ -49,18 +63,20 @@ def _open(welcome: KVWelcome, dtype: torch.dtype, shape: list[int], device: torc
 class IpcWriter:
     name = "ipc"
 
-    def __init__(self, welcome: KVWelcome, cache: torch.Tensor):
+    def __init__(self, descriptor: dict, welcome: KVWelcome, cache: torch.Tensor):
         self.src = cache
         shape = list(welcome.cache_shape)
         if not is_cache_shape(shape):
             raise TransferError(f"the decode node's cache shape {shape} is not a KV cache's")
         self._platform = platform_for(cache.device)
-        self.dst, self._unmap = _open(welcome, cache.dtype, shape, cache.device)
+        desc = parse(IpcDescriptor, descriptor, "ipc")
+        self.dst, self._unmap = _open(desc, welcome, cache.dtype, shape, cache.device)
         self.stream = self._platform.side_stream()
         self._num_dst_blocks = num_cache_blocks(shape)
         self._inflight: list[tuple[str, object | None]] = []   # (request id, its copy's event)
 
-    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> None:
         if any(not 0 < b < self._num_dst_blocks for b in dst_block_ids):
             raise TransferError(f"destination blocks outside the decode cache of {self._num_dst_blocks}")
         if self.stream is None:
@@ -75,11 +91,11 @@ class IpcWriter:
             done = self._platform.event()
         self._inflight.append((request_id, done))
 
-    def poll(self) -> list[str]:
+    def poll(self) -> list[tuple[str, str | None]]:
         done = [rid for rid, ev in self._inflight if ev is None or ev.query()]
         if done:
             self._inflight = [(rid, ev) for rid, ev in self._inflight if rid not in done]
-        return done
+        return [(rid, None) for rid in done]
 
     def close(self) -> None:
         if self.stream is not None:
@@ -87,3 +103,48 @@ class IpcWriter:
         self._inflight.clear()
         self.dst = None
         self._unmap()
+
+
+class IpcReceiver:
+    """Nothing crosses the KV link: the prefill node writes the mapped cache itself."""
+
+    def __init__(self, cache: LocalCache):
+        c = cache.tensor
+        if c.is_cuda:
+            try:
+                self.desc = IpcDescriptor(cuda=CudaIpcHandle(*platform_for(c.device).share(c)))
+            except PlatformError as e:
+                raise TransferError(str(e)) from None
+        elif cache.shm_name is None:
+            raise TransferError("ipc needs the cache in shared memory, and it is not")
+        else:
+            self.desc = IpcDescriptor(shm_name=cache.shm_name)
+
+    def describe(self) -> dict:
+        return dataclasses.asdict(self.desc)
+
+    def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
+        raise TransferError("ipc sends nothing on the KV link")
+
+    def progress(self) -> bool:
+        return False
+
+    def is_landed(self, request_id: str) -> bool:
+        return True
+
+    def landing_error(self, request_id: str) -> str | None:
+        return None
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _open_writer(descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send: Send) -> IpcWriter:
+    return IpcWriter(descriptor, welcome, cache)
+
+
+BACKEND = Backend("ipc", why_unusable, IpcReceiver, _open_writer, is_local_only=True,
+                  needs_shared_cache=lambda device: device.type == "cpu")

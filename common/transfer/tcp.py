@@ -9,14 +9,16 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Annotated
 
 import torch
 
 from common.base.log import get_logger
-from common.wire.protocol import KVBlocks
 from common.engine.platform import platform_for
+from common.transfer.backend import Backend, LocalCache, Send, parse
 from common.transfer.copy import TransferError, copy_blocks
+from common.wire.codec import Range
+from common.wire.protocol import KVTransfer, KVWelcome
 
 log = get_logger("transfer")
 
@@ -26,6 +28,13 @@ FRAME_BYTES = 16 * 2**20   # aim per frame: large enough to stream, small enough
 def layers_per_frame(cache: torch.Tensor, num_blocks: int) -> int:
     per_layer = cache[0, :, :num_blocks].numel() * cache.element_size()
     return max(1, min(cache.shape[0], FRAME_BYTES // max(per_layer, 1)))
+
+
+@dataclass
+class TcpHeader:
+    """A frame holds layers [first_layer, first_layer + data.shape[0]) of a reservation's
+    blocks: data [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+    first_layer: Annotated[int, Range(0, 4096)]
 
 
 @dataclass
@@ -40,7 +49,7 @@ class _Frame:
 class TcpWriter:
     name = "tcp"
 
-    def __init__(self, cache: torch.Tensor, send: Callable[[KVBlocks], bool]):
+    def __init__(self, cache: torch.Tensor, send: Send):
         self.src = cache
         self.send = send
         self._platform = platform_for(cache.device)
@@ -48,7 +57,10 @@ class TcpWriter:
         self._frames: deque[_Frame] = deque()
 
     @torch.inference_mode()
-    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> None:
+        # NOTE: within_s is not needed: the decode node lands a frame only in blocks its
+        # sender still holds.
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
         n, num_layers = len(src_block_ids), self.src.shape[0]
@@ -73,7 +85,7 @@ class TcpWriter:
                 ready = self._platform.event()
             self._frames.append(_Frame(request_id, first, host, ready, first + step >= num_layers))
 
-    def poll(self) -> list[str]:
+    def poll(self) -> list[tuple[str, str | None]]:
         """Send every frame whose copy is done, in order; a request is written once
         its last frame is queued on the socket."""
         done = []
@@ -81,11 +93,11 @@ class TcpWriter:
             f = self._frames[0]
             if f.ready is not None and not f.ready.query():
                 break
-            if not self.send(KVBlocks(f.request_id, f.first_layer, f.kv)):
+            if not self.send(KVTransfer(f.request_id, "tcp", {"first_layer": f.first_layer}, f.kv)):
                 break  # the link is not connected or full: try again next turn
             self._frames.popleft()
             if f.is_last:
-                done.append(f.request_id)
+                done.append((f.request_id, None))
         return done
 
     def close(self) -> None:
@@ -99,8 +111,8 @@ class TcpReceiver:
     copy into pinned memory and queues the device copy on a side stream, so the
     decode loop only checks a frame's shape and hands it over."""
 
-    def __init__(self, cache: torch.Tensor):
-        self.cache = cache
+    def __init__(self, cache: LocalCache):
+        self.cache = cache = cache.tensor
         self._landing: dict[str, list] = {}     # request -> events, or None while queued
         self.failed: dict[str, str] = {}        # request -> why its KV did not land
         self._lock = threading.Condition()
@@ -111,24 +123,34 @@ class TcpReceiver:
             self._thread = threading.Thread(target=self._run, name="kv-tcp-receiver", daemon=True)
             self._thread.start()
 
-    def receive(self, msg: KVBlocks, dst_block_ids: list[int]) -> None:
-        kv, c = msg.kv, self.cache
+    def describe(self) -> dict:
+        return {}
+
+    def progress(self) -> bool:
+        return False
+
+    def landing_error(self, request_id: str) -> str | None:
+        return self.failed.get(request_id)
+
+    def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
+        first_layer = parse(TcpHeader, msg.header, "tcp header").first_layer
+        kv, c = msg.data, self.cache
         layers = kv.shape[0] if kv.dim() == 6 else 0
         expected = (layers, 2, len(dst_block_ids), *c.shape[3:])
         if kv.dim() != 6 or tuple(kv.shape) != expected or kv.dtype != c.dtype or layers == 0 \
-                or not 0 <= msg.first_layer <= c.shape[0] - layers:
-            raise TransferError(f"KV frame {tuple(kv.shape)} {kv.dtype} at layer {msg.first_layer} "
+                or not 0 <= first_layer <= c.shape[0] - layers:
+            raise TransferError(f"KV frame {tuple(kv.shape)} {kv.dtype} at layer {first_layer} "
                                 f"does not fit {len(dst_block_ids)} reserved blocks of this cache "
                                 f"{tuple(c.shape)} {c.dtype}")
         if self.stream is None:
             with torch.inference_mode():
                 copy_blocks(kv, list(range(len(dst_block_ids))),
-                            c[msg.first_layer: msg.first_layer + layers], dst_block_ids)
+                            c[first_layer: first_layer + layers], dst_block_ids)
             return
         with self._lock:
             self._landing.setdefault(msg.request_id, []).append(None)
         # NOTE: kv aliases zmq's receive buffer, which the tensor keeps alive.
-        self._queue.put((msg.request_id, msg.first_layer, kv, list(dst_block_ids)))
+        self._queue.put((msg.request_id, first_layer, kv, list(dst_block_ids)))
 
     @torch.inference_mode()
     def _run(self) -> None:
@@ -171,9 +193,16 @@ class TcpReceiver:
         for e in events:
             e.synchronize()
 
-    def forget_all(self) -> None:
+    def close(self) -> None:
         for rid in list(self._landing):
             self.forget(rid)
         if self.stream is not None:
             self._queue.put(None)
             self._thread.join(timeout=10)
+
+
+def _open_writer(descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send: Send) -> TcpWriter:
+    return TcpWriter(cache, send)
+
+
+BACKEND = Backend("tcp", lambda device: None, TcpReceiver, _open_writer)

@@ -52,10 +52,12 @@ class MaxLen:
 @dataclass(frozen=True)
 class Plain:
     """A map of plain data: string keys, at most max_items entries per level, depth
-    levels deep, finite numbers; is_numbers: every value a finite number >= 0."""
+    levels deep, finite numbers; is_numbers: every value a finite number >= 0;
+    bytes values of at most max_bytes (none when 0)."""
     depth: int = 3
     max_items: int = 256
     is_numbers: bool = False
+    max_bytes: int = 0
 
 
 Name = Annotated[str, MaxLen(128)]        # node names, message kinds
@@ -254,6 +256,9 @@ def _plain(value: Any, rule: Plain, where: str, depth: int) -> None:
         raise ProtocolError(f"{where} is outside the 64-bit range")
     elif isinstance(value, str) and len(value) > 4096:
         raise ProtocolError(f"{where} is longer than 4096")
+    elif isinstance(value, bytes) and rule.max_bytes:
+        if len(value) > rule.max_bytes:
+            raise ProtocolError(f"{where} is longer than {rule.max_bytes} bytes")
     elif not isinstance(value, (type(None), bool, int, float, str)):
         raise ProtocolError(f"{where} holds a {type(value).__name__}")
 
@@ -279,6 +284,19 @@ def _build(cls, fields: dict, prefix: str = ""):
         elif is_required:
             raise ProtocolError(f"missing field {prefix}{name!r}")
     return cls(**kwargs)
+
+
+def parse(cls, fields: Any, where: str):
+    """A map received inside a message (a backend's descriptor, say) -> a cls dataclass,
+    checked as a message's fields are; ProtocolError names what is wrong."""
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"{where} must be a map, got {type(fields).__name__}")
+    try:
+        return _build(cls, fields, where + ".")
+    except (RecursionError, ValueError, TypeError, OverflowError) as e:
+        if isinstance(e, ProtocolError):
+            raise
+        raise ProtocolError(f"bad {where}: {type(e).__name__}") from None
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,26 +7,18 @@ from typing import Annotated, ClassVar
 import torch
 
 from common.base.request import SamplingParams
-from common.wire.codec import Range, MaxLen, Name, Id, Text, I32, Stamps
+from common.wire.codec import Range, MaxLen, Name, Id, Text, I32, Plain, Stamps
+
+# What a transfer backend puts on the wire: plain maps (bytes allowed, bounded) that
+# the backend itself checks field by field (common/transfer: codec.parse).
+Descriptor = Annotated[dict, Plain(depth=2, max_items=32, max_bytes=64 * 2**10)]
+Descriptors = Annotated[dict, Plain(depth=3, max_items=16, max_bytes=64 * 2**10)]   # backend -> its Descriptor
 
 
 # ---- prefill <-> decode (KV link) ----------------------------------------------
 # A handoff is reserve -> write -> commit: the decode node reserves destination
 # blocks, the prefill node's transfer backend writes its blocks into them, and
 # the commit makes the request runnable on the decode node without a copy.
-
-@dataclass
-class CudaIpcHandle:
-    """A CUDA allocation shared across processes (what torch's storage sharing returns)."""
-    device: int
-    handle: bytes
-    storage_size: int
-    storage_offset: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes | None
-    is_event_sync_required: bool
-
 
 @dataclass
 class KVHello:
@@ -44,10 +36,7 @@ class KVWelcome:
     device: Name
     cache_shape: list[I32]           # [layers, 2, blocks, block_size, kv_heads, head_dim]
     dtype: Name
-    backends: list[Name]             # what this decode node accepts, best first
-    shm_name: Name | None = None     # ipc on CPU: the cache's shared-memory segment
-    cuda_ipc: CudaIpcHandle | None = None  # ipc on CUDA
-    dist_store: Name | None = None   # dist: "host:port" of the TCPStore pairs meet at
+    backends: Descriptors            # backend name -> how it reaches this cache, for each accepted
 
 
 @dataclass
@@ -77,23 +66,15 @@ class KVReserved:
 
 
 @dataclass
-class KVBlocks:
-    """tcp backend: layers [first_layer, first_layer + kv.shape[0]) of a reservation's blocks.
-    kv [layers, 2, num_blocks, block_size, kv_heads, head_dim] travels as one raw frame."""
-    TYPE: ClassVar[str] = "kv_blocks"
+class KVTransfer:
+    """prefill -> decode: what a transfer backend sends on the KV link for one request
+    (tcp: a group of layers of its blocks; dist, nixl: the write that will follow).
+    data [any shape] travels as one raw frame, empty when the backend sends none."""
+    TYPE: ClassVar[str] = "kv_transfer"
     request_id: Id
-    first_layer: Annotated[int, Range(0, 4096)]
-    kv: torch.Tensor
-
-
-@dataclass
-class KVDist:
-    """dist backend, prefill -> decode: the request's blocks follow as one send on the
-    pair's process group `group` under `tag`; the decode node posts the receive."""
-    TYPE: ClassVar[str] = "kv_dist"
-    request_id: Id
-    group: Name
-    tag: Annotated[int, Range(0, 2**31 - 1)]
+    backend: Name
+    header: Descriptor
+    data: torch.Tensor
 
 
 @dataclass

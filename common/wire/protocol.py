@@ -11,15 +11,15 @@ from common.wire.client import (GenerateRequest, AbortRequest, StatsRequest, Dra
 from common.wire.node import (PrefillRequest, NodeAbort, Shutdown, Drain, PrefixUpdate, ReadyReply,
                               NodeReady, Heartbeat, RequestFailed, NodeDraining, TokenUpdate, TokenBatch,
                               ttft_parts)  # noqa: F401
-from common.wire.kv import (CudaIpcHandle, KVHello, KVWelcome, KVReserve, KVReserved, KVBlocks,
-                            KVDist, KVCommit, KVRelease, HandoffAck)  # noqa: F401
+from common.wire.kv import (KVHello, KVWelcome, KVReserve, KVReserved, KVTransfer, KVCommit, KVRelease,
+                            HandoffAck)  # noqa: F401
 
 MESSAGES: dict[str, type] = {cls.TYPE: cls for cls in (
     GenerateRequest, AbortRequest, StatsRequest, DrainRequest, GenerateOutput, OutputBatch, StatsReply,
     DrainReply, ErrorReply,
     PrefillRequest, NodeAbort, Shutdown, Drain, ReadyReply, NodeReady, Heartbeat, RequestFailed,
     NodeDraining, TokenBatch, PrefixUpdate,
-    KVHello, KVWelcome, KVReserve, KVReserved, KVBlocks, KVDist, KVCommit, KVRelease, HandoffAck)}
+    KVHello, KVWelcome, KVReserve, KVReserved, KVTransfer, KVCommit, KVRelease, HandoffAck)}
 
 # What each link carries, per direction.
 CLIENT_TO_FRONTEND = (GenerateRequest, AbortRequest, StatsRequest, DrainRequest)
@@ -27,7 +27,7 @@ FRONTEND_TO_CLIENT = (GenerateOutput, OutputBatch, StatsReply, DrainReply, Error
 FRONTEND_TO_NODE = (PrefillRequest, NodeAbort, Shutdown, Drain, ReadyReply)
 FRONTEND_TO_HEARTBEAT = (ReadyReply,)
 NODE_TO_FRONTEND = (NodeReady, Heartbeat, RequestFailed, NodeDraining, TokenBatch, PrefixUpdate)
-PREFILL_TO_DECODE = (KVHello, KVReserve, KVBlocks, KVDist, KVCommit, KVRelease)
+PREFILL_TO_DECODE = (KVHello, KVReserve, KVTransfer, KVCommit, KVRelease)
 DECODE_TO_PREFILL = (KVWelcome, KVReserved, HandoffAck)
 
 

@@ -1,4 +1,4 @@
-"""Simulated hosts for tests: each a network namespace with its own hostname and
+"""Simulated hosts for tests and benchmarks: each a network namespace with its own hostname and
 /dev/shm (unshare --uts --mount and a tmpfs), one address from 198.18.0.0/15
 (the range set aside for benchmarking), all joined by a bridge that lives in a
 namespace of its own. Nothing touches this machine's own network namespace, and
@@ -77,13 +77,15 @@ class Hosts:
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
 
-    def popen(self, name: str, argv: list[str], **kw) -> subprocess.Popen:
-        """argv run on host name: its network, hostname and /dev/shm; in a session of
-        its own (close() stops the whole group)."""
+    def prefix(self, name: str) -> list[str]:
+        """What runs a command on host name: its network, hostname and /dev/shm."""
         shell = ('hostname "$0" && mount -t tmpfs -o size=256m tmpfs /dev/shm && exec "$@"')
-        cmd = ["ip", "netns", "exec", self.ns(name), "unshare", "--uts", "--mount", "--propagation", "private",
-               "sh", "-c", shell, f"host-{name}", *argv]
-        p = subprocess.Popen(cmd, start_new_session=True, **kw)
+        return ["ip", "netns", "exec", self.ns(name), "unshare", "--uts", "--mount", "--propagation", "private",
+                "sh", "-c", shell, f"host-{name}"]
+
+    def popen(self, name: str, argv: list[str], **kw) -> subprocess.Popen:
+        """argv run on host name, in a session of its own (close() stops the whole group)."""
+        p = subprocess.Popen([*self.prefix(name), *argv], start_new_session=True, **kw)
         self.procs.append(p)
         return p
 

@@ -1,0 +1,88 @@
+"""What a KV transfer backend is: one module in this package that defines BACKEND.
+
+A backend has two halves. The decode node opens a receiver over its cache; the
+receiver's descriptor (plain data, bytes allowed) travels to prefill nodes in
+KVWelcome under the backend's name. A prefill node that picks the backend opens
+a writer from that descriptor. Whatever else must cross the KV link goes as
+KVTransfer messages under the backend's name, checked by the backend itself
+(codec.parse into a dataclass of its own)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from common.transfer.copy import TransferError
+from common.wire import codec
+from common.wire.protocol import KVTransfer, KVWelcome, ProtocolError
+
+Send = Callable[[KVTransfer], bool]   # on the KV link; False: not now (not connected, or full)
+NO_DATA = torch.empty(0, dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
+class LocalCache:
+    """A decode node's cache as its receivers see it."""
+    tensor: torch.Tensor           # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    host: str                      # the address its KV link is reached at
+    shm_name: str | None = None    # CPU: the shared-memory segment the cache lives in
+
+
+class KVWriter(Protocol):
+    """Prefill side, one per decode node: writes local blocks into reserved remote ones."""
+    name: str
+
+    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> None:
+        """Start the write; returns at once. Source blocks stay untouched until poll() names
+        it. within_s: after this long the reservation may be gone, so a write that could
+        still land later must be stopped (poll() then names it failed)."""
+
+    def poll(self) -> list[tuple[str, str | None]]:
+        """(request id, why it failed or None) for writes that ended since the last call."""
+
+    def close(self) -> None: ...
+
+
+class KVReceiver(Protocol):
+    """Decode side: one per accepted backend."""
+
+    def describe(self) -> dict:
+        """This backend's descriptor in KVWelcome."""
+
+    def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
+        """A KVTransfer for a reservation of `sender`'s; TransferError if it does not fit."""
+
+    def progress(self) -> bool:
+        """Drive transfers this process must drive; True while one is under way."""
+
+    def is_landed(self, request_id: str) -> bool:
+        """Everything announced for the request is in its blocks (True if nothing was)."""
+
+    def landing_error(self, request_id: str) -> str | None: ...
+
+    def forget(self, request_id: str) -> None:
+        """Its blocks go back to the pool: return once nothing of ours can still write them."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    why_unusable: Callable[[torch.device], str | None]   # None: this process can use it on that device
+    open_receiver: Callable[[LocalCache], KVReceiver]
+    open_writer: Callable[[dict, KVWelcome, torch.Tensor, Send], KVWriter]   # (its descriptor, ...)
+    is_auto: bool = True                # auto may offer it
+    is_auto_across_hosts_only: bool = False   # auto offers it only on a KV link other hosts reach
+    is_local_only: bool = False         # only between processes of one host
+    needs_shared_cache: Callable[[torch.device], bool] = lambda device: False
+
+
+def parse(cls, fields, where: str):
+    """A backend's descriptor or KVTransfer header -> its dataclass; TransferError if malformed."""
+    try:
+        return codec.parse(cls, fields, where)
+    except ProtocolError as e:
+        raise TransferError(str(e)) from None

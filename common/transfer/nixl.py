@@ -1,0 +1,302 @@
+"""nixl: anywhere. NIXL (its UCX backend) writes a request's blocks from the prefill
+node's cache straight into the decode node's reserved blocks (one-sided WRITE, CPU
+or CUDA memory), and a notification naming the request follows the data.
+
+Each side registers its whole cache once with an agent of its own. The decode
+node's agent metadata (how to reach it and the keys of its registered memory)
+and its cache's address travel in KVWelcome, on the KV link, which CURVE
+authenticates: only a holder of a node key learns how to write this cache. A
+writer announces each write with a KVTransfer naming its agent, so the decode
+node waits for that agent's notification before the request may run.
+
+NOTE: neither agent runs NIXL's progress thread, which spins a core (2 s of CPU
+in 2 s idle, measured). The loops drive progress: the prefill node polls while a
+write is under way, and the decode node does not sleep while one is announced.
+NOTE: a one-sided write that is late could land in blocks given to another
+request. A write still under way when its reservation may end (within_s) is
+stopped by dropping the connection to that agent (UCX cancels what it holds);
+the decode node's lease keeps a third of its length after the last write may
+start (lease.py).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.base.log import get_logger
+from common.engine.platform import platform_for
+from common.kv.blocks import num_cache_blocks
+from common.transfer.backend import NO_DATA, Backend, LocalCache, Send, parse
+from common.transfer.copy import TransferError, runs
+from common.wire.codec import Name
+from common.wire.protocol import KVTransfer, KVWelcome
+
+log = get_logger("transfer")
+MAX_EARLY = 4096    # notifications kept for writes not yet announced (they race the KV link)
+
+
+@dataclass
+class NixlDescriptor:
+    agent: Name
+    metadata: bytes     # the decode agent's: its UCX addresses and the remote keys of its cache
+    address: int        # where its cache starts
+    device_id: int
+
+
+@dataclass
+class NixlHeader:
+    """A write to a reservation is on its way from this agent; its notification follows it."""
+    agent: Name
+
+
+@functools.lru_cache(maxsize=1)
+def _module():
+    """NIXL's Python module, or why not."""
+    # NOTE: UCX's cma transport aborts the process (an arbiter assertion) when an agent
+    # that wrote to a peer that died is destroyed (UCX bundled with nixl-cu12 1.5.1);
+    # without cma the write fails the same way and the agent closes. Set before any
+    # agent exists; a UCX_TLS given by the user stands.
+    os.environ.setdefault("UCX_TLS", "^cma")
+    try:
+        module = importlib.import_module("nixl_cu12")
+    except Exception as e:   # ImportError, or a bundled library that does not load here
+        return None, f"cannot import nixl_cu12 ({type(e).__name__}: {str(e)[:160]}; pip install nixl-cu12)"
+    # NOTE: NIXL logs to stdout by default, where launchers print their ready lines;
+    # its warnings go to our log (stderr) instead.
+    nixl_log = logging.getLogger("nixl")
+    for handler in list(nixl_log.handlers):
+        nixl_log.removeHandler(handler)
+    nixl_log.setLevel(logging.WARNING)
+    nixl_log.propagate = True
+    return module, None
+
+
+def why_unusable(device: torch.device) -> str | None:
+    if device.type not in ("cpu", "cuda"):
+        return f"NIXL's UCX backend has no {device.type} memory (tcp stages through host memory)"
+    return _module()[1]
+
+
+def _agent(cache: torch.Tensor):
+    """A new agent with the cache registered, and its memory type and device id."""
+    nixl, why = _module()
+    if nixl is None:
+        raise TransferError(why)
+    name = f"pdserve-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        regs = agent.register_memory([cache])
+    except Exception as e:   # no UCX transport here (UCX_TLS), no memory registration, ...
+        raise TransferError(f"cannot start a NIXL agent: {e}") from None
+    return agent, regs, ("VRAM" if cache.is_cuda else "DRAM"), max(cache.get_device(), 0)
+
+
+def _plane_bytes(cache_shape, element_size: int) -> int:
+    """Bytes of one block in one layer's K or V: block_size * kv_heads * head_dim."""
+    return int(np.prod(cache_shape[3:])) * element_size
+
+
+class NixlWriter:
+    name = "nixl"
+
+    def __init__(self, descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send: Send):
+        self.desc = parse(NixlDescriptor, descriptor, "nixl")
+        if torch.device(welcome.device).type != cache.device.type:
+            raise TransferError(f"nixl here moves {cache.device.type} to {cache.device.type} memory; "
+                                f"the decode node's cache is on {welcome.device}")
+        self.src, self.send = cache, send
+        self._platform = platform_for(cache.device)
+        self.agent, self._regs, self.mem, self.device_id = _agent(cache)
+        self.remote: str | None = self._connect()
+        self._block_bytes = _plane_bytes(cache.shape, cache.element_size())
+        self._num_planes = cache.shape[0] * 2
+        self._num_dst_blocks = num_cache_blocks(welcome.cache_shape)
+        self._writes: OrderedDict[str, _Write] = OrderedDict()
+
+    def _connect(self) -> str:
+        try:
+            return self.agent.add_remote_agent(self.desc.metadata)
+        except Exception as e:
+            raise TransferError(f"cannot connect to the decode node's NIXL agent {self.desc.agent}: {e}") from None
+
+    def _descs(self, base: int, num_blocks: int, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """(address, bytes, device) per layer, K/V plane and run of consecutive blocks."""
+        planes = np.arange(self._num_planes, dtype=np.uint64)[:, None]
+        addr = np.uint64(base) + (planes * np.uint64(num_blocks) + starts[None, :]) * np.uint64(self._block_bytes)
+        n = np.broadcast_to(lens[None, :] * np.uint64(self._block_bytes), addr.shape)
+        return np.stack([addr.ravel(), n.ravel(), np.full(addr.size, self.device_id, dtype=np.uint64)], axis=1)
+
+    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> None:
+        if len(src_block_ids) != len(dst_block_ids):
+            raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
+        if any(not 0 < b < self._num_dst_blocks for b in dst_block_ids):
+            raise TransferError(f"destination blocks outside the decode cache of {self._num_dst_blocks}")
+        if request_id in self._writes:
+            raise TransferError(f"a second write of {request_id} under way")
+        if self.remote is None:
+            self.remote = self._connect()   # again, after a failed write dropped it
+        r = np.array(runs(src_block_ids, dst_block_ids), dtype=np.uint64).reshape(-1, 3)
+        local = self._descs(self.src.data_ptr(), self.src.shape[2], r[:, 0], r[:, 2])
+        remote = self._descs(self.desc.address, self._num_dst_blocks, r[:, 1], r[:, 2])
+        try:
+            handle = self.agent.initialize_xfer(
+                "WRITE", self.agent.get_xfer_descs(local, self.mem),
+                self.agent.get_xfer_descs(remote, self.mem), self.remote, request_id.encode())
+        except Exception as e:
+            raise TransferError(f"NIXL refused the write: {e}") from None
+        # The forward pass that computed the blocks may still be queued on the device.
+        ready = self._platform.event()
+        self._writes[request_id] = _Write(handle, ready, time.monotonic() + max(within_s, 0.0))
+
+    def poll(self) -> list[tuple[str, str | None]]:
+        ended: list[tuple[str, str | None]] = []
+        now = time.monotonic()
+        for rid, w in list(self._writes.items()):
+            why = None
+            if now > w.deadline:
+                why = "it did not complete before its reservation could end"
+            elif not w.is_posted:
+                if w.ready is not None and not w.ready.query():
+                    continue
+                if not self.send(KVTransfer(rid, "nixl", {"agent": self.agent.name}, NO_DATA)):
+                    break   # announced in order; the link is not ready: next turn
+                w.is_posted, why = True, self._state(w, post=True)
+            else:
+                why = self._state(w, post=False)
+            if why == "":
+                continue   # under way
+            del self._writes[rid]
+            self._release(w)
+            if why is not None:
+                ended.append((rid, why))
+                if w.is_posted:
+                    self._reset()
+            else:
+                ended.append((rid, None))
+        return ended
+
+    def _state(self, w: _Write, post: bool) -> str | None:
+        """None: done; "": under way; else why it failed."""
+        try:
+            state = self.agent.transfer(w.handle) if post else self.agent.check_xfer_state(w.handle)
+        except Exception as e:   # NIXL_ERR_REMOTE_DISCONNECT and the like
+            return f"NIXL: {e}"
+        return None if state == "DONE" else "" if state == "PROC" else f"NIXL reported {state}"
+
+    def _release(self, w: _Write) -> None:
+        try:
+            w.handle.release()
+        except Exception as e:   # still under way: the connection reset below cancels it
+            log.debug("releasing a NIXL transfer: %s", e)
+
+    def _reset(self) -> None:
+        """Drop the connection to the decode agent (cancelling what UCX still holds for it),
+        so a failed or late write cannot land later; the next write connects again."""
+        if self.remote is None:
+            return
+        try:
+            self.agent.remove_remote_agent(self.remote)
+        except Exception as e:
+            log.warning("dropping the NIXL connection to %s: %s", self.desc.agent, e)
+        self.remote = None
+
+    def close(self) -> None:
+        for w in self._writes.values():
+            self._release(w)
+        self._writes.clear()
+        self._reset()
+        try:
+            self.agent.deregister_memory(self._regs)
+        except Exception as e:
+            log.debug("closing a NIXL agent: %s", e)
+        self.agent = None
+
+
+@dataclass
+class _Write:
+    handle: object
+    ready: object | None        # the blocks are computed (a platform event)
+    deadline: float             # monotonic: stop it past this
+    is_posted: bool = False
+
+
+class NixlReceiver:
+    """Decode side: the registered cache, and which announced writes have landed."""
+
+    def __init__(self, cache: LocalCache):
+        c = self.cache = cache.tensor
+        self.agent, self._regs, _, self.device_id = _agent(c)
+        self.metadata = self.agent.get_agent_metadata()
+        self._expected: dict[str, tuple[bytes, str]] = {}     # request -> (KV-link peer, its agent)
+        self._landed: set[str] = set()
+        self._early: OrderedDict[tuple[str, str], None] = OrderedDict()   # (agent, request) notified
+
+    def describe(self) -> dict:
+        return {"agent": self.agent.name, "metadata": self.metadata, "address": self.cache.data_ptr(),
+                "device_id": self.device_id}
+
+    def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
+        agent = parse(NixlHeader, msg.header, "nixl header").agent
+        if msg.request_id in self._expected:
+            raise TransferError(f"a second NIXL write announced for {msg.request_id}")
+        self._expected[msg.request_id] = (sender, agent)
+        if (agent, msg.request_id) in self._early:   # its notification came first
+            del self._early[(agent, msg.request_id)]
+            self._landed.add(msg.request_id)
+
+    def progress(self) -> bool:
+        try:
+            notifs = self.agent.get_new_notifs()   # also moves UCX's connections and receives along
+        except Exception as e:
+            log.warning("reading NIXL notifications: %s", e)
+            notifs = {}
+        for agent, messages in notifs.items():
+            for m in messages:
+                rid = bytes(m).decode("utf-8", "replace")
+                if self._expected.get(rid, (None, None))[1] == agent:
+                    self._landed.add(rid)
+                else:   # before its announcement, or nobody's: kept a while, bounded
+                    self._early[(agent, rid)] = None
+                    while len(self._early) > MAX_EARLY:
+                        self._early.popitem(last=False)
+        return bool(self._expected.keys() - self._landed)
+
+    def is_landed(self, request_id: str) -> bool:
+        if request_id not in self._expected:
+            return True
+        if request_id not in self._landed:
+            self.progress()
+        if request_id in self._landed:
+            self.forget(request_id)
+            return True
+        return False
+
+    def landing_error(self, request_id: str) -> str | None:
+        return None
+
+    def forget(self, request_id: str) -> None:
+        # NOTE: a write announced but not landed is stopped by its writer before the
+        # reservation can end (NixlWriter._reset); see the module's NOTE.
+        self._expected.pop(request_id, None)
+        self._landed.discard(request_id)
+
+    def close(self) -> None:
+        try:
+            self.agent.deregister_memory(self._regs)
+        except Exception as e:
+            log.debug("closing a NIXL agent: %s", e)
+        self._expected.clear()
+        self.agent = None
+
+
+BACKEND = Backend("nixl", why_unusable, NixlReceiver, NixlWriter, is_auto_across_hosts_only=True)
