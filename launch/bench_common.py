@@ -216,7 +216,7 @@ class NodeUnderTest:
         if isinstance(msg, KVHello):
             shape = [spec.num_layers, 2, 2**30, block_size, spec.num_kv_heads, spec.head_dim]
             self.kv.send(KVWelcome("bench", host_id(), "cpu", shape, dtype_name(dtype),
-                                   ["tcp"]), to=sender)
+                                   {"tcp": {}}), to=sender)
         elif isinstance(msg, KVReserve):
             n = num_blocks_for(msg.prompt_len, block_size)
             self.kv.send(KVReserved(msg.request_id, "bench", list(range(1, n + 1))), to=sender)

@@ -87,7 +87,15 @@ def test_bf16_prefill_logits_as_accurate_as_transformers(make_model, weight_std)
         assert sum(ours_errs) / len(ours_errs) < 1e-2, ours_errs
 
 
-@pytest.mark.parametrize("kv_transfer,expected", [("auto", "ipc"), ("tcp", "tcp")])
+def _nixl_on_cuda() -> str | None:
+    from common import transfer
+    return transfer.backend("nixl").why_unusable(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("kv_transfer,expected", [
+    ("auto", "ipc"), ("tcp", "tcp"),
+    pytest.param("nixl", "nixl", marks=pytest.mark.skipif(torch.cuda.is_available() and _nixl_on_cuda() is not None,
+                                                          reason=f"nixl: {_nixl_on_cuda()}"))])
 def test_cluster_on_gpu_fp32_matches_transformers(make_model, tmp_path, kv_transfer, expected):
     import asyncio
     from frontend.client import AsyncClient

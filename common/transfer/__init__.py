@@ -164,7 +164,7 @@ class KVSink:
 
     def progress(self) -> bool:
         """True while a transfer this process drives is under way (the loop must not sleep)."""
-        return any([r.progress() for r in self.receivers.values()])
+        return any([r.progress() for r in self.receivers.values()])   # NOTE: a list: every one moves
 
     def is_landed(self, request_id: str) -> bool:
         return all(r.is_landed(request_id) for r in self.receivers.values())

@@ -162,17 +162,19 @@ class NixlWriter:
         ended: list[tuple[str, str | None]] = []
         now = time.monotonic()
         for rid, w in list(self._writes.items()):
-            why = None
-            if now > w.deadline:
-                why = "it did not complete before its reservation could end"
-            elif not w.is_posted:
-                if w.ready is not None and not w.ready.query():
-                    continue
-                if not self.send(KVTransfer(rid, "nixl", {"agent": self.agent.name}, NO_DATA)):
-                    break   # announced in order; the link is not ready: next turn
-                w.is_posted, why = True, self._state(w, post=True)
-            else:
+            late = "it did not complete before its reservation could end"
+            if w.is_posted:
                 why = self._state(w, post=False)
+            elif now > w.deadline:
+                why = late   # never started
+            elif w.ready is not None and not w.ready.query():
+                continue
+            elif not self.send(KVTransfer(rid, "nixl", {"agent": self.agent.name}, NO_DATA)):
+                break   # announced in order; the link is not ready: next turn
+            else:
+                w.is_posted, why = True, self._state(w, post=True)
+            if why == "" and now > w.deadline:
+                why = late   # stopped below: it must not land after its blocks may be reused
             if why == "":
                 continue   # under way
             del self._writes[rid]
