@@ -5,6 +5,8 @@ that decode node's KV link on first use."""
 import argparse
 import sys
 
+import torch
+
 from common import transfer
 from common.base.config import PrefillConfig
 from common.base.flags import add_flags, flagged
@@ -27,7 +29,12 @@ def main(argv=None) -> int:
     stop = stop_event_on_signals()
 
     def build() -> PrefillNode:
-        return PrefillNode(PrefillConfig(worker=worker_config(a), **flagged(PrefillConfig, a)))
+        worker = worker_config(a)
+        try:
+            transfer.check_usable(a.kv_transfer, torch.device(worker.device))
+        except transfer.TransferError as e:
+            raise ValueError(str(e)) from None
+        return PrefillNode(PrefillConfig(worker=worker, **flagged(PrefillConfig, a)))
     return run_node("prefill_node", build, stop)
 
 

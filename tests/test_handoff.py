@@ -257,6 +257,24 @@ def test_a_backend_that_cannot_be_imported_is_not_offered(monkeypatch, caplog):
     with pytest.raises(transfer.TransferError, match="cannot offer the nixl KV transfer: cannot import"):
         transfer.offered("nixl", cpu, True)
     assert "nixl: cannot import nixl_cu12" in transfer.availability()
+    with pytest.raises(transfer.TransferError, match="cannot use the nixl KV transfer here"):
+        transfer.check_usable("nixl", cpu)
+    transfer.check_usable("auto", cpu)
+
+
+def test_a_node_asked_for_a_backend_it_cannot_use_says_so_in_one_line(monkeypatch, capsys, tiny_model):
+    import decode_node.__main__ as decode_main
+    import prefill_node.__main__ as prefill_main
+    from common.transfer import nixl
+    monkeypatch.setattr(nixl, "_module", lambda: (None, "cannot import nixl_cu12 (ImportError: gone)"))
+    common = ["--frontend", "tcp://127.0.0.1:5991", "--model", str(tiny_model), "--kv-transfer", "nixl"]
+    for module, more in ((decode_main, ["--kv-bind", "tcp://127.0.0.1:5992"]), (prefill_main, [])):
+        monkeypatch.setattr(module, "die_with_parent", lambda: None)
+        monkeypatch.setattr(module, "stop_event_on_signals", lambda: None)
+        assert module.main(common + more) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{role}: cannot use the nixl KV transfer here: cannot import nixl_cu12 (ImportError: gone)"
+        for role in ("decode_node", "prefill_node")]
 
 
 NIXL_DECODE = """

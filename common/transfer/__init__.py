@@ -61,6 +61,14 @@ def _check(requested: str) -> None:
         raise TransferError(f"kv transfer must be one of {CHOICES}, got {requested!r}")
 
 
+def check_usable(requested: str, device: torch.device) -> None:
+    """TransferError unless a process on `device` can use the backend asked for (auto: always)."""
+    _check(requested)
+    why = None if requested == "auto" else backend(requested).why_unusable(device)
+    if why:
+        raise TransferError(f"cannot use the {requested} KV transfer here: {why}")
+
+
 def offered(requested: str, device: torch.device, is_reachable_remotely: bool) -> list[str]:
     """What a decode node on `device` offers its prefill nodes, best first.
     is_reachable_remotely: its KV link listens where other hosts can reach it."""
