@@ -253,6 +253,25 @@ def test_only_the_prefill_node_that_reserved_may_commit_or_release():
     assert "outside the vocabulary" in sent[-1][1].reason and "r" not in rx.held
 
 
+def test_a_write_its_writer_reports_failed_fails_retryable_and_frees_both_sides():
+    """A one-sided backend (nixl) says so in poll(): the request may move, the local
+    blocks are freed, and the reservation there is released."""
+    p = Pair()
+    num_free = p.prefix.num_free
+    job, h = _handoff(p, "r")
+    writer = h.peer.writer
+    polled = writer.poll
+    writer.poll = lambda: [(rid, "NIXL: NIXL_ERR_REMOTE_DISCONNECT") for rid, _ in polled()]
+    p.tx.start_writes([job])
+    p.tx.set_first_token(job, 7, {})
+    p.pump()
+    assert p.failed == [("r", "KV transfer to decode-0 failed: NIXL: NIXL_ERR_REMOTE_DISCONNECT")]
+    assert p.retryable == {"r"} and "r" not in p.tx.by_id and p.sent(KVCommit) == 0
+    assert p.sent(KVRelease) == 1 and "r" not in p.rx.held
+    assert p.prefix.num_free == num_free and p.pool.blocks.num_free == p.pool.blocks.capacity
+    assert p.tx.transfer_figures()["tcp"]["num_failed"] == 1
+
+
 def test_transfer_figures_count_writes_bytes_time_and_failures():
     from common.wire.figures import BUCKET_KEYS, WRITE_BUCKETS_S
     p = Pair()

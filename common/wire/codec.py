@@ -293,9 +293,9 @@ def parse(cls, fields: Any, where: str):
         raise ProtocolError(f"{where} must be a map, got {type(fields).__name__}")
     try:
         return _build(cls, fields, where + ".")
-    except (RecursionError, ValueError, TypeError, OverflowError) as e:
-        if isinstance(e, ProtocolError):
-            raise
+    except ProtocolError:
+        raise
+    except (RecursionError, ValueError, TypeError, OverflowError) as e:   # a constructor's own check
         raise ProtocolError(f"bad {where}: {type(e).__name__}") from None
 
 
