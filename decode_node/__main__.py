@@ -30,10 +30,7 @@ def main(argv=None) -> int:
         # A backend may need the cache where other processes map it (ipc on CPU: shared memory).
         worker = worker_config(a)
         device, reachable = torch.device(worker.device), a.kv_advertise or a.kv_endpoint
-        try:
-            transfer.check_usable(a.kv_transfer, device)
-        except transfer.TransferError as e:
-            raise ValueError(str(e)) from None
+        transfer.check_usable(a.kv_transfer, device)
         worker = dataclasses.replace(worker, is_cache_in_shm=transfer.needs_shared_cache(
             a.kv_transfer, device, not is_loopback_endpoint(reachable)))
         return DecodeNode(DecodeConfig(worker=worker, **flagged(DecodeConfig, a)))

@@ -30,10 +30,7 @@ def main(argv=None) -> int:
 
     def build() -> PrefillNode:
         worker = worker_config(a)
-        try:
-            transfer.check_usable(a.kv_transfer, torch.device(worker.device))
-        except transfer.TransferError as e:
-            raise ValueError(str(e)) from None
+        transfer.check_usable(a.kv_transfer, torch.device(worker.device))
         return PrefillNode(PrefillConfig(worker=worker, **flagged(PrefillConfig, a)))
     return run_node("prefill_node", build, stop)
 

@@ -355,3 +355,15 @@ def test_nixl_lands_only_what_its_announcer_notified(workers):
     sink.forget("r1")
     assert sink.is_landed("r1") and not sink.progress()
     sink.close()
+
+
+def test_auto_pairs_ipc_and_nixl_only_with_a_cache_of_the_same_device_kind():
+    cpu = torch.device("cpu")
+    w = protocol.KVWelcome("e", transfer.host_id(), "cuda:0", [1, 2, 4, 16, 1, 8], "float32",
+                           {"ipc": {}, "nixl": {}, "tcp": {}})
+    assert transfer.choose_backend("auto", w, cpu) == "tcp"
+    for name in ("ipc", "nixl"):
+        with pytest.raises(transfer.TransferError, match="its cache is on cuda:0, this node's on cpu"):
+            transfer.choose_backend(name, w, cpu)
+    odd = dataclasses.replace(w, device="not a device!")   # off the wire: refused, never raised past
+    assert transfer.choose_backend("auto", odd, cpu) == "tcp"

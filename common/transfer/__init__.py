@@ -33,7 +33,8 @@ import torch
 
 from common.base.config import KV_BACKENDS, KV_TRANSFERS
 from common.base.log import get_logger
-from common.transfer.backend import Backend, KVReceiver, KVWriter, LocalCache, Send  # noqa: F401
+from common.transfer.backend import (Backend, KVReceiver, KVWriter, LocalCache, Send,  # noqa: F401
+                                     UnusableBackend)
 from common.transfer.copy import TransferError, copy_blocks, host_id  # noqa: F401
 from common.wire.protocol import KVTransfer, KVWelcome, dtype_name
 
@@ -62,11 +63,12 @@ def _check(requested: str) -> None:
 
 
 def check_usable(requested: str, device: torch.device) -> None:
-    """TransferError unless a process on `device` can use the backend asked for (auto: always)."""
+    """UnusableBackend (a TransferError and a ValueError, so a node's start says it in one
+    line) unless a process on `device` can use the backend asked for (auto: always)."""
     _check(requested)
     why = None if requested == "auto" else backend(requested).why_unusable(device)
     if why:
-        raise TransferError(f"cannot use the {requested} KV transfer here: {why}")
+        raise UnusableBackend(f"cannot use the {requested} KV transfer here: {why}")
 
 
 def offered(requested: str, device: torch.device, is_reachable_remotely: bool) -> list[str]:
@@ -93,11 +95,7 @@ def offered(requested: str, device: torch.device, is_reachable_remotely: bool) -
 
 def needs_shared_cache(requested: str, device: torch.device, is_reachable_remotely: bool = False) -> bool:
     """Whether a decode node's cache must be allocated where other processes can map it."""
-    try:
-        names = offered(requested, device, is_reachable_remotely)
-    except TransferError:
-        return False   # the node says why when it starts
-    return any(backend(n).needs_shared_cache(device) for n in names)
+    return any(backend(n).needs_shared_cache(device) for n in offered(requested, device, is_reachable_remotely))
 
 
 def choose_backend(requested: str, welcome: KVWelcome, device: torch.device) -> str:
@@ -110,9 +108,7 @@ def choose_backend(requested: str, welcome: KVWelcome, device: torch.device) -> 
         b = backend(name)
         if name not in theirs:
             return f"it accepts {', '.join(theirs) or 'none'}"
-        if b.is_local_only and not is_local:
-            return "it is on another host"
-        return b.why_unusable(device)
+        return b.why_unusable(device) or b.why_not_with(device, welcome, is_local)
     if requested != "auto":
         why = why_not(requested)
         if why:

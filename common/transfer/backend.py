@@ -76,8 +76,20 @@ class Backend:
     open_writer: Callable[[dict, KVWelcome, torch.Tensor, Send], KVWriter]   # (its descriptor, ...)
     is_auto: bool = True                # auto may offer it
     is_auto_across_hosts_only: bool = False   # auto offers it only on a KV link other hosts reach
-    is_local_only: bool = False         # only between processes of one host
+    # (our device, their welcome, whether they share our host) -> why not with that decode node
+    why_not_with: Callable[[torch.device, KVWelcome, bool], str | None] = lambda device, welcome, is_local: None
     needs_shared_cache: Callable[[torch.device], bool] = lambda device: False
+
+
+def why_not_same_kind(device: torch.device, welcome: KVWelcome) -> str | None:
+    """For backends that move memory of one kind only (cpu to cpu, cuda to cuda)."""
+    # NOTE: not torch.device(): the name comes off the wire, and a malformed one must only refuse.
+    theirs = welcome.device.split(":")[0]
+    return None if theirs == device.type else f"its cache is on {welcome.device}, this node's on {device.type}"
+
+
+class UnusableBackend(TransferError, ValueError):
+    """A --kv-transfer this process cannot use: a bad option (said in one line at start)."""
 
 
 def parse(cls, fields, where: str):

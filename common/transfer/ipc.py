@@ -12,7 +12,7 @@ import torch
 
 from common.engine.platform import PlatformError, platform_for
 from common.kv.blocks import is_cache_shape, num_cache_blocks
-from common.transfer.backend import Backend, LocalCache, Send, parse
+from common.transfer.backend import Backend, LocalCache, Send, parse, why_not_same_kind
 from common.transfer.copy import TransferError, copy_blocks
 from common.wire.codec import Name
 from common.wire.protocol import KVTransfer, KVWelcome
@@ -43,11 +43,12 @@ def why_unusable(device: torch.device) -> str | None:
     return f"no shared {device.type} memory between processes here"
 
 
-def _open(desc: IpcDescriptor, welcome: KVWelcome, dtype: torch.dtype, shape: list[int],
-          device: torch.device):
+def why_not_with(device: torch.device, welcome: KVWelcome, is_local: bool) -> str | None:
+    return "it is on another host" if not is_local else why_not_same_kind(device, welcome)
+
+
+def _open(desc: IpcDescriptor, dtype: torch.dtype, shape: list[int], device: torch.device):
     """The decode node's cache mapped here, and how to unmap it."""
-    if device.type != torch.device(welcome.device).type:
-        raise TransferError(f"the decode node's cache is on {welcome.device}, this node's on {device.type}")
     if device.type == "cuda":
         if desc.cuda is None:
             raise TransferError("the decode node sent no CUDA IPC handle")
@@ -70,7 +71,7 @@ class IpcWriter:
             raise TransferError(f"the decode node's cache shape {shape} is not a KV cache's")
         self._platform = platform_for(cache.device)
         desc = parse(IpcDescriptor, descriptor, "ipc")
-        self.dst, self._unmap = _open(desc, welcome, cache.dtype, shape, cache.device)
+        self.dst, self._unmap = _open(desc, cache.dtype, shape, cache.device)
         self.stream = self._platform.side_stream()
         self._num_dst_blocks = num_cache_blocks(shape)
         self._inflight: list[tuple[str, object | None]] = []   # (request id, its copy's event)
@@ -146,5 +147,5 @@ def _open_writer(descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send
     return IpcWriter(descriptor, welcome, cache)
 
 
-BACKEND = Backend("ipc", why_unusable, IpcReceiver, _open_writer, is_local_only=True,
+BACKEND = Backend("ipc", why_unusable, IpcReceiver, _open_writer, why_not_with=why_not_with,
                   needs_shared_cache=lambda device: device.type == "cpu")

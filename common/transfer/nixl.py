@@ -35,7 +35,7 @@ import torch
 from common.base.log import get_logger
 from common.engine.platform import platform_for
 from common.kv.blocks import num_cache_blocks
-from common.transfer.backend import NO_DATA, Backend, LocalCache, Send, parse
+from common.transfer.backend import NO_DATA, Backend, LocalCache, Send, parse, why_not_same_kind
 from common.transfer.copy import TransferError, runs
 from common.wire.codec import Name
 from common.wire.protocol import KVTransfer, KVWelcome
@@ -110,9 +110,6 @@ class NixlWriter:
 
     def __init__(self, descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send: Send):
         self.desc = parse(NixlDescriptor, descriptor, "nixl")
-        if torch.device(welcome.device).type != cache.device.type:
-            raise TransferError(f"nixl here moves {cache.device.type} to {cache.device.type} memory; "
-                                f"the decode node's cache is on {welcome.device}")
         self.src, self.send = cache, send
         self._platform = platform_for(cache.device)
         self.agent, self._regs, self.mem, self.device_id = _agent(cache)
@@ -301,4 +298,6 @@ class NixlReceiver:
         self.agent = None
 
 
-BACKEND = Backend("nixl", why_unusable, NixlReceiver, NixlWriter, is_auto_across_hosts_only=True)
+# NOTE: one memory kind per pair (the descriptors carry one); mixed pairs use tcp.
+BACKEND = Backend("nixl", why_unusable, NixlReceiver, NixlWriter, is_auto_across_hosts_only=True,
+                  why_not_with=lambda device, welcome, is_local: why_not_same_kind(device, welcome))
