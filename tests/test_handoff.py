@@ -367,3 +367,44 @@ def test_auto_pairs_ipc_and_nixl_only_with_a_cache_of_the_same_device_kind():
             transfer.choose_backend(name, w, cpu)
     odd = dataclasses.replace(w, device="not a device!")   # off the wire: refused, never raised past
     assert transfer.choose_backend("auto", odd, cpu) == "tcp"
+
+
+NIXL_FROZEN_DECODE = NIXL_DECODE.replace("torch.zeros(2, 2, 9, 4, 1, 8)", "torch.zeros(2, 2, 64, 256, 8, 64)")
+
+
+@needs_nixl
+def test_a_nixl_write_to_a_frozen_decode_process_stops_when_cancelled(monkeypatch):
+    """A peer gone silent (SIGSTOP; over tcp, as across hosts) leaves a large write under
+    way; cancelling it ends it at the next poll, and once the peer is back a new write
+    connects again and lands."""
+    import base64
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from tests.cluster_util import ROOT
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    shape = [2, 2, 64, 256, 8, 64]       # 64 KiB blocks: a 59-block write outlasts the socket buffers
+    child = subprocess.Popen([sys.executable, "-c", NIXL_FROZEN_DECODE], stdout=subprocess.PIPE, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        d = json.loads(child.stdout.readline())
+        d["metadata"] = base64.b64decode(d["metadata"])
+        welcome = protocol.KVWelcome("e", "x/y", "cpu", shape, "float32", {"nixl": d})
+        writer = transfer.open_writer("nixl", _wire(welcome), torch.randn(*shape), lambda m: True)
+        writer.write("a", [1, 2], [3, 4], within_s=30)
+        assert _poll_until(writer) == [("a", None)]
+        child.send_signal(signal.SIGSTOP)
+        ids = list(range(1, 60))
+        writer.write("b", ids, ids, within_s=30)
+        assert _poll_until(writer, 2) == []      # under way, going nowhere
+        writer.cancel("b")
+        assert writer.poll() == [("b", "cancelled")]
+        child.send_signal(signal.SIGCONT)
+        writer.write("c", [1, 2], [3, 4], within_s=30)
+        assert _poll_until(writer) == [("c", None)]
+        writer.close()
+    finally:
+        child.kill()
+        child.wait()

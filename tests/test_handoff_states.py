@@ -272,6 +272,27 @@ def test_a_write_its_writer_reports_failed_fails_retryable_and_frees_both_sides(
     assert p.tx.transfer_figures()["tcp"]["num_failed"] == 1
 
 
+def test_an_abort_under_a_write_stops_the_write_and_frees_the_blocks_when_it_ends():
+    """A write that can be stopped (nixl to a silent peer) is told to stop when its
+    handoff ends; what it reports then is the abort's ending, not a failure."""
+    p = Pair()
+    num_free = p.prefix.num_free
+    job, h = _handoff(p, "r")
+    writer = h.peer.writer
+    polled, cancelled = writer.poll, []
+    writer.cancel = cancelled.append
+    writer.poll = lambda: [(rid, "cancelled") for rid in cancelled] if cancelled else []
+    p.tx.start_writes([job])
+    p.pump()
+    assert h.stage is Stage.WRITING               # the peer went silent: the write hangs
+    p.tx.abort("r")
+    assert cancelled == ["r"] and h.stage is Stage.CANCELLING and job.block_ids
+    p.pump()
+    assert "r" not in p.tx.by_id and not p.failed and p.prefix.num_free == num_free
+    assert p.sent(KVRelease) == 1 and p.tx.transfer_figures().get("tcp", {}).get("num_failed", 0) == 0
+    writer.poll = polled
+
+
 def test_transfer_figures_count_writes_bytes_time_and_failures():
     from common.wire.figures import BUCKET_KEYS, WRITE_BUCKETS_S
     p = Pair()

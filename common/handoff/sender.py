@@ -310,7 +310,7 @@ class Sender:
     def _finish_write(self, h: Handoff | None, error: str | None) -> None:
         if h is None or h.stage not in (Stage.WRITING, Stage.CANCELLING):
             return
-        if error is not None:
+        if error is not None and h.stage is Stage.WRITING:   # not a write its handoff stopped
             self._figures(h.peer).num_failed += 1
             h.error = h.error or f"KV transfer to {h.peer.name} failed: {error}"
             h.is_retryable = True
@@ -340,7 +340,10 @@ class Sender:
         if h.error is None:
             h.error, h.is_retryable = error, is_retryable
         if h.stage in (Stage.WRITING, Stage.CANCELLING):
-            # NOTE: blocks under a device copy are freed only when it ends.
+            # NOTE: blocks under a write are freed only when it ends; one that can be
+            # stopped (a network write to a silent peer) is.
+            if h.stage is Stage.WRITING:
+                h.peer.writer.cancel(h.job.request_id)
             h.stage = Stage.CANCELLING
             return
         self.by_id.pop(h.job.request_id, None)

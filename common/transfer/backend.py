@@ -42,6 +42,11 @@ class KVWriter(Protocol):
     def poll(self) -> list[tuple[str, str | None]]:
         """(request id, why it failed or None) for writes that ended since the last call."""
 
+    def cancel(self, request_id: str) -> None:
+        """Its handoff is over: stop the write if it can be stopped (a network write to a
+        peer gone silent); poll() names it ended either way, and its source blocks are
+        free from then on."""
+
     def close(self) -> None: ...
 
 

@@ -13,8 +13,10 @@ NOTE: neither agent runs NIXL's progress thread, which spins a core (2 s of CPU
 in 2 s idle, measured). The loops drive progress: the prefill node polls while a
 write is under way, and the decode node does not sleep while one is announced.
 NOTE: a one-sided write that is late could land in blocks given to another
-request. A write still under way when its reservation may end (within_s) is
-stopped by dropping the connection to that agent (UCX cancels what it holds);
+request. A write still under way when its reservation may end (within_s), or
+when its handoff ends (cancel: the request was aborted or moved, say to a peer
+gone silent), is stopped by dropping the connection to that agent (UCX cancels
+what it holds), and its source blocks are free again;
 the decode node's lease keeps a third of its length after the last write may
 start (lease.py).
 """
@@ -160,7 +162,9 @@ class NixlWriter:
         now = time.monotonic()
         for rid, w in list(self._writes.items()):
             late = "it did not complete before its reservation could end"
-            if w.is_posted:
+            if w.is_cancelled:
+                why = "cancelled"
+            elif w.is_posted:
                 why = self._state(w, post=False)
             elif now > w.deadline:
                 why = late   # never started
@@ -183,6 +187,11 @@ class NixlWriter:
             else:
                 ended.append((rid, None))
         return ended
+
+    def cancel(self, request_id: str) -> None:
+        w = self._writes.get(request_id)
+        if w is not None:
+            w.is_cancelled = True   # poll() stops it (a posted one: by dropping the connection)
 
     def _state(self, w: _Write, post: bool) -> str | None:
         """None: done; "": under way; else why it failed."""
@@ -227,6 +236,7 @@ class _Write:
     ready: object | None        # the blocks are computed (a platform event)
     deadline: float             # monotonic: stop it past this
     is_posted: bool = False
+    is_cancelled: bool = False
 
 
 class NixlReceiver:
