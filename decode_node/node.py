@@ -14,8 +14,8 @@ anything new is admitted (decode_node/scheduler.py).
 from __future__ import annotations
 
 import os
-import secrets
 import time
+from collections import OrderedDict
 
 from common.wire.channel import BadMessage, Channel, Poller
 from common.base.config import DecodeConfig, endpoint_host, is_loopback_endpoint
@@ -24,8 +24,9 @@ from common.kv.blocks import BlockAllocator
 from common.base.log import Throttle, get_logger
 from common.runtime.node import NodeRuntime
 from common import transfer
-from common.wire.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, NodeAbort, NodeReady,
-                                  RequestFailed, TokenBatch, TokenUpdate, ttft_parts)
+from common.wire.channel import node_tag
+from common.wire.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, NodeAbort, NodeReady, NodeSync,
+                                  NodeSynced, PeerLost, RequestFailed, TokenBatch, TokenUpdate, ttft_parts)
 from common.kv.blocks import num_blocks_for
 from common.kv.sequence import Sequence, blocks_to_join, finish_reason, num_blocks_short
 from common.engine.worker import DecodeTicket, DeviceWorker
@@ -34,14 +35,15 @@ from decode_node.scheduler import DecodeScheduler
 
 log = get_logger("decode")
 noisy = Throttle(log)   # lines about what peers send
+ENDED_MEMORY = 4096     # requests ended here, remembered for the frontend's NodeSync
 
 
 class DecodeNode:
     def __init__(self, cfg: DecodeConfig):
         self.cfg = cfg
         self.worker = DeviceWorker(cfg.worker)
-        self.epoch = f"{os.getpid()}-{secrets.token_hex(4)}"   # new on every start
         self.pending_aborts: set[str] = set()
+        self.ended: OrderedDict[str, None] = OrderedDict()   # the latest requests that ended here
         self.finished_in_flight: set[str] = set()   # finished, but their row is in the step in flight
         self.num_discarded_tokens = 0
         self.num_finished = 0
@@ -76,9 +78,9 @@ class DecodeNode:
                 self.blocks = BlockAllocator(self.worker.num_kv_blocks)
                 self.scheduler = DecodeScheduler(self.blocks, self.worker.block_size,
                                                  self.cfg.worker.max_batch_size, self.cfg.is_preemptive)
-                self.handoff = Receiver(self.epoch, self.cfg.reservation_lease_s, self.cfg.max_queue,
+                self.handoff = Receiver(rt.epoch, self.cfg.reservation_lease_s, self.cfg.max_queue,
                                         self.scheduler, sink, self.kv.send, self.worker.spec.vocab_size,
-                                        self.worker.max_model_len)
+                                        self.worker.max_model_len, is_verifying=self.cfg.is_kv_verified)
                 rt.start(self._send_ready, self.stats, self._is_empty)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
                          self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
@@ -143,6 +145,17 @@ class DecodeNode:
                 noisy.warning("dropped a malformed message: %s", msg.error)
             elif isinstance(msg, NodeAbort):
                 self._abort(msg.request_id)
+            elif isinstance(msg, PeerLost):
+                self.handoff.drop_peer(node_tag(msg.name, msg.epoch).encode(), msg.is_exited)
+            elif isinstance(msg, NodeSync):
+                self.runtime.send(NodeSynced(msg.sync_id, [r for r in msg.request_ids if not self._holds(r)
+                                                           and r not in self.ended],
+                                             [r for r in msg.request_ids if not self._holds(r) and r in self.ended]))
+
+    def _holds(self, request_id: str) -> bool:
+        h, s = self.handoff, self.scheduler
+        return request_id in s.running or request_id in h.held or h.is_in_line(request_id) \
+            or any(q.request_id == request_id for q in s.preempted)
 
     def _abort(self, request_id: str) -> None:
         if request_id in self.scheduler.running:
@@ -169,13 +182,14 @@ class DecodeNode:
             seq = self.scheduler.start(r)
             if r.error:
                 self._finished(c.request_id, in_batch=False, count=False)
-                self.runtime.send(RequestFailed(c.request_id, r.error))
+                # Its KV did not land whole: the path failed, not the request (it moves on).
+                self.runtime.send(RequestFailed(c.request_id, r.error, is_retryable=True))
                 continue
             c.timings["decode_admit"] = time.time()
             seq.output_ids.append(c.first_token)
             reason = finish_reason(seq, c.first_token, self.worker.spec.eos_token_ids,
                                    self.worker.max_model_len)
-            updates.append(TokenUpdate(c.request_id, [c.first_token], reason, ttft_parts(c.timings)))
+            updates.append(TokenUpdate(c.request_id, [c.first_token], reason, ttft_parts(c.timings), index=0))
             if reason:
                 self._finished(c.request_id, in_batch=False)
                 continue
@@ -223,6 +237,7 @@ class DecodeNode:
             self.worker.recompute(seq.prompt_ids + seq.output_ids[:-1], block_ids)
             self.num_recomputed += 1
         self.worker.add_decode_seq(rid, seq.output_ids[-1], seq.num_cached, block_ids, seq.params)
+        seq.is_preemption_untold = True
         log.debug("resumed %s after %.0f ms (%s)", rid, seq.preempted_s * 1e3,
                   "swapped in" if seq.is_swapped else "recomputed")
         seq.is_swapped = False
@@ -258,7 +273,11 @@ class DecodeNode:
             seq.output_ids.append(token)
             reason = finish_reason(seq, token, self.worker.spec.eos_token_ids,
                                    self.worker.max_model_len)
-            updates.append(TokenUpdate(key, [token], reason, _preemption_parts(seq) if reason else None))
+            # NOTE: its preemptions are told after each resume too: a request that moves on
+            # elsewhere keeps them in its timings.
+            parts = _preemption_parts(seq) if reason or seq.is_preemption_untold else None
+            seq.is_preemption_untold = False
+            updates.append(TokenUpdate(key, [token], reason, parts, index=len(seq.output_ids) - 1))
             if reason:
                 self.num_finished += 1
                 if is_next_launched:
@@ -276,12 +295,19 @@ class DecodeNode:
             self.worker.remove_decode_seq(request_id)
         self.scheduler.finish(request_id)
         self.num_finished += count
+        self._ended(request_id)
+
+    def _ended(self, request_id: str) -> None:
+        self.ended[request_id] = None
+        while len(self.ended) > ENDED_MEMORY:
+            self.ended.popitem(last=False)
 
     # ---- send and report ------------------------------------------------------
 
     def _send_ready(self) -> bool:
         w = self.worker
-        return self.frontend.send(NodeReady("decode", self.cfg.name, os.getpid(), self.cfg.worker.device,
+        return self.frontend.send(NodeReady("decode", self.cfg.name, os.getpid(), self.runtime.epoch,
+                                            self.cfg.worker.device,
                                             w.num_kv_blocks, w.block_size, w.max_model_len,
                                             kv_endpoint=self.cfg.kv_reachable,
                                             kv_transfer=self.cfg.kv_transfer,
@@ -305,6 +331,10 @@ class DecodeNode:
                 "num_reserved_blocks": self.blocks.num_reserved,
                 "num_available_blocks": self.blocks.num_available,
                 "num_bad_messages": self.frontend.num_bad + self.kv.num_bad,
+                "num_link_resets": self.runtime.num_link_resets + self.kv.num_reroutes,
+                "num_incomplete_commits": self.handoff.num_incomplete,
+                "num_kv_verify_failures": self.handoff.num_verify_failures,
+                "num_peer_drops": self.handoff.num_peer_drops,
                 "is_registered": self.runtime.is_registered,
                 "num_usable_blocks": self.blocks.capacity}
 

@@ -9,10 +9,17 @@ on, its stop strings and max_tokens counted across the move.
 
 Causes: "dead" (silent past --dead-after), "hung" (its loop stopped turning),
 "restarted" (a new process took its name), "handoff" (its prefill node could
-not hand the KV to the decode node: that node restarted or went silent),
+not hand the KV to the decode node: that node restarted or went silent, the
+write failed, or its KV did not all land), "link" (its node's link to the
+frontend was made again and what was in flight on it was lost: a gap in its
+tokens, or a NodeSync found the node without it or done with it unseen),
 "drain" (pdserve drain, or SIGTERM to the node). A request moves at most
 --max-migrations times; a moved request waits at most --migration-wait seconds
 while no prefill and decode node pair is alive.
+
+A node seen on a new route (its link reset while it lives) is asked which of
+the requests routed to it before that it no longer holds (NodeSync): those lost
+on the way move; the rest go on where they are.
 """
 from __future__ import annotations
 
@@ -21,7 +28,8 @@ from typing import TYPE_CHECKING
 from common.base.config import is_loopback_endpoint
 from common.base.log import get_logger
 from common.base.request import FINISH_ERROR, stop_reason
-from common.wire.protocol import Drain, DrainReply, ErrorReply, NodeAbort
+from common.wire.protocol import Drain, DrainReply, ErrorReply, NodeAbort, NodeSync, NodeSynced, PeerLost
+from common.wire.node import MAX_SYNC_IDS
 from frontend import router
 from frontend.request import RequestState
 from frontend.router import NodeState
@@ -30,7 +38,7 @@ if TYPE_CHECKING:
     from frontend.server import Frontend
 
 log = get_logger("frontend")
-CAUSES = ("dead", "hung", "restarted", "handoff", "drain")
+CAUSES = ("dead", "hung", "restarted", "handoff", "link", "drain")
 # What a node's timings say of one of its lives; the rest describe a continuation's TTFT.
 _PER_NODE_PARTS = ("num_preemptions", "preempted_ms")
 
@@ -40,14 +48,25 @@ class Migrations:
         self.fe = frontend
         self.num_moved = dict.fromkeys(CAUSES, 0)
         self.num_failed = 0   # could not move: over --max-migrations, or no node in time
+        self.num_syncs = 0
+        self.syncs: dict[int, tuple[str, set[str]]] = {}   # sync id -> (node, the node ids asked about)
 
     # ---- moving -------------------------------------------------------------
 
     async def node_lost(self, node: NodeState, cause: str, why: str) -> None:
-        """A node died, hung or restarted: what it held moves, or fails with why."""
+        """A node died, hung or restarted: what it held moves, or fails with why. A lost
+        prefill node's reservations on decode nodes are freed there at once (as far as
+        that is safe: common/handoff/receiver.py drop_peer)."""
         for req in list(self.fe.requests.values()):
             if req.decode_node == node.name or (req.prefill_node == node.name and not req.is_decoding):
                 await self.move_or_fail(req, node.name, cause, why)
+        if node.role == "prefill":
+            # NOTE: a restarted node whose predecessor was dead: the launcher restarts only
+            # a process that exited. One draining may still run.
+            lost = PeerLost(node.name, node.ready.epoch, cause == "restarted" and not node.is_alive)
+            for peer in self.fe.nodes.values():
+                if peer.role == "decode" and peer.is_alive:
+                    await self.fe.node_link.send(lost, to=peer.identity)
 
     async def move_or_fail(self, req: RequestState, lost: str, cause: str, why: str) -> None:
         """Node lost is lost to it (cause, why): continue it elsewhere, or end it."""
@@ -80,6 +99,9 @@ class Migrations:
             if node is not None:   # NOTE: dead too: a frozen node reads it when it thaws
                 await fe.node_link.send(NodeAbort(old_id), to=node.identity)
         del fe.requests[old_id]
+        for k in _PER_NODE_PARTS:   # what its earlier lives said of themselves stays counted
+            if k in req.timings:
+                req.earlier_parts[k] = req.timings[k]
         base = old_id.split(".")[0]
         req.move(f"{base}.{req.num_migrations + 1}", f"{lost} ({why})")
         fe.requests[req.node_id] = req
@@ -98,10 +120,48 @@ class Migrations:
 
     def timings(self, req: RequestState, parts: dict) -> dict:
         """A node's timings for this request that still hold: after a move, not the
-        continuation's TTFT parts (the client's first token came long before)."""
-        if not req.num_migrations:
-            return parts
-        return {k: v for k, v in parts.items() if k in _PER_NODE_PARTS}
+        continuation's TTFT parts (the client's first token came long before); the
+        per-node counts added to those of its earlier lives."""
+        own = {k: round(v + req.earlier_parts.get(k, 0), 3) for k, v in parts.items() if k in _PER_NODE_PARTS}
+        return {**(parts if not req.num_migrations else {}), **own}
+
+    # ---- a node's link made again ------------------------------------------------
+
+    async def sync(self, node: NodeState) -> None:
+        """Ask a node seen on a new route which of its requests it no longer holds."""
+        fe = self.fe
+        asked = [r.node_id for r in fe.requests.values() if node.name in (r.prefill_node, r.decode_node)]
+        if not asked:
+            return
+        log.warning("%s node %s is back on a new link (its connection was made again): checking its "
+                    "%d requests", node.role, node.name, len(asked))
+        for i in range(0, len(asked), MAX_SYNC_IDS):
+            self.num_syncs += 1
+            part = asked[i: i + MAX_SYNC_IDS]
+            self.syncs[self.num_syncs] = (node.name, set(part))
+            while len(self.syncs) > 64:   # a node that never answers leaves nothing behind
+                self.syncs.pop(next(iter(self.syncs)))
+            await fe.node_link.send(NodeSync(self.num_syncs, part), to=node.identity)
+
+    async def on_synced(self, node: NodeState, msg: NodeSynced) -> None:
+        """A node's answer: what was lost on its old link moves on from where it is."""
+        name, asked = self.syncs.get(msg.sync_id, (None, set()))
+        if name != node.name:
+            return
+        del self.syncs[msg.sync_id]
+        missing, ended = set(msg.missing) & asked, set(msg.ended) & asked
+        for rid in missing | ended:
+            req = self.fe.requests.get(rid)
+            if req is None:
+                continue
+            if node.name == req.decode_node:
+                is_lost = rid in ended or req.is_decoding
+            else:
+                is_lost = node.name == req.prefill_node and rid in missing and not req.is_decoding
+            if is_lost:
+                why = (f"{node.role} node {node.name} " + ("ended it, and its end was lost on the link"
+                       if rid in ended else "does not hold it: it was lost on the link"))
+                await self.move_or_fail(req, node.name, "link", why)
 
     async def check_wait(self, req: RequestState, now: float) -> None:
         """The watchdog, for a moved request not yet routed again: it fails once it has
@@ -150,4 +210,4 @@ class Migrations:
         return DrainReply(node.name, num_moved)
 
     def counts(self) -> dict:
-        return {**self.num_moved, "failed": self.num_failed}
+        return {**self.num_moved, "failed": self.num_failed, "syncs": self.num_syncs}

@@ -2,8 +2,10 @@
 and which nodes are alive.
 
 A node registers with NodeReady and is refused if it cannot prove its name (its
-key, or with open links its socket identity "name/pid") or if a live node of
-that name is registered. A node silent past dead_after_s, or whose loop has not
+messages are tagged NAME/EPOCH, and with keys NAME must be its key's; see
+common/wire/channel.py) or if a live node of that name is registered. A node is
+its name and epoch, not its connection: a link made again (reset by a
+middlebox, say) is the same node on a new route. A node silent past dead_after_s, or whose loop has not
 turned for hung_after_s, is dead: it is lost to its requests (the frontend's
 callback moves them, or fails them).
 A dead node that speaks again is back; one dead past forget_after_s is dropped.
@@ -15,6 +17,7 @@ from typing import Awaitable, Callable
 
 from common.base.config import FrontendConfig
 from common.base.log import Throttle, get_logger
+from common.wire.channel import node_tag, tag_name
 from common.wire.protocol import Heartbeat, NodeReady, ReadyReply
 from frontend.router import NodeState, figure
 
@@ -25,26 +28,30 @@ ROLES = ("prefill", "decode")
 
 class NodeRegistry:
     """lost(node, cause, why) tells the frontend a node is gone from what it held;
-    wake() tells dispatch that the nodes changed. link (the node channel) is set
-    once it is open."""
+    relinked(node) that a live node's link was made again (what was in flight on it may
+    be lost); wake() tells dispatch that the nodes changed. link (the node channel) is
+    set once it is open."""
 
     def __init__(self, cfg: FrontendConfig, is_keyed: bool,
-                 lost: Callable[[NodeState, str, str], Awaitable[None]], wake: Callable[[], None]):
+                 lost: Callable[[NodeState, str, str], Awaitable[None]],
+                 relinked: Callable[[NodeState], Awaitable[None]], wake: Callable[[], None]):
         self.cfg, self.is_keyed = cfg, is_keyed
-        self.lost, self.wake = lost, wake
+        self.lost, self.relinked, self.wake = lost, relinked, wake
         self.nodes: dict[str, NodeState] = {}
         self.link = None
 
-    def claims(self, sender: bytes, name: str, pid: int, suffix: str = "") -> bool:
-        """Whether the sender may speak as node `name` (process pid): its key proves the
-        name, or (open links) its socket identity says "name/pid" (then a name is only
-        as good as the port's reach)."""
-        if self.is_keyed:
-            return self.link.peer_name(sender) == name
-        return sender == f"{name}/{pid}{suffix}".encode()
+    def claims(self, sender: bytes, name: str, epoch: str, suffix: str = "") -> bool:
+        """Whether the sender may speak as node `name` (the process of that epoch): its
+        messages are tagged so, and with keys, its key proves the name (on open links a
+        name is only as good as the port's reach)."""
+        if sender != node_tag(name, epoch, suffix).encode():
+            return False
+        return not self.is_keyed or self.link.peer_name(sender) == name
 
     def by_identity(self, sender: bytes) -> NodeState | None:
-        return next((n for n in self.nodes.values() if n.identity == sender), None)
+        """The registered node a (tagged, proven) sender is."""
+        node = self.nodes.get(tag_name(sender) or "")
+        return node if node is not None and node.identity == sender else None
 
     def seen(self, node: NodeState) -> None:
         node.last_seen = time.monotonic()
@@ -57,11 +64,11 @@ class NodeRegistry:
     async def on_heartbeat(self, sender: bytes, msg: Heartbeat) -> None:
         """From the node's heartbeat socket."""
         node = self.nodes.get(msg.name)
-        if not self.claims(sender, msg.name, msg.pid, "/heartbeat"):
+        if not self.claims(sender, msg.name, msg.epoch, "heartbeat"):
             noisy.warning("dropped a heartbeat for %r from a peer that is not that node", msg.name)
         elif node is None:   # forgotten while silent: ask it to register again
             await self.link.send(ReadyReply(False, "unknown node: register again", True), to=sender)
-        elif node.ready.pid != msg.pid:
+        elif node.ready.epoch != msg.epoch:
             pass   # NOTE: a restarted node, still refused while its predecessor counts as alive
         else:
             self.seen(node)
@@ -71,10 +78,10 @@ class NodeRegistry:
         old = self.nodes.get(ready.name)
         if ready.role not in ROLES or (ready.role == "decode") != bool(ready.kv_endpoint):
             reason, is_retryable = f"bad ready: role {ready.role!r} with kv_endpoint {ready.kv_endpoint!r}", False
-        elif not self.claims(sender, ready.name, ready.pid):
+        elif not self.claims(sender, ready.name, ready.epoch):
             reason, is_retryable = f"this peer may not register as {ready.name!r}", False
-        elif old is not None and old.is_alive and not old.is_draining and old.identity != sender \
-                and old.ready.pid != ready.pid:   # NOTE: a draining one is leaving: its successor may come
+        elif old is not None and old.is_alive and not old.is_draining \
+                and old.ready.epoch != ready.epoch:   # NOTE: a draining one is leaving: its successor may come
             reason, is_retryable = (f"a live {old.ready.role} node named {ready.name!r} is registered "
                                     f"(pid {old.ready.pid}); choose another --name"), True
         else:
@@ -83,9 +90,11 @@ class NodeRegistry:
             noisy.warning("refused a node registering as %r: %s", ready.name, reason)
             await self.link.send(ReadyReply(False, reason, is_retryable), to=sender)
             return
-        if old is not None and old.ready.pid == ready.pid:   # the same process, asking again
-            old.ready, old.identity = ready, sender
+        if old is not None and old.ready.epoch == ready.epoch:
+            # The same process again: its link was made again (or it was forgotten).
+            old.ready = ready
             self.seen(old)
+            await self.relinked(old)
         else:
             if old is not None:
                 await self.lost(old, "restarted", f"{old.ready.role} node {ready.name} restarted")

@@ -18,6 +18,11 @@ from frontend.detok import IncrementalDetokenizer
 Client = bytes | tuple[str, str]
 
 
+class LostTokens(ValueError):
+    """A node's update skips tokens: some were lost on its link (a reset); the request
+    moves on from what the client has."""
+
+
 @dataclass(eq=False)
 class RequestState:
     node_id: str                 # the id the nodes know it by
@@ -34,6 +39,7 @@ class RequestState:
     is_prefilled: bool = False   # its first token came back (or it ended)
     early_token: int | None = None   # the first token, streamed by the prefill node
     is_decoding: bool = False    # its decode node has sent its first update
+    life_base: int = 0           # output tokens the client had when this route began
     work_tokens: int = 0         # prompt tokens its prefill node was expected to compute
     route_keys: dict[int, list[int]] = field(default_factory=dict)   # block size -> its blocks' keys
     submitted_at: float = field(default_factory=time.monotonic)
@@ -47,6 +53,7 @@ class RequestState:
     moved_from: str = ""                  # "decode node X (why)", for the log
     stalled_since: float | None = None    # monotonic; None once a token came after the move
     migrated_s: float = 0.0
+    earlier_parts: dict = field(default_factory=dict)   # what its earlier lives' nodes reported (preemptions)
 
     @property
     def num_tokens(self) -> int:
@@ -56,23 +63,29 @@ class RequestState:
     def kv_tokens(self) -> int:
         return len(self.prompt_ids) + self.params.max_tokens
 
-    def new_tokens(self, node_name: str, token_ids: list[int], finish_reason: str | None) -> list[int] | None:
-        """Of a node's update, the tokens new to the client; None for an update to drop.
-        ValueError: the decode node began with another token than the prefill node."""
+    def new_tokens(self, node_name: str, index: int, token_ids: list[int],
+                   finish_reason: str | None) -> list[int] | None:
+        """Of a node's update (its first token at `index` of this route's tokens), the tokens
+        new to the client; None for an update to drop. LostTokens: the update starts past
+        what arrived. ValueError: the decode node began with another token than the prefill node."""
+        num_have = len(self.output_ids) - self.life_base
         if node_name != self.decode_node:
             # The prefill node's first token, streamed while its KV travels. The decode
             # node's first update repeats it; if that came first, this one is late.
-            if self.is_decoding or self.early_token is not None or len(token_ids) != 1 or finish_reason:
+            if num_have or self.is_decoding or index or len(token_ids) != 1 or finish_reason:
                 return None
             self.early_token = token_ids[0]
-        elif not self.is_decoding:
-            self.is_decoding = True
-            if self.early_token is not None:
-                if token_ids[:1] != [self.early_token]:
-                    raise ValueError(f"decode node {node_name} began with another first token than "
-                                     f"the prefill node")
-                return token_ids[1:]
-        return token_ids
+            return token_ids
+        if index > num_have:
+            raise LostTokens(f"decode node {node_name} sent token {index} of this request while "
+                             f"{num_have} arrived: tokens were lost on its link")
+        num_known = num_have - index   # the prefill node's first token, repeated
+        if num_known > len(token_ids):
+            return None   # a repeat of what arrived
+        if token_ids[:num_known] != self.output_ids[self.life_base + index:]:
+            raise ValueError(f"decode node {node_name} began with another first token than the prefill node")
+        self.is_decoding = True
+        return token_ids[num_known:]
 
     def add_output(self, token_ids: list[int]) -> None:
         """Tokens on their way to the client (a moved request's wait ends with the first)."""
@@ -101,6 +114,7 @@ class RequestState:
         self.prefill_node = self.decode_node = None
         self.is_prefilled = self.is_decoding = False
         self.early_token = None
+        self.life_base = len(self.output_ids)
         self.work_tokens = 0
         self.route_keys = {}
         self.num_migrations += 1

@@ -27,16 +27,18 @@ from common.base.model_spec import load_spec
 from common.runtime.process import describe_threads
 from common.wire.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, DrainRequest,
                                   ErrorReply, GenerateOutput, GenerateRequest, Heartbeat, NodeAbort,
-                                  NodeDraining, NodeReady, OutputBatch, PrefillRequest, PrefixUpdate,
-                                  RequestFailed, StatsReply, StatsRequest, TokenBatch, TokenUpdate)
+                                  NodeDraining, NodeReady, NodeSynced, OutputBatch, PrefillRequest,
+                                  PrefixUpdate, RequestFailed, StatsReply, StatsRequest, TokenBatch,
+                                  TokenUpdate)
 from common.base.request import FINISH_ABORT, FINISH_ERROR, FINISH_STOP
+from common.wire.client import MAX_MESSAGES
 from frontend import http, router
 from frontend.admission import Admission
 from frontend.detok import IncrementalDetokenizer
 from frontend.metrics import Metrics
 from frontend.migrate import Migrations
 from frontend.nodes import NodeRegistry
-from frontend.request import Client, RequestState, prepare
+from frontend.request import Client, LostTokens, RequestState, prepare
 from frontend.router import NodeState
 
 log = get_logger("frontend")
@@ -54,7 +56,7 @@ class Frontend:
         self.max_model_len = clamp_model_len(cfg.max_model_len, self.spec.max_position_embeddings)
         self.migrations = Migrations(self)
         self.registry = NodeRegistry(cfg, self.keys is not None, self.migrations.node_lost,
-                                     self.wake_dispatch)
+                                     self.migrations.sync, self.wake_dispatch)
         self.nodes = self.registry.nodes   # by name
         self.requests: dict[str, RequestState] = {}                  # by node id
         self.by_client: dict[tuple[bytes, str], RequestState] = {}   # by (client, its id)
@@ -75,8 +77,10 @@ class Frontend:
         """Serve until SIGTERM/SIGINT (then drain) or a task fails (then exit 1, loudly)."""
         ctx = open_async_context(self.keys)
         limit = self.cfg.links.max_message_bytes
+        # NOTE: no list in a client's message may be longer than the model: refused unread.
         self.clients = AsyncChannel(ctx, True, self.cfg.client_endpoint, max_message_bytes=limit,
-                                    domain="clients" if self.cfg.is_client_auth else None)
+                                    domain="clients" if self.cfg.is_client_auth else None,
+                                    max_list_len=max(self.max_model_len, MAX_MESSAGES) + 1)
         self.node_link = AsyncChannel(ctx, True, self.cfg.node_endpoint, max_message_bytes=limit,
                                       domain="nodes")
         self.registry.link = self.node_link
@@ -259,6 +263,7 @@ class Frontend:
                 "num_overloaded": self.admission.num_refused,
                 "num_bad_client_messages": self.clients.num_bad,
                 "num_bad_node_messages": self.node_link.num_bad,
+                "num_node_link_resets": self.node_link.num_reroutes,
                 "routes": dict(self.num_routes), "migrations": self.migrations.counts()}
 
     def node_stats(self) -> dict:
@@ -271,6 +276,10 @@ class Frontend:
             sender, msg = await self.node_link.recv(NODE_TO_FRONTEND)
             try:
                 await self._on_node_message(sender, msg)
+                for tag in self.node_link.take_rerouted():   # a node's link was made again
+                    node = self.registry.by_identity(tag)
+                    if node is not None and node.is_alive:
+                        await self.migrations.sync(node)
             except Exception:
                 log.exception("error while handling a %s from a node", type(msg).__name__)
 
@@ -293,10 +302,12 @@ class Frontend:
             req = self.requests.get(msg.request_id)
             if req is None or node.name not in (req.prefill_node, req.decode_node):
                 return
-            if msg.is_retryable and node.name == req.prefill_node:   # its KV's way was cut
+            if msg.is_retryable:   # its KV's way was cut, or its KV did not land whole
                 await self.migrations.move_or_fail(req, req.decode_node, "handoff", msg.error)
             else:
                 await self.finish(req, FINISH_ERROR, msg.error, status=500)
+        elif isinstance(msg, NodeSynced):
+            await self.migrations.on_synced(node, msg)
         elif isinstance(msg, NodeDraining):
             if msg.name == node.name and msg.pid == node.ready.pid:
                 await self.migrations.drain(node)
@@ -327,7 +338,10 @@ class Frontend:
                                                   f"the vocabulary", status=502)
             return
         try:
-            token_ids = req.new_tokens(node.name, u.token_ids, u.finish_reason)
+            token_ids = req.new_tokens(node.name, u.index, u.token_ids, u.finish_reason)
+        except LostTokens as e:
+            await self.migrations.move_or_fail(req, node.name, "link", str(e))
+            return
         except ValueError as e:
             await self.finish(req, FINISH_ERROR, str(e), status=502)
             return

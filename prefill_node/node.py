@@ -19,8 +19,9 @@ from common.runtime.process import StopEvent, describe_threads
 from common.runtime.node import NodeRuntime
 from common.kv.prefix import PrefixCache
 from common.base.log import Throttle, get_logger
-from common.wire.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, PrefillRequest, PrefixUpdate,
-                             RequestFailed, TokenBatch, TokenUpdate, ttft_parts)
+from common.wire.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, NodeSync, NodeSynced,
+                                  PrefillRequest, PrefixUpdate, RequestFailed, TokenBatch, TokenUpdate,
+                                  ttft_parts)
 from common.base.request import stop_reason, validate_prompt
 from common.engine.worker import DeviceWorker, PrefillChunk
 from common.handoff.sender import Sender
@@ -40,6 +41,7 @@ class PrefillNode:
         self.num_failed = 0
         self._is_prefix_synced = False
         self._prefix_synced_at = 0.0
+        self._num_link_resets = 0
         self._last_log = 0.0
         self._log_tokens = 0
 
@@ -61,7 +63,9 @@ class PrefillNode:
                 self.handoffs = Sender(self.cfg.name, self.cfg.handoff_lease_s, cache_block_size(cache.shape),
                                        block_bytes(cache), self._connect,
                                        lambda w, send: transfer.open_writer(self.cfg.kv_transfer, w, cache, send),
-                                       self.prefix_cache.free, self._drop_job, self._fail)
+                                       self.prefix_cache.free, self._drop_job, self._fail,
+                                       checksums=(lambda ids: transfer.block_checksums(cache, ids))
+                                       if self.cfg.is_kv_verified else None)
                 rt.start(self._send_ready, self.stats, self._is_empty)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s",
                          self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
@@ -69,6 +73,8 @@ class PrefillNode:
                 while not stop.is_set():
                     # Writes are polled; reservations (which let prompts start), acks (which
                     # free blocks) and retries come by message or within 50 ms.
+                    # NOTE: a write that only waits on its peer (a link refusing frames) is
+                    # polled every 5 ms, not in a spin.
                     is_busy = bool(self.scheduler.prefilling or self.handoffs.is_writing)
                     for ch in poller.wait(0 if is_busy else 0.005 if self.handoffs.by_id else 0.02):
                         if ch is self.frontend:
@@ -103,6 +109,11 @@ class PrefillNode:
                 self._accept(msg)
             elif isinstance(msg, NodeAbort):
                 self.handoffs.abort(msg.request_id)
+            elif isinstance(msg, NodeSync):
+                held = self.handoffs.by_id   # every request here has its handoff
+                self.runtime.send(NodeSynced(msg.sync_id, [r for r in msg.request_ids if r not in held
+                                                           and not self.handoffs.is_handed_off(r)],
+                                             [r for r in msg.request_ids if self.handoffs.is_handed_off(r)]))
 
     def _accept(self, req: PrefillRequest) -> None:
         try:
@@ -126,8 +137,8 @@ class PrefillNode:
     def _connect(self, name: str, endpoint: str) -> Channel:
         """The KV link to a decode node; with keys, it must prove the key of the name
         the frontend chose."""
-        ch = Channel(self.runtime.ctx, False, endpoint, identity=f"{self.cfg.name}/{os.getpid()}",
-                     is_immediate=True, max_message_bytes=self.cfg.links.max_message_bytes, server=name)
+        ch = Channel(self.runtime.ctx, False, endpoint, tag=self.runtime.tag, is_immediate=True,
+                     max_message_bytes=self.cfg.links.max_message_bytes, server=name)
         self._poller.add(ch)
         return ch
 
@@ -160,7 +171,7 @@ class PrefillNode:
                 # request is left to the decode node, which ends it.
                 if stop_reason(job.params, token, 1, job.prompt_len, self.worker.spec.eos_token_ids,
                                self.worker.max_model_len) is None:
-                    early.append(TokenUpdate(job.request_id, [token], None, ttft_parts(stamps)))
+                    early.append(TokenUpdate(job.request_id, [token], None, ttft_parts(stamps), index=0))
         if early and not self.frontend.send(TokenBatch(early), block=False):
             noisy.warning("could not stream %d first tokens early: the decode nodes will", len(early))
         self.scheduler.complete(chunks)
@@ -175,13 +186,16 @@ class PrefillNode:
 
     def _send_ready(self) -> bool:
         w = self.worker
-        return self.frontend.send(NodeReady("prefill", self.cfg.name, os.getpid(), self.cfg.worker.device,
+        return self.frontend.send(NodeReady("prefill", self.cfg.name, os.getpid(), self.runtime.epoch,
+                                            self.cfg.worker.device,
                                             w.num_kv_blocks, w.block_size, w.max_model_len,
                                             kv_transfer=self.cfg.kv_transfer), block=False)
 
     def _send_prefix_update(self) -> None:
         """The frontend routes by what this node caches: tell it what changed, or all
         of it after each registration (it may have forgotten us, or restarted)."""
+        if self.runtime.num_link_resets != self._num_link_resets:   # updates may be lost: all of it again
+            self._num_link_resets, self._is_prefix_synced = self.runtime.num_link_resets, False
         if not self.cfg.is_prefix_caching or not self.runtime.is_registered:
             self._is_prefix_synced = False
             self.prefix_cache.take_updates()   # a full resync follows registration
@@ -215,6 +229,8 @@ class PrefillNode:
                 "num_kv_bytes_written": self.handoffs.bytes_written,
                 "num_failed": self.num_failed, "num_free_blocks": self.prefix_cache.num_free,
                 "num_bad_messages": self.frontend.num_bad + self.handoffs.num_bad,
+                "num_link_resets": self.runtime.num_link_resets + self.handoffs.num_link_resets,
+                "num_writing": sum(h.stage.value in ("writing", "cancelling") for h in self.handoffs.by_id.values()),
                 "is_registered": self.runtime.is_registered, **self.prefix_cache.stats(),
                 "num_usable_blocks": self.prefix_cache.capacity,
                 "kv_links": self.handoffs.links(), "kv_writes": self.handoffs.transfer_figures()}

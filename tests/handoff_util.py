@@ -14,7 +14,7 @@ from common.handoff.sender import Sender
 from common.kv.blocks import BlockAllocator, block_bytes
 from common.base.request import SamplingParams
 from common.wire import protocol
-from common.wire.protocol import PREFILL_TO_DECODE, KVCommit, KVReserve
+from common.wire.protocol import PREFILL_TO_DECODE, KVCommit, KVReserve, KVTransfer
 from decode_node.scheduler import DecodeScheduler
 from prefill_node.scheduler import PrefillJob
 
@@ -43,13 +43,28 @@ class MemLink:
         self.sent: list = []            # every message the prefill side sent, in order
         self.num_bad = 0
         self.is_cut = False
+        self.is_refusing = False        # sends fail (a link not connected): nothing queues
         self.is_closed = False
+        self.num_reconnects = 0
 
     def send(self, msg, block: bool = True) -> bool:
+        if self.is_refusing:
+            return False
         self.sent.append(msg)
         if not self.is_cut:
             self.to_decode.append([bytes(f) for f in protocol.encode(msg)])
         return True
+
+    def reset(self) -> None:
+        """A middlebox resets the connection: what is on the way either way is lost, and
+        the link is made again."""
+        self.to_decode.clear()
+        self.to_prefill.clear()
+        self.num_reconnects += 1
+
+    def take_reconnects(self) -> int:
+        n, self.num_reconnects = self.num_reconnects, 0
+        return n
 
     def has_message(self) -> bool:
         return bool(self.to_prefill)
@@ -77,8 +92,15 @@ def reserve(rx: Receiver, request_id: str, prompt_len: int, max_tokens: int, sen
 
 
 def commit(rx: Receiver, request_id: str, prompt_len: int, max_tokens: int, sender: bytes = b"p") -> None:
+    """Its KV written (zeros, one tcp frame of every layer) and committed, as a prefill node does."""
+    r = rx.held.get(request_id)
+    name, num_layers = (r.name, rx.sink.cache.shape[0]) if r is not None else ("", 0)
+    if r is not None:
+        c = rx.sink.cache
+        kv = torch.zeros(c.shape[0], 2, len(r.block_ids), *c.shape[3:], dtype=c.dtype)
+        rx.receive(sender, KVTransfer(request_id, name, "tcp", {"first_layer": 0}, kv))
     rx.receive(sender, KVCommit(request_id, prompt_len, 1, SamplingParams(max_tokens=max_tokens), {}, "tcp",
-                                [1] * prompt_len))
+                                [1] * prompt_len, name, num_layers))
 
 
 class Pair:

@@ -33,11 +33,11 @@ def _sink(dw, accepted, host="127.0.0.1"):
 
 
 def _frame(rid, first_layer, kv):
-    return KVTransfer(rid, "tcp", {"first_layer": first_layer}, kv)
+    return KVTransfer(rid, "g", "tcp", {"first_layer": first_layer}, kv)
 
 
 def _dist(rid, group, tag):
-    return KVTransfer(rid, "dist", {"group": group, "tag": tag}, torch.empty(0, dtype=torch.uint8))
+    return KVTransfer(rid, "g", "dist", {"group": group, "tag": tag}, torch.empty(0, dtype=torch.uint8))
 
 
 needs_nixl = pytest.mark.skipif(transfer.backend("nixl").why_unusable(torch.device("cpu")) is not None,
@@ -71,7 +71,7 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
     writer = transfer.open_writer(backend, _wire(sink.welcome("e1")), pw.kv_cache,
                                   lambda m: frames.append(_wire(m)) or True)
     assert writer.name == backend
-    writer.write("r", src, r.block_ids, within_s=30)
+    num_written = writer.write("r", r.name, src, r.block_ids, within_s=30)
     done, num_frames, deadline = [], 0, time.monotonic() + 60
     while not (done and sink.is_landed("r")):   # dist: both sides join their group first
         assert time.monotonic() < deadline, "the write did not complete"
@@ -85,7 +85,7 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
     assert r.block_ids != src
     assert torch.equal(dw.kv_cache[:, :, r.block_ids], pw.kv_cache[:, :, src])
 
-    rx.receive(b"p", protocol.KVCommit("r", len(prompt), first, params, {}, backend, prompt))
+    rx.receive(b"p", protocol.KVCommit("r", len(prompt), first, params, {}, backend, prompt, r.name, num_written))
     seq = sched.start(rx.next_ready())
     blocks_to_join(seq, 16, sched.blocks)
     dw.add_decode_seq("r", first, len(prompt), seq.block_ids, params)
@@ -110,7 +110,7 @@ def test_tcp_frames_are_a_group_of_layers_each(workers, monkeypatch):
     pw.kv_cache[:, :, src] = torch.randn_like(pw.kv_cache[:, :, src])
     frames = []
     writer = transfer.tcp.TcpWriter(pw.kv_cache, lambda m: frames.append(m) or True)
-    writer.write("r", src, [7, 8, 9], within_s=30)
+    writer.write("r", "g", src, [7, 8, 9], within_s=30)
     assert writer.poll() == [("r", None)]
     assert [f.header["first_layer"] for f in frames] == list(range(pw.kv_cache.shape[0]))
     sink = _sink(dw, ["tcp"])
@@ -165,7 +165,7 @@ def test_ipc_refuses_blocks_outside_the_decode_cache(workers):
     writer = transfer.open_writer("ipc", _welcome(dw), pw.kv_cache, lambda m: True)
     for dst in ([0], [dw.num_kv_blocks]):
         with pytest.raises(transfer.TransferError, match="outside"):
-            writer.write("r", [1], dst, within_s=30)
+            writer.write("r", "g", [1], dst, within_s=30)
     writer.close()
 
 
@@ -181,12 +181,12 @@ def test_a_frame_of_the_wrong_shape_or_dtype_is_refused(workers):
             sink.receive(b"p", _wire(_frame("r", first_layer, kv)), [5, 6])
     for header in ({}, {"first_layer": -1}, {"first_layer": "0"}, {"first_layer": 0, "extra": 1}):
         with pytest.raises(transfer.TransferError, match="tcp header"):
-            sink.receive(b"p", _wire(KVTransfer("r", "tcp", header, good)), [5, 6])
+            sink.receive(b"p", _wire(KVTransfer("r", "g", "tcp", header, good)), [5, 6])
     assert torch.equal(dw.kv_cache, before)
     for name in ("dist", "smoke-signals"):
         with pytest.raises(transfer.TransferError, match="does not accept"):
             sink.receive(b"p", _dist("r", "g", 1) if name == "dist" else
-                         KVTransfer("r", name, {}, good), [5, 6])
+                         KVTransfer("r", "g", name, {}, good), [5, 6])
 
 
 def test_a_dist_group_belongs_to_the_peer_that_made_it(workers):
@@ -315,18 +315,18 @@ def test_a_nixl_write_to_a_dead_decode_process_fails_at_once_and_only_it(tmp_pat
         sent = []
         writer = transfer.open_writer("nixl", _wire(welcome), torch.randn(2, 2, 9, 4, 1, 8),
                                       lambda m: sent.append(m) or True)
-        writer.write("late", [1], [5], within_s=0)
+        writer.write("late", "g", [1], [5], within_s=0)
         assert _poll_until(writer) == [("late", "it did not complete before its reservation could end")]
-        writer.write("a", [1, 2], [3, 4], within_s=30)
+        writer.write("a", "g", [1, 2], [3, 4], within_s=30)
         assert _poll_until(writer) == [("a", None)]
         assert [(m.request_id, m.backend, m.header) for m in sent] == [("a", "nixl", {"agent": writer.agent.name})]
         child.kill()
         child.wait()
-        writer.write("b", [1, 2], [3, 4], within_s=30)
+        writer.write("b", "g", [1, 2], [3, 4], within_s=30)
         (rid, error), = _poll_until(writer, 5)
         assert rid == "b" and "NIXL" in error
         with pytest.raises(transfer.TransferError, match="cannot connect to the decode node's NIXL agent"):
-            writer.write("c", [1], [5], within_s=30)
+            writer.write("c", "g", [1], [5], within_s=30)
         writer.close()
     finally:
         child.kill()
@@ -340,7 +340,7 @@ def test_nixl_lands_only_what_its_announcer_notified(workers):
     _, dw = workers
     sink = _sink(dw, ["nixl"])
     rx = sink.receivers["nixl"]
-    announce = lambda rid, agent: KVTransfer(rid, "nixl", {"agent": agent}, torch.empty(0, dtype=torch.uint8))
+    announce = lambda rid, agent: KVTransfer(rid, "g", "nixl", {"agent": agent}, torch.empty(0, dtype=torch.uint8))
     sink.receive(b"p", _wire(announce("r1", "writer-a")), [5])
     assert not sink.is_landed("r1") and sink.progress()
     rx._early[("writer-b", "r1")] = None      # as if writer-b had sent "r1"
@@ -351,7 +351,7 @@ def test_nixl_lands_only_what_its_announcer_notified(workers):
         sink.receive(b"p", announce("r1", "writer-a"), [5])
     for bad in ({}, {"agent": 5}, {"agent": "a", "more": 1}):
         with pytest.raises(transfer.TransferError, match="nixl header"):
-            sink.receive(b"p", KVTransfer("r3", "nixl", bad, torch.empty(0, dtype=torch.uint8)), [7])
+            sink.receive(b"p", KVTransfer("r3", "g", "nixl", bad, torch.empty(0, dtype=torch.uint8)), [7])
     sink.forget("r1")
     assert sink.is_landed("r1") and not sink.progress()
     sink.close()
@@ -393,16 +393,16 @@ def test_a_nixl_write_to_a_frozen_decode_process_stops_when_cancelled(monkeypatc
         d["metadata"] = base64.b64decode(d["metadata"])
         welcome = protocol.KVWelcome("e", "x/y", "cpu", shape, "float32", {"nixl": d})
         writer = transfer.open_writer("nixl", _wire(welcome), torch.randn(*shape), lambda m: True)
-        writer.write("a", [1, 2], [3, 4], within_s=30)
+        writer.write("a", "g", [1, 2], [3, 4], within_s=30)
         assert _poll_until(writer) == [("a", None)]
         child.send_signal(signal.SIGSTOP)
         ids = list(range(1, 60))
-        writer.write("b", ids, ids, within_s=30)
+        writer.write("b", "g", ids, ids, within_s=30)
         assert _poll_until(writer, 2) == []      # under way, going nowhere
         writer.cancel("b")
         assert writer.poll() == [("b", "cancelled")]
         child.send_signal(signal.SIGCONT)
-        writer.write("c", [1, 2], [3, 4], within_s=30)
+        writer.write("c", "g", [1, 2], [3, 4], within_s=30)
         assert _poll_until(writer) == [("c", None)]
         writer.close()
     finally:

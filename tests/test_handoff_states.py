@@ -94,24 +94,41 @@ def test_no_write_starts_in_the_last_third_of_the_lease():
     assert hb.stage is Stage.ASKING and not b.is_reserved   # ran out: asked again
 
 
-def test_the_lease_counts_from_the_request_it_answers():
+def test_the_lease_counts_from_the_ask_it_answers():
     lease = Lease(1000.0, 30.0)
-    assert (lease.end, lease.renew_at, lease.write_by) == (1030.0, 1010.0, 1020.0)
+    assert (lease.end, lease.renew_at, lease.write_by, lease.write_deadline) == (1030.0, 1010.0, 1020.0, 1025.0)
     assert Lease(5.0, 0.0).end == Lease(5.0, 0.0).write_by == float("inf")   # held until released
     p = Pair()
     job = p.job("r")
     p.tx.begin(job)
     h = p.tx.by_id["r"]
     p.clock.advance(24)
-    p.tx._ask(h)                                 # two asked; answers come in that order
+    p.tx._ask(h)                                 # two asks out, numbered
     p.clock.advance(1)
+    first, second = sorted(h.asks)
     peer = h.peer
-    p.tx._on_reserved(peer, KVReserved("r", "e1", [3, 4, 5], lease_s=30.0))
-    assert job.is_reserved and h.lease.end == pytest.approx(p.clock() + 5)   # from the older request
-    p.tx._on_reserved(peer, KVReserved("r", "e1", [3, 4, 5], lease_s=30.0))
+
+    def grant(ask: int) -> KVReserved:
+        return KVReserved("r", "e1", [3, 4, 5], lease_s=30.0, ask=ask, reservation="g1")
+    p.tx._on_reserved(peer, grant(first))
+    assert job.is_reserved and h.lease.end == pytest.approx(p.clock() + 5)   # from the older ask
+    p.tx._on_reserved(peer, grant(second))
     assert h.lease.end == pytest.approx(p.clock() + 29)           # the renewal's answer
-    p.tx._on_reserved(peer, KVReserved("r", "e1", [3, 4, 5], lease_s=30.0))   # asked by nobody
-    assert h.lease.end == float("-inf")          # grants nothing: the next turn asks again
+    p.tx._on_reserved(peer, grant(first))       # a repeat of an older answer shortens nothing
+    assert h.lease.end == pytest.approx(p.clock() + 29)
+    # Answers out of order (one lost, one late): each counts from its own ask, never a later one.
+    job2 = p.job("s")
+    p.tx.begin(job2)
+    h2 = p.tx.by_id["s"]
+    p.clock.advance(10)
+    p.tx._ask(h2)
+    early, late = sorted(h2.asks)
+    p.tx._on_reserved(peer, KVReserved("s", "e1", [6, 7, 8], lease_s=30.0, ask=early, reservation="g2"))
+    assert h2.lease.end == pytest.approx(p.clock() + 20)
+    fresh = p.job("t")
+    p.tx.begin(fresh)
+    p.tx._on_reserved(peer, KVReserved("t", "e1", [9, 10, 11], lease_s=30.0, ask=10**6, reservation="g3"))
+    assert p.tx.by_id["t"].lease.end == float("-inf")   # asked by nobody: grants nothing, asked again
 
 
 def test_a_full_decode_node_queues_requests_and_grants_them_unasked_in_order():

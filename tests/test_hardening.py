@@ -24,7 +24,8 @@ PROMPT = [5, 17, 99, 3, 250, 41, 8]
 
 
 def _raw(endpoint: str, identity: bytes | None = None, curve: tuple | None = None) -> tuple:
-    """A raw DEALER; curve = (our public, our secret, server public)."""
+    """A raw DEALER; curve = (our public, our secret, server public); identity: its socket
+    identity (what a node's tag is on open links)."""
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
@@ -36,10 +37,12 @@ def _raw(endpoint: str, identity: bytes | None = None, curve: tuple | None = Non
     return ctx, s
 
 
-def _send(s, **header) -> bool:
-    """Queue a message; False if it could not be. NOTE: never blocking: a keyed link
-    tears down the queue of a peer whose handshake failed, and a blocking send would
-    then wait forever."""
+def _send(s, sender: str | None = None, **header) -> bool:
+    """Queue a message (sender: its "from" tag); False if it could not be. NOTE: never
+    blocking: a keyed link tears down the queue of a peer whose handshake failed, and a
+    blocking send would then wait forever."""
+    if sender is not None:
+        header["from"] = sender
     try:
         s.send(msgpack.packb({"v": 2, **header}), zmq.NOBLOCK)
         return True
@@ -162,8 +165,10 @@ def test_node_port_garbage_kills_no_loop_and_no_node(procs, tiny_model):
     ctx, s = _raw(procs.nodes, identity=b"decode-0/1/heartbeat")
     try:
         pid = procs.procs["decode"].pid
-        _send(s, type="heartbeat", role="decode", name="decode-0", pid=pid, stats={}, tensors=1)
-        _send(s, type="heartbeat", role="decode", name="decode-0", pid=pid, stats={"num_available_blocks": "x"})
+        _send(s, "decode-0/1/heartbeat", type="heartbeat", role="decode", name="decode-0", pid=pid, stats={},
+              tensors=1)
+        _send(s, "decode-0/1/heartbeat", type="heartbeat", role="decode", name="decode-0", pid=pid,
+              epoch="1", stats={"num_available_blocks": "x"})
         _send(s, type=[])
         s.send_multipart([b"\x93\x01", b"\x00"])
         time.sleep(3 * 2.0)   # past the frontend's --dead-after: the real heartbeats must still count
@@ -180,14 +185,16 @@ def test_a_live_node_name_cannot_be_taken(procs):
 
     async def run():
         client, tasks = await _streaming(procs.clients, 2, 150)
-        real = f"decode-0/{procs.procs['decode'].pid}".encode()
-        socks = [_raw(procs.nodes, identity=real),             # libzmq ignores a duplicate identity
-                 _raw(procs.nodes, identity=b"decode-0/4242"),  # another process under a live name
-                 _raw(procs.nodes, identity=b"impostor")]       # a name its identity does not say
-        ready = dict(type="ready", role="decode", name="decode-0", pid=4242, device="cpu", num_kv_blocks=8,
+        pid = procs.procs['decode'].pid
+        guess = f"decode-0/{pid}"                                      # its name and pid: not its epoch
+        socks = [(_raw(procs.nodes, identity=guess.encode()), guess),  # a process under a live name
+                 (_raw(procs.nodes, identity=b"decode-0/4242"), "decode-0/4242"),
+                 (_raw(procs.nodes, identity=b"impostor"), "impostor")]  # a name its tag does not say
+        ready = dict(type="ready", role="decode", name="decode-0", device="cpu", num_kv_blocks=8,
                      block_size=16, max_model_len=256, kv_endpoint="tcp://127.0.0.1:1")
-        for _, s in socks:
-            _send(s, **ready)
+        for ((_, s), tag), (pid_, epoch) in zip(socks, [(pid, str(pid)), (4242, "4242"), (4242, "4242")]):
+            _send(s, tag, pid=pid_, epoch=epoch, **ready)
+        socks = [sock for sock, _ in socks]
         replies = [_replies(s, 2) for _, s in socks]
         for ctx, _ in socks:
             ctx.destroy()
@@ -195,7 +202,7 @@ def test_a_live_node_name_cannot_be_taken(procs):
         await client.close()
         return replies, results
     replies, results = asyncio.run(run())
-    assert replies[0] == []
+    assert "a live decode node named 'decode-0' is registered" in replies[0][0]["reason"]
     assert "a live decode node named 'decode-0' is registered" in replies[1][0]["reason"]
     assert "may not register" in replies[2][0]["reason"] and not replies[2][0]["is_retryable"]
     for outs, _ in results:   # the real node's requests were not failed as "restarted"
@@ -216,13 +223,14 @@ def test_a_node_speaks_only_for_requests_routed_to_it(procs, tiny_model):
                 f["num_running"] + f["num_served"] < len(prompts):
             await asyncio.sleep(0.02)
         ctx, s = _raw(procs.nodes, identity=b"rogue-0/1")
-        _send(s, type="ready", role="prefill", name="rogue-0", pid=1, device="cpu", num_kv_blocks=8,
-              block_size=16, max_model_len=256)
+        _send(s, "rogue-0/1", type="ready", role="prefill", name="rogue-0", pid=1, epoch="1", device="cpu",
+              num_kv_blocks=8, block_size=16, max_model_len=256)
         assert _replies(s, 10)[0]["is_accepted"]   # registered: its reports reach the checks
         for rid in range(1, 40):
-            _send(s, type="tokens", updates=[{"request_id": f"{rid:x}", "token_ids": [1, 2, 3],
-                                              "finish_reason": "stop"}])
-            _send(s, type="failed", request_id=f"{rid:x}", error="injected")
+            _send(s, "rogue-0/1", type="tokens", updates=[{"request_id": f"{rid:x}", "token_ids": [1, 2, 3],
+                                                           "finish_reason": "stop"}])
+            _send(s, "rogue-0/1", type="failed", request_id=f"{rid:x}", error="injected")
+            _send(s, "rogue-0/1", type="node_synced", sync_id=rid, missing=[f"{rid:x}"], ended=[f"{rid:x}"])
         results = await asyncio.gather(*jobs)
         ctx.destroy()
         await client.close()
@@ -289,12 +297,12 @@ def test_fake_nodes_are_forgotten(tiny_model, tmp_path):
     try:
         _start(p, "frontend", "prefill", "decode")
         ctx, s = _raw(p.nodes, identity=b"ghost/1")
-        _send(s, type="ready", role="prefill", name="ghost", pid=1, device="cpu", num_kv_blocks=8,
-              block_size=16, max_model_len=256)
+        _send(s, "ghost/1", type="ready", role="prefill", name="ghost", pid=1, epoch="1", device="cpu",
+              num_kv_blocks=8, block_size=16, max_model_len=256)
         wait_for(lambda: "ghost" in _nodes(p.clients), 5, "the fake node to register")
         # Its heartbeat may report figures, not what the frontend says of it.
         hb_ctx, hb = _raw(p.nodes, identity=b"ghost/1/heartbeat")
-        _send(hb, type="heartbeat", role="prefill", name="ghost", pid=1,
+        _send(hb, "ghost/1/heartbeat", type="heartbeat", role="prefill", name="ghost", pid=1, epoch="1",
               stats={"num_free_blocks": 5, "is_alive": False, "pid": 99, "role": "decode", "num_routed": 7})
         wait_for(lambda: _nodes(p.clients)["ghost"].get("num_free_blocks") == 5, 5, "the heartbeat")
         ghost = _nodes(p.clients)["ghost"]
@@ -341,21 +349,24 @@ def test_without_the_cluster_keys_no_peer_registers_reports_or_hands_off(tiny_mo
     try:
         _start(p, "frontend", "prefill", "decode")
         _exact(p.clients, tiny_model)
-        ready = dict(type="ready", role="decode", name="decode-0", pid=4242, device="cpu", num_kv_blocks=8,
-                     block_size=16, max_model_len=256, kv_endpoint="tcp://127.0.0.1:1")
+        ready = dict(type="ready", role="decode", name="decode-0", pid=4242, epoch="4242", device="cpu",
+                     num_kv_blocks=8, block_size=16, max_model_len=256, kv_endpoint="tcp://127.0.0.1:1")
         peers = [_raw(p.nodes), _raw(p.nodes, identity=b"decode-0/4242"),
                  _raw(p.nodes, curve=_curve(other, "decode-0")),     # a key from another cluster
-                 _raw(p.nodes, curve=_curve(keys, "rogue"))]         # ours, but not decode-0's
-        for _, s in peers:
-            _send(s, **ready)
-            _send(s, type="tokens", updates=[{"request_id": "1", "token_ids": [1]}])
+                 _raw(p.nodes, curve=_curve(keys, "rogue")),         # ours, but not decode-0's
+                 _raw(p.nodes, curve=_curve(keys, "rogue"))]         # ... claiming decode-0's tag
+        for i, (_, s) in enumerate(peers):
+            tag = "decode-0/4242" if i != 3 else None
+            _send(s, tag, **ready)
+            _send(s, tag, type="tokens", updates=[{"request_id": "1", "token_ids": [1]}])
         replies = [_replies(s, 1.5) for _, s in peers]
         assert replies[:3] == [[], [], []]   # no handshake, no answer
         assert replies[3][0]["type"] == "ready_reply" and "may not register" in replies[3][0]["reason"]
+        assert replies[4] == []               # a tag its key does not prove: dropped unread
         kv = [_raw(p.kv), _raw(p.kv, curve=_curve(other, "decode-0", server="decode-0"))]
         for _, s in kv:
-            _send(s, type="kv_hello", prefill_node="prefill-0")
-            _send(s, type="kv_reserve", request_id="x", prompt_len=4, max_tokens=4)
+            _send(s, "prefill-0/1", type="kv_hello", prefill_node="prefill-0")
+            _send(s, "prefill-0/1", type="kv_reserve", request_id="x", prompt_len=4, max_tokens=4)
         assert [_replies(s, 1.5) for _, s in kv] == [[], []]
         for ctx, _ in peers + kv:
             ctx.destroy()
@@ -538,15 +549,14 @@ def test_a_commit_with_odd_timings_costs_no_other_request_its_tokens(procs, tiny
     _start(procs, "frontend", "prefill", "decode")
     fake = FakePrefill(procs.kv)
     try:
-        fake.ask(KVHello("fake-prefill"), KVWelcome)
+        welcome = fake.ask(KVHello("fake-prefill"), KVWelcome)
 
         async def run():
             client = AsyncClient(procs.clients)
             job, = await start_streams(client, 1, 120)   # running: its tokens share batches with these
             for rid, stamps in (("no-stamps", {}), ("skewed", {"arrival": 9e12, "prefill_start": 1.0})):
-                fake.ask(KVReserve(rid, 16, 200), KVReserved)
-                ack = fake.ask(KVCommit(rid, 16, 1, SamplingParams(max_tokens=200, ignore_eos=True), stamps,
-                                        "tcp", [1] * 16), HandoffAck)
+                grant = fake.ask(KVReserve(rid, 16, 200), KVReserved)
+                ack = fake.commit(rid, grant, welcome.cache_shape, prompt_len=16, max_tokens=200, stamps=stamps)
                 assert ack.is_accepted
             outs, _ = await job
             await client.close()

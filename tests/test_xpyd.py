@@ -125,9 +125,9 @@ def test_with_migration_off_killing_one_decode_node_of_two_fails_only_its_reques
 class FakePrefill:
     """A prefill node's side of the KV link, by hand."""
 
-    def __init__(self, kv_endpoint: str, identity: str = "fake-prefill"):
+    def __init__(self, kv_endpoint: str, identity: str = "fake-prefill/1"):
         self.ctx = open_context()
-        self.ch = Channel(self.ctx, False, kv_endpoint, identity=identity)
+        self.ch = Channel(self.ctx, False, kv_endpoint, tag=identity)
 
     def ask(self, msg, reply_type):
         self.ch.send(msg)
@@ -136,6 +136,16 @@ class FakePrefill:
             _, got = self.ch.recv()
             if isinstance(got, reply_type):
                 return got
+
+    def commit(self, rid: str, grant: KVReserved, shape: list[int], prompt_len: int = 40, max_tokens: int = 8,
+               is_written: bool = True, stamps: dict | None = None) -> HandoffAck:
+        """Write the grant's blocks (zeros, one tcp frame of every layer) and commit."""
+        if is_written:
+            self.ch.send(KVTransfer(rid, grant.reservation, "tcp", {"first_layer": 0},
+                                    torch.zeros(shape[0], 2, len(grant.block_ids), *shape[3:])))
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return self.ask(KVCommit(rid, prompt_len, 1, params, stamps or {}, "tcp", [1] * prompt_len,
+                                 grant.reservation, shape[0]), HandoffAck)
 
     def close(self):
         self.ch.close()
@@ -170,7 +180,7 @@ def test_requests_that_do_not_fit_wait_in_line_and_are_granted_unasked(tiny_mode
         d = fake.ask(KVReserve("d", 16, 8), KVReserved)
         assert d.is_queued
         fake.ch.send(KVRelease("d"))                               # gives up its place
-        other = FakePrefill(p.kv, "another-prefill")
+        other = FakePrefill(p.kv, "another-prefill/1")
         taken = other.ask(KVReserve("b", 100, 8), KVReserved)      # b is someone else's
         assert taken.block_ids is None and not taken.is_retryable
         again = fake.ask(KVReserve("b", 100, 8), KVReserved)       # keeps its place
@@ -219,7 +229,7 @@ def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, t
         wait_for(lambda: _decode_stats(p.clients)["num_free_blocks"] == free - 3, 2, "blocks held")
         wait_for(lambda: _decode_stats(p.clients)["num_free_blocks"] == free
                  and _decode_stats(p.clients)["num_reserved_blocks"] == 0, 10, "the lease to free it")
-        late = fake.ask(KVCommit("never", 40, 1, SamplingParams(max_tokens=8), {}, "tcp", [1] * 40), HandoffAck)
+        late = fake.commit("never", r, welcome.cache_shape, is_written=False)
         assert not late.is_accepted and "no reservation" in late.reason
         assert _decode_stats(p.clients)["num_expired_reservations"] == 1
 
@@ -231,7 +241,7 @@ def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, t
             time.sleep(1)
             again = fake.ask(KVReserve("renewed", 40, 8), KVReserved)
             assert again.block_ids == r.block_ids and again.lease_s == 3.0
-        ack = fake.ask(KVCommit("renewed", 40, 1, SamplingParams(max_tokens=8), {}, "tcp", [1] * 40), HandoffAck)
+        ack = fake.commit("renewed", r, welcome.cache_shape)
         assert ack.is_accepted
         assert _decode_stats(p.clients)["num_expired_reservations"] == 1
 
@@ -244,25 +254,36 @@ def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, t
         shape = welcome.cache_shape
         for name, bad in (("dtype", torch.zeros(shape[0], 2, 3, *shape[3:], dtype=torch.float16)),
                           ("shape", torch.zeros(shape[0], 2, 2, *shape[3:], dtype=torch.float32))):
-            fake.ask(KVReserve(name, 40, 8), KVReserved)
-            fake.ch.send(KVTransfer(name, "tcp", {"first_layer": 0}, bad))
-            ack = fake.ask(KVCommit(name, 40, 1, SamplingParams(max_tokens=8), {}, "tcp", [1] * 40), HandoffAck)
+            g = fake.ask(KVReserve(name, 40, 8), KVReserved)
+            fake.ch.send(KVTransfer(name, g.reservation, "tcp", {"first_layer": 0}, bad))
+            ack = fake.commit(name, g, shape, is_written=False)
             assert not ack.is_accepted and "does not fit" in ack.reason
+        # A commit whose KV did not all arrive (one layer of two), or that names another grant.
+        for name, grant_of in (("half", lambda g: g.reservation), ("stale", lambda g: "0123456789ab")):
+            g = fake.ask(KVReserve(name, 40, 8), KVReserved)
+            fake.ch.send(KVTransfer(name, g.reservation, "tcp", {"first_layer": 0},
+                                    torch.zeros(1, 2, 3, *shape[3:])))
+            ack = fake.ask(KVCommit(name, 40, 1, SamplingParams(max_tokens=8), {}, "tcp", [1] * 40,
+                                    grant_of(g), shape[0]), HandoffAck)
+            assert not ack.is_accepted and ack.is_retryable, ack
+            assert ("did not all arrive" if name == "half" else "another grant") in ack.reason
         # A commit that asks for more than was reserved.
-        fake.ask(KVReserve("greedy", 40, 8), KVReserved)
-        ack = fake.ask(KVCommit("greedy", 40, 1, SamplingParams(max_tokens=500), {}, "tcp", [1] * 40), HandoffAck)
+        g = fake.ask(KVReserve("greedy", 40, 8), KVReserved)
+        ack = fake.commit("greedy", g, shape, max_tokens=500)
         assert not ack.is_accepted and "does not match the reservation" in ack.reason
         wait_for(lambda: _decode_stats(p.clients)["num_free_blocks"] == free
                  and _decode_stats(p.clients)["num_reserved_blocks"] == 0, 5, "every block back")
         # Someone else's reservation cannot be released or committed.
-        other = FakePrefill(p.kv, "another-prefill")
+        other = FakePrefill(p.kv, "another-prefill/1")
         try:
-            fake.ask(KVReserve("mine", 40, 8), KVReserved)
+            g = fake.ask(KVReserve("mine", 40, 8), KVReserved)
             other.ch.send(KVRelease("mine"))
-            ack = other.ask(KVCommit("mine", 40, 1, SamplingParams(max_tokens=8), {}, "tcp", [1] * 40), HandoffAck)
+            ack = other.commit("mine", g, shape)
             assert not ack.is_accepted
-            ack = fake.ask(KVCommit("mine", 40, 1, SamplingParams(max_tokens=8), {}, "tcp", [1] * 40), HandoffAck)
+            ack = fake.commit("mine", g, shape)
             assert ack.is_accepted   # still reserved for its owner
+            again = fake.commit("mine", g, shape, is_written=False)
+            assert again.is_accepted   # the same commit again (its link was made again): the same answer
         finally:
             other.close()
         # The cluster still serves.

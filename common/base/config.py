@@ -168,6 +168,9 @@ _NODE_DRAIN = flag("--drain-timeout", "on SIGTERM or a drain: seconds its reques
                    "elsewhere or finish before it stops")
 _NODE_KEYS = flag("--keys", "CURVE keys (python -m launch.keys DIR); this node's is DIR/NAME.key_secret",
                   metavar="DIR")
+_KV_VERIFY = flag("--kv-verify", "check every handoff's KV end to end: the prefill node sends a checksum of "
+                  "each block with the commit, the decode node checks the blocks once landed and refuses "
+                  "(the request moves on) on a mismatch")
 
 
 def _check_kv_transfer(value: str) -> None:
@@ -197,6 +200,7 @@ class PrefillConfig:
         "--no-prefix-caching", "compute every prompt from scratch (default: reuse cached full blocks)",
         "--no-enable-prefix-caching"))
     drain_timeout_s: float = field(default=30.0, metadata=_NODE_DRAIN)
+    is_kv_verified: bool = field(default=False, metadata=_KV_VERIFY)
 
     def __post_init__(self) -> None:
         check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
@@ -239,6 +243,7 @@ class DecodeConfig:
         "past it, a preempted request's KV is dropped and recomputed when it resumes (0: always)",
         parse=parse_swap, metavar="SIZE", default_text="4"))
     drain_timeout_s: float = field(default=30.0, metadata=_NODE_DRAIN)
+    is_kv_verified: bool = field(default=False, metadata=_KV_VERIFY)
 
     @property
     def kv_reachable(self) -> str:

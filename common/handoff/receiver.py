@@ -7,12 +7,21 @@ waits its turn in line (first come, first served) and is granted its blocks as
 they free up, unasked. A reservation neither renewed nor committed within its
 lease is freed (its prefill node is gone); a committed one waits for a batch
 row (the decode loop takes it with next_ready()). Only the prefill node that
-made a reservation may write, commit or release it.
+made a reservation may write, commit or release it: a prefill node is its tag
+(NAME/EPOCH, common/wire/channel.py), the same across a reset of its link.
+
+Each grant has a name of its own. A write or a commit that names another grant
+(one this request had before, or one of this node's earlier life) is refused,
+and so is a commit whose KV did not all arrive (the backend counts the units
+of a whole write) or, with --kv-verify, whose blocks do not hold what the
+prefill node wrote: refused means moved (retryable), never decoded. A commit
+repeated for the same grant (the link was made again) is the same commit.
 """
 from __future__ import annotations
 
+import secrets
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Callable, Protocol
 
 from common.base.log import Throttle, get_logger
@@ -27,6 +36,7 @@ from common.wire.protocol import (HandoffAck, KVCommit, KVHello, KVRelease, KVRe
 log = get_logger("decode")
 noisy = Throttle(log)   # lines about what peers send
 ABORT_MEMORY_S = 60.0   # a handoff arriving this long after its abort is still dropped
+ADMITTED_MEMORY = 4096  # grants taken into the batch, remembered to answer a repeated commit
 
 
 class Pool(Protocol):
@@ -42,8 +52,10 @@ class Receiver:
 
     def __init__(self, epoch: str, lease_s: float, max_queue: int, pool: Pool, sink: KVSink,
                  send: Callable[..., bool], vocab_size: int, max_model_len: int,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, is_verifying: bool = False):
+        """is_verifying (--kv-verify): refuse commits without block checksums."""
         self.epoch, self.lease_s, self.max_queue = epoch, lease_s, max_queue
+        self.is_verifying = is_verifying
         self.pool, self.sink, self.send, self.clock = pool, sink, send, clock
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.held: dict[str, Reservation] = {}       # RESERVED, FAILED or COMMITTED
@@ -52,6 +64,11 @@ class Receiver:
         self.recently_aborted: dict[str, float] = {}
         self.num_expired = 0          # not renewed or committed within the lease
         self.num_granted = 0          # granted from the waiting line
+        self.num_incomplete = 0       # commits refused: their KV did not all arrive, or named another grant
+        self.num_verify_failures = 0  # committed KV that did not match its checksums (--kv-verify)
+        self.num_peer_drops = 0       # reservations freed because the frontend said their prefill node is lost
+        self.admitted: OrderedDict[str, str] = OrderedDict()   # request -> its grant, taken into the batch
+        self.peer_backends: dict[bytes, str] = {}   # the backend each prefill node last wrote with
 
     # ---- messages ---------------------------------------------------------------
 
@@ -81,7 +98,9 @@ class Receiver:
         return r if r is not None and r.sender == sender else None
 
     def _on_reserve(self, sender: bytes, m: KVReserve) -> None:
-        self.send(self._answer(sender, m), to=sender)
+        answer = self._answer(sender, m)
+        answer.ask = m.ask
+        self.send(answer, to=sender)
 
     def _answer(self, sender: bytes, m: KVReserve) -> KVReserved:
         """Its reservation (new, or renewed when its holder asks again), its place in
@@ -121,10 +140,13 @@ class Receiver:
 
     def _granted(self, r: Reservation, is_from_line: bool = False) -> KVReserved:
         return KVReserved(r.request_id, self.epoch, list(r.block_ids), lease_s=self.lease_s,
-                          is_queued=is_from_line)
+                          is_queued=is_from_line, reservation=r.name)
 
     def _queued(self, w: Reservation) -> KVReserved:
         return KVReserved(w.request_id, self.epoch, None, True, w.reason, self.lease_s, is_queued=True)
+
+    def is_in_line(self, request_id: str) -> bool:
+        return self._in_line(request_id) is not None
 
     def _in_line(self, request_id: str) -> Reservation | None:
         return next((w for w in self.waiting if w.request_id == request_id), None)
@@ -148,13 +170,17 @@ class Receiver:
 
     def _reserve(self, r: Reservation) -> None:
         r.block_ids, r.num_reserved = self.pool.take_blocks(r.prompt_len, r.max_tokens)
-        r.hold, r.reserved_at = Hold.RESERVED, time.time()
+        r.hold, r.reserved_at, r.name = Hold.RESERVED, time.time(), secrets.token_hex(6)
         self.held[r.request_id] = r
 
     def _on_transfer(self, sender: bytes, m: KVTransfer) -> None:
         r = self._held_by(sender, m.request_id)
         if r is None or r.hold is Hold.COMMITTED:
             return  # released, expired, or not this sender's
+        if m.reservation != r.name:   # meant for an earlier grant of this request: stale
+            noisy.info("dropped a %s KV transfer for %s meant for another grant", m.backend[:32], m.request_id)
+            return
+        self._note_backend(sender, m.backend)
         # NOTE: taken even once the request failed or was aborted: a dist send waits for
         # its receive, and every later send from that node waits behind it.
         try:
@@ -163,18 +189,29 @@ class Receiver:
             noisy.warning("refused a %s KV transfer for %s: %s", m.backend[:32], m.request_id, e)
             r.hold, r.error = Hold.FAILED, r.error or str(e)
 
+    def _note_backend(self, sender: bytes, name: str) -> None:
+        if name != self.peer_backends.get(sender):
+            if len(self.peer_backends) >= 4 * ADMITTED_MEMORY:
+                self.peer_backends.clear()   # a churn of peers: forgetting is the safe side
+            self.peer_backends[sender] = name[:32]
+
     def _on_commit(self, sender: bytes, c: KVCommit) -> None:
         c.timings["decode_recv"] = time.time()
         r = self._held_by(sender, c.request_id)
-        if r is not None and r.hold is Hold.COMMITTED:   # a second commit: the first stands
-            noisy.warning("refused a second commit for %s", c.request_id)
-            self.send(HandoffAck(c.request_id, False, False, "already committed"), to=sender)
+        if r is not None and r.hold is Hold.COMMITTED or r is None and c.request_id in self.admitted:
+            name = r.name if r is not None else self.admitted[c.request_id]
+            if c.reservation and c.reservation == name:   # the same commit again (its link was made again)
+                self.send(HandoffAck(c.request_id, True), to=sender)
+            else:   # a second commit: the first stands
+                noisy.warning("refused a second commit for %s", c.request_id)
+                self.send(HandoffAck(c.request_id, False, False, "already committed"), to=sender)
             return
         if r is None:
             reason = "the request was aborted" if c.request_id in self.recently_aborted else \
                 "no reservation for this request (expired or released)"
             self._refuse(sender, c.request_id, reason)
             return
+        self._note_backend(sender, c.backend)
         try:
             if r.hold is Hold.FAILED:
                 raise ValueError(r.error)
@@ -188,19 +225,32 @@ class Receiver:
                                  f"does not match the reservation ({r.prompt_len} + {r.max_tokens})")
             if not 0 <= c.first_token < self.vocab_size:
                 raise ValueError(f"first token {c.first_token} is outside the vocabulary")
+            if c.checksums is not None and len(c.checksums) != len(r.block_ids):
+                raise ValueError(f"{len(c.checksums)} block checksums for {len(r.block_ids)} blocks")
         except ValueError as e:
             self._refuse(sender, c.request_id, str(e))
+            return
+        # NOTE: the path's fault, not the request's: refused as retryable, so it moves on.
+        why = None if c.reservation == r.name else \
+            "the commit names another grant of these blocks (one that ended, or of an earlier life of this node)"
+        why = why or self.sink.why_incomplete(c.backend, c.request_id, len(r.block_ids), c.num_written)
+        if why is None and self.is_verifying and c.checksums is None:
+            why = "this decode node verifies KV (--kv-verify) and the commit has no block checksums"
+        if why:
+            self.num_incomplete += 1
+            self._refuse(sender, c.request_id, why, is_retryable=True)
             return
         r.hold, r.commit = Hold.COMMITTED, c
         self.ready.append(r.request_id)
         self.send(HandoffAck(c.request_id, True), to=sender)
 
-    def _refuse(self, sender: bytes, request_id: str, reason: str) -> None:
-        """Refuse a handoff for good; its reservation, if the sender holds one, is freed."""
+    def _refuse(self, sender: bytes, request_id: str, reason: str, is_retryable: bool = False) -> None:
+        """Refuse a handoff; its reservation, if the sender holds one, is freed. is_retryable:
+        the request may go on elsewhere (its KV went wrong on the way, not the request)."""
         if self._held_by(sender, request_id):
             self._release(request_id)
         noisy.warning("refused handoff %s: %s", request_id, reason)
-        self.send(HandoffAck(request_id, False, False, reason), to=sender)
+        self.send(HandoffAck(request_id, False, is_retryable, reason), to=sender)
 
     def _release(self, request_id: str) -> None:
         """Give a reservation's blocks back (aborted, expired or refused)."""
@@ -284,9 +334,37 @@ class Receiver:
             return None
         r = self.held.pop(self.ready.popleft())
         r.error = self.sink.landing_error(r.request_id)
-        if r.error:
-            self.sink.forget(r.request_id)
+        if r.error is None and r.commit.checksums is not None:
+            got = self.sink.checksums(r.block_ids)
+            bad = [i for i, (a, b) in enumerate(zip(got, r.commit.checksums)) if a != b]
+            if bad:
+                self.num_verify_failures += 1
+                r.error = (f"its KV does not hold what the prefill node wrote (--kv-verify: {len(bad)} of "
+                           f"{len(got)} blocks differ, the first at block {bad[0]})")
+                log.error("request %s: %s", r.request_id, r.error)
+        self.sink.forget(r.request_id)
+        self.admitted[r.request_id] = r.name
+        while len(self.admitted) > ADMITTED_MEMORY:
+            self.admitted.popitem(last=False)
         return r
+
+    def drop_peer(self, tag: bytes, is_exited: bool) -> int:
+        """The frontend says prefill node `tag` is lost: its uncommitted reservations and
+        places in line go now, not at their lease's end. Unless its process surely exited
+        (is_exited), only those a late write of it cannot reach: its backend must be one
+        whose writes this node lands itself (not one-sided). Returns how many were freed."""
+        n = 0
+        for rid, r in list(self.held.items()):
+            if r.sender == tag and r.hold is not Hold.COMMITTED and \
+                    (is_exited or not self.sink.is_one_sided(self.peer_backends.get(tag, ""))):
+                self._release(rid)
+                n += 1
+        for w in [w for w in self.waiting if w.sender == tag]:
+            self.waiting.remove(w)
+        self.num_peer_drops += n
+        if n:
+            log.info("freed %d reservations of lost prefill node %s", n, tag.decode(errors="replace")[:128])
+        return n
 
     def close(self) -> None:
         self.sink.close()

@@ -5,13 +5,20 @@ its blocks right behind the forward pass that computed them, the local blocks
 are freed when the write completes, and the commit goes once the first token is
 sampled too. A handoff not acknowledged within the handoff lease after its
 prefill, or whose decode node leaves a KVReserve unanswered that long, fails,
-and what it holds on both sides is released.
+and what it holds on both sides is released. Every write has a deadline before
+its reservation can end (lease.py: write_deadline) and is stopped there,
+whatever the peer does. Asks are numbered and answers echo the number; a grant
+is named (its reservation), and the writes and the commit name it. When the KV
+link is made again (a reset), what may have been lost on it is asked again:
+reservations, renewals, commits (the decode node takes a repeated commit as
+the same one).
 NOTE: ipc writes straight into the decode node's memory: a write into blocks
 whose reservation has ended could land in another request's KV (lease.py).
 """
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Callable
 
 from common.base.log import get_logger
@@ -20,6 +27,7 @@ from common.handoff.lease import INF, Lease
 from common.handoff.states import DecodePeer, Handoff, Job, Link, Stage
 from common.kv.blocks import is_cache_shape, num_blocks_for, num_cache_blocks
 from common.transfer import KVWriter, TransferError
+from common.wire.codec import I32_MAX
 from common.wire.protocol import (DECODE_TO_PREFILL, HandoffAck, KVCommit, KVHello, KVRelease,
                                   KVReserve, KVReserved, KVWelcome)
 
@@ -27,6 +35,8 @@ log = get_logger("prefill")
 RETRY_S = 0.05      # a retryable refusal (decode node and its line full) is asked again after
 MAX_RETRY_S = 0.8   # this, doubling up to this: a long backlog must not flood the decode node
 HELLO_EVERY_S = 1.0
+MAX_ASKS_OUT = 8    # unanswered asks remembered per handoff
+HANDED_OFF_MEMORY = 4096   # requests handed to their decode node, remembered for the frontend's NodeSync
 
 
 class Sender:
@@ -43,8 +53,12 @@ class Sender:
                  connect: Callable[[str, str], Link],
                  open_writer: Callable[[KVWelcome, Callable], KVWriter],
                  free_blocks: Callable[[list[int]], None], drop_job: Callable[[Job], None],
-                 fail: Callable[[str, str, bool], None], clock: Callable[[], float] = time.monotonic):
+                 fail: Callable[[str, str, bool], None], clock: Callable[[], float] = time.monotonic,
+                 checksums: Callable[[list[int]], object] | None = None):
+        """checksums (--kv-verify): local block ids -> their checksums (a device tensor,
+        queued with the write), sent with the commit."""
         self.name, self.handoff_lease_s = name, handoff_lease_s
+        self.checksums = checksums
         self.block_size, self.block_bytes = block_size, block_bytes
         self.connect, self.open_writer = connect, open_writer
         self.free_blocks, self.drop_job, self.fail, self.clock = free_blocks, drop_job, fail, clock
@@ -54,6 +68,9 @@ class Sender:
         self.bytes_written = 0
         self.transfers: dict[str, TransferFigures] = {}   # by backend
         self.num_bad_replies = 0
+        self.handed_off: OrderedDict[str, None] = OrderedDict()   # the latest, oldest first
+        self.num_asks = 0
+        self.num_link_resets = 0
 
     # ---- peers --------------------------------------------------------------
 
@@ -100,6 +117,22 @@ class Sender:
     def _of(self, peer: DecodePeer, *stages: Stage) -> list[Handoff]:
         return [h for h in self.by_id.values() if h.peer is peer and h.stage in stages]
 
+    def _on_reconnect(self, peer: DecodePeer) -> None:
+        """Its link was made again: asks, renewals and commits in flight may be lost."""
+        self.num_link_resets += 1
+        handoffs = [h for h in self.by_id.values() if h.peer is peer]
+        log.warning("the KV link to %s was made again (reset or dropped): asking again for %d handoffs",
+                    peer.name, len(handoffs))
+        now = self.clock()
+        for h in handoffs:
+            if h.stage in (Stage.ASKING, Stage.QUEUED, Stage.RESERVED, Stage.WRITTEN):
+                h.next_ask_at = min(h.next_ask_at, now)
+            elif h.stage is Stage.COMMITTED:
+                self._send_commit(h)
+        peer.hello_at = -INF
+        if peer.epoch is None:
+            self._hello(peer)
+
     def receive(self, link: Link) -> None:
         """Everything waiting on one decode node's KV link."""
         peer = next(p for p in self.peers.values() if p.link is link)
@@ -134,17 +167,20 @@ class Sender:
         now = self.clock()
         if h.silent_since is None:
             h.silent_since = now
-        if h.peer.link.send(KVReserve(h.job.request_id, h.job.prompt_len, h.job.params.max_tokens),
-                            block=False):
-            h.asks_out.append(now)
+        self.num_asks = self.num_asks % I32_MAX + 1
+        if h.peer.link.send(KVReserve(h.job.request_id, h.job.prompt_len, h.job.params.max_tokens,
+                                      self.num_asks), block=False):
+            h.asks[self.num_asks] = now
+            while len(h.asks) > MAX_ASKS_OUT:   # an answer to one forgotten grants a lease already over
+                h.asks.pop(next(iter(h.asks)))
             h.next_ask_at = INF    # until the answer
         else:
             h.next_ask_at = now + RETRY_S   # not connected yet
 
     def _drop_reservation(self, h: Handoff) -> None:
         """Its blocks there are not ours to write any more: ask again."""
-        # NOTE: asks_out is kept: answers still on the way pair with its times.
         h.stage, h.dst_block_ids, h.epoch, h.lease = Stage.ASKING, None, None, Lease()
+        h.reservation = ""
         h.next_ask_at = self.clock()
         h.job.is_reserved = False
 
@@ -155,21 +191,21 @@ class Sender:
                 peer.link.send(KVRelease(r.request_id), block=False)  # nobody wants it now
             return
         h.silent_since = None
-        # NOTE: answers come in the order asked; an answer to a request sent before a
-        # restart of the decode node pairs with an older time, which only shortens the lease,
-        # and an answer nobody asked for grants none (it is asked again). Blocks granted
-        # from the waiting line answer no request: they were granted after the request
-        # that queued reached the decode node.
+        # NOTE: an answer names its ask, so its lease counts from when that ask was sent;
+        # one to an ask forgotten (or never made) grants a lease already over (it is asked
+        # again). Blocks granted from the waiting line answer no ask: they were granted
+        # after the ask that queued the request reached the decode node.
         if r.is_queued and r.block_ids is not None:
             sent_at = h.queued_at if h.stage is Stage.QUEUED else -INF
         else:
-            sent_at = h.asks_out.popleft() if h.asks_out else -INF
+            sent_at = h.asks.pop(r.ask, -INF)
         if h.stage in (Stage.CANCELLING, Stage.CANCELLED):
             return   # its end releases whatever the decode node holds for it
         now = self.clock()
         if h.dst_block_ids is not None:
-            if r.block_ids == h.dst_block_ids and r.epoch == h.epoch:
-                h.lease = Lease(sent_at, r.lease_s)   # renewed
+            if r.block_ids == h.dst_block_ids and (r.epoch, r.reservation) == (h.epoch, h.reservation):
+                if sent_at > h.lease.start:
+                    h.lease = Lease(sent_at, r.lease_s)   # renewed
                 h.next_ask_at = h.lease.renew_at
                 return
             if h.stage is not Stage.RESERVED:
@@ -204,6 +240,7 @@ class Sender:
                          f"distinct block per prompt block", release=True)
             return
         h.stage, h.dst_block_ids, h.epoch, h.num_refusals = Stage.RESERVED, list(r.block_ids), r.epoch, 0
+        h.reservation = r.reservation
         h.job.is_reserved = True   # its prefill may start now
         h.lease = Lease(sent_at, r.lease_s)
         h.next_ask_at = h.lease.renew_at
@@ -216,9 +253,12 @@ class Sender:
             return
         if ack.is_accepted:
             self.num_handoffs += 1
+            self.handed_off[h.job.request_id] = None
+            while len(self.handed_off) > HANDED_OFF_MEMORY:
+                self.handed_off.popitem(last=False)
             self._end(h, None)
         else:
-            self._end(h, f"decode node refused the request: {ack.reason}")
+            self._end(h, f"decode node refused the request: {ack.reason}", is_retryable=ack.is_retryable)
 
     def start_writes(self, jobs: list[Job]) -> None:
         """These prompts' KV is queued on the device: start the writes that can start.
@@ -249,6 +289,8 @@ class Sender:
         """Start writes whose blocks are reserved, send commits for finished writes,
         ask and renew, and end handoffs whose time has run out."""
         for peer in self.peers.values():
+            if peer.link.take_reconnects():
+                self._on_reconnect(peer)
             if peer.writer is not None:
                 for rid, error in peer.writer.poll():
                     self._finish_write(self.by_id.get(rid), error)
@@ -257,7 +299,11 @@ class Sender:
         for h in list(self.by_id.values()):
             held = h.dst_block_ids is not None
             if h.stage in (Stage.WRITING, Stage.CANCELLING):
-                continue   # the device still reads its blocks: wait for the write
+                # The device may still read its blocks: it ends when the writer says so, which
+                # it must by the deadline it was given; told again here, whatever happened.
+                if now > h.write_deadline and h.peer.writer is not None:
+                    h.peer.writer.cancel(h.job.request_id)
+                continue
             if h.stage is Stage.CANCELLED:
                 self._end(h, h.error, release=held)
             elif h.peer.error and h.epoch == h.peer.epoch:
@@ -297,8 +343,11 @@ class Sender:
             if not all(0 <= b < h.peer.num_blocks for b in h.dst_block_ids):
                 raise TransferError(f"reserved block ids do not fit the decode node's "
                                     f"{h.peer.num_blocks}-block cache")
-            h.peer.writer.write(h.job.request_id, h.job.block_ids, h.dst_block_ids,
-                                within_s=h.lease.end - self.clock())
+            h.write_deadline = h.lease.write_deadline
+            if self.checksums is not None:
+                h.checksums = self.checksums(h.job.block_ids)   # NOTE: before the blocks can be freed
+            h.num_written = h.peer.writer.write(h.job.request_id, h.reservation, h.job.block_ids,
+                                                h.dst_block_ids, within_s=h.write_deadline - self.clock())
         except TransferError as e:
             self._figures(h.peer).num_failed += 1
             h.stage = Stage.CANCELLED   # advance() releases the reservation and fails it
@@ -328,11 +377,17 @@ class Sender:
         """Once the blocks are written and the first token is sampled (either order)."""
         if h.stage is not Stage.WRITTEN or h.first_token is None:
             return
-        j = h.job
         h.timings["written"] = h.written_at
         h.stage = Stage.COMMITTED
-        h.peer.link.send(KVCommit(j.request_id, j.prompt_len, h.first_token, j.params,
-                                  h.timings, h.peer.writer.name, j.token_ids), block=False)
+        self._send_commit(h)
+
+    def _send_commit(self, h: Handoff) -> None:
+        j = h.job
+        if h.checksums is not None and not isinstance(h.checksums, list):
+            h.checksums = h.checksums.tolist()
+        h.peer.link.send(KVCommit(j.request_id, j.prompt_len, h.first_token, j.params, h.timings,
+                                  h.peer.writer.name if h.peer.writer else "", j.token_ids, h.reservation,
+                                  h.num_written, h.checksums), block=False)
 
     def _end(self, h: Handoff, error: str | None, release: bool = False, is_retryable: bool = False) -> None:
         """Drop the handoff and free what it holds here (and there, if release); fail
@@ -353,10 +408,20 @@ class Sender:
         if h.error:
             self.fail(h.job.request_id, h.error, h.is_retryable)
 
+    def is_handed_off(self, request_id: str) -> bool:
+        """Its decode node took it (lately): it is that node's now."""
+        return request_id in self.handed_off
+
     # ---- figures ------------------------------------------------------------------
 
     @property
     def is_writing(self) -> bool:
+        """A write under way that this loop drives (one that only waits on its peer is not)."""
+        return any(h.stage in (Stage.WRITING, Stage.CANCELLING) and h.peer.writer is not None
+                   and not h.peer.writer.is_stalled for h in self.by_id.values())
+
+    @property
+    def has_writes(self) -> bool:
         return any(h.stage in (Stage.WRITING, Stage.CANCELLING) for h in self.by_id.values())
 
     @property

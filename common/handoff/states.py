@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -55,6 +54,7 @@ class Link(Protocol):
     def send(self, msg, block: bool = True) -> bool: ...
     def has_message(self) -> bool: ...
     def recv(self, allowed: tuple) -> tuple[bytes, object]: ...
+    def take_reconnects(self) -> int: ...   # its connection made again since the last call
     def close(self) -> None: ...
 
 
@@ -77,10 +77,11 @@ class Handoff:
     peer: DecodePeer
     stage: Stage = Stage.ASKING
     dst_block_ids: list[int] | None = None
+    reservation: str = ""                 # the grant's name (KVReserved.reservation)
     epoch: str | None = None              # the decode node's, when it reserved or queued
     lease: Lease = Lease()
     next_ask_at: float = 0.0              # the next KVReserve (ask or renew) goes then
-    asks_out: deque = field(default_factory=deque)   # send times of unanswered KVReserves
+    asks: dict = field(default_factory=dict)   # ask number -> when it was sent, until answered
     silent_since: float | None = None     # asked, no answer since
     queued_at: float = -INF               # when the KVReserve that queued it was sent
     num_refusals: int = 0                 # retryable ones in a row
@@ -89,6 +90,10 @@ class Handoff:
     timings: dict = field(default_factory=dict)
     lease_deadline: float = INF           # the decode node must acknowledge the commit by then
     write_started: float = 0.0            # monotonic, by the handoff's clock
+    write_deadline: float = INF           # a write still under way then is stopped
+    num_written: int = 0                  # units of the write, as its backend counts them
+    checksums: object = None              # --kv-verify: of each block, taken when its write starts
+                                          # (a device tensor; its list once committed)
     written_at: float = 0.0               # wall clock
     error: str | None = None              # why it ends, once its write has finished
     is_retryable: bool = False            # error is the path's (the decode node), not the request's
@@ -105,11 +110,13 @@ class Hold(enum.Enum):
 @dataclass
 class Reservation:
     request_id: str
-    sender: bytes                 # the prefill node that asked: only it may write, commit, release
+    sender: bytes                 # the prefill node that asked ("NAME/EPOCH"): only it may write,
+                                  # commit, release
     prompt_len: int
     max_tokens: int
     lease: Lease                  # renewed by each KVReserve for it
     hold: Hold = Hold.WAITING
+    name: str = ""                # the grant's nonce, new for each (KVReserved.reservation)
     block_ids: list[int] = field(default_factory=list)   # the prompt's, written by the prefill node
     num_reserved: int = 0         # further blocks promised for the outputs
     commit: KVCommit | None = None

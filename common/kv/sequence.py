@@ -22,6 +22,7 @@ class Sequence:
     preempted_s: float = 0.0       # time spent preempted, all preemptions
     preempted_at: float = 0.0      # monotonic, while preempted
     is_swapped: bool = False       # preempted with its KV in host memory (else: recomputed)
+    is_preemption_untold: bool = False   # resumed since its preemptions were last reported
 
     @property
     def num_cached(self) -> int:

@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Callable
 
-from common.wire.channel import Channel
+from common.wire.channel import Channel, node_tag
 from common.wire.protocol import FRONTEND_TO_HEARTBEAT, Heartbeat, ReadyReply
 
 READY_EVERY_S = 1.0   # a ready not yet answered is sent again this often
@@ -43,6 +43,12 @@ class Registration:
             self._refused_since = time.monotonic()
         return None
 
+    def resend(self) -> None:
+        """Say ready again now (the link was made again: the frontend learns the new route)."""
+        self._sent_at = 0.0
+        if self.is_accepted and self.send_ready():
+            self._sent_at = time.monotonic()
+
     def tick(self) -> str | None:
         """Send ready again when due; the reason to stop if refusals lasted past give_up_s."""
         now = time.monotonic()
@@ -66,9 +72,9 @@ class HeartbeatThread:
     NOTE: it never reads the loop's containers: a snapshot is a dict the loop made
     and no longer touches, replaced whole by publish()."""
 
-    def __init__(self, ctx, endpoint: str, role: str, name: str, first_stats: dict,
+    def __init__(self, ctx, endpoint: str, role: str, name: str, epoch: str, first_stats: dict,
                  interval_s: float, is_forgotten: threading.Event):
-        self._args = (ctx, endpoint, role, name, interval_s)
+        self._args = (ctx, endpoint, role, name, epoch, interval_s)
         self.is_forgotten = is_forgotten   # set when the frontend asks us to register again
         self.wants_stats = threading.Event()   # set shortly before each beat
         self._stats = first_stats
@@ -92,14 +98,14 @@ class HeartbeatThread:
         self._stats = stats
 
     def _run(self) -> None:
-        ctx, endpoint, role, name, interval_s = self._args
+        ctx, endpoint, role, name, epoch, interval_s = self._args
         lead_s = min(STATS_LEAD_S, interval_s / 4)
         # NOTE: a zmq socket belongs to the thread that made it.
-        ch = Channel(ctx, False, endpoint, identity=f"{name}/{os.getpid()}/heartbeat", server="frontend")
+        ch = Channel(ctx, False, endpoint, tag=node_tag(name, epoch, "heartbeat"), server="frontend")
         try:
             while True:
                 figures = {**self._stats, "loop_age_s": round(time.monotonic() - self._last_turn, 3)}
-                ch.send(Heartbeat(role, name, figures, os.getpid()), block=False)
+                ch.send(Heartbeat(role, name, figures, os.getpid(), epoch), block=False)
                 while ch.has_message():
                     _, reply = ch.recv(FRONTEND_TO_HEARTBEAT)
                     if isinstance(reply, ReadyReply) and not reply.is_accepted:

@@ -10,10 +10,11 @@ after drain_timeout_s. A second SIGTERM stops it at once."""
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from typing import Callable
 
-from common.wire.channel import Channel, open_context
+from common.wire.channel import Channel, node_tag, open_context
 from common.base.config import NodeLinks
 from common.base.env import read_env
 from common.runtime.heartbeat import HeartbeatThread, Registration
@@ -30,9 +31,13 @@ class NodeRuntime:
         self.drain_asked = stop.drain
         self.drain_until: float | None = None   # monotonic; set while draining
         self.exit_code = 0
+        # New in each process: with the node's name, who it is on every link (channel.py).
+        self.epoch = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.tag = node_tag(name, self.epoch)
         self.ctx = open_context(load_keys(keys_dir, name))
-        self.frontend = Channel(self.ctx, False, frontend_endpoint, identity=f"{name}/{os.getpid()}",
+        self.frontend = Channel(self.ctx, False, frontend_endpoint, tag=self.tag,
                                 max_message_bytes=links.max_message_bytes, server="frontend")
+        self.num_link_resets = 0   # times the frontend link was made again while this process ran
         self._endpoint = frontend_endpoint
         self.registration: Registration | None = None
         self.heartbeat: HeartbeatThread | None = None
@@ -48,7 +53,7 @@ class NodeRuntime:
         self._stats, self._is_empty = stats, is_empty
         self.registration = Registration(send_ready, 2 * self.links.dead_after_s + 5)
         self.registration.tick()
-        self.heartbeat = HeartbeatThread(self.ctx, self._endpoint, self.role, self.name, stats(),
+        self.heartbeat = HeartbeatThread(self.ctx, self._endpoint, self.role, self.name, self.epoch, stats(),
                                          self.links.heartbeat_s, self.registration.is_forgotten).start()
 
     @property
@@ -93,10 +98,25 @@ class NodeRuntime:
     def is_draining(self) -> bool:
         return self.drain_until is not None
 
+    def take_link_reset(self) -> bool:
+        """Whether the frontend link was made again since the last call. The node then says
+        itself at once (ready, and draining if it is), so the frontend learns its new route
+        and reconciles what was in flight (NodeSync)."""
+        if not self.frontend.take_reconnects():
+            return False
+        self.num_link_resets += 1
+        self.log.warning("the link to the frontend was made again (reset or dropped): saying who "
+                         "this node is")
+        self.registration.resend()
+        if self.is_draining:
+            self.send(NodeDraining(self.name, os.getpid()))
+        return True
+
     def turn(self) -> None:
         """Once per loop turn: the loop is alive, registration is kept, the heartbeat
         gets a fresh stats snapshot when it has sent the last one, and a drain goes on."""
         self.heartbeat.mark_turn()
+        self.take_link_reset()
         if self.heartbeat.wants_stats.is_set():
             self.heartbeat.wants_stats.clear()
             self.heartbeat.publish(self._stats())

@@ -8,9 +8,10 @@ code calls only what this module exports; it never names a backend.
 
     prefill node                                  decode node
     open_writer(requested, welcome, cache, send)  KVSink(cache, offered(requested, ...))
-    writer.write(rid, src_ids, dst_ids, within_s) sink.welcome(epoch) -> KVWelcome
-    writer.poll() -> [(rid, error or None)]       sink.receive(sender, KVTransfer, dst_ids)
-    writer.close()                                sink.progress() / is_landed(rid) / forget(rid)
+    writer.write(rid, grant, src, dst, within_s)  sink.welcome(epoch) -> KVWelcome
+      -> units the commit says it wrote           sink.receive(sender, KVTransfer, dst_ids)
+    writer.poll() -> [(rid, error or None)]       sink.why_incomplete(backend, rid, n, units)
+    writer.cancel(rid) / close()                  sink.progress() / is_landed(rid) / forget(rid)
 
 Backends (backend.py says what one is; each is common/transfer/<name>.py, listed
 best first in KV_BACKENDS):
@@ -35,7 +36,7 @@ from common.base.config import KV_BACKENDS, KV_TRANSFERS
 from common.base.log import get_logger
 from common.transfer.backend import (Backend, KVReceiver, KVWriter, LocalCache, Send,  # noqa: F401
                                      UnusableBackend)
-from common.transfer.copy import TransferError, copy_blocks, host_id  # noqa: F401
+from common.transfer.copy import TransferError, block_checksums, copy_blocks, host_id  # noqa: F401
 from common.wire.protocol import KVTransfer, KVWelcome, dtype_name
 
 log = get_logger("transfer")
@@ -158,13 +159,38 @@ class KVSink:
         return KVWelcome(epoch, host_id(), str(c.device), list(c.shape), dtype_name(c.dtype),
                          {name: r.describe() for name, r in self.receivers.items()})
 
+    def _receiver(self, name: str) -> KVReceiver:
+        r = self.receivers.get(name)
+        if r is None:
+            raise TransferError(f"this decode node does not accept {name[:32]!r} KV transfers "
+                                f"(it accepts {', '.join(self.accepted)})")
+        return r
+
     def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
         """TransferError if the backend is not accepted here or the message does not fit."""
-        r = self.receivers.get(msg.backend)
-        if r is None:
-            raise TransferError(f"this decode node does not accept {msg.backend[:32]!r} KV transfers "
-                                f"(it accepts {', '.join(self.accepted)})")
-        r.receive(sender, msg, dst_block_ids)
+        self._receiver(msg.backend).receive(sender, msg, dst_block_ids)
+
+    def why_incomplete(self, backend_name: str, request_id: str, num_blocks: int, num_written: int) -> str | None:
+        """Why a commit that says num_written units of a backend's write must be refused:
+        less than a whole write, or not all of it arrived."""
+        try:
+            r = self._receiver(backend_name)
+        except TransferError as e:
+            return str(e)
+        whole, arrived = r.num_units(num_blocks), r.num_received(request_id)
+        if num_written != whole or arrived != whole:
+            return (f"its KV did not all arrive: a whole {backend_name} write of {num_blocks} blocks is "
+                    f"{whole} units, the commit says {num_written}, {arrived} arrived")
+        return None
+
+    def checksums(self, block_ids: list[int]) -> list[int]:
+        """--kv-verify: the checksums of these blocks of the cache as they are now."""
+        return block_checksums(self.cache, block_ids).tolist()
+
+    @staticmethod
+    def is_one_sided(backend_name: str) -> bool:
+        """Whether that backend's writes land without this node taking part."""
+        return backend_name not in KV_BACKENDS or backend(backend_name).is_one_sided
 
     def progress(self) -> bool:
         """True while a transfer this process drives is under way (the loop must not sleep)."""

@@ -33,11 +33,14 @@ class KVWriter(Protocol):
     """Prefill side, one per decode node: writes local blocks into reserved remote ones."""
     name: str
 
-    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> None:
-        """Start the write; returns at once. Source blocks stay untouched until poll() names
-        it. within_s: after this long the reservation may be gone, so a write that could
-        still land later must be stopped (poll() then names it failed)."""
+    def write(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> int:
+        """Start the write into the grant `reservation`; returns at once, with the units of
+        it the receiver will count (KVCommit.num_written). Source blocks stay untouched
+        until poll() names it. within_s: past this the write must be stopped, whatever the
+        peer does (poll() then names it failed): the reservation may end soon after."""
+
+    is_stalled: bool   # every write under way waits on the peer (or a thread): no need to poll hard
 
     def poll(self) -> list[tuple[str, str | None]]:
         """(request id, why it failed or None) for writes that ended since the last call."""
@@ -58,6 +61,12 @@ class KVReceiver(Protocol):
 
     def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
         """A KVTransfer for a reservation of `sender`'s; TransferError if it does not fit."""
+
+    def num_units(self, num_blocks: int) -> int:
+        """The units a whole write of num_blocks blocks is (what a commit must say it wrote)."""
+
+    def num_received(self, request_id: str) -> int:
+        """The units of the request's write that arrived (since its last forget)."""
 
     def progress(self) -> bool:
         """Drive transfers this process must drive; True while one is under way."""
@@ -80,6 +89,9 @@ class Backend:
     open_receiver: Callable[[LocalCache], KVReceiver]
     open_writer: Callable[[dict, KVWelcome, torch.Tensor, Send], KVWriter]   # (its descriptor, ...)
     is_auto: bool = True                # auto may offer it
+    # NOTE: a one-sided write lands without the decode node taking part, so it cannot
+    # refuse a late one: a reservation it may write into is freed only at its lease's end.
+    is_one_sided: bool = False
     is_auto_across_hosts_only: bool = False   # auto offers it only on a KV link other hosts reach
     # (our device, their welcome, whether they share our host) -> why not with that decode node
     why_not_with: Callable[[torch.device, KVWelcome, bool], str | None] = lambda device, welcome, is_local: None

@@ -54,3 +54,22 @@ def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_id
     gathered = src.index_select(2, torch.tensor(src_ids, dtype=torch.int64).to(src.device, non_blocking=True))
     dst.index_copy_(2, torch.tensor(dst_ids, dtype=torch.int64).to(dst.device, non_blocking=True),
                     gathered.to(dst.device, non_blocking=True))
+
+
+@torch.inference_mode()
+def block_checksums(cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """[n] int32 on the cache's device, queued on the current stream: for each block, the
+    sum of its KV (every layer, K and V) read as 32-bit words, wrapping around. What
+    --kv-verify compares on both sides of a handoff: a block that holds another block's
+    KV, or nothing, differs. Integer sums do not depend on the order they are taken in,
+    so processes with different thread counts agree. No copy of the blocks: per stretch
+    of consecutive ids, one pass over memory in its own order (~10 GB/s on one core)."""
+    word = torch.int32 if cache.shape[-1] * cache.element_size() % 4 == 0 else torch.uint8
+    planes = cache.shape[0] * cache.shape[1]
+    sums = []
+    for start, _, n in runs(block_ids, block_ids):
+        words = cache[:, :, start: start + n].view(word).reshape(planes, n, -1)   # a view: blocks contiguous
+        sums.append(words.sum(dim=2, dtype=torch.int32).sum(dim=0, dtype=torch.int32))
+    if not sums:
+        return torch.zeros(0, dtype=torch.int32, device=cache.device)
+    return torch.cat(sums)

@@ -4,9 +4,12 @@ The decode node runs a TCPStore (its address goes out in KVWelcome). A prefill
 node that picks dist makes a group of two (decode rank 0, prefill rank 1) under
 a name of its own and sends each request's blocks, gathered into one buffer
 [layers, 2, n, block_size, kv_heads, head_dim], as one send under a tag it
-announces in a KVDist message first. The decode node joins the group on the
-first announcement (in a thread: joining waits for the peer), posts the matching
-receive, and lands the buffer in the reserved blocks once it has arrived.
+announces in a KVTransfer first (the announcement is the write's one unit). The
+decode node joins the group on the first announcement (in a thread: joining
+waits for the peer), runs the matching receives in order, one buffer at a time,
+and lands each in the reserved blocks unless its reservation ended meanwhile.
+A send past its deadline is given up and the writer moves to a new group: the
+old one's thread waits out the group's timeout on its own.
 Process groups: gloo on CPU, nccl on CUDA, hccl on Ascend.
 
 NOTE: the store and the group's connections are not authenticated (CURVE covers
@@ -17,8 +20,9 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import uuid
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Annotated, Callable
@@ -65,7 +69,8 @@ class _Pipe:
 
     NOTE: gloo marks a send or receive complete only in wait(), so waiting happens
     here, off the node loop; FIFO order on both sides pairs each send with its
-    receive."""
+    receive. An operation whose peer never comes blocks the thread until the
+    group's timeout; the pipe is then broken (error) and is replaced, never reused."""
 
     def __init__(self, make: Callable[[], object], what: str):
         self.error: str | None = None
@@ -75,24 +80,27 @@ class _Pipe:
         self._thread.start()
 
     def put(self, op) -> None:
-        """op(pg) -> Work; op.done is set once the work has completed."""
+        """op.run(pg) -> Work; op.done(error) is called once it has completed or failed."""
         self._queue.put(op)
 
     def _run(self, make, what: str) -> None:
         try:
             pg = make()
-        except Exception as e:   # the requests that needed it fail by their lease
+        except Exception as e:   # what it was given fails below
             self.error = f"joining the KV process group {what} failed: {e}"
             log.error("%s", self.error)
-            return
+            pg = None
         while (op := self._queue.get()) is not None:
+            if self.error:
+                op.done(self.error)
+                continue
             try:
                 op.run(pg).wait()
-                op.is_done = True
+                op.done(None)
             except Exception as e:
                 self.error = f"the KV process group {what} failed: {e}"
                 log.error("%s", self.error)
-                return
+                op.done(self.error)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -101,42 +109,61 @@ class _Pipe:
 @dataclass
 class _Send:
     request_id: str
+    reservation: str
     tag: int
-    buf: torch.Tensor                   # the gathered blocks
+    buf: torch.Tensor                   # the gathered blocks: its own memory, not the cache's
     ready: object | None                # the gather is done (a platform event)
+    deadline: float                     # monotonic
     is_announced: bool = False
-    is_done: bool = False
+    is_cancelled: bool = False
+    error: str | None = None
+    is_done: bool = False               # set by the pipe's thread
 
     def run(self, pg):
         return pg.send([self.buf], 0, self.tag)
 
+    def done(self, error: str | None) -> None:
+        self.error, self.is_done = error, True
+
 
 class DistWriter:
     name = "dist"
+    is_stalled = True   # what is under way waits on the pipe's thread and the peer
 
     def __init__(self, store_addr: str, cache: torch.Tensor, send: Send):
-        host, _, port = store_addr.rpartition(":")
+        self.store_addr = store_addr
         self.src, self.send = cache, send
-        self.group = uuid.uuid4().hex
         self._platform = platform_for(cache.device)
         self.stream = self._platform.side_stream()
         self._num_tags = 0
-        self._sends: deque[_Send] = deque()
+        self._sends: OrderedDict[str, _Send] = OrderedDict()
+        self._pipe: _Pipe | None = None
+        self._new_pipe()
+
+    def _new_pipe(self) -> None:
+        """A new group under a new name (the decode node replaces our old one with it)."""
+        if self._pipe is not None:
+            self._pipe.close()
+        host, _, port = self.store_addr.rpartition(":")
+        self.group = uuid.uuid4().hex
+        group, device = self.group, self.src.device
 
         def make():
             store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=JOIN_TIMEOUT)
-            return _group(store, self.group, 1, cache.device)
-        self._pipe = _Pipe(make, f"with the decode node at {store_addr}")
+            return _group(store, group, 1, device)
+        self._pipe = _Pipe(make, f"with the decode node at {self.store_addr}")
 
     @torch.inference_mode()
-    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> None:
-        # NOTE: within_s is not needed: a receive lands in a buffer of its own, copied into
-        # the blocks only while they are still reserved.
+    def write(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> int:
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
+        if request_id in self._sends:
+            raise TransferError(f"a second write of {request_id} under way")
         if self._pipe.error:
-            raise TransferError(self._pipe.error)
+            error = self._pipe.error
+            self._new_pipe()   # for the next write
+            raise TransferError(error)
         idx = torch.tensor(src_block_ids, dtype=torch.int64)
         ready = None
         if self.stream is not None:
@@ -147,27 +174,43 @@ class DistWriter:
         else:
             buf = self.src.index_select(2, idx)
         self._num_tags = (self._num_tags + 1) % 2**31
-        self._sends.append(_Send(request_id, self._num_tags, buf, ready))
+        self._sends[request_id] = _Send(request_id, reservation, self._num_tags, buf, ready,
+                                        time.monotonic() + max(within_s, 0.0))
+        return 1
 
     def poll(self) -> list[tuple[str, str | None]]:
-        """Announce each gathered send, in order, and hand it to the group's thread;
-        name the sends completed since the last call."""
-        for s in self._sends:
-            if s.is_announced:
+        """Announce each gathered send, in order, and hand it to the group's thread; name
+        the sends that completed, failed, were cancelled or ran past their deadline.
+        NOTE: a send's buffer is its own, so its source blocks are free once it is gathered,
+        even while the thread still waits on it."""
+        ended, now = [], time.monotonic()
+        is_blocked = False
+        for rid, s in list(self._sends.items()):
+            why = "cancelled" if s.is_cancelled else s.error if s.is_done else \
+                "it did not complete before its reservation could end" if now > s.deadline else None
+            if why is None and not s.is_announced and not is_blocked:
+                if (s.ready is not None and not s.ready.query()) or not self.send(
+                        KVTransfer(rid, s.reservation, "dist", {"group": self.group, "tag": s.tag}, NO_DATA)):
+                    is_blocked = True   # in order: the later ones wait
+                else:
+                    s.is_announced = True
+                    self._pipe.put(s)
+            if why is None and not s.is_done:
                 continue
-            if (s.ready is not None and not s.ready.query()) or \
-                    not self.send(KVTransfer(s.request_id, "dist", {"group": self.group, "tag": s.tag},
-                                             NO_DATA)):
-                break
-            s.is_announced = True
-            self._pipe.put(s)
-        done = []
-        while self._sends and self._sends[0].is_done:
-            done.append((self._sends.popleft().request_id, None))
-        return done
+            if s.ready is not None:
+                s.ready.synchronize()
+            if why is not None and s.is_announced and not s.is_done:
+                # NOTE: the thread is stuck on it until the peer or the timeout comes: later
+                # sends go on a new group.
+                self._new_pipe()
+            del self._sends[rid]
+            ended.append((rid, why))
+        return ended
 
     def cancel(self, request_id: str) -> None:
-        pass   # NOTE: a send waits for its receive; nothing here can stop it sooner
+        s = self._sends.get(request_id)
+        if s is not None:
+            s.is_cancelled = True
 
     def close(self) -> None:
         if self.stream is not None:
@@ -178,14 +221,27 @@ class DistWriter:
 
 @dataclass
 class _Recv:
+    """One announced receive. Its buffer is made by the pipe's thread when it runs (so at
+    most one per peer exists at a time, never one per announcement) and copied into the
+    reserved blocks there, under the receiver's lock, unless its reservation ended."""
+    receiver: "DistReceiver"
+    request_id: str
     group: str
     tag: int
     dst_block_ids: list[int]
-    buf: torch.Tensor
+    buf: torch.Tensor | None = None
+    is_forgotten: bool = False
     is_done: bool = False
+    error: str | None = None
 
     def run(self, pg):
+        c = self.receiver.cache
+        self.buf = torch.empty((c.shape[0], 2, len(self.dst_block_ids), *c.shape[3:]), dtype=c.dtype,
+                               device=c.device)
         return pg.recv([self.buf], 1, self.tag)
+
+    def done(self, error: str | None) -> None:
+        self.receiver.land(self, error)
 
 
 class DistReceiver:
@@ -198,7 +254,7 @@ class DistReceiver:
         self.address = f"[{host}]:{self.store.port}" if ":" in host else f"{host}:{self.store.port}"
         self._groups: dict[str, tuple[bytes, _Pipe]] = {}   # name -> (the peer that made it, its pipe)
         self._recvs: dict[str, _Recv] = {}
-        self.failed: dict[str, str] = {}
+        self._lock = threading.Lock()   # the pipes' threads land while the loop may forget
 
     def describe(self) -> dict:
         return {"store": self.address}
@@ -206,8 +262,15 @@ class DistReceiver:
     def progress(self) -> bool:
         return False
 
+    def num_units(self, num_blocks: int) -> int:
+        return 1
+
+    def num_received(self, request_id: str) -> int:
+        return int(request_id in self._recvs)
+
     def landing_error(self, request_id: str) -> str | None:
-        return self.failed.get(request_id)
+        r = self._recvs.get(request_id)
+        return r.error if r is not None else None
 
     def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
         m = parse(DistHeader, msg.header, "dist header")
@@ -221,38 +284,38 @@ class DistReceiver:
             # (joining threads stay bounded whatever a peer sends).
             for old in [g for g, (peer, _) in self._groups.items() if peer == sender]:
                 self._groups.pop(old)[1].close()
-                for rid in [rid for rid, r in self._recvs.items() if r.group == old]:
-                    self.failed[rid] = "its KV process group was replaced"
             group, device = m.group, self.cache.device
             pipe = _Pipe(lambda: _group(self.store, group, 0, device), group[:8])
             self._groups[group] = (sender, pipe)
-        c = self.cache
-        buf = torch.empty((c.shape[0], 2, len(dst_block_ids), *c.shape[3:]), dtype=c.dtype, device=c.device)
-        r = self._recvs[msg.request_id] = _Recv(m.group, m.tag, list(dst_block_ids), buf)
+        r = self._recvs[msg.request_id] = _Recv(self, msg.request_id, m.group, m.tag, list(dst_block_ids))
         pipe.put(r)   # NOTE: even if the request is dropped later, to keep the pairing in order
+
+    def land(self, r: _Recv, error: str | None) -> None:
+        """The pipe's thread: a receive ended."""
+        with self._lock:
+            if error is None and not r.is_forgotten:
+                with torch.inference_mode():
+                    copy_blocks(r.buf, list(range(len(r.dst_block_ids))), self.cache, r.dst_block_ids)
+            r.buf, r.error, r.is_done = None, error, True
 
     def is_landed(self, request_id: str) -> bool:
         """False while its blocks are on the way; True once they are in the reserved
-        blocks (or it was never announced here)."""
+        blocks, or failed (landing_error), or it was never announced here."""
         r = self._recvs.get(request_id)
-        if r is None:
+        if r is None or r.is_done:
             return True
         _, pipe = self._groups.get(r.group, (None, None))
-        error = self.failed.get(request_id) or (pipe.error if pipe else "its KV process group was replaced")
-        if error:
-            self.failed[request_id] = error
-        elif not r.is_done:
-            return False
-        else:
-            with torch.inference_mode():
-                copy_blocks(r.buf, list(range(len(r.dst_block_ids))), self.cache, r.dst_block_ids)
-        del self._recvs[request_id]
-        return True
+        if pipe is None or pipe.error:   # replaced or broken: it never lands
+            r.error = r.error or (pipe.error if pipe else "its KV process group was replaced")
+            return True
+        return False
 
     def forget(self, request_id: str) -> None:
-        # NOTE: a receive still under way lands in its own buffer, never in the cache.
-        self._recvs.pop(request_id, None)
-        self.failed.pop(request_id, None)
+        """Once this returns, nothing lands in its blocks."""
+        with self._lock:
+            r = self._recvs.pop(request_id, None)
+            if r is not None:
+                r.is_forgotten = True
 
     def close(self) -> None:
         for _, pipe in self._groups.values():

@@ -76,14 +76,18 @@ class IpcWriter:
         self._num_dst_blocks = num_cache_blocks(shape)
         self._inflight: list[tuple[str, object | None]] = []   # (request id, its copy's event)
 
-    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> None:
+    is_stalled = False
+
+    def write(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> int:
+        """Nothing crosses the KV link (no units): the commit's reservation and epoch, and
+        --kv-verify, are what tie the copy to its grant."""
         if any(not 0 < b < self._num_dst_blocks for b in dst_block_ids):
             raise TransferError(f"destination blocks outside the decode cache of {self._num_dst_blocks}")
         if self.stream is None:
             copy_blocks(self.src, src_block_ids, self.dst, dst_block_ids)
             self._inflight.append((request_id, None))
-            return
+            return 0
         # The copy waits for the forward pass that wrote the blocks, then runs beside
         # the next one; the event tells the loop when the commit may go out.
         self._platform.wait_for_current(self.stream)
@@ -91,6 +95,7 @@ class IpcWriter:
             copy_blocks(self.src, src_block_ids, self.dst, dst_block_ids)
             done = self._platform.event()
         self._inflight.append((request_id, done))
+        return 0
 
     def poll(self) -> list[tuple[str, str | None]]:
         done = [rid for rid, ev in self._inflight if ev is None or ev.query()]
@@ -130,6 +135,12 @@ class IpcReceiver:
     def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
         raise TransferError("ipc sends nothing on the KV link")
 
+    def num_units(self, num_blocks: int) -> int:
+        return 0
+
+    def num_received(self, request_id: str) -> int:
+        return 0
+
     def progress(self) -> bool:
         return False
 
@@ -150,5 +161,5 @@ def _open_writer(descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send
     return IpcWriter(descriptor, welcome, cache)
 
 
-BACKEND = Backend("ipc", why_unusable, IpcReceiver, _open_writer, why_not_with=why_not_with,
+BACKEND = Backend("ipc", why_unusable, IpcReceiver, _open_writer, why_not_with=why_not_with, is_one_sided=True,
                   needs_shared_cache=lambda device: device.type == "cpu")

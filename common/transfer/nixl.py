@@ -134,8 +134,10 @@ class NixlWriter:
         n = np.broadcast_to(lens[None, :] * np.uint64(self._block_bytes), addr.shape)
         return np.stack([addr.ravel(), n.ravel(), np.full(addr.size, self.device_id, dtype=np.uint64)], axis=1)
 
-    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> None:
+    is_stalled = False   # posted writes move only while polled (no progress thread)
+
+    def write(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> int:
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
         if any(not 0 < b < self._num_dst_blocks for b in dst_block_ids):
@@ -155,7 +157,8 @@ class NixlWriter:
             raise TransferError(f"NIXL refused the write: {e}") from None
         # The forward pass that computed the blocks may still be queued on the device.
         ready = self._platform.event()
-        self._writes[request_id] = _Write(handle, ready, time.monotonic() + max(within_s, 0.0))
+        self._writes[request_id] = _Write(handle, reservation, ready, time.monotonic() + max(within_s, 0.0))
+        return 1
 
     def poll(self) -> list[tuple[str, str | None]]:
         ended: list[tuple[str, str | None]] = []
@@ -164,18 +167,18 @@ class NixlWriter:
             late = "it did not complete before its reservation could end"
             if w.is_cancelled:
                 why = "cancelled"
+            elif now > w.deadline:
+                # NOTE: before driving it on: a process that was stopped (SIGSTOP) and goes on
+                # past the deadline must not let UCX complete it now.
+                why = late
             elif w.is_posted:
                 why = self._state(w, post=False)
-            elif now > w.deadline:
-                why = late   # never started
             elif w.ready is not None and not w.ready.query():
                 continue
-            elif not self.send(KVTransfer(rid, "nixl", {"agent": self.agent.name}, NO_DATA)):
+            elif not self.send(KVTransfer(rid, w.reservation, "nixl", {"agent": self.agent.name}, NO_DATA)):
                 break   # announced in order; the link is not ready: next turn
             else:
                 w.is_posted, why = True, self._state(w, post=True)
-            if why == "" and now > w.deadline:
-                why = late   # stopped below: it must not land after its blocks may be reused
             if why == "":
                 continue   # under way
             del self._writes[rid]
@@ -233,6 +236,7 @@ class NixlWriter:
 @dataclass
 class _Write:
     handle: object
+    reservation: str
     ready: object | None        # the blocks are computed (a platform event)
     deadline: float             # monotonic: stop it past this
     is_posted: bool = False
@@ -285,13 +289,16 @@ class NixlReceiver:
             return True
         if request_id not in self._landed:
             self.progress()
-        if request_id in self._landed:
-            self.forget(request_id)
-            return True
-        return False
+        return request_id in self._landed   # NOTE: kept (counted) until forget()
 
     def landing_error(self, request_id: str) -> str | None:
         return None
+
+    def num_units(self, num_blocks: int) -> int:
+        return 1
+
+    def num_received(self, request_id: str) -> int:
+        return int(request_id in self._expected)
 
     def forget(self, request_id: str) -> None:
         # NOTE: a write announced but not landed is stopped by its writer before the
@@ -310,4 +317,5 @@ class NixlReceiver:
 
 # NOTE: one memory kind per pair (the descriptors carry one); mixed pairs use tcp.
 BACKEND = Backend("nixl", why_unusable, NixlReceiver, NixlWriter, is_auto_across_hosts_only=True,
+                  is_one_sided=True,
                   why_not_with=lambda device, welcome, is_local: why_not_same_kind(device, welcome))

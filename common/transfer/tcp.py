@@ -2,13 +2,16 @@
 layers per frame. On CUDA the prefill side gathers each group into pinned
 memory on a side stream, so the forward pass that follows is not held up; the
 decode side lands each frame in the reserved blocks from a thread of its own,
-on its own side stream, and admits the request once every frame is in."""
+on its own side stream, and admits the request once every frame is in. A unit
+of a write is a layer: a commit must say every layer, and every layer must
+have arrived (a frame lost with a reset connection fails the handoff)."""
 from __future__ import annotations
 
 import queue
 import threading
-from collections import deque
-from dataclasses import dataclass
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import torch
@@ -39,11 +42,17 @@ class TcpHeader:
 
 @dataclass
 class _Frame:
-    request_id: str
     first_layer: int
     kv: torch.Tensor                     # [layers, 2, n, block_size, Hk, D] on the host
     ready: object | None                 # the device-to-host copy is done (a platform event)
-    is_last: bool
+
+
+@dataclass
+class _Write:
+    reservation: str
+    deadline: float                      # monotonic: not all sent by then, it is stopped
+    frames: deque[_Frame] = field(default_factory=deque)
+    is_cancelled: bool = False
 
 
 class TcpWriter:
@@ -54,17 +63,19 @@ class TcpWriter:
         self.send = send
         self._platform = platform_for(cache.device)
         self.stream = self._platform.side_stream()
-        self._frames: deque[_Frame] = deque()
+        self._writes: OrderedDict[str, _Write] = OrderedDict()   # sent in this order
+        self.is_stalled = False      # the last poll found the link refusing: only the peer can move
 
     @torch.inference_mode()
-    def write(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> None:
-        # NOTE: within_s is not needed: the decode node lands a frame only in blocks its
-        # sender still holds.
+    def write(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> int:
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
+        if request_id in self._writes:
+            raise TransferError(f"a second write of {request_id} under way")
         n, num_layers = len(src_block_ids), self.src.shape[0]
         step = layers_per_frame(self.src, n)
+        w = _Write(reservation, time.monotonic() + max(within_s, 0.0))
         idx = torch.tensor(src_block_ids, dtype=torch.int64)
         if self.stream is not None:
             self._platform.wait_for_current(self.stream)
@@ -75,38 +86,55 @@ class TcpWriter:
         for first in range(0, num_layers, step):
             group = self.src[first: first + step]
             if self.stream is None:
-                self._frames.append(_Frame(request_id, first, group.index_select(2, idx), None,
-                                           first + step >= num_layers))
+                w.frames.append(_Frame(first, group.index_select(2, idx), None))
                 continue
             with self._platform.on_stream(self.stream):
                 host = torch.empty((group.shape[0], 2, n, *group.shape[3:]), dtype=group.dtype,
                                    pin_memory=True)
                 host.copy_(group.index_select(2, idx), non_blocking=True)
                 ready = self._platform.event()
-            self._frames.append(_Frame(request_id, first, host, ready, first + step >= num_layers))
+            w.frames.append(_Frame(first, host, ready))
+        self._writes[request_id] = w
+        return num_layers
 
     def poll(self) -> list[tuple[str, str | None]]:
-        """Send every frame whose copy is done, in order; a request is written once
-        its last frame is queued on the socket."""
-        done = []
-        while self._frames:
-            f = self._frames[0]
-            if f.ready is not None and not f.ready.query():
-                break
-            if not self.send(KVTransfer(f.request_id, "tcp", {"first_layer": f.first_layer}, f.kv)):
-                break  # the link is not connected or full: try again next turn
-            self._frames.popleft()
-            if f.is_last:
-                done.append((f.request_id, None))
-        return done
+        """Send every frame whose copy is done, writes in order; a write is done once its
+        last frame is queued on the socket, and stopped if cancelled or past its deadline
+        (a link that refuses frames, to a peer gone or cut off, holds nothing for ever)."""
+        ended, now, is_blocked = [], time.monotonic(), False
+        self.is_stalled = False
+        for rid, w in list(self._writes.items()):
+            why = "cancelled" if w.is_cancelled else \
+                "not all of it could be sent before its reservation could end" if now > w.deadline else None
+            while why is None and w.frames and not is_blocked:
+                f = w.frames[0]
+                if f.ready is not None and not f.ready.query():
+                    is_blocked = True
+                elif not self.send(KVTransfer(rid, w.reservation, "tcp", {"first_layer": f.first_layer}, f.kv)):
+                    is_blocked = self.is_stalled = True   # not connected, or full: next turn
+                else:
+                    w.frames.popleft()
+            if why is not None:
+                for f in w.frames:   # its source blocks are freed once it ends: gathers done first
+                    if f.ready is not None:
+                        f.ready.synchronize()
+            elif w.frames:
+                continue
+            del self._writes[rid]
+            ended.append((rid, why))
+        return ended
 
     def cancel(self, request_id: str) -> None:
-        pass   # NOTE: its frames go as the link takes them, landed only in blocks still reserved
+        """Its frames not yet on the socket are dropped (the decode node refuses a commit
+        that lacks them); those sent land only in blocks of the grant they name."""
+        w = self._writes.get(request_id)
+        if w is not None:
+            w.is_cancelled = True
 
     def close(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
-        self._frames.clear()
+        self._writes.clear()
 
 
 class TcpReceiver:
@@ -117,6 +145,7 @@ class TcpReceiver:
     def __init__(self, cache: LocalCache):
         self.cache = cache = cache.tensor
         self._landing: dict[str, list] = {}     # request -> events, or None while queued
+        self._layers: dict[str, set[int]] = {}  # request -> the layers that arrived
         self.failed: dict[str, str] = {}        # request -> why its KV did not land
         self._lock = threading.Condition()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -132,6 +161,12 @@ class TcpReceiver:
     def progress(self) -> bool:
         return False
 
+    def num_units(self, num_blocks: int) -> int:
+        return self.cache.shape[0]
+
+    def num_received(self, request_id: str) -> int:
+        return len(self._layers.get(request_id, ()))
+
     def landing_error(self, request_id: str) -> str | None:
         return self.failed.get(request_id)
 
@@ -145,6 +180,11 @@ class TcpReceiver:
             raise TransferError(f"KV frame {tuple(kv.shape)} {kv.dtype} at layer {first_layer} "
                                 f"does not fit {len(dst_block_ids)} reserved blocks of this cache "
                                 f"{tuple(c.shape)} {c.dtype}")
+        arrived = self._layers.setdefault(msg.request_id, set())
+        new = set(range(first_layer, first_layer + layers))
+        if arrived & new:
+            raise TransferError(f"layers {sorted(arrived & new)[:4]} of {msg.request_id} arrived twice")
+        arrived |= new
         if self.stream is None:
             with torch.inference_mode():
                 copy_blocks(kv, list(range(len(dst_block_ids))),
@@ -193,6 +233,7 @@ class TcpReceiver:
             self._lock.wait_for(lambda: None not in self._landing.get(request_id, []))
             events = self._landing.pop(request_id, [])
             self.failed.pop(request_id, None)
+            self._layers.pop(request_id, None)
         for e in events:
             e.synchronize()
 

@@ -5,6 +5,18 @@ Topology (every endpoint derives from one base port, see launch/start_cluster.sh
     clients  --DEALER-->  ROUTER  frontend client endpoint   (base + 0)
     nodes    --DEALER-->  ROUTER  frontend node endpoint     (base + 1)
     prefill  --DEALER-->  ROUTER  decode node's KV endpoint  (base + 2)
+
+Who a peer is. A ROUTER knows a peer by its ZeroMQ routing id, which changes on
+every reconnect (a connection reset by a middlebox, say) while the process lives
+on. A node's DEALER therefore tags every message "NAME/EPOCH" (its name, and an
+epoch new in each process), and the ROUTER names the sender by that tag: the
+same peer across reconnects, a new one after a restart. With keys the tag's
+NAME must be the name of the key the peer proved, or the message is refused;
+on open links the tag is as good as the port's reach. Replies go to the route
+the peer last spoke from; `rerouted` lists peers seen on a new route (their
+connection was replaced: what was in flight on the old one may be lost), and a
+DEALER's take_reconnects() says when its own connection was replaced.
+Clients send no tag: a client is its routing id.
 """
 from __future__ import annotations
 
@@ -17,7 +29,23 @@ from common.wire import protocol
 from common.wire.keys import DOMAINS, ClusterKeys
 from common.wire.protocol import ProtocolError
 
-MAX_PEER_NAMES = 4096   # routing ids remembered per authenticated socket
+MAX_PEER_NAMES = 4096   # peers remembered per ROUTER (their proven names and routes)
+MAX_REROUTED = 1024     # reroutes remembered until taken
+HEARTBEAT_IVL_MS = 1000     # ZMTP pings on an idle connection
+HEARTBEAT_TIMEOUT_MS = 5000  # no traffic for this long: the connection is dropped
+
+
+def node_tag(name: str, epoch: str, suffix: str = "") -> str:
+    """What a node's messages say of who sends them: "NAME/EPOCH[/SUFFIX]"."""
+    return f"{name}/{epoch}{'/' + suffix if suffix else ''}"
+
+
+def tag_name(tag: bytes | str | None) -> str | None:
+    """The NAME of a "NAME/EPOCH..." sender."""
+    if tag is None:
+        return None
+    text = tag.decode("utf-8", "replace") if isinstance(tag, bytes) else tag
+    return text.split("/", 1)[0] if "/" in text else None
 
 
 @dataclass
@@ -78,12 +106,12 @@ def open_async_context(keys: ClusterKeys | None = None) -> Context:
 
 
 def _open(ctx: Context, sock: zmq.Socket, is_router: bool, endpoint: str, max_message_bytes: int | None,
-          identity: str | None, server: str | None, domain: str | None) -> None:
+          server: str | None, domain: str | None, tag: str | None = None) -> None:
     """Options, security, then bind (router) or connect (dealer); the socket is closed
     if any of it fails. server: a dealer's CURVE server, by key name. domain: whom a
     router admits."""
     try:
-        _configure(ctx, sock, is_router, max_message_bytes, identity, server, domain)
+        _configure(ctx, sock, is_router, max_message_bytes, server, domain, tag)
         (sock.bind if is_router else sock.connect)(endpoint)
     except zmq.ZMQError as e:
         sock.close(linger=0)
@@ -96,11 +124,17 @@ def _open(ctx: Context, sock: zmq.Socket, is_router: bool, endpoint: str, max_me
 
 
 def _configure(ctx: Context, sock: zmq.Socket, is_router: bool, max_message_bytes: int | None,
-               identity: str | None, server: str | None, domain: str | None) -> None:
+               server: str | None, domain: str | None, tag: str | None) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     # Token streams are many small messages; a full queue must not drop or block them.
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)
+    # A connection that carries nothing for HEARTBEAT_TIMEOUT is dropped (and a DEALER
+    # connects again): a peer behind a middlebox that lost the connection's state, or a
+    # stalled one, is noticed instead of taken for connected forever.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
     if max_message_bytes:
         # A peer that sends more is disconnected by zmq before we read anything.
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -114,57 +148,100 @@ def _configure(ctx: Context, sock: zmq.Socket, is_router: bool, max_message_byte
             sock.zap_domain = domain.encode()
         else:
             sock.curve_serverkey = keys.public(server)
-        # Under CURVE names come from keys, not from identities peers choose.
-    elif identity:
-        sock.setsockopt(zmq.IDENTITY, identity.encode())
-    # NOTE: no ROUTER_HANDOVER: with it, any peer claiming a live node's identity would take
-    # over that node's route. A killed node's connection closes, which frees its identity.
+    elif tag:
+        # Open links: the tag is also the socket identity, so libzmq refuses a second
+        # connection under it while the first lives (a peer that names itself so does not
+        # take over a live node's route). NOTE: never with keys: there the key proves the
+        # name, and a routing id a peer chose must not decide where replies go.
+        sock.setsockopt(zmq.IDENTITY, tag.encode())
 
 
 class _Receiver:
-    """Frames -> (sender, message or BadMessage), never an exception; counts what it drops
-    and remembers the authenticated name behind each routing id."""
+    """Frames -> (sender, message or BadMessage), never an exception; counts what it drops.
+    A ROUTER's sender is the peer's tag (or, untagged, its routing id); see the module."""
 
-    def _init_receiver(self, ctx: Context, is_router: bool, domain: str | None) -> None:
+    def _init_receiver(self, ctx: Context, is_router: bool, domain: str | None,
+                       max_list_len: int | None) -> None:
         self.is_router = is_router
         self.num_bad = 0
+        self.num_reroutes = 0
+        self.max_list_len = max_list_len or protocol.codec.MAX_LIST_LEN
         self._keys = ctx.keys if is_router and domain else None
         self._domain = domain
         self._members: dict[str, str] = {}
-        self.peer_names: dict[bytes, str] = {}
+        self.peer_names: dict[bytes, str] = {}    # sender -> the key name it proved
+        self._routes: dict[bytes, bytes] = {}     # tagged sender -> the routing id it last spoke from
+        self.rerouted: list[bytes] = []           # tagged senders seen on a new route, until taken
 
     def peer_name(self, sender: bytes | None) -> str | None:
         """The key name a secured peer proved; None on an open socket."""
         return self.peer_names.get(sender)
 
+    def route(self, sender: bytes) -> bytes:
+        """Where a reply to sender goes: the route a tagged peer last spoke from."""
+        return self._routes.get(sender, sender)
+
+    def take_rerouted(self) -> list[bytes]:
+        out, self.rerouted = self.rerouted, []
+        return out
+
     def _unpack(self, frames: list, allowed) -> tuple[bytes | None, object]:
-        sender = None
+        route = None
+        if self.is_router:
+            route, frames = frames[0].bytes, frames[1:]
+        proven = self._proven(frames[0].get("User-Id")) if self._keys is not None and frames else None
         try:
-            if self.is_router:
-                sender, frames = frames[0].bytes, frames[1:]
-            if self._keys is not None and frames:
-                self._learn(sender, frames[0].get("User-Id"))   # NOTE: per message, see _learn
-            return sender, protocol.decode(frames, allowed)
+            msg, tag = protocol.decode_from(frames, allowed, self.max_list_len)
         except ProtocolError as e:
             self.num_bad += 1
-            return sender, BadMessage(sender, str(e), e.request_id)
+            return self._sender(route, protocol.codec.sender_of(frames), proven), \
+                BadMessage(route, str(e), e.request_id)
         except Exception as e:  # noqa: BLE001 - no input may escape as an exception
             self.num_bad += 1
-            return sender, BadMessage(sender, f"undecodable message ({type(e).__name__})", None)
+            return route, BadMessage(route, f"undecodable message ({type(e).__name__})", None)
+        if not self.is_router:
+            return None, msg
+        if tag is not None and self._keys is not None and tag_name(tag) != proven:
+            self.num_bad += 1
+            return route, BadMessage(route, f"a peer that proved the key of {proven!r} sent as {tag[:64]!r}",
+                                     getattr(msg, "request_id", None))
+        sender = self._sender(route, tag, proven)
+        return sender, msg
 
-    def _learn(self, sender: bytes, user_id: str) -> None:
-        """Name the sender by the key it proved. Read for every message, not cached by
-        routing id: a peer may reconnect under a routing id another peer had."""
+    def _sender(self, route: bytes | None, tag: str | None, proven: str | None) -> bytes | None:
+        """Who sent it: a tag that holds (its key proved its name), else the routing id."""
+        if route is None:
+            return None
+        sender = route
+        if tag is not None and (self._keys is None or tag_name(tag) == proven):
+            sender = tag.encode()
+            old = self._routes.pop(sender, None)
+            if old is not None and old != route:
+                self.num_reroutes += 1
+                if len(self.rerouted) < MAX_REROUTED:
+                    self.rerouted.append(sender)
+            self._remember(self._routes, sender, route)
+        if self._keys is not None:
+            if proven is None:
+                self.peer_names.pop(sender, None)
+            elif self.peer_names.get(sender) != proven:
+                self._remember(self.peer_names, sender, proven)
+        return sender
+
+    @staticmethod
+    def _remember(table: dict, key, value) -> None:
+        if key not in table and len(table) >= MAX_PEER_NAMES:
+            table.pop(next(iter(table)))   # the oldest
+        table[key] = value
+
+    def _proven(self, user_id: str | None) -> str | None:
+        """The name of the key a message was sent with. Read for every message, not cached
+        by routing id: a peer may reconnect under a routing id another peer had."""
         name = self._members.get(user_id)
-        if name is None:
+        if name is None and user_id is not None:
             self._members = {k.decode(): n for k, n in self._keys.members(self._domain).items()}
             name = self._members.get(user_id)
-        if name is None:
-            self.peer_names.pop(sender, None)
-        elif self.peer_names.get(sender) != name:
-            if len(self.peer_names) >= MAX_PEER_NAMES:
-                self.peer_names.pop(next(iter(self.peer_names)))
-            self.peer_names[sender] = name
+        return name
 
 
 class Channel(_Receiver):
@@ -173,21 +250,53 @@ class Channel(_Receiver):
     the CURVE server a dealer connects to and domain whom a router admits."""
 
     def __init__(self, ctx: Context, is_router: bool, endpoint: str, *,
-                 max_message_bytes: int | None = None, identity: str | None = None,
-                 is_immediate: bool = False, server: str | None = None, domain: str | None = None):
-        self._init_receiver(ctx, is_router, domain)
-        self.endpoint = endpoint
+                 max_message_bytes: int | None = None, tag: str | None = None,
+                 is_immediate: bool = False, server: str | None = None, domain: str | None = None,
+                 max_list_len: int | None = None):
+        """tag: a node's DEALER, "NAME/EPOCH" (node_tag). max_list_len: the longest list or
+        map a message may hold (refused unread past it)."""
+        self._init_receiver(ctx, is_router, domain, max_list_len)
+        self.endpoint, self.tag = endpoint, tag
         self.sock = ctx.zmq.socket(zmq.ROUTER if is_router else zmq.DEALER)
         if is_immediate:
             # Queue only to a live connection: sends to a dead peer fail instead of piling up.
             self.sock.setsockopt(zmq.IMMEDIATE, 1)
-        _open(ctx, self.sock, is_router, endpoint, max_message_bytes, identity, server, domain)
+        self._monitor = None
+        self._num_connects = 0
+        if not is_router:
+            # NOTE: made before connecting, so the first handshake is seen too.
+            self._monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            _open(ctx, self.sock, is_router, endpoint, max_message_bytes, server, domain, tag)
+        except LinkError:
+            self._close_monitor()
+            raise
+
+    def take_reconnects(self) -> int:
+        """A DEALER: how many times its connection was made again since the last call (a
+        reset or a restarted peer): what was in flight on the old one may be lost."""
+        if self._monitor is None:
+            return 0
+        num_before = self._num_connects
+        while self._monitor.poll(0):
+            self._monitor.recv_multipart()
+            self._num_connects += 1
+        return max(self._num_connects - max(num_before, 1), 0)
+
+    def _close_monitor(self) -> None:
+        if self._monitor is not None:
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(linger=0)
+            self._monitor = None
 
     def send(self, msg, to: bytes | None = None, block: bool = True) -> bool:
         """False if the message could not be queued without blocking."""
-        frames = protocol.encode(msg)
+        frames = protocol.encode(msg, self.tag)
         if self.is_router:
-            frames = [to, *frames]
+            frames = [self.route(to), *frames]
         try:
             self.sock.send_multipart(frames, copy=False, flags=0 if block else zmq.NOBLOCK)
         except zmq.Again:
@@ -204,6 +313,7 @@ class Channel(_Receiver):
 
     def close(self, linger_s: float = 0.0) -> None:
         """linger_s: how long queued messages (a client's last aborts) may take to leave."""
+        self._close_monitor()
         self.sock.close(linger=int(linger_s * 1000))
 
 
@@ -228,14 +338,14 @@ class AsyncChannel(_Receiver):
 
     def __init__(self, ctx: Context, is_router: bool, endpoint: str, *,
                  max_message_bytes: int | None = None, server: str | None = None,
-                 domain: str | None = None):
-        self._init_receiver(ctx, is_router, domain)
+                 domain: str | None = None, max_list_len: int | None = None):
+        self._init_receiver(ctx, is_router, domain, max_list_len)
         self.sock = ctx.aio.socket(zmq.ROUTER if is_router else zmq.DEALER)
-        _open(ctx, self.sock, is_router, endpoint, max_message_bytes, None, server, domain)
+        _open(ctx, self.sock, is_router, endpoint, max_message_bytes, server, domain)
 
     async def send(self, msg, to: bytes | None = None) -> None:
         frames = protocol.encode(msg)
-        await self.sock.send_multipart([to, *frames] if self.is_router else frames, copy=False)
+        await self.sock.send_multipart([self.route(to), *frames] if self.is_router else frames, copy=False)
 
     async def recv(self, allowed: tuple[type, ...] | None = None) -> tuple[bytes | None, object]:
         return self._unpack(await self.sock.recv_multipart(copy=False), allowed)

@@ -4,25 +4,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
+from common.base.request import MAX_STOP_TOKEN_IDS
 from common.wire.codec import Range, MaxLen, NodeFigures, Plain, Id, Name, I32, I32_MAX
 
 
 # ---- client <-> frontend (documented in docs/protocol.md) ---------------------
+# NOTE: every list is bounded, and its length is checked before its items: a client
+# cannot make the frontend's loop walk millions of entries.
+MAX_PROMPT_IDS = 2**20      # the frontend refuses more than its max_model_len anyway
+MAX_STOP = 64               # stop strings per request (and MAX_STOP_CHARS in all, frontend/request.py)
+MAX_MESSAGES = 4096         # chat messages per request
 
 @dataclass
 class GenerateRequest:
     TYPE: ClassVar[str] = "generate"
     request_id: Id
     prompt: str | None = None
-    prompt_token_ids: list[I32] | None = None
-    messages: list[Annotated[dict, Plain(depth=2, max_items=16)]] | None = None
+    prompt_token_ids: Annotated[list[I32], MaxLen(MAX_PROMPT_IDS)] | None = None
+    messages: Annotated[list[Annotated[dict, Plain(depth=2, max_items=16)]], MaxLen(MAX_MESSAGES)] | None = None
     max_tokens: Annotated[int, Range(1, I32_MAX)] = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: Annotated[int, Range(-1, I32_MAX)] = -1
     seed: Annotated[int, Range(0, 2**63 - 1)] | None = None
-    stop: list[Annotated[str, MaxLen(1024)]] = field(default_factory=list)
-    stop_token_ids: list[I32] = field(default_factory=list)
+    stop: Annotated[list[Annotated[str, MaxLen(1024)]], MaxLen(MAX_STOP)] = field(default_factory=list)
+    stop_token_ids: Annotated[list[I32], MaxLen(MAX_STOP_TOKEN_IDS)] = field(default_factory=list)
     ignore_eos: bool = False
     timeout_s: float | None = None
 

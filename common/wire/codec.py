@@ -1,8 +1,10 @@
 """The codec: a message is frame 0, a msgpack map {"v": PROTOCOL_VERSION, "type": TYPE,
 ...fields}, followed by one raw frame per tensor field (KV blocks), described in the
 header by "tensors": [[field, dtype, shape], ...]. Tensors never travel as msgpack
-lists. decode() checks every field's type against the limits declared on it and
-names what is wrong.
+lists. A node's messages also say who sends them ("from": "NAME/EPOCH", see
+channel.py). decode() checks every field's type against the limits declared on it
+and names what is wrong; lengths are checked before items, so a message of a
+million items costs no more than its length check.
 """
 from __future__ import annotations
 
@@ -111,10 +113,12 @@ def _tensor_fields(cls) -> tuple[str, ...]:
     return tuple(name for name, t in _hints(cls).items() if t is torch.Tensor)
 
 
-def encode(msg) -> list:
-    """A message -> frames (bytes header, then raw tensor buffers)."""
+def encode(msg, sender: str | None = None) -> list:
+    """A message -> frames (bytes header, then raw tensor buffers); sender: the "from" tag."""
     tensor_names = _tensor_fields(type(msg))
     header = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
+    if sender is not None:
+        header["from"] = sender
     frames: list = []
     described = []
     for f in dataclasses.fields(msg):
@@ -149,8 +153,12 @@ def _checker(t) -> Callable[[Any, str, int], Any]:
     if origin is Annotated:
         base, *limits = typing.get_args(t)
         inner = _is_map if base is dict else _checker(base)   # a map's own rule walks it, once
+        lengths = [limit for limit in limits if isinstance(limit, MaxLen)]
 
         def check(value, where, depth):
+            for limit in lengths:   # NOTE: before the items: a long list is refused unread
+                if isinstance(value, (list, tuple, str, bytes)) and len(value) > limit.n:
+                    raise ProtocolError(f"{where} is longer than {limit.n}")
             value = inner(value, where, depth)
             for limit in limits:
                 _limit(value, limit, where)
@@ -172,10 +180,15 @@ def _checker(t) -> Callable[[Any, str, int], Any]:
     elif origin in (list, tuple):
         item = _checker(typing.get_args(t)[0])
         as_type = tuple if origin is tuple else list
+        ints = _int_range(typing.get_args(t)[0])
 
         def check(value, where, depth):
             if not isinstance(value, (list, tuple)):
                 raise ProtocolError(f"{where} must be a list, got {type(value).__name__}")
+            # Token and block ids: one pass in C over the common case, items checked only if it fails.
+            if ints is not None and depth < MAX_DEPTH and (not value or (
+                    all(type(v) is int for v in value) and ints[0] <= min(value) and max(value) <= ints[1])):
+                return as_type(value)
             items = []
             try:
                 for v in value:
@@ -217,6 +230,16 @@ def _checker(t) -> Callable[[Any, str, int], Any]:
     return checked
 
 
+def _int_range(t) -> tuple[float, float] | None:
+    """(lo, hi) if t is an int with a Range and no other limit."""
+    if typing.get_origin(t) is not Annotated:
+        return None
+    base, *limits = typing.get_args(t)
+    if base is not int or len(limits) != 1 or not isinstance(limits[0], Range):
+        return None
+    return limits[0].lo, limits[0].hi
+
+
 def _is_map(value, where, depth):
     if not isinstance(value, dict):
         raise ProtocolError(f"{where} must be a map, got {type(value).__name__}")
@@ -226,8 +249,6 @@ def _is_map(value, where, depth):
 def _limit(value: Any, limit, where: str) -> None:
     if isinstance(limit, Range) and not limit.lo <= value <= limit.hi:
         raise ProtocolError(f"{where} must be in [{limit.lo}, {limit.hi}], got {value!r}")
-    if isinstance(limit, MaxLen) and len(value) > limit.n:
-        raise ProtocolError(f"{where} is longer than {limit.n}")
     if isinstance(limit, Plain):
         _plain(value, limit, where, 0)
 
@@ -305,20 +326,71 @@ def _field_set(cls) -> frozenset:
 
 
 MAX_DIMS = 8
+MAX_LIST_LEN = 2**20    # items in any list or map of a header, unless a link says fewer
+MAX_TAG_LEN = 256       # of a "from" tag
 
 
-def decode(frames: list, messages: dict[str, type], allowed: tuple[type, ...] | None = None):
-    """Frames -> a message. Raises ProtocolError for anything malformed, and nothing else."""
-    if not frames:
-        raise ProtocolError("empty message")
+def _request_id(value) -> str | None:
+    return value if isinstance(value, str) and 0 < len(value) <= 256 else None
+
+
+def _unpack(buf: bytes, max_list_len: int) -> dict:
+    """The header map, reading no list or map longer than max_list_len."""
+    limits = dict(max_array_len=max_list_len, max_map_len=max_list_len)
     try:
-        header = msgpack.unpackb(bytes(frames[0]), raw=False, strict_map_key=True)
+        header = msgpack.unpackb(buf, raw=False, strict_map_key=True, **limits)
     except Exception as e:  # msgpack raises several unrelated types
-        raise ProtocolError(f"malformed msgpack: {type(e).__name__}") from None
+        raise _unpack_error(buf, limits, e) from None
     if not isinstance(header, dict):
         raise ProtocolError("a message must be a msgpack map")
-    rid = header.get("request_id")
-    rid = rid if isinstance(rid, str) and 0 < len(rid) <= 256 else None
+    return header
+
+
+def _unpack_error(buf: bytes, limits: dict, error: Exception) -> ProtocolError:
+    """Why a header did not unpack, naming its field and request id where the fields before
+    the bad one say them (read one by one, up to it: no further than the fast path went)."""
+    u = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(len(buf), 1), **limits)
+    u.feed(buf)
+    rid, key = None, None
+    try:
+        for _ in range(u.read_map_header()):
+            key = None
+            key = u.unpack()
+            value = u.unpack()
+            if key == "request_id":
+                rid = _request_id(value)
+    except Exception:   # noqa: BLE001 - the same failure, now placed
+        pass
+    if isinstance(key, str) and "exceeds max" in str(error):
+        return ProtocolError(f"{key[:64]} holds more than {limits['max_array_len']} items", rid)
+    return ProtocolError(f"malformed msgpack: {type(error).__name__}", rid)
+
+
+def decode(frames: list, messages: dict[str, type], allowed: tuple[type, ...] | None = None,
+           max_list_len: int = MAX_LIST_LEN):
+    """Frames -> a message. Raises ProtocolError for anything malformed, and nothing else."""
+    return decode_from(frames, messages, allowed, max_list_len)[0]
+
+
+def sender_of(frames: list) -> str | None:
+    """The "from" tag of frames that did not decode, if their header says one."""
+    try:
+        tag = msgpack.unpackb(bytes(frames[0]), raw=False, max_array_len=16, max_map_len=64).get("from")
+    except Exception:   # noqa: BLE001 - no tag then
+        return None
+    return tag if isinstance(tag, str) and 0 < len(tag) <= MAX_TAG_LEN else None
+
+
+def decode_from(frames: list, messages: dict[str, type], allowed: tuple[type, ...] | None = None,
+                max_list_len: int = MAX_LIST_LEN) -> tuple[object, str | None]:
+    """Frames -> (a message, its "from" tag or None). ProtocolError for anything malformed."""
+    if not frames:
+        raise ProtocolError("empty message")
+    header = _unpack(bytes(frames[0]), max_list_len)
+    rid = _request_id(header.get("request_id"))
+    tag = header.get("from")
+    if tag is not None and not (isinstance(tag, str) and 0 < len(tag) <= MAX_TAG_LEN):
+        raise ProtocolError(f"from must be a string of at most {MAX_TAG_LEN} characters", rid)
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:   # NOTE: 2.0 == 2 and True == 1
         raise ProtocolError(f"protocol version {_short(version)} is not {PROTOCOL_VERSION} (an integer)", rid)
@@ -326,7 +398,7 @@ def decode(frames: list, messages: dict[str, type], allowed: tuple[type, ...] | 
     cls = messages.get(kind) if isinstance(kind, str) else None
     if cls is None or (allowed is not None and cls not in allowed):
         raise ProtocolError(f"unknown message type {_short(kind)}", rid)
-    fields = {k: v for k, v in header.items() if k not in ("v", "type", "tensors")}
+    fields = {k: v for k, v in header.items() if k not in ("v", "type", "tensors", "from")}
     tensor_names = _tensor_fields(cls)
     described = header.get("tensors", [])
     if not isinstance(described, list) or len(described) != len(tensor_names) \
@@ -339,7 +411,7 @@ def decode(frames: list, messages: dict[str, type], allowed: tuple[type, ...] | 
             raise ProtocolError(f"bad tensor description {_short(desc)}", rid)
         fields[name] = _tensor_from_frame(desc, frame, rid)
     try:
-        return _build(cls, fields)
+        return _build(cls, fields), tag
     except ProtocolError as e:
         raise ProtocolError(str(e), rid) from None
     except (RecursionError, ValueError, TypeError, OverflowError) as e:  # a constructor's own check

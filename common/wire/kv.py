@@ -41,10 +41,13 @@ class KVWelcome:
 
 @dataclass
 class KVReserve:
+    """prefill -> decode: reserve blocks for the prompt (or renew them, or keep the
+    request's place in line). ask: numbers the asks, echoed in the answer."""
     TYPE: ClassVar[str] = "kv_reserve"
     request_id: Id
     prompt_len: I32
     max_tokens: I32
+    ask: I32 = 0
 
 
 @dataclass
@@ -54,7 +57,10 @@ class KVReserved:
     released); the same KVReserve again renews them.
     is_queued, without blocks: the request waits its turn there and the blocks will
     follow unasked; the same KVReserve within lease_s keeps its place. With blocks:
-    they are that turn (no request is answered, and the lease runs from now)."""
+    they are that turn (no request is answered, and the lease runs from now).
+    reservation: the name of this grant (new for each): writes and the commit name it,
+    so nothing meant for another grant of the same request, or another life of this
+    node, lands in these blocks."""
     TYPE: ClassVar[str] = "kv_reserved"
     request_id: Id
     epoch: Name
@@ -63,6 +69,8 @@ class KVReserved:
     reason: Text | None = None
     lease_s: Annotated[float, Range(0, 86400)] = 0.0
     is_queued: bool = False
+    ask: I32 = 0                     # the KVReserve this answers (0: none, a grant from the line)
+    reservation: Name = ""
 
 
 @dataclass
@@ -72,6 +80,7 @@ class KVTransfer:
     data [any shape] travels as one raw frame, empty when the backend sends none."""
     TYPE: ClassVar[str] = "kv_transfer"
     request_id: Id
+    reservation: Name                # the grant it writes into (KVReserved.reservation)
     backend: Name
     header: Descriptor
     data: torch.Tensor
@@ -79,7 +88,11 @@ class KVTransfer:
 
 @dataclass
 class KVCommit:
-    """prefill -> decode: the reserved blocks hold the prompt's KV; start decoding."""
+    """prefill -> decode: the reserved blocks hold the prompt's KV; start decoding.
+    Refused unless it names the grant the blocks belong to and everything the backend
+    says a whole write is arrived (num_written of its units: tcp, layers; dist and
+    nixl, the announced write; ipc, none). checksums (--kv-verify): one per block, of
+    its KV in every layer, checked once it has landed."""
     TYPE: ClassVar[str] = "kv_commit"
     request_id: Id
     prompt_len: I32
@@ -88,6 +101,9 @@ class KVCommit:
     timings: Stamps
     backend: Name
     prompt_ids: list[I32]            # the decode node recomputes from them if it preempts
+    reservation: Name = ""
+    num_written: I32 = 0
+    checksums: list[int] | None = None
 
 
 @dataclass

@@ -27,6 +27,30 @@ class NodeAbort:
     request_id: Id
 
 
+MAX_SYNC_IDS = 65536   # requests named per NodeSync (more go in several)
+
+
+@dataclass
+class NodeSync:
+    """frontend -> node, when the node's link was made again (what was in flight on the
+    old connection may be lost): of these requests, which does it not hold? Asked of
+    everything routed there before this message, which the node reads after all of it."""
+    TYPE: ClassVar[str] = "node_sync"
+    sync_id: I32
+    request_ids: Annotated[list[Id], MaxLen(MAX_SYNC_IDS)]
+
+
+@dataclass
+class PeerLost:
+    """frontend -> decode nodes: prefill node NAME (the process of that epoch) is lost, so
+    its reservations there may go now instead of at their lease's end; is_exited: its
+    process surely ended (a new one took its name), so a late write of it cannot come."""
+    TYPE: ClassVar[str] = "peer_lost"
+    name: Name
+    epoch: Name
+    is_exited: bool = False
+
+
 @dataclass
 class Shutdown:
     TYPE: ClassVar[str] = "shutdown"
@@ -64,10 +88,12 @@ class ReadyReply:
 
 @dataclass
 class NodeReady:
+    """node -> frontend: register, or (the same epoch again) say its link is back."""
     TYPE: ClassVar[str] = "ready"
     role: Name                # "prefill" or "decode"
     name: Name
     pid: I32
+    epoch: Name               # new in each process: the node's messages are tagged NAME/EPOCH
     device: Name
     num_kv_blocks: I32
     block_size: Annotated[int, Range(1, 4096)]
@@ -83,7 +109,8 @@ class Heartbeat:
     role: Name
     name: Name
     stats: Figures
-    pid: I32 = 0              # counts only for the registered process of that name
+    pid: I32 = 0
+    epoch: Name = ""          # counts only for the registered process (epoch) of that name
 
 
 @dataclass
@@ -94,6 +121,17 @@ class RequestFailed:
     request_id: Id
     error: Text
     is_retryable: bool = False
+
+
+@dataclass
+class NodeSynced:
+    """node -> frontend, the answer to a NodeSync: of its requests, those this node never
+    had, or lost (missing), and those it is done with (ended: a decode node finished or
+    dropped them; a prefill node handed them to their decode node)."""
+    TYPE: ClassVar[str] = "node_synced"
+    sync_id: I32
+    missing: Annotated[list[Id], MaxLen(MAX_SYNC_IDS)]
+    ended: Annotated[list[Id], MaxLen(MAX_SYNC_IDS)]
 
 
 @dataclass
@@ -111,6 +149,8 @@ class TokenUpdate:
     token_ids: list[I32]
     finish_reason: Name | None = None
     timings: Parts | None = None    # on a request's first update: where its TTFT went
+    index: I32 = 0                  # the first token's place in what this node generates (from 0):
+                                    # the frontend sees a gap, so tokens lost on the way never go unseen
 
 
 def ttft_parts(t: dict) -> dict:

@@ -8,25 +8,25 @@ from common.wire import codec
 from common.wire.codec import PROTOCOL_VERSION, ProtocolError, dtype_name, encode  # noqa: F401
 from common.wire.client import (GenerateRequest, AbortRequest, StatsRequest, DrainRequest, GenerateOutput,
                                 OutputBatch, StatsReply, DrainReply, ErrorReply)  # noqa: F401
-from common.wire.node import (PrefillRequest, NodeAbort, Shutdown, Drain, PrefixUpdate, ReadyReply,
-                              NodeReady, Heartbeat, RequestFailed, NodeDraining, TokenUpdate, TokenBatch,
-                              ttft_parts)  # noqa: F401
+from common.wire.node import (PrefillRequest, NodeAbort, NodeSync, PeerLost, Shutdown, Drain, PrefixUpdate, ReadyReply,
+                              NodeReady, Heartbeat, RequestFailed, NodeSynced, NodeDraining, TokenUpdate,
+                              TokenBatch, ttft_parts)  # noqa: F401
 from common.wire.kv import (KVHello, KVWelcome, KVReserve, KVReserved, KVTransfer, KVCommit, KVRelease,
                             HandoffAck)  # noqa: F401
 
 MESSAGES: dict[str, type] = {cls.TYPE: cls for cls in (
     GenerateRequest, AbortRequest, StatsRequest, DrainRequest, GenerateOutput, OutputBatch, StatsReply,
     DrainReply, ErrorReply,
-    PrefillRequest, NodeAbort, Shutdown, Drain, ReadyReply, NodeReady, Heartbeat, RequestFailed,
-    NodeDraining, TokenBatch, PrefixUpdate,
+    PrefillRequest, NodeAbort, NodeSync, PeerLost, Shutdown, Drain, ReadyReply, NodeReady, Heartbeat, RequestFailed,
+    NodeSynced, NodeDraining, TokenBatch, PrefixUpdate,
     KVHello, KVWelcome, KVReserve, KVReserved, KVTransfer, KVCommit, KVRelease, HandoffAck)}
 
 # What each link carries, per direction.
 CLIENT_TO_FRONTEND = (GenerateRequest, AbortRequest, StatsRequest, DrainRequest)
 FRONTEND_TO_CLIENT = (GenerateOutput, OutputBatch, StatsReply, DrainReply, ErrorReply)
-FRONTEND_TO_NODE = (PrefillRequest, NodeAbort, Shutdown, Drain, ReadyReply)
+FRONTEND_TO_NODE = (PrefillRequest, NodeAbort, NodeSync, PeerLost, Shutdown, Drain, ReadyReply)
 FRONTEND_TO_HEARTBEAT = (ReadyReply,)
-NODE_TO_FRONTEND = (NodeReady, Heartbeat, RequestFailed, NodeDraining, TokenBatch, PrefixUpdate)
+NODE_TO_FRONTEND = (NodeReady, Heartbeat, RequestFailed, NodeSynced, NodeDraining, TokenBatch, PrefixUpdate)
 PREFILL_TO_DECODE = (KVHello, KVReserve, KVTransfer, KVCommit, KVRelease)
 DECODE_TO_PREFILL = (KVWelcome, KVReserved, HandoffAck)
 
@@ -35,3 +35,9 @@ def decode(frames: list, allowed: tuple[type, ...] | None = None):
     """Frames -> a message of one of the allowed types (any message when None).
     Raises ProtocolError for anything malformed, and nothing else."""
     return codec.decode(frames, MESSAGES, allowed)
+
+
+def decode_from(frames: list, allowed: tuple[type, ...] | None = None,
+                max_list_len: int = codec.MAX_LIST_LEN) -> tuple[object, str | None]:
+    """Frames -> (a message, who it says sent it: its "from" tag, or None)."""
+    return codec.decode_from(frames, MESSAGES, allowed, max_list_len)
