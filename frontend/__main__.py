@@ -1,10 +1,13 @@
 """python -m frontend --model DIR --clients tcp://127.0.0.1:5600 --nodes tcp://127.0.0.1:5601"""
 import argparse
 import asyncio
+import shutil
 import sys
+from pathlib import Path
 
 from common.wire.channel import LinkError
 from common.base.config import FrontendConfig, NodeLinks
+from common.base.env import read_env
 from common.base.flags import add_flags, flagged
 from common.base.log import add_log_level_arg, set_level
 from common.runtime.process import HelpFormat, add_thread_args, apply_threads, die_with_parent
@@ -41,6 +44,16 @@ def main(argv=None) -> int:
     except LinkError as e:
         print(f"frontend: {e}", file=sys.stderr)
         return 1
+    finally:
+        remove_temp_keys(cfg.keys_dir)
+
+
+def remove_temp_keys(keys_dir: str | None) -> None:
+    """Keys its launcher made for this cluster alone go with the frontend, secret keys
+    first of all: also when the launcher was killed and cannot remove them."""
+    temp = read_env().temp_keys
+    if temp is not None and keys_dir is not None and temp.resolve() == Path(keys_dir).resolve():
+        shutil.rmtree(temp, ignore_errors=True)
 
 if __name__ == "__main__":
     sys.exit(main())

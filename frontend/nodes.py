@@ -104,6 +104,11 @@ class NodeRegistry:
         await self.link.send(ReadyReply(True), to=sender)
         self.wake()
 
+    def excuse(self, seconds: float) -> None:
+        """The frontend's loop was held up this long: no node's silence counts it."""
+        for node in self.nodes.values():
+            node.last_seen += seconds
+
     async def check(self, now: float) -> None:
         """The watchdog's look at every node: the silent and the hung die (lost to their
         requests), the long dead are forgotten."""

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from common.wire.client import MAX_PROMPT_IDS
 from common.wire.protocol import GenerateRequest
 
 
@@ -115,9 +116,11 @@ def _prompt(body: dict) -> dict:
         prompt = prompt[0]   # a batch of one
     if isinstance(prompt, str):
         return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                   for t in prompt):
-        return {"prompt_token_ids": prompt}
+    if isinstance(prompt, list) and len(prompt) > MAX_PROMPT_IDS:
+        raise ApiError(400, f"'prompt' holds more than {MAX_PROMPT_IDS} token ids", "prompt")
+    if isinstance(prompt, list) and prompt and \
+            all(type(t) is int for t in prompt):
+        return {"prompt_token_ids": prompt}   # its length against the model's is checked next
     if isinstance(prompt, list):
         raise ApiError(400, "'prompt' must be one string or one list of token ids; "
                             "batched prompts are not supported (send one request each)", "prompt")

@@ -123,19 +123,69 @@ class RequestState:
             self.stalled_since = self.last_output_at or self.submitted_at
 
 
-def prompt_ids(tokenizer, req: GenerateRequest) -> list[int]:
+# NOTE: what a request costs the frontend's event loop is bounded: a prompt of more text
+# than this is tokenized on a thread of its own (at low priority), and one of more text
+# than any prompt the model can take (max_prompt_chars) is refused unread.
+OFF_LOOP_CHARS = 64 * 2**10
+MAX_STOP_CHARS = 16 * 2**10   # all stop strings of a request together
+
+
+def text_len(req: GenerateRequest) -> int:
+    """Characters of text the request's prompt holds (0 for token ids)."""
+    if req.prompt is not None:
+        return len(req.prompt) if isinstance(req.prompt, str) else 0
+    return sum(len(m.get("content")) for m in req.messages or () if isinstance(m.get("content"), str))
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """More text than this cannot fit in max_model_len tokens: no token's text is longer
+    than its longest vocabulary entry (one character per byte, or longer), and the four
+    covers a normalizer that composes characters."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return 4 * max_model_len * max(longest, 1)
+
+
+def _count_tokens(tokenizer, text: str, add_special_tokens: bool) -> int | None:
+    """A long text's token count, counted without making a list of its ids (the fast
+    tokenizer's encoding keeps them): None where the tokenizer cannot say."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or len(text) <= OFF_LOOP_CHARS:
+        return None
+    return len(backend.encode(text, add_special_tokens=add_special_tokens))
+
+
+def _check_count(n: int | None, max_model_len: int) -> None:
+    if n is not None and n > max_model_len:
+        raise ValueError(f"the prompt is {n} tokens: more than the model's maximum length {max_model_len}")
+
+
+def prompt_ids(tokenizer, req: GenerateRequest, max_model_len: int = 2**31) -> list[int]:
     given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
     if req.prompt is not None:
+        _check_count(_count_tokens(tokenizer, req.prompt, True), max_model_len)
         return tokenizer.encode(req.prompt)
     if req.prompt_token_ids is not None:
         return list(req.prompt_token_ids)
     for m in req.messages:
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError("each message needs a string role and string content")
+    if text_len(req) > OFF_LOOP_CHARS:
+        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        _check_count(_count_tokens(tokenizer, text, False), max_model_len)
     ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # an encoding or a list
+
+
+def check_size(req: GenerateRequest, max_chars: int) -> None:
+    """What can be refused before any tokenizing: too much text, too many stop characters."""
+    n = text_len(req)
+    if n > max_chars:
+        raise ValueError(f"the prompt is {n} characters: no text of more than {max_chars} fits in the "
+                         f"model's maximum length")
+    if sum(len(s) for s in req.stop) > MAX_STOP_CHARS:
+        raise ValueError(f"the stop strings hold more than {MAX_STOP_CHARS} characters together")
 
 
 def prepare(req: GenerateRequest, tokenizer, spec: ModelSpec,
@@ -145,7 +195,7 @@ def prepare(req: GenerateRequest, tokenizer, spec: ModelSpec,
         raise ValueError(f"timeout_s must be positive, got {req.timeout_s}")
     if "" in req.stop:   # it would match at once: an answer of nothing, surely not what was meant
         raise ValueError("a stop string must not be empty")
-    ids = prompt_ids(tokenizer, req)
+    ids = prompt_ids(tokenizer, req, max_model_len)
     max_tokens = req.max_tokens if req.max_tokens is not None else max(max_model_len - len(ids), 1)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,

@@ -1,8 +1,10 @@
 """The frontend: an asyncio service between clients and the nodes.
 
-client loop:  receive a request -> validate, tokenize -> admit under its client's limits
+client loop:  receive a request -> validate, tokenize (a long prompt off the loop:
+              prompts.py) -> admit under its client's limits
 dispatch:     clients take turns; a request goes to a prefill/decode pair with room
 node loop:    tokens from decode -> detokenize, stop strings -> stream to the client
+              (node_link.py)
 watchdog:     silent or hung nodes are lost (their requests move: migrate.py); deadlines
               abort; the dead are forgotten
 
@@ -25,24 +27,24 @@ from common.wire.keys import FRONTEND, load_keys
 from common.base.log import Throttle, get_logger
 from common.base.model_spec import load_spec
 from common.runtime.process import describe_threads
-from common.wire.protocol import (CLIENT_TO_FRONTEND, NODE_TO_FRONTEND, AbortRequest, DrainRequest,
-                                  ErrorReply, GenerateOutput, GenerateRequest, Heartbeat, NodeAbort,
-                                  NodeDraining, NodeReady, NodeSynced, OutputBatch, PrefillRequest,
-                                  PrefixUpdate, RequestFailed, StatsReply, StatsRequest, TokenBatch,
-                                  TokenUpdate)
-from common.base.request import FINISH_ABORT, FINISH_ERROR, FINISH_STOP
+from common.wire.protocol import (CLIENT_TO_FRONTEND, AbortRequest, DrainRequest, ErrorReply, GenerateOutput,
+                                  GenerateRequest, NodeAbort, PrefillRequest, StatsReply, StatsRequest)
+from common.base.request import FINISH_ABORT, FINISH_ERROR
 from common.wire.client import MAX_MESSAGES
 from frontend import http, router
 from frontend.admission import Admission
 from frontend.detok import IncrementalDetokenizer
 from frontend.metrics import Metrics
 from frontend.migrate import Migrations
+from frontend.node_link import NodeMessages
 from frontend.nodes import NodeRegistry
-from frontend.request import Client, LostTokens, RequestState, prepare
-from frontend.router import NodeState
+from frontend.prompts import Prompts
+from frontend.request import Client, RequestState
 
 log = get_logger("frontend")
 noisy = Throttle(log)   # lines about what clients and peers send
+WATCHDOG_S = 0.1   # the watchdog's tick
+STALL_S = 0.2      # a tick later than this by: the loop was held up
 
 
 class Frontend:
@@ -54,7 +56,10 @@ class Frontend:
         self.spec = load_spec(cfg.model)
         self.served_model = cfg.served_model_name or Path(cfg.model).name
         self.max_model_len = clamp_model_len(cfg.max_model_len, self.spec.max_position_embeddings)
+        self.prompts = Prompts(cfg.model, self.tokenizer, self.spec, self.max_model_len)
+        self._tasks: set[asyncio.Task] = set()   # requests whose long prompts are tokenized
         self.migrations = Migrations(self)
+        self.node_messages = NodeMessages(self)
         self.registry = NodeRegistry(cfg, self.keys is not None, self.migrations.node_lost,
                                      self.migrations.sync, self.wake_dispatch)
         self.nodes = self.registry.nodes   # by name
@@ -89,6 +94,7 @@ class Frontend:
             web = await http.serve(self, self.cfg)
             return await self._serve()
         finally:
+            self.prompts.close()
             if web is not None:
                 await web.cleanup()
             self.clients.close()
@@ -105,7 +111,7 @@ class Frontend:
                  self.cfg.node_endpoint, f"CURVE keys from {self.cfg.keys_dir}" if self.keys
                  else "open links: anyone who reaches the node port can join", describe_threads())
         tasks = [asyncio.create_task(c, name=c.__name__) for c in
-                 (self._client_loop(), self._node_loop(), self._dispatch_loop(), self._watchdog_loop())]
+                 (self._client_loop(), self.node_messages.run(), self._dispatch_loop(), self._watchdog_loop())]
         stopped = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([*tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
         rc = 0
@@ -147,17 +153,17 @@ class Frontend:
                 elif isinstance(msg, AbortRequest):
                     await self.abort(client, msg.request_id)
                 elif isinstance(msg, StatsRequest):
-                    await self._reply(client, StatsReply(self.is_ready(), self.node_stats(),
+                    await self.reply(client, StatsReply(self.is_ready(), self.node_stats(),
                                                          self.model_info(), self.frontend_stats()))
                 elif isinstance(msg, DrainRequest):
-                    await self._reply(client, *await self.migrations.on_drain_request(msg.node))
+                    await self.reply(client, *await self.migrations.on_drain_request(msg.node))
             except Exception:  # one bad request must not stop the service
                 log.exception("error while handling a %s", type(msg).__name__)
                 req = self.by_client.get((client, getattr(msg, "request_id", None)))
                 if req is not None:
                     await self.finish(req, FINISH_ERROR, "internal error", status=500)
 
-    async def _reply(self, client: Client, msg, status: int | None = None) -> None:
+    async def reply(self, client: Client, msg, status: int | None = None) -> None:
         """To a ZeroMQ client (its routing id) or an in-process one (the HTTP server's
         key); status is the HTTP status an error maps to."""
         if isinstance(client, bytes):
@@ -172,29 +178,51 @@ class Frontend:
                            status: int = 400) -> None:
         noisy.info("rejected request %s: %s", request_id, error)
         if request_id is not None and (client, request_id) not in self.by_client:
-            await self._reply(client, GenerateOutput(request_id, [], "", True, FINISH_ERROR, error),
+            await self.reply(client, GenerateOutput(request_id, [], "", True, FINISH_ERROR, error),
                               status)
         else:
-            await self._reply(client, ErrorReply(error, request_id), status)
+            await self.reply(client, ErrorReply(error, request_id), status)
 
     async def submit(self, client: Client, req: GenerateRequest) -> None:
-        """Take a request from a client: admitted, or answered with an error."""
+        """Take a request from a client: admitted, or answered with an error. A long
+        prompt is tokenized off the loop (frontend/prompts.py), and admitted after."""
+        key = (client, req.request_id)
         if not req.request_id:
             await self._reply_error(client, None, "request_id must be a non-empty string")
-            return
-        if (client, req.request_id) in self.by_client:
-            await self._reply(client, ErrorReply(f"duplicate request_id {req.request_id!r}: your "
+        elif key in self.by_client or key in self.prompts.pending:
+            await self.reply(client, ErrorReply(f"duplicate request_id {req.request_id!r}: your "
                                                  f"request of that id is still running", req.request_id),
                               400)
-            return
-        if self.is_draining:
+        elif self.is_draining:
             await self._reply_error(client, req.request_id, "the cluster is shutting down", 503)
-            return
+        elif self.prompts.is_off_loop(req):
+            task = asyncio.create_task(self._admit_later(key, req))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            try:
+                ids, params = self.prompts.now(req)
+            except ValueError as e:
+                await self._reply_error(client, req.request_id, str(e))
+                return
+            await self._admit(client, req, ids, params)
+
+    async def _admit_later(self, key: tuple, req: GenerateRequest) -> None:
+        client = key[0]
         try:
-            ids, params = prepare(req, self.tokenizer, self.spec, self.max_model_len)
+            prepared = await self.prompts.off_loop(key, req)
         except ValueError as e:
             await self._reply_error(client, req.request_id, str(e))
             return
+        if prepared is None:   # the client left meanwhile
+            await self.reply(client, GenerateOutput(req.request_id, [], "", True, FINISH_ABORT,
+                                                     "cancelled by the client"))
+        elif self.is_draining:
+            await self._reply_error(client, req.request_id, "the cluster is shutting down", 503)
+        else:
+            await self._admit(client, req, *prepared)
+
+    async def _admit(self, client: Client, req: GenerateRequest, ids: list[int], params) -> None:
         if router.choose(self.nodes) is None:
             await self._reply_error(client, req.request_id,
                                     "no live prefill and decode node pair is available", 503)
@@ -215,8 +243,10 @@ class Frontend:
 
     async def abort(self, client: Client, request_id: str) -> None:
         req = self.by_client.get((client, request_id))
+        if req is None and self.prompts.cancel((client, request_id)):
+            return   # answered once its tokenizing ends
         if req is None:
-            await self._reply(client, ErrorReply(f"unknown request_id {request_id!r}", request_id), 404)
+            await self.reply(client, ErrorReply(f"unknown request_id {request_id!r}", request_id), 404)
             return
         await self.finish(req, FINISH_ABORT, "cancelled by the client")
 
@@ -269,106 +299,7 @@ class Frontend:
     def node_stats(self) -> dict:
         return self.registry.stats()
 
-    # ---- nodes ----------------------------------------------------------------
-
-    async def _node_loop(self) -> None:
-        while True:
-            sender, msg = await self.node_link.recv(NODE_TO_FRONTEND)
-            try:
-                await self._on_node_message(sender, msg)
-                for tag in self.node_link.take_rerouted():   # a node's link was made again
-                    node = self.registry.by_identity(tag)
-                    if node is not None and node.is_alive:
-                        await self.migrations.sync(node)
-            except Exception:
-                log.exception("error while handling a %s from a node", type(msg).__name__)
-
-    async def _on_node_message(self, sender: bytes, msg) -> None:
-        if isinstance(msg, BadMessage):
-            noisy.warning("dropped a malformed message from %r: %s", sender, msg.error)
-            return
-        if isinstance(msg, NodeReady):
-            await self.registry.on_ready(sender, msg)
-            return
-        if isinstance(msg, Heartbeat):
-            await self.registry.on_heartbeat(sender, msg)
-            return
-        node = self.registry.by_identity(sender)
-        if node is None:
-            noisy.warning("message from unregistered node %r ignored", sender)
-            return
-        self.registry.seen(node)
-        if isinstance(msg, RequestFailed):
-            req = self.requests.get(msg.request_id)
-            if req is None or node.name not in (req.prefill_node, req.decode_node):
-                return
-            if msg.is_retryable:   # its KV's way was cut, or its KV did not land whole
-                await self.migrations.move_or_fail(req, req.decode_node, "handoff", msg.error)
-            else:
-                await self.finish(req, FINISH_ERROR, msg.error, status=500)
-        elif isinstance(msg, NodeSynced):
-            await self.migrations.on_synced(node, msg)
-        elif isinstance(msg, NodeDraining):
-            if msg.name == node.name and msg.pid == node.ready.pid:
-                await self.migrations.drain(node)
-        elif isinstance(msg, TokenBatch):
-            self.outbox = {}
-            try:
-                for u in msg.updates:
-                    await self._on_tokens(node, u)
-            finally:
-                outbox, self.outbox = self.outbox, None
-                for client, outputs in outbox.items():   # NOTE: one client's failure is not another's
-                    try:
-                        await self.clients.send(outputs[0] if len(outputs) == 1 else OutputBatch(outputs),
-                                                to=client)
-                    except Exception:
-                        log.exception("could not send %d outputs to a client", len(outputs))
-        elif isinstance(msg, PrefixUpdate) and node.role == "prefill" and node.ready.pid == msg.pid:
-            router.update_prefix(node, msg.added, msg.removed, msg.is_reset)
-
-    async def _on_tokens(self, node: NodeState, u: TokenUpdate) -> None:
-        req = self.requests.get(u.request_id)
-        if req is None or node.name not in (req.prefill_node, req.decode_node):
-            # Finished here already (the node should drop it too), or not this node's to report.
-            await self.node_link.send(NodeAbort(u.request_id), to=node.identity)
-            return
-        if any(t >= self.spec.vocab_size for t in u.token_ids):
-            await self.finish(req, FINISH_ERROR, f"{node.role} node {node.name} sent a token outside "
-                                                  f"the vocabulary", status=502)
-            return
-        try:
-            token_ids = req.new_tokens(node.name, u.index, u.token_ids, u.finish_reason)
-        except LostTokens as e:
-            await self.migrations.move_or_fail(req, node.name, "link", str(e))
-            return
-        except ValueError as e:
-            await self.finish(req, FINISH_ERROR, str(e), status=502)
-            return
-        if token_ids is None:
-            return
-        if not req.is_prefilled:
-            req.is_prefilled = True
-            router.prefill_done(self.nodes.get(req.prefill_node), req.work_tokens)
-            self._wake.set()
-        is_first = req.num_tokens == 0 and bool(token_ids)
-        if is_first:
-            req.first_token_at = time.monotonic()
-        if u.timings:   # the first updates': TTFT parts; a preempted request's last: its preemptions
-            req.timings.update(self.migrations.timings(req, u.timings))
-        if is_first:
-            req.timings["ttft_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
-        if not token_ids and not u.finish_reason:
-            return   # the repeated first token alone: nothing new for the client
-        req.add_output(token_ids)
-        if req.detok.is_stopped:
-            await self.finish(req, FINISH_STOP, None, token_ids)
-        elif u.finish_reason:
-            reason = u.finish_reason if u.finish_reason in ("stop", "length") else FINISH_ERROR
-            await self.finish(req, reason, None, token_ids, is_node_done=True)
-        else:
-            await self._reply(req.client, GenerateOutput(req.request_id, token_ids, req.detok.take(),
-                                                         timings=req.timings if is_first else None))
+    # ---- requests leave ----------------------------------------------------------
 
     async def finish(self, req: RequestState, reason: str, error: str | None,
                       token_ids: list[int] = (), is_node_done: bool = False,
@@ -391,7 +322,7 @@ class Frontend:
         usage = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": req.num_tokens}
         self.num_served += 1
         self.metrics.finished(req, reason)
-        await self._reply(req.client, GenerateOutput(req.request_id, list(token_ids), req.detok.take(True),
+        await self.reply(req.client, GenerateOutput(req.request_id, list(token_ids), req.detok.take(True),
                                                      True, reason, error, usage, req.timings), status)
 
     def unroute(self, req: RequestState) -> None:
@@ -409,9 +340,16 @@ class Frontend:
     # ---- watchdog -------------------------------------------------------------
 
     async def _watchdog_loop(self) -> None:
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(WATCHDOG_S)
             now = time.monotonic()
+            # NOTE: a tick this late means the loop itself was held up, and with it the node
+            # loop that reads heartbeats: that time is not nodes' silence.
+            if now - last > WATCHDOG_S + STALL_S:
+                log.warning("the frontend's loop was held up for %.2fs", now - last - WATCHDOG_S)
+                self.registry.excuse(now - last - WATCHDOG_S)
+            last = now
             await self.registry.check(now)
             for req in list(self.requests.values()):
                 if now > req.deadline:

@@ -205,6 +205,11 @@ for i in "${!PREFILL_DEVS[@]}"; do
 done
 NUM_NODES=${#NAMES[@]}
 
+# What killed launchers left (their pid, in the name, is gone): their temporary keys and ready files.
+for d in "${TMPDIR:-/tmp}"/pdserve-keys-* "${TMPDIR:-/tmp}"/pdserve-ready-*; do
+    pid="${d##*/pdserve-}"; pid="${pid#*-}"; pid="${pid%%-*}"
+    { [ -d "$d" ] && [ -O "$d" ] && [[ "$pid" =~ ^[0-9]+$ ]] && ! kill -0 "$pid" 2>/dev/null && rm -rf "$d"; } || true
+done
 KEY_ARGS=() TMP_KEYS="" LINKS="open node links"
 if [ $USE_KEYS = 1 ] && [ -n "$JOIN" ]; then   # the frontend's host made them: use, never make
     for file in frontend.key "${NAMES[@]/%/.key_secret}"; do
@@ -212,7 +217,9 @@ if [ $USE_KEYS = 1 ] && [ -n "$JOIN" ]; then   # the frontend's host made them: 
     done
     KEY_ARGS=(--keys "$KEYS") LINKS="CURVE keys in $KEYS"
 elif [ $USE_KEYS = 1 ]; then
-    if [ -z "$KEYS" ]; then TMP_KEYS="$(mktemp -d)"; KEYS="$TMP_KEYS"; fi
+    # Made for this cluster alone: the frontend removes them as it exits (and a launch, those
+    # of launchers killed with their frontend: below).
+    if [ -z "$KEYS" ]; then TMP_KEYS="$(mktemp -d -t "pdserve-keys-$$-XXXXXX")"; KEYS="$TMP_KEYS"; fi
     "$PY" -m launch.keys "$KEYS" --nodes "$(IFS=,; echo "${NAMES[*]}")" >/dev/null
     KEY_ARGS=(--keys "$KEYS") LINKS="CURVE keys in $KEYS"
 fi
@@ -221,7 +228,7 @@ fi
 SETSID=(); command -v setsid >/dev/null && SETSID=(setsid)
 
 FRONTEND_PID="" NODE_PIDS=() STARTED_AT=() BACKOFF=() RESTART_AT=()
-READY_DIR="$(mktemp -d)"   # each node writes READY_DIR/NAME once the frontend accepts it
+READY_DIR="$(mktemp -d -t "pdserve-ready-$$-XXXXXX")"   # each node writes READY_DIR/NAME once accepted
 cleanup() {  # stop everything: the frontend drains first, then the nodes stop
     trap - INT TERM
     if [ -n "$FRONTEND_PID" ] && kill -0 "$FRONTEND_PID" 2>/dev/null; then
@@ -266,7 +273,7 @@ start_node() {  # start_node INDEX
 }
 
 if [ -z "$JOIN" ]; then
-    "${SETSID[@]}" "$PY" -m frontend --model "$MODEL" --clients "$CLIENTS" --nodes "$NODES" "${KEY_ARGS[@]}" \
+    PDSERVE_TEMP_KEYS="$TMP_KEYS" "${SETSID[@]}" "$PY" -m frontend --model "$MODEL" --clients "$CLIENTS" --nodes "$NODES" "${KEY_ARGS[@]}" \
         --threads 1 --drain-timeout "$DRAIN_TIMEOUT" "${REMOTE[@]}" "${FRONTEND_OPTS[@]}" "${FRONTEND_EXTRA[@]}" &
     FRONTEND_PID=$!
 fi

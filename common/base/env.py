@@ -18,6 +18,8 @@ class Env:
     disable_graphs: bool      # PDSERVE_DISABLE_GRAPHS=1: eager decode on CUDA
     disable_cpu_kernels: bool  # PDSERVE_DISABLE_CPU_KERNELS=1: portable attention on CPU too
     ready_file: Path | None   # PDSERVE_READY_FILE: a node writes it once the frontend accepts it
+    temp_keys: Path | None    # PDSERVE_TEMP_KEYS: keys made for this cluster alone; the frontend
+                              # removes them as it exits (also when its launcher was killed)
 
 
 def read_env() -> Env:
@@ -28,4 +30,5 @@ def read_env() -> Env:
         disable_graphs=os.environ.get("PDSERVE_DISABLE_GRAPHS", "0") == "1",
         disable_cpu_kernels=os.environ.get("PDSERVE_DISABLE_CPU_KERNELS", "0") == "1",
         ready_file=Path(os.environ["PDSERVE_READY_FILE"]) if os.environ.get("PDSERVE_READY_FILE") else None,
+        temp_keys=Path(os.environ["PDSERVE_TEMP_KEYS"]) if os.environ.get("PDSERVE_TEMP_KEYS") else None,
     )

@@ -63,10 +63,11 @@ def stop_reason(p: SamplingParams, token: int, num_output: int, prompt_len: int,
 def validate_prompt(token_ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int) -> None:
     if len(token_ids) == 0:
         raise ValueError("the prompt is empty")
-    bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)
-           or not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    # NOTE: the length first: a prompt of millions of ids is refused without reading them.
     if len(token_ids) + max_tokens > max_model_len:
         raise ValueError(f"prompt length {len(token_ids)} + max_tokens {max_tokens} exceeds the "
                          f"model's maximum length {max_model_len}")
+    if not (all(type(t) is int for t in token_ids) and 0 <= min(token_ids) and max(token_ids) < vocab_size):
+        bad = next(t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < vocab_size)
+        raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")

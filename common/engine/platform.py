@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-SHM_PREFIX = "pdserve-kv"   # /dev/shm/pdserve-kv-<pid>-<hex>: a CPU cache other processes map
+SHM_PREFIX = "pdserve-kv"   # /dev/shm/pdserve-kv-<pid namespace>-<pid>-<hex>: a CPU cache other processes map
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
@@ -89,8 +89,9 @@ class CpuPlatform:
         _remove_stale_segments()
         nbytes = _nbytes(shape, dtype)
         # Python's resource tracker unlinks the segment if this process dies without closing it.
-        self._segment = shared_memory.SharedMemory(f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}",
-                                                   create=True, size=max(nbytes, 1))
+        self._segment = shared_memory.SharedMemory(
+            f"{SHM_PREFIX}-{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(4)}", create=True,
+            size=max(nbytes, 1))
         # a fresh segment reads as zeros
         return torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
@@ -252,17 +253,29 @@ def platform_for(device: torch.device | str) -> CpuPlatform:
     return PLATFORMS[device.type](device)
 
 
+def _pid_namespace() -> str:
+    """This process's pid namespace (its inode): pids mean something only within it."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "x"   # unknown: no stale segment is ever taken for ours
+
+
 def _remove_stale_segments() -> None:
-    """Segments of processes that died before their tracker could unlink them."""
+    """Segments of processes of this pid namespace that died before their tracker could
+    unlink them. NOTE: a segment another pid namespace made (another container sharing
+    /dev/shm) is never touched: its pid means nothing here."""
+    ns = _pid_namespace()
     try:
         names = os.listdir("/dev/shm")
     except OSError:
         return
     for name in names:
         parts = name.split("-")
-        if name.startswith(SHM_PREFIX + "-") and len(parts) == 4 and parts[2].isdigit():
+        if ns != "x" and name.startswith(SHM_PREFIX + "-") and len(parts) == 5 and parts[2] == ns \
+                and parts[3].isdigit():
             try:
-                os.kill(int(parts[2]), 0)
+                os.kill(int(parts[3]), 0)
             except ProcessLookupError:
                 try:
                     os.unlink(os.path.join("/dev/shm", name))

@@ -1,0 +1,132 @@
+"""The frontend's node link, inbound: what nodes say (registration, heartbeats, tokens,
+failures, syncs, drains, prefix updates), each checked against who says it: a node
+speaks only for the requests routed to it, and only under the name it proved.
+Tokens are detokenized and streamed to their clients, one message per client per
+TokenBatch; an update that skips tokens moves its request on (migrate.py)."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from common.base.log import Throttle, get_logger
+from common.base.request import FINISH_ERROR, FINISH_STOP
+from common.wire.channel import BadMessage
+from common.wire.protocol import (NODE_TO_FRONTEND, GenerateOutput, Heartbeat, NodeAbort, NodeDraining,
+                                  NodeReady, NodeSynced, OutputBatch, PrefixUpdate, RequestFailed,
+                                  TokenBatch, TokenUpdate)
+from frontend import router
+from frontend.request import LostTokens
+from frontend.router import NodeState
+
+if TYPE_CHECKING:
+    from frontend.server import Frontend
+
+log = get_logger("frontend")
+noisy = Throttle(log)
+
+
+class NodeMessages:
+    def __init__(self, frontend: Frontend):
+        self.fe = frontend
+
+    async def run(self) -> None:
+        fe = self.fe
+        while True:
+            sender, msg = await fe.node_link.recv(NODE_TO_FRONTEND)
+            try:
+                await self.on_message(sender, msg)
+                for tag in fe.node_link.take_rerouted():   # a node's link was made again
+                    node = fe.registry.by_identity(tag)
+                    if node is not None and node.is_alive:
+                        await fe.migrations.sync(node)
+            except Exception:
+                log.exception("error while handling a %s from a node", type(msg).__name__)
+
+    async def on_message(self, sender: bytes, msg) -> None:
+        fe = self.fe
+        if isinstance(msg, BadMessage):
+            noisy.warning("dropped a malformed message from %r: %s", sender, msg.error)
+            return
+        if isinstance(msg, NodeReady):
+            await fe.registry.on_ready(sender, msg)
+            return
+        if isinstance(msg, Heartbeat):
+            await fe.registry.on_heartbeat(sender, msg)
+            return
+        node = fe.registry.by_identity(sender)
+        if node is None:
+            noisy.warning("message from unregistered node %r ignored", sender)
+            return
+        fe.registry.seen(node)
+        if isinstance(msg, RequestFailed):
+            req = fe.requests.get(msg.request_id)
+            if req is None or node.name not in (req.prefill_node, req.decode_node):
+                return
+            if msg.is_retryable:   # its KV's way was cut, or its KV did not land whole
+                await fe.migrations.move_or_fail(req, req.decode_node, "handoff", msg.error)
+            else:
+                await fe.finish(req, FINISH_ERROR, msg.error, status=500)
+        elif isinstance(msg, NodeSynced):
+            await fe.migrations.on_synced(node, msg)
+        elif isinstance(msg, NodeDraining):
+            if msg.name == node.name and msg.pid == node.ready.pid:
+                await fe.migrations.drain(node)
+        elif isinstance(msg, TokenBatch):
+            fe.outbox = {}
+            try:
+                for u in msg.updates:
+                    await self.on_tokens(node, u)
+            finally:
+                outbox, fe.outbox = fe.outbox, None
+                for client, outputs in outbox.items():   # NOTE: one client's failure is not another's
+                    try:
+                        await fe.clients.send(outputs[0] if len(outputs) == 1 else OutputBatch(outputs),
+                                                to=client)
+                    except Exception:
+                        log.exception("could not send %d outputs to a client", len(outputs))
+        elif isinstance(msg, PrefixUpdate) and node.role == "prefill" and node.ready.pid == msg.pid:
+            router.update_prefix(node, msg.added, msg.removed, msg.is_reset)
+
+    async def on_tokens(self, node: NodeState, u: TokenUpdate) -> None:
+        fe = self.fe
+        req = fe.requests.get(u.request_id)
+        if req is None or node.name not in (req.prefill_node, req.decode_node):
+            # Finished here already (the node should drop it too), or not this node's to report.
+            await fe.node_link.send(NodeAbort(u.request_id), to=node.identity)
+            return
+        if any(t >= fe.spec.vocab_size for t in u.token_ids):
+            await fe.finish(req, FINISH_ERROR, f"{node.role} node {node.name} sent a token outside "
+                                                  f"the vocabulary", status=502)
+            return
+        try:
+            token_ids = req.new_tokens(node.name, u.index, u.token_ids, u.finish_reason)
+        except LostTokens as e:
+            await fe.migrations.move_or_fail(req, node.name, "link", str(e))
+            return
+        except ValueError as e:
+            await fe.finish(req, FINISH_ERROR, str(e), status=502)
+            return
+        if token_ids is None:
+            return
+        if not req.is_prefilled:
+            req.is_prefilled = True
+            router.prefill_done(fe.nodes.get(req.prefill_node), req.work_tokens)
+            fe.wake_dispatch()
+        is_first = req.num_tokens == 0 and bool(token_ids)
+        if is_first:
+            req.first_token_at = time.monotonic()
+        if u.timings:   # the first updates': TTFT parts; a preempted request's last: its preemptions
+            req.timings.update(fe.migrations.timings(req, u.timings))
+        if is_first:
+            req.timings["ttft_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
+        if not token_ids and not u.finish_reason:
+            return   # the repeated first token alone: nothing new for the client
+        req.add_output(token_ids)
+        if req.detok.is_stopped:
+            await fe.finish(req, FINISH_STOP, None, token_ids)
+        elif u.finish_reason:
+            reason = u.finish_reason if u.finish_reason in ("stop", "length") else FINISH_ERROR
+            await fe.finish(req, reason, None, token_ids, is_node_done=True)
+        else:
+            await fe.reply(req.client, GenerateOutput(req.request_id, token_ids, req.detok.take(),
+                                                         timings=req.timings if is_first else None))
