@@ -8,7 +8,7 @@
 #        [--kv-transfer auto|ipc|nixl|tcp|dist] [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N]
 #        [--max-model-len N] [--block-size N] [--token-budget N] [--kv-cache-fraction F]
 #        [--http-port 8000 | --no-http] [--served-model-name NAME] [--log-level LEVEL]
-#        [--no-prefix-caching] [--swap-space GIB] [--no-preemption]
+#        [--no-prefix-caching] [--swap-space GIB] [--no-preemption] [--kv-verify]
 #        [--keys DIR | --no-keys] [--no-restart-nodes] [--drain-timeout S]
 #        [--ready-timeout S] [--frontend-arg ARG]... [--prefill-arg ARG]... [--decode-arg ARG]...
 #
@@ -82,6 +82,7 @@ while [ $# -gt 0 ]; do
         --no-prefix-caching|--no-enable-prefix-caching) PREFILL_EXTRA+=(--no-prefix-caching); shift ;;
         --swap-space) DECODE_EXTRA+=(--swap-space "$(value "$@")"); shift 2 ;;
         --no-preemption) DECODE_EXTRA+=(--no-preemption); shift ;;
+        --kv-verify) PREFILL_EXTRA+=(--kv-verify); DECODE_EXTRA+=(--kv-verify); shift ;;
         --demo) DEMO=1; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "start_cluster: unknown option $1" >&2; usage >&2; exit 2 ;;

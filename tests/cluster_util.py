@@ -1,4 +1,5 @@
-"""Start pdserve processes for tests and make sure none outlives them."""
+"""Start pdserve processes for tests and make sure none outlives them. Every cluster runs
+with --kv-verify: a handoff whose blocks do not hold what was written fails loudly."""
 from __future__ import annotations
 
 import asyncio
@@ -139,11 +140,11 @@ class Processes:
                       log_path=log)
         elif role == "prefill":
             p = spawn("prefill_node", "--model", str(self.model), "--frontend", self.nodes,
-                      "--kv-cache-memory", "4MiB",
+                      "--kv-cache-memory", "4MiB", "--kv-verify",
                       "--handoff-lease", "3", "--token-budget", "64", *extra, log_path=log)
         else:
             p = spawn("decode_node", "--model", str(self.model), "--frontend", self.nodes,
-                      "--kv-bind", kv or self.kv, "--kv-cache-memory", "4MiB",
+                      "--kv-bind", kv or self.kv, "--kv-cache-memory", "4MiB", "--kv-verify",
                       "--max-batch-size", "16", *extra, log_path=log)
         self.procs[name or role] = p
         return p
@@ -172,7 +173,7 @@ class Cluster:
         self.proc = subprocess.Popen(
             ["bash", str(ROOT / "launch/start_cluster.sh"), "--model", str(model),
              "--base-port", str(self.base), "--http-port", str(self.base + 5),
-             "--kv-cache-memory", "8MiB", *extra],
+             "--kv-cache-memory", "8MiB", "--kv-verify", *extra],
             stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT, start_new_session=True)
         # NOTE: a test that fails before stop() must not leave a launcher that restarts
         # its nodes forever: whatever is still running at exit is stopped.

@@ -2,8 +2,10 @@
 do to a connection while both ends live. Each connection to the proxy is forwarded
 to the target; reset() ends every connection with a TCP reset on both sides (as a
 middlebox that dropped the connection's state does), stall() stops forwarding
-while the connections stay open (a peer gone silent), and rate_bytes_s slows
-what goes through (so a test can act while a large KV write is on the way)."""
+while the connections stay open (a peer gone silent), stall_on(pattern) does so
+the moment the pattern passes towards the target (on open links, a message type:
+b"kv_transfer" stalls as the first write begins), and rate_bytes_s slows what goes
+through (so a test can act while a large KV write is on the way)."""
 from __future__ import annotations
 
 import selectors
@@ -36,6 +38,8 @@ class Proxy:
         self._pairs: dict[socket.socket, _Pair] = {}
         self._lock = threading.Lock()
         self._is_stalled = False
+        self._stall_on: bytes | None = None
+        self._seen = b""   # the tail of what went towards the target, for a pattern split in two
         self._is_stopped = False
         self._allowance = 0.0
         self._allowance_at = time.monotonic()
@@ -64,7 +68,16 @@ class Proxy:
         """Forward nothing (connections stay open; what is sent piles up, then blocks)."""
         self._is_stalled = True
 
+    def stall_on(self, pattern: bytes) -> None:
+        """Stall once pattern is seen going to the target (what holds it is kept for resume())."""
+        self._stall_on = pattern
+
+    @property
+    def is_stalled(self) -> bool:
+        return self._is_stalled
+
     def resume(self) -> None:
+        self._stall_on = None
         self._is_stalled = False
 
     def close(self) -> None:
@@ -155,6 +168,11 @@ class Proxy:
             return
         if self.rate_bytes_s is not None:
             self._allowance -= len(data)
+        if self._stall_on and s is pair.ends[0]:
+            window = self._seen + data
+            if self._stall_on in window:
+                self._is_stalled = True
+            self._seen = window[-len(self._stall_on):]
         pair.out[peer] += data
 
     def _flush(self) -> None:

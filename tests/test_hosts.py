@@ -24,7 +24,7 @@ class Launcher:
     def __init__(self, tiny_model, log_path, *args: str):
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(["bash", str(ROOT / "launch/start_cluster.sh"), "--model", str(tiny_model),
-                                      "--kv-cache-memory", "8MiB", "--no-http", *args],
+                                      "--kv-cache-memory", "8MiB", "--no-http", "--kv-verify", *args],
                                      stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT, start_new_session=True)
 
     def first_line(self) -> str:
@@ -144,7 +144,7 @@ def test_three_simulated_hosts_serve_exactly_and_survive_a_host_cut_off(tiny_mod
     prompts, expected = clear_prompts(tiny_model, candidates, 12, 8)
     with netns_util.Hosts(["a", "b", "c"]) as hosts:
         common = ["bash", str(ROOT / "launch/start_cluster.sh"), "--model", str(tiny_model), "--keys", str(keys),
-                  "--kv-cache-memory", "8MiB", "--no-http", "--base-port", "5600", "--kv-transfer", backend]
+                  "--kv-cache-memory", "8MiB", "--no-http", "--kv-verify", "--base-port", "5600", "--kv-transfer", backend]
         a = hosts.popen("a", [*common, "--host", hosts.addr("a"), "--name-prefix", "a-", "--num-prefill", "1",
                               "--num-decode", "0"], stdout=subprocess.PIPE, stderr=open(tmp_path / "a.log", "wb"),
                         cwd=ROOT, env=_env())

@@ -360,6 +360,8 @@ class Sender:
         if h is None or h.stage not in (Stage.WRITING, Stage.CANCELLING):
             return
         if error is not None and h.stage is Stage.WRITING:   # not a write its handoff stopped
+            if self.clock() > h.write_deadline:
+                error = "it did not complete before its reservation could end"
             self._figures(h.peer).num_failed += 1
             h.error = h.error or f"KV transfer to {h.peer.name} failed: {error}"
             h.is_retryable = True
