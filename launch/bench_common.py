@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from common.wire.codec import dtype_name
-from common.wire.channel import BadMessage, Channel, Poller, open_context
+from common.wire.channel import node_tag, BadMessage, Channel, Poller, open_context
 from common.base.config import DTYPES, endpoint
 from common.wire.keys import ClusterKeys
 from common.kv.blocks import num_blocks_for
@@ -168,7 +168,8 @@ class NodeUnderTest:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         self.kv = Channel(self.kv_ctx, kv_is_router, self.kv_endpoint, max_message_bytes=None,
                           domain="nodes" if kv_is_router else None,
-                          server=None if kv_is_router else "decode-0")
+                          server=None if kv_is_router else "decode-0",
+                          tag=None if kv_is_router else node_tag(name, "bench"))
         self.poller = Poller(self.link, self.kv)
         self.identity: bytes | None = None
         self.last_stats: dict = {}
@@ -219,7 +220,8 @@ class NodeUnderTest:
                                    {"tcp": {}}), to=sender)
         elif isinstance(msg, KVReserve):
             n = num_blocks_for(msg.prompt_len, block_size)
-            self.kv.send(KVReserved(msg.request_id, "bench", list(range(1, n + 1))), to=sender)
+            self.kv.send(KVReserved(msg.request_id, "bench", list(range(1, n + 1)), ask=msg.ask,
+                                    reservation=f"bench-{msg.request_id}"[:128]), to=sender)
         elif isinstance(msg, KVCommit):
             self.kv.send(HandoffAck(msg.request_id, True), to=sender)
             return msg
@@ -241,9 +243,10 @@ class NodeUnderTest:
             time.sleep(0.05)   # the decode node is full for now
         if reply.block_ids is None:
             raise RuntimeError(f"decode node refused {request_id}: {reply.reason}")
-        self.kv.send(KVTransfer(request_id, "tcp", {"first_layer": 0},
+        self.kv.send(KVTransfer(request_id, reply.reservation, "tcp", {"first_layer": 0},
                                 kv[:, :, : len(reply.block_ids)].contiguous()))
-        self.kv.send(KVCommit(request_id, prompt_len, first_token, params, {}, "tcp", [1] * prompt_len))
+        self.kv.send(KVCommit(request_id, prompt_len, first_token, params, {}, "tcp", [1] * prompt_len,
+                              reply.reservation, kv.shape[0]))
 
     def close(self) -> None:
         self.proc.terminate()

@@ -50,9 +50,10 @@ LEASE_S = 30.0   # the decode node's reservation lease
 class PrefillSide:
     """This process standing in for a prefill node on one decode node's KV link."""
 
-    def __init__(self, node: NodeUnderTest, cache: torch.Tensor, backend: str):
-        self.node, self.cache = node, cache
+    def __init__(self, node: NodeUnderTest, cache: torch.Tensor, backend: str, is_verifying: bool = False):
+        self.node, self.cache, self.is_verifying = node, cache, is_verifying
         self.inbox: list = []   # KV-link messages read but not yet taken
+        self.grants: dict[str, tuple[str, int, list[int] | None]] = {}   # rid -> (grant, units, checksums)
         node.kv.send(KVHello("prefill-0"))
         welcome = self._wait(lambda m: isinstance(m, KVWelcome))
         self.writer = transfer.open_writer(backend, welcome, cache, lambda m: node.kv.send(m, block=False))
@@ -76,17 +77,27 @@ class PrefillSide:
 
     def reserve(self, rid: str, prompt_len: int, max_tokens: int = 1) -> list[int]:
         while True:
-            self.node.kv.send(KVReserve(rid, prompt_len, max_tokens))
+            self.node.kv.send(KVReserve(rid, prompt_len, max_tokens, 1))
             r = self._wait(lambda m: isinstance(m, KVReserved) and m.request_id == rid)
             if r.block_ids is not None:
+                self.grants[rid] = (r.reservation, 0, None)
                 return r.block_ids
             if not r.is_retryable:
                 raise RuntimeError(f"reservation refused: {r.reason}")
             time.sleep(0.01)
 
-    def commit(self, rid: str, prompt_len: int) -> None:
-        self.node.kv.send(KVCommit(rid, prompt_len, 1, SamplingParams(max_tokens=1, ignore_eos=True),
-                                   {}, self.writer.name, [1] * prompt_len))
+    def write(self, rid: str, src: list[int], dst: list[int]) -> None:
+        """As a prefill node writes: with --kv-verify, the blocks' checksums taken first."""
+        grant = self.grants[rid][0]
+        sums = transfer.block_checksums(self.cache, src) if self.is_verifying else None
+        units = self.writer.write(rid, grant, src, dst, LEASE_S)
+        self.grants[rid] = (grant, units, sums)
+
+    def commit(self, rid: str, prompt_len: int, params: SamplingParams | None = None) -> None:
+        grant, units, sums = self.grants.pop(rid)
+        self.node.kv.send(KVCommit(rid, prompt_len, 1, params or SamplingParams(max_tokens=1, ignore_eos=True),
+                                   {}, self.writer.name, [1] * prompt_len, grant, units,
+                                   None if sums is None else sums.tolist()))
 
     def wait_written(self, rids: set[str], on_written) -> None:
         while rids:
@@ -216,7 +227,8 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
     # One row beyond the long requests: a timed handoff (max_tokens 1) ends at admission.
     args = worker_args(ns, a.decode_batch + 1, a.prompt_len + a.decode_tokens + 16)
     place = a.place or {}
-    node = NodeUnderTest("decode_node", args + ["--kv-transfer", backend, "--block-size", str(bs)],
+    node = NodeUnderTest("decode_node", args + ["--kv-transfer", backend, "--block-size", str(bs)]
+                         + (["--kv-verify"] if a.kv_verify else []),
                          base_port, a.node_log, kv_is_router=False, keys_dir=a.keys_dir,
                          host=place.get("host", "127.0.0.1"), node_host=place.get("decode_host", "127.0.0.1"),
                          prefix=tuple(place.get("prefix", ())))
@@ -226,16 +238,16 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
         cache = torch.randn(spec.num_layers, 2, n_blocks + 1, bs, spec.num_kv_heads, spec.head_dim,
                             device=a.prefill_device, dtype=torch.float32).to(dtype)
         src = list(range(1, n_blocks + 1))
-        side = PrefillSide(node, cache, backend)
+        side = PrefillSide(node, cache, backend, a.kv_verify)
         running = []
         if a.decode_batch:   # long requests that keep the decode node stepping
             params = SamplingParams(max_tokens=a.decode_tokens, ignore_eos=True)
             for i in range(a.decode_batch):
                 rid = f"bg-{i}"
                 dst = side.reserve(rid, a.prompt_len, a.decode_tokens)
-                side.writer.write(rid, src, dst, LEASE_S)
+                side.write(rid, src, dst)
                 side.wait_written({rid}, lambda r: None)
-                node.kv.send(KVCommit(rid, a.prompt_len, 1, params, {}, side.writer.name, [1] * a.prompt_len))
+                side.commit(rid, a.prompt_len, params)
                 side.wait_acks({rid})
                 running.append(rid)
             while node.next_heartbeat(time.perf_counter())[1]["num_running"] < a.decode_batch:
@@ -249,7 +261,7 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
                 dst = side.reserve(rid, a.prompt_len)
                 sync(cache.device)
                 t0 = time.perf_counter()
-                side.writer.write(rid, src, dst, LEASE_S)
+                side.write(rid, src, dst)
                 side.wait_written({rid}, lambda r: side.commit(r, a.prompt_len))
                 side.wait_acks({rid})
                 out.append((time.perf_counter() - t0) * 1e3)
@@ -264,7 +276,7 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
             sync(cache.device)
             t0 = time.perf_counter()
             for rid, dst in zip(rids, dsts):
-                side.writer.write(rid, src, dst, LEASE_S)
+                side.write(rid, src, dst)
             side.wait_written(set(rids), lambda r: side.commit(r, a.prompt_len))
             side.wait_acks(set(rids))
             return time.perf_counter() - t0
@@ -291,7 +303,7 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
     record = {"bench": "kv_transfer", "backend": backend, "shape": a.shape,
               "dtype": dtype_name(dtype),
               "prefill_device": device_name(a.prefill_device), "decode_device": a.decode_device,
-              "prompt_len": a.prompt_len, "num_requests": a.num_requests,
+              "prompt_len": a.prompt_len, "num_requests": a.num_requests, "kv_verify": a.kv_verify,
               "MB_per_request": round(req_bytes / 1e6, 2),
               "ms_per_request_median": round(statistics.median(latencies), 3),
               "ms_per_request_p90": round(sorted(latencies)[int(0.9 * (len(latencies) - 1))], 3),
@@ -321,6 +333,8 @@ def main(argv=None) -> None:
     p.add_argument("--decode-tokens", type=int, default=4096, help="their max_tokens")
     p.add_argument("--window", type=float, default=3.0, help="seconds per step-time reading")
     p.add_argument("--base-port", type=int, default=5800)
+    p.add_argument("--kv-verify", action="store_true",
+                   help="both sides check the KV end to end, as nodes started with --kv-verify do")
     p.add_argument("--node-log", default=None)
     p.add_argument("--curve", action="store_true",
                    help="CURVE keys on the node and KV links, as start_cluster.sh runs them")

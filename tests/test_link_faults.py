@@ -53,27 +53,30 @@ async def _stream(client: AsyncClient, prompt: list[int], max_tokens: int, start
     return outs
 
 
-def test_a_joined_decode_hosts_links_reset_mid_stream_and_mid_write_lose_nothing(tiny_model, tmp_path):
+@pytest.mark.parametrize("is_keyed", [True, False], ids=["keys", "open"])
+def test_a_joined_decode_hosts_links_reset_mid_stream_and_mid_write_lose_nothing(tiny_model, tmp_path, is_keyed):
     """A frontend host and a decode host that joins it through a middlebox: its node link
     (requests, tokens, heartbeats) and its KV link each pass a proxy, the KV link slowed
     so that writes take a while. Every connection of the decode host is reset while 8
     greedy streams run, and again while 8 more are being handed off: all 16 finish with
-    the undisturbed tokens, with no error, and every block comes back."""
+    the undisturbed tokens, with no error, and every block comes back. With keys a
+    reconnected peer has a new routing id; on open links, the same one."""
     keys = tmp_path / "keys"
     subprocess.run([sys.executable, "-m", "launch.keys", str(keys), "--nodes", "a-prefill-0,b-decode-0"],
                    check=True, cwd=ROOT, capture_output=True)
+    link_args = ["--keys", str(keys)] if is_keyed else ["--no-keys"]
     base_a, base_b = free_base_port(3), free_base_port(3)
     max_tokens = 40
     candidates = [[(7 * i + 3 * j) % 400 + 1 for j in range(160 + 9 * i)] for i in range(28)]
     prompts, expected = clear_prompts(tiny_model, candidates, max_tokens, 16)
     # NOTE: tcp, as between hosts (on one host auto would pick ipc, which sends no KV on the link).
-    a = _launcher(tiny_model, tmp_path / "a.log", "--keys", str(keys), "--name-prefix", "a-", "--num-prefill", "1",
+    a = _launcher(tiny_model, tmp_path / "a.log", *link_args, "--name-prefix", "a-", "--num-prefill", "1",
                   "--num-decode", "0", "--base-port", str(base_a), "--kv-transfer", "tcp")
     b = None
     with Proxy(base_a + 1) as node_link, Proxy(base_b + 2, rate_bytes_s=400e3) as kv_link:
         try:
             endpoint = a.stdout.readline().decode().strip().split("=", 1)[1]
-            b = _launcher(tiny_model, tmp_path / "b.log", "--keys", str(keys), "--name-prefix", "b-",
+            b = _launcher(tiny_model, tmp_path / "b.log", *link_args, "--name-prefix", "b-",
                           "--join", node_link.endpoint, "--num-prefill", "0", "--num-decode", "1",
                           "--base-port", str(base_b), "--kv-transfer", "tcp", "--decode-arg", "--kv-advertise",
                           "--decode-arg", kv_link.endpoint)

@@ -139,13 +139,15 @@ class FakePrefill:
 
     def commit(self, rid: str, grant: KVReserved, shape: list[int], prompt_len: int = 40, max_tokens: int = 8,
                is_written: bool = True, stamps: dict | None = None) -> HandoffAck:
-        """Write the grant's blocks (zeros, one tcp frame of every layer) and commit."""
+        """Write the grant's blocks (zeros, one tcp frame of every layer) and commit, with
+        their checksums (the decode nodes of the tests verify)."""
         if is_written:
             self.ch.send(KVTransfer(rid, grant.reservation, "tcp", {"first_layer": 0},
                                     torch.zeros(shape[0], 2, len(grant.block_ids), *shape[3:])))
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sums = [0] * len(grant.block_ids) if grant.block_ids else None   # of zeros (--kv-verify)
         return self.ask(KVCommit(rid, prompt_len, 1, params, stamps or {}, "tcp", [1] * prompt_len,
-                                 grant.reservation, shape[0]), HandoffAck)
+                                 grant.reservation, shape[0], sums), HandoffAck)
 
     def close(self):
         self.ch.close()
