@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections import OrderedDict
 
 from common.wire.channel import BadMessage, Channel, Poller
 from common.base.config import DecodeConfig, endpoint_host, is_loopback_endpoint
 from common.runtime.process import StopEvent, describe_threads
 from common.kv.blocks import BlockAllocator
 from common.base.log import Throttle, get_logger
+from common.base.recent import Recent
 from common.runtime.node import NodeRuntime
 from common import transfer
 from common.wire.channel import node_tag
@@ -43,7 +43,7 @@ class DecodeNode:
         self.cfg = cfg
         self.worker = DeviceWorker(cfg.worker)
         self.pending_aborts: set[str] = set()
-        self.ended: OrderedDict[str, None] = OrderedDict()   # the latest requests that ended here
+        self.ended = Recent(ENDED_MEMORY)   # the latest requests that ended here
         self.finished_in_flight: set[str] = set()   # finished, but their row is in the step in flight
         self.num_discarded_tokens = 0
         self.num_finished = 0
@@ -295,12 +295,7 @@ class DecodeNode:
             self.worker.remove_decode_seq(request_id)
         self.scheduler.finish(request_id)
         self.num_finished += count
-        self._ended(request_id)
-
-    def _ended(self, request_id: str) -> None:
-        self.ended[request_id] = None
-        while len(self.ended) > ENDED_MEMORY:
-            self.ended.popitem(last=False)
+        self.ended.add(request_id)
 
     # ---- send and report ------------------------------------------------------
 

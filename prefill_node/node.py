@@ -111,9 +111,10 @@ class PrefillNode:
                 self.handoffs.abort(msg.request_id)
             elif isinstance(msg, NodeSync):
                 held = self.handoffs.by_id   # every request here has its handoff
+                passed = self.handoffs.handed_off
                 self.runtime.send(NodeSynced(msg.sync_id, [r for r in msg.request_ids if r not in held
-                                                           and not self.handoffs.is_handed_off(r)],
-                                             [r for r in msg.request_ids if self.handoffs.is_handed_off(r)]))
+                                                           and r not in passed],
+                                             [r for r in msg.request_ids if r in passed]))
 
     def _accept(self, req: PrefillRequest) -> None:
         try:
@@ -233,7 +234,7 @@ class PrefillNode:
                 "num_writing": sum(h.stage.value in ("writing", "cancelling") for h in self.handoffs.by_id.values()),
                 "is_registered": self.runtime.is_registered, **self.prefix_cache.stats(),
                 "num_usable_blocks": self.prefix_cache.capacity,
-                "kv_links": self.handoffs.links(), "kv_writes": self.handoffs.transfer_figures()}
+                "kv_links": self.handoffs.links.describe(), "kv_writes": self.handoffs.transfer_figures()}
 
     def _report(self) -> None:
         now = time.monotonic()

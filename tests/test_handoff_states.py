@@ -338,13 +338,13 @@ def test_a_cache_that_cannot_be_opened_fails_only_what_its_process_answered():
     fails the handoffs that node answered, releasing their blocks; one its restarted
     successor answers waits for the successor's welcome and lands."""
     p = Pair()
-    opened = p.tx.open_writer
+    opened = p.tx.links.open_writer
 
     def gone_in_e1(welcome, send):
         if welcome.epoch == "e1":
             raise transfer.TransferError("cannot open the decode node's KV cache: no such segment")
         return opened(welcome, send)
-    p.tx.open_writer = gone_in_e1
+    p.tx.links.open_writer = gone_in_e1
     p.tx.begin(p.job("a"))
     p.pump()
     assert p.failed == [("a", "cannot hand KV to decode node decode-0: cannot open the decode node's "

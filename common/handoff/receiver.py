@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Callable, Protocol
 
 from common.base.log import Throttle, get_logger
+from common.base.recent import Recent
 from common.base.request import validate_prompt
 from common.handoff.lease import Lease
 from common.handoff.states import Hold, Reservation
@@ -67,7 +68,7 @@ class Receiver:
         self.num_incomplete = 0       # commits refused: their KV did not all arrive, or named another grant
         self.num_verify_failures = 0  # committed KV that did not match its checksums (--kv-verify)
         self.num_peer_drops = 0       # reservations freed because the frontend said their prefill node is lost
-        self.admitted: OrderedDict[str, str] = OrderedDict()   # request -> its grant, taken into the batch
+        self.admitted = Recent(ADMITTED_MEMORY)   # request -> its grant, taken into the batch
         self.peer_backends: dict[bytes, str] = {}   # the backend each prefill node last wrote with
 
     # ---- messages ---------------------------------------------------------------
@@ -199,7 +200,7 @@ class Receiver:
         c.timings["decode_recv"] = time.time()
         r = self._held_by(sender, c.request_id)
         if r is not None and r.hold is Hold.COMMITTED or r is None and c.request_id in self.admitted:
-            name = r.name if r is not None else self.admitted[c.request_id]
+            name = r.name if r is not None else self.admitted.get(c.request_id)
             if c.reservation and c.reservation == name:   # the same commit again (its link was made again)
                 self.send(HandoffAck(c.request_id, True), to=sender)
             else:   # a second commit: the first stands
@@ -343,9 +344,7 @@ class Receiver:
                            f"{len(got)} blocks differ, the first at block {bad[0]})")
                 log.error("request %s: %s", r.request_id, r.error)
         self.sink.forget(r.request_id)
-        self.admitted[r.request_id] = r.name
-        while len(self.admitted) > ADMITTED_MEMORY:
-            self.admitted.popitem(last=False)
+        self.admitted.add(r.request_id, r.name)
         return r
 
     def drop_peer(self, tag: bytes, is_exited: bool) -> int:

@@ -18,23 +18,22 @@ whose reservation has ended could land in another request's KV (lease.py).
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from typing import Callable
 
 from common.base.log import get_logger
+from common.base.recent import Recent
 from common.wire.figures import TransferFigures
 from common.handoff.lease import INF, Lease
+from common.handoff.links import KVLinks
 from common.handoff.states import DecodePeer, Handoff, Job, Link, Stage
-from common.kv.blocks import is_cache_shape, num_blocks_for, num_cache_blocks
+from common.kv.blocks import num_blocks_for
 from common.transfer import KVWriter, TransferError
-from common.wire.codec import I32_MAX
-from common.wire.protocol import (DECODE_TO_PREFILL, HandoffAck, KVCommit, KVHello, KVRelease,
-                                  KVReserve, KVReserved, KVWelcome)
+from common.wire.limits import I32_MAX
+from common.wire.protocol import HandoffAck, KVCommit, KVRelease, KVReserve, KVReserved, KVWelcome
 
 log = get_logger("prefill")
 RETRY_S = 0.05      # a retryable refusal (decode node and its line full) is asked again after
 MAX_RETRY_S = 0.8   # this, doubling up to this: a long backlog must not flood the decode node
-HELLO_EVERY_S = 1.0
 MAX_ASKS_OUT = 8    # unanswered asks remembered per handoff
 HANDED_OFF_MEMORY = 4096   # requests handed to their decode node, remembered for the frontend's NodeSync
 
@@ -60,50 +59,29 @@ class Sender:
         self.name, self.handoff_lease_s = name, handoff_lease_s
         self.checksums = checksums
         self.block_size, self.block_bytes = block_size, block_bytes
-        self.connect, self.open_writer = connect, open_writer
+        self.links = KVLinks(name, connect, open_writer, clock)
         self.free_blocks, self.drop_job, self.fail, self.clock = free_blocks, drop_job, fail, clock
-        self.peers: dict[str, DecodePeer] = {}      # by KV endpoint
         self.by_id: dict[str, Handoff] = {}
         self.num_handoffs = 0
         self.bytes_written = 0
         self.transfers: dict[str, TransferFigures] = {}   # by backend
         self.num_bad_replies = 0
-        self.handed_off: OrderedDict[str, None] = OrderedDict()   # the latest, oldest first
+        self.handed_off = Recent(HANDED_OFF_MEMORY)   # requests its decode node took: its now
         self.num_asks = 0
         self.num_link_resets = 0
 
     # ---- peers --------------------------------------------------------------
 
-    def _peer_for(self, name: str, endpoint: str) -> DecodePeer:
-        peer = self.peers.get(endpoint)
-        if peer is None:
-            peer = self.peers[endpoint] = DecodePeer(name, endpoint, self.connect(name, endpoint))
-        peer.name = name
-        return peer
-
-    def _hello(self, peer: DecodePeer) -> None:
-        now = self.clock()
-        if now - peer.hello_at >= HELLO_EVERY_S and peer.link.send(KVHello(self.name), block=False):
-            peer.hello_at = now
-
     def _on_welcome(self, peer: DecodePeer, w: KVWelcome) -> None:
         if w.epoch == peer.epoch:
             return
-        if peer.writer is not None:
-            peer.writer.close()   # waits for its copies: their blocks may be freed now
-            for h in self._of(peer, Stage.WRITING, Stage.CANCELLING):
-                self._figures(peer).num_failed += 1
-                h.stage = Stage.CANCELLED
-                h.error = h.error or f"decode node {peer.name} restarted during the KV write"
-                h.is_retryable = True
-        peer.writer, peer.epoch, peer.error = None, w.epoch, None
-        peer.num_blocks = num_cache_blocks(w.cache_shape) if is_cache_shape(w.cache_shape) else 0
-        try:
-            peer.writer = self.open_writer(w, lambda m: peer.link.send(m, block=False))
-            log.info("KV link to %s (%s): %s transfer", peer.name, peer.endpoint, peer.writer.name)
-        except TransferError as e:
-            peer.error = f"cannot hand KV to decode node {peer.name}: {e}"
-            log.error("%s", peer.error)
+        # Writes into its earlier life end with its writer (closing it waits for their copies).
+        for h in self._of(peer, Stage.WRITING, Stage.CANCELLING):
+            self._figures(peer).num_failed += 1
+            h.stage = Stage.CANCELLED
+            h.error = h.error or f"decode node {peer.name} restarted during the KV write"
+            h.is_retryable = True
+        self.links.open(peer, w)
         # Reservations from an earlier life of that node are void; KV written there is lost.
         for h in self._of(peer, Stage.QUEUED, Stage.RESERVED, Stage.WRITTEN, Stage.COMMITTED):
             if h.epoch not in (None, w.epoch):
@@ -129,15 +107,12 @@ class Sender:
                 h.next_ask_at = min(h.next_ask_at, now)
             elif h.stage is Stage.COMMITTED:
                 self._send_commit(h)
-        peer.hello_at = -INF
         if peer.epoch is None:
-            self._hello(peer)
+            self.links.hello(peer)
 
     def receive(self, link: Link) -> None:
         """Everything waiting on one decode node's KV link."""
-        peer = next(p for p in self.peers.values() if p.link is link)
-        while link.has_message():
-            _, msg = link.recv(DECODE_TO_PREFILL)
+        for peer, msg in self.links.messages(link):
             if isinstance(msg, KVWelcome):
                 self._on_welcome(peer, msg)
             elif isinstance(msg, KVReserved):
@@ -149,17 +124,17 @@ class Sender:
 
     @property
     def num_bad(self) -> int:
-        return self.num_bad_replies + sum(p.link.num_bad for p in self.peers.values())
+        return self.num_bad_replies + self.links.num_bad
 
     # ---- one request ----------------------------------------------------------
 
     def begin(self, job: Job) -> None:
         """A request is accepted: ask its decode node for blocks now."""
-        peer = self._peer_for(job.decode_node, job.decode_kv_endpoint)
+        peer = self.links.peer_for(job.decode_node, job.decode_kv_endpoint)
         h = self.by_id[job.request_id] = Handoff(job, peer)
         job.is_peer_granting = peer.is_granting and peer.writer is not None
         if peer.epoch is None:
-            self._hello(peer)
+            self.links.hello(peer)
         self._ask(h)
 
     def _ask(self, h: Handoff) -> None:
@@ -245,7 +220,7 @@ class Sender:
         h.lease = Lease(sent_at, r.lease_s)
         h.next_ask_at = h.lease.renew_at
         if r.epoch != peer.epoch:
-            self._hello(peer)   # a decode node we have not mapped (or that restarted)
+            self.links.hello(peer)   # a decode node we have not mapped (or that restarted)
 
     def _on_ack(self, peer: DecodePeer, ack: HandoffAck) -> None:
         h = self.by_id.get(ack.request_id)
@@ -253,9 +228,7 @@ class Sender:
             return
         if ack.is_accepted:
             self.num_handoffs += 1
-            self.handed_off[h.job.request_id] = None
-            while len(self.handed_off) > HANDED_OFF_MEMORY:
-                self.handed_off.popitem(last=False)
+            self.handed_off.add(h.job.request_id)
             self._end(h, None)
         else:
             self._end(h, f"decode node refused the request: {ack.reason}", is_retryable=ack.is_retryable)
@@ -288,9 +261,9 @@ class Sender:
     def advance(self) -> None:
         """Start writes whose blocks are reserved, send commits for finished writes,
         ask and renew, and end handoffs whose time has run out."""
-        for peer in self.peers.values():
-            if peer.link.take_reconnects():
-                self._on_reconnect(peer)
+        for peer in self.links.take_reconnected():
+            self._on_reconnect(peer)
+        for peer in self.links.peers.values():
             if peer.writer is not None:
                 for rid, error in peer.writer.poll():
                     self._finish_write(self.by_id.get(rid), error)
@@ -329,7 +302,7 @@ class Sender:
                 if self._can_write(h):
                     self._write(h)
                 elif h.epoch != h.peer.epoch:
-                    self._hello(h.peer)
+                    self.links.hello(h.peer)
                 if now >= h.next_ask_at and h.stage is not Stage.COMMITTED:
                     self._ask(h)   # renew
 
@@ -410,10 +383,6 @@ class Sender:
         if h.error:
             self.fail(h.job.request_id, h.error, h.is_retryable)
 
-    def is_handed_off(self, request_id: str) -> bool:
-        """Its decode node took it (lately): it is that node's now."""
-        return request_id in self.handed_off
-
     # ---- figures ------------------------------------------------------------------
 
     @property
@@ -421,10 +390,6 @@ class Sender:
         """A write under way that this loop drives (one that only waits on its peer is not)."""
         return any(h.stage in (Stage.WRITING, Stage.CANCELLING) and h.peer.writer is not None
                    and not h.peer.writer.is_stalled for h in self.by_id.values())
-
-    @property
-    def has_writes(self) -> bool:
-        return any(h.stage in (Stage.WRITING, Stage.CANCELLING) for h in self.by_id.values())
 
     @property
     def num_pending(self) -> int:
@@ -439,14 +404,5 @@ class Sender:
         """Each backend's counts, by name (the stats' kv_writes)."""
         return {name: f.as_dict() for name, f in self.transfers.items()}
 
-    def links(self) -> dict[str, str]:
-        """Each decode node's name: the transfer in use, why none, or "connecting"."""
-        return {p.name: (p.writer.name if p.writer else p.error or "connecting")
-                for p in list(self.peers.values())}
-
     def close(self) -> None:
-        for peer in self.peers.values():
-            if peer.writer is not None:
-                peer.writer.close()
-            peer.link.close()
-        self.peers.clear()
+        self.links.close()

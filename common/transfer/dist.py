@@ -34,7 +34,7 @@ from common.base.log import get_logger
 from common.engine.platform import platform_for
 from common.transfer.backend import NO_DATA, Backend, LocalCache, Send, parse
 from common.transfer.copy import TransferError, copy_blocks
-from common.wire.codec import Name, Range
+from common.wire.limits import Name, Range
 from common.wire.protocol import KVTransfer, KVWelcome
 
 log = get_logger("transfer")

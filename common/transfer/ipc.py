@@ -14,7 +14,7 @@ from common.engine.platform import PlatformError, platform_for
 from common.kv.blocks import is_cache_shape, num_cache_blocks
 from common.transfer.backend import Backend, LocalCache, Send, parse, why_not_same_kind
 from common.transfer.copy import TransferError, copy_blocks
-from common.wire.codec import Name
+from common.wire.limits import Name
 from common.wire.protocol import KVTransfer, KVWelcome
 
 

@@ -39,7 +39,7 @@ from common.engine.platform import platform_for
 from common.kv.blocks import num_cache_blocks
 from common.transfer.backend import NO_DATA, Backend, LocalCache, Send, parse, why_not_same_kind
 from common.transfer.copy import TransferError, runs
-from common.wire.codec import Name
+from common.wire.limits import Name
 from common.wire.protocol import KVTransfer, KVWelcome
 
 log = get_logger("transfer")

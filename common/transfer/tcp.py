@@ -20,7 +20,7 @@ from common.base.log import get_logger
 from common.engine.platform import platform_for
 from common.transfer.backend import Backend, LocalCache, Send, parse
 from common.transfer.copy import TransferError, copy_blocks
-from common.wire.codec import Range
+from common.wire.limits import Range
 from common.wire.protocol import KVTransfer, KVWelcome
 
 log = get_logger("transfer")

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
 from common.base.request import MAX_STOP_TOKEN_IDS
-from common.wire.codec import Range, MaxLen, NodeFigures, Plain, Id, Name, I32, I32_MAX
+from common.wire.limits import Range, MaxLen, NodeFigures, Plain, Id, Name, I32, I32_MAX
 
 
 # ---- client <-> frontend (documented in docs/protocol.md) ---------------------

@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar
 import torch
 
 from common.base.request import SamplingParams
-from common.wire.codec import Range, MaxLen, Name, Id, Text, I32, Plain, Stamps
+from common.wire.limits import Range, MaxLen, Name, Id, Text, I32, Plain, Stamps
 
 # What a transfer backend puts on the wire: plain maps (bytes allowed, bounded) that
 # the backend itself checks field by field (common/transfer: codec.parse).

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Annotated, ClassVar
 
 from common.base.request import SamplingParams
-from common.wire.codec import Range, MaxLen, Name, Id, Text, I32, Parts, Figures
+from common.wire.limits import Range, MaxLen, Name, Id, Text, I32, Parts, Figures
 
 
 # ---- frontend -> nodes --------------------------------------------------------
