@@ -21,7 +21,7 @@
 # With no --model, a tiny random Qwen3 is made on first use (no download).
 # --host 0.0.0.0 (or ::) binds every interface; decode nodes then tell prefill nodes
 # to hand KV to --advertise-host (default: this host's first address, hostname -I).
-# Node links use CURVE keys: a fresh set per cluster (removed at exit) unless
+# Node links use CURVE keys: a fresh set per cluster (removed at exit, by the frontend even when this script is killed) unless
 # --keys DIR names a kept one (python -m launch.keys DIR); --no-keys leaves them open.
 # Across hosts (README, "Across hosts"): make the keys once for every node name
 # (pdserve keys KEYS --nodes a-prefill-0,b-decode-0) and copy KEYS to each host;
