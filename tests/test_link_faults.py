@@ -283,3 +283,22 @@ def test_client_attacks_get_clear_errors_and_stall_no_other_stream(tiny_model, t
     finally:
         attacker.kill()
         c.stop()
+
+
+def test_a_killed_launcher_leaves_no_secret_keys_behind(tiny_model, tmp_path):
+    """SIGKILL of start_cluster.sh itself: its nodes and frontend stop (they die with it),
+    and the frontend takes the key directory made for that cluster with it."""
+    from tests.cluster_util import is_alive, python_children_of
+    c = Cluster(tiny_model, tmp_path / "c.log", "--no-http")
+    try:
+        frontend = next(pid for pid in c.children
+                        if b"frontend" in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[2])
+        argv = open(f"/proc/{frontend}/cmdline", "rb").read().decode().split("\0")
+        keys = argv[argv.index("--keys") + 1]
+        assert os.path.isdir(keys) and any(n.endswith(".key_secret") for n in os.listdir(keys))
+        children = python_children_of(c.proc.pid)
+        os.kill(c.proc.pid, signal.SIGKILL)   # the launcher alone: no trap runs
+        wait_for(lambda: not any(map(is_alive, children)), 60, "every process of the cluster to stop")
+        assert not os.path.exists(keys)
+    finally:
+        c._kill()
