@@ -21,6 +21,8 @@ from common.base.config import DecodeConfig, endpoint_host, is_loopback_endpoint
 from common.runtime.process import StopEvent, describe_threads
 from common.kv.blocks import BlockAllocator
 from common.base.log import Throttle, get_logger
+from common.base import grammar
+from common.base.grammar import Grammars
 from common.base.recent import Recent
 from common.runtime.node import NodeRuntime
 from common import transfer
@@ -44,6 +46,7 @@ class DecodeNode:
         self.worker = DeviceWorker(cfg.worker)
         self.pending_aborts: set[str] = set()
         self.ended = Recent(ENDED_MEMORY)   # the latest requests that ended here
+        self._grammars = None   # made for the first request with a grammar
         self.finished_in_flight: set[str] = set()   # finished, but their row is in the step in flight
         self.num_discarded_tokens = 0
         self.num_finished = 0
@@ -187,20 +190,37 @@ class DecodeNode:
                 continue
             c.timings["decode_admit"] = time.time()
             seq.output_ids.append(c.first_token)
+            if c.params.grammar:   # its matcher takes every token so far: the mask goes on from there
+                try:
+                    seq.matcher = self.grammars.matcher(c.params.grammar, _history(seq)[1])
+                except ValueError as e:
+                    self._finished(c.request_id, in_batch=False, count=False)
+                    self.runtime.send(RequestFailed(c.request_id, str(e)))
+                    continue
             reason = finish_reason(seq, c.first_token, self.worker.spec.eos_token_ids,
                                    self.worker.max_model_len)
-            updates.append(TokenUpdate(c.request_id, [c.first_token], reason, ttft_parts(c.timings), index=0))
+            updates.append(TokenUpdate(c.request_id, [c.first_token], reason, ttft_parts(c.timings), index=0,
+                                       logprobs=[c.first_logprobs] if c.first_logprobs else None))
             if reason:
                 self._finished(c.request_id, in_batch=False)
                 continue
             blocks_to_join(seq, self.worker.block_size, self.blocks)
             self.worker.add_decode_seq(c.request_id, c.first_token, c.prompt_len,
-                                       seq.block_ids, c.params)
+                                       seq.block_ids, c.params, _history(seq))
         return updates
 
     def _launch(self) -> DecodeTicket | None:
         self.worker.grow_blocks(self.scheduler.running, self.blocks)
+        for key, seq in self.scheduler.running.items():
+            if seq.matcher is not None:
+                self.worker.set_decode_mask(key, seq.matcher.fill())
         return self.worker.launch_decode()
+
+    @property
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            self._grammars = grammar.for_model(self.cfg.worker.model, self.worker.spec.vocab_size)
+        return self._grammars
 
     # ---- preemption (between steps only: no step in flight) -------------------
 
@@ -236,7 +256,7 @@ class DecodeNode:
         else:
             self.worker.recompute(seq.prompt_ids + seq.output_ids[:-1], block_ids)
             self.num_recomputed += 1
-        self.worker.add_decode_seq(rid, seq.output_ids[-1], seq.num_cached, block_ids, seq.params)
+        self.worker.add_decode_seq(rid, seq.output_ids[-1], seq.num_cached, block_ids, seq.params, _history(seq))
         seq.is_preemption_untold = True
         log.debug("resumed %s after %.0f ms (%s)", rid, seq.preempted_s * 1e3,
                   "swapped in" if seq.is_swapped else "recomputed")
@@ -253,6 +273,8 @@ class DecodeNode:
                 or self.scheduler.next_resumable() \
                 or num_blocks_short(self.worker.keys_needing_block, self.scheduler.running, self.blocks):
             return False
+        if any(s.matcher is not None for s in self.scheduler.running.values()):
+            return False   # the next mask needs this step's token
         limit = self.worker.max_model_len
         return not any(len(s.output_ids) + 1 >= s.params.max_tokens
                        or s.prompt_len + len(s.output_ids) + 1 >= limit
@@ -260,24 +282,28 @@ class DecodeNode:
 
     def _collect(self, ticket: DecodeTicket, is_next_launched: bool) -> list[TokenUpdate]:
         tokens = self.worker.collect_decode(ticket)
+        logprobs = ticket.logprobs or [None] * len(tokens)
         self._log_steps += 1
         if len(tokens) > 1:
             self.num_batched_steps += 1
         updates = []
-        for key, token in zip(ticket.keys, tokens):
+        for key, token, lp in zip(ticket.keys, tokens, logprobs):
             if key in self.finished_in_flight or key not in self.scheduler.running:
                 self.num_discarded_tokens += 1  # ended in the previous step: past its end
                 continue
             self._log_tokens += 1
             seq = self.scheduler.running[key]
             seq.output_ids.append(token)
+            if seq.matcher is not None and not seq.matcher.accept(token):
+                noisy.warning("request %s: token %d breaks its grammar", key, token)
             reason = finish_reason(seq, token, self.worker.spec.eos_token_ids,
                                    self.worker.max_model_len)
             # NOTE: its preemptions are told after each resume too: a request that moves on
             # elsewhere keeps them in its timings.
             parts = _preemption_parts(seq) if reason or seq.is_preemption_untold else None
             seq.is_preemption_untold = False
-            updates.append(TokenUpdate(key, [token], reason, parts, index=len(seq.output_ids) - 1))
+            updates.append(TokenUpdate(key, [token], reason, parts, index=len(seq.output_ids) - 1,
+                                       logprobs=[lp] if lp else None))
             if reason:
                 self.num_finished += 1
                 if is_next_launched:
@@ -347,6 +373,14 @@ class DecodeNode:
                      self._log_tokens / max(self._log_steps, 1), s["num_running"], s["num_queued"],
                      s["num_free_blocks"], s["num_usable_blocks"], s["num_reserved_blocks"], preempted)
             self._last_log, self._log_tokens, self._log_steps = now, 0, 0
+
+
+def _history(seq: Sequence) -> tuple[list[int], list[int]]:
+    """(its client's prompt, every token generated for it): what penalties count."""
+    if not seq.params.is_processing:
+        return [], []
+    prompt, prior = seq.params.split(seq.prompt_ids)
+    return prompt, prior + seq.output_ids
 
 
 def _preemption_parts(seq: Sequence) -> dict | None:

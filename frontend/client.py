@@ -49,6 +49,8 @@ def _silent(endpoint: str, timeout_s: float) -> TimeoutError:
 
 @dataclass
 class Result:
+    """A request's answer, whole. With n > 1 its own fields are choice 0's, and choices
+    holds every choice's."""
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -56,23 +58,50 @@ class Result:
     error: str | None = None
     usage: dict | None = None
     timings: dict | None = None
+    logprobs: list = field(default_factory=list)       # per token, when asked for
+    prompt_logprobs: list | None = None
+    index: int = 0
+    choices: list["Result"] = field(default_factory=list)
 
     def add(self, out: GenerateOutput) -> None:
+        if out.index > 0 and out.index != self.index:   # -1: the whole request (an error)
+            while len(self.choices) <= out.index:
+                self.choices.append(Result(self.request_id, index=len(self.choices)))
+            self.choices[out.index].add(out)
+            return
         self.token_ids += out.token_ids
         self.text += out.text
+        self.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.is_finished:
             self.finish_reason, self.error, self.usage = out.finish_reason, out.error, out.usage
         if out.timings:
             self.timings = out.timings
+        if not self.choices:
+            self.choices.append(self)
 
     def to_dict(self) -> dict:
         return dict(vars(self))
 
 
 def make_request(prompt=None, *, request_id: str | None = None, **kw) -> GenerateRequest:
-    """kw: prompt_token_ids, messages, max_tokens, temperature, top_p, top_k, seed, stop,
-    stop_token_ids, ignore_eos, timeout_s."""
+    """kw: GenerateRequest's fields (prompt_token_ids, messages, max_tokens, temperature,
+    top_p, top_k, seed, stop, stop_token_ids, ignore_eos, timeout_s, logprobs, n, ...)."""
     return GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt, **kw)
+
+
+class _Ends:
+    """When a request's stream ends: once each of its n choices has finished (an
+    ErrorReply about it ends them all)."""
+
+    def __init__(self, n: int):
+        self.n, self.done = n, set()
+
+    def see(self, out: GenerateOutput) -> bool:
+        if out.is_finished:
+            self.done |= set(range(self.n)) if out.index < 0 else {out.index}
+        return len(self.done) >= self.n
 
 
 def _unbatch(msg) -> list:
@@ -83,7 +112,7 @@ def _unbatch(msg) -> list:
 def _as_output(rid: str, msg) -> GenerateOutput:
     """An ErrorReply about a request ends that request's stream."""
     if isinstance(msg, ErrorReply):
-        return GenerateOutput(rid, [], "", True, "error", msg.error)
+        return GenerateOutput(rid, [], "", True, "error", msg.error, index=-1)   # all its choices
     return msg
 
 
@@ -100,6 +129,7 @@ class Client:
         self.connect_timeout_s = connect_timeout_s
         self.is_connected = False
         self._inbox: dict[str, list] = {}   # requests in flight -> outputs not yet read
+        self._ends: dict[str, _Ends] = {}
 
     def close(self) -> None:
         """Aborts every request still in flight, then closes the socket."""
@@ -152,15 +182,17 @@ class Client:
     def submit(self, req: GenerateRequest) -> str:
         self.connect()
         self._inbox.setdefault(req.request_id, [])
+        self._ends[req.request_id] = _Ends(req.n)
         self._ch.send(req)
         return req.request_id
 
     def stream(self, rid: str) -> Iterator[GenerateOutput]:
         is_finished = False
+        ends = self._ends.pop(rid, _Ends(1))
         try:
             while not is_finished:
                 out = self._next_for(rid)
-                is_finished = out.is_finished
+                is_finished = ends.see(out)
                 yield out
         finally:   # NOTE: also when the caller breaks out or an exception ends its loop
             if self._inbox.pop(rid, None) is not None and not is_finished:
@@ -293,11 +325,12 @@ class AsyncClient:
         await self.connect()
         queue = self._streams[req.request_id] = asyncio.Queue()
         is_finished = False
+        ends = _Ends(req.n)
         try:
             await self._ch.send(req)
             while not is_finished:
                 out = await self._next(queue)
-                is_finished = out.is_finished
+                is_finished = ends.see(out)
                 yield out
         finally:   # NOTE: also on cancellation, or when the caller leaves its async for
             if self._streams.pop(req.request_id, None) is not None and not is_finished:

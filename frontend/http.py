@@ -18,6 +18,9 @@ from common.base.log import Throttle, get_logger
 from common.wire.protocol import ErrorReply, GenerateOutput
 from frontend import openai_api as api
 from frontend.metrics import CONTENT_TYPE
+from frontend import openai_logprobs as lp_shapes
+from frontend import openai_tools as tool_rules
+from frontend import openai_out as shapes
 from frontend.openai_api import ApiError
 
 log = get_logger("http")
@@ -30,10 +33,71 @@ MIN_BODY_BYTES = 2 * 2**20
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class Answer:
+    """One choice of a call as its outputs arrive: the text (after the prompt's, with
+    echo), the token ids, the logprobs in the call's shape when asked for, and a chat
+    answer's content, reasoning and tool calls where they are split out of its text."""
+
+    def __init__(self, call: api.Call, strings: lp_shapes.TokenStrings, prompt_text: str,
+                 is_reasoning: bool = False):
+        self.call, self.strings = call, strings
+        self.text = [prompt_text] if prompt_text else []
+        self.unsent = prompt_text          # echo: streamed with the first text
+        self.offset = 0                    # the next token's text_offset (completions logprobs)
+        self.token_ids: list[int] = []
+        self.is_logprobs = call.request.logprobs is not None
+        self.logprobs: dict | None = None
+        self.split = tool_rules.Split(call.tool_mode, call.tool_name, is_reasoning) \
+            if call.is_chat and (call.tool_mode != "none" or is_reasoning) else None
+        self.parts = {"content": "", "reasoning_content": "", "tool_calls": []}
+
+    def _completion(self, token_ids: list[int], logprobs: list) -> dict:
+        part = lp_shapes.completion(self.strings, token_ids, logprobs, self.offset)
+        if part["tokens"]:
+            self.offset = part["text_offset"][-1] + len(part["tokens"][-1])
+        return part
+
+    def add(self, msg) -> tuple[str, dict | None, dict | None]:
+        """(the text to stream now, the new tokens' logprobs in the call's shape or None,
+        the split parts of a chat answer to stream now or None)."""
+        text, self.unsent = self.unsent + msg.text, ""
+        part = None
+        if self.is_logprobs and self.call.is_echo and msg.prompt_token_ids is not None:
+            part = self._completion(list(msg.prompt_token_ids), [None, *(msg.prompt_logprobs or [])])
+        if self.is_logprobs and msg.logprobs is not None:
+            part = lp_shapes.chat(self.strings, msg.token_ids, msg.logprobs) if self.call.is_chat else \
+                lp_shapes.merge(part, self._completion(msg.token_ids, msg.logprobs))
+        if part is not None:
+            self.logprobs = part if self.logprobs is None else (
+                {"content": self.logprobs["content"] + part["content"]} if self.call.is_chat
+                else lp_shapes.merge(self.logprobs, part))
+        self.text.append(msg.text)
+        self.token_ids += msg.token_ids
+        parts = None
+        if self.split is not None:
+            parts = self.split.feed(msg.text, is_final=msg.is_finished)
+            for k, v in parts.items():
+                self.parts[k] += v
+            if parts.get("tool_calls"):   # a streamed call carries its place among the answer's calls
+                first = len(self.parts["tool_calls"]) - len(parts["tool_calls"])
+                parts = {**parts, "tool_calls": [{"index": first + i, **c} for i, c in enumerate(parts["tool_calls"])]}
+        return text, part, parts
+
+    def finish_reason(self, reason: str) -> str:
+        return shapes.finish_reason(reason, bool(self.split and self.parts["tool_calls"]))
+
+    def choice(self, reason: str) -> tuple:
+        """This choice in a whole response (out_shape.response's tuple)."""
+        return ("".join(self.text), self.token_ids, self.finish_reason(reason), self.logprobs,
+                self.parts if self.split is not None else None)
+
+
 class HttpServer:
     def __init__(self, frontend, served_model: str):
         self.frontend = frontend
         self.served_model = served_model
+        self.strings = lp_shapes.TokenStrings(frontend.tokenizer)
+        self.is_reasoning = bool(frontend.cfg.reasoning_parser)
         self.streams: dict[str, asyncio.Queue] = {}   # request id -> (message, status) queue
         frontend.local_sink = self._deliver
 
@@ -67,7 +131,7 @@ class HttpServer:
     async def models(self, request: web.Request) -> web.Response:
         info = self.frontend.model_info()
         return web.json_response({"object": "list", "data": [{
-            "id": self.served_model, "object": "model", "created": api.now(), "owned_by": "pdserve",
+            "id": self.served_model, "object": "model", "created": shapes.now(), "owned_by": "pdserve",
             "max_model_len": info["max_model_len"], "vocab_size": info["vocab_size"]}]})
 
     # ---- generation ------------------------------------------------------------
@@ -85,7 +149,8 @@ class HttpServer:
             except (ValueError, UnicodeDecodeError):
                 raise ApiError(400, "the request body is not valid JSON")
             # Completions default to 16 tokens, as OpenAI's; chat to what the model length leaves.
-            call = api.parse(body, kind, self.served_model, None if kind == "chat" else 16)
+            call = api.parse(body, kind, self.served_model, None if kind == "chat" else 16,
+                             "any" if self.frontend.cfg.is_json_whitespace else "compact")
         except ApiError as e:
             noisy.info("refused an HTTP request: %s", e.message)
             return web.json_response(e.body(), status=e.status)
@@ -110,42 +175,76 @@ class HttpServer:
             return response
         finally:
             # NOTE: runs on a client disconnect too (aiohttp cancels the handler): the
-            # request must not keep decoding for nobody.
+            # request must not keep decoding for nobody (nor its other choices, one failed).
             self.streams.pop(rid, None)
-            if not is_done:   # an unknown id (it ended meanwhile) is answered to nobody
-                await self.frontend.abort(client, rid)
+            if not is_done or (client, rid) in self.frontend.by_client:
+                await self.frontend.abort(client, rid)   # one ended meanwhile is answered to nobody
 
     async def _whole(self, call: api.Call, msg, queue: asyncio.Queue) -> web.Response:
-        text, token_ids, status = [], [], None
+        n = call.request.n
+        answers = [Answer(call, self.strings, self._prompt_text(call), self.is_reasoning) for _ in range(n)]
+        finals: dict[int, object] = {}
+        status = None
         while True:
-            text.append(msg.text)
-            token_ids += msg.token_ids
+            answers[max(msg.index, 0)].add(msg)
             if msg.is_finished:
-                break
+                if msg.finish_reason not in ("stop", "length"):
+                    status = status or 500
+                    return web.json_response(api.error_body(status, msg.error or msg.finish_reason),
+                                             status=status)
+                finals[msg.index] = msg
+                if len(finals) == n:
+                    break
             msg, status = await queue.get()
-        if msg.finish_reason not in ("stop", "length"):
-            status = status or 500
-            return web.json_response(api.error_body(status, msg.error or msg.finish_reason), status=status)
-        use = api.usage(**msg.usage) if msg.usage else api.usage(0, len(token_ids))
-        return web.json_response(api.response(call, api.now(), "".join(text), token_ids,
-                                              api.finish_reason(msg.finish_reason), use))
+        choices = [a.choice(finals[i].finish_reason) for i, a in enumerate(answers)]
+        return web.json_response(shapes.response(call, shapes.now(), choices, _usage(finals.values())))
+
+    def _prompt_text(self, call: api.Call) -> str:
+        """What echo puts first: the prompt as given, or its ids' text."""
+        r = call.request
+        if not call.is_echo:
+            return ""
+        return r.prompt if r.prompt is not None else self.frontend.tokenizer.decode(r.prompt_token_ids)
 
     async def _stream(self, request: web.Request, call: api.Call, msg,
                       queue: asyncio.Queue) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", **HEADERS})
         await out.prepare(request)
-        created = api.now()
-        event = api.text_events(call, created)
+        created, n = shapes.now(), call.request.n
+        events_of = [shapes.text_events(call, created, i) for i in range(n)]
+        answers = [Answer(call, self.strings, self._prompt_text(call), self.is_reasoning) for _ in range(n)]
         # Events not yet written. Everything already queued goes out in one write: a
         # socket write per event is most of a stream's cost, and a client that lags
         # a step behind gets its backlog at once.
-        events = [api.stream_event(api.chunk(call, created, is_role=True))] if call.is_chat else []
-        status = None
+        events = [shapes.stream_event(shapes.chunk(call, created, is_role=True, index=i)) for i in range(n)] \
+            if call.is_chat else []
+        status, finals = None, {}
         while True:
-            if msg.text or (call.is_token_ids and msg.token_ids):   # held-back text waits
-                events.append(event(msg.text, msg.token_ids))
+            i = max(msg.index, 0)
+            text, logprobs, parts = answers[i].add(msg)
+            if parts is not None:   # a chat answer split into content, reasoning and tool calls
+                if parts or logprobs is not None:
+                    events.append(shapes.stream_event(shapes.chunk(call, created, text, msg.token_ids,
+                                                                   logprobs=logprobs, index=i, parts=parts)))
+            elif logprobs is not None:   # the slow path: a chunk of its own, no template
+                events.append(shapes.stream_event(shapes.chunk(call, created, text, msg.token_ids,
+                                                               logprobs=logprobs, index=i)))
+            elif text or (call.is_token_ids and msg.token_ids):   # held-back text waits
+                events.append(events_of[i](text, msg.token_ids))
             if msg.is_finished:
-                break
+                if msg.finish_reason not in ("stop", "length"):
+                    # the status line is sent: the error goes in the stream, as OpenAI's servers do
+                    events.append(shapes.stream_event(api.error_body(status or 500, msg.error or msg.finish_reason)))
+                    break
+                finals[msg.index] = msg
+                events.append(shapes.stream_event(shapes.chunk(
+                    call, created, finish_reason=answers[i].finish_reason(msg.finish_reason), index=i)))
+                if len(finals) == n:
+                    if call.is_usage_streamed:
+                        # pdserve's TTFT parts ride along on the usage chunk (an extra key).
+                        events.append(shapes.stream_event({**shapes.chunk(call, created, use=_usage(finals.values())),
+                                                        "timings": msg.timings or {}}))
+                    break
             if queue.empty():
                 if events:
                     await out.write(b"".join(events))
@@ -153,18 +252,16 @@ class HttpServer:
                 msg, status = await queue.get()
             else:
                 msg, status = queue.get_nowait()
-        if msg.finish_reason in ("stop", "length"):
-            events.append(api.stream_event(
-                api.chunk(call, created, finish_reason=api.finish_reason(msg.finish_reason))))
-            if call.is_usage_streamed and msg.usage:
-                # pdserve's TTFT parts ride along on the usage chunk (an extra key).
-                events.append(api.stream_event({**api.chunk(call, created, use=api.usage(**msg.usage)),
-                                                "timings": msg.timings or {}}))
-        else:   # the status line is sent: the error goes in the stream, as OpenAI's servers do
-            events.append(api.stream_event(api.error_body(status or 500, msg.error or msg.finish_reason)))
         events.append(b"data: [DONE]\n\n")
         await out.write_eof(b"".join(events))
         return out
+
+
+def _usage(finals) -> dict:
+    """One usage over a call's choices: the prompt once, every choice's completion."""
+    finals = [f for f in finals if f.usage]
+    prompt = finals[0].usage["prompt_tokens"] if finals else 0
+    return shapes.usage(prompt, sum(f.usage["completion_tokens"] for f in finals))
 
 
 async def serve(frontend, cfg) -> web.AppRunner | None:

@@ -98,16 +98,20 @@ class NodeMessages:
             await fe.finish(req, FINISH_ERROR, f"{node.role} node {node.name} sent a token outside "
                                                   f"the vocabulary", status=502)
             return
+        if u.prompt_logprobs is not None and node.name == req.prefill_node and req.prompt_logprobs is None:
+            req.prompt_logprobs = u.prompt_logprobs
         try:
-            token_ids = req.new_tokens(node.name, u.index, u.token_ids, u.finish_reason)
+            num_known = req.num_known(node.name, u.index, u.token_ids, u.finish_reason)
         except LostTokens as e:
             await fe.migrations.move_or_fail(req, node.name, "link", str(e))
             return
         except ValueError as e:
             await fe.finish(req, FINISH_ERROR, str(e), status=502)
             return
-        if token_ids is None:
+        if num_known is None:
             return
+        token_ids = u.token_ids[num_known:]
+        logprobs = u.logprobs[num_known:] if u.logprobs is not None else None
         if not req.is_prefilled:
             req.is_prefilled = True
             router.prefill_done(fe.nodes.get(req.prefill_node), req.work_tokens)
@@ -119,14 +123,21 @@ class NodeMessages:
             req.timings.update(fe.migrations.timings(req, u.timings))
         if is_first:
             req.timings["ttft_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
+        if req.is_prompt_only and token_ids:   # max_tokens 0: its one token is not shown
+            await fe.finish(req, "length", None)
+            return
         if not token_ids and not u.finish_reason:
             return   # the repeated first token alone: nothing new for the client
-        req.add_output(token_ids)
+        req.add_output(token_ids, logprobs)
+        logprobs = req.output_logprobs[len(req.output_logprobs) - len(token_ids):] \
+            if req.params.num_logprobs >= 0 else None
         if req.detok.is_stopped:
-            await fe.finish(req, FINISH_STOP, None, token_ids)
+            await fe.finish(req, FINISH_STOP, None, token_ids, logprobs=logprobs)
         elif u.finish_reason:
             reason = u.finish_reason if u.finish_reason in ("stop", "length") else FINISH_ERROR
-            await fe.finish(req, reason, None, token_ids, is_node_done=True)
+            await fe.finish(req, reason, None, token_ids, is_node_done=True, logprobs=logprobs)
         else:
             await fe.reply(req.client, GenerateOutput(req.request_id, token_ids, req.detok.take(),
-                                                         timings=req.timings if is_first else None))
+                                                      timings=req.timings if is_first else None,
+                                                      logprobs=logprobs, **req.take_prompt_logprobs(),
+                                                      index=req.index))

@@ -1,20 +1,20 @@
-"""The OpenAI API's shapes: request bodies in, response bodies and stream chunks out.
+"""The OpenAI API's request bodies: a call to the cluster, or an ApiError in OpenAI's
+shape (the answers' shapes are openai_out.py).
 
 Plain functions, no I/O: frontend/http.py serves them. A parameter pdserve does
 not implement is refused with a 400 that names it, never ignored; a parameter
-given at its no-op value (presence_penalty 0, logprobs false, n 1) is accepted.
+given at its no-op value (best_of 1, suffix "") is accepted.
 """
 from __future__ import annotations
 
 import json
 import math
-import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable
 
-from common.wire.client import MAX_PROMPT_IDS
-from common.wire.protocol import GenerateRequest
+from common.wire.client import MAX_N, MAX_PROMPT_IDS
+from common.wire.protocol import GenerateRequest, Structured
+from frontend import openai_tools as tool_rules
 
 
 class ApiError(Exception):
@@ -38,19 +38,20 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 
 # Parameters taken as no-ops at these values (what OpenAI's own defaults mean).
-_NO_OP = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-          "repetition_penalty": (1, 1.0), "logprobs": (False, 0), "top_logprobs": (0,),
-          "echo": (False,), "best_of": (1,), "logit_bias": ({},), "suffix": ("",),
-          "min_p": (0, 0.0), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
-          "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},),
-          "store": (False,), "service_tier": ("auto", "default"), "min_tokens": (0,),
-          "skip_special_tokens": (True,)}
+_NO_OP = {"best_of": (1,), "suffix": ("",), "functions": ([],), "store": (False,),
+          "service_tier": ("auto", "default"), "skip_special_tokens": (True,), "echo": (False,)}
 # Parameters that describe the caller and do not change the answer.
 _METADATA = ("user", "metadata")
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-           "stream_options", "top_k", "ignore_eos", "stop_token_ids", "return_token_ids"}
-_FIELDS = {"completions": _COMMON | {"prompt"},
-           "chat": _COMMON | {"messages", "max_completion_tokens"}}
+           "stream_options", "top_k", "ignore_eos", "stop_token_ids", "return_token_ids",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+           "logit_bias", "allowed_token_ids", "bad_words", "logprobs", "prompt_logprobs", "n",
+           "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+           "guided_grammar", "guided_whitespace_pattern"}
+_FIELDS = {"completions": _COMMON | {"prompt", "echo"},
+           "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                              "parallel_tool_calls", "chat_template_kwargs"}}
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class Call:
     is_usage_streamed: bool   # stream_options.include_usage
     is_token_ids: bool        # return_token_ids: each choice carries its token ids
     model: str
+    is_echo: bool = False     # completions: the prompt comes first, in the text and the logprobs
+    tool_mode: str = "none"   # none, auto, required or named (openai_tools.py)
+    tool_name: str | None = None
 
 
 def _number(body: dict, name: str, default, low=None, high=None, integer=False):
@@ -104,10 +108,30 @@ def _messages(body: dict) -> list[dict]:
                        for p in content):
                 raise ApiError(400, "only text content parts are supported", "messages")
             content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
+        calls = m.get("tool_calls")
+        if not (isinstance(content, str) or (content is None and calls)):
             raise ApiError(400, "message content must be a string or a list of text parts", "messages")
-        out.append({"role": m["role"], "content": content})
+        message = {"role": m["role"], "content": content}
+        if calls:   # an assistant's calls, as the template reads them: arguments as an object
+            message["tool_calls"] = [_call_in(c) for c in (calls if isinstance(calls, list) else [None])]
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                message[key] = m[key]
+        out.append(message)
     return out
+
+
+def _call_in(call) -> dict:
+    f = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise ApiError(400, "a tool call is {\"function\": {\"name\": ..., \"arguments\": ...}}", "messages")
+    args = f.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            raise ApiError(400, "a tool call's arguments must be JSON", "messages") from None
+    return {"type": "function", "id": call.get("id", ""), "function": {"name": f["name"], "arguments": args}}
 
 
 def _prompt(body: dict) -> dict:
@@ -127,9 +151,11 @@ def _prompt(body: dict) -> dict:
     raise ApiError(400, "'prompt' must be a string or a list of token ids", "prompt")
 
 
-def parse(body, kind: str, served_model: str, default_max_tokens: int | None) -> Call:
+def parse(body, kind: str, served_model: str, default_max_tokens: int | None,
+          whitespace: str = "compact") -> Call:
     """body: the decoded JSON of /v1/completions (kind "completions") or
-    /v1/chat/completions ("chat"). Raises ApiError."""
+    /v1/chat/completions ("chat"). whitespace: the JSON grammars' (compact or any).
+    Raises ApiError."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, value in body.items():
@@ -147,7 +173,10 @@ def parse(body, kind: str, served_model: str, default_max_tokens: int | None) ->
         raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served_model}'",
                        "model")
     is_chat = kind == "chat"
-    max_tokens = _number(body, "max_tokens", None, 1, 2**31 - 1, integer=True)
+    is_echo = body.get("echo", False)
+    if not isinstance(is_echo, bool):
+        raise ApiError(400, "'echo' must be a boolean", "echo")
+    max_tokens = _number(body, "max_tokens", None, 0 if is_echo else 1, 2**31 - 1, integer=True)
     if is_chat:
         max_tokens = _number(body, "max_completion_tokens", max_tokens, 1, 2**31 - 1, integer=True)
     if max_tokens is None:
@@ -162,10 +191,30 @@ def parse(body, kind: str, served_model: str, default_max_tokens: int | None) ->
     for k, v in flags.items():
         if not isinstance(v, bool):
             raise ApiError(400, f"'{k}' must be a boolean", k)
-    stop_token_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_token_ids, list) or not all(isinstance(t, int) for t in stop_token_ids):
-        raise ApiError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids")
+    stop_token_ids = _ids(body, "stop_token_ids")
+    logprobs = _logprobs(body, is_chat)
+    prompt_logprobs = _number(body, "prompt_logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    if is_echo and logprobs is not None:
+        prompt_logprobs = logprobs if prompt_logprobs is None else prompt_logprobs   # the prompt's, as vLLM
+    if max_tokens == 0 and prompt_logprobs is None:
+        raise ApiError(400, "'max_tokens' 0 returns the prompt alone: it needs 'echo' and 'logprobs'", "max_tokens")
     source = {"messages": _messages(body)} if is_chat else _prompt(body)
+    tool_mode, tool_name, structured = "none", None, _structured(body, whitespace)
+    if is_chat:
+        try:
+            tools = tool_rules.check_tools(body["tools"]) if body.get("tools") else None
+            tool_mode, tool_name = tool_rules.choice_mode(tools, body.get("tool_choice"))
+        except tool_rules.ToolError as e:
+            raise ApiError(400, str(e), "tools") from None
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ApiError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        forced = tool_rules.grammar_for(tools, tool_mode, tool_name) if tools else None
+        if forced is not None:
+            if structured is not None:
+                raise ApiError(400, "a required or named tool_choice takes no response_format", "tool_choice")
+            structured = Structured("json_schema", forced, whitespace)
+        source.update(tools=json.dumps(tools) if tools else None, chat_template_kwargs=kwargs)
     request = GenerateRequest(
         request_id=f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}", **source,
         max_tokens=max_tokens,
@@ -173,90 +222,99 @@ def parse(body, kind: str, served_model: str, default_max_tokens: int | None) ->
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         top_k=_number(body, "top_k", -1, -1, 2**31 - 1, integer=True),
         seed=_number(body, "seed", None, 0, 2**63 - 1, integer=True),
-        stop=_stop(body), stop_token_ids=stop_token_ids, ignore_eos=flags["ignore_eos"])
+        stop=_stop(body), stop_token_ids=stop_token_ids, ignore_eos=flags["ignore_eos"],
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.001, 100.0),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        min_tokens=_number(body, "min_tokens", 0, 0, 2**31 - 1, integer=True),
+        logit_bias=_logit_bias(body), allowed_token_ids=_ids(body, "allowed_token_ids") or None,
+        bad_words=_strings(body, "bad_words"), n=_number(body, "n", 1, 1, MAX_N, integer=True),
+        structured=structured)
     return Call(request, is_chat, flags["stream"], bool(options and options.get("include_usage")),
-                flags["return_token_ids"], served_model)
+                flags["return_token_ids"], served_model, is_echo, tool_mode, tool_name)
 
 
-# ---- responses ----------------------------------------------------------------
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _choice(call: Call, text: str, token_ids: list[int] | None, finish_reason, is_chunk: bool) -> dict:
-    if not call.is_chat:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    elif is_chunk:
-        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
-                  "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-    if call.is_token_ids:
-        choice["token_ids"] = token_ids or []
-    return choice
-
-
-def response(call: Call, created: int, text: str, token_ids: list[int], finish_reason: str,
-             use: dict) -> dict:
-    return {"id": call.request.request_id, "object": "chat.completion" if call.is_chat else "text_completion",
-            "created": created, "model": call.model,
-            "choices": [_choice(call, text, token_ids, finish_reason, False)], "usage": use}
-
-
-def chunk(call: Call, created: int, text: str = "", token_ids: list[int] | None = None,
-          finish_reason: str | None = None, use: dict | None = None, is_role: bool = False) -> dict:
-    """One stream event. use: the usage-only last chunk (no choices)."""
-    out = {"id": call.request.request_id,
-           "object": "chat.completion.chunk" if call.is_chat else "text_completion",
-           "created": created, "model": call.model}
-    if use is not None:
-        out["choices"] = []
-    else:
-        choice = _choice(call, text, token_ids, finish_reason, True)
-        if is_role:
-            choice["delta"] = {"role": "assistant", "content": ""}
-        out["choices"] = [choice]
-    if call.is_usage_streamed:
-        out["usage"] = use
-    return out
-
-
-def stream_event(event: dict) -> bytes:
-    """One server-sent event: `data: <compact JSON>` and a blank line."""
-    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+def _structured(body: dict, whitespace: str) -> Structured | None:
+    """OpenAI's response_format, vLLM's structured_outputs and its older guided_* names,
+    at most one of them."""
+    given = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise ApiError(400, "'response_format' type must be text, json_object or json_schema", "response_format")
+        if fmt["type"] == "json_object":
+            given.append(("json_object", ""))
+        elif fmt["type"] == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "'response_format' json_schema needs json_schema.schema, an object",
+                               "response_format")
+            given.append(("json_schema", json.dumps(schema)))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise ApiError(400, "'structured_outputs' must be an object", "structured_outputs")
+        for name, kind in (("json", "json_schema"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar"),
+                           ("json_object", "json_object")):
+            if so.get(name) not in (None, False):
+                given.append((kind, so[name]))
+    for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if body.get(name) is not None:
+            given.append((kind, body[name]))
+    if len(given) > 1:
+        raise ApiError(400, "give one structured output (response_format, structured_outputs or guided_*)",
+                       "response_format")
+    if not given:
+        return None
+    kind, spec = given[0]
+    if kind == "json_object":
+        spec = ""
+    elif kind in ("json_schema", "choice") and not isinstance(spec, str):
+        spec = json.dumps(spec)
+    if not isinstance(spec, str) or len(spec) > 2**16:
+        raise ApiError(400, f"the {kind} must be text of at most 65536 characters", "response_format")
+    if body.get("guided_whitespace_pattern") is not None:
+        whitespace = "any"
+    return Structured(kind, spec, whitespace)
 
 
-_TEXT_MARK, _IDS_MARK = "\x00pdserve-text\x00", [-918273645]
+def _logprobs(body: dict, is_chat: bool) -> int | None:
+    """Completions: logprobs N (alternatives per token). Chat: logprobs true, top_logprobs N."""
+    value = body.get("logprobs")
+    if not is_chat:
+        return _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, "'logprobs' must be a boolean (the number of alternatives is 'top_logprobs')",
+                       "logprobs")
+    top = _number(body, "top_logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    if top is not None and not value:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if value else None
 
 
-def text_events(call: Call, created: int) -> Callable[[str, list[int]], bytes]:
-    """(text, token_ids) -> the stream event of one content chunk, byte for byte what
-    stream_event(chunk(call, created, text, token_ids)) gives. Made once per stream
-    from a template: a chunk is the same but for its text (and ids), and encoding
-    the whole dict for every token was most of the stream's JSON cost."""
-    template = stream_event(chunk(call, created, _TEXT_MARK, _IDS_MARK))
-    head, tail = template.split(json.dumps(_TEXT_MARK).encode())
-    mid = b""
-    if call.is_token_ids:
-        mid, tail = tail.split(json.dumps(_IDS_MARK).encode())
-
-    def event(text: str, token_ids: list[int]) -> bytes:
-        if not text and call.is_chat:   # an empty delta is {}, not {"content": ""}: no template
-            return stream_event(chunk(call, created, text, token_ids))
-        if not call.is_token_ids:
-            return head + json.dumps(text).encode() + tail
-        return (head + json.dumps(text).encode() + mid +
-                json.dumps(token_ids or [], separators=(",", ":")).encode() + tail)
-    return event
+def _ids(body: dict, name: str) -> list[int]:
+    ids = body.get(name) or []
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise ApiError(400, f"'{name}' must be a list of integers", name)
+    return ids
 
 
-def finish_reason(reason: str) -> str:
-    """pdserve's stop / length map to OpenAI's; nothing else reaches a normal answer."""
-    return "length" if reason == "length" else "stop"
+def _strings(body: dict, name: str) -> list[str]:
+    values = body.get(name) or []
+    if isinstance(values, str):
+        values = [values]
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise ApiError(400, f"'{name}' must be a string or a list of strings", name)
+    return values
 
 
-def now() -> int:
-    return int(time.time())
+def _logit_bias(body: dict) -> dict | None:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict) or len(bias) > 1024:
+        raise ApiError(400, "'logit_bias' must be a map of at most 1024 token ids to biases", "logit_bias")
+    return bias

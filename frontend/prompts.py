@@ -1,4 +1,6 @@
-"""A request's prompt turned into token ids without stalling the frontend's loop.
+"""A client's request turned into token ids and sampling parameters (or a
+ValueError saying what is wrong, which the client gets as the request's error),
+without stalling the frontend's loop.
 
 Every client shares the one event loop, so what a request may cost it is bounded:
 text longer than any prompt the model can take is refused unread (check_size);
@@ -9,35 +11,187 @@ before any list of ids is made); everything else, the common case, at once.
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
+import json
+import random
 from concurrent.futures import ThreadPoolExecutor
 
+from common.base.grammar import Grammars
 from common.base.log import get_logger
+from common.base.threads import lower_this_thread
 from common.base.model_spec import ModelSpec
-from common.base.request import SamplingParams
+from common.base.request import SamplingParams, validate_prompt
 from common.wire.protocol import GenerateRequest
-from frontend.request import OFF_LOOP_CHARS, check_size, max_prompt_chars, prepare, text_len
 
 log = get_logger("frontend")
 
 
-def _lower_priority() -> None:
-    """The tokenizing thread yields the CPU to every other thread and process here."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (OSError, AttributeError):
-        pass
+# NOTE: what a request costs the frontend's event loop is bounded: a prompt of more text
+# than this is tokenized on a thread of its own (at low priority), and one of more text
+# than any prompt the model can take (max_prompt_chars) is refused unread.
+OFF_LOOP_CHARS = 64 * 2**10
+MAX_STOP_CHARS = 16 * 2**10   # all stop strings of a request together
+
+
+def text_len(req: GenerateRequest) -> int:
+    """Characters of text the request's prompt holds (0 for token ids)."""
+    if req.prompt is not None:
+        return len(req.prompt) if isinstance(req.prompt, str) else 0
+    return sum(len(m.get("content")) for m in req.messages or () if isinstance(m.get("content"), str))
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """More text than this cannot fit in max_model_len tokens: no token's text is longer
+    than its longest vocabulary entry (one character per byte, or longer), and the four
+    covers a normalizer that composes characters."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return 4 * max_model_len * max(longest, 1)
+
+
+def _count_tokens(tokenizer, text: str, add_special_tokens: bool) -> int | None:
+    """A long text's token count, counted without making a list of its ids (the fast
+    tokenizer's encoding keeps them): None where the tokenizer cannot say."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or len(text) <= OFF_LOOP_CHARS:
+        return None
+    return len(backend.encode(text, add_special_tokens=add_special_tokens))
+
+
+def _check_count(n: int | None, max_model_len: int) -> None:
+    if n is not None and n > max_model_len:
+        raise ValueError(f"the prompt is {n} tokens: more than the model's maximum length {max_model_len}")
+
+
+def prompt_ids(tokenizer, req: GenerateRequest, max_model_len: int = 2**31) -> list[int]:
+    given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+    if req.prompt is not None:
+        _check_count(_count_tokens(tokenizer, req.prompt, True), max_model_len)
+        return tokenizer.encode(req.prompt)
+    if req.prompt_token_ids is not None:
+        return list(req.prompt_token_ids)
+    for m in req.messages:
+        content = m.get("content")
+        if not isinstance(m.get("role"), str) or not (isinstance(content, str) or
+                                                       (content is None and m.get("tool_calls"))):
+            raise ValueError("each message needs a string role and string content (an assistant's "
+                             "tool calls may stand for it)")
+    kwargs = _template_kwargs(req)
+    if text_len(req) > OFF_LOOP_CHARS:
+        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        _check_count(_count_tokens(tokenizer, text, False), max_model_len)
+    ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # an encoding or a list
+
+
+def _template_kwargs(req: GenerateRequest) -> dict:
+    """What the chat template gets besides the messages: the tools, and the request's
+    chat_template_kwargs (Qwen3's enable_thinking, say)."""
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
+              if k not in ("messages", "tools", "add_generation_prompt", "tokenize", "conversation")}
+    if req.tools:
+        try:
+            kwargs["tools"] = json.loads(req.tools)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tools is not valid JSON: {e}") from None
+    return kwargs
+
+
+def check_size(req: GenerateRequest, max_chars: int) -> None:
+    """What can be refused before any tokenizing: too much text, too many stop characters."""
+    n = text_len(req)
+    if n > max_chars:
+        raise ValueError(f"the prompt is {n} characters: no text of more than {max_chars} fits in the "
+                         f"model's maximum length")
+    if sum(len(s) for s in req.stop) > MAX_STOP_CHARS:
+        raise ValueError(f"the stop strings hold more than {MAX_STOP_CHARS} characters together")
+
+
+def prepare(req: GenerateRequest, tokenizer, spec: ModelSpec, max_model_len: int,
+            is_processed_logprobs: bool = False, grammars=None) -> tuple[list[int], SamplingParams]:
+    """max_tokens None (HTTP chat) means what the model length leaves; 0 (with
+    prompt_logprobs) the prompt alone: one token is made and not shown."""
+    if req.timeout_s is not None and not req.timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {req.timeout_s}")
+    if "" in req.stop:   # it would match at once: an answer of nothing, surely not what was meant
+        raise ValueError("a stop string must not be empty")
+    if req.max_tokens == 0 and req.prompt_logprobs is None:
+        raise ValueError("max_tokens 0 (the prompt alone) needs prompt_logprobs")
+    ids = prompt_ids(tokenizer, req, max_model_len)
+    max_tokens = req.max_tokens if req.max_tokens is not None else max(max_model_len - len(ids), 1)
+    params = SamplingParams(
+        max_tokens=max(max_tokens, 1), temperature=req.temperature, top_p=req.top_p,
+        top_k=req.top_k, seed=req.seed if req.seed is not None else random.getrandbits(63),
+        stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+        num_logprobs=-1 if req.logprobs is None else req.logprobs,
+        num_prompt_logprobs=-1 if req.prompt_logprobs is None else req.prompt_logprobs,
+        is_processed_logprobs=is_processed_logprobs, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        min_p=req.min_p, min_tokens=req.min_tokens, **_logit_bias(req.logit_bias),
+        allowed_token_ids=tuple(req.allowed_token_ids or ()),
+        bad_words_ids=_bad_words(tokenizer, req.bad_words), grammar=_grammar(req, grammars))
+    params.validate(spec.vocab_size)
+    validate_prompt(ids, params.max_tokens, spec.vocab_size, max_model_len)
+    return ids, params
+
+
+def _grammar(req: GenerateRequest, grammars) -> tuple[str, ...]:
+    """(kind, spec, whitespace), compiled once here so a bad one is a 400 naming its fault."""
+    s = req.structured
+    if s is None:
+        return ()
+    g = (s.kind, s.spec, s.whitespace)
+    if grammars is None:
+        raise ValueError("structured outputs are not available here")
+    grammars().compile(g)   # GrammarError: a ValueError saying what is wrong
+    return g
+
+
+def _logit_bias(bias: dict | None) -> dict:
+    """OpenAI's {"token id": bias} -> SamplingParams' two tuples."""
+    ids, values = [], []
+    for key, value in (bias or {}).items():
+        if not key.strip().lstrip("-").isdigit():
+            raise ValueError(f"logit_bias keys are token ids, got {key[:32]!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"logit_bias values are numbers, got {value!r}")
+        ids.append(int(key))
+        values.append(float(value))
+    return {"logit_bias_ids": tuple(ids), "logit_bias": tuple(values)}
+
+
+def _bad_words(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each word's tokens, as written and (as vLLM does) after a space: at the start of a
+    text or after another word a tokenizer spells a word differently."""
+    seqs: dict[tuple[int, ...], None] = {}
+    for w in words:
+        if not w.strip():
+            raise ValueError("a bad word must not be empty")
+        for text in dict.fromkeys((w, w if w.startswith(" ") else " " + w)):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                seqs[ids] = None
+    return tuple(seqs)
 
 
 class Prompts:
-    def __init__(self, model: str, tokenizer, spec: ModelSpec, max_model_len: int):
+    def __init__(self, model: str, tokenizer, spec: ModelSpec, max_model_len: int,
+                 is_processed_logprobs: bool = False):
         self.model, self.tokenizer, self.spec, self.max_model_len = model, tokenizer, spec, max_model_len
+        self.is_processed_logprobs = is_processed_logprobs
+        self._grammars = None   # made for the first request with a grammar
         self.max_chars = max_prompt_chars(tokenizer, max_model_len)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize", initializer=_lower_priority)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize", initializer=lambda: lower_this_thread(19))
         self._own_tokenizer = None          # made on the thread: the loop's is never shared
         self.pending: dict[tuple, bool] = {}   # (client, request id) -> cancelled while tokenized
         self.num_off_loop = 0
+
+    def grammars(self) -> Grammars:
+        """Compiled on the loop's thread and the tokenizing thread alike (xgrammar's
+        compiler is safe to share)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.spec.vocab_size)
+        return self._grammars
 
     def is_off_loop(self, req: GenerateRequest) -> bool:
         return text_len(req) > OFF_LOOP_CHARS
@@ -45,7 +199,8 @@ class Prompts:
     def now(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
         """The common case, on the loop: ValueError says what is wrong."""
         check_size(req, self.max_chars)
-        return prepare(req, self.tokenizer, self.spec, self.max_model_len)
+        return prepare(req, self.tokenizer, self.spec, self.max_model_len, self.is_processed_logprobs,
+                       self.grammars)
 
     async def off_loop(self, key: tuple, req: GenerateRequest) -> tuple[list[int], SamplingParams] | None:
         """A long prompt, on the tokenizing thread; None if it was cancelled meanwhile."""
@@ -62,7 +217,8 @@ class Prompts:
         if self._own_tokenizer is None:
             from transformers import AutoTokenizer
             self._own_tokenizer = AutoTokenizer.from_pretrained(self.model)
-        return prepare(req, self._own_tokenizer, self.spec, self.max_model_len)
+        return prepare(req, self._own_tokenizer, self.spec, self.max_model_len, self.is_processed_logprobs,
+                       self.grammars)
 
     def cancel(self, key: tuple) -> bool:
         """A request still being tokenized is dropped once it is; False if none is."""

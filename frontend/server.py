@@ -15,6 +15,7 @@ requests routed to it, and (with keys) only under the name its key proves.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -56,7 +57,8 @@ class Frontend:
         self.spec = load_spec(cfg.model)
         self.served_model = cfg.served_model_name or Path(cfg.model).name
         self.max_model_len = clamp_model_len(cfg.max_model_len, self.spec.max_position_embeddings)
-        self.prompts = Prompts(cfg.model, self.tokenizer, self.spec, self.max_model_len)
+        self.prompts = Prompts(cfg.model, self.tokenizer, self.spec, self.max_model_len,
+                               cfg.logprobs_mode == "processed_logprobs")
         self._tasks: set[asyncio.Task] = set()   # requests whose long prompts are tokenized
         self.migrations = Migrations(self)
         self.node_messages = NodeMessages(self)
@@ -64,7 +66,7 @@ class Frontend:
                                      self.migrations.sync, self.wake_dispatch)
         self.nodes = self.registry.nodes   # by name
         self.requests: dict[str, RequestState] = {}                  # by node id
-        self.by_client: dict[tuple[bytes, str], RequestState] = {}   # by (client, its id)
+        self.by_client: dict[tuple[bytes, str], list[RequestState]] = {}   # (client, its id) -> its n choices
         self.admission = Admission(cfg.max_requests_per_client, cfg.max_kv_tokens_per_client)
         self.num_requests = 0
         self.num_served = 0
@@ -159,8 +161,7 @@ class Frontend:
                     await self.reply(client, *await self.migrations.on_drain_request(msg.node))
             except Exception:  # one bad request must not stop the service
                 log.exception("error while handling a %s", type(msg).__name__)
-                req = self.by_client.get((client, getattr(msg, "request_id", None)))
-                if req is not None:
+                for req in list(self.by_client.get((client, getattr(msg, "request_id", None)), ())):
                     await self.finish(req, FINISH_ERROR, "internal error", status=500)
 
     async def reply(self, client: Client, msg, status: int | None = None) -> None:
@@ -178,8 +179,9 @@ class Frontend:
                            status: int = 400) -> None:
         noisy.info("rejected request %s: %s", request_id, error)
         if request_id is not None and (client, request_id) not in self.by_client:
-            await self.reply(client, GenerateOutput(request_id, [], "", True, FINISH_ERROR, error),
-                              status)
+            # index -1: every choice of it ends with this
+            await self.reply(client, GenerateOutput(request_id, [], "", True, FINISH_ERROR, error, index=-1),
+                             status)
         else:
             await self.reply(client, ErrorReply(error, request_id), status)
 
@@ -216,7 +218,7 @@ class Frontend:
             return
         if prepared is None:   # the client left meanwhile
             await self.reply(client, GenerateOutput(req.request_id, [], "", True, FINISH_ABORT,
-                                                     "cancelled by the client"))
+                                                    "cancelled by the client", index=-1))
         elif self.is_draining:
             await self._reply_error(client, req.request_id, "the cluster is shutting down", 503)
         else:
@@ -227,28 +229,33 @@ class Frontend:
             await self._reply_error(client, req.request_id,
                                     "no live prefill and decode node pair is available", 503)
             return
-        refusal = self.admission.refusal(client, len(ids) + params.max_tokens)
+        refusal = self.admission.refusal(client, req.n * (len(ids) + params.max_tokens))
         if refusal:
             await self._reply_error(client, req.request_id, refusal, 429)
             return
-        self.num_requests += 1
         timeout = req.timeout_s or self.cfg.default_timeout_s
-        state = RequestState(f"{self.num_requests:x}", req.request_id, client, ids, params,
-                             IncrementalDetokenizer(self.tokenizer, req.stop), time.time(),
-                             time.monotonic() + timeout)
-        self.requests[state.node_id] = state
-        self.by_client[(client, req.request_id)] = state
-        self.admission.add(client, state, state.kv_tokens)
+        # n choices: n requests, choice i sampled with seed + i (as vLLM does).
+        choices = self.by_client[(client, req.request_id)] = []
+        for i in range(req.n):
+            self.num_requests += 1
+            state = RequestState(f"{self.num_requests:x}", req.request_id, client, ids,
+                                 dataclasses.replace(params, seed=(params.seed + i) % 2**63),
+                                 IncrementalDetokenizer(self.tokenizer, req.stop), time.time(),
+                                 time.monotonic() + timeout, is_prompt_only=req.max_tokens == 0, index=i)
+            self.requests[state.node_id] = state
+            choices.append(state)
+            self.admission.add(client, state, state.kv_tokens)
         self._wake.set()
 
     async def abort(self, client: Client, request_id: str) -> None:
-        req = self.by_client.get((client, request_id))
-        if req is None and self.prompts.cancel((client, request_id)):
+        choices = self.by_client.get((client, request_id))
+        if choices is None and self.prompts.cancel((client, request_id)):
             return   # answered once its tokenizing ends
-        if req is None:
+        if choices is None:
             await self.reply(client, ErrorReply(f"unknown request_id {request_id!r}", request_id), 404)
             return
-        await self.finish(req, FINISH_ABORT, "cancelled by the client")
+        for req in list(choices):
+            await self.finish(req, FINISH_ABORT, "cancelled by the client")
 
     # ---- dispatch -----------------------------------------------------------
 
@@ -303,12 +310,16 @@ class Frontend:
 
     async def finish(self, req: RequestState, reason: str, error: str | None,
                       token_ids: list[int] = (), is_node_done: bool = False,
-                      status: int | None = None) -> None:
+                      status: int | None = None, logprobs: list | None = None) -> None:
         """The last message of a request; the nodes drop it unless they ended it themselves.
         status: the HTTP status an error maps to (for in-process clients)."""
         if self.requests.pop(req.node_id, None) is None:
             return
-        self.by_client.pop((req.client, req.request_id), None)
+        choices = self.by_client.get((req.client, req.request_id), [])
+        if req in choices:
+            choices.remove(req)
+        if not choices:
+            self.by_client.pop((req.client, req.request_id), None)
         self.admission.done(req.client, req, req.kv_tokens)
         self.unroute(req)
         if not is_node_done:
@@ -323,7 +334,8 @@ class Frontend:
         self.num_served += 1
         self.metrics.finished(req, reason)
         await self.reply(req.client, GenerateOutput(req.request_id, list(token_ids), req.detok.take(True),
-                                                     True, reason, error, usage, req.timings), status)
+                                                    True, reason, error, usage, req.timings, logprobs,
+                                                    **req.take_prompt_logprobs(), index=req.index), status)
 
     def unroute(self, req: RequestState) -> None:
         """Its nodes' counts no longer include it (it ended, or it moves)."""

@@ -19,7 +19,8 @@ from common.engine.worker import DeviceWorker, PrefillChunk
 def generate(worker: DeviceWorker, prompts: list[list[int]],
              params: list[SamplingParams]) -> list[dict]:
     """Prefill every prompt as one batch, then decode them as one batch.
-    Returns per prompt: token_ids, finish_reason, ttft_ms, decode_ms_per_step."""
+    Returns per prompt: token_ids, finish_reason, ttft_ms, decode_ms_per_step, and the
+    logprobs of each token (TokenLogprobs, where its params ask for them)."""
     bs, spec = worker.block_size, worker.spec
     alloc = BlockAllocator(worker.num_kv_blocks)
     seqs: dict[str, Sequence] = {}
@@ -33,10 +34,12 @@ def generate(worker: DeviceWorker, prompts: list[list[int]],
             seq.take_block(alloc)
         seqs[seq.request_id] = seq
     t0 = time.perf_counter()
-    firsts, _ = worker.prefill([PrefillChunk(ids, 0, s.block_ids, s.params)
-                                for ids, s in zip(prompts, seqs.values())])
+    chunks = [PrefillChunk(ids, 0, s.block_ids, s.params, s.params.split(ids) if s.params.is_processing else None)
+              for ids, s in zip(prompts, seqs.values())]
+    firsts, _ = worker.prefill(chunks)
     ttft_ms = (time.perf_counter() - t0) * 1e3
     reasons: dict[str, str] = {}
+    logprobs: dict[str, list] = {key: [c.logprobs] for key, c in zip(seqs, chunks)}
     for (key, seq), (ids, tok) in zip(seqs.items(), zip(prompts, firsts)):
         seq.output_ids.append(tok)
         reason = finish_reason(seq, tok, spec.eos_token_ids, worker.max_model_len)
@@ -45,14 +48,17 @@ def generate(worker: DeviceWorker, prompts: list[list[int]],
             seq.release(alloc)
             continue
         blocks_to_join(seq, bs, alloc)
-        worker.add_decode_seq(key, tok, len(ids), seq.block_ids, seq.params)
+        prompt, prior = seq.params.split(ids)
+        worker.add_decode_seq(key, tok, len(ids), seq.block_ids, seq.params, (prompt, prior + seq.output_ids))
     num_steps, t1 = 0, time.perf_counter()
     while worker.num_decode_seqs:
         worker.grow_blocks(seqs, alloc)
-        keys = worker.decode_keys()
-        for key, tok in zip(keys, worker.decode_step()):
+        ticket = worker.launch_decode()
+        tokens = worker.collect_decode(ticket)
+        for key, tok, lp in zip(ticket.keys, tokens, ticket.logprobs or [None] * len(tokens)):
             seq = seqs[key]
             seq.output_ids.append(tok)
+            logprobs[key].append(lp)
             reason = finish_reason(seq, tok, spec.eos_token_ids, worker.max_model_len)
             if reason:
                 reasons[key] = reason
@@ -61,7 +67,7 @@ def generate(worker: DeviceWorker, prompts: list[list[int]],
         num_steps += 1
     step_ms = (time.perf_counter() - t1) * 1e3 / max(num_steps, 1)
     return [{"token_ids": s.output_ids, "finish_reason": reasons[k], "ttft_ms": round(ttft_ms, 3),
-             "decode_ms_per_step": round(step_ms, 3)} for k, s in seqs.items()]
+             "decode_ms_per_step": round(step_ms, 3), "logprobs": logprobs[k]} for k, s in seqs.items()]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,6 +22,8 @@ from common.base.log import Throttle, get_logger
 from common.wire.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, NodeSync, NodeSynced,
                                   PrefillRequest, PrefixUpdate, RequestFailed, TokenBatch, TokenUpdate,
                                   ttft_parts)
+from common.base import grammar
+from common.base.grammar import Grammars
 from common.base.request import stop_reason, validate_prompt
 from common.engine.worker import DeviceWorker, PrefillChunk
 from common.handoff.sender import Sender
@@ -42,6 +44,7 @@ class PrefillNode:
         self._is_prefix_synced = False
         self._prefix_synced_at = 0.0
         self._num_link_resets = 0
+        self._grammars = None   # made for the first request with a grammar
         self._last_log = 0.0
         self._log_tokens = 0
 
@@ -127,6 +130,8 @@ class PrefillNode:
             check_endpoint("decode_kv_endpoint", req.decode_kv_endpoint, self.cfg.allow_remote)
             if req.request_id in self.handoffs.by_id:
                 raise ValueError("a request of this id is already here")
+            if req.params.grammar:
+                self.grammars.compile(req.params.grammar)   # GrammarError: a ValueError, said to the client
             job = PrefillJob(req.request_id, list(req.prompt_token_ids), req.params,
                              req.arrival_time, req.decode_node, req.decode_kv_endpoint)
             self.handoffs.begin(job)   # the reservation comes back while the prompt waits or runs
@@ -153,8 +158,7 @@ class PrefillNode:
     # ---- forward and hand off ----------------------------------------------
 
     def _forward(self, chunks: list[ScheduledChunk]) -> None:
-        batch = [PrefillChunk(c.job.token_ids[c.start:c.end], c.start, c.job.block_ids,
-                              c.job.params if c.is_last else None) for c in chunks]
+        batch = [self._chunk(c) for c in chunks]
         finished = [c.job for c in chunks if c.is_last]
         # The KV writes of finished prompts are queued right behind the forward pass,
         # before the first tokens are sampled, so their commits can go out at once.
@@ -162,20 +166,49 @@ class PrefillNode:
         self._log_tokens += sum(c.end - c.start for c in chunks)
         done_at = time.time()
         early = []
-        for c, token in zip(chunks, tokens):
+        for c, pc, token in zip(chunks, batch, tokens):
+            job = c.job
+            if pc.prompt_logprobs is not None:
+                job.prompt_logprobs += pc.prompt_logprobs
             if c.is_last:
-                job = c.job
                 stamps = {"arrival": job.arrival_time, "prefill_recv": job.recv_time,
                           "prefill_start": job.start_time, "prefill_end": done_at}
-                self.handoffs.set_first_token(job, token, stamps)
+                self.handoffs.set_first_token(job, token, stamps, pc.logprobs)
+                prompt_logprobs = job.prompt_logprobs if job.params.num_prompt_logprobs >= 0 else None
                 # The first token streams now, while its KV travels; one that ends the
-                # request is left to the decode node, which ends it.
+                # request is left to the decode node, which ends it (the prompt's
+                # logprobs go now all the same).
                 if stop_reason(job.params, token, 1, job.prompt_len, self.worker.spec.eos_token_ids,
                                self.worker.max_model_len) is None:
-                    early.append(TokenUpdate(job.request_id, [token], None, ttft_parts(stamps), index=0))
+                    early.append(TokenUpdate(job.request_id, [token], None, ttft_parts(stamps), index=0,
+                                             logprobs=[pc.logprobs] if pc.logprobs else None,
+                                             prompt_logprobs=prompt_logprobs))
+                elif prompt_logprobs is not None:
+                    early.append(TokenUpdate(job.request_id, [], None, index=0, prompt_logprobs=prompt_logprobs))
         if early and not self.frontend.send(TokenBatch(early), block=False):
             noisy.warning("could not stream %d first tokens early: the decode nodes will", len(early))
         self.scheduler.complete(chunks)
+
+    def _chunk(self, c: ScheduledChunk) -> PrefillChunk:
+        """What the worker computes of a scheduled chunk: its first token if it is the
+        prompt's last (with the history its penalties need), the logprobs of its prompt
+        tokens if they were asked for."""
+        job = c.job
+        chunk = PrefillChunk(job.token_ids[c.start:c.end], c.start, job.block_ids, job.params if c.is_last else None)
+        if c.is_last and job.params.is_processing:
+            chunk.history = job.params.split(job.token_ids)
+        if c.is_last and job.params.grammar:   # the first token obeys it, after any tokens streamed before a move
+            chunk.mask = self.grammars.matcher(job.params.grammar, chunk.history[1]).fill().clone()
+        if job.params.num_prompt_logprobs >= 0:
+            chunk.prompt_targets = job.token_ids[c.start + 1:c.end + 1] + ([-1] if c.is_last else [])
+            chunk.num_prompt_logprobs = job.params.num_prompt_logprobs
+        return chunk
+
+    @property
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            self._grammars = grammar.for_model(self.cfg.worker.model, self.worker.spec.vocab_size)
+        return self._grammars
 
     def _fail(self, request_id: str, error: str, is_retryable: bool = False) -> None:
         self.num_failed += 1

@@ -44,6 +44,7 @@ class PrefillJob:
     hashes: list[bytes] = field(default_factory=list)   # each full block's chained hash
     is_reserved: bool = False      # its decode node holds blocks for it (set by the handoff)
     is_peer_granting: bool = False  # its decode node granted the previous request at once
+    prompt_logprobs: list = field(default_factory=list)   # asked for: each chunk's, in order
 
     @property
     def prompt_len(self) -> int:
@@ -124,7 +125,9 @@ class PrefillScheduler:
             bs = self.block_size
             if not job.hashes:
                 job.hashes = block_hashes(job.token_ids, bs)
-            cached = self.prefix_cache.match(job.hashes[:num_reusable_blocks(job.prompt_len, bs)])
+            # NOTE: prompt logprobs need every position computed: no cached prefix.
+            cached = self.prefix_cache.match(job.hashes[:num_reusable_blocks(job.prompt_len, bs)]) \
+                if job.params.num_prompt_logprobs < 0 else []
             need = num_blocks_for(job.prompt_len, bs) - len(cached)
             if not self.prefix_cache.can_allocate(need if job.is_reserved else 2 * need):
                 self.prefix_cache.free(cached)

@@ -190,7 +190,7 @@ def test_prefill_lanes_equal_one_lane(tiny_model):
                     chunks.append(PrefillChunk(p, 0, list(range(start, start + n)), SamplingParams()))
                     start += n
                 tokens, logits = w.prefill(chunks, return_logits=True)
-                return w.num_lanes, tokens, logits, w.export_blocks(list(range(1, start)))
+                return (w.lanes.num_lanes if w.lanes else 1), tokens, logits, w.export_blocks(list(range(1, start)))
         finally:
             torch.set_num_threads(before)
     lanes1, tokens1, logits1, kv1 = run(1)

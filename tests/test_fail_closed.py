@@ -172,7 +172,7 @@ def test_lists_are_refused_by_their_length_before_their_items():
 
 def test_text_no_model_length_can_take_is_refused_unread(tiny_model):
     from transformers import AutoTokenizer
-    from frontend.request import check_size, max_prompt_chars
+    from frontend.prompts import check_size, max_prompt_chars
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     cap = max_prompt_chars(tok, 1024)
     longest = max(len(tok.convert_tokens_to_string([t])) for t in tok.get_vocab())

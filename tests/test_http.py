@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from frontend import openai_api as api
+from frontend import openai_out as shapes
 from tests.cluster_util import Cluster, Processes, free_base_port, wait_for
 from tests.conftest import hf_greedy
 
@@ -153,23 +154,28 @@ def test_stream_events_from_the_template_equal_the_whole_chunk_encoded(kind, ext
     bytes must be exactly what encoding the whole chunk gives, for any text."""
     source = {"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": "hi"}
     call = api.parse({**source, "stream": True, **extra}, kind, extra.get("model", "m"), 16)
-    event = api.text_events(call, 1_700_000_000)
+    event = shapes.text_events(call, 1_700_000_000)
     rng = random.Random(0)
     alphabet = ['"', "\\", "\n", "\x00", "\x1f", "é", "中", "😀", "\ud800", "[0]", "a", " ", "\u2028"]
     texts = ["", "a", '"text"'] + ["".join(rng.choices(alphabet, k=rng.randrange(1, 12)))
                                    for _ in range(300)]
     for text in texts:
         ids = [rng.randrange(1000) for _ in range(rng.randrange(3))]
-        want = api.stream_event(api.chunk(call, 1_700_000_000, text, ids))
+        want = shapes.stream_event(shapes.chunk(call, 1_700_000_000, text, ids))
         assert event(text, ids) == want, text
         assert json.loads(want[6:])["choices"][0]["text" if kind == "completions" else "delta"] == \
             (text if kind == "completions" else ({"content": text} if text else {}))
 
 
 @pytest.mark.parametrize("body,status,param", [
-    ({"prompt": "hi", "n": 2}, 400, "n"),
-    ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
-    ({"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "hi", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ({"prompt": "hi", "suffix": "!"}, 400, "suffix"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),               # the prompt alone needs echo + logprobs
+    ({"prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+     400, None),                                                         # a schema that does not compile
     ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "hi", "top_p": 2}, 400, "top_p"),
@@ -189,8 +195,8 @@ def test_bad_requests_get_openai_errors(cluster, body, status, param):
 
 def test_unsupported_parameter_through_the_openai_client(oai):
     with pytest.raises(openai.BadRequestError) as e:
-        oai.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, n=3)
-    assert "'n' is not supported" in e.value.body["message"]
+        oai.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, suffix="!")
+    assert "'suffix' is not supported" in e.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
 

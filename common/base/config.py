@@ -318,6 +318,23 @@ class FrontendConfig:
         "--http-host", "HTTP address (default: 127.0.0.1, or 0.0.0.0 with --allow-remote)"))
     served_model_name: str | None = field(default=None, metadata=flag(
         "--served-model-name", "the model name HTTP clients use (default: the model directory's name)"))
+    is_json_whitespace: bool = field(default=False, metadata=flag(
+        "--allow-json-whitespace", "JSON from a grammar (response_format, guided_json) may hold free "
+        "whitespace between tokens (default: compact, as vLLM's disable_any_whitespace, so a weak "
+        "model's output still closes)"))
+    tool_call_parser: str = field(default="qwen3", metadata=flag(
+        "--tool-call-parser", "how tool calls are read out of an answer: qwen3 (<tool_call> blocks; "
+        "hermes is the same format) or none (the text is left as it is)",
+        choices=("qwen3", "hermes", "none")))
+    is_auto_tool_choice: bool = field(default=False, metadata=flag(
+        "--enable-auto-tool-choice", "accepted for vLLM's command lines: tool_choice auto is always served"))
+    reasoning_parser: str = field(default="", metadata=flag(
+        "--reasoning-parser", "qwen3: a chat answer's <think> ... </think> goes to reasoning_content "
+        "(default: it stays in the content)", choices=("", "qwen3", "deepseek_r1")))
+    logprobs_mode: str = field(default="raw_logprobs", metadata=flag(
+        "--logprobs-mode", "what logprobs report: the model's raw distribution (raw_logprobs, as vLLM's "
+        "default) or the one sampled from, after penalties, temperature, top-k and top-p "
+        "(processed_logprobs)", choices=("raw_logprobs", "processed_logprobs")))
 
     def __post_init__(self) -> None:
         if self.http_host is None:   # NOTE: frozen: set once, here
@@ -347,3 +364,5 @@ class FrontendConfig:
             raise ValueError("forget_after_s must be positive and drain_timeout_s >= 0")
         if self.max_migrations < 0 or self.migration_wait_s < 0:
             raise ValueError("max_migrations and migration_wait_s must be >= 0")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(f"logprobs_mode must be raw_logprobs or processed_logprobs, got {self.logprobs_mode!r}")

@@ -6,6 +6,12 @@ computes slot_mapping from seq_lens and the block table, runs the model, samples
 writes the samples into the next step's input_ids and advances seq_lens, all on
 the device. The host writes into these buffers only when a sequence joins or
 crosses into a new block, through the counted HostToDevice.
+
+A request that asks for log-probabilities, penalties or masks (not is_plain)
+puts the batch on the full path: its rows' state (logits.RowState, made on
+first use) lives on the device too and advances with each step, and the
+reported log-probabilities come back with the tokens. A batch of plain rows
+never touches it (and on CUDA replays a captured graph).
 """
 from __future__ import annotations
 
@@ -15,7 +21,9 @@ import numpy as np
 import torch
 
 import kernels
-from common.base.request import SamplingParams
+from common.base.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from common.engine import logits as logit_rules
+from common.base.grammar import bits_to_mask, num_words
 from common.engine import qwen3
 from common.engine.graphs import GraphRunner
 from common.engine.h2d import HostToDevice
@@ -31,12 +39,15 @@ class DecodeTicket:
     start: object | None = None     # platform events; None where work is not queued (CPU)
     end: object | None = None
     copied: object | None = None
+    num_logprobs: list[int] | None = None            # per row (-1: none), when any row asked
+    logprobs: list[TokenLogprobs | None] | None = None   # per row, once collected
 
 
 class DecodeBatch:
     def __init__(self, model: "qwen3.Model", block_size: int, max_batch_size: int,
-                 max_blocks_per_seq: int, platform, h2d: HostToDevice):
+                 max_blocks_per_seq: int, platform, h2d: HostToDevice, eos_ids: tuple[int, ...] = ()):
         self.model = model
+        self.eos_ids = eos_ids
         self.block_size = block_size
         self.max_batch_size = max_batch_size
         self.platform = platform
@@ -69,6 +80,22 @@ class DecodeBatch:
         self._host_seq_lens_t = torch.from_numpy(self.host_seq_lens)   # the same memory
         self._host_num_blocks = np.zeros(n, dtype=np.int32)
         self._host_is_greedy = np.ones(n, dtype=bool)
+        self._host_num_logprobs = np.full(n, -1, dtype=np.int32)
+        self._host_is_processed = np.zeros(n, dtype=bool)   # processed (not raw) log-probabilities
+        self._host_is_processing = np.zeros(n, dtype=bool)  # penalties or masks
+        self._rows: logit_rules.RowState | None = None      # made when a row first needs it
+        self._is_processed = torch.zeros(n, dtype=torch.bool, device=dev)
+        self._logprobs = (torch.zeros(n, dtype=torch.float32, device=dev),
+                          torch.zeros(n, MAX_LOGPROBS, dtype=torch.float32, device=dev),
+                          torch.zeros(n, MAX_LOGPROBS, dtype=torch.int64, device=dev))
+        self._logprobs_host = tuple(torch.zeros(2, *t.shape, dtype=t.dtype, pin_memory=pinned)
+                                    for t in self._logprobs)
+        # Grammar masks: set on the host before each step (the one per-step copy in, and only
+        # for a batch that has a grammar row); -1 (every token) in the rows without one.
+        words = num_words(model.spec.vocab_size)
+        self._host_has_grammar = np.zeros(n, dtype=bool)
+        self._mask_staging = torch.full((n, words), -1, dtype=torch.int32, pin_memory=pinned)
+        self._masks = torch.full((n, words), -1, dtype=torch.int32, device=dev)
         self._slots: dict[str, int] = {}
         self._keys: list[str] = []
         # Block-table entries waiting for the next launch; staged in two pinned slots
@@ -94,13 +121,15 @@ class DecodeBatch:
 
     def _row_buffers(self) -> tuple[torch.Tensor, ...]:
         return (self._input_ids, self._seq_lens, self._step_inc, self._block_tables,
-                self._temperature, self._top_p, self._top_k, self._seeds)
+                self._temperature, self._top_p, self._top_k, self._seeds, self._is_processed)
 
     @torch.inference_mode()
     def add(self, key: str, token_id: int, num_cached: int, block_ids: list[int],
-            params: SamplingParams) -> None:
+            params: SamplingParams, history: tuple[list[int], list[int]] = ((), ())) -> None:
         """A sequence joins: num_cached tokens are in the cache at block_ids, and
-        token_id (at position num_cached) is its next input."""
+        token_id (at position num_cached) is its next input. history: its prompt's
+        tokens and those it generated so far (token_id the last), read only where
+        penalties need them."""
         if key in self._slots:
             raise ValueError(f"sequence {key!r} is already decoding")
         row = self.num_seqs
@@ -123,6 +152,18 @@ class DecodeBatch:
         self.host_seq_lens[row] = num_cached + 1
         self._host_num_blocks[row] = len(block_ids)
         self._host_is_greedy[row] = params.is_greedy
+        self._host_num_logprobs[row] = params.num_logprobs
+        self._host_is_processed[row] = params.is_processed_logprobs
+        self._host_is_processing[row] = params.is_processing
+        self._host_has_grammar[row] = bool(params.grammar)
+        self._mask_staging[row].fill_(-1)
+        if not params.is_plain:
+            w(self._is_processed[row], params.is_processed_logprobs)
+        if params.is_processing or self._rows is not None:
+            if self._rows is None:
+                self._rows = logit_rules.RowState.empty(self.max_batch_size, self.model.spec.vocab_size,
+                                                        self._h2d.device)
+            self._rows.set_row(row, params, list(history[0]), list(history[1]), self.eos_ids, self._h2d.tensor)
         self._slots[key] = row
         self._keys.append(key)
 
@@ -135,7 +176,11 @@ class DecodeBatch:
             moved = self._keys[last]
             for buf in self._row_buffers():
                 buf[row].copy_(buf[last])
-            for mirror in (self.host_seq_lens, self._host_num_blocks, self._host_is_greedy):
+            if self._rows is not None:
+                self._rows.copy_row(row, last)
+            for mirror in (self.host_seq_lens, self._host_num_blocks, self._host_is_greedy,
+                           self._host_num_logprobs, self._host_is_processed, self._host_is_processing,
+                           self._host_has_grammar, self._mask_staging):
                 mirror[row] = mirror[last]
             self._keys[row] = moved
             self._slots[moved] = row
@@ -152,6 +197,15 @@ class DecodeBatch:
         self.host_seq_lens[row] = 1
         self._host_num_blocks[row] = 0
         self._host_is_greedy[row] = True
+        self._host_num_logprobs[row] = -1
+        self._host_is_processing[row] = False
+        self._host_has_grammar[row] = False
+        self._mask_staging[row].fill_(-1)
+
+    def set_mask(self, key: str, bits: torch.Tensor) -> None:
+        """The grammar's mask for the sequence's next token ([W] int32 words), before the
+        step that makes it."""
+        self._mask_staging[self._slots[key]].copy_(bits)
 
     def keys_needing_block(self) -> list[str]:
         """Live sequences whose next token falls past their last block (from the host mirrors)."""
@@ -212,15 +266,23 @@ class DecodeBatch:
                                f"call append_block first")
         self._flush_block_writes(True)
         is_greedy = bool(self._host_is_greedy[:n].all())
+        ks = self._host_num_logprobs[:n]
+        is_plain = not (ks >= 0).any() and not self._host_is_processing[:n].any()
         p = self.platform
         ticket = DecodeTicket(self._keys[:n], self.num_steps % 2, start=p.event(timing=True))
-        if self.graphs.is_graphed:
+        if is_plain and self.graphs.is_graphed:
             self.graphs.replay(n, is_greedy)
         else:
+            if self._host_has_grammar[:n].any():
+                self._h2d.write(self._masks[:n], self._mask_staging[:n])
             width = num_blocks_for(int(self.host_seq_lens[:n].max()), self.block_size)
-            self._run(n, width, is_greedy)
+            self._run(n, width, is_greedy, None if is_plain else int(ks.max()))
         ticket.end = p.event(timing=True)
         self._sampled_host[ticket.slot, :n].copy_(self._sampled[:n], non_blocking=True)
+        if (ks >= 0).any():
+            ticket.num_logprobs = ks.tolist()
+            for dev, host in zip(self._logprobs, self._logprobs_host):
+                host[ticket.slot, :n].copy_(dev[:n], non_blocking=True)
         ticket.copied = p.event()
         self.host_seq_lens[:n] += 1
         self.num_steps += 1
@@ -242,14 +304,20 @@ class DecodeBatch:
             if self._last_end is not None:
                 self.device_idle_s += max(self._last_end.elapsed_time(ticket.start), 0.0) / 1e3
             self._last_end = ticket.end
-        return self._sampled_host[ticket.slot, : len(ticket.keys)].tolist()
+        n = len(ticket.keys)
+        if ticket.num_logprobs is not None:
+            chosen, top, ids = (h[ticket.slot, :n].tolist() for h in self._logprobs_host)
+            ticket.logprobs = logit_rules.to_host(chosen, top, ids, ticket.num_logprobs)
+        return self._sampled_host[ticket.slot, :n].tolist()
 
     def mark_idle(self) -> None:
         """The node has nothing to run: the gap before the next step is not device idleness."""
         self._last_end = None
 
-    def _run(self, n: int, width: int, is_greedy: bool) -> None:
-        """The device part of a step over rows [0, n) with block tables [n, width]."""
+    def _run(self, n: int, width: int, is_greedy: bool, num_logprobs: int | None = None) -> None:
+        """The device part of a step over rows [0, n) with block tables [n, width].
+        num_logprobs: None for a plain batch, else the most alternatives any row asked
+        for (-1: none; the full path all the same)."""
         seq_lens = self._seq_lens[:n]
         slot_mapping = self._slot_mapping[:n]
         block_tables = self._block_tables[:n, :width]
@@ -264,7 +332,13 @@ class DecodeBatch:
         hidden = qwen3.forward(m.spec, m.weights, m.kv_cache, m.cos_sin, self._input_ids[:n],
                                torch.sub(seq_lens, 1, out=self._positions[:n]), attn)
         logits = qwen3.compute_logits(m.weights, hidden)
-        if is_greedy:
+        if num_logprobs is not None:
+            rows = self._rows.rows(n) if self._rows is not None else None
+            allowed = bits_to_mask(self._masks[:n], logits.shape[-1]) if self._host_has_grammar[:n].any() else None
+            sampled = logit_rules.choose(logits, rows, self._temperature[:n], self._top_p[:n], self._top_k[:n],
+                                         self._seeds[:n], seq_lens.long(), num_logprobs, self._is_processed[:n],
+                                         [t[:n] for t in self._logprobs], is_greedy, allowed)
+        elif is_greedy:
             sampled = logits.argmax(dim=-1)
         else:
             sampled = sample(logits, self._temperature[:n], self._top_p[:n], self._top_k[:n],

@@ -10,10 +10,7 @@ that differs by device type goes through its platform (platform.py).
 from __future__ import annotations
 
 import atexit
-import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,10 +19,12 @@ import torch
 import kernels
 from common.base.config import WorkerConfig, clamp_model_len
 from common.base.env import read_env
-from common.base.request import SamplingParams
+from common.base.request import SamplingParams, TokenLogprobs
+from common.engine import logits as logit_rules
 from common.engine import qwen3
 from common.engine.decode import DecodeBatch, DecodeTicket  # noqa: F401  (DecodeTicket: the nodes' type)
 from common.engine.h2d import HostToDevice
+from common.engine.lanes import Lanes
 from common.base.model_spec import load_spec, preset_spec
 from common.engine.platform import platform_for
 from common.engine.sampling import sample
@@ -34,27 +33,19 @@ from common.kv.blocks import NULL_BLOCK, block_bytes, cache_shape, kv_cache_bloc
 from common.kv.sequence import grow_blocks
 
 
-# Lane threads yield to the host's latency-bound work (decode steps, the frontend):
-# prefill throughput takes the cores those leave, not a share fixed in advance.
-LANE_NICE = 10
-
-
-def _start_lane() -> None:
-    torch.set_num_threads(1)
-    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
-        try:   # NOTE: Linux applies a thread id's priority to that thread alone
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                           os.getpriority(os.PRIO_PROCESS, 0) + LANE_NICE)
-        except OSError:
-            pass
-
-
 @dataclass
 class PrefillChunk:
     token_ids: list[int]                 # this chunk's tokens
     context_len: int                     # tokens of the same prompt already in the cache
     block_ids: list[int]                 # blocks covering context_len + len(token_ids)
     params: SamplingParams | None = None  # set on a prompt's last chunk: sample its first token
+    history: tuple[list[int], list[int]] | None = None   # with params that need it: (prompt, outputs)
+    mask: torch.Tensor | None = None     # a grammar's mask for the first token ([W] int32 words)
+    prompt_targets: list[int] | None = None   # prompt logprobs asked for: each position's next token
+    num_prompt_logprobs: int = -1        # (-1 past the prompt's end), and how many alternatives
+    # Set by prefill(): what is reported of the first token, and of the prompt's tokens.
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class DeviceWorker:
@@ -72,8 +63,7 @@ class DeviceWorker:
         self.num_prefill_passes = 0
         self.num_prefill_chunks = 0   # summed over passes: / num_prefill_passes is the mean batch
         self.prefill_busy_s = 0.0
-        self.num_lanes = 1            # CPU prefill: a pass's chunks split over this many threads
-        self._lane_pool: ThreadPoolExecutor | None = None
+        self.lanes: Lanes | None = None   # CPU prefill: a pass's chunks split over threads (lanes.py)
 
     # ---- life cycle -------------------------------------------------------
 
@@ -99,13 +89,11 @@ class DeviceWorker:
         self.kv_cache = self.platform.allocate(shape, self.dtype, cfg.is_cache_in_shm)
         self.model = qwen3.Model(s, self.weights, self.cos_sin, self.kv_cache)
         self.decode = DecodeBatch(self.model, self.block_size, cfg.max_batch_size, self.max_blocks_per_seq,
-                                  self.platform, self.h2d)
+                                  self.platform, self.h2d, self.spec.eos_token_ids)
         if self.device.type == "cpu" and torch.get_num_threads() > 1:
             # NOTE: a lane runs whole forwards on one torch thread: no barrier per op waits
             # for a core another process holds, and a busy host just time-slices the lanes.
-            self.num_lanes = torch.get_num_threads()
-            self._lane_pool = ThreadPoolExecutor(self.num_lanes, thread_name_prefix="prefill-lane",
-                                                 initializer=_start_lane)
+            self.lanes = Lanes(torch.get_num_threads(), self._forward_chunks)
             torch.set_num_threads(1)   # the loop's own ops are small: no pool to wait on
         self._warm_up()
         if self._wants_graphs():
@@ -131,9 +119,9 @@ class DeviceWorker:
             self.__dict__.pop(name, None)
         self.decode = None
         self.swap.clear()
-        if self._lane_pool is not None:
-            self._lane_pool.shutdown()
-            self._lane_pool, self.num_lanes = None, 1
+        if self.lanes is not None:
+            self.lanes.close()
+            self.lanes = None
         self.platform.release()
         self.platform.release_memory()
 
@@ -209,7 +197,8 @@ class DeviceWorker:
 
     def _forward_chunks(self, chunks: list[PrefillChunk]) -> torch.Tensor:
         """One forward over the chunks, packed; their KV into the cache. -> the hidden
-        state of each chunk's last token [len(chunks), H]."""
+        state of each chunk's last token [len(chunks), H]; chunks that asked for prompt
+        logprobs get them here, from every position's hidden state."""
         bs = self.block_size
         ids, positions, slots = [], [], []
         width = max(len(c.block_ids) for c in chunks)
@@ -234,51 +223,16 @@ class DeviceWorker:
         hidden = qwen3.forward(self.spec, self.weights, self.kv_cache, self.cos_sin,
                                self._to_device(ids, torch.int64),
                                self._to_device(np.concatenate(positions), torch.int64), attn)
+        for c, start in zip(chunks, starts):
+            if c.prompt_targets is not None:
+                c.prompt_logprobs = logit_rules.prompt_logprobs(
+                    lambda h: qwen3.compute_logits(self.weights, h), hidden[start: start + len(c.token_ids)],
+                    c.prompt_targets, c.num_prompt_logprobs, self._to_device)
         return hidden[self._to_device(np.cumsum(attn.query_lens) - 1, torch.int64)]
 
-    # A lone chunk shorter than this per thread runs on one lane: an op split over threads
-    # waits at its end for every one of them, and on a shared host one may have no core.
-    MIN_TOKENS_PER_THREAD = 1024
-
-    @torch.inference_mode()   # NOTE: thread-local: a lane thread must enter it itself
-    def _forward_lane(self, chunks: list[PrefillChunk]) -> torch.Tensor:
-        return self._forward_chunks(chunks)
-
-    def _split_into_lanes(self, chunks: list[PrefillChunk]) -> list[list[int]]:
-        """Chunk indices per lane, balanced by tokens (largest first); one lane unless
-        this is a CPU worker with several threads and the pass has several chunks."""
-        num_lanes = min(self.num_lanes, len(chunks))
-        if num_lanes < 2:
-            return [list(range(len(chunks)))]
-        lanes: list[list[int]] = [[] for _ in range(num_lanes)]
-        loads = [0] * num_lanes
-        for i in sorted(range(len(chunks)), key=lambda i: -len(chunks[i].token_ids)):
-            j = loads.index(min(loads))
-            lanes[j].append(i)
-            loads[j] += len(chunks[i].token_ids) + chunks[i].context_len // 4
-        return [sorted(lane) for lane in lanes if lane]
-
     def _prefill(self, chunks: list[PrefillChunk], return_logits: bool, on_kv_queued=None):
-        lanes = self._split_into_lanes(chunks)
         num_tokens = sum(len(c.token_ids) for c in chunks)
-        if self._lane_pool is None:
-            last_hidden = self._forward_chunks(chunks)
-        elif len(lanes) == 1 and num_tokens >= self.MIN_TOKENS_PER_THREAD * self.num_lanes:
-            torch.set_num_threads(self.num_lanes)   # every thread on one long chunk
-            try:
-                last_hidden = self._forward_chunks(chunks)
-            finally:
-                torch.set_num_threads(1)
-        elif len(lanes) == 1:
-            last_hidden = self._lane_pool.submit(self._forward_lane, chunks).result()
-        else:
-            # NOTE: lanes write disjoint blocks of the one cache; the sampling below waits for all.
-            parts = list(self._lane_pool.map(self._forward_lane, [[chunks[i] for i in lane]
-                                                                  for lane in lanes]))
-            order = torch.tensor([i for lane in lanes for i in lane])
-            packed = torch.cat(parts)            # lane order -> chunk order
-            last_hidden = torch.empty_like(packed)
-            last_hidden[order] = packed
+        last_hidden = self._forward_chunks(chunks) if self.lanes is None else self.lanes.forward(chunks)
         self.num_prefill_tokens += num_tokens
         self.num_prefill_passes += 1
         self.num_prefill_chunks += len(chunks)
@@ -290,13 +244,20 @@ class DeviceWorker:
             return out, None
         logits = qwen3.compute_logits(self.weights, last_hidden[sampled_idx])
         ps = [chunks[i].params for i in sampled_idx]
-        tokens = sample(logits,
-                        self._to_device([p.temperature for p in ps], torch.float32),
-                        self._to_device([p.top_p for p in ps], torch.float32),
-                        self._to_device([p.top_k for p in ps], torch.int32),
-                        self._to_device([p.seed for p in ps], torch.int64),
-                        self._to_device([chunks[i].context_len + len(chunks[i].token_ids)
-                                         for i in sampled_idx], torch.int64)).tolist()
+        positions = [chunks[i].context_len + len(chunks[i].token_ids) for i in sampled_idx]
+        if all(p.is_plain for p in ps):
+            tokens = sample(logits,
+                            self._to_device([p.temperature for p in ps], torch.float32),
+                            self._to_device([p.top_p for p in ps], torch.float32),
+                            self._to_device([p.top_k for p in ps], torch.int32),
+                            self._to_device([p.seed for p in ps], torch.int64),
+                            self._to_device(positions, torch.int64)).tolist()
+        else:
+            tokens, reported = logit_rules.choose_first(logits, ps, [chunks[i].history for i in sampled_idx],
+                                                        positions, self.spec.eos_token_ids, self._to_device,
+                                                        [chunks[i].mask for i in sampled_idx])
+            for i, lp in zip(sampled_idx, reported):
+                chunks[i].logprobs = lp
         for i, t in zip(sampled_idx, tokens):
             out[i] = t
         return out, (logits if return_logits else None)
@@ -338,11 +299,16 @@ class DeviceWorker:
         return self.decode.keys()
 
     def add_decode_seq(self, key: str, token_id: int, num_cached: int, block_ids: list[int],
-                       params: SamplingParams) -> None:
-        self.decode.add(key, token_id, num_cached, block_ids, params)
+                       params: SamplingParams, history: tuple[list[int], list[int]] = ((), ())) -> None:
+        """history: its prompt's tokens and those generated so far, for penalties."""
+        self.decode.add(key, token_id, num_cached, block_ids, params, history)
 
     def remove_decode_seq(self, key: str) -> None:
         self.decode.remove(key)
+
+    def set_decode_mask(self, key: str, bits: torch.Tensor) -> None:
+        """A grammar's mask for the sequence's next token, before the step that makes it."""
+        self.decode.set_mask(key, bits)
 
     def keys_needing_block(self) -> list[str]:
         return self.decode.keys_needing_block()

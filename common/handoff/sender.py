@@ -243,11 +243,11 @@ class Sender:
                 if self._can_write(h):
                     self._write(h)
 
-    def set_first_token(self, job: Job, first_token: int, timings: dict) -> None:
+    def set_first_token(self, job: Job, first_token: int, timings: dict, logprobs=None) -> None:
         h = self.by_id.get(job.request_id)
         if h is None:
             return
-        h.first_token, h.timings = first_token, timings
+        h.first_token, h.timings, h.first_logprobs = first_token, timings, logprobs
         h.lease_deadline = self.clock() + self.handoff_lease_s
         self._commit(h)
 
@@ -362,7 +362,7 @@ class Sender:
             h.checksums = h.checksums.tolist()
         h.peer.link.send(KVCommit(j.request_id, j.prompt_len, h.first_token, j.params, h.timings,
                                   h.peer.writer.name if h.peer.writer else "", j.token_ids, h.reservation,
-                                  h.num_written, h.checksums), block=False)
+                                  h.num_written, h.checksums, h.first_logprobs), block=False)
 
     def _end(self, h: Handoff, error: str | None, release: bool = False, is_retryable: bool = False) -> None:
         """Drop the handoff and free what it holds here (and there, if release); fail

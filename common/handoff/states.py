@@ -87,6 +87,7 @@ class Handoff:
     num_refusals: int = 0                 # retryable ones in a row
     is_kv_queued: bool = False            # every layer's KV is queued on the device
     first_token: int | None = None        # set when the prompt is done
+    first_logprobs: object = None         # what is reported of it (TokenLogprobs), when asked for
     timings: dict = field(default_factory=dict)
     lease_deadline: float = INF           # the decode node must acknowledge the commit by then
     write_started: float = 0.0            # monotonic, by the handoff's clock

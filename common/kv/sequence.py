@@ -23,6 +23,7 @@ class Sequence:
     preempted_at: float = 0.0      # monotonic, while preempted
     is_swapped: bool = False       # preempted with its KV in host memory (else: recomputed)
     is_preemption_untold: bool = False   # resumed since its preemptions were last reported
+    matcher: object = None         # decode, a request with a grammar: its matcher (base/grammar.py)
 
     @property
     def num_cached(self) -> int:

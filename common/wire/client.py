@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
-from common.base.request import MAX_STOP_TOKEN_IDS
+from common.base.request import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS,
+                                 TokenLogprobs)
 from common.wire.limits import Range, MaxLen, NodeFigures, Plain, Id, Name, I32, I32_MAX
 
 
@@ -14,6 +15,17 @@ from common.wire.limits import Range, MaxLen, NodeFigures, Plain, Id, Name, I32,
 MAX_PROMPT_IDS = 2**20      # the frontend refuses more than its max_model_len anyway
 MAX_STOP = 64               # stop strings per request (and MAX_STOP_CHARS in all, frontend/request.py)
 MAX_MESSAGES = 4096         # chat messages per request
+MAX_N = 64                  # choices per request
+
+@dataclass
+class Structured:
+    """A grammar the output obeys: kind json_schema (spec: the schema, as JSON text),
+    json_object (spec unused), regex, choice (spec: a JSON list of strings) or grammar
+    (EBNF); whitespace "compact" (JSON without free whitespace) or "any"."""
+    kind: Name
+    spec: Annotated[str, MaxLen(2**16)] = ""
+    whitespace: Name = "compact"
+
 
 @dataclass
 class GenerateRequest:
@@ -21,8 +33,9 @@ class GenerateRequest:
     request_id: Id
     prompt: str | None = None
     prompt_token_ids: Annotated[list[I32], MaxLen(MAX_PROMPT_IDS)] | None = None
-    messages: Annotated[list[Annotated[dict, Plain(depth=2, max_items=16)]], MaxLen(MAX_MESSAGES)] | None = None
-    max_tokens: Annotated[int, Range(1, I32_MAX)] = 16
+    # A message: role, content (text or null), and an assistant's tool_calls or a tool's tool_call_id.
+    messages: Annotated[list[Annotated[dict, Plain(depth=5, max_items=64)]], MaxLen(MAX_MESSAGES)] | None = None
+    max_tokens: Annotated[int, Range(0, I32_MAX)] = 16   # 0: the prompt alone (with prompt_logprobs)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: Annotated[int, Range(-1, I32_MAX)] = -1
@@ -31,6 +44,23 @@ class GenerateRequest:
     stop_token_ids: Annotated[list[I32], MaxLen(MAX_STOP_TOKEN_IDS)] = field(default_factory=list)
     ignore_eos: bool = False
     timeout_s: float | None = None
+    # Reported: each output token's log-probability and this many likeliest alternatives;
+    # prompt_logprobs: the same for each prompt token after the first.
+    logprobs: Annotated[int, Range(0, MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, Range(0, MAX_LOGPROBS)] | None = None
+    # Penalties and masks (OpenAI's and vLLM's meanings; docs/protocol.md).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: Annotated[int, Range(0, I32_MAX)] = 0
+    logit_bias: Annotated[dict, Plain(depth=1, max_items=MAX_LOGIT_BIAS)] | None = None   # "token id" -> bias
+    allowed_token_ids: Annotated[list[I32], MaxLen(MAX_PROMPT_IDS)] | None = None
+    bad_words: Annotated[list[Annotated[str, MaxLen(1024)]], MaxLen(MAX_BAD_WORDS)] = field(default_factory=list)
+    n: Annotated[int, Range(1, MAX_N)] = 1   # choices, each streamed under its index; choice i takes seed + i
+    structured: Structured | None = None
+    tools: Annotated[str, MaxLen(2**18)] | None = None   # the chat template's tools, as JSON text
+    chat_template_kwargs: Annotated[dict, Plain(depth=1, max_items=16)] | None = None   # enable_thinking, ...
 
 
 @dataclass
@@ -62,6 +92,10 @@ class GenerateOutput:
     error: str | None = None
     usage: dict | None = None
     timings: dict | None = None
+    logprobs: list[TokenLogprobs] | None = None          # one per token of token_ids, when asked for
+    prompt_logprobs: list[TokenLogprobs] | None = None   # on the first output: prompt tokens 1..
+    prompt_token_ids: list[int] | None = None            # with prompt_logprobs: the prompt they are of
+    index: int = 0                                       # which of the request's n choices
 
 
 @dataclass

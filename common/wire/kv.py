@@ -6,7 +6,7 @@ from typing import Annotated, ClassVar
 
 import torch
 
-from common.base.request import SamplingParams
+from common.base.request import SamplingParams, TokenLogprobs
 from common.wire.limits import Range, MaxLen, Name, Id, Text, I32, Plain, Stamps
 
 # What a transfer backend puts on the wire: plain maps (bytes allowed, bounded) that
@@ -104,6 +104,7 @@ class KVCommit:
     reservation: Name = ""
     num_written: I32 = 0
     checksums: list[int] | None = None
+    first_logprobs: TokenLogprobs | None = None   # what is reported of first_token, when asked for
 
 
 @dataclass

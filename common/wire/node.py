@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, ClassVar
 
-from common.base.request import SamplingParams
+from common.base.request import SamplingParams, TokenLogprobs
 from common.wire.limits import Range, MaxLen, Name, Id, Text, I32, Parts, Figures
 
 
@@ -151,6 +151,8 @@ class TokenUpdate:
     timings: Parts | None = None    # on a request's first update: where its TTFT went
     index: I32 = 0                  # the first token's place in what this node generates (from 0):
                                     # the frontend sees a gap, so tokens lost on the way never go unseen
+    logprobs: list[TokenLogprobs] | None = None          # one per token, when asked for
+    prompt_logprobs: list[TokenLogprobs] | None = None   # the prefill node's, once: prompt tokens 1..
 
 
 def ttft_parts(t: dict) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from common.wire import codec
 from common.wire.codec import PROTOCOL_VERSION, ProtocolError, dtype_name, encode  # noqa: F401
-from common.wire.client import (GenerateRequest, AbortRequest, StatsRequest, DrainRequest, GenerateOutput,
+from common.wire.client import (Structured, GenerateRequest, AbortRequest, StatsRequest, DrainRequest, GenerateOutput,
                                 OutputBatch, StatsReply, DrainReply, ErrorReply)  # noqa: F401
 from common.wire.node import (PrefillRequest, NodeAbort, NodeSync, PeerLost, Shutdown, Drain, PrefixUpdate, ReadyReply,
                               NodeReady, Heartbeat, RequestFailed, NodeSynced, NodeDraining, TokenUpdate,

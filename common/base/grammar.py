@@ -1,0 +1,142 @@
+"""Structured outputs: a grammar as a mask over the vocabulary, token by token.
+
+A request's grammar (SamplingParams.grammar = (kind, spec, whitespace)) is one of
+    json_schema  a JSON schema (a string)          json_object  any JSON object
+    regex        a regular expression              choice       one of a JSON list of strings
+    grammar      an EBNF grammar (xgrammar's GBNF dialect)
+compiled by xgrammar (pinned; vLLM and SGLang use it) against the model's
+tokenizer. JSON is compact unless whitespace is "any": a weak model that wanders
+into free whitespace never closes its object. A matcher follows one request:
+it accepts the tokens generated so far (so a request resumed elsewhere, or
+after a preemption, is masked as if it had never stopped), and fills the next
+token's mask as one bit per token: [ceil(V / 32)] int32 words.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from collections import OrderedDict
+
+import torch
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+WHITESPACE = ("compact", "any")
+MAX_COMPILED = 256   # grammars kept compiled, the most recently used
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled, said so a client can act on it."""
+
+
+@functools.lru_cache(maxsize=1)
+def _module():
+    try:
+        import xgrammar
+        return xgrammar, None
+    except Exception as e:   # ImportError, or a native library that does not load here
+        return None, f"structured outputs need xgrammar, which does not import here ({type(e).__name__}: {e})"
+
+
+def why_unusable() -> str | None:
+    return _module()[1]
+
+
+def bits_to_mask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, W] int32 words -> [B, V] bool, True where the token is allowed."""
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
+    return ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+
+
+def num_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def for_model(model_dir: str | None, vocab_size: int) -> "Grammars":
+    """The grammars of a model directory's tokenizer; GrammarError says why there are none."""
+    if model_dir is None:
+        raise GrammarError("structured outputs need the model's tokenizer: this node was started with "
+                           "--shape, not --model")
+    from transformers import AutoTokenizer
+    return Grammars(AutoTokenizer.from_pretrained(model_dir), vocab_size)
+
+
+class Grammars:
+    """The grammars of one tokenizer: compiled once each (the latest MAX_COMPILED kept)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        xgr, why = _module()
+        if xgr is None:
+            raise GrammarError(why)
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgr.GrammarCompiler(self.info)
+        self._compiled: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()   # the frontend compiles on two threads
+
+    def compile(self, grammar: tuple[str, str, str]):
+        key = tuple(grammar)
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
+            compiled = self._compile(*grammar)
+            self._compiled[key] = compiled
+            while len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
+            return compiled
+
+    def _compile(self, kind: str, spec: str, whitespace: str):
+        if kind not in KINDS or whitespace not in WHITESPACE:
+            raise GrammarError(f"a grammar is one of {', '.join(KINDS)}, got {kind[:32]!r}")
+        c, is_any = self._compiler, whitespace == "any"
+        try:
+            if kind == "json_schema":
+                json.loads(spec)   # a plain error before xgrammar's own
+                return c.compile_json_schema(spec, any_whitespace=is_any)
+            if kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=is_any)
+            if kind == "regex":
+                re.compile(spec)
+                return c.compile_regex(spec)
+            if kind == "choice":
+                choices = json.loads(spec)
+                if not isinstance(choices, list) or not choices or not all(isinstance(x, str) for x in choices):
+                    raise GrammarError("a choice is a non-empty list of strings")
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in choices))
+            return c.compile_grammar(spec)
+        except GrammarError:
+            raise
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"the {kind} is not valid JSON: {e}") from None
+        except re.error as e:
+            raise GrammarError(f"the regex does not compile: {e}") from None
+        except Exception as e:   # xgrammar's own errors (RuntimeError, ValueError, ...)
+            raise GrammarError(f"the {kind} cannot be compiled: {str(e).splitlines()[0][:300]}") from None
+
+    def matcher(self, grammar: tuple[str, str, str], tokens: list[int] = ()) -> "Matcher":
+        m = Matcher(self._xgr, self.compile(grammar), self.vocab_size)
+        for t in tokens:
+            m.accept(t)
+        return m
+
+
+class Matcher:
+    def __init__(self, xgr, compiled, vocab_size: int):
+        self._m = xgr.GrammarMatcher(compiled)
+        self.bits = torch.zeros(num_words(vocab_size), dtype=torch.int32)   # the next token's mask
+
+    def fill(self) -> torch.Tensor:
+        """The next token's mask ([W] int32 words; this matcher's buffer)."""
+        self._m.fill_next_token_bitmask(self.bits[None])
+        return self.bits
+
+    def accept(self, token: int) -> bool:
+        """False if the grammar did not allow it (it was not masked to it)."""
+        return bool(self._m.accept_token(token))
+
+    @property
+    def is_done(self) -> bool:
+        return bool(self._m.is_terminated())

@@ -1,0 +1,176 @@
+"""Tool calls and reasoning in the OpenAI API, in Qwen3's own format.
+
+A model given tools answers a call as
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+(several may follow one another), and thinks inside <think> ... </think> first.
+tool_choice "auto" parses those blocks out of the text; "required" and a named
+function are enforced with a grammar (common/base/grammar.py), so that even a
+weak model answers with a call whose arguments fit the function's parameters:
+required as a JSON list of {"name", "parameters"} (as vLLM does), a named
+function as its arguments alone. "none" leaves the text as it is.
+
+Split holds a choice's text as it streams and gives it back as content,
+reasoning and whole tool calls; text that might be the start of a tag waits.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class ToolError(ValueError):
+    """tools or tool_choice that cannot be served, said so a client can act on it."""
+
+
+def check_tools(tools) -> list[dict]:
+    """OpenAI's tools: [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
+    if not isinstance(tools, list) or len(tools) > 128:
+        raise ToolError("'tools' must be a list of at most 128 functions")
+    for t in tools:
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict) \
+                or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ToolError("each tool is {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}")
+        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+            raise ToolError(f"the parameters of {f['name']!r} must be a JSON schema object")
+    return tools
+
+
+def choice_mode(tools: list[dict] | None, tool_choice) -> tuple[str, str | None]:
+    """(none|auto|required|named, the named function) of a request's tool_choice."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise ToolError("'tool_choice' needs 'tools'")
+        return "none", None
+    if tool_choice in (None, "auto"):
+        return "auto", None
+    if tool_choice in ("none", "required"):
+        return tool_choice, None
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
+        raise ToolError("'tool_choice' must be none, auto, required or {\"type\": \"function\", "
+                        "\"function\": {\"name\": one of the tools}}")
+    return "named", name
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def grammar_for(tools: list[dict], mode: str, name: str | None) -> str | None:
+    """The JSON schema that makes the answer a call (required, named), or None."""
+    if mode == "named":
+        return json.dumps(_parameters(next(t for t in tools if t["function"]["name"] == name)))
+    if mode == "required":
+        one = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                 "parameters": _parameters(t)},
+                "required": ["name", "parameters"]} for t in tools]
+        return json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": one}})
+    return None
+
+
+def _call(name: str, arguments) -> dict:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _holdback(text: str, tags: tuple[str, ...]) -> int:
+    """How many trailing characters of text may be the start of one of the tags."""
+    for n in range(min(max(len(t) for t in tags) - 1, len(text)), 0, -1):
+        if any(t.startswith(text[-n:]) for t in tags):
+            return n
+    return 0
+
+
+class Split:
+    """One choice's text -> content, reasoning and tool calls, as it streams."""
+
+    def __init__(self, mode: str, name: str | None, is_reasoning: bool):
+        self.mode, self.name = mode, name
+        self.is_reasoning = is_reasoning
+        self.state = "start" if is_reasoning else "content"   # start -> reasoning -> content <-> call
+        self.pending = ""     # text not yet given back
+        self.calls: list[dict] = []
+
+    def feed(self, text: str, is_final: bool = False) -> dict:
+        """New text -> {"content": str, "reasoning_content": str, "tool_calls": [calls whole]}
+        (the parts there are). Required and named calls are given whole at the end."""
+        self.pending += text
+        out = {"content": "", "reasoning_content": "", "tool_calls": []}
+        if self.mode in ("required", "named"):
+            if is_final:
+                out["tool_calls"] = self._forced(self.pending)
+                self.pending = ""
+            return {k: v for k, v in out.items() if v}
+        while True:
+            if self.state == "start":
+                stripped = self.pending.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    self.pending, self.state = stripped[len(THINK_OPEN):], "reasoning"
+                    continue
+                if not is_final and THINK_OPEN.startswith(stripped):
+                    break   # it may yet open a block
+                self.state = "content"
+            if self.state == "reasoning":
+                i = self.pending.find(THINK_CLOSE)
+                if i < 0:
+                    keep = 0 if is_final else _holdback(self.pending, (THINK_CLOSE,))
+                    out["reasoning_content"] += self.pending[:len(self.pending) - keep]
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    break
+                out["reasoning_content"] += self.pending[:i]
+                self.pending, self.state = self.pending[i + len(THINK_CLOSE):].lstrip("\n"), "content"
+                continue
+            if self.state == "content":
+                i = self.pending.find(TOOL_OPEN) if self.mode == "auto" else -1
+                if i < 0:
+                    keep = 0 if is_final or self.mode != "auto" else _holdback(self.pending, (TOOL_OPEN,))
+                    out["content"] += self.pending[:len(self.pending) - keep]
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    break
+                out["content"] += self.pending[:i]
+                self.pending, self.state = self.pending[i + len(TOOL_OPEN):], "call"
+                continue
+            i = self.pending.find(TOOL_CLOSE)   # state "call"
+            if i < 0:
+                if is_final:   # a call never closed: what there is, as text
+                    out["content"] += TOOL_OPEN + self.pending
+                    self.pending = ""
+                break
+            call = self._parsed(self.pending[:i])
+            if call is None:
+                out["content"] += TOOL_OPEN + self.pending[:i + len(TOOL_CLOSE)]
+            else:
+                out["tool_calls"].append(call)
+                self.calls.append(call)
+            self.pending, self.state = self.pending[i + len(TOOL_CLOSE):], "content"
+        return {k: v for k, v in out.items() if v}
+
+    @staticmethod
+    def _parsed(body: str) -> dict | None:
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        return _call(obj["name"], obj.get("arguments", {}))
+
+    def _forced(self, text: str) -> list[dict]:
+        """The answer the grammar made: a named call's arguments, or required's list."""
+        if self.mode == "named":
+            calls = [_call(self.name, text.strip())]
+        else:
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError:
+                return []
+            calls = [_call(c["name"], c.get("parameters", {})) for c in items
+                     if isinstance(c, dict) and isinstance(c.get("name"), str)]
+        self.calls += calls
+        return calls
