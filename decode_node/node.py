@@ -190,9 +190,10 @@ class DecodeNode:
                 continue
             c.timings["decode_admit"] = time.time()
             seq.output_ids.append(c.first_token)
-            if c.params.grammar:   # its matcher takes every token so far: the mask goes on from there
+            if c.params.is_masked_per_step:   # its matcher takes every token so far: the mask goes on from there
                 try:
-                    seq.matcher = self.grammars.matcher(c.params.grammar, _history(seq)[1])
+                    seq.matcher = grammar.matcher_for(c.params, _history(seq)[1], self.worker.spec.vocab_size,
+                                                      self.grammars if c.params.grammar else None)
                 except ValueError as e:
                     self._finished(c.request_id, in_batch=False, count=False)
                     self.runtime.send(RequestFailed(c.request_id, str(e)))

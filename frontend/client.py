@@ -82,7 +82,12 @@ class Result:
             self.choices.append(self)
 
     def to_dict(self) -> dict:
-        return dict(vars(self))
+        """JSON-ready; choices (every choice, this one first) only when n > 1.
+        # NOTE: choices[0] is self, so a plain vars() would be circular."""
+        own = {k: v for k, v in vars(self).items() if k != "choices"}
+        if len(self.choices) > 1:
+            own["choices"] = [{k: v for k, v in vars(c).items() if k != "choices"} for c in self.choices]
+        return own
 
 
 def make_request(prompt=None, *, request_id: str | None = None, **kw) -> GenerateRequest:

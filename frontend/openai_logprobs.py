@@ -65,7 +65,11 @@ def completion(strings: TokenStrings, token_ids: list[int], logprobs: list[Token
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(lp.logprob)
-        top = {strings.text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)}
+        # NOTE: a map by text: two tokens of one text (byte pieces of a character) are one
+        # entry, the likelier (they come likeliest first), as a reader comparing with max() expects.
+        top: dict[str, float] = {}
+        for i, v in zip(lp.top_ids, lp.top_logprobs):
+            top.setdefault(strings.text(i), v)
         top.setdefault(text, lp.logprob)   # the chosen token is always among them (as vLLM)
         out["top_logprobs"].append(top)
     return out

@@ -62,16 +62,34 @@ def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
-def grammar_for(tools: list[dict], mode: str, name: str | None) -> str | None:
-    """The JSON schema that makes the answer a call (required, named), or None."""
+def grammar_for(tools: list[dict], mode: str, name: str | None, is_parallel: bool = True) -> str | None:
+    """The JSON schema that makes the answer a call (required, named), or None;
+    required: a list of calls, of one unless is_parallel (parallel_tool_calls)."""
     if mode == "named":
         return json.dumps(_parameters(next(t for t in tools if t["function"]["name"] == name)))
     if mode == "required":
         one = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                  "parameters": _parameters(t)},
                 "required": ["name", "parameters"]} for t in tools]
-        return json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": one}})
+        return json.dumps({"type": "array", "minItems": 1, **({} if is_parallel else {"maxItems": 1}),
+                           "items": {"anyOf": one}})
     return None
+
+
+def _whole_items(text: str) -> list:
+    """The items of a JSON list, or of the whole items at its start when it was cut
+    short (max_tokens): the calls a required tool_choice made before the cut."""
+    decoder, items, i = json.JSONDecoder(), [], text.find("[") + 1
+    if i == 0:
+        return items
+    while True:
+        while i < len(text) and text[i] in " \t\n\r,":
+            i += 1
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
 
 
 def _call(name: str, arguments) -> dict:
@@ -166,11 +184,7 @@ class Split:
         if self.mode == "named":
             calls = [_call(self.name, text.strip())]
         else:
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError:
-                return []
-            calls = [_call(c["name"], c.get("parameters", {})) for c in items
+            calls = [_call(c["name"], c.get("parameters", {})) for c in _whole_items(text)
                      if isinstance(c, dict) and isinstance(c.get("name"), str)]
         self.calls += calls
         return calls

@@ -43,6 +43,15 @@ if [ ! -f "$_stamp" ] || [ "$PDSERVE_ROOT/pyproject.toml" -nt "$_stamp" ]; then
         "$PY" -m pip install -q --disable-pip-version-check --retries 1 --timeout 15 "nixl-cu12>=1.5.1,<2" >/dev/null 2>&1 \
             || echo "[pdserve] nixl-cu12 could not be installed here: the nixl KV transfer is not offered" >&2
     fi
+    # Structured outputs compile with xgrammar. NOTE: its wheel asks for triton
+    # (hundreds of MB, GPU kernels pdserve does not use): install it without
+    # dependencies and its two light ones by hand. Without it, requests for
+    # structured outputs get a clear error and everything else runs.
+    if ! "$PY" -c "import xgrammar" >/dev/null 2>&1; then
+        { "$PY" -m pip install -q --disable-pip-version-check "apache-tvm-ffi>=0.1.11" pydantic \
+            && "$PY" -m pip install -q --disable-pip-version-check --no-deps "xgrammar==0.2.8"; } >/dev/null 2>&1 \
+            || echo "[pdserve] xgrammar could not be installed here: structured outputs are not offered" >&2
+    fi
     touch "$_stamp"
 fi
 export PYTHONPATH="$PDSERVE_ROOT${PYTHONPATH:+:$PYTHONPATH}"

@@ -11,9 +11,32 @@ from pathlib import Path
 from common.runtime.process import HelpFormat
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen3's tags, as Qwen3 has them: added, not special, so they stay in decoded text.
+TAG_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
+# Qwen3's chat format, tools and thinking included (a shorter template than Qwen3's own).
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+    "provided with function signatures within <tools></tools> XML tags:\n<tools>{% for tool in tools %}\n"
+    "{{ tool | tojson }}{% endfor %}\n</tools>\n\nFor each function call, return a json object with function "
+    "name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% if not loop.first %}<|im_start|>system\n{{ m['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% elif m['role'] == 'assistant' %}<|im_start|>assistant\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for tc in m['tool_calls'] or [] %}{% if m['content'] or not loop.first %}\n{% endif %}<tool_call>\n"
+    "{\"name\": \"{{ tc['function']['name'] }}\", \"arguments\": {% if tc['function']['arguments'] is string %}"
+    "{{ tc['function']['arguments'] }}{% else %}{{ tc['function']['arguments'] | tojson }}{% endif %}}\n"
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+    "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 
 _WORDS = ("the a of to and in is it that was for on are with as his they be at one have this "
           "from or had by hot word but what some we can out other were all there when up use "
@@ -47,6 +70,7 @@ def build_tokenizer(vocab_size: int, seed: int):
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", bos_token=None)
+    fast.add_tokens(TAG_TOKENS)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

@@ -9,6 +9,8 @@
 #        [--max-model-len N] [--block-size N] [--token-budget N] [--kv-cache-fraction F]
 #        [--http-port 8000 | --no-http] [--served-model-name NAME] [--log-level LEVEL]
 #        [--no-prefix-caching] [--swap-space GIB] [--no-preemption] [--kv-verify]
+#        [--reasoning-parser qwen3] [--tool-call-parser qwen3|hermes|none] [--enable-auto-tool-choice]
+#        [--logprobs-mode raw_logprobs|processed_logprobs] [--allow-json-whitespace]
 #        [--keys DIR | --no-keys] [--no-restart-nodes] [--drain-timeout S]
 #        [--ready-timeout S] [--frontend-arg ARG]... [--prefill-arg ARG]... [--decode-arg ARG]...
 #
@@ -83,6 +85,8 @@ while [ $# -gt 0 ]; do
         --swap-space) DECODE_EXTRA+=(--swap-space "$(value "$@")"); shift 2 ;;
         --no-preemption) DECODE_EXTRA+=(--no-preemption); shift ;;
         --kv-verify) PREFILL_EXTRA+=(--kv-verify); DECODE_EXTRA+=(--kv-verify); shift ;;
+        --reasoning-parser|--tool-call-parser|--logprobs-mode) FRONTEND_EXTRA+=("$1" "$(value "$@")"); shift 2 ;;
+        --enable-auto-tool-choice|--allow-json-whitespace) FRONTEND_EXTRA+=("$1"); shift ;;
         --demo) DEMO=1; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "start_cluster: unknown option $1" >&2; usage >&2; exit 2 ;;

@@ -6,22 +6,36 @@ import pytest
 import torch
 
 from common.wire import protocol as p
-from common.base.request import SamplingParams
+from common.base.request import SamplingParams, TokenLogprobs
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, top_k=20, seed=5,
                         stop_token_ids=(3, 4), ignore_eos=True)
+# Every field set: what the full sampling path carries from the frontend to both nodes.
+FULL_PARAMS = SamplingParams(max_tokens=8, temperature=0.5, seed=2, num_logprobs=3, num_prompt_logprobs=0,
+                             is_processed_logprobs=True, presence_penalty=0.5, frequency_penalty=0.25,
+                             repetition_penalty=1.1, min_p=0.05, min_tokens=2, logit_bias_ids=(3, 9),
+                             logit_bias=(1.5, -100.0), allowed_token_ids=(1, 2, 3, 9), bad_words_ids=((4,), (5, 6)),
+                             num_prior_outputs=1, grammar=("regex", "[a-z]+", "compact"))
 KV = torch.randn(2, 2, 3, 4, 2, 8).to(torch.bfloat16)
 
 EXAMPLES = [
     p.GenerateRequest("r1", prompt="hi", max_tokens=4, stop=["x"], seed=None, timeout_s=2.5),
     p.GenerateRequest("r2", prompt_token_ids=[1, 2, 3], temperature=1, top_k=5),
     p.GenerateRequest("r3", messages=[{"role": "user", "content": "yo"}]),
+    p.GenerateRequest("r4", messages=[{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+        max_tokens=0, logprobs=5, prompt_logprobs=0, presence_penalty=0.5, frequency_penalty=-0.5,
+        repetition_penalty=1.2, min_p=0.1, min_tokens=2, logit_bias={"7": -100}, allowed_token_ids=[1, 2],
+        bad_words=["no"], n=3, structured=p.Structured("json_schema", '{"type": "object"}', "any"),
+        tools='[{"type": "function"}]', chat_template_kwargs={"enable_thinking": False}),
     p.AbortRequest("r1"),
     p.StatsRequest(),
     p.DrainRequest("decode-1"),
     p.DrainReply("decode-1", 3),
     p.GenerateOutput("r1", [5, 6], "ab", True, "stop", None, {"prompt_tokens": 2}, {"ttft_ms": 1.5}),
     p.OutputBatch([p.GenerateOutput("r1", [5], "a"), p.GenerateOutput("r2", [], "", True, "error", "no")]),
+    p.GenerateOutput("r4", [5], "a", logprobs=[TokenLogprobs(-0.5, [5, 9], [-0.5, -9999.0])],
+                     prompt_logprobs=[TokenLogprobs(-2.0, [], [])], prompt_token_ids=[1, 2], index=2),
     p.StatsReply(True, {"decode-0": {"role": "decode"}}, {"name": "m", "vocab_size": 512},
                  {"pid": 7, "num_waiting": 0}),
     p.ErrorReply("bad", None),
@@ -41,6 +55,8 @@ EXAMPLES = [
     p.NodeDraining("decode-1", 42),
     p.PrefixUpdate("prefill-0", 42, [-5, 2**62], [7], False),
     p.TokenBatch([p.TokenUpdate("r1", [7], None, {"queue_ms": 1.0}), p.TokenUpdate("r2", [8], "length", index=5)]),
+    p.TokenBatch([p.TokenUpdate("r3", [7, 8], logprobs=[TokenLogprobs(-1.0, [7], [-1.0])] * 2,
+                                prompt_logprobs=[TokenLogprobs(-3.0, [4], [-0.1])])]),
     p.KVHello("prefill-0"),
     p.KVWelcome("123-ab", "host/boot", "cuda:0", [2, 2, 100, 16, 2, 8], "bfloat16",
                 {"ipc": {"shm_name": None, "cuda": {"device": 0, "handle": b"\x00\x01handle",
@@ -57,6 +73,8 @@ EXAMPLES = [
     p.KVTransfer("r1", "a1b2c3d4e5f6", "dist", {"group": "5f0c9a", "tag": 17}, torch.empty(0, dtype=torch.uint8)),
     p.KVCommit("r1", 40, 9, PARAMS, {"prefill_end": 1.0}, "ipc", [3] * 40),
     p.KVCommit("r1", 3, 9, PARAMS, {}, "tcp", [3] * 3, "a1b2c3d4e5f6", 28, [-2**31, 0, 2**31 - 1]),
+    p.KVCommit("r2", 3, 9, FULL_PARAMS, {}, "ipc", [3] * 3, "a1b2c3d4e5f6", 0, None, TokenLogprobs(-0.25, [9], [-0.25])),
+    p.PrefillRequest("r2", [1, 2], FULL_PARAMS, 123.5, "decode-1", "tcp://127.0.0.1:5603"),
     p.KVRelease("r1"),
     p.HandoffAck("r1", False, False, "no reservation"),
 ]

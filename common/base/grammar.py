@@ -6,7 +6,9 @@ A request's grammar (SamplingParams.grammar = (kind, spec, whitespace)) is one o
     grammar      an EBNF grammar (xgrammar's GBNF dialect)
 compiled by xgrammar (pinned; vLLM and SGLang use it) against the model's
 tokenizer. JSON is compact unless whitespace is "any": a weak model that wanders
-into free whitespace never closes its object. A matcher follows one request:
+into free whitespace never closes its object. NOTE: xgrammar's JSON lets raw
+control characters into strings, which strict JSON parsers refuse: for the JSON
+kinds, tokens holding a byte below 0x20 are masked too, so the output always parses. A matcher follows one request:
 it accepts the tokens generated so far (so a request resumed elsewhere, or
 after a preemption, is masked as if it had never stopped), and fills the next
 token's mask as one bit per token: [ceil(V / 32)] int32 words.
@@ -19,6 +21,7 @@ import re
 import threading
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -73,6 +76,14 @@ class Grammars:
         self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._compiler = xgr.GrammarCompiler(self.info)
+        # [W] int32 words: the tokens with no control byte (special tokens, EOS among them, kept)
+        safe = np.ones(num_words(vocab_size) * 32, dtype=bool)
+        special = set(self.info.special_token_ids) | set(self.info.stop_token_ids)
+        for i, piece in enumerate(self.info.decoded_vocab[:vocab_size]):
+            if i not in special and any(b < 0x20 for b in piece):
+                safe[i] = False
+        # bit i of word w is token 32 w + i (little-endian words of little-endian bit order)
+        self.json_safe = torch.from_numpy(np.packbits(safe, bitorder="little").view("<i4").copy())
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()   # the frontend compiles on two threads
 
@@ -116,27 +127,51 @@ class Grammars:
         except Exception as e:   # xgrammar's own errors (RuntimeError, ValueError, ...)
             raise GrammarError(f"the {kind} cannot be compiled: {str(e).splitlines()[0][:300]}") from None
 
-    def matcher(self, grammar: tuple[str, str, str], tokens: list[int] = ()) -> "Matcher":
-        m = Matcher(self._xgr, self.compile(grammar), self.vocab_size)
-        for t in tokens:
-            m.accept(t)
-        return m
+    def xgrammar_matcher(self, grammar: tuple[str, ...]):
+        return self._xgr.GrammarMatcher(self.compile(tuple(grammar)))
+
+
+def matcher_for(params, tokens: list[int], vocab_size: int, grammars: "Grammars | None") -> "Matcher":
+    """The matcher of a request whose mask changes token by token (params.is_masked_per_step:
+    a grammar, from grammars, or a bad word of several tokens), past the tokens it has
+    generated so far."""
+    g = grammars.xgrammar_matcher(params.grammar) if params.grammar else None
+    is_json = g is not None and params.grammar[0].startswith("json")
+    m = Matcher(vocab_size, g, grammars.json_safe if is_json else None, [w for w in params.bad_words_ids if len(w) > 1])
+    for t in tokens:
+        m.accept(t)
+    return m
 
 
 class Matcher:
-    def __init__(self, xgr, compiled, vocab_size: int):
-        self._m = xgr.GrammarMatcher(compiled)
+    """What one request's next token may be: its grammar's mask, a fixed mask beside it,
+    and no last token of a bad word whose other tokens the output just ended with
+    (vLLM's meaning of bad_words: a sequence never completed; one-token words are
+    masked with the rest of the request's fixed masks, logits.py)."""
+
+    def __init__(self, vocab_size: int, grammar=None, also: torch.Tensor | None = None,
+                 bad_words: list[tuple[int, ...]] = ()):
+        self._m = grammar   # an xgrammar GrammarMatcher, or None
         self.bits = torch.zeros(num_words(vocab_size), dtype=torch.int32)   # the next token's mask
+        self._also = also
+        self._bad_words = bad_words
+        self._tail: list[int] = []   # the last tokens, as many as the longest bad word needs
 
     def fill(self) -> torch.Tensor:
         """The next token's mask ([W] int32 words; this matcher's buffer)."""
-        self._m.fill_next_token_bitmask(self.bits[None])
+        if self._m is not None:
+            self._m.fill_next_token_bitmask(self.bits[None])
+        else:
+            self.bits.fill_(-1)
+        if self._also is not None:
+            self.bits &= self._also
+        for w in self._bad_words:
+            if len(self._tail) >= len(w) - 1 and tuple(self._tail[len(self._tail) - len(w) + 1:]) == w[:-1]:
+                self.bits[w[-1] // 32] &= ~(1 << (w[-1] % 32)) if w[-1] % 32 != 31 else 0x7FFFFFFF
         return self.bits
 
     def accept(self, token: int) -> bool:
         """False if the grammar did not allow it (it was not masked to it)."""
-        return bool(self._m.accept_token(token))
-
-    @property
-    def is_done(self) -> bool:
-        return bool(self._m.is_terminated())
+        if self._bad_words:
+            self._tail = (self._tail + [token])[-max(len(w) for w in self._bad_words):]
+        return self._m is None or bool(self._m.accept_token(token))

@@ -31,7 +31,7 @@ class TokenLogprobs:
 class SamplingParams:
     """How a request's tokens are chosen and what is reported of them. Every field past
     ignore_eos is off at its default, and a request that sets none of them is sampled
-    exactly as before they existed (logits_processing.py applies the rest)."""
+    exactly as before they existed (common/engine/logits.py applies the rest)."""
     max_tokens: int = 16
     temperature: float = 0.0       # 0 = greedy
     top_p: float = 1.0             # in (0, 1]
@@ -54,7 +54,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()     # when given, only these
     bad_words_ids: tuple[tuple[int, ...], ...] = ()   # token sequences never completed
     num_prior_outputs: int = 0     # a moved request: the prompt's last tokens are outputs it streamed
-    grammar: tuple[str, ...] = ()  # structured output: (kind, spec, whitespace) (common/engine/grammar.py)
+    grammar: tuple[str, ...] = ()  # structured output: (kind, spec, whitespace) (common/base/grammar.py)
 
     def split(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
         """A prompt as sent to a node -> (the client's prompt, the outputs already streamed)."""
@@ -76,6 +76,11 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.min_p or self.min_tokens or self.logit_bias_ids or self.allowed_token_ids
                     or self.bad_words_ids or self.grammar)
+
+    @property
+    def is_masked_per_step(self) -> bool:
+        """The next token's mask depends on the tokens before it: a grammar, or a bad word of several tokens."""
+        return bool(self.grammar) or any(len(w) > 1 for w in self.bad_words_ids)
 
     def validate(self, vocab_size: int) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \

@@ -93,7 +93,7 @@ class DecodeBatch:
         # Grammar masks: set on the host before each step (the one per-step copy in, and only
         # for a batch that has a grammar row); -1 (every token) in the rows without one.
         words = num_words(model.spec.vocab_size)
-        self._host_has_grammar = np.zeros(n, dtype=bool)
+        self._host_has_step_mask = np.zeros(n, dtype=bool)
         self._mask_staging = torch.full((n, words), -1, dtype=torch.int32, pin_memory=pinned)
         self._masks = torch.full((n, words), -1, dtype=torch.int32, device=dev)
         self._slots: dict[str, int] = {}
@@ -155,7 +155,7 @@ class DecodeBatch:
         self._host_num_logprobs[row] = params.num_logprobs
         self._host_is_processed[row] = params.is_processed_logprobs
         self._host_is_processing[row] = params.is_processing
-        self._host_has_grammar[row] = bool(params.grammar)
+        self._host_has_step_mask[row] = params.is_masked_per_step
         self._mask_staging[row].fill_(-1)
         if not params.is_plain:
             w(self._is_processed[row], params.is_processed_logprobs)
@@ -180,7 +180,7 @@ class DecodeBatch:
                 self._rows.copy_row(row, last)
             for mirror in (self.host_seq_lens, self._host_num_blocks, self._host_is_greedy,
                            self._host_num_logprobs, self._host_is_processed, self._host_is_processing,
-                           self._host_has_grammar, self._mask_staging):
+                           self._host_has_step_mask, self._mask_staging):
                 mirror[row] = mirror[last]
             self._keys[row] = moved
             self._slots[moved] = row
@@ -199,12 +199,12 @@ class DecodeBatch:
         self._host_is_greedy[row] = True
         self._host_num_logprobs[row] = -1
         self._host_is_processing[row] = False
-        self._host_has_grammar[row] = False
+        self._host_has_step_mask[row] = False
         self._mask_staging[row].fill_(-1)
 
     def set_mask(self, key: str, bits: torch.Tensor) -> None:
-        """The grammar's mask for the sequence's next token ([W] int32 words), before the
-        step that makes it."""
+        """The step mask (grammar, bad words) for the sequence's next token ([W] int32
+        words), before the step that makes it."""
         self._mask_staging[self._slots[key]].copy_(bits)
 
     def keys_needing_block(self) -> list[str]:
@@ -273,7 +273,7 @@ class DecodeBatch:
         if is_plain and self.graphs.is_graphed:
             self.graphs.replay(n, is_greedy)
         else:
-            if self._host_has_grammar[:n].any():
+            if self._host_has_step_mask[:n].any():
                 self._h2d.write(self._masks[:n], self._mask_staging[:n])
             width = num_blocks_for(int(self.host_seq_lens[:n].max()), self.block_size)
             self._run(n, width, is_greedy, None if is_plain else int(ks.max()))
@@ -334,7 +334,7 @@ class DecodeBatch:
         logits = qwen3.compute_logits(m.weights, hidden)
         if num_logprobs is not None:
             rows = self._rows.rows(n) if self._rows is not None else None
-            allowed = bits_to_mask(self._masks[:n], logits.shape[-1]) if self._host_has_grammar[:n].any() else None
+            allowed = bits_to_mask(self._masks[:n], logits.shape[-1]) if self._host_has_step_mask[:n].any() else None
             sampled = logit_rules.choose(logits, rows, self._temperature[:n], self._top_p[:n], self._top_k[:n],
                                          self._seeds[:n], seq_lens.long(), num_logprobs, self._is_processed[:n],
                                          [t[:n] for t in self._logprobs], is_greedy, allowed)

@@ -40,7 +40,7 @@ class PrefillChunk:
     block_ids: list[int]                 # blocks covering context_len + len(token_ids)
     params: SamplingParams | None = None  # set on a prompt's last chunk: sample its first token
     history: tuple[list[int], list[int]] | None = None   # with params that need it: (prompt, outputs)
-    mask: torch.Tensor | None = None     # a grammar's mask for the first token ([W] int32 words)
+    mask: torch.Tensor | None = None     # a step mask for the first token ([W] int32 words)
     prompt_targets: list[int] | None = None   # prompt logprobs asked for: each position's next token
     num_prompt_logprobs: int = -1        # (-1 past the prompt's end), and how many alternatives
     # Set by prefill(): what is reported of the first token, and of the prompt's tokens.
@@ -307,7 +307,7 @@ class DeviceWorker:
         self.decode.remove(key)
 
     def set_decode_mask(self, key: str, bits: torch.Tensor) -> None:
-        """A grammar's mask for the sequence's next token, before the step that makes it."""
+        """A step mask (grammar, bad words) for the sequence's next token, before the step that makes it."""
         self.decode.set_mask(key, bits)
 
     def keys_needing_block(self) -> list[str]:
