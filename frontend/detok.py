@@ -54,9 +54,11 @@ class IncrementalDetokenizer:
     def take(self, is_final: bool = False) -> str:
         """The text not yet handed out that can no longer change."""
         if is_final and not self.is_stopped and self._read < len(self.token_ids):
-            # The request ended inside a character: release what decodes, replacement marks included.
+            # The request ended inside a character (max_tokens cut it): its bytes would show as
+            # U+FFFD, so they are dropped; replacement marks before them (invalid bytes the
+            # model made) stay.
             before = self._decode(self.token_ids[self._prefix:self._read])
-            self.text += self._decode(self.token_ids[self._prefix:])[len(before):]
+            self.text += self._decode(self.token_ids[self._prefix:])[len(before):].rstrip(REPLACEMENT)
             self._read = len(self.token_ids)
         end = len(self.text) if (is_final or self.is_stopped) else len(self.text) - self.holdback
         if end <= self._num_sent:

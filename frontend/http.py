@@ -109,13 +109,15 @@ class HttpServer:
 
     def app(self, is_metrics_only: bool = False) -> web.Application:
         limit = max(MIN_BODY_BYTES, BYTES_PER_TOKEN * self.frontend.max_model_len)
-        app = web.Application(client_max_size=limit)
+        app = web.Application(client_max_size=limit, middlewares=[_openai_errors])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         if not is_metrics_only:
             app.router.add_get("/v1/models", self.models)
             app.router.add_post("/v1/completions", self.completions)
             app.router.add_post("/v1/chat/completions", self.chat)
+            app.router.add_post("/tokenize", self.tokenize)
+            app.router.add_post("/detokenize", self.detokenize)
         return app
 
     # ---- plain endpoints ---------------------------------------------------------
@@ -134,6 +136,24 @@ class HttpServer:
             "id": self.served_model, "object": "model", "created": shapes.now(), "owned_by": "pdserve",
             "max_model_len": info["max_model_len"], "vocab_size": info["vocab_size"]}]})
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        fe = self.frontend
+        try:
+            req = api.parse_tokenize(await _json(request), self.served_model)
+            ids = await fe.prompts.tokenize(req)
+        except (ApiError, ValueError) as e:
+            return _refuse(e)
+        return web.json_response({"count": len(ids), "max_model_len": fe.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        fe = self.frontend
+        try:
+            ids = api.parse_detokenize(await _json(request), self.served_model, fe.spec.vocab_size,
+                                       fe.max_model_len)
+        except ApiError as e:
+            return _refuse(e)
+        return web.json_response({"prompt": fe.tokenizer.decode(ids)})
+
     # ---- generation ------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -144,18 +164,12 @@ class HttpServer:
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
-            try:
-                body = await request.json()
-            except (ValueError, UnicodeDecodeError):
-                raise ApiError(400, "the request body is not valid JSON")
+            body = await _json(request)
             # Completions default to 16 tokens, as OpenAI's; chat to what the model length leaves.
             call = api.parse(body, kind, self.served_model, None if kind == "chat" else 16,
                              "any" if self.frontend.cfg.is_json_whitespace else "compact")
         except ApiError as e:
-            noisy.info("refused an HTTP request: %s", e.message)
-            return web.json_response(e.body(), status=e.status)
-        except web.HTTPRequestEntityTooLarge:
-            return web.json_response(api.error_body(413, "the request body is too large"), status=413)
+            return _refuse(e)
         client = ("http", request.remote or "?")
         rid = call.request.request_id
         queue = self.streams[rid] = asyncio.Queue()
@@ -168,7 +182,9 @@ class HttpServer:
                 is_done = True
                 return web.json_response(api.error_body(status, error), status=status)
             if call.is_stream:
-                response = await self._stream(request, call, msg, queue)
+                states = self.frontend.by_client.get((client, rid))   # none: it ended already
+                num_prompt = len(states[0].prompt_ids) if states else (msg.usage or {}).get("prompt_tokens", 0)
+                response = await self._stream(request, call, msg, queue, num_prompt)
             else:
                 response = await self._whole(call, msg, queue)
             is_done = True
@@ -207,7 +223,7 @@ class HttpServer:
         return r.prompt if r.prompt is not None else self.frontend.tokenizer.decode(r.prompt_token_ids)
 
     async def _stream(self, request: web.Request, call: api.Call, msg,
-                      queue: asyncio.Queue) -> web.StreamResponse:
+                      queue: asyncio.Queue, num_prompt: int) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", **HEADERS})
         await out.prepare(request)
         created, n = shapes.now(), call.request.n
@@ -219,16 +235,21 @@ class HttpServer:
         events = [shapes.stream_event(shapes.chunk(call, created, is_role=True, index=i)) for i in range(n)] \
             if call.is_chat else []
         status, finals = None, {}
+
+        def event(**kw) -> bytes:   # a chunk of its own, no template
+            c = shapes.chunk(call, created, **kw)
+            if call.is_usage_continuous:   # the usage so far on every chunk
+                c["usage"] = shapes.usage(num_prompt, sum(len(a.token_ids) for a in answers))
+            return shapes.stream_event(c)
+
         while True:
             i = max(msg.index, 0)
             text, logprobs, parts = answers[i].add(msg)
             if parts is not None:   # a chat answer split into content, reasoning and tool calls
                 if parts or logprobs is not None:
-                    events.append(shapes.stream_event(shapes.chunk(call, created, text, msg.token_ids,
-                                                                   logprobs=logprobs, index=i, parts=parts)))
-            elif logprobs is not None:   # the slow path: a chunk of its own, no template
-                events.append(shapes.stream_event(shapes.chunk(call, created, text, msg.token_ids,
-                                                               logprobs=logprobs, index=i)))
+                    events.append(event(text=text, token_ids=msg.token_ids, logprobs=logprobs, index=i, parts=parts))
+            elif logprobs is not None or (call.is_usage_continuous and (text or msg.token_ids)):
+                events.append(event(text=text, token_ids=msg.token_ids, logprobs=logprobs, index=i))
             elif text or (call.is_token_ids and msg.token_ids):   # held-back text waits
                 events.append(events_of[i](text, msg.token_ids))
             if msg.is_finished:
@@ -237,8 +258,7 @@ class HttpServer:
                     events.append(shapes.stream_event(api.error_body(status or 500, msg.error or msg.finish_reason)))
                     break
                 finals[msg.index] = msg
-                events.append(shapes.stream_event(shapes.chunk(
-                    call, created, finish_reason=answers[i].finish_reason(msg.finish_reason), index=i)))
+                events.append(event(finish_reason=answers[i].finish_reason(msg.finish_reason), index=i))
                 if len(finals) == n:
                     if call.is_usage_streamed:
                         # pdserve's TTFT parts ride along on the usage chunk (an extra key).
@@ -257,11 +277,41 @@ class HttpServer:
         return out
 
 
+async def _json(request: web.Request):
+    try:
+        return await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+
+
+def _refuse(e: Exception) -> web.Response:
+    """A refusal in OpenAI's shape; a ValueError that is not an ApiError (a prompt the
+    tokenizer cannot take) is the client's 400."""
+    e = e if isinstance(e, ApiError) else ApiError(400, str(e))
+    noisy.info("refused an HTTP request: %s", e.message)
+    return web.json_response(e.body(), status=e.status)
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler):
+    """aiohttp's own refusals (no such route, wrong method, a body too large) in
+    OpenAI's shape, as every other error."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = "the request body is too large" if e.status == 413 else e.reason
+        return web.json_response(api.error_body(e.status, f"{message}: {request.method} {request.path}"),
+                                 status=e.status)
+
+
 def _usage(finals) -> dict:
     """One usage over a call's choices: the prompt once, every choice's completion."""
     finals = [f for f in finals if f.usage]
     prompt = finals[0].usage["prompt_tokens"] if finals else 0
-    return shapes.usage(prompt, sum(f.usage["completion_tokens"] for f in finals))
+    cached = finals[0].usage.get("cached_tokens", 0) if finals else 0
+    return shapes.usage(prompt, sum(f.usage["completion_tokens"] for f in finals), cached)
 
 
 async def serve(frontend, cfg) -> web.AppRunner | None:

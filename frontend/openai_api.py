@@ -66,6 +66,7 @@ class Call:
     is_echo: bool = False     # completions: the prompt comes first, in the text and the logprobs
     tool_mode: str = "none"   # none, auto, required or named (openai_tools.py)
     tool_name: str | None = None
+    is_usage_continuous: bool = False   # stream_options.continuous_usage_stats: usage on every chunk
 
 
 def _number(body: dict, name: str, default, low=None, high=None, integer=False):
@@ -184,9 +185,11 @@ def parse(body, kind: str, served_model: str, default_max_tokens: int | None,
     stream = body.get("stream", False)
     options = body.get("stream_options")
     if options is not None:
-        if not stream or not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise ApiError(400, "'stream_options' takes only include_usage, and only with stream",
-                           "stream_options")
+        if not stream or not isinstance(options, dict) or \
+                set(options) - {"include_usage", "continuous_usage_stats"} or \
+                not all(isinstance(v, bool) for v in options.values()):
+            raise ApiError(400, "'stream_options' takes only include_usage and continuous_usage_stats "
+                           "(true or false), and only with stream", "stream_options")
     flags = {k: body.get(k, False) for k in ("stream", "ignore_eos", "return_token_ids")}
     for k, v in flags.items():
         if not isinstance(v, bool):
@@ -209,7 +212,10 @@ def parse(body, kind: str, served_model: str, default_max_tokens: int | None,
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ApiError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
-        forced = tool_rules.grammar_for(tools, tool_mode, tool_name) if tools else None
+        is_parallel = body.get("parallel_tool_calls", True)
+        if not isinstance(is_parallel, bool):
+            raise ApiError(400, "'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+        forced = tool_rules.grammar_for(tools, tool_mode, tool_name, is_parallel) if tools else None
         if forced is not None:
             if structured is not None:
                 raise ApiError(400, "a required or named tool_choice takes no response_format", "tool_choice")
@@ -232,8 +238,10 @@ def parse(body, kind: str, served_model: str, default_max_tokens: int | None,
         logit_bias=_logit_bias(body), allowed_token_ids=_ids(body, "allowed_token_ids") or None,
         bad_words=_strings(body, "bad_words"), n=_number(body, "n", 1, 1, MAX_N, integer=True),
         structured=structured)
-    return Call(request, is_chat, flags["stream"], bool(options and options.get("include_usage")),
-                flags["return_token_ids"], served_model, is_echo, tool_mode, tool_name)
+    options = options or {}
+    return Call(request, is_chat, flags["stream"], options.get("include_usage", False),
+                flags["return_token_ids"], served_model, is_echo, tool_mode, tool_name,
+                options.get("include_usage", False) and options.get("continuous_usage_stats", False))
 
 
 def _structured(body: dict, whitespace: str) -> Structured | None:
@@ -318,3 +326,48 @@ def _logit_bias(body: dict) -> dict | None:
     if not isinstance(bias, dict) or len(bias) > 1024:
         raise ApiError(400, "'logit_bias' must be a map of at most 1024 token ids to biases", "logit_bias")
     return bias
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) -------------------------------------
+
+def _check_model(body, served_model: str, fields: set[str]) -> None:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - fields - {"model"})
+    if unknown:
+        raise ApiError(400, f"'{unknown[0]}' is not supported here", unknown[0])
+    if body.get("model") is not None and body["model"] != served_model:
+        raise ApiError(404, f"the model '{body['model']}' does not exist; this server serves '{served_model}'",
+                       "model")
+
+
+def parse_tokenize(body, served_model: str) -> GenerateRequest:
+    """/tokenize: {"prompt": text} or {"messages": [...], "tools"?, "chat_template_kwargs"?}
+    as a request whose prompt the frontend tokenizes (its generation prompt added)."""
+    _check_model(body, served_model, {"prompt", "messages", "tools", "chat_template_kwargs"})
+    if ("prompt" in body) == ("messages" in body):
+        raise ApiError(400, "give one of 'prompt' or 'messages'")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise ApiError(400, "'prompt' must be a string", "prompt")
+        return GenerateRequest(request_id="tokenize", prompt=body["prompt"])
+    try:
+        tools = tool_rules.check_tools(body["tools"]) if body.get("tools") else None
+    except tool_rules.ToolError as e:
+        raise ApiError(400, str(e), "tools") from None
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ApiError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    return GenerateRequest(request_id="tokenize", messages=_messages(body),
+                           tools=json.dumps(tools) if tools else None, chat_template_kwargs=kwargs)
+
+
+def parse_detokenize(body, served_model: str, vocab_size: int, max_len: int) -> list[int]:
+    """/detokenize: {"tokens": [id, ...]}, each id in the vocabulary, at most max_len."""
+    _check_model(body, served_model, {"tokens"})
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or len(ids) > max_len or \
+            not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+        raise ApiError(400, f"'tokens' must be a list of at most {max_len} token ids in [0, {vocab_size})",
+                       "tokens")
+    return ids

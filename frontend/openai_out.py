@@ -9,9 +9,10 @@ from typing import Callable
 from frontend.openai_api import Call
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _choice(call: Call, text: str, token_ids: list[int] | None, finish_reason, is_chunk: bool,
@@ -91,9 +92,10 @@ def text_events(call: Call, created: int, index: int = 0) -> Callable[[str, list
 
 
 def finish_reason(reason: str, is_tool_call: bool = False) -> str:
-    """pdserve's stop / length map to OpenAI's (tool_calls where the answer is a call);
-    nothing else reaches a normal answer."""
-    if is_tool_call:
+    """pdserve's stop / length map to OpenAI's (tool_calls where the answer is a call
+    that ended by itself; one cut by max_tokens says length); nothing else reaches a
+    normal answer."""
+    if is_tool_call and reason != "length":
         return "tool_calls"
     return "length" if reason == "length" else "stop"
 

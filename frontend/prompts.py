@@ -214,11 +214,26 @@ class Prompts:
         return None if is_cancelled else out
 
     def _prepare_here(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
+        return prepare(req, self._thread_tokenizer(), self.spec, self.max_model_len, self.is_processed_logprobs,
+                       self.grammars)
+
+    async def tokenize(self, req: GenerateRequest) -> list[int]:
+        """A prompt's ids alone (/tokenize), by the same rules: a long one off the loop.
+        Its length is not held against the model's (the caller compares)."""
+        check_size(req, self.max_chars)
+        if not self.is_off_loop(req):
+            return prompt_ids(self.tokenizer, req)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._ids_here, req)
+
+    def _ids_here(self, req: GenerateRequest) -> list[int]:
+        return prompt_ids(self._thread_tokenizer(), req)
+
+    def _thread_tokenizer(self):
+        """The tokenizing thread's own (the loop's is never shared), made there on first use."""
         if self._own_tokenizer is None:
             from transformers import AutoTokenizer
             self._own_tokenizer = AutoTokenizer.from_pretrained(self.model)
-        return prepare(req, self._own_tokenizer, self.spec, self.max_model_len, self.is_processed_logprobs,
-                       self.grammars)
+        return self._own_tokenizer
 
     def cancel(self, key: tuple) -> bool:
         """A request still being tokenized is dropped once it is; False if none is."""

@@ -172,7 +172,8 @@ class PrefillNode:
                 job.prompt_logprobs += pc.prompt_logprobs
             if c.is_last:
                 stamps = {"arrival": job.arrival_time, "prefill_recv": job.recv_time,
-                          "prefill_start": job.start_time, "prefill_end": done_at}
+                          "prefill_start": job.start_time, "prefill_end": done_at,
+                          "cached_tokens": job.num_cached_tokens}   # a count riding with the stamps
                 self.handoffs.set_first_token(job, token, stamps, pc.logprobs)
                 prompt_logprobs = job.prompt_logprobs if job.params.num_prompt_logprobs >= 0 else None
                 # The first token streams now, while its KV travels; one that ends the
@@ -197,8 +198,9 @@ class PrefillNode:
         chunk = PrefillChunk(job.token_ids[c.start:c.end], c.start, job.block_ids, job.params if c.is_last else None)
         if c.is_last and job.params.is_processing:
             chunk.history = job.params.split(job.token_ids)
-        if c.is_last and job.params.grammar:   # the first token obeys it, after any tokens streamed before a move
-            chunk.mask = self.grammars.matcher(job.params.grammar, chunk.history[1]).fill().clone()
+        if c.is_last and job.params.is_masked_per_step:   # after any tokens streamed before a move
+            chunk.mask = grammar.matcher_for(job.params, chunk.history[1], self.worker.spec.vocab_size,
+                                             self.grammars if job.params.grammar else None).fill().clone()
         if job.params.num_prompt_logprobs >= 0:
             chunk.prompt_targets = job.token_ids[c.start + 1:c.end + 1] + ([-1] if c.is_last else [])
             chunk.num_prompt_logprobs = job.params.num_prompt_logprobs

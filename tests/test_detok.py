@@ -25,6 +25,20 @@ def test_multibyte_characters_are_never_split(tiny_model):
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_a_cut_inside_a_character_drops_its_bytes_not_earlier_marks(tiny_model):
+    """max_tokens ending inside a character: no U+FFFD for its bytes (harnesses compare
+    text); a replacement mark for invalid bytes the model made earlier stays."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    ids = tok.encode("ab 🙂")
+    cut = next(i for i in range(len(ids), 0, -1) if tok.decode(ids[:i]).endswith("\ufffd"))
+    pieces, _ = _stream(tok, ids[:cut])
+    assert "".join(pieces) == "ab "
+    lone = next(i for i in ids if "\ufffd" in tok.decode([i]))   # a character's first byte alone
+    pieces, _ = _stream(tok, tok.encode("x") + [lone] + tok.encode(" y") + [lone])
+    assert "".join(pieces) == "x\ufffd y"
+
+
 def test_stop_string_ends_and_is_not_streamed(tiny_model):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(tiny_model))

@@ -167,6 +167,9 @@ def ttft_parts(t: dict) -> dict:
              # kv_transfer_ms in two: the write (reservation wait included), the commit's trip
              "kv_write_ms": ms("prefill_end", "written"), "kv_commit_ms": ms("written", "decode_recv"),
              "decode_admission_ms": ms("decode_recv", "decode_admit")}
+    cached = t.get("cached_tokens")   # the prefill node's prefix-cache hit, in tokens
+    if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+        parts["cached_tokens"] = cached
     return {k: v for k, v in parts.items() if v is not None}
 
 
