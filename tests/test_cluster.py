@@ -52,7 +52,9 @@ def test_64_concurrent_requests_match_transformers(cluster, tiny_model):
         assert r.error is None, r.error
         assert r.token_ids == ref, f"request {i} ({len(prompts[i])} prompt tokens) diverged"
         assert r.finish_reason == "length"
-        assert r.usage == {"prompt_tokens": len(prompts[i]), "completion_tokens": NEW_TOKENS}
+        cached = r.usage["cached_tokens"]   # a prompt sharing a block with an earlier one hits
+        assert r.usage == {"prompt_tokens": len(prompts[i]), "completion_tokens": NEW_TOKENS, "cached_tokens": cached}
+        assert 0 <= cached < len(prompts[i]) and cached % 16 == 0
     # Heartbeat figures are up to one beat old: wait for them rather than sample once.
     wait_for(lambda: cluster.stats()["decode-0"].get("num_batched_steps", 0) > 0, 10, "batched steps")
     assert cluster.stats()["decode-0"]["max_decode_batch"] > 1
