@@ -16,6 +16,11 @@ from pathlib import Path
 from frontend.client import Client
 
 ROOT = Path(__file__).resolve().parents[1]
+# A grammar (a JSON schema) whose state a resumed matcher must keep, and what it lets
+# through cut anywhere (ignore_eos: EOS tokens, not shown, after its end).
+INT_ARRAY = '{"type": "array", "items": {"type": "integer"}}'
+_INT = r"-?(0|[1-9][0-9]*)"
+INT_ARRAY_PREFIX = rf"\[(-|{_INT}(, ?{_INT})*(, ?-?)?)?\]?"   # xgrammar's separator is ", "
 
 
 def free_base_port(count: int = 3) -> int:

@@ -187,7 +187,7 @@ def test_json_schema_outputs_are_valid_on_fifty_prompts(oai):
 
 
 def test_json_object_regex_and_choice_hold(oai):
-    for i in range(20):
+    for i in range(50):
         obj = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": str(i)}],
                                           max_tokens=60, temperature=1.0, seed=i,
                                           response_format={"type": "json_object"})
@@ -369,3 +369,14 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(oai):
     plain = list(oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
                                         stream_options={"include_usage": True}))
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 6
+
+
+def test_a_whole_grammar_with_ignore_eos_runs_on_to_max_tokens(oai, cluster):
+    """Once the grammar is whole only EOS may follow; ignore_eos asks for max_tokens
+    all the same: EOS tokens (not shown) fill the rest, and no node calls them a
+    broken grammar."""
+    r = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                               extra_body={"ignore_eos": True, "guided_choice": ["yes", "no"]})
+    assert r.choices[0].text in ("yes", "no") and r.usage.completion_tokens == 12
+    cluster.log.flush()
+    assert b"breaks its grammar" not in open(cluster.log.name, "rb").read()

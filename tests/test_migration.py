@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from frontend.client import AsyncClient, Client
-from tests.cluster_util import ROOT, Cluster, Processes, free_base_port, wait_for
+from tests.cluster_util import INT_ARRAY, INT_ARRAY_PREFIX, ROOT, Cluster, Processes, free_base_port, wait_for
 
 MAX_TOKENS = 400
 
@@ -382,3 +382,42 @@ def test_a_drain_is_refused_to_clients_neither_local_nor_keyed(endpoint, is_keye
         assert node.is_draining and [type(m).__name__ for m, _ in sent] == ["Drain"]
     reply, status = asyncio.run(Migrations(fe).on_drain_request("decode-9"))
     assert status == (403 if refused else 404)
+
+
+def test_logprobs_and_grammars_survive_a_move(cluster, tiny_model):
+    """decode-0 killed mid-stream: the moved requests' logprobs still equal transformers'
+    (fp32, 1e-4) token by token, and a grammar's output goes on token for token as
+    undisturbed, valid to its schema (the new decode node resumes the matcher from the
+    tokens committed in the handoff, not from the grammar's start)."""
+    import re
+
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from common.wire.client import Structured
+    p, _ = cluster(1, 2)
+    logprobs = [dict(r, logprobs=3, max_tokens=150) for r in _requests(4)]
+    grammars = [dict(r, structured=Structured("json_schema", INT_ARRAY), max_tokens=150)
+                for r in _requests(8)[4:]]
+    undisturbed = asyncio.run(_run(p.clients, logprobs + grammars))
+
+    async def kill(client, counts):
+        os.kill(p.procs["decode-0"].pid, signal.SIGKILL)
+    disturbed = asyncio.run(_run(p.clients, logprobs + grammars, kill))
+    for i, (outs, ref) in enumerate(zip(disturbed, undisturbed)):
+        assert outs[-1].finish_reason == "length", (i, outs[-1].finish_reason, outs[-1].error)
+        assert _tokens(outs) == _tokens(ref) and len(_tokens(outs)) == 150, i
+    moved = [i for i, outs in enumerate(disturbed) if outs[-1].timings.get("num_migrations")]
+    assert any(i < 4 for i in moved) and any(i >= 4 for i in moved), moved
+    for outs in disturbed[4:]:
+        assert re.fullmatch(INT_ARRAY_PREFIX, "".join(o.text for o in outs))
+    hf = Qwen3ForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    for req, outs in zip(logprobs, disturbed[:4]):
+        ids, got = _tokens(outs), [x for o in outs for x in (o.logprobs or [])]
+        assert len(got) == len(ids) == 150
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([req["prompt_token_ids"] + ids])).logits[0].float(), -1)
+        for i, (tok, x) in enumerate(zip(ids, got)):
+            ref = logp[len(req["prompt_token_ids"]) - 1 + i]
+            assert x.logprob == pytest.approx(ref[tok].item(), abs=1e-4)
+            assert x.top_logprobs == pytest.approx(ref.topk(3).values.tolist(), abs=1e-4)

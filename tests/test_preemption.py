@@ -14,7 +14,7 @@ from common.kv.sequence import Sequence
 from common.engine.worker import DeviceWorker, PrefillChunk
 from decode_node.scheduler import DecodeScheduler
 from frontend.client import AsyncClient, Client
-from tests.cluster_util import Processes, free_base_port, wait_for
+from tests.cluster_util import INT_ARRAY, INT_ARRAY_PREFIX, Processes, free_base_port, wait_for
 from tests.handoff_util import commit, receiver, reserve
 from tests.conftest import hf_greedy_gaps
 
@@ -224,3 +224,27 @@ def test_full_prefill_and_decode_pools_never_wait_on_each_other(tiny_model, tmp_
         wait_for(prefill_free, 10, "every prefill block back")   # a heartbeat may be a beat old
     finally:
         p.stop()
+
+
+def test_a_grammar_holds_across_preemptions(squeezed):
+    """Seeded requests under a JSON schema on a pool far too small for them: preempted
+    (swapped or recomputed) and resumed, each streams what it streams alone, valid to
+    its schema: the matcher is the sequence's and waits with it."""
+    import re
+
+    from common.wire.client import Structured
+    kw = [dict(prompt_token_ids=[(11 * i + j) % 500 + 1 for j in range(20)], max_tokens=100, temperature=0.9,
+               seed=50 + i, ignore_eos=True, structured=Structured("json_schema", INT_ARRAY)) for i in range(16)]
+    before = _decode_stats(squeezed).get("num_preemptions", 0)
+
+    async def burst():
+        async with AsyncClient(squeezed.clients, idle_timeout_s=120) as client:
+            return await asyncio.gather(*[client.complete(**k) for k in kw])
+    results = asyncio.run(burst())
+    stats = wait_for(lambda: (s := _decode_stats(squeezed)).get("num_finished", 0) >= 16 and s, 10, "a heartbeat")
+    assert stats["num_preemptions"] > before
+    with Client(squeezed.clients) as c:
+        for k, r in zip(kw, results):
+            assert r.error is None and len(r.token_ids) == 100
+            assert re.fullmatch(INT_ARRAY_PREFIX, r.text), r.text
+            assert c.complete(**k).token_ids == r.token_ids

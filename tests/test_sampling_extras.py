@@ -192,3 +192,31 @@ def test_penalties_keep_the_decode_step_free_of_host_copies(worker):
     assert worker.h2d.num_writes == before
     worker.remove_decode_seq("r")
     alloc.free(blocks)
+
+
+def test_a_grammar_that_ended_masks_to_eos_alone(tiny_model):
+    """ignore_eos under a grammar: the matcher accepts EOS and ends; it is asked for a
+    mask again every step after (xgrammar itself refuses): EOS alone, step after step,
+    and a matcher made again from those tokens (a move, a preemption) says the same."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from common.base.grammar import bits_to_mask, for_model, matcher_for
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    vocab_size = AutoConfig.from_pretrained(str(tiny_model)).vocab_size
+    grammars = for_model(str(tiny_model), vocab_size)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, grammar=("choice", '["ab"]', "compact"))
+    m = matcher_for(params, [], vocab_size, grammars)
+    eos = grammars.info.stop_token_ids
+    out = []
+    while True:
+        allowed = bits_to_mask(m.fill()[None], vocab_size)[0].nonzero().flatten().tolist()
+        if set(allowed) <= set(eos):
+            break
+        out.append(next(t for t in tok.encode("ab") if t in allowed))
+        assert m.accept(out[-1])
+    assert tok.decode(out) == "ab"
+    for _ in range(3):   # EOS, again and again
+        assert m.accept(eos[0])
+        assert bits_to_mask(m.fill()[None], vocab_size)[0].nonzero().flatten().tolist() == sorted(eos)
+    again = matcher_for(params, out + [eos[0]] * 3, vocab_size, grammars)
+    assert torch.equal(again.fill(), m.fill())

@@ -84,6 +84,9 @@ class Grammars:
                 safe[i] = False
         # bit i of word w is token 32 w + i (little-endian words of little-endian bit order)
         self.json_safe = torch.from_numpy(np.packbits(safe, bitorder="little").view("<i4").copy())
+        stops = np.zeros(num_words(vocab_size) * 32, dtype=bool)
+        stops[[t for t in self.info.stop_token_ids if t < vocab_size]] = True
+        self.stop_only = torch.from_numpy(np.packbits(stops, bitorder="little").view("<i4").copy())
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()   # the frontend compiles on two threads
 
@@ -137,7 +140,8 @@ def matcher_for(params, tokens: list[int], vocab_size: int, grammars: "Grammars 
     generated so far."""
     g = grammars.xgrammar_matcher(params.grammar) if params.grammar else None
     is_json = g is not None and params.grammar[0].startswith("json")
-    m = Matcher(vocab_size, g, grammars.json_safe if is_json else None, [w for w in params.bad_words_ids if len(w) > 1])
+    m = Matcher(vocab_size, g, grammars.json_safe if is_json else None, [w for w in params.bad_words_ids if len(w) > 1],
+                grammars.stop_only if g is not None else None)
     for t in tokens:
         m.accept(t)
     return m
@@ -150,8 +154,9 @@ class Matcher:
     masked with the rest of the request's fixed masks, logits.py)."""
 
     def __init__(self, vocab_size: int, grammar=None, also: torch.Tensor | None = None,
-                 bad_words: list[tuple[int, ...]] = ()):
+                 bad_words: list[tuple[int, ...]] = (), stop_only: torch.Tensor | None = None):
         self._m = grammar   # an xgrammar GrammarMatcher, or None
+        self._stop_only = stop_only   # [W]: EOS alone, once the grammar has ended
         self.bits = torch.zeros(num_words(vocab_size), dtype=torch.int32)   # the next token's mask
         self._also = also
         self._bad_words = bad_words
@@ -160,7 +165,12 @@ class Matcher:
     def fill(self) -> torch.Tensor:
         """The next token's mask ([W] int32 words; this matcher's buffer)."""
         if self._m is not None:
-            self._m.fill_next_token_bitmask(self.bits[None])
+            # NOTE: a matcher that accepted EOS has ended and may not be asked for a mask
+            # (xgrammar raises); with ignore_eos the request goes on, on EOS alone.
+            if self._m.is_terminated():
+                self.bits.copy_(self._stop_only)
+            else:
+                self._m.fill_next_token_bitmask(self.bits[None])
         else:
             self.bits.fill_(-1)
         if self._also is not None:
@@ -174,4 +184,8 @@ class Matcher:
         """False if the grammar did not allow it (it was not masked to it)."""
         if self._bad_words:
             self._tail = (self._tail + [token])[-max(len(w) for w in self._bad_words):]
+        if self._m is not None and self._m.is_terminated():
+            # NOTE: the grammar is whole and its mask allows only EOS: with ignore_eos the
+            # request runs on to max_tokens on EOS tokens (not shown), which is no error.
+            return True
         return self._m is None or bool(self._m.accept_token(token))
