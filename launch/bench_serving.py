@@ -44,6 +44,7 @@ class Job:
     output_len: int
     max_tokens: int                # asked for; past output_len, the client stops reading at
                                    # output_len tokens and the request is aborted there
+    extra: dict = field(default_factory=dict)   # --extra: fields added to the request
 
     def is_read(self, num_tokens: int) -> bool:
         """The client has read what it wants of a request that would go on."""
@@ -85,14 +86,14 @@ def make_jobs(a: argparse.Namespace, vocab_size: int, rng: random.Random, prefix
                 jobs.append(Job(d.get("prompt"), d.get("prompt_token_ids"), n, max(n, a.max_tokens or 0)))
         if not jobs:
             raise SystemExit(f"bench_serving: {a.dataset} holds no prompts")
-        return [jobs[i % len(jobs)] for i in range(num)]
+        return [Job(**{**vars(jobs[i % len(jobs)]), "extra": a.extra}) for i in range(num)]
 
     def spread(n: int) -> int:
         return max(1, rng.randint(int(n * (1 - a.range_ratio)), int(n * (1 + a.range_ratio))))
     jobs = []
     for _ in range(num):
         ids, n = prefix + [rng.randrange(vocab_size) for _ in range(spread(a.input_len))], spread(a.output_len)
-        jobs.append(Job(None, ids, n, max(n, a.max_tokens or 0)))
+        jobs.append(Job(None, ids, n, max(n, a.max_tokens or 0), a.extra))
     return jobs
 
 
@@ -102,7 +103,7 @@ async def one(client: AsyncClient, job: Job, ignore_eos: bool) -> Outcome:
     try:
         async for o in client.generate(job.prompt, prompt_token_ids=job.prompt_token_ids,
                                        max_tokens=job.max_tokens, ignore_eos=ignore_eos,
-                                       request_id=uuid.uuid4().hex):
+                                       request_id=uuid.uuid4().hex, **job.extra):
             if o.token_ids:
                 out.chunk_at.append(time.perf_counter())
                 out.num_tokens += len(o.token_ids)
@@ -126,7 +127,7 @@ async def one_http(http: HttpTarget, job: Job, ignore_eos: bool) -> Outcome:
     out = Outcome(len(job.prompt_token_ids or ()), time.perf_counter(), interface="http")
     body = {"model": http.model, "prompt": job.prompt if job.prompt is not None else job.prompt_token_ids,
             "max_tokens": job.max_tokens, "temperature": 0.0, "ignore_eos": ignore_eos,
-            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True, **job.extra}
     try:
         async with http.session.post(http.url + "/v1/completions", json=body) as r:
             if r.status != 200:
@@ -314,12 +315,22 @@ async def main_async(a: argparse.Namespace) -> tuple[list[dict], list[list[Outco
                       "target": a.base_url or a.endpoint, "model": model.get("name"),
                       "nodes": nodes, "input_len": a.input_len if not a.dataset else None,
                       "prefix_len": a.prefix_len, "output_len": a.output_len, "max_tokens": a.max_tokens,
-                      "max_concurrency": a.max_concurrency, **cluster,
+                      "max_concurrency": a.max_concurrency, "extra": a.extra, **cluster,
                       **summarize(outcomes, duration, rate, a.slo)}
             print(json.dumps(record), flush=True)
             records.append(record)
             runs.append(outcomes)
         return records, runs
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object of request fields")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-rate", type=parse_rates, default=[float("inf")],
                    help="requests/s, Poisson arrivals; a comma list sweeps; inf sends all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--extra", type=_json_object, default={}, metavar="JSON",
+                   help='fields added to every request: over HTTP in OpenAI\'s names ({"logprobs": 5}, '
+                        '{"response_format": ...}), over ZeroMQ in the protocol\'s (docs/protocol.md)')
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly the output length (default on)")
     p.add_argument("--slo", type=parse_slo, default={}, help="e.g. ttft_ms=500,tpot_ms=20")
