@@ -39,7 +39,10 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 # Parameters taken as no-ops at these values (what OpenAI's own defaults mean).
 _NO_OP = {"best_of": (1,), "suffix": ("",), "functions": ([],), "store": (False,),
-          "service_tier": ("auto", "default"), "skip_special_tokens": (True,), "echo": (False,)}
+          "service_tier": ("auto", "default"), "skip_special_tokens": (True,), "echo": (False,),
+          # vLLM's extras at their defaults
+          "add_generation_prompt": (True,), "include_stop_str_in_output": (False,),
+          "spaces_between_special_tokens": (True,), "add_special_tokens": (True,)}
 # Parameters that describe the caller and do not change the answer.
 _METADATA = ("user", "metadata")
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
@@ -333,7 +336,8 @@ def _logit_bias(body: dict) -> dict | None:
 def _check_model(body, served_model: str, fields: set[str]) -> None:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - fields - {"model"})
+    unknown = sorted(k for k in set(body) - fields - {"model"}
+                     if not (k in _NO_OP and body[k] in _NO_OP[k]))
     if unknown:
         raise ApiError(400, f"'{unknown[0]}' is not supported here", unknown[0])
     if body.get("model") is not None and body["model"] != served_model:

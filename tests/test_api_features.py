@@ -380,3 +380,15 @@ def test_a_whole_grammar_with_ignore_eos_runs_on_to_max_tokens(oai, cluster):
     assert r.choices[0].text in ("yes", "no") and r.usage.completion_tokens == 12
     cluster.log.flush()
     assert b"breaks its grammar" not in open(cluster.log.name, "rb").read()
+
+
+def test_vllms_extras_at_their_defaults_are_taken_and_otherwise_refused(cluster):
+    extras = {"add_generation_prompt": True, "include_stop_str_in_output": False,
+              "spaces_between_special_tokens": True, "skip_special_tokens": True}
+    status, r = _post(cluster.http + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                              "max_tokens": 2, **extras})
+    assert status == 200 and r["usage"]["completion_tokens"] == 2
+    status, r = _post(cluster.http + "/tokenize", {"prompt": "hi", "add_special_tokens": True})
+    assert status == 200 and r["count"] > 0
+    status, r = _post(cluster.http + "/v1/completions", {"prompt": "hi", "include_stop_str_in_output": True})
+    assert status == 400 and r["error"]["param"] == "include_stop_str_in_output"
