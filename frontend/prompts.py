@@ -6,7 +6,9 @@ Every client shares the one event loop, so what a request may cost it is bounded
 text longer than any prompt the model can take is refused unread (check_size);
 a prompt of more than OFF_LOOP_CHARS characters is tokenized on a thread of its
 own at the lowest CPU priority, with a tokenizer of its own (its length counted
-before any list of ids is made); everything else, the common case, at once.
+before any list of ids is made), and so is a request with a grammar (compiled there,
+and refused if that took more than MAX_COMPILE_CPU_S: nodes compile it on their loops);
+everything else, the common case, at once.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-from common.base.grammar import Grammars
+from common.base.grammar import MAX_COMPILE_CPU_S, Grammars
 from common.base.log import get_logger
 from common.base.threads import lower_this_thread
 from common.base.model_spec import ModelSpec
@@ -143,7 +145,7 @@ def _grammar(req: GenerateRequest, grammars) -> tuple[str, ...]:
     g = (s.kind, s.spec, s.whitespace)
     if grammars is None:
         raise ValueError("structured outputs are not available here")
-    grammars().compile(g)   # GrammarError: a ValueError saying what is wrong
+    grammars().compile(g, MAX_COMPILE_CPU_S)   # GrammarError: a ValueError saying what is wrong
     return g
 
 
@@ -194,7 +196,8 @@ class Prompts:
         return self._grammars
 
     def is_off_loop(self, req: GenerateRequest) -> bool:
-        return text_len(req) > OFF_LOOP_CHARS
+        """A long prompt, or a grammar (its compiling may take a while, for all its few bytes)."""
+        return text_len(req) > OFF_LOOP_CHARS or req.structured is not None
 
     def now(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
         """The common case, on the loop: ValueError says what is wrong."""

@@ -218,7 +218,10 @@ import zmq, msgpack
 endpoint, vocab = sys.argv[1], int(sys.argv[2])
 attacks = [("ids", {"prompt_token_ids": [i % vocab for i in range(4_000_000)]}),
            ("text", {"prompt": "lorem ipsum dolor sit amet " * 310_000}),
-           ("stops", {"prompt": "hello", "stop": [f"stop string {i} " * 8 for i in range(20_000)]})]
+           ("stops", {"prompt": "hello", "stop": [f"stop string {i} " * 8 for i in range(20_000)]}),
+           # 8 KB of JSON schema nested 300 deep: seconds of compiling
+           ("grammar", {"prompt": "hello", "structured": {"kind": "json_schema", "spec": '{"type": "array", "items": ' * 300
+                                                          + '{"type": "integer"}' + "}" * 300}})]
 frames = [(name, msgpack.packb({"v": 2, "type": "generate", "request_id": name, "max_tokens": 4, **body}))
           for name, body in attacks]   # made before the first goes: only sending is timed
 ctx = zmq.Context()
@@ -238,8 +241,9 @@ print(json.dumps(out), flush=True)
 
 
 def test_client_attacks_get_clear_errors_and_stall_no_other_stream(tiny_model, tmp_path):
-    """4M token ids, an 8 MB prompt and 20,000 stop strings, one after another, while four
-    streams run: each attack is refused with a clear error, and the streams' largest gap
+    """4M token ids, an 8 MB prompt, 20,000 stop strings and a grammar that takes seconds to
+    compile, one after another, while four streams run: each attack is refused with a
+    clear error (the grammar before any node sees it), and the streams' largest gap
     between tokens stays under 250 ms (or 5x their largest gap before); none fails or moves."""
     c = Cluster(tiny_model, tmp_path / "c.log", "--no-http")
     attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, c.endpoint, "512"], stdin=subprocess.PIPE,
@@ -272,6 +276,7 @@ def test_client_attacks_get_clear_errors_and_stall_no_other_stream(tiny_model, t
         assert "holds more than" in report["ids"]["error"], report
         assert "characters" in report["text"]["error"] or "tokens" in report["text"]["error"], report
         assert "stop" in report["stops"]["error"] and "than" in report["stops"]["error"], report
+        assert "to compile" in report["grammar"]["error"], report
 
         def gaps(times, lo, hi):
             return [b - a for a, b in zip(times, times[1:]) if lo <= b <= hi]

@@ -19,6 +19,7 @@ import functools
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -27,6 +28,10 @@ import torch
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 WHITESPACE = ("compact", "any")
 MAX_COMPILED = 256   # grammars kept compiled, the most recently used
+# NOTE: a node compiles a request's grammar on its loop, the step of every request there
+# waiting meanwhile; the frontend (on its tokenizing thread) refuses one that took it more
+# CPU than this, so no client can hold a node for longer (a schema nested 300 deep: 3 s).
+MAX_COMPILE_CPU_S = 0.5
 
 
 class GrammarError(ValueError):
@@ -90,16 +95,27 @@ class Grammars:
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()   # the frontend compiles on two threads
 
-    def compile(self, grammar: tuple[str, str, str]):
+    def compile(self, grammar: tuple[str, str, str], max_cpu_s: float | None = None):
+        """max_cpu_s: a grammar that takes more CPU time than this to compile is a
+        GrammarError (remembered: asked again, it is refused at once)."""
         key = tuple(grammar)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
+                if isinstance(self._compiled[key], GrammarError):
+                    raise self._compiled[key]
                 return self._compiled[key]
+            start = time.thread_time()
             compiled = self._compile(*grammar)
+            cpu_s = time.thread_time() - start
+            if max_cpu_s is not None and cpu_s > max_cpu_s:
+                compiled = GrammarError(f"the {grammar[0]} took {cpu_s:.2f}s of CPU to compile, more than the "
+                                        f"{max_cpu_s:g}s a request's grammar may take: simplify it")
             self._compiled[key] = compiled
             while len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
+            if isinstance(compiled, GrammarError):
+                raise compiled
             return compiled
 
     def _compile(self, kind: str, spec: str, whitespace: str):
