@@ -120,7 +120,11 @@ class NodeMessages:
         if is_first:
             req.first_token_at = time.monotonic()
         if u.timings:   # the first updates': TTFT parts; a preempted request's last: its preemptions
-            req.timings.update(fe.migrations.timings(req, u.timings))
+            parts = dict(u.timings)
+            cached = parts.pop("cached_tokens", None)   # a count that rides with them: usage's
+            if isinstance(cached, int) and not req.num_migrations:
+                req.num_cached_tokens = min(cached, len(req.prompt_ids))
+            req.timings.update(fe.migrations.timings(req, parts))
         if is_first:
             req.timings["ttft_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
         if req.is_prompt_only and token_ids:   # max_tokens 0: its one token is not shown

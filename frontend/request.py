@@ -32,6 +32,7 @@ class RequestState:
     prefill_node: str | None = None   # None while it waits here for its turn
     decode_node: str | None = None
     timings: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0    # of its prompt, from the prefill node's prefix cache (its first life)
     is_prefilled: bool = False   # its first token came back (or it ended)
     early_token: int | None = None   # the first token, streamed by the prefill node
     is_decoding: bool = False    # its decode node has sent its first update

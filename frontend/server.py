@@ -331,7 +331,7 @@ class Frontend:
         if req.num_migrations:
             req.timings.update(num_migrations=req.num_migrations, migrated_ms=round(req.migrated_s * 1e3, 3))
         usage = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": req.num_tokens,
-                 "cached_tokens": min(req.timings.get("cached_tokens", 0), len(req.prompt_ids))}
+                 "cached_tokens": req.num_cached_tokens}
         self.num_served += 1
         self.metrics.finished(req, reason)
         await self.reply(req.client, GenerateOutput(req.request_id, list(token_ids), req.detok.take(True),

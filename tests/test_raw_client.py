@@ -32,7 +32,8 @@ def test_raw_pyzmq_msgpack_client(cluster, tiny_model):  # noqa: F811
             tokens += last["token_ids"]
             text += last["text"]
         assert last["finish_reason"] == "length" and last["error"] is None
-        assert len(tokens) == 6 and last["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 6}
+        assert len(tokens) == 6 and last["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 6,
+                                                      "cached_tokens": 0}
         assert set(last["timings"]) >= {"queue_ms", "prefill_ms", "kv_transfer_ms",
                                         "decode_admission_ms", "ttft_ms", "total_ms"}
 
