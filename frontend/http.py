@@ -165,11 +165,31 @@ class HttpServer:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
             body = await _json(request)
+            bodies = api.split_batch(body) if kind == "completions" else None
             # Completions default to 16 tokens, as OpenAI's; chat to what the model length leaves.
-            call = api.parse(body, kind, self.served_model, None if kind == "chat" else 16,
-                             "any" if self.frontend.cfg.is_json_whitespace else "compact")
+            calls = [api.parse(b, kind, self.served_model, None if kind == "chat" else 16,
+                               "any" if self.frontend.cfg.is_json_whitespace else "compact")
+                     for b in bodies or [body]]
         except ApiError as e:
             return _refuse(e)
+        if bodies is None:
+            return await self._serve(request, calls[0])
+        # A batch of prompts (what evaluation harnesses send): each its own call, answered
+        # together; choice i of prompt k is at index k * n + i, as vLLM's.
+        answers = await asyncio.gather(*[self._serve(request, c, is_dict=True) for c in calls])
+        failed = next(((s, out) for s, out in answers if s != 200), None)
+        if failed is not None:
+            return web.json_response(failed[1], status=failed[0])
+        n, outs = calls[0].request.n, [out for _, out in answers]
+        choices = [{**c, "index": k * n + c["index"]} for k, out in enumerate(outs) for c in out["choices"]]
+        use = {key: sum(out["usage"][key] for out in outs) for key in ("prompt_tokens", "completion_tokens",
+                                                                        "total_tokens")}
+        use["prompt_tokens_details"] = {"cached_tokens": sum(o["usage"]["prompt_tokens_details"]["cached_tokens"]
+                                                             for o in outs)}
+        return web.json_response({**outs[0], "choices": choices, "usage": use})
+
+    async def _serve(self, request: web.Request, call: api.Call, is_dict: bool = False):
+        """One call, streamed or whole; is_dict: a whole answer as (status, body) (a batch's part)."""
         client = ("http", request.remote or "?")
         rid = call.request.request_id
         queue = self.streams[rid] = asyncio.Queue()
@@ -180,15 +200,17 @@ class HttpServer:
             if status is not None:   # refused or failed before any token
                 error = msg.error if isinstance(msg, (GenerateOutput, ErrorReply)) else "failed"
                 is_done = True
-                return web.json_response(api.error_body(status, error), status=status)
-            if call.is_stream:
+                out = (status, api.error_body(status, error))
+            elif call.is_stream:
                 states = self.frontend.by_client.get((client, rid))   # none: it ended already
                 num_prompt = len(states[0].prompt_ids) if states else (msg.usage or {}).get("prompt_tokens", 0)
                 response = await self._stream(request, call, msg, queue, num_prompt)
+                is_done = True
+                return response
             else:
-                response = await self._whole(call, msg, queue)
-            is_done = True
-            return response
+                out = await self._whole(call, msg, queue)
+                is_done = True
+            return out if is_dict else web.json_response(out[1], status=out[0])
         finally:
             # NOTE: runs on a client disconnect too (aiohttp cancels the handler): the
             # request must not keep decoding for nobody (nor its other choices, one failed).
@@ -196,7 +218,7 @@ class HttpServer:
             if not is_done or (client, rid) in self.frontend.by_client:
                 await self.frontend.abort(client, rid)   # one ended meanwhile is answered to nobody
 
-    async def _whole(self, call: api.Call, msg, queue: asyncio.Queue) -> web.Response:
+    async def _whole(self, call: api.Call, msg, queue: asyncio.Queue) -> tuple[int, dict]:
         n = call.request.n
         answers = [Answer(call, self.strings, self._prompt_text(call), self.is_reasoning) for _ in range(n)]
         finals: dict[int, object] = {}
@@ -206,14 +228,13 @@ class HttpServer:
             if msg.is_finished:
                 if msg.finish_reason not in ("stop", "length"):
                     status = status or 500
-                    return web.json_response(api.error_body(status, msg.error or msg.finish_reason),
-                                             status=status)
+                    return status, api.error_body(status, msg.error or msg.finish_reason)
                 finals[msg.index] = msg
                 if len(finals) == n:
                     break
             msg, status = await queue.get()
         choices = [a.choice(finals[i].finish_reason) for i, a in enumerate(answers)]
-        return web.json_response(shapes.response(call, shapes.now(), choices, _usage(finals.values())))
+        return 200, shapes.response(call, shapes.now(), choices, _usage(finals.values()))
 
     def _prompt_text(self, call: api.Call) -> str:
         """What echo puts first: the prompt as given, or its ids' text."""

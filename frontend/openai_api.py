@@ -150,9 +150,26 @@ def _prompt(body: dict) -> dict:
             all(type(t) is int for t in prompt):
         return {"prompt_token_ids": prompt}   # its length against the model's is checked next
     if isinstance(prompt, list):
-        raise ApiError(400, "'prompt' must be one string or one list of token ids; "
-                            "batched prompts are not supported (send one request each)", "prompt")
+        raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of those "
+                            "(a batch)", "prompt")
     raise ApiError(400, "'prompt' must be a string or a list of token ids", "prompt")
+
+
+MAX_BATCH = 256   # prompts in one completions call
+
+
+def split_batch(body) -> list[dict] | None:
+    """A completions body whose prompt is a batch (a list of texts, or of lists of token
+    ids) as one body per prompt; None where it holds one prompt."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(prompt, list) or len(prompt) < 2 or not all(isinstance(p, (str, list)) for p in prompt):
+        return None
+    if len(prompt) > MAX_BATCH:
+        raise ApiError(400, f"'prompt' holds more than {MAX_BATCH} prompts", "prompt")
+    if body.get("stream"):
+        raise ApiError(400, "a batch of prompts is answered whole: send it without stream, or each "
+                            "prompt in a request of its own", "prompt")
+    return [{**body, "prompt": p} for p in prompt]
 
 
 def parse(body, kind: str, served_model: str, default_max_tokens: int | None,

@@ -392,3 +392,21 @@ def test_vllms_extras_at_their_defaults_are_taken_and_otherwise_refused(cluster)
     assert status == 200 and r["count"] > 0
     status, r = _post(cluster.http + "/v1/completions", {"prompt": "hi", "include_stop_str_in_output": True})
     assert status == 400 and r["error"]["param"] == "include_stop_str_in_output"
+
+
+def test_a_batch_of_prompts_is_answered_as_each_alone(oai):
+    """What lm-eval's local-completions sends with batch_size > 1: choice i of prompt k at
+    k * n + i, each equal to its prompt sent alone; usage summed."""
+    prompts = [PROMPT, [9, 8, 7, 6], "the water is hot"]
+    r = oai.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0.8, seed=4, n=2,
+                               logprobs=1, echo=True, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == list(range(6))
+    total = 0
+    for k, p in enumerate(prompts):
+        alone = oai.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0.8, seed=4, n=2,
+                                       logprobs=1, echo=True, extra_body={"ignore_eos": True})
+        for i in range(2):
+            got, want = r.choices[k * 2 + i], alone.choices[i]
+            assert got.text == want.text and got.logprobs.tokens == want.logprobs.tokens
+        total += alone.usage.prompt_tokens
+    assert r.usage.prompt_tokens == total and r.usage.completion_tokens == 3 * 2 * 5

@@ -180,7 +180,8 @@ def test_stream_events_from_the_template_equal_the_whole_chunk_encoded(kind, ext
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "hi", "top_p": 2}, 400, "top_p"),
     ({"prompt": "hi", "stop": ["\n", ""]}, 400, "stop"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": ["a", "b"], "stream": True}, 400, "prompt"),          # a batch is answered whole
+    ({"prompt": ["a", 5]}, 400, "prompt"),
     ({"prompt": list(range(600)), "max_tokens": 4}, 400, None),      # past --max-model-len 512
     ({"prompt": "hi", "model": "no-such-model"}, 404, "model"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),

@@ -61,11 +61,11 @@ def _write_tasks(root, model_dir, seed: int = 0) -> None:
         "metric_list:\n  - metric: exact_match\n")
 
 
-def _evaluate(model: str, model_args: str, tasks_dir) -> dict:
+def _evaluate(model: str, model_args: str, tasks_dir, batch_size: int = 1) -> dict:
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.tasks import TaskManager
     return simple_evaluate(model=model, model_args=model_args, tasks=["pdserve_mc", "pdserve_gen"],
-                           task_manager=TaskManager(include_path=str(tasks_dir)), batch_size=1,
+                           task_manager=TaskManager(include_path=str(tasks_dir)), batch_size=batch_size,
                            log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
 
 
@@ -82,7 +82,7 @@ def test_lm_eval_scores_the_same_on_pdserve_as_on_transformers(cluster, tiny_mod
     _write_tasks(tmp_path, tiny_model)
     ours = _evaluate("local-completions", f"model={MODEL},base_url={cluster.http}/v1/completions,"
                      f"tokenizer_backend=huggingface,tokenizer={tiny_model},num_concurrent=1,max_retries=1",
-                     tmp_path)
+                     tmp_path, batch_size=4)   # batches of prompts in one call, as users run it
     theirs = _evaluate("hf", f"pretrained={tiny_model},dtype=float32,device=cpu", tmp_path)
     for task, metrics in (("pdserve_mc", ("acc,none", "acc_norm,none")), ("pdserve_gen", ("exact_match,none",))):
         for m in metrics:
