@@ -200,3 +200,17 @@ class Cluster:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(30)
         self.log.close()
+
+
+def post_json(url: str, body, method: str = "POST") -> tuple[int, dict]:
+    """(status, decoded JSON body) of an HTTP call; body: JSON-ready, or raw bytes."""
+    import json
+    import urllib.error
+    import urllib.request
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from frontend import openai_api as api
 from frontend import openai_out as shapes
-from tests.cluster_util import Cluster, Processes, free_base_port, wait_for
+from tests.cluster_util import Cluster, Processes, free_base_port, post_json, wait_for
 from tests.conftest import hf_greedy
 
 MODEL_NAME = "tiny-served"
@@ -51,13 +51,7 @@ def _get(url: str) -> tuple[int, bytes]:
         return 0, b""
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+_post = post_json
 
 
 def _blocks_free(cluster) -> bool:
