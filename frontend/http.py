@@ -316,7 +316,8 @@ def _refuse(e: Exception) -> web.Response:
 @web.middleware
 async def _openai_errors(request: web.Request, handler):
     """aiohttp's own refusals (no such route, wrong method, a body too large) in
-    OpenAI's shape, as every other error."""
+    OpenAI's shape, as every other error; a fault of pdserve's own is a 500 in that
+    shape too, logged with its traceback, and the server goes on."""
     try:
         return await handler(request)
     except web.HTTPException as e:
@@ -325,6 +326,12 @@ async def _openai_errors(request: web.Request, handler):
         message = "the request body is too large" if e.status == 413 else e.reason
         return web.json_response(api.error_body(e.status, f"{message}: {request.method} {request.path}"),
                                  status=e.status)
+    except (asyncio.CancelledError, ConnectionError):
+        raise   # the client went away
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return web.json_response(api.error_body(500, f"internal error on {request.method} {request.path}: "
+                                                     f"see the frontend's log"), status=500)
 
 
 def _usage(finals) -> dict:

@@ -51,7 +51,8 @@ def choice_mode(tools: list[dict] | None, tool_choice) -> tuple[str, str | None]
         return "auto", None
     if tool_choice in ("none", "required"):
         return tool_choice, None
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    f = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = f.get("name") if isinstance(f, dict) else None
     if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
         raise ToolError("'tool_choice' must be none, auto, required or {\"type\": \"function\", "
                         "\"function\": {\"name\": one of the tools}}")

@@ -14,7 +14,7 @@ import torch
 
 from common.base.request import SamplingParams
 from frontend.client import Client
-from tests.cluster_util import Cluster
+from tests.cluster_util import Cluster, post_json
 
 MODEL = "tiny"
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 77, 12, 33, 120, 7, 64, 2, 19, 88, 101]   # 17 tokens: a full block and one
@@ -303,16 +303,7 @@ def test_tools_reach_the_chat_template(oai, cluster, tiny_model):
 
 # ---- the small ones: /tokenize, cached tokens, usage on every chunk, errors ------------
 
-def _post(url: str, body, method: str = "POST") -> tuple[int, dict]:
-    import urllib.error
-    import urllib.request
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+_post = post_json
 
 
 def oai_max_len(cluster) -> int:
@@ -410,3 +401,10 @@ def test_a_batch_of_prompts_is_answered_as_each_alone(oai):
             assert got.text == want.text and got.logprobs.tokens == want.logprobs.tokens
         total += alone.usage.prompt_tokens
     assert r.usage.prompt_tokens == total and r.usage.completion_tokens == 3 * 2 * 5
+
+
+def test_malformed_tool_choices_get_a_400_naming_tools(cluster):
+    for choice in [{"type": "function", "function": "add"}, {"function": None}, "always", 3]:
+        status, r = _post(cluster.http + "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": choice})
+        assert status == 400 and r["error"]["param"] == "tools", (choice, r)
