@@ -182,10 +182,9 @@ class HttpServer:
             return web.json_response(failed[1], status=failed[0])
         n, outs = calls[0].request.n, [out for _, out in answers]
         choices = [{**c, "index": k * n + c["index"]} for k, out in enumerate(outs) for c in out["choices"]]
-        use = {key: sum(out["usage"][key] for out in outs) for key in ("prompt_tokens", "completion_tokens",
-                                                                        "total_tokens")}
-        use["prompt_tokens_details"] = {"cached_tokens": sum(o["usage"]["prompt_tokens_details"]["cached_tokens"]
-                                                             for o in outs)}
+        use = shapes.usage(sum(o["usage"]["prompt_tokens"] for o in outs),
+                           sum(o["usage"]["completion_tokens"] for o in outs),
+                           sum(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs))
         return web.json_response({**outs[0], "choices": choices, "usage": use})
 
     async def _serve(self, request: web.Request, call: api.Call, is_dict: bool = False):

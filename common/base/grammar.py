@@ -57,6 +57,12 @@ def bits_to_mask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
 
 
+def mask_to_bits(allowed: np.ndarray) -> torch.Tensor:
+    """[32 W] bool -> [W] int32 words, bits_to_mask's inverse: bit i of word w is token
+    32 w + i (little-endian words of little-endian bit order)."""
+    return torch.from_numpy(np.packbits(allowed, bitorder="little").view("<i4").copy())
+
+
 def num_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
@@ -87,11 +93,10 @@ class Grammars:
         for i, piece in enumerate(self.info.decoded_vocab[:vocab_size]):
             if i not in special and any(b < 0x20 for b in piece):
                 safe[i] = False
-        # bit i of word w is token 32 w + i (little-endian words of little-endian bit order)
-        self.json_safe = torch.from_numpy(np.packbits(safe, bitorder="little").view("<i4").copy())
+        self.json_safe = mask_to_bits(safe)
         stops = np.zeros(num_words(vocab_size) * 32, dtype=bool)
         stops[[t for t in self.info.stop_token_ids if t < vocab_size]] = True
-        self.stop_only = torch.from_numpy(np.packbits(stops, bitorder="little").view("<i4").copy())
+        self.stop_only = mask_to_bits(stops)   # [W]: EOS alone
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()   # the frontend compiles on two threads
 
