@@ -54,6 +54,7 @@ class DecodeNode:
         self.num_preemptions = 0
         self.num_swapped = 0            # preemptions that kept the KV in host memory
         self.num_recomputed = 0         # resumptions that prefilled the KV again
+        self.num_forked = 0             # sequences admitted over another's prompt blocks (n > 1)
         self._last_log = 0.0
         self._log_tokens = self._log_steps = 0
 
@@ -151,14 +152,15 @@ class DecodeNode:
             elif isinstance(msg, PeerLost):
                 self.handoff.drop_peer(node_tag(msg.name, msg.epoch).encode(), msg.is_exited)
             elif isinstance(msg, NodeSync):
-                self.runtime.send(NodeSynced(msg.sync_id, [r for r in msg.request_ids if not self._holds(r)
+                held = self._held_ids()
+                self.runtime.send(NodeSynced(msg.sync_id, [r for r in msg.request_ids if r not in held
                                                            and r not in self.ended],
-                                             [r for r in msg.request_ids if not self._holds(r) and r in self.ended]))
+                                             [r for r in msg.request_ids if r not in held and r in self.ended]))
 
-    def _holds(self, request_id: str) -> bool:
-        h, s = self.handoff, self.scheduler
-        return request_id in s.running or request_id in h.held or h.is_in_line(request_id) \
-            or any(q.request_id == request_id for q in s.preempted)
+    def _held_ids(self) -> set[str]:
+        """Every request here: running, preempted, or in the handoff (forks included)."""
+        s = self.scheduler
+        return {*s.running, *(q.request_id for q in s.preempted), *self.handoff.held_ids()}
 
     def _abort(self, request_id: str) -> None:
         if request_id in self.scheduler.running:
@@ -182,33 +184,49 @@ class DecodeNode:
         updates = []
         while self.scheduler.can_admit() and (r := self.handoff.next_ready()) is not None:
             c = r.commit
-            seq = self.scheduler.start(r)
+            seqs, copies = self.scheduler.start(r)   # its own, then one per fork (n > 1), sharing its blocks
             if r.error:
-                self._finished(c.request_id, in_batch=False, count=False)
-                # Its KV did not land whole: the path failed, not the request (it moves on).
-                self.runtime.send(RequestFailed(c.request_id, r.error, is_retryable=True))
+                for seq in seqs:
+                    self._finished(seq.request_id, in_batch=False, count=False)
+                    # Its KV did not land whole: the path failed, not the request (it moves on).
+                    self.runtime.send(RequestFailed(seq.request_id, r.error, is_retryable=True))
                 continue
             c.timings["decode_admit"] = time.time()
-            seq.output_ids.append(c.first_token)
-            if c.params.is_masked_per_step:   # its matcher takes every token so far: the mask goes on from there
-                try:
-                    seq.matcher = grammar.matcher_for(c.params, _history(seq)[1], self.worker.spec.vocab_size,
-                                                      self.grammars if c.params.grammar else None)
-                except ValueError as e:
-                    self._finished(c.request_id, in_batch=False, count=False)
-                    self.runtime.send(RequestFailed(c.request_id, str(e)))
+            self.num_forked += len(seqs) - 1
+            if copies:   # NOTE: before any step writes into the partial last block they copy
+                self.worker.copy_blocks(*map(list, zip(*copies)))
+            starts = [(c.first_token, c.first_logprobs)] + [(f.first_token, f.first_logprobs) for f in c.forks]
+            for seq, (token, logprobs) in zip(seqs, starts):
+                if seq.request_id in r.aborted_ids:   # one of n, given up while the others went on
+                    self._finished(seq.request_id, in_batch=False, count=False)
                     continue
-            reason = finish_reason(seq, c.first_token, self.worker.spec.eos_token_ids,
-                                   self.worker.max_model_len)
-            updates.append(TokenUpdate(c.request_id, [c.first_token], reason, ttft_parts(c.timings), index=0,
-                                       logprobs=[c.first_logprobs] if c.first_logprobs else None))
-            if reason:
-                self._finished(c.request_id, in_batch=False)
-                continue
-            blocks_to_join(seq, self.worker.block_size, self.blocks)
-            self.worker.add_decode_seq(c.request_id, c.first_token, c.prompt_len,
-                                       seq.block_ids, c.params, _history(seq))
+                update = self._join(seq, token, logprobs, c.timings)
+                if update is not None:
+                    updates.append(update)
         return updates
+
+    def _join(self, seq: Sequence, token: int, logprobs, timings: dict) -> TokenUpdate | None:
+        """A newly admitted sequence takes its first token (sampled by the prefill node) and
+        joins the batch, unless that token ends it; its first update, or None if it failed."""
+        rid = seq.request_id
+        seq.output_ids.append(token)
+        if seq.params.is_masked_per_step:   # its matcher takes every token so far: the mask goes on from there
+            try:
+                seq.matcher = grammar.matcher_for(seq.params, _history(seq)[1], self.worker.spec.vocab_size,
+                                                  self.grammars if seq.params.grammar else None)
+            except ValueError as e:
+                self._finished(rid, in_batch=False, count=False)
+                self.runtime.send(RequestFailed(rid, str(e)))
+                return None
+        reason = finish_reason(seq, token, self.worker.spec.eos_token_ids, self.worker.max_model_len)
+        update = TokenUpdate(rid, [token], reason, ttft_parts(timings), index=0,
+                             logprobs=[logprobs] if logprobs else None)
+        if reason:
+            self._finished(rid, in_batch=False)
+            return update
+        blocks_to_join(seq, self.worker.block_size, self.blocks)
+        self.worker.add_decode_seq(rid, token, seq.prompt_len, seq.block_ids, seq.params, _history(seq))
+        return update
 
     def _launch(self) -> DecodeTicket | None:
         self.worker.grow_blocks(self.scheduler.running, self.blocks)
@@ -347,7 +365,7 @@ class DecodeNode:
                 "num_asking": len(self.handoff.waiting), "num_granted": self.handoff.num_granted,
                 "num_batched_steps": self.num_batched_steps,
                 "num_preemptions": self.num_preemptions, "num_swapped": self.num_swapped,
-                "num_recomputed": self.num_recomputed, "num_preempted": len(self.scheduler.preempted),
+                "num_recomputed": self.num_recomputed, "num_forked": self.num_forked, "num_preempted": len(self.scheduler.preempted),
                 "num_discarded_tokens": self.num_discarded_tokens,
                 "num_free_blocks": self.blocks.num_free,
                 "num_reserved_blocks": self.blocks.num_reserved,

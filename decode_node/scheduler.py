@@ -15,6 +15,7 @@ promised at reservation, so nothing is ever preempted and the batch is smaller.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from common.handoff.states import Reservation
@@ -41,34 +42,46 @@ class DecodeScheduler:
         """Every token written to the cache: the prompt and all outputs but the last."""
         return num_blocks_for(prompt_len + max_tokens - 1, self.block_size)
 
-    def blocks_at_reserve(self, prompt_len: int, max_tokens: int) -> int:
+    def blocks_at_reserve(self, prompt_len: int, max_tokens: int, num_seqs: int = 1) -> int:
         """Blocks a reservation takes: enough to join the batch (the prompt and the
-        first output's position), or with full reservation, everything."""
+        first output's position), or with full reservation, everything; for n sequences
+        sharing the prompt, each further one adds what it does not share (fork_share)."""
         need = self.blocks_needed(prompt_len, max_tokens)
-        return min(num_blocks_for(prompt_len + 1, self.block_size), need) if self.is_preemptive else need
+        own = min(num_blocks_for(prompt_len + 1, self.block_size), need) if self.is_preemptive else need
+        return own + (num_seqs - 1) * (own - prompt_len // self.block_size)
 
-    def refusal_for_good(self, request_id: str, prompt_len: int, max_tokens: int) -> str | None:
-        """Why this request can never be reserved here, if it cannot."""
-        if request_id in self.running or any(s.request_id == request_id for s in self.preempted):
-            return f"request {request_id!r} is already on this decode node"
+    def fork_share(self, prompt_len: int, max_tokens: int) -> int:
+        """What one forked sequence takes of its reservation: all but the prompt's full
+        blocks, which it shares (its copy of a partial last block included)."""
+        return self.blocks_at_reserve(prompt_len, max_tokens) - prompt_len // self.block_size
+
+    def refusal_for_good(self, request_ids: list[str], prompt_len: int, max_tokens: int) -> str | None:
+        """Why this request (request_ids: its own, then its forks') can never be reserved
+        here, if it cannot."""
+        num_seqs = len(request_ids)
+        for rid in request_ids:
+            if rid in self.running or any(s.request_id == rid for s in self.preempted):
+                return f"request {rid!r} is already on this decode node"
         need = self.blocks_needed(prompt_len, max_tokens)
         if need > self.blocks.capacity:
             # NOTE: this also guarantees that a preempted sequence, alone, always fits.
             return f"needs {need} KV blocks, this decode node has {self.blocks.capacity}"
+        if (group := self.blocks_at_reserve(prompt_len, max_tokens, num_seqs)) > self.blocks.capacity:
+            return f"its {num_seqs} sequences need {group} KV blocks, this decode node has {self.blocks.capacity}"
         return None
 
-    def refusal_for_now(self, prompt_len: int, max_tokens: int) -> str | None:
+    def refusal_for_now(self, prompt_len: int, max_tokens: int, num_seqs: int = 1) -> str | None:
         """Why this request cannot be reserved yet, if it cannot."""
         if self.preempted:
             return f"{len(self.preempted)} preempted requests resume first"
-        now = self.blocks_at_reserve(prompt_len, max_tokens)
+        now = self.blocks_at_reserve(prompt_len, max_tokens, num_seqs)
         if not self.blocks.can_allocate(now + self.watermark):
             return f"needs {now} KV blocks, {self.blocks.num_available} are free now"
         return None
 
-    def take_blocks(self, prompt_len: int, max_tokens: int) -> tuple[list[int], int]:
+    def take_blocks(self, prompt_len: int, max_tokens: int, num_seqs: int = 1) -> tuple[list[int], int]:
         """A reservation's blocks: the prompt's (ids), and how many more are promised."""
-        need = self.blocks_at_reserve(prompt_len, max_tokens)
+        need = self.blocks_at_reserve(prompt_len, max_tokens, num_seqs)
         num_prompt = num_blocks_for(prompt_len, self.block_size)
         block_ids = self.blocks.allocate(num_prompt)
         self.blocks.reserve(need - num_prompt)
@@ -83,10 +96,26 @@ class DecodeScheduler:
         could free blocks for them."""
         return len(self.running) < self.max_batch_size and (not self.preempted or not self.running)
 
-    def start(self, r: Reservation) -> Sequence:
-        """A committed reservation becomes a running sequence with the same blocks."""
-        seq = Sequence(r.request_id, r.prompt_len, r.commit.params, r.block_ids, r.num_reserved,
-                       prompt_ids=r.commit.prompt_ids, admit_order=self.num_admitted)
+    def start(self, r: Reservation) -> tuple[list[Sequence], list[tuple[int, int]]]:
+        """A committed reservation becomes running sequences: its own, with the same
+        blocks, then one per fork, sharing the prompt's full blocks. -> (the sequences,
+        the (source, copy) blocks for the caller to copy: each fork's own copy of the
+        prompt's partial last block)."""
+        share = self.fork_share(r.prompt_len, r.max_tokens)
+        seqs = [self._run(Sequence(r.request_id, r.prompt_len, r.commit.params, r.block_ids,
+                                   r.num_reserved - len(r.commit.forks) * share, prompt_ids=r.commit.prompt_ids))]
+        num_full, copies = r.prompt_len // self.block_size, []
+        for f in r.commit.forks:
+            seq = Sequence(f.request_id, r.prompt_len, dataclasses.replace(r.commit.params, seed=f.seed),
+                           r.block_ids[:num_full], share, prompt_ids=r.commit.prompt_ids)
+            self.blocks.share(seq.block_ids)
+            if num_full < len(r.block_ids):
+                copies.append((r.block_ids[num_full], seq.take_block(self.blocks)))
+            seqs.append(self._run(seq))
+        return seqs, copies
+
+    def _run(self, seq: Sequence) -> Sequence:
+        seq.admit_order = self.num_admitted
         self.num_admitted += 1
         self.running[seq.request_id] = seq
         return seq

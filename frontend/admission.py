@@ -41,12 +41,15 @@ class Admission:
         self.num_refused += 1
         return f"overloaded: this client has {why}; retry when some finish"
 
-    def add(self, client: Hashable, item, kv_tokens: int) -> None:
+    def add(self, client: Hashable, item, kv_tokens: int, is_waiting: bool = True) -> None:
+        """is_waiting=False: it counts against the client's limits, but goes to the nodes
+        with another item (one of n choices, sent with the first), not from the line."""
         load = self.clients.setdefault(client, ClientLoad())
-        load.waiting.append(item)
+        if is_waiting:
+            load.waiting.append(item)
+            self.num_waiting += 1
         load.num_requests += 1
         load.num_kv_tokens += kv_tokens
-        self.num_waiting += 1
 
     def peek(self):
         """The item next() would give, left in place; None if none waits."""

@@ -46,6 +46,7 @@ class RequestState:
     prompt_logprobs: list[TokenLogprobs] | None = None
     is_prompt_only: bool = False          # max_tokens 0: its one token is made and not shown
     index: int = 0                        # which of its request's n choices
+    forks: list = field(default_factory=list)   # choice 0, until sent: the other choices, which share its prefill
     is_prompt_logprobs_sent: bool = False
     last_output_at: float | None = None   # monotonic
     # Moves to other nodes (a node lost or drained): how many, since when it waits to go

@@ -29,7 +29,7 @@ from common.base.log import Throttle, get_logger
 from common.base.model_spec import load_spec
 from common.runtime.process import describe_threads
 from common.wire.protocol import (CLIENT_TO_FRONTEND, AbortRequest, DrainRequest, ErrorReply, GenerateOutput,
-                                  GenerateRequest, NodeAbort, PrefillRequest, StatsReply, StatsRequest)
+                                  Fork, GenerateRequest, NodeAbort, PrefillRequest, StatsReply, StatsRequest)
 from common.base.request import FINISH_ABORT, FINISH_ERROR
 from common.wire.client import MAX_MESSAGES
 from frontend import http, router
@@ -234,7 +234,8 @@ class Frontend:
             await self._reply_error(client, req.request_id, refusal, 429)
             return
         timeout = req.timeout_s or self.cfg.default_timeout_s
-        # n choices: n requests, choice i sampled with seed + i (as vLLM does).
+        # n choices: n requests, choice i sampled with seed + i (as vLLM does); the others go
+        # to the nodes with choice 0, as its forks: one prefill, the prompt's blocks shared.
         choices = self.by_client[(client, req.request_id)] = []
         for i in range(req.n):
             self.num_requests += 1
@@ -244,7 +245,9 @@ class Frontend:
                                  time.monotonic() + timeout, is_prompt_only=req.max_tokens == 0, index=i)
             self.requests[state.node_id] = state
             choices.append(state)
-            self.admission.add(client, state, state.kv_tokens)
+            self.admission.add(client, state, state.kv_tokens, is_waiting=i == 0)
+            if i:
+                choices[0].forks.append(state)
         self._wake.set()
 
     async def abort(self, client: Client, request_id: str) -> None:
@@ -273,13 +276,18 @@ class Frontend:
                     break
                 self.admission.next()
                 prefill, decode, req.work_tokens = route
-                req.prefill_node, req.decode_node = prefill.name, decode.name
+                forks, req.forks = [f for f in req.forks if f.node_id in self.requests], []
+                for r in [req, *forks]:
+                    r.prefill_node, r.decode_node = prefill.name, decode.name
+                for _ in forks:
+                    router.routed(prefill, decode, 0)
                 pair = f"{prefill.name} -> {decode.name}"
-                self.num_routes[pair] = self.num_routes.get(pair, 0) + 1
+                self.num_routes[pair] = self.num_routes.get(pair, 0) + 1 + len(forks)
                 if req.moved_at is not None:
                     self.migrations.routed(req, pair)
                 await self.node_link.send(PrefillRequest(req.node_id, ids, params, req.arrival_time,
-                                                         decode.name, decode.ready.kv_endpoint),
+                                                         decode.name, decode.ready.kv_endpoint,
+                                                         [Fork(f.node_id, f.params.seed) for f in forks]),
                                           to=prefill.identity)
 
     # ---- figures --------------------------------------------------------------
@@ -321,6 +329,10 @@ class Frontend:
         if not choices:
             self.by_client.pop((req.client, req.request_id), None)
         self.admission.done(req.client, req, req.kv_tokens)
+        for f in req.forks:   # ended before they were sent with it: they go on their own
+            if f.node_id in self.requests:
+                self.admission.requeue(f.client, f)
+        req.forks = []
         self.unroute(req)
         if not is_node_done:
             for name in (req.prefill_node, req.decode_node):

@@ -9,6 +9,7 @@ A prompt's blocks stay allocated here until that write has completed.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -113,10 +114,9 @@ class PrefillNode:
             elif isinstance(msg, NodeAbort):
                 self.handoffs.abort(msg.request_id)
             elif isinstance(msg, NodeSync):
-                held = self.handoffs.by_id   # every request here has its handoff
-                passed = self.handoffs.handed_off
-                self.runtime.send(NodeSynced(msg.sync_id, [r for r in msg.request_ids if r not in held
-                                                           and r not in passed],
+                passed = self.handoffs.handed_off   # every request here has its handoff
+                self.runtime.send(NodeSynced(msg.sync_id, [r for r in msg.request_ids
+                                                           if not self.handoffs.holds(r) and r not in passed],
                                              [r for r in msg.request_ids if r in passed]))
 
     def _accept(self, req: PrefillRequest) -> None:
@@ -128,15 +128,17 @@ class PrefillNode:
                 raise ValueError(f"prompt of {len(req.prompt_token_ids)} tokens exceeds this "
                                  f"prefill node's KV cache ({self.worker.token_capacity} tokens)")
             check_endpoint("decode_kv_endpoint", req.decode_kv_endpoint, self.cfg.allow_remote)
-            if req.request_id in self.handoffs.by_id:
+            ids = [req.request_id, *(f.request_id for f in req.forks)]
+            if len(set(ids)) != len(ids) or any(self.handoffs.holds(r) for r in ids):
                 raise ValueError("a request of this id is already here")
             if req.params.grammar:
                 self.grammars.compile(req.params.grammar)   # GrammarError: a ValueError, said to the client
             job = PrefillJob(req.request_id, list(req.prompt_token_ids), req.params,
-                             req.arrival_time, req.decode_node, req.decode_kv_endpoint)
+                             req.arrival_time, req.decode_node, req.decode_kv_endpoint, forks=list(req.forks))
             self.handoffs.begin(job)   # the reservation comes back while the prompt waits or runs
         except (ValueError, LinkError) as e:
-            self._fail(req.request_id, str(e))
+            for rid in {req.request_id, *(f.request_id for f in req.forks)}:
+                self._fail(rid, str(e))
             return
         self.scheduler.add(job)
 
@@ -174,18 +176,21 @@ class PrefillNode:
                 stamps = {"arrival": job.arrival_time, "prefill_recv": job.recv_time,
                           "prefill_start": job.start_time, "prefill_end": done_at,
                           "cached_tokens": job.num_cached_tokens}   # a count riding with the stamps
+                for f, t, lp in zip(job.forks, pc.fork_tokens, pc.fork_logprobs):
+                    f.first_token, f.first_logprobs = t, lp
                 self.handoffs.set_first_token(job, token, stamps, pc.logprobs)
                 prompt_logprobs = job.prompt_logprobs if job.params.num_prompt_logprobs >= 0 else None
                 # The first token streams now, while its KV travels; one that ends the
                 # request is left to the decode node, which ends it (the prompt's
-                # logprobs go now all the same).
-                if stop_reason(job.params, token, 1, job.prompt_len, self.worker.spec.eos_token_ids,
-                               self.worker.max_model_len) is None:
-                    early.append(TokenUpdate(job.request_id, [token], None, ttft_parts(stamps), index=0,
-                                             logprobs=[pc.logprobs] if pc.logprobs else None,
-                                             prompt_logprobs=prompt_logprobs))
-                elif prompt_logprobs is not None:
-                    early.append(TokenUpdate(job.request_id, [], None, index=0, prompt_logprobs=prompt_logprobs))
+                # logprobs go now all the same). Each fork's likewise.
+                for rid, t, lp in [(job.request_id, token, pc.logprobs),
+                                   *((f.request_id, f.first_token, f.first_logprobs) for f in job.forks)]:
+                    if stop_reason(job.params, t, 1, job.prompt_len, self.worker.spec.eos_token_ids,
+                                   self.worker.max_model_len) is None:
+                        early.append(TokenUpdate(rid, [t], None, ttft_parts(stamps), index=0,
+                                                 logprobs=[lp] if lp else None, prompt_logprobs=prompt_logprobs))
+                    elif prompt_logprobs is not None:
+                        early.append(TokenUpdate(rid, [], None, index=0, prompt_logprobs=prompt_logprobs))
         if early and not self.frontend.send(TokenBatch(early), block=False):
             noisy.warning("could not stream %d first tokens early: the decode nodes will", len(early))
         self.scheduler.complete(chunks)
@@ -196,6 +201,8 @@ class PrefillNode:
         tokens if they were asked for."""
         job = c.job
         chunk = PrefillChunk(job.token_ids[c.start:c.end], c.start, job.block_ids, job.params if c.is_last else None)
+        if c.is_last:
+            chunk.fork_params = [dataclasses.replace(job.params, seed=f.seed) for f in job.forks]
         if c.is_last and job.params.is_processing:
             chunk.history = job.params.split(job.token_ids)
         if c.is_last and job.params.is_masked_per_step:   # after any tokens streamed before a move

@@ -45,6 +45,7 @@ class PrefillJob:
     is_reserved: bool = False      # its decode node holds blocks for it (set by the handoff)
     is_peer_granting: bool = False  # its decode node granted the previous request at once
     prompt_logprobs: list = field(default_factory=list)   # asked for: each chunk's, in order
+    forks: list = field(default_factory=list)    # n > 1: the other sequences (Fork), sampled with it
 
     @property
     def prompt_len(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import openai
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from common.base.request import SamplingParams
 from frontend.client import Client
-from tests.cluster_util import Cluster, post_json
+from tests.cluster_util import Cluster, post_json, wait_for
 
 MODEL = "tiny"
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 77, 12, 33, 120, 7, 64, 2, 19, 88, 101]   # 17 tokens: a full block and one
@@ -102,14 +103,31 @@ def test_streamed_logprobs_come_with_their_tokens(oai):
 
 # ---- n choices, and the sampling controls ----------------------------------------------------
 
-def test_n_choices_each_equal_the_request_alone_with_seed_plus_i(oai):
-    r = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.9, seed=40, n=4,
-                               extra_body={"return_token_ids": True})
+def _figure(cluster, node: str, key: str) -> int:
+    return cluster.stats()[node].get(key, 0)
+
+
+def _settled(cluster) -> list[int]:
+    """Handoffs of prefill-0 and sequences forked on decode-0, once the heartbeats (every
+    0.5 s) have told what ended before this."""
+    time.sleep(1.2)
+    return [_figure(cluster, "prefill-0", "num_handoffs"), _figure(cluster, "decode-0", "num_forked")]
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, PROMPT[:16]], ids=["partial-block", "full-blocks"])
+def test_n_choices_each_equal_the_request_alone_with_seed_plus_i(oai, cluster, prompt):
+    """One prefill for all n, then n sequences over the prompt's blocks on the decode node."""
+    before = _settled(cluster)
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0.9, seed=40, n=4,
+                               logprobs=2, extra_body={"return_token_ids": True})
+    wait_for(lambda: [_figure(cluster, "prefill-0", "num_handoffs"), _figure(cluster, "decode-0", "num_forked")]
+             == [before[0] + 1, before[1] + 3], 10, "one handoff of the prompt, three sequences forked from it")
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     for i, c in enumerate(r.choices):
-        alone = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.9, seed=40 + i,
-                                       extra_body={"return_token_ids": True})
+        alone = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0.9, seed=40 + i,
+                                       logprobs=2, extra_body={"return_token_ids": True})
         assert c.model_extra["token_ids"] == alone.choices[0].model_extra["token_ids"]
+        assert c.logprobs.token_logprobs == pytest.approx(alone.choices[0].logprobs.token_logprobs, abs=1e-5)
     assert len({tuple(c.model_extra["token_ids"]) for c in r.choices}) > 1
     assert r.usage.completion_tokens == 4 * 8
     streamed = list(oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
@@ -193,8 +211,9 @@ def test_json_object_regex_and_choice_hold(oai):
                                           response_format={"type": "json_object"})
         assert obj.choices[0].finish_reason != "stop" or isinstance(json.loads(obj.choices[0].message.content), dict)
         rx = oai.completions.create(model=MODEL, prompt=f"{i}", max_tokens=20, temperature=1.0, seed=i,
-                                    extra_body={"guided_regex": r"[a-c]{2,5}-[0-9]{3}"})
-        assert re.fullmatch(r"[a-c]{2,5}-[0-9]{3}", rx.choices[0].text), rx.choices[0].text
+                                    n=3, extra_body={"guided_regex": r"[a-c]{2,5}-[0-9]{3}"})
+        for c in rx.choices:   # n sequences forked after one prefill: each its own matcher
+            assert re.fullmatch(r"[a-c]{2,5}-[0-9]{3}", c.text), c.text
         ch = oai.completions.create(model=MODEL, prompt=f"{i}", max_tokens=10, temperature=1.0, seed=i,
                                     extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
         assert ch.choices[0].text in ("red", "green", "blue")

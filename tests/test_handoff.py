@@ -86,7 +86,7 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
     assert torch.equal(dw.kv_cache[:, :, r.block_ids], pw.kv_cache[:, :, src])
 
     rx.receive(b"p", protocol.KVCommit("r", len(prompt), first, params, {}, backend, prompt, r.name, num_written))
-    seq = sched.start(rx.next_ready())
+    (seq,), _ = sched.start(rx.next_ready())
     blocks_to_join(seq, 16, sched.blocks)
     dw.add_decode_seq("r", first, len(prompt), seq.block_ids, params)
     tokens = [first]

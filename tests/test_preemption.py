@@ -22,7 +22,7 @@ from tests.conftest import hf_greedy_gaps
 def _start(sched: DecodeScheduler, rx, rid: str, prompt_len: int, max_tokens: int) -> Sequence:
     reserve(rx, rid, prompt_len, max_tokens)
     commit(rx, rid, prompt_len, max_tokens)
-    seq = sched.start(rx.next_ready())
+    (seq,), _ = sched.start(rx.next_ready())
     seq.output_ids.append(1)
     return seq
 

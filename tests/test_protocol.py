@@ -66,6 +66,7 @@ EXAMPLES = [
                 {"nixl": {"agent": "pdserve-7-ab", "metadata": b"\x00" * 300, "address": 2**47,
                           "device_id": 0}, "dist": {"store": "127.0.0.1:40123"}}),
     p.KVReserve("r1", 40, 8, 17),
+    p.KVReserve("r3", 40, 8, 18, ["r3a", "r3b"]),
     p.KVReserved("r1", "123-ab", [3, 4, 5], lease_s=30.0, ask=17, reservation="a1b2c3d4e5f6"),
     p.KVReserved("r2", "123-ab", None, True, "decode queue is full (4)"),
     p.KVReserved("r3", "123-ab", None, True, "needs 3 KV blocks, 1 are free now", 30.0, True),
@@ -75,6 +76,10 @@ EXAMPLES = [
     p.KVCommit("r1", 3, 9, PARAMS, {}, "tcp", [3] * 3, "a1b2c3d4e5f6", 28, [-2**31, 0, 2**31 - 1]),
     p.KVCommit("r2", 3, 9, FULL_PARAMS, {}, "ipc", [3] * 3, "a1b2c3d4e5f6", 0, None, TokenLogprobs(-0.25, [9], [-0.25])),
     p.PrefillRequest("r2", [1, 2], FULL_PARAMS, 123.5, "decode-1", "tcp://127.0.0.1:5603"),
+    p.PrefillRequest("r3", [1, 2], PARAMS, 123.5, "decode-1", "tcp://127.0.0.1:5603",
+                     [p.Fork("r3a", 8), p.Fork("r3b", 2**63 - 1)]),
+    p.KVCommit("r3", 3, 9, FULL_PARAMS, {}, "ipc", [3] * 3, "a1b2c3d4e5f6", 0, None, None,
+               [p.Fork("r3a", 8, 11, TokenLogprobs(-0.5, [11], [-0.5])), p.Fork("r3b", 9, 0)]),
     p.KVRelease("r1"),
     p.HandoffAck("r1", False, False, "no reservation"),
 ]

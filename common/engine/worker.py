@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import atexit
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from common.base.model_spec import load_spec, preset_spec
 from common.engine.platform import platform_for
 from common.engine.sampling import sample
 from common.engine.swap import SwapSpace
-from common.kv.blocks import NULL_BLOCK, block_bytes, cache_shape, kv_cache_blocks, num_blocks_for
+from common.kv.blocks import BLOCK_DIM, NULL_BLOCK, block_bytes, cache_shape, kv_cache_blocks, num_blocks_for
 from common.kv.sequence import grow_blocks
 
 
@@ -43,9 +43,12 @@ class PrefillChunk:
     mask: torch.Tensor | None = None     # a step mask for the first token ([W] int32 words)
     prompt_targets: list[int] | None = None   # prompt logprobs asked for: each position's next token
     num_prompt_logprobs: int = -1        # (-1 past the prompt's end), and how many alternatives
+    fork_params: list[SamplingParams] = field(default_factory=list)   # n > 1: sample n - 1 more first tokens
     # Set by prefill(): what is reported of the first token, and of the prompt's tokens.
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    fork_tokens: list[int] = field(default_factory=list)    # one per fork_params, from the same logits
+    fork_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 class DeviceWorker:
@@ -243,24 +246,41 @@ class DeviceWorker:
         if not sampled_idx:
             return out, None
         logits = qwen3.compute_logits(self.weights, last_hidden[sampled_idx])
-        ps = [chunks[i].params for i in sampled_idx]
-        positions = [chunks[i].context_len + len(chunks[i].token_ids) for i in sampled_idx]
+        # Rows to sample: (chunk, 0) its own first token, (chunk, j) its fork j's (n > 1),
+        # which samples the same logits again with its own params (seed).
+        rows = [(i, j) for i in sampled_idx for j in range(1 + len(chunks[i].fork_params))]
+        row_logits = logits if len(rows) == len(sampled_idx) else \
+            logits[self._to_device([k for k, i in enumerate(sampled_idx) for _ in range(1 + len(chunks[i].fork_params))],
+                                   torch.int64)]
+        ps = [chunks[i].fork_params[j - 1] if j else chunks[i].params for i, j in rows]
+        positions = [chunks[i].context_len + len(chunks[i].token_ids) for i, _ in rows]
+        reported = [None] * len(rows)
         if all(p.is_plain for p in ps):
-            tokens = sample(logits,
+            tokens = sample(row_logits,
                             self._to_device([p.temperature for p in ps], torch.float32),
                             self._to_device([p.top_p for p in ps], torch.float32),
                             self._to_device([p.top_k for p in ps], torch.int32),
                             self._to_device([p.seed for p in ps], torch.int64),
                             self._to_device(positions, torch.int64)).tolist()
         else:
-            tokens, reported = logit_rules.choose_first(logits, ps, [chunks[i].history for i in sampled_idx],
+            tokens, reported = logit_rules.choose_first(row_logits, ps, [chunks[i].history for i, _ in rows],
                                                         positions, self.spec.eos_token_ids, self._to_device,
-                                                        [chunks[i].mask for i in sampled_idx])
-            for i, lp in zip(sampled_idx, reported):
-                chunks[i].logprobs = lp
-        for i, t in zip(sampled_idx, tokens):
-            out[i] = t
+                                                        [chunks[i].mask for i, _ in rows])
+        for (i, j), t, lp in zip(rows, tokens, reported):
+            if j:
+                chunks[i].fork_tokens.append(t)
+                chunks[i].fork_logprobs.append(lp)
+            else:
+                out[i], chunks[i].logprobs = t, lp
         return out, (logits if return_logits else None)
+
+    @torch.inference_mode()
+    def copy_blocks(self, src_ids: list[int], dst_ids: list[int]) -> None:
+        """Block dst_ids[k] of the cache becomes a copy of src_ids[k], in every layer
+        (a fork's own copy of its prompt's partial last block)."""
+        src = self._to_device(src_ids, torch.int64)
+        self.kv_cache.index_copy_(BLOCK_DIM, self._to_device(dst_ids, torch.int64),
+                                  self.kv_cache.index_select(BLOCK_DIM, src))
 
     # ---- preemption: a sequence's KV leaves the cache and comes back ----------
 

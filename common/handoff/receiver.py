@@ -42,9 +42,9 @@ ADMITTED_MEMORY = 4096  # grants taken into the batch, remembered to answer a re
 
 class Pool(Protocol):
     """The decode batch's block accounting (decode_node/scheduler.py)."""
-    def refusal_for_good(self, request_id: str, prompt_len: int, max_tokens: int) -> str | None: ...
-    def refusal_for_now(self, prompt_len: int, max_tokens: int) -> str | None: ...
-    def take_blocks(self, prompt_len: int, max_tokens: int) -> tuple[list[int], int]: ...
+    def refusal_for_good(self, request_ids: list[str], prompt_len: int, max_tokens: int) -> str | None: ...
+    def refusal_for_now(self, prompt_len: int, max_tokens: int, num_seqs: int) -> str | None: ...
+    def take_blocks(self, prompt_len: int, max_tokens: int, num_seqs: int) -> tuple[list[int], int]: ...
     def give_back(self, block_ids: list[int], num_reserved: int) -> None: ...
 
 
@@ -108,27 +108,31 @@ class Receiver:
         line (new, or kept), or a refusal: retryable when the line is full, final when
         the request can never be held."""
         rid, lease = m.request_id, Lease(self.clock(), self.lease_s)
-        if rid in self.recently_aborted:
+        fork_ids = list(m.fork_ids)
+        if all(f in self.recently_aborted for f in [rid, *fork_ids]):
             return self._refusal(rid, "the request was aborted")
+        if len(set([rid, *fork_ids])) != 1 + len(fork_ids):
+            return self._refusal(rid, "a request's forks must have ids of their own")
         if m.prompt_len < 1 or m.max_tokens < 1:
             return self._refusal(rid, f"bad reservation: prompt_len {m.prompt_len}, max_tokens {m.max_tokens}")
         if m.prompt_len + m.max_tokens > self.max_model_len:
             return self._refusal(rid, f"prompt + max_tokens exceeds max_model_len {self.max_model_len}")
         r = self.held.get(rid)
         if r is not None and r.sender == sender and r.hold in (Hold.RESERVED, Hold.FAILED) and \
-                (r.prompt_len, r.max_tokens) == (m.prompt_len, m.max_tokens):
+                (r.prompt_len, r.max_tokens, r.fork_ids) == (m.prompt_len, m.max_tokens, fork_ids):
             r.lease = lease
             return self._granted(r)
         w = self._in_line(rid)
         if w is not None:
-            if (w.sender, w.prompt_len, w.max_tokens) != (sender, m.prompt_len, m.max_tokens):
+            if (w.sender, w.prompt_len, w.max_tokens, w.fork_ids) != (sender, m.prompt_len, m.max_tokens, fork_ids):
                 return self._refusal(rid, f"request {rid!r} is already on this decode node")
             w.lease, w.reason = lease, "waiting for blocks"
             return self._queued(w)
-        refusal = self.refusal(rid, m.prompt_len, m.max_tokens)
+        r = Reservation(rid, sender, m.prompt_len, m.max_tokens, lease, fork_ids=fork_ids,
+                        aborted_ids={f for f in [rid, *fork_ids] if f in self.recently_aborted})
+        refusal = self.refusal(rid, m.prompt_len, m.max_tokens, fork_ids)
         if refusal is None and self.waiting:
             refusal = f"{len(self.waiting)} requests wait for blocks first", True
-        r = Reservation(rid, sender, m.prompt_len, m.max_tokens, lease)
         if refusal is None:
             self._reserve(r)
             return self._granted(r)
@@ -146,9 +150,6 @@ class Receiver:
     def _queued(self, w: Reservation) -> KVReserved:
         return KVReserved(w.request_id, self.epoch, None, True, w.reason, self.lease_s, is_queued=True)
 
-    def is_in_line(self, request_id: str) -> bool:
-        return self._in_line(request_id) is not None
-
     def _in_line(self, request_id: str) -> Reservation | None:
         return next((w for w in self.waiting if w.request_id == request_id), None)
 
@@ -157,20 +158,31 @@ class Receiver:
             noisy.warning("refused reservation %s: %s", request_id, reason)
         return KVReserved(request_id, self.epoch, None, is_retryable, reason)
 
-    def refusal(self, request_id: str, prompt_len: int, max_tokens: int) -> tuple[str, bool] | None:
-        """(reason, is_retryable) if this request cannot be reserved now."""
-        if request_id in self.held:
-            return f"request {request_id!r} is already on this decode node", False
-        why = self.pool.refusal_for_good(request_id, prompt_len, max_tokens)
+    def refusal(self, request_id: str, prompt_len: int, max_tokens: int,
+                fork_ids: list[str] = ()) -> tuple[str, bool] | None:
+        """(reason, is_retryable) if this request (and its forks) cannot be reserved now."""
+        ids = [request_id, *fork_ids]
+        taken = [f for f in ids if f in self.held or self.holds_fork(f)]
+        if taken:
+            return f"request {taken[0]!r} is already on this decode node", False
+        why = self.pool.refusal_for_good(ids, prompt_len, max_tokens)
         if why:
             return why, False
         if len(self.held) >= self.max_queue:
             return f"decode queue is full ({self.max_queue})", True
-        why = self.pool.refusal_for_now(prompt_len, max_tokens)
+        why = self.pool.refusal_for_now(prompt_len, max_tokens, len(ids))
         return (why, True) if why else None
 
+    def held_ids(self) -> set[str]:
+        """Every request held or in line here, forks included."""
+        return {f for r in (*self.held.values(), *self.waiting) for f in (r.request_id, *r.fork_ids)}
+
+    def holds_fork(self, request_id: str) -> bool:
+        """A fork of a request held or in line here (it runs once that request is admitted)."""
+        return any(request_id in r.fork_ids for r in (*self.held.values(), *self.waiting))
+
     def _reserve(self, r: Reservation) -> None:
-        r.block_ids, r.num_reserved = self.pool.take_blocks(r.prompt_len, r.max_tokens)
+        r.block_ids, r.num_reserved = self.pool.take_blocks(r.prompt_len, r.max_tokens, r.num_seqs)
         r.hold, r.reserved_at, r.name = Hold.RESERVED, time.time(), secrets.token_hex(6)
         self.held[r.request_id] = r
 
@@ -224,8 +236,10 @@ class Receiver:
             if c.prompt_len != r.prompt_len or c.params.max_tokens > r.max_tokens:
                 raise ValueError(f"commit for {c.prompt_len} tokens + {c.params.max_tokens} outputs "
                                  f"does not match the reservation ({r.prompt_len} + {r.max_tokens})")
-            if not 0 <= c.first_token < self.vocab_size:
-                raise ValueError(f"first token {c.first_token} is outside the vocabulary")
+            if [f.request_id for f in c.forks] != r.fork_ids:
+                raise ValueError("the commit's forks are not the ones reserved")
+            if not all(0 <= t < self.vocab_size for t in [c.first_token, *(f.first_token for f in c.forks)]):
+                raise ValueError("a first token is outside the vocabulary")
             if c.checksums is not None and len(c.checksums) != len(r.block_ids):
                 raise ValueError(f"{len(c.checksums)} block checksums for {len(r.block_ids)} blocks")
         except ValueError as e:
@@ -289,7 +303,7 @@ class Receiver:
             self._release(rid)
         while self.waiting:
             w = self.waiting[0]
-            refusal = self.refusal(w.request_id, w.prompt_len, w.max_tokens)
+            refusal = self.refusal(w.request_id, w.prompt_len, w.max_tokens, w.fork_ids)
             if refusal is not None and refusal[1]:
                 return
             self.waiting.popleft()
@@ -302,11 +316,20 @@ class Receiver:
             self.send(self._granted(w, is_from_line=True), to=w.sender)
 
     def abort(self, request_id: str) -> None:
-        """The frontend gave the request up: whatever of it is held here goes."""
+        """The frontend gave the request up: whatever of it is held here goes. One of
+        n sequences (a request with forks) goes alone: the rest run, and it ends as it
+        is admitted (aborted_ids); with the last of them, all of it goes."""
         now = self.clock()
         self.recently_aborted = {r: t for r, t in self.recently_aborted.items()
                                  if now - t < ABORT_MEMORY_S}
         self.recently_aborted[request_id] = now   # a late reserve or commit is refused
+        group = next((g for g in (*self.held.values(), *self.waiting) if request_id in g.fork_ids), None) \
+            or self.held.get(request_id) or self._in_line(request_id)
+        if group is not None and group.fork_ids:
+            group.aborted_ids.add(request_id)
+            if len(group.aborted_ids) <= len(group.fork_ids):
+                return
+            request_id = group.request_id
         r = self.held.get(request_id)
         if r is None:
             self._drop_waiting(request_id)

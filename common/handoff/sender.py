@@ -62,6 +62,7 @@ class Sender:
         self.links = KVLinks(name, connect, open_writer, clock)
         self.free_blocks, self.drop_job, self.fail, self.clock = free_blocks, drop_job, fail, clock
         self.by_id: dict[str, Handoff] = {}
+        self.fork_of: dict[str, str] = {}   # n > 1: each fork's id -> its request's (a key of by_id)
         self.num_handoffs = 0
         self.bytes_written = 0
         self.transfers: dict[str, TransferFigures] = {}   # by backend
@@ -86,7 +87,7 @@ class Sender:
         for h in self._of(peer, Stage.QUEUED, Stage.RESERVED, Stage.WRITTEN, Stage.COMMITTED):
             if h.epoch not in (None, w.epoch):
                 if h.stage in (Stage.QUEUED, Stage.RESERVED):
-                    self._drop_reservation(h)
+                    h.drop_reservation(self.clock())
                 else:
                     h.stage = Stage.CANCELLED
                     h.error = f"decode node {peer.name} restarted before the handoff was committed"
@@ -132,6 +133,7 @@ class Sender:
         """A request is accepted: ask its decode node for blocks now."""
         peer = self.links.peer_for(job.decode_node, job.decode_kv_endpoint)
         h = self.by_id[job.request_id] = Handoff(job, peer)
+        self.fork_of.update((f.request_id, job.request_id) for f in job.forks)
         job.is_peer_granting = peer.is_granting and peer.writer is not None
         if peer.epoch is None:
             self.links.hello(peer)
@@ -144,20 +146,13 @@ class Sender:
             h.silent_since = now
         self.num_asks = self.num_asks % I32_MAX + 1
         if h.peer.link.send(KVReserve(h.job.request_id, h.job.prompt_len, h.job.params.max_tokens,
-                                      self.num_asks), block=False):
+                                      self.num_asks, [f.request_id for f in h.job.forks]), block=False):
             h.asks[self.num_asks] = now
             while len(h.asks) > MAX_ASKS_OUT:   # an answer to one forgotten grants a lease already over
                 h.asks.pop(next(iter(h.asks)))
             h.next_ask_at = INF    # until the answer
         else:
             h.next_ask_at = now + RETRY_S   # not connected yet
-
-    def _drop_reservation(self, h: Handoff) -> None:
-        """Its blocks there are not ours to write any more: ask again."""
-        h.stage, h.dst_block_ids, h.epoch, h.lease = Stage.ASKING, None, None, Lease()
-        h.reservation = ""
-        h.next_ask_at = self.clock()
-        h.job.is_reserved = False
 
     def _on_reserved(self, peer: DecodePeer, r: KVReserved) -> None:
         h = self.by_id.get(r.request_id)
@@ -190,7 +185,7 @@ class Sender:
             # reserved there until released (a write may be landing in them).
             if r.block_ids is None:
                 peer.link.send(KVRelease(r.request_id), block=False)
-            self._drop_reservation(h)
+            h.drop_reservation(self.clock())
         peer.is_granting = r.block_ids is not None and not r.is_queued
         if r.block_ids is None:
             if r.is_queued:   # keeps its place by asking again every third of the lease
@@ -228,7 +223,8 @@ class Sender:
             return
         if ack.is_accepted:
             self.num_handoffs += 1
-            self.handed_off.add(h.job.request_id)
+            for rid in h.ids:
+                self.handed_off.add(rid)
             self._end(h, None)
         else:
             self._end(h, f"decode node refused the request: {ack.reason}", is_retryable=ack.is_retryable)
@@ -252,15 +248,18 @@ class Sender:
         self._commit(h)
 
     def abort(self, request_id: str) -> None:
-        h = self.by_id.get(request_id)
-        if h is not None:
+        """The request ends here, unless it is one of n sequences others of which go on."""
+        h = self.by_id.get(self.fork_of.get(request_id, request_id))
+        if h is not None and h.give_up(request_id):
             self._end(h, None, release=h.dst_block_ids is not None)
+
+    def holds(self, request_id: str) -> bool:   # its handoff (or that of the request it forks) is on
+        return request_id in self.by_id or request_id in self.fork_of
 
     # ---- progress ---------------------------------------------------------------
 
     def advance(self) -> None:
-        """Start writes whose blocks are reserved, send commits for finished writes,
-        ask and renew, and end handoffs whose time has run out."""
+        """Start writes, send commits, ask and renew, end handoffs whose time has run out."""
         for peer in self.links.take_reconnected():
             self._on_reconnect(peer)
         for peer in self.links.peers.values():
@@ -297,7 +296,7 @@ class Sender:
             elif h.stage is Stage.RESERVED and now >= h.lease.end:
                 log.warning("reservation of %s on %s ran out before its write: reserving again",
                             h.job.request_id, h.peer.name)
-                self._drop_reservation(h)
+                h.drop_reservation(self.clock())
             else:
                 if self._can_write(h):
                     self._write(h)
@@ -362,7 +361,7 @@ class Sender:
             h.checksums = h.checksums.tolist()
         h.peer.link.send(KVCommit(j.request_id, j.prompt_len, h.first_token, j.params, h.timings,
                                   h.peer.writer.name if h.peer.writer else "", j.token_ids, h.reservation,
-                                  h.num_written, h.checksums, h.first_logprobs), block=False)
+                                  h.num_written, h.checksums, h.first_logprobs, j.forks), block=False)
 
     def _end(self, h: Handoff, error: str | None, release: bool = False, is_retryable: bool = False) -> None:
         """Drop the handoff and free what it holds here (and there, if release); fail
@@ -377,11 +376,14 @@ class Sender:
             h.stage = Stage.CANCELLING
             return
         self.by_id.pop(h.job.request_id, None)
+        for rid in h.ids[1:]:
+            self.fork_of.pop(rid, None)
         if release or h.stage is Stage.QUEUED:   # its blocks, or its place in line
             h.peer.link.send(KVRelease(h.job.request_id), block=False)
         self.drop_job(h.job)
         if h.error:
-            self.fail(h.job.request_id, h.error, h.is_retryable)
+            for rid in h.ids:
+                self.fail(rid, h.error, h.is_retryable)
 
     # ---- figures ------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ class Job(Protocol):
     is_reserved: bool           # set here: its decode node holds blocks for it
     is_peer_granting: bool      # set here: that node granted the previous request at once
     prompt_len: int
+    forks: list                 # n > 1: the other sequences (Fork), first tokens set once sampled
 
 
 class Link(Protocol):
@@ -98,6 +99,25 @@ class Handoff:
     written_at: float = 0.0               # wall clock
     error: str | None = None              # why it ends, once its write has finished
     is_retryable: bool = False            # error is the path's (the decode node), not the request's
+    aborted_ids: set = field(default_factory=set)   # n > 1: of the request and its forks, those given up
+
+    @property
+    def ids(self) -> list[str]:
+        """The request's id, then its forks' (n > 1)."""
+        return [self.job.request_id, *(f.request_id for f in self.job.forks)]
+
+    def give_up(self, request_id: str) -> bool:
+        """The frontend gave up request_id, one of ids: does the handoff end? Not while
+        another of its n sequences goes on (its decode node drops this one)."""
+        self.aborted_ids.add(request_id)
+        return len(self.aborted_ids) >= len(self.ids)
+
+    def drop_reservation(self, now: float) -> None:
+        """Its blocks there are not ours to write any more: ask again."""
+        self.stage, self.dst_block_ids, self.epoch, self.lease = Stage.ASKING, None, None, Lease()
+        self.reservation = ""
+        self.next_ask_at = now
+        self.job.is_reserved = False
 
 
 class Hold(enum.Enum):
@@ -124,3 +144,9 @@ class Reservation:
     error: str | None = None      # FAILED: why; once taken by next_ready(): why its KV is unusable
     reason: str = "waiting for blocks"   # WAITING: why, for the answer
     reserved_at: float = field(default_factory=time.time)
+    fork_ids: list[str] = field(default_factory=list)   # n > 1: its other sequences, forked at admission
+    aborted_ids: set[str] = field(default_factory=set)   # of it and its forks, those the frontend gave up
+
+    @property
+    def num_seqs(self) -> int:
+        return 1 + len(self.fork_ids)

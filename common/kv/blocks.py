@@ -51,14 +51,15 @@ class BlockAllocator:
 
     A reservation promises blocks to a sequence before it needs them, so a
     running sequence never fails for lack of blocks while its ids are still
-    taken one at a time as it grows.
+    taken one at a time as it grows. A block may be shared (the n sequences of one
+    request read their prompt's full blocks): it counts its holders, and free()
+    returns it to the pool when the last lets go.
     """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))  # pop() hands out low ids first
-        self._is_free = [True] * num_blocks
-        self._is_free[NULL_BLOCK] = False
+        self._refs = [0] * num_blocks   # holders of each block; 0: free (the null block: never handed out)
         self.num_reserved = 0
 
     @property
@@ -98,16 +99,28 @@ class BlockAllocator:
             raise RuntimeError(f"unreserving {n} blocks, only {self.num_reserved} reserved")
         self.num_reserved -= n
 
-    def free(self, block_ids: list[int]) -> None:
+    def share(self, block_ids: list[int]) -> None:
+        """One more holder of each of these (taken) blocks."""
         for b in block_ids:
-            if b == NULL_BLOCK or not 0 < b < self.num_blocks or self._is_free[b]:
+            if not 0 < b < self.num_blocks or not self._refs[b]:
+                raise RuntimeError(f"sharing block {b}, which is not taken")
+            self._refs[b] += 1
+
+    def num_holders(self, block_id: int) -> int:
+        return self._refs[block_id]
+
+    def free(self, block_ids: list[int]) -> None:
+        """Each holder frees its blocks once; a block is free again when its last holder does."""
+        for b in block_ids:
+            if not 0 < b < self.num_blocks or not self._refs[b]:
                 raise RuntimeError(f"double free or bad block id {b}")
-            self._is_free[b] = True
-            self._free.append(b)
+            self._refs[b] -= 1
+            if not self._refs[b]:
+                self._free.append(b)
 
     def _take(self) -> int:
         b = self._free.pop()
-        self._is_free[b] = False
+        self._refs[b] = 1
         return b
 
 

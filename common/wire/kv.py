@@ -1,13 +1,14 @@
 """Messages on the KV link between a prefill node and a decode node: the handoff's reserve, write and commit."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
 import torch
 
 from common.base.request import SamplingParams, TokenLogprobs
 from common.wire.limits import Range, MaxLen, Name, Id, Text, I32, Plain, Stamps
+from common.wire.node import MAX_FORKS, Fork
 
 # What a transfer backend puts on the wire: plain maps (bytes allowed, bounded) that
 # the backend itself checks field by field (common/transfer: codec.parse).
@@ -48,6 +49,7 @@ class KVReserve:
     prompt_len: I32
     max_tokens: I32
     ask: I32 = 0
+    fork_ids: Annotated[list[Id], MaxLen(MAX_FORKS)] = field(default_factory=list)   # n > 1: the sequences forked from it
 
 
 @dataclass
@@ -105,6 +107,7 @@ class KVCommit:
     num_written: I32 = 0
     checksums: list[int] | None = None
     first_logprobs: TokenLogprobs | None = None   # what is reported of first_token, when asked for
+    forks: Annotated[list[Fork], MaxLen(MAX_FORKS)] = field(default_factory=list)   # the reservation's fork_ids, in order, sampled
 
 
 @dataclass

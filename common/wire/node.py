@@ -1,11 +1,25 @@
 """Messages between the frontend and its nodes: requests and control down, tokens, failures and health up."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
 from common.base.request import SamplingParams, TokenLogprobs
 from common.wire.limits import Range, MaxLen, Name, Id, Text, I32, Parts, Figures
+
+
+MAX_FORKS = 63   # a request's n - 1 further sequences (the client's MAX_N is 64)
+
+
+@dataclass
+class Fork:
+    """One more of a request's n sequences: it shares the prompt's KV and is sampled with
+    its own seed (seed + i for choice i). The prefill node sets first_token (and
+    first_logprobs, when asked for) on its way to the decode node; -1: not sampled yet."""
+    request_id: Id
+    seed: Annotated[int, Range(0, 2**63 - 1)]
+    first_token: Annotated[int, Range(-1, 2**31 - 1)] = -1
+    first_logprobs: TokenLogprobs | None = None
 
 
 # ---- frontend -> nodes --------------------------------------------------------
@@ -19,6 +33,7 @@ class PrefillRequest:
     arrival_time: Annotated[float, Range(0, 1e12)]
     decode_node: Name         # the decode node chosen for this request ...
     decode_kv_endpoint: Annotated[str, MaxLen(512)]   # ... and where its KV link listens
+    forks: Annotated[list[Fork], MaxLen(MAX_FORKS)] = field(default_factory=list)   # n > 1: the other n - 1 sequences, one prefill
 
 
 @dataclass

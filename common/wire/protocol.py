@@ -8,7 +8,7 @@ from common.wire import codec
 from common.wire.codec import PROTOCOL_VERSION, ProtocolError, dtype_name, encode  # noqa: F401
 from common.wire.client import (Structured, GenerateRequest, AbortRequest, StatsRequest, DrainRequest, GenerateOutput,
                                 OutputBatch, StatsReply, DrainReply, ErrorReply)  # noqa: F401
-from common.wire.node import (PrefillRequest, NodeAbort, NodeSync, PeerLost, Shutdown, Drain, PrefixUpdate, ReadyReply,
+from common.wire.node import (Fork, PrefillRequest, NodeAbort, NodeSync, PeerLost, Shutdown, Drain, PrefixUpdate, ReadyReply,
                               NodeReady, Heartbeat, RequestFailed, NodeSynced, NodeDraining, TokenUpdate,
                               TokenBatch, ttft_parts)  # noqa: F401
 from common.wire.kv import (KVHello, KVWelcome, KVReserve, KVReserved, KVTransfer, KVCommit, KVRelease,
