@@ -421,3 +421,26 @@ def test_logprobs_and_grammars_survive_a_move(cluster, tiny_model):
             ref = logp[len(req["prompt_token_ids"]) - 1 + i]
             assert x.logprob == pytest.approx(ref[tok].item(), abs=1e-4)
             assert x.top_logprobs == pytest.approx(ref.topk(3).values.tolist(), abs=1e-4)
+
+
+def test_forked_choices_move_alone_token_exact(cluster):
+    """Two requests of n=3 (one prefill each, three sequences over its blocks on one decode
+    node) and singles; decode-0 killed mid-stream: every choice of the group there moves
+    on its own and streams what it would have undisturbed."""
+    p, _ = cluster(1, 2)
+    groups = [dict(r, n=3, temperature=0.8, seed=500 + i) for i, r in enumerate(_requests(2, prompt_len=13))]
+    requests = groups + _requests(4)
+    undisturbed = asyncio.run(_run(p.clients, requests))
+
+    async def kill(client, counts):
+        os.kill(p.procs["decode-0"].pid, signal.SIGKILL)
+    disturbed = asyncio.run(_run(p.clients, requests, kill))
+    _assert_same(disturbed[2:], undisturbed[2:])
+    moved = set()
+    for outs, ref in zip(disturbed[:2], undisturbed[:2]):
+        for i in range(3):
+            mine = [o for o in outs if o.index == i]
+            assert mine[-1].finish_reason == "length", (i, mine[-1].error)
+            assert _tokens(mine) == _tokens([o for o in ref if o.index == i]) and len(_tokens(mine)) == MAX_TOKENS
+            moved |= {(id(outs), i)} if mine[-1].timings.get("num_migrations") else set()
+    assert len(moved) == 3, "the three choices of the group on decode-0 each moved"
