@@ -13,6 +13,7 @@ anything new is admitted (decode_node/scheduler.py).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -67,12 +68,13 @@ class DecodeNode:
                                         self.cfg.drain_timeout_s)
         self.frontend = rt.frontend
         try:
-            with self.worker:
+            with self.worker, contextlib.ExitStack() as parts:   # parts close as they were made, last first
                 kv_limit = 64 * 2**20 + self.worker.max_model_len * \
                     self.worker.spec.kv_bytes_per_token(self.worker.kv_cache.element_size())
                 # With keys, only the cluster's nodes get past the handshake.
                 self.kv = Channel(rt.ctx, True, self.cfg.kv_endpoint, max_message_bytes=kv_limit,
                                   domain="nodes")
+                parts.callback(self.kv.close)
                 sink = transfer.KVSink(
                     transfer.LocalCache(self.worker.kv_cache, endpoint_host(self.cfg.kv_reachable),
                                         self.worker.kv_shm_name),
@@ -82,9 +84,12 @@ class DecodeNode:
                 self.blocks = BlockAllocator(self.worker.num_kv_blocks)
                 self.scheduler = DecodeScheduler(self.blocks, self.worker.block_size,
                                                  self.cfg.worker.max_batch_size, self.cfg.is_preemptive)
-                self.handoff = Receiver(rt.epoch, self.cfg.reservation_lease_s, self.cfg.max_queue,
-                                        self.scheduler, sink, self.kv.send, self.worker.spec.vocab_size,
-                                        self.worker.max_model_len, is_verifying=self.cfg.is_kv_verified)
+                self.handoff = Receiver(epoch=rt.epoch, lease_s=self.cfg.reservation_lease_s,
+                                        max_queue=self.cfg.max_queue, pool=self.scheduler, sink=sink,
+                                        send=self.kv.send, vocab_size=self.worker.spec.vocab_size,
+                                        max_model_len=self.worker.max_model_len,
+                                        is_verifying=self.cfg.is_kv_verified)
+                parts.callback(self.handoff.close)
                 rt.start(self._send_ready, self.stats, self._is_empty)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
                          self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
@@ -123,10 +128,6 @@ class DecodeNode:
                     self._report()
         finally:
             rt.close()
-            if hasattr(self, "handoff"):
-                self.handoff.close()
-            if hasattr(self, "kv"):
-                self.kv.close()
             rt.term()
         return rt.exit_code
 

@@ -139,3 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\ninterrupted: requests aborted", file=sys.stderr)
             return 130
     return int(rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

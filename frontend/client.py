@@ -9,7 +9,6 @@ The first request checks that a frontend answers within connect_timeout_s.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -370,13 +369,3 @@ class AsyncClient:
     async def stats(self, timeout_s: float = 5.0) -> StatsReply:
         await self._ch.send(StatsRequest())
         return await asyncio.wait_for(self._stats.get(), timeout_s)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The command line (frontend/cli.py)."""
-    from frontend.cli import main as run
-    return run(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,19 +23,15 @@ on the way move; the rest go on where they are.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from common.base.config import is_loopback_endpoint
 from common.base.log import get_logger
 from common.base.request import FINISH_ERROR, stop_reason
 from common.wire.protocol import Drain, DrainReply, ErrorReply, NodeAbort, NodeSync, NodeSynced, PeerLost
 from common.wire.node import MAX_SYNC_IDS
 from frontend import router
+from frontend.hub import Hub
 from frontend.request import RequestState
 from frontend.router import NodeState
-
-if TYPE_CHECKING:
-    from frontend.server import Frontend
 
 log = get_logger("frontend")
 CAUSES = ("dead", "hung", "restarted", "handoff", "link", "drain")
@@ -44,7 +40,7 @@ _PER_NODE_PARTS = ("num_preemptions", "preempted_ms")
 
 
 class Migrations:
-    def __init__(self, frontend: Frontend):
+    def __init__(self, frontend: Hub):
         self.fe = frontend
         self.num_moved = dict.fromkeys(CAUSES, 0)
         self.num_failed = 0   # could not move: over --max-migrations, or no node in time

@@ -6,7 +6,6 @@ TokenBatch; an update that skips tokens moves its request on (migrate.py)."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from common.base.log import Throttle, get_logger
 from common.base.request import FINISH_ERROR, FINISH_STOP
@@ -15,19 +14,18 @@ from common.wire.protocol import (NODE_TO_FRONTEND, GenerateOutput, Heartbeat, N
                                   NodeReady, NodeSynced, OutputBatch, PrefixUpdate, RequestFailed,
                                   TokenBatch, TokenUpdate)
 from frontend import router
+from frontend.hub import Hub
+from frontend.migrate import Migrations
 from frontend.request import LostTokens
 from frontend.router import NodeState
-
-if TYPE_CHECKING:
-    from frontend.server import Frontend
 
 log = get_logger("frontend")
 noisy = Throttle(log)
 
 
 class NodeMessages:
-    def __init__(self, frontend: Frontend):
-        self.fe = frontend
+    def __init__(self, frontend: Hub, migrations: Migrations):
+        self.fe, self.migrations = frontend, migrations
 
     async def run(self) -> None:
         fe = self.fe
@@ -38,7 +36,7 @@ class NodeMessages:
                 for tag in fe.node_link.take_rerouted():   # a node's link was made again
                     node = fe.registry.by_identity(tag)
                     if node is not None and node.is_alive:
-                        await fe.migrations.sync(node)
+                        await self.migrations.sync(node)
             except Exception:
                 log.exception("error while handling a %s from a node", type(msg).__name__)
 
@@ -63,14 +61,14 @@ class NodeMessages:
             if req is None or node.name not in (req.prefill_node, req.decode_node):
                 return
             if msg.is_retryable:   # its KV's way was cut, or its KV did not land whole
-                await fe.migrations.move_or_fail(req, req.decode_node, "handoff", msg.error)
+                await self.migrations.move_or_fail(req, req.decode_node, "handoff", msg.error)
             else:
                 await fe.finish(req, FINISH_ERROR, msg.error, status=500)
         elif isinstance(msg, NodeSynced):
-            await fe.migrations.on_synced(node, msg)
+            await self.migrations.on_synced(node, msg)
         elif isinstance(msg, NodeDraining):
             if msg.name == node.name and msg.pid == node.ready.pid:
-                await fe.migrations.drain(node)
+                await self.migrations.drain(node)
         elif isinstance(msg, TokenBatch):
             fe.outbox = {}
             try:
@@ -103,7 +101,7 @@ class NodeMessages:
         try:
             num_known = req.num_known(node.name, u.index, u.token_ids, u.finish_reason)
         except LostTokens as e:
-            await fe.migrations.move_or_fail(req, node.name, "link", str(e))
+            await self.migrations.move_or_fail(req, node.name, "link", str(e))
             return
         except ValueError as e:
             await fe.finish(req, FINISH_ERROR, str(e), status=502)
@@ -124,7 +122,7 @@ class NodeMessages:
             cached = parts.pop("cached_tokens", None)   # a count that rides with them: usage's
             if isinstance(cached, int) and not req.num_migrations:
                 req.num_cached_tokens = min(cached, len(req.prompt_ids))
-            req.timings.update(fe.migrations.timings(req, parts))
+            req.timings.update(self.migrations.timings(req, parts))
         if is_first:
             req.timings["ttft_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
         if req.is_prompt_only and token_ids:   # max_tokens 0: its one token is not shown

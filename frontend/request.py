@@ -11,7 +11,7 @@ from frontend.detok import IncrementalDetokenizer
 
 # A ZeroMQ client is its routing id; an in-process one (HTTP) a (kind, peer) pair, so
 # the two can never share a key.
-Client = bytes | tuple[str, str]
+ClientKey = bytes | tuple[str, str]
 
 
 class LostTokens(ValueError):
@@ -23,7 +23,7 @@ class LostTokens(ValueError):
 class RequestState:
     node_id: str                 # the id the nodes know it by
     request_id: str              # the client's id, unique within its connection
-    client: Client
+    client: ClientKey
     prompt_ids: list[int]
     params: SamplingParams
     detok: IncrementalDetokenizer

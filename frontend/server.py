@@ -40,7 +40,7 @@ from frontend.migrate import Migrations
 from frontend.node_link import NodeMessages
 from frontend.nodes import NodeRegistry
 from frontend.prompts import Prompts
-from frontend.request import Client, RequestState
+from frontend.request import ClientKey, RequestState
 
 log = get_logger("frontend")
 noisy = Throttle(log)   # lines about what clients and peers send
@@ -61,7 +61,7 @@ class Frontend:
                                cfg.logprobs_mode == "processed_logprobs")
         self._tasks: set[asyncio.Task] = set()   # requests whose long prompts are tokenized
         self.migrations = Migrations(self)
-        self.node_messages = NodeMessages(self)
+        self.node_messages = NodeMessages(self, self.migrations)
         self.registry = NodeRegistry(cfg, self.keys is not None, self.migrations.node_lost,
                                      self.migrations.sync, self.wake_dispatch)
         self.nodes = self.registry.nodes   # by name
@@ -74,7 +74,7 @@ class Frontend:
         self.num_routes: dict[str, int] = {}   # "prefill -> decode" -> requests routed that way
         self.metrics = Metrics(self)
         # In-process clients' replies: local_sink(client, message, http_status).
-        self.local_sink: Callable[[Client, object, int | None], None] | None = None
+        self.local_sink: Callable[[ClientKey, object, int | None], None] | None = None
         # ZeroMQ clients' outputs while a TokenBatch is handled: sent as one message each.
         self.outbox: dict[bytes, list[GenerateOutput]] | None = None
 
@@ -164,7 +164,7 @@ class Frontend:
                 for req in list(self.by_client.get((client, getattr(msg, "request_id", None)), ())):
                     await self.finish(req, FINISH_ERROR, "internal error", status=500)
 
-    async def reply(self, client: Client, msg, status: int | None = None) -> None:
+    async def reply(self, client: ClientKey, msg, status: int | None = None) -> None:
         """To a ZeroMQ client (its routing id) or an in-process one (the HTTP server's
         key); status is the HTTP status an error maps to."""
         if isinstance(client, bytes):
@@ -175,7 +175,7 @@ class Frontend:
         elif self.local_sink is not None:
             self.local_sink(client, msg, status)
 
-    async def _reply_error(self, client: Client, request_id: str | None, error: str,
+    async def _reply_error(self, client: ClientKey, request_id: str | None, error: str,
                            status: int = 400) -> None:
         noisy.info("rejected request %s: %s", request_id, error)
         if request_id is not None and (client, request_id) not in self.by_client:
@@ -185,7 +185,7 @@ class Frontend:
         else:
             await self.reply(client, ErrorReply(error, request_id), status)
 
-    async def submit(self, client: Client, req: GenerateRequest) -> None:
+    async def submit(self, client: ClientKey, req: GenerateRequest) -> None:
         """Take a request from a client: admitted, or answered with an error. A long
         prompt is tokenized off the loop (frontend/prompts.py), and admitted after."""
         key = (client, req.request_id)
@@ -224,7 +224,7 @@ class Frontend:
         else:
             await self._admit(client, req, *prepared)
 
-    async def _admit(self, client: Client, req: GenerateRequest, ids: list[int], params) -> None:
+    async def _admit(self, client: ClientKey, req: GenerateRequest, ids: list[int], params) -> None:
         if router.choose(self.nodes) is None:
             await self._reply_error(client, req.request_id,
                                     "no live prefill and decode node pair is available", 503)
@@ -250,7 +250,7 @@ class Frontend:
                 choices[0].forks.append(state)
         self._wake.set()
 
-    async def abort(self, client: Client, request_id: str) -> None:
+    async def abort(self, client: ClientKey, request_id: str) -> None:
         choices = self.by_client.get((client, request_id))
         if choices is None and self.prompts.cancel((client, request_id)):
             return   # answered once its tokenizing ends

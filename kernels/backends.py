@@ -3,12 +3,14 @@ the op functions; a fast backend may leave an op out and the portable one
 serves it. Chosen once per device type, not per call."""
 from __future__ import annotations
 
+import logging
 import types
 from functools import lru_cache
 
 import torch
 
-from kernels import portable
+from kernels import options, portable
+from kernels.options import KernelOptions
 
 _OPS = ("rms_norm", "add_rms_norm", "qk_norm_rope", "write_kv", "prefill_attention",
         "decode_attention", "silu_mul", "qk_norm_rope_write_kv", "compute_slot_mapping",
@@ -19,22 +21,28 @@ def _merge(fast) -> types.SimpleNamespace:
     return types.SimpleNamespace(**{op: getattr(fast, op, getattr(portable, op)) for op in _OPS})
 
 
+def configure(opts: KernelOptions) -> None:
+    """The engine's options (kernels/options.py); a change makes the next op choose again."""
+    if opts != options.current[0]:
+        options.current[0] = opts
+        _backend_for_type.cache_clear()
+
+
 @lru_cache(maxsize=None)
 def _backend_for_type(device_type: str):
-    from common.base.env import read_env
-    if device_type == "cuda" and not read_env().disable_triton:
+    opts = options.current[0]
+    if device_type == "cuda" and not opts.is_triton_disabled:
         try:
             from kernels import triton_cuda
         except ImportError:
             return portable
         return _merge(triton_cuda)
-    if device_type == "cpu":
+    if device_type == "cpu" and not opts.is_cpu_kernels_disabled:
         try:
             from kernels import cpu
         except ImportError as e:
-            from common.base.log import get_logger
-            get_logger("kernels").warning("CPU attention kernel unavailable (%s): the portable "
-                                          "one serves", e)
+            logging.getLogger("pdserve.kernels").warning("CPU attention kernel unavailable (%s): the "
+                                                         "portable one serves", e)
             return portable
         return _merge(cpu)
     if device_type == "npu":

@@ -2,7 +2,8 @@
 attention, and fp32 norms, rotary embedding and the gated activation in one pass each.
 
 The C file is built once per source, compiler and CPU with the system compiler
-and cached under $PDSERVE_HOME/kernels; importing this module raises ImportError
+and cached in the build directory the engine names (kernels/options.py:
+$PDSERVE_HOME/kernels); importing this module raises ImportError
 (and kernels/backends.py keeps the portable op) where it cannot be built.
 Everything the kernel reads stays where the worker put it: the cache is read
 in place through the block tables, never gathered.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import portable
+from kernels import options, portable
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 # NOTE: -ffast-math lets expf vectorize (glibc libmvec); the kernel sees no inf or NaN:
@@ -66,11 +67,10 @@ def _build(cache_dir: Path) -> Path:
 
 
 def _load():
-    from common.base.env import read_env
-    env = read_env()
-    if env.disable_cpu_kernels:
+    opts = options.current[0]
+    if opts.is_cpu_kernels_disabled:
         raise ImportError("PDSERVE_DISABLE_CPU_KERNELS=1")
-    lib = ctypes.CDLL(str(_build(env.home / "kernels")))
+    lib = ctypes.CDLL(str(_build(opts.build_dir)))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     fns = {}
     for dtype, name in ((torch.float32, "pdserve_decode_attention_f32"),

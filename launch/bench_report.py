@@ -3,10 +3,31 @@ cluster's own figures over the run, and the plot of a sweep."""
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-if TYPE_CHECKING:
-    from launch.bench_serving import Outcome
+
+@dataclass
+class Outcome:
+    """One request of the benchmark, as its client saw it."""
+    input_len: int
+    sent_at: float
+    chunk_at: list[float] = field(default_factory=list)   # arrival of each output carrying tokens
+    num_tokens: int = 0
+    ended_at: float = 0.0
+    error: str | None = None
+    parts: dict = field(default_factory=dict)
+    interface: str = "zmq"
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.chunk_at[0] - self.sent_at if self.chunk_at else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.num_tokens < 2:
+            return None
+        return (self.chunk_at[-1] - self.chunk_at[0]) / (self.num_tokens - 1)
+
 
 PARTS = ("queue_ms", "prefill_ms", "kv_transfer_ms", "kv_write_ms", "kv_commit_ms",
          "decode_admission_ms")

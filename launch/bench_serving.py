@@ -35,7 +35,7 @@ from pathlib import Path
 
 from common.runtime.process import HelpFormat
 from frontend.client import AsyncClient
-from launch.bench_report import PARTS, cluster_record, plot, samples, summarize
+from launch.bench_report import PARTS, Outcome, cluster_record, plot, samples, summarize
 
 @dataclass
 class Job:
@@ -49,28 +49,6 @@ class Job:
     def is_read(self, num_tokens: int) -> bool:
         """The client has read what it wants of a request that would go on."""
         return self.max_tokens > self.output_len and num_tokens >= self.output_len
-
-
-@dataclass
-class Outcome:
-    input_len: int
-    sent_at: float
-    chunk_at: list[float] = field(default_factory=list)   # arrival of each output carrying tokens
-    num_tokens: int = 0
-    ended_at: float = 0.0
-    error: str | None = None
-    parts: dict = field(default_factory=dict)
-    interface: str = "zmq"
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.chunk_at[0] - self.sent_at if self.chunk_at else None
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.num_tokens < 2:
-            return None
-        return (self.chunk_at[-1] - self.chunk_at[0]) / (self.num_tokens - 1)
 
 
 def make_jobs(a: argparse.Namespace, vocab_size: int, rng: random.Random, prefix: list[int],

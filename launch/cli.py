@@ -1,7 +1,7 @@
 """The `pdserve` command, installed into the project's environment:
 
     pdserve serve [start_cluster options]     start a cluster (launch/start_cluster.sh)
-    pdserve client [options]                  send prompts, read stats (frontend.client)
+    pdserve client [options]                  send prompts, read stats (frontend.cli)
     pdserve bench [options]                   the serving benchmark (launch.bench_serving)
     pdserve drain NODE [--endpoint ...]       move a node's requests elsewhere; it stops once empty
     pdserve keys DIR --nodes ...              make CURVE keys (launch.keys)
@@ -35,7 +35,7 @@ def _module(name: str, function: str = "main"):
     return run
 
 
-COMMANDS = {"serve": _serve, "client": _module("frontend.client"), "drain": _module("frontend.cli", "drain"),
+COMMANDS = {"serve": _serve, "client": _module("frontend.cli"), "drain": _module("frontend.cli", "drain"),
             "bench": _module("launch.bench_serving"),
             "keys": _module("launch.keys"), "make-tiny-model": _module("launch.make_tiny_model")}
 

@@ -38,6 +38,6 @@ PYEOF
     [ $has_plot = 1 ] && "$py" -m launch.bench_serving --replot "$out/sweep-$backend-$interface.json" \
         --plot "$out/sweep-$backend-$interface.png"
 done
-"$py" -m frontend.client --endpoint "tcp://127.0.0.1:$port" --stats --json > "$out/stats-$backend.json"
+"$py" -m frontend.cli --endpoint "tcp://127.0.0.1:$port" --stats --json > "$out/stats-$backend.json"
 kill -TERM $launcher; wait $launcher
 exit $rc

@@ -306,7 +306,7 @@ is_ready() {
         local name
         for name in "${NAMES[@]}"; do [ -f "$READY_DIR/$name" ] || return 1; done
     else
-        "$PY" -m frontend.client --endpoint "$CLIENTS" --wait-ready 2 --wait-names "$(IFS=,; echo "${NAMES[*]}")" \
+        "$PY" -m frontend.cli --endpoint "$CLIENTS" --wait-ready 2 --wait-names "$(IFS=,; echo "${NAMES[*]}")" \
             --frontend-pid "$FRONTEND_PID" >/dev/null 2>&1
     fi
 }
@@ -338,11 +338,11 @@ fi
 
 if [ $DEMO = 1 ]; then
     rc=0
-    "$PY" -m frontend.client --endpoint "$CLIENTS" --max-tokens 24 --ignore-eos \
+    "$PY" -m frontend.cli --endpoint "$CLIENTS" --max-tokens 24 --ignore-eos \
         --prompt "The prefill node computes the prompt" \
         --prompt "Hello, world! How are you?" \
         --prompt "café naïve résumé" || rc=$?
-    "$PY" -m frontend.client --endpoint "$CLIENTS" --max-tokens 24 --temperature 0.8 --seed 7 \
+    "$PY" -m frontend.cli --endpoint "$CLIENTS" --max-tokens 24 --temperature 0.8 --seed 7 \
         --prompt "A streamed, sampled answer:" || rc=$?
     echo "[pdserve] demo done; stopping" >&2
     cleanup

@@ -9,6 +9,7 @@ A prompt's blocks stay allocated here until that write has completed.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -59,17 +60,18 @@ class PrefillNode:
         self.frontend = rt.frontend
         poller = self._poller = Poller(self.frontend)
         try:
-            with self.worker:
+            with self.worker, contextlib.ExitStack() as parts:   # parts close as they were made, last first
                 self.prefix_cache = PrefixCache(self.worker.num_kv_blocks, self.cfg.is_prefix_caching)
                 self.scheduler = PrefillScheduler(self.prefix_cache, self.worker.block_size,
                                                   self.cfg.token_budget, self.cfg.max_batch_prompts)
                 cache = self.worker.kv_cache
-                self.handoffs = Sender(self.cfg.name, self.cfg.handoff_lease_s, cache_block_size(cache.shape),
-                                       block_bytes(cache), self._connect,
-                                       lambda w, send: transfer.open_writer(self.cfg.kv_transfer, w, cache, send),
-                                       self.prefix_cache.free, self._drop_job, self._fail,
-                                       checksums=(lambda ids: transfer.block_checksums(cache, ids))
-                                       if self.cfg.is_kv_verified else None)
+                self.handoffs = Sender(
+                    name=self.cfg.name, handoff_lease_s=self.cfg.handoff_lease_s,
+                    block_size=cache_block_size(cache.shape), block_bytes=block_bytes(cache), connect=self._connect,
+                    open_writer=lambda w, send: transfer.open_writer(self.cfg.kv_transfer, w, cache, send),
+                    free_blocks=self.prefix_cache.free, drop_job=self._drop_job, fail=self._fail,
+                    checksums=(lambda ids: transfer.block_checksums(cache, ids)) if self.cfg.is_kv_verified else None)
+                parts.callback(self.handoffs.close)
                 rt.start(self._send_ready, self.stats, self._is_empty)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s",
                          self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
@@ -93,8 +95,6 @@ class PrefillNode:
                     self._report()
         finally:
             rt.close()
-            if hasattr(self, "handoffs"):
-                self.handoffs.close()
             rt.term()
         return rt.exit_code
 

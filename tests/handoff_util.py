@@ -82,7 +82,8 @@ def receiver(pool: DecodeScheduler, send=None, clock=None, lease_s: float = 30.0
     if cache is None:
         cache = torch.zeros(1, 2, pool.blocks.capacity + 1, pool.block_size, 1, 2)
     sink = transfer.KVSink(transfer.LocalCache(cache, "127.0.0.1"), ["tcp"])
-    return Receiver(epoch, lease_s, max_queue, pool, sink, send or (lambda msg, to: True), 100, 1 << 16,
+    return Receiver(epoch=epoch, lease_s=lease_s, max_queue=max_queue, pool=pool, sink=sink,
+                    send=send or (lambda msg, to: True), vocab_size=100, max_model_len=1 << 16,
                     **({"clock": clock} if clock else {}))
 
 
@@ -117,10 +118,10 @@ class Pair:
         self.rx = self.start_decode("e1")
         self.failed: list[tuple[str, str]] = []
         self.retryable: set[str] = set()   # ids of failures the frontend may move elsewhere
-        self.tx = Sender("prefill-0", handoff_lease_s, BLOCK_SIZE, block_bytes(self.src),
-                         lambda name, endpoint: self.link,
-                         lambda w, send: transfer.open_writer("tcp", w, self.src, send),
-                         self.prefix.free, self._drop_job, self._failed,
+        self.tx = Sender(name="prefill-0", handoff_lease_s=handoff_lease_s, block_size=BLOCK_SIZE,
+                         block_bytes=block_bytes(self.src), connect=lambda name, endpoint: self.link,
+                         open_writer=lambda w, send: transfer.open_writer("tcp", w, self.src, send),
+                         free_blocks=self.prefix.free, drop_job=self._drop_job, fail=self._failed,
                          clock=self.clock)
 
     def start_decode(self, epoch: str) -> Receiver:

@@ -15,8 +15,10 @@ import pytest
 import zmq
 
 from frontend.client import AsyncClient, Client, make_request
-from tests.cluster_util import ROOT, Cluster, free_base_port, is_alive, python_children_of, wait_for
+from tests.cluster_util import ROOT, Cluster, free_base_port, is_alive, wait_for
 from tests.conftest import clear_prompts
+
+pytestmark = pytest.mark.cluster   # every test here starts processes
 
 NEW_TOKENS = 24
 

@@ -156,12 +156,14 @@ def test_rope_written_into_the_cache_and_slot_mapping_equal_the_portable_ops():
     assert ops.compute_slot_mapping is cpu.compute_slot_mapping
 
 def _kernels_backend_in_a_fresh_process(env: dict) -> subprocess.CompletedProcess:
-    code = ("import torch; from kernels.backends import backend_for; from kernels import portable; "
+    code = ("import torch; from common.engine.platform import configure_kernels; configure_kernels(); "
+            "from kernels.backends import backend_for; from kernels import portable; "
             "print(backend_for(torch.zeros(1)).decode_attention is portable.decode_attention)")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=120)
 
 
+@pytest.mark.cluster
 def test_an_unbuildable_kernel_leaves_the_portable_op_and_says_why(tmp_path):
     done = _kernels_backend_in_a_fresh_process({"CC": "false", "PDSERVE_HOME": str(tmp_path)})
     assert done.stdout.strip() == "True", done.stderr
@@ -202,6 +204,7 @@ def test_prefill_lanes_equal_one_lane(tiny_model):
 
 @pytest.mark.parametrize("flag,match", [(["--threads", "0"], "--threads must be >= 1"),
                                         (["--cpus", "x-y"], "--cpus takes core numbers")])
+@pytest.mark.cluster
 def test_bad_thread_flags_are_one_line(tiny_model, flag, match):
     done = subprocess.run([sys.executable, "-m", "prefill_node", "--frontend", "tcp://127.0.0.1:1",
                            "--model", str(tiny_model), *flag], capture_output=True, text=True, cwd=ROOT,

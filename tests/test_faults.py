@@ -12,6 +12,8 @@ import pytest
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import Processes, free_base_port, start_streams, wait_for
 
+pytestmark = pytest.mark.cluster   # every test here starts processes
+
 
 def _nodes(endpoint):
     with Client(endpoint) as c:

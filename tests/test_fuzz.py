@@ -8,6 +8,7 @@ import random
 import time
 from pathlib import Path
 
+import pytest
 import zmq
 
 from common.wire import protocol
@@ -79,6 +80,7 @@ def _flood(endpoint: str, seed: int, identities: list[bytes | None]) -> None:
     ctx.destroy(linger=0)
 
 
+@pytest.mark.cluster
 def test_ten_thousand_hostile_messages_per_socket(tiny_model, tmp_path):
     p = Processes(tiny_model, free_base_port(), tmp_path, frontend=["--forget-after", "1"],
                   decode=["--reservation-lease", "2"])

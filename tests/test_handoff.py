@@ -65,7 +65,8 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
     sched.blocks.allocate(2)
     offered = "auto" if backend in ("ipc", "tcp") else backend   # auto: never dist, nixl across hosts
     sink = _sink(dw, transfer.offered(offered, dw.device, is_reachable_remotely=False))
-    rx = Receiver("e1", 10.0, 4, sched, sink, lambda msg, to: True, dw.spec.vocab_size, dw.max_model_len)
+    rx = Receiver(epoch="e1", lease_s=10.0, max_queue=4, pool=sched, sink=sink, send=lambda msg, to: True,
+                  vocab_size=dw.spec.vocab_size, max_model_len=dw.max_model_len)
     r = reserve(rx, "r", len(prompt), params.max_tokens)
     frames = []
     writer = transfer.open_writer(backend, _wire(sink.welcome("e1")), pw.kv_cache,
@@ -297,6 +298,7 @@ def _poll_until(writer, timeout_s: float = 20.0) -> list:
     return out
 
 
+@pytest.mark.cluster
 @needs_nixl
 def test_a_nixl_write_to_a_dead_decode_process_fails_at_once_and_only_it(tmp_path):
     """A decode process that dies fails the next write with NIXL's reason (the handoff
@@ -372,6 +374,7 @@ def test_auto_pairs_ipc_and_nixl_only_with_a_cache_of_the_same_device_kind():
 NIXL_FROZEN_DECODE = NIXL_DECODE.replace("torch.zeros(2, 2, 9, 4, 1, 8)", "torch.zeros(2, 2, 64, 256, 8, 64)")
 
 
+@pytest.mark.cluster
 @needs_nixl
 def test_a_nixl_write_to_a_frozen_decode_process_stops_when_cancelled(monkeypatch):
     """A peer gone silent (SIGSTOP; over tcp, as across hosts) leaves a large write under

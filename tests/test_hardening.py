@@ -20,6 +20,8 @@ from tests.cluster_util import ROOT, Processes, free_base_port, is_alive, spawn,
 from tests.conftest import hf_greedy
 from tests.cluster_util import Cluster
 
+pytestmark = pytest.mark.cluster   # every test here starts processes
+
 PROMPT = [5, 17, 99, 3, 250, 41, 8]
 
 
@@ -543,8 +545,7 @@ def test_a_second_node_under_a_live_name_is_refused(procs):
 def test_a_commit_with_odd_timings_costs_no_other_request_its_tokens(procs, tiny_model):
     """Token updates of many requests travel in one batch: a part that cannot be computed
     (no stamps) or comes out negative (skewed clocks) must not void the batch."""
-    from common.wire.protocol import HandoffAck, KVCommit, KVHello, KVReserve, KVReserved, KVWelcome
-    from common.base.request import SamplingParams
+    from common.wire.protocol import KVHello, KVReserve, KVReserved, KVWelcome
     from tests.test_xpyd import FakePrefill
     _start(procs, "frontend", "prefill", "decode")
     fake = FakePrefill(procs.kv)

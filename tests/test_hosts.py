@@ -44,6 +44,7 @@ class Launcher:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.cluster
 def test_hosts_join_a_frontend_host_and_serve_exactly(tiny_model, tmp_path):
     keys = tmp_path / "keys"
     subprocess.run([sys.executable, "-m", "launch.keys", str(keys), "--nodes", "a-prefill-0,b-decode-0,c-decode-0"],
@@ -95,6 +96,7 @@ def test_hosts_join_a_frontend_host_and_serve_exactly(tiny_model, tmp_path):
             h.kill()
 
 
+@pytest.mark.cluster
 def test_a_joining_host_without_its_key_says_so_in_one_line(tiny_model, tmp_path):
     keys = tmp_path / "keys"
     subprocess.run([sys.executable, "-m", "launch.keys", str(keys), "--nodes", "a-prefill-0"],
@@ -126,6 +128,7 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "UCX_TLS": "tcp"}
 
 
+@pytest.mark.hosts
 @pytest.mark.parametrize("backend", ["nixl", "tcp"])
 def test_three_simulated_hosts_serve_exactly_and_survive_a_host_cut_off(tiny_model, tmp_path, backend):
     """Host a: the frontend and a prefill node; hosts b and c: a decode node each, by

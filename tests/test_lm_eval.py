@@ -12,6 +12,8 @@ import pytest
 
 from tests.cluster_util import Cluster
 
+pytestmark = pytest.mark.cluster   # every test here starts processes
+
 MODEL = "tiny"
 WORDS = "the water is hot and the day is long so we go to the sea where it is cold".split()
 

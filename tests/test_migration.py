@@ -15,6 +15,8 @@ import pytest
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import INT_ARRAY, INT_ARRAY_PREFIX, ROOT, Cluster, Processes, free_base_port, wait_for
 
+pytestmark = pytest.mark.cluster   # every test here starts processes
+
 MAX_TOKENS = 400
 
 

@@ -186,6 +186,7 @@ def test_64_requests_far_past_the_pool_all_complete_token_exact(squeezed, tiny_m
         _decode_stats(squeezed)["num_preemptions"] == before
 
 
+@pytest.mark.cluster
 def test_full_prefill_and_decode_pools_never_wait_on_each_other(tiny_model, tmp_path):
     """Both pools squeezed and the decode node's reservation lease 2 s. A prompt is
     prefilled only once its decode blocks are reserved; otherwise prompts computed for

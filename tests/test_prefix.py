@@ -100,6 +100,7 @@ def _run(tiny_model, tmp_path, extra=(), kv_memory="4MiB"):
         procs.stop()
 
 
+@pytest.mark.cluster
 def test_prefix_caching_on_and_off_equal_transformers(tiny_model, tmp_path):
     expected = hf_greedy(tiny_model, _prompts(), NEW_TOKENS)
     on, stats_on = _run(tiny_model, tmp_path / "on")
@@ -111,6 +112,7 @@ def test_prefix_caching_on_and_off_equal_transformers(tiny_model, tmp_path):
     assert stats_off["num_prefix_hit_tokens"] == 0 and stats_off["num_cached_blocks"] == 0
 
 
+@pytest.mark.cluster
 def test_eviction_under_a_small_budget_stays_exact(tiny_model, tmp_path):
     # 112 KiB of prefill KV: 13 usable blocks, fewer than the 16 distinct full blocks the prompts make.
     out, stats = _run(tiny_model, tmp_path, kv_memory="112KiB")
@@ -119,6 +121,7 @@ def test_eviction_under_a_small_budget_stays_exact(tiny_model, tmp_path):
     assert stats["num_free_blocks"] == stats["num_usable_blocks"]
 
 
+@pytest.mark.cluster
 def test_cache_aware_routing_keeps_a_prefix_on_one_node_and_spreads_the_rest(tiny_model, tmp_path):
     procs = Processes(tiny_model, free_base_port(), tmp_path)
     try:

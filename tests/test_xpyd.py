@@ -25,6 +25,8 @@ from tests.cluster_util import Processes, free_base_port, start_streams, wait_fo
 from tests.conftest import clear_prompts
 from tests.cluster_util import Cluster
 
+pytestmark = pytest.mark.cluster   # every test here starts processes
+
 NEW_TOKENS = 16
 
 
@@ -80,7 +82,7 @@ def test_two_prefill_two_decode_nodes_serve_64_requests_exactly(tiny_model, tmp_
                              for p in ("prefill-0", "prefill-1")), 10, "both prefill nodes' links")
         wait_for(lambda: _all_free(c.stats()), 10, "every block free")
         # --stats: every node on a line, and the routes taken, which add up to the requests.
-        out = subprocess.run([sys.executable, "-m", "frontend.client", "--endpoint", c.endpoint, "--stats"],
+        out = subprocess.run([sys.executable, "-m", "frontend.cli", "--endpoint", c.endpoint, "--stats"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()

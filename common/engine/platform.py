@@ -30,6 +30,10 @@ from typing import Callable
 
 import torch
 
+from common.base.env import read_env
+from kernels import backends as kernel_backends
+from kernels.options import KernelOptions
+
 SHM_PREFIX = "pdserve-kv"   # /dev/shm/pdserve-kv-<pid namespace>-<pid>-<hex>: a CPU cache other processes map
 
 
@@ -247,10 +251,19 @@ PLATFORMS: dict[str, Callable[[torch.device], CpuPlatform]] = {
 
 
 def platform_for(device: torch.device | str) -> CpuPlatform:
+    """The device's platform; the kernels are configured from the environment first."""
+    configure_kernels()
     device = torch.device(device)
     if device.type not in PLATFORMS:
         raise PlatformError(f"no platform for device type {device.type!r}; one of {sorted(PLATFORMS)}")
     return PLATFORMS[device.type](device)
+
+
+def configure_kernels() -> None:
+    """Tell the kernels what the environment says (common/base/env.py): which fast
+    backends may serve, and where the CPU one is built."""
+    env = read_env()
+    kernel_backends.configure(KernelOptions(env.disable_triton, env.disable_cpu_kernels, env.home / "kernels"))
 
 
 def _pid_namespace() -> str:

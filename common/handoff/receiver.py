@@ -51,7 +51,7 @@ class Pool(Protocol):
 class Receiver:
     """Every reservation on one decode node. send(msg, to) answers a prefill node."""
 
-    def __init__(self, epoch: str, lease_s: float, max_queue: int, pool: Pool, sink: KVSink,
+    def __init__(self, *, epoch: str, lease_s: float, max_queue: int, pool: Pool, sink: KVSink,
                  send: Callable[..., bool], vocab_size: int, max_model_len: int,
                  clock: Callable[[], float] = time.monotonic, is_verifying: bool = False):
         """is_verifying (--kv-verify): refuse commits without block checksums."""

@@ -48,7 +48,7 @@ class Sender:
     frontend (retryable: the decode node restarted, went silent or the write failed,
     so the request may go on elsewhere)."""
 
-    def __init__(self, name: str, handoff_lease_s: float, block_size: int, block_bytes: int,
+    def __init__(self, *, name: str, handoff_lease_s: float, block_size: int, block_bytes: int,
                  connect: Callable[[str, str], Link],
                  open_writer: Callable[[KVWelcome, Callable], KVWriter],
                  free_blocks: Callable[[list[int]], None], drop_job: Callable[[Job], None],
