@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import shutil
 import signal
@@ -18,6 +17,8 @@ import pytest
 
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import ROOT, Cluster, free_base_port, wait_for
+
+pytestmark = pytest.mark.cluster   # every test here starts processes
 
 # The installed command; where the environment is not the project's own (an
 # accelerator image without a registry), the same entry point as a module.
@@ -180,19 +181,13 @@ def test_an_http_port_in_use_is_one_line(tiny_model, cluster):
 
 # ---- the pdserve command and the README --------------------------------------------
 
-def test_pdserve_command_and_readme_snippets():
+def test_the_pdserve_command():   # what the README and docs say: tests/test_docs.py
     if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():
         assert _SCRIPT.exists(), "launch/env.sh installs the pdserve command into .venv"
     r = _run(*PDSERVE)
     assert r.returncode == 2 and "pdserve serve" in r.stdout
     r = _run(*PDSERVE, "serve", "--help")
     assert r.returncode == 0 and "--http-port" in r.stdout
-    readme = (ROOT / "README.md").read_text()
-    for block in re.findall(r"```python\n(.*?)```", readme, re.S):
-        compile(block, "README.md", "exec")   # every Python snippet is valid as written
-    for line in re.findall(r"```(?:bash|sh)\n(.*?)```", readme, re.S):
-        for cmd in line.splitlines():
-            assert not re.match(r"\s*python3? ", cmd), f"README runs a bare python: {cmd}"
 
 
 # ---- the serving benchmark -------------------------------------------------------

@@ -61,3 +61,21 @@ def add_flags(p: argparse.ArgumentParser, cls, title: str | None = None, only: t
 def flagged(cls, args: argparse.Namespace) -> dict:
     """The values of cls's flags that were put on the parser, by field name."""
     return {f.name: getattr(args, f.name) for f, _ in flags_of(cls) if hasattr(args, f.name)}
+
+
+def markdown_table(cls) -> str:
+    """cls's flags as a Markdown table (docs/configuration.md is made of these)."""
+    rows = ["| flag | default | what it sets |", "| --- | --- | --- |"]
+    for f, fl in flags_of(cls):
+        if f.type in (bool, "bool"):
+            default = "not given"   # a switch: giving it flips the field's default
+        elif fl.default_text is not None:
+            default = fl.default_text
+        elif f.default is dataclasses.MISSING:
+            default = "required"
+        else:
+            default = "none" if f.default is None else str(f.default)
+        names = ", ".join(f"`{n}`" for n in (fl.name, *fl.aliases))
+        text = fl.help.replace("|", "\\|") + (f" (one of {', '.join(map(str, fl.choices))})" if fl.choices else "")
+        rows.append(f"| {names} | {default} | {text} |")
+    return "\n".join(rows)

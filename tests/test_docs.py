@@ -1,0 +1,81 @@
+"""The README is a page a newcomer reads first, the rest is in docs/, and what they say
+runs: links resolve, Python snippets compile, every command names something that
+exists, docs/configuration.md is what the flags say, and each module a page runs
+answers --help."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import docs
+from launch.cli import COMMANDS
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+OURS = ("launch", "frontend", "prefill_node", "decode_node", "common", "tests")
+MAX_README_LINES = 250
+
+
+def _code(text: str) -> list[str]:
+    """Fenced blocks and inline code spans."""
+    fenced = re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+    rest = re.sub(r"```.*?```", "", text, flags=re.S)
+    return fenced + re.findall(r"`([^`\n]+)`", rest)
+
+
+def _modules() -> set[str]:
+    return {m for page in PAGES for code in _code(page.read_text())
+            for m in re.findall(r"python3? -m ([a-z_.]+)", code) if m.split(".")[0] in OURS}
+
+
+def test_the_readme_opens_with_the_two_commands_and_is_one_sitting():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= MAX_README_LINES
+    first = _code(text)[0]
+    assert "bash launch/start_cluster.sh --demo" in first and "bash launch/run_tests.sh" in first
+
+
+def test_every_link_resolves():
+    broken = [f"{page.name}: {link}" for page in PAGES
+              for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text())
+              if not link.startswith("http") and not (page.parent / link).exists()]
+    assert not broken, broken
+
+
+def test_every_snippet_compiles_and_every_command_names_what_exists():
+    bad = []
+    for page in PAGES:
+        text = page.read_text()
+        for block in re.findall(r"```python\n(.*?)```", text, re.S):
+            compile(block, page.name, "exec")
+        for code in _code(text):
+            if page.name == "README.md":   # the newcomer's commands run as written, in .venv
+                bad += [f"{page.name}: bare python: {line}" for line in code.splitlines()
+                        if re.match(r"\s*python3? ", line)]
+            bad += [f"{page.name}: pdserve {c}" for c in re.findall(r"(?:^|[\s/])pdserve ([a-z][a-z-]*)", code)
+                    if c not in COMMANDS]
+            bad += [f"{page.name}: {s}" for s in re.findall(r"bash (launch/[\w.]+)", code)
+                    if not (ROOT / s).is_file()]
+    bad += [f"no module {m}" for m in _modules() if importlib.util.find_spec(m) is None]
+    assert not bad, bad
+
+
+def test_the_configuration_page_is_what_the_flags_say():
+    assert docs.PAGE.read_text() == docs.page(), "run: python -m launch.docs"
+    assert "`--max-num-seqs`" in docs.generated()   # vLLM's names are there too
+
+
+@pytest.mark.cluster
+def test_every_module_the_pages_run_answers_help():
+    failed = []
+    for m in sorted(_modules()):
+        done = subprocess.run([sys.executable, "-m", m, "--help"], capture_output=True, text=True, cwd=ROOT,
+                              timeout=120)
+        if done.returncode != 0 or "usage" not in (done.stdout + done.stderr).lower():
+            failed.append(f"{m}: {done.returncode} {done.stderr.strip()[-300:]}")
+    assert not failed, failed
