@@ -2,7 +2,9 @@
 
     pdserve serve [start_cluster options]     start a cluster (launch/start_cluster.sh)
     pdserve client [options]                  send prompts, read stats (frontend.cli)
-    pdserve bench [options]                   the serving benchmark (launch.bench_serving)
+    pdserve bench [KIND] [options]            a benchmark (launch/bench/): serving (the default:
+                                              a running cluster), prefill, decode, transfer,
+                                              migration, vs, profile
     pdserve drain NODE [--endpoint ...]       move a node's requests elsewhere; it stops once empty
     pdserve keys DIR --nodes ...              make CURVE keys (launch.keys)
     pdserve make-tiny-model DIR               a tiny random Qwen3 checkpoint
@@ -35,8 +37,17 @@ def _module(name: str, function: str = "main"):
     return run
 
 
+BENCHMARKS = ("serving", "prefill", "decode", "transfer", "migration", "vs", "profile")
+
+
+def _bench(argv: list[str]) -> int:
+    """pdserve bench KIND [options]; without a KIND, the serving benchmark."""
+    kind, argv = (argv[0], argv[1:]) if argv and argv[0] in BENCHMARKS else ("serving", argv)
+    return _module(f"launch.bench.{kind}")(argv)
+
+
 COMMANDS = {"serve": _serve, "client": _module("frontend.cli"), "drain": _module("frontend.cli", "drain"),
-            "bench": _module("launch.bench_serving"),
+            "bench": _bench,
             "keys": _module("launch.keys"), "make-tiny-model": _module("launch.make_tiny_model")}
 
 

@@ -37,7 +37,7 @@ bench_on_cluster() {  # bench_on_cluster OUT TAG [start_cluster args...] -- [ben
     while [ $# -gt 0 ] && [ "$1" != -- ]; do start+=("$1"); shift; done
     [ $# -gt 0 ] && shift   # the --
     start_bench_cluster "$out" "$tag" --base-port $port --no-http "${start[@]}"
-    "$py" -m launch.bench_serving --endpoint "tcp://127.0.0.1:$port" --quiet --save-json "$out/$tag.json" \
+    "$py" -m launch.bench.serving --endpoint "tcp://127.0.0.1:$port" --quiet --save-json "$out/$tag.json" \
         "$@" || rc=1
     kill -TERM $launcher; wait $launcher
     return $rc

@@ -22,7 +22,7 @@ for interface in $interfaces; do
     if [ "$interface" = http ]; then target=(--base-url "http://127.0.0.1:$http_port")
     else target=(--endpoint "tcp://127.0.0.1:$port"); fi
     for g in $groups; do
-        "$py" -m launch.bench_serving "${target[@]}" --input-len 1024 --output-len 128 \
+        "$py" -m launch.bench.serving "${target[@]}" --input-len 1024 --output-len 128 \
             --num-prompts "${g#*:}" --request-rate "${g%:*}" --slo ttft_ms=500 --quiet \
             --save-json "$out/serving-$backend-$interface-${g%%,*}.json" || rc=1
     done
@@ -35,7 +35,7 @@ records = [r for f in sorted(glob.glob(f"{out}/serving-{backend}-{interface}-*.j
 records.sort(key=lambda r: float(r["request_rate"]))
 json.dump(records, open(f"{out}/sweep-{backend}-{interface}.json", "w"), indent=1)
 PYEOF
-    [ $has_plot = 1 ] && "$py" -m launch.bench_serving --replot "$out/sweep-$backend-$interface.json" \
+    [ $has_plot = 1 ] && "$py" -m launch.bench.serving --replot "$out/sweep-$backend-$interface.json" \
         --plot "$out/sweep-$backend-$interface.png"
 done
 "$py" -m frontend.cli --endpoint "tcp://127.0.0.1:$port" --stats --json > "$out/stats-$backend.json"

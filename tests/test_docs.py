@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from launch import docs
-from launch.cli import COMMANDS
+from launch.cli import BENCHMARKS, COMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -61,6 +61,8 @@ def test_every_snippet_compiles_and_every_command_names_what_exists():
                     if c not in COMMANDS]
             bad += [f"{page.name}: {s}" for s in re.findall(r"bash (launch/[\w.]+)", code)
                     if not (ROOT / s).is_file()]
+            bad += [f"{page.name}: pdserve bench {k}" for k in re.findall(r"pdserve bench ([a-z]+)", code)
+                    if k not in BENCHMARKS]
     bad += [f"no module {m}" for m in _modules() if importlib.util.find_spec(m) is None]
     assert not bad, bad
 

@@ -136,7 +136,7 @@ def test_three_simulated_hosts_serve_exactly_and_survive_a_host_cut_off(tiny_mod
     and /dev/shm. Exact tokens over both decode hosts, KV over the backend asked for
     (never ipc across hosts); then b is cut off mid-stream: its requests move to c and
     finish, b is declared dead, nothing stays held on a or c, and b serves again once back."""
-    from launch import netns as netns_util
+    from launch.tools import netns as netns_util
     why = netns_util.why_not() or transfer.backend(backend).why_unusable(torch.device("cpu"))
     if why:
         pytest.skip(why)

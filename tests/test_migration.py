@@ -339,14 +339,14 @@ def test_a_rolling_restart_under_load_fails_no_request(tiny_model, tmp_path):
 
 
 def test_a_soak_with_kills_reaches_no_client_with_an_error(tiny_model):
-    """launch.soak --kill-every: two nodes of each role, a random one SIGKILLed every 10 s
+    """launch.tools.soak --kill-every: two nodes of each role, a random one SIGKILLed every 10 s
     (the launcher restarts it): no error reaches a client, every block comes back."""
     import json
     import subprocess
     import sys
     base = free_base_port(91)   # the soak's cluster ports and its HTTP port at +90
     out = subprocess.run(
-        [sys.executable, "-m", "launch.soak", "--duration", "45", "--concurrency", "8", "--kill-every", "10",
+        [sys.executable, "-m", "launch.tools.soak", "--duration", "45", "--concurrency", "8", "--kill-every", "10",
          "--model", str(tiny_model), "--base-port", str(base), "--cluster-arg=--num-prefill",
          "--cluster-arg=2", "--cluster-arg=--num-decode", "--cluster-arg=2"],
         capture_output=True, text=True, timeout=240, cwd=ROOT)

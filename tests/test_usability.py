@@ -237,17 +237,17 @@ def test_bench_serving_over_both_interfaces(cluster, tmp_path, interface):
 
 def test_node_benchmarks_fit_the_model_or_say_why(tiny_model):
     """On CPU, with a model limited to 1,024 tokens: defaults cut to fit, or one line."""
-    r = _run(sys.executable, "-m", "launch.bench_prefill", "--model", str(tiny_model), "--batch", "2",
+    r = _run(sys.executable, "-m", "launch.bench.prefill", "--model", str(tiny_model), "--batch", "2",
              "--rounds", "1", "--device", "cpu", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     record = json.loads(r.stdout.splitlines()[-1])
     assert record["prompt_len"] == 1024 - 16 and record["floor"] == "matmul rate"
-    r = _run(sys.executable, "-m", "launch.bench_decode", "--model", str(tiny_model), "--max-tokens", "5000")
+    r = _run(sys.executable, "-m", "launch.bench.decode", "--model", str(tiny_model), "--max-tokens", "5000")
     _one_line_error(r, "--max-tokens 5000 does not fit the model's maximum length")
-    r = _run(sys.executable, "-m", "launch.profile_worker", "--model", str(tiny_model), "--batch", "1",
+    r = _run(sys.executable, "-m", "launch.bench.profile", "--model", str(tiny_model), "--batch", "1",
              "--decode-steps", "2", "--top", "2", timeout=600)
     assert r.returncode == 0 and "== decode batch 1" in r.stdout, r.stderr[-3000:]
     import torch
     if not torch.cuda.is_available():
-        _one_line_error(_run(sys.executable, "-m", "launch.profile_worker", "--device", "cuda:0"),
+        _one_line_error(_run(sys.executable, "-m", "launch.bench.profile", "--device", "cuda:0"),
                         "no usable CUDA device")

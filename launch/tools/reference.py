@@ -1,5 +1,5 @@
 """transformers' own greedy tokens: the reference pdserve's output is checked
-against, token for token (the tests and launch.soak)."""
+against, token for token (the tests and launch.tools.soak)."""
 from __future__ import annotations
 
 

@@ -1,7 +1,7 @@
 """Prefill throughput of one prefill node, driven over its sockets; a sink stands
 in for the decode node, accepting and discarding every handoff.
 
-    python -m launch.bench_prefill --shape qwen3-14b --device cuda:0 --batch 8 --prompt-len 1024 \
+    python -m launch.bench.prefill --shape qwen3-14b --device cuda:0 --batch 8 --prompt-len 1024 \
         [--baseline transformers]
 
 One JSON line: prompt tokens/s of the forward passes, end to end (send to the
@@ -20,7 +20,7 @@ from common.wire.codec import dtype_name
 from common.runtime.process import HelpFormat
 from common.wire.protocol import PrefillRequest, RequestFailed
 from common.base.request import SamplingParams
-from launch.bench_common import (NodeUnderTest, add_common_args, device_name, emit, fit_len, hf_model,
+from launch.bench.common import (NodeUnderTest, add_common_args, device_name, emit, fit_len, hf_model,
                                  matmul_params, measure_floors, resolve, sync, worker_args)
 
 

@@ -1,7 +1,7 @@
 """Decode throughput of one decode node, driven over its sockets with synthetic
 handoffs (random KV at a given context length), for a sweep of batch sizes.
 
-    python -m launch.bench_decode --shape qwen3-0.6b --device cuda:0 --batch-sizes 1,64 \
+    python -m launch.bench.decode --shape qwen3-0.6b --device cuda:0 --batch-sizes 1,64 \
         --context-len 256 [--baseline transformers]
 
 One JSON line per batch size: ms per step and tokens/s over --steps full-batch steps
@@ -22,7 +22,7 @@ from common.kv.blocks import num_blocks_for
 from common.runtime.process import HelpFormat
 from common.wire.protocol import HandoffAck, NodeAbort, TokenBatch
 from common.base.request import SamplingParams
-from launch.bench_common import (NodeUnderTest, add_common_args, device_name, emit, fit_len, hf_model,
+from launch.bench.common import (NodeUnderTest, add_common_args, device_name, emit, fit_len, hf_model,
                                  matmul_params, measure_floors, resolve, sync, worker_args)
 
 

@@ -1,6 +1,6 @@
 """Soak: a cluster under steady mixed load for a while, its memory watched.
 
-    python -m launch.soak [--duration 600] [--concurrency 24] [--model DIR] [--base-port 5700]
+    python -m launch.tools.soak [--duration 600] [--concurrency 24] [--model DIR] [--base-port 5700]
                           [--cluster-arg ARG]...
 
 Starts launch/start_cluster.sh (CURVE keys, restarts on; --cluster-arg adds
@@ -43,7 +43,7 @@ from pathlib import Path
 from common.runtime.process import HelpFormat
 from frontend.client import AsyncClient, Client
 from launch.cluster_run import running_cluster
-from launch.reference import clear_prompts
+from launch.tools.reference import clear_prompts
 
 COUNTED = ("num_preemptions", "num_swapped", "num_recomputed", "num_prefix_hit_tokens",
            "num_prefix_evictions", "num_handoffs", "num_failed")   # summed over the nodes in the summary
@@ -226,7 +226,7 @@ async def _load(endpoint: str, http_url: str, duration_s: float, concurrency: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m launch.tools.soak", description=__doc__,
                                 formatter_class=HelpFormat)
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     p.add_argument("--concurrency", type=int, default=24)

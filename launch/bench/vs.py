@@ -29,7 +29,7 @@ from pathlib import Path
 
 from common.runtime.process import HelpFormat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "64"]
 # name: (bench flags, what the table shows for it)
 WORKLOADS = {
@@ -112,7 +112,7 @@ def start_vllm(a, model: str, logs: Path) -> Server:
 
 
 def run_workload(url: str, flags: list[str], vocab_size: int, seed: int) -> dict:
-    cmd = [sys.executable, "-m", "launch.bench_serving", "--base-url", url, "--quiet",
+    cmd = [sys.executable, "-m", "launch.bench.serving", "--base-url", url, "--quiet",
            "--vocab-size", str(vocab_size), "--seed", str(seed), "--ignore-eos", *flags]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{r['errors']} failed")
             finally:
                 server.stop()
-    from launch.bench_common import device_name
+    from launch.bench.common import device_name
     print(table(results, servers, workloads), file=sys.stderr)
     record = {"bench": "vs", "device": device_name("cpu"), "model": model, "runs": a.runs,
               "server_args": SERVER_ARGS, "pdserve_args": a.pdserve_arg, "results": results,

@@ -1,7 +1,7 @@
 """Where a worker's time goes: torch.profiler over one prefill batch and some
 decode steps, in this process, printing the top device kernels of each.
 
-    python -m launch.profile_worker --shape qwen3-0.6b --device cuda:0 --batch 8 --prompt-len 1024
+    python -m launch.bench.profile --shape qwen3-0.6b --device cuda:0 --batch 8 --prompt-len 1024
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from common.kv.blocks import BlockAllocator, num_blocks_for
 from common.runtime.process import HelpFormat
 from common.base.request import SamplingParams
 from common.engine.worker import DeviceWorker, PrefillChunk
-from launch.bench_common import fit_len, resolve
+from launch.bench.common import fit_len, resolve
 
 
 def main(argv=None) -> None:

@@ -24,7 +24,7 @@ from common.wire.protocol import (HandoffAck, Heartbeat, ReadyReply, KVTransfer,
                              KVReserved, KVWelcome, NodeReady)
 from common.transfer import host_id
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:

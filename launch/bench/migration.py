@@ -3,7 +3,7 @@ on one cluster (start_cluster.sh, one prefill and two decode nodes, restarts on)
 undisturbed and with decode-0 SIGKILLed a third of the way in; TTFT and TPOT of
 each run, and for the requests that moved, the time they lost.
 
-    python -m launch.bench_migration [--duration 30] [--concurrency 16] [--prompt-len 128]
+    python -m launch.bench.migration [--duration 30] [--concurrency 16] [--prompt-len 128]
                                      [--output-len 128] [--model DIR] [--base-port 5800]
 
 One JSON line: both runs' figures, the device, and the bound a moved request's
@@ -79,7 +79,7 @@ async def _load(endpoint: str, a, vocab: int, kill_pid: int | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.bench_migration", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m launch.bench.migration", description=__doc__,
                                 formatter_class=HelpFormat)
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load per run")
     p.add_argument("--concurrency", type=int, default=16, help="streams kept going")

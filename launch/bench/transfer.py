@@ -1,9 +1,9 @@
 """KV transfer throughput, per backend: a real decode node, and this process as the
 prefill side writing through the same transfer interface a prefill node uses.
 
-    python -m launch.bench_transfer --shape qwen3-0.6b --prefill-device cuda:0 --decode-device cuda:0 \
+    python -m launch.bench.transfer --shape qwen3-0.6b --prefill-device cuda:0 --decode-device cuda:0 \
         --prompt-len 1024 --num-requests 32 --backends ipc,nixl,tcp,dist [--decode-batch 32]
-    python -m launch.bench_transfer --backends nixl,tcp --across-hosts     (root: simulated hosts)
+    python -m launch.bench.transfer --backends nixl,tcp --across-hosts     (root: simulated hosts)
 
 Each handoff is reserve -> write -> commit. Per backend, one JSON line:
 - one at a time: ms per request from the start of the write to the commit's
@@ -14,7 +14,7 @@ Each handoff is reserve -> write -> commit. Per backend, one JSON line:
   reads and writes every byte); otherwise the link, measured here as one
   large ZeroMQ frame over the same transport (for dist on CPU: one gloo send).
 With --across-hosts the decode node runs on a simulated host of its own
-(launch/netns.py: a network namespace joined to this side's by a veth pair and
+(launch/tools/netns.py: a network namespace joined to this side's by a veth pair and
 a bridge, UCX_TLS=tcp) and the floor is TCP between the two hosts (1 and 4 streams).
 With --decode-batch B the decode node first runs B long requests, and its
 step time is read from its heartbeats with and without handoffs arriving.
@@ -41,7 +41,7 @@ from common.runtime.process import HelpFormat
 from common.wire.protocol import (HandoffAck, KVCommit, KVHello, KVReserve, KVReserved, KVWelcome,
                              NodeAbort)
 from common.base.request import SamplingParams
-from launch.bench_common import NodeUnderTest, device_name, emit, measure_floors, sync, worker_args
+from launch.bench.common import NodeUnderTest, device_name, emit, measure_floors, sync, worker_args
 
 
 LEASE_S = 30.0   # the decode node's reservation lease
@@ -316,7 +316,7 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m launch.bench_transfer", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m launch.bench.transfer", description=__doc__,
                                 formatter_class=HelpFormat)
     p.add_argument("--shape", default="qwen3-0.6b", help="a preset model shape (random weights)")
     has_cuda = torch.cuda.is_available()
@@ -385,7 +385,7 @@ def main(argv=None) -> None:
 
 def across_hosts(argv: list[str]) -> None:
     """This benchmark again on simulated host a, its decode nodes on host b."""
-    from launch import netns
+    from launch.tools import netns
     why = netns.why_not()
     if why:
         sys.exit(f"--across-hosts: {why}")
@@ -394,7 +394,7 @@ def across_hosts(argv: list[str]) -> None:
         inner = [a for a in argv if a != "--across-hosts"] + ["--place", json.dumps(place)]
         # NOTE: UCX sees one machine behind the namespaces and would pick shared memory.
         env = {**os.environ, "UCX_TLS": "tcp", "PYTHONPATH": os.getcwd()}
-        rc = hosts.popen("a", [sys.executable, "-m", "launch.bench_transfer", *inner], env=env).wait()
+        rc = hosts.popen("a", [sys.executable, "-m", "launch.bench.transfer", *inner], env=env).wait()
     if rc:
         sys.exit(rc)
 

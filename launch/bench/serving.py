@@ -35,7 +35,7 @@ from pathlib import Path
 
 from common.runtime.process import HelpFormat
 from frontend.client import AsyncClient
-from launch.bench_report import PARTS, Outcome, cluster_record, plot, samples, summarize
+from launch.bench.report import PARTS, Outcome, cluster_record, plot, samples, summarize
 
 @dataclass
 class Job:
