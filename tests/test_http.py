@@ -273,6 +273,7 @@ def test_metrics_parse_and_move_by_the_right_amounts(cluster, oai):
     assert after[("process_cpu_seconds_total", ())] >= before[("process_cpu_seconds_total", ())] > 0
 
 
+@pytest.mark.cluster
 def test_health_deadline_and_a_dead_decode_node(tiny_model, tmp_path):
     """504 when the request's deadline passes; 503 with OpenAI's error body once no
     prefill/decode pair is alive."""
@@ -303,6 +304,7 @@ def test_health_deadline_and_a_dead_decode_node(tiny_model, tmp_path):
         procs.stop()
 
 
+@pytest.mark.cluster
 def test_metrics_port_without_http(tiny_model, tmp_path):
     """--metrics-port serves /metrics and /health alone; the OpenAI routes stay off."""
     base = free_base_port(4)

@@ -19,6 +19,8 @@ from tests.cluster_util import ROOT, Cluster, Processes, free_base_port, wait_fo
 from tests.conftest import clear_prompts
 from tests.tcp_proxy import Proxy
 
+pytestmark = pytest.mark.cluster   # every test here starts processes
+
 
 def _launcher(tiny_model, log, *args: str) -> subprocess.Popen:
     return subprocess.Popen(["bash", str(ROOT / "launch/start_cluster.sh"), "--model", str(tiny_model),
@@ -215,8 +217,6 @@ def test_a_lost_prefill_nodes_reservations_are_freed_at_once(tiny_model, tmp_pat
 ATTACKER = r"""
 import json, sys, time
 import zmq, msgpack
-
-pytestmark = pytest.mark.cluster   # every test here starts processes
 endpoint, vocab = sys.argv[1], int(sys.argv[2])
 attacks = [("ids", {"prompt_token_ids": [i % vocab for i in range(4_000_000)]}),
            ("text", {"prompt": "lorem ipsum dolor sit amet " * 310_000}),
