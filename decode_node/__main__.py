@@ -3,11 +3,10 @@ import argparse
 import dataclasses
 import sys
 
-import torch
-
 from common import transfer
 from common.base.config import DecodeConfig, is_loopback_endpoint
 from common.base.flags import add_flags, flagged
+from common.engine.platform import check_device, platform_type, torch_device
 from common.runtime.process import (HelpFormat, add_worker_args, die_with_parent, run_node,
                                     stop_event_on_signals, worker_config)
 from decode_node.node import DecodeNode
@@ -28,8 +27,9 @@ def main(argv=None) -> int:
 
     def build() -> DecodeNode:
         # A backend may need the cache where other processes map it (ipc on CPU: shared memory).
-        worker = worker_config(a)
-        device, reachable = torch.device(worker.device), a.kv_advertise or a.kv_endpoint
+        check_device(a.device)   # its platform says whether this machine has it
+        worker = worker_config(a, platform_type(a.device).is_host)
+        device, reachable = torch_device(worker.device), a.kv_advertise or a.kv_endpoint
         transfer.check_usable(a.kv_transfer, device)
         worker = dataclasses.replace(worker, is_cache_in_shm=transfer.needs_shared_cache(
             a.kv_transfer, device, not is_loopback_endpoint(reachable)))

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     set_level(a.log_level)
     die_with_parent()
     try:
-        apply_threads(a.threads, a.cpus, device="none")   # no device: one thread unless told
+        apply_threads(a.threads, a.cpus, is_host_device=False)   # no device: one thread unless told
         cfg = FrontendConfig(links=NodeLinks(**flagged(NodeLinks, a)), **flagged(FrontendConfig, a))
         frontend = Frontend(cfg)
     except ValueError as e:

@@ -3,6 +3,7 @@ the op functions; a fast backend may leave an op out and the portable one
 serves it. Chosen once per device type, not per call."""
 from __future__ import annotations
 
+import importlib
 import logging
 import types
 from functools import lru_cache
@@ -12,6 +13,7 @@ import torch
 from kernels import options, portable
 from kernels.options import KernelOptions
 
+log = logging.getLogger("pdserve.kernels")
 _OPS = ("rms_norm", "add_rms_norm", "qk_norm_rope", "write_kv", "prefill_attention",
         "decode_attention", "silu_mul", "qk_norm_rope_write_kv", "compute_slot_mapping",
         "advance_step")
@@ -30,28 +32,19 @@ def configure(opts: KernelOptions) -> None:
 
 @lru_cache(maxsize=None)
 def _backend_for_type(device_type: str):
+    """The device type's fast module (its platform names it), over the portable ops."""
     opts = options.current[0]
-    if device_type == "cuda" and not opts.is_triton_disabled:
-        try:
-            from kernels import triton_cuda
-        except ImportError:
-            return portable
-        return _merge(triton_cuda)
-    if device_type == "cpu" and not opts.is_cpu_kernels_disabled:
-        try:
-            from kernels import cpu
-        except ImportError as e:
-            logging.getLogger("pdserve.kernels").warning("CPU attention kernel unavailable (%s): the "
-                                                         "portable one serves", e)
-            return portable
-        return _merge(cpu)
-    if device_type == "npu":
-        try:
-            from kernels import npu
-        except ImportError:
-            return portable
-        return _merge(npu)
-    return portable
+    why_off, name = dict(opts.off).get(device_type), dict(opts.fast).get(device_type)
+    if name is None:
+        return portable
+    if why_off:
+        log.warning("fast %s kernels are off (%s): the portable ones serve", device_type, why_off)
+        return portable
+    try:
+        return _merge(importlib.import_module(name))
+    except ImportError as e:
+        log.warning("fast %s kernels unavailable (%s): the portable ones serve", device_type, e)
+        return portable
 
 
 def backend_for(t: torch.Tensor):

@@ -67,10 +67,7 @@ def _build(cache_dir: Path) -> Path:
 
 
 def _load():
-    opts = options.current[0]
-    if opts.is_cpu_kernels_disabled:
-        raise ImportError("PDSERVE_DISABLE_CPU_KERNELS=1")
-    lib = ctypes.CDLL(str(_build(opts.build_dir)))
+    lib = ctypes.CDLL(str(_build(options.current[0].build_dir)))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     fns = {}
     for dtype, name in ((torch.float32, "pdserve_decode_attention_f32"),

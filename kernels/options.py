@@ -1,7 +1,7 @@
-"""What the kernels are told by the engine: which fast backends may serve, and where the
-CPU one is built. The engine reads them from the environment (common/base/env.py) and
-sets them once per process, before the first op (kernels/backends.py: configure, called
-by common/engine/platform.py); kernels/ itself reads no environment variable of ours.
+"""What the kernels are told by the engine: each device type's fast module, those the
+environment turns off, and where the CPU one is built. The engine's platforms declare
+them (common/engine/platform.py: configure_kernels, before the first op); kernels/
+itself reads no environment variable of ours.
 NOTE: process-wide, like torch's backend flags.
 """
 from __future__ import annotations
@@ -14,8 +14,10 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class KernelOptions:
-    is_triton_disabled: bool = False         # portable ops on CUDA too
-    is_cpu_kernels_disabled: bool = False    # portable ops on CPU too
+    # device type -> the module of its fast ops; one not named is served by the portable ops
+    fast: tuple[tuple[str, str], ...] = (("cpu", "kernels.cpu"), ("cuda", "kernels.triton_cuda"),
+                                         ("npu", "kernels.npu"))
+    off: tuple[tuple[str, str], ...] = ()   # device type -> why its fast ops are off (the switch)
     # where the CPU kernel is built and cached (the engine names $PDSERVE_HOME/kernels)
     build_dir: Path = Path(tempfile.gettempdir()) / f"pdserve-kernels-{getattr(os, 'getuid', lambda: 0)()}"
 

@@ -5,11 +5,10 @@ that decode node's KV link on first use."""
 import argparse
 import sys
 
-import torch
-
 from common import transfer
 from common.base.config import PrefillConfig
 from common.base.flags import add_flags, flagged
+from common.engine.platform import check_device, platform_type, torch_device
 from common.runtime.process import (HelpFormat, add_worker_args, die_with_parent, run_node,
                                     stop_event_on_signals, worker_config)
 from prefill_node.node import PrefillNode
@@ -29,8 +28,9 @@ def main(argv=None) -> int:
     stop = stop_event_on_signals()
 
     def build() -> PrefillNode:
-        worker = worker_config(a)
-        transfer.check_usable(a.kv_transfer, torch.device(worker.device))
+        check_device(a.device)   # its platform says whether this machine has it
+        worker = worker_config(a, platform_type(a.device).is_host)
+        transfer.check_usable(a.kv_transfer, torch_device(worker.device))
         return PrefillNode(PrefillConfig(worker=worker, **flagged(PrefillConfig, a)))
     return run_node("prefill_node", build, stop)
 

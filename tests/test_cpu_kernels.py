@@ -167,7 +167,7 @@ def _kernels_backend_in_a_fresh_process(env: dict) -> subprocess.CompletedProces
 def test_an_unbuildable_kernel_leaves_the_portable_op_and_says_why(tmp_path):
     done = _kernels_backend_in_a_fresh_process({"CC": "false", "PDSERVE_HOME": str(tmp_path)})
     assert done.stdout.strip() == "True", done.stderr
-    assert "CPU attention kernel unavailable" in done.stderr and "failed" in done.stderr
+    assert "fast cpu kernels unavailable" in done.stderr and "failed" in done.stderr
     done = _kernels_backend_in_a_fresh_process({"PDSERVE_DISABLE_CPU_KERNELS": "1"})
     assert done.stdout.strip() == "True" and "PDSERVE_DISABLE_CPU_KERNELS" in done.stderr
 

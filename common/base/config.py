@@ -12,7 +12,7 @@ from common.base.flags import flag
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "half": torch.float16}
-_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|npu(:\d+)?)$")
+_DEVICE_RE = re.compile(r"^[a-z][a-z0-9_]*(:\d+)?$")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _WILDCARDS = ("0.0.0.0", "::", "*")
 
@@ -96,8 +96,8 @@ class WorkerConfig:
             raise ValueError("give exactly one of model (a directory) or shape (a preset)")
         if self.model is not None:
             check_model_dir(self.model)
-        if not _DEVICE_RE.match(self.device):
-            raise ValueError(f"device must be cpu, cuda[:N] or npu[:N], got {self.device!r}")
+        if not _DEVICE_RE.match(self.device):   # which types exist: the engine's platforms
+            raise ValueError(f"device must be TYPE or TYPE:N (cpu, cuda:N, npu:N), got {self.device!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -112,10 +112,9 @@ class WorkerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype is None:
-            return torch.float32 if self.device == "cpu" else torch.bfloat16
-        return DTYPES[self.dtype]
+    def torch_dtype(self) -> torch.dtype | None:
+        """None: the device's platform chooses (common/engine/platform.py: default_dtype)."""
+        return None if self.dtype is None else DTYPES[self.dtype]
 
 
 def clamp_model_len(requested: int | None, max_position_embeddings: int) -> int:

@@ -1,7 +1,21 @@
-"""The device platform: every call that differs by device type, behind one small
-interface, so that the worker and the transfer backends name no device API.
-A new device is one class here, registered in PLATFORMS, beside its kernels in
-kernels/.
+"""The device platform: everything that differs by device type, declared by one class
+per type and found through a small registry (PLATFORMS, filled by @register), so the
+worker, the transfer backends and the process set-up name no device API. A new device
+is its class here (or anywhere: @register is all it takes), its kernels module in
+kernels/, and a test.
+
+What a platform declares:
+    type                    the device type it serves ("cpu", "cuda:N" names one of several)
+    torch_device(name)      the torch device of a name (the same name, unless a stand-in maps it)
+    check(device)           ValueError, in one line naming the fix, if this machine lacks it
+    kernels                 its fast kernels' module (kernels/), or None: the portable ops
+    kernels_off             the environment switch (common/base/env.py field) that turns them off
+    is_host                 its memory is the host's (threads per core, a CPU-sized KV budget)
+    default_dtype           when --dtype is not given
+    nixl_memory             NIXL's memory kind for its cache ("DRAM", "VRAM"), or None: no NIXL
+    why_not_shared()        why processes on one host cannot share its memory, or None
+    process_group(...)      torch.distributed's group of its kind (dist KV transfer)
+And what it does:
 
     activate()              make the device current (and import its torch plugin)
     synchronize()           wait for all queued work
@@ -26,11 +40,11 @@ import mmap
 import os
 import secrets
 from multiprocessing import shared_memory
-from typing import Callable
 
 import torch
 
 from common.base.env import read_env
+from common.base.log import get_logger
 from kernels import backends as kernel_backends
 from kernels.options import KernelOptions
 
@@ -45,10 +59,43 @@ class PlatformError(RuntimeError):
     pass
 
 
+PLATFORMS: dict[str, type["CpuPlatform"]] = {}   # by torch device type
+
+
+def register(cls):
+    """Class decorator: the platform of cls.type from now on."""
+    PLATFORMS[cls.type] = cls
+    return cls
+
+
+@register
 class CpuPlatform:
     type = "cpu"
     is_pinned = False
     can_capture_graphs = False
+    kernels: str | None = "kernels.cpu"
+    kernels_off: str | None = "disable_cpu_kernels"
+    is_host = True
+    default_dtype = torch.float32
+    nixl_memory: str | None = "DRAM"
+
+    @classmethod
+    def torch_device(cls, name: str) -> torch.device:
+        """The torch device a name of this platform's (a stand-in may map its own names)."""
+        return torch.device(name)
+
+    @classmethod
+    def check(cls, device: torch.device) -> None:
+        pass
+
+    @classmethod
+    def why_not_shared(cls) -> str | None:
+        return None if os.path.isdir("/dev/shm") else "no /dev/shm here"
+
+    @staticmethod
+    def process_group(store, rank: int, size: int, timeout):
+        import torch.distributed as dist
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -145,10 +192,35 @@ class CpuPlatform:
             pass
 
 
+@register
 class CudaPlatform(CpuPlatform):
     type = "cuda"
     is_pinned = True
     can_capture_graphs = True
+    kernels = "kernels.triton_cuda"
+    kernels_off = "disable_triton"
+    is_host = False
+    default_dtype = torch.bfloat16
+    nixl_memory = "VRAM"
+
+    @classmethod
+    def check(cls, device: torch.device) -> None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {device}: this machine has no usable CUDA device "
+                             f"(torch {torch.__version__}); use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {device}: this machine has {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}")
+
+    @classmethod
+    def why_not_shared(cls) -> str | None:
+        return None
+
+    @staticmethod
+    def process_group(store, rank: int, size: int, timeout):
+        import torch.distributed as dist
+        return dist.ProcessGroupNCCL(store, rank, size)
 
     def activate(self) -> None:
         torch.cuda.set_device(self.device)
@@ -213,11 +285,34 @@ class CudaPlatform(CpuPlatform):
         return torch.empty(0, dtype=dtype, device=f"cuda:{device}").set_(storage, 0, shape), lambda: None
 
 
+@register
 class NpuPlatform(CpuPlatform):
     """Ascend through torch_npu. NOTE: no events or side streams yet: a step is
     collected by synchronizing, and transfers copy on the default stream."""
     type = "npu"
     is_pinned = True
+    kernels = "kernels.npu"
+    kernels_off = None
+    is_host = False
+    default_dtype = torch.bfloat16
+    nixl_memory = None
+
+    @classmethod
+    def check(cls, device: torch.device) -> None:
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--device {device}: torch_npu is not installed; use --device cpu "
+                             f"or install torch_npu on an Ascend host") from None
+
+    @classmethod
+    def why_not_shared(cls) -> str | None:
+        return "sharing an Ascend cache between processes is not supported"
+
+    @staticmethod
+    def process_group(store, rank: int, size: int, timeout):
+        import torch_npu  # noqa: F401  (registers ProcessGroupHCCL)
+        return torch.distributed.ProcessGroupHCCL(store, rank, size)
 
     def activate(self) -> None:
         import torch_npu  # noqa: F401  (registers the npu device)
@@ -246,24 +341,41 @@ class NpuPlatform(CpuPlatform):
         raise PlatformError("sharing an Ascend cache between processes is not supported")
 
 
-PLATFORMS: dict[str, Callable[[torch.device], CpuPlatform]] = {
-    "cpu": CpuPlatform, "cuda": CudaPlatform, "npu": NpuPlatform}
+def platform_type(device: torch.device | str) -> type[CpuPlatform]:
+    """The platform class of a device (ValueError: no platform serves its type)."""
+    kind = str(device).partition(":")[0]
+    if kind not in PLATFORMS:
+        raise ValueError(f"device {str(device)!r}: no platform serves {kind!r}; one of "
+                         f"{', '.join(sorted(PLATFORMS))} (with :N where there are several)")
+    return PLATFORMS[kind]
+
+
+def torch_device(device: torch.device | str) -> torch.device:
+    return platform_type(device).torch_device(str(device))
+
+
+def check_device(device: str) -> None:
+    """The device exists on this machine, or a ValueError saying what to use instead."""
+    platform_type(device).check(torch_device(device))
 
 
 def platform_for(device: torch.device | str) -> CpuPlatform:
-    """The device's platform; the kernels are configured from the environment first."""
+    """The device's platform (its .device: the torch device); the kernels are configured
+    from the environment first."""
     configure_kernels()
-    device = torch.device(device)
-    if device.type not in PLATFORMS:
-        raise PlatformError(f"no platform for device type {device.type!r}; one of {sorted(PLATFORMS)}")
-    return PLATFORMS[device.type](device)
+    return platform_type(device)(torch_device(device))
 
 
 def configure_kernels() -> None:
-    """Tell the kernels what the environment says (common/base/env.py): which fast
-    backends may serve, and where the CPU one is built."""
+    """Tell the kernels each platform's fast module, those the environment turns off
+    (common/base/env.py), and where the CPU one is built."""
     env = read_env()
-    kernel_backends.configure(KernelOptions(env.disable_triton, env.disable_cpu_kernels, env.home / "kernels"))
+    get_logger("kernels")   # what the kernels say is logged as the process's other lines are
+    off = {t: f"PDSERVE_{p.kernels_off.upper()}=1" for t, p in PLATFORMS.items()
+           if p.kernels_off and getattr(env, p.kernels_off)}
+    kernel_backends.configure(KernelOptions(
+        tuple(sorted((t, p.kernels) for t, p in PLATFORMS.items() if p.kernels)), tuple(sorted(off.items())),
+        env.home / "kernels"))
 
 
 def _pid_namespace() -> str:

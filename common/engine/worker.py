@@ -54,9 +54,9 @@ class PrefillChunk:
 class DeviceWorker:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
-        self.device = torch.device(cfg.device)
-        self.platform = platform_for(self.device)
-        self.dtype = cfg.torch_dtype
+        self.platform = platform_for(cfg.device)
+        self.device = self.platform.device
+        self.dtype = cfg.torch_dtype if cfg.torch_dtype is not None else self.platform.default_dtype
         self.block_size = cfg.block_size
         self.is_prepared = False
         self.h2d = HostToDevice(self.device)
@@ -84,7 +84,7 @@ class DeviceWorker:
         self.max_model_len = clamp_model_len(cfg.max_model_len, s.max_position_embeddings)
         self.cos_sin = kernels.rotary_cos_sin(self.max_model_len, s.head_dim, s.rope_theta, self.device)
         budget = cfg.kv_cache_memory
-        if budget is None and self.device.type == "cpu":
+        if budget is None and self.platform.is_host:
             budget = cfg.cpu_kv_cache_memory
         self.num_kv_blocks = kv_cache_blocks(s, self.block_size, self.dtype, self.platform.free_memory(),
                                              budget, cfg.kv_cache_fraction)
@@ -93,7 +93,7 @@ class DeviceWorker:
         self.model = qwen3.Model(s, self.weights, self.cos_sin, self.kv_cache)
         self.decode = DecodeBatch(self.model, self.block_size, cfg.max_batch_size, self.max_blocks_per_seq,
                                   self.platform, self.h2d, self.spec.eos_token_ids)
-        if self.device.type == "cpu" and torch.get_num_threads() > 1:
+        if self.platform.is_host and torch.get_num_threads() > 1:
             # NOTE: a lane runs whole forwards on one torch thread: no barrier per op waits
             # for a core another process holds, and a busy host just time-slices the lanes.
             self.lanes = Lanes(torch.get_num_threads(), self._forward_chunks)
@@ -148,7 +148,7 @@ class DeviceWorker:
         """The shared-memory segment other processes on this host map (a CPU cache
         allocated with is_cache_in_shm), else None."""
         return self.platform.share(self.kv_cache) if self.cfg.is_cache_in_shm and \
-            self.device.type == "cpu" else None
+            self.platform.is_host else None
 
     def block_bytes(self) -> int:
         return block_bytes(self.kv_cache)
@@ -369,7 +369,7 @@ class DeviceWorker:
         """Compile the device kernels now, not inside the first request: a node that
         stalls for seconds on it would look dead to the frontend. Writes go to the
         null block; the counters start from zero afterwards."""
-        if self.device.type == "cpu":
+        if self.platform.is_host:
             return
         bs = self.block_size
         self._prefill([PrefillChunk([0], 0, [NULL_BLOCK], SamplingParams()),

@@ -57,8 +57,9 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
-def apply_threads(threads: int | None, cpus: str | None, device: str) -> None:
-    """Pin and size this process's thread pool before any work.
+def apply_threads(threads: int | None, cpus: str | None, is_host_device: bool) -> None:
+    """Pin and size this process's thread pool before any work: by default one thread per
+    core it may run on where the device is the host (the forward runs here), else one.
     NOTE: call before torch's first parallel op: its pool is sized once."""
     import torch
     if threads is not None and threads < 1:
@@ -71,7 +72,7 @@ def apply_threads(threads: int | None, cpus: str | None, device: str) -> None:
         except OSError as e:
             raise ValueError(f"--cpus {cpus}: {e.strerror}") from None
     num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(threads or (num_cores if device == "cpu" else 1))
+    torch.set_num_threads(threads or (num_cores if is_host_device else 1))
 
 
 def keep_freed_memory() -> None:
@@ -99,34 +100,14 @@ def describe_threads() -> str:
     return f"{num} torch thread{'s' * (num > 1)} on {where}"
 
 
-def worker_config(a: argparse.Namespace) -> WorkerConfig:
-    """The worker config from parsed options: ValueError names what is wrong."""
+def worker_config(a: argparse.Namespace, is_host_device: bool) -> WorkerConfig:
+    """The worker config from parsed options (is_host_device: the device's memory is the
+    host's, its platform says): ValueError names what is wrong."""
     set_level(a.log_level)
-    check_device(a.device)
-    apply_threads(a.threads, a.cpus, a.device)
-    if a.device == "cpu":
+    apply_threads(a.threads, a.cpus, is_host_device)
+    if is_host_device:
         keep_freed_memory()
     return WorkerConfig(**flagged(WorkerConfig, a))
-
-
-def check_device(device: str) -> None:
-    """The device exists on this machine, or a ValueError saying what to use instead."""
-    kind, _, index = device.partition(":")
-    if kind == "cuda":
-        import torch
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"--device {device}: this machine has no usable CUDA device "
-                             f"(torch {torch.__version__}); use --device cpu")
-        if index and int(index) >= count:
-            raise ValueError(f"--device {device}: this machine has {count} CUDA device(s), "
-                             f"cuda:0 to cuda:{count - 1}")
-    elif kind == "npu":
-        try:
-            import torch_npu  # noqa: F401
-        except ImportError:
-            raise ValueError(f"--device {device}: torch_npu is not installed; use --device cpu "
-                             f"or install torch_npu on an Ascend host") from None
 
 
 def run_node(prog: str, build, stop: threading.Event) -> int:

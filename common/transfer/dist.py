@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from common.base.log import get_logger
-from common.engine.platform import platform_for
+from common.engine.platform import platform_for, platform_type
 from common.transfer.backend import NO_DATA, Backend, LocalCache, Send, parse
 from common.transfer.copy import TransferError, copy_blocks
 from common.wire.limits import Name, Range
@@ -54,13 +54,9 @@ class DistHeader:
 
 
 def _group(store: dist.Store, name: str, rank: int, device: torch.device):
-    prefixed = dist.PrefixStore(f"pdserve/{name}", store)
-    if device.type == "cuda":
-        return dist.ProcessGroupNCCL(prefixed, rank, 2)
-    if device.type == "npu":
-        import torch_npu  # noqa: F401  (registers ProcessGroupHCCL)
-        return torch.distributed.ProcessGroupHCCL(prefixed, rank, 2)
-    return dist.ProcessGroupGloo(prefixed, rank, 2, JOIN_TIMEOUT)
+    """The pair's group, of the kind the device's platform says (gloo, nccl, hccl)."""
+    return platform_type(device).process_group(dist.PrefixStore(f"pdserve/{name}", store), rank, 2,
+                                               JOIN_TIMEOUT)
 
 
 class _Pipe:

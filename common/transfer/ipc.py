@@ -5,12 +5,11 @@ memory copy through a shared-memory segment on CPU."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 
-from common.engine.platform import PlatformError, platform_for
+from common.engine.platform import PlatformError, platform_for, platform_type
 from common.kv.blocks import is_cache_shape, num_cache_blocks
 from common.transfer.backend import Backend, LocalCache, Send, parse, why_not_same_kind
 from common.transfer.copy import TransferError, copy_blocks
@@ -38,9 +37,8 @@ class IpcDescriptor:
 
 
 def why_unusable(device: torch.device) -> str | None:
-    if device.type == "cpu" and os.path.isdir("/dev/shm") or device.type == "cuda":
-        return None
-    return f"no shared {device.type} memory between processes here"
+    why = platform_type(device).why_not_shared()
+    return None if why is None else f"no shared {device.type} memory between processes here ({why})"
 
 
 def why_not_with(device: torch.device, welcome: KVWelcome, is_local: bool) -> str | None:
@@ -162,4 +160,4 @@ def _open_writer(descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send
 
 
 BACKEND = Backend("ipc", why_unusable, IpcReceiver, _open_writer, why_not_with=why_not_with, is_one_sided=True,
-                  needs_shared_cache=lambda device: device.type == "cpu")
+                  needs_shared_cache=lambda device: platform_type(device).is_host)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from common.base.log import get_logger
-from common.engine.platform import platform_for
+from common.engine.platform import platform_for, platform_type
 from common.kv.blocks import num_cache_blocks
 from common.transfer.backend import NO_DATA, Backend, LocalCache, Send, parse, why_not_same_kind
 from common.transfer.copy import TransferError, runs
@@ -83,7 +83,7 @@ def _module():
 
 
 def why_unusable(device: torch.device) -> str | None:
-    if device.type not in ("cpu", "cuda"):
+    if platform_type(device).nixl_memory is None:
         return f"NIXL's UCX backend has no {device.type} memory (tcp stages through host memory)"
     return _module()[1]
 
@@ -99,7 +99,7 @@ def _agent(cache: torch.Tensor):
         regs = agent.register_memory([cache])
     except Exception as e:   # no UCX transport here (UCX_TLS), no memory registration, ...
         raise TransferError(f"cannot start a NIXL agent: {e}") from None
-    return agent, regs, ("VRAM" if cache.is_cuda else "DRAM"), max(cache.get_device(), 0)
+    return agent, regs, platform_type(cache.device).nixl_memory, max(cache.get_device(), 0)
 
 
 def _plane_bytes(cache_shape, element_size: int) -> int:

@@ -19,7 +19,7 @@ from common.wire.keys import ClusterKeys
 from common.kv.blocks import num_blocks_for
 from common.base.model_spec import ModelSpec, load_spec, preset_spec
 from common.base.config import check_model_dir
-from common.runtime.process import check_device
+from common.engine.platform import check_device
 from common.wire.protocol import (HandoffAck, Heartbeat, ReadyReply, KVTransfer, KVCommit, KVHello, KVReserve,
                              KVReserved, KVWelcome, NodeReady)
 from common.transfer import host_id

@@ -1,0 +1,58 @@
+"""A device is one platform class (common/engine/platform.py): a test adds a stand-in
+device from within itself, touching no other file, and a worker serves on it with
+transformers' own tokens; the process set-up checks it, and the kernels are told of
+its module."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.base.config import WorkerConfig
+from common.base.request import SamplingParams
+from common.engine import platform
+from common.engine.worker import DeviceWorker
+from kernels import options
+from launch.generate import generate
+from tests.conftest import hf_greedy
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    """A device type "standin" whose memory is the host's: everything it declares is its own."""
+    monkeypatch.setattr(platform, "PLATFORMS", dict(platform.PLATFORMS))
+    checked = []
+
+    @platform.register
+    class StandIn(platform.CpuPlatform):
+        type = "standin"
+        kernels = "kernels.portable"     # its kernels module: any module with the ops
+        kernels_off = None
+        default_dtype = torch.float32
+
+        @classmethod
+        def torch_device(cls, name: str) -> torch.device:
+            return torch.device("cpu")
+
+        @classmethod
+        def check(cls, device: torch.device) -> None:
+            checked.append(device)
+    yield StandIn, checked
+    monkeypatch.undo()
+    platform.configure_kernels()   # the options as the real platforms say
+
+
+def test_a_stand_in_device_serves_with_transformers_tokens(standin, tiny_model):
+    cls, checked = standin
+    platform.check_device("standin:0")
+    assert checked == [torch.device("cpu")]
+    prompts = [[5, 17, 99, 3, 250], [7] * 20]
+    with DeviceWorker(WorkerConfig(model=str(tiny_model), device="standin:0", kv_cache_memory=2**20)) as w:
+        assert isinstance(w.platform, cls) and w.dtype == torch.float32
+        got = [r["token_ids"] for r in generate(w, prompts, [SamplingParams(max_tokens=8, ignore_eos=True)] * 2)]
+    assert got == hf_greedy(tiny_model, prompts, 8)
+    assert ("standin", "kernels.portable") in options.current[0].fast   # its kernels, as it declared
+
+
+def test_an_unknown_device_type_names_the_ones_there_are():
+    with pytest.raises(ValueError, match="cpu, cuda, npu"):
+        platform.check_device("tpu:0")
