@@ -81,3 +81,20 @@ def test_every_module_the_pages_run_answers_help():
         if done.returncode != 0 or "usage" not in (done.stdout + done.stderr).lower():
             failed.append(f"{m}: {done.returncode} {done.stderr.strip()[-300:]}")
     assert not failed, failed
+
+
+@pytest.mark.cluster
+def test_the_commands_that_run_here_run_as_written(tmp_path):
+    """docs/commands.md's own commands, with its placeholders filled: a tiny model, offline
+    generation on it, keys for a cluster."""
+    text = (ROOT / "docs" / "commands.md").read_text()
+    model, keys = tmp_path / "model", tmp_path / "keys"
+    for needle in ("pdserve make-tiny-model DIR", "python -m launch.generate --model DIR --prompt TEXT",
+                   "pdserve keys DIR --nodes prefill-0,decode-0"):
+        assert needle in text, needle
+    for argv in (["-m", "launch.cli", "make-tiny-model", str(model)],
+                 ["-m", "launch.generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "3", "--json"],
+                 ["-m", "launch.cli", "keys", str(keys), "--nodes", "prefill-0,decode-0"]):
+        done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert done.returncode == 0, (argv, done.stderr[-2000:])
+    assert (model / "config.json").is_file() and (keys / "prefill-0.key_secret").is_file()
