@@ -12,17 +12,7 @@ import pytest
 from launch import cluster_plan
 from launch.cluster_plan import PlanError, make_plan, parse
 from launch.supervisor import Backoff, Supervisor
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, s: float) -> None:
-        self.now += s
+from tests.handoff_util import FakeClock
 
 
 class FakeProc:
@@ -65,7 +55,7 @@ def _supervisor(tmp_path, *args: str, ready=lambda plan, pid: True, stubborn=())
         p = FakeProc(argv, stubborn=argv[1] in stubborn)
         spawned.append(p)
         return p
-    sup = Supervisor(_plan(*args), tmp_path, spawn=spawn, clock=clock, sleep=clock.sleep, ask_frontend=ready)
+    sup = Supervisor(_plan(*args), tmp_path, spawn=spawn, clock=clock, sleep=clock.advance, ask_frontend=ready)
     return sup, clock, spawned
 
 
@@ -121,9 +111,9 @@ def test_a_node_that_dies_is_restarted_after_its_backoff(tmp_path):
     decode = sup.procs["decode-0"]
     decode.exit(9)
     assert sup.turn() is None and "decode-0" in sup.restart_at and sup.procs["decode-0"] is decode
-    clock.sleep(0.5)
+    clock.advance(0.5)
     assert sup.turn() is None and sup.procs["decode-0"] is decode          # 1 s not over yet
-    clock.sleep(0.6)
+    clock.advance(0.6)
     assert sup.turn() is None and sup.procs["decode-0"] is not decode      # started again
     sup.procs["decode-0"].exit(9)
     sup.turn()
@@ -151,7 +141,7 @@ def test_readiness_is_every_node_registered_or_a_clear_reason(tmp_path):
     for n in sup.plan.nodes:
         sup.start_node(n)
     (tmp_path / "decode-0").touch()   # decode-1 and prefill-0 never register
-    assert sup.wait_ready(30) == "not ready after 30s; stopping" and clock.now >= 130
+    assert sup.wait_ready(30) == "not ready after 30s; stopping" and clock.now >= 1030
     for n in sup.plan.nodes:
         (tmp_path / n.name).touch()
     assert sup.wait_ready(30) is None
