@@ -248,12 +248,11 @@ class DeviceWorker:
         logits = qwen3.compute_logits(self.weights, last_hidden[sampled_idx])
         # Rows to sample: (chunk, 0) its own first token, (chunk, j) its fork j's (n > 1),
         # which samples the same logits again with its own params (seed).
-        rows = [(i, j) for i in sampled_idx for j in range(1 + len(chunks[i].fork_params))]
+        rows = [(k, i, j) for k, i in enumerate(sampled_idx) for j in range(1 + len(chunks[i].fork_params))]
         row_logits = logits if len(rows) == len(sampled_idx) else \
-            logits[self._to_device([k for k, i in enumerate(sampled_idx) for _ in range(1 + len(chunks[i].fork_params))],
-                                   torch.int64)]
-        ps = [chunks[i].fork_params[j - 1] if j else chunks[i].params for i, j in rows]
-        positions = [chunks[i].context_len + len(chunks[i].token_ids) for i, _ in rows]
+            logits[self._to_device([k for k, _, _ in rows], torch.int64)]
+        ps = [chunks[i].fork_params[j - 1] if j else chunks[i].params for _, i, j in rows]
+        positions = [chunks[i].context_len + len(chunks[i].token_ids) for _, i, _ in rows]
         reported = [None] * len(rows)
         if all(p.is_plain for p in ps):
             tokens = sample(row_logits,
@@ -263,10 +262,10 @@ class DeviceWorker:
                             self._to_device([p.seed for p in ps], torch.int64),
                             self._to_device(positions, torch.int64)).tolist()
         else:
-            tokens, reported = logit_rules.choose_first(row_logits, ps, [chunks[i].history for i, _ in rows],
+            tokens, reported = logit_rules.choose_first(row_logits, ps, [chunks[i].history for _, i, _ in rows],
                                                         positions, self.spec.eos_token_ids, self._to_device,
-                                                        [chunks[i].mask for i, _ in rows])
-        for (i, j), t, lp in zip(rows, tokens, reported):
+                                                        [chunks[i].mask for _, i, _ in rows])
+        for (_, i, j), t, lp in zip(rows, tokens, reported):
             if j:
                 chunks[i].fork_tokens.append(t)
                 chunks[i].fork_logprobs.append(lp)

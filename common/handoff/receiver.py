@@ -179,7 +179,11 @@ class Receiver:
 
     def holds_fork(self, request_id: str) -> bool:
         """A fork of a request held or in line here (it runs once that request is admitted)."""
-        return any(request_id in r.fork_ids for r in (*self.held.values(), *self.waiting))
+        return self._forked_into(request_id) is not None
+
+    def _forked_into(self, request_id: str) -> Reservation | None:
+        """The reservation, held or in line, that request_id is a fork of."""
+        return next((r for r in (*self.held.values(), *self.waiting) if request_id in r.fork_ids), None)
 
     def _reserve(self, r: Reservation) -> None:
         r.block_ids, r.num_reserved = self.pool.take_blocks(r.prompt_len, r.max_tokens, r.num_seqs)
@@ -323,11 +327,9 @@ class Receiver:
         self.recently_aborted = {r: t for r, t in self.recently_aborted.items()
                                  if now - t < ABORT_MEMORY_S}
         self.recently_aborted[request_id] = now   # a late reserve or commit is refused
-        group = next((g for g in (*self.held.values(), *self.waiting) if request_id in g.fork_ids), None) \
-            or self.held.get(request_id) or self._in_line(request_id)
+        group = self._forked_into(request_id) or self.held.get(request_id) or self._in_line(request_id)
         if group is not None and group.fork_ids:
-            group.aborted_ids.add(request_id)
-            if len(group.aborted_ids) <= len(group.fork_ids):
+            if not group.give_up(request_id):
                 return
             request_id = group.request_id
         r = self.held.get(request_id)

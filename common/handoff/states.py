@@ -150,3 +150,9 @@ class Reservation:
     @property
     def num_seqs(self) -> int:
         return 1 + len(self.fork_ids)
+
+    def give_up(self, request_id: str) -> bool:
+        """The frontend gave up request_id, it or one of its forks: does all of it go? Not
+        while another of its n sequences goes on (the one given up ends as it is admitted)."""
+        self.aborted_ids.add(request_id)
+        return len(self.aborted_ids) >= self.num_seqs
