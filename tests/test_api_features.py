@@ -108,10 +108,15 @@ def _figure(cluster, node: str, key: str) -> int:
 
 
 def _settled(cluster) -> list[int]:
-    """Handoffs of prefill-0 and sequences forked on decode-0, once the heartbeats (every
-    0.5 s) have told what ended before this."""
-    time.sleep(1.2)
-    return [_figure(cluster, "prefill-0", "num_handoffs"), _figure(cluster, "decode-0", "num_forked")]
+    """Handoffs of prefill-0 and sequences forked on decode-0, from figures taken after
+    this call (stats_at): they count every request that ended before it."""
+    t0 = time.time()
+
+    def fresh():
+        nodes = cluster.stats()
+        if all(nodes[n].get("stats_at", 0) > t0 for n in ("prefill-0", "decode-0")):
+            return [nodes["prefill-0"].get("num_handoffs", 0), nodes["decode-0"].get("num_forked", 0)]
+    return wait_for(fresh, 10, "each node's figures taken after the earlier requests ended")
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, PROMPT[:16]], ids=["partial-block", "full-blocks"])

@@ -119,7 +119,8 @@ class NodeRuntime:
         self.take_link_reset()
         if self.heartbeat.wants_stats.is_set():
             self.heartbeat.wants_stats.clear()
-            self.heartbeat.publish(self._stats())
+            # stats_at (wall clock): when the figures were taken, so a reader knows what they count
+            self.heartbeat.publish({**self._stats(), "stats_at": round(time.time(), 3)})
         self.quit(self.registration.tick())
         if self.drain_asked.is_set() and not self.is_draining:
             self.drain_until = time.monotonic() + self.drain_timeout_s
