@@ -36,6 +36,10 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_len
                                             query_lens, context_lens, scale, meta)
 
 
+def linear(x, weight, bias=None):
+    return backend_for(x).linear(x, weight, bias)
+
+
 def silu_mul(gate_up):
     return backend_for(gate_up).silu_mul(gate_up)
 

@@ -15,7 +15,7 @@ from kernels.options import KernelOptions
 
 log = logging.getLogger("pdserve.kernels")
 _OPS = ("rms_norm", "add_rms_norm", "qk_norm_rope", "write_kv", "prefill_attention",
-        "decode_attention", "silu_mul", "qk_norm_rope_write_kv", "compute_slot_mapping",
+        "decode_attention", "linear", "silu_mul", "qk_norm_rope_write_kv", "compute_slot_mapping",
         "advance_step")
 
 

@@ -1,7 +1,8 @@
-"""CPU ops beyond the portable ones, in C (cpu_attention.c): paged decode and prefill
-attention, and fp32 norms, rotary embedding and the gated activation in one pass each.
+"""CPU ops beyond the portable ones, in C: paged decode and prefill attention, and fp32
+norms, rotary embedding and the gated activation in one pass each (cpu_attention.c);
+matmuls with bf16 weights on a CPU without bf16 matrix instructions (cpu_linear.c).
 
-The C file is built once per source, compiler and CPU with the system compiler
+The C files are built once per source, compiler and CPU with the system compiler
 and cached in the build directory the engine names (kernels/options.py:
 $PDSERVE_HOME/kernels); importing this module raises ImportError
 (and kernels/backends.py keeps the portable op) where it cannot be built.
@@ -21,15 +22,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kernels import options, portable
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_linear.c")]
 # NOTE: -ffast-math lets expf vectorize (glibc libmvec); the kernel sees no inf or NaN:
 # scores are finite and the max it subtracts is one of them.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC", "-std=gnu11"]
 MIN_ROWS_PER_THREAD = 8
 PREFILL_HEAD_DIM_MULTIPLE = 16   # the prefill kernel's register tile (DB in the C file)
+# From this many rows of x, a bf16 weight is widened whole and the matmul runs at the fp32
+# rate; below it, the C kernel streams the weight once (measured crossover on AVX2: 64-128).
+LINEAR_WIDEN_ROWS = 96
+LINEAR_COLUMNS = 8                 # the C kernel's column tile: threads split N in these
+MIN_COLUMNS_PER_THREAD = 256
+# NOTE: where oneDNN has bf16 (AVX512-BF16, AMX), torch's own bf16 matmul is the fast one.
+IS_BF16_NATIVE = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _cpu_flags() -> str:
@@ -47,7 +56,7 @@ def _build(cache_dir: Path) -> Path:
     if not cc:
         raise ImportError("no C compiler (cc or gcc) to build the CPU attention kernel")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS),
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), version, " ".join(FLAGS),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     lib = cache_dir / f"cpu_attention-{key}.so"
     if lib.is_file():
@@ -55,8 +64,9 @@ def _build(cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
-    for libs in (["-lmvec", "-lm"], ["-lm"]):   # libmvec: glibc's vector math, where there is one
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *libs], capture_output=True, text=True)
+    # libmvec: glibc's vector math, where there is one; OpenMP: torch's runtime, where it can be linked
+    for libs in (["-fopenmp", "-lmvec", "-lm"], ["-fopenmp", "-lm"], ["-lmvec", "-lm"], ["-lm"]):
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), *libs], capture_output=True, text=True)
         if done.returncode == 0:
             break
     if done.returncode != 0:
@@ -88,13 +98,15 @@ def _load():
                    "norm_rope": (lib.pdserve_norm_rope_f32, [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32]),
                    "silu_mul": (lib.pdserve_silu_mul_f32, [ptr, i64, ptr, i64, i64]),
                    "scatter_rows": (lib.pdserve_scatter_rows_f32, [ptr, i64, ptr, ptr, i64, i64]),
-                   "slot_mapping": (lib.pdserve_slot_mapping, [ptr, ptr, i64, i64, i64, ptr, i64])}
+                   "slot_mapping": (lib.pdserve_slot_mapping, [ptr, ptr, i64, i64, i64, ptr, i64]),
+                   "linear_bf16": (lib.pdserve_linear_bf16, [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64])}
     for fn, argtypes in elementwise.values():
         fn.argtypes, fn.restype = argtypes, None
-    return fns, prefill, {name: fn for name, (fn, _) in elementwise.items()}
+    lib.pdserve_has_openmp.restype = ctypes.c_int
+    return fns, prefill, {name: fn for name, (fn, _) in elementwise.items()}, bool(lib.pdserve_has_openmp())
 
 
-_FNS, _PREFILL, _ELEMENTWISE = _load()
+_FNS, _PREFILL, _ELEMENTWISE, HAS_OPENMP = _load()
 _POOL: list[ThreadPoolExecutor] = []   # made on first use by a process given several threads
 
 
@@ -138,7 +150,9 @@ def _run_split(run, num_items: int, max_parts: int) -> None:
     num_parts = min(torch.get_num_threads(), max_parts)
     if num_parts > 1:
         bounds = [num_items * i // num_parts for i in range(num_parts + 1)]
-        codes = list(_pool(num_parts).map(run, bounds[:-1], bounds[1:]))
+        rest = [_pool(num_parts - 1).submit(run, i0, i1) for i0, i1 in zip(bounds[1:-1], bounds[2:])]
+        codes = [run(bounds[0], bounds[1])]   # the calling thread takes the first slice
+        codes += [f.result() for f in rest]
     else:
         codes = [run(0, num_items)]
     if any(codes):
@@ -268,3 +282,33 @@ def silu_mul(gate_up):
     out = torch.empty((gate_up.shape[0], size), dtype=gate_up.dtype)
     _ELEMENTWISE["silu_mul"](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], size)
     return out
+
+
+def linear(x, weight, bias=None):
+    """As portable.linear. A bf16 weight under fp32 activations, on a CPU without bf16
+    matrix instructions: for a small batch the C kernel reads the weight once, in place,
+    widening it in registers; a large batch widens it whole and multiplies at the fp32 rate
+    (the widened copy is the batch's scratch, not kept: memory stays at the checkpoint's)."""
+    if IS_BF16_NATIVE or not (weight.dtype == torch.bfloat16 and x.dtype == torch.float32
+                              and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
+                              and x.device.type == "cpu" and weight.device.type == "cpu"):
+        return portable.linear(x, weight, bias)
+    num_rows, size = x.shape
+    if num_rows >= LINEAR_WIDEN_ROWS:
+        return F.linear(x, weight.float(), None if bias is None else bias.float())
+    num_columns = weight.shape[0]
+    out = torch.empty((num_rows, num_columns), dtype=torch.float32)
+
+    def run(u0: int, u1: int, num_threads: int = 1) -> int:
+        _ELEMENTWISE["linear_bf16"](x.data_ptr(), x.stride(0), weight.data_ptr(), size, out.data_ptr(),
+                                    num_columns, num_rows, u0 * LINEAR_COLUMNS,
+                                    min(u1 * LINEAR_COLUMNS, num_columns), num_threads)
+        return 0
+
+    num_units = -(-num_columns // LINEAR_COLUMNS)
+    max_threads = max(num_columns // MIN_COLUMNS_PER_THREAD, 1)
+    if HAS_OPENMP:
+        run(0, num_units, min(torch.get_num_threads(), max_threads))
+    else:
+        _run_split(run, num_units, max_threads)
+    return out if bias is None else out.add_(bias)

@@ -62,10 +62,10 @@ def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, cos_sin, positions, eps, 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k, v [T, Hk, D] into the caches at slot_mapping [T]."""
+    """k, v [T, Hk, D] into the caches at slot_mapping [T] (rounded to the cache's dtype)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), v.to(v_cache.dtype))
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -115,6 +115,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :],
                                        scale=scale, enable_gqa=True)          # [B, Hq, 1, D]
     return o[:, :, 0]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N], in x's dtype (the activations'), with
+    the weight in its own (a CPU keeps bf16 weights under fp32 activations)."""
+    if x.dtype == weight.dtype:
+        return F.linear(x, weight, bias)
+    out = F.linear(x.to(weight.dtype), weight, bias)
+    return out.to(x.dtype)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -217,3 +217,54 @@ def test_parse_cpus():
     assert parse_cpus("0-2,5") == {0, 1, 2, 5} and parse_cpus("3") == {3}
     with pytest.raises(ValueError, match="core numbers"):
         parse_cpus("a")
+
+
+@needs_cc
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 8, 33, 200])
+def test_bf16_weight_linear_equals_the_fp32_matmul_on_one_thread_and_two(num_rows):
+    """x [M, K] fp32 by a bf16 weight: the C kernel (small M) and the widened fp32 matmul
+    (large M) equal x @ W.float()^T, whatever the columns' tail and the threads."""
+    g = torch.Generator().manual_seed(num_rows)
+    w = torch.randn(8 * 37 + 5, 136, generator=g).bfloat16()   # N not a multiple of the 8-column tile
+    x = torch.randn(num_rows, 136, generator=g)
+    bias = torch.randn(w.shape[0], generator=g).bfloat16()
+    ref = torch.nn.functional.linear(x, w.float(), bias.float())
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = cpu.linear(x, w, bias)
+            assert out.dtype == torch.float32 and out.shape == ref.shape
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+    assert backend_for(x).linear is cpu.linear
+
+
+@pytest.mark.parametrize("weight_std", [0.02, 0.3])
+def test_cpu_bf16_logits_as_accurate_as_transformers_bf16(make_model, weight_std):
+    """A CPU node in bf16 keeps bf16 weights and KV and sums in fp32: its logits must be no
+    less accurate (against fp32 transformers) than transformers' own bf16 forward."""
+    from transformers import Qwen3ForCausalLM
+    from common.base.config import WorkerConfig
+    from common.base.request import SamplingParams
+    from common.engine.worker import DeviceWorker, PrefillChunk
+    from common.kv.blocks import BlockAllocator, num_blocks_for
+    model = make_model(hidden_size=128, intermediate_size=256, heads=4, kv_heads=2, head_dim=32, layers=3,
+                       weight_std=weight_std)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (1, 17, 120)]
+    hf32 = Qwen3ForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    hf16 = Qwen3ForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16).eval()
+    cfg = WorkerConfig(model=str(model), device="cpu", dtype="bfloat16", kv_cache_memory=16 * 2**20)
+    with DeviceWorker(cfg) as worker:
+        assert worker.kv_cache.dtype == torch.bfloat16 and worker.weights.layers[0].qkv.dtype == torch.bfloat16
+        alloc = BlockAllocator(worker.num_kv_blocks)
+        chunks = [PrefillChunk(p, 0, alloc.allocate(num_blocks_for(len(p), 16)), SamplingParams()) for p in prompts]
+        _, logits = worker.prefill(chunks, return_logits=True)
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
+    with torch.no_grad():
+        for p, ours in zip(prompts, logits):
+            ref32 = hf32(torch.tensor([p])).logits[0, -1]
+            ref16 = hf16(torch.tensor([p])).logits[0, -1].float()
+            assert rel(ours, ref32) <= rel(ref16, ref32) + 2e-3, (len(p), rel(ours, ref32), rel(ref16, ref32))

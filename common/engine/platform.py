@@ -10,7 +10,7 @@ What a platform declares:
     check(device)           ValueError, in one line naming the fix, if this machine lacks it
     kernels                 its fast kernels' module (kernels/), or None: the portable ops
     kernels_off             the environment switch (common/base/env.py field) that turns them off
-    is_host                 its memory is the host's (threads per core, a CPU-sized KV budget)
+    is_host                 its memory is the host's (threads per core, CPU KV budget, fp32 sums)
     default_dtype           when --dtype is not given
     nixl_memory             NIXL's memory kind for its cache ("DRAM", "VRAM"), or None: no NIXL
     why_not_shared()        why processes on one host cannot share its memory, or None

@@ -6,6 +6,7 @@ per layer, so a layer is four matmuls.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -94,23 +95,24 @@ class AttentionInputs:
 
 def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
             input_ids: torch.Tensor, positions: torch.Tensor,
-            attn: AttentionInputs) -> torch.Tensor:
+            attn: AttentionInputs, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
     """input_ids, positions [T]; kv_cache [L, 2, num_blocks, block_size, Hk, D].
-    Returns the final normed hidden states [T, H]."""
+    Returns the final normed hidden states [T, H]. between_layers(), if given, runs
+    after each layer but the last (a CPU node resizes its threads there)."""
     num_tokens = input_ids.shape[0]
     eps, d = spec.rms_norm_eps, spec.head_dim
     scale = d ** -0.5
     # The ops for this device, looked up once per forward (per call, on CPU, the lookup
     # is a visible share of a small step).
     ops = kernels.backend_for(input_ids)
-    h = F.embedding(input_ids, w.embed)
+    h = F.embedding(input_ids, w.embed).to(w.norm.dtype)   # activations: the norms' dtype
     residual = None
     for i, layer in enumerate(w.layers):
         if residual is None:
             x, residual = ops.rms_norm(h, layer.input_norm, eps), h
         else:
             x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         q = q.view(num_tokens, spec.num_heads, d)
         k = k.view(num_tokens, spec.num_kv_heads, d)
@@ -124,13 +126,25 @@ def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: t
         else:
             o = ops.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale,
                                      attn.host_seq_lens)
-        h = F.linear(o.reshape(num_tokens, spec.q_size), layer.o_proj)
+        h = ops.linear(o.reshape(num_tokens, spec.q_size), layer.o_proj)
         x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
-        h = F.linear(ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)
+        h = ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up)), layer.down)
+        if between_layers is not None and i + 1 < len(w.layers):
+            between_layers()
     h, _ = ops.add_rms_norm(h, residual, w.norm, eps)
     return h
 
 
 def compute_logits(w: Qwen3Weights, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [N, H] -> fp32 logits [N, V]."""
-    return F.linear(hidden, w.lm_head).float()
+    return kernels.linear(hidden, w.lm_head).float()
+
+
+def set_activation_dtype(w: Qwen3Weights, dtype: torch.dtype) -> None:
+    """Activations in `dtype` whatever the matrices' (a host computes in fp32 over bf16
+    weights): the vectors they meet elementwise (norms, bias) are held in it."""
+    for layer in w.layers:
+        for name in ("input_norm", "q_norm", "k_norm", "post_norm", "qkv_bias"):
+            if getattr(layer, name) is not None:
+                setattr(layer, name, getattr(layer, name).to(dtype))
+    w.norm = w.norm.to(dtype)
