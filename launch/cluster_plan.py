@@ -63,6 +63,7 @@ class Plan:
     nodes: list[Node]
     ports: list[int]                  # every port bound on this host
     threads: dict[str, int]           # node name -> its --threads
+    core_pools: dict[str, str] = field(default_factory=dict)   # node name -> its --core-pool
     remote: list[str] = field(default_factory=list)     # ["--allow-remote"] beyond loopback
     advertise: str = ""               # the host decode nodes advertise, under a wildcard --host
     key_args: list[str] = field(default_factory=list)
@@ -100,6 +101,7 @@ SWITCHES = {"--no-http": ("no_http", True), "--no-keys": ("no_keys", True), "--n
             "--restart-nodes": ("no_restart", False), "--no-preemption": ("no_preemption", True),
             "--kv-verify": ("kv_verify", True), "--demo": ("demo", True),
             "--enable-auto-tool-choice": ("auto_tool_choice", True), "--allow-json-whitespace": ("json_whitespace", True),
+            "--core-sharing": ("core_sharing", True),
             "--no-prefix-caching": ("no_prefix_caching", True), "--no-enable-prefix-caching": ("no_prefix_caching", True),
             "-h": ("help", True), "--help": ("help", True)}
 PASSED_ON = {"--frontend-arg": "frontend_args", "--prefill-arg": "prefill_args", "--decode-arg": "decode_args"}
@@ -153,6 +155,20 @@ def thread_split(num_cores: int, devices: dict[str, tuple[str, str]]) -> dict[st
     return {n: 1 if d != "cpu" else prefill if role == "prefill" else decode for n, (role, d) in devices.items()}
 
 
+def core_pools(num_cores: int, devices: dict[str, tuple[str, str]], base: int) -> dict[str, str]:
+    """name -> --core-pool NAME:BUDGET:SHARE for the CPU nodes started here: they share the
+    host's cores (common/engine/cores.py), each owed the split thread_split would give a
+    decode node, the prefill nodes what is left, every one capped at all of them."""
+    cpu = [n for n, (_, d) in devices.items() if d == "cpu"]
+    if len(cpu) < 2 or num_cores < 2:
+        return {}
+    num_decode = sum(1 for n in cpu if devices[n][0] == "decode")
+    decode = max(num_cores // len(cpu), 1)
+    prefill = max((num_cores - decode * num_decode) // max(len(cpu) - num_decode, 1), 1)
+    return {n: f"pdserve-cores-{base}:{num_cores}:{min(decode if devices[n][0] == 'decode' else prefill, num_cores)}"
+            for n in cpu}
+
+
 def make_plan(a: argparse.Namespace, num_cores: int, home: Path) -> Plan:
     base = _port(a.base_port, "--base-port", 65000)
     if not a.no_http:
@@ -189,8 +205,11 @@ def make_plan(a: argparse.Namespace, num_cores: int, home: Path) -> Plan:
     ports = [] if a.join else [base, base + 1] + ([] if a.no_http else [int(a.http_port)])
     ports += [base + 2 + i for i in range(len(decode_devs))]
     model = a.model or str(home / "tiny-qwen3")
-    return Plan(a, model, f"tcp://{addr}:{base}", node_link, nodes, ports,
-                thread_split(num_cores, {n.name: (n.role, n.device) for n in nodes}),
+    devices = {n.name: (n.role, n.device) for n in nodes}
+    threads = thread_split(num_cores, devices)
+    pools = core_pools(num_cores, devices, base) if a.core_sharing else {}
+    threads.update({n: num_cores for n in pools})   # a pooled node's cap: every core, when lent
+    return Plan(a, model, f"tcp://{addr}:{base}", node_link, nodes, ports, threads, pools,
                 [] if is_local and is_local_link else ["--allow-remote"], advertise)
 
 
@@ -223,6 +242,7 @@ def node_argv(plan: Plan, node: Node) -> list[str]:
                    ("kv_cache_fraction", "--kv-cache-fraction"), ("log_level", "--log-level"))
     argv += ["--device", node.device, "--name", node.name, "--threads", str(plan.threads[node.name]),
              "--frontend", plan.node_link, *plan.key_args, *plan.remote]
+    argv += ["--core-pool", plan.core_pools[node.name]] if node.name in plan.core_pools else []
     if node.role == "decode":
         argv += ["--kv-bind", node.kv]
         if plan.advertise:

@@ -71,14 +71,21 @@ def test_options_read_as_the_launcher_always_read_them():
 
 
 def test_the_plan_names_nodes_ports_and_threads():
-    plan = _plan("--num-prefill", "2", "--name-prefix", "a-", "--base-port", "7000")
+    plan = _plan("--num-prefill", "2", "--name-prefix", "a-", "--base-port", "7000", "--core-sharing")
     assert [(n.name, n.role, n.kv) for n in plan.nodes] == [
         ("a-decode-0", "decode", "tcp://127.0.0.1:7002"), ("a-prefill-0", "prefill", ""), ("a-prefill-1", "prefill", "")]
     assert plan.ports == [7000, 7001, 8000, 7002] and plan.remote == []
-    # 4 cores: the two cpu prefill nodes split them; the decode node an even share of the three
-    assert plan.threads == {"a-decode-0": 1, "a-prefill-0": 2, "a-prefill-1": 2}
+    # 4 cores shared by the three cpu nodes: each may use all 4 when the others idle; the
+    # decode node is owed an even share, the prefill nodes split what is left
+    assert plan.threads == {"a-decode-0": 4, "a-prefill-0": 4, "a-prefill-1": 4}
+    assert plan.core_pools == {"a-decode-0": "pdserve-cores-7000:4:1", "a-prefill-0": "pdserve-cores-7000:4:1",
+                               "a-prefill-1": "pdserve-cores-7000:4:1"}
+    argv = cluster_plan.node_argv(plan, plan.nodes[1])
+    assert argv[argv.index("--core-pool") + 1] == "pdserve-cores-7000:4:1"
+    fixed = _plan("--num-prefill", "2")
+    assert fixed.core_pools == {} and fixed.threads == {"decode-0": 1, "prefill-0": 2, "prefill-1": 2}
     gpu = _plan("--prefill-devices", "cuda:0,cuda:1", "--decode-device", "cpu")
-    assert gpu.threads == {"decode-0": 4, "prefill-0": 1, "prefill-1": 1}
+    assert gpu.threads == {"decode-0": 4, "prefill-0": 1, "prefill-1": 1} and gpu.core_pools == {}
     argv = cluster_plan.node_argv(plan, plan.nodes[0])
     assert argv[:2] == ["-m", "decode_node"] and argv[argv.index("--kv-bind") + 1] == "tcp://127.0.0.1:7002"
     joined = _plan("--join", "tcp://10.0.0.1:5601", "--no-keys", "--num-prefill", "0", "--host", "10.0.0.2")

@@ -63,6 +63,15 @@ def check_model_dir(path: str, needs_tokenizer: bool = False) -> None:
                          f"copy them into the directory")
 
 
+def parse_core_pool(text: str) -> tuple[str, int, int]:
+    """--core-pool NAME:BUDGET:SHARE -> (name, budget, share); ValueError says what is wrong."""
+    m = re.fullmatch(r"([A-Za-z0-9._-]{1,100}):(\d+):(\d+)", text)
+    if not m or not 1 <= int(m[3]) <= int(m[2]):
+        raise ValueError(f"--core-pool takes NAME:BUDGET:SHARE (letters, digits, '.', '_', '-'; "
+                         f"1 <= SHARE <= BUDGET), got {text!r}")
+    return m[1], int(m[2]), int(m[3])
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str | None = field(default=None, metadata=flag("--model", "a Hugging Face Qwen3 model directory"))
@@ -88,6 +97,10 @@ class WorkerConfig:
     use_graphs: bool = field(default=True, metadata=flag(
         "--no-graphs", "eager decode steps on CUDA (default: CUDA graphs where available)",
         "--enforce-eager"))
+    core_pool: str | None = field(default=None, metadata=flag(
+        "--core-pool", "CPU: share the host's cores with the other nodes of this pool, "
+        "NAME:BUDGET:SHARE (cores in all, cores owed to this node); --threads caps this node",
+        parse=str, metavar="NAME:BUDGET:SHARE"))
     is_cache_in_shm: bool = False     # CPU: the cache lives in a shared-memory segment (ipc KV transfer)
     seed: int = 0                     # random weights
 
@@ -96,6 +109,8 @@ class WorkerConfig:
             raise ValueError("give exactly one of model (a directory) or shape (a preset)")
         if self.model is not None:
             check_model_dir(self.model)
+        if self.core_pool is not None:
+            parse_core_pool(self.core_pool)
         if not _DEVICE_RE.match(self.device):   # which types exist: the engine's platforms
             raise ValueError(f"device must be TYPE or TYPE:N (cpu, cuda:N, npu:N), got {self.device!r}")
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -61,6 +61,8 @@ class DecodeBatch:
         self.device_busy_s = 0.0      # steps, measured on the device (where it has events)
         self.device_idle_s = 0.0      # gaps between consecutive steps on the device
         self._last_end = None
+        self.cores = None             # CPU: the host's shared cores (cores.py), asked each step
+        self.step_threads = 1         # cores a step is worth (the worker's estimate)
         n, dev, pinned = max_batch_size, h2d.device, platform.is_pinned
         self._input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self._seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
@@ -276,7 +278,14 @@ class DecodeBatch:
             if self._host_has_step_mask[:n].any():
                 self._h2d.write(self._masks[:n], self._mask_staging[:n])
             width = num_blocks_for(int(self.host_seq_lens[:n].max()), self.block_size)
-            self._run(n, width, is_greedy, None if is_plain else int(ks.max()))
+            if self.cores is None:
+                self._run(n, width, is_greedy, None if is_plain else int(ks.max()))
+            else:
+                self.cores.begin(self.step_threads)
+                try:
+                    self._run(n, width, is_greedy, None if is_plain else int(ks.max()), self.cores.between_layers)
+                finally:
+                    self.cores.end()
         ticket.end = p.event(timing=True)
         self._sampled_host[ticket.slot, :n].copy_(self._sampled[:n], non_blocking=True)
         if (ks >= 0).any():
@@ -314,7 +323,8 @@ class DecodeBatch:
         """The node has nothing to run: the gap before the next step is not device idleness."""
         self._last_end = None
 
-    def _run(self, n: int, width: int, is_greedy: bool, num_logprobs: int | None = None) -> None:
+    def _run(self, n: int, width: int, is_greedy: bool, num_logprobs: int | None = None,
+             between_layers=None) -> None:
         """The device part of a step over rows [0, n) with block tables [n, width].
         num_logprobs: None for a plain batch, else the most alternatives any row asked
         for (-1: none; the full path all the same)."""
@@ -330,7 +340,7 @@ class DecodeBatch:
                                      host_seq_lens=host_lens)
         m = self.model
         hidden = qwen3.forward(m.spec, m.weights, m.kv_cache, m.cos_sin, self._input_ids[:n],
-                               torch.sub(seq_lens, 1, out=self._positions[:n]), attn)
+                               torch.sub(seq_lens, 1, out=self._positions[:n]), attn, between_layers)
         logits = qwen3.compute_logits(m.weights, hidden)
         if num_logprobs is not None:
             rows = self._rows.rows(n) if self._rows is not None else None

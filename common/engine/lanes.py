@@ -38,11 +38,11 @@ class Lanes:
     def _on_lane(self, chunks: list) -> torch.Tensor:
         return self._forward(chunks)
 
-    def split(self, chunks: list) -> list[list[int]]:
-        """Chunk indices per lane, balanced by tokens (largest first). NOTE: chunks that
-        asked for prompt logprobs need all of their hidden states, which only a pass in
-        one piece keeps."""
-        num_lanes = min(self.num_lanes, len(chunks))
+    def split(self, chunks: list, num_lanes: int | None = None) -> list[list[int]]:
+        """Chunk indices per lane (at most num_lanes, default all), balanced by tokens
+        (largest first). NOTE: chunks that asked for prompt logprobs need all of their
+        hidden states, which only a pass in one piece keeps."""
+        num_lanes = min(num_lanes or self.num_lanes, len(chunks))
         if num_lanes < 2 or any(c.prompt_targets is not None for c in chunks):
             return [list(range(len(chunks)))]
         lanes: list[list[int]] = [[] for _ in range(num_lanes)]
@@ -53,10 +53,11 @@ class Lanes:
             loads[j] += len(chunks[i].token_ids) + chunks[i].context_len // 4
         return [sorted(lane) for lane in lanes if lane]
 
-    def forward(self, chunks: list) -> torch.Tensor:
-        lanes = self.split(chunks)
-        if len(lanes) == 1 and sum(len(c.token_ids) for c in chunks) >= MIN_TOKENS_PER_THREAD * self.num_lanes:
-            torch.set_num_threads(self.num_lanes)   # every thread on one long chunk
+    def forward(self, chunks: list, num_lanes: int | None = None) -> torch.Tensor:
+        num_lanes = num_lanes or self.num_lanes
+        lanes = self.split(chunks, num_lanes)
+        if len(lanes) == 1 and num_lanes > 1 and sum(len(c.token_ids) for c in chunks) >= MIN_TOKENS_PER_THREAD * num_lanes:
+            torch.set_num_threads(num_lanes)   # every thread on one long chunk
             try:
                 return self._forward(chunks)
             finally:

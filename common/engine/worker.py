@@ -17,13 +17,14 @@ import numpy as np
 import torch
 
 import kernels
-from common.base.config import WorkerConfig, clamp_model_len
+from common.base.config import WorkerConfig, clamp_model_len, parse_core_pool
 from common.base.env import read_env
 from common.base.request import SamplingParams, TokenLogprobs
 from common.engine import logits as logit_rules
 from common.engine import qwen3
 from common.engine.decode import DecodeBatch, DecodeTicket  # noqa: F401  (DecodeTicket: the nodes' type)
 from common.engine.h2d import HostToDevice
+from common.engine.cores import CorePool, threads_worth
 from common.engine.lanes import Lanes
 from common.base.model_spec import load_spec, preset_spec
 from common.engine.platform import platform_for
@@ -67,6 +68,7 @@ class DeviceWorker:
         self.num_prefill_chunks = 0   # summed over passes: / num_prefill_passes is the mean batch
         self.prefill_busy_s = 0.0
         self.lanes: Lanes | None = None   # CPU prefill: a pass's chunks split over threads (lanes.py)
+        self.cores: CorePool | None = None   # CPU: the host's cores, shared with its other nodes
 
     # ---- life cycle -------------------------------------------------------
 
@@ -81,6 +83,8 @@ class DeviceWorker:
             self.weights = load_weights(cfg.model, s, self.device, self.dtype)
         else:
             self.weights = qwen3.random_weights(s, self.device, self.dtype, cfg.seed)
+        if self.platform.is_host:   # NOTE: bf16 weights and KV halve what a step streams; sums stay fp32
+            qwen3.set_activation_dtype(self.weights, torch.float32)
         self.max_model_len = clamp_model_len(cfg.max_model_len, s.max_position_embeddings)
         self.cos_sin = kernels.rotary_cos_sin(self.max_model_len, s.head_dim, s.rope_theta, self.device)
         budget = cfg.kv_cache_memory
@@ -93,10 +97,15 @@ class DeviceWorker:
         self.model = qwen3.Model(s, self.weights, self.cos_sin, self.kv_cache)
         self.decode = DecodeBatch(self.model, self.block_size, cfg.max_batch_size, self.max_blocks_per_seq,
                                   self.platform, self.h2d, self.spec.eos_token_ids)
-        if self.platform.is_host and torch.get_num_threads() > 1:
+        cap = torch.get_num_threads()
+        if cfg.core_pool and self.platform.is_host:
+            name, budget, share = parse_core_pool(cfg.core_pool)
+            self.cores = CorePool(name, budget, min(share, cap), cap, torch.set_num_threads)
+            self.decode.cores, self.decode.step_threads = self.cores, threads_worth(s, self.dtype, 0, 1)
+        if self.platform.is_host and cap > 1:
             # NOTE: a lane runs whole forwards on one torch thread: no barrier per op waits
             # for a core another process holds, and a busy host just time-slices the lanes.
-            self.lanes = Lanes(torch.get_num_threads(), self._forward_chunks)
+            self.lanes = Lanes(cap, self._forward_chunks)
             torch.set_num_threads(1)   # the loop's own ops are small: no pool to wait on
         self._warm_up()
         if self._wants_graphs():
@@ -125,6 +134,9 @@ class DeviceWorker:
         if self.lanes is not None:
             self.lanes.close()
             self.lanes = None
+        if self.cores is not None:
+            self.cores.close()
+            self.cores = None
         self.platform.release()
         self.platform.release_memory()
 
@@ -164,7 +176,8 @@ class DeviceWorker:
                 "num_prefill_tokens": self.num_prefill_tokens,
                 "num_prefill_passes": self.num_prefill_passes, "num_prefill_chunks": self.num_prefill_chunks,
                 "max_decode_batch": d.max_batch,
-                "num_kv_blocks": self.num_kv_blocks, "token_capacity": self.token_capacity}
+                "num_kv_blocks": self.num_kv_blocks, "token_capacity": self.token_capacity,
+                **(self.cores.stats() if self.cores is not None else {})}
 
     # Counters the tests and benchmarks read by name.
     num_h2d_writes = property(lambda self: self.h2d.num_writes)
@@ -194,11 +207,31 @@ class DeviceWorker:
         on the device, before the sampling waits for it: work queued there (a KV
         transfer) starts right behind the forward pass."""
         t0 = time.perf_counter()
-        out, logits = self._prefill(chunks, return_logits, on_kv_queued)
+        try:
+            out, logits = self._prefill(chunks, return_logits, on_kv_queued)
+        finally:
+            if self.cores is not None:
+                self.cores.end()
         self.prefill_busy_s += time.perf_counter() - t0  # _prefill ends in a device sync
         return out, logits
 
-    def _forward_chunks(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+    def _forward_pass(self, chunks: list[PrefillChunk], num_tokens: int) -> torch.Tensor:
+        """The pass on this host's cores: with a shared pool, a pass worth several cores runs
+        every granted thread on it (resized between layers); a cheap one goes to the lanes."""
+        if self.cores is None:
+            return self._forward_chunks(chunks) if self.lanes is None else self.lanes.forward(chunks)
+        want = threads_worth(self.spec, self.dtype, num_tokens, len(chunks))
+        if want > 1:
+            self.cores.begin(want)
+            return self._forward_chunks(chunks, self.cores.between_layers)
+        if self.lanes is None:
+            self.cores.begin(1)
+            return self._forward_chunks(chunks)
+        num_lanes = self.cores.begin(len(chunks))
+        torch.set_num_threads(1)   # the lanes' own threads: one each
+        return self.lanes.forward(chunks, num_lanes)
+
+    def _forward_chunks(self, chunks: list[PrefillChunk], between_layers=None) -> torch.Tensor:
         """One forward over the chunks, packed; their KV into the cache. -> the hidden
         state of each chunk's last token [len(chunks), H]; chunks that asked for prompt
         logprobs get them here, from every position's hidden state."""
@@ -225,7 +258,7 @@ class DeviceWorker:
                                             torch.int32)
         hidden = qwen3.forward(self.spec, self.weights, self.kv_cache, self.cos_sin,
                                self._to_device(ids, torch.int64),
-                               self._to_device(np.concatenate(positions), torch.int64), attn)
+                               self._to_device(np.concatenate(positions), torch.int64), attn, between_layers)
         for c, start in zip(chunks, starts):
             if c.prompt_targets is not None:
                 c.prompt_logprobs = logit_rules.prompt_logprobs(
@@ -235,7 +268,7 @@ class DeviceWorker:
 
     def _prefill(self, chunks: list[PrefillChunk], return_logits: bool, on_kv_queued=None):
         num_tokens = sum(len(c.token_ids) for c in chunks)
-        last_hidden = self._forward_chunks(chunks) if self.lanes is None else self.lanes.forward(chunks)
+        last_hidden = self._forward_pass(chunks, num_tokens)
         self.num_prefill_tokens += num_tokens
         self.num_prefill_passes += 1
         self.num_prefill_chunks += len(chunks)

@@ -38,6 +38,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-port", type=int, default=5700)
     p.add_argument("--baseline", choices=["none", "transformers"], default="none")
     p.add_argument("--node-log", default=None, help="file for the node's log (default: discard)")
+    p.add_argument("--node-arg", action="append", default=[],
+                   help="one more flag for the node, e.g. --node-arg=--threads=1 (repeatable)")
 
 
 def resolve(a: argparse.Namespace) -> tuple[ModelSpec, torch.dtype]:
@@ -79,7 +81,7 @@ def sync(device: torch.device) -> None:
 
 def measure_floors(device_str: str, dtype: torch.dtype) -> dict:
     """Memory bandwidth (a large device copy, bytes read + written) and the dense
-    matmul rate (8192^3 in the model dtype), each the best of several runs."""
+    matmul rate (8192^3, 1024^3 on a host, in the model dtype), each the best of several runs."""
     device = torch.device(device_str)
     n = (1 << 30) if device.type == "cuda" else (1 << 26)
     src = torch.empty(n, dtype=torch.uint8, device=device)
@@ -94,6 +96,21 @@ def measure_floors(device_str: str, dtype: torch.dtype) -> dict:
     bandwidth = 2 * n / best
     del src, dst
     m = 8192 if device.type == "cuda" else 1024
+    # NOTE: a host without bf16 matrix units multiplies bf16 weights fastest widened to
+    # fp32: the floor is the better of the two rates this machine has.
+    dtypes = [dtype] if device.type == "cuda" or dtype == torch.float32 else [dtype, torch.float32]
+    rates = {dtype_name(dt): _matmul_rate(device, dt, m) for dt in dtypes}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # NOTE: three significant figures, not one decimal: a busy 2-core CPU does about
+    # 0.04 TFLOP/s, which one decimal rounds to 0 (and a floor to a division by zero).
+    return {"bandwidth_GBps": float(f"{bandwidth / 1e9:.3g}"),
+            "matmul_TFLOPs": float(f"{max(rates.values()):.3g}"),
+            "matmul_TFLOPs_by_dtype": {k: float(f"{v:.3g}") for k, v in rates.items()}}
+
+
+def _matmul_rate(device: torch.device, dtype: torch.dtype, m: int) -> float:
+    """TFLOP/s of an m^3 matmul in dtype, the best of 8."""
     a = torch.randn(m, m, device=device, dtype=dtype)
     b = torch.randn(m, m, device=device, dtype=dtype)
     best = float("inf")
@@ -103,13 +120,7 @@ def measure_floors(device_str: str, dtype: torch.dtype) -> dict:
         a @ b
         sync(device)
         best = min(best, time.perf_counter() - t0)
-    del a, b
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    # NOTE: three significant figures, not one decimal: a busy 2-core CPU does about
-    # 0.04 TFLOP/s, which one decimal rounds to 0 (and a floor to a division by zero).
-    return {"bandwidth_GBps": float(f"{bandwidth / 1e9:.3g}"),
-            "matmul_TFLOPs": float(f"{2 * m ** 3 / best / 1e12:.3g}")}
+    return 2 * m ** 3 / best / 1e12
 
 
 def matmul_params(spec: ModelSpec) -> int:
@@ -267,7 +278,7 @@ def worker_args(a: argparse.Namespace, max_batch: int, max_model_len: int) -> li
         args += ["--dtype", a.dtype]
     if a.kv_cache_memory:
         args += ["--kv-cache-memory", a.kv_cache_memory]
-    return args
+    return args + a.node_arg
 
 
 def emit(record: dict) -> None:
