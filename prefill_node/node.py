@@ -32,6 +32,7 @@ from common.handoff.sender import Sender
 from common.kv.blocks import block_bytes, cache_block_size
 from prefill_node.scheduler import PrefillJob, PrefillScheduler, ScheduledChunk
 
+MIN_PASS_TOKENS = 256     # a pass bounded in time still holds this many (a matmul's rate falls below)
 MAX_PREFIX_KEYS = 65536   # per PrefixUpdate (the protocol's limit); a full resync sends the newest
 PREFIX_RESYNC_S = 30.0
 log = get_logger("prefill")
@@ -49,6 +50,7 @@ class PrefillNode:
         self._grammars = None   # made for the first request with a grammar
         self._last_log = 0.0
         self._log_tokens = 0
+        self._pass_rate: float | None = None   # prompt tokens/s of recent passes (smoothed)
 
     # ---- the loop ---------------------------------------------------------
 
@@ -58,7 +60,7 @@ class PrefillNode:
                                         self.cfg.keys_dir, self.cfg.links, stop, log,
                                         self.cfg.drain_timeout_s)
         self.frontend = rt.frontend
-        poller = self._poller = Poller(self.frontend)
+        self._poller = Poller(self.frontend)
         try:
             with self.worker, contextlib.ExitStack() as parts:   # parts close as they were made, last first
                 self.prefix_cache = PrefixCache(self.worker.num_kv_blocks, self.cfg.is_prefix_caching)
@@ -82,15 +84,15 @@ class PrefillNode:
                     # NOTE: a write that only waits on its peer (a link refusing frames) is
                     # polled every 5 ms, not in a spin.
                     is_busy = bool(self.scheduler.prefilling or self.handoffs.is_writing)
-                    for ch in poller.wait(0 if is_busy else 0.005 if self.handoffs.by_id else 0.02):
-                        if ch is self.frontend:
-                            self._receive_all()
-                        else:
-                            self.handoffs.receive(ch)
+                    self._receive(0 if is_busy else 0.005 if self.handoffs.by_id else 0.02)
                     self.handoffs.advance()
                     chunks = self.scheduler.schedule()
                     if chunks:
                         self._forward(chunks)
+                        # NOTE: what arrived during the pass first: an answer read only after
+                        # its deadline is judged by when it is read, and a long pass on a slow
+                        # host would fail reservations that were answered in time.
+                        self._receive(0)
                         self.handoffs.advance()
                     self._report()
         finally:
@@ -99,6 +101,13 @@ class PrefillNode:
         return rt.exit_code
 
     # ---- receive ----------------------------------------------------------
+
+    def _receive(self, timeout_s: float) -> None:
+        for ch in self._poller.wait(timeout_s):
+            if ch is self.frontend:
+                self._receive_all()
+            else:
+                self.handoffs.receive(ch)
 
     def _receive_all(self) -> None:
         while self.frontend.has_message():
@@ -164,8 +173,11 @@ class PrefillNode:
         finished = [c.job for c in chunks if c.is_last]
         # The KV writes of finished prompts are queued right behind the forward pass,
         # before the first tokens are sampled, so their commits can go out at once.
+        started = time.perf_counter()
         tokens, _ = self.worker.prefill(batch, on_kv_queued=lambda: self.handoffs.start_writes(finished))
-        self._log_tokens += sum(c.end - c.start for c in chunks)
+        num_tokens = sum(c.end - c.start for c in chunks)
+        self._log_tokens += num_tokens
+        self._bound_pass(num_tokens, time.perf_counter() - started)
         done_at = time.time()
         early = []
         for c, pc, token in zip(chunks, batch, tokens):
@@ -194,6 +206,23 @@ class PrefillNode:
         if early and not self.frontend.send(TokenBatch(early), block=False):
             noisy.warning("could not stream %d first tokens early: the decode nodes will", len(early))
         self.scheduler.complete(chunks)
+
+    def _bound_pass(self, num_tokens: int, elapsed_s: float) -> None:
+        """The next passes' token budget: what this node computes in --max-pass-time at the
+        rate measured (smoothed), within [MIN_PASS_TOKENS, --token-budget]. NOTE: a pass is
+        a stretch in which the node answers nothing; on a slow host the full budget would be
+        tens of seconds, past its leases, and every prompt in it waits for the whole pass."""
+        if self.cfg.max_pass_s <= 0 or num_tokens < MIN_PASS_TOKENS // 4 or elapsed_s <= 0:
+            return
+        rate = num_tokens / elapsed_s
+        self._pass_rate = rate if self._pass_rate is None else (self._pass_rate + rate) / 2
+        bs = self.worker.block_size
+        fit = int(self._pass_rate * self.cfg.max_pass_s) // bs * bs
+        budget = max(min(fit, self.cfg.token_budget), min(MIN_PASS_TOKENS, self.cfg.token_budget))
+        if abs(budget - self.scheduler.token_budget) * 4 >= self.scheduler.token_budget:
+            log.info("token budget per pass %d -> %d (%.0f prompt tokens/s measured, passes of at most "
+                     "%.1fs)", self.scheduler.token_budget, budget, self._pass_rate, self.cfg.max_pass_s)
+        self.scheduler.token_budget = budget
 
     def _chunk(self, c: ScheduledChunk) -> PrefillChunk:
         """What the worker computes of a scheduled chunk: its first token if it is the
@@ -271,6 +300,7 @@ class PrefillNode:
                 "num_handoffs": self.handoffs.num_handoffs,
                 "num_kv_bytes_written": self.handoffs.bytes_written,
                 "num_failed": self.num_failed, "num_free_blocks": self.prefix_cache.num_free,
+                "pass_token_budget": self.scheduler.token_budget,
                 "num_bad_messages": self.frontend.num_bad + self.handoffs.num_bad,
                 "num_link_resets": self.runtime.num_link_resets + self.handoffs.num_link_resets,
                 "num_writing": sum(h.stage.value in ("writing", "cancelling") for h in self.handoffs.by_id.values()),

@@ -200,6 +200,10 @@ class PrefillConfig:
     token_budget: int = field(default=8192, metadata=flag(
         "--token-budget", "prompt tokens per forward pass (a prefill node runs no decode steps, so "
         "larger passes cost no one latency)", "--max-num-batched-tokens"))
+    max_pass_s: float = field(default=2.0, metadata=flag(
+        "--max-pass-time", "seconds a forward pass should take at most: where the token budget "
+        "takes longer (a large model on a CPU), a pass holds fewer tokens, from the measured rate "
+        "(at least 256); 0: the token budget alone"))
     max_batch_prompts: int = 64
     handoff_lease_s: float = field(default=10.0, metadata=flag(
         "--handoff-lease", "seconds after its prefill within which a handoff must be committed, and "
