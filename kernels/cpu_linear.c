@@ -13,6 +13,7 @@
  * a matrix that streams in half a millisecond.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -46,35 +47,38 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* A tile of up to 2 rows of x by 4 rows of W: 8 accumulators, 4 widened weight
- * vectors and one x vector live in the 16 registers. The 4 weight rows (K * 8 bytes)
- * stay in L1/L2 while every x row pair passes over them. */
-static void tile_2x4(const float *x, int64_t xs, int64_t num_m, const uint16_t *w, int64_t K,
-                     float *out, int64_t os) {
+/* A tile of up to 3 rows of x by 4 rows of W, already widened to fp32 (wb [4, K], rows
+ * ws apart, 32-byte aligned):
+ * 12 accumulators and 3 x vectors in registers, the weight vectors read by the FMAs
+ * from L1/L2 (3 loads a cycle feed 2 FMAs). */
+static void tile_3x4(const float *x, int64_t xs, int64_t num_m, const float *wb, int64_t ws,
+                     int64_t K, float *out, int64_t os) {
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
     __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-    const uint16_t *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
-    const float *x0 = x, *x1 = x + (num_m > 1 ? xs : 0);
+    __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    const float *w0 = wb, *w1 = wb + ws, *w2 = wb + 2 * ws, *w3 = wb + 3 * ws;
+    const float *x0 = x, *x1 = x + (num_m > 1 ? xs : 0), *x2 = x + (num_m > 2 ? 2 * xs : 0);
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-        __m256 b0 = load8(w0 + k), b1 = load8(w1 + k), b2 = load8(w2 + k), b3 = load8(w3 + k);
-        __m256 v = _mm256_loadu_ps(x0 + k);
-        a00 = _mm256_fmadd_ps(v, b0, a00); a01 = _mm256_fmadd_ps(v, b1, a01);
-        a02 = _mm256_fmadd_ps(v, b2, a02); a03 = _mm256_fmadd_ps(v, b3, a03);
-        v = _mm256_loadu_ps(x1 + k);
-        a10 = _mm256_fmadd_ps(v, b0, a10); a11 = _mm256_fmadd_ps(v, b1, a11);
-        a12 = _mm256_fmadd_ps(v, b2, a12); a13 = _mm256_fmadd_ps(v, b3, a13);
+        __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k), v2 = _mm256_loadu_ps(x2 + k);
+        __m256 b = _mm256_load_ps(w0 + k);
+        a00 = _mm256_fmadd_ps(v0, b, a00); a10 = _mm256_fmadd_ps(v1, b, a10); a20 = _mm256_fmadd_ps(v2, b, a20);
+        b = _mm256_load_ps(w1 + k);
+        a01 = _mm256_fmadd_ps(v0, b, a01); a11 = _mm256_fmadd_ps(v1, b, a11); a21 = _mm256_fmadd_ps(v2, b, a21);
+        b = _mm256_load_ps(w2 + k);
+        a02 = _mm256_fmadd_ps(v0, b, a02); a12 = _mm256_fmadd_ps(v1, b, a12); a22 = _mm256_fmadd_ps(v2, b, a22);
+        b = _mm256_load_ps(w3 + k);
+        a03 = _mm256_fmadd_ps(v0, b, a03); a13 = _mm256_fmadd_ps(v1, b, a13); a23 = _mm256_fmadd_ps(v2, b, a23);
     }
-    out[0] = hsum(a00) + dot_bf16(x0, w0, k, K);
-    out[1] = hsum(a01) + dot_bf16(x0, w1, k, K);
-    out[2] = hsum(a02) + dot_bf16(x0, w2, k, K);
-    out[3] = hsum(a03) + dot_bf16(x0, w3, k, K);
-    if (num_m > 1) {
-        out[os + 0] = hsum(a10) + dot_bf16(x1, w0, k, K);
-        out[os + 1] = hsum(a11) + dot_bf16(x1, w1, k, K);
-        out[os + 2] = hsum(a12) + dot_bf16(x1, w2, k, K);
-        out[os + 3] = hsum(a13) + dot_bf16(x1, w3, k, K);
-    }
+    const __m256 acc[3][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}};
+    const float *xr[3] = {x0, x1, x2};
+    for (int i = 0; i < 3 && i < num_m; i++)
+        for (int j = 0; j < 4; j++) {
+            float t = hsum(acc[i][j]);
+            for (int64_t kk = k; kk < K; kk++)
+                t += xr[i][kk] * wb[j * ws + kk];
+            out[i * os + j] = t;
+        }
 }
 
 /* One row of x by 8 rows of W: with a lone sequence the step is a pure stream of
@@ -102,9 +106,20 @@ static void columns(const float *x, int64_t xs, const uint16_t *w, int64_t K, fl
         for (; n + 8 <= n1; n += 8)
             tile_1x8(x, w + n * K, K, out + n);
     } else {
-        for (; n + 4 <= n1; n += 4)
-            for (int64_t m = 0; m < M; m += 2)
-                tile_2x4(x + m * xs, xs, M - m, w + n * K, K, out + m * os + n, os);
+        /* Four weight rows widened once into a buffer that stays in L1/L2 while every
+         * row of x passes over it (K rounded up so each row starts 32-byte aligned). */
+        int64_t Kp = (K + 7) / 8 * 8;
+        float *wb = NULL;
+        if (posix_memalign((void **)&wb, 64, (size_t)(4 * Kp) * sizeof(float)) == 0) {
+            for (; n + 4 <= n1; n += 4) {
+                for (int j = 0; j < 4; j++)
+                    for (int64_t k = 0; k < K; k++)
+                        wb[j * Kp + k] = widen(w[(n + j) * K + k]);
+                for (int64_t m = 0; m < M; m += 3)
+                    tile_3x4(x + m * xs, xs, M - m, wb, Kp, K, out + m * os + n, os);
+            }
+            free(wb);
+        }
     }
 #endif
     for (; n < n1; n++)

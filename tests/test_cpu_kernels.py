@@ -225,17 +225,18 @@ def test_bf16_weight_linear_equals_the_fp32_matmul_on_one_thread_and_two(num_row
     """x [M, K] fp32 by a bf16 weight: the C kernel (small M) and the widened fp32 matmul
     (large M) equal x @ W.float()^T, whatever the columns' tail and the threads."""
     g = torch.Generator().manual_seed(num_rows)
-    w = torch.randn(8 * 37 + 5, 136, generator=g).bfloat16()   # N not a multiple of the 8-column tile
-    x = torch.randn(num_rows, 136, generator=g)
-    bias = torch.randn(w.shape[0], generator=g).bfloat16()
-    ref = torch.nn.functional.linear(x, w.float(), bias.float())
     before = torch.get_num_threads()
     try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            out = cpu.linear(x, w, bias)
-            assert out.dtype == torch.float32 and out.shape == ref.shape
-            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+        for size in (136, 131):   # K a multiple of the 8-wide vectors, and not
+            w = torch.randn(8 * 37 + 5, size, generator=g).bfloat16()   # N: not a multiple of the tiles
+            x = torch.randn(num_rows, size, generator=g)
+            bias = torch.randn(w.shape[0], generator=g).bfloat16()
+            ref = torch.nn.functional.linear(x, w.float(), bias.float())
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                out = cpu.linear(x, w, bias)
+                assert out.dtype == torch.float32 and out.shape == ref.shape
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
     finally:
         torch.set_num_threads(before)
     assert backend_for(x).linear is cpu.linear
