@@ -9,8 +9,9 @@ and one JSON line with every figure.
 DIR COMMIT`): this tree and that one started alternately, so a change is measured
 against this machine's run-to-run spread. It runs on this environment's packages.
 
-With no --model, a tiny Qwen3 of the shape both servers' CPU attention takes
-(hidden 128, 4 heads of 32, 2 KV heads) is made on first use. vLLM is run only
+With no --model, a random Qwen3 of --shape is made on first use: `tiny` (hidden 128,
+4 heads of 32, 2 KV heads: a shape both servers' CPU attention takes) or `qwen3-0.6b`
+(28 layers, hidden 1024, 16/8 heads of 128, vocabulary 151,936, tied), in --dtype. vLLM is run only
 where --vllm-python (or $VLLM_PYTHON) names an interpreter that imports it; see
 docs/BENCHMARKS.md for installing its CPU build beside pdserve (never into it).
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 from common.runtime.process import HelpFormat
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "64"]
+SERVER_ARGS = ["--max-model-len", "2048"]   # and --dtype, --max-num-seqs: flags here
 # name: (bench flags, what the table shows for it)
 WORKLOADS = {
     "sat430": (["--input-len", "430", "--output-len", "64", "--num-prompts", "128",
@@ -39,9 +40,19 @@ WORKLOADS = {
                  "--request-rate", "inf"], "~1,000 in / 32 out, 128 at once"),
     "rate4": (["--input-len", "430", "--output-len", "64", "--num-prompts", "48",
                "--request-rate", "4"], "~430 in / 64 out at 4 req/s"),
+    # A model of real size on a CPU: prompts of 128, 32 out (Qwen3-0.6B's shape).
+    "sat128": (["--input-len", "128", "--output-len", "32", "--num-prompts", "32",
+                "--request-rate", "inf"], "~128 in / 32 out, 32 at once"),
+    "light128": (["--input-len", "128", "--output-len", "32", "--num-prompts", "12",
+                  "--request-rate", "0.5"], "~128 in / 32 out at 0.5 req/s"),
 }
-TINY_SHAPE = ["--hidden-size", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
-              "--intermediate-size", "256", "--max-position-embeddings", "4096"]
+SHAPES = {   # make_tiny_model flags
+    "tiny": ["--hidden-size", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
+             "--intermediate-size", "256", "--max-position-embeddings", "4096"],
+    "qwen3-0.6b": ["--layers", "28", "--hidden-size", "1024", "--intermediate-size", "3072", "--heads", "16",
+                   "--kv-heads", "8", "--head-dim", "128", "--vocab-size", "151936", "--tie-embeddings",
+                   "--max-position-embeddings", "4096"],
+}
 
 
 def log(msg: str) -> None:
@@ -96,7 +107,7 @@ class Server:
 
 
 def start_pdserve(a, model: str, logs: Path, root: Path = ROOT, name: str = "pdserve") -> Server:
-    cmd = ["bash", str(root / "launch" / "start_cluster.sh"), "--model", model, *SERVER_ARGS,
+    cmd = ["bash", str(root / "launch" / "start_cluster.sh"), "--model", model, *a.server_args,
            "--base-port", str(a.base_port), "--http-port", str(a.port), *a.pdserve_arg]
     env = {**os.environ, "PDSERVE_VENV": sys.prefix}   # the other checkout: this environment
     return Server(name, cmd, f"http://127.0.0.1:{a.port}", env, logs / f"{name.replace('/', '_')}.log")
@@ -104,7 +115,7 @@ def start_pdserve(a, model: str, logs: Path, root: Path = ROOT, name: str = "pds
 
 def start_vllm(a, model: str, logs: Path) -> Server:
     # NOTE: `vllm serve` looks up a distribution named vllm, which the CPU build is not.
-    cmd = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *SERVER_ARGS,
+    cmd = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *a.server_args,
            "--host", "127.0.0.1", "--port", str(a.port), *a.vllm_arg]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     env.pop("PYTHONPATH", None)
@@ -137,7 +148,7 @@ def spread(values: list[float]) -> str:
 def table(results: dict, servers: list[str], workloads: list[str]) -> str:
     rows = [("workload", "figure", *servers, *([f"{servers[0]}/{servers[1]}"] if len(servers) == 2 else []))]
     for w in workloads:
-        shown = ["request_throughput", "tpot_p50_ms"] if w.startswith("sat") else \
+        shown = ["request_throughput", "ttft_p50_ms", "tpot_p50_ms"] if w.startswith("sat") else \
             ["ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms"]
         for fig in shown:
             vals = {s: [run[fig] for run in results[s][w]] for s in servers}
@@ -155,10 +166,14 @@ def table(results: dict, servers: list[str], workloads: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_vs", description=__doc__, formatter_class=HelpFormat)
-    p.add_argument("--model", default=None, help="a Qwen3 model directory (default: a tiny one made here)")
+    p.add_argument("--model", default=None, help="a Qwen3 model directory (default: one of --shape made here)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the random model made without --model")
+    p.add_argument("--dtype", default="float32", help="both servers' --dtype (float32 or bfloat16)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="both servers' batch bound")
     p.add_argument("--runs", type=int, default=3, help="each server this many times, alternating")
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help=f"a comma list of {', '.join(WORKLOADS)}")
+    p.add_argument("--workloads", default=None,
+                   help=f"a comma list of {', '.join(WORKLOADS)} (default: sat430,sat1000,rate4 for "
+                        f"the tiny shape, sat128,light128 for a real one)")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
                    help="an interpreter whose environment has vLLM (default: $VLLM_PYTHON); "
                         "without it only pdserve runs")
@@ -172,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-json", default=None, help="also append the JSON line to this file")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     a = p.parse_args(argv)
+    a.workloads = a.workloads or ("sat430,sat1000,rate4" if a.shape == "tiny" and not a.model else "sat128,light128")
     workloads = [w for w in a.workloads.split(",") if w]
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown or not workloads or a.runs < 1:
@@ -192,12 +208,15 @@ def main(argv: list[str] | None = None) -> int:
         servers.append("vllm")
     else:
         log("no --vllm-python (or $VLLM_PYTHON) and no --against: measuring pdserve alone")
+    a.server_args = [*SERVER_ARGS, "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs)]
     model = a.model
     if model is None:
-        model = str(Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve")) / "tiny-qwen3-vs")
+        home = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
+        model = str(home / ("tiny-qwen3-vs" if a.shape == "tiny" else f"vs-{a.shape}-{a.dtype}"))
         if not (Path(model) / "config.json").is_file():
-            log(f"making a tiny Qwen3 at {model}")
-            subprocess.run([sys.executable, "-m", "launch.make_tiny_model", model, *TINY_SHAPE],
+            log(f"making a random Qwen3 of shape {a.shape} at {model}")
+            dtype = [] if a.shape == "tiny" else ["--dtype", a.dtype]
+            subprocess.run([sys.executable, "-m", "launch.make_tiny_model", model, *SHAPES[a.shape], *dtype],
                            check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     import tempfile
@@ -221,13 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     from launch.bench.common import device_name
     print(table(results, servers, workloads), file=sys.stderr)
     record = {"bench": "vs", "device": device_name("cpu"), "model": model, "runs": a.runs,
-              "server_args": SERVER_ARGS, "pdserve_args": a.pdserve_arg, "results": results,
+              "server_args": a.server_args, "pdserve_args": a.pdserve_arg, "results": results,
               "bound": servers[1] if len(servers) == 2 else None}
     if len(servers) == 2:
         def ratio(w: str, fig: str) -> float:
             return statistics.median(r[fig] for r in results[servers[0]][w]) / \
                 statistics.median(r[fig] for r in results[servers[1]][w])
-        record["ratios"] = {w: {fig: ratio(w, fig) for fig in ("request_throughput", "ttft_p50_ms")}
+        record["ratios"] = {w: {fig: ratio(w, fig) for fig in ("request_throughput", "ttft_p50_ms", "tpot_p50_ms")}
                             for w in workloads}
     line = json.dumps(record)
     print(line, flush=True)
