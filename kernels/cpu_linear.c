@@ -19,6 +19,12 @@
 #include <immintrin.h>
 #endif
 
+/* From this many rows of x, four weight rows are widened once into a buffer and read
+ * from there; below it, widening them again in registers for each pair of rows is
+ * cheaper than the buffer's round trip (measured on Zen 3: 8 rows 118 ms against 144 ms
+ * for Qwen3-0.6B's layers on 2 threads, 32 rows 347 ms against 285 ms). */
+#define WIDEN_ROWS 16
+
 static inline float widen(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
     float f;
@@ -45,6 +51,37 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* A tile of up to 2 rows of x by 4 rows of W: 8 accumulators, 4 widened weight
+ * vectors and one x vector live in the 16 registers. The 4 weight rows (K * 8 bytes)
+ * stay in L1/L2 while every x row pair passes over them. */
+static void tile_2x4(const float *x, int64_t xs, int64_t num_m, const uint16_t *w, int64_t K,
+                     float *out, int64_t os) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    const uint16_t *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+    const float *x0 = x, *x1 = x + (num_m > 1 ? xs : 0);
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 b0 = load8(w0 + k), b1 = load8(w1 + k), b2 = load8(w2 + k), b3 = load8(w3 + k);
+        __m256 v = _mm256_loadu_ps(x0 + k);
+        a00 = _mm256_fmadd_ps(v, b0, a00); a01 = _mm256_fmadd_ps(v, b1, a01);
+        a02 = _mm256_fmadd_ps(v, b2, a02); a03 = _mm256_fmadd_ps(v, b3, a03);
+        v = _mm256_loadu_ps(x1 + k);
+        a10 = _mm256_fmadd_ps(v, b0, a10); a11 = _mm256_fmadd_ps(v, b1, a11);
+        a12 = _mm256_fmadd_ps(v, b2, a12); a13 = _mm256_fmadd_ps(v, b3, a13);
+    }
+    out[0] = hsum(a00) + dot_bf16(x0, w0, k, K);
+    out[1] = hsum(a01) + dot_bf16(x0, w1, k, K);
+    out[2] = hsum(a02) + dot_bf16(x0, w2, k, K);
+    out[3] = hsum(a03) + dot_bf16(x0, w3, k, K);
+    if (num_m > 1) {
+        out[os + 0] = hsum(a10) + dot_bf16(x1, w0, k, K);
+        out[os + 1] = hsum(a11) + dot_bf16(x1, w1, k, K);
+        out[os + 2] = hsum(a12) + dot_bf16(x1, w2, k, K);
+        out[os + 3] = hsum(a13) + dot_bf16(x1, w3, k, K);
+    }
 }
 
 /* A tile of up to 3 rows of x by 4 rows of W, already widened to fp32 (wb [4, K], rows
@@ -105,6 +142,10 @@ static void columns(const float *x, int64_t xs, const uint16_t *w, int64_t K, fl
     if (M == 1) {
         for (; n + 8 <= n1; n += 8)
             tile_1x8(x, w + n * K, K, out + n);
+    } else if (M < WIDEN_ROWS) {
+        for (; n + 4 <= n1; n += 4)
+            for (int64_t m = 0; m < M; m += 2)
+                tile_2x4(x + m * xs, xs, M - m, w + n * K, K, out + m * os + n, os);
     } else {
         /* Four weight rows widened once into a buffer that stays in L1/L2 while every
          * row of x passes over it (K rounded up so each row starts 32-byte aligned). */
@@ -112,9 +153,14 @@ static void columns(const float *x, int64_t xs, const uint16_t *w, int64_t K, fl
         float *wb = NULL;
         if (posix_memalign((void **)&wb, 64, (size_t)(4 * Kp) * sizeof(float)) == 0) {
             for (; n + 4 <= n1; n += 4) {
-                for (int j = 0; j < 4; j++)
-                    for (int64_t k = 0; k < K; k++)
-                        wb[j * Kp + k] = widen(w[(n + j) * K + k]);
+                for (int j = 0; j < 4; j++) {
+                    const uint16_t *src = w + (n + j) * K;
+                    int64_t k = 0;
+                    for (; k + 8 <= K; k += 8)
+                        _mm256_store_ps(wb + j * Kp + k, load8(src + k));
+                    for (; k < K; k++)
+                        wb[j * Kp + k] = widen(src[k]);
+                }
                 for (int64_t m = 0; m < M; m += 3)
                     tile_3x4(x + m * xs, xs, M - m, wb, Kp, K, out + m * os + n, os);
             }
