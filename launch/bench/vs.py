@@ -229,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             server = starters[name](a, model, logs)
             try:
                 server.wait_ready(a.ready_timeout)
-                for w in workloads:
-                    r = figures(run_workload(server.url, WORKLOADS[w][0], vocab, seed=run))
+                for i, w in enumerate(workloads):
+                    # NOTE: prompts of their own per workload: with one seed the next workload's
+                    # prompts would be the last one's, served from the prefix cache.
+                    r = figures(run_workload(server.url, WORKLOADS[w][0], vocab, seed=run * 100 + i))
                     results[name][w].append(r)
                     log(f"  {name} {w}: {r['request_throughput']:.1f} req/s, TTFT p50 "
                         f"{r['ttft_p50_ms']:.1f} ms, TPOT p50 {r['tpot_p50_ms']:.1f} ms, "
