@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from common.base.procs import is_alive
 from launch import cluster_plan
 from launch.cluster_plan import Node, Plan, PlanError
 
@@ -172,18 +173,8 @@ def _remove_leftovers() -> None:
         kind, _, rest = d.name.removeprefix("pdserve-").partition("-")
         pid = rest.partition("-")[0]
         if kind in ("keys", "ready") and pid.isdigit() and d.is_dir() and d.stat().st_uid == os.getuid() \
-                and not _is_alive(int(pid)):
+                and not is_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _frontend_has(plan: Plan, frontend_pid: int) -> bool:

@@ -21,6 +21,7 @@ message to anyone, a few microseconds a pass.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
+from common.base.procs import is_alive
 
 MAX_NODES = 64
 PID, SHARE, HELD, STAMP = range(4)
@@ -83,16 +86,6 @@ def decide(table: np.ndarray, budget: int, me: int, want: int, now: float,
     return 0 if is_lent(table, me) else 1
 
 
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 @dataclass
 class CoreFigures:
     num_passes: int = 0
@@ -107,7 +100,7 @@ class CorePool:
     grant changes (the worker sets torch's threads); clock and is_alive are the test's."""
 
     def __init__(self, name: str, budget: int, share: int, cap: int, set_threads: Callable[[int], None],
-                 clock: Callable[[], float] = time.monotonic, is_alive: Callable[[int], bool] = _is_alive,
+                 clock: Callable[[], float] = time.monotonic, is_alive: Callable[[int], bool] = is_alive,
                  table: np.ndarray | None = None, pid: int | None = None):
         if budget < 1 or share < 1 or cap < 1:
             raise ValueError(f"core pool {name}: budget, share and cap must be >= 1 "
@@ -125,23 +118,23 @@ class CorePool:
     def _open(self, name: str) -> np.ndarray:
         path = f"/dev/shm/{name}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(fd, MAX_NODES * ROW_BYTES) if os.fstat(fd).st_size < MAX_NODES * ROW_BYTES else None
+        if os.fstat(fd).st_size < MAX_NODES * ROW_BYTES:
+            os.ftruncate(fd, MAX_NODES * ROW_BYTES)
         self._file = fd
         self._map = mmap.mmap(fd, MAX_NODES * ROW_BYTES)
         return np.frombuffer(self._map, dtype=np.float64).reshape(MAX_NODES, 4)
 
+    @contextlib.contextmanager
     def _locked(self):
-        pool = self
-
-        class _Lock:
-            def __enter__(self):
-                if pool._file is not None:
-                    fcntl.flock(pool._file, fcntl.LOCK_EX)
-
-            def __exit__(self, *exc):
-                if pool._file is not None:
-                    fcntl.flock(pool._file, fcntl.LOCK_UN)
-        return _Lock()
+        """The table to ourselves (a test's in-memory table needs no lock)."""
+        if self._file is None:
+            yield
+            return
+        fcntl.flock(self._file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
 
     def _claim(self, pid: int) -> int:
         with self._locked():

@@ -45,6 +45,7 @@ import torch
 
 from common.base.env import read_env
 from common.base.log import get_logger
+from common.base.procs import is_alive
 from kernels import backends as kernel_backends
 from kernels.options import KernelOptions
 
@@ -399,12 +400,8 @@ def _remove_stale_segments() -> None:
         parts = name.split("-")
         if ns != "x" and name.startswith(SHM_PREFIX + "-") and len(parts) == 5 and parts[2] == ns \
                 and parts[3].isdigit():
-            try:
-                os.kill(int(parts[3]), 0)
-            except ProcessLookupError:
+            if not is_alive(int(parts[3])):
                 try:
                     os.unlink(os.path.join("/dev/shm", name))
                 except OSError:
                     pass
-            except PermissionError:
-                pass
