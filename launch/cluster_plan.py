@@ -22,7 +22,7 @@ USAGE = """start_cluster.sh [--demo] [--model DIR] [--host 127.0.0.1] [--adverti
      [--no-prefix-caching] [--swap-space GIB] [--no-preemption] [--kv-verify]
      [--reasoning-parser qwen3] [--tool-call-parser qwen3|hermes|none] [--enable-auto-tool-choice]
      [--logprobs-mode raw_logprobs|processed_logprobs] [--allow-json-whitespace]
-     [--keys DIR | --no-keys] [--no-restart-nodes] [--drain-timeout S]
+     [--keys DIR | --no-keys] [--no-restart-nodes] [--no-core-sharing] [--drain-timeout S]
      [--ready-timeout S] [--frontend-arg ARG]... [--prefill-arg ARG]... [--decode-arg ARG]...
 
 Endpoints derive from the base port: clients connect to BASE, nodes to the frontend at
@@ -37,7 +37,9 @@ leaves them open. Across hosts (docs/hosts.md): --name-prefix P names this host'
 and --join tcp://A:PORT (the frontend host's BASE+1) starts only this host's nodes,
 which register there; it prints PDSERVE_JOINED=ENDPOINT once they are. A node that
 dies is restarted with backoff (1 s doubling to 30 s); if the frontend dies, everything
-stops. SIGTERM/SIGINT drain: running requests get --drain-timeout seconds (30)."""
+stops. SIGTERM/SIGINT drain: running requests get --drain-timeout seconds (30). The CPU nodes
+started here share this host's cores, each owed its split (--no-core-sharing: fixed
+threads per node)."""
 
 LOOPBACK_HOSTS = ("localhost", "::1")
 
@@ -101,7 +103,7 @@ SWITCHES = {"--no-http": ("no_http", True), "--no-keys": ("no_keys", True), "--n
             "--restart-nodes": ("no_restart", False), "--no-preemption": ("no_preemption", True),
             "--kv-verify": ("kv_verify", True), "--demo": ("demo", True),
             "--enable-auto-tool-choice": ("auto_tool_choice", True), "--allow-json-whitespace": ("json_whitespace", True),
-            "--core-sharing": ("core_sharing", True),
+            "--core-sharing": ("no_core_sharing", False), "--no-core-sharing": ("no_core_sharing", True),
             "--no-prefix-caching": ("no_prefix_caching", True), "--no-enable-prefix-caching": ("no_prefix_caching", True),
             "-h": ("help", True), "--help": ("help", True)}
 PASSED_ON = {"--frontend-arg": "frontend_args", "--prefill-arg": "prefill_args", "--decode-arg": "decode_args"}
@@ -207,7 +209,7 @@ def make_plan(a: argparse.Namespace, num_cores: int, home: Path) -> Plan:
     model = a.model or str(home / "tiny-qwen3")
     devices = {n.name: (n.role, n.device) for n in nodes}
     threads = thread_split(num_cores, devices)
-    pools = core_pools(num_cores, devices, base) if a.core_sharing else {}
+    pools = {} if a.no_core_sharing else core_pools(num_cores, devices, base)
     threads.update({n: num_cores for n in pools})   # a pooled node's cap: every core, when lent
     return Plan(a, model, f"tcp://{addr}:{base}", node_link, nodes, ports, threads, pools,
                 [] if is_local and is_local_link else ["--allow-remote"], advertise)

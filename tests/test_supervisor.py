@@ -71,7 +71,7 @@ def test_options_read_as_the_launcher_always_read_them():
 
 
 def test_the_plan_names_nodes_ports_and_threads():
-    plan = _plan("--num-prefill", "2", "--name-prefix", "a-", "--base-port", "7000", "--core-sharing")
+    plan = _plan("--num-prefill", "2", "--name-prefix", "a-", "--base-port", "7000")
     assert [(n.name, n.role, n.kv) for n in plan.nodes] == [
         ("a-decode-0", "decode", "tcp://127.0.0.1:7002"), ("a-prefill-0", "prefill", ""), ("a-prefill-1", "prefill", "")]
     assert plan.ports == [7000, 7001, 8000, 7002] and plan.remote == []
@@ -82,7 +82,9 @@ def test_the_plan_names_nodes_ports_and_threads():
                                "a-prefill-1": "pdserve-cores-7000:4:1"}
     argv = cluster_plan.node_argv(plan, plan.nodes[1])
     assert argv[argv.index("--core-pool") + 1] == "pdserve-cores-7000:4:1"
-    fixed = _plan("--num-prefill", "2")
+    assert _plan("--num-prefill", "2", "--name-prefix", "a-", "--base-port", "7000", "--core-sharing").core_pools \
+        == plan.core_pools
+    fixed = _plan("--num-prefill", "2", "--no-core-sharing")
     assert fixed.core_pools == {} and fixed.threads == {"decode-0": 1, "prefill-0": 2, "prefill-1": 2}
     gpu = _plan("--prefill-devices", "cuda:0,cuda:1", "--decode-device", "cpu")
     assert gpu.threads == {"decode-0": 4, "prefill-0": 1, "prefill-1": 1} and gpu.core_pools == {}

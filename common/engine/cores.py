@@ -169,9 +169,10 @@ class CorePool:
         self.held = self.threads = grant
         return grant
 
-    def between_layers(self) -> None:
+    def between_layers(self, num_done: int = 0) -> None:
         """A borrower gives back what another node is now owed (never below one core);
-        a node that started short takes what has come free, up to what its pass wants."""
+        a node that started short takes what has come free, up to what its pass wants.
+        (num_done: the forward's count of layers done, not needed here.)"""
         free = free_cores(self.table, self.budget, self.row, self.clock(), self.is_alive)
         if max(1, min(self._want, free)) == self.held:
             return   # NOTE: the common case reads the table without its lock

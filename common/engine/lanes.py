@@ -5,6 +5,7 @@ prefill throughput takes the cores the latency-bound work (decode steps, the
 frontend) leaves, not a share fixed in advance."""
 from __future__ import annotations
 
+import queue
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -24,19 +25,62 @@ def _start_lane() -> None:
 
 
 class Lanes:
-    """forward(chunks) -> the hidden state of each chunk's last token [len(chunks), H]."""
+    """forward(chunks) -> the hidden state of each chunk's last token [len(chunks), H].
 
-    def __init__(self, num_lanes: int, forward: Callable[[list], torch.Tensor]):
+    on_layers(chunk_indices, num_done), where given, is called on the caller's thread (the
+    node's loop, which owns the sockets) while the lanes run: those chunks' first num_done
+    layers are computed. The caller waits in that loop, so nothing else runs there."""
+
+    def __init__(self, num_lanes: int, forward: Callable[..., torch.Tensor]):
         self.num_lanes = num_lanes
-        self._forward = forward
+        self._forward = forward   # forward(chunks, between_layers=None)
         self._pool = ThreadPoolExecutor(num_lanes, thread_name_prefix="prefill-lane", initializer=_start_lane)
 
     def close(self) -> None:
         self._pool.shutdown()
 
     @torch.inference_mode()   # NOTE: thread-local: a lane thread must enter it itself
-    def _on_lane(self, chunks: list) -> torch.Tensor:
-        return self._forward(chunks)
+    def _on_lane(self, chunks: list, num_threads: int = 1, between_layers=None) -> torch.Tensor:
+        torch.set_num_threads(num_threads)   # NOTE: per thread: this lane's ops, and the pool it starts
+        try:
+            return self._forward(chunks, between_layers)
+        finally:
+            torch.set_num_threads(1)
+
+    def _run(self, parts: list[list[int]], chunks: list, num_threads: int, between_layers, on_layers) -> list:
+        """Each part of the chunks on a lane; their last hidden states, part by part."""
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+        def hook(idx: list[int]):
+            def after(num_done: int) -> None:
+                if between_layers is not None:
+                    between_layers(num_done)
+                if on_layers is not None:
+                    inbox.put((idx, num_done))
+            return after
+        futures = [self._pool.submit(self._on_lane, [chunks[i] for i in idx], num_threads, hook(idx))
+                   for idx in parts]
+        for f in futures:
+            f.add_done_callback(lambda _: inbox.put(None))
+        num_running, error = len(futures), None
+        while num_running:   # NOTE: to the end even if on_layers fails: the lanes write the cache
+            item = inbox.get()
+            if item is None:
+                num_running -= 1
+            elif error is None:
+                try:
+                    on_layers(*item)
+                except Exception as e:
+                    error = e
+        if error is not None:
+            raise error
+        return [f.result() for f in futures]
+
+    def forward_whole(self, chunks: list, num_threads: int, between_layers=None, on_layers=None) -> torch.Tensor:
+        """The chunks as one pass on num_threads threads, started from a lane: they keep its
+        lower priority, so the latency-bound work on this host still comes first.
+        between_layers(n), called on the lane, may resize the pool (torch.set_num_threads)."""
+        return self._run([list(range(len(chunks)))], chunks, num_threads, between_layers, on_layers)[0]
 
     def split(self, chunks: list, num_lanes: int | None = None) -> list[list[int]]:
         """Chunk indices per lane (at most num_lanes, default all), balanced by tokens
@@ -53,19 +97,29 @@ class Lanes:
             loads[j] += len(chunks[i].token_ids) + chunks[i].context_len // 4
         return [sorted(lane) for lane in lanes if lane]
 
-    def forward(self, chunks: list, num_lanes: int | None = None) -> torch.Tensor:
+    def forward_shared(self, chunks: list, cores, want: int, on_layers=None) -> torch.Tensor:
+        """The pass on a host's shared cores (cores.CorePool), worth `want` of them. One prompt
+        runs every granted thread, resized between layers. Several go to the lanes, one thread
+        each with no barrier between them, so lanes past the grant cost the others nothing:
+        they only take the cycles left idle, as with a fixed split.
+        NOTE: on lanes either way: their lower priority lets the frontend and decode steps
+        sharing these cores run first (at the same priority those lost 25-40% of TPOT)."""
+        is_split = len(self.split(chunks)) > 1
+        if want > 1 and not is_split:
+            return self.forward_whole(chunks, cores.begin(want), cores.between_layers, on_layers)
+        cores.begin(min(want, len(chunks)))
+        torch.set_num_threads(1)
+        return self.forward(chunks, self.num_lanes if is_split else 1, on_layers)
+
+    def forward(self, chunks: list, num_lanes: int | None = None, on_layers=None) -> torch.Tensor:
         num_lanes = num_lanes or self.num_lanes
         lanes = self.split(chunks, num_lanes)
         if len(lanes) == 1 and num_lanes > 1 and sum(len(c.token_ids) for c in chunks) >= MIN_TOKENS_PER_THREAD * num_lanes:
-            torch.set_num_threads(num_lanes)   # every thread on one long chunk
-            try:
-                return self._forward(chunks)
-            finally:
-                torch.set_num_threads(1)
+            return self.forward_whole(chunks, num_lanes, None, on_layers)   # every thread on one long chunk
+        parts = self._run(lanes, chunks, 1, None, on_layers)
         if len(lanes) == 1:
-            return self._pool.submit(self._on_lane, chunks).result()
+            return parts[0]
         # NOTE: lanes write disjoint blocks of the one cache; the caller's sampling waits for all.
-        parts = list(self._pool.map(self._on_lane, [[chunks[i] for i in lane] for lane in lanes]))
         order = torch.tensor([i for lane in lanes for i in lane])
         packed = torch.cat(parts)            # lane order -> chunk order
         last_hidden = torch.empty_like(packed)

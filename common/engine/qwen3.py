@@ -95,10 +95,11 @@ class AttentionInputs:
 
 def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
             input_ids: torch.Tensor, positions: torch.Tensor,
-            attn: AttentionInputs, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+            attn: AttentionInputs, between_layers: Callable[[int], None] | None = None) -> torch.Tensor:
     """input_ids, positions [T]; kv_cache [L, 2, num_blocks, block_size, Hk, D].
-    Returns the final normed hidden states [T, H]. between_layers(), if given, runs
-    after each layer but the last (a CPU node resizes its threads there)."""
+    Returns the final normed hidden states [T, H]. between_layers(n), if given, runs
+    after each layer but the last, n layers done and their KV writes queued (a CPU node
+    resizes its threads there; a prefill node pushes those layers' KV)."""
     num_tokens = input_ids.shape[0]
     eps, d = spec.rms_norm_eps, spec.head_dim
     scale = d ** -0.5
@@ -130,7 +131,7 @@ def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: t
         x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
         h = ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up)), layer.down)
         if between_layers is not None and i + 1 < len(w.layers):
-            between_layers()
+            between_layers(i + 1)
     h, _ = ops.add_rms_norm(h, residual, w.norm, eps)
     return h
 

@@ -199,37 +199,36 @@ class DeviceWorker:
 
     @torch.inference_mode()
     def prefill(self, chunks: list[PrefillChunk], return_logits: bool = False,
-                on_kv_queued=None) -> tuple[list[int | None], torch.Tensor | None]:
+                on_kv_queued=None, on_layers=None) -> tuple[list[int | None], torch.Tensor | None]:
         """Run prompt chunks as one batch; write their KV; sample the first token of
         every chunk that carries params. Returns (token or None per chunk, and the
         fp32 logits [num_sampled, V] of the sampled chunks when asked).
         on_kv_queued(), if given, is called once every layer's KV write is queued
         on the device, before the sampling waits for it: work queued there (a KV
-        transfer) starts right behind the forward pass."""
+        transfer) starts right behind the forward pass. on_layers(chunk indices, n), if
+        given, is called on this thread during the pass, once those chunks' first n layers
+        are queued (every layer but the last: on_kv_queued says the rest)."""
         t0 = time.perf_counter()
         try:
-            out, logits = self._prefill(chunks, return_logits, on_kv_queued)
+            out, logits = self._prefill(chunks, return_logits, on_kv_queued, on_layers)
         finally:
             if self.cores is not None:
                 self.cores.end()
         self.prefill_busy_s += time.perf_counter() - t0  # _prefill ends in a device sync
         return out, logits
 
-    def _forward_pass(self, chunks: list[PrefillChunk], num_tokens: int) -> torch.Tensor:
-        """The pass on this host's cores: with a shared pool, a pass worth several cores runs
-        every granted thread on it (resized between layers); a cheap one goes to the lanes."""
-        if self.cores is None:
-            return self._forward_chunks(chunks) if self.lanes is None else self.lanes.forward(chunks)
-        want = threads_worth(self.spec, self.dtype, num_tokens, len(chunks))
-        if want > 1:
-            self.cores.begin(want)
-            return self._forward_chunks(chunks, self.cores.between_layers)
-        if self.lanes is None:
+    def _forward_pass(self, chunks: list[PrefillChunk], num_tokens: int, on_layers=None) -> torch.Tensor:
+        """The pass on this host's cores, shared with its other nodes where a pool is set.
+        on_layers(chunk indices, n): as in prefill(), on this thread."""
+        if self.lanes is not None:
+            if self.cores is None:
+                return self.lanes.forward(chunks, None, on_layers)
+            want = threads_worth(self.spec, self.dtype, num_tokens, len(chunks))
+            return self.lanes.forward_shared(chunks, self.cores, want, on_layers)
+        if self.cores is not None:
             self.cores.begin(1)
-            return self._forward_chunks(chunks)
-        num_lanes = self.cores.begin(len(chunks))
-        torch.set_num_threads(1)   # the lanes' own threads: one each
-        return self.lanes.forward(chunks, num_lanes)
+        every = list(range(len(chunks)))
+        return self._forward_chunks(chunks, on_layers and (lambda n: on_layers(every, n)))
 
     def _forward_chunks(self, chunks: list[PrefillChunk], between_layers=None) -> torch.Tensor:
         """One forward over the chunks, packed; their KV into the cache. -> the hidden
@@ -266,9 +265,9 @@ class DeviceWorker:
                     c.prompt_targets, c.num_prompt_logprobs, self._to_device)
         return hidden[self._to_device(np.cumsum(attn.query_lens) - 1, torch.int64)]
 
-    def _prefill(self, chunks: list[PrefillChunk], return_logits: bool, on_kv_queued=None):
+    def _prefill(self, chunks: list[PrefillChunk], return_logits: bool, on_kv_queued=None, on_layers=None):
         num_tokens = sum(len(c.token_ids) for c in chunks)
-        last_hidden = self._forward_pass(chunks, num_tokens)
+        last_hidden = self._forward_pass(chunks, num_tokens, on_layers)
         self.num_prefill_tokens += num_tokens
         self.num_prefill_passes += 1
         self.num_prefill_chunks += len(chunks)
