@@ -79,7 +79,8 @@ class DecodeNode:
                     transfer.LocalCache(self.worker.kv_cache, endpoint_host(self.cfg.kv_reachable),
                                         self.worker.kv_shm_name),
                     transfer.offered(self.cfg.kv_transfer, self.worker.device,
-                                     not is_loopback_endpoint(self.cfg.kv_reachable)))
+                                     not is_loopback_endpoint(self.cfg.kv_reachable)),
+                    is_layerwise=self.cfg.kv_layerwise != "off")
                 self._poller = Poller(self.frontend, self.kv)
                 self.blocks = BlockAllocator(self.worker.num_kv_blocks)
                 self.scheduler = DecodeScheduler(self.blocks, self.worker.block_size,
@@ -359,15 +360,14 @@ class DecodeNode:
         return not (self.scheduler.running or self.scheduler.preempted or h.held or h.ready or h.waiting)
 
     def stats(self) -> dict:
-        return {**self.worker.stats(), "num_running": len(self.scheduler.running),
-                "num_queued": len(self.handoff.ready),
+        return {**self.worker.stats(), "num_running": len(self.scheduler.running), "num_queued": len(self.handoff.ready),
                 "num_reservations": len(self.handoff.held), "num_finished": self.num_finished,
                 "num_expired_reservations": self.handoff.num_expired,
                 "num_asking": len(self.handoff.waiting), "num_granted": self.handoff.num_granted,
-                "num_batched_steps": self.num_batched_steps,
-                "num_preemptions": self.num_preemptions, "num_swapped": self.num_swapped,
-                "num_recomputed": self.num_recomputed, "num_forked": self.num_forked, "num_preempted": len(self.scheduler.preempted),
-                "num_discarded_tokens": self.num_discarded_tokens,
+                "num_batched_steps": self.num_batched_steps, "num_preemptions": self.num_preemptions,
+                "num_swapped": self.num_swapped,
+                "num_recomputed": self.num_recomputed, "num_forked": self.num_forked,
+                "num_preempted": len(self.scheduler.preempted), "num_discarded_tokens": self.num_discarded_tokens,
                 "num_free_blocks": self.blocks.num_free,
                 "num_reserved_blocks": self.blocks.num_reserved,
                 "num_available_blocks": self.blocks.num_available,

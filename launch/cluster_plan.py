@@ -16,8 +16,8 @@ USAGE = """start_cluster.sh [--demo] [--model DIR] [--host 127.0.0.1] [--adverti
      [--base-port 5600] [--name-prefix P] [--join NODE_ENDPOINT]
      [--prefill-devices D[,D...]] [--decode-devices D[,D...]]      one node per device listed
      [--num-prefill N] [--num-decode M]     N or M nodes on the one device given (default 1; 0: none here)
-     [--kv-transfer auto|ipc|nixl|tcp|dist] [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N]
-     [--max-model-len N] [--block-size N] [--token-budget N] [--kv-cache-fraction F]
+     [--kv-transfer auto|ipc|nixl|tcp|dist] [--kv-layerwise auto|on|off]
+     [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N] [--max-model-len N] [--block-size N] [--token-budget N] [--kv-cache-fraction F]
      [--http-port 8000 | --no-http] [--served-model-name NAME] [--log-level LEVEL]
      [--no-prefix-caching] [--swap-space GIB] [--no-preemption] [--kv-verify]
      [--reasoning-parser qwen3] [--tool-call-parser qwen3|hermes|none] [--enable-auto-tool-choice]
@@ -86,6 +86,7 @@ VALUED = {"--model": ("model", ""), "--prefill-device": ("prefill_devices", "cpu
           "--prefill-devices": ("prefill_devices", "cpu"), "--decode-device": ("decode_devices", "cpu"),
           "--decode-devices": ("decode_devices", "cpu"), "--num-prefill": ("num_prefill", ""),
           "--num-decode": ("num_decode", ""), "--kv-transfer": ("kv_transfer", "auto"),
+          "--kv-layerwise": ("kv_layerwise", ""),
           "--host": ("host", "127.0.0.1"), "--advertise-host": ("advertise_host", ""),
           "--base-port": ("base_port", "5600"), "--name-prefix": ("prefix", ""), "--join": ("join", ""),
           "--dtype": ("dtype", ""), "--kv-cache-memory": ("kv_cache_memory", ""),
@@ -241,7 +242,8 @@ def node_argv(plan: Plan, node: Node) -> list[str]:
             "--kv-transfer", a.kv_transfer]
     argv += _given(a, ("dtype", "--dtype"), ("kv_cache_memory", "--kv-cache-memory"),
                    ("max_model_len", "--max-model-len"), ("block_size", "--block-size"),
-                   ("kv_cache_fraction", "--kv-cache-fraction"), ("log_level", "--log-level"))
+                   ("kv_cache_fraction", "--kv-cache-fraction"), ("log_level", "--log-level"),
+                   ("kv_layerwise", "--kv-layerwise"))
     argv += ["--device", node.device, "--name", node.name, "--threads", str(plan.threads[node.name]),
              "--frontend", plan.node_link, *plan.key_args, *plan.remote]
     argv += ["--core-pool", plan.core_pools[node.name]] if node.name in plan.core_pools else []

@@ -72,7 +72,8 @@ class PrefillNode:
                     block_size=cache_block_size(cache.shape), block_bytes=block_bytes(cache), connect=self._connect,
                     open_writer=lambda w, send: transfer.open_writer(self.cfg.kv_transfer, w, cache, send),
                     free_blocks=self.prefix_cache.free, drop_job=self._drop_job, fail=self._fail,
-                    checksums=(lambda ids: transfer.block_checksums(cache, ids)) if self.cfg.is_kv_verified else None)
+                    checksums=(lambda ids: transfer.block_checksums(cache, ids)) if self.cfg.is_kv_verified else None,
+                    num_layers=cache.shape[0], layerwise=self.cfg.kv_layerwise)
                 parts.callback(self.handoffs.close)
                 rt.start(self._send_ready, self.stats, self._is_empty)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s",
@@ -171,10 +172,14 @@ class PrefillNode:
     def _forward(self, chunks: list[ScheduledChunk]) -> None:
         batch = [self._chunk(c) for c in chunks]
         finished = [c.job for c in chunks if c.is_last]
-        # The KV writes of finished prompts are queued right behind the forward pass,
-        # before the first tokens are sampled, so their commits can go out at once.
+        # The KV writes of finished prompts start during the pass (layer by layer) or right
+        # behind it, before the first tokens are sampled, so their commits go out at once.
+        last = {i: c.job for i, c in enumerate(chunks) if c.is_last}
         started = time.perf_counter()
-        tokens, _ = self.worker.prefill(batch, on_kv_queued=lambda: self.handoffs.start_writes(finished))
+        tokens, _ = self.worker.prefill(
+            batch, on_kv_queued=lambda: self.handoffs.start_writes(finished),
+            on_layers=(lambda idx, n: self.handoffs.push_layers([last[i] for i in idx if i in last], n))
+            if self.cfg.kv_layerwise != "off" and last else None)
         num_tokens = sum(c.end - c.start for c in chunks)
         self._log_tokens += num_tokens
         self._bound_pass(num_tokens, time.perf_counter() - started)

@@ -108,7 +108,7 @@ class Pair:
     """A Sender and a Receiver joined by a MemLink, each on its own cache."""
 
     def __init__(self, num_decode_blocks: int = 12, lease_s: float = 30.0, handoff_lease_s: float = 10.0,
-                 max_queue: int = 8, is_preemptive: bool = True):
+                 max_queue: int = 8, is_preemptive: bool = True, layerwise: str = "off"):
         self.clock = FakeClock()
         self.lease_s, self.max_queue = lease_s, max_queue
         self.num_decode_blocks, self.is_preemptive = num_decode_blocks, is_preemptive
@@ -122,7 +122,7 @@ class Pair:
                          block_bytes=block_bytes(self.src), connect=lambda name, endpoint: self.link,
                          open_writer=lambda w, send: transfer.open_writer("tcp", w, self.src, send),
                          free_blocks=self.prefix.free, drop_job=self._drop_job, fail=self._failed,
-                         clock=self.clock)
+                         clock=self.clock, num_layers=self.src.shape[0], layerwise=layerwise)
 
     def start_decode(self, epoch: str) -> Receiver:
         """A decode node (again, after a restart: a new epoch, cache and pool)."""

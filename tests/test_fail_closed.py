@@ -266,7 +266,7 @@ def test_writes_are_given_the_write_deadline_not_the_leases_end():
 
 
 def test_a_posted_nixl_write_past_its_deadline_is_stopped_before_it_is_driven():
-    from common.transfer.nixl import NixlWriter, _Write
+    from common.transfer.nixl import NixlWriter, _Part, _Write
     calls = []
     agent = SimpleNamespace(check_xfer_state=lambda handle: calls.append("driven") or "DONE",
                             transfer=lambda handle: calls.append("posted") or "PROC",
@@ -274,7 +274,8 @@ def test_a_posted_nixl_write_past_its_deadline_is_stopped_before_it_is_driven():
     w = NixlWriter.__new__(NixlWriter)
     w.agent, w.remote, w.desc = agent, "decode-agent", SimpleNamespace(agent="decode-agent")
     handle = SimpleNamespace(release=lambda: None)
-    w._writes = {"r": _Write(handle, "g", None, time.monotonic() - 0.1, is_posted=True)}
+    w._writes = {"r": _Write(None, "g", time.monotonic() - 0.1, [_Part(handle, None, True, is_posted=True)],
+                             is_open=False, is_announced=True, is_posted=True)}
     assert w.poll() == [("r", "it did not complete before its reservation could end")]
     assert calls == ["dropped"] and w.remote is None   # never driven on: its connection is dropped
 

@@ -187,9 +187,20 @@ _KV_VERIFY = flag("--kv-verify", "check every handoff's KV end to end: the prefi
                   "(the request moves on) on a mismatch")
 
 
+KV_LAYERWISE = ("auto", "on", "off")   # common/handoff/writes.py
+_KV_LAYERWISE = flag("--kv-layerwise", "push a prompt's KV layer by layer while its prefill computes the "
+                     "rest (on a decode node: whether it takes such writes). auto: where the transfer "
+                     "would take long enough to hide, at the rate measured on that link", choices=KV_LAYERWISE)
+
+
 def _check_kv_transfer(value: str) -> None:
     if value not in KV_TRANSFERS:
         raise ValueError(f"kv_transfer must be one of {KV_TRANSFERS}, got {value!r}")
+
+
+def _check_kv_layerwise(value: str) -> None:
+    if value not in KV_LAYERWISE:
+        raise ValueError(f"kv_layerwise must be one of {KV_LAYERWISE}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -211,6 +222,7 @@ class PrefillConfig:
     kv_transfer: str = field(default="auto", metadata=flag(
         "--kv-transfer", "auto: the best backend both nodes can use with that decode node: ipc on "
         "this host, else nixl, else tcp", choices=KV_TRANSFERS))
+    kv_layerwise: str = field(default="auto", metadata=_KV_LAYERWISE)
     links: NodeLinks = field(default_factory=NodeLinks)
     allow_remote: bool = field(default=False, metadata=_ALLOW_REMOTE)
     keys_dir: str | None = field(default=None, metadata=_NODE_KEYS)
@@ -223,6 +235,7 @@ class PrefillConfig:
     def __post_init__(self) -> None:
         check_endpoint("frontend_endpoint", self.frontend_endpoint, self.allow_remote)
         _check_kv_transfer(self.kv_transfer)
+        _check_kv_layerwise(self.kv_layerwise)
         if self.token_budget < self.worker.block_size:
             raise ValueError(f"token_budget must be >= block_size ({self.worker.block_size})")
         if self.max_batch_prompts < 1 or self.handoff_lease_s <= 0:
@@ -246,6 +259,7 @@ class DecodeConfig:
         "--kv-transfer", "KV transfer backends offered to prefill nodes (auto: ipc and tcp, and nixl "
         "when the KV link is reachable from other hosts; never dist)",
         choices=KV_TRANSFERS))
+    kv_layerwise: str = field(default="auto", metadata=_KV_LAYERWISE)
     links: NodeLinks = field(default_factory=NodeLinks)
     allow_remote: bool = field(default=False, metadata=_ALLOW_REMOTE)
     keys_dir: str | None = field(default=None, metadata=_NODE_KEYS)
@@ -281,6 +295,7 @@ class DecodeConfig:
                                  f"connect to: give --kv-advertise tcp://HOST:PORT, an address of this "
                                  f"host that prefill nodes reach")
         _check_kv_transfer(self.kv_transfer)
+        _check_kv_layerwise(self.kv_layerwise)
         if self.max_queue < 1 or self.reservation_lease_s <= 0:
             raise ValueError("max_queue must be >= 1 and reservation_lease_s > 0")
         if self.swap_space < 0:

@@ -58,8 +58,9 @@ class Lanes:
                 if on_layers is not None:
                     inbox.put((idx, num_done))
             return after
-        futures = [self._pool.submit(self._on_lane, [chunks[i] for i in idx], num_threads, hook(idx))
-                   for idx in parts]
+        is_hooked = between_layers is not None or on_layers is not None
+        futures = [self._pool.submit(self._on_lane, [chunks[i] for i in idx], num_threads,
+                                     hook(idx) if is_hooked else None) for idx in parts]
         for f in futures:
             f.add_done_callback(lambda _: inbox.put(None))
         num_running, error = len(futures), None
@@ -114,7 +115,8 @@ class Lanes:
     def forward(self, chunks: list, num_lanes: int | None = None, on_layers=None) -> torch.Tensor:
         num_lanes = num_lanes or self.num_lanes
         lanes = self.split(chunks, num_lanes)
-        if len(lanes) == 1 and num_lanes > 1 and sum(len(c.token_ids) for c in chunks) >= MIN_TOKENS_PER_THREAD * num_lanes:
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        if len(lanes) == 1 and num_lanes > 1 and num_tokens >= MIN_TOKENS_PER_THREAD * num_lanes:
             return self.forward_whole(chunks, num_lanes, None, on_layers)   # every thread on one long chunk
         parts = self._run(lanes, chunks, 1, None, on_layers)
         if len(lanes) == 1:

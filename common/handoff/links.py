@@ -47,12 +47,19 @@ class KVLinks:
             peer.writer.close()
         peer.writer, peer.epoch, peer.error = None, w.epoch, None
         peer.num_blocks = num_cache_blocks(w.cache_shape) if is_cache_shape(w.cache_shape) else 0
+        peer.is_layerwise = w.is_layerwise
         try:
             peer.writer = self.open_writer(w, lambda m: peer.link.send(m, block=False))
             log.info("KV link to %s (%s): %s transfer", peer.name, peer.endpoint, peer.writer.name)
         except TransferError as e:
             peer.error = f"cannot hand KV to decode node {peer.name}: {e}"
             log.error("%s", peer.error)
+
+    def flush(self) -> None:
+        """Every writer sends what is ready (nothing ends)."""
+        for peer in self.peers.values():
+            if peer.writer is not None:
+                peer.writer.flush()
 
     def take_reconnected(self) -> list[DecodePeer]:
         """Peers whose link was made again since the last call (what was on the way may be lost)."""

@@ -1,19 +1,17 @@
 """The prefill node's half of a handoff: reserve -> write -> commit.
 
-A request's reservation is asked for when it arrives; the transfer writer copies
-its blocks right behind the forward pass that computed them, the local blocks
-are freed when the write completes, and the commit goes once the first token is
-sampled too. A handoff not acknowledged within the handoff lease after its
-prefill, or whose decode node leaves a KVReserve unanswered that long, fails,
-and what it holds on both sides is released. Every write has a deadline before
-its reservation can end (lease.py: write_deadline) and is stopped there,
-whatever the peer does. Asks are numbered and answers echo the number; a grant
-is named (its reservation), and the writes and the commit name it. When the KV
-link is made again (a reset), what may have been lost on it is asked again:
-reservations, renewals, commits (the decode node takes a repeated commit as
-the same one).
-NOTE: ipc writes straight into the decode node's memory: a write into blocks
-whose reservation has ended could land in another request's KV (lease.py).
+A request's reservation is asked for when it arrives; its write starts right behind
+the pass that computed its KV, or during it, layer by layer (writes.py); its local
+blocks are freed when the write completes, and the commit goes once the first token
+is sampled too. A handoff not acknowledged within the handoff lease after its
+prefill, or whose decode node leaves a KVReserve unanswered that long, fails, and
+what it holds on both sides is released. Every write has a deadline before its
+reservation can end (lease.py: write_deadline) and is stopped there, whatever the
+peer does. Asks are numbered and answers echo the number; a grant is named, and the
+writes and the commit name it. When the KV link is made again (a reset), what may
+have been lost on it is asked again (the decode node takes a repeated commit as the
+same one). NOTE: ipc writes straight into the decode node's memory: a write into
+blocks whose reservation has ended could land in another request's KV (lease.py).
 """
 from __future__ import annotations
 
@@ -23,6 +21,7 @@ from typing import Callable
 from common.base.log import get_logger
 from common.base.recent import Recent
 from common.wire.figures import TransferFigures
+from common.handoff import writes
 from common.handoff.lease import INF, Lease
 from common.handoff.links import KVLinks
 from common.handoff.states import DecodePeer, Handoff, Job, Link, Stage
@@ -39,24 +38,24 @@ HANDED_OFF_MEMORY = 4096   # requests handed to their decode node, remembered fo
 
 
 class Sender:
-    """Every handoff of one prefill node, to any decode node.
-
-    connect(name, endpoint) opens the KV link to a decode node; open_writer(welcome,
-    send) opens a transfer writer into its cache; free_blocks(ids) gives local blocks
-    back once written; drop_job(job) takes a job that ends unwritten off the prefill
-    scheduler and frees its blocks; fail(request_id, error, is_retryable) tells the
-    frontend (retryable: the decode node restarted, went silent or the write failed,
-    so the request may go on elsewhere)."""
+    """Every handoff of one prefill node, to any decode node. connect(name, endpoint)
+    opens the KV link to a decode node; open_writer(welcome, send) a transfer writer into
+    its cache; free_blocks(ids) gives local blocks back once written; drop_job(job) takes
+    a job that ends unwritten off the prefill scheduler and frees its blocks; fail(request_id,
+    error, is_retryable) tells the frontend (retryable: the decode node restarted, went
+    silent or the write failed, so the request may go on elsewhere)."""
 
     def __init__(self, *, name: str, handoff_lease_s: float, block_size: int, block_bytes: int,
                  connect: Callable[[str, str], Link],
                  open_writer: Callable[[KVWelcome, Callable], KVWriter],
                  free_blocks: Callable[[list[int]], None], drop_job: Callable[[Job], None],
                  fail: Callable[[str, str, bool], None], clock: Callable[[], float] = time.monotonic,
-                 checksums: Callable[[list[int]], object] | None = None):
+                 checksums: Callable[[list[int]], object] | None = None, num_layers: int = 0,
+                 layerwise: str = "off"):
         """checksums (--kv-verify): local block ids -> their checksums (a device tensor,
-        queued with the write), sent with the commit."""
+        queued with the write), sent with the commit. layerwise: --kv-layerwise (writes.py)."""
         self.name, self.handoff_lease_s = name, handoff_lease_s
+        self.num_layers, self.layerwise = num_layers, layerwise
         self.checksums = checksums
         self.block_size, self.block_bytes = block_size, block_bytes
         self.links = KVLinks(name, connect, open_writer, clock)
@@ -79,9 +78,8 @@ class Sender:
         # Writes into its earlier life end with its writer (closing it waits for their copies).
         for h in self._of(peer, Stage.WRITING, Stage.CANCELLING):
             self._figures(peer).num_failed += 1
-            h.stage = Stage.CANCELLED
+            h.stage, h.is_retryable = Stage.CANCELLED, True
             h.error = h.error or f"decode node {peer.name} restarted during the KV write"
-            h.is_retryable = True
         self.links.open(peer, w)
         # Reservations from an earlier life of that node are void; KV written there is lost.
         for h in self._of(peer, Stage.QUEUED, Stage.RESERVED, Stage.WRITTEN, Stage.COMMITTED):
@@ -89,9 +87,8 @@ class Sender:
                 if h.stage in (Stage.QUEUED, Stage.RESERVED):
                     h.drop_reservation(self.clock())
                 else:
-                    h.stage = Stage.CANCELLED
+                    h.stage, h.is_retryable = Stage.CANCELLED, True
                     h.error = f"decode node {peer.name} restarted before the handoff was committed"
-                    h.is_retryable = True
 
     def _of(self, peer: DecodePeer, *stages: Stage) -> list[Handoff]:
         return [h for h in self.by_id.values() if h.peer is peer and h.stage in stages]
@@ -161,10 +158,9 @@ class Sender:
                 peer.link.send(KVRelease(r.request_id), block=False)  # nobody wants it now
             return
         h.silent_since = None
-        # NOTE: an answer names its ask, so its lease counts from when that ask was sent;
-        # one to an ask forgotten (or never made) grants a lease already over (it is asked
-        # again). Blocks granted from the waiting line answer no ask: they were granted
-        # after the ask that queued the request reached the decode node.
+        # NOTE: an answer names its ask, so its lease counts from when that ask was sent; one
+        # to an ask forgotten (or never made) grants a lease already over (asked again). Blocks
+        # granted from the line answer no ask: granted after the ask that queued it arrived.
         if r.is_queued and r.block_ids is not None:
             sent_at = h.queued_at if h.stage is Stage.QUEUED else -INF
         else:
@@ -229,15 +225,25 @@ class Sender:
         else:
             self._end(h, f"decode node refused the request: {ack.reason}", is_retryable=ack.is_retryable)
 
+    def push_layers(self, jobs: list[Job], num_done: int) -> None:
+        """During the pass: these prompts' first num_done layers are queued on the device.
+        Writes worth pushing layer by layer start, or go on; nothing here may end a handoff."""
+        for job in jobs:
+            h = self.by_id.get(job.request_id)
+            if h is not None and (h.layers_sent >= 0 or self._can_write(h, is_partial=True)):
+                self._write(h, num_done)
+        self.links.flush()
+
     def start_writes(self, jobs: list[Job]) -> None:
-        """These prompts' KV is queued on the device: start the writes that can start.
-        Called inside the forward pass, so nothing here may end a handoff."""
+        """These prompts' KV is queued on the device: start the writes that can start, or end
+        those pushed layer by layer. Called inside the pass: nothing here may end a handoff."""
         for job in jobs:
             h = self.by_id.get(job.request_id)
             if h is not None:
                 h.is_kv_queued = True
-                if self._can_write(h):
+                if h.layers_sent >= 0 or self._can_write(h):
                     self._write(h)
+        self.links.flush()   # what is ready goes now, before the first tokens are sampled
 
     def set_first_token(self, job: Job, first_token: int, timings: dict, logprobs=None) -> None:
         h = self.by_id.get(job.request_id)
@@ -266,8 +272,7 @@ class Sender:
             if peer.writer is not None:
                 for rid, error in peer.writer.poll():
                     self._finish_write(self.by_id.get(rid), error)
-        now = self.clock()
-        lease_s = self.handoff_lease_s
+        now, lease_s = self.clock(), self.handoff_lease_s
         for h in list(self.by_id.values()):
             held = h.dst_block_ids is not None
             if h.stage in (Stage.WRITING, Stage.CANCELLING):
@@ -305,28 +310,22 @@ class Sender:
                 if now >= h.next_ask_at and h.stage is not Stage.COMMITTED:
                     self._ask(h)   # renew
 
-    def _can_write(self, h: Handoff) -> bool:
-        return (h.stage is Stage.RESERVED and h.is_kv_queued and h.peer.writer is not None
-                and h.epoch == h.peer.epoch and self.clock() < h.lease.write_by)
+    def _can_write(self, h: Handoff, is_partial: bool = False) -> bool:
+        w = h.peer.writer
+        rate = self.transfers[w.name].bytes_per_s if w is not None and w.name in self.transfers else 0.0
+        return writes.can_start(h, self.clock(), is_partial, self.layerwise, rate, self.block_bytes)
 
-    def _write(self, h: Handoff) -> None:
+    def _write(self, h: Handoff, num_done: int | None = None) -> None:
         try:
-            # NOTE: an id past the peer's cache would index out of bounds on the device.
-            if not all(0 <= b < h.peer.num_blocks for b in h.dst_block_ids):
-                raise TransferError(f"reserved block ids do not fit the decode node's "
-                                    f"{h.peer.num_blocks}-block cache")
-            h.write_deadline = h.lease.write_deadline
-            if self.checksums is not None:
-                h.checksums = self.checksums(h.job.block_ids)   # NOTE: before the blocks can be freed
-            h.num_written = h.peer.writer.write(h.job.request_id, h.reservation, h.job.block_ids,
-                                                h.dst_block_ids, within_s=h.write_deadline - self.clock())
+            writes.write(h, self.num_layers, num_done, self.checksums, self.clock)
         except TransferError as e:
             self._figures(h.peer).num_failed += 1
-            h.stage = Stage.CANCELLED   # advance() releases the reservation and fails it
             h.error, h.is_retryable = f"KV transfer to {h.peer.name} failed: {e}", True
-            return
-        h.stage, h.write_started = Stage.WRITING, self.clock()
-        self.bytes_written += len(h.job.block_ids) * self.block_bytes
+            if h.stage is Stage.WRITING:   # begun: it ends in poll(), then advance() fails it
+                h.peer.writer.cancel(h.job.request_id)
+                h.stage = Stage.CANCELLING
+            else:
+                h.stage = Stage.CANCELLED   # advance() releases the reservation and fails it
 
     def _finish_write(self, h: Handoff | None, error: str | None) -> None:
         if h is None or h.stage not in (Stage.WRITING, Stage.CANCELLING):
@@ -335,12 +334,13 @@ class Sender:
             if self.clock() > h.write_deadline:
                 error = "it did not complete before its reservation could end"
             self._figures(h.peer).num_failed += 1
-            h.error = h.error or f"KV transfer to {h.peer.name} failed: {error}"
-            h.is_retryable = True
+            h.error, h.is_retryable = h.error or f"KV transfer to {h.peer.name} failed: {error}", True
             h.stage = Stage.CANCELLING   # ends below; advance() releases the reservation and fails it
         elif h.stage is Stage.WRITING:
+            self.bytes_written += len(h.job.block_ids) * self.block_bytes
             self._figures(h.peer).observe(self.clock() - h.write_started,
-                                          len(h.job.block_ids) * self.block_bytes)
+                                          len(h.job.block_ids) * self.block_bytes,
+                                          h.layers_sent >= 0 and h.peer.writer.is_layerwise)
         h.stage = Stage.WRITTEN if h.stage is Stage.WRITING else Stage.CANCELLED
         h.written_at = time.time()
         self.free_blocks(h.job.block_ids)   # the decode node holds them now

@@ -70,6 +70,7 @@ class DecodePeer:
     hello_at: float = -INF
     num_blocks: int = 0                   # in its cache, from its welcome
     is_granting: bool = False             # its last answer granted blocks at once
+    is_layerwise: bool = False            # its welcome takes writes layer by layer
 
 
 @dataclass
@@ -94,6 +95,7 @@ class Handoff:
     write_started: float = 0.0            # monotonic, by the handoff's clock
     write_deadline: float = INF           # a write still under way then is stopped
     num_written: int = 0                  # units of the write, as its backend counts them
+    layers_sent: int = -1                 # pushed layer by layer: the layers written so far
     checksums: object = None              # --kv-verify: of each block, taken when its write starts
                                           # (a device tensor; its list once committed)
     written_at: float = 0.0               # wall clock

@@ -9,6 +9,7 @@ code calls only what this module exports; it never names a backend.
     prefill node                                  decode node
     open_writer(requested, welcome, cache, send)  KVSink(cache, offered(requested, ...))
     writer.write(rid, grant, src, dst, within_s)  sink.welcome(epoch) -> KVWelcome
+      or begin(...), write_layers(rid, a, b), end(rid): layer by layer, during the pass
       -> units the commit says it wrote           sink.receive(sender, KVTransfer, dst_ids)
     writer.poll() -> [(rid, error or None)]       sink.why_incomplete(backend, rid, n, units)
     writer.cancel(rid) / close()                  sink.progress() / is_landed(rid) / forget(rid)
@@ -35,7 +36,7 @@ import torch
 from common.base.config import KV_BACKENDS, KV_TRANSFERS
 from common.base.log import get_logger
 from common.transfer.backend import (Backend, KVReceiver, KVWriter, LocalCache, Send,  # noqa: F401
-                                     UnusableBackend)
+                                     UnusableBackend, WholeWrite)
 from common.transfer.copy import TransferError, block_checksums, copy_blocks, host_id  # noqa: F401
 from common.wire.protocol import KVTransfer, KVWelcome, dtype_name
 
@@ -136,15 +137,18 @@ def open_writer(requested: str, welcome: KVWelcome, cache: torch.Tensor, send: S
     """A writer into the decode node that sent `welcome`; TransferError says why not."""
     check_layout(welcome, cache)
     name = choose_backend(requested, welcome, cache.device)
-    return backend(name).open_writer(welcome.backends[name], welcome, cache, send)
+    b = backend(name)
+    writer = b.open_writer(welcome.backends[name], welcome, cache, send)
+    return writer if b.is_layerwise else WholeWrite(writer)
 
 
 class KVSink:
     """Decode side: one receiver per offered backend, each describing the cache to
     prefill nodes and landing what its writers send."""
 
-    def __init__(self, cache: LocalCache, accepted: list[str]):
-        self.cache = cache.tensor
+    def __init__(self, cache: LocalCache, accepted: list[str], is_layerwise: bool = True):
+        """is_layerwise: prefill nodes may push a write's layers as they compute them."""
+        self.cache, self.is_layerwise = cache.tensor, is_layerwise
         self.accepted = list(accepted)
         self.receivers: dict[str, KVReceiver] = {}
         try:
@@ -157,7 +161,7 @@ class KVSink:
     def welcome(self, epoch: str) -> KVWelcome:
         c = self.cache
         return KVWelcome(epoch, host_id(), str(c.device), list(c.shape), dtype_name(c.dtype),
-                         {name: r.describe() for name, r in self.receivers.items()})
+                         {name: r.describe() for name, r in self.receivers.items()}, self.is_layerwise)
 
     def _receiver(self, name: str) -> KVReceiver:
         r = self.receivers.get(name)

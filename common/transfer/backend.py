@@ -8,6 +8,7 @@ KVTransfer messages under the backend's name, checked by the backend itself
 (codec.parse into a dataclass of its own)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -39,6 +40,24 @@ class KVWriter(Protocol):
         it the receiver will count (KVCommit.num_written). Source blocks stay untouched
         until poll() names it. within_s: past this the write must be stopped, whatever the
         peer does (poll() then names it failed): the reservation may end soon after."""
+
+    # Layer-wise: the same write in parts, as the forward pass computes them. begin() takes
+    # what write() takes; write_layers(rid, a, b) says layers [a, b) of its blocks are
+    # queued on the device; end(rid) that no more will come, and returns what write()
+    # returns. poll() names it ended only after end(). A backend with no such form gets
+    # WholeWrite's (one whole write at end()).
+    def begin(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> None: ...
+
+    def write_layers(self, request_id: str, first_layer: int, end_layer: int) -> None: ...
+
+    def end(self, request_id: str) -> int: ...
+
+    def flush(self) -> None:
+        """Move what can move now (send what is ready) without ending anything: called
+        between layers, where no handoff may end."""
+
+    is_layerwise: bool   # it writes layers as they come (WholeWrite's: False)
 
     is_stalled: bool   # every write under way waits on the peer (or a thread): no need to poll hard
 
@@ -96,6 +115,7 @@ class Backend:
     # (our device, their welcome, whether they share our host) -> why not with that decode node
     why_not_with: Callable[[torch.device, KVWelcome, bool], str | None] = lambda device, welcome, is_local: None
     needs_shared_cache: Callable[[torch.device], bool] = lambda device: False
+    is_layerwise: bool = False          # its writer has a layer-wise form (else WholeWrite gives one)
 
 
 def why_not_same_kind(device: torch.device, welcome: KVWelcome) -> str | None:
@@ -115,3 +135,42 @@ def parse(cls, fields, where: str):
         return codec.parse(cls, fields, where)
     except ProtocolError as e:
         raise TransferError(str(e)) from None
+
+
+class WholeWrite:
+    """The layer-wise form for a writer that has none: begin() remembers the write and end()
+    starts it whole; the rest passes through."""
+
+    is_layerwise = False
+
+    def __init__(self, writer: KVWriter):
+        self.inner, self.name = writer, writer.name
+        self._begun: dict[str, tuple] = {}
+        self._dropped: list[tuple[str, str | None]] = []   # cancelled before end()
+
+    def __getattr__(self, attr):   # write, is_stalled, close: the writer's own
+        return getattr(self.inner, attr)
+
+    def begin(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> None:
+        self._begun[request_id] = (reservation, src_block_ids, dst_block_ids, time.monotonic() + within_s)
+
+    def write_layers(self, request_id: str, first_layer: int, end_layer: int) -> None:
+        pass
+
+    def end(self, request_id: str) -> int:
+        reservation, src, dst, deadline = self._begun.pop(request_id)
+        return self.inner.write(request_id, reservation, src, dst, within_s=deadline - time.monotonic())
+
+    def flush(self) -> None:
+        pass
+
+    def poll(self) -> list[tuple[str, str | None]]:
+        ended, self._dropped = self._dropped, []
+        return ended + self.inner.poll()
+
+    def cancel(self, request_id: str) -> None:
+        if self._begun.pop(request_id, None) is not None:
+            self._dropped.append((request_id, "cancelled"))
+        else:
+            self.inner.cancel(request_id)

@@ -61,6 +61,7 @@ def _open(desc: IpcDescriptor, dtype: torch.dtype, shape: list[int], device: tor
 
 class IpcWriter:
     name = "ipc"
+    is_layerwise = True
 
     def __init__(self, descriptor: dict, welcome: KVWelcome, cache: torch.Tensor):
         self.src = cache
@@ -73,6 +74,7 @@ class IpcWriter:
         self.stream = self._platform.side_stream()
         self._num_dst_blocks = num_cache_blocks(shape)
         self._inflight: list[tuple[str, object | None]] = []   # (request id, its copy's event)
+        self._open: dict[str, tuple[list[int], list[int]]] = {}   # begun, not ended: (src, dst) blocks
 
     is_stalled = False
 
@@ -80,20 +82,41 @@ class IpcWriter:
               within_s: float) -> int:
         """Nothing crosses the KV link (no units): the commit's reservation and epoch, and
         --kv-verify, are what tie the copy to its grant."""
+        self.begin(request_id, reservation, src_block_ids, dst_block_ids, within_s)
+        self.write_layers(request_id, 0, self.src.shape[0])
+        return self.end(request_id)
+
+    def begin(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> None:
         if any(not 0 < b < self._num_dst_blocks for b in dst_block_ids):
             raise TransferError(f"destination blocks outside the decode cache of {self._num_dst_blocks}")
+        if len(src_block_ids) != len(dst_block_ids):
+            raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
+        self._open[request_id] = (src_block_ids, dst_block_ids)
+
+    def write_layers(self, request_id: str, first_layer: int, end_layer: int) -> None:
+        src, dst = self._open[request_id]
+        layers = slice(first_layer, end_layer)
         if self.stream is None:
-            copy_blocks(self.src, src_block_ids, self.dst, dst_block_ids)
-            self._inflight.append((request_id, None))
-            return 0
+            copy_blocks(self.src[layers], src, self.dst[layers], dst)
+            return
         # The copy waits for the forward pass that wrote the blocks, then runs beside
-        # the next one; the event tells the loop when the commit may go out.
+        # the next one (or the next layers).
         self._platform.wait_for_current(self.stream)
         with self._platform.on_stream(self.stream):
-            copy_blocks(self.src, src_block_ids, self.dst, dst_block_ids)
-            done = self._platform.event()
+            copy_blocks(self.src[layers], src, self.dst[layers], dst)
+
+    def end(self, request_id: str) -> int:
+        del self._open[request_id]
+        done = None
+        if self.stream is not None:
+            with self._platform.on_stream(self.stream):
+                done = self._platform.event()   # the event tells the loop when the commit may go out
         self._inflight.append((request_id, done))
         return 0
+
+    def flush(self) -> None:
+        pass
 
     def poll(self) -> list[tuple[str, str | None]]:
         done = [rid for rid, ev in self._inflight if ev is None or ev.query()]
@@ -102,7 +125,9 @@ class IpcWriter:
         return [(rid, None) for rid in done]
 
     def cancel(self, request_id: str) -> None:
-        pass   # a local copy: it ends by itself, and soon
+        # a local copy ends by itself, and soon; one begun and never ended ends here
+        if self._open.pop(request_id, None) is not None:
+            self._inflight.append((request_id, None))
 
     def close(self) -> None:
         if self.stream is not None:
@@ -160,4 +185,5 @@ def _open_writer(descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send
 
 
 BACKEND = Backend("ipc", why_unusable, IpcReceiver, _open_writer, why_not_with=why_not_with, is_one_sided=True,
+                  is_layerwise=True,
                   needs_shared_cache=lambda device: platform_type(device).is_host)

@@ -29,7 +29,7 @@ import os
 import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -109,6 +109,7 @@ def _plane_bytes(cache_shape, element_size: int) -> int:
 
 class NixlWriter:
     name = "nixl"
+    is_layerwise = True
 
     def __init__(self, descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send: Send):
         self.desc = parse(NixlDescriptor, descriptor, "nixl")
@@ -127,9 +128,9 @@ class NixlWriter:
         except Exception as e:
             raise TransferError(f"cannot connect to the decode node's NIXL agent {self.desc.agent}: {e}") from None
 
-    def _descs(self, base: int, num_blocks: int, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-        """(address, bytes, device) per layer, K/V plane and run of consecutive blocks."""
-        planes = np.arange(self._num_planes, dtype=np.uint64)[:, None]
+    def _descs(self, base: int, num_blocks: int, starts: np.ndarray, lens: np.ndarray, layers: range) -> np.ndarray:
+        """(address, bytes, device) per K/V plane of those layers and run of consecutive blocks."""
+        planes = np.arange(2 * layers.start, 2 * layers.stop, dtype=np.uint64)[:, None]
         addr = np.uint64(base) + (planes * np.uint64(num_blocks) + starts[None, :]) * np.uint64(self._block_bytes)
         n = np.broadcast_to(lens[None, :] * np.uint64(self._block_bytes), addr.shape)
         return np.stack([addr.ravel(), n.ravel(), np.full(addr.size, self.device_id, dtype=np.uint64)], axis=1)
@@ -138,6 +139,12 @@ class NixlWriter:
 
     def write(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
               within_s: float) -> int:
+        self.begin(request_id, reservation, src_block_ids, dst_block_ids, within_s)
+        self.write_layers(request_id, 0, self.src.shape[0])
+        return self.end(request_id)
+
+    def begin(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> None:
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
         if any(not 0 < b < self._num_dst_blocks for b in dst_block_ids):
@@ -147,22 +154,73 @@ class NixlWriter:
         if self.remote is None:
             self.remote = self._connect()   # again, after a failed write dropped it
         r = np.array(runs(src_block_ids, dst_block_ids), dtype=np.uint64).reshape(-1, 3)
-        local = self._descs(self.src.data_ptr(), self.src.shape[2], r[:, 0], r[:, 2])
-        remote = self._descs(self.desc.address, self._num_dst_blocks, r[:, 1], r[:, 2])
+        self._writes[request_id] = _Write(r, reservation, time.monotonic() + max(within_s, 0.0))
+
+    def write_layers(self, request_id: str, first_layer: int, end_layer: int) -> None:
+        """Those layers go as a part of their own once the device has computed them; the
+        latest is held back until the next, so the last part carries the notification."""
+        w = self._writes[request_id]
+        if w.held is not None:
+            w.parts.append(self._part(request_id, w, *w.held, notify=False))
+        # The forward pass that computes these layers may still be queued on the device.
+        w.held = (range(first_layer, end_layer), self._platform.event())
+
+    def end(self, request_id: str) -> int:
+        w = self._writes[request_id]
+        if w.held is None:
+            raise TransferError(f"the write of {request_id} ended with no layers")
+        w.parts.append(self._part(request_id, w, *w.held, notify=True))
+        w.held, w.is_open = None, False
+        return 1
+
+    def _part(self, request_id: str, w: _Write, layers: range, ready, notify: bool) -> _Part:
+        r = w.runs
+        local = self._descs(self.src.data_ptr(), self.src.shape[2], r[:, 0], r[:, 2], layers)
+        remote = self._descs(self.desc.address, self._num_dst_blocks, r[:, 1], r[:, 2], layers)
         try:
             handle = self.agent.initialize_xfer(
-                "WRITE", self.agent.get_xfer_descs(local, self.mem),
-                self.agent.get_xfer_descs(remote, self.mem), self.remote, request_id.encode())
+                "WRITE", self.agent.get_xfer_descs(local, self.mem), self.agent.get_xfer_descs(remote, self.mem),
+                self.remote, request_id.encode() if notify else b"")
         except Exception as e:
             raise TransferError(f"NIXL refused the write: {e}") from None
-        # The forward pass that computed the blocks may still be queued on the device.
-        ready = self._platform.event()
-        self._writes[request_id] = _Write(handle, reservation, ready, time.monotonic() + max(within_s, 0.0))
-        return 1
+        return _Part(handle, ready, notify)
+
+    def flush(self) -> None:
+        """Post the parts that are ready (nothing ends here)."""
+        now = time.monotonic()
+        for rid, w in self._writes.items():
+            if not w.is_cancelled and now <= w.deadline and self._drive(rid, w) is False:
+                break
+
+    def _drive(self, rid: str, w: _Write) -> str | None | bool:
+        """Announce the write, post its parts in order, drop those done. -> None: all done;
+        "": under way; False: the link is not ready (later writes wait); else why it failed.
+        NOTE: the part with the notification is posted only once every other is done, so
+        the notification says that all of it landed."""
+        if not w.is_announced:
+            if not self.send(KVTransfer(rid, w.reservation, "nixl", {"agent": self.agent.name}, NO_DATA)):
+                return False   # announced in order; the link is not ready: next turn
+            w.is_announced = True
+        for part in list(w.parts):
+            if part.is_posted:
+                why = self._state(part, post=False)
+            elif (part.ready is not None and not part.ready.query()) or (part.notify and part is not w.parts[0]):
+                break
+            else:
+                part.is_posted, w.is_posted = True, True
+                why = self._state(part, post=True)
+            if why == "":
+                continue
+            if why is not None:
+                return why
+            w.parts.remove(part)
+            self._release(part)
+        return "" if w.parts or w.is_open else None
 
     def poll(self) -> list[tuple[str, str | None]]:
         ended: list[tuple[str, str | None]] = []
         now = time.monotonic()
+        is_blocked = False
         for rid, w in list(self._writes.items()):
             late = "it did not complete before its reservation could end"
             if w.is_cancelled:
@@ -171,24 +229,21 @@ class NixlWriter:
                 # NOTE: before driving it on: a process that was stopped (SIGSTOP) and goes on
                 # past the deadline must not let UCX complete it now.
                 why = late
-            elif w.is_posted:
-                why = self._state(w, post=False)
-            elif w.ready is not None and not w.ready.query():
+            elif is_blocked or (w.is_open and not w.parts and w.held is None):
                 continue
-            elif not self.send(KVTransfer(rid, w.reservation, "nixl", {"agent": self.agent.name}, NO_DATA)):
-                break   # announced in order; the link is not ready: next turn
             else:
-                w.is_posted, why = True, self._state(w, post=True)
+                why = self._drive(rid, w)
+                if why is False:
+                    is_blocked = True
+                    continue
             if why == "":
                 continue   # under way
             del self._writes[rid]
-            self._release(w)
-            if why is not None:
-                ended.append((rid, why))
-                if w.is_posted:
-                    self._reset()
-            else:
-                ended.append((rid, None))
+            for part in w.parts:
+                self._release(part)
+            if why is not None and w.is_posted:
+                self._reset()
+            ended.append((rid, why))
         return ended
 
     def cancel(self, request_id: str) -> None:
@@ -196,17 +251,17 @@ class NixlWriter:
         if w is not None:
             w.is_cancelled = True   # poll() stops it (a posted one: by dropping the connection)
 
-    def _state(self, w: _Write, post: bool) -> str | None:
+    def _state(self, part: _Part, post: bool) -> str | None:
         """None: done; "": under way; else why it failed."""
         try:
-            state = self.agent.transfer(w.handle) if post else self.agent.check_xfer_state(w.handle)
+            state = self.agent.transfer(part.handle) if post else self.agent.check_xfer_state(part.handle)
         except Exception as e:   # NIXL_ERR_REMOTE_DISCONNECT and the like
             return f"NIXL: {e}"
         return None if state == "DONE" else "" if state == "PROC" else f"NIXL reported {state}"
 
-    def _release(self, w: _Write) -> None:
+    def _release(self, part: _Part) -> None:
         try:
-            w.handle.release()
+            part.handle.release()
         except Exception as e:   # still under way: the connection reset below cancels it
             log.debug("releasing a NIXL transfer: %s", e)
 
@@ -223,7 +278,8 @@ class NixlWriter:
 
     def close(self) -> None:
         for w in self._writes.values():
-            self._release(w)
+            for part in w.parts:
+                self._release(part)
         self._writes.clear()
         self._reset()
         try:
@@ -234,12 +290,23 @@ class NixlWriter:
 
 
 @dataclass
-class _Write:
+class _Part:
     handle: object
-    reservation: str
-    ready: object | None        # the blocks are computed (a platform event)
-    deadline: float             # monotonic: stop it past this
+    ready: object | None        # its layers are computed (a platform event)
+    notify: bool                # the last part: its notification names the request
     is_posted: bool = False
+
+
+@dataclass
+class _Write:
+    runs: np.ndarray            # (src, dst, length) runs of blocks [n, 3]
+    reservation: str
+    deadline: float             # monotonic: stop it past this
+    parts: list[_Part] = field(default_factory=list)
+    held: tuple | None = None   # (layers, ready): the latest layers, made a part at the next call
+    is_open: bool = True        # more layers may come (until end())
+    is_announced: bool = False
+    is_posted: bool = False     # a part was posted (stopping it needs the connection dropped)
     is_cancelled: bool = False
 
 
@@ -317,5 +384,5 @@ class NixlReceiver:
 
 # NOTE: one memory kind per pair (the descriptors carry one); mixed pairs use tcp.
 BACKEND = Backend("nixl", why_unusable, NixlReceiver, NixlWriter, is_auto_across_hosts_only=True,
-                  is_one_sided=True,
+                  is_one_sided=True, is_layerwise=True,
                   why_not_with=lambda device, welcome, is_local: why_not_same_kind(device, welcome))

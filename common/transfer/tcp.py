@@ -52,11 +52,14 @@ class _Write:
     reservation: str
     deadline: float                      # monotonic: not all sent by then, it is stopped
     frames: deque[_Frame] = field(default_factory=deque)
+    idx: torch.Tensor | None = None      # the source block ids (on the device that gathers)
+    is_open: bool = True                 # more layers may come (until end())
     is_cancelled: bool = False
 
 
 class TcpWriter:
     name = "tcp"
+    is_layerwise = True
 
     def __init__(self, cache: torch.Tensor, send: Send):
         self.src = cache
@@ -66,47 +69,69 @@ class TcpWriter:
         self._writes: OrderedDict[str, _Write] = OrderedDict()   # sent in this order
         self.is_stalled = False      # the last poll found the link refusing: only the peer can move
 
-    @torch.inference_mode()
     def write(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
               within_s: float) -> int:
+        self.begin(request_id, reservation, src_block_ids, dst_block_ids, within_s)
+        self.write_layers(request_id, 0, self.src.shape[0])
+        return self.end(request_id)
+
+    def begin(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
+              within_s: float) -> None:
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
         if request_id in self._writes:
             raise TransferError(f"a second write of {request_id} under way")
-        n, num_layers = len(src_block_ids), self.src.shape[0]
-        step = layers_per_frame(self.src, n)
         w = _Write(reservation, time.monotonic() + max(within_s, 0.0))
-        idx = torch.tensor(src_block_ids, dtype=torch.int64)
+        w.idx = torch.tensor(src_block_ids, dtype=torch.int64)
         if self.stream is not None:
             self._platform.wait_for_current(self.stream)
             # NOTE: made on the side stream that reads it; made on the default stream,
             # its memory could go to the next forward pass before the gathers read it.
             with self._platform.on_stream(self.stream):
-                idx = idx.to(self.src.device, non_blocking=True)
-        for first in range(0, num_layers, step):
-            group = self.src[first: first + step]
+                w.idx = w.idx.to(self.src.device, non_blocking=True)
+        self._writes[request_id] = w
+
+    @torch.inference_mode()
+    def write_layers(self, request_id: str, first_layer: int, end_layer: int) -> None:
+        """Frames of layers [first_layer, end_layer), gathered now (CPU) or on the side
+        stream behind what the device has queued (CUDA)."""
+        w = self._writes[request_id]
+        n = w.idx.shape[0]
+        step = layers_per_frame(self.src, n)
+        if self.stream is not None:
+            self._platform.wait_for_current(self.stream)
+        for first in range(first_layer, end_layer, step):
+            group = self.src[first: min(first + step, end_layer)]
             if self.stream is None:
-                w.frames.append(_Frame(first, group.index_select(2, idx), None))
+                w.frames.append(_Frame(first, group.index_select(2, w.idx), None))
                 continue
             with self._platform.on_stream(self.stream):
                 host = torch.empty((group.shape[0], 2, n, *group.shape[3:]), dtype=group.dtype,
                                    pin_memory=True)
-                host.copy_(group.index_select(2, idx), non_blocking=True)
+                host.copy_(group.index_select(2, w.idx), non_blocking=True)
                 ready = self._platform.event()
             w.frames.append(_Frame(first, host, ready))
-        self._writes[request_id] = w
-        return num_layers
 
-    def poll(self) -> list[tuple[str, str | None]]:
-        """Send every frame whose copy is done, writes in order; a write is done once its
-        last frame is queued on the socket, and stopped if cancelled or past its deadline
-        (a link that refuses frames, to a peer gone or cut off, holds nothing for ever)."""
-        ended, now, is_blocked = [], time.monotonic(), False
+    def end(self, request_id: str) -> int:
+        self._writes[request_id].is_open = False
+        return self.src.shape[0]
+
+    def flush(self) -> None:
+        """Frames that are ready go on the socket; nothing ends here."""
+        self._send(time.monotonic())
+
+    def _send(self, now: float) -> dict[str, str]:
+        """Send every frame whose copy is done, writes in order -> why each write that must
+        stop stops (cancelled, or past its deadline)."""
+        stopped, is_blocked = {}, False
         self.is_stalled = False
-        for rid, w in list(self._writes.items()):
+        for rid, w in self._writes.items():
             why = "cancelled" if w.is_cancelled else \
                 "not all of it could be sent before its reservation could end" if now > w.deadline else None
-            while why is None and w.frames and not is_blocked:
+            if why is not None:
+                stopped[rid] = why
+                continue
+            while w.frames and not is_blocked:
                 f = w.frames[0]
                 if f.ready is not None and not f.ready.query():
                     is_blocked = True
@@ -114,11 +139,21 @@ class TcpWriter:
                     is_blocked = self.is_stalled = True   # not connected, or full: next turn
                 else:
                     w.frames.popleft()
+        return stopped
+
+    def poll(self) -> list[tuple[str, str | None]]:
+        """A write is done once it has ended and its last frame is queued on the socket, and
+        stopped if cancelled or past its deadline (a link that refuses frames, to a peer gone
+        or cut off, holds nothing for ever)."""
+        ended = []
+        stopped = self._send(time.monotonic())
+        for rid, w in list(self._writes.items()):
+            why = stopped.get(rid)
             if why is not None:
                 for f in w.frames:   # its source blocks are freed once it ends: gathers done first
                     if f.ready is not None:
                         f.ready.synchronize()
-            elif w.frames:
+            elif w.frames or w.is_open:
                 continue
             del self._writes[rid]
             ended.append((rid, why))
@@ -249,4 +284,4 @@ def _open_writer(descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send
     return TcpWriter(cache, send)
 
 
-BACKEND = Backend("tcp", lambda device: None, TcpReceiver, _open_writer)
+BACKEND = Backend("tcp", lambda device: None, TcpReceiver, _open_writer, is_layerwise=True)

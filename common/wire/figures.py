@@ -14,12 +14,19 @@ class TransferFigures:
     num_bytes: int = 0            # in those
     num_failed: int = 0           # writes refused at the start, or cut by the decode node's restart
     write_s_sum: float = 0.0
+    num_layerwise: int = 0        # of those, pushed layer by layer during the prefill
+    bytes_per_s: float = 0.0      # the rate of whole writes (a moving average; 0: none yet)
     write_s_counts: list[int] = field(default_factory=lambda: [0] * (len(WRITE_BUCKETS_S) + 1))
     # write_s_counts[i]: writes that took at most WRITE_BUCKETS_S[i] and more than the bucket
     # before; the last entry: longer than every bound.
 
-    def observe(self, seconds: float, num_bytes: int) -> None:
+    def observe(self, seconds: float, num_bytes: int, is_layerwise: bool = False) -> None:
+        """is_layerwise: seconds are the tail after the pass, which says nothing of the rate."""
         self.num_transfers += 1
+        self.num_layerwise += is_layerwise
+        if not is_layerwise and seconds > 0:
+            rate = num_bytes / seconds
+            self.bytes_per_s = rate if self.bytes_per_s <= 0 else 0.8 * self.bytes_per_s + 0.2 * rate
         self.num_bytes += num_bytes
         self.write_s_sum += seconds
         self.write_s_counts[next((i for i, b in enumerate(WRITE_BUCKETS_S) if seconds <= b),
@@ -30,6 +37,7 @@ class TransferFigures:
         # levels at most (common/wire/codec.py), and stats > kv_writes > backend takes them.
         return {"num_transfers": self.num_transfers, "num_bytes": self.num_bytes,
                 "num_failed": self.num_failed, "write_s_sum": round(self.write_s_sum, 6),
+                "num_layerwise": self.num_layerwise, "bytes_per_s": round(self.bytes_per_s),
                 **dict(zip(BUCKET_KEYS, self.write_s_counts))}
 
 

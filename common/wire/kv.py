@@ -38,6 +38,7 @@ class KVWelcome:
     cache_shape: list[I32]           # [layers, 2, blocks, block_size, kv_heads, head_dim]
     dtype: Name
     backends: Descriptors            # backend name -> how it reaches this cache, for each accepted
+    is_layerwise: bool = True        # it takes a write's layers as the prefill computes them
 
 
 @dataclass

@@ -1,0 +1,160 @@
+"""KV pushed layer by layer against whole writes, across two simulated hosts whose link
+is shaped so that a long prompt's transfer is comparable to its prefill.
+
+    python -m launch.bench.layerwise [--model DIR] [--rate-mbit 200] [--prompt-lens 256,1024,2048]
+        [--num-requests 5] [--kv-transfer tcp]                      (root: simulated hosts)
+
+Host a runs the frontend and a prefill node, host b a decode node (`start_cluster.sh`
+on each, b joining a), each host a network namespace of its own (launch/tools/netns.py);
+host a's link is shaped with `tc qdisc ... tbf` to --rate-mbit. For each
+`--kv-layerwise` mode (off, then on) the cluster is started fresh, and requests go one at
+a time (light load: no queueing), each prompt fresh (no prefix cache hits), streaming:
+the time to the first token (the prefill node's) and to the second (the first one the
+decode node samples, after the KV landed). One JSON line per mode and prompt length,
+then one with the ratios (on / off) of the medians: where layer by layer pays, its
+second token comes at about max(prefill, transfer) instead of their sum.
+Without --model, a random Qwen3 of 8 layers (hidden 256, 2 KV heads of 64, fp32: 8 KiB
+of KV a token) is made on first use.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common.runtime.process import HelpFormat
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAPE = ["--layers", "8", "--hidden-size", "256", "--intermediate-size", "768", "--heads", "4",
+         "--kv-heads", "2", "--head-dim", "64", "--max-position-embeddings", "8192"]
+
+
+def _client(endpoint: str, prompt_lens: list[int], num_requests: int, seed: int, vocab_size: int) -> None:
+    """Run on host a: each request alone; print one JSON line of (len, first s, second s)."""
+    import numpy as np
+
+    from frontend.client import AsyncClient
+    rng = np.random.default_rng(seed)
+
+    async def run() -> list:
+        rows = []
+        async with AsyncClient(endpoint, idle_timeout_s=120) as client:
+            for n in prompt_lens:
+                for _ in range(num_requests):
+                    prompt = rng.integers(1, vocab_size - 1, size=n).tolist()
+                    start, times, num_tokens = time.monotonic(), [], 0
+                    async for out in client.generate(prompt_token_ids=prompt, max_tokens=4, ignore_eos=True):
+                        if out.error:
+                            raise SystemExit(f"bench layerwise: a request failed: {out.error}")
+                        num_tokens += len(out.token_ids)
+                        while len(times) < min(num_tokens, 2):
+                            times.append(time.monotonic() - start)
+                    rows.append((n, *times[:2]))
+        return rows
+    print(json.dumps({"rows": asyncio.run(run())}), flush=True)
+
+
+def _shape_link(hosts, name: str, rate_mbit: float) -> None:
+    """What leaves host `name` goes at rate_mbit (a token bucket of 64 KiB, 100 ms of queue)."""
+    subprocess.run(["ip", "netns", "exec", hosts.ns(name), "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
+                    "rate", f"{rate_mbit}mbit", "burst", "64kb", "latency", "100ms"], check=True,
+                   capture_output=True)
+
+
+def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> list:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "UCX_TLS": "tcp"}
+    common = ["bash", str(ROOT / "launch/start_cluster.sh"), "--model", model, "--no-keys", "--no-http",
+              "--base-port", "5600", "--kv-transfer", a.kv_transfer, "--kv-layerwise", mode,
+              "--max-model-len", str(max(a.prompt_lens) + 64), "--no-prefix-caching"]
+    first = hosts.popen("a", [*common, "--host", hosts.addr("a"), "--name-prefix", "a-", "--num-prefill", "1",
+                              "--num-decode", "0"], stdout=subprocess.PIPE,
+                        stderr=open(logs / f"a-{mode}.log", "wb"), cwd=ROOT, env=env)
+    endpoint = f"tcp://{hosts.addr('a')}:5600"
+    if first.stdout.readline().decode().strip() != f"PDSERVE_ENDPOINT={endpoint}":
+        raise SystemExit(f"bench layerwise: host a did not start (see {logs}/a-{mode}.log)")
+    join = f"tcp://{hosts.addr('a')}:5601"
+    second = hosts.popen("b", [*common, "--host", hosts.addr("b"), "--name-prefix", "b-", "--join", join,
+                               "--num-prefill", "0", "--num-decode", "1"], stdout=subprocess.PIPE,
+                         stderr=open(logs / f"b-{mode}.log", "wb"), cwd=ROOT, env=env)
+    if second.stdout.readline().decode().strip() != f"PDSERVE_JOINED={join}":
+        raise SystemExit(f"bench layerwise: host b did not join (see {logs}/b-{mode}.log)")
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    out = hosts.run("a", [sys.executable, "-m", "launch.bench.layerwise", "--client", endpoint,
+                          "--prompt-lens", ",".join(map(str, [64] + a.prompt_lens)), "--num-requests",
+                          str(a.num_requests), "--seed", str(a.seed), "--vocab-size", str(vocab)],
+                    timeout_s=1800, cwd=ROOT, env=env)
+    for p in (second, first):   # SIGTERM: each drains and stops
+        p.terminate()
+        p.wait(60)
+    if out.returncode != 0:
+        raise SystemExit(f"bench layerwise: the client failed: {out.stderr[-2000:]}")
+    return [r for r in json.loads(out.stdout.strip().splitlines()[-1])["rows"] if r[0] != 64]   # 64: warm-up
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser("bench layerwise", description=__doc__, formatter_class=HelpFormat)
+    p.add_argument("--model", help="a Qwen3 directory (default: the 8-layer shape above, made once)")
+    p.add_argument("--rate-mbit", type=float, default=200.0, help="host a's link rate")
+    p.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1024, 2048])
+    p.add_argument("--num-requests", type=int, default=5, help="per prompt length and mode")
+    p.add_argument("--kv-transfer", default="tcp", help="the backend between the hosts")
+    p.add_argument("--modes", default="off,on", help="--kv-layerwise values, in order")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client", help=argparse.SUPPRESS)
+    p.add_argument("--vocab-size", type=int, default=0, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.client:
+        _client(a.client, a.prompt_lens, a.num_requests, a.seed, a.vocab_size)
+        return 0
+    from launch.tools import netns
+    why = netns.why_not()
+    if why:
+        raise SystemExit(f"bench layerwise: {why}")
+    model = a.model
+    if not model:
+        home = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
+        model = str(home / "layerwise-qwen3")
+        if not (Path(model) / "config.json").exists():
+            subprocess.run([sys.executable, "-m", "launch.make_tiny_model", model, *SHAPE], check=True, cwd=ROOT)
+    logs = Path(f"/tmp/bench-layerwise-{os.getpid()}")
+    logs.mkdir(exist_ok=True)
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype_bytes = 2 if cfg.get("torch_dtype") in ("bfloat16", "float16") else 4
+    kv_bytes_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * dtype_bytes
+    medians: dict[str, dict[int, tuple[float, float]]] = {}
+    for mode in a.modes.split(","):
+        with netns.Hosts(["a", "b"]) as hosts:
+            _shape_link(hosts, "a", a.rate_mbit)
+            rows = _run_mode(a, hosts, model, mode, logs)
+        medians[mode] = {}
+        for n in a.prompt_lens:
+            firsts = [r[1] for r in rows if r[0] == n]
+            seconds = [r[2] for r in rows if r[0] == n]
+            medians[mode][n] = (statistics.median(firsts), statistics.median(seconds))
+            transfer_ms = n * kv_bytes_per_token * 8 / (a.rate_mbit * 1e6) * 1e3
+            print(json.dumps({"bench": "layerwise", "device": "cpu", "mode": mode, "prompt_len": n,
+                              "rate_mbit": a.rate_mbit, "kv_transfer": a.kv_transfer, "num_requests": len(firsts),
+                              "first_token_ms_p50": round(1e3 * medians[mode][n][0], 1),
+                              "second_token_ms_p50": round(1e3 * medians[mode][n][1], 1),
+                              # the bound: the prefill (its first token) or the KV at the link's rate
+                              "transfer_ms_at_link_rate": round(transfer_ms, 1),
+                              "bound_second_token_ms": round(max(1e3 * medians[mode][n][0], transfer_ms), 1),
+                              "first_token_ms": [round(1e3 * x, 1) for x in firsts],
+                              "second_token_ms": [round(1e3 * x, 1) for x in seconds]}), flush=True)
+    if {"on", "off"} <= medians.keys():
+        print(json.dumps({"bench": "layerwise", "ratios_on_off": {
+            n: {"first_token": round(medians["on"][n][0] / medians["off"][n][0], 3),
+                "second_token": round(medians["on"][n][1] / medians["off"][n][1], 3)} for n in a.prompt_lens},
+            "logs": str(logs)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""KV pushed layer by layer during the prefill (--kv-layerwise): the sender's rules on a
+fake clock (when a write goes layer-wise, what a failure or a pass that never ends
+does), and each backend writing a real forward pass's layers as they are computed,
+the decode node going on from them token for token."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from common import transfer
+from common.base.config import WorkerConfig
+from common.base.request import SamplingParams
+from common.engine.worker import DeviceWorker, PrefillChunk
+from common.handoff import writes
+from common.handoff.states import Hold, Stage
+from common.kv.blocks import BlockAllocator, num_blocks_for
+from common.kv.sequence import blocks_to_join
+from common.transfer import TransferError
+from common.wire import protocol
+from common.wire.figures import TransferFigures
+from common.wire.protocol import KVCommit, KVRelease, KVTransfer
+from decode_node.scheduler import DecodeScheduler
+from launch.generate import generate
+from tests.handoff_util import Pair
+from tests.test_handoff import _sink, _wire, needs_nixl
+
+
+def _reserved(p: Pair, rid: str = "r", prompt_len: int = 10):
+    job = p.job(rid, prompt_len=prompt_len)
+    p.tx.begin(job)
+    p.pump()
+    h = p.tx.by_id[rid]
+    assert h.stage is Stage.RESERVED
+    return job, h
+
+
+def _frames(p: Pair) -> list[int]:
+    return [m.header["first_layer"] for m in p.link.sent if isinstance(m, KVTransfer)]
+
+
+def test_layers_go_out_during_the_pass_and_the_commit_waits_for_all_of_them():
+    p = Pair(layerwise="on")
+    job, h = _reserved(p)
+    src = list(job.block_ids)
+    p.tx.push_layers([job], 1)                      # layer 0 computed, layer 1 not yet
+    assert h.stage is Stage.WRITING and h.layers_sent == 1 and _frames(p) == [0]
+    p.pump()                                        # the decode node lands layer 0; nothing ends
+    r = p.rx.held["r"]
+    assert h.stage is Stage.WRITING and r.hold is Hold.RESERVED
+    assert torch.equal(p.dst[0][:, r.block_ids], p.src[0][:, src]) and not p.dst[1].any()
+    p.tx.start_writes([job])                        # the pass is done: the rest, and the end
+    assert _frames(p) == [0, 1]
+    p.tx.set_first_token(job, 7, {})
+    p.pump()
+    got = p.rx.next_ready()
+    assert got is r and got.error is None and "r" not in p.tx.by_id and not p.failed
+    assert torch.equal(p.dst[:, :, r.block_ids], p.src[:, :, src])
+    f = p.tx.transfer_figures()["tcp"]
+    assert (f["num_transfers"], f["num_layerwise"]) == (1, 1) and f["bytes_per_s"] == 0   # a tail is no rate
+
+
+@pytest.mark.parametrize("mode, rate, is_peer_layerwise, layerwise", [
+    ("off", 0.0, True, False),
+    ("on", 0.0, False, False),                      # the decode node takes whole writes only
+    ("auto", 0.0, True, False),                     # a few hundred bytes: not worth it
+    ("auto", 1e3, True, True),                      # a slow link measured: worth it
+    ("auto", 1e12, True, False),                    # a fast one: not
+])
+def test_what_goes_layer_by_layer(mode, rate, is_peer_layerwise, layerwise):
+    p = Pair(layerwise=mode)
+    if rate:
+        p.tx.transfers["tcp"] = TransferFigures(bytes_per_s=rate)   # as whole writes measured it
+    job, h = _reserved(p)
+    h.peer.is_layerwise = is_peer_layerwise
+    p.tx.push_layers([job], 1)
+    assert (h.stage is Stage.WRITING) == layerwise and _frames(p) == ([0] if layerwise else [])
+    p.tx.start_writes([job])
+    p.tx.set_first_token(job, 7, {})
+    p.pump()
+    assert p.rx.next_ready().error is None and not p.failed
+
+
+def test_the_auto_rule():
+    assert writes.is_layerwise("auto", writes.UNMEASURED_BYTES, 0.0)
+    assert not writes.is_layerwise("auto", writes.UNMEASURED_BYTES - 1, 0.0)
+    assert writes.is_layerwise("auto", 10**6, 10**6 / writes.MIN_HIDDEN_S)
+    assert not writes.is_layerwise("auto", 10**6, 2 * 10**6 / writes.MIN_HIDDEN_S)
+    assert writes.is_layerwise("on", 1, 1e15) and not writes.is_layerwise("off", 10**12, 1.0)
+
+
+def test_a_layer_that_cannot_be_written_fails_the_handoff_retryable_and_frees_both_sides():
+    p = Pair(layerwise="on")
+    num_free = p.prefix.num_free
+    job, h = _reserved(p)
+    p.tx.push_layers([job], 1)
+    writer = h.peer.writer
+
+    def refuse(rid, first, end):
+        raise TransferError("the link broke")
+    writer.write_layers = refuse
+    p.tx.start_writes([job])                        # inside the pass: nothing ends here
+    assert h.stage is Stage.CANCELLING and "r" in p.tx.by_id
+    p.tx.set_first_token(job, 7, {})
+    p.pump()
+    assert p.failed == [("r", "KV transfer to decode-0 failed: the link broke")] and p.retryable == {"r"}
+    assert p.sent(KVCommit) == 0 and p.sent(KVRelease) == 1 and "r" not in p.rx.held
+    assert p.prefix.num_free == num_free and p.pool.blocks.num_free == p.pool.blocks.capacity
+
+
+def test_a_write_whose_pass_never_ends_is_stopped_at_its_deadline():
+    p = Pair(layerwise="on", lease_s=30.0)
+    num_free = p.prefix.num_free
+    job, h = _reserved(p)
+    p.tx.push_layers([job], 1)                      # and the pass dies: no start_writes
+    p.run_for(15)
+    assert h.stage is Stage.WRITING and not p.failed
+    p.run_for(12)                                   # past the write's deadline (5/6 of the lease)
+    assert p.failed and "r" not in p.tx.by_id and p.retryable == {"r"}
+    assert p.prefix.num_free == num_free and p.sent(KVCommit) == 0
+    p.run_for(35)
+    assert "r" not in p.rx.held and p.pool.blocks.num_free == p.pool.blocks.capacity
+
+
+def test_a_backend_with_no_layerwise_form_writes_whole_at_the_end():
+    p = Pair()
+    job, h = _reserved(p)
+    tcp = h.peer.writer
+    whole = transfer.WholeWrite(tcp)
+    whole.begin("r", h.reservation, job.block_ids, h.dst_block_ids, within_s=10)
+    whole.write_layers("r", 0, 1)
+    whole.flush()
+    assert _frames(p) == [] and whole.poll() == []
+    assert whole.end("r") == 2 and whole.poll() == [("r", None)] and _frames(p) == [0]   # one frame, both layers
+    assert [m.data.shape[0] for m in p.link.sent if isinstance(m, KVTransfer)] == [2]
+    whole.begin("s", h.reservation, job.block_ids, h.dst_block_ids, within_s=10)
+    whole.cancel("s")
+    assert whole.poll() == [("s", "cancelled")] and whole.name == "tcp" and not whole.is_stalled
+
+
+# ---- each backend, under a real forward pass ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workers(make_model):
+    model = make_model(layers=4)
+    cfg = WorkerConfig(model=str(model), block_size=16, kv_cache_memory=2 * 2**20)
+    with DeviceWorker(cfg) as pw, DeviceWorker(dataclasses.replace(cfg, is_cache_in_shm=True)) as dw:
+        yield pw, dw
+
+
+@pytest.mark.parametrize("backend", ["ipc", pytest.param("nixl", marks=needs_nixl), "tcp", "dist"])
+def test_each_backend_lands_the_layers_as_the_pass_computes_them(workers, backend):
+    pw, dw = workers
+    num_layers = pw.kv_cache.shape[0]
+    prompt = list(range(3, 70))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    palloc = BlockAllocator(pw.num_kv_blocks)
+    palloc.allocate(3)   # so the two nodes' block ids differ
+    src = palloc.allocate(num_blocks_for(len(prompt), 16))
+    sched = DecodeScheduler(BlockAllocator(dw.num_kv_blocks), 16, 4)
+    sched.blocks.allocate(1)
+    sink = _sink(dw, [backend])
+    from common.handoff.receiver import Receiver
+    from tests.handoff_util import reserve
+    rx = Receiver(epoch="e1", lease_s=10.0, max_queue=4, pool=sched, sink=sink, send=lambda msg, to: True,
+                  vocab_size=dw.spec.vocab_size, max_model_len=dw.max_model_len)
+    r = reserve(rx, "r", len(prompt), params.max_tokens)
+    dw.kv_cache[:, :, r.block_ids] = 0
+    pw.kv_cache[:, :, src] = -7.0   # NOTE: a layer not yet computed (the lane runs beside the hook) is no match
+    frames = []
+    writer = transfer.open_writer(backend, _wire(sink.welcome("e1")), pw.kv_cache,
+                                  lambda m: frames.append(_wire(m)) or True)
+    posts = []   # nixl: parts posted, and when
+    if backend == "nixl":
+        post = writer.agent.transfer
+        writer.agent.transfer = lambda handle: posts.append(len(seen)) or post(handle)
+    seen = []    # at each layer's end: (layers done, frames sent, layers landed in the decode cache)
+
+    def on_layers(idx, n):
+        assert idx == [0]
+        if not seen:
+            writer.begin("r", r.name, src, r.block_ids, within_s=30)
+        writer.write_layers("r", seen[-1][0] if seen else 0, n)
+        writer.flush()
+        landed = [bool(torch.equal(dw.kv_cache[i][:, r.block_ids], pw.kv_cache[i][:, src])) for i in range(num_layers)]
+        seen.append((n, len(frames), landed))
+
+    def on_kv_queued():
+        writer.write_layers("r", seen[-1][0], num_layers)
+        seen.append(("end", writer.end("r")))
+    (first,), _ = pw.prefill([PrefillChunk(prompt, 0, src, params)], on_kv_queued=on_kv_queued,
+                             on_layers=on_layers)
+    assert [s[0] for s in seen] == [1, 2, 3, "end"]
+    num_written = seen[-1][1]
+    if backend == "tcp":        # a frame for each layer, the first three during the pass
+        assert [s[1] for s in seen[:3]] == [1, 2, 3]
+    if backend == "ipc":        # copied straight into the decode cache as computed
+        assert [s[2] for s in seen[:3]] == [[True, False, False, False], [True, True, False, False],
+                                            [True, True, True, False]]
+    if backend == "nixl":       # parts posted during the pass (the latest held for the notification)
+        assert posts and posts[0] < 3
+    if backend == "dist":       # no layer-wise form: one whole write after the pass
+        assert all(s[1] == 0 for s in seen[:3])
+    done, deadline = [], time.monotonic() + 60
+    while not (done and sink.is_landed("r")):
+        assert time.monotonic() < deadline, "the write did not complete"
+        done += writer.poll()
+        for f in frames:
+            sink.receive(b"p", f, r.block_ids)
+        frames.clear()
+        sink.progress()
+    assert done == [("r", None)]
+    assert torch.equal(dw.kv_cache[:, :, r.block_ids], pw.kv_cache[:, :, src])
+    rx.receive(b"p", protocol.KVCommit("r", len(prompt), first, params, {}, backend, prompt, r.name, num_written))
+    (seq,), _ = sched.start(rx.next_ready())
+    blocks_to_join(seq, 16, sched.blocks)
+    dw.add_decode_seq("r", first, len(prompt), seq.block_ids, params)
+    tokens = [first]
+    for _ in range(params.max_tokens - 1):
+        if dw.next_position("r") // 16 >= dw.num_blocks("r"):
+            dw.append_block("r", seq.take_block(sched.blocks))
+        tokens += dw.decode_step()
+    assert tokens == generate(pw, [prompt], [params])[0]["token_ids"]
+    dw.remove_decode_seq("r")
+    writer.close()
+    sink.close()
