@@ -227,3 +227,27 @@ def test_each_backend_lands_the_layers_as_the_pass_computes_them(workers, backen
     dw.remove_decode_seq("r")
     writer.close()
     sink.close()
+
+
+@pytest.mark.parametrize("mode, is_early", [("on", False), ("off", True)])
+def test_a_prompt_to_push_layer_by_layer_waits_for_its_grant_before_its_pass(mode, is_early):
+    """A decode node that granted at once lets the next prompt start before its grant
+    (it will be there when the pass ends), but a write pushed during the pass needs it."""
+    p = Pair(layerwise=mode)
+    _reserved(p, "a")
+    job = p.job("b")
+    p.tx.begin(job)
+    assert job.is_peer_granting is is_early
+
+
+def test_the_rate_auto_uses_is_timed_to_the_acknowledgement_of_large_whole_writes():
+    from types import SimpleNamespace
+    f = TransferFigures()
+    whole = SimpleNamespace(layers_sent=-1, write_started=10.0)
+    writes.observe_ack(whole, f, 10.5, 2**20)                      # 1 MiB in 0.5 s
+    assert f.bytes_per_s == 2**21
+    writes.observe_ack(whole, f, 10.001, writes.MIN_RATE_BYTES - 1)  # small: its latency, not the link's rate
+    writes.observe_ack(SimpleNamespace(layers_sent=3, write_started=10.0), f, 99.0, 2**30)   # pushed: no rate
+    assert f.bytes_per_s == 2**21
+    writes.observe_ack(whole, f, 11.0, 2**20)                      # a moving average
+    assert f.bytes_per_s == 0.8 * 2**21 + 0.2 * 2**20

@@ -120,10 +120,10 @@ def cluster(tiny_model, tmp_path):
     """cluster(num_prefill, num_decode, *frontend_args) -> (Processes, base port)."""
     made = []
 
-    def start(num_prefill: int, num_decode: int, *frontend_args: str):
+    def start(num_prefill: int, num_decode: int, *frontend_args: str, prefill: tuple = ()):
         base = free_base_port(3 + num_decode)   # clients, nodes, KV links, HTTP
         p = Processes(tiny_model, base, tmp_path,
-                      frontend=["--http-port", str(base + 2 + num_decode), *frontend_args])
+                      frontend=["--http-port", str(base + 2 + num_decode), *frontend_args], prefill=list(prefill))
         p.http = f"http://127.0.0.1:{base + 2 + num_decode}"
         made.append(p)
         p.start("frontend")
@@ -135,7 +135,8 @@ def cluster(tiny_model, tmp_path):
 
 
 def test_a_killed_decode_node_moves_its_requests_token_exact(cluster):
-    p, _ = cluster(1, 2)
+    # Layer by layer over tcp: the path moved requests came by, and take again.
+    p, _ = cluster(1, 2, prefill=("--kv-layerwise", "on", "--kv-transfer", "tcp"))
     requests = _requests(8)
     # Two of them through the OpenAI API: their streams go on the same way.
     http = [{**r, "http": p.http} for r in _requests(2, prompt_len=11)]
@@ -159,6 +160,8 @@ def test_a_killed_decode_node_moves_its_requests_token_exact(cluster):
     assert counts["dead"] == 5 and counts["failed"] == 0   # 10 requests, half on decode-0
     metrics = urllib.request.urlopen(p.http + "/metrics", timeout=10).read().decode()
     assert 'pdserve_migrations_total{cause="dead"} 5.0' in metrics
+    wait_for(lambda: (w := _nodes(p.clients)["prefill-0"]["kv_writes"]["tcp"])["num_transfers"] >= 20
+             and w["num_layerwise"] == w["num_transfers"], 10, "the prefill node to report every write layer by layer")
     assert "pdserve_migration_failures_total 0.0" in metrics
 
 

@@ -98,15 +98,16 @@ class Lanes:
             loads[j] += len(chunks[i].token_ids) + chunks[i].context_len // 4
         return [sorted(lane) for lane in lanes if lane]
 
-    def forward_shared(self, chunks: list, cores, want: int, on_layers=None) -> torch.Tensor:
-        """The pass on a host's shared cores (cores.CorePool), worth `want` of them. One prompt
-        runs every granted thread, resized between layers. Several go to the lanes, one thread
-        each with no barrier between them, so lanes past the grant cost the others nothing:
-        they only take the cycles left idle, as with a fixed split.
+    def forward_shared(self, chunks: list, cores, want: int, is_chunk_heavy: bool, on_layers=None) -> torch.Tensor:
+        """The pass on a host's shared cores (cores.CorePool), worth `want` of them. One prompt,
+        or prompts each worth several cores (is_chunk_heavy: big matmuls), run every granted
+        thread, resized between layers. Small ones go to the lanes, one thread each with no
+        barrier between them, so lanes past the grant cost the others nothing: they only take
+        the cycles left idle, as with a fixed split.
         NOTE: on lanes either way: their lower priority lets the frontend and decode steps
         sharing these cores run first (at the same priority those lost 25-40% of TPOT)."""
         is_split = len(self.split(chunks)) > 1
-        if want > 1 and not is_split:
+        if want > 1 and (is_chunk_heavy or not is_split):
             return self.forward_whole(chunks, cores.begin(want), cores.between_layers, on_layers)
         cores.begin(min(want, len(chunks)))
         torch.set_num_threads(1)

@@ -224,7 +224,8 @@ class DeviceWorker:
             if self.cores is None:
                 return self.lanes.forward(chunks, None, on_layers)
             want = threads_worth(self.spec, self.dtype, num_tokens, len(chunks))
-            return self.lanes.forward_shared(chunks, self.cores, want, on_layers)
+            is_chunk_heavy = threads_worth(self.spec, self.dtype, max(len(c.token_ids) for c in chunks), 1) > 1
+            return self.lanes.forward_shared(chunks, self.cores, want, is_chunk_heavy, on_layers)
         if self.cores is not None:
             self.cores.begin(1)
         every = list(range(len(chunks)))

@@ -110,13 +110,10 @@ class Sender:
 
     def receive(self, link: Link) -> None:
         """Everything waiting on one decode node's KV link."""
+        on = {KVWelcome: self._on_welcome, KVReserved: self._on_reserved, HandoffAck: self._on_ack}
         for peer, msg in self.links.messages(link):
-            if isinstance(msg, KVWelcome):
-                self._on_welcome(peer, msg)
-            elif isinstance(msg, KVReserved):
-                self._on_reserved(peer, msg)
-            elif isinstance(msg, HandoffAck):
-                self._on_ack(peer, msg)
+            if type(msg) in on:
+                on[type(msg)](peer, msg)
             else:
                 log.warning("dropped a bad message from decode node %s: %s", peer.name, msg.error)
 
@@ -131,7 +128,10 @@ class Sender:
         peer = self.links.peer_for(job.decode_node, job.decode_kv_endpoint)
         h = self.by_id[job.request_id] = Handoff(job, peer)
         self.fork_of.update((f.request_id, job.request_id) for f in job.forks)
-        job.is_peer_granting = peer.is_granting and peer.writer is not None
+        # NOTE: a write pushed layer by layer needs its grant before the pass: no early start then
+        kv_bytes = num_blocks_for(job.prompt_len, self.block_size) * self.block_bytes
+        job.is_peer_granting = peer.is_granting and peer.writer is not None and not (
+            peer.is_layerwise and writes.is_layerwise(self.layerwise, kv_bytes, self._rate(peer)))
         if peer.epoch is None:
             self.links.hello(peer)
         self._ask(h)
@@ -219,6 +219,9 @@ class Sender:
             return
         if ack.is_accepted:
             self.num_handoffs += 1
+            if h.peer.writer is not None:   # the rate the decode node got its KV at
+                writes.observe_ack(h, self._figures(h.peer), self.clock(),
+                                   num_blocks_for(h.job.prompt_len, self.block_size) * self.block_bytes)
             for rid in h.ids:
                 self.handed_off.add(rid)
             self._end(h, None)
@@ -226,8 +229,7 @@ class Sender:
             self._end(h, f"decode node refused the request: {ack.reason}", is_retryable=ack.is_retryable)
 
     def push_layers(self, jobs: list[Job], num_done: int) -> None:
-        """During the pass: these prompts' first num_done layers are queued on the device.
-        Writes worth pushing layer by layer start, or go on; nothing here may end a handoff."""
+        """In the pass, their first num_done layers queued: layer-wise writes start or go on (none ends)."""
         for job in jobs:
             h = self.by_id.get(job.request_id)
             if h is not None and (h.layers_sent >= 0 or self._can_write(h, is_partial=True)):
@@ -247,11 +249,10 @@ class Sender:
 
     def set_first_token(self, job: Job, first_token: int, timings: dict, logprobs=None) -> None:
         h = self.by_id.get(job.request_id)
-        if h is None:
-            return
-        h.first_token, h.timings, h.first_logprobs = first_token, timings, logprobs
-        h.lease_deadline = self.clock() + self.handoff_lease_s
-        self._commit(h)
+        if h is not None:
+            h.first_token, h.timings, h.first_logprobs = first_token, timings, logprobs
+            h.lease_deadline = self.clock() + self.handoff_lease_s
+            self._commit(h)
 
     def abort(self, request_id: str) -> None:
         """The request ends here, unless it is one of n sequences others of which go on."""
@@ -311,9 +312,11 @@ class Sender:
                     self._ask(h)   # renew
 
     def _can_write(self, h: Handoff, is_partial: bool = False) -> bool:
-        w = h.peer.writer
-        rate = self.transfers[w.name].bytes_per_s if w is not None and w.name in self.transfers else 0.0
-        return writes.can_start(h, self.clock(), is_partial, self.layerwise, rate, self.block_bytes)
+        return writes.can_start(h, self.clock(), is_partial, self.layerwise, self._rate(h.peer), self.block_bytes)
+
+    def _rate(self, peer: DecodePeer) -> float:   # bytes/s of whole writes to its backend (0: none yet)
+        f = self.transfers.get(peer.writer.name if peer.writer else "")
+        return f.bytes_per_s if f else 0.0
 
     def _write(self, h: Handoff, num_done: int | None = None) -> None:
         try:
@@ -337,9 +340,9 @@ class Sender:
             h.error, h.is_retryable = h.error or f"KV transfer to {h.peer.name} failed: {error}", True
             h.stage = Stage.CANCELLING   # ends below; advance() releases the reservation and fails it
         elif h.stage is Stage.WRITING:
-            self.bytes_written += len(h.job.block_ids) * self.block_bytes
-            self._figures(h.peer).observe(self.clock() - h.write_started,
-                                          len(h.job.block_ids) * self.block_bytes,
+            num_bytes = len(h.job.block_ids) * self.block_bytes
+            self.bytes_written += num_bytes
+            self._figures(h.peer).observe(self.clock() - h.write_started, num_bytes,
                                           h.layers_sent >= 0 and h.peer.writer.is_layerwise)
         h.stage = Stage.WRITTEN if h.stage is Stage.WRITING else Stage.CANCELLED
         h.written_at = time.time()
@@ -349,11 +352,9 @@ class Sender:
 
     def _commit(self, h: Handoff) -> None:
         """Once the blocks are written and the first token is sampled (either order)."""
-        if h.stage is not Stage.WRITTEN or h.first_token is None:
-            return
-        h.timings["written"] = h.written_at
-        h.stage = Stage.COMMITTED
-        self._send_commit(h)
+        if h.stage is Stage.WRITTEN and h.first_token is not None:
+            h.timings["written"], h.stage = h.written_at, Stage.COMMITTED
+            self._send_commit(h)
 
     def _send_commit(self, h: Handoff) -> None:
         j = h.job
@@ -364,8 +365,7 @@ class Sender:
                                   h.num_written, h.checksums, h.first_logprobs, j.forks), block=False)
 
     def _end(self, h: Handoff, error: str | None, release: bool = False, is_retryable: bool = False) -> None:
-        """Drop the handoff and free what it holds here (and there, if release); fail
-        the request if error."""
+        """Drop the handoff and free what it holds here (and there, if release); fail the request if error."""
         if h.error is None:
             h.error, h.is_retryable = error, is_retryable
         if h.stage in (Stage.WRITING, Stage.CANCELLING):

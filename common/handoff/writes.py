@@ -7,7 +7,8 @@ transfer) rather than their sum. The cost is more, smaller writes (a frame or a 
 per group) and their gathers running beside the pass, which a short prompt's
 transfer does not repay. `auto` pushes layer by layer where the KV would take at
 least MIN_HIDDEN_S at the rate whole writes to that backend have measured, or,
-before one is measured, where it is at least UNMEASURED_BYTES."""
+before one is measured, where it is at least UNMEASURED_BYTES. The rate is timed from a
+whole write's start to its commit's acknowledgement, over writes of MIN_RATE_BYTES or more."""
 from __future__ import annotations
 
 from typing import Callable
@@ -18,6 +19,7 @@ from common.transfer import TransferError
 MODES = ("auto", "on", "off")
 MIN_HIDDEN_S = 0.01
 UNMEASURED_BYTES = 4 * 2**20
+MIN_RATE_BYTES = 2**20   # writes this large time the link more than its latency
 
 
 def is_layerwise(mode: str, num_bytes: int, bytes_per_s: float) -> bool:
@@ -71,3 +73,11 @@ def write(h: Handoff, num_layers: int, num_done: int | None, checksums, clock: C
             h.checksums = checksums(h.job.block_ids)
         # NOTE: timed from here, what the pass did not hide (the figures' write time)
         h.num_written, h.write_started = w.end(rid), clock()
+
+
+def observe_ack(h: Handoff, figures, now: float, num_bytes: int) -> None:
+    """Its commit acknowledged: a whole write's start to here is the rate the decode node
+    got its KV at (the writer's own end can be earlier: tcp's is when the last frame is
+    queued on the socket). figures: that backend's TransferFigures."""
+    if h.layers_sent < 0 and num_bytes >= MIN_RATE_BYTES and now > h.write_started:
+        figures.observe_rate(num_bytes / (now - h.write_started))

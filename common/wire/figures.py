@@ -15,22 +15,22 @@ class TransferFigures:
     num_failed: int = 0           # writes refused at the start, or cut by the decode node's restart
     write_s_sum: float = 0.0
     num_layerwise: int = 0        # of those, pushed layer by layer during the prefill
-    bytes_per_s: float = 0.0      # the rate of whole writes (a moving average; 0: none yet)
+    bytes_per_s: float = 0.0      # whole writes' rate, start to acknowledgement (moving average; 0: none)
     write_s_counts: list[int] = field(default_factory=lambda: [0] * (len(WRITE_BUCKETS_S) + 1))
     # write_s_counts[i]: writes that took at most WRITE_BUCKETS_S[i] and more than the bucket
     # before; the last entry: longer than every bound.
 
     def observe(self, seconds: float, num_bytes: int, is_layerwise: bool = False) -> None:
-        """is_layerwise: seconds are the tail after the pass, which says nothing of the rate."""
+        """is_layerwise: pushed during the pass, seconds the tail after it."""
         self.num_transfers += 1
         self.num_layerwise += is_layerwise
-        if not is_layerwise and seconds > 0:
-            rate = num_bytes / seconds
-            self.bytes_per_s = rate if self.bytes_per_s <= 0 else 0.8 * self.bytes_per_s + 0.2 * rate
         self.num_bytes += num_bytes
         self.write_s_sum += seconds
         self.write_s_counts[next((i for i, b in enumerate(WRITE_BUCKETS_S) if seconds <= b),
                                  len(WRITE_BUCKETS_S))] += 1
+
+    def observe_rate(self, rate: float) -> None:
+        self.bytes_per_s = rate if self.bytes_per_s <= 0 else 0.8 * self.bytes_per_s + 0.2 * rate
 
     def as_dict(self) -> dict:
         # NOTE: the bucket counts are keys, not a list: a heartbeat's figures nest three

@@ -57,7 +57,12 @@ def _client(endpoint: str, prompt_lens: list[int], num_requests: int, seed: int,
                             times.append(time.monotonic() - start)
                     rows.append((n, *times[:2]))
         return rows
-    print(json.dumps({"rows": asyncio.run(run())}), flush=True)
+    rows = asyncio.run(run())
+    from frontend.client import Client
+    with Client(endpoint) as c:
+        nodes = c.stats().nodes
+    writes = {name: s.get("kv_writes") for name, s in nodes.items() if s.get("role") == "prefill"}
+    print(json.dumps({"rows": rows, "kv_writes": writes}), flush=True)
 
 
 def _shape_link(hosts, name: str, rate_mbit: float) -> None:
@@ -71,7 +76,7 @@ def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> list:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "UCX_TLS": "tcp"}
     common = ["bash", str(ROOT / "launch/start_cluster.sh"), "--model", model, "--no-keys", "--no-http",
               "--base-port", "5600", "--kv-transfer", a.kv_transfer, "--kv-layerwise", mode,
-              "--max-model-len", str(max(a.prompt_lens) + 64), "--no-prefix-caching"]
+              "--max-model-len", str(max(a.prompt_lens) + 64), "--no-prefix-caching", *a.cluster_arg]
     first = hosts.popen("a", [*common, "--host", hosts.addr("a"), "--name-prefix", "a-", "--num-prefill", "1",
                               "--num-decode", "0"], stdout=subprocess.PIPE,
                         stderr=open(logs / f"a-{mode}.log", "wb"), cwd=ROOT, env=env)
@@ -94,7 +99,9 @@ def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> list:
         p.wait(60)
     if out.returncode != 0:
         raise SystemExit(f"bench layerwise: the client failed: {out.stderr[-2000:]}")
-    return [r for r in json.loads(out.stdout.strip().splitlines()[-1])["rows"] if r[0] != 64]   # 64: warm-up
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    print(json.dumps({"bench": "layerwise", "mode": mode, "kv_writes": got["kv_writes"]}), flush=True)
+    return [r for r in got["rows"] if r[0] != 64]   # 64: warm-up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-transfer", default="tcp", help="the backend between the hosts")
     p.add_argument("--modes", default="off,on", help="--kv-layerwise values, in order")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cluster-arg", action="append", default=[],
+                   help="passed to start_cluster.sh on both hosts (repeat: --cluster-arg=--prefill-arg ...)")
     p.add_argument("--client", help=argparse.SUPPRESS)
     p.add_argument("--vocab-size", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
