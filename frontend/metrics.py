@@ -129,6 +129,11 @@ def _transfer_families(nodes: dict):
                                  labels=labels)
     seconds = HistogramMetricFamily("pdserve_kv_write_seconds", "a KV write's start to its completion",
                                     labels=labels)
+    layerwise = CounterMetricFamily("pdserve_kv_layerwise_transfers",
+                                    "KV writes pushed layer by layer during their prefill", labels=labels)
+    rate = GaugeMetricFamily("pdserve_kv_write_rate_bytes_per_second",
+                             "whole writes' rate, start to acknowledgement (a moving average; 0: none yet)",
+                             labels=labels)
     for name, node in list(nodes.items()):
         writes = node.stats.get("kv_writes")
         for backend, f in (writes.items() if isinstance(writes, dict) else ()):
@@ -146,4 +151,8 @@ def _transfer_families(nodes: dict):
                 total += n
                 cumulative.append((bound, total))
             seconds.add_metric(row, cumulative, float(f["write_s_sum"]))
-    yield from (transfers, nbytes, failed, seconds)
+            if _count(f.get("num_layerwise")):
+                layerwise.add_metric(row, f["num_layerwise"])
+            if _count(f.get("bytes_per_s")):
+                rate.add_metric(row, f["bytes_per_s"])
+    yield from (transfers, nbytes, failed, seconds, layerwise, rate)

@@ -106,9 +106,16 @@ class Server:
         self.log_file.close()
 
 
+def kv_space_gib() -> str:
+    """The KV cache each server gets: vLLM's VLLM_CPU_KVCACHE_SPACE (GiB; 1 here unless set)."""
+    return os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
 def start_pdserve(a, model: str, logs: Path, root: Path = ROOT, name: str = "pdserve") -> Server:
+    # NOTE: the same KV budget as vLLM's, per node, unless given (pdserve's CPU default is 256 MiB)
+    kv = [] if "--kv-cache-memory" in a.pdserve_arg else ["--kv-cache-memory", f"{kv_space_gib()}GiB"]
     cmd = ["bash", str(root / "launch" / "start_cluster.sh"), "--model", model, *a.server_args,
-           "--base-port", str(a.base_port), "--http-port", str(a.port), *a.pdserve_arg]
+           "--base-port", str(a.base_port), "--http-port", str(a.port), *kv, *a.pdserve_arg]
     env = {**os.environ, "PDSERVE_VENV": sys.prefix}   # the other checkout: this environment
     return Server(name, cmd, f"http://127.0.0.1:{a.port}", env, logs / f"{name.replace('/', '_')}.log")
 
@@ -117,7 +124,7 @@ def start_vllm(a, model: str, logs: Path) -> Server:
     # NOTE: `vllm serve` looks up a distribution named vllm, which the CPU build is not.
     cmd = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *a.server_args,
            "--host", "127.0.0.1", "--port", str(a.port), *a.vllm_arg]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": kv_space_gib()}
     env.pop("PYTHONPATH", None)
     return Server("vllm", cmd, f"http://127.0.0.1:{a.port}", env, logs / "vllm.log")
 
