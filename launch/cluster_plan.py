@@ -81,6 +81,8 @@ def _port(text: str, name: str, hi: int = 65535) -> int:
     return int(text)
 
 
+CORE_TABLE_PREFIX = "pdserve-cores-"   # /dev/shm/pdserve-cores-<launcher pid>-<base port>
+
 # option -> (dest, default) for options that take a value
 VALUED = {"--model": ("model", ""), "--prefill-device": ("prefill_devices", "cpu"),
           "--prefill-devices": ("prefill_devices", "cpu"), "--decode-device": ("decode_devices", "cpu"),
@@ -161,15 +163,16 @@ def thread_split(num_cores: int, devices: dict[str, tuple[str, str]]) -> dict[st
 def core_pools(num_cores: int, devices: dict[str, tuple[str, str]], base: int) -> dict[str, str]:
     """name -> --core-pool NAME:BUDGET:SHARE for the CPU nodes started here: they share the
     host's cores (common/engine/cores.py), each owed the split thread_split would give a
-    decode node, the prefill nodes what is left, every one capped at all of them."""
+    decode node, the prefill nodes what is left, every one capped at all of them. The
+    table's name holds this launcher's pid: one left by a launcher killed is swept."""
     cpu = [n for n, (_, d) in devices.items() if d == "cpu"]
     if len(cpu) < 2 or num_cores < 2:
         return {}
     num_decode = sum(1 for n in cpu if devices[n][0] == "decode")
     decode = max(num_cores // len(cpu), 1)
     prefill = max((num_cores - decode * num_decode) // max(len(cpu) - num_decode, 1), 1)
-    return {n: f"pdserve-cores-{base}:{num_cores}:{min(decode if devices[n][0] == 'decode' else prefill, num_cores)}"
-            for n in cpu}
+    return {n: f"{CORE_TABLE_PREFIX}{os.getpid()}-{base}:{num_cores}:"
+               f"{min(decode if devices[n][0] == 'decode' else prefill, num_cores)}" for n in cpu}
 
 
 def make_plan(a: argparse.Namespace, num_cores: int, home: Path) -> Plan:

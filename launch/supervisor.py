@@ -23,7 +23,7 @@ from typing import Callable
 
 from common.base.procs import is_alive
 from launch import cluster_plan
-from launch.cluster_plan import Node, Plan, PlanError
+from launch.cluster_plan import CORE_TABLE_PREFIX, Node, Plan, PlanError
 
 MAX_BACKOFF_S = 30
 STABLE_S = 60      # a node that ran this long starts its backoff over
@@ -167,14 +167,24 @@ def _spawn(argv: list[str], env: dict[str, str]):
 
 
 def _remove_leftovers() -> None:
-    """Temporary keys and ready files of launchers killed before they could remove them
-    (their pid, in the name, is gone)."""
+    """Temporary keys, ready files and core tables of launchers killed before they could
+    remove them (their pid, in the name, is gone)."""
     for d in Path(tempfile.gettempdir()).glob("pdserve-*-*-*"):
         kind, _, rest = d.name.removeprefix("pdserve-").partition("-")
         pid = rest.partition("-")[0]
         if kind in ("keys", "ready") and pid.isdigit() and d.is_dir() and d.stat().st_uid == os.getuid() \
                 and not is_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
+    for f in Path("/dev/shm").glob(f"{CORE_TABLE_PREFIX}*-*"):
+        pid = f.name.removeprefix(CORE_TABLE_PREFIX).partition("-")[0]
+        if pid.isdigit() and f.stat().st_uid == os.getuid() and not is_alive(int(pid)):
+            f.unlink(missing_ok=True)
+
+
+def _remove_core_tables(plan: Plan) -> None:
+    """Ours, once every node is gone (a node killed leaves its row, and the table)."""
+    for pool in set(plan.core_pools.values()):
+        Path("/dev/shm", pool.partition(":")[0]).unlink(missing_ok=True)
 
 
 def _frontend_has(plan: Plan, frontend_pid: int) -> bool:
@@ -245,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     cores = cluster_plan.num_cores()
     per = {role: next((plan.threads[n.name] for n in plan.nodes if n.role == role and n.device == "cpu"), 1)
            for role in ("prefill", "decode")}
+    shared = " (shared: each up to that, owed its split; --no-core-sharing: fixed)" if plan.core_pools else ""
     say(f"{cores} cores: each cpu prefill node {per['prefill']} low-priority lane(s), each cpu decode node "
-        f"{per['decode']} thread(s), {'no frontend here' if a.join else 'the frontend 1'}")
+        f"{per['decode']} thread(s){shared}, {'no frontend here' if a.join else 'the frontend 1'}")
     _remove_leftovers()
     try:
         plan.key_args, links, temp_keys = _keys(plan)
@@ -267,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(ready_dir, ignore_errors=True)
         if temp_keys:
             shutil.rmtree(temp_keys, ignore_errors=True)
+        _remove_core_tables(plan)
 
 
 def _run(sup: Supervisor, plan: Plan, links: str) -> int:

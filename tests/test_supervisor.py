@@ -4,6 +4,7 @@ restart backoff, a node that never becomes ready, a node that dies during start-
 the frontend's death, and the stop order (drain first, SIGKILL last)."""
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from launch import cluster_plan
 from launch.cluster_plan import PlanError, make_plan, parse
+from launch import supervisor
 from launch.supervisor import Backoff, Supervisor
 from tests.handoff_util import FakeClock
 
@@ -78,10 +80,11 @@ def test_the_plan_names_nodes_ports_and_threads():
     # 4 cores shared by the three cpu nodes: each may use all 4 when the others idle; the
     # decode node is owed an even share, the prefill nodes split what is left
     assert plan.threads == {"a-decode-0": 4, "a-prefill-0": 4, "a-prefill-1": 4}
-    assert plan.core_pools == {"a-decode-0": "pdserve-cores-7000:4:1", "a-prefill-0": "pdserve-cores-7000:4:1",
-                               "a-prefill-1": "pdserve-cores-7000:4:1"}
+    table = f"pdserve-cores-{os.getpid()}-7000"   # the launcher's pid: a killed one's table is swept
+    assert plan.core_pools == {"a-decode-0": f"{table}:4:1", "a-prefill-0": f"{table}:4:1",
+                               "a-prefill-1": f"{table}:4:1"}
     argv = cluster_plan.node_argv(plan, plan.nodes[1])
-    assert argv[argv.index("--core-pool") + 1] == "pdserve-cores-7000:4:1"
+    assert argv[argv.index("--core-pool") + 1] == f"{table}:4:1"
     assert _plan("--num-prefill", "2", "--name-prefix", "a-", "--base-port", "7000", "--core-sharing").core_pools \
         == plan.core_pools
     fixed = _plan("--num-prefill", "2", "--no-core-sharing")
@@ -177,3 +180,20 @@ def test_stop_drains_the_frontend_first_and_kills_what_does_not_stop(tmp_path):
     assert frontend.signals == [signal.SIGTERM] and decode.signals == [signal.SIGTERM]
     assert prefill.signals == [signal.SIGTERM, signal.SIGKILL]    # it ignored SIGTERM for the grace
     assert clock.now - t0 >= 10 and all(p.poll() is not None for p in spawned)
+
+
+def test_core_tables_of_launchers_gone_are_swept_and_ours_removed_at_exit():
+    gone = 2**22 + 1                                   # past the kernel's largest pid: runs nowhere
+    dead, live = Path(f"/dev/shm/pdserve-cores-{gone}-7100"), Path(f"/dev/shm/pdserve-cores-{os.getpid()}-7101")
+    for f in (dead, live):
+        f.write_bytes(b"\0" * 64)
+    try:
+        supervisor._remove_leftovers()
+        assert not dead.exists() and live.exists()     # another launcher's, still running: kept
+        plan = _plan("--base-port", "7101")
+        assert set(plan.core_pools.values()) == {f"{live.name}:4:2"}   # 1 prefill + 1 decode on 4 cores
+        supervisor._remove_core_tables(plan)
+        assert not live.exists()
+    finally:
+        dead.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
