@@ -86,6 +86,17 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
     assert r.block_ids != src
     assert torch.equal(dw.kv_cache[:, :, r.block_ids], pw.kv_cache[:, :, src])
 
+    commit_and_decode(pw, dw, rx, sched, r, backend, prompt, params, first, num_written)
+    sched.finish("r")
+    sched.blocks.free([1, 2])
+    assert sched.blocks.num_free == sched.blocks.capacity and sched.blocks.num_reserved == 0
+    writer.close()
+    sink.close()
+
+
+def commit_and_decode(pw, dw, rx, sched, r, backend, prompt, params, first, num_written) -> None:
+    """Commit request "r" written into reservation r, then decode on from its landed blocks:
+    its tokens equal the prefill worker's own generation."""
     rx.receive(b"p", protocol.KVCommit("r", len(prompt), first, params, {}, backend, prompt, r.name, num_written))
     (seq,), _ = sched.start(rx.next_ready())
     blocks_to_join(seq, 16, sched.blocks)
@@ -97,11 +108,6 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
         tokens += dw.decode_step()
     assert tokens == generate(pw, [prompt], [params])[0]["token_ids"]
     dw.remove_decode_seq("r")
-    sched.finish("r")
-    sched.blocks.free([1, 2])
-    assert sched.blocks.num_free == sched.blocks.capacity and sched.blocks.num_reserved == 0
-    writer.close()
-    sink.close()
 
 
 def test_tcp_frames_are_a_group_of_layers_each(workers, monkeypatch):

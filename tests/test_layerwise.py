@@ -17,15 +17,12 @@ from common.engine.worker import DeviceWorker, PrefillChunk
 from common.handoff import writes
 from common.handoff.states import Hold, Stage
 from common.kv.blocks import BlockAllocator, num_blocks_for
-from common.kv.sequence import blocks_to_join
 from common.transfer import TransferError
-from common.wire import protocol
 from common.wire.figures import TransferFigures
 from common.wire.protocol import KVCommit, KVRelease, KVTransfer
 from decode_node.scheduler import DecodeScheduler
-from launch.generate import generate
 from tests.handoff_util import Pair
-from tests.test_handoff import _sink, _wire, needs_nixl
+from tests.test_handoff import _sink, _wire, commit_and_decode, needs_nixl
 
 
 def _reserved(p: Pair, rid: str = "r", prompt_len: int = 10):
@@ -214,17 +211,7 @@ def test_each_backend_lands_the_layers_as_the_pass_computes_them(workers, backen
         sink.progress()
     assert done == [("r", None)]
     assert torch.equal(dw.kv_cache[:, :, r.block_ids], pw.kv_cache[:, :, src])
-    rx.receive(b"p", protocol.KVCommit("r", len(prompt), first, params, {}, backend, prompt, r.name, num_written))
-    (seq,), _ = sched.start(rx.next_ready())
-    blocks_to_join(seq, 16, sched.blocks)
-    dw.add_decode_seq("r", first, len(prompt), seq.block_ids, params)
-    tokens = [first]
-    for _ in range(params.max_tokens - 1):
-        if dw.next_position("r") // 16 >= dw.num_blocks("r"):
-            dw.append_block("r", seq.take_block(sched.blocks))
-        tokens += dw.decode_step()
-    assert tokens == generate(pw, [prompt], [params])[0]["token_ids"]
-    dw.remove_decode_seq("r")
+    commit_and_decode(pw, dw, rx, sched, r, backend, prompt, params, first, num_written)
     writer.close()
     sink.close()
 
