@@ -98,6 +98,19 @@ class NodeMessages:
             return
         if u.prompt_logprobs is not None and node.name == req.prefill_node and req.prompt_logprobs is None:
             req.prompt_logprobs = u.prompt_logprobs
+        if req.is_waiting_prompt_logprobs(node.name):
+            req.held.append((node, u))
+            req.held_since = req.held_since or time.monotonic()
+            return
+        await self._on_tokens(req, node, u)
+        if req.held and req.prompt_logprobs is not None and fe.requests.get(u.request_id) is req:
+            held, req.held, req.held_since = req.held, [], None
+            for held_node, h in held:   # in the order they came
+                if fe.requests.get(h.request_id) is req and held_node.name == req.decode_node:
+                    await self._on_tokens(req, held_node, h)
+
+    async def _on_tokens(self, req, node: NodeState, u: TokenUpdate) -> None:
+        fe = self.fe
         try:
             num_known = req.num_known(node.name, u.index, u.token_ids, u.finish_reason)
         except LostTokens as e:

@@ -48,6 +48,10 @@ class RequestState:
     index: int = 0                        # which of its request's n choices
     forks: list = field(default_factory=list)   # choice 0, until sent: the other choices, which share its prefill
     is_prompt_logprobs_sent: bool = False
+    # NOTE: the decode node can finish a request (max_tokens 1) before the prefill node's
+    # prompt logprobs reach here: they come over another node's link. Its updates wait.
+    held: list = field(default_factory=list)   # (node, update) of the decode node's, until they come
+    held_since: float | None = None       # monotonic
     last_output_at: float | None = None   # monotonic
     # Moves to other nodes (a node lost or drained): how many, since when it waits to go
     # on, and the client's wait for its next token (from the last token before the move).
@@ -61,6 +65,12 @@ class RequestState:
     @property
     def num_tokens(self) -> int:
         return len(self.output_ids)
+
+    def is_waiting_prompt_logprobs(self, node_name: str) -> bool:
+        """Whether an update from this node waits for the prompt's logprobs (its first life
+        asked for them, and they have not come)."""
+        return node_name == self.decode_node and self.params.num_prompt_logprobs >= 0 \
+            and self.prompt_logprobs is None and not self.num_migrations
 
     @property
     def kv_tokens(self) -> int:
@@ -127,6 +137,7 @@ class RequestState:
         """Forget its route: it waits to be routed again under a new id (what its old
         nodes still say under the old one is dropped)."""
         self.node_id, self.moved_from = node_id, moved_from
+        self.held, self.held_since = [], None
         self.prefill_node = self.decode_node = None
         self.is_prefilled = self.is_decoding = False
         self.early_token = None

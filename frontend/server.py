@@ -46,6 +46,7 @@ log = get_logger("frontend")
 noisy = Throttle(log)   # lines about what clients and peers send
 WATCHDOG_S = 0.1   # the watchdog's tick
 STALL_S = 0.2      # a tick later than this by: the loop was held up
+PROMPT_LOGPROBS_WAIT_S = 10.0   # a decode node's updates wait this long for the prompt's logprobs
 
 
 class Frontend:
@@ -381,6 +382,9 @@ class Frontend:
                     await self.finish(req, FINISH_ABORT, "deadline exceeded", status=504)
                 elif req.moved_at is not None:   # NOTE: every request, every tick: test first
                     await self.migrations.check_wait(req, now)
+                elif req.held_since is not None and now - req.held_since > PROMPT_LOGPROBS_WAIT_S:
+                    await self.finish(req, FINISH_ERROR, f"the prompt's logprobs did not come from prefill "
+                                                         f"node {req.prefill_node}", status=502)
             if self.admission.num_waiting:
                 self._wake.set()
 
