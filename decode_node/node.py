@@ -29,11 +29,13 @@ from common.runtime.node import NodeRuntime
 from common import transfer
 from common.wire.channel import node_tag
 from common.wire.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, NodeAbort, NodeReady, NodeSync,
-                                  NodeSynced, PeerLost, RequestFailed, TokenBatch, TokenUpdate, ttft_parts)
+                                  NodeSynced, PeerLost, PrefillRequest, RequestFailed, TokenBatch, TokenUpdate,
+                                  ttft_parts)
 from common.kv.blocks import num_blocks_for
 from common.kv.sequence import Sequence, blocks_to_join, finish_reason, num_blocks_short
 from common.engine.worker import DecodeTicket, DeviceWorker
 from common.handoff.receiver import Receiver
+from decode_node.local import LocalPrefill
 from decode_node.scheduler import DecodeScheduler
 
 log = get_logger("decode")
@@ -91,6 +93,7 @@ class DecodeNode:
                                         max_model_len=self.worker.max_model_len,
                                         is_verifying=self.cfg.is_kv_verified)
                 parts.callback(self.handoff.close)
+                self.local = LocalPrefill(self.worker, self.scheduler, self.cfg.max_queue)
                 rt.start(self._send_ready, self.stats, self._is_empty)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
                          self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
@@ -102,7 +105,7 @@ class DecodeNode:
                          if self.cfg.is_preemptive else "full reservation")
                 inflight: DecodeTicket | None = None
                 while not stop.is_set():
-                    is_busy = bool(inflight or self.scheduler.running or self.handoff.ready
+                    is_busy = bool(inflight or self.scheduler.running or self.handoff.ready or self.local.waiting
                                    or self.scheduler.preempted) or self.handoff.progress()
                     self._receive(timeout=0 if is_busy else 0.02)
                     self.handoff.turn()   # expire and grant reservations
@@ -151,6 +154,11 @@ class DecodeNode:
                 noisy.warning("dropped a malformed message: %s", msg.error)
             elif isinstance(msg, NodeAbort):
                 self._abort(msg.request_id)
+            elif isinstance(msg, PrefillRequest):   # routed here to prefill (decode_node/local.py)
+                try:
+                    self.local.add(msg, self._held_ids())
+                except ValueError as e:
+                    self.runtime.send(RequestFailed(msg.request_id, str(e)))
             elif isinstance(msg, PeerLost):
                 self.handoff.drop_peer(node_tag(msg.name, msg.epoch).encode(), msg.is_exited)
             elif isinstance(msg, NodeSync):
@@ -162,14 +170,14 @@ class DecodeNode:
     def _held_ids(self) -> set[str]:
         """Every request here: running, preempted, or in the handoff (forks included)."""
         s = self.scheduler
-        return {*s.running, *(q.request_id for q in s.preempted), *self.handoff.held_ids()}
+        return {*s.running, *(q.request_id for q in s.preempted), *self.handoff.held_ids(), *self.local.held_ids()}
 
     def _abort(self, request_id: str) -> None:
         if request_id in self.scheduler.running:
             self.pending_aborts.add(request_id)  # removed between steps, not under one
         elif self.scheduler.drop_preempted(request_id):
             self.worker.drop_swapped(request_id)
-        else:
+        elif not self.local.abort(request_id):
             self.handoff.abort(request_id)
 
     def _apply_aborts(self) -> None:
@@ -205,6 +213,10 @@ class DecodeNode:
                 update = self._join(seq, token, logprobs, c.timings)
                 if update is not None:
                     updates.append(update)
+        if (done := self.local.run()) is not None:   # one chunk of a prompt prefilled here
+            update = self._join(done.seq, done.token, done.logprobs, done.stamps)
+            if update is not None:
+                updates.append(update)
         return updates
 
     def _join(self, seq: Sequence, token: int, logprobs, timings: dict) -> TokenUpdate | None:
@@ -214,7 +226,7 @@ class DecodeNode:
         seq.output_ids.append(token)
         if seq.params.is_masked_per_step:   # its matcher takes every token so far: the mask goes on from there
             try:
-                seq.matcher = grammar.matcher_for(seq.params, _history(seq)[1], self.worker.spec.vocab_size,
+                seq.matcher = grammar.matcher_for(seq.params, seq.history()[1], self.worker.spec.vocab_size,
                                                   self.grammars if seq.params.grammar else None)
             except ValueError as e:
                 self._finished(rid, in_batch=False, count=False)
@@ -227,7 +239,7 @@ class DecodeNode:
             self._finished(rid, in_batch=False)
             return update
         blocks_to_join(seq, self.worker.block_size, self.blocks)
-        self.worker.add_decode_seq(rid, token, seq.prompt_len, seq.block_ids, seq.params, _history(seq))
+        self.worker.add_decode_seq(rid, token, seq.prompt_len, seq.block_ids, seq.params, seq.history())
         return update
 
     def _launch(self) -> DecodeTicket | None:
@@ -277,7 +289,7 @@ class DecodeNode:
         else:
             self.worker.recompute(seq.prompt_ids + seq.output_ids[:-1], block_ids)
             self.num_recomputed += 1
-        self.worker.add_decode_seq(rid, seq.output_ids[-1], seq.num_cached, block_ids, seq.params, _history(seq))
+        self.worker.add_decode_seq(rid, seq.output_ids[-1], seq.num_cached, block_ids, seq.params, seq.history())
         seq.is_preemption_untold = True
         log.debug("resumed %s after %.0f ms (%s)", rid, seq.preempted_s * 1e3,
                   "swapped in" if seq.is_swapped else "recomputed")
@@ -290,7 +302,7 @@ class DecodeNode:
         past its reserved blocks), no preempted request that could resume, and no
         block the next step needs that only a preemption would free."""
         if self.pending_aborts or self.finished_in_flight \
-                or (self.scheduler.can_admit() and self.handoff.has_ready()) \
+                or (self.scheduler.can_admit() and self.handoff.has_ready()) or self.local.is_runnable() \
                 or self.scheduler.next_resumable() \
                 or num_blocks_short(self.worker.keys_needing_block, self.scheduler.running, self.blocks):
             return False
@@ -321,7 +333,7 @@ class DecodeNode:
                                    self.worker.max_model_len)
             # NOTE: its preemptions are told after each resume too: a request that moves on
             # elsewhere keeps them in its timings.
-            parts = _preemption_parts(seq) if reason or seq.is_preemption_untold else None
+            parts = seq.preemption_parts() if reason or seq.is_preemption_untold else None
             seq.is_preemption_untold = False
             updates.append(TokenUpdate(key, [token], reason, parts, index=len(seq.output_ids) - 1,
                                        logprobs=[lp] if lp else None))
@@ -357,7 +369,8 @@ class DecodeNode:
 
     def _is_empty(self) -> bool:
         h = self.handoff
-        return not (self.scheduler.running or self.scheduler.preempted or h.held or h.ready or h.waiting)
+        return not (self.scheduler.running or self.scheduler.preempted or h.held or h.ready or h.waiting
+                    or self.local.waiting)
 
     def stats(self) -> dict:
         return {**self.worker.stats(), "num_running": len(self.scheduler.running), "num_queued": len(self.handoff.ready),
@@ -377,7 +390,7 @@ class DecodeNode:
                 "num_kv_verify_failures": self.handoff.num_verify_failures,
                 "num_peer_drops": self.handoff.num_peer_drops,
                 "is_registered": self.runtime.is_registered,
-                "num_usable_blocks": self.blocks.capacity}
+                "num_usable_blocks": self.blocks.capacity, **self.local.stats()}
 
     def _report(self) -> None:
         now = time.monotonic()
@@ -394,17 +407,3 @@ class DecodeNode:
                      s["num_free_blocks"], s["num_usable_blocks"], s["num_reserved_blocks"], preempted)
             self._last_log, self._log_tokens, self._log_steps = now, 0, 0
 
-
-def _history(seq: Sequence) -> tuple[list[int], list[int]]:
-    """(its client's prompt, every token generated for it): what penalties count."""
-    if not seq.params.is_processing:
-        return [], []
-    prompt, prior = seq.params.split(seq.prompt_ids)
-    return prompt, prior + seq.output_ids
-
-
-def _preemption_parts(seq: Sequence) -> dict | None:
-    """On a preempted request's last update: how often and how long it was preempted."""
-    if not seq.num_preemptions:
-        return None
-    return {"num_preemptions": seq.num_preemptions, "preempted_ms": round(seq.preempted_s * 1e3, 3)}

@@ -114,6 +114,10 @@ class DecodeScheduler:
             seqs.append(self._run(seq))
         return seqs, copies
 
+    def admit(self, seq: Sequence) -> Sequence:
+        """A sequence prefilled here (its blocks taken by take_blocks) joins the running."""
+        return self._run(seq)
+
     def _run(self, seq: Sequence) -> Sequence:
         seq.admit_order = self.num_admitted
         self.num_admitted += 1

@@ -10,6 +10,7 @@ from common.base.model_spec import ModelSpec
 from common.wire.channel import AsyncChannel
 from frontend.admission import Admission
 from frontend.nodes import NodeRegistry
+from frontend.paths import PathChooser
 from frontend.request import ClientKey, RequestState
 from frontend.router import NodeState
 
@@ -22,6 +23,7 @@ class Hub(Protocol):
     nodes: dict[str, NodeState]            # by name
     registry: NodeRegistry
     admission: Admission
+    paths: PathChooser
     node_link: AsyncChannel
     clients: AsyncChannel
     outbox: dict | None                    # while a TokenBatch is handled: client -> its outputs

@@ -34,6 +34,8 @@ NODE_FIGURES = {
     "preemptions": ("num_preemptions", "decode: requests preempted for KV blocks (a running count)"),
     "preempted": ("num_preempted", "decode: preempted requests waiting to resume"),
     "swapped_bytes": ("swapped_bytes", "decode: host memory holding preempted requests' KV"),
+    "local_prefills": ("num_local_prefilled", "decode: prompts prefilled on it (a running count)"),
+    "local_waiting": ("num_local_waiting", "decode: prompts waiting to be prefilled on it"),
 }
 
 
@@ -105,6 +107,11 @@ class Metrics:
         for cause, n in fe.migrations.num_moved.items():
             moved.add_metric([cause], n)
         yield moved
+        paths = CounterMetricFamily("pdserve_paths", "requests routed by path (local: prefilled on the decode "
+                                    "node) and why (--disaggregate)", labels=["path", "why"])
+        for key, n in fe.paths.counts.items():
+            paths.add_metric(key.split(": ", 1), n)
+        yield paths
         yield CounterMetricFamily("pdserve_migration_failures", "requests that could not move: over "
                                   "--max-migrations, or no node pair within --migration-wait",
                                   value=fe.migrations.num_failed)

@@ -135,6 +135,10 @@ class NodeMessages:
             cached = parts.pop("cached_tokens", None)   # a count that rides with them: usage's
             if isinstance(cached, int) and not req.num_migrations:
                 req.num_cached_tokens = min(cached, len(req.prompt_ids))
+            if node.name == req.decode_node and req.timings.get("path") == "disaggregated":
+                handoff_ms = sum(v for k in ("kv_transfer_ms", "decode_admission_ms")
+                                 if isinstance(v := parts.get(k), (int, float)) and not isinstance(v, bool))
+                fe.paths.observe_handoff(node.name, len(req.prompt_ids), handoff_ms / 1e3)
             req.timings.update(self.migrations.timings(req, parts))
         if is_first:
             req.timings["ttft_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)

@@ -29,7 +29,7 @@ class NodeState:
     dead_since: float = 0.0       # monotonic; a node dead past the grace period is forgotten
     num_routed: int = 0           # requests ever sent here
     num_active: int = 0           # decode: routed, not finished
-    num_queued_tokens: int = 0    # prefill: prompt tokens routed, not yet prefilled (less cached ones)
+    num_queued_tokens: int = 0    # prompt tokens routed here to prefill, not yet prefilled (less cached ones)
     prefix_keys: set[int] = field(default_factory=set)   # prefill: route keys of its cached blocks
 
     @property
@@ -96,15 +96,18 @@ def prefix_keys(nodes: dict[str, NodeState], prompt_ids: list[int],
 
 
 def assign(nodes: dict[str, NodeState], max_queued_tokens: int, prompt_ids: list[int],
-           known_keys: dict[int, list[int]]) -> tuple[NodeState, NodeState, int] | None:
-    """Route a request now: (prefill node, decode node, prompt tokens the prefill node
-    is expected to compute), counted as routed; None while no pair has room."""
+           known_keys: dict[int, list[int]], is_local=None) -> tuple[NodeState, NodeState, int] | None:
+    """Route a request now: (the node that prefills it, decode node, prompt tokens it is
+    expected to compute), counted as routed; None while no pair has room. is_local(prefill
+    node, decode node, work tokens there): whether the decode node prefills it instead."""
     keys = prefix_keys(nodes, prompt_ids, known_keys)
     route = choose(nodes, max_queued_tokens, len(prompt_ids), keys)
     if route is None:
         return None
     prefill, decode = route
     work_tokens = len(prompt_ids) - cached_tokens(prefill, len(prompt_ids), keys)
+    if is_local is not None and is_local(prefill, decode, work_tokens):
+        prefill, work_tokens = decode, len(prompt_ids)
     routed(prefill, decode, work_tokens)
     return prefill, decode, work_tokens
 
@@ -116,8 +119,9 @@ def figure(stats: dict, key: str) -> float:
 
 
 def routed(prefill: NodeState, decode: NodeState, work_tokens: int) -> None:
-    """work_tokens: the prompt tokens the prefill node is expected to compute."""
-    prefill.num_routed += 1
+    """work_tokens: the prompt tokens the prefill node is expected to compute (prefill is
+    decode for a prompt the decode node prefills: its count of them)."""
+    prefill.num_routed += prefill is not decode
     prefill.num_queued_tokens += work_tokens
     decode.num_routed += 1
     decode.num_active += 1

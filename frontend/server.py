@@ -32,7 +32,7 @@ from common.wire.protocol import (CLIENT_TO_FRONTEND, AbortRequest, DrainRequest
                                   Fork, GenerateRequest, NodeAbort, PrefillRequest, StatsReply, StatsRequest)
 from common.base.request import FINISH_ABORT, FINISH_ERROR
 from common.wire.client import MAX_MESSAGES
-from frontend import http, router
+from frontend import http, paths, router
 from frontend.admission import Admission
 from frontend.detok import IncrementalDetokenizer
 from frontend.metrics import Metrics
@@ -73,6 +73,7 @@ class Frontend:
         self.num_served = 0
         self.is_draining = False
         self.num_routes: dict[str, int] = {}   # "prefill -> decode" -> requests routed that way
+        self.paths = paths.PathChooser(cfg.disaggregate, time.monotonic)
         self.metrics = Metrics(self)
         # In-process clients' replies: local_sink(client, message, http_status).
         self.local_sink: Callable[[ClientKey, object, int | None], None] | None = None
@@ -272,11 +273,21 @@ class Frontend:
             while self.admission.num_waiting:
                 req = self.admission.peek()
                 ids, params = req.continuation()   # a moved request: its prompt and what it streamed
-                route = router.assign(self.nodes, self.cfg.max_queued_tokens, ids, req.route_keys)
+                can_local = not req.forks and params.num_prompt_logprobs < 0 and not params.is_masked_per_step
+                choice = None
+
+                def is_local(prefill, decode, work_tokens) -> bool:
+                    nonlocal choice
+                    choice = self.paths.choose(paths.figures(len(ids), work_tokens, prefill, decode),
+                                               decode.name, can_local)
+                    return choice.path == "local"
+                route = router.assign(self.nodes, self.cfg.max_queued_tokens, ids, req.route_keys, is_local)
                 if route is None:
                     break
                 self.admission.next()
                 prefill, decode, req.work_tokens = route
+                t = choice.timings()   # a moved request keeps its first life's path
+                req.timings.update({"path_after_move": t["path"]} if req.num_migrations else t)
                 forks, req.forks = [f for f in req.forks if f.node_id in self.requests], []
                 for r in [req, *forks]:
                     r.prefill_node, r.decode_node = prefill.name, decode.name
@@ -310,7 +321,7 @@ class Frontend:
                 "num_bad_client_messages": self.clients.num_bad,
                 "num_bad_node_messages": self.node_link.num_bad,
                 "num_node_link_resets": self.node_link.num_reroutes,
-                "routes": dict(self.num_routes), "migrations": self.migrations.counts()}
+                "routes": dict(self.num_routes), "migrations": self.migrations.counts(), "paths": self.paths.stats()}
 
     def node_stats(self) -> dict:
         return self.registry.stats()

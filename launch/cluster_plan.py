@@ -16,7 +16,7 @@ USAGE = """start_cluster.sh [--demo] [--model DIR] [--host 127.0.0.1] [--adverti
      [--base-port 5600] [--name-prefix P] [--join NODE_ENDPOINT]
      [--prefill-devices D[,D...]] [--decode-devices D[,D...]]      one node per device listed
      [--num-prefill N] [--num-decode M]     N or M nodes on the one device given (default 1; 0: none here)
-     [--kv-transfer auto|ipc|nixl|tcp|dist] [--kv-layerwise auto|on|off]
+     [--kv-transfer auto|ipc|nixl|tcp|dist] [--kv-layerwise auto|on|off] [--disaggregate auto|always|never]
      [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N] [--max-model-len N] [--block-size N] [--token-budget N] [--kv-cache-fraction F]
      [--http-port 8000 | --no-http] [--served-model-name NAME] [--log-level LEVEL]
      [--no-prefix-caching] [--swap-space GIB] [--no-preemption] [--kv-verify]
@@ -88,7 +88,7 @@ VALUED = {"--model": ("model", ""), "--prefill-device": ("prefill_devices", "cpu
           "--prefill-devices": ("prefill_devices", "cpu"), "--decode-device": ("decode_devices", "cpu"),
           "--decode-devices": ("decode_devices", "cpu"), "--num-prefill": ("num_prefill", ""),
           "--num-decode": ("num_decode", ""), "--kv-transfer": ("kv_transfer", "auto"),
-          "--kv-layerwise": ("kv_layerwise", ""),
+          "--kv-layerwise": ("kv_layerwise", ""), "--disaggregate": ("disaggregate", ""),
           "--host": ("host", "127.0.0.1"), "--advertise-host": ("advertise_host", ""),
           "--base-port": ("base_port", "5600"), "--name-prefix": ("prefix", ""), "--join": ("join", ""),
           "--dtype": ("dtype", ""), "--kv-cache-memory": ("kv_cache_memory", ""),
@@ -234,7 +234,8 @@ def frontend_argv(plan: Plan) -> list[str]:
     argv += [] if a.no_http else ["--http-port", a.http_port]
     argv += _given(a, ("served_model_name", "--served-model-name"), ("max_model_len", "--max-model-len"),
                    ("log_level", "--log-level"), ("reasoning_parser", "--reasoning-parser"),
-                   ("tool_call_parser", "--tool-call-parser"), ("logprobs_mode", "--logprobs-mode"))
+                   ("tool_call_parser", "--tool-call-parser"), ("logprobs_mode", "--logprobs-mode"),
+                   ("disaggregate", "--disaggregate"))
     argv += ["--enable-auto-tool-choice"] * a.auto_tool_choice + ["--allow-json-whitespace"] * a.json_whitespace
     return argv + a.frontend_args
 

@@ -311,7 +311,10 @@ class PrefillNode:
                 "num_writing": sum(h.stage.value in ("writing", "cancelling") for h in self.handoffs.by_id.values()),
                 "is_registered": self.runtime.is_registered, **self.prefix_cache.stats(),
                 "num_usable_blocks": self.prefix_cache.capacity,
-                "kv_links": self.handoffs.links.describe(), "kv_writes": self.handoffs.transfer_figures()}
+                "kv_links": self.handoffs.links.describe(), "kv_writes": self.handoffs.transfer_figures(),
+                # what the frontend's --disaggregate auto reads (frontend/paths.py)
+                "kv_token_bytes": self.handoffs.block_bytes // self.handoffs.block_size,
+                "kv_layerwise": self.cfg.kv_layerwise}
 
     def _report(self) -> None:
         now = time.monotonic()

@@ -174,6 +174,26 @@ def test_a_killed_decode_node_moves_its_requests_token_exact(cluster):
     assert "pdserve_migration_failures_total 0.0" in metrics
 
 
+def test_requests_prefilled_on_a_killed_decode_node_move_token_exact(cluster):
+    # --disaggregate never: every prompt here is prefilled on its decode node, and a moved
+    # request's continuation is too (on the node left).
+    p, _ = cluster(1, 2, "--disaggregate", "never")
+    requests = _requests(6, max_tokens=MAX_TOKENS)
+    undisturbed = asyncio.run(_run(p.clients, requests))
+
+    async def kill(client, counts):
+        os.kill(p.procs["decode-0"].pid, signal.SIGKILL)
+    disturbed = asyncio.run(_run(p.clients, requests, kill))
+    _assert_same(disturbed, undisturbed)
+    moved = _moved(disturbed)
+    assert len(moved) == 3   # routed in turn: half of them were on decode-0
+    for last in moved:
+        assert last.timings["path"] == "local" and last.timings["path_after_move"] == "local"
+    assert _frontend(p.clients)["migrations"]["failed"] == 0
+    wait_for(lambda: _nodes(p.clients)["decode-1"].get("num_local_prefilled", 0) >= 3 + 3 + 3, 10,
+             "decode-1 to count its own prompts and the moved ones")
+
+
 def test_a_frozen_decode_node_thawed_after_its_requests_moved_says_nothing_to_clients(cluster):
     p, _ = cluster(1, 2)
     requests = _requests(8)

@@ -368,6 +368,11 @@ class FrontendConfig:
         "--logprobs-mode", "what logprobs report: the model's raw distribution (raw_logprobs, as vLLM's "
         "default) or the one sampled from, after penalties, temperature, top-k and top-p "
         "(processed_logprobs)", choices=("raw_logprobs", "processed_logprobs")))
+    disaggregate: str = field(default="always", metadata=flag(
+        "--disaggregate", "always: every prompt is prefilled on a prefill node; auto: a prompt is prefilled "
+        "on its decode node when the nodes' measured rates say its first tokens come sooner that way and "
+        "that node has time to spare (frontend/paths.py); never: on the decode node whenever it can "
+        "(a prefill node still serves n > 1, prompt logprobs and grammars)", choices=("auto", "always", "never")))
 
     def __post_init__(self) -> None:
         if self.http_host is None:   # NOTE: frozen: set once, here

@@ -15,6 +15,8 @@ never touches it (and on CUDA replays a captured graph).
 """
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,7 +60,7 @@ class DecodeBatch:
         self.num_steps = 0
         self.num_rows = 0             # summed over steps: / num_steps is the mean batch
         self.max_batch = 0
-        self.device_busy_s = 0.0      # steps, measured on the device (where it has events)
+        self.device_busy_s = 0.0      # steps, measured on the device (where it has events; else the host's time)
         self.device_idle_s = 0.0      # gaps between consecutive steps on the device
         self._last_end = None
         self.cores = None             # CPU: the host's shared cores (cores.py), asked each step
@@ -271,6 +273,7 @@ class DecodeBatch:
         ks = self._host_num_logprobs[:n]
         is_plain = not (ks >= 0).any() and not self._host_is_processing[:n].any()
         p = self.platform
+        t0 = time.perf_counter()
         ticket = DecodeTicket(self._keys[:n], self.num_steps % 2, start=p.event(timing=True))
         if is_plain and self.graphs.is_graphed:
             self.graphs.replay(n, is_greedy)
@@ -287,6 +290,8 @@ class DecodeBatch:
                 finally:
                     self.cores.end()
         ticket.end = p.event(timing=True)
+        if ticket.end is None:   # no events (CPU): the step ran here, in this call
+            self.device_busy_s += time.perf_counter() - t0
         self._sampled_host[ticket.slot, :n].copy_(self._sampled[:n], non_blocking=True)
         if (ks >= 0).any():
             ticket.num_logprobs = ks.tolist()

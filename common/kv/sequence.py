@@ -46,6 +46,19 @@ class Sequence:
         self.block_ids.append(block)
         return block
 
+    def history(self) -> tuple[list[int], list[int]]:
+        """(its client's prompt, every token generated for it): what penalties count."""
+        if not self.params.is_processing:
+            return [], []
+        prompt, prior = self.params.split(self.prompt_ids)
+        return prompt, prior + self.output_ids
+
+    def preemption_parts(self) -> dict | None:
+        """On a preempted request's last update: how often and how long it was preempted."""
+        if not self.num_preemptions:
+            return None
+        return {"num_preemptions": self.num_preemptions, "preempted_ms": round(self.preempted_s * 1e3, 3)}
+
     def release(self, allocator: BlockAllocator) -> None:
         """Give every block and reservation back; safe to call once per sequence."""
         allocator.free(self.block_ids)

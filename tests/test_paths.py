@@ -1,0 +1,185 @@
+"""Prefill on the decode node and the per-request choice of path (--disaggregate): the
+rule on a fake clock against figures the test sets, then through start_cluster.sh,
+token for token against transformers and across the two paths."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from frontend import paths
+from frontend.client import Client
+from frontend.paths import Figures, PathChooser
+from tests.cluster_util import Cluster, wait_for
+from tests.conftest import clear_prompts
+
+NEW_TOKENS = 12
+RATE = 10_000.0   # prompt tokens/s, both nodes
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _figures(**kw) -> Figures:
+    base = dict(prompt_len=32, prefill_rate=RATE, kv_token_bytes=4096, link_rate=1e8, step_s=0.005)
+    return Figures(**{**base, **kw})
+
+
+def test_a_short_prompt_behind_long_ones_is_prefilled_on_its_decode_node():
+    chooser = PathChooser("auto", FakeClock())
+    # 8,000 tokens wait on the prefill node: 0.8 s there, against 3.2 ms here.
+    c = chooser.choose(_figures(prefill_queued=8000, num_running=4), "decode-0")
+    assert c.path == "local" and c.why == "sooner on the decode node"
+    assert c.local_s == pytest.approx(2 * (32 / RATE + 0.005) + 0.005)
+    assert c.disaggregated_s == pytest.approx(2 * 8032 / RATE + 32 * 4096 / 1e8 + 0.005)
+    assert c.timings()["path"] == "local" and c.timings()["predicted_local_ms"] == pytest.approx(c.local_s * 1e3)
+
+
+def test_an_idle_prefill_node_and_a_free_handoff_keep_the_disaggregated_path():
+    chooser = PathChooser("auto", FakeClock())
+    # Nothing queued, a link that costs nothing: a decode node with sequences running
+    # pays a step per chunk and gains nothing.
+    c = chooser.choose(_figures(prompt_len=2048, link_rate=0.0, num_running=8), "decode-0")
+    assert c.path == "disaggregated" and c.why == "sooner through the prefill node"
+    # The measured handoff cost tips a short prompt to its idle decode node...
+    chooser.observe_handoff("decode-0", 32, 0.02)
+    assert chooser.choose(_figures(), "decode-0").path == "local"
+    # ... but a long prompt's handoff time says nothing of that fixed cost.
+    chooser.observe_handoff("decode-1", 4096, 5.0)
+    assert "decode-1" not in chooser.handoff_s
+
+
+def test_layerwise_hides_the_transfer_behind_the_prefill():
+    f = _figures(prompt_len=4096, link_rate=4096 * 4096 / 0.3)   # 0.3 s of KV, 0.41 s of prefill
+    whole, _, _ = paths.predict(f)
+    layerwise, _, _ = paths.predict(_figures(prompt_len=4096, link_rate=f.link_rate, is_layerwise=True))
+    assert whole[1] - whole[0] == pytest.approx(0.3 + 0.005)
+    assert layerwise[1] - layerwise[0] == pytest.approx(0.005)   # all of it hidden
+
+
+def test_local_prompts_take_at_most_a_share_of_a_busy_decode_node():
+    clock = FakeClock()
+    chooser = PathChooser("auto", clock)
+    busy = _figures(prompt_len=256, prefill_queued=100_000, num_running=8)   # 10 s behind on the prefill node
+    cost = 256 / RATE
+    num_fit = int(paths.LOCAL_SHARE * paths.WINDOW_S / cost)
+    for _ in range(num_fit):
+        assert chooser.choose(busy, "decode-0").path == "local"
+    c = chooser.choose(busy, "decode-0")
+    assert c.path == "disaggregated" and c.why == "the decode node has no time to spare"
+    assert chooser.choose(busy, "decode-1").path == "local"   # another node's window is its own
+    assert chooser.choose(_figures(prompt_len=256, prefill_queued=100_000), "decode-0").path == "local"   # idle
+    clock.now += paths.WINDOW_S + 0.01
+    assert chooser.choose(busy, "decode-0").path == "local"
+    assert chooser.stats()["decisions"]["disaggregated: the decode node has no time to spare"] == 1
+
+
+def test_modes_and_what_needs_a_prefill_node():
+    clock = FakeClock()
+    queued = _figures(prefill_queued=8000)
+    assert PathChooser("always", clock).choose(queued, "d").path == "disaggregated"
+    assert PathChooser("never", clock).choose(_figures(), "d").path == "local"
+    for mode in ("auto", "never"):
+        c = PathChooser(mode, clock).choose(queued, "d", can_local=False)
+        assert c.path == "disaggregated" and "prefill node" in c.why
+    assert PathChooser("auto", clock).choose(_figures(prefill_rate=0.0), "d").why == "no prefill rate measured yet"
+    with pytest.raises(ValueError):
+        PathChooser("sometimes", clock)
+
+
+def test_figures_come_from_the_nodes_stats():
+    class Node:
+        def __init__(self, name, stats, num_queued_tokens=0, num_active=0):
+            self.name, self.stats = name, stats
+            self.num_queued_tokens, self.num_active = num_queued_tokens, num_active
+    prefill = Node("prefill-0", {"num_prefill_tokens": 5000, "prefill_busy_s": 0.5, "kv_token_bytes": 512,
+                                 "kv_links": {"decode-0": "tcp"}, "kv_writes": {"tcp": {"bytes_per_s": 2e8}},
+                                 "kv_layerwise": "on"}, num_queued_tokens=300)
+    decode = Node("decode-0", {"device_busy_s": 0.5, "num_decode_steps": 100, "num_local_prefill_tokens": 0,
+                               "local_prefill_busy_s": "bad"}, num_queued_tokens=40, num_active=3)
+    f = paths.figures(100, 84, prefill, decode)
+    assert f == Figures(100, prefill_cached=16, prefill_queued=300, prefill_rate=10_000.0, kv_token_bytes=512,
+                        link_rate=2e8, is_layerwise=True, decode_queued=40, decode_rate=0.0, step_s=0.005,
+                        num_running=3)
+
+
+# ---- through the cluster --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def never(tiny_model, tmp_path_factory):
+    c = Cluster(tiny_model, tmp_path_factory.mktemp("logs") / "never.log", "--disaggregate", "never")
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def auto(tiny_model, tmp_path_factory):
+    c = Cluster(tiny_model, tmp_path_factory.mktemp("logs") / "auto.log", "--disaggregate", "auto",
+                "--num-decode", "2")
+    yield c
+    c.stop()
+
+
+def test_prompts_prefilled_on_the_decode_node_match_transformers(never, tiny_model):
+    # Past one chunk (256 tokens) too: a prompt in several turns between steps.
+    prompts, expected = clear_prompts(tiny_model, [list(range(1, 40)), list(range(3, 300)), [5] * 17],
+                                      NEW_TOKENS, 3)
+    with Client(never.endpoint) as c:
+        for p, ref in zip(prompts, expected):
+            r = c.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True)
+            assert r.error is None and r.token_ids == ref
+            assert r.timings["path"] == "local" and r.timings["kv_transfer_ms"] == 0
+        # n > 1 and prompt logprobs still go through the prefill node, and say why.
+        r = c.complete(prompt_token_ids=prompts[0], max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+        assert r.error is None and r.timings["path"] == "disaggregated" and "prefill node" in r.timings["path_why"]
+    wait_for(lambda: never.stats()["decode-0"].get("num_local_prefilled") == 3, 10, "the decode node's count")
+    wait_for(lambda: all(s["num_free_blocks"] == s["num_usable_blocks"] for s in never.stats().values()),
+             10, "every block free")
+
+
+def test_seeded_sampling_is_the_same_on_both_paths(auto, never):
+    kw = dict(prompt_token_ids=list(range(7, 50)), max_tokens=16, temperature=1.0, top_p=0.9, seed=77,
+              ignore_eos=True)
+    with Client(auto.endpoint) as c:
+        through = c.complete(**kw)   # auto, before any rate is measured: through the prefill node
+    with Client(never.endpoint) as c:
+        local = c.complete(**kw)
+    assert through.timings["path"] == "disaggregated" and through.timings["path_why"] == "no prefill rate measured yet"
+    assert local.timings["path"] == "local"
+    assert local.token_ids == through.token_ids and local.text == through.text
+
+
+def test_auto_prefills_on_an_idle_decode_node_once_the_handoff_is_measured(auto, tiny_model):
+    prompts, expected = clear_prompts(tiny_model, [[(13 * i + j) % 400 + 1 for j in range(30)] for i in range(8)],
+                                      NEW_TOKENS, 6)
+    with Client(auto.endpoint) as c:
+        c.complete(prompt_token_ids=[9] * 40, max_tokens=2)   # a rate measured, a handoff timed
+        wait_for(lambda: c.stats().nodes["prefill-0"].get("num_prefill_tokens"), 10, "a measured prefill")
+        got = [c.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts]
+        for r, ref in zip(got, expected):
+            assert r.error is None and r.token_ids == ref, r.timings
+            assert r.timings["path"] in ("local", "disaggregated") and "predicted_local_ms" in r.timings
+        # Alone, a distinct prompt is quicker where it decodes: no reservation, write, commit.
+        assert sum(r.timings["path"] == "local" for r in got) >= len(got) // 2, [r.timings for r in got]
+        frontend = c.stats().frontend["paths"]
+    assert frontend["mode"] == "auto" and frontend["handoff_ms"]
+    wait_for(lambda: sum(s.get("num_local_prefilled", 0) for s in auto.stats().values()) >= len(got) // 2,
+             10, "the decode nodes' counts")
+
+
+def test_an_abort_and_a_deadline_on_the_decode_node_free_its_blocks(never):
+    with Client(never.endpoint) as c:
+        r = c.complete(prompt_token_ids=list(range(1, 200)), max_tokens=800, ignore_eos=True, timeout_s=0.3)
+        assert r.finish_reason == "abort" and "deadline" in (r.error or "")
+        bad = c.complete(prompt_token_ids=[10**6], max_tokens=4)
+        assert bad.error and bad.finish_reason == "error"
+        ok = c.complete(prompt_token_ids=[1, 2, 3], max_tokens=4, ignore_eos=True)
+        assert ok.error is None and len(ok.token_ids) == 4
+    time.sleep(0.1)
+    wait_for(lambda: all(s["num_free_blocks"] == s["num_usable_blocks"] and not s.get("num_local_waiting")
+                         for s in never.stats().values()), 10, "every block free")
