@@ -4,7 +4,7 @@
     pdserve client [options]                  send prompts, read stats (frontend.cli)
     pdserve bench [KIND] [options]            a benchmark (launch/bench/): serving (the default:
                                               a running cluster), prefill, decode, transfer,
-                                              migration, vs, profile, layerwise
+                                              migration, vs, profile, layerwise, mixed
     pdserve drain NODE [--endpoint ...]       move a node's requests elsewhere; it stops once empty
     pdserve keys DIR --nodes ...              make CURVE keys (launch.keys)
     pdserve make-tiny-model DIR               a tiny random Qwen3 checkpoint
@@ -37,7 +37,7 @@ def _module(name: str, function: str = "main"):
     return run
 
 
-BENCHMARKS = ("serving", "prefill", "decode", "transfer", "migration", "vs", "profile", "layerwise")
+BENCHMARKS = ("serving", "prefill", "decode", "transfer", "migration", "vs", "profile", "layerwise", "mixed")
 
 
 def _bench(argv: list[str]) -> int:

@@ -4,6 +4,7 @@ token for token against transformers and across the two paths."""
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import pytest
 
@@ -168,6 +169,8 @@ def test_auto_prefills_on_an_idle_decode_node_once_the_handoff_is_measured(auto,
         assert sum(r.timings["path"] == "local" for r in got) >= len(got) // 2, [r.timings for r in got]
         frontend = c.stats().frontend["paths"]
     assert frontend["mode"] == "auto" and frontend["handoff_ms"]
+    metrics = urllib.request.urlopen(auto.http + "/metrics", timeout=10).read().decode()
+    assert 'pdserve_paths_total{path="local",why="sooner on the decode node"}' in metrics
     wait_for(lambda: sum(s.get("num_local_prefilled", 0) for s in auto.stats().values()) >= len(got) // 2,
              10, "the decode nodes' counts")
 

@@ -65,7 +65,7 @@ def _client(endpoint: str, prompt_lens: list[int], num_requests: int, seed: int,
     print(json.dumps({"rows": rows, "kv_writes": writes}), flush=True)
 
 
-def _shape_link(hosts, name: str, rate_mbit: float) -> None:
+def shape_link(hosts, name: str, rate_mbit: float) -> None:
     """What leaves host `name` goes at rate_mbit (a token bucket of 64 KiB, 100 ms of queue)."""
     subprocess.run(["ip", "netns", "exec", hosts.ns(name), "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
                     "rate", f"{rate_mbit}mbit", "burst", "64kb", "latency", "100ms"], check=True,
@@ -104,6 +104,15 @@ def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> list:
     return [r for r in got["rows"] if r[0] != 64]   # 64: warm-up
 
 
+def default_model() -> str:
+    """The 8-layer shape above, made on first use."""
+    home = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
+    model = str(home / "layerwise-qwen3")
+    if not (Path(model) / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "launch.make_tiny_model", model, *SHAPE], check=True, cwd=ROOT)
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser("bench layerwise", description=__doc__, formatter_class=HelpFormat)
     p.add_argument("--model", help="a Qwen3 directory (default: the 8-layer shape above, made once)")
@@ -125,12 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     why = netns.why_not()
     if why:
         raise SystemExit(f"bench layerwise: {why}")
-    model = a.model
-    if not model:
-        home = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
-        model = str(home / "layerwise-qwen3")
-        if not (Path(model) / "config.json").exists():
-            subprocess.run([sys.executable, "-m", "launch.make_tiny_model", model, *SHAPE], check=True, cwd=ROOT)
+    model = a.model or default_model()
     logs = Path(f"/tmp/bench-layerwise-{os.getpid()}")
     logs.mkdir(exist_ok=True)
     cfg = json.loads((Path(model) / "config.json").read_text())
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     medians: dict[str, dict[int, tuple[float, float]]] = {}
     for mode in a.modes.split(","):
         with netns.Hosts(["a", "b"]) as hosts:
-            _shape_link(hosts, "a", a.rate_mbit)
+            shape_link(hosts, "a", a.rate_mbit)
             rows = _run_mode(a, hosts, model, mode, logs)
         medians[mode] = {}
         for n in a.prompt_lens:

@@ -1,0 +1,177 @@
+"""A mixed load (long prompts and short ones) across two simulated hosts on a shaped link,
+with each --disaggregate mode: the short prompts' time to first token and the long
+ones' time per output token.
+
+    python -m launch.bench.mixed [--model DIR] [--rate-mbit 200] [--long-len 2048]
+        [--short-len 32] [--duration 20] [--long-every 2] [--short-every 0.25]
+        [--modes always,auto] [--kv-layerwise auto]                  (root: simulated hosts)
+
+Host a runs the frontend and a prefill node, host b a decode node (as `pdserve bench
+layerwise`: start_cluster.sh on each, b joining a, host a's link shaped with tc tbf).
+For each mode the cluster is started fresh and warmed (a few requests of each kind, so
+the rates are measured), then for --duration seconds a long prompt arrives every
+--long-every seconds and a short one every --short-every, each prompt fresh (no prefix
+cache hits), streaming. One JSON line per mode (TTFT p50/p90 of the short prompts, TPOT
+p50/p90 of the long ones, the paths taken), then the ratios (each mode over the first):
+the short prompts should not wait behind the long ones' prefill and KV, nor the long
+ones pay for it. The bound for a short prompt's TTFT is its own prefill on an idle node.
+Without --model, the 8-layer shape of `pdserve bench layerwise` (made once).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common.runtime.process import HelpFormat
+from launch.bench import layerwise
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else float("nan")
+
+
+def _client(endpoint: str, a) -> None:
+    """Run on host a: warm up, then the timed mixed load; one JSON line of every request."""
+    import numpy as np
+
+    from frontend.client import AsyncClient, Client
+    rng = np.random.default_rng(a.seed)
+
+    def prompt(n: int) -> list[int]:
+        return rng.integers(1, a.vocab_size - 1, size=n).tolist()
+
+    async def one(client, kind: str, n: int, max_tokens: int, at: float, rows: list) -> None:
+        await asyncio.sleep(max(at - time.monotonic(), 0))
+        start, stamps, last = time.monotonic(), [], None
+        async for out in client.generate(prompt_token_ids=prompt(n), max_tokens=max_tokens, ignore_eos=True):
+            if out.error:
+                raise SystemExit(f"bench mixed: a request failed: {out.error}")
+            stamps += [time.monotonic() - start] * len(out.token_ids)
+            last = out
+        rows.append({"kind": kind, "ttft_s": stamps[0], "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
+                     "path": (last.timings or {}).get("path")})
+
+    async def run() -> list:
+        async with AsyncClient(endpoint, idle_timeout_s=300) as client:
+            warm: list = []
+            for _ in range(3):   # rates, the handoff's cost, the kernels' first calls
+                await one(client, "long", a.long_len, 4, 0, warm)
+                await one(client, "short", a.short_len, 4, 0, warm)
+            await asyncio.sleep(2.5)   # a heartbeat or two: the frontend has the nodes' rates
+            rows: list = []
+            t0 = time.monotonic() + 0.1
+            plan = [("long", a.long_len, a.long_tokens, t0 + i * a.long_every)
+                    for i in range(int(a.duration / a.long_every))]
+            plan += [("short", a.short_len, a.short_tokens, t0 + a.short_every / 2 + i * a.short_every)
+                     for i in range(int(a.duration / a.short_every))]
+            await asyncio.gather(*[one(client, *p, rows) for p in plan])
+            return rows
+    rows = asyncio.run(run())
+    with Client(endpoint) as c:
+        paths = c.stats().frontend.get("paths")
+    print(json.dumps({"rows": rows, "paths": paths}), flush=True)
+
+
+def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "UCX_TLS": "tcp"}
+    common = ["bash", str(ROOT / "launch/start_cluster.sh"), "--model", model, "--no-keys", "--no-http",
+              "--base-port", "5600", "--kv-transfer", a.kv_transfer, "--kv-layerwise", a.kv_layerwise,
+              "--disaggregate", mode, "--max-model-len", str(a.long_len + a.long_tokens + 64),
+              "--no-prefix-caching", *a.cluster_arg]
+    first = hosts.popen("a", [*common, "--host", hosts.addr("a"), "--name-prefix", "a-", "--num-prefill", "1",
+                              "--num-decode", "0"], stdout=subprocess.PIPE,
+                        stderr=open(logs / f"a-{mode}.log", "wb"), cwd=ROOT, env=env)
+    endpoint = f"tcp://{hosts.addr('a')}:5600"
+    if first.stdout.readline().decode().strip() != f"PDSERVE_ENDPOINT={endpoint}":
+        raise SystemExit(f"bench mixed: host a did not start (see {logs}/a-{mode}.log)")
+    join = f"tcp://{hosts.addr('a')}:5601"
+    second = hosts.popen("b", [*common, "--host", hosts.addr("b"), "--name-prefix", "b-", "--join", join,
+                               "--num-prefill", "0", "--num-decode", "1"], stdout=subprocess.PIPE,
+                         stderr=open(logs / f"b-{mode}.log", "wb"), cwd=ROOT, env=env)
+    if second.stdout.readline().decode().strip() != f"PDSERVE_JOINED={join}":
+        raise SystemExit(f"bench mixed: host b did not join (see {logs}/b-{mode}.log)")
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    args = ["--client", endpoint, "--vocab-size", str(vocab), "--seed", str(a.seed)]
+    for k in ("long_len", "short_len", "long_tokens", "short_tokens", "duration", "long_every", "short_every"):
+        args += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+    out = hosts.run("a", [sys.executable, "-m", "launch.bench.mixed", *args], timeout_s=1800, cwd=ROOT, env=env)
+    for p in (second, first):   # SIGTERM: each drains and stops
+        p.terminate()
+        p.wait(60)
+    if out.returncode != 0:
+        raise SystemExit(f"bench mixed: the client failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser("bench mixed", description=__doc__, formatter_class=HelpFormat)
+    p.add_argument("--model", help="a Qwen3 directory (default: bench layerwise's 8-layer shape, made once)")
+    p.add_argument("--rate-mbit", type=float, default=200.0, help="host a's link rate")
+    p.add_argument("--long-len", type=int, default=2048)
+    p.add_argument("--long-tokens", type=int, default=64, help="max_tokens of a long prompt")
+    p.add_argument("--short-len", type=int, default=32)
+    p.add_argument("--short-tokens", type=int, default=16, help="max_tokens of a short prompt")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per mode")
+    p.add_argument("--long-every", type=float, default=2.0, help="seconds between long prompts")
+    p.add_argument("--short-every", type=float, default=0.25, help="seconds between short prompts")
+    p.add_argument("--modes", default="always,auto", help="--disaggregate values, in order")
+    p.add_argument("--kv-layerwise", default="auto", help="on both hosts")
+    p.add_argument("--kv-transfer", default="tcp", help="the backend between the hosts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cluster-arg", action="append", default=[],
+                   help="passed to start_cluster.sh on both hosts (repeat: --cluster-arg=--prefill-arg ...)")
+    p.add_argument("--client", help=argparse.SUPPRESS)
+    p.add_argument("--vocab-size", type=int, default=0, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.client:
+        _client(a.client, a)
+        return 0
+    from launch.tools import netns
+    why = netns.why_not()
+    if why:
+        raise SystemExit(f"bench mixed: {why}")
+    model = a.model or layerwise.default_model()
+    logs = Path(f"/tmp/bench-mixed-{os.getpid()}")
+    logs.mkdir(exist_ok=True)
+    figures = {}
+    for mode in a.modes.split(","):
+        with netns.Hosts(["a", "b"]) as hosts:
+            layerwise.shape_link(hosts, "a", a.rate_mbit)
+            got = _run_mode(a, hosts, model, mode, logs)
+        short = [r for r in got["rows"] if r["kind"] == "short"]
+        long = [r for r in got["rows"] if r["kind"] == "long"]
+        f = figures[mode] = {
+            "short_ttft_ms_p50": round(1e3 * statistics.median(r["ttft_s"] for r in short), 1),
+            "short_ttft_ms_p90": round(1e3 * _pct([r["ttft_s"] for r in short], 0.9), 1),
+            "long_tpot_ms_p50": round(1e3 * statistics.median(r["tpot_s"] for r in long), 2),
+            "long_tpot_ms_p90": round(1e3 * _pct([r["tpot_s"] for r in long], 0.9), 2),
+            "long_ttft_ms_p50": round(1e3 * statistics.median(r["ttft_s"] for r in long), 1)}
+        print(json.dumps({"bench": "mixed", "device": "cpu", "mode": mode, "rate_mbit": a.rate_mbit,
+                          "kv_transfer": a.kv_transfer, "kv_layerwise": a.kv_layerwise,
+                          "long": [a.long_len, a.long_tokens, a.long_every], "short": [a.short_len, a.short_tokens,
+                                                                                     a.short_every],
+                          "num_short": len(short), "num_long": len(long), **f,
+                          "short_paths": {p: sum(r["path"] == p for r in short) for p in ("local", "disaggregated")},
+                          "long_paths": {p: sum(r["path"] == p for r in long) for p in ("local", "disaggregated")},
+                          "decisions": (got.get("paths") or {}).get("decisions")}), flush=True)
+    modes = a.modes.split(",")
+    if len(modes) > 1:
+        base = figures[modes[0]]
+        print(json.dumps({"bench": "mixed", "against": modes[0], "ratios": {
+            m: {k: round(v / base[k], 3) if base[k] else None for k, v in figures[m].items()} for m in modes[1:]},
+            "logs": str(logs)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
