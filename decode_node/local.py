@@ -3,7 +3,9 @@ prompt here when that gives its first tokens sooner than a handoff, decided per 
 in frontend/paths.py).
 
 A prompt here runs chunk by chunk between decode steps, with the node's own kernels,
-into blocks taken as a reservation takes them; its last chunk samples the first token,
+into blocks taken as a reservation takes them, after the prefix the node's cache holds (a
+finished sequence's full blocks, prompt and outputs, stay cached: a chat's next turn
+finds its history here); its last chunk samples the first token,
 and the sequence joins the batch as a committed handoff's does. A chunk is at most
 CHUNK_TOKENS, so a running sequence's step waits for at most one chunk. Only the head
 of the line runs: prompts here are short, and the first in is the first out.
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 from common.base.request import validate_prompt
 from common.engine.worker import PrefillChunk
+from common.kv.prefix import PrefixCache, block_hashes, num_reusable_blocks
 from common.kv.sequence import Sequence
 from common.wire.protocol import PrefillRequest
 
@@ -30,6 +33,7 @@ class LocalJob:
     block_ids: list[int] = field(default_factory=list)
     num_reserved: int = 0            # further blocks promised for its outputs
     num_computed: int = 0            # prompt tokens whose KV is written
+    num_cached: int = 0              # of them, taken from the prefix cache
 
     @property
     def request_id(self) -> str:
@@ -102,7 +106,10 @@ class LocalPrefill:
         job = self.waiting[0]
         req, sched = job.request, self.scheduler
         if not job.block_ids:
-            job.block_ids, job.num_reserved = sched.take_blocks(job.prompt_len, req.params.max_tokens)
+            cached = self._match(list(req.prompt_token_ids))
+            job.block_ids, job.num_reserved = sched.take_blocks(job.prompt_len, req.params.max_tokens,
+                                                                cached=cached)
+            job.num_computed = job.num_cached = len(cached) * sched.block_size
             job.start_time = time.time()
         start, end = job.num_computed, min(job.prompt_len, job.num_computed + CHUNK_TOKENS)
         is_last = end == job.prompt_len
@@ -123,9 +130,20 @@ class LocalPrefill:
                                    prompt_ids=list(req.prompt_token_ids)))
         done = time.time()
         stamps = {"arrival": req.arrival_time, "prefill_recv": job.recv_time, "prefill_start": job.start_time,
-                  "prefill_end": done, "decode_recv": done, "decode_admit": done}
+                  "prefill_end": done, "decode_recv": done, "decode_admit": done, "cached_tokens": job.num_cached}
         return Prefilled(seq, tokens[0], chunk.logprobs, stamps)
 
+    def _match(self, prompt: list[int]) -> list[int]:
+        """The blocks of the prompt's longest cached prefix (a finished turn's history), held now."""
+        cache, bs = self.scheduler.blocks, self.scheduler.block_size
+        if not isinstance(cache, PrefixCache):
+            return []
+        cached = cache.match(block_hashes(prompt, bs)[:num_reusable_blocks(len(prompt), bs)])
+        cache.count(len(prompt), len(cached) * bs)
+        return cached
+
     def stats(self) -> dict:
+        cache = self.scheduler.blocks
         return {"num_local_waiting": len(self.waiting), "num_local_prefilled": self.num_prefilled,
-                "num_local_prefill_tokens": self.num_tokens, "local_prefill_busy_s": round(self.busy_s, 6)}
+                "num_local_prefill_tokens": self.num_tokens, "local_prefill_busy_s": round(self.busy_s, 6),
+                **(cache.stats() if isinstance(cache, PrefixCache) else {})}

@@ -17,17 +17,16 @@ import contextlib
 import os
 import time
 
-from common.wire.channel import BadMessage, Channel, Poller
+from common.wire.channel import BadMessage, Channel, Poller, node_tag
 from common.base.config import DecodeConfig, endpoint_host, is_loopback_endpoint
 from common.runtime.process import StopEvent, describe_threads
-from common.kv.blocks import BlockAllocator
+from common.kv.prefix import PrefixCache
 from common.base.log import Throttle, get_logger
 from common.base import grammar
-from common.base.grammar import Grammars
 from common.base.recent import Recent
 from common.runtime.node import NodeRuntime
+from common.runtime.prefix_report import PrefixReport
 from common import transfer
-from common.wire.channel import node_tag
 from common.wire.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, NodeAbort, NodeReady, NodeSync,
                                   NodeSynced, PeerLost, PrefillRequest, RequestFailed, TokenBatch, TokenUpdate,
                                   ttft_parts)
@@ -58,8 +57,7 @@ class DecodeNode:
         self.num_swapped = 0            # preemptions that kept the KV in host memory
         self.num_recomputed = 0         # resumptions that prefilled the KV again
         self.num_forked = 0             # sequences admitted over another's prompt blocks (n > 1)
-        self._last_log = 0.0
-        self._log_tokens = self._log_steps = 0
+        self._last_log, self._log_tokens, self._log_steps = 0.0, 0, 0
 
     # ---- the loop ---------------------------------------------------------
 
@@ -84,7 +82,8 @@ class DecodeNode:
                                      not is_loopback_endpoint(self.cfg.kv_reachable)),
                     is_layerwise=self.cfg.kv_layerwise != "off")
                 self._poller = Poller(self.frontend, self.kv)
-                self.blocks = BlockAllocator(self.worker.num_kv_blocks)
+                self.blocks = PrefixCache(self.worker.num_kv_blocks, self.cfg.is_prefix_caching)
+                self.prefix_report = PrefixReport(self.cfg.name, self.blocks, rt, self.cfg.is_prefix_caching)
                 self.scheduler = DecodeScheduler(self.blocks, self.worker.block_size,
                                                  self.cfg.worker.max_batch_size, self.cfg.is_preemptive)
                 self.handoff = Receiver(epoch=rt.epoch, lease_s=self.cfg.reservation_lease_s,
@@ -250,7 +249,7 @@ class DecodeNode:
         return self.worker.launch_decode()
 
     @property
-    def grammars(self) -> Grammars:
+    def grammars(self) -> grammar.Grammars:
         if self._grammars is None:
             self._grammars = grammar.for_model(self.cfg.worker.model, self.worker.spec.vocab_size)
         return self._grammars
@@ -395,6 +394,7 @@ class DecodeNode:
     def _report(self) -> None:
         now = time.monotonic()
         self.runtime.turn()
+        self.prefix_report.turn()
         if now - self._last_log >= self.cfg.links.log_interval_s:
             elapsed = now - self._last_log if self._last_log else 0.0
             s = self.stats()

@@ -20,6 +20,7 @@ import math
 
 from common.handoff.states import Reservation
 from common.kv.blocks import BlockAllocator, num_blocks_for
+from common.kv.prefix import PrefixCache, block_hashes
 from common.kv.sequence import Sequence
 
 
@@ -79,11 +80,13 @@ class DecodeScheduler:
             return f"needs {now} KV blocks, {self.blocks.num_available} are free now"
         return None
 
-    def take_blocks(self, prompt_len: int, max_tokens: int, num_seqs: int = 1) -> tuple[list[int], int]:
-        """A reservation's blocks: the prompt's (ids), and how many more are promised."""
+    def take_blocks(self, prompt_len: int, max_tokens: int, num_seqs: int = 1,
+                    cached: list[int] = ()) -> tuple[list[int], int]:
+        """A reservation's blocks: the prompt's (ids; cached: its first ones, from the prefix
+        cache), and how many more are promised."""
         need = self.blocks_at_reserve(prompt_len, max_tokens, num_seqs)
         num_prompt = num_blocks_for(prompt_len, self.block_size)
-        block_ids = self.blocks.allocate(num_prompt)
+        block_ids = list(cached) + self.blocks.allocate(num_prompt - len(cached))
         self.blocks.reserve(need - num_prompt)
         return block_ids, need - num_prompt
 
@@ -103,7 +106,8 @@ class DecodeScheduler:
         prompt's partial last block)."""
         share = self.fork_share(r.prompt_len, r.max_tokens)
         seqs = [self._run(Sequence(r.request_id, r.prompt_len, r.commit.params, r.block_ids,
-                                   r.num_reserved - len(r.commit.forks) * share, prompt_ids=r.commit.prompt_ids))]
+                                   r.num_reserved - len(r.commit.forks) * share, prompt_ids=r.commit.prompt_ids,
+                                   is_cacheable=not r.error))]
         num_full, copies = r.prompt_len // self.block_size, []
         for f in r.commit.forks:
             seq = Sequence(f.request_id, r.prompt_len, dataclasses.replace(r.commit.params, seed=f.seed),
@@ -170,5 +174,19 @@ class DecodeScheduler:
 
     def finish(self, request_id: str) -> Sequence:
         seq = self.running.pop(request_id)
+        self._keep_prefix(seq)
         seq.release(self.blocks)
         return seq
+
+    def _keep_prefix(self, seq: Sequence) -> None:
+        """Its full blocks (prompt and outputs) stay in the prefix cache: a chat's next turn
+        starts with this one's history. Not a fork's (shared blocks), nor a KV that did not land."""
+        blocks, bs = self.blocks, self.block_size
+        if not isinstance(blocks, PrefixCache) or not blocks.is_enabled or not seq.is_cacheable:
+            return
+        tokens = seq.prompt_ids + seq.output_ids[:-1]   # written: all but the last output
+        num_full = min(len(tokens) // bs, len(seq.block_ids))
+        if any(blocks.num_holders(b) != 1 for b in seq.block_ids[:num_full]):
+            return
+        for b, h in zip(seq.block_ids[:num_full], block_hashes(tokens[:num_full * bs], bs)):
+            blocks.publish(b, h)

@@ -82,7 +82,7 @@ class NodeMessages:
                                                 to=client)
                     except Exception:
                         log.exception("could not send %d outputs to a client", len(outputs))
-        elif isinstance(msg, PrefixUpdate) and node.role == "prefill" and node.ready.pid == msg.pid:
+        elif isinstance(msg, PrefixUpdate) and node.ready.pid == msg.pid:
             router.update_prefix(node, msg.added, msg.removed, msg.is_reset)
 
     async def on_tokens(self, node: NodeState, u: TokenUpdate) -> None:

@@ -9,8 +9,8 @@ Both predictions are built from what the nodes measure and report in their stats
     un-cached tokens) / the prefill node's rate; first decoded token = that + the KV
     transfer left exposed (its bytes over the rate measured to that backend, less the
     prefill time a layer-wise push hides) + one decode step.
-  local: first token = (prompt tokens queued on the decode node + this prompt) / its
-    prefill rate (the prefill node's until it has measured its own) + one decode step
+  local: first token = (prompt tokens queued on the decode node + this prompt's tokens
+    its prefix cache lacks: a chat's next turn finds its history there) / its prefill rate (the prefill node's until it has measured its own) + one decode step
     per chunk while it has sequences running (its chunks alternate with their steps);
     first decoded token = that + one step.
 The path whose sum of the two is smaller wins. A local prompt costs the decode node's
@@ -46,6 +46,7 @@ class Figures:
     is_layerwise: bool = False     # the write would be pushed layer by layer
     handoff_s: float = 0.0         # the handoff's fixed cost to that decode node
     decode_queued: int = 0         # prompt tokens routed to the decode node to prefill, not yet done
+    decode_cached: int = 0         # tokens the decode node's prefix cache holds (a chat's history)
     decode_rate: float = 0.0       # prompt tokens/s prefilled on the decode node
     step_s: float = 0.0            # the decode node's step
     num_running: int = 0           # requests on the decode node
@@ -77,10 +78,11 @@ def predict(f: Figures) -> tuple[tuple[float, float], tuple[float, float], float
     exposed = max(transfer_s - prefill_s, 0.0) if f.is_layerwise else transfer_s
     disaggregated = (first, first + f.handoff_s + exposed + f.step_s)
     rate = f.decode_rate if f.decode_rate > 0 else f.prefill_rate
-    cost = f.prompt_len / rate
-    local_first = (f.decode_queued + f.prompt_len) / rate
+    local_work = max(f.prompt_len - f.decode_cached, 1)
+    cost = local_work / rate
+    local_first = (f.decode_queued + local_work) / rate
     if f.num_running:
-        local_first += math.ceil((f.decode_queued + f.prompt_len) / CHUNK_TOKENS) * f.step_s
+        local_first += math.ceil((f.decode_queued + local_work) / CHUNK_TOKENS) * f.step_s
     return disaggregated, (local_first, local_first + f.step_s), cost
 
 
@@ -139,9 +141,10 @@ class PathChooser:
                 "handoff_ms": {k: round(v * 1e3, 3) for k, v in self.handoff_s.items()}}
 
 
-def figures(prompt_len: int, work_tokens: int, prefill, decode) -> Figures:
+def figures(prompt_len: int, work_tokens: int, local_tokens: int, prefill, decode) -> Figures:
     """The rule's figures for a prompt, from two nodes' last stats (frontend/router.py's
-    NodeState): rates are totals over busy time; the link's is the backend's in use."""
+    NodeState): rates are totals over busy time; the link's is the backend's in use.
+    work_tokens, local_tokens: what each node's prefix cache leaves to compute."""
     ps, ds = prefill.stats, decode.stats
     backend = ps.get("kv_links", {}).get(decode.name) if isinstance(ps.get("kv_links"), dict) else None
     writes = ps.get("kv_writes", {}).get(backend) if isinstance(ps.get("kv_writes"), dict) else None
@@ -153,6 +156,7 @@ def figures(prompt_len: int, work_tokens: int, prefill, decode) -> Figures:
     return Figures(prompt_len, prefill_cached=prompt_len - work_tokens, prefill_queued=prefill.num_queued_tokens,
                    prefill_rate=_rate(ps, "num_prefill_tokens", "prefill_busy_s"), kv_token_bytes=token_bytes,
                    link_rate=link_rate, is_layerwise=is_layerwise, decode_queued=decode.num_queued_tokens,
+                   decode_cached=prompt_len - local_tokens,
                    decode_rate=_rate(ds, "num_local_prefill_tokens", "local_prefill_busy_s"),
                    step_s=_rate(ds, "device_busy_s", "num_decode_steps"), num_running=decode.num_active)
 

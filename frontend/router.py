@@ -6,7 +6,10 @@ prefix that node already caches (cache-aware: nodes report the blocks they
 cache, and a repeated prefix goes where it is, unless that node is busier by
 more than the prefix saves). Decode:
 the fewest requests routed there and not yet finished, then the most KV blocks
-free after reservations (from its last heartbeat). Both counts are kept here,
+free after reservations (from its last heartbeat); where a decode node may prefill
+the prompt itself (--disaggregate auto or never), every DECODE_CACHE_TOKENS of it
+that node caches (a chat's history, kept from its last turn) count as one request
+fewer there. Both counts are kept here,
 at routing time, so a burst of requests spreads at once instead of waiting for
 the next heartbeat. A node that joins or dies changes the choice at once.
 """
@@ -16,6 +19,8 @@ from dataclasses import dataclass, field
 
 from common.kv.prefix import block_hashes, num_reusable_blocks, route_key
 from common.wire.protocol import NodeReady
+
+DECODE_CACHE_TOKENS = 128
 
 
 @dataclass
@@ -30,7 +35,7 @@ class NodeState:
     num_routed: int = 0           # requests ever sent here
     num_active: int = 0           # decode: routed, not finished
     num_queued_tokens: int = 0    # prompt tokens routed here to prefill, not yet prefilled (less cached ones)
-    prefix_keys: set[int] = field(default_factory=set)   # prefill: route keys of its cached blocks
+    prefix_keys: set[int] = field(default_factory=set)   # route keys of its cached blocks
 
     @property
     def role(self) -> str:
@@ -67,9 +72,9 @@ def cached_tokens(node: NodeState, prompt_len: int, keys: dict[int, list[int]] |
 
 
 def choose(nodes: dict[str, NodeState], max_queued_tokens: int | None = None, prompt_len: int = 0,
-           keys: dict[int, list[int]] | None = None) -> tuple[NodeState, NodeState] | None:
+           keys: dict[int, list[int]] | None = None, is_decode_cache: bool = False) -> tuple[NodeState, NodeState] | None:
     """(prefill node, decode node), or None if either role has no live node (with
-    max_queued_tokens: no live node with room)."""
+    max_queued_tokens: no live node with room). is_decode_cache: decode nodes' caches count."""
     live = [n for n in nodes.values() if n.is_alive and not n.is_draining and
             (max_queued_tokens is None or has_room(n, max_queued_tokens))]
     prefills = [n for n in live if n.role == "prefill"]
@@ -78,19 +83,20 @@ def choose(nodes: dict[str, NodeState], max_queued_tokens: int | None = None, pr
         return None
     prefill = min(prefills, key=lambda n: (
         n.num_queued_tokens + prompt_len - cached_tokens(n, prompt_len, keys), n.num_queued_tokens, n.num_routed))
-    decode = min(decodes, key=lambda n: (n.num_active, -figure(n.stats, "num_available_blocks"),
-                                         n.num_routed))
+    decode = min(decodes, key=lambda n: (
+        n.num_active - (cached_tokens(n, prompt_len, keys) / DECODE_CACHE_TOKENS if is_decode_cache else 0),
+        -figure(n.stats, "num_available_blocks"), n.num_routed))
     return prefill, decode
 
 
 def prefix_keys(nodes: dict[str, NodeState], prompt_ids: list[int],
                 known: dict[int, list[int]]) -> dict[int, list[int]] | None:
-    """Route keys of the prompt's full blocks, per block size of the prefill nodes
-    that report a prefix cache (None when none does), added to known: hashed once
-    per request and size, as a request waiting for room is tried again at every wake."""
+    """Route keys of the prompt's full blocks, per block size of the nodes that report
+    a prefix cache (None when none does), added to known: hashed once per request and
+    size, as a request waiting for room is tried again at every wake."""
     for n in nodes.values():
         bs = n.ready.block_size
-        if n.role == "prefill" and n.prefix_keys and bs not in known:
+        if n.prefix_keys and bs not in known:
             known[bs] = [route_key(h) for h in block_hashes(prompt_ids, bs)]
     return known or None
 
@@ -99,15 +105,18 @@ def assign(nodes: dict[str, NodeState], max_queued_tokens: int, prompt_ids: list
            known_keys: dict[int, list[int]], is_local=None) -> tuple[NodeState, NodeState, int] | None:
     """Route a request now: (the node that prefills it, decode node, prompt tokens it is
     expected to compute), counted as routed; None while no pair has room. is_local(prefill
-    node, decode node, work tokens there): whether the decode node prefills it instead."""
+    node, decode node, tokens to compute on each): whether the decode node prefills it
+    instead (None: never; decode nodes' caches then do not count)."""
     keys = prefix_keys(nodes, prompt_ids, known_keys)
-    route = choose(nodes, max_queued_tokens, len(prompt_ids), keys)
+    n = len(prompt_ids)
+    route = choose(nodes, max_queued_tokens, n, keys, is_decode_cache=is_local is not None)
     if route is None:
         return None
     prefill, decode = route
-    work_tokens = len(prompt_ids) - cached_tokens(prefill, len(prompt_ids), keys)
-    if is_local is not None and is_local(prefill, decode, work_tokens):
-        prefill, work_tokens = decode, len(prompt_ids)
+    work_tokens = n - cached_tokens(prefill, n, keys)
+    local_tokens = n - cached_tokens(decode, n, keys)
+    if is_local is not None and is_local(prefill, decode, work_tokens, local_tokens):
+        prefill, work_tokens = decode, local_tokens
     routed(prefill, decode, work_tokens)
     return prefill, decode, work_tokens
 

@@ -276,16 +276,19 @@ class Frontend:
                 can_local = not req.forks and params.num_prompt_logprobs < 0 and not params.is_masked_per_step
                 choice = None
 
-                def is_local(prefill, decode, work_tokens) -> bool:
+                def is_local(prefill, decode, work_tokens, local_tokens) -> bool:
                     nonlocal choice
-                    choice = self.paths.choose(paths.figures(len(ids), work_tokens, prefill, decode),
+                    choice = self.paths.choose(paths.figures(len(ids), work_tokens, local_tokens, prefill, decode),
                                                decode.name, can_local)
                     return choice.path == "local"
-                route = router.assign(self.nodes, self.cfg.max_queued_tokens, ids, req.route_keys, is_local)
+                route = router.assign(self.nodes, self.cfg.max_queued_tokens, ids, req.route_keys,
+                                      None if self.paths.mode == "always" else is_local)
                 if route is None:
                     break
                 self.admission.next()
                 prefill, decode, req.work_tokens = route
+                if choice is None:   # --disaggregate always: not asked
+                    choice = self.paths.choose(paths.Figures(len(ids)), decode.name, can_local)
                 t = choice.timings()   # a moved request keeps its first life's path
                 req.timings.update({"path_after_move": t["path"]} if req.num_migrations else t)
                 forks, req.forks = [f for f in req.forks if f.node_id in self.requests], []

@@ -256,7 +256,7 @@ def node_argv(plan: Plan, node: Node) -> list[str]:
         if plan.advertise:
             argv += ["--kv-advertise", f"tcp://{plan.advertise}:{node.kv.rsplit(':', 1)[1]}"]
         argv += ["--swap-space", a.swap_space] * bool(a.swap_space) + ["--no-preemption"] * a.no_preemption
-        argv += ["--kv-verify"] * a.kv_verify + a.decode_args
+        argv += ["--kv-verify"] * a.kv_verify + ["--no-prefix-caching"] * a.no_prefix_caching + a.decode_args
     else:
         argv += _given(a, ("token_budget", "--token-budget"))
         argv += ["--no-prefix-caching"] * a.no_prefix_caching + ["--kv-verify"] * a.kv_verify + a.prefill_args

@@ -19,10 +19,11 @@ from common.wire.channel import BadMessage, Channel, LinkError, Poller
 from common.base.config import PrefillConfig, check_endpoint
 from common.runtime.process import StopEvent, describe_threads
 from common.runtime.node import NodeRuntime
+from common.runtime.prefix_report import PrefixReport
 from common.kv.prefix import PrefixCache
 from common.base.log import Throttle, get_logger
 from common.wire.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, NodeSync, NodeSynced,
-                                  PrefillRequest, PrefixUpdate, RequestFailed, TokenBatch, TokenUpdate,
+                                  PrefillRequest, RequestFailed, TokenBatch, TokenUpdate,
                                   ttft_parts)
 from common.base import grammar
 from common.base.grammar import Grammars
@@ -33,8 +34,6 @@ from common.kv.blocks import block_bytes, cache_block_size
 from prefill_node.scheduler import PrefillJob, PrefillScheduler, ScheduledChunk
 
 MIN_PASS_TOKENS = 256     # a pass bounded in time still holds this many (a matmul's rate falls below)
-MAX_PREFIX_KEYS = 65536   # per PrefixUpdate (the protocol's limit); a full resync sends the newest
-PREFIX_RESYNC_S = 30.0
 log = get_logger("prefill")
 noisy = Throttle(log)   # lines about what peers send
 
@@ -44,9 +43,6 @@ class PrefillNode:
         self.cfg = cfg
         self.worker = DeviceWorker(cfg.worker)
         self.num_failed = 0
-        self._is_prefix_synced = False
-        self._prefix_synced_at = 0.0
-        self._num_link_resets = 0
         self._grammars = None   # made for the first request with a grammar
         self._last_log = 0.0
         self._log_tokens = 0
@@ -64,6 +60,7 @@ class PrefillNode:
         try:
             with self.worker, contextlib.ExitStack() as parts:   # parts close as they were made, last first
                 self.prefix_cache = PrefixCache(self.worker.num_kv_blocks, self.cfg.is_prefix_caching)
+                self.prefix_report = PrefixReport(self.cfg.name, self.prefix_cache, rt, self.cfg.is_prefix_caching)
                 self.scheduler = PrefillScheduler(self.prefix_cache, self.worker.block_size,
                                                   self.cfg.token_budget, self.cfg.max_batch_prompts)
                 cache = self.worker.kv_cache
@@ -268,31 +265,6 @@ class PrefillNode:
                                             w.num_kv_blocks, w.block_size, w.max_model_len,
                                             kv_transfer=self.cfg.kv_transfer), block=False)
 
-    def _send_prefix_update(self) -> None:
-        """The frontend routes by what this node caches: tell it what changed, or all
-        of it after each registration (it may have forgotten us, or restarted)."""
-        if self.runtime.num_link_resets != self._num_link_resets:   # updates may be lost: all of it again
-            self._num_link_resets, self._is_prefix_synced = self.runtime.num_link_resets, False
-        if not self.cfg.is_prefix_caching or not self.runtime.is_registered:
-            self._is_prefix_synced = False
-            self.prefix_cache.take_updates()   # a full resync follows registration
-            return
-        added, removed = self.prefix_cache.take_updates()
-        now = time.monotonic()
-        # NOTE: a full resync every PREFIX_RESYNC_S heals any drift (a node declared dead
-        # and back, a lost update).
-        if not self._is_prefix_synced or max(len(added), len(removed)) > MAX_PREFIX_KEYS \
-                or now - self._prefix_synced_at > PREFIX_RESYNC_S:
-            self._prefix_synced_at = now
-            update = PrefixUpdate(self.cfg.name, os.getpid(), self.prefix_cache.snapshot()[-MAX_PREFIX_KEYS:],
-                                  [], True)
-        elif added or removed:
-            update = PrefixUpdate(self.cfg.name, os.getpid(), added, removed)
-        else:
-            return
-        # NOTE: if the socket cannot take it now, resynchronize in full next turn.
-        self._is_prefix_synced = self.frontend.send(update, block=False)
-
     def _is_empty(self) -> bool:
         return not (self.scheduler.waiting or self.scheduler.prefilling or self.handoffs.by_id)
 
@@ -319,7 +291,7 @@ class PrefillNode:
     def _report(self) -> None:
         now = time.monotonic()
         self.runtime.turn()
-        self._send_prefix_update()
+        self.prefix_report.turn()
         if now - self._last_log >= self.cfg.links.log_interval_s:
             elapsed = now - self._last_log if self._last_log else 0.0
             s = self.stats()

@@ -103,10 +103,10 @@ def test_figures_come_from_the_nodes_stats():
                                  "kv_layerwise": "on"}, num_queued_tokens=300)
     decode = Node("decode-0", {"device_busy_s": 0.5, "num_decode_steps": 100, "num_local_prefill_tokens": 0,
                                "local_prefill_busy_s": "bad"}, num_queued_tokens=40, num_active=3)
-    f = paths.figures(100, 84, prefill, decode)
+    f = paths.figures(100, 84, 68, prefill, decode)
     assert f == Figures(100, prefill_cached=16, prefill_queued=300, prefill_rate=10_000.0, kv_token_bytes=512,
-                        link_rate=2e8, is_layerwise=True, decode_queued=40, decode_rate=0.0, step_s=0.005,
-                        num_running=3)
+                        link_rate=2e8, is_layerwise=True, decode_queued=40, decode_cached=32, decode_rate=0.0,
+                        step_s=0.005, num_running=3)
 
 
 # ---- through the cluster --------------------------------------------------------
@@ -186,3 +186,43 @@ def test_an_abort_and_a_deadline_on_the_decode_node_free_its_blocks(never):
     time.sleep(0.1)
     wait_for(lambda: all(s["num_free_blocks"] == s["num_usable_blocks"] and not s.get("num_local_waiting")
                          for s in never.stats().values()), 10, "every block free")
+
+
+def test_a_chat_follow_up_finds_its_history_on_the_decode_node(auto, tiny_model):
+    (history,), (turn,) = clear_prompts(tiny_model, [[(11 * i + 3 * j) % 400 + 1 for j in range(70)]
+                                                     for i in range(6)], 40, 1)
+    with Client(auto.endpoint) as c:
+        c.complete(prompt_token_ids=[8] * 40, max_tokens=2)   # a rate measured, a handoff timed
+        wait_for(lambda: c.stats().nodes["prefill-0"].get("num_prefill_tokens"), 10, "a measured prefill")
+        first = c.complete(prompt_token_ids=history, max_tokens=40, ignore_eos=True)
+        assert first.token_ids == turn
+        # The finished turn's full blocks, prompt and outputs, stay on its decode node.
+        wait_for(lambda: any(s.get("num_cached_blocks") for n, s in auto.stats().items() if n.startswith("decode")),
+                 10, "a decode node to keep the turn's blocks")
+        candidates = [history + turn + [(5 * k + j) % 400 + 1 for j in range(12)] for k in range(6)]
+        (follow,), (expected,) = clear_prompts(tiny_model, candidates, NEW_TOKENS, 1)
+        r = c.complete(prompt_token_ids=follow, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert r.error is None and r.token_ids == expected, r.timings
+    # 70 + 39 tokens written: 6 full blocks of 16, all found on that decode node.
+    assert r.timings["path"] == "local" and r.usage["cached_tokens"] == 96, (r.timings, r.usage)
+
+
+def test_the_router_sends_a_follow_up_where_its_history_is_cached():
+    from common.wire.protocol import NodeReady
+    from frontend import router
+
+    def node(name, role, num_active=0):
+        ready = NodeReady(role, name, 1, "e", "cpu", 100, 16, 1024, kv_endpoint="tcp://x:1" if role == "decode" else "")
+        return router.NodeState(ready, name.encode(), 0.0, num_active=num_active)
+    nodes = {n.name: n for n in (node("p", "prefill"), node("d0", "decode", 2), node("d1", "decode", 1))}
+    prompt = list(range(1, 300))
+    keys: dict = {}
+    router.update_prefix(nodes["d0"], [router.route_key(h) for h in router.block_hashes(prompt, 16)[:16]], [], True)
+    # 256 tokens cached on d0 outweigh one more request running there...
+    prefill, decode = router.choose(nodes, None, len(prompt), router.prefix_keys(nodes, prompt, keys),
+                                    is_decode_cache=True)
+    assert decode.name == "d0"
+    # ... but not where its cache cannot be used (--disaggregate always), nor for another prompt.
+    assert router.choose(nodes, None, len(prompt), keys)[1].name == "d1"
+    other = [7] * 300
+    assert router.choose(nodes, None, len(other), router.prefix_keys(nodes, other, {}), is_decode_cache=True)[1].name == "d1"

@@ -198,6 +198,11 @@ def _check_kv_transfer(value: str) -> None:
         raise ValueError(f"kv_transfer must be one of {KV_TRANSFERS}, got {value!r}")
 
 
+_PREFIX_CACHING = flag("--no-prefix-caching", "compute every prompt from scratch (default: reuse cached full "
+                       "blocks; a decode node keeps finished sequences' blocks for follow-up turns)",
+                       "--no-enable-prefix-caching")
+
+
 def _check_kv_layerwise(value: str) -> None:
     if value not in KV_LAYERWISE:
         raise ValueError(f"kv_layerwise must be one of {KV_LAYERWISE}, got {value!r}")
@@ -226,9 +231,7 @@ class PrefillConfig:
     links: NodeLinks = field(default_factory=NodeLinks)
     allow_remote: bool = field(default=False, metadata=_ALLOW_REMOTE)
     keys_dir: str | None = field(default=None, metadata=_NODE_KEYS)
-    is_prefix_caching: bool = field(default=True, metadata=flag(
-        "--no-prefix-caching", "compute every prompt from scratch (default: reuse cached full blocks)",
-        "--no-enable-prefix-caching"))
+    is_prefix_caching: bool = field(default=True, metadata=_PREFIX_CACHING)
     drain_timeout_s: float = field(default=30.0, metadata=_NODE_DRAIN)
     is_kv_verified: bool = field(default=False, metadata=_KV_VERIFY)
 
@@ -276,6 +279,7 @@ class DecodeConfig:
         parse=parse_swap, metavar="SIZE", default_text="4"))
     drain_timeout_s: float = field(default=30.0, metadata=_NODE_DRAIN)
     is_kv_verified: bool = field(default=False, metadata=_KV_VERIFY)
+    is_prefix_caching: bool = field(default=True, metadata=_PREFIX_CACHING)
 
     @property
     def kv_reachable(self) -> str:

@@ -24,6 +24,7 @@ class Sequence:
     is_swapped: bool = False       # preempted with its KV in host memory (else: recomputed)
     is_preemption_untold: bool = False   # resumed since its preemptions were last reported
     matcher: object = None         # decode, a request with a grammar: its matcher (base/grammar.py)
+    is_cacheable: bool = True      # decode: its KV may be kept for a follow-up (not: it did not land whole)
 
     @property
     def num_cached(self) -> int:
