@@ -55,6 +55,21 @@ def test_cached_blocks_are_reused_counted_free_and_evicted_lru():
     assert cache.num_free == 8
 
 
+def test_reserved_blocks_come_from_idle_cached_ones_when_nothing_else_is_free():
+    # A decode node's cache: finished sequences' blocks idle in it count as free, and a
+    # reservation made against them must get them when its sequence grows.
+    cache = PrefixCache(5)                          # 4 usable blocks
+    blocks = cache.allocate(4)
+    for b, x in zip(blocks, block_hashes(list(range(64)), BS)):
+        cache.publish(b, x)
+    cache.free(blocks)
+    assert cache.num_available == 4
+    cache.reserve(3)
+    taken = [cache.allocate_reserved() for _ in range(3)]
+    assert sorted(taken) == sorted(blocks[:3]) and cache.num_evictions == 3   # least recently used first
+    assert cache.num_reserved == 0 and cache.num_available == 1
+
+
 def test_disabled_cache_matches_nothing():
     cache = PrefixCache(9, is_enabled=False)
     h = block_hashes(list(range(32)), BS)

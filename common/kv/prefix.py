@@ -76,6 +76,11 @@ class PrefixCache(BlockAllocator):
             self._evict()
         return super().allocate(n)
 
+    def allocate_reserved(self) -> int:
+        if not super().num_free:   # NOTE: a reservation counts idle cached blocks as free: evict one
+            self._evict()
+        return super().allocate_reserved()
+
     def match(self, hashes: list[bytes]) -> list[int]:
         """The blocks of the longest cached prefix of hashes, each now referenced."""
         found = []
