@@ -27,7 +27,9 @@ from collections import deque
 from dataclasses import dataclass
 
 MODES = ("auto", "always", "never")
-LOCAL_SHARE = 0.2      # of a decode node's time, at most, on local prompts while it has sequences running
+# Of a decode node's time, at most, on local prompts while it has sequences running: their
+# time per output token grows by at most 1 / (1 - LOCAL_SHARE), 1.18x.
+LOCAL_SHARE = 0.15
 WINDOW_S = 2.0
 CHUNK_TOKENS = 256     # decode_node/local.py's: a local prompt's chunks between steps
 SHORT_PROMPT = 256     # a handoff of a prompt this short times its fixed cost, not its bytes
