@@ -187,6 +187,40 @@ def test_64_requests_far_past_the_pool_all_complete_token_exact(squeezed, tiny_m
 
 
 @pytest.mark.cluster
+def test_prompts_prefilled_on_a_squeezed_decode_node_are_preempted_and_cached_token_exact(tiny_model, tmp_path):
+    """--disaggregate never on the 19-block decode node: prompts prefilled there run out
+    of blocks mid-flight, are preempted and resumed; finished ones leave their blocks in
+    its prefix cache, evicted as the pool needs them; a second wave of the same prompts
+    finds some of them. Every token as transformers', every block back."""
+    p = Processes(tiny_model, free_base_port(), tmp_path,
+                  decode=["--kv-cache-memory", "160KiB", "--max-batch-size", "64", "--swap-space", "48KiB"],
+                  frontend=["--dead-after", "10", "--disaggregate", "never"])
+    try:
+        for role in ("frontend", "prefill", "decode"):
+            p.start(role)
+        with Client(p.clients) as c:
+            c.wait_ready(120)
+        prompts, expected, stops = _stopping_prompts(tiny_model, 24, 5)
+
+        async def wave():
+            async with AsyncClient(p.clients, idle_timeout_s=120) as client:
+                return await asyncio.gather(*(
+                    client.complete(prompt_token_ids=ids, max_tokens=200, ignore_eos=True,
+                                    stop_token_ids=[out[k]]) for ids, out, k in zip(prompts, expected, stops)))
+        for _ in range(2):
+            for r, out, k in zip(asyncio.run(wave()), expected, stops):
+                assert r.error is None and r.token_ids == out[:k + 1], r.error
+                assert r.timings["path"] == "local"
+        stats = wait_for(lambda: (s := _decode_stats(p)).get("num_local_prefilled", 0) >= 48 and s, 10,
+                         "a heartbeat after both waves")
+        assert stats["num_preemptions"] > 0 and stats["num_prefix_evictions"] > 0
+        wait_for(lambda: (s := _decode_stats(p))["num_free_blocks"] == s["num_usable_blocks"]
+                 and s["num_preempted"] == 0 and not s["num_local_waiting"], 10, "every block back")
+    finally:
+        p.stop()
+
+
+@pytest.mark.cluster
 def test_full_prefill_and_decode_pools_never_wait_on_each_other(tiny_model, tmp_path):
     """Both pools squeezed and the decode node's reservation lease 2 s. A prompt is
     prefilled only once its decode blocks are reserved; otherwise prompts computed for
