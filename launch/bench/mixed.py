@@ -1,6 +1,6 @@
 """A mixed load (long prompts and short ones) across two simulated hosts on a shaped link,
 with each --disaggregate mode: the short prompts' time to first token and the long
-ones' time per output token.
+ones' time per output token; and whether every request's (greedy) tokens are the same in each mode.
 
     python -m launch.bench.mixed [--model DIR] [--rate-mbit 200] [--long-len 2048]
         [--short-len 32] [--duration 20] [--long-every 2] [--short-every 0.25]
@@ -50,31 +50,33 @@ def _client(endpoint: str, a) -> None:
     def prompt(n: int) -> list[int]:
         return rng.integers(1, a.vocab_size - 1, size=n).tolist()
 
-    async def one(client, kind: str, n: int, max_tokens: int, at: float, rows: list) -> None:
+    async def one(client, kind: str, prompt_ids: list[int], max_tokens: int, at: float, rows: list, i: int) -> None:
         await asyncio.sleep(max(at - time.monotonic(), 0))
-        start, stamps, last = time.monotonic(), [], None
-        async for out in client.generate(prompt_token_ids=prompt(n), max_tokens=max_tokens, ignore_eos=True):
+        start, stamps, last, tokens = time.monotonic(), [], None, []
+        async for out in client.generate(prompt_token_ids=prompt_ids, max_tokens=max_tokens, ignore_eos=True):
             if out.error:
                 raise SystemExit(f"bench mixed: a request failed: {out.error}")
             stamps += [time.monotonic() - start] * len(out.token_ids)
+            tokens += out.token_ids
             last = out
-        rows.append({"kind": kind, "ttft_s": stamps[0], "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
-                     "path": (last.timings or {}).get("path")})
+        rows.append({"i": i, "kind": kind, "ttft_s": stamps[0], "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
+                     "path": (last.timings or {}).get("path"), "tokens": tokens})
+
+    # Every prompt made before any is sent: the same ones, in the same places, in each mode.
+    warm = [prompt(n) for _ in range(3) for n in (a.long_len, a.short_len)]
+    plan = [("long", prompt(a.long_len), a.long_tokens, i * a.long_every) for i in range(int(a.duration / a.long_every))]
+    plan += [("short", prompt(a.short_len), a.short_tokens, a.short_every / 2 + i * a.short_every)
+             for i in range(int(a.duration / a.short_every))]
 
     async def run() -> list:
         async with AsyncClient(endpoint, idle_timeout_s=300) as client:
-            warm: list = []
-            for _ in range(3):   # rates, the handoff's cost, the kernels' first calls
-                await one(client, "long", a.long_len, 4, 0, warm)
-                await one(client, "short", a.short_len, 4, 0, warm)
+            for i, p in enumerate(warm):   # rates, the handoff's cost, the kernels' first calls
+                await one(client, "warm", p, 4, 0, [], i)
             await asyncio.sleep(2.5)   # a heartbeat or two: the frontend has the nodes' rates
             rows: list = []
             t0 = time.monotonic() + 0.1
-            plan = [("long", a.long_len, a.long_tokens, t0 + i * a.long_every)
-                    for i in range(int(a.duration / a.long_every))]
-            plan += [("short", a.short_len, a.short_tokens, t0 + a.short_every / 2 + i * a.short_every)
-                     for i in range(int(a.duration / a.short_every))]
-            await asyncio.gather(*[one(client, *p, rows) for p in plan])
+            await asyncio.gather(*[one(client, kind, ids, n, t0 + at, rows, i)
+                                   for i, (kind, ids, n, at) in enumerate(plan)])
             return rows
     rows = asyncio.run(run())
     with Client(endpoint) as c:
@@ -143,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model or layerwise.default_model()
     logs = Path(f"/tmp/bench-mixed-{os.getpid()}")
     logs.mkdir(exist_ok=True)
-    figures = {}
+    figures, tokens = {}, {}
     for mode in a.modes.split(","):
         with netns.Hosts(["a", "b"]) as hosts:
             layerwise.shape_link(hosts, "a", a.rate_mbit)
             got = _run_mode(a, hosts, model, mode, logs)
+        tokens[mode] = {r["i"]: r["tokens"] for r in got["rows"]}
         short = [r for r in got["rows"] if r["kind"] == "short"]
         long = [r for r in got["rows"] if r["kind"] == "long"]
         f = figures[mode] = {
@@ -167,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = a.modes.split(",")
     if len(modes) > 1:
         base = figures[modes[0]]
-        print(json.dumps({"bench": "mixed", "against": modes[0], "ratios": {
+        # Greedy: each request's tokens the same whichever path it took.
+        same = {m: tokens[m] == tokens[modes[0]] for m in modes[1:]}
+        print(json.dumps({"bench": "mixed", "against": modes[0], "tokens_equal": same, "ratios": {
             m: {k: round(v / base[k], 3) if base[k] else None for k, v in figures[m].items()} for m in modes[1:]},
             "logs": str(logs)}), flush=True)
     return 0
