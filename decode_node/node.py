@@ -2,9 +2,10 @@
 
 Prefill nodes reserve blocks here, write their KV into them through the
 transfer backend, and commit (common/handoff/receiver.py); a committed request
-joins the batch without a copy. Every step sends the new token of every running request to the frontend
-in one message. A request's first update carries its first token (sampled by
-the prefill node) and the timings that make up its time to first token.
+joins the batch without a copy; a prompt the frontend routes here is prefilled here,
+a chunk per turn (decode_node/local.py). Every step sends the new token of every running
+request to the frontend in one message. A request's first update carries its first token
+and the timings that make up its time to first token.
 
 When a step needs a block the pool lacks, the most recently admitted request is
 preempted between steps: its KV goes to host memory (up to --swap-space) or is
