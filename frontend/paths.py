@@ -113,13 +113,21 @@ class PathChooser:
         return sum(s for _, s in q) if q else 0.0
 
     def choose(self, f: Figures, decode: str, can_local: bool = True) -> Choice:
-        f = dataclasses.replace(f, handoff_s=self.handoff_s.get(decode, 0.0))
-        choice = self._choose(f, decode, can_local)
+        """decide, then record."""
+        choice = self.decide(f, decode, can_local)
+        self.record(choice, decode)
+        return choice
+
+    def decide(self, f: Figures, decode: str, can_local: bool = True) -> Choice:
+        """The path for a request to that decode node (nothing is counted)."""
+        return self._choose(dataclasses.replace(f, handoff_s=self.handoff_s.get(decode, 0.0)), decode, can_local)
+
+    def record(self, choice: Choice, decode: str) -> None:
+        """The request went that way: counted, and a local one's cost in that node's window."""
         key = f"{choice.path}: {choice.why}"
         self.counts[key] = self.counts.get(key, 0) + 1
         if choice.path == "local":
             self.recent.setdefault(decode, deque()).append((self.clock(), choice.local_cost_s))
-        return choice
 
     def _choose(self, f: Figures, decode: str, can_local: bool) -> Choice:
         if self.mode == "always":

@@ -72,11 +72,14 @@ def cached_tokens(node: NodeState, prompt_len: int, keys: dict[int, list[int]] |
 
 
 def choose(nodes: dict[str, NodeState], max_queued_tokens: int | None = None, prompt_len: int = 0,
-           keys: dict[int, list[int]] | None = None, is_decode_cache: bool = False) -> tuple[NodeState, NodeState] | None:
+           keys: dict[int, list[int]] | None = None, is_decode_cache: bool = False,
+           is_prefill_full_ok: bool = False) -> tuple[NodeState, NodeState] | None:
     """(prefill node, decode node), or None if either role has no live node (with
-    max_queued_tokens: no live node with room). is_decode_cache: decode nodes' caches count."""
+    max_queued_tokens: no live node with room; is_prefill_full_ok: a prefill node needs none).
+    is_decode_cache: decode nodes' caches count."""
     live = [n for n in nodes.values() if n.is_alive and not n.is_draining and
-            (max_queued_tokens is None or has_room(n, max_queued_tokens))]
+            (max_queued_tokens is None or has_room(n, max_queued_tokens)
+             or (is_prefill_full_ok and n.role == "prefill"))]
     prefills = [n for n in live if n.role == "prefill"]
     decodes = [n for n in live if n.role == "decode" and n.ready.kv_endpoint]
     if not prefills or not decodes:
@@ -108,15 +111,21 @@ def assign(nodes: dict[str, NodeState], max_queued_tokens: int, prompt_ids: list
     node, decode node, tokens to compute on each): whether the decode node prefills it
     instead (None: never; decode nodes' caches then do not count)."""
     keys = prefix_keys(nodes, prompt_ids, known_keys)
-    n = len(prompt_ids)
-    route = choose(nodes, max_queued_tokens, n, keys, is_decode_cache=is_local is not None)
+    n, may_be_local = len(prompt_ids), is_local is not None
+    route = choose(nodes, max_queued_tokens, n, keys, is_decode_cache=may_be_local)
+    # NOTE: every prefill node full: a prompt its decode node may take goes on there.
+    is_full = route is None and may_be_local
+    if is_full:
+        route = choose(nodes, max_queued_tokens, n, keys, is_decode_cache=True, is_prefill_full_ok=True)
     if route is None:
         return None
     prefill, decode = route
     work_tokens = n - cached_tokens(prefill, n, keys)
     local_tokens = n - cached_tokens(decode, n, keys)
-    if is_local is not None and is_local(prefill, decode, work_tokens, local_tokens):
+    if may_be_local and is_local(prefill, decode, work_tokens, local_tokens):
         prefill, work_tokens = decode, local_tokens
+    elif is_full:
+        return None
     routed(prefill, decode, work_tokens)
     return prefill, decode, work_tokens
 

@@ -278,7 +278,7 @@ class Frontend:
 
                 def is_local(prefill, decode, work_tokens, local_tokens) -> bool:
                     nonlocal choice
-                    choice = self.paths.choose(paths.figures(len(ids), work_tokens, local_tokens, prefill, decode),
+                    choice = self.paths.decide(paths.figures(len(ids), work_tokens, local_tokens, prefill, decode),
                                                decode.name, can_local)
                     return choice.path == "local"
                 route = router.assign(self.nodes, self.cfg.max_queued_tokens, ids, req.route_keys,
@@ -288,7 +288,8 @@ class Frontend:
                 self.admission.next()
                 prefill, decode, req.work_tokens = route
                 if choice is None:   # --disaggregate always: not asked
-                    choice = self.paths.choose(paths.Figures(len(ids)), decode.name, can_local)
+                    choice = self.paths.decide(paths.Figures(len(ids)), decode.name, can_local)
+                self.paths.record(choice, decode.name)
                 t = choice.timings()   # a moved request keeps its first life's path
                 req.timings.update({"path_after_move": t["path"]} if req.num_migrations else t)
                 forks, req.forks = [f for f in req.forks if f.node_id in self.requests], []

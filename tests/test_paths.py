@@ -226,3 +226,43 @@ def test_the_router_sends_a_follow_up_where_its_history_is_cached():
     assert router.choose(nodes, None, len(prompt), keys)[1].name == "d1"
     other = [7] * 300
     assert router.choose(nodes, None, len(other), router.prefix_keys(nodes, other, {}), is_decode_cache=True)[1].name == "d1"
+
+
+def test_a_full_prefill_node_leaves_local_prompts_a_way():
+    from common.wire.protocol import NodeReady
+    from frontend import router
+    ready = {"p": NodeReady("prefill", "p", 1, "e", "cpu", 100, 16, 1024),
+             "d": NodeReady("decode", "d", 1, "e", "cpu", 100, 16, 1024, kv_endpoint="tcp://x:1", max_batch_size=8)}
+
+    def nodes(queued: int):
+        return {k: router.NodeState(r, k.encode(), 0.0, num_queued_tokens=queued if k == "p" else 0)
+                for k, r in ready.items()}
+    asked = []
+
+    def is_local(answer):
+        def ask(prefill, decode, work_tokens, local_tokens):
+            asked.append((prefill.name, decode.name, work_tokens, local_tokens))
+            return answer
+        return ask
+    full = nodes(1000)
+    # Without a path to the decode node (always), or when the rule says no: it waits.
+    assert router.assign(full, 1000, [1] * 40, {}) is None
+    assert router.assign(full, 1000, [1] * 40, {}, is_local(False)) is None and asked == [("p", "d", 40, 40)]
+    assert full["d"].num_active == 0 and full["p"].num_routed == 0   # nothing counted
+    prefill, decode, work = router.assign(full, 1000, [1] * 40, {}, is_local(True))
+    assert prefill is decode is full["d"] and work == 40
+    assert full["d"].num_queued_tokens == 40 and full["d"].num_active == 1 and full["p"].num_routed == 0
+    # With room, the rule is asked the same way and may keep the handoff.
+    room = nodes(0)
+    assert router.assign(room, 1000, [1] * 40, {}, is_local(False))[0] is room["p"]
+
+
+def test_decide_counts_nothing_until_recorded():
+    chooser = PathChooser("auto", FakeClock())
+    busy = _figures(prompt_len=256, prefill_queued=100_000, num_running=8)
+    for _ in range(50):
+        c = chooser.decide(busy, "decode-0")
+    assert c.path == "local" and not chooser.counts and chooser.local_load_s("decode-0", 100.0) == 0
+    chooser.record(c, "decode-0")
+    assert chooser.counts == {"local: sooner on the decode node": 1}
+    assert chooser.local_load_s("decode-0", 100.0) == pytest.approx(256 / RATE)
