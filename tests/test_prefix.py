@@ -147,8 +147,9 @@ def test_cache_aware_routing_keeps_a_prefix_on_one_node_and_spreads_the_rest(tin
             c.wait_ready(120, num_nodes=3)
             shared = [(i * 13 + 1) % 400 for i in range(96)]   # 6 full blocks
             assert c.complete(prompt_token_ids=shared + [1], max_tokens=2).error is None
+            # NOTE: the decode node reports the finished request's blocks too: a prefill node holds it here.
             holder = wait_for(lambda: next((n for n, s in c.stats().nodes.items()
-                                            if s.get("num_prefix_keys", 0) >= 6), None),
+                                            if n.startswith("prefill") and s.get("num_prefix_keys", 0) >= 6), None),
                               10, "the frontend to learn the cached prefix")
             before = {n: s["num_routed"] for n, s in c.stats().nodes.items()}
             for i in range(6):   # one at a time: both nodes idle, the cache decides
