@@ -72,23 +72,34 @@ def shape_link(hosts, name: str, rate_mbit: float) -> None:
                    capture_output=True)
 
 
-def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> list:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "UCX_TLS": "tcp"}
-    common = ["bash", str(ROOT / "launch/start_cluster.sh"), "--model", model, "--no-keys", "--no-http",
-              "--base-port", "5600", "--kv-transfer", a.kv_transfer, "--kv-layerwise", mode,
-              "--max-model-len", str(max(a.prompt_lens) + 64), "--no-prefix-caching", *a.cluster_arg]
+ENV = {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "UCX_TLS": "tcp"}
+
+
+def start_hosts(hosts, bench: str, args: list[str], logs: Path, label: str) -> tuple:
+    """start_cluster.sh with args on host a (frontend, a prefill node) and on host b (a decode
+    node, joining a); -> (host a's launcher, host b's, the client endpoint on a)."""
+    env = {**os.environ, **ENV}
+    common = ["bash", str(ROOT / "launch/start_cluster.sh"), "--no-keys", "--no-http", "--base-port", "5600", *args]
     first = hosts.popen("a", [*common, "--host", hosts.addr("a"), "--name-prefix", "a-", "--num-prefill", "1",
                               "--num-decode", "0"], stdout=subprocess.PIPE,
-                        stderr=open(logs / f"a-{mode}.log", "wb"), cwd=ROOT, env=env)
+                        stderr=open(logs / f"a-{label}.log", "wb"), cwd=ROOT, env=env)
     endpoint = f"tcp://{hosts.addr('a')}:5600"
     if first.stdout.readline().decode().strip() != f"PDSERVE_ENDPOINT={endpoint}":
-        raise SystemExit(f"bench layerwise: host a did not start (see {logs}/a-{mode}.log)")
+        raise SystemExit(f"bench {bench}: host a did not start (see {logs}/a-{label}.log)")
     join = f"tcp://{hosts.addr('a')}:5601"
     second = hosts.popen("b", [*common, "--host", hosts.addr("b"), "--name-prefix", "b-", "--join", join,
                                "--num-prefill", "0", "--num-decode", "1"], stdout=subprocess.PIPE,
-                         stderr=open(logs / f"b-{mode}.log", "wb"), cwd=ROOT, env=env)
+                         stderr=open(logs / f"b-{label}.log", "wb"), cwd=ROOT, env=env)
     if second.stdout.readline().decode().strip() != f"PDSERVE_JOINED={join}":
-        raise SystemExit(f"bench layerwise: host b did not join (see {logs}/b-{mode}.log)")
+        raise SystemExit(f"bench {bench}: host b did not join (see {logs}/b-{label}.log)")
+    return first, second, endpoint
+
+
+def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> list:
+    env = {**os.environ, **ENV}
+    first, second, endpoint = start_hosts(hosts, "layerwise", [
+        "--model", model, "--kv-transfer", a.kv_transfer, "--kv-layerwise", mode,
+        "--max-model-len", str(max(a.prompt_lens) + 64), "--no-prefix-caching", *a.cluster_arg], logs, mode)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     out = hosts.run("a", [sys.executable, "-m", "launch.bench.layerwise", "--client", endpoint,
                           "--prompt-lens", ",".join(map(str, [64] + a.prompt_lens)), "--num-requests",

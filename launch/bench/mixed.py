@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -85,23 +84,11 @@ def _client(endpoint: str, a) -> None:
 
 
 def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "UCX_TLS": "tcp"}
-    common = ["bash", str(ROOT / "launch/start_cluster.sh"), "--model", model, "--no-keys", "--no-http",
-              "--base-port", "5600", "--kv-transfer", a.kv_transfer, "--kv-layerwise", a.kv_layerwise,
-              "--disaggregate", mode, "--max-model-len", str(a.long_len + a.long_tokens + 64),
-              "--no-prefix-caching", *a.cluster_arg]
-    first = hosts.popen("a", [*common, "--host", hosts.addr("a"), "--name-prefix", "a-", "--num-prefill", "1",
-                              "--num-decode", "0"], stdout=subprocess.PIPE,
-                        stderr=open(logs / f"a-{mode}.log", "wb"), cwd=ROOT, env=env)
-    endpoint = f"tcp://{hosts.addr('a')}:5600"
-    if first.stdout.readline().decode().strip() != f"PDSERVE_ENDPOINT={endpoint}":
-        raise SystemExit(f"bench mixed: host a did not start (see {logs}/a-{mode}.log)")
-    join = f"tcp://{hosts.addr('a')}:5601"
-    second = hosts.popen("b", [*common, "--host", hosts.addr("b"), "--name-prefix", "b-", "--join", join,
-                               "--num-prefill", "0", "--num-decode", "1"], stdout=subprocess.PIPE,
-                         stderr=open(logs / f"b-{mode}.log", "wb"), cwd=ROOT, env=env)
-    if second.stdout.readline().decode().strip() != f"PDSERVE_JOINED={join}":
-        raise SystemExit(f"bench mixed: host b did not join (see {logs}/b-{mode}.log)")
+    env = {**os.environ, **layerwise.ENV}
+    first, second, endpoint = layerwise.start_hosts(hosts, "mixed", [
+        "--model", model, "--kv-transfer", a.kv_transfer, "--kv-layerwise", a.kv_layerwise,
+        "--disaggregate", mode, "--max-model-len", str(a.long_len + a.long_tokens + 64),
+        "--no-prefix-caching", *a.cluster_arg], logs, mode)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     args = ["--client", endpoint, "--vocab-size", str(vocab), "--seed", str(a.seed)]
     for k in ("long_len", "short_len", "long_tokens", "short_tokens", "duration", "long_every", "short_every"):
