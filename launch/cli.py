@@ -5,6 +5,8 @@
     pdserve bench [KIND] [options]            a benchmark (launch/bench/): serving (the default:
                                               a running cluster), prefill, decode, transfer,
                                               migration, vs, profile, layerwise, mixed
+    pdserve scale --endpoint E --num-prefill N --num-decode M
+                                              add or drain nodes of a cluster on Ray (serve --ray)
     pdserve drain NODE [--endpoint ...]       move a node's requests elsewhere; it stops once empty
     pdserve keys DIR --nodes ...              make CURVE keys (launch.keys)
     pdserve make-tiny-model DIR               a tiny random Qwen3 checkpoint
@@ -47,6 +49,7 @@ def _bench(argv: list[str]) -> int:
 
 
 COMMANDS = {"serve": _serve, "client": _module("frontend.cli"), "drain": _module("frontend.cli", "drain"),
+            "scale": _module("launch.ray_cluster", "scale"),
             "bench": _bench,
             "keys": _module("launch.keys"), "make-tiny-model": _module("launch.make_tiny_model")}
 

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from common.base.procs import is_alive
 from launch import cluster_plan
-from launch.cluster_plan import CORE_TABLE_PREFIX, Node, Plan, PlanError
+from launch.cluster_plan import Node, Plan, PlanError
+from launch.leftovers import remove_leftovers
 
 MAX_BACKOFF_S = 30
 STABLE_S = 60      # a node that ran this long starts its backoff over
@@ -166,21 +166,6 @@ def _spawn(argv: list[str], env: dict[str, str]):
     return subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}, start_new_session=True)
 
 
-def _remove_leftovers() -> None:
-    """Temporary keys, ready files and core tables of launchers killed before they could
-    remove them (their pid, in the name, is gone)."""
-    for d in Path(tempfile.gettempdir()).glob("pdserve-*-*-*"):
-        kind, _, rest = d.name.removeprefix("pdserve-").partition("-")
-        pid = rest.partition("-")[0]
-        if kind in ("keys", "ready") and pid.isdigit() and d.is_dir() and d.stat().st_uid == os.getuid() \
-                and not is_alive(int(pid)):
-            shutil.rmtree(d, ignore_errors=True)
-    for f in Path("/dev/shm").glob(f"{CORE_TABLE_PREFIX}*-*"):
-        pid = f.name.removeprefix(CORE_TABLE_PREFIX).partition("-")[0]
-        if pid.isdigit() and f.stat().st_uid == os.getuid() and not is_alive(int(pid)):
-            f.unlink(missing_ok=True)
-
-
 def _remove_core_tables(plan: Plan) -> None:
     """Ours, once every node is gone (a node killed leaves its row, and the table)."""
     for pool in set(plan.core_pools.values()):
@@ -234,6 +219,9 @@ def _keys(plan: Plan) -> tuple[list[str], str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--ray" in argv:   # Ray places and supervises the processes (launch/ray_cluster.py)
+        from launch.ray_cluster import serve
+        return serve(argv)
     home = Path(os.environ.get("PDSERVE_HOME") or Path.home() / ".cache" / "pdserve")
     try:
         a = cluster_plan.parse(argv)
@@ -258,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     shared = " (shared: each up to that, owed its split; --no-core-sharing: fixed)" if plan.core_pools else ""
     say(f"{cores} cores: each cpu prefill node {per['prefill']} low-priority lane(s), each cpu decode node "
         f"{per['decode']} thread(s){shared}, {'no frontend here' if a.join else 'the frontend 1'}")
-    _remove_leftovers()
+    remove_leftovers()
     try:
         plan.key_args, links, temp_keys = _keys(plan)
     except PlanError as e:

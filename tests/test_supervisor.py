@@ -188,7 +188,7 @@ def test_core_tables_of_launchers_gone_are_swept_and_ours_removed_at_exit():
     for f in (dead, live):
         f.write_bytes(b"\0" * 64)
     try:
-        supervisor._remove_leftovers()
+        supervisor.remove_leftovers()
         assert not dead.exists() and live.exists()     # another launcher's, still running: kept
         plan = _plan("--base-port", "7101")
         assert set(plan.core_pools.values()) == {f"{live.name}:4:2"}   # 1 prefill + 1 decode on 4 cores

@@ -1,0 +1,178 @@
+"""pdserve on a Ray cluster: `pdserve serve --ray [ADDRESS]` (or start_cluster.sh --ray)
+and `pdserve scale`. Ray places the frontend and each node (launch/ray_members.py) on
+the machines of a cluster started as Ray documents (`ray start --head` on one machine,
+`ray start --address HEAD:6379` on the others); pdserve's own processes and links run
+as without Ray. docs/ray.md says what Ray's channel protects and how to run this on
+Kubernetes (deploy/).
+
+    pdserve serve --ray auto --model DIR --num-prefill 1 --num-decode 2 [start_cluster flags]
+    pdserve scale --endpoint tcp://HOST:5600 --num-prefill 1 --num-decode 3
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from launch import cluster_plan
+from launch.cluster_plan import PlanError
+
+RAY_FLAGS = {"--ray": "address", "--ray-cpus-per-node": "num_cpus"}
+NOT_WITH_RAY = ("join", "demo", "no_keys", "keys", "advertise_host")
+
+
+def say(line: str) -> None:
+    print(f"[pdserve] {line}", file=sys.stderr, flush=True)
+
+
+def split_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """(--ray's options, start_cluster's flags). --ray with no address: auto."""
+    ours, rest, i = {"address": "auto", "num_cpus": "1"}, [], 0
+    while i < len(argv):
+        if argv[i] in RAY_FLAGS:
+            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            if argv[i] != "--ray" and not has_value:
+                raise PlanError(f"{argv[i]} needs a value")
+            if has_value:
+                ours[RAY_FLAGS[argv[i]]] = argv[i + 1]
+            i += 1 + has_value
+        else:
+            rest.append(argv[i])
+            i += 1
+    if not ours["num_cpus"].isdigit() or int(ours["num_cpus"]) < 1:
+        raise PlanError(f"--ray-cpus-per-node needs a whole number, got '{ours['num_cpus']}'")
+    return ours, rest
+
+
+def has_ray(prog: str) -> bool:
+    try:
+        import ray
+        del ray
+    except ImportError:
+        print(f"{prog}: --ray needs Ray in this environment: pip install 'pdserve[ray]' (or pip install ray)",
+              file=sys.stderr)
+        return False
+    return True
+
+
+def controller_name(base_port: int | str) -> str:
+    from launch.ray_members import CONTROLLER_PREFIX
+    return f"{CONTROLLER_PREFIX}{base_port}"
+
+
+def serve(argv: list[str]) -> int:
+    try:
+        ours, rest = split_args(argv)
+        a = cluster_plan.parse(rest)
+        if a.help:
+            print(__doc__.strip() + "\n\n" + cluster_plan.USAGE)
+            return 0
+        for dest in NOT_WITH_RAY:
+            if getattr(a, dest):
+                raise PlanError(f"--{dest.replace('_', '-')} is not for --ray (Ray places every node; keys are "
+                                f"made and handed out here)")
+        num = {r: len(cluster_plan.devices_for(getattr(a, f"{r}_devices"), getattr(a, f"num_{r}"), r))
+               for r in ("prefill", "decode")}
+        devices = {r: getattr(a, f"{r}_devices").split(",")[0] for r in ("prefill", "decode")}
+        cluster_plan.make_plan(a, 1, Path("."))   # the flags' own checks
+    except PlanError as e:
+        print(f"start_cluster: {e}", file=sys.stderr)
+        return 2
+    home = Path(os.environ.get("PDSERVE_HOME") or Path.home() / ".cache" / "pdserve")
+    model = a.model or str(home / "tiny-qwen3")
+    if not a.model and not (Path(model) / "config.json").is_file():
+        say(f"making a tiny random Qwen3 at {model} (every machine must see this path)")
+        import subprocess
+        subprocess.run([sys.executable, "-m", "launch.make_tiny_model", model], stdout=subprocess.DEVNULL, check=True)
+    if not has_ray("start_cluster"):
+        return 2
+    import ray
+    from launch.ray_members import NAMESPACE, Controller
+
+    started = time.monotonic()
+    ray.init(address=ours["address"], namespace=NAMESPACE, log_to_driver=True)
+    opts = {"launcher": rest, "model": str(Path(model).resolve()), "num_cpus": int(ours["num_cpus"]),
+            "drain_s": a.drain_timeout, "base_port": a.base_port, "devices": devices}
+    here = ray.get_runtime_context().get_node_id()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    controller = ray.remote(Controller).options(
+        name=controller_name(a.base_port), num_cpus=0, max_concurrency=16, lifetime=None,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote(opts)
+    stop_signal: list[int] = []
+
+    def on_signal(signum, _frame) -> None:
+        stop_signal.append(signum)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    def stop(rc: int) -> int:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)   # NOTE: a second signal ends the driver at once
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        say(f"stopping (draining for up to {a.drain_timeout}s)")
+        try:
+            ray.get(controller.stop.remote(), timeout=float(a.drain_timeout) + 60)
+        except Exception as e:   # noqa: BLE001 -- whatever is left dies with this driver's actors
+            say(f"stop: {e}")
+        ray.kill(controller)
+        ray.shutdown()
+        return 128 + stop_signal[0] if stop_signal else rc
+    try:
+        placed = ray.get(controller.start.remote(num["prefill"], num["decode"], float(a.ready_timeout)))
+    except Exception as e:   # noqa: BLE001 -- a start that failed: said, then everything stops
+        say(f"not ready: {e}")
+        return stop(1)
+    endpoint = placed["endpoint"]
+    host = endpoint.rsplit(":", 1)[0].removeprefix("tcp://")
+    where = ", ".join(f"{n} on {w['hostname']} ({w['ip']})" for n, w in placed["where"].items() if w)
+    http = "" if a.no_http else f", OpenAI API at http://{host}:{a.http_port}/v1"
+    say(f"ready in {time.monotonic() - started:.1f}s: {num['prefill']} prefill + {num['decode']} decode nodes on "
+        f"Ray; clients connect to {endpoint}{http} ({where}; CURVE keys made here, handed to each actor)")
+    print(f"PDSERVE_ENDPOINT={endpoint}", flush=True)
+    while not stop_signal:
+        time.sleep(1)
+        if stop_signal:
+            break
+        if not ray.get(controller.is_frontend_alive.remote()):
+            say("the frontend exited; stopping the cluster")
+            return stop(1)
+    return stop(0)
+
+
+def scale(argv: list[str]) -> int:
+    """pdserve scale: add nodes to a cluster `pdserve serve --ray` placed, or drain its
+    newest ones (their requests move; none fails), until it has this many."""
+    p = argparse.ArgumentParser(prog="pdserve scale", description=scale.__doc__)
+    p.add_argument("--endpoint", required=True, help="the cluster's client endpoint (PDSERVE_ENDPOINT)")
+    p.add_argument("--num-prefill", type=int, required=True)
+    p.add_argument("--num-decode", type=int, required=True)
+    p.add_argument("--ray", default="auto", help="the Ray cluster's address")
+    p.add_argument("--timeout", type=float, default=300, help="seconds to wait for new nodes")
+    a = p.parse_args(argv)
+    if a.num_prefill < 0 or a.num_decode < 0:
+        p.error("node counts are 0 or more")
+    port = a.endpoint.rsplit(":", 1)[-1]
+    if not has_ray("pdserve scale"):
+        return 2
+    import ray
+    from launch.ray_members import NAMESPACE
+    ray.init(address=a.ray, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        controller = ray.get_actor(controller_name(port))
+    except ValueError:
+        print(f"pdserve scale: no cluster placed by pdserve serve --ray at {a.endpoint}", file=sys.stderr)
+        return 1
+    placed = ray.get(controller.where.remote())
+    if placed.get("frontend", {}).get("endpoint") != a.endpoint:
+        print(f"pdserve scale: the cluster on port {port} serves {placed.get('frontend')}, not {a.endpoint}",
+              file=sys.stderr)
+        return 1
+    try:
+        changes = ray.get(controller.scale.remote(a.num_prefill, a.num_decode, a.timeout))
+    except ray.exceptions.RayTaskError as e:
+        print(f"pdserve scale: {e.cause if hasattr(e, 'cause') else e}", file=sys.stderr)
+        return 1
+    print(f"added: {' '.join(changes['added']) or '-'}; drained: {' '.join(changes['drained']) or '-'}")
+    return 0

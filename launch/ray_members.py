@@ -1,0 +1,323 @@
+"""What Ray runs for `pdserve serve --ray` (launch/ray_cluster.py is the driver): a Member
+actor per pdserve process (the frontend or one node), and the Controller actor that
+places, scales and stops them. Each Member runs pdserve's own process, with the same
+argv start_cluster.sh gives it (launch/cluster_plan.py), on the machine Ray put the
+actor on; Ray places, restarts and stops the actors. Importing this module imports
+ray: only the --ray path does.
+
+Restarts: a node process that exits while its Member is not stopping takes the Member
+with it (os._exit), and Ray starts the actor again, in its placement group bundle,
+which Ray moves to another machine when the bundle's machine is gone. The node comes
+back under its name and key; the frontend moves its requests meanwhile as for any
+node that dies. The frontend is not restarted: its clients' endpoint would move, so
+the driver stops the cluster instead (as start_cluster.sh does).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from launch import cluster_plan
+from launch.cluster_plan import Node, Plan
+from launch.leftovers import remove_leftovers
+
+STOP_GRACE_S = 10
+CONTROLLER_PREFIX = "pdserve:"   # the controller's actor name: pdserve:<client endpoint>
+NAMESPACE = "pdserve"
+HEAD_RESOURCE = "node:__internal_head__"        # what only the Ray head has
+ACCELERATORS = {"cuda": "GPU", "npu": "NPU"}   # device kind -> Ray's resource name
+
+
+def say(line: str) -> None:
+    print(f"[pdserve] {line}", file=sys.stderr, flush=True)
+
+
+def free_port(host: str) -> int:
+    """A port free on this machine now (a decode node's KV port: nodes Ray moves here
+    must not collide with the ones already here)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def resources(device: str, num_cpus: int) -> dict[str, float]:
+    """What one node asks Ray for: its accelerator, or CPUs for a CPU node."""
+    kind = device.partition(":")[0]
+    if kind in ACCELERATORS:
+        return {"CPU": 1, ACCELERATORS[kind]: 1}
+    return {"CPU": num_cpus}
+
+
+class Member:
+    """One pdserve process on this actor's machine. spec: role ("frontend", "prefill" or
+    "decode"), name, device, launcher (start_cluster.sh's flags), base_port, node_link
+    (nodes: the frontend's node endpoint), num_cpus, model."""
+
+    def __init__(self, spec: dict, controller):
+        self.spec, self.stopping = spec, False
+        self.ip = ray.util.get_node_ip_address()
+        remove_leftovers()   # of members killed on this machine (their pid, in the name, is gone)
+        self.key_dir = tempfile.mkdtemp(prefix=f"pdserve-keys-{os.getpid()}-")
+        self.ready_file = Path(self.key_dir) / "ready"
+        self.write_keys(ray.get(controller.keys_for.remote(spec["name"])))
+        model = spec["model"]
+        if not (Path(model) / "config.json").is_file():
+            raise RuntimeError(f"{spec['name']}: the model directory {model} is not on {self.ip}: give --model a "
+                               f"path every machine sees (a shared file system)")
+        self.endpoint, argv, env = self._argv()
+        # NOTE: started from this actor's main thread: a node dies with the thread that
+        # started it (PR_SET_PDEATHSIG), which is this process's for the actor's life.
+        self.proc = subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}, start_new_session=True,
+                                     cwd=str(Path(__file__).resolve().parents[1]))
+        say(f"{spec['name']} started on {self.ip} (pid {self.proc.pid})")
+        threading.Thread(target=self._watch, daemon=True, name="watch").start()
+
+    def _argv(self) -> tuple[str, list[str], dict[str, str]]:
+        s = self.spec
+        opts = cluster_plan.parse(s["launcher"])
+        addr = f"[{self.ip}]" if ":" in self.ip else self.ip
+        base = int(s["base_port"])
+        clients = f"tcp://{addr}:{base}"
+        node_link = s.get("node_link") or f"tcp://{addr}:{base + 1}"
+        device = s["device"]
+        if device.partition(":")[0] in ACCELERATORS:   # Ray made only the one it gave us visible
+            device = f"{device.partition(':')[0]}:0"
+        kv = f"tcp://{addr}:{free_port(self.ip)}" if s["role"] == "decode" else ""
+        node = Node(s["name"], s["role"], device, kv)
+        plan = Plan(opts, s["model"], clients, node_link, [node], [], {node.name: int(s["num_cpus"])},
+                    remote=["--allow-remote"], key_args=["--keys", self.key_dir])
+        if s["role"] == "frontend":
+            return clients, cluster_plan.frontend_argv(plan) + ["--http-host", self.ip], {}
+        return kv, cluster_plan.node_argv(plan, node), {"PDSERVE_READY_FILE": str(self.ready_file)}
+
+    def _watch(self) -> None:
+        code = self.proc.wait()
+        if not self.stopping:
+            say(f"{self.spec['name']} (pid {self.proc.pid}) on {self.ip} exited with code {code}"
+                + ("" if self.spec["role"] == "frontend" else "; Ray starts it again"))
+            shutil.rmtree(self.key_dir, ignore_errors=True)
+            time.sleep(1)   # NOTE: Ray restarts at once: a node that cannot start must not spin
+            os._exit(1)
+
+    def write_keys(self, files: dict[str, bytes]) -> None:
+        """Key files (each node's public key, this member's secret one) into its directory."""
+        for name, data in files.items():
+            path = Path(self.key_dir) / name
+            path.write_bytes(data)
+            os.chmod(path, 0o600)
+
+    def where(self) -> dict:
+        return {"name": self.spec["name"], "ip": self.ip, "pid": self.proc.pid, "endpoint": self.endpoint,
+                "hostname": socket.gethostname()}
+
+    def is_ready(self) -> bool:
+        return self.spec["role"] == "frontend" or self.ready_file.exists()
+
+    def stop(self, drain_s: float) -> int | None:
+        """SIGTERM (a node drains: its requests move elsewhere; the frontend drains the
+        cluster), SIGKILL after drain_s and STOP_GRACE_S more. -> the exit code."""
+        self.stopping = True
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(drain_s + STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.key_dir, ignore_errors=True)
+        return self.proc.returncode
+
+
+class Controller:
+    """Places the cluster and changes it: start(), scale(), stop(). One per cluster, named
+    pdserve:<client endpoint> in the pdserve namespace, so `pdserve scale` finds it;
+    the members are its actors and die with it (and it with the driver)."""
+
+    def __init__(self, opts: dict):
+        self.opts = opts                      # launcher, model, num_cpus, drain_s, base_port, devices
+        self.lock = threading.RLock()         # one scale() or stop() at a time
+        self.key_dir = tempfile.mkdtemp(prefix=f"pdserve-keys-{os.getpid()}-")
+        self.members: dict[str, object] = {}  # name -> its actor
+        self.groups: dict[str, object] = {}   # name -> the placement group it runs in
+        self.roles: dict[str, str] = {}
+        self.node_link = ""
+        self.endpoint = ""
+
+    # ---- keys -----------------------------------------------------------------
+
+    def _make_keys(self, names: list[str]) -> None:
+        from common.wire.keys import make_keys
+        make_keys(self.key_dir, names)
+
+    def keys_for(self, name: str) -> dict[str, bytes]:
+        """Every public key, and this member's secret key: made once here, handed to
+        each actor at its start (also when Ray starts it again)."""
+        # NOTE: takes no lock: a member starting while scale() holds it asks for its keys.
+        d = Path(self.key_dir)
+        files = {p.name: p.read_bytes() for p in d.glob("*.key")}
+        files[f"{name}.key_secret"] = (d / f"{name}.key_secret").read_bytes()
+        return files
+
+    # ---- placement ------------------------------------------------------------
+
+    def _spec(self, name: str, role: str) -> dict:
+        o = self.opts
+        device = o["devices"]["prefill" if role == "frontend" else role]
+        return {"name": name, "role": role, "device": "cpu" if role == "frontend" else device,
+                "launcher": o["launcher"], "base_port": o["base_port"], "node_link": self.node_link,
+                "num_cpus": o["num_cpus"], "model": o["model"]}
+
+    def _start(self, spec: dict, group, bundle: int, res: dict[str, float]):
+        actor_cls = ray.remote(Member)
+        kind = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
+        actor = actor_cls.options(
+            num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0), resources=kind or None,
+            max_restarts=0 if spec["role"] == "frontend" else -1, max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+        ).remote(spec, ray.get_runtime_context().current_actor)
+        self.members[spec["name"]], self.groups[spec["name"]], self.roles[spec["name"]] = actor, group, spec["role"]
+        return actor
+
+    def start(self, num_prefill: int, num_decode: int, timeout_s: float) -> dict:
+        """The frontend and prefill-0 in one bundle on the Ray head, every other node in a
+        bundle of its own, spread over the machines (SPREAD: one machine each where there
+        are enough)."""
+        o = self.opts
+        names = [f"prefill-{i}" for i in range(num_prefill)] + [f"decode-{i}" for i in range(num_decode)]
+        self._make_keys(names)
+        node_res = {role: resources(o["devices"][role], o["num_cpus"]) for role in ("prefill", "decode")}
+        # (name, bundle, resources): bundle 0 holds the frontend and prefill-0 where there is one.
+        shares_first = bool(names) and names[0] == "prefill-0"
+        placed = [(n, i if shares_first else i + 1, node_res[n.partition("-")[0]]) for i, n in enumerate(names)]
+        first = {"CPU": 1}
+        if shares_first:
+            first = {k: v + (k == "CPU") for k, v in node_res["prefill"].items()}
+        # NOTE: on the Ray head: where `ray start --head` ran, and where KubeRay's head
+        # service points, so clients find the frontend there.
+        first[HEAD_RESOURCE] = 0.001
+        bundles = [first] + [res for _, b, res in placed if b > 0]
+        group = placement_group(bundles, strategy="SPREAD", name=f"pdserve-{o['base_port']}-{os.getpid()}")
+        ray.get(group.ready(), timeout=timeout_s)
+        frontend = self._start(self._spec("frontend", "frontend"), group, 0, {"CPU": 1})
+        where = ray.get(frontend.where.remote(), timeout=timeout_s)
+        self.endpoint = where["endpoint"]
+        self.node_link = f"{self.endpoint.rsplit(':', 1)[0]}:{int(o['base_port']) + 1}"
+        for name, bundle, res in placed:
+            self._start(self._spec(name, name.partition("-")[0]), group, bundle, res)
+        self._wait_ready(names, timeout_s)
+        return {"endpoint": self.endpoint, "where": self.where()}
+
+    def _wait_ready(self, names: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        waiting = list(names)
+        while waiting:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {timeout_s:.0f}s: {', '.join(waiting)}")
+            ready = ray.get([self.members[n].is_ready.remote() for n in waiting], timeout=timeout_s)
+            waiting = [n for n, r in zip(waiting, ready) if not r]
+            time.sleep(0.2)
+
+    def where(self) -> dict[str, dict]:
+        """name -> its machine's address, hostname, pid and endpoint (a member Ray is
+        starting again: None)."""
+        refs = {n: a.where.remote() for n, a in list(self.members.items())}
+        out = {}
+        for name, ref in refs.items():
+            try:
+                out[name] = ray.get(ref, timeout=10)
+            except Exception:   # noqa: BLE001 -- restarting or gone: said as None
+                out[name] = None
+        return out
+
+    def is_frontend_alive(self) -> bool:
+        try:
+            ray.get(self.members["frontend"].where.remote(), timeout=30)
+            return True
+        except Exception:   # noqa: BLE001 -- the actor died (its process exited)
+            return False
+
+    # ---- scale ----------------------------------------------------------------
+
+    def scale(self, num_prefill: int, num_decode: int, timeout_s: float) -> dict:
+        """Add nodes (each in a placement group of its own, spread) or drain the newest
+        ones (their requests move to the others; none fails) until there are this many."""
+        with self.lock:
+            o = self.opts
+            changes = {"added": [], "drained": []}
+            for role, want in (("prefill", num_prefill), ("decode", num_decode)):
+                have = sorted((n for n, r in self.roles.items() if r == role), key=lambda n: int(n.rpartition("-")[2]))
+                if want > len(have):
+                    taken = {int(n.rpartition("-")[2]) for n in have}
+                    new = [f"{role}-{i}" for i in range(want + len(taken) + 1) if i not in taken][:want - len(have)]
+                    self._make_keys(new)
+                    publics = {p.name: p.read_bytes() for p in Path(self.key_dir).glob("*.key")}
+                    ray.get([a.write_keys.remote(publics) for a in self.members.values()], timeout=timeout_s)
+                    res = resources(o["devices"][role], o["num_cpus"])
+                    for name in new:
+                        group = placement_group([res], strategy="SPREAD")
+                        try:
+                            ray.get(group.ready(), timeout=timeout_s)
+                        except ray.exceptions.GetTimeoutError:
+                            remove_placement_group(group)
+                            raise RuntimeError(f"Ray found no room for {name} ({res}) in {timeout_s:.0f}s: add a "
+                                               f"machine (ray start --address HEAD:6379) or ask for fewer nodes; "
+                                               f"added so far: {changes['added'] or 'none'}") from None
+                        self._start(self._spec(name, role), group, 0, res)
+                    self._wait_ready(new, timeout_s)
+                    changes["added"] += new
+                for name in reversed(have[want:]):
+                    self._remove(name)
+                    changes["drained"].append(name)
+            return changes
+
+    def _remove(self, name: str) -> None:
+        actor, group = self.members.pop(name), self.groups.pop(name)
+        self.roles.pop(name)
+        try:
+            ray.get(actor.stop.remote(float(self.opts["drain_s"])))
+        except Exception:   # noqa: BLE001 -- already gone
+            pass
+        ray.kill(actor, no_restart=True)
+        if not any(g is group for g in self.groups.values()):
+            remove_placement_group(group)
+        for key in (f"{name}.key", f"{name}.key_secret"):
+            (Path(self.key_dir) / key).unlink(missing_ok=True)
+
+    # ---- stop -----------------------------------------------------------------
+
+    def stop(self) -> None:
+        """The frontend drains first, then every node stops; every actor and placement
+        group goes, and the keys."""
+        with self.lock:
+            drain_s = float(self.opts["drain_s"])
+            if "frontend" in self.members:
+                try:
+                    ray.get(self.members["frontend"].stop.remote(drain_s), timeout=drain_s + 2 * STOP_GRACE_S)
+                except Exception:   # noqa: BLE001 -- already gone
+                    pass
+            refs = [a.stop.remote(0.0) for n, a in self.members.items() if n != "frontend"]
+            for ref in refs:
+                try:
+                    ray.get(ref, timeout=3 * STOP_GRACE_S)
+                except Exception:   # noqa: BLE001 -- already gone
+                    pass
+            groups = {id(g): g for g in self.groups.values()}
+            for actor in self.members.values():
+                ray.kill(actor, no_restart=True)
+            for group in groups.values():
+                remove_placement_group(group)
+            self.members.clear()
+            self.groups.clear()
+            shutil.rmtree(self.key_dir, ignore_errors=True)
