@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _serve(argv: list[str]) -> int:
+    if "--ray" in argv:   # Ray's environment on each machine runs the processes: no set-up here
+        from launch.ray_cluster import serve
+        return serve(argv)
     # The launcher is a shell script (it supervises processes); it runs in this
     # interpreter's virtual environment, or the project's .venv.
     env = dict(os.environ)
