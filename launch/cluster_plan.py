@@ -24,7 +24,7 @@ USAGE = """start_cluster.sh [--demo] [--model DIR] [--host 127.0.0.1] [--adverti
      [--logprobs-mode raw_logprobs|processed_logprobs] [--allow-json-whitespace]
      [--keys DIR | --no-keys] [--no-restart-nodes] [--no-core-sharing] [--drain-timeout S]
      [--ready-timeout S] [--frontend-arg ARG]... [--prefill-arg ARG]... [--decode-arg ARG]...
-     [--ray [auto|HOST:PORT] [--ray-cpus-per-node N]]     on a Ray cluster instead (docs/ray.md)
+     [--ray [auto|HOST:PORT] [--ray-cpus-per-node N] [--ray-ship-model]]   on a Ray cluster (docs/ray.md)
 
 Endpoints derive from the base port: clients connect to BASE, nodes to the frontend at
 BASE+1, and decode node i takes KV handoffs at BASE+2+i. The frontend serves the OpenAI

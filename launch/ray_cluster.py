@@ -21,6 +21,7 @@ from launch import cluster_plan
 from launch.cluster_plan import PlanError
 
 RAY_FLAGS = {"--ray": "address", "--ray-cpus-per-node": "num_cpus"}
+RAY_SWITCHES = {"--ray-ship-model": "ship_model"}
 NOT_WITH_RAY = ("join", "demo", "no_keys", "keys", "advertise_host")
 
 
@@ -30,9 +31,12 @@ def say(line: str) -> None:
 
 def split_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     """(--ray's options, start_cluster's flags). --ray with no address: auto."""
-    ours, rest, i = {"address": "auto", "num_cpus": "1"}, [], 0
+    ours, rest, i = {"address": "auto", "num_cpus": "1", "ship_model": False}, [], 0
     while i < len(argv):
-        if argv[i] in RAY_FLAGS:
+        if argv[i] in RAY_SWITCHES:
+            ours[RAY_SWITCHES[argv[i]]] = True
+            i += 1
+        elif argv[i] in RAY_FLAGS:
             has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
             if argv[i] != "--ray" and not has_value:
                 raise PlanError(f"{argv[i]} needs a value")
@@ -95,7 +99,8 @@ def serve(argv: list[str]) -> int:
     started = time.monotonic()
     ray.init(address=ours["address"], namespace=NAMESPACE, log_to_driver=True)
     opts = {"launcher": rest, "model": str(Path(model).resolve()), "num_cpus": int(ours["num_cpus"]),
-            "drain_s": a.drain_timeout, "base_port": a.base_port, "devices": devices}
+            "drain_s": a.drain_timeout, "base_port": a.base_port, "devices": devices,
+            "ship_model": ours["ship_model"]}
     here = ray.get_runtime_context().get_node_id()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     controller = ray.remote(Controller).options(

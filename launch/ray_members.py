@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from launch import cluster_plan
 from launch.cluster_plan import Node, Plan
 from launch.leftovers import remove_leftovers
+from launch.model_copy import local_copy, manifest, read_part
 
 STOP_GRACE_S = 10
 CONTROLLER_PREFIX = "pdserve:"   # the controller's actor name: pdserve:<client endpoint>
@@ -72,10 +73,8 @@ class Member:
         self.key_dir = tempfile.mkdtemp(prefix=f"pdserve-keys-{os.getpid()}-")
         self.ready_file = Path(self.key_dir) / "ready"
         self.write_keys(ray.get(controller.keys_for.remote(spec["name"])))
-        model = spec["model"]
-        if not (Path(model) / "config.json").is_file():
-            raise RuntimeError(f"{spec['name']}: the model directory {model} is not on {self.ip}: give --model a "
-                               f"path every machine sees (a shared file system)")
+        if not (Path(spec["model"]) / "config.json").is_file():
+            self.spec = {**spec, "model": self._copy_model(controller)}
         self.endpoint, argv, env = self._argv()
         # NOTE: started from this actor's main thread: a node dies with the thread that
         # started it (PR_SET_PDEATHSIG), which is this process's for the actor's life.
@@ -83,6 +82,22 @@ class Member:
                                      cwd=str(Path(__file__).resolve().parents[1]))
         say(f"{spec['name']} started on {self.ip} (pid {self.proc.pid})")
         threading.Thread(target=self._watch, daemon=True, name="watch").start()
+
+    def _copy_model(self, controller) -> str:
+        """The model fetched from the driver's machine into this one's cache, with
+        --ray-ship-model; else the error that names the path and the machine."""
+        s = self.spec
+        if not s.get("ship_model"):
+            raise RuntimeError(f"{s['name']}: the model directory {s['model']} is not on {self.ip}: give --model a "
+                               f"path every machine sees (a shared file system), or add --ray-ship-model")
+        files = ray.get(controller.model_files.remote())
+        cache = Path(os.environ.get("PDSERVE_HOME") or Path.home() / ".cache" / "pdserve") / "models"
+        started = time.monotonic()
+        path, fetched = local_copy(s["model"], files, lambda rel, at, n: ray.get(controller.read_model.remote(
+            rel, at, n)), cache)
+        say(f"{s['name']}: the model copied to {path} on {self.ip} ({fetched / 2**20:.1f} MiB fetched in "
+            f"{time.monotonic() - started:.1f}s)")
+        return str(path)
 
     def _argv(self) -> tuple[str, list[str], dict[str, str]]:
         s = self.spec
@@ -170,6 +185,12 @@ class Controller:
         files[f"{name}.key_secret"] = (d / f"{name}.key_secret").read_bytes()
         return files
 
+    def model_files(self) -> list[tuple[str, int]]:
+        return manifest(self.opts["model"])
+
+    def read_model(self, rel: str, offset: int, length: int) -> bytes:
+        return read_part(self.opts["model"], rel, offset, length)
+
     # ---- placement ------------------------------------------------------------
 
     def _spec(self, name: str, role: str) -> dict:
@@ -177,7 +198,7 @@ class Controller:
         device = o["devices"]["prefill" if role == "frontend" else role]
         return {"name": name, "role": role, "device": "cpu" if role == "frontend" else device,
                 "launcher": o["launcher"], "base_port": o["base_port"], "node_link": self.node_link,
-                "num_cpus": o["num_cpus"], "model": o["model"]}
+                "num_cpus": o["num_cpus"], "model": o["model"], "ship_model": o["ship_model"]}
 
     def _start(self, spec: dict, group, bundle: int, res: dict[str, float]):
         actor_cls = ray.remote(Member)

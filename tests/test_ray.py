@@ -31,7 +31,7 @@ RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0",
 
 def test_ray_flags_are_read_apart_from_the_launchers():
     ours, rest = ray_cluster.split_args(["--ray", "--num-decode", "2", "--ray-cpus-per-node", "2"])
-    assert ours == {"address": "auto", "num_cpus": "2"} and rest == ["--num-decode", "2"]
+    assert ours == {"address": "auto", "num_cpus": "2", "ship_model": False} and rest == ["--num-decode", "2"]
     ours, rest = ray_cluster.split_args(["--model", "M", "--ray", "10.0.0.1:6379"])
     assert ours["address"] == "10.0.0.1:6379" and rest == ["--model", "M"]
     with pytest.raises(PlanError, match="whole number"):
@@ -54,12 +54,35 @@ def test_serve_ray_without_ray_installed_says_so_in_one_line(tmp_path):
     assert out.returncode == 2 and "--ray needs Ray" in out.stderr, out.stderr[-2000:]
 
 
+def test_a_model_copied_in_parts_is_the_same_and_fetched_once(tiny_model, tmp_path, monkeypatch):
+    from launch import model_copy
+    monkeypatch.setattr(model_copy, "PART_BYTES", 4096)   # several parts per weight file
+    files = model_copy.manifest(tiny_model)
+    calls = []
+
+    def read(rel, at, n):
+        calls.append(rel)
+        return model_copy.read_part(tiny_model, rel, at, n)
+    path, fetched = model_copy.local_copy(str(tiny_model), files, read, tmp_path)
+    assert fetched == sum(size for _, size in files) and len(calls) > len(files)
+    for rel, _ in files:
+        assert (path / rel).read_bytes() == (tiny_model / rel).read_bytes()
+    assert model_copy.local_copy(str(tiny_model), files, read, tmp_path) == (path, 0)
+    with pytest.raises(ValueError, match="is not a file"):
+        model_copy.read_part(tiny_model, "../../etc/passwd", 0, 10)
+    with pytest.raises(ValueError, match="leaves"):
+        model_copy.local_copy("m", [("../x", 1)], read, tmp_path / "other")
+
+
 def _env() -> dict:
     return {**os.environ, **RAY_ENV, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _ray(hosts, name: str, ray_dir, *args: str) -> None:
-    out = hosts.run(name, [RAY_CLI, "start", "--node-ip-address",
+def _ray(hosts, name: str, ray_dir, *args: str, hide: str = "") -> None:
+    """`ray start` on host name; hide: a directory that host's Ray (and all it starts)
+    sees empty (a tmpfs over it, in that host's mount namespace alone)."""
+    over = ["sh", "-c", 'mount -t tmpfs -o size=1m tmpfs "$0" && exec "$@"', hide] if hide else []
+    out = hosts.run(name, [*over, RAY_CLI, "start", "--node-ip-address",
                            hosts.addr(name), "--num-cpus", "2", "--object-store-memory", "80000000",
                            "--temp-dir", str(ray_dir / name), "--disable-usage-stats", *args],
                     timeout_s=180, cwd=ROOT, env=_env())
@@ -97,7 +120,7 @@ def _pdserve_pids() -> list[int]:
 
 @pytest.mark.hosts
 @pytest.mark.cluster
-def test_serve_on_ray_over_three_hosts_restarts_scales_and_stops_clean(tiny_model, tmp_path):
+def test_serve_on_ray_over_three_hosts_restarts_scales_and_stops_clean(tiny_model, tmp_path, monkeypatch):
     """`start_cluster.sh --ray` on host a of a three-host Ray cluster: the frontend and a
     prefill node on one host, a decode node on each other host; exact tokens. Host b's
     every process killed mid-stream: its requests move and finish exactly, Ray starts its
@@ -109,6 +132,7 @@ def test_serve_on_ray_over_three_hosts_restarts_scales_and_stops_clean(tiny_mode
     if why:
         pytest.skip(why)
     assert not _pdserve_pids(), "another cluster runs here"
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path / "home"))   # where members keep the model they fetch
     candidates = [[(13 * i + j) % 500 + 1 for j in range(6 + i)] for i in range(16)]
     prompts, expected = clear_prompts(tiny_model, candidates, 12, 8)
     # NOTE: Ray's sockets live under its temp dir, and a socket's path is at most 107 bytes.
@@ -118,19 +142,20 @@ def test_serve_on_ray_over_three_hosts_restarts_scales_and_stops_clean(tiny_mode
         head = f"{hosts.addr('a')}:6379"
         started = time.monotonic()
         _ray(hosts, "a", ray_dir, "--head", "--port", "6379", "--include-dashboard=false")
-        for name in ("b", "c"):
-            _ray(hosts, name, ray_dir, "--address", head)
+        for name in ("b", "c"):   # the model is on host a alone: the others fetch it (--ray-ship-model)
+            _ray(hosts, name, ray_dir, "--address", head, hide=str(tiny_model))
         ray_up_s = time.monotonic() - started
         log = tmp_path / "driver.log"
         started = time.monotonic()
         driver = hosts.popen("a", ["bash", str(ROOT / "launch/start_cluster.sh"), "--ray", head, "--model",
-                                   str(tiny_model), "--num-prefill", "1", "--num-decode", "2", "--no-http",
+                                   str(tiny_model), "--ray-ship-model", "--num-prefill", "1", "--num-decode", "2", "--no-http",
                                    "--kv-cache-memory", "8MiB", "--kv-transfer", "tcp", "--ready-timeout", "240"],
                              stdout=subprocess.PIPE, stderr=open(log, "wb"), cwd=ROOT, env=_env())
         line = driver.stdout.readline().decode().strip()
         assert line.startswith("PDSERVE_ENDPOINT=tcp://198.18.0."), log.read_text()[-4000:]
         print(f"ray up in {ray_up_s:.1f}s; pdserve ready on it in {time.monotonic() - started:.1f}s")
         endpoint = line.split("=", 1)[1]
+        assert len(re.findall(r"decode-\d: the model copied to .* \(\d+\.\d MiB fetched", log.read_text())) == 2
         placed = _placed(log)
         assert placed["frontend"] == placed["prefill-0"] == "host-a", placed   # the Ray head
         assert {placed["decode-0"], placed["decode-1"], placed["frontend"]} == {"host-a", "host-b", "host-c"}, placed
@@ -165,7 +190,7 @@ def test_serve_on_ray_over_three_hosts_restarts_scales_and_stops_clean(tiny_mode
         assert out.returncode == 1 and "Ray found no room for decode-2" in out.stderr, out.stderr[-3000:]
 
         # The lost host back (a machine joins), then scale up and down under load: nothing fails.
-        _ray(hosts, lost, ray_dir, "--address", head)
+        _ray(hosts, lost, ray_dir, "--address", head, hide=str(tiny_model))
         load = hosts.popen("a", [sys.executable, "-m", "tests.netns_client", endpoint, "streams",
                                  json.dumps([[i + 2] * 7 for i in range(6)]), "600"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=_env())
