@@ -4,7 +4,7 @@
     pdserve client [options]                  send prompts, read stats (frontend.cli)
     pdserve bench [KIND] [options]            a benchmark (launch/bench/): serving (the default:
                                               a running cluster), prefill, decode, transfer,
-                                              migration, vs, profile, layerwise, mixed
+                                              migration, vs, profile, layerwise, mixed, ray-start
     pdserve scale --endpoint E --num-prefill N --num-decode M
                                               add or drain nodes of a cluster on Ray (serve --ray)
     pdserve drain NODE [--endpoint ...]       move a node's requests elsewhere; it stops once empty
@@ -42,13 +42,14 @@ def _module(name: str, function: str = "main"):
     return run
 
 
-BENCHMARKS = ("serving", "prefill", "decode", "transfer", "migration", "vs", "profile", "layerwise", "mixed")
+BENCHMARKS = ("serving", "prefill", "decode", "transfer", "migration", "vs", "profile", "layerwise", "mixed",
+              "ray-start")
 
 
 def _bench(argv: list[str]) -> int:
     """pdserve bench KIND [options]; without a KIND, the serving benchmark."""
     kind, argv = (argv[0], argv[1:]) if argv and argv[0] in BENCHMARKS else ("serving", argv)
-    return _module(f"launch.bench.{kind}")(argv)
+    return _module(f"launch.bench.{kind.replace('-', '_')}")(argv)
 
 
 COMMANDS = {"serve": _serve, "client": _module("frontend.cli"), "drain": _module("frontend.cli", "drain"),

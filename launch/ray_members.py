@@ -230,7 +230,7 @@ class Controller:
         first[HEAD_RESOURCE] = 0.001
         bundles = [first] + [res for _, b, res in placed if b > 0]
         group = placement_group(bundles, strategy="SPREAD", name=f"pdserve-{o['base_port']}-{os.getpid()}")
-        ray.get(group.ready(), timeout=timeout_s)
+        self._place(group, bundles, "the cluster", timeout_s)
         frontend = self._start(self._spec("frontend", "frontend"), group, 0, {"CPU": 1})
         where = ray.get(frontend.where.remote(), timeout=timeout_s)
         self.endpoint = where["endpoint"]
@@ -239,6 +239,15 @@ class Controller:
             self._start(self._spec(name, name.partition("-")[0]), group, bundle, res)
         self._wait_ready(names, timeout_s)
         return {"endpoint": self.endpoint, "where": self.where()}
+
+    @staticmethod
+    def _place(group, bundles: list[dict], what: str, timeout_s: float, more: str = "") -> None:
+        try:
+            ray.get(group.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(group)
+            raise RuntimeError(f"Ray found no room for {what} ({bundles}) in {timeout_s:.0f}s: add a machine "
+                               f"(ray start --address HEAD:6379) or ask for fewer nodes{more}") from None
 
     def _wait_ready(self, names: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -288,13 +297,7 @@ class Controller:
                     res = resources(o["devices"][role], o["num_cpus"])
                     for name in new:
                         group = placement_group([res], strategy="SPREAD")
-                        try:
-                            ray.get(group.ready(), timeout=timeout_s)
-                        except ray.exceptions.GetTimeoutError:
-                            remove_placement_group(group)
-                            raise RuntimeError(f"Ray found no room for {name} ({res}) in {timeout_s:.0f}s: add a "
-                                               f"machine (ray start --address HEAD:6379) or ask for fewer nodes; "
-                                               f"added so far: {changes['added'] or 'none'}") from None
+                        self._place(group, [res], name, timeout_s, f"; added so far: {changes['added'] or 'none'}")
                         self._start(self._spec(name, role), group, 0, res)
                     self._wait_ready(new, timeout_s)
                     changes["added"] += new

@@ -61,7 +61,7 @@ def test_every_snippet_compiles_and_every_command_names_what_exists():
                     if c not in COMMANDS]
             bad += [f"{page.name}: {s}" for s in re.findall(r"bash (launch/[\w.]+)", code)
                     if not (ROOT / s).is_file()]
-            bad += [f"{page.name}: pdserve bench {k}" for k in re.findall(r"pdserve bench ([a-z]+)", code)
+            bad += [f"{page.name}: pdserve bench {k}" for k in re.findall(r"pdserve bench ([a-z][a-z-]*)", code)
                     if k not in BENCHMARKS]
     bad += [f"no module {m}" for m in _modules() if importlib.util.find_spec(m) is None]
     assert not bad, bad
