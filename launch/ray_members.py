@@ -222,16 +222,16 @@ class Controller:
         # (name, bundle, resources): bundle 0 holds the frontend and prefill-0 where there is one.
         shares_first = bool(names) and names[0] == "prefill-0"
         placed = [(n, i if shares_first else i + 1, node_res[n.partition("-")[0]]) for i, n in enumerate(names)]
-        first = {"CPU": 1}
-        if shares_first:
-            first = {k: v + (k == "CPU") for k, v in node_res["prefill"].items()}
+        # NOTE: the frontend asks Ray for no CPU (it shares the head's with prefill-0): the
+        # head's CPUs stay free for a node Ray moves there when a machine is lost.
+        first = dict(node_res["prefill"]) if shares_first else {}
         # NOTE: on the Ray head: where `ray start --head` ran, and where KubeRay's head
         # service points, so clients find the frontend there.
         first[HEAD_RESOURCE] = 0.001
         bundles = [first] + [res for _, b, res in placed if b > 0]
         group = placement_group(bundles, strategy="SPREAD", name=f"pdserve-{o['base_port']}-{os.getpid()}")
         self._place(group, bundles, "the cluster", timeout_s)
-        frontend = self._start(self._spec("frontend", "frontend"), group, 0, {"CPU": 1})
+        frontend = self._start(self._spec("frontend", "frontend"), group, 0, {"CPU": 0})
         where = ray.get(frontend.where.remote(), timeout=timeout_s)
         self.endpoint = where["endpoint"]
         self.node_link = f"{self.endpoint.rsplit(':', 1)[0]}:{int(o['base_port']) + 1}"
@@ -297,10 +297,11 @@ class Controller:
                     res = resources(o["devices"][role], o["num_cpus"])
                     for name in new:
                         group = placement_group([res], strategy="SPREAD")
-                        self._place(group, [res], name, timeout_s, f"; added so far: {changes['added'] or 'none'}")
+                        self._place(group, [res], name, timeout_s,
+                                    f"; added so far: {' '.join(changes['added']) or 'none'}")
                         self._start(self._spec(name, role), group, 0, res)
+                        changes["added"].append(name)
                     self._wait_ready(new, timeout_s)
-                    changes["added"] += new
                 for name in reversed(have[want:]):
                     self._remove(name)
                     changes["drained"].append(name)

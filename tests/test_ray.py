@@ -183,11 +183,13 @@ def test_serve_on_ray_over_three_hosts_restarts_scales_and_stops_clean(tiny_mode
         results = _client(hosts, endpoint, "complete", json.dumps(prompts), "12")["results"]
         assert [r["tokens"] for r in results] == expected
 
-        # Scale past what Ray has room for: refused in one line, nothing changes.
+        # Scale past what Ray has room for (one CPU is free now, on the hosts left): the node
+        # that fits is added, the next is refused in one line.
         out = hosts.run("a", [sys.executable, "-m", "launch.cli", "scale", "--endpoint", endpoint, "--ray", head,
-                              "--num-prefill", "1", "--num-decode", "3", "--timeout", "5"], timeout_s=120, cwd=ROOT,
+                              "--num-prefill", "1", "--num-decode", "4", "--timeout", "5"], timeout_s=120, cwd=ROOT,
                         env=_env())
-        assert out.returncode == 1 and "Ray found no room for decode-2" in out.stderr, out.stderr[-3000:]
+        assert out.returncode == 1 and "Ray found no room for decode-3" in out.stderr, out.stderr[-3000:]
+        assert "added so far: decode-2\n" in out.stderr, out.stderr[-3000:]
 
         # The lost host back (a machine joins), then scale up and down under load: nothing fails.
         _ray(hosts, lost, ray_dir, "--address", head, hide=str(tiny_model))
@@ -195,7 +197,7 @@ def test_serve_on_ray_over_three_hosts_restarts_scales_and_stops_clean(tiny_mode
                                  json.dumps([[i + 2] * 7 for i in range(6)]), "600"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=_env())
         assert json.loads(load.stdout.readline())["started"]
-        for counts in (("1", "3"), ("1", "1")):
+        for counts in (("1", "4"), ("1", "1")):
             out = hosts.run("a", [sys.executable, "-m", "launch.cli", "scale", "--endpoint", endpoint, "--ray", head,
                                   "--num-prefill", counts[0], "--num-decode", counts[1], "--timeout", "150"], timeout_s=300, cwd=ROOT,
                             env=_env())
