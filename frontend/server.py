@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Callable
@@ -316,7 +317,7 @@ class Frontend:
                 "max_model_len": self.max_model_len}
 
     def frontend_stats(self) -> dict:
-        return {"pid": os.getpid(), "cpu_s": round(time.process_time(), 3),   # the process's CPU time
+        return {"pid": os.getpid(), "host": socket.gethostname(), "cpu_s": round(time.process_time(), 3),
                 "is_draining": self.is_draining, "is_authenticated": bool(self.keys),
                 "num_waiting": self.admission.num_waiting,
                 "num_running": len(self.requests) - self.admission.num_waiting,

@@ -162,6 +162,9 @@ def test_serve_on_ray_over_three_hosts_restarts_scales_and_stops_clean(tiny_mode
 
         results = _client(hosts, endpoint, "complete", json.dumps(prompts), "12")["results"]
         assert [r["tokens"] for r in results] == expected and all(r["error"] is None for r in results)
+        stats = _client(hosts, endpoint, "stats")   # each process says its own host too
+        assert {n: s["host"] for n, s in stats["nodes"].items()} == {n: placed[n] for n in stats["nodes"]}
+        assert stats["frontend"]["host"] == "host-a"
 
         # decode-0's host gone: every process in its namespace killed (Ray's too) mid-stream.
         lost = placed["decode-0"].removeprefix("host-")

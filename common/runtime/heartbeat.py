@@ -4,12 +4,15 @@ kernel compile) never makes a live node look dead. common/runtime.py drives both
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from typing import Callable
 
 from common.wire.channel import Channel, node_tag
 from common.wire.protocol import FRONTEND_TO_HEARTBEAT, Heartbeat, ReadyReply
+
+HOST = socket.gethostname()   # in each beat: the machine the node runs on (its stats' "host")
 
 READY_EVERY_S = 1.0   # a ready not yet answered is sent again this often
 SILENCE_LIMIT_S = 120.0  # registering this long with no answer at all: give up, loudly
@@ -104,7 +107,7 @@ class HeartbeatThread:
         ch = Channel(ctx, False, endpoint, tag=node_tag(name, epoch, "heartbeat"), server="frontend")
         try:
             while True:
-                figures = {**self._stats, "loop_age_s": round(time.monotonic() - self._last_turn, 3)}
+                figures = {**self._stats, "host": HOST, "loop_age_s": round(time.monotonic() - self._last_turn, 3)}
                 ch.send(Heartbeat(role, name, figures, os.getpid(), epoch), block=False)
                 while ch.has_message():
                     _, reply = ch.recv(FRONTEND_TO_HEARTBEAT)
