@@ -62,6 +62,11 @@ def has_ray(prog: str) -> bool:
     return True
 
 
+def _why(e: Exception) -> str:
+    """What went wrong inside an actor, without Ray's wrapping (its traceback is in the log)."""
+    return str(getattr(e, "cause", None) or e).strip().splitlines()[-1]
+
+
 def controller_name(base_port: int | str) -> str:
     from launch.ray_members import CONTROLLER_PREFIX
     return f"{CONTROLLER_PREFIX}{base_port}"
@@ -97,6 +102,9 @@ def serve(argv: list[str]) -> int:
     from launch.ray_members import NAMESPACE, Controller
 
     started = time.monotonic()
+    # NOTE: stdout carries the ready line alone; Ray prints the actors' output (and its own
+    # warnings) to sys.stdout from a thread, so that goes to stderr with the logs.
+    ready_out, sys.stdout = sys.stdout, sys.stderr
     ray.init(address=ours["address"], namespace=NAMESPACE, log_to_driver=True)
     opts = {"launcher": rest, "model": str(Path(model).resolve()), "num_cpus": int(ours["num_cpus"]),
             "drain_s": a.drain_timeout, "base_port": a.base_port, "devices": devices,
@@ -127,7 +135,7 @@ def serve(argv: list[str]) -> int:
     try:
         placed = ray.get(controller.start.remote(num["prefill"], num["decode"], float(a.ready_timeout)))
     except Exception as e:   # noqa: BLE001 -- a start that failed: said, then everything stops
-        say(f"not ready: {e}")
+        say(f"not ready: {_why(e)}")
         return stop(1)
     endpoint = placed["endpoint"]
     host = endpoint.rsplit(":", 1)[0].removeprefix("tcp://")
@@ -135,7 +143,7 @@ def serve(argv: list[str]) -> int:
     http = "" if a.no_http else f", OpenAI API at http://{host}:{a.http_port}/v1"
     say(f"ready in {time.monotonic() - started:.1f}s: {num['prefill']} prefill + {num['decode']} decode nodes on "
         f"Ray; clients connect to {endpoint}{http} ({where}; CURVE keys made here, handed to each actor)")
-    print(f"PDSERVE_ENDPOINT={endpoint}", flush=True)
+    print(f"PDSERVE_ENDPOINT={endpoint}", file=ready_out, flush=True)
     while not stop_signal:
         time.sleep(1)
         if stop_signal:
@@ -177,7 +185,7 @@ def scale(argv: list[str]) -> int:
     try:
         changes = ray.get(controller.scale.remote(a.num_prefill, a.num_decode, a.timeout))
     except ray.exceptions.RayTaskError as e:
-        print(f"pdserve scale: {e.cause if hasattr(e, 'cause') else e}", file=sys.stderr)
+        print(f"pdserve scale: {_why(e)}", file=sys.stderr)
         return 1
     print(f"added: {' '.join(changes['added']) or '-'}; drained: {' '.join(changes['drained']) or '-'}")
     return 0

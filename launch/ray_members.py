@@ -15,6 +15,7 @@ the driver stops the cluster instead (as start_cluster.sh does).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,6 +36,7 @@ from launch.leftovers import remove_leftovers
 from launch.model_copy import local_copy, manifest, read_part
 
 STOP_GRACE_S = 10
+MAX_START_TRIES = 3   # a node that exits this often before it is first ready fails the start
 CONTROLLER_PREFIX = "pdserve:"   # the controller's actor name: pdserve:<client endpoint>
 NAMESPACE = "pdserve"
 HEAD_RESOURCE = "node:__internal_head__"        # what only the Ray head has
@@ -167,6 +169,7 @@ class Controller:
         self.members: dict[str, object] = {}  # name -> its actor
         self.groups: dict[str, object] = {}   # name -> the placement group it runs in
         self.roles: dict[str, str] = {}
+        self.num_starts: dict[str, int] = {}  # name -> times its member started (Ray restarts it)
         self.node_link = ""
         self.endpoint = ""
 
@@ -180,6 +183,7 @@ class Controller:
         """Every public key, and this member's secret key: made once here, handed to
         each actor at its start (also when Ray starts it again)."""
         # NOTE: takes no lock: a member starting while scale() holds it asks for its keys.
+        self.num_starts[name] = self.num_starts.get(name, 0) + 1   # each start asks once
         d = Path(self.key_dir)
         files = {p.name: p.read_bytes() for p in d.glob("*.key")}
         files[f"{name}.key_secret"] = (d / f"{name}.key_secret").read_bytes()
@@ -255,9 +259,25 @@ class Controller:
         while waiting:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not ready after {timeout_s:.0f}s: {', '.join(waiting)}")
-            ready = ray.get([self.members[n].is_ready.remote() for n in waiting], timeout=timeout_s)
-            waiting = [n for n, r in zip(waiting, ready) if not r]
+            failing = [n for n in waiting if self.num_starts.get(n, 0) > MAX_START_TRIES]
+            if failing:   # a node that cannot start: Ray would start it for ever
+                raise RuntimeError(f"{', '.join(failing)} exited {MAX_START_TRIES} times while starting (its error "
+                                   f"is above)")
+            refs = {n: self.members[n].is_ready.remote() for n in waiting}
+            waiting = [n for n, ref in refs.items() if not self._answer(ref, timeout_s)]
             time.sleep(0.2)
+
+    @staticmethod
+    def _answer(ref, timeout_s: float):
+        """A member's answer, or None while Ray starts it again; RuntimeError for one that
+        could not be made (its __init__ raised: Ray does not try again)."""
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.ActorUnavailableError:
+            return None
+        except ray.exceptions.ActorDiedError as e:
+            cause = re.search(r"RuntimeError: (.*)", str(e))
+            raise RuntimeError(cause.group(1) if cause else str(e).strip().splitlines()[-1]) from None
 
     def where(self) -> dict[str, dict]:
         """name -> its machine's address, hostname, pid and endpoint (a member Ray is

@@ -145,6 +145,16 @@ def test_serve_on_ray_over_three_hosts_restarts_scales_and_stops_clean(tiny_mode
         for name in ("b", "c"):   # the model is on host a alone: the others fetch it (--ray-ship-model)
             _ray(hosts, name, ray_dir, "--address", head, hide=str(tiny_model))
         ray_up_s = time.monotonic() - started
+        # Starts that cannot succeed fail in one line: the model not on a decode node's host, and
+        # a node that exits at once (Ray would start it for ever).
+        for extra, why in ((["--decode-arg", "--no-such-flag"], "decode-0: the model directory "),
+                           (["--ray-ship-model", "--decode-arg", "--no-such-flag"],
+                            "decode-0 exited 3 times while starting")):
+            out = hosts.run("a", ["bash", str(ROOT / "launch/start_cluster.sh"), "--ray", head, "--model",
+                                  str(tiny_model), "--no-http", *extra], timeout_s=180, cwd=ROOT, env=_env())
+            assert out.returncode == 1 and out.stdout == "", out.stderr[-3000:]
+            assert f"[pdserve] not ready: {why}" in out.stderr, out.stderr[-3000:]
+            wait_for(lambda: not _pdserve_pids(), 30, "nothing left of the failed start")
         log = tmp_path / "driver.log"
         started = time.monotonic()
         driver = hosts.popen("a", ["bash", str(ROOT / "launch/start_cluster.sh"), "--ray", head, "--model",
