@@ -37,7 +37,7 @@ from launch.model_copy import local_copy, manifest, read_part
 
 STOP_GRACE_S = 10
 MAX_START_TRIES = 3   # a node that exits this often before it is first ready fails the start
-CONTROLLER_PREFIX = "pdserve:"   # the controller's actor name: pdserve:<client endpoint>
+CONTROLLER_PREFIX = "pdserve:"   # the controller's actor name: pdserve:<base port>
 NAMESPACE = "pdserve"
 HEAD_RESOURCE = "node:__internal_head__"        # what only the Ray head has
 ACCELERATORS = {"cuda": "GPU", "npu": "NPU"}   # device kind -> Ray's resource name
@@ -66,7 +66,8 @@ def resources(device: str, num_cpus: int) -> dict[str, float]:
 class Member:
     """One pdserve process on this actor's machine. spec: role ("frontend", "prefill" or
     "decode"), name, device, launcher (start_cluster.sh's flags), base_port, node_link
-    (nodes: the frontend's node endpoint), num_cpus, model."""
+    (nodes: the frontend's node endpoint), num_cpus, model, ship_model (fetch the model
+    from the driver's machine when this one lacks it)."""
 
     def __init__(self, spec: dict, controller):
         self.spec, self.stopping = spec, False
@@ -159,11 +160,11 @@ class Member:
 
 class Controller:
     """Places the cluster and changes it: start(), scale(), stop(). One per cluster, named
-    pdserve:<client endpoint> in the pdserve namespace, so `pdserve scale` finds it;
+    pdserve:<base port> in the pdserve namespace, so `pdserve scale` finds it;
     the members are its actors and die with it (and it with the driver)."""
 
     def __init__(self, opts: dict):
-        self.opts = opts                      # launcher, model, num_cpus, drain_s, base_port, devices
+        self.opts = opts   # launcher, model, num_cpus, drain_s, base_port, devices, ship_model
         self.lock = threading.RLock()         # one scale() or stop() at a time
         self.key_dir = tempfile.mkdtemp(prefix=f"pdserve-keys-{os.getpid()}-")
         self.members: dict[str, object] = {}  # name -> its actor
