@@ -196,6 +196,13 @@ def test_serve_on_ray_over_three_hosts_restarts_scales_and_stops_clean(tiny_mode
         results = _client(hosts, endpoint, "complete", json.dumps(prompts), "12")["results"]
         assert [r["tokens"] for r in results] == expected
 
+        # A cluster no `serve --ray` placed: said in one line.
+        out = hosts.run("a", [sys.executable, "-m", "launch.cli", "scale", "--endpoint", "tcp://198.18.0.1:5990",
+                              "--ray", head, "--num-prefill", "1", "--num-decode", "1"], timeout_s=120, cwd=ROOT,
+                        env=_env())
+        assert out.returncode == 1 and "no cluster placed by pdserve serve --ray at tcp://198.18.0.1:5990" \
+            in out.stderr, out.stderr[-3000:]
+
         # Scale past what Ray has room for (one CPU is free now, on the hosts left): the node
         # that fits is added, the next is refused in one line.
         out = hosts.run("a", [sys.executable, "-m", "launch.cli", "scale", "--endpoint", endpoint, "--ray", head,
