@@ -11,15 +11,18 @@ Kubernetes (deploy/).
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
 from pathlib import Path
 
+from common.base.env import read_env
 from launch import cluster_plan
 from launch.cluster_plan import PlanError
+from launch.default_model import make_default
 
+NAMESPACE = "pdserve"                # Ray's namespace for the controller's name
+CONTROLLER_PREFIX = "pdserve:"       # the controller's actor name: pdserve:<base port>
 RAY_FLAGS = {"--ray": "address", "--ray-cpus-per-node": "num_cpus"}
 RAY_SWITCHES = {"--ray-ship-model": "ship_model"}
 NOT_WITH_RAY = ("join", "demo", "no_keys", "keys", "advertise_host")
@@ -68,7 +71,6 @@ def _why(e: Exception) -> str:
 
 
 def controller_name(base_port: int | str) -> str:
-    from launch.ray_members import CONTROLLER_PREFIX
     return f"{CONTROLLER_PREFIX}{base_port}"
 
 
@@ -83,30 +85,25 @@ def serve(argv: list[str]) -> int:
             if getattr(a, dest):
                 raise PlanError(f"--{dest.replace('_', '-')} is not for --ray (Ray places every node; keys are "
                                 f"made and handed out here)")
-        num = {r: len(cluster_plan.devices_for(getattr(a, f"{r}_devices"), getattr(a, f"num_{r}"), r))
-               for r in ("prefill", "decode")}
-        devices = {r: getattr(a, f"{r}_devices").split(",")[0] for r in ("prefill", "decode")}
-        cluster_plan.make_plan(a, 1, Path("."))   # the flags' own checks
+        plan = cluster_plan.make_plan(a, 1, read_env().home)   # the flags' own checks, the node list
     except PlanError as e:
         print(f"start_cluster: {e}", file=sys.stderr)
         return 2
-    home = Path(os.environ.get("PDSERVE_HOME") or Path.home() / ".cache" / "pdserve")
-    model = a.model or str(home / "tiny-qwen3")
-    if not a.model and not (Path(model) / "config.json").is_file():
-        say(f"making a tiny random Qwen3 at {model} (every machine must see this path)")
-        import subprocess
-        subprocess.run([sys.executable, "-m", "launch.make_tiny_model", model], stdout=subprocess.DEVNULL, check=True)
+    num = {role: sum(n.role == role for n in plan.nodes) for role in ("prefill", "decode")}
+    devices = {role: getattr(a, f"{role}_devices").split(",")[0] for role in ("prefill", "decode")}
+    if not a.model:
+        make_default(plan.model, say, " (every machine must see this path)")
     if not has_ray("start_cluster"):
         return 2
     import ray
-    from launch.ray_members import NAMESPACE, Controller
+    from launch.ray_members import Controller
 
     started = time.monotonic()
     # NOTE: stdout carries the ready line alone; Ray prints the actors' output (and its own
     # warnings) to sys.stdout from a thread, so that goes to stderr with the logs.
     ready_out, sys.stdout = sys.stdout, sys.stderr
     ray.init(address=ours["address"], namespace=NAMESPACE, log_to_driver=True)
-    opts = {"launcher": rest, "model": str(Path(model).resolve()), "num_cpus": int(ours["num_cpus"]),
+    opts = {"launcher": rest, "model": str(Path(plan.model).resolve()), "num_cpus": int(ours["num_cpus"]),
             "drain_s": a.drain_timeout, "base_port": a.base_port, "devices": devices,
             "ship_model": ours["ship_model"]}
     here = ray.get_runtime_context().get_node_id()
@@ -145,12 +142,10 @@ def serve(argv: list[str]) -> int:
         f"Ray; clients connect to {endpoint}{http} ({where}; CURVE keys made here, handed to each actor)")
     print(f"PDSERVE_ENDPOINT={endpoint}", file=ready_out, flush=True)
     while not stop_signal:
-        time.sleep(1)
-        if stop_signal:
-            break
         if not ray.get(controller.is_frontend_alive.remote()):
             say("the frontend exited; stopping the cluster")
             return stop(1)
+        time.sleep(1)
     return stop(0)
 
 
@@ -170,7 +165,6 @@ def scale(argv: list[str]) -> int:
     if not has_ray("pdserve scale"):
         return 2
     import ray
-    from launch.ray_members import NAMESPACE
     ray.init(address=a.ray, namespace=NAMESPACE, log_to_driver=False)
     try:
         controller = ray.get_actor(controller_name(port))

@@ -30,6 +30,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common.base.env import read_env
+from common.wire.keys import make_keys
 from launch import cluster_plan
 from launch.cluster_plan import Node, Plan
 from launch.leftovers import remove_leftovers
@@ -37,8 +39,6 @@ from launch.model_copy import local_copy, manifest, read_part
 
 STOP_GRACE_S = 10
 MAX_START_TRIES = 3   # a node that exits this often before it is first ready fails the start
-CONTROLLER_PREFIX = "pdserve:"   # the controller's actor name: pdserve:<base port>
-NAMESPACE = "pdserve"
 HEAD_RESOURCE = "node:__internal_head__"        # what only the Ray head has
 ACCELERATORS = {"cuda": "GPU", "npu": "NPU"}   # device kind -> Ray's resource name
 
@@ -94,7 +94,7 @@ class Member:
             raise RuntimeError(f"{s['name']}: the model directory {s['model']} is not on {self.ip}: give --model a "
                                f"path every machine sees (a shared file system), or add --ray-ship-model")
         files = ray.get(controller.model_files.remote())
-        cache = Path(os.environ.get("PDSERVE_HOME") or Path.home() / ".cache" / "pdserve") / "models"
+        cache = read_env().home / "models"
         started = time.monotonic()
         path, fetched = local_copy(s["model"], files, lambda rel, at, n: ray.get(controller.read_model.remote(
             rel, at, n)), cache)
@@ -176,19 +176,15 @@ class Controller:
 
     # ---- keys -----------------------------------------------------------------
 
-    def _make_keys(self, names: list[str]) -> None:
-        from common.wire.keys import make_keys
-        make_keys(self.key_dir, names)
+    def _public_keys(self) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in Path(self.key_dir).glob("*.key")}
 
     def keys_for(self, name: str) -> dict[str, bytes]:
         """Every public key, and this member's secret key: made once here, handed to
         each actor at its start (also when Ray starts it again)."""
         # NOTE: takes no lock: a member starting while scale() holds it asks for its keys.
         self.num_starts[name] = self.num_starts.get(name, 0) + 1   # each start asks once
-        d = Path(self.key_dir)
-        files = {p.name: p.read_bytes() for p in d.glob("*.key")}
-        files[f"{name}.key_secret"] = (d / f"{name}.key_secret").read_bytes()
-        return files
+        return {**self._public_keys(), f"{name}.key_secret": (Path(self.key_dir) / f"{name}.key_secret").read_bytes()}
 
     def model_files(self) -> list[tuple[str, int]]:
         return manifest(self.opts["model"])
@@ -200,8 +196,7 @@ class Controller:
 
     def _spec(self, name: str, role: str) -> dict:
         o = self.opts
-        device = o["devices"]["prefill" if role == "frontend" else role]
-        return {"name": name, "role": role, "device": "cpu" if role == "frontend" else device,
+        return {"name": name, "role": role, "device": "cpu" if role == "frontend" else o["devices"][role],
                 "launcher": o["launcher"], "base_port": o["base_port"], "node_link": self.node_link,
                 "num_cpus": o["num_cpus"], "model": o["model"], "ship_model": o["ship_model"]}
 
@@ -222,7 +217,7 @@ class Controller:
         are enough)."""
         o = self.opts
         names = [f"prefill-{i}" for i in range(num_prefill)] + [f"decode-{i}" for i in range(num_decode)]
-        self._make_keys(names)
+        make_keys(self.key_dir, names)
         node_res = {role: resources(o["devices"][role], o["num_cpus"]) for role in ("prefill", "decode")}
         # (name, bundle, resources): bundle 0 holds the frontend and prefill-0 where there is one.
         shares_first = bool(names) and names[0] == "prefill-0"
@@ -312,9 +307,9 @@ class Controller:
                 if want > len(have):
                     taken = {int(n.rpartition("-")[2]) for n in have}
                     new = [f"{role}-{i}" for i in range(want + len(taken) + 1) if i not in taken][:want - len(have)]
-                    self._make_keys(new)
-                    publics = {p.name: p.read_bytes() for p in Path(self.key_dir).glob("*.key")}
-                    ray.get([a.write_keys.remote(publics) for a in self.members.values()], timeout=timeout_s)
+                    make_keys(self.key_dir, new)
+                    public = self._public_keys()
+                    ray.get([a.write_keys.remote(public) for a in self.members.values()], timeout=timeout_s)
                     res = resources(o["devices"][role], o["num_cpus"])
                     for name in new:
                         group = placement_group([res], strategy="SPREAD")

@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from common.base.env import read_env
 from launch import cluster_plan
 from launch.cluster_plan import Node, Plan, PlanError
 from launch.leftovers import remove_leftovers
+from launch.default_model import make_default
 
 MAX_BACKOFF_S = 30
 STABLE_S = 60      # a node that ran this long starts its backoff over
@@ -222,20 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     if "--ray" in argv:   # Ray places and supervises the processes (launch/ray_cluster.py)
         from launch.ray_cluster import serve
         return serve(argv)
-    home = Path(os.environ.get("PDSERVE_HOME") or Path.home() / ".cache" / "pdserve")
     try:
         a = cluster_plan.parse(argv)
         if a.help:
             print(cluster_plan.USAGE)
             return 0
-        plan = cluster_plan.make_plan(a, cluster_plan.num_cores(), home)
+        plan = cluster_plan.make_plan(a, cluster_plan.num_cores(), read_env().home)
     except PlanError as e:
         print(f"start_cluster: {e}", file=sys.stderr)
         return 2
-    if not a.model and not (Path(plan.model) / "config.json").is_file():
-        say(f"making a tiny random Qwen3 at {plan.model}")
-        subprocess.run([sys.executable, "-m", "launch.make_tiny_model", plan.model],
-                       stdout=subprocess.DEVNULL, check=True)
+    if not a.model:
+        make_default(plan.model, say)
     why = _check_ports(a.host, plan.ports)
     if why:
         print(f"start_cluster: {why}", file=sys.stderr)
