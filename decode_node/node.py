@@ -386,7 +386,7 @@ class DecodeNode:
                 "num_available_blocks": self.blocks.num_available,
                 "num_bad_messages": self.frontend.num_bad + self.kv.num_bad,
                 "num_link_resets": self.runtime.num_link_resets + self.kv.num_reroutes,
-                "num_incomplete_commits": self.handoff.num_incomplete,
+                "num_incomplete_commits": self.handoff.num_incomplete, "num_early_commits": self.handoff.num_early_commits,
                 "num_kv_verify_failures": self.handoff.num_verify_failures,
                 "num_peer_drops": self.handoff.num_peer_drops,
                 "is_registered": self.runtime.is_registered,

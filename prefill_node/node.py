@@ -101,7 +101,8 @@ class PrefillNode:
     # ---- receive ----------------------------------------------------------
 
     def _receive(self, timeout_s: float) -> None:
-        for ch in self._poller.wait(timeout_s):
+        # NOTE: a data connection a write waits on wakes the loop when it can take more KV
+        for ch in self._poller.wait(timeout_s, self.handoffs.links.waiting_to_send()):
             if ch is self.frontend:
                 self._receive_all()
             else:
@@ -149,11 +150,12 @@ class PrefillNode:
             return
         self.scheduler.add(job)
 
-    def _connect(self, name: str, endpoint: str) -> Channel:
-        """The KV link to a decode node; with keys, it must prove the key of the name
-        the frontend chose."""
-        ch = Channel(self.runtime.ctx, False, endpoint, tag=self.runtime.tag, is_immediate=True,
-                     max_message_bytes=self.cfg.links.max_message_bytes, server=name)
+    def _connect(self, name: str, endpoint: str, suffix: str, max_queued: int | None) -> Channel:
+        """A connection of the KV link to a decode node (common/handoff/links.py); with keys,
+        it must prove the key of the name the frontend chose."""
+        tag = self.runtime.tag + (f"/{suffix}" if suffix else "")
+        ch = Channel(self.runtime.ctx, False, endpoint, tag=tag, is_immediate=True,
+                     max_message_bytes=self.cfg.links.max_message_bytes, server=name, max_queued=max_queued)
         self._poller.add(ch)
         return ch
 

@@ -115,11 +115,13 @@ class Pair:
         self.src = torch.randn(2, 2, 17, BLOCK_SIZE, 1, 2)          # prefill cache, 16 usable blocks
         self.prefix = BlockAllocator(17)
         self.link = MemLink()
+        self.data = MemLink()    # the link's data connection: tcp frames
         self.rx = self.start_decode("e1")
         self.failed: list[tuple[str, str]] = []
         self.retryable: set[str] = set()   # ids of failures the frontend may move elsewhere
         self.tx = Sender(name="prefill-0", handoff_lease_s=handoff_lease_s, block_size=BLOCK_SIZE,
-                         block_bytes=block_bytes(self.src), connect=lambda name, endpoint: self.link,
+                         block_bytes=block_bytes(self.src),
+                         connect=lambda name, endpoint, suffix, max_queued: self.data if suffix else self.link,
                          open_writer=lambda w, send: transfer.open_writer("tcp", w, self.src, send),
                          free_blocks=self.prefix.free, drop_job=self._drop_job, fail=self._failed,
                          clock=self.clock, num_layers=self.src.shape[0], layerwise=layerwise)
@@ -157,14 +159,20 @@ class Pair:
     def pump(self, turns: int = 20) -> None:
         """Loop turns on both sides until no message is on the way."""
         for _ in range(turns):
+            self.deliver_data()
             while self.link.to_decode:
                 self.rx.receive(PREFILL, protocol.decode(self.link.to_decode.popleft(), PREFILL_TO_DECODE))
             self.rx.turn()
             self.tx.receive(self.link)
             self.tx.advance()
-            if not self.link.to_decode and not self.link.to_prefill:
+            if not self.link.to_decode and not self.link.to_prefill and not self.data.to_decode:
                 return
         raise AssertionError("the two halves kept talking")
+
+    def deliver_data(self) -> None:
+        """What is on the data connection arrives (the decode node sees its "/kv" tag)."""
+        while self.data.to_decode:
+            self.rx.receive(PREFILL + b"/kv", protocol.decode(self.data.to_decode.popleft(), PREFILL_TO_DECODE))
 
     def run_for(self, seconds: float, step_s: float = 0.5) -> None:
         """Time passes in steps, both loops turning after each."""

@@ -40,7 +40,7 @@ def test_a_write_the_link_refuses_is_stopped_at_its_deadline_and_frees_both_side
     p = Pair(lease_s=30.0, handoff_lease_s=60.0)
     num_free = p.prefix.num_free
     job, h = _handoff(p, "r", prompt_len=10)
-    p.link.is_refusing = True            # the decode host dropped off after granting
+    p.link.is_refusing = p.data.is_refusing = True   # the decode host dropped off after granting
     p.tx.start_writes([job])
     p.tx.set_first_token(job, 3, {})
     p.tx.advance()
@@ -128,6 +128,42 @@ def test_a_reset_connection_is_the_same_peer_on_a_new_route(tmp_path):
             server_ctx.term()
 
 
+def test_a_data_connection_takes_only_a_few_frames_and_wakes_its_loop_when_it_takes_more():
+    """A write's frames wait in the writer once its data connection is full (it picks what
+    goes next); the loop's wait ends as soon as the connection can take a frame again."""
+    import zmq
+    from common.wire.channel import Poller
+    ctx = open_context()
+    sink = ctx.zmq.socket(zmq.ROUTER)       # a decode node too busy to read: nothing is taken
+    sink.setsockopt(zmq.RCVHWM, 1)
+    sink.setsockopt(zmq.RCVBUF, 2**16)
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    data = Channel(ctx, False, f"tcp://127.0.0.1:{port}", tag="prefill-0/1/kv", is_immediate=True, max_queued=2)
+    poller = Poller(data)
+    try:
+        frame = KVTransfer("r", "g", "tcp", {"first_layer": 0}, torch.zeros(2**18))   # 1 MiB
+        deadline, num_sent = time.monotonic() + 20, 0
+        while True:                                # until it stays full
+            while data.send(frame, block=False):
+                num_sent += 1
+            if num_sent and not poller.wait(0.3, (data,)):
+                break
+            assert time.monotonic() < deadline
+        # what the kernels' buffers hold, and the queue of max_queued, no more
+        assert 2 <= num_sent <= 40, num_sent
+        for _ in range(num_sent):                  # the decode node reads: room again
+            sink.recv_multipart()
+            if poller.wait(0.1, (data,)):
+                break
+        else:
+            raise AssertionError("the wait did not end once the connection took frames again")
+        assert poller.wait(0.05) == []            # only a wait that asks for it wakes on room
+    finally:
+        data.close()
+        sink.close(linger=0)
+        ctx.term()
+
+
 def test_a_reservation_stays_its_prefill_nodes_across_a_reset_of_the_link():
     p = Pair()
     job, h = _handoff(p, "r", prompt_len=10)
@@ -196,19 +232,76 @@ def test_a_loop_held_up_does_not_make_live_nodes_dead():
 
 # ---- 4. a commit without all of its KV, or for another grant ------------------------------------
 
-def test_a_commit_whose_frames_were_lost_is_refused_and_moves():
+def _deliver_control(p: Pair) -> None:
+    """Only what is on the control connection arrives (a commit overtakes the KV on the data one)."""
+    while p.link.to_decode:
+        p.rx.receive(PREFILL, protocol.decode(p.link.to_decode.popleft(), protocol.PREFILL_TO_DECODE))
+
+
+def test_a_commit_that_overtakes_its_kv_waits_for_it():
     p = Pair()
-    num_free = p.prefix.num_free
+    job, h = _handoff(p, "r", prompt_len=10)
+    src = p.src[:, :, job.block_ids].clone()
+    p.tx.start_writes([job])
+    p.tx.advance()                      # the frames are on the data connection ...
+    assert p.data.sent and all(isinstance(m, KVTransfer) for m in p.data.sent)
+    assert not any(isinstance(m, KVTransfer) for m in p.link.sent)
+    p.tx.set_first_token(job, 3, {})
+    _deliver_control(p)                 # ... and the commit comes first: held, not refused
+    assert p.rx.held["r"].commit is not None and p.rx.num_early_commits == 1 and not p.link.to_prefill
+    assert p.rx.next_ready() is None
+    p.pump()                            # the KV lands: the commit is taken
+    assert "r" not in p.tx.by_id and not p.failed and p.rx.num_incomplete == 0
+    r = p.rx.next_ready()
+    assert r.request_id == "r" and r.error is None and torch.equal(p.dst[:, :, r.block_ids], src)
+
+
+def test_a_reset_of_the_data_connection_fails_what_it_carried_at_once():
+    p = Pair(lease_s=30.0, handoff_lease_s=60.0)
+    num_free, num_decode_free = p.prefix.num_free, p.pool.blocks.num_free
     job, h = _handoff(p, "r", prompt_len=10)
     p.tx.start_writes([job])
-    p.tx.advance()                      # the frames are on the link ...
-    p.link.to_decode.clear()            # ... and lost (a reset dropped what was queued)
+    p.tx.advance()                      # the frames are on the data connection ...
+    p.data.to_decode.clear()            # ... and lost: a middlebox reset it, and it is made again
+    p.data.reset()
+    p.tx.set_first_token(job, 3, {})
+    p.pump()                            # no lease has to end
+    assert "r" not in p.tx.by_id and "r" in p.retryable    # it moves on
+    assert any("may be lost" in e for _, e in p.failed) and p.tx.num_link_resets == 1
+    assert "r" not in p.rx.held and p.prefix.num_free == num_free and p.pool.blocks.num_free == num_decode_free
+    assert p.rx.next_ready() is None                        # never decoded
+
+
+def test_kv_that_never_comes_fails_its_commit_when_the_lease_ends():
+    p = Pair(lease_s=5.0, handoff_lease_s=60.0)
+    num_decode_free = p.pool.blocks.num_free
+    job, h = _handoff(p, "r", prompt_len=10)
+    p.tx.start_writes([job])
+    p.tx.advance()
+    p.data.to_decode.clear()            # lost with nothing said (no reset seen)
     p.tx.set_first_token(job, 3, {})
     p.pump()
-    assert "r" not in p.tx.by_id and "r" in p.retryable    # refused as retryable: it moves on
-    assert any("did not all arrive" in e for _, e in p.failed)
-    assert "r" not in p.rx.held and p.rx.num_incomplete == 1 and p.prefix.num_free == num_free
-    assert p.rx.next_ready() is None                        # never decoded
+    assert p.rx.held["r"].commit is not None and "r" in p.tx.by_id
+    p.run_for(6.0)
+    assert "r" not in p.tx.by_id and "r" in p.retryable
+    assert any("did not all arrive within 5s of its commit" in e for _, e in p.failed)
+    assert "r" not in p.rx.held and p.pool.blocks.num_free == num_decode_free and p.rx.next_ready() is None
+
+
+def test_a_commit_saying_less_than_a_whole_write_is_refused_at_once():
+    p = Pair()
+    reserve(p.rx, "r", 8, 4, sender=PREFILL)
+    r = p.rx.held["r"]
+    p.rx.receive(PREFILL, KVCommit("r", 8, 1, SamplingParams(max_tokens=4), {}, "tcp", [1] * 8, r.name, 1))
+    assert "r" not in p.rx.held and p.rx.num_incomplete == 1 and p.rx.num_early_commits == 0
+
+
+def test_only_kv_is_taken_from_a_data_connection():
+    p = Pair()
+    reserve(p.rx, "r", 8, 4, sender=PREFILL)
+    name = p.rx.held["r"].name
+    p.rx.receive(PREFILL + b"/kv", KVCommit("r", 8, 1, SamplingParams(max_tokens=4), {}, "tcp", [1] * 8, name, 2))
+    assert p.rx.held["r"].commit is None and p.rx.num_early_commits == 0   # dropped: not its to say
 
 
 def test_a_commit_for_a_grant_of_an_earlier_life_is_refused():

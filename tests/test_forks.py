@@ -139,7 +139,7 @@ def test_a_handoff_with_forks_through_both_halves():
     assert "s" not in p.tx.by_id and "s" not in p.rx.held and not p.tx.holds("s1")
     failing = p.job("t", prompt_len=10)
     failing.forks = [Fork("t1", 1)]
-    p.link.is_cut = True                    # its decode node never answers: every id fails, retryable
+    p.link.is_cut = p.data.is_cut = True                    # its decode node never answers: every id fails, retryable
     p.tx.begin(failing)
     p.run_for(p.tx.handoff_lease_s + 1)
     assert {rid for rid, _ in p.failed} == {"t", "t1"} and p.retryable == {"t", "t1"}

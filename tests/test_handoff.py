@@ -32,8 +32,8 @@ def _sink(dw, accepted, host="127.0.0.1"):
     return transfer.KVSink(transfer.LocalCache(dw.kv_cache, host, dw.kv_shm_name), accepted)
 
 
-def _frame(rid, first_layer, kv):
-    return KVTransfer(rid, "g", "tcp", {"first_layer": first_layer}, kv)
+def _frame(rid, first_layer, kv, first_block=0):
+    return KVTransfer(rid, "g", "tcp", {"first_layer": first_layer, "first_block": first_block}, kv)
 
 
 def _dist(rid, group, tag):
@@ -112,8 +112,8 @@ def commit_and_decode(pw, dw, rx, sched, r, backend, prompt, params, first, num_
 
 def test_tcp_frames_are_a_group_of_layers_each(workers, monkeypatch):
     pw, dw = workers
-    monkeypatch.setattr(transfer.tcp, "FRAME_BYTES", 1)  # one layer per frame
     src = [1, 2, 3]
+    monkeypatch.setattr(transfer.tcp, "FRAME_BYTES", pw.kv_cache[0, :, :3].numel() * pw.kv_cache.element_size())
     pw.kv_cache[:, :, src] = torch.randn_like(pw.kv_cache[:, :, src])
     frames = []
     writer = transfer.tcp.TcpWriter(pw.kv_cache, lambda m: frames.append(m) or True)
@@ -124,6 +124,59 @@ def test_tcp_frames_are_a_group_of_layers_each(workers, monkeypatch):
     for f in frames:
         sink.receive(b"p", _wire(f), [7, 8, 9])
     assert torch.equal(dw.kv_cache[:, :, [7, 8, 9]], pw.kv_cache[:, :, src])
+
+
+def test_tcp_splits_a_layer_larger_than_a_frame_by_blocks(workers, monkeypatch):
+    from common.transfer import tcp
+    pw, dw = workers
+    per_block = pw.kv_cache[0, :, :1].numel() * pw.kv_cache.element_size()
+    monkeypatch.setattr(tcp, "FRAME_BYTES", 2 * per_block)   # a layer of 5 blocks: frames of 2, 2, 1
+    src, dst = [1, 2, 3, 4, 5], [9, 10, 11, 12, 13]
+    pw.kv_cache[:, :, src] = torch.randn_like(pw.kv_cache[:, :, src])
+    frames = []
+    writer = tcp.TcpWriter(pw.kv_cache, lambda m: frames.append(m) or True)
+    writer.write("r", "g", src, dst, within_s=30)
+    assert writer.poll() == [("r", None)]
+    num_layers = pw.kv_cache.shape[0]
+    assert [(f.header["first_layer"], f.header["first_block"], f.data.shape[2]) for f in frames] == \
+        [(layer, b, n) for layer in range(num_layers) for b, n in ((0, 2), (2, 2), (4, 1))]
+    sink = _sink(dw, ["tcp"])
+    for i, f in enumerate(frames):
+        sink.receive(b"p", _wire(f), dst)
+        assert sink.why_incomplete("tcp", "r", 5, num_layers) is None or i < len(frames) - 1
+    assert sink.receivers["tcp"].num_received("r") == num_layers
+    assert torch.equal(dw.kv_cache[:, :, dst], pw.kv_cache[:, :, src])
+    with pytest.raises(transfer.TransferError, match="arrived twice"):
+        sink.receive(b"p", _wire(frames[1]), dst)
+
+
+def test_tcp_sends_the_write_with_the_fewest_bytes_left_first_as_the_link_takes_frames():
+    """A long prompt's KV began first; a short one's comes next: the link takes one frame a
+    turn (full), and the short write goes out whole before the long one's next frame."""
+    from common.transfer import tcp
+    cache = torch.randn(4, 2, 40, 4, 1, 2)
+    room, sent = [0], []
+
+    def send(m) -> bool:
+        if room[0] == 0:
+            return False
+        room[0] -= 1
+        sent.append(m.request_id)
+        return True
+    writer = tcp.TcpWriter(cache, send)
+    layer_bytes = cache[0, :, :1].numel() * cache.element_size()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tcp, "FRAME_BYTES", layer_bytes)   # one layer of a one-block write a frame
+        writer.write("long", "g1", list(range(30)), list(range(30)), within_s=30)
+        room[0] = 1
+        writer.flush()                                   # the long write's first frame goes
+        assert writer.is_stalled and sent == ["long"]
+        writer.write("short", "g2", [35], [35], within_s=30)
+        for _ in range(6):
+            room[0] = 1
+            writer.flush()
+    assert sent == ["long"] + ["short"] * 4 + ["long"] * 2
+    assert dict(writer.poll()) == {"short": None}        # the short one is done, the long goes on
 
 
 def test_the_decode_cache_is_shared_memory_and_freed_on_close(tiny_model):
@@ -181,12 +234,13 @@ def test_a_frame_of_the_wrong_shape_or_dtype_is_refused(workers):
     sink = _sink(dw, ["tcp"])
     good = pw.kv_cache[:2, :, [1, 2]].clone()
     before = dw.kv_cache.clone()
-    for kv, first_layer in ((good[:, :, :1], 0), (good.to(torch.float16), 0),
-                            (good, dw.kv_cache.shape[0] - 1), (good.flatten(0, 1), 0),
-                            (good[:, :, :, :8].contiguous(), 0)):
+    for kv, first_layer, first_block in ((good, 0, 1), (good[:, :, :1], 0, 2), (good.to(torch.float16), 0, 0),
+                                         (good, dw.kv_cache.shape[0] - 1, 0), (good.flatten(0, 1), 0, 0),
+                                         (good[:, :, :, :8].contiguous(), 0, 0), (good[:, :, :0], 0, 0)):
         with pytest.raises(transfer.TransferError, match="does not fit"):
-            sink.receive(b"p", _wire(_frame("r", first_layer, kv)), [5, 6])
-    for header in ({}, {"first_layer": -1}, {"first_layer": "0"}, {"first_layer": 0, "extra": 1}):
+            sink.receive(b"p", _wire(_frame("r", first_layer, kv, first_block)), [5, 6])
+    for header in ({}, {"first_layer": -1}, {"first_layer": "0"}, {"first_layer": 0, "extra": 1},
+                   {"first_layer": 0, "first_block": -1}):
         with pytest.raises(transfer.TransferError, match="tcp header"):
             sink.receive(b"p", _wire(KVTransfer("r", "g", "tcp", header, good)), [5, 6])
     assert torch.equal(dw.kv_cache, before)

@@ -66,7 +66,7 @@ def test_renewals_every_third_keep_a_reservation_past_its_lease_and_silence_free
     p.run_for(100)                               # three leases: renewed about every 10 s
     assert p.rx.held["r"].hold is Hold.RESERVED and h.stage is Stage.RESERVED
     assert 9 <= p.sent(KVReserve) - asks <= 11
-    p.link.is_cut = True                         # the decode node hears nothing more
+    p.link.is_cut = p.data.is_cut = True                         # the decode node hears nothing more
     p.run_for(9.5)                               # silence counts from the first unanswered ask
     assert not p.failed and "r" in p.rx.held
     p.run_for(15)
@@ -83,7 +83,7 @@ def test_no_write_starts_in_the_last_third_of_the_lease():
     p = Pair(lease_s=30.0, handoff_lease_s=100.0)
     a, ha = _handoff(p, "a")
     b, hb = _handoff(p, "b")
-    p.link.is_cut = True                         # renewals are lost
+    p.link.is_cut = p.data.is_cut = True                         # renewals are lost
     p.run_for(19)
     p.tx.start_writes([a])
     assert ha.stage is Stage.WRITING             # 11 s of the lease left: writes
@@ -199,7 +199,7 @@ def test_a_commit_never_acknowledged_fails_its_request_and_releases_the_blocks()
     job, h = _handoff(p, "r")
     p.tx.start_writes([job])
     p.pump()
-    p.link.is_cut = True                         # the commit and its answer are lost
+    p.link.is_cut = p.data.is_cut = True                         # the commit and its answer are lost
     p.tx.set_first_token(job, 7, {})
     p.run_for(9.5)
     assert not p.failed and h.stage is Stage.COMMITTED

@@ -35,7 +35,7 @@ def _reserved(p: Pair, rid: str = "r", prompt_len: int = 10):
 
 
 def _frames(p: Pair) -> list[int]:
-    return [m.header["first_layer"] for m in p.link.sent if isinstance(m, KVTransfer)]
+    return [m.header["first_layer"] for m in p.data.sent if isinstance(m, KVTransfer)]
 
 
 def test_layers_go_out_during_the_pass_and_the_commit_waits_for_all_of_them():
@@ -78,6 +78,28 @@ def test_what_goes_layer_by_layer(mode, rate, is_peer_layerwise, layerwise):
     p.tx.set_first_token(job, 7, {})
     p.pump()
     assert p.rx.next_ready().error is None and not p.failed
+
+
+def test_during_a_pass_the_node_is_called_on_to_send_what_is_held_back():
+    """A CPU pass's lanes call on_layers at each layer's end, and every FEED_S between: KV
+    held back for a full link goes out as the link drains, not only at the next layer."""
+    import time
+    from types import SimpleNamespace
+    from common.engine.lanes import FEED_S, Lanes
+
+    def forward(chunks, between_layers=None):
+        for layer in range(2):
+            time.sleep(10 * FEED_S)
+            between_layers(layer + 1)
+        return torch.zeros(len(chunks), 1)
+    lanes, calls = Lanes(1, forward), []
+    try:
+        chunk = SimpleNamespace(token_ids=[1, 2], prompt_targets=None, context_len=0)
+        lanes.forward([chunk], 1, on_layers=lambda idx, n: calls.append((list(idx), n)))
+    finally:
+        lanes.close()
+    assert [c for c in calls if c[0]] == [([0], 1), ([0], 2)]
+    assert calls.count(([], 0)) >= 8    # about 20 while the two layers ran
 
 
 def test_the_auto_rule():
@@ -131,7 +153,7 @@ def test_a_backend_with_no_layerwise_form_writes_whole_at_the_end():
     whole.flush()
     assert _frames(p) == [] and whole.poll() == []
     assert whole.end("r") == 2 and whole.poll() == [("r", None)] and _frames(p) == [0]   # one frame, both layers
-    assert [m.data.shape[0] for m in p.link.sent if isinstance(m, KVTransfer)] == [2]
+    assert [m.data.shape[0] for m in p.data.sent if isinstance(m, KVTransfer)] == [2]
     whole.begin("s", h.reservation, job.block_ids, h.dst_block_ids, within_s=10)
     whole.cancel("s")
     assert whole.poll() == [("s", "cancelled")] and whole.name == "tcp" and not whole.is_stalled

@@ -17,6 +17,7 @@ LANE_NICE = 10
 # A lone chunk shorter than this per thread runs on one lane: an op split over threads
 # waits at its end for every one of them, and on a shared host one may have no core.
 MIN_TOKENS_PER_THREAD = 1024
+FEED_S = 0.005   # on_layers is called at least this often during a pass
 
 
 def _start_lane() -> None:
@@ -29,7 +30,8 @@ class Lanes:
 
     on_layers(chunk_indices, num_done), where given, is called on the caller's thread (the
     node's loop, which owns the sockets) while the lanes run: those chunks' first num_done
-    layers are computed. The caller waits in that loop, so nothing else runs there."""
+    layers are computed; and every FEED_S with no chunk indices, so KV held back for a link
+    that was full goes out as it drains. The caller waits in that loop: nothing else runs there."""
 
     def __init__(self, num_lanes: int, forward: Callable[..., torch.Tensor]):
         self.num_lanes = num_lanes
@@ -65,7 +67,10 @@ class Lanes:
             f.add_done_callback(lambda _: inbox.put(None))
         num_running, error = len(futures), None
         while num_running:   # NOTE: to the end even if on_layers fails: the lanes write the cache
-            item = inbox.get()
+            try:
+                item = inbox.get(timeout=FEED_S) if on_layers is not None else inbox.get()
+            except queue.Empty:
+                item = ([], 0)   # no layer done: what waits to be sent may move (a link that takes more)
             if item is None:
                 num_running -= 1
             elif error is None:

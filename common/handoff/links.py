@@ -1,7 +1,14 @@
 """The prefill node's KV links, one per decode node: opening one, the hello and
 the welcome that open a transfer writer into that node's cache, a link made
 again (a reset), the messages waiting on a link, and what each link is used
-for. The handoffs that travel over them are sender.py's."""
+for. The handoffs that travel over them are sender.py's.
+
+A link is two connections to the decode node's KV socket: control (hellos,
+reservations, commits, releases, and transfers' announcements) and data (the
+KV itself, tagged "NAME/EPOCH/kv"), opened when a writer first sends KV. So a
+short request's reservation and commit never queue behind another's bulk, and
+the data connection takes at most MAX_FRAMES_QUEUED frames: the rest wait in
+the writer, which picks what goes next (common/transfer/tcp.py)."""
 from __future__ import annotations
 
 import time
@@ -12,25 +19,28 @@ from common.handoff.lease import INF
 from common.handoff.states import DecodePeer, Link
 from common.kv.blocks import is_cache_shape, num_cache_blocks
 from common.transfer import KVWriter, TransferError
-from common.wire.protocol import DECODE_TO_PREFILL, KVHello, KVWelcome
+from common.wire.protocol import DECODE_TO_PREFILL, KVHello, KVTransfer, KVWelcome
 
 log = get_logger("prefill")
 HELLO_EVERY_S = 1.0
+DATA = "kv"              # the tag suffix of a link's data connection
+MAX_FRAMES_QUEUED = 2    # on the data connection, besides the one going out
 
 
 class KVLinks:
-    """connect(name, endpoint) opens the link to a decode node; open_writer(welcome, send)
-    a transfer writer into its cache."""
+    """connect(name, endpoint, suffix, max_queued) opens a connection to a decode node's
+    KV socket (suffix "": control); open_writer(welcome, send) a transfer writer into its cache."""
 
-    def __init__(self, name: str, connect: Callable[[str, str], Link],
+    def __init__(self, name: str, connect: Callable[[str, str, str, int | None], Link],
                  open_writer: Callable[[KVWelcome, Callable], KVWriter], clock: Callable[[], float] = time.monotonic):
         self.name, self.connect, self.open_writer, self.clock = name, connect, open_writer, clock
         self.peers: dict[str, DecodePeer] = {}      # by KV endpoint
+        self.num_stray = 0                          # messages that came back on a data connection
 
     def peer_for(self, name: str, endpoint: str) -> DecodePeer:
         peer = self.peers.get(endpoint)
         if peer is None:
-            peer = self.peers[endpoint] = DecodePeer(name, endpoint, self.connect(name, endpoint))
+            peer = self.peers[endpoint] = DecodePeer(name, endpoint, self.connect(name, endpoint, "", None))
         peer.name = name
         return peer
 
@@ -49,11 +59,26 @@ class KVLinks:
         peer.num_blocks = num_cache_blocks(w.cache_shape) if is_cache_shape(w.cache_shape) else 0
         peer.is_layerwise = w.is_layerwise
         try:
-            peer.writer = self.open_writer(w, lambda m: peer.link.send(m, block=False))
+            peer.writer = self.open_writer(w, lambda m: self._send(peer, m))
             log.info("KV link to %s (%s): %s transfer", peer.name, peer.endpoint, peer.writer.name)
         except TransferError as e:
             peer.error = f"cannot hand KV to decode node {peer.name}: {e}"
             log.error("%s", peer.error)
+
+    def _send(self, peer: DecodePeer, msg) -> bool:
+        """What a writer sends: KV on the data connection, an announcement (no KV) on
+        control, in order with the commit that follows it."""
+        if not (isinstance(msg, KVTransfer) and msg.data.numel()):
+            return peer.link.send(msg, block=False)
+        if peer.data_link is None:
+            peer.data_link = self.connect(peer.name, peer.endpoint, DATA, MAX_FRAMES_QUEUED)
+        return peer.data_link.send(msg, block=False)
+
+    def waiting_to_send(self) -> tuple[Link, ...]:
+        """Data connections a writer waits on (full, or not connected yet): the loop wakes
+        when one can take a frame again."""
+        return tuple(p.data_link for p in self.peers.values() if p.data_link is not None
+                     and p.writer is not None and p.writer.is_stalled)
 
     def flush(self) -> None:
         """Every writer sends what is ready (nothing ends)."""
@@ -68,15 +93,25 @@ class KVLinks:
             peer.hello_at = -INF
         return out
 
+    def take_data_resets(self) -> list[DecodePeer]:
+        """Peers whose data connection was made again since the last call: KV sent on the
+        old one may be lost."""
+        return [p for p in self.peers.values() if p.data_link is not None and p.data_link.take_reconnects()]
+
     def messages(self, link: Link) -> Iterator[tuple[DecodePeer, object]]:
         """Everything waiting on one link, with the peer it comes from."""
-        peer = next(p for p in self.peers.values() if p.link is link)
+        peer = next((p for p in self.peers.values() if p.link is link), None)
+        if peer is None:   # a data connection: nothing is answered on it
+            while link.has_message():
+                link.recv(DECODE_TO_PREFILL)
+                self.num_stray += 1
+            return
         while link.has_message():
             yield peer, link.recv(DECODE_TO_PREFILL)[1]
 
     @property
     def num_bad(self) -> int:
-        return sum(p.link.num_bad for p in self.peers.values())
+        return self.num_stray + sum(p.link.num_bad for p in self.peers.values())
 
     def describe(self) -> dict[str, str]:
         """Each decode node's name: the transfer in use, why none, or "connecting"."""
@@ -87,5 +122,7 @@ class KVLinks:
         for peer in self.peers.values():
             if peer.writer is not None:
                 peer.writer.close()
-            peer.link.close()
+            for link in (peer.link, peer.data_link):
+                if link is not None:
+                    link.close()
         self.peers.clear()

@@ -15,7 +15,9 @@ Each grant has a name of its own. A write or a commit that names another grant
 and so is a commit whose KV did not all arrive (the backend counts the units
 of a whole write) or, with --kv-verify, whose blocks do not hold what the
 prefill node wrote: refused means moved (retryable), never decoded. A commit
-repeated for the same grant (the link was made again) is the same commit.
+repeated for the same grant (the link was made again) is the same commit. KV
+sent on the link's data connection can come after its commit, which then waits
+for it (at most a lease).
 """
 from __future__ import annotations
 
@@ -26,7 +28,6 @@ from typing import Callable, Protocol
 
 from common.base.log import Throttle, get_logger
 from common.base.recent import Recent
-from common.base.request import validate_prompt
 from common.handoff.lease import Lease
 from common.handoff.states import Hold, Reservation
 from common.transfer import KVSink, TransferError
@@ -38,6 +39,7 @@ log = get_logger("decode")
 noisy = Throttle(log)   # lines about what peers send
 ABORT_MEMORY_S = 60.0   # a handoff arriving this long after its abort is still dropped
 ADMITTED_MEMORY = 4096  # grants taken into the batch, remembered to answer a repeated commit
+DATA_SUFFIX = b"/kv"    # a prefill node's data connection: its tag and this
 
 
 class Pool(Protocol):
@@ -66,6 +68,7 @@ class Receiver:
         self.num_expired = 0          # not renewed or committed within the lease
         self.num_granted = 0          # granted from the waiting line
         self.num_incomplete = 0       # commits refused: their KV did not all arrive, or named another grant
+        self.num_early_commits = 0    # commits that came before the last of their KV (and waited for it)
         self.num_verify_failures = 0  # committed KV that did not match its checksums (--kv-verify)
         self.num_peer_drops = 0       # reservations freed because the frontend said their prefill node is lost
         self.admitted = Recent(ADMITTED_MEMORY)   # request -> its grant, taken into the batch
@@ -74,7 +77,13 @@ class Receiver:
     # ---- messages ---------------------------------------------------------------
 
     def receive(self, sender: bytes, msg) -> None:
-        """One message from a prefill node's KV link."""
+        """One message from a prefill node's KV link: from its data connection ("NAME/EPOCH/kv",
+        common/handoff/links.py) only KV, as from the node itself."""
+        if sender.endswith(DATA_SUFFIX):
+            sender = sender[:-len(DATA_SUFFIX)]
+            if not isinstance(msg, (KVTransfer, BadMessage)):
+                noisy.warning("dropped a %s sent on a KV data connection", type(msg).__name__)
+                return
         if isinstance(msg, BadMessage):
             noisy.warning("dropped a malformed message: %s", msg.error)
             if msg.request_id:
@@ -205,6 +214,9 @@ class Receiver:
         except TransferError as e:
             noisy.warning("refused a %s KV transfer for %s: %s", m.backend[:32], m.request_id, e)
             r.hold, r.error = Hold.FAILED, r.error or str(e)
+        if r.commit is not None and (r.hold is Hold.FAILED or not self.sink.is_arriving(
+                r.commit.backend, r.request_id, len(r.block_ids), r.commit.num_written)):
+            self._settle(sender, r, r.commit)   # the commit that came first, now its KV is all here
 
     def _note_backend(self, sender: bytes, name: str) -> None:
         if name != self.peer_backends.get(sender):
@@ -229,30 +241,26 @@ class Receiver:
             self._refuse(sender, c.request_id, reason)
             return
         self._note_backend(sender, c.backend)
-        try:
-            if r.hold is Hold.FAILED:
-                raise ValueError(r.error)
-            c.params.validate(self.vocab_size)
-            if len(c.prompt_ids) != c.prompt_len:
-                raise ValueError(f"the commit names {len(c.prompt_ids)} prompt ids for a "
-                                 f"{c.prompt_len}-token prompt")
-            validate_prompt(c.prompt_ids, c.params.max_tokens, self.vocab_size, self.max_model_len)
-            if c.prompt_len != r.prompt_len or c.params.max_tokens > r.max_tokens:
-                raise ValueError(f"commit for {c.prompt_len} tokens + {c.params.max_tokens} outputs "
-                                 f"does not match the reservation ({r.prompt_len} + {r.max_tokens})")
-            if [f.request_id for f in c.forks] != r.fork_ids:
-                raise ValueError("the commit's forks are not the ones reserved")
-            if not all(0 <= t < self.vocab_size for t in [c.first_token, *(f.first_token for f in c.forks)]):
-                raise ValueError("a first token is outside the vocabulary")
-            if c.checksums is not None and len(c.checksums) != len(r.block_ids):
-                raise ValueError(f"{len(c.checksums)} block checksums for {len(r.block_ids)} blocks")
-        except ValueError as e:
-            self._refuse(sender, c.request_id, str(e))
+        why = r.error if r.hold is Hold.FAILED else r.why_not(c, self.vocab_size, self.max_model_len)
+        if why:
+            self._refuse(sender, c.request_id, why)
             return
+        if c.reservation == r.name and self.sink.is_arriving(c.backend, c.request_id, len(r.block_ids),
+                                                             c.num_written):
+            # NOTE: it overtook its KV (on the data connection): held until that lands, or its
+            # lease (counted from here) ends; a reset of that connection fails it at the sender.
+            r.commit, r.lease = c, Lease(self.clock(), self.lease_s)
+            self.num_early_commits += 1
+            return
+        self._settle(sender, r, c)
+
+    def _settle(self, sender: bytes, r: Reservation, c: KVCommit) -> None:
+        """Take the commit, its KV all here, or refuse it."""
         # NOTE: the path's fault, not the request's: refused as retryable, so it moves on.
         why = None if c.reservation == r.name else \
             "the commit names another grant of these blocks (one that ended, or of an earlier life of this node)"
-        why = why or self.sink.why_incomplete(c.backend, c.request_id, len(r.block_ids), c.num_written)
+        why = why or (r.error if r.hold is Hold.FAILED else None) or \
+            self.sink.why_incomplete(c.backend, c.request_id, len(r.block_ids), c.num_written)
         if why is None and self.is_verifying and c.checksums is None:
             why = "this decode node verifies KV (--kv-verify) and the commit has no block checksums"
         if why:
@@ -299,12 +307,15 @@ class Receiver:
             noisy.warning("reservation request %s was not asked again within %.0fs: dropped",
                           w.request_id, self.lease_s)
             self.waiting.remove(w)
-        for rid in [rid for rid, r in self.held.items() if r.hold is not Hold.COMMITTED
-                    and r.lease.is_over(now)]:
-            noisy.warning("reservation %s was neither renewed nor committed within %.0fs: freed", rid,
-                          self.lease_s)
+        for r in [r for r in self.held.values() if r.hold is not Hold.COMMITTED and r.lease.is_over(now)]:
             self.num_expired += 1
-            self._release(rid)
+            if r.commit is not None:   # committed before its KV, which did not all come
+                self._refuse(r.sender, r.request_id, f"its KV did not all arrive within {self.lease_s:.0f}s of "
+                                                     f"its commit", is_retryable=True)
+                continue
+            noisy.warning("reservation %s was neither renewed nor committed within %.0fs: freed", r.request_id,
+                          self.lease_s)
+            self._release(r.request_id)
         while self.waiting:
             w = self.waiting[0]
             refusal = self.refusal(w.request_id, w.prompt_len, w.max_tokens, w.fork_ids)
@@ -342,6 +353,8 @@ class Receiver:
             # copies, a dist send waiting for its receive): they are freed when that node
             # releases them or commits (refused), or when the lease ends, never under a write.
             r.hold, r.error = Hold.FAILED, r.error or "the request was aborted"
+            if r.commit is not None:   # committed, its KV on the way: refused now, not at its lease's end
+                self._refuse(r.sender, request_id, r.error)
 
     # ---- admission -------------------------------------------------------------------
 

@@ -10,8 +10,9 @@ reservation can end (lease.py: write_deadline) and is stopped there, whatever th
 peer does. Asks are numbered and answers echo the number; a grant is named, and the
 writes and the commit name it. When the KV link is made again (a reset), what may
 have been lost on it is asked again (the decode node takes a repeated commit as the
-same one). NOTE: ipc writes straight into the decode node's memory: a write into
-blocks whose reservation has ended could land in another request's KV (lease.py).
+same one); when its data connection is, what sent KV on it fails over. NOTE: ipc
+writes straight into the decode node's memory: a write into blocks whose reservation
+has ended could land in another request's KV (lease.py).
 """
 from __future__ import annotations
 
@@ -38,15 +39,14 @@ HANDED_OFF_MEMORY = 4096   # requests handed to their decode node, remembered fo
 
 
 class Sender:
-    """Every handoff of one prefill node, to any decode node. connect(name, endpoint)
-    opens the KV link to a decode node; open_writer(welcome, send) a transfer writer into
-    its cache; free_blocks(ids) gives local blocks back once written; drop_job(job) takes
+    """Every handoff of one prefill node, to any decode node. connect and open_writer:
+    links.py's; free_blocks(ids) gives local blocks back once written; drop_job(job) takes
     a job that ends unwritten off the prefill scheduler and frees its blocks; fail(request_id,
     error, is_retryable) tells the frontend (retryable: the decode node restarted, went
     silent or the write failed, so the request may go on elsewhere)."""
 
     def __init__(self, *, name: str, handoff_lease_s: float, block_size: int, block_bytes: int,
-                 connect: Callable[[str, str], Link],
+                 connect: Callable[[str, str, str, int | None], Link],
                  open_writer: Callable[[KVWelcome, Callable], KVWriter],
                  free_blocks: Callable[[list[int]], None], drop_job: Callable[[Job], None],
                  fail: Callable[[str, str, bool], None], clock: Callable[[], float] = time.monotonic,
@@ -54,21 +54,17 @@ class Sender:
                  layerwise: str = "off"):
         """checksums (--kv-verify): local block ids -> their checksums (a device tensor,
         queued with the write), sent with the commit. layerwise: --kv-layerwise (writes.py)."""
-        self.name, self.handoff_lease_s = name, handoff_lease_s
-        self.num_layers, self.layerwise = num_layers, layerwise
-        self.checksums = checksums
-        self.block_size, self.block_bytes = block_size, block_bytes
+        self.name, self.handoff_lease_s, self.num_layers, self.layerwise = name, handoff_lease_s, num_layers, layerwise
+        self.checksums, self.block_size, self.block_bytes = checksums, block_size, block_bytes
         self.links = KVLinks(name, connect, open_writer, clock)
         self.free_blocks, self.drop_job, self.fail, self.clock = free_blocks, drop_job, fail, clock
         self.by_id: dict[str, Handoff] = {}
         self.fork_of: dict[str, str] = {}   # n > 1: each fork's id -> its request's (a key of by_id)
-        self.num_handoffs = 0
-        self.bytes_written = 0
+        self.num_handoffs, self.bytes_written = 0, 0
         self.transfers: dict[str, TransferFigures] = {}   # by backend
         self.num_bad_replies = 0
         self.handed_off = Recent(HANDED_OFF_MEMORY)   # requests its decode node took: its now
-        self.num_asks = 0
-        self.num_link_resets = 0
+        self.num_asks, self.num_link_resets = 0, 0
 
     # ---- peers --------------------------------------------------------------
 
@@ -93,15 +89,22 @@ class Sender:
     def _of(self, peer: DecodePeer, *stages: Stage) -> list[Handoff]:
         return [h for h in self.by_id.values() if h.peer is peer and h.stage in stages]
 
-    def _on_reconnect(self, peer: DecodePeer) -> None:
-        """Its link was made again: asks, renewals and commits in flight may be lost."""
+    def _on_reconnect(self, peer: DecodePeer, is_data: bool = False) -> None:
+        """Its link was made again: asks, renewals and commits in flight may be lost (asked
+        again). Its data connection (is_data, links.py): KV may be lost, and a commit waiting
+        there for it would wait out its lease: those handoffs fail now (retryable) and release."""
         self.num_link_resets += 1
         handoffs = [h for h in self.by_id.values() if h.peer is peer]
-        log.warning("the KV link to %s was made again (reset or dropped): asking again for %d handoffs",
-                    peer.name, len(handoffs))
+        log.warning("the KV link to %s was made again (reset or dropped%s): %s %d handoffs", peer.name,
+                    ", its data connection" if is_data else "", "checking" if is_data else "asking again for",
+                    len(handoffs))
         now = self.clock()
         for h in handoffs:
-            if h.stage in (Stage.ASKING, Stage.QUEUED, Stage.RESERVED, Stage.WRITTEN):
+            if is_data:
+                if h.stage in (Stage.WRITING, Stage.WRITTEN, Stage.COMMITTED):
+                    self._end(h, f"its KV to {peer.name} may be lost (the KV link's data connection was made "
+                                 f"again)", release=True, is_retryable=True)
+            elif h.stage in (Stage.ASKING, Stage.QUEUED, Stage.RESERVED, Stage.WRITTEN):
                 h.next_ask_at = min(h.next_ask_at, now)
             elif h.stage is Stage.COMMITTED:
                 self._send_commit(h)
@@ -269,6 +272,8 @@ class Sender:
         """Start writes, send commits, ask and renew, end handoffs whose time has run out."""
         for peer in self.links.take_reconnected():
             self._on_reconnect(peer)
+        for peer in self.links.take_data_resets():
+            self._on_reconnect(peer, is_data=True)
         for peer in self.links.peers.values():
             if peer.writer is not None:
                 for rid, error in peer.writer.poll():
@@ -381,29 +386,24 @@ class Sender:
         if release or h.stage is Stage.QUEUED:   # its blocks, or its place in line
             h.peer.link.send(KVRelease(h.job.request_id), block=False)
         self.drop_job(h.job)
-        if h.error:
-            for rid in h.ids:
-                self.fail(rid, h.error, h.is_retryable)
+        for rid in h.ids if h.error else ():
+            self.fail(rid, h.error, h.is_retryable)
 
     # ---- figures ------------------------------------------------------------------
 
     @property
-    def is_writing(self) -> bool:
-        """A write under way that this loop drives (one that only waits on its peer is not)."""
+    def is_writing(self) -> bool:   # a write under way this loop drives (not one waiting on its peer)
         return any(h.stage in (Stage.WRITING, Stage.CANCELLING) and h.peer.writer is not None
                    and not h.peer.writer.is_stalled for h in self.by_id.values())
 
     @property
-    def num_pending(self) -> int:
-        """Prompts done, waiting for their handoff to be committed."""
+    def num_pending(self) -> int:   # prompts done, waiting for their handoff to be committed
         return sum(h.first_token is not None for h in self.by_id.values())
 
-    def _figures(self, peer: DecodePeer) -> TransferFigures:
-        """Its writer's backend's counts (called only while it has a writer)."""
+    def _figures(self, peer: DecodePeer) -> TransferFigures:   # its writer's backend's (it has one)
         return self.transfers.setdefault(peer.writer.name, TransferFigures())
 
-    def transfer_figures(self) -> dict[str, dict]:
-        """Each backend's counts, by name (the stats' kv_writes)."""
+    def transfer_figures(self) -> dict[str, dict]:   # each backend's, by name (the stats' kv_writes)
         return {name: f.as_dict() for name, f in self.transfers.items()}
 
     def close(self) -> None:

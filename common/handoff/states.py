@@ -8,6 +8,7 @@ Prefill side, one Handoff per request (sender.py), its Stage:
 
 Decode side, one Reservation per request (receiver.py), its Hold:
     WAITING -> RESERVED -> COMMITTED -> taken into the batch
+    RESERVED, its commit held  a commit that overtook its KV waits for it (at most a lease)
     RESERVED -> FAILED        a write failed or it was aborted: its commit is refused
     freed when released by its prefill node, refused, or its lease ends uncommitted
 """
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from common.base.request import SamplingParams
+from common.base.request import SamplingParams, validate_prompt
 from common.handoff.lease import INF, Lease
 from common.transfer import KVWriter
 from common.wire.protocol import KVCommit
@@ -63,7 +64,8 @@ class Link(Protocol):
 class DecodePeer:
     name: str
     endpoint: str
-    link: Link
+    link: Link                            # control
+    data_link: Link | None = None         # the KV itself (links.py), from the first frame
     epoch: str | None = None              # of the welcome the writer was opened from
     writer: KVWriter | None = None
     error: str | None = None              # why this decode node cannot be written to
@@ -152,6 +154,26 @@ class Reservation:
     @property
     def num_seqs(self) -> int:
         return 1 + len(self.fork_ids)
+
+    def why_not(self, c: KVCommit, vocab_size: int, max_model_len: int) -> str | None:
+        """Why a commit for this reservation is refused (it does not fit it, or is malformed)."""
+        try:
+            c.params.validate(vocab_size)
+            if len(c.prompt_ids) != c.prompt_len:
+                return f"the commit names {len(c.prompt_ids)} prompt ids for a {c.prompt_len}-token prompt"
+            validate_prompt(c.prompt_ids, c.params.max_tokens, vocab_size, max_model_len)
+        except ValueError as e:
+            return str(e)
+        if c.prompt_len != self.prompt_len or c.params.max_tokens > self.max_tokens:
+            return (f"commit for {c.prompt_len} tokens + {c.params.max_tokens} outputs does not match "
+                    f"the reservation ({self.prompt_len} + {self.max_tokens})")
+        if [f.request_id for f in c.forks] != self.fork_ids:
+            return "the commit's forks are not the ones reserved"
+        if not all(0 <= t < vocab_size for t in [c.first_token, *(f.first_token for f in c.forks)]):
+            return "a first token is outside the vocabulary"
+        if c.checksums is not None and len(c.checksums) != len(self.block_ids):
+            return f"{len(c.checksums)} block checksums for {len(self.block_ids)} blocks"
+        return None
 
     def give_up(self, request_id: str) -> bool:
         """The frontend gave up request_id, it or one of its forks: does all of it go? Not

@@ -187,6 +187,13 @@ class KVSink:
                     f"{whole} units, the commit says {num_written}, {arrived} arrived")
         return None
 
+    def is_arriving(self, backend_name: str, request_id: str, num_blocks: int, num_written: int) -> bool:
+        """A commit for a whole write came before all of its KV, which travels apart from
+        commits with this backend: the rest may still be on the way."""
+        r = self.receivers.get(backend_name)
+        return r is not None and backend(backend_name).is_kv_apart and \
+            num_written == r.num_units(num_blocks) > r.num_received(request_id)
+
     def checksums(self, block_ids: list[int]) -> list[int]:
         """--kv-verify: the checksums of these blocks of the cache as they are now."""
         return block_checksums(self.cache, block_ids).tolist()

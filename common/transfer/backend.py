@@ -116,6 +116,9 @@ class Backend:
     why_not_with: Callable[[torch.device, KVWelcome, bool], str | None] = lambda device, welcome, is_local: None
     needs_shared_cache: Callable[[torch.device], bool] = lambda device: False
     is_layerwise: bool = False          # its writer has a layer-wise form (else WholeWrite gives one)
+    # Its KVTransfers carry the KV itself: they travel on the KV link's data connection, apart
+    # from control, so a commit can arrive before the last of them (and waits for them).
+    is_kv_apart: bool = False
 
 
 def why_not_same_kind(device: torch.device, welcome: KVWelcome) -> str | None:

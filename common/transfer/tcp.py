@@ -1,5 +1,7 @@
-"""tcp: anywhere. The blocks travel as raw frames on the KV link, a group of
-layers per frame. On CUDA the prefill side gathers each group into pinned
+"""tcp: anywhere. The blocks travel as raw frames on the KV link's data
+connection, a group of layers per frame, the write with the fewest bytes left
+first (the connection takes only a few frames at a time, so a short prompt's KV
+is not queued behind a long one's). On CUDA the prefill side gathers each group into pinned
 memory on a side stream, so the forward pass that follows is not held up; the
 decode side lands each frame in the reserved blocks from a thread of its own,
 on its own side stream, and admits the request once every frame is in. A unit
@@ -25,25 +27,33 @@ from common.wire.protocol import KVTransfer, KVWelcome
 
 log = get_logger("transfer")
 
-FRAME_BYTES = 16 * 2**20   # aim per frame: large enough to stream, small enough to pipeline
+FRAME_BYTES = 2**20   # aim per frame: large enough to stream, small enough to interleave
 
 
-def layers_per_frame(cache: torch.Tensor, num_blocks: int) -> int:
-    per_layer = cache[0, :, :num_blocks].numel() * cache.element_size()
-    return max(1, min(cache.shape[0], FRAME_BYTES // max(per_layer, 1)))
+def frame_shape(cache: torch.Tensor, num_blocks: int) -> tuple[int, int]:
+    """(layers, blocks) a frame of a num_blocks write holds: whole layers, as many as fit
+    FRAME_BYTES, or, where one layer is larger, part of one layer's blocks."""
+    per_block = cache[0, :, :1].numel() * cache.element_size()
+    per_layer = per_block * num_blocks
+    if per_layer > FRAME_BYTES:
+        return 1, max(1, FRAME_BYTES // per_block)
+    return max(1, min(cache.shape[0], FRAME_BYTES // max(per_layer, 1))), num_blocks
 
 
 @dataclass
 class TcpHeader:
-    """A frame holds layers [first_layer, first_layer + data.shape[0]) of a reservation's
-    blocks: data [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+    """A frame holds layers [first_layer, first_layer + data.shape[0]) of the reservation's
+    blocks [first_block, first_block + data.shape[2]): data [layers, 2, blocks, block_size,
+    kv_heads, head_dim]."""
     first_layer: Annotated[int, Range(0, 4096)]
+    first_block: Annotated[int, Range(0, 2**31 - 1)] = 0
 
 
 @dataclass
 class _Frame:
     first_layer: int
-    kv: torch.Tensor                     # [layers, 2, n, block_size, Hk, D] on the host
+    first_block: int                     # of the write's blocks
+    kv: torch.Tensor                     # [layers, 2, blocks, block_size, Hk, D] on the host
     ready: object | None                 # the device-to-host copy is done (a platform event)
 
 
@@ -53,6 +63,7 @@ class _Write:
     deadline: float                      # monotonic: not all sent by then, it is stopped
     frames: deque[_Frame] = field(default_factory=deque)
     idx: torch.Tensor | None = None      # the source block ids (on the device that gathers)
+    num_bytes_left: int = 0              # of the whole write, not yet on the socket
     is_open: bool = True                 # more layers may come (until end())
     is_cancelled: bool = False
 
@@ -82,6 +93,7 @@ class TcpWriter:
         if request_id in self._writes:
             raise TransferError(f"a second write of {request_id} under way")
         w = _Write(reservation, time.monotonic() + max(within_s, 0.0))
+        w.num_bytes_left = len(src_block_ids) * self.src[:, :, :1].numel() * self.src.element_size()
         w.idx = torch.tensor(src_block_ids, dtype=torch.int64)
         if self.stream is not None:
             self._platform.wait_for_current(self.stream)
@@ -97,20 +109,22 @@ class TcpWriter:
         stream behind what the device has queued (CUDA)."""
         w = self._writes[request_id]
         n = w.idx.shape[0]
-        step = layers_per_frame(self.src, n)
+        num_layers, num_blocks = frame_shape(self.src, n)
         if self.stream is not None:
             self._platform.wait_for_current(self.stream)
-        for first in range(first_layer, end_layer, step):
-            group = self.src[first: min(first + step, end_layer)]
-            if self.stream is None:
-                w.frames.append(_Frame(first, group.index_select(2, w.idx), None))
-                continue
-            with self._platform.on_stream(self.stream):
-                host = torch.empty((group.shape[0], 2, n, *group.shape[3:]), dtype=group.dtype,
-                                   pin_memory=True)
-                host.copy_(group.index_select(2, w.idx), non_blocking=True)
-                ready = self._platform.event()
-            w.frames.append(_Frame(first, host, ready))
+        for first in range(first_layer, end_layer, num_layers):
+            group = self.src[first: min(first + num_layers, end_layer)]
+            for b in range(0, n, num_blocks):
+                idx = w.idx[b: b + num_blocks]
+                if self.stream is None:
+                    w.frames.append(_Frame(first, b, group.index_select(2, idx), None))
+                    continue
+                with self._platform.on_stream(self.stream):
+                    host = torch.empty((group.shape[0], 2, idx.shape[0], *group.shape[3:]), dtype=group.dtype,
+                                       pin_memory=True)
+                    host.copy_(group.index_select(2, idx), non_blocking=True)
+                    ready = self._platform.event()
+                w.frames.append(_Frame(first, b, host, ready))
 
     def end(self, request_id: str) -> int:
         self._writes[request_id].is_open = False
@@ -121,24 +135,26 @@ class TcpWriter:
         self._send(time.monotonic())
 
     def _send(self, now: float) -> dict[str, str]:
-        """Send every frame whose copy is done, writes in order -> why each write that must
-        stop stops (cancelled, or past its deadline)."""
-        stopped, is_blocked = {}, False
+        """Send the frames whose copy is done, the write with the fewest bytes left first,
+        until the link takes no more -> why each write that must stop stops (cancelled, or
+        past its deadline)."""
+        stopped = {}
         self.is_stalled = False
         for rid, w in self._writes.items():
             why = "cancelled" if w.is_cancelled else \
                 "not all of it could be sent before its reservation could end" if now > w.deadline else None
             if why is not None:
                 stopped[rid] = why
-                continue
-            while w.frames and not is_blocked:
+        # NOTE: stable: writes of equal size go in the order they began
+        for rid, w in sorted(self._writes.items(), key=lambda item: item[1].num_bytes_left):
+            while rid not in stopped and w.frames and (w.frames[0].ready is None or w.frames[0].ready.query()):
                 f = w.frames[0]
-                if f.ready is not None and not f.ready.query():
-                    is_blocked = True
-                elif not self.send(KVTransfer(rid, w.reservation, "tcp", {"first_layer": f.first_layer}, f.kv)):
-                    is_blocked = self.is_stalled = True   # not connected, or full: next turn
-                else:
-                    w.frames.popleft()
+                header = {"first_layer": f.first_layer, "first_block": f.first_block}
+                if not self.send(KVTransfer(rid, w.reservation, "tcp", header, f.kv)):
+                    self.is_stalled = True   # not connected, or full: when it takes more
+                    return stopped
+                w.frames.popleft()
+                w.num_bytes_left -= f.kv.nbytes
         return stopped
 
     def poll(self) -> list[tuple[str, str | None]]:
@@ -180,7 +196,7 @@ class TcpReceiver:
     def __init__(self, cache: LocalCache):
         self.cache = cache = cache.tensor
         self._landing: dict[str, list] = {}     # request -> events, or None while queued
-        self._layers: dict[str, set[int]] = {}  # request -> the layers that arrived
+        self._got: dict[str, torch.Tensor] = {}  # request -> [layers, its blocks]: which arrived (bool)
         self.failed: dict[str, str] = {}        # request -> why its KV did not land
         self._lock = threading.Condition()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -199,36 +215,39 @@ class TcpReceiver:
     def num_units(self, num_blocks: int) -> int:
         return self.cache.shape[0]
 
-    def num_received(self, request_id: str) -> int:
-        return len(self._layers.get(request_id, ()))
+    def num_received(self, request_id: str) -> int:   # whole layers
+        got = self._got.get(request_id)
+        return 0 if got is None else int(got.all(dim=1).sum())
 
     def landing_error(self, request_id: str) -> str | None:
         return self.failed.get(request_id)
 
     def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
-        first_layer = parse(TcpHeader, msg.header, "tcp header").first_layer
+        h = parse(TcpHeader, msg.header, "tcp header")
+        first_layer, first_block = h.first_layer, h.first_block
         kv, c = msg.data, self.cache
-        layers = kv.shape[0] if kv.dim() == 6 else 0
-        expected = (layers, 2, len(dst_block_ids), *c.shape[3:])
-        if kv.dim() != 6 or tuple(kv.shape) != expected or kv.dtype != c.dtype or layers == 0 \
-                or not 0 <= first_layer <= c.shape[0] - layers:
-            raise TransferError(f"KV frame {tuple(kv.shape)} {kv.dtype} at layer {first_layer} "
-                                f"does not fit {len(dst_block_ids)} reserved blocks of this cache "
-                                f"{tuple(c.shape)} {c.dtype}")
-        arrived = self._layers.setdefault(msg.request_id, set())
-        new = set(range(first_layer, first_layer + layers))
-        if arrived & new:
-            raise TransferError(f"layers {sorted(arrived & new)[:4]} of {msg.request_id} arrived twice")
-        arrived |= new
+        layers, blocks = (kv.shape[0], kv.shape[2]) if kv.dim() == 6 else (0, 0)
+        if kv.dim() != 6 or tuple(kv.shape) != (layers, 2, blocks, *c.shape[3:]) or kv.dtype != c.dtype \
+                or layers == 0 or blocks == 0 or not 0 <= first_layer <= c.shape[0] - layers \
+                or first_block + blocks > len(dst_block_ids):
+            raise TransferError(f"KV frame {tuple(kv.shape)} {kv.dtype} at layer {first_layer}, block "
+                                f"{first_block} does not fit {len(dst_block_ids)} reserved blocks of this "
+                                f"cache {tuple(c.shape)} {c.dtype}")
+        got = self._got.setdefault(msg.request_id, torch.zeros(c.shape[0], len(dst_block_ids), dtype=torch.bool))
+        part = got[first_layer: first_layer + layers, first_block: first_block + blocks]
+        if bool(part.any()):
+            raise TransferError(f"part of layers {first_layer}-{first_layer + layers - 1} of "
+                                f"{msg.request_id} arrived twice")
+        part.fill_(True)
+        dst = list(dst_block_ids[first_block: first_block + blocks])
         if self.stream is None:
             with torch.inference_mode():
-                copy_blocks(kv, list(range(len(dst_block_ids))),
-                            c[first_layer: first_layer + layers], dst_block_ids)
+                copy_blocks(kv, list(range(blocks)), c[first_layer: first_layer + layers], dst)
             return
         with self._lock:
             self._landing.setdefault(msg.request_id, []).append(None)
         # NOTE: kv aliases zmq's receive buffer, which the tensor keeps alive.
-        self._queue.put((msg.request_id, first_layer, kv, list(dst_block_ids)))
+        self._queue.put((msg.request_id, first_layer, kv, dst))
 
     @torch.inference_mode()
     def _run(self) -> None:
@@ -268,7 +287,7 @@ class TcpReceiver:
             self._lock.wait_for(lambda: None not in self._landing.get(request_id, []))
             events = self._landing.pop(request_id, [])
             self.failed.pop(request_id, None)
-            self._layers.pop(request_id, None)
+            self._got.pop(request_id, None)
         for e in events:
             e.synchronize()
 
@@ -284,4 +303,4 @@ def _open_writer(descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send
     return TcpWriter(cache, send)
 
 
-BACKEND = Backend("tcp", lambda device: None, TcpReceiver, _open_writer, is_layerwise=True)
+BACKEND = Backend("tcp", lambda device: None, TcpReceiver, _open_writer, is_layerwise=True, is_kv_apart=True)

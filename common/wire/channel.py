@@ -106,12 +106,12 @@ def open_async_context(keys: ClusterKeys | None = None) -> Context:
 
 
 def _open(ctx: Context, sock: zmq.Socket, is_router: bool, endpoint: str, max_message_bytes: int | None,
-          server: str | None, domain: str | None, tag: str | None = None) -> None:
+          server: str | None, domain: str | None, tag: str | None = None, max_queued: int | None = None) -> None:
     """Options, security, then bind (router) or connect (dealer); the socket is closed
     if any of it fails. server: a dealer's CURVE server, by key name. domain: whom a
     router admits."""
     try:
-        _configure(ctx, sock, is_router, max_message_bytes, server, domain, tag)
+        _configure(ctx, sock, is_router, max_message_bytes, server, domain, tag, max_queued)
         (sock.bind if is_router else sock.connect)(endpoint)
     except zmq.ZMQError as e:
         sock.close(linger=0)
@@ -124,10 +124,10 @@ def _open(ctx: Context, sock: zmq.Socket, is_router: bool, endpoint: str, max_me
 
 
 def _configure(ctx: Context, sock: zmq.Socket, is_router: bool, max_message_bytes: int | None,
-               server: str | None, domain: str | None, tag: str | None) -> None:
+               server: str | None, domain: str | None, tag: str | None, max_queued: int | None = None) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     # Token streams are many small messages; a full queue must not drop or block them.
-    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.SNDHWM, max_queued or 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)
     # A connection that carries nothing for HEARTBEAT_TIMEOUT is dropped (and a DEALER
     # connects again): a peer behind a middlebox that lost the connection's state, or a
@@ -252,9 +252,10 @@ class Channel(_Receiver):
     def __init__(self, ctx: Context, is_router: bool, endpoint: str, *,
                  max_message_bytes: int | None = None, tag: str | None = None,
                  is_immediate: bool = False, server: str | None = None, domain: str | None = None,
-                 max_list_len: int | None = None):
+                 max_list_len: int | None = None, max_queued: int | None = None):
         """tag: a node's DEALER, "NAME/EPOCH" (node_tag). max_list_len: the longest list or
-        map a message may hold (refused unread past it)."""
+        map a message may hold (refused unread past it). max_queued: sends past this many
+        messages queued here are refused (bulk whose sender picks what goes next)."""
         self._init_receiver(ctx, is_router, domain, max_list_len)
         self.endpoint, self.tag = endpoint, tag
         self.sock = ctx.zmq.socket(zmq.ROUTER if is_router else zmq.DEALER)
@@ -267,7 +268,7 @@ class Channel(_Receiver):
             # NOTE: made before connecting, so the first handshake is seen too.
             self._monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         try:
-            _open(ctx, self.sock, is_router, endpoint, max_message_bytes, server, domain, tag)
+            _open(ctx, self.sock, is_router, endpoint, max_message_bytes, server, domain, tag, max_queued)
         except LinkError:
             self._close_monitor()
             raise
@@ -328,9 +329,16 @@ class Poller:
         self._poller.register(ch.sock, zmq.POLLIN)
         self._by_sock[ch.sock] = ch
 
-    def wait(self, timeout_s: float) -> list[Channel]:
-        """Channels with a message waiting, after at most timeout_s."""
-        return [self._by_sock[s] for s, _ in self._poller.poll(int(timeout_s * 1000))]
+    def wait(self, timeout_s: float, writable: tuple[Channel, ...] = ()) -> list[Channel]:
+        """Channels with a message waiting, or among `writable` one that can take a send
+        again, after at most timeout_s."""
+        for ch in writable:
+            self._poller.modify(ch.sock, zmq.POLLIN | zmq.POLLOUT)
+        try:
+            return [self._by_sock[s] for s, _ in self._poller.poll(int(timeout_s * 1000))]
+        finally:
+            for ch in writable:
+                self._poller.modify(ch.sock, zmq.POLLIN)
 
 
 class AsyncChannel(_Receiver):

@@ -223,7 +223,7 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
     n_blocks = num_blocks_for(a.prompt_len, bs)
     req_bytes = kv_bytes(spec, dtype, n_blocks * bs)
     ns = argparse.Namespace(model=None, shape=a.shape, device=a.decode_device, dtype=a.dtype,
-                            kv_cache_memory=a.kv_cache_memory)
+                            kv_cache_memory=a.kv_cache_memory, node_arg=a.node_arg)
     # One row beyond the long requests: a timed handoff (max_tokens 1) ends at admission.
     args = worker_args(ns, a.decode_batch + 1, a.prompt_len + a.decode_tokens + 16)
     place = a.place or {}
@@ -336,6 +336,8 @@ def main(argv=None) -> None:
     p.add_argument("--kv-verify", action="store_true",
                    help="both sides check the KV end to end, as nodes started with --kv-verify do")
     p.add_argument("--node-log", default=None)
+    p.add_argument("--node-arg", action="append", default=[],
+                   help="one more flag for the decode node, e.g. --node-arg=--threads=1 (repeatable)")
     p.add_argument("--curve", action="store_true",
                    help="CURVE keys on the node and KV links, as start_cluster.sh runs them")
     p.add_argument("--across-hosts", action="store_true",
