@@ -261,12 +261,13 @@ def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, t
         # A frame of the wrong shape or dtype: the commit is refused with the reason.
         shape = welcome.cache_shape
         for name, bad in (("dtype", torch.zeros(shape[0], 2, 3, *shape[3:], dtype=torch.float16)),
-                          ("shape", torch.zeros(shape[0], 2, 2, *shape[3:], dtype=torch.float32))):
+                          ("shape", torch.zeros(shape[0], 2, 4, *shape[3:], dtype=torch.float32))):
             g = fake.ask(KVReserve(name, 40, 8), KVReserved)
             fake.ch.send(KVTransfer(name, g.reservation, "tcp", {"first_layer": 0}, bad))
             ack = fake.commit(name, g, shape, is_written=False)
             assert not ack.is_accepted and "does not fit" in ack.reason
-        # A commit whose KV did not all arrive (one layer of two), or that names another grant.
+        # A commit whose KV did not all arrive (one layer of two: refused when its lease ends,
+        # as the rest could still be on the way), or that names another grant.
         for name, grant_of in (("half", lambda g: g.reservation), ("stale", lambda g: "0123456789ab")):
             g = fake.ask(KVReserve(name, 40, 8), KVReserved)
             fake.ch.send(KVTransfer(name, g.reservation, "tcp", {"first_layer": 0},
