@@ -16,14 +16,13 @@ from typing import Callable, Iterator
 
 from common.base.log import get_logger
 from common.handoff.lease import INF
-from common.handoff.states import DecodePeer, Link
+from common.handoff.states import DATA, DecodePeer, Link
 from common.kv.blocks import is_cache_shape, num_cache_blocks
 from common.transfer import KVWriter, TransferError
 from common.wire.protocol import DECODE_TO_PREFILL, KVHello, KVTransfer, KVWelcome
 
 log = get_logger("prefill")
 HELLO_EVERY_S = 1.0
-DATA = "kv"              # the tag suffix of a link's data connection
 MAX_FRAMES_QUEUED = 2    # on the data connection, besides the one going out
 
 

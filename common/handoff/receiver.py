@@ -29,7 +29,7 @@ from typing import Callable, Protocol
 from common.base.log import Throttle, get_logger
 from common.base.recent import Recent
 from common.handoff.lease import Lease
-from common.handoff.states import Hold, Reservation
+from common.handoff.states import DATA, Hold, Reservation
 from common.transfer import KVSink, TransferError
 from common.wire.channel import BadMessage
 from common.wire.protocol import (HandoffAck, KVCommit, KVHello, KVRelease, KVReserve, KVReserved,
@@ -39,7 +39,7 @@ log = get_logger("decode")
 noisy = Throttle(log)   # lines about what peers send
 ABORT_MEMORY_S = 60.0   # a handoff arriving this long after its abort is still dropped
 ADMITTED_MEMORY = 4096  # grants taken into the batch, remembered to answer a repeated commit
-DATA_SUFFIX = b"/kv"    # a prefill node's data connection: its tag and this
+DATA_SUFFIX = f"/{DATA}".encode()   # a prefill node's data connection: its tag and this
 
 
 class Pool(Protocol):

@@ -24,6 +24,8 @@ from common.handoff.lease import INF, Lease
 from common.transfer import KVWriter
 from common.wire.protocol import KVCommit
 
+DATA = "kv"   # a prefill node's KV data connection is tagged "NAME/EPOCH/kv" (links.py)
+
 
 class Stage(enum.Enum):
     ASKING = "asking"          # no blocks there: a KVReserve is out, or due at next_ask_at
