@@ -171,14 +171,18 @@ class PrefillNode:
     def _forward(self, chunks: list[ScheduledChunk]) -> None:
         batch = [self._chunk(c) for c in chunks]
         finished = [c.job for c in chunks if c.is_last]
-        # The KV writes of finished prompts start during the pass (layer by layer) or right
-        # behind it, before the first tokens are sampled, so their commits go out at once.
-        last = {i: c.job for i, c in enumerate(chunks) if c.is_last}
+        # The KV writes of finished prompts start during the pass (layer by layer, and a
+        # chunked prompt's chunk by chunk: (job, the blocks it completes)) or right behind it,
+        # before the first tokens are sampled, so their commits go out at once.
+        bs = self.worker.block_size
+        parts = [(c.job, None if c.is_last else c.end // bs) for c in chunks]
         started = time.perf_counter()
         tokens, _ = self.worker.prefill(
             batch, on_kv_queued=lambda: self.handoffs.start_writes(finished),
-            on_layers=(lambda idx, n: self.handoffs.push_layers([last[i] for i in idx if i in last], n))
-            if self.cfg.kv_layerwise != "off" and last else None)
+            on_layers=(lambda idx, n: self.handoffs.push_layers([parts[i] for i in idx], n))
+            if self.cfg.kv_layerwise != "off" else None)
+        if self.cfg.kv_layerwise != "off":   # a chunk's blocks all written, whatever the hook saw
+            self.handoffs.push_layers([p for p in parts if p[1] is not None], self.handoffs.num_layers)
         num_tokens = sum(c.end - c.start for c in chunks)
         self._log_tokens += num_tokens
         self._bound_pass(num_tokens, time.perf_counter() - started)

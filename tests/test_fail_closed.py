@@ -367,7 +367,7 @@ def test_a_posted_nixl_write_past_its_deadline_is_stopped_before_it_is_driven():
     w = NixlWriter.__new__(NixlWriter)
     w.agent, w.remote, w.desc = agent, "decode-agent", SimpleNamespace(agent="decode-agent")
     handle = SimpleNamespace(release=lambda: None)
-    w._writes = {"r": _Write(None, "g", time.monotonic() - 0.1, [_Part(handle, None, True, is_posted=True)],
+    w._writes = {"r": _Write([], [], "g", time.monotonic() - 0.1, [_Part(handle, None, True, is_posted=True)],
                              is_open=False, is_announced=True, is_posted=True)}
     assert w.poll() == [("r", "it did not complete before its reservation could end")]
     assert calls == ["dropped"] and w.remote is None   # never driven on: its connection is dropped

@@ -19,9 +19,9 @@ from common.handoff.states import Hold, Stage
 from common.kv.blocks import BlockAllocator, num_blocks_for
 from common.transfer import TransferError
 from common.wire.figures import TransferFigures
-from common.wire.protocol import KVCommit, KVRelease, KVTransfer
+from common.wire.protocol import KVCommit, KVRelease, KVReserve, KVTransfer
 from decode_node.scheduler import DecodeScheduler
-from tests.handoff_util import Pair
+from tests.handoff_util import PREFILL, Pair
 from tests.test_handoff import _sink, _wire, commit_and_decode, needs_nixl
 
 
@@ -42,7 +42,7 @@ def test_layers_go_out_during_the_pass_and_the_commit_waits_for_all_of_them():
     p = Pair(layerwise="on")
     job, h = _reserved(p)
     src = list(job.block_ids)
-    p.tx.push_layers([job], 1)                      # layer 0 computed, layer 1 not yet
+    p.tx.push_layers([(job, None)], 1)                      # layer 0 computed, layer 1 not yet
     assert h.stage is Stage.WRITING and h.layers_sent == 1 and _frames(p) == [0]
     p.pump()                                        # the decode node lands layer 0; nothing ends
     r = p.rx.held["r"]
@@ -72,7 +72,7 @@ def test_what_goes_layer_by_layer(mode, rate, is_peer_layerwise, layerwise):
         p.tx.transfers["tcp"] = TransferFigures(bytes_per_s=rate)   # as whole writes measured it
     job, h = _reserved(p)
     h.peer.is_layerwise = is_peer_layerwise
-    p.tx.push_layers([job], 1)
+    p.tx.push_layers([(job, None)], 1)
     assert (h.stage is Stage.WRITING) == layerwise and _frames(p) == ([0] if layerwise else [])
     p.tx.start_writes([job])
     p.tx.set_first_token(job, 7, {})
@@ -102,6 +102,91 @@ def test_during_a_pass_the_node_is_called_on_to_send_what_is_held_back():
     assert calls.count(([], 0)) >= 3    # about 20 while the two layers ran (none without it)
 
 
+def _blocks(p: Pair) -> list[tuple[int, int, int]]:
+    """Each tcp frame's (first layer, layers, first block, blocks)."""
+    return [(m.header["first_layer"], m.data.shape[0], m.header.get("first_block", 0), m.data.shape[2])
+            for m in p.data.sent if isinstance(m, KVTransfer)]
+
+
+def test_a_chunked_prompt_goes_chunk_by_chunk_its_grant_renewed_across_passes():
+    """Each pass pushes the blocks its chunk completes (a block its chunk ends inside goes
+    with the next); between passes the write keeps its grant, the writer's deadline moved
+    with each renewal, well past the first lease's."""
+    p = Pair(layerwise="on", lease_s=30.0)
+    job, h = _reserved(p, prompt_len=22)            # 6 blocks of 4
+    src = list(job.block_ids)
+    p.clock.advance(0.5)
+    p.tx.push_layers([(job, 2)], 1)                 # pass 1, tokens [0, 10): layer 0 of blocks 0-1
+    p.tx.push_layers([(job, 2)], 2)                 # its last layer: those blocks are all sent
+    assert _blocks(p) == [(0, 1, 0, 2), (1, 1, 0, 2)] and (h.blocks_sent, h.layers_sent) == (2, 0)
+    p.pump()
+    r = p.rx.held["r"]
+    assert torch.equal(p.dst[:, :, r.block_ids[:2]], p.src[:, :, src[:2]]) and not p.dst[:, :, r.block_ids[2:]].any()
+    first_deadline = h.write_deadline
+    writer, renewals = h.peer.writer, []
+    renew = writer.renew
+    writer.renew = lambda rid, within_s: renewals.append(p.clock() + within_s) or renew(rid, within_s)
+    for t in range(5):                              # passes 2..6 over 50 s, a renewal every third of the lease
+        p.run_for(10)
+        p.tx.push_layers([(job, 3)], 2)             # tokens up to 12: block 2 (then passes of
+                                                    # chunks that complete no block)
+    assert h.stage is Stage.WRITING and not p.failed and p.sent(KVReserve) >= 5
+    assert h.write_deadline > first_deadline + 40 and p.clock() > first_deadline
+    assert len(renewals) >= 4 and renewals[-1] == h.write_deadline   # the writer's own, moved too
+    p.tx.push_layers([(job, None)], 1)              # the last chunk: layer 0 of blocks 3-5
+    p.tx.start_writes([job])                        # and the rest
+    assert _blocks(p)[2:] == [(0, 2, 2, 1), (0, 1, 3, 3), (1, 1, 3, 3)]   # block 2: both layers in one
+    p.tx.set_first_token(job, 7, {})
+    p.pump()
+    got = p.rx.next_ready()
+    assert got is r and got.error is None and not p.failed
+    assert torch.equal(p.dst[:, :, r.block_ids], p.src[:, :, src])
+
+
+def test_a_chunked_writes_renewal_lost_with_a_reset_link_is_asked_again():
+    p = Pair(layerwise="on", lease_s=30.0)
+    job, h = _reserved(p, prompt_len=22)
+    p.clock.advance(1)
+    p.tx.push_layers([(job, 2)], 2)
+    p.link.is_cut = True
+    p.run_for(10.5)                                 # its renewal goes, and is lost
+    assert p.sent(KVReserve) == 2 and h.next_ask_at == float("inf")
+    p.link.is_cut = False
+    p.link.reset()                                  # the link is made again: asked at once
+    p.tx.push_layers([(job, 3)], 2)
+    p.pump()
+    assert p.sent(KVReserve) == 3 and h.lease.start == p.clock()
+    p.run_for(20)                                   # past the first lease's write deadline
+    p.tx.push_layers([(job, None)], 2)
+    p.tx.start_writes([job])
+    p.tx.set_first_token(job, 7, {})
+    p.pump()
+    assert p.rx.next_ready().error is None and not p.failed
+
+
+def test_a_chunked_write_whose_prompt_stops_is_not_renewed_and_fails_at_its_deadline():
+    p = Pair(layerwise="on", lease_s=30.0)
+    num_free = p.prefix.num_free
+    job, h = _reserved(p, prompt_len=22)
+    p.clock.advance(1)
+    p.tx.push_layers([(job, 2)], 2)                 # one chunk, and no pass after it
+    p.run_for(40)                                   # one renewal (pushed since the grant), no second
+    assert p.failed and p.retryable == {"r"} and p.sent(KVReserve) == 2
+    assert p.prefix.num_free == num_free and p.sent(KVCommit) == 0
+
+
+def test_a_chunked_write_whose_grant_is_gone_fails_at_the_renewals_answer():
+    p = Pair(layerwise="on", lease_s=30.0)
+    job, h = _reserved(p, prompt_len=22)
+    p.clock.advance(1)
+    p.tx.push_layers([(job, 2)], 2)
+    p.rx.receive(PREFILL, KVRelease("r"))           # as if its lease had ended there
+    p.run_for(12)                                   # the renewal's answer grants other blocks
+    assert p.failed == [("r", "its reservation on decode-0 ended during its prefill")] and p.retryable == {"r"}
+    p.run_for(35)
+    assert "r" not in p.rx.held and p.pool.blocks.num_free == p.pool.blocks.capacity
+
+
 def test_the_auto_rule():
     assert writes.is_layerwise("auto", writes.UNMEASURED_BYTES, 0.0)
     assert not writes.is_layerwise("auto", writes.UNMEASURED_BYTES - 1, 0.0)
@@ -114,10 +199,10 @@ def test_a_layer_that_cannot_be_written_fails_the_handoff_retryable_and_frees_bo
     p = Pair(layerwise="on")
     num_free = p.prefix.num_free
     job, h = _reserved(p)
-    p.tx.push_layers([job], 1)
+    p.tx.push_layers([(job, None)], 1)
     writer = h.peer.writer
 
-    def refuse(rid, first, end):
+    def refuse(rid, first, end, blocks=None):
         raise TransferError("the link broke")
     writer.write_layers = refuse
     p.tx.start_writes([job])                        # inside the pass: nothing ends here
@@ -133,7 +218,7 @@ def test_a_write_whose_pass_never_ends_is_stopped_at_its_deadline():
     p = Pair(layerwise="on", lease_s=30.0)
     num_free = p.prefix.num_free
     job, h = _reserved(p)
-    p.tx.push_layers([job], 1)                      # and the pass dies: no start_writes
+    p.tx.push_layers([(job, None)], 1)                      # and the pass dies: no start_writes
     p.run_for(15)
     assert h.stage is Stage.WRITING and not p.failed
     p.run_for(12)                                   # past the write's deadline (5/6 of the lease)
@@ -170,15 +255,14 @@ def workers(make_model):
         yield pw, dw
 
 
-@pytest.mark.parametrize("backend", ["ipc", pytest.param("nixl", marks=needs_nixl), "tcp", "dist"])
-def test_each_backend_lands_the_layers_as_the_pass_computes_them(workers, backend):
+def _backend_pair(workers, backend: str, prompt_len: int):
+    """A decode-side receiver with request "r" reserved on dw, and a writer of backend
+    from pw's cache into it: (src blocks, scheduler, sink, receiver, reservation, writer,
+    frames sent). pw's blocks hold -7 until computed (a layer not yet computed is no match)."""
     pw, dw = workers
-    num_layers = pw.kv_cache.shape[0]
-    prompt = list(range(3, 70))
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
     palloc = BlockAllocator(pw.num_kv_blocks)
     palloc.allocate(3)   # so the two nodes' block ids differ
-    src = palloc.allocate(num_blocks_for(len(prompt), 16))
+    src = palloc.allocate(num_blocks_for(prompt_len, 16))
     sched = DecodeScheduler(BlockAllocator(dw.num_kv_blocks), 16, 4)
     sched.blocks.allocate(1)
     sink = _sink(dw, [backend])
@@ -186,12 +270,35 @@ def test_each_backend_lands_the_layers_as_the_pass_computes_them(workers, backen
     from tests.handoff_util import reserve
     rx = Receiver(epoch="e1", lease_s=10.0, max_queue=4, pool=sched, sink=sink, send=lambda msg, to: True,
                   vocab_size=dw.spec.vocab_size, max_model_len=dw.max_model_len)
-    r = reserve(rx, "r", len(prompt), params.max_tokens)
+    r = reserve(rx, "r", prompt_len, 12)
     dw.kv_cache[:, :, r.block_ids] = 0
-    pw.kv_cache[:, :, src] = -7.0   # NOTE: a layer not yet computed (the lane runs beside the hook) is no match
+    pw.kv_cache[:, :, src] = -7.0
     frames = []
     writer = transfer.open_writer(backend, _wire(sink.welcome("e1")), pw.kv_cache,
                                   lambda m: frames.append(_wire(m)) or True)
+    return src, sched, sink, rx, r, writer, frames
+
+
+def _land(writer, sink, r, frames) -> None:
+    """Drive the write to its end, the decode side taking its frames."""
+    done, deadline = [], time.monotonic() + 60
+    while not (done and sink.is_landed("r")):
+        assert time.monotonic() < deadline, "the write did not complete"
+        done += writer.poll()
+        for f in frames:
+            sink.receive(b"p", f, r.block_ids)
+        frames.clear()
+        sink.progress()
+    assert done == [("r", None)]
+
+
+@pytest.mark.parametrize("backend", ["ipc", pytest.param("nixl", marks=needs_nixl), "tcp", "dist"])
+def test_each_backend_lands_the_layers_as_the_pass_computes_them(workers, backend):
+    pw, dw = workers
+    num_layers = pw.kv_cache.shape[0]
+    prompt = list(range(3, 70))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    src, sched, sink, rx, r, writer, frames = _backend_pair(workers, backend, len(prompt))
     posts = []   # nixl: parts posted, and when
     if backend == "nixl":
         post = writer.agent.transfer
@@ -199,6 +306,8 @@ def test_each_backend_lands_the_layers_as_the_pass_computes_them(workers, backen
     seen = []    # at each layer's end: (layers done, frames sent, layers landed in the decode cache)
 
     def on_layers(idx, n):
+        if not idx:   # no layer done since the last call: what is held back may move
+            return writer.flush()
         assert idx == [0]
         if not seen:
             writer.begin("r", r.name, src, r.block_ids, within_s=30)
@@ -223,15 +332,49 @@ def test_each_backend_lands_the_layers_as_the_pass_computes_them(workers, backen
         assert posts and posts[0] < 3
     if backend == "dist":       # no layer-wise form: one whole write after the pass
         assert all(s[1] == 0 for s in seen[:3])
-    done, deadline = [], time.monotonic() + 60
-    while not (done and sink.is_landed("r")):
-        assert time.monotonic() < deadline, "the write did not complete"
-        done += writer.poll()
-        for f in frames:
-            sink.receive(b"p", f, r.block_ids)
-        frames.clear()
-        sink.progress()
-    assert done == [("r", None)]
+    _land(writer, sink, r, frames)
+    assert torch.equal(dw.kv_cache[:, :, r.block_ids], pw.kv_cache[:, :, src])
+    commit_and_decode(pw, dw, rx, sched, r, backend, prompt, params, first, num_written)
+    writer.close()
+    sink.close()
+
+
+@pytest.mark.parametrize("backend", ["ipc", pytest.param("nixl", marks=needs_nixl), "tcp", "dist"])
+def test_each_backend_lands_a_chunked_prompt_chunk_by_chunk(workers, backend):
+    """Two passes, tokens [0, 40) and [40, 67): the first pushes blocks 0-1 (block 2 is not
+    whole yet), the second blocks 2-4; the decode node goes on from them token for token."""
+    pw, dw = workers
+    num_layers = pw.kv_cache.shape[0]
+    prompt = list(range(5, 72))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    src, sched, sink, rx, r, writer, frames = _backend_pair(workers, backend, len(prompt))
+    writer.begin("r", r.name, src, r.block_ids, within_s=30)
+    sent = [0]   # layers of this pass's blocks written
+
+    def run_pass(chunk: PrefillChunk, blocks: range):
+        def on_layers(idx, n):
+            if idx and n > sent[0]:
+                writer.write_layers("r", sent[0], n, blocks)
+                sent[0] = n
+            writer.flush()
+
+        def on_kv_queued():
+            if chunk.params is not None:   # the last chunk
+                writer.write_layers("r", sent[0], num_layers, blocks)
+                on_kv_queued.num_written = writer.end("r")
+        (token,), _ = pw.prefill([chunk], on_kv_queued=on_kv_queued, on_layers=on_layers)
+        if chunk.params is None and sent[0] < num_layers:
+            writer.write_layers("r", sent[0], num_layers, blocks)
+        sent[0] = 0
+        return token, getattr(on_kv_queued, "num_written", None)
+    run_pass(PrefillChunk(prompt[:40], 0, src[:3]), range(0, 2))
+    if backend == "tcp":   # frames of blocks 0-1 only
+        assert frames and all(f.header.get("first_block", 0) == 0 and f.data.shape[2] == 2 for f in frames)
+    if backend == "ipc":   # blocks 0-1 copied, every layer; block 2 not yet
+        assert torch.equal(dw.kv_cache[:, :, r.block_ids[:2]], pw.kv_cache[:, :, src[:2]])
+        assert not dw.kv_cache[:, :, r.block_ids[2:]].any()
+    first, num_written = run_pass(PrefillChunk(prompt[40:], 40, src, params), range(2, 5))
+    _land(writer, sink, r, frames)
     assert torch.equal(dw.kv_cache[:, :, r.block_ids], pw.kv_cache[:, :, src])
     commit_and_decode(pw, dw, rx, sched, r, backend, prompt, params, first, num_written)
     writer.close()

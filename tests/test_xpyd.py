@@ -58,13 +58,16 @@ def _all_free(stats: dict) -> bool:
 
 @pytest.mark.parametrize("backend", ["ipc", pytest.param("nixl", marks=needs_nixl), "tcp", "dist"])
 def test_each_backend_gives_transformers_tokens(tiny_model, tmp_path, backend):
-    """Layer by layer (--kv-layerwise on): whole writes are what every other test runs."""
-    c = Cluster(tiny_model, tmp_path / "cluster.log", "--kv-transfer", backend, "--kv-layerwise", "on")
+    """Layer by layer (--kv-layerwise on): whole writes are what every other test runs. Passes
+    of 32 tokens: a prompt longer than that is pushed chunk by chunk."""
+    c = Cluster(tiny_model, tmp_path / "cluster.log", "--kv-transfer", backend, "--kv-layerwise", "on",
+                "--token-budget", "32")
     try:
         _assert_transformers_tokens(c.endpoint, tiny_model, _prompts(12, seed=3))
         # NOTE: node figures come from heartbeats, up to one beat old: wait, do not sample.
         wait_for(lambda: (s := c.stats()["prefill-0"])["kv_links"] == {"decode-0": backend}
                  and s["num_kv_bytes_written"] > 0, 10, f"the prefill node to report its {backend} writes")
+        assert c.stats()["prefill-0"]["pass_token_budget"] == 32   # prompts of up to 89 tokens: chunked
         writes = c.stats()["prefill-0"]["kv_writes"][backend]
         # dist has no layer-wise form: its writes go whole at the pass's end
         assert (writes["num_layerwise"] > 0) == (backend != "dist"), writes

@@ -1,18 +1,17 @@
 """The prefill node's half of a handoff: reserve -> write -> commit.
 
-A request's reservation is asked for when it arrives; its write starts right behind
-the pass that computed its KV, or during it, layer by layer (writes.py); its local
-blocks are freed when the write completes, and the commit goes once the first token
-is sampled too. A handoff not acknowledged within the handoff lease after its
-prefill, or whose decode node leaves a KVReserve unanswered that long, fails, and
-what it holds on both sides is released. Every write has a deadline before its
-reservation can end (lease.py: write_deadline) and is stopped there, whatever the
-peer does. Asks are numbered and answers echo the number; a grant is named, and the
-writes and the commit name it. When the KV link is made again (a reset), what may
-have been lost on it is asked again (the decode node takes a repeated commit as the
-same one); when its data connection is, what sent KV on it fails over. NOTE: ipc
-writes straight into the decode node's memory: a write into blocks whose reservation
-has ended could land in another request's KV (lease.py).
+A request's reservation is asked for when it arrives; its write starts right behind the
+pass that computed its KV, or during it, layer by layer, chunk by chunk (writes.py); its
+local blocks are freed when the write completes; the commit goes once the first token is
+sampled too. A handoff not acknowledged within the handoff lease after its prefill, or
+whose decode node leaves a KVReserve unanswered that long, fails, and what it holds on
+both sides is released. Every write is stopped at a deadline before its reservation can
+end (lease.py), whatever the peer does. Asks are numbered and answers echo the number; a
+grant is named, and the writes and the commit name it. When the KV link is made again (a
+reset), what may have been lost on it is asked again (a repeated commit is the same one);
+when its data connection is, what sent KV on it fails over. NOTE: ipc writes straight into
+the decode node's memory: a write into blocks whose reservation has ended could land in
+another request's KV (lease.py).
 """
 from __future__ import annotations
 
@@ -95,16 +94,15 @@ class Sender:
         there for it would wait out its lease: those handoffs fail now (retryable) and release."""
         self.num_link_resets += 1
         handoffs = [h for h in self.by_id.values() if h.peer is peer]
-        log.warning("the KV link to %s was made again (reset or dropped%s): %s %d handoffs", peer.name,
-                    ", its data connection" if is_data else "", "checking" if is_data else "asking again for",
-                    len(handoffs))
+        log.warning("the KV link to %s was made again (reset or dropped%s): %s %d handoffs", peer.name, ", its data "
+                    "connection" if is_data else "", "checking" if is_data else "asking again for", len(handoffs))
         now = self.clock()
         for h in handoffs:
             if is_data:
                 if h.stage in (Stage.WRITING, Stage.WRITTEN, Stage.COMMITTED):
                     self._end(h, f"its KV to {peer.name} may be lost (the KV link's data connection was made "
                                  f"again)", release=True, is_retryable=True)
-            elif h.stage in (Stage.ASKING, Stage.QUEUED, Stage.RESERVED, Stage.WRITTEN):
+            elif h.stage in (Stage.ASKING, Stage.QUEUED, Stage.RESERVED, Stage.WRITING, Stage.WRITTEN):
                 h.next_ask_at = min(h.next_ask_at, now)
             elif h.stage is Stage.COMMITTED:
                 self._send_commit(h)
@@ -133,8 +131,8 @@ class Sender:
         self.fork_of.update((f.request_id, job.request_id) for f in job.forks)
         # NOTE: a write pushed layer by layer needs its grant before the pass: no early start then
         kv_bytes = num_blocks_for(job.prompt_len, self.block_size) * self.block_bytes
-        job.is_peer_granting = peer.is_granting and peer.writer is not None and not (
-            peer.is_layerwise and writes.is_layerwise(self.layerwise, kv_bytes, self._rate(peer)))
+        job.is_peer_granting = peer.is_granting and peer.writer is not None and not writes.goes_layerwise(
+            peer, self.layerwise, kv_bytes, writes.rate_to(peer, self.transfers))
         if peer.epoch is None:
             self.links.hello(peer)
         self._ask(h)
@@ -177,8 +175,10 @@ class Sender:
                     h.lease = Lease(sent_at, r.lease_s)   # renewed
                 h.next_ask_at = h.lease.renew_at
                 return
-            if h.stage is not Stage.RESERVED:
-                return   # the commit's answer says whether the blocks were still ours
+            if h.stage is Stage.WRITING and not h.is_kv_queued:   # pushed across passes (writes.py)
+                self._end(h, f"its reservation on {peer.name} ended during its prefill", is_retryable=True)
+            if h.stage is not Stage.RESERVED:   # else the commit's answer says if the blocks were ours
+                return
             # Our reservation ended there (new blocks, or a refusal): start from this answer.
             # NOTE: after a refusal, release what was ours: an aborted request's blocks stay
             # reserved there until released (a write may be landing in them).
@@ -231,12 +231,13 @@ class Sender:
         else:
             self._end(h, f"decode node refused the request: {ack.reason}", is_retryable=ack.is_retryable)
 
-    def push_layers(self, jobs: list[Job], num_done: int) -> None:
-        """In the pass, their first num_done layers queued: layer-wise writes start or go on (none ends)."""
-        for job in jobs:
+    def push_layers(self, parts: list[tuple[Job, int | None]], num_done: int) -> None:
+        """In the pass, the first num_done layers of each (prompt, the blocks its chunk
+        completes; None: all, its last chunk) queued: layer-wise writes start or go on (none ends)."""
+        for job, end_block in parts:
             h = self.by_id.get(job.request_id)
             if h is not None and (h.layers_sent >= 0 or self._can_write(h, is_partial=True)):
-                self._write(h, num_done)
+                self._write(h, num_done, end_block)
         self.links.flush()
 
     def start_writes(self, jobs: list[Job]) -> None:
@@ -282,18 +283,19 @@ class Sender:
         for h in list(self.by_id.values()):
             held = h.dst_block_ids is not None
             if h.stage in (Stage.WRITING, Stage.CANCELLING):
-                # The device may still read its blocks: it ends when the writer says so, which
-                # it must by the deadline it was given; told again here, whatever happened.
+                # The device may still read its blocks: it ends when the writer says so (by
+                # its deadline; told again here, whatever happened), or is renewed.
                 if now > h.write_deadline and h.peer.writer is not None:
                     h.peer.writer.cancel(h.job.request_id)
+                elif writes.renew_open(h, now):
+                    self._ask(h)
                 continue
             if h.stage is Stage.CANCELLED:
                 self._end(h, h.error, release=held)
             elif h.peer.error and h.epoch == h.peer.epoch:
-                # NOTE: only what the process whose cache could not be opened answered. A
-                # welcome can come from a node on its way out (draining, its cache already
-                # gone); a handoff not yet answered, or answered by its successor, waits for
-                # that answer or the successor's welcome.
+                # NOTE: only what the process whose cache could not be opened answered (a
+                # welcome can come from a node on its way out, its cache gone); others wait
+                # for their answer, or its successor's welcome.
                 self._end(h, h.peer.error, release=held)
             elif h.silent_since is not None and now - h.silent_since > lease_s:
                 self._end(h, f"decode node {h.peer.name} did not answer for a reservation within "
@@ -317,15 +319,12 @@ class Sender:
                     self._ask(h)   # renew
 
     def _can_write(self, h: Handoff, is_partial: bool = False) -> bool:
-        return writes.can_start(h, self.clock(), is_partial, self.layerwise, self._rate(h.peer), self.block_bytes)
+        return writes.can_start(h, self.clock(), is_partial, self.layerwise, writes.rate_to(h.peer, self.transfers),
+                                self.block_bytes)
 
-    def _rate(self, peer: DecodePeer) -> float:   # bytes/s of whole writes to its backend (0: none yet)
-        f = self.transfers.get(peer.writer.name if peer.writer else "")
-        return f.bytes_per_s if f else 0.0
-
-    def _write(self, h: Handoff, num_done: int | None = None) -> None:
+    def _write(self, h: Handoff, num_done: int | None = None, end_block: int | None = None) -> None:
         try:
-            writes.write(h, self.num_layers, num_done, self.checksums, self.clock)
+            writes.write(h, self.num_layers, num_done, self.checksums, self.clock, end_block)
         except TransferError as e:
             self._figures(h.peer).num_failed += 1
             h.error, h.is_retryable = f"KV transfer to {h.peer.name} failed: {e}", True

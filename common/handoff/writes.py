@@ -31,6 +31,17 @@ def is_layerwise(mode: str, num_bytes: int, bytes_per_s: float) -> bool:
     return num_bytes / bytes_per_s >= MIN_HIDDEN_S
 
 
+def goes_layerwise(peer, mode: str, num_bytes: int, bytes_per_s: float) -> bool:
+    """Whether a write of num_bytes to peer (a DecodePeer) is pushed layer by layer."""
+    return peer.is_layerwise and is_layerwise(mode, num_bytes, bytes_per_s)
+
+
+def rate_to(peer, figures: dict) -> float:
+    """Bytes/s of whole writes to peer's backend (0: none yet); figures: TransferFigures by backend."""
+    f = figures.get(peer.writer.name if peer.writer else "")
+    return f.bytes_per_s if f else 0.0
+
+
 def can_start(h: Handoff, now: float, is_partial: bool = False, mode: str = "off",
               bytes_per_s: float = 0.0, block_bytes: int = 0) -> bool:
     """Whether its write may start now; is_partial: with part of its layers queued, which
@@ -38,13 +49,16 @@ def can_start(h: Handoff, now: float, is_partial: bool = False, mode: str = "off
     if not (h.stage is Stage.RESERVED and (h.is_kv_queued or is_partial) and h.peer.writer is not None
             and h.epoch == h.peer.epoch and now < h.lease.write_by):
         return False
-    return not is_partial or (h.peer.is_layerwise and is_layerwise(mode, len(h.job.block_ids) * block_bytes,
-                                                                   bytes_per_s))
+    return not is_partial or goes_layerwise(h.peer, mode, len(h.job.block_ids) * block_bytes, bytes_per_s)
 
 
-def write(h: Handoff, num_layers: int, num_done: int | None, checksums, clock: Callable[[], float]) -> None:
+def write(h: Handoff, num_layers: int, num_done: int | None, checksums, clock: Callable[[], float],
+          end_block: int | None = None) -> None:
     """Start its write whole (num_done None, the first call), or layer by layer: each call
-    with num_done writes the layers queued since the last, one without ends it.
+    with num_done writes the layers queued since the last, one without ends it. A chunked
+    prompt's write spans its passes: end_block says how many of its blocks this pass
+    completes (None: all, the last chunk); once a pass has queued every layer of them,
+    the next pass's layers are of the blocks after them.
     TransferError: not started (its stage unchanged), or stopped (still WRITING: cancel it)."""
     w, rid = h.peer.writer, h.job.request_id
     if h.stage is Stage.RESERVED:
@@ -61,18 +75,36 @@ def write(h: Handoff, num_layers: int, num_done: int | None, checksums, clock: C
             h.stage, h.write_started = Stage.WRITING, clock()
             return
         w.begin(rid, h.reservation, h.job.block_ids, h.dst_block_ids, within_s=within_s)
-        h.stage, h.write_started, h.layers_sent = Stage.WRITING, clock(), 0
+        h.stage, h.write_started, h.layers_sent, h.blocks_sent = Stage.WRITING, clock(), 0, 0
     if h.stage is not Stage.WRITING or h.layers_sent < 0:
         return
     end = num_layers if num_done is None else num_done
-    if end > h.layers_sent:
-        w.write_layers(rid, h.layers_sent, end)
-        h.layers_sent = end
+    blocks = range(h.blocks_sent, len(h.job.block_ids) if num_done is None or end_block is None else end_block)
+    if end > h.layers_sent and blocks:
+        w.write_layers(rid, h.layers_sent, end, blocks)
+    h.layers_sent, h.pushed_at = max(h.layers_sent, end), clock()   # a pass computes it
+    if end == num_layers and num_done is not None and end_block is not None:
+        h.blocks_sent, h.layers_sent = max(h.blocks_sent, end_block), 0   # the next pass's blocks
     if num_done is None:
         if checksums is not None:
             h.checksums = checksums(h.job.block_ids)
         # NOTE: timed from here, what the pass did not hide (the figures' write time)
         h.num_written, h.write_started = w.end(rid), clock()
+
+
+def renew_open(h: Handoff, now: float) -> bool:
+    """A write pushed layer by layer that spans passes (a chunked prompt) holds its grant
+    as a reserved one does, while its prompt is computed: -> whether to ask for a renewal
+    now (not if nothing was pushed since the lease began: a prompt whose passes stopped
+    must not hold its blocks for ever). A renewal answered moves its deadline, the
+    writer's too; once it has ended, its tail keeps the deadline it has.
+    NOTE: never past the lease the decode node confirmed, which frees the blocks then."""
+    if not (h.stage is Stage.WRITING and h.layers_sent >= 0 and not h.is_kv_queued):
+        return False
+    if h.lease.write_deadline > h.write_deadline:
+        h.write_deadline = h.lease.write_deadline
+        h.peer.writer.renew(h.job.request_id, h.write_deadline - now)
+    return now >= h.next_ask_at and h.pushed_at > h.lease.start
 
 
 def observe_ack(h: Handoff, figures, now: float, num_bytes: int) -> None:

@@ -42,16 +42,21 @@ class KVWriter(Protocol):
         peer does (poll() then names it failed): the reservation may end soon after."""
 
     # Layer-wise: the same write in parts, as the forward pass computes them. begin() takes
-    # what write() takes; write_layers(rid, a, b) says layers [a, b) of its blocks are
-    # queued on the device; end(rid) that no more will come, and returns what write()
-    # returns. poll() names it ended only after end(). A backend with no such form gets
-    # WholeWrite's (one whole write at end()).
+    # what write() takes; write_layers(rid, a, b, blocks) says layers [a, b) of its blocks
+    # `blocks` (a range of indices into its block list; None: all) are queued on the
+    # device (a chunked prompt's pass computes some of its blocks); end(rid) that no more
+    # will come, and returns what write() returns. Every (layer, block) is written once.
+    # poll() names it ended only after end(). renew(rid, within_s): its reservation was
+    # renewed while it spans passes, the new bound replaces begin()'s. A backend with no
+    # such form gets WholeWrite's (one whole write at end()).
     def begin(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
               within_s: float) -> None: ...
 
-    def write_layers(self, request_id: str, first_layer: int, end_layer: int) -> None: ...
+    def write_layers(self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None) -> None: ...
 
     def end(self, request_id: str) -> int: ...
+
+    def renew(self, request_id: str, within_s: float) -> None: ...
 
     def flush(self) -> None:
         """Move what can move now (send what is ready) without ending anything: called
@@ -158,8 +163,12 @@ class WholeWrite:
               within_s: float) -> None:
         self._begun[request_id] = (reservation, src_block_ids, dst_block_ids, time.monotonic() + within_s)
 
-    def write_layers(self, request_id: str, first_layer: int, end_layer: int) -> None:
+    def write_layers(self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None) -> None:
         pass
+
+    def renew(self, request_id: str, within_s: float) -> None:
+        if request_id in self._begun:
+            self._begun[request_id] = (*self._begun[request_id][:3], time.monotonic() + within_s)
 
     def end(self, request_id: str) -> int:
         reservation, src, dst, deadline = self._begun.pop(request_id)

@@ -94,8 +94,10 @@ class IpcWriter:
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
         self._open[request_id] = (src_block_ids, dst_block_ids)
 
-    def write_layers(self, request_id: str, first_layer: int, end_layer: int) -> None:
+    def write_layers(self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None) -> None:
         src, dst = self._open[request_id]
+        if blocks is not None:
+            src, dst = src[blocks.start: blocks.stop], dst[blocks.start: blocks.stop]
         layers = slice(first_layer, end_layer)
         if self.stream is None:
             copy_blocks(self.src[layers], src, self.dst[layers], dst)
@@ -114,6 +116,9 @@ class IpcWriter:
                 done = self._platform.event()   # the event tells the loop when the commit may go out
         self._inflight.append((request_id, done))
         return 0
+
+    def renew(self, request_id: str, within_s: float) -> None:
+        pass   # a local copy, ended soon after its last layers: no deadline of its own
 
     def flush(self) -> None:
         pass

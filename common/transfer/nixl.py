@@ -153,17 +153,24 @@ class NixlWriter:
             raise TransferError(f"a second write of {request_id} under way")
         if self.remote is None:
             self.remote = self._connect()   # again, after a failed write dropped it
-        r = np.array(runs(src_block_ids, dst_block_ids), dtype=np.uint64).reshape(-1, 3)
-        self._writes[request_id] = _Write(r, reservation, time.monotonic() + max(within_s, 0.0))
+        self._writes[request_id] = _Write(list(src_block_ids), list(dst_block_ids), reservation,
+                                          time.monotonic() + max(within_s, 0.0))
 
-    def write_layers(self, request_id: str, first_layer: int, end_layer: int) -> None:
-        """Those layers go as a part of their own once the device has computed them; the
-        latest is held back until the next, so the last part carries the notification."""
+    def write_layers(self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None) -> None:
+        """Those layers (of those of its blocks) go as a part of their own once the device
+        has computed them; the latest is held back until the next, so the last part
+        carries the notification."""
         w = self._writes[request_id]
         if w.held is not None:
             w.parts.append(self._part(request_id, w, *w.held, notify=False))
         # The forward pass that computes these layers may still be queued on the device.
-        w.held = (range(first_layer, end_layer), self._platform.event())
+        w.held = (range(first_layer, end_layer), self._platform.event(),
+                  range(len(w.src)) if blocks is None else blocks)
+
+    def renew(self, request_id: str, within_s: float) -> None:
+        w = self._writes.get(request_id)
+        if w is not None:
+            w.deadline = time.monotonic() + max(within_s, 0.0)
 
     def end(self, request_id: str) -> int:
         w = self._writes[request_id]
@@ -173,8 +180,9 @@ class NixlWriter:
         w.held, w.is_open = None, False
         return 1
 
-    def _part(self, request_id: str, w: _Write, layers: range, ready, notify: bool) -> _Part:
-        r = w.runs
+    def _part(self, request_id: str, w: _Write, layers: range, ready, blocks: range, notify: bool) -> _Part:
+        r = np.array(runs(w.src[blocks.start: blocks.stop], w.dst[blocks.start: blocks.stop]),
+                     dtype=np.uint64).reshape(-1, 3)   # (src, dst, length) runs of blocks
         local = self._descs(self.src.data_ptr(), self.src.shape[2], r[:, 0], r[:, 2], layers)
         remote = self._descs(self.desc.address, self._num_dst_blocks, r[:, 1], r[:, 2], layers)
         try:
@@ -299,11 +307,12 @@ class _Part:
 
 @dataclass
 class _Write:
-    runs: np.ndarray            # (src, dst, length) runs of blocks [n, 3]
+    src: list[int]              # its blocks here
+    dst: list[int]              # and there
     reservation: str
     deadline: float             # monotonic: stop it past this
     parts: list[_Part] = field(default_factory=list)
-    held: tuple | None = None   # (layers, ready): the latest layers, made a part at the next call
+    held: tuple | None = None   # (layers, ready, blocks): the latest, made a part at the next call
     is_open: bool = True        # more layers may come (until end())
     is_announced: bool = False
     is_posted: bool = False     # a part was posted (stopping it needs the connection dropped)

@@ -104,18 +104,19 @@ class TcpWriter:
         self._writes[request_id] = w
 
     @torch.inference_mode()
-    def write_layers(self, request_id: str, first_layer: int, end_layer: int) -> None:
-        """Frames of layers [first_layer, end_layer), gathered now (CPU) or on the side
-        stream behind what the device has queued (CUDA)."""
+    def write_layers(self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None) -> None:
+        """Frames of layers [first_layer, end_layer) of the write's blocks `blocks` (all if
+        None), gathered now (CPU) or on the side stream behind what the device has queued
+        (CUDA)."""
         w = self._writes[request_id]
-        n = w.idx.shape[0]
-        num_layers, num_blocks = frame_shape(self.src, n)
+        blocks = range(w.idx.shape[0]) if blocks is None else blocks
+        num_layers, num_blocks = frame_shape(self.src, len(blocks))
         if self.stream is not None:
             self._platform.wait_for_current(self.stream)
         for first in range(first_layer, end_layer, num_layers):
             group = self.src[first: min(first + num_layers, end_layer)]
-            for b in range(0, n, num_blocks):
-                idx = w.idx[b: b + num_blocks]
+            for b in range(blocks.start, blocks.stop, num_blocks):
+                idx = w.idx[b: min(b + num_blocks, blocks.stop)]
                 if self.stream is None:
                     w.frames.append(_Frame(first, b, group.index_select(2, idx), None))
                     continue
@@ -129,6 +130,11 @@ class TcpWriter:
     def end(self, request_id: str) -> int:
         self._writes[request_id].is_open = False
         return self.src.shape[0]
+
+    def renew(self, request_id: str, within_s: float) -> None:
+        w = self._writes.get(request_id)
+        if w is not None:
+            w.deadline = time.monotonic() + max(within_s, 0.0)
 
     def flush(self) -> None:
         """Frames that are ready go on the socket; nothing ends here."""
