@@ -138,6 +138,8 @@ def _transfer_families(nodes: dict):
                                     labels=labels)
     layerwise = CounterMetricFamily("pdserve_kv_layerwise_transfers",
                                     "KV writes pushed layer by layer during their prefill", labels=labels)
+    chunked = CounterMetricFamily("pdserve_kv_chunked_transfers",
+                                  "of those, pushed over the passes of a chunked prompt", labels=labels)
     rate = GaugeMetricFamily("pdserve_kv_write_rate_bytes_per_second",
                              "whole writes' rate, start to acknowledgement (a moving average; 0: none yet)",
                              labels=labels)
@@ -160,6 +162,8 @@ def _transfer_families(nodes: dict):
             seconds.add_metric(row, cumulative, float(f["write_s_sum"]))
             if _count(f.get("num_layerwise")):
                 layerwise.add_metric(row, f["num_layerwise"])
+            if _count(f.get("num_chunked")):
+                chunked.add_metric(row, f["num_chunked"])
             if _count(f.get("bytes_per_s")):
                 rate.add_metric(row, f["bytes_per_s"])
-    yield from (transfers, nbytes, failed, seconds, layerwise, rate)
+    yield from (transfers, nbytes, failed, seconds, layerwise, chunked, rate)

@@ -271,6 +271,7 @@ def test_metrics_parse_and_move_by_the_right_amounts(cluster, oai):
     # --kv-layerwise auto: prompts this short go whole (the counter is there, and still)
     assert ("pdserve_kv_layerwise_transfers_total", (("backend", "ipc"), ("node", "prefill-0"))) in late
     assert _on_prefill(late, "pdserve_kv_layerwise_transfers_total") == 0
+    assert _on_prefill(late, "pdserve_kv_chunked_transfers_total") == 0
     assert _on_prefill(late, "pdserve_kv_write_rate_bytes_per_second") == 0   # no write of 1 MiB yet
     # The frontend process's own cost, as every Prometheus exporter names it.
     assert after[("process_resident_memory_bytes", ())] > 10 * 2**20

@@ -141,6 +141,8 @@ def test_a_chunked_prompt_goes_chunk_by_chunk_its_grant_renewed_across_passes():
     got = p.rx.next_ready()
     assert got is r and got.error is None and not p.failed
     assert torch.equal(p.dst[:, :, r.block_ids], p.src[:, :, src])
+    f = p.tx.transfer_figures()["tcp"]
+    assert (f["num_transfers"], f["num_layerwise"], f["num_chunked"]) == (1, 1, 1)
 
 
 def test_a_chunked_writes_renewal_lost_with_a_reset_link_is_asked_again():

@@ -71,6 +71,7 @@ def test_each_backend_gives_transformers_tokens(tiny_model, tmp_path, backend):
         writes = c.stats()["prefill-0"]["kv_writes"][backend]
         # dist has no layer-wise form: its writes go whole at the pass's end
         assert (writes["num_layerwise"] > 0) == (backend != "dist"), writes
+        assert (writes["num_chunked"] > 0) == (backend != "dist"), writes   # over several passes
         wait_for(lambda: _all_free(c.stats()), 10, "every block free")
     finally:
         c.stop()

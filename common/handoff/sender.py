@@ -346,8 +346,9 @@ class Sender:
         elif h.stage is Stage.WRITING:
             num_bytes = len(h.job.block_ids) * self.block_bytes
             self.bytes_written += num_bytes
-            self._figures(h.peer).observe(self.clock() - h.write_started, num_bytes,
-                                          h.layers_sent >= 0 and h.peer.writer.is_layerwise)
+            is_pushed = h.layers_sent >= 0 and h.peer.writer.is_layerwise
+            self._figures(h.peer).observe(self.clock() - h.write_started, num_bytes, is_pushed,
+                                          is_pushed and h.blocks_sent > 0)   # chunked: begun a pass before
         h.stage = Stage.WRITTEN if h.stage is Stage.WRITING else Stage.CANCELLED
         h.written_at = time.time()
         self.free_blocks(h.job.block_ids)   # the decode node holds them now

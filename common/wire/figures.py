@@ -15,15 +15,17 @@ class TransferFigures:
     num_failed: int = 0           # writes refused at the start, or cut by the decode node's restart
     write_s_sum: float = 0.0
     num_layerwise: int = 0        # of those, pushed layer by layer during the prefill
+    num_chunked: int = 0          # of those, pushed over the passes of a chunked prompt
     bytes_per_s: float = 0.0      # whole writes' rate, start to acknowledgement (moving average; 0: none)
     write_s_counts: list[int] = field(default_factory=lambda: [0] * (len(WRITE_BUCKETS_S) + 1))
     # write_s_counts[i]: writes that took at most WRITE_BUCKETS_S[i] and more than the bucket
     # before; the last entry: longer than every bound.
 
-    def observe(self, seconds: float, num_bytes: int, is_layerwise: bool = False) -> None:
-        """is_layerwise: pushed during the pass, seconds the tail after it."""
+    def observe(self, seconds: float, num_bytes: int, is_layerwise: bool = False, is_chunked: bool = False) -> None:
+        """is_layerwise: pushed during the pass (is_chunked: passes), seconds the tail after it."""
         self.num_transfers += 1
         self.num_layerwise += is_layerwise
+        self.num_chunked += is_chunked
         self.num_bytes += num_bytes
         self.write_s_sum += seconds
         self.write_s_counts[next((i for i, b in enumerate(WRITE_BUCKETS_S) if seconds <= b),
@@ -37,7 +39,7 @@ class TransferFigures:
         # levels at most (common/wire/codec.py), and stats > kv_writes > backend takes them.
         return {"num_transfers": self.num_transfers, "num_bytes": self.num_bytes,
                 "num_failed": self.num_failed, "write_s_sum": round(self.write_s_sum, 6),
-                "num_layerwise": self.num_layerwise, "bytes_per_s": round(self.bytes_per_s),
+                "num_layerwise": self.num_layerwise, "num_chunked": self.num_chunked, "bytes_per_s": round(self.bytes_per_s),
                 **dict(zip(BUCKET_KEYS, self.write_s_counts))}
 
 
