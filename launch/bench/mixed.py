@@ -60,6 +60,7 @@ def _client(endpoint: str, a) -> None:
             last = out
         rows.append({"i": i, "kind": kind, "ttft_s": stamps[0], "second_s": stamps[1],
                      "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
+                     "steady_tpot_s": (stamps[-1] - stamps[1]) / max(len(stamps) - 2, 1),
                      "path": (last.timings or {}).get("path"), "tokens": tokens})
 
     # Every prompt made before any is sent: the same ones, in the same places, in each mode.
@@ -149,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
             "short_second_ms_p90": round(1e3 * _pct([r["second_s"] for r in short], 0.9), 1),
             "long_tpot_ms_p50": round(1e3 * statistics.median(r["tpot_s"] for r in long), 2),
             "long_tpot_ms_p90": round(1e3 * _pct([r["tpot_s"] for r in long], 0.9), 2),
-            "long_ttft_ms_p50": round(1e3 * statistics.median(r["ttft_s"] for r in long), 1)}
+            "long_ttft_ms_p50": round(1e3 * statistics.median(r["ttft_s"] for r in long), 1),
+            # of the long ones' TPOT: the handoff (first token to second) and the decode steps after it
+            "long_handoff_ms_p50": round(1e3 * statistics.median(r["second_s"] - r["ttft_s"] for r in long), 1),
+            "long_steady_tpot_ms_p90": round(1e3 * _pct([r["steady_tpot_s"] for r in long], 0.9), 2)}
         print(json.dumps({"bench": "mixed", "device": "cpu", "mode": mode, "rate_mbit": a.rate_mbit,
                           "kv_transfer": a.kv_transfer, "kv_layerwise": a.kv_layerwise,
                           "long": [a.long_len, a.long_tokens, a.long_every], "short": [a.short_len, a.short_tokens,
