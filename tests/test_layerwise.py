@@ -42,7 +42,7 @@ def test_layers_go_out_during_the_pass_and_the_commit_waits_for_all_of_them():
     p = Pair(layerwise="on")
     job, h = _reserved(p)
     src = list(job.block_ids)
-    p.tx.push_layers([(job, None)], 1)                      # layer 0 computed, layer 1 not yet
+    p.tx.push_layers([(job, None)], 1)              # layer 0 computed, layer 1 not yet
     assert h.stage is Stage.WRITING and h.layers_sent == 1 and _frames(p) == [0]
     p.pump()                                        # the decode node lands layer 0; nothing ends
     r = p.rx.held["r"]
@@ -220,7 +220,7 @@ def test_a_write_whose_pass_never_ends_is_stopped_at_its_deadline():
     p = Pair(layerwise="on", lease_s=30.0)
     num_free = p.prefix.num_free
     job, h = _reserved(p)
-    p.tx.push_layers([(job, None)], 1)                      # and the pass dies: no start_writes
+    p.tx.push_layers([(job, None)], 1)              # and the pass dies: no start_writes
     p.run_for(15)
     assert h.stage is Stage.WRITING and not p.failed
     p.run_for(12)                                   # past the write's deadline (5/6 of the lease)

@@ -94,8 +94,8 @@ class Sender:
         there for it would wait out its lease: those handoffs fail now (retryable) and release."""
         self.num_link_resets += 1
         handoffs = [h for h in self.by_id.values() if h.peer is peer]
-        log.warning("the KV link to %s was made again (reset or dropped%s): %s %d handoffs", peer.name, ", its data "
-                    "connection" if is_data else "", "checking" if is_data else "asking again for", len(handoffs))
+        what, act = ("link's data connection", "checking") if is_data else ("link", "asking again for")
+        log.warning("the KV %s to %s was made again (reset or dropped): %s %d handoffs", what, peer.name, act, len(handoffs))
         now = self.clock()
         for h in handoffs:
             if is_data:

@@ -181,8 +181,11 @@ class NixlWriter:
         return 1
 
     def _part(self, request_id: str, w: _Write, layers: range, ready, blocks: range, notify: bool) -> _Part:
-        r = np.array(runs(w.src[blocks.start: blocks.stop], w.dst[blocks.start: blocks.stop]),
-                     dtype=np.uint64).reshape(-1, 3)   # (src, dst, length) runs of blocks
+        if w.runs_of != blocks:   # NOTE: made once per block range, not per layer
+            w.runs = np.array(runs(w.src[blocks.start: blocks.stop], w.dst[blocks.start: blocks.stop]),
+                              dtype=np.uint64).reshape(-1, 3)
+            w.runs_of = blocks
+        r = w.runs
         local = self._descs(self.src.data_ptr(), self.src.shape[2], r[:, 0], r[:, 2], layers)
         remote = self._descs(self.desc.address, self._num_dst_blocks, r[:, 1], r[:, 2], layers)
         try:
@@ -317,6 +320,8 @@ class _Write:
     is_announced: bool = False
     is_posted: bool = False     # a part was posted (stopping it needs the connection dropped)
     is_cancelled: bool = False
+    runs_of: range | None = None   # the blocks `runs` was made for (the latest part's)
+    runs: np.ndarray | None = None   # their (src, dst, length) runs of blocks [n, 3]
 
 
 class NixlReceiver:

@@ -39,7 +39,8 @@ class TransferFigures:
         # levels at most (common/wire/codec.py), and stats > kv_writes > backend takes them.
         return {"num_transfers": self.num_transfers, "num_bytes": self.num_bytes,
                 "num_failed": self.num_failed, "write_s_sum": round(self.write_s_sum, 6),
-                "num_layerwise": self.num_layerwise, "num_chunked": self.num_chunked, "bytes_per_s": round(self.bytes_per_s),
+                "num_layerwise": self.num_layerwise, "num_chunked": self.num_chunked,
+                "bytes_per_s": round(self.bytes_per_s),
                 **dict(zip(BUCKET_KEYS, self.write_s_counts))}
 
 
