@@ -47,12 +47,23 @@ HOST_BYTES_PER_CORE = 10e9
 MIN_MS_PER_THREAD = 20.0
 
 
+def layer_params(spec) -> int:
+    """Weights of one decoder layer's matmuls (2 FLOPs each a token)."""
+    return spec.hidden_size * (spec.q_size + 2 * spec.kv_size) + spec.q_size * spec.hidden_size \
+        + 3 * spec.hidden_size * spec.intermediate_size
+
+
+def pair_cost(spec) -> float:
+    """A prompt's attention per (query, key) pair (QK^T and PV: 4 FLOPs a query dimension)
+    over a token's matmuls, in a layer: how to cut a prompt into parts of equal work."""
+    return 4 * spec.q_size / (2 * layer_params(spec))
+
+
 def threads_worth(spec, dtype, num_tokens: int, num_rows: int) -> int:
     """Cores a pass over num_tokens (num_rows of them sampled) is worth: its time on one
     core, the matmuls' FLOPs or the weights it streams, over MIN_MS_PER_THREAD. A tiny
     model's pass is worth one: an op split over threads then waits at its end for all."""
-    layer = spec.hidden_size * (spec.q_size + 2 * spec.kv_size) + spec.q_size * spec.hidden_size \
-        + 3 * spec.hidden_size * spec.intermediate_size
+    layer = layer_params(spec)
     head = spec.vocab_size * spec.hidden_size
     flops = 2 * (spec.num_layers * layer * max(num_tokens, num_rows) + head * num_rows)
     stream = (spec.num_layers * layer + head) * dtype.itemsize

@@ -2,11 +2,17 @@
 forwards on one torch thread. No barrier per op waits for a core another process
 holds, and a busy host just time-slices the lanes, which run at a lower priority:
 prefill throughput takes the cores the latency-bound work (decode steps, the
-frontend) leaves, not a share fixed in advance."""
+frontend) leaves, not a share fixed in advance. One long prompt is cut into runs of its
+tokens, a lane each, each run a layer behind the one before (forward_pipelined): the
+lanes meet once a layer instead of at every op's end."""
 from __future__ import annotations
 
+import math
 import queue
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -33,9 +39,12 @@ class Lanes:
     layers are computed; and every FEED_S with no chunk indices, so KV held back for a link
     that was full goes out as it drains. The caller waits in that loop: nothing else runs there."""
 
-    def __init__(self, num_lanes: int, forward: Callable[..., torch.Tensor]):
+    def __init__(self, num_lanes: int, forward: Callable[..., torch.Tensor], pair_cost: float = 0.0):
         self.num_lanes = num_lanes
         self._forward = forward   # forward(chunks, between_layers=None)
+        self.pair_cost = pair_cost   # attention per (query, key) pair over a token's matmuls
+        self._pair_cost_0 = pair_cost
+        self.is_pipelined = True    # a lone long chunk: parts a layer apart (False: one pass on every thread)
         self._pool = ThreadPoolExecutor(num_lanes, thread_name_prefix="prefill-lane", initializer=_start_lane)
 
     def close(self) -> None:
@@ -49,20 +58,23 @@ class Lanes:
         finally:
             torch.set_num_threads(1)
 
-    def _run(self, parts: list[list[int]], chunks: list, num_threads: int, between_layers, on_layers) -> list:
-        """Each part of the chunks on a lane; their last hidden states, part by part."""
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-
-        def hook(idx: list[int]):
+    def _part(self, chunks: list, idx: list[int], num_threads: int, between_layers) -> Callable:
+        """A lane's task: the chunks idx as one forward; post(idx, n) after each layer."""
+        def task(post):
             def after(num_done: int) -> None:
                 if between_layers is not None:
                     between_layers(num_done)
-                if on_layers is not None:
-                    inbox.put((idx, num_done))
-            return after
-        is_hooked = between_layers is not None or on_layers is not None
-        futures = [self._pool.submit(self._on_lane, [chunks[i] for i in idx], num_threads,
-                                     hook(idx) if is_hooked else None) for idx in parts]
+                if post is not None:
+                    post(idx, num_done)
+            is_hooked = between_layers is not None or post is not None
+            return self._on_lane([chunks[i] for i in idx], num_threads, after if is_hooked else None)
+        return task
+
+    def _run(self, tasks: list[Callable], on_layers) -> list:
+        """Each task(post) on a lane; post(idx, n) calls on_layers(idx, n) on this thread. Their results."""
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        post = None if on_layers is None else (lambda idx, n: inbox.put((idx, n)))
+        futures = [self._pool.submit(task, post) for task in tasks]
         for f in futures:
             f.add_done_callback(lambda _: inbox.put(None))
         num_running, error = len(futures), None
@@ -86,7 +98,66 @@ class Lanes:
         """The chunks as one pass on num_threads threads, started from a lane: they keep its
         lower priority, so the latency-bound work on this host still comes first.
         between_layers(n), called on the lane, may resize the pool (torch.set_num_threads)."""
-        return self._run([list(range(len(chunks)))], chunks, num_threads, between_layers, on_layers)[0]
+        return self._run([self._part(chunks, list(range(len(chunks))), num_threads, between_layers)],
+                         on_layers)[0]
+
+    def forward_pipelined(self, chunk, num_parts: int, on_layers=None) -> torch.Tensor:
+        """One long chunk as num_parts runs of its tokens of about equal cost, a lane each, part
+        j a layer behind part j - 1 (its attention reads that part's KV of the layer): the lanes
+        meet once a layer, not at every op's end, so a thread the host takes away for a while
+        (the network's, another process's) stalls only the parts behind it. -> [1, H].
+        NOTE: worth it on a host whose cores are shared; the price is one layer of the first
+        part's time before the last starts (1 / num_layers of the pass on two lanes)."""
+        bounds = split_tokens(len(chunk.token_ids), chunk.context_len, num_parts, self.pair_cost)
+        parts = [replace(chunk, token_ids=chunk.token_ids[a:b], context_len=chunk.context_len + a)
+                 for a, b in zip(bounds, bounds[1:])]
+        cond, num_done, cpu_s = threading.Condition(), [0] * len(parts), [0.0] * len(parts)
+
+        def mark(j: int, n: float) -> None:
+            with cond:
+                num_done[j] = n
+                cond.notify_all()
+
+        def wait(j: int, n: int) -> None:
+            with cond:
+                cond.wait_for(lambda: num_done[j] >= n)
+
+        def task(j: int) -> Callable:
+            def run(post):
+                def after(n: int) -> None:
+                    mark(j, n)
+                    if post is not None and j == len(parts) - 1:
+                        post([0], n)   # the whole chunk's first n layers: the parts before are ahead
+                    if j:
+                        wait(j - 1, n + 1)
+                try:
+                    if j:
+                        wait(j - 1, 1)
+                    start = time.thread_time()   # NOTE: CPU time: not what waits or what others take
+                    out = self._on_lane([parts[j]], 1, after)
+                    cpu_s[j] = time.thread_time() - start
+                    return out
+                finally:
+                    mark(j, math.inf)   # NOTE: also on an error: no part waits forever
+            return run
+        last_hidden = self._run([task(j) for j in range(len(parts))], on_layers)[-1]
+        self._fit_pair_cost([(len(p.token_ids), p.context_len) for p in parts], cpu_s)
+        return last_hidden
+
+    def _fit_pair_cost(self, parts: list[tuple[int, int]], cpu_s: list[float]) -> None:
+        """pair_cost from the first and the last part's CPU times (a token's matmuls and its
+        pairs' attention, t = k (x + p y)): the attention kernel's rate against the matmuls'
+        is the host's own; moved half way to each pass's fit, within [1/2, 8] of the start."""
+        (x0, c0), (x1, c1) = parts[0], parts[-1]
+        y0, y1 = x0 * (c0 + x0 / 2), x1 * (c1 + x1 / 2)
+        t0, t1 = cpu_s[0], cpu_s[-1]
+        den = t0 * y1 - t1 * y0
+        if t0 <= 0 or t1 <= 0 or den <= 0:
+            return
+        fit = (t1 * x0 - t0 * x1) / den
+        if fit > 0:
+            lo, hi = self._pair_cost_0 / 2, self._pair_cost_0 * 8
+            self.pair_cost = min(max((self.pair_cost + fit) / 2, lo), hi)
 
     def split(self, chunks: list, num_lanes: int | None = None) -> list[list[int]]:
         """Chunk indices per lane (at most num_lanes, default all), balanced by tokens
@@ -123,8 +194,10 @@ class Lanes:
         lanes = self.split(chunks, num_lanes)
         num_tokens = sum(len(c.token_ids) for c in chunks)
         if len(lanes) == 1 and num_lanes > 1 and num_tokens >= MIN_TOKENS_PER_THREAD * num_lanes:
+            if len(chunks) == 1 and chunks[0].prompt_targets is None and self.is_pipelined:
+                return self.forward_pipelined(chunks[0], num_lanes, on_layers)
             return self.forward_whole(chunks, num_lanes, None, on_layers)   # every thread on one long chunk
-        parts = self._run(lanes, chunks, 1, None, on_layers)
+        parts = self._run([self._part(chunks, idx, 1, None) for idx in lanes], on_layers)
         if len(lanes) == 1:
             return parts[0]
         # NOTE: lanes write disjoint blocks of the one cache; the caller's sampling waits for all.
@@ -133,3 +206,17 @@ class Lanes:
         last_hidden = torch.empty_like(packed)
         last_hidden[order] = packed
         return last_hidden
+
+
+def split_tokens(num_tokens: int, context_len: int, num_parts: int, pair_cost: float) -> list[int]:
+    """Offsets cutting a chunk of num_tokens after context_len into num_parts of equal cost:
+    a token's matmuls (1) and its attention, pair_cost a (query, key) pair. -> [0, ..., num_tokens]."""
+    def cost(t: float) -> float:
+        return t + pair_cost * (context_len * t + t * t / 2)
+    a, b = pair_cost / 2, 1 + pair_cost * context_len
+    bounds = [0]
+    for j in range(1, num_parts):
+        target = cost(num_tokens) * j / num_parts
+        t = (math.sqrt(b * b + 4 * a * target) - b) / (2 * a) if a > 0 else target / b
+        bounds.append(min(max(int(round(t)), bounds[-1] + 1), num_tokens - (num_parts - j)))
+    return bounds + [num_tokens]

@@ -24,7 +24,7 @@ from common.engine import logits as logit_rules
 from common.engine import qwen3
 from common.engine.decode import DecodeBatch, DecodeTicket  # noqa: F401  (DecodeTicket: the nodes' type)
 from common.engine.h2d import HostToDevice
-from common.engine.cores import CorePool, threads_worth
+from common.engine.cores import CorePool, pair_cost, threads_worth
 from common.engine.lanes import Lanes
 from common.base.model_spec import load_spec, preset_spec
 from common.engine.platform import platform_for
@@ -105,7 +105,7 @@ class DeviceWorker:
         if self.platform.is_host and cap > 1:
             # NOTE: a lane runs whole forwards on one torch thread: no barrier per op waits
             # for a core another process holds, and a busy host just time-slices the lanes.
-            self.lanes = Lanes(cap, self._forward_chunks)
+            self.lanes = Lanes(cap, self._forward_chunks, pair_cost(s))
             torch.set_num_threads(1)   # the loop's own ops are small: no pool to wait on
         self._warm_up()
         if self._wants_graphs():

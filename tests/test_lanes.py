@@ -1,0 +1,154 @@
+"""CPU prefill lanes: one long prompt cut into runs of its tokens, a lane each, each run a
+layer behind the one before (common/engine/lanes.py)."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from common.engine.lanes import Lanes, split_tokens
+
+pytestmark = pytest.mark.unit
+
+
+def _cost(a: int, b: int, context_len: int, pair_cost: float) -> float:
+    return sum(1 + pair_cost * (context_len + t + 1) for t in range(a, b))
+
+
+@pytest.mark.parametrize("num_tokens,context_len,num_parts,pair_cost",
+                         [(2048, 0, 2, 0.0), (2048, 0, 2, 1e-3), (3000, 500, 3, 5e-4), (4096, 0, 4, 2e-3)])
+def test_split_tokens_cuts_parts_of_equal_cost(num_tokens, context_len, num_parts, pair_cost):
+    bounds = split_tokens(num_tokens, context_len, num_parts, pair_cost)
+    assert bounds[0] == 0 and bounds[-1] == num_tokens and len(bounds) == num_parts + 1
+    assert all(a < b for a, b in zip(bounds, bounds[1:]))
+    costs = [_cost(a, b, context_len, pair_cost) for a, b in zip(bounds, bounds[1:])]
+    assert max(costs) / min(costs) < 1.01
+    if pair_cost:   # attention grows along the prompt: the later runs are shorter
+        assert all(b - a > d - c for (a, b), (c, d) in zip(zip(bounds, bounds[1:]), zip(bounds[1:], bounds[2:])))
+
+
+def test_split_tokens_keeps_every_part_nonempty():
+    assert split_tokens(3, 0, 3, 10.0) == [0, 1, 2, 3]
+
+
+@dataclass
+class _Chunk:
+    token_ids: list[int]
+    context_len: int = 0
+    prompt_targets: list[int] | None = None
+
+
+def _chunk(n: int) -> _Chunk:
+    return _Chunk(list(range(n)))
+
+
+def test_each_part_runs_a_layer_only_once_the_part_before_has_done_it():
+    """Part j's layer l starts after part j - 1's layer l ended (its attention reads that KV);
+    on_layers hears of the whole chunk's layers as the last part finishes them."""
+    num_layers, log, lock = 4, [], threading.Lock()
+
+    def forward(chunks, between_layers=None):
+        part = chunks[0].context_len   # 0, then the first part's length
+        for layer in range(num_layers):
+            with lock:
+                log.append(("start", part, layer, time.monotonic()))
+            time.sleep(0.02 if part == 0 else 0.005)   # the first part slower: the second must wait
+            with lock:
+                log.append(("end", part, layer, time.monotonic()))
+            if layer + 1 < num_layers:
+                between_layers(layer + 1)
+        return torch.full((1, 2), float(part))
+    lanes, heard = Lanes(2, forward), []
+    try:
+        out = lanes.forward([_chunk(2048)], on_layers=lambda idx, n: heard.append((list(idx), n)))
+    finally:
+        lanes.close()
+    second = split_tokens(2048, 0, 2, 0.0)[1]
+    assert torch.equal(out, torch.full((1, 2), float(second)))   # the last part's last hidden state
+    at = {(kind, part, layer): t for kind, part, layer, t in log}
+    for layer in range(num_layers):
+        assert at[("start", second, layer)] >= at[("end", 0, layer)]
+    assert [h for h in heard if h[0]] == [([0], n) for n in range(1, num_layers)]
+
+
+def test_a_part_that_fails_fails_the_pass_and_none_waits_forever():
+    def forward(chunks, between_layers=None):
+        if chunks[0].context_len == 0:
+            between_layers(1)
+            raise RuntimeError("part 0 broke")
+        for layer in range(1, 4):
+            between_layers(layer)
+        return torch.zeros(1, 2)
+    lanes = Lanes(2, forward)
+    done = []
+    t = threading.Thread(target=lambda: done.append(_raises(lambda: lanes.forward([_chunk(2048)]))))
+    t.start()
+    t.join(10)
+    lanes.close()
+    assert done == ["part 0 broke"]
+
+
+def _raises(fn) -> str | None:
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_the_pair_cost_is_fitted_to_the_parts_cpu_times():
+    """Times from t = k (x + p y) with p four times the first guess: each pass moves the
+    guess half way there; a fit past eight times the guess stops at eight."""
+    lanes = Lanes(1, lambda chunks, between_layers=None: None, pair_cost=1e-4)
+    true_p, k = 4e-4, 1e-3
+    parts = [(1200, 0), (848, 1200)]
+
+    def times(p):
+        return [k * (x + p * x * (c + x / 2)) for x, c in parts]
+    for _ in range(12):
+        lanes._fit_pair_cost(parts, times(true_p))
+    assert lanes.pair_cost == pytest.approx(true_p, rel=1e-3)
+    for _ in range(12):
+        lanes._fit_pair_cost(parts, times(1e-2))
+    assert lanes.pair_cost == pytest.approx(8e-4)
+    lanes._fit_pair_cost(parts, [0.0, 1.0])          # nothing measured: left as it was
+    assert lanes.pair_cost == pytest.approx(8e-4)
+    lanes.close()
+
+
+def test_a_long_prompt_pipelined_over_two_lanes_equals_one_pass_and_transformers(make_model):
+    """A 2,100-token prompt on a two-thread worker: cut in two runs a layer apart, its KV,
+    logits and first token equal the same worker's pass on both threads at once, and the
+    logits equal transformers' on the same checkpoint."""
+    from transformers import Qwen3ForCausalLM
+    from common.base.config import WorkerConfig
+    from common.base.request import SamplingParams
+    from common.engine.worker import DeviceWorker, PrefillChunk
+    model = make_model(layers=3, max_position_embeddings=4096)
+    prompt = torch.randint(0, 400, (2100,), generator=torch.Generator().manual_seed(1)).tolist()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with DeviceWorker(WorkerConfig(model=str(model), kv_cache_memory=64 * 2**20)) as w:
+            blocks = list(range(1, (len(prompt) + w.block_size - 1) // w.block_size + 1))
+            runs, calls = {}, []
+            pipelined = w.lanes.forward_pipelined
+            w.lanes.forward_pipelined = lambda *a, **k: calls.append(1) or pipelined(*a, **k)
+            for is_pipelined in (True, False):
+                w.lanes.is_pipelined = is_pipelined
+                tokens, logits = w.prefill([PrefillChunk(prompt, 0, blocks, SamplingParams(temperature=0))],
+                                           return_logits=True)
+                runs[is_pipelined] = tokens, logits, w.export_blocks(blocks)
+            assert calls == [1]     # the first run only
+    finally:
+        torch.set_num_threads(before)
+    (tok_p, logits_p, kv_p), (tok_w, logits_w, kv_w) = runs[True], runs[False]
+    assert tok_p == tok_w and torch.allclose(logits_p, logits_w, atol=1e-4)
+    assert torch.allclose(kv_p, kv_w, atol=1e-5)
+    hf = Qwen3ForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1]
+    assert torch.allclose(logits_p[0], ref, atol=1e-3) and tok_p[0] == int(ref.argmax())
