@@ -65,10 +65,16 @@ def _client(endpoint: str, prompt_lens: list[int], num_requests: int, seed: int,
     print(json.dumps({"rows": rows, "kv_writes": writes}), flush=True)
 
 
-def shape_link(hosts, name: str, rate_mbit: float) -> None:
-    """What leaves host `name` goes at rate_mbit (a token bucket of 64 KiB, 100 ms of queue)."""
+BURST = "256kb"
+
+
+def shape_link(hosts, name: str, rate_mbit: float, burst: str = BURST) -> None:
+    """What leaves host `name` goes at rate_mbit (a token bucket of `burst`, 100 ms of queue).
+    NOTE: a bucket smaller than a 64 KiB GSO packet and its headers makes tbf cut each one
+    into 1,500-byte packets in software, a cost per byte on both simulated hosts' CPUs many
+    times what a NIC that segments in hardware leaves them (see docs/BENCHMARKS.md)."""
     subprocess.run(["ip", "netns", "exec", hosts.ns(name), "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
-                    "rate", f"{rate_mbit}mbit", "burst", "64kb", "latency", "100ms"], check=True,
+                    "rate", f"{rate_mbit}mbit", "burst", burst, "latency", "100ms"], check=True,
                    capture_output=True)
 
 
@@ -128,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser("bench layerwise", description=__doc__, formatter_class=HelpFormat)
     p.add_argument("--model", help="a Qwen3 directory (default: the 8-layer shape above, made once)")
     p.add_argument("--rate-mbit", type=float, default=200.0, help="host a's link rate")
+    p.add_argument("--burst", default=BURST, help="the link's token bucket (tc tbf burst)")
     p.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1024, 2048])
     p.add_argument("--num-requests", type=int, default=5, help="per prompt length and mode")
     p.add_argument("--kv-transfer", default="tcp", help="the backend between the hosts")
@@ -155,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     medians: dict[str, dict[int, tuple[float, float]]] = {}
     for mode in a.modes.split(","):
         with netns.Hosts(["a", "b"]) as hosts:
-            shape_link(hosts, "a", a.rate_mbit)
+            shape_link(hosts, "a", a.rate_mbit, a.burst)
             rows = _run_mode(a, hosts, model, mode, logs)
         medians[mode] = {}
         for n in a.prompt_lens:
@@ -164,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             medians[mode][n] = (statistics.median(firsts), statistics.median(seconds))
             transfer_ms = n * kv_bytes_per_token * 8 / (a.rate_mbit * 1e6) * 1e3
             print(json.dumps({"bench": "layerwise", "device": "cpu", "mode": mode, "prompt_len": n,
-                              "rate_mbit": a.rate_mbit, "kv_transfer": a.kv_transfer, "num_requests": len(firsts),
+                              "rate_mbit": a.rate_mbit, "burst": a.burst, "kv_transfer": a.kv_transfer,
+                              "num_requests": len(firsts),
                               "first_token_ms_p50": round(1e3 * medians[mode][n][0], 1),
                               "second_token_ms_p50": round(1e3 * medians[mode][n][1], 1),
                               # the bound: the prefill (its first token) or the KV at the link's rate

@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser("bench mixed", description=__doc__, formatter_class=HelpFormat)
     p.add_argument("--model", help="a Qwen3 directory (default: bench layerwise's 8-layer shape, made once)")
     p.add_argument("--rate-mbit", type=float, default=200.0, help="host a's link rate")
+    p.add_argument("--burst", default=layerwise.BURST, help="the link's token bucket (tc tbf burst)")
     p.add_argument("--long-len", type=int, default=2048)
     p.add_argument("--long-tokens", type=int, default=64, help="max_tokens of a long prompt")
     p.add_argument("--short-len", type=int, default=32)
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     figures, tokens = {}, {}
     for mode in a.modes.split(","):
         with netns.Hosts(["a", "b"]) as hosts:
-            layerwise.shape_link(hosts, "a", a.rate_mbit)
+            layerwise.shape_link(hosts, "a", a.rate_mbit, a.burst)
             got = _run_mode(a, hosts, model, mode, logs)
         tokens[mode] = {r["i"]: r["tokens"] for r in got["rows"]}
         short = [r for r in got["rows"] if r["kind"] == "short"]
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             # of the long ones' TPOT: the handoff (first token to second) and the decode steps after it
             "long_handoff_ms_p50": round(1e3 * statistics.median(r["second_s"] - r["ttft_s"] for r in long), 1),
             "long_steady_tpot_ms_p90": round(1e3 * _pct([r["steady_tpot_s"] for r in long], 0.9), 2)}
-        print(json.dumps({"bench": "mixed", "device": "cpu", "mode": mode, "rate_mbit": a.rate_mbit,
+        print(json.dumps({"bench": "mixed", "device": "cpu", "mode": mode, "rate_mbit": a.rate_mbit, "burst": a.burst,
                           "kv_transfer": a.kv_transfer, "kv_layerwise": a.kv_layerwise,
                           "long": [a.long_len, a.long_tokens, a.long_every], "short": [a.short_len, a.short_tokens,
                                                                                      a.short_every],
