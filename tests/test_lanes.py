@@ -119,6 +119,25 @@ def test_the_pair_cost_is_fitted_to_the_parts_cpu_times():
     lanes.close()
 
 
+def test_a_chunk_of_a_few_hundred_tokens_is_cut_and_a_short_one_is_not():
+    """From MIN_TOKENS_PER_PART a run the chunk is cut (each lane streams every weight: below
+    that a run is mostly that); prompt logprobs keep one pass (every position's hidden state)."""
+    from common.engine.lanes import MIN_TOKENS_PER_PART
+    seen = []
+    lanes = Lanes(2, lambda chunks, between_layers=None: seen.append(len(chunks[0].token_ids)) or torch.zeros(1, 2))
+    try:
+        lanes.forward([_chunk(2 * MIN_TOKENS_PER_PART)])
+        assert seen == [MIN_TOKENS_PER_PART, MIN_TOKENS_PER_PART]   # no pair cost given: equal runs
+        seen.clear()
+        lanes.forward([_chunk(2 * MIN_TOKENS_PER_PART - 1)])
+        assert seen == [2 * MIN_TOKENS_PER_PART - 1]
+        seen.clear()
+        lanes.forward([_Chunk(list(range(4096)), 0, list(range(4096)))])
+        assert seen == [4096]
+    finally:
+        lanes.close()
+
+
 def test_a_long_prompt_pipelined_over_two_lanes_equals_one_pass_and_transformers(make_model):
     """A 2,100-token prompt on a two-thread worker: cut in two runs a layer apart, its KV,
     logits and first token equal the same worker's pass on both threads at once, and the

@@ -23,6 +23,9 @@ LANE_NICE = 10
 # A lone chunk shorter than this per thread runs on one lane: an op split over threads
 # waits at its end for every one of them, and on a shared host one may have no core.
 MIN_TOKENS_PER_THREAD = 1024
+# A lone chunk is cut into runs a layer apart from this many tokens a run: the lanes meet
+# once a layer, but each streams every weight, which a short run's time is mostly.
+MIN_TOKENS_PER_PART = 256
 FEED_S = 0.005   # on_layers is called at least this often during a pass
 
 
@@ -193,10 +196,12 @@ class Lanes:
         num_lanes = num_lanes or self.num_lanes
         lanes = self.split(chunks, num_lanes)
         num_tokens = sum(len(c.token_ids) for c in chunks)
-        if len(lanes) == 1 and num_lanes > 1 and num_tokens >= MIN_TOKENS_PER_THREAD * num_lanes:
-            if len(chunks) == 1 and chunks[0].prompt_targets is None and self.is_pipelined:
+        if len(lanes) == 1 and num_lanes > 1:
+            if len(chunks) == 1 and chunks[0].prompt_targets is None and self.is_pipelined \
+                    and num_tokens >= MIN_TOKENS_PER_PART * num_lanes:
                 return self.forward_pipelined(chunks[0], num_lanes, on_layers)
-            return self.forward_whole(chunks, num_lanes, None, on_layers)   # every thread on one long chunk
+            if num_tokens >= MIN_TOKENS_PER_THREAD * num_lanes:
+                return self.forward_whole(chunks, num_lanes, None, on_layers)   # every thread on one long chunk
         parts = self._run([self._part(chunks, idx, 1, None) for idx in lanes], on_layers)
         if len(lanes) == 1:
             return parts[0]
