@@ -64,9 +64,10 @@ def test_each_backend_gives_transformers_tokens(tiny_model, tmp_path, backend):
                 "--token-budget", "32")
     try:
         _assert_transformers_tokens(c.endpoint, tiny_model, _prompts(12, seed=3))
-        # NOTE: node figures come from heartbeats, up to one beat old: wait, do not sample.
+        # NOTE: node figures come from heartbeats, up to one beat old: wait for all 12 writes.
         wait_for(lambda: (s := c.stats()["prefill-0"])["kv_links"] == {"decode-0": backend}
-                 and s["num_kv_bytes_written"] > 0, 10, f"the prefill node to report its {backend} writes")
+                 and s["kv_writes"].get(backend, {}).get("num_transfers", 0) >= 12, 10,
+                 f"the prefill node to report its 12 {backend} writes")
         assert c.stats()["prefill-0"]["pass_token_budget"] == 32   # prompts of up to 89 tokens: chunked
         writes = c.stats()["prefill-0"]["kv_writes"][backend]
         # dist has no layer-wise form: its writes go whole at the pass's end
