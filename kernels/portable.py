@@ -81,8 +81,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens)):
         total = ctx_len + q_len
         blocks = block_tables[i, : (total + block_size - 1) // block_size].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:total].transpose(0, 1)[None]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:total].transpose(0, 1)[None]
+        # (a cache in another dtype than q: its KV in q's, as the CPU backend's long chunks ask)
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:total].to(q.dtype).transpose(0, 1)[None]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:total].to(q.dtype).transpose(0, 1)[None]
         qi = q[start:start + q_len].transpose(0, 1)[None]                 # [1, Hq, q_len, D]
         # NOTE: is_causal aligns the mask top-left; after a cached context the
         # diagonal is shifted by ctx_len, so that case takes an explicit mask. The

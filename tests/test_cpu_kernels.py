@@ -68,6 +68,48 @@ def test_prefill_attention_equals_the_portable_op(dtype, hq, hk, d):
     assert torch.allclose(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
+def _naive_prefill_attention(q, k_cache, v_cache, tables, query_lens, context_lens, scale):
+    """In float64, chunk by chunk: each query sees its context and its chunk up to itself."""
+    out, start, bs = [], 0, k_cache.shape[1]
+    for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
+        total = ctx + n
+        blocks = tables[i, : (total + bs - 1) // bs].long()
+        k = k_cache[blocks].flatten(0, 1)[:total].double()        # [total, Hk, D]
+        v = v_cache[blocks].flatten(0, 1)[:total].double()
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        qi = q[start:start + n].double()
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        allowed = torch.arange(total)[None, :] <= torch.arange(ctx, total)[:, None]
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out.append(torch.einsum("hqk,khd->qhd", probs, v))
+        start += n
+    return torch.cat(out)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_chunks_beside_short_ones_equal_the_naive_attention(dtype, monkeypatch):
+    """Chunks from cpu.TORCH_MIN_QUERY_LEN queries go to torch's kernel, the others to the C
+    one in one call: each chunk's rows land in place, with and without a cached context."""
+    n = cpu.TORCH_MIN_QUERY_LEN
+    to_torch, reference = [], portable.prefill_attention
+    monkeypatch.setattr(cpu.portable, "prefill_attention", lambda *a, **k: to_torch.append(a[4]) or reference(*a, **k))
+    query_lens, context_lens = [5, n, 40, n + 37, 1], [11, 0, 0, 70, 300]
+    k, v, tables = _paged_cache([a + b for a, b in zip(query_lens, context_lens)], 2, 32, 16, dtype, seed=3)
+    q = torch.randn(sum(query_lens), 4, 32).to(dtype)
+    want = _naive_prefill_attention(q, k, v, tables, query_lens, context_lens, 32 ** -0.5)
+    for lens in (query_lens, query_lens[1:2]):   # a mix, and a lone long chunk
+        i = query_lens.index(lens[0])
+        a = sum(query_lens[:i])
+        rows = slice(a, a + sum(lens))
+        got = cpu.prefill_attention(q[rows], k, v, tables[i:i + len(lens)], lens,
+                                    context_lens[i:i + len(lens)], 32 ** -0.5)
+        assert got.dtype == dtype
+        assert torch.allclose(got.double(), want[rows], atol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert to_torch == [[n], [n + 37], [n]]     # the long chunks, one by one
+
+
 @needs_cc
 def test_prefill_attention_split_over_threads_equals_one_thread_and_odd_heads_fall_back():
     query_lens, context_lens = [70, 5, 40], [0, 20, 0]
