@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -183,19 +184,19 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_len
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     qf = q.float().contiguous()
     out = torch.empty(q.shape, dtype=torch.float32)
+    row_starts = [0, *accumulate(query_lens)]
+    short = [i for i, n in enumerate(query_lens) if n < TORCH_MIN_QUERY_LEN]
+    for i, n in enumerate(query_lens):
+        if n >= TORCH_MIN_QUERY_LEN:
+            a = row_starts[i]
+            out[a:a + n] = portable.prefill_attention(qf[a:a + n], k_cache, v_cache, block_tables[i:i + 1], [n],
+                                                      [context_lens[i]], scale)
+    if not short:
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
     tables = _int32_rows(block_tables)
     if meta is None or meta.dtype != torch.int32 or not meta.is_contiguous():
-        meta = torch.tensor([[sum(query_lens[:i]) for i in range(len(query_lens))], query_lens,
-                             context_lens], dtype=torch.int32)
-    long = [i for i, n in enumerate(query_lens) if n >= TORCH_MIN_QUERY_LEN]
-    for i in long:
-        a, n = int(meta[0, i]), query_lens[i]
-        out[a:a + n] = portable.prefill_attention(qf[a:a + n], k_cache, v_cache, block_tables[i:i + 1], [n],
-                                                  [context_lens[i]], scale)
-    if len(long) == len(query_lens):
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
-    if long:   # NOTE: the C kernel writes each chunk's rows at its start: a subset keeps its starts
-        short = [i for i in range(len(query_lens)) if query_lens[i] < TORCH_MIN_QUERY_LEN]
+        meta = torch.tensor([row_starts[:-1], query_lens, context_lens], dtype=torch.int32)
+    if len(short) < len(query_lens):   # NOTE: the C kernel writes each chunk's rows at its start
         tables, meta = tables[short].contiguous(), meta[:, short].contiguous()
     starts, q_lens, ctx_lens = meta
 
