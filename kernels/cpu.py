@@ -35,8 +35,9 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fP
 MIN_ROWS_PER_THREAD = 8
 PREFILL_HEAD_DIM_MULTIPLE = 16   # the prefill kernel's register tile (DB in the C file)
 # From this many query tokens a chunk's attention is torch's (its fused CPU kernel, over the
-# chunk's KV gathered from the cache): 1.2x the C kernel's rate at 256 tokens, 1.8x at 2,048
-# (one thread, AVX2); below it the C kernel, which takes many short chunks in one call.
+# chunk's KV gathered from the cache): even with the C kernel at 256 tokens, 1.7x its rate at
+# 2,048 (one thread, AVX2; launch/bench/attention.py); below it the C kernel, which takes many
+# short chunks in one call.
 TORCH_MIN_QUERY_LEN = 256
 # From this many rows of x, a bf16 weight is widened whole and the matmul runs at the fp32
 # rate; below it, the C kernel streams the weight once (measured crossover on AVX2: 64-128).

@@ -4,7 +4,8 @@
     pdserve client [options]                  send prompts, read stats (frontend.cli)
     pdserve bench [KIND] [options]            a benchmark (launch/bench/): serving (the default:
                                               a running cluster), prefill, decode, transfer,
-                                              migration, vs, profile, layerwise, mixed, ray-start
+                                              migration, vs, profile, layerwise, mixed, ray-start,
+                                              attention
     pdserve scale --endpoint E --num-prefill N --num-decode M
                                               add or drain nodes of a cluster on Ray (serve --ray)
     pdserve drain NODE [--endpoint ...]       move a node's requests elsewhere; it stops once empty

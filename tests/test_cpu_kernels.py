@@ -1,6 +1,7 @@
 """The CPU backend (kernels/cpu.py, C) against the portable ops it must equal, the
 prefill lanes against one lane, and the thread flags."""
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -311,3 +312,17 @@ def test_cpu_bf16_logits_as_accurate_as_transformers_bf16(make_model, weight_std
             ref32 = hf32(torch.tensor([p])).logits[0, -1]
             ref16 = hf16(torch.tensor([p])).logits[0, -1].float()
             assert rel(ours, ref32) <= rel(ref16, ref32) + 2e-3, (len(p), rel(ours, ref32), rel(ref16, ref32))
+
+
+@needs_cc
+@pytest.mark.cluster
+def test_the_attention_benchmark_times_both_kernels_a_line_a_length():
+    """`pdserve bench attention`: the C kernel and torch's for a short and a long chunk after
+    a context, each line with the floor to read them against."""
+    done = subprocess.run([sys.executable, "-m", "launch.bench.attention", "--query-lens", "32,300",
+                           "--context-len", "40", "--repeats", "1"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [x["query_len"] for x in records] == [32, 300] and all(x["context_len"] == 40 for x in records)
+    assert all(x["c_kernel_ms"] > 0 and x["torch_ms"] > 0 and x["floor_ms"] > 0 for x in records)
