@@ -161,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                                      a.short_every],
                           "num_short": len(short), "num_long": len(long), **f,
                           "short_paths": {p: sum(r["path"] == p for r in short) for p in ("local", "disaggregated")},
+                          # each path's own short TTFT p50 (what a prompt there waited), where any took it
+                          "short_ttft_ms_p50_by_path": {
+                              p: round(1e3 * statistics.median(r["ttft_s"] for r in short if r["path"] == p), 1)
+                              for p in ("local", "disaggregated") if any(r["path"] == p for r in short)},
                           "long_paths": {p: sum(r["path"] == p for r in long) for p in ("local", "disaggregated")},
                           "decisions": (got.get("paths") or {}).get("decisions")}), flush=True)
     modes = a.modes.split(",")
