@@ -113,6 +113,8 @@ class DecodeNode:
                         # Nothing on the device: the batch may change.
                         self._apply_aborts()
                         updates = self._admit()          # first tokens of the newly admitted
+                        if updates:   # NOTE: now, not after the launch: on the host the step runs in it
+                            self.runtime.send(TokenBatch(updates))
                         self._make_room()
                         inflight = self._launch()
                     else:
@@ -125,10 +127,10 @@ class DecodeNode:
                             self._receive(timeout=0)
                         updates = self._collect(inflight, is_next_launched=upcoming is not None)
                         inflight = upcoming
+                        if updates:
+                            self.runtime.send(TokenBatch(updates))
                     if not inflight and not self.scheduler.running:
                         self.worker.mark_idle()
-                    if updates:
-                        self.runtime.send(TokenBatch(updates))
                     self._report()
         finally:
             rt.close()
@@ -296,12 +298,13 @@ class DecodeNode:
         seq.is_swapped = False
 
     def _can_pipeline(self) -> bool:
-        """The next step may run before this one's tokens are seen only if the batch
-        will not change: no abort, admission or leftover row to remove, and no
-        request that surely ends with the running step (its extra step would write
-        past its reserved blocks), no preempted request that could resume, and no
-        block the next step needs that only a preemption would free."""
-        if self.pending_aborts or self.finished_in_flight \
+        """The next step may run before this one's tokens are seen only where steps are
+        queued (on the host, where a step runs in its launch, it would only hold these
+        tokens back a step) and the batch will not change: no abort, admission or leftover
+        row to remove, no request that surely ends with the running step (its extra step
+        would write past its reserved blocks), no preempted request that could resume, and
+        no block the next step needs that only a preemption would free."""
+        if not self.worker.is_step_queued or self.pending_aborts or self.finished_in_flight \
                 or (self.scheduler.can_admit() and self.handoff.has_ready()) or self.local.is_runnable() \
                 or self.scheduler.next_resumable() \
                 or num_blocks_short(self.worker.keys_needing_block, self.scheduler.running, self.blocks):
@@ -375,21 +378,18 @@ class DecodeNode:
     def stats(self) -> dict:
         return {**self.worker.stats(), "num_running": len(self.scheduler.running), "num_queued": len(self.handoff.ready),
                 "num_reservations": len(self.handoff.held), "num_finished": self.num_finished,
-                "num_expired_reservations": self.handoff.num_expired,
-                "num_asking": len(self.handoff.waiting), "num_granted": self.handoff.num_granted,
-                "num_batched_steps": self.num_batched_steps, "num_preemptions": self.num_preemptions,
-                "num_swapped": self.num_swapped,
+                "num_expired_reservations": self.handoff.num_expired, "num_asking": len(self.handoff.waiting),
+                "num_granted": self.handoff.num_granted, "num_batched_steps": self.num_batched_steps,
+                "num_preemptions": self.num_preemptions, "num_swapped": self.num_swapped,
                 "num_recomputed": self.num_recomputed, "num_forked": self.num_forked,
                 "num_preempted": len(self.scheduler.preempted), "num_discarded_tokens": self.num_discarded_tokens,
-                "num_free_blocks": self.blocks.num_free,
-                "num_reserved_blocks": self.blocks.num_reserved,
+                "num_free_blocks": self.blocks.num_free, "num_reserved_blocks": self.blocks.num_reserved,
                 "num_available_blocks": self.blocks.num_available,
                 "num_bad_messages": self.frontend.num_bad + self.kv.num_bad,
                 "num_link_resets": self.runtime.num_link_resets + self.kv.num_reroutes,
                 "num_incomplete_commits": self.handoff.num_incomplete, "num_early_commits": self.handoff.num_early_commits,
                 "num_kv_verify_failures": self.handoff.num_verify_failures,
-                "num_peer_drops": self.handoff.num_peer_drops,
-                "is_registered": self.runtime.is_registered,
+                "num_peer_drops": self.handoff.num_peer_drops, "is_registered": self.runtime.is_registered,
                 "num_usable_blocks": self.blocks.capacity, **self.local.stats()}
 
     def _report(self) -> None:

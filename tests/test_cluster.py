@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import msgpack
@@ -15,7 +16,7 @@ import pytest
 import zmq
 
 from frontend.client import AsyncClient, Client, make_request
-from tests.cluster_util import ROOT, Cluster, free_base_port, is_alive, wait_for
+from tests.cluster_util import ROOT, Cluster, Processes, free_base_port, is_alive, wait_for
 from tests.conftest import clear_prompts
 
 pytestmark = pytest.mark.cluster   # every test here starts processes
@@ -110,31 +111,73 @@ def test_text_chat_and_stop_strings(cluster):
         assert len(chat.token_ids) == 5 and chat.usage["prompt_tokens"] > 3
 
 
-def test_stop_token_mid_stream_beside_a_running_request(cluster):
-    """A request that stops on a token while another keeps the decode batch busy
-    (the next step is already queued when the stop is seen) ends exactly there."""
-    discarded = cluster.stats()["decode-0"]["num_discarded_tokens"]
-
+def _stop_beside_a_running_request(endpoint: str):
+    """A request that stops on a token (one its free run first makes at index >= 3, so
+    in a decode step) while another keeps the decode batch busy: (its free run, the
+    stop's index, the stopped run, the busy one's tokens and finish reason)."""
     async def run():
-        async with AsyncClient(cluster.endpoint) as client:
+        async with AsyncClient(endpoint) as client:
             free = await client.complete("stop here", max_tokens=30, ignore_eos=True)
-            # A token first seen at index >= 3, so the stop happens in a decode step.
             first = next(i for i, t in enumerate(free.token_ids) if i >= 3 and t not in free.token_ids[:i])
-            stop_at = free.token_ids[first]
             long_stream = client.generate("keep going", max_tokens=120, ignore_eos=True)
             long_tokens = (await long_stream.__anext__()).token_ids  # it is in the batch now
             stopped = await client.complete("stop here", max_tokens=30, ignore_eos=True,
-                                            stop_token_ids=[stop_at])
+                                            stop_token_ids=[free.token_ids[first]])
             async for out in long_stream:
                 long_tokens += out.token_ids
             return free, first, stopped, (long_tokens, out.finish_reason)
-    free, first, stopped, long = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_stop_token_mid_stream_beside_a_running_request(cluster):
+    """On the host a step runs in its launch: no step is queued behind the stopping one
+    (it would only hold the tokens back a step), so no token is made past an end."""
+    discarded = cluster.stats()["decode-0"]["num_discarded_tokens"]
+    free, first, stopped, long = _stop_beside_a_running_request(cluster.endpoint)
     assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: first + 1]
     assert long == (long[0], "length") and len(long[0]) == 120
-    # The step queued behind the stopping one ran, and its token for the stopped request was dropped.
-    wait_for(lambda: cluster.stats()["decode-0"].get("num_discarded_tokens", 0) > discarded, 5,
-             "the pipelined step's extra token to be discarded")
     wait_for(lambda: _all_blocks_free(cluster), 10, "every block to be free again")
+    assert cluster.stats()["decode-0"]["num_discarded_tokens"] == discarded
+
+
+def test_stop_token_with_steps_queued_ahead(tiny_model, tmp_path):
+    """Where steps are queued (a device), the next step is launched before this one's
+    tokens are read: the stopping request's row runs once more and that token is dropped.
+    The node runs here, on the host, told its steps are queued."""
+    from common.base.config import DecodeConfig, WorkerConfig
+    from common.runtime.process import StopEvent
+    from decode_node.node import DecodeNode
+    p, stop, thread = Processes(tiny_model, free_base_port(), tmp_path), StopEvent(), None
+    try:
+        p.start("frontend")
+        p.start("prefill")
+        node = DecodeNode(DecodeConfig(
+            worker=WorkerConfig(model=str(tiny_model), kv_cache_memory=4 * 2**20, max_batch_size=16,
+                                is_cache_in_shm=True),
+            frontend_endpoint=p.nodes, kv_endpoint=p.kv))
+        prepare = node.worker.prepare   # loads the model as the loop starts: told after that
+
+        def prepare_queued():
+            worker = prepare()
+            worker.is_step_queued = True
+            return worker
+        node.worker.prepare = prepare_queued
+        thread = threading.Thread(target=node.run, args=(stop,), daemon=True)
+        thread.start()
+        with Client(p.clients) as c:
+            c.wait_ready(120, num_nodes=2)
+        free, first, stopped, long = _stop_beside_a_running_request(p.clients)
+        assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: first + 1]
+        assert long == (long[0], "length") and len(long[0]) == 120
+        # The step queued behind the stopping one ran, and its token for the stopped request was dropped.
+        assert node.num_discarded_tokens > 0
+        wait_for(lambda: not node.scheduler.running and node.blocks.num_free == node.blocks.capacity, 10,
+                 "every block to be free again")
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join(30)
+        p.stop()
 
 
 def test_cancel_and_deadline_free_blocks_on_both_nodes(cluster):

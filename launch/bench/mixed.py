@@ -39,6 +39,11 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else float("nan")
 
 
+def _parts_p50(rows: list[dict]) -> dict:
+    names = sorted({k for r in rows for k in r.get("parts", {})})
+    return {k: round(statistics.median(r["parts"][k] for r in rows if k in r["parts"]), 1) for k in names}
+
+
 def _client(endpoint: str, a) -> None:
     """Run on host a: warm up, then the timed mixed load; one JSON line of every request."""
     import numpy as np
@@ -51,17 +56,18 @@ def _client(endpoint: str, a) -> None:
 
     async def one(client, kind: str, prompt_ids: list[int], max_tokens: int, at: float, rows: list, i: int) -> None:
         await asyncio.sleep(max(at - time.monotonic(), 0))
-        start, stamps, last, tokens = time.monotonic(), [], None, []
+        start, stamps, last, tokens, first = time.monotonic(), [], None, [], None
         async for out in client.generate(prompt_token_ids=prompt_ids, max_tokens=max_tokens, ignore_eos=True):
             if out.error:
                 raise SystemExit(f"bench mixed: a request failed: {out.error}")
             stamps += [time.monotonic() - start] * len(out.token_ids)
             tokens += out.token_ids
-            last = out
+            last, first = out, first or out.timings
         rows.append({"i": i, "kind": kind, "ttft_s": stamps[0], "second_s": stamps[1],
                      "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
                      "steady_tpot_s": (stamps[-1] - stamps[1]) / max(len(stamps) - 2, 1),
-                     "path": (last.timings or {}).get("path"), "tokens": tokens})
+                     "path": (last.timings or {}).get("path"), "tokens": tokens,
+                     "parts": {k: v for k, v in (first or {}).items() if k.endswith("_ms")}})
 
     # Every prompt made before any is sent: the same ones, in the same places, in each mode.
     warm = [prompt(n) for _ in range(3) for n in (a.long_len, a.short_len)]
@@ -165,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                           "short_ttft_ms_p50_by_path": {
                               p: round(1e3 * statistics.median(r["ttft_s"] for r in short if r["path"] == p), 1)
                               for p in ("local", "disaggregated") if any(r["path"] == p for r in short)},
+                          # where that time went: each stage's p50 (the first update's timings)
+                          "short_parts_ms_p50_by_path": {p: _parts_p50([r for r in short if r["path"] == p])
+                                                         for p in ("local", "disaggregated")
+                                                         if any(r["path"] == p for r in short)},
                           "long_paths": {p: sum(r["path"] == p for r in long) for p in ("local", "disaggregated")},
                           "decisions": (got.get("paths") or {}).get("decisions")}), flush=True)
     modes = a.modes.split(",")
