@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         with netns.Hosts(["a", "b"]) as hosts:
             layerwise.shape_link(hosts, "a", a.rate_mbit, a.burst)
             got = _run_mode(a, hosts, model, mode, logs)
+        (logs / f"{mode}-requests.json").write_text(json.dumps(got["rows"]))   # each request's figures
         tokens[mode] = {r["i"]: r["tokens"] for r in got["rows"]}
         short = [r for r in got["rows"] if r["kind"] == "short"]
         long = [r for r in got["rows"] if r["kind"] == "long"]
