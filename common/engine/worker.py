@@ -97,7 +97,7 @@ class DeviceWorker:
         self.model = qwen3.Model(s, self.weights, self.cos_sin, self.kv_cache)
         self.decode = DecodeBatch(self.model, self.block_size, cfg.max_batch_size, self.max_blocks_per_seq,
                                   self.platform, self.h2d, self.spec.eos_token_ids)
-        self.is_step_queued = self.platform.event() is not None   # else a step runs in its launch (host)
+        self.is_step_queued = not self.platform.is_host   # else a step runs in its launch: nothing overlaps it
         cap = torch.get_num_threads()
         if cfg.core_pool and self.platform.is_host:
             name, budget, share = parse_core_pool(cfg.core_pool)
