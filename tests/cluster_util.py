@@ -154,6 +154,15 @@ class Processes:
         self.procs[name or role] = p
         return p
 
+    def decode_node_here(self):
+        """A decode node made in this process (its loop run on a thread by the test), on
+        these endpoints: 4 MiB of KV cache in shared memory (the ipc transfer), batch of 16."""
+        from common.base.config import DecodeConfig, WorkerConfig
+        from decode_node.node import DecodeNode
+        worker = WorkerConfig(model=str(self.model), kv_cache_memory=4 * 2**20, max_batch_size=16,
+                              is_cache_in_shm=True)
+        return DecodeNode(DecodeConfig(worker=worker, frontend_endpoint=self.nodes, kv_endpoint=self.kv))
+
     def stop(self) -> None:
         for p in self.procs.values():
             if p.poll() is None:

@@ -144,17 +144,12 @@ def test_stop_token_with_steps_queued_ahead(tiny_model, tmp_path):
     """Where steps are queued (a device), the next step is launched before this one's
     tokens are read: the stopping request's row runs once more and that token is dropped.
     The node runs here, on the host, told its steps are queued."""
-    from common.base.config import DecodeConfig, WorkerConfig
     from common.runtime.process import StopEvent
-    from decode_node.node import DecodeNode
     p, stop, thread = Processes(tiny_model, free_base_port(), tmp_path), StopEvent(), None
     try:
         p.start("frontend")
         p.start("prefill")
-        node = DecodeNode(DecodeConfig(
-            worker=WorkerConfig(model=str(tiny_model), kv_cache_memory=4 * 2**20, max_batch_size=16,
-                                is_cache_in_shm=True),
-            frontend_endpoint=p.nodes, kv_endpoint=p.kv))
+        node = p.decode_node_here()
         prepare = node.worker.prepare   # loads the model as the loop starts: told after that
 
         def prepare_queued():

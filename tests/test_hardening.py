@@ -432,18 +432,13 @@ def _stopped_node_fails_its_requests(procs: Processes, tiny_model) -> None:
 
 
 def test_a_hung_loop_counts_as_dead_and_recovers(tiny_model, tmp_path):
-    from common.base.config import DecodeConfig, WorkerConfig
     from common.runtime.process import StopEvent
-    from decode_node.node import DecodeNode
     p = Processes(tiny_model, free_base_port(), tmp_path, frontend=["--hung-after", "1.5", "--max-migrations", "0"])
     stop, gate = StopEvent(), threading.Event()
     try:
         p.start("frontend")
         p.start("prefill")
-        node = DecodeNode(DecodeConfig(
-            worker=WorkerConfig(model=str(tiny_model), kv_cache_memory=4 * 2**20, max_batch_size=16,
-                                is_cache_in_shm=True),
-            frontend_endpoint=p.nodes, kv_endpoint=p.kv))
+        node = p.decode_node_here()
         admit = node._admit
         node._admit = lambda: (gate.wait(), admit())[1]   # the loop blocks here while the gate is shut
         gate.set()
