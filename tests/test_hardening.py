@@ -267,7 +267,10 @@ def test_a_heavy_client_cannot_starve_a_light_one(tiny_model, tmp_path):
             return latencies, waiting, results
         latencies, waiting, results = asyncio.run(run())
         overloaded = [r for r in results if r.error and r.error.startswith("overloaded")]
-        assert len(overloaded) == 32                                   # past its 64 in flight
+        # NOTE: not exactly 32: on a loaded host a few of the first 64 may end before the
+        # last of the 96 arrive, which frees their places. Each refusal came at the limit.
+        assert 0 < len(overloaded) <= 32, len(overloaded)
+        assert all("has 64 requests in flight" in r.error for r in overloaded), overloaded[0].error
         assert all(r.finish_reason == "length" for r in results if r not in overloaded)
         # The light client took turns with the heavy one, which still had requests queued.
         assert max(latencies) < 10.0, latencies
