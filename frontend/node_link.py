@@ -125,7 +125,7 @@ class NodeMessages:
         logprobs = u.logprobs[num_known:] if u.logprobs is not None else None
         if not req.is_prefilled:
             req.is_prefilled = True
-            router.prefill_done(fe.nodes.get(req.prefill_node), req.work_tokens, req.is_short_prompt)
+            router.prefill_done(fe.nodes.get(req.prefill_node), req.work_tokens)
             fe.wake_dispatch()
         is_first = req.num_tokens == 0 and bool(token_ids)
         if is_first:

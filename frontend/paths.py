@@ -5,10 +5,8 @@ sooner that way and the decode node has the time to spare (`never`: local whenev
 can serve the request, for comparisons and tests).
 
 Both predictions are built from what the nodes measure and report in their stats:
-  disaggregated: first token = (prompt tokens queued ahead of it on the prefill node + this
-    prompt's un-cached tokens) / the prefill node's rate (a short prompt goes ahead of longer
-    ones there: ahead of it are the other short prompts queued and at most a pass under way
-    and its own pass's share of longer prompts); first decoded token = that + the KV
+  disaggregated: first token = (prompt tokens queued on the prefill node + this prompt's
+    un-cached tokens) / the prefill node's rate; first decoded token = that + the KV
     transfer left exposed (its bytes over the rate measured to that backend, less the
     prefill time a layer-wise push hides) + one decode step.
   local: first token = (prompt tokens queued on the decode node + this prompt's tokens
@@ -43,7 +41,7 @@ class Figures:
     """What the rule reads for one request; rates 0 where not measured yet."""
     prompt_len: int
     prefill_cached: int = 0        # tokens the prefill node's prefix cache holds
-    prefill_queued: int = 0        # prompt tokens routed there, not yet prefilled, ahead of this one
+    prefill_queued: int = 0        # prompt tokens routed there, not yet prefilled
     prefill_rate: float = 0.0      # prompt tokens/s
     kv_token_bytes: int = 0        # KV bytes per token
     link_rate: float = 0.0         # bytes/s measured to the decode node's backend
@@ -165,22 +163,12 @@ def figures(prompt_len: int, work_tokens: int, local_tokens: int, prefill, decod
     mode = ps.get("kv_layerwise")
     is_layerwise = mode == "on" or (mode == "auto" and link_rate > 0
                                     and prompt_len * token_bytes / link_rate >= MIN_HIDDEN_S)
-    return Figures(prompt_len, prefill_cached=prompt_len - work_tokens, prefill_queued=queued_ahead(prompt_len, prefill),
+    return Figures(prompt_len, prefill_cached=prompt_len - work_tokens, prefill_queued=prefill.num_queued_tokens,
                    prefill_rate=_rate(ps, "num_prefill_tokens", "prefill_busy_s"), kv_token_bytes=token_bytes,
                    link_rate=link_rate, is_layerwise=is_layerwise, decode_queued=decode.num_queued_tokens,
                    decode_cached=prompt_len - local_tokens,
                    decode_rate=_rate(ds, "num_local_prefill_tokens", "local_prefill_busy_s"),
                    step_s=_rate(ds, "device_busy_s", "num_decode_steps"), num_running=decode.num_active)
-
-
-def queued_ahead(prompt_len: int, prefill) -> int:
-    """Prompt tokens routed to the prefill node that it computes before this prompt."""
-    queued = prefill.num_queued_tokens
-    if prompt_len > _number(prefill.stats, "short_prompt_len"):
-        return queued
-    short = min(prefill.num_queued_short_tokens, queued)
-    long_share = _number(prefill.stats, "pass_token_budget") + _number(prefill.stats, "short_pass_long_tokens")
-    return short + min(queued - short, int(long_share))
 
 
 def _number(d: dict, key: str) -> float:

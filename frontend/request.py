@@ -38,7 +38,6 @@ class RequestState:
     is_decoding: bool = False    # its decode node has sent its first update
     life_base: int = 0           # output tokens the client had when this route began
     work_tokens: int = 0         # prompt tokens its prefill node was expected to compute
-    is_short_prompt: bool = False   # that node takes it ahead of longer prompts (router.is_short)
     route_keys: dict[int, list[int]] = field(default_factory=dict)   # block size -> its blocks' keys
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None   # monotonic
@@ -144,7 +143,6 @@ class RequestState:
         self.early_token = None
         self.life_base = len(self.output_ids)
         self.work_tokens = 0
-        self.is_short_prompt = False
         self.route_keys = {}
         self.num_migrations += 1
         self.moved_at = time.monotonic()

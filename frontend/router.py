@@ -35,7 +35,6 @@ class NodeState:
     num_routed: int = 0           # requests ever sent here
     num_active: int = 0           # decode: routed, not finished
     num_queued_tokens: int = 0    # prompt tokens routed here to prefill, not yet prefilled (less cached ones)
-    num_queued_short_tokens: int = 0   # of those, short prompts' (which go first there: is_short)
     prefix_keys: set[int] = field(default_factory=set)   # route keys of its cached blocks
 
     @property
@@ -127,7 +126,7 @@ def assign(nodes: dict[str, NodeState], max_queued_tokens: int, prompt_ids: list
         prefill, work_tokens = decode, local_tokens
     elif is_full:
         return None
-    routed(prefill, decode, work_tokens, is_short(prefill, n))
+    routed(prefill, decode, work_tokens)
     return prefill, decode, work_tokens
 
 
@@ -137,27 +136,18 @@ def figure(stats: dict, key: str) -> float:
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
 
 
-def is_short(prefill: NodeState, prompt_len: int) -> bool:
-    """Whether that prefill node takes the prompt ahead of longer ones (it says up to which
-    length in its stats; prefill_node/scheduler.py)."""
-    return prompt_len <= figure(prefill.stats, "short_prompt_len")
-
-
-def routed(prefill: NodeState, decode: NodeState, work_tokens: int, is_short_prompt: bool = False) -> None:
+def routed(prefill: NodeState, decode: NodeState, work_tokens: int) -> None:
     """work_tokens: the prompt tokens the prefill node is expected to compute (prefill is
     decode for a prompt the decode node prefills: its count of them)."""
     prefill.num_routed += prefill is not decode
     prefill.num_queued_tokens += work_tokens
-    prefill.num_queued_short_tokens += work_tokens if is_short_prompt else 0
     decode.num_routed += 1
     decode.num_active += 1
 
 
-def prefill_done(prefill: NodeState | None, work_tokens: int, is_short_prompt: bool = False) -> None:
+def prefill_done(prefill: NodeState | None, work_tokens: int) -> None:
     if prefill is not None:
         prefill.num_queued_tokens = max(prefill.num_queued_tokens - work_tokens, 0)
-        if is_short_prompt:
-            prefill.num_queued_short_tokens = max(prefill.num_queued_short_tokens - work_tokens, 0)
 
 
 def update_prefix(node: NodeState, added: list[int], removed: list[int], is_reset: bool) -> None:

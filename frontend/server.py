@@ -288,7 +288,6 @@ class Frontend:
                     break
                 self.admission.next()
                 prefill, decode, req.work_tokens = route
-                req.is_short_prompt = router.is_short(prefill, len(ids))
                 if choice is None:   # --disaggregate always: not asked
                     choice = self.paths.decide(paths.Figures(len(ids)), decode.name, can_local)
                 self.paths.record(choice, decode.name)
@@ -373,7 +372,7 @@ class Frontend:
         if req.prefill_node is not None:
             if not req.is_prefilled:
                 req.is_prefilled = True
-                router.prefill_done(self.nodes.get(req.prefill_node), req.work_tokens, req.is_short_prompt)
+                router.prefill_done(self.nodes.get(req.prefill_node), req.work_tokens)
             router.decode_done(self.nodes.get(req.decode_node))
             self._wake.set()
 

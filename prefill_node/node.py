@@ -31,7 +31,7 @@ from common.base.request import stop_reason, validate_prompt
 from common.engine.worker import DeviceWorker, PrefillChunk
 from common.handoff.sender import Sender
 from common.kv.blocks import block_bytes, cache_block_size
-from prefill_node.scheduler import SHORT_PASS_LONG_TOKENS, SHORT_PROMPT_LEN, PrefillJob, PrefillScheduler, ScheduledChunk
+from prefill_node.scheduler import PrefillJob, PrefillScheduler, ScheduledChunk
 
 MIN_PASS_TOKENS = 256     # a pass bounded in time still holds this many (a matmul's rate falls below)
 log = get_logger("prefill")
@@ -286,7 +286,6 @@ class PrefillNode:
                 "num_kv_bytes_written": self.handoffs.bytes_written,
                 "num_failed": self.num_failed, "num_free_blocks": self.prefix_cache.num_free,
                 "pass_token_budget": self.scheduler.token_budget,
-                "short_prompt_len": SHORT_PROMPT_LEN, "short_pass_long_tokens": SHORT_PASS_LONG_TOKENS,
                 "num_bad_messages": self.frontend.num_bad + self.handoffs.num_bad,
                 "num_link_resets": self.runtime.num_link_resets + self.handoffs.num_link_resets,
                 "num_writing": sum(h.stage.value in ("writing", "cancelling") for h in self.handoffs.by_id.values()),

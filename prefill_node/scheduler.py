@@ -15,13 +15,6 @@ for the other. The one exception keeps a light load from waiting a round trip:
 a prompt whose decode node granted the previous request at once may start
 before its own answer, one such prompt at a time and only while it takes at
 most half the free blocks, so the pool never fills with them.
-
-Short prompts go first: a pass takes the waiting prompts of at most SHORT_PROMPT_LEN
-tokens before the chunks of prompts already started and the longer prompts, and while it
-holds a short prompt, longer ones get at most SHORT_PASS_LONG_TOKENS of it. A short
-prompt's first token comes at the end of its pass, so it then waits for the pass under
-way and a short pass, not for every long prompt queued ahead of it (seconds on a slow
-host); the long prompts still move SHORT_PASS_LONG_TOKENS a pass.
 """
 from __future__ import annotations
 
@@ -32,9 +25,6 @@ from dataclasses import dataclass, field
 from common.kv.blocks import num_blocks_for
 from common.kv.prefix import PrefixCache, block_hashes, num_reusable_blocks
 from common.base.request import SamplingParams
-
-SHORT_PROMPT_LEN = 256          # a prompt this short goes ahead of longer ones waiting
-SHORT_PASS_LONG_TOKENS = 512    # longer prompts' tokens in a pass that holds a short one
 
 
 @dataclass
@@ -120,26 +110,15 @@ class PrefillScheduler:
         return None
 
     def schedule(self) -> list[ScheduledChunk]:
-        chunks: list[ScheduledChunk] = []
         budget = self.token_budget
-        shorts = [j for j in self.waiting if j.prompt_len <= SHORT_PROMPT_LEN]
-        budget = self._start_waiting(shorts, chunks, budget)
-        if chunks:   # NOTE: the short prompts' first tokens wait for the whole pass
-            budget = min(budget, SHORT_PASS_LONG_TOKENS)
+        chunks: list[ScheduledChunk] = []
         for job in self.prefilling:  # finish what was started first
             if budget == 0 or len(chunks) == self.max_batch_prompts:
                 break
-            if any(c.job is job for c in chunks):
-                continue
             end = min(job.prompt_len, job.num_computed + budget)
             chunks.append(ScheduledChunk(job, job.num_computed, end))
             budget -= end - job.num_computed
-        self._start_waiting(list(self.waiting), chunks, budget)
-        return chunks
-
-    def _start_waiting(self, jobs: list[PrefillJob], chunks: list[ScheduledChunk], budget: int) -> int:
-        """Start jobs (waiting, in this order) into the pass within budget; the budget left."""
-        for job in jobs:   # in arrival order, passing those not reserved yet
+        for job in list(self.waiting):   # in arrival order, passing those not reserved yet
             if budget == 0 or len(chunks) == self.max_batch_prompts:
                 break
             if not job.is_reserved and not (job.is_peer_granting and self._is_early_free()):
@@ -168,7 +147,7 @@ class PrefillScheduler:
             end = min(job.prompt_len, job.num_computed + budget)
             chunks.append(ScheduledChunk(job, job.num_computed, end))
             budget -= end - job.num_computed
-        return budget
+        return chunks
 
     def _is_early_free(self) -> bool:
         """No prompt started before its reservation still holds blocks here unreserved."""

@@ -266,31 +266,3 @@ def test_decide_counts_nothing_until_recorded():
     chooser.record(c, "decode-0")
     assert chooser.counts == {"local: sooner on the decode node": 1}
     assert chooser.local_load_s("decode-0", 100.0) == pytest.approx(256 / RATE)
-
-
-def test_a_short_prompt_counts_only_what_goes_before_it_on_the_prefill_node():
-    from common.wire.protocol import NodeReady
-    from frontend import router
-    ready = {"p": NodeReady("prefill", "p", 1, "e", "cpu", 100, 16, 1024),
-             "d": NodeReady("decode", "d", 1, "e", "cpu", 100, 16, 1024, kv_endpoint="tcp://x:1", max_batch_size=8)}
-    nodes = {k: router.NodeState(r, k.encode(), 0.0) for k, r in ready.items()}
-    p = nodes["p"]
-    p.stats = {"short_prompt_len": 256, "pass_token_budget": 1024, "short_pass_long_tokens": 512}
-    for n in (2048, 2048, 2048, 32, 100):   # three long prompts, then two short ones
-        assert router.assign(nodes, 100_000, [3] * n, {})[0] is p
-    assert p.num_queued_tokens == 6276 and p.num_queued_short_tokens == 132
-    # A short prompt waits for the short ones, a pass under way and its own pass's share of
-    # the long ones (prefill_node/scheduler.py); a long prompt, for everything queued.
-    assert paths.queued_ahead(40, p) == 132 + 1024 + 512
-    assert paths.queued_ahead(257, p) == 6276
-    # Which the rule reads: 1,668 tokens at 10,000/s is 0.17 s, not 0.63.
-    f = paths.figures(40, 40, 40, p, nodes["d"])
-    assert f.prefill_queued == 1668
-    # Done in any order, the counts come back to nothing.
-    for n, short in ((2048, False), (32, True), (100, True), (2048, False), (2048, False)):
-        router.prefill_done(p, n, short)
-    assert p.num_queued_tokens == 0 and p.num_queued_short_tokens == 0
-    # A node that does not say it takes short prompts first (or before its first stats): all of it.
-    p.stats = {}
-    assert router.assign(nodes, 100_000, [3] * 32, {})[0] is p and p.num_queued_short_tokens == 0
-    assert paths.queued_ahead(32, p) == 32
