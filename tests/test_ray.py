@@ -165,7 +165,10 @@ def test_serve_on_ray_over_three_hosts_restarts_scales_and_stops_clean(tiny_mode
         assert line.startswith("PDSERVE_ENDPOINT=tcp://198.18.0."), log.read_text()[-4000:]
         print(f"ray up in {ray_up_s:.1f}s; pdserve ready on it in {time.monotonic() - started:.1f}s")
         endpoint = line.split("=", 1)[1]
-        assert len(re.findall(r"decode-\d: the model copied to .* \(\d+\.\d MiB fetched", log.read_text())) == 2
+        # NOTE: an actor's lines reach the driver's log through Ray's log monitor, on its own
+        # time: one may come after the driver has said it is ready.
+        wait_for(lambda: len(re.findall(r"decode-\d: the model copied to .* \(\d+\.\d MiB fetched",
+                                        log.read_text())) == 2, 30, "both decode nodes' model copies logged")
         placed = _placed(log)
         assert placed["frontend"] == placed["prefill-0"] == "host-a", placed   # the Ray head
         assert {placed["decode-0"], placed["decode-1"], placed["frontend"]} == {"host-a", "host-b", "host-c"}, placed
