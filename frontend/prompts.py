@@ -6,8 +6,9 @@ Every client shares the one event loop, so what a request may cost it is bounded
 text longer than any prompt the model can take is refused unread (check_size);
 a prompt of more than OFF_LOOP_CHARS characters is tokenized on a thread of its
 own at the lowest CPU priority, with a tokenizer of its own (its length counted
-before any list of ids is made), and so is a request with a grammar (compiled there,
-and refused if that took more than MAX_COMPILE_CPU_S: nodes compile it on their loops);
+before any list of ids is made), and so is a request with a grammar (compiled once in a
+process of its own, killed at MAX_COMPILE_CPU_S of CPU and the grammar refused: nodes
+compile it on their loops; frontend/grammar_check.py);
 everything else, the common case, at once.
 """
 from __future__ import annotations
@@ -17,12 +18,13 @@ import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-from common.base.grammar import MAX_COMPILE_CPU_S, Grammars
+from common.base.grammar import MAX_COMPILE_CPU_S
 from common.base.log import get_logger
 from common.base.threads import lower_this_thread
 from common.base.model_spec import ModelSpec
 from common.base.request import SamplingParams, validate_prompt
 from common.wire.protocol import GenerateRequest
+from frontend.grammar_check import GrammarChecker
 
 log = get_logger("frontend")
 
@@ -145,7 +147,7 @@ def _grammar(req: GenerateRequest, grammars) -> tuple[str, ...]:
     g = (s.kind, s.spec, s.whitespace)
     if grammars is None:
         raise ValueError("structured outputs are not available here")
-    grammars().compile(g, MAX_COMPILE_CPU_S)   # GrammarError: a ValueError saying what is wrong
+    grammars().check(g)   # GrammarError: a ValueError saying what is wrong
     return g
 
 
@@ -188,11 +190,10 @@ class Prompts:
         self.pending: dict[tuple, bool] = {}   # (client, request id) -> cancelled while tokenized
         self.num_off_loop = 0
 
-    def grammars(self) -> Grammars:
-        """Compiled on the loop's thread and the tokenizing thread alike (xgrammar's
-        compiler is safe to share)."""
+    def grammars(self) -> GrammarChecker:
+        """Asked from the loop's thread and the tokenizing thread alike (it takes one at a time)."""
         if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.spec.vocab_size)
+            self._grammars = GrammarChecker(self.model, self.spec.vocab_size, MAX_COMPILE_CPU_S)
         return self._grammars
 
     def is_off_loop(self, req: GenerateRequest) -> bool:
@@ -247,3 +248,5 @@ class Prompts:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._grammars is not None:
+            self._grammars.close()

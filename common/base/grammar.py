@@ -29,8 +29,9 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 WHITESPACE = ("compact", "any")
 MAX_COMPILED = 256   # grammars kept compiled, the most recently used
 # NOTE: a node compiles a request's grammar on its loop, the step of every request there
-# waiting meanwhile; the frontend (on its tokenizing thread) refuses one that took it more
-# CPU than this, so no client can hold a node for longer (a schema nested 300 deep: 3 s).
+# waiting meanwhile; the frontend refuses one that takes more CPU than this to compile (in a
+# process of its own, killed at the limit: frontend/grammar_check.py), so no client can
+# hold a node for longer (a schema nested 300 deep: 2-3 s).
 MAX_COMPILE_CPU_S = 0.5
 
 
@@ -67,26 +68,26 @@ def num_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def for_model(model_dir: str | None, vocab_size: int) -> "Grammars":
+def for_model(model_dir: str | None, vocab_size: int, max_threads: int = 8) -> "Grammars":
     """The grammars of a model directory's tokenizer; GrammarError says why there are none."""
     if model_dir is None:
         raise GrammarError("structured outputs need the model's tokenizer: this node was started with "
                            "--shape, not --model")
     from transformers import AutoTokenizer
-    return Grammars(AutoTokenizer.from_pretrained(model_dir), vocab_size)
+    return Grammars(AutoTokenizer.from_pretrained(model_dir), vocab_size, max_threads)
 
 
 class Grammars:
     """The grammars of one tokenizer: compiled once each (the latest MAX_COMPILED kept)."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, max_threads: int = 8):
         xgr, why = _module()
         if xgr is None:
             raise GrammarError(why)
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgr.GrammarCompiler(self.info)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
         # [W] int32 words: the tokens with no control byte (special tokens, EOS among them, kept)
         safe = np.ones(num_words(vocab_size) * 32, dtype=bool)
         special = set(self.info.special_token_ids) | set(self.info.stop_token_ids)

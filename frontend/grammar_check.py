@@ -1,0 +1,253 @@
+"""A request's grammar compiled once, in a process of its own that is killed at its CPU limit.
+
+Nodes compile a request's grammar on their loops (common/base/grammar.py), so the frontend
+lets through only grammars that compile within MAX_COMPILE_CPU_S. Checking that by
+compiling on one of the frontend's own threads cannot stop a compile once it has started:
+a schema nested 300 deep takes seconds of CPU, a worse one minutes, all of it on the
+frontend's two cores beside the loop that streams every client's tokens, and the thread
+is held meanwhile. Here the compile runs in a child that is killed as soon as it has
+spent the limit, so no client's grammar costs the host more than that.
+
+    frontend (GrammarChecker.check)  --JSON line-->  checker process (nice 19, made once:
+                                                      the tokenizer's vocabulary loaded)
+                                     <--JSON line--    forks one compile per grammar,
+                                                      kills it past the CPU limit
+
+The verdicts (compiles, or why not) of the latest MAX_VERDICTS grammars are kept, so a
+grammar asked again is answered at once. The checker process reads its requests from its
+stdin: when the frontend goes, however it goes, the checker sees the end and exits; each
+compile dies with the checker (PR_SET_PDEATHSIG). Nothing here is pickled: the lines are
+JSON of strings.
+
+Run as a program (`python -m frontend.grammar_check MODEL VOCAB_SIZE MAX_CPU_S`) it is the
+checker process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from common.base.grammar import GrammarError
+from common.base.log import get_logger
+
+log = get_logger("frontend")
+
+MAX_VERDICTS = 1024
+START_TIMEOUT_S = 120.0     # importing xgrammar and torch, loading the tokenizer, on a busy host
+CHECK_TIMEOUT_S = 30.0      # a compile starved of CPU this long is answered "try again"
+POLL_S = 0.01
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+class GrammarChecker:
+    """check(grammar) returns if the grammar compiles within max_cpu_s of CPU, or raises
+    GrammarError saying why not. Safe to call from several threads (one check at a time)."""
+
+    def __init__(self, model: str, vocab_size: int, max_cpu_s: float):
+        self.model, self.vocab_size, self.max_cpu_s = model, vocab_size, max_cpu_s
+        self._verdicts: OrderedDict[tuple, str | None] = OrderedDict()   # grammar -> error, None if it compiles
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._buf = b""
+        self._is_closed = False
+        self.num_killed = 0    # compiles stopped at the CPU limit
+
+    def check(self, grammar: tuple[str, str, str]) -> None:
+        key = tuple(grammar)
+        with self._lock:
+            if key not in self._verdicts:
+                reply = self._ask(key)
+                if reply.get("is_transient"):
+                    raise GrammarError(reply["error"])   # not remembered: asked again, tried again
+                self._verdicts[key] = reply.get("error")
+                while len(self._verdicts) > MAX_VERDICTS:
+                    self._verdicts.popitem(last=False)
+            self._verdicts.move_to_end(key)
+            if self._verdicts[key] is not None:
+                raise GrammarError(self._verdicts[key])
+
+    def _ask(self, grammar: tuple) -> dict:
+        """The checker's reply to one grammar; the checker made (again) if it is not running."""
+        if self._is_closed:
+            return {"error": "the frontend is stopping", "is_transient": True}
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+            if "error" in self._ready:
+                return {"error": self._ready["error"], "is_transient": False}
+        try:
+            self._proc.stdin.write(json.dumps(list(grammar)).encode() + b"\n")
+            self._proc.stdin.flush()
+            reply = self._read_line(CHECK_TIMEOUT_S + 10 * self.max_cpu_s)
+        except (OSError, TimeoutError) as e:
+            # NOTE: a checker that stopped answering is replaced; this grammar is not
+            # judged by it (the next request asks the new one).
+            self._stop()
+            return {"error": f"the grammar could not be checked ({type(e).__name__}): try again",
+                    "is_transient": True}
+        if reply.get("is_killed"):
+            self.num_killed += 1
+            log.warning("a %s was refused: its compile was stopped at %gs of CPU", grammar[0], self.max_cpu_s)
+        return reply
+
+    def _start(self) -> None:
+        self._stop()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH")) if p),
+               "TOKENIZERS_PARALLELISM": "false"}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "frontend.grammar_check", self.model, str(self.vocab_size), str(self.max_cpu_s)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=_ROOT)
+        self._buf = b""
+        start = time.monotonic()
+        try:
+            self._ready = self._read_line(START_TIMEOUT_S)
+            log.info("the grammar checker (pid %d) started in %.1fs%s", self._proc.pid, time.monotonic() - start,
+                     f": {self._ready['error']}" if "error" in self._ready else "")
+        except (OSError, TimeoutError) as e:
+            self._stop()
+            self._ready = {"error": f"structured outputs are not available: the grammar checker did not start "
+                                    f"({type(e).__name__})"}
+
+    def _read_line(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no answer in {timeout_s:.0f}s")
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise OSError("the grammar checker ended")
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def _stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            proc.stdin.close()
+            proc.stdout.close()
+
+    def close(self) -> None:
+        """Without the lock: a check under way sees its checker end and answers at once."""
+        self._is_closed = True
+        proc = self._proc
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+
+# ----------------------------------------------------------------------------------------
+# The checker process.
+
+def _cpu_s(pid: int) -> float | None:
+    """The CPU time (user + system) a live child has used; None where /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _compile_in_child(grammars, grammar: list, max_cpu_s: float) -> dict:
+    """Fork; the child compiles and writes its error (or none) to a pipe; past max_cpu_s of
+    CPU (or of wall time where /proc cannot say) it is killed."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the compile
+        os.close(r)
+        _die_with_parent()
+        try:
+            grammars._compile(*grammar)
+            error = None
+        except GrammarError as e:
+            error = str(e)
+        except Exception as e:   # anything else a hostile grammar provokes is its fault too
+            error = f"the grammar cannot be compiled: {type(e).__name__}"
+        os.write(w, json.dumps({"error": error}).encode())
+        os._exit(0)
+    os.close(w)
+    start = time.monotonic()
+    while True:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done:
+            cpu_s = usage.ru_utime + usage.ru_stime
+            with os.fdopen(r, "rb") as f:
+                out = f.read()
+            if not out:
+                return {"error": f"compiling the {grammar[0]} failed (exit status {status})", "cpu_s": cpu_s}
+            reply = json.loads(out)
+            if reply["error"] is None and cpu_s > max_cpu_s:
+                reply["error"] = _too_long(grammar[0], cpu_s, max_cpu_s)
+            return {**reply, "cpu_s": round(cpu_s, 3)}
+        cpu_s = _cpu_s(pid)
+        wall_s = time.monotonic() - start
+        if (cpu_s if cpu_s is not None else wall_s) > max_cpu_s or wall_s > CHECK_TIMEOUT_S:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(r)
+            if cpu_s is not None and cpu_s <= max_cpu_s:   # starved, not slow: not its fault
+                return {"error": "the grammar could not be checked in time (the host is busy): try again",
+                        "is_transient": True}
+            return {"error": _too_long(grammar[0], cpu_s or wall_s, max_cpu_s, is_killed=True), "is_killed": True}
+        time.sleep(POLL_S)
+
+
+def _too_long(kind: str, cpu_s: float, max_cpu_s: float, is_killed: bool = False) -> str:
+    if is_killed:
+        return (f"the {kind} took more than {max_cpu_s:g}s of CPU to compile (stopped there), the most a "
+                f"request's grammar may take: simplify it")
+    return (f"the {kind} took {cpu_s:.2f}s of CPU to compile, more than the {max_cpu_s:g}s a request's grammar "
+            f"may take: simplify it")
+
+
+def main(argv: list[str]) -> int:
+    model, vocab_size, max_cpu_s = argv[0], int(argv[1]), float(argv[2])
+    os.nice(19)   # NOTE: below every node and the frontend's loop: what it costs, they do not wait for
+    out = sys.stdout.buffer
+
+    def say(obj: dict) -> None:
+        out.write(json.dumps(obj).encode() + b"\n")
+        out.flush()
+    try:
+        from common.base import grammar
+        # one thread: the limit bounds the CPU a grammar costs the host, all of it
+        grammars = grammar.for_model(model, vocab_size, max_threads=1)
+    except Exception as e:
+        say({"error": str(e) if isinstance(e, GrammarError) else f"structured outputs are not available here "
+                                                                   f"({type(e).__name__}: {e})"})
+        return 0
+    say({"ready": True})
+    for line in sys.stdin.buffer:   # ends when the frontend does
+        try:
+            g = json.loads(line)
+            if not (isinstance(g, list) and len(g) == 3 and all(isinstance(x, str) for x in g)):
+                raise ValueError("a grammar is [kind, spec, whitespace]")
+        except ValueError as e:
+            say({"error": f"not a grammar: {e}"})
+            continue
+        say(_compile_in_child(grammars, g, max_cpu_s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,82 @@
+"""The frontend's grammar checker: each grammar compiled once in a process of its own,
+killed at the CPU limit, its verdict remembered; the checker gone with the frontend."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from common.base.grammar import GrammarError
+from frontend.grammar_check import GrammarChecker
+from tests.cluster_util import ROOT, is_alive, wait_for
+
+pytestmark = pytest.mark.cluster   # it starts the checker process
+
+# a JSON schema nested 300 deep: seconds of CPU to compile
+DEEP = ("json_schema", '{"type": "array", "items": ' * 300 + '{"type": "integer"}' + "}" * 300, "compact")
+
+
+def _error(checker: GrammarChecker, grammar) -> str | None:
+    try:
+        checker.check(grammar)
+    except GrammarError as e:
+        return str(e)
+    return None
+
+
+def _vocab_size(model) -> int:
+    return json.loads((model / "config.json").read_text())["vocab_size"]
+
+
+def test_grammars_are_judged_and_a_slow_one_is_stopped_at_the_limit(tiny_model):
+    checker = GrammarChecker(str(tiny_model), _vocab_size(tiny_model), 0.5)
+    try:
+        assert _error(checker, ("json_schema", '{"type": "object"}', "compact")) is None
+        assert _error(checker, ("choice", '["red", "green"]', "any")) is None
+        assert "regex does not compile" in _error(checker, ("regex", "[", "compact"))
+        assert "not valid JSON" in _error(checker, ("json_schema", "{", "compact"))
+        assert "a grammar is one of" in _error(checker, ("nope", "x", "compact"))
+        # the compile is stopped at 0.5 s of CPU, not run to its end (seconds)
+        pid = checker._proc.pid
+        error = _error(checker, DEEP)
+        assert "to compile (stopped there)" in error and "0.5s" in error, error
+        assert checker.num_killed == 1 and checker._proc.pid == pid   # the checker goes on
+        assert _error(checker, ("regex", "a+b", "compact")) is None
+        # each verdict is remembered: asked again with no checker running, the same answers
+        checker._stop()
+        assert _error(checker, DEEP) == error and _error(checker, ("regex", "a+b", "compact")) is None
+        assert checker._proc is None and checker.num_killed == 1
+        # a checker that died is made again for the next new grammar
+        assert _error(checker, ("regex", "c+d", "compact")) is None and checker._proc.poll() is None
+    finally:
+        checker.close()
+    assert checker._proc.poll() is not None
+    assert "stopping" in _error(checker, ("regex", "e+f", "compact"))
+
+
+PARENT = r"""
+import json, sys
+from frontend.grammar_check import GrammarChecker
+c = GrammarChecker(sys.argv[1], int(sys.argv[2]), 0.5)
+c.check(("regex", "a+", "compact"))
+print(json.dumps({"checker": c._proc.pid}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_checker_ends_with_the_frontend_however_it_ends(tiny_model):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_model), str(_vocab_size(tiny_model))], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        checker_pid = json.loads(parent.stdout.readline())["checker"]
+        assert is_alive(checker_pid)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        wait_for(lambda: not is_alive(checker_pid), 10, "the checker ended with its frontend")
+    finally:
+        parent.kill()
+        parent.wait()
