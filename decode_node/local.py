@@ -9,6 +9,13 @@ finds its history here); its last chunk samples the first token,
 and the sequence joins the batch as a committed handoff's does. A chunk is at most
 CHUNK_TOKENS, so a running sequence's step waits for at most one chunk. Only the head
 of the line runs: prompts here are short, and the first in is the first out.
+
+While sequences run, local prompts take at most LOCAL_SHARE of the node's time, measured:
+what their chunks took is owed and paid back at LOCAL_SHARE seconds a second, and no chunk
+starts while more than LOCAL_SHARE * WINDOW_S is owed (passes while nothing runs owe
+nothing). So however many prompts the frontend routes here (its rule routes by the same
+share with predicted costs, frontend/paths.py), the node's own passes slow its running
+sequences' steps by at most 1 / (1 - LOCAL_SHARE) over any stretch longer than the window.
 """
 from __future__ import annotations
 
@@ -23,6 +30,8 @@ from common.kv.sequence import Sequence
 from common.wire.protocol import PrefillRequest
 
 CHUNK_TOKENS = 256   # per turn between decode steps
+LOCAL_SHARE = 0.15   # NOTE: frontend/paths.py routes by the same two
+WINDOW_S = 2.0
 
 
 @dataclass
@@ -61,6 +70,7 @@ class LocalPrefill:
         self.num_prefilled = 0
         self.num_tokens = 0          # prompt tokens computed here
         self.busy_s = 0.0            # in those passes
+        self._owed = (0.0, time.monotonic())   # (seconds of local passes not paid back, when)
 
     def add(self, req: PrefillRequest, held_ids: set[str]) -> None:
         """A prompt routed here to prefill. ValueError: refused (said to the client)."""
@@ -95,8 +105,14 @@ class LocalPrefill:
         """Whether run() would compute a chunk now."""
         if not self.waiting or not self.scheduler.can_admit():
             return False
+        if self.scheduler.running and self.owed_s() > LOCAL_SHARE * WINDOW_S:
+            return False   # the running sequences' time: the share comes free as time passes
         job = self.waiting[0]
         return bool(job.block_ids) or self.scheduler.refusal_for_now(job.prompt_len, job.request.params.max_tokens) is None
+
+    def owed_s(self) -> float:
+        owed, when = self._owed
+        return max(owed - (time.monotonic() - when) * LOCAL_SHARE, 0.0)
 
     def run(self) -> Prefilled | None:
         """One chunk of the first prompt in line (between steps: nothing on the device);
@@ -119,7 +135,10 @@ class LocalPrefill:
             chunk.history = req.params.split(list(req.prompt_token_ids))
         t0 = time.perf_counter()
         tokens, _ = self.worker.prefill([chunk])
-        self.busy_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.busy_s += took
+        if self.scheduler.running:   # NOTE: only the running sequences' time is owed
+            self._owed = (self.owed_s() + took, time.monotonic())
         self.num_tokens += end - start
         job.num_computed = end
         if not is_last:
@@ -146,4 +165,5 @@ class LocalPrefill:
         cache = self.scheduler.blocks
         return {"num_local_waiting": len(self.waiting), "num_local_prefilled": self.num_prefilled,
                 "num_local_prefill_tokens": self.num_tokens, "local_prefill_busy_s": round(self.busy_s, 6),
+                "local_owed_s": round(self.owed_s(), 6),
                 **(cache.stats() if isinstance(cache, PrefixCache) else {})}

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 MODES = ("auto", "always", "never")
 # Of a decode node's time, at most, on local prompts while it has sequences running: their
-# time per output token grows by at most 1 / (1 - LOCAL_SHARE), 1.18x.
+# time per output token grows by at most 1 / (1 - LOCAL_SHARE), 1.18x. NOTE: the decode
+# node paces its local passes by the same two, as measured (decode_node/local.py).
 LOCAL_SHARE = 0.15
 WINDOW_S = 2.0
 CHUNK_TOKENS = 256     # decode_node/local.py's: a local prompt's chunks between steps

@@ -4,6 +4,7 @@ token for token against transformers and across the two paths."""
 from __future__ import annotations
 
 import time
+import types
 import urllib.request
 
 import pytest
@@ -78,6 +79,54 @@ def test_local_prompts_take_at_most_a_share_of_a_busy_decode_node():
     clock.now += paths.WINDOW_S + 0.01
     assert chooser.choose(busy, "decode-0").path == "local"
     assert chooser.stats()["decisions"]["disaggregated: the decode node has no time to spare"] == 1
+
+
+class _TimedWorker:
+    """A worker whose every local pass takes pass_s on the test's clock."""
+    spec = types.SimpleNamespace(vocab_size=512)
+    max_model_len = 1024
+
+    def __init__(self, clock: FakeClock, pass_s: float):
+        self.clock, self.pass_s = clock, pass_s
+
+    def prefill(self, chunks):
+        self.clock.now += self.pass_s
+        return [7] * len(chunks), None
+
+
+def test_the_decode_node_paces_its_local_prompts_to_their_share(monkeypatch):
+    """However many prompts are routed to it, a decode node with sequences running spends
+    at most LOCAL_SHARE of its time on local passes (after one burst), as measured."""
+    from common.base.request import SamplingParams
+    from common.kv.blocks import BlockAllocator
+    from common.kv.sequence import Sequence
+    from common.wire.node import PrefillRequest
+    from decode_node import local
+    from decode_node.scheduler import DecodeScheduler
+    clock = FakeClock()
+    monkeypatch.setattr(local, "time", types.SimpleNamespace(monotonic=clock, perf_counter=clock, time=clock))
+    sched = DecodeScheduler(BlockAllocator(200), 16, 64)
+    lp = local.LocalPrefill(_TimedWorker(clock, 0.08), sched, max_queue=100)
+    for i in range(60):
+        lp.add(PrefillRequest(f"r{i}", [5] * 8, SamplingParams(max_tokens=4), 0.0, "decode-0", "tcp://x"), set())
+    # each prompt done joins the running sequences, whose time the share is
+    burst = local.LOCAL_SHARE * local.WINDOW_S
+    num_burst = sum(lp.run() is not None for _ in range(10))   # no time passes but the passes'
+    # the first pass is owed nothing (nothing ran then); paid back as the passes' own time
+    # goes by, the burst fits one pass more than 0.3 / 0.08
+    assert num_burst == 6 and not lp.is_runnable() and burst < lp.owed_s() <= burst + 0.08
+    assert len(sched.running) == num_burst
+    # a decode step of 50 ms between turns: the local passes' share of the time comes to LOCAL_SHARE
+    start, busy_before = clock.now, lp.busy_s
+    while clock.now - start < 10:
+        clock.now += 0.05
+        lp.run()
+    share = (lp.busy_s - busy_before) / (clock.now - start)
+    assert local.LOCAL_SHARE * 0.9 < share <= local.LOCAL_SHARE + 0.08 / 10, share
+    assert lp.waiting and len(sched.running) == lp.num_prefilled
+    # with nothing running there is no share to keep: the rest go at once
+    sched.running.clear()
+    assert lp.is_runnable() and lp.run() is not None
 
 
 def test_modes_and_what_needs_a_prefill_node():
