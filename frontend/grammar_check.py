@@ -19,8 +19,8 @@ stdin: when the frontend goes, however it goes, the checker sees the end and exi
 compile dies with the checker (PR_SET_PDEATHSIG). Nothing here is pickled: the lines are
 JSON of strings.
 
-Run as a program (`python -m frontend.grammar_check MODEL VOCAB_SIZE MAX_CPU_S`) it is the
-checker process.
+main(MODEL, VOCAB_SIZE, MAX_CPU_S) is the checker process (at nice 19, set before anything
+is imported).
 """
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ from common.base.log import get_logger
 
 log = get_logger("frontend")
 
+# NOTE: the lowest priority first, then the imports (torch, xgrammar, the tokenizer: seconds
+# of CPU), so that not even its start takes a core from a node or the frontend's loop.
+_CHILD = "import os, sys; os.nice(19); from frontend.grammar_check import main; sys.exit(main(sys.argv[1:]))"
 MAX_VERDICTS = 1024
 START_TIMEOUT_S = 120.0     # importing xgrammar and torch, loading the tokenizer, on a busy host
 CHECK_TIMEOUT_S = 30.0      # a compile starved of CPU this long is answered "try again"
@@ -102,7 +105,7 @@ class GrammarChecker:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH")) if p),
                "TOKENIZERS_PARALLELISM": "false"}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "frontend.grammar_check", self.model, str(self.vocab_size), str(self.max_cpu_s)],
+            [sys.executable, "-c", _CHILD, self.model, str(self.vocab_size), str(self.max_cpu_s)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=_ROOT)
         self._buf = b""
         start = time.monotonic()
@@ -222,7 +225,6 @@ def _too_long(kind: str, cpu_s: float, max_cpu_s: float, is_killed: bool = False
 
 def main(argv: list[str]) -> int:
     model, vocab_size, max_cpu_s = argv[0], int(argv[1]), float(argv[2])
-    os.nice(19)   # NOTE: below every node and the frontend's loop: what it costs, they do not wait for
     out = sys.stdout.buffer
 
     def say(obj: dict) -> None:
@@ -248,6 +250,3 @@ def main(argv: list[str]) -> int:
         say(_compile_in_child(grammars, g, max_cpu_s))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

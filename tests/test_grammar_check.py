@@ -42,6 +42,7 @@ def test_grammars_are_judged_and_a_slow_one_is_stopped_at_the_limit(tiny_model):
         assert "a grammar is one of" in _error(checker, ("nope", "x", "compact"))
         # the compile is stopped at 0.5 s of CPU, not run to its end (seconds)
         pid = checker._proc.pid
+        assert os.getpriority(os.PRIO_PROCESS, pid) == 19   # below everything that serves
         error = _error(checker, DEEP)
         assert "to compile (stopped there)" in error and "0.5s" in error, error
         assert checker.num_killed == 1 and checker._proc.pid == pid   # the checker goes on
