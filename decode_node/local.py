@@ -7,12 +7,12 @@ into blocks taken as a reservation takes them, after the prefix the node's cache
 finished sequence's full blocks, prompt and outputs, stay cached: a chat's next turn
 finds its history here); its last chunk samples the first token,
 and the sequence joins the batch as a committed handoff's does. A chunk is at most
-CHUNK_TOKENS, so a running sequence's step waits for at most one chunk. Only the head
+LOCAL_CHUNK_TOKENS, so a running sequence's step waits for at most one chunk. Only the head
 of the line runs: prompts here are short, and the first in is the first out.
 
 While sequences run, local prompts take at most LOCAL_SHARE of the node's time, measured:
 what their chunks took is owed and paid back at LOCAL_SHARE seconds a second, and no chunk
-starts while more than LOCAL_SHARE * WINDOW_S is owed (passes while nothing runs owe
+starts while more than LOCAL_SHARE * LOCAL_WINDOW_S is owed (passes while nothing runs owe
 nothing). So however many prompts the frontend routes here (its rule routes by the same
 share with predicted costs, frontend/paths.py), the node's own passes slow its running
 sequences' steps by at most 1 / (1 - LOCAL_SHARE) over any stretch longer than the window.
@@ -23,15 +23,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.base.request import validate_prompt
+from common.base.request import LOCAL_CHUNK_TOKENS, LOCAL_SHARE, LOCAL_WINDOW_S, validate_prompt
 from common.engine.worker import PrefillChunk
 from common.kv.prefix import PrefixCache, block_hashes, num_reusable_blocks
 from common.kv.sequence import Sequence
 from common.wire.protocol import PrefillRequest
 
-CHUNK_TOKENS = 256   # per turn between decode steps
-LOCAL_SHARE = 0.15   # NOTE: frontend/paths.py routes by the same two
-WINDOW_S = 2.0
 
 
 @dataclass
@@ -105,7 +102,7 @@ class LocalPrefill:
         """Whether run() would compute a chunk now."""
         if not self.waiting or not self.scheduler.can_admit():
             return False
-        if self.scheduler.running and self.owed_s() > LOCAL_SHARE * WINDOW_S:
+        if self.scheduler.running and self.owed_s() > LOCAL_SHARE * LOCAL_WINDOW_S:
             return False   # the running sequences' time: the share comes free as time passes
         job = self.waiting[0]
         return bool(job.block_ids) or self.scheduler.refusal_for_now(job.prompt_len, job.request.params.max_tokens) is None
@@ -127,7 +124,7 @@ class LocalPrefill:
                                                                 cached=cached)
             job.num_computed = job.num_cached = len(cached) * sched.block_size
             job.start_time = time.time()
-        start, end = job.num_computed, min(job.prompt_len, job.num_computed + CHUNK_TOKENS)
+        start, end = job.num_computed, min(job.prompt_len, job.num_computed + LOCAL_CHUNK_TOKENS)
         is_last = end == job.prompt_len
         chunk = PrefillChunk(list(req.prompt_token_ids[start:end]), start, job.block_ids,
                              req.params if is_last else None)

@@ -180,7 +180,7 @@ def _compile_in_child(grammars, grammar: list, max_cpu_s: float) -> dict:
         os.close(r)
         _die_with_parent()
         try:
-            grammars._compile(*grammar)
+            grammars.compile(tuple(grammar))
             error = None
         except GrammarError as e:
             error = str(e)

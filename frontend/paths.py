@@ -14,9 +14,10 @@ Both predictions are built from what the nodes measure and report in their stats
     per chunk while it has sequences running (its chunks alternate with their steps);
     first decoded token = that + one step.
 The path whose sum of the two is smaller wins. A local prompt costs the decode node's
-running sequences its compute time: over any WINDOW_S, the prompts routed to one decode
+running sequences its compute time: over any LOCAL_WINDOW_S, the prompts routed to one decode
 node with sequences running may take at most LOCAL_SHARE of it, which bounds how much
-their time per output token grows. A request local prefill cannot serve (n > 1, prompt
+their time per output token grows (the decode node holds to it too, as measured:
+decode_node/local.py). A request local prefill cannot serve (n > 1, prompt
 logprobs, a grammar) and any request before the rates are measured is disaggregated.
 """
 from __future__ import annotations
@@ -26,13 +27,9 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from common.base.request import LOCAL_CHUNK_TOKENS, LOCAL_SHARE, LOCAL_WINDOW_S
+
 MODES = ("auto", "always", "never")
-# Of a decode node's time, at most, on local prompts while it has sequences running: their
-# time per output token grows by at most 1 / (1 - LOCAL_SHARE), 1.18x. NOTE: the decode
-# node paces its local passes by the same two, as measured (decode_node/local.py).
-LOCAL_SHARE = 0.15
-WINDOW_S = 2.0
-CHUNK_TOKENS = 256     # decode_node/local.py's: a local prompt's chunks between steps
 SHORT_PROMPT = 256     # a handoff of a prompt this short times its fixed cost, not its bytes
 MIN_HIDDEN_S = 0.01    # NOTE: the prefill node's --kv-layerwise auto rule (common/handoff/writes.py)
 
@@ -85,7 +82,7 @@ def predict(f: Figures) -> tuple[tuple[float, float], tuple[float, float], float
     cost = local_work / rate
     local_first = (f.decode_queued + local_work) / rate
     if f.num_running:
-        local_first += math.ceil((f.decode_queued + local_work) / CHUNK_TOKENS) * f.step_s
+        local_first += math.ceil((f.decode_queued + local_work) / LOCAL_CHUNK_TOKENS) * f.step_s
     return disaggregated, (local_first, local_first + f.step_s), cost
 
 
@@ -109,7 +106,7 @@ class PathChooser:
 
     def local_load_s(self, decode: str, now: float) -> float:
         q = self.recent.get(decode)
-        while q and q[0][0] < now - WINDOW_S:
+        while q and q[0][0] < now - LOCAL_WINDOW_S:
             q.popleft()
         return sum(s for _, s in q) if q else 0.0
 
@@ -143,7 +140,7 @@ class PathChooser:
         d, loc = d_first + d_second, l_first + l_second
         if loc >= d:
             return Choice("disaggregated", "sooner through the prefill node", loc, d)
-        if f.num_running and self.local_load_s(decode, self.clock()) + cost > LOCAL_SHARE * WINDOW_S:
+        if f.num_running and self.local_load_s(decode, self.clock()) + cost > LOCAL_SHARE * LOCAL_WINDOW_S:
             return Choice("disaggregated", "the decode node has no time to spare", loc, d)
         return Choice("local", "sooner on the decode node", loc, d, cost)
 

@@ -69,14 +69,14 @@ def test_local_prompts_take_at_most_a_share_of_a_busy_decode_node():
     chooser = PathChooser("auto", clock)
     busy = _figures(prompt_len=256, prefill_queued=100_000, num_running=8)   # 10 s behind on the prefill node
     cost = 256 / RATE
-    num_fit = int(paths.LOCAL_SHARE * paths.WINDOW_S / cost)
+    num_fit = int(paths.LOCAL_SHARE * paths.LOCAL_WINDOW_S / cost)
     for _ in range(num_fit):
         assert chooser.choose(busy, "decode-0").path == "local"
     c = chooser.choose(busy, "decode-0")
     assert c.path == "disaggregated" and c.why == "the decode node has no time to spare"
     assert chooser.choose(busy, "decode-1").path == "local"   # another node's window is its own
     assert chooser.choose(_figures(prompt_len=256, prefill_queued=100_000), "decode-0").path == "local"   # idle
-    clock.now += paths.WINDOW_S + 0.01
+    clock.now += paths.LOCAL_WINDOW_S + 0.01
     assert chooser.choose(busy, "decode-0").path == "local"
     assert chooser.stats()["decisions"]["disaggregated: the decode node has no time to spare"] == 1
 
@@ -110,7 +110,7 @@ def test_the_decode_node_paces_its_local_prompts_to_their_share(monkeypatch):
     for i in range(60):
         lp.add(PrefillRequest(f"r{i}", [5] * 8, SamplingParams(max_tokens=4), 0.0, "decode-0", "tcp://x"), set())
     # each prompt done joins the running sequences, whose time the share is
-    burst = local.LOCAL_SHARE * local.WINDOW_S
+    burst = local.LOCAL_SHARE * local.LOCAL_WINDOW_S
     num_burst = sum(lp.run() is not None for _ in range(10))   # no time passes but the passes'
     # the first pass is owed nothing (nothing ran then); paid back as the passes' own time
     # goes by, the burst fits one pass more than 0.3 / 0.08

@@ -19,7 +19,6 @@ import functools
 import json
 import re
 import threading
-import time
 from collections import OrderedDict
 
 import numpy as np
@@ -99,29 +98,18 @@ class Grammars:
         stops[[t for t in self.info.stop_token_ids if t < vocab_size]] = True
         self.stop_only = mask_to_bits(stops)   # [W]: EOS alone
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
-        self._lock = threading.Lock()   # the frontend compiles on two threads
+        self._lock = threading.Lock()   # NOTE: callers on several threads may share one
 
-    def compile(self, grammar: tuple[str, str, str], max_cpu_s: float | None = None):
-        """max_cpu_s: a grammar that takes more CPU time than this to compile is a
-        GrammarError (remembered: asked again, it is refused at once)."""
+    def compile(self, grammar: tuple[str, str, str]):
+        """The compiled grammar; GrammarError says why it does not compile."""
         key = tuple(grammar)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
-                if isinstance(self._compiled[key], GrammarError):
-                    raise self._compiled[key]
                 return self._compiled[key]
-            start = time.thread_time()
-            compiled = self._compile(*grammar)
-            cpu_s = time.thread_time() - start
-            if max_cpu_s is not None and cpu_s > max_cpu_s:
-                compiled = GrammarError(f"the {grammar[0]} took {cpu_s:.2f}s of CPU to compile, more than the "
-                                        f"{max_cpu_s:g}s a request's grammar may take: simplify it")
-            self._compiled[key] = compiled
+            compiled = self._compiled[key] = self._compile(*grammar)
             while len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
-            if isinstance(compiled, GrammarError):
-                raise compiled
             return compiled
 
     def _compile(self, kind: str, spec: str, whitespace: str):

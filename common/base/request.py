@@ -17,6 +17,16 @@ FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
 
+# Prefill on the decode node: the decode node (decode_node/local.py) runs and paces it, and
+# the frontend's rule (frontend/paths.py) routes prompts there predicting with the same
+# figures. A local prompt runs LOCAL_CHUNK_TOKENS at a time between decode steps; while
+# sequences run, local passes take at most LOCAL_SHARE of the node's time (their time per
+# output token grows by at most 1 / (1 - LOCAL_SHARE), 1.18x), LOCAL_SHARE * LOCAL_WINDOW_S
+# of it at once.
+LOCAL_CHUNK_TOKENS = 256
+LOCAL_SHARE = 0.15
+LOCAL_WINDOW_S = 2.0
+
 
 @dataclass
 class TokenLogprobs:
