@@ -181,10 +181,6 @@ class PrefillNode:
             batch, on_kv_queued=lambda: self.handoffs.start_writes(finished),
             on_layers=(lambda idx, n: self.handoffs.push_layers([parts[i] for i in idx], n))
             if self.cfg.kv_layerwise != "off" else None)
-        # NOTE: the hook runs between layers, not after the last (qwen3.forward): a finished
-        # chunk's last layer goes here (a last chunk's, with its write's end, in start_writes).
-        if self.cfg.kv_layerwise != "off" and (done := [p for p in parts if p[1] is not None]):
-            self.handoffs.push_layers(done, self.handoffs.num_layers)
         num_tokens = sum(c.end - c.start for c in chunks)
         self._log_tokens += num_tokens
         self._bound_pass(num_tokens, time.perf_counter() - started)

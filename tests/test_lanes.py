@@ -47,14 +47,17 @@ def _chunk(n: int) -> _Chunk:
 
 def test_each_part_runs_a_layer_only_once_the_part_before_has_done_it():
     """Part j's layer l starts after part j - 1's layer l ended (its attention reads that KV);
-    on_layers hears of the whole chunk's layers as the last part finishes them."""
+    on_layers hears of the whole chunk's KV of a layer as the last part writes it (at its
+    layer's start), every layer's."""
     num_layers, log, lock = 4, [], threading.Lock()
 
-    def forward(chunks, between_layers=None):
+    def forward(chunks, between_layers=None, kv_written=None):
         part = chunks[0].context_len   # 0, then the first part's length
         for layer in range(num_layers):
             with lock:
                 log.append(("start", part, layer, time.monotonic()))
+            if kv_written is not None:
+                kv_written(layer + 1)
             time.sleep(0.02 if part == 0 else 0.005)   # the first part slower: the second must wait
             with lock:
                 log.append(("end", part, layer, time.monotonic()))
@@ -63,7 +66,7 @@ def test_each_part_runs_a_layer_only_once_the_part_before_has_done_it():
         return torch.full((1, 2), float(part))
     lanes, heard = Lanes(2, forward), []
     try:
-        out = lanes.forward([_chunk(2048)], on_layers=lambda idx, n: heard.append((list(idx), n)))
+        out = lanes.forward([_chunk(2048)], on_layers=lambda idx, n: heard.append((list(idx), n, time.monotonic())))
     finally:
         lanes.close()
     second = split_tokens(2048, 0, 2, 0.0)[1]
@@ -71,11 +74,14 @@ def test_each_part_runs_a_layer_only_once_the_part_before_has_done_it():
     at = {(kind, part, layer): t for kind, part, layer, t in log}
     for layer in range(num_layers):
         assert at[("start", second, layer)] >= at[("end", 0, layer)]
-    assert [h for h in heard if h[0]] == [([0], n) for n in range(1, num_layers)]
+    heard = [h for h in heard if h[0]]
+    assert [h[:2] for h in heard] == [([0], n) for n in range(1, num_layers + 1)]
+    for _, n, t in heard:   # after the first part's layer ended: then the last part's began
+        assert t >= at[("end", 0, n - 1)]
 
 
 def test_a_part_that_fails_fails_the_pass_and_none_waits_forever():
-    def forward(chunks, between_layers=None):
+    def forward(chunks, between_layers=None, kv_written=None):
         if chunks[0].context_len == 0:
             between_layers(1)
             raise RuntimeError("part 0 broke")
@@ -102,7 +108,7 @@ def _raises(fn) -> str | None:
 def test_the_pair_cost_is_fitted_to_the_parts_cpu_times():
     """Times from t = k (x + p y) with p four times the first guess: each pass moves the
     guess half way there; a fit past eight times the guess stops at eight."""
-    lanes = Lanes(1, lambda chunks, between_layers=None: None, pair_cost=1e-4)
+    lanes = Lanes(1, lambda chunks, *hooks: None, pair_cost=1e-4)
     true_p, k = 4e-4, 1e-3
     parts = [(1200, 0), (848, 1200)]
 
@@ -124,7 +130,7 @@ def test_a_chunk_of_a_few_hundred_tokens_is_cut_and_a_short_one_is_not():
     that a run is mostly that); prompt logprobs keep one pass (every position's hidden state)."""
     from common.engine.lanes import MIN_TOKENS_PER_PART
     seen = []
-    lanes = Lanes(2, lambda chunks, between_layers=None: seen.append(len(chunks[0].token_ids)) or torch.zeros(1, 2))
+    lanes = Lanes(2, lambda chunks, *hooks: seen.append(len(chunks[0].token_ids)) or torch.zeros(1, 2))
     try:
         lanes.forward([_chunk(2 * MIN_TOKENS_PER_PART)])
         assert seen == [MIN_TOKENS_PER_PART, MIN_TOKENS_PER_PART]   # no pair cost given: equal runs

@@ -81,16 +81,16 @@ def test_what_goes_layer_by_layer(mode, rate, is_peer_layerwise, layerwise):
 
 
 def test_during_a_pass_the_node_is_called_on_to_send_what_is_held_back():
-    """A CPU pass's lanes call on_layers at each layer's end, and every FEED_S between: KV
-    held back for a full link goes out as the link drains, not only at the next layer."""
+    """A CPU pass's lanes call on_layers as each layer's KV is written, and every FEED_S
+    between: KV held back for a full link goes out as the link drains, not only at the next layer."""
     import time
     from types import SimpleNamespace
     from common.engine.lanes import FEED_S, Lanes
 
-    def forward(chunks, between_layers=None):
+    def forward(chunks, between_layers=None, kv_written=None):
         for layer in range(2):
+            kv_written(layer + 1)
             time.sleep(10 * FEED_S)
-            between_layers(layer + 1)
         return torch.zeros(len(chunks), 1)
     lanes, calls = Lanes(1, forward), []
     try:
@@ -305,7 +305,7 @@ def test_each_backend_lands_the_layers_as_the_pass_computes_them(workers, backen
     if backend == "nixl":
         post = writer.agent.transfer
         writer.agent.transfer = lambda handle: posts.append(len(seen)) or post(handle)
-    seen = []    # at each layer's end: (layers done, frames sent, layers landed in the decode cache)
+    seen = []    # as each layer's KV is written: (layers written, frames sent, layers landed in the decode cache)
 
     def on_layers(idx, n):
         if not idx:   # no layer done since the last call: what is held back may move
@@ -318,22 +318,24 @@ def test_each_backend_lands_the_layers_as_the_pass_computes_them(workers, backen
         landed = [bool(torch.equal(dw.kv_cache[i][:, r.block_ids], pw.kv_cache[i][:, src])) for i in range(num_layers)]
         seen.append((n, len(frames), landed))
 
-    def on_kv_queued():
-        writer.write_layers("r", seen[-1][0], num_layers)
+    def on_kv_queued():   # as the sender does (writes.write): the layers not yet written, if any
+        if seen[-1][0] < num_layers:
+            writer.write_layers("r", seen[-1][0], num_layers)
         seen.append(("end", writer.end("r")))
     (first,), _ = pw.prefill([PrefillChunk(prompt, 0, src, params)], on_kv_queued=on_kv_queued,
                              on_layers=on_layers)
-    assert [s[0] for s in seen] == [1, 2, 3, "end"]
+    # Every layer's, the last one's too, before that layer's attention: all during the pass
+    assert [s[0] for s in seen] == [1, 2, 3, 4, "end"]
     num_written = seen[-1][1]
-    if backend == "tcp":        # a frame for each layer, the first three during the pass
-        assert [s[1] for s in seen[:3]] == [1, 2, 3]
+    if backend == "tcp":        # a frame for each layer
+        assert [s[1] for s in seen[:4]] == [1, 2, 3, 4]
     if backend == "ipc":        # copied straight into the decode cache as computed
-        assert [s[2] for s in seen[:3]] == [[True, False, False, False], [True, True, False, False],
-                                            [True, True, True, False]]
+        assert [s[2] for s in seen[:4]] == [[True, False, False, False], [True, True, False, False],
+                                            [True, True, True, False], [True, True, True, True]]
     if backend == "nixl":       # parts posted during the pass (the latest held for the notification)
-        assert posts and posts[0] < 3
+        assert posts and posts[0] < 4
     if backend == "dist":       # no layer-wise form: one whole write after the pass
-        assert all(s[1] == 0 for s in seen[:3])
+        assert all(s[1] == 0 for s in seen[:4])
     _land(writer, sink, r, frames)
     assert torch.equal(dw.kv_cache[:, :, r.block_ids], pw.kv_cache[:, :, src])
     commit_and_decode(pw, dw, rx, sched, r, backend, prompt, params, first, num_written)

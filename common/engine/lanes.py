@@ -39,12 +39,12 @@ class Lanes:
 
     on_layers(chunk_indices, num_done), where given, is called on the caller's thread (the
     node's loop, which owns the sockets) while the lanes run: those chunks' first num_done
-    layers are computed; and every FEED_S with no chunk indices, so KV held back for a link
+    layers' KV is written (as each layer's attention starts); and every FEED_S with no chunk indices, so KV held back for a link
     that was full goes out as it drains. The caller waits in that loop: nothing else runs there."""
 
     def __init__(self, num_lanes: int, forward: Callable[..., torch.Tensor], pair_cost: float = 0.0):
         self.num_lanes = num_lanes
-        self._forward = forward   # forward(chunks, between_layers=None)
+        self._forward = forward   # forward(chunks, between_layers=None, kv_written=None): qwen3.forward's hooks
         self.pair_cost = pair_cost   # attention per (query, key) pair over a token's matmuls
         self._pair_cost_0 = pair_cost
         self.is_pipelined = True    # a lone long chunk: parts a layer apart (False: one pass on every thread)
@@ -54,23 +54,18 @@ class Lanes:
         self._pool.shutdown()
 
     @torch.inference_mode()   # NOTE: thread-local: a lane thread must enter it itself
-    def _on_lane(self, chunks: list, num_threads: int = 1, between_layers=None) -> torch.Tensor:
+    def _on_lane(self, chunks: list, num_threads: int = 1, between_layers=None, kv_written=None) -> torch.Tensor:
         torch.set_num_threads(num_threads)   # NOTE: per thread: this lane's ops, and the pool it starts
         try:
-            return self._forward(chunks, between_layers)
+            return self._forward(chunks, between_layers, kv_written)
         finally:
             torch.set_num_threads(1)
 
     def _part(self, chunks: list, idx: list[int], num_threads: int, between_layers) -> Callable:
-        """A lane's task: the chunks idx as one forward; post(idx, n) after each layer."""
+        """A lane's task: the chunks idx as one forward; post(idx, n) as each layer's KV is written."""
         def task(post):
-            def after(num_done: int) -> None:
-                if between_layers is not None:
-                    between_layers(num_done)
-                if post is not None:
-                    post(idx, num_done)
-            is_hooked = between_layers is not None or post is not None
-            return self._on_lane([chunks[i] for i in idx], num_threads, after if is_hooked else None)
+            kv_written = None if post is None else (lambda num_done: post(idx, num_done))
+            return self._on_lane([chunks[i] for i in idx], num_threads, between_layers, kv_written)
         return task
 
     def _run(self, tasks: list[Callable], on_layers) -> list:
@@ -129,15 +124,16 @@ class Lanes:
             def run(post):
                 def after(n: int) -> None:
                     mark(j, n)
-                    if post is not None and j == len(parts) - 1:
-                        post([0], n)   # the whole chunk's first n layers: the parts before are ahead
                     if j:
                         wait(j - 1, n + 1)
+                # The whole chunk's KV of a layer is written once the last part's is: the parts
+                # before it are at least a layer ahead.
+                kv_written = (lambda n: post([0], n)) if post is not None and j == len(parts) - 1 else None
                 try:
                     if j:
                         wait(j - 1, 1)
                     start = time.thread_time()   # NOTE: CPU time: not what waits or what others take
-                    out = self._on_lane([parts[j]], 1, after)
+                    out = self._on_lane([parts[j]], 1, after, kv_written)
                     cpu_s[j] = time.thread_time() - start
                     return out
                 finally:

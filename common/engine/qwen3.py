@@ -95,11 +95,14 @@ class AttentionInputs:
 
 def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
             input_ids: torch.Tensor, positions: torch.Tensor,
-            attn: AttentionInputs, between_layers: Callable[[int], None] | None = None) -> torch.Tensor:
+            attn: AttentionInputs, between_layers: Callable[[int], None] | None = None,
+            kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
     """input_ids, positions [T]; kv_cache [L, 2, num_blocks, block_size, Hk, D].
     Returns the final normed hidden states [T, H]. between_layers(n), if given, runs
-    after each layer but the last, n layers done and their KV writes queued (a CPU node
-    resizes its threads there; a prefill node pushes those layers' KV)."""
+    after each layer but the last, n layers done (a CPU node resizes its threads there).
+    kv_written(n), if given, runs as soon as layer n - 1's KV write is queued, before its
+    attention, the last layer's too: a prefill node pushes those n layers' KV while the
+    rest of the layer computes."""
     num_tokens = input_ids.shape[0]
     eps, d = spec.rms_norm_eps, spec.head_dim
     scale = d ** -0.5
@@ -121,6 +124,8 @@ def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: t
         k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
         q = ops.qk_norm_rope_write_kv(q, k, v, layer.q_norm, layer.k_norm, cos_sin, positions,
                                       eps, k_cache, v_cache, attn.slot_mapping)
+        if kv_written is not None:
+            kv_written(i + 1)
         if attn.is_prefill:
             o = ops.prefill_attention(q, k_cache, v_cache, attn.block_tables,
                                       attn.query_lens, attn.context_lens, scale, attn.prefill_meta)

@@ -207,8 +207,8 @@ class DeviceWorker:
         on_kv_queued(), if given, is called once every layer's KV write is queued
         on the device, before the sampling waits for it: work queued there (a KV
         transfer) starts right behind the forward pass. on_layers(chunk indices, n), if
-        given, is called on this thread during the pass, once those chunks' first n layers
-        are queued (every layer but the last: on_kv_queued says the rest)."""
+        given, is called on this thread during the pass, once the KV of those chunks' first
+        n layers is queued (each layer's as its attention starts, the last layer's too)."""
         t0 = time.perf_counter()
         try:
             out, logits = self._prefill(chunks, return_logits, on_kv_queued, on_layers)
@@ -230,9 +230,9 @@ class DeviceWorker:
         if self.cores is not None:
             self.cores.begin(1)
         every = list(range(len(chunks)))
-        return self._forward_chunks(chunks, on_layers and (lambda n: on_layers(every, n)))
+        return self._forward_chunks(chunks, kv_written=on_layers and (lambda n: on_layers(every, n)))
 
-    def _forward_chunks(self, chunks: list[PrefillChunk], between_layers=None) -> torch.Tensor:
+    def _forward_chunks(self, chunks: list[PrefillChunk], between_layers=None, kv_written=None) -> torch.Tensor:
         """One forward over the chunks, packed; their KV into the cache. -> the hidden
         state of each chunk's last token [len(chunks), H]; chunks that asked for prompt
         logprobs get them here, from every position's hidden state."""
@@ -257,9 +257,9 @@ class DeviceWorker:
         starts = np.cumsum([0] + attn.query_lens[:-1])
         attn.prefill_meta = self._to_device(np.stack([starts, attn.query_lens, attn.context_lens]),
                                             torch.int32)
-        hidden = qwen3.forward(self.spec, self.weights, self.kv_cache, self.cos_sin,
-                               self._to_device(ids, torch.int64),
-                               self._to_device(np.concatenate(positions), torch.int64), attn, between_layers)
+        hidden = qwen3.forward(self.spec, self.weights, self.kv_cache, self.cos_sin, self._to_device(ids, torch.int64),
+                               self._to_device(np.concatenate(positions), torch.int64), attn, between_layers,
+                               kv_written)
         for c, start in zip(chunks, starts):
             if c.prompt_targets is not None:
                 c.prompt_logprobs = logit_rules.prompt_logprobs(

@@ -1,7 +1,7 @@
 """Starting a handoff's KV write: whole, once every layer of its prompt is queued on
 the device, or layer by layer during the pass that computes it (--kv-layerwise).
 
-Pushed as the pass computes it (the layers done so far, at each layer's end), the
+Pushed as the pass computes it (the layers written so far, as each layer's KV is written), the
 transfer hides behind the pass: the first token decoded waits for max(prefill,
 transfer) rather than their sum. The cost is more, smaller writes (a frame or a post
 per group) and their gathers running beside the pass, which a short prompt's

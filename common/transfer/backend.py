@@ -60,7 +60,7 @@ class KVWriter(Protocol):
 
     def flush(self) -> None:
         """Move what can move now (send what is ready) without ending anything: called
-        between layers, where no handoff may end."""
+        during a pass, where no handoff may end."""
 
     is_layerwise: bool   # it writes layers as they come (WholeWrite's: False)
 

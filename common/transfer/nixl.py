@@ -161,6 +161,8 @@ class NixlWriter:
         has computed them; the latest is held back until the next, so the last part
         carries the notification."""
         w = self._writes[request_id]
+        if first_layer >= end_layer:   # none: what is held stays held
+            return
         if w.held is not None:
             w.parts.append(self._part(request_id, w, *w.held, notify=False))
         # The forward pass that computes these layers may still be queued on the device.
