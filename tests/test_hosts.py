@@ -196,3 +196,23 @@ def test_three_simulated_hosts_serve_exactly_and_survive_a_host_cut_off(tiny_mod
         hosts.restore("b")
         wait_for(lambda: _client(hosts, endpoint, "stats")["nodes"]["b-decode-0"]["is_alive"], 30, "b back")
     assert not netns_util.leftover_namespaces()
+
+
+@pytest.mark.cluster
+def test_a_script_terminated_leaves_no_host_behind():
+    """SIGTERM to a script inside `with Hosts(...)` (a timeout, a closed terminal) stops what
+    runs on its hosts and removes their namespaces."""
+    from launch.tools import netns as netns_util
+    why = netns_util.why_not()
+    if why:
+        pytest.skip(why)
+    script = ("import time\nfrom launch.tools import netns\nwith netns.Hosts(['a']) as hosts:\n"
+              "    p = hosts.popen('a', ['sleep', '300'])\n    print(hosts.tag, p.pid, flush=True)\n"
+              "    time.sleep(300)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=ROOT, text=True)
+    tag, pid = proc.stdout.readline().split()
+    assert any(tag in ns for ns in netns_util.leftover_namespaces())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    assert not any(tag in ns for ns in netns_util.leftover_namespaces())
+    assert not is_alive(int(pid))

@@ -11,6 +11,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 SUBNET_PREFIX = "198.18.0."
@@ -126,10 +127,24 @@ class Hosts:
         self.namespaces.clear()
 
     def __enter__(self) -> "Hosts":
+        # NOTE: a SIGTERM or SIGHUP (a timeout, a closed terminal) ends the with block like an
+        # error: its hosts' processes stop and their namespaces go, none left behind.
+        self._handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                self._handlers[sig] = signal.signal(sig, _exit_on)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            for sig, old in self._handlers.items():
+                signal.signal(sig, old)
+
+
+def _exit_on(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def leftover_namespaces() -> list[str]:
