@@ -39,8 +39,9 @@ class Lanes:
 
     on_layers(chunk_indices, num_done), where given, is called on the caller's thread (the
     node's loop, which owns the sockets) while the lanes run: those chunks' first num_done
-    layers' KV is written (as each layer's attention starts); and every FEED_S with no chunk indices, so KV held back for a link
-    that was full goes out as it drains. The caller waits in that loop: nothing else runs there."""
+    layers' KV is written (as each layer's attention starts); and every FEED_S with no chunk
+    indices, so KV held back for a link that was full goes out as it drains. The caller
+    waits in that loop: nothing else runs there."""
 
     def __init__(self, num_lanes: int, forward: Callable[..., torch.Tensor], pair_cost: float = 0.0):
         self.num_lanes = num_lanes
