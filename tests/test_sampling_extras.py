@@ -220,3 +220,50 @@ def test_a_grammar_that_ended_masks_to_eos_alone(tiny_model):
         assert bits_to_mask(m.fill()[None], vocab_size)[0].nonzero().flatten().tolist() == sorted(eos)
     again = matcher_for(params, out + [eos[0]] * 3, vocab_size, grammars)
     assert torch.equal(again.fill(), m.fill())
+
+
+def test_a_node_compiles_grammars_beside_its_loop(tiny_model):
+    """Defect: a node compiled each request's grammar on its loop: a client streaming
+    distinct grammars just under the frontend's 0.5 s limit stalled every running
+    sequence about that long each. Compiles runs them on a thread of their own (xgrammar
+    lets go of the GIL): the loop keeps turning meanwhile, and a grammar compiled is kept
+    with its request whatever else is compiled, never compiled again on the loop."""
+    import json
+    import threading
+    import time
+
+    from common.base.grammar import Compiles, GrammarError, for_model, matcher_for
+    from common.base.model_spec import load_spec
+    vocab_size = load_spec(str(tiny_model)).vocab_size
+    made = []
+
+    def make():
+        made.append(threading.current_thread().name)
+        return for_model(str(tiny_model), vocab_size, max_threads=1)
+    compiles = Compiles(make)
+    schema = {"type": "integer"}
+    for i in range(8):   # about 0.1-0.3 s to compile on one thread
+        schema = {"type": "object", "properties": {f"k{i}": schema, "a": {"type": "array", "items": schema}},
+                  "required": [f"k{i}"]}
+    grammar = ("json_schema", json.dumps(schema), "compact")
+    compiles.submit("r", grammar)
+    compiles.submit("bad", ("regex", "(", "compact"))
+    turns = 0
+    while not (compiles.is_done("r") and compiles.is_done("bad")):   # the loop turns meanwhile
+        turns += 1
+        time.sleep(0.001)
+    assert turns > 10
+    assert made and made[0].startswith("grammar")      # the tokenizer's vocabulary too
+    compiled = compiles.take("r")
+    with pytest.raises(GrammarError, match="regex does not compile"):
+        compiles.take("bad")
+    params = SamplingParams(max_tokens=5, grammar=grammar)
+    before = dict(compiles.grammars._compiled)
+    compiles.grammars._compiled.clear()                 # as if others had evicted it
+    m = matcher_for(params, [], vocab_size, compiles.grammars, compiled)
+    assert not compiles.grammars._compiled and m.fill().any()   # not compiled again
+    assert before
+    compiles.submit("gone", grammar)
+    compiles.drop("gone")
+    assert not compiles.is_done("gone")
+    compiles.close()

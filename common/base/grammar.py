@@ -20,6 +20,8 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,10 +29,9 @@ import torch
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 WHITESPACE = ("compact", "any")
 MAX_COMPILED = 256   # grammars kept compiled, the most recently used
-# NOTE: a node compiles a request's grammar on its loop, the step of every request there
-# waiting meanwhile; the frontend refuses one that takes more CPU than this to compile (in a
-# process of its own, killed at the limit: frontend/grammar_check.py), so no client can
-# hold a node for longer (a schema nested 300 deep: 2-3 s).
+# The frontend refuses a grammar that takes more CPU than this to compile (in a process of
+# its own, killed at the limit: frontend/grammar_check.py; a schema nested 300 deep takes
+# 2-3 s); a node compiles what passed beside its loop (Compiles), never on it.
 MAX_COMPILE_CPU_S = 0.5
 
 
@@ -140,15 +141,63 @@ class Grammars:
         except Exception as e:   # xgrammar's own errors (RuntimeError, ValueError, ...)
             raise GrammarError(f"the {kind} cannot be compiled: {str(e).splitlines()[0][:300]}") from None
 
-    def xgrammar_matcher(self, grammar: tuple[str, ...]):
-        return self._xgr.GrammarMatcher(self.compile(tuple(grammar)))
+    def xgrammar_matcher(self, grammar: tuple[str, ...], compiled=None):
+        return self._xgr.GrammarMatcher(self.compile(tuple(grammar)) if compiled is None else compiled)
 
 
-def matcher_for(params, tokens: list[int], vocab_size: int, grammars: "Grammars | None") -> "Matcher":
+class Compiles:
+    """A node's grammars, compiled beside its loop, one at a time in the order asked
+    (xgrammar releases the GIL: the loop and its steps go on meanwhile). make() gives the
+    Grammars, on the first compile (loading the tokenizer's vocabulary takes a while too).
+    A compiled grammar stays with its request's key until taken: however many others are
+    compiled meanwhile, it is never compiled again on the loop."""
+
+    def __init__(self, make: Callable[[], Grammars]):
+        self._make = make
+        self.grammars: Grammars | None = None   # once the first compile has run
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._futures: dict[str, Future] = {}
+
+    def submit(self, key: str, grammar: tuple[str, str, str]) -> None:
+        if key not in self._futures:
+            self._futures[key] = self._pool.submit(self._compile, tuple(grammar))
+
+    def _compile(self, grammar: tuple[str, str, str]):
+        if self.grammars is None:
+            self.grammars = self._make()
+        return self.grammars.compile(grammar)
+
+    def is_done(self, key: str) -> bool:
+        f = self._futures.get(key)
+        return f is not None and f.done()
+
+    def take(self, key: str):
+        """The compiled grammar of a key whose compile is done; GrammarError says why it
+        does not compile (any other failure too: a client's grammar must never end a loop)."""
+        try:
+            return self._futures.pop(key).result(0)
+        except GrammarError:
+            raise
+        except Exception as e:
+            raise GrammarError(f"the grammar could not be compiled here: {type(e).__name__}: {e}") from None
+
+    def drop(self, key: str) -> None:
+        """Its request ended: its compile is not wanted (a pending one is skipped)."""
+        f = self._futures.pop(key, None)
+        if f is not None:
+            f.cancel()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._futures.clear()
+
+
+def matcher_for(params, tokens: list[int], vocab_size: int, grammars: "Grammars | None",
+                compiled=None) -> "Matcher":
     """The matcher of a request whose mask changes token by token (params.is_masked_per_step:
     a grammar, from grammars, or a bad word of several tokens), past the tokens it has
-    generated so far."""
-    g = grammars.xgrammar_matcher(params.grammar) if params.grammar else None
+    generated so far. compiled: its grammar, compiled already (Compiles.take)."""
+    g = grammars.xgrammar_matcher(params.grammar, compiled) if params.grammar else None
     is_json = g is not None and params.grammar[0].startswith("json")
     m = Matcher(vocab_size, g, grammars.json_safe if is_json else None, [w for w in params.bad_words_ids if len(w) > 1],
                 grammars.stop_only if g is not None else None)
