@@ -77,11 +77,12 @@ class MemLink:
 
 
 def receiver(pool: DecodeScheduler, send=None, clock=None, lease_s: float = 30.0, max_queue: int = 8,
-             cache: torch.Tensor | None = None, epoch: str = "e1") -> Receiver:
+             cache: torch.Tensor | None = None, epoch: str = "e1", backends=("tcp",),
+             shm_name: str | None = None) -> Receiver:
     """A decode half over pool; without a cache, over a one-layer cache of its blocks."""
     if cache is None:
         cache = torch.zeros(1, 2, pool.blocks.capacity + 1, pool.block_size, 1, 2)
-    sink = transfer.KVSink(transfer.LocalCache(cache, "127.0.0.1"), ["tcp"])
+    sink = transfer.KVSink(transfer.LocalCache(cache, "127.0.0.1", shm_name), list(backends))
     return Receiver(epoch=epoch, lease_s=lease_s, max_queue=max_queue, pool=pool, sink=sink,
                     send=send or (lambda msg, to: True), vocab_size=100, max_model_len=1 << 16,
                     **({"clock": clock} if clock else {}))
@@ -108,8 +109,11 @@ class Pair:
     """A Sender and a Receiver joined by a MemLink, each on its own cache."""
 
     def __init__(self, num_decode_blocks: int = 12, lease_s: float = 30.0, handoff_lease_s: float = 10.0,
-                 max_queue: int = 8, is_preemptive: bool = True, layerwise: str = "off"):
+                 max_queue: int = 8, is_preemptive: bool = True, layerwise: str = "off", backend: str = "tcp"):
+        """backend: tcp, or ipc (the decode cache in shared memory, copied into as a prefill
+        node on its host does)."""
         self.clock = FakeClock()
+        self.backend = backend
         self.lease_s, self.max_queue = lease_s, max_queue
         self.num_decode_blocks, self.is_preemptive = num_decode_blocks, is_preemptive
         self.src = torch.randn(2, 2, 17, BLOCK_SIZE, 1, 2)          # prefill cache, 16 usable blocks
@@ -122,7 +126,7 @@ class Pair:
         self.tx = Sender(name="prefill-0", handoff_lease_s=handoff_lease_s, block_size=BLOCK_SIZE,
                          block_bytes=block_bytes(self.src),
                          connect=lambda name, endpoint, suffix, max_queued: self.data if suffix else self.link,
-                         open_writer=lambda w, send: transfer.open_writer("tcp", w, self.src, send),
+                         open_writer=self._open_writer,
                          free_blocks=self.prefix.free, drop_job=self._drop_job, fail=self._failed,
                          clock=self.clock, num_layers=self.src.shape[0], layerwise=layerwise)
 
@@ -130,10 +134,30 @@ class Pair:
         """A decode node (again, after a restart: a new epoch, cache and pool)."""
         self.pool = DecodeScheduler(BlockAllocator(self.num_decode_blocks + 1), BLOCK_SIZE, 4,
                                     self.is_preemptive)
-        self.dst = torch.zeros(2, 2, self.pool.blocks.capacity + 1, BLOCK_SIZE, 1, 2)
+        shape = (2, 2, self.pool.blocks.capacity + 1, BLOCK_SIZE, 1, 2)
+        shm_name = None
+        if self.backend == "ipc":
+            from common.engine.platform import CpuPlatform
+            self.platform = CpuPlatform(torch.device("cpu"))
+            self.dst = self.platform.allocate(shape, torch.float32, is_shared=True)
+            shm_name = self.platform.share(self.dst)
+        else:
+            self.dst = torch.zeros(shape)
         self.rx = receiver(self.pool, self._to_prefill, self.clock, self.lease_s, self.max_queue,
-                           self.dst, epoch)
+                           self.dst, epoch, backends=[self.backend], shm_name=shm_name)
         return self.rx
+
+    def _open_writer(self, welcome, send):
+        writer = transfer.open_writer(self.backend, welcome, self.src, send)
+        if hasattr(writer, "clock"):   # ipc stops itself at its deadline, on this clock
+            writer.clock = self.clock
+        return writer
+
+    def close(self) -> None:
+        self.tx.close()
+        self.rx.close()
+        if self.backend == "ipc":
+            self.platform.release(self.dst)
 
     def _to_prefill(self, msg, to: bytes) -> bool:
         assert to == PREFILL

@@ -56,8 +56,10 @@ def test_a_write_the_link_refuses_is_stopped_at_its_deadline_and_frees_both_side
     p.tx.advance()
     assert "r" not in p.tx.by_id and "r" in p.retryable and p.prefix.num_free == num_free
     assert p.clock() < h.lease.end       # freed before the decode node may reuse the blocks
-    p.link.is_refusing = False           # its release could not be sent: the lease frees it there
-    p.run_for(h.lease.end - p.clock() + 1.0)
+    p.link.is_refusing = False           # its release could not be sent: the lease frees it there,
+    p.run_for(h.lease.end - p.clock() + 1.0)   # after one more (its writer, never heard, might be
+    assert p.rx.held["r"].is_quarantined     # one whose copies land unseen: ipc)
+    p.run_for(p.rx.lease_s)
     assert "r" not in p.rx.held
 
 

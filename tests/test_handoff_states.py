@@ -72,7 +72,9 @@ def test_renewals_every_third_keep_a_reservation_past_its_lease_and_silence_free
     p.run_for(15)
     assert p.failed == [("r", "decode node decode-0 did not answer for a reservation within 10s")]
     assert "r" not in p.tx.by_id and job.block_ids == []
-    p.run_for(30)                                # the decode node's lease ends too
+    p.run_for(30)                                # the decode node's lease ends too: its blocks are
+    assert p.rx.held["r"].is_quarantined         # held a lease more (a writer never heard from might
+    p.run_for(30)                                # copy into them unseen, as ipc does)
     assert "r" not in p.rx.held and p.rx.num_expired == 1
     assert p.pool.blocks.num_free == p.pool.blocks.capacity
 
@@ -250,6 +252,7 @@ def test_a_full_reservation_holds_every_block_until_released():
     assert rx.refusal("b", 200, 100)[1] is True             # not now
     reserve(rx, "b", 10, 5)
     assert "queue is full" in rx.refusal("c", 10, 5)[0]
+    rx.peer_backends[b"p"] = "tcp"   # a writer whose late KV lands only through this node: freed at once
     rx.clock = lambda: float("inf")
     rx.turn()                                             # both leases end
     assert rx.num_expired == 2 and not rx.held
@@ -264,7 +267,7 @@ def test_only_the_prefill_node_that_reserved_may_commit_or_release():
     rx.receive(b"other", KVRelease("r"))
     rx.receive(b"other", KVCommit("r", 20, 1, SamplingParams(max_tokens=4), {}, "tcp", [1] * 20))
     assert rx.held["r"].hold is Hold.RESERVED
-    assert sent[-1] == (b"other", HandoffAck("r", False, False,
+    assert sent[-1] == (b"other", HandoffAck("r", False, True,
                                              "no reservation for this request (expired or released)"))
     rx.receive(PREFILL, KVCommit("r", 20, 1, SamplingParams(max_tokens=4), {}, "tcp", [1] * 19 + [100]))
     assert "outside the vocabulary" in sent[-1][1].reason and "r" not in rx.held

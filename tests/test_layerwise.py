@@ -182,7 +182,7 @@ def test_a_chunked_write_whose_grant_is_gone_fails_at_the_renewals_answer():
     job, h = _reserved(p, prompt_len=22)
     p.clock.advance(1)
     p.tx.push_layers([(job, 2)], 2)
-    p.rx.receive(PREFILL, KVRelease("r"))           # as if its lease had ended there
+    p.rx.receive(PREFILL, KVRelease("r", h.reservation))   # as if its lease had ended there
     p.run_for(12)                                   # the renewal's answer grants other blocks
     assert p.failed == [("r", "its reservation on decode-0 ended during its prefill")] and p.retryable == {"r"}
     p.run_for(35)

@@ -199,7 +199,7 @@ def test_requests_that_do_not_fit_wait_in_line_and_are_granted_unasked(tiny_mode
         again = fake.ask(KVReserve("b", 100, 8), KVReserved)       # keeps its place
         assert again.is_queued and again.block_ids is None
 
-        fake.ch.send(KVRelease("a"))
+        fake.ch.send(KVRelease("a", a.reservation))
         grants = []
         while len(grants) < 2:
             assert fake.ch.has_message(10), "no grant"
@@ -259,8 +259,8 @@ def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, t
         assert _decode_stats(p.clients)["num_expired_reservations"] == 1
 
         # Released by the prefill side.
-        fake.ask(KVReserve("gone", 40, 8), KVReserved)
-        fake.ch.send(KVRelease("gone"))
+        gone = fake.ask(KVReserve("gone", 40, 8), KVReserved)
+        fake.ch.send(KVRelease("gone", gone.reservation))
         wait_for(lambda: _decode_stats(p.clients)["num_free_blocks"] == free, 5, "the release")
 
         # A frame of the wrong shape or dtype: the commit is refused with the reason.

@@ -24,12 +24,13 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from typing import Callable, Protocol
+from typing import Callable
 
 from common.base.log import Throttle, get_logger
 from common.base.recent import Recent
 from common.handoff.lease import Lease
-from common.handoff.states import DATA, Hold, Reservation
+from common.handoff.line import Line
+from common.handoff.states import DATA, Hold, Pool, Reservation
 from common.transfer import KVSink, TransferError
 from common.wire.channel import BadMessage
 from common.wire.protocol import (HandoffAck, KVCommit, KVHello, KVRelease, KVReserve, KVReserved,
@@ -40,14 +41,6 @@ noisy = Throttle(log)   # lines about what peers send
 ABORT_MEMORY_S = 60.0   # a handoff arriving this long after its abort is still dropped
 ADMITTED_MEMORY = 4096  # grants taken into the batch, remembered to answer a repeated commit
 DATA_SUFFIX = f"/{DATA}".encode()   # a prefill node's data connection: its tag and this
-
-
-class Pool(Protocol):
-    """The decode batch's block accounting (decode_node/scheduler.py)."""
-    def refusal_for_good(self, request_ids: list[str], prompt_len: int, max_tokens: int) -> str | None: ...
-    def refusal_for_now(self, prompt_len: int, max_tokens: int, num_seqs: int) -> str | None: ...
-    def take_blocks(self, prompt_len: int, max_tokens: int, num_seqs: int) -> tuple[list[int], int]: ...
-    def give_back(self, block_ids: list[int], num_reserved: int) -> None: ...
 
 
 class Receiver:
@@ -62,7 +55,7 @@ class Receiver:
         self.pool, self.sink, self.send, self.clock = pool, sink, send, clock
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.held: dict[str, Reservation] = {}       # RESERVED, FAILED or COMMITTED
-        self.waiting: deque[Reservation] = deque()   # WAITING, oldest first
+        self.waiting = Line(max_queue)               # WAITING, oldest first
         self.ready: deque[str] = deque()             # COMMITTED, in commit order
         self.recently_aborted: dict[str, float] = {}
         self.num_expired = 0          # not renewed or committed within the lease
@@ -98,10 +91,13 @@ class Receiver:
         elif isinstance(msg, KVCommit):
             self._on_commit(sender, msg)
         elif isinstance(msg, KVRelease):
-            if self._held_by(sender, msg.request_id):
+            r = self._held_by(sender, msg.request_id)
+            if r is None:
+                self.waiting.drop(msg.request_id, sender)
+            elif msg.reservation and msg.reservation == r.name:
                 self._release(msg.request_id)
-            else:
-                self._drop_waiting(msg.request_id, sender)
+            else:   # NOTE: a late release of an earlier grant must not free this one
+                noisy.info("ignored a release of %s naming another grant", msg.request_id)
 
     def _held_by(self, sender: bytes, request_id: str) -> Reservation | None:
         r = self.held.get(request_id)
@@ -127,11 +123,16 @@ class Receiver:
         if m.prompt_len + m.max_tokens > self.max_model_len:
             return self._refusal(rid, f"prompt + max_tokens exceeds max_model_len {self.max_model_len}")
         r = self.held.get(rid)
-        if r is not None and r.sender == sender and r.hold in (Hold.RESERVED, Hold.FAILED) and \
+        if r is not None and r.sender == sender and r.hold is Hold.FAILED:
+            # NOTE: not renewed: its writer stops at the refusal (a write pushed across passes
+            # would go on into blocks no commit may use), and they are freed when it releases
+            # them, commits (refused) or the lease ends.
+            return self._refusal(rid, r.error or "its reservation failed", is_retryable=True)
+        if r is not None and r.sender == sender and r.hold is Hold.RESERVED and \
                 (r.prompt_len, r.max_tokens, r.fork_ids) == (m.prompt_len, m.max_tokens, fork_ids):
             r.lease = lease
             return self._granted(r)
-        w = self._in_line(rid)
+        w = self.waiting.find(rid)
         if w is not None:
             if (w.sender, w.prompt_len, w.max_tokens, w.fork_ids) != (sender, m.prompt_len, m.max_tokens, fork_ids):
                 return self._refusal(rid, f"request {rid!r} is already on this decode node")
@@ -147,8 +148,8 @@ class Receiver:
             return self._granted(r)
         # NOTE: first come, first served: a request in line is granted unasked (turn()).
         r.reason, is_retryable = refusal
-        if is_retryable and len(self.waiting) < self.max_queue:
-            self.waiting.append(r)
+        if is_retryable and not self.waiting.is_full:
+            self.waiting.add(r)
             return self._queued(r)
         return self._refusal(rid, r.reason, is_retryable)
 
@@ -158,9 +159,6 @@ class Receiver:
 
     def _queued(self, w: Reservation) -> KVReserved:
         return KVReserved(w.request_id, self.epoch, None, True, w.reason, self.lease_s, is_queued=True)
-
-    def _in_line(self, request_id: str) -> Reservation | None:
-        return next((w for w in self.waiting if w.request_id == request_id), None)
 
     def _refusal(self, request_id: str, reason: str, is_retryable: bool = False) -> KVReserved:
         if not is_retryable:
@@ -236,9 +234,11 @@ class Receiver:
                 self.send(HandoffAck(c.request_id, False, False, "already committed"), to=sender)
             return
         if r is None:
-            reason = "the request was aborted" if c.request_id in self.recently_aborted else \
-                "no reservation for this request (expired or released)"
-            self._refuse(sender, c.request_id, reason)
+            if c.request_id in self.recently_aborted:
+                self._refuse(sender, c.request_id, "the request was aborted")
+            else:   # NOTE: the path failed (its grant ran out, or this node restarted), not the request
+                self._refuse(sender, c.request_id, "no reservation for this request (expired or released)",
+                             is_retryable=True)
             return
         self._note_backend(sender, c.backend)
         why = r.error if r.hold is Hold.FAILED else r.why_not(c, self.vocab_size, self.max_model_len)
@@ -290,38 +290,39 @@ class Receiver:
         self.pool.give_back(r.block_ids, r.num_reserved)
         r.block_ids, r.num_reserved = [], 0
 
-    def _drop_waiting(self, request_id: str, sender: bytes | None = None) -> bool:
-        w = self._in_line(request_id)
-        if w is None or (sender is not None and w.sender != sender):
-            return False
-        self.waiting.remove(w)
-        return True
-
     # ---- each turn ------------------------------------------------------------------
 
     def turn(self) -> None:
         """Expire what its prefill node stopped renewing, then grant the line, oldest
         first, while requests fit."""
         now = self.clock()
-        for w in [w for w in self.waiting if w.lease.is_over(now)]:
+        for w in self.waiting.drop_expired(now):
             noisy.warning("reservation request %s was not asked again within %.0fs: dropped",
                           w.request_id, self.lease_s)
-            self.waiting.remove(w)
         for r in [r for r in self.held.values() if r.hold is not Hold.COMMITTED and r.lease.is_over(now)]:
-            self.num_expired += 1
+            self.num_expired += not r.is_quarantined
             if r.commit is not None:   # committed before its KV, which did not all come
                 self._refuse(r.sender, r.request_id, f"its KV did not all arrive within {self.lease_s:.0f}s of "
                                                      f"its commit", is_retryable=True)
                 continue
+            if not r.is_quarantined and self.sink.is_one_sided(self.peer_backends.get(r.sender, "")):
+                # NOTE: its writer may copy into these blocks without this node taking part,
+                # and a pass (or a paused process) can outlast the lease: they are given to no
+                # one until it says it stopped (its release or commit) or exited, or one more
+                # lease passes, far past the deadline at which it stops itself (lease.py).
+                r.hold, r.is_quarantined, r.lease = Hold.FAILED, True, Lease(now, self.lease_s)
+                r.error = r.error or f"its reservation ran out ({self.lease_s:.0f}s)"
+                noisy.warning("reservation %s was neither renewed nor committed within %.0fs: its blocks "
+                              "are held until its writer stops", r.request_id, self.lease_s)
+                continue
             noisy.warning("reservation %s was neither renewed nor committed within %.0fs: freed", r.request_id,
                           self.lease_s)
             self._release(r.request_id)
-        while self.waiting:
-            w = self.waiting[0]
+        while (w := self.waiting.head()) is not None:
             refusal = self.refusal(w.request_id, w.prompt_len, w.max_tokens, w.fork_ids)
             if refusal is not None and refusal[1]:
                 return
-            self.waiting.popleft()
+            self.waiting.pop_head()
             if refusal is not None:
                 self.send(KVReserved(w.request_id, self.epoch, None, False, refusal[0]), to=w.sender)
                 continue
@@ -338,14 +339,14 @@ class Receiver:
         self.recently_aborted = {r: t for r, t in self.recently_aborted.items()
                                  if now - t < ABORT_MEMORY_S}
         self.recently_aborted[request_id] = now   # a late reserve or commit is refused
-        group = self._forked_into(request_id) or self.held.get(request_id) or self._in_line(request_id)
+        group = self._forked_into(request_id) or self.held.get(request_id) or self.waiting.find(request_id)
         if group is not None and group.fork_ids:
             if not group.give_up(request_id):
                 return
             request_id = group.request_id
         r = self.held.get(request_id)
         if r is None:
-            self._drop_waiting(request_id)
+            self.waiting.drop(request_id)
         elif r.hold is Hold.COMMITTED:
             self._release(request_id)
         else:
@@ -366,6 +367,10 @@ class Receiver:
         """The oldest committed request's KV has landed (FIFO: nothing overtakes it)."""
         return bool(self.ready) and self.sink.is_landed(self.ready[0])
 
+    def peek_ready(self) -> Reservation | None:
+        """The oldest committed reservation, once its KV has landed (still held here)."""
+        return self.held[self.ready[0]] if self.has_ready() else None
+
     def next_ready(self) -> Reservation | None:
         """The oldest committed reservation, once its KV has landed; it leaves the
         handoff (its blocks are the caller's now). r.error: why its KV is unusable."""
@@ -374,12 +379,9 @@ class Receiver:
         r = self.held.pop(self.ready.popleft())
         r.error = self.sink.landing_error(r.request_id)
         if r.error is None and r.commit.checksums is not None:
-            got = self.sink.checksums(r.block_ids)
-            bad = [i for i, (a, b) in enumerate(zip(got, r.commit.checksums)) if a != b]
-            if bad:
+            r.error = self.sink.why_unverified(r.block_ids, r.commit.checksums)
+            if r.error:
                 self.num_verify_failures += 1
-                r.error = (f"its KV does not hold what the prefill node wrote (--kv-verify: {len(bad)} of "
-                           f"{len(got)} blocks differ, the first at block {bad[0]})")
                 log.error("request %s: %s", r.request_id, r.error)
         self.sink.forget(r.request_id)
         self.admitted.add(r.request_id, r.name)
@@ -396,8 +398,7 @@ class Receiver:
                     (is_exited or not self.sink.is_one_sided(self.peer_backends.get(tag, ""))):
                 self._release(rid)
                 n += 1
-        for w in [w for w in self.waiting if w.sender == tag]:
-            self.waiting.remove(w)
+        self.waiting.drop_sender(tag)
         self.num_peer_drops += n
         if n:
             log.info("freed %d reservations of lost prefill node %s", n, tag.decode(errors="replace")[:128])

@@ -21,7 +21,7 @@ from typing import Callable
 from common.base.log import get_logger
 from common.base.recent import Recent
 from common.wire.figures import TransferFigures
-from common.handoff import writes
+from common.handoff import peer_events, writes
 from common.handoff.lease import INF, Lease
 from common.handoff.links import KVLinks
 from common.handoff.states import DecodePeer, Handoff, Job, Link, Stage
@@ -68,46 +68,11 @@ class Sender:
     # ---- peers --------------------------------------------------------------
 
     def _on_welcome(self, peer: DecodePeer, w: KVWelcome) -> None:
-        if w.epoch == peer.epoch:
-            return
-        # Writes into its earlier life end with its writer (closing it waits for their copies).
-        for h in self._of(peer, Stage.WRITING, Stage.CANCELLING):
-            self._figures(peer).num_failed += 1
-            h.stage, h.is_retryable = Stage.CANCELLED, True
-            h.error = h.error or f"decode node {peer.name} restarted during the KV write"
-        self.links.open(peer, w)
-        # Reservations from an earlier life of that node are void; KV written there is lost.
-        for h in self._of(peer, Stage.QUEUED, Stage.RESERVED, Stage.WRITTEN, Stage.COMMITTED):
-            if h.epoch not in (None, w.epoch):
-                if h.stage in (Stage.QUEUED, Stage.RESERVED):
-                    h.drop_reservation(self.clock())
-                else:
-                    h.stage, h.is_retryable = Stage.CANCELLED, True
-                    h.error = f"decode node {peer.name} restarted before the handoff was committed"
+        if w.epoch != peer.epoch:
+            peer_events.on_restart(self, peer, w)
 
-    def _of(self, peer: DecodePeer, *stages: Stage) -> list[Handoff]:
-        return [h for h in self.by_id.values() if h.peer is peer and h.stage in stages]
-
-    def _on_reconnect(self, peer: DecodePeer, is_data: bool = False) -> None:
-        """Its link was made again: asks, renewals and commits in flight may be lost (asked
-        again). Its data connection (is_data, links.py): KV may be lost, and a commit waiting
-        there for it would wait out its lease: those handoffs fail now (retryable) and release."""
-        self.num_link_resets += 1
-        handoffs = [h for h in self.by_id.values() if h.peer is peer]
-        what, act = ("link's data connection", "checking") if is_data else ("link", "asking again for")
-        log.warning("the KV %s to %s was made again (reset or dropped): %s %d handoffs", what, peer.name, act, len(handoffs))
-        now = self.clock()
-        for h in handoffs:
-            if is_data:
-                if h.stage in (Stage.WRITING, Stage.WRITTEN, Stage.COMMITTED):
-                    self._end(h, f"its KV to {peer.name} may be lost (the KV link's data connection was made "
-                                 f"again)", release=True, is_retryable=True)
-            elif h.stage in (Stage.ASKING, Stage.QUEUED, Stage.RESERVED, Stage.WRITING, Stage.WRITTEN):
-                h.next_ask_at = min(h.next_ask_at, now)
-            elif h.stage is Stage.COMMITTED:
-                self._send_commit(h)
-        if peer.epoch is None:
-            self.links.hello(peer)
+    def count_failed(self, peer: DecodePeer) -> None:
+        self._figures(peer).num_failed += 1
 
     def receive(self, link: Link) -> None:
         """Everything waiting on one decode node's KV link."""
@@ -156,7 +121,7 @@ class Sender:
         h = self.by_id.get(r.request_id)
         if h is None or h.peer is not peer:
             if r.block_ids is not None:
-                peer.link.send(KVRelease(r.request_id), block=False)  # nobody wants it now
+                peer.link.send(KVRelease(r.request_id, r.reservation), block=False)  # nobody wants it
             return
         h.silent_since = None
         # NOTE: an answer names its ask, so its lease counts from when that ask was sent; one
@@ -167,7 +132,8 @@ class Sender:
         else:
             sent_at = h.asks.pop(r.ask, -INF)
         if h.stage in (Stage.CANCELLING, Stage.CANCELLED):
-            return   # its end releases whatever the decode node holds for it
+            self._release_other(peer, h, r)
+            return   # its end releases the grant it holds there
         now = self.clock()
         if h.dst_block_ids is not None:
             if r.block_ids == h.dst_block_ids and (r.epoch, r.reservation) == (h.epoch, h.reservation):
@@ -176,14 +142,15 @@ class Sender:
                 h.next_ask_at = h.lease.renew_at
                 return
             if h.stage is Stage.WRITING and not h.is_kv_queued:   # pushed across passes (writes.py)
-                self._end(h, f"its reservation on {peer.name} ended during its prefill", is_retryable=True)
+                self.end_handoff(h, f"its reservation on {peer.name} ended during its prefill", is_retryable=True)
             if h.stage is not Stage.RESERVED:   # else the commit's answer says if the blocks were ours
+                self._release_other(peer, h, r)
                 return
             # Our reservation ended there (new blocks, or a refusal): start from this answer.
             # NOTE: after a refusal, release what was ours: an aborted request's blocks stay
             # reserved there until released (a write may be landing in them).
             if r.block_ids is None:
-                peer.link.send(KVRelease(r.request_id), block=False)
+                peer.link.send(KVRelease(r.request_id, h.reservation), block=False)
             h.drop_reservation(self.clock())
         peer.is_granting = r.block_ids is not None and not r.is_queued
         if r.block_ids is None:
@@ -200,12 +167,12 @@ class Sender:
                     h.lease_deadline = now + self.handoff_lease_s
             else:
                 h.stage = Stage.ASKING
-                self._end(h, f"decode node refused the request: {r.reason}")
+                self.end_handoff(h, f"decode node refused the request: {r.reason}")
             return
         num_needed = num_blocks_for(h.job.prompt_len, self.block_size)
         if len(r.block_ids) != num_needed or len(set(r.block_ids)) != num_needed:
             self.num_bad_replies += 1
-            self._end(h, f"decode node {peer.name} reserved {len(r.block_ids)} blocks, not one "
+            self.end_handoff(h, f"decode node {peer.name} reserved {len(r.block_ids)} blocks, not one "
                          f"distinct block per prompt block", release=True)
             return
         h.stage, h.dst_block_ids, h.epoch, h.num_refusals = Stage.RESERVED, list(r.block_ids), r.epoch, 0
@@ -215,6 +182,14 @@ class Sender:
         h.next_ask_at = h.lease.renew_at
         if r.epoch != peer.epoch:
             self.links.hello(peer)   # a decode node we have not mapped (or that restarted)
+
+    @staticmethod
+    def _release_other(peer: DecodePeer, h: Handoff, r: KVReserved) -> None:
+        """A grant this handoff does not take (not the one it holds): released now, or the
+        decode node would hold its blocks until its lease ends. NOTE: a release names its
+        grant, so this one cannot free the handoff's own, nor its own this one."""
+        if r.block_ids is not None and r.reservation != h.reservation:
+            peer.link.send(KVRelease(r.request_id, r.reservation), block=False)
 
     def _on_ack(self, peer: DecodePeer, ack: HandoffAck) -> None:
         h = self.by_id.get(ack.request_id)
@@ -227,9 +202,9 @@ class Sender:
                                    num_blocks_for(h.job.prompt_len, self.block_size) * self.block_bytes)
             for rid in h.ids:
                 self.handed_off.add(rid)
-            self._end(h, None)
+            self.end_handoff(h, None)
         else:
-            self._end(h, f"decode node refused the request: {ack.reason}", is_retryable=ack.is_retryable)
+            self.end_handoff(h, f"decode node refused the request: {ack.reason}", is_retryable=ack.is_retryable)
 
     def push_layers(self, parts: list[tuple[Job, int | None]], num_done: int) -> None:
         """In the pass, the first num_done layers of each (prompt, the blocks its chunk
@@ -262,7 +237,7 @@ class Sender:
         """The request ends here, unless it is one of n sequences others of which go on."""
         h = self.by_id.get(self.fork_of.get(request_id, request_id))
         if h is not None and h.give_up(request_id):
-            self._end(h, None, release=h.dst_block_ids is not None)
+            self.end_handoff(h, None, release=h.dst_block_ids is not None)
 
     def holds(self, request_id: str) -> bool:   # its handoff (or that of the request it forks) is on
         return request_id in self.by_id or request_id in self.fork_of
@@ -272,9 +247,9 @@ class Sender:
     def advance(self) -> None:
         """Start writes, send commits, ask and renew, end handoffs whose time has run out."""
         for peer in self.links.take_reconnected():
-            self._on_reconnect(peer)
+            peer_events.on_reconnect(self, peer)
         for peer in self.links.take_data_resets():
-            self._on_reconnect(peer, is_data=True)
+            peer_events.on_reconnect(self, peer, is_data=True)
         for peer in self.links.peers.values():
             if peer.writer is not None:
                 for rid, error in peer.writer.poll():
@@ -286,22 +261,28 @@ class Sender:
                 # The device may still read its blocks: it ends when the writer says so (by
                 # its deadline; told again here, whatever happened), or is renewed.
                 if now > h.write_deadline and h.peer.writer is not None:
+                    if h.stage is Stage.WRITING:
+                        # NOTE: CANCELLING until the writer says it has stopped: a later pass
+                        # pushes nothing more, and the blocks here are freed only then.
+                        self._figures(h.peer).num_failed += 1
+                        h.error = h.error or "its KV write did not complete before its reservation could end"
+                        h.is_retryable, h.stage = True, Stage.CANCELLING
                     h.peer.writer.cancel(h.job.request_id)
                 elif writes.renew_open(h, now):
                     self._ask(h)
                 continue
             if h.stage is Stage.CANCELLED:
-                self._end(h, h.error, release=held)
+                self.end_handoff(h, h.error, release=held)
             elif h.peer.error and h.epoch == h.peer.epoch:
                 # NOTE: only what the process whose cache could not be opened answered (a
                 # welcome can come from a node on its way out, its cache gone); others wait
                 # for their answer, or its successor's welcome.
-                self._end(h, h.peer.error, release=held)
+                self.end_handoff(h, h.peer.error, release=held)
             elif h.silent_since is not None and now - h.silent_since > lease_s:
-                self._end(h, f"decode node {h.peer.name} did not answer for a reservation within "
+                self.end_handoff(h, f"decode node {h.peer.name} did not answer for a reservation within "
                              f"{lease_s:.0f}s", release=held, is_retryable=True)
             elif now > h.lease_deadline:
-                self._end(h, f"decode node did not confirm the KV handoff within {lease_s:.0f}s",
+                self.end_handoff(h, f"decode node did not confirm the KV handoff within {lease_s:.0f}s",
                           release=held, is_retryable=True)
             elif h.stage in (Stage.ASKING, Stage.QUEUED):
                 if now >= h.next_ask_at:
@@ -359,9 +340,9 @@ class Sender:
         """Once the blocks are written and the first token is sampled (either order)."""
         if h.stage is Stage.WRITTEN and h.first_token is not None:
             h.timings["written"], h.stage = h.written_at, Stage.COMMITTED
-            self._send_commit(h)
+            self.send_commit(h)
 
-    def _send_commit(self, h: Handoff) -> None:
+    def send_commit(self, h: Handoff) -> None:
         j = h.job
         if h.checksums is not None and not isinstance(h.checksums, list):
             h.checksums = h.checksums.tolist()
@@ -369,7 +350,7 @@ class Sender:
                                   h.peer.writer.name if h.peer.writer else "", j.token_ids, h.reservation,
                                   h.num_written, h.checksums, h.first_logprobs, j.forks), block=False)
 
-    def _end(self, h: Handoff, error: str | None, release: bool = False, is_retryable: bool = False) -> None:
+    def end_handoff(self, h: Handoff, error: str | None, release: bool = False, is_retryable: bool = False) -> None:
         """Drop the handoff and free what it holds here (and there, if release); fail the request if error."""
         if h.error is None:
             h.error, h.is_retryable = error, is_retryable
@@ -384,7 +365,7 @@ class Sender:
         for rid in h.ids[1:]:
             self.fork_of.pop(rid, None)
         if release or h.stage is Stage.QUEUED:   # its blocks, or its place in line
-            h.peer.link.send(KVRelease(h.job.request_id), block=False)
+            h.peer.link.send(KVRelease(h.job.request_id, h.reservation), block=False)
         self.drop_job(h.job)
         for rid in h.ids if h.error else ():
             self.fail(rid, h.error, h.is_retryable)

@@ -154,6 +154,7 @@ class Reservation:
     reserved_at: float = field(default_factory=time.time)
     fork_ids: list[str] = field(default_factory=list)   # n > 1: its other sequences, forked at admission
     aborted_ids: set[str] = field(default_factory=set)   # of it and its forks, those the frontend gave up
+    is_quarantined: bool = False  # its lease ended, and a one-sided writer may still be writing
 
     @property
     def num_seqs(self) -> int:
@@ -184,3 +185,11 @@ class Reservation:
         while another of its n sequences goes on (the one given up ends as it is admitted)."""
         self.aborted_ids.add(request_id)
         return len(self.aborted_ids) >= self.num_seqs
+
+
+class Pool(Protocol):
+    """The decode batch's block accounting (decode_node/scheduler.py)."""
+    def refusal_for_good(self, request_ids: list[str], prompt_len: int, max_tokens: int) -> str | None: ...
+    def refusal_for_now(self, prompt_len: int, max_tokens: int, num_seqs: int) -> str | None: ...
+    def take_blocks(self, prompt_len: int, max_tokens: int, num_seqs: int) -> tuple[list[int], int]: ...
+    def give_back(self, block_ids: list[int], num_reserved: int) -> None: ...

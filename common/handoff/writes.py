@@ -81,6 +81,10 @@ def write(h: Handoff, num_layers: int, num_done: int | None, checksums, clock: C
     end = num_layers if num_done is None else num_done
     blocks = range(h.blocks_sent, len(h.job.block_ids) if num_done is None or end_block is None else end_block)
     if end > h.layers_sent and blocks:
+        # NOTE: checked before every layer pushed: a long pass (or a paused process) must
+        # not write into blocks whose grant may have ended (the writer checks too).
+        if clock() >= h.write_deadline:
+            raise TransferError("its reservation could end before these layers are written: stopped")
         w.write_layers(rid, h.layers_sent, end, blocks)
     h.layers_sent, h.pushed_at = max(h.layers_sent, end), clock()   # a pass computes it
     if end == num_layers and num_done is not None and end_block is not None:

@@ -198,6 +198,15 @@ class KVSink:
         """--kv-verify: the checksums of these blocks of the cache as they are now."""
         return block_checksums(self.cache, block_ids).tolist()
 
+    def why_unverified(self, block_ids: list[int], checksums: list[int]) -> str | None:
+        """--kv-verify: why these blocks do not hold what the prefill node wrote, if they do not."""
+        got = self.checksums(block_ids)
+        bad = [i for i, (a, b) in enumerate(zip(got, checksums)) if a != b]
+        if not bad:
+            return None
+        return (f"its KV does not hold what the prefill node wrote (--kv-verify: {len(bad)} of "
+                f"{len(got)} blocks differ, the first at block {bad[0]})")
+
     @staticmethod
     def is_one_sided(backend_name: str) -> bool:
         """Whether that backend's writes land without this node taking part."""

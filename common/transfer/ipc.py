@@ -5,7 +5,9 @@ memory copy through a shared-memory segment on CPU."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -60,10 +62,15 @@ def _open(desc: IpcDescriptor, dtype: torch.dtype, shape: list[int], device: tor
 
 
 class IpcWriter:
+    """NOTE: a copy into the decode node's memory cannot be refused there: this writer
+    stops itself at its deadline, checked before each layer it queues (the decode node
+    holds an expired grant's blocks a while longer, receiver.py). On a device, a layer
+    queued before the deadline runs behind the pass that computes it."""
     name = "ipc"
     is_layerwise = True
 
-    def __init__(self, descriptor: dict, welcome: KVWelcome, cache: torch.Tensor):
+    def __init__(self, descriptor: dict, welcome: KVWelcome, cache: torch.Tensor,
+                 clock: Callable[[], float] = time.monotonic):
         self.src = cache
         shape = list(welcome.cache_shape)
         if not is_cache_shape(shape):
@@ -72,9 +79,11 @@ class IpcWriter:
         desc = parse(IpcDescriptor, descriptor, "ipc")
         self.dst, self._unmap = _open(desc, cache.dtype, shape, cache.device)
         self.stream = self._platform.side_stream()
+        self.clock = clock
         self._num_dst_blocks = num_cache_blocks(shape)
-        self._inflight: list[tuple[str, object | None]] = []   # (request id, its copy's event)
-        self._open: dict[str, tuple[list[int], list[int]]] = {}   # begun, not ended: (src, dst) blocks
+        # (request id, its copies' event, why it failed or None): ended, its copies may run
+        self._inflight: list[tuple[str, object | None, str | None]] = []
+        self._open: dict[str, _OpenWrite] = {}   # begun, not ended
 
     is_stalled = False
 
@@ -92,47 +101,62 @@ class IpcWriter:
             raise TransferError(f"destination blocks outside the decode cache of {self._num_dst_blocks}")
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
-        self._open[request_id] = (src_block_ids, dst_block_ids)
+        self._open[request_id] = _OpenWrite(src_block_ids, dst_block_ids, self.clock() + within_s)
 
     def write_layers(self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None) -> None:
-        src, dst = self._open[request_id]
+        """TransferError: past its deadline (nothing more is queued: cancel it)."""
+        w = self._open[request_id]
+        src, dst = w.src, w.dst
         if blocks is not None:
             src, dst = src[blocks.start: blocks.stop], dst[blocks.start: blocks.stop]
-        layers = slice(first_layer, end_layer)
-        if self.stream is None:
-            copy_blocks(self.src[layers], src, self.dst[layers], dst)
+        if self.stream is None:   # a memory copy, made here and now: checked layer by layer
+            for layer in range(first_layer, end_layer):
+                self._check(w)
+                copy_blocks(self.src[layer:layer + 1], src, self.dst[layer:layer + 1], dst)
             return
-        # The copy waits for the forward pass that wrote the blocks, then runs beside
-        # the next one (or the next layers).
+        # Queued on the side stream: it waits for the forward pass that wrote the blocks,
+        # then runs beside the next one (or the next layers).
+        self._check(w)
         self._platform.wait_for_current(self.stream)
         with self._platform.on_stream(self.stream):
-            copy_blocks(self.src[layers], src, self.dst[layers], dst)
+            copy_blocks(self.src[first_layer:end_layer], src, self.dst[first_layer:end_layer], dst)
+
+    def _check(self, w: _OpenWrite) -> None:
+        if self.clock() >= w.deadline:
+            raise TransferError("its reservation could end before the copy: stopped at its deadline")
 
     def end(self, request_id: str) -> int:
         del self._open[request_id]
-        done = None
-        if self.stream is not None:
-            with self._platform.on_stream(self.stream):
-                done = self._platform.event()   # the event tells the loop when the commit may go out
-        self._inflight.append((request_id, done))
+        self._inflight.append((request_id, self._event(), None))
         return 0
 
+    def _event(self):
+        """What tells when the copies queued so far have run (None: they have)."""
+        if self.stream is None:
+            return None
+        with self._platform.on_stream(self.stream):
+            return self._platform.event()
+
     def renew(self, request_id: str, within_s: float) -> None:
-        pass   # a local copy, ended soon after its last layers: no deadline of its own
+        w = self._open.get(request_id)
+        if w is not None:
+            w.deadline = self.clock() + within_s
 
     def flush(self) -> None:
         pass
 
     def poll(self) -> list[tuple[str, str | None]]:
-        done = [rid for rid, ev in self._inflight if ev is None or ev.query()]
+        done = [(rid, error) for rid, ev, error in self._inflight if ev is None or ev.query()]
         if done:
-            self._inflight = [(rid, ev) for rid, ev in self._inflight if rid not in done]
-        return [(rid, None) for rid in done]
+            ended = {rid for rid, _ in done}
+            self._inflight = [w for w in self._inflight if w[0] not in ended]
+        return done
 
     def cancel(self, request_id: str) -> None:
-        # a local copy ends by itself, and soon; one begun and never ended ends here
+        """One begun and not ended stops here; it is named ended (failed) once the copies
+        already queued for it have run: its source blocks are read until then."""
         if self._open.pop(request_id, None) is not None:
-            self._inflight.append((request_id, None))
+            self._inflight.append((request_id, self._event(), "cancelled"))
 
     def close(self) -> None:
         if self.stream is not None:
@@ -140,6 +164,13 @@ class IpcWriter:
         self._inflight.clear()
         self.dst = None
         self._unmap()
+
+
+@dataclass
+class _OpenWrite:
+    src: list[int]
+    dst: list[int]
+    deadline: float   # monotonic: nothing is queued from then on
 
 
 class IpcReceiver:

@@ -113,9 +113,12 @@ class KVCommit:
 
 @dataclass
 class KVRelease:
-    """prefill -> decode: drop a reservation that will never be committed."""
+    """prefill -> decode: drop a reservation that will never be committed (the grant named:
+    nothing else of this request's, e.g. a newer grant, goes), or, naming none, the
+    request's place in line."""
     TYPE: ClassVar[str] = "kv_release"
     request_id: Id
+    reservation: Name = ""
 
 
 @dataclass

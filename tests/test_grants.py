@@ -1,0 +1,182 @@
+"""A grant's blocks are written only while the grant holds, and a write stopped at its
+deadline leaves both halves consistent: the sender and receiver on a fake clock, with the
+ipc writer copying into a shared-memory decode cache as a prefill node on its host does."""
+from __future__ import annotations
+
+import torch
+
+from common.base.request import SamplingParams
+from common.handoff.states import Hold, Stage
+from common.kv.blocks import BlockAllocator
+from common.kv.prefix import PrefixCache, block_hashes
+from common.wire.protocol import Fork, KVCommit, KVRelease, KVReserve, KVReserved, KVTransfer
+from decode_node.scheduler import DecodeScheduler
+from tests.handoff_util import PREFILL, Pair, receiver, reserve
+
+
+def _layerwise_ipc(prompt_len: int = 22):
+    """A chunked prompt's write pushed layer by layer over ipc, its first pass's first
+    layer written: (pair, job, handoff)."""
+    p = Pair(layerwise="on", lease_s=30.0, backend="ipc")
+    job = p.job("r", prompt_len=prompt_len)
+    p.tx.begin(job)
+    p.pump()
+    h = p.tx.by_id["r"]
+    assert h.stage is Stage.RESERVED and h.peer.writer.name == "ipc"
+    p.tx.push_layers([(job, 2)], 1)
+    assert h.stage is Stage.WRITING
+    return p, job, h
+
+
+def test_a_layer_pushed_past_the_grants_deadline_is_never_written():
+    """Defect: a layer-wise ipc write went on after its grant ended (the deadline was not
+    checked once a write was under way): a pass longer than the lease let the decode node
+    give the blocks to another request while the pass kept copying into them."""
+    p, job, h = _layerwise_ipc()
+    dst = h.dst_block_ids
+    p.clock.advance(p.lease_s + 1)              # a pass (or a pause) longer than the lease
+    p.rx.turn()                                 # the decode node's lease ends
+    r = p.rx.held["r"]
+    assert r.is_quarantined and r.hold is Hold.FAILED   # its blocks wait for the writer to stop
+    reserve(p.rx, "other", 12, 4, sender=PREFILL)   # another request's grant, meanwhile
+    assert not set(p.rx.held["other"].block_ids) & set(dst)
+    before = p.dst[:, :, dst].clone()
+    p.src[:, :, job.block_ids] = 9.0            # the pass goes on: layer 2, and the rest
+    p.tx.push_layers([(job, 2)], 2)
+    p.tx.start_writes([])
+    assert torch.equal(p.dst[:, :, dst], before)   # nothing landed past the deadline
+    assert h.stage is Stage.CANCELLING
+    p.pump()                                    # the write ends; its release frees them there
+    assert p.failed == [("r", "KV transfer to decode-0 failed: its reservation could end before these "
+                              "layers are written: stopped")] and p.retryable == {"r"}
+    assert "r" not in p.rx.held and "r" not in p.tx.by_id
+    p.close()
+
+
+def test_a_write_cancelled_at_its_deadline_leaves_the_next_pass_nothing_to_trip_on():
+    """Defect: the deadline's cancel left the handoff WRITING while ipc forgot the write:
+    the next pass's push raised KeyError (the prefill node's loop died), and the cancel was
+    reported a success, so the prompt's blocks were freed while it was still chunked."""
+    p, job, h = _layerwise_ipc()
+    num_free = p.prefix.num_free
+    p.clock.advance(h.write_deadline - p.clock() + 0.1)
+    p.tx.advance()                              # the deadline: the write is stopped
+    assert h.stage is Stage.CANCELLING
+    p.tx.push_layers([(job, 2)], 2)             # the next pass: no KeyError, nothing written
+    p.tx.start_writes([job])
+    p.tx.advance()                              # ended: failed (retryable), never committed
+    assert p.failed and p.retryable == {"r"} and p.sent(KVCommit) == 0
+    assert "r" not in p.tx.by_id and job.block_ids == []
+    assert p.prefix.num_free == num_free + 6    # its 6 blocks freed once, not twice
+    p.pump()
+    assert "r" not in p.rx.held and p.pool.blocks.num_free == p.pool.blocks.capacity
+    p.close()
+
+
+def test_a_quarantined_grant_is_freed_by_its_writers_release_or_one_more_lease():
+    p = Pair(lease_s=30.0)
+    r = reserve(p.rx, "a", 10, 4, sender=PREFILL)
+    p.clock.advance(31)
+    p.rx.turn()
+    assert r.is_quarantined and "a" in p.rx.held and p.rx.num_expired == 1
+    answer = []
+    p.rx.send = lambda msg, to: answer.append(msg) or True
+    p.rx.receive(PREFILL, KVReserve("a", 10, 4, 7))          # asked again: not renewed
+    assert answer[-1].block_ids is None and answer[-1].is_retryable and "ran out" in answer[-1].reason
+    p.rx.receive(PREFILL, KVRelease("a", r.name))            # its writer says it stopped
+    assert "a" not in p.rx.held
+    s = reserve(p.rx, "b", 10, 4, sender=PREFILL)
+    p.clock.advance(31)
+    p.rx.turn()
+    p.clock.advance(29)
+    p.rx.turn()
+    assert "b" in p.rx.held and s.is_quarantined
+    p.clock.advance(2)
+    p.rx.turn()                                  # no word from its writer: one more lease
+    assert "b" not in p.rx.held and p.rx.num_expired == 2
+    assert p.pool.blocks.num_free == p.pool.blocks.capacity
+
+
+def test_a_release_frees_only_the_grant_it_names():
+    """Defect: KVRelease named only the request: a late release meant for an earlier grant
+    (a reset link, a restarted decode node) freed the request's new grant, and its commit
+    was refused "no reservation for this request"."""
+    pool = DecodeScheduler(BlockAllocator(20), 16, 4)
+    rx = receiver(pool)
+    first = reserve(rx, "r", 20, 4)
+    name = first.name
+    rx.receive(b"p", KVRelease("r", name))
+    second = reserve(rx, "r", 20, 4)
+    assert second.name != name
+    rx.receive(b"p", KVRelease("r", name))      # the first grant's, late
+    rx.receive(b"p", KVRelease("r"))            # one naming no grant: a place in line only
+    assert rx.held["r"] is second
+    rx.receive(b"p", KVRelease("r", second.name))
+    assert "r" not in rx.held and pool.blocks.num_free == pool.blocks.capacity
+
+
+def test_a_commit_for_a_grant_gone_is_refused_retryable():
+    """The path failed, not the request: it may go on elsewhere."""
+    sent = []
+    rx = receiver(DecodeScheduler(BlockAllocator(20), 16, 4), lambda msg, to: sent.append(msg) or True)
+    rx.receive(b"p", KVCommit("r", 20, 1, SamplingParams(max_tokens=4), {}, "tcp", [1] * 20, "0123"))
+    assert not sent[-1].is_accepted and sent[-1].is_retryable and "no reservation" in sent[-1].reason
+    rx.abort("q")
+    rx.receive(b"p", KVCommit("q", 20, 1, SamplingParams(max_tokens=4), {}, "tcp", [1] * 20, "0123"))
+    assert not sent[-1].is_accepted and not sent[-1].is_retryable and "aborted" in sent[-1].reason
+
+
+def test_forks_of_a_request_whose_kv_failed_never_reach_the_prefix_cache():
+    """Defect: forks were made cacheable whatever their request's KV: once the request let
+    go, the last fork to finish published the prompt's blocks, whose KV had not landed
+    (or failed --kv-verify), for a later prompt or chat turn on that node to reuse."""
+    cache = PrefixCache(41, True)
+    sched = DecodeScheduler(cache, 4, 8)
+    rx = receiver(sched)
+    rx.receive(b"p", KVReserve("a", 8, 6, 1, ["a1", "a2"]))
+    r = rx.held["a"]
+    c = rx.sink.cache
+    rx.receive(b"p", KVTransfer("a", r.name, "tcp", {"first_layer": 0},
+                                torch.zeros(c.shape[0], 2, len(r.block_ids), *c.shape[3:])))
+    forks = [Fork(f, 10 + i, first_token=3) for i, f in enumerate(["a1", "a2"])]
+    prompt = list(range(1, 9))
+    rx.receive(b"p", KVCommit("a", 8, 2, SamplingParams(max_tokens=6), {}, "tcp", prompt, r.name,
+                              c.shape[0], forks=forks))
+    got = rx.next_ready()
+    got.error = "its KV does not hold what the prefill node wrote (--kv-verify)"
+    seqs, _ = sched.start(got)
+    assert not any(s.is_cacheable for s in seqs)
+    for s in seqs:
+        s.output_ids += [5, 6]
+        sched.finish(s.request_id)
+    assert not any(h in cache.block_of for h in block_hashes(prompt, 4))
+
+
+def test_a_group_of_n_waits_for_n_rows_and_n_above_the_rows_is_refused_for_good():
+    """Defect: admission checked one free row for a request with n - 1 forks: the batch
+    overflowed ("decode batch is full") and the decode node died; n above the node's rows
+    could never run."""
+    sched = DecodeScheduler(BlockAllocator(60), 4, 4)
+    rx = receiver(sched)
+    why = rx.refusal("big", 8, 6, ["f1", "f2", "f3", "f4"])
+    assert why == ("its 5 sequences (n) need 5 batch rows, this decode node has 4 (--max-batch-size)", False)
+    sent = []
+    rx.send = lambda msg, to: sent.append(msg) or True
+    rx.receive(b"p", KVReserve("lone", 8, 6, 1))
+    rx.receive(b"p", KVReserve("g", 8, 6, 2, ["g1", "g2", "g3"]))
+    assert all(isinstance(m, KVReserved) and m.block_ids for m in sent)
+    for rid, forks in (("lone", []), ("g", [Fork(f, 1, first_token=3) for f in ["g1", "g2", "g3"]])):
+        r = rx.held[rid]
+        c = rx.sink.cache
+        rx.receive(b"p", KVTransfer(rid, r.name, "tcp", {"first_layer": 0},
+                                    torch.zeros(c.shape[0], 2, len(r.block_ids), *c.shape[3:])))
+        rx.receive(b"p", KVCommit(rid, 8, 2, SamplingParams(max_tokens=6), {}, "tcp", [1] * 8, r.name,
+                                  c.shape[0], forks=forks))
+    sched.start(rx.next_ready())                 # "lone" runs: 3 rows free, the group needs 4
+    head = rx.peek_ready()
+    assert head.request_id == "g" and head.num_seqs == 4 and not sched.can_admit(head.num_seqs)
+    assert sched.can_admit(1)                    # a single sequence would fit: it must wait behind
+    sched.finish("lone")
+    assert sched.can_admit(rx.peek_ready().num_seqs)
+    seqs, _ = sched.start(rx.next_ready())
+    assert len(seqs) == 4 == len(sched.running)
