@@ -8,9 +8,7 @@ request to the frontend in one message. A request's first update carries its fir
 and the timings that make up its time to first token.
 
 When a step needs a block the pool lacks, the most recently admitted request is
-preempted between steps: its KV goes to host memory (up to --swap-space) or is
-dropped, and it resumes, swapped back in or recomputed from its tokens, before
-anything new is admitted (decode_node/scheduler.py).
+preempted between steps (decode_node/preemption.py).
 """
 from __future__ import annotations
 
@@ -31,11 +29,11 @@ from common import transfer
 from common.wire.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, NodeAbort, NodeReady, NodeSync,
                                   NodeSynced, PeerLost, PrefillRequest, RequestFailed, TokenBatch, TokenUpdate,
                                   ttft_parts)
-from common.kv.blocks import num_blocks_for
 from common.kv.sequence import Sequence, blocks_to_join, finish_reason, num_blocks_short
 from common.engine.worker import DecodeTicket, DeviceWorker
 from common.handoff.receiver import Receiver
 from decode_node.local import LocalPrefill
+from decode_node.preemption import Preemption
 from decode_node.scheduler import DecodeScheduler
 
 log = get_logger("decode")
@@ -49,14 +47,12 @@ class DecodeNode:
         self.worker = DeviceWorker(cfg.worker)
         self.pending_aborts: set[str] = set()
         self.ended = Recent(ENDED_MEMORY)   # the latest requests that ended here
-        self._grammars = None   # made for the first request with a grammar
+        self.compiles = grammar.Compiles(
+            lambda: grammar.for_model(cfg.worker.model, self.worker.spec.vocab_size))
         self.finished_in_flight: set[str] = set()   # finished, but their row is in the step in flight
         self.num_discarded_tokens = 0
         self.num_finished = 0
         self.num_batched_steps = 0      # steps that ran more than one request
-        self.num_preemptions = 0
-        self.num_swapped = 0            # preemptions that kept the KV in host memory
-        self.num_recomputed = 0         # resumptions that prefilled the KV again
         self.num_forked = 0             # sequences admitted over another's prompt blocks (n > 1)
         self._last_log, self._log_tokens, self._log_steps = 0.0, 0, 0
 
@@ -93,7 +89,9 @@ class DecodeNode:
                                         max_model_len=self.worker.max_model_len,
                                         is_verifying=self.cfg.is_kv_verified)
                 parts.callback(self.handoff.close)
+                parts.callback(self.compiles.close)
                 self.local = LocalPrefill(self.worker, self.scheduler, self.cfg.max_queue)
+                self.preemption = Preemption(self.worker, self.scheduler, self.cfg.swap_space)
                 rt.start(self._send_ready, self.stats, self._is_empty)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
                          self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
@@ -115,7 +113,7 @@ class DecodeNode:
                         updates = self._admit()          # first tokens of the newly admitted
                         if updates:   # NOTE: now, not after the launch: on the host the step runs in it
                             self.runtime.send(TokenBatch(updates))
-                        self._make_room()
+                        self.preemption.make_room()
                         inflight = self._launch()
                     else:
                         # Step k runs. Queue step k+1 behind it when the batch stays as it
@@ -175,6 +173,7 @@ class DecodeNode:
         return {*s.running, *(q.request_id for q in s.preempted), *self.handoff.held_ids(), *self.local.held_ids()}
 
     def _abort(self, request_id: str) -> None:
+        self.compiles.drop(request_id)
         if request_id in self.scheduler.running:
             self.pending_aborts.add(request_id)  # removed between steps, not under one
         elif self.scheduler.drop_preempted(request_id):
@@ -191,11 +190,23 @@ class DecodeNode:
     # ---- admit, step --------------------------------------------------------
 
     def _admit(self) -> list[TokenUpdate]:
-        while (seq := self.scheduler.next_resumable()) is not None:
-            self._resume(seq)
+        self.preemption.resume_all()
         updates = []
-        while self.scheduler.can_admit() and (r := self.handoff.next_ready()) is not None:
+        # NOTE: first committed, first admitted, a request's n sequences together: a group
+        # waiting for its rows holds the line (local prompts too), so a steady stream of
+        # single sequences can never starve it (n <= the rows here: refused otherwise).
+        while (r := self.handoff.peek_ready()) is not None and self.scheduler.can_admit(r.num_seqs):
+            if r.commit.params.grammar and not r.error and not self._is_compiled(r.request_id, r.commit.params):
+                break   # its grammar compiles beside the loop: the line waits for it
+            r = self.handoff.next_ready()
             c = r.commit
+            try:
+                compiled = self.compiles.take(r.request_id) if c.params.grammar and not r.error else None
+            except ValueError as e:   # GrammarError: the request's, said to its client
+                for seq in self.scheduler.start(r)[0]:
+                    self._finished(seq.request_id, in_batch=False, count=False)
+                    self.runtime.send(RequestFailed(seq.request_id, str(e)))
+                continue
             seqs, copies = self.scheduler.start(r)   # its own, then one per fork (n > 1), sharing its blocks
             if r.error:
                 for seq in seqs:
@@ -212,24 +223,25 @@ class DecodeNode:
                 if seq.request_id in r.aborted_ids:   # one of n, given up while the others went on
                     self._finished(seq.request_id, in_batch=False, count=False)
                     continue
-                update = self._join(seq, token, logprobs, c.timings)
+                update = self._join(seq, token, logprobs, c.timings, compiled)
                 if update is not None:
                     updates.append(update)
-        if (done := self.local.run()) is not None:   # one chunk of a prompt prefilled here
+        if r is None and (done := self.local.run()) is not None:   # one chunk of a prompt prefilled here
             update = self._join(done.seq, done.token, done.logprobs, done.stamps)
             if update is not None:
                 updates.append(update)
         return updates
 
-    def _join(self, seq: Sequence, token: int, logprobs, timings: dict) -> TokenUpdate | None:
+    def _join(self, seq: Sequence, token: int, logprobs, timings: dict, compiled=None) -> TokenUpdate | None:
         """A newly admitted sequence takes its first token (sampled by the prefill node) and
-        joins the batch, unless that token ends it; its first update, or None if it failed."""
+        joins the batch, unless that token ends it; its first update, or None if it failed.
+        compiled: its grammar, compiled (Compiles.take)."""
         rid = seq.request_id
         seq.output_ids.append(token)
         if seq.params.is_masked_per_step:   # its matcher takes every token so far: the mask goes on from there
             try:
                 seq.matcher = grammar.matcher_for(seq.params, seq.history()[1], self.worker.spec.vocab_size,
-                                                  self.grammars if seq.params.grammar else None)
+                                                  self.compiles.grammars, compiled)
             except ValueError as e:
                 self._finished(rid, in_batch=False, count=False)
                 self.runtime.send(RequestFailed(rid, str(e)))
@@ -251,51 +263,10 @@ class DecodeNode:
                 self.worker.set_decode_mask(key, seq.matcher.fill())
         return self.worker.launch_decode()
 
-    @property
-    def grammars(self) -> grammar.Grammars:
-        if self._grammars is None:
-            self._grammars = grammar.for_model(self.cfg.worker.model, self.worker.spec.vocab_size)
-        return self._grammars
-
-    # ---- preemption (between steps only: no step in flight) -------------------
-
-    def _make_room(self) -> None:
-        """Preempt until the next step's new blocks fit in the pool."""
-        while num_blocks_short(self.worker.keys_needing_block, self.scheduler.running, self.blocks):
-            self._preempt(self.scheduler.victim())
-
-    def _preempt(self, seq: Sequence) -> None:
-        rid = seq.request_id
-        self.worker.remove_decode_seq(rid)
-        keep = seq.block_ids[:num_blocks_for(seq.num_cached, self.worker.block_size)]
-        seq.is_swapped = self.worker.swapped_bytes + len(keep) * self.worker.block_bytes() \
-            <= self.cfg.swap_space
-        if seq.is_swapped:
-            try:
-                self.worker.swap_out(rid, keep)
-                self.num_swapped += 1
-            except RuntimeError as e:   # host memory could not be had: recompute instead
-                noisy.warning("swap-out of %s failed, it will be recomputed: %s", rid, e)
-                seq.is_swapped = False
-        self.scheduler.preempt(seq, time.monotonic())
-        self.num_preemptions += 1
-        log.debug("preempted %s at %d tokens (%s): %d KV blocks free, %d running", rid, seq.num_cached,
-                  "swapped to host" if seq.is_swapped else "to be recomputed",
-                  self.blocks.num_free, len(self.scheduler.running))
-
-    def _resume(self, seq: Sequence) -> None:
-        rid = seq.request_id
-        block_ids = self.scheduler.resume(seq, time.monotonic())
-        if seq.is_swapped:
-            self.worker.swap_in(rid, block_ids)
-        else:
-            self.worker.recompute(seq.prompt_ids + seq.output_ids[:-1], block_ids)
-            self.num_recomputed += 1
-        self.worker.add_decode_seq(rid, seq.output_ids[-1], seq.num_cached, block_ids, seq.params, seq.history())
-        seq.is_preemption_untold = True
-        log.debug("resumed %s after %.0f ms (%s)", rid, seq.preempted_s * 1e3,
-                  "swapped in" if seq.is_swapped else "recomputed")
-        seq.is_swapped = False
+    def _is_compiled(self, request_id: str, params) -> bool:
+        """Whether the request's grammar has compiled (or failed to); starts its compile."""
+        self.compiles.submit(request_id, params.grammar)
+        return self.compiles.is_done(request_id)
 
     def _can_pipeline(self) -> bool:
         """The next step may run before this one's tokens are seen only where steps are
@@ -305,7 +276,7 @@ class DecodeNode:
         would write past its reserved blocks), no preempted request that could resume, and
         no block the next step needs that only a preemption would free."""
         if not self.worker.is_step_queued or self.pending_aborts or self.finished_in_flight \
-                or (self.scheduler.can_admit() and self.handoff.has_ready()) or self.local.is_runnable() \
+                or self._can_admit_ready() or self.local.is_runnable() \
                 or self.scheduler.next_resumable() \
                 or num_blocks_short(self.worker.keys_needing_block, self.scheduler.running, self.blocks):
             return False
@@ -315,6 +286,10 @@ class DecodeNode:
         return not any(len(s.output_ids) + 1 >= s.params.max_tokens
                        or s.prompt_len + len(s.output_ids) + 1 >= limit
                        for s in self.scheduler.running.values())
+
+    def _can_admit_ready(self) -> bool:
+        r = self.handoff.peek_ready()
+        return r is not None and self.scheduler.can_admit(r.num_seqs)
 
     def _collect(self, ticket: DecodeTicket, is_next_launched: bool) -> list[TokenUpdate]:
         tokens = self.worker.collect_decode(ticket)
@@ -380,9 +355,8 @@ class DecodeNode:
                 "num_reservations": len(self.handoff.held), "num_finished": self.num_finished,
                 "num_expired_reservations": self.handoff.num_expired, "num_asking": len(self.handoff.waiting),
                 "num_granted": self.handoff.num_granted, "num_batched_steps": self.num_batched_steps,
-                "num_preemptions": self.num_preemptions, "num_swapped": self.num_swapped,
-                "num_recomputed": self.num_recomputed, "num_forked": self.num_forked,
-                "num_preempted": len(self.scheduler.preempted), "num_discarded_tokens": self.num_discarded_tokens,
+                **self.preemption.stats(), "num_forked": self.num_forked,
+                "num_discarded_tokens": self.num_discarded_tokens,
                 "num_free_blocks": self.blocks.num_free, "num_reserved_blocks": self.blocks.num_reserved,
                 "num_available_blocks": self.blocks.num_available,
                 "num_bad_messages": self.frontend.num_bad + self.kv.num_bad,

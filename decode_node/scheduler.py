@@ -60,6 +60,9 @@ class DecodeScheduler:
         """Why this request (request_ids: its own, then its forks') can never be reserved
         here, if it cannot."""
         num_seqs = len(request_ids)
+        if num_seqs > self.max_batch_size:
+            return (f"its {num_seqs} sequences (n) need {num_seqs} batch rows, this decode node has "
+                    f"{self.max_batch_size} (--max-batch-size)")
         for rid in request_ids:
             if rid in self.running or any(s.request_id == rid for s in self.preempted):
                 return f"request {rid!r} is already on this decode node"
@@ -94,10 +97,10 @@ class DecodeScheduler:
         self.blocks.free(block_ids)
         self.blocks.unreserve(num_reserved)
 
-    def can_admit(self) -> bool:
-        """A batch row is free; preempted sequences go first, unless nothing runs that
-        could free blocks for them."""
-        return len(self.running) < self.max_batch_size and (not self.preempted or not self.running)
+    def can_admit(self, num_seqs: int = 1) -> bool:
+        """num_seqs batch rows are free (a request with n - 1 forks takes n at once);
+        preempted sequences go first, unless nothing runs that could free blocks for them."""
+        return len(self.running) + num_seqs <= self.max_batch_size and (not self.preempted or not self.running)
 
     def start(self, r: Reservation) -> tuple[list[Sequence], list[tuple[int, int]]]:
         """A committed reservation becomes running sequences: its own, with the same
@@ -108,10 +111,13 @@ class DecodeScheduler:
         seqs = [self._run(Sequence(r.request_id, r.prompt_len, r.commit.params, r.block_ids,
                                    r.num_reserved - len(r.commit.forks) * share, prompt_ids=r.commit.prompt_ids,
                                    is_cacheable=not r.error))]
+        # NOTE: a fork is no more cacheable than its request: KV that did not land whole (or
+        # failed --kv-verify) must never reach the prefix cache through the last fork to end.
         num_full, copies = r.prompt_len // self.block_size, []
         for f in r.commit.forks:
             seq = Sequence(f.request_id, r.prompt_len, dataclasses.replace(r.commit.params, seed=f.seed),
-                           r.block_ids[:num_full], share, prompt_ids=r.commit.prompt_ids)
+                           r.block_ids[:num_full], share, prompt_ids=r.commit.prompt_ids,
+                           is_cacheable=not r.error)
             self.blocks.share(seq.block_ids)
             if num_full < len(r.block_ids):
                 copies.append((r.block_ids[num_full], seq.take_block(self.blocks)))

@@ -26,7 +26,6 @@ from common.wire.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, NodeSy
                                   PrefillRequest, RequestFailed, TokenBatch, TokenUpdate,
                                   ttft_parts)
 from common.base import grammar
-from common.base.grammar import Grammars
 from common.base.request import stop_reason, validate_prompt
 from common.engine.worker import DeviceWorker, PrefillChunk
 from common.handoff.sender import Sender
@@ -43,7 +42,8 @@ class PrefillNode:
         self.cfg = cfg
         self.worker = DeviceWorker(cfg.worker)
         self.num_failed = 0
-        self._grammars = None   # made for the first request with a grammar
+        self.compiles = grammar.Compiles(
+            lambda: grammar.for_model(cfg.worker.model, self.worker.spec.vocab_size))
         self._last_log = 0.0
         self._log_tokens = 0
         self._pass_rate: float | None = None   # prompt tokens/s of recent passes (smoothed)
@@ -72,6 +72,7 @@ class PrefillNode:
                     checksums=(lambda ids: transfer.block_checksums(cache, ids)) if self.cfg.is_kv_verified else None,
                     num_layers=cache.shape[0], layerwise=self.cfg.kv_layerwise)
                 parts.callback(self.handoffs.close)
+                parts.callback(self.compiles.close)
                 rt.start(self._send_ready, self.stats, self._is_empty)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s",
                          self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
@@ -84,6 +85,7 @@ class PrefillNode:
                     is_busy = bool(self.scheduler.prefilling or self.handoffs.is_writing)
                     self._receive(0 if is_busy else 0.005 if self.handoffs.by_id else 0.02)
                     self.handoffs.advance()
+                    self._take_compiled()
                     chunks = self.scheduler.schedule()
                     if chunks:
                         self._forward(chunks)
@@ -139,10 +141,11 @@ class PrefillNode:
             ids = [req.request_id, *(f.request_id for f in req.forks)]
             if len(set(ids)) != len(ids) or any(self.handoffs.holds(r) for r in ids):
                 raise ValueError("a request of this id is already here")
-            if req.params.grammar:
-                self.grammars.compile(req.params.grammar)   # GrammarError: a ValueError, said to the client
             job = PrefillJob(req.request_id, list(req.prompt_token_ids), req.params,
                              req.arrival_time, req.decode_node, req.decode_kv_endpoint, forks=list(req.forks))
+            if req.params.grammar:   # compiled beside the loop; the prompt waits for it
+                self.compiles.submit(job.request_id, req.params.grammar)
+                job.is_compiling = True
             self.handoffs.begin(job)   # the reservation comes back while the prompt waits or runs
         except (ValueError, LinkError) as e:
             for rid in {req.request_id, *(f.request_id for f in req.forks)}:
@@ -165,6 +168,21 @@ class PrefillNode:
         if self.scheduler.abort(job.request_id) is None and job.block_ids:
             self.prefix_cache.free(job.block_ids)
         job.block_ids = []
+        self.compiles.drop(job.request_id)
+
+    def _take_compiled(self) -> None:
+        """Prompts whose grammar has compiled may start; one that does not compile fails."""
+        for job in [j for j in self.scheduler.waiting if j.is_compiling]:
+            if not self.compiles.is_done(job.request_id):
+                continue
+            try:
+                job.grammar, job.is_compiling = self.compiles.take(job.request_id), False
+            except ValueError as e:   # GrammarError, said to the client
+                ids = [job.request_id, *(f.request_id for f in job.forks)]
+                for rid in ids:
+                    self.handoffs.abort(rid)
+                for rid in ids:
+                    self._fail(rid, str(e))
 
     # ---- forward and hand off ----------------------------------------------
 
@@ -201,6 +219,9 @@ class PrefillNode:
                 # The first token streams now, while its KV travels; one that ends the
                 # request is left to the decode node, which ends it (the prompt's
                 # logprobs go now all the same). Each fork's likewise.
+                # NOTE: the prompt's logprobs go once, with the request's own update (the
+                # frontend gives them to its other choices): n copies could pass the link's
+                # message limit, and that would drop the link.
                 for rid, t, lp in [(job.request_id, token, pc.logprobs),
                                    *((f.request_id, f.first_token, f.first_logprobs) for f in job.forks)]:
                     if stop_reason(job.params, t, 1, job.prompt_len, self.worker.spec.eos_token_ids,
@@ -209,6 +230,7 @@ class PrefillNode:
                                                  logprobs=[lp] if lp else None, prompt_logprobs=prompt_logprobs))
                     elif prompt_logprobs is not None:
                         early.append(TokenUpdate(rid, [], None, index=0, prompt_logprobs=prompt_logprobs))
+                    prompt_logprobs = None
         if early and not self.frontend.send(TokenBatch(early), block=False):
             noisy.warning("could not stream %d first tokens early: the decode nodes will", len(early))
         self.scheduler.complete(chunks)
@@ -242,17 +264,11 @@ class PrefillNode:
             chunk.history = job.params.split(job.token_ids)
         if c.is_last and job.params.is_masked_per_step:   # after any tokens streamed before a move
             chunk.mask = grammar.matcher_for(job.params, chunk.history[1], self.worker.spec.vocab_size,
-                                             self.grammars if job.params.grammar else None).fill().clone()
+                                             self.compiles.grammars, job.grammar).fill().clone()
         if job.params.num_prompt_logprobs >= 0:
             chunk.prompt_targets = job.token_ids[c.start + 1:c.end + 1] + ([-1] if c.is_last else [])
             chunk.num_prompt_logprobs = job.params.num_prompt_logprobs
         return chunk
-
-    @property
-    def grammars(self) -> Grammars:
-        if self._grammars is None:
-            self._grammars = grammar.for_model(self.cfg.worker.model, self.worker.spec.vocab_size)
-        return self._grammars
 
     def _fail(self, request_id: str, error: str, is_retryable: bool = False) -> None:
         self.num_failed += 1

@@ -46,6 +46,8 @@ class PrefillJob:
     is_peer_granting: bool = False  # its decode node granted the previous request at once
     prompt_logprobs: list = field(default_factory=list)   # asked for: each chunk's, in order
     forks: list = field(default_factory=list)    # n > 1: the other sequences (Fork), sampled with it
+    is_compiling: bool = False     # its grammar is being compiled (beside the loop): it waits
+    grammar: object = None         # its grammar, compiled
 
     @property
     def prompt_len(self) -> int:
@@ -121,7 +123,7 @@ class PrefillScheduler:
         for job in list(self.waiting):   # in arrival order, passing those not reserved yet
             if budget == 0 or len(chunks) == self.max_batch_prompts:
                 break
-            if not job.is_reserved and not (job.is_peer_granting and self._is_early_free()):
+            if job.is_compiling or not job.is_reserved and not (job.is_peer_granting and self._is_early_free()):
                 continue
             bs = self.block_size
             if not job.hashes:

@@ -86,7 +86,7 @@ def test_a_commit_must_fork_what_was_reserved():
     assert not acks[-1].is_accepted and "forks" in acks[-1].reason
     rx.receive(b"p", KVReserve("b", 6, 10, 1, ["b", "b1"]))     # its own id as a fork
     assert acks[-1].block_ids is None and "ids of their own" in acks[-1].reason
-    many = DecodeScheduler(BlockAllocator(9), BS, 8)   # 8 blocks; each of 9 sequences: 1 shared + 1 own
+    many = DecodeScheduler(BlockAllocator(9), BS, 9)   # 8 blocks; each of 9 sequences: 1 shared + 1 own
     assert "9 sequences need 10 KV blocks" in receiver(many).refusal("c", 7, 20, [f"c{i}" for i in range(8)])[0]
 
 
