@@ -97,13 +97,24 @@ class NodeMessages:
                                                   f"the vocabulary", status=502)
             return
         if u.prompt_logprobs is not None and node.name == req.prefill_node and req.prompt_logprobs is None:
-            req.prompt_logprobs = u.prompt_logprobs
+            # Sent once per request (with choice 0's update): every choice routed with it has them.
+            for choice in fe.by_client.get((req.client, req.request_id), [req]):
+                if choice.prefill_node == node.name and choice.prompt_logprobs is None:
+                    choice.prompt_logprobs = u.prompt_logprobs
+                    if choice is not req:
+                        await self._release_held(choice)
         if req.is_waiting_prompt_logprobs(node.name):
             req.held.append((node, u))
             req.held_since = req.held_since or time.monotonic()
             return
         await self._on_tokens(req, node, u)
-        if req.held and req.prompt_logprobs is not None and fe.requests.get(u.request_id) is req:
+        if fe.requests.get(u.request_id) is req:
+            await self._release_held(req)
+
+    async def _release_held(self, req) -> None:
+        """The decode node's updates that waited for the prompt's logprobs, now they are here."""
+        fe = self.fe
+        if req.held and req.prompt_logprobs is not None:
             held, req.held, req.held_since = req.held, [], None
             for held_node, h in held:   # in the order they came
                 if fe.requests.get(h.request_id) is req and held_node.name == req.decode_node:

@@ -28,6 +28,7 @@ class FakeHub:
     def __init__(self):
         self.spec = SimpleNamespace(vocab_size=100)
         self.requests, self.nodes, self.sent, self.outbox = {}, {}, [], None
+        self.by_client = {}
         self.node_link = SimpleNamespace(send=self._send_node)
 
     async def _send_node(self, msg, to):
@@ -109,3 +110,24 @@ def test_a_request_whose_prompt_logprobs_never_come_ends_with_an_error(monkeypat
 
 async def _nothing(now):
     pass
+
+
+def test_the_prompt_logprobs_come_once_and_every_choice_of_the_request_gets_them():
+    """Defect: the prefill node sent the prompt's logprobs with each of n choices' updates
+    (n=64, 20 logprobs, 1,000 prompt tokens: ~19 MiB in one message, past the link's limit,
+    which dropped the link). They come once, with choice 0's update: a choice whose decode
+    node was heard first waits for them, then streams them with its tokens."""
+    hub, link, prefill, decode, req = _setup(max_tokens=2)
+    fork = RequestState("r1.1", "r1", b"c", list(PROMPT), req.params, IncrementalDetokenizer(FakeTokenizer()),
+                        time.time(), time.monotonic() + 60, prefill_node="prefill-0", decode_node="decode-0",
+                        index=1)
+    hub.requests["r1.1"] = fork
+    hub.by_client[(b"c", "r1")] = [req, fork]
+    asyncio.run(link.on_tokens(decode, TokenUpdate("r1.1", [7, 8], "length", index=0)))
+    assert hub.sent == [] and fork.held                    # its decode node first: it waits
+    asyncio.run(link.on_tokens(prefill, TokenUpdate("r1", [9], None, index=0, prompt_logprobs=PROMPT_LPS)))
+    asyncio.run(link.on_tokens(prefill, TokenUpdate("r1.1", [7], None, index=0)))   # none with the fork's
+    assert hub.sent == [("finish", "length", None, [7, 8], {"prompt_logprobs": PROMPT_LPS,
+                                                             "prompt_token_ids": PROMPT}),
+                        ("reply", [9], PROMPT_LPS)]
+    assert fork.prompt_logprobs == PROMPT_LPS and not fork.held
