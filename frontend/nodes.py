@@ -69,7 +69,7 @@ class NodeRegistry:
         elif node is None:   # forgotten while silent: ask it to register again
             await self.link.send(ReadyReply(False, "unknown node: register again", True), to=sender)
         elif node.ready.epoch != msg.epoch:
-            pass   # NOTE: a restarted node, still refused while its predecessor counts as alive
+            pass   # NOTE: a restarted node not yet registered (its NodeReady says who it is)
         else:
             self.seen(node)
             node.stats = msg.stats
@@ -80,8 +80,7 @@ class NodeRegistry:
             reason, is_retryable = f"bad ready: role {ready.role!r} with kv_endpoint {ready.kv_endpoint!r}", False
         elif not self.claims(sender, ready.name, ready.epoch):
             reason, is_retryable = f"this peer may not register as {ready.name!r}", False
-        elif old is not None and old.is_alive and not old.is_draining \
-                and old.ready.epoch != ready.epoch:   # NOTE: a draining one is leaving: its successor may come
+        elif old is not None and old.ready.epoch != ready.epoch and not self._may_succeed(old):
             reason, is_retryable = (f"a live {old.ready.role} node named {ready.name!r} is registered "
                                     f"(pid {old.ready.pid}); choose another --name"), True
         else:
@@ -103,6 +102,16 @@ class NodeRegistry:
                      ready.device, ready.num_kv_blocks)
         await self.link.send(ReadyReply(True), to=sender)
         self.wake()
+
+    def _may_succeed(self, old: NodeState) -> bool:
+        """Whether a new process (another epoch) may take old's name now: once old is dead,
+        leaving (draining), or silent for two heartbeats. NOTE: a supervisor restarts a
+        node as soon as it dies; waiting for the silence to reach dead_after_s would leave
+        the requests moving to its successor refused and routed to a dead process
+        meanwhile. A live twin (heartbeating) is still refused."""
+        if not old.is_alive or old.is_draining:
+            return True
+        return time.monotonic() - old.last_seen > 2 * self.cfg.links.heartbeat_s
 
     def excuse(self, seconds: float) -> None:
         """The frontend's loop was held up this long: no node's silence counts it."""
