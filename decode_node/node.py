@@ -170,7 +170,8 @@ class DecodeNode:
     def _held_ids(self) -> set[str]:
         """Every request here: running, preempted, or in the handoff (forks included)."""
         s = self.scheduler
-        return {*s.running, *(q.request_id for q in s.preempted), *self.handoff.held_ids(), *self.local.held_ids()}
+        return {*s.running, *(q.request_id for q in s.preempted), *(j.seq.request_id for j in s.joining),
+                *self.handoff.held_ids(), *self.local.held_ids()}
 
     def _abort(self, request_id: str) -> None:
         self.compiles.drop(request_id)
@@ -178,6 +179,8 @@ class DecodeNode:
             self.pending_aborts.add(request_id)  # removed between steps, not under one
         elif self.scheduler.drop_preempted(request_id):
             self.worker.drop_swapped(request_id)
+        elif self.scheduler.drop_joining(request_id):
+            self.ended.add(request_id)
         elif not self.local.abort(request_id):
             self.handoff.abort(request_id)
 
@@ -192,45 +195,52 @@ class DecodeNode:
     def _admit(self) -> list[TokenUpdate]:
         self.preemption.resume_all()
         updates = []
-        # NOTE: first committed, first admitted, a request's n sequences together: a group
-        # waiting for its rows holds the line (local prompts too), so a steady stream of
-        # single sequences can never starve it (n <= the rows here: refused otherwise).
-        while (r := self.handoff.peek_ready()) is not None and self.scheduler.can_admit(r.num_seqs):
+        self._join_started(updates)
+        # NOTE: first committed, first admitted; a request's n sequences start together, and
+        # those that do not fit take the next rows that free, before anything after them.
+        r = None
+        while self.scheduler.can_admit() and (r := self.handoff.peek_ready()) is not None:
             if r.commit.params.grammar and not r.error and not self._is_compiled(r.request_id, r.commit.params):
                 break   # its grammar compiles beside the loop: the line waits for it
             r = self.handoff.next_ready()
-            c = r.commit
-            try:
-                compiled = self.compiles.take(r.request_id) if c.params.grammar and not r.error else None
-            except ValueError as e:   # GrammarError: the request's, said to its client
-                for seq in self.scheduler.start(r)[0]:
-                    self._finished(seq.request_id, in_batch=False, count=False)
-                    self.runtime.send(RequestFailed(seq.request_id, str(e)))
-                continue
-            seqs, copies = self.scheduler.start(r)   # its own, then one per fork (n > 1), sharing its blocks
-            if r.error:
-                for seq in seqs:
-                    self._finished(seq.request_id, in_batch=False, count=False)
+            c, error, compiled = r.commit, r.error, None
+            if error is None and c.params.grammar:
+                try:
+                    compiled = self.compiles.take(r.request_id)
+                except ValueError as e:   # GrammarError: the request's own, said to its client
+                    error = str(e)
+            if error is not None:
+                self.scheduler.give_back(r.block_ids, r.num_reserved)
+                for rid in [r.request_id, *r.fork_ids]:
+                    self.ended.add(rid)
                     # Its KV did not land whole: the path failed, not the request (it moves on).
-                    self.runtime.send(RequestFailed(seq.request_id, r.error, is_retryable=True))
+                    self.runtime.send(RequestFailed(rid, error, is_retryable=r.error is not None))
                 continue
             c.timings["decode_admit"] = time.time()
-            self.num_forked += len(seqs) - 1
+            self.num_forked += len(c.forks)
+            started, copies = self.scheduler.start(r)   # its own, then one per fork (n > 1), sharing its blocks
             if copies:   # NOTE: before any step writes into the partial last block they copy
                 self.worker.copy_blocks(*map(list, zip(*copies)))
-            starts = [(c.first_token, c.first_logprobs)] + [(f.first_token, f.first_logprobs) for f in c.forks]
-            for seq, (token, logprobs) in zip(seqs, starts):
-                if seq.request_id in r.aborted_ids:   # one of n, given up while the others went on
-                    self._finished(seq.request_id, in_batch=False, count=False)
-                    continue
-                update = self._join(seq, token, logprobs, c.timings, compiled)
-                if update is not None:
-                    updates.append(update)
+            for j in started:
+                j.compiled = compiled
+                if j.seq.request_id in r.aborted_ids:   # one of n, given up while the others went on
+                    self.scheduler.release(j.seq)
+                    self.ended.add(j.seq.request_id)
+                else:
+                    self.scheduler.joining.append(j)
+            self._join_started(updates)
         if r is None and (done := self.local.run()) is not None:   # one chunk of a prompt prefilled here
             update = self._join(done.seq, done.token, done.logprobs, done.stamps)
             if update is not None:
                 updates.append(update)
         return updates
+
+    def _join_started(self, updates: list[TokenUpdate]) -> None:
+        """Sequences started here join the batch as rows allow, oldest first."""
+        while (j := self.scheduler.next_joining()) is not None:
+            update = self._join(self.scheduler.admit(j.seq), j.token, j.logprobs, j.timings, j.compiled)
+            if update is not None:
+                updates.append(update)
 
     def _join(self, seq: Sequence, token: int, logprobs, timings: dict, compiled=None) -> TokenUpdate | None:
         """A newly admitted sequence takes its first token (sampled by the prefill node) and
@@ -277,6 +287,7 @@ class DecodeNode:
         no block the next step needs that only a preemption would free."""
         if not self.worker.is_step_queued or self.pending_aborts or self.finished_in_flight \
                 or self._can_admit_ready() or self.local.is_runnable() \
+                or (self.scheduler.joining and self.scheduler.has_row()) \
                 or self.scheduler.next_resumable() \
                 or num_blocks_short(self.worker.keys_needing_block, self.scheduler.running, self.blocks):
             return False
@@ -288,8 +299,7 @@ class DecodeNode:
                        for s in self.scheduler.running.values())
 
     def _can_admit_ready(self) -> bool:
-        r = self.handoff.peek_ready()
-        return r is not None and self.scheduler.can_admit(r.num_seqs)
+        return self.scheduler.can_admit() and self.handoff.has_ready()
 
     def _collect(self, ticket: DecodeTicket, is_next_launched: bool) -> list[TokenUpdate]:
         tokens = self.worker.collect_decode(ticket)
@@ -347,8 +357,8 @@ class DecodeNode:
 
     def _is_empty(self) -> bool:
         h = self.handoff
-        return not (self.scheduler.running or self.scheduler.preempted or h.held or h.ready or h.waiting
-                    or self.local.waiting)
+        return not (self.scheduler.running or self.scheduler.preempted or self.scheduler.joining or h.held
+                    or h.ready or h.waiting or self.local.waiting)
 
     def stats(self) -> dict:
         return {**self.worker.stats(), "num_running": len(self.scheduler.running), "num_queued": len(self.handoff.ready),
@@ -356,6 +366,7 @@ class DecodeNode:
                 "num_expired_reservations": self.handoff.num_expired, "num_asking": len(self.handoff.waiting),
                 "num_granted": self.handoff.num_granted, "num_batched_steps": self.num_batched_steps,
                 **self.preemption.stats(), "num_forked": self.num_forked,
+                "num_joining": len(self.scheduler.joining),
                 "num_discarded_tokens": self.num_discarded_tokens,
                 "num_free_blocks": self.blocks.num_free, "num_reserved_blocks": self.blocks.num_reserved,
                 "num_available_blocks": self.blocks.num_available,

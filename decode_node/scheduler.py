@@ -4,6 +4,9 @@ A handoff's reservation (common/handoff/receiver.py) takes its blocks from
 here and asks here whether a request fits; a committed reservation joins the
 batch with the same blocks, so admission copies nothing.
 
+A request's n sequences (n > 1) start together, each joining the batch as soon as it has
+a row: those that do not fit now wait at the head (joining), holding their blocks, and
+take the next rows that free, before anything admitted after them.
 Preemptive (the default): a reservation takes what the request needs to join
 the batch, and only while a watermark of the pool stays free for running
 sequences to grow into. When a step needs a block the pool does not have, the
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
+from dataclasses import dataclass
 
 from common.handoff.states import Reservation
 from common.kv.blocks import BlockAllocator, num_blocks_for
@@ -25,6 +30,17 @@ from common.kv.sequence import Sequence
 
 
 WATERMARK = 0.01   # of the pool, kept free by admission for running sequences to grow into
+
+
+@dataclass
+class Joining:
+    """A sequence started on its blocks, with what its first update needs (its first token,
+    sampled where it was prefilled), until it has a batch row."""
+    seq: Sequence
+    token: int
+    logprobs: object
+    timings: dict
+    compiled: object = None   # its grammar, compiled (grammar.Compiles)
 
 
 class DecodeScheduler:
@@ -37,6 +53,9 @@ class DecodeScheduler:
         self.watermark = math.ceil(blocks.capacity * WATERMARK) if is_preemptive else 0
         self.running: dict[str, Sequence] = {}
         self.preempted: list[Sequence] = []               # oldest admission first
+        # Started, waiting for a row (a request's forks that did not all fit), oldest first:
+        # they hold their blocks, and join before anything new is admitted.
+        self.joining: deque[Joining] = deque()
         self.num_admitted = 0
 
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
@@ -97,35 +116,60 @@ class DecodeScheduler:
         self.blocks.free(block_ids)
         self.blocks.unreserve(num_reserved)
 
-    def can_admit(self, num_seqs: int = 1) -> bool:
-        """num_seqs batch rows are free (a request with n - 1 forks takes n at once);
-        preempted sequences go first, unless nothing runs that could free blocks for them."""
-        return len(self.running) + num_seqs <= self.max_batch_size and (not self.preempted or not self.running)
+    def has_row(self) -> bool:
+        return len(self.running) < self.max_batch_size
 
-    def start(self, r: Reservation) -> tuple[list[Sequence], list[tuple[int, int]]]:
-        """A committed reservation becomes running sequences: its own, with the same
-        blocks, then one per fork, sharing the prompt's full blocks. -> (the sequences,
-        the (source, copy) blocks for the caller to copy: each fork's own copy of the
-        prompt's partial last block)."""
+    def can_admit(self) -> bool:
+        """Something new may join: a batch row is free and no sequence started already waits
+        for one; preempted sequences go first, unless nothing runs that could free blocks
+        for them."""
+        return self.has_row() and not self.joining and (not self.preempted or not self.running)
+
+    def start(self, r: Reservation) -> tuple[list[Joining], list[tuple[int, int]]]:
+        """A committed reservation becomes sequences, none running yet: its own, with the
+        same blocks, then one per fork, sharing the prompt's full blocks. -> (each with its
+        first token, in order, the (source, copy) blocks for the caller to copy: each fork's
+        own copy of the prompt's partial last block)."""
+        c = r.commit
         share = self.fork_share(r.prompt_len, r.max_tokens)
-        seqs = [self._run(Sequence(r.request_id, r.prompt_len, r.commit.params, r.block_ids,
-                                   r.num_reserved - len(r.commit.forks) * share, prompt_ids=r.commit.prompt_ids,
-                                   is_cacheable=not r.error))]
+        own = Sequence(r.request_id, r.prompt_len, c.params, r.block_ids, r.num_reserved - len(c.forks) * share,
+                       prompt_ids=c.prompt_ids, is_cacheable=not r.error)
+        out = [Joining(own, c.first_token, c.first_logprobs, c.timings)]
         # NOTE: a fork is no more cacheable than its request: KV that did not land whole (or
         # failed --kv-verify) must never reach the prefix cache through the last fork to end.
         num_full, copies = r.prompt_len // self.block_size, []
-        for f in r.commit.forks:
-            seq = Sequence(f.request_id, r.prompt_len, dataclasses.replace(r.commit.params, seed=f.seed),
-                           r.block_ids[:num_full], share, prompt_ids=r.commit.prompt_ids,
-                           is_cacheable=not r.error)
+        for f in c.forks:
+            seq = Sequence(f.request_id, r.prompt_len, dataclasses.replace(c.params, seed=f.seed),
+                           r.block_ids[:num_full], share, prompt_ids=c.prompt_ids, is_cacheable=not r.error)
             self.blocks.share(seq.block_ids)
             if num_full < len(r.block_ids):
                 copies.append((r.block_ids[num_full], seq.take_block(self.blocks)))
-            seqs.append(self._run(seq))
-        return seqs, copies
+            out.append(Joining(seq, f.first_token, f.first_logprobs, c.timings))
+        return out, copies
+
+    def next_joining(self) -> Joining | None:
+        """The oldest started sequence waiting for a row, once one is free (taken off the line).
+        NOTE: not behind preempted sequences: it holds its blocks already, and they may be
+        waiting for blocks, which it gives back only once it has run."""
+        if self.joining and self.has_row():
+            return self.joining.popleft()
+        return None
+
+    def drop_joining(self, request_id: str) -> Sequence | None:
+        """An aborted sequence that never ran: its blocks go back."""
+        for j in self.joining:
+            if j.seq.request_id == request_id:
+                self.joining.remove(j)
+                self.release(j.seq)
+                return j.seq
+        return None
+
+    def release(self, seq: Sequence) -> None:
+        """A started sequence that never ran (failed or aborted before its row)."""
+        seq.release(self.blocks)
 
     def admit(self, seq: Sequence) -> Sequence:
-        """A sequence prefilled here (its blocks taken by take_blocks) joins the running."""
+        """A started sequence, or one prefilled here (its blocks taken by take_blocks), joins the running."""
         return self._run(seq)
 
     def _run(self, seq: Sequence) -> Sequence:

@@ -206,3 +206,10 @@ class Pair:
 
     def sent(self, kind: type) -> int:
         return sum(isinstance(m, kind) for m in self.link.sent)
+
+
+def start_all(sched: DecodeScheduler, r: Reservation):
+    """A committed reservation's sequences started and all admitted (rows to spare):
+    (the sequences, the blocks to copy)."""
+    started, copies = sched.start(r)
+    return [sched.admit(j.seq) for j in started], copies

@@ -15,7 +15,7 @@ from common.engine.worker import DeviceWorker, PrefillChunk
 from common.kv.blocks import BlockAllocator
 from common.wire.protocol import Fork, KVCommit, KVReserve, KVTransfer
 from decode_node.scheduler import DecodeScheduler
-from tests.handoff_util import Pair, receiver
+from tests.handoff_util import Pair, receiver, start_all
 
 BS = 4
 
@@ -42,7 +42,7 @@ def test_forks_share_the_prompts_full_blocks_and_copy_its_partial_one(prompt_len
     num_full, is_partial = prompt_len // BS, prompt_len % BS > 0
     own = sched.blocks_at_reserve(prompt_len, 10)
     assert free - sched.blocks.num_available == own + 2 * (own - num_full)   # shared blocks counted once
-    seqs, copies = sched.start(rx.next_ready())
+    seqs, copies = start_all(sched, rx.next_ready())
     a, a1, a2 = seqs
     assert [s.request_id for s in seqs] == ["a", "a1", "a2"] and [s.params.seed for s in seqs] == [99, 100, 101]
     for b in a.block_ids[:num_full]:

@@ -11,7 +11,7 @@ from common.kv.blocks import BlockAllocator
 from common.kv.prefix import PrefixCache, block_hashes
 from common.wire.protocol import Fork, KVCommit, KVRelease, KVReserve, KVReserved, KVTransfer
 from decode_node.scheduler import DecodeScheduler
-from tests.handoff_util import PREFILL, Pair, receiver, reserve
+from tests.handoff_util import PREFILL, Pair, receiver, reserve, start_all
 
 
 def _layerwise_ipc(prompt_len: int = 22):
@@ -133,50 +133,52 @@ def test_forks_of_a_request_whose_kv_failed_never_reach_the_prefix_cache():
     cache = PrefixCache(41, True)
     sched = DecodeScheduler(cache, 4, 8)
     rx = receiver(sched)
-    rx.receive(b"p", KVReserve("a", 8, 6, 1, ["a1", "a2"]))
-    r = rx.held["a"]
-    c = rx.sink.cache
-    rx.receive(b"p", KVTransfer("a", r.name, "tcp", {"first_layer": 0},
-                                torch.zeros(c.shape[0], 2, len(r.block_ids), *c.shape[3:])))
-    forks = [Fork(f, 10 + i, first_token=3) for i, f in enumerate(["a1", "a2"])]
-    prompt = list(range(1, 9))
-    rx.receive(b"p", KVCommit("a", 8, 2, SamplingParams(max_tokens=6), {}, "tcp", prompt, r.name,
-                              c.shape[0], forks=forks))
+    _commit_group(rx, "a", ["a1", "a2"], prompt=list(range(1, 9)))
     got = rx.next_ready()
     got.error = "its KV does not hold what the prefill node wrote (--kv-verify)"
-    seqs, _ = sched.start(got)
+    seqs, _ = start_all(sched, got)
     assert not any(s.is_cacheable for s in seqs)
     for s in seqs:
         s.output_ids += [5, 6]
         sched.finish(s.request_id)
-    assert not any(h in cache.block_of for h in block_hashes(prompt, 4))
+    assert not any(h in cache.block_of for h in block_hashes(list(range(1, 9)), 4))
 
 
-def test_a_group_of_n_waits_for_n_rows_and_n_above_the_rows_is_refused_for_good():
-    """Defect: admission checked one free row for a request with n - 1 forks: the batch
-    overflowed ("decode batch is full") and the decode node died; n above the node's rows
-    could never run."""
-    sched = DecodeScheduler(BlockAllocator(60), 4, 4)
+def _commit_group(rx, rid: str, fork_ids: list[str], prompt=(1,) * 8, max_tokens: int = 6) -> None:
+    """Request rid with forks reserved, its KV written (zeros) and committed."""
+    rx.receive(b"p", KVReserve(rid, len(prompt), max_tokens, 1, list(fork_ids)))
+    r = rx.held[rid]
+    c = rx.sink.cache
+    rx.receive(b"p", KVTransfer(rid, r.name, "tcp", {"first_layer": 0},
+                                torch.zeros(c.shape[0], 2, len(r.block_ids), *c.shape[3:])))
+    forks = [Fork(f, 10 + i, first_token=3) for i, f in enumerate(fork_ids)]
+    rx.receive(b"p", KVCommit(rid, len(prompt), 2, SamplingParams(max_tokens=max_tokens), {}, "tcp",
+                              list(prompt), r.name, c.shape[0], forks=forks))
+
+
+def test_a_group_of_n_starts_what_fits_and_the_rest_take_the_next_rows_first():
+    """Defect: a request with n - 1 forks was admitted when one row was free: the batch
+    overflowed ("decode batch is full") and the decode node died. Now the sequences that
+    fit start, the rest wait at the head holding their blocks and take the next rows that
+    free, before anything admitted after them (a steady load cannot starve them); n above
+    the node's rows is refused for good."""
+    sched = DecodeScheduler(BlockAllocator(80), 4, 4)
     rx = receiver(sched)
     why = rx.refusal("big", 8, 6, ["f1", "f2", "f3", "f4"])
     assert why == ("its 5 sequences (n) need 5 batch rows, this decode node has 4 (--max-batch-size)", False)
-    sent = []
-    rx.send = lambda msg, to: sent.append(msg) or True
-    rx.receive(b"p", KVReserve("lone", 8, 6, 1))
-    rx.receive(b"p", KVReserve("g", 8, 6, 2, ["g1", "g2", "g3"]))
-    assert all(isinstance(m, KVReserved) and m.block_ids for m in sent)
-    for rid, forks in (("lone", []), ("g", [Fork(f, 1, first_token=3) for f in ["g1", "g2", "g3"]])):
-        r = rx.held[rid]
-        c = rx.sink.cache
-        rx.receive(b"p", KVTransfer(rid, r.name, "tcp", {"first_layer": 0},
-                                    torch.zeros(c.shape[0], 2, len(r.block_ids), *c.shape[3:])))
-        rx.receive(b"p", KVCommit(rid, 8, 2, SamplingParams(max_tokens=6), {}, "tcp", [1] * 8, r.name,
-                                  c.shape[0], forks=forks))
-    sched.start(rx.next_ready())                 # "lone" runs: 3 rows free, the group needs 4
-    head = rx.peek_ready()
-    assert head.request_id == "g" and head.num_seqs == 4 and not sched.can_admit(head.num_seqs)
-    assert sched.can_admit(1)                    # a single sequence would fit: it must wait behind
+    _commit_group(rx, "lone", [])
+    _commit_group(rx, "g", ["g1", "g2", "g3"])
+    _commit_group(rx, "late", [])
+    start_all(sched, rx.next_ready())            # "lone" runs: 3 rows free, the group is 4
+    started, _ = sched.start(rx.next_ready())
+    sched.joining.extend(started)
+    joined = []
+    while (j := sched.next_joining()) is not None:
+        joined.append(sched.admit(j.seq).request_id)
+    assert joined == ["g", "g1", "g2"] and [j.seq.request_id for j in sched.joining] == ["g3"]
+    assert not sched.can_admit()                 # "late" waits behind g3, though rows may free
     sched.finish("lone")
-    assert sched.can_admit(rx.peek_ready().num_seqs)
-    seqs, _ = sched.start(rx.next_ready())
-    assert len(seqs) == 4 == len(sched.running)
+    assert sched.next_joining().seq.request_id == "g3" and sched.can_admit()
+    assert rx.peek_ready().request_id == "late"
+    gone = sched.drop_joining("nobody")
+    assert gone is None

@@ -19,7 +19,7 @@ from common.kv.sequence import blocks_to_join
 from common.engine.worker import DeviceWorker, PrefillChunk
 from common.handoff.receiver import Receiver
 from decode_node.scheduler import DecodeScheduler
-from tests.handoff_util import reserve
+from tests.handoff_util import reserve, start_all
 from launch.generate import generate
 
 
@@ -98,7 +98,7 @@ def commit_and_decode(pw, dw, rx, sched, r, backend, prompt, params, first, num_
     """Commit request "r" written into reservation r, then decode on from its landed blocks:
     its tokens equal the prefill worker's own generation."""
     rx.receive(b"p", protocol.KVCommit("r", len(prompt), first, params, {}, backend, prompt, r.name, num_written))
-    (seq,), _ = sched.start(rx.next_ready())
+    (seq,), _ = start_all(sched, rx.next_ready())
     blocks_to_join(seq, 16, sched.blocks)
     dw.add_decode_seq("r", first, len(prompt), seq.block_ids, params)
     tokens = [first]

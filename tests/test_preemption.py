@@ -15,14 +15,14 @@ from common.engine.worker import DeviceWorker, PrefillChunk
 from decode_node.scheduler import DecodeScheduler
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import INT_ARRAY, INT_ARRAY_PREFIX, Processes, free_base_port, wait_for
-from tests.handoff_util import commit, receiver, reserve
+from tests.handoff_util import commit, receiver, reserve, start_all
 from tests.conftest import hf_greedy_gaps
 
 
 def _start(sched: DecodeScheduler, rx, rid: str, prompt_len: int, max_tokens: int) -> Sequence:
     reserve(rx, rid, prompt_len, max_tokens)
     commit(rx, rid, prompt_len, max_tokens)
-    (seq,), _ = sched.start(rx.next_ready())
+    (seq,), _ = start_all(sched, rx.next_ready())
     seq.output_ids.append(1)
     return seq
 
