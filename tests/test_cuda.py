@@ -121,3 +121,25 @@ def test_cluster_on_gpu_fp32_matches_transformers(make_model, tmp_path, kv_trans
         assert stats["decode-0"]["is_graphed"] and stats["decode-0"]["max_decode_batch"] > 1
     finally:
         c.stop()
+
+
+def test_an_ipc_write_cancelled_on_cuda_ends_only_once_its_queued_copies_have_run():
+    """Defect: the ipc writer's cancel reported the write ended at once, while the copies it
+    had queued on its side stream could still be waiting for the pass: the prefill node
+    then freed (and reused) source blocks a copy had yet to read."""
+    from common.engine.platform import platform_for
+    from common.transfer.ipc import IpcWriter
+    device = torch.device("cuda:0")
+    src = torch.randn(2, 2, 8, 16, 2, 64, device=device)
+    w = IpcWriter.__new__(IpcWriter)   # both caches in this process: no handle to open
+    w.src, w.dst, w._platform = src, torch.zeros_like(src), platform_for(device)
+    w.stream, w.clock, w._num_dst_blocks = w._platform.side_stream(), __import__("time").monotonic, 8
+    w._inflight, w._open = [], {}
+    torch.cuda._sleep(2_000_000_000)   # the pass the copies wait for, still running
+    w.begin("r", "g", [1, 2], [3, 4], within_s=60.0)
+    w.write_layers("r", 0, 1)
+    w.cancel("r")
+    assert w.poll() == []              # its copy is still queued behind the pass
+    torch.cuda.synchronize()
+    assert w.poll() == [("r", "cancelled")]
+    assert torch.equal(w.dst[0, :, [3, 4]], src[0, :, [1, 2]])
