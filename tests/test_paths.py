@@ -3,6 +3,8 @@ rule on a fake clock against figures the test sets, then through start_cluster.s
 token for token against transformers and across the two paths."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 import types
 import urllib.request
@@ -225,9 +227,23 @@ def test_auto_prefills_on_an_idle_decode_node_once_the_handoff_is_measured(auto,
 
 
 def test_an_abort_and_a_deadline_on_the_decode_node_free_its_blocks(never):
+    """The deadline must fire while the request is on the decode node, however fast the
+    machine (one once decoded all 800 tokens inside the deadline): the node is stopped
+    from the request's first token until the deadline has ended it at the frontend."""
+    pid = never.stats()["decode-0"]["pid"]
     with Client(never.endpoint) as c:
-        r = c.complete(prompt_token_ids=list(range(1, 200)), max_tokens=800, ignore_eos=True, timeout_s=0.3)
-        assert r.finish_reason == "abort" and "deadline" in (r.error or "")
+        stream = c.generate(prompt_token_ids=list(range(1, 200)), max_tokens=800, ignore_eos=True, timeout_s=2.0)
+        outs = [next(stream)]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            outs += list(stream)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert outs[-1].finish_reason == "abort" and "deadline" in (outs[-1].error or "")
+        assert sum(len(o.token_ids) for o in outs) < 800
+        stream = c.generate(prompt_token_ids=list(range(2, 200)), max_tokens=800, ignore_eos=True)
+        next(stream)
+        stream.close()                                  # the client gives it up mid-stream
         bad = c.complete(prompt_token_ids=[10**6], max_tokens=4)
         assert bad.error and bad.finish_reason == "error"
         ok = c.complete(prompt_token_ids=[1, 2, 3], max_tokens=4, ignore_eos=True)
