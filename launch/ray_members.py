@@ -35,7 +35,7 @@ from common.wire.keys import make_keys
 from launch import cluster_plan
 from launch.cluster_plan import Node, Plan
 from launch.leftovers import remove_leftovers
-from launch.model_copy import local_copy, manifest, read_part
+from launch.model_copy import MAX_COPY_TRIES, ModelChanged, copy_model, manifest, read_part
 
 STOP_GRACE_S = 10
 MAX_START_TRIES = 3   # a node that exits this often before it is first ready fails the start
@@ -76,6 +76,7 @@ class Member:
         self.key_dir = tempfile.mkdtemp(prefix=f"pdserve-keys-{os.getpid()}-")
         self.ready_file = Path(self.key_dir) / "ready"
         self.write_keys(ray.get(controller.keys_for.remote(spec["name"])))
+        self.model_hold: int | None = None   # a lock on the model's copy here, while in use
         if not (Path(spec["model"]) / "config.json").is_file():
             self.spec = {**spec, "model": self._copy_model(controller)}
         self.endpoint, argv, env = self._argv()
@@ -93,14 +94,21 @@ class Member:
         if not s.get("ship_model"):
             raise RuntimeError(f"{s['name']}: the model directory {s['model']} is not on {self.ip}: give --model a "
                                f"path every machine sees (a shared file system), or add --ray-ship-model")
-        files = ray.get(controller.model_files.remote())
         cache = read_env().home / "models"
         started = time.monotonic()
-        path, fetched = local_copy(s["model"], files, lambda rel, at, n: ray.get(controller.read_model.remote(
-            rel, at, n)), cache)
-        say(f"{s['name']}: the model copied to {path} on {self.ip} ({fetched / 2**20:.1f} MiB fetched in "
-            f"{time.monotonic() - started:.1f}s)")
-        return str(path)
+
+        def read(rel: str, at: int, n: int) -> bytes:
+            return ray.get(controller.read_model.remote(rel, at, n))
+        try:
+            copy = copy_model(s["model"], lambda: ray.get(controller.model_files.remote()), read,
+                              cache, lambda line: say(f"{s['name']}: {line}"))
+        except ModelChanged as e:
+            raise RuntimeError(f"{s['name']}: {e} (each of {MAX_COPY_TRIES} tries)") from None
+        self.model_hold = copy.hold_fd   # NOTE: kept open: no member prunes a copy in use
+        took = f"{copy.num_fetched / 2**20:.1f} MiB fetched in {time.monotonic() - started:.1f}s"
+        pruned = f"; {copy.num_pruned} older copies removed" if copy.num_pruned else ""
+        say(f"{s['name']}: the model copied to {copy.path} on {self.ip} ({took}{pruned})")
+        return str(copy.path)
 
     def _argv(self) -> tuple[str, list[str], dict[str, str]]:
         s = self.spec
@@ -186,7 +194,7 @@ class Controller:
         self.num_starts[name] = self.num_starts.get(name, 0) + 1   # each start asks once
         return {**self._public_keys(), f"{name}.key_secret": (Path(self.key_dir) / f"{name}.key_secret").read_bytes()}
 
-    def model_files(self) -> list[tuple[str, int]]:
+    def model_files(self) -> list[tuple[str, int, str]]:
         return manifest(self.opts["model"])
 
     def read_model(self, rel: str, offset: int, length: int) -> bytes:
