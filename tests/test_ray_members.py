@@ -176,7 +176,7 @@ def test_pdserve_scale_says_a_ray_error_in_one_line(monkeypatch, capsys):
 
 
 @pytest.mark.cluster
-def test_keys_reach_a_member_ray_is_starting_again_on_a_real_ray(tmp_path):
+def test_keys_reach_a_member_ray_is_starting_again_on_a_real_ray(tmp_path, monkeypatch):
     """On a one-machine Ray: a member whose process exited, and that Ray takes a while to
     start again, is given the keys once it answers; nothing raises."""
     import os
@@ -201,6 +201,8 @@ def test_keys_reach_a_member_ray_is_starting_again_on_a_real_ray(tmp_path):
             os._exit(1)
 
     temp = Path("/tmp") / f"pdsray-{os.getpid()}"   # NOTE: Ray's socket paths must stay short
+    # NOTE: else ray.init makes a token in ~/.ray, which every later `ray start` here then wants
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=str(temp))
     try:
         member = Restarting.remote(str(tmp_path / "started"))
