@@ -67,7 +67,7 @@ def has_ray(prog: str) -> bool:
 
 def _why(e: Exception) -> str:
     """What went wrong inside an actor, without Ray's wrapping (its traceback is in the log)."""
-    return str(getattr(e, "cause", None) or e).strip().splitlines()[-1]
+    return (str(getattr(e, "cause", None) or e).strip().splitlines() or [type(e).__name__])[-1]
 
 
 def controller_name(base_port: int | str) -> str:
@@ -171,15 +171,18 @@ def scale(argv: list[str]) -> int:
     except ValueError:
         print(f"pdserve scale: no cluster placed by pdserve serve --ray at {a.endpoint}", file=sys.stderr)
         return 1
-    placed = ray.get(controller.where.remote())
-    if placed.get("frontend", {}).get("endpoint") != a.endpoint:
-        print(f"pdserve scale: the cluster on port {port} serves {placed.get('frontend')}, not {a.endpoint}",
-              file=sys.stderr)
-        return 1
-    try:
+    try:   # NOTE: Ray's errors (the controller gone, a member restarting) said in one line
+        placed = ray.get(controller.where.remote())
+        frontend = placed.get("frontend") or {}
+        if frontend.get("endpoint") != a.endpoint:
+            print(f"pdserve scale: the cluster on port {port} serves {frontend.get('endpoint')}, "
+                  f"not {a.endpoint}", file=sys.stderr)
+            return 1
         changes = ray.get(controller.scale.remote(a.num_prefill, a.num_decode, a.timeout))
-    except ray.exceptions.RayTaskError as e:
+    except ray.exceptions.RayError as e:
         print(f"pdserve scale: {_why(e)}", file=sys.stderr)
         return 1
+    for line in changes.get("notes", []):
+        print(f"pdserve scale: {line}", file=sys.stderr)
     print(f"added: {' '.join(changes['added']) or '-'}; drained: {' '.join(changes['drained']) or '-'}")
     return 0

@@ -35,7 +35,8 @@ from common.wire.keys import make_keys
 from launch import cluster_plan
 from launch.cluster_plan import Node, Plan
 from launch.leftovers import remove_leftovers
-from launch.model_copy import local_copy, manifest, read_part
+from launch.model_copy import MAX_COPY_TRIES, ModelChanged, copy_model, manifest, read_part
+from launch.ray_keys import check_token, make_token, send_keys
 
 STOP_GRACE_S = 10
 MAX_START_TRIES = 3   # a node that exits this often before it is first ready fails the start
@@ -67,7 +68,7 @@ class Member:
     """One pdserve process on this actor's machine. spec: role ("frontend", "prefill" or
     "decode"), name, device, launcher (start_cluster.sh's flags), base_port, node_link
     (nodes: the frontend's node endpoint), num_cpus, model, ship_model (fetch the model
-    from the driver's machine when this one lacks it)."""
+    from the driver's machine when this one lacks it), token (to ask for its keys)."""
 
     def __init__(self, spec: dict, controller):
         self.spec, self.stopping = spec, False
@@ -75,7 +76,8 @@ class Member:
         remove_leftovers()   # of members killed on this machine (their pid, in the name, is gone)
         self.key_dir = tempfile.mkdtemp(prefix=f"pdserve-keys-{os.getpid()}-")
         self.ready_file = Path(self.key_dir) / "ready"
-        self.write_keys(ray.get(controller.keys_for.remote(spec["name"])))
+        self.write_keys(ray.get(controller.keys_for.remote(spec["name"], spec["token"])))
+        self.model_hold: int | None = None   # a lock on the model's copy here, while in use
         if not (Path(spec["model"]) / "config.json").is_file():
             self.spec = {**spec, "model": self._copy_model(controller)}
         self.endpoint, argv, env = self._argv()
@@ -93,14 +95,21 @@ class Member:
         if not s.get("ship_model"):
             raise RuntimeError(f"{s['name']}: the model directory {s['model']} is not on {self.ip}: give --model a "
                                f"path every machine sees (a shared file system), or add --ray-ship-model")
-        files = ray.get(controller.model_files.remote())
         cache = read_env().home / "models"
         started = time.monotonic()
-        path, fetched = local_copy(s["model"], files, lambda rel, at, n: ray.get(controller.read_model.remote(
-            rel, at, n)), cache)
-        say(f"{s['name']}: the model copied to {path} on {self.ip} ({fetched / 2**20:.1f} MiB fetched in "
-            f"{time.monotonic() - started:.1f}s)")
-        return str(path)
+
+        def read(rel: str, at: int, n: int) -> bytes:
+            return ray.get(controller.read_model.remote(rel, at, n))
+        try:
+            copy = copy_model(s["model"], lambda: ray.get(controller.model_files.remote()), read,
+                              cache, lambda line: say(f"{s['name']}: {line}"))
+        except ModelChanged as e:
+            raise RuntimeError(f"{s['name']}: {e} (each of {MAX_COPY_TRIES} tries)") from None
+        self.model_hold = copy.hold_fd   # NOTE: kept open: no member prunes a copy in use
+        took = f"{copy.num_fetched / 2**20:.1f} MiB fetched in {time.monotonic() - started:.1f}s"
+        pruned = f"; {copy.num_pruned} older copies removed" if copy.num_pruned else ""
+        say(f"{s['name']}: the model copied to {copy.path} on {self.ip} ({took}{pruned})")
+        return str(copy.path)
 
     def _argv(self) -> tuple[str, list[str], dict[str, str]]:
         s = self.spec
@@ -163,10 +172,16 @@ class Controller:
     pdserve:<base port> in the pdserve namespace, so `pdserve scale` finds it;
     the members are its actors and die with it (and it with the driver)."""
 
+    clock = staticmethod(time.monotonic)
+    sleep = staticmethod(time.sleep)
+
     def __init__(self, opts: dict):
         self.opts = opts   # launcher, model, num_cpus, drain_s, base_port, devices, ship_model
         self.lock = threading.RLock()         # one scale() or stop() at a time
         self.key_dir = tempfile.mkdtemp(prefix=f"pdserve-keys-{os.getpid()}-")
+        self._token = make_token()            # NOTE: no method returns it: members get it at start
+        self.key_version = 0                  # bumped whenever keys are made
+        self.keys_read: dict[str, int] = {}   # name -> the key_version its member last read
         self.members: dict[str, object] = {}  # name -> its actor
         self.groups: dict[str, object] = {}   # name -> the placement group it runs in
         self.roles: dict[str, str] = {}
@@ -179,14 +194,19 @@ class Controller:
     def _public_keys(self) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in Path(self.key_dir).glob("*.key")}
 
-    def keys_for(self, name: str) -> dict[str, bytes]:
+    def keys_for(self, name: str, token: str) -> dict[str, bytes]:
         """Every public key, and this member's secret key: made once here, handed to
-        each actor at its start (also when Ray starts it again)."""
+        each actor at its start (also when Ray starts it again), and to no other caller."""
         # NOTE: takes no lock: a member starting while scale() holds it asks for its keys.
+        check_token(token, self._token)
+        if name not in self.roles:
+            raise PermissionError(f"{name!r} is not a member of this cluster")
         self.num_starts[name] = self.num_starts.get(name, 0) + 1   # each start asks once
-        return {**self._public_keys(), f"{name}.key_secret": (Path(self.key_dir) / f"{name}.key_secret").read_bytes()}
+        self.keys_read[name] = self.key_version   # NOTE: before the files are read
+        secret = (Path(self.key_dir) / f"{name}.key_secret").read_bytes()
+        return {**self._public_keys(), f"{name}.key_secret": secret}
 
-    def model_files(self) -> list[tuple[str, int]]:
+    def model_files(self) -> list[tuple[str, int, str]]:
         return manifest(self.opts["model"])
 
     def read_model(self, rel: str, offset: int, length: int) -> bytes:
@@ -203,12 +223,13 @@ class Controller:
     def _start(self, spec: dict, group, bundle: int, res: dict[str, float]):
         actor_cls = ray.remote(Member)
         kind = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
+        self.roles[spec["name"]] = spec["role"]   # NOTE: before it starts: it asks for its keys
         actor = actor_cls.options(
             num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0), resources=kind or None,
             max_restarts=0 if spec["role"] == "frontend" else -1, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
-        ).remote(spec, ray.get_runtime_context().current_actor)
-        self.members[spec["name"]], self.groups[spec["name"]], self.roles[spec["name"]] = actor, group, spec["role"]
+        ).remote({**spec, "token": self._token}, ray.get_runtime_context().current_actor)
+        self.members[spec["name"]], self.groups[spec["name"]] = actor, group
         return actor
 
     def start(self, num_prefill: int, num_decode: int, timeout_s: float) -> dict:
@@ -300,28 +321,51 @@ class Controller:
         """Add nodes (each in a placement group of its own, spread) or drain the newest
         ones (their requests move to the others; none fails) until there are this many."""
         with self.lock:
-            o = self.opts
-            changes = {"added": [], "drained": []}
+            changes = {"added": [], "drained": [], "notes": []}
             for role, want in (("prefill", num_prefill), ("decode", num_decode)):
                 have = sorted((n for n, r in self.roles.items() if r == role), key=lambda n: int(n.rpartition("-")[2]))
                 if want > len(have):
                     taken = {int(n.rpartition("-")[2]) for n in have}
                     new = [f"{role}-{i}" for i in range(want + len(taken) + 1) if i not in taken][:want - len(have)]
-                    make_keys(self.key_dir, new)
-                    public = self._public_keys()
-                    ray.get([a.write_keys.remote(public) for a in self.members.values()], timeout=timeout_s)
-                    res = resources(o["devices"][role], o["num_cpus"])
-                    for name in new:
-                        group = placement_group([res], strategy="SPREAD")
-                        self._place(group, [res], name, timeout_s,
-                                    f"; added so far: {' '.join(changes['added']) or 'none'}")
-                        self._start(self._spec(name, role), group, 0, res)
-                        changes["added"].append(name)
-                    self._wait_ready(new, timeout_s)
+                    self._add(role, new, timeout_s, changes)
                 for name in reversed(have[want:]):
                     self._remove(name)
                     changes["drained"].append(name)
             return changes
+
+    def _add(self, role: str, new: list[str], timeout_s: float, changes: dict) -> None:
+        """Place and start each new node, then give its public key to the members that
+        read it (launch/ray_keys.py): nothing is sent before a node has a place, and a
+        member Ray is starting again meanwhile fails nothing (said in changes["notes"])."""
+        added = changes["added"]
+
+        def note(line: str) -> None:
+            say(line)
+            changes["notes"].append(line)
+        make_keys(self.key_dir, new)   # NOTE: before any starts: each asks for its keys
+        self.key_version += 1
+        res = resources(self.opts["devices"][role], self.opts["num_cpus"])
+        placed = []
+        try:
+            for name in new:
+                group = placement_group([res], strategy="SPREAD")
+                self._place(group, [res], name, timeout_s,
+                            f"; added so far: {' '.join(added + placed) or 'none'}")
+                self._start(self._spec(name, role), group, 0, res)
+                placed.append(name)
+        finally:
+            added += placed
+            for name in new[len(placed):]:   # no room: its keys go with it
+                self._forget_keys(name)
+            if placed:
+                send_keys(self.members, self.roles, placed, role, self._public_keys(),
+                          lambda n: self.keys_read.get(n, -1) >= self.key_version, timeout_s, note,
+                          self.clock, self.sleep)
+        self._wait_ready(placed, timeout_s)
+
+    def _forget_keys(self, name: str) -> None:
+        for key in (f"{name}.key", f"{name}.key_secret"):
+            (Path(self.key_dir) / key).unlink(missing_ok=True)
 
     def _remove(self, name: str) -> None:
         actor, group = self.members.pop(name), self.groups.pop(name)
@@ -333,8 +377,7 @@ class Controller:
         ray.kill(actor, no_restart=True)
         if not any(g is group for g in self.groups.values()):
             remove_placement_group(group)
-        for key in (f"{name}.key", f"{name}.key_secret"):
-            (Path(self.key_dir) / key).unlink(missing_ok=True)
+        self._forget_keys(name)
 
     # ---- stop -----------------------------------------------------------------
 

@@ -2,13 +2,18 @@
 given back, on a fake clock over one table, and over a real shared file."""
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import signal
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from common.engine import cores
-from common.engine.cores import LINGER_S, MAX_NODES, CorePool
+from common.engine.cores import LINGER_S, MAX_NODES, NUM_COLS, CorePool
 
 
 class Clock:
@@ -22,7 +27,7 @@ class Clock:
 def make(table, clock, budget=2, share=1, cap=2, pid=1, dead=()):
     threads = []
     pool = CorePool("t", budget, share, cap, threads.append, clock=clock,
-                    is_alive=lambda p: p not in dead, table=table, pid=pid)
+                    is_alive=lambda p, _start: p not in dead, table=table, pid=pid)
     pool.threads_set = threads
     return pool
 
@@ -32,7 +37,7 @@ def held(table) -> int:
 
 
 def test_an_idle_nodes_share_is_lent_and_a_busy_ones_is_not():
-    table, clock = np.zeros((MAX_NODES, 4)), Clock()
+    table, clock = np.zeros((MAX_NODES, NUM_COLS)), Clock()
     prefill, decode = make(table, clock, pid=1), make(table, clock, pid=2)
     clock.now += 1.0                                   # both idle for a while
     assert prefill.begin(2) == 2 and prefill.threads_set[-1] == 2
@@ -48,7 +53,7 @@ def test_an_idle_nodes_share_is_lent_and_a_busy_ones_is_not():
 
 
 def test_an_owed_share_is_taken_back_at_the_borrowers_next_layer(monkeypatch):
-    table, clock = np.zeros((MAX_NODES, 4)), Clock()
+    table, clock = np.zeros((MAX_NODES, NUM_COLS)), Clock()
     prefill, decode = make(table, clock, pid=1), make(table, clock, pid=2)
     clock.now += 1.0
     assert prefill.begin(4) == 2                       # capped at 2
@@ -74,7 +79,7 @@ def test_an_owed_share_is_taken_back_at_the_borrowers_next_layer(monkeypatch):
 def test_never_above_the_budget_under_any_order():
     rng = random.Random(7)
     for trial in range(30):
-        table, clock = np.zeros((MAX_NODES, 4)), Clock()
+        table, clock = np.zeros((MAX_NODES, NUM_COLS)), Clock()
         budget = rng.choice([2, 3, 4])
         shares = [1] * budget if trial % 2 else [budget // 2, budget - budget // 2]
         pools = [make(table, clock, budget=budget, share=s, cap=budget, pid=i + 1) for i, s in enumerate(shares)]
@@ -83,14 +88,15 @@ def test_never_above_the_budget_under_any_order():
             p = rng.choice(pools)
             if p.held:
                 rng.choice([p.between_layers, p.end])()
-            elif cores.decide(table, budget, p.row, rng.randint(1, budget), clock(), lambda _: True):
+            elif cores.decide(table, budget, p.row, rng.randint(1, budget), clock(),
+                              lambda *_: True):
                 p.begin(rng.randint(1, budget))      # (a pass that would wait is not started here)
             assert held(table) <= budget, (trial, table[: len(pools)])
             assert all(q.held == 0 or q.held >= 1 for q in pools)
 
 
 def test_every_busy_node_keeps_its_share_at_saturation():
-    table, clock = np.zeros((MAX_NODES, 4)), Clock()
+    table, clock = np.zeros((MAX_NODES, NUM_COLS)), Clock()
     a, b = make(table, clock, budget=4, share=2, cap=4, pid=1), make(table, clock, budget=4, share=2, cap=4, pid=2)
     for _ in range(5):
         assert a.begin(4) == 2 + 2 * (b.held == 0 and clock() - table[b.row, cores.STAMP] >= LINGER_S)
@@ -102,13 +108,13 @@ def test_every_busy_node_keeps_its_share_at_saturation():
 
 
 def test_more_nodes_than_cores_each_runs_on_one_and_the_dead_count_for_nothing():
-    table, clock = np.zeros((MAX_NODES, 4)), Clock()
+    table, clock = np.zeros((MAX_NODES, NUM_COLS)), Clock()
     pools = [make(table, clock, budget=2, share=1, cap=2, pid=i + 1, dead={99}) for i in range(3)]
     assert [p.begin(1) for p in pools] == [1, 1, 1]    # none lent: the third runs, as with no table
     for p in pools:
         p.end()
     clock.now += 1.0
-    table[10] = (99, 1, 2, clock())                    # a node that died holding two cores
+    table[10] = (99, 1, 2, clock(), 0)                    # a node that died holding two cores
     assert pools[0].begin(2) == 2
 
 
@@ -119,18 +125,18 @@ def test_bad_pool_options_are_refused():
         with pytest.raises(ValueError, match="--core-pool"):
             parse_core_pool(bad)
     with pytest.raises(ValueError, match=">= 1"):
-        CorePool("t", 0, 1, 1, print, table=np.zeros((MAX_NODES, 4)))
+        CorePool("t", 0, 1, 1, print, table=np.zeros((MAX_NODES, NUM_COLS)))
 
 
 def test_two_processes_views_share_one_table(tmp_path):
     name = f"pdserve-test-cores-{random.getrandbits(32):x}"
     clock = Clock()
-    a = CorePool(name, 2, 1, 2, lambda n: None, clock=clock, pid=11, is_alive=lambda p: True)
-    b = CorePool(name, 2, 1, 2, lambda n: None, clock=clock, pid=12, is_alive=lambda p: True)
+    a = CorePool(name, 2, 1, 2, lambda n: None, clock=clock, pid=11, is_alive=lambda *_: True)
+    b = CorePool(name, 2, 1, 2, lambda n: None, clock=clock, pid=12, is_alive=lambda *_: True)
     try:
         clock.now += 1.0
         assert a.begin(2) == 2
-        assert cores.free_cores(b.table, 2, b.row, clock(), lambda p: True) == 0
+        assert cores.free_cores(b.table, 2, b.row, clock(), lambda *_: True) == 0
         a.end()
     finally:
         a.close()
@@ -149,3 +155,150 @@ def test_a_pass_is_worth_threads_by_its_size():
                             "num_heads": 2, "num_kv_heads": 1, "head_dim": 32, "vocab_size": 512})
     assert cores.threads_worth(tiny, torch.float32, 430, 1) == 1        # on one core: no barrier per op
     assert cores.threads_worth(tiny, torch.float32, 0, 64) == 1
+
+
+# ---- a table others can touch, rows that make no sense, borrowers that never give back
+
+@pytest.fixture
+def bounded(monkeypatch):
+    """A fake clock that each wait for a borrower moves on by 10 ms; a wait past 60 s of
+    it fails the test instead of hanging it."""
+    clock = Clock()
+    began = clock.now
+
+    def sleep(_s):
+        clock.now += 0.01
+        if clock.now - began > 60:
+            raise AssertionError("a wait for a borrower with no end")
+    monkeypatch.setattr(cores.time, "sleep", sleep)
+    return clock
+
+
+@pytest.fixture
+def shm_name():
+    name = f"pdserve-test-cores-{random.getrandbits(32):x}"
+    yield name
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.fixture
+def sleeper():
+    """A live process that is no pdserve node."""
+    proc = subprocess.Popen(["sleep", "120"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _alone(pool: CorePool, planted: Path, before: bytes) -> None:
+    assert pool.budget == pool.share == 1 and pool.begin(4) == 1   # on its share alone
+    pool.end()
+    pool.close()
+    assert planted.read_bytes() == before                          # never written
+
+
+@pytest.mark.parametrize("kind", ["another user's", "open to others"])
+def test_a_table_planted_under_the_name_is_not_used(shm_name, bounded, kind):
+    """A file another local user planted under the table's predictable name (or one of
+    ours that others may write) made begin() raise or spin on its rows: it is refused,
+    never read or written, and the node runs on its share alone."""
+    path = Path("/dev/shm", shm_name)
+    path.write_bytes(np.full((MAX_NODES, NUM_COLS), np.nan).tobytes())   # rows that raise
+    if kind == "another user's":
+        if os.getuid() != 0:
+            pytest.skip("planting another user's file needs root")
+        os.chown(path, 65534, 65534)
+        os.chmod(path, 0o600)
+    else:
+        os.chmod(path, 0o644)
+    before = path.read_bytes()
+    pool = CorePool(shm_name, 4, 1, 4, lambda n: None, clock=bounded)
+    _alone(pool, path, before)
+    assert path.exists()                                           # not ours to remove
+
+
+def test_a_symlink_planted_under_the_name_is_not_followed(shm_name, bounded, tmp_path):
+    """A symbolic link planted under the table's name was followed: the file it names
+    was cut to the table's size and written. It is refused; that file is untouched."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not a core table")
+    os.symlink(victim, f"/dev/shm/{shm_name}")
+    pool = CorePool(shm_name, 4, 1, 4, lambda n: None, clock=bounded)
+    _alone(pool, victim, b"not a core table")
+
+
+def test_the_table_made_is_ours_alone_and_removed_by_the_last_node_out(shm_name):
+    pool = CorePool(shm_name, 2, 1, 2, lambda n: None)
+    st = os.stat(f"/dev/shm/{shm_name}", follow_symlinks=False)
+    assert st.st_uid == os.getuid() and st.st_mode & 0o777 == 0o600 and pool.budget == 2
+    pool.close()
+    assert not os.path.exists(f"/dev/shm/{shm_name}")
+
+
+def test_rows_that_make_no_sense_count_for_nothing(bounded):
+    """A NaN row made begin() raise (int(nan)); a negative pid was signalled (kill(-1)
+    asks of every process). Every such row is ignored, never raised on, and may be
+    claimed."""
+    table = np.zeros((MAX_NODES, NUM_COLS))
+    asked = []
+    bad = [(np.nan,) * 5, (-1, 1, 2, 0, 0), (1e30, 1, 2, 0, 0), (7, 1, np.inf, 0, 0),
+           (7, 1, 1e9, 0, 0), (7, 0.5, 2, 0, 0), (7, 1, 2, 1e12, 0), (7, 1, 2, 0, -5)]
+    table[MAX_NODES - len(bad):] = bad
+    pool = CorePool("t", 2, 1, 2, lambda n: None, clock=bounded, table=table, pid=1,
+                    is_alive=lambda p, s: asked.append(p) or True)
+    assert pool.begin(2) == 2 and pool.figures.num_waits == 0
+    pool.between_layers()
+    assert pool.held == 2 and asked == []
+    table[: MAX_NODES - len(bad)] = (5, 1, 0, bounded(), 0)      # the sane rows all taken
+    assert CorePool("t", 2, 1, 2, print, clock=bounded, table=table, pid=2,
+                    is_alive=lambda *_: True).row \
+        == MAX_NODES - len(bad)                                    # a junk row is claimed
+
+
+def _borrower_row(table: np.ndarray, pid: int, start: int, clock) -> None:
+    table[5] = (pid, 1, 2, clock(), start)   # holds both cores, one past its share
+
+
+@pytest.mark.parametrize("is_stopped", [True, False])
+def test_a_borrower_that_never_gives_back_is_waited_for_until_the_deadline(bounded, sleeper,
+                                                                           is_stopped):
+    """A borrower's row whose process lives but never gives its cores back (a node
+    SIGSTOPped, or a pid that is no pdserve node) made begin() wait for ever, and every
+    node on the host with it. It is waited for until the deadline, then its row is
+    taken back and the node runs."""
+    table = np.zeros((MAX_NODES, NUM_COLS))
+    _borrower_row(table, sleeper.pid, cores.process_start(sleeper.pid), bounded)
+    if is_stopped:
+        os.kill(sleeper.pid, signal.SIGSTOP)
+    pool = CorePool("t", 2, 1, 2, lambda n: None, clock=bounded, table=table, deadline_s=2.0)
+    began = bounded.now
+    assert pool.begin(2) == 2                       # all free once the row is taken back
+    assert 2.0 <= bounded.now - began < 2.1 and pool.figures.num_waits == 1
+    assert pool.stats()["num_core_reclaims"] == 1 and table[5, cores.PID] == 0
+    assert cores.is_same_process(sleeper.pid, int(cores.process_start(sleeper.pid)))
+
+
+def test_a_pid_used_again_by_another_process_counts_for_nothing(bounded, sleeper):
+    """A dead node's row whose pid the kernel gave to another process counted as a live
+    borrower: begin() waited on it. It counts for nothing at once."""
+    table = np.zeros((MAX_NODES, NUM_COLS))
+    _borrower_row(table, sleeper.pid, cores.process_start(sleeper.pid) - 1, bounded)
+    pool = CorePool("t", 2, 1, 2, lambda n: None, clock=bounded, table=table)
+    assert pool.begin(2) == 2 and pool.figures.num_waits == 0
+    assert pool.row == 0                            # (claimed first: row 5 stays as it was)
+
+
+def test_a_borrower_past_the_deadline_claims_a_row_again_and_gives_back(bounded):
+    """A slow borrower whose row was taken back runs on: at its next layer it claims a
+    row again and gives back what the other is owed; the budget holds."""
+    table = np.zeros((MAX_NODES, NUM_COLS))
+    borrower, owed = make(table, bounded, pid=1), make(table, bounded, pid=2)
+    bounded.now += 1.0
+    assert borrower.begin(2) == 2
+    assert owed.begin(1) == 1 and owed.figures.num_reclaims == 1   # the borrower never ran
+    borrower.between_layers()
+    assert borrower.held == 1 and table[borrower.row, cores.PID] == 1 and held(table) == 2
+    borrower.end()
+    owed.end()
+    assert sorted(table[:, cores.PID][table[:, cores.PID] > 0]) == [1, 2]

@@ -54,26 +54,6 @@ def test_serve_ray_without_ray_installed_says_so_in_one_line(tmp_path):
     assert out.returncode == 2 and "--ray needs Ray" in out.stderr, out.stderr[-2000:]
 
 
-def test_a_model_copied_in_parts_is_the_same_and_fetched_once(tiny_model, tmp_path, monkeypatch):
-    from launch import model_copy
-    monkeypatch.setattr(model_copy, "PART_BYTES", 4096)   # several parts per weight file
-    files = model_copy.manifest(tiny_model)
-    calls = []
-
-    def read(rel, at, n):
-        calls.append(rel)
-        return model_copy.read_part(tiny_model, rel, at, n)
-    path, fetched = model_copy.local_copy(str(tiny_model), files, read, tmp_path)
-    assert fetched == sum(size for _, size in files) and len(calls) > len(files)
-    for rel, _ in files:
-        assert (path / rel).read_bytes() == (tiny_model / rel).read_bytes()
-    assert model_copy.local_copy(str(tiny_model), files, read, tmp_path) == (path, 0)
-    with pytest.raises(ValueError, match="is not a file"):
-        model_copy.read_part(tiny_model, "../../etc/passwd", 0, 10)
-    with pytest.raises(ValueError, match="leaves"):
-        model_copy.local_copy("m", [("../x", 1)], read, tmp_path / "other")
-
-
 def _env() -> dict:
     return {**os.environ, **RAY_ENV, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
 
