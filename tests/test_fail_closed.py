@@ -232,6 +232,38 @@ def test_a_loop_held_up_does_not_make_live_nodes_dead():
     assert node.last_seen == 105.0
 
 
+def test_a_restarted_node_takes_its_name_once_its_predecessor_misses_two_heartbeats():
+    """Defect: a node restarted by its supervisor was refused ("a live decode node named ...
+    is registered") until its dead predecessor had been silent for --dead-after: the
+    requests moving to it meanwhile were routed to the dead process."""
+    import asyncio
+
+    from common.wire.protocol import NodeReady
+    from frontend.nodes import NodeRegistry
+    from frontend.router import NodeState
+    lost, replies = [], []
+
+    async def on_lost(node, cause, why):
+        lost.append((node.ready.pid, cause))
+
+    async def send(msg, to):
+        replies.append(msg)
+    cfg = SimpleNamespace(links=SimpleNamespace(dead_after_s=3.0, heartbeat_s=0.5), hung_after_s=30.0,
+                          forget_after_s=60.0)
+    reg = NodeRegistry(cfg, False, on_lost, None, lambda: None)
+    reg.link = SimpleNamespace(send=send)
+
+    def ready(pid):
+        return NodeReady("decode", "decode-0", pid, str(pid), "cpu", 8, 16, 256, kv_endpoint="tcp://127.0.0.1:1")
+    now = time.monotonic()
+    reg.nodes["decode-0"] = NodeState(ready(1), b"decode-0/1", now)
+    asyncio.run(reg.on_ready(b"decode-0/2", ready(2)))      # a twin while the first beats: refused
+    assert not replies[-1].is_accepted and "is registered" in replies[-1].reason and not lost
+    reg.nodes["decode-0"].last_seen = now - 1.2              # two heartbeats missed: it is gone
+    asyncio.run(reg.on_ready(b"decode-0/3", ready(3)))
+    assert replies[-1].is_accepted and lost == [(1, "restarted")] and reg.nodes["decode-0"].ready.pid == 3
+
+
 # ---- 4. a commit without all of its KV, or for another grant ------------------------------------
 
 def _deliver_control(p: Pair) -> None:
