@@ -174,7 +174,13 @@ class DecodeNode:
                 *self.handoff.held_ids(), *self.local.held_ids()}
 
     def _abort(self, request_id: str) -> None:
-        self.compiles.drop(request_id)
+        self._abort_one(request_id)
+        # A grammar compiled for a committed request that is gone now (its last sequence given up)
+        for key in self.compiles.keys():
+            if key not in self.handoff.held:
+                self.compiles.drop(key)
+
+    def _abort_one(self, request_id: str) -> None:
         if request_id in self.scheduler.running:
             self.pending_aborts.add(request_id)  # removed between steps, not under one
         elif self.scheduler.drop_preempted(request_id):

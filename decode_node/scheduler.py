@@ -83,7 +83,8 @@ class DecodeScheduler:
             return (f"its {num_seqs} sequences (n) need {num_seqs} batch rows, this decode node has "
                     f"{self.max_batch_size} (--max-batch-size)")
         for rid in request_ids:
-            if rid in self.running or any(s.request_id == rid for s in self.preempted):
+            if rid in self.running or any(s.request_id == rid for s in self.preempted) \
+                    or any(j.seq.request_id == rid for j in self.joining):
                 return f"request {rid!r} is already on this decode node"
         need = self.blocks_needed(prompt_len, max_tokens)
         if need > self.blocks.capacity:

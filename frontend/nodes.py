@@ -39,6 +39,7 @@ class NodeRegistry:
         self.lost, self.relinked, self.wake = lost, relinked, wake
         self.nodes: dict[str, NodeState] = {}
         self.link = None
+        self.checked_at = time.monotonic()   # the watchdog's last look (after any stall was excused)
 
     def claims(self, sender: bytes, name: str, epoch: str, suffix: str = "") -> bool:
         """Whether the sender may speak as node `name` (the process of that epoch): its
@@ -111,7 +112,9 @@ class NodeRegistry:
         meanwhile. A live twin (heartbeating) is still refused."""
         if not old.is_alive or old.is_draining:
             return True
-        return time.monotonic() - old.last_seen > 2 * self.cfg.links.heartbeat_s
+        # NOTE: silence up to the watchdog's last look: a NodeReady read right after the
+        # loop was held up comes before the stall is excused, when every node looks silent.
+        return self.checked_at - old.last_seen > 2 * self.cfg.links.heartbeat_s
 
     def excuse(self, seconds: float) -> None:
         """The frontend's loop was held up this long: no node's silence counts it."""
@@ -121,6 +124,7 @@ class NodeRegistry:
     async def check(self, now: float) -> None:
         """The watchdog's look at every node: the silent and the hung die (lost to their
         requests), the long dead are forgotten."""
+        self.checked_at = now
         for node in list(self.nodes.values()):
             loop_age = figure(node.stats, "loop_age_s")
             if node.is_alive and now - node.last_seen > self.cfg.links.dead_after_s:

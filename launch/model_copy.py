@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from common.base.files import is_at
 from common.base.procs import is_alive
 
 PART_BYTES = 64 << 20   # NOTE: one part is one message on Ray's channel: bounded memory per call
@@ -174,14 +175,6 @@ def _fetch(files: list[tuple[str, int, str]], read: Callable[[str, int, int], by
     return fetched
 
 
-def _is_at(path: Path, fd: int) -> bool:
-    try:
-        st, mine = os.stat(path, follow_symlinks=False), os.fstat(fd)
-    except FileNotFoundError:
-        return False
-    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
-
-
 def hold(copy: Path) -> int | None:
     """A shared lock on a whole copy (its .complete), or None where there is none (a
     pruner removed it first)."""
@@ -199,7 +192,7 @@ def hold(copy: Path) -> int | None:
                 os.close(fd)
                 raise OSError(errno.EAGAIN, f"{copy} stayed locked {HOLD_WAIT_S:.0f}s") from None
             time.sleep(0.05)
-    if not _is_at(copy / COMPLETE, fd):
+    if not is_at(copy / COMPLETE, fd):
         os.close(fd)
         return None
     return fd

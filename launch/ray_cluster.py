@@ -65,11 +65,6 @@ def has_ray(prog: str) -> bool:
     return True
 
 
-def _why(e: Exception) -> str:
-    """What went wrong inside an actor, without Ray's wrapping (its traceback is in the log)."""
-    return (str(getattr(e, "cause", None) or e).strip().splitlines() or [type(e).__name__])[-1]
-
-
 def controller_name(base_port: int | str) -> str:
     return f"{CONTROLLER_PREFIX}{base_port}"
 
@@ -96,6 +91,7 @@ def serve(argv: list[str]) -> int:
     if not has_ray("start_cluster"):
         return 2
     import ray
+    from launch.ray_keys import why_failed
     from launch.ray_members import Controller
 
     started = time.monotonic()
@@ -132,7 +128,7 @@ def serve(argv: list[str]) -> int:
     try:
         placed = ray.get(controller.start.remote(num["prefill"], num["decode"], float(a.ready_timeout)))
     except Exception as e:   # noqa: BLE001 -- a start that failed: said, then everything stops
-        say(f"not ready: {_why(e)}")
+        say(f"not ready: {why_failed(e)}")
         return stop(1)
     endpoint = placed["endpoint"]
     host = endpoint.rsplit(":", 1)[0].removeprefix("tcp://")
@@ -165,6 +161,8 @@ def scale(argv: list[str]) -> int:
     if not has_ray("pdserve scale"):
         return 2
     import ray
+
+    from launch.ray_keys import why_failed
     ray.init(address=a.ray, namespace=NAMESPACE, log_to_driver=False)
     try:
         controller = ray.get_actor(controller_name(port))
@@ -180,7 +178,7 @@ def scale(argv: list[str]) -> int:
             return 1
         changes = ray.get(controller.scale.remote(a.num_prefill, a.num_decode, a.timeout))
     except ray.exceptions.RayError as e:
-        print(f"pdserve scale: {_why(e)}", file=sys.stderr)
+        print(f"pdserve scale: {why_failed(e)}", file=sys.stderr)
         return 1
     for line in changes.get("notes", []):
         print(f"pdserve scale: {line}", file=sys.stderr)

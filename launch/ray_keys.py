@@ -90,11 +90,12 @@ def _answer(ref, timeout_s: float) -> str | None:
     except ray.exceptions.GetTimeoutError:
         return f"it did not answer in {timeout_s:.0f}s"
     except ray.exceptions.RayActorError as e:
-        return f"it is gone ({_last_line(e)})"
+        return f"it is gone ({why_failed(e)})"
     except ray.exceptions.RayError as e:
-        return _last_line(e)
+        return why_failed(e)
 
 
-def _last_line(e: Exception) -> str:
+def why_failed(e: Exception) -> str:
+    """What went wrong inside an actor, without Ray's wrapping (its traceback is in its log)."""
     lines = str(getattr(e, "cause", None) or e).strip().splitlines()
     return lines[-1] if lines else type(e).__name__

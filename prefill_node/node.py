@@ -143,10 +143,10 @@ class PrefillNode:
                 raise ValueError("a request of this id is already here")
             job = PrefillJob(req.request_id, list(req.prompt_token_ids), req.params,
                              req.arrival_time, req.decode_node, req.decode_kv_endpoint, forks=list(req.forks))
+            self.handoffs.begin(job)   # the reservation comes back while the prompt waits or runs
             if req.params.grammar:   # compiled beside the loop; the prompt waits for it
                 self.compiles.submit(job.request_id, req.params.grammar)
                 job.is_compiling = True
-            self.handoffs.begin(job)   # the reservation comes back while the prompt waits or runs
         except (ValueError, LinkError) as e:
             for rid in {req.request_id, *(f.request_id for f in req.forks)}:
                 self._fail(rid, str(e))

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.engine import cores
+from common.engine import cores, pass_size
 from common.engine.cores import LINGER_S, MAX_NODES, NUM_COLS, CorePool
 
 
@@ -149,12 +149,12 @@ def test_a_pass_is_worth_threads_by_its_size():
     import torch
     from common.base.model_spec import preset_spec
     big = preset_spec("qwen3-0.6b")
-    assert cores.threads_worth(big, torch.bfloat16, 0, 1) >= 2          # a decode step streams 1.2 GB
-    assert cores.threads_worth(big, torch.bfloat16, 128, 1) >= 2        # a 128-token prompt: ~100 GFLOP
+    assert pass_size.threads_worth(big, torch.bfloat16, 0, 1) >= 2          # a decode step streams 1.2 GB
+    assert pass_size.threads_worth(big, torch.bfloat16, 128, 1) >= 2        # a 128-token prompt: ~100 GFLOP
     tiny = big.__class__(**{**vars(big), "num_layers": 2, "hidden_size": 64, "intermediate_size": 128,
                             "num_heads": 2, "num_kv_heads": 1, "head_dim": 32, "vocab_size": 512})
-    assert cores.threads_worth(tiny, torch.float32, 430, 1) == 1        # on one core: no barrier per op
-    assert cores.threads_worth(tiny, torch.float32, 0, 64) == 1
+    assert pass_size.threads_worth(tiny, torch.float32, 430, 1) == 1        # on one core: no barrier per op
+    assert pass_size.threads_worth(tiny, torch.float32, 0, 64) == 1
 
 
 # ---- a table others can touch, rows that make no sense, borrowers that never give back
@@ -302,3 +302,24 @@ def test_a_borrower_past_the_deadline_claims_a_row_again_and_gives_back(bounded)
     borrower.end()
     owed.end()
     assert sorted(table[:, cores.PID][table[:, cores.PID] > 0]) == [1, 2]
+
+
+def test_a_node_stopped_while_holding_the_tables_lock_stops_no_other(shm_name):
+    """Defect: the table's lock was taken with no deadline: a node stopped (SIGSTOP, a
+    debugger) inside its microsecond hold of it stopped every node on the host in begin(),
+    between_layers() and end(). Past deadline_s the node leaves the table, on its share alone."""
+    import fcntl
+    import time
+    first = CorePool(shm_name, 4, 1, 4, lambda n: None)
+    stopped = os.open(f"/dev/shm/{shm_name}", os.O_RDWR)
+    fcntl.flock(stopped, fcntl.LOCK_EX)                  # held, and never given back
+    try:
+        t0 = time.monotonic()
+        assert first.begin(4) == 1                         # its share alone, once the wait ended
+        assert time.monotonic() - t0 < 5 and first.budget == 1
+        first.between_layers()
+        first.end()
+        first.close()                                      # none of it waits on the lock again
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.close(stopped)

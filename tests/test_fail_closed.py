@@ -259,7 +259,11 @@ def test_a_restarted_node_takes_its_name_once_its_predecessor_misses_two_heartbe
     reg.nodes["decode-0"] = NodeState(ready(1), b"decode-0/1", now)
     asyncio.run(reg.on_ready(b"decode-0/2", ready(2)))      # a twin while the first beats: refused
     assert not replies[-1].is_accepted and "is registered" in replies[-1].reason and not lost
-    reg.nodes["decode-0"].last_seen = now - 1.2              # two heartbeats missed: it is gone
+    reg.nodes["decode-0"].last_seen = now - 1.2              # two heartbeats missed ...
+    reg.checked_at = now - 1.0                                # ... but the loop was held up since
+    asyncio.run(reg.on_ready(b"decode-0/3", ready(3)))        # its last look: not judged yet
+    assert not replies[-1].is_accepted and not lost
+    reg.checked_at = now                                      # the watchdog's look: it is gone
     asyncio.run(reg.on_ready(b"decode-0/3", ready(3)))
     assert replies[-1].is_accepted and lost == [(1, "restarted")] and reg.nodes["decode-0"].ready.pid == 3
 

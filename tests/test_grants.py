@@ -3,12 +3,14 @@ deadline leaves both halves consistent: the sender and receiver on a fake clock,
 ipc writer copying into a shared-memory decode cache as a prefill node on its host does."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from common.base.request import SamplingParams
 from common.handoff.states import Hold, Stage
 from common.kv.blocks import BlockAllocator
 from common.kv.prefix import PrefixCache, block_hashes
+from common.transfer import TransferError
 from common.wire.protocol import Fork, KVCommit, KVRelease, KVReserve, KVReserved, KVTransfer
 from decode_node.scheduler import DecodeScheduler
 from tests.handoff_util import PREFILL, Pair, receiver, reserve, start_all
@@ -144,16 +146,18 @@ def test_forks_of_a_request_whose_kv_failed_never_reach_the_prefix_cache():
     assert not any(h in cache.block_of for h in block_hashes(list(range(1, 9)), 4))
 
 
-def _commit_group(rx, rid: str, fork_ids: list[str], prompt=(1,) * 8, max_tokens: int = 6) -> None:
+def _commit_group(rx, rid: str, fork_ids: list[str], prompt=(1,) * 8, max_tokens: int = 6,
+                  params: SamplingParams | None = None) -> None:
     """Request rid with forks reserved, its KV written (zeros) and committed."""
+    params = params or SamplingParams(max_tokens=max_tokens)
     rx.receive(b"p", KVReserve(rid, len(prompt), max_tokens, 1, list(fork_ids)))
     r = rx.held[rid]
     c = rx.sink.cache
     rx.receive(b"p", KVTransfer(rid, r.name, "tcp", {"first_layer": 0},
                                 torch.zeros(c.shape[0], 2, len(r.block_ids), *c.shape[3:])))
     forks = [Fork(f, 10 + i, first_token=3) for i, f in enumerate(fork_ids)]
-    rx.receive(b"p", KVCommit(rid, len(prompt), 2, SamplingParams(max_tokens=max_tokens), {}, "tcp",
-                              list(prompt), r.name, c.shape[0], forks=forks))
+    rx.receive(b"p", KVCommit(rid, len(prompt), 2, params, {}, "tcp", list(prompt), r.name, c.shape[0],
+                              forks=forks))
 
 
 def test_a_group_of_n_starts_what_fits_and_the_rest_take_the_next_rows_first():
@@ -182,3 +186,67 @@ def test_a_group_of_n_starts_what_fits_and_the_rest_take_the_next_rows_first():
     assert rx.peek_ready().request_id == "late"
     gone = sched.drop_joining("nobody")
     assert gone is None
+
+
+def test_a_sequence_waiting_for_a_row_cannot_be_reserved_again():
+    """Defect: a started sequence waiting for a row (joining) was no longer held by the
+    handoff, and the scheduler's checks did not see it: a KVReserve naming its id was
+    granted, and the second copy overwrote the first's row (its blocks leaked; adding the
+    id to the batch twice raises)."""
+    sched = DecodeScheduler(BlockAllocator(80), 4, 2)
+    rx = receiver(sched)
+    _commit_group(rx, "g", ["g1"])
+    _commit_group(rx, "lone", [])
+    start_all(sched, rx.next_ready())
+    started, _ = sched.start(rx.next_ready())
+    sched.joining.extend(started)
+    assert rx.refusal("lone", 8, 6) == ("request 'lone' is already on this decode node", False)
+
+
+def test_a_commit_for_a_quarantined_grant_is_refused_retryable():
+    """The grant ran out under a paused prefill process (the path failed, not the request):
+    the request may go on elsewhere, as it may when the grant is gone altogether."""
+    p = Pair(backend="ipc", lease_s=6.0, handoff_lease_s=10.0)
+    job = p.job("r")
+    p.tx.begin(job)
+    p.pump()
+    p.tx.start_writes([job])
+    p.tx.set_first_token(job, 1, {})
+    p.clock.advance(7)                      # paused past the lease before its commit went out
+    p.rx.turn()
+    assert p.rx.held["r"].is_quarantined
+    p.pump()
+    assert p.failed and p.retryable == {"r"} and "r" not in p.rx.held
+    p.close()
+
+
+def test_a_grant_that_ran_out_before_its_write_is_released_at_once():
+    """Defect: the prefill side dropped a grant that ran out before its write without a
+    word: the decode node held its blocks (and refused the request) a lease more, as it
+    must for a writer that might still copy."""
+    p = Pair(lease_s=30.0)
+    job = p.job("r")
+    p.tx.begin(job)
+    p.pump()
+    first = p.tx.by_id["r"].reservation
+    p.clock.advance(31)                     # paused before its prefill: no write began
+    p.rx.turn()
+    p.pump()
+    h = p.tx.by_id["r"]
+    assert h.stage is Stage.RESERVED and h.reservation != first   # reserved again at once
+    assert not p.failed and p.rx.held["r"].name == h.reservation
+
+
+def test_an_ipc_write_stopped_part_way_leaves_nothing_open():
+    p = Pair(backend="ipc", lease_s=30.0)
+    job = p.job("r")
+    p.tx.begin(job)
+    p.pump()
+    h = p.tx.by_id["r"]
+    w = h.peer.writer
+    times = iter([0.0, 100.0, 100.0])             # past its deadline after the first layer
+    w.clock = lambda: next(times)
+    with pytest.raises(TransferError, match="stopped at its deadline"):
+        w.write("r", h.reservation, job.block_ids, h.dst_block_ids, within_s=1.0)
+    assert not w._open and not w.poll()
+    p.close()

@@ -267,3 +267,56 @@ def test_a_node_compiles_grammars_beside_its_loop(tiny_model):
     compiles.drop("gone")
     assert not compiles.is_done("gone")
     compiles.close()
+
+
+def test_no_grammar_compile_outlives_its_request_on_either_node():
+    """Defects: the prefill node submitted a grammar's compile before the handoff began,
+    so a request whose handoff could not begin (LinkError) failed with its compile kept for
+    good; the decode node dropped a committed group's compile at choice 0's abort, compiled
+    it again for the others, and kept it once the last was aborted."""
+    import threading
+    from types import SimpleNamespace
+
+    from common.base import grammar
+    from common.base.recent import Recent
+    from common.kv.blocks import BlockAllocator
+    from common.wire.channel import LinkError
+    from common.wire.protocol import PrefillRequest
+    from decode_node.node import DecodeNode
+    from decode_node.scheduler import DecodeScheduler
+    from prefill_node.node import PrefillNode
+    from tests.handoff_util import receiver
+    from tests.test_grants import _commit_group
+
+    prefill = object.__new__(PrefillNode)
+    prefill.compiles = grammar.Compiles(lambda: SimpleNamespace(compile=lambda g: ("compiled", g)))
+    prefill.worker = SimpleNamespace(spec=SimpleNamespace(vocab_size=100), max_model_len=1024)
+    prefill.scheduler = SimpleNamespace(fits_at_all=lambda n: True, add=lambda job: None)
+    prefill.cfg = SimpleNamespace(allow_remote=False)
+
+    def no_link(job):
+        raise LinkError("no key for decode-9")
+    prefill.handoffs = SimpleNamespace(holds=lambda rid: False, begin=no_link)
+    failed = []
+    prefill._fail = lambda rid, err, is_retryable=False: failed.append(rid)
+    prefill._accept(PrefillRequest("r0", [1, 2, 3], SamplingParams(max_tokens=4, grammar=("regex", "a", "compact")),
+                                   0.0, "decode-9", "tcp://127.0.0.1:9"))
+    assert failed == ["r0"] and prefill.compiles.keys() == []
+    prefill.compiles.close()
+
+    gate = threading.Event()
+    node = object.__new__(DecodeNode)
+    node.compiles = grammar.Compiles(lambda: SimpleNamespace(compile=lambda g: gate.wait(5) and ("compiled", g)))
+    node.scheduler = DecodeScheduler(BlockAllocator(80), 4, 4)
+    node.handoff = receiver(node.scheduler)
+    node.local = SimpleNamespace(abort=lambda rid: False, run=lambda: None)
+    node.preemption = SimpleNamespace(resume_all=lambda: None)
+    node.pending_aborts, node.ended = set(), Recent(64)
+    _commit_group(node.handoff, "g", ["g1"], params=SamplingParams(max_tokens=6, grammar=("regex", "a+", "compact")))
+    assert node._admit() == [] and node.compiles.keys() == ["g"]   # the line waits for its grammar
+    node._abort("g")                        # choice 0 given up: the other goes on
+    node._admit()
+    node._abort("g1")                       # the last: the group is gone, and its compile
+    gate.set()
+    assert "g" not in node.handoff.held and node.compiles.keys() == []
+    node.compiles.close()

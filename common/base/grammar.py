@@ -167,6 +167,10 @@ class Compiles:
             self.grammars = self._make()
         return self.grammars.compile(grammar)
 
+    def keys(self) -> list[str]:
+        """The keys compiled or being compiled, not taken yet."""
+        return list(self._futures)
+
     def is_done(self, key: str) -> bool:
         f = self._futures.get(key)
         return f is not None and f.done()

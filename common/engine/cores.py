@@ -42,6 +42,7 @@ from typing import Callable
 
 import numpy as np
 
+from common.base.files import is_at
 from common.base.log import get_logger
 from common.base.procs import is_alive as is_running
 
@@ -60,37 +61,6 @@ START_TTL_S = 1.0     # how long a process's start time, read from /proc, is tak
 
 log = get_logger("cores")
 IsAlive = Callable[[int, int], bool]   # (pid, start) -> does that process still run
-
-
-# Typical rates of one host core (fp32 matmul; memory streamed), to size a pass: it is
-# worth a thread for every MIN_MS_PER_THREAD it would take on one core.
-HOST_FLOPS_PER_CORE = 50e9
-HOST_BYTES_PER_CORE = 10e9
-MIN_MS_PER_THREAD = 20.0
-
-
-def layer_params(spec) -> int:
-    """Weights of one decoder layer's matmuls (2 FLOPs each a token)."""
-    return spec.hidden_size * (spec.q_size + 2 * spec.kv_size) + spec.q_size * spec.hidden_size \
-        + 3 * spec.hidden_size * spec.intermediate_size
-
-
-def pair_cost(spec) -> float:
-    """A prompt's attention per (query, key) pair (QK^T and PV: 4 FLOPs a query dimension)
-    over a token's matmuls, in a layer: how to cut a prompt into parts of equal work."""
-    return 4 * spec.q_size / (2 * layer_params(spec))
-
-
-def threads_worth(spec, dtype, num_tokens: int, num_rows: int) -> int:
-    """Cores a pass over num_tokens (num_rows of them sampled) is worth: its time on one
-    core, the matmuls' FLOPs or the weights it streams, over MIN_MS_PER_THREAD. A tiny
-    model's pass is worth one: an op split over threads then waits at its end for all."""
-    layer = layer_params(spec)
-    head = spec.vocab_size * spec.hidden_size
-    flops = 2 * (spec.num_layers * layer * max(num_tokens, num_rows) + head * num_rows)
-    stream = (spec.num_layers * layer + head) * dtype.itemsize
-    one_core_ms = max(flops / HOST_FLOPS_PER_CORE, stream / HOST_BYTES_PER_CORE) * 1e3
-    return max(1, int(one_core_ms // MIN_MS_PER_THREAD))
 
 
 # ---- who a row is ---------------------------------------------------------------
@@ -209,15 +179,6 @@ def open_table(path: str) -> int:
     return fd
 
 
-def is_at(path: str, fd: int) -> bool:
-    """Is the file open at fd still the one at path (not removed by the last node out)?"""
-    try:
-        st, mine = os.stat(path, follow_symlinks=False), os.fstat(fd)
-    except FileNotFoundError:
-        return False
-    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
-
-
 @dataclass
 class CoreFigures:
     num_passes: int = 0
@@ -278,15 +239,42 @@ class CorePool:
 
     @contextlib.contextmanager
     def _locked(self):
-        """The table to ourselves (a test's in-memory table needs no lock)."""
+        """The table to ourselves (a test's in-memory table needs no lock). NOTE: a node held
+        for microseconds; one stopped while holding it (SIGSTOP, a debugger) must not stop
+        every node on the host: past deadline_s this node leaves the table and runs on its
+        share alone."""
         if self._file is None:
             yield
             return
-        fcntl.flock(self._file, fcntl.LOCK_EX)
+        give_up_at = time.monotonic() + self.deadline_s
+        while True:
+            try:
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= give_up_at:
+                    self._leave(f"its lock was held for more than {self.deadline_s:g}s")
+                    yield
+                    return
+                time.sleep(WAIT_S)
         try:
             yield
         finally:
             fcntl.flock(self._file, fcntl.LOCK_UN)
+
+    def _leave(self, why: str) -> None:
+        """Off the host's table, for good: this node's own, on its share alone."""
+        log.warning("core pool %s: the host's table is not usable (%s); this node runs on its "
+                    "share of %d core(s) alone from now on", self.name, why, self.share)
+        self.table = np.zeros((MAX_NODES, NUM_COLS))
+        self.budget, self.row = self.share, 0
+        self.table[0] = (self.pid, self.share, 0, self.clock() - LINGER_S, self.start)
+        try:
+            self._map.close()
+        except BufferError:   # a view of it is still alive: the mapping goes with the process
+            pass
+        os.close(self._file)
+        self._file = None
 
     def _claim(self) -> int:
         """A row for this process (the table locked): a free one, one that makes no sense,

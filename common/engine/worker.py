@@ -24,7 +24,8 @@ from common.engine import logits as logit_rules
 from common.engine import qwen3
 from common.engine.decode import DecodeBatch, DecodeTicket  # noqa: F401  (DecodeTicket: the nodes' type)
 from common.engine.h2d import HostToDevice
-from common.engine.cores import CorePool, pair_cost, threads_worth
+from common.engine.cores import CorePool
+from common.engine.pass_size import pair_cost, threads_worth
 from common.engine.lanes import Lanes
 from common.base.model_spec import load_spec, preset_spec
 from common.engine.platform import platform_for
@@ -348,9 +349,6 @@ class DeviceWorker:
     def num_decode_seqs(self) -> int:
         return self.decode.num_seqs
 
-    def decode_keys(self) -> list[str]:
-        return self.decode.keys()
-
     def add_decode_seq(self, key: str, token_id: int, num_cached: int, block_ids: list[int],
                        params: SamplingParams, history: tuple[list[int], list[int]] = ((), ())) -> None:
         """history: its prompt's tokens and those generated so far, for penalties."""
@@ -391,7 +389,7 @@ class DeviceWorker:
         return self.decode.collect(ticket)
 
     def decode_step(self) -> list[int]:
-        """One token for every live sequence, in decode_keys() order."""
+        """One token for every live sequence, in the decode batch's keys() order."""
         ticket = self.decode.launch()
         return self.decode.collect(ticket) if ticket else []
 

@@ -30,7 +30,7 @@ from common.base.log import Throttle, get_logger
 from common.base.recent import Recent
 from common.handoff.lease import Lease
 from common.handoff.line import Line
-from common.handoff.states import DATA, Hold, Pool, Reservation
+from common.handoff.states import DATA, Hold, Pool, Reservation, why_malformed
 from common.transfer import KVSink, TransferError
 from common.wire.channel import BadMessage
 from common.wire.protocol import (HandoffAck, KVCommit, KVHello, KVRelease, KVReserve, KVReserved,
@@ -116,12 +116,8 @@ class Receiver:
         fork_ids = list(m.fork_ids)
         if all(f in self.recently_aborted for f in [rid, *fork_ids]):
             return self._refusal(rid, "the request was aborted")
-        if len(set([rid, *fork_ids])) != 1 + len(fork_ids):
-            return self._refusal(rid, "a request's forks must have ids of their own")
-        if m.prompt_len < 1 or m.max_tokens < 1:
-            return self._refusal(rid, f"bad reservation: prompt_len {m.prompt_len}, max_tokens {m.max_tokens}")
-        if m.prompt_len + m.max_tokens > self.max_model_len:
-            return self._refusal(rid, f"prompt + max_tokens exceeds max_model_len {self.max_model_len}")
+        if why := why_malformed(m, self.max_model_len):
+            return self._refusal(rid, why)
         r = self.held.get(rid)
         if r is not None and r.sender == sender and r.hold is Hold.FAILED:
             # NOTE: not renewed: its writer stops at the refusal (a write pushed across passes
@@ -171,6 +167,9 @@ class Receiver:
         ids = [request_id, *fork_ids]
         taken = [f for f in ids if f in self.held or self.holds_fork(f)]
         if taken:
+            r = self.held.get(taken[0]) or self._forked_into(taken[0])
+            if r is not None and r.hold is Hold.FAILED:   # a grant on its way out (its writer stops)
+                return f"request {taken[0]!r} has a grant here that is being released", True
             return f"request {taken[0]!r} is already on this decode node", False
         why = self.pool.refusal_for_good(ids, prompt_len, max_tokens)
         if why:
@@ -243,7 +242,10 @@ class Receiver:
         self._note_backend(sender, c.backend)
         why = r.error if r.hold is Hold.FAILED else r.why_not(c, self.vocab_size, self.max_model_len)
         if why:
-            self._refuse(sender, c.request_id, why)
+            # NOTE: a failed grant the request did not give up (its write failed, or its lease
+            # ran out): the path's fault, so it may go on elsewhere; a malformed commit may not.
+            is_retryable = r.hold is Hold.FAILED and c.request_id not in self.recently_aborted
+            self._refuse(sender, c.request_id, why, is_retryable=is_retryable)
             return
         if c.reservation == r.name and self.sink.is_arriving(c.backend, c.request_id, len(r.block_ids),
                                                              c.num_written):

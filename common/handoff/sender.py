@@ -290,6 +290,10 @@ class Sender:
             elif h.stage is Stage.RESERVED and now >= h.lease.end:
                 log.warning("reservation of %s on %s ran out before its write: reserving again",
                             h.job.request_id, h.peer.name)
+                # NOTE: nothing was written: released now, or the decode node would hold the
+                # blocks (and refuse this request) for one more lease, as it must for a writer
+                # that might still be copying.
+                h.peer.link.send(KVRelease(h.job.request_id, h.reservation), block=False)
                 h.drop_reservation(self.clock())
             else:
                 if self._can_write(h):

@@ -22,7 +22,7 @@ from typing import Protocol
 from common.base.request import SamplingParams, validate_prompt
 from common.handoff.lease import INF, Lease
 from common.transfer import KVWriter
-from common.wire.protocol import KVCommit
+from common.wire.protocol import KVCommit, KVReserve
 
 DATA = "kv"   # a prefill node's KV data connection is tagged "NAME/EPOCH/kv" (links.py)
 
@@ -160,6 +160,11 @@ class Reservation:
     def num_seqs(self) -> int:
         return 1 + len(self.fork_ids)
 
+    @property
+    def is_given_up(self) -> bool:
+        """The frontend gave up every one of its sequences."""
+        return len(self.aborted_ids) >= self.num_seqs
+
     def why_not(self, c: KVCommit, vocab_size: int, max_model_len: int) -> str | None:
         """Why a commit for this reservation is refused (it does not fit it, or is malformed)."""
         try:
@@ -184,7 +189,7 @@ class Reservation:
         """The frontend gave up request_id, it or one of its forks: does all of it go? Not
         while another of its n sequences goes on (the one given up ends as it is admitted)."""
         self.aborted_ids.add(request_id)
-        return len(self.aborted_ids) >= self.num_seqs
+        return self.is_given_up
 
 
 class Pool(Protocol):
@@ -193,3 +198,14 @@ class Pool(Protocol):
     def refusal_for_now(self, prompt_len: int, max_tokens: int, num_seqs: int) -> str | None: ...
     def take_blocks(self, prompt_len: int, max_tokens: int, num_seqs: int) -> tuple[list[int], int]: ...
     def give_back(self, block_ids: list[int], num_reserved: int) -> None: ...
+
+
+def why_malformed(m: KVReserve, max_model_len: int) -> str | None:
+    """Why a KVReserve can never be granted anywhere, if it cannot."""
+    if len({m.request_id, *m.fork_ids}) != 1 + len(m.fork_ids):
+        return "a request's forks must have ids of their own"
+    if m.prompt_len < 1 or m.max_tokens < 1:
+        return f"bad reservation: prompt_len {m.prompt_len}, max_tokens {m.max_tokens}"
+    if m.prompt_len + m.max_tokens > max_model_len:
+        return f"prompt + max_tokens exceeds max_model_len {max_model_len}"
+    return None

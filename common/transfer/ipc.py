@@ -92,7 +92,11 @@ class IpcWriter:
         """Nothing crosses the KV link (no units): the commit's reservation and epoch, and
         --kv-verify, are what tie the copy to its grant."""
         self.begin(request_id, reservation, src_block_ids, dst_block_ids, within_s)
-        self.write_layers(request_id, 0, self.src.shape[0])
+        try:
+            self.write_layers(request_id, 0, self.src.shape[0])
+        except TransferError:   # stopped part-way at its deadline: not started, as far as the caller knows
+            self._open.pop(request_id, None)
+            raise
         return self.end(request_id)
 
     def begin(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
