@@ -19,6 +19,7 @@ import hashlib
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -102,6 +103,8 @@ class ModelChanged(OSError):
     """Bytes fetched are not those listed: the model changed as it was copied."""
 
 
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
+
 @dataclass
 class Copy:
     path: Path        # this machine's copy
@@ -110,20 +113,27 @@ class Copy:
     hold_fd: int      # a shared lock on the copy: keep it open while the copy is in use
 
 
+def copy_name(model_dir: str) -> str:
+    """What a model's copies are named by, before each version's digest. NOTE: the source
+    path counts: two models whose directories share a name are not versions of one another."""
+    return f"{Path(model_dir).name}-{hashlib.sha256(model_dir.encode()).hexdigest()[:8]}"
+
+
 def local_copy(model_dir: str, files: list, read: Callable[[str, int, int], bytes],
                cache: Path) -> Copy:
     """This machine's copy of the model the controller listed (files: manifest()), fetched
     where none is whole here, held, and the older ones no one holds removed."""
     files = _listing(files)
     digest = hashlib.sha256(repr(files).encode()).hexdigest()[:16]
-    dest = cache / f"{Path(model_dir).name}-{digest}"
+    name = copy_name(model_dir)
+    dest = cache / f"{name}-{digest}"
     fetched = 0
     for _ in range(3):   # NOTE: a pruner elsewhere may remove a copy between a look and a hold
         if not (dest / COMPLETE).is_file():
             fetched += _fetch(files, read, dest)
         fd = hold(dest)
         if fd is not None:
-            return Copy(dest, fetched, prune(cache, Path(model_dir).name, dest), fd)
+            return Copy(dest, fetched, prune(cache, name, dest), fd)
     raise OSError(errno.EAGAIN, f"{dest} was removed as it was taken, 3 times")
 
 
@@ -144,7 +154,7 @@ def _fetch(files: list[tuple[str, int, str]], read: Callable[[str, int, int], by
            dest: Path) -> int:
     """Every file into a directory of this process's, each checked against its hash,
     renamed to dest once whole. -> bytes fetched."""
-    part = dest.parent / f".{dest.name}.{os.getpid()}"
+    part = dest.parent / f".{dest.name}.{_HOST}.{os.getpid()}"
     shutil.rmtree(part, ignore_errors=True)
     fetched = 0
     for rel, size, digest in files:
@@ -203,7 +213,9 @@ def prune(cache: Path, name: str, keep: Path) -> int:
     half-fetched ones of members gone. -> copies removed."""
     num_pruned = 0
     whole = re.compile(re.escape(name) + r"-[0-9a-f]{16}")
-    half = re.compile(r"\." + re.escape(name) + r"-[0-9a-f]{16}\.(?:pruned\.)?(\d+)")
+    # NOTE: a half-fetched copy is judged by its process only on its own host (a cache on a
+    # file system several hosts share holds others' too)
+    half = re.compile(r"\." + re.escape(name) + r"-[0-9a-f]{16}\.(?:pruned\.)?" + re.escape(_HOST) + r"\.(\d+)")
     for d in sorted(cache.iterdir()) if cache.is_dir() else []:
         if d.is_symlink() or not d.is_dir() or d == keep:
             continue
@@ -225,7 +237,7 @@ def _remove_unheld(copy: Path) -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return 0   # a member uses it
-        trash = copy.parent / f".{copy.name}.pruned.{os.getpid()}"
+        trash = copy.parent / f".{copy.name}.pruned.{_HOST}.{os.getpid()}"
         try:
             copy.rename(trash)   # NOTE: under the lock: a member that holds it next sees it gone
         except OSError:

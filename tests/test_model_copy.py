@@ -132,15 +132,20 @@ def test_older_copies_are_pruned_unless_a_member_holds_them(tmp_path):
     old = _copy(src, cache)
     _close(old)                                      # version 2: its member is gone
     gone = 2**22 + 1                                 # past the kernel's largest pid
-    half_dead = cache / f".tiny-{'a' * 16}.{gone}"
-    half_live = cache / f".tiny-{'b' * 16}.{os.getpid()}"
-    for d in (half_dead, half_live):
+    name, host = model_copy.copy_name(str(src)), model_copy._HOST
+    half_dead = cache / f".{name}-{'a' * 16}.{host}.{gone}"
+    half_live = cache / f".{name}-{'b' * 16}.{host}.{os.getpid()}"
+    half_elsewhere = cache / f".{name}-{'c' * 16}.another-host.{gone}"   # a shared file system
+    namesake = cache / f"tiny-{'0' * 8}-{'d' * 16}"   # another directory named tiny: not a version
+    for d in (half_dead, half_live, half_elsewhere, namesake):
         d.mkdir()
+    (namesake / model_copy.COMPLETE).write_text("")
     shutil.copytree(other.path, cache / other.path.name)
     (src / "sub" / "model.safetensors").write_bytes(b"3" * 100)
     new = _copy(src, cache)
     assert new.num_pruned == 1 and not old.path.exists() and in_use.path.is_dir()
     assert not half_dead.exists() and half_live.exists() and (cache / other.path.name).exists()
+    assert half_elsewhere.exists() and namesake.exists()
     _close(in_use)
     newest = _copy(src, cache)                       # another member, the same version
     assert newest.path == new.path and newest.num_pruned == 1 and not in_use.path.exists()
