@@ -26,6 +26,17 @@ HELLO_EVERY_S = 1.0
 MAX_FRAMES_QUEUED = 2    # on the data connection, besides the one going out
 
 
+def say_reset(what: str, act: str, num_handoffs: int) -> None:
+    """A link made again (reset or dropped). A decode node that restarted (after a drain,
+    say) comes back to no handoff in flight: nothing for an operator to do. Handoffs in
+    flight are asked again or fail over; resets that recur point at the network."""
+    if num_handoffs:
+        log.warning("%s: %s %d handoffs; if this recurs, check the network between the nodes",
+                    what, act, num_handoffs)
+    else:
+        log.info("%s: no handoff was in flight", what)
+
+
 class KVLinks:
     """connect(name, endpoint, suffix, max_queued) opens a connection to a decode node's
     KV socket (suffix "": control); open_writer(welcome, send) a transfer writer into its cache."""

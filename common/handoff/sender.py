@@ -23,7 +23,7 @@ from common.base.recent import Recent
 from common.wire.figures import TransferFigures
 from common.handoff import writes
 from common.handoff.lease import INF, Lease
-from common.handoff.links import KVLinks
+from common.handoff.links import KVLinks, say_reset
 from common.handoff.states import DecodePeer, Handoff, Job, Link, Stage
 from common.kv.blocks import num_blocks_for
 from common.transfer import KVWriter, TransferError
@@ -95,7 +95,7 @@ class Sender:
         self.num_link_resets += 1
         handoffs = [h for h in self.by_id.values() if h.peer is peer]
         what, act = ("link's data connection", "checking") if is_data else ("link", "asking again for")
-        log.warning("the KV %s to %s was made again (reset or dropped): %s %d handoffs", what, peer.name, act, len(handoffs))
+        say_reset(f"the KV {what} to {peer.name} was made again", act, len(handoffs))
         now = self.clock()
         for h in handoffs:
             if is_data:
