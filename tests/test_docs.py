@@ -98,3 +98,45 @@ def test_the_commands_that_run_here_run_as_written(tmp_path):
         done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert done.returncode == 0, (argv, done.stderr[-2000:])
     assert (model / "config.json").is_file() and (keys / "prefill-0.key_secret").is_file()
+
+
+def _parsers() -> dict[str, object]:
+    """Every `pdserve` subcommand's parser (bench: each kind), as its main builds it."""
+    import argparse
+    from unittest import mock
+    from launch import cli
+
+    class Built(Exception):
+        pass
+
+    def stop(self, *_a, **_k):
+        raise Built(self)
+    found = {}
+    argvs = [[c] for c in COMMANDS if c not in ("serve", "bench")]
+    argvs += [["bench", k] for k in BENCHMARKS]
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", stop), \
+            mock.patch.object(argparse.ArgumentParser, "parse_known_args", stop):
+        for argv in argvs:
+            try:
+                cli.main(argv)
+            except Built as e:
+                found[" ".join(argv)] = e.args[0]
+    return found
+
+
+def test_every_subcommand_says_its_own_usage_and_helps_every_flag():
+    """Defect: subcommands said `usage: pdserve [-h]` (or `bench_vs`, `python -m ...`),
+    flags had no help, and examples' line continuations were collapsed into one line."""
+    import argparse
+    parsers = _parsers()
+    assert len(parsers) == len(COMMANDS) - 2 + len(BENCHMARKS)
+    bad = []
+    for name, p in parsers.items():
+        want = "pdserve bench" if name == "bench serving" else f"pdserve {name}"
+        if p.prog != want:
+            bad.append(f"{name}: usage says {p.prog!r}")
+        bad += [f"{name}: {a.option_strings or a.dest} has no help" for a in p._actions
+                if not a.help and not isinstance(a, argparse._HelpAction)]
+        bad += [f"{name}: collapsed: {line.strip()[:60]}"
+                for line in (p.description or "").splitlines() if re.search(r"\S {4,}--", line)]
+    assert not bad, bad
