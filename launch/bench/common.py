@@ -41,7 +41,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                                    "e.g. qwen3-0.6b or qwen3-14b")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
                    help="where the node runs: cpu, cuda:N or npu:N")
-    p.add_argument("--dtype", default=None, help="default: bfloat16 on accelerators, float32 on cpu")
+    p.add_argument("--dtype", default=None,
+                   help="default: bfloat16 on accelerators, float32 on cpu")
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help="the node's KV cache, e.g. 2GiB (default: what the benchmark needs)")
     p.add_argument("--base-port", type=int, default=5700,
@@ -235,33 +236,49 @@ class NodeUnderTest:
             return msg
         return None
 
-    def hand_off(self, request_id: str, prompt_len: int, first_token: int, params,
-                 kv: torch.Tensor) -> None:
-        """As a prefill node: reserve blocks on the decode node, write kv into them
-        as tcp frames, commit."""
-        deadline = time.monotonic() + HANDOFF_WAIT_S
-        while True:
-            self.kv.send(KVReserve(request_id, prompt_len, params.max_tokens))
-            reply = None
-            while reply is None:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the decode node did not answer {request_id}'s reservation "
-                                       f"within {HANDOFF_WAIT_S:.0f}s")
-                got = [m for ch, _, m in self.poll(0.05) if ch is self.kv]
-                reply = next((m for m in got if isinstance(m, KVReserved)
-                              and m.request_id == request_id), None)
-            if reply.block_ids is not None or not reply.is_retryable:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the decode node had no room for {request_id} within "
-                                   f"{HANDOFF_WAIT_S:.0f}s ({reply.reason}): give a larger "
-                                   f"--kv-cache-memory")
-            time.sleep(0.05)   # the decode node is full for now
-        if reply.block_ids is None:
-            raise RuntimeError(f"decode node refused {request_id}: {reply.reason}")
-        self.kv.send(KVTransfer(request_id, reply.reservation, "tcp", {"first_layer": 0},
+    def hand_off(self, requests: list[tuple[str, int]], prompt_len: int, params,
+                 kv: torch.Tensor) -> list[tuple[Channel, bytes | None, object]]:
+        """As a prefill node with many prompts ready at once: ask the decode node to
+        reserve blocks for every (request id, first token) of requests, write kv into each
+        grant as tcp frames and commit it as its answer comes. Returns the other messages
+        that came meanwhile (the decode node's steps), in order.
+        NOTE: all asks go out together: asked one at a time, each answer waits for a step,
+        and at a large batch the first requests would finish before the last joined."""
+        first_token = dict(requests)
+        waiting = set(first_token)
+        asked_at: dict[str, float] = {}
+        wait_s = HANDOFF_WAIT_S + 2 * len(requests)
+        deadline = time.monotonic() + wait_s
+        other = []
+        while waiting:
+            now = time.monotonic()
+            if now > deadline:
+                raise RuntimeError(f"the decode node reserved no room for {len(waiting)} requests "
+                                   f"within {wait_s:.0f}s: give a larger --kv-cache-memory")
+            for rid in waiting:   # asked again after a refusal for now, or to keep a queued place
+                if now - asked_at.get(rid, -1e9) > 1.0:
+                    self.kv.send(KVReserve(rid, prompt_len, params.max_tokens))
+                    asked_at[rid] = now
+            for ch, sender, msg in self.poll(0.05):
+                if ch is not self.kv:
+                    other.append((ch, sender, msg))
+                elif isinstance(msg, KVReserved) and msg.request_id in waiting:
+                    if msg.block_ids is not None:
+                        waiting.discard(msg.request_id)
+                        token = first_token[msg.request_id]
+                        self._write_and_commit(msg, prompt_len, token, params, kv)
+                    elif not msg.is_retryable:
+                        raise RuntimeError(f"decode node refused {msg.request_id}: {msg.reason}")
+                    elif not msg.is_queued:   # full for now: ask again soon
+                        asked_at[msg.request_id] = time.monotonic() - 0.95
+        return other
+
+    def _write_and_commit(self, reply: KVReserved, prompt_len: int, first_token: int, params,
+                          kv: torch.Tensor) -> None:
+        rid = reply.request_id
+        self.kv.send(KVTransfer(rid, reply.reservation, "tcp", {"first_layer": 0},
                                 kv[:, :, : len(reply.block_ids)].contiguous()))
-        self.kv.send(KVCommit(request_id, prompt_len, first_token, params, {}, "tcp", [1] * prompt_len,
+        self.kv.send(KVCommit(rid, prompt_len, first_token, params, {}, "tcp", [1] * prompt_len,
                               reply.reservation, kv.shape[0]))
 
     def _last_words(self) -> str:
@@ -291,7 +308,8 @@ def worker_args(a: argparse.Namespace, max_batch: int, max_model_len: int,
                 kv_bytes: int | None = None) -> list[str]:
     """The node's options; kv_bytes: its KV cache (else --kv-cache-memory, else its default)."""
     args = ["--model", a.model] if a.model else ["--shape", a.shape]
-    args += ["--device", a.device, "--max-batch-size", str(max_batch), "--max-model-len", str(max_model_len)]
+    args += ["--device", a.device, "--max-batch-size", str(max_batch),
+             "--max-model-len", str(max_model_len)]
     if a.dtype:
         args += ["--dtype", a.dtype]
     if kv_bytes or a.kv_cache_memory:

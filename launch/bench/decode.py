@@ -50,8 +50,7 @@ def run_batch(node: NodeUnderTest, spec, dtype, batch: int, ctx_len: int, block_
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     rids = [f"b{batch}-{i}" for i in range(batch)]
     _, s0 = node.next_heartbeat(time.perf_counter())
-    for i, rid in enumerate(rids):
-        node.hand_off(rid, ctx_len, i + 1, params, kv)
+    came = node.hand_off([(rid, i + 1) for i, rid in enumerate(rids)], ctx_len, params, kv)
     # Each TokenBatch is one step. Time num_steps full-batch steps, and note the
     # step at which each request joined, to know the context the steps ran at.
     admitted_at: dict[str, int] = {}
@@ -60,15 +59,20 @@ def run_batch(node: NodeUnderTest, spec, dtype, batch: int, ctx_len: int, block_
         if time.monotonic() - last_step_at > STEP_WAIT_S:
             raise RuntimeError(f"the decode node ran no step for {STEP_WAIT_S:.0f}s (batch "
                                f"{batch}, {len(admitted_at)} requests admitted)")
-        for _, _, msg in node.poll(0.05):
+        for _, _, msg in came or node.poll(0.05):
             if isinstance(msg, TokenBatch):
                 step, last_step_at = step + 1, time.monotonic()
                 for u in msg.updates:
                     admitted_at.setdefault(u.request_id, step)
+                    if u.finish_reason is not None:
+                        raise RuntimeError(f"{u.request_id} ended ({u.finish_reason}) after "
+                                           f"{len(full_steps)} of the {warm_steps + num_steps + 1} "
+                                           f"full-batch steps needed: give a larger --max-tokens")
                 if len(admitted_at) == batch and len(msg.updates) == batch:
                     full_steps.append((step, time.perf_counter()))
             elif isinstance(msg, HandoffAck) and not msg.is_accepted:
                 raise RuntimeError(f"the decode node refused {msg.request_id}: {msg.reason}")
+        came = []
     (first_step, t_first), (last_step, t_last) = full_steps[warm_steps], full_steps[-1]
     ms = (t_last - t_first) * 1e3 / (last_step - first_step)
     mean_ctx = ctx_len + (first_step + last_step) / 2 - sum(admitted_at.values()) / batch
@@ -132,11 +136,14 @@ def transformers_decode(spec, device: str, dtype, batch: int, ctx_len: int,
 
 def tokens_needed(spec, elem: int, floors: dict, batch: int, a: argparse.Namespace,
                   room: int) -> int:
-    """Tokens per request that outlast the warm-up, the timed steps and the counter window
-    (two heartbeats past it), were each step as fast as its floor: the step count is an
-    upper bound, and half again for what the host does besides. At most room."""
+    """Tokens per request that outlast the batch's admission (the first requests step while
+    the last ones' KV arrives), the warm-up, the timed steps and the counter window (two
+    heartbeats past it), were each step as fast as its floor: an upper bound on the steps,
+    and half again for what the host does besides. At most room."""
     floor_s = roofline(*decode_cost(spec, elem, batch, a.context_len), floors)["floor_ms"] / 1e3
-    steps = WARM_STEPS + a.steps + 1 + math.ceil((a.window + 2 * HEARTBEAT_S) / max(floor_s, 1e-6))
+    admission = 8 + batch // 2
+    steps = admission + WARM_STEPS + a.steps + 1 \
+        + math.ceil((a.window + 2 * HEARTBEAT_S) / max(floor_s, 1e-6))
     return min(room, math.ceil(1.5 * steps))
 
 
@@ -180,6 +187,7 @@ def main(argv=None) -> None:
         fit_len(a.max_tokens, 0, room, "--max-tokens")
     fit_len(None, 1, room, "--context-len")
     batches = [int(b) for b in a.batch_sizes.split(",")]
+    check_memory(a, spec, elem, 0)   # the weights alone, before the floors' buffers
     floors = measure_floors(a.device, dtype)
     max_tokens = {b: a.max_tokens or tokens_needed(spec, elem, floors, b, a, room) for b in batches}
     max_len = a.context_len + max(max_tokens.values()) + 1
