@@ -35,6 +35,7 @@ from launch.bench.floors import decode_cost, roofline
 from launch.bench.table import cell, show, table
 
 WARM_STEPS = 8
+WINDOW_STEPS = 4      # the counter window spans at least this many steps
 STEP_WAIT_S = 300.0   # with no step in this long, the node is stuck (a slow CPU step is seconds)
 HEARTBEAT_S = NodeLinks().heartbeat_s   # the node's counters come with its heartbeats
 NO_COUNTERS = {"h2d_writes_per_steady_step": None, "block_entries_per_step": None,
@@ -76,7 +77,9 @@ def run_batch(node: NodeUnderTest, spec, dtype, batch: int, ctx_len: int, block_
     (first_step, t_first), (last_step, t_last) = full_steps[warm_steps], full_steps[-1]
     ms = (t_last - t_first) * 1e3 / (last_step - first_step)
     mean_ctx = ctx_len + (first_step + last_step) / 2 - sum(admitted_at.values()) / batch
-    # Counters over a longer steady window, between two heartbeats.
+    # Counters over a longer steady window, between two heartbeats. NOTE: a node's figures
+    # are taken once a loop turn: the window spans a few steps however slow they are.
+    window_s = max(window_s, WINDOW_STEPS * ms / 1e3)
     t1, s1 = node.next_heartbeat(time.perf_counter())
     t2, s2 = node.next_heartbeat(t1 + window_s)
     for rid in rids:
@@ -91,12 +94,13 @@ def run_batch(node: NodeUnderTest, spec, dtype, batch: int, ctx_len: int, block_
               "max_tokens": max_tokens, "is_graphed": s2.get("is_graphed")}
     steps = s2["num_decode_steps"] - s1["num_decode_steps"]
     if steps <= 0 or s2["num_finished"] != s0["num_finished"]:
-        # NOTE: a model this short cannot outlast two heartbeats at this speed: the timed
+        # NOTE: a model this short cannot outlast the window at this speed: the timed
         # figures stand, the counters are not measured.
         return {**record, **NO_COUNTERS,
-                "counters_note": f"not measured: {max_tokens} tokens at {ms:.2f} ms/step end "
-                                 f"before two heartbeats ({HEARTBEAT_S:g}s apart); a longer "
-                                 f"model or a slower step measures them"}
+                "counters_note": f"not measured: the requests' {max_tokens} tokens at "
+                                 f"{ms:.2f} ms/step ended before the {window_s:.1f}s window "
+                                 f"between two heartbeats closed; a longer model (or "
+                                 f"--max-tokens) measures them"}
     writes = s2["num_h2d_writes"] - s1["num_h2d_writes"]
     block_copies = s2["num_block_copies"] - s1["num_block_copies"]
     busy = s2["device_busy_s"] - s1["device_busy_s"]
@@ -142,7 +146,7 @@ def tokens_needed(spec, elem: int, floors: dict, batch: int, a: argparse.Namespa
     and half again for what the host does besides. At most room."""
     floor_s = roofline(*decode_cost(spec, elem, batch, a.context_len), floors)["floor_ms"] / 1e3
     admission = 8 + batch // 2
-    steps = admission + WARM_STEPS + a.steps + 1 \
+    steps = admission + WARM_STEPS + a.steps + 1 + WINDOW_STEPS + 2 \
         + math.ceil((a.window + 2 * HEARTBEAT_S) / max(floor_s, 1e-6))
     return min(room, math.ceil(1.5 * steps))
 
