@@ -211,3 +211,19 @@ def test_the_launcher_passes_no_access_log_on(tmp_path):
     for args, is_off in cases:
         plan = cluster_plan.make_plan(cluster_plan.parse(["--model", "m", *args]), 2, tmp_path)
         assert ("--no-access-log" in cluster_plan.frontend_argv(plan)) == is_off, args
+
+
+def test_a_kv_link_made_again_warns_only_when_it_cut_a_handoff_under_way(stderr):
+    """Defect: an ordinary drain logged a WARNING about a KV link "made again": the
+    drained node came back, and the asks in flight were simply asked again."""
+    from common.handoff.links import say_reset
+    from common.handoff.states import Stage
+    asking, reserved = SimpleNamespace(stage=Stage.ASKING), SimpleNamespace(stage=Stage.RESERVED)
+    say_reset("the KV link to decode-0 was made again", "asking again for", [], False)
+    say_reset("the KV link to decode-0 was made again", "asking again for", [asking], False)
+    say_reset("the KV link's data connection to d was made again", "checking", [reserved], True)
+    assert [line.split()[2] for line in _lines(stderr)] == ["INFO"] * 3
+    say_reset("the KV link to decode-0 was made again", "asking again for", [asking, reserved],
+              False)
+    (line,) = _lines(stderr)
+    assert " WARNING " in line and "(1 under way); if this recurs, check the network" in line

@@ -95,7 +95,7 @@ class Sender:
         self.num_link_resets += 1
         handoffs = [h for h in self.by_id.values() if h.peer is peer]
         what, act = ("link's data connection", "checking") if is_data else ("link", "asking again for")
-        say_reset(f"the KV {what} to {peer.name} was made again", act, len(handoffs))
+        say_reset(f"the KV {what} to {peer.name} was made again", act, handoffs, is_data)
         now = self.clock()
         for h in handoffs:
             if is_data:
