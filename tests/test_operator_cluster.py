@@ -79,7 +79,7 @@ def test_the_log_names_each_process_says_its_figures_and_falls_quiet_when_idle(c
     ready = next(m for who, _, m in lines if who == "decode-0" and m.startswith("ready on"))
     assert f"({threads} on cores" in ready
     blocks = int(re.search(r": (\d+) KV blocks", ready)[1])
-    assert any(m.startswith(f"decode node decode-0 ready (pid") and f"{blocks} KV blocks" in m
+    assert any(m.startswith("decode node decode-0 ready (pid") and f"{blocks} KV blocks" in m
                for who, _, m in lines if who == "frontend")
     assert all(re.search(rf"free blocks \d+/{blocks}\b", m) for m in _periodic(lines, "decode-0"))
 
