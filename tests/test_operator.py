@@ -28,8 +28,8 @@ def _lines(capsys) -> list[str]:
 
 
 def _messages(capsys) -> list[str]:
-    """Each line's message: past its time, name and level."""
-    return [re.match(r"\S+ \S+ +[A-Z]+ (.*)", line)[1] for line in _lines(capsys)]
+    """Each logged line's message: past its time, name and level."""
+    return [m[1] for line in _lines(capsys) if (m := re.match(r"\d\S+ \S+ +[A-Z]+ (.*)", line))]
 
 
 def test_every_line_names_its_process_and_the_part_that_spoke(stderr):
@@ -227,3 +227,20 @@ def test_a_kv_link_made_again_warns_only_when_it_cut_a_handoff_under_way(stderr)
               False)
     (line,) = _lines(stderr)
     assert " WARNING " in line and "(1 under way); if this recurs, check the network" in line
+
+
+def test_loading_a_checkpoint_says_each_shard_as_it_is_read(stderr, make_model):
+    """Defect: nothing was printed while a model loaded (a 14B model would be silent up to
+    the launcher's ready timeout)."""
+    import torch
+    from common.base.model_spec import load_spec
+    from common.engine.loader import load_weights
+    model = make_model(max_shard_size="100KB")
+    num_shards = len(list(model.glob("*.safetensors")))
+    _lines(stderr)   # what making it wrote
+    load_weights(model, load_spec(model), torch.device("cpu"), torch.float32)
+    lines = _messages(stderr)
+    assert num_shards > 1 and len(lines) == num_shards + 1, lines
+    assert all(re.fullmatch(rf"read weights {i + 1}/{num_shards} \(\S+\.safetensors\): "
+                            rf"[\d.]+ GB in [\d.]+s", line) for i, line in enumerate(lines[:-1]))
+    assert re.fullmatch(r"weights on cpu in float32: [\d.]+s in all", lines[-1])
