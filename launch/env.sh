@@ -8,7 +8,10 @@ PDSERVE_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PDSERVE_VENV="${PDSERVE_VENV:-$PDSERVE_ROOT/.venv}"
 _py="${PYTHON:-python3}"
 # A step that may take minutes says so first and how long it took after.
-_say_installing() { echo "[pdserve] installing $1 (may take a few minutes$2)..." >&2; _t0=$SECONDS; }
+_say_installing() {
+    echo "[pdserve] installing $1 (may take a few minutes$2)..." >&2
+    _t0=$SECONDS
+}
 _say_installed() { echo "[pdserve] ... done in $((SECONDS - _t0))s" >&2; }
 
 if [ ! -x "$PDSERVE_VENV/bin/python" ]; then

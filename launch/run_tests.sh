@@ -13,14 +13,19 @@ fi
 # layered over this one (it sees these packages): its pins (pyzmq, huggingface-hub, pandas)
 # would otherwise replace the versions pdserve runs with. Without a registry the test is skipped.
 _aiperf="$PDSERVE_VENV/tools/aiperf"
+_site_of() { "$1" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }
+_install_aiperf() {
+    "$PY" -m venv "$_aiperf" \
+        && echo "import site; site.addsitedir('$(_site_of "$PY")')" \
+            > "$(_site_of "$_aiperf/bin/python")/_pdserve_base.pth" \
+        && "$_aiperf/bin/python" -m pip install -q --disable-pip-version-check "aiperf==0.13.0"
+}
 if [ ! -x "$_aiperf/bin/aiperf" ]; then
     _say_installing "aiperf, the goodput test's client, into $_aiperf" ""
-    { "$PY" -m venv "$_aiperf" \
-        && _site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
-        && echo "import site; site.addsitedir('$_site')" > \
-            "$("$_aiperf/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_pdserve_base.pth" \
-        && "$_aiperf/bin/python" -m pip install -q --disable-pip-version-check "aiperf==0.13.0"; } >/dev/null 2>&1 \
-        || { rm -rf "$_aiperf"; echo "[pdserve] aiperf could not be installed here: its test is skipped" >&2; }
+    _install_aiperf >/dev/null 2>&1 || {
+        rm -rf "$_aiperf"
+        echo "[pdserve] aiperf could not be installed here: its test is skipped" >&2
+    }
     _say_installed
 fi
 exec "$PY" -m pytest -q "$@"
