@@ -242,5 +242,5 @@ def test_loading_a_checkpoint_says_each_shard_as_it_is_read(stderr, make_model):
     lines = _messages(stderr)
     assert num_shards > 1 and len(lines) == num_shards + 1, lines
     assert all(re.fullmatch(rf"read weights {i + 1}/{num_shards} \(\S+\.safetensors\): "
-                            rf"[\d.]+ GB in [\d.]+s", line) for i, line in enumerate(lines[:-1]))
+                            rf"[\d.]+ [MG]B in [\d.]+s", line) for i, line in enumerate(lines[:-1]))
     assert re.fullmatch(r"weights on cpu in float32: [\d.]+s in all", lines[-1])

@@ -39,8 +39,10 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, device, dtype) -> Qwen3
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 raw[name.removeprefix("model.")] = f.get_tensor(name)
-        log.info("read weights %d/%d (%s): %.2f GB in %.1fs", i + 1, len(files), path.name,
-                 path.stat().st_size / 1e9, time.perf_counter() - t0)
+        size = path.stat().st_size
+        log.info("read weights %d/%d (%s): %s in %.1fs", i + 1, len(files), path.name,
+                 f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB",
+                 time.perf_counter() - t0)
 
     def take(name: str) -> torch.Tensor:
         if name not in raw:
