@@ -20,10 +20,11 @@ from common.wire.channel import BadMessage, Channel, Poller, node_tag
 from common.base.config import DecodeConfig, endpoint_host, is_loopback_endpoint
 from common.runtime.process import StopEvent, describe_threads
 from common.kv.prefix import PrefixCache
-from common.base.log import Throttle, get_logger
+from common.base.log import IdleQuiet, Throttle, get_logger
 from common.base import grammar
 from common.base.recent import Recent
 from common.runtime.node import NodeRuntime
+from common.runtime import report_line
 from common.runtime.prefix_report import PrefixReport
 from common import transfer
 from common.wire.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, NodeAbort, NodeReady, NodeSync,
@@ -55,6 +56,7 @@ class DecodeNode:
         self.num_batched_steps = 0      # steps that ran more than one request
         self.num_forked = 0             # sequences admitted over another's prompt blocks (n > 1)
         self._last_log, self._log_tokens, self._log_steps = 0.0, 0, 0
+        self.quiet = IdleQuiet()        # the periodic line: while busy, and once as it goes idle
 
     # ---- the loop ---------------------------------------------------------
 
@@ -94,7 +96,8 @@ class DecodeNode:
                 self.preemption = Preemption(self.worker, self.scheduler, self.cfg.swap_space)
                 rt.start(self._send_ready, self.stats, self._is_empty)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
-                         self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
+                         self.cfg.worker.device, describe_threads(self.worker.num_threads),
+                         self.blocks.capacity,
                          self.worker.token_capacity, self.cfg.worker.max_batch_size,
                          self.cfg.kv_endpoint if self.cfg.kv_advertise is None else
                          f"{self.cfg.kv_endpoint}, advertised as {self.cfg.kv_advertise}",
@@ -389,13 +392,9 @@ class DecodeNode:
         self.prefix_report.turn()
         if now - self._last_log >= self.cfg.links.log_interval_s:
             elapsed = now - self._last_log if self._last_log else 0.0
-            s = self.stats()
-            preempted = f" | preempted {s['num_preempted']} now, {s['num_preemptions']} in all " \
-                f"({s['num_swapped']} swapped, {s['num_recomputed']} recomputed)" \
-                if s["num_preemptions"] else ""
-            log.info("%.0f tok/s, %.1f avg batch | running %d, queued %d | free blocks %d/%d "
-                     "(%d reserved)%s", self._log_tokens / elapsed if elapsed else 0.0,
-                     self._log_tokens / max(self._log_steps, 1), s["num_running"], s["num_queued"],
-                     s["num_free_blocks"], s["num_usable_blocks"], s["num_reserved_blocks"], preempted)
+            is_busy, line = report_line.decode(self.stats(), self._log_tokens, self._log_steps,
+                                               elapsed)
+            if self.quiet.says(is_busy):
+                log.info("%s", line)
             self._last_log, self._log_tokens, self._log_steps = now, 0, 0
 

@@ -9,8 +9,9 @@ from common.wire.channel import LinkError
 from common.base.config import FrontendConfig, NodeLinks
 from common.base.env import read_env
 from common.base.flags import add_flags, flagged
-from common.base.log import add_log_level_arg, set_level
+from common.base.log import add_log_level_arg, get_logger, set_level, set_name
 from common.runtime.process import HelpFormat, add_thread_args, apply_threads, die_with_parent
+from frontend.access_log import set_access_log
 from frontend.server import Frontend
 
 
@@ -21,12 +22,16 @@ def parser() -> argparse.ArgumentParser:
     add_flags(p, NodeLinks, only=("dead_after_s",))
     add_thread_args(p)
     add_log_level_arg(p)
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="log each HTTP request as it ends: client, request line, status, time")
     return p
 
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     set_level(a.log_level)
+    set_name("frontend")
+    set_access_log(a.access_log)
     die_with_parent()
     try:
         apply_threads(a.threads, a.cpus, is_host_device=False)   # no device: one thread unless told
@@ -38,9 +43,11 @@ def main(argv=None) -> int:
     try:
         try:
             import uvloop
-            return uvloop.run(frontend.run())
+            rc = uvloop.run(frontend.run())
         except ImportError:
-            return asyncio.run(frontend.run())
+            rc = asyncio.run(frontend.run())
+        get_logger("frontend").info("stopped")
+        return rc
     except LinkError as e:
         print(f"frontend: {e}", file=sys.stderr)
         return 1

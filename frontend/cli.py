@@ -69,8 +69,17 @@ def drain(argv: list[str] | None = None) -> int:
     except (TimeoutError, ServerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"draining {reply.node}: {reply.num_moved} requests moving to other nodes; it stops once empty")
+    print(drain_summary(reply))
     return 0
+
+
+def drain_summary(reply) -> str:
+    """What a drain does, as the frontend answered it (a DrainReply)."""
+    stay = f", {reply.num_staying} finishing there" if reply.num_staying else ""
+    alone = "" if reply.has_peer else \
+        " (no other live node of its role: new requests are refused until one is ready)"
+    return (f"draining {reply.node}: {reply.num_moved} requests moving to other nodes{stay}"
+            f"{alone}; it stops once empty")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frontend-pid", type=int, default=None,
                    help="with --wait-ready: the answer must come from this frontend process")
     a = p.parse_args(argv)
+    if not a.prompt and not a.stats and a.wait_ready is None:
+        p.error("nothing to do: give --prompt TEXT (repeat it for several), --stats or "
+                "--wait-ready S")
     try:
         client = _client(a)
     except ValueError as e:

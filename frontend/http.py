@@ -16,6 +16,7 @@ from aiohttp import web
 from common.wire.channel import LinkError
 from common.base.log import Throttle, get_logger
 from common.wire.protocol import ErrorReply, GenerateOutput
+from frontend import access_log, server_timing
 from frontend import openai_api as api
 from frontend.metrics import CONTENT_TYPE
 from frontend import openai_logprobs as lp_shapes
@@ -192,7 +193,7 @@ class HttpServer:
         client = ("http", request.remote or "?")
         rid = call.request.request_id
         queue = self.streams[rid] = asyncio.Queue()
-        is_done = False
+        is_done, timings = False, None
         try:
             await self.frontend.submit(client, call.request)
             msg, status = await queue.get()
@@ -207,9 +208,10 @@ class HttpServer:
                 is_done = True
                 return response
             else:
-                out = await self._whole(call, msg, queue)
+                out, timings = await self._whole(call, msg, queue)
                 is_done = True
-            return out if is_dict else web.json_response(out[1], status=out[0])
+            return out if is_dict else web.json_response(out[1], status=out[0],
+                                                         headers=server_timing.headers(timings))
         finally:
             # NOTE: runs on a client disconnect too (aiohttp cancels the handler): the
             # request must not keep decoding for nobody (nor its other choices, one failed).
@@ -217,7 +219,8 @@ class HttpServer:
             if not is_done or (client, rid) in self.frontend.by_client:
                 await self.frontend.abort(client, rid)   # one ended meanwhile is answered to nobody
 
-    async def _whole(self, call: api.Call, msg, queue: asyncio.Queue) -> tuple[int, dict]:
+    async def _whole(self, call: api.Call, msg, queue: asyncio.Queue) -> tuple[tuple, dict | None]:
+        """((status, body), the first choice's timings: its Server-Timing)."""
         n = call.request.n
         answers = [Answer(call, self.strings, self._prompt_text(call), self.is_reasoning) for _ in range(n)]
         finals: dict[int, object] = {}
@@ -227,13 +230,15 @@ class HttpServer:
             if msg.is_finished:
                 if msg.finish_reason not in ("stop", "length"):
                     status = status or 500
-                    return status, api.error_body(status, msg.error or msg.finish_reason)
+                    error = api.error_body(status, msg.error or msg.finish_reason)
+                    return (status, error), msg.timings
                 finals[msg.index] = msg
                 if len(finals) == n:
                     break
             msg, status = await queue.get()
         choices = [a.choice(finals[i].finish_reason) for i, a in enumerate(answers)]
-        return 200, shapes.response(call, shapes.now(), choices, _usage(finals.values()))
+        body = shapes.response(call, shapes.now(), choices, _usage(finals.values()))
+        return (200, body), finals[0].timings
 
     def _prompt_text(self, call: api.Call) -> str:
         """What echo puts first: the prompt as given, or its ids' text."""
@@ -256,10 +261,12 @@ class HttpServer:
             if call.is_chat else []
         status, finals = None, {}
 
-        def event(**kw) -> bytes:   # a chunk of its own, no template
+        def event(timings: dict | None = None, **kw) -> bytes:   # a chunk of its own, no template
             c = shapes.chunk(call, created, **kw)
             if call.is_usage_continuous:   # the usage so far on every chunk
                 c["usage"] = shapes.usage(num_prompt, sum(len(a.token_ids) for a in answers))
+            if timings is not None:   # the last chunk: where the time went (server_timing.py)
+                c["timings"] = server_timing.with_decode(timings)
             return shapes.stream_event(c)
 
         while True:
@@ -278,12 +285,16 @@ class HttpServer:
                     events.append(shapes.stream_event(api.error_body(status or 500, msg.error or msg.finish_reason)))
                     break
                 finals[msg.index] = msg
-                events.append(event(finish_reason=answers[i].finish_reason(msg.finish_reason), index=i))
+                is_last = len(finals) == n and not call.is_usage_streamed   # else: the usage chunk
+                last = (msg.timings or {}) if is_last else None
+                reason = answers[i].finish_reason(msg.finish_reason)
+                events.append(event(finish_reason=reason, index=i, timings=last))
                 if len(finals) == n:
                     if call.is_usage_streamed:
                         # pdserve's TTFT parts ride along on the usage chunk (an extra key).
-                        events.append(shapes.stream_event({**shapes.chunk(call, created, use=_usage(finals.values())),
-                                                        "timings": msg.timings or {}}))
+                        use = shapes.chunk(call, created, use=_usage(finals.values()))
+                        timings = server_timing.with_decode(msg.timings)
+                        events.append(shapes.stream_event({**use, "timings": timings}))
                     break
             if queue.empty():
                 if events:
@@ -350,7 +361,7 @@ async def serve(frontend, cfg) -> web.AppRunner | None:
     server = HttpServer(frontend, frontend.served_model)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts the request.
     runner = web.AppRunner(server.app(is_metrics_only=not cfg.http_port), handler_cancellation=True,
-                           access_log=None)
+                           **access_log.runner_args())
     await runner.setup()
     site = web.TCPSite(runner, cfg.http_host, port)
     try:

@@ -194,7 +194,7 @@ class Migrations:
         if is_asked:
             await fe.node_link.send(Drain(), to=node.identity)
         has_peer = any(n.is_alive and not n.is_draining and n.role == node.role for n in fe.nodes.values())
-        num_moved = 0
+        num_moved = num_staying = 0
         for req in list(fe.requests.values()):
             holds = req.decode_node == node.name if node.role == "decode" else \
                 req.prefill_node == node.name and not req.is_prefilled
@@ -202,8 +202,10 @@ class Migrations:
                     and not self._is_done(req):
                 await self._move(req, node.name, "drain", f"{node.role} node {node.name} is draining")
                 num_moved += 1
+            elif holds:   # no other node of its role, moved too often, or done: it ends there
+                num_staying += 1
         fe.wake_dispatch()
-        return DrainReply(node.name, num_moved)
+        return DrainReply(node.name, num_moved, num_staying, has_peer)
 
     def counts(self) -> dict:
         return {**self.num_moved, "failed": self.num_failed, "syncs": self.num_syncs}

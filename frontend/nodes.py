@@ -99,8 +99,9 @@ class NodeRegistry:
             if old is not None:
                 await self.lost(old, "restarted", f"{old.ready.role} node {ready.name} restarted")
             self.nodes[ready.name] = NodeState(ready, sender, time.monotonic())
+            # NOTE: block 0 is the null block, never handed out: as the node counts its blocks
             log.info("%s node %s ready (pid %d, %s, %d KV blocks)", ready.role, ready.name, ready.pid,
-                     ready.device, ready.num_kv_blocks)
+                     ready.device, ready.num_kv_blocks - 1)
         await self.link.send(ReadyReply(True), to=sender)
         self.wake()
 

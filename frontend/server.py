@@ -33,7 +33,7 @@ from common.wire.protocol import (CLIENT_TO_FRONTEND, AbortRequest, DrainRequest
                                   Fork, GenerateRequest, NodeAbort, PrefillRequest, StatsReply, StatsRequest)
 from common.base.request import FINISH_ABORT, FINISH_ERROR
 from common.wire.client import MAX_MESSAGES
-from frontend import http, paths, router
+from frontend import activity, http, paths, router
 from frontend.admission import Admission
 from frontend.detok import IncrementalDetokenizer
 from frontend.metrics import Metrics
@@ -76,6 +76,7 @@ class Frontend:
         self.num_routes: dict[str, int] = {}   # "prefill -> decode" -> requests routed that way
         self.paths = paths.PathChooser(cfg.disaggregate, time.monotonic)
         self.metrics = Metrics(self)
+        self.activity = activity.ActivityLog(self, cfg.links.log_interval_s)   # the periodic line
         # In-process clients' replies: local_sink(client, message, http_status).
         self.local_sink: Callable[[ClientKey, object, int | None], None] | None = None
         # ZeroMQ clients' outputs while a TokenBatch is handled: sent as one message each.
@@ -115,8 +116,9 @@ class Frontend:
         log.info("serving clients at %s, nodes at %s (%s; %s)", self.cfg.client_endpoint,
                  self.cfg.node_endpoint, f"CURVE keys from {self.cfg.keys_dir}" if self.keys
                  else "open links: anyone who reaches the node port can join", describe_threads())
-        tasks = [asyncio.create_task(c, name=c.__name__) for c in
-                 (self._client_loop(), self.node_messages.run(), self._dispatch_loop(), self._watchdog_loop())]
+        loops = (self._client_loop(), self.node_messages.run(), self._dispatch_loop(),
+                 self._watchdog_loop(), self.activity.run())
+        tasks = [asyncio.create_task(c, name=c.__name__) for c in loops]
         stopped = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([*tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
         rc = 0
@@ -389,7 +391,9 @@ class Frontend:
             # NOTE: a tick this late means the loop itself was held up, and with it the node
             # loop that reads heartbeats: that time is not nodes' silence.
             if now - last > WATCHDOG_S + STALL_S:
-                log.warning("the frontend's loop was held up for %.2fs", now - last - WATCHDOG_S)
+                log.warning("the frontend's loop was held up for %.2fs, and every stream with it: "
+                            "if this recurs, give the frontend a core of its own (its --cpus) or "
+                            "run fewer nodes on this host", now - last - WATCHDOG_S)
                 self.registry.excuse(now - last - WATCHDOG_S)
             last = now
             await self.registry.check(now)

@@ -44,7 +44,7 @@ def _module(name: str, function: str = "main"):
 
 
 BENCHMARKS = ("serving", "prefill", "decode", "transfer", "migration", "vs", "profile", "layerwise", "mixed",
-              "ray-start")
+              "ray-start", "attention")
 
 
 def _bench(argv: list[str]) -> int:

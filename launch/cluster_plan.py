@@ -12,13 +12,13 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-USAGE = """start_cluster.sh [--demo] [--model DIR] [--host 127.0.0.1] [--advertise-host H]
+USAGE = """usage: pdserve serve [--demo] [--model DIR] [--host 127.0.0.1] [--advertise-host H]
      [--base-port 5600] [--name-prefix P] [--join NODE_ENDPOINT]
      [--prefill-devices D[,D...]] [--decode-devices D[,D...]]      one node per device listed
      [--num-prefill N] [--num-decode M]     N or M nodes on the one device given (default 1; 0: none here)
      [--kv-transfer auto|ipc|nixl|tcp|dist] [--kv-layerwise auto|on|off] [--disaggregate auto|always|never]
      [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N] [--max-model-len N] [--block-size N] [--token-budget N] [--kv-cache-fraction F]
-     [--http-port 8000 | --no-http] [--served-model-name NAME] [--log-level LEVEL]
+     [--http-port 8000 | --no-http] [--no-access-log] [--served-model-name NAME] [--log-level LEVEL]
      [--no-prefix-caching] [--swap-space GIB] [--no-preemption] [--kv-verify]
      [--reasoning-parser qwen3] [--tool-call-parser qwen3|hermes|none] [--enable-auto-tool-choice]
      [--logprobs-mode raw_logprobs|processed_logprobs] [--allow-json-whitespace]
@@ -26,10 +26,12 @@ USAGE = """start_cluster.sh [--demo] [--model DIR] [--host 127.0.0.1] [--adverti
      [--ready-timeout S] [--frontend-arg ARG]... [--prefill-arg ARG]... [--decode-arg ARG]...
      [--ray [auto|HOST:PORT] [--ray-cpus-per-node N] [--ray-ship-model]]   on a Ray cluster (docs/ray.md)
 
-Endpoints derive from the base port: clients connect to BASE, nodes to the frontend at
-BASE+1, and decode node i takes KV handoffs at BASE+2+i. The frontend serves the OpenAI
-API, /metrics and /health at --http-port (8000). vLLM's names work too: --max-num-seqs,
---max-num-batched-tokens, --gpu-memory-utilization, --max-model-len, --block-size.
+bash launch/start_cluster.sh takes the same options. Endpoints derive from the base
+port: clients connect to BASE, nodes to the frontend at BASE+1, and decode node i takes
+KV handoffs at BASE+2+i. The frontend serves the OpenAI API, /metrics and /health at
+--http-port (8000), with an access log (--no-access-log: none). vLLM's names work too:
+--max-num-seqs, --max-num-batched-tokens, --gpu-memory-utilization, --max-model-len,
+--block-size.
 With no --model, a tiny random Qwen3 is made on first use (no download). --host 0.0.0.0
 (or ::) binds every interface; decode nodes then tell prefill nodes to hand KV to
 --advertise-host (default: this host's first address). Node links use CURVE keys: a
@@ -109,6 +111,7 @@ SWITCHES = {"--no-http": ("no_http", True), "--no-keys": ("no_keys", True), "--n
             "--enable-auto-tool-choice": ("auto_tool_choice", True), "--allow-json-whitespace": ("json_whitespace", True),
             "--core-sharing": ("no_core_sharing", False), "--no-core-sharing": ("no_core_sharing", True),
             "--no-prefix-caching": ("no_prefix_caching", True), "--no-enable-prefix-caching": ("no_prefix_caching", True),
+            "--access-log": ("no_access_log", False), "--no-access-log": ("no_access_log", True),
             "-h": ("help", True), "--help": ("help", True)}
 PASSED_ON = {"--frontend-arg": "frontend_args", "--prefill-arg": "prefill_args", "--decode-arg": "decode_args"}
 
@@ -238,6 +241,7 @@ def frontend_argv(plan: Plan) -> list[str]:
                    ("tool_call_parser", "--tool-call-parser"), ("logprobs_mode", "--logprobs-mode"),
                    ("disaggregate", "--disaggregate"))
     argv += ["--enable-auto-tool-choice"] * a.auto_tool_choice + ["--allow-json-whitespace"] * a.json_whitespace
+    argv += ["--no-access-log"] * a.no_access_log
     return argv + a.frontend_args
 
 

@@ -15,7 +15,7 @@ from common.runtime.process import HelpFormat
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.keys", description=__doc__,
+    p = argparse.ArgumentParser(prog="pdserve keys", description=__doc__,
                                 formatter_class=HelpFormat)
     p.add_argument("dir", help="the key directory (made if missing)")
     p.add_argument("--nodes", default="prefill-0,decode-0", help="node names, comma-separated")

@@ -124,19 +124,24 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 2, hidden_size: int = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat)
-    p.add_argument("out_dir")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--intermediate-size", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=16)
-    p.add_argument("--vocab-size", type=int, default=512)
-    p.add_argument("--max-position-embeddings", type=int, default=1024)
-    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p = argparse.ArgumentParser(prog="pdserve make-tiny-model", description=__doc__,
+                                formatter_class=HelpFormat)
+    p.add_argument("out_dir", help="the model directory to write (made if missing)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers")
+    p.add_argument("--hidden-size", type=int, default=64, help="the model's width")
+    p.add_argument("--intermediate-size", type=int, default=128, help="the MLP's width")
+    p.add_argument("--heads", type=int, default=4, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
+    p.add_argument("--head-dim", type=int, default=16, help="each head's width")
+    p.add_argument("--vocab-size", type=int, default=512,
+                   help="the tokenizer trained here has this many tokens")
+    p.add_argument("--max-position-embeddings", type=int, default=1024,
+                   help="the model's longest sequence")
+    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True,
+                   help="lm_head shares the embedding's weights")
+    p.add_argument("--seed", type=int, default=0, help="of the random weights")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the dtype the weights are saved in")
     p.add_argument("--max-shard-size", default=None, help="e.g. 100KB: write a sharded checkpoint")
     p.add_argument("--weight-std", type=float, default=0.3,
                    help="std of the layer weights (large enough that greedy output varies)")

@@ -148,10 +148,12 @@ def serve(argv: list[str]) -> int:
 def scale(argv: list[str]) -> int:
     """pdserve scale: add nodes to a cluster `pdserve serve --ray` placed, or drain its
     newest ones (their requests move; none fails), until it has this many."""
-    p = argparse.ArgumentParser(prog="pdserve scale", description=scale.__doc__)
+    from common.runtime.process import HelpFormat   # NOTE: here: it imports torch
+    p = argparse.ArgumentParser(prog="pdserve scale", description=scale.__doc__,
+                                formatter_class=HelpFormat)
     p.add_argument("--endpoint", required=True, help="the cluster's client endpoint (PDSERVE_ENDPOINT)")
-    p.add_argument("--num-prefill", type=int, required=True)
-    p.add_argument("--num-decode", type=int, required=True)
+    p.add_argument("--num-prefill", type=int, required=True, help="prefill nodes wanted in all")
+    p.add_argument("--num-decode", type=int, required=True, help="decode nodes wanted in all")
     p.add_argument("--ray", default="auto", help="the Ray cluster's address")
     p.add_argument("--timeout", type=float, default=300, help="seconds to wait for new nodes")
     a = p.parse_args(argv)

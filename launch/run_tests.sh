@@ -5,7 +5,27 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$PDSERVE_ROOT"
 if ! "$PY" -c "import pytest, openai, matplotlib, lm_eval, tenacity, ray, kubernetes_validate" >/dev/null 2>&1; then
-    echo "[pdserve] installing the test dependencies" >&2
+    _say_installing "the test dependencies (pytest, openai, lm-eval, ray, ...)" ""
     "$PY" -m pip install -q --disable-pip-version-check -e "$PDSERVE_ROOT[test]"
+    _say_installed
+fi
+# AIPerf, the goodput test's client (tests/test_goodput.py), in an environment of its own
+# layered over this one (it sees these packages): its pins (pyzmq, huggingface-hub, pandas)
+# would otherwise replace the versions pdserve runs with. Without a registry the test is skipped.
+_aiperf="$PDSERVE_VENV/tools/aiperf"
+_site_of() { "$1" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }
+_install_aiperf() {
+    "$PY" -m venv "$_aiperf" \
+        && echo "import site; site.addsitedir('$(_site_of "$PY")')" \
+            > "$(_site_of "$_aiperf/bin/python")/_pdserve_base.pth" \
+        && "$_aiperf/bin/python" -m pip install -q --disable-pip-version-check "aiperf==0.13.0"
+}
+if [ ! -x "$_aiperf/bin/aiperf" ]; then
+    _say_installing "aiperf, the goodput test's client, into $_aiperf" ""
+    _install_aiperf >/dev/null 2>&1 || {
+        rm -rf "$_aiperf"
+        echo "[pdserve] aiperf could not be installed here: its test is skipped" >&2
+    }
+    _say_installed
 fi
 exec "$PY" -m pytest -q "$@"

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from common.base.env import read_env
+from common.base.model_dir import check_model_dir
 from launch import cluster_plan
 from launch.cluster_plan import Node, Plan, PlanError
 from launch.leftovers import remove_leftovers
@@ -199,6 +200,44 @@ def _check_ports(host: str, ports: list[int]) -> str | None:
     return None
 
 
+def _memory_refusal(plan: Plan) -> str | None:
+    """Why this host's memory cannot hold its CPU nodes (each loads the weights and its
+    KV cache), or None. Accelerator nodes check their own device as they start."""
+    cpu = [n for n in plan.nodes if n.device == "cpu"]
+    if not cpu:
+        return None
+    # NOTE: here, not above: these import torch, which a bad --model need not wait for
+    from common.base.config import DTYPES, WorkerConfig, parse_bytes, parse_dtype
+    from launch import memory_check
+    a = plan.opts
+    dtype = parse_dtype(a.dtype or "auto") or "float32"
+    if dtype not in DTYPES:
+        return None   # the node says what is wrong with it
+    kv = parse_bytes(a.kv_cache_memory or None) or WorkerConfig.cpu_kv_cache_memory
+    need = {f"the weights in {dtype}, x{len(cpu)} cpu nodes":
+            len(cpu) * memory_check.checkpoint_bytes(plan.model, dtype),
+            f"a KV cache of {memory_check.gib(kv)} each": len(cpu) * kv}
+    return memory_check.refusal(f"{len(cpu)} cpu node(s) of {plan.model}", need,
+                                "start fewer cpu nodes (--num-prefill, --num-decode), give --dtype "
+                                "bfloat16 or a smaller --kv-cache-memory, or put nodes on an "
+                                "accelerator")
+
+
+def _role_warnings(plan: Plan) -> list[str]:
+    """A cluster whose frontend is here but which cannot serve a request yet."""
+    if plan.is_joining:
+        return []   # this host adds nodes to a cluster: the others may be elsewhere
+    roles = {n.role for n in plan.nodes}
+    return [f"no {role} node (--num-{role} 0): every request is refused until one joins from "
+            f"another host (start_cluster.sh --join {plan.node_link})"
+            for role in ("prefill", "decode") if role not in roles]
+
+
+def _threads(num: int) -> str:
+    """As each node's ready line counts them (common/runtime/process.py: describe_threads)."""
+    return f"{num} thread{'s' * (num > 1)}"
+
+
 def _keys(plan: Plan) -> tuple[list[str], str, str]:
     """(--keys args, how links are secured, a temporary key directory to remove or "")."""
     a = plan.opts
@@ -233,8 +272,20 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as e:
         print(f"start_cluster: {e}", file=sys.stderr)
         return 2
-    if not a.model:
-        make_default(plan.model, say)
+    try:   # NOTE: before any process starts: a bad model or a host too small is one line
+        if a.model:
+            check_model_dir(plan.model, needs_tokenizer=not a.join)
+        else:
+            make_default(plan.model, say)
+        why = _memory_refusal(plan)
+    except ValueError as e:
+        print(f"start_cluster: {e}", file=sys.stderr)
+        return 2
+    if why:
+        print(f"start_cluster: {why}", file=sys.stderr)
+        return 1
+    for warning in _role_warnings(plan):
+        say(f"warning: {warning}")
     why = _check_ports(a.host, plan.ports)
     if why:
         print(f"start_cluster: {why}", file=sys.stderr)
@@ -243,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     per = {role: next((plan.threads[n.name] for n in plan.nodes if n.role == role and n.device == "cpu"), 1)
            for role in ("prefill", "decode")}
     shared = " (shared: each up to that, owed its split; --no-core-sharing: fixed)" if plan.core_pools else ""
-    say(f"{cores} cores: each cpu prefill node {per['prefill']} low-priority lane(s), each cpu decode node "
-        f"{per['decode']} thread(s){shared}, {'no frontend here' if a.join else 'the frontend 1'}")
+    frontend = "no frontend here" if a.join else "the frontend 1 thread"
+    say(f"{cores} cores: each cpu prefill node {_threads(per['prefill'])} (low priority), each cpu "
+        f"decode node {_threads(per['decode'])}{shared}, {frontend}")
     remove_leftovers()
     try:
         plan.key_args, links, temp_keys = _keys(plan)

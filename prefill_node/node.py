@@ -19,9 +19,10 @@ from common.wire.channel import BadMessage, Channel, LinkError, Poller
 from common.base.config import PrefillConfig, check_endpoint
 from common.runtime.process import StopEvent, describe_threads
 from common.runtime.node import NodeRuntime
+from common.runtime import report_line
 from common.runtime.prefix_report import PrefixReport
 from common.kv.prefix import PrefixCache
-from common.base.log import Throttle, get_logger
+from common.base.log import IdleQuiet, Throttle, get_logger
 from common.wire.protocol import (FRONTEND_TO_NODE, NodeAbort, NodeReady, NodeSync, NodeSynced,
                                   PrefillRequest, RequestFailed, TokenBatch, TokenUpdate,
                                   ttft_parts)
@@ -45,6 +46,7 @@ class PrefillNode:
         self.compiles = grammar.Compiles(
             lambda: grammar.for_model(cfg.worker.model, self.worker.spec.vocab_size))
         self._last_log = 0.0
+        self.quiet = IdleQuiet()        # the periodic line: while busy, and once as it goes idle
         self._log_tokens = 0
         self._pass_rate: float | None = None   # prompt tokens/s of recent passes (smoothed)
 
@@ -75,7 +77,8 @@ class PrefillNode:
                 parts.callback(self.compiles.close)
                 rt.start(self._send_ready, self.stats, self._is_empty)
                 log.info("ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s",
-                         self.cfg.worker.device, describe_threads(), self.worker.num_kv_blocks,
+                         self.cfg.worker.device, describe_threads(self.worker.num_threads),
+                         self.prefix_cache.capacity,
                          self.worker.token_capacity, self.cfg.token_budget, self.cfg.kv_transfer)
                 while not stop.is_set():
                     # Writes are polled; reservations (which let prompts start), acks (which
@@ -314,9 +317,7 @@ class PrefillNode:
         self.prefix_report.turn()
         if now - self._last_log >= self.cfg.links.log_interval_s:
             elapsed = now - self._last_log if self._last_log else 0.0
-            s = self.stats()
-            log.info("%.0f prompt tok/s | waiting %d (%d for a decode reservation), prefilling %d, "
-                     "pending handoffs %d | free blocks %d/%d", self._log_tokens / elapsed if elapsed else 0.0,
-                     s["num_waiting"], s["num_unreserved"], s["num_prefilling"], s["num_pending_handoffs"],
-                     s["num_free_blocks"], s["num_usable_blocks"])
+            is_busy, line = report_line.prefill(self.stats(), self._log_tokens, elapsed)
+            if self.quiet.says(is_busy):
+                log.info("%s", line)
             self._last_log, self._log_tokens = now, 0

@@ -412,7 +412,7 @@ def test_a_drain_is_refused_to_clients_neither_local_nor_keyed(endpoint, is_keye
         assert isinstance(reply, ErrorReply) and status == 403 and "neither local nor keyed" in reply.error
         assert not node.is_draining and not sent
     else:
-        assert reply == DrainReply("decode-0", 0) and status is None
+        assert reply == DrainReply("decode-0", 0, 0, has_peer=False) and status is None
         assert node.is_draining and [type(m).__name__ for m, _ in sent] == ["Drain"]
     reply, status = asyncio.run(Migrations(fe).on_drain_request("decode-9"))
     assert status == (403 if refused else 404)

@@ -32,6 +32,7 @@ EXAMPLES = [
     p.StatsRequest(),
     p.DrainRequest("decode-1"),
     p.DrainReply("decode-1", 3),
+    p.DrainReply("decode-0", 0, 40, False),
     p.GenerateOutput("r1", [5, 6], "ab", True, "stop", None, {"prompt_tokens": 2}, {"ttft_ms": 1.5}),
     p.OutputBatch([p.GenerateOutput("r1", [5], "a"), p.GenerateOutput("r2", [], "", True, "error", "no")]),
     p.GenerateOutput("r4", [5], "a", logprobs=[TokenLogprobs(-0.5, [5, 9], [-0.5, -9999.0])],

@@ -241,7 +241,8 @@ def test_node_benchmarks_fit_the_model_or_say_why(tiny_model):
              "--rounds", "1", "--device", "cpu", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     record = json.loads(r.stdout.splitlines()[-1])
-    assert record["prompt_len"] == 1024 - 16 and record["floor"] == "matmul rate"
+    assert record["prompt_len"] == 1024 - 16 and record["floor"] == "roofline"
+    assert record["bound"] in ("matmul rate", "memory bandwidth") and "prefill: " in r.stderr
     r = _run(sys.executable, "-m", "launch.bench.decode", "--model", str(tiny_model), "--max-tokens", "5000")
     _one_line_error(r, "--max-tokens 5000 does not fit the model's maximum length")
     r = _run(sys.executable, "-m", "launch.bench.profile", "--model", str(tiny_model), "--batch", "1",

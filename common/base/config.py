@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from common.base.env import read_env
 from common.base.flags import flag
+from common.base.model_dir import check_model_dir  # noqa: F401  (re-exported: its callers' name)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -42,25 +43,6 @@ def parse_dtype(text: str) -> str | None:
 
 def endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-def check_model_dir(path: str, needs_tokenizer: bool = False) -> None:
-    """A local Hugging Face model directory, or a ValueError a user can act on."""
-    d = Path(path)
-    if not d.exists():
-        if re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith((".", "/")):
-            raise ValueError(f"'{path}' looks like a model id, and there is no such directory here: "
-                             f"pdserve loads models from local directories and downloads nothing; "
-                             f"give --model the directory holding config.json and the weights")
-        raise ValueError(f"no model directory at {path}: give --model a directory holding "
-                         f"config.json and the weights")
-    if not (d / "config.json").is_file():
-        raise ValueError(f"{path} has no config.json: give --model a Hugging Face model directory")
-    if needs_tokenizer and not any((d / f).is_file() for f in ("tokenizer.json", "vocab.json",
-                                                               "tokenizer.model")):
-        raise ValueError(f"{path} has no tokenizer files (tokenizer.json, or vocab.json and "
-                         f"merges.txt): the frontend tokenizes prompts with the model's tokenizer; "
-                         f"copy them into the directory")
 
 
 def parse_core_pool(text: str) -> tuple[str, int, int]:
@@ -164,7 +146,8 @@ class NodeLinks:
     dead_after_s: float = field(default=3.0, metadata=flag(
         "--dead-after", "seconds of silence after which a node is taken for dead"))
     max_message_bytes: int = 16 * 2**20  # control and client messages
-    log_interval_s: float = 10.0
+    # the periodic lines' interval (PDSERVE_LOG_INTERVAL)
+    log_interval_s: float = field(default_factory=lambda: read_env().log_interval_s)
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s < self.dead_after_s:

@@ -13,6 +13,8 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Env:
     log_level: str            # PDSERVE_LOG_LEVEL: DEBUG, INFO (default), WARNING
+    log_interval_s: float     # PDSERVE_LOG_INTERVAL: seconds between a busy process's periodic
+                              # lines (default 10)
     home: Path                # PDSERVE_HOME: cache for the generated tiny model and built kernels
     disable_triton: bool      # PDSERVE_DISABLE_TRITON=1: portable kernels on CUDA too
     disable_graphs: bool      # PDSERVE_DISABLE_GRAPHS=1: eager decode on CUDA
@@ -22,9 +24,19 @@ class Env:
                               # removes them as it exits (also when its launcher was killed)
 
 
+def _seconds(text: str | None, default: float) -> float:
+    """A positive number of seconds, or the default (unset, or not such a number)."""
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        return default
+    return value if 0 < value < float("inf") else default
+
+
 def read_env() -> Env:
     return Env(
         log_level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper(),
+        log_interval_s=_seconds(os.environ.get("PDSERVE_LOG_INTERVAL"), 10.0),
         home=Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve")),
         disable_triton=os.environ.get("PDSERVE_DISABLE_TRITON", "0") == "1",
         disable_graphs=os.environ.get("PDSERVE_DISABLE_GRAPHS", "0") == "1",

@@ -1,4 +1,6 @@
-"""One logging setup for every process: role-tagged, timestamped lines on stderr."""
+"""One logging setup for every process: timestamped lines on stderr, each carrying the
+process's name (a node's --name, "frontend"), so the lines of two nodes of one role
+can be told apart in one log."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +11,31 @@ from common.base.env import read_env
 
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+ROLES = ("frontend", "prefill", "decode")   # a process's own loggers; the rest are its parts
+_name: str | None = None   # this process's name, once set_name has said it
+
+
+def set_name(name: str | None) -> None:
+    """The name on every line this process logs from now on: a node's --name, or
+    "frontend". Before it is said (or in a test's own process) a line carries its
+    logger's role."""
+    global _name
+    _name = name or None
+
+
+class _Format(logging.Formatter):
+    """`HH:MM:SS.mmm NAME LEVEL message`; NAME is the process's, with the part that
+    logged after a slash where that is not the process's role (decode-0/transfer)."""
+
+    def __init__(self, role: str):
+        super().__init__("%(asctime)s.%(msecs)03d %(who)s %(levelname)s %(message)s", "%H:%M:%S")
+        self.role = role
+
+    def format(self, record: logging.LogRecord) -> str:
+        who = self.role if _name is None else \
+            _name if self.role in ROLES else f"{_name}/{self.role}"
+        record.who = f"{who:<9}"
+        return super().format(record)
 
 
 class _Stderr(logging.StreamHandler):
@@ -34,8 +61,7 @@ def get_logger(role: str) -> logging.Logger:
     logger = logging.getLogger(f"pdserve.{role}")
     if not logger.handlers:
         handler = _Stderr()
-        handler.setFormatter(logging.Formatter(
-            f"%(asctime)s.%(msecs)03d {role:<8} %(levelname)s %(message)s", "%H:%M:%S"))
+        handler.setFormatter(_Format(role))
         logger.addHandler(handler)
         logger.propagate = False
     return logger
@@ -50,6 +76,19 @@ def set_level(level: str | None) -> None:
     """Every pdserve logger's level (they inherit it from their parent)."""
     if level:
         logging.getLogger("pdserve").setLevel(level)
+
+
+class IdleQuiet:
+    """Whether a periodic line is said: every time while its process works, once more as
+    it becomes idle, then not until work comes again, so an idle cluster's log stays
+    still (and a process that starts idle says nothing)."""
+
+    def __init__(self) -> None:
+        self.was_busy = False
+
+    def says(self, is_busy: bool) -> bool:
+        said, self.was_busy = is_busy or self.was_busy, is_busy
+        return said
 
 
 class Throttle:

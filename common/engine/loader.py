@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from common.base.log import get_logger
 from common.base.model_spec import ModelSpec
 from common.engine.qwen3 import LayerWeights, Qwen3Weights
+
+
+log = get_logger("loader")
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -23,12 +28,21 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model_dir: str | Path, spec: ModelSpec, device, dtype) -> Qwen3Weights:
+    """Every shard is read in turn, and each says its size and time as it is read (a large
+    model takes minutes: the log shows it moving)."""
     model_dir = Path(model_dir)
     raw: dict[str, torch.Tensor] = {}
-    for path in _checkpoint_files(model_dir):
+    files = _checkpoint_files(model_dir)
+    started = time.perf_counter()
+    for i, path in enumerate(files):
+        t0 = time.perf_counter()
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 raw[name.removeprefix("model.")] = f.get_tensor(name)
+        size = path.stat().st_size
+        log.info("read weights %d/%d (%s): %s in %.1fs", i + 1, len(files), path.name,
+                 f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB",
+                 time.perf_counter() - t0)
 
     def take(name: str) -> torch.Tensor:
         if name not in raw:
@@ -59,4 +73,7 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, device, dtype) -> Qwen3
     else:
         raw.pop("lm_head.weight", None)
         lm_head = embed
-    return Qwen3Weights(embed=embed, layers=layers, norm=take("norm.weight"), lm_head=lm_head)
+    weights = Qwen3Weights(embed=embed, layers=layers, norm=take("norm.weight"), lm_head=lm_head)
+    log.info("weights on %s in %s: %.1fs in all", device, str(dtype).removeprefix("torch."),
+             time.perf_counter() - started)
+    return weights

@@ -99,7 +99,7 @@ class DeviceWorker:
         self.decode = DecodeBatch(self.model, self.block_size, cfg.max_batch_size, self.max_blocks_per_seq,
                                   self.platform, self.h2d, self.spec.eos_token_ids)
         self.is_step_queued = not self.platform.is_host   # else a step runs in its launch: nothing overlaps it
-        cap = torch.get_num_threads()
+        cap = self.num_threads = torch.get_num_threads()   # what this node may use, all told
         if cfg.core_pool and self.platform.is_host:
             name, budget, share = parse_core_pool(cfg.core_pool)
             self.cores = CorePool(name, budget, min(share, cap), cap, torch.set_num_threads)

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 from common.base.log import get_logger
 from common.handoff.lease import INF
-from common.handoff.states import DATA, DecodePeer, Link
+from common.handoff.states import DATA, DecodePeer, Link, Stage
 from common.kv.blocks import is_cache_shape, num_cache_blocks
 from common.transfer import KVWriter, TransferError
 from common.wire.protocol import DECODE_TO_PREFILL, KVHello, KVTransfer, KVWelcome
@@ -24,6 +24,22 @@ from common.wire.protocol import DECODE_TO_PREFILL, KVHello, KVTransfer, KVWelco
 log = get_logger("prefill")
 HELLO_EVERY_S = 1.0
 MAX_FRAMES_QUEUED = 2    # on the data connection, besides the one going out
+
+
+def say_reset(what: str, act: str, handoffs: list, is_data: bool) -> None:
+    """A link made again (reset or dropped). A decode node that restarted (after a drain,
+    say) is met at most by asks, which are simply asked again: nothing for an operator to
+    do. Handoffs under way (past their ask; on the data connection, writing or written)
+    are asked again or fail over; resets that cut them and recur point at the network."""
+    if is_data:
+        cut = [h for h in handoffs if h.stage in (Stage.WRITING, Stage.WRITTEN, Stage.COMMITTED)]
+    else:
+        cut = [h for h in handoffs if h.stage is not Stage.ASKING]
+    if cut:
+        log.warning("%s: %s %d handoffs (%d under way); if this recurs, check the network "
+                    "between the nodes", what, act, len(handoffs), len(cut))
+    else:
+        log.info("%s: %s %d handoffs, none under way", what, act, len(handoffs))
 
 
 class KVLinks:

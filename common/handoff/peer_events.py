@@ -10,11 +10,9 @@ so the handoffs that sent any fail now (retryable) and release, rather than wait
 their lease."""
 from __future__ import annotations
 
-from common.base.log import get_logger
+from common.handoff.links import say_reset
 from common.handoff.states import DecodePeer, Stage
 from common.wire.protocol import KVWelcome
-
-log = get_logger("prefill")
 
 
 def on_restart(tx, peer: DecodePeer, w: KVWelcome) -> None:
@@ -42,8 +40,7 @@ def on_reconnect(tx, peer: DecodePeer, is_data: bool = False) -> None:
     tx.num_link_resets += 1
     handoffs = [h for h in tx.by_id.values() if h.peer is peer]
     what, act = ("link's data connection", "checking") if is_data else ("link", "asking again for")
-    log.warning("the KV %s to %s was made again (reset or dropped): %s %d handoffs", what, peer.name, act,
-                len(handoffs))
+    say_reset(f"the KV {what} to {peer.name} was made again", act, handoffs, is_data)
     now = tx.clock()
     for h in handoffs:
         if is_data:

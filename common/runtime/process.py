@@ -12,7 +12,7 @@ import threading
 from common.wire.channel import LinkError
 from common.base.config import WorkerConfig
 from common.base.flags import add_flags, flagged
-from common.base.log import add_log_level_arg, set_level
+from common.base.log import add_log_level_arg, set_level, set_name
 
 
 class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -90,20 +90,24 @@ def keep_freed_memory() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1)
 
 
-def describe_threads() -> str:
-    """'1 torch thread on cores 0-1', for a process's start-up line."""
+def describe_threads(num: int | None = None) -> str:
+    """'2 threads on cores 0-1', for a process's start-up line. num: the threads its work
+    may use where that is not torch's pool (a CPU node's lanes, or its cap in a core
+    pool: the launcher's count for it)."""
     import torch
-    num = torch.get_num_threads()
+    num = torch.get_num_threads() if num is None else num
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     where = f"cores {cores[0]}-{cores[-1]}" if cores and cores == list(range(cores[0], cores[-1] + 1)) \
         else f"cores {','.join(map(str, cores))}" if cores else f"{os.cpu_count()} cores"
-    return f"{num} torch thread{'s' * (num > 1)} on {where}"
+    return f"{num} thread{'s' * (num > 1)} on {where}"
 
 
 def worker_config(a: argparse.Namespace, is_host_device: bool) -> WorkerConfig:
     """The worker config from parsed options (is_host_device: the device's memory is the
-    host's, its platform says): ValueError names what is wrong."""
+    host's, its platform says): ValueError names what is wrong. From here on the process's
+    log lines carry the node's name (--name)."""
     set_level(a.log_level)
+    set_name(getattr(a, "name", None))
     apply_threads(a.threads, a.cpus, is_host_device)
     if is_host_device:
         keep_freed_memory()

@@ -120,6 +120,8 @@ class DrainReply:
     TYPE: ClassVar[str] = "drain_reply"
     node: str
     num_moved: int        # requests it held that are moving to other nodes
+    num_staying: int = 0  # requests it held that finish there (no other node can take them)
+    has_peer: bool = True   # another live node of its role takes what it would have been sent
 
 
 @dataclass

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import torch
 
 from common.wire.codec import dtype_name
 from common.wire.channel import node_tag, BadMessage, Channel, Poller, open_context
-from common.base.config import DTYPES, endpoint
+from common.base.config import DTYPES, endpoint, parse_bytes
 from common.wire.keys import ClusterKeys
 from common.kv.blocks import num_blocks_for
 from common.base.model_spec import ModelSpec, load_spec, preset_spec
@@ -23,8 +25,13 @@ from common.engine.platform import check_device
 from common.wire.protocol import (HandoffAck, Heartbeat, ReadyReply, KVTransfer, KVCommit, KVHello, KVReserve,
                              KVReserved, KVWelcome, NodeReady)
 from common.transfer import host_id
+from decode_node.scheduler import WATERMARK
+from launch import memory_check
+# NOTE: re-exported: the benchmarks' names for them
+from launch.bench.floors import matmul_params, measure_floors, sync  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
+HANDOFF_WAIT_S = 120.0   # for a reservation the stand-in prefill node asks for
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -32,11 +39,16 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="a Hugging Face Qwen3 directory")
     g.add_argument("--shape", help="a preset shape with random weights made on the device, "
                                    "e.g. qwen3-0.6b or qwen3-14b")
-    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="default: bfloat16 on accelerators, float32 on cpu")
-    p.add_argument("--kv-cache-memory", default=None)
-    p.add_argument("--base-port", type=int, default=5700)
-    p.add_argument("--baseline", choices=["none", "transformers"], default="none")
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
+                   help="where the node runs: cpu, cuda:N or npu:N")
+    p.add_argument("--dtype", default=None,
+                   help="default: bfloat16 on accelerators, float32 on cpu")
+    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help="the node's KV cache, e.g. 2GiB (default: what the benchmark needs)")
+    p.add_argument("--base-port", type=int, default=5700,
+                   help="the node's links take this port and the next two")
+    p.add_argument("--baseline", choices=["none", "transformers"], default="none",
+                   help="also time transformers' model of the same shape, in this process")
     p.add_argument("--node-log", default=None, help="file for the node's log (default: discard)")
     p.add_argument("--node-arg", action="append", default=[],
                    help="one more flag for the node, e.g. --node-arg=--threads=1 (repeatable)")
@@ -68,66 +80,45 @@ def fit_len(given: int | None, default: int, room: int, flag: str) -> int:
     return given
 
 
+def kv_budget(a: argparse.Namespace, spec: ModelSpec, elem: int, num_tokens: list[int],
+              block_size: int) -> int:
+    """The KV cache the node is given: --kv-cache-memory, or blocks for num_tokens (each
+    sequence's length at most), what a decode node keeps free, the null block and a block
+    of slack per sequence, in whole MiB."""
+    if a.kv_cache_memory:
+        return parse_bytes(a.kv_cache_memory)
+    held = sum(num_blocks_for(n, block_size) for n in num_tokens)
+    # NOTE: a decode node admits only while WATERMARK of its blocks stays free
+    blocks = math.ceil(held / (1 - WATERMARK)) + 2 + len(num_tokens)
+    need = blocks * block_size * spec.kv_bytes_per_token(elem)
+    return -(-need // 2**20) * 2**20
+
+
+def check_memory(a: argparse.Namespace, spec: ModelSpec, elem: int, kv_bytes: int,
+                 baseline_bytes: int = 0) -> None:
+    """Exit with one line, before anything loads, where the device cannot hold the node's
+    weights and KV cache (and the baseline's model, asked for)."""
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        have = torch.cuda.mem_get_info(device)[0]
+    elif device.type == "cpu":
+        have = memory_check.available_bytes()
+    else:
+        return   # the node checks its own device
+    need = {f"the weights ({elem} bytes each)": spec.num_params() * elem, "the KV cache": kv_bytes}
+    if baseline_bytes:
+        need["the transformers baseline"] = baseline_bytes
+    why = memory_check.refusal(f"{a.model or a.shape} on {a.device}", need,
+                               "try a smaller shape, --dtype bfloat16, fewer or smaller batches, "
+                               "or another --device", have)
+    if why:
+        raise SystemExit(f"{Path(sys.argv[0]).stem}: {why}")
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
     return device
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure_floors(device_str: str, dtype: torch.dtype) -> dict:
-    """Memory bandwidth (a large device copy, bytes read + written) and the dense
-    matmul rate (8192^3, 1024^3 on a host, in the model dtype), each the best of several runs."""
-    device = torch.device(device_str)
-    n = (1 << 30) if device.type == "cuda" else (1 << 26)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(8):
-        sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    bandwidth = 2 * n / best
-    del src, dst
-    m = 8192 if device.type == "cuda" else 1024
-    # NOTE: a host without bf16 matrix units multiplies bf16 weights fastest widened to
-    # fp32: the floor is the better of the two rates this machine has.
-    dtypes = [dtype] if device.type == "cuda" or dtype == torch.float32 else [dtype, torch.float32]
-    rates = {dtype_name(dt): _matmul_rate(device, dt, m) for dt in dtypes}
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    # NOTE: three significant figures, not one decimal: a busy 2-core CPU does about
-    # 0.04 TFLOP/s, which one decimal rounds to 0 (and a floor to a division by zero).
-    return {"bandwidth_GBps": float(f"{bandwidth / 1e9:.3g}"),
-            "matmul_TFLOPs": float(f"{max(rates.values()):.3g}"),
-            "matmul_TFLOPs_by_dtype": {k: float(f"{v:.3g}") for k, v in rates.items()}}
-
-
-def _matmul_rate(device: torch.device, dtype: torch.dtype, m: int) -> float:
-    """TFLOP/s of an m^3 matmul in dtype, the best of 8."""
-    a = torch.randn(m, m, device=device, dtype=dtype)
-    b = torch.randn(m, m, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(8):
-        sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * m ** 3 / best / 1e12
-
-
-def matmul_params(spec: ModelSpec) -> int:
-    """Weights that take part in a token's matmuls (the embedding lookup does not)."""
-    per_layer = spec.hidden_size * (spec.q_size + 2 * spec.kv_size) + spec.q_size * spec.hidden_size \
-        + 3 * spec.hidden_size * spec.intermediate_size
-    return spec.num_layers * per_layer + spec.vocab_size * spec.hidden_size
 
 
 def hf_model(spec: ModelSpec, device: str, dtype: torch.dtype):
@@ -172,7 +163,10 @@ class NodeUnderTest:
         if keys_dir:
             args = [*args, "--keys", keys_dir]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        out = open(log, "ab") if log else subprocess.DEVNULL
+        # NOTE: without --node-log the node's output still goes to a file of ours, so a node
+        # that exits can be quoted (its last line says why), and the file goes at close.
+        self.log_file = open(log, "a+b") if log else tempfile.TemporaryFile()
+        out = self.log_file
         cmd = [*prefix, sys.executable, "-m", module, *args, "--frontend", self.node_endpoint]
         if not kv_is_router:
             cmd += ["--kv-bind", self.kv_endpoint]
@@ -201,7 +195,8 @@ class NodeUnderTest:
                     self.last_stats, self.last_stats_at = msg.stats, time.perf_counter()
                 out.append((ch, sender, msg))
         if self.proc.poll() is not None:
-            raise RuntimeError(f"the node exited with code {self.proc.returncode}")
+            raise RuntimeError(f"the node exited with code {self.proc.returncode}"
+                               f"{self._last_words()}")
         return out
 
     def wait_ready(self, timeout_s: float = 900) -> None:
@@ -212,7 +207,10 @@ class NodeUnderTest:
             self.poll(0.1)
 
     def next_heartbeat(self, after: float) -> tuple[float, dict]:
+        deadline = time.monotonic() + max(after - time.perf_counter(), 0) + HANDOFF_WAIT_S
         while self.last_stats_at <= after:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the node sent no heartbeat for {HANDOFF_WAIT_S:.0f}s")
             self.poll(0.05)
         return self.last_stats_at, dict(self.last_stats)
 
@@ -238,26 +236,60 @@ class NodeUnderTest:
             return msg
         return None
 
-    def hand_off(self, request_id: str, prompt_len: int, first_token: int, params,
-                 kv: torch.Tensor) -> None:
-        """As a prefill node: reserve blocks on the decode node, write kv into them
-        as tcp frames, commit."""
-        while True:
-            self.kv.send(KVReserve(request_id, prompt_len, params.max_tokens))
-            reply = None
-            while reply is None:
-                got = [m for ch, _, m in self.poll(0.05) if ch is self.kv]
-                reply = next((m for m in got if isinstance(m, KVReserved)
-                              and m.request_id == request_id), None)
-            if reply.block_ids is not None or not reply.is_retryable:
-                break
-            time.sleep(0.05)   # the decode node is full for now
-        if reply.block_ids is None:
-            raise RuntimeError(f"decode node refused {request_id}: {reply.reason}")
-        self.kv.send(KVTransfer(request_id, reply.reservation, "tcp", {"first_layer": 0},
+    def hand_off(self, requests: list[tuple[str, int]], prompt_len: int, params,
+                 kv: torch.Tensor) -> list[tuple[Channel, bytes | None, object]]:
+        """As a prefill node with many prompts ready at once: ask the decode node to
+        reserve blocks for every (request id, first token) of requests, write kv into each
+        grant as tcp frames and commit it as its answer comes. Returns the other messages
+        that came meanwhile (the decode node's steps), in order.
+        NOTE: all asks go out together: asked one at a time, each answer waits for a step,
+        and at a large batch the first requests would finish before the last joined."""
+        first_token = dict(requests)
+        waiting = set(first_token)
+        asked_at: dict[str, float] = {}
+        wait_s = HANDOFF_WAIT_S + 2 * len(requests)
+        deadline = time.monotonic() + wait_s
+        other = []
+        while waiting:
+            now = time.monotonic()
+            if now > deadline:
+                raise RuntimeError(f"the decode node reserved no room for {len(waiting)} requests "
+                                   f"within {wait_s:.0f}s: give a larger --kv-cache-memory")
+            for rid in waiting:   # asked again after a refusal for now, or to keep a queued place
+                if now - asked_at.get(rid, -1e9) > 1.0:
+                    self.kv.send(KVReserve(rid, prompt_len, params.max_tokens))
+                    asked_at[rid] = now
+            for ch, sender, msg in self.poll(0.05):
+                if ch is not self.kv:
+                    other.append((ch, sender, msg))
+                elif isinstance(msg, KVReserved) and msg.request_id in waiting:
+                    if msg.block_ids is not None:
+                        waiting.discard(msg.request_id)
+                        token = first_token[msg.request_id]
+                        self._write_and_commit(msg, prompt_len, token, params, kv)
+                    elif not msg.is_retryable:
+                        raise RuntimeError(f"decode node refused {msg.request_id}: {msg.reason}")
+                    elif not msg.is_queued:   # full for now: ask again soon
+                        asked_at[msg.request_id] = time.monotonic() - 0.95
+        return other
+
+    def _write_and_commit(self, reply: KVReserved, prompt_len: int, first_token: int, params,
+                          kv: torch.Tensor) -> None:
+        rid = reply.request_id
+        self.kv.send(KVTransfer(rid, reply.reservation, "tcp", {"first_layer": 0},
                                 kv[:, :, : len(reply.block_ids)].contiguous()))
-        self.kv.send(KVCommit(request_id, prompt_len, first_token, params, {}, "tcp", [1] * prompt_len,
+        self.kv.send(KVCommit(rid, prompt_len, first_token, params, {}, "tcp", [1] * prompt_len,
                               reply.reservation, kv.shape[0]))
+
+    def _last_words(self) -> str:
+        """': ' and the last line the node wrote, or nothing."""
+        try:
+            f = self.log_file
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+        except OSError:
+            return ""
+        return f": {lines[-1].strip()}" if lines else ""
 
     def close(self) -> None:
         self.proc.terminate()
@@ -269,15 +301,19 @@ class NodeUnderTest:
         self.kv.close()
         self.ctx.term()
         self.kv_ctx.term()
+        self.log_file.close()
 
 
-def worker_args(a: argparse.Namespace, max_batch: int, max_model_len: int) -> list[str]:
+def worker_args(a: argparse.Namespace, max_batch: int, max_model_len: int,
+                kv_bytes: int | None = None) -> list[str]:
+    """The node's options; kv_bytes: its KV cache (else --kv-cache-memory, else its default)."""
     args = ["--model", a.model] if a.model else ["--shape", a.shape]
-    args += ["--device", a.device, "--max-batch-size", str(max_batch), "--max-model-len", str(max_model_len)]
+    args += ["--device", a.device, "--max-batch-size", str(max_batch),
+             "--max-model-len", str(max_model_len)]
     if a.dtype:
         args += ["--dtype", a.dtype]
-    if a.kv_cache_memory:
-        args += ["--kv-cache-memory", a.kv_cache_memory]
+    if kv_bytes or a.kv_cache_memory:
+        args += ["--kv-cache-memory", str(kv_bytes or a.kv_cache_memory)]
     return args + a.node_arg
 
 

@@ -131,15 +131,17 @@ def default_model() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser("bench layerwise", description=__doc__, formatter_class=HelpFormat)
+    p = argparse.ArgumentParser("pdserve bench layerwise", description=__doc__,
+                                formatter_class=HelpFormat)
     p.add_argument("--model", help="a Qwen3 directory (default: the 8-layer shape above, made once)")
     p.add_argument("--rate-mbit", type=float, default=200.0, help="host a's link rate")
     p.add_argument("--burst", default=BURST, help="the link's token bucket (tc tbf burst)")
-    p.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1024, 2048])
+    p.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[256, 1024, 2048], help="comma-separated: one run each")
     p.add_argument("--num-requests", type=int, default=5, help="per prompt length and mode")
     p.add_argument("--kv-transfer", default="tcp", help="the backend between the hosts")
     p.add_argument("--modes", default="off,on", help="--kv-layerwise values, in order")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="of the prompts")
     p.add_argument("--cluster-arg", action="append", default=[],
                    help="passed to start_cluster.sh on both hosts (repeat: --cluster-arg=--prefill-arg ...)")
     p.add_argument("--client", help=argparse.SUPPRESS)

@@ -79,14 +79,14 @@ async def _load(endpoint: str, a, vocab: int, kill_pid: int | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.bench.migration", description=__doc__,
+    p = argparse.ArgumentParser(prog="pdserve bench migration", description=__doc__,
                                 formatter_class=HelpFormat)
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load per run")
     p.add_argument("--concurrency", type=int, default=16, help="streams kept going")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens of each prompt")
+    p.add_argument("--output-len", type=int, default=128, help="tokens each request generates")
     p.add_argument("--model", default=None, help="default: the tiny model start_cluster makes")
-    p.add_argument("--base-port", type=int, default=5800)
+    p.add_argument("--base-port", type=int, default=5800, help="the cluster's base port")
     a = p.parse_args(argv)
     args = ["--num-decode", "2", "--no-http", "--base-port", str(a.base_port),
             *(["--model", a.model] if a.model else [])]

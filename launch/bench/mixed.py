@@ -111,13 +111,14 @@ def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser("bench mixed", description=__doc__, formatter_class=HelpFormat)
+    p = argparse.ArgumentParser("pdserve bench mixed", description=__doc__,
+                                formatter_class=HelpFormat)
     p.add_argument("--model", help="a Qwen3 directory (default: bench layerwise's 8-layer shape, made once)")
     p.add_argument("--rate-mbit", type=float, default=200.0, help="host a's link rate")
     p.add_argument("--burst", default=layerwise.BURST, help="the link's token bucket (tc tbf burst)")
-    p.add_argument("--long-len", type=int, default=2048)
+    p.add_argument("--long-len", type=int, default=2048, help="tokens of a long prompt")
     p.add_argument("--long-tokens", type=int, default=64, help="max_tokens of a long prompt")
-    p.add_argument("--short-len", type=int, default=32)
+    p.add_argument("--short-len", type=int, default=32, help="tokens of a short prompt")
     p.add_argument("--short-tokens", type=int, default=16, help="max_tokens of a short prompt")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per mode")
     p.add_argument("--long-every", type=float, default=2.0, help="seconds between long prompts")
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="always,auto", help="--disaggregate values, in order")
     p.add_argument("--kv-layerwise", default="auto", help="on both hosts")
     p.add_argument("--kv-transfer", default="tcp", help="the backend between the hosts")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="of the prompts and arrivals")
     p.add_argument("--cluster-arg", action="append", default=[],
                    help="passed to start_cluster.sh on both hosts (repeat: --cluster-arg=--prefill-arg ...)")
     p.add_argument("--client", help=argparse.SUPPRESS)

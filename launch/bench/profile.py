@@ -19,11 +19,13 @@ from launch.bench.common import fit_len, resolve
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat)
+    p = argparse.ArgumentParser(prog="pdserve bench profile", description=__doc__,
+                                formatter_class=HelpFormat)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--shape", default=None, help="a preset shape (default: qwen3-0.6b)")
     g.add_argument("--model", default=None, help="a Hugging Face Qwen3 directory")
-    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda:N or npu:N")
     p.add_argument("--batch", type=int, default=8, help="prompts in the prefill and rows in decode")
     p.add_argument("--prompt-len", type=int, default=None,
                    help="default: 1024, or what the model's length allows")

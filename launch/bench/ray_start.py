@@ -65,8 +65,8 @@ def _stop(p: subprocess.Popen) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench ray-start", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--num-decode", type=int, default=2)
+    p.add_argument("--runs", type=int, default=3, help="starts of each kind, alternating")
+    p.add_argument("--num-decode", type=int, default=2, help="decode nodes per cluster")
     p.add_argument("--model", default="", help="default: the tiny model start_cluster.sh makes")
     p.add_argument("--port", type=int, default=6390, help="the Ray head's port")
     a = p.parse_args(argv)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from launch.bench.table import cell, table
+
 
 @dataclass
 class Outcome:
@@ -54,8 +56,8 @@ def summarize(outcomes: list[Outcome], duration_s: float, rate: float, slo: dict
         return (o.ttft_s is not None and o.ttft_s * 1e3 <= slo.get("ttft_ms", float("inf"))
                 and (o.tpot_s is None or o.tpot_s * 1e3 <= slo.get("tpot_ms", float("inf")))
                 and (o.ended_at - o.sent_at) * 1e3 <= slo.get("e2e_ms", float("inf")))
-    parts = {p: statistics.median(vals) if (vals := [o.parts[p] for o in ok if p in o.parts]) else None
-             for p in PARTS}
+    parts = {p: round(statistics.median(vals), 3)
+             if (vals := [o.parts[p] for o in ok if p in o.parts]) else None for p in PARTS}
     errors = sorted({o.error for o in outcomes if o.error})
     return {
         "request_rate": "inf" if rate == float("inf") else rate, "num_requests": len(outcomes),
@@ -102,9 +104,30 @@ def samples(outcomes: list[Outcome]) -> dict:
             "tpot_ms": [round(o.tpot_s * 1e3, 3) for o in ok if o.tpot_s is not None]}
 
 
+def table_of(records: list[dict]) -> str:
+    """Every rate of a sweep, one row each, as vLLM's and SGLang's benchmarks sum a run up."""
+    rows = []
+    for r in records:
+        ttft, tpot, itl, e2e = r["ttft_ms"], r["tpot_ms"], r["itl_ms"], r["e2e_ms"]
+        rows.append([str(r["request_rate"]), f"{r['completed']}/{r['num_requests']}",
+                     str(r["errors"]), cell(r["request_throughput"], 2),
+                     cell(r["output_tokens_per_s"]),
+                     cell(r["goodput"], 2), cell(ttft["median"]), cell(ttft["p99"]),
+                     cell(tpot["median"], 2), cell(tpot["p99"], 2), cell(itl["median"], 2),
+                     cell(e2e["median"])])
+    first = records[0]
+    notes = [f"goodput: requests/s meeting {first['slo']}" if first.get("slo") else
+             "goodput: give --slo ttft_ms=...,tpot_ms=... to count the requests that meet it"]
+    return table(f"serving: {first['model']} over {first['interface']} ({first['target']}), input "
+                 f"{first['input_len']}, output {first['output_len']}; latencies in ms",
+                 ["rate", "done", "errors", "req/s", "out tok/s", "goodput", "TTFT p50", "TTFT p99",
+                  "TPOT p50", "TPOT p99", "ITL p50", "E2E p50"], rows, notes)
+
+
 def plot(path: str, records: list[dict]) -> None:
-    """Latency percentiles against achieved throughput across the sweep (the knee),
-    and the TTFT and TPOT distributions at each rate. records: as --save-json
+    """Latency percentiles against achieved throughput across the sweep (the knee), on a
+    log axis with each point labelled by the rate offered (a burst's rate is what it
+    achieved), and the TTFT and TPOT distributions at each rate. records: as --save-json
     writes them, each with its "samples"."""
     import matplotlib
     matplotlib.use("Agg")
@@ -114,7 +137,14 @@ def plot(path: str, records: list[dict]) -> None:
     for ax, key, title in ((axes[0][0], "ttft_ms", "TTFT"), (axes[0][1], "tpot_ms", "TPOT")):
         for stat, style in (("median", "o-"), ("p90", "s--"), ("p99", "^:")):
             ax.plot(x, [r[key][stat] for r in records], style, label=stat)
-        ax.set(xlabel="achieved requests/s", ylabel=f"{title} (ms)", title=f"{title} against throughput")
+        for r, at in zip(records, x):   # each point: the rate it was offered
+            if r[key]["median"] is not None and at > 0:
+                label = "all at once" if r["request_rate"] == "inf" else f"{r['request_rate']:g}/s"
+                ax.annotate(label, (at, r[key]["median"]), textcoords="offset points",
+                            xytext=(4, 6), fontsize=8)
+        ax.set_xscale("log")
+        ax.set(xlabel="achieved requests/s (log)", ylabel=f"{title} (ms)",
+               title=f"{title} against throughput")
         ax.grid(alpha=0.3)
         ax.legend()
     for ax, key, title in ((axes[1][0], "ttft_ms", "TTFT"), (axes[1][1], "tpot_ms", "TPOT")):

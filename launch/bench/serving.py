@@ -1,4 +1,4 @@
-"""End-to-end serving benchmark against a running cluster, as a user measures it:
+r"""End-to-end serving benchmark against a running cluster, as a user measures it:
 requests arrive at a rate, and what counts is what the client sees.
 
     pdserve bench --endpoint tcp://127.0.0.1:5600 --input-len 1024 --output-len 128 \
@@ -13,12 +13,14 @@ two interfaces can be compared on one cluster.
 Workloads: random token ids (--input-len / --output-len, spread by --range-ratio)
 or a JSONL file of {"prompt": str} or {"prompt_token_ids": [...]} lines, each with
 an optional "output_len". Arrivals: Poisson at each --request-rate (inf: all at
-once), at most --max-concurrency in flight. One JSON line per rate: request and
+once), at most --max-concurrency in flight. One JSON line per rate on stdout, and a
+table of every rate on stderr once the sweep is done: request and
 token throughput; mean / median / p90 / p99 of TTFT, TPOT, ITL and end-to-end
 latency (ms); goodput under --slo; errors; and the medians of the cluster's own
 TTFT parts (queue, prefill, KV transfer, decode admission); the frontend's CPU
 time per streamed token (all it did meanwhile, other clients included). Over
-ZeroMQ also the mean prefill and decode batches.
+ZeroMQ also the mean prefill and decode batches. --plot draws latency against the
+achieved rate on a log axis, each point labelled with the rate offered.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ from pathlib import Path
 
 from common.runtime.process import HelpFormat
 from frontend.client import AsyncClient
-from launch.bench.report import PARTS, Outcome, cluster_record, plot, samples, summarize
+from launch.bench.report import PARTS, Outcome, cluster_record, plot, samples, summarize, table_of
+from launch.bench.table import show
 
 @dataclass
 class Job:
@@ -63,7 +66,7 @@ def make_jobs(a: argparse.Namespace, vocab_size: int, rng: random.Random, prefix
                 n = int(d.get("output_len", a.output_len))
                 jobs.append(Job(d.get("prompt"), d.get("prompt_token_ids"), n, max(n, a.max_tokens or 0)))
         if not jobs:
-            raise SystemExit(f"bench_serving: {a.dataset} holds no prompts")
+            raise SystemExit(f"pdserve bench: {a.dataset} holds no prompts")
         return [Job(**{**vars(jobs[i % len(jobs)]), "extra": a.extra}) for i in range(num)]
 
     def spread(n: int) -> int:
@@ -250,20 +253,25 @@ async def open_target(a: argparse.Namespace):
             try:
                 async with session.get(url + "/health") as r:
                     if r.status != 200:
-                        raise SystemExit(f"bench_serving: {url}/health says {r.status}: no live "
+                        raise SystemExit(f"pdserve bench: {url}/health says {r.status}: no live "
                                          f"prefill/decode pair")
                 async with session.get(url + "/v1/models") as r:
                     card = (await r.json())["data"][0]
             except aiohttp.ClientError as e:
-                raise SystemExit(f"bench_serving: nothing answers at {url}: {e}") from None
+                raise SystemExit(f"pdserve bench: nothing answers at {url}: {e}") from None
             model = {"name": card["id"], "vocab_size": card.get("vocab_size"),
                      "max_model_len": card.get("max_model_len")}
             yield HttpTarget(url, card["id"], session), model, None
         return
     async with AsyncClient(a.endpoint, idle_timeout_s=a.request_timeout) as client:
+        try:
+            await client.connect()   # NOTE: a few seconds, one line: not a traceback
+        except TimeoutError as e:
+            raise SystemExit(f"pdserve bench: {e}") from None
         stats = await client.stats(timeout_s=10)
         if not stats.is_ready:
-            raise SystemExit(f"bench_serving: the cluster at {a.endpoint} has no live prefill/decode pair")
+            raise SystemExit(f"pdserve bench: the cluster at {a.endpoint} has no live "
+                             f"prefill/decode pair")
         nodes = {n: (s.get("role"), s.get("device"), s.get("kv_transfer")) for n, s in stats.nodes.items()
                  if s.get("is_alive")}
         yield client, stats.model or {}, nodes
@@ -274,7 +282,8 @@ async def main_async(a: argparse.Namespace) -> tuple[list[dict], list[list[Outco
         max_len = model.get("max_model_len")
         asked = max(a.output_len, a.max_tokens or 0)
         if max_len and not a.dataset and a.prefix_len + a.input_len + asked > max_len:
-            raise SystemExit(f"bench_serving: --prefix-len {a.prefix_len} + --input-len {a.input_len} + "
+            raise SystemExit(f"pdserve bench: --prefix-len {a.prefix_len} + --input-len "
+                             f"{a.input_len} + "
                              f"{asked} output tokens exceeds the model's max_model_len {max_len}; "
                              f"shorten them")
         rng = random.Random(a.seed)
@@ -362,12 +371,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import matplotlib  # noqa: F401  (fail before the run, not after it)
         except ImportError:
-            p.error("--plot needs matplotlib: pip install 'pdserve[bench]'")
+            p.error(f"--plot needs matplotlib, not installed here: {sys.executable} -m pip "
+                    f"install matplotlib")
     if a.replot:
         if not a.plot:
             p.error("--replot needs --plot FILE.png")
         plot(a.plot, json.loads(Path(a.replot).read_text()))
-        print(f"bench_serving: wrote {a.plot}", file=sys.stderr)
+        print(f"pdserve bench: wrote {a.plot}", file=sys.stderr)
         return 0
     try:
         import uvloop
@@ -376,11 +386,12 @@ def main(argv: list[str] | None = None) -> int:
         records, runs = asyncio.run(main_async(a))
     # The file also holds each request's TTFT and TPOT, so a plot can be drawn later (--replot).
     records = [{**r, "samples": samples(outcomes)} for r, outcomes in zip(records, runs)]
+    show(table_of(records))
     if a.save_json:
         Path(a.save_json).write_text(json.dumps(records, indent=1))
     if a.plot:
         plot(a.plot, records)
-        print(f"bench_serving: wrote {a.plot}", file=sys.stderr)
+        print(f"pdserve bench: wrote {a.plot}", file=sys.stderr)
     return 1 if any(r["errors"] for r in records) else 0
 
 

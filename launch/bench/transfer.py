@@ -1,9 +1,9 @@
-"""KV transfer throughput, per backend: a real decode node, and this process as the
+r"""KV transfer throughput, per backend: a real decode node, and this process as the
 prefill side writing through the same transfer interface a prefill node uses.
 
-    python -m launch.bench.transfer --shape qwen3-0.6b --prefill-device cuda:0 --decode-device cuda:0 \
+    pdserve bench transfer --shape qwen3-0.6b --prefill-device cuda:0 --decode-device cuda:0 \
         --prompt-len 1024 --num-requests 32 --backends ipc,nixl,tcp,dist [--decode-batch 32]
-    python -m launch.bench.transfer --backends nixl,tcp --across-hosts     (root: simulated hosts)
+    pdserve bench transfer --backends nixl,tcp --across-hosts     (root: simulated hosts)
 
 Each handoff is reserve -> write -> commit. Per backend, one JSON line:
 - one at a time: ms per request from the start of the write to the commit's
@@ -316,26 +316,30 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m launch.bench.transfer", description=__doc__,
+    p = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__,
                                 formatter_class=HelpFormat)
     p.add_argument("--shape", default="qwen3-0.6b", help="a preset model shape (random weights)")
     has_cuda = torch.cuda.is_available()
-    p.add_argument("--prefill-device", default="cuda:0" if has_cuda else "cpu")
-    p.add_argument("--decode-device", default="cuda:0" if has_cuda else "cpu")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--backends", default="ipc,tcp")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prefill-device", default="cuda:0" if has_cuda else "cpu",
+                   help="where this process (the prefill side) holds its KV")
+    p.add_argument("--decode-device", default="cuda:0" if has_cuda else "cpu",
+                   help="the decode node's device")
+    p.add_argument("--dtype", default=None,
+                   help="default: bfloat16 on accelerators, float32 on cpu")
+    p.add_argument("--prompt-len", type=int, default=1024, help="tokens of KV per handoff")
+    p.add_argument("--num-requests", type=int, default=16, help="handoffs per backend")
+    p.add_argument("--backends", default="ipc,tcp", help="comma-separated: one run each")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-memory", default=None, help="the decode node's, e.g. 8GiB")
     p.add_argument("--decode-batch", type=int, default=0,
                    help="run this many long requests on the decode node and compare its step time")
     p.add_argument("--decode-tokens", type=int, default=4096, help="their max_tokens")
     p.add_argument("--window", type=float, default=3.0, help="seconds per step-time reading")
-    p.add_argument("--base-port", type=int, default=5800)
+    p.add_argument("--base-port", type=int, default=5800,
+                   help="the node's links take this port and the next")
     p.add_argument("--kv-verify", action="store_true",
                    help="both sides check the KV end to end, as nodes started with --kv-verify do")
-    p.add_argument("--node-log", default=None)
+    p.add_argument("--node-log", default=None, help="file for the node's log (default: discard)")
     p.add_argument("--node-arg", action="append", default=[],
                    help="one more flag for the decode node, e.g. --node-arg=--threads=1 (repeatable)")
     p.add_argument("--curve", action="store_true",

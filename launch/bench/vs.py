@@ -172,7 +172,8 @@ def table(results: dict, servers: list[str], workloads: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_vs", description=__doc__, formatter_class=HelpFormat)
+    p = argparse.ArgumentParser(prog="pdserve bench vs", description=__doc__,
+                                formatter_class=HelpFormat)
     p.add_argument("--model", default=None, help="a Qwen3 model directory (default: one of --shape made here)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the random model made without --model")
     p.add_argument("--dtype", default="float32", help="both servers' --dtype (float32 or bfloat16)")
@@ -192,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-arg", action="append", default=[], help="one more vLLM server flag")
     p.add_argument("--logs", default=None, help="server logs go here (default: a temporary folder)")
     p.add_argument("--save-json", default=None, help="also append the JSON line to this file")
-    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="seconds each server gets to start")
     a = p.parse_args(argv)
     a.workloads = a.workloads or ("sat430,sat1000,rate4" if a.shape == "tiny" and not a.model else "sat128,light128")
     workloads = [w for w in a.workloads.split(",") if w]
