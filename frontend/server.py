@@ -1,7 +1,7 @@
 """The frontend: an asyncio service between clients and the nodes.
 
-client loop:  receive a request -> validate, tokenize (a long prompt off the loop:
-              prompts.py) -> admit under its client's limits
+client loop:  receive a request -> check, tokenize (a long prompt off the loop:
+              prompts.py) -> admit under its client's limits (intake.py)
 dispatch:     clients take turns; a request goes to a prefill/decode pair with room
 node loop:    tokens from decode -> detokenize, stop strings -> stream to the client
               (node_link.py)
@@ -36,6 +36,7 @@ from common.wire.client import MAX_MESSAGES
 from frontend import http, paths, router
 from frontend.admission import Admission
 from frontend.detok import IncrementalDetokenizer
+from frontend.intake import Intake
 from frontend.metrics import Metrics
 from frontend.migrate import Migrations
 from frontend.node_link import NodeMessages
@@ -61,7 +62,7 @@ class Frontend:
         self.max_model_len = clamp_model_len(cfg.max_model_len, self.spec.max_position_embeddings)
         self.prompts = Prompts(cfg.model, self.tokenizer, self.spec, self.max_model_len,
                                cfg.logprobs_mode == "processed_logprobs")
-        self._tasks: set[asyncio.Task] = set()   # requests whose long prompts are tokenized
+        self.intake = Intake(self)
         self.migrations = Migrations(self)
         self.node_messages = NodeMessages(self, self.migrations)
         self.registry = NodeRegistry(cfg, self.keys is not None, self.migrations.node_lost,
@@ -152,7 +153,7 @@ class Frontend:
             client, msg = await self.clients.recv(CLIENT_TO_FRONTEND)
             try:
                 if isinstance(msg, BadMessage):
-                    await self._reply_error(client, msg.request_id, msg.error)
+                    await self.reply_error(client, msg.request_id, msg.error)
                 elif isinstance(msg, GenerateRequest):
                     await self.submit(client, msg)
                 elif isinstance(msg, AbortRequest):
@@ -178,8 +179,8 @@ class Frontend:
         elif self.local_sink is not None:
             self.local_sink(client, msg, status)
 
-    async def _reply_error(self, client: ClientKey, request_id: str | None, error: str,
-                           status: int = 400) -> None:
+    async def reply_error(self, client: ClientKey, request_id: str | None, error: str,
+                          status: int = 400) -> None:
         noisy.info("rejected request %s: %s", request_id, error)
         if request_id is not None and (client, request_id) not in self.by_client:
             # index -1: every choice of it ends with this
@@ -189,53 +190,11 @@ class Frontend:
             await self.reply(client, ErrorReply(error, request_id), status)
 
     async def submit(self, client: ClientKey, req: GenerateRequest) -> None:
-        """Take a request from a client: admitted, or answered with an error. A long
-        prompt is tokenized off the loop (frontend/prompts.py), and admitted after."""
-        key = (client, req.request_id)
-        if not req.request_id:
-            await self._reply_error(client, None, "request_id must be a non-empty string")
-        elif key in self.by_client or key in self.prompts.pending:
-            await self.reply(client, ErrorReply(f"duplicate request_id {req.request_id!r}: your "
-                                                 f"request of that id is still running", req.request_id),
-                              400)
-        elif self.is_draining:
-            await self._reply_error(client, req.request_id, "the cluster is shutting down", 503)
-        elif self.prompts.is_off_loop(req):
-            task = asyncio.create_task(self._admit_later(key, req))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        else:
-            try:
-                ids, params = self.prompts.now(req)
-            except ValueError as e:
-                await self._reply_error(client, req.request_id, str(e))
-                return
-            await self._admit(client, req, ids, params)
+        """Take a request from a client: admitted, or answered with an error (intake.py)."""
+        await self.intake.submit(client, req)
 
-    async def _admit_later(self, key: tuple, req: GenerateRequest) -> None:
-        client = key[0]
-        try:
-            prepared = await self.prompts.off_loop(key, req)
-        except ValueError as e:
-            await self._reply_error(client, req.request_id, str(e))
-            return
-        if prepared is None:   # the client left meanwhile
-            await self.reply(client, GenerateOutput(req.request_id, [], "", True, FINISH_ABORT,
-                                                    "cancelled by the client", index=-1))
-        elif self.is_draining:
-            await self._reply_error(client, req.request_id, "the cluster is shutting down", 503)
-        else:
-            await self._admit(client, req, *prepared)
-
-    async def _admit(self, client: ClientKey, req: GenerateRequest, ids: list[int], params) -> None:
-        if router.choose(self.nodes) is None:
-            await self._reply_error(client, req.request_id,
-                                    "no live prefill and decode node pair is available", 503)
-            return
-        refusal = self.admission.refusal(client, req.n * (len(ids) + params.max_tokens))
-        if refusal:
-            await self._reply_error(client, req.request_id, refusal, 429)
-            return
+    def start(self, client: ClientKey, req: GenerateRequest, ids: list[int], params) -> None:
+        """An admitted request's n choices, waiting for their turn."""
         timeout = req.timeout_s or self.cfg.default_timeout_s
         # n choices: n requests, choice i sampled with seed + i (as vLLM does); the others go
         # to the nodes with choice 0, as its forks: one prefill, the prompt's blocks shared.

@@ -1,0 +1,71 @@
+"""A client's request from its arrival to its admission: checked, tokenized (a long
+prompt off the loop: prompts.py), then admitted under its client's limits and started
+(server.py's Frontend.start makes its n choices)."""
+from __future__ import annotations
+
+import asyncio
+
+from common.base.request import FINISH_ABORT
+from common.wire.protocol import ErrorReply, GenerateOutput, GenerateRequest
+from frontend import router
+from frontend.request import ClientKey
+
+
+class Intake:
+    """fe: the Frontend (server.py): its prompts, admission, nodes and replies."""
+
+    def __init__(self, fe):
+        self.fe = fe
+        self._tasks: set[asyncio.Task] = set()   # requests whose long prompts are tokenized
+
+    async def submit(self, client: ClientKey, req: GenerateRequest) -> None:
+        """Take a request from a client: admitted, or answered with an error. A long
+        prompt is tokenized off the loop (frontend/prompts.py), and admitted after."""
+        fe = self.fe
+        key = (client, req.request_id)
+        if not req.request_id:
+            await fe.reply_error(client, None, "request_id must be a non-empty string")
+        elif key in fe.by_client or key in fe.prompts.pending:
+            await fe.reply(client, ErrorReply(f"duplicate request_id {req.request_id!r}: your "
+                                              f"request of that id is still running", req.request_id),
+                           400)
+        elif fe.is_draining:
+            await fe.reply_error(client, req.request_id, "the cluster is shutting down", 503)
+        elif fe.prompts.is_off_loop(req):
+            task = asyncio.create_task(self._admit_later(key, req))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            try:
+                ids, params = fe.prompts.now(req)
+            except ValueError as e:
+                await fe.reply_error(client, req.request_id, str(e))
+                return
+            await self._admit(client, req, ids, params)
+
+    async def _admit_later(self, key: tuple, req: GenerateRequest) -> None:
+        fe, client = self.fe, key[0]
+        try:
+            prepared = await fe.prompts.off_loop(key, req)
+        except ValueError as e:
+            await fe.reply_error(client, req.request_id, str(e))
+            return
+        if prepared is None:   # the client left meanwhile
+            await fe.reply(client, GenerateOutput(req.request_id, [], "", True, FINISH_ABORT,
+                                                  "cancelled by the client", index=-1))
+        elif fe.is_draining:
+            await fe.reply_error(client, req.request_id, "the cluster is shutting down", 503)
+        else:
+            await self._admit(client, req, *prepared)
+
+    async def _admit(self, client: ClientKey, req: GenerateRequest, ids: list[int], params) -> None:
+        fe = self.fe
+        if router.choose(fe.nodes) is None:
+            await fe.reply_error(client, req.request_id,
+                                 "no live prefill and decode node pair is available", 503)
+            return
+        refusal = fe.admission.refusal(client, req.n * (len(ids) + params.max_tokens))
+        if refusal:
+            await fe.reply_error(client, req.request_id, refusal, 429)
+            return
+        fe.start(client, req, ids, params)
