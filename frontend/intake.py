@@ -31,6 +31,8 @@ class Intake:
                            400)
         elif fe.is_draining:
             await fe.reply_error(client, req.request_id, "the cluster is shutting down", 503)
+        elif (why := self.too_costly(req)) is not None:
+            await fe.reply_error(client, req.request_id, why)
         elif fe.prompts.is_off_loop(req):
             task = asyncio.create_task(self._admit_later(key, req))
             self._tasks.add(task)
@@ -42,6 +44,18 @@ class Intake:
                 await fe.reply_error(client, req.request_id, str(e))
                 return
             await self._admit(client, req, ids, params)
+
+    def too_costly(self, req: GenerateRequest) -> str | None:
+        """Why a request can never be served, known before any work (a 400), or None."""
+        rows, limit = router.max_rows(self.fe.nodes), self.fe.admission.max_requests
+        if rows is not None and req.n > rows:
+            # NOTE: the n choices run side by side in one decode node's batch
+            return (f"'n' is {req.n}, more than the {rows} rows of the largest decode node's batch "
+                    f"(its --max-batch-size): ask for at most {rows} choices")
+        if req.n > limit:
+            return (f"'n' is {req.n}, more than the {limit} requests a client may have in flight "
+                    f"(--max-requests-per-client; each choice counts)")
+        return None
 
     async def _admit_later(self, key: tuple, req: GenerateRequest) -> None:
         fe, client = self.fe, key[0]
@@ -64,7 +78,7 @@ class Intake:
             await fe.reply_error(client, req.request_id,
                                  "no live prefill and decode node pair is available", 503)
             return
-        refusal = fe.admission.refusal(client, req.n * (len(ids) + params.max_tokens))
+        refusal = fe.admission.refusal(client, req.n * (len(ids) + params.max_tokens), req.n)
         if refusal:
             await fe.reply_error(client, req.request_id, refusal, 429)
             return

@@ -165,8 +165,8 @@ class Frontend:
                     await self.reply(client, *await self.migrations.on_drain_request(msg.node))
             except Exception:  # one bad request must not stop the service
                 log.exception("error while handling a %s", type(msg).__name__)
-                for req in list(self.by_client.get((client, getattr(msg, "request_id", None)), ())):
-                    await self.finish(req, FINISH_ERROR, "internal error", status=500)
+                for req in self.by_client.get((client, getattr(msg, "request_id", None)), [])[:1]:
+                    await self.fail_request(req, "internal error", 500)
 
     async def reply(self, client: ClientKey, msg, status: int | None = None) -> None:
         """To a ZeroMQ client (its routing id) or an in-process one (the HTTP server's
@@ -241,8 +241,15 @@ class Frontend:
                     choice = self.paths.decide(paths.figures(len(ids), work_tokens, local_tokens, prefill, decode),
                                                decode.name, can_local)
                     return choice.path == "local"
+                num_rows = 1 + sum(f.node_id in self.requests for f in req.forks)
                 route = router.assign(self.nodes, self.cfg.max_queued_tokens, ids, req.route_keys,
-                                      None if self.paths.mode == "always" else is_local)
+                                      None if self.paths.mode == "always" else is_local, num_rows)
+                if route is None and router.choose(self.nodes) is not None and \
+                        router.choose(self.nodes, num_rows=num_rows) is None:
+                    # NOTE: it would wait at the head of the line, and everyone behind it
+                    await self.fail_request(req, f"no live decode node has the {num_rows} batch rows "
+                                                 f"its n choices need", 503)
+                    continue
                 if route is None:
                     break
                 self.admission.next()
@@ -325,6 +332,11 @@ class Frontend:
         await self.reply(req.client, GenerateOutput(req.request_id, list(token_ids), req.detok.take(True),
                                                     True, reason, error, usage, req.timings, logprobs,
                                                     **req.take_prompt_logprobs(), index=req.index), status)
+
+    async def fail_request(self, req: RequestState, error: str, status: int) -> None:
+        """Every choice of req's request ends with this error."""
+        for r in list(self.by_client.get((req.client, req.request_id), [req])):
+            await self.finish(r, FINISH_ERROR, error, status=status)
 
     def unroute(self, req: RequestState) -> None:
         """Its nodes' counts no longer include it (it ended, or it moves)."""

@@ -1,0 +1,145 @@
+"""What a client's request may cost the frontend, checked before any work: its n against
+the decode nodes' batch rows and its client's limits, every list counted before its
+items are read, and tools counted as text. In this process, on the frontend's own
+classes (no node runs: a registered node is a NodeState)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from common.base.config import FrontendConfig
+from common.wire.protocol import ErrorReply, GenerateOutput, GenerateRequest, NodeReady
+from frontend import router
+from frontend.admission import Admission
+from frontend.router import NodeState
+
+CLIENT = ("http", "127.0.0.1")
+
+
+@pytest.fixture(scope="module")
+def make_frontend(tiny_model):
+    from frontend.server import Frontend
+    made = []
+
+    def make(*rows: int, **cfg):
+        """A frontend with a prefill node and a decode node of each of rows' batch sizes
+        registered; its replies collect in fe.replies as (message, HTTP status)."""
+        fe = Frontend(FrontendConfig(model=str(tiny_model), client_endpoint="tcp://127.0.0.1:1",
+                                     node_endpoint="tcp://127.0.0.1:2", **cfg))
+        fe.replies = []
+        fe.local_sink = lambda client, msg, status: fe.replies.append((msg, status))
+        fe._wake = asyncio.Event()
+        if rows:
+            fe.nodes["prefill-0"] = _node("prefill", "prefill-0")
+        for i, r in enumerate(rows):
+            fe.nodes[f"decode-{i}"] = _node("decode", f"decode-{i}", r)
+        made.append(fe)
+        return fe
+    yield make
+    for fe in made:
+        fe.prompts.close()
+
+
+def _node(role: str, name: str, rows: int = 0) -> NodeState:
+    ready = NodeReady(role, name, 1, "1", "cpu", 64, 16, 512, max_batch_size=rows,
+                      kv_endpoint="tcp://127.0.0.1:9" if role == "decode" else None)
+    return NodeState(ready, f"{name}/1".encode(), time.monotonic())
+
+
+def _submit(fe, *reqs: GenerateRequest) -> list[tuple]:
+    """Submit each request, let any work off the loop end; the replies."""
+    async def run():
+        for r in reqs:
+            await fe.submit(CLIENT, r)
+        while fe.intake._tasks:
+            await asyncio.sleep(0.01)
+    asyncio.run(run())
+    return fe.replies
+
+
+def _error(reply: tuple) -> tuple[str, int]:
+    msg, status = reply
+    assert isinstance(msg, (GenerateOutput, ErrorReply)) and msg.error, msg
+    return msg.error, status
+
+
+# ---- n against the decode nodes' rows, and the client's limits -----------------------------
+
+def test_n_above_every_decode_nodes_rows_is_refused_naming_the_limit(make_frontend):
+    """Defect: n was never compared with the rows a decode node has: n=64 overflowed a
+    decode node's batch of 16 (and killed it); n above every node's --max-batch-size
+    could never run. Refused with a 400 naming the rows, before any work."""
+    fe = make_frontend(8, 16)
+    (reply,) = _submit(fe, GenerateRequest("a", prompt_token_ids=[1, 2, 3], max_tokens=2, n=17))
+    error, status = _error(reply)
+    assert status == 400 and "16 rows" in error and "--max-batch-size" in error, error
+    assert not fe.requests
+    _submit(fe, GenerateRequest("b", prompt_token_ids=[1, 2, 3], max_tokens=2, n=16))
+    assert len(fe.requests) == 16 and len(fe.replies) == 1   # admitted: the largest node holds it
+
+
+@pytest.mark.parametrize("rows", [(), (0, 16)], ids=["none-registered", "one-unsaid"])
+def test_n_is_not_refused_for_rows_no_decode_node_has_said(make_frontend, rows):
+    fe = make_frontend(*rows)
+    _submit(fe, GenerateRequest("a", prompt_token_ids=[1, 2, 3], max_tokens=2, n=64))
+    assert all("rows" not in _error(r)[0] for r in fe.replies)
+    assert bool(fe.requests) == bool(rows)   # with no node: 503, no live pair
+
+
+def test_n_choices_go_only_to_a_decode_node_whose_batch_holds_them():
+    nodes = {"p": _node("prefill", "p"), "small": _node("decode", "small", 4),
+             "big": _node("decode", "big", 32)}
+    nodes["big"].num_active = 20   # busier: the small one is chosen for one row
+    assert router.choose(nodes)[1].name == "small"
+    assert router.choose(nodes, num_rows=8)[1].name == "big"
+    assert router.assign(nodes, 10**6, [1, 2, 3], {}, num_rows=8)[1].name == "big"
+    assert router.choose({k: v for k, v in nodes.items() if k != "big"}, num_rows=8) is None
+    assert router.max_rows(nodes) == 32
+
+
+def test_a_request_waiting_for_rows_no_live_node_has_fails_instead_of_holding_the_line(make_frontend):
+    """The only decode node big enough for n=8 died after it was admitted: it fails (503)
+    and the requests behind it go on."""
+    fe = make_frontend(4, 32)
+    sent = []
+
+    async def send(msg, to):
+        sent.append(msg)
+    fe.node_link = type("Link", (), {"send": staticmethod(send)})()
+
+    async def run():
+        await fe.submit(CLIENT, GenerateRequest("wide", prompt_token_ids=[1, 2, 3], max_tokens=2, n=8))
+        await fe.submit(CLIENT, GenerateRequest("one", prompt_token_ids=[4, 5, 6], max_tokens=2))
+        fe.nodes["decode-1"].is_alive = False
+        task = asyncio.create_task(fe._dispatch_loop())
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if sent:
+                break
+        task.cancel()
+    asyncio.run(run())
+    assert [m.request_id for m in sent] == [fe.by_client[(CLIENT, "one")][0].node_id]
+    assert (CLIENT, "wide") not in fe.by_client
+    errors = [(m.request_id, m.error, s) for m, s in fe.replies]
+    assert len(errors) == 8 and all(rid == "wide" and "8 batch rows" in e and s == 503
+                                    for rid, e, s in errors), errors
+
+
+def test_admission_counts_every_choice_before_it_admits():
+    """Defect: admission compared the requests in flight with the limit before adding
+    the request's n, so a client at 2 of 4 was admitted with n=3 (5 in flight)."""
+    a = Admission(max_requests=4, max_kv_tokens=10**6)
+    for i in range(2):
+        a.add("c", i, 10)
+    why = a.refusal("c", 30, 3)
+    assert why is not None and "2 requests in flight, and this request adds 3" in why
+    assert a.refusal("c", 20, 2) is None
+
+
+def test_n_above_the_clients_request_limit_is_a_400_not_a_retry(make_frontend):
+    fe = make_frontend(64, max_requests_per_client=8)
+    (reply,) = _submit(fe, GenerateRequest("a", prompt_token_ids=[1, 2, 3], max_tokens=2, n=9))
+    error, status = _error(reply)
+    assert status == 400 and "--max-requests-per-client" in error
