@@ -22,7 +22,9 @@ from common.base.grammar import MAX_COMPILE_CPU_S
 from common.base.log import get_logger
 from common.base.threads import lower_this_thread
 from common.base.model_spec import ModelSpec
-from common.base.request import SamplingParams, validate_prompt
+from common.base.request import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams,
+                                 validate_prompt)
+from common.wire.client import MAX_MESSAGES, MAX_PROMPT_IDS, MAX_STOP
 from common.wire.protocol import GenerateRequest
 from frontend.grammar_check import GrammarChecker
 
@@ -33,14 +35,31 @@ log = get_logger("frontend")
 # than this is tokenized on a thread of its own (at low priority), and one of more text
 # than any prompt the model can take (max_prompt_chars) is refused unread.
 OFF_LOOP_CHARS = 64 * 2**10
-MAX_STOP_CHARS = 16 * 2**10   # all stop strings of a request together
+MAX_STOP_CHARS = 16 * 2**10        # all stop strings of a request together
+MAX_BAD_WORD_CHARS = 16 * 2**10    # all bad words together (each is tokenized twice, on the loop)
+# The most items each list of a request may hold: what a ZeroMQ client's message is held to
+# as it is decoded (common/wire/client.py); a request made here (HTTP) is held to it before
+# any item is read (its models count them as they parse: frontend/openai_models.py).
+MAX_ITEMS = {"prompt_token_ids": MAX_PROMPT_IDS, "messages": MAX_MESSAGES, "stop": MAX_STOP,
+             "stop_token_ids": MAX_STOP_TOKEN_IDS, "logit_bias": MAX_LOGIT_BIAS,
+             "allowed_token_ids": MAX_PROMPT_IDS, "bad_words": MAX_BAD_WORDS}
 
 
 def text_len(req: GenerateRequest) -> int:
-    """Characters of text the request's prompt holds (0 for token ids)."""
+    """Characters of text the request's prompt holds as its chat template renders it (0 for
+    token ids): every message whole (its content, an assistant's tool calls) and the tools."""
     if req.prompt is not None:
         return len(req.prompt) if isinstance(req.prompt, str) else 0
-    return sum(len(m.get("content")) for m in req.messages or () if isinstance(m.get("content"), str))
+    return sum(_json_len(m) for m in req.messages or ()) + len(req.tools or "")
+
+
+def _json_len(value) -> int:
+    """The length of plain data as JSON text (what a client sent, about); past any limit
+    for what is not plain data."""
+    try:
+        return len(json.dumps(value, ensure_ascii=False))
+    except (TypeError, ValueError, RecursionError):
+        return 2**62
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:
@@ -102,13 +121,20 @@ def _template_kwargs(req: GenerateRequest) -> dict:
 
 
 def check_size(req: GenerateRequest, max_chars: int) -> None:
-    """What can be refused before any tokenizing: too much text, too many stop characters."""
+    """What can be refused before any tokenizing: a list of too many items (counted before
+    any is read), too much text (tools and tool calls count), too many stop or bad-word
+    characters."""
+    for name, limit in MAX_ITEMS.items():
+        value = getattr(req, name)
+        if value is not None and len(value) > limit:
+            raise ValueError(f"'{name}' holds {len(value)} items: at most {limit} are taken")
     n = text_len(req)
     if n > max_chars:
-        raise ValueError(f"the prompt is {n} characters: no text of more than {max_chars} fits in the "
-                         f"model's maximum length")
-    if sum(len(s) for s in req.stop) > MAX_STOP_CHARS:
-        raise ValueError(f"the stop strings hold more than {MAX_STOP_CHARS} characters together")
+        raise ValueError(f"the prompt is {n} characters (its messages, tool calls and tools): no "
+                         f"text of more than {max_chars} fits in the model's maximum length")
+    for name, limit in (("stop", MAX_STOP_CHARS), ("bad_words", MAX_BAD_WORD_CHARS)):
+        if sum(len(s) if isinstance(s, str) else limit for s in getattr(req, name)) > limit:
+            raise ValueError(f"the {name} strings hold more than {limit} characters together")
 
 
 def prepare(req: GenerateRequest, tokenizer, spec: ModelSpec, max_model_len: int,

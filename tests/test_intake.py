@@ -5,6 +5,7 @@ classes (no node runs: a registered node is a NodeState)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -143,3 +144,46 @@ def test_n_above_the_clients_request_limit_is_a_400_not_a_retry(make_frontend):
     (reply,) = _submit(fe, GenerateRequest("a", prompt_token_ids=[1, 2, 3], max_tokens=2, n=9))
     error, status = _error(reply)
     assert status == 400 and "--max-requests-per-client" in error
+
+
+# ---- every list counted before its items, tools counted as text ------------------------------
+
+@pytest.mark.parametrize("field,value", [
+    ("bad_words", ["w"] * 200_000), ("bad_words", ["word " * 200] * 100), ("stop", ["s"] * 10_000),
+    ("stop_token_ids", list(range(5000))), ("logit_bias", {str(i): 1.0 for i in range(5000)}),
+    ("allowed_token_ids", [1] * (2**20 + 1)), ("messages", [{"role": "user", "content": "x"}] * 5000)])
+def test_a_list_is_counted_before_any_item_is_read(make_frontend, field, value):
+    """Defect: bad_words had no count limit over HTTP, and every word was tokenized (twice)
+    before the limit was checked: 200,000 words held the loop for 5-7 s before the 400.
+    Each list of a request made in process (HTTP's) is counted against the limit a ZeroMQ
+    client's is held to, and its characters in all, before any item is tokenized."""
+    fe = make_frontend(16)
+    encode = fe.tokenizer.encode
+    num_tokenized = []
+    fe.tokenizer.encode = lambda *a, **k: (num_tokenized.append(1), encode(*a, **k))[1]
+    source = {} if field == "messages" else {"prompt": "hi"}
+    (reply,) = _submit(fe, GenerateRequest("a", **source, max_tokens=2, **{field: value}))
+    error, status = _error(reply)
+    assert status == 400 and field in error and ("items" in error or "characters" in error), error
+    assert not num_tokenized and not fe.requests
+
+
+def test_tools_and_tool_calls_count_as_the_prompts_text(make_frontend):
+    """Defect: the tools and an assistant's tool_calls were not counted in the text length,
+    so a one-word message with 2 MB of tools was rendered and tokenized on the loop (1.9 s).
+    They count: such a prompt goes off the loop, or is refused unread past the longest
+    text the model can take."""
+    from frontend.prompts import OFF_LOOP_CHARS, text_len
+    fe = make_frontend(16)
+    big = json.dumps([{"type": "function", "function": {"name": f"f{i}", "description": "d" * 1000}}
+                      for i in range(2000)])   # 2 MB
+    tools = GenerateRequest("t", messages=[{"role": "user", "content": "hi"}], tools=big)
+    calls = GenerateRequest("c", messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": {"x": "y" * 100_000}}}]}])
+    for req in (tools, calls):
+        assert text_len(req) > OFF_LOOP_CHARS and fe.prompts.is_off_loop(req)
+    (reply,) = _submit(fe, tools)
+    error, status = _error(reply)
+    assert status == 400 and "characters (its messages, tool calls and tools)" in error, error
