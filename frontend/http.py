@@ -140,7 +140,7 @@ class HttpServer:
         fe = self.frontend
         try:
             req = api.parse_tokenize(await _json(request), self.served_model)
-            ids = await fe.prompts.tokenize(req)
+            ids = await fe.prompts.tokenize(_client(request), req)
         except (ApiError, ValueError) as e:
             return _refuse(e)
         return web.json_response({"count": len(ids), "max_model_len": fe.max_model_len, "tokens": ids})
@@ -189,7 +189,7 @@ class HttpServer:
 
     async def _serve(self, request: web.Request, call: api.Call, is_dict: bool = False):
         """One call, streamed or whole; is_dict: a whole answer as (status, body) (a batch's part)."""
-        client = ("http", request.remote or "?")
+        client = _client(request)
         rid = call.request.request_id
         queue = self.streams[rid] = asyncio.Queue()
         is_done = False
@@ -297,6 +297,11 @@ class HttpServer:
         return out
 
 
+def _client(request: web.Request) -> tuple[str, str]:
+    """An HTTP client, as the frontend keys it: per-client limits hold per host."""
+    return ("http", request.remote or "?")
+
+
 async def _json(request: web.Request):
     try:
         return await request.json()
@@ -306,8 +311,8 @@ async def _json(request: web.Request):
 
 def _refuse(e: Exception) -> web.Response:
     """A refusal in OpenAI's shape; a ValueError that is not an ApiError (a prompt the
-    tokenizer cannot take) is the client's 400."""
-    e = e if isinstance(e, ApiError) else ApiError(400, str(e))
+    tokenizer cannot take) is the client's 400, or the status it names (429: overloaded)."""
+    e = e if isinstance(e, ApiError) else ApiError(getattr(e, "status", 400), str(e))
     noisy.info("refused an HTTP request: %s", e.message)
     return web.json_response(e.body(), status=e.status)
 

@@ -17,6 +17,8 @@ class Intake:
     def __init__(self, fe):
         self.fe = fe
         self._tasks: set[asyncio.Task] = set()   # requests whose long prompts are tokenized
+        self.pending: dict[tuple, asyncio.Task] = {}   # (client, request id) -> its task meanwhile
+        self._aborted: set[tuple] = set()   # of pending: cancelled by their clients
 
     async def submit(self, client: ClientKey, req: GenerateRequest) -> None:
         """Take a request from a client: admitted, or answered with an error. A long
@@ -25,7 +27,7 @@ class Intake:
         key = (client, req.request_id)
         if not req.request_id:
             await fe.reply_error(client, None, "request_id must be a non-empty string")
-        elif key in fe.by_client or key in fe.prompts.pending:
+        elif key in fe.by_client or key in self.pending:
             await fe.reply(client, ErrorReply(f"duplicate request_id {req.request_id!r}: your "
                                               f"request of that id is still running", req.request_id),
                            400)
@@ -34,7 +36,7 @@ class Intake:
         elif (why := self.too_costly(req)) is not None:
             await fe.reply_error(client, req.request_id, why)
         elif fe.prompts.is_off_loop(req):
-            task = asyncio.create_task(self._admit_later(key, req))
+            task = self.pending[key] = asyncio.create_task(self._admit_later(key, req))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         else:
@@ -44,6 +46,16 @@ class Intake:
                 await fe.reply_error(client, req.request_id, str(e))
                 return
             await self._admit(client, req, ids, params)
+
+    def cancel(self, key: tuple) -> bool:
+        """A request still being tokenized is dropped (its job taken out of the line if it
+        has not started) and answered as cancelled; False if none is."""
+        task = self.pending.get(key)
+        if task is None:
+            return False
+        self._aborted.add(key)
+        task.cancel()
+        return True
 
     def too_costly(self, req: GenerateRequest) -> str | None:
         """Why a request can never be served, known before any work (a 400), or None."""
@@ -60,14 +72,20 @@ class Intake:
     async def _admit_later(self, key: tuple, req: GenerateRequest) -> None:
         fe, client = self.fe, key[0]
         try:
-            prepared = await fe.prompts.off_loop(key, req)
-        except ValueError as e:
-            await fe.reply_error(client, req.request_id, str(e))
-            return
-        if prepared is None:   # the client left meanwhile
+            prepared = await fe.prompts.off_loop(client, req)
+        except asyncio.CancelledError:
+            if key not in self._aborted:
+                raise
             await fe.reply(client, GenerateOutput(req.request_id, [], "", True, FINISH_ABORT,
                                                   "cancelled by the client", index=-1))
-        elif fe.is_draining:
+            return
+        except ValueError as e:   # Busy: the client's share of the thread is full (429)
+            await fe.reply_error(client, req.request_id, str(e), getattr(e, "status", 400))
+            return
+        finally:
+            self.pending.pop(key, None)
+            self._aborted.discard(key)
+        if fe.is_draining:
             await fe.reply_error(client, req.request_id, "the cluster is shutting down", 503)
         else:
             await self._admit(client, req, *prepared)

@@ -8,12 +8,11 @@ a prompt of more than OFF_LOOP_CHARS characters is tokenized on a thread of its
 own at the lowest CPU priority, with a tokenizer of its own (its length counted
 before any list of ids is made), and so is a request with a grammar (compiled once in a
 process of its own, killed at MAX_COMPILE_CPU_S of CPU and the grammar refused: nodes
-compile it on their loops; frontend/grammar_check.py);
-everything else, the common case, at once.
+compile it on their loops; frontend/grammar_check.py), clients taking turns there, each
+with a bounded share of it (frontend/off_loop.py); everything else, the common case, at once.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from common.base.request import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_I
 from common.wire.client import MAX_MESSAGES, MAX_PROMPT_IDS, MAX_STOP
 from common.wire.protocol import GenerateRequest
 from frontend.grammar_check import GrammarChecker
+from frontend.off_loop import OffLoop
 
 log = get_logger("frontend")
 
@@ -212,9 +212,8 @@ class Prompts:
         self._grammars = None   # made for the first request with a grammar
         self.max_chars = max_prompt_chars(tokenizer, max_model_len)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize", initializer=lambda: lower_this_thread(19))
+        self.off_loop_jobs = OffLoop(self._pool)   # clients take turns on the thread
         self._own_tokenizer = None          # made on the thread: the loop's is never shared
-        self.pending: dict[tuple, bool] = {}   # (client, request id) -> cancelled while tokenized
-        self.num_off_loop = 0
 
     def grammars(self) -> GrammarChecker:
         """Asked from the loop's thread and the tokenizing thread alike (it takes one at a time)."""
@@ -232,28 +231,23 @@ class Prompts:
         return prepare(req, self.tokenizer, self.spec, self.max_model_len, self.is_processed_logprobs,
                        self.grammars)
 
-    async def off_loop(self, key: tuple, req: GenerateRequest) -> tuple[list[int], SamplingParams] | None:
-        """A long prompt, on the tokenizing thread; None if it was cancelled meanwhile."""
+    async def off_loop(self, client, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """A long prompt (or a grammar), on the tokenizing thread in client's turn; Busy (a
+        ValueError) when client has its share of work there already."""
         check_size(req, self.max_chars)
-        self.pending[key] = False
-        self.num_off_loop += 1
-        try:
-            out = await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare_here, req)
-        finally:
-            is_cancelled = self.pending.pop(key, False)
-        return None if is_cancelled else out
+        return await self.off_loop_jobs.run(client, self._prepare_here, req)
 
     def _prepare_here(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
         return prepare(req, self._thread_tokenizer(), self.spec, self.max_model_len, self.is_processed_logprobs,
                        self.grammars)
 
-    async def tokenize(self, req: GenerateRequest) -> list[int]:
+    async def tokenize(self, client, req: GenerateRequest) -> list[int]:
         """A prompt's ids alone (/tokenize), by the same rules: a long one off the loop.
         Its length is not held against the model's (the caller compares)."""
         check_size(req, self.max_chars)
         if not self.is_off_loop(req):
             return prompt_ids(self.tokenizer, req)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._ids_here, req)
+        return await self.off_loop_jobs.run(client, self._ids_here, req)
 
     def _ids_here(self, req: GenerateRequest) -> list[int]:
         return prompt_ids(self._thread_tokenizer(), req)
@@ -264,13 +258,6 @@ class Prompts:
             from transformers import AutoTokenizer
             self._own_tokenizer = AutoTokenizer.from_pretrained(self.model)
         return self._own_tokenizer
-
-    def cancel(self, key: tuple) -> bool:
-        """A request still being tokenized is dropped once it is; False if none is."""
-        if key not in self.pending:
-            return False
-        self.pending[key] = True
-        return True
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

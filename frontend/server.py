@@ -214,7 +214,7 @@ class Frontend:
 
     async def abort(self, client: ClientKey, request_id: str) -> None:
         choices = self.by_client.get((client, request_id))
-        if choices is None and self.prompts.cancel((client, request_id)):
+        if choices is None and self.intake.cancel((client, request_id)):
             return   # answered once its tokenizing ends
         if choices is None:
             await self.reply(client, ErrorReply(f"unknown request_id {request_id!r}", request_id), 404)

@@ -187,3 +187,92 @@ def test_tools_and_tool_calls_count_as_the_prompts_text(make_frontend):
     (reply,) = _submit(fe, tools)
     error, status = _error(reply)
     assert status == 400 and "characters (its messages, tool calls and tools)" in error, error
+
+
+# ---- the thread for work off the loop: clients take turns, each with a bounded share ---------
+
+def test_one_clients_flood_of_off_loop_work_waits_its_turns_and_is_bounded():
+    """Defect: requests waiting for the tokenizing thread or the grammar checker had no
+    bound, and waited in one line: one client's 10,000 distinct grammars held everyone's
+    structured outputs. Each client now has a line of its own, of at most its share (one
+    more is a 429 saying why), and the thread takes the lines in turn."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from frontend.off_loop import Busy, OffLoop
+    gate, ran = threading.Event(), []
+
+    def job(name):
+        gate.wait(10)
+        ran.append(name)
+        return name
+
+    async def run():
+        pool = ThreadPoolExecutor(1)
+        off = OffLoop(pool, max_per_client=8)
+        flood = [asyncio.create_task(off.run("a", job, f"a{i}")) for i in range(10_000)]
+        await asyncio.sleep(0.05)
+        refused = [t for t in flood if t.done() and isinstance(t.exception(), Busy)]
+        light = asyncio.create_task(off.run("b", job, "b0"))
+        left = asyncio.create_task(off.run("a", job, "a-cancelled"))   # refused too: a is full
+        flood[5].cancel()                                    # waiting: taken out of the line
+        await asyncio.sleep(0.05)
+        gate.set()
+        assert await light == "b0"
+        await asyncio.gather(*flood, left, return_exceptions=True)
+        pool.shutdown()
+        return refused, left, off
+    refused, left, off = asyncio.run(run())
+    assert len(refused) == 10_000 - 8 and isinstance(left.exception(), Busy)
+    assert "waiting to be tokenized" in str(refused[0].exception()) and "limit per client is 8" in \
+        str(refused[0].exception())
+    assert ran[:2] == ["a0", "b0"]                           # b waited for one job of a's
+    assert ran == ["a0", "b0", "a1", "a2", "a3", "a4", "a6", "a7"]
+    assert off.num_jobs("a") == off.num_jobs("b") == 0
+
+
+def test_a_clients_work_off_the_loop_past_its_share_is_refused_and_another_client_goes_first(
+        make_frontend):
+    """Through the frontend: a client with more requests than its share waiting for the
+    tokenizing thread gets 429s at once; another client's request is prepared next."""
+    from frontend.off_loop import MAX_PER_CLIENT
+    fe = make_frontend(16)
+    order = []
+    prepare = fe.prompts._prepare_here
+
+    def recorded(req):
+        order.append(req.request_id)
+        return prepare(req)
+    fe.prompts._prepare_here = recorded
+    fe.prompts.is_off_loop = lambda req: True   # as a long prompt or a grammar is
+
+    async def run():
+        for i in range(MAX_PER_CLIENT + 3):
+            await fe.submit(("http", "heavy"), GenerateRequest(f"h{i}", prompt="hi", max_tokens=2))
+        await fe.submit(CLIENT, GenerateRequest("light", prompt="hi", max_tokens=2))
+        while fe.intake._tasks:
+            await asyncio.sleep(0.01)
+    asyncio.run(run())
+    busy = [(m.request_id, s) for m, s in fe.replies if s == 429]
+    assert busy == [(f"h{i}", 429) for i in range(MAX_PER_CLIENT, MAX_PER_CLIENT + 3)]
+    assert order.index("light") <= 1 and len(order) == MAX_PER_CLIENT + 1
+    assert len(fe.by_client) == MAX_PER_CLIENT + 1   # every other one admitted
+
+
+def test_a_request_cancelled_while_it_waits_for_the_thread_never_runs(make_frontend):
+    fe = make_frontend(16)
+    order = []
+    prepare = fe.prompts._prepare_here
+    fe.prompts._prepare_here = lambda req: (order.append(req.request_id), time.sleep(0.2), prepare(req))[2]
+    fe.prompts.is_off_loop = lambda req: True
+
+    async def run():
+        await fe.submit(CLIENT, GenerateRequest("first", prompt="hi", max_tokens=2))
+        await fe.submit(CLIENT, GenerateRequest("second", prompt="hi", max_tokens=2))
+        await asyncio.sleep(0.05)
+        await fe.abort(CLIENT, "second")
+        while fe.intake._tasks:
+            await asyncio.sleep(0.01)
+    asyncio.run(run())
+    assert order == ["first"] and set(fe.by_client) == {(CLIENT, "first")}
+    (msg, _), = [r for r in fe.replies if r[0].request_id == "second"]
+    assert msg.finish_reason == "abort" and "cancelled" in msg.error and not fe.intake.pending
