@@ -34,7 +34,8 @@ class Admission:
         load = self.clients.get(client) or ClientLoad()
         if load.num_requests + num_requests > self.max_requests:
             adds = f", and this request adds {num_requests}" if num_requests > 1 else ""
-            why = f"{load.num_requests} requests in flight{adds} (the limit per client is {self.max_requests})"
+            why = (f"{load.num_requests} requests in flight{adds} (the limit per client is "
+                   f"{self.max_requests})")
         elif load.num_kv_tokens + kv_tokens > self.max_kv_tokens:
             why = (f"{load.num_kv_tokens} + {kv_tokens} KV tokens claimed (the limit per client is "
                    f"{self.max_kv_tokens}; prompt + max_tokens counts)")

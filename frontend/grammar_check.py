@@ -49,8 +49,8 @@ CHECK_TIMEOUT_S = 30.0      # a compile starved of CPU this long is answered "tr
 POLL_S = 0.01
 # NOTE: the checker forks: no library it loads may start a thread pool (numpy's OpenBLAS,
 # loaded with torch, starts one thread per core at import), nor may the tokenizer's.
-ONE_THREAD = {"TOKENIZERS_PARALLELISM": "false", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
-              "MKL_NUM_THREADS": "1"}
+ONE_THREAD = {"TOKENIZERS_PARALLELISM": "false", "OPENBLAS_NUM_THREADS": "1",
+              "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -86,7 +86,8 @@ def max_rows(nodes: dict[str, NodeState]) -> int | None:
 
 def choose(nodes: dict[str, NodeState], max_queued_tokens: int | None = None, prompt_len: int = 0,
            keys: dict[int, list[int]] | None = None, is_decode_cache: bool = False,
-           is_prefill_full_ok: bool = False, num_rows: int = 1) -> tuple[NodeState, NodeState] | None:
+           is_prefill_full_ok: bool = False,
+           num_rows: int = 1) -> tuple[NodeState, NodeState] | None:
     """(prefill node, decode node), or None if either role has no live node (with
     max_queued_tokens: no live node with room; is_prefill_full_ok: a prefill node needs none;
     num_rows: no live decode node whose batch holds that many sequences).
@@ -95,7 +96,8 @@ def choose(nodes: dict[str, NodeState], max_queued_tokens: int | None = None, pr
             (max_queued_tokens is None or has_room(n, max_queued_tokens)
              or (is_prefill_full_ok and n.role == "prefill"))]
     prefills = [n for n in live if n.role == "prefill"]
-    decodes = [n for n in live if n.role == "decode" and n.ready.kv_endpoint and has_rows(n, num_rows)]
+    decodes = [n for n in live
+               if n.role == "decode" and n.ready.kv_endpoint and has_rows(n, num_rows)]
     if not prefills or not decodes:
         return None
     prefill = min(prefills, key=lambda n: (
@@ -128,12 +130,13 @@ def assign(nodes: dict[str, NodeState], max_queued_tokens: int, prompt_ids: list
     it runs as on its decode node (its n choices, sent together)."""
     keys = prefix_keys(nodes, prompt_ids, known_keys)
     n, may_be_local = len(prompt_ids), is_local is not None
-    route = choose(nodes, max_queued_tokens, n, keys, is_decode_cache=may_be_local, num_rows=num_rows)
+    route = choose(nodes, max_queued_tokens, n, keys, is_decode_cache=may_be_local,
+                   num_rows=num_rows)
     # NOTE: every prefill node full: a prompt its decode node may take goes on there.
     is_full = route is None and may_be_local
     if is_full:
-        route = choose(nodes, max_queued_tokens, n, keys, is_decode_cache=True, is_prefill_full_ok=True,
-                       num_rows=num_rows)
+        route = choose(nodes, max_queued_tokens, n, keys, is_decode_cache=True,
+                       is_prefill_full_ok=True, num_rows=num_rows)
     if route is None:
         return None
     prefill, decode = route
