@@ -172,50 +172,59 @@ class HttpServer:
                      for b in bodies or [body]]
         except ApiError as e:
             return _refuse(e)
+        answers = await self._serve(request, calls)
         if bodies is None:
-            return await self._serve(request, calls[0])
-        # A batch of prompts (what evaluation harnesses send): each its own call, answered
-        # together; choice i of prompt k is at index k * n + i, as vLLM's.
-        answers = await asyncio.gather(*[self._serve(request, c, is_dict=True) for c in calls])
+            out = answers[0]
+            is_streamed = isinstance(out, web.StreamResponse)
+            return out if is_streamed else web.json_response(out[1], status=out[0])
+        # A batch of prompts (what evaluation harnesses send): each its own call, admitted
+        # together and answered together; choice i of prompt k is at index k * n + i, as vLLM's.
         failed = next(((s, out) for s, out in answers if s != 200), None)
         if failed is not None:
             return web.json_response(failed[1], status=failed[0])
         n, outs = calls[0].request.n, [out for _, out in answers]
-        choices = [{**c, "index": k * n + c["index"]} for k, out in enumerate(outs) for c in out["choices"]]
+        choices = [{**c, "index": k * n + c["index"]}
+                   for k, out in enumerate(outs) for c in out["choices"]]
         use = shapes.usage(sum(o["usage"]["prompt_tokens"] for o in outs),
                            sum(o["usage"]["completion_tokens"] for o in outs),
                            sum(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs))
         return web.json_response({**outs[0], "choices": choices, "usage": use})
 
-    async def _serve(self, request: web.Request, call: api.Call, is_dict: bool = False):
-        """One call, streamed or whole; is_dict: a whole answer as (status, body) (a batch's part)."""
+    async def _serve(self, request: web.Request, calls: list[api.Call]) -> list:
+        """Calls submitted together (a batch's, or one alone), each answered streamed (its
+        StreamResponse) or whole ((status, body))."""
         client = _client(request)
-        rid = call.request.request_id
-        queue = self.streams[rid] = asyncio.Queue()
-        is_done = False
+        queues = {c.request.request_id: asyncio.Queue() for c in calls}
+        self.streams.update(queues)
+        done: set[str] = set()
         try:
-            await self.frontend.submit(client, call.request)
-            msg, status = await queue.get()
-            if status is not None:   # refused or failed before any token
-                error = msg.error if isinstance(msg, (GenerateOutput, ErrorReply)) else "failed"
-                is_done = True
-                out = (status, api.error_body(status, error))
-            elif call.is_stream:
-                states = self.frontend.by_client.get((client, rid))   # none: it ended already
-                num_prompt = len(states[0].prompt_ids) if states else (msg.usage or {}).get("prompt_tokens", 0)
-                response = await self._stream(request, call, msg, queue, num_prompt)
-                is_done = True
-                return response
-            else:
-                out = await self._whole(call, msg, queue)
-                is_done = True
-            return out if is_dict else web.json_response(out[1], status=out[0])
+            await self.frontend.submit_group(client, [c.request for c in calls])
+            return await asyncio.gather(*[self._answer(request, client, c, queues, done)
+                                          for c in calls])
         finally:
-            # NOTE: runs on a client disconnect too (aiohttp cancels the handler): the
-            # request must not keep decoding for nobody (nor its other choices, one failed).
-            self.streams.pop(rid, None)
-            if not is_done or (client, rid) in self.frontend.by_client:
-                await self.frontend.abort(client, rid)   # one ended meanwhile is answered to nobody
+            # NOTE: runs on a client disconnect too (aiohttp cancels the handler): no request
+            # may keep decoding for nobody (nor its other choices, one failed).
+            for rid in queues:
+                self.streams.pop(rid, None)
+                if rid not in done or (client, rid) in self.frontend.by_client:
+                    await self.frontend.abort(client, rid)   # one that ended: answered to nobody
+
+    async def _answer(self, request: web.Request, client, call: api.Call, queues: dict,
+                      done: set[str]) -> web.StreamResponse | tuple[int, dict]:
+        rid = call.request.request_id
+        msg, status = await queues[rid].get()
+        if status is not None:   # refused or failed before any token
+            is_error = isinstance(msg, (GenerateOutput, ErrorReply))
+            out = (status, api.error_body(status, msg.error if is_error else "failed"))
+        elif call.is_stream:
+            states = self.frontend.by_client.get((client, rid))   # none: it ended already
+            num_prompt = len(states[0].prompt_ids) if states else \
+                (msg.usage or {}).get("prompt_tokens", 0)
+            out = await self._stream(request, call, msg, queues[rid], num_prompt)
+        else:
+            out = await self._whole(call, msg, queues[rid])
+        done.add(rid)
+        return out
 
     async def _whole(self, call: api.Call, msg, queue: asyncio.Queue) -> tuple[int, dict]:
         n = call.request.n

@@ -25,7 +25,8 @@ class Busy(ValueError):
 class OffLoop:
     def __init__(self, executor: Executor, max_per_client: int = MAX_PER_CLIENT):
         self.executor, self.max_per_client = executor, max_per_client
-        self._lines: OrderedDict[Hashable, deque] = OrderedDict()   # client -> its waiting jobs, in turn order
+        # client -> its jobs waiting, the clients in the order of their turns
+        self._lines: OrderedDict[Hashable, deque] = OrderedDict()
         self._counts: dict[Hashable, int] = {}   # client -> its jobs waiting or running
         self._is_running = False
         self._last: Hashable | None = None   # whose job started last
@@ -40,9 +41,9 @@ class OffLoop:
         count = self._counts.get(client, 0)
         if count >= self.max_per_client:
             self.num_refused += 1
-            raise Busy(f"overloaded: this client has {count} requests waiting to be tokenized or to have "
-                       f"their grammar checked (the limit per client is {self.max_per_client}); retry "
-                       f"when some finish")
+            raise Busy(f"overloaded: this client has {count} requests waiting to be tokenized "
+                       f"or to have their grammar checked (the limit per client is "
+                       f"{self.max_per_client}); retry when some finish")
         job = (asyncio.get_running_loop().create_future(), fn, args)
         if client not in self._lines:
             self._lines[client] = deque()
@@ -80,7 +81,7 @@ class OffLoop:
                     future.set_exception(Busy(f"the frontend is stopping ({e})"))
                 continue
             self._is_running = True
-            done.add_done_callback(lambda d, client=client, future=future: self._done(client, future, d))
+            done.add_done_callback(lambda d, c=client, f=future: self._done(c, f, d))
 
     def _done(self, client: Hashable, future: asyncio.Future, done: asyncio.Future) -> None:
         self._is_running = False

@@ -191,7 +191,11 @@ class Frontend:
 
     async def submit(self, client: ClientKey, req: GenerateRequest) -> None:
         """Take a request from a client: admitted, or answered with an error (intake.py)."""
-        await self.intake.submit(client, req)
+        await self.intake.submit(client, [req])
+
+    async def submit_group(self, client: ClientKey, reqs: list[GenerateRequest]) -> None:
+        """Requests admitted together or refused together (an HTTP batch of prompts)."""
+        await self.intake.submit(client, reqs)
 
     def start(self, client: ClientKey, req: GenerateRequest, ids: list[int], params) -> None:
         """An admitted request's n choices, waiting for their turn."""
@@ -247,8 +251,8 @@ class Frontend:
                 if route is None and router.choose(self.nodes) is not None and \
                         router.choose(self.nodes, num_rows=num_rows) is None:
                     # NOTE: it would wait at the head of the line, and everyone behind it
-                    await self.fail_request(req, f"no live decode node has the {num_rows} batch rows "
-                                                 f"its n choices need", 503)
+                    why = f"no live decode node has the {num_rows} batch rows its n choices need"
+                    await self.fail_request(req, why, 503)
                     continue
                 if route is None:
                     break

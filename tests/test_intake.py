@@ -54,10 +54,17 @@ def _submit(fe, *reqs: GenerateRequest) -> list[tuple]:
     async def run():
         for r in reqs:
             await fe.submit(CLIENT, r)
-        while fe.intake._tasks:
-            await asyncio.sleep(0.01)
+        await _settled(fe)
     asyncio.run(run())
     return fe.replies
+
+
+async def _settled(fe) -> None:
+    """Every request being tokenized has been admitted or answered."""
+    deadline = time.monotonic() + 60
+    while fe.intake._tasks and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert not fe.intake._tasks
 
 
 def _error(reply: tuple) -> tuple[str, int]:
@@ -249,8 +256,7 @@ def test_a_clients_work_off_the_loop_past_its_share_is_refused_and_another_clien
         for i in range(MAX_PER_CLIENT + 3):
             await fe.submit(("http", "heavy"), GenerateRequest(f"h{i}", prompt="hi", max_tokens=2))
         await fe.submit(CLIENT, GenerateRequest("light", prompt="hi", max_tokens=2))
-        while fe.intake._tasks:
-            await asyncio.sleep(0.01)
+        await _settled(fe)
     asyncio.run(run())
     busy = [(m.request_id, s) for m, s in fe.replies if s == 429]
     assert busy == [(f"h{i}", 429) for i in range(MAX_PER_CLIENT, MAX_PER_CLIENT + 3)]
@@ -270,9 +276,75 @@ def test_a_request_cancelled_while_it_waits_for_the_thread_never_runs(make_front
         await fe.submit(CLIENT, GenerateRequest("second", prompt="hi", max_tokens=2))
         await asyncio.sleep(0.05)
         await fe.abort(CLIENT, "second")
-        while fe.intake._tasks:
-            await asyncio.sleep(0.01)
+        await _settled(fe)
     asyncio.run(run())
     assert order == ["first"] and set(fe.by_client) == {(CLIENT, "first")}
     (msg, _), = [r for r in fe.replies if r[0].request_id == "second"]
     assert msg.finish_reason == "abort" and "cancelled" in msg.error and not fe.intake.pending
+
+
+# ---- a batch of prompts: one tokenized per loop turn, admitted whole or refused whole --------
+
+class _Post:
+    """What HttpServer reads of an aiohttp request."""
+
+    def __init__(self, body: dict):
+        self.body, self.remote = body, "127.0.0.1"
+
+    async def json(self):
+        return self.body
+
+
+def _post(fe, body: dict, beside=None) -> tuple[int, dict]:
+    """(status, body) of a completions call to fe's HTTP server; beside: a coroutine
+    function run on the loop meanwhile."""
+    from frontend.http import HttpServer
+    server = HttpServer(fe, "m")
+
+    async def run():
+        other = asyncio.create_task(beside()) if beside else None
+        response = await asyncio.wait_for(server._generate(_Post(body), "completions"), 60)
+        if other:
+            other.cancel()
+        return response.status, json.loads(response.body)
+    return asyncio.run(run())
+
+
+def test_a_batchs_prompts_are_tokenized_one_per_turn_of_the_loop(make_frontend):
+    """Defect: a batch of 256 prompts (completions' prompt as a list) was tokenized in one
+    turn of the loop, every stream waiting meanwhile. Its prompts are tokenized one per
+    turn: no turn does more than one prompt's worth."""
+    fe = make_frontend()   # no node: once tokenized, the batch is refused (503)
+    turns, seen = [0], []
+    now = fe.prompts.now
+    fe.prompts.now = lambda req: (seen.append(turns[0]), now(req))[1]
+
+    async def count_turns():
+        while True:
+            turns[0] += 1
+            await asyncio.sleep(0)
+    status, _ = _post(fe, {"prompt": [f"prompt number {i}" for i in range(64)], "max_tokens": 2},
+                      count_turns)
+    assert status == 503 and len(seen) == 64
+    assert len(set(seen)) == 64, f"{64 - len(set(seen))} prompts shared a turn of the loop"
+
+
+def test_a_batch_is_admitted_whole_or_refused_whole(make_frontend):
+    """Defect: an HTTP batch one prompt of which was refused as overloaded (429) still ran
+    the others, for nobody (the batch was answered with the 429). The batch's choices and
+    KV tokens are counted together: refused, none of it starts; admitted, all of it."""
+    fe = make_frontend(16, max_requests_per_client=4)
+    for i in range(3):   # three requests of this client in flight
+        fe.admission.add(CLIENT, f"running-{i}", 10)
+    status, body = _post(fe, {"prompt": ["a", "b"], "max_tokens": 2})
+    assert status == 429 and "3 requests in flight, and this request adds 2" in body["error"]["message"]
+    assert not fe.requests and fe.admission.clients[CLIENT].num_requests == 3
+    fe.admission.done(CLIENT, "running-0", 10)
+    fe.admission.done(CLIENT, "running-1", 10)
+
+    async def admit():
+        await fe.submit_group(CLIENT, [GenerateRequest(f"p{i}", prompt="x", max_tokens=2)
+                                       for i in range(2)])
+        await _settled(fe)
+    asyncio.run(admit())
+    assert len(fe.requests) == 2 and fe.admission.clients[CLIENT].num_requests == 3
