@@ -13,6 +13,8 @@ with a bounded share of it (frontend/off_loop.py); everything else, the common c
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -99,25 +101,45 @@ def prompt_ids(tokenizer, req: GenerateRequest, max_model_len: int = 2**31) -> l
                                                        (content is None and m.get("tool_calls"))):
             raise ValueError("each message needs a string role and string content (an assistant's "
                              "tool calls may stand for it)")
-    kwargs = _template_kwargs(req)
+    kwargs = _template_kwargs(req, tokenizer)
     if text_len(req) > OFF_LOOP_CHARS:
-        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        text = _render(tokenizer, req.messages, False, kwargs)
         _check_count(_count_tokens(tokenizer, text, False), max_model_len)
-    ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    ids = _render(tokenizer, req.messages, True, kwargs)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # an encoding or a list
 
 
-def _template_kwargs(req: GenerateRequest) -> dict:
+def _render(tokenizer, messages: list[dict], is_tokenized: bool, kwargs: dict):
+    """The chat template over a client's messages and variables. NOTE: whatever it raises
+    (a template's own raise_exception, a variable of the wrong type) is that request's
+    error, never its loop's."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=is_tokenized, **kwargs)
+    except Exception as e:
+        raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: "
+                         f"{str(e)[:200]}") from None
+
+
+def _template_kwargs(req: GenerateRequest, tokenizer) -> dict:
     """What the chat template gets besides the messages: the tools, and the request's
-    chat_template_kwargs (Qwen3's enable_thinking, say)."""
-    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
-              if k not in ("messages", "tools", "add_generation_prompt", "tokenize", "conversation")}
+    chat_template_kwargs (Qwen3's enable_thinking, say): variables of the template alone.
+    NOTE: apply_chat_template's own parameters are not a client's to set (chat_template
+    would run a template of its choosing; return_tensors, padding change what comes back)."""
+    reserved = _template_parameters(type(tokenizer))
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in reserved}
     if req.tools:
         try:
             kwargs["tools"] = json.loads(req.tools)
         except json.JSONDecodeError as e:
             raise ValueError(f"tools is not valid JSON: {e}") from None
     return kwargs
+
+
+@functools.lru_cache(maxsize=8)
+def _template_parameters(tokenizer_type: type) -> frozenset[str]:
+    named = inspect.signature(tokenizer_type.apply_chat_template).parameters.values()
+    return frozenset(p.name for p in named if p.kind is not p.VAR_KEYWORD) | {"messages"}
 
 
 def check_size(req: GenerateRequest, max_chars: int) -> None:

@@ -348,3 +348,22 @@ def test_a_batch_is_admitted_whole_or_refused_whole(make_frontend):
         await _settled(fe)
     asyncio.run(admit())
     assert len(fe.requests) == 2 and fe.admission.clients[CLIENT].num_requests == 3
+
+
+@pytest.mark.parametrize("kwargs", [{"tokenizer_kwargs": 5}, {"padding": "nope"},
+                                    {"return_tensors": "pt"}, {"chat_template": "{{ 1 / 0 }}"}])
+def test_a_chat_templates_variables_cannot_reach_its_parameters_nor_escape_as_a_fault(make_frontend,
+                                                                                      kwargs):
+    """chat_template_kwargs went to apply_chat_template as they came: a TypeError from one
+    (tokenizer_kwargs: 5) escaped the request as the server's own fault (a 500), another
+    (chat_template) ran a template of the client's choosing. They are the template's
+    variables alone, and whatever rendering raises is the request's 400."""
+    from frontend.prompts import prompt_ids
+    fe = make_frontend(16)
+    req = GenerateRequest("a", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                          chat_template_kwargs=kwargs)
+    plain = GenerateRequest("b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert prompt_ids(fe.tokenizer, req) == prompt_ids(fe.tokenizer, plain)
+    not_tools = GenerateRequest("c", messages=[{"role": "user", "content": "hi"}], tools="5")
+    with pytest.raises(ValueError, match="the chat template cannot render"):
+        prompt_ids(fe.tokenizer, not_tools)   # the template iterates over an int
