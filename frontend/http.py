@@ -17,6 +17,7 @@ from common.wire.channel import LinkError
 from common.base.log import Throttle, get_logger
 from common.wire.protocol import ErrorReply, GenerateOutput
 from frontend import openai_api as api
+from frontend import openai_models as api_models
 from frontend.metrics import CONTENT_TYPE
 from frontend import openai_logprobs as lp_shapes
 from frontend import openai_tools as tool_rules
@@ -99,6 +100,7 @@ class HttpServer:
         self.strings = lp_shapes.TokenStrings(frontend.tokenizer)
         self.is_reasoning = bool(frontend.cfg.reasoning_parser)
         self.streams: dict[str, asyncio.Queue] = {}   # request id -> (message, status) queue
+        self.openapi_doc = api_models.openapi(served_model)
         frontend.local_sink = self._deliver
 
     def _deliver(self, client, msg, status: int | None) -> None:
@@ -118,6 +120,7 @@ class HttpServer:
             app.router.add_post("/v1/chat/completions", self.chat)
             app.router.add_post("/tokenize", self.tokenize)
             app.router.add_post("/detokenize", self.detokenize)
+            app.router.add_get("/openapi.json", self.openapi)
         return app
 
     # ---- plain endpoints ---------------------------------------------------------
@@ -135,6 +138,9 @@ class HttpServer:
         return web.json_response({"object": "list", "data": [{
             "id": self.served_model, "object": "model", "created": shapes.now(), "owned_by": "pdserve",
             "max_model_len": info["max_model_len"], "vocab_size": info["vocab_size"]}]})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(self.openapi_doc)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         fe = self.frontend
@@ -164,16 +170,14 @@ class HttpServer:
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
-            body = await _json(request)
-            bodies = api.split_batch(body) if kind == "completions" else None
             # Completions default to 16 tokens, as OpenAI's; chat to what the model length leaves.
-            calls = [api.parse(b, kind, self.served_model, None if kind == "chat" else 16,
-                               "any" if self.frontend.cfg.is_json_whitespace else "compact")
-                     for b in bodies or [body]]
+            calls = api.parse_calls(await _json(request), kind, self.served_model,
+                                    None if kind == "chat" else 16,
+                                    "any" if self.frontend.cfg.is_json_whitespace else "compact")
         except ApiError as e:
             return _refuse(e)
         answers = await self._serve(request, calls)
-        if bodies is None:
+        if len(calls) == 1:
             out = answers[0]
             is_streamed = isinstance(out, web.StreamResponse)
             return out if is_streamed else web.json_response(out[1], status=out[0])

@@ -107,7 +107,8 @@ def test_n_choices_go_only_to_a_decode_node_whose_batch_holds_them():
     assert router.max_rows(nodes) == 32
 
 
-def test_a_request_waiting_for_rows_no_live_node_has_fails_instead_of_holding_the_line(make_frontend):
+def test_a_request_waiting_for_rows_no_live_node_has_fails_instead_of_holding_the_line(
+        make_frontend):
     """The only decode node big enough for n=8 died after it was admitted: it fails (503)
     and the requests behind it go on."""
     fe = make_frontend(4, 32)
@@ -118,7 +119,8 @@ def test_a_request_waiting_for_rows_no_live_node_has_fails_instead_of_holding_th
     fe.node_link = type("Link", (), {"send": staticmethod(send)})()
 
     async def run():
-        await fe.submit(CLIENT, GenerateRequest("wide", prompt_token_ids=[1, 2, 3], max_tokens=2, n=8))
+        await fe.submit(CLIENT, GenerateRequest("wide", prompt_token_ids=[1, 2, 3], max_tokens=2,
+                                                n=8))
         await fe.submit(CLIENT, GenerateRequest("one", prompt_token_ids=[4, 5, 6], max_tokens=2))
         fe.nodes["decode-1"].is_alive = False
         task = asyncio.create_task(fe._dispatch_loop())
@@ -158,7 +160,8 @@ def test_n_above_the_clients_request_limit_is_a_400_not_a_retry(make_frontend):
 @pytest.mark.parametrize("field,value", [
     ("bad_words", ["w"] * 200_000), ("bad_words", ["word " * 200] * 100), ("stop", ["s"] * 10_000),
     ("stop_token_ids", list(range(5000))), ("logit_bias", {str(i): 1.0 for i in range(5000)}),
-    ("allowed_token_ids", [1] * (2**20 + 1)), ("messages", [{"role": "user", "content": "x"}] * 5000)])
+    ("allowed_token_ids", [1] * (2**20 + 1)),
+    ("messages", [{"role": "user", "content": "x"}] * 5000)])
 def test_a_list_is_counted_before_any_item_is_read(make_frontend, field, value):
     """Defect: bad_words had no count limit over HTTP, and every word was tokenized (twice)
     before the limit was checked: 200,000 words held the loop for 5-7 s before the 400.
@@ -268,7 +271,8 @@ def test_a_request_cancelled_while_it_waits_for_the_thread_never_runs(make_front
     fe = make_frontend(16)
     order = []
     prepare = fe.prompts._prepare_here
-    fe.prompts._prepare_here = lambda req: (order.append(req.request_id), time.sleep(0.2), prepare(req))[2]
+    fe.prompts._prepare_here = lambda req: (order.append(req.request_id), time.sleep(0.2),
+                                            prepare(req))[2]
     fe.prompts.is_off_loop = lambda req: True
 
     async def run():
@@ -337,7 +341,8 @@ def test_a_batch_is_admitted_whole_or_refused_whole(make_frontend):
     for i in range(3):   # three requests of this client in flight
         fe.admission.add(CLIENT, f"running-{i}", 10)
     status, body = _post(fe, {"prompt": ["a", "b"], "max_tokens": 2})
-    assert status == 429 and "3 requests in flight, and this request adds 2" in body["error"]["message"]
+    assert status == 429
+    assert "3 requests in flight, and this request adds 2" in body["error"]["message"]
     assert not fe.requests and fe.admission.clients[CLIENT].num_requests == 3
     fe.admission.done(CLIENT, "running-0", 10)
     fe.admission.done(CLIENT, "running-1", 10)
