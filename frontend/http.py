@@ -17,7 +17,7 @@ from common.wire.channel import LinkError
 from common.base.log import Throttle, get_logger
 from common.wire.protocol import ErrorReply, GenerateOutput
 from frontend import openai_api as api
-from frontend import openai_models as api_models
+from frontend import openapi
 from frontend.metrics import CONTENT_TYPE
 from frontend import openai_logprobs as lp_shapes
 from frontend import openai_tools as tool_rules
@@ -100,7 +100,8 @@ class HttpServer:
         self.strings = lp_shapes.TokenStrings(frontend.tokenizer)
         self.is_reasoning = bool(frontend.cfg.reasoning_parser)
         self.streams: dict[str, asyncio.Queue] = {}   # request id -> (message, status) queue
-        self.openapi_doc = api_models.openapi(served_model)
+        self.openapi_doc = openapi.openapi(served_model, frontend.spec.vocab_size,
+                                           frontend.max_model_len)
         frontend.local_sink = self._deliver
 
     def _deliver(self, client, msg, status: int | None) -> None:

@@ -68,8 +68,6 @@ def parse_calls(body, kind: str, served_model: str, default_max_tokens: int | No
         raise ApiError(400, "'max_tokens' 0 returns the prompt alone: it needs 'echo' and "
                             "'logprobs'", "max_tokens")
     stop = [m.stop] if isinstance(m.stop, str) else list(m.stop or ())
-    if "" in stop:
-        raise ApiError(400, "a stop string must not be empty", "stop")
     tool_mode, tool_name, structured = "none", None, _structured(m, whitespace)
     if is_chat:
         tools = body.get("tools") or None   # as given (held to the model): the template reads it

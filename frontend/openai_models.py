@@ -1,6 +1,6 @@
 """The OpenAI API's request bodies as models: each field's type and bounds, each list's
 length, in one place (openai_api.py turns a body that fits into a request); their JSON
-schemas are the OpenAPI document /openapi.json serves.
+schemas are the OpenAPI document /openapi.json serves (openapi.py).
 
 Parsed strictly (no number from a string, no integer from a float), finite numbers only;
 a list is counted as it is read, and one item past its limit ends the reading. A body
@@ -15,7 +15,6 @@ from typing import Annotated, Any, Literal, Union, get_args
 
 from annotated_types import Ge, Le
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
-from pydantic.json_schema import models_json_schema
 
 from common.base.request import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from common.wire.client import MAX_MESSAGES, MAX_N, MAX_PROMPT_IDS
@@ -49,9 +48,11 @@ def entries(key, value, max_len: int):
 
 
 TokenId = Annotated[int, Field(ge=0, le=I32_MAX)]
+Text = Annotated[str, Field(min_length=1)]   # a prompt
 TokenIds = items(TokenId, MAX_PROMPT_IDS, 1)
 Name = Annotated[str, Field(max_length=MAX_NAME)]
-Short = Annotated[str, Field(max_length=1024)]   # a stop string, a bad word, a choice
+Short = Annotated[str, Field(max_length=1024)]   # a logit_bias key, a whitespace pattern
+Word = Annotated[str, Field(min_length=1, max_length=1024)]   # a stop string, a bad word, a choice
 
 
 def _range(kind: type, lo, hi):
@@ -100,7 +101,7 @@ class StructuredOutputs(_Lenient):
     """vLLM's structured_outputs: one of these."""
     json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
-    choice: items(Short, 1024) | None = None
+    choice: items(Word, 1024, 1) | None = None
     grammar: str | None = None
     json_object: bool | None = None
 
@@ -121,19 +122,19 @@ class _Common(_Strict):
     frequency_penalty: _range(float, -2.0, 2.0) = None
     repetition_penalty: _range(float, 0.001, 100.0) = None
     min_tokens: _range(int, 0, I32_MAX) = None
-    stop: Union[str, items(Short, MAX_STOP)] | None = None
+    stop: Union[Word, items(Word, MAX_STOP)] | None = None
     stop_token_ids: items(TokenId, MAX_STOP_TOKEN_IDS) | None = None
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None
     logit_bias: entries(Short, float, MAX_LOGIT_BIAS) | None = None
     allowed_token_ids: items(TokenId, MAX_PROMPT_IDS) | None = None
-    bad_words: Union[Short, items(Short, MAX_BAD_WORDS)] | None = None
+    bad_words: Union[Word, items(Word, MAX_BAD_WORDS)] | None = None
     prompt_logprobs: _range(int, 0, MAX_LOGPROBS) = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: items(Short, 1024) | None = None
+    guided_choice: items(Word, 1024, 1) | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: Short | None = None
     # taken at their no-op values alone
@@ -150,7 +151,7 @@ class _Common(_Strict):
 
 class CompletionBody(_Common):
     """POST /v1/completions."""
-    prompt: Union[str, TokenIds, items(Union[str, TokenIds], MAX_BATCH, 1)]
+    prompt: Union[Text, TokenIds, items(Union[Text, TokenIds], MAX_BATCH, 1)]
     max_tokens: _range(int, 0, I32_MAX) = None   # 0: the prompt alone (echo + logprobs)
     echo: bool | None = None
     logprobs: _range(int, 0, MAX_LOGPROBS) = None
@@ -175,6 +176,11 @@ class ToolCall(_Lenient):
 
 
 class Message(_Lenient):
+    # what _has_content says, for the schema's readers
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
+        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array",
+                                                                   "minItems": 1}}}]})
     role: Name
     content: str | items(TextPart, MAX_MESSAGES) | None = None
     tool_calls: items(ToolCall, MAX_TOOLS) | None = None
@@ -232,6 +238,9 @@ class ChatBody(_Common):
 
 class TokenizeBody(_Strict):
     """POST /tokenize: a prompt, or messages (with tools) through the chat template."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     model: Name | None = None
     prompt: str | None = None
     messages: Messages | None = None
@@ -251,12 +260,12 @@ class DetokenizeBody(_Strict):
 
 # A field whose faults read best as one sentence (a union's say little each): (message, param).
 _HINTS = {
-    "prompt": ("'prompt' must be a string, a list of token ids, or a list of those (a batch of at "
-               f"most {MAX_BATCH})", "prompt"),
-    "stop": (f"'stop' must be a string or a list of at most {MAX_STOP} strings (each of at most "
-             f"1024 characters)", "stop"),
-    "bad_words": (f"'bad_words' must be a string or a list of at most {MAX_BAD_WORDS} strings "
-                  f"(each of at most 1024 characters)", "bad_words"),
+    "prompt": ("'prompt' must be a non-empty string, a list of token ids, or a list of those (a "
+               f"batch of at most {MAX_BATCH})", "prompt"),
+    "stop": (f"'stop' must be a string or a list of at most {MAX_STOP} strings, each of 1 to "
+             f"1024 characters", "stop"),
+    "bad_words": (f"'bad_words' must be a string or a list of at most {MAX_BAD_WORDS} strings, "
+                  f"each of 1 to 1024 characters", "bad_words"),
     "stream_options": ("'stream_options' takes only include_usage and continuous_usage_stats (true "
                        "or false), and only with stream", "stream_options"),
     "response_format": ("'response_format' is {\"type\": text, json_object or json_schema, "
@@ -352,32 +361,3 @@ _MEMBERS = {"str", "int", "float", "bool", "dict", "list", "none"} | {
     m.__name__ for m in (StreamOptions, JsonSchemaFormat, ResponseFormat, StructuredOutputs,
                          TextPart, CalledFunction, ToolCall, Message, FunctionDef, Tool,
                          NamedFunction, NamedToolChoice)}
-
-
-# ---- the OpenAPI document -----------------------------------------------------------------------
-
-ROUTES = {"/v1/completions": CompletionBody, "/v1/chat/completions": ChatBody,
-          "/tokenize": TokenizeBody, "/detokenize": DetokenizeBody}
-
-
-def openapi(served_model: str) -> dict:
-    """OpenAPI 3.1 for the routes that take a body: their request schemas, and errors in
-    OpenAI's shape. The served model is the one model name a body may give."""
-    refs, defs = models_json_schema([(m, "validation") for m in ROUTES.values()],
-                                    ref_template="#/components/schemas/{model}")
-    schemas = defs["$defs"]
-    for m in ROUTES.values():
-        schemas[m.__name__]["properties"]["model"] = {"anyOf": [{"const": served_model},
-                                                                {"type": "null"}]}
-    error = {"description": "refused: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}",
-             "content": {"application/json": {"schema": {"type": "object",
-                                                         "required": ["error"]}}}}
-    paths = {route: {"post": {
-        "operationId": m.__name__.removesuffix("Body").lower(), "summary": m.__doc__,
-        "requestBody": {"required": True, "content": {"application/json": {
-            "schema": refs[(m, "validation")]}}},
-        "responses": {"200": {"description": "the answer (an event stream where stream is true)"},
-                      "400": error, "404": error, "429": error, "503": error, "504": error}}}
-        for route, m in ROUTES.items()}
-    return {"openapi": "3.1.0", "info": {"title": "pdserve", "version": "1"}, "paths": paths,
-            "components": {"schemas": schemas}}

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from frontend import openai_api as api
-from frontend import openai_models as models
+from frontend import openapi
 
 MODEL = "m"
 USER = [{"role": "user", "content": "hi"}]
@@ -122,7 +122,8 @@ def test_streams_tools_and_batches_are_what_the_answer_is_shaped_by():
     ({"prompt": []}, "completions", "prompt", "'prompt' must be"),
     ({}, "completions", "prompt", "'prompt' must be"),
     ({"prompt": "hi", "stop": ["a"] * 17}, "completions", "stop", "at most 16 strings"),
-    ({"prompt": "hi", "stop": ""}, "completions", "stop", "must not be empty"),
+    ({"prompt": "hi", "stop": ""}, "completions", "stop", "each of 1 to 1024 characters"),
+    ({"prompt": ""}, "completions", "prompt", "'prompt' must be a non-empty string"),
     ({"prompt": "hi", "bad_words": ["w"] * 200_000},
      "completions", "bad_words", "at most 128 strings"),
     ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(2000)}}, "completions", "logit_bias",
@@ -204,7 +205,7 @@ def test_tokenize_and_detokenize_bodies():
 
 
 def test_the_openapi_document_describes_each_route_with_its_body():
-    doc = models.openapi(MODEL)
+    doc = openapi.openapi(MODEL, 1000, 512)
     assert doc["openapi"].startswith("3.1")
     schemas = doc["components"]["schemas"]
     for route, name in [("/v1/completions", "CompletionBody"), ("/v1/chat/completions", "ChatBody"),
@@ -218,6 +219,9 @@ def test_the_openapi_document_describes_each_route_with_its_body():
     text = json.dumps(doc)
     assert all(ref.split("/")[-1] in schemas for ref in _refs(doc))
     assert '"maxItems": 128' in text   # bad_words, tools: bounded in the schema too
+    ids = schemas["DetokenizeBody"]["properties"]["tokens"]
+    assert ids["items"]["maximum"] == 999 and ids["maxItems"] == 512
+    assert schemas["CompletionBody"]["properties"]["prompt"]["anyOf"][1]["maxItems"] == 512
 
 
 def _refs(node) -> list[str]:
