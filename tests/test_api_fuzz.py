@@ -7,8 +7,11 @@ meanwhile keeps its pace, and every process is still the one that started.
 The cases are the same on every run (derandomized), so a failure reproduces."""
 from __future__ import annotations
 
-import asyncio
-import threading
+import json
+import os
+import select
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,8 +20,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from frontend.client import AsyncClient
-from tests.cluster_util import Cluster, is_alive, python_children_of, wait_for
+from tests.cluster_util import ROOT, Cluster, is_alive, python_children_of, wait_for
 
 pytestmark = pytest.mark.cluster
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
@@ -35,35 +37,45 @@ def cluster(tiny_model, tmp_path_factory):
     c.stop()
 
 
-class Streams(threading.Thread):
-    """Streams of STREAM_TOKENS tokens, one after another until stopped: the gaps between
-    each stream's outputs, with the time each gap ended."""
+# Streams of STREAM_TOKENS tokens, one after another, in a process of its own (so that
+# generating cases here takes no time from it): it says "alone" once two have run, and at
+# a line on its stdin ends with the stream under way, then prints each gap between a
+# stream's outputs (with the monotonic time it ended) and any error.
+STREAMS = """
+import asyncio, json, sys, time
+from frontend.client import AsyncClient
 
-    def __init__(self, endpoint: str):
-        super().__init__(daemon=True)
-        self.endpoint = endpoint
-        self.gaps: list[tuple[float, float]] = []
-        self.errors: list[str] = []
-        self.is_stopped = threading.Event()
+async def main(endpoint, num_tokens):
+    gaps, errors, num_streams = [], [], 0
+    is_stopped = asyncio.Event()
+    asyncio.get_running_loop().add_reader(sys.stdin.fileno(), is_stopped.set)
+    async with AsyncClient(endpoint, idle_timeout_s=120) as client:
+        while not is_stopped.is_set():
+            last = None
+            async for out in client.generate(prompt_token_ids=[5, 6, 7, 8], max_tokens=num_tokens,
+                                             ignore_eos=True):
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append((now, now - last))
+                last = now
+                errors += [out.error] if out.error else []
+            num_streams += 1
+            if num_streams == 2:
+                print("alone", flush=True)
+    print(json.dumps({"gaps": gaps, "errors": errors}), flush=True)
 
-    def run(self) -> None:
-        asyncio.run(self._run())
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
 
-    async def _run(self) -> None:
-        async with AsyncClient(self.endpoint, idle_timeout_s=120) as client:
-            while not self.is_stopped.is_set():
-                last = None
-                async for out in client.generate(prompt_token_ids=[5, 6, 7, 8],
-                                                 max_tokens=STREAM_TOKENS, ignore_eos=True):
-                    now = time.monotonic()
-                    if last is not None:
-                        self.gaps.append((now, now - last))
-                    last = now
-                    if out.error:
-                        self.errors.append(out.error)
 
-    def largest_gap(self, start: float, end: float) -> float:
-        return max((g for t, g in self.gaps if start <= t <= end), default=0.0)
+def _line(proc: subprocess.Popen, timeout_s: float) -> str:
+    if not select.select([proc.stdout], [], [], timeout_s)[0]:
+        raise AssertionError(f"the streams said nothing in {timeout_s}s")
+    return proc.stdout.readline().decode()
+
+
+def _largest_gap(gaps: list, start: float, end: float) -> float:
+    return max((g for t, g in gaps if start <= t <= end), default=0.0)
 
 
 def _pids(cluster) -> dict:
@@ -102,42 +114,48 @@ def _fuzz(base_url: str, operation, mode: GenerationMode, num: int, seen) -> Non
     fuzz()
 
 
+def _fuzz_all(base_url: str, schema) -> tuple[dict, dict]:
+    """Every route fuzzed in both modes: (cases by route and mode, cases by status)."""
+    counts, statuses = {}, {}
+    for route in ROUTES:
+        for mode, num in NUM_CASES.items():
+            counts[(route, mode.value)] = 0
+
+            def seen(status: int, key=(route, mode.value)) -> None:
+                counts[key] += 1
+                statuses[status] = statuses.get(status, 0) + 1
+            _fuzz(base_url, schema[route]["POST"], mode, num, seen)
+    return counts, statuses
+
+
 def test_the_api_fuzzed_from_its_openapi_document(cluster, capsys, record_property):
     started = python_children_of(cluster.proc.pid)
     pids = _pids(cluster)
     schema = schemathesis.openapi.from_url(cluster.http + "/openapi.json")
-    streams = Streams(cluster.endpoint)
-    streams.start()
-    wait_for(lambda: len(streams.gaps) >= 2 * STREAM_TOKENS or not streams.is_alive(), 120,
-             "two streams alone")
-    fuzz_start = time.monotonic()
-    counts = {}
-    statuses: dict[int, int] = {}
+    streams = subprocess.Popen([sys.executable, "-c", STREAMS, cluster.endpoint,
+                                str(STREAM_TOKENS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        for route in ROUTES:
-            for mode, num in NUM_CASES.items():
-                counts[(route, mode.value)] = 0
-
-                def seen(status: int, key=(route, mode.value)) -> None:
-                    counts[key] += 1
-                    statuses[status] = statuses.get(status, 0) + 1
-                _fuzz(cluster.http, schema[route]["POST"], mode, num, seen)
-    finally:
+        assert _line(streams, 120).strip() == "alone"
+        fuzz_start = time.monotonic()
+        counts, statuses = _fuzz_all(cluster.http, schema)
         fuzz_end = time.monotonic()
-        streams.is_stopped.set()
-        streams.join(120)
+        streams.stdin.write(b"stop\n")
+        streams.stdin.flush()
+        report = json.loads(_line(streams, 120))
+    finally:
+        streams.kill()
+        streams.wait()
     total = sum(counts.values())
+    before = _largest_gap(report["gaps"], 0, fuzz_start)
+    during = _largest_gap(report["gaps"], fuzz_start, fuzz_end)
     record_property("schemathesis_cases", total)
     with capsys.disabled():
         each = ", ".join(f"{r} {m}: {n}" for (r, m), n in counts.items())
         print(f"\nschemathesis: {total} cases in {fuzz_end - fuzz_start:.0f}s ({each}); "
-              f"statuses {statuses}")
-    before = streams.largest_gap(0, fuzz_start)
-    during = streams.largest_gap(fuzz_start, fuzz_end)
-    with capsys.disabled():
-        print(f"the stream beside: largest gap between tokens {before * 1e3:.0f} ms alone, "
-              f"{during * 1e3:.0f} ms while fuzzed")
+              f"statuses {statuses}; the stream beside: largest gap between tokens "
+              f"{before * 1e3:.0f} ms alone, {during * 1e3:.0f} ms while fuzzed")
     assert all(counts.values()), counts
-    assert not streams.errors, streams.errors
+    assert not report["errors"], report["errors"]
     assert during < max(1.0, 5 * before), (during, before)
     assert _pids(cluster) == pids and all(map(is_alive, started)), "a process was restarted"
