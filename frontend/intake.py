@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 
+from common.base.log import get_logger
 from common.base.request import FINISH_ABORT
 from common.wire.protocol import ErrorReply, GenerateOutput, GenerateRequest
 from frontend import router
 from frontend.prompts import check_size
 from frontend.request import ClientKey
+
+log = get_logger("frontend")
 
 
 class Intake:
@@ -41,8 +44,8 @@ class Intake:
         if len(reqs) == 1 and not fe.prompts.is_off_loop(reqs[0]):   # the common case
             try:
                 prepared = [fe.prompts.now(reqs[0])]
-            except ValueError as e:
-                await self._refuse(client, reqs, str(e))
+            except Exception as e:   # ValueError: the request's fault; any other: ours (a 500)
+                await self._refuse(client, reqs, *_why(e))
                 return
             await self._admit(client, reqs, prepared)
             return
@@ -104,7 +107,7 @@ class Intake:
         keys = [(client, req.request_id) for req in reqs]
         try:
             outcome = await self._prepare(client, reqs)
-        except (asyncio.CancelledError, ValueError) as e:   # ValueError: Busy among them (429)
+        except (asyncio.CancelledError, Exception) as e:   # ValueError: Busy among them (429)
             outcome = e
         is_aborted = bool(self._aborted.intersection(keys))
         for key in keys:
@@ -116,8 +119,8 @@ class Intake:
             for req in reqs:
                 await fe.reply(client, GenerateOutput(req.request_id, [], "", True, FINISH_ABORT,
                                                       "cancelled by the client", index=-1))
-        elif isinstance(outcome, ValueError):
-            await self._refuse(client, reqs, str(outcome), getattr(outcome, "status", 400))
+        elif isinstance(outcome, Exception):
+            await self._refuse(client, reqs, *_why(outcome))
         elif fe.is_draining:
             await self._refuse(client, reqs, "the cluster is shutting down", 503)
         else:
@@ -154,3 +157,13 @@ class Intake:
             return
         for req, (ids, params) in zip(reqs, prepared):
             fe.start(client, req, ids, params)
+
+
+def _why(e: Exception) -> tuple[str, int]:
+    """(error, HTTP status) of what preparing a request raised: a ValueError says what is
+    wrong with it (or, Busy, that its client is over its share: 429); anything else is a
+    fault of the frontend's own, logged, and that request's 500 alone."""
+    if isinstance(e, ValueError):
+        return str(e), getattr(e, "status", 400)
+    log.error("preparing a request failed", exc_info=e)
+    return f"internal error while preparing the request ({type(e).__name__})", 500

@@ -372,3 +372,25 @@ def test_a_chat_templates_variables_cannot_reach_its_parameters_nor_escape_as_a_
     not_tools = GenerateRequest("c", messages=[{"role": "user", "content": "hi"}], tools="5")
     with pytest.raises(ValueError, match="the chat template cannot render"):
         prompt_ids(fe.tokenizer, not_tools)   # the template iterates over an int
+
+
+@pytest.mark.parametrize("is_off_loop", [False, True], ids=["on-loop", "off-loop"])
+def test_a_fault_while_a_request_is_prepared_is_that_requests_500(make_frontend, is_off_loop):
+    """Anything but a ValueError raised while a request is tokenized (a fault of the
+    frontend's own) failed nobody's request: off the loop it left the request waiting for
+    good, on the loop it escaped to the client loop, and a ZeroMQ client heard nothing.
+    The request is answered with a 500, and the next one is served."""
+    fe = make_frontend(16)
+
+    def broken(req):
+        if req.request_id == "bad":
+            raise RuntimeError("a bug")
+        return fe.prompts.__class__.now(fe.prompts, req)
+    fe.prompts.now = broken
+    fe.prompts._prepare_here = broken
+    fe.prompts.is_off_loop = lambda req: is_off_loop
+    _submit(fe, GenerateRequest("bad", prompt="hi", max_tokens=2),
+            GenerateRequest("good", prompt="hi", max_tokens=2))
+    error, status = _error(fe.replies[0])
+    assert status == 500 and "internal error" in error and fe.replies[0][0].request_id == "bad"
+    assert set(fe.by_client) == {(CLIENT, "good")} and not fe.intake.pending
