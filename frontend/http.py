@@ -121,7 +121,7 @@ class HttpServer:
             app.router.add_post("/v1/chat/completions", self.chat)
             app.router.add_post("/tokenize", self.tokenize)
             app.router.add_post("/detokenize", self.detokenize)
-            app.router.add_get("/openapi.json", self.openapi)
+            app.router.add_get("/openapi.json", self.openapi_json)
         return app
 
     # ---- plain endpoints ---------------------------------------------------------
@@ -140,7 +140,7 @@ class HttpServer:
             "id": self.served_model, "object": "model", "created": shapes.now(), "owned_by": "pdserve",
             "max_model_len": info["max_model_len"], "vocab_size": info["vocab_size"]}]})
 
-    async def openapi(self, request: web.Request) -> web.Response:
+    async def openapi_json(self, request: web.Request) -> web.Response:
         return web.json_response(self.openapi_doc)
 
     async def tokenize(self, request: web.Request) -> web.Response:
