@@ -28,11 +28,14 @@ class Admission:
         self.num_waiting = 0
         self.num_refused = 0
 
-    def refusal(self, client: Hashable, kv_tokens: int) -> str | None:
-        """Why this client may not add a request of kv_tokens now, or None."""
+    def refusal(self, client: Hashable, kv_tokens: int, num_requests: int = 1) -> str | None:
+        """Why this client may not add num_requests requests (a request's n choices, each
+        counted) of kv_tokens in all now, or None."""
         load = self.clients.get(client) or ClientLoad()
-        if load.num_requests >= self.max_requests:
-            why = f"{load.num_requests} requests in flight (the limit per client is {self.max_requests})"
+        if load.num_requests + num_requests > self.max_requests:
+            adds = f", and this request adds {num_requests}" if num_requests > 1 else ""
+            why = (f"{load.num_requests} requests in flight{adds} (the limit per client is "
+                   f"{self.max_requests})")
         elif load.num_kv_tokens + kv_tokens > self.max_kv_tokens:
             why = (f"{load.num_kv_tokens} + {kv_tokens} KV tokens claimed (the limit per client is "
                    f"{self.max_kv_tokens}; prompt + max_tokens counts)")

@@ -47,6 +47,10 @@ MAX_VERDICTS = 1024
 START_TIMEOUT_S = 120.0     # importing xgrammar and torch, loading the tokenizer, on a busy host
 CHECK_TIMEOUT_S = 30.0      # a compile starved of CPU this long is answered "try again"
 POLL_S = 0.01
+# NOTE: the checker forks: no library it loads may start a thread pool (numpy's OpenBLAS,
+# loaded with torch, starts one thread per core at import), nor may the tokenizer's.
+ONE_THREAD = {"TOKENIZERS_PARALLELISM": "false", "OPENBLAS_NUM_THREADS": "1",
+              "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -62,6 +66,7 @@ class GrammarChecker:
         self._buf = b""
         self._is_closed = False
         self.num_killed = 0    # compiles stopped at the CPU limit
+        self.max_threads_at_fork = 0   # the checker's threads when it forked a compile (1: safe)
 
     def check(self, grammar: tuple[str, str, str]) -> None:
         key = tuple(grammar)
@@ -95,6 +100,12 @@ class GrammarChecker:
             self._stop()
             return {"error": f"the grammar could not be checked ({type(e).__name__}): try again",
                     "is_transient": True}
+        num_threads = reply.get("num_threads", 0)
+        if isinstance(num_threads, int) and num_threads > self.max_threads_at_fork:
+            self.max_threads_at_fork = num_threads
+            if num_threads > 1:   # see _compile_in_child
+                log.error("the grammar checker forked a compile with %d threads running: a compile "
+                          "may hang (each is still stopped at %.0fs)", num_threads, CHECK_TIMEOUT_S)
         if reply.get("is_killed"):
             self.num_killed += 1
             log.warning("a %s was refused: its compile was stopped at %gs of CPU", grammar[0], self.max_cpu_s)
@@ -102,8 +113,8 @@ class GrammarChecker:
 
     def _start(self) -> None:
         self._stop()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH")) if p),
-               "TOKENIZERS_PARALLELISM": "false"}
+        path = os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path, **ONE_THREAD}
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD, self.model, str(self.vocab_size), str(self.max_cpu_s)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=_ROOT)
@@ -171,9 +182,23 @@ def _die_with_parent() -> None:
         pass
 
 
+def _num_threads() -> int:
+    """This process's threads (0 where /proc cannot say)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
 def _compile_in_child(grammars, grammar: list, max_cpu_s: float) -> dict:
     """Fork; the child compiles and writes its error (or none) to a pipe; past max_cpu_s of
-    CPU (or of wall time where /proc cannot say) it is killed."""
+    CPU (or of wall time where /proc cannot say) it is killed.
+
+    NOTE: a fork copies only the forking thread: a lock another thread held stays held in the
+    child for good. The checker runs no thread besides its main one (xgrammar's compiler is
+    made with one, the thread pools of OpenBLAS, OpenMP and the tokenizer are off: ONE_THREAD);
+    each reply says how many threads there were at the fork, and the frontend logs any fork
+    made with more (tests/test_grammar_check.py holds it to one)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:   # the compile
@@ -247,6 +272,7 @@ def main(argv: list[str]) -> int:
         except ValueError as e:
             say({"error": f"not a grammar: {e}"})
             continue
-        say(_compile_in_child(grammars, g, max_cpu_s))
+        num_threads = _num_threads()   # at the fork: nothing runs between
+        say({**_compile_in_child(grammars, g, max_cpu_s), "num_threads": num_threads})
     return 0
 

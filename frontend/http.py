@@ -18,6 +18,7 @@ from common.base.log import Throttle, get_logger
 from common.wire.protocol import ErrorReply, GenerateOutput
 from frontend import access_log, server_timing
 from frontend import openai_api as api
+from frontend import openapi
 from frontend.metrics import CONTENT_TYPE
 from frontend import openai_logprobs as lp_shapes
 from frontend import openai_tools as tool_rules
@@ -100,6 +101,8 @@ class HttpServer:
         self.strings = lp_shapes.TokenStrings(frontend.tokenizer)
         self.is_reasoning = bool(frontend.cfg.reasoning_parser)
         self.streams: dict[str, asyncio.Queue] = {}   # request id -> (message, status) queue
+        self.openapi_doc = openapi.openapi(served_model, frontend.spec.vocab_size,
+                                           frontend.max_model_len)
         frontend.local_sink = self._deliver
 
     def _deliver(self, client, msg, status: int | None) -> None:
@@ -119,6 +122,7 @@ class HttpServer:
             app.router.add_post("/v1/chat/completions", self.chat)
             app.router.add_post("/tokenize", self.tokenize)
             app.router.add_post("/detokenize", self.detokenize)
+            app.router.add_get("/openapi.json", self.openapi_json)
         return app
 
     # ---- plain endpoints ---------------------------------------------------------
@@ -137,11 +141,14 @@ class HttpServer:
             "id": self.served_model, "object": "model", "created": shapes.now(), "owned_by": "pdserve",
             "max_model_len": info["max_model_len"], "vocab_size": info["vocab_size"]}]})
 
+    async def openapi_json(self, request: web.Request) -> web.Response:
+        return web.json_response(self.openapi_doc)
+
     async def tokenize(self, request: web.Request) -> web.Response:
         fe = self.frontend
         try:
             req = api.parse_tokenize(await _json(request), self.served_model)
-            ids = await fe.prompts.tokenize(req)
+            ids = await fe.prompts.tokenize(_client(request), req)
         except (ApiError, ValueError) as e:
             return _refuse(e)
         return web.json_response({"count": len(ids), "max_model_len": fe.max_model_len, "tokens": ids})
@@ -165,59 +172,68 @@ class HttpServer:
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
-            body = await _json(request)
-            bodies = api.split_batch(body) if kind == "completions" else None
             # Completions default to 16 tokens, as OpenAI's; chat to what the model length leaves.
-            calls = [api.parse(b, kind, self.served_model, None if kind == "chat" else 16,
-                               "any" if self.frontend.cfg.is_json_whitespace else "compact")
-                     for b in bodies or [body]]
+            calls = api.parse_calls(await _json(request), kind, self.served_model,
+                                    None if kind == "chat" else 16,
+                                    "any" if self.frontend.cfg.is_json_whitespace else "compact")
         except ApiError as e:
             return _refuse(e)
-        if bodies is None:
-            return await self._serve(request, calls[0])
-        # A batch of prompts (what evaluation harnesses send): each its own call, answered
-        # together; choice i of prompt k is at index k * n + i, as vLLM's.
-        answers = await asyncio.gather(*[self._serve(request, c, is_dict=True) for c in calls])
-        failed = next(((s, out) for s, out in answers if s != 200), None)
+        answers = await self._serve(request, calls)
+        if len(calls) == 1:
+            out = answers[0]
+            if isinstance(out, web.StreamResponse):
+                return out
+            return web.json_response(out[1], status=out[0], headers=server_timing.headers(out[2]))
+        # A batch of prompts (what evaluation harnesses send): each its own call, admitted
+        # together and answered together; choice i of prompt k is at index k * n + i, as vLLM's.
+        failed = next(((s, out) for s, out, _ in answers if s != 200), None)
         if failed is not None:
             return web.json_response(failed[1], status=failed[0])
-        n, outs = calls[0].request.n, [out for _, out in answers]
-        choices = [{**c, "index": k * n + c["index"]} for k, out in enumerate(outs) for c in out["choices"]]
+        n, outs = calls[0].request.n, [out for _, out, _ in answers]
+        choices = [{**c, "index": k * n + c["index"]}
+                   for k, out in enumerate(outs) for c in out["choices"]]
         use = shapes.usage(sum(o["usage"]["prompt_tokens"] for o in outs),
                            sum(o["usage"]["completion_tokens"] for o in outs),
                            sum(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs))
         return web.json_response({**outs[0], "choices": choices, "usage": use})
 
-    async def _serve(self, request: web.Request, call: api.Call, is_dict: bool = False):
-        """One call, streamed or whole; is_dict: a whole answer as (status, body) (a batch's part)."""
-        client = ("http", request.remote or "?")
-        rid = call.request.request_id
-        queue = self.streams[rid] = asyncio.Queue()
-        is_done, timings = False, None
+    async def _serve(self, request: web.Request, calls: list[api.Call]) -> list:
+        """Calls submitted together (a batch's, or one alone), each answered streamed (its
+        StreamResponse) or whole ((status, body, timings))."""
+        client = _client(request)
+        queues = {c.request.request_id: asyncio.Queue() for c in calls}
+        self.streams.update(queues)
+        done: set[str] = set()
         try:
-            await self.frontend.submit(client, call.request)
-            msg, status = await queue.get()
-            if status is not None:   # refused or failed before any token
-                error = msg.error if isinstance(msg, (GenerateOutput, ErrorReply)) else "failed"
-                is_done = True
-                out = (status, api.error_body(status, error))
-            elif call.is_stream:
-                states = self.frontend.by_client.get((client, rid))   # none: it ended already
-                num_prompt = len(states[0].prompt_ids) if states else (msg.usage or {}).get("prompt_tokens", 0)
-                response = await self._stream(request, call, msg, queue, num_prompt)
-                is_done = True
-                return response
-            else:
-                out, timings = await self._whole(call, msg, queue)
-                is_done = True
-            return out if is_dict else web.json_response(out[1], status=out[0],
-                                                         headers=server_timing.headers(timings))
+            await self.frontend.submit_group(client, [c.request for c in calls])
+            return await asyncio.gather(*[self._answer(request, client, c, queues, done)
+                                          for c in calls])
         finally:
-            # NOTE: runs on a client disconnect too (aiohttp cancels the handler): the
-            # request must not keep decoding for nobody (nor its other choices, one failed).
-            self.streams.pop(rid, None)
-            if not is_done or (client, rid) in self.frontend.by_client:
-                await self.frontend.abort(client, rid)   # one ended meanwhile is answered to nobody
+            # NOTE: runs on a client disconnect too (aiohttp cancels the handler): no request
+            # may keep decoding for nobody (nor its other choices, one failed).
+            for rid in queues:
+                self.streams.pop(rid, None)
+                if rid not in done or (client, rid) in self.frontend.by_client:
+                    await self.frontend.abort(client, rid)   # one that ended: answered to nobody
+
+    async def _answer(self, request: web.Request, client, call: api.Call, queues: dict,
+                      done: set[str]) -> web.StreamResponse | tuple[int, dict, dict | None]:
+        """Its StreamResponse, or (status, body, the timings its Server-Timing says)."""
+        rid = call.request.request_id
+        msg, status = await queues[rid].get()
+        if status is not None:   # refused or failed before any token
+            is_error = isinstance(msg, (GenerateOutput, ErrorReply))
+            out = (status, api.error_body(status, msg.error if is_error else "failed"), None)
+        elif call.is_stream:
+            states = self.frontend.by_client.get((client, rid))   # none: it ended already
+            num_prompt = len(states[0].prompt_ids) if states else \
+                (msg.usage or {}).get("prompt_tokens", 0)
+            out = await self._stream(request, call, msg, queues[rid], num_prompt)
+        else:
+            (code, body), timings = await self._whole(call, msg, queues[rid])
+            out = (code, body, timings)
+        done.add(rid)
+        return out
 
     async def _whole(self, call: api.Call, msg, queue: asyncio.Queue) -> tuple[tuple, dict | None]:
         """((status, body), the first choice's timings: its Server-Timing)."""
@@ -308,6 +324,11 @@ class HttpServer:
         return out
 
 
+def _client(request: web.Request) -> tuple[str, str]:
+    """An HTTP client, as the frontend keys it: per-client limits hold per host."""
+    return ("http", request.remote or "?")
+
+
 async def _json(request: web.Request):
     try:
         return await request.json()
@@ -317,8 +338,8 @@ async def _json(request: web.Request):
 
 def _refuse(e: Exception) -> web.Response:
     """A refusal in OpenAI's shape; a ValueError that is not an ApiError (a prompt the
-    tokenizer cannot take) is the client's 400."""
-    e = e if isinstance(e, ApiError) else ApiError(400, str(e))
+    tokenizer cannot take) is the client's 400, or the status it names (429: overloaded)."""
+    e = e if isinstance(e, ApiError) else ApiError(getattr(e, "status", 400), str(e))
     noisy.info("refused an HTTP request: %s", e.message)
     return web.json_response(e.body(), status=e.status)
 

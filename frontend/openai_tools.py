@@ -27,20 +27,6 @@ class ToolError(ValueError):
     """tools or tool_choice that cannot be served, said so a client can act on it."""
 
 
-def check_tools(tools) -> list[dict]:
-    """OpenAI's tools: [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
-    if not isinstance(tools, list) or len(tools) > 128:
-        raise ToolError("'tools' must be a list of at most 128 functions")
-    for t in tools:
-        f = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict) \
-                or not isinstance(f.get("name"), str) or not f["name"]:
-            raise ToolError("each tool is {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}")
-        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
-            raise ToolError(f"the parameters of {f['name']!r} must be a JSON schema object")
-    return tools
-
-
 def choice_mode(tools: list[dict] | None, tool_choice) -> tuple[str, str | None]:
     """(none|auto|required|named, the named function) of a request's tool_choice."""
     if not tools:

@@ -8,12 +8,13 @@ a prompt of more than OFF_LOOP_CHARS characters is tokenized on a thread of its
 own at the lowest CPU priority, with a tokenizer of its own (its length counted
 before any list of ids is made), and so is a request with a grammar (compiled once in a
 process of its own, killed at MAX_COMPILE_CPU_S of CPU and the grammar refused: nodes
-compile it on their loops; frontend/grammar_check.py);
-everything else, the common case, at once.
+compile it on their loops; frontend/grammar_check.py), clients taking turns there, each
+with a bounded share of it (frontend/off_loop.py); everything else, the common case, at once.
 """
 from __future__ import annotations
 
-import asyncio
+import functools
+import inspect
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +23,12 @@ from common.base.grammar import MAX_COMPILE_CPU_S
 from common.base.log import get_logger
 from common.base.threads import lower_this_thread
 from common.base.model_spec import ModelSpec
-from common.base.request import SamplingParams, validate_prompt
+from common.base.request import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams,
+                                 validate_prompt)
+from common.wire.client import MAX_MESSAGES, MAX_PROMPT_IDS, MAX_STOP
 from common.wire.protocol import GenerateRequest
 from frontend.grammar_check import GrammarChecker
+from frontend.off_loop import OffLoop
 
 log = get_logger("frontend")
 
@@ -33,14 +37,31 @@ log = get_logger("frontend")
 # than this is tokenized on a thread of its own (at low priority), and one of more text
 # than any prompt the model can take (max_prompt_chars) is refused unread.
 OFF_LOOP_CHARS = 64 * 2**10
-MAX_STOP_CHARS = 16 * 2**10   # all stop strings of a request together
+MAX_STOP_CHARS = 16 * 2**10        # all stop strings of a request together
+MAX_BAD_WORD_CHARS = 16 * 2**10    # all bad words together (each is tokenized twice, on the loop)
+# The most items each list of a request may hold: what a ZeroMQ client's message is held to
+# as it is decoded (common/wire/client.py); a request made here (HTTP) is held to it before
+# any item is read (its models count them as they parse: frontend/openai_models.py).
+MAX_ITEMS = {"prompt_token_ids": MAX_PROMPT_IDS, "messages": MAX_MESSAGES, "stop": MAX_STOP,
+             "stop_token_ids": MAX_STOP_TOKEN_IDS, "logit_bias": MAX_LOGIT_BIAS,
+             "allowed_token_ids": MAX_PROMPT_IDS, "bad_words": MAX_BAD_WORDS}
 
 
 def text_len(req: GenerateRequest) -> int:
-    """Characters of text the request's prompt holds (0 for token ids)."""
+    """Characters of text the request's prompt holds as its chat template renders it (0 for
+    token ids): every message whole (its content, an assistant's tool calls) and the tools."""
     if req.prompt is not None:
         return len(req.prompt) if isinstance(req.prompt, str) else 0
-    return sum(len(m.get("content")) for m in req.messages or () if isinstance(m.get("content"), str))
+    return sum(_json_len(m) for m in req.messages or ()) + len(req.tools or "")
+
+
+def _json_len(value) -> int:
+    """The length of plain data as JSON text (what a client sent, about); past any limit
+    for what is not plain data."""
+    try:
+        return len(json.dumps(value, ensure_ascii=False))
+    except (TypeError, ValueError, RecursionError):
+        return 2**62
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:
@@ -80,19 +101,33 @@ def prompt_ids(tokenizer, req: GenerateRequest, max_model_len: int = 2**31) -> l
                                                        (content is None and m.get("tool_calls"))):
             raise ValueError("each message needs a string role and string content (an assistant's "
                              "tool calls may stand for it)")
-    kwargs = _template_kwargs(req)
+    kwargs = _template_kwargs(req, tokenizer)
     if text_len(req) > OFF_LOOP_CHARS:
-        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        text = _render(tokenizer, req.messages, False, kwargs)
         _check_count(_count_tokens(tokenizer, text, False), max_model_len)
-    ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    ids = _render(tokenizer, req.messages, True, kwargs)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # an encoding or a list
 
 
-def _template_kwargs(req: GenerateRequest) -> dict:
+def _render(tokenizer, messages: list[dict], is_tokenized: bool, kwargs: dict):
+    """The chat template over a client's messages and variables. NOTE: whatever it raises
+    (a template's own raise_exception, a variable of the wrong type) is that request's
+    error, never its loop's."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=is_tokenized, **kwargs)
+    except Exception as e:
+        raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: "
+                         f"{str(e)[:200]}") from None
+
+
+def _template_kwargs(req: GenerateRequest, tokenizer) -> dict:
     """What the chat template gets besides the messages: the tools, and the request's
-    chat_template_kwargs (Qwen3's enable_thinking, say)."""
-    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
-              if k not in ("messages", "tools", "add_generation_prompt", "tokenize", "conversation")}
+    chat_template_kwargs (Qwen3's enable_thinking, say): variables of the template alone.
+    NOTE: apply_chat_template's own parameters are not a client's to set (chat_template
+    would run a template of its choosing; return_tensors, padding change what comes back)."""
+    reserved = _template_parameters(type(tokenizer))
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in reserved}
     if req.tools:
         try:
             kwargs["tools"] = json.loads(req.tools)
@@ -101,14 +136,27 @@ def _template_kwargs(req: GenerateRequest) -> dict:
     return kwargs
 
 
+@functools.lru_cache(maxsize=8)
+def _template_parameters(tokenizer_type: type) -> frozenset[str]:
+    named = inspect.signature(tokenizer_type.apply_chat_template).parameters.values()
+    return frozenset(p.name for p in named if p.kind is not p.VAR_KEYWORD) | {"messages"}
+
+
 def check_size(req: GenerateRequest, max_chars: int) -> None:
-    """What can be refused before any tokenizing: too much text, too many stop characters."""
+    """What can be refused before any tokenizing: a list of too many items (counted before
+    any is read), too much text (tools and tool calls count), too many stop or bad-word
+    characters."""
+    for name, limit in MAX_ITEMS.items():
+        value = getattr(req, name)
+        if value is not None and len(value) > limit:
+            raise ValueError(f"'{name}' holds {len(value)} items: at most {limit} are taken")
     n = text_len(req)
     if n > max_chars:
-        raise ValueError(f"the prompt is {n} characters: no text of more than {max_chars} fits in the "
-                         f"model's maximum length")
-    if sum(len(s) for s in req.stop) > MAX_STOP_CHARS:
-        raise ValueError(f"the stop strings hold more than {MAX_STOP_CHARS} characters together")
+        raise ValueError(f"the prompt is {n} characters (its messages, tool calls and tools): no "
+                         f"text of more than {max_chars} fits in the model's maximum length")
+    for name, limit in (("stop", MAX_STOP_CHARS), ("bad_words", MAX_BAD_WORD_CHARS)):
+        if sum(len(s) if isinstance(s, str) else limit for s in getattr(req, name)) > limit:
+            raise ValueError(f"the {name} strings hold more than {limit} characters together")
 
 
 def prepare(req: GenerateRequest, tokenizer, spec: ModelSpec, max_model_len: int,
@@ -186,9 +234,8 @@ class Prompts:
         self._grammars = None   # made for the first request with a grammar
         self.max_chars = max_prompt_chars(tokenizer, max_model_len)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize", initializer=lambda: lower_this_thread(19))
+        self.off_loop_jobs = OffLoop(self._pool)   # clients take turns on the thread
         self._own_tokenizer = None          # made on the thread: the loop's is never shared
-        self.pending: dict[tuple, bool] = {}   # (client, request id) -> cancelled while tokenized
-        self.num_off_loop = 0
 
     def grammars(self) -> GrammarChecker:
         """Asked from the loop's thread and the tokenizing thread alike (it takes one at a time)."""
@@ -206,28 +253,23 @@ class Prompts:
         return prepare(req, self.tokenizer, self.spec, self.max_model_len, self.is_processed_logprobs,
                        self.grammars)
 
-    async def off_loop(self, key: tuple, req: GenerateRequest) -> tuple[list[int], SamplingParams] | None:
-        """A long prompt, on the tokenizing thread; None if it was cancelled meanwhile."""
+    async def off_loop(self, client, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """A long prompt (or a grammar), on the tokenizing thread in client's turn; Busy (a
+        ValueError) when client has its share of work there already."""
         check_size(req, self.max_chars)
-        self.pending[key] = False
-        self.num_off_loop += 1
-        try:
-            out = await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare_here, req)
-        finally:
-            is_cancelled = self.pending.pop(key, False)
-        return None if is_cancelled else out
+        return await self.off_loop_jobs.run(client, self._prepare_here, req)
 
     def _prepare_here(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
         return prepare(req, self._thread_tokenizer(), self.spec, self.max_model_len, self.is_processed_logprobs,
                        self.grammars)
 
-    async def tokenize(self, req: GenerateRequest) -> list[int]:
+    async def tokenize(self, client, req: GenerateRequest) -> list[int]:
         """A prompt's ids alone (/tokenize), by the same rules: a long one off the loop.
         Its length is not held against the model's (the caller compares)."""
         check_size(req, self.max_chars)
         if not self.is_off_loop(req):
             return prompt_ids(self.tokenizer, req)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._ids_here, req)
+        return await self.off_loop_jobs.run(client, self._ids_here, req)
 
     def _ids_here(self, req: GenerateRequest) -> list[int]:
         return prompt_ids(self._thread_tokenizer(), req)
@@ -238,13 +280,6 @@ class Prompts:
             from transformers import AutoTokenizer
             self._own_tokenizer = AutoTokenizer.from_pretrained(self.model)
         return self._own_tokenizer
-
-    def cancel(self, key: tuple) -> bool:
-        """A request still being tokenized is dropped once it is; False if none is."""
-        if key not in self.pending:
-            return False
-        self.pending[key] = True
-        return True
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

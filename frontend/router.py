@@ -71,17 +71,33 @@ def cached_tokens(node: NodeState, prompt_len: int, keys: dict[int, list[int]] |
     return n * bs
 
 
+def has_rows(node: NodeState, num_rows: int) -> bool:
+    """Whether a decode node's batch holds num_rows sequences at once (a request's n
+    choices run side by side there); one that did not say its rows is taken at its word."""
+    return not node.ready.max_batch_size or node.ready.max_batch_size >= num_rows
+
+
+def max_rows(nodes: dict[str, NodeState]) -> int | None:
+    """The most rows a registered decode node's batch has; None where no decode node has
+    registered, or one did not say (no request is refused for its n then)."""
+    rows = [n.ready.max_batch_size for n in nodes.values() if n.role == "decode"]
+    return max(rows) if rows and all(rows) else None
+
+
 def choose(nodes: dict[str, NodeState], max_queued_tokens: int | None = None, prompt_len: int = 0,
            keys: dict[int, list[int]] | None = None, is_decode_cache: bool = False,
-           is_prefill_full_ok: bool = False) -> tuple[NodeState, NodeState] | None:
+           is_prefill_full_ok: bool = False,
+           num_rows: int = 1) -> tuple[NodeState, NodeState] | None:
     """(prefill node, decode node), or None if either role has no live node (with
-    max_queued_tokens: no live node with room; is_prefill_full_ok: a prefill node needs none).
+    max_queued_tokens: no live node with room; is_prefill_full_ok: a prefill node needs none;
+    num_rows: no live decode node whose batch holds that many sequences).
     is_decode_cache: decode nodes' caches count."""
     live = [n for n in nodes.values() if n.is_alive and not n.is_draining and
             (max_queued_tokens is None or has_room(n, max_queued_tokens)
              or (is_prefill_full_ok and n.role == "prefill"))]
     prefills = [n for n in live if n.role == "prefill"]
-    decodes = [n for n in live if n.role == "decode" and n.ready.kv_endpoint]
+    decodes = [n for n in live
+               if n.role == "decode" and n.ready.kv_endpoint and has_rows(n, num_rows)]
     if not prefills or not decodes:
         return None
     prefill = min(prefills, key=lambda n: (
@@ -105,18 +121,22 @@ def prefix_keys(nodes: dict[str, NodeState], prompt_ids: list[int],
 
 
 def assign(nodes: dict[str, NodeState], max_queued_tokens: int, prompt_ids: list[int],
-           known_keys: dict[int, list[int]], is_local=None) -> tuple[NodeState, NodeState, int] | None:
+           known_keys: dict[int, list[int]], is_local=None,
+           num_rows: int = 1) -> tuple[NodeState, NodeState, int] | None:
     """Route a request now: (the node that prefills it, decode node, prompt tokens it is
     expected to compute), counted as routed; None while no pair has room. is_local(prefill
     node, decode node, tokens to compute on each): whether the decode node prefills it
-    instead (None: never; decode nodes' caches then do not count)."""
+    instead (None: never; decode nodes' caches then do not count). num_rows: the sequences
+    it runs as on its decode node (its n choices, sent together)."""
     keys = prefix_keys(nodes, prompt_ids, known_keys)
     n, may_be_local = len(prompt_ids), is_local is not None
-    route = choose(nodes, max_queued_tokens, n, keys, is_decode_cache=may_be_local)
+    route = choose(nodes, max_queued_tokens, n, keys, is_decode_cache=may_be_local,
+                   num_rows=num_rows)
     # NOTE: every prefill node full: a prompt its decode node may take goes on there.
     is_full = route is None and may_be_local
     if is_full:
-        route = choose(nodes, max_queued_tokens, n, keys, is_decode_cache=True, is_prefill_full_ok=True)
+        route = choose(nodes, max_queued_tokens, n, keys, is_decode_cache=True,
+                       is_prefill_full_ok=True, num_rows=num_rows)
     if route is None:
         return None
     prefill, decode = route

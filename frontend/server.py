@@ -1,7 +1,7 @@
 """The frontend: an asyncio service between clients and the nodes.
 
-client loop:  receive a request -> validate, tokenize (a long prompt off the loop:
-              prompts.py) -> admit under its client's limits
+client loop:  receive a request -> check, tokenize (a long prompt off the loop:
+              prompts.py) -> admit under its client's limits (intake.py)
 dispatch:     clients take turns; a request goes to a prefill/decode pair with room
 node loop:    tokens from decode -> detokenize, stop strings -> stream to the client
               (node_link.py)
@@ -36,6 +36,7 @@ from common.wire.client import MAX_MESSAGES
 from frontend import activity, http, paths, router
 from frontend.admission import Admission
 from frontend.detok import IncrementalDetokenizer
+from frontend.intake import Intake
 from frontend.metrics import Metrics
 from frontend.migrate import Migrations
 from frontend.node_link import NodeMessages
@@ -61,7 +62,7 @@ class Frontend:
         self.max_model_len = clamp_model_len(cfg.max_model_len, self.spec.max_position_embeddings)
         self.prompts = Prompts(cfg.model, self.tokenizer, self.spec, self.max_model_len,
                                cfg.logprobs_mode == "processed_logprobs")
-        self._tasks: set[asyncio.Task] = set()   # requests whose long prompts are tokenized
+        self.intake = Intake(self)
         self.migrations = Migrations(self)
         self.node_messages = NodeMessages(self, self.migrations)
         self.registry = NodeRegistry(cfg, self.keys is not None, self.migrations.node_lost,
@@ -154,7 +155,7 @@ class Frontend:
             client, msg = await self.clients.recv(CLIENT_TO_FRONTEND)
             try:
                 if isinstance(msg, BadMessage):
-                    await self._reply_error(client, msg.request_id, msg.error)
+                    await self.reply_error(client, msg.request_id, msg.error)
                 elif isinstance(msg, GenerateRequest):
                     await self.submit(client, msg)
                 elif isinstance(msg, AbortRequest):
@@ -166,8 +167,8 @@ class Frontend:
                     await self.reply(client, *await self.migrations.on_drain_request(msg.node))
             except Exception:  # one bad request must not stop the service
                 log.exception("error while handling a %s", type(msg).__name__)
-                for req in list(self.by_client.get((client, getattr(msg, "request_id", None)), ())):
-                    await self.finish(req, FINISH_ERROR, "internal error", status=500)
+                for req in self.by_client.get((client, getattr(msg, "request_id", None)), [])[:1]:
+                    await self.fail_request(req, "internal error", 500)
 
     async def reply(self, client: ClientKey, msg, status: int | None = None) -> None:
         """To a ZeroMQ client (its routing id) or an in-process one (the HTTP server's
@@ -180,8 +181,8 @@ class Frontend:
         elif self.local_sink is not None:
             self.local_sink(client, msg, status)
 
-    async def _reply_error(self, client: ClientKey, request_id: str | None, error: str,
-                           status: int = 400) -> None:
+    async def reply_error(self, client: ClientKey, request_id: str | None, error: str,
+                          status: int = 400) -> None:
         noisy.info("rejected request %s: %s", request_id, error)
         if request_id is not None and (client, request_id) not in self.by_client:
             # index -1: every choice of it ends with this
@@ -191,53 +192,15 @@ class Frontend:
             await self.reply(client, ErrorReply(error, request_id), status)
 
     async def submit(self, client: ClientKey, req: GenerateRequest) -> None:
-        """Take a request from a client: admitted, or answered with an error. A long
-        prompt is tokenized off the loop (frontend/prompts.py), and admitted after."""
-        key = (client, req.request_id)
-        if not req.request_id:
-            await self._reply_error(client, None, "request_id must be a non-empty string")
-        elif key in self.by_client or key in self.prompts.pending:
-            await self.reply(client, ErrorReply(f"duplicate request_id {req.request_id!r}: your "
-                                                 f"request of that id is still running", req.request_id),
-                              400)
-        elif self.is_draining:
-            await self._reply_error(client, req.request_id, "the cluster is shutting down", 503)
-        elif self.prompts.is_off_loop(req):
-            task = asyncio.create_task(self._admit_later(key, req))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        else:
-            try:
-                ids, params = self.prompts.now(req)
-            except ValueError as e:
-                await self._reply_error(client, req.request_id, str(e))
-                return
-            await self._admit(client, req, ids, params)
+        """Take a request from a client: admitted, or answered with an error (intake.py)."""
+        await self.intake.submit(client, [req])
 
-    async def _admit_later(self, key: tuple, req: GenerateRequest) -> None:
-        client = key[0]
-        try:
-            prepared = await self.prompts.off_loop(key, req)
-        except ValueError as e:
-            await self._reply_error(client, req.request_id, str(e))
-            return
-        if prepared is None:   # the client left meanwhile
-            await self.reply(client, GenerateOutput(req.request_id, [], "", True, FINISH_ABORT,
-                                                    "cancelled by the client", index=-1))
-        elif self.is_draining:
-            await self._reply_error(client, req.request_id, "the cluster is shutting down", 503)
-        else:
-            await self._admit(client, req, *prepared)
+    async def submit_group(self, client: ClientKey, reqs: list[GenerateRequest]) -> None:
+        """Requests admitted together or refused together (an HTTP batch of prompts)."""
+        await self.intake.submit(client, reqs)
 
-    async def _admit(self, client: ClientKey, req: GenerateRequest, ids: list[int], params) -> None:
-        if router.choose(self.nodes) is None:
-            await self._reply_error(client, req.request_id,
-                                    "no live prefill and decode node pair is available", 503)
-            return
-        refusal = self.admission.refusal(client, req.n * (len(ids) + params.max_tokens))
-        if refusal:
-            await self._reply_error(client, req.request_id, refusal, 429)
-            return
+    def start(self, client: ClientKey, req: GenerateRequest, ids: list[int], params) -> None:
+        """An admitted request's n choices, waiting for their turn."""
         timeout = req.timeout_s or self.cfg.default_timeout_s
         # n choices: n requests, choice i sampled with seed + i (as vLLM does); the others go
         # to the nodes with choice 0, as its forks: one prefill, the prompt's blocks shared.
@@ -257,7 +220,7 @@ class Frontend:
 
     async def abort(self, client: ClientKey, request_id: str) -> None:
         choices = self.by_client.get((client, request_id))
-        if choices is None and self.prompts.cancel((client, request_id)):
+        if choices is None and self.intake.cancel((client, request_id)):
             return   # answered once its tokenizing ends
         if choices is None:
             await self.reply(client, ErrorReply(f"unknown request_id {request_id!r}", request_id), 404)
@@ -284,8 +247,15 @@ class Frontend:
                     choice = self.paths.decide(paths.figures(len(ids), work_tokens, local_tokens, prefill, decode),
                                                decode.name, can_local)
                     return choice.path == "local"
+                num_rows = 1 + sum(f.node_id in self.requests for f in req.forks)
                 route = router.assign(self.nodes, self.cfg.max_queued_tokens, ids, req.route_keys,
-                                      None if self.paths.mode == "always" else is_local)
+                                      None if self.paths.mode == "always" else is_local, num_rows)
+                if route is None and router.choose(self.nodes) is not None and \
+                        router.choose(self.nodes, num_rows=num_rows) is None:
+                    # NOTE: it would wait at the head of the line, and everyone behind it
+                    why = f"no live decode node has the {num_rows} batch rows its n choices need"
+                    await self.fail_request(req, why, 503)
+                    continue
                 if route is None:
                     break
                 self.admission.next()
@@ -368,6 +338,11 @@ class Frontend:
         await self.reply(req.client, GenerateOutput(req.request_id, list(token_ids), req.detok.take(True),
                                                     True, reason, error, usage, req.timings, logprobs,
                                                     **req.take_prompt_logprobs(), index=req.index), status)
+
+    async def fail_request(self, req: RequestState, error: str, status: int) -> None:
+        """Every choice of req's request ends with this error."""
+        for r in list(self.by_client.get((req.client, req.request_id), [req])):
+            await self.finish(r, FINISH_ERROR, error, status=status)
 
     def unroute(self, req: RequestState) -> None:
         """Its nodes' counts no longer include it (it ended, or it moves)."""

@@ -37,8 +37,9 @@ if [ ! -f "$_stamp" ] || [ "$PDSERVE_ROOT/pyproject.toml" -nt "$_stamp" ]; then
     fi
     # Only ask the registry for what is missing: a host with everything installed
     # (an offline accelerator image, say) needs no network.
-    if ! "$PY" -c "import transformers, safetensors, numpy, zmq, msgpack, aiohttp, prometheus_client" >/dev/null 2>&1; then
-        _say_installing "pdserve's dependencies (transformers, pyzmq, aiohttp, ...)" ""
+    _core_modules="transformers, safetensors, numpy, zmq, msgpack, aiohttp, prometheus_client, pydantic"
+    if ! "$PY" -c "import $_core_modules" >/dev/null 2>&1; then
+        _say_installing "pdserve's dependencies (transformers, pyzmq, aiohttp, pydantic, ...)" ""
         "$PY" -m pip install -q --disable-pip-version-check -e "$PDSERVE_ROOT"
         _say_installed
     elif [ ! -x "$PDSERVE_VENV/bin/pdserve" ]; then

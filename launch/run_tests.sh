@@ -4,8 +4,9 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$PDSERVE_ROOT"
-if ! "$PY" -c "import pytest, openai, matplotlib, lm_eval, tenacity, ray, kubernetes_validate" >/dev/null 2>&1; then
-    _say_installing "the test dependencies (pytest, openai, lm-eval, ray, ...)" ""
+_test_modules="pytest, openai, matplotlib, lm_eval, tenacity, ray, kubernetes_validate, schemathesis"
+if ! "$PY" -c "import $_test_modules" >/dev/null 2>&1; then
+    _say_installing "the test dependencies (pytest, openai, lm-eval, ray, schemathesis, ...)" ""
     "$PY" -m pip install -q --disable-pip-version-check -e "$PDSERVE_ROOT[test]"
     _say_installed
 fi

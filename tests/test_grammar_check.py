@@ -81,3 +81,20 @@ def test_the_checker_ends_with_the_frontend_however_it_ends(tiny_model):
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_the_checker_forks_each_compile_with_no_other_thread_running(tiny_model):
+    """Fork after threads: a compile forked while another thread of the checker held a lock
+    (torch's, xgrammar's, the tokenizer's pool) would wait on it for good. The checker
+    loads torch, xgrammar and the tokenizer, yet runs no thread besides its main one, at
+    every fork and after every kind of grammar (the killed compile's included)."""
+    checker = GrammarChecker(str(tiny_model), _vocab_size(tiny_model), 0.5)
+    try:
+        for grammar in [("json_schema", '{"type": "object"}', "compact"), ("json_object", "", "any"),
+                        ("regex", "[a-c]+", "compact"), ("choice", '["x", "y"]', "compact"),
+                        ("grammar", 'root ::= "a" | "b"', "compact"), ("regex", "[", "compact"), DEEP]:
+            _error(checker, grammar)
+        assert checker.max_threads_at_fork == 1
+        assert os.listdir(f"/proc/{checker._proc.pid}/task") == [str(checker._proc.pid)]
+    finally:
+        checker.close()

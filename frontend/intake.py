@@ -1,0 +1,169 @@
+"""A client's requests from their arrival to their admission: checked before any work,
+tokenized (a long prompt, or one with a grammar, off the loop: prompts.py), then admitted
+under the client's limits and started (server.py's Frontend.start makes the n choices).
+
+A group of requests (an HTTP batch of prompts) is admitted whole or refused whole: its
+prompts are tokenized one per turn of the loop (so no turn does more than one prompt's
+worth, OFF_LOOP_CHARS at most), then its choices and KV tokens are counted against the
+client's limits together, so a refusal leaves nothing of it running.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from common.base.log import get_logger
+from common.base.request import FINISH_ABORT
+from common.wire.protocol import ErrorReply, GenerateOutput, GenerateRequest
+from frontend import router
+from frontend.prompts import check_size
+from frontend.request import ClientKey
+
+log = get_logger("frontend")
+
+
+class Intake:
+    """fe: the Frontend (server.py): its prompts, admission, nodes and replies."""
+
+    def __init__(self, fe):
+        self.fe = fe
+        self._tasks: set[asyncio.Task] = set()   # groups being tokenized
+        # (client, request id) -> its group's task, while the group is tokenized
+        self.pending: dict[tuple, asyncio.Task] = {}
+        self._aborted: set[tuple] = set()   # of pending: cancelled by their clients
+
+    async def submit(self, client: ClientKey, reqs: list[GenerateRequest]) -> None:
+        """Take a group of a client's requests (most often one): admitted together, or each
+        answered with the error that refused them. One short prompt is tokenized at once;
+        otherwise the group is tokenized on a task, and admitted after."""
+        fe = self.fe
+        for req in reqs:
+            refusal = self._refusal(client, req)
+            if refusal is not None:
+                await self._refuse(client, reqs, *refusal)
+                return
+        if len(reqs) == 1 and not fe.prompts.is_off_loop(reqs[0]):   # the common case
+            try:
+                prepared = [fe.prompts.now(reqs[0])]
+            except Exception as e:   # ValueError: the request's fault; any other: ours (a 500)
+                await self._refuse(client, reqs, *_why(e))
+                return
+            await self._admit(client, reqs, prepared)
+            return
+        task = asyncio.create_task(self._admit_later(client, reqs))
+        for req in reqs:
+            self.pending[(client, req.request_id)] = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def cancel(self, key: tuple) -> bool:
+        """A request still being tokenized is dropped with its group (a job of theirs that
+        has not started is taken out of its line), each answered as cancelled; False if
+        none is."""
+        task = self.pending.get(key)
+        if task is None:
+            return False
+        self._aborted.add(key)
+        task.cancel()
+        return True
+
+    def _refusal(self, client: ClientKey, req: GenerateRequest) -> tuple[str, int] | None:
+        """(why, HTTP status) a request is refused before any work, or None."""
+        fe = self.fe
+        key = (client, req.request_id)
+        if not req.request_id:
+            return "request_id must be a non-empty string", 400
+        if key in fe.by_client or key in self.pending:
+            return (f"duplicate request_id {req.request_id!r}: your request of that id is still "
+                    f"running"), 400
+        if fe.is_draining:
+            return "the cluster is shutting down", 503
+        try:
+            check_size(req, fe.prompts.max_chars)
+        except ValueError as e:
+            return str(e), 400
+        rows, limit = router.max_rows(fe.nodes), fe.admission.max_requests
+        if rows is not None and req.n > rows:
+            # NOTE: the n choices run side by side in one decode node's batch
+            return (f"'n' is {req.n}, more than the {rows} rows of the largest decode node's batch "
+                    f"(its --max-batch-size): ask for at most {rows} choices"), 400
+        if req.n > limit:
+            return (f"'n' is {req.n}, more than the {limit} requests a client may have in flight "
+                    f"(--max-requests-per-client; each choice counts)"), 400
+        return None
+
+    async def _refuse(self, client: ClientKey, reqs: list[GenerateRequest], why: str,
+                      status: int = 400) -> None:
+        fe = self.fe
+        for req in reqs:
+            key = (client, req.request_id)
+            if key in self.pending and self.pending[key] is not asyncio.current_task():
+                # NOTE: a duplicate id: the error must not end the request of that id
+                await fe.reply(client, ErrorReply(why, req.request_id), status)
+            else:
+                await fe.reply_error(client, req.request_id or None, why, status)
+
+    async def _admit_later(self, client: ClientKey, reqs: list[GenerateRequest]) -> None:
+        fe = self.fe
+        keys = [(client, req.request_id) for req in reqs]
+        try:
+            outcome = await self._prepare(client, reqs)
+        except (asyncio.CancelledError, Exception) as e:   # ValueError: Busy among them (429)
+            outcome = e
+        is_aborted = bool(self._aborted.intersection(keys))
+        for key in keys:
+            self.pending.pop(key, None)
+            self._aborted.discard(key)
+        if isinstance(outcome, asyncio.CancelledError):
+            if not is_aborted:
+                raise outcome
+            for req in reqs:
+                await fe.reply(client, GenerateOutput(req.request_id, [], "", True, FINISH_ABORT,
+                                                      "cancelled by the client", index=-1))
+        elif isinstance(outcome, Exception):
+            await self._refuse(client, reqs, *_why(outcome))
+        elif fe.is_draining:
+            await self._refuse(client, reqs, "the cluster is shutting down", 503)
+        else:
+            await self._admit(client, reqs, outcome)
+
+    async def _prepare(self, client: ClientKey, reqs: list[GenerateRequest]) -> list[tuple]:
+        prepared = []
+        for req in reqs:
+            if self.fe.prompts.is_off_loop(req):
+                prepared.append(await self.fe.prompts.off_loop(client, req))
+            else:
+                await asyncio.sleep(0)   # NOTE: a group's prompts, one per turn of the loop
+                prepared.append(self.fe.prompts.now(req))
+        return prepared
+
+    async def _admit(self, client: ClientKey, reqs: list[GenerateRequest],
+                     prepared: list[tuple]) -> None:
+        fe = self.fe
+        if router.choose(fe.nodes) is None:
+            await self._refuse(client, reqs, "no live prefill and decode node pair is available",
+                               503)
+            return
+        num, limit = sum(req.n for req in reqs), fe.admission.max_requests
+        kv_tokens = sum(req.n * (len(ids) + params.max_tokens)
+                        for req, (ids, params) in zip(reqs, prepared))
+        if num > limit:   # a group's choices, more than a client may run at once
+            why = (f"these {len(reqs)} prompts ask for {num} choices in all, more than the "
+                   f"{limit} requests a client may have in flight (--max-requests-per-client)")
+            await self._refuse(client, reqs, why)
+            return
+        refusal = fe.admission.refusal(client, kv_tokens, num)
+        if refusal:
+            await self._refuse(client, reqs, refusal, 429)
+            return
+        for req, (ids, params) in zip(reqs, prepared):
+            fe.start(client, req, ids, params)
+
+
+def _why(e: Exception) -> tuple[str, int]:
+    """(error, HTTP status) of what preparing a request raised: a ValueError says what is
+    wrong with it (or, Busy, that its client is over its share: 429); anything else is a
+    fault of the frontend's own, logged, and that request's 500 alone."""
+    if isinstance(e, ValueError):
+        return str(e), getattr(e, "status", 400)
+    log.error("preparing a request failed", exc_info=e)
+    return f"internal error while preparing the request ({type(e).__name__})", 500
