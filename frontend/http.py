@@ -41,8 +41,11 @@ class Answer:
     answer's content, reasoning and tool calls where they are split out of its text."""
 
     def __init__(self, call: api.Call, strings: lp_shapes.TokenStrings, prompt_text: str,
-                 is_reasoning: bool = False):
+                 is_reasoning: bool = False, prompt_parts: dict | None = None):
+        """prompt_parts: shared by a call's choices, the prompt's logprobs in the call's
+        shape, made once (every choice's are the same: n copies cost n shapes otherwise)."""
         self.call, self.strings = call, strings
+        self.prompt_parts = {} if prompt_parts is None else prompt_parts
         self.text = [prompt_text] if prompt_text else []
         self.unsent = prompt_text          # echo: streamed with the first text
         self.offset = 0                    # the next token's text_offset (completions logprobs)
@@ -65,7 +68,14 @@ class Answer:
         text, self.unsent = self.unsent + msg.text, ""
         part = None
         if self.is_logprobs and self.call.is_echo and msg.prompt_token_ids is not None:
-            part = self._completion(list(msg.prompt_token_ids), [None, *(msg.prompt_logprobs or [])])
+            # NOTE: keyed by the list's identity: the choices of one request share the one list
+            key = id(msg.prompt_logprobs)
+            part = self.prompt_parts.get(key)
+            if part is None:
+                part = self.prompt_parts[key] = self._completion(
+                    list(msg.prompt_token_ids), [None, *(msg.prompt_logprobs or [])])
+            elif part["tokens"]:
+                self.offset = part["text_offset"][-1] + len(part["tokens"][-1])
         if self.is_logprobs and msg.logprobs is not None:
             part = lp_shapes.chat(self.strings, msg.token_ids, msg.logprobs) if self.call.is_chat else \
                 lp_shapes.merge(part, self._completion(msg.token_ids, msg.logprobs))
@@ -238,7 +248,9 @@ class HttpServer:
     async def _whole(self, call: api.Call, msg, queue: asyncio.Queue) -> tuple[tuple, dict | None]:
         """((status, body), the first choice's timings: its Server-Timing)."""
         n = call.request.n
-        answers = [Answer(call, self.strings, self._prompt_text(call), self.is_reasoning) for _ in range(n)]
+        shared: dict = {}
+        answers = [Answer(call, self.strings, self._prompt_text(call), self.is_reasoning, shared)
+                   for _ in range(n)]
         finals: dict[int, object] = {}
         status = None
         while True:
@@ -269,7 +281,9 @@ class HttpServer:
         await out.prepare(request)
         created, n = shapes.now(), call.request.n
         events_of = [shapes.text_events(call, created, i) for i in range(n)]
-        answers = [Answer(call, self.strings, self._prompt_text(call), self.is_reasoning) for _ in range(n)]
+        shared: dict = {}
+        answers = [Answer(call, self.strings, self._prompt_text(call), self.is_reasoning, shared)
+                   for _ in range(n)]
         # Events not yet written. Everything already queued goes out in one write: a
         # socket write per event is most of a stream's cost, and a client that lags
         # a step behind gets its backlog at once.

@@ -32,7 +32,7 @@ from frontend.off_loop import OffLoop
 
 log = get_logger("frontend")
 
-MAX_REPLY_LOGPROBS = 2**19   # prompt logprobs in one reply, every choice's counted
+MAX_REPLY_LOGPROBS = 2**17   # prompt logprobs in a reply of n > 1 choices, every choice's counted
 
 
 # NOTE: what a request costs the frontend's event loop is bounded: a prompt of more text
@@ -172,14 +172,14 @@ def prepare(req: GenerateRequest, tokenizer, spec: ModelSpec, max_model_len: int
     if req.max_tokens == 0 and req.prompt_logprobs is None:
         raise ValueError("max_tokens 0 (the prompt alone) needs prompt_logprobs")
     ids = prompt_ids(tokenizer, req, max_model_len)
-    if req.prompt_logprobs is not None:
-        # NOTE: every choice's reply holds the prompt's logprobs: the bytes grow with n x the
-        # prompt x the alternatives, and are checked before any work starts.
+    if req.prompt_logprobs is not None and req.n > 1:
+        # NOTE: every choice's reply holds the prompt's logprobs: with n choices the bytes (and
+        # the frontend loop's time to write them) grow with n x the prompt x the alternatives.
         num = req.n * len(ids) * (req.prompt_logprobs + 1)
         if num > MAX_REPLY_LOGPROBS:
             raise ValueError(f"n ({req.n}) x prompt tokens ({len(ids)}) x (prompt_logprobs + 1) is {num} "
-                             f"logprobs, more than the {MAX_REPLY_LOGPROBS} one reply may hold: ask for "
-                             f"fewer choices or fewer prompt logprobs")
+                             f"logprobs, more than the {MAX_REPLY_LOGPROBS} a reply of several choices may "
+                             f"hold: ask for fewer choices or fewer prompt logprobs")
     max_tokens = req.max_tokens if req.max_tokens is not None else max(max_model_len - len(ids), 1)
     params = SamplingParams(
         max_tokens=max(max_tokens, 1), temperature=req.temperature, top_p=req.top_p,
