@@ -96,6 +96,7 @@ def _nixl_on_cuda() -> str | None:
     ("auto", "ipc"), ("tcp", "tcp"),
     pytest.param("nixl", "nixl", marks=pytest.mark.skipif(torch.cuda.is_available() and _nixl_on_cuda() is not None,
                                                           reason=f"nixl: {_nixl_on_cuda()}"))])
+@pytest.mark.cluster
 def test_cluster_on_gpu_fp32_matches_transformers(make_model, tmp_path, kv_transfer, expected):
     import asyncio
     from frontend.client import AsyncClient
