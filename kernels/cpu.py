@@ -30,8 +30,11 @@ from kernels import options, portable
 
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_linear.c")]
 # NOTE: -ffast-math lets expf vectorize (glibc libmvec); the kernel sees no inf or NaN:
-# scores are finite and the max it subtracts is one of them.
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC", "-std=gnu11"]
+# scores are finite and the max it subtracts is one of them. It compiles the sources only:
+# a library linked with it carries gcc's crtfastmath, whose constructor sets flush-to-zero
+# for the whole process that loads it (every torch and numpy op of a node, then).
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=gnu11"]
+LINK_FLAGS = ["-shared", "-fPIC"]
 MIN_ROWS_PER_THREAD = 8
 PREFILL_HEAD_DIM_MULTIPLE = 16   # the prefill kernel's register tile (DB in the C file)
 # From this many query tokens a chunk's attention is torch's (its fused CPU kernel, over the
@@ -64,18 +67,27 @@ def _build(cache_dir: Path) -> Path:
         raise ImportError("no C compiler (cc or gcc) to build the CPU attention kernel")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), version, " ".join(FLAGS),
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+                                    " ".join(LINK_FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
     lib = cache_dir / f"cpu_attention-{key}.so"
     if lib.is_file():
         return lib
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
-    # libmvec: glibc's vector math, where there is one; OpenMP: torch's runtime, where it can be linked
-    for libs in (["-fopenmp", "-lmvec", "-lm"], ["-fopenmp", "-lm"], ["-lmvec", "-lm"], ["-lm"]):
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), *libs], capture_output=True, text=True)
-        if done.returncode == 0:
-            break
+    with tempfile.TemporaryDirectory(dir=cache_dir) as build:
+        # libmvec: glibc's vector math, where there is one; OpenMP: torch's runtime, where it can be linked
+        for libs in (["-fopenmp", "-lmvec", "-lm"], ["-fopenmp", "-lm"], ["-lmvec", "-lm"], ["-lm"]):
+            omp = [f for f in libs if f == "-fopenmp"]
+            objs = [os.path.join(build, src.stem + ".o") for src in SOURCES]
+            for src, obj in zip(SOURCES, objs):
+                done = subprocess.run([cc, *FLAGS, *omp, "-c", "-o", obj, str(src)], capture_output=True,
+                                      text=True)
+                if done.returncode != 0:
+                    break
+            else:
+                done = subprocess.run([cc, *LINK_FLAGS, "-o", tmp, *objs, *libs], capture_output=True, text=True)
+            if done.returncode == 0:
+                break
     if done.returncode != 0:
         os.unlink(tmp)
         raise ImportError(f"building the CPU attention kernel failed: {done.stderr.strip()[:500]}")

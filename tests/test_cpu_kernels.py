@@ -328,3 +328,16 @@ def test_the_attention_benchmark_times_both_kernels_a_line_a_length():
     records = [json.loads(line) for line in done.stdout.splitlines()]
     assert [x["query_len"] for x in records] == [32, 300] and all(x["context_len"] == 40 for x in records)
     assert all(x["c_kernel_ms"] > 0 and x["torch_ms"] > 0 and x["floor_ms"] > 0 for x in records)
+
+
+def test_loading_the_c_kernels_keeps_subnormal_floats():
+    """Defect: the kernels' library was linked with -ffast-math, which brings gcc's
+    crtfastmath: loading it set flush-to-zero for the whole process (every torch and numpy
+    op of a node flushed subnormals to zero; a test of another module failed for it)."""
+    import ctypes
+
+    from kernels import cpu, options
+    lib = cpu._build(options.current[0].build_dir)
+    ctypes.CDLL(str(lib))
+    tiny = torch.tensor([1e-40], dtype=torch.float32)   # a subnormal float32
+    assert (tiny * 1.0).item() != 0.0 and (tiny / 2).item() != 0.0
