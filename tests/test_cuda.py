@@ -136,6 +136,13 @@ def test_an_ipc_write_cancelled_on_cuda_ends_only_once_its_queued_copies_have_ru
     w.src, w.dst, w._platform = src, torch.zeros_like(src), platform_for(device)
     w.stream, w.clock, w._num_dst_blocks = w._platform.side_stream(), __import__("time").monotonic, 8
     w._inflight, w._open = [], {}
+    # NOTE: a first copy loads its kernels, and a lazy module load can wait for the device:
+    # made while the pass runs, it would outlast the pass, and the write end before the poll.
+    w.begin("warm", "g", [5], [6], within_s=60.0)
+    w.write_layers("warm", 0, 2)
+    w.end("warm")
+    torch.cuda.synchronize()
+    assert w.poll() == [("warm", None)]
     torch.cuda._sleep(2_000_000_000)   # the pass the copies wait for, still running
     w.begin("r", "g", [1, 2], [3, 4], within_s=60.0)
     w.write_layers("r", 0, 1)
