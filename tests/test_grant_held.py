@@ -47,7 +47,8 @@ def test_a_write_frozen_past_its_grant_never_lands_in_another_requests_blocks(ti
             assert c.complete(prompt_token_ids=[5] * 20, max_tokens=2).error is None
         for attempt, (prompt, want) in enumerate(zip(long_prompts, long_expected)):
             spare = f"prefill-{attempt + 1}"
-            (long_ids, long_error), outs = asyncio.run(_freeze_during(p, frozen, spare, prompt, others))
+            run = _freeze_during(p, frozen, spare, prompt, others)
+            (long_ids, long_error), outs = asyncio.run(run)
             p.procs[spare].send_signal(signal.SIGTERM)   # the next try's prompt goes to prefill-0
             p.procs[spare].wait(30)
             # The long prompt moved to the other prefill node, its new blocks most likely the
@@ -69,7 +70,8 @@ def test_a_write_frozen_past_its_grant_never_lands_in_another_requests_blocks(ti
         p.stop()
 
 
-async def _freeze_during(p: Processes, frozen, spare: str, prompt: list[int], others: list[list[int]]):
+async def _freeze_during(p: Processes, frozen, spare: str, prompt: list[int],
+                         others: list[list[int]]):
     """Send the long prompt, freeze its prefill node once its write is under way, and while
     it is frozen (past the lease and the quarantine) let prefill node `spare` take the long
     prompt and the others; resume it once all of them decode.
@@ -95,7 +97,8 @@ async def _freeze_during(p: Processes, frozen, spare: str, prompt: list[int], ot
         try:
             p.start("prefill", name=spare)
             await asyncio.sleep(2.5 * LEASE_S)   # the grant ends, then its quarantine
-            await asyncio.to_thread(wait_for, lambda: _is_live(p, spare), 60, "a second prefill node")
+            await asyncio.to_thread(wait_for, lambda: _is_live(p, spare), 60,
+                                    "a second prefill node")
             tasks = [asyncio.create_task(stream(ids, NEW_TOKENS)) for ids in others]
             await asyncio.wait_for(started.wait(), 60)
         finally:
