@@ -15,10 +15,14 @@ from common.base.log import get_logger
 from common.base.request import FINISH_ABORT
 from common.wire.protocol import ErrorReply, GenerateOutput, GenerateRequest
 from frontend import router
-from frontend.prompts import check_size
+from frontend.prompts import check_reply_logprobs, check_size
 from frontend.request import ClientKey
 
 log = get_logger("frontend")
+
+# NOTE: a group's prompts are tokenized one per loop turn, but every pending group's in each
+# turn: a client's groups being tokenized at once are held to this many (a 429 past it).
+MAX_GROUPS_PER_CLIENT = 4
 
 
 class Intake:
@@ -30,6 +34,7 @@ class Intake:
         # (client, request id) -> its group's task, while the group is tokenized
         self.pending: dict[tuple, asyncio.Task] = {}
         self._aborted: set[tuple] = set()   # of pending: cancelled by their clients
+        self.num_groups: dict[ClientKey, int] = {}   # groups of several prompts being tokenized
 
     async def submit(self, client: ClientKey, reqs: list[GenerateRequest]) -> None:
         """Take a group of a client's requests (most often one): admitted together, or each
@@ -41,6 +46,10 @@ class Intake:
             if refusal is not None:
                 await self._refuse(client, reqs, *refusal)
                 return
+        refusal = self._group_refusal(client, reqs)
+        if refusal is not None:
+            await self._refuse(client, reqs, *refusal)
+            return
         if len(reqs) == 1 and not fe.prompts.is_off_loop(reqs[0]):   # the common case
             try:
                 prepared = [fe.prompts.now(reqs[0])]
@@ -54,6 +63,14 @@ class Intake:
             self.pending[(client, req.request_id)] = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if len(reqs) > 1:
+            self.num_groups[client] = self.num_groups.get(client, 0) + 1
+            task.add_done_callback(lambda _: self._group_done(client))
+
+    def _group_done(self, client: ClientKey) -> None:
+        left = self.num_groups.pop(client, 1) - 1
+        if left:
+            self.num_groups[client] = left
 
     def cancel(self, key: tuple) -> bool:
         """A request still being tokenized is dropped with its group (a job of theirs that
@@ -89,6 +106,19 @@ class Intake:
         if req.n > limit:
             return (f"'n' is {req.n}, more than the {limit} requests a client may have in flight "
                     f"(--max-requests-per-client; each choice counts)"), 400
+        return None
+
+    def _group_refusal(self, client: ClientKey,
+                       reqs: list[GenerateRequest]) -> tuple[str, int] | None:
+        """(why, HTTP status) a group is refused before any of it is tokenized, or None."""
+        num, limit = sum(req.n for req in reqs), self.fe.admission.max_requests
+        if num > limit:   # a group's choices, more than a client may run at once
+            why = (f"these {len(reqs)} prompts ask for {num} choices in all, more than the "
+                   f"{limit} requests a client may have in flight (--max-requests-per-client)")
+            return why, 400
+        if len(reqs) > 1 and self.num_groups.get(client, 0) >= MAX_GROUPS_PER_CLIENT:
+            return (f"{MAX_GROUPS_PER_CLIENT} batches of prompts of yours are still being "
+                    f"tokenized: send this one when one of them has started"), 429
         return None
 
     async def _refuse(self, client: ClientKey, reqs: list[GenerateRequest], why: str,
@@ -143,14 +173,14 @@ class Intake:
             await self._refuse(client, reqs, "no live prefill and decode node pair is available",
                                503)
             return
-        num, limit = sum(req.n for req in reqs), fe.admission.max_requests
+        try:
+            check_reply_logprobs(reqs, [len(ids) for ids, _ in prepared])
+        except ValueError as e:
+            await self._refuse(client, reqs, str(e))
+            return
+        num = sum(req.n for req in reqs)
         kv_tokens = sum(req.n * (len(ids) + params.max_tokens)
                         for req, (ids, params) in zip(reqs, prepared))
-        if num > limit:   # a group's choices, more than a client may run at once
-            why = (f"these {len(reqs)} prompts ask for {num} choices in all, more than the "
-                   f"{limit} requests a client may have in flight (--max-requests-per-client)")
-            await self._refuse(client, reqs, why)
-            return
         refusal = fe.admission.refusal(client, kv_tokens, num)
         if refusal:
             await self._refuse(client, reqs, refusal, 429)

@@ -32,7 +32,7 @@ from frontend.off_loop import OffLoop
 
 log = get_logger("frontend")
 
-MAX_REPLY_LOGPROBS = 2**17   # prompt logprobs in a reply of n > 1 choices, every choice's counted
+MAX_REPLY_LOGPROBS = 2**17   # prompt logprobs in a reply of several choices, every one's counted
 
 
 # NOTE: what a request costs the frontend's event loop is bounded: a prompt of more text
@@ -51,10 +51,30 @@ MAX_ITEMS = {"prompt_token_ids": MAX_PROMPT_IDS, "messages": MAX_MESSAGES, "stop
 
 def text_len(req: GenerateRequest) -> int:
     """Characters of text the request's prompt holds as its chat template renders it (0 for
-    token ids): every message whole (its content, an assistant's tool calls) and the tools."""
+    token ids): every message whole (its content, an assistant's tool calls), the tools, and
+    the template's variables (a template may print one: Llama 3's date_string, say)."""
     if req.prompt is not None:
         return len(req.prompt) if isinstance(req.prompt, str) else 0
-    return sum(_json_len(m) for m in req.messages or ()) + len(req.tools or "")
+    return (sum(_json_len(m) for m in req.messages or ()) + len(req.tools or "")
+            + (_json_len(req.chat_template_kwargs) if req.chat_template_kwargs else 0))
+
+
+def check_reply_logprobs(reqs: list[GenerateRequest], prompt_lens: list[int]) -> None:
+    """ValueError if the prompt logprobs one reply would hold pass MAX_REPLY_LOGPROBS: every
+    choice of every prompt of a group (an HTTP batch is one reply). A single choice of a
+    single prompt is bounded by the model's length alone.
+    NOTE: the reply is built and written on the frontend's loop: its bytes (and the time
+    to write them) grow with the choices x the prompt x the alternatives."""
+    if len(reqs) == 1 and reqs[0].n == 1:
+        return
+    num = sum(req.n * n * (req.prompt_logprobs + 1) for req, n in zip(reqs, prompt_lens)
+              if req.prompt_logprobs is not None)
+    if num > MAX_REPLY_LOGPROBS:
+        what = "n x prompt tokens x (prompt_logprobs + 1)"
+        what += " over the prompts" if len(reqs) > 1 else ""
+        raise ValueError(f"{what} is {num} logprobs, more than the {MAX_REPLY_LOGPROBS} a reply "
+                         f"of several choices may hold: ask for fewer choices, prompts or prompt "
+                         f"logprobs")
 
 
 def _json_len(value) -> int:
@@ -172,14 +192,6 @@ def prepare(req: GenerateRequest, tokenizer, spec: ModelSpec, max_model_len: int
     if req.max_tokens == 0 and req.prompt_logprobs is None:
         raise ValueError("max_tokens 0 (the prompt alone) needs prompt_logprobs")
     ids = prompt_ids(tokenizer, req, max_model_len)
-    if req.prompt_logprobs is not None and req.n > 1:
-        # NOTE: every choice's reply holds the prompt's logprobs: with n choices the bytes (and
-        # the frontend loop's time to write them) grow with n x the prompt x the alternatives.
-        num = req.n * len(ids) * (req.prompt_logprobs + 1)
-        if num > MAX_REPLY_LOGPROBS:
-            raise ValueError(f"n ({req.n}) x prompt tokens ({len(ids)}) x (prompt_logprobs + 1) is {num} "
-                             f"logprobs, more than the {MAX_REPLY_LOGPROBS} a reply of several choices may "
-                             f"hold: ask for fewer choices or fewer prompt logprobs")
     max_tokens = req.max_tokens if req.max_tokens is not None else max(max_model_len - len(ids), 1)
     params = SamplingParams(
         max_tokens=max(max_tokens, 1), temperature=req.temperature, top_p=req.top_p,

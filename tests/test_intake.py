@@ -394,20 +394,3 @@ def test_a_fault_while_a_request_is_prepared_is_that_requests_500(make_frontend,
     error, status = _error(fe.replies[0])
     assert status == 500 and "internal error" in error and fe.replies[0][0].request_id == "bad"
     assert set(fe.by_client) == {(CLIENT, "good")} and not fe.intake.pending
-
-
-def test_the_prompt_logprobs_every_choice_replies_with_are_bounded_before_any_work(make_frontend):
-    """Every choice's reply holds the prompt's logprobs: n x the prompt x (prompt_logprobs + 1)
-    of them (64 x 900 x 6: ~346k, 0.4 s of the frontend's loop to shape and write). Refused
-    with a 400 naming the product and the limit, before the request reaches a node."""
-    from frontend.prompts import MAX_REPLY_LOGPROBS
-    fe = make_frontend(64)
-    prompt = [(7 * i) % 400 + 1 for i in range(900)]
-    (reply,) = _submit(fe, GenerateRequest("a", prompt_token_ids=prompt, max_tokens=1, n=64, prompt_logprobs=20))
-    error, status = _error(reply)
-    assert status == 400 and str(MAX_REPLY_LOGPROBS) in error and "prompt_logprobs" in error, error
-    assert not fe.requests
-    _submit(fe, GenerateRequest("b", prompt_token_ids=prompt, max_tokens=1, n=16, prompt_logprobs=5))
-    assert len(fe.requests) == 16   # 16 x 900 x 6 fits
-    _submit(fe, GenerateRequest("c", prompt_token_ids=prompt, max_tokens=1, prompt_logprobs=20))
-    assert len(fe.requests) == 17   # one choice: its one copy, whatever its size
