@@ -79,10 +79,8 @@ class Answer:
         if self.is_logprobs and msg.logprobs is not None:
             part = lp_shapes.chat(self.strings, msg.token_ids, msg.logprobs) if self.call.is_chat else \
                 lp_shapes.merge(part, self._completion(msg.token_ids, msg.logprobs))
-        if part is not None:
-            self.logprobs = part if self.logprobs is None else (
-                {"content": self.logprobs["content"] + part["content"]} if self.call.is_chat
-                else lp_shapes.merge(self.logprobs, part))
+        if part is not None:   # extended in place, never rebuilt: linear in the answer's length
+            self.logprobs = lp_shapes.extend(self.logprobs, part)
         self.text.append(msg.text)
         self.token_ids += msg.token_ids
         parts = None

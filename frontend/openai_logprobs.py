@@ -91,3 +91,14 @@ def merge(a: dict | None, b: dict) -> dict:
     if a is None:
         return b
     return {k: a[k] + b[k] for k in a}
+
+
+def extend(a: dict | None, b: dict) -> dict:
+    """a with b's logprobs after its own (either shape), in a's lists: a whole answer gathers
+    them a token at a time, and rebuilding its lists each time is quadratic in its length.
+    With a None, lists of its own: b may be shared (an echo's prompt part is every choice's)."""
+    if a is None:
+        return {k: list(v) for k, v in b.items()}
+    for k in a:
+        a[k].extend(b[k])
+    return a
