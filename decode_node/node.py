@@ -33,6 +33,7 @@ from common.wire.protocol import (FRONTEND_TO_NODE, PREFILL_TO_DECODE, NodeAbort
 from common.kv.sequence import Sequence, blocks_to_join, finish_reason, num_blocks_short
 from common.engine.worker import DecodeTicket, DeviceWorker
 from common.handoff.receiver import Receiver
+from decode_node.grammar_wait import GrammarWait
 from decode_node.local import LocalPrefill
 from decode_node.preemption import Preemption
 from decode_node.scheduler import DecodeScheduler
@@ -50,6 +51,7 @@ class DecodeNode:
         self.ended = Recent(ENDED_MEMORY)   # the latest requests that ended here
         self.compiles = grammar.Compiles(
             lambda: grammar.for_model(cfg.worker.model, self.worker.spec.vocab_size))
+        self.grammars = GrammarWait(self.compiles)   # committed, their grammar compiling
         self.finished_in_flight: set[str] = set()   # finished, but their row is in the step in flight
         self.num_discarded_tokens = 0
         self.num_finished = 0
@@ -107,7 +109,8 @@ class DecodeNode:
                 inflight: DecodeTicket | None = None
                 while not stop.is_set():
                     is_busy = bool(inflight or self.scheduler.running or self.handoff.ready or self.local.waiting
-                                   or self.scheduler.preempted) or self.handoff.progress()
+                                   or self.scheduler.preempted or self.grammars.waiting) \
+                        or self.handoff.progress()
                     self._receive(timeout=0 if is_busy else 0.02)
                     self.handoff.turn()   # expire and grant reservations
                     if inflight is None:
@@ -124,6 +127,7 @@ class DecodeNode:
                         # links until step k is done (nothing read changes the batch:
                         # aborts wait for the next turn) and take its tokens.
                         upcoming = self._launch() if self._can_pipeline() else None
+                        self.grammars.ask(self.handoff)   # compiles start at commit here too
                         while not self.worker.is_step_done(inflight):
                             self._receive(timeout=0)
                         updates = self._collect(inflight, is_next_launched=upcoming is not None)
@@ -174,14 +178,12 @@ class DecodeNode:
         """Every request here: running, preempted, or in the handoff (forks included)."""
         s = self.scheduler
         return {*s.running, *(q.request_id for q in s.preempted), *(j.seq.request_id for j in s.joining),
-                *self.handoff.held_ids(), *self.local.held_ids()}
+                *self.handoff.held_ids(), *self.local.held_ids(), *self.grammars.ids()}
 
     def _abort(self, request_id: str) -> None:
         self._abort_one(request_id)
         # A grammar compiled for a committed request that is gone now (its last sequence given up)
-        for key in self.compiles.keys():
-            if key not in self.handoff.held:
-                self.compiles.drop(key)
+        self.grammars.prune(self.handoff.held)
 
     def _abort_one(self, request_id: str) -> None:
         if request_id in self.scheduler.running:
@@ -190,6 +192,10 @@ class DecodeNode:
             self.worker.drop_swapped(request_id)
         elif self.scheduler.drop_joining(request_id):
             self.ended.add(request_id)
+        elif (r := self.grammars.abort(request_id)) is not None:
+            if r.is_given_up:   # its last sequence: its blocks go back
+                self._give_back(r)
+                self.ended.add(r.request_id)
         elif not self.local.abort(request_id):
             self.handoff.abort(request_id)
 
@@ -205,26 +211,21 @@ class DecodeNode:
         self.preemption.resume_all()
         updates = []
         self._join_started(updates)
-        # NOTE: first committed, first admitted; a request's n sequences start together, and
-        # those that do not fit take the next rows that free, before anything after them.
-        r = None
-        while self.scheduler.can_admit() and (r := self.handoff.peek_ready()) is not None:
-            if r.commit.params.grammar and not r.error and not self._is_compiled(r.request_id, r.commit.params):
-                break   # its grammar compiles beside the loop: the line waits for it
-            r = self.handoff.next_ready()
-            c, error, compiled = r.commit, r.error, None
-            if error is None and c.params.grammar:
-                try:
-                    compiled = self.compiles.take(r.request_id)
-                except ValueError as e:   # GrammarError: the request's own, said to its client
-                    error = str(e)
+        self.grammars.ask(self.handoff)   # compiles start at commit, beside the handoff
+        for r, error in self.grammars.failed():
+            self._fail_committed(r, error, is_retryable=False)
+        # NOTE: first committed, first admitted, of those that may start: one whose grammar
+        # still compiles waits aside, holding its blocks. A request's n sequences start
+        # together, and those that do not fit take the next rows that free, before anything.
+        taken = None
+        while self.scheduler.can_admit() and (taken := self.grammars.next(self.handoff)):
+            r, compiled, error = taken
             if error is not None:
-                self.scheduler.give_back(r.block_ids, r.num_reserved)
-                for rid in [r.request_id, *r.fork_ids]:
-                    self.ended.add(rid)
-                    # Its KV did not land whole: the path failed, not the request (it moves on).
-                    self.runtime.send(RequestFailed(rid, error, is_retryable=r.error is not None))
+                # r.error: its KV did not land whole: the path failed, not the request (it
+                # moves on elsewhere); else its grammar does not compile, said to its client.
+                self._fail_committed(r, error, is_retryable=r.error is not None)
                 continue
+            c = r.commit
             c.timings["decode_admit"] = time.time()
             self.num_forked += len(c.forks)
             started, copies = self.scheduler.start(r)   # its own, then one per fork (n > 1), sharing its blocks
@@ -238,11 +239,22 @@ class DecodeNode:
                 else:
                     self.scheduler.joining.append(j)
             self._join_started(updates)
-        if r is None and (done := self.local.run()) is not None:   # one chunk of a prompt prefilled here
+        if taken is None and (done := self.local.run()) is not None:   # a chunk of a prompt here
             update = self._join(done.seq, done.token, done.logprobs, done.stamps)
             if update is not None:
                 updates.append(update)
         return updates
+
+    def _fail_committed(self, r, error: str, is_retryable: bool) -> None:
+        """A committed request that cannot start: its blocks go back, its sequences fail."""
+        self._give_back(r)
+        for rid in [r.request_id, *r.fork_ids]:
+            self.ended.add(rid)
+            self.runtime.send(RequestFailed(rid, error, is_retryable=is_retryable))
+
+    def _give_back(self, r) -> None:
+        self.scheduler.give_back(r.block_ids, r.num_reserved)
+        r.block_ids, r.num_reserved = [], 0   # NOTE: freed once, whichever path ends it
 
     def _join_started(self, updates: list[TokenUpdate]) -> None:
         """Sequences started here join the batch as rows allow, oldest first."""
@@ -282,11 +294,6 @@ class DecodeNode:
                 self.worker.set_decode_mask(key, seq.matcher.fill())
         return self.worker.launch_decode()
 
-    def _is_compiled(self, request_id: str, params) -> bool:
-        """Whether the request's grammar has compiled (or failed to); starts its compile."""
-        self.compiles.submit(request_id, params.grammar)
-        return self.compiles.is_done(request_id)
-
     def _can_pipeline(self) -> bool:
         """The next step may run before this one's tokens are seen only where steps are
         queued (on the host, where a step runs in its launch, it would only hold these
@@ -308,7 +315,8 @@ class DecodeNode:
                        for s in self.scheduler.running.values())
 
     def _can_admit_ready(self) -> bool:
-        return self.scheduler.can_admit() and self.handoff.has_ready()
+        return self.scheduler.can_admit() and (self.handoff.has_ready()
+                                               or self.grammars.has_ended())
 
     def _collect(self, ticket: DecodeTicket, is_next_launched: bool) -> list[TokenUpdate]:
         tokens = self.worker.collect_decode(ticket)
@@ -367,10 +375,11 @@ class DecodeNode:
     def _is_empty(self) -> bool:
         h = self.handoff
         return not (self.scheduler.running or self.scheduler.preempted or self.scheduler.joining or h.held
-                    or h.ready or h.waiting or self.local.waiting)
+                    or h.ready or h.waiting or self.local.waiting or self.grammars.waiting)
 
     def stats(self) -> dict:
-        return {**self.worker.stats(), "num_running": len(self.scheduler.running), "num_queued": len(self.handoff.ready),
+        return {**self.worker.stats(), "num_running": len(self.scheduler.running),
+                "num_queued": len(self.handoff.ready) + len(self.grammars.waiting),
                 "num_reservations": len(self.handoff.held), "num_finished": self.num_finished,
                 "num_expired_reservations": self.handoff.num_expired, "num_asking": len(self.handoff.waiting),
                 "num_granted": self.handoff.num_granted, "num_batched_steps": self.num_batched_steps,

@@ -282,6 +282,7 @@ def test_no_grammar_compile_outlives_its_request_on_either_node():
     from common.kv.blocks import BlockAllocator
     from common.wire.channel import LinkError
     from common.wire.protocol import PrefillRequest
+    from decode_node.grammar_wait import GrammarWait
     from decode_node.node import DecodeNode
     from decode_node.scheduler import DecodeScheduler
     from prefill_node.node import PrefillNode
@@ -307,16 +308,102 @@ def test_no_grammar_compile_outlives_its_request_on_either_node():
     gate = threading.Event()
     node = object.__new__(DecodeNode)
     node.compiles = grammar.Compiles(lambda: SimpleNamespace(compile=lambda g: gate.wait(5) and ("compiled", g)))
+    node.grammars = GrammarWait(node.compiles)
     node.scheduler = DecodeScheduler(BlockAllocator(80), 4, 4)
     node.handoff = receiver(node.scheduler)
     node.local = SimpleNamespace(abort=lambda rid: False, run=lambda: None)
     node.preemption = SimpleNamespace(resume_all=lambda: None)
     node.pending_aborts, node.ended = set(), Recent(64)
     _commit_group(node.handoff, "g", ["g1"], params=SamplingParams(max_tokens=6, grammar=("regex", "a+", "compact")))
-    assert node._admit() == [] and node.compiles.keys() == ["g"]   # the line waits for its grammar
+    assert node._admit() == [] and node.compiles.keys() == ["g"]   # it waits for its grammar
     node._abort("g")                        # choice 0 given up: the other goes on
     node._admit()
     node._abort("g1")                       # the last: the group is gone, and its compile
     gate.set()
     assert "g" not in node.handoff.held and node.compiles.keys() == []
     node.compiles.close()
+
+
+def test_a_decode_node_admits_past_a_grammar_still_compiling():
+    """Defect: a decode node asked for a committed request's grammar compile only once it
+    was at the head of the ready line (DecodeNode._admit: peek_ready -> _is_compiled ->
+    break), and admitted nothing behind it, nor prefilled locally, until that compile
+    ended: a client's slow grammars, compiled one after another, made every other
+    client's time to first token wait for all of them, and a hung compile, for good. Now
+    compiles start at commit, a request whose grammar still compiles waits aside (its
+    blocks its own) while those behind it are admitted, and a compile that fails or runs
+    past its deadline fails that request alone, its blocks freed once."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from common.base import grammar
+    from common.base.recent import Recent
+    from common.kv.blocks import BlockAllocator
+    from decode_node.grammar_wait import COMPILE_DEADLINE_S, GrammarWait
+    from decode_node.node import DecodeNode
+    from decode_node.scheduler import DecodeScheduler
+    from tests.handoff_util import FakeClock, receiver
+    from tests.test_grants import _commit_group
+
+    gate = threading.Event()
+
+    def compile(g):   # "slow" hangs until the gate opens; "bad" does not compile
+        if g[1] == "slow":
+            gate.wait(10)
+        if g[1] == "bad":
+            raise grammar.GrammarError("the regex does not compile: bad")
+        return ("compiled", g)
+    clock = FakeClock()
+    node = object.__new__(DecodeNode)
+    node.compiles = grammar.Compiles(lambda: SimpleNamespace(compile=compile))
+    node.grammars = GrammarWait(node.compiles, clock=clock)
+    blocks = BlockAllocator(80)
+    node.scheduler = DecodeScheduler(blocks, 4, 2)
+    node.handoff = receiver(node.scheduler)
+    locals_run, joined, sent = [], [], []
+    node.local = SimpleNamespace(abort=lambda rid: False, run=lambda: locals_run.append(1),
+                                 held_ids=set)
+    node.preemption = SimpleNamespace(resume_all=lambda: None)
+    node.runtime = SimpleNamespace(send=sent.append)
+    node.pending_aborts, node.ended, node.num_forked = set(), Recent(64), 0
+    node._join = lambda seq, token, lp, timings, compiled=None: \
+        joined.append((seq.request_id, compiled))
+    free_at_start = blocks.num_free
+
+    def regex(spec):
+        return SamplingParams(max_tokens=6, grammar=("regex", spec, "compact"))
+    try:
+        _commit_group(node.handoff, "slow", [], params=regex("slow"))
+        _commit_group(node.handoff, "plain", [])
+        _commit_group(node.handoff, "plain2", [])
+        assert node._admit() == []
+        assert [rid for rid, _ in joined] == ["plain", "plain2"]   # past "slow", still compiling
+        assert "slow" in node._held_ids()
+        clock.advance(COMPILE_DEADLINE_S - 10)
+        _commit_group(node.handoff, "bad", [], params=regex("bad"))
+        _commit_group(node.handoff, "quick", [], params=regex("a+"))
+        node._admit()                               # no row free: their compiles start anyway
+        assert set(node.compiles.keys()) == {"slow", "bad", "quick"}
+        node.scheduler.finish("plain2")
+        clock.advance(11)                           # "slow" is past its deadline, alone
+        num_local = len(locals_run)
+        node._admit()
+        assert len(locals_run) == num_local + 1     # a prompt here runs: "bad", "quick" wait aside
+        assert [(m.request_id, m.is_retryable) for m in sent] == [("slow", False)]
+        assert "did not compile within 30s" in sent[0].error
+        gate.set()
+        deadline = time.monotonic() + 10
+        while not (node.compiles.is_done("bad") and node.compiles.is_done("quick")):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        node._admit()
+        assert [m.request_id for m in sent] == ["slow", "bad"] and "regex does not" in sent[1].error
+        assert joined[2:] == [("quick", ("compiled", ("regex", "a+", "compact")))]
+        assert not node.grammars.waiting and node.compiles.keys() == []
+        for rid in ("plain", "quick"):
+            node.scheduler.finish(rid)
+        assert (blocks.num_free, blocks.num_reserved) == (free_at_start, 0)   # each freed once
+    finally:
+        gate.set()
+        node.compiles.close()
