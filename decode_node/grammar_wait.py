@@ -7,19 +7,18 @@ has landed but whose grammar still compiles leaves the handoff's ready line and 
 here, holding its blocks: the requests behind it, with no grammar or a compiled one, are
 admitted past it (its blocks are its own either way, so nothing is taken from it), and
 it is admitted, oldest first, as soon as its compile ends. A compile that fails, or that
-has not ended within COMPILE_DEADLINE_S of being asked, fails its request alone.
+has run COMPILE_DEADLINE_S without ending, fails its request alone (the compiles queued
+behind a hung one go on, on another thread: the time a request waits in that line is
+bounded by --max-queue, which counts the requests waiting here).
 """
 from __future__ import annotations
-
-import time
-from typing import Callable
 
 from common.base import grammar
 from common.handoff.states import Reservation
 
-# From when a compile is asked. The frontend refuses a grammar that takes more than
-# grammar.MAX_COMPILE_CPU_S to compile, and a node compiles one at a time: this leaves room
-# for a line of them and for the first compile, which loads the tokenizer's vocabulary.
+# From when a compile starts (not when it is asked: one queued behind another client's is
+# not its own). The frontend refuses a grammar that takes more than MAX_COMPILE_CPU_S to
+# compile: this leaves room for the first compile, which loads the tokenizer's vocabulary.
 COMPILE_DEADLINE_S = 30.0
 
 
@@ -27,28 +26,29 @@ class GrammarWait:
     """The committed requests, out of the handoff, that wait for their grammar, oldest
     commit first; and when each committed request's compile was asked."""
 
-    def __init__(self, compiles: grammar.Compiles, deadline_s: float = COMPILE_DEADLINE_S,
-                 clock: Callable[[], float] = time.monotonic):
-        self.compiles, self.deadline_s, self.clock = compiles, deadline_s, clock
-        self.waiting: dict[str, Reservation] = {}   # in commit order
-        self._asked: dict[str, float] = {}          # request -> when its compile was asked
+    def __init__(self, compiles: grammar.Compiles, deadline_s: float = COMPILE_DEADLINE_S):
+        self.compiles, self.deadline_s = compiles, deadline_s   # the deadline on compiles' clock
+        # in commit order. NOTE: the scheduler's aside (DecodeNode.run shares it): a request
+        # here must stay a taken id (and count in the queue) for reservations.
+        self.waiting: dict[str, Reservation] = {}
+        self._asked: set[str] = set()              # requests whose compile was asked
         self._ended: dict[str, tuple[object, str | None]] = {}   # waiting -> (compiled, why not)
 
     def ask(self, handoff) -> None:
         """Start the compile of each committed request in the handoff's ready line that has
-        a grammar, as its commit arrives: not once it is at the head of the line."""
-        now = self.clock()
+        a grammar, as its commit arrives: not once it is at the head of the line; and
+        forget those of requests that left the handoff otherwise (released, aborted)."""
         for rid in handoff.ready:
             if rid not in self._asked and (g := handoff.held[rid].commit.params.grammar):
-                self._asked[rid] = now
+                self._asked.add(rid)
                 self.compiles.submit(rid, g)
+        self.prune(handoff.held)
 
     def failed(self) -> list[tuple[Reservation, str]]:
         """The waiting requests whose compile failed or ran past its deadline, each with
         why; they leave (their blocks are the caller's to free)."""
-        now = self.clock()
         for rid in self.waiting:
-            self._check(rid, now)
+            self._check(rid)
         return [(self.waiting.pop(rid), self._take(rid)[1]) for rid in list(self.waiting)
                 if rid in self._ended and self._ended[rid][1] is not None]
 
@@ -56,9 +56,8 @@ class GrammarWait:
         """The oldest committed request that may start now, out of the handoff: (it, its
         grammar compiled, why it fails). Those waiting here are older than the handoff's
         ready line; one taken from that line whose grammar still compiles waits here."""
-        now = self.clock()
         for rid in self.waiting:
-            self._check(rid, now)
+            self._check(rid)
             if rid in self._ended:
                 return self.waiting.pop(rid), *self._take(rid)
         while (r := handoff.next_ready()) is not None:
@@ -68,9 +67,13 @@ class GrammarWait:
 
     def has_ended(self) -> bool:
         """A waiting request's compile is over (done, or past its deadline)."""
-        now = self.clock()
-        return any(rid in self._ended or self.compiles.is_done(rid)
-                   or now - self._asked[rid] > self.deadline_s for rid in self.waiting)
+        return any(rid in self._ended or self.compiles.is_done(rid) or self._is_late(rid)
+                   for rid in self.waiting)
+
+    def _is_late(self, rid: str) -> bool:
+        """rid's compile has run past its deadline."""
+        ran = self.compiles.running_s(rid)
+        return ran is not None and ran > self.deadline_s
 
     def abort(self, request_id: str) -> Reservation | None:
         """The frontend gave request_id up: the waiting request it is (one of n of), if
@@ -102,16 +105,16 @@ class GrammarWait:
             self._forget(rid)
             return None, r.error
         if rid not in self._asked:   # committed and landed within one turn
-            self._asked[rid] = self.clock()
+            self._asked.add(rid)
             self.compiles.submit(rid, r.commit.params.grammar)
         self.waiting[rid] = r
-        self._check(rid, self.clock())
+        self._check(rid)
         if rid in self._ended:
             del self.waiting[rid]
             return self._take(rid)
         return None
 
-    def _check(self, rid: str, now: float) -> None:
+    def _check(self, rid: str) -> None:
         """If rid's compile is over, its outcome, taken from compiles."""
         if rid in self._ended:
             return
@@ -120,18 +123,17 @@ class GrammarWait:
                 self._ended[rid] = self.compiles.take(rid), None
             except ValueError as e:   # GrammarError: the request's own, said to its client
                 self._ended[rid] = None, str(e)
-        elif now - self._asked[rid] > self.deadline_s:
-            # NOTE: a compile that hangs keeps the compile thread, and those asked after it
-            # run past their deadline too: each fails alone, and the loop goes on.
-            self.compiles.drop(rid)
+        elif self._is_late(rid):
+            # NOTE: a compile that hangs keeps its thread: the compiles behind it move on
+            self.compiles.abandon(rid)
             self._ended[rid] = None, (f"the grammar did not compile within {self.deadline_s:.0f}s "
                                       f"on this decode node")
 
     def _take(self, rid: str) -> tuple[object, str | None]:
-        self._asked.pop(rid, None)
+        self._asked.discard(rid)
         return self._ended.pop(rid)
 
     def _forget(self, rid: str) -> None:
         self.compiles.drop(rid)
-        self._asked.pop(rid, None)
+        self._asked.discard(rid)
         self._ended.pop(rid, None)

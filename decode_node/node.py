@@ -87,6 +87,7 @@ class DecodeNode:
                 self.prefix_report = PrefixReport(self.cfg.name, self.blocks, rt, self.cfg.is_prefix_caching)
                 self.scheduler = DecodeScheduler(self.blocks, self.worker.block_size,
                                                  self.cfg.worker.max_batch_size, self.cfg.is_preemptive)
+                self.scheduler.aside = self.grammars.waiting   # taken ids, in the queue
                 self.handoff = Receiver(epoch=rt.epoch, lease_s=self.cfg.reservation_lease_s,
                                         max_queue=self.cfg.max_queue, pool=self.scheduler, sink=sink,
                                         send=self.kv.send, vocab_size=self.worker.spec.vocab_size,

@@ -56,7 +56,14 @@ class DecodeScheduler:
         # Started, waiting for a row (a request's forks that did not all fit), oldest first:
         # they hold their blocks, and join before anything new is admitted.
         self.joining: deque[Joining] = deque()
+        # Committed, out of the handoff, their grammar compiling (decode_node/grammar_wait.py):
+        # they hold blocks of this pool, and their ids and forks' are taken.
+        self.aside: dict[str, Reservation] = {}
         self.num_admitted = 0
+
+    def num_aside(self) -> int:
+        """Committed requests held aside (they count in the handoff's --max-queue)."""
+        return len(self.aside)
 
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
         """Every token written to the cache: the prompt and all outputs but the last."""
@@ -82,9 +89,10 @@ class DecodeScheduler:
         if num_seqs > self.max_batch_size:
             return (f"its {num_seqs} sequences (n) need {num_seqs} batch rows, this decode node has "
                     f"{self.max_batch_size} (--max-batch-size)")
+        aside = {i for r in self.aside.values() for i in (r.request_id, *r.fork_ids)}
         for rid in request_ids:
             if rid in self.running or any(s.request_id == rid for s in self.preempted) \
-                    or any(j.seq.request_id == rid for j in self.joining):
+                    or any(j.seq.request_id == rid for j in self.joining) or rid in aside:
                 return f"request {rid!r} is already on this decode node"
         need = self.blocks_needed(prompt_len, max_tokens)
         if need > self.blocks.capacity:

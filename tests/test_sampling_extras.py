@@ -346,20 +346,22 @@ def test_a_decode_node_admits_past_a_grammar_still_compiling():
     from tests.handoff_util import FakeClock, receiver
     from tests.test_grants import _commit_group
 
-    gate = threading.Event()
+    gate, later = threading.Event(), threading.Event()
 
     def compile(g):   # "slow" hangs until the gate opens; "bad" does not compile
         if g[1] == "slow":
             gate.wait(10)
+        later.wait(10)   # the others: once the test says
         if g[1] == "bad":
             raise grammar.GrammarError("the regex does not compile: bad")
         return ("compiled", g)
     clock = FakeClock()
     node = object.__new__(DecodeNode)
-    node.compiles = grammar.Compiles(lambda: SimpleNamespace(compile=compile))
-    node.grammars = GrammarWait(node.compiles, clock=clock)
+    node.compiles = grammar.Compiles(lambda: SimpleNamespace(compile=compile), clock=clock)
+    node.grammars = GrammarWait(node.compiles)
     blocks = BlockAllocator(80)
     node.scheduler = DecodeScheduler(blocks, 4, 2)
+    node.scheduler.aside = node.grammars.waiting
     node.handoff = receiver(node.scheduler)
     locals_run, joined, sent = [], [], []
     node.local = SimpleNamespace(abort=lambda rid: False, run=lambda: locals_run.append(1),
@@ -374,10 +376,16 @@ def test_a_decode_node_admits_past_a_grammar_still_compiling():
     def regex(spec):
         return SamplingParams(max_tokens=6, grammar=("regex", spec, "compact"))
     try:
+        later.set()
         _commit_group(node.handoff, "slow", [], params=regex("slow"))
         _commit_group(node.handoff, "plain", [])
         _commit_group(node.handoff, "plain2", [])
         assert node._admit() == []
+        wait = time.monotonic() + 10
+        while node.compiles.running_s("slow") is None:   # its compile has begun
+            assert time.monotonic() < wait
+            time.sleep(0.001)
+        later.clear()
         assert [rid for rid, _ in joined] == ["plain", "plain2"]   # past "slow", still compiling
         assert "slow" in node._held_ids()
         clock.advance(COMPILE_DEADLINE_S - 10)
@@ -391,8 +399,8 @@ def test_a_decode_node_admits_past_a_grammar_still_compiling():
         node._admit()
         assert len(locals_run) == num_local + 1     # a prompt here runs: "bad", "quick" wait aside
         assert [(m.request_id, m.is_retryable) for m in sent] == [("slow", False)]
-        assert "did not compile within 30s" in sent[0].error
-        gate.set()
+        assert "did not compile within 30s" in sent[0].error   # the others went on meanwhile
+        later.set()
         deadline = time.monotonic() + 10
         while not (node.compiles.is_done("bad") and node.compiles.is_done("quick")):
             assert time.monotonic() < deadline
@@ -406,4 +414,5 @@ def test_a_decode_node_admits_past_a_grammar_still_compiling():
         assert (blocks.num_free, blocks.num_reserved) == (free_at_start, 0)   # each freed once
     finally:
         gate.set()
+        later.set()
         node.compiles.close()

@@ -19,6 +19,7 @@ import functools
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -152,17 +153,21 @@ class Compiles:
     A compiled grammar stays with its request's key until taken: however many others are
     compiled meanwhile, it is never compiled again on the loop."""
 
-    def __init__(self, make: Callable[[], Grammars]):
-        self._make = make
+    def __init__(self, make: Callable[[], Grammars], clock: Callable[[], float] = time.monotonic):
+        self._make, self.clock = make, clock
         self.grammars: Grammars | None = None   # once the first compile has run
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._futures: dict[str, Future] = {}
+        self._asked: dict[str, tuple[str, str, str]] = {}   # key -> its grammar, until taken
+        self._started: dict[str, float] = {}    # key -> when its compile began (clock)
 
     def submit(self, key: str, grammar: tuple[str, str, str]) -> None:
         if key not in self._futures:
-            self._futures[key] = self._pool.submit(self._compile, tuple(grammar))
+            self._asked[key] = tuple(grammar)
+            self._futures[key] = self._pool.submit(self._compile, key, tuple(grammar))
 
-    def _compile(self, grammar: tuple[str, str, str]):
+    def _compile(self, key: str, grammar: tuple[str, str, str]):
+        self._started[key] = self.clock()
         if self.grammars is None:
             self.grammars = self._make()
         return self.grammars.compile(grammar)
@@ -175,21 +180,48 @@ class Compiles:
         f = self._futures.get(key)
         return f is not None and f.done()
 
+    def running_s(self, key: str) -> float | None:
+        """Seconds key's compile has run (done or not), or None before it starts: one
+        queued behind others is not yet its own."""
+        started = self._started.get(key)
+        return None if started is None or key not in self._futures else self.clock() - started
+
     def take(self, key: str):
         """The compiled grammar of a key whose compile is done; GrammarError says why it
         does not compile (any other failure too: a client's grammar must never end a loop)."""
+        self._forget(key)
         try:
             return self._futures.pop(key).result(0)
         except GrammarError:
             raise
         except Exception as e:
-            raise GrammarError(f"the grammar could not be compiled here: {type(e).__name__}: {e}") from None
+            why = f"{type(e).__name__}: {e}"
+            raise GrammarError(f"the grammar could not be compiled here: {why}") from None
 
     def drop(self, key: str) -> None:
         """Its request ended: its compile is not wanted (a pending one is skipped)."""
+        self._forget(key)
         f = self._futures.pop(key, None)
         if f is not None:
             f.cancel()
+
+    def abandon(self, key: str) -> None:
+        """key's compile has run past any deadline (it hangs): dropped, and as its thread
+        cannot be stopped, the compiles queued behind it move to a thread of their own.
+        NOTE: the hung thread is left to end when it can; each abandon leaves one."""
+        running = self._futures.get(key)
+        self.drop(key)
+        if running is None or running.done():
+            return
+        self._pool.shutdown(wait=False)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        for k, f in list(self._futures.items()):
+            if f.cancel():   # queued behind it, not started
+                self._futures[k] = self._pool.submit(self._compile, k, self._asked[k])
+
+    def _forget(self, key: str) -> None:
+        self._asked.pop(key, None)
+        self._started.pop(key, None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -174,7 +174,7 @@ class Receiver:
         why = self.pool.refusal_for_good(ids, prompt_len, max_tokens)
         if why:
             return why, False
-        if len(self.held) >= self.max_queue:
+        if len(self.held) + self.pool.num_aside() >= self.max_queue:   # aside: committed
             return f"decode queue is full ({self.max_queue})", True
         why = self.pool.refusal_for_now(prompt_len, max_tokens, len(ids))
         return (why, True) if why else None

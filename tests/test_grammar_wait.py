@@ -1,0 +1,136 @@
+"""A decode node's committed requests whose grammar still compiles (GrammarWait): they keep
+their ids and their place in the queue while aside, a compile is timed from its own start,
+and a compile nobody waits for any more is dropped. In this process: the real
+DecodeNode._admit, DecodeScheduler, Receiver and grammar.Compiles, a stub compile."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+from common.base import grammar
+from common.base.recent import Recent
+from common.base.request import SamplingParams
+from common.kv.blocks import BlockAllocator
+from common.wire.protocol import KVRelease
+from decode_node.grammar_wait import COMPILE_DEADLINE_S, GrammarWait
+from decode_node.node import DecodeNode
+from decode_node.scheduler import DecodeScheduler
+from tests.handoff_util import FakeClock, receiver
+from tests.test_grants import _commit_group
+
+
+def _node(gate: threading.Event, max_queue: int = 8):
+    """A decode node's admission parts over 80 blocks and 4 rows: (node, blocks, clock).
+    A grammar "slow" compiles once the gate opens; any other at once."""
+    def compile(g):
+        if g[1] == "slow":
+            gate.wait(10)
+        return ("compiled", g)
+    clock = FakeClock()
+    node = object.__new__(DecodeNode)
+    node.compiles = grammar.Compiles(lambda: SimpleNamespace(compile=compile), clock=clock)
+    node.grammars = GrammarWait(node.compiles)
+    blocks = BlockAllocator(80)
+    node.scheduler = DecodeScheduler(blocks, 4, 4)
+    node.scheduler.aside = node.grammars.waiting   # as DecodeNode.run shares it
+    node.handoff = receiver(node.scheduler, clock=clock, max_queue=max_queue)
+    node.joined, node.sent = [], []
+    node.local = SimpleNamespace(abort=lambda rid: False, run=lambda: None, held_ids=set)
+    node.preemption = SimpleNamespace(resume_all=lambda: None)
+    node.runtime = SimpleNamespace(send=node.sent.append)
+    node.pending_aborts, node.ended, node.num_forked = set(), Recent(64), 0
+    node._join = lambda seq, token, lp, timings, compiled=None: \
+        node.joined.append((seq.request_id, compiled))
+    return node, blocks, clock
+
+
+def _regex(spec: str) -> SamplingParams:
+    return SamplingParams(max_tokens=6, grammar=("regex", spec, "compact"))
+
+
+def _until(cond, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
+
+
+def test_a_request_waiting_for_its_grammar_keeps_its_id_and_its_place_in_the_queue():
+    """Defect: a committed request that left the handoff to wait for its grammar was in
+    neither the handoff nor the batch: a second reservation of its id (or a fork's) was
+    granted, and its commit overwrote the waiting one (its blocks never freed) or, without
+    a grammar, forgot its compile (a KeyError out of the decode loop: the node died); and
+    --max-queue no longer counted it, so any number could wait for the one compile thread."""
+    gate = threading.Event()
+    node, blocks, _ = _node(gate, max_queue=3)
+    free_at_start = blocks.num_free
+    try:
+        _commit_group(node.handoff, "slow", ["slow-1"], params=_regex("slow"))
+        node._admit()
+        assert list(node.grammars.waiting) == ["slow"] and "slow" not in node.handoff.held
+        for rid in ("slow", "slow-1"):
+            why, is_retryable = node.handoff.refusal(rid, 8, 6)
+            assert "already on this decode node" in why and not is_retryable
+        _commit_group(node.handoff, "slow2", [], params=_regex("slow"))
+        _commit_group(node.handoff, "slow3", [], params=_regex("slow"))
+        node._admit()
+        assert len(node.grammars.waiting) == 3 and not node.handoff.held
+        assert node.handoff.refusal("x", 8, 6) == ("decode queue is full (3)", True)
+        gate.set()
+        _until(lambda: all(node.compiles.is_done(r) for r in ("slow2", "slow3")), "compiles")
+        _until(lambda: node._admit() is not None and len(node.joined) == 4, "admission")
+        assert sorted(rid for rid, _ in node.joined) == ["slow", "slow-1", "slow2", "slow3"]
+        for rid in ("slow", "slow-1", "slow2", "slow3"):
+            node.scheduler.finish(rid)
+        assert (blocks.num_free, blocks.num_reserved) == (free_at_start, 0)
+    finally:
+        gate.set()
+        node.compiles.close()
+
+
+def test_a_compile_queued_behind_a_hung_one_is_timed_from_its_own_start():
+    """Defect: every compile's deadline ran from when it was asked, and compiles run one at
+    a time: behind one client's slow grammars, another client's request failed (for good,
+    not moved) with a compile it never got to start. Now the deadline is the compile's
+    own: the hung one fails alone, and those queued behind it go on, on a new thread."""
+    gate = threading.Event()
+    node, blocks, clock = _node(gate)
+    try:
+        _commit_group(node.handoff, "hung", [], params=_regex("slow"))
+        node._admit()
+        _until(lambda: node.compiles.running_s("hung") is not None, "the hung compile to begin")
+        clock.advance(COMPILE_DEADLINE_S - 1)
+        _commit_group(node.handoff, "queued", [], params=_regex("a+"))
+        node._admit()
+        assert node.compiles.running_s("queued") is None   # behind the hung one
+        clock.advance(2)
+        node._admit()                                      # "hung" is past its own deadline
+        assert [(m.request_id, m.is_retryable) for m in node.sent] == [("hung", False)]
+        assert "did not compile within 30s" in node.sent[0].error
+        _until(lambda: node._admit() is not None and node.joined, "the queued one, on a new thread")
+        assert node.joined == [("queued", ("compiled", ("regex", "a+", "compact")))]
+        assert len(node.sent) == 1 and not node.grammars.waiting
+    finally:
+        gate.set()
+        node.compiles.close()
+
+
+def test_a_compile_of_a_request_released_before_admission_is_dropped():
+    """Defect: a committed request's compile started at commit stayed (compiling, and its
+    bookkeeping kept) after its prefill node released the grant: only an abort pruned it,
+    so with none they piled up and took the compile thread from requests that wait."""
+    gate = threading.Event()
+    node, blocks, _ = _node(gate)
+    try:
+        _commit_group(node.handoff, "r", [], params=_regex("slow"))
+        node.grammars.ask(node.handoff)                    # as while a step runs
+        assert node.compiles.keys() == ["r"]
+        r = node.handoff.held["r"]
+        node.handoff.receive(b"p", KVRelease("r", r.name))
+        assert "r" not in node.handoff.held
+        node.grammars.ask(node.handoff)
+        assert node.compiles.keys() == [] and not node.grammars.ids()
+    finally:
+        gate.set()
+        node.compiles.close()
