@@ -63,6 +63,7 @@ class Intake:
             self.pending[(client, req.request_id)] = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: self._end_unstarted(client, reqs, t))
         if len(reqs) > 1:
             self.num_groups[client] = self.num_groups.get(client, 0) + 1
             task.add_done_callback(lambda _: self._group_done(client))
@@ -71,6 +72,28 @@ class Intake:
         left = self.num_groups.pop(client, 1) - 1
         if left:
             self.num_groups[client] = left
+
+    def _end_unstarted(self, client: ClientKey, reqs: list[GenerateRequest],
+                       task: asyncio.Task) -> None:
+        """NOTE: a task cancelled before its first step never runs its body (a ZeroMQ
+        client's abort read in the same turn as its request): its ids would stay taken and
+        the client unanswered. Freed here, and an aborted one answered as cancelled."""
+        keys = [(client, req.request_id) for req in reqs]
+        if not task.cancelled() or not any(self.pending.get(k) is task for k in keys):
+            return   # its body ran: it answered and freed them itself
+        is_aborted = bool(self._aborted.intersection(keys))
+        for key in keys:
+            self.pending.pop(key, None)
+            self._aborted.discard(key)
+        if is_aborted:
+            answer = asyncio.get_running_loop().create_task(self._say_cancelled(client, reqs))
+            self._tasks.add(answer)
+            answer.add_done_callback(self._tasks.discard)
+
+    async def _say_cancelled(self, client: ClientKey, reqs: list[GenerateRequest]) -> None:
+        for req in reqs:
+            await self.fe.reply(client, GenerateOutput(req.request_id, [], "", True, FINISH_ABORT,
+                                                       "cancelled by the client", index=-1))
 
     def cancel(self, key: tuple) -> bool:
         """A request still being tokenized is dropped with its group (a job of theirs that
@@ -146,9 +169,7 @@ class Intake:
         if isinstance(outcome, asyncio.CancelledError):
             if not is_aborted:
                 raise outcome
-            for req in reqs:
-                await fe.reply(client, GenerateOutput(req.request_id, [], "", True, FINISH_ABORT,
-                                                      "cancelled by the client", index=-1))
+            await self._say_cancelled(client, reqs)
         elif isinstance(outcome, Exception):
             await self._refuse(client, reqs, *_why(outcome))
         elif fe.is_draining:

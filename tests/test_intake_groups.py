@@ -103,3 +103,26 @@ def test_a_chat_templates_variables_count_as_the_prompts_text():
     assert text_len(req) > OFF_LOOP_CHARS
     plain = GenerateRequest("b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert text_len(plain) < 100
+
+
+def test_a_request_cancelled_before_its_work_begins_is_answered_and_its_id_freed(make_frontend):
+    """Defect: a ZeroMQ client's request tokenized off the loop and its abort, read in the
+    same turn, cancelled the request's task before its first step: its body, which answers
+    the client and frees the id, never ran. The stream hung, the id stayed taken (refused
+    as a duplicate for good), and the pending table grew with each such pair."""
+    fe = make_frontend(16)
+    fe.prompts.is_off_loop = lambda req: True   # as a long prompt or a grammar is
+
+    async def run():
+        await fe.submit(CLIENT, GenerateRequest("r", prompt="hi", max_tokens=2))
+        assert fe.intake.cancel((CLIENT, "r"))      # before the task has run at all
+        await _settled(fe)
+        await asyncio.sleep(0.05)
+        answered = list(fe.replies)
+        await fe.submit(CLIENT, GenerateRequest("r", prompt="hi", max_tokens=2))
+        await _settled(fe)
+        return answered
+    answered = asyncio.run(run())
+    (msg, _), = answered
+    assert msg.request_id == "r" and msg.finish_reason == "abort" and "cancelled" in msg.error
+    assert not fe.intake._aborted and (CLIENT, "r") in fe.by_client   # the id served again
