@@ -7,9 +7,9 @@ has landed but whose grammar still compiles leaves the handoff's ready line and 
 here, holding its blocks: the requests behind it, with no grammar or a compiled one, are
 admitted past it (its blocks are its own either way, so nothing is taken from it), and
 it is admitted, oldest first, as soon as its compile ends. A compile that fails, or that
-has run COMPILE_DEADLINE_S without ending, fails its request alone (the compiles queued
-behind a hung one go on, on another thread: the time a request waits in that line is
-bounded by --max-queue, which counts the requests waiting here).
+has run COMPILE_DEADLINE_S without ending, fails its request alone; one queued behind
+others is timed from its own start, and fails only if it has not compiled LINE_DEADLINE_S
+after it was asked (a compile that hangs holds the line: it cannot be stopped).
 """
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ from common.handoff.states import Reservation
 # not its own). The frontend refuses a grammar that takes more than MAX_COMPILE_CPU_S to
 # compile: this leaves room for the first compile, which loads the tokenizer's vocabulary.
 COMPILE_DEADLINE_S = 30.0
+# From when a compile is asked: the line ahead of it is bounded by --max-queue (it counts
+# the requests waiting here), each at most ~MAX_COMPILE_CPU_S, so only a hung compile
+# ahead, which holds the one compile thread, makes a request wait this long.
+LINE_DEADLINE_S = 10 * COMPILE_DEADLINE_S
 
 
 class GrammarWait:
@@ -31,7 +35,7 @@ class GrammarWait:
         # in commit order. NOTE: the scheduler's aside (DecodeNode.run shares it): a request
         # here must stay a taken id (and count in the queue) for reservations.
         self.waiting: dict[str, Reservation] = {}
-        self._asked: set[str] = set()              # requests whose compile was asked
+        self._asked: dict[str, float] = {}          # request -> when its compile was asked
         self._ended: dict[str, tuple[object, str | None]] = {}   # waiting -> (compiled, why not)
 
     def ask(self, handoff) -> None:
@@ -40,7 +44,7 @@ class GrammarWait:
         forget those of requests that left the handoff otherwise (released, aborted)."""
         for rid in handoff.ready:
             if rid not in self._asked and (g := handoff.held[rid].commit.params.grammar):
-                self._asked.add(rid)
+                self._asked[rid] = self.compiles.clock()
                 self.compiles.submit(rid, g)
         self.prune(handoff.held)
 
@@ -70,10 +74,16 @@ class GrammarWait:
         return any(rid in self._ended or self.compiles.is_done(rid) or self._is_late(rid)
                    for rid in self.waiting)
 
-    def _is_late(self, rid: str) -> bool:
-        """rid's compile has run past its deadline."""
+    def _is_late(self, rid: str) -> str | None:
+        """Why rid's compile is past its deadline (its own, or the line's), if it is."""
         ran = self.compiles.running_s(rid)
-        return ran is not None and ran > self.deadline_s
+        if ran is not None and ran > self.deadline_s:
+            return f"the grammar did not compile within {self.deadline_s:.0f}s on this decode node"
+        now = self.compiles.clock()
+        if now - self._asked.setdefault(rid, now) > LINE_DEADLINE_S:
+            return (f"the grammar was not compiled within {LINE_DEADLINE_S:.0f}s of its commit on "
+                    f"this decode node (the compiles ahead of it did not end)")
+        return None
 
     def abort(self, request_id: str) -> Reservation | None:
         """The frontend gave request_id up: the waiting request it is (one of n of), if
@@ -105,7 +115,7 @@ class GrammarWait:
             self._forget(rid)
             return None, r.error
         if rid not in self._asked:   # committed and landed within one turn
-            self._asked.add(rid)
+            self._asked[rid] = self.compiles.clock()
             self.compiles.submit(rid, r.commit.params.grammar)
         self.waiting[rid] = r
         self._check(rid)
@@ -123,17 +133,15 @@ class GrammarWait:
                 self._ended[rid] = self.compiles.take(rid), None
             except ValueError as e:   # GrammarError: the request's own, said to its client
                 self._ended[rid] = None, str(e)
-        elif self._is_late(rid):
-            # NOTE: a compile that hangs keeps its thread: the compiles behind it move on
-            self.compiles.abandon(rid)
-            self._ended[rid] = None, (f"the grammar did not compile within {self.deadline_s:.0f}s "
-                                      f"on this decode node")
+        elif (why := self._is_late(rid)) is not None:
+            self.compiles.drop(rid)
+            self._ended[rid] = None, why
 
     def _take(self, rid: str) -> tuple[object, str | None]:
-        self._asked.discard(rid)
+        self._asked.pop(rid, None)
         return self._ended.pop(rid)
 
     def _forget(self, rid: str) -> None:
         self.compiles.drop(rid)
-        self._asked.discard(rid)
+        self._asked.pop(rid, None)
         self._ended.pop(rid, None)

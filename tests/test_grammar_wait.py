@@ -13,7 +13,7 @@ from common.base.recent import Recent
 from common.base.request import SamplingParams
 from common.kv.blocks import BlockAllocator
 from common.wire.protocol import KVRelease
-from decode_node.grammar_wait import COMPILE_DEADLINE_S, GrammarWait
+from decode_node.grammar_wait import COMPILE_DEADLINE_S, LINE_DEADLINE_S, GrammarWait
 from decode_node.node import DecodeNode
 from decode_node.scheduler import DecodeScheduler
 from tests.handoff_util import FakeClock, receiver
@@ -89,11 +89,12 @@ def test_a_request_waiting_for_its_grammar_keeps_its_id_and_its_place_in_the_que
         node.compiles.close()
 
 
-def test_a_compile_queued_behind_a_hung_one_is_timed_from_its_own_start():
+def test_a_compile_queued_behind_a_slow_one_is_timed_from_its_own_start():
     """Defect: every compile's deadline ran from when it was asked, and compiles run one at
     a time: behind one client's slow grammars, another client's request failed (for good,
     not moved) with a compile it never got to start. Now the deadline is the compile's
-    own: the hung one fails alone, and those queued behind it go on, on a new thread."""
+    own; one that never gets its turn (a hung compile ahead) fails at the line's deadline,
+    LINE_DEADLINE_S from its commit."""
     gate = threading.Event()
     node, blocks, clock = _node(gate)
     try:
@@ -102,15 +103,25 @@ def test_a_compile_queued_behind_a_hung_one_is_timed_from_its_own_start():
         _until(lambda: node.compiles.running_s("hung") is not None, "the hung compile to begin")
         clock.advance(COMPILE_DEADLINE_S - 1)
         _commit_group(node.handoff, "queued", [], params=_regex("a+"))
+        _commit_group(node.handoff, "stuck", [], params=_regex("b+"))
         node._admit()
         assert node.compiles.running_s("queued") is None   # behind the hung one
         clock.advance(2)
         node._admit()                                      # "hung" is past its own deadline
         assert [(m.request_id, m.is_retryable) for m in node.sent] == [("hung", False)]
         assert "did not compile within 30s" in node.sent[0].error
-        _until(lambda: node._admit() is not None and node.joined, "the queued one, on a new thread")
-        assert node.joined == [("queued", ("compiled", ("regex", "a+", "compact")))]
-        assert len(node.sent) == 1 and not node.grammars.waiting
+        assert list(node.grammars.waiting) == ["queued", "stuck"]   # not theirs to pay
+        clock.advance(LINE_DEADLINE_S)                     # the line never moved
+        node._admit()
+        assert [m.request_id for m in node.sent] == ["hung", "queued", "stuck"]
+        assert "compiles ahead of it" in node.sent[1].error and not node.grammars.waiting
+        _commit_group(node.handoff, "after", [], params=_regex("c+"))
+        node._admit()
+        gate.set()                                         # the hung one ends at last
+        _until(lambda: node._admit() is not None and node.joined, "the next compile")
+        assert node.joined == [("after", ("compiled", ("regex", "c+", "compact")))]
+        node.scheduler.finish("after")
+        assert (blocks.num_free, blocks.num_reserved) == (blocks.capacity, 0)   # each freed once
     finally:
         gate.set()
         node.compiles.close()
@@ -134,3 +145,34 @@ def test_a_compile_of_a_request_released_before_admission_is_dropped():
     finally:
         gate.set()
         node.compiles.close()
+
+
+def test_a_dropped_compiles_start_is_not_its_successors():
+    """Defect: a compile's start was stamped under its key from the compile thread: a key
+    dropped just as its compile began got a stamp after the drop, and the same id asked
+    again (a retried handoff), still queued, read as running since then and failed its
+    deadline. Each submission has its own stamp now."""
+    gate, stamping, stamped = threading.Event(), threading.Event(), threading.Event()
+
+    def clock() -> float:   # the compile thread's stamp waits until the test says
+        if threading.current_thread().name.startswith("grammar"):
+            stamping.set()
+            stamped.wait(10)
+        return 100.0
+    compiles = grammar.Compiles(lambda: SimpleNamespace(
+        compile=lambda g: gate.wait(10) if g[1] == "slow" else ("compiled", g)), clock=clock)
+    try:
+        compiles.submit("x", ("regex", "slow", "compact"))
+        _until(stamping.is_set, "x's compile to begin")
+        compiles.drop("x")                   # as it begins; it runs on, holding the thread
+        stamped.set()
+        compiles.submit("x", ("regex", "a+", "compact"))
+        time.sleep(0.05)                     # the first one's stamp is written by now
+        assert compiles.running_s("x") is None   # queued: not started, whatever came before
+        gate.set()
+        _until(lambda: compiles.is_done("x"), "x again")
+        assert compiles.take("x") == ("compiled", ("regex", "a+", "compact"))
+    finally:
+        gate.set()
+        stamped.set()
+        compiles.close()

@@ -158,18 +158,19 @@ class Compiles:
         self.grammars: Grammars | None = None   # once the first compile has run
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._futures: dict[str, Future] = {}
-        self._asked: dict[str, tuple[str, str, str]] = {}   # key -> its grammar, until taken
-        self._started: dict[str, float] = {}    # key -> when its compile began (clock)
+        # key -> [when its compile began (clock), or None before]: one holder a submission,
+        # so a start written after its key was dropped reaches nobody's.
+        self._starts: dict[str, list] = {}
 
     def submit(self, key: str, grammar: tuple[str, str, str]) -> None:
         if key not in self._futures:
-            self._asked[key] = tuple(grammar)
-            self._futures[key] = self._pool.submit(self._compile, key, tuple(grammar))
+            start = self._starts[key] = [None]
+            self._futures[key] = self._pool.submit(self._compile, start, tuple(grammar))
 
-    def _compile(self, key: str, grammar: tuple[str, str, str]):
-        self._started[key] = self.clock()
+    def _compile(self, start: list, grammar: tuple[str, str, str]):
         if self.grammars is None:
             self.grammars = self._make()
+        start[0] = self.clock()   # NOTE: after the vocabulary's load, which is no one's grammar
         return self.grammars.compile(grammar)
 
     def keys(self) -> list[str]:
@@ -183,13 +184,13 @@ class Compiles:
     def running_s(self, key: str) -> float | None:
         """Seconds key's compile has run (done or not), or None before it starts: one
         queued behind others is not yet its own."""
-        started = self._started.get(key)
-        return None if started is None or key not in self._futures else self.clock() - started
+        start = self._starts.get(key)
+        return None if start is None or start[0] is None else self.clock() - start[0]
 
     def take(self, key: str):
         """The compiled grammar of a key whose compile is done; GrammarError says why it
         does not compile (any other failure too: a client's grammar must never end a loop)."""
-        self._forget(key)
+        self._starts.pop(key, None)
         try:
             return self._futures.pop(key).result(0)
         except GrammarError:
@@ -199,29 +200,12 @@ class Compiles:
             raise GrammarError(f"the grammar could not be compiled here: {why}") from None
 
     def drop(self, key: str) -> None:
-        """Its request ended: its compile is not wanted (a pending one is skipped)."""
-        self._forget(key)
+        """Its request ended: its compile is not wanted (a pending one is skipped).
+        NOTE: one under way runs to its end: the thread is the next one's only then."""
+        self._starts.pop(key, None)
         f = self._futures.pop(key, None)
         if f is not None:
             f.cancel()
-
-    def abandon(self, key: str) -> None:
-        """key's compile has run past any deadline (it hangs): dropped, and as its thread
-        cannot be stopped, the compiles queued behind it move to a thread of their own.
-        NOTE: the hung thread is left to end when it can; each abandon leaves one."""
-        running = self._futures.get(key)
-        self.drop(key)
-        if running is None or running.done():
-            return
-        self._pool.shutdown(wait=False)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        for k, f in list(self._futures.items()):
-            if f.cancel():   # queued behind it, not started
-                self._futures[k] = self._pool.submit(self._compile, k, self._asked[k])
-
-    def _forget(self, key: str) -> None:
-        self._asked.pop(key, None)
-        self._started.pop(key, None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
