@@ -7,9 +7,11 @@ has landed but whose grammar still compiles leaves the handoff's ready line and 
 here, holding its blocks: the requests behind it, with no grammar or a compiled one, are
 admitted past it (its blocks are its own either way, so nothing is taken from it), and
 it is admitted, oldest first, as soon as its compile ends. A compile that fails, or that
-has run COMPILE_DEADLINE_S without ending, fails its request alone; one queued behind
-others is timed from its own start, and fails only if it has not compiled LINE_DEADLINE_S
-after it was asked (a compile that hangs holds the line: it cannot be stopped).
+has run COMPILE_DEADLINE_S without ending, fails its request; one queued behind others is
+timed from its own start. A compile that hangs holds the one compile thread (it cannot be
+stopped): while it does, the requests queued behind it, and those that come, fail at once
+(retryable: another decode node compiles them), and LINE_DEADLINE_S from its commit ends
+any wait. Only a grammar that does not compile fails for good.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ class GrammarWait:
         # here must stay a taken id (and count in the queue) for reservations.
         self.waiting: dict[str, Reservation] = {}
         self._asked: dict[str, float] = {}          # request -> when its compile was asked
-        self._ended: dict[str, tuple[object, str | None]] = {}   # waiting -> (compiled, why not)
+        # waiting -> (compiled, why not, is_retryable)
+        self._ended: dict[str, tuple[object, str | None, bool]] = {}
 
     def ask(self, handoff) -> None:
         """Start the compile of each committed request in the handoff's ready line that has
@@ -48,18 +51,20 @@ class GrammarWait:
                 self.compiles.submit(rid, g)
         self.prune(handoff.held)
 
-    def failed(self) -> list[tuple[Reservation, str]]:
+    def failed(self) -> list[tuple[Reservation, str, bool]]:
         """The waiting requests whose compile failed or ran past its deadline, each with
-        why; they leave (their blocks are the caller's to free)."""
+        why and whether another node may serve it; they leave (their blocks are the
+        caller's to free)."""
         for rid in self.waiting:
             self._check(rid)
-        return [(self.waiting.pop(rid), self._take(rid)[1]) for rid in list(self.waiting)
+        return [(self.waiting.pop(rid), *self._take(rid)[1:]) for rid in list(self.waiting)
                 if rid in self._ended and self._ended[rid][1] is not None]
 
-    def next(self, handoff) -> tuple[Reservation, object, str | None] | None:
+    def next(self, handoff) -> tuple[Reservation, object, str | None, bool] | None:
         """The oldest committed request that may start now, out of the handoff: (it, its
-        grammar compiled, why it fails). Those waiting here are older than the handoff's
-        ready line; one taken from that line whose grammar still compiles waits here."""
+        grammar compiled, why it fails, whether another node may serve it). Those waiting
+        here are older than the handoff's ready line; one taken from that line whose grammar
+        still compiles waits here."""
         for rid in self.waiting:
             self._check(rid)
             if rid in self._ended:
@@ -75,10 +80,14 @@ class GrammarWait:
                    for rid in self.waiting)
 
     def _is_late(self, rid: str) -> str | None:
-        """Why rid's compile is past its deadline (its own, or the line's), if it is."""
+        """Why rid's compile is past its deadline (its own, the stuck line's, or the
+        line's), if it is."""
         ran = self.compiles.running_s(rid)
         if ran is not None and ran > self.deadline_s:
             return f"the grammar did not compile within {self.deadline_s:.0f}s on this decode node"
+        if ran is None and self.compiles.is_stuck(self.deadline_s):
+            return ("this decode node's grammar compiles are held by one that has run past "
+                    f"{self.deadline_s:.0f}s")
         now = self.compiles.clock()
         if now - self._asked.setdefault(rid, now) > LINE_DEADLINE_S:
             return (f"the grammar was not compiled within {LINE_DEADLINE_S:.0f}s of its commit on "
@@ -107,13 +116,14 @@ class GrammarWait:
         """Every request waiting here, forks included."""
         return {i for r in self.waiting.values() for i in (r.request_id, *r.fork_ids)}
 
-    def _settle(self, r: Reservation) -> tuple[object, str | None] | None:
-        """r has just left the handoff, its KV landed: (its grammar compiled, why it fails)
-        if it may start now, or None: it waits here until its compile ends."""
+    def _settle(self, r: Reservation) -> tuple[object, str | None, bool] | None:
+        """r has just left the handoff, its KV landed: (its grammar compiled, why it fails,
+        is_retryable) if it may start now, or None: it waits here until its compile ends.
+        r.error: its KV did not land whole: the path failed, not the request."""
         rid = r.request_id
         if r.error is not None or not r.commit.params.grammar:
             self._forget(rid)
-            return None, r.error
+            return None, r.error, True
         if rid not in self._asked:   # committed and landed within one turn
             self._asked[rid] = self.compiles.clock()
             self.compiles.submit(rid, r.commit.params.grammar)
@@ -130,14 +140,14 @@ class GrammarWait:
             return
         if self.compiles.is_done(rid):
             try:
-                self._ended[rid] = self.compiles.take(rid), None
-            except ValueError as e:   # GrammarError: the request's own, said to its client
-                self._ended[rid] = None, str(e)
-        elif (why := self._is_late(rid)) is not None:
+                self._ended[rid] = self.compiles.take(rid), None, False
+            except ValueError as e:   # GrammarError: the request's own (or, retryable, ours)
+                self._ended[rid] = None, str(e), getattr(e, "is_retryable", False)
+        elif (why := self._is_late(rid)) is not None:   # this node's fault: retryable
             self.compiles.drop(rid)
-            self._ended[rid] = None, why
+            self._ended[rid] = None, why, True
 
-    def _take(self, rid: str) -> tuple[object, str | None]:
+    def _take(self, rid: str) -> tuple[object, str | None, bool]:
         self._asked.pop(rid, None)
         return self._ended.pop(rid)
 

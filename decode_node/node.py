@@ -213,18 +213,16 @@ class DecodeNode:
         updates = []
         self._join_started(updates)
         self.grammars.ask(self.handoff)   # compiles start at commit, beside the handoff
-        for r, error in self.grammars.failed():
-            self._fail_committed(r, error, is_retryable=False)
+        for r, error, is_retryable in self.grammars.failed():
+            self._fail_committed(r, error, is_retryable)
         # NOTE: first committed, first admitted, of those that may start: one whose grammar
         # still compiles waits aside, holding its blocks. A request's n sequences start
         # together, and those that do not fit take the next rows that free, before anything.
         taken = None
         while self.scheduler.can_admit() and (taken := self.grammars.next(self.handoff)):
-            r, compiled, error = taken
-            if error is not None:
-                # r.error: its KV did not land whole: the path failed, not the request (it
-                # moves on elsewhere); else its grammar does not compile, said to its client.
-                self._fail_committed(r, error, is_retryable=r.error is not None)
+            r, compiled, error, is_retryable = taken
+            if error is not None:   # retryable: it moves on elsewhere (grammar_wait.py)
+                self._fail_committed(r, error, is_retryable)
                 continue
             c = r.commit
             c.timings["decode_admit"] = time.time()

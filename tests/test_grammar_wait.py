@@ -13,7 +13,7 @@ from common.base.recent import Recent
 from common.base.request import SamplingParams
 from common.kv.blocks import BlockAllocator
 from common.wire.protocol import KVRelease
-from decode_node.grammar_wait import COMPILE_DEADLINE_S, LINE_DEADLINE_S, GrammarWait
+from decode_node.grammar_wait import COMPILE_DEADLINE_S, GrammarWait
 from decode_node.node import DecodeNode
 from decode_node.scheduler import DecodeScheduler
 from tests.handoff_util import FakeClock, receiver
@@ -92,9 +92,44 @@ def test_a_request_waiting_for_its_grammar_keeps_its_id_and_its_place_in_the_que
 def test_a_compile_queued_behind_a_slow_one_is_timed_from_its_own_start():
     """Defect: every compile's deadline ran from when it was asked, and compiles run one at
     a time: behind one client's slow grammars, another client's request failed (for good,
-    not moved) with a compile it never got to start. Now the deadline is the compile's
-    own; one that never gets its turn (a hung compile ahead) fails at the line's deadline,
-    LINE_DEADLINE_S from its commit."""
+    not moved) with a compile it had barely started. Now the deadline is the compile's own:
+    asked 45 s ago, compiling for 20 s of them, it still waits, and then starts."""
+    gates = {"slow": threading.Event(), "slower": threading.Event()}
+
+    def compile(g):
+        if g[1] in gates:
+            gates[g[1]].wait(10)
+        return ("compiled", g)
+    node, blocks, clock = _node(threading.Event())
+    node.compiles._make = lambda: SimpleNamespace(compile=compile)
+    try:
+        _commit_group(node.handoff, "first", [], params=_regex("slow"))
+        _commit_group(node.handoff, "second", [], params=_regex("slower"))
+        node._admit()
+        _until(lambda: node.compiles.running_s("first") is not None, "the first compile")
+        assert node.compiles.running_s("second") is None   # queued behind it
+        clock.advance(25)
+        gates["slow"].set()
+        _until(lambda: node._admit() is not None and node.joined, "the first one's turn")
+        _until(lambda: node.compiles.running_s("second") is not None, "the second compile")
+        clock.advance(20)                                  # 45 s asked, 20 s its own
+        node._admit()
+        assert not node.sent and list(node.grammars.waiting) == ["second"]
+        gates["slower"].set()
+        _until(lambda: node._admit() is not None and len(node.joined) == 2, "the second one")
+        assert not node.sent
+    finally:
+        for gate in gates.values():
+            gate.set()
+        node.compiles.close()
+
+
+def test_a_hung_compile_fails_its_request_and_sends_the_line_elsewhere():
+    """A compile that runs past its deadline cannot be stopped, and holds the one compile
+    thread: it fails its request, and while it runs on, those queued behind it and those
+    that come fail at once, retryable (the node's fault, not their grammars': the frontend
+    moves them to another decode node), none held for minutes. Once it ends, the node
+    compiles again."""
     gate = threading.Event()
     node, blocks, clock = _node(gate)
     try:
@@ -103,25 +138,47 @@ def test_a_compile_queued_behind_a_slow_one_is_timed_from_its_own_start():
         _until(lambda: node.compiles.running_s("hung") is not None, "the hung compile to begin")
         clock.advance(COMPILE_DEADLINE_S - 1)
         _commit_group(node.handoff, "queued", [], params=_regex("a+"))
-        _commit_group(node.handoff, "stuck", [], params=_regex("b+"))
         node._admit()
-        assert node.compiles.running_s("queued") is None   # behind the hung one
+        assert list(node.grammars.waiting) == ["hung", "queued"] and not node.sent
         clock.advance(2)
-        node._admit()                                      # "hung" is past its own deadline
-        assert [(m.request_id, m.is_retryable) for m in node.sent] == [("hung", False)]
+        node._admit()
+        assert [(m.request_id, m.is_retryable) for m in node.sent] == [("hung", True),
+                                                                       ("queued", True)]
         assert "did not compile within 30s" in node.sent[0].error
-        assert list(node.grammars.waiting) == ["queued", "stuck"]   # not theirs to pay
-        clock.advance(LINE_DEADLINE_S)                     # the line never moved
+        assert "held by one" in node.sent[1].error
+        _commit_group(node.handoff, "later", [], params=_regex("b+"))
         node._admit()
-        assert [m.request_id for m in node.sent] == ["hung", "queued", "stuck"]
-        assert "compiles ahead of it" in node.sent[1].error and not node.grammars.waiting
-        _commit_group(node.handoff, "after", [], params=_regex("c+"))
-        node._admit()
+        assert node.sent[-1].request_id == "later" and node.sent[-1].is_retryable
         gate.set()                                         # the hung one ends at last
+        _until(lambda: not node.compiles.is_stuck(COMPILE_DEADLINE_S), "the thread back")
+        _commit_group(node.handoff, "after", [], params=_regex("c+"))
         _until(lambda: node._admit() is not None and node.joined, "the next compile")
         assert node.joined == [("after", ("compiled", ("regex", "c+", "compact")))]
         node.scheduler.finish("after")
         assert (blocks.num_free, blocks.num_reserved) == (blocks.capacity, 0)   # each freed once
+    finally:
+        gate.set()
+        node.compiles.close()
+
+
+def test_a_first_compile_whose_vocabulary_load_hangs_fails_at_its_deadline():
+    """The first compile loads the tokenizer's vocabulary, inside its own time: a load
+    that hangs fails that request at COMPILE_DEADLINE_S (retryable), not at the line's
+    deadline minutes later, its blocks freed."""
+    gate = threading.Event()
+    node, blocks, clock = _node(gate)
+    node.compiles._make = lambda: gate.wait(10) and None   # the load hangs
+    try:
+        _commit_group(node.handoff, "r", [], params=_regex("a+"))
+        node._admit()
+        _until(lambda: node.compiles.running_s("r") is not None, "its compile to begin")
+        clock.advance(COMPILE_DEADLINE_S - 1)
+        node._admit()
+        assert not node.sent and list(node.grammars.waiting) == ["r"]
+        clock.advance(2)
+        node._admit()
+        assert [(m.request_id, m.is_retryable) for m in node.sent] == [("r", True)]
+        assert (blocks.num_free, blocks.num_reserved) == (blocks.capacity, 0)
     finally:
         gate.set()
         node.compiles.close()

@@ -161,6 +161,7 @@ class Compiles:
         # key -> [when its compile began (clock), or None before]: one holder a submission,
         # so a start written after its key was dropped reaches nobody's.
         self._starts: dict[str, list] = {}
+        self._running: list | None = None   # the holder of the compile under way
 
     def submit(self, key: str, grammar: tuple[str, str, str]) -> None:
         if key not in self._futures:
@@ -168,10 +169,20 @@ class Compiles:
             self._futures[key] = self._pool.submit(self._compile, start, tuple(grammar))
 
     def _compile(self, start: list, grammar: tuple[str, str, str]):
-        if self.grammars is None:
-            self.grammars = self._make()
-        start[0] = self.clock()   # NOTE: after the vocabulary's load, which is no one's grammar
-        return self.grammars.compile(grammar)
+        start[0] = self.clock()
+        self._running = start
+        try:
+            if self.grammars is None:   # the first compile's time holds the vocabulary's load
+                self.grammars = self._make()
+            return self.grammars.compile(grammar)
+        finally:
+            self._running = None
+
+    def is_stuck(self, deadline_s: float) -> bool:
+        """The compile under way (anyone's, one dropped too) has run past deadline_s: those
+        queued behind it wait on it, and it cannot be stopped."""
+        running = self._running
+        return running is not None and self.clock() - running[0] > deadline_s
 
     def keys(self) -> list[str]:
         """The keys compiled or being compiled, not taken yet."""
@@ -197,7 +208,9 @@ class Compiles:
             raise
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
-            raise GrammarError(f"the grammar could not be compiled here: {why}") from None
+            fault = GrammarError(f"the grammar could not be compiled here: {why}")
+            fault.is_retryable = True   # this node's fault (its vocabulary, say), not the grammar's
+            raise fault from None
 
     def drop(self, key: str) -> None:
         """Its request ended: its compile is not wanted (a pending one is skipped).
