@@ -57,9 +57,11 @@ class Migrations:
             if req.decode_node == node.name or (req.prefill_node == node.name and not req.is_decoding):
                 await self.move_or_fail(req, node.name, cause, why)
         if node.role == "prefill":
-            # NOTE: a restarted node whose predecessor was dead: the launcher restarts only
-            # a process that exited. One draining may still run.
-            lost = PeerLost(node.name, node.ready.epoch, cause == "restarted" and not node.is_alive)
+            # NOTE: a restarted node's predecessor exited: the launcher restarts only a
+            # process that exited (its successor may come once it is silent, before it
+            # counts as dead: frontend/nodes.py). One draining may still run.
+            is_exited = cause == "restarted" and not (node.is_alive and node.is_draining)
+            lost = PeerLost(node.name, node.ready.epoch, is_exited)
             for peer in self.fe.nodes.values():
                 if peer.role == "decode" and peer.is_alive:
                     await self.fe.node_link.send(lost, to=peer.identity)
