@@ -11,6 +11,7 @@ Kubernetes (deploy/).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -70,6 +71,9 @@ def controller_name(base_port: int | str) -> str:
 
 
 def serve(argv: list[str]) -> int:
+    # NOTE: before Ray is imported, which reads it once: Ray folds lines that differ only in
+    # numbers ("decode-0: ..." and "decode-1: ...") into one, and an operator loses a node's.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     try:
         ours, rest = split_args(argv)
         a = cluster_plan.parse(rest)
