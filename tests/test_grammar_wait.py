@@ -233,3 +233,105 @@ def test_a_dropped_compiles_start_is_not_its_successors():
         gate.set()
         stamped.set()
         compiles.close()
+
+
+def test_a_decode_node_admits_past_a_grammar_still_compiling():
+    """Defect: a decode node asked for a committed request's grammar compile only once it
+    was at the head of the ready line (DecodeNode._admit: peek_ready -> _is_compiled ->
+    break), and admitted nothing behind it, nor prefilled locally, until that compile
+    ended: a client's slow grammars, compiled one after another, made every other
+    client's time to first token wait for all of them, and a hung compile, for good. Now
+    compiles start at commit, a request whose grammar still compiles waits aside (its
+    blocks its own) while those behind it are admitted; a grammar that does not compile
+    fails its request for good, a compile past its deadline (and, while it holds the
+    thread, those queued behind it) retryably; blocks freed once."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from common.base import grammar
+    from common.base.recent import Recent
+    from common.kv.blocks import BlockAllocator
+    from decode_node.grammar_wait import COMPILE_DEADLINE_S, GrammarWait
+    from decode_node.node import DecodeNode
+    from decode_node.scheduler import DecodeScheduler
+    from tests.handoff_util import FakeClock, receiver
+    from tests.test_grants import _commit_group
+
+    gate = threading.Event()
+
+    def compile(g):   # "slow" hangs until the gate opens; "bad" does not compile
+        if g[1] == "slow":
+            gate.wait(10)
+        if g[1] == "bad":
+            raise grammar.GrammarError("the regex does not compile: bad")
+        return ("compiled", g)
+    clock = FakeClock()
+    node = object.__new__(DecodeNode)
+    node.compiles = grammar.Compiles(lambda: SimpleNamespace(compile=compile), clock=clock)
+    node.grammars = GrammarWait(node.compiles)
+    blocks = BlockAllocator(80)
+    node.scheduler = DecodeScheduler(blocks, 4, 2)
+    node.scheduler.aside = node.grammars.waiting
+    node.handoff = receiver(node.scheduler)
+    locals_run, joined, sent = [], [], []
+    node.local = SimpleNamespace(abort=lambda rid: False, run=lambda: locals_run.append(1),
+                                 held_ids=set)
+    node.preemption = SimpleNamespace(resume_all=lambda: None)
+    node.runtime = SimpleNamespace(send=sent.append)
+    node.pending_aborts, node.ended, node.num_forked = set(), Recent(64), 0
+    node._join = lambda seq, token, lp, timings, compiled=None: \
+        joined.append((seq.request_id, compiled))
+    free_at_start = blocks.num_free
+
+    def regex(spec):
+        return SamplingParams(max_tokens=6, grammar=("regex", spec, "compact"))
+    try:
+        _commit_group(node.handoff, "slow", [], params=regex("slow"))
+        _commit_group(node.handoff, "plain", [])
+        _commit_group(node.handoff, "plain2", [])
+        assert node._admit() == []
+        wait = time.monotonic() + 10
+        while node.compiles.running_s("slow") is None:   # its compile has begun
+            assert time.monotonic() < wait
+            time.sleep(0.001)
+        assert [rid for rid, _ in joined] == ["plain", "plain2"]   # past "slow", still compiling
+        assert "slow" in node._held_ids()
+        clock.advance(COMPILE_DEADLINE_S - 10)
+        _commit_group(node.handoff, "bad", [], params=regex("bad"))
+        _commit_group(node.handoff, "quick", [], params=regex("a+"))
+        node._admit()                               # no row free: their compiles are asked anyway
+        assert set(node.compiles.keys()) == {"slow", "bad", "quick"}
+        node.scheduler.finish("plain2")
+        num_local = len(locals_run)
+        node._admit()
+        assert len(locals_run) == num_local + 1 and not sent   # a prompt here runs meanwhile
+        clock.advance(11)                           # "slow" is past its deadline, still running
+        node._admit()
+        # It fails, and so do those queued behind it while it holds the one compile thread:
+        # the node's fault, not their grammars': each may go to another decode node.
+        assert [(m.request_id, m.is_retryable) for m in sent] == \
+            [("slow", True), ("bad", True), ("quick", True)]
+        assert "did not compile within 30s" in sent[0].error and "held by" in sent[1].error
+        gate.set()                                  # the thread is the next compile's
+        deadline = time.monotonic() + 10
+        while node.compiles.is_stuck(COMPILE_DEADLINE_S):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        _commit_group(node.handoff, "bad2", [], params=regex("bad"))
+        _commit_group(node.handoff, "quick2", [], params=regex("a+"))
+        node._admit()
+        while len(sent) < 4 or len(joined) < 3:    # their compiles end, on the freed thread
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+            node._admit()
+        assert [(m.request_id, m.is_retryable) for m in sent[3:]] == [("bad2", False)]
+        assert "regex does not" in sent[3].error    # the grammar's own fault: said, not moved
+        assert joined[2:] == [("quick2", ("compiled", ("regex", "a+", "compact")))]
+        assert not node.grammars.waiting and node.compiles.keys() == []
+        for rid in ("plain", "quick2"):
+            node.scheduler.finish(rid)
+        assert (blocks.num_free, blocks.num_reserved) == (free_at_start, 0)   # each freed once
+    finally:
+        gate.set()
+        node.compiles.close()

@@ -18,11 +18,13 @@ def test_the_prompt_logprobs_every_choice_replies_with_are_bounded_before_any_wo
     from frontend.prompts import MAX_REPLY_LOGPROBS
     fe = make_frontend(64)
     prompt = [(7 * i) % 400 + 1 for i in range(900)]
-    (reply,) = _submit(fe, GenerateRequest("a", prompt_token_ids=prompt, max_tokens=1, n=64, prompt_logprobs=20))
+    (reply,) = _submit(fe, GenerateRequest("a", prompt_token_ids=prompt, max_tokens=1, n=64,
+                                           prompt_logprobs=20))
     error, status = _error(reply)
     assert status == 400 and str(MAX_REPLY_LOGPROBS) in error and "prompt_logprobs" in error, error
     assert not fe.requests
-    _submit(fe, GenerateRequest("b", prompt_token_ids=prompt, max_tokens=1, n=16, prompt_logprobs=5))
+    _submit(fe, GenerateRequest("b", prompt_token_ids=prompt, max_tokens=1, n=16,
+                                prompt_logprobs=5))
     assert len(fe.requests) == 16   # 16 x 900 x 6 fits
     _submit(fe, GenerateRequest("c", prompt_token_ids=prompt, max_tokens=1, prompt_logprobs=20))
     assert len(fe.requests) == 17   # one choice: its one copy, whatever its size
