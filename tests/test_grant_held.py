@@ -1,8 +1,8 @@
 """A layer-wise ipc write held past its grant, on live processes: the prefill node is frozen
 while it pushes a long prompt's KV layer by layer, for longer than the decode node's
 reservation lease and the quarantine after it; its blocks go to other requests; then the
-pass resumes. Defect (fail closed, round 2): the write went on into blocks the decode node
-had granted to another request, which then decoded on foreign KV."""
+pass resumes. Defect: the write went on into blocks the decode node had granted to another
+request, which then decoded on foreign KV."""
 from __future__ import annotations
 
 import asyncio
