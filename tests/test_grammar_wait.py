@@ -20,23 +20,26 @@ from tests.handoff_util import FakeClock, receiver
 from tests.test_grants import _commit_group
 
 
-def _node(gate: threading.Event, max_queue: int = 8):
-    """A decode node's admission parts over 80 blocks and 4 rows: (node, blocks, clock).
-    A grammar "slow" compiles once the gate opens; any other at once."""
-    def compile(g):
+def _node(gate: threading.Event, max_queue: int = 8, rows: int = 4, compile=None):
+    """A decode node's admission parts over 80 blocks and `rows` rows: (node, blocks,
+    clock). A grammar "slow" compiles once the gate opens; any other at once (or as
+    compile says); node.local.num_runs counts its local prefill turns."""
+    def gated(g):
         if g[1] == "slow":
             gate.wait(10)
         return ("compiled", g)
+    compile = compile or gated
     clock = FakeClock()
     node = object.__new__(DecodeNode)
     node.compiles = grammar.Compiles(lambda: SimpleNamespace(compile=compile), clock=clock)
     node.grammars = GrammarWait(node.compiles)
     blocks = BlockAllocator(80)
-    node.scheduler = DecodeScheduler(blocks, 4, 4)
+    node.scheduler = DecodeScheduler(blocks, 4, rows)
     node.scheduler.aside = node.grammars.waiting   # as DecodeNode.run shares it
     node.handoff = receiver(node.scheduler, clock=clock, max_queue=max_queue)
     node.joined, node.sent = [], []
-    node.local = SimpleNamespace(abort=lambda rid: False, run=lambda: None, held_ids=set)
+    node.local = SimpleNamespace(abort=lambda rid: False, held_ids=set, num_runs=0)
+    node.local.run = lambda: setattr(node.local, "num_runs", node.local.num_runs + 1)
     node.preemption = SimpleNamespace(resume_all=lambda: None)
     node.runtime = SimpleNamespace(send=node.sent.append)
     node.pending_aborts, node.ended, node.num_forked = set(), Recent(64), 0
@@ -245,19 +248,6 @@ def test_a_decode_node_admits_past_a_grammar_still_compiling():
     blocks its own) while those behind it are admitted; a grammar that does not compile
     fails its request for good, a compile past its deadline (and, while it holds the
     thread, those queued behind it) retryably; blocks freed once."""
-    import threading
-    import time
-    from types import SimpleNamespace
-
-    from common.base import grammar
-    from common.base.recent import Recent
-    from common.kv.blocks import BlockAllocator
-    from decode_node.grammar_wait import COMPILE_DEADLINE_S, GrammarWait
-    from decode_node.node import DecodeNode
-    from decode_node.scheduler import DecodeScheduler
-    from tests.handoff_util import FakeClock, receiver
-    from tests.test_grants import _commit_group
-
     gate = threading.Event()
 
     def compile(g):   # "slow" hangs until the gate opens; "bad" does not compile
@@ -266,22 +256,8 @@ def test_a_decode_node_admits_past_a_grammar_still_compiling():
         if g[1] == "bad":
             raise grammar.GrammarError("the regex does not compile: bad")
         return ("compiled", g)
-    clock = FakeClock()
-    node = object.__new__(DecodeNode)
-    node.compiles = grammar.Compiles(lambda: SimpleNamespace(compile=compile), clock=clock)
-    node.grammars = GrammarWait(node.compiles)
-    blocks = BlockAllocator(80)
-    node.scheduler = DecodeScheduler(blocks, 4, 2)
-    node.scheduler.aside = node.grammars.waiting
-    node.handoff = receiver(node.scheduler)
-    locals_run, joined, sent = [], [], []
-    node.local = SimpleNamespace(abort=lambda rid: False, run=lambda: locals_run.append(1),
-                                 held_ids=set)
-    node.preemption = SimpleNamespace(resume_all=lambda: None)
-    node.runtime = SimpleNamespace(send=sent.append)
-    node.pending_aborts, node.ended, node.num_forked = set(), Recent(64), 0
-    node._join = lambda seq, token, lp, timings, compiled=None: \
-        joined.append((seq.request_id, compiled))
+    node, blocks, clock = _node(gate, rows=2, compile=compile)
+    joined, sent = node.joined, node.sent
     free_at_start = blocks.num_free
 
     def regex(spec):
@@ -303,9 +279,9 @@ def test_a_decode_node_admits_past_a_grammar_still_compiling():
         node._admit()                               # no row free: their compiles are asked anyway
         assert set(node.compiles.keys()) == {"slow", "bad", "quick"}
         node.scheduler.finish("plain2")
-        num_local = len(locals_run)
+        num_local = node.local.num_runs
         node._admit()
-        assert len(locals_run) == num_local + 1 and not sent   # a prompt here runs meanwhile
+        assert node.local.num_runs == num_local + 1 and not sent   # a prompt here runs meanwhile
         clock.advance(11)                           # "slow" is past its deadline, still running
         node._admit()
         # It fails, and so do those queued behind it while it holds the one compile thread:
