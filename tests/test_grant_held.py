@@ -21,6 +21,9 @@ pytestmark = pytest.mark.cluster
 LEASE_S = 1.0        # the decode node's reservation lease: ends, then its quarantine, in ~2 s
 NEW_TOKENS = 48
 LONG_TOKENS = 160
+# When each try freezes the prefill node after sending the long prompt: sooner on each try,
+# so a machine that prefills it faster than this one is still caught mid-write.
+FREEZE_AFTER_S = (0.05, 0.02, 0.008)
 
 
 def _failed_writes(stats: dict) -> int:
@@ -47,7 +50,7 @@ def test_a_write_frozen_past_its_grant_never_lands_in_another_requests_blocks(ti
             assert c.complete(prompt_token_ids=[5] * 20, max_tokens=2).error is None
         for attempt, (prompt, want) in enumerate(zip(long_prompts, long_expected)):
             spare = f"prefill-{attempt + 1}"
-            run = _freeze_during(p, frozen, spare, prompt, others)
+            run = _freeze_during(p, frozen, spare, prompt, others, FREEZE_AFTER_S[attempt])
             (long_ids, long_error), outs = asyncio.run(run)
             p.procs[spare].send_signal(signal.SIGTERM)   # the next try's prompt goes to prefill-0
             p.procs[spare].wait(30)
@@ -71,7 +74,7 @@ def test_a_write_frozen_past_its_grant_never_lands_in_another_requests_blocks(ti
 
 
 async def _freeze_during(p: Processes, frozen, spare: str, prompt: list[int],
-                         others: list[list[int]]):
+                         others: list[list[int]], freeze_after_s: float):
     """Send the long prompt, freeze its prefill node once its write is under way, and while
     it is frozen (past the lease and the quarantine) let prefill node `spare` take the long
     prompt and the others; resume it once all of them decode.
@@ -92,7 +95,7 @@ async def _freeze_during(p: Processes, frozen, spare: str, prompt: list[int],
                 error = out.error
             return tokens, error
         long_task = asyncio.create_task(stream(prompt, LONG_TOKENS))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(freeze_after_s)
         os.kill(frozen.pid, signal.SIGSTOP)
         try:
             p.start("prefill", name=spare)
