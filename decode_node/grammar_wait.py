@@ -13,6 +13,7 @@ stopped): while it does, the requests queued behind it, and those that come, fai
 (retryable: another decode node compiles them), and LINE_DEADLINE_S from its commit ends
 any wait. Only a grammar that does not compile fails for good.
 """
+
 from __future__ import annotations
 
 from common.base import grammar
@@ -33,11 +34,11 @@ class GrammarWait:
     commit first; and when each committed request's compile was asked."""
 
     def __init__(self, compiles: grammar.Compiles, deadline_s: float = COMPILE_DEADLINE_S):
-        self.compiles, self.deadline_s = compiles, deadline_s   # the deadline on compiles' clock
+        self.compiles, self.deadline_s = compiles, deadline_s  # the deadline on compiles' clock
         # in commit order. NOTE: the scheduler's aside (DecodeNode.run shares it): a request
         # here must stay a taken id (and count in the queue) for reservations.
         self.waiting: dict[str, Reservation] = {}
-        self._asked: dict[str, float] = {}          # request -> when its compile was asked
+        self._asked: dict[str, float] = {}  # request -> when its compile was asked
         # waiting -> (compiled, why not, is_retryable)
         self._ended: dict[str, tuple[object, str | None, bool]] = {}
 
@@ -57,8 +58,11 @@ class GrammarWait:
         caller's to free)."""
         for rid in self.waiting:
             self._check(rid)
-        return [(self.waiting.pop(rid), *self._take(rid)[1:]) for rid in list(self.waiting)
-                if rid in self._ended and self._ended[rid][1] is not None]
+        return [
+            (self.waiting.pop(rid), *self._take(rid)[1:])
+            for rid in list(self.waiting)
+            if rid in self._ended and self._ended[rid][1] is not None
+        ]
 
     def next(self, handoff) -> tuple[Reservation, object, str | None, bool] | None:
         """The oldest committed request that may start now, out of the handoff: (it, its
@@ -76,8 +80,10 @@ class GrammarWait:
 
     def has_ended(self) -> bool:
         """A waiting request's compile is over (done, or past its deadline)."""
-        return any(rid in self._ended or self.compiles.is_done(rid) or self._is_late(rid)
-                   for rid in self.waiting)
+        return any(
+            rid in self._ended or self.compiles.is_done(rid) or self._is_late(rid)
+            for rid in self.waiting
+        )
 
     def _is_late(self, rid: str) -> str | None:
         """Why rid's compile is past its deadline (its own, the stuck line's, or the
@@ -86,20 +92,25 @@ class GrammarWait:
         if ran is not None and ran > self.deadline_s:
             return f"the grammar did not compile within {self.deadline_s:.0f}s on this decode node"
         if ran is None and self.compiles.is_stuck(self.deadline_s):
-            return ("this decode node's grammar compiles are held by one that has run past "
-                    f"{self.deadline_s:.0f}s")
+            return (
+                "this decode node's grammar compiles are held by one that has run past "
+                f"{self.deadline_s:.0f}s"
+            )
         now = self.compiles.clock()
         if now - self._asked.setdefault(rid, now) > LINE_DEADLINE_S:
-            return (f"the grammar was not compiled within {LINE_DEADLINE_S:.0f}s of its commit on "
-                    f"this decode node (the compiles ahead of it did not end)")
+            return (
+                f"the grammar was not compiled within {LINE_DEADLINE_S:.0f}s of its commit on "
+                f"this decode node (the compiles ahead of it did not end)"
+            )
         return None
 
     def abort(self, request_id: str) -> Reservation | None:
         """The frontend gave request_id up: the waiting request it is (one of n of), if
         any. Once every sequence of it is given up (r.is_given_up) it leaves, its compile
         dropped, and its blocks are the caller's to free."""
-        r = self.waiting.get(request_id) or \
-            next((w for w in self.waiting.values() if request_id in w.fork_ids), None)
+        r = self.waiting.get(request_id) or next(
+            (w for w in self.waiting.values() if request_id in w.fork_ids), None
+        )
         if r is not None and r.give_up(request_id):
             del self.waiting[r.request_id]
             self._forget(r.request_id)
@@ -124,7 +135,7 @@ class GrammarWait:
         if r.error is not None or not r.commit.params.grammar:
             self._forget(rid)
             return None, r.error, True
-        if rid not in self._asked:   # committed and landed within one turn
+        if rid not in self._asked:  # committed and landed within one turn
             self._asked[rid] = self.compiles.clock()
             self.compiles.submit(rid, r.commit.params.grammar)
         self.waiting[rid] = r
@@ -141,9 +152,9 @@ class GrammarWait:
         if self.compiles.is_done(rid):
             try:
                 self._ended[rid] = self.compiles.take(rid), None, False
-            except ValueError as e:   # GrammarError: the request's own (or, retryable, ours)
+            except ValueError as e:  # GrammarError: the request's own (or, retryable, ours)
                 self._ended[rid] = None, str(e), getattr(e, "is_retryable", False)
-        elif (why := self._is_late(rid)) is not None:   # this node's fault: retryable
+        elif (why := self._is_late(rid)) is not None:  # this node's fault: retryable
             self.compiles.drop(rid)
             self._ended[rid] = None, why, True
 

@@ -2,6 +2,7 @@
 step needs a block the pool lacks, the most recently admitted sequence leaves the batch,
 its KV swapped to host memory (up to --swap-space) or dropped; it resumes, swapped back
 in or recomputed from its tokens, before anything new is admitted (scheduler.py)."""
+
 from __future__ import annotations
 
 import time
@@ -20,8 +21,8 @@ class Preemption:
         host memory for swapped KV."""
         self.worker, self.scheduler, self.swap_space = worker, scheduler, swap_space
         self.num_preemptions = 0
-        self.num_swapped = 0      # preemptions that kept the KV in host memory
-        self.num_recomputed = 0   # resumptions that prefilled the KV again
+        self.num_swapped = 0  # preemptions that kept the KV in host memory
+        self.num_recomputed = 0  # resumptions that prefilled the KV again
 
     def make_room(self) -> None:
         """Preempt until the next step's new blocks fit in the pool."""
@@ -32,20 +33,25 @@ class Preemption:
     def preempt(self, seq: Sequence) -> None:
         w, rid = self.worker, seq.request_id
         w.remove_decode_seq(rid)
-        keep = seq.block_ids[:num_blocks_for(seq.num_cached, w.block_size)]
+        keep = seq.block_ids[: num_blocks_for(seq.num_cached, w.block_size)]
         seq.is_swapped = w.swapped_bytes + len(keep) * w.block_bytes() <= self.swap_space
         if seq.is_swapped:
             try:
                 w.swap_out(rid, keep)
                 self.num_swapped += 1
-            except RuntimeError as e:   # host memory could not be had: recompute instead
+            except RuntimeError as e:  # host memory could not be had: recompute instead
                 noisy.warning("swap-out of %s failed, it will be recomputed: %s", rid, e)
                 seq.is_swapped = False
         self.scheduler.preempt(seq, time.monotonic())
         self.num_preemptions += 1
-        log.debug("preempted %s at %d tokens (%s): %d KV blocks free, %d running", rid, seq.num_cached,
-                  "swapped to host" if seq.is_swapped else "to be recomputed",
-                  self.scheduler.blocks.num_free, len(self.scheduler.running))
+        log.debug(
+            "preempted %s at %d tokens (%s): %d KV blocks free, %d running",
+            rid,
+            seq.num_cached,
+            "swapped to host" if seq.is_swapped else "to be recomputed",
+            self.scheduler.blocks.num_free,
+            len(self.scheduler.running),
+        )
 
     def resume_all(self) -> None:
         """Every preempted sequence that fits now, oldest first."""
@@ -60,12 +66,22 @@ class Preemption:
         else:
             w.recompute(seq.prompt_ids + seq.output_ids[:-1], block_ids)
             self.num_recomputed += 1
-        w.add_decode_seq(rid, seq.output_ids[-1], seq.num_cached, block_ids, seq.params, seq.history())
+        w.add_decode_seq(
+            rid, seq.output_ids[-1], seq.num_cached, block_ids, seq.params, seq.history()
+        )
         seq.is_preemption_untold = True
-        log.debug("resumed %s after %.0f ms (%s)", rid, seq.preempted_s * 1e3,
-                  "swapped in" if seq.is_swapped else "recomputed")
+        log.debug(
+            "resumed %s after %.0f ms (%s)",
+            rid,
+            seq.preempted_s * 1e3,
+            "swapped in" if seq.is_swapped else "recomputed",
+        )
         seq.is_swapped = False
 
     def stats(self) -> dict:
-        return {"num_preemptions": self.num_preemptions, "num_swapped": self.num_swapped,
-                "num_recomputed": self.num_recomputed, "num_preempted": len(self.scheduler.preempted)}
+        return {
+            "num_preemptions": self.num_preemptions,
+            "num_swapped": self.num_swapped,
+            "num_recomputed": self.num_recomputed,
+            "num_preempted": len(self.scheduler.preempted),
+        }

@@ -16,6 +16,7 @@ oldest first, before anything new is admitted or reserved.
 Full reservation (is_preemptive=False): every block a request could need is
 promised at reservation, so nothing is ever preempted and the batch is smaller.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,31 +29,36 @@ from common.kv.blocks import BlockAllocator, num_blocks_for
 from common.kv.prefix import PrefixCache, block_hashes
 from common.kv.sequence import Sequence
 
-
-WATERMARK = 0.01   # of the pool, kept free by admission for running sequences to grow into
+WATERMARK = 0.01  # of the pool, kept free by admission for running sequences to grow into
 
 
 @dataclass
 class Joining:
     """A sequence started on its blocks, with what its first update needs (its first token,
     sampled where it was prefilled), until it has a batch row."""
+
     seq: Sequence
     token: int
     logprobs: object
     timings: dict
-    compiled: object = None   # its grammar, compiled (grammar.Compiles)
+    compiled: object = None  # its grammar, compiled (grammar.Compiles)
 
 
 class DecodeScheduler:
-    def __init__(self, blocks: BlockAllocator, block_size: int, max_batch_size: int,
-                 is_preemptive: bool = True):
+    def __init__(
+        self,
+        blocks: BlockAllocator,
+        block_size: int,
+        max_batch_size: int,
+        is_preemptive: bool = True,
+    ):
         self.blocks = blocks
         self.block_size = block_size
         self.max_batch_size = max_batch_size
         self.is_preemptive = is_preemptive
         self.watermark = math.ceil(blocks.capacity * WATERMARK) if is_preemptive else 0
         self.running: dict[str, Sequence] = {}
-        self.preempted: list[Sequence] = []               # oldest admission first
+        self.preempted: list[Sequence] = []  # oldest admission first
         # Started, waiting for a row (a request's forks that did not all fit), oldest first:
         # they hold their blocks, and join before anything new is admitted.
         self.joining: deque[Joining] = deque()
@@ -74,7 +80,11 @@ class DecodeScheduler:
         first output's position), or with full reservation, everything; for n sequences
         sharing the prompt, each further one adds what it does not share (fork_share)."""
         need = self.blocks_needed(prompt_len, max_tokens)
-        own = min(num_blocks_for(prompt_len + 1, self.block_size), need) if self.is_preemptive else need
+        own = (
+            min(num_blocks_for(prompt_len + 1, self.block_size), need)
+            if self.is_preemptive
+            else need
+        )
         return own + (num_seqs - 1) * (own - prompt_len // self.block_size)
 
     def fork_share(self, prompt_len: int, max_tokens: int) -> int:
@@ -82,23 +92,33 @@ class DecodeScheduler:
         blocks, which it shares (its copy of a partial last block included)."""
         return self.blocks_at_reserve(prompt_len, max_tokens) - prompt_len // self.block_size
 
-    def refusal_for_good(self, request_ids: list[str], prompt_len: int, max_tokens: int) -> str | None:
+    def refusal_for_good(
+        self, request_ids: list[str], prompt_len: int, max_tokens: int
+    ) -> str | None:
         """Why this request (request_ids: its own, then its forks') can never be reserved
         here, if it cannot."""
         num_seqs = len(request_ids)
         if num_seqs > self.max_batch_size:
-            return (f"its {num_seqs} sequences (n) need {num_seqs} batch rows, this decode node has "
-                    f"{self.max_batch_size} (--max-batch-size)")
+            return (
+                f"its {num_seqs} sequences (n) need {num_seqs} batch rows, this decode node has "
+                f"{self.max_batch_size} (--max-batch-size)"
+            )
         aside = {i for r in self.aside.values() for i in (r.request_id, *r.fork_ids)}
         for rid in request_ids:
-            if rid in self.running or any(s.request_id == rid for s in self.preempted) \
-                    or any(j.seq.request_id == rid for j in self.joining) or rid in aside:
+            if (
+                rid in self.running
+                or any(s.request_id == rid for s in self.preempted)
+                or any(j.seq.request_id == rid for j in self.joining)
+                or rid in aside
+            ):
                 return f"request {rid!r} is already on this decode node"
         need = self.blocks_needed(prompt_len, max_tokens)
         if need > self.blocks.capacity:
             # NOTE: this also guarantees that a preempted sequence, alone, always fits.
             return f"needs {need} KV blocks, this decode node has {self.blocks.capacity}"
-        if (group := self.blocks_at_reserve(prompt_len, max_tokens, num_seqs)) > self.blocks.capacity:
+        if (
+            group := self.blocks_at_reserve(prompt_len, max_tokens, num_seqs)
+        ) > self.blocks.capacity:
             return f"its {num_seqs} sequences need {group} KV blocks, this decode node has {self.blocks.capacity}"
         return None
 
@@ -111,8 +131,9 @@ class DecodeScheduler:
             return f"needs {now} KV blocks, {self.blocks.num_available} are free now"
         return None
 
-    def take_blocks(self, prompt_len: int, max_tokens: int, num_seqs: int = 1,
-                    cached: list[int] = ()) -> tuple[list[int], int]:
+    def take_blocks(
+        self, prompt_len: int, max_tokens: int, num_seqs: int = 1, cached: list[int] = ()
+    ) -> tuple[list[int], int]:
         """A reservation's blocks: the prompt's (ids; cached: its first ones, from the prefix
         cache), and how many more are promised."""
         need = self.blocks_at_reserve(prompt_len, max_tokens, num_seqs)
@@ -141,15 +162,29 @@ class DecodeScheduler:
         own copy of the prompt's partial last block)."""
         c = r.commit
         share = self.fork_share(r.prompt_len, r.max_tokens)
-        own = Sequence(r.request_id, r.prompt_len, c.params, r.block_ids, r.num_reserved - len(c.forks) * share,
-                       prompt_ids=c.prompt_ids, is_cacheable=not r.error)
+        own = Sequence(
+            r.request_id,
+            r.prompt_len,
+            c.params,
+            r.block_ids,
+            r.num_reserved - len(c.forks) * share,
+            prompt_ids=c.prompt_ids,
+            is_cacheable=not r.error,
+        )
         out = [Joining(own, c.first_token, c.first_logprobs, c.timings)]
         # NOTE: a fork is no more cacheable than its request: KV that did not land whole (or
         # failed --kv-verify) must never reach the prefix cache through the last fork to end.
         num_full, copies = r.prompt_len // self.block_size, []
         for f in c.forks:
-            seq = Sequence(f.request_id, r.prompt_len, dataclasses.replace(c.params, seed=f.seed),
-                           r.block_ids[:num_full], share, prompt_ids=c.prompt_ids, is_cacheable=not r.error)
+            seq = Sequence(
+                f.request_id,
+                r.prompt_len,
+                dataclasses.replace(c.params, seed=f.seed),
+                r.block_ids[:num_full],
+                share,
+                prompt_ids=c.prompt_ids,
+                is_cacheable=not r.error,
+            )
             self.blocks.share(seq.block_ids)
             if num_full < len(r.block_ids):
                 copies.append((r.block_ids[num_full], seq.take_block(self.blocks)))
@@ -243,9 +278,9 @@ class DecodeScheduler:
         blocks, bs = self.blocks, self.block_size
         if not isinstance(blocks, PrefixCache) or not blocks.is_enabled or not seq.is_cacheable:
             return
-        tokens = seq.prompt_ids + seq.output_ids[:-1]   # written: all but the last output
+        tokens = seq.prompt_ids + seq.output_ids[:-1]  # written: all but the last output
         num_full = min(len(tokens) // bs, len(seq.block_ids))
         if any(blocks.num_holders(b) != 1 for b in seq.block_ids[:num_full]):
             return
-        for b, h in zip(seq.block_ids[:num_full], block_hashes(tokens[:num_full * bs], bs)):
+        for b, h in zip(seq.block_ids[:num_full], block_hashes(tokens[: num_full * bs], bs)):
             blocks.publish(b, h)

@@ -1,29 +1,35 @@
 """python -m frontend --model DIR --clients tcp://127.0.0.1:5600 --nodes tcp://127.0.0.1:5601"""
+
 import argparse
 import asyncio
 import shutil
 import sys
 from pathlib import Path
 
-from common.wire.channel import LinkError
 from common.base.config import FrontendConfig, NodeLinks
 from common.base.env import read_env
 from common.base.flags import add_flags, flagged
 from common.base.log import add_log_level_arg, get_logger, set_level, set_name
 from common.runtime.process import HelpFormat, add_thread_args, apply_threads, die_with_parent
+from common.wire.channel import LinkError
 from frontend.access_log import set_access_log
 from frontend.server import Frontend
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m frontend", description=__doc__,
-                                formatter_class=HelpFormat)
+    p = argparse.ArgumentParser(
+        prog="python -m frontend", description=__doc__, formatter_class=HelpFormat
+    )
     add_flags(p, FrontendConfig)
     add_flags(p, NodeLinks, only=("dead_after_s",))
     add_thread_args(p)
     add_log_level_arg(p)
-    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
-                   help="log each HTTP request as it ends: client, request line, status, time")
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="log each HTTP request as it ends: client, request line, status, time",
+    )
     return p
 
 
@@ -34,7 +40,7 @@ def main(argv=None) -> int:
     set_access_log(a.access_log)
     die_with_parent()
     try:
-        apply_threads(a.threads, a.cpus, is_host_device=False)   # no device: one thread unless told
+        apply_threads(a.threads, a.cpus, is_host_device=False)  # no device: one thread unless told
         cfg = FrontendConfig(links=NodeLinks(**flagged(NodeLinks, a)), **flagged(FrontendConfig, a))
         frontend = Frontend(cfg)
     except ValueError as e:
@@ -43,6 +49,7 @@ def main(argv=None) -> int:
     try:
         try:
             import uvloop
+
             rc = uvloop.run(frontend.run())
         except ImportError:
             rc = asyncio.run(frontend.run())
@@ -61,6 +68,7 @@ def remove_temp_keys(keys_dir: str | None) -> None:
     temp = read_env().temp_keys
     if temp is not None and keys_dir is not None and temp.resolve() == Path(keys_dir).resolve():
         shutil.rmtree(temp, ignore_errors=True)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,7 @@
 """The HTTP access log: one line per request as it ends (a stream: once it is done),
 as uvicorn's: the client, the request line, the status and the time it took. On by
 default; --no-access-log (or a log level above INFO) turns it off."""
+
 from __future__ import annotations
 
 import logging
@@ -23,9 +24,15 @@ class AccessLog(AbstractAccessLogger):
     """aiohttp's access_log_class; its logger is `log`."""
 
     def log(self, request, response, time: float) -> None:
-        self.logger.info('%s "%s %s HTTP/%d.%d" %d %.1f ms', request.remote or "-",
-                         request.method, _printable(request.raw_path), *request.version,
-                         response.status, time * 1e3)
+        self.logger.info(
+            '%s "%s %s HTTP/%d.%d" %d %.1f ms',
+            request.remote or "-",
+            request.method,
+            _printable(request.raw_path),
+            *request.version,
+            response.status,
+            time * 1e3,
+        )
 
     @property
     def enabled(self) -> bool:

@@ -3,6 +3,7 @@ running and waiting, the prompt and generation tokens/s the nodes computed, the 
 nodes' KV cache usage and the prefill nodes' prefix-cache hit rate. Said every
 interval while the cluster works, once more as it becomes idle, and not while it stays
 idle (common/base/log.py: IdleQuiet)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,9 +13,12 @@ from common.base.log import IdleQuiet, get_logger
 
 log = get_logger("frontend")
 # What the line sums over the nodes, from their heartbeats: name -> (role, stats key).
-COUNTS = {"prompt": ("prefill", "num_prefill_tokens"), "generated": ("decode", "num_decode_rows"),
-          "hits": ("prefill", "num_prefix_hit_tokens"),
-          "queried": ("prefill", "num_prefix_prompt_tokens")}
+COUNTS = {
+    "prompt": ("prefill", "num_prefill_tokens"),
+    "generated": ("decode", "num_decode_rows"),
+    "hits": ("prefill", "num_prefix_hit_tokens"),
+    "queried": ("prefill", "num_prefix_prompt_tokens"),
+}
 
 
 def _number(stats: dict, key: str) -> int:
@@ -31,7 +35,7 @@ class ActivityLog:
         self.quiet = IdleQuiet()
         self.last_at: float | None = None
         self.num_served = 0
-        self.seen: dict[tuple[str, str], tuple[int, int]] = {}   # (node, count) -> (pid, value)
+        self.seen: dict[tuple[str, str], tuple[int, int]] = {}  # (node, count) -> (pid, value)
 
     def _deltas(self) -> dict[str, int]:
         """Each count's growth since the last look, summed over the live nodes (a node
@@ -66,7 +70,7 @@ class ActivityLog:
         while True:
             try:
                 self.tick(time.monotonic())
-            except Exception:   # noqa: BLE001 - a log line must not stop the service
+            except Exception:  # noqa: BLE001 - a log line must not stop the service
                 log.exception("could not write the periodic line")
             await asyncio.sleep(self.interval_s)
 
@@ -88,9 +92,15 @@ class ActivityLog:
         if not self.quiet.says(is_busy):
             return
         usage = self._kv_usage()
-        log.info("%.2f req/s | running %d, waiting %d | prompt %.0f tok/s, generation %.0f tok/s | "
-                 "KV cache %s used | prefix-cache hit rate %s%s", served / elapsed, num_running,
-                 num_waiting, d["prompt"] / elapsed, d["generated"] / elapsed,
-                 "-" if usage is None else f"{usage:.1%}",
-                 f"{d['hits'] / d['queried']:.1%}" if d["queried"] else "-",
-                 "" if is_busy else " | idle now")
+        log.info(
+            "%.2f req/s | running %d, waiting %d | prompt %.0f tok/s, generation %.0f tok/s | "
+            "KV cache %s used | prefix-cache hit rate %s%s",
+            served / elapsed,
+            num_running,
+            num_waiting,
+            d["prompt"] / elapsed,
+            d["generated"] / elapsed,
+            "-" if usage is None else f"{usage:.1%}",
+            f"{d['hits'] / d['queried']:.1%}" if d["queried"] else "-",
+            "" if is_busy else " | idle now",
+        )

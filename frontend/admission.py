@@ -6,6 +6,7 @@ one queue per client, until the nodes have room; then clients take turns, one
 request each, so a client with thousands queued delays another's request by at
 most one turn of the queue.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict, deque
@@ -15,16 +16,16 @@ from typing import Hashable
 
 @dataclass
 class ClientLoad:
-    waiting: deque = field(default_factory=deque)   # admitted, not yet sent to a node
-    num_requests: int = 0                             # waiting + running
-    num_kv_tokens: int = 0                            # prompt + max_tokens, over those
+    waiting: deque = field(default_factory=deque)  # admitted, not yet sent to a node
+    num_requests: int = 0  # waiting + running
+    num_kv_tokens: int = 0  # prompt + max_tokens, over those
 
 
 class Admission:
     def __init__(self, max_requests: int, max_kv_tokens: int):
         self.max_requests = max_requests
         self.max_kv_tokens = max_kv_tokens
-        self.clients: OrderedDict[Hashable, ClientLoad] = OrderedDict()   # turn order
+        self.clients: OrderedDict[Hashable, ClientLoad] = OrderedDict()  # turn order
         self.num_waiting = 0
         self.num_refused = 0
 
@@ -34,11 +35,15 @@ class Admission:
         load = self.clients.get(client) or ClientLoad()
         if load.num_requests + num_requests > self.max_requests:
             adds = f", and this request adds {num_requests}" if num_requests > 1 else ""
-            why = (f"{load.num_requests} requests in flight{adds} (the limit per client is "
-                   f"{self.max_requests})")
+            why = (
+                f"{load.num_requests} requests in flight{adds} (the limit per client is "
+                f"{self.max_requests})"
+            )
         elif load.num_kv_tokens + kv_tokens > self.max_kv_tokens:
-            why = (f"{load.num_kv_tokens} + {kv_tokens} KV tokens claimed (the limit per client is "
-                   f"{self.max_kv_tokens}; prompt + max_tokens counts)")
+            why = (
+                f"{load.num_kv_tokens} + {kv_tokens} KV tokens claimed (the limit per client is "
+                f"{self.max_kv_tokens}; prompt + max_tokens counts)"
+            )
         else:
             return None
         self.num_refused += 1
@@ -62,7 +67,7 @@ class Admission:
         """The next waiting item, taking clients in turn; None if none waits."""
         for client in list(self.clients):
             load = self.clients[client]
-            self.clients.move_to_end(client)   # whoever is served goes to the back
+            self.clients.move_to_end(client)  # whoever is served goes to the back
             if load.waiting:
                 self.num_waiting -= 1
                 return load.waiting.popleft()
@@ -85,7 +90,7 @@ class Admission:
             load.waiting.remove(item)
             self.num_waiting -= 1
         except ValueError:
-            pass   # it was running
+            pass  # it was running
         load.num_requests -= 1
         load.num_kv_tokens -= kv_tokens
         if load.num_requests <= 0:

@@ -6,6 +6,7 @@ A request the caller walks away from (a loop broken out of, a cancelled task,
 Ctrl-C, a closed client) is aborted on the cluster, which frees its KV blocks.
 The first request checks that a frontend answers within connect_timeout_s.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,26 +15,37 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
-from common.wire.channel import AsyncChannel, BadMessage, Channel, open_async_context, open_context
 from common.base.config import check_endpoint
+from common.wire.channel import AsyncChannel, BadMessage, Channel, open_async_context, open_context
 from common.wire.keys import CLIENTS, load_keys
 from common.wire.protocol import FRONTEND_TO_CLIENT as REPLIES
-from common.wire.protocol import (AbortRequest, DrainReply, DrainRequest, ErrorReply, GenerateOutput,
-                                  GenerateRequest, OutputBatch, StatsReply, StatsRequest)
+from common.wire.protocol import (
+    AbortRequest,
+    DrainReply,
+    DrainRequest,
+    ErrorReply,
+    GenerateOutput,
+    GenerateRequest,
+    OutputBatch,
+    StatsReply,
+    StatsRequest,
+)
 
 
 class ServerError(RuntimeError):
     pass
 
 
-DEFAULT_MAX_TOKENS = GenerateRequest.max_tokens   # the CLI's default is the library's
+DEFAULT_MAX_TOKENS = GenerateRequest.max_tokens  # the CLI's default is the library's
 
 
 def _check(endpoint: str) -> None:
     try:
         check_endpoint("endpoint", endpoint, allow_remote=True)
     except ValueError as e:
-        raise ValueError(f"{e} (the frontend's client endpoint, e.g. tcp://127.0.0.1:5600)") from None
+        raise ValueError(
+            f"{e} (the frontend's client endpoint, e.g. tcp://127.0.0.1:5600)"
+        ) from None
 
 
 def _client_keys(keys_dir: str | None, key_name: str | None):
@@ -42,14 +54,17 @@ def _client_keys(keys_dir: str | None, key_name: str | None):
 
 
 def _silent(endpoint: str, timeout_s: float) -> TimeoutError:
-    return TimeoutError(f"nothing answers at {endpoint} within {timeout_s:g}s: is the cluster "
-                        f"running there (and, with --client-keys, is this client's key admitted)?")
+    return TimeoutError(
+        f"nothing answers at {endpoint} within {timeout_s:g}s: is the cluster "
+        f"running there (and, with --client-keys, is this client's key admitted)?"
+    )
 
 
 @dataclass
 class Result:
     """A request's answer, whole. With n > 1 its own fields are choice 0's, and choices
     holds every choice's."""
+
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -57,13 +72,13 @@ class Result:
     error: str | None = None
     usage: dict | None = None
     timings: dict | None = None
-    logprobs: list = field(default_factory=list)       # per token, when asked for
+    logprobs: list = field(default_factory=list)  # per token, when asked for
     prompt_logprobs: list | None = None
     index: int = 0
     choices: list["Result"] = field(default_factory=list)
 
     def add(self, out: GenerateOutput) -> None:
-        if out.index > 0 and out.index != self.index:   # -1: the whole request (an error)
+        if out.index > 0 and out.index != self.index:  # -1: the whole request (an error)
             while len(self.choices) <= out.index:
                 self.choices.append(Result(self.request_id, index=len(self.choices)))
             self.choices[out.index].add(out)
@@ -85,7 +100,9 @@ class Result:
         # NOTE: choices[0] is self, so a plain vars() would be circular."""
         own = {k: v for k, v in vars(self).items() if k != "choices"}
         if len(self.choices) > 1:
-            own["choices"] = [{k: v for k, v in vars(c).items() if k != "choices"} for c in self.choices]
+            own["choices"] = [
+                {k: v for k, v in vars(c).items() if k != "choices"} for c in self.choices
+            ]
         return own
 
 
@@ -116,15 +133,21 @@ def _unbatch(msg) -> list:
 def _as_output(rid: str, msg) -> GenerateOutput:
     """An ErrorReply about a request ends that request's stream."""
     if isinstance(msg, ErrorReply):
-        return GenerateOutput(rid, [], "", True, "error", msg.error, index=-1)   # all its choices
+        return GenerateOutput(rid, [], "", True, "error", msg.error, index=-1)  # all its choices
     return msg
 
 
 class Client:
     """Blocking client. Several requests may be in flight; outputs are sorted by request id."""
 
-    def __init__(self, endpoint: str, idle_timeout_s: float = 60.0, keys_dir: str | None = None,
-                 key_name: str | None = None, connect_timeout_s: float = 5.0):
+    def __init__(
+        self,
+        endpoint: str,
+        idle_timeout_s: float = 60.0,
+        keys_dir: str | None = None,
+        key_name: str | None = None,
+        connect_timeout_s: float = 5.0,
+    ):
         _check(endpoint)
         self._ctx = open_context(_client_keys(keys_dir, key_name))
         self._ch = Channel(self._ctx, False, endpoint, server="frontend")
@@ -132,7 +155,7 @@ class Client:
         self.idle_timeout_s = idle_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.is_connected = False
-        self._inbox: dict[str, list] = {}   # requests in flight -> outputs not yet read
+        self._inbox: dict[str, list] = {}  # requests in flight -> outputs not yet read
         self._ends: dict[str, _Ends] = {}
 
     def close(self) -> None:
@@ -177,7 +200,7 @@ class Client:
         while not self._inbox.get(rid):
             for msg in self._recv(max(deadline - time.monotonic(), 0.001)):
                 if isinstance(msg, (StatsReply, DrainReply)):
-                    continue   # the late answer to a call that timed out
+                    continue  # the late answer to a call that timed out
                 if getattr(msg, "request_id", None) is None:
                     raise ServerError(getattr(msg, "error", f"unexpected {type(msg).__name__}"))
                 self._file(msg)
@@ -198,7 +221,7 @@ class Client:
                 out = self._next_for(rid)
                 is_finished = ends.see(out)
                 yield out
-        finally:   # NOTE: also when the caller breaks out or an exception ends its loop
+        finally:  # NOTE: also when the caller breaks out or an exception ends its loop
             if self._inbox.pop(rid, None) is not None and not is_finished:
                 self.abort(rid)
 
@@ -233,7 +256,7 @@ class Client:
                 if getattr(m, "request_id", None) is not None:
                     self._file(m)
                 elif isinstance(m, replies):
-                    return m   # NOTE: never batched, so nothing after it is left unread
+                    return m  # NOTE: never batched, so nothing after it is left unread
 
     def stats(self, timeout_s: float = 5.0) -> StatsReply:
         return self._call(StatsRequest(), (StatsReply,), timeout_s)
@@ -247,8 +270,13 @@ class Client:
             raise ServerError(reply.error)
         return reply
 
-    def wait_ready(self, timeout_s: float, num_nodes: int = 0,
-                   frontend_pid: int | None = None, names: list[str] | None = None) -> StatsReply:
+    def wait_ready(
+        self,
+        timeout_s: float,
+        num_nodes: int = 0,
+        frontend_pid: int | None = None,
+        names: list[str] | None = None,
+    ) -> StatsReply:
         """Until the frontend has a live prefill and decode node, and at least num_nodes
         live nodes in all (a handshake, not a sleep); with names, until those nodes are
         live instead (other hosts' nodes may join later). With frontend_pid, the answer
@@ -260,8 +288,10 @@ class Client:
                 num_live = sum(bool(n.get("is_alive")) for n in reply.nodes.values())
                 pid = (reply.frontend or {}).get("pid")
                 if frontend_pid is not None and pid != frontend_pid:
-                    raise ServerError(f"the frontend at this endpoint is pid {pid}, "
-                                      f"not {frontend_pid}: the port belongs to another cluster")
+                    raise ServerError(
+                        f"the frontend at this endpoint is pid {pid}, "
+                        f"not {frontend_pid}: the port belongs to another cluster"
+                    )
                 if names is not None:
                     if all(reply.nodes.get(n, {}).get("is_alive") for n in names):
                         return reply
@@ -277,15 +307,21 @@ class Client:
 class AsyncClient:
     """asyncio client: any number of concurrent streams over one socket."""
 
-    def __init__(self, endpoint: str, idle_timeout_s: float = 60.0, keys_dir: str | None = None,
-                 key_name: str | None = None, connect_timeout_s: float = 5.0):
+    def __init__(
+        self,
+        endpoint: str,
+        idle_timeout_s: float = 60.0,
+        keys_dir: str | None = None,
+        key_name: str | None = None,
+        connect_timeout_s: float = 5.0,
+    ):
         _check(endpoint)
         self._ctx = open_async_context(_client_keys(keys_dir, key_name))
         self._ch = AsyncChannel(self._ctx, False, endpoint, server="frontend")
         self.endpoint = endpoint
         self.idle_timeout_s = idle_timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self._connected: asyncio.Future | None = None   # the first stats round trip
+        self._connected: asyncio.Future | None = None  # the first stats round trip
         self._streams: dict[str, asyncio.Queue] = {}
         self._stats: asyncio.Queue = asyncio.Queue()
         self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -336,7 +372,7 @@ class AsyncClient:
                 out = await self._next(queue)
                 is_finished = ends.see(out)
                 yield out
-        finally:   # NOTE: also on cancellation, or when the caller leaves its async for
+        finally:  # NOTE: also on cancellation, or when the caller leaves its async for
             if self._streams.pop(req.request_id, None) is not None and not is_finished:
                 await self.abort(req.request_id)
 

@@ -4,6 +4,7 @@ Text is released only once it is stable: a token that ends inside a multi-byte
 character waits for the rest of it, and the tail that could still grow into a
 stop string is held back. A stop string ends the request and is never streamed.
 """
+
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
@@ -22,13 +23,13 @@ def text_decoder(tokenizer):
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: list[str] = ()):
         self._decode = text_decoder(tokenizer)
-        self.stop = list(stop)   # each non-empty: the frontend refuses an empty one
+        self.stop = list(stop)  # each non-empty: the frontend refuses an empty one
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
-        self.text = ""            # decoded so far, stable characters only
-        self._prefix = 0          # token index where the decode window starts
-        self._read = 0            # tokens already turned into text
-        self._num_sent = 0        # characters handed out by take()
+        self.text = ""  # decoded so far, stable characters only
+        self._prefix = 0  # token index where the decode window starts
+        self._read = 0  # tokens already turned into text
+        self._num_sent = 0  # characters handed out by take()
         self.is_stopped = False
 
     def add(self, token_ids: list[int]) -> None:
@@ -37,11 +38,11 @@ class IncrementalDetokenizer:
             if self.is_stopped:
                 return
             self.token_ids.append(t)
-            before = self._decode(self.token_ids[self._prefix:self._read])
-            after = self._decode(self.token_ids[self._prefix:])
+            before = self._decode(self.token_ids[self._prefix : self._read])
+            after = self._decode(self.token_ids[self._prefix :])
             if len(after) > len(before) and not after.endswith(REPLACEMENT):
                 start = max(len(self.text) - self.holdback - len(after), 0)
-                self.text += after[len(before):]
+                self.text += after[len(before) :]
                 self._prefix, self._read = self._read, len(self.token_ids)
                 self._check_stop(start)
 
@@ -57,12 +58,14 @@ class IncrementalDetokenizer:
             # The request ended inside a character (max_tokens cut it): its bytes would show as
             # U+FFFD, so they are dropped; replacement marks before them (invalid bytes the
             # model made) stay.
-            before = self._decode(self.token_ids[self._prefix:self._read])
-            self.text += self._decode(self.token_ids[self._prefix:])[len(before):].rstrip(REPLACEMENT)
+            before = self._decode(self.token_ids[self._prefix : self._read])
+            self.text += self._decode(self.token_ids[self._prefix :])[len(before) :].rstrip(
+                REPLACEMENT
+            )
             self._read = len(self.token_ids)
         end = len(self.text) if (is_final or self.is_stopped) else len(self.text) - self.holdback
         if end <= self._num_sent:
             return ""
-        out = self.text[self._num_sent:end]
+        out = self.text[self._num_sent : end]
         self._num_sent = end
         return out

@@ -22,6 +22,7 @@ JSON of strings.
 main(MODEL, VOCAB_SIZE, MAX_CPU_S) is the checker process (at nice 19, set before anything
 is imported).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,13 +45,17 @@ log = get_logger("frontend")
 # of CPU), so that not even its start takes a core from a node or the frontend's loop.
 _CHILD = "import os, sys; os.nice(19); from frontend.grammar_check import main; sys.exit(main(sys.argv[1:]))"
 MAX_VERDICTS = 1024
-START_TIMEOUT_S = 120.0     # importing xgrammar and torch, loading the tokenizer, on a busy host
-CHECK_TIMEOUT_S = 30.0      # a compile starved of CPU this long is answered "try again"
+START_TIMEOUT_S = 120.0  # importing xgrammar and torch, loading the tokenizer, on a busy host
+CHECK_TIMEOUT_S = 30.0  # a compile starved of CPU this long is answered "try again"
 POLL_S = 0.01
 # NOTE: the checker forks: no library it loads may start a thread pool (numpy's OpenBLAS,
 # loaded with torch, starts one thread per core at import), nor may the tokenizer's.
-ONE_THREAD = {"TOKENIZERS_PARALLELISM": "false", "OPENBLAS_NUM_THREADS": "1",
-              "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+ONE_THREAD = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 _ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -60,13 +65,15 @@ class GrammarChecker:
 
     def __init__(self, model: str, vocab_size: int, max_cpu_s: float):
         self.model, self.vocab_size, self.max_cpu_s = model, vocab_size, max_cpu_s
-        self._verdicts: OrderedDict[tuple, str | None] = OrderedDict()   # grammar -> error, None if it compiles
+        self._verdicts: OrderedDict[tuple, str | None] = (
+            OrderedDict()
+        )  # grammar -> error, None if it compiles
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._buf = b""
         self._is_closed = False
-        self.num_killed = 0    # compiles stopped at the CPU limit
-        self.max_threads_at_fork = 0   # the checker's threads when it forked a compile (1: safe)
+        self.num_killed = 0  # compiles stopped at the CPU limit
+        self.max_threads_at_fork = 0  # the checker's threads when it forked a compile (1: safe)
 
     def check(self, grammar: tuple[str, str, str]) -> None:
         key = tuple(grammar)
@@ -74,7 +81,7 @@ class GrammarChecker:
             if key not in self._verdicts:
                 reply = self._ask(key)
                 if reply.get("is_transient"):
-                    raise GrammarError(reply["error"])   # not remembered: asked again, tried again
+                    raise GrammarError(reply["error"])  # not remembered: asked again, tried again
                 self._verdicts[key] = reply.get("error")
                 while len(self._verdicts) > MAX_VERDICTS:
                     self._verdicts.popitem(last=False)
@@ -98,17 +105,27 @@ class GrammarChecker:
             # NOTE: a checker that stopped answering is replaced; this grammar is not
             # judged by it (the next request asks the new one).
             self._stop()
-            return {"error": f"the grammar could not be checked ({type(e).__name__}): try again",
-                    "is_transient": True}
+            return {
+                "error": f"the grammar could not be checked ({type(e).__name__}): try again",
+                "is_transient": True,
+            }
         num_threads = reply.get("num_threads", 0)
         if isinstance(num_threads, int) and num_threads > self.max_threads_at_fork:
             self.max_threads_at_fork = num_threads
-            if num_threads > 1:   # see _compile_in_child
-                log.error("the grammar checker forked a compile with %d threads running: a compile "
-                          "may hang (each is still stopped at %.0fs)", num_threads, CHECK_TIMEOUT_S)
+            if num_threads > 1:  # see _compile_in_child
+                log.error(
+                    "the grammar checker forked a compile with %d threads running: a compile "
+                    "may hang (each is still stopped at %.0fs)",
+                    num_threads,
+                    CHECK_TIMEOUT_S,
+                )
         if reply.get("is_killed"):
             self.num_killed += 1
-            log.warning("a %s was refused: its compile was stopped at %gs of CPU", grammar[0], self.max_cpu_s)
+            log.warning(
+                "a %s was refused: its compile was stopped at %gs of CPU",
+                grammar[0],
+                self.max_cpu_s,
+            )
         return reply
 
     def _start(self) -> None:
@@ -117,17 +134,27 @@ class GrammarChecker:
         env = {**os.environ, "PYTHONPATH": path, **ONE_THREAD}
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD, self.model, str(self.vocab_size), str(self.max_cpu_s)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=_ROOT)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=_ROOT,
+        )
         self._buf = b""
         start = time.monotonic()
         try:
             self._ready = self._read_line(START_TIMEOUT_S)
-            log.info("the grammar checker (pid %d) started in %.1fs%s", self._proc.pid, time.monotonic() - start,
-                     f": {self._ready['error']}" if "error" in self._ready else "")
+            log.info(
+                "the grammar checker (pid %d) started in %.1fs%s",
+                self._proc.pid,
+                time.monotonic() - start,
+                f": {self._ready['error']}" if "error" in self._ready else "",
+            )
         except (OSError, TimeoutError) as e:
             self._stop()
-            self._ready = {"error": f"structured outputs are not available: the grammar checker did not start "
-                                    f"({type(e).__name__})"}
+            self._ready = {
+                "error": f"structured outputs are not available: the grammar checker did not start "
+                f"({type(e).__name__})"
+            }
 
     def _read_line(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -164,6 +191,7 @@ class GrammarChecker:
 # ----------------------------------------------------------------------------------------
 # The checker process.
 
+
 def _cpu_s(pid: int) -> float | None:
     """The CPU time (user + system) a live child has used; None where /proc cannot say."""
     try:
@@ -177,7 +205,8 @@ def _cpu_s(pid: int) -> float | None:
 def _die_with_parent() -> None:
     try:
         import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
@@ -201,7 +230,7 @@ def _compile_in_child(grammars, grammar: list, max_cpu_s: float) -> dict:
     made with more (tests/test_grammar_check.py holds it to one)."""
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:   # the compile
+    if pid == 0:  # the compile
         os.close(r)
         _die_with_parent()
         try:
@@ -209,7 +238,7 @@ def _compile_in_child(grammars, grammar: list, max_cpu_s: float) -> dict:
             error = None
         except GrammarError as e:
             error = str(e)
-        except Exception as e:   # anything else a hostile grammar provokes is its fault too
+        except Exception as e:  # anything else a hostile grammar provokes is its fault too
             error = f"the grammar cannot be compiled: {type(e).__name__}"
         os.write(w, json.dumps({"error": error}).encode())
         os._exit(0)
@@ -222,7 +251,10 @@ def _compile_in_child(grammars, grammar: list, max_cpu_s: float) -> dict:
             with os.fdopen(r, "rb") as f:
                 out = f.read()
             if not out:
-                return {"error": f"compiling the {grammar[0]} failed (exit status {status})", "cpu_s": cpu_s}
+                return {
+                    "error": f"compiling the {grammar[0]} failed (exit status {status})",
+                    "cpu_s": cpu_s,
+                }
             reply = json.loads(out)
             if reply["error"] is None and cpu_s > max_cpu_s:
                 reply["error"] = _too_long(grammar[0], cpu_s, max_cpu_s)
@@ -233,19 +265,28 @@ def _compile_in_child(grammars, grammar: list, max_cpu_s: float) -> dict:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             os.close(r)
-            if cpu_s is not None and cpu_s <= max_cpu_s:   # starved, not slow: not its fault
-                return {"error": "the grammar could not be checked in time (the host is busy): try again",
-                        "is_transient": True}
-            return {"error": _too_long(grammar[0], cpu_s or wall_s, max_cpu_s, is_killed=True), "is_killed": True}
+            if cpu_s is not None and cpu_s <= max_cpu_s:  # starved, not slow: not its fault
+                return {
+                    "error": "the grammar could not be checked in time (the host is busy): try again",
+                    "is_transient": True,
+                }
+            return {
+                "error": _too_long(grammar[0], cpu_s or wall_s, max_cpu_s, is_killed=True),
+                "is_killed": True,
+            }
         time.sleep(POLL_S)
 
 
 def _too_long(kind: str, cpu_s: float, max_cpu_s: float, is_killed: bool = False) -> str:
     if is_killed:
-        return (f"the {kind} took more than {max_cpu_s:g}s of CPU to compile (stopped there), the most a "
-                f"request's grammar may take: simplify it")
-    return (f"the {kind} took {cpu_s:.2f}s of CPU to compile, more than the {max_cpu_s:g}s a request's grammar "
-            f"may take: simplify it")
+        return (
+            f"the {kind} took more than {max_cpu_s:g}s of CPU to compile (stopped there), the most a "
+            f"request's grammar may take: simplify it"
+        )
+    return (
+        f"the {kind} took {cpu_s:.2f}s of CPU to compile, more than the {max_cpu_s:g}s a request's grammar "
+        f"may take: simplify it"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -255,16 +296,23 @@ def main(argv: list[str]) -> int:
     def say(obj: dict) -> None:
         out.write(json.dumps(obj).encode() + b"\n")
         out.flush()
+
     try:
         from common.base import grammar
+
         # one thread: the limit bounds the CPU a grammar costs the host, all of it
         grammars = grammar.for_model(model, vocab_size, max_threads=1)
     except Exception as e:
-        say({"error": str(e) if isinstance(e, GrammarError) else f"structured outputs are not available here "
-                                                                   f"({type(e).__name__}: {e})"})
+        say(
+            {
+                "error": str(e)
+                if isinstance(e, GrammarError)
+                else f"structured outputs are not available here ({type(e).__name__}: {e})"
+            }
+        )
         return 0
     say({"ready": True})
-    for line in sys.stdin.buffer:   # ends when the frontend does
+    for line in sys.stdin.buffer:  # ends when the frontend does
         try:
             g = json.loads(line)
             if not (isinstance(g, list) and len(g) == 3 and all(isinstance(x, str) for x in g)):
@@ -272,7 +320,6 @@ def main(argv: list[str]) -> int:
         except ValueError as e:
             say({"error": f"not a grammar: {e}"})
             continue
-        num_threads = _num_threads()   # at the fork: nothing runs between
+        num_threads = _num_threads()  # at the fork: nothing runs between
         say({**_compile_in_child(grammars, g, max_cpu_s), "num_threads": num_threads})
     return 0
-

@@ -1,6 +1,7 @@
 """What the frontend's parts (node_link.py, migrate.py) read and call of the frontend
 itself (server.py's Frontend): named here, below all of them, so no part imports the
 server that holds it."""
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -19,17 +20,25 @@ class Hub(Protocol):
     cfg: FrontendConfig
     spec: ModelSpec
     max_model_len: int
-    requests: dict[str, RequestState]      # by node id
-    nodes: dict[str, NodeState]            # by name
+    requests: dict[str, RequestState]  # by node id
+    nodes: dict[str, NodeState]  # by name
     registry: NodeRegistry
     admission: Admission
     paths: PathChooser
     node_link: AsyncChannel
     clients: AsyncChannel
-    outbox: dict | None                    # while a TokenBatch is handled: client -> its outputs
+    outbox: dict | None  # while a TokenBatch is handled: client -> its outputs
 
-    async def finish(self, req: RequestState, reason: str, error: str | None, token_ids: list[int] = (),
-                     is_node_done: bool = False, status: int | None = None, logprobs: list | None = None) -> None: ...
+    async def finish(
+        self,
+        req: RequestState,
+        reason: str,
+        error: str | None,
+        token_ids: list[int] = (),
+        is_node_done: bool = False,
+        status: int | None = None,
+        logprobs: list | None = None,
+    ) -> None: ...
 
     async def reply(self, client: ClientKey, msg, status: int | None = None) -> None: ...
 

@@ -7,6 +7,7 @@ prompts are tokenized one per turn of the loop (so no turn does more than one pr
 worth, OFF_LOOP_CHARS at most), then its choices and KV tokens are counted against the
 client's limits together, so a refusal leaves nothing of it running.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,11 +31,11 @@ class Intake:
 
     def __init__(self, fe):
         self.fe = fe
-        self._tasks: set[asyncio.Task] = set()   # groups being tokenized
+        self._tasks: set[asyncio.Task] = set()  # groups being tokenized
         # (client, request id) -> its group's task, while the group is tokenized
         self.pending: dict[tuple, asyncio.Task] = {}
-        self._aborted: set[tuple] = set()   # of pending: cancelled by their clients
-        self.num_groups: dict[ClientKey, int] = {}   # groups of several prompts being tokenized
+        self._aborted: set[tuple] = set()  # of pending: cancelled by their clients
+        self.num_groups: dict[ClientKey, int] = {}  # groups of several prompts being tokenized
 
     async def submit(self, client: ClientKey, reqs: list[GenerateRequest]) -> None:
         """Take a group of a client's requests (most often one): admitted together, or each
@@ -50,10 +51,10 @@ class Intake:
         if refusal is not None:
             await self._refuse(client, reqs, *refusal)
             return
-        if len(reqs) == 1 and not fe.prompts.is_off_loop(reqs[0]):   # the common case
+        if len(reqs) == 1 and not fe.prompts.is_off_loop(reqs[0]):  # the common case
             try:
                 prepared = [fe.prompts.now(reqs[0])]
-            except Exception as e:   # ValueError: the request's fault; any other: ours (a 500)
+            except Exception as e:  # ValueError: the request's fault; any other: ours (a 500)
                 await self._refuse(client, reqs, *_why(e))
                 return
             await self._admit(client, reqs, prepared)
@@ -73,14 +74,15 @@ class Intake:
         if left:
             self.num_groups[client] = left
 
-    def _end_unstarted(self, client: ClientKey, reqs: list[GenerateRequest],
-                       task: asyncio.Task) -> None:
+    def _end_unstarted(
+        self, client: ClientKey, reqs: list[GenerateRequest], task: asyncio.Task
+    ) -> None:
         """NOTE: a task cancelled before its first step never runs its body (a ZeroMQ
         client's abort read in the same turn as its request): its ids would stay taken and
         the client unanswered. Freed here, and an aborted one answered as cancelled."""
         keys = [(client, req.request_id) for req in reqs]
         if not task.cancelled() or not any(self.pending.get(k) is task for k in keys):
-            return   # its body ran: it answered and freed them itself
+            return  # its body ran: it answered and freed them itself
         is_aborted = bool(self._aborted.intersection(keys))
         for key in keys:
             self.pending.pop(key, None)
@@ -92,8 +94,12 @@ class Intake:
 
     async def _say_cancelled(self, client: ClientKey, reqs: list[GenerateRequest]) -> None:
         for req in reqs:
-            await self.fe.reply(client, GenerateOutput(req.request_id, [], "", True, FINISH_ABORT,
-                                                       "cancelled by the client", index=-1))
+            await self.fe.reply(
+                client,
+                GenerateOutput(
+                    req.request_id, [], "", True, FINISH_ABORT, "cancelled by the client", index=-1
+                ),
+            )
 
     def cancel(self, key: tuple) -> bool:
         """A request still being tokenized is dropped with its group (a job of theirs that
@@ -113,8 +119,9 @@ class Intake:
         if not req.request_id:
             return "request_id must be a non-empty string", 400
         if key in fe.by_client or key in self.pending:
-            return (f"duplicate request_id {req.request_id!r}: your request of that id is still "
-                    f"running"), 400
+            return (
+                f"duplicate request_id {req.request_id!r}: your request of that id is still running"
+            ), 400
         if fe.is_draining:
             return "the cluster is shutting down", 503
         try:
@@ -124,28 +131,38 @@ class Intake:
         rows, limit = router.max_rows(fe.nodes), fe.admission.max_requests
         if rows is not None and req.n > rows:
             # NOTE: the n choices run side by side in one decode node's batch
-            return (f"'n' is {req.n}, more than the {rows} rows of the largest decode node's batch "
-                    f"(its --max-batch-size): ask for at most {rows} choices"), 400
+            return (
+                f"'n' is {req.n}, more than the {rows} rows of the largest decode node's batch "
+                f"(its --max-batch-size): ask for at most {rows} choices"
+            ), 400
         if req.n > limit:
-            return (f"'n' is {req.n}, more than the {limit} requests a client may have in flight "
-                    f"(--max-requests-per-client; each choice counts)"), 400
+            return (
+                f"'n' is {req.n}, more than the {limit} requests a client may have in flight "
+                f"(--max-requests-per-client; each choice counts)"
+            ), 400
         return None
 
-    def _group_refusal(self, client: ClientKey,
-                       reqs: list[GenerateRequest]) -> tuple[str, int] | None:
+    def _group_refusal(
+        self, client: ClientKey, reqs: list[GenerateRequest]
+    ) -> tuple[str, int] | None:
         """(why, HTTP status) a group is refused before any of it is tokenized, or None."""
         num, limit = sum(req.n for req in reqs), self.fe.admission.max_requests
-        if num > limit:   # a group's choices, more than a client may run at once
-            why = (f"these {len(reqs)} prompts ask for {num} choices in all, more than the "
-                   f"{limit} requests a client may have in flight (--max-requests-per-client)")
+        if num > limit:  # a group's choices, more than a client may run at once
+            why = (
+                f"these {len(reqs)} prompts ask for {num} choices in all, more than the "
+                f"{limit} requests a client may have in flight (--max-requests-per-client)"
+            )
             return why, 400
         if len(reqs) > 1 and self.num_groups.get(client, 0) >= MAX_GROUPS_PER_CLIENT:
-            return (f"{MAX_GROUPS_PER_CLIENT} batches of prompts of yours are still being "
-                    f"tokenized: send this one when one of them has started"), 429
+            return (
+                f"{MAX_GROUPS_PER_CLIENT} batches of prompts of yours are still being "
+                f"tokenized: send this one when one of them has started"
+            ), 429
         return None
 
-    async def _refuse(self, client: ClientKey, reqs: list[GenerateRequest], why: str,
-                      status: int = 400) -> None:
+    async def _refuse(
+        self, client: ClientKey, reqs: list[GenerateRequest], why: str, status: int = 400
+    ) -> None:
         fe = self.fe
         for req in reqs:
             key = (client, req.request_id)
@@ -160,7 +177,7 @@ class Intake:
         keys = [(client, req.request_id) for req in reqs]
         try:
             outcome = await self._prepare(client, reqs)
-        except (asyncio.CancelledError, Exception) as e:   # ValueError: Busy among them (429)
+        except (asyncio.CancelledError, Exception) as e:  # ValueError: Busy among them (429)
             outcome = e
         is_aborted = bool(self._aborted.intersection(keys))
         for key in keys:
@@ -183,16 +200,18 @@ class Intake:
             if self.fe.prompts.is_off_loop(req):
                 prepared.append(await self.fe.prompts.off_loop(client, req))
             else:
-                await asyncio.sleep(0)   # NOTE: a group's prompts, one per turn of the loop
+                await asyncio.sleep(0)  # NOTE: a group's prompts, one per turn of the loop
                 prepared.append(self.fe.prompts.now(req))
         return prepared
 
-    async def _admit(self, client: ClientKey, reqs: list[GenerateRequest],
-                     prepared: list[tuple]) -> None:
+    async def _admit(
+        self, client: ClientKey, reqs: list[GenerateRequest], prepared: list[tuple]
+    ) -> None:
         fe = self.fe
         if router.choose(fe.nodes) is None:
-            await self._refuse(client, reqs, "no live prefill and decode node pair is available",
-                               503)
+            await self._refuse(
+                client, reqs, "no live prefill and decode node pair is available", 503
+            )
             return
         try:
             check_reply_logprobs(reqs, [len(ids) for ids, _ in prepared])
@@ -200,8 +219,9 @@ class Intake:
             await self._refuse(client, reqs, str(e))
             return
         num = sum(req.n for req in reqs)
-        kv_tokens = sum(req.n * (len(ids) + params.max_tokens)
-                        for req, (ids, params) in zip(reqs, prepared))
+        kv_tokens = sum(
+            req.n * (len(ids) + params.max_tokens) for req, (ids, params) in zip(reqs, prepared)
+        )
         refusal = fe.admission.refusal(client, kv_tokens, num)
         if refusal:
             await self._refuse(client, reqs, refusal, 429)

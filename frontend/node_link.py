@@ -3,6 +3,7 @@ failures, syncs, drains, prefix updates), each checked against who says it: a no
 speaks only for the requests routed to it, and only under the name it proved.
 Tokens are detokenized and streamed to their clients, one message per client per
 TokenBatch; an update that skips tokens moves its request on (migrate.py)."""
+
 from __future__ import annotations
 
 import time
@@ -10,9 +11,20 @@ import time
 from common.base.log import Throttle, get_logger
 from common.base.request import FINISH_ERROR, FINISH_STOP
 from common.wire.channel import BadMessage
-from common.wire.protocol import (NODE_TO_FRONTEND, GenerateOutput, Heartbeat, NodeAbort, NodeDraining,
-                                  NodeReady, NodeSynced, OutputBatch, PrefixUpdate, RequestFailed,
-                                  TokenBatch, TokenUpdate)
+from common.wire.protocol import (
+    NODE_TO_FRONTEND,
+    GenerateOutput,
+    Heartbeat,
+    NodeAbort,
+    NodeDraining,
+    NodeReady,
+    NodeSynced,
+    OutputBatch,
+    PrefixUpdate,
+    RequestFailed,
+    TokenBatch,
+    TokenUpdate,
+)
 from frontend import router
 from frontend.hub import Hub
 from frontend.migrate import Migrations
@@ -33,7 +45,7 @@ class NodeMessages:
             sender, msg = await fe.node_link.recv(NODE_TO_FRONTEND)
             try:
                 await self.on_message(sender, msg)
-                for tag in fe.node_link.take_rerouted():   # a node's link was made again
+                for tag in fe.node_link.take_rerouted():  # a node's link was made again
                     node = fe.registry.by_identity(tag)
                     if node is not None and node.is_alive:
                         await self.migrations.sync(node)
@@ -60,7 +72,7 @@ class NodeMessages:
             req = fe.requests.get(msg.request_id)
             if req is None or node.name not in (req.prefill_node, req.decode_node):
                 return
-            if msg.is_retryable:   # its KV's way was cut, or its KV did not land whole
+            if msg.is_retryable:  # its KV's way was cut, or its KV did not land whole
                 await self.migrations.move_or_fail(req, req.decode_node, "handoff", msg.error)
             else:
                 await fe.finish(req, FINISH_ERROR, msg.error, status=500)
@@ -76,10 +88,14 @@ class NodeMessages:
                     await self.on_tokens(node, u)
             finally:
                 outbox, fe.outbox = fe.outbox, None
-                for client, outputs in outbox.items():   # NOTE: one client's failure is not another's
+                for (
+                    client,
+                    outputs,
+                ) in outbox.items():  # NOTE: one client's failure is not another's
                     try:
-                        await fe.clients.send(outputs[0] if len(outputs) == 1 else OutputBatch(outputs),
-                                                to=client)
+                        await fe.clients.send(
+                            outputs[0] if len(outputs) == 1 else OutputBatch(outputs), to=client
+                        )
                     except Exception:
                         log.exception("could not send %d outputs to a client", len(outputs))
         elif isinstance(msg, PrefixUpdate) and node.ready.pid == msg.pid:
@@ -93,10 +109,18 @@ class NodeMessages:
             await fe.node_link.send(NodeAbort(u.request_id), to=node.identity)
             return
         if any(t >= fe.spec.vocab_size for t in u.token_ids):
-            await fe.finish(req, FINISH_ERROR, f"{node.role} node {node.name} sent a token outside "
-                                                  f"the vocabulary", status=502)
+            await fe.finish(
+                req,
+                FINISH_ERROR,
+                f"{node.role} node {node.name} sent a token outside the vocabulary",
+                status=502,
+            )
             return
-        if u.prompt_logprobs is not None and node.name == req.prefill_node and req.prompt_logprobs is None:
+        if (
+            u.prompt_logprobs is not None
+            and node.name == req.prefill_node
+            and req.prompt_logprobs is None
+        ):
             # Sent once per request (with choice 0's update): every choice routed with it has them.
             for choice in fe.by_client.get((req.client, req.request_id), [req]):
                 if choice.prefill_node == node.name and choice.prompt_logprobs is None:
@@ -116,7 +140,7 @@ class NodeMessages:
         fe = self.fe
         if req.held and req.prompt_logprobs is not None:
             held, req.held, req.held_since = req.held, [], None
-            for held_node, h in held:   # in the order they came
+            for held_node, h in held:  # in the order they came
                 if fe.requests.get(h.request_id) is req and held_node.name == req.decode_node:
                     await self._on_tokens(req, held_node, h)
 
@@ -141,33 +165,47 @@ class NodeMessages:
         is_first = req.num_tokens == 0 and bool(token_ids)
         if is_first:
             req.first_token_at = time.monotonic()
-        if u.timings:   # the first updates': TTFT parts; a preempted request's last: its preemptions
+        if u.timings:  # the first updates': TTFT parts; a preempted request's last: its preemptions
             parts = dict(u.timings)
-            cached = parts.pop("cached_tokens", None)   # a count that rides with them: usage's
+            cached = parts.pop("cached_tokens", None)  # a count that rides with them: usage's
             if isinstance(cached, int) and not req.num_migrations:
                 req.num_cached_tokens = min(cached, len(req.prompt_ids))
             if node.name == req.decode_node and req.timings.get("path") == "disaggregated":
-                handoff_ms = sum(v for k in ("kv_transfer_ms", "decode_admission_ms")
-                                 if isinstance(v := parts.get(k), (int, float)) and not isinstance(v, bool))
+                handoff_ms = sum(
+                    v
+                    for k in ("kv_transfer_ms", "decode_admission_ms")
+                    if isinstance(v := parts.get(k), (int, float)) and not isinstance(v, bool)
+                )
                 fe.paths.observe_handoff(node.name, len(req.prompt_ids), handoff_ms / 1e3)
             req.timings.update(self.migrations.timings(req, parts))
         if is_first:
             req.timings["ttft_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
-        if req.is_prompt_only and token_ids:   # max_tokens 0: its one token is not shown
+        if req.is_prompt_only and token_ids:  # max_tokens 0: its one token is not shown
             await fe.finish(req, "length", None)
             return
         if not token_ids and not u.finish_reason:
-            return   # the repeated first token alone: nothing new for the client
+            return  # the repeated first token alone: nothing new for the client
         req.add_output(token_ids, logprobs)
-        logprobs = req.output_logprobs[len(req.output_logprobs) - len(token_ids):] \
-            if req.params.num_logprobs >= 0 else None
+        logprobs = (
+            req.output_logprobs[len(req.output_logprobs) - len(token_ids) :]
+            if req.params.num_logprobs >= 0
+            else None
+        )
         if req.detok.is_stopped:
             await fe.finish(req, FINISH_STOP, None, token_ids, logprobs=logprobs)
         elif u.finish_reason:
             reason = u.finish_reason if u.finish_reason in ("stop", "length") else FINISH_ERROR
             await fe.finish(req, reason, None, token_ids, is_node_done=True, logprobs=logprobs)
         else:
-            await fe.reply(req.client, GenerateOutput(req.request_id, token_ids, req.detok.take(),
-                                                      timings=req.timings if is_first else None,
-                                                      logprobs=logprobs, **req.take_prompt_logprobs(),
-                                                      index=req.index))
+            await fe.reply(
+                req.client,
+                GenerateOutput(
+                    req.request_id,
+                    token_ids,
+                    req.detok.take(),
+                    timings=req.timings if is_first else None,
+                    logprobs=logprobs,
+                    **req.take_prompt_logprobs(),
+                    index=req.index,
+                ),
+            )

@@ -10,6 +10,7 @@ turned for hung_after_s, is dead: it is lost to its requests (the frontend's
 callback moves them, or fails them).
 A dead node that speaks again is back; one dead past forget_after_s is dropped.
 """
+
 from __future__ import annotations
 
 import time
@@ -32,14 +33,19 @@ class NodeRegistry:
     be lost); wake() tells dispatch that the nodes changed. link (the node channel) is
     set once it is open."""
 
-    def __init__(self, cfg: FrontendConfig, is_keyed: bool,
-                 lost: Callable[[NodeState, str, str], Awaitable[None]],
-                 relinked: Callable[[NodeState], Awaitable[None]], wake: Callable[[], None]):
+    def __init__(
+        self,
+        cfg: FrontendConfig,
+        is_keyed: bool,
+        lost: Callable[[NodeState, str, str], Awaitable[None]],
+        relinked: Callable[[NodeState], Awaitable[None]],
+        wake: Callable[[], None],
+    ):
         self.cfg, self.is_keyed = cfg, is_keyed
         self.lost, self.relinked, self.wake = lost, relinked, wake
         self.nodes: dict[str, NodeState] = {}
         self.link = None
-        self.checked_at = time.monotonic()   # the watchdog's last look (after any stall was excused)
+        self.checked_at = time.monotonic()  # the watchdog's last look (after any stall was excused)
 
     def claims(self, sender: bytes, name: str, epoch: str, suffix: str = "") -> bool:
         """Whether the sender may speak as node `name` (the process of that epoch): its
@@ -67,10 +73,10 @@ class NodeRegistry:
         node = self.nodes.get(msg.name)
         if not self.claims(sender, msg.name, msg.epoch, "heartbeat"):
             noisy.warning("dropped a heartbeat for %r from a peer that is not that node", msg.name)
-        elif node is None:   # forgotten while silent: ask it to register again
+        elif node is None:  # forgotten while silent: ask it to register again
             await self.link.send(ReadyReply(False, "unknown node: register again", True), to=sender)
         elif node.ready.epoch != msg.epoch:
-            pass   # NOTE: a restarted node not yet registered (its NodeReady says who it is)
+            pass  # NOTE: a restarted node not yet registered (its NodeReady says who it is)
         else:
             self.seen(node)
             node.stats = msg.stats
@@ -78,12 +84,20 @@ class NodeRegistry:
     async def on_ready(self, sender: bytes, ready: NodeReady) -> None:
         old = self.nodes.get(ready.name)
         if ready.role not in ROLES or (ready.role == "decode") != bool(ready.kv_endpoint):
-            reason, is_retryable = f"bad ready: role {ready.role!r} with kv_endpoint {ready.kv_endpoint!r}", False
+            reason, is_retryable = (
+                f"bad ready: role {ready.role!r} with kv_endpoint {ready.kv_endpoint!r}",
+                False,
+            )
         elif not self.claims(sender, ready.name, ready.epoch):
             reason, is_retryable = f"this peer may not register as {ready.name!r}", False
         elif old is not None and old.ready.epoch != ready.epoch and not self._may_succeed(old):
-            reason, is_retryable = (f"a live {old.ready.role} node named {ready.name!r} is registered "
-                                    f"(pid {old.ready.pid}); choose another --name"), True
+            reason, is_retryable = (
+                (
+                    f"a live {old.ready.role} node named {ready.name!r} is registered "
+                    f"(pid {old.ready.pid}); choose another --name"
+                ),
+                True,
+            )
         else:
             reason = None
         if reason:
@@ -100,8 +114,14 @@ class NodeRegistry:
                 await self.lost(old, "restarted", f"{old.ready.role} node {ready.name} restarted")
             self.nodes[ready.name] = NodeState(ready, sender, time.monotonic())
             # NOTE: block 0 is the null block, never handed out: as the node counts its blocks
-            log.info("%s node %s ready (pid %d, %s, %d KV blocks)", ready.role, ready.name, ready.pid,
-                     ready.device, ready.num_kv_blocks - 1)
+            log.info(
+                "%s node %s ready (pid %d, %s, %d KV blocks)",
+                ready.role,
+                ready.name,
+                ready.pid,
+                ready.device,
+                ready.num_kv_blocks - 1,
+            )
         await self.link.send(ReadyReply(True), to=sender)
         self.wake()
 
@@ -133,20 +153,28 @@ class NodeRegistry:
                 if node.is_draining:
                     log.info("%s node %s has drained and stopped", node.role, node.name)
                 else:
-                    log.error("%s node %s silent for %.1fs: it is lost to its requests", node.role,
-                              node.name, now - node.last_seen)
+                    log.error(
+                        "%s node %s silent for %.1fs: it is lost to its requests",
+                        node.role,
+                        node.name,
+                        now - node.last_seen,
+                    )
             elif node.is_alive and loop_age > self.cfg.hung_after_s:
                 cause = "hung"
                 why = f"{node.role} node {node.name} is hung: its loop has not turned for {loop_age:.0f}s"
                 log.error("%s: it is lost to its requests", why)
             else:
                 if not node.is_alive and now - node.dead_since > self.cfg.forget_after_s:
-                    log.info("forgetting %s node %s, dead for %.0fs", node.role, node.name,
-                             now - node.dead_since)
+                    log.info(
+                        "forgetting %s node %s, dead for %.0fs",
+                        node.role,
+                        node.name,
+                        now - node.dead_since,
+                    )
                     del self.nodes[node.name]
                 continue
             node.is_alive, node.dead_since = False, now
-            node.prefix_keys = set()   # if it comes back, its next full resync restores it
+            node.prefix_keys = set()  # if it comes back, its next full resync restores it
             await self.lost(node, cause, why)
 
     def stats(self) -> dict:
@@ -156,10 +184,17 @@ class NodeRegistry:
         now = time.monotonic()
         out = {}
         for name, n in self.nodes.items():
-            own = {"role": n.ready.role, "is_alive": n.is_alive, "pid": n.ready.pid,
-                   "device": n.ready.device, "kv_transfer": n.ready.kv_transfer,
-                   "max_batch_size": n.ready.max_batch_size, "num_prefix_keys": len(n.prefix_keys),
-                   "is_draining": n.is_draining,
-                   "seconds_since_seen": round(now - n.last_seen, 3), "num_routed": n.num_routed}
+            own = {
+                "role": n.ready.role,
+                "is_alive": n.is_alive,
+                "pid": n.ready.pid,
+                "device": n.ready.device,
+                "kv_transfer": n.ready.kv_transfer,
+                "max_batch_size": n.ready.max_batch_size,
+                "num_prefix_keys": len(n.prefix_keys),
+                "is_draining": n.is_draining,
+                "seconds_since_seen": round(now - n.last_seen, 3),
+                "num_routed": n.num_routed,
+            }
             out[name] = {**{k: v for k, v in n.stats.items() if k not in own}, **own}
         return out

@@ -7,6 +7,7 @@ wait in a line of their own, at most max_per_client of them (one more is refused
 a 429 saying why), and the thread takes the lines in turn, one job each: another client's
 job waits for at most one job of each client ahead of it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,11 +15,12 @@ from collections import OrderedDict, deque
 from concurrent.futures import Executor
 from typing import Callable, Hashable
 
-MAX_PER_CLIENT = 64   # jobs of one client waiting or running
+MAX_PER_CLIENT = 64  # jobs of one client waiting or running
 
 
 class Busy(ValueError):
     """A client's share of the off-loop work is full: answered as overloaded (HTTP 429)."""
+
     status = 429
 
 
@@ -27,9 +29,9 @@ class OffLoop:
         self.executor, self.max_per_client = executor, max_per_client
         # client -> its jobs waiting, the clients in the order of their turns
         self._lines: OrderedDict[Hashable, deque] = OrderedDict()
-        self._counts: dict[Hashable, int] = {}   # client -> its jobs waiting or running
+        self._counts: dict[Hashable, int] = {}  # client -> its jobs waiting or running
         self._is_running = False
-        self._last: Hashable | None = None   # whose job started last
+        self._last: Hashable | None = None  # whose job started last
         self.num_refused = 0
 
     def num_jobs(self, client: Hashable) -> int:
@@ -41,14 +43,16 @@ class OffLoop:
         count = self._counts.get(client, 0)
         if count >= self.max_per_client:
             self.num_refused += 1
-            raise Busy(f"overloaded: this client has {count} requests waiting to be tokenized "
-                       f"or to have their grammar checked (the limit per client is "
-                       f"{self.max_per_client}); retry when some finish")
+            raise Busy(
+                f"overloaded: this client has {count} requests waiting to be tokenized "
+                f"or to have their grammar checked (the limit per client is "
+                f"{self.max_per_client}); retry when some finish"
+            )
         job = (asyncio.get_running_loop().create_future(), fn, args)
         if client not in self._lines:
             self._lines[client] = deque()
             if self._last in self._lines and self._last != client:
-                self._lines.move_to_end(self._last)   # served last: it goes after the newcomer
+                self._lines.move_to_end(self._last)  # served last: it goes after the newcomer
         self._lines[client].append(job)
         self._counts[client] = count + 1
         self._next()
@@ -56,7 +60,7 @@ class OffLoop:
             return await job[0]
         except asyncio.CancelledError:
             line = self._lines.get(client)
-            if line is not None and job in line:   # not started: it never will be
+            if line is not None and job in line:  # not started: it never will be
                 line.remove(job)
                 if not line:
                     del self._lines[client]
@@ -70,12 +74,12 @@ class OffLoop:
             future, fn, args = line.popleft()
             self._last = client
             if line:
-                self._lines.move_to_end(client)   # its next job after every other client's
+                self._lines.move_to_end(client)  # its next job after every other client's
             else:
                 del self._lines[client]
             try:
                 done = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-            except RuntimeError as e:   # the executor is shut down: the frontend is stopping
+            except RuntimeError as e:  # the executor is shut down: the frontend is stopping
                 self._release(client)
                 if not future.done():
                     future.set_exception(Busy(f"the frontend is stopping ({e})"))
@@ -86,7 +90,7 @@ class OffLoop:
     def _done(self, client: Hashable, future: asyncio.Future, done: asyncio.Future) -> None:
         self._is_running = False
         self._release(client)
-        if not future.done():   # NOTE: its caller may have left (cancelled) meanwhile
+        if not future.done():  # NOTE: its caller may have left (cancelled) meanwhile
             if done.cancelled():
                 future.cancel()
             elif done.exception() is not None:

@@ -1,4 +1,5 @@
 """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
 from __future__ import annotations
 
 
@@ -13,10 +14,21 @@ class ApiError(Exception):
         return error_body(self.status, self.message, self.param)
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-                503: "service_unavailable", 504: "timeout"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
-                      "param": param, "code": status}}
+    return {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": status,
+        }
+    }

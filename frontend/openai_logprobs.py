@@ -6,6 +6,7 @@ token), "text_offset"}; with echo the prompt's tokens come first, the first of t
 without a log-probability. Chat: {"content": [{"token", "logprob", "bytes",
 "top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -16,8 +17,11 @@ from common.base.request import TokenLogprobs
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet: the character standing for each byte."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, n = keep[:], 0
     for b in range(256):
         if b not in keep:
@@ -38,7 +42,9 @@ class TokenStrings:
     def text(self, token_id: int) -> str:
         if token_id not in self._texts:
             piece = self._tok.convert_ids_to_tokens(token_id)
-            self._texts[token_id] = self._tok.convert_tokens_to_string([piece]) if piece is not None else ""
+            self._texts[token_id] = (
+                self._tok.convert_tokens_to_string([piece]) if piece is not None else ""
+            )
         return self._texts[token_id]
 
     def bytes(self, token_id: int) -> list[int]:
@@ -46,13 +52,20 @@ class TokenStrings:
         if token_id not in self._bytes:
             piece = self._tok.convert_ids_to_tokens(token_id) or ""
             table = _byte_decoder()
-            self._bytes[token_id] = [table[c] for c in piece] if piece and all(c in table for c in piece) \
+            self._bytes[token_id] = (
+                [table[c] for c in piece]
+                if piece and all(c in table for c in piece)
                 else list(self.text(token_id).encode("utf-8"))
+            )
         return self._bytes[token_id]
 
 
-def completion(strings: TokenStrings, token_ids: list[int], logprobs: list[TokenLogprobs | None],
-               offset: int = 0) -> dict:
+def completion(
+    strings: TokenStrings,
+    token_ids: list[int],
+    logprobs: list[TokenLogprobs | None],
+    offset: int = 0,
+) -> dict:
     """The completions shape for these tokens; offset: the text's length before them."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, lp in zip(token_ids, logprobs):
@@ -70,7 +83,7 @@ def completion(strings: TokenStrings, token_ids: list[int], logprobs: list[Token
         top: dict[str, float] = {}
         for i, v in zip(lp.top_ids, lp.top_logprobs):
             top.setdefault(strings.text(i), v)
-        top.setdefault(text, lp.logprob)   # the chosen token is always among them (as vLLM)
+        top.setdefault(text, lp.logprob)  # the chosen token is always among them (as vLLM)
         out["top_logprobs"].append(top)
     return out
 
@@ -80,9 +93,17 @@ def chat(strings: TokenStrings, token_ids: list[int], logprobs: list[TokenLogpro
     for tid, lp in zip(token_ids, logprobs):
         if lp is None:
             continue
-        content.append({"token": strings.text(tid), "logprob": lp.logprob, "bytes": strings.bytes(tid),
-                        "top_logprobs": [{"token": strings.text(i), "logprob": v, "bytes": strings.bytes(i)}
-                                         for i, v in zip(lp.top_ids, lp.top_logprobs)]})
+        content.append(
+            {
+                "token": strings.text(tid),
+                "logprob": lp.logprob,
+                "bytes": strings.bytes(tid),
+                "top_logprobs": [
+                    {"token": strings.text(i), "logprob": v, "bytes": strings.bytes(i)}
+                    for i, v in zip(lp.top_ids, lp.top_logprobs)
+                ],
+            }
+        )
     return {"content": content}
 
 

@@ -8,6 +8,7 @@ that does not fit is one ApiError (400) naming its first fault and the field at 
 a field pdserve does not serve is refused by name, one taken only at a value that
 changes nothing (best_of 1) says so. A field given as null is a field not given.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,25 +22,28 @@ from common.wire.client import MAX_MESSAGES, MAX_N, MAX_PROMPT_IDS
 from frontend.openai_errors import ApiError
 
 I32_MAX = 2**31 - 1
-MAX_BATCH = 256          # prompts in one completions call
-MAX_STOP = 16            # stop strings (OpenAI's API takes 4)
+MAX_BATCH = 256  # prompts in one completions call
+MAX_STOP = 16  # stop strings (OpenAI's API takes 4)
 MAX_TOOLS = 128
-MAX_SPEC_CHARS = 2**16   # a grammar's text
-MAX_NAME = 256           # a model's, a function's, a role's name
+MAX_SPEC_CHARS = 2**16  # a grammar's text
+MAX_NAME = 256  # a model's, a function's, a role's name
+
 
 def _counted(max_len: int):
     def check(value):
         if isinstance(value, (list, dict)) and len(value) > max_len:
             raise ValueError(f"holds {len(value)} items: at most {max_len} are taken")
         return value
+
     return BeforeValidator(check)
 
 
 def items(item, max_len: int, min_len: int = 0):
     """A list of at most max_len items: counted before any is read, and the first bad one
     ends the reading."""
-    return Annotated[list[item], Field(min_length=min_len, max_length=max_len, fail_fast=True),
-                     _counted(max_len)]
+    return Annotated[
+        list[item], Field(min_length=min_len, max_length=max_len, fail_fast=True), _counted(max_len)
+    ]
 
 
 def entries(key, value, max_len: int):
@@ -48,11 +52,11 @@ def entries(key, value, max_len: int):
 
 
 TokenId = Annotated[int, Field(ge=0, le=I32_MAX)]
-Text = Annotated[str, Field(min_length=1)]   # a prompt
+Text = Annotated[str, Field(min_length=1)]  # a prompt
 TokenIds = items(TokenId, MAX_PROMPT_IDS, 1)
 Name = Annotated[str, Field(max_length=MAX_NAME)]
-Short = Annotated[str, Field(max_length=1024)]   # a logit_bias key, a whitespace pattern
-Word = Annotated[str, Field(min_length=1, max_length=1024)]   # a stop string, a bad word, a choice
+Short = Annotated[str, Field(max_length=1024)]  # a logit_bias key, a whitespace pattern
+Word = Annotated[str, Field(min_length=1, max_length=1024)]  # a stop string, a bad word, a choice
 
 
 def _range(kind: type, lo, hi):
@@ -60,10 +64,19 @@ def _range(kind: type, lo, hi):
 
 
 # Fields taken only at these values, which change nothing (OpenAI's defaults, vLLM's).
-NO_OP = {"best_of": (1,), "suffix": ("",), "functions": ([],), "store": (False,),
-         "service_tier": ("auto", "default"), "skip_special_tokens": (True,), "echo": (False,),
-         "add_generation_prompt": (True,), "include_stop_str_in_output": (False,),
-         "spaces_between_special_tokens": (True,), "add_special_tokens": (True,)}
+NO_OP = {
+    "best_of": (1,),
+    "suffix": ("",),
+    "functions": ([],),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "skip_special_tokens": (True,),
+    "echo": (False,),
+    "add_generation_prompt": (True,),
+    "include_stop_str_in_output": (False,),
+    "spaces_between_special_tokens": (True,),
+    "add_special_tokens": (True,),
+}
 
 
 class _Strict(BaseModel):
@@ -72,15 +85,18 @@ class _Strict(BaseModel):
 
 class _Open(_Strict):
     """An object whose other keys pass through as given (a tool's: the chat template reads them)."""
+
     model_config = ConfigDict(extra="allow")
 
 
 class _Lenient(_Strict):
     """An object whose other keys are dropped (what a client echoes back of an answer)."""
+
     model_config = ConfigDict(extra="ignore")
 
 
 # ---- what completions and chat share ----------------------------------------------------
+
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
@@ -99,6 +115,7 @@ class ResponseFormat(_Strict):
 
 class StructuredOutputs(_Lenient):
     """vLLM's structured_outputs: one of these."""
+
     json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
     choice: items(Word, 1024, 1) | None = None
@@ -151,13 +168,15 @@ class _Common(_Strict):
 
 class CompletionBody(_Common):
     """POST /v1/completions."""
+
     prompt: Union[Text, TokenIds, items(Union[Text, TokenIds], MAX_BATCH, 1)]
-    max_tokens: _range(int, 0, I32_MAX) = None   # 0: the prompt alone (echo + logprobs)
+    max_tokens: _range(int, 0, I32_MAX) = None  # 0: the prompt alone (echo + logprobs)
     echo: bool | None = None
     logprobs: _range(int, 0, MAX_LOGPROBS) = None
 
 
 # ---- chat ---------------------------------------------------------------------------------
+
 
 class TextPart(_Lenient):
     type: Literal["text"]
@@ -177,10 +196,17 @@ class ToolCall(_Lenient):
 
 class Message(_Lenient):
     # what _has_content says, for the schema's readers
-    model_config = ConfigDict(json_schema_extra={"anyOf": [
-        {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
-        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array",
-                                                                   "minItems": 1}}}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
+                {
+                    "required": ["tool_calls"],
+                    "properties": {"tool_calls": {"type": "array", "minItems": 1}},
+                },
+            ]
+        }
+    )
     role: Name
     content: str | items(TextPart, MAX_MESSAGES) | None = None
     tool_calls: items(ToolCall, MAX_TOOLS) | None = None
@@ -221,6 +247,7 @@ TemplateKwargs = entries(Name, Any, 16)
 
 class ChatBody(_Common):
     """POST /v1/chat/completions."""
+
     messages: Messages
     max_tokens: _range(int, 1, I32_MAX) = None
     max_completion_tokens: _range(int, 1, I32_MAX) = None
@@ -236,11 +263,18 @@ class ChatBody(_Common):
 
 # ---- vLLM's /tokenize and /detokenize -------------------------------------------------------
 
+
 class TokenizeBody(_Strict):
     """POST /tokenize: a prompt, or messages (with tools) through the chat template."""
-    model_config = ConfigDict(json_schema_extra={"oneOf": [
-        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        }
+    )
     model: Name | None = None
     prompt: str | None = None
     messages: Messages | None = None
@@ -252,6 +286,7 @@ class TokenizeBody(_Strict):
 
 class DetokenizeBody(_Strict):
     """POST /detokenize."""
+
     model: Name | None = None
     tokens: items(TokenId, MAX_PROMPT_IDS)
 
@@ -260,24 +295,49 @@ class DetokenizeBody(_Strict):
 
 # A field whose faults read best as one sentence (a union's say little each): (message, param).
 _HINTS = {
-    "prompt": ("'prompt' must be a non-empty string, a list of token ids, or a list of those (a "
-               f"batch of at most {MAX_BATCH})", "prompt"),
-    "stop": (f"'stop' must be a string or a list of at most {MAX_STOP} strings, each of 1 to "
-             f"1024 characters", "stop"),
-    "bad_words": (f"'bad_words' must be a string or a list of at most {MAX_BAD_WORDS} strings, "
-                  f"each of 1 to 1024 characters", "bad_words"),
-    "stream_options": ("'stream_options' takes only include_usage and continuous_usage_stats (true "
-                       "or false), and only with stream", "stream_options"),
-    "response_format": ("'response_format' is {\"type\": text, json_object or json_schema, "
-                        "\"json_schema\": {\"name\", \"schema\": {...}}}", "response_format"),
-    "tools": (f"'tools' must be a list of at most {MAX_TOOLS} functions, each {{\"type\": "
-              f"\"function\", \"function\": {{\"name\": ..., \"parameters\": {{...}}}}}}", "tools"),
-    "tool_choice": ("'tool_choice' must be none, auto, required or {\"type\": \"function\", "
-                    "\"function\": {\"name\": one of the tools}}", "tools"),
+    "prompt": (
+        "'prompt' must be a non-empty string, a list of token ids, or a list of those (a "
+        f"batch of at most {MAX_BATCH})",
+        "prompt",
+    ),
+    "stop": (
+        f"'stop' must be a string or a list of at most {MAX_STOP} strings, each of 1 to "
+        f"1024 characters",
+        "stop",
+    ),
+    "bad_words": (
+        f"'bad_words' must be a string or a list of at most {MAX_BAD_WORDS} strings, "
+        f"each of 1 to 1024 characters",
+        "bad_words",
+    ),
+    "stream_options": (
+        "'stream_options' takes only include_usage and continuous_usage_stats (true "
+        "or false), and only with stream",
+        "stream_options",
+    ),
+    "response_format": (
+        "'response_format' is {\"type\": text, json_object or json_schema, "
+        '"json_schema": {"name", "schema": {...}}}',
+        "response_format",
+    ),
+    "tools": (
+        f"'tools' must be a list of at most {MAX_TOOLS} functions, each {{\"type\": "
+        f'"function", "function": {{"name": ..., "parameters": {{...}}}}}}',
+        "tools",
+    ),
+    "tool_choice": (
+        '\'tool_choice\' must be none, auto, required or {"type": "function", '
+        '"function": {"name": one of the tools}}',
+        "tools",
+    ),
     "guided_json": ("'guided_json' must be a JSON schema (an object, or its text)", "guided_json"),
 }
-_CHAT_HINTS = {"logprobs": ("'logprobs' must be a boolean (the number of alternatives is "
-                            "'top_logprobs')", "logprobs")}
+_CHAT_HINTS = {
+    "logprobs": (
+        "'logprobs' must be a boolean (the number of alternatives is 'top_logprobs')",
+        "logprobs",
+    )
+}
 
 
 def validate(model: type[BaseModel], body) -> BaseModel:
@@ -297,13 +357,16 @@ def _error(model: type[BaseModel], fault: dict) -> ApiError:
         return ApiError(400, f"'{name}' is not supported by pdserve", name)
     if name in NO_OP and len(loc) == 1:
         allowed = " or ".join(json.dumps(v) for v in NO_OP[name])
-        return ApiError(400, f"'{name}' is not supported by pdserve (only {name}={allowed}, which "
-                             f"changes nothing)", name)
+        return ApiError(
+            400,
+            f"'{name}' is not supported by pdserve (only {name}={allowed}, which changes nothing)",
+            name,
+        )
     hint = (_CHAT_HINTS if model is ChatBody else {}).get(name) or _HINTS.get(name)
     if hint is not None:
         return ApiError(400, hint[0], hint[1])
     where = name or "the body"
-    for part in loc[1:]:   # a list's index, a key, a field; a union's member names skipped
+    for part in loc[1:]:  # a list's index, a key, a field; a union's member names skipped
         if isinstance(part, int):
             where += f"[{part}]"
         elif not _is_member(part):
@@ -313,16 +376,20 @@ def _error(model: type[BaseModel], fault: dict) -> ApiError:
     if kind == "value_error":
         return ApiError(400, f"'{where}': {fault['ctx']['error']}", name)
     if name == "messages" and "content" in loc:
-        where = where[:where.index(".content") + len(".content")]
-        return ApiError(400, f"'{where}' must be a string or a list of {{\"type\": \"text\", "
-                             f"\"text\": ...}} parts (only text is served)", name)
+        where = where[: where.index(".content") + len(".content")]
+        return ApiError(
+            400,
+            f'\'{where}\' must be a string or a list of {{"type": "text", '
+            f'"text": ...}} parts (only text is served)',
+            name,
+        )
     got = _shown(fault.get("input"))
     if kind in ("greater_than_equal", "less_than_equal") and len(loc) == 1:
         lo, hi = _bounds(model, name)
         return ApiError(400, f"'{name}' must be in [{lo}, {hi}], got {got}", name)
     msg = fault["msg"]
     if msg.startswith("Input should be"):
-        return ApiError(400, f"'{where}' must be{msg[len('Input should be'):]}, got {got}", name)
+        return ApiError(400, f"'{where}' must be{msg[len('Input should be') :]}, got {got}", name)
     return ApiError(400, f"'{where}': {msg[0].lower()}{msg[1:]}", name)
 
 
@@ -332,8 +399,11 @@ def _shown(value) -> str:
         return repr(value[:60]) + ("..." if len(value) > 60 else "")
     if value is None or isinstance(value, (bool, int, float)):
         return repr(value)[:60]
-    return f"a {type(value).__name__} of {len(value)} items" if hasattr(value, "__len__") else \
-        f"a {type(value).__name__}"
+    return (
+        f"a {type(value).__name__} of {len(value)} items"
+        if hasattr(value, "__len__")
+        else f"a {type(value).__name__}"
+    )
 
 
 def _is_member(part: str) -> bool:
@@ -358,6 +428,19 @@ def _bounds(model: type[BaseModel], name: str) -> tuple:
 
 
 _MEMBERS = {"str", "int", "float", "bool", "dict", "list", "none"} | {
-    m.__name__ for m in (StreamOptions, JsonSchemaFormat, ResponseFormat, StructuredOutputs,
-                         TextPart, CalledFunction, ToolCall, Message, FunctionDef, Tool,
-                         NamedFunction, NamedToolChoice)}
+    m.__name__
+    for m in (
+        StreamOptions,
+        JsonSchemaFormat,
+        ResponseFormat,
+        StructuredOutputs,
+        TextPart,
+        CalledFunction,
+        ToolCall,
+        Message,
+        FunctionDef,
+        Tool,
+        NamedFunction,
+        NamedToolChoice,
+    )
+}

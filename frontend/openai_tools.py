@@ -14,6 +14,7 @@ function as its arguments alone. "none" leaves the text as it is.
 Split holds a choice's text as it streams and gives it back as content,
 reasoning and whole tool calls; text that might be the start of a tag waits.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,10 @@ def choice_mode(tools: list[dict] | None, tool_choice) -> tuple[str, str | None]
     f = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = f.get("name") if isinstance(f, dict) else None
     if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
-        raise ToolError("'tool_choice' must be none, auto, required or {\"type\": \"function\", "
-                        "\"function\": {\"name\": one of the tools}}")
+        raise ToolError(
+            '\'tool_choice\' must be none, auto, required or {"type": "function", '
+            '"function": {"name": one of the tools}}'
+        )
     return "named", name
 
 
@@ -49,17 +52,33 @@ def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
-def grammar_for(tools: list[dict], mode: str, name: str | None, is_parallel: bool = True) -> str | None:
+def grammar_for(
+    tools: list[dict], mode: str, name: str | None, is_parallel: bool = True
+) -> str | None:
     """The JSON schema that makes the answer a call (required, named), or None;
     required: a list of calls, of one unless is_parallel (parallel_tool_calls)."""
     if mode == "named":
         return json.dumps(_parameters(next(t for t in tools if t["function"]["name"] == name)))
     if mode == "required":
-        one = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                 "parameters": _parameters(t)},
-                "required": ["name", "parameters"]} for t in tools]
-        return json.dumps({"type": "array", "minItems": 1, **({} if is_parallel else {"maxItems": 1}),
-                           "items": {"anyOf": one}})
+        one = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t["function"]["name"]},
+                    "parameters": _parameters(t),
+                },
+                "required": ["name", "parameters"],
+            }
+            for t in tools
+        ]
+        return json.dumps(
+            {
+                "type": "array",
+                "minItems": 1,
+                **({} if is_parallel else {"maxItems": 1}),
+                "items": {"anyOf": one},
+            }
+        )
     return None
 
 
@@ -81,7 +100,11 @@ def _whole_items(text: str) -> list:
 
 def _call(name: str, arguments) -> dict:
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    }
 
 
 def _holdback(text: str, tags: tuple[str, ...]) -> int:
@@ -98,8 +121,10 @@ class Split:
     def __init__(self, mode: str, name: str | None, is_reasoning: bool):
         self.mode, self.name = mode, name
         self.is_reasoning = is_reasoning
-        self.state = "start" if is_reasoning else "content"   # start -> reasoning -> content <-> call
-        self.pending = ""     # text not yet given back
+        self.state = (
+            "start" if is_reasoning else "content"
+        )  # start -> reasoning -> content <-> call
+        self.pending = ""  # text not yet given back
         self.calls: list[dict] = []
 
     def feed(self, text: str, is_final: bool = False) -> dict:
@@ -116,44 +141,51 @@ class Split:
             if self.state == "start":
                 stripped = self.pending.lstrip()
                 if stripped.startswith(THINK_OPEN):
-                    self.pending, self.state = stripped[len(THINK_OPEN):], "reasoning"
+                    self.pending, self.state = stripped[len(THINK_OPEN) :], "reasoning"
                     continue
                 if not is_final and THINK_OPEN.startswith(stripped):
-                    break   # it may yet open a block
+                    break  # it may yet open a block
                 self.state = "content"
             if self.state == "reasoning":
                 i = self.pending.find(THINK_CLOSE)
                 if i < 0:
                     keep = 0 if is_final else _holdback(self.pending, (THINK_CLOSE,))
-                    out["reasoning_content"] += self.pending[:len(self.pending) - keep]
-                    self.pending = self.pending[len(self.pending) - keep:]
+                    out["reasoning_content"] += self.pending[: len(self.pending) - keep]
+                    self.pending = self.pending[len(self.pending) - keep :]
                     break
                 out["reasoning_content"] += self.pending[:i]
-                self.pending, self.state = self.pending[i + len(THINK_CLOSE):].lstrip("\n"), "content"
+                self.pending, self.state = (
+                    self.pending[i + len(THINK_CLOSE) :].lstrip("\n"),
+                    "content",
+                )
                 continue
             if self.state == "content":
                 i = self.pending.find(TOOL_OPEN) if self.mode == "auto" else -1
                 if i < 0:
-                    keep = 0 if is_final or self.mode != "auto" else _holdback(self.pending, (TOOL_OPEN,))
-                    out["content"] += self.pending[:len(self.pending) - keep]
-                    self.pending = self.pending[len(self.pending) - keep:]
+                    keep = (
+                        0
+                        if is_final or self.mode != "auto"
+                        else _holdback(self.pending, (TOOL_OPEN,))
+                    )
+                    out["content"] += self.pending[: len(self.pending) - keep]
+                    self.pending = self.pending[len(self.pending) - keep :]
                     break
                 out["content"] += self.pending[:i]
-                self.pending, self.state = self.pending[i + len(TOOL_OPEN):], "call"
+                self.pending, self.state = self.pending[i + len(TOOL_OPEN) :], "call"
                 continue
-            i = self.pending.find(TOOL_CLOSE)   # state "call"
+            i = self.pending.find(TOOL_CLOSE)  # state "call"
             if i < 0:
-                if is_final:   # a call never closed: what there is, as text
+                if is_final:  # a call never closed: what there is, as text
                     out["content"] += TOOL_OPEN + self.pending
                     self.pending = ""
                 break
             call = self._parsed(self.pending[:i])
             if call is None:
-                out["content"] += TOOL_OPEN + self.pending[:i + len(TOOL_CLOSE)]
+                out["content"] += TOOL_OPEN + self.pending[: i + len(TOOL_CLOSE)]
             else:
                 out["tool_calls"].append(call)
                 self.calls.append(call)
-            self.pending, self.state = self.pending[i + len(TOOL_CLOSE):], "content"
+            self.pending, self.state = self.pending[i + len(TOOL_CLOSE) :], "content"
         return {k: v for k, v in out.items() if v}
 
     @staticmethod
@@ -171,7 +203,10 @@ class Split:
         if self.mode == "named":
             calls = [_call(self.name, text.strip())]
         else:
-            calls = [_call(c["name"], c.get("parameters", {})) for c in _whole_items(text)
-                     if isinstance(c, dict) and isinstance(c.get("name"), str)]
+            calls = [
+                _call(c["name"], c.get("parameters", {}))
+                for c in _whole_items(text)
+                if isinstance(c, dict) and isinstance(c.get("name"), str)
+            ]
         self.calls += calls
         return calls

@@ -20,6 +20,7 @@ their time per output token grows (the decode node holds to it too, as measured:
 decode_node/local.py). A request local prefill cannot serve (n > 1, prompt
 logprobs, a grammar) and any request before the rates are measured is disaggregated.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,39 +31,43 @@ from dataclasses import dataclass
 from common.base.request import LOCAL_CHUNK_TOKENS, LOCAL_SHARE, LOCAL_WINDOW_S
 
 MODES = ("auto", "always", "never")
-SHORT_PROMPT = 256     # a handoff of a prompt this short times its fixed cost, not its bytes
-MIN_HIDDEN_S = 0.01    # NOTE: the prefill node's --kv-layerwise auto rule (common/handoff/writes.py)
+SHORT_PROMPT = 256  # a handoff of a prompt this short times its fixed cost, not its bytes
+MIN_HIDDEN_S = 0.01  # NOTE: the prefill node's --kv-layerwise auto rule (common/handoff/writes.py)
 
 
 @dataclass(frozen=True)
 class Figures:
     """What the rule reads for one request; rates 0 where not measured yet."""
+
     prompt_len: int
-    prefill_cached: int = 0        # tokens the prefill node's prefix cache holds
-    prefill_queued: int = 0        # prompt tokens routed there, not yet prefilled
-    prefill_rate: float = 0.0      # prompt tokens/s
-    kv_token_bytes: int = 0        # KV bytes per token
-    link_rate: float = 0.0         # bytes/s measured to the decode node's backend
-    is_layerwise: bool = False     # the write would be pushed layer by layer
-    handoff_s: float = 0.0         # the handoff's fixed cost to that decode node
-    decode_queued: int = 0         # prompt tokens routed to the decode node to prefill, not yet done
-    decode_cached: int = 0         # tokens the decode node's prefix cache holds (a chat's history)
-    decode_rate: float = 0.0       # prompt tokens/s prefilled on the decode node
-    step_s: float = 0.0            # the decode node's step
-    num_running: int = 0           # requests on the decode node
+    prefill_cached: int = 0  # tokens the prefill node's prefix cache holds
+    prefill_queued: int = 0  # prompt tokens routed there, not yet prefilled
+    prefill_rate: float = 0.0  # prompt tokens/s
+    kv_token_bytes: int = 0  # KV bytes per token
+    link_rate: float = 0.0  # bytes/s measured to the decode node's backend
+    is_layerwise: bool = False  # the write would be pushed layer by layer
+    handoff_s: float = 0.0  # the handoff's fixed cost to that decode node
+    decode_queued: int = 0  # prompt tokens routed to the decode node to prefill, not yet done
+    decode_cached: int = 0  # tokens the decode node's prefix cache holds (a chat's history)
+    decode_rate: float = 0.0  # prompt tokens/s prefilled on the decode node
+    step_s: float = 0.0  # the decode node's step
+    num_running: int = 0  # requests on the decode node
 
 
 @dataclass(frozen=True)
 class Choice:
-    path: str                      # "local" or "disaggregated"
+    path: str  # "local" or "disaggregated"
     why: str
-    local_s: float = math.nan      # predicted first + first decoded token, local
+    local_s: float = math.nan  # predicted first + first decoded token, local
     disaggregated_s: float = math.nan
-    local_cost_s: float = 0.0      # the decode node's time it takes (local)
+    local_cost_s: float = 0.0  # the decode node's time it takes (local)
 
     def timings(self) -> dict:
         out = {"path": self.path, "path_why": self.why}
-        for k, v in (("predicted_local_ms", self.local_s), ("predicted_disaggregated_ms", self.disaggregated_s)):
+        for k, v in (
+            ("predicted_local_ms", self.local_s),
+            ("predicted_disaggregated_ms", self.disaggregated_s),
+        ):
             if math.isfinite(v):
                 out[k] = round(v * 1e3, 3)
         return out
@@ -94,9 +99,11 @@ class PathChooser:
         if mode not in MODES:
             raise ValueError(f"disaggregate must be one of {MODES}, got {mode!r}")
         self.mode, self.clock = mode, clock
-        self.recent: dict[str, deque] = {}     # decode node -> (when, its compute) of local prompts
-        self.counts: dict[str, int] = {}       # "path: why" -> requests
-        self.handoff_s: dict[str, float] = {}  # decode node -> short prompts' handoff time (smoothed)
+        self.recent: dict[str, deque] = {}  # decode node -> (when, its compute) of local prompts
+        self.counts: dict[str, int] = {}  # "path: why" -> requests
+        self.handoff_s: dict[
+            str, float
+        ] = {}  # decode node -> short prompts' handoff time (smoothed)
 
     def observe_handoff(self, decode: str, prompt_len: int, seconds: float) -> None:
         """A handoff to decode ended (prefill's end to the decode node's admission)."""
@@ -118,7 +125,9 @@ class PathChooser:
 
     def decide(self, f: Figures, decode: str, can_local: bool = True) -> Choice:
         """The path for a request to that decode node (nothing is counted)."""
-        return self._choose(dataclasses.replace(f, handoff_s=self.handoff_s.get(decode, 0.0)), decode, can_local)
+        return self._choose(
+            dataclasses.replace(f, handoff_s=self.handoff_s.get(decode, 0.0)), decode, can_local
+        )
 
     def record(self, choice: Choice, decode: str) -> None:
         """The request went that way: counted, and a local one's cost in that node's window."""
@@ -131,7 +140,9 @@ class PathChooser:
         if self.mode == "always":
             return Choice("disaggregated", "--disaggregate always")
         if not can_local:
-            return Choice("disaggregated", "needs a prefill node (n > 1, prompt logprobs or a grammar)")
+            return Choice(
+                "disaggregated", "needs a prefill node (n > 1, prompt logprobs or a grammar)"
+            )
         if self.mode == "never":
             return Choice("local", "--disaggregate never")
         if f.prefill_rate <= 0:
@@ -140,13 +151,19 @@ class PathChooser:
         d, loc = d_first + d_second, l_first + l_second
         if loc >= d:
             return Choice("disaggregated", "sooner through the prefill node", loc, d)
-        if f.num_running and self.local_load_s(decode, self.clock()) + cost > LOCAL_SHARE * LOCAL_WINDOW_S:
+        if (
+            f.num_running
+            and self.local_load_s(decode, self.clock()) + cost > LOCAL_SHARE * LOCAL_WINDOW_S
+        ):
             return Choice("disaggregated", "the decode node has no time to spare", loc, d)
         return Choice("local", "sooner on the decode node", loc, d, cost)
 
     def stats(self) -> dict:
-        return {"mode": self.mode, "decisions": dict(self.counts),
-                "handoff_ms": {k: round(v * 1e3, 3) for k, v in self.handoff_s.items()}}
+        return {
+            "mode": self.mode,
+            "decisions": dict(self.counts),
+            "handoff_ms": {k: round(v * 1e3, 3) for k, v in self.handoff_s.items()},
+        }
 
 
 def figures(prompt_len: int, work_tokens: int, local_tokens: int, prefill, decode) -> Figures:
@@ -154,24 +171,39 @@ def figures(prompt_len: int, work_tokens: int, local_tokens: int, prefill, decod
     NodeState): rates are totals over busy time; the link's is the backend's in use.
     work_tokens, local_tokens: what each node's prefix cache leaves to compute."""
     ps, ds = prefill.stats, decode.stats
-    backend = ps.get("kv_links", {}).get(decode.name) if isinstance(ps.get("kv_links"), dict) else None
+    backend = (
+        ps.get("kv_links", {}).get(decode.name) if isinstance(ps.get("kv_links"), dict) else None
+    )
     writes = ps.get("kv_writes", {}).get(backend) if isinstance(ps.get("kv_writes"), dict) else None
     link_rate = _number(writes, "bytes_per_s") if isinstance(writes, dict) else 0.0
     token_bytes = int(_number(ps, "kv_token_bytes"))
     mode = ps.get("kv_layerwise")
-    is_layerwise = mode == "on" or (mode == "auto" and link_rate > 0
-                                    and prompt_len * token_bytes / link_rate >= MIN_HIDDEN_S)
-    return Figures(prompt_len, prefill_cached=prompt_len - work_tokens, prefill_queued=prefill.num_queued_tokens,
-                   prefill_rate=_rate(ps, "num_prefill_tokens", "prefill_busy_s"), kv_token_bytes=token_bytes,
-                   link_rate=link_rate, is_layerwise=is_layerwise, decode_queued=decode.num_queued_tokens,
-                   decode_cached=prompt_len - local_tokens,
-                   decode_rate=_rate(ds, "num_local_prefill_tokens", "local_prefill_busy_s"),
-                   step_s=_rate(ds, "device_busy_s", "num_decode_steps"), num_running=decode.num_active)
+    is_layerwise = mode == "on" or (
+        mode == "auto" and link_rate > 0 and prompt_len * token_bytes / link_rate >= MIN_HIDDEN_S
+    )
+    return Figures(
+        prompt_len,
+        prefill_cached=prompt_len - work_tokens,
+        prefill_queued=prefill.num_queued_tokens,
+        prefill_rate=_rate(ps, "num_prefill_tokens", "prefill_busy_s"),
+        kv_token_bytes=token_bytes,
+        link_rate=link_rate,
+        is_layerwise=is_layerwise,
+        decode_queued=decode.num_queued_tokens,
+        decode_cached=prompt_len - local_tokens,
+        decode_rate=_rate(ds, "num_local_prefill_tokens", "local_prefill_busy_s"),
+        step_s=_rate(ds, "device_busy_s", "num_decode_steps"),
+        num_running=decode.num_active,
+    )
 
 
 def _number(d: dict, key: str) -> float:
     v = d.get(key)
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 else 0.0
+    return (
+        float(v)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        else 0.0
+    )
 
 
 def _rate(d: dict, num: str, den: str) -> float:

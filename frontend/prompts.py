@@ -11,6 +11,7 @@ process of its own, killed at MAX_COMPILE_CPU_S of CPU and the grammar refused: 
 compile it on their loops; frontend/grammar_check.py), clients taking turns there, each
 with a bounded share of it (frontend/off_loop.py); everything else, the common case, at once.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,10 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 from common.base.grammar import MAX_COMPILE_CPU_S
 from common.base.log import get_logger
-from common.base.threads import lower_this_thread
 from common.base.model_spec import ModelSpec
-from common.base.request import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams,
-                                 validate_prompt)
+from common.base.request import (
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+    validate_prompt,
+)
+from common.base.threads import lower_this_thread
 from common.wire.client import MAX_MESSAGES, MAX_PROMPT_IDS, MAX_STOP
 from common.wire.protocol import GenerateRequest
 from frontend.grammar_check import GrammarChecker
@@ -32,21 +38,27 @@ from frontend.off_loop import OffLoop
 
 log = get_logger("frontend")
 
-MAX_REPLY_LOGPROBS = 2**17   # prompt logprobs in a reply of several choices, every one's counted
+MAX_REPLY_LOGPROBS = 2**17  # prompt logprobs in a reply of several choices, every one's counted
 
 
 # NOTE: what a request costs the frontend's event loop is bounded: a prompt of more text
 # than this is tokenized on a thread of its own (at low priority), and one of more text
 # than any prompt the model can take (max_prompt_chars) is refused unread.
 OFF_LOOP_CHARS = 64 * 2**10
-MAX_STOP_CHARS = 16 * 2**10        # all stop strings of a request together
-MAX_BAD_WORD_CHARS = 16 * 2**10    # all bad words together (each is tokenized twice, on the loop)
+MAX_STOP_CHARS = 16 * 2**10  # all stop strings of a request together
+MAX_BAD_WORD_CHARS = 16 * 2**10  # all bad words together (each is tokenized twice, on the loop)
 # The most items each list of a request may hold: what a ZeroMQ client's message is held to
 # as it is decoded (common/wire/client.py); a request made here (HTTP) is held to it before
 # any item is read (its models count them as they parse: frontend/openai_models.py).
-MAX_ITEMS = {"prompt_token_ids": MAX_PROMPT_IDS, "messages": MAX_MESSAGES, "stop": MAX_STOP,
-             "stop_token_ids": MAX_STOP_TOKEN_IDS, "logit_bias": MAX_LOGIT_BIAS,
-             "allowed_token_ids": MAX_PROMPT_IDS, "bad_words": MAX_BAD_WORDS}
+MAX_ITEMS = {
+    "prompt_token_ids": MAX_PROMPT_IDS,
+    "messages": MAX_MESSAGES,
+    "stop": MAX_STOP,
+    "stop_token_ids": MAX_STOP_TOKEN_IDS,
+    "logit_bias": MAX_LOGIT_BIAS,
+    "allowed_token_ids": MAX_PROMPT_IDS,
+    "bad_words": MAX_BAD_WORDS,
+}
 
 
 def text_len(req: GenerateRequest) -> int:
@@ -55,8 +67,11 @@ def text_len(req: GenerateRequest) -> int:
     the template's variables (a template may print one: Llama 3's date_string, say)."""
     if req.prompt is not None:
         return len(req.prompt) if isinstance(req.prompt, str) else 0
-    return (sum(_json_len(m) for m in req.messages or ()) + len(req.tools or "")
-            + (_json_len(req.chat_template_kwargs) if req.chat_template_kwargs else 0))
+    return (
+        sum(_json_len(m) for m in req.messages or ())
+        + len(req.tools or "")
+        + (_json_len(req.chat_template_kwargs) if req.chat_template_kwargs else 0)
+    )
 
 
 def check_reply_logprobs(reqs: list[GenerateRequest], prompt_lens: list[int]) -> None:
@@ -67,14 +82,19 @@ def check_reply_logprobs(reqs: list[GenerateRequest], prompt_lens: list[int]) ->
     to write them) grow with the choices x the prompt x the alternatives."""
     if len(reqs) == 1 and reqs[0].n == 1:
         return
-    num = sum(req.n * n * (req.prompt_logprobs + 1) for req, n in zip(reqs, prompt_lens)
-              if req.prompt_logprobs is not None)
+    num = sum(
+        req.n * n * (req.prompt_logprobs + 1)
+        for req, n in zip(reqs, prompt_lens)
+        if req.prompt_logprobs is not None
+    )
     if num > MAX_REPLY_LOGPROBS:
         what = "n x prompt tokens x (prompt_logprobs + 1)"
         what += " over the prompts" if len(reqs) > 1 else ""
-        raise ValueError(f"{what} is {num} logprobs, more than the {MAX_REPLY_LOGPROBS} a reply "
-                         f"of several choices may hold: ask for fewer choices, prompts or prompt "
-                         f"logprobs")
+        raise ValueError(
+            f"{what} is {num} logprobs, more than the {MAX_REPLY_LOGPROBS} a reply "
+            f"of several choices may hold: ask for fewer choices, prompts or prompt "
+            f"logprobs"
+        )
 
 
 def _json_len(value) -> int:
@@ -105,7 +125,9 @@ def _count_tokens(tokenizer, text: str, add_special_tokens: bool) -> int | None:
 
 def _check_count(n: int | None, max_model_len: int) -> None:
     if n is not None and n > max_model_len:
-        raise ValueError(f"the prompt is {n} tokens: more than the model's maximum length {max_model_len}")
+        raise ValueError(
+            f"the prompt is {n} tokens: more than the model's maximum length {max_model_len}"
+        )
 
 
 def prompt_ids(tokenizer, req: GenerateRequest, max_model_len: int = 2**31) -> list[int]:
@@ -119,10 +141,13 @@ def prompt_ids(tokenizer, req: GenerateRequest, max_model_len: int = 2**31) -> l
         return list(req.prompt_token_ids)
     for m in req.messages:
         content = m.get("content")
-        if not isinstance(m.get("role"), str) or not (isinstance(content, str) or
-                                                       (content is None and m.get("tool_calls"))):
-            raise ValueError("each message needs a string role and string content (an assistant's "
-                             "tool calls may stand for it)")
+        if not isinstance(m.get("role"), str) or not (
+            isinstance(content, str) or (content is None and m.get("tool_calls"))
+        ):
+            raise ValueError(
+                "each message needs a string role and string content (an assistant's "
+                "tool calls may stand for it)"
+            )
     kwargs = _template_kwargs(req, tokenizer)
     if text_len(req) > OFF_LOOP_CHARS:
         text = _render(tokenizer, req.messages, False, kwargs)
@@ -136,11 +161,13 @@ def _render(tokenizer, messages: list[dict], is_tokenized: bool, kwargs: dict):
     (a template's own raise_exception, a variable of the wrong type) is that request's
     error, never its loop's."""
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             tokenize=is_tokenized, **kwargs)
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=is_tokenized, **kwargs
+        )
     except Exception as e:
-        raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: "
-                         f"{str(e)[:200]}") from None
+        raise ValueError(
+            f"the chat template cannot render these messages: {type(e).__name__}: {str(e)[:200]}"
+        ) from None
 
 
 def _template_kwargs(req: GenerateRequest, tokenizer) -> dict:
@@ -174,36 +201,54 @@ def check_size(req: GenerateRequest, max_chars: int) -> None:
             raise ValueError(f"'{name}' holds {len(value)} items: at most {limit} are taken")
     n = text_len(req)
     if n > max_chars:
-        raise ValueError(f"the prompt is {n} characters (its messages, tool calls and tools): no "
-                         f"text of more than {max_chars} fits in the model's maximum length")
+        raise ValueError(
+            f"the prompt is {n} characters (its messages, tool calls and tools): no "
+            f"text of more than {max_chars} fits in the model's maximum length"
+        )
     for name, limit in (("stop", MAX_STOP_CHARS), ("bad_words", MAX_BAD_WORD_CHARS)):
         if sum(len(s) if isinstance(s, str) else limit for s in getattr(req, name)) > limit:
             raise ValueError(f"the {name} strings hold more than {limit} characters together")
 
 
-def prepare(req: GenerateRequest, tokenizer, spec: ModelSpec, max_model_len: int,
-            is_processed_logprobs: bool = False, grammars=None) -> tuple[list[int], SamplingParams]:
+def prepare(
+    req: GenerateRequest,
+    tokenizer,
+    spec: ModelSpec,
+    max_model_len: int,
+    is_processed_logprobs: bool = False,
+    grammars=None,
+) -> tuple[list[int], SamplingParams]:
     """max_tokens None (HTTP chat) means what the model length leaves; 0 (with
     prompt_logprobs) the prompt alone: one token is made and not shown."""
     if req.timeout_s is not None and not req.timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {req.timeout_s}")
-    if "" in req.stop:   # it would match at once: an answer of nothing, surely not what was meant
+    if "" in req.stop:  # it would match at once: an answer of nothing, surely not what was meant
         raise ValueError("a stop string must not be empty")
     if req.max_tokens == 0 and req.prompt_logprobs is None:
         raise ValueError("max_tokens 0 (the prompt alone) needs prompt_logprobs")
     ids = prompt_ids(tokenizer, req, max_model_len)
     max_tokens = req.max_tokens if req.max_tokens is not None else max(max_model_len - len(ids), 1)
     params = SamplingParams(
-        max_tokens=max(max_tokens, 1), temperature=req.temperature, top_p=req.top_p,
-        top_k=req.top_k, seed=req.seed if req.seed is not None else random.getrandbits(63),
-        stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+        max_tokens=max(max_tokens, 1),
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed if req.seed is not None else random.getrandbits(63),
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
         num_logprobs=-1 if req.logprobs is None else req.logprobs,
         num_prompt_logprobs=-1 if req.prompt_logprobs is None else req.prompt_logprobs,
-        is_processed_logprobs=is_processed_logprobs, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-        min_p=req.min_p, min_tokens=req.min_tokens, **_logit_bias(req.logit_bias),
+        is_processed_logprobs=is_processed_logprobs,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        min_p=req.min_p,
+        min_tokens=req.min_tokens,
+        **_logit_bias(req.logit_bias),
         allowed_token_ids=tuple(req.allowed_token_ids or ()),
-        bad_words_ids=_bad_words(tokenizer, req.bad_words), grammar=_grammar(req, grammars))
+        bad_words_ids=_bad_words(tokenizer, req.bad_words),
+        grammar=_grammar(req, grammars),
+    )
     params.validate(spec.vocab_size)
     validate_prompt(ids, params.max_tokens, spec.vocab_size, max_model_len)
     return ids, params
@@ -217,7 +262,7 @@ def _grammar(req: GenerateRequest, grammars) -> tuple[str, ...]:
     g = (s.kind, s.spec, s.whitespace)
     if grammars is None:
         raise ValueError("structured outputs are not available here")
-    grammars().check(g)   # GrammarError: a ValueError saying what is wrong
+    grammars().check(g)  # GrammarError: a ValueError saying what is wrong
     return g
 
 
@@ -249,15 +294,28 @@ def _bad_words(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
 
 
 class Prompts:
-    def __init__(self, model: str, tokenizer, spec: ModelSpec, max_model_len: int,
-                 is_processed_logprobs: bool = False):
-        self.model, self.tokenizer, self.spec, self.max_model_len = model, tokenizer, spec, max_model_len
+    def __init__(
+        self,
+        model: str,
+        tokenizer,
+        spec: ModelSpec,
+        max_model_len: int,
+        is_processed_logprobs: bool = False,
+    ):
+        self.model, self.tokenizer, self.spec, self.max_model_len = (
+            model,
+            tokenizer,
+            spec,
+            max_model_len,
+        )
         self.is_processed_logprobs = is_processed_logprobs
-        self._grammars = None   # made for the first request with a grammar
+        self._grammars = None  # made for the first request with a grammar
         self.max_chars = max_prompt_chars(tokenizer, max_model_len)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize", initializer=lambda: lower_this_thread(19))
-        self.off_loop_jobs = OffLoop(self._pool)   # clients take turns on the thread
-        self._own_tokenizer = None          # made on the thread: the loop's is never shared
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="tokenize", initializer=lambda: lower_this_thread(19)
+        )
+        self.off_loop_jobs = OffLoop(self._pool)  # clients take turns on the thread
+        self._own_tokenizer = None  # made on the thread: the loop's is never shared
 
     def grammars(self) -> GrammarChecker:
         """Asked from the loop's thread and the tokenizing thread alike (it takes one at a time)."""
@@ -272,8 +330,14 @@ class Prompts:
     def now(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
         """The common case, on the loop: ValueError says what is wrong."""
         check_size(req, self.max_chars)
-        return prepare(req, self.tokenizer, self.spec, self.max_model_len, self.is_processed_logprobs,
-                       self.grammars)
+        return prepare(
+            req,
+            self.tokenizer,
+            self.spec,
+            self.max_model_len,
+            self.is_processed_logprobs,
+            self.grammars,
+        )
 
     async def off_loop(self, client, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
         """A long prompt (or a grammar), on the tokenizing thread in client's turn; Busy (a
@@ -282,8 +346,14 @@ class Prompts:
         return await self.off_loop_jobs.run(client, self._prepare_here, req)
 
     def _prepare_here(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
-        return prepare(req, self._thread_tokenizer(), self.spec, self.max_model_len, self.is_processed_logprobs,
-                       self.grammars)
+        return prepare(
+            req,
+            self._thread_tokenizer(),
+            self.spec,
+            self.max_model_len,
+            self.is_processed_logprobs,
+            self.grammars,
+        )
 
     async def tokenize(self, client, req: GenerateRequest) -> list[int]:
         """A prompt's ids alone (/tokenize), by the same rules: a long one off the loop.
@@ -300,6 +370,7 @@ class Prompts:
         """The tokenizing thread's own (the loop's is never shared), made there on first use."""
         if self._own_tokenizer is None:
             from transformers import AutoTokenizer
+
             self._own_tokenizer = AutoTokenizer.from_pretrained(self.model)
         return self._own_tokenizer
 

@@ -1,5 +1,6 @@
 """A client's request at the frontend while it runs: its route, what it streamed,
 and the tokens that belong to it (frontend/prompts.py makes it from a request)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,46 +22,54 @@ class LostTokens(ValueError):
 
 @dataclass(eq=False)
 class RequestState:
-    node_id: str                 # the id the nodes know it by
-    request_id: str              # the client's id, unique within its connection
+    node_id: str  # the id the nodes know it by
+    request_id: str  # the client's id, unique within its connection
     client: ClientKey
     prompt_ids: list[int]
     params: SamplingParams
     detok: IncrementalDetokenizer
-    arrival_time: float          # wall clock, comparable with the nodes' stamps
-    deadline: float              # monotonic
-    prefill_node: str | None = None   # None while it waits here for its turn
+    arrival_time: float  # wall clock, comparable with the nodes' stamps
+    deadline: float  # monotonic
+    prefill_node: str | None = None  # None while it waits here for its turn
     decode_node: str | None = None
     timings: dict = field(default_factory=dict)
-    num_cached_tokens: int = 0    # of its prompt, from the prefill node's prefix cache (its first life)
-    is_prefilled: bool = False   # its first token came back (or it ended)
-    early_token: int | None = None   # the first token, streamed by the prefill node
-    is_decoding: bool = False    # its decode node has sent its first update
-    life_base: int = 0           # output tokens the client had when this route began
-    work_tokens: int = 0         # prompt tokens its prefill node was expected to compute
-    route_keys: dict[int, list[int]] = field(default_factory=dict)   # block size -> its blocks' keys
+    num_cached_tokens: int = (
+        0  # of its prompt, from the prefill node's prefix cache (its first life)
+    )
+    is_prefilled: bool = False  # its first token came back (or it ended)
+    early_token: int | None = None  # the first token, streamed by the prefill node
+    is_decoding: bool = False  # its decode node has sent its first update
+    life_base: int = 0  # output tokens the client had when this route began
+    work_tokens: int = 0  # prompt tokens its prefill node was expected to compute
+    route_keys: dict[int, list[int]] = field(default_factory=dict)  # block size -> its blocks' keys
     submitted_at: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None   # monotonic
-    output_ids: list[int] = field(default_factory=list)   # every token sent to the client
-    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)   # each one's, if asked for
+    first_token_at: float | None = None  # monotonic
+    output_ids: list[int] = field(default_factory=list)  # every token sent to the client
+    output_logprobs: list[TokenLogprobs | None] = field(
+        default_factory=list
+    )  # each one's, if asked for
     prompt_logprobs: list[TokenLogprobs] | None = None
-    is_prompt_only: bool = False          # max_tokens 0: its one token is made and not shown
-    index: int = 0                        # which of its request's n choices
-    forks: list = field(default_factory=list)   # choice 0, until sent: the other choices, which share its prefill
+    is_prompt_only: bool = False  # max_tokens 0: its one token is made and not shown
+    index: int = 0  # which of its request's n choices
+    forks: list = field(
+        default_factory=list
+    )  # choice 0, until sent: the other choices, which share its prefill
     is_prompt_logprobs_sent: bool = False
     # NOTE: the decode node can finish a request (max_tokens 1) before the prefill node's
     # prompt logprobs reach here: they come over another node's link. Its updates wait.
-    held: list = field(default_factory=list)   # (node, update) of the decode node's, until they come
-    held_since: float | None = None       # monotonic
-    last_output_at: float | None = None   # monotonic
+    held: list = field(default_factory=list)  # (node, update) of the decode node's, until they come
+    held_since: float | None = None  # monotonic
+    last_output_at: float | None = None  # monotonic
     # Moves to other nodes (a node lost or drained): how many, since when it waits to go
     # on, and the client's wait for its next token (from the last token before the move).
     num_migrations: int = 0
-    moved_at: float | None = None         # monotonic; None once routed again
-    moved_from: str = ""                  # "decode node X (why)", for the log
-    stalled_since: float | None = None    # monotonic; None once a token came after the move
+    moved_at: float | None = None  # monotonic; None once routed again
+    moved_from: str = ""  # "decode node X (why)", for the log
+    stalled_since: float | None = None  # monotonic; None once a token came after the move
     migrated_s: float = 0.0
-    earlier_parts: dict = field(default_factory=dict)   # what its earlier lives' nodes reported (preemptions)
+    earlier_parts: dict = field(
+        default_factory=dict
+    )  # what its earlier lives' nodes reported (preemptions)
 
     @property
     def num_tokens(self) -> int:
@@ -69,14 +78,20 @@ class RequestState:
     def is_waiting_prompt_logprobs(self, node_name: str) -> bool:
         """Whether an update from this node waits for the prompt's logprobs (its first life
         asked for them, and they have not come)."""
-        return node_name == self.decode_node and self.params.num_prompt_logprobs >= 0 \
-            and self.prompt_logprobs is None and not self.num_migrations
+        return (
+            node_name == self.decode_node
+            and self.params.num_prompt_logprobs >= 0
+            and self.prompt_logprobs is None
+            and not self.num_migrations
+        )
 
     @property
     def kv_tokens(self) -> int:
         return len(self.prompt_ids) + self.params.max_tokens
 
-    def num_known(self, node_name: str, index: int, token_ids: list[int], finish_reason: str | None) -> int | None:
+    def num_known(
+        self, node_name: str, index: int, token_ids: list[int], finish_reason: str | None
+    ) -> int | None:
         """Of a node's update (its first token at `index` of this route's tokens), how many
         leading tokens the client has already (the rest are new); None for an update to
         drop. LostTokens: the update starts past what arrived. ValueError: the decode node
@@ -90,13 +105,17 @@ class RequestState:
             self.early_token = token_ids[0]
             return 0
         if index > num_have:
-            raise LostTokens(f"decode node {node_name} sent token {index} of this request while "
-                             f"{num_have} arrived: tokens were lost on its link")
-        num_known = num_have - index   # the prefill node's first token, repeated
+            raise LostTokens(
+                f"decode node {node_name} sent token {index} of this request while "
+                f"{num_have} arrived: tokens were lost on its link"
+            )
+        num_known = num_have - index  # the prefill node's first token, repeated
         if num_known > len(token_ids):
-            return None   # a repeat of what arrived
-        if token_ids[:num_known] != self.output_ids[self.life_base + index:]:
-            raise ValueError(f"decode node {node_name} began with another first token than the prefill node")
+            return None  # a repeat of what arrived
+        if token_ids[:num_known] != self.output_ids[self.life_base + index :]:
+            raise ValueError(
+                f"decode node {node_name} began with another first token than the prefill node"
+            )
         self.is_decoding = True
         return num_known
 
@@ -112,8 +131,9 @@ class RequestState:
         """Tokens on their way to the client (a moved request's wait ends with the first)."""
         self.output_ids += token_ids
         if self.params.num_logprobs >= 0:
-            self.output_logprobs += list(logprobs or [])[:len(token_ids)] + \
-                [None] * max(len(token_ids) - len(logprobs or []), 0)
+            self.output_logprobs += list(logprobs or [])[: len(token_ids)] + [None] * max(
+                len(token_ids) - len(logprobs or []), 0
+            )
         self.detok.add(token_ids)
         if token_ids:
             now = time.monotonic()
@@ -130,8 +150,11 @@ class RequestState:
             return self.prompt_ids, self.params
         # NOTE: penalties count the outputs as outputs, and the prompt's logprobs came already.
         return self.prompt_ids + self.output_ids, dataclasses.replace(
-            self.params, max_tokens=self.params.max_tokens - len(self.output_ids),
-            num_prior_outputs=len(self.output_ids), num_prompt_logprobs=-1)
+            self.params,
+            max_tokens=self.params.max_tokens - len(self.output_ids),
+            num_prior_outputs=len(self.output_ids),
+            num_prompt_logprobs=-1,
+        )
 
     def move(self, node_id: str, moved_from: str) -> None:
         """Forget its route: it waits to be routed again under a new id (what its old

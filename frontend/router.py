@@ -13,6 +13,7 @@ fewer there. Both counts are kept here,
 at routing time, so a burst of requests spreads at once instead of waiting for
 the next heartbeat. A node that joins or dies changes the choice at once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,12 +31,14 @@ class NodeState:
     last_seen: float
     stats: dict = field(default_factory=dict)
     is_alive: bool = True
-    is_draining: bool = False     # routed nothing more; it leaves once what it holds is gone
-    dead_since: float = 0.0       # monotonic; a node dead past the grace period is forgotten
-    num_routed: int = 0           # requests ever sent here
-    num_active: int = 0           # decode: routed, not finished
-    num_queued_tokens: int = 0    # prompt tokens routed here to prefill, not yet prefilled (less cached ones)
-    prefix_keys: set[int] = field(default_factory=set)   # route keys of its cached blocks
+    is_draining: bool = False  # routed nothing more; it leaves once what it holds is gone
+    dead_since: float = 0.0  # monotonic; a node dead past the grace period is forgotten
+    num_routed: int = 0  # requests ever sent here
+    num_active: int = 0  # decode: routed, not finished
+    num_queued_tokens: int = (
+        0  # prompt tokens routed here to prefill, not yet prefilled (less cached ones)
+    )
+    prefix_keys: set[int] = field(default_factory=set)  # route keys of its cached blocks
 
     @property
     def role(self) -> str:
@@ -64,7 +67,7 @@ def cached_tokens(node: NodeState, prompt_len: int, keys: dict[int, list[int]] |
     if not keys or not node.prefix_keys or bs not in keys:
         return 0
     n = 0
-    for k in keys[bs][:num_reusable_blocks(prompt_len, bs)]:
+    for k in keys[bs][: num_reusable_blocks(prompt_len, bs)]:
         if k not in node.prefix_keys:
             break
         n += 1
@@ -84,32 +87,59 @@ def max_rows(nodes: dict[str, NodeState]) -> int | None:
     return max(rows) if rows and all(rows) else None
 
 
-def choose(nodes: dict[str, NodeState], max_queued_tokens: int | None = None, prompt_len: int = 0,
-           keys: dict[int, list[int]] | None = None, is_decode_cache: bool = False,
-           is_prefill_full_ok: bool = False,
-           num_rows: int = 1) -> tuple[NodeState, NodeState] | None:
+def choose(
+    nodes: dict[str, NodeState],
+    max_queued_tokens: int | None = None,
+    prompt_len: int = 0,
+    keys: dict[int, list[int]] | None = None,
+    is_decode_cache: bool = False,
+    is_prefill_full_ok: bool = False,
+    num_rows: int = 1,
+) -> tuple[NodeState, NodeState] | None:
     """(prefill node, decode node), or None if either role has no live node (with
     max_queued_tokens: no live node with room; is_prefill_full_ok: a prefill node needs none;
     num_rows: no live decode node whose batch holds that many sequences).
     is_decode_cache: decode nodes' caches count."""
-    live = [n for n in nodes.values() if n.is_alive and not n.is_draining and
-            (max_queued_tokens is None or has_room(n, max_queued_tokens)
-             or (is_prefill_full_ok and n.role == "prefill"))]
+    live = [
+        n
+        for n in nodes.values()
+        if n.is_alive
+        and not n.is_draining
+        and (
+            max_queued_tokens is None
+            or has_room(n, max_queued_tokens)
+            or (is_prefill_full_ok and n.role == "prefill")
+        )
+    ]
     prefills = [n for n in live if n.role == "prefill"]
-    decodes = [n for n in live
-               if n.role == "decode" and n.ready.kv_endpoint and has_rows(n, num_rows)]
+    decodes = [
+        n for n in live if n.role == "decode" and n.ready.kv_endpoint and has_rows(n, num_rows)
+    ]
     if not prefills or not decodes:
         return None
-    prefill = min(prefills, key=lambda n: (
-        n.num_queued_tokens + prompt_len - cached_tokens(n, prompt_len, keys), n.num_queued_tokens, n.num_routed))
-    decode = min(decodes, key=lambda n: (
-        n.num_active - (cached_tokens(n, prompt_len, keys) / DECODE_CACHE_TOKENS if is_decode_cache else 0),
-        -figure(n.stats, "num_available_blocks"), n.num_routed))
+    prefill = min(
+        prefills,
+        key=lambda n: (
+            n.num_queued_tokens + prompt_len - cached_tokens(n, prompt_len, keys),
+            n.num_queued_tokens,
+            n.num_routed,
+        ),
+    )
+    decode = min(
+        decodes,
+        key=lambda n: (
+            n.num_active
+            - (cached_tokens(n, prompt_len, keys) / DECODE_CACHE_TOKENS if is_decode_cache else 0),
+            -figure(n.stats, "num_available_blocks"),
+            n.num_routed,
+        ),
+    )
     return prefill, decode
 
 
-def prefix_keys(nodes: dict[str, NodeState], prompt_ids: list[int],
-                known: dict[int, list[int]]) -> dict[int, list[int]] | None:
+def prefix_keys(
+    nodes: dict[str, NodeState], prompt_ids: list[int], known: dict[int, list[int]]
+) -> dict[int, list[int]] | None:
     """Route keys of the prompt's full blocks, per block size of the nodes that report
     a prefix cache (None when none does), added to known: hashed once per request and
     size, as a request waiting for room is tried again at every wake."""
@@ -120,9 +150,14 @@ def prefix_keys(nodes: dict[str, NodeState], prompt_ids: list[int],
     return known or None
 
 
-def assign(nodes: dict[str, NodeState], max_queued_tokens: int, prompt_ids: list[int],
-           known_keys: dict[int, list[int]], is_local=None,
-           num_rows: int = 1) -> tuple[NodeState, NodeState, int] | None:
+def assign(
+    nodes: dict[str, NodeState],
+    max_queued_tokens: int,
+    prompt_ids: list[int],
+    known_keys: dict[int, list[int]],
+    is_local=None,
+    num_rows: int = 1,
+) -> tuple[NodeState, NodeState, int] | None:
     """Route a request now: (the node that prefills it, decode node, prompt tokens it is
     expected to compute), counted as routed; None while no pair has room. is_local(prefill
     node, decode node, tokens to compute on each): whether the decode node prefills it
@@ -130,13 +165,21 @@ def assign(nodes: dict[str, NodeState], max_queued_tokens: int, prompt_ids: list
     it runs as on its decode node (its n choices, sent together)."""
     keys = prefix_keys(nodes, prompt_ids, known_keys)
     n, may_be_local = len(prompt_ids), is_local is not None
-    route = choose(nodes, max_queued_tokens, n, keys, is_decode_cache=may_be_local,
-                   num_rows=num_rows)
+    route = choose(
+        nodes, max_queued_tokens, n, keys, is_decode_cache=may_be_local, num_rows=num_rows
+    )
     # NOTE: every prefill node full: a prompt its decode node may take goes on there.
     is_full = route is None and may_be_local
     if is_full:
-        route = choose(nodes, max_queued_tokens, n, keys, is_decode_cache=True,
-                       is_prefill_full_ok=True, num_rows=num_rows)
+        route = choose(
+            nodes,
+            max_queued_tokens,
+            n,
+            keys,
+            is_decode_cache=True,
+            is_prefill_full_ok=True,
+            num_rows=num_rows,
+        )
     if route is None:
         return None
     prefill, decode = route

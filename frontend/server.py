@@ -12,6 +12,7 @@ Request ids are the client's own, scoped to its connection; nodes see ids made
 here, so no client can name another's request. A node may speak only for the
 requests routed to it, and (with keys) only under the name its key proves.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,16 +24,27 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from common.wire.channel import AsyncChannel, BadMessage, open_async_context
 from common.base.config import FrontendConfig, clamp_model_len
-from common.wire.keys import FRONTEND, load_keys
 from common.base.log import Throttle, get_logger
 from common.base.model_spec import load_spec
-from common.runtime.process import describe_threads
-from common.wire.protocol import (CLIENT_TO_FRONTEND, AbortRequest, DrainRequest, ErrorReply, GenerateOutput,
-                                  Fork, GenerateRequest, NodeAbort, PrefillRequest, StatsReply, StatsRequest)
 from common.base.request import FINISH_ABORT, FINISH_ERROR
+from common.runtime.process import describe_threads
+from common.wire.channel import AsyncChannel, BadMessage, open_async_context
 from common.wire.client import MAX_MESSAGES
+from common.wire.keys import FRONTEND, load_keys
+from common.wire.protocol import (
+    CLIENT_TO_FRONTEND,
+    AbortRequest,
+    DrainRequest,
+    ErrorReply,
+    Fork,
+    GenerateOutput,
+    GenerateRequest,
+    NodeAbort,
+    PrefillRequest,
+    StatsReply,
+    StatsRequest,
+)
 from frontend import activity, http, paths, router
 from frontend.admission import Admission
 from frontend.detok import IncrementalDetokenizer
@@ -45,39 +57,52 @@ from frontend.prompts import Prompts
 from frontend.request import ClientKey, RequestState
 
 log = get_logger("frontend")
-noisy = Throttle(log)   # lines about what clients and peers send
-WATCHDOG_S = 0.1   # the watchdog's tick
-STALL_S = 0.2      # a tick later than this by: the loop was held up
-PROMPT_LOGPROBS_WAIT_S = 10.0   # a decode node's updates wait this long for the prompt's logprobs
+noisy = Throttle(log)  # lines about what clients and peers send
+WATCHDOG_S = 0.1  # the watchdog's tick
+STALL_S = 0.2  # a tick later than this by: the loop was held up
+PROMPT_LOGPROBS_WAIT_S = 10.0  # a decode node's updates wait this long for the prompt's logprobs
 
 
 class Frontend:
     def __init__(self, cfg: FrontendConfig):
         from transformers import AutoTokenizer
+
         self.cfg = cfg
         self.keys = load_keys(cfg.keys_dir, FRONTEND)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.spec = load_spec(cfg.model)
         self.served_model = cfg.served_model_name or Path(cfg.model).name
         self.max_model_len = clamp_model_len(cfg.max_model_len, self.spec.max_position_embeddings)
-        self.prompts = Prompts(cfg.model, self.tokenizer, self.spec, self.max_model_len,
-                               cfg.logprobs_mode == "processed_logprobs")
+        self.prompts = Prompts(
+            cfg.model,
+            self.tokenizer,
+            self.spec,
+            self.max_model_len,
+            cfg.logprobs_mode == "processed_logprobs",
+        )
         self.intake = Intake(self)
         self.migrations = Migrations(self)
         self.node_messages = NodeMessages(self, self.migrations)
-        self.registry = NodeRegistry(cfg, self.keys is not None, self.migrations.node_lost,
-                                     self.migrations.sync, self.wake_dispatch)
-        self.nodes = self.registry.nodes   # by name
-        self.requests: dict[str, RequestState] = {}                  # by node id
-        self.by_client: dict[tuple[bytes, str], list[RequestState]] = {}   # (client, its id) -> its n choices
+        self.registry = NodeRegistry(
+            cfg,
+            self.keys is not None,
+            self.migrations.node_lost,
+            self.migrations.sync,
+            self.wake_dispatch,
+        )
+        self.nodes = self.registry.nodes  # by name
+        self.requests: dict[str, RequestState] = {}  # by node id
+        self.by_client: dict[
+            tuple[bytes, str], list[RequestState]
+        ] = {}  # (client, its id) -> its n choices
         self.admission = Admission(cfg.max_requests_per_client, cfg.max_kv_tokens_per_client)
         self.num_requests = 0
         self.num_served = 0
         self.is_draining = False
-        self.num_routes: dict[str, int] = {}   # "prefill -> decode" -> requests routed that way
+        self.num_routes: dict[str, int] = {}  # "prefill -> decode" -> requests routed that way
         self.paths = paths.PathChooser(cfg.disaggregate, time.monotonic)
         self.metrics = Metrics(self)
-        self.activity = activity.ActivityLog(self, cfg.links.log_interval_s)   # the periodic line
+        self.activity = activity.ActivityLog(self, cfg.links.log_interval_s)  # the periodic line
         # In-process clients' replies: local_sink(client, message, http_status).
         self.local_sink: Callable[[ClientKey, object, int | None], None] | None = None
         # ZeroMQ clients' outputs while a TokenBatch is handled: sent as one message each.
@@ -90,11 +115,17 @@ class Frontend:
         ctx = open_async_context(self.keys)
         limit = self.cfg.links.max_message_bytes
         # NOTE: no list in a client's message may be longer than the model: refused unread.
-        self.clients = AsyncChannel(ctx, True, self.cfg.client_endpoint, max_message_bytes=limit,
-                                    domain="clients" if self.cfg.is_client_auth else None,
-                                    max_list_len=max(self.max_model_len, MAX_MESSAGES) + 1)
-        self.node_link = AsyncChannel(ctx, True, self.cfg.node_endpoint, max_message_bytes=limit,
-                                      domain="nodes")
+        self.clients = AsyncChannel(
+            ctx,
+            True,
+            self.cfg.client_endpoint,
+            max_message_bytes=limit,
+            domain="clients" if self.cfg.is_client_auth else None,
+            max_list_len=max(self.max_model_len, MAX_MESSAGES) + 1,
+        )
+        self.node_link = AsyncChannel(
+            ctx, True, self.cfg.node_endpoint, max_message_bytes=limit, domain="nodes"
+        )
         self.registry.link = self.node_link
         web = None
         try:
@@ -114,20 +145,34 @@ class Frontend:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         self._wake = asyncio.Event()
-        log.info("serving clients at %s, nodes at %s (%s; %s)", self.cfg.client_endpoint,
-                 self.cfg.node_endpoint, f"CURVE keys from {self.cfg.keys_dir}" if self.keys
-                 else "open links: anyone who reaches the node port can join", describe_threads())
-        loops = (self._client_loop(), self.node_messages.run(), self._dispatch_loop(),
-                 self._watchdog_loop(), self.activity.run())
+        log.info(
+            "serving clients at %s, nodes at %s (%s; %s)",
+            self.cfg.client_endpoint,
+            self.cfg.node_endpoint,
+            f"CURVE keys from {self.cfg.keys_dir}"
+            if self.keys
+            else "open links: anyone who reaches the node port can join",
+            describe_threads(),
+        )
+        loops = (
+            self._client_loop(),
+            self.node_messages.run(),
+            self._dispatch_loop(),
+            self._watchdog_loop(),
+            self.activity.run(),
+        )
         tasks = [asyncio.create_task(c, name=c.__name__) for c in loops]
         stopped = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([*tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
         rc = 0
         for t in done:
-            if t is not stopped:   # NOTE: a loop never ends by itself; if it did, say so and exit
+            if t is not stopped:  # NOTE: a loop never ends by itself; if it did, say so and exit
                 rc = 1
-                log.error("the %s task died: the frontend stops", t.get_name(),
-                          exc_info=t.exception() if not t.cancelled() else None)
+                log.error(
+                    "the %s task died: the frontend stops",
+                    t.get_name(),
+                    exc_info=t.exception() if not t.cancelled() else None,
+                )
         if rc == 0:
             await self._drain()
         log.info("stopping: %d requests in flight are aborted", len(self.requests))
@@ -143,8 +188,11 @@ class Frontend:
         self.is_draining = True
         deadline = time.monotonic() + self.cfg.drain_timeout_s
         if self.requests:
-            log.info("draining: %d requests in flight get up to %.0fs to finish", len(self.requests),
-                     self.cfg.drain_timeout_s)
+            log.info(
+                "draining: %d requests in flight get up to %.0fs to finish",
+                len(self.requests),
+                self.cfg.drain_timeout_s,
+            )
         while self.requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
@@ -161,8 +209,15 @@ class Frontend:
                 elif isinstance(msg, AbortRequest):
                     await self.abort(client, msg.request_id)
                 elif isinstance(msg, StatsRequest):
-                    await self.reply(client, StatsReply(self.is_ready(), self.node_stats(),
-                                                         self.model_info(), self.frontend_stats()))
+                    await self.reply(
+                        client,
+                        StatsReply(
+                            self.is_ready(),
+                            self.node_stats(),
+                            self.model_info(),
+                            self.frontend_stats(),
+                        ),
+                    )
                 elif isinstance(msg, DrainRequest):
                     await self.reply(client, *await self.migrations.on_drain_request(msg.node))
             except Exception:  # one bad request must not stop the service
@@ -181,13 +236,17 @@ class Frontend:
         elif self.local_sink is not None:
             self.local_sink(client, msg, status)
 
-    async def reply_error(self, client: ClientKey, request_id: str | None, error: str,
-                          status: int = 400) -> None:
+    async def reply_error(
+        self, client: ClientKey, request_id: str | None, error: str, status: int = 400
+    ) -> None:
         noisy.info("rejected request %s: %s", request_id, error)
         if request_id is not None and (client, request_id) not in self.by_client:
             # index -1: every choice of it ends with this
-            await self.reply(client, GenerateOutput(request_id, [], "", True, FINISH_ERROR, error, index=-1),
-                             status)
+            await self.reply(
+                client,
+                GenerateOutput(request_id, [], "", True, FINISH_ERROR, error, index=-1),
+                status,
+            )
         else:
             await self.reply(client, ErrorReply(error, request_id), status)
 
@@ -207,10 +266,18 @@ class Frontend:
         choices = self.by_client[(client, req.request_id)] = []
         for i in range(req.n):
             self.num_requests += 1
-            state = RequestState(f"{self.num_requests:x}", req.request_id, client, ids,
-                                 dataclasses.replace(params, seed=(params.seed + i) % 2**63),
-                                 IncrementalDetokenizer(self.tokenizer, req.stop), time.time(),
-                                 time.monotonic() + timeout, is_prompt_only=req.max_tokens == 0, index=i)
+            state = RequestState(
+                f"{self.num_requests:x}",
+                req.request_id,
+                client,
+                ids,
+                dataclasses.replace(params, seed=(params.seed + i) % 2**63),
+                IncrementalDetokenizer(self.tokenizer, req.stop),
+                time.time(),
+                time.monotonic() + timeout,
+                is_prompt_only=req.max_tokens == 0,
+                index=i,
+            )
             self.requests[state.node_id] = state
             choices.append(state)
             self.admission.add(client, state, state.kv_tokens, is_waiting=i == 0)
@@ -221,9 +288,11 @@ class Frontend:
     async def abort(self, client: ClientKey, request_id: str) -> None:
         choices = self.by_client.get((client, request_id))
         if choices is None and self.intake.cancel((client, request_id)):
-            return   # answered once its tokenizing ends
+            return  # answered once its tokenizing ends
         if choices is None:
-            await self.reply(client, ErrorReply(f"unknown request_id {request_id!r}", request_id), 404)
+            await self.reply(
+                client, ErrorReply(f"unknown request_id {request_id!r}", request_id), 404
+            )
             return
         for req in list(choices):
             await self.finish(req, FINISH_ABORT, "cancelled by the client")
@@ -238,20 +307,37 @@ class Frontend:
             self._wake.clear()
             while self.admission.num_waiting:
                 req = self.admission.peek()
-                ids, params = req.continuation()   # a moved request: its prompt and what it streamed
-                can_local = not req.forks and params.num_prompt_logprobs < 0 and not params.is_masked_per_step
+                ids, params = req.continuation()  # a moved request: its prompt and what it streamed
+                can_local = (
+                    not req.forks
+                    and params.num_prompt_logprobs < 0
+                    and not params.is_masked_per_step
+                )
                 choice = None
 
                 def is_local(prefill, decode, work_tokens, local_tokens) -> bool:
                     nonlocal choice
-                    choice = self.paths.decide(paths.figures(len(ids), work_tokens, local_tokens, prefill, decode),
-                                               decode.name, can_local)
+                    choice = self.paths.decide(
+                        paths.figures(len(ids), work_tokens, local_tokens, prefill, decode),
+                        decode.name,
+                        can_local,
+                    )
                     return choice.path == "local"
+
                 num_rows = 1 + sum(f.node_id in self.requests for f in req.forks)
-                route = router.assign(self.nodes, self.cfg.max_queued_tokens, ids, req.route_keys,
-                                      None if self.paths.mode == "always" else is_local, num_rows)
-                if route is None and router.choose(self.nodes) is not None and \
-                        router.choose(self.nodes, num_rows=num_rows) is None:
+                route = router.assign(
+                    self.nodes,
+                    self.cfg.max_queued_tokens,
+                    ids,
+                    req.route_keys,
+                    None if self.paths.mode == "always" else is_local,
+                    num_rows,
+                )
+                if (
+                    route is None
+                    and router.choose(self.nodes) is not None
+                    and router.choose(self.nodes, num_rows=num_rows) is None
+                ):
                     # NOTE: it would wait at the head of the line, and everyone behind it
                     why = f"no live decode node has the {num_rows} batch rows its n choices need"
                     await self.fail_request(req, why, 503)
@@ -260,10 +346,10 @@ class Frontend:
                     break
                 self.admission.next()
                 prefill, decode, req.work_tokens = route
-                if choice is None:   # --disaggregate always: not asked
+                if choice is None:  # --disaggregate always: not asked
                     choice = self.paths.decide(paths.Figures(len(ids)), decode.name, can_local)
                 self.paths.record(choice, decode.name)
-                t = choice.timings()   # a moved request keeps its first life's path
+                t = choice.timings()  # a moved request keeps its first life's path
                 req.timings.update({"path_after_move": t["path"]} if req.num_migrations else t)
                 forks, req.forks = [f for f in req.forks if f.node_id in self.requests], []
                 for r in [req, *forks]:
@@ -274,10 +360,18 @@ class Frontend:
                 self.num_routes[pair] = self.num_routes.get(pair, 0) + 1 + len(forks)
                 if req.moved_at is not None:
                     self.migrations.routed(req, pair)
-                await self.node_link.send(PrefillRequest(req.node_id, ids, params, req.arrival_time,
-                                                         decode.name, decode.ready.kv_endpoint,
-                                                         [Fork(f.node_id, f.params.seed) for f in forks]),
-                                          to=prefill.identity)
+                await self.node_link.send(
+                    PrefillRequest(
+                        req.node_id,
+                        ids,
+                        params,
+                        req.arrival_time,
+                        decode.name,
+                        decode.ready.kv_endpoint,
+                        [Fork(f.node_id, f.params.seed) for f in forks],
+                    ),
+                    to=prefill.identity,
+                )
 
     # ---- figures --------------------------------------------------------------
 
@@ -285,29 +379,47 @@ class Frontend:
         return router.choose(self.nodes) is not None and not self.is_draining
 
     def model_info(self) -> dict:
-        return {"name": self.served_model, "vocab_size": self.spec.vocab_size,
-                "max_model_len": self.max_model_len}
+        return {
+            "name": self.served_model,
+            "vocab_size": self.spec.vocab_size,
+            "max_model_len": self.max_model_len,
+        }
 
     def frontend_stats(self) -> dict:
-        return {"pid": os.getpid(), "host": socket.gethostname(), "cpu_s": round(time.process_time(), 3),
-                "is_draining": self.is_draining, "is_authenticated": bool(self.keys),
-                "num_waiting": self.admission.num_waiting,
-                "num_running": len(self.requests) - self.admission.num_waiting,
-                "num_clients": len(self.admission.clients), "num_served": self.num_served,
-                "num_overloaded": self.admission.num_refused,
-                "num_bad_client_messages": self.clients.num_bad,
-                "num_bad_node_messages": self.node_link.num_bad,
-                "num_node_link_resets": self.node_link.num_reroutes,
-                "routes": dict(self.num_routes), "migrations": self.migrations.counts(), "paths": self.paths.stats()}
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "cpu_s": round(time.process_time(), 3),
+            "is_draining": self.is_draining,
+            "is_authenticated": bool(self.keys),
+            "num_waiting": self.admission.num_waiting,
+            "num_running": len(self.requests) - self.admission.num_waiting,
+            "num_clients": len(self.admission.clients),
+            "num_served": self.num_served,
+            "num_overloaded": self.admission.num_refused,
+            "num_bad_client_messages": self.clients.num_bad,
+            "num_bad_node_messages": self.node_link.num_bad,
+            "num_node_link_resets": self.node_link.num_reroutes,
+            "routes": dict(self.num_routes),
+            "migrations": self.migrations.counts(),
+            "paths": self.paths.stats(),
+        }
 
     def node_stats(self) -> dict:
         return self.registry.stats()
 
     # ---- requests leave ----------------------------------------------------------
 
-    async def finish(self, req: RequestState, reason: str, error: str | None,
-                      token_ids: list[int] = (), is_node_done: bool = False,
-                      status: int | None = None, logprobs: list | None = None) -> None:
+    async def finish(
+        self,
+        req: RequestState,
+        reason: str,
+        error: str | None,
+        token_ids: list[int] = (),
+        is_node_done: bool = False,
+        status: int | None = None,
+        logprobs: list | None = None,
+    ) -> None:
         """The last message of a request; the nodes drop it unless they ended it themselves.
         status: the HTTP status an error maps to (for in-process clients)."""
         if self.requests.pop(req.node_id, None) is None:
@@ -318,7 +430,7 @@ class Frontend:
         if not choices:
             self.by_client.pop((req.client, req.request_id), None)
         self.admission.done(req.client, req, req.kv_tokens)
-        for f in req.forks:   # ended before they were sent with it: they go on their own
+        for f in req.forks:  # ended before they were sent with it: they go on their own
             if f.node_id in self.requests:
                 self.admission.requeue(f.client, f)
         req.forks = []
@@ -330,14 +442,33 @@ class Frontend:
                     await self.node_link.send(NodeAbort(req.node_id), to=node.identity)
         req.timings["total_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
         if req.num_migrations:
-            req.timings.update(num_migrations=req.num_migrations, migrated_ms=round(req.migrated_s * 1e3, 3))
-        usage = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": req.num_tokens,
-                 "cached_tokens": req.num_cached_tokens}
+            req.timings.update(
+                num_migrations=req.num_migrations, migrated_ms=round(req.migrated_s * 1e3, 3)
+            )
+        usage = {
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": req.num_tokens,
+            "cached_tokens": req.num_cached_tokens,
+        }
         self.num_served += 1
         self.metrics.finished(req, reason)
-        await self.reply(req.client, GenerateOutput(req.request_id, list(token_ids), req.detok.take(True),
-                                                    True, reason, error, usage, req.timings, logprobs,
-                                                    **req.take_prompt_logprobs(), index=req.index), status)
+        await self.reply(
+            req.client,
+            GenerateOutput(
+                req.request_id,
+                list(token_ids),
+                req.detok.take(True),
+                True,
+                reason,
+                error,
+                usage,
+                req.timings,
+                logprobs,
+                **req.take_prompt_logprobs(),
+                index=req.index,
+            ),
+            status,
+        )
 
     async def fail_request(self, req: RequestState, error: str, status: int) -> None:
         """Every choice of req's request ends with this error."""
@@ -366,20 +497,26 @@ class Frontend:
             # NOTE: a tick this late means the loop itself was held up, and with it the node
             # loop that reads heartbeats: that time is not nodes' silence.
             if now - last > WATCHDOG_S + STALL_S:
-                log.warning("the frontend's loop was held up for %.2fs, and every stream with it: "
-                            "if this recurs, give the frontend a core of its own (its --cpus) or "
-                            "run fewer nodes on this host", now - last - WATCHDOG_S)
+                log.warning(
+                    "the frontend's loop was held up for %.2fs, and every stream with it: "
+                    "if this recurs, give the frontend a core of its own (its --cpus) or "
+                    "run fewer nodes on this host",
+                    now - last - WATCHDOG_S,
+                )
                 self.registry.excuse(now - last - WATCHDOG_S)
             last = now
             await self.registry.check(now)
             for req in list(self.requests.values()):
                 if now > req.deadline:
                     await self.finish(req, FINISH_ABORT, "deadline exceeded", status=504)
-                elif req.moved_at is not None:   # NOTE: every request, every tick: test first
+                elif req.moved_at is not None:  # NOTE: every request, every tick: test first
                     await self.migrations.check_wait(req, now)
                 elif req.held_since is not None and now - req.held_since > PROMPT_LOGPROBS_WAIT_S:
-                    await self.finish(req, FINISH_ERROR, f"the prompt's logprobs did not come from prefill "
-                                                         f"node {req.prefill_node}", status=502)
+                    await self.finish(
+                        req,
+                        FINISH_ERROR,
+                        f"the prompt's logprobs did not come from prefill node {req.prefill_node}",
+                        status=502,
+                    )
             if self.admission.num_waiting:
                 self._wake.set()
-

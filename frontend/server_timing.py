@@ -3,12 +3,18 @@ transfer, decode admission, decode (first token to last) and the total, so a cli
 that misses an SLO (AIPerf's, GuideLLM's) can tell which phase took the time. A whole
 response carries them in a Server-Timing header (W3C: `queue;dur=0.5, prefill;dur=31`,
 milliseconds); a stream in `timings` on its last chunk (docs/openai_api.md)."""
+
 from __future__ import annotations
 
 # Server-Timing's name for each phase -> its key in a request's timings.
-PHASES = (("queue", "queue_ms"), ("prefill", "prefill_ms"), ("kv_transfer", "kv_transfer_ms"),
-          ("decode_admission", "decode_admission_ms"), ("decode", "decode_ms"),
-          ("total", "total_ms"))
+PHASES = (
+    ("queue", "queue_ms"),
+    ("prefill", "prefill_ms"),
+    ("kv_transfer", "kv_transfer_ms"),
+    ("decode_admission", "decode_admission_ms"),
+    ("decode", "decode_ms"),
+    ("total", "total_ms"),
+)
 
 
 def _ms(value) -> float | None:

@@ -2,11 +2,12 @@
 implementation for its tensors' device (backend_for gives them all at once);
 `portable` is always there: the reference, and what serves where no faster
 backend loads."""
+
 from __future__ import annotations
 
 from kernels import portable
-from kernels.portable import rotary_cos_sin  # noqa: F401  (table set-up, not a hot op)
 from kernels.backends import backend_for
+from kernels.portable import rotary_cos_sin  # noqa: F401  (table set-up, not a hot op)
 
 
 def rms_norm(x, weight, eps):
@@ -21,19 +22,24 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps):
     return backend_for(q).qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps)
 
 
-def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache,
-                          slot_mapping):
-    return backend_for(q).qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, cos_sin, positions,
-                                                eps, k_cache, v_cache, slot_mapping)
+def qk_norm_rope_write_kv(
+    q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache, slot_mapping
+):
+    return backend_for(q).qk_norm_rope_write_kv(
+        q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache, slot_mapping
+    )
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     return backend_for(k).write_kv(k_cache, v_cache, k, v, slot_mapping)
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, meta=None):
-    return backend_for(q).prefill_attention(q, k_cache, v_cache, block_tables,
-                                            query_lens, context_lens, scale, meta)
+def prefill_attention(
+    q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, meta=None
+):
+    return backend_for(q).prefill_attention(
+        q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, meta
+    )
 
 
 def linear(x, weight, bias=None):
@@ -45,8 +51,9 @@ def silu_mul(gate_up):
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_seq_lens=None):
-    return backend_for(q).decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                           host_seq_lens)
+    return backend_for(q).decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, host_seq_lens
+    )
 
 
 def compute_slot_mapping(seq_lens, block_tables, block_size, out):

@@ -1,6 +1,7 @@
 """Which implementation serves a device type. A backend is a module exposing
 the op functions; a fast backend may leave an op out and the portable one
 serves it. Chosen once per device type, not per call."""
+
 from __future__ import annotations
 
 import importlib
@@ -14,9 +15,19 @@ from kernels import options, portable
 from kernels.options import KernelOptions
 
 log = logging.getLogger("pdserve.kernels")
-_OPS = ("rms_norm", "add_rms_norm", "qk_norm_rope", "write_kv", "prefill_attention",
-        "decode_attention", "linear", "silu_mul", "qk_norm_rope_write_kv", "compute_slot_mapping",
-        "advance_step")
+_OPS = (
+    "rms_norm",
+    "add_rms_norm",
+    "qk_norm_rope",
+    "write_kv",
+    "prefill_attention",
+    "decode_attention",
+    "linear",
+    "silu_mul",
+    "qk_norm_rope_write_kv",
+    "compute_slot_mapping",
+    "advance_step",
+)
 
 
 def _merge(fast) -> types.SimpleNamespace:

@@ -10,6 +10,7 @@ Everything the kernels read stays where the worker put it: the cache is read
 in place through the block tables, never gathered; except a long prompt chunk's
 attention, which torch's fused kernel computes faster over its gathered KV.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -36,7 +37,7 @@ SOURCES = [Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_linear.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=gnu11"]
 LINK_FLAGS = ["-shared", "-fPIC"]
 MIN_ROWS_PER_THREAD = 8
-PREFILL_HEAD_DIM_MULTIPLE = 16   # the prefill kernel's register tile (DB in the C file)
+PREFILL_HEAD_DIM_MULTIPLE = 16  # the prefill kernel's register tile (DB in the C file)
 # From this many query tokens a chunk's attention is torch's (its fused CPU kernel, over the
 # chunk's KV gathered from the cache): even with the C kernel at 256 tokens, 1.7x its rate at
 # 2,048 (one thread, AVX2; launch/bench/attention.py); below it the C kernel, which takes many
@@ -45,10 +46,12 @@ TORCH_MIN_QUERY_LEN = 256
 # From this many rows of x, a bf16 weight is widened whole and the matmul runs at the fp32
 # rate; below it, the C kernel streams the weight once (measured crossover on AVX2: 64-128).
 LINEAR_WIDEN_ROWS = 96
-LINEAR_COLUMNS = 8                 # the C kernel's column tile: threads split N in these
+LINEAR_COLUMNS = 8  # the C kernel's column tile: threads split N in these
 MIN_COLUMNS_PER_THREAD = 256
 # NOTE: where oneDNN has bf16 (AVX512-BF16, AMX), torch's own bf16 matmul is the fast one.
-IS_BF16_NATIVE = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+IS_BF16_NATIVE = (
+    torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+)
 
 
 def _cpu_flags() -> str:
@@ -66,8 +69,17 @@ def _build(cache_dir: Path) -> Path:
     if not cc:
         raise ImportError("no C compiler (cc or gcc) to build the CPU attention kernel")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), version, " ".join(FLAGS),
-                                    " ".join(LINK_FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join(
+            [
+                *(src.read_text() for src in SOURCES),
+                version,
+                " ".join(FLAGS),
+                " ".join(LINK_FLAGS),
+                _cpu_flags(),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     lib = cache_dir / f"cpu_attention-{key}.so"
     if lib.is_file():
         return lib
@@ -76,22 +88,30 @@ def _build(cache_dir: Path) -> Path:
     os.close(fd)
     with tempfile.TemporaryDirectory(dir=cache_dir) as build:
         # libmvec: glibc's vector math, where there is one; OpenMP: torch's runtime, where it can be linked
-        for libs in (["-fopenmp", "-lmvec", "-lm"], ["-fopenmp", "-lm"], ["-lmvec", "-lm"], ["-lm"]):
+        for libs in (
+            ["-fopenmp", "-lmvec", "-lm"],
+            ["-fopenmp", "-lm"],
+            ["-lmvec", "-lm"],
+            ["-lm"],
+        ):
             omp = [f for f in libs if f == "-fopenmp"]
             objs = [os.path.join(build, src.stem + ".o") for src in SOURCES]
             for src, obj in zip(SOURCES, objs):
-                done = subprocess.run([cc, *FLAGS, *omp, "-c", "-o", obj, str(src)], capture_output=True,
-                                      text=True)
+                done = subprocess.run(
+                    [cc, *FLAGS, *omp, "-c", "-o", obj, str(src)], capture_output=True, text=True
+                )
                 if done.returncode != 0:
                     break
             else:
-                done = subprocess.run([cc, *LINK_FLAGS, "-o", tmp, *objs, *libs], capture_output=True, text=True)
+                done = subprocess.run(
+                    [cc, *LINK_FLAGS, "-o", tmp, *objs, *libs], capture_output=True, text=True
+                )
             if done.returncode == 0:
                 break
     if done.returncode != 0:
         os.unlink(tmp)
         raise ImportError(f"building the CPU attention kernel failed: {done.stderr.strip()[:500]}")
-    os.replace(tmp, lib)   # NOTE: atomic: processes starting together each see a whole file
+    os.replace(tmp, lib)  # NOTE: atomic: processes starting together each see a whole file
     return lib
 
 
@@ -99,34 +119,69 @@ def _load():
     lib = ctypes.CDLL(str(_build(options.current[0].build_dir)))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     fns = {}
-    for dtype, name in ((torch.float32, "pdserve_decode_attention_f32"),
-                        (torch.bfloat16, "pdserve_decode_attention_bf16")):
+    for dtype, name in (
+        (torch.float32, "pdserve_decode_attention_f32"),
+        (torch.bfloat16, "pdserve_decode_attention_bf16"),
+    ):
         fn = getattr(lib, name)
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32]
         fn.restype = ctypes.c_int
         fns[dtype] = fn
     prefill = {}
-    for dtype, name in ((torch.float32, "pdserve_prefill_attention_f32"),
-                        (torch.bfloat16, "pdserve_prefill_attention_bf16")):
+    for dtype, name in (
+        (torch.float32, "pdserve_prefill_attention_f32"),
+        (torch.bfloat16, "pdserve_prefill_attention_bf16"),
+    ):
         fn = getattr(lib, name)
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32,
-                       i64, i64]
+        fn.argtypes = [
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            f32,
+            i64,
+            i64,
+        ]
         fn.restype = ctypes.c_int
         prefill[dtype] = fn
-    elementwise = {"rms_norm": (lib.pdserve_rms_norm_f32, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32]),
-                   "norm_rope": (lib.pdserve_norm_rope_f32, [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32]),
-                   "silu_mul": (lib.pdserve_silu_mul_f32, [ptr, i64, ptr, i64, i64]),
-                   "scatter_rows": (lib.pdserve_scatter_rows_f32, [ptr, i64, ptr, ptr, i64, i64]),
-                   "slot_mapping": (lib.pdserve_slot_mapping, [ptr, ptr, i64, i64, i64, ptr, i64]),
-                   "linear_bf16": (lib.pdserve_linear_bf16, [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64])}
+    elementwise = {
+        "rms_norm": (lib.pdserve_rms_norm_f32, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32]),
+        "norm_rope": (
+            lib.pdserve_norm_rope_f32,
+            [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32],
+        ),
+        "silu_mul": (lib.pdserve_silu_mul_f32, [ptr, i64, ptr, i64, i64]),
+        "scatter_rows": (lib.pdserve_scatter_rows_f32, [ptr, i64, ptr, ptr, i64, i64]),
+        "slot_mapping": (lib.pdserve_slot_mapping, [ptr, ptr, i64, i64, i64, ptr, i64]),
+        "linear_bf16": (
+            lib.pdserve_linear_bf16,
+            [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64],
+        ),
+    }
     for fn, argtypes in elementwise.values():
         fn.argtypes, fn.restype = argtypes, None
     lib.pdserve_has_openmp.restype = ctypes.c_int
-    return fns, prefill, {name: fn for name, (fn, _) in elementwise.items()}, bool(lib.pdserve_has_openmp())
+    return (
+        fns,
+        prefill,
+        {name: fn for name, (fn, _) in elementwise.items()},
+        bool(lib.pdserve_has_openmp()),
+    )
 
 
 _FNS, _PREFILL, _ELEMENTWISE, HAS_OPENMP = _load()
-_POOL: list[ThreadPoolExecutor] = []   # made on first use by a process given several threads
+_POOL: list[ThreadPoolExecutor] = []  # made on first use by a process given several threads
 
 
 def _pool(num_threads: int) -> ThreadPoolExecutor:
@@ -149,10 +204,23 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_se
     row = num_heads * head_dim
 
     def run(b0: int, b1: int) -> int:
-        return fn(qf.data_ptr() + 4 * b0 * row, k_cache.data_ptr(), v_cache.data_ptr(),
-                  tables.data_ptr() + 4 * b0 * tables.stride(0), tables.stride(0),
-                  lens.data_ptr() + 4 * b0, out.data_ptr() + 4 * b0 * row, b1 - b0, num_heads,
-                  num_kv_heads, head_dim, block_size, k_cache.stride(0), k_cache.stride(1), scale)
+        return fn(
+            qf.data_ptr() + 4 * b0 * row,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr() + 4 * b0 * tables.stride(0),
+            tables.stride(0),
+            lens.data_ptr() + 4 * b0,
+            out.data_ptr() + 4 * b0 * row,
+            b1 - b0,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            k_cache.stride(0),
+            k_cache.stride(1),
+            scale,
+        )
 
     _run_split(run, num_seqs, num_seqs // MIN_ROWS_PER_THREAD)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
@@ -169,8 +237,10 @@ def _run_split(run, num_items: int, max_parts: int) -> None:
     num_parts = min(torch.get_num_threads(), max_parts)
     if num_parts > 1:
         bounds = [num_items * i // num_parts for i in range(num_parts + 1)]
-        rest = [_pool(num_parts - 1).submit(run, i0, i1) for i0, i1 in zip(bounds[1:-1], bounds[2:])]
-        codes = [run(bounds[0], bounds[1])]   # the calling thread takes the first slice
+        rest = [
+            _pool(num_parts - 1).submit(run, i0, i1) for i0, i1 in zip(bounds[1:-1], bounds[2:])
+        ]
+        codes = [run(bounds[0], bounds[1])]  # the calling thread takes the first slice
         codes += [f.result() for f in rest]
     else:
         codes = [run(0, num_items)]
@@ -180,19 +250,30 @@ def _run_split(run, num_items: int, max_parts: int) -> None:
 
 def _is_cache_ok(k_cache, v_cache) -> bool:
     """A layout the C kernels read in place: [blocks, block_size, Hk, D], each token's row whole."""
-    return k_cache.device.type == "cpu" and k_cache.stride(-1) == 1 \
-        and k_cache.stride(-2) == k_cache.shape[-1] and v_cache.stride() == k_cache.stride()
+    return (
+        k_cache.device.type == "cpu"
+        and k_cache.stride(-1) == 1
+        and k_cache.stride(-2) == k_cache.shape[-1]
+        and v_cache.stride() == k_cache.stride()
+    )
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, meta=None):
+def prefill_attention(
+    q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, meta=None
+):
     """As portable.prefill_attention: causal attention of packed chunks [T, Hq, D] over
     their cached KV, read in place. Work is split by (chunk, KV head) over the threads.
     A chunk of TORCH_MIN_QUERY_LEN queries or more goes to torch's fused kernel instead."""
     fn = _PREFILL.get(k_cache.dtype)
-    if fn is None or not _is_cache_ok(k_cache, v_cache) or q.device.type != "cpu" \
-            or q.shape[-1] % PREFILL_HEAD_DIM_MULTIPLE:
-        return portable.prefill_attention(q, k_cache, v_cache, block_tables, query_lens,
-                                          context_lens, scale, meta)
+    if (
+        fn is None
+        or not _is_cache_ok(k_cache, v_cache)
+        or q.device.type != "cpu"
+        or q.shape[-1] % PREFILL_HEAD_DIM_MULTIPLE
+    ):
+        return portable.prefill_attention(
+            q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, meta
+        )
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     qf = q.float().contiguous()
@@ -202,22 +283,45 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_len
     for i, n in enumerate(query_lens):
         if n >= TORCH_MIN_QUERY_LEN:
             a = row_starts[i]
-            out[a:a + n] = portable.prefill_attention(qf[a:a + n], k_cache, v_cache, block_tables[i:i + 1], [n],
-                                                      [context_lens[i]], scale)
+            out[a : a + n] = portable.prefill_attention(
+                qf[a : a + n],
+                k_cache,
+                v_cache,
+                block_tables[i : i + 1],
+                [n],
+                [context_lens[i]],
+                scale,
+            )
     if not short:
         return out if q.dtype == torch.float32 else out.to(q.dtype)
     tables = _int32_rows(block_tables)
     if meta is None or meta.dtype != torch.int32 or not meta.is_contiguous():
         meta = torch.tensor([row_starts[:-1], query_lens, context_lens], dtype=torch.int32)
-    if len(short) < len(query_lens):   # NOTE: the C kernel writes each chunk's rows at its start
+    if len(short) < len(query_lens):  # NOTE: the C kernel writes each chunk's rows at its start
         tables, meta = tables[short].contiguous(), meta[:, short].contiguous()
     starts, q_lens, ctx_lens = meta
 
     def run(w0: int, w1: int) -> int:
-        return fn(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                  tables.stride(0), starts.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(),
-                  out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, k_cache.stride(0),
-                  k_cache.stride(1), scale, w0, w1)
+        return fn(
+            qf.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            starts.data_ptr(),
+            q_lens.data_ptr(),
+            ctx_lens.data_ptr(),
+            out.data_ptr(),
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            k_cache.stride(0),
+            k_cache.stride(1),
+            scale,
+            w0,
+            w1,
+        )
 
     num_items = meta.shape[1] * num_kv_heads
     _run_split(run, num_items, num_items)
@@ -226,8 +330,12 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_len
 
 def _rows_ok(x: torch.Tensor) -> bool:
     """fp32 on the CPU, last dimension contiguous, rows evenly strided: what the C ops read."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 and \
-        (x.dim() == 2 or x.is_contiguous() or x[0].is_contiguous())
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.stride(-1) == 1
+        and (x.dim() == 2 or x.is_contiguous() or x[0].is_contiguous())
+    )
 
 
 def rms_norm(x, weight, eps):
@@ -235,37 +343,77 @@ def rms_norm(x, weight, eps):
     if not (_rows_ok(x) and x.dim() == 2 and weight.dtype == torch.float32):
         return portable.rms_norm(x, weight, eps)
     out = torch.empty(x.shape, dtype=x.dtype)
-    _ELEMENTWISE["rms_norm"](x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), None,
-                             x.shape[0], x.shape[1], eps)
+    _ELEMENTWISE["rms_norm"](
+        x.data_ptr(),
+        x.stride(0),
+        None,
+        0,
+        weight.data_ptr(),
+        out.data_ptr(),
+        None,
+        x.shape[0],
+        x.shape[1],
+        eps,
+    )
     return out
 
 
 def add_rms_norm(x, residual, weight, eps):
     """As portable.add_rms_norm: (rms_norm(x + residual), x + residual), in one pass."""
-    if not (_rows_ok(x) and _rows_ok(residual) and x.dim() == 2 and x.shape == residual.shape
-            and weight.dtype == torch.float32):
+    if not (
+        _rows_ok(x)
+        and _rows_ok(residual)
+        and x.dim() == 2
+        and x.shape == residual.shape
+        and weight.dtype == torch.float32
+    ):
         return portable.add_rms_norm(x, residual, weight, eps)
     out, summed = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
-    _ELEMENTWISE["rms_norm"](x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
-                             weight.data_ptr(), out.data_ptr(), summed.data_ptr(), x.shape[0],
-                             x.shape[1], eps)
+    _ELEMENTWISE["rms_norm"](
+        x.data_ptr(),
+        x.stride(0),
+        residual.data_ptr(),
+        residual.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        summed.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        eps,
+    )
     return out, summed
 
 
 def _norm_rope(x, weight, cos_sin, positions, eps, out=None, slots=None):
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype)
-    _ELEMENTWISE["norm_rope"](x.data_ptr(), x.stride(0), weight.data_ptr(), cos_sin.data_ptr(),
-                              positions.data_ptr(), out.data_ptr(),
-                              None if slots is None else slots.data_ptr(), x.shape[0], x.shape[1],
-                              x.shape[2], eps)
+    _ELEMENTWISE["norm_rope"](
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        cos_sin.data_ptr(),
+        positions.data_ptr(),
+        out.data_ptr(),
+        None if slots is None else slots.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        x.shape[2],
+        eps,
+    )
     return out
 
 
 def _is_rope_ok(q, k, q_weight, cos_sin, positions) -> bool:
-    return _rows_ok(q) and _rows_ok(k) and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2] \
-        and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() \
-        and positions.is_contiguous() and q_weight.dtype == torch.float32
+    return (
+        _rows_ok(q)
+        and _rows_ok(k)
+        and q.stride(1) == q.shape[2]
+        and k.stride(1) == k.shape[2]
+        and cos_sin.dtype == torch.float32
+        and cos_sin.is_contiguous()
+        and positions.is_contiguous()
+        and q_weight.dtype == torch.float32
+    )
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps):
@@ -273,35 +421,63 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps):
     positions = positions.to(torch.int64)
     if not _is_rope_ok(q, k, q_weight, cos_sin, positions):
         return portable.qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps)
-    return _norm_rope(q, q_weight, cos_sin, positions, eps), _norm_rope(k, k_weight, cos_sin, positions, eps)
+    return _norm_rope(q, q_weight, cos_sin, positions, eps), _norm_rope(
+        k, k_weight, cos_sin, positions, eps
+    )
 
 
-def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache,
-                          slot_mapping):
+def qk_norm_rope_write_kv(
+    q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache, slot_mapping
+):
     """As portable.qk_norm_rope_write_kv; into an fp32 cache, the rotated k and v are
     written straight to their slots (no [T, Hk, D] intermediate, no index copy)."""
     positions = positions.to(torch.int64)
-    if not (k_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
-            and _rows_ok(v) and v.stride(1) == v.shape[2]
-            and _is_rope_ok(q, k, q_weight, cos_sin, positions)):
+    if not (
+        k_cache.dtype == torch.float32
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and _rows_ok(v)
+        and v.stride(1) == v.shape[2]
+        and _is_rope_ok(q, k, q_weight, cos_sin, positions)
+    ):
         q, k = qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps)
         portable.write_kv(k_cache, v_cache, k, v, slot_mapping)
         return q
     _norm_rope(k, k_weight, cos_sin, positions, eps, k_cache, slot_mapping)
-    _ELEMENTWISE["scatter_rows"](v.data_ptr(), v.stride(0), v_cache.data_ptr(), slot_mapping.data_ptr(),
-                                 v.shape[0], v.shape[1] * v.shape[2])
+    _ELEMENTWISE["scatter_rows"](
+        v.data_ptr(),
+        v.stride(0),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        v.shape[0],
+        v.shape[1] * v.shape[2],
+    )
     return _norm_rope(q, q_weight, cos_sin, positions, eps)
 
 
 def compute_slot_mapping(seq_lens, block_tables, block_size, out):
     """As portable.compute_slot_mapping, in one pass."""
-    if not (seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and out.dtype == torch.int64
-            and out.is_contiguous() and block_tables.dtype == torch.int32
-            and block_tables.stride(-1) == 1 and seq_lens.device.type == "cpu"):
+    if not (
+        seq_lens.dtype == torch.int32
+        and seq_lens.is_contiguous()
+        and out.dtype == torch.int64
+        and out.is_contiguous()
+        and block_tables.dtype == torch.int32
+        and block_tables.stride(-1) == 1
+        and seq_lens.device.type == "cpu"
+    ):
         return portable.compute_slot_mapping(seq_lens, block_tables, block_size, out)
-    _ELEMENTWISE["slot_mapping"](seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                                 block_tables.shape[1], block_size, out.data_ptr(), seq_lens.shape[0])
+    _ELEMENTWISE["slot_mapping"](
+        seq_lens.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        block_size,
+        out.data_ptr(),
+        seq_lens.shape[0],
+    )
 
 
 def silu_mul(gate_up):
@@ -310,7 +486,9 @@ def silu_mul(gate_up):
         return portable.silu_mul(gate_up)
     size = gate_up.shape[1] // 2
     out = torch.empty((gate_up.shape[0], size), dtype=gate_up.dtype)
-    _ELEMENTWISE["silu_mul"](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], size)
+    _ELEMENTWISE["silu_mul"](
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], size
+    )
     return out
 
 
@@ -319,9 +497,15 @@ def linear(x, weight, bias=None):
     matrix instructions: for a small batch the C kernel reads the weight once, in place,
     widening it in registers; a large batch widens it whole and multiplies at the fp32 rate
     (the widened copy is the batch's scratch, not kept: memory stays at the checkpoint's)."""
-    if IS_BF16_NATIVE or not (weight.dtype == torch.bfloat16 and x.dtype == torch.float32
-                              and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
-                              and x.device.type == "cpu" and weight.device.type == "cpu"):
+    if IS_BF16_NATIVE or not (
+        weight.dtype == torch.bfloat16
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.stride(-1) == 1
+        and weight.is_contiguous()
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+    ):
         return portable.linear(x, weight, bias)
     num_rows, size = x.shape
     if num_rows >= LINEAR_WIDEN_ROWS:
@@ -330,9 +514,18 @@ def linear(x, weight, bias=None):
     out = torch.empty((num_rows, num_columns), dtype=torch.float32)
 
     def run(u0: int, u1: int, num_threads: int = 1) -> int:
-        _ELEMENTWISE["linear_bf16"](x.data_ptr(), x.stride(0), weight.data_ptr(), size, out.data_ptr(),
-                                    num_columns, num_rows, u0 * LINEAR_COLUMNS,
-                                    min(u1 * LINEAR_COLUMNS, num_columns), num_threads)
+        _ELEMENTWISE["linear_bf16"](
+            x.data_ptr(),
+            x.stride(0),
+            weight.data_ptr(),
+            size,
+            out.data_ptr(),
+            num_columns,
+            num_rows,
+            u0 * LINEAR_COLUMNS,
+            min(u1 * LINEAR_COLUMNS, num_columns),
+            num_threads,
+        )
         return 0
 
     num_units = -(-num_columns // LINEAR_COLUMNS)

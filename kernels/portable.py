@@ -4,6 +4,7 @@ and are the reference the fast versions are tested against.
 Layout of one layer's cache: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim].
 A slot is block_id * block_size + offset.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,15 +18,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual)."""
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
 
 
-def rotary_cos_sin(max_positions: int, head_dim: int, theta: float,
-                   device: torch.device | str = "cpu") -> torch.Tensor:
+def rotary_cos_sin(
+    max_positions: int, head_dim: int, theta: float, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """[max_positions, 2, head_dim] fp32 table of (cos, sin), halves repeated."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
@@ -39,12 +42,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 cos_sin: torch.Tensor, positions: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm then rotary embedding.
     q [T, Hq, D], k [T, Hk, D], cos_sin [max_pos, 2, D], positions [T]."""
-    cs = cos_sin[positions]                         # [T, 2, D]
+    cs = cos_sin[positions]  # [T, 2, D]
     cos = cs[:, 0, None, :].to(q.dtype)
     sin = cs[:, 1, None, :].to(q.dtype)
     q = rms_norm(q, q_weight, eps)
@@ -52,25 +61,42 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache,
-                          slot_mapping):
+def qk_norm_rope_write_kv(
+    q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache, slot_mapping
+):
     """qk_norm_rope, then k and v into their cache slots. -> q."""
     q, k = qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps)
     write_kv(k_cache, v_cache, k, v, slot_mapping)
     return q
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """k, v [T, Hk, D] into the caches at slot_mapping [T] (rounded to the cache's dtype)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), v.to(v_cache.dtype))
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slot_mapping.long(), k.to(k_cache.dtype)
+    )
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slot_mapping.long(), v.to(v_cache.dtype)
+    )
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, query_lens: list[int], context_lens: list[int],
-                      scale: float, meta: torch.Tensor | None = None) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_lens: list[int],
+    context_lens: list[int],
+    scale: float,
+    meta: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention for a variable-length batch of prompt chunks whose KV is
     already in the cache. q [T, Hq, D] packs the chunks back to back; chunk i has
     query_lens[i] tokens that follow context_lens[i] cached ones. -> [T, Hq, D]."""
@@ -82,9 +108,19 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         total = ctx_len + q_len
         blocks = block_tables[i, : (total + block_size - 1) // block_size].long()
         # (a cache in another dtype than q: its KV in q's, as the CPU backend's long chunks ask)
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:total].to(q.dtype).transpose(0, 1)[None]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:total].to(q.dtype).transpose(0, 1)[None]
-        qi = q[start:start + q_len].transpose(0, 1)[None]                 # [1, Hq, q_len, D]
+        k = (
+            k_cache[blocks]
+            .reshape(-1, num_kv_heads, head_dim)[:total]
+            .to(q.dtype)
+            .transpose(0, 1)[None]
+        )
+        v = (
+            v_cache[blocks]
+            .reshape(-1, num_kv_heads, head_dim)[:total]
+            .to(q.dtype)
+            .transpose(0, 1)[None]
+        )
+        qi = q[start : start + q_len].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         # NOTE: is_causal aligns the mask top-left; after a cached context the
         # diagonal is shifted by ctx_len, so that case takes an explicit mask. The
         # batch dimension matters: 3-D inputs miss the fused CPU kernel.
@@ -92,16 +128,23 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         if ctx_len:
             q_pos = torch.arange(ctx_len, total, device=q.device)
             mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=not ctx_len,
-                                           scale=scale, enable_gqa=True)
-        out[start:start + q_len] = o[0].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            qi, k, v, attn_mask=mask, is_causal=not ctx_len, scale=scale, enable_gqa=True
+        )
+        out[start : start + q_len] = o[0].transpose(0, 1)
         start += q_len
     return out
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     host_seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    host_seq_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One query per sequence over its paged context.
     q [B, Hq, D], block_tables [B, W] (W blocks cover the longest context),
     seq_lens [B] (tokens in the cache, the current one included). -> [B, Hq, D].
@@ -112,9 +155,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     width = block_tables.shape[1] * block_size
     k = k_cache[block_tables.long()].view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache[block_tables.long()].view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
-    mask = torch.arange(width, device=q.device)[None, :] < seq_lens[:, None]    # [B, width]
-    o = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :],
-                                       scale=scale, enable_gqa=True)          # [B, Hq, 1, D]
+    mask = torch.arange(width, device=q.device)[None, :] < seq_lens[:, None]  # [B, width]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )  # [B, Hq, 1, D]
     return o[:, :, 0]
 
 
@@ -133,16 +177,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def compute_slot_mapping(seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
-                         out: torch.Tensor) -> None:
+def compute_slot_mapping(
+    seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, out: torch.Tensor
+) -> None:
     """The slot of each sequence's current token (position seq_lens - 1), into out [B]."""
     pos = (seq_lens - 1).long()
-    block = block_tables.gather(1, (pos // block_size).clamp_(0, block_tables.shape[1] - 1)[:, None])
+    block = block_tables.gather(
+        1, (pos // block_size).clamp_(0, block_tables.shape[1] - 1)[:, None]
+    )
     out.copy_(block[:, 0].long() * block_size + pos % block_size)
 
 
-def advance_step(input_ids: torch.Tensor, sampled: torch.Tensor, seq_lens: torch.Tensor,
-                 step_inc: torch.Tensor) -> None:
+def advance_step(
+    input_ids: torch.Tensor, sampled: torch.Tensor, seq_lens: torch.Tensor, step_inc: torch.Tensor
+) -> None:
     """After sampling: the sampled ids become the next inputs, each live sequence grows by one.
     step_inc [B] is 1 for live rows and 0 for padding rows."""
     input_ids.copy_(sampled)

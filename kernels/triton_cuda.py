@@ -3,6 +3,7 @@
 Importing this module fails where Triton is missing; kernels/backends.py then
 keeps the portable ops. Ops not defined here fall back to the portable ones.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,9 +20,23 @@ def _precision(dtype: torch.dtype) -> str:
 
 # ---- RMSNorm, fused residual add ---------------------------------------------
 
+
 @triton.jit
-def _rms_norm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    X,
+    R,
+    W,
+    Out,
+    ResOut,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    N,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -45,28 +60,56 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = _rows(x.reshape(-1, x.shape[-1]))
     out = torch.empty_like(x2)
     n = x2.shape[-1]
-    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0,
-                                     n, eps, HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(n))
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2,
+        x2,
+        weight,
+        out,
+        out,
+        x2.stride(0),
+        0,
+        out.stride(0),
+        0,
+        n,
+        eps,
+        HAS_RESIDUAL=False,
+        BLOCK=triton.next_power_of_2(n),
+    )
     return out.view(x.shape)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     x2 = _rows(x.reshape(-1, x.shape[-1]))
     r2 = _rows(residual.reshape(-1, x.shape[-1]))
     out, res_out = torch.empty_like(x2), torch.empty_like(x2)
     n = x2.shape[-1]
-    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0),
-                                     out.stride(0), res_out.stride(0), n, eps,
-                                     HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(n))
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2,
+        r2,
+        weight,
+        out,
+        res_out,
+        x2.stride(0),
+        r2.stride(0),
+        out.stride(0),
+        res_out.stride(0),
+        n,
+        eps,
+        HAS_RESIDUAL=True,
+        BLOCK=triton.next_power_of_2(n),
+    )
     return out.view(x.shape), res_out.view(x.shape)
 
 
 # ---- per-head RMSNorm + rotary embedding ---------------------------------------
 
+
 @triton.jit
-def _norm_rope_heads(src, stride_h, W, dst, num_heads, cos, sin, eps,
-                     H_PAD: tl.constexpr, D: tl.constexpr):
+def _norm_rope_heads(
+    src, stride_h, W, dst, num_heads, cos, sin, eps, H_PAD: tl.constexpr, D: tl.constexpr
+):
     """RMSNorm each head of one token over D, scale by W, rotate; [H_PAD, D/2] halves.
     dst: the token's heads, contiguous [num_heads, D] (a q row or a KV-cache slot)."""
     half: tl.constexpr = D // 2
@@ -85,22 +128,64 @@ def _norm_rope_heads(src, stride_h, W, dst, num_heads, cos, sin, eps,
 
 
 @triton.jit
-def _qk_norm_rope_kernel(Q, K, V, QW, KW, CS, Pos, QOut, KOut, VOut, Slots, stride_qt, stride_qh,
-                         stride_kt, stride_kh, stride_vt, stride_vh, num_q_heads, num_kv_heads, eps,
-                         D: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
-                         TO_CACHE: tl.constexpr):
+def _qk_norm_rope_kernel(
+    Q,
+    K,
+    V,
+    QW,
+    KW,
+    CS,
+    Pos,
+    QOut,
+    KOut,
+    VOut,
+    Slots,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    num_q_heads,
+    num_kv_heads,
+    eps,
+    D: tl.constexpr,
+    HQ_PAD: tl.constexpr,
+    HK_PAD: tl.constexpr,
+    TO_CACHE: tl.constexpr,
+):
     """With TO_CACHE, k goes straight to its cache slot and v is copied beside it."""
     t = tl.program_id(0)
     half: tl.constexpr = D // 2
     d = tl.arange(0, half)[None, :]
     pos = tl.load(Pos + t)
-    cos = tl.load(CS + pos * 2 * D + d)          # halves repeat, so the first half serves both
+    cos = tl.load(CS + pos * 2 * D + d)  # halves repeat, so the first half serves both
     sin = tl.load(CS + pos * 2 * D + D + d)
-    _norm_rope_heads(Q + t * stride_qt, stride_qh, QW, QOut + t * num_q_heads * D, num_q_heads,
-                     cos, sin, eps, HQ_PAD, D)
+    _norm_rope_heads(
+        Q + t * stride_qt,
+        stride_qh,
+        QW,
+        QOut + t * num_q_heads * D,
+        num_q_heads,
+        cos,
+        sin,
+        eps,
+        HQ_PAD,
+        D,
+    )
     row = tl.load(Slots + t).to(tl.int64) if TO_CACHE else t
-    _norm_rope_heads(K + t * stride_kt, stride_kh, KW, KOut + row * num_kv_heads * D, num_kv_heads,
-                     cos, sin, eps, HK_PAD, D)
+    _norm_rope_heads(
+        K + t * stride_kt,
+        stride_kh,
+        KW,
+        KOut + row * num_kv_heads * D,
+        num_kv_heads,
+        cos,
+        sin,
+        eps,
+        HK_PAD,
+        D,
+    )
     if TO_CACHE:
         h = tl.arange(0, HK_PAD)[:, None]
         dd = tl.arange(0, D)[None, :]
@@ -116,29 +201,73 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps):
     k_out = torch.empty((num_tokens, num_kv_heads, d), dtype=k.dtype, device=k.device)
     if num_tokens:
         _qk_norm_rope_kernel[(num_tokens,)](
-            q, k, k, q_weight, k_weight, cos_sin, positions, q_out, k_out, k_out, positions,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), 0, 0, num_q_heads, num_kv_heads,
-            eps, D=d, HQ_PAD=triton.next_power_of_2(num_q_heads),
-            HK_PAD=triton.next_power_of_2(num_kv_heads), TO_CACHE=False)
+            q,
+            k,
+            k,
+            q_weight,
+            k_weight,
+            cos_sin,
+            positions,
+            q_out,
+            k_out,
+            k_out,
+            positions,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            0,
+            0,
+            num_q_heads,
+            num_kv_heads,
+            eps,
+            D=d,
+            HQ_PAD=triton.next_power_of_2(num_q_heads),
+            HK_PAD=triton.next_power_of_2(num_kv_heads),
+            TO_CACHE=False,
+        )
     return q_out, k_out
 
 
-def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache,
-                          slot_mapping):
+def qk_norm_rope_write_kv(
+    q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache, slot_mapping
+):
     """qk_norm_rope, with k and v written to their cache slots in the same pass. -> q."""
     num_tokens, num_q_heads, d = q.shape
     num_kv_heads = k.shape[1]
     q_out = torch.empty((num_tokens, num_q_heads, d), dtype=q.dtype, device=q.device)
     if num_tokens:
         _qk_norm_rope_kernel[(num_tokens,)](
-            q, k, v, q_weight, k_weight, cos_sin, positions, q_out, k_cache, v_cache, slot_mapping,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            num_q_heads, num_kv_heads, eps, D=d, HQ_PAD=triton.next_power_of_2(num_q_heads),
-            HK_PAD=triton.next_power_of_2(num_kv_heads), TO_CACHE=True)
+            q,
+            k,
+            v,
+            q_weight,
+            k_weight,
+            cos_sin,
+            positions,
+            q_out,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            num_q_heads,
+            num_kv_heads,
+            eps,
+            D=d,
+            HQ_PAD=triton.next_power_of_2(num_q_heads),
+            HK_PAD=triton.next_power_of_2(num_kv_heads),
+            TO_CACHE=True,
+        )
     return q_out
 
 
 # ---- SwiGLU ------------------------------------------------------------------------
+
 
 @triton.jit
 def _silu_mul_kernel(X, Out, stride_x, stride_o, N, BLOCK: tl.constexpr):
@@ -158,16 +287,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     block = 1024
     if x.shape[0]:
-        _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n,
-                                                               BLOCK=block)
+        _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](
+            x, out, x.stride(0), out.stride(0), n, BLOCK=block
+        )
     return out
 
 
 # ---- KV cache write -------------------------------------------------------------
 
+
 @triton.jit
-def _write_kv_kernel(K, V, KC, VC, Slots, stride_kt, stride_vt, ROW: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _write_kv_kernel(
+    K, V, KC, VC, Slots, stride_kt, stride_vt, ROW: tl.constexpr, BLOCK: tl.constexpr
+):
     t = tl.program_id(0)
     slot = tl.load(Slots + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -179,18 +311,43 @@ def _write_kv_kernel(K, V, KC, VC, Slots, stride_kt, stride_vt, ROW: tl.constexp
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     """k, v [T, Hk, D] (each token's heads contiguous) into caches [NB, bs, Hk, D]."""
     row = k.shape[1] * k.shape[2]
-    if k.stride(1) != k.shape[2] or v.stride(1) != v.shape[2] or k.stride(2) != 1 or v.stride(2) != 1:
+    if (
+        k.stride(1) != k.shape[2]
+        or v.stride(1) != v.shape[2]
+        or k.stride(2) != 1
+        or v.stride(2) != 1
+    ):
         return portable.write_kv(k_cache, v_cache, k, v, slot_mapping)
     if k.shape[0]:
-        _write_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0),
-                                        v.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row))
+        _write_kv_kernel[(k.shape[0],)](
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            k.stride(0),
+            v.stride(0),
+            ROW=row,
+            BLOCK=triton.next_power_of_2(row),
+        )
 
 
 # ---- paged decode attention (split along the context) ---------------------------
 
+
 @triton.jit
-def _load_paged_kv(KC, VC, table_row, pos, valid, kv_head, stride_slot, stride_cache_h,
-                   D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _load_paged_kv(
+    KC,
+    VC,
+    table_row,
+    pos,
+    valid,
+    kv_head,
+    stride_slot,
+    stride_cache_h,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     """The K and V rows [len(pos), D] of one KV head at token positions pos, found
     through the sequence's block-table row; invalid positions read as zeros."""
     block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0)
@@ -217,11 +374,30 @@ def _online_softmax_step(q, k, v, keep, m, l, acc, scale, PRECISION: tl.constexp
 
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
-def _decode_attn_kernel(Q, KC, VC, BT, SL, Out, MidO, MidML, scale, stride_qb, stride_qh,
-                        stride_bt, stride_slot, stride_cache_h, num_splits,
-                        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IS_SPLIT: tl.constexpr,
-                        PRECISION: tl.constexpr):
+def _decode_attn_kernel(
+    Q,
+    KC,
+    VC,
+    BT,
+    SL,
+    Out,
+    MidO,
+    MidML,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    stride_slot,
+    stride_cache_h,
+    num_splits,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -234,8 +410,11 @@ def _decode_attn_kernel(Q, KC, VC, BT, SL, Out, MidO, MidML, scale, stride_qb, s
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     heads = kvh * G + g
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=(g < G)[:, None], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=(g < G)[:, None],
+        other=0.0,
+    )
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -243,8 +422,9 @@ def _decode_attn_kernel(Q, KC, VC, BT, SL, Out, MidO, MidML, scale, stride_qb, s
     for tile in range(tile_start, tile_end):
         pos = tile * TILE + t
         valid = pos < seq_len
-        k, v = _load_paged_kv(KC, VC, BT + b * stride_bt, pos, valid, kvh, stride_slot,
-                              stride_cache_h, D, BLOCK_SIZE)
+        k, v = _load_paged_kv(
+            KC, VC, BT + b * stride_bt, pos, valid, kvh, stride_slot, stride_cache_h, D, BLOCK_SIZE
+        )
         m, l, acc = _online_softmax_step(q, k, v, valid[None, :], m, l, acc, scale, PRECISION)
     if IS_SPLIT:
         # Partial results [B, Hq, S, D] and (max, sum) [B, Hq, S, 2]; an empty split leaves m = -inf.
@@ -254,13 +434,25 @@ def _decode_attn_kernel(Q, KC, VC, BT, SL, Out, MidO, MidML, scale, stride_qb, s
         tl.store(MidML + row * 2 + 1, l, mask=g < G)
     else:
         out = acc / l[:, None]
-        tl.store(Out + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=(g < G)[:, None])
+        tl.store(
+            Out + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=(g < G)[:, None],
+        )
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(MidO, MidML, Out, stride_ob, stride_oh, num_heads, num_splits,
-                          S_PAD: tl.constexpr, D: tl.constexpr):
+def _decode_reduce_kernel(
+    MidO,
+    MidML,
+    Out,
+    stride_ob,
+    stride_oh,
+    num_heads,
+    num_splits,
+    S_PAD: tl.constexpr,
+    D: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
@@ -279,7 +471,11 @@ def _decode_reduce_kernel(MidO, MidML, Out, stride_ob, stride_oh, num_heads, num
 def _num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Enough programs to fill the GPU about twice; batches that fill it alone need no split."""
     # (A CPU tensor only reaches here under Triton's interpreter, in tests.)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 4
+    )
     return max(1, min(32, (2 * sms) // max(batch * num_kv_heads, 1)))
 
 
@@ -296,24 +492,69 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_se
         mid_o = torch.empty((num_seqs, num_heads, splits, d), dtype=torch.float32, device=q.device)
         mid_ml = torch.empty((num_seqs, num_heads, splits, 2), dtype=torch.float32, device=q.device)
     _decode_attn_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_ml, scale,
-        q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
-        splits, G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d,
-        BLOCK_SIZE=block_size, TILE=tile, IS_SPLIT=splits > 1, PRECISION=_precision(q.dtype))
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        mid_o,
+        mid_ml,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        splits,
+        G=group,
+        G_PAD=max(16, triton.next_power_of_2(group)),
+        D=d,
+        BLOCK_SIZE=block_size,
+        TILE=tile,
+        IS_SPLIT=splits > 1,
+        PRECISION=_precision(q.dtype),
+    )
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            mid_o, mid_ml, out, out.stride(0), out.stride(1), num_heads, splits,
-            S_PAD=max(2, triton.next_power_of_2(splits)), D=d)
+            mid_o,
+            mid_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            splits,
+            S_PAD=max(2, triton.next_power_of_2(splits)),
+            D=d,
+        )
     return out
 
 
 # ---- prefill attention: paged, variable length, causal ---------------------------
 
+
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
-def _prefill_attn_kernel(Q, KC, VC, BT, Meta, Out, scale, num_seqs, stride_qt, stride_qh,
-                         stride_bt, stride_slot, stride_cache_h, G: tl.constexpr, D: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr):
+def _prefill_attn_kernel(
+    Q,
+    KC,
+    VC,
+    BT,
+    Meta,
+    Out,
+    scale,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    stride_slot,
+    stride_cache_h,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One program per (sequence, BLOCK_M queries, head). Keys come from the cache
     through the block table: the chunk's own keys were written there just before,
     and any earlier context is read the same way."""
@@ -329,8 +570,11 @@ def _prefill_attn_kernel(Q, KC, VC, BT, Meta, Out, scale, num_seqs, stride_qt, s
     offs_m = m0 + tl.arange(0, BLOCK_M)
     valid_m = offs_m < q_len
     d = tl.arange(0, D)
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=valid_m[:, None], other=0.0)
+    q = tl.load(
+        Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + d[None, :],
+        mask=valid_m[:, None],
+        other=0.0,
+    )
     q_pos = ctx + offs_m
     end = tl.minimum(ctx + m0 + BLOCK_M, ctx + q_len)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -339,22 +583,38 @@ def _prefill_attn_kernel(Q, KC, VC, BT, Meta, Out, scale, num_seqs, stride_qt, s
     for n0 in range(0, end, BLOCK_N):
         k_pos = n0 + tl.arange(0, BLOCK_N)
         valid_n = k_pos < end
-        k, v = _load_paged_kv(KC, VC, BT + seq * stride_bt, k_pos, valid_n, kvh, stride_slot,
-                              stride_cache_h, D, BLOCK_SIZE)
+        k, v = _load_paged_kv(
+            KC,
+            VC,
+            BT + seq * stride_bt,
+            k_pos,
+            valid_n,
+            kvh,
+            stride_slot,
+            stride_cache_h,
+            D,
+            BLOCK_SIZE,
+        )
         # The first key tile holds position 0, which every query sees.
         keep = (k_pos[None, :] <= q_pos[:, None]) & valid_n[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, PRECISION)
     out = acc / l_i[:, None]
-    tl.store(Out + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + d[None, :],
-             out.to(Out.dtype.element_ty), mask=valid_m[:, None])
+    tl.store(
+        Out + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=valid_m[:, None],
+    )
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, meta=None):
+def prefill_attention(
+    q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, meta=None
+):
     """q [T, Hq, D] packed chunks; meta [3, B] int32 on the device: each chunk's first
     row in q, its length, and its cached context (made by the worker once per forward)."""
     if meta is None:
-        return portable.prefill_attention(q, k_cache, v_cache, block_tables, query_lens,
-                                          context_lens, scale)
+        return portable.prefill_attention(
+            q, k_cache, v_cache, block_tables, query_lens, context_lens, scale
+        )
     num_tokens, num_heads, d = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -362,8 +622,24 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_lens, context_len
     block_m = 64
     grid = (len(query_lens), triton.cdiv(max(query_lens), block_m), num_heads)
     _prefill_attn_kernel[grid](
-        q, k_cache, v_cache, block_tables, meta, out, scale, len(query_lens), q.stride(0),
-        q.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
-        G=num_heads // num_kv_heads, D=d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64,
-        PRECISION=_precision(q.dtype))
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        meta,
+        out,
+        scale,
+        len(query_lens),
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        G=num_heads // num_kv_heads,
+        D=d,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        PRECISION=_precision(q.dtype),
+    )
     return out

@@ -14,6 +14,7 @@
 
 `pdserve COMMAND --help` shows each command's options and defaults.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _serve(argv: list[str]) -> int:
-    if "--ray" in argv:   # Ray's environment on each machine runs the processes: no set-up here
+    if "--ray" in argv:  # Ray's environment on each machine runs the processes: no set-up here
         from launch.ray_cluster import serve
+
         return serve(argv)
     # The launcher is a shell script (it supervises processes); it runs in this
     # interpreter's virtual environment, or the project's .venv.
@@ -33,18 +35,31 @@ def _serve(argv: list[str]) -> int:
     if sys.prefix != sys.base_prefix:
         env.setdefault("PDSERVE_VENV", sys.prefix)
     os.execvpe("bash", ["bash", str(ROOT / "launch" / "start_cluster.sh"), *argv], env)
-    return 1   # not reached
+    return 1  # not reached
 
 
 def _module(name: str, function: str = "main"):
     def run(argv: list[str]) -> int:
         import importlib
+
         return getattr(importlib.import_module(name), function)(argv) or 0
+
     return run
 
 
-BENCHMARKS = ("serving", "prefill", "decode", "transfer", "migration", "vs", "profile", "layerwise", "mixed",
-              "ray-start", "attention")
+BENCHMARKS = (
+    "serving",
+    "prefill",
+    "decode",
+    "transfer",
+    "migration",
+    "vs",
+    "profile",
+    "layerwise",
+    "mixed",
+    "ray-start",
+    "attention",
+)
 
 
 def _bench(argv: list[str]) -> int:
@@ -53,10 +68,15 @@ def _bench(argv: list[str]) -> int:
     return _module(f"launch.bench.{kind.replace('-', '_')}")(argv)
 
 
-COMMANDS = {"serve": _serve, "client": _module("frontend.cli"), "drain": _module("frontend.cli", "drain"),
-            "scale": _module("launch.ray_cluster", "scale"),
-            "bench": _bench,
-            "keys": _module("launch.keys"), "make-tiny-model": _module("launch.make_tiny_model")}
+COMMANDS = {
+    "serve": _serve,
+    "client": _module("frontend.cli"),
+    "drain": _module("frontend.cli", "drain"),
+    "scale": _module("launch.ray_cluster", "scale"),
+    "bench": _bench,
+    "keys": _module("launch.keys"),
+    "make-tiny-model": _module("launch.make_tiny_model"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command = COMMANDS.get(argv[0])
     if command is None:
-        print(f"pdserve: unknown command {argv[0]!r}; one of {', '.join(COMMANDS)}", file=sys.stderr)
+        print(
+            f"pdserve: unknown command {argv[0]!r}; one of {', '.join(COMMANDS)}", file=sys.stderr
+        )
         return 2
     return command(argv[1:])
 

@@ -1,7 +1,8 @@
 """Offline generation in one process, through the same worker code the nodes use.
 
-    python -m launch.generate --model DIR --prompt TEXT [--prompt TEXT ...] --max-tokens N
+python -m launch.generate --model DIR --prompt TEXT [--prompt TEXT ...] --max-tokens N
 """
+
 from __future__ import annotations
 
 import argparse
@@ -9,15 +10,16 @@ import json
 import time
 
 from common.base.config import WorkerConfig
-from common.kv.blocks import BlockAllocator, num_blocks_for
-from common.runtime.process import HelpFormat
 from common.base.request import SamplingParams, validate_prompt
-from common.kv.sequence import Sequence, blocks_to_join, finish_reason
 from common.engine.worker import DeviceWorker, PrefillChunk
+from common.kv.blocks import BlockAllocator, num_blocks_for
+from common.kv.sequence import Sequence, blocks_to_join, finish_reason
+from common.runtime.process import HelpFormat
 
 
-def generate(worker: DeviceWorker, prompts: list[list[int]],
-             params: list[SamplingParams]) -> list[dict]:
+def generate(
+    worker: DeviceWorker, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[dict]:
     """Prefill every prompt as one batch, then decode them as one batch.
     Returns per prompt: token_ids, finish_reason, ttft_ms, decode_ms_per_step, and the
     logprobs of each token (TokenLogprobs, where its params ask for them)."""
@@ -34,8 +36,12 @@ def generate(worker: DeviceWorker, prompts: list[list[int]],
             seq.take_block(alloc)
         seqs[seq.request_id] = seq
     t0 = time.perf_counter()
-    chunks = [PrefillChunk(ids, 0, s.block_ids, s.params, s.params.split(ids) if s.params.is_processing else None)
-              for ids, s in zip(prompts, seqs.values())]
+    chunks = [
+        PrefillChunk(
+            ids, 0, s.block_ids, s.params, s.params.split(ids) if s.params.is_processing else None
+        )
+        for ids, s in zip(prompts, seqs.values())
+    ]
     firsts, _ = worker.prefill(chunks)
     ttft_ms = (time.perf_counter() - t0) * 1e3
     reasons: dict[str, str] = {}
@@ -49,7 +55,9 @@ def generate(worker: DeviceWorker, prompts: list[list[int]],
             continue
         blocks_to_join(seq, bs, alloc)
         prompt, prior = seq.params.split(ids)
-        worker.add_decode_seq(key, tok, len(ids), seq.block_ids, seq.params, (prompt, prior + seq.output_ids))
+        worker.add_decode_seq(
+            key, tok, len(ids), seq.block_ids, seq.params, (prompt, prior + seq.output_ids)
+        )
     num_steps, t1 = 0, time.perf_counter()
     while worker.num_decode_seqs:
         worker.grow_blocks(seqs, alloc)
@@ -66,8 +74,16 @@ def generate(worker: DeviceWorker, prompts: list[list[int]],
                 seq.release(alloc)
         num_steps += 1
     step_ms = (time.perf_counter() - t1) * 1e3 / max(num_steps, 1)
-    return [{"token_ids": s.output_ids, "finish_reason": reasons[k], "ttft_ms": round(ttft_ms, 3),
-             "decode_ms_per_step": round(step_ms, 3), "logprobs": logprobs[k]} for k, s in seqs.items()]
+    return [
+        {
+            "token_ids": s.output_ids,
+            "finish_reason": reasons[k],
+            "ttft_ms": round(ttft_ms, 3),
+            "decode_ms_per_step": round(step_ms, 3),
+            "logprobs": logprobs[k],
+        }
+        for k, s in seqs.items()
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,9 +101,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(a.model)
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                            top_k=a.top_k, seed=a.seed, ignore_eos=a.ignore_eos)
+    params = SamplingParams(
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.seed,
+        ignore_eos=a.ignore_eos,
+    )
     cfg = WorkerConfig(model=a.model, device=a.device, dtype=a.dtype, max_batch_size=len(a.prompt))
     try:
         with DeviceWorker(cfg) as worker:
@@ -100,9 +123,11 @@ def main(argv: list[str] | None = None) -> None:
         if a.json:
             print(json.dumps(r))
         else:
-            print(f"prompt: {text!r}\ntext:   {r['text']!r}\ntoken_ids: {r['token_ids']}\n"
-                  f"finish: {r['finish_reason']}  ttft: {r['ttft_ms']:.1f} ms  "
-                  f"decode: {r['decode_ms_per_step']:.2f} ms/step\n")
+            print(
+                f"prompt: {text!r}\ntext:   {r['text']!r}\ntoken_ids: {r['token_ids']}\n"
+                f"finish: {r['finish_reason']}  ttft: {r['ttft_ms']:.1f} ms  "
+                f"decode: {r['decode_ms_per_step']:.2f} ms/step\n"
+            )
 
 
 if __name__ == "__main__":

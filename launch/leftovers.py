@@ -1,6 +1,7 @@
 """What launchers killed before they could clean up leave in this machine's temp
 directory and /dev/shm: swept by the next launcher (launch/supervisor.py) or Ray member
 (launch/ray_members.py) that starts here."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,13 @@ def remove_leftovers() -> None:
     for d in Path(tempfile.gettempdir()).glob("pdserve-*-*-*"):
         kind, _, rest = d.name.removeprefix("pdserve-").partition("-")
         pid = rest.partition("-")[0]
-        if kind in ("keys", "ready") and pid.isdigit() and d.is_dir() and d.stat().st_uid == os.getuid() \
-                and not is_alive(int(pid)):
+        if (
+            kind in ("keys", "ready")
+            and pid.isdigit()
+            and d.is_dir()
+            and d.stat().st_uid == os.getuid()
+            and not is_alive(int(pid))
+        ):
             shutil.rmtree(d, ignore_errors=True)
     for f in Path("/dev/shm").glob(f"{CORE_TABLE_PREFIX}*-*"):
         pid = f.name.removeprefix(CORE_TABLE_PREFIX).partition("-")[0]

@@ -1,6 +1,7 @@
 """Whether this host's memory holds what a launch or a benchmark is about to load, asked
 before anything starts: a refusal is one line saying what needs how much, what is
 available, and what to change."""
+
 from __future__ import annotations
 
 import json

@@ -11,6 +11,7 @@ hash. Dot-files (.git, a download cache's state) are not part of a model and are
 shipped. A member holds the copy it uses (a shared lock on its .complete); older copies
 of the same model that no member holds are removed once a newer one is whole.
 """
+
 from __future__ import annotations
 
 import errno
@@ -29,15 +30,15 @@ from typing import Callable
 from common.base.files import is_at
 from common.base.procs import is_alive
 
-PART_BYTES = 64 << 20   # NOTE: one part is one message on Ray's channel: bounded memory per call
+PART_BYTES = 64 << 20  # NOTE: one part is one message on Ray's channel: bounded memory per call
 HASH_READ_BYTES = 8 << 20
-MAX_COPY_TRIES = 3      # a model that changes each time it is copied fails the member's start
-HOLD_WAIT_S = 30.0      # the longest a member waits for a pruner's exclusive lock (a rename)
+MAX_COPY_TRIES = 3  # a model that changes each time it is copied fails the member's start
+HOLD_WAIT_S = 30.0  # the longest a member waits for a pruner's exclusive lock (a rename)
 COMPLETE = ".complete"
 HASH_RE = re.compile(r"[0-9a-f]{64}")
 
-_hashes: dict[str, tuple[tuple, str]] = {}   # path -> (its version, the SHA-256 of its bytes)
-_hash_lock = threading.Lock()                # NOTE: the controller answers members in threads
+_hashes: dict[str, tuple[tuple, str]] = {}  # path -> (its version, the SHA-256 of its bytes)
+_hash_lock = threading.Lock()  # NOTE: the controller answers members in threads
 
 
 def is_hidden(rel: str | Path) -> bool:
@@ -92,8 +93,13 @@ def _listing(files: list) -> list[tuple[str, int, str]]:
     out = []
     for entry in files:
         rel, size, digest = entry
-        if not isinstance(rel, str) or not isinstance(size, int) or size < 0 \
-                or not isinstance(digest, str) or not HASH_RE.fullmatch(digest):
+        if (
+            not isinstance(rel, str)
+            or not isinstance(size, int)
+            or size < 0
+            or not isinstance(digest, str)
+            or not HASH_RE.fullmatch(digest)
+        ):
             raise ValueError(f"a model file listed as {entry!r}: not (path, size, sha256)")
         out.append((rel, size, digest))
     return sorted(out)
@@ -105,12 +111,13 @@ class ModelChanged(OSError):
 
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
 
+
 @dataclass
 class Copy:
-    path: Path        # this machine's copy
+    path: Path  # this machine's copy
     num_fetched: int  # bytes fetched: 0 when a whole copy was here already
-    num_pruned: int   # older copies of the model removed
-    hold_fd: int      # a shared lock on the copy: keep it open while the copy is in use
+    num_pruned: int  # older copies of the model removed
+    hold_fd: int  # a shared lock on the copy: keep it open while the copy is in use
 
 
 def copy_name(model_dir: str) -> str:
@@ -119,8 +126,9 @@ def copy_name(model_dir: str) -> str:
     return f"{Path(model_dir).name}-{hashlib.sha256(model_dir.encode()).hexdigest()[:8]}"
 
 
-def local_copy(model_dir: str, files: list, read: Callable[[str, int, int], bytes],
-               cache: Path) -> Copy:
+def local_copy(
+    model_dir: str, files: list, read: Callable[[str, int, int], bytes], cache: Path
+) -> Copy:
     """This machine's copy of the model the controller listed (files: manifest()), fetched
     where none is whole here, held, and the older ones no one holds removed."""
     files = _listing(files)
@@ -128,7 +136,7 @@ def local_copy(model_dir: str, files: list, read: Callable[[str, int, int], byte
     name = copy_name(model_dir)
     dest = cache / f"{name}-{digest}"
     fetched = 0
-    for _ in range(3):   # NOTE: a pruner elsewhere may remove a copy between a look and a hold
+    for _ in range(3):  # NOTE: a pruner elsewhere may remove a copy between a look and a hold
         if not (dest / COMPLETE).is_file():
             fetched += _fetch(files, read, dest)
         fd = hold(dest)
@@ -137,9 +145,13 @@ def local_copy(model_dir: str, files: list, read: Callable[[str, int, int], byte
     raise OSError(errno.EAGAIN, f"{dest} was removed as it was taken, 3 times")
 
 
-def copy_model(model_dir: str, list_files: Callable[[], list],
-               read: Callable[[str, int, int], bytes], cache: Path,
-               say: Callable[[str], None]) -> Copy:
+def copy_model(
+    model_dir: str,
+    list_files: Callable[[], list],
+    read: Callable[[str, int, int], bytes],
+    cache: Path,
+    say: Callable[[str], None],
+) -> Copy:
     """local_copy of what list_files() lists; listed and copied again where the model
     changed as it was copied (ModelChanged after MAX_COPY_TRIES)."""
     for _ in range(MAX_COPY_TRIES - 1):
@@ -150,8 +162,9 @@ def copy_model(model_dir: str, list_files: Callable[[], list],
     return local_copy(model_dir, list_files(), read, cache)
 
 
-def _fetch(files: list[tuple[str, int, str]], read: Callable[[str, int, int], bytes],
-           dest: Path) -> int:
+def _fetch(
+    files: list[tuple[str, int, str]], read: Callable[[str, int, int], bytes], dest: Path
+) -> int:
     """Every file into a directory of this process's, each checked against its hash,
     renamed to dest once whole. -> bytes fetched."""
     part = dest.parent / f".{dest.name}.{_HOST}.{os.getpid()}"
@@ -168,19 +181,21 @@ def _fetch(files: list[tuple[str, int, str]], read: Callable[[str, int, int], by
                 data = read(rel, f.tell(), PART_BYTES)
                 if not data:
                     raise OSError(f"{rel} ended at {f.tell()} of {size} bytes")
-                data = data[:size - f.tell()]
+                data = data[: size - f.tell()]
                 h.update(data)
                 f.write(data)
                 fetched += len(data)
         if h.hexdigest() != digest:
             shutil.rmtree(part, ignore_errors=True)
-            raise ModelChanged(f"{rel}: the bytes fetched are not those listed (sha256 "
-                               f"{h.hexdigest()[:16]}, not {digest[:16]}): the model changed "
-                               f"as it was copied")
+            raise ModelChanged(
+                f"{rel}: the bytes fetched are not those listed (sha256 "
+                f"{h.hexdigest()[:16]}, not {digest[:16]}): the model changed "
+                f"as it was copied"
+            )
     (part / COMPLETE).touch()
     try:
         part.rename(dest)
-    except OSError:   # another member on this machine finished first
+    except OSError:  # another member on this machine finished first
         shutil.rmtree(part, ignore_errors=True)
     return fetched
 
@@ -197,7 +212,7 @@ def hold(copy: Path) -> int | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             break
-        except BlockingIOError:   # a pruner is renaming it away
+        except BlockingIOError:  # a pruner is renaming it away
             if time.monotonic() > deadline:
                 os.close(fd)
                 raise OSError(errno.EAGAIN, f"{copy} stayed locked {HOLD_WAIT_S:.0f}s") from None
@@ -215,7 +230,9 @@ def prune(cache: Path, name: str, keep: Path) -> int:
     whole = re.compile(re.escape(name) + r"-[0-9a-f]{16}")
     # NOTE: a half-fetched copy is judged by its process only on its own host (a cache on a
     # file system several hosts share holds others' too)
-    half = re.compile(r"\." + re.escape(name) + r"-[0-9a-f]{16}\.(?:pruned\.)?" + re.escape(_HOST) + r"\.(\d+)")
+    half = re.compile(
+        r"\." + re.escape(name) + r"-[0-9a-f]{16}\.(?:pruned\.)?" + re.escape(_HOST) + r"\.(\d+)"
+    )
     for d in sorted(cache.iterdir()) if cache.is_dir() else []:
         if d.is_symlink() or not d.is_dir() or d == keep:
             continue
@@ -231,15 +248,15 @@ def _remove_unheld(copy: Path) -> int:
     try:
         fd = os.open(copy / COMPLETE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        return 0   # not whole: being renamed into place, or not ours to judge
+        return 0  # not whole: being renamed into place, or not ours to judge
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return 0   # a member uses it
+            return 0  # a member uses it
         trash = copy.parent / f".{copy.name}.pruned.{_HOST}.{os.getpid()}"
         try:
-            copy.rename(trash)   # NOTE: under the lock: a member that holds it next sees it gone
+            copy.rename(trash)  # NOTE: under the lock: a member that holds it next sees it gone
         except OSError:
             return 0
     finally:

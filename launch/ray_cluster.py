@@ -8,6 +8,7 @@ Kubernetes (deploy/).
     pdserve serve --ray auto --model DIR --num-prefill 1 --num-decode 2 [start_cluster flags]
     pdserve scale --endpoint tcp://HOST:5600 --num-prefill 1 --num-decode 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,8 @@ from launch import cluster_plan
 from launch.cluster_plan import PlanError
 from launch.default_model import make_default
 
-NAMESPACE = "pdserve"                # Ray's namespace for the controller's name
-CONTROLLER_PREFIX = "pdserve:"       # the controller's actor name: pdserve:<base port>
+NAMESPACE = "pdserve"  # Ray's namespace for the controller's name
+CONTROLLER_PREFIX = "pdserve:"  # the controller's actor name: pdserve:<base port>
 RAY_FLAGS = {"--ray": "address", "--ray-cpus-per-node": "num_cpus"}
 RAY_SWITCHES = {"--ray-ship-model": "ship_model"}
 NOT_WITH_RAY = ("join", "demo", "no_keys", "keys", "advertise_host")
@@ -58,10 +59,13 @@ def split_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 def has_ray(prog: str) -> bool:
     try:
         import ray
+
         del ray
     except ImportError:
-        print(f"{prog}: --ray needs Ray in this environment: pip install 'pdserve[ray]' (or pip install ray)",
-              file=sys.stderr)
+        print(
+            f"{prog}: --ray needs Ray in this environment: pip install 'pdserve[ray]' (or pip install ray)",
+            file=sys.stderr,
+        )
         return False
     return True
 
@@ -82,9 +86,11 @@ def serve(argv: list[str]) -> int:
             return 0
         for dest in NOT_WITH_RAY:
             if getattr(a, dest):
-                raise PlanError(f"--{dest.replace('_', '-')} is not for --ray (Ray places every node; keys are "
-                                f"made and handed out here)")
-        plan = cluster_plan.make_plan(a, 1, read_env().home)   # the flags' own checks, the node list
+                raise PlanError(
+                    f"--{dest.replace('_', '-')} is not for --ray (Ray places every node; keys are "
+                    f"made and handed out here)"
+                )
+        plan = cluster_plan.make_plan(a, 1, read_env().home)  # the flags' own checks, the node list
     except PlanError as e:
         print(f"start_cluster: {e}", file=sys.stderr)
         return 2
@@ -95,6 +101,7 @@ def serve(argv: list[str]) -> int:
     if not has_ray("start_cluster"):
         return 2
     import ray
+
     from launch.ray_keys import why_failed
     from launch.ray_members import Controller
 
@@ -103,43 +110,68 @@ def serve(argv: list[str]) -> int:
     # warnings) to sys.stdout from a thread, so that goes to stderr with the logs.
     ready_out, sys.stdout = sys.stdout, sys.stderr
     ray.init(address=ours["address"], namespace=NAMESPACE, log_to_driver=True)
-    opts = {"launcher": rest, "model": str(Path(plan.model).resolve()), "num_cpus": int(ours["num_cpus"]),
-            "drain_s": a.drain_timeout, "base_port": a.base_port, "devices": devices,
-            "ship_model": ours["ship_model"]}
+    opts = {
+        "launcher": rest,
+        "model": str(Path(plan.model).resolve()),
+        "num_cpus": int(ours["num_cpus"]),
+        "drain_s": a.drain_timeout,
+        "base_port": a.base_port,
+        "devices": devices,
+        "ship_model": ours["ship_model"],
+    }
     here = ray.get_runtime_context().get_node_id()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    controller = ray.remote(Controller).options(
-        name=controller_name(a.base_port), num_cpus=0, max_concurrency=16, lifetime=None,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote(opts)
+
+    controller = (
+        ray.remote(Controller)
+        .options(
+            name=controller_name(a.base_port),
+            num_cpus=0,
+            max_concurrency=16,
+            lifetime=None,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+        )
+        .remote(opts)
+    )
     stop_signal: list[int] = []
 
     def on_signal(signum, _frame) -> None:
         stop_signal.append(signum)
+
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
     def stop(rc: int) -> int:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)   # NOTE: a second signal ends the driver at once
+        signal.signal(
+            signal.SIGINT, signal.SIG_DFL
+        )  # NOTE: a second signal ends the driver at once
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         say(f"stopping (draining for up to {a.drain_timeout}s)")
         try:
             ray.get(controller.stop.remote(), timeout=float(a.drain_timeout) + 60)
-        except Exception as e:   # noqa: BLE001 -- whatever is left dies with this driver's actors
+        except Exception as e:  # noqa: BLE001 -- whatever is left dies with this driver's actors
             say(f"stop: {e}")
         ray.kill(controller)
         ray.shutdown()
         return 128 + stop_signal[0] if stop_signal else rc
+
     try:
-        placed = ray.get(controller.start.remote(num["prefill"], num["decode"], float(a.ready_timeout)))
-    except Exception as e:   # noqa: BLE001 -- a start that failed: said, then everything stops
+        placed = ray.get(
+            controller.start.remote(num["prefill"], num["decode"], float(a.ready_timeout))
+        )
+    except Exception as e:  # noqa: BLE001 -- a start that failed: said, then everything stops
         say(f"not ready: {why_failed(e)}")
         return stop(1)
     endpoint = placed["endpoint"]
     host = endpoint.rsplit(":", 1)[0].removeprefix("tcp://")
-    where = ", ".join(f"{n} on {w['hostname']} ({w['ip']})" for n, w in placed["where"].items() if w)
+    where = ", ".join(
+        f"{n} on {w['hostname']} ({w['ip']})" for n, w in placed["where"].items() if w
+    )
     http = "" if a.no_http else f", OpenAI API at http://{host}:{a.http_port}/v1"
-    say(f"ready in {time.monotonic() - started:.1f}s: {num['prefill']} prefill + {num['decode']} decode nodes on "
-        f"Ray; clients connect to {endpoint}{http} ({where}; CURVE keys made here, handed to each actor)")
+    say(
+        f"ready in {time.monotonic() - started:.1f}s: {num['prefill']} prefill + {num['decode']} decode nodes on "
+        f"Ray; clients connect to {endpoint}{http} ({where}; CURVE keys made here, handed to each actor)"
+    )
     print(f"PDSERVE_ENDPOINT={endpoint}", file=ready_out, flush=True)
     while not stop_signal:
         if not ray.get(controller.is_frontend_alive.remote()):
@@ -152,10 +184,14 @@ def serve(argv: list[str]) -> int:
 def scale(argv: list[str]) -> int:
     """pdserve scale: add nodes to a cluster `pdserve serve --ray` placed, or drain its
     newest ones (their requests move; none fails), until it has this many."""
-    from common.runtime.process import HelpFormat   # NOTE: here: it imports torch
-    p = argparse.ArgumentParser(prog="pdserve scale", description=scale.__doc__,
-                                formatter_class=HelpFormat)
-    p.add_argument("--endpoint", required=True, help="the cluster's client endpoint (PDSERVE_ENDPOINT)")
+    from common.runtime.process import HelpFormat  # NOTE: here: it imports torch
+
+    p = argparse.ArgumentParser(
+        prog="pdserve scale", description=scale.__doc__, formatter_class=HelpFormat
+    )
+    p.add_argument(
+        "--endpoint", required=True, help="the cluster's client endpoint (PDSERVE_ENDPOINT)"
+    )
     p.add_argument("--num-prefill", type=int, required=True, help="prefill nodes wanted in all")
     p.add_argument("--num-decode", type=int, required=True, help="decode nodes wanted in all")
     p.add_argument("--ray", default="auto", help="the Ray cluster's address")
@@ -169,18 +205,25 @@ def scale(argv: list[str]) -> int:
     import ray
 
     from launch.ray_keys import why_failed
+
     ray.init(address=a.ray, namespace=NAMESPACE, log_to_driver=False)
     try:
         controller = ray.get_actor(controller_name(port))
     except ValueError:
-        print(f"pdserve scale: no cluster placed by pdserve serve --ray at {a.endpoint}", file=sys.stderr)
+        print(
+            f"pdserve scale: no cluster placed by pdserve serve --ray at {a.endpoint}",
+            file=sys.stderr,
+        )
         return 1
-    try:   # NOTE: Ray's errors (the controller gone, a member restarting) said in one line
+    try:  # NOTE: Ray's errors (the controller gone, a member restarting) said in one line
         placed = ray.get(controller.where.remote())
         frontend = placed.get("frontend") or {}
         if frontend.get("endpoint") != a.endpoint:
-            print(f"pdserve scale: the cluster on port {port} serves {frontend.get('endpoint')}, "
-                  f"not {a.endpoint}", file=sys.stderr)
+            print(
+                f"pdserve scale: the cluster on port {port} serves {frontend.get('endpoint')}, "
+                f"not {a.endpoint}",
+                file=sys.stderr,
+            )
             return 1
         changes = ray.get(controller.scale.remote(a.num_prefill, a.num_decode, a.timeout))
     except ray.exceptions.RayError as e:
@@ -188,5 +231,7 @@ def scale(argv: list[str]) -> int:
         return 1
     for line in changes.get("notes", []):
         print(f"pdserve scale: {line}", file=sys.stderr)
-    print(f"added: {' '.join(changes['added']) or '-'}; drained: {' '.join(changes['drained']) or '-'}")
+    print(
+        f"added: {' '.join(changes['added']) or '-'}; drained: {' '.join(changes['drained']) or '-'}"
+    )
     return 0

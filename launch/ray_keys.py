@@ -7,6 +7,7 @@ decode node admits it by its key. Nodes of one role never link to each other. A 
 reads every key at its start (keys_for), so one Ray is starting again when a node is
 added needs them sent only if it read them before that node's keys were made.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -16,7 +17,7 @@ from typing import Callable
 
 import ray
 
-RETRY_S = 1.0   # how often a member Ray is starting again is asked again
+RETRY_S = 1.0  # how often a member Ray is starting again is asked again
 
 
 def make_token() -> str:
@@ -28,8 +29,9 @@ def make_token() -> str:
 
 def check_token(given: object, token: str) -> None:
     if not isinstance(given, str) or not hmac.compare_digest(given.encode(), token.encode()):
-        raise PermissionError("the cluster's keys are handed only to the members its controller "
-                              "started")
+        raise PermissionError(
+            "the cluster's keys are handed only to the members its controller started"
+        )
 
 
 def needs_key(member_role: str, new_role: str) -> bool:
@@ -38,10 +40,18 @@ def needs_key(member_role: str, new_role: str) -> bool:
     return member_role == "frontend" or member_role != new_role
 
 
-def send_keys(members: dict[str, object], roles: dict[str, str], new: list[str], role: str,
-              public: dict[str, bytes], has_read: Callable[[str], bool], timeout_s: float,
-              say: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
-              sleep: Callable[[float], None] = time.sleep) -> list[str]:
+def send_keys(
+    members: dict[str, object],
+    roles: dict[str, str],
+    new: list[str],
+    role: str,
+    public: dict[str, bytes],
+    has_read: Callable[[str], bool],
+    timeout_s: float,
+    say: Callable[[str], None],
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[str]:
     """Give the public keys (new: the nodes just placed, of role) to every member whose links
     read them, the frontend last: a new node registers only once the frontend admits it,
     and by then the nodes it links with know its key. A member Ray is starting again is
@@ -63,16 +73,20 @@ def send_keys(members: dict[str, object], roles: dict[str, str], new: list[str],
                     say(f"{name} is being started again by Ray; it read the new keys at its start")
                 elif why == "restarting":
                     if name not in said:
-                        say(f"{name} is being started again by Ray; giving it the new keys once it "
-                            f"answers (for up to {max(deadline - clock(), 0):.0f}s)")
+                        say(
+                            f"{name} is being started again by Ray; giving it the new keys once it "
+                            f"answers (for up to {max(deadline - clock(), 0):.0f}s)"
+                        )
                         said.add(name)
                     waiting.append(name)
                 else:
                     say(f"{name} was not given the new keys: {why}")
                     missed.append(name)
             if waiting and clock() >= deadline:
-                say(f"{', '.join(waiting)} did not answer in {timeout_s:.0f}s while Ray started "
-                    f"them again: not given the new keys (each reads every key at its next start)")
+                say(
+                    f"{', '.join(waiting)} did not answer in {timeout_s:.0f}s while Ray started "
+                    f"them again: not given the new keys (each reads every key at its next start)"
+                )
                 missed += waiting
                 break
             if waiting:

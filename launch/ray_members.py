@@ -12,6 +12,7 @@ back under its name and key; the frontend moves its requests meanwhile as for an
 node that dies. The frontend is not restarted: its clients' endpoint would move, so
 the driver stops the cluster instead (as start_cluster.sh does).
 """
+
 from __future__ import annotations
 
 import os
@@ -39,9 +40,9 @@ from launch.model_copy import MAX_COPY_TRIES, ModelChanged, copy_model, manifest
 from launch.ray_keys import check_token, make_token, send_keys
 
 STOP_GRACE_S = 10
-MAX_START_TRIES = 3   # a node that exits this often before it is first ready fails the start
-HEAD_RESOURCE = "node:__internal_head__"        # what only the Ray head has
-ACCELERATORS = {"cuda": "GPU", "npu": "NPU"}   # device kind -> Ray's resource name
+MAX_START_TRIES = 3  # a node that exits this often before it is first ready fails the start
+HEAD_RESOURCE = "node:__internal_head__"  # what only the Ray head has
+ACCELERATORS = {"cuda": "GPU", "npu": "NPU"}  # device kind -> Ray's resource name
 
 
 def say(line: str) -> None:
@@ -73,18 +74,22 @@ class Member:
     def __init__(self, spec: dict, controller):
         self.spec, self.stopping = spec, False
         self.ip = ray.util.get_node_ip_address()
-        remove_leftovers()   # of members killed on this machine (their pid, in the name, is gone)
+        remove_leftovers()  # of members killed on this machine (their pid, in the name, is gone)
         self.key_dir = tempfile.mkdtemp(prefix=f"pdserve-keys-{os.getpid()}-")
         self.ready_file = Path(self.key_dir) / "ready"
         self.write_keys(ray.get(controller.keys_for.remote(spec["name"], spec["token"])))
-        self.model_hold: int | None = None   # a lock on the model's copy here, while in use
+        self.model_hold: int | None = None  # a lock on the model's copy here, while in use
         if not (Path(spec["model"]) / "config.json").is_file():
             self.spec = {**spec, "model": self._copy_model(controller)}
         self.endpoint, argv, env = self._argv()
         # NOTE: started from this actor's main thread: a node dies with the thread that
         # started it (PR_SET_PDEATHSIG), which is this process's for the actor's life.
-        self.proc = subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}, start_new_session=True,
-                                     cwd=str(Path(__file__).resolve().parents[1]))
+        self.proc = subprocess.Popen(
+            [sys.executable, *argv],
+            env={**os.environ, **env},
+            start_new_session=True,
+            cwd=str(Path(__file__).resolve().parents[1]),
+        )
         say(f"{spec['name']} started on {self.ip} (pid {self.proc.pid})")
         threading.Thread(target=self._watch, daemon=True, name="watch").start()
 
@@ -93,19 +98,27 @@ class Member:
         --ray-ship-model; else the error that names the path and the machine."""
         s = self.spec
         if not s.get("ship_model"):
-            raise RuntimeError(f"{s['name']}: the model directory {s['model']} is not on {self.ip}: give --model a "
-                               f"path every machine sees (a shared file system), or add --ray-ship-model")
+            raise RuntimeError(
+                f"{s['name']}: the model directory {s['model']} is not on {self.ip}: give --model a "
+                f"path every machine sees (a shared file system), or add --ray-ship-model"
+            )
         cache = read_env().home / "models"
         started = time.monotonic()
 
         def read(rel: str, at: int, n: int) -> bytes:
             return ray.get(controller.read_model.remote(rel, at, n))
+
         try:
-            copy = copy_model(s["model"], lambda: ray.get(controller.model_files.remote()), read,
-                              cache, lambda line: say(f"{s['name']}: {line}"))
+            copy = copy_model(
+                s["model"],
+                lambda: ray.get(controller.model_files.remote()),
+                read,
+                cache,
+                lambda line: say(f"{s['name']}: {line}"),
+            )
         except ModelChanged as e:
             raise RuntimeError(f"{s['name']}: {e} (each of {MAX_COPY_TRIES} tries)") from None
-        self.model_hold = copy.hold_fd   # NOTE: kept open: no member prunes a copy in use
+        self.model_hold = copy.hold_fd  # NOTE: kept open: no member prunes a copy in use
         took = f"{copy.num_fetched / 2**20:.1f} MiB fetched in {time.monotonic() - started:.1f}s"
         pruned = f"; {copy.num_pruned} older copies removed" if copy.num_pruned else ""
         say(f"{s['name']}: the model copied to {copy.path} on {self.ip} ({took}{pruned})")
@@ -119,12 +132,21 @@ class Member:
         clients = f"tcp://{addr}:{base}"
         node_link = s.get("node_link") or f"tcp://{addr}:{base + 1}"
         device = s["device"]
-        if device.partition(":")[0] in ACCELERATORS:   # Ray made only the one it gave us visible
+        if device.partition(":")[0] in ACCELERATORS:  # Ray made only the one it gave us visible
             device = f"{device.partition(':')[0]}:0"
         kv = f"tcp://{addr}:{free_port(self.ip)}" if s["role"] == "decode" else ""
         node = Node(s["name"], s["role"], device, kv)
-        plan = Plan(opts, s["model"], clients, node_link, [node], [], {node.name: int(s["num_cpus"])},
-                    remote=["--allow-remote"], key_args=["--keys", self.key_dir])
+        plan = Plan(
+            opts,
+            s["model"],
+            clients,
+            node_link,
+            [node],
+            [],
+            {node.name: int(s["num_cpus"])},
+            remote=["--allow-remote"],
+            key_args=["--keys", self.key_dir],
+        )
         if s["role"] == "frontend":
             return clients, cluster_plan.frontend_argv(plan) + ["--http-host", self.ip], {}
         return kv, cluster_plan.node_argv(plan, node), {"PDSERVE_READY_FILE": str(self.ready_file)}
@@ -132,10 +154,12 @@ class Member:
     def _watch(self) -> None:
         code = self.proc.wait()
         if not self.stopping:
-            say(f"{self.spec['name']} (pid {self.proc.pid}) on {self.ip} exited with code {code}"
-                + ("" if self.spec["role"] == "frontend" else "; Ray starts it again"))
+            say(
+                f"{self.spec['name']} (pid {self.proc.pid}) on {self.ip} exited with code {code}"
+                + ("" if self.spec["role"] == "frontend" else "; Ray starts it again")
+            )
             shutil.rmtree(self.key_dir, ignore_errors=True)
-            time.sleep(1)   # NOTE: Ray restarts at once: a node that cannot start must not spin
+            time.sleep(1)  # NOTE: Ray restarts at once: a node that cannot start must not spin
             os._exit(1)
 
     def write_keys(self, files: dict[str, bytes]) -> None:
@@ -146,8 +170,13 @@ class Member:
             os.chmod(path, 0o600)
 
     def where(self) -> dict:
-        return {"name": self.spec["name"], "ip": self.ip, "pid": self.proc.pid, "endpoint": self.endpoint,
-                "hostname": socket.gethostname()}
+        return {
+            "name": self.spec["name"],
+            "ip": self.ip,
+            "pid": self.proc.pid,
+            "endpoint": self.endpoint,
+            "hostname": socket.gethostname(),
+        }
 
     def is_ready(self) -> bool:
         return self.spec["role"] == "frontend" or self.ready_file.exists()
@@ -176,14 +205,14 @@ class Controller:
     sleep = staticmethod(time.sleep)
 
     def __init__(self, opts: dict):
-        self.opts = opts   # launcher, model, num_cpus, drain_s, base_port, devices, ship_model
-        self.lock = threading.RLock()         # one scale() or stop() at a time
+        self.opts = opts  # launcher, model, num_cpus, drain_s, base_port, devices, ship_model
+        self.lock = threading.RLock()  # one scale() or stop() at a time
         self.key_dir = tempfile.mkdtemp(prefix=f"pdserve-keys-{os.getpid()}-")
-        self._token = make_token()            # NOTE: no method returns it: members get it at start
-        self.key_version = 0                  # bumped whenever keys are made
-        self.keys_read: dict[str, int] = {}   # name -> the key_version its member last read
+        self._token = make_token()  # NOTE: no method returns it: members get it at start
+        self.key_version = 0  # bumped whenever keys are made
+        self.keys_read: dict[str, int] = {}  # name -> the key_version its member last read
         self.members: dict[str, object] = {}  # name -> its actor
-        self.groups: dict[str, object] = {}   # name -> the placement group it runs in
+        self.groups: dict[str, object] = {}  # name -> the placement group it runs in
         self.roles: dict[str, str] = {}
         self.num_starts: dict[str, int] = {}  # name -> times its member started (Ray restarts it)
         self.node_link = ""
@@ -201,8 +230,8 @@ class Controller:
         check_token(token, self._token)
         if name not in self.roles:
             raise PermissionError(f"{name!r} is not a member of this cluster")
-        self.num_starts[name] = self.num_starts.get(name, 0) + 1   # each start asks once
-        self.keys_read[name] = self.key_version   # NOTE: before the files are read
+        self.num_starts[name] = self.num_starts.get(name, 0) + 1  # each start asks once
+        self.keys_read[name] = self.key_version  # NOTE: before the files are read
         secret = (Path(self.key_dir) / f"{name}.key_secret").read_bytes()
         return {**self._public_keys(), f"{name}.key_secret": secret}
 
@@ -216,18 +245,31 @@ class Controller:
 
     def _spec(self, name: str, role: str) -> dict:
         o = self.opts
-        return {"name": name, "role": role, "device": "cpu" if role == "frontend" else o["devices"][role],
-                "launcher": o["launcher"], "base_port": o["base_port"], "node_link": self.node_link,
-                "num_cpus": o["num_cpus"], "model": o["model"], "ship_model": o["ship_model"]}
+        return {
+            "name": name,
+            "role": role,
+            "device": "cpu" if role == "frontend" else o["devices"][role],
+            "launcher": o["launcher"],
+            "base_port": o["base_port"],
+            "node_link": self.node_link,
+            "num_cpus": o["num_cpus"],
+            "model": o["model"],
+            "ship_model": o["ship_model"],
+        }
 
     def _start(self, spec: dict, group, bundle: int, res: dict[str, float]):
         actor_cls = ray.remote(Member)
         kind = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
-        self.roles[spec["name"]] = spec["role"]   # NOTE: before it starts: it asks for its keys
+        self.roles[spec["name"]] = spec["role"]  # NOTE: before it starts: it asks for its keys
         actor = actor_cls.options(
-            num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0), resources=kind or None,
-            max_restarts=0 if spec["role"] == "frontend" else -1, max_task_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+            num_cpus=res.get("CPU", 0),
+            num_gpus=res.get("GPU", 0),
+            resources=kind or None,
+            max_restarts=0 if spec["role"] == "frontend" else -1,
+            max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=bundle
+            ),
         ).remote({**spec, "token": self._token}, ray.get_runtime_context().current_actor)
         self.members[spec["name"]], self.groups[spec["name"]] = actor, group
         return actor
@@ -237,12 +279,19 @@ class Controller:
         bundle of its own, spread over the machines (SPREAD: one machine each where there
         are enough)."""
         o = self.opts
-        names = [f"prefill-{i}" for i in range(num_prefill)] + [f"decode-{i}" for i in range(num_decode)]
+        names = [f"prefill-{i}" for i in range(num_prefill)] + [
+            f"decode-{i}" for i in range(num_decode)
+        ]
         make_keys(self.key_dir, names)
-        node_res = {role: resources(o["devices"][role], o["num_cpus"]) for role in ("prefill", "decode")}
+        node_res = {
+            role: resources(o["devices"][role], o["num_cpus"]) for role in ("prefill", "decode")
+        }
         # (name, bundle, resources): bundle 0 holds the frontend and prefill-0 where there is one.
         shares_first = bool(names) and names[0] == "prefill-0"
-        placed = [(n, i if shares_first else i + 1, node_res[n.partition("-")[0]]) for i, n in enumerate(names)]
+        placed = [
+            (n, i if shares_first else i + 1, node_res[n.partition("-")[0]])
+            for i, n in enumerate(names)
+        ]
         # NOTE: the frontend asks Ray for no CPU (it shares the head's with prefill-0): the
         # head's CPUs stay free for a node Ray moves there when a machine is lost.
         first = dict(node_res["prefill"]) if shares_first else {}
@@ -250,7 +299,9 @@ class Controller:
         # service points, so clients find the frontend there.
         first[HEAD_RESOURCE] = 0.001
         bundles = [first] + [res for _, b, res in placed if b > 0]
-        group = placement_group(bundles, strategy="SPREAD", name=f"pdserve-{o['base_port']}-{os.getpid()}")
+        group = placement_group(
+            bundles, strategy="SPREAD", name=f"pdserve-{o['base_port']}-{os.getpid()}"
+        )
         self._place(group, bundles, "the cluster", timeout_s)
         frontend = self._start(self._spec("frontend", "frontend"), group, 0, {"CPU": 0})
         where = ray.get(frontend.where.remote(), timeout=timeout_s)
@@ -267,8 +318,10 @@ class Controller:
             ray.get(group.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(group)
-            raise RuntimeError(f"Ray found no room for {what} ({bundles}) in {timeout_s:.0f}s: add a machine "
-                               f"(ray start --address HEAD:6379) or ask for fewer nodes{more}") from None
+            raise RuntimeError(
+                f"Ray found no room for {what} ({bundles}) in {timeout_s:.0f}s: add a machine "
+                f"(ray start --address HEAD:6379) or ask for fewer nodes{more}"
+            ) from None
 
     def _wait_ready(self, names: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -277,9 +330,11 @@ class Controller:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not ready after {timeout_s:.0f}s: {', '.join(waiting)}")
             failing = [n for n in waiting if self.num_starts.get(n, 0) > MAX_START_TRIES]
-            if failing:   # a node that cannot start: Ray would start it for ever
-                raise RuntimeError(f"{', '.join(failing)} exited {MAX_START_TRIES} times while starting (its error "
-                                   f"is above)")
+            if failing:  # a node that cannot start: Ray would start it for ever
+                raise RuntimeError(
+                    f"{', '.join(failing)} exited {MAX_START_TRIES} times while starting (its error "
+                    f"is above)"
+                )
             refs = {n: self.members[n].is_ready.remote() for n in waiting}
             waiting = [n for n, ref in refs.items() if not self._answer(ref, timeout_s)]
             time.sleep(0.2)
@@ -294,7 +349,9 @@ class Controller:
             return None
         except ray.exceptions.ActorDiedError as e:
             cause = re.search(r"RuntimeError: (.*)", str(e))
-            raise RuntimeError(cause.group(1) if cause else str(e).strip().splitlines()[-1]) from None
+            raise RuntimeError(
+                cause.group(1) if cause else str(e).strip().splitlines()[-1]
+            ) from None
 
     def where(self) -> dict[str, dict]:
         """name -> its machine's address, hostname, pid and endpoint (a member Ray is
@@ -304,7 +361,7 @@ class Controller:
         for name, ref in refs.items():
             try:
                 out[name] = ray.get(ref, timeout=10)
-            except Exception:   # noqa: BLE001 -- restarting or gone: said as None
+            except Exception:  # noqa: BLE001 -- restarting or gone: said as None
                 out[name] = None
         return out
 
@@ -312,7 +369,7 @@ class Controller:
         try:
             ray.get(self.members["frontend"].where.remote(), timeout=30)
             return True
-        except Exception:   # noqa: BLE001 -- the actor died (its process exited)
+        except Exception:  # noqa: BLE001 -- the actor died (its process exited)
             return False
 
     # ---- scale ----------------------------------------------------------------
@@ -323,10 +380,15 @@ class Controller:
         with self.lock:
             changes = {"added": [], "drained": [], "notes": []}
             for role, want in (("prefill", num_prefill), ("decode", num_decode)):
-                have = sorted((n for n, r in self.roles.items() if r == role), key=lambda n: int(n.rpartition("-")[2]))
+                have = sorted(
+                    (n for n, r in self.roles.items() if r == role),
+                    key=lambda n: int(n.rpartition("-")[2]),
+                )
                 if want > len(have):
                     taken = {int(n.rpartition("-")[2]) for n in have}
-                    new = [f"{role}-{i}" for i in range(want + len(taken) + 1) if i not in taken][:want - len(have)]
+                    new = [f"{role}-{i}" for i in range(want + len(taken) + 1) if i not in taken][
+                        : want - len(have)
+                    ]
                     self._add(role, new, timeout_s, changes)
                 for name in reversed(have[want:]):
                     self._remove(name)
@@ -342,25 +404,40 @@ class Controller:
         def note(line: str) -> None:
             say(line)
             changes["notes"].append(line)
-        make_keys(self.key_dir, new)   # NOTE: before any starts: each asks for its keys
+
+        make_keys(self.key_dir, new)  # NOTE: before any starts: each asks for its keys
         self.key_version += 1
         res = resources(self.opts["devices"][role], self.opts["num_cpus"])
         placed = []
         try:
             for name in new:
                 group = placement_group([res], strategy="SPREAD")
-                self._place(group, [res], name, timeout_s,
-                            f"; added so far: {' '.join(added + placed) or 'none'}")
+                self._place(
+                    group,
+                    [res],
+                    name,
+                    timeout_s,
+                    f"; added so far: {' '.join(added + placed) or 'none'}",
+                )
                 self._start(self._spec(name, role), group, 0, res)
                 placed.append(name)
         finally:
             added += placed
-            for name in new[len(placed):]:   # no room: its keys go with it
+            for name in new[len(placed) :]:  # no room: its keys go with it
                 self._forget_keys(name)
             if placed:
-                send_keys(self.members, self.roles, placed, role, self._public_keys(),
-                          lambda n: self.keys_read.get(n, -1) >= self.key_version, timeout_s, note,
-                          self.clock, self.sleep)
+                send_keys(
+                    self.members,
+                    self.roles,
+                    placed,
+                    role,
+                    self._public_keys(),
+                    lambda n: self.keys_read.get(n, -1) >= self.key_version,
+                    timeout_s,
+                    note,
+                    self.clock,
+                    self.sleep,
+                )
         self._wait_ready(placed, timeout_s)
 
     def _forget_keys(self, name: str) -> None:
@@ -372,7 +449,7 @@ class Controller:
         self.roles.pop(name)
         try:
             ray.get(actor.stop.remote(float(self.opts["drain_s"])))
-        except Exception:   # noqa: BLE001 -- already gone
+        except Exception:  # noqa: BLE001 -- already gone
             pass
         ray.kill(actor, no_restart=True)
         if not any(g is group for g in self.groups.values()):
@@ -388,14 +465,17 @@ class Controller:
             drain_s = float(self.opts["drain_s"])
             if "frontend" in self.members:
                 try:
-                    ray.get(self.members["frontend"].stop.remote(drain_s), timeout=drain_s + 2 * STOP_GRACE_S)
-                except Exception:   # noqa: BLE001 -- already gone
+                    ray.get(
+                        self.members["frontend"].stop.remote(drain_s),
+                        timeout=drain_s + 2 * STOP_GRACE_S,
+                    )
+                except Exception:  # noqa: BLE001 -- already gone
                     pass
             refs = [a.stop.remote(0.0) for n, a in self.members.items() if n != "frontend"]
             for ref in refs:
                 try:
                     ray.get(ref, timeout=3 * STOP_GRACE_S)
-                except Exception:   # noqa: BLE001 -- already gone
+                except Exception:  # noqa: BLE001 -- already gone
                     pass
             groups = {id(g): g for g in self.groups.values()}
             for actor in self.members.values():

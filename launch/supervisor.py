@@ -9,6 +9,7 @@ Each process gets a session of its own, so a terminal's Ctrl-C reaches the launc
 alone and the cluster drains in order; every child also dies with the launcher
 (PR_SET_PDEATHSIG, set by each process itself).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,11 +26,11 @@ from common.base.env import read_env
 from common.base.model_dir import check_model_dir
 from launch import cluster_plan
 from launch.cluster_plan import Node, Plan, PlanError
-from launch.leftovers import remove_leftovers
 from launch.default_model import make_default
+from launch.leftovers import remove_leftovers
 
 MAX_BACKOFF_S = 30
-STABLE_S = 60      # a node that ran this long starts its backoff over
+STABLE_S = 60  # a node that ran this long starts its backoff over
 STOP_GRACE_S = 10  # after the drain: SIGTERM, then SIGKILL this much later
 
 
@@ -55,18 +56,24 @@ class Backoff:
 class Supervisor:
     """spawn(argv, env) -> a Popen-like process (poll, pid, send_signal, kill, wait)."""
 
-    def __init__(self, plan: Plan, ready_dir: Path, spawn: Callable | None = None,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                 ask_frontend: Callable[[Plan, int], bool] | None = None):
+    def __init__(
+        self,
+        plan: Plan,
+        ready_dir: Path,
+        spawn: Callable | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        ask_frontend: Callable[[Plan, int], bool] | None = None,
+    ):
         self.plan, self.ready_dir = plan, ready_dir
         self.spawn, self.ask_frontend = spawn or _spawn, ask_frontend or _frontend_has
-        self.signal: int | None = None             # set by the signal handler: stop now
+        self.signal: int | None = None  # set by the signal handler: stop now
         self.clock, self.sleep = clock, sleep
         self.frontend = None
-        self.procs: dict[str, object] = {}         # node name -> its process
+        self.procs: dict[str, object] = {}  # node name -> its process
         self.started_at: dict[str, float] = {}
         self.backoff = {n.name: Backoff() for n in plan.nodes}
-        self.restart_at: dict[str, float] = {}     # node name -> when it starts again
+        self.restart_at: dict[str, float] = {}  # node name -> when it starts again
         self.temp_keys = ""
 
     # ---- start ----------------------------------------------------------------
@@ -78,13 +85,16 @@ class Supervisor:
     def start_node(self, node: Node) -> None:
         ready = self.ready_dir / node.name
         ready.unlink(missing_ok=True)
-        self.procs[node.name] = self.spawn(cluster_plan.node_argv(self.plan, node),
-                                           {"PDSERVE_READY_FILE": str(ready)})
+        self.procs[node.name] = self.spawn(
+            cluster_plan.node_argv(self.plan, node), {"PDSERVE_READY_FILE": str(ready)}
+        )
         self.started_at[node.name] = self.clock()
 
     def dead(self) -> str | None:
         """'NAME (pid P) exited with code C' for a process that exited, frontend first."""
-        for name, p in ([("the frontend", self.frontend)] if self.frontend else []) + list(self.procs.items()):
+        for name, p in ([("the frontend", self.frontend)] if self.frontend else []) + list(
+            self.procs.items()
+        ):
             if p is not None and p.poll() is not None and name not in self.restart_at:
                 return f"{name} (pid {p.pid}) exited with code {p.returncode}"
         return None
@@ -107,8 +117,10 @@ class Supervisor:
                 return f"{why} during start-up (its error is above); stopping"
             if self.clock() >= deadline:
                 if self.plan.is_joining:
-                    return (f"the frontend at {self.plan.node_link} did not accept every node here within "
-                            f"{timeout_s:.0f}s (unreachable, or other keys?); stopping")
+                    return (
+                        f"the frontend at {self.plan.node_link} did not accept every node here within "
+                        f"{timeout_s:.0f}s (unreachable, or other keys?); stopping"
+                    )
                 return f"not ready after {timeout_s:.0f}s; stopping"
             self.sleep(0.1)
         return None
@@ -118,8 +130,10 @@ class Supervisor:
     def turn(self) -> int | None:
         """One look at every process: an exit code to stop with, or None to go on."""
         if self.frontend is not None and self.frontend.poll() is not None:
-            say(f"the frontend (pid {self.frontend.pid}) exited with code {self.frontend.returncode}; "
-                f"stopping the cluster")
+            say(
+                f"the frontend (pid {self.frontend.pid}) exited with code {self.frontend.returncode}; "
+                f"stopping the cluster"
+            )
             return 1
         now = self.clock()
         for node in self.plan.nodes:
@@ -133,10 +147,14 @@ class Supervisor:
             if p.poll() is None:
                 continue
             if self.plan.opts.no_restart:
-                say(f"{node.name} (pid {p.pid}) exited with code {p.returncode}; stopping the cluster")
+                say(
+                    f"{node.name} (pid {p.pid}) exited with code {p.returncode}; stopping the cluster"
+                )
                 return 1
             delay = self.backoff[node.name].after_exit(now - self.started_at[node.name])
-            say(f"{node.name} (pid {p.pid}) exited with code {p.returncode}; restarting in {delay}s")
+            say(
+                f"{node.name} (pid {p.pid}) exited with code {p.returncode}; restarting in {delay}s"
+            )
             self.restart_at[node.name] = now + delay
         return None
 
@@ -166,7 +184,9 @@ class Supervisor:
 
 
 def _spawn(argv: list[str], env: dict[str, str]):
-    return subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, *argv], env={**os.environ, **env}, start_new_session=True
+    )
 
 
 def _remove_core_tables(plan: Plan) -> None:
@@ -177,9 +197,23 @@ def _remove_core_tables(plan: Plan) -> None:
 
 def _frontend_has(plan: Plan, frontend_pid: int) -> bool:
     """Our frontend (its pid: not another cluster's on the port) has every node here."""
-    done = subprocess.run([sys.executable, "-m", "frontend.cli", "--endpoint", plan.clients, "--wait-ready", "2",
-                           "--wait-names", ",".join(n.name for n in plan.nodes), "--frontend-pid", str(frontend_pid)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "frontend.cli",
+            "--endpoint",
+            plan.clients,
+            "--wait-ready",
+            "2",
+            "--wait-names",
+            ",".join(n.name for n in plan.nodes),
+            "--frontend-pid",
+            str(frontend_pid),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return done.returncode == 0
 
 
@@ -187,6 +221,7 @@ def _check_ports(host: str, ports: list[int]) -> str | None:
     """Every port this cluster binds must be free now: a port in use means another
     cluster, which must not answer our readiness check or receive our nodes."""
     import socket
+
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for port in ports:
         with socket.socket(family) as s:
@@ -195,8 +230,10 @@ def _check_ports(host: str, ports: list[int]) -> str | None:
             try:
                 s.bind((host, port))
             except OSError as e:
-                return (f"port {port} on {host} is in use ({e.strerror}): another cluster? choose another "
-                        f"--base-port (or --http-port)")
+                return (
+                    f"port {port} on {host} is in use ({e.strerror}): another cluster? choose another "
+                    f"--base-port (or --http-port)"
+                )
     return None
 
 
@@ -209,28 +246,37 @@ def _memory_refusal(plan: Plan) -> str | None:
     # NOTE: here, not above: these import torch, which a bad --model need not wait for
     from common.base.config import DTYPES, WorkerConfig, parse_bytes, parse_dtype
     from launch import memory_check
+
     a = plan.opts
     dtype = parse_dtype(a.dtype or "auto") or "float32"
     if dtype not in DTYPES:
-        return None   # the node says what is wrong with it
+        return None  # the node says what is wrong with it
     kv = parse_bytes(a.kv_cache_memory or None) or WorkerConfig.cpu_kv_cache_memory
-    need = {f"the weights in {dtype}, x{len(cpu)} cpu nodes":
-            len(cpu) * memory_check.checkpoint_bytes(plan.model, dtype),
-            f"a KV cache of {memory_check.gib(kv)} each": len(cpu) * kv}
-    return memory_check.refusal(f"{len(cpu)} cpu node(s) of {plan.model}", need,
-                                "start fewer cpu nodes (--num-prefill, --num-decode), give --dtype "
-                                "bfloat16 or a smaller --kv-cache-memory, or put nodes on an "
-                                "accelerator")
+    need = {
+        f"the weights in {dtype}, x{len(cpu)} cpu nodes": len(cpu)
+        * memory_check.checkpoint_bytes(plan.model, dtype),
+        f"a KV cache of {memory_check.gib(kv)} each": len(cpu) * kv,
+    }
+    return memory_check.refusal(
+        f"{len(cpu)} cpu node(s) of {plan.model}",
+        need,
+        "start fewer cpu nodes (--num-prefill, --num-decode), give --dtype "
+        "bfloat16 or a smaller --kv-cache-memory, or put nodes on an "
+        "accelerator",
+    )
 
 
 def _role_warnings(plan: Plan) -> list[str]:
     """A cluster whose frontend is here but which cannot serve a request yet."""
     if plan.is_joining:
-        return []   # this host adds nodes to a cluster: the others may be elsewhere
+        return []  # this host adds nodes to a cluster: the others may be elsewhere
     roles = {n.role for n in plan.nodes}
-    return [f"no {role} node (--num-{role} 0): every request is refused until one joins from "
-            f"another host (start_cluster.sh --join {plan.node_link})"
-            for role in ("prefill", "decode") if role not in roles]
+    return [
+        f"no {role} node (--num-{role} 0): every request is refused until one joins from "
+        f"another host (start_cluster.sh --join {plan.node_link})"
+        for role in ("prefill", "decode")
+        if role not in roles
+    ]
 
 
 def _threads(num: int) -> str:
@@ -243,25 +289,38 @@ def _keys(plan: Plan) -> tuple[list[str], str, str]:
     a = plan.opts
     if a.no_keys:
         return [], "open node links", ""
-    if a.join:   # the frontend's host made them: use, never make
+    if a.join:  # the frontend's host made them: use, never make
         for file in ["frontend.key", *(f"{n.name}.key_secret" for n in plan.nodes)]:
             if not (Path(a.keys) / file).is_file():
-                raise PlanError(f"{a.keys} has no {file}: make the keys once for every node name "
-                                f"(pdserve keys KEYS --nodes ...) and copy the directory to each host")
+                raise PlanError(
+                    f"{a.keys} has no {file}: make the keys once for every node name "
+                    f"(pdserve keys KEYS --nodes ...) and copy the directory to each host"
+                )
         return ["--keys", a.keys], f"CURVE keys in {a.keys}", ""
     # NOTE: made for this cluster alone, the frontend removes them as it exits (also when this
     # launcher was killed); a launch removes those of launchers killed with their frontend.
     temp = "" if a.keys else tempfile.mkdtemp(prefix=f"pdserve-keys-{os.getpid()}-")
     keys = a.keys or temp
-    subprocess.run([sys.executable, "-m", "launch.keys", keys, "--nodes", ",".join(n.name for n in plan.nodes)],
-                   stdout=subprocess.DEVNULL, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.keys",
+            keys,
+            "--nodes",
+            ",".join(n.name for n in plan.nodes),
+        ],
+        stdout=subprocess.DEVNULL,
+        check=True,
+    )
     return ["--keys", keys], f"CURVE keys in {keys}", temp
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--ray" in argv:   # Ray places and supervises the processes (launch/ray_cluster.py)
+    if "--ray" in argv:  # Ray places and supervises the processes (launch/ray_cluster.py)
         from launch.ray_cluster import serve
+
         return serve(argv)
     try:
         a = cluster_plan.parse(argv)
@@ -272,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as e:
         print(f"start_cluster: {e}", file=sys.stderr)
         return 2
-    try:   # NOTE: before any process starts: a bad model or a host too small is one line
+    try:  # NOTE: before any process starts: a bad model or a host too small is one line
         if a.model:
             check_model_dir(plan.model, needs_tokenizer=not a.join)
         else:
@@ -291,12 +350,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"start_cluster: {why}", file=sys.stderr)
         return 1
     cores = cluster_plan.num_cores()
-    per = {role: next((plan.threads[n.name] for n in plan.nodes if n.role == role and n.device == "cpu"), 1)
-           for role in ("prefill", "decode")}
-    shared = " (shared: each up to that, owed its split; --no-core-sharing: fixed)" if plan.core_pools else ""
+    per = {
+        role: next(
+            (plan.threads[n.name] for n in plan.nodes if n.role == role and n.device == "cpu"), 1
+        )
+        for role in ("prefill", "decode")
+    }
+    shared = (
+        " (shared: each up to that, owed its split; --no-core-sharing: fixed)"
+        if plan.core_pools
+        else ""
+    )
     frontend = "no frontend here" if a.join else "the frontend 1 thread"
-    say(f"{cores} cores: each cpu prefill node {_threads(per['prefill'])} (low priority), each cpu "
-        f"decode node {_threads(per['decode'])}{shared}, {frontend}")
+    say(
+        f"{cores} cores: each cpu prefill node {_threads(per['prefill'])} (low priority), each cpu "
+        f"decode node {_threads(per['decode'])}{shared}, {frontend}"
+    )
     remove_leftovers()
     try:
         plan.key_args, links, temp_keys = _keys(plan)
@@ -309,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_signal(signum, _frame) -> None:
         sup.signal = signum
+
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
@@ -333,6 +403,7 @@ def _run(sup: Supervisor, plan: Plan, links: str) -> int:
             rc = 128 + sup.signal
         sup.stop(drain_s)
         return rc
+
     if not a.join:
         sup.start_frontend()
     for node in plan.nodes:
@@ -344,24 +415,55 @@ def _run(sup: Supervisor, plan: Plan, links: str) -> int:
         return stop(1)
     pids = " ".join(str(sup.procs[n.name].pid) for n in plan.nodes)
     if a.join:
-        say(f"joined the frontend at {a.join}: {' '.join(n.name for n in plan.nodes)} registered (node pids {pids}; "
-            f"KV at {plan.clients.rsplit(':', 1)[0].removeprefix('tcp://')} from port {int(a.base_port) + 2}; {links})")
+        say(
+            f"joined the frontend at {a.join}: {' '.join(n.name for n in plan.nodes)} registered (node pids {pids}; "
+            f"KV at {plan.clients.rsplit(':', 1)[0].removeprefix('tcp://')} from port {int(a.base_port) + 2}; {links})"
+        )
         print(f"PDSERVE_JOINED={a.join}", flush=True)
     else:
-        http = "" if a.no_http else f", OpenAI API at http://{plan.clients.rsplit(':', 1)[0].removeprefix('tcp://')}" \
-                                    f":{a.http_port}/v1"
+        http = (
+            ""
+            if a.no_http
+            else f", OpenAI API at http://{plan.clients.rsplit(':', 1)[0].removeprefix('tcp://')}"
+            f":{a.http_port}/v1"
+        )
         num = {role: sum(n.role == role for n in plan.nodes) for role in ("prefill", "decode")}
-        say(f"ready: {num['prefill']} prefill + {num['decode']} decode nodes; clients connect to {plan.clients}{http} "
-            f"(frontend pid {sup.frontend.pid}, node pids {pids}; {links})")
+        say(
+            f"ready: {num['prefill']} prefill + {num['decode']} decode nodes; clients connect to {plan.clients}{http} "
+            f"(frontend pid {sup.frontend.pid}, node pids {pids}; {links})"
+        )
         print(f"PDSERVE_ENDPOINT={plan.clients}", flush=True)
     if a.demo:
         rc = 0
-        for extra in (["--max-tokens", "24", "--ignore-eos", "--prompt", "The prefill node computes the prompt",
-                       "--prompt", "Hello, world! How are you?", "--prompt", "café naïve résumé"],
-                      ["--max-tokens", "24", "--temperature", "0.8", "--seed", "7",
-                       "--prompt", "A streamed, sampled answer:"]):
-            rc = subprocess.run([sys.executable, "-m", "frontend.cli", "--endpoint", plan.clients,
-                                 *extra]).returncode or rc
+        for extra in (
+            [
+                "--max-tokens",
+                "24",
+                "--ignore-eos",
+                "--prompt",
+                "The prefill node computes the prompt",
+                "--prompt",
+                "Hello, world! How are you?",
+                "--prompt",
+                "café naïve résumé",
+            ],
+            [
+                "--max-tokens",
+                "24",
+                "--temperature",
+                "0.8",
+                "--seed",
+                "7",
+                "--prompt",
+                "A streamed, sampled answer:",
+            ],
+        ):
+            rc = (
+                subprocess.run(
+                    [sys.executable, "-m", "frontend.cli", "--endpoint", plan.clients, *extra]
+                ).returncode
+                or rc
+            )
         say("demo done; stopping")
         return stop(rc)
     # Serve until a signal arrives or the frontend exits; a node that exits starts again

@@ -16,15 +16,16 @@ a prompt whose decode node granted the previous request at once may start
 before its own answer, one such prompt at a time and only while it takes at
 most half the free blocks, so the pool never fills with them.
 """
+
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from common.base.request import SamplingParams
 from common.kv.blocks import num_blocks_for
 from common.kv.prefix import PrefixCache, block_hashes, num_reusable_blocks
-from common.base.request import SamplingParams
 
 
 @dataclass
@@ -32,22 +33,22 @@ class PrefillJob:
     request_id: str
     token_ids: list[int]
     params: SamplingParams
-    arrival_time: float            # at the frontend (wall clock)
-    decode_node: str               # where its KV goes
+    arrival_time: float  # at the frontend (wall clock)
+    decode_node: str  # where its KV goes
     decode_kv_endpoint: str
     recv_time: float = field(default_factory=time.time)
     start_time: float | None = None
     block_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0          # prompt tokens whose KV is in block_ids
-    num_cached_tokens: int = 0     # of those, taken from the prefix cache
-    num_published: int = 0         # full blocks given to the prefix cache
-    hashes: list[bytes] = field(default_factory=list)   # each full block's chained hash
-    is_reserved: bool = False      # its decode node holds blocks for it (set by the handoff)
+    num_computed: int = 0  # prompt tokens whose KV is in block_ids
+    num_cached_tokens: int = 0  # of those, taken from the prefix cache
+    num_published: int = 0  # full blocks given to the prefix cache
+    hashes: list[bytes] = field(default_factory=list)  # each full block's chained hash
+    is_reserved: bool = False  # its decode node holds blocks for it (set by the handoff)
     is_peer_granting: bool = False  # its decode node granted the previous request at once
-    prompt_logprobs: list = field(default_factory=list)   # asked for: each chunk's, in order
-    forks: list = field(default_factory=list)    # n > 1: the other sequences (Fork), sampled with it
-    is_compiling: bool = False     # its grammar is being compiled (beside the loop): it waits
-    grammar: object = None         # its grammar, compiled
+    prompt_logprobs: list = field(default_factory=list)  # asked for: each chunk's, in order
+    forks: list = field(default_factory=list)  # n > 1: the other sequences (Fork), sampled with it
+    is_compiling: bool = False  # its grammar is being compiled (beside the loop): it waits
+    grammar: object = None  # its grammar, compiled
 
     @property
     def prompt_len(self) -> int:
@@ -66,15 +67,16 @@ class ScheduledChunk:
 
 
 class PrefillScheduler:
-    def __init__(self, prefix_cache: PrefixCache, block_size: int, token_budget: int,
-                 max_batch_prompts: int):
+    def __init__(
+        self, prefix_cache: PrefixCache, block_size: int, token_budget: int, max_batch_prompts: int
+    ):
         self.prefix_cache = prefix_cache
         self.block_size = block_size
         self.token_budget = token_budget
         self.max_batch_prompts = max_batch_prompts
         self.waiting: deque[PrefillJob] = deque()
-        self.prefilling: list[PrefillJob] = []   # started, not yet complete
-        self.early: PrefillJob | None = None     # the last prompt started before its reservation
+        self.prefilling: list[PrefillJob] = []  # started, not yet complete
+        self.early: PrefillJob | None = None  # the last prompt started before its reservation
 
     @property
     def num_waiting(self) -> int:
@@ -88,8 +90,9 @@ class PrefillScheduler:
     @property
     def num_waiting_tokens(self) -> int:
         """Prompt tokens not yet computed, waiting or part-way through."""
-        return sum(j.prompt_len for j in self.waiting) + \
-            sum(j.prompt_len - j.num_computed for j in self.prefilling)
+        return sum(j.prompt_len for j in self.waiting) + sum(
+            j.prompt_len - j.num_computed for j in self.prefilling
+        )
 
     def fits_at_all(self, prompt_len: int) -> bool:
         return num_blocks_for(prompt_len, self.block_size) <= self.prefix_cache.capacity
@@ -120,17 +123,24 @@ class PrefillScheduler:
             end = min(job.prompt_len, job.num_computed + budget)
             chunks.append(ScheduledChunk(job, job.num_computed, end))
             budget -= end - job.num_computed
-        for job in list(self.waiting):   # in arrival order, passing those not reserved yet
+        for job in list(self.waiting):  # in arrival order, passing those not reserved yet
             if budget == 0 or len(chunks) == self.max_batch_prompts:
                 break
-            if job.is_compiling or not job.is_reserved and not (job.is_peer_granting and self._is_early_free()):
+            if (
+                job.is_compiling
+                or not job.is_reserved
+                and not (job.is_peer_granting and self._is_early_free())
+            ):
                 continue
             bs = self.block_size
             if not job.hashes:
                 job.hashes = block_hashes(job.token_ids, bs)
             # NOTE: prompt logprobs need every position computed: no cached prefix.
-            cached = self.prefix_cache.match(job.hashes[:num_reusable_blocks(job.prompt_len, bs)]) \
-                if job.params.num_prompt_logprobs < 0 else []
+            cached = (
+                self.prefix_cache.match(job.hashes[: num_reusable_blocks(job.prompt_len, bs)])
+                if job.params.num_prompt_logprobs < 0
+                else []
+            )
             need = num_blocks_for(job.prompt_len, bs) - len(cached)
             if not self.prefix_cache.can_allocate(need if job.is_reserved else 2 * need):
                 self.prefix_cache.free(cached)

@@ -1,5 +1,6 @@
 """Start pdserve processes for tests and make sure none outlives them. Every cluster runs
 with --kv-verify: a handoff whose blocks do not hold what was written fails loudly."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # through cut anywhere (ignore_eos: EOS tokens, not shown, after its end).
 INT_ARRAY = '{"type": "array", "items": {"type": "integer"}}'
 _INT = r"-?(0|[1-9][0-9]*)"
-INT_ARRAY_PREFIX = rf"\[(-|{_INT}(, ?{_INT})*(, ?-?)?)?\]?"   # xgrammar's separator is ", "
+INT_ARRAY_PREFIX = rf"\[(-|{_INT}(, ?{_INT})*(, ?-?)?)?\]?"  # xgrammar's separator is ", "
 
 
 def free_base_port(count: int = 3) -> int:
@@ -108,21 +109,32 @@ async def start_streams(client, n: int, max_tokens: int) -> list[asyncio.Task]:
 
     async def one(i):
         outs = []
-        async for out in client.generate(prompt_token_ids=[i + 1] * 9, max_tokens=max_tokens,
-                                         ignore_eos=True):
+        async for out in client.generate(
+            prompt_token_ids=[i + 1] * 9, max_tokens=max_tokens, ignore_eos=True
+        ):
             started[i].set()
             outs.append(out)
         return outs, time.monotonic()
+
     tasks = [asyncio.create_task(one(i)) for i in range(n)]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
     return tasks
 
 
 def spawn(module: str, *args: str, log_path: Path | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
-                            stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
 
 
 class Processes:
@@ -140,17 +152,55 @@ class Processes:
         log = self.log_dir / f"{name or role}.log"
         extra = self.extra.get(role, []) + (["--name", name] if name else [])
         if role == "frontend":
-            p = spawn("frontend", "--model", str(self.model), "--clients", self.clients,
-                      "--nodes", self.nodes, "--dead-after", "2", "--drain-timeout", "1", *extra,
-                      log_path=log)
+            p = spawn(
+                "frontend",
+                "--model",
+                str(self.model),
+                "--clients",
+                self.clients,
+                "--nodes",
+                self.nodes,
+                "--dead-after",
+                "2",
+                "--drain-timeout",
+                "1",
+                *extra,
+                log_path=log,
+            )
         elif role == "prefill":
-            p = spawn("prefill_node", "--model", str(self.model), "--frontend", self.nodes,
-                      "--kv-cache-memory", "4MiB", "--kv-verify",
-                      "--handoff-lease", "3", "--token-budget", "64", *extra, log_path=log)
+            p = spawn(
+                "prefill_node",
+                "--model",
+                str(self.model),
+                "--frontend",
+                self.nodes,
+                "--kv-cache-memory",
+                "4MiB",
+                "--kv-verify",
+                "--handoff-lease",
+                "3",
+                "--token-budget",
+                "64",
+                *extra,
+                log_path=log,
+            )
         else:
-            p = spawn("decode_node", "--model", str(self.model), "--frontend", self.nodes,
-                      "--kv-bind", kv or self.kv, "--kv-cache-memory", "4MiB", "--kv-verify",
-                      "--max-batch-size", "16", *extra, log_path=log)
+            p = spawn(
+                "decode_node",
+                "--model",
+                str(self.model),
+                "--frontend",
+                self.nodes,
+                "--kv-bind",
+                kv or self.kv,
+                "--kv-cache-memory",
+                "4MiB",
+                "--kv-verify",
+                "--max-batch-size",
+                "16",
+                *extra,
+                log_path=log,
+            )
         self.procs[name or role] = p
         return p
 
@@ -159,9 +209,16 @@ class Processes:
         these endpoints: 4 MiB of KV cache in shared memory (the ipc transfer), batch of 16."""
         from common.base.config import DecodeConfig, WorkerConfig
         from decode_node.node import DecodeNode
-        worker = WorkerConfig(model=str(self.model), kv_cache_memory=4 * 2**20, max_batch_size=16,
-                              is_cache_in_shm=True)
-        return DecodeNode(DecodeConfig(worker=worker, frontend_endpoint=self.nodes, kv_endpoint=self.kv))
+
+        worker = WorkerConfig(
+            model=str(self.model),
+            kv_cache_memory=4 * 2**20,
+            max_batch_size=16,
+            is_cache_in_shm=True,
+        )
+        return DecodeNode(
+            DecodeConfig(worker=worker, frontend_endpoint=self.nodes, kv_endpoint=self.kv)
+        )
 
     def stop(self) -> None:
         for p in self.procs.values():
@@ -185,10 +242,25 @@ class Cluster:
         self.http = f"http://127.0.0.1:{self.base + 5}"
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            ["bash", str(ROOT / "launch/start_cluster.sh"), "--model", str(model),
-             "--base-port", str(self.base), "--http-port", str(self.base + 5),
-             "--kv-cache-memory", "8MiB", "--kv-verify", *extra],
-            stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT, start_new_session=True)
+            [
+                "bash",
+                str(ROOT / "launch/start_cluster.sh"),
+                "--model",
+                str(model),
+                "--base-port",
+                str(self.base),
+                "--http-port",
+                str(self.base + 5),
+                "--kv-cache-memory",
+                "8MiB",
+                "--kv-verify",
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            cwd=ROOT,
+            start_new_session=True,
+        )
         # NOTE: a test that fails before stop() must not leave a launcher that restarts
         # its nodes forever: whatever is still running at exit is stopped.
         atexit.register(self._kill)
@@ -198,7 +270,7 @@ class Cluster:
 
     def _kill(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)   # its own session: launcher and children
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: launcher and children
 
     def stats(self) -> dict:
         with Client(self.endpoint) as c:
@@ -216,6 +288,7 @@ def post_json(url: str, body, method: str = "POST") -> tuple[int, dict]:
     import json
     import urllib.error
     import urllib.request
+
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method=method)
     try:

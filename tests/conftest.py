@@ -36,9 +36,12 @@ def _unit_tests_start_no_process(request, monkeypatch):
 
     def guarded(self, args, *a, **kw):
         argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
-        if argv and (os.path.basename(str(argv[0])) in ("bash", "sh") or str(argv[0]) == sys.executable):
+        if argv and (
+            os.path.basename(str(argv[0])) in ("bash", "sh") or str(argv[0]) == sys.executable
+        ):
             raise AssertionError(f"a unit test started {argv[:3]}: mark it @pytest.mark.cluster")
         popen(self, args, *a, **kw)
+
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
 
 
@@ -46,6 +49,7 @@ def _unit_tests_start_no_process(request, monkeypatch):
 def make_model(tmp_path_factory):
     """make_model(**shape) -> a tiny checkpoint directory, made once per shape."""
     from launch.make_tiny_model import make_tiny_model
+
     made: dict[tuple, Path] = {}
 
     def make(**kwargs) -> Path:
@@ -53,6 +57,7 @@ def make_model(tmp_path_factory):
         if key not in made:
             made[key] = make_tiny_model(tmp_path_factory.mktemp("model"), **kwargs)
         return made[key]
+
     return make
 
 

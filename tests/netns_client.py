@@ -1,9 +1,10 @@
 """A client run inside a simulated host (launch/tools/netns.py), printing JSON lines.
 
-    python -m tests.netns_client ENDPOINT complete PROMPTS_JSON MAX_TOKENS
-    python -m tests.netns_client ENDPOINT streams PROMPTS_JSON MAX_TOKENS    (prints {"started": true} first)
-    python -m tests.netns_client ENDPOINT stats
+python -m tests.netns_client ENDPOINT complete PROMPTS_JSON MAX_TOKENS
+python -m tests.netns_client ENDPOINT streams PROMPTS_JSON MAX_TOKENS    (prints {"started": true} first)
+python -m tests.netns_client ENDPOINT stats
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,12 @@ from frontend.client import AsyncClient, Client
 
 def _row(outs) -> dict:
     last = outs[-1]
-    return {"tokens": [t for o in outs for t in o.token_ids], "reason": last.finish_reason, "error": last.error,
-            "num_migrations": (last.timings or {}).get("num_migrations", 0)}
+    return {
+        "tokens": [t for o in outs for t in o.token_ids],
+        "reason": last.finish_reason,
+        "error": last.error,
+        "num_migrations": (last.timings or {}).get("num_migrations", 0),
+    }
 
 
 async def _streams(endpoint: str, prompts: list, max_tokens: int, announce: bool) -> list[dict]:
@@ -26,10 +31,13 @@ async def _streams(endpoint: str, prompts: list, max_tokens: int, announce: bool
 
         async def one(i: int):
             outs = []
-            async for out in client.generate(prompt_token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True):
+            async for out in client.generate(
+                prompt_token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True
+            ):
                 started[i].set()
                 outs.append(out)
             return outs, time.monotonic()
+
         tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
         if announce:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
@@ -45,8 +53,12 @@ def main() -> None:
         print(json.dumps({"nodes": s.nodes, "frontend": s.frontend, "is_ready": s.is_ready}))
         return
     prompts, max_tokens = json.loads(sys.argv[3]), int(sys.argv[4])
-    print(json.dumps({"results": asyncio.run(_streams(endpoint, prompts, max_tokens, what == "streams"))}),
-          flush=True)
+    print(
+        json.dumps(
+            {"results": asyncio.run(_streams(endpoint, prompts, max_tokens, what == "streams"))}
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

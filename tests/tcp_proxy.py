@@ -6,6 +6,7 @@ while the connections stay open (a peer gone silent), stall_on(pattern) does so
 the moment the pattern passes towards the target (on open links, a message type:
 b"kv_transfer" stalls as the first write begins), and rate_bytes_s slows what goes
 through (so a test can act while a large KV write is on the way)."""
+
 from __future__ import annotations
 
 import selectors
@@ -20,14 +21,19 @@ CHUNK = 64 * 2**10
 class _Pair:
     def __init__(self, client: socket.socket, server: socket.socket):
         self.ends = (client, server)
-        self.out = {client: bytearray(), server: bytearray()}   # bytes waiting to be written to that end
+        self.out = {
+            client: bytearray(),
+            server: bytearray(),
+        }  # bytes waiting to be written to that end
 
     def peer(self, s: socket.socket) -> socket.socket:
         return self.ends[1] if s is self.ends[0] else self.ends[0]
 
 
 class Proxy:
-    def __init__(self, target_port: int, target_host: str = "127.0.0.1", rate_bytes_s: float | None = None):
+    def __init__(
+        self, target_port: int, target_host: str = "127.0.0.1", rate_bytes_s: float | None = None
+    ):
         self.target = (target_host, target_port)
         self.rate_bytes_s = rate_bytes_s
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -39,7 +45,7 @@ class Proxy:
         self._lock = threading.Lock()
         self._is_stalled = False
         self._stall_on: bytes | None = None
-        self._seen = b""   # the tail of what went towards the target, for a pattern split in two
+        self._seen = b""  # the tail of what went towards the target, for a pattern split in two
         self._is_stopped = False
         self._allowance = 0.0
         self._allowance_at = time.monotonic()
@@ -131,7 +137,9 @@ class Proxy:
         if self.rate_bytes_s is None:
             return CHUNK
         now = time.monotonic()
-        self._allowance = min(self._allowance + (now - self._allowance_at) * self.rate_bytes_s, CHUNK)
+        self._allowance = min(
+            self._allowance + (now - self._allowance_at) * self.rate_bytes_s, CHUNK
+        )
         self._allowance_at = now
         return int(self._allowance)
 
@@ -152,7 +160,7 @@ class Proxy:
         pair = self._pairs[s]
         peer = pair.peer(s)
         if len(pair.out[peer]) >= 4 * CHUNK:
-            return   # the other side is slow: let TCP push back
+            return  # the other side is slow: let TCP push back
         budget = self._budget()
         if budget <= 0:
             return
@@ -162,7 +170,7 @@ class Proxy:
             return
         except OSError:
             data = b""
-        if not data:   # closed or reset by one end: the other end sees it reset too
+        if not data:  # closed or reset by one end: the other end sees it reset too
             for end in pair.ends:
                 self._drop(end, is_reset=True)
             return
@@ -172,7 +180,7 @@ class Proxy:
             window = self._seen + data
             if self._stall_on in window:
                 self._is_stalled = True
-            self._seen = window[-len(self._stall_on):]
+            self._seen = window[-len(self._stall_on) :]
         pair.out[peer] += data
 
     def _flush(self) -> None:

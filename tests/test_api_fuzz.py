@@ -5,6 +5,7 @@ routes. No case is a server error, every refusal is OpenAI's shape, a stream run
 meanwhile keeps its pace, and every process is still the one that started.
 
 The cases are the same on every run (derandomized), so a failure reproduces."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,14 @@ STREAM_TOKENS = 200
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    c = Cluster(tiny_model, tmp_path_factory.mktemp("fuzz") / "c.log", "--max-model-len", "256",
-                "--max-num-seqs", "8")
+    c = Cluster(
+        tiny_model,
+        tmp_path_factory.mktemp("fuzz") / "c.log",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "8",
+    )
     yield c
     c.stop()
 
@@ -81,6 +88,7 @@ def _largest_gap(gaps: list, start: float, end: float) -> float:
 def _pids(cluster) -> dict:
     """The processes that serve: each node's and the frontend's, by what the frontend says."""
     from frontend.client import Client
+
     with Client(cluster.endpoint) as c:
         stats = c.stats()
     return {"frontend": stats.frontend["pid"], **{n: s["pid"] for n, s in stats.nodes.items()}}
@@ -99,8 +107,15 @@ def _integral(value):
 
 def _fuzz(base_url: str, operation, mode: GenerationMode, num: int, seen) -> None:
     """num cases of operation in mode, each sent and its answer checked; seen(status) of each."""
-    @settings(max_examples=num, deadline=None, derandomize=True, database=None,
-              phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
+
+    @settings(
+        max_examples=num,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=[Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=operation.as_strategy(generation_mode=mode))
     def fuzz(case):
         if mode is GenerationMode.POSITIVE:
@@ -109,8 +124,9 @@ def _fuzz(base_url: str, operation, mode: GenerationMode, num: int, seen) -> Non
         seen(response.status_code)
         case.validate_response(response, checks=[not_a_server_error])
         assert response.status_code in (200, 400, 404), (response.status_code, response.text)
-        if response.status_code != 200:   # OpenAI's shape, the status in it
+        if response.status_code != 200:  # OpenAI's shape, the status in it
             assert response.json()["error"]["code"] == response.status_code
+
     fuzz()
 
 
@@ -124,6 +140,7 @@ def _fuzz_all(base_url: str, schema) -> tuple[dict, dict]:
             def seen(status: int, key=(route, mode.value)) -> None:
                 counts[key] += 1
                 statuses[status] = statuses.get(status, 0) + 1
+
             _fuzz(base_url, schema[route]["POST"], mode, num, seen)
     return counts, statuses
 
@@ -132,9 +149,13 @@ def test_the_api_fuzzed_from_its_openapi_document(cluster, capsys, record_proper
     started = python_children_of(cluster.proc.pid)
     pids = _pids(cluster)
     schema = schemathesis.openapi.from_url(cluster.http + "/openapi.json")
-    streams = subprocess.Popen([sys.executable, "-c", STREAMS, cluster.endpoint,
-                                str(STREAM_TOKENS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    streams = subprocess.Popen(
+        [sys.executable, "-c", STREAMS, cluster.endpoint, str(STREAM_TOKENS)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         assert _line(streams, 120).strip() == "alone"
         fuzz_start = time.monotonic()
@@ -152,9 +173,11 @@ def test_the_api_fuzzed_from_its_openapi_document(cluster, capsys, record_proper
     record_property("schemathesis_cases", total)
     with capsys.disabled():
         each = ", ".join(f"{r} {m}: {n}" for (r, m), n in counts.items())
-        print(f"\nschemathesis: {total} cases in {fuzz_end - fuzz_start:.0f}s ({each}); "
-              f"statuses {statuses}; the stream beside: largest gap between tokens "
-              f"{before * 1e3:.0f} ms alone, {during * 1e3:.0f} ms while fuzzed")
+        print(
+            f"\nschemathesis: {total} cases in {fuzz_end - fuzz_start:.0f}s ({each}); "
+            f"statuses {statuses}; the stream beside: largest gap between tokens "
+            f"{before * 1e3:.0f} ms alone, {during * 1e3:.0f} ms while fuzzed"
+        )
     assert all(counts.values()), counts
     assert not report["errors"], report["errors"]
     assert during < max(1.0, 5 * before), (during, before)

@@ -3,6 +3,7 @@ over bandwidth or FLOPs over the matmul rate, whichever binds), bandwidth measur
 filled buffers, the KV cache and request lengths each sizes for itself, the memory
 check before anything loads, the tables and the plot. The commands themselves run as
 documented in tests/test_docs.py."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,7 @@ def test_a_decode_step_is_bound_by_compute_where_its_flops_outweigh_its_bytes():
     """Defect: the decode floor counted bytes alone: batch 8 at the 0.6B shape is ~9.6
     GFLOP a step (~44 ms here) against a 'memory bandwidth' floor of ~27 ms."""
     from launch.bench import floors
+
     spec = preset_spec("qwen3-0.6b")
     roof = floors.roofline(*floors.decode_cost(spec, 4, 8, 256), HOST)
     assert roof["bound"] == floors.COMPUTE and roof["floor_ms"] == roof["compute_floor_ms"]
@@ -42,6 +44,7 @@ def test_bandwidth_is_measured_on_filled_buffers(monkeypatch):
         if src.numel() >= 1 << 20:
             copied.append((int(src[0]), int(src[-1]), int(dst[-1])))
         return real(dst, src, *a, **kw)
+
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)
     floors_module = sys.modules[common.measure_floors.__module__]
     monkeypatch.setattr(floors_module, "_matmul_rate", lambda *a: 0.1)
@@ -51,8 +54,16 @@ def test_bandwidth_is_measured_on_filled_buffers(monkeypatch):
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(model=None, shape="qwen3-0.6b", device="cpu", dtype=None, kv_cache_memory=None,
-                context_len=256, steps=16, window=1.0)
+    base = dict(
+        model=None,
+        shape="qwen3-0.6b",
+        device="cpu",
+        dtype=None,
+        kv_cache_memory=None,
+        context_len=256,
+        steps=16,
+        window=1.0,
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -70,13 +81,14 @@ def test_decode_sizes_its_requests_and_kv_cache_itself():
     assert budget // per_block >= 8 * -(-(a.context_len + need[8] + 1) // 16) + 1
     assert common.kv_budget(_args(kv_cache_memory="2GiB"), spec, 4, [100], 16) == 2 * 2**30
     tiny = decode.tokens_needed(spec, 4, {"bandwidth_GBps": 1e9, "matmul_TFLOPs": 1e9}, 1, a, 767)
-    assert tiny == 767   # a step this fast: as long as the model allows
+    assert tiny == 767  # a step this fast: as long as the model allows
 
 
 def test_a_model_the_host_cannot_hold_is_refused_in_one_line_before_it_loads(monkeypatch):
     """Defect: --shape qwen3-14b with no --device on a CPU host asked for ~56 GB of fp32
     weights on a 23 GB machine, with no check before it started."""
     from launch import memory_check
+
     monkeypatch.setattr(memory_check, "available_bytes", lambda: 23 * memory_check.GIB)
     monkeypatch.setattr(sys, "argv", ["pdserve"])
     spec = preset_spec("qwen3-14b")
@@ -85,17 +97,31 @@ def test_a_model_the_host_cannot_hold_is_refused_in_one_line_before_it_loads(mon
     msg = str(e.value)
     assert msg.startswith("pdserve: qwen3-14b on cpu needs ~") and "23.0 GiB is available" in msg
     assert "--dtype bfloat16" in msg and "\n" not in msg
-    common.check_memory(_args(), preset_spec("qwen3-0.6b"), 4, 2**30)   # fits: no exit
+    common.check_memory(_args(), preset_spec("qwen3-0.6b"), 4, 2**30)  # fits: no exit
 
 
 def _record(rate, **kw) -> dict:
     dist = {"mean": 10.0, "median": 9.0, "p90": 12.0, "p99": 15.0}
-    return {"request_rate": rate, "request_throughput": kw.get("rps", 2.0), "completed": 10,
-            "num_requests": 10, "errors": 0, "output_tokens_per_s": 100.0, "goodput": 1.5,
-            "slo": {"ttft_ms": 500.0},
-            "ttft_ms": dist, "tpot_ms": dist, "itl_ms": dist, "e2e_ms": dist, "model": "m",
-            "interface": "zmq", "target": "tcp://x", "input_len": 32, "output_len": 8,
-            "samples": {"ttft_ms": [1.0, 2.0], "tpot_ms": [1.0]}}
+    return {
+        "request_rate": rate,
+        "request_throughput": kw.get("rps", 2.0),
+        "completed": 10,
+        "num_requests": 10,
+        "errors": 0,
+        "output_tokens_per_s": 100.0,
+        "goodput": 1.5,
+        "slo": {"ttft_ms": 500.0},
+        "ttft_ms": dist,
+        "tpot_ms": dist,
+        "itl_ms": dist,
+        "e2e_ms": dist,
+        "model": "m",
+        "interface": "zmq",
+        "target": "tcp://x",
+        "input_len": 32,
+        "output_len": 8,
+        "samples": {"ttft_ms": [1.0, 2.0], "tpot_ms": [1.0]},
+    }
 
 
 def test_the_serving_sweep_ends_in_a_table_a_person_reads():
@@ -112,10 +138,13 @@ def test_the_plot_puts_rates_on_a_log_axis_each_point_labelled(monkeypatch, tmp_
     left edge, unlabelled."""
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
+
     seen = []
     monkeypatch.setattr(plt, "close", seen.append)
-    report.plot(str(tmp_path / "p.png"), [_record(2.0, rps=2.0), _record(8.0, rps=7.5),
-                                          _record("inf", rps=280.0)])
+    report.plot(
+        str(tmp_path / "p.png"),
+        [_record(2.0, rps=2.0), _record(8.0, rps=7.5), _record("inf", rps=280.0)],
+    )
     ax = seen[0].axes[0]
     assert ax.get_xscale() == "log"
     assert [t.get_text() for t in ax.texts] == ["2/s", "8/s", "all at once"]
@@ -133,6 +162,7 @@ def test_plot_without_matplotlib_names_a_command_that_installs_it(monkeypatch, c
 def test_serving_with_nothing_to_measure_says_so_in_one_line(capsys):
     """Defect: with no cluster running it waited 11 s and printed a 50-line traceback."""
     from tests.cluster_util import free_base_port
+
     port = free_base_port(1)
     with pytest.raises(SystemExit) as e:
         serving.main(["--endpoint", f"tcp://127.0.0.1:{port}", "--num-prompts", "1", "--quiet"])

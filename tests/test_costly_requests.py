@@ -2,6 +2,7 @@
 API to a cluster with default flags while other streams run: each is answered within
 seconds (a 2xx, or a 4xx saying why), every process is the one that started, and the
 other streams keep their pace."""
+
 from __future__ import annotations
 
 import asyncio
@@ -70,20 +71,28 @@ print(json.dumps(out), flush=True)
 def test_costly_requests_are_answered_and_no_process_or_stream_pays(tiny_model, tmp_path):
     c = Cluster(tiny_model, tmp_path / "c.log")
     pids = {name: s["pid"] for name, s in c.stats().items()}
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, c.http, tiny_model.name], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    sender = subprocess.Popen(
+        [sys.executable, "-c", SENDER, c.http, tiny_model.name],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
+
         async def run():
             async with AsyncClient(c.endpoint, idle_timeout_s=120) as client:
                 arrivals: list[list[float]] = [[] for _ in range(4)]
 
                 async def stream(i: int):
                     outs = []
-                    async for out in client.generate(prompt_token_ids=[i + 5] * 12, max_tokens=900,
-                                                     ignore_eos=True):
+                    async for out in client.generate(
+                        prompt_token_ids=[i + 5] * 12, max_tokens=900, ignore_eos=True
+                    ):
                         arrivals[i].append(time.monotonic())
                         outs.append(out)
                     return outs
+
                 tasks = [asyncio.create_task(stream(i)) for i in range(4)]
                 while min(len(a) for a in arrivals) < 60:
                     await asyncio.sleep(0.05)
@@ -92,6 +101,7 @@ def test_costly_requests_are_answered_and_no_process_or_stream_pays(tiny_model, 
                 sender.stdin.flush()
                 report = json.loads(await asyncio.to_thread(sender.stdout.readline))
                 return start, time.monotonic(), arrivals, report, await asyncio.gather(*tasks)
+
         start, end, arrivals, report, results = asyncio.run(run())
     finally:
         sender.kill()
@@ -100,22 +110,31 @@ def test_costly_requests_are_answered_and_no_process_or_stream_pays(tiny_model, 
             assert r["s"] < 30 and (200 <= r["status"] < 300 or 400 <= r["status"] < 500), (name, r)
         assert report["n64"]["status"] == 200 and report["n64"]["num_choices"] == 64, report
         assert report["n_over"]["status"] == 400 and "64" in report["n_over"]["error"], report
-        lps = report["n16_prompt_logprobs"]    # each choice: the prompt's 900 and its own token
+        lps = report["n16_prompt_logprobs"]  # each choice: the prompt's 900 and its own token
         assert lps["status"] == 200 and lps["num_logprobs"] == [901] * 16, lps
         too_many = report["n64_prompt_logprobs"]
         assert too_many["status"] == 400 and "may hold" in too_many["error"], too_many
-        assert report["bad_words"]["status"] == 400 and "bad_words" in report["bad_words"]["error"], report
-        assert report["tools"]["status"] in (200, 400, 413), report   # 413: the body over the size cap
+        assert (
+            report["bad_words"]["status"] == 400 and "bad_words" in report["bad_words"]["error"]
+        ), report
+        assert report["tools"]["status"] in (200, 400, 413), (
+            report
+        )  # 413: the body over the size cap
 
         def gaps(times, lo, hi):
             return [b - a for a, b in zip(times, times[1:]) if lo <= b <= hi]
+
         before = max(g for a in arrivals for g in gaps(a, 0, start))
         during = max(g for a in arrivals for g in gaps(a, start, end))
-        each = {name: round(max([g for a in arrivals for g in gaps(a, *r["window"])] or [0]), 3)
-                for name, r in report.items()}   # the largest gap while each was answered
+        each = {
+            name: round(max([g for a in arrivals for g in gaps(a, *r["window"])] or [0]), 3)
+            for name, r in report.items()
+        }  # the largest gap while each was answered
         assert during < max(0.25, 5 * before), (during, before, each)
         for outs in results:
-            assert outs[-1].finish_reason == "length" and not (outs[-1].timings or {}).get("num_migrations")
+            assert outs[-1].finish_reason == "length" and not (outs[-1].timings or {}).get(
+                "num_migrations"
+            )
         assert {name: s["pid"] for name, s in c.stats().items()} == pids
     finally:
         c.stop()

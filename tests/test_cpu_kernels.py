@@ -1,5 +1,6 @@
 """The CPU backend (kernels/cpu.py, C) against the portable ops it must equal, the
 prefill lanes against one lane, and the thread flags."""
+
 import importlib
 import json
 import os
@@ -28,7 +29,11 @@ def _paged_cache(lens, num_kv_heads, head_dim, block_size, dtype, seed):
     k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
     # shuffled blocks: a sequence's blocks are nowhere near each other
-    tables = (torch.randperm(num_blocks - 1, generator=g)[:len(lens) * width] + 1).int().view(len(lens), width)
+    tables = (
+        (torch.randperm(num_blocks - 1, generator=g)[: len(lens) * width] + 1)
+        .int()
+        .view(len(lens), width)
+    )
     return k, v, tables
 
 
@@ -48,8 +53,8 @@ def test_decode_attention_equals_the_portable_op(dtype, hq, hk, d):
     k, v, tables = _paged_cache(lens, hk, d, 16, dtype, seed=hq * d)
     q = torch.randn(len(lens), hq, d).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    want = portable.decode_attention(q, k, v, tables, seq_lens, d ** -0.5)
-    got = cpu.decode_attention(q, k, v, tables, seq_lens, d ** -0.5)
+    want = portable.decode_attention(q, k, v, tables, seq_lens, d**-0.5)
+    got = cpu.decode_attention(q, k, v, tables, seq_lens, d**-0.5)
     assert got.dtype == dtype and got.shape == want.shape
     assert torch.allclose(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 2e-2)
 
@@ -60,11 +65,12 @@ def test_decode_attention_equals_the_portable_op(dtype, hq, hk, d):
 def test_prefill_attention_equals_the_portable_op(dtype, hq, hk, d):
     # chunks with and without a cached context; odd query counts pair a vector with itself
     query_lens, context_lens = [37, 1, 100, 3, 64], [0, 50, 17, 0, 33]
-    k, v, tables = _paged_cache([a + b for a, b in zip(query_lens, context_lens)], hk, d, 16, dtype,
-                                seed=hq + d)
+    k, v, tables = _paged_cache(
+        [a + b for a, b in zip(query_lens, context_lens)], hk, d, 16, dtype, seed=hq + d
+    )
     q = torch.randn(sum(query_lens), hq, d).to(dtype)
-    want = portable.prefill_attention(q, k, v, tables, query_lens, context_lens, d ** -0.5)
-    got = cpu.prefill_attention(q, k, v, tables, query_lens, context_lens, d ** -0.5)
+    want = portable.prefill_attention(q, k, v, tables, query_lens, context_lens, d**-0.5)
+    got = cpu.prefill_attention(q, k, v, tables, query_lens, context_lens, d**-0.5)
     assert got.dtype == dtype and got.shape == want.shape
     assert torch.allclose(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 2e-2)
 
@@ -75,11 +81,11 @@ def _naive_prefill_attention(q, k_cache, v_cache, tables, query_lens, context_le
     for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
         total = ctx + n
         blocks = tables[i, : (total + bs - 1) // bs].long()
-        k = k_cache[blocks].flatten(0, 1)[:total].double()        # [total, Hk, D]
+        k = k_cache[blocks].flatten(0, 1)[:total].double()  # [total, Hk, D]
         v = v_cache[blocks].flatten(0, 1)[:total].double()
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        qi = q[start:start + n].double()
+        qi = q[start : start + n].double()
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
         allowed = torch.arange(total)[None, :] <= torch.arange(ctx, total)[:, None]
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
@@ -95,46 +101,64 @@ def test_long_chunks_beside_short_ones_equal_the_naive_attention(dtype, monkeypa
     one in one call: each chunk's rows land in place, with and without a cached context."""
     n = cpu.TORCH_MIN_QUERY_LEN
     to_torch, reference = [], portable.prefill_attention
-    monkeypatch.setattr(cpu.portable, "prefill_attention", lambda *a, **k: to_torch.append(a[4]) or reference(*a, **k))
+    monkeypatch.setattr(
+        cpu.portable,
+        "prefill_attention",
+        lambda *a, **k: to_torch.append(a[4]) or reference(*a, **k),
+    )
     query_lens, context_lens = [5, n, 40, n + 37, 1], [11, 0, 0, 70, 300]
-    k, v, tables = _paged_cache([a + b for a, b in zip(query_lens, context_lens)], 2, 32, 16, dtype, seed=3)
+    k, v, tables = _paged_cache(
+        [a + b for a, b in zip(query_lens, context_lens)], 2, 32, 16, dtype, seed=3
+    )
     q = torch.randn(sum(query_lens), 4, 32).to(dtype)
-    want = _naive_prefill_attention(q, k, v, tables, query_lens, context_lens, 32 ** -0.5)
-    for lens in (query_lens, query_lens[1:2]):   # a mix, and a lone long chunk
+    want = _naive_prefill_attention(q, k, v, tables, query_lens, context_lens, 32**-0.5)
+    for lens in (query_lens, query_lens[1:2]):  # a mix, and a lone long chunk
         i = query_lens.index(lens[0])
         a = sum(query_lens[:i])
         rows = slice(a, a + sum(lens))
-        got = cpu.prefill_attention(q[rows], k, v, tables[i:i + len(lens)], lens,
-                                    context_lens[i:i + len(lens)], 32 ** -0.5)
+        got = cpu.prefill_attention(
+            q[rows],
+            k,
+            v,
+            tables[i : i + len(lens)],
+            lens,
+            context_lens[i : i + len(lens)],
+            32**-0.5,
+        )
         assert got.dtype == dtype
-        assert torch.allclose(got.double(), want[rows], atol=1e-5 if dtype == torch.float32 else 2e-2)
-    assert to_torch == [[n], [n + 37], [n]]     # the long chunks, one by one
+        assert torch.allclose(
+            got.double(), want[rows], atol=1e-5 if dtype == torch.float32 else 2e-2
+        )
+    assert to_torch == [[n], [n + 37], [n]]  # the long chunks, one by one
 
 
 @needs_cc
 def test_prefill_attention_split_over_threads_equals_one_thread_and_odd_heads_fall_back():
     query_lens, context_lens = [70, 5, 40], [0, 20, 0]
-    k, v, tables = _paged_cache([a + b for a, b in zip(query_lens, context_lens)], 2, 32, 16,
-                                torch.float32, seed=5)
+    k, v, tables = _paged_cache(
+        [a + b for a, b in zip(query_lens, context_lens)], 2, 32, 16, torch.float32, seed=5
+    )
     q = torch.randn(sum(query_lens), 4, 32)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = cpu.prefill_attention(q, k, v, tables, query_lens, context_lens, 0.2)
-        torch.set_num_threads(2)   # (chunk, KV head) items split over two threads
+        torch.set_num_threads(2)  # (chunk, KV head) items split over two threads
         two = cpu.prefill_attention(q, k, v, tables, query_lens, context_lens, 0.2)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
     # a head size off the kernel's tile: the portable op serves, with the same result
     k8, v8, q8 = k[..., :8].contiguous(), v[..., :8].contiguous(), q[..., :8].contiguous()
-    assert torch.allclose(cpu.prefill_attention(q8, k8, v8, tables, query_lens, context_lens, 0.3),
-                          portable.prefill_attention(q8, k8, v8, tables, query_lens, context_lens, 0.3))
+    assert torch.allclose(
+        cpu.prefill_attention(q8, k8, v8, tables, query_lens, context_lens, 0.3),
+        portable.prefill_attention(q8, k8, v8, tables, query_lens, context_lens, 0.3),
+    )
 
 
 @needs_cc
 def test_decode_attention_split_over_threads_equals_one_thread():
-    lens = list(range(1, 130, 4))   # 33 rows: split into parts of >= 8 rows
+    lens = list(range(1, 130, 4))  # 33 rows: split into parts of >= 8 rows
     k, v, tables = _paged_cache(lens, 2, 32, 16, torch.float32, seed=3)
     q, seq_lens = torch.randn(len(lens), 4, 32), torch.tensor(lens, dtype=torch.int32)
     before = torch.get_num_threads()
@@ -151,13 +175,15 @@ def test_decode_attention_split_over_threads_equals_one_thread():
 @needs_cc
 def test_norms_rope_and_activation_equal_the_portable_ops():
     t = 37
-    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)   # q and k are strided views into it, as in the model
+    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)  # q and k are strided views into it, as in the model
     q, k = qkv[:, :128].view(t, 4, 32), qkv[:, 128:192].view(t, 2, 32)
     qw, kw = torch.randn(32), torch.randn(32)
     table = portable.rotary_cos_sin(512, 32, 1e6)
     pos = torch.randint(0, 512, (t,))
-    for got, want in zip(cpu.qk_norm_rope(q, k, qw, kw, table, pos, 1e-6),
-                         portable.qk_norm_rope(q, k, qw, kw, table, pos, 1e-6)):
+    for got, want in zip(
+        cpu.qk_norm_rope(q, k, qw, kw, table, pos, 1e-6),
+        portable.qk_norm_rope(q, k, qw, kw, table, pos, 1e-6),
+    ):
         assert torch.allclose(got, want, atol=1e-5)
     x, res, w = torch.randn(t, 96), torch.randn(t, 96), torch.randn(96)
     assert torch.allclose(cpu.rms_norm(x, w, 1e-6), portable.rms_norm(x, w, 1e-6), atol=1e-5)
@@ -170,17 +196,19 @@ def test_norms_rope_and_activation_equal_the_portable_ops():
     assert torch.equal(cpu.rms_norm(xb, wb, 1e-6), portable.rms_norm(xb, wb, 1e-6))
 
 
-
 @needs_cc
 def test_rope_written_into_the_cache_and_slot_mapping_equal_the_portable_ops():
     t, nb, bs = 23, 9, 16
     qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)
-    q, k, v = (qkv[:, :128].view(t, 4, 32), qkv[:, 128:192].view(t, 2, 32),
-               qkv[:, 192:].view(t, 2, 32))
+    q, k, v = (
+        qkv[:, :128].view(t, 4, 32),
+        qkv[:, 128:192].view(t, 2, 32),
+        qkv[:, 192:].view(t, 2, 32),
+    )
     qw, kw = torch.randn(32), torch.randn(32)
     table = portable.rotary_cos_sin(512, 32, 1e6)
     pos = torch.randint(0, 512, (t,))
-    slots = torch.randperm(nb * bs)[:t]   # scattered, as a batch's current tokens are
+    slots = torch.randperm(nb * bs)[:t]  # scattered, as a batch's current tokens are
     caches = [(torch.zeros(nb, bs, 2, 32), torch.zeros(nb, bs, 2, 32)) for _ in range(2)]
     got_q = cpu.qk_norm_rope_write_kv(q, k, v, qw, kw, table, pos, 1e-6, *caches[0], slots)
     want_q = portable.qk_norm_rope_write_kv(q, k, v, qw, kw, table, pos, 1e-6, *caches[1], slots)
@@ -198,12 +226,21 @@ def test_rope_written_into_the_cache_and_slot_mapping_equal_the_portable_ops():
     ops = backend_for(lens)
     assert ops.compute_slot_mapping is cpu.compute_slot_mapping
 
+
 def _kernels_backend_in_a_fresh_process(env: dict) -> subprocess.CompletedProcess:
-    code = ("import torch; from common.engine.platform import configure_kernels; configure_kernels(); "
-            "from kernels.backends import backend_for; from kernels import portable; "
-            "print(backend_for(torch.zeros(1)).decode_attention is portable.decode_attention)")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=120)
+    code = (
+        "import torch; from common.engine.platform import configure_kernels; configure_kernels(); "
+        "from kernels.backends import backend_for; from kernels import portable; "
+        "print(backend_for(torch.zeros(1)).decode_attention is portable.decode_attention)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        timeout=120,
+    )
 
 
 @pytest.mark.cluster
@@ -220,6 +257,7 @@ def test_prefill_lanes_equal_one_lane(tiny_model):
     from common.base.config import WorkerConfig
     from common.base.request import SamplingParams
     from common.engine.worker import DeviceWorker, PrefillChunk
+
     g = torch.Generator().manual_seed(0)
     lens = [40, 7, 23, 64, 1]
     prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in lens]
@@ -232,12 +270,20 @@ def test_prefill_lanes_equal_one_lane(tiny_model):
                 chunks, start = [], 1
                 for p in prompts:
                     n = (len(p) + w.block_size - 1) // w.block_size
-                    chunks.append(PrefillChunk(p, 0, list(range(start, start + n)), SamplingParams()))
+                    chunks.append(
+                        PrefillChunk(p, 0, list(range(start, start + n)), SamplingParams())
+                    )
                     start += n
                 tokens, logits = w.prefill(chunks, return_logits=True)
-                return (w.lanes.num_lanes if w.lanes else 1), tokens, logits, w.export_blocks(list(range(1, start)))
+                return (
+                    (w.lanes.num_lanes if w.lanes else 1),
+                    tokens,
+                    logits,
+                    w.export_blocks(list(range(1, start))),
+                )
         finally:
             torch.set_num_threads(before)
+
     lanes1, tokens1, logits1, kv1 = run(1)
     lanes2, tokens2, logits2, kv2 = run(2)
     assert (lanes1, lanes2) == (1, 2)
@@ -245,18 +291,40 @@ def test_prefill_lanes_equal_one_lane(tiny_model):
     assert torch.allclose(logits1, logits2, atol=1e-4) and torch.allclose(kv1, kv2, atol=1e-5)
 
 
-@pytest.mark.parametrize("flag,match", [(["--threads", "0"], "--threads must be >= 1"),
-                                        (["--cpus", "x-y"], "--cpus takes core numbers")])
+@pytest.mark.parametrize(
+    "flag,match",
+    [
+        (["--threads", "0"], "--threads must be >= 1"),
+        (["--cpus", "x-y"], "--cpus takes core numbers"),
+    ],
+)
 @pytest.mark.cluster
 def test_bad_thread_flags_are_one_line(tiny_model, flag, match):
-    done = subprocess.run([sys.executable, "-m", "prefill_node", "--frontend", "tcp://127.0.0.1:1",
-                           "--model", str(tiny_model), *flag], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
-    assert done.returncode == 2 and match in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prefill_node",
+            "--frontend",
+            "tcp://127.0.0.1:1",
+            "--model",
+            str(tiny_model),
+            *flag,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    assert (
+        done.returncode == 2 and match in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    )
 
 
 def test_parse_cpus():
     from common.runtime.process import parse_cpus
+
     assert parse_cpus("0-2,5") == {0, 1, 2, 5} and parse_cpus("3") == {3}
     with pytest.raises(ValueError, match="core numbers"):
         parse_cpus("a")
@@ -272,8 +340,10 @@ def test_bf16_weight_linear_equals_the_fp32_matmul_on_one_thread_and_two(num_row
     g = torch.Generator().manual_seed(num_rows)
     before = torch.get_num_threads()
     try:
-        for size in (136, 131):   # K a multiple of the 8-wide vectors, and not
-            w = torch.randn(8 * 37 + 5, size, generator=g).bfloat16()   # N: not a multiple of the tiles
+        for size in (136, 131):  # K a multiple of the 8-wide vectors, and not
+            w = torch.randn(
+                8 * 37 + 5, size, generator=g
+            ).bfloat16()  # N: not a multiple of the tiles
             x = torch.randn(num_rows, size, generator=g)
             bias = torch.randn(w.shape[0], generator=g).bfloat16()
             ref = torch.nn.functional.linear(x, w.float(), bias.float())
@@ -292,28 +362,47 @@ def test_cpu_bf16_logits_as_accurate_as_transformers_bf16(make_model, weight_std
     """A CPU node in bf16 keeps bf16 weights and KV and sums in fp32: its logits must be no
     less accurate (against fp32 transformers) than transformers' own bf16 forward."""
     from transformers import Qwen3ForCausalLM
+
     from common.base.config import WorkerConfig
     from common.base.request import SamplingParams
     from common.engine.worker import DeviceWorker, PrefillChunk
     from common.kv.blocks import BlockAllocator, num_blocks_for
-    model = make_model(hidden_size=128, intermediate_size=256, heads=4, kv_heads=2, head_dim=32, layers=3,
-                       weight_std=weight_std)
+
+    model = make_model(
+        hidden_size=128,
+        intermediate_size=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        layers=3,
+        weight_std=weight_std,
+    )
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (1, 17, 120)]
     hf32 = Qwen3ForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     hf16 = Qwen3ForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16).eval()
     cfg = WorkerConfig(model=str(model), device="cpu", dtype="bfloat16", kv_cache_memory=16 * 2**20)
     with DeviceWorker(cfg) as worker:
-        assert worker.kv_cache.dtype == torch.bfloat16 and worker.weights.layers[0].qkv.dtype == torch.bfloat16
+        assert (
+            worker.kv_cache.dtype == torch.bfloat16
+            and worker.weights.layers[0].qkv.dtype == torch.bfloat16
+        )
         alloc = BlockAllocator(worker.num_kv_blocks)
-        chunks = [PrefillChunk(p, 0, alloc.allocate(num_blocks_for(len(p), 16)), SamplingParams()) for p in prompts]
+        chunks = [
+            PrefillChunk(p, 0, alloc.allocate(num_blocks_for(len(p), 16)), SamplingParams())
+            for p in prompts
+        ]
         _, logits = worker.prefill(chunks, return_logits=True)
     rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
     with torch.no_grad():
         for p, ours in zip(prompts, logits):
             ref32 = hf32(torch.tensor([p])).logits[0, -1]
             ref16 = hf16(torch.tensor([p])).logits[0, -1].float()
-            assert rel(ours, ref32) <= rel(ref16, ref32) + 2e-3, (len(p), rel(ours, ref32), rel(ref16, ref32))
+            assert rel(ours, ref32) <= rel(ref16, ref32) + 2e-3, (
+                len(p),
+                rel(ours, ref32),
+                rel(ref16, ref32),
+            )
 
 
 @needs_cc
@@ -321,12 +410,29 @@ def test_cpu_bf16_logits_as_accurate_as_transformers_bf16(make_model, weight_std
 def test_the_attention_benchmark_times_both_kernels_a_line_a_length():
     """`pdserve bench attention`: the C kernel and torch's for a short and a long chunk after
     a context, each line with the floor to read them against."""
-    done = subprocess.run([sys.executable, "-m", "launch.bench.attention", "--query-lens", "32,300",
-                           "--context-len", "40", "--repeats", "1"], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.bench.attention",
+            "--query-lens",
+            "32,300",
+            "--context-len",
+            "40",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [x["query_len"] for x in records] == [32, 300] and all(x["context_len"] == 40 for x in records)
+    assert [x["query_len"] for x in records] == [32, 300] and all(
+        x["context_len"] == 40 for x in records
+    )
     assert all(x["c_kernel_ms"] > 0 and x["torch_ms"] > 0 and x["floor_ms"] > 0 for x in records)
 
 
@@ -337,7 +443,8 @@ def test_loading_the_c_kernels_keeps_subnormal_floats():
     import ctypes
 
     from kernels import cpu, options
+
     lib = cpu._build(options.current[0].build_dir)
     ctypes.CDLL(str(lib))
-    tiny = torch.tensor([1e-40], dtype=torch.float32)   # a subnormal float32
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # a subnormal float32
     assert (tiny * 1.0).item() != 0.0 and (tiny / 2).item() != 0.0

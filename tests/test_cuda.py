@@ -1,13 +1,14 @@
 """GPU correctness: graphs, kernels and the cluster on CUDA against transformers.
 Skipped where no CUDA device is present (CI runs the portable path)."""
+
 import numpy as np
 import pytest
 import torch
 
 from common.base.config import WorkerConfig
-from common.kv.blocks import BlockAllocator, num_blocks_for
 from common.base.request import SamplingParams
 from common.engine.worker import DeviceWorker, PrefillChunk
+from common.kv.blocks import BlockAllocator, num_blocks_for
 from launch.generate import generate
 from tests.conftest import hf_greedy
 
@@ -25,8 +26,13 @@ def test_fp32_graphed_greedy_matches_transformers(make_model):
     model = make_model(**SHAPE)
     prompts = _prompts()
     params = SamplingParams(max_tokens=64, ignore_eos=True)
-    cfg = WorkerConfig(model=str(model), device="cuda:0", dtype="float32", max_batch_size=8,
-                       kv_cache_memory=256 * 2**20)
+    cfg = WorkerConfig(
+        model=str(model),
+        device="cuda:0",
+        dtype="float32",
+        max_batch_size=8,
+        kv_cache_memory=256 * 2**20,
+    )
     with DeviceWorker(cfg) as worker:
         assert worker.stats()["is_graphed"]
         results = generate(worker, prompts, [params] * len(prompts))
@@ -37,9 +43,15 @@ def test_fp32_graphed_greedy_matches_transformers(make_model):
 
 def test_graphed_steady_steps_copy_nothing_host_to_device(make_model):
     from torch.profiler import ProfilerActivity, profile
+
     model = make_model(**SHAPE)
-    cfg = WorkerConfig(model=str(model), device="cuda:0", block_size=256, max_batch_size=4,
-                       kv_cache_memory=256 * 2**20)
+    cfg = WorkerConfig(
+        model=str(model),
+        device="cuda:0",
+        block_size=256,
+        max_batch_size=4,
+        kv_cache_memory=256 * 2**20,
+    )
     with DeviceWorker(cfg) as worker:
         alloc = BlockAllocator(worker.num_kv_blocks)
         p = SamplingParams(max_tokens=100, temperature=0.7, seed=3, ignore_eos=True)
@@ -65,15 +77,20 @@ def test_bf16_prefill_logits_as_accurate_as_transformers(make_model, weight_std)
     ours must be no less accurate than that, and under 1e-2 on average for a model
     with realistic weight scales."""
     from transformers import Qwen3ForCausalLM
+
     model = make_model(**SHAPE, weight_std=weight_std)
     prompts = _prompts(1)
     hf32 = Qwen3ForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     hf16 = Qwen3ForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16).cuda().eval()
-    cfg = WorkerConfig(model=str(model), device="cuda:0", dtype="bfloat16", kv_cache_memory=64 * 2**20)
+    cfg = WorkerConfig(
+        model=str(model), device="cuda:0", dtype="bfloat16", kv_cache_memory=64 * 2**20
+    )
     with DeviceWorker(cfg) as worker:
         alloc = BlockAllocator(worker.num_kv_blocks)
-        chunks = [PrefillChunk(p, 0, alloc.allocate(num_blocks_for(len(p), 16)), SamplingParams())
-                  for p in prompts]
+        chunks = [
+            PrefillChunk(p, 0, alloc.allocate(num_blocks_for(len(p), 16)), SamplingParams())
+            for p in prompts
+        ]
         _, logits = worker.prefill(chunks, return_logits=True)
     rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
     ours_errs = []
@@ -82,42 +99,76 @@ def test_bf16_prefill_logits_as_accurate_as_transformers(make_model, weight_std)
             ref32 = hf32(torch.tensor([p])).logits[0, -1]
             ref16 = hf16(torch.tensor([p], device="cuda")).logits[0, -1].float().cpu()
             ours_errs.append(rel(ours, ref32))
-            assert ours_errs[-1] <= 1.25 * rel(ref16, ref32) + 2e-3, (len(p), ours_errs[-1], rel(ref16, ref32))
+            assert ours_errs[-1] <= 1.25 * rel(ref16, ref32) + 2e-3, (
+                len(p),
+                ours_errs[-1],
+                rel(ref16, ref32),
+            )
     if weight_std == 0.02:
         assert sum(ours_errs) / len(ours_errs) < 1e-2, ours_errs
 
 
 def _nixl_on_cuda() -> str | None:
     from common import transfer
+
     return transfer.backend("nixl").why_unusable(torch.device("cuda"))
 
 
-@pytest.mark.parametrize("kv_transfer,expected", [
-    ("auto", "ipc"), ("tcp", "tcp"),
-    pytest.param("nixl", "nixl", marks=pytest.mark.skipif(torch.cuda.is_available() and _nixl_on_cuda() is not None,
-                                                          reason=f"nixl: {_nixl_on_cuda()}"))])
+@pytest.mark.parametrize(
+    "kv_transfer,expected",
+    [
+        ("auto", "ipc"),
+        ("tcp", "tcp"),
+        pytest.param(
+            "nixl",
+            "nixl",
+            marks=pytest.mark.skipif(
+                torch.cuda.is_available() and _nixl_on_cuda() is not None,
+                reason=f"nixl: {_nixl_on_cuda()}",
+            ),
+        ),
+    ],
+)
 @pytest.mark.cluster
 def test_cluster_on_gpu_fp32_matches_transformers(make_model, tmp_path, kv_transfer, expected):
     import asyncio
+
     from frontend.client import AsyncClient
-    from tests.cluster_util import wait_for
-    from tests.cluster_util import Cluster
+    from tests.cluster_util import Cluster, wait_for
+
     model = make_model(**SHAPE)
-    c = Cluster(model, tmp_path / "gpu-cluster.log", "--prefill-device", "cuda:0",
-                "--decode-device", "cuda:0", "--dtype", "float32", "--kv-transfer", kv_transfer)
+    c = Cluster(
+        model,
+        tmp_path / "gpu-cluster.log",
+        "--prefill-device",
+        "cuda:0",
+        "--decode-device",
+        "cuda:0",
+        "--dtype",
+        "float32",
+        "--kv-transfer",
+        kv_transfer,
+    )
     try:
         rng = np.random.RandomState(5)
         prompts = [rng.randint(0, 400, size=int(rng.randint(1, 200))).tolist() for _ in range(32)]
 
         async def run():
             async with AsyncClient(c.endpoint) as client:
-                return await asyncio.gather(*[client.complete(prompt_token_ids=p, max_tokens=32,
-                                                              ignore_eos=True) for p in prompts])
+                return await asyncio.gather(
+                    *[
+                        client.complete(prompt_token_ids=p, max_tokens=32, ignore_eos=True)
+                        for p in prompts
+                    ]
+                )
+
         results = asyncio.run(run())
         for r, ref in zip(results, hf_greedy(model, prompts, 32)):
             assert r.token_ids == ref, r.error
         # Heartbeat figures are up to one beat old: wait for them rather than sample once.
-        wait_for(lambda: c.stats()["prefill-0"].get("kv_links") == {"decode-0": expected}, 10, "the link")
+        wait_for(
+            lambda: c.stats()["prefill-0"].get("kv_links") == {"decode-0": expected}, 10, "the link"
+        )
         stats = c.stats()
         assert stats["decode-0"]["is_graphed"] and stats["decode-0"]["max_decode_batch"] > 1
     finally:
@@ -130,11 +181,16 @@ def test_an_ipc_write_cancelled_on_cuda_ends_only_once_its_queued_copies_have_ru
     then freed (and reused) source blocks a copy had yet to read."""
     from common.engine.platform import platform_for
     from common.transfer.ipc import IpcWriter
+
     device = torch.device("cuda:0")
     src = torch.randn(2, 2, 8, 16, 2, 64, device=device)
-    w = IpcWriter.__new__(IpcWriter)   # both caches in this process: no handle to open
+    w = IpcWriter.__new__(IpcWriter)  # both caches in this process: no handle to open
     w.src, w.dst, w._platform = src, torch.zeros_like(src), platform_for(device)
-    w.stream, w.clock, w._num_dst_blocks = w._platform.side_stream(), __import__("time").monotonic, 8
+    w.stream, w.clock, w._num_dst_blocks = (
+        w._platform.side_stream(),
+        __import__("time").monotonic,
+        8,
+    )
     w._inflight, w._open = [], {}
     # NOTE: a first copy loads its kernels, and a lazy module load can wait for the device:
     # made while the pass runs, it would outlast the pass, and the write end before the poll.
@@ -143,11 +199,11 @@ def test_an_ipc_write_cancelled_on_cuda_ends_only_once_its_queued_copies_have_ru
     w.end("warm")
     torch.cuda.synchronize()
     assert w.poll() == [("warm", None)]
-    torch.cuda._sleep(2_000_000_000)   # the pass the copies wait for, still running
+    torch.cuda._sleep(2_000_000_000)  # the pass the copies wait for, still running
     w.begin("r", "g", [1, 2], [3, 4], within_s=60.0)
     w.write_layers("r", 0, 1)
     w.cancel("r")
-    assert w.poll() == []              # its copy is still queued behind the pass
+    assert w.poll() == []  # its copy is still queued behind the pass
     torch.cuda.synchronize()
     assert w.poll() == [("r", "cancelled")]
     assert torch.equal(w.dst[0, :, [3, 4]], src[0, :, [1, 2]])

@@ -2,6 +2,7 @@
 CRD declares it; tests/data/kuberay-raycluster-v1.schema.json, descriptions dropped) and
 each pod template against Kubernetes' own schema, strictly (no unknown field); and the
 command it runs against pdserve's own flags."""
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,9 @@ def _cluster() -> dict:
 
 
 def _templates(cluster: dict) -> list[dict]:
-    return [cluster["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in cluster["spec"]["workerGroupSpecs"]]
+    return [cluster["spec"]["headGroupSpec"]["template"]] + [
+        g["template"] for g in cluster["spec"]["workerGroupSpecs"]
+    ]
 
 
 def test_the_manifest_is_a_valid_raycluster():
@@ -36,17 +39,26 @@ def test_the_manifest_is_a_valid_raycluster():
     jsonschema.validate(cluster, schema)
     broken = json.loads(json.dumps(cluster))
     broken["spec"]["workerGroupSpecs"][0]["replicas"] = "two"
-    with pytest.raises(jsonschema.ValidationError):   # the schema does reject what KubeRay would
+    with pytest.raises(jsonschema.ValidationError):  # the schema does reject what KubeRay would
         jsonschema.validate(broken, schema)
 
 
 def test_each_pod_template_is_valid_kubernetes():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for template in _templates(_cluster()):
-        obj = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "pdserve"}, "template": template}
+        obj = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": "pdserve"},
+            "template": template,
+        }
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
-    bad = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"},
-           "template": {"spec": {"containers": [{"name": "c", "image": "i", "portz": []}]}}}
+    bad = {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": {"name": "x"},
+        "template": {"spec": {"containers": [{"name": "c", "image": "i", "portz": []}]}},
+    }
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, KUBERNETES_VERSION, strict=True)
 
@@ -56,8 +68,10 @@ def test_the_head_runs_pdserve_on_ray_and_exposes_its_ports():
     args = shlex.split(next(e["value"] for e in head["env"] if e["name"] == "PDSERVE_SERVE_ARGS"))
     ours, rest = ray_cluster.split_args(args)
     assert ours["address"] == "auto"
-    opts = cluster_plan.parse(rest)   # pdserve's own parser: a flag it does not know fails here
+    opts = cluster_plan.parse(rest)  # pdserve's own parser: a flag it does not know fails here
     assert not any(getattr(opts, d) for d in ray_cluster.NOT_WITH_RAY)
     ports = {p["containerPort"] for p in head["ports"]}
     assert {int(opts.base_port), int(opts.http_port), 6379} <= ports
-    assert "pdserve serve $PDSERVE_SERVE_ARGS" in head["lifecycle"]["postStart"]["exec"]["command"][-1]
+    assert (
+        "pdserve serve $PDSERVE_SERVE_ARGS" in head["lifecycle"]["postStart"]["exec"]["command"][-1]
+    )

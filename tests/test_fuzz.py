@@ -2,6 +2,7 @@
 ProtocolError, and 10,000 of them into each of a running cluster's three sockets
 leave every process alive, serving the same tokens, with every block free and
 memory bounded."""
+
 from __future__ import annotations
 
 import random
@@ -31,7 +32,7 @@ def test_decode_never_raises_anything_but_protocol_error():
             num_decoded += 1
         except ProtocolError:
             pass
-    assert num_decoded > 100   # some got all the way through the checks
+    assert num_decoded > 100  # some got all the way through the checks
 
 
 def _rss_mb(pid: int) -> float:
@@ -48,8 +49,11 @@ def _stats(endpoint: str):
 
 def _figures(endpoint: str) -> tuple:
     s = _stats(endpoint)
-    return (s.frontend["num_bad_client_messages"], s.frontend["num_bad_node_messages"],
-            s.nodes.get("decode-0", {}).get("num_bad_messages"))
+    return (
+        s.frontend["num_bad_client_messages"],
+        s.frontend["num_bad_node_messages"],
+        s.nodes.get("decode-0", {}).get("num_bad_messages"),
+    )
 
 
 def _flood(endpoint: str, seed: int, identities: list[bytes | None]) -> None:
@@ -67,7 +71,7 @@ def _flood(endpoint: str, seed: int, identities: list[bytes | None]) -> None:
     for i in range(NUM_PER_SOCKET):
         s = socks[i % len(socks)]
         s.send_multipart(message(rng))
-        while s.poll(0):   # keep replies from piling up
+        while s.poll(0):  # keep replies from piling up
             s.recv_multipart()
         if i % 500 == 0:
             time.sleep(0.01)
@@ -82,8 +86,13 @@ def _flood(endpoint: str, seed: int, identities: list[bytes | None]) -> None:
 
 @pytest.mark.cluster
 def test_ten_thousand_hostile_messages_per_socket(tiny_model, tmp_path):
-    p = Processes(tiny_model, free_base_port(), tmp_path, frontend=["--forget-after", "1"],
-                  decode=["--reservation-lease", "2"])
+    p = Processes(
+        tiny_model,
+        free_base_port(),
+        tmp_path,
+        frontend=["--forget-after", "1"],
+        decode=["--reservation-lease", "2"],
+    )
     try:
         for role in ("frontend", "prefill", "decode"):
             p.start(role)
@@ -92,8 +101,11 @@ def test_ten_thousand_hostile_messages_per_socket(tiny_model, tmp_path):
             before = c.complete(prompt_token_ids=PROMPT, max_tokens=8, ignore_eos=True)
             assert before.error is None
         rss = {role: _rss_mb(proc.pid) for role, proc in p.procs.items()}
-        wait_for(lambda: all("num_free_blocks" in s for s in _stats(p.clients).nodes.values()), 10,
-                 "the nodes' first heartbeats")
+        wait_for(
+            lambda: all("num_free_blocks" in s for s in _stats(p.clients).nodes.values()),
+            10,
+            "the nodes' first heartbeats",
+        )
         names = set(_stats(p.clients).nodes)
 
         _flood(p.clients, 10, [None, b"client-a"])
@@ -106,10 +118,13 @@ def test_ten_thousand_hostile_messages_per_socket(tiny_model, tmp_path):
         while (now := _figures(p.clients)) != last and time.monotonic() < deadline:
             last = now
             time.sleep(1.5)
-        assert all(x and x > 1000 for x in now), now   # they were read, and counted
+        assert all(x and x > 1000 for x in now), now  # they were read, and counted
         assert all(proc.poll() is None for proc in p.procs.values())
-        wait_for(lambda: set(_stats(p.clients).nodes) == {"prefill-0", "decode-0"}, 30,
-                 "the fake nodes to be forgotten")
+        wait_for(
+            lambda: set(_stats(p.clients).nodes) == {"prefill-0", "decode-0"},
+            30,
+            "the fake nodes to be forgotten",
+        )
         with Client(p.clients) as c:
             after = c.complete(prompt_token_ids=PROMPT, max_tokens=8, ignore_eos=True)
         assert after.error is None and after.token_ids == before.token_ids
@@ -119,8 +134,12 @@ def test_ten_thousand_hostile_messages_per_socket(tiny_model, tmp_path):
             # heartbeat sent while the first request still held blocks would make
             # such a sample too low for good.
             nodes = _stats(p.clients).nodes
-            return all(nodes[n]["num_free_blocks"] == nodes[n]["num_usable_blocks"]
-                       and not nodes[n].get("num_reserved_blocks") for n in names)
+            return all(
+                nodes[n]["num_free_blocks"] == nodes[n]["num_usable_blocks"]
+                and not nodes[n].get("num_reserved_blocks")
+                for n in names
+            )
+
         wait_for(blocks_back, 30, "every block free")
         for role, proc in p.procs.items():
             grown = _rss_mb(proc.pid) - rss[role]

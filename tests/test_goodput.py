@@ -2,6 +2,7 @@
 written against a cluster's OpenAI API, and pdserve's own `pdserve bench --slo` beside
 it (vLLM's `bench serve --goodput`). AIPerf lives in an environment of its own
 (launch/run_tests.sh puts it at .venv/tools/aiperf)."""
+
 from __future__ import annotations
 
 import json
@@ -38,14 +39,23 @@ def test_aiperf_measures_goodput_against_pdserve_as_documented(cluster, tiny_mod
     if not AIPERF.exists():
         pytest.skip(f"no AIPerf at {AIPERF}: bash launch/run_tests.sh installs it")
     argv = _documented("aiperf")
-    fill = {"http://127.0.0.1:8000": cluster.http, "/path/to/model": str(tiny_model),
-            "OUT": str(tmp_path), "tiny-qwen3": tiny_model.name}
+    fill = {
+        "http://127.0.0.1:8000": cluster.http,
+        "/path/to/model": str(tiny_model),
+        "OUT": str(tmp_path),
+        "tiny-qwen3": tiny_model.name,
+    }
     argv = [fill.get(x, x) for x in argv]
     # The page's SLOs are a GPU's; the tiny model on a busy CPU gets a minute each.
     slo = argv.index("--goodput") + 1
     argv[slo] = "time_to_first_token:60000 inter_token_latency:60000"
-    done = subprocess.run([str(AIPERF), *argv[1:], "--ui-type", "none"], capture_output=True,
-                          text=True, timeout=600, cwd=tmp_path)
+    done = subprocess.run(
+        [str(AIPERF), *argv[1:], "--ui-type", "none"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     summary = json.loads(next(tmp_path.rglob("profile_export_aiperf.json")).read_text())
     assert summary["request_count"]["avg"] == summary["completed_request_count"]["avg"] == 16
@@ -55,11 +65,33 @@ def test_aiperf_measures_goodput_against_pdserve_as_documented(cluster, tiny_mod
 
 
 def test_pdserve_bench_measures_goodput_under_an_slo(cluster):
-    r = subprocess.run([sys.executable, "-m", "launch.cli", "bench", "--base-url", cluster.http,
-                        "--input-len", "32", "--output-len", "8", "--num-prompts", "8",
-                        "--request-rate", "inf", "--num-warmup", "1",
-                        "--slo", "ttft_ms=60000,tpot_ms=60000", "--quiet"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.cli",
+            "bench",
+            "--base-url",
+            cluster.http,
+            "--input-len",
+            "32",
+            "--output-len",
+            "8",
+            "--num-prompts",
+            "8",
+            "--request-rate",
+            "inf",
+            "--num-warmup",
+            "1",
+            "--slo",
+            "ttft_ms=60000,tpot_ms=60000",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     (record,) = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert record["goodput"] > 0 and record["completed"] == 8

@@ -1,5 +1,6 @@
 """The frontend's grammar checker: each grammar compiled once in a process of its own,
 killed at the CPU limit, its verdict remembered; the checker gone with the frontend."""
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,14 @@ from common.base.grammar import GrammarError
 from frontend.grammar_check import GrammarChecker
 from tests.cluster_util import ROOT, is_alive, wait_for
 
-pytestmark = pytest.mark.cluster   # it starts the checker process
+pytestmark = pytest.mark.cluster  # it starts the checker process
 
 # a JSON schema nested 300 deep: seconds of CPU to compile
-DEEP = ("json_schema", '{"type": "array", "items": ' * 300 + '{"type": "integer"}' + "}" * 300, "compact")
+DEEP = (
+    "json_schema",
+    '{"type": "array", "items": ' * 300 + '{"type": "integer"}' + "}" * 300,
+    "compact",
+)
 
 
 def _error(checker: GrammarChecker, grammar) -> str | None:
@@ -42,14 +47,16 @@ def test_grammars_are_judged_and_a_slow_one_is_stopped_at_the_limit(tiny_model):
         assert "a grammar is one of" in _error(checker, ("nope", "x", "compact"))
         # the compile is stopped at 0.5 s of CPU, not run to its end (seconds)
         pid = checker._proc.pid
-        assert os.getpriority(os.PRIO_PROCESS, pid) == 19   # below everything that serves
+        assert os.getpriority(os.PRIO_PROCESS, pid) == 19  # below everything that serves
         error = _error(checker, DEEP)
         assert "to compile (stopped there)" in error and "0.5s" in error, error
-        assert checker.num_killed == 1 and checker._proc.pid == pid   # the checker goes on
+        assert checker.num_killed == 1 and checker._proc.pid == pid  # the checker goes on
         assert _error(checker, ("regex", "a+b", "compact")) is None
         # each verdict is remembered: asked again with no checker running, the same answers
         checker._stop()
-        assert _error(checker, DEEP) == error and _error(checker, ("regex", "a+b", "compact")) is None
+        assert (
+            _error(checker, DEEP) == error and _error(checker, ("regex", "a+b", "compact")) is None
+        )
         assert checker._proc is None and checker.num_killed == 1
         # a checker that died is made again for the next new grammar
         assert _error(checker, ("regex", "c+d", "compact")) is None and checker._proc.poll() is None
@@ -70,8 +77,13 @@ sys.stdin.readline()
 
 
 def test_the_checker_ends_with_the_frontend_however_it_ends(tiny_model):
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_model), str(_vocab_size(tiny_model))], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tiny_model), str(_vocab_size(tiny_model))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         checker_pid = json.loads(parent.stdout.readline())["checker"]
         assert is_alive(checker_pid)
@@ -90,9 +102,15 @@ def test_the_checker_forks_each_compile_with_no_other_thread_running(tiny_model)
     every fork and after every kind of grammar (the killed compile's included)."""
     checker = GrammarChecker(str(tiny_model), _vocab_size(tiny_model), 0.5)
     try:
-        for grammar in [("json_schema", '{"type": "object"}', "compact"), ("json_object", "", "any"),
-                        ("regex", "[a-c]+", "compact"), ("choice", '["x", "y"]', "compact"),
-                        ("grammar", 'root ::= "a" | "b"', "compact"), ("regex", "[", "compact"), DEEP]:
+        for grammar in [
+            ("json_schema", '{"type": "object"}', "compact"),
+            ("json_object", "", "any"),
+            ("regex", "[a-c]+", "compact"),
+            ("choice", '["x", "y"]', "compact"),
+            ("grammar", 'root ::= "a" | "b"', "compact"),
+            ("regex", "[", "compact"),
+            DEEP,
+        ]:
             _error(checker, grammar)
         assert checker.max_threads_at_fork == 1
         assert os.listdir(f"/proc/{checker._proc.pid}/task") == [str(checker._proc.pid)]

@@ -2,6 +2,7 @@
 their ids and their place in the queue while aside, a compile is timed from its own start,
 and a compile nobody waits for any more is dropped. In this process: the real
 DecodeNode._admit, DecodeScheduler, Receiver and grammar.Compiles, a stub compile."""
+
 from __future__ import annotations
 
 import threading
@@ -24,10 +25,12 @@ def _node(gate: threading.Event, max_queue: int = 8, rows: int = 4, compile=None
     """A decode node's admission parts over 80 blocks and `rows` rows: (node, blocks,
     clock). A grammar "slow" compiles once the gate opens; any other at once (or as
     compile says); node.local.num_runs counts its local prefill turns."""
+
     def gated(g):
         if g[1] == "slow":
             gate.wait(10)
         return ("compiled", g)
+
     compile = compile or gated
     clock = FakeClock()
     node = object.__new__(DecodeNode)
@@ -35,7 +38,7 @@ def _node(gate: threading.Event, max_queue: int = 8, rows: int = 4, compile=None
     node.grammars = GrammarWait(node.compiles)
     blocks = BlockAllocator(80)
     node.scheduler = DecodeScheduler(blocks, 4, rows)
-    node.scheduler.aside = node.grammars.waiting   # as DecodeNode.run shares it
+    node.scheduler.aside = node.grammars.waiting  # as DecodeNode.run shares it
     node.handoff = receiver(node.scheduler, clock=clock, max_queue=max_queue)
     node.joined, node.sent = [], []
     node.local = SimpleNamespace(abort=lambda rid: False, held_ids=set, num_runs=0)
@@ -43,8 +46,9 @@ def _node(gate: threading.Event, max_queue: int = 8, rows: int = 4, compile=None
     node.preemption = SimpleNamespace(resume_all=lambda: None)
     node.runtime = SimpleNamespace(send=node.sent.append)
     node.pending_aborts, node.ended, node.num_forked = set(), Recent(64), 0
-    node._join = lambda seq, token, lp, timings, compiled=None: \
-        node.joined.append((seq.request_id, compiled))
+    node._join = lambda seq, token, lp, timings, compiled=None: node.joined.append(
+        (seq.request_id, compiled)
+    )
     return node, blocks, clock
 
 
@@ -103,6 +107,7 @@ def test_a_compile_queued_behind_a_slow_one_is_timed_from_its_own_start():
         if g[1] in gates:
             gates[g[1]].wait(10)
         return ("compiled", g)
+
     node, blocks, clock = _node(threading.Event())
     node.compiles._make = lambda: SimpleNamespace(compile=compile)
     try:
@@ -110,12 +115,12 @@ def test_a_compile_queued_behind_a_slow_one_is_timed_from_its_own_start():
         _commit_group(node.handoff, "second", [], params=_regex("slower"))
         node._admit()
         _until(lambda: node.compiles.running_s("first") is not None, "the first compile")
-        assert node.compiles.running_s("second") is None   # queued behind it
+        assert node.compiles.running_s("second") is None  # queued behind it
         clock.advance(25)
         gates["slow"].set()
         _until(lambda: node._admit() is not None and node.joined, "the first one's turn")
         _until(lambda: node.compiles.running_s("second") is not None, "the second compile")
-        clock.advance(20)                                  # 45 s asked, 20 s its own
+        clock.advance(20)  # 45 s asked, 20 s its own
         node._admit()
         assert not node.sent and list(node.grammars.waiting) == ["second"]
         gates["slower"].set()
@@ -145,20 +150,22 @@ def test_a_hung_compile_fails_its_request_and_sends_the_line_elsewhere():
         assert list(node.grammars.waiting) == ["hung", "queued"] and not node.sent
         clock.advance(2)
         node._admit()
-        assert [(m.request_id, m.is_retryable) for m in node.sent] == [("hung", True),
-                                                                       ("queued", True)]
+        assert [(m.request_id, m.is_retryable) for m in node.sent] == [
+            ("hung", True),
+            ("queued", True),
+        ]
         assert "did not compile within 30s" in node.sent[0].error
         assert "held by one" in node.sent[1].error
         _commit_group(node.handoff, "later", [], params=_regex("b+"))
         node._admit()
         assert node.sent[-1].request_id == "later" and node.sent[-1].is_retryable
-        gate.set()                                         # the hung one ends at last
+        gate.set()  # the hung one ends at last
         _until(lambda: not node.compiles.is_stuck(COMPILE_DEADLINE_S), "the thread back")
         _commit_group(node.handoff, "after", [], params=_regex("c+"))
         _until(lambda: node._admit() is not None and node.joined, "the next compile")
         assert node.joined == [("after", ("compiled", ("regex", "c+", "compact")))]
         node.scheduler.finish("after")
-        assert (blocks.num_free, blocks.num_reserved) == (blocks.capacity, 0)   # each freed once
+        assert (blocks.num_free, blocks.num_reserved) == (blocks.capacity, 0)  # each freed once
     finally:
         gate.set()
         node.compiles.close()
@@ -170,7 +177,7 @@ def test_a_first_compile_whose_vocabulary_load_hangs_fails_at_its_deadline():
     deadline minutes later, its blocks freed."""
     gate = threading.Event()
     node, blocks, clock = _node(gate)
-    node.compiles._make = lambda: gate.wait(10) and None   # the load hangs
+    node.compiles._make = lambda: gate.wait(10) and None  # the load hangs
     try:
         _commit_group(node.handoff, "r", [], params=_regex("a+"))
         node._admit()
@@ -195,7 +202,7 @@ def test_a_compile_of_a_request_released_before_admission_is_dropped():
     node, blocks, _ = _node(gate)
     try:
         _commit_group(node.handoff, "r", [], params=_regex("slow"))
-        node.grammars.ask(node.handoff)                    # as while a step runs
+        node.grammars.ask(node.handoff)  # as while a step runs
         assert node.compiles.keys() == ["r"]
         r = node.handoff.held["r"]
         node.handoff.receive(b"p", KVRelease("r", r.name))
@@ -214,21 +221,26 @@ def test_a_dropped_compiles_start_is_not_its_successors():
     deadline. Each submission has its own stamp now."""
     gate, stamping, stamped = threading.Event(), threading.Event(), threading.Event()
 
-    def clock() -> float:   # the compile thread's stamp waits until the test says
+    def clock() -> float:  # the compile thread's stamp waits until the test says
         if threading.current_thread().name.startswith("grammar"):
             stamping.set()
             stamped.wait(10)
         return 100.0
-    compiles = grammar.Compiles(lambda: SimpleNamespace(
-        compile=lambda g: gate.wait(10) if g[1] == "slow" else ("compiled", g)), clock=clock)
+
+    compiles = grammar.Compiles(
+        lambda: SimpleNamespace(
+            compile=lambda g: gate.wait(10) if g[1] == "slow" else ("compiled", g)
+        ),
+        clock=clock,
+    )
     try:
         compiles.submit("x", ("regex", "slow", "compact"))
         _until(stamping.is_set, "x's compile to begin")
-        compiles.drop("x")                   # as it begins; it runs on, holding the thread
+        compiles.drop("x")  # as it begins; it runs on, holding the thread
         stamped.set()
         compiles.submit("x", ("regex", "a+", "compact"))
-        time.sleep(0.05)                     # the first one's stamp is written by now
-        assert compiles.running_s("x") is None   # queued: not started, whatever came before
+        time.sleep(0.05)  # the first one's stamp is written by now
+        assert compiles.running_s("x") is None  # queued: not started, whatever came before
         gate.set()
         _until(lambda: compiles.is_done("x"), "x again")
         assert compiles.take("x") == ("compiled", ("regex", "a+", "compact"))
@@ -250,46 +262,51 @@ def test_a_decode_node_admits_past_a_grammar_still_compiling():
     thread, those queued behind it) retryably; blocks freed once."""
     gate = threading.Event()
 
-    def compile(g):   # "slow" hangs until the gate opens; "bad" does not compile
+    def compile(g):  # "slow" hangs until the gate opens; "bad" does not compile
         if g[1] == "slow":
             gate.wait(10)
         if g[1] == "bad":
             raise grammar.GrammarError("the regex does not compile: bad")
         return ("compiled", g)
+
     node, blocks, clock = _node(gate, rows=2, compile=compile)
     joined, sent = node.joined, node.sent
     free_at_start = blocks.num_free
 
     def regex(spec):
         return SamplingParams(max_tokens=6, grammar=("regex", spec, "compact"))
+
     try:
         _commit_group(node.handoff, "slow", [], params=regex("slow"))
         _commit_group(node.handoff, "plain", [])
         _commit_group(node.handoff, "plain2", [])
         assert node._admit() == []
         wait = time.monotonic() + 10
-        while node.compiles.running_s("slow") is None:   # its compile has begun
+        while node.compiles.running_s("slow") is None:  # its compile has begun
             assert time.monotonic() < wait
             time.sleep(0.001)
-        assert [rid for rid, _ in joined] == ["plain", "plain2"]   # past "slow", still compiling
+        assert [rid for rid, _ in joined] == ["plain", "plain2"]  # past "slow", still compiling
         assert "slow" in node._held_ids()
         clock.advance(COMPILE_DEADLINE_S - 10)
         _commit_group(node.handoff, "bad", [], params=regex("bad"))
         _commit_group(node.handoff, "quick", [], params=regex("a+"))
-        node._admit()                               # no row free: their compiles are asked anyway
+        node._admit()  # no row free: their compiles are asked anyway
         assert set(node.compiles.keys()) == {"slow", "bad", "quick"}
         node.scheduler.finish("plain2")
         num_local = node.local.num_runs
         node._admit()
-        assert node.local.num_runs == num_local + 1 and not sent   # a prompt here runs meanwhile
-        clock.advance(11)                           # "slow" is past its deadline, still running
+        assert node.local.num_runs == num_local + 1 and not sent  # a prompt here runs meanwhile
+        clock.advance(11)  # "slow" is past its deadline, still running
         node._admit()
         # It fails, and so do those queued behind it while it holds the one compile thread:
         # the node's fault, not their grammars': each may go to another decode node.
-        assert [(m.request_id, m.is_retryable) for m in sent] == \
-            [("slow", True), ("bad", True), ("quick", True)]
+        assert [(m.request_id, m.is_retryable) for m in sent] == [
+            ("slow", True),
+            ("bad", True),
+            ("quick", True),
+        ]
         assert "did not compile within 30s" in sent[0].error and "held by" in sent[1].error
-        gate.set()                                  # the thread is the next compile's
+        gate.set()  # the thread is the next compile's
         deadline = time.monotonic() + 10
         while node.compiles.is_stuck(COMPILE_DEADLINE_S):
             assert time.monotonic() < deadline
@@ -297,17 +314,17 @@ def test_a_decode_node_admits_past_a_grammar_still_compiling():
         _commit_group(node.handoff, "bad2", [], params=regex("bad"))
         _commit_group(node.handoff, "quick2", [], params=regex("a+"))
         node._admit()
-        while len(sent) < 4 or len(joined) < 3:    # their compiles end, on the freed thread
+        while len(sent) < 4 or len(joined) < 3:  # their compiles end, on the freed thread
             assert time.monotonic() < deadline
             time.sleep(0.001)
             node._admit()
         assert [(m.request_id, m.is_retryable) for m in sent[3:]] == [("bad2", False)]
-        assert "regex does not" in sent[3].error    # the grammar's own fault: said, not moved
+        assert "regex does not" in sent[3].error  # the grammar's own fault: said, not moved
         assert joined[2:] == [("quick2", ("compiled", ("regex", "a+", "compact")))]
         assert not node.grammars.waiting and node.compiles.keys() == []
         for rid in ("plain", "quick2"):
             node.scheduler.finish(rid)
-        assert (blocks.num_free, blocks.num_reserved) == (free_at_start, 0)   # each freed once
+        assert (blocks.num_free, blocks.num_reserved) == (free_at_start, 0)  # each freed once
     finally:
         gate.set()
         node.compiles.close()

@@ -1,6 +1,7 @@
 """A grant's blocks are written only while the grant holds, and a write stopped at its
 deadline leaves both halves consistent: the sender and receiver on a fake clock, with the
 ipc writer copying into a shared-memory decode cache as a prefill node on its host does."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,21 +37,26 @@ def test_a_layer_pushed_past_the_grants_deadline_is_never_written():
     give the blocks to another request while the pass kept copying into them."""
     p, job, h = _layerwise_ipc()
     dst = h.dst_block_ids
-    p.clock.advance(p.lease_s + 1)              # a pass (or a pause) longer than the lease
-    p.rx.turn()                                 # the decode node's lease ends
+    p.clock.advance(p.lease_s + 1)  # a pass (or a pause) longer than the lease
+    p.rx.turn()  # the decode node's lease ends
     r = p.rx.held["r"]
-    assert r.is_quarantined and r.hold is Hold.FAILED   # its blocks wait for the writer to stop
-    reserve(p.rx, "other", 12, 4, sender=PREFILL)   # another request's grant, meanwhile
+    assert r.is_quarantined and r.hold is Hold.FAILED  # its blocks wait for the writer to stop
+    reserve(p.rx, "other", 12, 4, sender=PREFILL)  # another request's grant, meanwhile
     assert not set(p.rx.held["other"].block_ids) & set(dst)
     before = p.dst[:, :, dst].clone()
-    p.src[:, :, job.block_ids] = 9.0            # the pass goes on: layer 2, and the rest
+    p.src[:, :, job.block_ids] = 9.0  # the pass goes on: layer 2, and the rest
     p.tx.push_layers([(job, 2)], 2)
     p.tx.start_writes([])
-    assert torch.equal(p.dst[:, :, dst], before)   # nothing landed past the deadline
+    assert torch.equal(p.dst[:, :, dst], before)  # nothing landed past the deadline
     assert h.stage is Stage.CANCELLING
-    p.pump()                                    # the write ends; its release frees them there
-    assert p.failed == [("r", "KV transfer to decode-0 failed: its reservation could end before these "
-                              "layers are written: stopped")] and p.retryable == {"r"}
+    p.pump()  # the write ends; its release frees them there
+    assert p.failed == [
+        (
+            "r",
+            "KV transfer to decode-0 failed: its reservation could end before these "
+            "layers are written: stopped",
+        )
+    ] and p.retryable == {"r"}
     assert "r" not in p.rx.held and "r" not in p.tx.by_id
     p.close()
 
@@ -62,14 +68,14 @@ def test_a_write_cancelled_at_its_deadline_leaves_the_next_pass_nothing_to_trip_
     p, job, h = _layerwise_ipc()
     num_free = p.prefix.num_free
     p.clock.advance(h.write_deadline - p.clock() + 0.1)
-    p.tx.advance()                              # the deadline: the write is stopped
+    p.tx.advance()  # the deadline: the write is stopped
     assert h.stage is Stage.CANCELLING
-    p.tx.push_layers([(job, 2)], 2)             # the next pass: no KeyError, nothing written
+    p.tx.push_layers([(job, 2)], 2)  # the next pass: no KeyError, nothing written
     p.tx.start_writes([job])
-    p.tx.advance()                              # ended: failed (retryable), never committed
+    p.tx.advance()  # ended: failed (retryable), never committed
     assert p.failed and p.retryable == {"r"} and p.sent(KVCommit) == 0
     assert "r" not in p.tx.by_id and job.block_ids == []
-    assert p.prefix.num_free == num_free + 6    # its 6 blocks freed once, not twice
+    assert p.prefix.num_free == num_free + 6  # its 6 blocks freed once, not twice
     p.pump()
     assert "r" not in p.rx.held and p.pool.blocks.num_free == p.pool.blocks.capacity
     p.close()
@@ -83,9 +89,11 @@ def test_a_quarantined_grant_is_freed_by_its_writers_release_or_one_more_lease()
     assert r.is_quarantined and "a" in p.rx.held and p.rx.num_expired == 1
     answer = []
     p.rx.send = lambda msg, to: answer.append(msg) or True
-    p.rx.receive(PREFILL, KVReserve("a", 10, 4, 7))          # asked again: not renewed
-    assert answer[-1].block_ids is None and answer[-1].is_retryable and "ran out" in answer[-1].reason
-    p.rx.receive(PREFILL, KVRelease("a", r.name))            # its writer says it stopped
+    p.rx.receive(PREFILL, KVReserve("a", 10, 4, 7))  # asked again: not renewed
+    assert (
+        answer[-1].block_ids is None and answer[-1].is_retryable and "ran out" in answer[-1].reason
+    )
+    p.rx.receive(PREFILL, KVRelease("a", r.name))  # its writer says it stopped
     assert "a" not in p.rx.held
     s = reserve(p.rx, "b", 10, 4, sender=PREFILL)
     p.clock.advance(31)
@@ -94,7 +102,7 @@ def test_a_quarantined_grant_is_freed_by_its_writers_release_or_one_more_lease()
     p.rx.turn()
     assert "b" in p.rx.held and s.is_quarantined
     p.clock.advance(2)
-    p.rx.turn()                                  # no word from its writer: one more lease
+    p.rx.turn()  # no word from its writer: one more lease
     assert "b" not in p.rx.held and p.rx.num_expired == 2
     assert p.pool.blocks.num_free == p.pool.blocks.capacity
 
@@ -110,8 +118,8 @@ def test_a_release_frees_only_the_grant_it_names():
     rx.receive(b"p", KVRelease("r", name))
     second = reserve(rx, "r", 20, 4)
     assert second.name != name
-    rx.receive(b"p", KVRelease("r", name))      # the first grant's, late
-    rx.receive(b"p", KVRelease("r"))            # one naming no grant: a place in line only
+    rx.receive(b"p", KVRelease("r", name))  # the first grant's, late
+    rx.receive(b"p", KVRelease("r"))  # one naming no grant: a place in line only
     assert rx.held["r"] is second
     rx.receive(b"p", KVRelease("r", second.name))
     assert "r" not in rx.held and pool.blocks.num_free == pool.blocks.capacity
@@ -120,11 +128,19 @@ def test_a_release_frees_only_the_grant_it_names():
 def test_a_commit_for_a_grant_gone_is_refused_retryable():
     """The path failed, not the request: it may go on elsewhere."""
     sent = []
-    rx = receiver(DecodeScheduler(BlockAllocator(20), 16, 4), lambda msg, to: sent.append(msg) or True)
-    rx.receive(b"p", KVCommit("r", 20, 1, SamplingParams(max_tokens=4), {}, "tcp", [1] * 20, "0123"))
-    assert not sent[-1].is_accepted and sent[-1].is_retryable and "no reservation" in sent[-1].reason
+    rx = receiver(
+        DecodeScheduler(BlockAllocator(20), 16, 4), lambda msg, to: sent.append(msg) or True
+    )
+    rx.receive(
+        b"p", KVCommit("r", 20, 1, SamplingParams(max_tokens=4), {}, "tcp", [1] * 20, "0123")
+    )
+    assert (
+        not sent[-1].is_accepted and sent[-1].is_retryable and "no reservation" in sent[-1].reason
+    )
     rx.abort("q")
-    rx.receive(b"p", KVCommit("q", 20, 1, SamplingParams(max_tokens=4), {}, "tcp", [1] * 20, "0123"))
+    rx.receive(
+        b"p", KVCommit("q", 20, 1, SamplingParams(max_tokens=4), {}, "tcp", [1] * 20, "0123")
+    )
     assert not sent[-1].is_accepted and not sent[-1].is_retryable and "aborted" in sent[-1].reason
 
 
@@ -146,18 +162,36 @@ def test_forks_of_a_request_whose_kv_failed_never_reach_the_prefix_cache():
     assert not any(h in cache.block_of for h in block_hashes(list(range(1, 9)), 4))
 
 
-def _commit_group(rx, rid: str, fork_ids: list[str], prompt=(1,) * 8, max_tokens: int = 6,
-                  params: SamplingParams | None = None) -> None:
+def _commit_group(
+    rx,
+    rid: str,
+    fork_ids: list[str],
+    prompt=(1,) * 8,
+    max_tokens: int = 6,
+    params: SamplingParams | None = None,
+) -> None:
     """Request rid with forks reserved, its KV written (zeros) and committed."""
     params = params or SamplingParams(max_tokens=max_tokens)
     rx.receive(b"p", KVReserve(rid, len(prompt), max_tokens, 1, list(fork_ids)))
     r = rx.held[rid]
     c = rx.sink.cache
-    rx.receive(b"p", KVTransfer(rid, r.name, "tcp", {"first_layer": 0},
-                                torch.zeros(c.shape[0], 2, len(r.block_ids), *c.shape[3:])))
+    rx.receive(
+        b"p",
+        KVTransfer(
+            rid,
+            r.name,
+            "tcp",
+            {"first_layer": 0},
+            torch.zeros(c.shape[0], 2, len(r.block_ids), *c.shape[3:]),
+        ),
+    )
     forks = [Fork(f, 10 + i, first_token=3) for i, f in enumerate(fork_ids)]
-    rx.receive(b"p", KVCommit(rid, len(prompt), 2, params, {}, "tcp", list(prompt), r.name, c.shape[0],
-                              forks=forks))
+    rx.receive(
+        b"p",
+        KVCommit(
+            rid, len(prompt), 2, params, {}, "tcp", list(prompt), r.name, c.shape[0], forks=forks
+        ),
+    )
 
 
 def test_a_group_of_n_starts_what_fits_and_the_rest_take_the_next_rows_first():
@@ -169,18 +203,21 @@ def test_a_group_of_n_starts_what_fits_and_the_rest_take_the_next_rows_first():
     sched = DecodeScheduler(BlockAllocator(80), 4, 4)
     rx = receiver(sched)
     why = rx.refusal("big", 8, 6, ["f1", "f2", "f3", "f4"])
-    assert why == ("its 5 sequences (n) need 5 batch rows, this decode node has 4 (--max-batch-size)", False)
+    assert why == (
+        "its 5 sequences (n) need 5 batch rows, this decode node has 4 (--max-batch-size)",
+        False,
+    )
     _commit_group(rx, "lone", [])
     _commit_group(rx, "g", ["g1", "g2", "g3"])
     _commit_group(rx, "late", [])
-    start_all(sched, rx.next_ready())            # "lone" runs: 3 rows free, the group is 4
+    start_all(sched, rx.next_ready())  # "lone" runs: 3 rows free, the group is 4
     started, _ = sched.start(rx.next_ready())
     sched.joining.extend(started)
     joined = []
     while (j := sched.next_joining()) is not None:
         joined.append(sched.admit(j.seq).request_id)
     assert joined == ["g", "g1", "g2"] and [j.seq.request_id for j in sched.joining] == ["g3"]
-    assert not sched.can_admit()                 # "late" waits behind g3, though rows may free
+    assert not sched.can_admit()  # "late" waits behind g3, though rows may free
     sched.finish("lone")
     assert sched.next_joining().seq.request_id == "g3" and sched.can_admit()
     assert rx.peek_ready().request_id == "late"
@@ -212,7 +249,7 @@ def test_a_commit_for_a_quarantined_grant_is_refused_retryable():
     p.pump()
     p.tx.start_writes([job])
     p.tx.set_first_token(job, 1, {})
-    p.clock.advance(7)                      # paused past the lease before its commit went out
+    p.clock.advance(7)  # paused past the lease before its commit went out
     p.rx.turn()
     assert p.rx.held["r"].is_quarantined
     p.pump()
@@ -229,11 +266,11 @@ def test_a_grant_that_ran_out_before_its_write_is_released_at_once():
     p.tx.begin(job)
     p.pump()
     first = p.tx.by_id["r"].reservation
-    p.clock.advance(31)                     # paused before its prefill: no write began
+    p.clock.advance(31)  # paused before its prefill: no write began
     p.rx.turn()
     p.pump()
     h = p.tx.by_id["r"]
-    assert h.stage is Stage.RESERVED and h.reservation != first   # reserved again at once
+    assert h.stage is Stage.RESERVED and h.reservation != first  # reserved again at once
     assert not p.failed and p.rx.held["r"].name == h.reservation
 
 
@@ -244,7 +281,7 @@ def test_an_ipc_write_stopped_part_way_leaves_nothing_open():
     p.pump()
     h = p.tx.by_id["r"]
     w = h.peer.writer
-    times = iter([0.0, 100.0, 100.0])             # past its deadline after the first layer
+    times = iter([0.0, 100.0, 100.0])  # past its deadline after the first layer
     w.clock = lambda: next(times)
     with pytest.raises(TransferError, match="stopped at its deadline"):
         w.write("r", h.reservation, job.block_ids, h.dst_block_ids, within_s=1.0)

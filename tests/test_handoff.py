@@ -2,25 +2,25 @@
 worker's reserved blocks equal the prefill worker's, and decoding goes on from
 them exactly. Layouts, handles and frames that do not fit are refused with a
 clear error."""
+
 import dataclasses
 import time
 
 import pytest
 import torch
 
-from common.wire import protocol
-
 from common import transfer
 from common.base.config import WorkerConfig
-from common.kv.blocks import BlockAllocator, num_blocks_for
-from common.wire.protocol import KVTransfer
 from common.base.request import SamplingParams
-from common.kv.sequence import blocks_to_join
 from common.engine.worker import DeviceWorker, PrefillChunk
 from common.handoff.receiver import Receiver
+from common.kv.blocks import BlockAllocator, num_blocks_for
+from common.kv.sequence import blocks_to_join
+from common.wire import protocol
+from common.wire.protocol import KVTransfer
 from decode_node.scheduler import DecodeScheduler
-from tests.handoff_util import reserve, start_all
 from launch.generate import generate
+from tests.handoff_util import reserve, start_all
 
 
 def _wire(msg):
@@ -37,17 +37,24 @@ def _frame(rid, first_layer, kv, first_block=0):
 
 
 def _dist(rid, group, tag):
-    return KVTransfer(rid, "g", "dist", {"group": group, "tag": tag}, torch.empty(0, dtype=torch.uint8))
+    return KVTransfer(
+        rid, "g", "dist", {"group": group, "tag": tag}, torch.empty(0, dtype=torch.uint8)
+    )
 
 
-needs_nixl = pytest.mark.skipif(transfer.backend("nixl").why_unusable(torch.device("cpu")) is not None,
-                                reason=str(transfer.backend("nixl").why_unusable(torch.device("cpu"))))
+needs_nixl = pytest.mark.skipif(
+    transfer.backend("nixl").why_unusable(torch.device("cpu")) is not None,
+    reason=str(transfer.backend("nixl").why_unusable(torch.device("cpu"))),
+)
 
 
 @pytest.fixture
 def workers(tiny_model):
     cfg = WorkerConfig(model=str(tiny_model), block_size=16, kv_cache_memory=2 * 2**20)
-    with DeviceWorker(cfg) as pw, DeviceWorker(dataclasses.replace(cfg, is_cache_in_shm=True)) as dw:
+    with (
+        DeviceWorker(cfg) as pw,
+        DeviceWorker(dataclasses.replace(cfg, is_cache_in_shm=True)) as dw,
+    ):
         yield pw, dw
 
 
@@ -63,18 +70,29 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
 
     sched = DecodeScheduler(BlockAllocator(dw.num_kv_blocks), 16, 4)
     sched.blocks.allocate(2)
-    offered = "auto" if backend in ("ipc", "tcp") else backend   # auto: never dist, nixl across hosts
+    offered = (
+        "auto" if backend in ("ipc", "tcp") else backend
+    )  # auto: never dist, nixl across hosts
     sink = _sink(dw, transfer.offered(offered, dw.device, is_reachable_remotely=False))
-    rx = Receiver(epoch="e1", lease_s=10.0, max_queue=4, pool=sched, sink=sink, send=lambda msg, to: True,
-                  vocab_size=dw.spec.vocab_size, max_model_len=dw.max_model_len)
+    rx = Receiver(
+        epoch="e1",
+        lease_s=10.0,
+        max_queue=4,
+        pool=sched,
+        sink=sink,
+        send=lambda msg, to: True,
+        vocab_size=dw.spec.vocab_size,
+        max_model_len=dw.max_model_len,
+    )
     r = reserve(rx, "r", len(prompt), params.max_tokens)
     frames = []
-    writer = transfer.open_writer(backend, _wire(sink.welcome("e1")), pw.kv_cache,
-                                  lambda m: frames.append(_wire(m)) or True)
+    writer = transfer.open_writer(
+        backend, _wire(sink.welcome("e1")), pw.kv_cache, lambda m: frames.append(_wire(m)) or True
+    )
     assert writer.name == backend
     num_written = writer.write("r", r.name, src, r.block_ids, within_s=30)
     done, num_frames, deadline = [], 0, time.monotonic() + 60
-    while not (done and sink.is_landed("r")):   # dist: both sides join their group first
+    while not (done and sink.is_landed("r")):  # dist: both sides join their group first
         assert time.monotonic() < deadline, "the write did not complete"
         done += writer.poll()
         for f in frames:
@@ -97,7 +115,12 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
 def commit_and_decode(pw, dw, rx, sched, r, backend, prompt, params, first, num_written) -> None:
     """Commit request "r" written into reservation r, then decode on from its landed blocks:
     its tokens equal the prefill worker's own generation."""
-    rx.receive(b"p", protocol.KVCommit("r", len(prompt), first, params, {}, backend, prompt, r.name, num_written))
+    rx.receive(
+        b"p",
+        protocol.KVCommit(
+            "r", len(prompt), first, params, {}, backend, prompt, r.name, num_written
+        ),
+    )
     (seq,), _ = start_all(sched, rx.next_ready())
     blocks_to_join(seq, 16, sched.blocks)
     dw.add_decode_seq("r", first, len(prompt), seq.block_ids, params)
@@ -113,7 +136,9 @@ def commit_and_decode(pw, dw, rx, sched, r, backend, prompt, params, first, num_
 def test_tcp_frames_are_a_group_of_layers_each(workers, monkeypatch):
     pw, dw = workers
     src = [1, 2, 3]
-    monkeypatch.setattr(transfer.tcp, "FRAME_BYTES", pw.kv_cache[0, :, :3].numel() * pw.kv_cache.element_size())
+    monkeypatch.setattr(
+        transfer.tcp, "FRAME_BYTES", pw.kv_cache[0, :, :3].numel() * pw.kv_cache.element_size()
+    )
     pw.kv_cache[:, :, src] = torch.randn_like(pw.kv_cache[:, :, src])
     frames = []
     writer = transfer.tcp.TcpWriter(pw.kv_cache, lambda m: frames.append(m) or True)
@@ -128,9 +153,10 @@ def test_tcp_frames_are_a_group_of_layers_each(workers, monkeypatch):
 
 def test_tcp_splits_a_layer_larger_than_a_frame_by_blocks(workers, monkeypatch):
     from common.transfer import tcp
+
     pw, dw = workers
     per_block = pw.kv_cache[0, :, :1].numel() * pw.kv_cache.element_size()
-    monkeypatch.setattr(tcp, "FRAME_BYTES", 2 * per_block)   # a layer of 5 blocks: frames of 2, 2, 1
+    monkeypatch.setattr(tcp, "FRAME_BYTES", 2 * per_block)  # a layer of 5 blocks: frames of 2, 2, 1
     src, dst = [1, 2, 3, 4, 5], [9, 10, 11, 12, 13]
     pw.kv_cache[:, :, src] = torch.randn_like(pw.kv_cache[:, :, src])
     frames = []
@@ -138,8 +164,9 @@ def test_tcp_splits_a_layer_larger_than_a_frame_by_blocks(workers, monkeypatch):
     writer.write("r", "g", src, dst, within_s=30)
     assert writer.poll() == [("r", None)]
     num_layers = pw.kv_cache.shape[0]
-    assert [(f.header["first_layer"], f.header["first_block"], f.data.shape[2]) for f in frames] == \
-        [(layer, b, n) for layer in range(num_layers) for b, n in ((0, 2), (2, 2), (4, 1))]
+    assert [
+        (f.header["first_layer"], f.header["first_block"], f.data.shape[2]) for f in frames
+    ] == [(layer, b, n) for layer in range(num_layers) for b, n in ((0, 2), (2, 2), (4, 1))]
     sink = _sink(dw, ["tcp"])
     for i, f in enumerate(frames):
         sink.receive(b"p", _wire(f), dst)
@@ -154,6 +181,7 @@ def test_tcp_sends_the_write_with_the_fewest_bytes_left_first_as_the_link_takes_
     """A long prompt's KV began first; a short one's comes next: the link takes one frame a
     turn (full), and the short write goes out whole before the long one's next frame."""
     from common.transfer import tcp
+
     cache = torch.randn(4, 2, 40, 4, 1, 2)
     room, sent = [0], []
 
@@ -163,24 +191,26 @@ def test_tcp_sends_the_write_with_the_fewest_bytes_left_first_as_the_link_takes_
         room[0] -= 1
         sent.append(m.request_id)
         return True
+
     writer = tcp.TcpWriter(cache, send)
     layer_bytes = cache[0, :, :1].numel() * cache.element_size()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tcp, "FRAME_BYTES", layer_bytes)   # one layer of a one-block write a frame
+        mp.setattr(tcp, "FRAME_BYTES", layer_bytes)  # one layer of a one-block write a frame
         writer.write("long", "g1", list(range(30)), list(range(30)), within_s=30)
         room[0] = 1
-        writer.flush()                                   # the long write's first frame goes
+        writer.flush()  # the long write's first frame goes
         assert writer.is_stalled and sent == ["long"]
         writer.write("short", "g2", [35], [35], within_s=30)
         for _ in range(6):
             room[0] = 1
             writer.flush()
     assert sent == ["long"] + ["short"] * 4 + ["long"] * 2
-    assert dict(writer.poll()) == {"short": None}        # the short one is done, the long goes on
+    assert dict(writer.poll()) == {"short": None}  # the short one is done, the long goes on
 
 
 def test_the_decode_cache_is_shared_memory_and_freed_on_close(tiny_model):
     import os
+
     cfg = WorkerConfig(model=str(tiny_model), kv_cache_memory=2**20, is_cache_in_shm=True)
     w = DeviceWorker(cfg).prepare()
     path = f"/dev/shm/{w.kv_shm_name}"
@@ -197,25 +227,40 @@ def _welcome(dw, **change):
 def test_a_cache_of_another_layout_is_refused(workers):
     pw, dw = workers
     shape = list(dw.kv_cache.shape)
-    for change in ({"cache_shape": [shape[0] + 1, *shape[1:]]}, {"dtype": "bfloat16"},
-                   {"cache_shape": shape[:3] + [32] + shape[4:]}):
+    for change in (
+        {"cache_shape": [shape[0] + 1, *shape[1:]]},
+        {"dtype": "bfloat16"},
+        {"cache_shape": shape[:3] + [32] + shape[4:]},
+    ):
         with pytest.raises(transfer.TransferError, match="does not match"):
             transfer.open_writer("auto", _welcome(dw, **change), pw.kv_cache, lambda m: True)
 
 
 def test_ipc_needs_the_same_host_and_a_real_segment(workers):
     pw, dw = workers
-    assert transfer.open_writer("auto", _welcome(dw, host_id="elsewhere/1"), pw.kv_cache,
-                                lambda m: True).name == "tcp"
+    assert (
+        transfer.open_writer(
+            "auto", _welcome(dw, host_id="elsewhere/1"), pw.kv_cache, lambda m: True
+        ).name
+        == "tcp"
+    )
     with pytest.raises(transfer.TransferError, match="another host"):
-        transfer.open_writer("ipc", _welcome(dw, host_id="elsewhere/1"), pw.kv_cache, lambda m: True)
+        transfer.open_writer(
+            "ipc", _welcome(dw, host_id="elsewhere/1"), pw.kv_cache, lambda m: True
+        )
     for name in ("pdserve-kv-0-missing", "../etc/passwd", None):
         with pytest.raises(transfer.TransferError, match="segment"):
-            transfer.open_writer("ipc", _welcome(dw, backends={"ipc": {"shm_name": name}}), pw.kv_cache,
-                                 lambda m: True)
+            transfer.open_writer(
+                "ipc",
+                _welcome(dw, backends={"ipc": {"shm_name": name}}),
+                pw.kv_cache,
+                lambda m: True,
+            )
     for bad in ({"shm_name": 7}, {"shm_name": "x", "smuggled": 1}, {"cuda": {"device": 0}}, "ipc"):
         with pytest.raises(transfer.TransferError, match="ipc"):
-            transfer.open_writer("ipc", _welcome(dw, backends={"ipc": bad}), pw.kv_cache, lambda m: True)
+            transfer.open_writer(
+                "ipc", _welcome(dw, backends={"ipc": bad}), pw.kv_cache, lambda m: True
+            )
     with pytest.raises(transfer.TransferError, match="accepts ipc"):
         transfer.open_writer("tcp", _welcome(dw, backends={"ipc": {}}), pw.kv_cache, lambda m: True)
 
@@ -234,20 +279,34 @@ def test_a_frame_of_the_wrong_shape_or_dtype_is_refused(workers):
     sink = _sink(dw, ["tcp"])
     good = pw.kv_cache[:2, :, [1, 2]].clone()
     before = dw.kv_cache.clone()
-    for kv, first_layer, first_block in ((good, 0, 1), (good[:, :, :1], 0, 2), (good.to(torch.float16), 0, 0),
-                                         (good, dw.kv_cache.shape[0] - 1, 0), (good.flatten(0, 1), 0, 0),
-                                         (good[:, :, :, :8].contiguous(), 0, 0), (good[:, :, :0], 0, 0)):
+    for kv, first_layer, first_block in (
+        (good, 0, 1),
+        (good[:, :, :1], 0, 2),
+        (good.to(torch.float16), 0, 0),
+        (good, dw.kv_cache.shape[0] - 1, 0),
+        (good.flatten(0, 1), 0, 0),
+        (good[:, :, :, :8].contiguous(), 0, 0),
+        (good[:, :, :0], 0, 0),
+    ):
         with pytest.raises(transfer.TransferError, match="does not fit"):
             sink.receive(b"p", _wire(_frame("r", first_layer, kv, first_block)), [5, 6])
-    for header in ({}, {"first_layer": -1}, {"first_layer": "0"}, {"first_layer": 0, "extra": 1},
-                   {"first_layer": 0, "first_block": -1}):
+    for header in (
+        {},
+        {"first_layer": -1},
+        {"first_layer": "0"},
+        {"first_layer": 0, "extra": 1},
+        {"first_layer": 0, "first_block": -1},
+    ):
         with pytest.raises(transfer.TransferError, match="tcp header"):
             sink.receive(b"p", _wire(KVTransfer("r", "g", "tcp", header, good)), [5, 6])
     assert torch.equal(dw.kv_cache, before)
     for name in ("dist", "smoke-signals"):
         with pytest.raises(transfer.TransferError, match="does not accept"):
-            sink.receive(b"p", _dist("r", "g", 1) if name == "dist" else
-                         KVTransfer("r", "g", name, {}, good), [5, 6])
+            sink.receive(
+                b"p",
+                _dist("r", "g", 1) if name == "dist" else KVTransfer("r", "g", name, {}, good),
+                [5, 6],
+            )
 
 
 def test_a_dist_group_belongs_to_the_peer_that_made_it(workers):
@@ -259,11 +318,11 @@ def test_a_dist_group_belongs_to_the_peer_that_made_it(workers):
         sink.receive(b"peer-b", _dist("r2", "g", 2), [7])
     with pytest.raises(transfer.TransferError, match="second KV announcement"):
         sink.receive(b"peer-a", _dist("r1", "g", 3), [5, 6])
-    assert not sink.is_landed("r1")   # posted, never sent: nothing lands in the cache
+    assert not sink.is_landed("r1")  # posted, never sent: nothing lands in the cache
     sink.forget("r1")
     assert sink.is_landed("r1")
     sink.receive(b"peer-a", _dist("r3", "g", 4), [8])
-    sink.receive(b"peer-a", _dist("r4", "g2", 1), [9])   # a new group replaces "g"
+    sink.receive(b"peer-a", _dist("r4", "g2", 1), [9])  # a new group replaces "g"
     assert sink.is_landed("r3") and "replaced" in sink.landing_error("r3")
     assert len(sink.receivers["dist"]._groups) == 1
     sink.close()
@@ -272,11 +331,11 @@ def test_a_dist_group_belongs_to_the_peer_that_made_it(workers):
 def test_copy_blocks_handles_scattered_ids():
     src = torch.randn(2, 2, 40, 4, 1, 3)
     dst = torch.zeros_like(src)
-    s_ids = list(range(1, 40, 2))            # 20 runs: the gather path
+    s_ids = list(range(1, 40, 2))  # 20 runs: the gather path
     d_ids = list(range(39, 19, -1))
     transfer.copy_blocks(src, s_ids, dst, d_ids)
     assert torch.equal(dst[:, :, d_ids], src[:, :, s_ids])
-    transfer.copy_blocks(src, [3, 4, 5], dst, [10, 11, 12])   # one run: a slice copy
+    transfer.copy_blocks(src, [3, 4, 5], dst, [10, 11, 12])  # one run: a slice copy
     assert torch.equal(dst[:, :, 10:13], src[:, :, 3:6])
     with pytest.raises(transfer.TransferError):
         transfer.copy_blocks(src, [1, 2], dst, [3])
@@ -284,20 +343,37 @@ def test_copy_blocks_handles_scattered_ids():
 
 def test_auto_prefers_ipc_on_one_host_and_nixl_across_hosts():
     cpu = torch.device("cpu")
-    w = protocol.KVWelcome("e", transfer.host_id(), "cpu", [1, 2, 4, 16, 1, 8], "float32",
-                           {"ipc": {}, "nixl": {}, "tcp": {}, "dist": {}})
+    w = protocol.KVWelcome(
+        "e",
+        transfer.host_id(),
+        "cpu",
+        [1, 2, 4, 16, 1, 8],
+        "float32",
+        {"ipc": {}, "nixl": {}, "tcp": {}, "dist": {}},
+    )
     elsewhere = dataclasses.replace(w, host_id="x/y")
     assert transfer.choose_backend("auto", w, cpu) == "ipc"
     assert transfer.choose_backend("tcp", w, cpu) == "tcp"
     has_nixl = transfer.backend("nixl").why_unusable(cpu) is None
     assert transfer.choose_backend("auto", elsewhere, cpu) == ("nixl" if has_nixl else "tcp")
-    assert transfer.choose_backend("auto", dataclasses.replace(elsewhere, backends={"tcp": {}, "dist": {}}),
-                                   cpu) == "tcp"   # never dist, never ipc across hosts
+    assert (
+        transfer.choose_backend(
+            "auto", dataclasses.replace(elsewhere, backends={"tcp": {}, "dist": {}}), cpu
+        )
+        == "tcp"
+    )  # never dist, never ipc across hosts
     with pytest.raises(transfer.TransferError, match="another host"):
         transfer.choose_backend("ipc", elsewhere, cpu)
     assert transfer.offered("tcp", cpu, False) == ["tcp"]
-    assert transfer.offered("auto", cpu, False) == ["ipc", "tcp"]   # never dist; nixl only across hosts
-    assert transfer.offered("auto", cpu, True) == ["ipc", "nixl", "tcp"] if has_nixl else ["ipc", "tcp"]
+    assert transfer.offered("auto", cpu, False) == [
+        "ipc",
+        "tcp",
+    ]  # never dist; nixl only across hosts
+    assert (
+        transfer.offered("auto", cpu, True) == ["ipc", "nixl", "tcp"]
+        if has_nixl
+        else ["ipc", "tcp"]
+    )
     assert transfer.offered("dist", cpu, False) == ["dist"]
     assert transfer.needs_shared_cache("auto", cpu) and not transfer.needs_shared_cache("tcp", cpu)
     for bad in ("smoke-signals", "auto "):
@@ -309,13 +385,19 @@ def test_auto_prefers_ipc_on_one_host_and_nixl_across_hosts():
 
 def test_a_backend_that_cannot_be_imported_is_not_offered(monkeypatch, caplog):
     from common.transfer import nixl
-    monkeypatch.setattr(nixl, "_module", lambda: (None, "cannot import nixl_cu12 (ImportError: gone)"))
+
+    monkeypatch.setattr(
+        nixl, "_module", lambda: (None, "cannot import nixl_cu12 (ImportError: gone)")
+    )
     cpu = torch.device("cpu")
     with caplog.at_level("INFO", logger="pdserve.transfer"):
         assert transfer.offered("auto", cpu, True) == ["ipc", "tcp"]
-    assert [r.getMessage() for r in caplog.records if "nixl" in r.getMessage()] == \
-        ["the nixl KV transfer is not offered: cannot import nixl_cu12 (ImportError: gone)"]
-    with pytest.raises(transfer.TransferError, match="cannot offer the nixl KV transfer: cannot import"):
+    assert [r.getMessage() for r in caplog.records if "nixl" in r.getMessage()] == [
+        "the nixl KV transfer is not offered: cannot import nixl_cu12 (ImportError: gone)"
+    ]
+    with pytest.raises(
+        transfer.TransferError, match="cannot offer the nixl KV transfer: cannot import"
+    ):
         transfer.offered("nixl", cpu, True)
     assert "nixl: cannot import nixl_cu12" in transfer.availability()
     with pytest.raises(transfer.TransferError, match="cannot use the nixl KV transfer here"):
@@ -323,19 +405,32 @@ def test_a_backend_that_cannot_be_imported_is_not_offered(monkeypatch, caplog):
     transfer.check_usable("auto", cpu)
 
 
-def test_a_node_asked_for_a_backend_it_cannot_use_says_so_in_one_line(monkeypatch, capsys, tiny_model):
+def test_a_node_asked_for_a_backend_it_cannot_use_says_so_in_one_line(
+    monkeypatch, capsys, tiny_model
+):
     import decode_node.__main__ as decode_main
     import prefill_node.__main__ as prefill_main
     from common.transfer import nixl
-    monkeypatch.setattr(nixl, "_module", lambda: (None, "cannot import nixl_cu12 (ImportError: gone)"))
-    common = ["--frontend", "tcp://127.0.0.1:5991", "--model", str(tiny_model), "--kv-transfer", "nixl"]
+
+    monkeypatch.setattr(
+        nixl, "_module", lambda: (None, "cannot import nixl_cu12 (ImportError: gone)")
+    )
+    common = [
+        "--frontend",
+        "tcp://127.0.0.1:5991",
+        "--model",
+        str(tiny_model),
+        "--kv-transfer",
+        "nixl",
+    ]
     for module, more in ((decode_main, ["--kv-bind", "tcp://127.0.0.1:5992"]), (prefill_main, [])):
         monkeypatch.setattr(module, "die_with_parent", lambda: None)
         monkeypatch.setattr(module, "stop_event_on_signals", lambda: None)
         assert module.main(common + more) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"{role}: cannot use the nixl KV transfer here: cannot import nixl_cu12 (ImportError: gone)"
-        for role in ("decode_node", "prefill_node")]
+        for role in ("decode_node", "prefill_node")
+    ]
 
 
 NIXL_DECODE = """
@@ -367,27 +462,40 @@ def test_a_nixl_write_to_a_dead_decode_process_fails_at_once_and_only_it(tmp_pat
     import json
     import subprocess
     import sys
+
     from tests.cluster_util import ROOT
-    child = subprocess.Popen([sys.executable, "-c", NIXL_DECODE], stdout=subprocess.PIPE, cwd=ROOT,
-                             env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", NIXL_DECODE],
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         d = json.loads(child.stdout.readline())
         d["metadata"] = base64.b64decode(d["metadata"])
         welcome = protocol.KVWelcome("e", "x/y", "cpu", [2, 2, 9, 4, 1, 8], "float32", {"nixl": d})
         sent = []
-        writer = transfer.open_writer("nixl", _wire(welcome), torch.randn(2, 2, 9, 4, 1, 8),
-                                      lambda m: sent.append(m) or True)
+        writer = transfer.open_writer(
+            "nixl", _wire(welcome), torch.randn(2, 2, 9, 4, 1, 8), lambda m: sent.append(m) or True
+        )
         writer.write("late", "g", [1], [5], within_s=0)
-        assert _poll_until(writer) == [("late", "it did not complete before its reservation could end")]
+        assert _poll_until(writer) == [
+            ("late", "it did not complete before its reservation could end")
+        ]
         writer.write("a", "g", [1, 2], [3, 4], within_s=30)
         assert _poll_until(writer) == [("a", None)]
-        assert [(m.request_id, m.backend, m.header) for m in sent] == [("a", "nixl", {"agent": writer.agent.name})]
+        assert [(m.request_id, m.backend, m.header) for m in sent] == [
+            ("a", "nixl", {"agent": writer.agent.name})
+        ]
         child.kill()
         child.wait()
         writer.write("b", "g", [1, 2], [3, 4], within_s=30)
-        (rid, error), = _poll_until(writer, 5)
+        ((rid, error),) = _poll_until(writer, 5)
         assert rid == "b" and "NIXL" in error
-        with pytest.raises(transfer.TransferError, match="cannot connect to the decode node's NIXL agent"):
+        with pytest.raises(
+            transfer.TransferError, match="cannot connect to the decode node's NIXL agent"
+        ):
             writer.write("c", "g", [1], [5], within_s=30)
         writer.close()
     finally:
@@ -402,18 +510,22 @@ def test_nixl_lands_only_what_its_announcer_notified(workers):
     _, dw = workers
     sink = _sink(dw, ["nixl"])
     rx = sink.receivers["nixl"]
-    announce = lambda rid, agent: KVTransfer(rid, "g", "nixl", {"agent": agent}, torch.empty(0, dtype=torch.uint8))
+    announce = lambda rid, agent: KVTransfer(
+        rid, "g", "nixl", {"agent": agent}, torch.empty(0, dtype=torch.uint8)
+    )
     sink.receive(b"p", _wire(announce("r1", "writer-a")), [5])
     assert not sink.is_landed("r1") and sink.progress()
-    rx._early[("writer-b", "r1")] = None      # as if writer-b had sent "r1"
-    rx._early[("writer-a", "r2")] = None      # a notification ahead of its announcement
+    rx._early[("writer-b", "r1")] = None  # as if writer-b had sent "r1"
+    rx._early[("writer-a", "r2")] = None  # a notification ahead of its announcement
     sink.receive(b"p", _wire(announce("r2", "writer-a")), [6])
     assert sink.is_landed("r2") and not sink.is_landed("r1")
     with pytest.raises(transfer.TransferError, match="second NIXL write"):
         sink.receive(b"p", announce("r1", "writer-a"), [5])
     for bad in ({}, {"agent": 5}, {"agent": "a", "more": 1}):
         with pytest.raises(transfer.TransferError, match="nixl header"):
-            sink.receive(b"p", KVTransfer("r3", "g", "nixl", bad, torch.empty(0, dtype=torch.uint8)), [7])
+            sink.receive(
+                b"p", KVTransfer("r3", "g", "nixl", bad, torch.empty(0, dtype=torch.uint8)), [7]
+            )
     sink.forget("r1")
     assert sink.is_landed("r1") and not sink.progress()
     sink.close()
@@ -421,17 +533,27 @@ def test_nixl_lands_only_what_its_announcer_notified(workers):
 
 def test_auto_pairs_ipc_and_nixl_only_with_a_cache_of_the_same_device_kind():
     cpu = torch.device("cpu")
-    w = protocol.KVWelcome("e", transfer.host_id(), "cuda:0", [1, 2, 4, 16, 1, 8], "float32",
-                           {"ipc": {}, "nixl": {}, "tcp": {}})
+    w = protocol.KVWelcome(
+        "e",
+        transfer.host_id(),
+        "cuda:0",
+        [1, 2, 4, 16, 1, 8],
+        "float32",
+        {"ipc": {}, "nixl": {}, "tcp": {}},
+    )
     assert transfer.choose_backend("auto", w, cpu) == "tcp"
     for name in ("ipc", "nixl"):
-        with pytest.raises(transfer.TransferError, match="its cache is on cuda:0, this node's on cpu"):
+        with pytest.raises(
+            transfer.TransferError, match="its cache is on cuda:0, this node's on cpu"
+        ):
             transfer.choose_backend(name, w, cpu)
-    odd = dataclasses.replace(w, device="not a device!")   # off the wire: refused, never raised past
+    odd = dataclasses.replace(w, device="not a device!")  # off the wire: refused, never raised past
     assert transfer.choose_backend("auto", odd, cpu) == "tcp"
 
 
-NIXL_FROZEN_DECODE = NIXL_DECODE.replace("torch.zeros(2, 2, 9, 4, 1, 8)", "torch.zeros(2, 2, 64, 256, 8, 64)")
+NIXL_FROZEN_DECODE = NIXL_DECODE.replace(
+    "torch.zeros(2, 2, 9, 4, 1, 8)", "torch.zeros(2, 2, 64, 256, 8, 64)"
+)
 
 
 @pytest.mark.cluster
@@ -446,11 +568,17 @@ def test_a_nixl_write_to_a_frozen_decode_process_stops_when_cancelled(monkeypatc
     import signal
     import subprocess
     import sys
+
     from tests.cluster_util import ROOT
+
     monkeypatch.setenv("UCX_TLS", "tcp")
-    shape = [2, 2, 64, 256, 8, 64]       # 64 KiB blocks: a 59-block write outlasts the socket buffers
-    child = subprocess.Popen([sys.executable, "-c", NIXL_FROZEN_DECODE], stdout=subprocess.PIPE, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    shape = [2, 2, 64, 256, 8, 64]  # 64 KiB blocks: a 59-block write outlasts the socket buffers
+    child = subprocess.Popen(
+        [sys.executable, "-c", NIXL_FROZEN_DECODE],
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         d = json.loads(child.stdout.readline())
         d["metadata"] = base64.b64decode(d["metadata"])
@@ -461,7 +589,7 @@ def test_a_nixl_write_to_a_frozen_decode_process_stops_when_cancelled(monkeypatc
         child.send_signal(signal.SIGSTOP)
         ids = list(range(1, 60))
         writer.write("b", "g", ids, ids, within_s=30)
-        assert _poll_until(writer, 2) == []      # under way, going nowhere
+        assert _poll_until(writer, 2) == []  # under way, going nowhere
         writer.cancel("b")
         assert writer.poll() == [("b", "cancelled")]
         child.send_signal(signal.SIGCONT)

@@ -2,6 +2,7 @@
 the decode nodes' batch rows and its client's limits, every list counted before its
 items are read, and tools counted as text. In this process, on the frontend's own
 classes (no node runs: a registered node is a NodeState)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,13 +23,20 @@ CLIENT = ("http", "127.0.0.1")
 @pytest.fixture(scope="module")
 def make_frontend(tiny_model):
     from frontend.server import Frontend
+
     made = []
 
     def make(*rows: int, **cfg):
         """A frontend with a prefill node and a decode node of each of rows' batch sizes
         registered; its replies collect in fe.replies as (message, HTTP status)."""
-        fe = Frontend(FrontendConfig(model=str(tiny_model), client_endpoint="tcp://127.0.0.1:1",
-                                     node_endpoint="tcp://127.0.0.1:2", **cfg))
+        fe = Frontend(
+            FrontendConfig(
+                model=str(tiny_model),
+                client_endpoint="tcp://127.0.0.1:1",
+                node_endpoint="tcp://127.0.0.1:2",
+                **cfg,
+            )
+        )
         fe.replies = []
         fe.local_sink = lambda client, msg, status: fe.replies.append((msg, status))
         fe._wake = asyncio.Event()
@@ -38,23 +46,36 @@ def make_frontend(tiny_model):
             fe.nodes[f"decode-{i}"] = _node("decode", f"decode-{i}", r)
         made.append(fe)
         return fe
+
     yield make
     for fe in made:
         fe.prompts.close()
 
 
 def _node(role: str, name: str, rows: int = 0) -> NodeState:
-    ready = NodeReady(role, name, 1, "1", "cpu", 64, 16, 512, max_batch_size=rows,
-                      kv_endpoint="tcp://127.0.0.1:9" if role == "decode" else None)
+    ready = NodeReady(
+        role,
+        name,
+        1,
+        "1",
+        "cpu",
+        64,
+        16,
+        512,
+        max_batch_size=rows,
+        kv_endpoint="tcp://127.0.0.1:9" if role == "decode" else None,
+    )
     return NodeState(ready, f"{name}/1".encode(), time.monotonic())
 
 
 def _submit(fe, *reqs: GenerateRequest) -> list[tuple]:
     """Submit each request, let any work off the loop end; the replies."""
+
     async def run():
         for r in reqs:
             await fe.submit(CLIENT, r)
         await _settled(fe)
+
     asyncio.run(run())
     return fe.replies
 
@@ -75,6 +96,7 @@ def _error(reply: tuple) -> tuple[str, int]:
 
 # ---- n against the decode nodes' rows, and the client's limits -----------------------------
 
+
 def test_n_above_every_decode_nodes_rows_is_refused_naming_the_limit(make_frontend):
     """Defect: n was never compared with the rows a decode node has: n=64 overflowed a
     decode node's batch of 16 (and killed it); n above every node's --max-batch-size
@@ -85,7 +107,7 @@ def test_n_above_every_decode_nodes_rows_is_refused_naming_the_limit(make_fronte
     assert status == 400 and "16 rows" in error and "--max-batch-size" in error, error
     assert not fe.requests
     _submit(fe, GenerateRequest("b", prompt_token_ids=[1, 2, 3], max_tokens=2, n=16))
-    assert len(fe.requests) == 16 and len(fe.replies) == 1   # admitted: the largest node holds it
+    assert len(fe.requests) == 16 and len(fe.replies) == 1  # admitted: the largest node holds it
 
 
 @pytest.mark.parametrize("rows", [(), (0, 16)], ids=["none-registered", "one-unsaid"])
@@ -93,13 +115,16 @@ def test_n_is_not_refused_for_rows_no_decode_node_has_said(make_frontend, rows):
     fe = make_frontend(*rows)
     _submit(fe, GenerateRequest("a", prompt_token_ids=[1, 2, 3], max_tokens=2, n=64))
     assert all("rows" not in _error(r)[0] for r in fe.replies)
-    assert bool(fe.requests) == bool(rows)   # with no node: 503, no live pair
+    assert bool(fe.requests) == bool(rows)  # with no node: 503, no live pair
 
 
 def test_n_choices_go_only_to_a_decode_node_whose_batch_holds_them():
-    nodes = {"p": _node("prefill", "p"), "small": _node("decode", "small", 4),
-             "big": _node("decode", "big", 32)}
-    nodes["big"].num_active = 20   # busier: the small one is chosen for one row
+    nodes = {
+        "p": _node("prefill", "p"),
+        "small": _node("decode", "small", 4),
+        "big": _node("decode", "big", 32),
+    }
+    nodes["big"].num_active = 20  # busier: the small one is chosen for one row
     assert router.choose(nodes)[1].name == "small"
     assert router.choose(nodes, num_rows=8)[1].name == "big"
     assert router.assign(nodes, 10**6, [1, 2, 3], {}, num_rows=8)[1].name == "big"
@@ -108,7 +133,8 @@ def test_n_choices_go_only_to_a_decode_node_whose_batch_holds_them():
 
 
 def test_a_request_waiting_for_rows_no_live_node_has_fails_instead_of_holding_the_line(
-        make_frontend):
+    make_frontend,
+):
     """The only decode node big enough for n=8 died after it was admitted: it fails (503)
     and the requests behind it go on."""
     fe = make_frontend(4, 32)
@@ -116,11 +142,13 @@ def test_a_request_waiting_for_rows_no_live_node_has_fails_instead_of_holding_th
 
     async def send(msg, to):
         sent.append(msg)
+
     fe.node_link = type("Link", (), {"send": staticmethod(send)})()
 
     async def run():
-        await fe.submit(CLIENT, GenerateRequest("wide", prompt_token_ids=[1, 2, 3], max_tokens=2,
-                                                n=8))
+        await fe.submit(
+            CLIENT, GenerateRequest("wide", prompt_token_ids=[1, 2, 3], max_tokens=2, n=8)
+        )
         await fe.submit(CLIENT, GenerateRequest("one", prompt_token_ids=[4, 5, 6], max_tokens=2))
         fe.nodes["decode-1"].is_alive = False
         task = asyncio.create_task(fe._dispatch_loop())
@@ -129,12 +157,14 @@ def test_a_request_waiting_for_rows_no_live_node_has_fails_instead_of_holding_th
             if sent:
                 break
         task.cancel()
+
     asyncio.run(run())
     assert [m.request_id for m in sent] == [fe.by_client[(CLIENT, "one")][0].node_id]
     assert (CLIENT, "wide") not in fe.by_client
     errors = [(m.request_id, m.error, s) for m, s in fe.replies]
-    assert len(errors) == 8 and all(rid == "wide" and "8 batch rows" in e and s == 503
-                                    for rid, e, s in errors), errors
+    assert len(errors) == 8 and all(
+        rid == "wide" and "8 batch rows" in e and s == 503 for rid, e, s in errors
+    ), errors
 
 
 def test_admission_counts_every_choice_before_it_admits():
@@ -157,11 +187,19 @@ def test_n_above_the_clients_request_limit_is_a_400_not_a_retry(make_frontend):
 
 # ---- every list counted before its items, tools counted as text ------------------------------
 
-@pytest.mark.parametrize("field,value", [
-    ("bad_words", ["w"] * 200_000), ("bad_words", ["word " * 200] * 100), ("stop", ["s"] * 10_000),
-    ("stop_token_ids", list(range(5000))), ("logit_bias", {str(i): 1.0 for i in range(5000)}),
-    ("allowed_token_ids", [1] * (2**20 + 1)),
-    ("messages", [{"role": "user", "content": "x"}] * 5000)])
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("bad_words", ["w"] * 200_000),
+        ("bad_words", ["word " * 200] * 100),
+        ("stop", ["s"] * 10_000),
+        ("stop_token_ids", list(range(5000))),
+        ("logit_bias", {str(i): 1.0 for i in range(5000)}),
+        ("allowed_token_ids", [1] * (2**20 + 1)),
+        ("messages", [{"role": "user", "content": "x"}] * 5000),
+    ],
+)
 def test_a_list_is_counted_before_any_item_is_read(make_frontend, field, value):
     """Defect: bad_words had no count limit over HTTP, and every word was tokenized (twice)
     before the limit was checked: 200,000 words held the loop for 5-7 s before the 400.
@@ -184,14 +222,31 @@ def test_tools_and_tool_calls_count_as_the_prompts_text(make_frontend):
     They count: such a prompt goes off the loop, or is refused unread past the longest
     text the model can take."""
     from frontend.prompts import OFF_LOOP_CHARS, text_len
+
     fe = make_frontend(16)
-    big = json.dumps([{"type": "function", "function": {"name": f"f{i}", "description": "d" * 1000}}
-                      for i in range(2000)])   # 2 MB
+    big = json.dumps(
+        [
+            {"type": "function", "function": {"name": f"f{i}", "description": "d" * 1000}}
+            for i in range(2000)
+        ]
+    )  # 2 MB
     tools = GenerateRequest("t", messages=[{"role": "user", "content": "hi"}], tools=big)
-    calls = GenerateRequest("c", messages=[
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"type": "function", "function": {"name": "f", "arguments": {"x": "y" * 100_000}}}]}])
+    calls = GenerateRequest(
+        "c",
+        messages=[
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "arguments": {"x": "y" * 100_000}},
+                    }
+                ],
+            },
+        ],
+    )
     for req in (tools, calls):
         assert text_len(req) > OFF_LOOP_CHARS and fe.prompts.is_off_loop(req)
     (reply,) = _submit(fe, tools)
@@ -201,6 +256,7 @@ def test_tools_and_tool_calls_count_as_the_prompts_text(make_frontend):
 
 # ---- the thread for work off the loop: clients take turns, each with a bounded share ---------
 
+
 def test_one_clients_flood_of_off_loop_work_waits_its_turns_and_is_bounded():
     """Defect: requests waiting for the tokenizing thread or the grammar checker had no
     bound, and waited in one line: one client's 10,000 distinct grammars held everyone's
@@ -208,7 +264,9 @@ def test_one_clients_flood_of_off_loop_work_waits_its_turns_and_is_bounded():
     more is a 429 saying why), and the thread takes the lines in turn."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
+
     from frontend.off_loop import Busy, OffLoop
+
     gate, ran = threading.Event(), []
 
     def job(name):
@@ -223,28 +281,32 @@ def test_one_clients_flood_of_off_loop_work_waits_its_turns_and_is_bounded():
         await asyncio.sleep(0.05)
         refused = [t for t in flood if t.done() and isinstance(t.exception(), Busy)]
         light = asyncio.create_task(off.run("b", job, "b0"))
-        left = asyncio.create_task(off.run("a", job, "a-cancelled"))   # refused too: a is full
-        flood[5].cancel()                                    # waiting: taken out of the line
+        left = asyncio.create_task(off.run("a", job, "a-cancelled"))  # refused too: a is full
+        flood[5].cancel()  # waiting: taken out of the line
         await asyncio.sleep(0.05)
         gate.set()
         assert await light == "b0"
         await asyncio.gather(*flood, left, return_exceptions=True)
         pool.shutdown()
         return refused, left, off
+
     refused, left, off = asyncio.run(run())
     assert len(refused) == 10_000 - 8 and isinstance(left.exception(), Busy)
-    assert "waiting to be tokenized" in str(refused[0].exception()) and "limit per client is 8" in \
-        str(refused[0].exception())
-    assert ran[:2] == ["a0", "b0"]                           # b waited for one job of a's
+    assert "waiting to be tokenized" in str(
+        refused[0].exception()
+    ) and "limit per client is 8" in str(refused[0].exception())
+    assert ran[:2] == ["a0", "b0"]  # b waited for one job of a's
     assert ran == ["a0", "b0", "a1", "a2", "a3", "a4", "a6", "a7"]
     assert off.num_jobs("a") == off.num_jobs("b") == 0
 
 
 def test_a_clients_work_off_the_loop_past_its_share_is_refused_and_another_client_goes_first(
-        make_frontend):
+    make_frontend,
+):
     """Through the frontend: a client with more requests than its share waiting for the
     tokenizing thread gets 429s at once; another client's request is prepared next."""
     from frontend.off_loop import MAX_PER_CLIENT
+
     fe = make_frontend(16)
     order = []
     prepare = fe.prompts._prepare_here
@@ -252,27 +314,32 @@ def test_a_clients_work_off_the_loop_past_its_share_is_refused_and_another_clien
     def recorded(req):
         order.append(req.request_id)
         return prepare(req)
+
     fe.prompts._prepare_here = recorded
-    fe.prompts.is_off_loop = lambda req: True   # as a long prompt or a grammar is
+    fe.prompts.is_off_loop = lambda req: True  # as a long prompt or a grammar is
 
     async def run():
         for i in range(MAX_PER_CLIENT + 3):
             await fe.submit(("http", "heavy"), GenerateRequest(f"h{i}", prompt="hi", max_tokens=2))
         await fe.submit(CLIENT, GenerateRequest("light", prompt="hi", max_tokens=2))
         await _settled(fe)
+
     asyncio.run(run())
     busy = [(m.request_id, s) for m, s in fe.replies if s == 429]
     assert busy == [(f"h{i}", 429) for i in range(MAX_PER_CLIENT, MAX_PER_CLIENT + 3)]
     assert order.index("light") <= 1 and len(order) == MAX_PER_CLIENT + 1
-    assert len(fe.by_client) == MAX_PER_CLIENT + 1   # every other one admitted
+    assert len(fe.by_client) == MAX_PER_CLIENT + 1  # every other one admitted
 
 
 def test_a_request_cancelled_while_it_waits_for_the_thread_never_runs(make_frontend):
     fe = make_frontend(16)
     order = []
     prepare = fe.prompts._prepare_here
-    fe.prompts._prepare_here = lambda req: (order.append(req.request_id), time.sleep(0.2),
-                                            prepare(req))[2]
+    fe.prompts._prepare_here = lambda req: (
+        order.append(req.request_id),
+        time.sleep(0.2),
+        prepare(req),
+    )[2]
     fe.prompts.is_off_loop = lambda req: True
 
     async def run():
@@ -281,13 +348,15 @@ def test_a_request_cancelled_while_it_waits_for_the_thread_never_runs(make_front
         await asyncio.sleep(0.05)
         await fe.abort(CLIENT, "second")
         await _settled(fe)
+
     asyncio.run(run())
     assert order == ["first"] and set(fe.by_client) == {(CLIENT, "first")}
-    (msg, _), = [r for r in fe.replies if r[0].request_id == "second"]
+    ((msg, _),) = [r for r in fe.replies if r[0].request_id == "second"]
     assert msg.finish_reason == "abort" and "cancelled" in msg.error and not fe.intake.pending
 
 
 # ---- a batch of prompts: one tokenized per loop turn, admitted whole or refused whole --------
+
 
 class _Post:
     """What HttpServer reads of an aiohttp request."""
@@ -303,6 +372,7 @@ def _post(fe, body: dict, beside=None) -> tuple[int, dict]:
     """(status, body) of a completions call to fe's HTTP server; beside: a coroutine
     function run on the loop meanwhile."""
     from frontend.http import HttpServer
+
     server = HttpServer(fe, "m")
 
     async def run():
@@ -311,6 +381,7 @@ def _post(fe, body: dict, beside=None) -> tuple[int, dict]:
         if other:
             other.cancel()
         return response.status, json.loads(response.body)
+
     return asyncio.run(run())
 
 
@@ -318,7 +389,7 @@ def test_a_batchs_prompts_are_tokenized_one_per_turn_of_the_loop(make_frontend):
     """Defect: a batch of 256 prompts (completions' prompt as a list) was tokenized in one
     turn of the loop, every stream waiting meanwhile. Its prompts are tokenized one per
     turn: no turn does more than one prompt's worth."""
-    fe = make_frontend()   # no node: once tokenized, the batch is refused (503)
+    fe = make_frontend()  # no node: once tokenized, the batch is refused (503)
     turns, seen = [0], []
     now = fe.prompts.now
     fe.prompts.now = lambda req: (seen.append(turns[0]), now(req))[1]
@@ -327,8 +398,10 @@ def test_a_batchs_prompts_are_tokenized_one_per_turn_of_the_loop(make_frontend):
         while True:
             turns[0] += 1
             await asyncio.sleep(0)
-    status, _ = _post(fe, {"prompt": [f"prompt number {i}" for i in range(64)], "max_tokens": 2},
-                      count_turns)
+
+    status, _ = _post(
+        fe, {"prompt": [f"prompt number {i}" for i in range(64)], "max_tokens": 2}, count_turns
+    )
     assert status == 503 and len(seen) == 64
     assert len(set(seen)) == 64, f"{64 - len(set(seen))} prompts shared a turn of the loop"
 
@@ -338,7 +411,7 @@ def test_a_batch_is_admitted_whole_or_refused_whole(make_frontend):
     the others, for nobody (the batch was answered with the 429). The batch's choices and
     KV tokens are counted together: refused, none of it starts; admitted, all of it."""
     fe = make_frontend(16, max_requests_per_client=4)
-    for i in range(3):   # three requests of this client in flight
+    for i in range(3):  # three requests of this client in flight
         fe.admission.add(CLIENT, f"running-{i}", 10)
     status, body = _post(fe, {"prompt": ["a", "b"], "max_tokens": 2})
     assert status == 429
@@ -348,30 +421,42 @@ def test_a_batch_is_admitted_whole_or_refused_whole(make_frontend):
     fe.admission.done(CLIENT, "running-1", 10)
 
     async def admit():
-        await fe.submit_group(CLIENT, [GenerateRequest(f"p{i}", prompt="x", max_tokens=2)
-                                       for i in range(2)])
+        await fe.submit_group(
+            CLIENT, [GenerateRequest(f"p{i}", prompt="x", max_tokens=2) for i in range(2)]
+        )
         await _settled(fe)
+
     asyncio.run(admit())
     assert len(fe.requests) == 2 and fe.admission.clients[CLIENT].num_requests == 3
 
 
-@pytest.mark.parametrize("kwargs", [{"tokenizer_kwargs": 5}, {"padding": "nope"},
-                                    {"return_tensors": "pt"}, {"chat_template": "{{ 1 / 0 }}"}])
-def test_a_chat_templates_variables_cannot_reach_its_parameters_nor_escape_as_a_fault(make_frontend,
-                                                                                      kwargs):
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"tokenizer_kwargs": 5},
+        {"padding": "nope"},
+        {"return_tensors": "pt"},
+        {"chat_template": "{{ 1 / 0 }}"},
+    ],
+)
+def test_a_chat_templates_variables_cannot_reach_its_parameters_nor_escape_as_a_fault(
+    make_frontend, kwargs
+):
     """chat_template_kwargs went to apply_chat_template as they came: a TypeError from one
     (tokenizer_kwargs: 5) escaped the request as the server's own fault (a 500), another
     (chat_template) ran a template of the client's choosing. They are the template's
     variables alone, and whatever rendering raises is the request's 400."""
     from frontend.prompts import prompt_ids
+
     fe = make_frontend(16)
-    req = GenerateRequest("a", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                          chat_template_kwargs=kwargs)
+    req = GenerateRequest(
+        "a", messages=[{"role": "user", "content": "hi"}], max_tokens=2, chat_template_kwargs=kwargs
+    )
     plain = GenerateRequest("b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert prompt_ids(fe.tokenizer, req) == prompt_ids(fe.tokenizer, plain)
     not_tools = GenerateRequest("c", messages=[{"role": "user", "content": "hi"}], tools="5")
     with pytest.raises(ValueError, match="the chat template cannot render"):
-        prompt_ids(fe.tokenizer, not_tools)   # the template iterates over an int
+        prompt_ids(fe.tokenizer, not_tools)  # the template iterates over an int
 
 
 @pytest.mark.parametrize("is_off_loop", [False, True], ids=["on-loop", "off-loop"])
@@ -386,11 +471,15 @@ def test_a_fault_while_a_request_is_prepared_is_that_requests_500(make_frontend,
         if req.request_id == "bad":
             raise RuntimeError("a bug")
         return fe.prompts.__class__.now(fe.prompts, req)
+
     fe.prompts.now = broken
     fe.prompts._prepare_here = broken
     fe.prompts.is_off_loop = lambda req: is_off_loop
-    _submit(fe, GenerateRequest("bad", prompt="hi", max_tokens=2),
-            GenerateRequest("good", prompt="hi", max_tokens=2))
+    _submit(
+        fe,
+        GenerateRequest("bad", prompt="hi", max_tokens=2),
+        GenerateRequest("good", prompt="hi", max_tokens=2),
+    )
     error, status = _error(fe.replies[0])
     assert status == 500 and "internal error" in error and fe.replies[0][0].request_id == "bad"
     assert set(fe.by_client) == {(CLIENT, "good")} and not fe.intake.pending

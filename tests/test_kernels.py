@@ -1,4 +1,5 @@
 """Each portable op against a plain dense reference."""
+
 import math
 
 import pytest
@@ -32,6 +33,7 @@ def test_qk_norm_rope_matches_complex_rotation():
         rot = torch.polar(torch.ones_like(freqs), freqs)[:, None, :]
         z = torch.complex(x[..., :half].double(), x[..., half:].double()) * rot
         return torch.cat([z.real, z.imag], -1).float()
+
     assert torch.allclose(q_out, ref(q, qw), atol=1e-4)
     assert torch.allclose(k_out, ref(k, kw), atol=1e-4)
 
@@ -42,25 +44,32 @@ def test_write_kv_by_slot_mapping():
     slots = torch.tensor([9, 0, 31, 17, 8])
     portable.write_kv(k_cache, v_cache, k, v, slots)
     for i, s in enumerate(slots.tolist()):
-        assert torch.equal(k_cache[s // 8, s % 8], k[i]) and torch.equal(v_cache[s // 8, s % 8], v[i])
+        assert torch.equal(k_cache[s // 8, s % 8], k[i]) and torch.equal(
+            v_cache[s // 8, s % 8], v[i]
+        )
     assert k_cache.abs().sum(-1).sum(-1).count_nonzero() == 5
 
 
 def _paged(seqs_kv, block_size, num_blocks, perm_seed=0):
     """Scatter dense per-sequence K/V into shuffled blocks. -> caches, block_tables."""
     hk, d = seqs_kv[0][0].shape[1:]
-    k_cache, v_cache = torch.zeros(num_blocks, block_size, hk, d), torch.zeros(num_blocks, block_size, hk, d)
+    k_cache, v_cache = (
+        torch.zeros(num_blocks, block_size, hk, d),
+        torch.zeros(num_blocks, block_size, hk, d),
+    )
     free = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(perm_seed)) + 1
     width = max(math.ceil(k.shape[0] / block_size) for k, _ in seqs_kv)
     tables = torch.zeros(len(seqs_kv), width, dtype=torch.int32)
     used = 0
     for i, (k, v) in enumerate(seqs_kv):
         n = math.ceil(k.shape[0] / block_size)
-        blocks = free[used:used + n]
+        blocks = free[used : used + n]
         used += n
         tables[i, :n] = blocks.int()
-        slots = (blocks[torch.arange(k.shape[0]) // block_size] * block_size
-                 + torch.arange(k.shape[0]) % block_size)
+        slots = (
+            blocks[torch.arange(k.shape[0]) // block_size] * block_size
+            + torch.arange(k.shape[0]) % block_size
+        )
         portable.write_kv(k_cache, v_cache, k, v, slots)
     return k_cache, v_cache, tables
 
@@ -70,7 +79,9 @@ def _dense_attention(q, k, v, causal_offset):
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = torch.einsum("qhd,shd->hqs", q.double(), k.double()) / math.sqrt(q.shape[-1])
-    allowed = torch.arange(k.shape[0])[None, :] <= (causal_offset + torch.arange(q.shape[0]))[:, None]
+    allowed = (
+        torch.arange(k.shape[0])[None, :] <= (causal_offset + torch.arange(q.shape[0]))[:, None]
+    )
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v.double()).float()
 
@@ -82,8 +93,9 @@ def test_prefill_attention_varlen_with_context(hq, hk):
     kv = [(torch.randn(t, hk, d), torch.randn(t, hk, d)) for t in totals]
     k_cache, v_cache, tables = _paged(kv, bs, 32)
     qs = [torch.randn(t - c, hq, d) for t, c in zip(totals, ctxs)]
-    out = portable.prefill_attention(torch.cat(qs), k_cache, v_cache, tables,
-                                     [q.shape[0] for q in qs], ctxs, d ** -0.5)
+    out = portable.prefill_attention(
+        torch.cat(qs), k_cache, v_cache, tables, [q.shape[0] for q in qs], ctxs, d**-0.5
+    )
     refs = torch.cat([_dense_attention(q, k, v, c) for q, (k, v), c in zip(qs, kv, ctxs)])
     assert torch.allclose(out, refs, atol=1e-5)
 
@@ -95,10 +107,11 @@ def test_decode_attention_paged(hq, hk):
     kv = [(torch.randn(n, hk, d), torch.randn(n, hk, d)) for n in lens]
     k_cache, v_cache, tables = _paged(kv, bs, 32, perm_seed=1)
     q = torch.randn(len(lens), hq, d)
-    out = portable.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32),
-                                    d ** -0.5)
+    out = portable.decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), d**-0.5
+    )
     for i, ((k, v), n) in enumerate(zip(kv, lens)):
-        assert torch.allclose(out[i], _dense_attention(q[i:i + 1], k, v, n - 1)[0], atol=1e-5)
+        assert torch.allclose(out[i], _dense_attention(q[i : i + 1], k, v, n - 1)[0], atol=1e-5)
 
 
 def test_slot_mapping_and_step_advance():

@@ -1,5 +1,6 @@
 """CPU prefill lanes: one long prompt cut into runs of its tokens, a lane each, each run a
 layer behind the one before (common/engine/lanes.py)."""
+
 from __future__ import annotations
 
 import threading
@@ -18,16 +19,21 @@ def _cost(a: int, b: int, context_len: int, pair_cost: float) -> float:
     return sum(1 + pair_cost * (context_len + t + 1) for t in range(a, b))
 
 
-@pytest.mark.parametrize("num_tokens,context_len,num_parts,pair_cost",
-                         [(2048, 0, 2, 0.0), (2048, 0, 2, 1e-3), (3000, 500, 3, 5e-4), (4096, 0, 4, 2e-3)])
+@pytest.mark.parametrize(
+    "num_tokens,context_len,num_parts,pair_cost",
+    [(2048, 0, 2, 0.0), (2048, 0, 2, 1e-3), (3000, 500, 3, 5e-4), (4096, 0, 4, 2e-3)],
+)
 def test_split_tokens_cuts_parts_of_equal_cost(num_tokens, context_len, num_parts, pair_cost):
     bounds = split_tokens(num_tokens, context_len, num_parts, pair_cost)
     assert bounds[0] == 0 and bounds[-1] == num_tokens and len(bounds) == num_parts + 1
     assert all(a < b for a, b in zip(bounds, bounds[1:]))
     costs = [_cost(a, b, context_len, pair_cost) for a, b in zip(bounds, bounds[1:])]
     assert max(costs) / min(costs) < 1.01
-    if pair_cost:   # attention grows along the prompt: the later runs are shorter
-        assert all(b - a > d - c for (a, b), (c, d) in zip(zip(bounds, bounds[1:]), zip(bounds[1:], bounds[2:])))
+    if pair_cost:  # attention grows along the prompt: the later runs are shorter
+        assert all(
+            b - a > d - c
+            for (a, b), (c, d) in zip(zip(bounds, bounds[1:]), zip(bounds[1:], bounds[2:]))
+        )
 
 
 def test_split_tokens_keeps_every_part_nonempty():
@@ -52,31 +58,34 @@ def test_each_part_runs_a_layer_only_once_the_part_before_has_done_it():
     num_layers, log, lock = 4, [], threading.Lock()
 
     def forward(chunks, between_layers=None, kv_written=None):
-        part = chunks[0].context_len   # 0, then the first part's length
+        part = chunks[0].context_len  # 0, then the first part's length
         for layer in range(num_layers):
             with lock:
                 log.append(("start", part, layer, time.monotonic()))
             if kv_written is not None:
                 kv_written(layer + 1)
-            time.sleep(0.02 if part == 0 else 0.005)   # the first part slower: the second must wait
+            time.sleep(0.02 if part == 0 else 0.005)  # the first part slower: the second must wait
             with lock:
                 log.append(("end", part, layer, time.monotonic()))
             if layer + 1 < num_layers:
                 between_layers(layer + 1)
         return torch.full((1, 2), float(part))
+
     lanes, heard = Lanes(2, forward), []
     try:
-        out = lanes.forward([_chunk(2048)], on_layers=lambda idx, n: heard.append((list(idx), n, time.monotonic())))
+        out = lanes.forward(
+            [_chunk(2048)], on_layers=lambda idx, n: heard.append((list(idx), n, time.monotonic()))
+        )
     finally:
         lanes.close()
     second = split_tokens(2048, 0, 2, 0.0)[1]
-    assert torch.equal(out, torch.full((1, 2), float(second)))   # the last part's last hidden state
+    assert torch.equal(out, torch.full((1, 2), float(second)))  # the last part's last hidden state
     at = {(kind, part, layer): t for kind, part, layer, t in log}
     for layer in range(num_layers):
         assert at[("start", second, layer)] >= at[("end", 0, layer)]
     heard = [h for h in heard if h[0]]
     assert [h[:2] for h in heard] == [([0], n) for n in range(1, num_layers + 1)]
-    for _, n, t in heard:   # after the first part's layer ended: then the last part's began
+    for _, n, t in heard:  # after the first part's layer ended: then the last part's began
         assert t >= at[("end", 0, n - 1)]
 
 
@@ -88,6 +97,7 @@ def test_a_part_that_fails_fails_the_pass_and_none_waits_forever():
         for layer in range(1, 4):
             between_layers(layer)
         return torch.zeros(1, 2)
+
     lanes = Lanes(2, forward)
     done = []
     t = threading.Thread(target=lambda: done.append(_raises(lambda: lanes.forward([_chunk(2048)]))))
@@ -114,13 +124,14 @@ def test_the_pair_cost_is_fitted_to_the_parts_cpu_times():
 
     def times(p):
         return [k * (x + p * x * (c + x / 2)) for x, c in parts]
+
     for _ in range(12):
         lanes._fit_pair_cost(parts, times(true_p))
     assert lanes.pair_cost == pytest.approx(true_p, rel=1e-3)
     for _ in range(12):
         lanes._fit_pair_cost(parts, times(1e-2))
     assert lanes.pair_cost == pytest.approx(8e-4)
-    lanes._fit_pair_cost(parts, [0.0, 1.0])          # nothing measured: left as it was
+    lanes._fit_pair_cost(parts, [0.0, 1.0])  # nothing measured: left as it was
     assert lanes.pair_cost == pytest.approx(8e-4)
     lanes.close()
 
@@ -129,11 +140,14 @@ def test_a_chunk_of_a_few_hundred_tokens_is_cut_and_a_short_one_is_not():
     """From MIN_TOKENS_PER_PART a run the chunk is cut (each lane streams every weight: below
     that a run is mostly that); prompt logprobs keep one pass (every position's hidden state)."""
     from common.engine.lanes import MIN_TOKENS_PER_PART
+
     seen = []
-    lanes = Lanes(2, lambda chunks, *hooks: seen.append(len(chunks[0].token_ids)) or torch.zeros(1, 2))
+    lanes = Lanes(
+        2, lambda chunks, *hooks: seen.append(len(chunks[0].token_ids)) or torch.zeros(1, 2)
+    )
     try:
         lanes.forward([_chunk(2 * MIN_TOKENS_PER_PART)])
-        assert seen == [MIN_TOKENS_PER_PART, MIN_TOKENS_PER_PART]   # no pair cost given: equal runs
+        assert seen == [MIN_TOKENS_PER_PART, MIN_TOKENS_PER_PART]  # no pair cost given: equal runs
         seen.clear()
         lanes.forward([_chunk(2 * MIN_TOKENS_PER_PART - 1)])
         assert seen == [2 * MIN_TOKENS_PER_PART - 1]
@@ -149,9 +163,11 @@ def test_a_long_prompt_pipelined_over_two_lanes_equals_one_pass_and_transformers
     logits and first token equal the same worker's pass on both threads at once, and the
     logits equal transformers' on the same checkpoint."""
     from transformers import Qwen3ForCausalLM
+
     from common.base.config import WorkerConfig
     from common.base.request import SamplingParams
     from common.engine.worker import DeviceWorker, PrefillChunk
+
     model = make_model(layers=3, max_position_embeddings=4096)
     prompt = torch.randint(0, 400, (2100,), generator=torch.Generator().manual_seed(1)).tolist()
     before = torch.get_num_threads()
@@ -164,10 +180,12 @@ def test_a_long_prompt_pipelined_over_two_lanes_equals_one_pass_and_transformers
             w.lanes.forward_pipelined = lambda *a, **k: calls.append(1) or pipelined(*a, **k)
             for is_pipelined in (True, False):
                 w.lanes.is_pipelined = is_pipelined
-                tokens, logits = w.prefill([PrefillChunk(prompt, 0, blocks, SamplingParams(temperature=0))],
-                                           return_logits=True)
+                tokens, logits = w.prefill(
+                    [PrefillChunk(prompt, 0, blocks, SamplingParams(temperature=0))],
+                    return_logits=True,
+                )
                 runs[is_pipelined] = tokens, logits, w.export_blocks(blocks)
-            assert calls == [1]     # the first run only
+            assert calls == [1]  # the first run only
     finally:
         torch.set_num_threads(before)
     (tok_p, logits_p, kv_p), (tok_w, logits_w, kv_w) = runs[True], runs[False]

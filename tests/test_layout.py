@@ -1,15 +1,27 @@
 """The layout holds: imports run only down the rooms common/__init__.py lists."""
+
 from __future__ import annotations
 
 import ast
 import importlib
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 
-_PROCESSES = {"common", "common.base", "common.kv", "common.wire", "common.engine", "common.transfer",
-              "common.handoff", "common.runtime", "kernels", "frontend", "prefill_node", "decode_node"}
+_PROCESSES = {
+    "common",
+    "common.base",
+    "common.kv",
+    "common.wire",
+    "common.engine",
+    "common.transfer",
+    "common.handoff",
+    "common.runtime",
+    "kernels",
+    "frontend",
+    "prefill_node",
+    "decode_node",
+}
 # room -> the rooms it may import (besides itself); a room is the longest matching prefix.
 ALLOWED = {
     "common.base": set(),
@@ -21,15 +33,33 @@ ALLOWED = {
     "common.handoff": {"common.base", "common.kv", "common.wire", "common.transfer"},
     "common.runtime": {"common.base", "common.wire"},
     "frontend": {"common.base", "common.kv", "common.wire", "common.runtime"},
-    "prefill_node": {"common", "common.base", "common.kv", "common.wire", "common.engine",
-                     "common.transfer", "common.handoff", "common.runtime", "kernels"},
-    "decode_node": {"common", "common.base", "common.kv", "common.wire", "common.engine",
-                    "common.transfer", "common.handoff", "common.runtime", "kernels"},
+    "prefill_node": {
+        "common",
+        "common.base",
+        "common.kv",
+        "common.wire",
+        "common.engine",
+        "common.transfer",
+        "common.handoff",
+        "common.runtime",
+        "kernels",
+    },
+    "decode_node": {
+        "common",
+        "common.base",
+        "common.kv",
+        "common.wire",
+        "common.engine",
+        "common.transfer",
+        "common.handoff",
+        "common.runtime",
+        "kernels",
+    },
     # The entry points (the CLI, keys, a tiny model, offline generation), over everything and
     # under nothing: no process imports them; the CLI reaches launch.bench by name only.
     "launch": _PROCESSES,
-    "launch.tools": {*_PROCESSES, "launch"},                   # what the tests share with operators
-    "launch.bench": {*_PROCESSES, "launch", "launch.tools"},   # the benchmarks
+    "launch.tools": {*_PROCESSES, "launch"},  # what the tests share with operators
+    "launch.bench": {*_PROCESSES, "launch", "launch.tools"},  # the benchmarks
 }
 OURS = ("common", "kernels", "frontend", "prefill_node", "decode_node", "launch")
 
@@ -54,15 +84,19 @@ def _imports(path: Path) -> list[tuple[int, str]]:
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             # `from common import transfer` imports common.transfer
-            out += [(node.lineno, f"{node.module}.{a.name}") if node.module in ("common", "kernels")
-                    else (node.lineno, node.module) for a in node.names]
+            out += [
+                (node.lineno, f"{node.module}.{a.name}")
+                if node.module in ("common", "kernels")
+                else (node.lineno, node.module)
+                for a in node.names
+            ]
     return sorted((line, m) for line, m in out if m.split(".")[0] in OURS)
 
 
 def _sources() -> list[Path]:
-    return sorted(p for top in ALLOWED if "." not in top
-                  for p in (ROOT / top.replace(".", "/")).rglob("*.py")) + \
-        sorted((ROOT / "common").rglob("*.py"))
+    return sorted(
+        p for top in ALLOWED if "." not in top for p in (ROOT / top.replace(".", "/")).rglob("*.py")
+    ) + sorted((ROOT / "common").rglob("*.py"))
 
 
 def test_imports_run_only_down_the_rooms():
@@ -74,9 +108,13 @@ def test_imports_run_only_down_the_rooms():
         for line, module in _imports(path):
             there = _room(module)
             if there is None:
-                upward.append(f"{path.relative_to(ROOT)}:{line} imports {module} (outside every room)")
+                upward.append(
+                    f"{path.relative_to(ROOT)}:{line} imports {module} (outside every room)"
+                )
             elif there != here and there not in ALLOWED[here]:
-                upward.append(f"{path.relative_to(ROOT)}:{line} ({here}) imports {module} ({there})")
+                upward.append(
+                    f"{path.relative_to(ROOT)}:{line} ({here}) imports {module} ({there})"
+                )
     assert not upward, "imports against the rooms' order:\n" + "\n".join(upward)
 
 
@@ -144,6 +182,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                     break
             if len(comp) > 1:
                 out.append(sorted(comp))
+
     for v in sorted(graph):
         if v not in index:
             visit(v)
@@ -152,7 +191,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles_not_even_lazy_ones():
     cycles = _cycles(_graph())
-    assert not cycles, "modules that import each other:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+    assert not cycles, "modules that import each other:\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
 
 
 def test_the_cycle_finder_sees_a_lazy_cycle():
@@ -162,16 +203,23 @@ def test_the_cycle_finder_sees_a_lazy_cycle():
 
 def test_kernels_import_nothing_of_pdserve():
     """Device ops take what they need as arguments: kernels/ is a leaf under the engine."""
-    bad = [f"{p.relative_to(ROOT)}:{line} imports {m}" for p in sorted((ROOT / "kernels").rglob("*.py"))
-           for line, m in _imports(p) if m.split(".")[0] != "kernels"]
+    bad = [
+        f"{p.relative_to(ROOT)}:{line} imports {m}"
+        for p in sorted((ROOT / "kernels").rglob("*.py"))
+        for line, m in _imports(p)
+        if m.split(".")[0] != "kernels"
+    ]
     assert not bad, bad
 
 
-MAX_LINES = 410   # a file read in one sitting; tests are exempt
+MAX_LINES = 410  # a file read in one sitting; tests are exempt
 
 
 def test_no_source_file_is_too_long_to_read_in_one_sitting():
-    long = [f"{p.relative_to(ROOT)}: {n} lines" for top in (*OURS,)
-            for p in sorted((ROOT / top).rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    long = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for top in (*OURS,)
+        for p in sorted((ROOT / top).rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    ]
     assert not long, f"over {MAX_LINES} lines:\n" + "\n".join(long)

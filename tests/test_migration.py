@@ -2,6 +2,7 @@
 the same cluster, undisturbed and then through a kill, a freeze or a drain, and
 the second run must stream exactly the first run's tokens (greedy and seeded
 sampling), or fail with a clear error where the limits say so."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,27 +14,50 @@ import urllib.request
 import pytest
 
 from frontend.client import AsyncClient, Client
-from tests.cluster_util import INT_ARRAY, INT_ARRAY_PREFIX, ROOT, Cluster, Processes, free_base_port, wait_for
+from tests.cluster_util import (
+    INT_ARRAY,
+    INT_ARRAY_PREFIX,
+    ROOT,
+    Cluster,
+    Processes,
+    free_base_port,
+    wait_for,
+)
 
-pytestmark = pytest.mark.cluster   # every test here starts processes
+pytestmark = pytest.mark.cluster  # every test here starts processes
 
 MAX_TOKENS = 400
 
 
 def _requests(n: int, prompt_len: int = 9, max_tokens: int = MAX_TOKENS) -> list[dict]:
     """Half greedy, half seeded sampling; distinct prompts."""
-    return [dict(prompt_token_ids=[(7 * i + j) % 500 + 1 for j in range(prompt_len)], max_tokens=max_tokens,
-                 ignore_eos=True, **({"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i} if i % 2 else {}))
-            for i in range(n)]
+    return [
+        dict(
+            prompt_token_ids=[(7 * i + j) % 500 + 1 for j in range(prompt_len)],
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            **({"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i} if i % 2 else {}),
+        )
+        for i in range(n)
+    ]
 
 
 async def _stream_http(base_url: str, req: dict, counts: list[int], i: int):
     """The same request as a streamed OpenAI completion: outputs as (text, finish_reason)."""
     import openai
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    client = openai.AsyncOpenAI(
+        base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=60
+    )
     req = dict(req)
-    body = dict(model="model0", prompt=req.pop("prompt_token_ids"), max_tokens=req.pop("max_tokens"),
-                temperature=req.pop("temperature", 0.0), stream=True, extra_body=dict(ignore_eos=True))
+    body = dict(
+        model="model0",
+        prompt=req.pop("prompt_token_ids"),
+        max_tokens=req.pop("max_tokens"),
+        temperature=req.pop("temperature", 0.0),
+        stream=True,
+        extra_body=dict(ignore_eos=True),
+    )
     if "seed" in req:
         body.update(seed=req["seed"], top_p=req["top_p"])
     outs = []
@@ -49,10 +73,12 @@ async def _stream_http(base_url: str, req: dict, counts: list[int], i: int):
 
 async def _stream(client: AsyncClient, req: dict, counts: list[int], i: int):
     if req.get("http"):
-        return await _stream_http(req["http"], {k: v for k, v in req.items() if k != "http"}, counts, i)
+        return await _stream_http(
+            req["http"], {k: v for k, v in req.items() if k != "http"}, counts, i
+        )
     outs = []
     async for out in client.generate(**req):
-        counts[i] += len(out.token_ids) or 1   # the first update counts even if it holds no token
+        counts[i] += len(out.token_ids) or 1  # the first update counts even if it holds no token
         outs.append(out)
     return outs
 
@@ -98,9 +124,13 @@ def _start(p: Processes, num_prefill: int, num_decode: int, base: int) -> None:
 
 def _idle(endpoint: str, names: list[str]) -> bool:
     nodes = _nodes(endpoint)
-    return all(nodes[n].get("is_alive") and nodes[n]["num_free_blocks"] == nodes[n]["num_usable_blocks"]
-               and not nodes[n].get("num_reserved_blocks") and not nodes[n].get("num_running")
-               for n in names)
+    return all(
+        nodes[n].get("is_alive")
+        and nodes[n]["num_free_blocks"] == nodes[n]["num_usable_blocks"]
+        and not nodes[n].get("num_reserved_blocks")
+        and not nodes[n].get("num_running")
+        for n in names
+    )
 
 
 def _assert_same(disturbed, undisturbed) -> None:
@@ -121,14 +151,20 @@ def cluster(tiny_model, tmp_path):
     made = []
 
     def start(num_prefill: int, num_decode: int, *frontend_args: str, prefill: tuple = ()):
-        base = free_base_port(3 + num_decode)   # clients, nodes, KV links, HTTP
-        p = Processes(tiny_model, base, tmp_path,
-                      frontend=["--http-port", str(base + 2 + num_decode), *frontend_args], prefill=list(prefill))
+        base = free_base_port(3 + num_decode)  # clients, nodes, KV links, HTTP
+        p = Processes(
+            tiny_model,
+            base,
+            tmp_path,
+            frontend=["--http-port", str(base + 2 + num_decode), *frontend_args],
+            prefill=list(prefill),
+        )
         p.http = f"http://127.0.0.1:{base + 2 + num_decode}"
         made.append(p)
         p.start("frontend")
         _start(p, num_prefill, num_decode, base)
         return p, base
+
     yield start
     for p in made:
         p.stop()
@@ -144,6 +180,7 @@ def test_a_killed_decode_node_moves_its_requests_token_exact(cluster):
 
     async def kill(client, counts):
         os.kill(p.procs["decode-0"].pid, signal.SIGKILL)
+
     t0 = time.monotonic()
     disturbed = asyncio.run(_run(p.clients, requests + http, kill))
     for outs, ref in zip(disturbed[8:], undisturbed[8:]):
@@ -157,7 +194,7 @@ def test_a_killed_decode_node_moves_its_requests_token_exact(cluster):
         assert last.timings["num_migrations"] == 1
         assert 0 < last.timings["migrated_ms"] < (time.monotonic() - t0) * 1e3
     counts = _frontend(p.clients)["migrations"]
-    assert counts["dead"] == 5 and counts["failed"] == 0   # 10 requests, half on decode-0
+    assert counts["dead"] == 5 and counts["failed"] == 0  # 10 requests, half on decode-0
     metrics = urllib.request.urlopen(p.http + "/metrics", timeout=10).read().decode()
     assert 'pdserve_migrations_total{cause="dead"} 5.0' in metrics
     # NOTE: a write whose grant (or renewal) comes only after its pass goes whole: on a
@@ -167,6 +204,7 @@ def test_a_killed_decode_node_moves_its_requests_token_exact(cluster):
     def is_mostly_layerwise():
         seen.update(_nodes(p.clients)["prefill-0"]["kv_writes"]["tcp"])
         return seen["num_transfers"] >= 20 and seen["num_layerwise"] * 2 > seen["num_transfers"]
+
     try:
         wait_for(is_mostly_layerwise, 10, "the prefill node to report its writes layer by layer")
     except AssertionError as e:
@@ -183,15 +221,19 @@ def test_requests_prefilled_on_a_killed_decode_node_move_token_exact(cluster):
 
     async def kill(client, counts):
         os.kill(p.procs["decode-0"].pid, signal.SIGKILL)
+
     disturbed = asyncio.run(_run(p.clients, requests, kill))
     _assert_same(disturbed, undisturbed)
     moved = _moved(disturbed)
-    assert len(moved) == 3   # routed in turn: half of them were on decode-0
+    assert len(moved) == 3  # routed in turn: half of them were on decode-0
     for last in moved:
         assert last.timings["path"] == "local" and last.timings["path_after_move"] == "local"
     assert _frontend(p.clients)["migrations"]["failed"] == 0
-    wait_for(lambda: _nodes(p.clients)["decode-1"].get("num_local_prefilled", 0) >= 3 + 3 + 3, 10,
-             "decode-1 to count its own prompts and the moved ones")
+    wait_for(
+        lambda: _nodes(p.clients)["decode-1"].get("num_local_prefilled", 0) >= 3 + 3 + 3,
+        10,
+        "decode-1 to count its own prompts and the moved ones",
+    )
 
 
 def test_a_frozen_decode_node_thawed_after_its_requests_moved_says_nothing_to_clients(cluster):
@@ -206,6 +248,7 @@ def test_a_frozen_decode_node_thawed_after_its_requests_moved_says_nothing_to_cl
         while (await client.stats()).nodes["decode-0"]["is_alive"]:
             await asyncio.sleep(0.05)
         decode.send_signal(signal.SIGCONT)
+
     disturbed = asyncio.run(_run(p.clients, requests, freeze))
     _assert_same(disturbed, undisturbed)
     assert len(_moved(disturbed)) == 4
@@ -221,8 +264,13 @@ def test_a_killed_prefill_node_with_prompts_queued_moves_them_token_exact(tiny_m
     base = free_base_port(3)
     # NOTE: blocks a lost prefill node reserved on the decode node are freed when their
     # lease runs out (it might still be writing them): a short lease, to see that here.
-    p = Processes(tiny_model, base, tmp_path, prefill=["--no-prefix-caching", "--token-budget", "64"],
-                  decode=["--reservation-lease", "4"])
+    p = Processes(
+        tiny_model,
+        base,
+        tmp_path,
+        prefill=["--no-prefix-caching", "--token-budget", "64"],
+        decode=["--reservation-lease", "4"],
+    )
     try:
         p.start("frontend")
         _start(p, 2, 1, base)
@@ -231,6 +279,7 @@ def test_a_killed_prefill_node_with_prompts_queued_moves_them_token_exact(tiny_m
 
         async def kill(client, counts):
             os.kill(p.procs["prefill-0"].pid, signal.SIGKILL)
+
         disturbed = asyncio.run(_run(p.clients, requests, kill, wait_all_started=False))
         for i, (outs, ref) in enumerate(zip(disturbed, undisturbed)):
             assert outs[-1].finish_reason == "length", f"request {i}: {outs[-1].error}"
@@ -250,6 +299,7 @@ def test_a_drained_decode_node_hands_its_requests_on_and_exits(cluster):
     async def drain(client, counts):
         with Client(p.clients) as c:
             replies.append(c.drain("decode-0"))
+
     disturbed = asyncio.run(_run(p.clients, requests, drain))
     _assert_same(disturbed, undisturbed)
     assert replies[0].node == "decode-0" and replies[0].num_moved == 4
@@ -267,6 +317,7 @@ def test_sigterm_drains_a_node_and_a_second_one_stops_it(cluster):
 
     async def term(client, counts):
         p.procs["decode-1"].send_signal(signal.SIGTERM)
+
     disturbed = asyncio.run(_run(p.clients, requests, term))
     _assert_same(disturbed, undisturbed)
     assert p.procs["decode-1"].wait(20) == 0
@@ -280,7 +331,9 @@ def test_a_request_moves_at_most_max_migrations_times(cluster):
     # decode-1 frozen and declared dead first, so that all four start on decode-0.
     spare.send_signal(signal.SIGSTOP)
     try:
-        wait_for(lambda: not _nodes(p.clients)["decode-1"]["is_alive"], 20, "decode-1 to count as dead")
+        wait_for(
+            lambda: not _nodes(p.clients)["decode-1"]["is_alive"], 20, "decode-1 to count as dead"
+        )
     except BaseException:
         spare.send_signal(signal.SIGCONT)
         raise
@@ -291,20 +344,24 @@ def test_a_request_moves_at_most_max_migrations_times(cluster):
             await asyncio.sleep(0.02)
         # NOTE: a killed node streams nothing more, so no request can end between a
         # kill and the frontend noticing it.
-        os.kill(p.procs["decode-0"].pid, signal.SIGKILL)   # all four move to decode-1 ...
+        os.kill(p.procs["decode-0"].pid, signal.SIGKILL)  # all four move to decode-1 ...
         while (await client.stats()).frontend["migrations"]["dead"] < 4:
             await asyncio.sleep(0.05)
         moved_at = list(counts)
-        while any(c <= m for c, m in zip(counts, moved_at)):   # ... and stream there
+        while any(c <= m for c, m in zip(counts, moved_at)):  # ... and stream there
             await asyncio.sleep(0.002)
-        os.kill(spare.pid, signal.SIGKILL)                   # ... and are lost again: once too often
+        os.kill(spare.pid, signal.SIGKILL)  # ... and are lost again: once too often
         lose_twice.at = time.monotonic()
+
     results = asyncio.run(_run(p.clients, requests, lose_twice))
     errors = [outs[-1].error for outs in results]
     assert all(outs[-1].finish_reason == "error" for outs in results), errors
-    assert all(e == "decode node decode-1 stopped responding (it had moved 1 times, the limit: "
-                    "--max-migrations)" for e in errors), errors
-    assert time.monotonic() - lose_twice.at < 2 + 3   # found dead within --dead-after (2 s here)
+    assert all(
+        e == "decode node decode-1 stopped responding (it had moved 1 times, the limit: "
+        "--max-migrations)"
+        for e in errors
+    ), errors
+    assert time.monotonic() - lose_twice.at < 2 + 3  # found dead within --dead-after (2 s here)
     assert _frontend(p.clients)["migrations"]["failed"] == 4
 
 
@@ -315,12 +372,18 @@ def test_a_moved_request_waits_at_most_migration_wait_for_a_node(cluster):
     async def kill(client, counts):
         os.kill(p.procs["decode-0"].pid, signal.SIGKILL)
         kill.at = time.monotonic()
+
     results = asyncio.run(_run(p.clients, requests, kill))
     waited = time.monotonic() - kill.at
     errors = [outs[-1].error or "" for outs in results]
-    assert all(e.startswith("no live prefill and decode node pair to continue on within 2s "
-                            "(--migration-wait) after it left decode-0 (decode node decode-0 stopped "
-                            "responding)") for e in errors), errors
+    assert all(
+        e.startswith(
+            "no live prefill and decode node pair to continue on within 2s "
+            "(--migration-wait) after it left decode-0 (decode node decode-0 stopped "
+            "responding)"
+        )
+        for e in errors
+    ), errors
     # Found dead (--dead-after 2, counted from its last heartbeat), then 2 s of waiting.
     assert 2 + 1 <= waited < 2 + 2 + 3
     counts = _frontend(p.clients)["migrations"]
@@ -351,14 +414,18 @@ def test_a_rolling_restart_under_load_fails_no_request(tiny_model, tmp_path):
                     old = (await client.stats()).nodes[name]["pid"]
                     os.kill(old, signal.SIGTERM)
                     deadline = time.monotonic() + 90
-                    while not ((n := (await client.stats()).nodes.get(name)) and n["is_alive"]
-                               and n["pid"] != old):
+                    while not (
+                        (n := (await client.stats()).nodes.get(name))
+                        and n["is_alive"]
+                        and n["pid"] != old
+                    ):
                         assert time.monotonic() < deadline, f"{name} was not restarted"
                         await asyncio.sleep(0.1)
                     restarted.append(name)
                 stop.set()
                 await asyncio.wait_for(asyncio.gather(*workers), 120)
                 return restarted
+
         assert asyncio.run(roll()) == ["decode-0", "prefill-0", "decode-1", "prefill-1"]
         assert len(results) >= 16
         for i, outs in results:
@@ -376,40 +443,83 @@ def test_a_soak_with_kills_reaches_no_client_with_an_error(tiny_model):
     import json
     import subprocess
     import sys
-    base = free_base_port(91)   # the soak's cluster ports and its HTTP port at +90
+
+    base = free_base_port(91)  # the soak's cluster ports and its HTTP port at +90
     out = subprocess.run(
-        [sys.executable, "-m", "launch.tools.soak", "--duration", "45", "--concurrency", "8", "--kill-every", "10",
-         "--model", str(tiny_model), "--base-port", str(base), "--cluster-arg=--num-prefill",
-         "--cluster-arg=2", "--cluster-arg=--num-decode", "--cluster-arg=2"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "launch.tools.soak",
+            "--duration",
+            "45",
+            "--concurrency",
+            "8",
+            "--kill-every",
+            "10",
+            "--model",
+            str(tiny_model),
+            "--base-port",
+            str(base),
+            "--cluster-arg=--num-prefill",
+            "--cluster-arg=2",
+            "--cluster-arg=--num-decode",
+            "--cluster-arg=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     summary = next(x for x in lines if x.get("summary"))
     assert sum(1 for x in lines if "killed" in x) == 2
     assert summary["num_unexpected"] == 0 and not summary.get("kill_errors"), summary
     assert summary["is_every_block_free"] and summary["num_nodes_alive"] == 4, summary
-    if any(x["killed"].startswith("decode") for x in lines if "killed" in x):   # 8 streams: it held some
+    if any(
+        x["killed"].startswith("decode") for x in lines if "killed" in x
+    ):  # 8 streams: it held some
         assert sum(v for k, v in summary["migrations"].items() if k != "failed") > 0
     assert out.returncode == 0, out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("endpoint, is_keyed, refused", [
-    ("tcp://127.0.0.1:5600", False, False), ("ipc:///tmp/pdserve-clients", False, False),
-    ("tcp://0.0.0.0:5600", False, True), ("tcp://10.1.2.3:5600", True, False)])
+@pytest.mark.parametrize(
+    "endpoint, is_keyed, refused",
+    [
+        ("tcp://127.0.0.1:5600", False, False),
+        ("ipc:///tmp/pdserve-clients", False, False),
+        ("tcp://0.0.0.0:5600", False, True),
+        ("tcp://10.1.2.3:5600", True, False),
+    ],
+)
 def test_a_drain_is_refused_to_clients_neither_local_nor_keyed(endpoint, is_keyed, refused):
     from types import SimpleNamespace
+
     from common.wire.protocol import DrainReply, ErrorReply
     from frontend.migrate import Migrations
+
     sent = []
 
     class Link:
         async def send(self, msg, to):
             sent.append((msg, to))
-    node = SimpleNamespace(name="decode-0", role="decode", is_alive=True, is_draining=False, identity=b"d0")
-    fe = SimpleNamespace(cfg=SimpleNamespace(client_endpoint=endpoint, is_client_auth=is_keyed, max_migrations=3),
-                         nodes={"decode-0": node}, requests={}, node_link=Link(), wake_dispatch=lambda: None)
+
+    node = SimpleNamespace(
+        name="decode-0", role="decode", is_alive=True, is_draining=False, identity=b"d0"
+    )
+    fe = SimpleNamespace(
+        cfg=SimpleNamespace(client_endpoint=endpoint, is_client_auth=is_keyed, max_migrations=3),
+        nodes={"decode-0": node},
+        requests={},
+        node_link=Link(),
+        wake_dispatch=lambda: None,
+    )
     reply, status = asyncio.run(Migrations(fe).on_drain_request("decode-0"))
     if refused:
-        assert isinstance(reply, ErrorReply) and status == 403 and "neither local nor keyed" in reply.error
+        assert (
+            isinstance(reply, ErrorReply)
+            and status == 403
+            and "neither local nor keyed" in reply.error
+        )
         assert not node.is_draining and not sent
     else:
         assert reply == DrainReply("decode-0", 0, 0, has_peer=False) and status is None
@@ -429,14 +539,18 @@ def test_logprobs_and_grammars_survive_a_move(cluster, tiny_model):
     from transformers import Qwen3ForCausalLM
 
     from common.wire.client import Structured
+
     p, _ = cluster(1, 2)
     logprobs = [dict(r, logprobs=3, max_tokens=150) for r in _requests(4)]
-    grammars = [dict(r, structured=Structured("json_schema", INT_ARRAY), max_tokens=150)
-                for r in _requests(8)[4:]]
+    grammars = [
+        dict(r, structured=Structured("json_schema", INT_ARRAY), max_tokens=150)
+        for r in _requests(8)[4:]
+    ]
     undisturbed = asyncio.run(_run(p.clients, logprobs + grammars))
 
     async def kill(client, counts):
         os.kill(p.procs["decode-0"].pid, signal.SIGKILL)
+
     disturbed = asyncio.run(_run(p.clients, logprobs + grammars, kill))
     for i, (outs, ref) in enumerate(zip(disturbed, undisturbed)):
         assert outs[-1].finish_reason == "length", (i, outs[-1].finish_reason, outs[-1].error)
@@ -450,7 +564,9 @@ def test_logprobs_and_grammars_survive_a_move(cluster, tiny_model):
         ids, got = _tokens(outs), [x for o in outs for x in (o.logprobs or [])]
         assert len(got) == len(ids) == 150
         with torch.no_grad():
-            logp = torch.log_softmax(hf(torch.tensor([req["prompt_token_ids"] + ids])).logits[0].float(), -1)
+            logp = torch.log_softmax(
+                hf(torch.tensor([req["prompt_token_ids"] + ids])).logits[0].float(), -1
+            )
         for i, (tok, x) in enumerate(zip(ids, got)):
             ref = logp[len(req["prompt_token_ids"]) - 1 + i]
             assert x.logprob == pytest.approx(ref[tok].item(), abs=1e-4)
@@ -462,12 +578,16 @@ def test_forked_choices_move_alone_token_exact(cluster):
     node) and singles; decode-0 killed mid-stream: every choice of the group there moves
     on its own and streams what it would have undisturbed."""
     p, _ = cluster(1, 2)
-    groups = [dict(r, n=3, temperature=0.8, seed=500 + i) for i, r in enumerate(_requests(2, prompt_len=13))]
+    groups = [
+        dict(r, n=3, temperature=0.8, seed=500 + i)
+        for i, r in enumerate(_requests(2, prompt_len=13))
+    ]
     requests = groups + _requests(4)
     undisturbed = asyncio.run(_run(p.clients, requests))
 
     async def kill(client, counts):
         os.kill(p.procs["decode-0"].pid, signal.SIGKILL)
+
     disturbed = asyncio.run(_run(p.clients, requests, kill))
     _assert_same(disturbed[2:], undisturbed[2:])
     moved = set()
@@ -475,6 +595,9 @@ def test_forked_choices_move_alone_token_exact(cluster):
         for i in range(3):
             mine = [o for o in outs if o.index == i]
             assert mine[-1].finish_reason == "length", (i, mine[-1].error)
-            assert _tokens(mine) == _tokens([o for o in ref if o.index == i]) and len(_tokens(mine)) == MAX_TOKENS
+            assert (
+                _tokens(mine) == _tokens([o for o in ref if o.index == i])
+                and len(_tokens(mine)) == MAX_TOKENS
+            )
             moved |= {(id(outs), i)} if mine[-1].timings.get("num_migrations") else set()
     assert len(moved) == 3, "the three choices of the group on decode-0 each moved"

@@ -1,12 +1,13 @@
 """Token-exact greedy decoding and prefill logits against transformers' Qwen3."""
+
 import numpy as np
 import pytest
 import torch
 
 from common.base.config import WorkerConfig
-from common.kv.blocks import BlockAllocator, num_blocks_for
 from common.base.request import SamplingParams
 from common.engine.worker import DeviceWorker, PrefillChunk
+from common.kv.blocks import BlockAllocator, num_blocks_for
 from launch.generate import generate
 from tests.conftest import hf_greedy
 
@@ -18,8 +19,9 @@ NEW_TOKENS = 64
 SHAPES = {
     "gqa2-tied": dict(kv_heads=2, tie_embeddings=True),
     "gqa1-untied": dict(kv_heads=4, tie_embeddings=False),
-    "gqa4-untied-sharded": dict(heads=8, kv_heads=2, head_dim=8, tie_embeddings=False,
-                                max_shard_size="40KB"),
+    "gqa4-untied-sharded": dict(
+        heads=8, kv_heads=2, head_dim=8, tie_embeddings=False, max_shard_size="40KB"
+    ),
 }
 
 
@@ -47,13 +49,16 @@ def test_greedy_batch_matches_transformers(make_model, shape):
 
 def test_prefill_logits_within_1e4(make_model):
     from transformers import Qwen3ForCausalLM
+
     model_dir = make_model(**SHAPES["gqa2-tied"])
     prompts = _prompts(seed=1)
     hf = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with DeviceWorker(WorkerConfig(model=str(model_dir), block_size=BLOCK)) as worker:
         alloc = BlockAllocator(worker.num_kv_blocks)
-        chunks = [PrefillChunk(p, 0, alloc.allocate(num_blocks_for(len(p), BLOCK)), SamplingParams())
-                  for p in prompts]
+        chunks = [
+            PrefillChunk(p, 0, alloc.allocate(num_blocks_for(len(p), BLOCK)), SamplingParams())
+            for p in prompts
+        ]
         _, logits = worker.prefill(chunks, return_logits=True)
     with torch.no_grad():
         for p, ours in zip(prompts, logits):
@@ -74,7 +79,8 @@ def test_chunked_prefill_equals_whole(tiny_model):
         for a, b in zip(cut, cut[1:]):
             last = b == len(prompt)
             (t_part,), lp = worker.prefill(
-                [PrefillChunk(prompt[a:b], a, parts, SamplingParams() if last else None)], True)
+                [PrefillChunk(prompt[a:b], a, parts, SamplingParams() if last else None)], True
+            )
         assert t_part == t_whole
         assert torch.allclose(lp, lw, atol=1e-5)
         kv_w = worker.export_blocks(whole).flatten(2, 3)[:, :, : len(prompt)]
@@ -84,9 +90,19 @@ def test_chunked_prefill_equals_whole(tiny_model):
 
 def test_unsupported_architecture_is_named(tmp_path):
     import json
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-                                                      "hidden_size": 8, "num_attention_heads": 2,
-                                                      "num_hidden_layers": 1, "vocab_size": 10,
-                                                      "intermediate_size": 8}))
+
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+                "num_hidden_layers": 1,
+                "vocab_size": 10,
+                "intermediate_size": 8,
+            }
+        )
+    )
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         DeviceWorker(WorkerConfig(model=str(tmp_path))).prepare()

@@ -1,5 +1,6 @@
 """A whole reply's logprobs as frontend/http.Answer gathers them, in process: a decode
 node's steps send a token at a time, and the answer equals its logprobs shaped at once."""
+
 from __future__ import annotations
 
 import types
@@ -25,14 +26,20 @@ class _Tokenizer:
 
 
 def _logprobs(i: int) -> TokenLogprobs:
-    return TokenLogprobs(-1.0 - i / 100, [i + j for j in range(TOP)],
-                         [-1.0 - j for j in range(TOP)])
+    return TokenLogprobs(
+        -1.0 - i / 100, [i + j for j in range(TOP)], [-1.0 - j for j in range(TOP)]
+    )
 
 
 def _msg(i: int, prompt_ids: list[int] | None = None, prompt_lps: list | None = None):
-    return types.SimpleNamespace(text=f"t{i}", token_ids=[i], logprobs=[_logprobs(i)],
-                                 prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps,
-                                 is_finished=False)
+    return types.SimpleNamespace(
+        text=f"t{i}",
+        token_ids=[i],
+        logprobs=[_logprobs(i)],
+        prompt_token_ids=prompt_ids,
+        prompt_logprobs=prompt_lps,
+        is_finished=False,
+    )
 
 
 def _call(kind: str, **extra) -> api.Call:

@@ -1,6 +1,7 @@
 """Prefill on the decode node and the per-request choice of path (--disaggregate): the
 rule on a fake clock against figures the test sets, then through start_cluster.sh,
 token for token against transformers and across the two paths."""
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ from tests.cluster_util import Cluster, wait_for
 from tests.conftest import clear_prompts
 
 NEW_TOKENS = 12
-RATE = 10_000.0   # prompt tokens/s, both nodes
+RATE = 10_000.0  # prompt tokens/s, both nodes
 
 
 class FakeClock:
@@ -41,7 +42,9 @@ def test_a_short_prompt_behind_long_ones_is_prefilled_on_its_decode_node():
     assert c.path == "local" and c.why == "sooner on the decode node"
     assert c.local_s == pytest.approx(2 * (32 / RATE + 0.005) + 0.005)
     assert c.disaggregated_s == pytest.approx(2 * 8032 / RATE + 32 * 4096 / 1e8 + 0.005)
-    assert c.timings()["path"] == "local" and c.timings()["predicted_local_ms"] == pytest.approx(c.local_s * 1e3)
+    assert c.timings()["path"] == "local" and c.timings()["predicted_local_ms"] == pytest.approx(
+        c.local_s * 1e3
+    )
 
 
 def test_an_idle_prefill_node_and_a_free_handoff_keep_the_disaggregated_path():
@@ -59,25 +62,31 @@ def test_an_idle_prefill_node_and_a_free_handoff_keep_the_disaggregated_path():
 
 
 def test_layerwise_hides_the_transfer_behind_the_prefill():
-    f = _figures(prompt_len=4096, link_rate=4096 * 4096 / 0.3)   # 0.3 s of KV, 0.41 s of prefill
+    f = _figures(prompt_len=4096, link_rate=4096 * 4096 / 0.3)  # 0.3 s of KV, 0.41 s of prefill
     whole, _, _ = paths.predict(f)
-    layerwise, _, _ = paths.predict(_figures(prompt_len=4096, link_rate=f.link_rate, is_layerwise=True))
+    layerwise, _, _ = paths.predict(
+        _figures(prompt_len=4096, link_rate=f.link_rate, is_layerwise=True)
+    )
     assert whole[1] - whole[0] == pytest.approx(0.3 + 0.005)
-    assert layerwise[1] - layerwise[0] == pytest.approx(0.005)   # all of it hidden
+    assert layerwise[1] - layerwise[0] == pytest.approx(0.005)  # all of it hidden
 
 
 def test_local_prompts_take_at_most_a_share_of_a_busy_decode_node():
     clock = FakeClock()
     chooser = PathChooser("auto", clock)
-    busy = _figures(prompt_len=256, prefill_queued=100_000, num_running=8)   # 10 s behind on the prefill node
+    busy = _figures(
+        prompt_len=256, prefill_queued=100_000, num_running=8
+    )  # 10 s behind on the prefill node
     cost = 256 / RATE
     num_fit = int(paths.LOCAL_SHARE * paths.LOCAL_WINDOW_S / cost)
     for _ in range(num_fit):
         assert chooser.choose(busy, "decode-0").path == "local"
     c = chooser.choose(busy, "decode-0")
     assert c.path == "disaggregated" and c.why == "the decode node has no time to spare"
-    assert chooser.choose(busy, "decode-1").path == "local"   # another node's window is its own
-    assert chooser.choose(_figures(prompt_len=256, prefill_queued=100_000), "decode-0").path == "local"   # idle
+    assert chooser.choose(busy, "decode-1").path == "local"  # another node's window is its own
+    assert (
+        chooser.choose(_figures(prompt_len=256, prefill_queued=100_000), "decode-0").path == "local"
+    )  # idle
     clock.now += paths.LOCAL_WINDOW_S + 0.01
     assert chooser.choose(busy, "decode-0").path == "local"
     assert chooser.stats()["decisions"]["disaggregated: the decode node has no time to spare"] == 1
@@ -85,6 +94,7 @@ def test_local_prompts_take_at_most_a_share_of_a_busy_decode_node():
 
 class _TimedWorker:
     """A worker whose every local pass takes pass_s on the test's clock."""
+
     spec = types.SimpleNamespace(vocab_size=512)
     max_model_len = 1024
 
@@ -105,15 +115,23 @@ def test_the_decode_node_paces_its_local_prompts_to_their_share(monkeypatch):
     from common.wire.node import PrefillRequest
     from decode_node import local
     from decode_node.scheduler import DecodeScheduler
+
     clock = FakeClock()
-    monkeypatch.setattr(local, "time", types.SimpleNamespace(monotonic=clock, perf_counter=clock, time=clock))
+    monkeypatch.setattr(
+        local, "time", types.SimpleNamespace(monotonic=clock, perf_counter=clock, time=clock)
+    )
     sched = DecodeScheduler(BlockAllocator(200), 16, 64)
     lp = local.LocalPrefill(_TimedWorker(clock, 0.08), sched, max_queue=100)
     for i in range(60):
-        lp.add(PrefillRequest(f"r{i}", [5] * 8, SamplingParams(max_tokens=4), 0.0, "decode-0", "tcp://x"), set())
+        lp.add(
+            PrefillRequest(
+                f"r{i}", [5] * 8, SamplingParams(max_tokens=4), 0.0, "decode-0", "tcp://x"
+            ),
+            set(),
+        )
     # each prompt done joins the running sequences, whose time the share is
     burst = local.LOCAL_SHARE * local.LOCAL_WINDOW_S
-    num_burst = sum(lp.run() is not None for _ in range(10))   # no time passes but the passes'
+    num_burst = sum(lp.run() is not None for _ in range(10))  # no time passes but the passes'
     # the first pass is owed nothing (nothing ran then); paid back as the passes' own time
     # goes by, the burst fits one pass more than 0.3 / 0.08
     assert num_burst == 6 and not lp.is_runnable() and burst < lp.owed_s() <= burst + 0.08
@@ -139,7 +157,10 @@ def test_modes_and_what_needs_a_prefill_node():
     for mode in ("auto", "never"):
         c = PathChooser(mode, clock).choose(queued, "d", can_local=False)
         assert c.path == "disaggregated" and "prefill node" in c.why
-    assert PathChooser("auto", clock).choose(_figures(prefill_rate=0.0), "d").why == "no prefill rate measured yet"
+    assert (
+        PathChooser("auto", clock).choose(_figures(prefill_rate=0.0), "d").why
+        == "no prefill rate measured yet"
+    )
     with pytest.raises(ValueError):
         PathChooser("sometimes", clock)
 
@@ -149,81 +170,158 @@ def test_figures_come_from_the_nodes_stats():
         def __init__(self, name, stats, num_queued_tokens=0, num_active=0):
             self.name, self.stats = name, stats
             self.num_queued_tokens, self.num_active = num_queued_tokens, num_active
-    prefill = Node("prefill-0", {"num_prefill_tokens": 5000, "prefill_busy_s": 0.5, "kv_token_bytes": 512,
-                                 "kv_links": {"decode-0": "tcp"}, "kv_writes": {"tcp": {"bytes_per_s": 2e8}},
-                                 "kv_layerwise": "on"}, num_queued_tokens=300)
-    decode = Node("decode-0", {"device_busy_s": 0.5, "num_decode_steps": 100, "num_local_prefill_tokens": 0,
-                               "local_prefill_busy_s": "bad"}, num_queued_tokens=40, num_active=3)
+
+    prefill = Node(
+        "prefill-0",
+        {
+            "num_prefill_tokens": 5000,
+            "prefill_busy_s": 0.5,
+            "kv_token_bytes": 512,
+            "kv_links": {"decode-0": "tcp"},
+            "kv_writes": {"tcp": {"bytes_per_s": 2e8}},
+            "kv_layerwise": "on",
+        },
+        num_queued_tokens=300,
+    )
+    decode = Node(
+        "decode-0",
+        {
+            "device_busy_s": 0.5,
+            "num_decode_steps": 100,
+            "num_local_prefill_tokens": 0,
+            "local_prefill_busy_s": "bad",
+        },
+        num_queued_tokens=40,
+        num_active=3,
+    )
     f = paths.figures(100, 84, 68, prefill, decode)
-    assert f == Figures(100, prefill_cached=16, prefill_queued=300, prefill_rate=10_000.0, kv_token_bytes=512,
-                        link_rate=2e8, is_layerwise=True, decode_queued=40, decode_cached=32, decode_rate=0.0,
-                        step_s=0.005, num_running=3)
+    assert f == Figures(
+        100,
+        prefill_cached=16,
+        prefill_queued=300,
+        prefill_rate=10_000.0,
+        kv_token_bytes=512,
+        link_rate=2e8,
+        is_layerwise=True,
+        decode_queued=40,
+        decode_cached=32,
+        decode_rate=0.0,
+        step_s=0.005,
+        num_running=3,
+    )
 
 
 # ---- through the cluster --------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def never(tiny_model, tmp_path_factory):
-    c = Cluster(tiny_model, tmp_path_factory.mktemp("logs") / "never.log", "--disaggregate", "never")
+    c = Cluster(
+        tiny_model, tmp_path_factory.mktemp("logs") / "never.log", "--disaggregate", "never"
+    )
     yield c
     c.stop()
 
 
 @pytest.fixture(scope="module")
 def auto(tiny_model, tmp_path_factory):
-    c = Cluster(tiny_model, tmp_path_factory.mktemp("logs") / "auto.log", "--disaggregate", "auto",
-                "--num-decode", "2")
+    c = Cluster(
+        tiny_model,
+        tmp_path_factory.mktemp("logs") / "auto.log",
+        "--disaggregate",
+        "auto",
+        "--num-decode",
+        "2",
+    )
     yield c
     c.stop()
 
 
 def test_prompts_prefilled_on_the_decode_node_match_transformers(never, tiny_model):
     # Past one chunk (256 tokens) too: a prompt in several turns between steps.
-    prompts, expected = clear_prompts(tiny_model, [list(range(1, 40)), list(range(3, 300)), [5] * 17],
-                                      NEW_TOKENS, 3)
+    prompts, expected = clear_prompts(
+        tiny_model, [list(range(1, 40)), list(range(3, 300)), [5] * 17], NEW_TOKENS, 3
+    )
     with Client(never.endpoint) as c:
         for p, ref in zip(prompts, expected):
             r = c.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True)
             assert r.error is None and r.token_ids == ref
             assert r.timings["path"] == "local" and r.timings["kv_transfer_ms"] == 0
         # n > 1 and prompt logprobs still go through the prefill node, and say why.
-        r = c.complete(prompt_token_ids=prompts[0], max_tokens=4, ignore_eos=True, prompt_logprobs=0)
-        assert r.error is None and r.timings["path"] == "disaggregated" and "prefill node" in r.timings["path_why"]
-    wait_for(lambda: never.stats()["decode-0"].get("num_local_prefilled") == 3, 10, "the decode node's count")
-    wait_for(lambda: all(s["num_free_blocks"] == s["num_usable_blocks"] for s in never.stats().values()),
-             10, "every block free")
+        r = c.complete(
+            prompt_token_ids=prompts[0], max_tokens=4, ignore_eos=True, prompt_logprobs=0
+        )
+        assert (
+            r.error is None
+            and r.timings["path"] == "disaggregated"
+            and "prefill node" in r.timings["path_why"]
+        )
+    wait_for(
+        lambda: never.stats()["decode-0"].get("num_local_prefilled") == 3,
+        10,
+        "the decode node's count",
+    )
+    wait_for(
+        lambda: all(s["num_free_blocks"] == s["num_usable_blocks"] for s in never.stats().values()),
+        10,
+        "every block free",
+    )
 
 
 def test_seeded_sampling_is_the_same_on_both_paths(auto, never):
-    kw = dict(prompt_token_ids=list(range(7, 50)), max_tokens=16, temperature=1.0, top_p=0.9, seed=77,
-              ignore_eos=True)
+    kw = dict(
+        prompt_token_ids=list(range(7, 50)),
+        max_tokens=16,
+        temperature=1.0,
+        top_p=0.9,
+        seed=77,
+        ignore_eos=True,
+    )
     with Client(auto.endpoint) as c:
-        through = c.complete(**kw)   # auto, before any rate is measured: through the prefill node
+        through = c.complete(**kw)  # auto, before any rate is measured: through the prefill node
     with Client(never.endpoint) as c:
         local = c.complete(**kw)
-    assert through.timings["path"] == "disaggregated" and through.timings["path_why"] == "no prefill rate measured yet"
+    assert (
+        through.timings["path"] == "disaggregated"
+        and through.timings["path_why"] == "no prefill rate measured yet"
+    )
     assert local.timings["path"] == "local"
     assert local.token_ids == through.token_ids and local.text == through.text
 
 
 def test_auto_prefills_on_an_idle_decode_node_once_the_handoff_is_measured(auto, tiny_model):
-    prompts, expected = clear_prompts(tiny_model, [[(13 * i + j) % 400 + 1 for j in range(30)] for i in range(8)],
-                                      NEW_TOKENS, 6)
+    prompts, expected = clear_prompts(
+        tiny_model, [[(13 * i + j) % 400 + 1 for j in range(30)] for i in range(8)], NEW_TOKENS, 6
+    )
     with Client(auto.endpoint) as c:
-        c.complete(prompt_token_ids=[9] * 40, max_tokens=2)   # a rate measured, a handoff timed
-        wait_for(lambda: c.stats().nodes["prefill-0"].get("num_prefill_tokens"), 10, "a measured prefill")
-        got = [c.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts]
+        c.complete(prompt_token_ids=[9] * 40, max_tokens=2)  # a rate measured, a handoff timed
+        wait_for(
+            lambda: c.stats().nodes["prefill-0"].get("num_prefill_tokens"), 10, "a measured prefill"
+        )
+        got = [
+            c.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts
+        ]
         for r, ref in zip(got, expected):
             assert r.error is None and r.token_ids == ref, r.timings
-            assert r.timings["path"] in ("local", "disaggregated") and "predicted_local_ms" in r.timings
+            assert (
+                r.timings["path"] in ("local", "disaggregated")
+                and "predicted_local_ms" in r.timings
+            )
         # Alone, a distinct prompt is quicker where it decodes: no reservation, write, commit.
-        assert sum(r.timings["path"] == "local" for r in got) >= len(got) // 2, [r.timings for r in got]
+        assert sum(r.timings["path"] == "local" for r in got) >= len(got) // 2, [
+            r.timings for r in got
+        ]
         frontend = c.stats().frontend["paths"]
     assert frontend["mode"] == "auto" and frontend["handoff_ms"]
     metrics = urllib.request.urlopen(auto.http + "/metrics", timeout=10).read().decode()
     assert 'pdserve_paths_total{path="local",why="sooner on the decode node"}' in metrics
-    wait_for(lambda: sum(s.get("num_local_prefilled", 0) for s in auto.stats().values()) >= len(got) // 2,
-             10, "the decode nodes' counts")
+    wait_for(
+        lambda: (
+            sum(s.get("num_local_prefilled", 0) for s in auto.stats().values()) >= len(got) // 2
+        ),
+        10,
+        "the decode nodes' counts",
+    )
 
 
 def test_an_abort_and_a_deadline_on_the_decode_node_free_its_blocks(never):
@@ -232,7 +330,9 @@ def test_an_abort_and_a_deadline_on_the_decode_node_free_its_blocks(never):
     from the request's first token until the deadline has ended it at the frontend."""
     pid = never.stats()["decode-0"]["pid"]
     with Client(never.endpoint) as c:
-        stream = c.generate(prompt_token_ids=list(range(1, 200)), max_tokens=800, ignore_eos=True, timeout_s=2.0)
+        stream = c.generate(
+            prompt_token_ids=list(range(1, 200)), max_tokens=800, ignore_eos=True, timeout_s=2.0
+        )
         outs = [next(stream)]
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -243,27 +343,43 @@ def test_an_abort_and_a_deadline_on_the_decode_node_free_its_blocks(never):
         assert sum(len(o.token_ids) for o in outs) < 800
         stream = c.generate(prompt_token_ids=list(range(2, 200)), max_tokens=800, ignore_eos=True)
         next(stream)
-        stream.close()                                  # the client gives it up mid-stream
+        stream.close()  # the client gives it up mid-stream
         bad = c.complete(prompt_token_ids=[10**6], max_tokens=4)
         assert bad.error and bad.finish_reason == "error"
         ok = c.complete(prompt_token_ids=[1, 2, 3], max_tokens=4, ignore_eos=True)
         assert ok.error is None and len(ok.token_ids) == 4
     time.sleep(0.1)
-    wait_for(lambda: all(s["num_free_blocks"] == s["num_usable_blocks"] and not s.get("num_local_waiting")
-                         for s in never.stats().values()), 10, "every block free")
+    wait_for(
+        lambda: all(
+            s["num_free_blocks"] == s["num_usable_blocks"] and not s.get("num_local_waiting")
+            for s in never.stats().values()
+        ),
+        10,
+        "every block free",
+    )
 
 
 def test_a_chat_follow_up_finds_its_history_on_the_decode_node(auto, tiny_model):
-    (history,), (turn,) = clear_prompts(tiny_model, [[(11 * i + 3 * j) % 400 + 1 for j in range(70)]
-                                                     for i in range(6)], 40, 1)
+    (history,), (turn,) = clear_prompts(
+        tiny_model, [[(11 * i + 3 * j) % 400 + 1 for j in range(70)] for i in range(6)], 40, 1
+    )
     with Client(auto.endpoint) as c:
-        c.complete(prompt_token_ids=[8] * 40, max_tokens=2)   # a rate measured, a handoff timed
-        wait_for(lambda: c.stats().nodes["prefill-0"].get("num_prefill_tokens"), 10, "a measured prefill")
+        c.complete(prompt_token_ids=[8] * 40, max_tokens=2)  # a rate measured, a handoff timed
+        wait_for(
+            lambda: c.stats().nodes["prefill-0"].get("num_prefill_tokens"), 10, "a measured prefill"
+        )
         first = c.complete(prompt_token_ids=history, max_tokens=40, ignore_eos=True)
         assert first.token_ids == turn
         # The finished turn's full blocks, prompt and outputs, stay on its decode node.
-        wait_for(lambda: any(s.get("num_cached_blocks") for n, s in auto.stats().items() if n.startswith("decode")),
-                 10, "a decode node to keep the turn's blocks")
+        wait_for(
+            lambda: any(
+                s.get("num_cached_blocks")
+                for n, s in auto.stats().items()
+                if n.startswith("decode")
+            ),
+            10,
+            "a decode node to keep the turn's blocks",
+        )
         candidates = [history + turn + [(5 * k + j) % 400 + 1 for j in range(12)] for k in range(6)]
         (follow,), (expected,) = clear_prompts(tiny_model, candidates, NEW_TOKENS, 1)
         r = c.complete(prompt_token_ids=follow, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -277,46 +393,83 @@ def test_the_router_sends_a_follow_up_where_its_history_is_cached():
     from frontend import router
 
     def node(name, role, num_active=0):
-        ready = NodeReady(role, name, 1, "e", "cpu", 100, 16, 1024, kv_endpoint="tcp://x:1" if role == "decode" else "")
+        ready = NodeReady(
+            role,
+            name,
+            1,
+            "e",
+            "cpu",
+            100,
+            16,
+            1024,
+            kv_endpoint="tcp://x:1" if role == "decode" else "",
+        )
         return router.NodeState(ready, name.encode(), 0.0, num_active=num_active)
-    nodes = {n.name: n for n in (node("p", "prefill"), node("d0", "decode", 2), node("d1", "decode", 1))}
+
+    nodes = {
+        n.name: n for n in (node("p", "prefill"), node("d0", "decode", 2), node("d1", "decode", 1))
+    }
     prompt = list(range(1, 300))
     keys: dict = {}
-    router.update_prefix(nodes["d0"], [router.route_key(h) for h in router.block_hashes(prompt, 16)[:16]], [], True)
+    router.update_prefix(
+        nodes["d0"], [router.route_key(h) for h in router.block_hashes(prompt, 16)[:16]], [], True
+    )
     # 256 tokens cached on d0 outweigh one more request running there...
-    prefill, decode = router.choose(nodes, None, len(prompt), router.prefix_keys(nodes, prompt, keys),
-                                    is_decode_cache=True)
+    prefill, decode = router.choose(
+        nodes, None, len(prompt), router.prefix_keys(nodes, prompt, keys), is_decode_cache=True
+    )
     assert decode.name == "d0"
     # ... but not where its cache cannot be used (--disaggregate always), nor for another prompt.
     assert router.choose(nodes, None, len(prompt), keys)[1].name == "d1"
     other = [7] * 300
-    assert router.choose(nodes, None, len(other), router.prefix_keys(nodes, other, {}), is_decode_cache=True)[1].name == "d1"
+    assert (
+        router.choose(
+            nodes, None, len(other), router.prefix_keys(nodes, other, {}), is_decode_cache=True
+        )[1].name
+        == "d1"
+    )
 
 
 def test_a_full_prefill_node_leaves_local_prompts_a_way():
     from common.wire.protocol import NodeReady
     from frontend import router
-    ready = {"p": NodeReady("prefill", "p", 1, "e", "cpu", 100, 16, 1024),
-             "d": NodeReady("decode", "d", 1, "e", "cpu", 100, 16, 1024, kv_endpoint="tcp://x:1", max_batch_size=8)}
+
+    ready = {
+        "p": NodeReady("prefill", "p", 1, "e", "cpu", 100, 16, 1024),
+        "d": NodeReady(
+            "decode", "d", 1, "e", "cpu", 100, 16, 1024, kv_endpoint="tcp://x:1", max_batch_size=8
+        ),
+    }
 
     def nodes(queued: int):
-        return {k: router.NodeState(r, k.encode(), 0.0, num_queued_tokens=queued if k == "p" else 0)
-                for k, r in ready.items()}
+        return {
+            k: router.NodeState(r, k.encode(), 0.0, num_queued_tokens=queued if k == "p" else 0)
+            for k, r in ready.items()
+        }
+
     asked = []
 
     def is_local(answer):
         def ask(prefill, decode, work_tokens, local_tokens):
             asked.append((prefill.name, decode.name, work_tokens, local_tokens))
             return answer
+
         return ask
+
     full = nodes(1000)
     # Without a path to the decode node (always), or when the rule says no: it waits.
     assert router.assign(full, 1000, [1] * 40, {}) is None
-    assert router.assign(full, 1000, [1] * 40, {}, is_local(False)) is None and asked == [("p", "d", 40, 40)]
-    assert full["d"].num_active == 0 and full["p"].num_routed == 0   # nothing counted
+    assert router.assign(full, 1000, [1] * 40, {}, is_local(False)) is None and asked == [
+        ("p", "d", 40, 40)
+    ]
+    assert full["d"].num_active == 0 and full["p"].num_routed == 0  # nothing counted
     prefill, decode, work = router.assign(full, 1000, [1] * 40, {}, is_local(True))
     assert prefill is decode is full["d"] and work == 40
-    assert full["d"].num_queued_tokens == 40 and full["d"].num_active == 1 and full["p"].num_routed == 0
+    assert (
+        full["d"].num_queued_tokens == 40
+        and full["d"].num_active == 1
+        and full["p"].num_routed == 0
+    )
     # With room, the rule is asked the same way and may keep the handoff.
     room = nodes(0)
     assert router.assign(room, 1000, [1] * 40, {}, is_local(False))[0] is room["p"]

@@ -2,6 +2,7 @@
 device from within itself, touching no other file, and a worker serves on it with
 transformers' own tokens; the process set-up checks it, and the kernels are told of
 its module."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,7 @@ def standin(monkeypatch):
     @platform.register
     class StandIn(platform.CpuPlatform):
         type = "standin"
-        kernels = "kernels.portable"     # its kernels module: any module with the ops
+        kernels = "kernels.portable"  # its kernels module: any module with the ops
         kernels_off = None
         default_dtype = torch.float32
 
@@ -36,9 +37,10 @@ def standin(monkeypatch):
         @classmethod
         def check(cls, device: torch.device) -> None:
             checked.append(device)
+
     yield StandIn, checked
     monkeypatch.undo()
-    platform.configure_kernels()   # the options as the real platforms say
+    platform.configure_kernels()  # the options as the real platforms say
 
 
 def test_a_stand_in_device_serves_with_transformers_tokens(standin, tiny_model):
@@ -46,11 +48,16 @@ def test_a_stand_in_device_serves_with_transformers_tokens(standin, tiny_model):
     platform.check_device("standin:0")
     assert checked == [torch.device("cpu")]
     prompts = [[5, 17, 99, 3, 250], [7] * 20]
-    with DeviceWorker(WorkerConfig(model=str(tiny_model), device="standin:0", kv_cache_memory=2**20)) as w:
+    with DeviceWorker(
+        WorkerConfig(model=str(tiny_model), device="standin:0", kv_cache_memory=2**20)
+    ) as w:
         assert isinstance(w.platform, cls) and w.dtype == torch.float32
-        got = [r["token_ids"] for r in generate(w, prompts, [SamplingParams(max_tokens=8, ignore_eos=True)] * 2)]
+        got = [
+            r["token_ids"]
+            for r in generate(w, prompts, [SamplingParams(max_tokens=8, ignore_eos=True)] * 2)
+        ]
     assert got == hf_greedy(tiny_model, prompts, 8)
-    assert ("standin", "kernels.portable") in options.current[0].fast   # its kernels, as it declared
+    assert ("standin", "kernels.portable") in options.current[0].fast  # its kernels, as it declared
 
 
 def test_an_unknown_device_type_names_the_ones_there_are():

@@ -2,6 +2,7 @@
 transformers with caching on and off, whatever the prompts share; eviction under
 a small KV budget stays exact and frees every block; a repeated prefix goes to
 the node that holds it while other work spreads."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,33 +20,34 @@ BS = 16
 
 # ---- the cache itself ------------------------------------------------------------
 
+
 def test_chained_hashes_name_prefixes():
     a = block_hashes(list(range(40)), BS)
-    assert len(a) == 2   # full blocks only
+    assert len(a) == 2  # full blocks only
     b = block_hashes(list(range(32)) + [99] * 8, BS)
-    assert a == b        # the partial block is not hashed
+    assert a == b  # the partial block is not hashed
     c = block_hashes([1000] + list(range(1, 40)), BS)
-    assert c[0] != a[0] and c[1] != a[1]   # a change early changes every later hash
+    assert c[0] != a[0] and c[1] != a[1]  # a change early changes every later hash
     assert num_reusable_blocks(32, BS) == 1 and num_reusable_blocks(33, BS) == 2
     assert isinstance(route_key(a[0]), int)
 
 
 def test_cached_blocks_are_reused_counted_free_and_evicted_lru():
-    cache = PrefixCache(9)                          # 8 usable blocks
-    h = block_hashes(list(range(64)), BS)           # 4 blocks
+    cache = PrefixCache(9)  # 8 usable blocks
+    h = block_hashes(list(range(64)), BS)  # 4 blocks
     blocks = cache.allocate(4)
     for b, x in zip(blocks, h):
         cache.publish(b, x)
-    assert cache.match(h) == blocks                 # in use twice now
+    assert cache.match(h) == blocks  # in use twice now
     cache.free(blocks)
     cache.free(blocks)
     assert cache.num_free == cache.num_available == 8 and len(cache.idle) == 4
-    assert cache.match(h[:2]) == blocks[:2]         # taken back from idle
+    assert cache.match(h[:2]) == blocks[:2]  # taken back from idle
     cache.free(blocks[:2])
-    assert list(cache.idle)[-2:] == blocks[:2]      # most recently used last
-    new = cache.allocate(6)                         # 4 free + 2 evicted, least recent first
+    assert list(cache.idle)[-2:] == blocks[:2]  # most recently used last
+    new = cache.allocate(6)  # 4 free + 2 evicted, least recent first
     assert cache.num_evictions == 2 and set(blocks[2:]) <= set(new)
-    assert cache.match(h) == blocks[:2]             # the head of the chain, used last, survives
+    assert cache.match(h) == blocks[:2]  # the head of the chain, used last, survives
     added, removed = cache.take_updates()
     assert len(added) == 4 and len(removed) == 2
     cache.free(blocks[:2])
@@ -58,7 +60,7 @@ def test_cached_blocks_are_reused_counted_free_and_evicted_lru():
 def test_reserved_blocks_come_from_idle_cached_ones_when_nothing_else_is_free():
     # A decode node's cache: finished sequences' blocks idle in it count as free, and a
     # reservation made against them must get them when its sequence grows.
-    cache = PrefixCache(5)                          # 4 usable blocks
+    cache = PrefixCache(5)  # 4 usable blocks
     blocks = cache.allocate(4)
     for b, x in zip(blocks, block_hashes(list(range(64)), BS)):
         cache.publish(b, x)
@@ -66,7 +68,9 @@ def test_reserved_blocks_come_from_idle_cached_ones_when_nothing_else_is_free():
     assert cache.num_available == 4
     cache.reserve(3)
     taken = [cache.allocate_reserved() for _ in range(3)]
-    assert sorted(taken) == sorted(blocks[:3]) and cache.num_evictions == 3   # least recently used first
+    assert (
+        sorted(taken) == sorted(blocks[:3]) and cache.num_evictions == 3
+    )  # least recently used first
     assert cache.num_reserved == 0 and cache.num_available == 1
 
 
@@ -80,36 +84,47 @@ def test_disabled_cache_matches_nothing():
 
 # ---- through the nodes -----------------------------------------------------------
 
+
 def _prompts():
     """Prompts that share 0, some and all full blocks, across chunk boundaries (the
     token budget is 64), with partial and exactly full last blocks."""
     base = [(i * 7 + 3) % 400 for i in range(150)]
     return [
-        base[:50],                       # 3 full blocks + 2
-        base[:50] + [11, 12, 13],        # all 3 of its full blocks cached, more tokens after
-        base[:40] + [5] * 20,            # 2 blocks shared, then different
-        base[:48],                       # exactly 3 full blocks: the last token still computed
-        base[:150],                      # long: chunks of 64, shares 3 blocks
-        base[:140] + [77] * 30,          # shares 8 blocks, past two chunk boundaries
-        [399 - t for t in base[:70]],    # shares nothing
-        base[:150],                      # all 9 reusable blocks
+        base[:50],  # 3 full blocks + 2
+        base[:50] + [11, 12, 13],  # all 3 of its full blocks cached, more tokens after
+        base[:40] + [5] * 20,  # 2 blocks shared, then different
+        base[:48],  # exactly 3 full blocks: the last token still computed
+        base[:150],  # long: chunks of 64, shares 3 blocks
+        base[:140] + [77] * 30,  # shares 8 blocks, past two chunk boundaries
+        [399 - t for t in base[:70]],  # shares nothing
+        base[:150],  # all 9 reusable blocks
     ]
 
 
 def _run(tiny_model, tmp_path, extra=(), kv_memory="4MiB"):
     tmp_path.mkdir(parents=True, exist_ok=True)
-    procs = Processes(tiny_model, free_base_port(), tmp_path,
-                      prefill=["--kv-cache-memory", kv_memory, *extra])
+    procs = Processes(
+        tiny_model, free_base_port(), tmp_path, prefill=["--kv-cache-memory", kv_memory, *extra]
+    )
     try:
         for role in ("frontend", "prefill", "decode"):
             procs.start(role)
         with Client(procs.clients) as c:
             c.wait_ready(120)
-            out = [c.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True) for p in _prompts()]
+            out = [
+                c.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True)
+                for p in _prompts()
+            ]
             # NOTE: figures come from heartbeats: wait until one covers every request.
-            stats = wait_for(lambda: (s := c.stats().nodes["prefill-0"]).get("num_handoffs") == len(out)
-                             and s["num_free_blocks"] == s["num_usable_blocks"] and s, 10,
-                             "a heartbeat after every handoff, with every block free")
+            stats = wait_for(
+                lambda: (
+                    (s := c.stats().nodes["prefill-0"]).get("num_handoffs") == len(out)
+                    and s["num_free_blocks"] == s["num_usable_blocks"]
+                    and s
+                ),
+                10,
+                "a heartbeat after every handoff, with every block free",
+            )
         return [r.token_ids for r in out], stats
     finally:
         procs.stop()
@@ -140,36 +155,60 @@ def test_eviction_under_a_small_budget_stays_exact(tiny_model, tmp_path):
 def test_cache_aware_routing_keeps_a_prefix_on_one_node_and_spreads_the_rest(tiny_model, tmp_path):
     procs = Processes(tiny_model, free_base_port(), tmp_path)
     try:
-        for role, name in (("frontend", None), ("prefill", "prefill-0"), ("prefill", "prefill-1"),
-                           ("decode", None)):
+        for role, name in (
+            ("frontend", None),
+            ("prefill", "prefill-0"),
+            ("prefill", "prefill-1"),
+            ("decode", None),
+        ):
             procs.start(role, name=name)
         with Client(procs.clients) as c:
             c.wait_ready(120, num_nodes=3)
-            shared = [(i * 13 + 1) % 400 for i in range(96)]   # 6 full blocks
+            shared = [(i * 13 + 1) % 400 for i in range(96)]  # 6 full blocks
             assert c.complete(prompt_token_ids=shared + [1], max_tokens=2).error is None
             # NOTE: the decode node reports the finished request's blocks too: a prefill node holds it here.
-            holder = wait_for(lambda: next((n for n, s in c.stats().nodes.items()
-                                            if n.startswith("prefill") and s.get("num_prefix_keys", 0) >= 6), None),
-                              10, "the frontend to learn the cached prefix")
+            holder = wait_for(
+                lambda: next(
+                    (
+                        n
+                        for n, s in c.stats().nodes.items()
+                        if n.startswith("prefill") and s.get("num_prefix_keys", 0) >= 6
+                    ),
+                    None,
+                ),
+                10,
+                "the frontend to learn the cached prefix",
+            )
             before = {n: s["num_routed"] for n, s in c.stats().nodes.items()}
-            for i in range(6):   # one at a time: both nodes idle, the cache decides
+            for i in range(6):  # one at a time: both nodes idle, the cache decides
                 r = c.complete(prompt_token_ids=shared + [i + 2, i + 3], max_tokens=2)
                 assert r.error is None
             after = {n: s["num_routed"] for n, s in c.stats().nodes.items()}
             assert after[holder] - before[holder] == 6
+
             # A burst sharing the prefix: past what the cache saves, the holder's queue
             # sends work to the other node too.
             async def burst():
                 async with AsyncClient(procs.clients) as ac:
-                    return await asyncio.gather(*[ac.complete(
-                        prompt_token_ids=shared + [(i * 31 + k) % 400 for k in range(120)], max_tokens=2)
-                        for i in range(12)])
+                    return await asyncio.gather(
+                        *[
+                            ac.complete(
+                                prompt_token_ids=shared + [(i * 31 + k) % 400 for k in range(120)],
+                                max_tokens=2,
+                            )
+                            for i in range(12)
+                        ]
+                    )
+
             assert all(r.error is None for r in asyncio.run(burst()))
             final = {n: s["num_routed"] for n, s in c.stats().nodes.items()}
             other = next(n for n in ("prefill-0", "prefill-1") if n != holder)
             assert final[other] - after[other] >= 3 and final[holder] - after[holder] >= 3
             # Heartbeat figures: wait for one that covers the six requests.
-            wait_for(lambda: c.stats().nodes[holder].get("num_prefix_hit_tokens", 0) >= 6 * 96, 10,
-                     "the holder to report its six prefix hits")
+            wait_for(
+                lambda: c.stats().nodes[holder].get("num_prefix_hit_tokens", 0) >= 6 * 96,
+                10,
+                "the holder to report its six prefix hits",
+            )
     finally:
         procs.stop()

@@ -1,44 +1,102 @@
 """Every message type survives encode/decode; malformed input is named, not crashed on."""
+
 import dataclasses
 
 import msgpack
 import pytest
 import torch
 
-from common.wire import protocol as p
 from common.base.request import SamplingParams, TokenLogprobs
+from common.wire import protocol as p
 
-PARAMS = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, top_k=20, seed=5,
-                        stop_token_ids=(3, 4), ignore_eos=True)
+PARAMS = SamplingParams(
+    max_tokens=8,
+    temperature=0.7,
+    top_p=0.9,
+    top_k=20,
+    seed=5,
+    stop_token_ids=(3, 4),
+    ignore_eos=True,
+)
 # Every field set: what the full sampling path carries from the frontend to both nodes.
-FULL_PARAMS = SamplingParams(max_tokens=8, temperature=0.5, seed=2, num_logprobs=3, num_prompt_logprobs=0,
-                             is_processed_logprobs=True, presence_penalty=0.5, frequency_penalty=0.25,
-                             repetition_penalty=1.1, min_p=0.05, min_tokens=2, logit_bias_ids=(3, 9),
-                             logit_bias=(1.5, -100.0), allowed_token_ids=(1, 2, 3, 9), bad_words_ids=((4,), (5, 6)),
-                             num_prior_outputs=1, grammar=("regex", "[a-z]+", "compact"))
+FULL_PARAMS = SamplingParams(
+    max_tokens=8,
+    temperature=0.5,
+    seed=2,
+    num_logprobs=3,
+    num_prompt_logprobs=0,
+    is_processed_logprobs=True,
+    presence_penalty=0.5,
+    frequency_penalty=0.25,
+    repetition_penalty=1.1,
+    min_p=0.05,
+    min_tokens=2,
+    logit_bias_ids=(3, 9),
+    logit_bias=(1.5, -100.0),
+    allowed_token_ids=(1, 2, 3, 9),
+    bad_words_ids=((4,), (5, 6)),
+    num_prior_outputs=1,
+    grammar=("regex", "[a-z]+", "compact"),
+)
 KV = torch.randn(2, 2, 3, 4, 2, 8).to(torch.bfloat16)
 
 EXAMPLES = [
     p.GenerateRequest("r1", prompt="hi", max_tokens=4, stop=["x"], seed=None, timeout_s=2.5),
     p.GenerateRequest("r2", prompt_token_ids=[1, 2, 3], temperature=1, top_k=5),
     p.GenerateRequest("r3", messages=[{"role": "user", "content": "yo"}]),
-    p.GenerateRequest("r4", messages=[{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
-        max_tokens=0, logprobs=5, prompt_logprobs=0, presence_penalty=0.5, frequency_penalty=-0.5,
-        repetition_penalty=1.2, min_p=0.1, min_tokens=2, logit_bias={"7": -100}, allowed_token_ids=[1, 2],
-        bad_words=["no"], n=3, structured=p.Structured("json_schema", '{"type": "object"}', "any"),
-        tools='[{"type": "function"}]', chat_template_kwargs={"enable_thinking": False}),
+    p.GenerateRequest(
+        "r4",
+        messages=[
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            }
+        ],
+        max_tokens=0,
+        logprobs=5,
+        prompt_logprobs=0,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        min_p=0.1,
+        min_tokens=2,
+        logit_bias={"7": -100},
+        allowed_token_ids=[1, 2],
+        bad_words=["no"],
+        n=3,
+        structured=p.Structured("json_schema", '{"type": "object"}', "any"),
+        tools='[{"type": "function"}]',
+        chat_template_kwargs={"enable_thinking": False},
+    ),
     p.AbortRequest("r1"),
     p.StatsRequest(),
     p.DrainRequest("decode-1"),
     p.DrainReply("decode-1", 3),
     p.DrainReply("decode-0", 0, 40, False),
-    p.GenerateOutput("r1", [5, 6], "ab", True, "stop", None, {"prompt_tokens": 2}, {"ttft_ms": 1.5}),
-    p.OutputBatch([p.GenerateOutput("r1", [5], "a"), p.GenerateOutput("r2", [], "", True, "error", "no")]),
-    p.GenerateOutput("r4", [5], "a", logprobs=[TokenLogprobs(-0.5, [5, 9], [-0.5, -9999.0])],
-                     prompt_logprobs=[TokenLogprobs(-2.0, [], [])], prompt_token_ids=[1, 2], index=2),
-    p.StatsReply(True, {"decode-0": {"role": "decode"}}, {"name": "m", "vocab_size": 512},
-                 {"pid": 7, "num_waiting": 0}),
+    p.GenerateOutput(
+        "r1", [5, 6], "ab", True, "stop", None, {"prompt_tokens": 2}, {"ttft_ms": 1.5}
+    ),
+    p.OutputBatch(
+        [p.GenerateOutput("r1", [5], "a"), p.GenerateOutput("r2", [], "", True, "error", "no")]
+    ),
+    p.GenerateOutput(
+        "r4",
+        [5],
+        "a",
+        logprobs=[TokenLogprobs(-0.5, [5, 9], [-0.5, -9999.0])],
+        prompt_logprobs=[TokenLogprobs(-2.0, [], [])],
+        prompt_token_ids=[1, 2],
+        index=2,
+    ),
+    p.StatsReply(
+        True,
+        {"decode-0": {"role": "decode"}},
+        {"name": "m", "vocab_size": 512},
+        {"pid": 7, "num_waiting": 0},
+    ),
     p.ErrorReply("bad", None),
     p.PrefillRequest("r1", [1, 2], PARAMS, 123.5, "decode-1", "tcp://127.0.0.1:5603"),
     p.NodeAbort("r1"),
@@ -48,39 +106,131 @@ EXAMPLES = [
     p.Drain(),
     p.ReadyReply(True),
     p.ReadyReply(False, "a live decode node named 'decode-0' is registered", True),
-    p.NodeReady("decode", "decode-0", 42, "42-ab12cd34", "cpu", 100, 16, 1024, "tcp://127.0.0.1:5602", "ipc", 64),
+    p.NodeReady(
+        "decode",
+        "decode-0",
+        42,
+        "42-ab12cd34",
+        "cpu",
+        100,
+        16,
+        1024,
+        "tcp://127.0.0.1:5602",
+        "ipc",
+        64,
+    ),
     p.Heartbeat("decode", "decode-0", {"num_running": 3}, 42, "42-ab12cd34"),
     p.RequestFailed("r1", "boom"),
     p.RequestFailed("r2", "decode node decode-1 restarted during the KV write", True),
     p.NodeSynced(3, ["1a"], ["2b.1"]),
     p.NodeDraining("decode-1", 42),
     p.PrefixUpdate("prefill-0", 42, [-5, 2**62], [7], False),
-    p.TokenBatch([p.TokenUpdate("r1", [7], None, {"queue_ms": 1.0}), p.TokenUpdate("r2", [8], "length", index=5)]),
-    p.TokenBatch([p.TokenUpdate("r3", [7, 8], logprobs=[TokenLogprobs(-1.0, [7], [-1.0])] * 2,
-                                prompt_logprobs=[TokenLogprobs(-3.0, [4], [-0.1])])]),
+    p.TokenBatch(
+        [
+            p.TokenUpdate("r1", [7], None, {"queue_ms": 1.0}),
+            p.TokenUpdate("r2", [8], "length", index=5),
+        ]
+    ),
+    p.TokenBatch(
+        [
+            p.TokenUpdate(
+                "r3",
+                [7, 8],
+                logprobs=[TokenLogprobs(-1.0, [7], [-1.0])] * 2,
+                prompt_logprobs=[TokenLogprobs(-3.0, [4], [-0.1])],
+            )
+        ]
+    ),
     p.KVHello("prefill-0"),
-    p.KVWelcome("123-ab", "host/boot", "cuda:0", [2, 2, 100, 16, 2, 8], "bfloat16",
-                {"ipc": {"shm_name": None, "cuda": {"device": 0, "handle": b"\x00\x01handle",
-                                                    "storage_size": 4096, "event_handle": None}},
-                 "tcp": {}}),
-    p.KVWelcome("123-ab", "host/boot", "cpu", [2, 2, 100, 16, 2, 8], "float32",
-                {"nixl": {"agent": "pdserve-7-ab", "metadata": b"\x00" * 300, "address": 2**47,
-                          "device_id": 0}, "dist": {"store": "127.0.0.1:40123"}}),
+    p.KVWelcome(
+        "123-ab",
+        "host/boot",
+        "cuda:0",
+        [2, 2, 100, 16, 2, 8],
+        "bfloat16",
+        {
+            "ipc": {
+                "shm_name": None,
+                "cuda": {
+                    "device": 0,
+                    "handle": b"\x00\x01handle",
+                    "storage_size": 4096,
+                    "event_handle": None,
+                },
+            },
+            "tcp": {},
+        },
+    ),
+    p.KVWelcome(
+        "123-ab",
+        "host/boot",
+        "cpu",
+        [2, 2, 100, 16, 2, 8],
+        "float32",
+        {
+            "nixl": {
+                "agent": "pdserve-7-ab",
+                "metadata": b"\x00" * 300,
+                "address": 2**47,
+                "device_id": 0,
+            },
+            "dist": {"store": "127.0.0.1:40123"},
+        },
+    ),
     p.KVReserve("r1", 40, 8, 17),
     p.KVReserve("r3", 40, 8, 18, ["r3a", "r3b"]),
     p.KVReserved("r1", "123-ab", [3, 4, 5], lease_s=30.0, ask=17, reservation="a1b2c3d4e5f6"),
     p.KVReserved("r2", "123-ab", None, True, "decode queue is full (4)"),
     p.KVReserved("r3", "123-ab", None, True, "needs 3 KV blocks, 1 are free now", 30.0, True),
     p.KVTransfer("r1", "a1b2c3d4e5f6", "tcp", {"first_layer": 2}, KV),
-    p.KVTransfer("r1", "a1b2c3d4e5f6", "dist", {"group": "5f0c9a", "tag": 17}, torch.empty(0, dtype=torch.uint8)),
+    p.KVTransfer(
+        "r1",
+        "a1b2c3d4e5f6",
+        "dist",
+        {"group": "5f0c9a", "tag": 17},
+        torch.empty(0, dtype=torch.uint8),
+    ),
     p.KVCommit("r1", 40, 9, PARAMS, {"prefill_end": 1.0}, "ipc", [3] * 40),
-    p.KVCommit("r1", 3, 9, PARAMS, {}, "tcp", [3] * 3, "a1b2c3d4e5f6", 28, [-2**31, 0, 2**31 - 1]),
-    p.KVCommit("r2", 3, 9, FULL_PARAMS, {}, "ipc", [3] * 3, "a1b2c3d4e5f6", 0, None, TokenLogprobs(-0.25, [9], [-0.25])),
+    p.KVCommit(
+        "r1", 3, 9, PARAMS, {}, "tcp", [3] * 3, "a1b2c3d4e5f6", 28, [-(2**31), 0, 2**31 - 1]
+    ),
+    p.KVCommit(
+        "r2",
+        3,
+        9,
+        FULL_PARAMS,
+        {},
+        "ipc",
+        [3] * 3,
+        "a1b2c3d4e5f6",
+        0,
+        None,
+        TokenLogprobs(-0.25, [9], [-0.25]),
+    ),
     p.PrefillRequest("r2", [1, 2], FULL_PARAMS, 123.5, "decode-1", "tcp://127.0.0.1:5603"),
-    p.PrefillRequest("r3", [1, 2], PARAMS, 123.5, "decode-1", "tcp://127.0.0.1:5603",
-                     [p.Fork("r3a", 8), p.Fork("r3b", 2**63 - 1)]),
-    p.KVCommit("r3", 3, 9, FULL_PARAMS, {}, "ipc", [3] * 3, "a1b2c3d4e5f6", 0, None, None,
-               [p.Fork("r3a", 8, 11, TokenLogprobs(-0.5, [11], [-0.5])), p.Fork("r3b", 9, 0)]),
+    p.PrefillRequest(
+        "r3",
+        [1, 2],
+        PARAMS,
+        123.5,
+        "decode-1",
+        "tcp://127.0.0.1:5603",
+        [p.Fork("r3a", 8), p.Fork("r3b", 2**63 - 1)],
+    ),
+    p.KVCommit(
+        "r3",
+        3,
+        9,
+        FULL_PARAMS,
+        {},
+        "ipc",
+        [3] * 3,
+        "a1b2c3d4e5f6",
+        0,
+        None,
+        None,
+        [p.Fork("r3a", 8, 11, TokenLogprobs(-0.5, [11], [-0.5])), p.Fork("r3b", 9, 0)],
+    ),
     p.KVRelease("r1"),
     p.HandoffAck("r1", False, False, "no reservation"),
 ]
@@ -121,40 +271,115 @@ def _header(**fields):
     return [msgpack.packb({"v": 2, **fields})]
 
 
-@pytest.mark.parametrize("frames,match", [
-    ([b"\xc1\xff"], "malformed msgpack"),
-    ([msgpack.packb([1, 2])], "msgpack map"),
-    (_header(type="nope"), "unknown message type"),
-    ([msgpack.packb({"v": 99, "type": "abort", "request_id": "a"})], "protocol version"),
-    ([msgpack.packb({"v": 2.0, "type": "abort", "request_id": "a"})], "protocol version 2.0"),
-    ([msgpack.packb({"v": "2", "type": "abort", "request_id": "a"})], "protocol version"),
-    (_header(type="abort"), "missing field 'request_id'"),
-    (_header(type="abort", request_id=5), "request_id must be str"),
-    (_header(type="generate", request_id="a", max_tokens="many"), "max_tokens must be an integer"),
-    (_header(type="generate", request_id="a", max_tokens=True), "max_tokens must be an integer"),
-    (_header(type="generate", request_id="a", prompt_token_ids=[1, "x"]), r"prompt_token_ids\[1\]"),
-    (_header(type="generate", request_id="a", colour="blue"), "unknown field 'colour'"),
-    (_header(type="prefill", request_id="a", prompt_token_ids=[1], arrival_time=0.0,
-             params={"max_tokens": "x"}, decode_node="d", decode_kv_endpoint="tcp://x:1"),
-     "params.max_tokens"),
-    (_header(type="kv_transfer", request_id="a", backend="tcp", header={},
-             tensors=[["data", "float32", [4]]]), "tensor frame"),
-    (_header(type="kv_welcome", epoch="e", host_id="h", device="cpu", cache_shape=[1], dtype="x",
-             backends=["ipc"]), "backends must be a map"),
-    # A backend's descriptor is plain data, bytes bounded: its backend checks the fields.
-    (_header(type="kv_welcome", epoch="e", host_id="h", device="cpu", cache_shape=[1], dtype="x",
-             backends={"nixl": {"metadata": b"x" * (64 * 2**10 + 1)}}), "longer than 65536 bytes"),
-    (_header(type="kv_welcome", epoch="e", host_id="h", device="cpu", cache_shape=[1], dtype="x",
-             backends={"ipc": {"a": {"b": {"c": 1}}}}), "too large or too deeply nested"),
-    (_header(type="kv_transfer", request_id="a", reservation="g", backend="tcp", header={"x": {"y": {"z": 1}}},
-             tensors=[["data", "uint8", [0]]]) + [b""], "too large or too deeply nested"),
-    (_header(type="stats_reply", is_ready=True, nodes={"n": {"a": b"1"}}), "holds a bytes"),
-    # A stats reply holds each node's figures one level down: one level more, no further.
-    (_header(type="stats_reply", is_ready=True, nodes={"n": {"a": {"b": {"c": {"d": 1}}}}}),
-     "too large or too deeply nested"),
-    (_header(type="heartbeat", role="prefill", name="n", stats={"a": {"b": {"c": {"d": 1}}}}),
-     "too large or too deeply nested"),
-])
+@pytest.mark.parametrize(
+    "frames,match",
+    [
+        ([b"\xc1\xff"], "malformed msgpack"),
+        ([msgpack.packb([1, 2])], "msgpack map"),
+        (_header(type="nope"), "unknown message type"),
+        ([msgpack.packb({"v": 99, "type": "abort", "request_id": "a"})], "protocol version"),
+        ([msgpack.packb({"v": 2.0, "type": "abort", "request_id": "a"})], "protocol version 2.0"),
+        ([msgpack.packb({"v": "2", "type": "abort", "request_id": "a"})], "protocol version"),
+        (_header(type="abort"), "missing field 'request_id'"),
+        (_header(type="abort", request_id=5), "request_id must be str"),
+        (
+            _header(type="generate", request_id="a", max_tokens="many"),
+            "max_tokens must be an integer",
+        ),
+        (
+            _header(type="generate", request_id="a", max_tokens=True),
+            "max_tokens must be an integer",
+        ),
+        (
+            _header(type="generate", request_id="a", prompt_token_ids=[1, "x"]),
+            r"prompt_token_ids\[1\]",
+        ),
+        (_header(type="generate", request_id="a", colour="blue"), "unknown field 'colour'"),
+        (
+            _header(
+                type="prefill",
+                request_id="a",
+                prompt_token_ids=[1],
+                arrival_time=0.0,
+                params={"max_tokens": "x"},
+                decode_node="d",
+                decode_kv_endpoint="tcp://x:1",
+            ),
+            "params.max_tokens",
+        ),
+        (
+            _header(
+                type="kv_transfer",
+                request_id="a",
+                backend="tcp",
+                header={},
+                tensors=[["data", "float32", [4]]],
+            ),
+            "tensor frame",
+        ),
+        (
+            _header(
+                type="kv_welcome",
+                epoch="e",
+                host_id="h",
+                device="cpu",
+                cache_shape=[1],
+                dtype="x",
+                backends=["ipc"],
+            ),
+            "backends must be a map",
+        ),
+        # A backend's descriptor is plain data, bytes bounded: its backend checks the fields.
+        (
+            _header(
+                type="kv_welcome",
+                epoch="e",
+                host_id="h",
+                device="cpu",
+                cache_shape=[1],
+                dtype="x",
+                backends={"nixl": {"metadata": b"x" * (64 * 2**10 + 1)}},
+            ),
+            "longer than 65536 bytes",
+        ),
+        (
+            _header(
+                type="kv_welcome",
+                epoch="e",
+                host_id="h",
+                device="cpu",
+                cache_shape=[1],
+                dtype="x",
+                backends={"ipc": {"a": {"b": {"c": 1}}}},
+            ),
+            "too large or too deeply nested",
+        ),
+        (
+            _header(
+                type="kv_transfer",
+                request_id="a",
+                reservation="g",
+                backend="tcp",
+                header={"x": {"y": {"z": 1}}},
+                tensors=[["data", "uint8", [0]]],
+            )
+            + [b""],
+            "too large or too deeply nested",
+        ),
+        (_header(type="stats_reply", is_ready=True, nodes={"n": {"a": b"1"}}), "holds a bytes"),
+        # A stats reply holds each node's figures one level down: one level more, no further.
+        (
+            _header(type="stats_reply", is_ready=True, nodes={"n": {"a": {"b": {"c": {"d": 1}}}}}),
+            "too large or too deeply nested",
+        ),
+        (
+            _header(
+                type="heartbeat", role="prefill", name="n", stats={"a": {"b": {"c": {"d": 1}}}}
+            ),
+            "too large or too deeply nested",
+        ),
+    ],
+)
 def test_malformed_is_named(frames, match):
     with pytest.raises(p.ProtocolError, match=match):
         p.decode(frames)
@@ -172,14 +397,33 @@ def test_allowed_types_filter():
         p.decode(p.encode(p.Shutdown()), allowed=(p.GenerateRequest,))
 
 
-@pytest.mark.parametrize("field,value", [
-    ("timings", "soon"), ("timings", [1, 2]), ("timings", {"arrival": "now"}), ("timings", {"a": -1.0}),
-    ("timings", {"a": float("nan")}), ("first_token", 2**31), ("prompt_len", -1), ("request_id", "x" * 257),
-    ("prompt_ids", [1, -2]), ("prompt_ids", "1234")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("timings", "soon"),
+        ("timings", [1, 2]),
+        ("timings", {"arrival": "now"}),
+        ("timings", {"a": -1.0}),
+        ("timings", {"a": float("nan")}),
+        ("first_token", 2**31),
+        ("prompt_len", -1),
+        ("request_id", "x" * 257),
+        ("prompt_ids", [1, -2]),
+        ("prompt_ids", "1234"),
+    ],
+)
 def test_field_limits_refuse_what_receivers_cannot_use(field, value):
-    commit = {"v": 2, "type": "kv_commit", "request_id": "r1", "prompt_len": 4, "first_token": 1,
-              "params": {"max_tokens": 2}, "timings": {"prefill_end": 1.0}, "backend": "tcp",
-              "prompt_ids": [5, 6, 7, 8]}
-    p.decode([msgpack.packb(commit)])   # as given: fine
+    commit = {
+        "v": 2,
+        "type": "kv_commit",
+        "request_id": "r1",
+        "prompt_len": 4,
+        "first_token": 1,
+        "params": {"max_tokens": 2},
+        "timings": {"prefill_end": 1.0},
+        "backend": "tcp",
+        "prompt_ids": [5, 6, 7, 8],
+    }
+    p.decode([msgpack.packb(commit)])  # as given: fine
     with pytest.raises(p.ProtocolError, match=field):
         p.decode([msgpack.packb({**commit, field: value})])

@@ -1,5 +1,6 @@
 """The Ray controller's key handling and scale (launch/ray_members.py, launch/ray_keys.py)
 on fake actors: no Ray cluster runs here (tests/test_ray.py runs one)."""
+
 from __future__ import annotations
 
 import shutil
@@ -11,8 +12,15 @@ ray = pytest.importorskip("ray")
 from launch import ray_cluster, ray_keys, ray_members  # noqa: E402
 from launch.ray_members import Controller  # noqa: E402
 
-OPTS = {"launcher": [], "model": "/m", "num_cpus": 1, "drain_s": 1.0, "base_port": 5600,
-        "devices": {"prefill": "cpu", "decode": "cpu"}, "ship_model": False}
+OPTS = {
+    "launcher": [],
+    "model": "/m",
+    "num_cpus": 1,
+    "drain_s": 1.0,
+    "base_port": 5600,
+    "devices": {"prefill": "cpu", "decode": "cpu"},
+    "ship_model": False,
+}
 
 
 class Method:
@@ -74,9 +82,13 @@ def controller(monkeypatch):
         c.roles[spec["name"]] = spec["role"]
         c.members[spec["name"]] = FakeMember(spec["name"], c.events)
         c.groups[spec["name"]] = group
+
     monkeypatch.setattr(c, "_start", start)
-    monkeypatch.setattr(c, "_place", lambda group, bundles, what, timeout_s, more="":
-                        c.events.append(f"place {what}"))
+    monkeypatch.setattr(
+        c,
+        "_place",
+        lambda group, bundles, what, timeout_s, more="": c.events.append(f"place {what}"),
+    )
     monkeypatch.setattr(c, "_wait_ready", lambda names, timeout_s: c.events.append("ready"))
     for name, role in (("frontend", "frontend"), ("prefill-0", "prefill"), ("decode-0", "decode")):
         c.roles[name], c.members[name] = role, FakeMember(name, c.events)
@@ -105,13 +117,24 @@ def test_scale_places_first_then_gives_keys_to_the_members_that_read_them(contro
     the frontend admits it)."""
     changes = controller.scale(1, 2, 30)
     assert changes["added"] == ["decode-1"] and changes["notes"] == []
-    assert controller.events == ["place decode-1", "start decode-1", "keys prefill-0",
-                                 "keys frontend", "ready"]
+    assert controller.events == [
+        "place decode-1",
+        "start decode-1",
+        "keys prefill-0",
+        "keys frontend",
+        "ready",
+    ]
     assert "decode-1.key" in controller.members["frontend"].keys
     controller.events.clear()
     controller.scale(2, 2, 30)
-    assert controller.events == ["place prefill-1", "start prefill-1", "keys decode-0",
-                                 "keys decode-1", "keys frontend", "ready"]
+    assert controller.events == [
+        "place prefill-1",
+        "start prefill-1",
+        "keys decode-0",
+        "keys decode-1",
+        "keys frontend",
+        "ready",
+    ]
 
 
 def test_a_member_ray_is_starting_again_fails_no_scale(controller):
@@ -129,23 +152,27 @@ def test_a_member_ray_is_starting_again_fails_no_scale(controller):
 
 def test_a_member_that_read_the_keys_at_its_start_or_never_answers_is_not_waited_for(controller):
     controller.members["prefill-0"].fails = [restarting()]
-    controller.keys_read["prefill-0"] = controller.key_version + 1   # its start read them
+    controller.keys_read["prefill-0"] = controller.key_version + 1  # its start read them
     changes = controller.scale(1, 2, 30)
-    assert changes["notes"] == ["prefill-0 is being started again by Ray; it read the new keys at "
-                                "its start"]
+    assert changes["notes"] == [
+        "prefill-0 is being started again by Ray; it read the new keys at its start"
+    ]
     controller.members["prefill-0"].fails = [restarting()] * 100
     changes = controller.scale(1, 3, 5)
     assert changes["added"] == ["decode-2"] and "did not answer in 5s" in changes["notes"][-1]
     controller.members["prefill-0"].fails = [ray.exceptions.ActorDiedError()]
     changes = controller.scale(1, 4, 5)
-    assert changes["added"] == ["decode-3"] and "prefill-0 was not given the new keys: it is gone" \
-        in changes["notes"][-1]
+    assert (
+        changes["added"] == ["decode-3"]
+        and "prefill-0 was not given the new keys: it is gone" in changes["notes"][-1]
+    )
 
 
 def test_no_room_for_a_new_node_still_gives_the_placed_ones_keys(controller, monkeypatch):
     def place(group, bundles, what, timeout_s, more=""):
         if what == "decode-2":
             raise RuntimeError(f"Ray found no room for {what}{more}")
+
     monkeypatch.setattr(controller, "_place", place)
     with pytest.raises(RuntimeError, match="no room for decode-2; added so far: decode-1"):
         controller.scale(1, 3, 30)
@@ -161,18 +188,25 @@ def test_only_the_other_role_and_the_frontend_read_a_new_nodes_key():
 def test_pdserve_scale_says_a_ray_error_in_one_line(monkeypatch, capsys):
     """A Ray error from the controller (a member restarting, the controller gone) escaped
     `pdserve scale` as a traceback. It is one line, exit 1."""
+
     class FakeController:
         where = Method(lambda: {"frontend": {"endpoint": "tcp://h:5600"}, "decode-0": None})
         scale = Method(lambda *a: (_ for _ in ()).throw(restarting()))
+
     monkeypatch.setattr(ray_cluster, "has_ray", lambda prog: True)
     monkeypatch.setattr(ray, "init", lambda **kw: None)
     monkeypatch.setattr(ray, "get_actor", lambda name: FakeController)
     monkeypatch.setattr(ray, "get", _get)
-    rc = ray_cluster.scale(["--endpoint", "tcp://h:5600", "--num-prefill", "1",
-                            "--num-decode", "2"])
+    rc = ray_cluster.scale(
+        ["--endpoint", "tcp://h:5600", "--num-prefill", "1", "--num-decode", "2"]
+    )
     err = capsys.readouterr().err
-    assert rc == 1 and err.count("\n") == 1 and err.startswith("pdserve scale: The actor") \
-        and "restarting" in err, err
+    assert (
+        rc == 1
+        and err.count("\n") == 1
+        and err.startswith("pdserve scale: The actor")
+        and "restarting" in err
+    ), err
 
 
 @pytest.mark.cluster
@@ -187,7 +221,7 @@ def test_keys_reach_a_member_ray_is_starting_again_on_a_real_ray(tmp_path, monke
     class Restarting:
         def __init__(self, marker: str):
             if os.path.exists(marker):
-                time.sleep(3)   # its second start takes a while
+                time.sleep(3)  # its second start takes a while
             Path(marker).touch()
             self.keys = None
 
@@ -200,7 +234,7 @@ def test_keys_reach_a_member_ray_is_starting_again_on_a_real_ray(tmp_path, monke
         def exit(self):
             os._exit(1)
 
-    temp = Path("/tmp") / f"pdsray-{os.getpid()}"   # NOTE: Ray's socket paths must stay short
+    temp = Path("/tmp") / f"pdsray-{os.getpid()}"  # NOTE: Ray's socket paths must stay short
     # NOTE: else ray.init makes a token in ~/.ray, which every later `ray start` here then wants
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=str(temp))
@@ -210,9 +244,16 @@ def test_keys_reach_a_member_ray_is_starting_again_on_a_real_ray(tmp_path, monke
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(member.exit.remote(), timeout=60)
         lines = []
-        missed = ray_keys.send_keys({"prefill-0": member}, {"prefill-0": "prefill"}, ["decode-1"],
-                                    "decode", {"decode-1.key": b"k"}, lambda n: False, 60,
-                                    lines.append)
+        missed = ray_keys.send_keys(
+            {"prefill-0": member},
+            {"prefill-0": "prefill"},
+            ["decode-1"],
+            "decode",
+            {"decode-1.key": b"k"},
+            lambda n: False,
+            60,
+            lines.append,
+        )
         assert missed == [] and ray.get(member.read.remote(), timeout=60) == {"decode-1.key": b"k"}
         assert lines and "prefill-0 is being started again by Ray; giving it the new" in lines[0]
     finally:

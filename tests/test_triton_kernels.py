@@ -2,6 +2,7 @@
 On a CUDA machine they run on the GPU; elsewhere, where Triton is installed, under
 Triton's interpreter on the CPU; without Triton they are skipped (CI runs the
 portable path)."""
+
 import os
 
 import pytest
@@ -39,7 +40,7 @@ def test_qk_norm_rope_on_strided_views(dtype):
     hq, hk, d, t = 4, 2, 32, 9
     qkv = torch.randn(t, (hq + 2 * hk) * d, device=DEV).to(dtype)
     q = qkv[:, : hq * d].view(t, hq, d)
-    k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
     qw, kw = torch.randn(d, device=DEV).to(dtype), torch.randn(d, device=DEV).to(dtype)
     table = portable.rotary_cos_sin(64, d, 1e6, DEV)
     pos = torch.randint(0, 64, (t,), device=DEV)
@@ -60,8 +61,12 @@ def test_qk_norm_rope_write_kv_fused(dtype):
     pos = torch.randint(0, 64, (t,), device=DEV)
     slots = torch.tensor([5, 0, 17, 3, 30, 9], device=DEV)
     caches = [torch.zeros(4, 8, hk, d, device=DEV, dtype=dtype) for _ in range(4)]
-    got_q = triton_cuda.qk_norm_rope_write_kv(q, k, v, qw, kw, table, pos, 1e-6, caches[0], caches[1], slots)
-    ref_q = portable.qk_norm_rope_write_kv(q, k, v, qw, kw, table, pos, 1e-6, caches[2], caches[3], slots)
+    got_q = triton_cuda.qk_norm_rope_write_kv(
+        q, k, v, qw, kw, table, pos, 1e-6, caches[0], caches[1], slots
+    )
+    ref_q = portable.qk_norm_rope_write_kv(
+        q, k, v, qw, kw, table, pos, 1e-6, caches[2], caches[3], slots
+    )
     _close(got_q, ref_q, dtype)
     _close(caches[0], caches[2], dtype)
     assert torch.equal(caches[1], caches[3])
@@ -89,8 +94,8 @@ def test_paged_decode_attention(dtype, hq, hk, batch):
     seq_lens = torch.randint(1, width * bs + 1, (batch,), device=DEV, dtype=torch.int32)
     seq_lens[0] = width * bs  # one full-width sequence, split over many programs
     q = torch.randn(batch, hq, d, device=DEV).to(dtype)
-    got = triton_cuda.decode_attention(q, kc, vc, tables, seq_lens, d ** -0.5)
-    ref = portable.decode_attention(q, kc, vc, tables, seq_lens, d ** -0.5)
+    got = triton_cuda.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
+    ref = portable.decode_attention(q, kc, vc, tables, seq_lens, d**-0.5)
     _close(got, ref, dtype)
 
 
@@ -103,8 +108,8 @@ def test_prefill_attention_with_and_without_context(dtype):
     qlens, ctx = [37, 70], [0, 30]
     q = torch.randn(sum(qlens), hq, d, device=DEV).to(dtype)
     meta = torch.tensor([[0, qlens[0]], qlens, ctx], dtype=torch.int32, device=DEV)
-    got = triton_cuda.prefill_attention(q, kc, vc, tables, qlens, ctx, d ** -0.5, meta)
-    ref = portable.prefill_attention(q, kc, vc, tables, qlens, ctx, d ** -0.5)
+    got = triton_cuda.prefill_attention(q, kc, vc, tables, qlens, ctx, d**-0.5, meta)
+    ref = portable.prefill_attention(q, kc, vc, tables, qlens, ctx, d**-0.5)
     _close(got, ref, dtype)
 
 

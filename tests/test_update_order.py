@@ -1,6 +1,7 @@
 """The frontend's node link takes updates in whatever order two nodes' links deliver them:
 a decode node that ends a request (max_tokens 1) can be heard before the prefill node
 whose update carries the prompt's logprobs. What the client gets is the same either way."""
+
 import asyncio
 import time
 from types import SimpleNamespace
@@ -34,9 +35,13 @@ class FakeHub:
     async def _send_node(self, msg, to):
         pass
 
-    async def finish(self, req, reason, error, token_ids=(), is_node_done=False, status=None, logprobs=None):
+    async def finish(
+        self, req, reason, error, token_ids=(), is_node_done=False, status=None, logprobs=None
+    ):
         if self.requests.pop(req.node_id, None) is not None:
-            self.sent.append(("finish", reason, error, list(req.output_ids), req.take_prompt_logprobs()))
+            self.sent.append(
+                ("finish", reason, error, list(req.output_ids), req.take_prompt_logprobs())
+            )
 
     async def reply(self, client, msg, status=None):
         self.sent.append(("reply", msg.token_ids, msg.prompt_logprobs))
@@ -50,8 +55,18 @@ def _setup(num_prompt_logprobs=0, max_tokens=1):
     prefill = SimpleNamespace(name="prefill-0", role="prefill", identity=b"p")
     decode = SimpleNamespace(name="decode-0", role="decode", identity=b"d")
     params = SamplingParams(max_tokens=max_tokens, num_prompt_logprobs=num_prompt_logprobs)
-    req = RequestState("r1", "r1", b"c", list(PROMPT), params, IncrementalDetokenizer(FakeTokenizer()),
-                       time.time(), time.monotonic() + 60, prefill_node="prefill-0", decode_node="decode-0")
+    req = RequestState(
+        "r1",
+        "r1",
+        b"c",
+        list(PROMPT),
+        params,
+        IncrementalDetokenizer(FakeTokenizer()),
+        time.time(),
+        time.monotonic() + 60,
+        prefill_node="prefill-0",
+        decode_node="decode-0",
+    )
     hub.requests["r1"] = req
     return hub, NodeMessages(hub, SimpleNamespace(timings=lambda r, p: p)), prefill, decode, req
 
@@ -60,7 +75,9 @@ def _run(order, **kw):
     hub, link, prefill, decode, req = _setup(**kw)
     from_prefill = (prefill, TokenUpdate("r1", [], None, index=0, prompt_logprobs=PROMPT_LPS))
     from_decode = (decode, TokenUpdate("r1", [9], "length", index=0))
-    for node, u in (from_prefill, from_decode) if order == "prefill first" else (from_decode, from_prefill):
+    for node, u in (
+        (from_prefill, from_decode) if order == "prefill first" else (from_decode, from_prefill)
+    ):
         asyncio.run(link.on_tokens(node, u))
     return hub, req
 
@@ -68,8 +85,15 @@ def _run(order, **kw):
 def test_the_prompt_logprobs_reach_the_client_whichever_node_is_heard_first():
     for order in ("prefill first", "decode first"):
         hub, req = _run(order)
-        assert hub.sent == [("finish", "length", None, [9],
-                             {"prompt_logprobs": PROMPT_LPS, "prompt_token_ids": PROMPT})], order
+        assert hub.sent == [
+            (
+                "finish",
+                "length",
+                None,
+                [9],
+                {"prompt_logprobs": PROMPT_LPS, "prompt_token_ids": PROMPT},
+            )
+        ], order
         assert not req.held
 
 
@@ -84,7 +108,9 @@ def test_held_updates_stream_in_order_once_the_prompt_logprobs_come():
     for u in (TokenUpdate("r1", [9, 10], None, index=0), TokenUpdate("r1", [11], None, index=2)):
         asyncio.run(link.on_tokens(decode, u))
     assert hub.sent == [] and len(req.held) == 2
-    asyncio.run(link.on_tokens(prefill, TokenUpdate("r1", [9], None, index=0, prompt_logprobs=PROMPT_LPS)))
+    asyncio.run(
+        link.on_tokens(prefill, TokenUpdate("r1", [9], None, index=0, prompt_logprobs=PROMPT_LPS))
+    )
     # The prefill node's first token, with the prompt's logprobs; then the decode node's rest.
     assert hub.sent == [("reply", [9], PROMPT_LPS), ("reply", [10], None), ("reply", [11], None)]
     assert req.output_ids == [9, 10, 11] and not req.held
@@ -94,8 +120,14 @@ def test_a_request_whose_prompt_logprobs_never_come_ends_with_an_error(monkeypat
     hub, link, prefill, decode, req = _setup()
     asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9], "length", index=0)))
     assert hub.sent == [] and req.held_since is not None
-    fe = SimpleNamespace(registry=SimpleNamespace(check=_nothing), admission=SimpleNamespace(num_waiting=0),
-                         requests=hub.requests, finish=hub.finish, migrations=None, _wake=asyncio.Event())
+    fe = SimpleNamespace(
+        registry=SimpleNamespace(check=_nothing),
+        admission=SimpleNamespace(num_waiting=0),
+        requests=hub.requests,
+        finish=hub.finish,
+        migrations=None,
+        _wake=asyncio.Event(),
+    )
     req.held_since -= server.PROMPT_LOGPROBS_WAIT_S + 1
     monkeypatch.setattr(server, "WATCHDOG_S", 0.001)
 
@@ -103,9 +135,17 @@ def test_a_request_whose_prompt_logprobs_never_come_ends_with_an_error(monkeypat
         task = asyncio.ensure_future(server.Frontend._watchdog_loop(fe))
         await asyncio.sleep(0.05)
         task.cancel()
+
     asyncio.run(one_tick())
-    assert hub.sent == [("finish", "error", "the prompt's logprobs did not come from prefill node prefill-0",
-                         [], {})]
+    assert hub.sent == [
+        (
+            "finish",
+            "error",
+            "the prompt's logprobs did not come from prefill node prefill-0",
+            [],
+            {},
+        )
+    ]
 
 
 async def _nothing(now):
@@ -118,16 +158,37 @@ def test_the_prompt_logprobs_come_once_and_every_choice_of_the_request_gets_them
     which dropped the link). They come once, with choice 0's update: a choice whose decode
     node was heard first waits for them, then streams them with its tokens."""
     hub, link, prefill, decode, req = _setup(max_tokens=2)
-    fork = RequestState("r1.1", "r1", b"c", list(PROMPT), req.params, IncrementalDetokenizer(FakeTokenizer()),
-                        time.time(), time.monotonic() + 60, prefill_node="prefill-0", decode_node="decode-0",
-                        index=1)
+    fork = RequestState(
+        "r1.1",
+        "r1",
+        b"c",
+        list(PROMPT),
+        req.params,
+        IncrementalDetokenizer(FakeTokenizer()),
+        time.time(),
+        time.monotonic() + 60,
+        prefill_node="prefill-0",
+        decode_node="decode-0",
+        index=1,
+    )
     hub.requests["r1.1"] = fork
     hub.by_client[(b"c", "r1")] = [req, fork]
     asyncio.run(link.on_tokens(decode, TokenUpdate("r1.1", [7, 8], "length", index=0)))
-    assert hub.sent == [] and fork.held                    # its decode node first: it waits
-    asyncio.run(link.on_tokens(prefill, TokenUpdate("r1", [9], None, index=0, prompt_logprobs=PROMPT_LPS)))
-    asyncio.run(link.on_tokens(prefill, TokenUpdate("r1.1", [7], None, index=0)))   # none with the fork's
-    assert hub.sent == [("finish", "length", None, [7, 8], {"prompt_logprobs": PROMPT_LPS,
-                                                             "prompt_token_ids": PROMPT}),
-                        ("reply", [9], PROMPT_LPS)]
+    assert hub.sent == [] and fork.held  # its decode node first: it waits
+    asyncio.run(
+        link.on_tokens(prefill, TokenUpdate("r1", [9], None, index=0, prompt_logprobs=PROMPT_LPS))
+    )
+    asyncio.run(
+        link.on_tokens(prefill, TokenUpdate("r1.1", [7], None, index=0))
+    )  # none with the fork's
+    assert hub.sent == [
+        (
+            "finish",
+            "length",
+            None,
+            [7, 8],
+            {"prompt_logprobs": PROMPT_LPS, "prompt_token_ids": PROMPT},
+        ),
+        ("reply", [9], PROMPT_LPS),
+    ]
     assert fork.prompt_logprobs == PROMPT_LPS and not fork.held

@@ -1,4 +1,5 @@
 """The device worker's life cycle, device-resident decode state, sampling and validation."""
+
 import gc
 import weakref
 
@@ -6,11 +7,11 @@ import pytest
 import torch
 
 from common.base.config import WorkerConfig
-from common.kv.blocks import BlockAllocator
-from common.engine.sampling import sample
 from common.base.request import SamplingParams, validate_prompt
-from common.kv.sequence import Sequence, blocks_to_join
+from common.engine.sampling import sample
 from common.engine.worker import DeviceWorker, PrefillChunk
+from common.kv.blocks import BlockAllocator
+from common.kv.sequence import Sequence, blocks_to_join
 from launch.generate import generate
 
 
@@ -97,8 +98,14 @@ def test_removing_a_row_keeps_the_others_exact(tiny_model):
 
 def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny_model):
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
-    mk = lambda seed: SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, top_k=50,  # noqa: E731
-                                     seed=seed, ignore_eos=True)
+    mk = lambda seed: SamplingParams(
+        max_tokens=24,
+        temperature=1.0,
+        top_p=0.9,
+        top_k=50,  # noqa: E731
+        seed=seed,
+        ignore_eos=True,
+    )
     with _worker(tiny_model) as worker:
         a = generate(worker, prompts, [mk(1), mk(2)])
         b = generate(worker, prompts, [mk(1), mk(2)])
@@ -115,12 +122,27 @@ def test_sample_respects_top_k_top_p_and_greedy():
     best = logits.argmax(-1)
     n = 4
     t = torch.tensor([0.0, 1.0, 1.0, 5.0])
-    out = sample(logits, t, torch.tensor([1.0, 1.0, 1e-6, 1.0]), torch.tensor([-1, 1, -1, 3]),
-                 torch.arange(n), torch.zeros(n, dtype=torch.long))
+    out = sample(
+        logits,
+        t,
+        torch.tensor([1.0, 1.0, 1e-6, 1.0]),
+        torch.tensor([-1, 1, -1, 3]),
+        torch.arange(n),
+        torch.zeros(n, dtype=torch.long),
+    )
     assert out[0] == best[0] and out[1] == best[1] and out[2] == best[2]
     top3 = set(logits[3].topk(3).indices.tolist())
-    draws = {sample(logits[3:], t[3:], torch.ones(1), torch.tensor([3]), torch.tensor([s]),
-                    torch.zeros(1, dtype=torch.long)).item() for s in range(200)}
+    draws = {
+        sample(
+            logits[3:],
+            t[3:],
+            torch.ones(1),
+            torch.tensor([3]),
+            torch.tensor([s]),
+            torch.zeros(1, dtype=torch.long),
+        ).item()
+        for s in range(200)
+    }
     assert draws <= top3 and len(draws) == 3
 
 
@@ -128,8 +150,16 @@ def test_sampling_distribution_follows_probabilities():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     counts = torch.zeros(3)
     for s in range(3000):
-        counts[sample(logits, torch.ones(1), torch.ones(1), torch.tensor([-1]), torch.tensor([s]),
-                      torch.tensor([7])).item()] += 1
+        counts[
+            sample(
+                logits,
+                torch.ones(1),
+                torch.ones(1),
+                torch.tensor([-1]),
+                torch.tensor([s]),
+                torch.tensor([7]),
+            ).item()
+        ] += 1
     assert torch.allclose(counts / 3000, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
 
 
@@ -138,7 +168,9 @@ def test_eos_and_stop_tokens_end_generation(tiny_model):
         free = generate(worker, [[1, 2, 3]], [SamplingParams(max_tokens=20, ignore_eos=True)])[0]
         stop_at = free["token_ids"][5]
         first = free["token_ids"].index(stop_at)
-        stopped = generate(worker, [[1, 2, 3]], [SamplingParams(max_tokens=20, stop_token_ids=(stop_at,))])[0]
+        stopped = generate(
+            worker, [[1, 2, 3]], [SamplingParams(max_tokens=20, stop_token_ids=(stop_at,))]
+        )[0]
         assert stopped["token_ids"] == free["token_ids"][: first + 1]
         assert stopped["finish_reason"] == "stop"
         object.__setattr__(worker.spec, "eos_token_ids", (stop_at,))
@@ -148,28 +180,34 @@ def test_eos_and_stop_tokens_end_generation(tiny_model):
         assert ignored["token_ids"] == free["token_ids"]
 
 
-@pytest.mark.parametrize("params,match", [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=-3), "max_tokens"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"),
-    (dict(seed=-1), "seed"),
-    (dict(stop_token_ids=(10**6,)), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(seed=-1), "seed"),
+        (dict(stop_token_ids=(10**6,)), "stop_token_ids"),
+    ],
+)
 def test_bad_sampling_params_are_named(params, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**params).validate(vocab_size=512)
 
 
-@pytest.mark.parametrize("prompt,max_tokens,match", [
-    ([], 4, "empty"),
-    ([1, 512], 4, "outside the vocabulary"),
-    ([1, -1], 4, "outside the vocabulary"),
-    ([1] * 1000, 25, "maximum length"),
-])
+@pytest.mark.parametrize(
+    "prompt,max_tokens,match",
+    [
+        ([], 4, "empty"),
+        ([1, 512], 4, "outside the vocabulary"),
+        ([1, -1], 4, "outside the vocabulary"),
+        ([1] * 1000, 25, "maximum length"),
+    ],
+)
 def test_bad_prompts_are_named(prompt, max_tokens, match):
     with pytest.raises(ValueError, match=match):
         validate_prompt(prompt, max_tokens, vocab_size=512, max_model_len=1024)
@@ -183,9 +221,23 @@ def test_generate_rejects_too_long_request(tiny_model):
 
 def test_generate_cli_json(tiny_model, capsys):
     import json
+
     from launch import generate as gen_cli
-    gen_cli.main(["--model", str(tiny_model), "--prompt", "hello there", "--prompt", "café",
-                  "--max-tokens", "8", "--ignore-eos", "--json"])
+
+    gen_cli.main(
+        [
+            "--model",
+            str(tiny_model),
+            "--prompt",
+            "hello there",
+            "--prompt",
+            "café",
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+            "--json",
+        ]
+    )
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert len(lines) == 2
     for r in lines:

@@ -1,6 +1,7 @@
 """KV transfer through running nodes, for every backend, and xPyD: any prefill node
 hands off to any decode node. Also what the decode node does with a handoff that
 never commits, a frame that does not fit, and a commit that does not match."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,16 +17,23 @@ import pytest
 import torch
 
 from common import transfer
-from common.wire.channel import Channel, open_context
-from common.wire.protocol import (HandoffAck, KVTransfer, KVCommit, KVHello, KVRelease, KVReserve,
-                             KVReserved, KVWelcome)
 from common.base.request import SamplingParams
+from common.wire.channel import Channel, open_context
+from common.wire.protocol import (
+    HandoffAck,
+    KVCommit,
+    KVHello,
+    KVRelease,
+    KVReserve,
+    KVReserved,
+    KVTransfer,
+    KVWelcome,
+)
 from frontend.client import AsyncClient, Client
-from tests.cluster_util import Processes, free_base_port, start_streams, wait_for
+from tests.cluster_util import Cluster, Processes, free_base_port, start_streams, wait_for
 from tests.conftest import clear_prompts
-from tests.cluster_util import Cluster
 
-pytestmark = pytest.mark.cluster   # every test here starts processes
+pytestmark = pytest.mark.cluster  # every test here starts processes
 
 NEW_TOKENS = 16
 
@@ -39,40 +47,66 @@ def _assert_transformers_tokens(endpoint: str, model, candidates: list[list[int]
     """Half the candidates (the unambiguous ones) at once through the cluster; each one's
     greedy tokens equal transformers'."""
     prompts, expected = clear_prompts(model, candidates, NEW_TOKENS, len(candidates) // 2)
+
     async def run():
         async with AsyncClient(endpoint) as client:
-            return await asyncio.gather(*[client.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS,
-                                                          ignore_eos=True) for p in prompts])
+            return await asyncio.gather(
+                *[
+                    client.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True)
+                    for p in prompts
+                ]
+            )
+
     for i, (r, ref) in enumerate(zip(asyncio.run(run()), expected)):
         assert r.error is None and r.token_ids == ref, f"request {i}: {r.error}"
 
 
-needs_nixl = pytest.mark.skipif(transfer.backend("nixl").why_unusable(torch.device("cpu")) is not None,
-                                reason=str(transfer.backend("nixl").why_unusable(torch.device("cpu"))))
+needs_nixl = pytest.mark.skipif(
+    transfer.backend("nixl").why_unusable(torch.device("cpu")) is not None,
+    reason=str(transfer.backend("nixl").why_unusable(torch.device("cpu"))),
+)
 
 
 def _all_free(stats: dict) -> bool:
-    return all(s["num_free_blocks"] == s["num_usable_blocks"] and not s.get("num_reserved_blocks")
-               for s in stats.values() if s.get("is_alive"))
+    return all(
+        s["num_free_blocks"] == s["num_usable_blocks"] and not s.get("num_reserved_blocks")
+        for s in stats.values()
+        if s.get("is_alive")
+    )
 
 
 @pytest.mark.parametrize("backend", ["ipc", pytest.param("nixl", marks=needs_nixl), "tcp", "dist"])
 def test_each_backend_gives_transformers_tokens(tiny_model, tmp_path, backend):
     """Layer by layer (--kv-layerwise on): whole writes are what every other test runs. Passes
     of 32 tokens: a prompt longer than that is pushed chunk by chunk."""
-    c = Cluster(tiny_model, tmp_path / "cluster.log", "--kv-transfer", backend, "--kv-layerwise", "on",
-                "--token-budget", "32")
+    c = Cluster(
+        tiny_model,
+        tmp_path / "cluster.log",
+        "--kv-transfer",
+        backend,
+        "--kv-layerwise",
+        "on",
+        "--token-budget",
+        "32",
+    )
     try:
         _assert_transformers_tokens(c.endpoint, tiny_model, _prompts(12, seed=3))
         # NOTE: node figures come from heartbeats, up to one beat old: wait for all 12 writes.
-        wait_for(lambda: (s := c.stats()["prefill-0"])["kv_links"] == {"decode-0": backend}
-                 and s["kv_writes"].get(backend, {}).get("num_transfers", 0) >= 12, 10,
-                 f"the prefill node to report its 12 {backend} writes")
-        assert c.stats()["prefill-0"]["pass_token_budget"] == 32   # prompts of up to 89 tokens: chunked
+        wait_for(
+            lambda: (
+                (s := c.stats()["prefill-0"])["kv_links"] == {"decode-0": backend}
+                and s["kv_writes"].get(backend, {}).get("num_transfers", 0) >= 12
+            ),
+            10,
+            f"the prefill node to report its 12 {backend} writes",
+        )
+        assert (
+            c.stats()["prefill-0"]["pass_token_budget"] == 32
+        )  # prompts of up to 89 tokens: chunked
         writes = c.stats()["prefill-0"]["kv_writes"][backend]
         # dist has no layer-wise form: its writes go whole at the pass's end
         assert (writes["num_layerwise"] > 0) == (backend != "dist"), writes
-        assert (writes["num_chunked"] > 0) == (backend != "dist"), writes   # over several passes
+        assert (writes["num_chunked"] > 0) == (backend != "dist"), writes  # over several passes
         wait_for(lambda: _all_free(c.stats()), 10, "every block free")
     finally:
         c.stop()
@@ -87,12 +121,22 @@ def test_two_prefill_two_decode_nodes_serve_64_requests_exactly(tiny_model, tmp_
         for name in stats:  # routing spread the load over every node
             assert stats[name]["num_routed"] >= 8, (name, stats[name]["num_routed"])
         # Every prefill node handed off to both decode nodes over ipc (heartbeat figures: wait).
-        wait_for(lambda: all(c.stats()[p].get("kv_links") == {"decode-0": "ipc", "decode-1": "ipc"}
-                             for p in ("prefill-0", "prefill-1")), 10, "both prefill nodes' links")
+        wait_for(
+            lambda: all(
+                c.stats()[p].get("kv_links") == {"decode-0": "ipc", "decode-1": "ipc"}
+                for p in ("prefill-0", "prefill-1")
+            ),
+            10,
+            "both prefill nodes' links",
+        )
         wait_for(lambda: _all_free(c.stats()), 10, "every block free")
         # --stats: every node on a line, and the routes taken, which add up to the requests.
-        out = subprocess.run([sys.executable, "-m", "frontend.cli", "--endpoint", c.endpoint, "--stats"],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "frontend.cli", "--endpoint", c.endpoint, "--stats"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
         assert lines[0].split()[:2] == ["node", "role"]
@@ -103,7 +147,9 @@ def test_two_prefill_two_decode_nodes_serve_64_requests_exactly(tiny_model, tmp_
         c.stop()
 
 
-def test_with_migration_off_killing_one_decode_node_of_two_fails_only_its_requests(tiny_model, tmp_path):
+def test_with_migration_off_killing_one_decode_node_of_two_fails_only_its_requests(
+    tiny_model, tmp_path
+):
     base = free_base_port(4)
     p = Processes(tiny_model, base, tmp_path, frontend=["--max-migrations", "0"])
     try:
@@ -123,6 +169,7 @@ def test_with_migration_off_killing_one_decode_node_of_two_fails_only_its_reques
                 for t in pending:
                     t.cancel()
                 return routed, [t.result()[0][-1] for t in done], after
+
         routed, ended, after = asyncio.run(run())
         assert routed["decode-0"] == 4 and routed["decode-1"] == 4
         errors = [r for r in ended if r.finish_reason == "error"]
@@ -148,17 +195,45 @@ class FakePrefill:
             if isinstance(got, reply_type):
                 return got
 
-    def commit(self, rid: str, grant: KVReserved, shape: list[int], prompt_len: int = 40, max_tokens: int = 8,
-               is_written: bool = True, stamps: dict | None = None) -> HandoffAck:
+    def commit(
+        self,
+        rid: str,
+        grant: KVReserved,
+        shape: list[int],
+        prompt_len: int = 40,
+        max_tokens: int = 8,
+        is_written: bool = True,
+        stamps: dict | None = None,
+    ) -> HandoffAck:
         """Write the grant's blocks (zeros, one tcp frame of every layer) and commit, with
         their checksums (the decode nodes of the tests verify)."""
         if is_written:
-            self.ch.send(KVTransfer(rid, grant.reservation, "tcp", {"first_layer": 0},
-                                    torch.zeros(shape[0], 2, len(grant.block_ids), *shape[3:])))
+            self.ch.send(
+                KVTransfer(
+                    rid,
+                    grant.reservation,
+                    "tcp",
+                    {"first_layer": 0},
+                    torch.zeros(shape[0], 2, len(grant.block_ids), *shape[3:]),
+                )
+            )
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        sums = [0] * len(grant.block_ids) if grant.block_ids else None   # of zeros (--kv-verify)
-        return self.ask(KVCommit(rid, prompt_len, 1, params, stamps or {}, "tcp", [1] * prompt_len,
-                                 grant.reservation, shape[0], sums), HandoffAck)
+        sums = [0] * len(grant.block_ids) if grant.block_ids else None  # of zeros (--kv-verify)
+        return self.ask(
+            KVCommit(
+                rid,
+                prompt_len,
+                1,
+                params,
+                stamps or {},
+                "tcp",
+                [1] * prompt_len,
+                grant.reservation,
+                shape[0],
+                sums,
+            ),
+            HandoffAck,
+        )
 
     def close(self):
         self.ch.close()
@@ -174,29 +249,33 @@ def test_requests_that_do_not_fit_wait_in_line_and_are_granted_unasked(tiny_mode
     """19 blocks of 16 tokens. A request that does not fit now waits its turn, and so
     does everything after it (first come, first served), and the blocks come without
     asking again once they free up."""
-    p = Processes(tiny_model, free_base_port(), tmp_path,
-                  decode=["--kv-cache-memory", "160KiB", "--reservation-lease", "3"])
+    p = Processes(
+        tiny_model,
+        free_base_port(),
+        tmp_path,
+        decode=["--kv-cache-memory", "160KiB", "--reservation-lease", "3"],
+    )
     fake = other = None
     try:
         for role in ("frontend", "decode"):
             p.start(role)
-        with Client(p.clients) as c:   # its figures are read through the frontend below
+        with Client(p.clients) as c:  # its figures are read through the frontend below
             wait_for(lambda: "decode-0" in c.stats(60).nodes, 120, "the decode node to register")
         fake = FakePrefill(p.kv)
         fake.ask(KVHello("fake-prefill"), KVWelcome)
-        a = fake.ask(KVReserve("a", 200, 8), KVReserved)           # 13 blocks
+        a = fake.ask(KVReserve("a", 200, 8), KVReserved)  # 13 blocks
         assert len(a.block_ids) == 13
-        b = fake.ask(KVReserve("b", 100, 8), KVReserved)           # 7 more do not fit
+        b = fake.ask(KVReserve("b", 100, 8), KVReserved)  # 7 more do not fit
         assert b.block_ids is None and b.is_queued and b.is_retryable and b.lease_s == 3.0
-        c = fake.ask(KVReserve("c", 16, 8), KVReserved)            # would fit, but b is first
+        c = fake.ask(KVReserve("c", 16, 8), KVReserved)  # would fit, but b is first
         assert c.block_ids is None and c.is_queued and "wait for blocks first" in c.reason
         d = fake.ask(KVReserve("d", 16, 8), KVReserved)
         assert d.is_queued
-        fake.ch.send(KVRelease("d"))                               # gives up its place
+        fake.ch.send(KVRelease("d"))  # gives up its place
         other = FakePrefill(p.kv, "another-prefill/1")
-        taken = other.ask(KVReserve("b", 100, 8), KVReserved)      # b is someone else's
+        taken = other.ask(KVReserve("b", 100, 8), KVReserved)  # b is someone else's
         assert taken.block_ids is None and not taken.is_retryable
-        again = fake.ask(KVReserve("b", 100, 8), KVReserved)       # keeps its place
+        again = fake.ask(KVReserve("b", 100, 8), KVReserved)  # keeps its place
         assert again.is_queued and again.block_ids is None
 
         fake.ch.send(KVRelease("a", a.reservation))
@@ -208,13 +287,18 @@ def test_requests_that_do_not_fit_wait_in_line_and_are_granted_unasked(tiny_mode
                 grants.append(got)
         assert [g.request_id for g in grants] == ["b", "c"]
         assert all(g.is_queued and g.lease_s == 3.0 for g in grants)
-        assert len(grants[0].block_ids) == 7 and len(grants[1].block_ids) == 1   # prompt blocks
-        assert not fake.ch.has_message(1)                          # d left the line: no grant
-        stats = wait_for(lambda: (s := _decode_stats(p.clients)).get("num_granted") == 2 and s, 5, "stats")
+        assert len(grants[0].block_ids) == 7 and len(grants[1].block_ids) == 1  # prompt blocks
+        assert not fake.ch.has_message(1)  # d left the line: no grant
+        stats = wait_for(
+            lambda: (s := _decode_stats(p.clients)).get("num_granted") == 2 and s, 5, "stats"
+        )
         assert stats["num_asking"] == 0 and stats["num_reservations"] == 2
         # Never committed: the lease frees them, and the line holds nothing.
-        wait_for(lambda: (s := _decode_stats(p.clients))["num_free_blocks"] == s["num_usable_blocks"], 10,
-                 "the leases to free the grants")
+        wait_for(
+            lambda: (s := _decode_stats(p.clients))["num_free_blocks"] == s["num_usable_blocks"],
+            10,
+            "the leases to free the grants",
+        )
     finally:
         for f in (fake, other):
             if f is not None:
@@ -240,8 +324,14 @@ def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, t
         assert len(r.block_ids) == 3
         # Stats come from heartbeats (every 0.5 s): see the blocks held, then given back.
         wait_for(lambda: _decode_stats(p.clients)["num_free_blocks"] == free - 3, 2, "blocks held")
-        wait_for(lambda: _decode_stats(p.clients)["num_free_blocks"] == free
-                 and _decode_stats(p.clients)["num_reserved_blocks"] == 0, 10, "the lease to free it")
+        wait_for(
+            lambda: (
+                _decode_stats(p.clients)["num_free_blocks"] == free
+                and _decode_stats(p.clients)["num_reserved_blocks"] == 0
+            ),
+            10,
+            "the lease to free it",
+        )
         late = fake.commit("never", r, welcome.cache_shape, is_written=False)
         assert not late.is_accepted and "no reservation" in late.reason
         assert _decode_stats(p.clients)["num_expired_reservations"] == 1
@@ -265,28 +355,54 @@ def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, t
 
         # A frame of the wrong shape or dtype: the commit is refused with the reason.
         shape = welcome.cache_shape
-        for name, bad in (("dtype", torch.zeros(shape[0], 2, 3, *shape[3:], dtype=torch.float16)),
-                          ("shape", torch.zeros(shape[0], 2, 4, *shape[3:], dtype=torch.float32))):
+        for name, bad in (
+            ("dtype", torch.zeros(shape[0], 2, 3, *shape[3:], dtype=torch.float16)),
+            ("shape", torch.zeros(shape[0], 2, 4, *shape[3:], dtype=torch.float32)),
+        ):
             g = fake.ask(KVReserve(name, 40, 8), KVReserved)
             fake.ch.send(KVTransfer(name, g.reservation, "tcp", {"first_layer": 0}, bad))
             ack = fake.commit(name, g, shape, is_written=False)
             assert not ack.is_accepted and "does not fit" in ack.reason
         # A commit whose KV did not all arrive (one layer of two: refused when its lease ends,
         # as the rest could still be on the way), or that names another grant.
-        for name, grant_of in (("half", lambda g: g.reservation), ("stale", lambda g: "0123456789ab")):
+        for name, grant_of in (
+            ("half", lambda g: g.reservation),
+            ("stale", lambda g: "0123456789ab"),
+        ):
             g = fake.ask(KVReserve(name, 40, 8), KVReserved)
-            fake.ch.send(KVTransfer(name, g.reservation, "tcp", {"first_layer": 0},
-                                    torch.zeros(1, 2, 3, *shape[3:])))
-            ack = fake.ask(KVCommit(name, 40, 1, SamplingParams(max_tokens=8), {}, "tcp", [1] * 40,
-                                    grant_of(g), shape[0]), HandoffAck)
+            fake.ch.send(
+                KVTransfer(
+                    name, g.reservation, "tcp", {"first_layer": 0}, torch.zeros(1, 2, 3, *shape[3:])
+                )
+            )
+            ack = fake.ask(
+                KVCommit(
+                    name,
+                    40,
+                    1,
+                    SamplingParams(max_tokens=8),
+                    {},
+                    "tcp",
+                    [1] * 40,
+                    grant_of(g),
+                    shape[0],
+                ),
+                HandoffAck,
+            )
             assert not ack.is_accepted and ack.is_retryable, ack
             assert ("did not all arrive" if name == "half" else "another grant") in ack.reason
         # A commit that asks for more than was reserved.
         g = fake.ask(KVReserve("greedy", 40, 8), KVReserved)
         ack = fake.commit("greedy", g, shape, max_tokens=500)
         assert not ack.is_accepted and "does not match the reservation" in ack.reason
-        wait_for(lambda: _decode_stats(p.clients)["num_free_blocks"] == free
-                 and _decode_stats(p.clients)["num_reserved_blocks"] == 0, 5, "every block back")
+        wait_for(
+            lambda: (
+                _decode_stats(p.clients)["num_free_blocks"] == free
+                and _decode_stats(p.clients)["num_reserved_blocks"] == 0
+            ),
+            5,
+            "every block back",
+        )
         # Someone else's reservation cannot be released or committed.
         other = FakePrefill(p.kv, "another-prefill/1")
         try:
@@ -295,9 +411,11 @@ def test_uncommitted_reservations_and_bad_writes_free_their_blocks(tiny_model, t
             ack = other.commit("mine", g, shape)
             assert not ack.is_accepted
             ack = fake.commit("mine", g, shape)
-            assert ack.is_accepted   # still reserved for its owner
+            assert ack.is_accepted  # still reserved for its owner
             again = fake.commit("mine", g, shape, is_written=False)
-            assert again.is_accepted   # the same commit again (its link was made again): the same answer
+            assert (
+                again.is_accepted
+            )  # the same commit again (its link was made again): the same answer
         finally:
             other.close()
         # The cluster still serves.

@@ -3,6 +3,7 @@
 The shell scripts in launch/ read PDSERVE_VENV and PDSERVE_TORCH_SPEC (set-up
 only); everything the Python processes read is here.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,16 +13,16 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Env:
-    log_level: str            # PDSERVE_LOG_LEVEL: DEBUG, INFO (default), WARNING
-    log_interval_s: float     # PDSERVE_LOG_INTERVAL: seconds between a busy process's periodic
-                              # lines (default 10)
-    home: Path                # PDSERVE_HOME: cache for the generated tiny model and built kernels
-    disable_triton: bool      # PDSERVE_DISABLE_TRITON=1: portable kernels on CUDA too
-    disable_graphs: bool      # PDSERVE_DISABLE_GRAPHS=1: eager decode on CUDA
+    log_level: str  # PDSERVE_LOG_LEVEL: DEBUG, INFO (default), WARNING
+    log_interval_s: float  # PDSERVE_LOG_INTERVAL: seconds between a busy process's periodic
+    # lines (default 10)
+    home: Path  # PDSERVE_HOME: cache for the generated tiny model and built kernels
+    disable_triton: bool  # PDSERVE_DISABLE_TRITON=1: portable kernels on CUDA too
+    disable_graphs: bool  # PDSERVE_DISABLE_GRAPHS=1: eager decode on CUDA
     disable_cpu_kernels: bool  # PDSERVE_DISABLE_CPU_KERNELS=1: portable attention on CPU too
-    ready_file: Path | None   # PDSERVE_READY_FILE: a node writes it once the frontend accepts it
-    temp_keys: Path | None    # PDSERVE_TEMP_KEYS: keys made for this cluster alone; the frontend
-                              # removes them as it exits (also when its launcher was killed)
+    ready_file: Path | None  # PDSERVE_READY_FILE: a node writes it once the frontend accepts it
+    temp_keys: Path | None  # PDSERVE_TEMP_KEYS: keys made for this cluster alone; the frontend
+    # removes them as it exits (also when its launcher was killed)
 
 
 def _seconds(text: str | None, default: float) -> float:
@@ -41,6 +42,10 @@ def read_env() -> Env:
         disable_triton=os.environ.get("PDSERVE_DISABLE_TRITON", "0") == "1",
         disable_graphs=os.environ.get("PDSERVE_DISABLE_GRAPHS", "0") == "1",
         disable_cpu_kernels=os.environ.get("PDSERVE_DISABLE_CPU_KERNELS", "0") == "1",
-        ready_file=Path(os.environ["PDSERVE_READY_FILE"]) if os.environ.get("PDSERVE_READY_FILE") else None,
-        temp_keys=Path(os.environ["PDSERVE_TEMP_KEYS"]) if os.environ.get("PDSERVE_TEMP_KEYS") else None,
+        ready_file=Path(os.environ["PDSERVE_READY_FILE"])
+        if os.environ.get("PDSERVE_READY_FILE")
+        else None,
+        temp_keys=Path(os.environ["PDSERVE_TEMP_KEYS"])
+        if os.environ.get("PDSERVE_TEMP_KEYS")
+        else None,
     )

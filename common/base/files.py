@@ -1,4 +1,5 @@
 """Files shared between processes: whether a name still points at the file held open."""
+
 from __future__ import annotations
 
 import os

@@ -13,6 +13,7 @@ it accepts the tokens generated so far (so a request resumed elsewhere, or
 after a preemption, is masked as if it had never stopped), and fills the next
 token's mask as one bit per token: [ceil(V / 32)] int32 words.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,7 +30,7 @@ import torch
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 WHITESPACE = ("compact", "any")
-MAX_COMPILED = 256   # grammars kept compiled, the most recently used
+MAX_COMPILED = 256  # grammars kept compiled, the most recently used
 # The frontend refuses a grammar that takes more CPU than this to compile (in a process of
 # its own, killed at the limit: frontend/grammar_check.py; a schema nested 300 deep takes
 # 2-3 s); a node compiles what passed beside its loop (Compiles), never on it.
@@ -44,9 +45,13 @@ class GrammarError(ValueError):
 def _module():
     try:
         import xgrammar
+
         return xgrammar, None
-    except Exception as e:   # ImportError, or a native library that does not load here
-        return None, f"structured outputs need xgrammar, which does not import here ({type(e).__name__}: {e})"
+    except Exception as e:  # ImportError, or a native library that does not load here
+        return (
+            None,
+            f"structured outputs need xgrammar, which does not import here ({type(e).__name__}: {e})",
+        )
 
 
 def why_unusable() -> str | None:
@@ -72,9 +77,12 @@ def num_words(vocab_size: int) -> int:
 def for_model(model_dir: str | None, vocab_size: int, max_threads: int = 8) -> "Grammars":
     """The grammars of a model directory's tokenizer; GrammarError says why there are none."""
     if model_dir is None:
-        raise GrammarError("structured outputs need the model's tokenizer: this node was started with "
-                           "--shape, not --model")
+        raise GrammarError(
+            "structured outputs need the model's tokenizer: this node was started with "
+            "--shape, not --model"
+        )
     from transformers import AutoTokenizer
+
     return Grammars(AutoTokenizer.from_pretrained(model_dir), vocab_size, max_threads)
 
 
@@ -98,9 +106,9 @@ class Grammars:
         self.json_safe = mask_to_bits(safe)
         stops = np.zeros(num_words(vocab_size) * 32, dtype=bool)
         stops[[t for t in self.info.stop_token_ids if t < vocab_size]] = True
-        self.stop_only = mask_to_bits(stops)   # [W]: EOS alone
+        self.stop_only = mask_to_bits(stops)  # [W]: EOS alone
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
-        self._lock = threading.Lock()   # NOTE: callers on several threads may share one
+        self._lock = threading.Lock()  # NOTE: callers on several threads may share one
 
     def compile(self, grammar: tuple[str, str, str]):
         """The compiled grammar; GrammarError says why it does not compile."""
@@ -120,7 +128,7 @@ class Grammars:
         c, is_any = self._compiler, whitespace == "any"
         try:
             if kind == "json_schema":
-                json.loads(spec)   # a plain error before xgrammar's own
+                json.loads(spec)  # a plain error before xgrammar's own
                 return c.compile_json_schema(spec, any_whitespace=is_any)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=is_any)
@@ -129,7 +137,11 @@ class Grammars:
                 return c.compile_regex(spec)
             if kind == "choice":
                 choices = json.loads(spec)
-                if not isinstance(choices, list) or not choices or not all(isinstance(x, str) for x in choices):
+                if (
+                    not isinstance(choices, list)
+                    or not choices
+                    or not all(isinstance(x, str) for x in choices)
+                ):
                     raise GrammarError("a choice is a non-empty list of strings")
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in choices))
             return c.compile_grammar(spec)
@@ -139,11 +151,15 @@ class Grammars:
             raise GrammarError(f"the {kind} is not valid JSON: {e}") from None
         except re.error as e:
             raise GrammarError(f"the regex does not compile: {e}") from None
-        except Exception as e:   # xgrammar's own errors (RuntimeError, ValueError, ...)
-            raise GrammarError(f"the {kind} cannot be compiled: {str(e).splitlines()[0][:300]}") from None
+        except Exception as e:  # xgrammar's own errors (RuntimeError, ValueError, ...)
+            raise GrammarError(
+                f"the {kind} cannot be compiled: {str(e).splitlines()[0][:300]}"
+            ) from None
 
     def xgrammar_matcher(self, grammar: tuple[str, ...], compiled=None):
-        return self._xgr.GrammarMatcher(self.compile(tuple(grammar)) if compiled is None else compiled)
+        return self._xgr.GrammarMatcher(
+            self.compile(tuple(grammar)) if compiled is None else compiled
+        )
 
 
 class Compiles:
@@ -155,13 +171,13 @@ class Compiles:
 
     def __init__(self, make: Callable[[], Grammars], clock: Callable[[], float] = time.monotonic):
         self._make, self.clock = make, clock
-        self.grammars: Grammars | None = None   # once the first compile has run
+        self.grammars: Grammars | None = None  # once the first compile has run
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._futures: dict[str, Future] = {}
         # key -> [when its compile began (clock), or None before]: one holder a submission,
         # so a start written after its key was dropped reaches nobody's.
         self._starts: dict[str, list] = {}
-        self._running: list | None = None   # the holder of the compile under way
+        self._running: list | None = None  # the holder of the compile under way
 
     def submit(self, key: str, grammar: tuple[str, str, str]) -> None:
         if key not in self._futures:
@@ -172,7 +188,7 @@ class Compiles:
         start[0] = self.clock()
         self._running = start
         try:
-            if self.grammars is None:   # the first compile's time holds the vocabulary's load
+            if self.grammars is None:  # the first compile's time holds the vocabulary's load
                 self.grammars = self._make()
             return self.grammars.compile(grammar)
         finally:
@@ -209,7 +225,7 @@ class Compiles:
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
             fault = GrammarError(f"the grammar could not be compiled here: {why}")
-            fault.is_retryable = True   # this node's fault (its vocabulary, say), not the grammar's
+            fault.is_retryable = True  # this node's fault (its vocabulary, say), not the grammar's
             raise fault from None
 
     def drop(self, key: str) -> None:
@@ -225,15 +241,21 @@ class Compiles:
         self._futures.clear()
 
 
-def matcher_for(params, tokens: list[int], vocab_size: int, grammars: "Grammars | None",
-                compiled=None) -> "Matcher":
+def matcher_for(
+    params, tokens: list[int], vocab_size: int, grammars: "Grammars | None", compiled=None
+) -> "Matcher":
     """The matcher of a request whose mask changes token by token (params.is_masked_per_step:
     a grammar, from grammars, or a bad word of several tokens), past the tokens it has
     generated so far. compiled: its grammar, compiled already (Compiles.take)."""
     g = grammars.xgrammar_matcher(params.grammar, compiled) if params.grammar else None
     is_json = g is not None and params.grammar[0].startswith("json")
-    m = Matcher(vocab_size, g, grammars.json_safe if is_json else None, [w for w in params.bad_words_ids if len(w) > 1],
-                grammars.stop_only if g is not None else None)
+    m = Matcher(
+        vocab_size,
+        g,
+        grammars.json_safe if is_json else None,
+        [w for w in params.bad_words_ids if len(w) > 1],
+        grammars.stop_only if g is not None else None,
+    )
     for t in tokens:
         m.accept(t)
     return m
@@ -245,14 +267,20 @@ class Matcher:
     (vLLM's meaning of bad_words: a sequence never completed; one-token words are
     masked with the rest of the request's fixed masks, logits.py)."""
 
-    def __init__(self, vocab_size: int, grammar=None, also: torch.Tensor | None = None,
-                 bad_words: list[tuple[int, ...]] = (), stop_only: torch.Tensor | None = None):
-        self._m = grammar   # an xgrammar GrammarMatcher, or None
-        self._stop_only = stop_only   # [W]: EOS alone, once the grammar has ended
-        self.bits = torch.zeros(num_words(vocab_size), dtype=torch.int32)   # the next token's mask
+    def __init__(
+        self,
+        vocab_size: int,
+        grammar=None,
+        also: torch.Tensor | None = None,
+        bad_words: list[tuple[int, ...]] = (),
+        stop_only: torch.Tensor | None = None,
+    ):
+        self._m = grammar  # an xgrammar GrammarMatcher, or None
+        self._stop_only = stop_only  # [W]: EOS alone, once the grammar has ended
+        self.bits = torch.zeros(num_words(vocab_size), dtype=torch.int32)  # the next token's mask
         self._also = also
         self._bad_words = bad_words
-        self._tail: list[int] = []   # the last tokens, as many as the longest bad word needs
+        self._tail: list[int] = []  # the last tokens, as many as the longest bad word needs
 
     def fill(self) -> torch.Tensor:
         """The next token's mask ([W] int32 words; this matcher's buffer)."""
@@ -268,14 +296,17 @@ class Matcher:
         if self._also is not None:
             self.bits &= self._also
         for w in self._bad_words:
-            if len(self._tail) >= len(w) - 1 and tuple(self._tail[len(self._tail) - len(w) + 1:]) == w[:-1]:
+            if (
+                len(self._tail) >= len(w) - 1
+                and tuple(self._tail[len(self._tail) - len(w) + 1 :]) == w[:-1]
+            ):
                 self.bits[w[-1] // 32] &= ~(1 << (w[-1] % 32)) if w[-1] % 32 != 31 else 0x7FFFFFFF
         return self.bits
 
     def accept(self, token: int) -> bool:
         """False if the grammar did not allow it (it was not masked to it)."""
         if self._bad_words:
-            self._tail = (self._tail + [token])[-max(len(w) for w in self._bad_words):]
+            self._tail = (self._tail + [token])[-max(len(w) for w in self._bad_words) :]
         if self._m is not None and self._m.is_terminated():
             # NOTE: the grammar is whole and its mask allows only EOS: with ignore_eos the
             # request runs on to max_tokens on EOS tokens (not shown), which is no error.

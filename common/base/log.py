@@ -1,6 +1,7 @@
 """One logging setup for every process: timestamped lines on stderr, each carrying the
 process's name (a node's --name, "frontend"), so the lines of two nodes of one role
 can be told apart in one log."""
+
 from __future__ import annotations
 
 import logging
@@ -9,10 +10,9 @@ import time
 
 from common.base.env import read_env
 
-
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-ROLES = ("frontend", "prefill", "decode")   # a process's own loggers; the rest are its parts
-_name: str | None = None   # this process's name, once set_name has said it
+ROLES = ("frontend", "prefill", "decode")  # a process's own loggers; the rest are its parts
+_name: str | None = None  # this process's name, once set_name has said it
 
 
 def set_name(name: str | None) -> None:
@@ -32,8 +32,9 @@ class _Format(logging.Formatter):
         self.role = role
 
     def format(self, record: logging.LogRecord) -> str:
-        who = self.role if _name is None else \
-            _name if self.role in ROLES else f"{_name}/{self.role}"
+        who = (
+            self.role if _name is None else _name if self.role in ROLES else f"{_name}/{self.role}"
+        )
         record.who = f"{who:<9}"
         return super().format(record)
 
@@ -68,8 +69,13 @@ def get_logger(role: str) -> logging.Logger:
 
 
 def add_log_level_arg(p) -> None:
-    p.add_argument("--log-level", type=str.upper, choices=LEVELS, default=None,
-                   help="default: PDSERVE_LOG_LEVEL, else INFO")
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LEVELS,
+        default=None,
+        help="default: PDSERVE_LOG_LEVEL, else INFO",
+    )
 
 
 def set_level(level: str | None) -> None:
@@ -105,8 +111,11 @@ class Throttle:
         now = time.monotonic()
         if now - self._window_start >= self.window_s:
             if self._num_held:
-                self.logger.warning("... and %d more lines like these in %.0fs, not shown",
-                                    self._num_held, self.window_s)
+                self.logger.warning(
+                    "... and %d more lines like these in %.0fs, not shown",
+                    self._num_held,
+                    self.window_s,
+                )
             self._window_start, self._num_logged, self._num_held = now, 0, 0
         if self._num_logged < self.limit:
             self._num_logged += 1

@@ -1,4 +1,5 @@
 """The shape of a Qwen3 dense model, read from a Hugging Face config or a preset."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,8 +26,9 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
 
@@ -53,8 +55,10 @@ def spec_from_hf_config(config) -> ModelSpec:
     archs = list(getattr(config, "architectures", None) or [])
     model_type = getattr(config, "model_type", None)
     if model_type != "qwen3" or (archs and not set(archs) & set(SUPPORTED_ARCHITECTURES)):
-        raise ValueError(f"unsupported architecture {archs or model_type!r}: pdserve serves "
-                         f"Qwen3 dense models ({', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ValueError(
+            f"unsupported architecture {archs or model_type!r}: pdserve serves "
+            f"Qwen3 dense models ({', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     if getattr(config, "use_sliding_window", False):
         raise ValueError("Qwen3 with use_sliding_window=True is not supported")
     rope = getattr(config, "rope_parameters", None) or {}
@@ -84,14 +88,25 @@ def spec_from_hf_config(config) -> ModelSpec:
 
 def load_spec(model_dir: str | Path) -> ModelSpec:
     from transformers import AutoConfig
+
     return spec_from_hf_config(AutoConfig.from_pretrained(str(model_dir)))
 
 
 def _preset(layers, hidden, inter, heads, kv_heads, tied, max_pos=40960) -> ModelSpec:
-    return ModelSpec(vocab_size=151936, hidden_size=hidden, intermediate_size=inter,
-                     num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=128,
-                     rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=max_pos,
-                     is_tied_embeddings=tied, eos_token_ids=(151645, 151643))
+    return ModelSpec(
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=max_pos,
+        is_tied_embeddings=tied,
+        eos_token_ids=(151645, 151643),
+    )
 
 
 # The published Qwen3 dense shapes, for benchmarks that build random weights.

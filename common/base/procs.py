@@ -1,4 +1,5 @@
 """Whether a process of this pid namespace still runs."""
+
 from __future__ import annotations
 
 import os

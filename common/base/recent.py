@@ -1,5 +1,6 @@
 """A bounded memory of the latest keys: what a node remembers of requests it is done
 with, so that a late or repeated message about one is answered right."""
+
 from __future__ import annotations
 
 from collections import OrderedDict

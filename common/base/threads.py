@@ -1,4 +1,5 @@
 """Threads that yield the CPU to a process's latency-bound work."""
+
 from __future__ import annotations
 
 import os
@@ -10,6 +11,8 @@ def lower_this_thread(by: int) -> None:
     that thread alone); where that cannot be done, nothing happens."""
     if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + by)
+            os.setpriority(
+                os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + by
+            )
         except OSError:
             pass

@@ -27,6 +27,7 @@ finite, a pid out of range, more cores than the budget) counts for nothing. A no
 its share waits for a borrower at most deadline_s: one that has not given back by then
 (stopped, hung, not a node at all) loses its row, and the waiter runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,28 +50,29 @@ from common.base.procs import is_alive as is_running
 MAX_NODES = 64
 PID, SHARE, HELD, STAMP, START = range(5)
 NUM_COLS = 5
-LINGER_S = 0.05       # a node that ended a pass this recently is busy: its share is not lent
-WAIT_S = 0.0005       # how often a node owed its share looks again while a borrower gives it back
-DEADLINE_S = 2.0      # the longest a node owed its share waits for a borrower to give it back
-ROW_BYTES = NUM_COLS * 8   # float64 each
+LINGER_S = 0.05  # a node that ended a pass this recently is busy: its share is not lent
+WAIT_S = 0.0005  # how often a node owed its share looks again while a borrower gives it back
+DEADLINE_S = 2.0  # the longest a node owed its share waits for a borrower to give it back
+ROW_BYTES = NUM_COLS * 8  # float64 each
 TABLE_BYTES = MAX_NODES * ROW_BYTES
 SHM_DIR = "/dev/shm"
-PID_MAX = 1 << 22     # the kernel's largest pid (pid_max's ceiling)
-CLOCK_SLACK_S = 1.0   # a stamp this far past now is another node's read racing ours; more is junk
-START_TTL_S = 1.0     # how long a process's start time, read from /proc, is taken as known
+PID_MAX = 1 << 22  # the kernel's largest pid (pid_max's ceiling)
+CLOCK_SLACK_S = 1.0  # a stamp this far past now is another node's read racing ours; more is junk
+START_TTL_S = 1.0  # how long a process's start time, read from /proc, is taken as known
 
 log = get_logger("cores")
-IsAlive = Callable[[int, int], bool]   # (pid, start) -> does that process still run
+IsAlive = Callable[[int, int], bool]  # (pid, start) -> does that process still run
 
 
 # ---- who a row is ---------------------------------------------------------------
+
 
 def process_start(pid: int) -> int | None:
     """pid's start time (clock ticks after boot), from /proc; -1 for a process gone (or a
     zombie, which runs nothing); None where /proc cannot say."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()   # NOTE: the name may hold ')'
+            fields = f.read().rpartition(b")")[2].split()  # NOTE: the name may hold ')'
     except FileNotFoundError:
         return -1 if os.path.isdir("/proc/self") else None
     except OSError:
@@ -80,7 +82,7 @@ def process_start(pid: int) -> int | None:
     return -1 if fields[0] in (b"Z", b"X") else int(fields[19])
 
 
-_starts: dict[int, tuple[int | None, float]] = {}   # pid -> (its start, when read)
+_starts: dict[int, tuple[int | None, float]] = {}  # pid -> (its start, when read)
 
 
 def is_same_process(pid: int, start: int) -> bool:
@@ -102,19 +104,31 @@ def is_sane(row: tuple[float, ...], budget: int, now: float) -> bool:
     """Does a row make sense: finite, a pid in range, whole cores within the budget, a
     stamp not in the future? Any other counts for nothing and may be claimed."""
     pid, share, held, stamp, start = row
-    return all(map(math.isfinite, row)) and 1 <= pid <= PID_MAX and pid.is_integer() \
-        and 1 <= share <= budget and share.is_integer() and 0 <= held <= budget \
-        and held.is_integer() and stamp <= now + CLOCK_SLACK_S and start >= 0
+    return (
+        all(map(math.isfinite, row))
+        and 1 <= pid <= PID_MAX
+        and pid.is_integer()
+        and 1 <= share <= budget
+        and share.is_integer()
+        and 0 <= held <= budget
+        and held.is_integer()
+        and stamp <= now + CLOCK_SLACK_S
+        and start >= 0
+    )
 
 
 def others(table: np.ndarray, budget: int, me: int, now: float) -> list[tuple[int, tuple]]:
     """(row, its values) of the other nodes' rows that make sense."""
     # NOTE: plain floats: a few rows are read faster than numpy reads them
-    return [(r, v) for r in np.flatnonzero(table[:, PID]).tolist()
-            if r != me and is_sane(v := tuple(table[r].tolist()), budget, now)]
+    return [
+        (r, v)
+        for r in np.flatnonzero(table[:, PID]).tolist()
+        if r != me and is_sane(v := tuple(table[r].tolist()), budget, now)
+    ]
 
 
 # ---- the decision -----------------------------------------------------------------
+
 
 def free_cores(table: np.ndarray, budget: int, me: int, now: float, is_alive: IsAlive) -> int:
     """Cores the others neither hold nor are owed (table [MAX_NODES, NUM_COLS]; me: my row)."""
@@ -130,12 +144,16 @@ def free_cores(table: np.ndarray, budget: int, me: int, now: float, is_alive: Is
 
 def lent_rows(table: np.ndarray, budget: int, me: int, now: float, is_alive: IsAlive) -> list[int]:
     """Other nodes' rows that hold more than they are owed (borrowers that will give back)."""
-    return [r for r, v in others(table, budget, me, now)
-            if v[HELD] > v[SHARE] and is_alive(int(v[PID]), int(v[START]))]
+    return [
+        r
+        for r, v in others(table, budget, me, now)
+        if v[HELD] > v[SHARE] and is_alive(int(v[PID]), int(v[START]))
+    ]
 
 
-def decide(table: np.ndarray, budget: int, me: int, want: int, now: float,
-           is_alive: IsAlive) -> int:
+def decide(
+    table: np.ndarray, budget: int, me: int, want: int, now: float, is_alive: IsAlive
+) -> int:
     """Cores for my next pass (0: wait, a borrower is giving mine back)."""
     free = free_cores(table, budget, me, now, is_alive)
     if free >= 1:
@@ -145,12 +163,13 @@ def decide(table: np.ndarray, budget: int, me: int, want: int, now: float,
 
 # ---- the table's file ---------------------------------------------------------------
 
+
 def open_table(path: str) -> int:
     """A descriptor of the table at path, made here or opened; OSError naming why for
     anything but a plain file of this user's that no one else may write (a link, a file
     another user planted under the name: its rows are never read)."""
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _ in range(3):   # NOTE: the last node out may remove it between the two opens
+    for _ in range(3):  # NOTE: the last node out may remove it between the two opens
         try:
             fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
             break
@@ -162,15 +181,24 @@ def open_table(path: str) -> int:
         except FileNotFoundError:
             continue
         except OSError as e:
-            raise OSError(e.errno, f"{path} is a symbolic link" if e.errno == errno.ELOOP
-                          else f"{path}: {e.strerror}") from None
+            raise OSError(
+                e.errno,
+                f"{path} is a symbolic link" if e.errno == errno.ELOOP else f"{path}: {e.strerror}",
+            ) from None
     else:
         raise OSError(errno.EAGAIN, f"{path} was removed and made again as it was opened")
     st = os.fstat(fd)
-    why = ("is not a plain file" if not stat.S_ISREG(st.st_mode)
-           else f"belongs to uid {st.st_uid}, not {os.getuid()}" if st.st_uid != os.getuid()
-           else f"has mode {st.st_mode & 0o777:o}: others may write it" if st.st_mode & 0o077
-           else f"has {st.st_nlink} names" if st.st_nlink != 1 else "")
+    why = (
+        "is not a plain file"
+        if not stat.S_ISREG(st.st_mode)
+        else f"belongs to uid {st.st_uid}, not {os.getuid()}"
+        if st.st_uid != os.getuid()
+        else f"has mode {st.st_mode & 0o777:o}: others may write it"
+        if st.st_mode & 0o077
+        else f"has {st.st_nlink} names"
+        if st.st_nlink != 1
+        else ""
+    )
     if why:
         os.close(fd)
         raise OSError(errno.EPERM, f"{path} {why}")
@@ -182,24 +210,35 @@ def open_table(path: str) -> int:
 @dataclass
 class CoreFigures:
     num_passes: int = 0
-    num_lent_passes: int = 0      # passes that ran on more cores than this node's share
-    num_waits: int = 0            # passes that waited for a borrower to give cores back
+    num_lent_passes: int = 0  # passes that ran on more cores than this node's share
+    num_waits: int = 0  # passes that waited for a borrower to give cores back
     wait_s: float = 0.0
-    num_shrinks: int = 0          # layers at which this node gave cores back
-    num_reclaims: int = 0         # borrowers' rows taken back at the deadline
+    num_shrinks: int = 0  # layers at which this node gave cores back
+    num_reclaims: int = 0  # borrowers' rows taken back at the deadline
 
 
 class CorePool:
     """This process's row in the host's table. set_threads(n) is called whenever the
     grant changes (the worker sets torch's threads); clock and is_alive are the test's."""
 
-    def __init__(self, name: str, budget: int, share: int, cap: int,
-                 set_threads: Callable[[int], None], clock: Callable[[], float] = time.monotonic,
-                 is_alive: IsAlive = is_same_process, table: np.ndarray | None = None,
-                 pid: int | None = None, deadline_s: float = DEADLINE_S):
+    def __init__(
+        self,
+        name: str,
+        budget: int,
+        share: int,
+        cap: int,
+        set_threads: Callable[[int], None],
+        clock: Callable[[], float] = time.monotonic,
+        is_alive: IsAlive = is_same_process,
+        table: np.ndarray | None = None,
+        pid: int | None = None,
+        deadline_s: float = DEADLINE_S,
+    ):
         if budget < 1 or share < 1 or cap < 1:
-            raise ValueError(f"core pool {name}: budget, share and cap must be >= 1 "
-                             f"(got {budget}, {share}, {cap})")
+            raise ValueError(
+                f"core pool {name}: budget, share and cap must be >= 1 "
+                f"(got {budget}, {share}, {cap})"
+            )
         self.name, self.budget, self.share, self.cap = name, budget, share, cap
         self.set_threads, self.clock, self.is_alive = set_threads, clock, is_alive
         self.deadline_s = deadline_s
@@ -222,15 +261,19 @@ class CorePool:
             for _ in range(3):
                 fd = open_table(self.path)
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                if is_at(self.path, fd):   # NOTE: else the last node out removed it: again
+                if is_at(self.path, fd):  # NOTE: else the last node out removed it: again
                     fcntl.flock(fd, fcntl.LOCK_UN)
                     break
                 os.close(fd)
             else:
                 raise OSError(errno.EAGAIN, f"{self.path} was removed as it was opened, 3 times")
         except OSError as e:
-            log.warning("core pool %s: not shared: %s; this node runs on its share of %d "
-                        "core(s) alone", self.name, e.strerror or e, self.share)
+            log.warning(
+                "core pool %s: not shared: %s; this node runs on its share of %d core(s) alone",
+                self.name,
+                e.strerror or e,
+                self.share,
+            )
             self.budget = self.share
             return np.zeros((MAX_NODES, NUM_COLS))
         self._file = fd
@@ -264,14 +307,19 @@ class CorePool:
 
     def _leave(self, why: str) -> None:
         """Off the host's table, for good: this node's own, on its share alone."""
-        log.warning("core pool %s: the host's table is not usable (%s); this node runs on its "
-                    "share of %d core(s) alone from now on", self.name, why, self.share)
+        log.warning(
+            "core pool %s: the host's table is not usable (%s); this node runs on its "
+            "share of %d core(s) alone from now on",
+            self.name,
+            why,
+            self.share,
+        )
         self.table = np.zeros((MAX_NODES, NUM_COLS))
         self.budget, self.row = self.share, 0
         self.table[0] = (self.pid, self.share, 0, self.clock() - LINGER_S, self.start)
         try:
             self._map.close()
-        except BufferError:   # a view of it is still alive: the mapping goes with the process
+        except BufferError:  # a view of it is still alive: the mapping goes with the process
             pass
         os.close(self._file)
         self._file = None
@@ -313,7 +361,7 @@ class CorePool:
                 if grant:
                     self.table[self.row, HELD], self.table[self.row, STAMP] = grant, now
                     break
-                self.table[self.row, STAMP] = now   # busy: the borrower sees my share owed
+                self.table[self.row, STAMP] = now  # busy: the borrower sees my share owed
             if waited_from is None:
                 waited_from, deadline = now, now + self.deadline_s
             time.sleep(WAIT_S)
@@ -323,7 +371,7 @@ class CorePool:
         if waited_from is not None:
             f.num_waits += 1
             f.wait_s += now - waited_from
-        self.set_threads(grant)   # NOTE: always: the pass before may have left others set
+        self.set_threads(grant)  # NOTE: always: the pass before may have left others set
         self.held = self.threads = grant
         return grant
 
@@ -332,9 +380,15 @@ class CorePool:
         stopped, hung, or a pid that is no node. One that runs again claims a new row."""
         for row in lent_rows(self.table, self.budget, self.row, now, self.is_alive):
             pid, held, share = (int(self.table[row, c]) for c in (PID, HELD, SHARE))
-            log.warning("core pool %s: pid %d held %d core(s), %d past its share, for %.1fs "
-                        "while this node was owed its own: its row is taken back", self.name,
-                        pid, held, held - share, self.deadline_s)
+            log.warning(
+                "core pool %s: pid %d held %d core(s), %d past its share, for %.1fs "
+                "while this node was owed its own: its row is taken back",
+                self.name,
+                pid,
+                held,
+                held - share,
+                self.deadline_s,
+            )
             self.table[row] = 0
             self.figures.num_reclaims += 1
 
@@ -344,7 +398,7 @@ class CorePool:
         (num_done: the forward's count of layers done, not needed here.)"""
         free = free_cores(self.table, self.budget, self.row, self.clock(), self.is_alive)
         if max(1, min(self._want, free)) == self.held and self._is_mine():
-            return   # NOTE: the common case reads the table without its lock
+            return  # NOTE: the common case reads the table without its lock
         with self._locked():
             self._keep_row()
             now = self.clock()
@@ -367,21 +421,31 @@ class CorePool:
 
     def stats(self) -> dict:
         f = self.figures
-        return {"core_budget": self.budget, "core_share": self.share, "cores_held": self.held,
-                "num_core_passes": f.num_passes, "num_lent_passes": f.num_lent_passes,
-                "num_core_waits": f.num_waits, "core_wait_s": round(f.wait_s, 6),
-                "num_core_shrinks": f.num_shrinks, "num_core_reclaims": f.num_reclaims}
+        return {
+            "core_budget": self.budget,
+            "core_share": self.share,
+            "cores_held": self.held,
+            "num_core_passes": f.num_passes,
+            "num_lent_passes": f.num_lent_passes,
+            "num_core_waits": f.num_waits,
+            "core_wait_s": round(f.wait_s, 6),
+            "num_core_shrinks": f.num_shrinks,
+            "num_core_reclaims": f.num_reclaims,
+        }
 
     def close(self) -> None:
         with self._locked():
             if self._is_mine():
                 self.table[self.row] = 0
             # NOTE: the last node out removes the table, if the name is still this file
-            if self._file is not None and not self.table[:, PID].any() \
-                    and is_at(self.path, self._file):
+            if (
+                self._file is not None
+                and not self.table[:, PID].any()
+                and is_at(self.path, self._file)
+            ):
                 os.unlink(self.path)
         if self._file is not None:
-            self.table = np.zeros_like(self.table)   # NOTE: drop the view before the map closes
+            self.table = np.zeros_like(self.table)  # NOTE: drop the view before the map closes
             self._map.close()
             os.close(self._file)
             self._file = None

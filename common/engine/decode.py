@@ -13,19 +13,19 @@ first use) lives on the device too and advances with each step, and the
 reported log-probabilities come back with the tokens. A batch of plain rows
 never touches it (and on CUDA replays a captured graph).
 """
+
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 import kernels
+from common.base.grammar import bits_to_mask, num_words
 from common.base.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from common.engine import logits as logit_rules
-from common.base.grammar import bits_to_mask, num_words
 from common.engine import qwen3
 from common.engine.graphs import GraphRunner
 from common.engine.h2d import HostToDevice
@@ -36,18 +36,27 @@ from common.kv.blocks import NULL_BLOCK, num_blocks_for
 @dataclass
 class DecodeTicket:
     """A launched decode step: whose tokens it makes and where they land on the host."""
+
     keys: list[str]
     slot: int
-    start: object | None = None     # platform events; None where work is not queued (CPU)
+    start: object | None = None  # platform events; None where work is not queued (CPU)
     end: object | None = None
     copied: object | None = None
-    num_logprobs: list[int] | None = None            # per row (-1: none), when any row asked
-    logprobs: list[TokenLogprobs | None] | None = None   # per row, once collected
+    num_logprobs: list[int] | None = None  # per row (-1: none), when any row asked
+    logprobs: list[TokenLogprobs | None] | None = None  # per row, once collected
 
 
 class DecodeBatch:
-    def __init__(self, model: "qwen3.Model", block_size: int, max_batch_size: int,
-                 max_blocks_per_seq: int, platform, h2d: HostToDevice, eos_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        model: "qwen3.Model",
+        block_size: int,
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+        platform,
+        h2d: HostToDevice,
+        eos_ids: tuple[int, ...] = (),
+    ):
         self.model = model
         self.eos_ids = eos_ids
         self.block_size = block_size
@@ -55,21 +64,25 @@ class DecodeBatch:
         self.platform = platform
         self._h2d = h2d
         self.graphs = GraphRunner(platform)
-        self.num_block_writes = 0     # block-table entries at block crossings
-        self.num_block_copies = 0     # the H2D copies that carried them (one per step at most)
+        self.num_block_writes = 0  # block-table entries at block crossings
+        self.num_block_copies = 0  # the H2D copies that carried them (one per step at most)
         self.num_steps = 0
-        self.num_rows = 0             # summed over steps: / num_steps is the mean batch
+        self.num_rows = 0  # summed over steps: / num_steps is the mean batch
         self.max_batch = 0
-        self.device_busy_s = 0.0      # steps, measured on the device (where it has events; else the host's time)
-        self.device_idle_s = 0.0      # gaps between consecutive steps on the device
+        self.device_busy_s = (
+            0.0  # steps, measured on the device (where it has events; else the host's time)
+        )
+        self.device_idle_s = 0.0  # gaps between consecutive steps on the device
         self._last_end = None
-        self.cores = None             # CPU: the host's shared cores (cores.py), asked each step
-        self.step_threads = 1         # cores a step is worth (the worker's estimate)
+        self.cores = None  # CPU: the host's shared cores (cores.py), asked each step
+        self.step_threads = 1  # cores a step is worth (the worker's estimate)
         n, dev, pinned = max_batch_size, h2d.device, platform.is_pinned
         self._input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self._seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self._step_inc = torch.zeros(n, dtype=torch.int32, device=dev)
-        self._block_tables = torch.full((n, max_blocks_per_seq), NULL_BLOCK, dtype=torch.int32, device=dev)
+        self._block_tables = torch.full(
+            (n, max_blocks_per_seq), NULL_BLOCK, dtype=torch.int32, device=dev
+        )
         self._slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
         self._positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self._temperature = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -81,19 +94,22 @@ class DecodeBatch:
         self._sampled_host = torch.zeros(2, n, dtype=torch.int64, pin_memory=pinned)
         # Host mirrors, advanced without reading the device back.
         self.host_seq_lens = np.ones(n, dtype=np.int32)
-        self._host_seq_lens_t = torch.from_numpy(self.host_seq_lens)   # the same memory
+        self._host_seq_lens_t = torch.from_numpy(self.host_seq_lens)  # the same memory
         self._host_num_blocks = np.zeros(n, dtype=np.int32)
         self._host_is_greedy = np.ones(n, dtype=bool)
         self._host_num_logprobs = np.full(n, -1, dtype=np.int32)
-        self._host_is_processed = np.zeros(n, dtype=bool)   # processed (not raw) log-probabilities
+        self._host_is_processed = np.zeros(n, dtype=bool)  # processed (not raw) log-probabilities
         self._host_is_processing = np.zeros(n, dtype=bool)  # penalties or masks
-        self._rows: logit_rules.RowState | None = None      # made when a row first needs it
+        self._rows: logit_rules.RowState | None = None  # made when a row first needs it
         self._is_processed = torch.zeros(n, dtype=torch.bool, device=dev)
-        self._logprobs = (torch.zeros(n, dtype=torch.float32, device=dev),
-                          torch.zeros(n, MAX_LOGPROBS, dtype=torch.float32, device=dev),
-                          torch.zeros(n, MAX_LOGPROBS, dtype=torch.int64, device=dev))
-        self._logprobs_host = tuple(torch.zeros(2, *t.shape, dtype=t.dtype, pin_memory=pinned)
-                                    for t in self._logprobs)
+        self._logprobs = (
+            torch.zeros(n, dtype=torch.float32, device=dev),
+            torch.zeros(n, MAX_LOGPROBS, dtype=torch.float32, device=dev),
+            torch.zeros(n, MAX_LOGPROBS, dtype=torch.int64, device=dev),
+        )
+        self._logprobs_host = tuple(
+            torch.zeros(2, *t.shape, dtype=t.dtype, pin_memory=pinned) for t in self._logprobs
+        )
         # Grammar masks: set on the host before each step (the one per-step copy in, and only
         # for a batch that has a grammar row); -1 (every token) in the rows without one.
         words = num_words(model.spec.vocab_size)
@@ -110,8 +126,10 @@ class DecodeBatch:
 
     def capture_graphs(self) -> None:
         width = self._block_tables.shape[1]
-        self.graphs.capture(lambda n, is_greedy: self._run(n, width, is_greedy), self.max_batch_size)
-        self._input_ids.zero_()   # the warm-up steps sampled into the padding rows
+        self.graphs.capture(
+            lambda n, is_greedy: self._run(n, width, is_greedy), self.max_batch_size
+        )
+        self._input_ids.zero_()  # the warm-up steps sampled into the padding rows
 
     # ---- rows ------------------------------------------------------------------
 
@@ -124,12 +142,28 @@ class DecodeBatch:
         return list(self._keys)
 
     def _row_buffers(self) -> tuple[torch.Tensor, ...]:
-        return (self._input_ids, self._seq_lens, self._step_inc, self._block_tables,
-                self._temperature, self._top_p, self._top_k, self._seeds, self._is_processed)
+        return (
+            self._input_ids,
+            self._seq_lens,
+            self._step_inc,
+            self._block_tables,
+            self._temperature,
+            self._top_p,
+            self._top_k,
+            self._seeds,
+            self._is_processed,
+        )
 
     @torch.inference_mode()
-    def add(self, key: str, token_id: int, num_cached: int, block_ids: list[int],
-            params: SamplingParams, history: tuple[list[int], list[int]] = ((), ())) -> None:
+    def add(
+        self,
+        key: str,
+        token_id: int,
+        num_cached: int,
+        block_ids: list[int],
+        params: SamplingParams,
+        history: tuple[list[int], list[int]] = ((), ()),
+    ) -> None:
         """A sequence joins: num_cached tokens are in the cache at block_ids, and
         token_id (at position num_cached) is its next input. history: its prompt's
         tokens and those it generated so far (token_id the last), read only where
@@ -142,8 +176,10 @@ class DecodeBatch:
         if len(block_ids) < num_blocks_for(num_cached + 1, self.block_size):
             raise ValueError(f"{num_cached + 1} tokens need more than {len(block_ids)} blocks")
         if len(block_ids) > self._block_tables.shape[1]:
-            raise ValueError(f"{len(block_ids)} blocks exceed the model's maximum length "
-                             f"({self._block_tables.shape[1]} blocks)")
+            raise ValueError(
+                f"{len(block_ids)} blocks exceed the model's maximum length "
+                f"({self._block_tables.shape[1]} blocks)"
+            )
         w = self._h2d.write
         w(self._input_ids[row], token_id)
         w(self._seq_lens[row], num_cached + 1)
@@ -165,9 +201,12 @@ class DecodeBatch:
             w(self._is_processed[row], params.is_processed_logprobs)
         if params.is_processing or self._rows is not None:
             if self._rows is None:
-                self._rows = logit_rules.RowState.empty(self.max_batch_size, self.model.spec.vocab_size,
-                                                        self._h2d.device)
-            self._rows.set_row(row, params, list(history[0]), list(history[1]), self.eos_ids, self._h2d.tensor)
+                self._rows = logit_rules.RowState.empty(
+                    self.max_batch_size, self.model.spec.vocab_size, self._h2d.device
+                )
+            self._rows.set_row(
+                row, params, list(history[0]), list(history[1]), self.eos_ids, self._h2d.tensor
+            )
         self._slots[key] = row
         self._keys.append(key)
 
@@ -182,9 +221,16 @@ class DecodeBatch:
                 buf[row].copy_(buf[last])
             if self._rows is not None:
                 self._rows.copy_row(row, last)
-            for mirror in (self.host_seq_lens, self._host_num_blocks, self._host_is_greedy,
-                           self._host_num_logprobs, self._host_is_processed, self._host_is_processing,
-                           self._host_has_step_mask, self._mask_staging):
+            for mirror in (
+                self.host_seq_lens,
+                self._host_num_blocks,
+                self._host_is_greedy,
+                self._host_num_logprobs,
+                self._host_is_processed,
+                self._host_is_processing,
+                self._host_has_step_mask,
+                self._mask_staging,
+            ):
                 mirror[row] = mirror[last]
             self._keys[row] = moved
             self._slots[moved] = row
@@ -266,8 +312,9 @@ class DecodeBatch:
             return None
         short = self.keys_needing_block()
         if short:
-            raise RuntimeError(f"sequences {short} need a block for their next position; "
-                               f"call append_block first")
+            raise RuntimeError(
+                f"sequences {short} need a block for their next position; call append_block first"
+            )
         self._flush_block_writes(True)
         is_greedy = bool(self._host_is_greedy[:n].all())
         ks = self._host_num_logprobs[:n]
@@ -286,11 +333,17 @@ class DecodeBatch:
             else:
                 self.cores.begin(self.step_threads)
                 try:
-                    self._run(n, width, is_greedy, None if is_plain else int(ks.max()), self.cores.between_layers)
+                    self._run(
+                        n,
+                        width,
+                        is_greedy,
+                        None if is_plain else int(ks.max()),
+                        self.cores.between_layers,
+                    )
                 finally:
                     self.cores.end()
         ticket.end = p.event(timing=True)
-        if ticket.end is None:   # no events (CPU): the step ran here, in this call
+        if ticket.end is None:  # no events (CPU): the step ran here, in this call
             self.device_busy_s += time.perf_counter() - t0
         self._sampled_host[ticket.slot, :n].copy_(self._sampled[:n], non_blocking=True)
         if (ks >= 0).any():
@@ -311,7 +364,7 @@ class DecodeBatch:
     def collect(self, ticket: DecodeTicket) -> list[int]:
         """Wait for a launched step; its tokens, in the ticket's key order."""
         if ticket.copied is None:
-            self.platform.synchronize()   # no events here: a no-op on CPU
+            self.platform.synchronize()  # no events here: a no-op on CPU
         else:
             ticket.copied.synchronize()
             self.device_busy_s += ticket.start.elapsed_time(ticket.end) / 1e3
@@ -328,8 +381,14 @@ class DecodeBatch:
         """The node has nothing to run: the gap before the next step is not device idleness."""
         self._last_end = None
 
-    def _run(self, n: int, width: int, is_greedy: bool, num_logprobs: int | None = None,
-             between_layers=None) -> None:
+    def _run(
+        self,
+        n: int,
+        width: int,
+        is_greedy: bool,
+        num_logprobs: int | None = None,
+        between_layers=None,
+    ) -> None:
         """The device part of a step over rows [0, n) with block tables [n, width].
         num_logprobs: None for a plain batch, else the most alternatives any row asked
         for (-1: none; the full path all the same)."""
@@ -340,23 +399,56 @@ class DecodeBatch:
         # The host mirror rides along for kernels that take lengths on the host (Ascend);
         # a captured graph never reads it.
         host_lens = None if self.graphs.is_graphed else self._host_seq_lens_t[:n]
-        attn = qwen3.AttentionInputs(is_prefill=False, slot_mapping=slot_mapping,
-                                     block_tables=block_tables, seq_lens=seq_lens,
-                                     host_seq_lens=host_lens)
+        attn = qwen3.AttentionInputs(
+            is_prefill=False,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            host_seq_lens=host_lens,
+        )
         m = self.model
-        hidden = qwen3.forward(m.spec, m.weights, m.kv_cache, m.cos_sin, self._input_ids[:n],
-                               torch.sub(seq_lens, 1, out=self._positions[:n]), attn, between_layers)
+        hidden = qwen3.forward(
+            m.spec,
+            m.weights,
+            m.kv_cache,
+            m.cos_sin,
+            self._input_ids[:n],
+            torch.sub(seq_lens, 1, out=self._positions[:n]),
+            attn,
+            between_layers,
+        )
         logits = qwen3.compute_logits(m.weights, hidden)
         if num_logprobs is not None:
             rows = self._rows.rows(n) if self._rows is not None else None
-            allowed = bits_to_mask(self._masks[:n], logits.shape[-1]) if self._host_has_step_mask[:n].any() else None
-            sampled = logit_rules.choose(logits, rows, self._temperature[:n], self._top_p[:n], self._top_k[:n],
-                                         self._seeds[:n], seq_lens.long(), num_logprobs, self._is_processed[:n],
-                                         [t[:n] for t in self._logprobs], is_greedy, allowed)
+            allowed = (
+                bits_to_mask(self._masks[:n], logits.shape[-1])
+                if self._host_has_step_mask[:n].any()
+                else None
+            )
+            sampled = logit_rules.choose(
+                logits,
+                rows,
+                self._temperature[:n],
+                self._top_p[:n],
+                self._top_k[:n],
+                self._seeds[:n],
+                seq_lens.long(),
+                num_logprobs,
+                self._is_processed[:n],
+                [t[:n] for t in self._logprobs],
+                is_greedy,
+                allowed,
+            )
         elif is_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            sampled = sample(logits, self._temperature[:n], self._top_p[:n], self._top_k[:n],
-                             self._seeds[:n], seq_lens.long())
+            sampled = sample(
+                logits,
+                self._temperature[:n],
+                self._top_p[:n],
+                self._top_k[:n],
+                self._seeds[:n],
+                seq_lens.long(),
+            )
         self._sampled[:n].copy_(sampled)
         kernels.advance_step(self._input_ids[:n], sampled, seq_lens, self._step_inc[:n])

@@ -1,5 +1,6 @@
 """Decode steps captured as device graphs, one per (batch bucket, greedy or not),
 replayed over the decode state's persistent buffers."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -27,14 +28,14 @@ class GraphRunner:
         self._buckets = sorted({b for b in GRAPH_BUCKETS if b < max_batch_size} | {max_batch_size})
         side = p.side_stream()
         p.wait_for_current(side)
-        with p.on_stream(side), torch.inference_mode():   # compile kernels, size workspaces
+        with p.on_stream(side), torch.inference_mode():  # compile kernels, size workspaces
             for b in self._buckets:
                 for is_greedy in (True, False):
                     run(b, is_greedy)
         p.synchronize()
         pool = None
         with torch.inference_mode():
-            for b in reversed(self._buckets):   # largest first: the smaller ones fit its pool
+            for b in reversed(self._buckets):  # largest first: the smaller ones fit its pool
                 for is_greedy in (True, False):
                     graph = p.new_graph()
                     with p.capture(graph, pool):

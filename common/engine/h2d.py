@@ -1,5 +1,6 @@
 """The one way host data reaches the device: every write is counted, so a test can
 show that a steady decode step makes none."""
+
 from __future__ import annotations
 
 import threading
@@ -13,7 +14,7 @@ class HostToDevice:
         self.device = device
         self.num_writes = 0
         self.num_bytes = 0
-        self._lock = threading.Lock()   # prefill lanes count from several threads
+        self._lock = threading.Lock()  # prefill lanes count from several threads
 
     def write(self, dst: torch.Tensor, values) -> None:
         """Copy host values into the device tensor dst (same shape). A pinned source

@@ -5,6 +5,7 @@ prefill throughput takes the cores the latency-bound work (decode steps, the
 frontend) leaves, not a share fixed in advance. One long prompt is cut into runs of its
 tokens, a lane each, each run a layer behind the one before (forward_pipelined): the
 lanes meet once a layer instead of at every op's end."""
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,7 @@ MIN_TOKENS_PER_THREAD = 1024
 # A lone chunk is cut into runs a layer apart from this many tokens a run: the lanes meet
 # once a layer, but each streams every weight, which a short run's time is mostly.
 MIN_TOKENS_PER_PART = 256
-FEED_S = 0.005   # on_layers is called at least this often during a pass
+FEED_S = 0.005  # on_layers is called at least this often during a pass
 
 
 def _start_lane() -> None:
@@ -43,20 +44,32 @@ class Lanes:
     indices, so KV held back for a link that was full goes out as it drains. The caller
     waits in that loop: nothing else runs there."""
 
-    def __init__(self, num_lanes: int, forward: Callable[..., torch.Tensor], pair_cost: float = 0.0):
+    def __init__(
+        self, num_lanes: int, forward: Callable[..., torch.Tensor], pair_cost: float = 0.0
+    ):
         self.num_lanes = num_lanes
-        self._forward = forward   # forward(chunks, between_layers=None, kv_written=None): qwen3.forward's hooks
-        self.pair_cost = pair_cost   # attention per (query, key) pair over a token's matmuls
+        self._forward = (
+            forward  # forward(chunks, between_layers=None, kv_written=None): qwen3.forward's hooks
+        )
+        self.pair_cost = pair_cost  # attention per (query, key) pair over a token's matmuls
         self._pair_cost_0 = pair_cost
-        self.is_pipelined = True    # a lone long chunk: parts a layer apart (False: one pass on every thread)
-        self._pool = ThreadPoolExecutor(num_lanes, thread_name_prefix="prefill-lane", initializer=_start_lane)
+        self.is_pipelined = (
+            True  # a lone long chunk: parts a layer apart (False: one pass on every thread)
+        )
+        self._pool = ThreadPoolExecutor(
+            num_lanes, thread_name_prefix="prefill-lane", initializer=_start_lane
+        )
 
     def close(self) -> None:
         self._pool.shutdown()
 
-    @torch.inference_mode()   # NOTE: thread-local: a lane thread must enter it itself
-    def _on_lane(self, chunks: list, num_threads: int = 1, between_layers=None, kv_written=None) -> torch.Tensor:
-        torch.set_num_threads(num_threads)   # NOTE: per thread: this lane's ops, and the pool it starts
+    @torch.inference_mode()  # NOTE: thread-local: a lane thread must enter it itself
+    def _on_lane(
+        self, chunks: list, num_threads: int = 1, between_layers=None, kv_written=None
+    ) -> torch.Tensor:
+        torch.set_num_threads(
+            num_threads
+        )  # NOTE: per thread: this lane's ops, and the pool it starts
         try:
             return self._forward(chunks, between_layers, kv_written)
         finally:
@@ -64,9 +77,11 @@ class Lanes:
 
     def _part(self, chunks: list, idx: list[int], num_threads: int, between_layers) -> Callable:
         """A lane's task: the chunks idx as one forward; post(idx, n) as each layer's KV is written."""
+
         def task(post):
             kv_written = None if post is None else (lambda num_done: post(idx, num_done))
             return self._on_lane([chunks[i] for i in idx], num_threads, between_layers, kv_written)
+
         return task
 
     def _run(self, tasks: list[Callable], on_layers) -> list:
@@ -77,11 +92,14 @@ class Lanes:
         for f in futures:
             f.add_done_callback(lambda _: inbox.put(None))
         num_running, error = len(futures), None
-        while num_running:   # NOTE: to the end even if on_layers fails: the lanes write the cache
+        while num_running:  # NOTE: to the end even if on_layers fails: the lanes write the cache
             try:
                 item = inbox.get(timeout=FEED_S) if on_layers is not None else inbox.get()
             except queue.Empty:
-                item = ([], 0)   # no layer done: what waits to be sent may move (a link that takes more)
+                item = (
+                    [],
+                    0,
+                )  # no layer done: what waits to be sent may move (a link that takes more)
             if item is None:
                 num_running -= 1
             elif error is None:
@@ -93,12 +111,15 @@ class Lanes:
             raise error
         return [f.result() for f in futures]
 
-    def forward_whole(self, chunks: list, num_threads: int, between_layers=None, on_layers=None) -> torch.Tensor:
+    def forward_whole(
+        self, chunks: list, num_threads: int, between_layers=None, on_layers=None
+    ) -> torch.Tensor:
         """The chunks as one pass on num_threads threads, started from a lane: they keep its
         lower priority, so the latency-bound work on this host still comes first.
         between_layers(n), called on the lane, may resize the pool (torch.set_num_threads)."""
-        return self._run([self._part(chunks, list(range(len(chunks))), num_threads, between_layers)],
-                         on_layers)[0]
+        return self._run(
+            [self._part(chunks, list(range(len(chunks))), num_threads, between_layers)], on_layers
+        )[0]
 
     def forward_pipelined(self, chunk, num_parts: int, on_layers=None) -> torch.Tensor:
         """One long chunk as num_parts runs of its tokens of about equal cost, a lane each, part
@@ -108,8 +129,10 @@ class Lanes:
         NOTE: worth it on a host whose cores are shared; the price is one layer of the first
         part's time before the last starts (1 / num_layers of the pass on two lanes)."""
         bounds = split_tokens(len(chunk.token_ids), chunk.context_len, num_parts, self.pair_cost)
-        parts = [replace(chunk, token_ids=chunk.token_ids[a:b], context_len=chunk.context_len + a)
-                 for a, b in zip(bounds, bounds[1:])]
+        parts = [
+            replace(chunk, token_ids=chunk.token_ids[a:b], context_len=chunk.context_len + a)
+            for a, b in zip(bounds, bounds[1:])
+        ]
         cond, num_done, cpu_s = threading.Condition(), [0] * len(parts), [0.0] * len(parts)
 
         def mark(j: int, n: float) -> None:
@@ -127,19 +150,24 @@ class Lanes:
                     mark(j, n)
                     if j:
                         wait(j - 1, n + 1)
+
                 # The whole chunk's KV of a layer is written once the last part's is: the parts
                 # before it are at least a layer ahead.
-                kv_written = (lambda n: post([0], n)) if post is not None and j == len(parts) - 1 else None
+                kv_written = (
+                    (lambda n: post([0], n)) if post is not None and j == len(parts) - 1 else None
+                )
                 try:
                     if j:
                         wait(j - 1, 1)
-                    start = time.thread_time()   # NOTE: CPU time: not what waits or what others take
+                    start = time.thread_time()  # NOTE: CPU time: not what waits or what others take
                     out = self._on_lane([parts[j]], 1, after, kv_written)
                     cpu_s[j] = time.thread_time() - start
                     return out
                 finally:
-                    mark(j, math.inf)   # NOTE: also on an error: no part waits forever
+                    mark(j, math.inf)  # NOTE: also on an error: no part waits forever
+
             return run
+
         last_hidden = self._run([task(j) for j in range(len(parts))], on_layers)[-1]
         self._fit_pair_cost([(len(p.token_ids), p.context_len) for p in parts], cpu_s)
         return last_hidden
@@ -174,7 +202,9 @@ class Lanes:
             loads[j] += len(chunks[i].token_ids) + chunks[i].context_len // 4
         return [sorted(lane) for lane in lanes if lane]
 
-    def forward_shared(self, chunks: list, cores, want: int, is_chunk_heavy: bool, on_layers=None) -> torch.Tensor:
+    def forward_shared(
+        self, chunks: list, cores, want: int, is_chunk_heavy: bool, on_layers=None
+    ) -> torch.Tensor:
         """The pass on a host's shared cores (cores.CorePool), worth `want` of them. One prompt,
         or prompts each worth several cores (is_chunk_heavy: big matmuls), run every granted
         thread, resized between layers. Small ones go to the lanes, one thread each with no
@@ -194,17 +224,23 @@ class Lanes:
         lanes = self.split(chunks, num_lanes)
         num_tokens = sum(len(c.token_ids) for c in chunks)
         if len(lanes) == 1 and num_lanes > 1:
-            if len(chunks) == 1 and chunks[0].prompt_targets is None and self.is_pipelined \
-                    and num_tokens >= MIN_TOKENS_PER_PART * num_lanes:
+            if (
+                len(chunks) == 1
+                and chunks[0].prompt_targets is None
+                and self.is_pipelined
+                and num_tokens >= MIN_TOKENS_PER_PART * num_lanes
+            ):
                 return self.forward_pipelined(chunks[0], num_lanes, on_layers)
             if num_tokens >= MIN_TOKENS_PER_THREAD * num_lanes:
-                return self.forward_whole(chunks, num_lanes, None, on_layers)   # every thread on one long chunk
+                return self.forward_whole(
+                    chunks, num_lanes, None, on_layers
+                )  # every thread on one long chunk
         parts = self._run([self._part(chunks, idx, 1, None) for idx in lanes], on_layers)
         if len(lanes) == 1:
             return parts[0]
         # NOTE: lanes write disjoint blocks of the one cache; the caller's sampling waits for all.
         order = torch.tensor([i for lane in lanes for i in lane])
-        packed = torch.cat(parts)            # lane order -> chunk order
+        packed = torch.cat(parts)  # lane order -> chunk order
         last_hidden = torch.empty_like(packed)
         last_hidden[order] = packed
         return last_hidden
@@ -213,8 +249,10 @@ class Lanes:
 def split_tokens(num_tokens: int, context_len: int, num_parts: int, pair_cost: float) -> list[int]:
     """Offsets cutting a chunk of num_tokens after context_len into num_parts of equal cost:
     a token's matmuls (1) and its attention, pair_cost a (query, key) pair. -> [0, ..., num_tokens]."""
+
     def cost(t: float) -> float:
         return t + pair_cost * (context_len * t + t * t / 2)
+
     a, b = pair_cost / 2, 1 + pair_cost * context_len
     bounds = [0]
     for j in range(1, num_parts):

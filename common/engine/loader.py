@@ -1,4 +1,5 @@
 """Load a Hugging Face Qwen3 checkpoint (single or sharded safetensors) into Qwen3Weights."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,6 @@ from safetensors import safe_open
 from common.base.log import get_logger
 from common.base.model_spec import ModelSpec
 from common.engine.qwen3 import LayerWeights, Qwen3Weights
-
 
 log = get_logger("loader")
 
@@ -40,9 +40,14 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, device, dtype) -> Qwen3
             for name in f.keys():
                 raw[name.removeprefix("model.")] = f.get_tensor(name)
         size = path.stat().st_size
-        log.info("read weights %d/%d (%s): %s in %.1fs", i + 1, len(files), path.name,
-                 f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB",
-                 time.perf_counter() - t0)
+        log.info(
+            "read weights %d/%d (%s): %s in %.1fs",
+            i + 1,
+            len(files),
+            path.name,
+            f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB",
+            time.perf_counter() - t0,
+        )
 
     def take(name: str) -> torch.Tensor:
         if name not in raw:
@@ -53,20 +58,29 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, device, dtype) -> Qwen3
     for i in range(spec.num_layers):
         p = f"layers.{i}."
         a = p + "self_attn."
-        qkv = torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"),
-                         take(a + "v_proj.weight")])
+        qkv = torch.cat(
+            [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]
+        )
         bias = None
         if spec.has_attention_bias:
-            bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"),
-                              take(a + "v_proj.bias")])
-        layers.append(LayerWeights(
-            input_norm=take(p + "input_layernorm.weight"), qkv=qkv, qkv_bias=bias,
-            q_norm=take(a + "q_norm.weight"), k_norm=take(a + "k_norm.weight"),
-            o_proj=take(a + "o_proj.weight"),
-            post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-            down=take(p + "mlp.down_proj.weight"),
-        ))
+            bias = torch.cat(
+                [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")]
+            )
+        layers.append(
+            LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=qkv,
+                qkv_bias=bias,
+                q_norm=take(a + "q_norm.weight"),
+                k_norm=take(a + "k_norm.weight"),
+                o_proj=take(a + "o_proj.weight"),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat(
+                    [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                ),
+                down=take(p + "mlp.down_proj.weight"),
+            )
+        )
     embed = take("embed_tokens.weight")
     if "lm_head.weight" in raw and not spec.is_tied_embeddings:
         lm_head = take("lm_head.weight")
@@ -74,6 +88,10 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, device, dtype) -> Qwen3
         raw.pop("lm_head.weight", None)
         lm_head = embed
     weights = Qwen3Weights(embed=embed, layers=layers, norm=take("norm.weight"), lm_head=lm_head)
-    log.info("weights on %s in %s: %.1fs in all", device, str(dtype).removeprefix("torch."),
-             time.perf_counter() - started)
+    log.info(
+        "weights on %s in %s: %.1fs in all",
+        device,
+        str(dtype).removeprefix("torch."),
+        time.perf_counter() - started,
+    )
     return weights

@@ -1,5 +1,6 @@
 """How many host cores a pass is worth, and how to weigh a prompt's attention against its
 matmuls: the figures the core pool (cores.py) and the prefill lanes (lanes.py) size by."""
+
 from __future__ import annotations
 
 # Typical rates of one host core (fp32 matmul; memory streamed), to size a pass: it is
@@ -11,8 +12,11 @@ MIN_MS_PER_THREAD = 20.0
 
 def layer_params(spec) -> int:
     """Weights of one decoder layer's matmuls (2 FLOPs each a token)."""
-    return spec.hidden_size * (spec.q_size + 2 * spec.kv_size) + spec.q_size * spec.hidden_size \
+    return (
+        spec.hidden_size * (spec.q_size + 2 * spec.kv_size)
+        + spec.q_size * spec.hidden_size
         + 3 * spec.hidden_size * spec.intermediate_size
+    )
 
 
 def pair_cost(spec) -> float:

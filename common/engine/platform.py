@@ -33,6 +33,7 @@ And what it does:
     open_shared(h, ...)     that process's view of the shared allocation, and how to close it
     release(cache)          the cache's shared segment, if any, is unlinked
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,7 +50,9 @@ from common.base.procs import is_alive
 from kernels import backends as kernel_backends
 from kernels.options import KernelOptions
 
-SHM_PREFIX = "pdserve-kv"   # /dev/shm/pdserve-kv-<pid namespace>-<pid>-<hex>: a CPU cache other processes map
+SHM_PREFIX = (
+    "pdserve-kv"  # /dev/shm/pdserve-kv-<pid namespace>-<pid>-<hex>: a CPU cache other processes map
+)
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
@@ -60,7 +63,7 @@ class PlatformError(RuntimeError):
     pass
 
 
-PLATFORMS: dict[str, type["CpuPlatform"]] = {}   # by torch device type
+PLATFORMS: dict[str, type["CpuPlatform"]] = {}  # by torch device type
 
 
 def register(cls):
@@ -96,11 +99,12 @@ class CpuPlatform:
     @staticmethod
     def process_group(store, rank: int, size: int, timeout):
         import torch.distributed as dist
+
         return dist.ProcessGroupGloo(store, rank, size, timeout)
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._segment: shared_memory.SharedMemory | None = None   # a shared CPU cache's
+        self._segment: shared_memory.SharedMemory | None = None  # a shared CPU cache's
 
     def activate(self) -> None:
         pass
@@ -110,13 +114,14 @@ class CpuPlatform:
 
     def free_memory(self) -> int:
         import os
+
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
     def release_memory(self) -> None:
         pass
 
     def event(self, timing: bool = False):
-        return None   # work runs as it is called: nothing is queued to mark
+        return None  # work runs as it is called: nothing is queued to mark
 
     def side_stream(self):
         return None
@@ -142,10 +147,16 @@ class CpuPlatform:
         nbytes = _nbytes(shape, dtype)
         # Python's resource tracker unlinks the segment if this process dies without closing it.
         self._segment = shared_memory.SharedMemory(
-            f"{SHM_PREFIX}-{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(4)}", create=True,
-            size=max(nbytes, 1))
+            f"{SHM_PREFIX}-{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(4)}",
+            create=True,
+            size=max(nbytes, 1),
+        )
         # a fresh segment reads as zeros
-        return torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+        return (
+            torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=nbytes)
+            .view(dtype)
+            .view(shape)
+        )
 
     def share(self, cache: torch.Tensor) -> str:
         segment = self._segment
@@ -166,8 +177,10 @@ class CpuPlatform:
             raise PlatformError(f"cannot open the shared segment {name}: {e}") from None
         try:
             if os.fstat(fd).st_size < nbytes:
-                raise PlatformError(f"segment {name} holds {os.fstat(fd).st_size} bytes, "
-                                    f"{list(shape)} needs {nbytes}")
+                raise PlatformError(
+                    f"segment {name} holds {os.fstat(fd).st_size} bytes, "
+                    f"{list(shape)} needs {nbytes}"
+                )
             mapping = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
@@ -175,9 +188,12 @@ class CpuPlatform:
         def close() -> None:
             try:
                 mapping.close()
-            except BufferError:   # a tensor view is still alive: the mapping goes at exit
+            except BufferError:  # a tensor view is still alive: the mapping goes at exit
                 pass
-        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape), close
+
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(
+            shape
+        ), close
 
     def release(self, cache: torch.Tensor | None = None) -> None:
         segment, self._segment = self._segment, None
@@ -208,11 +224,15 @@ class CudaPlatform(CpuPlatform):
     def check(cls, device: torch.device) -> None:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ValueError(f"--device {device}: this machine has no usable CUDA device "
-                             f"(torch {torch.__version__}); use --device cpu")
+            raise ValueError(
+                f"--device {device}: this machine has no usable CUDA device "
+                f"(torch {torch.__version__}); use --device cpu"
+            )
         if device.index is not None and device.index >= count:
-            raise ValueError(f"--device {device}: this machine has {count} CUDA device(s), "
-                             f"cuda:0 to cuda:{count - 1}")
+            raise ValueError(
+                f"--device {device}: this machine has {count} CUDA device(s), "
+                f"cuda:0 to cuda:{count - 1}"
+            )
 
     @classmethod
     def why_not_shared(cls) -> str | None:
@@ -221,6 +241,7 @@ class CudaPlatform(CpuPlatform):
     @staticmethod
     def process_group(store, rank: int, size: int, timeout):
         import torch.distributed as dist
+
         return dist.ProcessGroupNCCL(store, rank, size)
 
     def activate(self) -> None:
@@ -257,7 +278,7 @@ class CudaPlatform(CpuPlatform):
         return torch.cuda.graph(graph, pool=pool)
 
     def allocate(self, shape, dtype: torch.dtype, is_shared: bool = False) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=self.device)   # any allocation can be shared
+        return torch.zeros(shape, dtype=dtype, device=self.device)  # any allocation can be shared
 
     def release(self, cache: torch.Tensor | None = None) -> None:
         pass
@@ -267,29 +288,44 @@ class CudaPlatform(CpuPlatform):
         CudaIpcHandle's field order."""
         if cache.storage_offset() != 0:
             raise PlatformError("the KV cache must start its allocation to be shared")
-        (device, handle, size, offset, ref_handle, ref_offset, event_handle,
-         is_sync) = cache.untyped_storage()._share_cuda_()
-        return (int(device), bytes(handle), int(size), int(offset), bytes(ref_handle),
-                int(ref_offset), bytes(event_handle) if event_handle else None, bool(is_sync))
+        (device, handle, size, offset, ref_handle, ref_offset, event_handle, is_sync) = (
+            cache.untyped_storage()._share_cuda_()
+        )
+        return (
+            int(device),
+            bytes(handle),
+            int(size),
+            int(offset),
+            bytes(ref_handle),
+            int(ref_offset),
+            bytes(event_handle) if event_handle else None,
+            bool(is_sync),
+        )
 
     def open_shared(self, handle, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         device, h, size, offset, ref_h, ref_offset, event_h, is_sync = handle
         try:
-            storage = torch.UntypedStorage._new_shared_cuda(device, h, size, offset, ref_h, ref_offset,
-                                                            event_h or b"", is_sync)
+            storage = torch.UntypedStorage._new_shared_cuda(
+                device, h, size, offset, ref_h, ref_offset, event_h or b"", is_sync
+            )
         except Exception as e:  # a bad or foreign handle: CUDA's error, whatever its type
             raise PlatformError(f"cannot open the CUDA IPC handle: {e}") from None
         nbytes = _nbytes(shape, dtype)
         if nbytes > storage.nbytes():
-            raise PlatformError(f"the shared allocation holds {storage.nbytes()} bytes, "
-                                f"{list(shape)} needs {nbytes}")
-        return torch.empty(0, dtype=dtype, device=f"cuda:{device}").set_(storage, 0, shape), lambda: None
+            raise PlatformError(
+                f"the shared allocation holds {storage.nbytes()} bytes, "
+                f"{list(shape)} needs {nbytes}"
+            )
+        return torch.empty(0, dtype=dtype, device=f"cuda:{device}").set_(
+            storage, 0, shape
+        ), lambda: None
 
 
 @register
 class NpuPlatform(CpuPlatform):
     """Ascend through torch_npu. NOTE: no events or side streams yet: a step is
     collected by synchronizing, and transfers copy on the default stream."""
+
     type = "npu"
     is_pinned = True
     kernels = "kernels.npu"
@@ -303,8 +339,10 @@ class NpuPlatform(CpuPlatform):
         try:
             import torch_npu  # noqa: F401
         except ImportError:
-            raise ValueError(f"--device {device}: torch_npu is not installed; use --device cpu "
-                             f"or install torch_npu on an Ascend host") from None
+            raise ValueError(
+                f"--device {device}: torch_npu is not installed; use --device cpu "
+                f"or install torch_npu on an Ascend host"
+            ) from None
 
     @classmethod
     def why_not_shared(cls) -> str | None:
@@ -313,10 +351,12 @@ class NpuPlatform(CpuPlatform):
     @staticmethod
     def process_group(store, rank: int, size: int, timeout):
         import torch_npu  # noqa: F401  (registers ProcessGroupHCCL)
+
         return torch.distributed.ProcessGroupHCCL(store, rank, size)
 
     def activate(self) -> None:
         import torch_npu  # noqa: F401  (registers the npu device)
+
         torch.npu.set_device(self.device)  # type: ignore[attr-defined]
 
     def synchronize(self) -> None:
@@ -346,8 +386,10 @@ def platform_type(device: torch.device | str) -> type[CpuPlatform]:
     """The platform class of a device (ValueError: no platform serves its type)."""
     kind = str(device).partition(":")[0]
     if kind not in PLATFORMS:
-        raise ValueError(f"device {str(device)!r}: no platform serves {kind!r}; one of "
-                         f"{', '.join(sorted(PLATFORMS))} (with :N where there are several)")
+        raise ValueError(
+            f"device {str(device)!r}: no platform serves {kind!r}; one of "
+            f"{', '.join(sorted(PLATFORMS))} (with :N where there are several)"
+        )
     return PLATFORMS[kind]
 
 
@@ -371,12 +413,19 @@ def configure_kernels() -> None:
     """Tell the kernels each platform's fast module, those the environment turns off
     (common/base/env.py), and where the CPU one is built."""
     env = read_env()
-    get_logger("kernels")   # what the kernels say is logged as the process's other lines are
-    off = {t: f"PDSERVE_{p.kernels_off.upper()}=1" for t, p in PLATFORMS.items()
-           if p.kernels_off and getattr(env, p.kernels_off)}
-    kernel_backends.configure(KernelOptions(
-        tuple(sorted((t, p.kernels) for t, p in PLATFORMS.items() if p.kernels)), tuple(sorted(off.items())),
-        env.home / "kernels"))
+    get_logger("kernels")  # what the kernels say is logged as the process's other lines are
+    off = {
+        t: f"PDSERVE_{p.kernels_off.upper()}=1"
+        for t, p in PLATFORMS.items()
+        if p.kernels_off and getattr(env, p.kernels_off)
+    }
+    kernel_backends.configure(
+        KernelOptions(
+            tuple(sorted((t, p.kernels) for t, p in PLATFORMS.items() if p.kernels)),
+            tuple(sorted(off.items())),
+            env.home / "kernels",
+        )
+    )
 
 
 def _pid_namespace() -> str:
@@ -384,7 +433,7 @@ def _pid_namespace() -> str:
     try:
         return str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
-        return "x"   # unknown: no stale segment is ever taken for ours
+        return "x"  # unknown: no stale segment is ever taken for ours
 
 
 def _remove_stale_segments() -> None:
@@ -398,8 +447,13 @@ def _remove_stale_segments() -> None:
         return
     for name in names:
         parts = name.split("-")
-        if ns != "x" and name.startswith(SHM_PREFIX + "-") and len(parts) == 5 and parts[2] == ns \
-                and parts[3].isdigit():
+        if (
+            ns != "x"
+            and name.startswith(SHM_PREFIX + "-")
+            and len(parts) == 5
+            and parts[2] == ns
+            and parts[3].isdigit()
+        ):
             if not is_alive(int(parts[3])):
                 try:
                     os.unlink(os.path.join("/dev/shm", name))

@@ -3,6 +3,7 @@
 Weights are held fused: one [q;k;v] projection and one [gate;up] projection
 per layer, so a layer is four matmuls.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,23 +18,23 @@ from common.base.model_spec import ModelSpec
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor       # [H]
-    qkv: torch.Tensor              # [(Hq + 2 Hk) * D, H]
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hk) * D, H]
     qkv_bias: torch.Tensor | None  # [(Hq + 2 Hk) * D]
-    q_norm: torch.Tensor           # [D]
-    k_norm: torch.Tensor           # [D]
-    o_proj: torch.Tensor           # [H, Hq * D]
-    post_norm: torch.Tensor        # [H]
-    gate_up: torch.Tensor          # [2 I, H]
-    down: torch.Tensor             # [H, I]
+    q_norm: torch.Tensor  # [D]
+    k_norm: torch.Tensor  # [D]
+    o_proj: torch.Tensor  # [H, Hq * D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]
+    down: torch.Tensor  # [H, I]
 
 
 @dataclass
 class Qwen3Weights:
-    embed: torch.Tensor            # [V, H]
+    embed: torch.Tensor  # [V, H]
     layers: list[LayerWeights]
-    norm: torch.Tensor             # [H]
-    lm_head: torch.Tensor          # [V, H]; the embedding itself when tied
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
 
     def tensors(self) -> list[torch.Tensor]:
         out = [self.embed, self.norm, self.lm_head]
@@ -51,29 +52,42 @@ class Qwen3Weights:
 @dataclass
 class Model:
     """A loaded model and the KV cache its forward passes read and write."""
+
     spec: ModelSpec
     weights: Qwen3Weights
-    cos_sin: torch.Tensor          # [max_model_len, D] rotary table
-    kv_cache: torch.Tensor         # [L, 2, num_blocks, block_size, Hk, D]
+    cos_sin: torch.Tensor  # [max_model_len, D] rotary table
+    kv_cache: torch.Tensor  # [L, 2, num_blocks, block_size, Hk, D]
 
 
-def random_weights(spec: ModelSpec, device, dtype, seed: int = 0, std: float = 0.02) -> Qwen3Weights:
+def random_weights(
+    spec: ModelSpec, device, dtype, seed: int = 0, std: float = 0.02
+) -> Qwen3Weights:
     """Random weights of the exact shape, made on the device (benchmarks: values do not change cost)."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape):
-        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(
+            dtype
+        )
 
     def ones(n):
         return torch.ones(n, device=device, dtype=dtype)
 
     h, d = spec.hidden_size, spec.head_dim
-    layers = [LayerWeights(
-        input_norm=ones(h), qkv=rand(spec.q_size + 2 * spec.kv_size, h),
-        qkv_bias=rand(spec.q_size + 2 * spec.kv_size) if spec.has_attention_bias else None,
-        q_norm=ones(d), k_norm=ones(d), o_proj=rand(h, spec.q_size), post_norm=ones(h),
-        gate_up=rand(2 * spec.intermediate_size, h), down=rand(h, spec.intermediate_size),
-    ) for _ in range(spec.num_layers)]
+    layers = [
+        LayerWeights(
+            input_norm=ones(h),
+            qkv=rand(spec.q_size + 2 * spec.kv_size, h),
+            qkv_bias=rand(spec.q_size + 2 * spec.kv_size) if spec.has_attention_bias else None,
+            q_norm=ones(d),
+            k_norm=ones(d),
+            o_proj=rand(h, spec.q_size),
+            post_norm=ones(h),
+            gate_up=rand(2 * spec.intermediate_size, h),
+            down=rand(h, spec.intermediate_size),
+        )
+        for _ in range(spec.num_layers)
+    ]
     embed = rand(spec.vocab_size, h)
     lm_head = embed if spec.is_tied_embeddings else rand(spec.vocab_size, h)
     return Qwen3Weights(embed=embed, layers=layers, norm=ones(h), lm_head=lm_head)
@@ -83,20 +97,28 @@ def random_weights(spec: ModelSpec, device, dtype, seed: int = 0, std: float = 0
 class AttentionInputs:
     """What attention needs for one forward. Prefill: query_lens/context_lens are
     host lists. Decode: seq_lens is a device tensor and every query_len is 1."""
+
     is_prefill: bool
-    slot_mapping: torch.Tensor                 # [T] int64
-    block_tables: torch.Tensor                 # [B, W] int32
-    seq_lens: torch.Tensor | None = None       # [B] int32, decode
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, W] int32
+    seq_lens: torch.Tensor | None = None  # [B] int32, decode
     host_seq_lens: torch.Tensor | None = None  # the same on the host (for Ascend's kernels)
     query_lens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)
-    prefill_meta: torch.Tensor | None = None   # [3, B] int32: chunk starts, lengths, contexts
+    prefill_meta: torch.Tensor | None = None  # [3, B] int32: chunk starts, lengths, contexts
 
 
-def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
-            input_ids: torch.Tensor, positions: torch.Tensor,
-            attn: AttentionInputs, between_layers: Callable[[int], None] | None = None,
-            kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
+def forward(
+    spec: ModelSpec,
+    w: Qwen3Weights,
+    kv_cache: torch.Tensor,
+    cos_sin: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attn: AttentionInputs,
+    between_layers: Callable[[int], None] | None = None,
+    kv_written: Callable[[int], None] | None = None,
+) -> torch.Tensor:
     """input_ids, positions [T]; kv_cache [L, 2, num_blocks, block_size, Hk, D].
     Returns the final normed hidden states [T, H]. between_layers(n), if given, runs
     after each layer but the last, n layers done (a CPU node resizes its threads there).
@@ -105,11 +127,11 @@ def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: t
     rest of the layer computes."""
     num_tokens = input_ids.shape[0]
     eps, d = spec.rms_norm_eps, spec.head_dim
-    scale = d ** -0.5
+    scale = d**-0.5
     # The ops for this device, looked up once per forward (per call, on CPU, the lookup
     # is a visible share of a small step).
     ops = kernels.backend_for(input_ids)
-    h = F.embedding(input_ids, w.embed).to(w.norm.dtype)   # activations: the norms' dtype
+    h = F.embedding(input_ids, w.embed).to(w.norm.dtype)  # activations: the norms' dtype
     residual = None
     for i, layer in enumerate(w.layers):
         if residual is None:
@@ -122,16 +144,36 @@ def forward(spec: ModelSpec, w: Qwen3Weights, kv_cache: torch.Tensor, cos_sin: t
         k = k.view(num_tokens, spec.num_kv_heads, d)
         v = v.view(num_tokens, spec.num_kv_heads, d)
         k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-        q = ops.qk_norm_rope_write_kv(q, k, v, layer.q_norm, layer.k_norm, cos_sin, positions,
-                                      eps, k_cache, v_cache, attn.slot_mapping)
+        q = ops.qk_norm_rope_write_kv(
+            q,
+            k,
+            v,
+            layer.q_norm,
+            layer.k_norm,
+            cos_sin,
+            positions,
+            eps,
+            k_cache,
+            v_cache,
+            attn.slot_mapping,
+        )
         if kv_written is not None:
             kv_written(i + 1)
         if attn.is_prefill:
-            o = ops.prefill_attention(q, k_cache, v_cache, attn.block_tables,
-                                      attn.query_lens, attn.context_lens, scale, attn.prefill_meta)
+            o = ops.prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                attn.block_tables,
+                attn.query_lens,
+                attn.context_lens,
+                scale,
+                attn.prefill_meta,
+            )
         else:
-            o = ops.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale,
-                                     attn.host_seq_lens)
+            o = ops.decode_attention(
+                q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale, attn.host_seq_lens
+            )
         h = ops.linear(o.reshape(num_tokens, spec.q_size), layer.o_proj)
         x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
         h = ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up)), layer.down)

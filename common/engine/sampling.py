@@ -4,6 +4,7 @@ Random draws are counter-based: the noise for (seed, position, token id) is a
 hash of the three, so a request's tokens depend only on its own seed and
 logits, never on which other requests share its batch or which node samples.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,9 +31,16 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           top_k: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-           min_p: torch.Tensor | None = None, logp_out: torch.Tensor | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    min_p: torch.Tensor | None = None,
+    logp_out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """logits [B, V] fp32; per-row params [B]; positions [B] = index of the token
     being sampled. -> [B] int64. Rows with temperature 0 take the argmax.
     min_p [B]: drop tokens less likely than min_p times the likeliest (after temperature).
@@ -54,7 +62,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     logp = torch.log_softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     if logp_out is not None:
         sampled_logp = torch.empty_like(logp).scatter_(1, order, logp)
-        logp_out.copy_(torch.where((temperature > 0)[:, None], sampled_logp, torch.log_softmax(logits, dim=-1)))
+        logp_out.copy_(
+            torch.where((temperature > 0)[:, None], sampled_logp, torch.log_softmax(logits, dim=-1))
+        )
     # Gumbel-max with noise indexed by token id, so it does not depend on the sort.
     u = uniform_noise(seeds, positions, vocab).gather(1, order)
     choice = (logp - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)

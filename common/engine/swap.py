@@ -1,5 +1,6 @@
 """Preemption's other half: a sequence's KV leaves the cache for host memory and
 comes back into whatever blocks it is given next."""
+
 from __future__ import annotations
 
 import torch
@@ -12,9 +13,9 @@ class SwapSpace:
     def __init__(self, h2d: HostToDevice, is_pinned: bool):
         self._h2d = h2d
         self._is_pinned = is_pinned
-        self._held: dict[str, torch.Tensor] = {}   # key -> [L, 2, n, block_size, Hk, D] on the host
-        self.num_swap_bytes = 0      # moved out and in, both ways
-        self.swapped_bytes = 0       # held now (an int: the heartbeat's snapshot reads it)
+        self._held: dict[str, torch.Tensor] = {}  # key -> [L, 2, n, block_size, Hk, D] on the host
+        self.num_swap_bytes = 0  # moved out and in, both ways
+        self.swapped_bytes = 0  # held now (an int: the heartbeat's snapshot reads it)
 
     @torch.inference_mode()
     def swap_out(self, cache: torch.Tensor, key: str, block_ids: list[int]) -> None:
@@ -23,7 +24,9 @@ class SwapSpace:
         node may write into them through the KV transfer right after."""
         idx = self._h2d.tensor(block_ids, torch.int64)
         s = cache.shape
-        host = torch.empty((s[0], s[1], len(block_ids), *s[3:]), dtype=cache.dtype, pin_memory=self._is_pinned)
+        host = torch.empty(
+            (s[0], s[1], len(block_ids), *s[3:]), dtype=cache.dtype, pin_memory=self._is_pinned
+        )
         host.copy_(cache.index_select(BLOCK_DIM, idx))
         self._held[key] = host
         self.num_swap_bytes += host.nbytes

@@ -7,6 +7,7 @@ passes; the decode batch's step state (decode.py), the captured graphs
 (graphs.py) and the swap space (swap.py) are its parts, and every device call
 that differs by device type goes through its platform (platform.py).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -19,37 +20,50 @@ import torch
 import kernels
 from common.base.config import WorkerConfig, clamp_model_len, parse_core_pool
 from common.base.env import read_env
+from common.base.model_spec import load_spec, preset_spec
 from common.base.request import SamplingParams, TokenLogprobs
 from common.engine import logits as logit_rules
 from common.engine import qwen3
+from common.engine.cores import CorePool
 from common.engine.decode import DecodeBatch, DecodeTicket  # noqa: F401  (DecodeTicket: the nodes' type)
 from common.engine.h2d import HostToDevice
-from common.engine.cores import CorePool
-from common.engine.pass_size import pair_cost, threads_worth
 from common.engine.lanes import Lanes
-from common.base.model_spec import load_spec, preset_spec
+from common.engine.pass_size import pair_cost, threads_worth
 from common.engine.platform import platform_for
 from common.engine.sampling import sample
 from common.engine.swap import SwapSpace
-from common.kv.blocks import BLOCK_DIM, NULL_BLOCK, block_bytes, cache_shape, kv_cache_blocks, num_blocks_for
+from common.kv.blocks import (
+    BLOCK_DIM,
+    NULL_BLOCK,
+    block_bytes,
+    cache_shape,
+    kv_cache_blocks,
+    num_blocks_for,
+)
 from common.kv.sequence import grow_blocks
 
 
 @dataclass
 class PrefillChunk:
-    token_ids: list[int]                 # this chunk's tokens
-    context_len: int                     # tokens of the same prompt already in the cache
-    block_ids: list[int]                 # blocks covering context_len + len(token_ids)
+    token_ids: list[int]  # this chunk's tokens
+    context_len: int  # tokens of the same prompt already in the cache
+    block_ids: list[int]  # blocks covering context_len + len(token_ids)
     params: SamplingParams | None = None  # set on a prompt's last chunk: sample its first token
-    history: tuple[list[int], list[int]] | None = None   # with params that need it: (prompt, outputs)
-    mask: torch.Tensor | None = None     # a step mask for the first token ([W] int32 words)
-    prompt_targets: list[int] | None = None   # prompt logprobs asked for: each position's next token
-    num_prompt_logprobs: int = -1        # (-1 past the prompt's end), and how many alternatives
-    fork_params: list[SamplingParams] = field(default_factory=list)   # n > 1: sample n - 1 more first tokens
+    history: tuple[list[int], list[int]] | None = (
+        None  # with params that need it: (prompt, outputs)
+    )
+    mask: torch.Tensor | None = None  # a step mask for the first token ([W] int32 words)
+    prompt_targets: list[int] | None = None  # prompt logprobs asked for: each position's next token
+    num_prompt_logprobs: int = -1  # (-1 past the prompt's end), and how many alternatives
+    fork_params: list[SamplingParams] = field(
+        default_factory=list
+    )  # n > 1: sample n - 1 more first tokens
     # Set by prefill(): what is reported of the first token, and of the prompt's tokens.
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
-    fork_tokens: list[int] = field(default_factory=list)    # one per fork_params, from the same logits
+    fork_tokens: list[int] = field(
+        default_factory=list
+    )  # one per fork_params, from the same logits
     fork_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
@@ -66,10 +80,12 @@ class DeviceWorker:
         self.decode: DecodeBatch | None = None
         self.num_prefill_tokens = 0
         self.num_prefill_passes = 0
-        self.num_prefill_chunks = 0   # summed over passes: / num_prefill_passes is the mean batch
+        self.num_prefill_chunks = 0  # summed over passes: / num_prefill_passes is the mean batch
         self.prefill_busy_s = 0.0
-        self.lanes: Lanes | None = None   # CPU prefill: a pass's chunks split over threads (lanes.py)
-        self.cores: CorePool | None = None   # CPU: the host's cores, shared with its other nodes
+        self.lanes: Lanes | None = (
+            None  # CPU prefill: a pass's chunks split over threads (lanes.py)
+        )
+        self.cores: CorePool | None = None  # CPU: the host's cores, shared with its other nodes
 
     # ---- life cycle -------------------------------------------------------
 
@@ -81,34 +97,59 @@ class DeviceWorker:
         s = self.spec = load_spec(cfg.model) if cfg.model else preset_spec(cfg.shape)
         if cfg.model:
             from common.engine.loader import load_weights
+
             self.weights = load_weights(cfg.model, s, self.device, self.dtype)
         else:
             self.weights = qwen3.random_weights(s, self.device, self.dtype, cfg.seed)
-        if self.platform.is_host:   # NOTE: bf16 weights and KV halve what a step streams; sums stay fp32
+        if (
+            self.platform.is_host
+        ):  # NOTE: bf16 weights and KV halve what a step streams; sums stay fp32
             qwen3.set_activation_dtype(self.weights, torch.float32)
         self.max_model_len = clamp_model_len(cfg.max_model_len, s.max_position_embeddings)
-        self.cos_sin = kernels.rotary_cos_sin(self.max_model_len, s.head_dim, s.rope_theta, self.device)
+        self.cos_sin = kernels.rotary_cos_sin(
+            self.max_model_len, s.head_dim, s.rope_theta, self.device
+        )
         budget = cfg.kv_cache_memory
         if budget is None and self.platform.is_host:
             budget = cfg.cpu_kv_cache_memory
-        self.num_kv_blocks = kv_cache_blocks(s, self.block_size, self.dtype, self.platform.free_memory(),
-                                             budget, cfg.kv_cache_fraction)
-        shape = cache_shape(s.num_layers, self.num_kv_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        self.num_kv_blocks = kv_cache_blocks(
+            s,
+            self.block_size,
+            self.dtype,
+            self.platform.free_memory(),
+            budget,
+            cfg.kv_cache_fraction,
+        )
+        shape = cache_shape(
+            s.num_layers, self.num_kv_blocks, self.block_size, s.num_kv_heads, s.head_dim
+        )
         self.kv_cache = self.platform.allocate(shape, self.dtype, cfg.is_cache_in_shm)
         self.model = qwen3.Model(s, self.weights, self.cos_sin, self.kv_cache)
-        self.decode = DecodeBatch(self.model, self.block_size, cfg.max_batch_size, self.max_blocks_per_seq,
-                                  self.platform, self.h2d, self.spec.eos_token_ids)
-        self.is_step_queued = not self.platform.is_host   # else a step runs in its launch: nothing overlaps it
-        cap = self.num_threads = torch.get_num_threads()   # what this node may use, all told
+        self.decode = DecodeBatch(
+            self.model,
+            self.block_size,
+            cfg.max_batch_size,
+            self.max_blocks_per_seq,
+            self.platform,
+            self.h2d,
+            self.spec.eos_token_ids,
+        )
+        self.is_step_queued = (
+            not self.platform.is_host
+        )  # else a step runs in its launch: nothing overlaps it
+        cap = self.num_threads = torch.get_num_threads()  # what this node may use, all told
         if cfg.core_pool and self.platform.is_host:
             name, budget, share = parse_core_pool(cfg.core_pool)
             self.cores = CorePool(name, budget, min(share, cap), cap, torch.set_num_threads)
-            self.decode.cores, self.decode.step_threads = self.cores, threads_worth(s, self.dtype, 0, 1)
+            self.decode.cores, self.decode.step_threads = (
+                self.cores,
+                threads_worth(s, self.dtype, 0, 1),
+            )
         if self.platform.is_host and cap > 1:
             # NOTE: a lane runs whole forwards on one torch thread: no barrier per op waits
             # for a core another process holds, and a busy host just time-slices the lanes.
             self.lanes = Lanes(cap, self._forward_chunks, pair_cost(s))
-            torch.set_num_threads(1)   # the loop's own ops are small: no pool to wait on
+            torch.set_num_threads(1)  # the loop's own ops are small: no pool to wait on
         self._warm_up()
         if self._wants_graphs():
             self.decode.capture_graphs()
@@ -118,9 +159,14 @@ class DeviceWorker:
 
     def _wants_graphs(self) -> bool:
         from kernels import portable
+
         # Portable attention reads the full table width: graphs would not pay.
-        return self.platform.can_capture_graphs and self.cfg.use_graphs and not read_env().disable_graphs \
+        return (
+            self.platform.can_capture_graphs
+            and self.cfg.use_graphs
+            and not read_env().disable_graphs
             and kernels.backend_for(self.kv_cache).decode_attention is not portable.decode_attention
+        )
 
     def close(self) -> None:
         if not self.is_prepared:
@@ -161,25 +207,38 @@ class DeviceWorker:
     def kv_shm_name(self) -> str | None:
         """The shared-memory segment other processes on this host map (a CPU cache
         allocated with is_cache_in_shm), else None."""
-        return self.platform.share(self.kv_cache) if self.cfg.is_cache_in_shm and \
-            self.platform.is_host else None
+        return (
+            self.platform.share(self.kv_cache)
+            if self.cfg.is_cache_in_shm and self.platform.is_host
+            else None
+        )
 
     def block_bytes(self) -> int:
         return block_bytes(self.kv_cache)
 
     def stats(self) -> dict:
         d, sw = self.decode, self.swap
-        return {"num_h2d_writes": self.h2d.num_writes, "num_h2d_bytes": self.h2d.num_bytes,
-                "num_block_writes": d.num_block_writes, "num_block_copies": d.num_block_copies,
-                "num_decode_steps": d.num_steps, "num_decode_rows": d.num_rows,
-                "num_swap_bytes": sw.num_swap_bytes, "swapped_bytes": sw.swapped_bytes,
-                "device_busy_s": round(d.device_busy_s, 6), "device_idle_s": round(d.device_idle_s, 6),
-                "is_graphed": d.graphs.is_graphed, "prefill_busy_s": round(self.prefill_busy_s, 6),
-                "num_prefill_tokens": self.num_prefill_tokens,
-                "num_prefill_passes": self.num_prefill_passes, "num_prefill_chunks": self.num_prefill_chunks,
-                "max_decode_batch": d.max_batch,
-                "num_kv_blocks": self.num_kv_blocks, "token_capacity": self.token_capacity,
-                **(self.cores.stats() if self.cores is not None else {})}
+        return {
+            "num_h2d_writes": self.h2d.num_writes,
+            "num_h2d_bytes": self.h2d.num_bytes,
+            "num_block_writes": d.num_block_writes,
+            "num_block_copies": d.num_block_copies,
+            "num_decode_steps": d.num_steps,
+            "num_decode_rows": d.num_rows,
+            "num_swap_bytes": sw.num_swap_bytes,
+            "swapped_bytes": sw.swapped_bytes,
+            "device_busy_s": round(d.device_busy_s, 6),
+            "device_idle_s": round(d.device_idle_s, 6),
+            "is_graphed": d.graphs.is_graphed,
+            "prefill_busy_s": round(self.prefill_busy_s, 6),
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "num_prefill_passes": self.num_prefill_passes,
+            "num_prefill_chunks": self.num_prefill_chunks,
+            "max_decode_batch": d.max_batch,
+            "num_kv_blocks": self.num_kv_blocks,
+            "token_capacity": self.token_capacity,
+            **(self.cores.stats() if self.cores is not None else {}),
+        }
 
     # Counters the tests and benchmarks read by name.
     num_h2d_writes = property(lambda self: self.h2d.num_writes)
@@ -200,8 +259,13 @@ class DeviceWorker:
     # ---- prefill -----------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, chunks: list[PrefillChunk], return_logits: bool = False,
-                on_kv_queued=None, on_layers=None) -> tuple[list[int | None], torch.Tensor | None]:
+    def prefill(
+        self,
+        chunks: list[PrefillChunk],
+        return_logits: bool = False,
+        on_kv_queued=None,
+        on_layers=None,
+    ) -> tuple[list[int | None], torch.Tensor | None]:
         """Run prompt chunks as one batch; write their KV; sample the first token of
         every chunk that carries params. Returns (token or None per chunk, and the
         fp32 logits [num_sampled, V] of the sampled chunks when asked).
@@ -219,21 +283,29 @@ class DeviceWorker:
         self.prefill_busy_s += time.perf_counter() - t0  # _prefill ends in a device sync
         return out, logits
 
-    def _forward_pass(self, chunks: list[PrefillChunk], num_tokens: int, on_layers=None) -> torch.Tensor:
+    def _forward_pass(
+        self, chunks: list[PrefillChunk], num_tokens: int, on_layers=None
+    ) -> torch.Tensor:
         """The pass on this host's cores, shared with its other nodes where a pool is set.
         on_layers(chunk indices, n): as in prefill(), on this thread."""
         if self.lanes is not None:
             if self.cores is None:
                 return self.lanes.forward(chunks, None, on_layers)
             want = threads_worth(self.spec, self.dtype, num_tokens, len(chunks))
-            is_chunk_heavy = threads_worth(self.spec, self.dtype, max(len(c.token_ids) for c in chunks), 1) > 1
+            is_chunk_heavy = (
+                threads_worth(self.spec, self.dtype, max(len(c.token_ids) for c in chunks), 1) > 1
+            )
             return self.lanes.forward_shared(chunks, self.cores, want, is_chunk_heavy, on_layers)
         if self.cores is not None:
             self.cores.begin(1)
         every = list(range(len(chunks)))
-        return self._forward_chunks(chunks, kv_written=on_layers and (lambda n: on_layers(every, n)))
+        return self._forward_chunks(
+            chunks, kv_written=on_layers and (lambda n: on_layers(every, n))
+        )
 
-    def _forward_chunks(self, chunks: list[PrefillChunk], between_layers=None, kv_written=None) -> torch.Tensor:
+    def _forward_chunks(
+        self, chunks: list[PrefillChunk], between_layers=None, kv_written=None
+    ) -> torch.Tensor:
         """One forward over the chunks, packed; their KV into the cache. -> the hidden
         state of each chunk's last token [len(chunks), H]; chunks that asked for prompt
         logprobs get them here, from every position's hidden state."""
@@ -251,24 +323,41 @@ class DeviceWorker:
             slots.append(np.asarray(c.block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
             tables[i, : len(c.block_ids)] = c.block_ids
         attn = qwen3.AttentionInputs(
-            is_prefill=True, slot_mapping=self._to_device(np.concatenate(slots), torch.int64),
+            is_prefill=True,
+            slot_mapping=self._to_device(np.concatenate(slots), torch.int64),
             block_tables=self._to_device(tables, torch.int32),
             query_lens=[len(c.token_ids) for c in chunks],
-            context_lens=[c.context_len for c in chunks])
+            context_lens=[c.context_len for c in chunks],
+        )
         starts = np.cumsum([0] + attn.query_lens[:-1])
-        attn.prefill_meta = self._to_device(np.stack([starts, attn.query_lens, attn.context_lens]),
-                                            torch.int32)
-        hidden = qwen3.forward(self.spec, self.weights, self.kv_cache, self.cos_sin, self._to_device(ids, torch.int64),
-                               self._to_device(np.concatenate(positions), torch.int64), attn, between_layers,
-                               kv_written)
+        attn.prefill_meta = self._to_device(
+            np.stack([starts, attn.query_lens, attn.context_lens]), torch.int32
+        )
+        hidden = qwen3.forward(
+            self.spec,
+            self.weights,
+            self.kv_cache,
+            self.cos_sin,
+            self._to_device(ids, torch.int64),
+            self._to_device(np.concatenate(positions), torch.int64),
+            attn,
+            between_layers,
+            kv_written,
+        )
         for c, start in zip(chunks, starts):
             if c.prompt_targets is not None:
                 c.prompt_logprobs = logit_rules.prompt_logprobs(
-                    lambda h: qwen3.compute_logits(self.weights, h), hidden[start: start + len(c.token_ids)],
-                    c.prompt_targets, c.num_prompt_logprobs, self._to_device)
+                    lambda h: qwen3.compute_logits(self.weights, h),
+                    hidden[start : start + len(c.token_ids)],
+                    c.prompt_targets,
+                    c.num_prompt_logprobs,
+                    self._to_device,
+                )
         return hidden[self._to_device(np.cumsum(attn.query_lens) - 1, torch.int64)]
 
-    def _prefill(self, chunks: list[PrefillChunk], return_logits: bool, on_kv_queued=None, on_layers=None):
+    def _prefill(
+        self, chunks: list[PrefillChunk], return_logits: bool, on_kv_queued=None, on_layers=None
+    ):
         num_tokens = sum(len(c.token_ids) for c in chunks)
         last_hidden = self._forward_pass(chunks, num_tokens, on_layers)
         self.num_prefill_tokens += num_tokens
@@ -283,23 +372,38 @@ class DeviceWorker:
         logits = qwen3.compute_logits(self.weights, last_hidden[sampled_idx])
         # Rows to sample: (chunk, 0) its own first token, (chunk, j) its fork j's (n > 1),
         # which samples the same logits again with its own params (seed).
-        rows = [(k, i, j) for k, i in enumerate(sampled_idx) for j in range(1 + len(chunks[i].fork_params))]
-        row_logits = logits if len(rows) == len(sampled_idx) else \
-            logits[self._to_device([k for k, _, _ in rows], torch.int64)]
+        rows = [
+            (k, i, j)
+            for k, i in enumerate(sampled_idx)
+            for j in range(1 + len(chunks[i].fork_params))
+        ]
+        row_logits = (
+            logits
+            if len(rows) == len(sampled_idx)
+            else logits[self._to_device([k for k, _, _ in rows], torch.int64)]
+        )
         ps = [chunks[i].fork_params[j - 1] if j else chunks[i].params for _, i, j in rows]
         positions = [chunks[i].context_len + len(chunks[i].token_ids) for _, i, _ in rows]
         reported = [None] * len(rows)
         if all(p.is_plain for p in ps):
-            tokens = sample(row_logits,
-                            self._to_device([p.temperature for p in ps], torch.float32),
-                            self._to_device([p.top_p for p in ps], torch.float32),
-                            self._to_device([p.top_k for p in ps], torch.int32),
-                            self._to_device([p.seed for p in ps], torch.int64),
-                            self._to_device(positions, torch.int64)).tolist()
+            tokens = sample(
+                row_logits,
+                self._to_device([p.temperature for p in ps], torch.float32),
+                self._to_device([p.top_p for p in ps], torch.float32),
+                self._to_device([p.top_k for p in ps], torch.int32),
+                self._to_device([p.seed for p in ps], torch.int64),
+                self._to_device(positions, torch.int64),
+            ).tolist()
         else:
-            tokens, reported = logit_rules.choose_first(row_logits, ps, [chunks[i].history for _, i, _ in rows],
-                                                        positions, self.spec.eos_token_ids, self._to_device,
-                                                        [chunks[i].mask for _, i, _ in rows])
+            tokens, reported = logit_rules.choose_first(
+                row_logits,
+                ps,
+                [chunks[i].history for _, i, _ in rows],
+                positions,
+                self.spec.eos_token_ids,
+                self._to_device,
+                [chunks[i].mask for _, i, _ in rows],
+            )
         for (_, i, j), t, lp in zip(rows, tokens, reported):
             if j:
                 chunks[i].fork_tokens.append(t)
@@ -313,8 +417,11 @@ class DeviceWorker:
         """Block dst_ids[k] of the cache becomes a copy of src_ids[k], in every layer
         (a fork's own copy of its prompt's partial last block)."""
         src = self._to_device(src_ids, torch.int64)
-        self.kv_cache.index_copy_(BLOCK_DIM, self._to_device(dst_ids, torch.int64),
-                                  self.kv_cache.index_select(BLOCK_DIM, src))
+        self.kv_cache.index_copy_(
+            BLOCK_DIM,
+            self._to_device(dst_ids, torch.int64),
+            self.kv_cache.index_select(BLOCK_DIM, src),
+        )
 
     # ---- preemption: a sequence's KV leaves the cache and comes back ----------
 
@@ -332,10 +439,12 @@ class DeviceWorker:
         """Write the KV of token_ids (positions 0..) into block_ids by prefilling them
         again, in chunks of chunk_len tokens; nothing is sampled."""
         for start in range(0, len(token_ids), chunk_len):
-            chunk = token_ids[start:start + chunk_len]
+            chunk = token_ids[start : start + chunk_len]
             end = start + len(chunk)
-            self._prefill([PrefillChunk(chunk, start, block_ids[:num_blocks_for(end, self.block_size)])],
-                          False)
+            self._prefill(
+                [PrefillChunk(chunk, start, block_ids[: num_blocks_for(end, self.block_size)])],
+                False,
+            )
 
     @torch.inference_mode()
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -349,8 +458,15 @@ class DeviceWorker:
     def num_decode_seqs(self) -> int:
         return self.decode.num_seqs
 
-    def add_decode_seq(self, key: str, token_id: int, num_cached: int, block_ids: list[int],
-                       params: SamplingParams, history: tuple[list[int], list[int]] = ((), ())) -> None:
+    def add_decode_seq(
+        self,
+        key: str,
+        token_id: int,
+        num_cached: int,
+        block_ids: list[int],
+        params: SamplingParams,
+        history: tuple[list[int], list[int]] = ((), ()),
+    ) -> None:
         """history: its prompt's tokens and those generated so far, for penalties."""
         self.decode.add(key, token_id, num_cached, block_ids, params, history)
 
@@ -403,6 +519,11 @@ class DeviceWorker:
         if self.platform.is_host:
             return
         bs = self.block_size
-        self._prefill([PrefillChunk([0], 0, [NULL_BLOCK], SamplingParams()),
-                       PrefillChunk([0] * (bs + 1), 0, [NULL_BLOCK] * 2, SamplingParams())], False)
+        self._prefill(
+            [
+                PrefillChunk([0], 0, [NULL_BLOCK], SamplingParams()),
+                PrefillChunk([0] * (bs + 1), 0, [NULL_BLOCK] * 2, SamplingParams()),
+            ],
+            False,
+        )
         self.h2d.reset()

@@ -9,6 +9,7 @@ must land before the blocks can be given to another request. A write still
 under way at write_deadline (half-way through that last third) is stopped, so
 whatever a peer does, the prefill side holds nothing past the lease's end.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,8 @@ INF = math.inf
 
 @dataclass(frozen=True)
 class Lease:
-    start: float = -INF    # monotonic: when the KVReserve it answers was sent (or arrived)
-    lease_s: float = 0.0   # 0: held until released
+    start: float = -INF  # monotonic: when the KVReserve it answers was sent (or arrived)
+    lease_s: float = 0.0  # 0: held until released
 
     @property
     def end(self) -> float:

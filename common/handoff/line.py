@@ -2,6 +2,7 @@
 (WAITING), first come, first served. The head is granted its blocks unasked as they free
 up (receiver.py's turn); a place is kept by asking again within the lease, and lost when
 the prefill node stops asking, releases it, or is lost."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -12,7 +13,7 @@ from common.handoff.states import Reservation
 class Line:
     def __init__(self, max_len: int):
         self.max_len = max_len
-        self._queue: deque[Reservation] = deque()   # oldest first
+        self._queue: deque[Reservation] = deque()  # oldest first
 
     def __len__(self) -> int:
         return len(self._queue)

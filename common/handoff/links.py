@@ -9,6 +9,7 @@ KV itself, tagged "NAME/EPOCH/kv"), opened when a writer first sends KV. So a
 short request's reservation and commit never queue behind another's bulk, and
 the data connection takes at most MAX_FRAMES_QUEUED frames: the rest wait in
 the writer, which picks what goes next (common/transfer/tcp.py)."""
+
 from __future__ import annotations
 
 import time
@@ -23,7 +24,7 @@ from common.wire.protocol import DECODE_TO_PREFILL, KVHello, KVTransfer, KVWelco
 
 log = get_logger("prefill")
 HELLO_EVERY_S = 1.0
-MAX_FRAMES_QUEUED = 2    # on the data connection, besides the one going out
+MAX_FRAMES_QUEUED = 2  # on the data connection, besides the one going out
 
 
 def say_reset(what: str, act: str, handoffs: list, is_data: bool) -> None:
@@ -36,8 +37,14 @@ def say_reset(what: str, act: str, handoffs: list, is_data: bool) -> None:
     else:
         cut = [h for h in handoffs if h.stage is not Stage.ASKING]
     if cut:
-        log.warning("%s: %s %d handoffs (%d under way); if this recurs, check the network "
-                    "between the nodes", what, act, len(handoffs), len(cut))
+        log.warning(
+            "%s: %s %d handoffs (%d under way); if this recurs, check the network "
+            "between the nodes",
+            what,
+            act,
+            len(handoffs),
+            len(cut),
+        )
     else:
         log.info("%s: %s %d handoffs, none under way", what, act, len(handoffs))
 
@@ -46,23 +53,32 @@ class KVLinks:
     """connect(name, endpoint, suffix, max_queued) opens a connection to a decode node's
     KV socket (suffix "": control); open_writer(welcome, send) a transfer writer into its cache."""
 
-    def __init__(self, name: str, connect: Callable[[str, str, str, int | None], Link],
-                 open_writer: Callable[[KVWelcome, Callable], KVWriter], clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        name: str,
+        connect: Callable[[str, str, str, int | None], Link],
+        open_writer: Callable[[KVWelcome, Callable], KVWriter],
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.name, self.connect, self.open_writer, self.clock = name, connect, open_writer, clock
-        self.peers: dict[str, DecodePeer] = {}      # by KV endpoint
-        self.num_stray = 0                          # messages that came back on a data connection
+        self.peers: dict[str, DecodePeer] = {}  # by KV endpoint
+        self.num_stray = 0  # messages that came back on a data connection
 
     def peer_for(self, name: str, endpoint: str) -> DecodePeer:
         peer = self.peers.get(endpoint)
         if peer is None:
-            peer = self.peers[endpoint] = DecodePeer(name, endpoint, self.connect(name, endpoint, "", None))
+            peer = self.peers[endpoint] = DecodePeer(
+                name, endpoint, self.connect(name, endpoint, "", None)
+            )
         peer.name = name
         return peer
 
     def hello(self, peer: DecodePeer, is_now: bool = False) -> None:
         """Ask for its welcome (at most once a second unless is_now)."""
         now = self.clock()
-        if (is_now or now - peer.hello_at >= HELLO_EVERY_S) and peer.link.send(KVHello(self.name), block=False):
+        if (is_now or now - peer.hello_at >= HELLO_EVERY_S) and peer.link.send(
+            KVHello(self.name), block=False
+        ):
             peer.hello_at = now
 
     def open(self, peer: DecodePeer, w: KVWelcome) -> None:
@@ -92,8 +108,11 @@ class KVLinks:
     def waiting_to_send(self) -> tuple[Link, ...]:
         """Data connections a writer waits on (full, or not connected yet): the loop wakes
         when one can take a frame again."""
-        return tuple(p.data_link for p in self.peers.values() if p.data_link is not None
-                     and p.writer is not None and p.writer.is_stalled)
+        return tuple(
+            p.data_link
+            for p in self.peers.values()
+            if p.data_link is not None and p.writer is not None and p.writer.is_stalled
+        )
 
     def flush(self) -> None:
         """Every writer sends what is ready (nothing ends)."""
@@ -111,12 +130,16 @@ class KVLinks:
     def take_data_resets(self) -> list[DecodePeer]:
         """Peers whose data connection was made again since the last call: KV sent on the
         old one may be lost."""
-        return [p for p in self.peers.values() if p.data_link is not None and p.data_link.take_reconnects()]
+        return [
+            p
+            for p in self.peers.values()
+            if p.data_link is not None and p.data_link.take_reconnects()
+        ]
 
     def messages(self, link: Link) -> Iterator[tuple[DecodePeer, object]]:
         """Everything waiting on one link, with the peer it comes from."""
         peer = next((p for p in self.peers.values() if p.link is link), None)
-        if peer is None:   # a data connection: nothing is answered on it
+        if peer is None:  # a data connection: nothing is answered on it
             while link.has_message():
                 link.recv(DECODE_TO_PREFILL)
                 self.num_stray += 1
@@ -130,8 +153,10 @@ class KVLinks:
 
     def describe(self) -> dict[str, str]:
         """Each decode node's name: the transfer in use, why none, or "connecting"."""
-        return {p.name: (p.writer.name if p.writer else p.error or "connecting")
-                for p in list(self.peers.values())}
+        return {
+            p.name: (p.writer.name if p.writer else p.error or "connecting")
+            for p in list(self.peers.values())
+        }
 
     def close(self) -> None:
         for peer in self.peers.values():

@@ -8,6 +8,7 @@ there is lost (those handoffs fail, retryable). A reset: asks, renewals and comm
 flight may be lost, and are sent again; a reset of the data connection may have lost KV,
 so the handoffs that sent any fail now (retryable) and release, rather than wait out
 their lease."""
+
 from __future__ import annotations
 
 from common.handoff.links import say_reset
@@ -26,8 +27,12 @@ def on_restart(tx, peer: DecodePeer, w: KVWelcome) -> None:
             h.error = h.error or f"decode node {peer.name} restarted during the KV write"
     tx.links.open(peer, w)
     for h in mine:
-        if h.stage in (Stage.QUEUED, Stage.RESERVED, Stage.WRITTEN, Stage.COMMITTED) \
-                and h.epoch not in (None, epoch):
+        if h.stage in (
+            Stage.QUEUED,
+            Stage.RESERVED,
+            Stage.WRITTEN,
+            Stage.COMMITTED,
+        ) and h.epoch not in (None, epoch):
             if h.stage in (Stage.QUEUED, Stage.RESERVED):
                 h.drop_reservation(tx.clock())
             else:
@@ -45,8 +50,13 @@ def on_reconnect(tx, peer: DecodePeer, is_data: bool = False) -> None:
     for h in handoffs:
         if is_data:
             if h.stage in (Stage.WRITING, Stage.WRITTEN, Stage.COMMITTED):
-                tx.end_handoff(h, f"its KV to {peer.name} may be lost (the KV link's data connection was made "
-                                  f"again)", release=True, is_retryable=True)
+                tx.end_handoff(
+                    h,
+                    f"its KV to {peer.name} may be lost (the KV link's data connection was made "
+                    f"again)",
+                    release=True,
+                    is_retryable=True,
+                )
         elif h.stage in (Stage.ASKING, Stage.QUEUED, Stage.RESERVED, Stage.WRITING, Stage.WRITTEN):
             h.next_ask_at = min(h.next_ask_at, now)
         elif h.stage is Stage.COMMITTED:

@@ -13,6 +13,7 @@ when its data connection is, what sent KV on it fails over. NOTE: ipc writes str
 the decode node's memory: a write into blocks whose reservation has ended could land in
 another request's KV (lease.py).
 """
+
 from __future__ import annotations
 
 import time
@@ -20,21 +21,23 @@ from typing import Callable
 
 from common.base.log import get_logger
 from common.base.recent import Recent
-from common.wire.figures import TransferFigures
 from common.handoff import peer_events, writes
 from common.handoff.lease import INF, Lease
 from common.handoff.links import KVLinks
 from common.handoff.states import DecodePeer, Handoff, Job, Link, Stage
 from common.kv.blocks import num_blocks_for
 from common.transfer import KVWriter, TransferError
+from common.wire.figures import TransferFigures
 from common.wire.limits import I32_MAX
 from common.wire.protocol import HandoffAck, KVCommit, KVRelease, KVReserve, KVReserved, KVWelcome
 
 log = get_logger("prefill")
-RETRY_S = 0.05      # a retryable refusal (decode node and its line full) is asked again after
-MAX_RETRY_S = 0.8   # this, doubling up to this: a long backlog must not flood the decode node
-MAX_ASKS_OUT = 8    # unanswered asks remembered per handoff
-HANDED_OFF_MEMORY = 4096   # requests handed to their decode node, remembered for the frontend's NodeSync
+RETRY_S = 0.05  # a retryable refusal (decode node and its line full) is asked again after
+MAX_RETRY_S = 0.8  # this, doubling up to this: a long backlog must not flood the decode node
+MAX_ASKS_OUT = 8  # unanswered asks remembered per handoff
+HANDED_OFF_MEMORY = (
+    4096  # requests handed to their decode node, remembered for the frontend's NodeSync
+)
 
 
 class Sender:
@@ -44,25 +47,40 @@ class Sender:
     error, is_retryable) tells the frontend (retryable: the decode node restarted, went
     silent or the write failed, so the request may go on elsewhere)."""
 
-    def __init__(self, *, name: str, handoff_lease_s: float, block_size: int, block_bytes: int,
-                 connect: Callable[[str, str, str, int | None], Link],
-                 open_writer: Callable[[KVWelcome, Callable], KVWriter],
-                 free_blocks: Callable[[list[int]], None], drop_job: Callable[[Job], None],
-                 fail: Callable[[str, str, bool], None], clock: Callable[[], float] = time.monotonic,
-                 checksums: Callable[[list[int]], object] | None = None, num_layers: int = 0,
-                 layerwise: str = "off"):
+    def __init__(
+        self,
+        *,
+        name: str,
+        handoff_lease_s: float,
+        block_size: int,
+        block_bytes: int,
+        connect: Callable[[str, str, str, int | None], Link],
+        open_writer: Callable[[KVWelcome, Callable], KVWriter],
+        free_blocks: Callable[[list[int]], None],
+        drop_job: Callable[[Job], None],
+        fail: Callable[[str, str, bool], None],
+        clock: Callable[[], float] = time.monotonic,
+        checksums: Callable[[list[int]], object] | None = None,
+        num_layers: int = 0,
+        layerwise: str = "off",
+    ):
         """checksums (--kv-verify): local block ids -> their checksums (a device tensor,
         queued with the write), sent with the commit. layerwise: --kv-layerwise (writes.py)."""
-        self.name, self.handoff_lease_s, self.num_layers, self.layerwise = name, handoff_lease_s, num_layers, layerwise
+        self.name, self.handoff_lease_s, self.num_layers, self.layerwise = (
+            name,
+            handoff_lease_s,
+            num_layers,
+            layerwise,
+        )
         self.checksums, self.block_size, self.block_bytes = checksums, block_size, block_bytes
         self.links = KVLinks(name, connect, open_writer, clock)
         self.free_blocks, self.drop_job, self.fail, self.clock = free_blocks, drop_job, fail, clock
         self.by_id: dict[str, Handoff] = {}
-        self.fork_of: dict[str, str] = {}   # n > 1: each fork's id -> its request's (a key of by_id)
+        self.fork_of: dict[str, str] = {}  # n > 1: each fork's id -> its request's (a key of by_id)
         self.num_handoffs, self.bytes_written = 0, 0
-        self.transfers: dict[str, TransferFigures] = {}   # by backend
+        self.transfers: dict[str, TransferFigures] = {}  # by backend
         self.num_bad_replies = 0
-        self.handed_off = Recent(HANDED_OFF_MEMORY)   # requests its decode node took: its now
+        self.handed_off = Recent(HANDED_OFF_MEMORY)  # requests its decode node took: its now
         self.num_asks, self.num_link_resets = 0, 0
 
     # ---- peers --------------------------------------------------------------
@@ -96,8 +114,13 @@ class Sender:
         self.fork_of.update((f.request_id, job.request_id) for f in job.forks)
         # NOTE: a write pushed layer by layer needs its grant before the pass: no early start then
         kv_bytes = num_blocks_for(job.prompt_len, self.block_size) * self.block_bytes
-        job.is_peer_granting = peer.is_granting and peer.writer is not None and not writes.goes_layerwise(
-            peer, self.layerwise, kv_bytes, writes.rate_to(peer, self.transfers))
+        job.is_peer_granting = (
+            peer.is_granting
+            and peer.writer is not None
+            and not writes.goes_layerwise(
+                peer, self.layerwise, kv_bytes, writes.rate_to(peer, self.transfers)
+            )
+        )
         if peer.epoch is None:
             self.links.hello(peer)
         self._ask(h)
@@ -108,20 +131,32 @@ class Sender:
         if h.silent_since is None:
             h.silent_since = now
         self.num_asks = self.num_asks % I32_MAX + 1
-        if h.peer.link.send(KVReserve(h.job.request_id, h.job.prompt_len, h.job.params.max_tokens,
-                                      self.num_asks, [f.request_id for f in h.job.forks]), block=False):
+        if h.peer.link.send(
+            KVReserve(
+                h.job.request_id,
+                h.job.prompt_len,
+                h.job.params.max_tokens,
+                self.num_asks,
+                [f.request_id for f in h.job.forks],
+            ),
+            block=False,
+        ):
             h.asks[self.num_asks] = now
-            while len(h.asks) > MAX_ASKS_OUT:   # an answer to one forgotten grants a lease already over
+            while (
+                len(h.asks) > MAX_ASKS_OUT
+            ):  # an answer to one forgotten grants a lease already over
                 h.asks.pop(next(iter(h.asks)))
-            h.next_ask_at = INF    # until the answer
+            h.next_ask_at = INF  # until the answer
         else:
-            h.next_ask_at = now + RETRY_S   # not connected yet
+            h.next_ask_at = now + RETRY_S  # not connected yet
 
     def _on_reserved(self, peer: DecodePeer, r: KVReserved) -> None:
         h = self.by_id.get(r.request_id)
         if h is None or h.peer is not peer:
             if r.block_ids is not None:
-                peer.link.send(KVRelease(r.request_id, r.reservation), block=False)  # nobody wants it
+                peer.link.send(
+                    KVRelease(r.request_id, r.reservation), block=False
+                )  # nobody wants it
             return
         h.silent_since = None
         # NOTE: an answer names its ask, so its lease counts from when that ask was sent; one
@@ -133,17 +168,24 @@ class Sender:
             sent_at = h.asks.pop(r.ask, -INF)
         if h.stage in (Stage.CANCELLING, Stage.CANCELLED):
             self._release_other(peer, h, r)
-            return   # its end releases the grant it holds there
+            return  # its end releases the grant it holds there
         now = self.clock()
         if h.dst_block_ids is not None:
-            if r.block_ids == h.dst_block_ids and (r.epoch, r.reservation) == (h.epoch, h.reservation):
+            if r.block_ids == h.dst_block_ids and (r.epoch, r.reservation) == (
+                h.epoch,
+                h.reservation,
+            ):
                 if sent_at > h.lease.start:
-                    h.lease = Lease(sent_at, r.lease_s)   # renewed
+                    h.lease = Lease(sent_at, r.lease_s)  # renewed
                 h.next_ask_at = h.lease.renew_at
                 return
-            if h.stage is Stage.WRITING and not h.is_kv_queued:   # pushed across passes (writes.py)
-                self.end_handoff(h, f"its reservation on {peer.name} ended during its prefill", is_retryable=True)
-            if h.stage is not Stage.RESERVED:   # else the commit's answer says if the blocks were ours
+            if h.stage is Stage.WRITING and not h.is_kv_queued:  # pushed across passes (writes.py)
+                self.end_handoff(
+                    h, f"its reservation on {peer.name} ended during its prefill", is_retryable=True
+                )
+            if (
+                h.stage is not Stage.RESERVED
+            ):  # else the commit's answer says if the blocks were ours
                 self._release_other(peer, h, r)
                 return
             # Our reservation ended there (new blocks, or a refusal): start from this answer.
@@ -154,12 +196,12 @@ class Sender:
             h.drop_reservation(self.clock())
         peer.is_granting = r.block_ids is not None and not r.is_queued
         if r.block_ids is None:
-            if r.is_queued:   # keeps its place by asking again every third of the lease
+            if r.is_queued:  # keeps its place by asking again every third of the lease
                 h.stage, h.queued_at, h.epoch, h.num_refusals = Stage.QUEUED, sent_at, r.epoch, 0
                 h.next_ask_at = Lease(now, r.lease_s).renew_at
-            elif r.is_retryable:   # its line is full too: ask again soon
+            elif r.is_retryable:  # its line is full too: ask again soon
                 h.stage = Stage.ASKING
-                h.next_ask_at = now + min(RETRY_S * 2 ** h.num_refusals, MAX_RETRY_S)
+                h.next_ask_at = now + min(RETRY_S * 2**h.num_refusals, MAX_RETRY_S)
                 h.num_refusals += 1
                 if h.first_token is not None:
                     # The decode node answers, and is full: waiting on it is backpressure, not
@@ -172,16 +214,25 @@ class Sender:
         num_needed = num_blocks_for(h.job.prompt_len, self.block_size)
         if len(r.block_ids) != num_needed or len(set(r.block_ids)) != num_needed:
             self.num_bad_replies += 1
-            self.end_handoff(h, f"decode node {peer.name} reserved {len(r.block_ids)} blocks, not one "
-                         f"distinct block per prompt block", release=True)
+            self.end_handoff(
+                h,
+                f"decode node {peer.name} reserved {len(r.block_ids)} blocks, not one "
+                f"distinct block per prompt block",
+                release=True,
+            )
             return
-        h.stage, h.dst_block_ids, h.epoch, h.num_refusals = Stage.RESERVED, list(r.block_ids), r.epoch, 0
+        h.stage, h.dst_block_ids, h.epoch, h.num_refusals = (
+            Stage.RESERVED,
+            list(r.block_ids),
+            r.epoch,
+            0,
+        )
         h.reservation = r.reservation
-        h.job.is_reserved = True   # its prefill may start now
+        h.job.is_reserved = True  # its prefill may start now
         h.lease = Lease(sent_at, r.lease_s)
         h.next_ask_at = h.lease.renew_at
         if r.epoch != peer.epoch:
-            self.links.hello(peer)   # a decode node we have not mapped (or that restarted)
+            self.links.hello(peer)  # a decode node we have not mapped (or that restarted)
 
     @staticmethod
     def _release_other(peer: DecodePeer, h: Handoff, r: KVReserved) -> None:
@@ -197,14 +248,20 @@ class Sender:
             return
         if ack.is_accepted:
             self.num_handoffs += 1
-            if h.peer.writer is not None:   # the rate the decode node got its KV at
-                writes.observe_ack(h, self._figures(h.peer), self.clock(),
-                                   num_blocks_for(h.job.prompt_len, self.block_size) * self.block_bytes)
+            if h.peer.writer is not None:  # the rate the decode node got its KV at
+                writes.observe_ack(
+                    h,
+                    self._figures(h.peer),
+                    self.clock(),
+                    num_blocks_for(h.job.prompt_len, self.block_size) * self.block_bytes,
+                )
             for rid in h.ids:
                 self.handed_off.add(rid)
             self.end_handoff(h, None)
         else:
-            self.end_handoff(h, f"decode node refused the request: {ack.reason}", is_retryable=ack.is_retryable)
+            self.end_handoff(
+                h, f"decode node refused the request: {ack.reason}", is_retryable=ack.is_retryable
+            )
 
     def push_layers(self, parts: list[tuple[Job, int | None]], num_done: int) -> None:
         """In the pass, the first num_done layers of each (prompt, the blocks its chunk
@@ -224,7 +281,7 @@ class Sender:
                 h.is_kv_queued = True
                 if h.layers_sent >= 0 or self._can_write(h):
                     self._write(h)
-        self.links.flush()   # what is ready goes now, before the first tokens are sampled
+        self.links.flush()  # what is ready goes now, before the first tokens are sampled
 
     def set_first_token(self, job: Job, first_token: int, timings: dict, logprobs=None) -> None:
         h = self.by_id.get(job.request_id)
@@ -239,7 +296,7 @@ class Sender:
         if h is not None and h.give_up(request_id):
             self.end_handoff(h, None, release=h.dst_block_ids is not None)
 
-    def holds(self, request_id: str) -> bool:   # its handoff (or that of the request it forks) is on
+    def holds(self, request_id: str) -> bool:  # its handoff (or that of the request it forks) is on
         return request_id in self.by_id or request_id in self.fork_of
 
     # ---- progress ---------------------------------------------------------------
@@ -265,7 +322,10 @@ class Sender:
                         # NOTE: CANCELLING until the writer says it has stopped: a later pass
                         # pushes nothing more, and the blocks here are freed only then.
                         self._figures(h.peer).num_failed += 1
-                        h.error = h.error or "its KV write did not complete before its reservation could end"
+                        h.error = (
+                            h.error
+                            or "its KV write did not complete before its reservation could end"
+                        )
                         h.is_retryable, h.stage = True, Stage.CANCELLING
                     h.peer.writer.cancel(h.job.request_id)
                 elif writes.renew_open(h, now):
@@ -279,17 +339,29 @@ class Sender:
                 # for their answer, or its successor's welcome.
                 self.end_handoff(h, h.peer.error, release=held)
             elif h.silent_since is not None and now - h.silent_since > lease_s:
-                self.end_handoff(h, f"decode node {h.peer.name} did not answer for a reservation within "
-                             f"{lease_s:.0f}s", release=held, is_retryable=True)
+                self.end_handoff(
+                    h,
+                    f"decode node {h.peer.name} did not answer for a reservation within "
+                    f"{lease_s:.0f}s",
+                    release=held,
+                    is_retryable=True,
+                )
             elif now > h.lease_deadline:
-                self.end_handoff(h, f"decode node did not confirm the KV handoff within {lease_s:.0f}s",
-                          release=held, is_retryable=True)
+                self.end_handoff(
+                    h,
+                    f"decode node did not confirm the KV handoff within {lease_s:.0f}s",
+                    release=held,
+                    is_retryable=True,
+                )
             elif h.stage in (Stage.ASKING, Stage.QUEUED):
                 if now >= h.next_ask_at:
                     self._ask(h)
             elif h.stage is Stage.RESERVED and now >= h.lease.end:
-                log.warning("reservation of %s on %s ran out before its write: reserving again",
-                            h.job.request_id, h.peer.name)
+                log.warning(
+                    "reservation of %s on %s ran out before its write: reserving again",
+                    h.job.request_id,
+                    h.peer.name,
+                )
                 # NOTE: nothing was written: released now, or the decode node would hold the
                 # blocks (and refuse this request) for one more lease, as it must for a writer
                 # that might still be copying.
@@ -301,11 +373,17 @@ class Sender:
                 elif h.epoch != h.peer.epoch:
                     self.links.hello(h.peer)
                 if now >= h.next_ask_at and h.stage is not Stage.COMMITTED:
-                    self._ask(h)   # renew
+                    self._ask(h)  # renew
 
     def _can_write(self, h: Handoff, is_partial: bool = False) -> bool:
-        return writes.can_start(h, self.clock(), is_partial, self.layerwise, writes.rate_to(h.peer, self.transfers),
-                                self.block_bytes)
+        return writes.can_start(
+            h,
+            self.clock(),
+            is_partial,
+            self.layerwise,
+            writes.rate_to(h.peer, self.transfers),
+            self.block_bytes,
+        )
 
     def _write(self, h: Handoff, num_done: int | None = None, end_block: int | None = None) -> None:
         try:
@@ -313,30 +391,39 @@ class Sender:
         except TransferError as e:
             self._figures(h.peer).num_failed += 1
             h.error, h.is_retryable = f"KV transfer to {h.peer.name} failed: {e}", True
-            if h.stage is Stage.WRITING:   # begun: it ends in poll(), then advance() fails it
+            if h.stage is Stage.WRITING:  # begun: it ends in poll(), then advance() fails it
                 h.peer.writer.cancel(h.job.request_id)
                 h.stage = Stage.CANCELLING
             else:
-                h.stage = Stage.CANCELLED   # advance() releases the reservation and fails it
+                h.stage = Stage.CANCELLED  # advance() releases the reservation and fails it
 
     def _finish_write(self, h: Handoff | None, error: str | None) -> None:
         if h is None or h.stage not in (Stage.WRITING, Stage.CANCELLING):
             return
-        if error is not None and h.stage is Stage.WRITING:   # not a write its handoff stopped
+        if error is not None and h.stage is Stage.WRITING:  # not a write its handoff stopped
             if self.clock() > h.write_deadline:
                 error = "it did not complete before its reservation could end"
             self._figures(h.peer).num_failed += 1
-            h.error, h.is_retryable = h.error or f"KV transfer to {h.peer.name} failed: {error}", True
-            h.stage = Stage.CANCELLING   # ends below; advance() releases the reservation and fails it
+            h.error, h.is_retryable = (
+                h.error or f"KV transfer to {h.peer.name} failed: {error}",
+                True,
+            )
+            h.stage = (
+                Stage.CANCELLING
+            )  # ends below; advance() releases the reservation and fails it
         elif h.stage is Stage.WRITING:
             num_bytes = len(h.job.block_ids) * self.block_bytes
             self.bytes_written += num_bytes
             is_pushed = h.layers_sent >= 0 and h.peer.writer.is_layerwise
-            self._figures(h.peer).observe(self.clock() - h.write_started, num_bytes, is_pushed,
-                                          is_pushed and h.blocks_sent > 0)   # chunked: begun a pass before
+            self._figures(h.peer).observe(
+                self.clock() - h.write_started,
+                num_bytes,
+                is_pushed,
+                is_pushed and h.blocks_sent > 0,
+            )  # chunked: begun a pass before
         h.stage = Stage.WRITTEN if h.stage is Stage.WRITING else Stage.CANCELLED
         h.written_at = time.time()
-        self.free_blocks(h.job.block_ids)   # the decode node holds them now
+        self.free_blocks(h.job.block_ids)  # the decode node holds them now
         h.job.block_ids = []
         self._commit(h)
 
@@ -350,11 +437,27 @@ class Sender:
         j = h.job
         if h.checksums is not None and not isinstance(h.checksums, list):
             h.checksums = h.checksums.tolist()
-        h.peer.link.send(KVCommit(j.request_id, j.prompt_len, h.first_token, j.params, h.timings,
-                                  h.peer.writer.name if h.peer.writer else "", j.token_ids, h.reservation,
-                                  h.num_written, h.checksums, h.first_logprobs, j.forks), block=False)
+        h.peer.link.send(
+            KVCommit(
+                j.request_id,
+                j.prompt_len,
+                h.first_token,
+                j.params,
+                h.timings,
+                h.peer.writer.name if h.peer.writer else "",
+                j.token_ids,
+                h.reservation,
+                h.num_written,
+                h.checksums,
+                h.first_logprobs,
+                j.forks,
+            ),
+            block=False,
+        )
 
-    def end_handoff(self, h: Handoff, error: str | None, release: bool = False, is_retryable: bool = False) -> None:
+    def end_handoff(
+        self, h: Handoff, error: str | None, release: bool = False, is_retryable: bool = False
+    ) -> None:
         """Drop the handoff and free what it holds here (and there, if release); fail the request if error."""
         if h.error is None:
             h.error, h.is_retryable = error, is_retryable
@@ -368,7 +471,7 @@ class Sender:
         self.by_id.pop(h.job.request_id, None)
         for rid in h.ids[1:]:
             self.fork_of.pop(rid, None)
-        if release or h.stage is Stage.QUEUED:   # its blocks, or its place in line
+        if release or h.stage is Stage.QUEUED:  # its blocks, or its place in line
             h.peer.link.send(KVRelease(h.job.request_id, h.reservation), block=False)
         self.drop_job(h.job)
         for rid in h.ids if h.error else ():
@@ -377,18 +480,24 @@ class Sender:
     # ---- figures ------------------------------------------------------------------
 
     @property
-    def is_writing(self) -> bool:   # a write under way this loop drives (not one waiting on its peer)
-        return any(h.stage in (Stage.WRITING, Stage.CANCELLING) and h.peer.writer is not None
-                   and not h.peer.writer.is_stalled for h in self.by_id.values())
+    def is_writing(
+        self,
+    ) -> bool:  # a write under way this loop drives (not one waiting on its peer)
+        return any(
+            h.stage in (Stage.WRITING, Stage.CANCELLING)
+            and h.peer.writer is not None
+            and not h.peer.writer.is_stalled
+            for h in self.by_id.values()
+        )
 
     @property
-    def num_pending(self) -> int:   # prompts done, waiting for their handoff to be committed
+    def num_pending(self) -> int:  # prompts done, waiting for their handoff to be committed
         return sum(h.first_token is not None for h in self.by_id.values())
 
-    def _figures(self, peer: DecodePeer) -> TransferFigures:   # its writer's backend's (it has one)
+    def _figures(self, peer: DecodePeer) -> TransferFigures:  # its writer's backend's (it has one)
         return self.transfers.setdefault(peer.writer.name, TransferFigures())
 
-    def transfer_figures(self) -> dict[str, dict]:   # each backend's, by name (the stats' kv_writes)
+    def transfer_figures(self) -> dict[str, dict]:  # each backend's, by name (the stats' kv_writes)
         return {name: f.as_dict() for name, f in self.transfers.items()}
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ Decode side, one Reservation per request (receiver.py), its Hold:
     RESERVED -> FAILED        a write failed or it was aborted: its commit is refused
     freed when released by its prefill node, refused, or its lease ends uncommitted
 """
+
 from __future__ import annotations
 
 import enum
@@ -24,41 +25,44 @@ from common.handoff.lease import INF, Lease
 from common.transfer import KVWriter
 from common.wire.protocol import KVCommit, KVReserve
 
-DATA = "kv"   # a prefill node's KV data connection is tagged "NAME/EPOCH/kv" (links.py)
+DATA = "kv"  # a prefill node's KV data connection is tagged "NAME/EPOCH/kv" (links.py)
 
 
 class Stage(enum.Enum):
-    ASKING = "asking"          # no blocks there: a KVReserve is out, or due at next_ask_at
-    QUEUED = "queued"          # in the decode node's waiting line: its blocks come unasked
-    RESERVED = "reserved"      # blocks reserved there; written once the prompt's KV is computed
-    WRITING = "writing"        # a copy reads the local blocks
-    WRITTEN = "written"        # local blocks freed; committed once the first token is sampled
-    COMMITTED = "committed"    # the decode node's answer to the commit ends the handoff
+    ASKING = "asking"  # no blocks there: a KVReserve is out, or due at next_ask_at
+    QUEUED = "queued"  # in the decode node's waiting line: its blocks come unasked
+    RESERVED = "reserved"  # blocks reserved there; written once the prompt's KV is computed
+    WRITING = "writing"  # a copy reads the local blocks
+    WRITTEN = "written"  # local blocks freed; committed once the first token is sampled
+    COMMITTED = "committed"  # the decode node's answer to the commit ends the handoff
     CANCELLING = "cancelling"  # failed or aborted during a write: ends when the write does
-    CANCELLED = "cancelled"    # failed holding blocks there: ends, releasing them, next advance
+    CANCELLED = "cancelled"  # failed holding blocks there: ends, releasing them, next advance
 
 
 class Job(Protocol):
     """What the handoff reads of a prompt (prefill_node/scheduler.py's PrefillJob)."""
+
     request_id: str
     token_ids: list[int]
     params: SamplingParams
     decode_node: str
     decode_kv_endpoint: str
-    block_ids: list[int]        # local blocks; emptied once freed
-    is_reserved: bool           # set here: its decode node holds blocks for it
-    is_peer_granting: bool      # set here: that node granted the previous request at once
+    block_ids: list[int]  # local blocks; emptied once freed
+    is_reserved: bool  # set here: its decode node holds blocks for it
+    is_peer_granting: bool  # set here: that node granted the previous request at once
     prompt_len: int
-    forks: list                 # n > 1: the other sequences (Fork), first tokens set once sampled
+    forks: list  # n > 1: the other sequences (Fork), first tokens set once sampled
 
 
 class Link(Protocol):
     """The KV link to one decode node (common/wire/channel.py's Channel)."""
+
     num_bad: int
+
     def send(self, msg, block: bool = True) -> bool: ...
     def has_message(self) -> bool: ...
     def recv(self, allowed: tuple) -> tuple[bytes, object]: ...
-    def take_reconnects(self) -> int: ...   # its connection made again since the last call
+    def take_reconnects(self) -> int: ...  # its connection made again since the last call
     def close(self) -> None: ...
 
 
@@ -66,15 +70,15 @@ class Link(Protocol):
 class DecodePeer:
     name: str
     endpoint: str
-    link: Link                            # control
-    data_link: Link | None = None         # the KV itself (links.py), from the first frame
-    epoch: str | None = None              # of the welcome the writer was opened from
+    link: Link  # control
+    data_link: Link | None = None  # the KV itself (links.py), from the first frame
+    epoch: str | None = None  # of the welcome the writer was opened from
     writer: KVWriter | None = None
-    error: str | None = None              # why this decode node cannot be written to
+    error: str | None = None  # why this decode node cannot be written to
     hello_at: float = -INF
-    num_blocks: int = 0                   # in its cache, from its welcome
-    is_granting: bool = False             # its last answer granted blocks at once
-    is_layerwise: bool = False            # its welcome takes writes layer by layer
+    num_blocks: int = 0  # in its cache, from its welcome
+    is_granting: bool = False  # its last answer granted blocks at once
+    is_layerwise: bool = False  # its welcome takes writes layer by layer
 
 
 @dataclass
@@ -83,31 +87,33 @@ class Handoff:
     peer: DecodePeer
     stage: Stage = Stage.ASKING
     dst_block_ids: list[int] | None = None
-    reservation: str = ""                 # the grant's name (KVReserved.reservation)
-    epoch: str | None = None              # the decode node's, when it reserved or queued
+    reservation: str = ""  # the grant's name (KVReserved.reservation)
+    epoch: str | None = None  # the decode node's, when it reserved or queued
     lease: Lease = Lease()
-    next_ask_at: float = 0.0              # the next KVReserve (ask or renew) goes then
-    asks: dict = field(default_factory=dict)   # ask number -> when it was sent, until answered
-    silent_since: float | None = None     # asked, no answer since
-    queued_at: float = -INF               # when the KVReserve that queued it was sent
-    num_refusals: int = 0                 # retryable ones in a row
-    is_kv_queued: bool = False            # every layer's KV is queued on the device
-    first_token: int | None = None        # set when the prompt is done
-    first_logprobs: object = None         # what is reported of it (TokenLogprobs), when asked for
+    next_ask_at: float = 0.0  # the next KVReserve (ask or renew) goes then
+    asks: dict = field(default_factory=dict)  # ask number -> when it was sent, until answered
+    silent_since: float | None = None  # asked, no answer since
+    queued_at: float = -INF  # when the KVReserve that queued it was sent
+    num_refusals: int = 0  # retryable ones in a row
+    is_kv_queued: bool = False  # every layer's KV is queued on the device
+    first_token: int | None = None  # set when the prompt is done
+    first_logprobs: object = None  # what is reported of it (TokenLogprobs), when asked for
     timings: dict = field(default_factory=dict)
-    lease_deadline: float = INF           # the decode node must acknowledge the commit by then
-    write_started: float = 0.0            # monotonic, by the handoff's clock
-    write_deadline: float = INF           # a write still under way then is stopped
-    num_written: int = 0                  # units of the write, as its backend counts them
-    layers_sent: int = -1                 # pushed layer by layer: the layers written so far
-    blocks_sent: int = 0                  # (of its blocks from blocks_sent on); those before, all
-    pushed_at: float = -INF               # a pass computing its prompt last pushed it then
-    checksums: object = None              # --kv-verify: of each block, taken when its write starts
-                                          # (a device tensor; its list once committed)
-    written_at: float = 0.0               # wall clock
-    error: str | None = None              # why it ends, once its write has finished
-    is_retryable: bool = False            # error is the path's (the decode node), not the request's
-    aborted_ids: set = field(default_factory=set)   # n > 1: of the request and its forks, those given up
+    lease_deadline: float = INF  # the decode node must acknowledge the commit by then
+    write_started: float = 0.0  # monotonic, by the handoff's clock
+    write_deadline: float = INF  # a write still under way then is stopped
+    num_written: int = 0  # units of the write, as its backend counts them
+    layers_sent: int = -1  # pushed layer by layer: the layers written so far
+    blocks_sent: int = 0  # (of its blocks from blocks_sent on); those before, all
+    pushed_at: float = -INF  # a pass computing its prompt last pushed it then
+    checksums: object = None  # --kv-verify: of each block, taken when its write starts
+    # (a device tensor; its list once committed)
+    written_at: float = 0.0  # wall clock
+    error: str | None = None  # why it ends, once its write has finished
+    is_retryable: bool = False  # error is the path's (the decode node), not the request's
+    aborted_ids: set = field(
+        default_factory=set
+    )  # n > 1: of the request and its forks, those given up
 
     @property
     def ids(self) -> list[str]:
@@ -129,31 +135,35 @@ class Handoff:
 
 
 class Hold(enum.Enum):
-    WAITING = "waiting"       # in line for blocks, oldest first; granted unasked
-    RESERVED = "reserved"     # the prompt's blocks are held for its prefill node to write
-    FAILED = "failed"         # held, but a write failed or it was aborted: its commit is
-                              # refused; freed when released, committed or its lease ends
-    COMMITTED = "committed"   # written: waits for a batch row
+    WAITING = "waiting"  # in line for blocks, oldest first; granted unasked
+    RESERVED = "reserved"  # the prompt's blocks are held for its prefill node to write
+    FAILED = "failed"  # held, but a write failed or it was aborted: its commit is
+    # refused; freed when released, committed or its lease ends
+    COMMITTED = "committed"  # written: waits for a batch row
 
 
 @dataclass
 class Reservation:
     request_id: str
-    sender: bytes                 # the prefill node that asked ("NAME/EPOCH"): only it may write,
-                                  # commit, release
+    sender: bytes  # the prefill node that asked ("NAME/EPOCH"): only it may write,
+    # commit, release
     prompt_len: int
     max_tokens: int
-    lease: Lease                  # renewed by each KVReserve for it
+    lease: Lease  # renewed by each KVReserve for it
     hold: Hold = Hold.WAITING
-    name: str = ""                # the grant's nonce, new for each (KVReserved.reservation)
-    block_ids: list[int] = field(default_factory=list)   # the prompt's, written by the prefill node
-    num_reserved: int = 0         # further blocks promised for the outputs
+    name: str = ""  # the grant's nonce, new for each (KVReserved.reservation)
+    block_ids: list[int] = field(default_factory=list)  # the prompt's, written by the prefill node
+    num_reserved: int = 0  # further blocks promised for the outputs
     commit: KVCommit | None = None
-    error: str | None = None      # FAILED: why; once taken by next_ready(): why its KV is unusable
-    reason: str = "waiting for blocks"   # WAITING: why, for the answer
+    error: str | None = None  # FAILED: why; once taken by next_ready(): why its KV is unusable
+    reason: str = "waiting for blocks"  # WAITING: why, for the answer
     reserved_at: float = field(default_factory=time.time)
-    fork_ids: list[str] = field(default_factory=list)   # n > 1: its other sequences, forked at admission
-    aborted_ids: set[str] = field(default_factory=set)   # of it and its forks, those the frontend gave up
+    fork_ids: list[str] = field(
+        default_factory=list
+    )  # n > 1: its other sequences, forked at admission
+    aborted_ids: set[str] = field(
+        default_factory=set
+    )  # of it and its forks, those the frontend gave up
     is_quarantined: bool = False  # its lease ended, and a one-sided writer may still be writing
 
     @property
@@ -175,8 +185,10 @@ class Reservation:
         except ValueError as e:
             return str(e)
         if c.prompt_len != self.prompt_len or c.params.max_tokens > self.max_tokens:
-            return (f"commit for {c.prompt_len} tokens + {c.params.max_tokens} outputs does not match "
-                    f"the reservation ({self.prompt_len} + {self.max_tokens})")
+            return (
+                f"commit for {c.prompt_len} tokens + {c.params.max_tokens} outputs does not match "
+                f"the reservation ({self.prompt_len} + {self.max_tokens})"
+            )
         if [f.request_id for f in c.forks] != self.fork_ids:
             return "the commit's forks are not the ones reserved"
         if not all(0 <= t < vocab_size for t in [c.first_token, *(f.first_token for f in c.forks)]):
@@ -194,9 +206,14 @@ class Reservation:
 
 class Pool(Protocol):
     """The decode batch's block accounting (decode_node/scheduler.py)."""
-    def refusal_for_good(self, request_ids: list[str], prompt_len: int, max_tokens: int) -> str | None: ...
+
+    def refusal_for_good(
+        self, request_ids: list[str], prompt_len: int, max_tokens: int
+    ) -> str | None: ...
     def refusal_for_now(self, prompt_len: int, max_tokens: int, num_seqs: int) -> str | None: ...
-    def take_blocks(self, prompt_len: int, max_tokens: int, num_seqs: int) -> tuple[list[int], int]: ...
+    def take_blocks(
+        self, prompt_len: int, max_tokens: int, num_seqs: int
+    ) -> tuple[list[int], int]: ...
     def give_back(self, block_ids: list[int], num_reserved: int) -> None: ...
     def num_aside(self) -> int: ...
 

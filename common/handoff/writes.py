@@ -9,6 +9,7 @@ transfer does not repay. `auto` pushes layer by layer where the KV would take at
 least MIN_HIDDEN_S at the rate whole writes to that backend have measured, or,
 before one is measured, where it is at least UNMEASURED_BYTES. The rate is timed from a
 whole write's start to its commit's acknowledgement, over writes of MIN_RATE_BYTES or more."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -19,7 +20,7 @@ from common.transfer import TransferError
 MODES = ("auto", "on", "off")
 MIN_HIDDEN_S = 0.01
 UNMEASURED_BYTES = 4 * 2**20
-MIN_RATE_BYTES = 2**20   # writes this large time the link more than its latency
+MIN_RATE_BYTES = 2**20  # writes this large time the link more than its latency
 
 
 def is_layerwise(mode: str, num_bytes: int, bytes_per_s: float) -> bool:
@@ -42,18 +43,37 @@ def rate_to(peer, figures: dict) -> float:
     return f.bytes_per_s if f else 0.0
 
 
-def can_start(h: Handoff, now: float, is_partial: bool = False, mode: str = "off",
-              bytes_per_s: float = 0.0, block_bytes: int = 0) -> bool:
+def can_start(
+    h: Handoff,
+    now: float,
+    is_partial: bool = False,
+    mode: str = "off",
+    bytes_per_s: float = 0.0,
+    block_bytes: int = 0,
+) -> bool:
     """Whether its write may start now; is_partial: with part of its layers queued, which
     only a write pushed layer by layer does (mode, and the backend's rate, say whether)."""
-    if not (h.stage is Stage.RESERVED and (h.is_kv_queued or is_partial) and h.peer.writer is not None
-            and h.epoch == h.peer.epoch and now < h.lease.write_by):
+    if not (
+        h.stage is Stage.RESERVED
+        and (h.is_kv_queued or is_partial)
+        and h.peer.writer is not None
+        and h.epoch == h.peer.epoch
+        and now < h.lease.write_by
+    ):
         return False
-    return not is_partial or goes_layerwise(h.peer, mode, len(h.job.block_ids) * block_bytes, bytes_per_s)
+    return not is_partial or goes_layerwise(
+        h.peer, mode, len(h.job.block_ids) * block_bytes, bytes_per_s
+    )
 
 
-def write(h: Handoff, num_layers: int, num_done: int | None, checksums, clock: Callable[[], float],
-          end_block: int | None = None) -> None:
+def write(
+    h: Handoff,
+    num_layers: int,
+    num_done: int | None,
+    checksums,
+    clock: Callable[[], float],
+    end_block: int | None = None,
+) -> None:
     """Start its write whole (num_done None, the first call), or layer by layer: each call
     with num_done writes the layers queued since the last, one without ends it. A chunked
     prompt's write spans its passes: end_block says how many of its blocks this pass
@@ -64,14 +84,17 @@ def write(h: Handoff, num_layers: int, num_done: int | None, checksums, clock: C
     if h.stage is Stage.RESERVED:
         # NOTE: an id past the peer's cache would index out of bounds on the device.
         if not all(0 <= b < h.peer.num_blocks for b in h.dst_block_ids):
-            raise TransferError(f"reserved block ids do not fit the decode node's "
-                                f"{h.peer.num_blocks}-block cache")
+            raise TransferError(
+                f"reserved block ids do not fit the decode node's {h.peer.num_blocks}-block cache"
+            )
         h.write_deadline = h.lease.write_deadline
         within_s = h.write_deadline - clock()
         if num_done is None:
             if checksums is not None:
-                h.checksums = checksums(h.job.block_ids)   # NOTE: before the blocks can be freed
-            h.num_written = w.write(rid, h.reservation, h.job.block_ids, h.dst_block_ids, within_s=within_s)
+                h.checksums = checksums(h.job.block_ids)  # NOTE: before the blocks can be freed
+            h.num_written = w.write(
+                rid, h.reservation, h.job.block_ids, h.dst_block_ids, within_s=within_s
+            )
             h.stage, h.write_started = Stage.WRITING, clock()
             return
         w.begin(rid, h.reservation, h.job.block_ids, h.dst_block_ids, within_s=within_s)
@@ -79,16 +102,20 @@ def write(h: Handoff, num_layers: int, num_done: int | None, checksums, clock: C
     if h.stage is not Stage.WRITING or h.layers_sent < 0:
         return
     end = num_layers if num_done is None else num_done
-    blocks = range(h.blocks_sent, len(h.job.block_ids) if num_done is None or end_block is None else end_block)
+    blocks = range(
+        h.blocks_sent, len(h.job.block_ids) if num_done is None or end_block is None else end_block
+    )
     if end > h.layers_sent and blocks:
         # NOTE: checked before every layer pushed: a long pass (or a paused process) must
         # not write into blocks whose grant may have ended (the writer checks too).
         if clock() >= h.write_deadline:
-            raise TransferError("its reservation could end before these layers are written: stopped")
+            raise TransferError(
+                "its reservation could end before these layers are written: stopped"
+            )
         w.write_layers(rid, h.layers_sent, end, blocks)
-    h.layers_sent, h.pushed_at = max(h.layers_sent, end), clock()   # a pass computes it
+    h.layers_sent, h.pushed_at = max(h.layers_sent, end), clock()  # a pass computes it
     if end == num_layers and num_done is not None and end_block is not None:
-        h.blocks_sent, h.layers_sent = max(h.blocks_sent, end_block), 0   # the next pass's blocks
+        h.blocks_sent, h.layers_sent = max(h.blocks_sent, end_block), 0  # the next pass's blocks
     if num_done is None:
         if checksums is not None:
             h.checksums = checksums(h.job.block_ids)

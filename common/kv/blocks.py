@@ -6,12 +6,12 @@ The cache itself is one tensor the worker owns:
 Block 0 is the null block: padding rows of a decode batch write there, so it is
 never handed out.
 """
+
 from __future__ import annotations
 
 import torch
 
 from common.base.model_spec import ModelSpec
-
 
 NULL_BLOCK = 0
 
@@ -24,8 +24,9 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 BLOCK_DIM, SLOT_DIM = 2, 3
 
 
-def cache_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                head_dim: int) -> tuple[int, ...]:
+def cache_shape(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, ...]:
     return (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
@@ -59,7 +60,9 @@ class BlockAllocator:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))  # pop() hands out low ids first
-        self._refs = [0] * num_blocks   # holders of each block; 0: free (the null block: never handed out)
+        self._refs = [
+            0
+        ] * num_blocks  # holders of each block; 0: free (the null block: never handed out)
         self.num_reserved = 0
 
     @property
@@ -124,13 +127,21 @@ class BlockAllocator:
         return b
 
 
-def kv_cache_blocks(spec: ModelSpec, block_size: int, dtype: torch.dtype, free_bytes: int,
-                    memory_bytes: int | None, memory_fraction: float) -> int:
+def kv_cache_blocks(
+    spec: ModelSpec,
+    block_size: int,
+    dtype: torch.dtype,
+    free_bytes: int,
+    memory_bytes: int | None,
+    memory_fraction: float,
+) -> int:
     """How many blocks fit in memory_bytes, or else in memory_fraction of free_bytes."""
     nbytes = spec.kv_bytes_per_token(dtype.itemsize) * block_size
     budget = memory_bytes if memory_bytes is not None else int(free_bytes * memory_fraction)
     num_blocks = budget // nbytes
     if num_blocks < 2:
-        raise ValueError(f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
-                         f"{nbytes} bytes; at least 2 are needed")
+        raise ValueError(
+            f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
+            f"{nbytes} bytes; at least 2 are needed"
+        )
     return int(num_blocks)

@@ -7,6 +7,7 @@ hashes prompts the same way to route a request to the prefill node most likely
 to hold its prefix; nodes report their blocks by route_key (the hash's first 8
 bytes as an int64), a routing hint only.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,7 +24,7 @@ def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
     step = block_size * 4
     out, h = [], b""
     for i in range(len(token_ids) // block_size):
-        h = hashlib.blake2b(h + data[i * step:(i + 1) * step], digest_size=16).digest()
+        h = hashlib.blake2b(h + data[i * step : (i + 1) * step], digest_size=16).digest()
         out.append(h)
     return out
 
@@ -53,12 +54,12 @@ class PrefixCache(BlockAllocator):
         self.is_enabled = is_enabled
         self.block_of: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
-        self.refs: dict[int, int] = {}                       # cached block -> users
-        self.idle: OrderedDict[int, None] = OrderedDict()    # cached, unused; oldest first
+        self.refs: dict[int, int] = {}  # cached block -> users
+        self.idle: OrderedDict[int, None] = OrderedDict()  # cached, unused; oldest first
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
         self.num_evictions = 0
-        self.added: list[int] = []     # route keys cached / evicted since the frontend last heard
+        self.added: list[int] = []  # route keys cached / evicted since the frontend last heard
         self.removed: list[int] = []
 
     @property
@@ -77,7 +78,7 @@ class PrefixCache(BlockAllocator):
         return super().allocate(n)
 
     def allocate_reserved(self) -> int:
-        if not super().num_free:   # NOTE: a reservation counts idle cached blocks as free: evict one
+        if not super().num_free:  # NOTE: a reservation counts idle cached blocks as free: evict one
             self._evict()
         return super().allocate_reserved()
 
@@ -101,7 +102,7 @@ class PrefixCache(BlockAllocator):
     def publish(self, block_id: int, h: bytes) -> None:
         """A block now fully holds the KV its hash names (its user still holds it)."""
         if not self.is_enabled or h in self.block_of or block_id in self.hash_of:
-            return   # NOTE: an equal block computed twice at once: the first one is kept
+            return  # NOTE: an equal block computed twice at once: the first one is kept
         self.block_of[h], self.hash_of[block_id] = block_id, h
         self.refs[block_id] = 1
         self.added.append(route_key(h))
@@ -131,18 +132,23 @@ class PrefixCache(BlockAllocator):
     def take_updates(self) -> tuple[list[int], list[int]]:
         """Route keys added and removed since the last call."""
         out = self.added, self.removed
-        if out[0] or out[1]:   # NOTE: asked every loop turn: new lists only after a change
+        if out[0] or out[1]:  # NOTE: asked every loop turn: new lists only after a change
             self.added, self.removed = [], []
         return out
 
     def snapshot(self) -> list[int]:
         """Every route key cached now (to resynchronize the frontend)."""
         self.added, self.removed = [], []
-        return [route_key(h) for h in self.block_of]   # oldest first
+        return [route_key(h) for h in self.block_of]  # oldest first
 
     def stats(self) -> dict:
         q = self.num_query_tokens
-        return {"is_prefix_caching": self.is_enabled, "num_cached_blocks": len(self.hash_of),
-                "num_idle_cached_blocks": len(self.idle), "num_prefix_evictions": self.num_evictions,
-                "num_prefix_hit_tokens": self.num_hit_tokens, "num_prefix_prompt_tokens": q,
-                "prefix_hit_rate": round(self.num_hit_tokens / q, 4) if q else 0.0}
+        return {
+            "is_prefix_caching": self.is_enabled,
+            "num_cached_blocks": len(self.hash_of),
+            "num_idle_cached_blocks": len(self.idle),
+            "num_prefix_evictions": self.num_evictions,
+            "num_prefix_hit_tokens": self.num_hit_tokens,
+            "num_prefix_prompt_tokens": q,
+            "prefix_hit_rate": round(self.num_hit_tokens / q, 4) if q else 0.0,
+        }

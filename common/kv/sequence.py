@@ -1,11 +1,12 @@
 """A request's host-side state on a node, and the rules every loop applies to it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable
 
-from common.kv.blocks import BlockAllocator, num_blocks_for
 from common.base.request import SamplingParams, stop_reason
+from common.kv.blocks import BlockAllocator, num_blocks_for
 
 
 @dataclass
@@ -14,17 +15,19 @@ class Sequence:
     prompt_len: int
     params: SamplingParams
     block_ids: list[int] = field(default_factory=list)
-    num_reserved: int = 0          # blocks promised by the allocator, not yet taken
+    num_reserved: int = 0  # blocks promised by the allocator, not yet taken
     output_ids: list[int] = field(default_factory=list)
-    prompt_ids: list[int] = field(default_factory=list)   # decode: to recompute a dropped KV
-    admit_order: int = 0           # decode: the most recently admitted is preempted first
+    prompt_ids: list[int] = field(default_factory=list)  # decode: to recompute a dropped KV
+    admit_order: int = 0  # decode: the most recently admitted is preempted first
     num_preemptions: int = 0
-    preempted_s: float = 0.0       # time spent preempted, all preemptions
-    preempted_at: float = 0.0      # monotonic, while preempted
-    is_swapped: bool = False       # preempted with its KV in host memory (else: recomputed)
-    is_preemption_untold: bool = False   # resumed since its preemptions were last reported
-    matcher: object = None         # decode, a request with a grammar: its matcher (base/grammar.py)
-    is_cacheable: bool = True      # decode: its KV may be kept for a follow-up (not: it did not land whole)
+    preempted_s: float = 0.0  # time spent preempted, all preemptions
+    preempted_at: float = 0.0  # monotonic, while preempted
+    is_swapped: bool = False  # preempted with its KV in host memory (else: recomputed)
+    is_preemption_untold: bool = False  # resumed since its preemptions were last reported
+    matcher: object = None  # decode, a request with a grammar: its matcher (base/grammar.py)
+    is_cacheable: bool = (
+        True  # decode: its KV may be kept for a follow-up (not: it did not land whole)
+    )
 
     @property
     def num_cached(self) -> int:
@@ -58,7 +61,10 @@ class Sequence:
         """On a preempted request's last update: how often and how long it was preempted."""
         if not self.num_preemptions:
             return None
-        return {"num_preemptions": self.num_preemptions, "preempted_ms": round(self.preempted_s * 1e3, 3)}
+        return {
+            "num_preemptions": self.num_preemptions,
+            "preempted_ms": round(self.preempted_s * 1e3, 3),
+        }
 
     def release(self, allocator: BlockAllocator) -> None:
         """Give every block and reservation back; safe to call once per sequence."""
@@ -67,9 +73,13 @@ class Sequence:
         self.block_ids, self.num_reserved = [], 0
 
 
-def finish_reason(seq: Sequence, token: int, eos_ids: tuple[int, ...], max_model_len: int) -> str | None:
+def finish_reason(
+    seq: Sequence, token: int, eos_ids: tuple[int, ...], max_model_len: int
+) -> str | None:
     """Why seq ends after emitting token (already appended to output_ids), or None."""
-    return stop_reason(seq.params, token, len(seq.output_ids), seq.prompt_len, eos_ids, max_model_len)
+    return stop_reason(
+        seq.params, token, len(seq.output_ids), seq.prompt_len, eos_ids, max_model_len
+    )
 
 
 def blocks_to_join(seq: Sequence, block_size: int, allocator: BlockAllocator) -> None:
@@ -79,18 +89,22 @@ def blocks_to_join(seq: Sequence, block_size: int, allocator: BlockAllocator) ->
         seq.take_block(allocator)
 
 
-def grow_blocks(keys_needing_block: list[str], seqs: dict[str, Sequence],
-                allocator: BlockAllocator) -> list[tuple[str, int]]:
+def grow_blocks(
+    keys_needing_block: list[str], seqs: dict[str, Sequence], allocator: BlockAllocator
+) -> list[tuple[str, int]]:
     """Before a decode step: each sequence whose next token starts a new block gets
     one, from its reservation or the free pool; -> (key, block) for the block table.
     The caller has made sure the pool has them (num_blocks_short)."""
     return [(key, seqs[key].take_block(allocator)) for key in keys_needing_block]
 
 
-def num_blocks_short(keys_needing_block: Callable[[], list[str]], seqs: dict[str, Sequence],
-                     allocator: BlockAllocator) -> int:
+def num_blocks_short(
+    keys_needing_block: Callable[[], list[str]],
+    seqs: dict[str, Sequence],
+    allocator: BlockAllocator,
+) -> int:
     """Blocks the next decode step needs beyond what reservations and the free pool hold."""
     if allocator.num_available >= len(seqs):
-        return 0   # a step takes at most one block per sequence: no need to look (every step)
+        return 0  # a step takes at most one block per sequence: no need to look (every step)
     need = sum(1 for key in keys_needing_block() if seqs[key].num_reserved == 0)
     return max(need - allocator.num_available, 0)

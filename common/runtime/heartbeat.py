@@ -1,6 +1,7 @@
 """A node's standing with the frontend: its registration, and its heartbeat, sent
 from its own thread and socket so that a long forward pass (or a first-time
 kernel compile) never makes a live node look dead. common/runtime.py drives both."""
+
 from __future__ import annotations
 
 import os
@@ -12,11 +13,11 @@ from typing import Callable
 from common.wire.channel import Channel, node_tag
 from common.wire.protocol import FRONTEND_TO_HEARTBEAT, Heartbeat, ReadyReply
 
-HOST = socket.gethostname()   # in each beat: the machine the node runs on (its stats' "host")
+HOST = socket.gethostname()  # in each beat: the machine the node runs on (its stats' "host")
 
-READY_EVERY_S = 1.0   # a ready not yet answered is sent again this often
+READY_EVERY_S = 1.0  # a ready not yet answered is sent again this often
 SILENCE_LIMIT_S = 120.0  # registering this long with no answer at all: give up, loudly
-STATS_LEAD_S = 0.05      # a heartbeat asks the loop for its stats this long before it is due
+STATS_LEAD_S = 0.05  # a heartbeat asks the loop for its stats this long before it is due
 
 
 class Registration:
@@ -32,7 +33,7 @@ class Registration:
         self._refused_since: float | None = None
         self._asked_since = time.monotonic()
         self.reason: str | None = None
-        self.is_forgotten = threading.Event()   # set by the heartbeat thread: register anew
+        self.is_forgotten = threading.Event()  # set by the heartbeat thread: register anew
 
     def on_reply(self, reply: ReadyReply) -> str | None:
         """The reason to stop, if the frontend refused this node for good."""
@@ -55,7 +56,7 @@ class Registration:
     def tick(self) -> str | None:
         """Send ready again when due; the reason to stop if refusals lasted past give_up_s."""
         now = time.monotonic()
-        if self.is_forgotten.is_set():   # the frontend forgot us (or restarted)
+        if self.is_forgotten.is_set():  # the frontend forgot us (or restarted)
             self.is_forgotten.clear()
             self.is_accepted, self._sent_at, self._asked_since = False, 0.0, now
         if self.is_accepted:
@@ -63,8 +64,10 @@ class Registration:
         if self._refused_since is not None and now - self._refused_since > self.give_up_s:
             return f"the frontend refused this node for {self.give_up_s:.0f}s: {self.reason}"
         if self._refused_since is None and now - self._asked_since > SILENCE_LIMIT_S:
-            return (f"no answer from the frontend in {SILENCE_LIMIT_S:.0f}s: is it running at that "
-                    f"endpoint, and (with --keys) does it hold the same key directory?")
+            return (
+                f"no answer from the frontend in {SILENCE_LIMIT_S:.0f}s: is it running at that "
+                f"endpoint, and (with --keys) does it hold the same key directory?"
+            )
         if now - self._sent_at >= READY_EVERY_S and self.send_ready():
             self._sent_at = now
         return None
@@ -75,11 +78,20 @@ class HeartbeatThread:
     NOTE: it never reads the loop's containers: a snapshot is a dict the loop made
     and no longer touches, replaced whole by publish()."""
 
-    def __init__(self, ctx, endpoint: str, role: str, name: str, epoch: str, first_stats: dict,
-                 interval_s: float, is_forgotten: threading.Event):
+    def __init__(
+        self,
+        ctx,
+        endpoint: str,
+        role: str,
+        name: str,
+        epoch: str,
+        first_stats: dict,
+        interval_s: float,
+        is_forgotten: threading.Event,
+    ):
         self._args = (ctx, endpoint, role, name, epoch, interval_s)
-        self.is_forgotten = is_forgotten   # set when the frontend asks us to register again
-        self.wants_stats = threading.Event()   # set shortly before each beat
+        self.is_forgotten = is_forgotten  # set when the frontend asks us to register again
+        self.wants_stats = threading.Event()  # set shortly before each beat
         self._stats = first_stats
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-heartbeat", daemon=True)
@@ -104,10 +116,16 @@ class HeartbeatThread:
         ctx, endpoint, role, name, epoch, interval_s = self._args
         lead_s = min(STATS_LEAD_S, interval_s / 4)
         # NOTE: a zmq socket belongs to the thread that made it.
-        ch = Channel(ctx, False, endpoint, tag=node_tag(name, epoch, "heartbeat"), server="frontend")
+        ch = Channel(
+            ctx, False, endpoint, tag=node_tag(name, epoch, "heartbeat"), server="frontend"
+        )
         try:
             while True:
-                figures = {**self._stats, "host": HOST, "loop_age_s": round(time.monotonic() - self._last_turn, 3)}
+                figures = {
+                    **self._stats,
+                    "host": HOST,
+                    "loop_age_s": round(time.monotonic() - self._last_turn, 3),
+                }
                 ch.send(Heartbeat(role, name, figures, os.getpid(), epoch), block=False)
                 while ch.has_message():
                     _, reply = ch.recv(FRONTEND_TO_HEARTBEAT)

@@ -7,6 +7,7 @@ Draining (the frontend's Drain, or the first SIGTERM: stop.drain, see
 process.py): the node tells the frontend, which routes nothing more here and
 moves what it can to other nodes; the node stops once it holds nothing, or
 after drain_timeout_s. A second SIGTERM stops it at once."""
+
 from __future__ import annotations
 
 import os
@@ -14,30 +15,45 @@ import secrets
 import time
 from typing import Callable
 
-from common.wire.channel import Channel, node_tag, open_context
 from common.base.config import NodeLinks
 from common.base.env import read_env
 from common.runtime.heartbeat import HeartbeatThread, Registration
 from common.runtime.process import StopEvent
+from common.wire.channel import Channel, node_tag, open_context
 from common.wire.keys import load_keys
 from common.wire.protocol import Drain, NodeDraining, ReadyReply, Shutdown
 
 
 class NodeRuntime:
-    def __init__(self, role: str, name: str, frontend_endpoint: str, keys_dir: str | None,
-                 links: NodeLinks, stop: StopEvent, log, drain_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        role: str,
+        name: str,
+        frontend_endpoint: str,
+        keys_dir: str | None,
+        links: NodeLinks,
+        stop: StopEvent,
+        log,
+        drain_timeout_s: float = 30.0,
+    ):
         self.role, self.name, self.links, self.stop, self.log = role, name, links, stop, log
         self.drain_timeout_s = drain_timeout_s
         self.drain_asked = stop.drain
-        self.drain_until: float | None = None   # monotonic; set while draining
+        self.drain_until: float | None = None  # monotonic; set while draining
         self.exit_code = 0
         # New in each process: with the node's name, who it is on every link (channel.py).
         self.epoch = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.tag = node_tag(name, self.epoch)
         self.ctx = open_context(load_keys(keys_dir, name))
-        self.frontend = Channel(self.ctx, False, frontend_endpoint, tag=self.tag,
-                                max_message_bytes=links.max_message_bytes, server="frontend")
-        self.num_link_resets = 0   # times the frontend link was made again while this process ran
+        self.frontend = Channel(
+            self.ctx,
+            False,
+            frontend_endpoint,
+            tag=self.tag,
+            max_message_bytes=links.max_message_bytes,
+            server="frontend",
+        )
+        self.num_link_resets = 0  # times the frontend link was made again while this process ran
         self._endpoint = frontend_endpoint
         self.registration: Registration | None = None
         self.heartbeat: HeartbeatThread | None = None
@@ -45,16 +61,28 @@ class NodeRuntime:
         self._is_empty: Callable[[], bool] = lambda: True
         self._is_ready_told = False
 
-    def start(self, send_ready: Callable[[], bool], stats: Callable[[], dict],
-              is_empty: Callable[[], bool]) -> None:
+    def start(
+        self,
+        send_ready: Callable[[], bool],
+        stats: Callable[[], dict],
+        is_empty: Callable[[], bool],
+    ) -> None:
         """Register (ready is sent until accepted) and start the heartbeat, fed by
         stats() snapshots that the loop takes in turn(), never the heartbeat thread.
         is_empty(): the node holds no request (a draining node may stop)."""
         self._stats, self._is_empty = stats, is_empty
         self.registration = Registration(send_ready, 2 * self.links.dead_after_s + 5)
         self.registration.tick()
-        self.heartbeat = HeartbeatThread(self.ctx, self._endpoint, self.role, self.name, self.epoch, stats(),
-                                         self.links.heartbeat_s, self.registration.is_forgotten).start()
+        self.heartbeat = HeartbeatThread(
+            self.ctx,
+            self._endpoint,
+            self.role,
+            self.name,
+            self.epoch,
+            stats(),
+            self.links.heartbeat_s,
+            self.registration.is_forgotten,
+        ).start()
 
     @property
     def is_registered(self) -> bool:
@@ -105,8 +133,9 @@ class NodeRuntime:
         if not self.frontend.take_reconnects():
             return False
         self.num_link_resets += 1
-        self.log.warning("the link to the frontend was made again (reset or dropped): saying who "
-                         "this node is")
+        self.log.warning(
+            "the link to the frontend was made again (reset or dropped): saying who this node is"
+        )
         self.registration.resend()
         if self.is_draining:
             self.send(NodeDraining(self.name, os.getpid()))
@@ -124,16 +153,20 @@ class NodeRuntime:
         self.quit(self.registration.tick())
         if self.drain_asked.is_set() and not self.is_draining:
             self.drain_until = time.monotonic() + self.drain_timeout_s
-            self.log.info("draining: no new requests; stopping once those held have moved or "
-                          "finished (at most %.0fs)", self.drain_timeout_s)
+            self.log.info(
+                "draining: no new requests; stopping once those held have moved or "
+                "finished (at most %.0fs)",
+                self.drain_timeout_s,
+            )
             self.send(NodeDraining(self.name, os.getpid()))
         if self.is_draining:
             if self._is_empty():
                 self.log.info("drained: nothing is held here")
                 self.stop.set()
             elif time.monotonic() > self.drain_until:
-                self.log.warning("drain timeout (%.0fs) with requests still here: stopping",
-                                 self.drain_timeout_s)
+                self.log.warning(
+                    "drain timeout (%.0fs) with requests still here: stopping", self.drain_timeout_s
+                )
                 self.stop.set()
 
     def send(self, msg) -> bool:

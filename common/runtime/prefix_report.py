@@ -3,6 +3,7 @@ its prefix is cached (frontend/router.py): the route keys added and evicted sinc
 last turn, or all of them after each registration, a reset link, a message the socket
 could not take, and every PREFIX_RESYNC_S (which heals any drift: a node declared dead
 and back, a lost update). Prefill nodes and decode nodes alike."""
+
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ import time
 
 from common.wire.protocol import PrefixUpdate
 
-MAX_PREFIX_KEYS = 65536   # per PrefixUpdate (the protocol's limit); a full resync sends the newest
+MAX_PREFIX_KEYS = 65536  # per PrefixUpdate (the protocol's limit); a full resync sends the newest
 PREFIX_RESYNC_S = 30.0
 
 
@@ -25,18 +26,23 @@ class PrefixReport:
 
     def turn(self) -> None:
         rt = self.runtime
-        if rt.num_link_resets != self.num_link_resets:   # updates may be lost: all of it again
+        if rt.num_link_resets != self.num_link_resets:  # updates may be lost: all of it again
             self.num_link_resets, self.is_synced = rt.num_link_resets, False
         if not self.is_enabled or not rt.is_registered:
             self.is_synced = False
-            self.cache.take_updates()   # a full resync follows registration
+            self.cache.take_updates()  # a full resync follows registration
             return
         added, removed = self.cache.take_updates()
         now = time.monotonic()
-        if not self.is_synced or max(len(added), len(removed)) > MAX_PREFIX_KEYS \
-                or now - self.synced_at > PREFIX_RESYNC_S:
+        if (
+            not self.is_synced
+            or max(len(added), len(removed)) > MAX_PREFIX_KEYS
+            or now - self.synced_at > PREFIX_RESYNC_S
+        ):
             self.synced_at = now
-            update = PrefixUpdate(self.name, os.getpid(), self.cache.snapshot()[-MAX_PREFIX_KEYS:], [], True)
+            update = PrefixUpdate(
+                self.name, os.getpid(), self.cache.snapshot()[-MAX_PREFIX_KEYS:], [], True
+            )
         elif added or removed:
             update = PrefixUpdate(self.name, os.getpid(), added, removed)
         else:

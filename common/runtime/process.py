@@ -1,5 +1,6 @@
 """What every node process does at start: read worker options, tie its life to
 its launcher, and turn SIGTERM/SIGINT into a clean stop."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,10 +10,10 @@ import signal
 import sys
 import threading
 
-from common.wire.channel import LinkError
 from common.base.config import WorkerConfig
 from common.base.flags import add_flags, flagged
 from common.base.log import add_log_level_arg, set_level, set_name
+from common.wire.channel import LinkError
 
 
 class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -35,12 +36,20 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 def add_thread_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("host threads")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch threads in this process (default: one per core it may run on for "
-                        "a cpu device, 1 for an accelerator, whose host work is launching); "
-                        "start_cluster.sh divides the host's cores among the processes it starts")
-    g.add_argument("--cpus", default=None, metavar="LIST",
-                   help="run only on these cores, e.g. 0-3 or 1,5 (Linux)")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads in this process (default: one per core it may run on for "
+        "a cpu device, 1 for an accelerator, whose host work is launching); "
+        "start_cluster.sh divides the host's cores among the processes it starts",
+    )
+    g.add_argument(
+        "--cpus",
+        default=None,
+        metavar="LIST",
+        help="run only on these cores, e.g. 0-3 or 1,5 (Linux)",
+    )
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -62,6 +71,7 @@ def apply_threads(threads: int | None, cpus: str | None, is_host_device: bool) -
     core it may run on where the device is the host (the forward runs here), else one.
     NOTE: call before torch's first parallel op: its pool is sized once."""
     import torch
+
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
     if cpus:
@@ -71,7 +81,9 @@ def apply_threads(threads: int | None, cpus: str | None, is_host_device: bool) -
             os.sched_setaffinity(0, parse_cpus(cpus))
         except OSError as e:
             raise ValueError(f"--cpus {cpus}: {e.strerror}") from None
-    num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    num_cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     torch.set_num_threads(threads or (num_cores if is_host_device else 1))
 
 
@@ -95,10 +107,16 @@ def describe_threads(num: int | None = None) -> str:
     may use where that is not torch's pool (a CPU node's lanes, or its cap in a core
     pool: the launcher's count for it)."""
     import torch
+
     num = torch.get_num_threads() if num is None else num
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    where = f"cores {cores[0]}-{cores[-1]}" if cores and cores == list(range(cores[0], cores[-1] + 1)) \
-        else f"cores {','.join(map(str, cores))}" if cores else f"{os.cpu_count()} cores"
+    where = (
+        f"cores {cores[0]}-{cores[-1]}"
+        if cores and cores == list(range(cores[0], cores[-1] + 1))
+        else f"cores {','.join(map(str, cores))}"
+        if cores
+        else f"{os.cpu_count()} cores"
+    )
     return f"{num} thread{'s' * (num > 1)} on {where}"
 
 
@@ -158,6 +176,7 @@ def stop_event_on_signals() -> StopEvent:
 
     def on_term(*_) -> None:
         (stop.set if stop.drain.is_set() else stop.drain.set)()
+
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     return stop

@@ -26,6 +26,7 @@ best first in KV_BACKENDS):
          one process group per prefill/decode pair, joined on first contact; only
          when asked for by name (its connections are not authenticated).
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,13 +36,20 @@ import torch
 
 from common.base.config import KV_BACKENDS, KV_TRANSFERS
 from common.base.log import get_logger
-from common.transfer.backend import (Backend, KVReceiver, KVWriter, LocalCache, Send,  # noqa: F401
-                                     UnusableBackend, WholeWrite)
+from common.transfer.backend import (
+    Backend,
+    KVReceiver,
+    KVWriter,
+    LocalCache,
+    Send,  # noqa: F401
+    UnusableBackend,
+    WholeWrite,
+)
 from common.transfer.copy import TransferError, block_checksums, copy_blocks, host_id  # noqa: F401
 from common.wire.protocol import KVTransfer, KVWelcome, dtype_name
 
 log = get_logger("transfer")
-CHOICES = KV_TRANSFERS               # what --kv-transfer takes
+CHOICES = KV_TRANSFERS  # what --kv-transfer takes
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,7 +64,8 @@ def availability(device: torch.device = torch.device("cpu")) -> str:
     why = {name: backend(name).why_unusable(device) for name in KV_BACKENDS}
     usable = [n for n, w in why.items() if w is None]
     return f"usable here ({device.type}): {', '.join(usable) or 'none'}" + "".join(
-        f"; {n}: {w}" for n, w in why.items() if w is not None)
+        f"; {n}: {w}" for n, w in why.items() if w is not None
+    )
 
 
 def _check(requested: str) -> None:
@@ -95,9 +104,14 @@ def offered(requested: str, device: torch.device, is_reachable_remotely: bool) -
     return names
 
 
-def needs_shared_cache(requested: str, device: torch.device, is_reachable_remotely: bool = False) -> bool:
+def needs_shared_cache(
+    requested: str, device: torch.device, is_reachable_remotely: bool = False
+) -> bool:
     """Whether a decode node's cache must be allocated where other processes can map it."""
-    return any(backend(n).needs_shared_cache(device) for n in offered(requested, device, is_reachable_remotely))
+    return any(
+        backend(n).needs_shared_cache(device)
+        for n in offered(requested, device, is_reachable_remotely)
+    )
 
 
 def choose_backend(requested: str, welcome: KVWelcome, device: torch.device) -> str:
@@ -111,14 +125,19 @@ def choose_backend(requested: str, welcome: KVWelcome, device: torch.device) -> 
         if name not in theirs:
             return f"it accepts {', '.join(theirs) or 'none'}"
         return b.why_unusable(device) or b.why_not_with(device, welcome, is_local)
+
     if requested != "auto":
         why = why_not(requested)
         if why:
-            raise TransferError(f"cannot use the {requested} KV transfer with this decode node: {why}")
+            raise TransferError(
+                f"cannot use the {requested} KV transfer with this decode node: {why}"
+            )
         return requested
     usable = [n for n in KV_BACKENDS if backend(n).is_auto and why_not(n) is None]
     if not usable:
-        raise TransferError(f"no KV transfer in common: the decode node accepts {', '.join(theirs) or 'none'}")
+        raise TransferError(
+            f"no KV transfer in common: the decode node accepts {', '.join(theirs) or 'none'}"
+        )
     return usable[0]
 
 
@@ -128,9 +147,15 @@ def check_layout(welcome: KVWelcome, cache: torch.Tensor) -> None:
     theirs = list(welcome.cache_shape)
     ours = list(cache.shape)
     our_dtype = dtype_name(cache.dtype)
-    if len(theirs) != 6 or theirs[:2] + theirs[3:] != ours[:2] + ours[3:] or welcome.dtype != our_dtype:
-        raise TransferError(f"the decode node's KV cache {theirs} {welcome.dtype} does not match this "
-                            f"node's {ours} {our_dtype} (outside the block count)")
+    if (
+        len(theirs) != 6
+        or theirs[:2] + theirs[3:] != ours[:2] + ours[3:]
+        or welcome.dtype != our_dtype
+    ):
+        raise TransferError(
+            f"the decode node's KV cache {theirs} {welcome.dtype} does not match this "
+            f"node's {ours} {our_dtype} (outside the block count)"
+        )
 
 
 def open_writer(requested: str, welcome: KVWelcome, cache: torch.Tensor, send: Send) -> KVWriter:
@@ -160,21 +185,32 @@ class KVSink:
 
     def welcome(self, epoch: str) -> KVWelcome:
         c = self.cache
-        return KVWelcome(epoch, host_id(), str(c.device), list(c.shape), dtype_name(c.dtype),
-                         {name: r.describe() for name, r in self.receivers.items()}, self.is_layerwise)
+        return KVWelcome(
+            epoch,
+            host_id(),
+            str(c.device),
+            list(c.shape),
+            dtype_name(c.dtype),
+            {name: r.describe() for name, r in self.receivers.items()},
+            self.is_layerwise,
+        )
 
     def _receiver(self, name: str) -> KVReceiver:
         r = self.receivers.get(name)
         if r is None:
-            raise TransferError(f"this decode node does not accept {name[:32]!r} KV transfers "
-                                f"(it accepts {', '.join(self.accepted)})")
+            raise TransferError(
+                f"this decode node does not accept {name[:32]!r} KV transfers "
+                f"(it accepts {', '.join(self.accepted)})"
+            )
         return r
 
     def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
         """TransferError if the backend is not accepted here or the message does not fit."""
         self._receiver(msg.backend).receive(sender, msg, dst_block_ids)
 
-    def why_incomplete(self, backend_name: str, request_id: str, num_blocks: int, num_written: int) -> str | None:
+    def why_incomplete(
+        self, backend_name: str, request_id: str, num_blocks: int, num_written: int
+    ) -> str | None:
         """Why a commit that says num_written units of a backend's write must be refused:
         less than a whole write, or not all of it arrived."""
         try:
@@ -183,16 +219,23 @@ class KVSink:
             return str(e)
         whole, arrived = r.num_units(num_blocks), r.num_received(request_id)
         if num_written != whole or arrived != whole:
-            return (f"its KV did not all arrive: a whole {backend_name} write of {num_blocks} blocks is "
-                    f"{whole} units, the commit says {num_written}, {arrived} arrived")
+            return (
+                f"its KV did not all arrive: a whole {backend_name} write of {num_blocks} blocks is "
+                f"{whole} units, the commit says {num_written}, {arrived} arrived"
+            )
         return None
 
-    def is_arriving(self, backend_name: str, request_id: str, num_blocks: int, num_written: int) -> bool:
+    def is_arriving(
+        self, backend_name: str, request_id: str, num_blocks: int, num_written: int
+    ) -> bool:
         """A commit for a whole write came before all of its KV, which travels apart from
         commits with this backend: the rest may still be on the way."""
         r = self.receivers.get(backend_name)
-        return r is not None and backend(backend_name).is_kv_apart and \
-            num_written == r.num_units(num_blocks) > r.num_received(request_id)
+        return (
+            r is not None
+            and backend(backend_name).is_kv_apart
+            and num_written == r.num_units(num_blocks) > r.num_received(request_id)
+        )
 
     def checksums(self, block_ids: list[int]) -> list[int]:
         """--kv-verify: the checksums of these blocks of the cache as they are now."""
@@ -204,8 +247,10 @@ class KVSink:
         bad = [i for i, (a, b) in enumerate(zip(got, checksums)) if a != b]
         if not bad:
             return None
-        return (f"its KV does not hold what the prefill node wrote (--kv-verify: {len(bad)} of "
-                f"{len(got)} blocks differ, the first at block {bad[0]})")
+        return (
+            f"its KV does not hold what the prefill node wrote (--kv-verify: {len(bad)} of "
+            f"{len(got)} blocks differ, the first at block {bad[0]})"
+        )
 
     @staticmethod
     def is_one_sided(backend_name: str) -> bool:
@@ -214,14 +259,16 @@ class KVSink:
 
     def progress(self) -> bool:
         """True while a transfer this process drives is under way (the loop must not sleep)."""
-        return any([r.progress() for r in self.receivers.values()])   # NOTE: a list: every one moves
+        return any([r.progress() for r in self.receivers.values()])  # NOTE: a list: every one moves
 
     def is_landed(self, request_id: str) -> bool:
         return all(r.is_landed(request_id) for r in self.receivers.values())
 
     def landing_error(self, request_id: str) -> str | None:
         """Why a landed request's KV is not usable, if it is not."""
-        return next((e for r in self.receivers.values() if (e := r.landing_error(request_id))), None)
+        return next(
+            (e for r in self.receivers.values() if (e := r.landing_error(request_id))), None
+        )
 
     def forget(self, request_id: str) -> None:
         for r in self.receivers.values():

@@ -6,6 +6,7 @@ KVWelcome under the backend's name. A prefill node that picks the backend opens
 a writer from that descriptor. Whatever else must cross the KV link goes as
 KVTransfer messages under the backend's name, checked by the backend itself
 (codec.parse into a dataclass of its own)."""
+
 from __future__ import annotations
 
 import time
@@ -18,24 +19,32 @@ from common.transfer.copy import TransferError
 from common.wire import codec
 from common.wire.protocol import KVTransfer, KVWelcome, ProtocolError
 
-Send = Callable[[KVTransfer], bool]   # on the KV link; False: not now (not connected, or full)
+Send = Callable[[KVTransfer], bool]  # on the KV link; False: not now (not connected, or full)
 NO_DATA = torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass(frozen=True)
 class LocalCache:
     """A decode node's cache as its receivers see it."""
-    tensor: torch.Tensor           # [layers, 2, blocks, block_size, kv_heads, head_dim]
-    host: str                      # the address its KV link is reached at
-    shm_name: str | None = None    # CPU: the shared-memory segment the cache lives in
+
+    tensor: torch.Tensor  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    host: str  # the address its KV link is reached at
+    shm_name: str | None = None  # CPU: the shared-memory segment the cache lives in
 
 
 class KVWriter(Protocol):
     """Prefill side, one per decode node: writes local blocks into reserved remote ones."""
+
     name: str
 
-    def write(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> int:
+    def write(
+        self,
+        request_id: str,
+        reservation: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        within_s: float,
+    ) -> int:
         """Start the write into the grant `reservation`; returns at once, with the units of
         it the receiver will count (KVCommit.num_written). Source blocks stay untouched
         until poll() names it. within_s: past this the write must be stopped, whatever the
@@ -49,10 +58,18 @@ class KVWriter(Protocol):
     # poll() names it ended only after end(). renew(rid, within_s): its reservation was
     # renewed while it spans passes, the new bound replaces begin()'s. A backend with no
     # such form gets WholeWrite's (one whole write at end()).
-    def begin(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> None: ...
+    def begin(
+        self,
+        request_id: str,
+        reservation: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        within_s: float,
+    ) -> None: ...
 
-    def write_layers(self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None) -> None: ...
+    def write_layers(
+        self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None
+    ) -> None: ...
 
     def end(self, request_id: str) -> int: ...
 
@@ -62,9 +79,9 @@ class KVWriter(Protocol):
         """Move what can move now (send what is ready) without ending anything: called
         during a pass, where no handoff may end."""
 
-    is_layerwise: bool   # it writes layers as they come (WholeWrite's: False)
+    is_layerwise: bool  # it writes layers as they come (WholeWrite's: False)
 
-    is_stalled: bool   # every write under way waits on the peer (or a thread): no need to poll hard
+    is_stalled: bool  # every write under way waits on the peer (or a thread): no need to poll hard
 
     def poll(self) -> list[tuple[str, str | None]]:
         """(request id, why it failed or None) for writes that ended since the last call."""
@@ -109,18 +126,22 @@ class KVReceiver(Protocol):
 @dataclass(frozen=True)
 class Backend:
     name: str
-    why_unusable: Callable[[torch.device], str | None]   # None: this process can use it on that device
+    why_unusable: Callable[
+        [torch.device], str | None
+    ]  # None: this process can use it on that device
     open_receiver: Callable[[LocalCache], KVReceiver]
-    open_writer: Callable[[dict, KVWelcome, torch.Tensor, Send], KVWriter]   # (its descriptor, ...)
-    is_auto: bool = True                # auto may offer it
+    open_writer: Callable[[dict, KVWelcome, torch.Tensor, Send], KVWriter]  # (its descriptor, ...)
+    is_auto: bool = True  # auto may offer it
     # NOTE: a one-sided write lands without the decode node taking part, so it cannot
     # refuse a late one: a reservation it may write into is freed only at its lease's end.
     is_one_sided: bool = False
-    is_auto_across_hosts_only: bool = False   # auto offers it only on a KV link other hosts reach
+    is_auto_across_hosts_only: bool = False  # auto offers it only on a KV link other hosts reach
     # (our device, their welcome, whether they share our host) -> why not with that decode node
-    why_not_with: Callable[[torch.device, KVWelcome, bool], str | None] = lambda device, welcome, is_local: None
+    why_not_with: Callable[[torch.device, KVWelcome, bool], str | None] = (
+        lambda device, welcome, is_local: None
+    )
     needs_shared_cache: Callable[[torch.device], bool] = lambda device: False
-    is_layerwise: bool = False          # its writer has a layer-wise form (else WholeWrite gives one)
+    is_layerwise: bool = False  # its writer has a layer-wise form (else WholeWrite gives one)
     # Its KVTransfers carry the KV itself: they travel on the KV link's data connection, apart
     # from control, so a commit can arrive before the last of them (and waits for them).
     is_kv_apart: bool = False
@@ -130,7 +151,11 @@ def why_not_same_kind(device: torch.device, welcome: KVWelcome) -> str | None:
     """For backends that move memory of one kind only (cpu to cpu, cuda to cuda)."""
     # NOTE: not torch.device(): the name comes off the wire, and a malformed one must only refuse.
     theirs = welcome.device.split(":")[0]
-    return None if theirs == device.type else f"its cache is on {welcome.device}, this node's on {device.type}"
+    return (
+        None
+        if theirs == device.type
+        else f"its cache is on {welcome.device}, this node's on {device.type}"
+    )
 
 
 class UnusableBackend(TransferError, ValueError):
@@ -154,16 +179,29 @@ class WholeWrite:
     def __init__(self, writer: KVWriter):
         self.inner, self.name = writer, writer.name
         self._begun: dict[str, tuple] = {}
-        self._dropped: list[tuple[str, str | None]] = []   # cancelled before end()
+        self._dropped: list[tuple[str, str | None]] = []  # cancelled before end()
 
-    def __getattr__(self, attr):   # write, is_stalled, close: the writer's own
+    def __getattr__(self, attr):  # write, is_stalled, close: the writer's own
         return getattr(self.inner, attr)
 
-    def begin(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> None:
-        self._begun[request_id] = (reservation, src_block_ids, dst_block_ids, time.monotonic() + within_s)
+    def begin(
+        self,
+        request_id: str,
+        reservation: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        within_s: float,
+    ) -> None:
+        self._begun[request_id] = (
+            reservation,
+            src_block_ids,
+            dst_block_ids,
+            time.monotonic() + within_s,
+        )
 
-    def write_layers(self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None) -> None:
+    def write_layers(
+        self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None
+    ) -> None:
         pass
 
     def renew(self, request_id: str, within_s: float) -> None:
@@ -172,7 +210,9 @@ class WholeWrite:
 
     def end(self, request_id: str) -> int:
         reservation, src, dst, deadline = self._begun.pop(request_id)
-        return self.inner.write(request_id, reservation, src, dst, within_s=deadline - time.monotonic())
+        return self.inner.write(
+            request_id, reservation, src, dst, within_s=deadline - time.monotonic()
+        )
 
     def flush(self) -> None:
         pass

@@ -1,4 +1,5 @@
 """Block copies between two caches, and what every backend shares."""
+
 from __future__ import annotations
 
 import socket
@@ -32,11 +33,13 @@ def runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-MAX_SLICE_COPIES = 8   # past this many stretches one gather + scatter is cheaper
+MAX_SLICE_COPIES = 8  # past this many stretches one gather + scatter is cheaper
 
 
 @torch.inference_mode()
-def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> None:
+def copy_blocks(
+    src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]
+) -> None:
     """dst[:, :, dst_ids] = src[:, :, src_ids] for caches [L, 2, blocks, block_size, Hk, D],
     possibly on different devices, on the current stream. Allocators hand out
     consecutive ids, so this is usually a few strided copies with no temporary."""
@@ -47,13 +50,18 @@ def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_id
     stretches = runs(src_ids, dst_ids)
     if len(stretches) <= MAX_SLICE_COPIES:
         for s, d, n in stretches:
-            dst[:, :, d: d + n].copy_(src[:, :, s: s + n], non_blocking=True)
+            dst[:, :, d : d + n].copy_(src[:, :, s : s + n], non_blocking=True)
         return
     # NOTE: the temporaries below belong to the current stream; callers on a side
     # stream enter it first, so they are not reused while it still reads them.
-    gathered = src.index_select(2, torch.tensor(src_ids, dtype=torch.int64).to(src.device, non_blocking=True))
-    dst.index_copy_(2, torch.tensor(dst_ids, dtype=torch.int64).to(dst.device, non_blocking=True),
-                    gathered.to(dst.device, non_blocking=True))
+    gathered = src.index_select(
+        2, torch.tensor(src_ids, dtype=torch.int64).to(src.device, non_blocking=True)
+    )
+    dst.index_copy_(
+        2,
+        torch.tensor(dst_ids, dtype=torch.int64).to(dst.device, non_blocking=True),
+        gathered.to(dst.device, non_blocking=True),
+    )
 
 
 @torch.inference_mode()
@@ -68,7 +76,9 @@ def block_checksums(cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     planes = cache.shape[0] * cache.shape[1]
     sums = []
     for start, _, n in runs(block_ids, block_ids):
-        words = cache[:, :, start: start + n].view(word).reshape(planes, n, -1)   # a view: blocks contiguous
+        words = (
+            cache[:, :, start : start + n].view(word).reshape(planes, n, -1)
+        )  # a view: blocks contiguous
         sums.append(words.sum(dim=2, dtype=torch.int32).sum(dim=0, dtype=torch.int32))
     if not sums:
         return torch.zeros(0, dtype=torch.int32, device=cache.device)

@@ -16,6 +16,7 @@ NOTE: the store and the group's connections are not authenticated (CURVE covers
 only the ZeroMQ links), so dist is offered only when asked for by name, never
 by `auto`; keep its ports on a trusted network.
 """
+
 from __future__ import annotations
 
 import queue
@@ -43,20 +44,22 @@ JOIN_TIMEOUT = timedelta(seconds=30)
 
 @dataclass
 class DistDescriptor:
-    store: Name          # "host:port" of the TCPStore pairs meet at
+    store: Name  # "host:port" of the TCPStore pairs meet at
 
 
 @dataclass
 class DistHeader:
     """The request's blocks follow as one send on the pair's process group `group` under `tag`."""
+
     group: Name
     tag: Annotated[int, Range(0, 2**31 - 1)]
 
 
 def _group(store: dist.Store, name: str, rank: int, device: torch.device):
     """The pair's group, of the kind the device's platform says (gloo, nccl, hccl)."""
-    return platform_type(device).process_group(dist.PrefixStore(f"pdserve/{name}", store), rank, 2,
-                                               JOIN_TIMEOUT)
+    return platform_type(device).process_group(
+        dist.PrefixStore(f"pdserve/{name}", store), rank, 2, JOIN_TIMEOUT
+    )
 
 
 class _Pipe:
@@ -71,8 +74,9 @@ class _Pipe:
     def __init__(self, make: Callable[[], object], what: str):
         self.error: str | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, args=(make, what), daemon=True,
-                                        name="kv-dist")
+        self._thread = threading.Thread(
+            target=self._run, args=(make, what), daemon=True, name="kv-dist"
+        )
         self._thread.start()
 
     def put(self, op) -> None:
@@ -82,7 +86,7 @@ class _Pipe:
     def _run(self, make, what: str) -> None:
         try:
             pg = make()
-        except Exception as e:   # what it was given fails below
+        except Exception as e:  # what it was given fails below
             self.error = f"joining the KV process group {what} failed: {e}"
             log.error("%s", self.error)
             pg = None
@@ -107,13 +111,13 @@ class _Send:
     request_id: str
     reservation: str
     tag: int
-    buf: torch.Tensor                   # the gathered blocks: its own memory, not the cache's
-    ready: object | None                # the gather is done (a platform event)
-    deadline: float                     # monotonic
+    buf: torch.Tensor  # the gathered blocks: its own memory, not the cache's
+    ready: object | None  # the gather is done (a platform event)
+    deadline: float  # monotonic
     is_announced: bool = False
     is_cancelled: bool = False
     error: str | None = None
-    is_done: bool = False               # set by the pipe's thread
+    is_done: bool = False  # set by the pipe's thread
 
     def run(self, pg):
         return pg.send([self.buf], 0, self.tag)
@@ -124,7 +128,7 @@ class _Send:
 
 class DistWriter:
     name = "dist"
-    is_stalled = True   # what is under way waits on the pipe's thread and the peer
+    is_stalled = True  # what is under way waits on the pipe's thread and the peer
 
     def __init__(self, store_addr: str, cache: torch.Tensor, send: Send):
         self.store_addr = store_addr
@@ -145,20 +149,29 @@ class DistWriter:
         group, device = self.group, self.src.device
 
         def make():
-            store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=JOIN_TIMEOUT)
+            store = dist.TCPStore(
+                host.strip("[]"), int(port), is_master=False, timeout=JOIN_TIMEOUT
+            )
             return _group(store, group, 1, device)
+
         self._pipe = _Pipe(make, f"with the decode node at {self.store_addr}")
 
     @torch.inference_mode()
-    def write(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> int:
+    def write(
+        self,
+        request_id: str,
+        reservation: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        within_s: float,
+    ) -> int:
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
         if request_id in self._sends:
             raise TransferError(f"a second write of {request_id} under way")
         if self._pipe.error:
             error = self._pipe.error
-            self._new_pipe()   # for the next write
+            self._new_pipe()  # for the next write
             raise TransferError(error)
         idx = torch.tensor(src_block_ids, dtype=torch.int64)
         ready = None
@@ -170,8 +183,14 @@ class DistWriter:
         else:
             buf = self.src.index_select(2, idx)
         self._num_tags = (self._num_tags + 1) % 2**31
-        self._sends[request_id] = _Send(request_id, reservation, self._num_tags, buf, ready,
-                                        time.monotonic() + max(within_s, 0.0))
+        self._sends[request_id] = _Send(
+            request_id,
+            reservation,
+            self._num_tags,
+            buf,
+            ready,
+            time.monotonic() + max(within_s, 0.0),
+        )
         return 1
 
     def poll(self) -> list[tuple[str, str | None]]:
@@ -182,12 +201,22 @@ class DistWriter:
         ended, now = [], time.monotonic()
         is_blocked = False
         for rid, s in list(self._sends.items()):
-            why = "cancelled" if s.is_cancelled else s.error if s.is_done else \
-                "it did not complete before its reservation could end" if now > s.deadline else None
+            why = (
+                "cancelled"
+                if s.is_cancelled
+                else s.error
+                if s.is_done
+                else "it did not complete before its reservation could end"
+                if now > s.deadline
+                else None
+            )
             if why is None and not s.is_announced and not is_blocked:
                 if (s.ready is not None and not s.ready.query()) or not self.send(
-                        KVTransfer(rid, s.reservation, "dist", {"group": self.group, "tag": s.tag}, NO_DATA)):
-                    is_blocked = True   # in order: the later ones wait
+                    KVTransfer(
+                        rid, s.reservation, "dist", {"group": self.group, "tag": s.tag}, NO_DATA
+                    )
+                ):
+                    is_blocked = True  # in order: the later ones wait
                 else:
                     s.is_announced = True
                     self._pipe.put(s)
@@ -220,6 +249,7 @@ class _Recv:
     """One announced receive. Its buffer is made by the pipe's thread when it runs (so at
     most one per peer exists at a time, never one per announcement) and copied into the
     reserved blocks there, under the receiver's lock, unless its reservation ended."""
+
     receiver: "DistReceiver"
     request_id: str
     group: str
@@ -232,8 +262,9 @@ class _Recv:
 
     def run(self, pg):
         c = self.receiver.cache
-        self.buf = torch.empty((c.shape[0], 2, len(self.dst_block_ids), *c.shape[3:]), dtype=c.dtype,
-                               device=c.device)
+        self.buf = torch.empty(
+            (c.shape[0], 2, len(self.dst_block_ids), *c.shape[3:]), dtype=c.dtype, device=c.device
+        )
         return pg.recv([self.buf], 1, self.tag)
 
     def done(self, error: str | None) -> None:
@@ -246,11 +277,15 @@ class DistReceiver:
 
     def __init__(self, cache: LocalCache):
         self.cache, host = cache.tensor, cache.host
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=JOIN_TIMEOUT)
+        self.store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=JOIN_TIMEOUT
+        )
         self.address = f"[{host}]:{self.store.port}" if ":" in host else f"{host}:{self.store.port}"
-        self._groups: dict[str, tuple[bytes, _Pipe]] = {}   # name -> (the peer that made it, its pipe)
+        self._groups: dict[
+            str, tuple[bytes, _Pipe]
+        ] = {}  # name -> (the peer that made it, its pipe)
         self._recvs: dict[str, _Recv] = {}
-        self._lock = threading.Lock()   # the pipes' threads land while the loop may forget
+        self._lock = threading.Lock()  # the pipes' threads land while the loop may forget
 
     def describe(self) -> dict:
         return {"store": self.address}
@@ -283,15 +318,19 @@ class DistReceiver:
             group, device = m.group, self.cache.device
             pipe = _Pipe(lambda: _group(self.store, group, 0, device), group[:8])
             self._groups[group] = (sender, pipe)
-        r = self._recvs[msg.request_id] = _Recv(self, msg.request_id, m.group, m.tag, list(dst_block_ids))
-        pipe.put(r)   # NOTE: even if the request is dropped later, to keep the pairing in order
+        r = self._recvs[msg.request_id] = _Recv(
+            self, msg.request_id, m.group, m.tag, list(dst_block_ids)
+        )
+        pipe.put(r)  # NOTE: even if the request is dropped later, to keep the pairing in order
 
     def land(self, r: _Recv, error: str | None) -> None:
         """The pipe's thread: a receive ended."""
         with self._lock:
             if error is None and not r.is_forgotten:
                 with torch.inference_mode():
-                    copy_blocks(r.buf, list(range(len(r.dst_block_ids))), self.cache, r.dst_block_ids)
+                    copy_blocks(
+                        r.buf, list(range(len(r.dst_block_ids))), self.cache, r.dst_block_ids
+                    )
             r.buf, r.error, r.is_done = None, error, True
 
     def is_landed(self, request_id: str) -> bool:
@@ -301,7 +340,7 @@ class DistReceiver:
         if r is None or r.is_done:
             return True
         _, pipe = self._groups.get(r.group, (None, None))
-        if pipe is None or pipe.error:   # replaced or broken: it never lands
+        if pipe is None or pipe.error:  # replaced or broken: it never lands
             r.error = r.error or (pipe.error if pipe else "its KV process group was replaced")
             return True
         return False
@@ -321,7 +360,9 @@ class DistReceiver:
         self.store = None
 
 
-def _open_writer(descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send: Send) -> DistWriter:
+def _open_writer(
+    descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send: Send
+) -> DistWriter:
     return DistWriter(parse(DistDescriptor, descriptor, "dist").store, cache, send)
 
 

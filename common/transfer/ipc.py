@@ -2,6 +2,7 @@
 once, at connection time, and the prefill node copies its blocks straight into
 the reserved ones: device to device on CUDA (a peer copy across devices), a
 memory copy through a shared-memory segment on CPU."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +23,7 @@ from common.wire.protocol import KVTransfer, KVWelcome
 @dataclass
 class CudaIpcHandle:
     """A CUDA allocation shared across processes (what torch's storage sharing returns)."""
+
     device: int
     handle: bytes
     storage_size: int
@@ -34,7 +36,7 @@ class CudaIpcHandle:
 
 @dataclass
 class IpcDescriptor:
-    shm_name: Name | None = None       # CPU: the cache's shared-memory segment
+    shm_name: Name | None = None  # CPU: the cache's shared-memory segment
     cuda: CudaIpcHandle | None = None  # CUDA: the cache's allocation
 
 
@@ -66,11 +68,17 @@ class IpcWriter:
     stops itself at its deadline, checked before each layer it queues (the decode node
     holds an expired grant's blocks a while longer, receiver.py). On a device, a layer
     queued before the deadline runs behind the pass that computes it."""
+
     name = "ipc"
     is_layerwise = True
 
-    def __init__(self, descriptor: dict, welcome: KVWelcome, cache: torch.Tensor,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        descriptor: dict,
+        welcome: KVWelcome,
+        cache: torch.Tensor,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.src = cache
         shape = list(welcome.cache_shape)
         if not is_cache_shape(shape):
@@ -83,40 +91,58 @@ class IpcWriter:
         self._num_dst_blocks = num_cache_blocks(shape)
         # (request id, its copies' event, why it failed or None): ended, its copies may run
         self._inflight: list[tuple[str, object | None, str | None]] = []
-        self._open: dict[str, _OpenWrite] = {}   # begun, not ended
+        self._open: dict[str, _OpenWrite] = {}  # begun, not ended
 
     is_stalled = False
 
-    def write(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> int:
+    def write(
+        self,
+        request_id: str,
+        reservation: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        within_s: float,
+    ) -> int:
         """Nothing crosses the KV link (no units): the commit's reservation and epoch, and
         --kv-verify, are what tie the copy to its grant."""
         self.begin(request_id, reservation, src_block_ids, dst_block_ids, within_s)
         try:
             self.write_layers(request_id, 0, self.src.shape[0])
-        except TransferError:   # stopped part-way at its deadline: not started, as far as the caller knows
+        except (
+            TransferError
+        ):  # stopped part-way at its deadline: not started, as far as the caller knows
             self._open.pop(request_id, None)
             raise
         return self.end(request_id)
 
-    def begin(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> None:
+    def begin(
+        self,
+        request_id: str,
+        reservation: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        within_s: float,
+    ) -> None:
         if any(not 0 < b < self._num_dst_blocks for b in dst_block_ids):
-            raise TransferError(f"destination blocks outside the decode cache of {self._num_dst_blocks}")
+            raise TransferError(
+                f"destination blocks outside the decode cache of {self._num_dst_blocks}"
+            )
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
         self._open[request_id] = _OpenWrite(src_block_ids, dst_block_ids, self.clock() + within_s)
 
-    def write_layers(self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None) -> None:
+    def write_layers(
+        self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None
+    ) -> None:
         """TransferError: past its deadline (nothing more is queued: cancel it)."""
         w = self._open[request_id]
         src, dst = w.src, w.dst
         if blocks is not None:
-            src, dst = src[blocks.start: blocks.stop], dst[blocks.start: blocks.stop]
-        if self.stream is None:   # a memory copy, made here and now: checked layer by layer
+            src, dst = src[blocks.start : blocks.stop], dst[blocks.start : blocks.stop]
+        if self.stream is None:  # a memory copy, made here and now: checked layer by layer
             for layer in range(first_layer, end_layer):
                 self._check(w)
-                copy_blocks(self.src[layer:layer + 1], src, self.dst[layer:layer + 1], dst)
+                copy_blocks(self.src[layer : layer + 1], src, self.dst[layer : layer + 1], dst)
             return
         # Queued on the side stream: it waits for the forward pass that wrote the blocks,
         # then runs beside the next one (or the next layers).
@@ -127,7 +153,9 @@ class IpcWriter:
 
     def _check(self, w: _OpenWrite) -> None:
         if self.clock() >= w.deadline:
-            raise TransferError("its reservation could end before the copy: stopped at its deadline")
+            raise TransferError(
+                "its reservation could end before the copy: stopped at its deadline"
+            )
 
     def end(self, request_id: str) -> int:
         del self._open[request_id]
@@ -174,7 +202,7 @@ class IpcWriter:
 class _OpenWrite:
     src: list[int]
     dst: list[int]
-    deadline: float   # monotonic: nothing is queued from then on
+    deadline: float  # monotonic: nothing is queued from then on
 
 
 class IpcReceiver:
@@ -220,10 +248,19 @@ class IpcReceiver:
         pass
 
 
-def _open_writer(descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send: Send) -> IpcWriter:
+def _open_writer(
+    descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send: Send
+) -> IpcWriter:
     return IpcWriter(descriptor, welcome, cache)
 
 
-BACKEND = Backend("ipc", why_unusable, IpcReceiver, _open_writer, why_not_with=why_not_with, is_one_sided=True,
-                  is_layerwise=True,
-                  needs_shared_cache=lambda device: platform_type(device).is_host)
+BACKEND = Backend(
+    "ipc",
+    why_unusable,
+    IpcReceiver,
+    _open_writer,
+    why_not_with=why_not_with,
+    is_one_sided=True,
+    is_layerwise=True,
+    needs_shared_cache=lambda device: platform_type(device).is_host,
+)

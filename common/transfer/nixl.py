@@ -20,6 +20,7 @@ what it holds), and its source blocks are free again;
 the decode node's lease keeps a third of its length after the last write may
 start (lease.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,20 +44,21 @@ from common.wire.limits import Name
 from common.wire.protocol import KVTransfer, KVWelcome
 
 log = get_logger("transfer")
-MAX_EARLY = 4096    # notifications kept for writes not yet announced (they race the KV link)
+MAX_EARLY = 4096  # notifications kept for writes not yet announced (they race the KV link)
 
 
 @dataclass
 class NixlDescriptor:
     agent: Name
-    metadata: bytes     # the decode agent's: its UCX addresses and the remote keys of its cache
-    address: int        # where its cache starts
+    metadata: bytes  # the decode agent's: its UCX addresses and the remote keys of its cache
+    address: int  # where its cache starts
     device_id: int
 
 
 @dataclass
 class NixlHeader:
     """A write to a reservation is on its way from this agent; its notification follows it."""
+
     agent: Name
 
 
@@ -70,8 +72,11 @@ def _module():
     os.environ.setdefault("UCX_TLS", "^cma")
     try:
         module = importlib.import_module("nixl_cu12")
-    except Exception as e:   # ImportError, or a bundled library that does not load here
-        return None, f"cannot import nixl_cu12 ({type(e).__name__}: {str(e)[:160]}; pip install nixl-cu12)"
+    except Exception as e:  # ImportError, or a bundled library that does not load here
+        return (
+            None,
+            f"cannot import nixl_cu12 ({type(e).__name__}: {str(e)[:160]}; pip install nixl-cu12)",
+        )
     # NOTE: NIXL logs to stdout by default, where launchers print their ready lines;
     # its warnings go to our log (stderr) instead.
     nixl_log = logging.getLogger("nixl")
@@ -95,9 +100,11 @@ def _agent(cache: torch.Tensor):
         raise TransferError(why)
     name = f"pdserve-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        agent = nixl.nixl_agent(
+            name, nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
         regs = agent.register_memory([cache])
-    except Exception as e:   # no UCX transport here (UCX_TLS), no memory registration, ...
+    except Exception as e:  # no UCX transport here (UCX_TLS), no memory registration, ...
         raise TransferError(f"cannot start a NIXL agent: {e}") from None
     return agent, regs, platform_type(cache.device).nixl_memory, max(cache.get_device(), 0)
 
@@ -126,48 +133,79 @@ class NixlWriter:
         try:
             return self.agent.add_remote_agent(self.desc.metadata)
         except Exception as e:
-            raise TransferError(f"cannot connect to the decode node's NIXL agent {self.desc.agent}: {e}") from None
+            raise TransferError(
+                f"cannot connect to the decode node's NIXL agent {self.desc.agent}: {e}"
+            ) from None
 
-    def _descs(self, base: int, num_blocks: int, starts: np.ndarray, lens: np.ndarray, layers: range) -> np.ndarray:
+    def _descs(
+        self, base: int, num_blocks: int, starts: np.ndarray, lens: np.ndarray, layers: range
+    ) -> np.ndarray:
         """(address, bytes, device) per K/V plane of those layers and run of consecutive blocks."""
         planes = np.arange(2 * layers.start, 2 * layers.stop, dtype=np.uint64)[:, None]
-        addr = np.uint64(base) + (planes * np.uint64(num_blocks) + starts[None, :]) * np.uint64(self._block_bytes)
+        addr = np.uint64(base) + (planes * np.uint64(num_blocks) + starts[None, :]) * np.uint64(
+            self._block_bytes
+        )
         n = np.broadcast_to(lens[None, :] * np.uint64(self._block_bytes), addr.shape)
-        return np.stack([addr.ravel(), n.ravel(), np.full(addr.size, self.device_id, dtype=np.uint64)], axis=1)
+        return np.stack(
+            [addr.ravel(), n.ravel(), np.full(addr.size, self.device_id, dtype=np.uint64)], axis=1
+        )
 
-    is_stalled = False   # posted writes move only while polled (no progress thread)
+    is_stalled = False  # posted writes move only while polled (no progress thread)
 
-    def write(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> int:
+    def write(
+        self,
+        request_id: str,
+        reservation: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        within_s: float,
+    ) -> int:
         self.begin(request_id, reservation, src_block_ids, dst_block_ids, within_s)
         self.write_layers(request_id, 0, self.src.shape[0])
         return self.end(request_id)
 
-    def begin(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> None:
+    def begin(
+        self,
+        request_id: str,
+        reservation: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        within_s: float,
+    ) -> None:
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
         if any(not 0 < b < self._num_dst_blocks for b in dst_block_ids):
-            raise TransferError(f"destination blocks outside the decode cache of {self._num_dst_blocks}")
+            raise TransferError(
+                f"destination blocks outside the decode cache of {self._num_dst_blocks}"
+            )
         if request_id in self._writes:
             raise TransferError(f"a second write of {request_id} under way")
         if self.remote is None:
-            self.remote = self._connect()   # again, after a failed write dropped it
-        self._writes[request_id] = _Write(list(src_block_ids), list(dst_block_ids), reservation,
-                                          time.monotonic() + max(within_s, 0.0))
+            self.remote = self._connect()  # again, after a failed write dropped it
+        self._writes[request_id] = _Write(
+            list(src_block_ids),
+            list(dst_block_ids),
+            reservation,
+            time.monotonic() + max(within_s, 0.0),
+        )
 
-    def write_layers(self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None) -> None:
+    def write_layers(
+        self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None
+    ) -> None:
         """Those layers (of those of its blocks) go as a part of their own once the device
         has computed them; the latest is held back until the next, so the last part
         carries the notification."""
         w = self._writes[request_id]
-        if first_layer >= end_layer:   # none: what is held stays held
+        if first_layer >= end_layer:  # none: what is held stays held
             return
         if w.held is not None:
             w.parts.append(self._part(request_id, w, *w.held, notify=False))
         # The forward pass that computes these layers may still be queued on the device.
-        w.held = (range(first_layer, end_layer), self._platform.event(),
-                  range(len(w.src)) if blocks is None else blocks)
+        w.held = (
+            range(first_layer, end_layer),
+            self._platform.event(),
+            range(len(w.src)) if blocks is None else blocks,
+        )
 
     def renew(self, request_id: str, within_s: float) -> None:
         w = self._writes.get(request_id)
@@ -182,18 +220,26 @@ class NixlWriter:
         w.held, w.is_open = None, False
         return 1
 
-    def _part(self, request_id: str, w: _Write, layers: range, ready, blocks: range, notify: bool) -> _Part:
-        if w.runs_of != blocks:   # NOTE: made once per block range, not per layer
-            w.runs = np.array(runs(w.src[blocks.start: blocks.stop], w.dst[blocks.start: blocks.stop]),
-                              dtype=np.uint64).reshape(-1, 3)
+    def _part(
+        self, request_id: str, w: _Write, layers: range, ready, blocks: range, notify: bool
+    ) -> _Part:
+        if w.runs_of != blocks:  # NOTE: made once per block range, not per layer
+            w.runs = np.array(
+                runs(w.src[blocks.start : blocks.stop], w.dst[blocks.start : blocks.stop]),
+                dtype=np.uint64,
+            ).reshape(-1, 3)
             w.runs_of = blocks
         r = w.runs
         local = self._descs(self.src.data_ptr(), self.src.shape[2], r[:, 0], r[:, 2], layers)
         remote = self._descs(self.desc.address, self._num_dst_blocks, r[:, 1], r[:, 2], layers)
         try:
             handle = self.agent.initialize_xfer(
-                "WRITE", self.agent.get_xfer_descs(local, self.mem), self.agent.get_xfer_descs(remote, self.mem),
-                self.remote, request_id.encode() if notify else b"")
+                "WRITE",
+                self.agent.get_xfer_descs(local, self.mem),
+                self.agent.get_xfer_descs(remote, self.mem),
+                self.remote,
+                request_id.encode() if notify else b"",
+            )
         except Exception as e:
             raise TransferError(f"NIXL refused the write: {e}") from None
         return _Part(handle, ready, notify)
@@ -211,13 +257,17 @@ class NixlWriter:
         NOTE: the part with the notification is posted only once every other is done, so
         the notification says that all of it landed."""
         if not w.is_announced:
-            if not self.send(KVTransfer(rid, w.reservation, "nixl", {"agent": self.agent.name}, NO_DATA)):
-                return False   # announced in order; the link is not ready: next turn
+            if not self.send(
+                KVTransfer(rid, w.reservation, "nixl", {"agent": self.agent.name}, NO_DATA)
+            ):
+                return False  # announced in order; the link is not ready: next turn
             w.is_announced = True
         for part in list(w.parts):
             if part.is_posted:
                 why = self._state(part, post=False)
-            elif (part.ready is not None and not part.ready.query()) or (part.notify and part is not w.parts[0]):
+            elif (part.ready is not None and not part.ready.query()) or (
+                part.notify and part is not w.parts[0]
+            ):
                 break
             else:
                 part.is_posted, w.is_posted = True, True
@@ -250,7 +300,7 @@ class NixlWriter:
                     is_blocked = True
                     continue
             if why == "":
-                continue   # under way
+                continue  # under way
             del self._writes[rid]
             for part in w.parts:
                 self._release(part)
@@ -262,20 +312,24 @@ class NixlWriter:
     def cancel(self, request_id: str) -> None:
         w = self._writes.get(request_id)
         if w is not None:
-            w.is_cancelled = True   # poll() stops it (a posted one: by dropping the connection)
+            w.is_cancelled = True  # poll() stops it (a posted one: by dropping the connection)
 
     def _state(self, part: _Part, post: bool) -> str | None:
         """None: done; "": under way; else why it failed."""
         try:
-            state = self.agent.transfer(part.handle) if post else self.agent.check_xfer_state(part.handle)
-        except Exception as e:   # NIXL_ERR_REMOTE_DISCONNECT and the like
+            state = (
+                self.agent.transfer(part.handle)
+                if post
+                else self.agent.check_xfer_state(part.handle)
+            )
+        except Exception as e:  # NIXL_ERR_REMOTE_DISCONNECT and the like
             return f"NIXL: {e}"
         return None if state == "DONE" else "" if state == "PROC" else f"NIXL reported {state}"
 
     def _release(self, part: _Part) -> None:
         try:
             part.handle.release()
-        except Exception as e:   # still under way: the connection reset below cancels it
+        except Exception as e:  # still under way: the connection reset below cancels it
             log.debug("releasing a NIXL transfer: %s", e)
 
     def _reset(self) -> None:
@@ -305,25 +359,25 @@ class NixlWriter:
 @dataclass
 class _Part:
     handle: object
-    ready: object | None        # its layers are computed (a platform event)
-    notify: bool                # the last part: its notification names the request
+    ready: object | None  # its layers are computed (a platform event)
+    notify: bool  # the last part: its notification names the request
     is_posted: bool = False
 
 
 @dataclass
 class _Write:
-    src: list[int]              # its blocks here
-    dst: list[int]              # and there
+    src: list[int]  # its blocks here
+    dst: list[int]  # and there
     reservation: str
-    deadline: float             # monotonic: stop it past this
+    deadline: float  # monotonic: stop it past this
     parts: list[_Part] = field(default_factory=list)
-    held: tuple | None = None   # (layers, ready, blocks): the latest, made a part at the next call
-    is_open: bool = True        # more layers may come (until end())
+    held: tuple | None = None  # (layers, ready, blocks): the latest, made a part at the next call
+    is_open: bool = True  # more layers may come (until end())
     is_announced: bool = False
-    is_posted: bool = False     # a part was posted (stopping it needs the connection dropped)
+    is_posted: bool = False  # a part was posted (stopping it needs the connection dropped)
     is_cancelled: bool = False
-    runs_of: range | None = None   # the blocks `runs` was made for (the latest part's)
-    runs: np.ndarray | None = None   # their (src, dst, length) runs of blocks [n, 3]
+    runs_of: range | None = None  # the blocks `runs` was made for (the latest part's)
+    runs: np.ndarray | None = None  # their (src, dst, length) runs of blocks [n, 3]
 
 
 class NixlReceiver:
@@ -333,26 +387,30 @@ class NixlReceiver:
         c = self.cache = cache.tensor
         self.agent, self._regs, _, self.device_id = _agent(c)
         self.metadata = self.agent.get_agent_metadata()
-        self._expected: dict[str, tuple[bytes, str]] = {}     # request -> (KV-link peer, its agent)
+        self._expected: dict[str, tuple[bytes, str]] = {}  # request -> (KV-link peer, its agent)
         self._landed: set[str] = set()
-        self._early: OrderedDict[tuple[str, str], None] = OrderedDict()   # (agent, request) notified
+        self._early: OrderedDict[tuple[str, str], None] = OrderedDict()  # (agent, request) notified
 
     def describe(self) -> dict:
-        return {"agent": self.agent.name, "metadata": self.metadata, "address": self.cache.data_ptr(),
-                "device_id": self.device_id}
+        return {
+            "agent": self.agent.name,
+            "metadata": self.metadata,
+            "address": self.cache.data_ptr(),
+            "device_id": self.device_id,
+        }
 
     def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
         agent = parse(NixlHeader, msg.header, "nixl header").agent
         if msg.request_id in self._expected:
             raise TransferError(f"a second NIXL write announced for {msg.request_id}")
         self._expected[msg.request_id] = (sender, agent)
-        if (agent, msg.request_id) in self._early:   # its notification came first
+        if (agent, msg.request_id) in self._early:  # its notification came first
             del self._early[(agent, msg.request_id)]
             self._landed.add(msg.request_id)
 
     def progress(self) -> bool:
         try:
-            notifs = self.agent.get_new_notifs()   # also moves UCX's connections and receives along
+            notifs = self.agent.get_new_notifs()  # also moves UCX's connections and receives along
         except Exception as e:
             log.warning("reading NIXL notifications: %s", e)
             notifs = {}
@@ -361,7 +419,7 @@ class NixlReceiver:
                 rid = bytes(m).decode("utf-8", "replace")
                 if self._expected.get(rid, (None, None))[1] == agent:
                     self._landed.add(rid)
-                else:   # before its announcement, or nobody's: kept a while, bounded
+                else:  # before its announcement, or nobody's: kept a while, bounded
                     self._early[(agent, rid)] = None
                     while len(self._early) > MAX_EARLY:
                         self._early.popitem(last=False)
@@ -372,7 +430,7 @@ class NixlReceiver:
             return True
         if request_id not in self._landed:
             self.progress()
-        return request_id in self._landed   # NOTE: kept (counted) until forget()
+        return request_id in self._landed  # NOTE: kept (counted) until forget()
 
     def landing_error(self, request_id: str) -> str | None:
         return None
@@ -399,6 +457,13 @@ class NixlReceiver:
 
 
 # NOTE: one memory kind per pair (the descriptors carry one); mixed pairs use tcp.
-BACKEND = Backend("nixl", why_unusable, NixlReceiver, NixlWriter, is_auto_across_hosts_only=True,
-                  is_one_sided=True, is_layerwise=True,
-                  why_not_with=lambda device, welcome, is_local: why_not_same_kind(device, welcome))
+BACKEND = Backend(
+    "nixl",
+    why_unusable,
+    NixlReceiver,
+    NixlWriter,
+    is_auto_across_hosts_only=True,
+    is_one_sided=True,
+    is_layerwise=True,
+    why_not_with=lambda device, welcome, is_local: why_not_same_kind(device, welcome),
+)

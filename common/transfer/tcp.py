@@ -7,6 +7,7 @@ decode side lands each frame in the reserved blocks from a thread of its own,
 on its own side stream, and admits the request once every frame is in. A unit
 of a write is a layer: a commit must say every layer, and every layer must
 have arrived (a frame lost with a reset connection fails the handoff)."""
+
 from __future__ import annotations
 
 import queue
@@ -27,7 +28,7 @@ from common.wire.protocol import KVTransfer, KVWelcome
 
 log = get_logger("transfer")
 
-FRAME_BYTES = 2**20   # aim per frame: large enough to stream, small enough to interleave
+FRAME_BYTES = 2**20  # aim per frame: large enough to stream, small enough to interleave
 
 
 def frame_shape(cache: torch.Tensor, num_blocks: int) -> tuple[int, int]:
@@ -45,6 +46,7 @@ class TcpHeader:
     """A frame holds layers [first_layer, first_layer + data.shape[0]) of the reservation's
     blocks [first_block, first_block + data.shape[2]): data [layers, 2, blocks, block_size,
     kv_heads, head_dim]."""
+
     first_layer: Annotated[int, Range(0, 4096)]
     first_block: Annotated[int, Range(0, 2**31 - 1)] = 0
 
@@ -52,19 +54,19 @@ class TcpHeader:
 @dataclass
 class _Frame:
     first_layer: int
-    first_block: int                     # of the write's blocks
-    kv: torch.Tensor                     # [layers, 2, blocks, block_size, Hk, D] on the host
-    ready: object | None                 # the device-to-host copy is done (a platform event)
+    first_block: int  # of the write's blocks
+    kv: torch.Tensor  # [layers, 2, blocks, block_size, Hk, D] on the host
+    ready: object | None  # the device-to-host copy is done (a platform event)
 
 
 @dataclass
 class _Write:
     reservation: str
-    deadline: float                      # monotonic: not all sent by then, it is stopped
+    deadline: float  # monotonic: not all sent by then, it is stopped
     frames: deque[_Frame] = field(default_factory=deque)
-    idx: torch.Tensor | None = None      # the source block ids (on the device that gathers)
-    num_bytes_left: int = 0              # of the whole write, not yet on the socket
-    is_open: bool = True                 # more layers may come (until end())
+    idx: torch.Tensor | None = None  # the source block ids (on the device that gathers)
+    num_bytes_left: int = 0  # of the whole write, not yet on the socket
+    is_open: bool = True  # more layers may come (until end())
     is_cancelled: bool = False
 
 
@@ -77,17 +79,29 @@ class TcpWriter:
         self.send = send
         self._platform = platform_for(cache.device)
         self.stream = self._platform.side_stream()
-        self._writes: OrderedDict[str, _Write] = OrderedDict()   # sent in this order
-        self.is_stalled = False      # the last poll found the link refusing: only the peer can move
+        self._writes: OrderedDict[str, _Write] = OrderedDict()  # sent in this order
+        self.is_stalled = False  # the last poll found the link refusing: only the peer can move
 
-    def write(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> int:
+    def write(
+        self,
+        request_id: str,
+        reservation: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        within_s: float,
+    ) -> int:
         self.begin(request_id, reservation, src_block_ids, dst_block_ids, within_s)
         self.write_layers(request_id, 0, self.src.shape[0])
         return self.end(request_id)
 
-    def begin(self, request_id: str, reservation: str, src_block_ids: list[int], dst_block_ids: list[int],
-              within_s: float) -> None:
+    def begin(
+        self,
+        request_id: str,
+        reservation: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        within_s: float,
+    ) -> None:
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
         if request_id in self._writes:
@@ -104,7 +118,9 @@ class TcpWriter:
         self._writes[request_id] = w
 
     @torch.inference_mode()
-    def write_layers(self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None) -> None:
+    def write_layers(
+        self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None
+    ) -> None:
         """Frames of layers [first_layer, end_layer) of the write's blocks `blocks` (all if
         None), gathered now (CPU) or on the side stream behind what the device has queued
         (CUDA)."""
@@ -114,15 +130,18 @@ class TcpWriter:
         if self.stream is not None:
             self._platform.wait_for_current(self.stream)
         for first in range(first_layer, end_layer, num_layers):
-            group = self.src[first: min(first + num_layers, end_layer)]
+            group = self.src[first : min(first + num_layers, end_layer)]
             for b in range(blocks.start, blocks.stop, num_blocks):
-                idx = w.idx[b: min(b + num_blocks, blocks.stop)]
+                idx = w.idx[b : min(b + num_blocks, blocks.stop)]
                 if self.stream is None:
                     w.frames.append(_Frame(first, b, group.index_select(2, idx), None))
                     continue
                 with self._platform.on_stream(self.stream):
-                    host = torch.empty((group.shape[0], 2, idx.shape[0], *group.shape[3:]), dtype=group.dtype,
-                                       pin_memory=True)
+                    host = torch.empty(
+                        (group.shape[0], 2, idx.shape[0], *group.shape[3:]),
+                        dtype=group.dtype,
+                        pin_memory=True,
+                    )
                     host.copy_(group.index_select(2, idx), non_blocking=True)
                     ready = self._platform.event()
                 w.frames.append(_Frame(first, b, host, ready))
@@ -147,17 +166,26 @@ class TcpWriter:
         stopped = {}
         self.is_stalled = False
         for rid, w in self._writes.items():
-            why = "cancelled" if w.is_cancelled else \
-                "not all of it could be sent before its reservation could end" if now > w.deadline else None
+            why = (
+                "cancelled"
+                if w.is_cancelled
+                else "not all of it could be sent before its reservation could end"
+                if now > w.deadline
+                else None
+            )
             if why is not None:
                 stopped[rid] = why
         # NOTE: stable: writes of equal size go in the order they began
         for rid, w in sorted(self._writes.items(), key=lambda item: item[1].num_bytes_left):
-            while rid not in stopped and w.frames and (w.frames[0].ready is None or w.frames[0].ready.query()):
+            while (
+                rid not in stopped
+                and w.frames
+                and (w.frames[0].ready is None or w.frames[0].ready.query())
+            ):
                 f = w.frames[0]
                 header = {"first_layer": f.first_layer, "first_block": f.first_block}
                 if not self.send(KVTransfer(rid, w.reservation, "tcp", header, f.kv)):
-                    self.is_stalled = True   # not connected, or full: when it takes more
+                    self.is_stalled = True  # not connected, or full: when it takes more
                     return stopped
                 w.frames.popleft()
                 w.num_bytes_left -= f.kv.nbytes
@@ -172,7 +200,7 @@ class TcpWriter:
         for rid, w in list(self._writes.items()):
             why = stopped.get(rid)
             if why is not None:
-                for f in w.frames:   # its source blocks are freed once it ends: gathers done first
+                for f in w.frames:  # its source blocks are freed once it ends: gathers done first
                     if f.ready is not None:
                         f.ready.synchronize()
             elif w.frames or w.is_open:
@@ -201,9 +229,11 @@ class TcpReceiver:
 
     def __init__(self, cache: LocalCache):
         self.cache = cache = cache.tensor
-        self._landing: dict[str, list] = {}     # request -> events, or None while queued
-        self._got: dict[str, torch.Tensor] = {}  # request -> [layers, its blocks]: which arrived (bool)
-        self.failed: dict[str, str] = {}        # request -> why its KV did not land
+        self._landing: dict[str, list] = {}  # request -> events, or None while queued
+        self._got: dict[
+            str, torch.Tensor
+        ] = {}  # request -> [layers, its blocks]: which arrived (bool)
+        self.failed: dict[str, str] = {}  # request -> why its KV did not land
         self._lock = threading.Condition()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._platform = platform_for(cache.device)
@@ -221,7 +251,7 @@ class TcpReceiver:
     def num_units(self, num_blocks: int) -> int:
         return self.cache.shape[0]
 
-    def num_received(self, request_id: str) -> int:   # whole layers
+    def num_received(self, request_id: str) -> int:  # whole layers
         got = self._got.get(request_id)
         return 0 if got is None else int(got.all(dim=1).sum())
 
@@ -233,22 +263,34 @@ class TcpReceiver:
         first_layer, first_block = h.first_layer, h.first_block
         kv, c = msg.data, self.cache
         layers, blocks = (kv.shape[0], kv.shape[2]) if kv.dim() == 6 else (0, 0)
-        if kv.dim() != 6 or tuple(kv.shape) != (layers, 2, blocks, *c.shape[3:]) or kv.dtype != c.dtype \
-                or layers == 0 or blocks == 0 or not 0 <= first_layer <= c.shape[0] - layers \
-                or first_block + blocks > len(dst_block_ids):
-            raise TransferError(f"KV frame {tuple(kv.shape)} {kv.dtype} at layer {first_layer}, block "
-                                f"{first_block} does not fit {len(dst_block_ids)} reserved blocks of this "
-                                f"cache {tuple(c.shape)} {c.dtype}")
-        got = self._got.setdefault(msg.request_id, torch.zeros(c.shape[0], len(dst_block_ids), dtype=torch.bool))
-        part = got[first_layer: first_layer + layers, first_block: first_block + blocks]
+        if (
+            kv.dim() != 6
+            or tuple(kv.shape) != (layers, 2, blocks, *c.shape[3:])
+            or kv.dtype != c.dtype
+            or layers == 0
+            or blocks == 0
+            or not 0 <= first_layer <= c.shape[0] - layers
+            or first_block + blocks > len(dst_block_ids)
+        ):
+            raise TransferError(
+                f"KV frame {tuple(kv.shape)} {kv.dtype} at layer {first_layer}, block "
+                f"{first_block} does not fit {len(dst_block_ids)} reserved blocks of this "
+                f"cache {tuple(c.shape)} {c.dtype}"
+            )
+        got = self._got.setdefault(
+            msg.request_id, torch.zeros(c.shape[0], len(dst_block_ids), dtype=torch.bool)
+        )
+        part = got[first_layer : first_layer + layers, first_block : first_block + blocks]
         if bool(part.any()):
-            raise TransferError(f"part of layers {first_layer}-{first_layer + layers - 1} of "
-                                f"{msg.request_id} arrived twice")
+            raise TransferError(
+                f"part of layers {first_layer}-{first_layer + layers - 1} of "
+                f"{msg.request_id} arrived twice"
+            )
         part.fill_(True)
-        dst = list(dst_block_ids[first_block: first_block + blocks])
+        dst = list(dst_block_ids[first_block : first_block + blocks])
         if self.stream is None:
             with torch.inference_mode():
-                copy_blocks(kv, list(range(blocks)), c[first_layer: first_layer + layers], dst)
+                copy_blocks(kv, list(range(blocks)), c[first_layer : first_layer + layers], dst)
             return
         with self._lock:
             self._landing.setdefault(msg.request_id, []).append(None)
@@ -263,11 +305,15 @@ class TcpReceiver:
             rid, first, kv, dst_ids = item
             try:
                 pinned = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-                pinned.copy_(kv)   # the host copy, off the decode loop
+                pinned.copy_(kv)  # the host copy, off the decode loop
                 with p.on_stream(self.stream):
                     staged = pinned.to(self.cache.device, non_blocking=True)
-                    copy_blocks(staged, list(range(len(dst_ids))),
-                                self.cache[first: first + kv.shape[0]], dst_ids)
+                    copy_blocks(
+                        staged,
+                        list(range(len(dst_ids))),
+                        self.cache[first : first + kv.shape[0]],
+                        dst_ids,
+                    )
                     landed = p.event()
             except Exception as e:  # the request fails; the thread goes on with the others
                 log.exception("landing a KV frame for %s failed", rid)
@@ -305,8 +351,12 @@ class TcpReceiver:
             self._thread.join(timeout=10)
 
 
-def _open_writer(descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send: Send) -> TcpWriter:
+def _open_writer(
+    descriptor: dict, welcome: KVWelcome, cache: torch.Tensor, send: Send
+) -> TcpWriter:
     return TcpWriter(cache, send)
 
 
-BACKEND = Backend("tcp", lambda device: None, TcpReceiver, _open_writer, is_layerwise=True, is_kv_apart=True)
+BACKEND = Backend(
+    "tcp", lambda device: None, TcpReceiver, _open_writer, is_layerwise=True, is_kv_apart=True
+)

@@ -18,6 +18,7 @@ connection was replaced: what was in flight on the old one may be lost), and a
 DEALER's take_reconnects() says when its own connection was replaced.
 Clients send no tag: a client is its routing id.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,9 +30,9 @@ from common.wire import protocol
 from common.wire.keys import DOMAINS, ClusterKeys
 from common.wire.protocol import ProtocolError
 
-MAX_PEER_NAMES = 4096   # peers remembered per ROUTER (their proven names and routes)
-MAX_REROUTED = 1024     # reroutes remembered until taken
-HEARTBEAT_IVL_MS = 1000     # ZMTP pings on an idle connection
+MAX_PEER_NAMES = 4096  # peers remembered per ROUTER (their proven names and routes)
+MAX_REROUTED = 1024  # reroutes remembered until taken
+HEARTBEAT_IVL_MS = 1000  # ZMTP pings on an idle connection
 HEARTBEAT_TIMEOUT_MS = 5000  # no traffic for this long: the connection is dropped
 
 
@@ -51,6 +52,7 @@ def tag_name(tag: bytes | str | None) -> str | None:
 @dataclass
 class BadMessage:
     """What arrived instead of a message: who sent it and what was wrong."""
+
     sender: bytes | None
     error: str
     request_id: str | None
@@ -85,10 +87,13 @@ class Context:
         """Start the authenticator once, before the first secured server socket binds."""
         if self._auth is None:
             from zmq.auth.thread import ThreadAuthenticator
+
             self._auth = ThreadAuthenticator(self.zmq, log=None)
             self._auth.start()
             for domain in DOMAINS:
-                self._auth.configure_curve_callback(domain=domain, credentials_provider=_Admit(self.keys))
+                self._auth.configure_curve_callback(
+                    domain=domain, credentials_provider=_Admit(self.keys)
+                )
 
     def term(self) -> None:
         if self._auth is not None:
@@ -105,8 +110,17 @@ def open_async_context(keys: ClusterKeys | None = None) -> Context:
     return Context(keys, is_async=True)
 
 
-def _open(ctx: Context, sock: zmq.Socket, is_router: bool, endpoint: str, max_message_bytes: int | None,
-          server: str | None, domain: str | None, tag: str | None = None, max_queued: int | None = None) -> None:
+def _open(
+    ctx: Context,
+    sock: zmq.Socket,
+    is_router: bool,
+    endpoint: str,
+    max_message_bytes: int | None,
+    server: str | None,
+    domain: str | None,
+    tag: str | None = None,
+    max_queued: int | None = None,
+) -> None:
     """Options, security, then bind (router) or connect (dealer); the socket is closed
     if any of it fails. server: a dealer's CURVE server, by key name. domain: whom a
     router admits."""
@@ -115,16 +129,29 @@ def _open(ctx: Context, sock: zmq.Socket, is_router: bool, endpoint: str, max_me
         (sock.bind if is_router else sock.connect)(endpoint)
     except zmq.ZMQError as e:
         sock.close(linger=0)
-        why = "the address is in use (another pdserve cluster?): choose another port" \
-            if e.errno == zmq.EADDRINUSE else str(e)
-        raise LinkError(f"cannot {'bind' if is_router else 'connect to'} {endpoint}: {why}") from None
-    except ValueError as e:   # no key for that peer
+        why = (
+            "the address is in use (another pdserve cluster?): choose another port"
+            if e.errno == zmq.EADDRINUSE
+            else str(e)
+        )
+        raise LinkError(
+            f"cannot {'bind' if is_router else 'connect to'} {endpoint}: {why}"
+        ) from None
+    except ValueError as e:  # no key for that peer
         sock.close(linger=0)
         raise LinkError(f"cannot open a link to {endpoint}: {e}") from None
 
 
-def _configure(ctx: Context, sock: zmq.Socket, is_router: bool, max_message_bytes: int | None,
-               server: str | None, domain: str | None, tag: str | None, max_queued: int | None = None) -> None:
+def _configure(
+    ctx: Context,
+    sock: zmq.Socket,
+    is_router: bool,
+    max_message_bytes: int | None,
+    server: str | None,
+    domain: str | None,
+    tag: str | None,
+    max_queued: int | None = None,
+) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     # Token streams are many small messages; a full queue must not drop or block them.
     sock.setsockopt(zmq.SNDHWM, max_queued or 100_000)
@@ -160,8 +187,9 @@ class _Receiver:
     """Frames -> (sender, message or BadMessage), never an exception; counts what it drops.
     A ROUTER's sender is the peer's tag (or, untagged, its routing id); see the module."""
 
-    def _init_receiver(self, ctx: Context, is_router: bool, domain: str | None,
-                       max_list_len: int | None) -> None:
+    def _init_receiver(
+        self, ctx: Context, is_router: bool, domain: str | None, max_list_len: int | None
+    ) -> None:
         self.is_router = is_router
         self.num_bad = 0
         self.num_reroutes = 0
@@ -169,9 +197,9 @@ class _Receiver:
         self._keys = ctx.keys if is_router and domain else None
         self._domain = domain
         self._members: dict[str, str] = {}
-        self.peer_names: dict[bytes, str] = {}    # sender -> the key name it proved
-        self._routes: dict[bytes, bytes] = {}     # tagged sender -> the routing id it last spoke from
-        self.rerouted: list[bytes] = []           # tagged senders seen on a new route, until taken
+        self.peer_names: dict[bytes, str] = {}  # sender -> the key name it proved
+        self._routes: dict[bytes, bytes] = {}  # tagged sender -> the routing id it last spoke from
+        self.rerouted: list[bytes] = []  # tagged senders seen on a new route, until taken
 
     def peer_name(self, sender: bytes | None) -> str | None:
         """The key name a secured peer proved; None on an open socket."""
@@ -189,13 +217,16 @@ class _Receiver:
         route = None
         if self.is_router:
             route, frames = frames[0].bytes, frames[1:]
-        proven = self._proven(frames[0].get("User-Id")) if self._keys is not None and frames else None
+        proven = (
+            self._proven(frames[0].get("User-Id")) if self._keys is not None and frames else None
+        )
         try:
             msg, tag = protocol.decode_from(frames, allowed, self.max_list_len)
         except ProtocolError as e:
             self.num_bad += 1
-            return self._sender(route, protocol.codec.sender_of(frames), proven), \
-                BadMessage(route, str(e), e.request_id)
+            return self._sender(route, protocol.codec.sender_of(frames), proven), BadMessage(
+                route, str(e), e.request_id
+            )
         except Exception as e:  # noqa: BLE001 - no input may escape as an exception
             self.num_bad += 1
             return route, BadMessage(route, f"undecodable message ({type(e).__name__})", None)
@@ -203,8 +234,11 @@ class _Receiver:
             return None, msg
         if tag is not None and self._keys is not None and tag_name(tag) != proven:
             self.num_bad += 1
-            return route, BadMessage(route, f"a peer that proved the key of {proven!r} sent as {tag[:64]!r}",
-                                     getattr(msg, "request_id", None))
+            return route, BadMessage(
+                route,
+                f"a peer that proved the key of {proven!r} sent as {tag[:64]!r}",
+                getattr(msg, "request_id", None),
+            )
         sender = self._sender(route, tag, proven)
         return sender, msg
 
@@ -231,7 +265,7 @@ class _Receiver:
     @staticmethod
     def _remember(table: dict, key, value) -> None:
         if key not in table and len(table) >= MAX_PEER_NAMES:
-            table.pop(next(iter(table)))   # the oldest
+            table.pop(next(iter(table)))  # the oldest
         table[key] = value
 
     def _proven(self, user_id: str | None) -> str | None:
@@ -249,10 +283,20 @@ class Channel(_Receiver):
     channels (connect) have one logical peer. With a keyed context, server names
     the CURVE server a dealer connects to and domain whom a router admits."""
 
-    def __init__(self, ctx: Context, is_router: bool, endpoint: str, *,
-                 max_message_bytes: int | None = None, tag: str | None = None,
-                 is_immediate: bool = False, server: str | None = None, domain: str | None = None,
-                 max_list_len: int | None = None, max_queued: int | None = None):
+    def __init__(
+        self,
+        ctx: Context,
+        is_router: bool,
+        endpoint: str,
+        *,
+        max_message_bytes: int | None = None,
+        tag: str | None = None,
+        is_immediate: bool = False,
+        server: str | None = None,
+        domain: str | None = None,
+        max_list_len: int | None = None,
+        max_queued: int | None = None,
+    ):
         """tag: a node's DEALER, "NAME/EPOCH" (node_tag). max_list_len: the longest list or
         map a message may hold (refused unread past it). max_queued: sends past this many
         messages queued here are refused (bulk whose sender picks what goes next)."""
@@ -268,7 +312,17 @@ class Channel(_Receiver):
             # NOTE: made before connecting, so the first handshake is seen too.
             self._monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         try:
-            _open(ctx, self.sock, is_router, endpoint, max_message_bytes, server, domain, tag, max_queued)
+            _open(
+                ctx,
+                self.sock,
+                is_router,
+                endpoint,
+                max_message_bytes,
+                server,
+                domain,
+                tag,
+                max_queued,
+            )
         except LinkError:
             self._close_monitor()
             raise
@@ -344,16 +398,26 @@ class Poller:
 class AsyncChannel(_Receiver):
     """A ROUTER or DEALER channel for asyncio code (the frontend and the async client)."""
 
-    def __init__(self, ctx: Context, is_router: bool, endpoint: str, *,
-                 max_message_bytes: int | None = None, server: str | None = None,
-                 domain: str | None = None, max_list_len: int | None = None):
+    def __init__(
+        self,
+        ctx: Context,
+        is_router: bool,
+        endpoint: str,
+        *,
+        max_message_bytes: int | None = None,
+        server: str | None = None,
+        domain: str | None = None,
+        max_list_len: int | None = None,
+    ):
         self._init_receiver(ctx, is_router, domain, max_list_len)
         self.sock = ctx.aio.socket(zmq.ROUTER if is_router else zmq.DEALER)
         _open(ctx, self.sock, is_router, endpoint, max_message_bytes, server, domain)
 
     async def send(self, msg, to: bytes | None = None) -> None:
         frames = protocol.encode(msg)
-        await self.sock.send_multipart([self.route(to), *frames] if self.is_router else frames, copy=False)
+        await self.sock.send_multipart(
+            [self.route(to), *frames] if self.is_router else frames, copy=False
+        )
 
     async def recv(self, allowed: tuple[type, ...] | None = None) -> tuple[bytes | None, object]:
         return self._unpack(await self.sock.recv_multipart(copy=False), allowed)

@@ -6,6 +6,7 @@ channel.py). decode() checks every field's type against the limits declared on i
 and names what is wrong; lengths are checked before items, so a message of a
 million items costs no more than its length check.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +22,6 @@ import torch
 
 from common.wire.limits import I32_MAX, MaxLen, Plain, ProtocolError, Range, check_limit
 
-
 PROTOCOL_VERSION = 2
 
 
@@ -30,11 +30,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-DTYPES = {dtype_name(d): d for d in
-           (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8)}
+DTYPES = {
+    dtype_name(d): d
+    for d in (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8)
+}
 
 
 # ---- codec --------------------------------------------------------------------
+
 
 @functools.lru_cache(maxsize=None)
 def _field_names(cls) -> tuple[str, ...] | None:
@@ -48,7 +51,9 @@ def _to_wire(value: Any) -> Any:
         return {name: _to_wire(getattr(value, name)) for name in names}
     if isinstance(value, (list, tuple)):
         # NOTE: lists are homogeneous: one of scalars (token ids) goes as it is.
-        if value and (_field_names(type(value[0])) is not None or isinstance(value[0], (list, tuple))):
+        if value and (
+            _field_names(type(value[0])) is not None or isinstance(value[0], (list, tuple))
+        ):
             return [_to_wire(v) for v in value]
         return value
     return value
@@ -89,7 +94,7 @@ def _type_name(t) -> str:
     return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 
-MAX_DEPTH = 8   # of nested lists and maps in any field
+MAX_DEPTH = 8  # of nested lists and maps in any field
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,16 +103,16 @@ def _checker(t) -> Callable[[Any, str, int], Any]:
     as type t, or ProtocolError naming the field.
     NOTE: `where` is only read to word an error, so list items are checked under
     their list's name and checked again under their own only when one fails."""
-    if t is dict:   # a bare map: the default rule for plain data
+    if t is dict:  # a bare map: the default rule for plain data
         t = Annotated[dict, Plain()]
     origin = typing.get_origin(t)
     if origin is Annotated:
         base, *limits = typing.get_args(t)
-        inner = _is_map if base is dict else _checker(base)   # a map's own rule walks it, once
+        inner = _is_map if base is dict else _checker(base)  # a map's own rule walks it, once
         lengths = [limit for limit in limits if isinstance(limit, MaxLen)]
 
         def check(value, where, depth):
-            for limit in lengths:   # NOTE: before the items: a long list is refused unread
+            for limit in lengths:  # NOTE: before the items: a long list is refused unread
                 if isinstance(value, (list, tuple, str, bytes)) and len(value) > limit.n:
                     raise ProtocolError(f"{where} is longer than {limit.n}")
             value = inner(value, where, depth)
@@ -137,24 +142,36 @@ def _checker(t) -> Callable[[Any, str, int], Any]:
             if not isinstance(value, (list, tuple)):
                 raise ProtocolError(f"{where} must be a list, got {type(value).__name__}")
             # Token and block ids: one pass in C over the common case, items checked only if it fails.
-            if ints is not None and depth < MAX_DEPTH and (not value or (
-                    all(type(v) is int for v in value) and ints[0] <= min(value) and max(value) <= ints[1])):
+            if (
+                ints is not None
+                and depth < MAX_DEPTH
+                and (
+                    not value
+                    or (
+                        all(type(v) is int for v in value)
+                        and ints[0] <= min(value)
+                        and max(value) <= ints[1]
+                    )
+                )
+            ):
                 return as_type(value)
             items = []
             try:
                 for v in value:
                     items.append(item(v, where, depth + 1))
-            except ProtocolError:   # say which item: check it again under its own name
+            except ProtocolError:  # say which item: check it again under its own name
                 i = len(items)
                 item(value[i], f"{where}[{i}]", depth + 1)
                 raise
             return as_type(items)
     elif dataclasses.is_dataclass(t):
+
         def check(value, where, depth):
             if not isinstance(value, dict):
                 raise ProtocolError(f"{where} must be a map, got {type(value).__name__}")
             return _build(t, value, where + ".")
     elif t is float:
+
         def check(value, where, depth):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ProtocolError(f"{where} must be a number, got {type(value).__name__}")
@@ -162,13 +179,15 @@ def _checker(t) -> Callable[[Any, str, int], Any]:
                 raise ProtocolError(f"{where} must be finite, got {value!r}")
             return float(value)
     elif t is int:
+
         def check(value, where, depth):
             if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ProtocolError(f"{where} must be an integer, got {type(value).__name__}")
-            if not -2**63 <= value < 2**63:
+            if not -(2**63) <= value < 2**63:
                 raise ProtocolError(f"{where} is outside the 64-bit range")
             return value
     else:
+
         def check(value, where, depth):
             if t is Any or isinstance(value, t):
                 return value
@@ -178,6 +197,7 @@ def _checker(t) -> Callable[[Any, str, int], Any]:
         if depth > MAX_DEPTH:
             raise ProtocolError(f"{where} is nested too deeply")
         return check(value, where, depth)
+
     return checked
 
 
@@ -201,9 +221,14 @@ def _is_map(value, where, depth):
 def _schema(cls) -> tuple[tuple[str, Callable, bool], ...]:
     """(name, check, is_required) per field of a message dataclass."""
     hints = _hints(cls)
-    return tuple((f.name, _checker(hints[f.name]),
-                  f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-                 for f in dataclasses.fields(cls))
+    return tuple(
+        (
+            f.name,
+            _checker(hints[f.name]),
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+        )
+        for f in dataclasses.fields(cls)
+    )
 
 
 def _build(cls, fields: dict, prefix: str = ""):
@@ -229,7 +254,7 @@ def parse(cls, fields: Any, where: str):
         return _build(cls, fields, where + ".")
     except ProtocolError:
         raise
-    except (RecursionError, ValueError, TypeError, OverflowError) as e:   # a constructor's own check
+    except (RecursionError, ValueError, TypeError, OverflowError) as e:  # a constructor's own check
         raise ProtocolError(f"bad {where}: {type(e).__name__}") from None
 
 
@@ -239,8 +264,8 @@ def _field_set(cls) -> frozenset:
 
 
 MAX_DIMS = 8
-MAX_LIST_LEN = 2**20    # items in any list or map of a header, unless a link says fewer
-MAX_TAG_LEN = 256       # of a "from" tag
+MAX_LIST_LEN = 2**20  # items in any list or map of a header, unless a link says fewer
+MAX_TAG_LEN = 256  # of a "from" tag
 
 
 def _request_id(value) -> str | None:
@@ -272,15 +297,19 @@ def _unpack_error(buf: bytes, limits: dict, error: Exception) -> ProtocolError:
             value = u.unpack()
             if key == "request_id":
                 rid = _request_id(value)
-    except Exception:   # noqa: BLE001 - the same failure, now placed
+    except Exception:  # noqa: BLE001 - the same failure, now placed
         pass
     if isinstance(key, str) and "exceeds max" in str(error):
         return ProtocolError(f"{key[:64]} holds more than {limits['max_array_len']} items", rid)
     return ProtocolError(f"malformed msgpack: {type(error).__name__}", rid)
 
 
-def decode(frames: list, messages: dict[str, type], allowed: tuple[type, ...] | None = None,
-           max_list_len: int = MAX_LIST_LEN):
+def decode(
+    frames: list,
+    messages: dict[str, type],
+    allowed: tuple[type, ...] | None = None,
+    max_list_len: int = MAX_LIST_LEN,
+):
     """Frames -> a message. Raises ProtocolError for anything malformed, and nothing else."""
     return decode_from(frames, messages, allowed, max_list_len)[0]
 
@@ -288,14 +317,20 @@ def decode(frames: list, messages: dict[str, type], allowed: tuple[type, ...] | 
 def sender_of(frames: list) -> str | None:
     """The "from" tag of frames that did not decode, if their header says one."""
     try:
-        tag = msgpack.unpackb(bytes(frames[0]), raw=False, max_array_len=16, max_map_len=64).get("from")
-    except Exception:   # noqa: BLE001 - no tag then
+        tag = msgpack.unpackb(bytes(frames[0]), raw=False, max_array_len=16, max_map_len=64).get(
+            "from"
+        )
+    except Exception:  # noqa: BLE001 - no tag then
         return None
     return tag if isinstance(tag, str) and 0 < len(tag) <= MAX_TAG_LEN else None
 
 
-def decode_from(frames: list, messages: dict[str, type], allowed: tuple[type, ...] | None = None,
-                max_list_len: int = MAX_LIST_LEN) -> tuple[object, str | None]:
+def decode_from(
+    frames: list,
+    messages: dict[str, type],
+    allowed: tuple[type, ...] | None = None,
+    max_list_len: int = MAX_LIST_LEN,
+) -> tuple[object, str | None]:
     """Frames -> (a message, its "from" tag or None). ProtocolError for anything malformed."""
     if not frames:
         raise ProtocolError("empty message")
@@ -305,8 +340,10 @@ def decode_from(frames: list, messages: dict[str, type], allowed: tuple[type, ..
     if tag is not None and not (isinstance(tag, str) and 0 < len(tag) <= MAX_TAG_LEN):
         raise ProtocolError(f"from must be a string of at most {MAX_TAG_LEN} characters", rid)
     version = header.get("v")
-    if type(version) is not int or version != PROTOCOL_VERSION:   # NOTE: 2.0 == 2 and True == 1
-        raise ProtocolError(f"protocol version {_short(version)} is not {PROTOCOL_VERSION} (an integer)", rid)
+    if type(version) is not int or version != PROTOCOL_VERSION:  # NOTE: 2.0 == 2 and True == 1
+        raise ProtocolError(
+            f"protocol version {_short(version)} is not {PROTOCOL_VERSION} (an integer)", rid
+        )
     kind = header.get("type")
     cls = messages.get(kind) if isinstance(kind, str) else None
     if cls is None or (allowed is not None and cls not in allowed):
@@ -314,10 +351,16 @@ def decode_from(frames: list, messages: dict[str, type], allowed: tuple[type, ..
     fields = {k: v for k, v in header.items() if k not in ("v", "type", "tensors", "from")}
     tensor_names = _tensor_fields(cls)
     described = header.get("tensors", [])
-    if not isinstance(described, list) or len(described) != len(tensor_names) \
-            or len(frames) != 1 + len(tensor_names):
-        raise ProtocolError(f"{cls.TYPE} takes {len(tensor_names)} tensor frame(s) described in "
-                            f"'tensors', got {len(frames) - 1} and {_short(described)}", rid)
+    if (
+        not isinstance(described, list)
+        or len(described) != len(tensor_names)
+        or len(frames) != 1 + len(tensor_names)
+    ):
+        raise ProtocolError(
+            f"{cls.TYPE} takes {len(tensor_names)} tensor frame(s) described in "
+            f"'tensors', got {len(frames) - 1} and {_short(described)}",
+            rid,
+        )
     for desc, frame in zip(described, frames[1:]):
         name = desc[0] if isinstance(desc, list) and desc else None
         if name not in tensor_names or name in fields:
@@ -341,8 +384,13 @@ def _tensor_from_frame(desc, frame, rid) -> torch.Tensor:
     try:
         name, dtype_name, shape = desc
         dtype = DTYPES[dtype_name]
-        if not isinstance(shape, list) or len(shape) > MAX_DIMS or \
-                not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= I32_MAX for s in shape):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_DIMS
+            or not all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= I32_MAX for s in shape
+            )
+        ):
             raise ValueError
     except (ValueError, TypeError, KeyError):
         raise ProtocolError(f"bad tensor description {_short(desc)}", rid) from None
@@ -352,8 +400,11 @@ def _tensor_from_frame(desc, frame, rid) -> torch.Tensor:
         numel *= s
     itemsize = torch.tensor([], dtype=dtype).element_size()
     if buf.nbytes != numel * itemsize:
-        raise ProtocolError(f"tensor {name!r} frame holds {buf.nbytes} bytes, "
-                            f"shape {shape} {dtype_name} needs {numel * itemsize}", rid)
+        raise ProtocolError(
+            f"tensor {name!r} frame holds {buf.nbytes} bytes, "
+            f"shape {shape} {dtype_name} needs {numel * itemsize}",
+            rid,
+        )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():  # read-only frame memory: we only ever copy out of it

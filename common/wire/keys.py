@@ -8,6 +8,7 @@ A node's name is bound to its key: a peer that proves the key of prefill-0 is
 prefill-0, and no other peer can be. `python -m launch.keys DIR` makes them.
 Files are read at each handshake, so a key added later admits its node at once.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ import zmq
 import zmq.auth
 
 FRONTEND = "frontend"
-CLIENTS = "clients"          # the sub-directory of client keys
+CLIENTS = "clients"  # the sub-directory of client keys
 DOMAINS = ("nodes", "clients")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -35,7 +36,11 @@ def make_keys(key_dir: str | Path, names: list[str], clients: list[str] = ()) ->
     Returns the public key files written."""
     key_dir = Path(key_dir)
     made = []
-    for sub, name in [(None, FRONTEND), *((None, n) for n in names), *((CLIENTS, c) for c in clients)]:
+    for sub, name in [
+        (None, FRONTEND),
+        *((None, n) for n in names),
+        *((CLIENTS, c) for c in clients),
+    ]:
         where = key_dir / sub if sub else key_dir
         where.mkdir(parents=True, exist_ok=True, mode=0o700)
         if (where / f"{check_name(name)}.key_secret").exists():
@@ -55,13 +60,16 @@ def load_keys(key_dir: str | Path | None, name: str) -> "ClusterKeys | None":
 class ClusterKeys:
     """What one process holds: the key directory and the name whose secret key it uses
     ("frontend", a node name, or "clients/NAME")."""
+
     key_dir: Path
     name: str
 
     def __post_init__(self) -> None:
         if not self._file(self.name, secret=True).is_file():
-            raise ValueError(f"no secret key for {self.name!r} in {self.key_dir}: make it with "
-                             f"python -m launch.keys {self.key_dir} --nodes {self.name}")
+            raise ValueError(
+                f"no secret key for {self.name!r} in {self.key_dir}: make it with "
+                f"python -m launch.keys {self.key_dir} --nodes {self.name}"
+            )
 
     def _file(self, name: str, secret: bool = False) -> Path:
         return self.key_dir / f"{name}.key{'_secret' if secret else ''}"
@@ -89,5 +97,5 @@ class ClusterKeys:
             try:
                 found[zmq.auth.load_certificate(str(path))[0]] = name
             except (OSError, ValueError):
-                continue   # a half-written or foreign file admits no one
+                continue  # a half-written or foreign file admits no one
         return found

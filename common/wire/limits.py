@@ -2,6 +2,7 @@
 MaxLen, Plain) and the common types built from them. Every value is checked
 against what its receiver will do with it: ints that reach int32 device tensors
 stay in int32, names and ids stay short, maps of figures stay flat and finite."""
+
 from __future__ import annotations
 
 import math
@@ -36,20 +37,23 @@ class Plain:
     """A map of plain data: string keys, at most max_items entries per level, depth
     levels deep, finite numbers; is_numbers: every value a finite number >= 0;
     bytes values of at most max_bytes (none when 0)."""
+
     depth: int = 3
     max_items: int = 256
     is_numbers: bool = False
     max_bytes: int = 0
 
 
-Name = Annotated[str, MaxLen(128)]        # node names, message kinds
-Id = Annotated[str, MaxLen(256)]          # request ids
-Text = Annotated[str, MaxLen(4096)]       # errors, reasons
-I32 = Annotated[int, Range(0, I32_MAX)]   # token ids, block ids, lengths, counts
-Stamps = Annotated[dict, Plain(depth=1, max_items=32, is_numbers=True)]   # wall-clock stamps
-Parts = Annotated[dict, Plain(depth=1, max_items=32)]   # durations: finite, maybe < 0 across clocks
-Figures = Annotated[dict, Plain()]        # a node's stats
-NodeFigures = Annotated[dict, Plain(depth=Plain.depth + 1)]   # node name -> its Figures: one level more
+Name = Annotated[str, MaxLen(128)]  # node names, message kinds
+Id = Annotated[str, MaxLen(256)]  # request ids
+Text = Annotated[str, MaxLen(4096)]  # errors, reasons
+I32 = Annotated[int, Range(0, I32_MAX)]  # token ids, block ids, lengths, counts
+Stamps = Annotated[dict, Plain(depth=1, max_items=32, is_numbers=True)]  # wall-clock stamps
+Parts = Annotated[dict, Plain(depth=1, max_items=32)]  # durations: finite, maybe < 0 across clocks
+Figures = Annotated[dict, Plain()]  # a node's stats
+NodeFigures = Annotated[
+    dict, Plain(depth=Plain.depth + 1)
+]  # node name -> its Figures: one level more
 
 
 def check_limit(value: Any, limit, where: str) -> None:
@@ -81,7 +85,7 @@ def _plain(value: Any, rule: Plain, where: str, depth: int) -> None:
             _plain(v, rule, f"{where}[{i}]", depth + 1)
     elif isinstance(value, float) and not math.isfinite(value):
         raise ProtocolError(f"{where} must be finite")
-    elif isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+    elif isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
         raise ProtocolError(f"{where} is outside the 64-bit range")
     elif isinstance(value, str) and len(value) > 4096:
         raise ProtocolError(f"{where} is longer than 4096")

@@ -2,31 +2,104 @@
 link may carry. The messages live in client.py, node.py and kv.py; the codec in
 codec.py. Code that sends or receives imports from here.
 """
+
 from __future__ import annotations
 
 from common.wire import codec
+from common.wire.client import (
+    AbortRequest,
+    DrainReply,
+    DrainRequest,
+    ErrorReply,
+    GenerateOutput,
+    GenerateRequest,
+    OutputBatch,
+    StatsReply,
+    StatsRequest,
+    Structured,
+)  # noqa: F401
 from common.wire.codec import PROTOCOL_VERSION, ProtocolError, dtype_name, encode  # noqa: F401
-from common.wire.client import (Structured, GenerateRequest, AbortRequest, StatsRequest, DrainRequest, GenerateOutput,
-                                OutputBatch, StatsReply, DrainReply, ErrorReply)  # noqa: F401
-from common.wire.node import (Fork, PrefillRequest, NodeAbort, NodeSync, PeerLost, Shutdown, Drain, PrefixUpdate, ReadyReply,
-                              NodeReady, Heartbeat, RequestFailed, NodeSynced, NodeDraining, TokenUpdate,
-                              TokenBatch, ttft_parts)  # noqa: F401
-from common.wire.kv import (KVHello, KVWelcome, KVReserve, KVReserved, KVTransfer, KVCommit, KVRelease,
-                            HandoffAck)  # noqa: F401
+from common.wire.kv import (
+    HandoffAck,
+    KVCommit,
+    KVHello,
+    KVRelease,
+    KVReserve,
+    KVReserved,
+    KVTransfer,
+    KVWelcome,
+)  # noqa: F401
+from common.wire.node import (
+    Drain,
+    Fork,
+    Heartbeat,
+    NodeAbort,
+    NodeDraining,
+    NodeReady,
+    NodeSync,
+    NodeSynced,
+    PeerLost,
+    PrefillRequest,
+    PrefixUpdate,
+    ReadyReply,
+    RequestFailed,
+    Shutdown,
+    TokenBatch,
+    TokenUpdate,
+    ttft_parts,
+)  # noqa: F401
 
-MESSAGES: dict[str, type] = {cls.TYPE: cls for cls in (
-    GenerateRequest, AbortRequest, StatsRequest, DrainRequest, GenerateOutput, OutputBatch, StatsReply,
-    DrainReply, ErrorReply,
-    PrefillRequest, NodeAbort, NodeSync, PeerLost, Shutdown, Drain, ReadyReply, NodeReady, Heartbeat, RequestFailed,
-    NodeSynced, NodeDraining, TokenBatch, PrefixUpdate,
-    KVHello, KVWelcome, KVReserve, KVReserved, KVTransfer, KVCommit, KVRelease, HandoffAck)}
+MESSAGES: dict[str, type] = {
+    cls.TYPE: cls
+    for cls in (
+        GenerateRequest,
+        AbortRequest,
+        StatsRequest,
+        DrainRequest,
+        GenerateOutput,
+        OutputBatch,
+        StatsReply,
+        DrainReply,
+        ErrorReply,
+        PrefillRequest,
+        NodeAbort,
+        NodeSync,
+        PeerLost,
+        Shutdown,
+        Drain,
+        ReadyReply,
+        NodeReady,
+        Heartbeat,
+        RequestFailed,
+        NodeSynced,
+        NodeDraining,
+        TokenBatch,
+        PrefixUpdate,
+        KVHello,
+        KVWelcome,
+        KVReserve,
+        KVReserved,
+        KVTransfer,
+        KVCommit,
+        KVRelease,
+        HandoffAck,
+    )
+}
 
 # What each link carries, per direction.
 CLIENT_TO_FRONTEND = (GenerateRequest, AbortRequest, StatsRequest, DrainRequest)
 FRONTEND_TO_CLIENT = (GenerateOutput, OutputBatch, StatsReply, DrainReply, ErrorReply)
 FRONTEND_TO_NODE = (PrefillRequest, NodeAbort, NodeSync, PeerLost, Shutdown, Drain, ReadyReply)
 FRONTEND_TO_HEARTBEAT = (ReadyReply,)
-NODE_TO_FRONTEND = (NodeReady, Heartbeat, RequestFailed, NodeSynced, NodeDraining, TokenBatch, PrefixUpdate)
+NODE_TO_FRONTEND = (
+    NodeReady,
+    Heartbeat,
+    RequestFailed,
+    NodeSynced,
+    NodeDraining,
+    TokenBatch,
+    PrefixUpdate,
+)
 PREFILL_TO_DECODE = (KVHello, KVReserve, KVTransfer, KVCommit, KVRelease)
 DECODE_TO_PREFILL = (KVWelcome, KVReserved, HandoffAck)
 
@@ -37,7 +110,8 @@ def decode(frames: list, allowed: tuple[type, ...] | None = None):
     return codec.decode(frames, MESSAGES, allowed)
 
 
-def decode_from(frames: list, allowed: tuple[type, ...] | None = None,
-                max_list_len: int = codec.MAX_LIST_LEN) -> tuple[object, str | None]:
+def decode_from(
+    frames: list, allowed: tuple[type, ...] | None = None, max_list_len: int = codec.MAX_LIST_LEN
+) -> tuple[object, str | None]:
     """Frames -> (a message, who it says sent it: its "from" tag, or None)."""
     return codec.decode_from(frames, MESSAGES, allowed, max_list_len)

@@ -1,6 +1,7 @@
 """This machine's floors and a step's bound as a roofline: a step can go no faster than
 its bytes over the measured memory bandwidth, nor than its FLOPs over the measured
 matmul rate; the larger of the two binds, and the benchmarks name which."""
+
 from __future__ import annotations
 
 import time
@@ -47,9 +48,11 @@ def measure_floors(device_str: str, dtype: torch.dtype) -> dict:
         torch.cuda.empty_cache()
     # NOTE: three significant figures, not one decimal: a busy 2-core CPU does about
     # 0.04 TFLOP/s, which one decimal rounds to 0 (and a floor to a division by zero).
-    return {"bandwidth_GBps": float(f"{bandwidth / 1e9:.3g}"),
-            "matmul_TFLOPs": float(f"{max(rates.values()):.3g}"),
-            "matmul_TFLOPs_by_dtype": {k: float(f"{v:.3g}") for k, v in rates.items()}}
+    return {
+        "bandwidth_GBps": float(f"{bandwidth / 1e9:.3g}"),
+        "matmul_TFLOPs": float(f"{max(rates.values()):.3g}"),
+        "matmul_TFLOPs_by_dtype": {k: float(f"{v:.3g}") for k, v in rates.items()},
+    }
 
 
 def _matmul_rate(device: torch.device, dtype: torch.dtype, m: int) -> float:
@@ -63,13 +66,16 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, m: int) -> float:
         a @ b
         sync(device)
         best = min(best, time.perf_counter() - t0)
-    return 2 * m ** 3 / best / 1e12
+    return 2 * m**3 / best / 1e12
 
 
 def matmul_params(spec: ModelSpec) -> int:
     """Weights that take part in a token's matmuls (the embedding lookup does not)."""
-    per_layer = spec.hidden_size * (spec.q_size + 2 * spec.kv_size) \
-        + spec.q_size * spec.hidden_size + 3 * spec.hidden_size * spec.intermediate_size
+    per_layer = (
+        spec.hidden_size * (spec.q_size + 2 * spec.kv_size)
+        + spec.q_size * spec.hidden_size
+        + 3 * spec.hidden_size * spec.intermediate_size
+    )
     return spec.num_layers * per_layer + spec.vocab_size * spec.hidden_size
 
 
@@ -91,8 +97,11 @@ def prefill_cost(spec: ModelSpec, elem: int, batch: int, prompt_len: int) -> tup
     once and the prompts' KV written and read once."""
     tokens = batch * prompt_len
     head = spec.vocab_size * spec.hidden_size
-    flops = 2 * (matmul_params(spec) - head) * tokens + 2 * head * batch \
+    flops = (
+        2 * (matmul_params(spec) - head) * tokens
+        + 2 * head * batch
         + attention_flops(spec, batch * prompt_len * prompt_len / 2)
+    )
     return flops, matmul_params(spec) * elem + 2 * tokens * spec.kv_bytes_per_token(elem)
 
 
@@ -100,7 +109,11 @@ def roofline(flops: float, num_bytes: float, floors: dict) -> dict:
     """The floor (ms) a step of this cost cannot beat on this machine, and what binds it."""
     memory_ms = num_bytes / (floors["bandwidth_GBps"] * 1e9) * 1e3
     compute_ms = flops / (floors["matmul_TFLOPs"] * 1e12) * 1e3
-    return {"bound": COMPUTE if compute_ms > memory_ms else MEMORY,
-            "floor_ms": round(max(memory_ms, compute_ms), 3),
-            "memory_floor_ms": round(memory_ms, 3), "compute_floor_ms": round(compute_ms, 3),
-            "gflop": float(f"{flops / 1e9:.3g}"), "gbytes": float(f"{num_bytes / 1e9:.3g}")}
+    return {
+        "bound": COMPUTE if compute_ms > memory_ms else MEMORY,
+        "floor_ms": round(max(memory_ms, compute_ms), 3),
+        "memory_floor_ms": round(memory_ms, 3),
+        "compute_floor_ms": round(compute_ms, 3),
+        "gflop": float(f"{flops / 1e9:.3g}"),
+        "gbytes": float(f"{num_bytes / 1e9:.3g}"),
+    }

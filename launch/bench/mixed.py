@@ -17,6 +17,7 @@ the short prompts should not wait behind the long ones' prefill and KV, nor the 
 ones pay for it. The bound for a short prompt's TTFT is its own prefill on an idle node.
 Without --model, the 8-layer shape of `pdserve bench layerwise` (made once).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,10 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _parts_p50(rows: list[dict]) -> dict:
     names = sorted({k for r in rows for k in r.get("parts", {})})
-    return {k: round(statistics.median(r["parts"][k] for r in rows if k in r["parts"]), 1) for k in names}
+    return {
+        k: round(statistics.median(r["parts"][k] for r in rows if k in r["parts"]), 1)
+        for k in names
+    }
 
 
 def _client(endpoint: str, a) -> None:
@@ -49,42 +53,65 @@ def _client(endpoint: str, a) -> None:
     import numpy as np
 
     from frontend.client import AsyncClient, Client
+
     rng = np.random.default_rng(a.seed)
 
     def prompt(n: int) -> list[int]:
         return rng.integers(1, a.vocab_size - 1, size=n).tolist()
 
-    async def one(client, kind: str, prompt_ids: list[int], max_tokens: int, at: float, rows: list, i: int) -> None:
+    async def one(
+        client, kind: str, prompt_ids: list[int], max_tokens: int, at: float, rows: list, i: int
+    ) -> None:
         await asyncio.sleep(max(at - time.monotonic(), 0))
         start, stamps, last, tokens, first = time.monotonic(), [], None, [], None
-        async for out in client.generate(prompt_token_ids=prompt_ids, max_tokens=max_tokens, ignore_eos=True):
+        async for out in client.generate(
+            prompt_token_ids=prompt_ids, max_tokens=max_tokens, ignore_eos=True
+        ):
             if out.error:
                 raise SystemExit(f"bench mixed: a request failed: {out.error}")
             stamps += [time.monotonic() - start] * len(out.token_ids)
             tokens += out.token_ids
             last, first = out, first or out.timings
-        rows.append({"i": i, "kind": kind, "ttft_s": stamps[0], "second_s": stamps[1],
-                     "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
-                     "steady_tpot_s": (stamps[-1] - stamps[1]) / max(len(stamps) - 2, 1),
-                     "path": (last.timings or {}).get("path"), "tokens": tokens,
-                     "parts": {k: v for k, v in (first or {}).items() if k.endswith("_ms")}})
+        rows.append(
+            {
+                "i": i,
+                "kind": kind,
+                "ttft_s": stamps[0],
+                "second_s": stamps[1],
+                "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
+                "steady_tpot_s": (stamps[-1] - stamps[1]) / max(len(stamps) - 2, 1),
+                "path": (last.timings or {}).get("path"),
+                "tokens": tokens,
+                "parts": {k: v for k, v in (first or {}).items() if k.endswith("_ms")},
+            }
+        )
 
     # Every prompt made before any is sent: the same ones, in the same places, in each mode.
     warm = [prompt(n) for _ in range(3) for n in (a.long_len, a.short_len)]
-    plan = [("long", prompt(a.long_len), a.long_tokens, i * a.long_every) for i in range(int(a.duration / a.long_every))]
-    plan += [("short", prompt(a.short_len), a.short_tokens, a.short_every / 2 + i * a.short_every)
-             for i in range(int(a.duration / a.short_every))]
+    plan = [
+        ("long", prompt(a.long_len), a.long_tokens, i * a.long_every)
+        for i in range(int(a.duration / a.long_every))
+    ]
+    plan += [
+        ("short", prompt(a.short_len), a.short_tokens, a.short_every / 2 + i * a.short_every)
+        for i in range(int(a.duration / a.short_every))
+    ]
 
     async def run() -> list:
         async with AsyncClient(endpoint, idle_timeout_s=300) as client:
-            for i, p in enumerate(warm):   # rates, the handoff's cost, the kernels' first calls
+            for i, p in enumerate(warm):  # rates, the handoff's cost, the kernels' first calls
                 await one(client, "warm", p, 4, 0, [], i)
-            await asyncio.sleep(2.5)   # a heartbeat or two: the frontend has the nodes' rates
+            await asyncio.sleep(2.5)  # a heartbeat or two: the frontend has the nodes' rates
             rows: list = []
             t0 = time.monotonic() + 0.1
-            await asyncio.gather(*[one(client, kind, ids, n, t0 + at, rows, i)
-                                   for i, (kind, ids, n, at) in enumerate(plan)])
+            await asyncio.gather(
+                *[
+                    one(client, kind, ids, n, t0 + at, rows, i)
+                    for i, (kind, ids, n, at) in enumerate(plan)
+                ]
+            )
             return rows
+
     rows = asyncio.run(run())
     with Client(endpoint) as c:
         paths = c.stats().frontend.get("paths")
@@ -93,16 +120,42 @@ def _client(endpoint: str, a) -> None:
 
 def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> dict:
     env = {**os.environ, **layerwise.ENV}
-    first, second, endpoint = layerwise.start_hosts(hosts, "mixed", [
-        "--model", model, "--kv-transfer", a.kv_transfer, "--kv-layerwise", a.kv_layerwise,
-        "--disaggregate", mode, "--max-model-len", str(a.long_len + a.long_tokens + 64),
-        "--no-prefix-caching", *a.cluster_arg], logs, mode)
+    first, second, endpoint = layerwise.start_hosts(
+        hosts,
+        "mixed",
+        [
+            "--model",
+            model,
+            "--kv-transfer",
+            a.kv_transfer,
+            "--kv-layerwise",
+            a.kv_layerwise,
+            "--disaggregate",
+            mode,
+            "--max-model-len",
+            str(a.long_len + a.long_tokens + 64),
+            "--no-prefix-caching",
+            *a.cluster_arg,
+        ],
+        logs,
+        mode,
+    )
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     args = ["--client", endpoint, "--vocab-size", str(vocab), "--seed", str(a.seed)]
-    for k in ("long_len", "short_len", "long_tokens", "short_tokens", "duration", "long_every", "short_every"):
+    for k in (
+        "long_len",
+        "short_len",
+        "long_tokens",
+        "short_tokens",
+        "duration",
+        "long_every",
+        "short_every",
+    ):
         args += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
-    out = hosts.run("a", [sys.executable, "-m", "launch.bench.mixed", *args], timeout_s=1800, cwd=ROOT, env=env)
-    for p in (second, first):   # SIGTERM: each drains and stops
+    out = hosts.run(
+        "a", [sys.executable, "-m", "launch.bench.mixed", *args], timeout_s=1800, cwd=ROOT, env=env
+    )
+    for p in (second, first):  # SIGTERM: each drains and stops
         p.terminate()
         p.wait(60)
     if out.returncode != 0:
@@ -111,11 +164,16 @@ def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser("pdserve bench mixed", description=__doc__,
-                                formatter_class=HelpFormat)
-    p.add_argument("--model", help="a Qwen3 directory (default: bench layerwise's 8-layer shape, made once)")
+    p = argparse.ArgumentParser(
+        "pdserve bench mixed", description=__doc__, formatter_class=HelpFormat
+    )
+    p.add_argument(
+        "--model", help="a Qwen3 directory (default: bench layerwise's 8-layer shape, made once)"
+    )
     p.add_argument("--rate-mbit", type=float, default=200.0, help="host a's link rate")
-    p.add_argument("--burst", default=layerwise.BURST, help="the link's token bucket (tc tbf burst)")
+    p.add_argument(
+        "--burst", default=layerwise.BURST, help="the link's token bucket (tc tbf burst)"
+    )
     p.add_argument("--long-len", type=int, default=2048, help="tokens of a long prompt")
     p.add_argument("--long-tokens", type=int, default=64, help="max_tokens of a long prompt")
     p.add_argument("--short-len", type=int, default=32, help="tokens of a short prompt")
@@ -127,8 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-layerwise", default="auto", help="on both hosts")
     p.add_argument("--kv-transfer", default="tcp", help="the backend between the hosts")
     p.add_argument("--seed", type=int, default=0, help="of the prompts and arrivals")
-    p.add_argument("--cluster-arg", action="append", default=[],
-                   help="passed to start_cluster.sh on both hosts (repeat: --cluster-arg=--prefill-arg ...)")
+    p.add_argument(
+        "--cluster-arg",
+        action="append",
+        default=[],
+        help="passed to start_cluster.sh on both hosts (repeat: --cluster-arg=--prefill-arg ...)",
+    )
     p.add_argument("--client", help=argparse.SUPPRESS)
     p.add_argument("--vocab-size", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -136,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         _client(a.client, a)
         return 0
     from launch.tools import netns
+
     why = netns.why_not()
     if why:
         raise SystemExit(f"bench mixed: {why}")
@@ -147,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         with netns.Hosts(["a", "b"]) as hosts:
             layerwise.shape_link(hosts, "a", a.rate_mbit, a.burst)
             got = _run_mode(a, hosts, model, mode, logs)
-        (logs / f"{mode}-requests.json").write_text(json.dumps(got["rows"]))   # each request's figures
+        (logs / f"{mode}-requests.json").write_text(
+            json.dumps(got["rows"])
+        )  # each request's figures
         tokens[mode] = {r["i"]: r["tokens"] for r in got["rows"]}
         short = [r for r in got["rows"] if r["kind"] == "short"]
         long = [r for r in got["rows"] if r["kind"] == "long"]
@@ -161,32 +226,76 @@ def main(argv: list[str] | None = None) -> int:
             "long_tpot_ms_p90": round(1e3 * _pct([r["tpot_s"] for r in long], 0.9), 2),
             "long_ttft_ms_p50": round(1e3 * statistics.median(r["ttft_s"] for r in long), 1),
             # of the long ones' TPOT: the handoff (first token to second) and the decode steps after it
-            "long_handoff_ms_p50": round(1e3 * statistics.median(r["second_s"] - r["ttft_s"] for r in long), 1),
-            "long_steady_tpot_ms_p90": round(1e3 * _pct([r["steady_tpot_s"] for r in long], 0.9), 2)}
-        print(json.dumps({"bench": "mixed", "device": "cpu", "mode": mode, "rate_mbit": a.rate_mbit, "burst": a.burst,
-                          "kv_transfer": a.kv_transfer, "kv_layerwise": a.kv_layerwise,
-                          "long": [a.long_len, a.long_tokens, a.long_every], "short": [a.short_len, a.short_tokens,
-                                                                                     a.short_every],
-                          "num_short": len(short), "num_long": len(long), **f,
-                          "short_paths": {p: sum(r["path"] == p for r in short) for p in ("local", "disaggregated")},
-                          # each path's own short TTFT p50 (what a prompt there waited), where any took it
-                          "short_ttft_ms_p50_by_path": {
-                              p: round(1e3 * statistics.median(r["ttft_s"] for r in short if r["path"] == p), 1)
-                              for p in ("local", "disaggregated") if any(r["path"] == p for r in short)},
-                          # where that time went: each stage's p50 (the first update's timings)
-                          "short_parts_ms_p50_by_path": {p: _parts_p50([r for r in short if r["path"] == p])
-                                                         for p in ("local", "disaggregated")
-                                                         if any(r["path"] == p for r in short)},
-                          "long_paths": {p: sum(r["path"] == p for r in long) for p in ("local", "disaggregated")},
-                          "decisions": (got.get("paths") or {}).get("decisions")}), flush=True)
+            "long_handoff_ms_p50": round(
+                1e3 * statistics.median(r["second_s"] - r["ttft_s"] for r in long), 1
+            ),
+            "long_steady_tpot_ms_p90": round(
+                1e3 * _pct([r["steady_tpot_s"] for r in long], 0.9), 2
+            ),
+        }
+        print(
+            json.dumps(
+                {
+                    "bench": "mixed",
+                    "device": "cpu",
+                    "mode": mode,
+                    "rate_mbit": a.rate_mbit,
+                    "burst": a.burst,
+                    "kv_transfer": a.kv_transfer,
+                    "kv_layerwise": a.kv_layerwise,
+                    "long": [a.long_len, a.long_tokens, a.long_every],
+                    "short": [a.short_len, a.short_tokens, a.short_every],
+                    "num_short": len(short),
+                    "num_long": len(long),
+                    **f,
+                    "short_paths": {
+                        p: sum(r["path"] == p for r in short) for p in ("local", "disaggregated")
+                    },
+                    # each path's own short TTFT p50 (what a prompt there waited), where any took it
+                    "short_ttft_ms_p50_by_path": {
+                        p: round(
+                            1e3 * statistics.median(r["ttft_s"] for r in short if r["path"] == p), 1
+                        )
+                        for p in ("local", "disaggregated")
+                        if any(r["path"] == p for r in short)
+                    },
+                    # where that time went: each stage's p50 (the first update's timings)
+                    "short_parts_ms_p50_by_path": {
+                        p: _parts_p50([r for r in short if r["path"] == p])
+                        for p in ("local", "disaggregated")
+                        if any(r["path"] == p for r in short)
+                    },
+                    "long_paths": {
+                        p: sum(r["path"] == p for r in long) for p in ("local", "disaggregated")
+                    },
+                    "decisions": (got.get("paths") or {}).get("decisions"),
+                }
+            ),
+            flush=True,
+        )
     modes = a.modes.split(",")
     if len(modes) > 1:
         base = figures[modes[0]]
         # Greedy: each request's tokens the same whichever path it took.
         same = {m: tokens[m] == tokens[modes[0]] for m in modes[1:]}
-        print(json.dumps({"bench": "mixed", "against": modes[0], "tokens_equal": same, "ratios": {
-            m: {k: round(v / base[k], 3) if base[k] else None for k, v in figures[m].items()} for m in modes[1:]},
-            "logs": str(logs)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": "mixed",
+                    "against": modes[0],
+                    "tokens_equal": same,
+                    "ratios": {
+                        m: {
+                            k: round(v / base[k], 3) if base[k] else None
+                            for k, v in figures[m].items()
+                        }
+                        for m in modes[1:]
+                    },
+                    "logs": str(logs),
+                }
+            ),
+            flush=True,
+        )
     return 0
 
 

@@ -1,5 +1,6 @@
 """The table a person reads after a benchmark, beside its JSON lines: stdout keeps one
 JSON record per line (for files and tools), the table goes to stderr with the progress."""
+
 from __future__ import annotations
 
 import sys

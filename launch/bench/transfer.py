@@ -19,6 +19,7 @@ a bridge, UCX_TLS=tcp) and the floor is TCP between the two hosts (1 and 4 strea
 With --decode-batch B the decode node first runs B long requests, and its
 step time is read from its heartbeats with and without handoffs arriving.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,28 +36,40 @@ import torch
 import zmq
 
 from common import transfer
-from common.wire.codec import dtype_name
+from common.base.request import SamplingParams
 from common.kv.blocks import num_blocks_for
 from common.runtime.process import HelpFormat
-from common.wire.protocol import (HandoffAck, KVCommit, KVHello, KVReserve, KVReserved, KVWelcome,
-                             NodeAbort)
-from common.base.request import SamplingParams
+from common.wire.codec import dtype_name
+from common.wire.protocol import (
+    HandoffAck,
+    KVCommit,
+    KVHello,
+    KVReserve,
+    KVReserved,
+    KVWelcome,
+    NodeAbort,
+)
 from launch.bench.common import NodeUnderTest, device_name, emit, measure_floors, sync, worker_args
 
-
-LEASE_S = 30.0   # the decode node's reservation lease
+LEASE_S = 30.0  # the decode node's reservation lease
 
 
 class PrefillSide:
     """This process standing in for a prefill node on one decode node's KV link."""
 
-    def __init__(self, node: NodeUnderTest, cache: torch.Tensor, backend: str, is_verifying: bool = False):
+    def __init__(
+        self, node: NodeUnderTest, cache: torch.Tensor, backend: str, is_verifying: bool = False
+    ):
         self.node, self.cache, self.is_verifying = node, cache, is_verifying
-        self.inbox: list = []   # KV-link messages read but not yet taken
-        self.grants: dict[str, tuple[str, int, list[int] | None]] = {}   # rid -> (grant, units, checksums)
+        self.inbox: list = []  # KV-link messages read but not yet taken
+        self.grants: dict[
+            str, tuple[str, int, list[int] | None]
+        ] = {}  # rid -> (grant, units, checksums)
         node.kv.send(KVHello("prefill-0"))
         welcome = self._wait(lambda m: isinstance(m, KVWelcome))
-        self.writer = transfer.open_writer(backend, welcome, cache, lambda m: node.kv.send(m, block=False))
+        self.writer = transfer.open_writer(
+            backend, welcome, cache, lambda m: node.kv.send(m, block=False)
+        )
 
     def _pump(self, timeout_s: float) -> None:
         self.inbox += [msg for ch, _, msg in self.node.poll(timeout_s) if ch is self.node.kv]
@@ -95,9 +108,20 @@ class PrefillSide:
 
     def commit(self, rid: str, prompt_len: int, params: SamplingParams | None = None) -> None:
         grant, units, sums = self.grants.pop(rid)
-        self.node.kv.send(KVCommit(rid, prompt_len, 1, params or SamplingParams(max_tokens=1, ignore_eos=True),
-                                   {}, self.writer.name, [1] * prompt_len, grant, units,
-                                   None if sums is None else sums.tolist()))
+        self.node.kv.send(
+            KVCommit(
+                rid,
+                prompt_len,
+                1,
+                params or SamplingParams(max_tokens=1, ignore_eos=True),
+                {},
+                self.writer.name,
+                [1] * prompt_len,
+                grant,
+                units,
+                None if sums is None else sums.tolist(),
+            )
+        )
 
     def wait_written(self, rids: set[str], on_written) -> None:
         while rids:
@@ -107,7 +131,7 @@ class PrefillSide:
                 rids.discard(rid)
                 on_written(rid)
             if rids:
-                self._pump(0)   # keep the KV link moving
+                self._pump(0)  # keep the KV link moving
 
     def wait_acks(self, rids: set[str]) -> None:
         while rids:
@@ -123,7 +147,9 @@ def link_floor_GBps(num_bytes: int, tries: int = 3) -> float:
     rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     port = rx.bind_to_random_port("tcp://127.0.0.1")
     tx.connect(f"tcp://127.0.0.1:{port}")
-    payload = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()).numpy()
+    payload = torch.empty(
+        num_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+    ).numpy()
     best = float("inf")
     for _ in range(tries):
         t = threading.Thread(target=lambda: rx.recv(copy=False))
@@ -140,8 +166,20 @@ def hosts_floor_GBps(num_bytes: int, place: dict, num_streams: int, tries: int =
     """num_bytes split over num_streams TCP connections to a receiver on the decode node's
     host that answers each share whole, best of tries: the link between the hosts."""
     share = num_bytes // num_streams
-    sink = subprocess.Popen([*place["prefix"], sys.executable, "-c", STREAM_SINK, place["decode_host"],
-                             str(tries), str(share), str(num_streams)], cwd=os.getcwd(), stdout=subprocess.PIPE)
+    sink = subprocess.Popen(
+        [
+            *place["prefix"],
+            sys.executable,
+            "-c",
+            STREAM_SINK,
+            place["decode_host"],
+            str(tries),
+            str(share),
+            str(num_streams),
+        ],
+        cwd=os.getcwd(),
+        stdout=subprocess.PIPE,
+    )
     port = int(sink.stdout.readline())
     conns = [socket.create_connection((place["decode_host"], port)) for _ in range(num_streams)]
     payload = memoryview(bytearray(share))
@@ -149,6 +187,7 @@ def hosts_floor_GBps(num_bytes: int, place: dict, num_streams: int, tries: int =
     def one(c: socket.socket) -> None:
         c.sendall(payload)
         c.recv(1)
+
     best = float("inf")
     for _ in range(tries):
         threads = [threading.Thread(target=one, args=(c,)) for c in conns]
@@ -185,14 +224,19 @@ threads = [threading.Thread(target=serve, args=(c,)) for c in conns]
 def gloo_floor_GBps(num_bytes: int, tries: int = 3) -> float:
     """One num_bytes send between two ranks of a gloo group on loopback TCP, best of
     tries: the link the dist backend has on CPU."""
-    import torch.distributed as dist
     from datetime import timedelta
+
+    import torch.distributed as dist
+
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     groups = [None, None]
 
-    def join(rank):   # rank 1 joins through a client of its own, as a prefill node does
+    def join(rank):  # rank 1 joins through a client of its own, as a prefill node does
         client = store if rank == 0 else dist.TCPStore("127.0.0.1", store.port, is_master=False)
-        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("floor", client), rank, 2, timedelta(seconds=30))
+        groups[rank] = dist.ProcessGroupGloo(
+            dist.PrefixStore("floor", client), rank, 2, timedelta(seconds=30)
+        )
+
     threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
     [t.start() for t in threads]
     [t.join() for t in threads]
@@ -222,25 +266,47 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
     bs = a.block_size
     n_blocks = num_blocks_for(a.prompt_len, bs)
     req_bytes = kv_bytes(spec, dtype, n_blocks * bs)
-    ns = argparse.Namespace(model=None, shape=a.shape, device=a.decode_device, dtype=a.dtype,
-                            kv_cache_memory=a.kv_cache_memory, node_arg=a.node_arg)
+    ns = argparse.Namespace(
+        model=None,
+        shape=a.shape,
+        device=a.decode_device,
+        dtype=a.dtype,
+        kv_cache_memory=a.kv_cache_memory,
+        node_arg=a.node_arg,
+    )
     # One row beyond the long requests: a timed handoff (max_tokens 1) ends at admission.
     args = worker_args(ns, a.decode_batch + 1, a.prompt_len + a.decode_tokens + 16)
     place = a.place or {}
-    node = NodeUnderTest("decode_node", args + ["--kv-transfer", backend, "--block-size", str(bs)]
-                         + (["--kv-verify"] if a.kv_verify else []),
-                         base_port, a.node_log, kv_is_router=False, keys_dir=a.keys_dir,
-                         host=place.get("host", "127.0.0.1"), node_host=place.get("decode_host", "127.0.0.1"),
-                         prefix=tuple(place.get("prefix", ())))
+    node = NodeUnderTest(
+        "decode_node",
+        args
+        + ["--kv-transfer", backend, "--block-size", str(bs)]
+        + (["--kv-verify"] if a.kv_verify else []),
+        base_port,
+        a.node_log,
+        kv_is_router=False,
+        keys_dir=a.keys_dir,
+        host=place.get("host", "127.0.0.1"),
+        node_host=place.get("decode_host", "127.0.0.1"),
+        prefix=tuple(place.get("prefix", ())),
+    )
     try:
         node.wait_ready()
         # Source blocks [1, n] on the prefill device, random (zeros hide unwritten copies).
-        cache = torch.randn(spec.num_layers, 2, n_blocks + 1, bs, spec.num_kv_heads, spec.head_dim,
-                            device=a.prefill_device, dtype=torch.float32).to(dtype)
+        cache = torch.randn(
+            spec.num_layers,
+            2,
+            n_blocks + 1,
+            bs,
+            spec.num_kv_heads,
+            spec.head_dim,
+            device=a.prefill_device,
+            dtype=torch.float32,
+        ).to(dtype)
         src = list(range(1, n_blocks + 1))
         side = PrefillSide(node, cache, backend, a.kv_verify)
         running = []
-        if a.decode_batch:   # long requests that keep the decode node stepping
+        if a.decode_batch:  # long requests that keep the decode node stepping
             params = SamplingParams(max_tokens=a.decode_tokens, ignore_eos=True)
             for i in range(a.decode_batch):
                 rid = f"bg-{i}"
@@ -300,53 +366,91 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
     finally:
         node.close()
     total = req_bytes * a.num_requests
-    record = {"bench": "kv_transfer", "backend": backend, "shape": a.shape,
-              "dtype": dtype_name(dtype),
-              "prefill_device": device_name(a.prefill_device), "decode_device": a.decode_device,
-              "prompt_len": a.prompt_len, "num_requests": a.num_requests, "kv_verify": a.kv_verify,
-              "MB_per_request": round(req_bytes / 1e6, 2),
-              "ms_per_request_median": round(statistics.median(latencies), 3),
-              "ms_per_request_p90": round(sorted(latencies)[int(0.9 * (len(latencies) - 1))], 3),
-              "GBps_one_at_a_time": round(req_bytes / (statistics.median(latencies) / 1e3) / 1e9, 2),
-              "GBps_all_at_once": round(total / burst_s / 1e9, 2)}
+    record = {
+        "bench": "kv_transfer",
+        "backend": backend,
+        "shape": a.shape,
+        "dtype": dtype_name(dtype),
+        "prefill_device": device_name(a.prefill_device),
+        "decode_device": a.decode_device,
+        "prompt_len": a.prompt_len,
+        "num_requests": a.num_requests,
+        "kv_verify": a.kv_verify,
+        "MB_per_request": round(req_bytes / 1e6, 2),
+        "ms_per_request_median": round(statistics.median(latencies), 3),
+        "ms_per_request_p90": round(sorted(latencies)[int(0.9 * (len(latencies) - 1))], 3),
+        "GBps_one_at_a_time": round(req_bytes / (statistics.median(latencies) / 1e3) / 1e9, 2),
+        "GBps_all_at_once": round(total / burst_s / 1e9, 2),
+    }
     if a.decode_batch:
-        record.update({"decode_batch": a.decode_batch, "decode_step_ms_quiet": round(quiet_ms, 3),
-                       "decode_step_ms_while_receiving": round(busy_ms, 3) if busy_ms else None})
+        record.update(
+            {
+                "decode_batch": a.decode_batch,
+                "decode_step_ms_quiet": round(quiet_ms, 3),
+                "decode_step_ms_while_receiving": round(busy_ms, 3) if busy_ms else None,
+            }
+        )
     return record
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__,
-                                formatter_class=HelpFormat)
+    p = argparse.ArgumentParser(
+        prog="pdserve bench transfer", description=__doc__, formatter_class=HelpFormat
+    )
     p.add_argument("--shape", default="qwen3-0.6b", help="a preset model shape (random weights)")
     has_cuda = torch.cuda.is_available()
-    p.add_argument("--prefill-device", default="cuda:0" if has_cuda else "cpu",
-                   help="where this process (the prefill side) holds its KV")
-    p.add_argument("--decode-device", default="cuda:0" if has_cuda else "cpu",
-                   help="the decode node's device")
-    p.add_argument("--dtype", default=None,
-                   help="default: bfloat16 on accelerators, float32 on cpu")
+    p.add_argument(
+        "--prefill-device",
+        default="cuda:0" if has_cuda else "cpu",
+        help="where this process (the prefill side) holds its KV",
+    )
+    p.add_argument(
+        "--decode-device", default="cuda:0" if has_cuda else "cpu", help="the decode node's device"
+    )
+    p.add_argument(
+        "--dtype", default=None, help="default: bfloat16 on accelerators, float32 on cpu"
+    )
     p.add_argument("--prompt-len", type=int, default=1024, help="tokens of KV per handoff")
     p.add_argument("--num-requests", type=int, default=16, help="handoffs per backend")
     p.add_argument("--backends", default="ipc,tcp", help="comma-separated: one run each")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-memory", default=None, help="the decode node's, e.g. 8GiB")
-    p.add_argument("--decode-batch", type=int, default=0,
-                   help="run this many long requests on the decode node and compare its step time")
+    p.add_argument(
+        "--decode-batch",
+        type=int,
+        default=0,
+        help="run this many long requests on the decode node and compare its step time",
+    )
     p.add_argument("--decode-tokens", type=int, default=4096, help="their max_tokens")
     p.add_argument("--window", type=float, default=3.0, help="seconds per step-time reading")
-    p.add_argument("--base-port", type=int, default=5800,
-                   help="the node's links take this port and the next")
-    p.add_argument("--kv-verify", action="store_true",
-                   help="both sides check the KV end to end, as nodes started with --kv-verify do")
+    p.add_argument(
+        "--base-port", type=int, default=5800, help="the node's links take this port and the next"
+    )
+    p.add_argument(
+        "--kv-verify",
+        action="store_true",
+        help="both sides check the KV end to end, as nodes started with --kv-verify do",
+    )
     p.add_argument("--node-log", default=None, help="file for the node's log (default: discard)")
-    p.add_argument("--node-arg", action="append", default=[],
-                   help="one more flag for the decode node, e.g. --node-arg=--threads=1 (repeatable)")
-    p.add_argument("--curve", action="store_true",
-                   help="CURVE keys on the node and KV links, as start_cluster.sh runs them")
-    p.add_argument("--across-hosts", action="store_true",
-                   help="the decode node on a simulated host of its own (needs root)")
-    p.add_argument("--place", type=json.loads, default=None, help=argparse.SUPPRESS)   # set by --across-hosts
+    p.add_argument(
+        "--node-arg",
+        action="append",
+        default=[],
+        help="one more flag for the decode node, e.g. --node-arg=--threads=1 (repeatable)",
+    )
+    p.add_argument(
+        "--curve",
+        action="store_true",
+        help="CURVE keys on the node and KV links, as start_cluster.sh runs them",
+    )
+    p.add_argument(
+        "--across-hosts",
+        action="store_true",
+        help="the decode node on a simulated host of its own (needs root)",
+    )
+    p.add_argument(
+        "--place", type=json.loads, default=None, help=argparse.SUPPRESS
+    )  # set by --across-hosts
     a = p.parse_args(argv)
     if a.across_hosts and a.place is None:
         across_hosts(sys.argv[1:] if argv is None else list(argv))
@@ -354,15 +458,24 @@ def main(argv=None) -> None:
     a.keys_dir = None
     if a.curve:
         import tempfile
+
         from common.wire.keys import make_keys
+
         a.keys_dir = tempfile.mkdtemp(prefix="pdserve-bench-keys-")
         make_keys(a.keys_dir, ["prefill-0", "decode-0"])
-    from common.base.model_spec import preset_spec
     from common.base.config import DTYPES
+    from common.base.model_spec import preset_spec
+
     spec = preset_spec(a.shape)
-    dtype = DTYPES[a.dtype] if a.dtype else (torch.float32 if a.prefill_device == "cpu" else torch.bfloat16)
+    dtype = (
+        DTYPES[a.dtype]
+        if a.dtype
+        else (torch.float32 if a.prefill_device == "cpu" else torch.bfloat16)
+    )
     if a.kv_cache_memory is None:
-        tokens = (a.num_requests + 2) * (a.prompt_len + 16) + a.decode_batch * (a.prompt_len + a.decode_tokens)
+        tokens = (a.num_requests + 2) * (a.prompt_len + 16) + a.decode_batch * (
+            a.prompt_len + a.decode_tokens
+        )
         need = kv_bytes(spec, dtype, tokens)
         a.kv_cache_memory = str(int(need * 1.2))
     bytes_per_req = kv_bytes(spec, dtype, num_blocks_for(a.prompt_len, a.block_size) * a.block_size)
@@ -371,19 +484,35 @@ def main(argv=None) -> None:
         if backend in ("ipc", "nixl") and a.prefill_device == a.decode_device and not a.place:
             # NOTE: one host: UCX moves nixl's writes through shared memory too (cma, cuda_ipc).
             bw = measure_floors(a.decode_device, dtype)["bandwidth_GBps"]
-            record.update({"floor": "device copy bandwidth (read + write)", "floor_GBps": round(bw / 2, 1)})
+            record.update(
+                {"floor": "device copy bandwidth (read + write)", "floor_GBps": round(bw / 2, 1)}
+            )
         elif a.place:
             # NOTE: UCX opens several connections per peer: one stream is not the link's bound.
             streams = {n: round(hosts_floor_GBps(bytes_per_req, a.place, n), 2) for n in (1, 4)}
-            record.update({"floor": "TCP between the hosts (veth pairs and a bridge), the better of 1 and 4 streams",
-                           "floor_GBps": max(streams.values()), "floor_GBps_1_stream": streams[1],
-                           "floor_GBps_4_streams": streams[4], "across_hosts": True})
+            record.update(
+                {
+                    "floor": "TCP between the hosts (veth pairs and a bridge), the better of 1 and 4 streams",
+                    "floor_GBps": max(streams.values()),
+                    "floor_GBps_1_stream": streams[1],
+                    "floor_GBps_4_streams": streams[4],
+                    "across_hosts": True,
+                }
+            )
         else:
-            record.update({"floor": "ZeroMQ frame on loopback TCP",
-                           "floor_GBps": round(link_floor_GBps(bytes_per_req), 2)})
+            record.update(
+                {
+                    "floor": "ZeroMQ frame on loopback TCP",
+                    "floor_GBps": round(link_floor_GBps(bytes_per_req), 2),
+                }
+            )
         if backend == "dist" and a.decode_device == "cpu":
-            record.update({"floor": "gloo send on loopback TCP",
-                           "floor_GBps": round(gloo_floor_GBps(bytes_per_req), 2)})
+            record.update(
+                {
+                    "floor": "gloo send on loopback TCP",
+                    "floor_GBps": round(gloo_floor_GBps(bytes_per_req), 2),
+                }
+            )
         record["floor_fraction"] = round(record["GBps_all_at_once"] / record["floor_GBps"], 3)
         record["is_curve"] = bool(a.curve)
         emit(record)
@@ -392,15 +521,22 @@ def main(argv=None) -> None:
 def across_hosts(argv: list[str]) -> None:
     """This benchmark again on simulated host a, its decode nodes on host b."""
     from launch.tools import netns
+
     why = netns.why_not()
     if why:
         sys.exit(f"--across-hosts: {why}")
     with netns.Hosts(["a", "b"]) as hosts:
-        place = {"host": hosts.addr("a"), "decode_host": hosts.addr("b"), "prefix": hosts.prefix("b")}
+        place = {
+            "host": hosts.addr("a"),
+            "decode_host": hosts.addr("b"),
+            "prefix": hosts.prefix("b"),
+        }
         inner = [a for a in argv if a != "--across-hosts"] + ["--place", json.dumps(place)]
         # NOTE: UCX sees one machine behind the namespaces and would pick shared memory.
         env = {**os.environ, "UCX_TLS": "tcp", "PYTHONPATH": os.getcwd()}
-        rc = hosts.popen("a", [sys.executable, "-m", "launch.bench.transfer", *inner], env=env).wait()
+        rc = hosts.popen(
+            "a", [sys.executable, "-m", "launch.bench.transfer", *inner], env=env
+        ).wait()
     if rc:
         sys.exit(rc)
 

@@ -4,6 +4,7 @@
 namespace of its own. Nothing touches this machine's own network namespace, and
 close() removes every namespace, also after a failure. Needs root; where
 namespaces cannot be made, why_not() says why (the tests skip with it)."""
+
 from __future__ import annotations
 
 import os
@@ -59,7 +60,7 @@ class Hosts:
         return f"{SUBNET_PREFIX}{self.names.index(name) + 1}"
 
     def _port(self, name: str) -> str:
-        return f"p{self.names.index(name)}"   # the bridge's end of that host's link
+        return f"p{self.names.index(name)}"  # the bridge's end of that host's link
 
     def _make(self) -> None:
         _ip("netns", "add", self.bridge)
@@ -71,8 +72,20 @@ class Hosts:
             _ip("netns", "add", ns)
             self.namespaces.append(ns)
             # The veth pair is made inside the bridge's namespace, one end moved to the host.
-            _ip("-n", self.bridge, "link", "add", self._port(name), "type", "veth", "peer", "name", "eth0",
-                "netns", ns)
+            _ip(
+                "-n",
+                self.bridge,
+                "link",
+                "add",
+                self._port(name),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                ns,
+            )
             _ip("-n", self.bridge, "link", "set", self._port(name), "master", "br0", "up")
             _ip("-n", ns, "addr", "add", f"{self.addr(name)}/15", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
@@ -80,9 +93,22 @@ class Hosts:
 
     def prefix(self, name: str) -> list[str]:
         """What runs a command on host name: its network, hostname and /dev/shm."""
-        shell = ('hostname "$0" && mount -t tmpfs -o size=256m tmpfs /dev/shm && exec "$@"')
-        return ["ip", "netns", "exec", self.ns(name), "unshare", "--uts", "--mount", "--propagation", "private",
-                "sh", "-c", shell, f"host-{name}"]
+        shell = 'hostname "$0" && mount -t tmpfs -o size=256m tmpfs /dev/shm && exec "$@"'
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.ns(name),
+            "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            shell,
+            f"host-{name}",
+        ]
 
     def popen(self, name: str, argv: list[str], **kw) -> subprocess.Popen:
         """argv run on host name, in a session of its own (close() stops the whole group)."""
@@ -90,7 +116,9 @@ class Hosts:
         self.procs.append(p)
         return p
 
-    def run(self, name: str, argv: list[str], timeout_s: float = 120, **kw) -> subprocess.CompletedProcess:
+    def run(
+        self, name: str, argv: list[str], timeout_s: float = 120, **kw
+    ) -> subprocess.CompletedProcess:
         p = self.popen(name, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
         out, err = p.communicate(timeout=timeout_s)
         return subprocess.CompletedProcess(argv, p.returncode, out, err)
@@ -117,7 +145,9 @@ class Hosts:
                 p.wait()
         for ns in reversed(self.namespaces):
             # NOTE: a namespace's processes must be gone first, or its network outlives it.
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            pids = subprocess.run(
+                ["ip", "netns", "pids", ns], capture_output=True, text=True
+            ).stdout.split()
             for pid in pids:
                 try:
                     os.kill(int(pid), signal.SIGKILL)
@@ -150,4 +180,6 @@ def _exit_on(signum, frame) -> None:
 def leftover_namespaces() -> list[str]:
     """Namespaces these helpers made and did not remove (a test checks none are left)."""
     run = Path("/run/netns")
-    return sorted(p.name for p in run.iterdir() if p.name.startswith("pds-")) if run.exists() else []
+    return (
+        sorted(p.name for p in run.iterdir() if p.name.startswith("pds-")) if run.exists() else []
+    )

@@ -1,5 +1,6 @@
 """transformers' own greedy tokens: the reference pdserve's output is checked
 against, token for token (the tests and launch.tools.soak)."""
+
 from __future__ import annotations
 
 
@@ -15,22 +16,37 @@ def hf_greedy_gaps(model_dir, prompts, max_new_tokens):
     attention) may pick the other token: such a step has no single right answer."""
     import torch
     from transformers import Qwen3ForCausalLM
+
     model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for ids in prompts:
-            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            gen = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
             gaps = [float(top[0] - top[1]) for top in (lg[0].topk(2).values for lg in gen.logits)]
-            out.append((gen.sequences[0, len(ids):].tolist(), gaps))
+            out.append((gen.sequences[0, len(ids) :].tolist(), gaps))
     return out
 
 
 def clear_prompts(model_dir, candidates, max_new_tokens, count, min_gap=1e-3):
     """The first count candidates whose greedy tokens are unambiguous (every step's two
     best logits at least min_gap apart), and those tokens."""
-    chosen = [(ids, tokens) for ids, (tokens, gaps) in
-              zip(candidates, hf_greedy_gaps(model_dir, candidates, max_new_tokens)) if min(gaps) >= min_gap]
-    assert len(chosen) >= count, f"only {len(chosen)} of {len(candidates)} candidates are unambiguous"
+    chosen = [
+        (ids, tokens)
+        for ids, (tokens, gaps) in zip(
+            candidates, hf_greedy_gaps(model_dir, candidates, max_new_tokens)
+        )
+        if min(gaps) >= min_gap
+    ]
+    assert len(chosen) >= count, (
+        f"only {len(chosen)} of {len(candidates)} candidates are unambiguous"
+    )
     return [ids for ids, _ in chosen[:count]], [tokens for _, tokens in chosen[:count]]
