@@ -36,7 +36,7 @@ from common.wire.protocol import (
     ReadyReply,
 )
 from decode_node.scheduler import WATERMARK
-from launch import memory_check
+from launch.cluster import memory_check
 
 # NOTE: re-exported: the benchmarks' names for them
 from launch.bench.floors import matmul_params, measure_floors, sync  # noqa: F401
