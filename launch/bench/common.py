@@ -36,10 +36,10 @@ from common.wire.protocol import (
     ReadyReply,
 )
 from decode_node.scheduler import WATERMARK
-from launch.cluster import memory_check
 
 # NOTE: re-exported: the benchmarks' names for them
 from launch.bench.floors import matmul_params, measure_floors, sync  # noqa: F401
+from launch.cluster import memory_check
 
 ROOT = Path(__file__).resolve().parents[2]
 HANDOFF_WAIT_S = 120.0  # for a reservation the stand-in prefill node asks for

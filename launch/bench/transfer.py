@@ -142,7 +142,8 @@ class PrefillSide:
 
 
 def link_floor_GBps(num_bytes: int, tries: int = 3) -> float:
-    """One num_bytes frame over ZeroMQ on loopback TCP, best of tries: the link the tcp backend has."""
+    """One num_bytes frame over ZeroMQ on loopback TCP, best of tries: the link the tcp
+    backend has."""
     ctx = zmq.Context()
     rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     port = rx.bind_to_random_port("tcp://127.0.0.1")
@@ -492,7 +493,8 @@ def main(argv=None) -> None:
             streams = {n: round(hosts_floor_GBps(bytes_per_req, a.place, n), 2) for n in (1, 4)}
             record.update(
                 {
-                    "floor": "TCP between the hosts (veth pairs and a bridge), the better of 1 and 4 streams",
+                    "floor": "TCP between the hosts (veth pairs and a bridge), "
+                    "the better of 1 and 4 streams",
                     "floor_GBps": max(streams.values()),
                     "floor_GBps_1_stream": streams[1],
                     "floor_GBps_4_streams": streams[4],
