@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _serve(argv: list[str]) -> int:
     if "--ray" in argv:  # Ray's environment on each machine runs the processes: no set-up here
-        from launch.ray_cluster import serve
+        from launch.ray.cluster import serve
 
         return serve(argv)
     # The launcher is a shell script (it supervises processes); it runs in this
@@ -72,7 +72,7 @@ COMMANDS = {
     "serve": _serve,
     "client": _module("frontend.cli"),
     "drain": _module("frontend.cli", "drain"),
-    "scale": _module("launch.ray_cluster", "scale"),
+    "scale": _module("launch.ray.cluster", "scale"),
     "bench": _bench,
     "keys": _module("launch.keys"),
     "make-tiny-model": _module("launch.make_tiny_model"),

@@ -1,4 +1,5 @@
-"""Make a cluster's CURVE keys: python -m launch.keys DIR [--nodes prefill-0,decode-0] [--clients alice]
+"""Make a cluster's CURVE keys:
+python -m launch.keys DIR [--nodes prefill-0,decode-0] [--clients alice]
 
 Writes DIR/frontend.key(_secret) and one pair per node name (and per client,
 under DIR/clients/); pairs already there are kept, so a node added later takes

@@ -24,28 +24,35 @@ TAG_TOKENS = [
 ]
 # Qwen3's chat format, tools and thinking included (a shorter template than Qwen3's own).
 CHAT_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
-    "{% endif %}# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
-    "provided with function signatures within <tools></tools> XML tags:\n<tools>{% for tool in tools %}\n"
-    "{{ tool | tojson }}{% endfor %}\n</tools>\n\nFor each function call, return a json object with function "
-    'name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
     '"arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
-    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}"
+    "<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
     "{% endif %}"
     "{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{% if not loop.first %}<|im_start|>system\n{{ m['content'] }}<|im_end|>\n"
-    "{% endif %}"
-    "{% elif m['role'] == 'assistant' %}<|im_start|>assistant\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
-    "{% for tc in m['tool_calls'] or [] %}{% if m['content'] or not loop.first %}\n{% endif %}<tool_call>\n"
-    "{\"name\": \"{{ tc['function']['name'] }}\", \"arguments\": {% if tc['function']['arguments'] is string %}"
-    "{{ tc['function']['arguments'] }}{% else %}{{ tc['function']['arguments'] | tojson }}{% endif %}}\n"
+    "{% if m['role'] == 'system' %}"
+    "{% if not loop.first %}<|im_start|>system\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% elif m['role'] == 'assistant' %}<|im_start|>assistant\n"
+    "{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for tc in m['tool_calls'] or [] %}"
+    "{% if m['content'] or not loop.first %}\n{% endif %}<tool_call>\n"
+    '{"name": "{{ tc[\'function\'][\'name\'] }}", "arguments": '
+    "{% if tc['function']['arguments'] is string %}{{ tc['function']['arguments'] }}"
+    "{% else %}{{ tc['function']['arguments'] | tojson }}{% endif %}}\n"
     "</tool_call>{% endfor %}<|im_end|>\n"
-    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
-    "<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
     "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
-    "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
 )
 
 _WORDS = (

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start a pdserve cluster: the frontend, prefill nodes and decode nodes (xPyD), supervised
-# by launch/supervisor.py (what starts, with what: launch/cluster_plan.py).
+# by launch/start_cluster.py (what starts, with what: launch/cluster/plan.py).
 #
 #   bash launch/start_cluster.sh [--demo] [--model DIR] [--base-port 5600] ...   (--help: every flag)
 #
@@ -8,4 +8,4 @@
 # host: PDSERVE_JOINED=ENDPOINT); SIGTERM/SIGINT drain the cluster and stop it.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-exec "$PY" -m launch.supervisor "$@"
+exec "$PY" -m launch.start_cluster "$@"

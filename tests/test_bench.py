@@ -87,7 +87,7 @@ def test_decode_sizes_its_requests_and_kv_cache_itself():
 def test_a_model_the_host_cannot_hold_is_refused_in_one_line_before_it_loads(monkeypatch):
     """Defect: --shape qwen3-14b with no --device on a CPU host asked for ~56 GB of fp32
     weights on a 23 GB machine, with no check before it started."""
-    from launch import memory_check
+    from launch.cluster import memory_check
 
     monkeypatch.setattr(memory_check, "available_bytes", lambda: 23 * memory_check.GIB)
     monkeypatch.setattr(sys, "argv", ["pdserve"])

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import cluster_plan, ray_cluster
+from launch.cluster import plan as cluster_plan
+from launch.ray import cluster as ray_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "deploy" / "kuberay-raycluster.yaml"

@@ -238,7 +238,7 @@ def test_the_node_benchmarks_run_as_documented(command, tiny_model):
 def test_a_model_too_large_for_the_host_is_one_line():
     """Defect: --shape qwen3-14b with no --device on a CPU host asked for ~56 GB of fp32
     weights on a 23 GB machine, with no check before it started."""
-    from launch import memory_check
+    from launch.cluster import memory_check
 
     if (memory_check.available_bytes() or 0) > 50 * memory_check.GIB:
         pytest.skip("this host holds qwen3-14b in fp32")

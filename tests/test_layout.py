@@ -55,11 +55,14 @@ ALLOWED = {
         "common.runtime",
         "kernels",
     },
-    # The entry points (the CLI, keys, a tiny model, offline generation), over everything and
-    # under nothing: no process imports them; the CLI reaches launch.bench by name only.
-    "launch": _PROCESSES,
-    "launch.tools": {*_PROCESSES, "launch"},  # what the tests share with operators
-    "launch.bench": {*_PROCESSES, "launch", "launch.tools"},  # the benchmarks
+    "launch.cluster": _PROCESSES,  # one host's cluster: its plan, checks and supervisor
+    "launch.ray": {*_PROCESSES, "launch.cluster"},  # the cluster on Ray
+    "launch.tools": {*_PROCESSES, "launch.cluster"},  # what the tests share with operators
+    "launch.bench": {*_PROCESSES, "launch.cluster", "launch.tools"},  # the benchmarks
+    # The entry points (the CLI, the launcher, keys, a tiny model, offline generation), over
+    # everything and under nothing: no process imports them; the CLI reaches launch.bench
+    # by name only.
+    "launch": {*_PROCESSES, "launch.cluster", "launch.ray"},
 }
 OURS = ("common", "kernels", "frontend", "prefill_node", "decode_node", "launch")
 

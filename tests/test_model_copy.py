@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import model_copy
+from launch.ray import model_copy
 
 
 def _model(root: Path, weights: bytes = b"w" * 10000, name: str = "tiny") -> Path:

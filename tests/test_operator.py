@@ -224,10 +224,10 @@ def test_the_launcher_refuses_a_bad_model_in_one_line_before_any_process(
     monkeypatch, capsys, tmp_path
 ):
     """Defect: a wrong --model started every process, each printing the same error."""
-    from launch import supervisor
+    from launch import start_cluster
 
-    monkeypatch.setattr(supervisor, "Supervisor", None)  # nothing may be started
-    assert supervisor.main(["--model", str(tmp_path / "missing")]) == 2
+    monkeypatch.setattr(start_cluster, "Supervisor", None)  # nothing may be started
+    assert start_cluster.main(["--model", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         f"start_cluster: no model directory at {tmp_path / 'missing'}: give --model a "
@@ -237,28 +237,30 @@ def test_the_launcher_refuses_a_bad_model_in_one_line_before_any_process(
 
 def test_the_launcher_refuses_a_cluster_this_host_cannot_hold(monkeypatch, tiny_model):
     """Defect: nothing checked the host's memory before the nodes loaded the model."""
-    from launch import cluster_plan, memory_check, supervisor
+    from launch.cluster import memory_check, preflight
+    from launch.cluster import plan as cluster_plan
 
     a = cluster_plan.parse(
         ["--model", str(tiny_model), "--num-decode", "2", "--kv-cache-memory", "3GiB"]
     )
     plan = cluster_plan.make_plan(a, 2, tiny_model.parent)
     monkeypatch.setattr(memory_check, "available_bytes", lambda: 8 * memory_check.GIB)
-    why = supervisor._memory_refusal(plan)
+    why = preflight.memory_refusal(plan)
     assert why.startswith("3 cpu node(s) of") and "needs ~9.0 GiB" in why
     assert "8.0 GiB is available" in why
     assert "--kv-cache-memory" in why
     monkeypatch.setattr(memory_check, "available_bytes", lambda: 10 * memory_check.GIB)
-    assert supervisor._memory_refusal(plan) is None
+    assert preflight.memory_refusal(plan) is None
 
 
 def test_the_launcher_warns_of_a_cluster_that_cannot_serve(tiny_model):
     """Defect: --num-decode 0 reported ready, with nothing able to decode, and no warning."""
-    from launch import cluster_plan, supervisor
+    from launch.cluster import plan as cluster_plan
+    from launch.cluster import preflight
 
     def warnings(*args):
         a = cluster_plan.parse(["--model", str(tiny_model), *args])
-        return supervisor._role_warnings(cluster_plan.make_plan(a, 2, tiny_model.parent))
+        return preflight.role_warnings(cluster_plan.make_plan(a, 2, tiny_model.parent))
 
     assert warnings() == []
     (line,) = warnings("--num-decode", "0")
@@ -269,7 +271,7 @@ def test_the_launcher_warns_of_a_cluster_that_cannot_serve(tiny_model):
 
 def test_the_launcher_passes_no_access_log_on(tmp_path):
     """Defect: no way to turn the (new) access log off from the launcher."""
-    from launch import cluster_plan
+    from launch.cluster import plan as cluster_plan
 
     cases = (([], False), (["--no-access-log"], True), (["--no-access-log", "--access-log"], False))
     for args, is_off in cases:

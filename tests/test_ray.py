@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from launch import ray_cluster
-from launch.cluster_plan import PlanError
+from launch.cluster.plan import PlanError
+from launch.ray import cluster as ray_cluster
 from tests.cluster_util import ROOT, wait_for
 from tests.conftest import clear_prompts
 
@@ -49,7 +49,7 @@ def test_ray_flags_are_read_apart_from_the_launchers():
 @pytest.mark.cluster
 def test_the_single_machine_path_never_imports_ray():
     code = (
-        "import sys, launch.supervisor, launch.cli, frontend.__main__, prefill_node.__main__, "
+        "import sys, launch.start_cluster, launch.cli, frontend.__main__, prefill_node.__main__, "
         "decode_node.__main__; print('ray' in sys.modules)"
     )
     out = subprocess.run(

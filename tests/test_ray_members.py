@@ -9,8 +9,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from launch import ray_cluster, ray_keys, ray_members  # noqa: E402
-from launch.ray_members import Controller  # noqa: E402
+from launch.ray import cluster as ray_cluster  # noqa: E402
+from launch.ray import keys as ray_keys  # noqa: E402
+from launch.ray import members as ray_members  # noqa: E402
+from launch.ray.members import Controller  # noqa: E402
 
 OPTS = {
     "launcher": [],

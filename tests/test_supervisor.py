@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from launch import cluster_plan, supervisor
-from launch.cluster_plan import PlanError, make_plan, parse
-from launch.supervisor import Backoff, Supervisor
+from launch.cluster import leftovers
+from launch.cluster import plan as cluster_plan
+from launch.cluster.plan import PlanError, make_plan, parse
+from launch.cluster.supervisor import Backoff, Supervisor
 from tests.handoff_util import FakeClock
 
 
@@ -251,13 +252,13 @@ def test_core_tables_of_launchers_gone_are_swept_and_ours_removed_at_exit():
     for f in (dead, live):
         f.write_bytes(b"\0" * 64)
     try:
-        supervisor.remove_leftovers()
+        leftovers.remove_leftovers()
         assert not dead.exists() and live.exists()  # another launcher's, still running: kept
         plan = _plan("--base-port", "7101")
         assert set(plan.core_pools.values()) == {
             f"{live.name}:4:2"
         }  # 1 prefill + 1 decode on 4 cores
-        supervisor._remove_core_tables(plan)
+        leftovers.remove_core_tables(plan)
         assert not live.exists()
     finally:
         dead.unlink(missing_ok=True)

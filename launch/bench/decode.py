@@ -30,7 +30,6 @@ from common.runtime.process import HelpFormat
 from common.wire.codec import dtype_name
 from common.wire.protocol import HandoffAck, NodeAbort, TokenBatch
 from launch.bench.common import (
-    NodeUnderTest,
     add_common_args,
     check_memory,
     device_name,
@@ -41,9 +40,9 @@ from launch.bench.common import (
     measure_floors,
     resolve,
     sync,
-    worker_args,
 )
 from launch.bench.floors import decode_cost, roofline
+from launch.bench.node_under_test import NodeUnderTest, worker_args
 from launch.bench.table import cell, show, table
 
 WARM_STEPS = 8

@@ -25,7 +25,7 @@ import time
 
 from common.runtime.process import HelpFormat
 from frontend.client import AsyncClient, Client
-from launch.cluster_run import running_cluster
+from launch.cluster.run import running_cluster
 
 DEAD_AFTER_S = 3.0  # the frontend's default --dead-after
 

@@ -12,10 +12,10 @@ For each mode the cluster is started fresh and warmed (a few requests of each ki
 the rates are measured), then for --duration seconds a long prompt arrives every
 --long-every seconds and a short one every --short-every, each prompt fresh (no prefix
 cache hits), streaming. One JSON line per mode (TTFT p50/p90 of the short prompts and of
-their second token, TPOT p50/p90 of the long ones, the paths taken), then the ratios (each mode over the first):
-the short prompts should not wait behind the long ones' prefill and KV, nor the long
-ones pay for it. The bound for a short prompt's TTFT is its own prefill on an idle node.
-Without --model, the 8-layer shape of `pdserve bench layerwise` (made once).
+their second token, TPOT p50/p90 of the long ones, the paths taken), then the ratios (each
+mode over the first): the short prompts should not wait behind the long ones' prefill and
+KV, nor the long ones pay for it. The bound for a short prompt's TTFT is its own prefill
+on an idle node. Without --model, the 8-layer shape of `pdserve bench layerwise` (made once).
 """
 
 from __future__ import annotations
@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             "long_tpot_ms_p50": round(1e3 * statistics.median(r["tpot_s"] for r in long), 2),
             "long_tpot_ms_p90": round(1e3 * _pct([r["tpot_s"] for r in long], 0.9), 2),
             "long_ttft_ms_p50": round(1e3 * statistics.median(r["ttft_s"] for r in long), 1),
-            # of the long ones' TPOT: the handoff (first token to second) and the decode steps after it
+            # of the long ones' TPOT: the handoff (first token to second) and the decode steps
+            # after it
             "long_handoff_ms_p50": round(
                 1e3 * statistics.median(r["second_s"] - r["ttft_s"] for r in long), 1
             ),

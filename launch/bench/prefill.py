@@ -26,7 +26,6 @@ from common.runtime.process import HelpFormat
 from common.wire.codec import dtype_name
 from common.wire.protocol import PrefillRequest, RequestFailed
 from launch.bench.common import (
-    NodeUnderTest,
     add_common_args,
     check_memory,
     device_name,
@@ -37,9 +36,9 @@ from launch.bench.common import (
     measure_floors,
     resolve,
     sync,
-    worker_args,
 )
 from launch.bench.floors import prefill_cost, roofline
+from launch.bench.node_under_test import NodeUnderTest, worker_args
 from launch.bench.table import cell, show, table
 
 

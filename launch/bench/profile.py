@@ -84,9 +84,8 @@ def main(argv=None) -> None:
         with profile(activities=activities) as prof:
             for _ in range(a.decode_steps):
                 w.decode_step()
-        print(
-            f"== decode batch {a.batch}, {a.decode_steps} steps (graphed: {bool(w.stats()['is_graphed'])})"
-        )
+        is_graphed = bool(w.stats()["is_graphed"])
+        print(f"== decode batch {a.batch}, {a.decode_steps} steps (graphed: {is_graphed})")
         print(prof.key_averages().table(sort_by=sort_by, row_limit=a.top))
 
 

@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         started = time.monotonic()
-        # NOTE: --num-cpus: Ray's logical CPUs, one per node and the frontend (the nodes' threads share
-        # the real cores as start_cluster.sh's do).
+        # NOTE: --num-cpus: Ray's logical CPUs, one per node and the frontend (the nodes'
+        # threads share the real cores as start_cluster.sh's do).
         subprocess.run(
             [
                 RAY_CLI,

@@ -25,230 +25,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 
 import torch
-import zmq
 
-from common import transfer
 from common.base.request import SamplingParams
 from common.kv.blocks import num_blocks_for
 from common.runtime.process import HelpFormat
 from common.wire.codec import dtype_name
 from common.wire.protocol import (
-    HandoffAck,
-    KVCommit,
-    KVHello,
-    KVReserve,
-    KVReserved,
-    KVWelcome,
     NodeAbort,
 )
-from launch.bench.common import NodeUnderTest, device_name, emit, measure_floors, sync, worker_args
-
-LEASE_S = 30.0  # the decode node's reservation lease
-
-
-class PrefillSide:
-    """This process standing in for a prefill node on one decode node's KV link."""
-
-    def __init__(
-        self, node: NodeUnderTest, cache: torch.Tensor, backend: str, is_verifying: bool = False
-    ):
-        self.node, self.cache, self.is_verifying = node, cache, is_verifying
-        self.inbox: list = []  # KV-link messages read but not yet taken
-        self.grants: dict[
-            str, tuple[str, int, list[int] | None]
-        ] = {}  # rid -> (grant, units, checksums)
-        node.kv.send(KVHello("prefill-0"))
-        welcome = self._wait(lambda m: isinstance(m, KVWelcome))
-        self.writer = transfer.open_writer(
-            backend, welcome, cache, lambda m: node.kv.send(m, block=False)
-        )
-
-    def _pump(self, timeout_s: float) -> None:
-        self.inbox += [msg for ch, _, msg in self.node.poll(timeout_s) if ch is self.node.kv]
-
-    def _take(self, match):
-        for i, msg in enumerate(self.inbox):
-            if match(msg):
-                return self.inbox.pop(i)
-        return None
-
-    def _wait(self, match, timeout_s: float = 60.0):
-        deadline = time.monotonic() + timeout_s
-        while (msg := self._take(match)) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the decode node did not answer")
-            self._pump(0.01)
-        return msg
-
-    def reserve(self, rid: str, prompt_len: int, max_tokens: int = 1) -> list[int]:
-        while True:
-            self.node.kv.send(KVReserve(rid, prompt_len, max_tokens, 1))
-            r = self._wait(lambda m: isinstance(m, KVReserved) and m.request_id == rid)
-            if r.block_ids is not None:
-                self.grants[rid] = (r.reservation, 0, None)
-                return r.block_ids
-            if not r.is_retryable:
-                raise RuntimeError(f"reservation refused: {r.reason}")
-            time.sleep(0.01)
-
-    def write(self, rid: str, src: list[int], dst: list[int]) -> None:
-        """As a prefill node writes: with --kv-verify, the blocks' checksums taken first."""
-        grant = self.grants[rid][0]
-        sums = transfer.block_checksums(self.cache, src) if self.is_verifying else None
-        units = self.writer.write(rid, grant, src, dst, LEASE_S)
-        self.grants[rid] = (grant, units, sums)
-
-    def commit(self, rid: str, prompt_len: int, params: SamplingParams | None = None) -> None:
-        grant, units, sums = self.grants.pop(rid)
-        self.node.kv.send(
-            KVCommit(
-                rid,
-                prompt_len,
-                1,
-                params or SamplingParams(max_tokens=1, ignore_eos=True),
-                {},
-                self.writer.name,
-                [1] * prompt_len,
-                grant,
-                units,
-                None if sums is None else sums.tolist(),
-            )
-        )
-
-    def wait_written(self, rids: set[str], on_written) -> None:
-        while rids:
-            for rid, error in self.writer.poll():
-                if error:
-                    raise RuntimeError(f"the write of {rid} failed: {error}")
-                rids.discard(rid)
-                on_written(rid)
-            if rids:
-                self._pump(0)  # keep the KV link moving
-
-    def wait_acks(self, rids: set[str]) -> None:
-        while rids:
-            ack = self._wait(lambda m: isinstance(m, HandoffAck) and m.request_id in rids)
-            if not ack.is_accepted:
-                raise RuntimeError(f"commit refused: {ack.reason}")
-            rids.discard(ack.request_id)
-
-
-def link_floor_GBps(num_bytes: int, tries: int = 3) -> float:
-    """One num_bytes frame over ZeroMQ on loopback TCP, best of tries: the link the tcp backend has."""
-    ctx = zmq.Context()
-    rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    port = rx.bind_to_random_port("tcp://127.0.0.1")
-    tx.connect(f"tcp://127.0.0.1:{port}")
-    payload = torch.empty(
-        num_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
-    ).numpy()
-    best = float("inf")
-    for _ in range(tries):
-        t = threading.Thread(target=lambda: rx.recv(copy=False))
-        t.start()
-        t0 = time.perf_counter()
-        tx.send(payload, copy=False)
-        t.join()
-        best = min(best, time.perf_counter() - t0)
-    rx.close(0), tx.close(0), ctx.term()
-    return num_bytes / best / 1e9
-
-
-def hosts_floor_GBps(num_bytes: int, place: dict, num_streams: int, tries: int = 3) -> float:
-    """num_bytes split over num_streams TCP connections to a receiver on the decode node's
-    host that answers each share whole, best of tries: the link between the hosts."""
-    share = num_bytes // num_streams
-    sink = subprocess.Popen(
-        [
-            *place["prefix"],
-            sys.executable,
-            "-c",
-            STREAM_SINK,
-            place["decode_host"],
-            str(tries),
-            str(share),
-            str(num_streams),
-        ],
-        cwd=os.getcwd(),
-        stdout=subprocess.PIPE,
-    )
-    port = int(sink.stdout.readline())
-    conns = [socket.create_connection((place["decode_host"], port)) for _ in range(num_streams)]
-    payload = memoryview(bytearray(share))
-
-    def one(c: socket.socket) -> None:
-        c.sendall(payload)
-        c.recv(1)
-
-    best = float("inf")
-    for _ in range(tries):
-        threads = [threading.Thread(target=one, args=(c,)) for c in conns]
-        t0 = time.perf_counter()
-        [t.start() for t in threads]
-        [t.join() for t in threads]
-        best = min(best, time.perf_counter() - t0)
-    [c.close() for c in conns]
-    sink.wait(30)
-    return share * num_streams / best / 1e9
-
-
-# Run on the decode node's host: print a port, take each share whole on every
-# connection (a thread each) and answer one byte.
-STREAM_SINK = """import socket, sys, threading
-host, tries, share, num_streams = sys.argv[1], *map(int, sys.argv[2:])
-ls = socket.create_server((host, 0))
-print(ls.getsockname()[1], flush=True)
-conns = [ls.accept()[0] for _ in range(num_streams)]
-
-def serve(conn):
-    buf = memoryview(bytearray(share))
-    for _ in range(tries):
-        n = 0
-        while n < share:
-            n += conn.recv_into(buf[n:])
-        conn.sendall(b"x")
-threads = [threading.Thread(target=serve, args=(c,)) for c in conns]
-[t.start() for t in threads]
-[t.join() for t in threads]
-"""
-
-
-def gloo_floor_GBps(num_bytes: int, tries: int = 3) -> float:
-    """One num_bytes send between two ranks of a gloo group on loopback TCP, best of
-    tries: the link the dist backend has on CPU."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    groups = [None, None]
-
-    def join(rank):  # rank 1 joins through a client of its own, as a prefill node does
-        client = store if rank == 0 else dist.TCPStore("127.0.0.1", store.port, is_master=False)
-        groups[rank] = dist.ProcessGroupGloo(
-            dist.PrefixStore("floor", client), rank, 2, timedelta(seconds=30)
-        )
-
-    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    src, dst = torch.ones(num_bytes, dtype=torch.uint8), torch.empty(num_bytes, dtype=torch.uint8)
-    best = float("inf")
-    for i in range(tries):
-        t0 = time.perf_counter()
-        recv = groups[0].recv([dst], 1, i)
-        groups[1].send([src], 0, i).wait()
-        recv.wait()
-        best = min(best, time.perf_counter() - t0)
-    return num_bytes / best / 1e9
+from launch.bench.common import device_name, emit, measure_floors, sync
+from launch.bench.link_floors import gloo_floor_GBps, hosts_floor_GBps, link_floor_GBps
+from launch.bench.node_under_test import NodeUnderTest, worker_args
+from launch.bench.prefill_side import PrefillSide
 
 
 def step_ms(node: NodeUnderTest, window_s: float) -> float:
@@ -492,7 +285,8 @@ def main(argv=None) -> None:
             streams = {n: round(hosts_floor_GBps(bytes_per_req, a.place, n), 2) for n in (1, 4)}
             record.update(
                 {
-                    "floor": "TCP between the hosts (veth pairs and a bridge), the better of 1 and 4 streams",
+                    "floor": "TCP between the hosts (veth pairs and a bridge), "
+                    "the better of 1 and 4 streams",
                     "floor_GBps": max(streams.values()),
                     "floor_GBps_1_stream": streams[1],
                     "floor_GBps_4_streams": streams[4],

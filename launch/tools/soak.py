@@ -43,7 +43,7 @@ from pathlib import Path
 
 from common.runtime.process import HelpFormat
 from frontend.client import AsyncClient, Client
-from launch.cluster_run import running_cluster
+from launch.cluster.run import running_cluster
 from launch.tools.reference import clear_prompts
 
 COUNTED = (

@@ -1,7 +1,7 @@
 """What launch/start_cluster.sh starts, decided before anything runs: its options, read
 as the launcher's flags; the node list (names, roles, devices, KV ports); the endpoints;
 each process's arguments; and the thread budget. Pure: tests/test_supervisor.py checks
-the decisions without starting a process (launch/supervisor.py runs the plan).
+the decisions without starting a process (launch/cluster/supervisor.py runs the plan).
 """
 
 from __future__ import annotations
@@ -16,16 +16,20 @@ from pathlib import Path
 USAGE = """usage: pdserve serve [--demo] [--model DIR] [--host 127.0.0.1] [--advertise-host H]
      [--base-port 5600] [--name-prefix P] [--join NODE_ENDPOINT]
      [--prefill-devices D[,D...]] [--decode-devices D[,D...]]      one node per device listed
-     [--num-prefill N] [--num-decode M]     N or M nodes on the one device given (default 1; 0: none here)
-     [--kv-transfer auto|ipc|nixl|tcp|dist] [--kv-layerwise auto|on|off] [--disaggregate auto|always|never]
-     [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N] [--max-model-len N] [--block-size N] [--token-budget N] [--kv-cache-fraction F]
+     [--num-prefill N] [--num-decode M]     N or M nodes on the one device given
+                                            (default 1; 0: none here)
+     [--kv-transfer auto|ipc|nixl|tcp|dist] [--kv-layerwise auto|on|off]
+     [--disaggregate auto|always|never]
+     [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N] [--max-model-len N]
+     [--block-size N] [--token-budget N] [--kv-cache-fraction F]
      [--http-port 8000 | --no-http] [--no-access-log] [--served-model-name NAME] [--log-level LEVEL]
      [--no-prefix-caching] [--swap-space GIB] [--no-preemption] [--kv-verify]
      [--reasoning-parser qwen3] [--tool-call-parser qwen3|hermes|none] [--enable-auto-tool-choice]
      [--logprobs-mode raw_logprobs|processed_logprobs] [--allow-json-whitespace]
      [--keys DIR | --no-keys] [--no-restart-nodes] [--no-core-sharing] [--drain-timeout S]
      [--ready-timeout S] [--frontend-arg ARG]... [--prefill-arg ARG]... [--decode-arg ARG]...
-     [--ray [auto|HOST:PORT] [--ray-cpus-per-node N] [--ray-ship-model]]   on a Ray cluster (docs/ray.md)
+     [--ray [auto|HOST:PORT] [--ray-cpus-per-node N] [--ray-ship-model]]
+                                            on a Ray cluster (docs/ray.md)
 
 bash launch/start_cluster.sh takes the same options. Endpoints derive from the base
 port: clients connect to BASE, nodes to the frontend at BASE+1, and decode node i takes

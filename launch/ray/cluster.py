@@ -1,5 +1,5 @@
 """pdserve on a Ray cluster: `pdserve serve --ray [ADDRESS]` (or start_cluster.sh --ray)
-and `pdserve scale`. Ray places the frontend and each node (launch/ray_members.py) on
+and `pdserve scale`. Ray places the frontend and each node (launch/ray/members.py) on
 the machines of a cluster started as Ray documents (`ray start --head` on one machine,
 `ray start --address HEAD:6379` on the others); pdserve's own processes and links run
 as without Ray. docs/ray.md says what Ray's channel protects and how to run this on
@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from common.base.env import read_env
-from launch import cluster_plan
-from launch.cluster_plan import PlanError
-from launch.default_model import make_default
+from launch.cluster import plan as cluster_plan
+from launch.cluster.default_model import make_default
+from launch.cluster.plan import PlanError
 
 NAMESPACE = "pdserve"  # Ray's namespace for the controller's name
 CONTROLLER_PREFIX = "pdserve:"  # the controller's actor name: pdserve:<base port>
@@ -63,7 +63,8 @@ def has_ray(prog: str) -> bool:
         del ray
     except ImportError:
         print(
-            f"{prog}: --ray needs Ray in this environment: pip install 'pdserve[ray]' (or pip install ray)",
+            f"{prog}: --ray needs Ray in this environment: pip install 'pdserve[ray]' "
+            f"(or pip install ray)",
             file=sys.stderr,
         )
         return False
@@ -102,8 +103,8 @@ def serve(argv: list[str]) -> int:
         return 2
     import ray
 
-    from launch.ray_keys import why_failed
-    from launch.ray_members import Controller
+    from launch.ray.keys import why_failed
+    from launch.ray.members import Controller
 
     started = time.monotonic()
     # NOTE: stdout carries the ready line alone; Ray prints the actors' output (and its own
@@ -169,8 +170,9 @@ def serve(argv: list[str]) -> int:
     )
     http = "" if a.no_http else f", OpenAI API at http://{host}:{a.http_port}/v1"
     say(
-        f"ready in {time.monotonic() - started:.1f}s: {num['prefill']} prefill + {num['decode']} decode nodes on "
-        f"Ray; clients connect to {endpoint}{http} ({where}; CURVE keys made here, handed to each actor)"
+        f"ready in {time.monotonic() - started:.1f}s: {num['prefill']} prefill + "
+        f"{num['decode']} decode nodes on Ray; clients connect to {endpoint}{http} "
+        f"({where}; CURVE keys made here, handed to each actor)"
     )
     print(f"PDSERVE_ENDPOINT={endpoint}", file=ready_out, flush=True)
     while not stop_signal:
@@ -204,7 +206,7 @@ def scale(argv: list[str]) -> int:
         return 2
     import ray
 
-    from launch.ray_keys import why_failed
+    from launch.ray.keys import why_failed
 
     ray.init(address=a.ray, namespace=NAMESPACE, log_to_driver=False)
     try:
@@ -231,7 +233,7 @@ def scale(argv: list[str]) -> int:
         return 1
     for line in changes.get("notes", []):
         print(f"pdserve scale: {line}", file=sys.stderr)
-    print(
-        f"added: {' '.join(changes['added']) or '-'}; drained: {' '.join(changes['drained']) or '-'}"
-    )
+    added = " ".join(changes["added"]) or "-"
+    drained = " ".join(changes["drained"]) or "-"
+    print(f"added: {added}; drained: {drained}")
     return 0

@@ -1,4 +1,4 @@
-"""The cluster's CURVE keys on Ray (launch/ray_members.py): who may ask the controller
+"""The cluster's CURVE keys on Ray (launch/ray/members.py): who may ask the controller
 for them, and which members are given a node's public key when `pdserve scale` adds it.
 
 Links and keys: the frontend admits every node (it reads each node's public key); a

@@ -1,7 +1,7 @@
 """A model directory copied to a machine that lacks it (pdserve serve --ray
 --ray-ship-model): the files the driver's machine holds, read in parts by whoever
 asks (a Ray member, through the controller), written under this machine's cache and
-renamed into place once whole. No Ray here: launch/ray_members.py passes the reader.
+renamed into place once whole. No Ray here: launch/ray/members.py passes the reader.
 
 A copy is named by what its files hold (a SHA-256 of each file's bytes), not by their
 paths and sizes: a checkpoint rewritten in place, sizes unchanged, is fetched again, so

@@ -1,6 +1,7 @@
 """What launchers killed before they could clean up leave in this machine's temp
-directory and /dev/shm: swept by the next launcher (launch/supervisor.py) or Ray member
-(launch/ray_members.py) that starts here."""
+directory and /dev/shm: swept by the next launcher (launch/start_cluster.py) or Ray member
+(launch/ray/members.py) that starts here; and a launcher's own core tables, removed as it
+exits."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from common.base.procs import is_alive
-from launch.cluster_plan import CORE_TABLE_PREFIX
+from launch.cluster.plan import CORE_TABLE_PREFIX, Plan
 
 
 def remove_leftovers() -> None:
@@ -31,3 +32,9 @@ def remove_leftovers() -> None:
         pid = f.name.removeprefix(CORE_TABLE_PREFIX).partition("-")[0]
         if pid.isdigit() and f.stat().st_uid == os.getuid() and not is_alive(int(pid)):
             f.unlink(missing_ok=True)
+
+
+def remove_core_tables(plan: Plan) -> None:
+    """Ours, once every node is gone (a node killed leaves its row, and the table)."""
+    for pool in set(plan.core_pools.values()):
+        Path("/dev/shm", pool.partition(":")[0]).unlink(missing_ok=True)
