@@ -41,12 +41,34 @@ from common.transfer.backend import (
     KVReceiver,
     KVWriter,
     LocalCache,
-    Send,  # noqa: F401
+    Send,
     UnusableBackend,
     WholeWrite,
 )
-from common.transfer.copy import TransferError, block_checksums, copy_blocks, host_id  # noqa: F401
+from common.transfer.copy import TransferError, block_checksums, copy_blocks, host_id
 from common.wire.protocol import KVTransfer, KVWelcome, dtype_name
+
+__all__ = [
+    "CHOICES",
+    "KVSink",
+    "KVWriter",
+    "LocalCache",
+    "Send",
+    "TransferError",
+    "UnusableBackend",
+    "WholeWrite",
+    "availability",
+    "backend",
+    "block_checksums",
+    "check_layout",
+    "check_usable",
+    "choose_backend",
+    "copy_blocks",
+    "host_id",
+    "needs_shared_cache",
+    "offered",
+    "open_writer",
+]
 
 log = get_logger("transfer")
 CHOICES = KV_TRANSFERS  # what --kv-transfer takes
@@ -220,8 +242,8 @@ class KVSink:
         whole, arrived = r.num_units(num_blocks), r.num_received(request_id)
         if num_written != whole or arrived != whole:
             return (
-                f"its KV did not all arrive: a whole {backend_name} write of {num_blocks} blocks is "
-                f"{whole} units, the commit says {num_written}, {arrived} arrived"
+                f"its KV did not all arrive: a whole {backend_name} write of {num_blocks} "
+                f"blocks is {whole} units, the commit says {num_written}, {arrived} arrived"
             )
         return None
 
