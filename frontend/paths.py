@@ -29,10 +29,10 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from common.base.frontend_config import DISAGGREGATE
 from common.base.layerwise import is_layerwise
 from common.base.request import LOCAL_CHUNK_TOKENS, LOCAL_SHARE, LOCAL_WINDOW_S
 
-MODES = ("auto", "always", "never")
 SHORT_PROMPT = 256  # a handoff of a prompt this short times its fixed cost, not its bytes
 
 
@@ -97,8 +97,8 @@ class PathChooser:
     window), and counts by path and reason for the stats. clock: monotonic seconds."""
 
     def __init__(self, mode: str, clock):
-        if mode not in MODES:
-            raise ValueError(f"disaggregate must be one of {MODES}, got {mode!r}")
+        if mode not in DISAGGREGATE:
+            raise ValueError(f"disaggregate must be one of {DISAGGREGATE}, got {mode!r}")
         self.mode, self.clock = mode, clock
         self.recent: dict[str, deque] = {}  # decode node -> (when, its compute) of local prompts
         self.counts: dict[str, int] = {}  # "path: why" -> requests

@@ -8,6 +8,8 @@ from common.base.endpoints import LOOPBACK, NodeLinks, check_endpoint
 from common.base.flags import flag
 from common.base.model_dir import check_model_dir
 
+DISAGGREGATE = ("auto", "always", "never")  # what --disaggregate takes (frontend/paths.py)
+
 
 @dataclass(frozen=True)
 class FrontendConfig:
@@ -178,7 +180,7 @@ class FrontendConfig:
             "sooner that way and that node has time to spare (frontend/paths.py); never: on "
             "the decode node whenever it can (a prefill node still serves n > 1, prompt "
             "logprobs and grammars)",
-            choices=("auto", "always", "never"),
+            choices=DISAGGREGATE,
         ),
     )
 

@@ -49,7 +49,6 @@ from common.transfer.copy import TransferError, block_checksums, copy_blocks, ho
 from common.wire.protocol import KVTransfer, KVWelcome, dtype_name
 
 __all__ = [
-    "CHOICES",
     "KVSink",
     "KVWriter",
     "LocalCache",
@@ -71,7 +70,6 @@ __all__ = [
 ]
 
 log = get_logger("transfer")
-CHOICES = KV_TRANSFERS  # what --kv-transfer takes
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,8 +89,8 @@ def availability(device: torch.device = torch.device("cpu")) -> str:
 
 
 def _check(requested: str) -> None:
-    if requested not in CHOICES:
-        raise TransferError(f"kv transfer must be one of {CHOICES}, got {requested!r}")
+    if requested not in KV_TRANSFERS:
+        raise TransferError(f"kv transfer must be one of {KV_TRANSFERS}, got {requested!r}")
 
 
 def check_usable(requested: str, device: torch.device) -> None:
