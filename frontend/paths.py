@@ -8,11 +8,12 @@ Both predictions are built from what the nodes measure and report in their stats
   disaggregated: first token = (prompt tokens queued on the prefill node + this prompt's
     un-cached tokens) / the prefill node's rate; first decoded token = that + the KV
     transfer left exposed (its bytes over the rate measured to that backend, less the
-    prefill time a layer-wise push hides) + one decode step.
+    prefill time a layer-wise push hides: common/base/layerwise.py's rule) + one decode step.
   local: first token = (prompt tokens queued on the decode node + this prompt's tokens
-    its prefix cache lacks: a chat's next turn finds its history there) / its prefill rate (the prefill node's until it has measured its own) + one decode step
-    per chunk while it has sequences running (its chunks alternate with their steps);
-    first decoded token = that + one step.
+    its prefix cache lacks: a chat's next turn finds its history there) / its prefill rate
+    (the prefill node's until it has measured its own) + one decode step per chunk while
+    it has sequences running (its chunks alternate with their steps); first decoded
+    token = that + one step.
 The path whose sum of the two is smaller wins. A local prompt costs the decode node's
 running sequences its compute time: over any LOCAL_WINDOW_S, the prompts routed to one decode
 node with sequences running may take at most LOCAL_SHARE of it, which bounds how much
@@ -28,11 +29,11 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from common.base.frontend_config import DISAGGREGATE
+from common.base.layerwise import is_layerwise
 from common.base.request import LOCAL_CHUNK_TOKENS, LOCAL_SHARE, LOCAL_WINDOW_S
 
-MODES = ("auto", "always", "never")
 SHORT_PROMPT = 256  # a handoff of a prompt this short times its fixed cost, not its bytes
-MIN_HIDDEN_S = 0.01  # NOTE: the prefill node's --kv-layerwise auto rule (common/handoff/writes.py)
 
 
 @dataclass(frozen=True)
@@ -96,14 +97,13 @@ class PathChooser:
     window), and counts by path and reason for the stats. clock: monotonic seconds."""
 
     def __init__(self, mode: str, clock):
-        if mode not in MODES:
-            raise ValueError(f"disaggregate must be one of {MODES}, got {mode!r}")
+        if mode not in DISAGGREGATE:
+            raise ValueError(f"disaggregate must be one of {DISAGGREGATE}, got {mode!r}")
         self.mode, self.clock = mode, clock
         self.recent: dict[str, deque] = {}  # decode node -> (when, its compute) of local prompts
         self.counts: dict[str, int] = {}  # "path: why" -> requests
-        self.handoff_s: dict[
-            str, float
-        ] = {}  # decode node -> short prompts' handoff time (smoothed)
+        # decode node -> short prompts' handoff time (smoothed)
+        self.handoff_s: dict[str, float] = {}
 
     def observe_handoff(self, decode: str, prompt_len: int, seconds: float) -> None:
         """A handoff to decode ended (prefill's end to the decode node's admission)."""
@@ -116,12 +116,6 @@ class PathChooser:
         while q and q[0][0] < now - LOCAL_WINDOW_S:
             q.popleft()
         return sum(s for _, s in q) if q else 0.0
-
-    def choose(self, f: Figures, decode: str, can_local: bool = True) -> Choice:
-        """decide, then record."""
-        choice = self.decide(f, decode, can_local)
-        self.record(choice, decode)
-        return choice
 
     def decide(self, f: Figures, decode: str, can_local: bool = True) -> Choice:
         """The path for a request to that decode node (nothing is counted)."""
@@ -177,10 +171,10 @@ def figures(prompt_len: int, work_tokens: int, local_tokens: int, prefill, decod
     writes = ps.get("kv_writes", {}).get(backend) if isinstance(ps.get("kv_writes"), dict) else None
     link_rate = _number(writes, "bytes_per_s") if isinstance(writes, dict) else 0.0
     token_bytes = int(_number(ps, "kv_token_bytes"))
+    # NOTE: the prefill node's own rule; with no rate measured, predict() takes the transfer
+    # as free either way.
     mode = ps.get("kv_layerwise")
-    is_layerwise = mode == "on" or (
-        mode == "auto" and link_rate > 0 and prompt_len * token_bytes / link_rate >= MIN_HIDDEN_S
-    )
+    is_pushed = isinstance(mode, str) and is_layerwise(mode, prompt_len * token_bytes, link_rate)
     return Figures(
         prompt_len,
         prefill_cached=prompt_len - work_tokens,
@@ -188,7 +182,7 @@ def figures(prompt_len: int, work_tokens: int, local_tokens: int, prefill, decod
         prefill_rate=_rate(ps, "num_prefill_tokens", "prefill_busy_s"),
         kv_token_bytes=token_bytes,
         link_rate=link_rate,
-        is_layerwise=is_layerwise,
+        is_layerwise=is_pushed,
         decode_queued=decode.num_queued_tokens,
         decode_cached=prompt_len - local_tokens,
         decode_rate=_rate(ds, "num_local_prefill_tokens", "local_prefill_busy_s"),

@@ -5,9 +5,23 @@ backend loads."""
 
 from __future__ import annotations
 
-from kernels import portable
 from kernels.backends import backend_for
-from kernels.portable import rotary_cos_sin  # noqa: F401  (table set-up, not a hot op)
+from kernels.portable import rotary_cos_sin  # table set-up, not a hot op: the portable one
+
+__all__ = [
+    "add_rms_norm",
+    "advance_step",
+    "compute_slot_mapping",
+    "decode_attention",
+    "linear",
+    "prefill_attention",
+    "qk_norm_rope",
+    "qk_norm_rope_write_kv",
+    "rms_norm",
+    "rotary_cos_sin",
+    "silu_mul",
+    "write_kv",
+]
 
 
 def rms_norm(x, weight, eps):

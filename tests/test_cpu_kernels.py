@@ -442,9 +442,9 @@ def test_loading_the_c_kernels_keeps_subnormal_floats():
     op of a node flushed subnormals to zero; a test of another module failed for it)."""
     import ctypes
 
-    from kernels import cpu, options
+    from kernels import cpu_build, options
 
-    lib = cpu._build(options.current[0].build_dir)
+    lib = cpu_build.build(options.current[0].build_dir)
     ctypes.CDLL(str(lib))
     tiny = torch.tensor([1e-40], dtype=torch.float32)  # a subnormal float32
     assert (tiny * 1.0).item() != 0.0 and (tiny / 2).item() != 0.0

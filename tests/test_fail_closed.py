@@ -562,7 +562,7 @@ def test_dist_receive_buffers_are_made_one_at_a_time_not_per_announcement(tiny_m
 
 
 def test_shared_segments_of_another_pid_namespace_are_left_alone():
-    from common.engine import platform
+    from common.engine import platform_cpu as platform
 
     ns = platform._pid_namespace()
     dead = 2**22 + 12345  # beyond pid_max: no such process

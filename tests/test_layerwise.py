@@ -13,6 +13,7 @@ import torch
 
 from common import transfer
 from common.base.config import WorkerConfig
+from common.base.layerwise import MIN_HIDDEN_S, UNMEASURED_BYTES, is_layerwise
 from common.base.request import SamplingParams
 from common.engine.worker import DeviceWorker, PrefillChunk
 from common.handoff import writes
@@ -212,11 +213,11 @@ def test_a_chunked_write_whose_grant_is_gone_fails_at_the_renewals_answer():
 
 
 def test_the_auto_rule():
-    assert writes.is_layerwise("auto", writes.UNMEASURED_BYTES, 0.0)
-    assert not writes.is_layerwise("auto", writes.UNMEASURED_BYTES - 1, 0.0)
-    assert writes.is_layerwise("auto", 10**6, 10**6 / writes.MIN_HIDDEN_S)
-    assert not writes.is_layerwise("auto", 10**6, 2 * 10**6 / writes.MIN_HIDDEN_S)
-    assert writes.is_layerwise("on", 1, 1e15) and not writes.is_layerwise("off", 10**12, 1.0)
+    assert is_layerwise("auto", UNMEASURED_BYTES, 0.0)
+    assert not is_layerwise("auto", UNMEASURED_BYTES - 1, 0.0)
+    assert is_layerwise("auto", 10**6, 10**6 / MIN_HIDDEN_S)
+    assert not is_layerwise("auto", 10**6, 2 * 10**6 / MIN_HIDDEN_S)
+    assert is_layerwise("on", 1, 1e15) and not is_layerwise("off", 10**12, 1.0)
 
 
 def test_a_layer_that_cannot_be_written_fails_the_handoff_retryable_and_frees_both_sides():

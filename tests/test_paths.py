@@ -35,10 +35,18 @@ def _figures(**kw) -> Figures:
     return Figures(**{**base, **kw})
 
 
+def _route(chooser: PathChooser, f: Figures, decode: str, can_local: bool = True):
+    """As the frontend routes a request (frontend/server.py): decide, and the request goes
+    that way, so the decision is recorded."""
+    choice = chooser.decide(f, decode, can_local)
+    chooser.record(choice, decode)
+    return choice
+
+
 def test_a_short_prompt_behind_long_ones_is_prefilled_on_its_decode_node():
     chooser = PathChooser("auto", FakeClock())
     # 8,000 tokens wait on the prefill node: 0.8 s there, against 3.2 ms here.
-    c = chooser.choose(_figures(prefill_queued=8000, num_running=4), "decode-0")
+    c = _route(chooser, _figures(prefill_queued=8000, num_running=4), "decode-0")
     assert c.path == "local" and c.why == "sooner on the decode node"
     assert c.local_s == pytest.approx(2 * (32 / RATE + 0.005) + 0.005)
     assert c.disaggregated_s == pytest.approx(2 * 8032 / RATE + 32 * 4096 / 1e8 + 0.005)
@@ -51,11 +59,11 @@ def test_an_idle_prefill_node_and_a_free_handoff_keep_the_disaggregated_path():
     chooser = PathChooser("auto", FakeClock())
     # Nothing queued, a link that costs nothing: a decode node with sequences running
     # pays a step per chunk and gains nothing.
-    c = chooser.choose(_figures(prompt_len=2048, link_rate=0.0, num_running=8), "decode-0")
+    c = _route(chooser, _figures(prompt_len=2048, link_rate=0.0, num_running=8), "decode-0")
     assert c.path == "disaggregated" and c.why == "sooner through the prefill node"
     # The measured handoff cost tips a short prompt to its idle decode node...
     chooser.observe_handoff("decode-0", 32, 0.02)
-    assert chooser.choose(_figures(), "decode-0").path == "local"
+    assert _route(chooser, _figures(), "decode-0").path == "local"
     # ... but a long prompt's handoff time says nothing of that fixed cost.
     chooser.observe_handoff("decode-1", 4096, 5.0)
     assert "decode-1" not in chooser.handoff_s
@@ -80,15 +88,16 @@ def test_local_prompts_take_at_most_a_share_of_a_busy_decode_node():
     cost = 256 / RATE
     num_fit = int(paths.LOCAL_SHARE * paths.LOCAL_WINDOW_S / cost)
     for _ in range(num_fit):
-        assert chooser.choose(busy, "decode-0").path == "local"
-    c = chooser.choose(busy, "decode-0")
+        assert _route(chooser, busy, "decode-0").path == "local"
+    c = _route(chooser, busy, "decode-0")
     assert c.path == "disaggregated" and c.why == "the decode node has no time to spare"
-    assert chooser.choose(busy, "decode-1").path == "local"  # another node's window is its own
+    assert _route(chooser, busy, "decode-1").path == "local"  # another node's window is its own
     assert (
-        chooser.choose(_figures(prompt_len=256, prefill_queued=100_000), "decode-0").path == "local"
+        _route(chooser, _figures(prompt_len=256, prefill_queued=100_000), "decode-0").path
+        == "local"
     )  # idle
     clock.now += paths.LOCAL_WINDOW_S + 0.01
-    assert chooser.choose(busy, "decode-0").path == "local"
+    assert _route(chooser, busy, "decode-0").path == "local"
     assert chooser.stats()["decisions"]["disaggregated: the decode node has no time to spare"] == 1
 
 
@@ -111,7 +120,6 @@ def test_the_decode_node_paces_its_local_prompts_to_their_share(monkeypatch):
     at most LOCAL_SHARE of its time on local passes (after one burst), as measured."""
     from common.base.request import SamplingParams
     from common.kv.blocks import BlockAllocator
-    from common.kv.sequence import Sequence
     from common.wire.node import PrefillRequest
     from decode_node import local
     from decode_node.scheduler import DecodeScheduler
@@ -152,17 +160,20 @@ def test_the_decode_node_paces_its_local_prompts_to_their_share(monkeypatch):
 def test_modes_and_what_needs_a_prefill_node():
     clock = FakeClock()
     queued = _figures(prefill_queued=8000)
-    assert PathChooser("always", clock).choose(queued, "d").path == "disaggregated"
-    assert PathChooser("never", clock).choose(_figures(), "d").path == "local"
+    assert _route(PathChooser("always", clock), queued, "d").path == "disaggregated"
+    assert _route(PathChooser("never", clock), _figures(), "d").path == "local"
     for mode in ("auto", "never"):
-        c = PathChooser(mode, clock).choose(queued, "d", can_local=False)
+        c = _route(PathChooser(mode, clock), queued, "d", can_local=False)
         assert c.path == "disaggregated" and "prefill node" in c.why
     assert (
-        PathChooser("auto", clock).choose(_figures(prefill_rate=0.0), "d").why
+        _route(PathChooser("auto", clock), _figures(prefill_rate=0.0), "d").why
         == "no prefill rate measured yet"
     )
     with pytest.raises(ValueError):
         PathChooser("sometimes", clock)
+    chooser = PathChooser("never", clock)
+    assert chooser.decide(_figures(), "d").path == "local"
+    assert chooser.stats()["decisions"] == {}  # deciding alone counts nothing
 
 
 def test_figures_come_from_the_nodes_stats():

@@ -8,10 +8,10 @@ compiled by xgrammar (pinned; vLLM and SGLang use it) against the model's
 tokenizer. JSON is compact unless whitespace is "any": a weak model that wanders
 into free whitespace never closes its object. NOTE: xgrammar's JSON lets raw
 control characters into strings, which strict JSON parsers refuse: for the JSON
-kinds, tokens holding a byte below 0x20 are masked too, so the output always parses. A matcher follows one request:
-it accepts the tokens generated so far (so a request resumed elsewhere, or
-after a preemption, is masked as if it had never stopped), and fills the next
-token's mask as one bit per token: [ceil(V / 32)] int32 words.
+kinds, tokens holding a byte below 0x20 are masked too, so the output always
+parses. A matcher follows one request: it accepts the tokens generated so far (so
+a request resumed elsewhere, or after a preemption, is masked as if it had never
+stopped), and fills the next token's mask as one bit per token: [ceil(V / 32)] int32 words.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def _module():
     except Exception as e:  # ImportError, or a native library that does not load here
         return (
             None,
-            f"structured outputs need xgrammar, which does not import here ({type(e).__name__}: {e})",
+            "structured outputs need xgrammar, which does not import here "
+            f"({type(e).__name__}: {e})",
         )
 
 

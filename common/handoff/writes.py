@@ -1,35 +1,23 @@
 """Starting a handoff's KV write: whole, once every layer of its prompt is queued on
 the device, or layer by layer during the pass that computes it (--kv-layerwise).
 
-Pushed as the pass computes it (the layers written so far, as each layer's KV is written), the
-transfer hides behind the pass: the first token decoded waits for max(prefill,
+Pushed as the pass computes it (the layers written so far, as each layer's KV is written),
+the transfer hides behind the pass: the first token decoded waits for max(prefill,
 transfer) rather than their sum. The cost is more, smaller writes (a frame or a post
-per group) and their gathers running beside the pass, which a short prompt's
-transfer does not repay. `auto` pushes layer by layer where the KV would take at
-least MIN_HIDDEN_S at the rate whole writes to that backend have measured, or,
-before one is measured, where it is at least UNMEASURED_BYTES. The rate is timed from a
-whole write's start to its commit's acknowledgement, over writes of MIN_RATE_BYTES or more."""
+per group) and their gathers running beside the pass. Which writes go layer by layer is
+the rule in common/base/layerwise.py, at the rate whole writes to that backend have
+measured: timed from a whole write's start to its commit's acknowledgement, over writes
+of MIN_RATE_BYTES or more."""
 
 from __future__ import annotations
 
 from typing import Callable
 
+from common.base.layerwise import is_layerwise
 from common.handoff.states import Handoff, Stage
 from common.transfer import TransferError
 
-MODES = ("auto", "on", "off")
-MIN_HIDDEN_S = 0.01
-UNMEASURED_BYTES = 4 * 2**20
 MIN_RATE_BYTES = 2**20  # writes this large time the link more than its latency
-
-
-def is_layerwise(mode: str, num_bytes: int, bytes_per_s: float) -> bool:
-    """mode: --kv-layerwise; bytes_per_s: the backend's measured rate (0: none yet)."""
-    if mode != "auto":
-        return mode == "on"
-    if bytes_per_s <= 0:
-        return num_bytes >= UNMEASURED_BYTES
-    return num_bytes / bytes_per_s >= MIN_HIDDEN_S
 
 
 def goes_layerwise(peer, mode: str, num_bytes: int, bytes_per_s: float) -> bool:
@@ -38,7 +26,8 @@ def goes_layerwise(peer, mode: str, num_bytes: int, bytes_per_s: float) -> bool:
 
 
 def rate_to(peer, figures: dict) -> float:
-    """Bytes/s of whole writes to peer's backend (0: none yet); figures: TransferFigures by backend."""
+    """Bytes/s of whole writes to peer's backend (0: none yet); figures: TransferFigures by
+    backend."""
     f = figures.get(peer.writer.name if peer.writer else "")
     return f.bytes_per_s if f else 0.0
 

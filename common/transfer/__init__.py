@@ -41,15 +41,35 @@ from common.transfer.backend import (
     KVReceiver,
     KVWriter,
     LocalCache,
-    Send,  # noqa: F401
+    Send,
     UnusableBackend,
     WholeWrite,
 )
-from common.transfer.copy import TransferError, block_checksums, copy_blocks, host_id  # noqa: F401
+from common.transfer.copy import TransferError, block_checksums, copy_blocks, host_id
 from common.wire.protocol import KVTransfer, KVWelcome, dtype_name
 
+__all__ = [
+    "KVSink",
+    "KVWriter",
+    "LocalCache",
+    "Send",
+    "TransferError",
+    "UnusableBackend",
+    "WholeWrite",
+    "availability",
+    "backend",
+    "block_checksums",
+    "check_layout",
+    "check_usable",
+    "choose_backend",
+    "copy_blocks",
+    "host_id",
+    "needs_shared_cache",
+    "offered",
+    "open_writer",
+]
+
 log = get_logger("transfer")
-CHOICES = KV_TRANSFERS  # what --kv-transfer takes
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,8 +89,8 @@ def availability(device: torch.device = torch.device("cpu")) -> str:
 
 
 def _check(requested: str) -> None:
-    if requested not in CHOICES:
-        raise TransferError(f"kv transfer must be one of {CHOICES}, got {requested!r}")
+    if requested not in KV_TRANSFERS:
+        raise TransferError(f"kv transfer must be one of {KV_TRANSFERS}, got {requested!r}")
 
 
 def check_usable(requested: str, device: torch.device) -> None:
@@ -220,8 +240,8 @@ class KVSink:
         whole, arrived = r.num_units(num_blocks), r.num_received(request_id)
         if num_written != whole or arrived != whole:
             return (
-                f"its KV did not all arrive: a whole {backend_name} write of {num_blocks} blocks is "
-                f"{whole} units, the commit says {num_written}, {arrived} arrived"
+                f"its KV did not all arrive: a whole {backend_name} write of {num_blocks} "
+                f"blocks is {whole} units, the commit says {num_written}, {arrived} arrived"
             )
         return None
 

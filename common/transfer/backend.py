@@ -9,9 +9,10 @@ KVTransfer messages under the backend's name, checked by the backend itself
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import torch
 
@@ -32,10 +33,12 @@ class LocalCache:
     shm_name: str | None = None  # CPU: the shared-memory segment the cache lives in
 
 
-class KVWriter(Protocol):
-    """Prefill side, one per decode node: writes local blocks into reserved remote ones."""
+class WholeWriter(Protocol):
+    """Prefill side, one per decode node: a writer that starts a write whole, all its
+    layers at once (a backend with no layer-wise form; WholeWrite gives it one)."""
 
     name: str
+    is_stalled: bool  # every write under way waits on the peer (or a thread): no need to poll hard
 
     def write(
         self,
@@ -50,14 +53,56 @@ class KVWriter(Protocol):
         until poll() names it. within_s: past this the write must be stopped, whatever the
         peer does (poll() then names it failed): the reservation may end soon after."""
 
-    # Layer-wise: the same write in parts, as the forward pass computes them. begin() takes
-    # what write() takes; write_layers(rid, a, b, blocks) says layers [a, b) of its blocks
-    # `blocks` (a range of indices into its block list; None: all) are queued on the
-    # device (a chunked prompt's pass computes some of its blocks); end(rid) that no more
-    # will come, and returns what write() returns. Every (layer, block) is written once.
-    # poll() names it ended only after end(). renew(rid, within_s): its reservation was
-    # renewed while it spans passes, the new bound replaces begin()'s. A backend with no
-    # such form gets WholeWrite's (one whole write at end()).
+    def poll(self) -> list[tuple[str, str | None]]:
+        """(request id, why it failed or None) for writes that ended since the last call."""
+
+    def cancel(self, request_id: str) -> None:
+        """Its handoff is over: stop the write if it can be stopped (a network write to a
+        peer gone silent); poll() names it ended either way, and its source blocks are
+        free from then on."""
+
+    def close(self) -> None: ...
+
+
+class KVWriter(abc.ABC):
+    """Prefill side, one per decode node: writes local blocks into reserved remote ones,
+    whole (write(), as WholeWriter's) or layer by layer as the forward pass computes them.
+
+    Layer-wise: begin() takes what write() takes; write_layers(rid, a, b, blocks) says
+    layers [a, b) of its blocks `blocks` (a range of indices into its block list; None:
+    all) are queued on the device (a chunked prompt's pass computes some of its blocks);
+    end(rid) that no more will come, and returns what write() returns. Every (layer,
+    block) is written once. poll() names it ended only after end(). renew(rid, within_s):
+    its reservation was renewed while it spans passes, the new bound replaces begin()'s.
+    A whole write is the same: begun, every layer at once, ended."""
+
+    name: ClassVar[str]
+    is_layerwise: ClassVar[bool]  # it writes layers as they come (WholeWrite's: False)
+    is_stalled: bool  # every write under way waits on the peer (or a thread): no need to poll hard
+    src: torch.Tensor  # this node's cache [layers, 2, blocks, block_size, kv_heads, head_dim]
+
+    def write(
+        self,
+        request_id: str,
+        reservation: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        within_s: float,
+    ) -> int:
+        """As WholeWriter.write: begun, every layer queued, ended."""
+        self.begin(request_id, reservation, src_block_ids, dst_block_ids, within_s)
+        try:
+            self.write_layers(request_id, 0, self.src.shape[0])
+        except TransferError:  # stopped part-way: not started, as far as the caller knows
+            self.drop_begun(request_id)
+            raise
+        return self.end(request_id)
+
+    def drop_begun(self, request_id: str) -> None:
+        """write() could not queue every layer of a write it began: forget it. NOTE: only a
+        writer whose write_layers can raise TransferError has anything to forget."""
+
+    @abc.abstractmethod
     def begin(
         self,
         request_id: str,
@@ -67,30 +112,31 @@ class KVWriter(Protocol):
         within_s: float,
     ) -> None: ...
 
+    @abc.abstractmethod
     def write_layers(
         self, request_id: str, first_layer: int, end_layer: int, blocks: range | None = None
     ) -> None: ...
 
+    @abc.abstractmethod
     def end(self, request_id: str) -> int: ...
 
+    @abc.abstractmethod
     def renew(self, request_id: str, within_s: float) -> None: ...
 
+    @abc.abstractmethod
     def flush(self) -> None:
         """Move what can move now (send what is ready) without ending anything: called
         during a pass, where no handoff may end."""
 
-    is_layerwise: bool  # it writes layers as they come (WholeWrite's: False)
-
-    is_stalled: bool  # every write under way waits on the peer (or a thread): no need to poll hard
-
+    @abc.abstractmethod
     def poll(self) -> list[tuple[str, str | None]]:
         """(request id, why it failed or None) for writes that ended since the last call."""
 
+    @abc.abstractmethod
     def cancel(self, request_id: str) -> None:
-        """Its handoff is over: stop the write if it can be stopped (a network write to a
-        peer gone silent); poll() names it ended either way, and its source blocks are
-        free from then on."""
+        """As WholeWriter.cancel."""
 
+    @abc.abstractmethod
     def close(self) -> None: ...
 
 
@@ -126,11 +172,10 @@ class KVReceiver(Protocol):
 @dataclass(frozen=True)
 class Backend:
     name: str
-    why_unusable: Callable[
-        [torch.device], str | None
-    ]  # None: this process can use it on that device
+    why_unusable: Callable[[torch.device], str | None]  # None: this process can use it there
     open_receiver: Callable[[LocalCache], KVReceiver]
-    open_writer: Callable[[dict, KVWelcome, torch.Tensor, Send], KVWriter]  # (its descriptor, ...)
+    # (its descriptor, their welcome, our cache, send) -> a writer
+    open_writer: Callable[[dict, KVWelcome, torch.Tensor, Send], KVWriter | WholeWriter]
     is_auto: bool = True  # auto may offer it
     # NOTE: a one-sided write lands without the decode node taking part, so it cannot
     # refuse a late one: a reservation it may write into is freed only at its lease's end.
@@ -170,19 +215,30 @@ def parse(cls, fields, where: str):
         raise TransferError(str(e)) from None
 
 
-class WholeWrite:
+class WholeWrite(KVWriter):
     """The layer-wise form for a writer that has none: begin() remembers the write and end()
-    starts it whole; the rest passes through."""
+    starts it whole; whole writes, polls and closes are the inner writer's."""
 
     is_layerwise = False
 
-    def __init__(self, writer: KVWriter):
+    def __init__(self, writer: WholeWriter):
         self.inner, self.name = writer, writer.name
         self._begun: dict[str, tuple] = {}
         self._dropped: list[tuple[str, str | None]] = []  # cancelled before end()
 
-    def __getattr__(self, attr):  # write, is_stalled, close: the writer's own
-        return getattr(self.inner, attr)
+    @property
+    def is_stalled(self) -> bool:
+        return self.inner.is_stalled
+
+    def write(
+        self,
+        request_id: str,
+        reservation: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        within_s: float,
+    ) -> int:
+        return self.inner.write(request_id, reservation, src_block_ids, dst_block_ids, within_s)
 
     def begin(
         self,
@@ -226,3 +282,6 @@ class WholeWrite:
             self._dropped.append((request_id, "cancelled"))
         else:
             self.inner.cancel(request_id)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -14,7 +14,7 @@ import torch
 
 from common.engine.platform import PlatformError, platform_for, platform_type
 from common.kv.blocks import is_cache_shape, num_cache_blocks
-from common.transfer.backend import Backend, LocalCache, Send, parse, why_not_same_kind
+from common.transfer.backend import Backend, KVWriter, LocalCache, Send, parse, why_not_same_kind
 from common.transfer.copy import TransferError, copy_blocks
 from common.wire.limits import Name
 from common.wire.protocol import KVTransfer, KVWelcome
@@ -63,7 +63,7 @@ def _open(desc: IpcDescriptor, dtype: torch.dtype, shape: list[int], device: tor
         raise TransferError(f"cannot open the decode node's KV cache: {e}") from None
 
 
-class IpcWriter:
+class IpcWriter(KVWriter):
     """NOTE: a copy into the decode node's memory cannot be refused there: this writer
     stops itself at its deadline, checked before each layer it queues (the decode node
     holds an expired grant's blocks a while longer, receiver.py). On a device, a layer
@@ -94,26 +94,6 @@ class IpcWriter:
         self._open: dict[str, _OpenWrite] = {}  # begun, not ended
 
     is_stalled = False
-
-    def write(
-        self,
-        request_id: str,
-        reservation: str,
-        src_block_ids: list[int],
-        dst_block_ids: list[int],
-        within_s: float,
-    ) -> int:
-        """Nothing crosses the KV link (no units): the commit's reservation and epoch, and
-        --kv-verify, are what tie the copy to its grant."""
-        self.begin(request_id, reservation, src_block_ids, dst_block_ids, within_s)
-        try:
-            self.write_layers(request_id, 0, self.src.shape[0])
-        except (
-            TransferError
-        ):  # stopped part-way at its deadline: not started, as far as the caller knows
-            self._open.pop(request_id, None)
-            raise
-        return self.end(request_id)
 
     def begin(
         self,
@@ -157,7 +137,12 @@ class IpcWriter:
                 "its reservation could end before the copy: stopped at its deadline"
             )
 
+    def drop_begun(self, request_id: str) -> None:
+        self._open.pop(request_id, None)  # stopped part-way at its deadline
+
     def end(self, request_id: str) -> int:
+        """Nothing crosses the KV link (no units): the commit's reservation and epoch, and
+        --kv-verify, are what tie the copy to its grant."""
         del self._open[request_id]
         self._inflight.append((request_id, self._event(), None))
         return 0

@@ -38,13 +38,21 @@ import torch
 from common.base.log import get_logger
 from common.engine.platform import platform_for, platform_type
 from common.kv.blocks import num_cache_blocks
-from common.transfer.backend import NO_DATA, Backend, LocalCache, Send, parse, why_not_same_kind
+from common.transfer.backend import (
+    NO_DATA,
+    Backend,
+    KVWriter,
+    LocalCache,
+    Send,
+    parse,
+    why_not_same_kind,
+)
 from common.transfer.copy import TransferError, runs
+from common.transfer.nixl_receiver import NixlReceiver
 from common.wire.limits import Name
 from common.wire.protocol import KVTransfer, KVWelcome
 
 log = get_logger("transfer")
-MAX_EARLY = 4096  # notifications kept for writes not yet announced (they race the KV link)
 
 
 @dataclass
@@ -53,13 +61,6 @@ class NixlDescriptor:
     metadata: bytes  # the decode agent's: its UCX addresses and the remote keys of its cache
     address: int  # where its cache starts
     device_id: int
-
-
-@dataclass
-class NixlHeader:
-    """A write to a reservation is on its way from this agent; its notification follows it."""
-
-    agent: Name
 
 
 @functools.lru_cache(maxsize=1)
@@ -114,7 +115,7 @@ def _plane_bytes(cache_shape, element_size: int) -> int:
     return int(np.prod(cache_shape[3:])) * element_size
 
 
-class NixlWriter:
+class NixlWriter(KVWriter):
     name = "nixl"
     is_layerwise = True
 
@@ -151,18 +152,6 @@ class NixlWriter:
         )
 
     is_stalled = False  # posted writes move only while polled (no progress thread)
-
-    def write(
-        self,
-        request_id: str,
-        reservation: str,
-        src_block_ids: list[int],
-        dst_block_ids: list[int],
-        within_s: float,
-    ) -> int:
-        self.begin(request_id, reservation, src_block_ids, dst_block_ids, within_s)
-        self.write_layers(request_id, 0, self.src.shape[0])
-        return self.end(request_id)
 
     def begin(
         self,
@@ -380,87 +369,16 @@ class _Write:
     runs: np.ndarray | None = None  # their (src, dst, length) runs of blocks [n, 3]
 
 
-class NixlReceiver:
-    """Decode side: the registered cache, and which announced writes have landed."""
-
-    def __init__(self, cache: LocalCache):
-        c = self.cache = cache.tensor
-        self.agent, self._regs, _, self.device_id = _agent(c)
-        self.metadata = self.agent.get_agent_metadata()
-        self._expected: dict[str, tuple[bytes, str]] = {}  # request -> (KV-link peer, its agent)
-        self._landed: set[str] = set()
-        self._early: OrderedDict[tuple[str, str], None] = OrderedDict()  # (agent, request) notified
-
-    def describe(self) -> dict:
-        return {
-            "agent": self.agent.name,
-            "metadata": self.metadata,
-            "address": self.cache.data_ptr(),
-            "device_id": self.device_id,
-        }
-
-    def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
-        agent = parse(NixlHeader, msg.header, "nixl header").agent
-        if msg.request_id in self._expected:
-            raise TransferError(f"a second NIXL write announced for {msg.request_id}")
-        self._expected[msg.request_id] = (sender, agent)
-        if (agent, msg.request_id) in self._early:  # its notification came first
-            del self._early[(agent, msg.request_id)]
-            self._landed.add(msg.request_id)
-
-    def progress(self) -> bool:
-        try:
-            notifs = self.agent.get_new_notifs()  # also moves UCX's connections and receives along
-        except Exception as e:
-            log.warning("reading NIXL notifications: %s", e)
-            notifs = {}
-        for agent, messages in notifs.items():
-            for m in messages:
-                rid = bytes(m).decode("utf-8", "replace")
-                if self._expected.get(rid, (None, None))[1] == agent:
-                    self._landed.add(rid)
-                else:  # before its announcement, or nobody's: kept a while, bounded
-                    self._early[(agent, rid)] = None
-                    while len(self._early) > MAX_EARLY:
-                        self._early.popitem(last=False)
-        return bool(self._expected.keys() - self._landed)
-
-    def is_landed(self, request_id: str) -> bool:
-        if request_id not in self._expected:
-            return True
-        if request_id not in self._landed:
-            self.progress()
-        return request_id in self._landed  # NOTE: kept (counted) until forget()
-
-    def landing_error(self, request_id: str) -> str | None:
-        return None
-
-    def num_units(self, num_blocks: int) -> int:
-        return 1
-
-    def num_received(self, request_id: str) -> int:
-        return int(request_id in self._expected)
-
-    def forget(self, request_id: str) -> None:
-        # NOTE: a write announced but not landed is stopped by its writer before the
-        # reservation can end (NixlWriter._reset); see the module's NOTE.
-        self._expected.pop(request_id, None)
-        self._landed.discard(request_id)
-
-    def close(self) -> None:
-        try:
-            self.agent.deregister_memory(self._regs)
-        except Exception as e:
-            log.debug("closing a NIXL agent: %s", e)
-        self._expected.clear()
-        self.agent = None
+def _open_receiver(cache: LocalCache) -> NixlReceiver:
+    agent, regs, _, device_id = _agent(cache.tensor)
+    return NixlReceiver(cache, agent, regs, device_id)
 
 
 # NOTE: one memory kind per pair (the descriptors carry one); mixed pairs use tcp.
 BACKEND = Backend(
     "nixl",
     why_unusable,
-    NixlReceiver,
+    _open_receiver,
     NixlWriter,
     is_auto_across_hosts_only=True,
     is_one_sided=True,

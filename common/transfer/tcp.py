@@ -21,7 +21,7 @@ import torch
 
 from common.base.log import get_logger
 from common.engine.platform import platform_for
-from common.transfer.backend import Backend, LocalCache, Send, parse
+from common.transfer.backend import Backend, KVWriter, LocalCache, Send, parse
 from common.transfer.copy import TransferError, copy_blocks
 from common.wire.limits import Range
 from common.wire.protocol import KVTransfer, KVWelcome
@@ -70,7 +70,7 @@ class _Write:
     is_cancelled: bool = False
 
 
-class TcpWriter:
+class TcpWriter(KVWriter):
     name = "tcp"
     is_layerwise = True
 
@@ -81,18 +81,6 @@ class TcpWriter:
         self.stream = self._platform.side_stream()
         self._writes: OrderedDict[str, _Write] = OrderedDict()  # sent in this order
         self.is_stalled = False  # the last poll found the link refusing: only the peer can move
-
-    def write(
-        self,
-        request_id: str,
-        reservation: str,
-        src_block_ids: list[int],
-        dst_block_ids: list[int],
-        within_s: float,
-    ) -> int:
-        self.begin(request_id, reservation, src_block_ids, dst_block_ids, within_s)
-        self.write_layers(request_id, 0, self.src.shape[0])
-        return self.end(request_id)
 
     def begin(
         self,

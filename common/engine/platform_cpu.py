@@ -1,0 +1,161 @@
+"""The CPU platform: the host's memory, its kernels (kernels/cpu.py), and a KV cache other
+processes on this host map as a shared-memory segment (the ipc KV transfer)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from multiprocessing import shared_memory
+
+import torch
+
+from common.base.procs import is_alive
+from common.engine.platform_base import Platform, PlatformError, num_bytes
+
+# /dev/shm/pdserve-kv-<pid namespace>-<pid>-<hex>: a CPU cache other processes map
+SHM_PREFIX = "pdserve-kv"
+
+
+class CpuPlatform(Platform):
+    type = "cpu"
+    is_pinned = False
+    can_capture_graphs = False
+    kernels: str | None = "kernels.cpu"
+    kernels_off: str | None = "disable_cpu_kernels"
+    is_host = True
+    default_dtype = torch.float32
+    nixl_memory: str | None = "DRAM"
+
+    @classmethod
+    def check(cls, device: torch.device) -> None:
+        pass
+
+    @classmethod
+    def why_not_shared(cls) -> str | None:
+        return None if os.path.isdir("/dev/shm") else "no /dev/shm here"
+
+    @staticmethod
+    def process_group(store, rank: int, size: int, timeout):
+        import torch.distributed as dist
+
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self._segment: shared_memory.SharedMemory | None = None  # a shared CPU cache's
+
+    def activate(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def free_memory(self) -> int:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    def release_memory(self) -> None:
+        pass
+
+    # ---- a cache other processes map: a shared-memory segment ------------------
+
+    def allocate(self, shape, dtype: torch.dtype, is_shared: bool = False) -> torch.Tensor:
+        if not is_shared:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        _remove_stale_segments()
+        nbytes = num_bytes(shape, dtype)
+        # Python's resource tracker unlinks the segment if this process dies without closing it.
+        self._segment = shared_memory.SharedMemory(
+            f"{SHM_PREFIX}-{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(4)}",
+            create=True,
+            size=max(nbytes, 1),
+        )
+        # a fresh segment reads as zeros
+        return (
+            torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=nbytes)
+            .view(dtype)
+            .view(shape)
+        )
+
+    def share(self, cache: torch.Tensor) -> str:
+        segment = self._segment
+        if segment is None:
+            raise PlatformError("this CPU cache was not allocated in shared memory")
+        return segment.name
+
+    def open_shared(self, handle, dtype: torch.dtype, shape: list[int]):
+        name = handle if isinstance(handle, str) else ""
+        if not name.startswith(SHM_PREFIX + "-") or "/" in name:
+            raise PlatformError(f"no usable shared-memory segment named ({name!r})")
+        nbytes = num_bytes(shape, dtype)
+        # NOTE: opened with os/mmap rather than SharedMemory, whose resource tracker
+        # would unlink the owner's segment when this process exits.
+        try:
+            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+        except OSError as e:
+            raise PlatformError(f"cannot open the shared segment {name}: {e}") from None
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                raise PlatformError(
+                    f"segment {name} holds {os.fstat(fd).st_size} bytes, "
+                    f"{list(shape)} needs {nbytes}"
+                )
+            mapping = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+
+        def close() -> None:
+            try:
+                mapping.close()
+            except BufferError:  # a tensor view is still alive: the mapping goes at exit
+                pass
+
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(
+            shape
+        ), close
+
+    def release(self, cache: torch.Tensor | None = None) -> None:
+        segment, self._segment = self._segment, None
+        if segment is None:
+            return
+        try:
+            segment.close()
+        except BufferError:  # a tensor view is still alive somewhere: the mapping goes at exit
+            pass
+        try:
+            segment.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace (its inode): pids mean something only within it."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "x"  # unknown: no stale segment is ever taken for ours
+
+
+def _remove_stale_segments() -> None:
+    """Segments of processes of this pid namespace that died before their tracker could
+    unlink them. NOTE: a segment another pid namespace made (another container sharing
+    /dev/shm) is never touched: its pid means nothing here."""
+    ns = _pid_namespace()
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if (
+            ns != "x"
+            and name.startswith(SHM_PREFIX + "-")
+            and len(parts) == 5
+            and parts[2] == ns
+            and parts[3].isdigit()
+        ):
+            if not is_alive(int(parts[3])):
+                try:
+                    os.unlink(os.path.join("/dev/shm", name))
+                except OSError:
+                    pass

@@ -1,0 +1,156 @@
+"""The CPU kernels' C library (cpu_attention.c, cpu_linear.c): built once per source,
+compiler and CPU with the system compiler, cached in the build directory the engine names
+(kernels/options.py: $PDSERVE_HOME/kernels), and loaded with its functions typed.
+ImportError where it cannot be built."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_linear.c")]
+# NOTE: -ffast-math lets expf vectorize (glibc libmvec); the kernel sees no inf or NaN:
+# scores are finite and the max it subtracts is one of them. It compiles the sources only:
+# a library linked with it carries gcc's crtfastmath, whose constructor sets flush-to-zero
+# for the whole process that loads it (every torch and numpy op of a node, then).
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=gnu11"]
+LINK_FLAGS = ["-shared", "-fPIC"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(cache_dir: Path) -> Path:
+    """The library, built into cache_dir unless a build of these sources, compiler, flags
+    and CPU is there; ImportError where it cannot be built."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise ImportError("no C compiler (cc or gcc) to build the CPU attention kernel")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        "\0".join(
+            [
+                *(src.read_text() for src in SOURCES),
+                version,
+                " ".join(FLAGS),
+                " ".join(LINK_FLAGS),
+                _cpu_flags(),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
+    lib = cache_dir / f"cpu_attention-{key}.so"
+    if lib.is_file():
+        return lib
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+    os.close(fd)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as build:
+        # libmvec: glibc's vector math, where there is one; OpenMP: torch's runtime, where it
+        # can be linked
+        for libs in (
+            ["-fopenmp", "-lmvec", "-lm"],
+            ["-fopenmp", "-lm"],
+            ["-lmvec", "-lm"],
+            ["-lm"],
+        ):
+            omp = [f for f in libs if f == "-fopenmp"]
+            objs = [os.path.join(build, src.stem + ".o") for src in SOURCES]
+            for src, obj in zip(SOURCES, objs):
+                done = subprocess.run(
+                    [cc, *FLAGS, *omp, "-c", "-o", obj, str(src)], capture_output=True, text=True
+                )
+                if done.returncode != 0:
+                    break
+            else:
+                done = subprocess.run(
+                    [cc, *LINK_FLAGS, "-o", tmp, *objs, *libs], capture_output=True, text=True
+                )
+            if done.returncode == 0:
+                break
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise ImportError(f"building the CPU attention kernel failed: {done.stderr.strip()[:500]}")
+    os.replace(tmp, lib)  # NOTE: atomic: processes starting together each see a whole file
+    return lib
+
+
+def load(build_dir: Path):
+    """The library's functions, typed: (decode attention by dtype, prefill attention by
+    dtype, the elementwise ops by name, whether it has OpenMP)."""
+    lib = ctypes.CDLL(str(build(build_dir)))
+    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    fns = {}
+    for dtype, name in (
+        (torch.float32, "pdserve_decode_attention_f32"),
+        (torch.bfloat16, "pdserve_decode_attention_bf16"),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32]
+        fn.restype = ctypes.c_int
+        fns[dtype] = fn
+    prefill = {}
+    for dtype, name in (
+        (torch.float32, "pdserve_prefill_attention_f32"),
+        (torch.bfloat16, "pdserve_prefill_attention_bf16"),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes = [
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            f32,
+            i64,
+            i64,
+        ]
+        fn.restype = ctypes.c_int
+        prefill[dtype] = fn
+    elementwise = {
+        "rms_norm": (lib.pdserve_rms_norm_f32, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32]),
+        "norm_rope": (
+            lib.pdserve_norm_rope_f32,
+            [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32],
+        ),
+        "silu_mul": (lib.pdserve_silu_mul_f32, [ptr, i64, ptr, i64, i64]),
+        "scatter_rows": (lib.pdserve_scatter_rows_f32, [ptr, i64, ptr, ptr, i64, i64]),
+        "slot_mapping": (lib.pdserve_slot_mapping, [ptr, ptr, i64, i64, i64, ptr, i64]),
+        "linear_bf16": (
+            lib.pdserve_linear_bf16,
+            [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64],
+        ),
+    }
+    for fn, argtypes in elementwise.values():
+        fn.argtypes, fn.restype = argtypes, None
+    lib.pdserve_has_openmp.restype = ctypes.c_int
+    return (
+        fns,
+        prefill,
+        {name: fn for name, (fn, _) in elementwise.items()},
+        bool(lib.pdserve_has_openmp()),
+    )
