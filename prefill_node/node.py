@@ -143,7 +143,8 @@ class PrefillNode:
         )
 
     def _close(self) -> None:
-        """Everything, the last made first; the ZeroMQ context once its sockets are closed."""
+        """The grammar compiles, the handoffs (their KV links), the worker, then the
+        frontend's channel and the ZeroMQ context, once every socket on it is closed."""
         self.compiles.close()
         self.handoffs.close()
         self.worker.close()
