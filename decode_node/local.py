@@ -22,49 +22,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
-from common.base.request import LOCAL_CHUNK_TOKENS, LOCAL_SHARE, LOCAL_WINDOW_S, validate_prompt
-from common.engine.worker import PrefillChunk
+from common.base.request import LOCAL_CHUNK_TOKENS, LOCAL_SHARE, LOCAL_WINDOW_S, check_request
+from common.engine.prefill_job import PrefillJob
 from common.kv.prefix import PrefixCache, block_hashes, num_reusable_blocks
 from common.kv.sequence import Sequence
 from common.wire.protocol import PrefillRequest
-
-
-@dataclass
-class LocalJob:
-    request: PrefillRequest
-    recv_time: float  # wall clock
-    start_time: float = 0.0  # wall clock, at its first chunk
-    block_ids: list[int] = field(default_factory=list)
-    num_reserved: int = 0  # further blocks promised for its outputs
-    num_computed: int = 0  # prompt tokens whose KV is written
-    num_cached: int = 0  # of them, taken from the prefix cache
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt_token_ids)
-
-
-@dataclass
-class Prefilled:
-    """A prompt done here: its sequence (running now), its first token and the stamps
-    of its time to first token."""
-
-    seq: Sequence
-    token: int
-    logprobs: object
-    stamps: dict
+from decode_node.scheduler import Joining
 
 
 class LocalPrefill:
     def __init__(self, worker, scheduler, max_queue: int):
         self.worker, self.scheduler, self.max_queue = worker, scheduler, max_queue
-        self.waiting: deque[LocalJob] = deque()
+        self.waiting: deque[PrefillJob] = deque()
         self.num_prefilled = 0
         self.num_tokens = 0  # prompt tokens computed here
         self.busy_s = 0.0  # in those passes
@@ -75,16 +45,19 @@ class LocalPrefill:
         w = self.worker
         if req.forks:
             raise ValueError(
-                "a decode node prefills one sequence per request (n > 1 goes through a prefill node)"
+                "a decode node prefills one sequence per request "
+                "(n > 1 goes through a prefill node)"
             )
         if req.params.num_prompt_logprobs >= 0 or req.params.is_masked_per_step:
             raise ValueError("prompt logprobs and grammars are prefilled on prefill nodes")
-        req.params.validate(w.spec.vocab_size)
-        validate_prompt(
-            req.prompt_token_ids, req.params.max_tokens, w.spec.vocab_size, w.max_model_len
+        check_request(
+            [req.request_id],
+            req.params,
+            req.prompt_token_ids,
+            w.spec.vocab_size,
+            w.max_model_len,
+            held_ids.__contains__,
         )
-        if req.request_id in held_ids:
-            raise ValueError("a request of this id is already here")
         if len(self.waiting) >= self.max_queue:
             raise ValueError(
                 f"{len(self.waiting)} prompts wait to be prefilled on this decode node"
@@ -94,7 +67,7 @@ class LocalPrefill:
         )
         if why:
             raise ValueError(why)
-        self.waiting.append(LocalJob(req, time.time()))
+        self.waiting.append(PrefillJob.of(req, time.time()))
 
     def abort(self, request_id: str) -> bool:
         for job in self.waiting:
@@ -116,73 +89,60 @@ class LocalPrefill:
         job = self.waiting[0]
         return (
             bool(job.block_ids)
-            or self.scheduler.refusal_for_now(job.prompt_len, job.request.params.max_tokens) is None
+            or self.scheduler.refusal_for_now(job.prompt_len, job.params.max_tokens) is None
         )
 
     def owed_s(self) -> float:
         owed, when = self._owed
         return max(owed - (time.monotonic() - when) * LOCAL_SHARE, 0.0)
 
-    def run(self) -> Prefilled | None:
+    def run(self) -> Joining | None:
         """One chunk of the first prompt in line (between steps: nothing on the device);
-        the prompt done, its sequence joins the scheduler's running ones."""
+        the prompt done, its sequence joins the scheduler's running ones, and what its first
+        update needs comes back."""
         if not self.is_runnable():
             return None
         job = self.waiting[0]
-        req, sched = job.request, self.scheduler
+        sched = self.scheduler
         if not job.block_ids:
-            cached = self._match(list(req.prompt_token_ids))
+            cached = self._match(job.token_ids)
             job.block_ids, job.num_reserved = sched.take_blocks(
-                job.prompt_len, req.params.max_tokens, cached=cached
+                job.prompt_len, job.params.max_tokens, cached=cached
             )
-            job.num_computed = job.num_cached = len(cached) * sched.block_size
+            job.num_computed = job.num_cached_tokens = len(cached) * sched.block_size
             job.start_time = time.time()
-        start, end = job.num_computed, min(job.prompt_len, job.num_computed + LOCAL_CHUNK_TOKENS)
-        is_last = end == job.prompt_len
-        chunk = PrefillChunk(
-            list(req.prompt_token_ids[start:end]),
-            start,
-            job.block_ids,
-            req.params if is_last else None,
+        chunk = job.chunk(
+            job.num_computed, min(job.prompt_len, job.num_computed + LOCAL_CHUNK_TOKENS)
         )
-        if is_last and req.params.is_processing:
-            chunk.history = req.params.split(list(req.prompt_token_ids))
         t0 = time.perf_counter()
         tokens, _ = self.worker.prefill([chunk])
         took = time.perf_counter() - t0
         self.busy_s += took
         if self.scheduler.running:  # NOTE: only the running sequences' time is owed
             self._owed = (self.owed_s() + took, time.monotonic())
-        self.num_tokens += end - start
-        job.num_computed = end
-        if not is_last:
+        self.num_tokens += len(chunk.token_ids)
+        job.num_computed = chunk.end
+        if not chunk.is_last:
             return None
         self.waiting.popleft()
         self.num_prefilled += 1
         seq = sched.admit(
             Sequence(
-                req.request_id,
+                job.request_id,
                 job.prompt_len,
-                req.params,
+                job.params,
                 job.block_ids,
                 job.num_reserved,
-                prompt_ids=list(req.prompt_token_ids),
+                prompt_ids=list(job.token_ids),
             )
         )
         done = time.time()
-        stamps = {
-            "arrival": req.arrival_time,
-            "prefill_recv": job.recv_time,
-            "prefill_start": job.start_time,
-            "prefill_end": done,
-            "decode_recv": done,
-            "decode_admit": done,
-            "cached_tokens": job.num_cached,
-        }
-        return Prefilled(seq, tokens[0], chunk.logprobs, stamps)
+        stamps = {**job.ttft_stamps(done), "decode_recv": done, "decode_admit": done}
+        return Joining(seq, tokens[0], chunk.logprobs, stamps)
 
     def _match(self, prompt: list[int]) -> list[int]:
-        """The blocks of the prompt's longest cached prefix (a finished turn's history), held now."""
+        """The blocks of the prompt's longest cached prefix (a finished turn's history), held
+        now."""
         cache, bs = self.scheduler.blocks, self.scheduler.block_size
         if not isinstance(cache, PrefixCache):
             return []

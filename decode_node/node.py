@@ -315,7 +315,7 @@ class DecodeNode:
                     self.scheduler.joining.append(j)
             self._join_started(updates)
         if taken is None and (done := self.local.run()) is not None:  # a chunk of a prompt here
-            update = self._join(done.seq, done.token, done.logprobs, done.stamps)
+            update = self._join(done.seq, done.token, done.logprobs, done.timings)
             if update is not None:
                 updates.append(update)
         return updates

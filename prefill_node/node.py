@@ -10,8 +10,6 @@ A prompt's blocks stay allocated here until that write has completed.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
 import time
 
@@ -19,8 +17,9 @@ from common import transfer
 from common.base import grammar
 from common.base.config import PrefillConfig, check_endpoint
 from common.base.log import IdleQuiet, Throttle, get_logger
-from common.base.request import stop_reason, validate_prompt
-from common.engine.worker import DeviceWorker, PrefillChunk
+from common.base.request import check_request
+from common.engine.prefill_job import PrefillChunk, PrefillJob
+from common.engine.worker import DeviceWorker
 from common.handoff.sender import Sender
 from common.kv.blocks import block_bytes, cache_block_size
 from common.kv.prefix import PrefixCache
@@ -39,11 +38,11 @@ from common.wire.protocol import (
     RequestFailed,
     TokenBatch,
     TokenUpdate,
-    ttft_parts,
 )
-from prefill_node.scheduler import PrefillJob, PrefillScheduler, ScheduledChunk
+from prefill_node.first_tokens import first_token_mask, first_token_updates
+from prefill_node.pass_budget import PassBudget
+from prefill_node.scheduler import PrefillScheduler
 
-MIN_PASS_TOKENS = 256  # a pass bounded in time still holds this many (a matmul's rate falls below)
 log = get_logger("prefill")
 noisy = Throttle(log)  # lines about what peers send
 
@@ -51,20 +50,72 @@ noisy = Throttle(log)  # lines about what peers send
 class PrefillNode:
     def __init__(self, cfg: PrefillConfig):
         self.cfg = cfg
-        self.worker = DeviceWorker(cfg.worker)
-        self.num_failed = 0
+        self.worker = DeviceWorker(cfg.worker).prepare()  # the weights and the KV cache, once
         self.compiles = grammar.Compiles(
             lambda: grammar.for_model(cfg.worker.model, self.worker.spec.vocab_size)
         )
+        self.prefix_cache = PrefixCache(self.worker.num_kv_blocks, cfg.is_prefix_caching)
+        self.scheduler = PrefillScheduler(
+            self.prefix_cache, self.worker.block_size, cfg.token_budget, cfg.max_batch_prompts
+        )
+        self.pass_budget = PassBudget(cfg.token_budget, cfg.max_pass_s, self.worker.block_size)
+        cache = self.worker.kv_cache
+        self.handoffs = Sender(
+            name=cfg.name,
+            handoff_lease_s=cfg.handoff_lease_s,
+            block_size=cache_block_size(cache.shape),
+            block_bytes=block_bytes(cache),
+            connect=self._connect,
+            open_writer=lambda w, send: transfer.open_writer(cfg.kv_transfer, w, cache, send),
+            free_blocks=self.prefix_cache.free,
+            drop_job=self._drop_job,
+            fail=self._fail,
+            checksums=(lambda ids: transfer.block_checksums(cache, ids))
+            if cfg.is_kv_verified
+            else None,
+            num_layers=cache.shape[0],
+            layerwise=cfg.kv_layerwise,
+        )
+        # Made by run(), on its thread (_open_frontend): the frontend's channel and the rest
+        # that rides on its ZeroMQ context.
+        self.runtime: NodeRuntime | None = None
+        self.frontend: Channel | None = None
+        self._poller: Poller | None = None
+        self.prefix_report: PrefixReport | None = None
+        self.num_failed = 0
         self._last_log = 0.0
         self.quiet = IdleQuiet()  # the periodic line: while busy, and once as it goes idle
         self._log_tokens = 0
-        self._pass_rate: float | None = None  # prompt tokens/s of recent passes (smoothed)
 
     # ---- the loop ---------------------------------------------------------
 
     def run(self, stop: StopEvent) -> int:
         """Serve until stopped; the process's exit code (1: refused by the frontend)."""
+        try:
+            self._open_frontend(stop)
+            while not stop.is_set():
+                self.turn()
+        finally:
+            self._close()
+        return self.runtime.exit_code
+
+    def turn(self) -> None:
+        """Take what arrived, start the prompts that may, run a pass over their chunks, hand
+        its first tokens on, and report."""
+        self._receive(self._poll_timeout_s())
+        self._admit()
+        chunks = self.scheduler.schedule()
+        if chunks:
+            first_tokens = self._forward(chunks)
+            self._send(self._collect(chunks, first_tokens))
+            self._catch_up()
+        self._report()
+
+    def _open_frontend(self, stop: StopEvent) -> None:
+        """The frontend's channel, registration and heartbeat (NodeRuntime), the poller the
+        turn waits on, and the prefix-cache report sent over that channel; then ready.
+        NOTE: made here, not in __init__: ZeroMQ sockets belong to the thread that uses them,
+        and this context is closed by run(), once every socket on it is."""
         rt = self.runtime = NodeRuntime(
             "prefill",
             self.cfg.name,
@@ -77,76 +128,40 @@ class PrefillNode:
         )
         self.frontend = rt.frontend
         self._poller = Poller(self.frontend)
-        try:
-            with (
-                self.worker,
-                contextlib.ExitStack() as parts,
-            ):  # parts close as they were made, last first
-                self.prefix_cache = PrefixCache(
-                    self.worker.num_kv_blocks, self.cfg.is_prefix_caching
-                )
-                self.prefix_report = PrefixReport(
-                    self.cfg.name, self.prefix_cache, rt, self.cfg.is_prefix_caching
-                )
-                self.scheduler = PrefillScheduler(
-                    self.prefix_cache,
-                    self.worker.block_size,
-                    self.cfg.token_budget,
-                    self.cfg.max_batch_prompts,
-                )
-                cache = self.worker.kv_cache
-                self.handoffs = Sender(
-                    name=self.cfg.name,
-                    handoff_lease_s=self.cfg.handoff_lease_s,
-                    block_size=cache_block_size(cache.shape),
-                    block_bytes=block_bytes(cache),
-                    connect=self._connect,
-                    open_writer=lambda w, send: transfer.open_writer(
-                        self.cfg.kv_transfer, w, cache, send
-                    ),
-                    free_blocks=self.prefix_cache.free,
-                    drop_job=self._drop_job,
-                    fail=self._fail,
-                    checksums=(lambda ids: transfer.block_checksums(cache, ids))
-                    if self.cfg.is_kv_verified
-                    else None,
-                    num_layers=cache.shape[0],
-                    layerwise=self.cfg.kv_layerwise,
-                )
-                parts.callback(self.handoffs.close)
-                parts.callback(self.compiles.close)
-                rt.start(self._send_ready, self.stats, self._is_empty)
-                log.info(
-                    "ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s",
-                    self.cfg.worker.device,
-                    describe_threads(self.worker.num_threads),
-                    self.prefix_cache.capacity,
-                    self.worker.token_capacity,
-                    self.cfg.token_budget,
-                    self.cfg.kv_transfer,
-                )
-                while not stop.is_set():
-                    # Writes are polled; reservations (which let prompts start), acks (which
-                    # free blocks) and retries come by message or within 50 ms.
-                    # NOTE: a write that only waits on its peer (a link refusing frames) is
-                    # polled every 5 ms, not in a spin.
-                    is_busy = bool(self.scheduler.prefilling or self.handoffs.is_writing)
-                    self._receive(0 if is_busy else 0.005 if self.handoffs.by_id else 0.02)
-                    self.handoffs.advance()
-                    self._take_compiled()
-                    chunks = self.scheduler.schedule()
-                    if chunks:
-                        self._forward(chunks)
-                        # NOTE: what arrived during the pass first: an answer read only after
-                        # its deadline is judged by when it is read, and a long pass on a slow
-                        # host would fail reservations that were answered in time.
-                        self._receive(0)
-                        self.handoffs.advance()
-                    self._report()
-        finally:
-            rt.close()
-            rt.term()
-        return rt.exit_code
+        self.prefix_report = PrefixReport(
+            self.cfg.name, self.prefix_cache, rt, self.cfg.is_prefix_caching
+        )
+        rt.start(self._send_ready, self.stats, self._is_empty)
+        log.info(
+            "ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s",
+            self.cfg.worker.device,
+            describe_threads(self.worker.num_threads),
+            self.prefix_cache.capacity,
+            self.worker.token_capacity,
+            self.cfg.token_budget,
+            self.cfg.kv_transfer,
+        )
+
+    def _close(self) -> None:
+        """The grammar compiles, the handoffs (their KV links), the worker, then the
+        frontend's channel and the ZeroMQ context, once every socket on it is closed."""
+        self.compiles.close()
+        self.handoffs.close()
+        self.worker.close()
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime.term()
+
+    def _poll_timeout_s(self) -> float:
+        """How long the turn may wait for a message. Writes are polled; reservations (which
+        let prompts start), acks (which free blocks) and retries come by message.
+        NOTE: a write that only waits on its peer (a link refusing frames) is polled every
+        5 ms, not in a spin."""
+        if self.scheduler.prefilling or self.handoffs.is_writing:
+            return 0
+        if self.handoffs.by_id:
+            return 0.005
+        return 0.02
 
     # ---- receive ----------------------------------------------------------
 
@@ -172,27 +187,27 @@ class PrefillNode:
             elif isinstance(msg, NodeAbort):
                 self.handoffs.abort(msg.request_id)
             elif isinstance(msg, NodeSync):
-                passed = self.handoffs.handed_off  # every request here has its handoff
-                self.runtime.send(
-                    NodeSynced(
-                        msg.sync_id,
-                        [
-                            r
-                            for r in msg.request_ids
-                            if not self.handoffs.holds(r) and r not in passed
-                        ],
-                        [r for r in msg.request_ids if r in passed],
-                    )
-                )
+                self._sync(msg)
+
+    def _sync(self, msg: NodeSync) -> None:
+        """Which of the frontend's requests this node no longer holds, and which it handed
+        off (every request here has its handoff)."""
+        passed = self.handoffs.handed_off
+        unknown = [r for r in msg.request_ids if not self.handoffs.holds(r) and r not in passed]
+        self.runtime.send(
+            NodeSynced(msg.sync_id, unknown, [r for r in msg.request_ids if r in passed])
+        )
 
     def _accept(self, req: PrefillRequest) -> None:
+        ids = [req.request_id, *(f.request_id for f in req.forks)]
         try:
-            req.params.validate(self.worker.spec.vocab_size)
-            validate_prompt(
+            check_request(
+                ids,
+                req.params,
                 req.prompt_token_ids,
-                req.params.max_tokens,
                 self.worker.spec.vocab_size,
                 self.worker.max_model_len,
+                self.handoffs.holds,
             )
             if not self.scheduler.fits_at_all(len(req.prompt_token_ids)):
                 raise ValueError(
@@ -200,24 +215,13 @@ class PrefillNode:
                     f"prefill node's KV cache ({self.worker.token_capacity} tokens)"
                 )
             check_endpoint("decode_kv_endpoint", req.decode_kv_endpoint, self.cfg.allow_remote)
-            ids = [req.request_id, *(f.request_id for f in req.forks)]
-            if len(set(ids)) != len(ids) or any(self.handoffs.holds(r) for r in ids):
-                raise ValueError("a request of this id is already here")
-            job = PrefillJob(
-                req.request_id,
-                list(req.prompt_token_ids),
-                req.params,
-                req.arrival_time,
-                req.decode_node,
-                req.decode_kv_endpoint,
-                forks=list(req.forks),
-            )
+            job = PrefillJob.of(req, time.time())
             self.handoffs.begin(job)  # the reservation comes back while the prompt waits or runs
             if req.params.grammar:  # compiled beside the loop; the prompt waits for it
                 self.compiles.submit(job.request_id, req.params.grammar)
                 job.is_compiling = True
         except (ValueError, LinkError) as e:
-            for rid in {req.request_id, *(f.request_id for f in req.forks)}:
+            for rid in dict.fromkeys(ids):
                 self._fail(rid, str(e))
             return
         self.scheduler.add(job)
@@ -247,6 +251,13 @@ class PrefillNode:
         job.block_ids = []
         self.compiles.drop(job.request_id)
 
+    # ---- admit ------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Prompts may start: reservations answered, grammars compiled (acks free blocks)."""
+        self.handoffs.advance()
+        self._take_compiled()
+
     def _take_compiled(self) -> None:
         """Prompts whose grammar has compiled may start; one that does not compile fails."""
         for job in [j for j in self.scheduler.waiting if j.is_compiling]:
@@ -255,152 +266,76 @@ class PrefillNode:
             try:
                 job.grammar, job.is_compiling = self.compiles.take(job.request_id), False
             except ValueError as e:  # GrammarError, said to the client
-                ids = [job.request_id, *(f.request_id for f in job.forks)]
-                for rid in ids:
+                for rid in job.request_ids:
                     self.handoffs.abort(rid)
-                for rid in ids:
+                for rid in job.request_ids:
                     self._fail(rid, str(e))
 
-    # ---- forward and hand off ----------------------------------------------
+    # ---- forward, collect, send --------------------------------------------
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> None:
-        batch = [self._chunk(c) for c in chunks]
+    def _forward(self, chunks: list[PrefillChunk]) -> list[int | None]:
+        """The pass; the first token of each prompt it finishes. The KV writes of finished
+        prompts start during the pass (layer by layer, and a chunked prompt's chunk by chunk:
+        (job, the blocks it completes)) or right behind it, before the first tokens are
+        sampled, so their commits go out at once."""
+        for c in chunks:
+            if c.is_last and c.params.is_masked_per_step:
+                c.mask = first_token_mask(c, self.worker.spec.vocab_size, self.compiles)
         finished = [c.job for c in chunks if c.is_last]
-        # The KV writes of finished prompts start during the pass (layer by layer, and a
-        # chunked prompt's chunk by chunk: (job, the blocks it completes)) or right behind it,
-        # before the first tokens are sampled, so their commits go out at once.
         bs = self.worker.block_size
         parts = [(c.job, None if c.is_last else c.end // bs) for c in chunks]
         started = time.perf_counter()
         tokens, _ = self.worker.prefill(
-            batch,
+            chunks,
             on_kv_queued=lambda: self.handoffs.start_writes(finished),
             on_layers=(lambda idx, n: self.handoffs.push_layers([parts[i] for i in idx], n))
             if self.cfg.kv_layerwise != "off"
             else None,
         )
-        num_tokens = sum(c.end - c.start for c in chunks)
+        num_tokens = sum(len(c.token_ids) for c in chunks)
         self._log_tokens += num_tokens
-        self._bound_pass(num_tokens, time.perf_counter() - started)
+        self.scheduler.token_budget = self.pass_budget.after_pass(
+            self.scheduler.token_budget, num_tokens, time.perf_counter() - started
+        )
+        return tokens
+
+    def _collect(self, chunks: list[PrefillChunk], tokens: list[int | None]) -> list[TokenUpdate]:
+        """What the pass computed: each chunk's prompt logprobs, each finished prompt's first
+        tokens (its forks' too) to its handoff; the updates that stream now. The pass is
+        recorded in the scheduler."""
         done_at = time.time()
-        early = []
-        for c, pc, token in zip(chunks, batch, tokens):
+        updates = []
+        for c, token in zip(chunks, tokens):
             job = c.job
-            if pc.prompt_logprobs is not None:
-                job.prompt_logprobs += pc.prompt_logprobs
-            if c.is_last:
-                stamps = {
-                    "arrival": job.arrival_time,
-                    "prefill_recv": job.recv_time,
-                    "prefill_start": job.start_time,
-                    "prefill_end": done_at,
-                    "cached_tokens": job.num_cached_tokens,
-                }  # a count riding with the stamps
-                for f, t, lp in zip(job.forks, pc.fork_tokens, pc.fork_logprobs):
-                    f.first_token, f.first_logprobs = t, lp
-                self.handoffs.set_first_token(job, token, stamps, pc.logprobs)
-                prompt_logprobs = (
-                    job.prompt_logprobs if job.params.num_prompt_logprobs >= 0 else None
-                )
-                # The first token streams now, while its KV travels; one that ends the
-                # request is left to the decode node, which ends it (the prompt's
-                # logprobs go now all the same). Each fork's likewise.
-                # NOTE: the prompt's logprobs go once, with the request's own update (the
-                # frontend gives them to its other choices): n copies could pass the link's
-                # message limit, and that would drop the link.
-                for rid, t, lp in [
-                    (job.request_id, token, pc.logprobs),
-                    *((f.request_id, f.first_token, f.first_logprobs) for f in job.forks),
-                ]:
-                    if (
-                        stop_reason(
-                            job.params,
-                            t,
-                            1,
-                            job.prompt_len,
-                            self.worker.spec.eos_token_ids,
-                            self.worker.max_model_len,
-                        )
-                        is None
-                    ):
-                        early.append(
-                            TokenUpdate(
-                                rid,
-                                [t],
-                                None,
-                                ttft_parts(stamps),
-                                index=0,
-                                logprobs=[lp] if lp else None,
-                                prompt_logprobs=prompt_logprobs,
-                            )
-                        )
-                    elif prompt_logprobs is not None:
-                        early.append(
-                            TokenUpdate(rid, [], None, index=0, prompt_logprobs=prompt_logprobs)
-                        )
-                    prompt_logprobs = None
-        if early and not self.frontend.send(TokenBatch(early), block=False):
-            noisy.warning(
-                "could not stream %d first tokens early: the decode nodes will", len(early)
+            if c.prompt_logprobs is not None:
+                job.prompt_logprobs += c.prompt_logprobs
+            if not c.is_last:
+                continue
+            stamps = job.ttft_stamps(done_at)
+            for f, t, lp in zip(job.forks, c.fork_tokens, c.fork_logprobs):
+                f.first_token, f.first_logprobs = t, lp
+            self.handoffs.set_first_token(job, token, stamps, c.logprobs)
+            spec = self.worker.spec
+            updates += first_token_updates(
+                job, token, c.logprobs, stamps, spec.eos_token_ids, self.worker.max_model_len
             )
         self.scheduler.complete(chunks)
+        return updates
 
-    def _bound_pass(self, num_tokens: int, elapsed_s: float) -> None:
-        """The next passes' token budget: what this node computes in --max-pass-time at the
-        rate measured (smoothed), within [MIN_PASS_TOKENS, --token-budget]. NOTE: a pass is
-        a stretch in which the node answers nothing; on a slow host the full budget would be
-        tens of seconds, past its leases, and every prompt in it waits for the whole pass."""
-        if self.cfg.max_pass_s <= 0 or num_tokens < MIN_PASS_TOKENS // 4 or elapsed_s <= 0:
-            return
-        rate = num_tokens / elapsed_s
-        self._pass_rate = rate if self._pass_rate is None else (self._pass_rate + rate) / 2
-        bs = self.worker.block_size
-        fit = int(self._pass_rate * self.cfg.max_pass_s) // bs * bs
-        budget = max(min(fit, self.cfg.token_budget), min(MIN_PASS_TOKENS, self.cfg.token_budget))
-        if abs(budget - self.scheduler.token_budget) * 4 >= self.scheduler.token_budget:
-            log.info(
-                "token budget per pass %d -> %d (%.0f prompt tokens/s measured, passes of at most "
-                "%.1fs)",
-                self.scheduler.token_budget,
-                budget,
-                self._pass_rate,
-                self.cfg.max_pass_s,
+    def _send(self, updates: list[TokenUpdate]) -> None:
+        """First tokens stream to the frontend at once; any it cannot take now the decode
+        nodes send."""
+        if updates and not self.frontend.send(TokenBatch(updates), block=False):
+            noisy.warning(
+                "could not stream %d first tokens early: the decode nodes will", len(updates)
             )
-        self.scheduler.token_budget = budget
 
-    def _chunk(self, c: ScheduledChunk) -> PrefillChunk:
-        """What the worker computes of a scheduled chunk: its first token if it is the
-        prompt's last (with the history its penalties need), the logprobs of its prompt
-        tokens if they were asked for."""
-        job = c.job
-        chunk = PrefillChunk(
-            job.token_ids[c.start : c.end],
-            c.start,
-            job.block_ids,
-            job.params if c.is_last else None,
-        )
-        if c.is_last:
-            chunk.fork_params = [dataclasses.replace(job.params, seed=f.seed) for f in job.forks]
-        if c.is_last and job.params.is_processing:
-            chunk.history = job.params.split(job.token_ids)
-        if c.is_last and job.params.is_masked_per_step:  # after any tokens streamed before a move
-            chunk.mask = (
-                grammar.matcher_for(
-                    job.params,
-                    chunk.history[1],
-                    self.worker.spec.vocab_size,
-                    self.compiles.grammars,
-                    job.grammar,
-                )
-                .fill()
-                .clone()
-            )
-        if job.params.num_prompt_logprobs >= 0:
-            chunk.prompt_targets = job.token_ids[c.start + 1 : c.end + 1] + (
-                [-1] if c.is_last else []
-            )
-            chunk.num_prompt_logprobs = job.params.num_prompt_logprobs
-        return chunk
+    def _catch_up(self) -> None:
+        """What arrived during the pass.
+        NOTE: at once: an answer read only after its deadline is judged by when it is read,
+        and a long pass on a slow host would fail reservations that were answered in time."""
+        self._receive(0)
+        self.handoffs.advance()
 
     def _fail(self, request_id: str, error: str, is_retryable: bool = False) -> None:
         self.num_failed += 1

@@ -21,49 +21,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
-from common.base.request import SamplingParams
+from common.engine.prefill_job import PrefillChunk, PrefillJob
 from common.kv.blocks import num_blocks_for
 from common.kv.prefix import PrefixCache, block_hashes, num_reusable_blocks
-
-
-@dataclass
-class PrefillJob:
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float  # at the frontend (wall clock)
-    decode_node: str  # where its KV goes
-    decode_kv_endpoint: str
-    recv_time: float = field(default_factory=time.time)
-    start_time: float | None = None
-    block_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # prompt tokens whose KV is in block_ids
-    num_cached_tokens: int = 0  # of those, taken from the prefix cache
-    num_published: int = 0  # full blocks given to the prefix cache
-    hashes: list[bytes] = field(default_factory=list)  # each full block's chained hash
-    is_reserved: bool = False  # its decode node holds blocks for it (set by the handoff)
-    is_peer_granting: bool = False  # its decode node granted the previous request at once
-    prompt_logprobs: list = field(default_factory=list)  # asked for: each chunk's, in order
-    forks: list = field(default_factory=list)  # n > 1: the other sequences (Fork), sampled with it
-    is_compiling: bool = False  # its grammar is being compiled (beside the loop): it waits
-    grammar: object = None  # its grammar, compiled
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
-class ScheduledChunk:
-    job: PrefillJob
-    start: int
-    end: int
-
-    @property
-    def is_last(self) -> bool:
-        return self.end == self.job.prompt_len
 
 
 class PrefillScheduler:
@@ -114,14 +75,14 @@ class PrefillScheduler:
                 return job
         return None
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> list[PrefillChunk]:
         budget = self.token_budget
-        chunks: list[ScheduledChunk] = []
+        chunks: list[PrefillChunk] = []
         for job in self.prefilling:  # finish what was started first
             if budget == 0 or len(chunks) == self.max_batch_prompts:
                 break
             end = min(job.prompt_len, job.num_computed + budget)
-            chunks.append(ScheduledChunk(job, job.num_computed, end))
+            chunks.append(job.chunk(job.num_computed, end))
             budget -= end - job.num_computed
         for job in list(self.waiting):  # in arrival order, passing those not reserved yet
             if budget == 0 or len(chunks) == self.max_batch_prompts:
@@ -157,7 +118,7 @@ class PrefillScheduler:
             job.start_time = time.time()
             self.prefilling.append(job)
             end = min(job.prompt_len, job.num_computed + budget)
-            chunks.append(ScheduledChunk(job, job.num_computed, end))
+            chunks.append(job.chunk(job.num_computed, end))
             budget -= end - job.num_computed
         return chunks
 
@@ -166,7 +127,7 @@ class PrefillScheduler:
         e = self.early
         return e is None or e.is_reserved or not e.block_ids
 
-    def complete(self, chunks: list[ScheduledChunk]) -> list[PrefillJob]:
+    def complete(self, chunks: list[PrefillChunk]) -> list[PrefillJob]:
         """Record a pass; return the jobs whose whole prompt is now in the cache."""
         done = []
         for c in chunks:
@@ -176,6 +137,6 @@ class PrefillScheduler:
                 self.prefix_cache.publish(job.block_ids[i], job.hashes[i])
             job.num_published = max(job.num_published, c.end // self.block_size)
             if c.is_last:
-                self.prefilling.remove(c.job)
-                done.append(c.job)
+                self.prefilling.remove(job)
+                done.append(job)
         return done

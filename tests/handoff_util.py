@@ -10,6 +10,7 @@ import torch
 
 from common import transfer
 from common.base.request import SamplingParams
+from common.engine.prefill_job import PrefillJob
 from common.handoff.receiver import Receiver
 from common.handoff.sender import Sender
 from common.handoff.states import Reservation
@@ -17,7 +18,6 @@ from common.kv.blocks import BlockAllocator, block_bytes
 from common.wire import protocol
 from common.wire.protocol import PREFILL_TO_DECODE, KVCommit, KVReserve, KVTransfer
 from decode_node.scheduler import DecodeScheduler
-from prefill_node.scheduler import PrefillJob
 
 PREFILL = b"prefill-0/1"
 BLOCK_SIZE = 4

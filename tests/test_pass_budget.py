@@ -3,20 +3,20 @@ would take tens of seconds, the budget follows the measured rate."""
 
 from types import SimpleNamespace
 
-from prefill_node.node import MIN_PASS_TOKENS, PrefillNode
+from prefill_node.pass_budget import MIN_PASS_TOKENS, PassBudget
 
 
 def node(token_budget=8192, max_pass_s=2.0):
     return SimpleNamespace(
-        cfg=SimpleNamespace(token_budget=token_budget, max_pass_s=max_pass_s),
-        worker=SimpleNamespace(block_size=16),
+        pass_budget=PassBudget(token_budget, max_pass_s, block_size=16),
         scheduler=SimpleNamespace(token_budget=token_budget),
-        _pass_rate=None,
     )
 
 
 def bound(n, num_tokens, elapsed_s):
-    PrefillNode._bound_pass(n, num_tokens, elapsed_s)
+    n.scheduler.token_budget = n.pass_budget.after_pass(
+        n.scheduler.token_budget, num_tokens, elapsed_s
+    )
     return n.scheduler.token_budget
 
 

@@ -5,6 +5,7 @@ engine share it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 # top_k <= 0 disables top-k; -1 is the documented spelling.
 TOP_K_DISABLED = -1
@@ -55,9 +56,8 @@ class SamplingParams:
     # What is reported: -1 none; 0 the chosen token's log-probability; k also the k likeliest.
     num_logprobs: int = -1
     num_prompt_logprobs: int = -1  # the same for every prompt token after the first (prefill node)
-    is_processed_logprobs: bool = (
-        False  # of the distribution sampled from, not the model's raw logits
-    )
+    # The logprobs reported are of the distribution sampled from, not the model's raw logits.
+    is_processed_logprobs: bool = False
     # Penalties and masks, applied to the logits before temperature (OpenAI's and vLLM's meanings).
     presence_penalty: float = 0.0  # minus this for every token already generated
     frequency_penalty: float = 0.0  # minus this times how often it was generated
@@ -69,9 +69,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()  # when given, only these
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
     num_prior_outputs: int = 0  # a moved request: the prompt's last tokens are outputs it streamed
-    grammar: tuple[
-        str, ...
-    ] = ()  # structured output: (kind, spec, whitespace) (common/base/grammar.py)
+    # Structured output: (kind, spec, whitespace) (common/base/grammar.py).
+    grammar: tuple[str, ...] = ()
 
     def split(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
         """A prompt as sent to a node -> (the client's prompt, the outputs already streamed)."""
@@ -104,7 +103,8 @@ class SamplingParams:
 
     @property
     def is_masked_per_step(self) -> bool:
-        """The next token's mask depends on the tokens before it: a grammar, or a bad word of several tokens."""
+        """The next token's mask depends on the tokens before it: a grammar, or a bad word of
+        several tokens."""
         return bool(self.grammar) or any(len(w) > 1 for w in self.bad_words_ids)
 
     def validate(self, vocab_size: int) -> None:
@@ -254,3 +254,20 @@ def validate_prompt(
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size
         )
         raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_request(
+    request_ids: list[str],
+    params: SamplingParams,
+    token_ids: list[int],
+    vocab_size: int,
+    max_model_len: int,
+    is_held: Callable[[str], bool],
+) -> None:
+    """What a node that prefills a request checks before taking it: its sampling
+    parameters, its prompt, and its ids (its own and its forks'), each new here.
+    ValueError: refused, said to the client."""
+    params.validate(vocab_size)
+    validate_prompt(token_ids, params.max_tokens, vocab_size, max_model_len)
+    if len(set(request_ids)) != len(request_ids) or any(is_held(r) for r in request_ids):
+        raise ValueError("a request of this id is already here")

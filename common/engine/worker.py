@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,7 +20,7 @@ import kernels
 from common.base.config import WorkerConfig, clamp_model_len, parse_core_pool
 from common.base.env import read_env
 from common.base.model_spec import load_spec, preset_spec
-from common.base.request import SamplingParams, TokenLogprobs
+from common.base.request import SamplingParams
 from common.engine import logits as logit_rules
 from common.engine import qwen3
 from common.engine.cores import CorePool
@@ -30,6 +29,7 @@ from common.engine.h2d import HostToDevice
 from common.engine.lanes import Lanes
 from common.engine.pass_size import pair_cost, threads_worth
 from common.engine.platform import platform_for
+from common.engine.prefill_job import PrefillChunk
 from common.engine.sampling import sample
 from common.engine.swap import SwapSpace
 from common.kv.blocks import (
@@ -41,30 +41,6 @@ from common.kv.blocks import (
     num_blocks_for,
 )
 from common.kv.sequence import grow_blocks
-
-
-@dataclass
-class PrefillChunk:
-    token_ids: list[int]  # this chunk's tokens
-    context_len: int  # tokens of the same prompt already in the cache
-    block_ids: list[int]  # blocks covering context_len + len(token_ids)
-    params: SamplingParams | None = None  # set on a prompt's last chunk: sample its first token
-    history: tuple[list[int], list[int]] | None = (
-        None  # with params that need it: (prompt, outputs)
-    )
-    mask: torch.Tensor | None = None  # a step mask for the first token ([W] int32 words)
-    prompt_targets: list[int] | None = None  # prompt logprobs asked for: each position's next token
-    num_prompt_logprobs: int = -1  # (-1 past the prompt's end), and how many alternatives
-    fork_params: list[SamplingParams] = field(
-        default_factory=list
-    )  # n > 1: sample n - 1 more first tokens
-    # Set by prefill(): what is reported of the first token, and of the prompt's tokens.
-    logprobs: TokenLogprobs | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    fork_tokens: list[int] = field(
-        default_factory=list
-    )  # one per fork_params, from the same logits
-    fork_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 class DeviceWorker:

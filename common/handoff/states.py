@@ -40,7 +40,7 @@ class Stage(enum.Enum):
 
 
 class Job(Protocol):
-    """What the handoff reads of a prompt (prefill_node/scheduler.py's PrefillJob)."""
+    """What the handoff reads of a prompt (common/engine/prefill_job.py's PrefillJob)."""
 
     request_id: str
     token_ids: list[int]

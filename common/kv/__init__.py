@@ -1,1 +1,2 @@
-"""kv: the KV cache as schedulers see it: layout, block allocator, prefix cache, a sequence's host-side state. Imports base."""
+"""kv: the KV cache as schedulers see it: layout, block allocator, prefix cache, a
+sequence's host-side state. Imports base."""
