@@ -8,7 +8,7 @@ they free up, unasked. A reservation neither renewed nor committed within its
 lease is freed (its prefill node is gone); a committed one waits for a batch
 row (the decode loop takes it with next_ready()). Only the prefill node that
 made a reservation may write, commit or release it: a prefill node is its tag
-(NAME/EPOCH, common/wire/channel.py), the same across a reset of its link.
+(NAME/EPOCH, common/wire/peers.py), the same across a reset of its link.
 
 Each grant has a name of its own. A write or a commit that names another grant
 (one this request had before, or one of this node's earlier life) is refused,

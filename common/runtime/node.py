@@ -41,7 +41,7 @@ class NodeRuntime:
         self.drain_asked = stop.drain
         self.drain_until: float | None = None  # monotonic; set while draining
         self.exit_code = 0
-        # New in each process: with the node's name, who it is on every link (channel.py).
+        # New in each process: with the node's name, who it is on every link (wire/peers.py).
         self.epoch = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.tag = node_tag(name, self.epoch)
         self.ctx = open_context(load_keys(keys_dir, name))

@@ -2,7 +2,7 @@
 ...fields}, followed by one raw frame per tensor field (KV blocks), described in the
 header by "tensors": [[field, dtype, shape], ...]. Tensors never travel as msgpack
 lists. A node's messages also say who sends them ("from": "NAME/EPOCH", see
-channel.py). decode() checks every field's type against the limits declared on it
+peers.py). decode() checks every field's type against the limits declared on it
 and names what is wrong (fields.py); lengths are checked before items, so a message
 of a million items costs no more than its length check.
 """
