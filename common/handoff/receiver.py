@@ -302,10 +302,6 @@ class Receiver:
         """The oldest committed request's KV has landed (FIFO: nothing overtakes it)."""
         return bool(self.ready) and self.sink.is_landed(self.ready[0])
 
-    def peek_ready(self) -> Reservation | None:
-        """The oldest committed reservation, once its KV has landed (still held here)."""
-        return self.held[self.ready[0]] if self.has_ready() else None
-
     def next_ready(self) -> Reservation | None:
         """The oldest committed reservation, once its KV has landed; it leaves the
         handoff (its blocks are the caller's now). r.error: why its KV is unusable."""
