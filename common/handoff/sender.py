@@ -59,7 +59,6 @@ class Sender:
     ):
         """checksums (--kv-verify): local block ids -> their checksums (a device tensor,
         queued with the write), sent with the commit. layerwise: --kv-layerwise (writes.py)."""
-        self.name = name
         self.handoff_lease_s = handoff_lease_s
         self.num_layers = num_layers
         self.layerwise = layerwise

@@ -127,7 +127,10 @@ class Handoff:
 
     def drop_reservation(self, now: float) -> None:
         """Its blocks there are not ours to write any more: ask again."""
-        self.stage, self.dst_block_ids, self.epoch, self.lease = Stage.ASKING, None, None, Lease()
+        self.stage = Stage.ASKING
+        self.dst_block_ids = None
+        self.epoch = None
+        self.lease = Lease()
         self.reservation = ""
         self.next_ask_at = now
         self.job.is_reserved = False

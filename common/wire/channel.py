@@ -185,7 +185,8 @@ class Channel(Inbound):
         map a message may hold (refused unread past it). max_queued: sends past this many
         messages queued here are refused (bulk whose sender picks what goes next)."""
         self._init_receiver(ctx.keys, is_router, domain, max_list_len)
-        self.endpoint, self.tag = endpoint, tag
+        self.endpoint = endpoint
+        self.tag = tag
         self.sock = ctx.zmq.socket(zmq.ROUTER if is_router else zmq.DEALER)
         if is_immediate:
             # Queue only to a live connection: sends to a dead peer fail instead of piling up.
