@@ -11,7 +11,7 @@ import random
 
 import msgpack
 
-from common.wire import codec, protocol
+from common.wire import fields, protocol
 
 NUMBERS = [
     0,
@@ -130,7 +130,7 @@ def message(rng: random.Random) -> list[bytes]:
     }
     frames = []
     if cls is not None:
-        hints = codec._hints(cls)
+        hints = fields.hints(cls)
         for f in dataclasses.fields(cls):
             if rng.random() < 0.08:
                 continue  # a field left out

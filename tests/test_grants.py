@@ -220,7 +220,7 @@ def test_a_group_of_n_starts_what_fits_and_the_rest_take_the_next_rows_first():
     assert not sched.can_admit()  # "late" waits behind g3, though rows may free
     sched.finish("lone")
     assert sched.next_joining().seq.request_id == "g3" and sched.can_admit()
-    assert rx.peek_ready().request_id == "late"
+    assert rx.has_ready() and rx.ready[0] == "late"
     gone = sched.drop_joining("nobody")
     assert gone is None
 

@@ -10,8 +10,9 @@ import torch
 
 from common import transfer
 from common.base.request import SamplingParams
+from common.handoff import asks
+from common.handoff.asks import MAX_RETRY_S, RETRY_S
 from common.handoff.lease import Lease
-from common.handoff.sender import MAX_RETRY_S, RETRY_S
 from common.handoff.states import Hold, Stage
 from common.kv.blocks import BlockAllocator, num_blocks_for
 from common.wire import protocol
@@ -62,10 +63,10 @@ def test_the_first_token_may_come_before_the_write_ends():
 def test_renewals_every_third_keep_a_reservation_past_its_lease_and_silence_frees_it():
     p = Pair(lease_s=30.0, handoff_lease_s=10.0)
     job, h = _handoff(p, "r")
-    asks = p.sent(KVReserve)
+    num_asks = p.sent(KVReserve)
     p.run_for(100)  # three leases: renewed about every 10 s
     assert p.rx.held["r"].hold is Hold.RESERVED and h.stage is Stage.RESERVED
-    assert 9 <= p.sent(KVReserve) - asks <= 11
+    assert 9 <= p.sent(KVReserve) - num_asks <= 11
     p.link.is_cut = p.data.is_cut = True  # the decode node hears nothing more
     p.run_for(9.5)  # silence counts from the first unanswered ask
     assert not p.failed and "r" in p.rx.held
@@ -110,7 +111,7 @@ def test_the_lease_counts_from_the_ask_it_answers():
     p.tx.begin(job)
     h = p.tx.by_id["r"]
     p.clock.advance(24)
-    p.tx._ask(h)  # two asks out, numbered
+    asks.ask(p.tx, h)  # two asks out, numbered
     p.clock.advance(1)
     first, second = sorted(h.asks)
     peer = h.peer
@@ -129,7 +130,7 @@ def test_the_lease_counts_from_the_ask_it_answers():
     p.tx.begin(job2)
     h2 = p.tx.by_id["s"]
     p.clock.advance(10)
-    p.tx._ask(h2)
+    asks.ask(p.tx, h2)
     early, late = sorted(h2.asks)
     p.tx._on_reserved(
         peer, KVReserved("s", "e1", [6, 7, 8], lease_s=30.0, ask=early, reservation="g2")

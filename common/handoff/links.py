@@ -60,7 +60,10 @@ class KVLinks:
         open_writer: Callable[[KVWelcome, Callable], KVWriter],
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.name, self.connect, self.open_writer, self.clock = name, connect, open_writer, clock
+        self.name = name
+        self.connect = connect
+        self.open_writer = open_writer
+        self.clock = clock
         self.peers: dict[str, DecodePeer] = {}  # by KV endpoint
         self.num_stray = 0  # messages that came back on a data connection
 
@@ -86,7 +89,9 @@ class KVLinks:
         its copies) and one is opened from the welcome, or peer.error says why not."""
         if peer.writer is not None:
             peer.writer.close()
-        peer.writer, peer.epoch, peer.error = None, w.epoch, None
+        peer.writer = None
+        peer.epoch = w.epoch
+        peer.error = None
         peer.num_blocks = num_cache_blocks(w.cache_shape) if is_cache_shape(w.cache_shape) else 0
         peer.is_layerwise = w.is_layerwise
         try:

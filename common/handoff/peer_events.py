@@ -23,7 +23,8 @@ def on_restart(tx, peer: DecodePeer, w: KVWelcome) -> None:
     for h in mine:
         if h.stage in (Stage.WRITING, Stage.CANCELLING):
             tx.count_failed(peer)
-            h.stage, h.is_retryable = Stage.CANCELLED, True
+            h.stage = Stage.CANCELLED
+            h.is_retryable = True
             h.error = h.error or f"decode node {peer.name} restarted during the KV write"
     tx.links.open(peer, w)
     for h in mine:
@@ -36,7 +37,8 @@ def on_restart(tx, peer: DecodePeer, w: KVWelcome) -> None:
             if h.stage in (Stage.QUEUED, Stage.RESERVED):
                 h.drop_reservation(tx.clock())
             else:
-                h.stage, h.is_retryable = Stage.CANCELLED, True
+                h.stage = Stage.CANCELLED
+                h.is_retryable = True
                 h.error = f"decode node {peer.name} restarted before the handoff was committed"
 
 

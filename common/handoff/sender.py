@@ -21,23 +21,16 @@ from typing import Callable
 
 from common.base.log import get_logger
 from common.base.recent import Recent
-from common.handoff import peer_events, writes
-from common.handoff.lease import INF, Lease
+from common.handoff import asks, peer_events, writes
 from common.handoff.links import KVLinks
 from common.handoff.states import DecodePeer, Handoff, Job, Link, Stage
 from common.kv.blocks import num_blocks_for
 from common.transfer import KVWriter, TransferError
 from common.wire.figures import TransferFigures
-from common.wire.limits import I32_MAX
-from common.wire.protocol import HandoffAck, KVCommit, KVRelease, KVReserve, KVReserved, KVWelcome
+from common.wire.protocol import HandoffAck, KVCommit, KVRelease, KVReserved, KVWelcome
 
 log = get_logger("prefill")
-RETRY_S = 0.05  # a retryable refusal (decode node and its line full) is asked again after
-MAX_RETRY_S = 0.8  # this, doubling up to this: a long backlog must not flood the decode node
-MAX_ASKS_OUT = 8  # unanswered asks remembered per handoff
-HANDED_OFF_MEMORY = (
-    4096  # requests handed to their decode node, remembered for the frontend's NodeSync
-)
+HANDED_OFF_MEMORY = 4096  # requests handed to their decode node, remembered for NodeSync
 
 
 class Sender:
@@ -66,22 +59,27 @@ class Sender:
     ):
         """checksums (--kv-verify): local block ids -> their checksums (a device tensor,
         queued with the write), sent with the commit. layerwise: --kv-layerwise (writes.py)."""
-        self.name, self.handoff_lease_s, self.num_layers, self.layerwise = (
-            name,
-            handoff_lease_s,
-            num_layers,
-            layerwise,
-        )
-        self.checksums, self.block_size, self.block_bytes = checksums, block_size, block_bytes
+        self.handoff_lease_s = handoff_lease_s
+        self.num_layers = num_layers
+        self.layerwise = layerwise
+        self.checksums = checksums
+        self.block_size = block_size
+        self.block_bytes = block_bytes
         self.links = KVLinks(name, connect, open_writer, clock)
-        self.free_blocks, self.drop_job, self.fail, self.clock = free_blocks, drop_job, fail, clock
+        self.free_blocks = free_blocks
+        self.drop_job = drop_job
+        self.fail = fail
+        self.clock = clock
         self.by_id: dict[str, Handoff] = {}
-        self.fork_of: dict[str, str] = {}  # n > 1: each fork's id -> its request's (a key of by_id)
-        self.num_handoffs, self.bytes_written = 0, 0
+        # n > 1: each fork's id -> its request's (a key of by_id)
+        self.fork_of: dict[str, str] = {}
+        self.num_handoffs = 0
+        self.bytes_written = 0
         self.transfers: dict[str, TransferFigures] = {}  # by backend
         self.num_bad_replies = 0
         self.handed_off = Recent(HANDED_OFF_MEMORY)  # requests its decode node took: its now
-        self.num_asks, self.num_link_resets = 0, 0
+        self.num_asks = 0  # the last ask's number (asks.py)
+        self.num_link_resets = 0
 
     # ---- peers --------------------------------------------------------------
 
@@ -123,124 +121,10 @@ class Sender:
         )
         if peer.epoch is None:
             self.links.hello(peer)
-        self._ask(h)
-
-    def _ask(self, h: Handoff) -> None:
-        """Ask for the blocks, or renew them once reserved."""
-        now = self.clock()
-        if h.silent_since is None:
-            h.silent_since = now
-        self.num_asks = self.num_asks % I32_MAX + 1
-        if h.peer.link.send(
-            KVReserve(
-                h.job.request_id,
-                h.job.prompt_len,
-                h.job.params.max_tokens,
-                self.num_asks,
-                [f.request_id for f in h.job.forks],
-            ),
-            block=False,
-        ):
-            h.asks[self.num_asks] = now
-            while (
-                len(h.asks) > MAX_ASKS_OUT
-            ):  # an answer to one forgotten grants a lease already over
-                h.asks.pop(next(iter(h.asks)))
-            h.next_ask_at = INF  # until the answer
-        else:
-            h.next_ask_at = now + RETRY_S  # not connected yet
+        asks.ask(self, h)
 
     def _on_reserved(self, peer: DecodePeer, r: KVReserved) -> None:
-        h = self.by_id.get(r.request_id)
-        if h is None or h.peer is not peer:
-            if r.block_ids is not None:
-                peer.link.send(
-                    KVRelease(r.request_id, r.reservation), block=False
-                )  # nobody wants it
-            return
-        h.silent_since = None
-        # NOTE: an answer names its ask, so its lease counts from when that ask was sent; one
-        # to an ask forgotten (or never made) grants a lease already over (asked again). Blocks
-        # granted from the line answer no ask: granted after the ask that queued it arrived.
-        if r.is_queued and r.block_ids is not None:
-            sent_at = h.queued_at if h.stage is Stage.QUEUED else -INF
-        else:
-            sent_at = h.asks.pop(r.ask, -INF)
-        if h.stage in (Stage.CANCELLING, Stage.CANCELLED):
-            self._release_other(peer, h, r)
-            return  # its end releases the grant it holds there
-        now = self.clock()
-        if h.dst_block_ids is not None:
-            if r.block_ids == h.dst_block_ids and (r.epoch, r.reservation) == (
-                h.epoch,
-                h.reservation,
-            ):
-                if sent_at > h.lease.start:
-                    h.lease = Lease(sent_at, r.lease_s)  # renewed
-                h.next_ask_at = h.lease.renew_at
-                return
-            if h.stage is Stage.WRITING and not h.is_kv_queued:  # pushed across passes (writes.py)
-                self.end_handoff(
-                    h, f"its reservation on {peer.name} ended during its prefill", is_retryable=True
-                )
-            if (
-                h.stage is not Stage.RESERVED
-            ):  # else the commit's answer says if the blocks were ours
-                self._release_other(peer, h, r)
-                return
-            # Our reservation ended there (new blocks, or a refusal): start from this answer.
-            # NOTE: after a refusal, release what was ours: an aborted request's blocks stay
-            # reserved there until released (a write may be landing in them).
-            if r.block_ids is None:
-                peer.link.send(KVRelease(r.request_id, h.reservation), block=False)
-            h.drop_reservation(self.clock())
-        peer.is_granting = r.block_ids is not None and not r.is_queued
-        if r.block_ids is None:
-            if r.is_queued:  # keeps its place by asking again every third of the lease
-                h.stage, h.queued_at, h.epoch, h.num_refusals = Stage.QUEUED, sent_at, r.epoch, 0
-                h.next_ask_at = Lease(now, r.lease_s).renew_at
-            elif r.is_retryable:  # its line is full too: ask again soon
-                h.stage = Stage.ASKING
-                h.next_ask_at = now + min(RETRY_S * 2**h.num_refusals, MAX_RETRY_S)
-                h.num_refusals += 1
-                if h.first_token is not None:
-                    # The decode node answers, and is full: waiting on it is backpressure, not
-                    # a lost handoff (the request's own deadline still bounds the wait).
-                    h.lease_deadline = now + self.handoff_lease_s
-            else:
-                h.stage = Stage.ASKING
-                self.end_handoff(h, f"decode node refused the request: {r.reason}")
-            return
-        num_needed = num_blocks_for(h.job.prompt_len, self.block_size)
-        if len(r.block_ids) != num_needed or len(set(r.block_ids)) != num_needed:
-            self.num_bad_replies += 1
-            self.end_handoff(
-                h,
-                f"decode node {peer.name} reserved {len(r.block_ids)} blocks, not one "
-                f"distinct block per prompt block",
-                release=True,
-            )
-            return
-        h.stage, h.dst_block_ids, h.epoch, h.num_refusals = (
-            Stage.RESERVED,
-            list(r.block_ids),
-            r.epoch,
-            0,
-        )
-        h.reservation = r.reservation
-        h.job.is_reserved = True  # its prefill may start now
-        h.lease = Lease(sent_at, r.lease_s)
-        h.next_ask_at = h.lease.renew_at
-        if r.epoch != peer.epoch:
-            self.links.hello(peer)  # a decode node we have not mapped (or that restarted)
-
-    @staticmethod
-    def _release_other(peer: DecodePeer, h: Handoff, r: KVReserved) -> None:
-        """A grant this handoff does not take (not the one it holds): released now, or the
-        decode node would hold its blocks until its lease ends. NOTE: a release names its
-        grant, so this one cannot free the handoff's own, nor its own this one."""
-        if r.block_ids is not None and r.reservation != h.reservation:
-            peer.link.send(KVRelease(r.request_id, r.reservation), block=False)
+        asks.on_reserved(self, peer, r)
 
     def _on_ack(self, peer: DecodePeer, ack: HandoffAck) -> None:
         h = self.by_id.get(ack.request_id)
@@ -265,7 +149,8 @@ class Sender:
 
     def push_layers(self, parts: list[tuple[Job, int | None]], num_done: int) -> None:
         """In the pass, the first num_done layers of each (prompt, the blocks its chunk
-        completes; None: all, its last chunk) queued: layer-wise writes start or go on (none ends)."""
+        completes; None: all, its last chunk) queued: layer-wise writes start or go on (none
+        ends)."""
         for job, end_block in parts:
             h = self.by_id.get(job.request_id)
             if h is not None and (h.layers_sent >= 0 or self._can_write(h, is_partial=True)):
@@ -286,7 +171,9 @@ class Sender:
     def set_first_token(self, job: Job, first_token: int, timings: dict, logprobs=None) -> None:
         h = self.by_id.get(job.request_id)
         if h is not None:
-            h.first_token, h.timings, h.first_logprobs = first_token, timings, logprobs
+            h.first_token = first_token
+            h.timings = timings
+            h.first_logprobs = logprobs
             h.lease_deadline = self.clock() + self.handoff_lease_s
             self._commit(h)
 
@@ -296,7 +183,8 @@ class Sender:
         if h is not None and h.give_up(request_id):
             self.end_handoff(h, None, release=h.dst_block_ids is not None)
 
-    def holds(self, request_id: str) -> bool:  # its handoff (or that of the request it forks) is on
+    def holds(self, request_id: str) -> bool:
+        """Its handoff (or that of the request it forks) is on."""
         return request_id in self.by_id or request_id in self.fork_of
 
     # ---- progress ---------------------------------------------------------------
@@ -321,15 +209,12 @@ class Sender:
                     if h.stage is Stage.WRITING:
                         # NOTE: CANCELLING until the writer says it has stopped: a later pass
                         # pushes nothing more, and the blocks here are freed only then.
-                        self._figures(h.peer).num_failed += 1
-                        h.error = (
-                            h.error
-                            or "its KV write did not complete before its reservation could end"
+                        self._fail_write(
+                            h, "its KV write did not complete before its reservation could end"
                         )
-                        h.is_retryable, h.stage = True, Stage.CANCELLING
                     h.peer.writer.cancel(h.job.request_id)
                 elif writes.renew_open(h, now):
-                    self._ask(h)
+                    asks.ask(self, h)
                 continue
             if h.stage is Stage.CANCELLED:
                 self.end_handoff(h, h.error, release=held)
@@ -355,7 +240,7 @@ class Sender:
                 )
             elif h.stage in (Stage.ASKING, Stage.QUEUED):
                 if now >= h.next_ask_at:
-                    self._ask(h)
+                    asks.ask(self, h)
             elif h.stage is Stage.RESERVED and now >= h.lease.end:
                 log.warning(
                     "reservation of %s on %s ran out before its write: reserving again",
@@ -373,7 +258,7 @@ class Sender:
                 elif h.epoch != h.peer.epoch:
                     self.links.hello(h.peer)
                 if now >= h.next_ask_at and h.stage is not Stage.COMMITTED:
-                    self._ask(h)  # renew
+                    asks.ask(self, h)  # renew
 
     def _can_write(self, h: Handoff, is_partial: bool = False) -> bool:
         return writes.can_start(
@@ -390,12 +275,21 @@ class Sender:
             writes.write(h, self.num_layers, num_done, self.checksums, self.clock, end_block)
         except TransferError as e:
             self._figures(h.peer).num_failed += 1
-            h.error, h.is_retryable = f"KV transfer to {h.peer.name} failed: {e}", True
+            h.error = f"KV transfer to {h.peer.name} failed: {e}"
+            h.is_retryable = True
             if h.stage is Stage.WRITING:  # begun: it ends in poll(), then advance() fails it
                 h.peer.writer.cancel(h.job.request_id)
                 h.stage = Stage.CANCELLING
             else:
                 h.stage = Stage.CANCELLED  # advance() releases the reservation and fails it
+
+    def _fail_write(self, h: Handoff, error: str) -> None:
+        """Its write failed (the path's fault: retryable, the first error kept): it ends
+        once the writer says it has stopped."""
+        self._figures(h.peer).num_failed += 1
+        h.error = h.error or error
+        h.is_retryable = True
+        h.stage = Stage.CANCELLING
 
     def _finish_write(self, h: Handoff | None, error: str | None) -> None:
         if h is None or h.stage not in (Stage.WRITING, Stage.CANCELLING):
@@ -403,24 +297,16 @@ class Sender:
         if error is not None and h.stage is Stage.WRITING:  # not a write its handoff stopped
             if self.clock() > h.write_deadline:
                 error = "it did not complete before its reservation could end"
-            self._figures(h.peer).num_failed += 1
-            h.error, h.is_retryable = (
-                h.error or f"KV transfer to {h.peer.name} failed: {error}",
-                True,
-            )
-            h.stage = (
-                Stage.CANCELLING
-            )  # ends below; advance() releases the reservation and fails it
+            # ends below; advance() releases the reservation and fails it
+            self._fail_write(h, f"KV transfer to {h.peer.name} failed: {error}")
         elif h.stage is Stage.WRITING:
             num_bytes = len(h.job.block_ids) * self.block_bytes
             self.bytes_written += num_bytes
             is_pushed = h.layers_sent >= 0 and h.peer.writer.is_layerwise
+            is_chunked = is_pushed and h.blocks_sent > 0  # begun a pass before
             self._figures(h.peer).observe(
-                self.clock() - h.write_started,
-                num_bytes,
-                is_pushed,
-                is_pushed and h.blocks_sent > 0,
-            )  # chunked: begun a pass before
+                self.clock() - h.write_started, num_bytes, is_pushed, is_chunked
+            )
         h.stage = Stage.WRITTEN if h.stage is Stage.WRITING else Stage.CANCELLED
         h.written_at = time.time()
         self.free_blocks(h.job.block_ids)  # the decode node holds them now
@@ -430,7 +316,8 @@ class Sender:
     def _commit(self, h: Handoff) -> None:
         """Once the blocks are written and the first token is sampled (either order)."""
         if h.stage is Stage.WRITTEN and h.first_token is not None:
-            h.timings["written"], h.stage = h.written_at, Stage.COMMITTED
+            h.timings["written"] = h.written_at
+            h.stage = Stage.COMMITTED
             self.send_commit(h)
 
     def send_commit(self, h: Handoff) -> None:
@@ -458,9 +345,11 @@ class Sender:
     def end_handoff(
         self, h: Handoff, error: str | None, release: bool = False, is_retryable: bool = False
     ) -> None:
-        """Drop the handoff and free what it holds here (and there, if release); fail the request if error."""
+        """Drop the handoff and free what it holds here (and there, if release); fail the
+        request if error."""
         if h.error is None:
-            h.error, h.is_retryable = error, is_retryable
+            h.error = error
+            h.is_retryable = is_retryable
         if h.stage in (Stage.WRITING, Stage.CANCELLING):
             # NOTE: blocks under a write are freed only when it ends; one that can be
             # stopped (a network write to a silent peer) is.
@@ -480,9 +369,8 @@ class Sender:
     # ---- figures ------------------------------------------------------------------
 
     @property
-    def is_writing(
-        self,
-    ) -> bool:  # a write under way this loop drives (not one waiting on its peer)
+    def is_writing(self) -> bool:
+        """A write under way that this loop drives (not one waiting on its peer)."""
         return any(
             h.stage in (Stage.WRITING, Stage.CANCELLING)
             and h.peer.writer is not None
@@ -494,10 +382,12 @@ class Sender:
     def num_pending(self) -> int:  # prompts done, waiting for their handoff to be committed
         return sum(h.first_token is not None for h in self.by_id.values())
 
-    def _figures(self, peer: DecodePeer) -> TransferFigures:  # its writer's backend's (it has one)
+    def _figures(self, peer: DecodePeer) -> TransferFigures:
+        """Its writer's backend's (it has one)."""
         return self.transfers.setdefault(peer.writer.name, TransferFigures())
 
-    def transfer_figures(self) -> dict[str, dict]:  # each backend's, by name (the stats' kv_writes)
+    def transfer_figures(self) -> dict[str, dict]:
+        """Each backend's, by name (the stats' kv_writes)."""
         return {name: f.as_dict() for name, f in self.transfers.items()}
 
     def close(self) -> None:

@@ -106,14 +106,13 @@ class Handoff:
     layers_sent: int = -1  # pushed layer by layer: the layers written so far
     blocks_sent: int = 0  # (of its blocks from blocks_sent on); those before, all
     pushed_at: float = -INF  # a pass computing its prompt last pushed it then
-    checksums: object = None  # --kv-verify: of each block, taken when its write starts
-    # (a device tensor; its list once committed)
+    # --kv-verify: of each block, taken when its write starts (a device tensor; its list once
+    # committed)
+    checksums: object = None
     written_at: float = 0.0  # wall clock
     error: str | None = None  # why it ends, once its write has finished
     is_retryable: bool = False  # error is the path's (the decode node), not the request's
-    aborted_ids: set = field(
-        default_factory=set
-    )  # n > 1: of the request and its forks, those given up
+    aborted_ids: set = field(default_factory=set)  # n > 1: of it and its forks, those given up
 
     @property
     def ids(self) -> list[str]:
@@ -128,7 +127,10 @@ class Handoff:
 
     def drop_reservation(self, now: float) -> None:
         """Its blocks there are not ours to write any more: ask again."""
-        self.stage, self.dst_block_ids, self.epoch, self.lease = Stage.ASKING, None, None, Lease()
+        self.stage = Stage.ASKING
+        self.dst_block_ids = None
+        self.epoch = None
+        self.lease = Lease()
         self.reservation = ""
         self.next_ask_at = now
         self.job.is_reserved = False
@@ -137,16 +139,16 @@ class Handoff:
 class Hold(enum.Enum):
     WAITING = "waiting"  # in line for blocks, oldest first; granted unasked
     RESERVED = "reserved"  # the prompt's blocks are held for its prefill node to write
-    FAILED = "failed"  # held, but a write failed or it was aborted: its commit is
-    # refused; freed when released, committed or its lease ends
+    # held, but a write failed or it was aborted: its commit is refused; freed when released,
+    # committed or its lease ends
+    FAILED = "failed"
     COMMITTED = "committed"  # written: waits for a batch row
 
 
 @dataclass
 class Reservation:
     request_id: str
-    sender: bytes  # the prefill node that asked ("NAME/EPOCH"): only it may write,
-    # commit, release
+    sender: bytes  # the prefill node that asked ("NAME/EPOCH"): only it writes, commits, releases
     prompt_len: int
     max_tokens: int
     lease: Lease  # renewed by each KVReserve for it
@@ -158,12 +160,8 @@ class Reservation:
     error: str | None = None  # FAILED: why; once taken by next_ready(): why its KV is unusable
     reason: str = "waiting for blocks"  # WAITING: why, for the answer
     reserved_at: float = field(default_factory=time.time)
-    fork_ids: list[str] = field(
-        default_factory=list
-    )  # n > 1: its other sequences, forked at admission
-    aborted_ids: set[str] = field(
-        default_factory=set
-    )  # of it and its forks, those the frontend gave up
+    fork_ids: list[str] = field(default_factory=list)  # n > 1: the others, forked at admission
+    aborted_ids: set[str] = field(default_factory=set)  # of it and its forks, those given up
     is_quarantined: bool = False  # its lease ended, and a one-sided writer may still be writing
 
     @property
@@ -180,7 +178,10 @@ class Reservation:
         try:
             c.params.validate(vocab_size)
             if len(c.prompt_ids) != c.prompt_len:
-                return f"the commit names {len(c.prompt_ids)} prompt ids for a {c.prompt_len}-token prompt"
+                return (
+                    f"the commit names {len(c.prompt_ids)} prompt ids "
+                    f"for a {c.prompt_len}-token prompt"
+                )
             validate_prompt(c.prompt_ids, c.params.max_tokens, vocab_size, max_model_len)
         except ValueError as e:
             return str(e)

@@ -1,1 +1,2 @@
-"""runtime: what a node process is beyond its loop: the frontend link, registration, heartbeat, threads and signals. Imports base, wire."""
+"""runtime: what a node process is beyond its loop: the frontend link, registration,
+heartbeat, threads and signals. Imports base, wire."""

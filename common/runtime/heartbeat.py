@@ -38,9 +38,12 @@ class Registration:
     def on_reply(self, reply: ReadyReply) -> str | None:
         """The reason to stop, if the frontend refused this node for good."""
         if reply.is_accepted:
-            self.is_accepted, self._refused_since, self.reason = True, None, None
+            self.is_accepted = True
+            self._refused_since = None
+            self.reason = None
             return None
-        self.is_accepted, self.reason = False, reply.reason
+        self.is_accepted = False
+        self.reason = reply.reason
         if not reply.is_retryable:
             return f"the frontend refused this node: {reply.reason}"
         if self._refused_since is None:
@@ -58,7 +61,9 @@ class Registration:
         now = time.monotonic()
         if self.is_forgotten.is_set():  # the frontend forgot us (or restarted)
             self.is_forgotten.clear()
-            self.is_accepted, self._sent_at, self._asked_since = False, 0.0, now
+            self.is_accepted = False
+            self._sent_at = 0.0
+            self._asked_since = now
         if self.is_accepted:
             return None
         if self._refused_since is not None and now - self._refused_since > self.give_up_s:

@@ -36,12 +36,16 @@ class NodeRuntime:
         log,
         drain_timeout_s: float = 30.0,
     ):
-        self.role, self.name, self.links, self.stop, self.log = role, name, links, stop, log
+        self.role = role
+        self.name = name
+        self.links = links
+        self.stop = stop
+        self.log = log
         self.drain_timeout_s = drain_timeout_s
         self.drain_asked = stop.drain
         self.drain_until: float | None = None  # monotonic; set while draining
         self.exit_code = 0
-        # New in each process: with the node's name, who it is on every link (channel.py).
+        # New in each process: with the node's name, who it is on every link (wire/peers.py).
         self.epoch = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.tag = node_tag(name, self.epoch)
         self.ctx = open_context(load_keys(keys_dir, name))
@@ -70,7 +74,8 @@ class NodeRuntime:
         """Register (ready is sent until accepted) and start the heartbeat, fed by
         stats() snapshots that the loop takes in turn(), never the heartbeat thread.
         is_empty(): the node holds no request (a draining node may stop)."""
-        self._stats, self._is_empty = stats, is_empty
+        self._stats = stats
+        self._is_empty = is_empty
         self.registration = Registration(send_ready, 2 * self.links.dead_after_s + 5)
         self.registration.tick()
         self.heartbeat = HeartbeatThread(

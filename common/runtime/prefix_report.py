@@ -19,7 +19,10 @@ class PrefixReport:
     """cache: a common/kv/prefix.PrefixCache; runtime: the node's NodeRuntime."""
 
     def __init__(self, name: str, cache, runtime, is_enabled: bool):
-        self.name, self.cache, self.runtime, self.is_enabled = name, cache, runtime, is_enabled
+        self.name = name
+        self.cache = cache
+        self.runtime = runtime
+        self.is_enabled = is_enabled
         self.is_synced = False
         self.synced_at = 0.0
         self.num_link_resets = 0
@@ -27,7 +30,8 @@ class PrefixReport:
     def turn(self) -> None:
         rt = self.runtime
         if rt.num_link_resets != self.num_link_resets:  # updates may be lost: all of it again
-            self.num_link_resets, self.is_synced = rt.num_link_resets, False
+            self.num_link_resets = rt.num_link_resets
+            self.is_synced = False
         if not self.is_enabled or not rt.is_registered:
             self.is_synced = False
             self.cache.take_updates()  # a full resync follows registration

@@ -6,56 +6,35 @@ Topology (every endpoint derives from one base port, see launch/start_cluster.sh
     nodes    --DEALER-->  ROUTER  frontend node endpoint     (base + 1)
     prefill  --DEALER-->  ROUTER  decode node's KV endpoint  (base + 2)
 
-Who a peer is. A ROUTER knows a peer by its ZeroMQ routing id, which changes on
-every reconnect (a connection reset by a middlebox, say) while the process lives
-on. A node's DEALER therefore tags every message "NAME/EPOCH" (its name, and an
-epoch new in each process), and the ROUTER names the sender by that tag: the
-same peer across reconnects, a new one after a restart. With keys the tag's
-NAME must be the name of the key the peer proved, or the message is refused;
-on open links the tag is as good as the port's reach. Replies go to the route
-the peer last spoke from; `rerouted` lists peers seen on a new route (their
-connection was replaced: what was in flight on the old one may be lost), and a
-DEALER's take_reconnects() says when its own connection was replaced.
-Clients send no tag: a client is its routing id.
+Who a peer is (a node's "NAME/EPOCH" tag, its route, the key it proved) is
+peers.py's: a channel's receiving end names the sender of each message it reads.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
 from common.wire import protocol
 from common.wire.keys import DOMAINS, ClusterKeys
-from common.wire.protocol import ProtocolError
+from common.wire.peers import BadMessage, Inbound, node_tag, tag_name
 
-MAX_PEER_NAMES = 4096  # peers remembered per ROUTER (their proven names and routes)
-MAX_REROUTED = 1024  # reroutes remembered until taken
+# What nodes and the frontend import from here; who a peer is comes from peers.py.
+__all__ = [
+    "AsyncChannel",
+    "BadMessage",
+    "Channel",
+    "Context",
+    "LinkError",
+    "Poller",
+    "node_tag",
+    "open_async_context",
+    "open_context",
+    "tag_name",
+]
+
 HEARTBEAT_IVL_MS = 1000  # ZMTP pings on an idle connection
 HEARTBEAT_TIMEOUT_MS = 5000  # no traffic for this long: the connection is dropped
-
-
-def node_tag(name: str, epoch: str, suffix: str = "") -> str:
-    """What a node's messages say of who sends them: "NAME/EPOCH[/SUFFIX]"."""
-    return f"{name}/{epoch}{'/' + suffix if suffix else ''}"
-
-
-def tag_name(tag: bytes | str | None) -> str | None:
-    """The NAME of a "NAME/EPOCH..." sender."""
-    if tag is None:
-        return None
-    text = tag.decode("utf-8", "replace") if isinstance(tag, bytes) else tag
-    return text.split("/", 1)[0] if "/" in text else None
-
-
-@dataclass
-class BadMessage:
-    """What arrived instead of a message: who sent it and what was wrong."""
-
-    sender: bytes | None
-    error: str
-    request_id: str | None
 
 
 class LinkError(RuntimeError):
@@ -183,102 +162,7 @@ def _configure(
         sock.setsockopt(zmq.IDENTITY, tag.encode())
 
 
-class _Receiver:
-    """Frames -> (sender, message or BadMessage), never an exception; counts what it drops.
-    A ROUTER's sender is the peer's tag (or, untagged, its routing id); see the module."""
-
-    def _init_receiver(
-        self, ctx: Context, is_router: bool, domain: str | None, max_list_len: int | None
-    ) -> None:
-        self.is_router = is_router
-        self.num_bad = 0
-        self.num_reroutes = 0
-        self.max_list_len = max_list_len or protocol.codec.MAX_LIST_LEN
-        self._keys = ctx.keys if is_router and domain else None
-        self._domain = domain
-        self._members: dict[str, str] = {}
-        self.peer_names: dict[bytes, str] = {}  # sender -> the key name it proved
-        self._routes: dict[bytes, bytes] = {}  # tagged sender -> the routing id it last spoke from
-        self.rerouted: list[bytes] = []  # tagged senders seen on a new route, until taken
-
-    def peer_name(self, sender: bytes | None) -> str | None:
-        """The key name a secured peer proved; None on an open socket."""
-        return self.peer_names.get(sender)
-
-    def route(self, sender: bytes) -> bytes:
-        """Where a reply to sender goes: the route a tagged peer last spoke from."""
-        return self._routes.get(sender, sender)
-
-    def take_rerouted(self) -> list[bytes]:
-        out, self.rerouted = self.rerouted, []
-        return out
-
-    def _unpack(self, frames: list, allowed) -> tuple[bytes | None, object]:
-        route = None
-        if self.is_router:
-            route, frames = frames[0].bytes, frames[1:]
-        proven = (
-            self._proven(frames[0].get("User-Id")) if self._keys is not None and frames else None
-        )
-        try:
-            msg, tag = protocol.decode_from(frames, allowed, self.max_list_len)
-        except ProtocolError as e:
-            self.num_bad += 1
-            return self._sender(route, protocol.codec.sender_of(frames), proven), BadMessage(
-                route, str(e), e.request_id
-            )
-        except Exception as e:  # noqa: BLE001 - no input may escape as an exception
-            self.num_bad += 1
-            return route, BadMessage(route, f"undecodable message ({type(e).__name__})", None)
-        if not self.is_router:
-            return None, msg
-        if tag is not None and self._keys is not None and tag_name(tag) != proven:
-            self.num_bad += 1
-            return route, BadMessage(
-                route,
-                f"a peer that proved the key of {proven!r} sent as {tag[:64]!r}",
-                getattr(msg, "request_id", None),
-            )
-        sender = self._sender(route, tag, proven)
-        return sender, msg
-
-    def _sender(self, route: bytes | None, tag: str | None, proven: str | None) -> bytes | None:
-        """Who sent it: a tag that holds (its key proved its name), else the routing id."""
-        if route is None:
-            return None
-        sender = route
-        if tag is not None and (self._keys is None or tag_name(tag) == proven):
-            sender = tag.encode()
-            old = self._routes.pop(sender, None)
-            if old is not None and old != route:
-                self.num_reroutes += 1
-                if len(self.rerouted) < MAX_REROUTED:
-                    self.rerouted.append(sender)
-            self._remember(self._routes, sender, route)
-        if self._keys is not None:
-            if proven is None:
-                self.peer_names.pop(sender, None)
-            elif self.peer_names.get(sender) != proven:
-                self._remember(self.peer_names, sender, proven)
-        return sender
-
-    @staticmethod
-    def _remember(table: dict, key, value) -> None:
-        if key not in table and len(table) >= MAX_PEER_NAMES:
-            table.pop(next(iter(table)))  # the oldest
-        table[key] = value
-
-    def _proven(self, user_id: str | None) -> str | None:
-        """The name of the key a message was sent with. Read for every message, not cached
-        by routing id: a peer may reconnect under a routing id another peer had."""
-        name = self._members.get(user_id)
-        if name is None and user_id is not None:
-            self._members = {k.decode(): n for k, n in self._keys.members(self._domain).items()}
-            name = self._members.get(user_id)
-        return name
-
-
-class Channel(_Receiver):
+class Channel(Inbound):
     """One socket. ROUTER channels (bind) address peers by identity; DEALER
     channels (connect) have one logical peer. With a keyed context, server names
     the CURVE server a dealer connects to and domain whom a router admits."""
@@ -300,8 +184,9 @@ class Channel(_Receiver):
         """tag: a node's DEALER, "NAME/EPOCH" (node_tag). max_list_len: the longest list or
         map a message may hold (refused unread past it). max_queued: sends past this many
         messages queued here are refused (bulk whose sender picks what goes next)."""
-        self._init_receiver(ctx, is_router, domain, max_list_len)
-        self.endpoint, self.tag = endpoint, tag
+        self._init_receiver(ctx.keys, is_router, domain, max_list_len)
+        self.endpoint = endpoint
+        self.tag = tag
         self.sock = ctx.zmq.socket(zmq.ROUTER if is_router else zmq.DEALER)
         if is_immediate:
             # Queue only to a live connection: sends to a dead peer fail instead of piling up.
@@ -395,7 +280,7 @@ class Poller:
                 self._poller.modify(ch.sock, zmq.POLLIN)
 
 
-class AsyncChannel(_Receiver):
+class AsyncChannel(Inbound):
     """A ROUTER or DEALER channel for asyncio code (the frontend and the async client)."""
 
     def __init__(
@@ -409,7 +294,7 @@ class AsyncChannel(_Receiver):
         domain: str | None = None,
         max_list_len: int | None = None,
     ):
-        self._init_receiver(ctx, is_router, domain, max_list_len)
+        self._init_receiver(ctx.keys, is_router, domain, max_list_len)
         self.sock = ctx.aio.socket(zmq.ROUTER if is_router else zmq.DEALER)
         _open(ctx, self.sock, is_router, endpoint, max_message_bytes, server, domain)
 

@@ -40,7 +40,8 @@ class GenerateRequest:
     request_id: Id
     prompt: str | None = None
     prompt_token_ids: Annotated[list[I32], MaxLen(MAX_PROMPT_IDS)] | None = None
-    # A message: role, content (text or null), and an assistant's tool_calls or a tool's tool_call_id.
+    # A message: role, content (text or null), and an assistant's tool_calls or a tool's
+    # tool_call_id.
     messages: (
         Annotated[list[Annotated[dict, Plain(depth=5, max_items=64)]], MaxLen(MAX_MESSAGES)] | None
     ) = None

@@ -1,4 +1,5 @@
-"""Messages on the KV link between a prefill node and a decode node: the handoff's reserve, write and commit."""
+"""Messages on the KV link between a prefill node and a decode node: the handoff's
+reserve, write and commit."""
 
 from __future__ import annotations
 

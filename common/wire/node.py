@@ -1,4 +1,5 @@
-"""Messages between the frontend and its nodes: requests and control down, tokens, failures and health up."""
+"""Messages between the frontend and its nodes: requests and control down, tokens,
+failures and health up."""
 
 from __future__ import annotations
 

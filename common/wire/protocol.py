@@ -17,8 +17,8 @@ from common.wire.client import (
     StatsReply,
     StatsRequest,
     Structured,
-)  # noqa: F401
-from common.wire.codec import PROTOCOL_VERSION, ProtocolError, dtype_name, encode  # noqa: F401
+)
+from common.wire.codec import PROTOCOL_VERSION, ProtocolError, dtype_name, encode
 from common.wire.kv import (
     HandoffAck,
     KVCommit,
@@ -28,7 +28,7 @@ from common.wire.kv import (
     KVReserved,
     KVTransfer,
     KVWelcome,
-)  # noqa: F401
+)
 from common.wire.node import (
     Drain,
     Fork,
@@ -47,7 +47,65 @@ from common.wire.node import (
     TokenBatch,
     TokenUpdate,
     ttft_parts,
-)  # noqa: F401
+)
+
+# What senders and receivers import from here, by link.
+__all__ = [
+    # client <-> frontend (client.py)
+    "AbortRequest",
+    "DrainReply",
+    "DrainRequest",
+    "ErrorReply",
+    "GenerateOutput",
+    "GenerateRequest",
+    "OutputBatch",
+    "StatsReply",
+    "StatsRequest",
+    "Structured",
+    # frontend <-> node (node.py)
+    "Drain",
+    "Fork",
+    "Heartbeat",
+    "NodeAbort",
+    "NodeDraining",
+    "NodeReady",
+    "NodeSync",
+    "NodeSynced",
+    "PeerLost",
+    "PrefillRequest",
+    "PrefixUpdate",
+    "ReadyReply",
+    "RequestFailed",
+    "Shutdown",
+    "TokenBatch",
+    "TokenUpdate",
+    "ttft_parts",
+    # prefill node <-> decode node (kv.py)
+    "HandoffAck",
+    "KVCommit",
+    "KVHello",
+    "KVRelease",
+    "KVReserve",
+    "KVReserved",
+    "KVTransfer",
+    "KVWelcome",
+    # the codec (codec.py)
+    "PROTOCOL_VERSION",
+    "ProtocolError",
+    "dtype_name",
+    "encode",
+    "decode",
+    "decode_from",
+    # what each link carries (below)
+    "MESSAGES",
+    "CLIENT_TO_FRONTEND",
+    "FRONTEND_TO_CLIENT",
+    "FRONTEND_TO_NODE",
+    "FRONTEND_TO_HEARTBEAT",
+    "NODE_TO_FRONTEND",
+    "PREFILL_TO_DECODE",
+    "DECODE_TO_PREFILL",
+]
 
 MESSAGES: dict[str, type] = {
     cls.TYPE: cls
