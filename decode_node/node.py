@@ -119,12 +119,14 @@ class DecodeNode:
                     is_layerwise=self.cfg.kv_layerwise != "off",
                 )
                 self._poller = Poller(self.frontend, self.kv)
-                self.blocks = PrefixCache(self.worker.num_kv_blocks, self.cfg.is_prefix_caching)
+                self.prefix_cache = PrefixCache(
+                    self.worker.num_kv_blocks, self.cfg.is_prefix_caching
+                )
                 self.prefix_report = PrefixReport(
-                    self.cfg.name, self.blocks, rt, self.cfg.is_prefix_caching
+                    self.cfg.name, self.prefix_cache, rt, self.cfg.is_prefix_caching
                 )
                 self.scheduler = DecodeScheduler(
-                    self.blocks,
+                    self.prefix_cache,
                     self.worker.block_size,
                     self.cfg.worker.max_batch_size,
                     self.cfg.is_preemptive,
@@ -150,7 +152,7 @@ class DecodeNode:
                     "ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
                     self.cfg.worker.device,
                     describe_threads(self.worker.num_threads),
-                    self.blocks.capacity,
+                    self.prefix_cache.capacity,
                     self.worker.token_capacity,
                     self.cfg.worker.max_batch_size,
                     self.cfg.kv_endpoint
@@ -377,14 +379,14 @@ class DecodeNode:
         if reason:
             self._finished(rid, in_batch=False)
             return update
-        blocks_to_join(seq, self.worker.block_size, self.blocks)
+        blocks_to_join(seq, self.worker.block_size, self.prefix_cache)
         self.worker.add_decode_seq(
             rid, token, seq.prompt_len, seq.block_ids, seq.params, seq.history()
         )
         return update
 
     def _launch(self) -> DecodeTicket | None:
-        self.worker.grow_blocks(self.scheduler.running, self.blocks)
+        self.worker.grow_blocks(self.scheduler.running, self.prefix_cache)
         for key, seq in self.scheduler.running.items():
             if seq.matcher is not None:
                 self.worker.set_decode_mask(key, seq.matcher.fill())
@@ -405,7 +407,9 @@ class DecodeNode:
             or self.local.is_runnable()
             or (self.scheduler.joining and self.scheduler.has_row())
             or self.scheduler.next_resumable()
-            or num_blocks_short(self.worker.keys_needing_block, self.scheduler.running, self.blocks)
+            or num_blocks_short(
+                self.worker.keys_needing_block, self.scheduler.running, self.prefix_cache
+            )
         ):
             return False
         if any(s.matcher is not None for s in self.scheduler.running.values()):
@@ -523,9 +527,9 @@ class DecodeNode:
             "num_forked": self.num_forked,
             "num_joining": len(self.scheduler.joining),
             "num_discarded_tokens": self.num_discarded_tokens,
-            "num_free_blocks": self.blocks.num_free,
-            "num_reserved_blocks": self.blocks.num_reserved,
-            "num_available_blocks": self.blocks.num_available,
+            "num_free_blocks": self.prefix_cache.num_free,
+            "num_reserved_blocks": self.prefix_cache.num_reserved,
+            "num_available_blocks": self.prefix_cache.num_available,
             "num_bad_messages": self.frontend.num_bad + self.kv.num_bad,
             "num_link_resets": self.runtime.num_link_resets + self.kv.num_reroutes,
             "num_incomplete_commits": self.handoff.num_incomplete,
@@ -533,7 +537,7 @@ class DecodeNode:
             "num_kv_verify_failures": self.handoff.num_verify_failures,
             "num_peer_drops": self.handoff.num_peer_drops,
             "is_registered": self.runtime.is_registered,
-            "num_usable_blocks": self.blocks.capacity,
+            "num_usable_blocks": self.prefix_cache.capacity,
             **self.local.stats(),
         }
 

@@ -27,7 +27,7 @@ class Preemption:
     def make_room(self) -> None:
         """Preempt until the next step's new blocks fit in the pool."""
         s = self.scheduler
-        while num_blocks_short(self.worker.keys_needing_block, s.running, s.blocks):
+        while num_blocks_short(self.worker.keys_needing_block, s.running, s.prefix_cache):
             self.preempt(s.victim())
 
     def preempt(self, seq: Sequence) -> None:
@@ -49,7 +49,7 @@ class Preemption:
             rid,
             seq.num_cached,
             "swapped to host" if seq.is_swapped else "to be recomputed",
-            self.scheduler.blocks.num_free,
+            self.scheduler.prefix_cache.num_free,
             len(self.scheduler.running),
         )
 

@@ -192,7 +192,10 @@ def test_stop_token_with_steps_queued_ahead(tiny_model, tmp_path):
         # The step queued behind the stopping one ran, and its token for the stopped request was dropped.
         assert node.num_discarded_tokens > 0
         wait_for(
-            lambda: not node.scheduler.running and node.blocks.num_free == node.blocks.capacity,
+            lambda: (
+                not node.scheduler.running
+                and node.prefix_cache.num_free == node.prefix_cache.capacity
+            ),
             10,
             "every block to be free again",
         )

@@ -41,7 +41,7 @@ def test_preemptive_admission_reserves_what_a_request_needs_now():
     assert rx.refusal("c", 16 * 32, 10)[1] is True  # 33 would eat the watermark
     sched.give_back(a, num_a)
     sched.give_back(b, num_b)
-    assert sched.blocks.num_free == 40 and sched.blocks.num_reserved == 0
+    assert sched.prefix_cache.num_free == 40 and sched.prefix_cache.num_reserved == 0
 
 
 def test_the_newest_is_preempted_and_the_oldest_resumes_first():
@@ -52,7 +52,7 @@ def test_the_newest_is_preempted_and_the_oldest_resumes_first():
     sched.preempt(seqs[2], now=1.0)
     sched.preempt(sched.victim(), now=2.0)
     assert [s.request_id for s in sched.preempted] == ["b", "c"] and list(sched.running) == ["a"]
-    assert sched.blocks.num_free == 37  # b's and c's blocks are back
+    assert sched.prefix_cache.num_free == 37  # b's and c's blocks are back
     assert "resume first" in rx.refusal("d", 10, 10)[0]  # nothing new while they wait
     seq = sched.next_resumable()
     assert seq is seqs[1]
@@ -61,7 +61,7 @@ def test_the_newest_is_preempted_and_the_oldest_resumes_first():
     assert sched.drop_preempted("c") is seqs[2] and not sched.preempted
     for rid in ("a", "b"):
         sched.finish(rid)
-    assert sched.blocks.num_free == 40
+    assert sched.prefix_cache.num_free == 40
 
 
 @pytest.mark.parametrize("how", ["swap", "recompute"])
