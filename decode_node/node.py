@@ -22,7 +22,8 @@ from common.base import grammar
 from common.base.config import DecodeConfig, endpoint_host, is_loopback_endpoint
 from common.base.log import IdleQuiet, Throttle, get_logger
 from common.base.recent import Recent
-from common.engine.worker import DecodeTicket, DeviceWorker
+from common.engine.decode import DecodeTicket
+from common.engine.worker import DeviceWorker
 from common.handoff.receiver import Receiver
 from common.kv.prefix import PrefixCache
 from common.kv.sequence import Sequence, blocks_to_join, finish_reason, num_blocks_short
@@ -195,14 +196,14 @@ class DecodeNode:
                         # aborts wait for the next turn) and take its tokens.
                         upcoming = self._launch() if self._can_pipeline() else None
                         self.grammars.ask(self.handoff)  # compiles start at commit here too
-                        while not self.worker.is_step_done(inflight):
+                        while not self.worker.decode.is_done(inflight):
                             self._receive(timeout=0)
                         updates = self._collect(inflight, is_next_launched=upcoming is not None)
                         inflight = upcoming
                         if updates:
                             self.runtime.send(TokenBatch(updates))
                     if not inflight and not self.scheduler.running:
-                        self.worker.mark_idle()
+                        self.worker.decode.mark_idle()
                     self._report()
         finally:
             rt.close()
@@ -266,7 +267,7 @@ class DecodeNode:
         if request_id in self.scheduler.running:
             self.pending_aborts.add(request_id)  # removed between steps, not under one
         elif self.scheduler.drop_preempted(request_id):
-            self.worker.drop_swapped(request_id)
+            self.worker.swap.drop(request_id)
         elif self.scheduler.drop_joining(request_id):
             self.ended.add(request_id)
         elif (r := self.grammars.abort(request_id)) is not None:
@@ -380,17 +381,15 @@ class DecodeNode:
             self._finished(rid, in_batch=False)
             return update
         blocks_to_join(seq, self.worker.block_size, self.prefix_cache)
-        self.worker.add_decode_seq(
-            rid, token, seq.prompt_len, seq.block_ids, seq.params, seq.history()
-        )
+        self.worker.decode.add(rid, token, seq.prompt_len, seq.block_ids, seq.params, seq.history())
         return update
 
     def _launch(self) -> DecodeTicket | None:
-        self.worker.grow_blocks(self.scheduler.running, self.prefix_cache)
+        self.worker.decode.grow_blocks(self.scheduler.running, self.prefix_cache)
         for key, seq in self.scheduler.running.items():
             if seq.matcher is not None:
-                self.worker.set_decode_mask(key, seq.matcher.fill())
-        return self.worker.launch_decode()
+                self.worker.decode.set_mask(key, seq.matcher.fill())
+        return self.worker.decode.launch()
 
     def _can_pipeline(self) -> bool:
         """The next step may run before this one's tokens are seen only where steps are
@@ -408,7 +407,7 @@ class DecodeNode:
             or (self.scheduler.joining and self.scheduler.has_row())
             or self.scheduler.next_resumable()
             or num_blocks_short(
-                self.worker.keys_needing_block, self.scheduler.running, self.prefix_cache
+                self.worker.decode.keys_needing_block, self.scheduler.running, self.prefix_cache
             )
         ):
             return False
@@ -427,7 +426,7 @@ class DecodeNode:
         )
 
     def _collect(self, ticket: DecodeTicket, is_next_launched: bool) -> list[TokenUpdate]:
-        tokens = self.worker.collect_decode(ticket)
+        tokens = self.worker.decode.collect(ticket)
         logprobs = ticket.logprobs or [None] * len(tokens)
         self._log_steps += 1
         if len(tokens) > 1:
@@ -473,7 +472,7 @@ class DecodeNode:
 
     def _finished(self, request_id: str, in_batch: bool, count: bool = True) -> None:
         if in_batch:
-            self.worker.remove_decode_seq(request_id)
+            self.worker.decode.remove(request_id)
         self.scheduler.finish(request_id)
         self.num_finished += count
         self.ended.add(request_id)

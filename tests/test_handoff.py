@@ -126,14 +126,14 @@ def commit_and_decode(pw, dw, rx, sched, r, backend, prompt, params, first, num_
     )
     (seq,), _ = start_all(sched, rx.next_ready())
     blocks_to_join(seq, 16, sched.prefix_cache)
-    dw.add_decode_seq("r", first, len(prompt), seq.block_ids, params)
+    dw.decode.add("r", first, len(prompt), seq.block_ids, params)
     tokens = [first]
     for _ in range(params.max_tokens - 1):
-        if dw.next_position("r") // 16 >= dw.num_blocks("r"):
-            dw.append_block("r", seq.take_block(sched.prefix_cache))
-        tokens += dw.decode_step()
+        if dw.decode.next_position("r") // 16 >= dw.decode.num_blocks("r"):
+            dw.decode.append_block("r", seq.take_block(sched.prefix_cache))
+        tokens += dw.decode.step()
     assert tokens == generate(pw, [prompt], [params])[0]["token_ids"]
-    dw.remove_decode_seq("r")
+    dw.decode.remove("r")
 
 
 def test_tcp_frames_are_a_group_of_layers_each(workers, monkeypatch):

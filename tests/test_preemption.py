@@ -87,27 +87,27 @@ def test_a_resumed_sequence_continues_token_for_token(tiny_model, how, params):
             seq.block_ids = alloc.allocate(num_blocks_for(len(prompt) + 1, bs))
             (first,), _ = w.prefill([PrefillChunk(prompt, 0, seq.block_ids, params)])
             seq.output_ids.append(first)
-            w.add_decode_seq("s", first, len(prompt), seq.block_ids, params)
+            w.decode.add("s", first, len(prompt), seq.block_ids, params)
             while len(seq.output_ids) < params.max_tokens:
                 if len(seq.output_ids) == preempt_at:
-                    w.remove_decode_seq("s")
+                    w.decode.remove("s")
                     old = seq.block_ids
                     if how == "swap":
-                        w.swap_out("s", old[: num_blocks_for(seq.num_cached, bs)])
+                        w.swap.swap_out("s", old[: num_blocks_for(seq.num_cached, bs)])
                     w.kv_cache[:, :, old] = 7.0  # the blocks go to someone else
                     seq.block_ids = alloc.allocate(num_blocks_for(seq.num_cached + 1, bs))
                     alloc.free(old)
                     assert not set(seq.block_ids) & set(old)
                     if how == "swap":
-                        w.swap_in("s", seq.block_ids)
-                        assert w.swapped_bytes == 0
+                        w.swap.swap_in("s", seq.block_ids)
+                        assert w.swap.swapped_bytes == 0
                     else:
                         w.recompute(prompt + seq.output_ids[:-1], seq.block_ids, chunk_len=16)
-                    w.add_decode_seq("s", seq.output_ids[-1], seq.num_cached, seq.block_ids, params)
-                if w.keys_needing_block():
-                    w.append_block("s", seq.take_block(alloc))
-                seq.output_ids += w.decode_step()
-            w.remove_decode_seq("s")
+                    w.decode.add("s", seq.output_ids[-1], seq.num_cached, seq.block_ids, params)
+                if w.decode.keys_needing_block():
+                    w.decode.append_block("s", seq.take_block(alloc))
+                seq.output_ids += w.decode.step()
+            w.decode.remove("s")
             return seq.output_ids
 
         reference = run(None)

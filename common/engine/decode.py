@@ -31,6 +31,7 @@ from common.engine.graphs import GraphRunner
 from common.engine.h2d import HostToDevice
 from common.engine.sampling import sample
 from common.kv.blocks import NULL_BLOCK, num_blocks_for
+from common.kv.sequence import grow_blocks
 
 
 @dataclass
@@ -130,6 +131,18 @@ class DecodeBatch:
             lambda n, is_greedy: self._run(n, width, is_greedy), self.max_batch_size
         )
         self._input_ids.zero_()  # the warm-up steps sampled into the padding rows
+
+    def stats(self) -> dict:
+        return {
+            "num_block_writes": self.num_block_writes,
+            "num_block_copies": self.num_block_copies,
+            "num_decode_steps": self.num_steps,
+            "num_decode_rows": self.num_rows,
+            "device_busy_s": round(self.device_busy_s, 6),
+            "device_idle_s": round(self.device_idle_s, 6),
+            "is_graphed": self.graphs.is_graphed,
+            "max_decode_batch": self.max_batch,
+        }
 
     # ---- rows ------------------------------------------------------------------
 
@@ -279,6 +292,12 @@ class DecodeBatch:
         self.num_block_writes += 1
         self._host_num_blocks[row] = col + 1
 
+    def grow_blocks(self, seqs: dict, allocator) -> None:
+        """Before a step: every sequence whose next token starts a new block gets one
+        (kv.sequence.grow_blocks picks it) in its block table."""
+        for key, block in grow_blocks(self.keys_needing_block(), seqs, allocator):
+            self.append_block(key, block)
+
     def _flush_block_writes(self, is_queued_behind_step: bool) -> None:
         """All block-table entries since the last flush in one copy: (row, col, block)
         triples, scattered on the device. Queued behind a running step (at launch),
@@ -376,6 +395,11 @@ class DecodeBatch:
             chosen, top, ids = (h[ticket.slot, :n].tolist() for h in self._logprobs_host)
             ticket.logprobs = logit_rules.to_host(chosen, top, ids, ticket.num_logprobs)
         return self._sampled_host[ticket.slot, :n].tolist()
+
+    def step(self) -> list[int]:
+        """One token for every live sequence, in keys() order: a launch, collected at once."""
+        ticket = self.launch()
+        return self.collect(ticket) if ticket else []
 
     def mark_idle(self) -> None:
         """The node has nothing to run: the gap before the next step is not device idleness."""
