@@ -68,6 +68,27 @@ class DecodeScheduler:
         self.aside: dict[str, Reservation] = {}
         self.num_admitted = 0
 
+    def held_ids(self) -> list[str]:
+        """Every sequence here that the handoff no longer holds: running, preempted, joining."""
+        return [
+            *self.running,
+            *(seq.request_id for seq in self.preempted),
+            *(j.seq.request_id for j in self.joining),
+        ]
+
+    def holds_any(self) -> bool:
+        return bool(self.running or self.preempted or self.joining)
+
+    def stats(self) -> dict:
+        cache = self.prefix_cache
+        return {
+            "num_joining": len(self.joining),
+            "num_free_blocks": cache.num_free,
+            "num_reserved_blocks": cache.num_reserved,
+            "num_available_blocks": cache.num_available,
+            "num_usable_blocks": cache.capacity,
+        }
+
     def num_aside(self) -> int:
         """Committed requests held aside (they count in the handoff's --max-queue)."""
         return len(self.aside)
