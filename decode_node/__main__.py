@@ -1,4 +1,7 @@
-"""python -m decode_node --frontend tcp://127.0.0.1:5601 --kv-bind tcp://127.0.0.1:5602 --model DIR"""
+"""The decode node's command line:
+
+python -m decode_node --frontend tcp://127.0.0.1:5601 --kv-bind tcp://127.0.0.1:5602 --model DIR
+"""
 
 import argparse
 import dataclasses

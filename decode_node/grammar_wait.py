@@ -35,7 +35,7 @@ class GrammarWait:
 
     def __init__(self, compiles: grammar.Compiles, deadline_s: float = COMPILE_DEADLINE_S):
         self.compiles, self.deadline_s = compiles, deadline_s  # the deadline on compiles' clock
-        # in commit order. NOTE: the scheduler's aside (DecodeNode.run shares it): a request
+        # in commit order. NOTE: the scheduler's aside (DecodeNode.__init__ shares it): a request
         # here must stay a taken id (and count in the queue) for reservations.
         self.waiting: dict[str, Reservation] = {}
         self._asked: dict[str, float] = {}  # request -> when its compile was asked

@@ -143,7 +143,7 @@ class LocalPrefill:
     def _match(self, prompt: list[int]) -> list[int]:
         """The blocks of the prompt's longest cached prefix (a finished turn's history), held
         now."""
-        cache, bs = self.scheduler.blocks, self.scheduler.block_size
+        cache, bs = self.scheduler.prefix_cache, self.scheduler.block_size
         if not isinstance(cache, PrefixCache):
             return []
         cached = cache.match(block_hashes(prompt, bs)[: num_reusable_blocks(len(prompt), bs)])
@@ -151,7 +151,7 @@ class LocalPrefill:
         return cached
 
     def stats(self) -> dict:
-        cache = self.scheduler.blocks
+        cache = self.scheduler.prefix_cache
         return {
             "num_local_waiting": len(self.waiting),
             "num_local_prefilled": self.num_prefilled,

@@ -1,11 +1,11 @@
-"""The decode node: receive -> admit -> launch -> collect -> send, in one loop.
+"""The decode node: receive -> admit -> launch -> collect -> send, one turn at a time.
 
 Prefill nodes reserve blocks here, write their KV into them through the
 transfer backend, and commit (common/handoff/receiver.py); a committed request
 joins the batch without a copy; a prompt the frontend routes here is prefilled here,
 a chunk per turn (decode_node/local.py). Every step sends the new token of every running
 request to the frontend in one message. A request's first update carries its first token
-and the timings that make up its time to first token.
+and the timings that make up its time to first token. The batch's steps are batch.py's.
 
 When a step needs a block the pool lacks, the most recently admitted request is
 preempted between steps (decode_node/preemption.py).
@@ -14,7 +14,6 @@ preempted between steps (decode_node/preemption.py).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
 from common import transfer
@@ -22,20 +21,19 @@ from common.base import grammar
 from common.base.config import DecodeConfig, endpoint_host, is_loopback_endpoint
 from common.base.log import IdleQuiet, Throttle, get_logger
 from common.base.recent import Recent
-from common.engine.worker import DecodeTicket, DeviceWorker
+from common.engine.decode import DecodeTicket
+from common.engine.worker import DeviceWorker
 from common.handoff.receiver import Receiver
 from common.kv.prefix import PrefixCache
-from common.kv.sequence import Sequence, blocks_to_join, finish_reason, num_blocks_short
 from common.runtime import report_line
 from common.runtime.node import NodeRuntime
 from common.runtime.prefix_report import PrefixReport
-from common.runtime.process import StopEvent, describe_threads
+from common.runtime.process import StopEvent
 from common.wire.channel import BadMessage, Channel, Poller, node_tag
 from common.wire.protocol import (
     FRONTEND_TO_NODE,
     PREFILL_TO_DECODE,
     NodeAbort,
-    NodeReady,
     NodeSync,
     NodeSynced,
     PeerLost,
@@ -43,178 +41,162 @@ from common.wire.protocol import (
     RequestFailed,
     TokenBatch,
     TokenUpdate,
-    ttft_parts,
 )
+from decode_node.batch import Batch
 from decode_node.grammar_wait import GrammarWait
 from decode_node.local import LocalPrefill
 from decode_node.preemption import Preemption
+from decode_node.report import handoff_figures, log_ready, ready_message
 from decode_node.scheduler import DecodeScheduler
 
 log = get_logger("decode")
 noisy = Throttle(log)  # lines about what peers send
 ENDED_MEMORY = 4096  # requests ended here, remembered for the frontend's NodeSync
+IDLE_WAIT_S = 0.02  # how long an idle turn waits on the links
 
 
 class DecodeNode:
     def __init__(self, cfg: DecodeConfig):
         self.cfg = cfg
-        self.worker = DeviceWorker(cfg.worker)
-        self.pending_aborts: set[str] = set()
-        self.ended = Recent(ENDED_MEMORY)  # the latest requests that ended here
+        # NOTE: prepared here (the model loaded, the KV cache allocated): the parts below
+        # are sized by its cache. run() closes it.
+        self.worker = DeviceWorker(cfg.worker).prepare()
+        w = self.worker
         self.compiles = grammar.Compiles(
-            lambda: grammar.for_model(cfg.worker.model, self.worker.spec.vocab_size)
+            lambda: grammar.for_model(cfg.worker.model, w.spec.vocab_size)
         )
         self.grammars = GrammarWait(self.compiles)  # committed, their grammar compiling
-        self.finished_in_flight: set[str] = (
-            set()
-        )  # finished, but their row is in the step in flight
-        self.num_discarded_tokens = 0
-        self.num_finished = 0
-        self.num_batched_steps = 0  # steps that ran more than one request
+        self.prefix_cache = PrefixCache(w.num_kv_blocks, cfg.is_prefix_caching)
+        self.scheduler = DecodeScheduler(
+            self.prefix_cache, w.block_size, cfg.worker.max_batch_size, cfg.is_preemptive
+        )
+        self.scheduler.aside = self.grammars.waiting  # taken ids, in the queue
+        self.sink = transfer.KVSink(
+            transfer.LocalCache(w.kv_cache, endpoint_host(cfg.kv_reachable), w.kv_shm_name),
+            transfer.offered(cfg.kv_transfer, w.device, not is_loopback_endpoint(cfg.kv_reachable)),
+            is_layerwise=cfg.kv_layerwise != "off",
+        )
+        self.local = LocalPrefill(w, self.scheduler, cfg.max_queue)
+        self.preemption = Preemption(w, self.scheduler, cfg.swap_space)
+        self.ended = Recent(ENDED_MEMORY)  # the latest requests that ended here
+        self.batch = Batch(w, self.scheduler, self.compiles, self.ended)
+        self.in_flight: DecodeTicket | None = None  # the step on the device
+        self.pending_aborts: set[str] = set()  # running: removed between steps, not under one
         self.num_forked = 0  # sequences admitted over another's prompt blocks (n > 1)
-        self._last_log, self._log_tokens, self._log_steps = 0.0, 0, 0
+        self._last_log = 0.0
         self.quiet = IdleQuiet()  # the periodic line: while busy, and once as it goes idle
 
     # ---- the loop ---------------------------------------------------------
 
     def run(self, stop: StopEvent) -> int:
         """Serve until stopped; the process's exit code (1: refused by the frontend)."""
+        with contextlib.ExitStack() as parts:  # parts close as they were made, last first
+            parts.callback(self.worker.close)
+            parts.callback(self.sink.close)
+            parts.callback(self.compiles.close)
+            self._open_links(stop, parts)
+            self.runtime.start(self._send_ready, self.stats, self._is_empty)
+            log_ready(self.cfg, self.worker, self.prefix_cache.capacity, self.sink.accepted)
+            while not stop.is_set():
+                self.turn()
+        return self.runtime.exit_code
+
+    def _open_links(self, stop: StopEvent, parts: contextlib.ExitStack) -> None:
+        """The links and what talks on them: the node's runtime (the frontend's link), the
+        KV link prefill nodes write to, and the handoff that answers them on it.
+        NOTE: made here, on the thread that runs the loop, not in __init__: a ZeroMQ socket
+        is used only on the thread that made it (tests run the loop on a thread of their
+        own), and the runtime stops with the stop event that run() is given."""
+        cfg, w = self.cfg, self.worker
         rt = self.runtime = NodeRuntime(
             "decode",
-            self.cfg.name,
-            self.cfg.frontend_endpoint,
-            self.cfg.keys_dir,
-            self.cfg.links,
+            cfg.name,
+            cfg.frontend_endpoint,
+            cfg.keys_dir,
+            cfg.links,
             stop,
             log,
-            self.cfg.drain_timeout_s,
+            cfg.drain_timeout_s,
         )
+        parts.callback(rt.term)
+        parts.callback(rt.close)
         self.frontend = rt.frontend
-        try:
-            with (
-                self.worker,
-                contextlib.ExitStack() as parts,
-            ):  # parts close as they were made, last first
-                kv_limit = (
-                    64 * 2** 20
-                    + self.worker.max_model_len
-                    * self.worker.spec.kv_bytes_per_token(self.worker.kv_cache.element_size())
-                )
-                # With keys, only the cluster's nodes get past the handshake.
-                self.kv = Channel(
-                    rt.ctx, True, self.cfg.kv_endpoint, max_message_bytes=kv_limit, domain="nodes"
-                )
-                parts.callback(self.kv.close)
-                sink = transfer.KVSink(
-                    transfer.LocalCache(
-                        self.worker.kv_cache,
-                        endpoint_host(self.cfg.kv_reachable),
-                        self.worker.kv_shm_name,
-                    ),
-                    transfer.offered(
-                        self.cfg.kv_transfer,
-                        self.worker.device,
-                        not is_loopback_endpoint(self.cfg.kv_reachable),
-                    ),
-                    is_layerwise=self.cfg.kv_layerwise != "off",
-                )
-                self._poller = Poller(self.frontend, self.kv)
-                self.blocks = PrefixCache(self.worker.num_kv_blocks, self.cfg.is_prefix_caching)
-                self.prefix_report = PrefixReport(
-                    self.cfg.name, self.blocks, rt, self.cfg.is_prefix_caching
-                )
-                self.scheduler = DecodeScheduler(
-                    self.blocks,
-                    self.worker.block_size,
-                    self.cfg.worker.max_batch_size,
-                    self.cfg.is_preemptive,
-                )
-                self.scheduler.aside = self.grammars.waiting  # taken ids, in the queue
-                self.handoff = Receiver(
-                    epoch=rt.epoch,
-                    lease_s=self.cfg.reservation_lease_s,
-                    max_queue=self.cfg.max_queue,
-                    pool=self.scheduler,
-                    sink=sink,
-                    send=self.kv.send,
-                    vocab_size=self.worker.spec.vocab_size,
-                    max_model_len=self.worker.max_model_len,
-                    is_verifying=self.cfg.is_kv_verified,
-                )
-                parts.callback(self.handoff.close)
-                parts.callback(self.compiles.close)
-                self.local = LocalPrefill(self.worker, self.scheduler, self.cfg.max_queue)
-                self.preemption = Preemption(self.worker, self.scheduler, self.cfg.swap_space)
-                rt.start(self._send_ready, self.stats, self._is_empty)
-                log.info(
-                    "ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
-                    self.cfg.worker.device,
-                    describe_threads(self.worker.num_threads),
-                    self.blocks.capacity,
-                    self.worker.token_capacity,
-                    self.cfg.worker.max_batch_size,
-                    self.cfg.kv_endpoint
-                    if self.cfg.kv_advertise is None
-                    else f"{self.cfg.kv_endpoint}, advertised as {self.cfg.kv_advertise}",
-                    ", ".join(sink.accepted),
-                    f"preemption on, {self.cfg.swap_space / 2**20:.4g} MiB swap"
-                    if self.cfg.is_preemptive
-                    else "full reservation",
-                )
-                inflight: DecodeTicket | None = None
-                while not stop.is_set():
-                    is_busy = (
-                        bool(
-                            inflight
-                            or self.scheduler.running
-                            or self.handoff.ready
-                            or self.local.waiting
-                            or self.scheduler.preempted
-                            or self.grammars.waiting
-                        )
-                        or self.handoff.progress()
-                    )
-                    self._receive(timeout=0 if is_busy else 0.02)
-                    self.handoff.turn()  # expire and grant reservations
-                    if inflight is None:
-                        # Nothing on the device: the batch may change.
-                        self._apply_aborts()
-                        updates = self._admit()  # first tokens of the newly admitted
-                        if (
-                            updates
-                        ):  # NOTE: now, not after the launch: on the host the step runs in it
-                            self.runtime.send(TokenBatch(updates))
-                        self.preemption.make_room()
-                        inflight = self._launch()
-                    else:
-                        # Step k runs. Queue step k+1 behind it when the batch stays as it
-                        # is, so the device never waits for this host work; then read the
-                        # links until step k is done (nothing read changes the batch:
-                        # aborts wait for the next turn) and take its tokens.
-                        upcoming = self._launch() if self._can_pipeline() else None
-                        self.grammars.ask(self.handoff)  # compiles start at commit here too
-                        while not self.worker.is_step_done(inflight):
-                            self._receive(timeout=0)
-                        updates = self._collect(inflight, is_next_launched=upcoming is not None)
-                        inflight = upcoming
-                        if updates:
-                            self.runtime.send(TokenBatch(updates))
-                    if not inflight and not self.scheduler.running:
-                        self.worker.mark_idle()
-                    self._report()
-        finally:
-            rt.close()
-            rt.term()
-        return rt.exit_code
+        kv_limit = 64 * 2**20 + w.max_model_len * w.spec.kv_bytes_per_token(
+            w.kv_cache.element_size()
+        )
+        # With keys, only the cluster's nodes get past the handshake.
+        self.kv = Channel(rt.ctx, True, cfg.kv_endpoint, max_message_bytes=kv_limit, domain="nodes")
+        parts.callback(self.kv.close)
+        self.poller = Poller(self.frontend, self.kv)
+        self.handoff = Receiver(
+            epoch=rt.epoch,
+            lease_s=cfg.reservation_lease_s,
+            max_queue=cfg.max_queue,
+            pool=self.scheduler,
+            sink=self.sink,
+            send=self.kv.send,
+            vocab_size=w.spec.vocab_size,
+            max_model_len=w.max_model_len,
+            is_verifying=cfg.is_kv_verified,
+        )
+        self.prefix_report = PrefixReport(cfg.name, self.prefix_cache, rt, cfg.is_prefix_caching)
+
+    def turn(self) -> None:
+        """One turn: read the links; with no step on the device the batch may change, and
+        the next step is launched; with one in flight, the pipelined turn; then upkeep."""
+        self._receive()
+        if self.in_flight is not None:
+            self._pipelined_turn()
+        else:
+            self._apply_aborts()
+            # NOTE: first tokens go now, not after the launch: on the host the step runs in it
+            self._send(self._admit())
+            self.preemption.make_room()
+            self.in_flight = self.batch.launch()
+        self._end_turn()
+
+    def _pipelined_turn(self) -> None:
+        """Step k runs. Queue step k+1 behind it when the batch stays as it is, so the device
+        never waits for this host work; then read the links until step k is done (nothing
+        read changes the batch: aborts wait for the next turn) and send its tokens."""
+        running = self.in_flight
+        upcoming = self.batch.launch() if self._can_pipeline() else None
+        self.grammars.ask(self.handoff)  # compiles start at commit here too
+        while not self.worker.decode.is_done(running):
+            self._read_links(timeout=0)
+        self._send(self.batch.collect(running, is_next_launched=upcoming is not None))
+        self.in_flight = upcoming
 
     # ---- receive ----------------------------------------------------------
 
-    def _receive(self, timeout: float) -> None:
-        """Everything waiting on both links."""
-        for ch in self._poller.wait(timeout):
-            self._receive_all(ch)
+    def _receive(self) -> None:
+        """Everything waiting on both links (an idle node waits IDLE_WAIT_S for it); then the
+        handoff's leases expire and its waiting line is granted, with the renewals just read."""
+        # NOTE: the transfers move first, every turn: one this process drives (nixl) lands
+        # only as it is polled (is_landed polls it too: polling more is harmless), and while
+        # one is under way the loop must not sleep on the links, which its landing never wakes.
+        is_moving = self.handoff.progress()
+        self._read_links(timeout=0 if is_moving or self._has_work() else IDLE_WAIT_S)
+        self.handoff.turn()
 
-    def _receive_all(self, ch: Channel) -> None:
+    def _has_work(self) -> bool:
+        s = self.scheduler
+        return bool(
+            self.in_flight
+            or s.running
+            or self.handoff.ready
+            or self.local.waiting
+            or s.preempted
+            or self.grammars.waiting
+        )
+
+    def _read_links(self, timeout: float) -> None:
+        """Everything waiting on both links, waiting up to timeout for the first."""
+        for ch in self.poller.wait(timeout):
+            self._read(ch)
+
+    def _read(self, ch: Channel) -> None:
+        """Every message waiting on one link."""
         while ch.has_message():
             if ch is self.kv:
                 self.handoff.receive(*ch.recv(PREFILL_TO_DECODE))
@@ -245,11 +227,8 @@ class DecodeNode:
 
     def _held_ids(self) -> set[str]:
         """Every request here: running, preempted, or in the handoff (forks included)."""
-        s = self.scheduler
         return {
-            *s.running,
-            *(q.request_id for q in s.preempted),
-            *(j.seq.request_id for j in s.joining),
+            *self.scheduler.held_ids(),
             *self.handoff.held_ids(),
             *self.local.held_ids(),
             *self.grammars.ids(),
@@ -264,7 +243,7 @@ class DecodeNode:
         if request_id in self.scheduler.running:
             self.pending_aborts.add(request_id)  # removed between steps, not under one
         elif self.scheduler.drop_preempted(request_id):
-            self.worker.drop_swapped(request_id)
+            self.worker.swap.drop(request_id)
         elif self.scheduler.drop_joining(request_id):
             self.ended.add(request_id)
         elif (r := self.grammars.abort(request_id)) is not None:
@@ -275,12 +254,13 @@ class DecodeNode:
             self.handoff.abort(request_id)
 
     def _apply_aborts(self) -> None:
+        """Aborted running sequences leave the batch (between steps)."""
         for rid in self.pending_aborts:
             if rid in self.scheduler.running:
-                self._finished(rid, in_batch=True, count=False)
+                self.batch.finish(rid, in_batch=True, count=False)
         self.pending_aborts.clear()
 
-    # ---- admit, step --------------------------------------------------------
+    # ---- admit --------------------------------------------------------------
 
     def _admit(self) -> list[TokenUpdate]:
         self.preemption.resume_all()
@@ -340,81 +320,29 @@ class DecodeNode:
             if update is not None:
                 updates.append(update)
 
-    def _join(
-        self, seq: Sequence, token: int, logprobs, timings: dict, compiled=None
-    ) -> TokenUpdate | None:
-        """A newly admitted sequence takes its first token (sampled by the prefill node) and
-        joins the batch, unless that token ends it; its first update, or None if it failed.
-        compiled: its grammar, compiled (Compiles.take)."""
-        rid = seq.request_id
-        seq.output_ids.append(token)
-        if (
-            seq.params.is_masked_per_step
-        ):  # its matcher takes every token so far: the mask goes on from there
-            try:
-                seq.matcher = grammar.matcher_for(
-                    seq.params,
-                    seq.history()[1],
-                    self.worker.spec.vocab_size,
-                    self.compiles.grammars,
-                    compiled,
-                )
-            except ValueError as e:
-                self._finished(rid, in_batch=False, count=False)
-                self.runtime.send(RequestFailed(rid, str(e)))
-                return None
-        reason = finish_reason(
-            seq, token, self.worker.spec.eos_token_ids, self.worker.max_model_len
-        )
-        update = TokenUpdate(
-            rid,
-            [token],
-            reason,
-            ttft_parts(timings),
-            index=0,
-            logprobs=[logprobs] if logprobs else None,
-        )
-        if reason:
-            self._finished(rid, in_batch=False)
-            return update
-        blocks_to_join(seq, self.worker.block_size, self.blocks)
-        self.worker.add_decode_seq(
-            rid, token, seq.prompt_len, seq.block_ids, seq.params, seq.history()
-        )
-        return update
-
-    def _launch(self) -> DecodeTicket | None:
-        self.worker.grow_blocks(self.scheduler.running, self.blocks)
-        for key, seq in self.scheduler.running.items():
-            if seq.matcher is not None:
-                self.worker.set_decode_mask(key, seq.matcher.fill())
-        return self.worker.launch_decode()
+    def _join(self, seq, token: int, logprobs, timings: dict, compiled=None) -> TokenUpdate | None:
+        """A newly admitted sequence joins the batch (batch.py); its first update, or None
+        if its grammar cannot go on from its tokens (the request fails)."""
+        try:
+            return self.batch.join(seq, token, logprobs, timings, compiled)
+        except ValueError as e:
+            self.runtime.send(RequestFailed(seq.request_id, str(e)))
+            return None
 
     def _can_pipeline(self) -> bool:
         """The next step may run before this one's tokens are seen only where steps are
         queued (on the host, where a step runs in its launch, it would only hold these
-        tokens back a step) and the batch will not change: no abort, admission or leftover
-        row to remove, no request that surely ends with the running step (its extra step
-        would write past its reserved blocks), no preempted request that could resume, and
-        no block the next step needs that only a preemption would free."""
-        if (
-            not self.worker.is_step_queued
-            or self.pending_aborts
-            or self.finished_in_flight
-            or self._can_admit_ready()
-            or self.local.is_runnable()
-            or (self.scheduler.joining and self.scheduler.has_row())
-            or self.scheduler.next_resumable()
-            or num_blocks_short(self.worker.keys_needing_block, self.scheduler.running, self.blocks)
-        ):
-            return False
-        if any(s.matcher is not None for s in self.scheduler.running.values()):
-            return False  # the next mask needs this step's token
-        limit = self.worker.max_model_len
-        return not any(
-            len(s.output_ids) + 1 >= s.params.max_tokens
-            or s.prompt_len + len(s.output_ids) + 1 >= limit
-            for s in self.scheduler.running.values()
+        tokens back a step) and the batch will not change: no abort or admission, no
+        preempted request that could resume, and nothing the running sequences forbid
+        (Batch.can_run_ahead)."""
+        return (
+            self.worker.is_step_queued
+            and not self.pending_aborts
+            and not self._can_admit_ready()
+            and not self.local.is_runnable()
+            and not (self.scheduler.joining and self.scheduler.has_row())
+            and not self.scheduler.next_resumable()
+            and self.batch.can_run_ahead()
         )
 
     def _can_admit_ready(self) -> bool:
@@ -422,85 +350,30 @@ class DecodeNode:
             self.handoff.has_ready() or self.grammars.has_ended()
         )
 
-    def _collect(self, ticket: DecodeTicket, is_next_launched: bool) -> list[TokenUpdate]:
-        tokens = self.worker.collect_decode(ticket)
-        logprobs = ticket.logprobs or [None] * len(tokens)
-        self._log_steps += 1
-        if len(tokens) > 1:
-            self.num_batched_steps += 1
-        updates = []
-        for key, token, lp in zip(ticket.keys, tokens, logprobs):
-            if key in self.finished_in_flight or key not in self.scheduler.running:
-                self.num_discarded_tokens += 1  # ended in the previous step: past its end
-                continue
-            self._log_tokens += 1
-            seq = self.scheduler.running[key]
-            seq.output_ids.append(token)
-            if seq.matcher is not None and not seq.matcher.accept(token):
-                noisy.warning("request %s: token %d breaks its grammar", key, token)
-            reason = finish_reason(
-                seq, token, self.worker.spec.eos_token_ids, self.worker.max_model_len
-            )
-            # NOTE: its preemptions are told after each resume too: a request that moves on
-            # elsewhere keeps them in its timings.
-            parts = seq.preemption_parts() if reason or seq.is_preemption_untold else None
-            seq.is_preemption_untold = False
-            updates.append(
-                TokenUpdate(
-                    key,
-                    [token],
-                    reason,
-                    parts,
-                    index=len(seq.output_ids) - 1,
-                    logprobs=[lp] if lp else None,
-                )
-            )
-            if reason:
-                self.num_finished += 1
-                if is_next_launched:
-                    self.finished_in_flight.add(key)  # its row runs once more; removed after that
-                else:
-                    self._finished(key, in_batch=True, count=False)
-        if not is_next_launched:
-            for key in self.finished_in_flight:
-                self._finished(key, in_batch=True, count=False)
-            self.finished_in_flight.clear()
-        return updates
-
-    def _finished(self, request_id: str, in_batch: bool, count: bool = True) -> None:
-        if in_batch:
-            self.worker.remove_decode_seq(request_id)
-        self.scheduler.finish(request_id)
-        self.num_finished += count
-        self.ended.add(request_id)
-
     # ---- send and report ------------------------------------------------------
 
+    def _send(self, updates: list[TokenUpdate]) -> None:
+        """The turn's tokens to the frontend, one message for all."""
+        if updates:
+            self.runtime.send(TokenBatch(updates))
+
+    def _end_turn(self) -> None:
+        """Each turn's upkeep: the device's idle time, the runtime (registration, heartbeat,
+        draining), the prefix cache's report, the periodic line."""
+        if self.in_flight is None and not self.scheduler.running:
+            self.worker.decode.mark_idle()
+        self.runtime.turn()
+        self.prefix_report.turn()
+        self._log_line()
+
     def _send_ready(self) -> bool:
-        w = self.worker
-        return self.frontend.send(
-            NodeReady(
-                "decode",
-                self.cfg.name,
-                os.getpid(),
-                self.runtime.epoch,
-                self.cfg.worker.device,
-                w.num_kv_blocks,
-                w.block_size,
-                w.max_model_len,
-                kv_endpoint=self.cfg.kv_reachable,
-                kv_transfer=self.cfg.kv_transfer,
-                max_batch_size=self.cfg.worker.max_batch_size,
-            ),
-            block=False,
-        )
+        msg = ready_message(self.cfg, self.worker, self.runtime.epoch)
+        return self.frontend.send(msg, block=False)
 
     def _is_empty(self) -> bool:
         h = self.handoff
         return not (
-            self.scheduler.running
-            or self.scheduler.preempted
-            or self.scheduler.joining
+            self.scheduler.holds_any()
             or h.held
             or h.ready
             or h.waiting
@@ -511,41 +384,26 @@ class DecodeNode:
     def stats(self) -> dict:
         return {
             **self.worker.stats(),
-            "num_running": len(self.scheduler.running),
+            **self.batch.stats(),
             "num_queued": len(self.handoff.ready) + len(self.grammars.waiting),
-            "num_reservations": len(self.handoff.held),
-            "num_finished": self.num_finished,
-            "num_expired_reservations": self.handoff.num_expired,
-            "num_asking": len(self.handoff.waiting),
-            "num_granted": self.handoff.num_granted,
-            "num_batched_steps": self.num_batched_steps,
+            **handoff_figures(self.handoff),
             **self.preemption.stats(),
             "num_forked": self.num_forked,
-            "num_joining": len(self.scheduler.joining),
-            "num_discarded_tokens": self.num_discarded_tokens,
-            "num_free_blocks": self.blocks.num_free,
-            "num_reserved_blocks": self.blocks.num_reserved,
-            "num_available_blocks": self.blocks.num_available,
+            **self.scheduler.stats(),
             "num_bad_messages": self.frontend.num_bad + self.kv.num_bad,
             "num_link_resets": self.runtime.num_link_resets + self.kv.num_reroutes,
-            "num_incomplete_commits": self.handoff.num_incomplete,
-            "num_early_commits": self.handoff.num_early_commits,
-            "num_kv_verify_failures": self.handoff.num_verify_failures,
-            "num_peer_drops": self.handoff.num_peer_drops,
             "is_registered": self.runtime.is_registered,
-            "num_usable_blocks": self.blocks.capacity,
             **self.local.stats(),
         }
 
-    def _report(self) -> None:
+    def _log_line(self) -> None:
+        """The periodic line: while busy, and once as the node goes idle."""
         now = time.monotonic()
-        self.runtime.turn()
-        self.prefix_report.turn()
-        if now - self._last_log >= self.cfg.links.log_interval_s:
-            elapsed = now - self._last_log if self._last_log else 0.0
-            is_busy, line = report_line.decode(
-                self.stats(), self._log_tokens, self._log_steps, elapsed
-            )
-            if self.quiet.says(is_busy):
-                log.info("%s", line)
-            self._last_log, self._log_tokens, self._log_steps = now, 0, 0
+        if now - self._last_log < self.cfg.links.log_interval_s:
+            return
+        elapsed = now - self._last_log if self._last_log else 0.0
+        num_tokens, num_steps = self.batch.take_log_counts()
+        is_busy, line = report_line.decode(self.stats(), num_tokens, num_steps, elapsed)
+        if self.quiet.says(is_busy):
+            log.info("%s", line)
+        self._last_log = now

@@ -27,17 +27,17 @@ class Preemption:
     def make_room(self) -> None:
         """Preempt until the next step's new blocks fit in the pool."""
         s = self.scheduler
-        while num_blocks_short(self.worker.keys_needing_block, s.running, s.blocks):
+        while num_blocks_short(self.worker.decode.keys_needing_block, s.running, s.prefix_cache):
             self.preempt(s.victim())
 
     def preempt(self, seq: Sequence) -> None:
         w, rid = self.worker, seq.request_id
-        w.remove_decode_seq(rid)
+        w.decode.remove(rid)
         keep = seq.block_ids[: num_blocks_for(seq.num_cached, w.block_size)]
-        seq.is_swapped = w.swapped_bytes + len(keep) * w.block_bytes() <= self.swap_space
+        seq.is_swapped = w.swap.swapped_bytes + len(keep) * w.block_bytes() <= self.swap_space
         if seq.is_swapped:
             try:
-                w.swap_out(rid, keep)
+                w.swap.swap_out(rid, keep)
                 self.num_swapped += 1
             except RuntimeError as e:  # host memory could not be had: recompute instead
                 noisy.warning("swap-out of %s failed, it will be recomputed: %s", rid, e)
@@ -49,7 +49,7 @@ class Preemption:
             rid,
             seq.num_cached,
             "swapped to host" if seq.is_swapped else "to be recomputed",
-            self.scheduler.blocks.num_free,
+            self.scheduler.prefix_cache.num_free,
             len(self.scheduler.running),
         )
 
@@ -62,13 +62,11 @@ class Preemption:
         w, rid = self.worker, seq.request_id
         block_ids = self.scheduler.resume(seq, time.monotonic())
         if seq.is_swapped:
-            w.swap_in(rid, block_ids)
+            w.swap.swap_in(rid, block_ids)
         else:
             w.recompute(seq.prompt_ids + seq.output_ids[:-1], block_ids)
             self.num_recomputed += 1
-        w.add_decode_seq(
-            rid, seq.output_ids[-1], seq.num_cached, block_ids, seq.params, seq.history()
-        )
+        w.decode.add(rid, seq.output_ids[-1], seq.num_cached, block_ids, seq.params, seq.history())
         seq.is_preemption_untold = True
         log.debug(
             "resumed %s after %.0f ms (%s)",

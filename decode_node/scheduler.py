@@ -47,16 +47,17 @@ class Joining:
 class DecodeScheduler:
     def __init__(
         self,
-        blocks: BlockAllocator,
+        prefix_cache: BlockAllocator,
         block_size: int,
         max_batch_size: int,
         is_preemptive: bool = True,
     ):
-        self.blocks = blocks
+        # The node's PrefixCache (a plain BlockAllocator, as tests give, caches nothing).
+        self.prefix_cache = prefix_cache
         self.block_size = block_size
         self.max_batch_size = max_batch_size
         self.is_preemptive = is_preemptive
-        self.watermark = math.ceil(blocks.capacity * WATERMARK) if is_preemptive else 0
+        self.watermark = math.ceil(prefix_cache.capacity * WATERMARK) if is_preemptive else 0
         self.running: dict[str, Sequence] = {}
         self.preempted: list[Sequence] = []  # oldest admission first
         # Started, waiting for a row (a request's forks that did not all fit), oldest first:
@@ -66,6 +67,27 @@ class DecodeScheduler:
         # they hold blocks of this pool, and their ids and forks' are taken.
         self.aside: dict[str, Reservation] = {}
         self.num_admitted = 0
+
+    def held_ids(self) -> list[str]:
+        """Every sequence here that the handoff no longer holds: running, preempted, joining."""
+        return [
+            *self.running,
+            *(seq.request_id for seq in self.preempted),
+            *(j.seq.request_id for j in self.joining),
+        ]
+
+    def holds_any(self) -> bool:
+        return bool(self.running or self.preempted or self.joining)
+
+    def stats(self) -> dict:
+        cache = self.prefix_cache
+        return {
+            "num_joining": len(self.joining),
+            "num_free_blocks": cache.num_free,
+            "num_reserved_blocks": cache.num_reserved,
+            "num_available_blocks": cache.num_available,
+            "num_usable_blocks": cache.capacity,
+        }
 
     def num_aside(self) -> int:
         """Committed requests held aside (they count in the handoff's --max-queue)."""
@@ -113,13 +135,15 @@ class DecodeScheduler:
             ):
                 return f"request {rid!r} is already on this decode node"
         need = self.blocks_needed(prompt_len, max_tokens)
-        if need > self.blocks.capacity:
+        capacity = self.prefix_cache.capacity
+        if need > capacity:
             # NOTE: this also guarantees that a preempted sequence, alone, always fits.
-            return f"needs {need} KV blocks, this decode node has {self.blocks.capacity}"
-        if (
-            group := self.blocks_at_reserve(prompt_len, max_tokens, num_seqs)
-        ) > self.blocks.capacity:
-            return f"its {num_seqs} sequences need {group} KV blocks, this decode node has {self.blocks.capacity}"
+            return f"needs {need} KV blocks, this decode node has {capacity}"
+        group = self.blocks_at_reserve(prompt_len, max_tokens, num_seqs)
+        if group > capacity:
+            return (
+                f"its {num_seqs} sequences need {group} KV blocks, this decode node has {capacity}"
+            )
         return None
 
     def refusal_for_now(self, prompt_len: int, max_tokens: int, num_seqs: int = 1) -> str | None:
@@ -127,8 +151,8 @@ class DecodeScheduler:
         if self.preempted:
             return f"{len(self.preempted)} preempted requests resume first"
         now = self.blocks_at_reserve(prompt_len, max_tokens, num_seqs)
-        if not self.blocks.can_allocate(now + self.watermark):
-            return f"needs {now} KV blocks, {self.blocks.num_available} are free now"
+        if not self.prefix_cache.can_allocate(now + self.watermark):
+            return f"needs {now} KV blocks, {self.prefix_cache.num_available} are free now"
         return None
 
     def take_blocks(
@@ -138,13 +162,13 @@ class DecodeScheduler:
         cache), and how many more are promised."""
         need = self.blocks_at_reserve(prompt_len, max_tokens, num_seqs)
         num_prompt = num_blocks_for(prompt_len, self.block_size)
-        block_ids = list(cached) + self.blocks.allocate(num_prompt - len(cached))
-        self.blocks.reserve(need - num_prompt)
+        block_ids = list(cached) + self.prefix_cache.allocate(num_prompt - len(cached))
+        self.prefix_cache.reserve(need - num_prompt)
         return block_ids, need - num_prompt
 
     def give_back(self, block_ids: list[int], num_reserved: int) -> None:
-        self.blocks.free(block_ids)
-        self.blocks.unreserve(num_reserved)
+        self.prefix_cache.free(block_ids)
+        self.prefix_cache.unreserve(num_reserved)
 
     def has_row(self) -> bool:
         return len(self.running) < self.max_batch_size
@@ -185,9 +209,9 @@ class DecodeScheduler:
                 prompt_ids=c.prompt_ids,
                 is_cacheable=not r.error,
             )
-            self.blocks.share(seq.block_ids)
+            self.prefix_cache.share(seq.block_ids)
             if num_full < len(r.block_ids):
-                copies.append((r.block_ids[num_full], seq.take_block(self.blocks)))
+                copies.append((r.block_ids[num_full], seq.take_block(self.prefix_cache)))
             out.append(Joining(seq, f.first_token, f.first_logprobs, c.timings))
         return out, copies
 
@@ -210,10 +234,11 @@ class DecodeScheduler:
 
     def release(self, seq: Sequence) -> None:
         """A started sequence that never ran (failed or aborted before its row)."""
-        seq.release(self.blocks)
+        seq.release(self.prefix_cache)
 
     def admit(self, seq: Sequence) -> Sequence:
-        """A started sequence, or one prefilled here (its blocks taken by take_blocks), joins the running."""
+        """A started sequence, or one prefilled here (its blocks taken by take_blocks), joins
+        the running."""
         return self._run(seq)
 
     def _run(self, seq: Sequence) -> Sequence:
@@ -231,7 +256,7 @@ class DecodeScheduler:
     def preempt(self, seq: Sequence, now: float) -> None:
         """seq leaves the batch and gives its blocks back (its KV saved or not by the caller)."""
         del self.running[seq.request_id]
-        seq.release(self.blocks)
+        seq.release(self.prefix_cache)
         seq.num_preemptions += 1
         seq.preempted_at = now
         self.preempted.append(seq)
@@ -248,12 +273,12 @@ class DecodeScheduler:
             return None
         seq = self.preempted[0]
         margin = self.watermark if self.running else 0
-        return seq if self.blocks.can_allocate(self.blocks_to_resume(seq) + margin) else None
+        return seq if self.prefix_cache.can_allocate(self.blocks_to_resume(seq) + margin) else None
 
     def resume(self, seq: Sequence, now: float) -> list[int]:
         """seq runs again; its new blocks (for the caller to fill)."""
         self.preempted.remove(seq)
-        seq.block_ids = self.blocks.allocate(self.blocks_to_resume(seq))
+        seq.block_ids = self.prefix_cache.allocate(self.blocks_to_resume(seq))
         seq.preempted_s += now - seq.preempted_at
         self.running[seq.request_id] = seq
         return seq.block_ids
@@ -269,18 +294,18 @@ class DecodeScheduler:
     def finish(self, request_id: str) -> Sequence:
         seq = self.running.pop(request_id)
         self._keep_prefix(seq)
-        seq.release(self.blocks)
+        seq.release(self.prefix_cache)
         return seq
 
     def _keep_prefix(self, seq: Sequence) -> None:
         """Its full blocks (prompt and outputs) stay in the prefix cache: a chat's next turn
         starts with this one's history. Not a fork's (shared blocks), nor a KV that did not land."""
-        blocks, bs = self.blocks, self.block_size
-        if not isinstance(blocks, PrefixCache) or not blocks.is_enabled or not seq.is_cacheable:
+        cache, bs = self.prefix_cache, self.block_size
+        if not isinstance(cache, PrefixCache) or not cache.is_enabled or not seq.is_cacheable:
             return
         tokens = seq.prompt_ids + seq.output_ids[:-1]  # written: all but the last output
         num_full = min(len(tokens) // bs, len(seq.block_ids))
-        if any(blocks.num_holders(b) != 1 for b in seq.block_ids[:num_full]):
+        if any(cache.num_holders(b) != 1 for b in seq.block_ids[:num_full]):
             return
         for b, h in zip(seq.block_ids[:num_full], block_hashes(tokens[: num_full * bs], bs)):
-            blocks.publish(b, h)
+            cache.publish(b, h)

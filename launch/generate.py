@@ -55,14 +55,14 @@ def generate(
             continue
         blocks_to_join(seq, bs, alloc)
         prompt, prior = seq.params.split(ids)
-        worker.add_decode_seq(
+        worker.decode.add(
             key, tok, len(ids), seq.block_ids, seq.params, (prompt, prior + seq.output_ids)
         )
     num_steps, t1 = 0, time.perf_counter()
-    while worker.num_decode_seqs:
-        worker.grow_blocks(seqs, alloc)
-        ticket = worker.launch_decode()
-        tokens = worker.collect_decode(ticket)
+    while worker.decode.num_seqs:
+        worker.decode.grow_blocks(seqs, alloc)
+        ticket = worker.decode.launch()
+        tokens = worker.decode.collect(ticket)
         for key, tok, lp in zip(ticket.keys, tokens, ticket.logprobs or [None] * len(tokens)):
             seq = seqs[key]
             seq.output_ids.append(tok)
@@ -70,7 +70,7 @@ def generate(
             reason = finish_reason(seq, tok, spec.eos_token_ids, worker.max_model_len)
             if reason:
                 reasons[key] = reason
-                worker.remove_decode_seq(key)
+                worker.decode.remove(key)
                 seq.release(alloc)
         num_steps += 1
     step_ms = (time.perf_counter() - t1) * 1e3 / max(num_steps, 1)

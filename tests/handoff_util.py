@@ -90,7 +90,7 @@ def receiver(
 ) -> Receiver:
     """A decode half over pool; without a cache, over a one-layer cache of its blocks."""
     if cache is None:
-        cache = torch.zeros(1, 2, pool.blocks.capacity + 1, pool.block_size, 1, 2)
+        cache = torch.zeros(1, 2, pool.prefix_cache.capacity + 1, pool.block_size, 1, 2)
     sink = transfer.KVSink(transfer.LocalCache(cache, "127.0.0.1", shm_name), list(backends))
     return Receiver(
         epoch=epoch,
@@ -184,7 +184,7 @@ class Pair:
         self.pool = DecodeScheduler(
             BlockAllocator(self.num_decode_blocks + 1), BLOCK_SIZE, 4, self.is_preemptive
         )
-        shape = (2, 2, self.pool.blocks.capacity + 1, BLOCK_SIZE, 1, 2)
+        shape = (2, 2, self.pool.prefix_cache.capacity + 1, BLOCK_SIZE, 1, 2)
         shm_name = None
         if self.backend == "ipc":
             from common.engine.platform import CpuPlatform

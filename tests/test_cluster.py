@@ -174,14 +174,7 @@ def test_stop_token_with_steps_queued_ahead(tiny_model, tmp_path):
         p.start("frontend")
         p.start("prefill")
         node = p.decode_node_here()
-        prepare = node.worker.prepare  # loads the model as the loop starts: told after that
-
-        def prepare_queued():
-            worker = prepare()
-            worker.is_step_queued = True
-            return worker
-
-        node.worker.prepare = prepare_queued
+        node.worker.is_step_queued = True  # the worker is prepared as the node is made
         thread = threading.Thread(target=node.run, args=(stop,), daemon=True)
         thread.start()
         with Client(p.clients) as c:
@@ -190,9 +183,12 @@ def test_stop_token_with_steps_queued_ahead(tiny_model, tmp_path):
         assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: first + 1]
         assert long == (long[0], "length") and len(long[0]) == 120
         # The step queued behind the stopping one ran, and its token for the stopped request was dropped.
-        assert node.num_discarded_tokens > 0
+        assert node.batch.num_discarded_tokens > 0
         wait_for(
-            lambda: not node.scheduler.running and node.blocks.num_free == node.blocks.capacity,
+            lambda: (
+                not node.scheduler.running
+                and node.prefix_cache.num_free == node.prefix_cache.capacity
+            ),
             10,
             "every block to be free again",
         )

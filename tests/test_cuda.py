@@ -58,13 +58,13 @@ def test_graphed_steady_steps_copy_nothing_host_to_device(make_model):
         for i in range(3):
             blocks = alloc.allocate(1)
             (tok,), _ = worker.prefill([PrefillChunk([5 + i] * 10, 0, blocks, p)])
-            worker.add_decode_seq(str(i), tok, 10, blocks, p)
-        worker.decode_step()
-        before = worker.num_h2d_writes
+            worker.decode.add(str(i), tok, 10, blocks, p)
+        worker.decode.step()
+        before = worker.h2d.num_writes
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
-                worker.decode_step()
-        assert worker.num_h2d_writes == before
+                worker.decode.step()
+        assert worker.h2d.num_writes == before
         names = [e.name for e in prof.events()]
         assert not [n for n in names if "HtoD" in n], "a steady step copied host to device"
         assert any("DtoH" in n for n in names)  # the sampled ids do come back

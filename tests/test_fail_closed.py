@@ -348,7 +348,7 @@ def test_a_commit_that_overtakes_its_kv_waits_for_it():
 
 def test_a_reset_of_the_data_connection_fails_what_it_carried_at_once():
     p = Pair(lease_s=30.0, handoff_lease_s=60.0)
-    num_free, num_decode_free = p.prefix.num_free, p.pool.blocks.num_free
+    num_free, num_decode_free = p.prefix.num_free, p.pool.prefix_cache.num_free
     job, h = _handoff(p, "r", prompt_len=10)
     p.tx.start_writes([job])
     p.tx.advance()  # the frames are on the data connection ...
@@ -361,14 +361,14 @@ def test_a_reset_of_the_data_connection_fails_what_it_carried_at_once():
     assert (
         "r" not in p.rx.held
         and p.prefix.num_free == num_free
-        and p.pool.blocks.num_free == num_decode_free
+        and p.pool.prefix_cache.num_free == num_decode_free
     )
     assert p.rx.next_ready() is None  # never decoded
 
 
 def test_kv_that_never_comes_fails_its_commit_when_the_lease_ends():
     p = Pair(lease_s=5.0, handoff_lease_s=60.0)
-    num_decode_free = p.pool.blocks.num_free
+    num_decode_free = p.pool.prefix_cache.num_free
     job, h = _handoff(p, "r", prompt_len=10)
     p.tx.start_writes([job])
     p.tx.advance()
@@ -381,7 +381,7 @@ def test_kv_that_never_comes_fails_its_commit_when_the_lease_ends():
     assert any("did not all arrive within 5s of its commit" in e for _, e in p.failed)
     assert (
         "r" not in p.rx.held
-        and p.pool.blocks.num_free == num_decode_free
+        and p.pool.prefix_cache.num_free == num_decode_free
         and p.rx.next_ready() is None
     )
 

@@ -53,11 +53,11 @@ def _group(
 def test_forks_share_the_prompts_full_blocks_and_copy_its_partial_one(prompt_len):
     sched = DecodeScheduler(BlockAllocator(41), BS, 8)
     rx = receiver(sched)
-    free = sched.blocks.num_available
+    free = sched.prefix_cache.num_available
     _group(sched, rx, prompt_len, 10)
     num_full, is_partial = prompt_len // BS, prompt_len % BS > 0
     own = sched.blocks_at_reserve(prompt_len, 10)
-    assert free - sched.blocks.num_available == own + 2 * (
+    assert free - sched.prefix_cache.num_available == own + 2 * (
         own - num_full
     )  # shared blocks counted once
     seqs, copies = start_all(sched, rx.next_ready())
@@ -68,7 +68,7 @@ def test_forks_share_the_prompts_full_blocks_and_copy_its_partial_one(prompt_len
         101,
     ]
     for b in a.block_ids[:num_full]:
-        assert sched.blocks.num_holders(b) == 3 and b in a1.block_ids and b in a2.block_ids
+        assert sched.prefix_cache.num_holders(b) == 3 and b in a1.block_ids and b in a2.block_ids
     if is_partial:  # each its own copy of the last, partial block
         assert len({a.block_ids[-1], a1.block_ids[-1], a2.block_ids[-1]}) == 3
     assert copies == (
@@ -80,17 +80,17 @@ def test_forks_share_the_prompts_full_blocks_and_copy_its_partial_one(prompt_len
         a.num_reserved == a1.num_reserved == a2.num_reserved
     )  # each the same promise for its outputs
     sched.preempt(sched.victim(), now=1.0)  # a fork leaves: the others keep the blocks
-    assert all(sched.blocks.num_holders(b) == 2 for b in a.block_ids[:num_full])
+    assert all(sched.prefix_cache.num_holders(b) == 2 for b in a.block_ids[:num_full])
     sched.drop_preempted(sched.preempted[0].request_id)
     for rid in ["a", "a1"]:
         sched.finish(rid)
-    assert sched.blocks.num_available == free and sched.blocks.num_reserved == 0
+    assert sched.prefix_cache.num_available == free and sched.prefix_cache.num_reserved == 0
 
 
 def test_one_fork_aborted_before_admission_goes_alone_and_all_aborted_frees_the_reservation():
     sched = DecodeScheduler(BlockAllocator(41), BS, 8)
     rx = receiver(sched)
-    free = sched.blocks.num_available
+    free = sched.prefix_cache.num_available
     rx.receive(b"p", KVReserve("a", 6, 10, 1, ["a1", "a2"]))
     assert {"a", "a1", "a2"} <= rx.held_ids()
     rx.abort("a")  # choice 0 is given up; its forks go on
@@ -103,7 +103,7 @@ def test_one_fork_aborted_before_admission_goes_alone_and_all_aborted_frees_the_
         b"p",
         KVCommit("a", 6, 2, SamplingParams(max_tokens=10), {}, "tcp", [1] * 6, rx.held["a"].name),
     )
-    assert "a" not in rx.held and sched.blocks.num_available == free
+    assert "a" not in rx.held and sched.prefix_cache.num_available == free
 
 
 def test_a_commit_must_fork_what_was_reserved():

@@ -38,7 +38,7 @@ def _node(gate: threading.Event, max_queue: int = 8, rows: int = 4, compile=None
     node.grammars = GrammarWait(node.compiles)
     blocks = BlockAllocator(80)
     node.scheduler = DecodeScheduler(blocks, 4, rows)
-    node.scheduler.aside = node.grammars.waiting  # as DecodeNode.run shares it
+    node.scheduler.aside = node.grammars.waiting  # as DecodeNode.__init__ shares it
     node.handoff = receiver(node.scheduler, clock=clock, max_queue=max_queue)
     node.joined, node.sent = [], []
     node.local = SimpleNamespace(abort=lambda rid: False, held_ids=set, num_runs=0)

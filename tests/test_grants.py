@@ -77,7 +77,7 @@ def test_a_write_cancelled_at_its_deadline_leaves_the_next_pass_nothing_to_trip_
     assert "r" not in p.tx.by_id and job.block_ids == []
     assert p.prefix.num_free == num_free + 6  # its 6 blocks freed once, not twice
     p.pump()
-    assert "r" not in p.rx.held and p.pool.blocks.num_free == p.pool.blocks.capacity
+    assert "r" not in p.rx.held and p.pool.prefix_cache.num_free == p.pool.prefix_cache.capacity
     p.close()
 
 
@@ -104,7 +104,7 @@ def test_a_quarantined_grant_is_freed_by_its_writers_release_or_one_more_lease()
     p.clock.advance(2)
     p.rx.turn()  # no word from its writer: one more lease
     assert "b" not in p.rx.held and p.rx.num_expired == 2
-    assert p.pool.blocks.num_free == p.pool.blocks.capacity
+    assert p.pool.prefix_cache.num_free == p.pool.prefix_cache.capacity
 
 
 def test_a_release_frees_only_the_grant_it_names():
@@ -122,7 +122,7 @@ def test_a_release_frees_only_the_grant_it_names():
     rx.receive(b"p", KVRelease("r"))  # one naming no grant: a place in line only
     assert rx.held["r"] is second
     rx.receive(b"p", KVRelease("r", second.name))
-    assert "r" not in rx.held and pool.blocks.num_free == pool.blocks.capacity
+    assert "r" not in rx.held and pool.prefix_cache.num_free == pool.prefix_cache.capacity
 
 
 def test_a_commit_for_a_grant_gone_is_refused_retryable():

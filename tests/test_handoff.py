@@ -69,7 +69,7 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
     (first,), _ = pw.prefill([PrefillChunk(prompt, 0, src, params)])
 
     sched = DecodeScheduler(BlockAllocator(dw.num_kv_blocks), 16, 4)
-    sched.blocks.allocate(2)
+    sched.prefix_cache.allocate(2)
     offered = (
         "auto" if backend in ("ipc", "tcp") else backend
     )  # auto: never dist, nixl across hosts
@@ -106,8 +106,11 @@ def test_decode_blocks_equal_prefill_blocks_and_decoding_continues(workers, back
 
     commit_and_decode(pw, dw, rx, sched, r, backend, prompt, params, first, num_written)
     sched.finish("r")
-    sched.blocks.free([1, 2])
-    assert sched.blocks.num_free == sched.blocks.capacity and sched.blocks.num_reserved == 0
+    sched.prefix_cache.free([1, 2])
+    assert (
+        sched.prefix_cache.num_free == sched.prefix_cache.capacity
+        and sched.prefix_cache.num_reserved == 0
+    )
     writer.close()
     sink.close()
 
@@ -122,15 +125,15 @@ def commit_and_decode(pw, dw, rx, sched, r, backend, prompt, params, first, num_
         ),
     )
     (seq,), _ = start_all(sched, rx.next_ready())
-    blocks_to_join(seq, 16, sched.blocks)
-    dw.add_decode_seq("r", first, len(prompt), seq.block_ids, params)
+    blocks_to_join(seq, 16, sched.prefix_cache)
+    dw.decode.add("r", first, len(prompt), seq.block_ids, params)
     tokens = [first]
     for _ in range(params.max_tokens - 1):
-        if dw.next_position("r") // 16 >= dw.num_blocks("r"):
-            dw.append_block("r", seq.take_block(sched.blocks))
-        tokens += dw.decode_step()
+        if dw.decode.next_position("r") // 16 >= dw.decode.num_blocks("r"):
+            dw.decode.append_block("r", seq.take_block(sched.prefix_cache))
+        tokens += dw.decode.step()
     assert tokens == generate(pw, [prompt], [params])[0]["token_ids"]
-    dw.remove_decode_seq("r")
+    dw.decode.remove("r")
 
 
 def test_tcp_frames_are_a_group_of_layers_each(workers, monkeypatch):

@@ -77,7 +77,7 @@ def test_renewals_every_third_keep_a_reservation_past_its_lease_and_silence_free
     assert p.rx.held["r"].is_quarantined  # held a lease more (a writer never heard from might
     p.run_for(30)  # copy into them unseen, as ipc does)
     assert "r" not in p.rx.held and p.rx.num_expired == 1
-    assert p.pool.blocks.num_free == p.pool.blocks.capacity
+    assert p.pool.prefix_cache.num_free == p.pool.prefix_cache.capacity
 
 
 def test_no_write_starts_in_the_last_third_of_the_lease():
@@ -179,7 +179,7 @@ def test_an_abort_during_a_write_waits_for_it_then_releases_both_sides():
     assert "r" not in p.tx.by_id and "r" not in p.rx.held and not p.failed
     assert p.sent(KVRelease) == 1 and p.sent(KVCommit) == 0
     assert p.prefix.num_free == num_free
-    assert p.pool.blocks.num_free == p.pool.blocks.capacity
+    assert p.pool.prefix_cache.num_free == p.pool.prefix_cache.capacity
 
 
 def test_an_abort_on_the_decode_node_refuses_the_commit_and_frees_the_blocks():
@@ -191,7 +191,7 @@ def test_an_abort_on_the_decode_node_refuses_the_commit_and_frees_the_blocks():
     p.tx.set_first_token(job, 3, {})
     p.pump()
     assert p.failed == [("r", "decode node refused the request: the request was aborted")]
-    assert "r" not in p.rx.held and p.pool.blocks.num_free == p.pool.blocks.capacity
+    assert "r" not in p.rx.held and p.pool.prefix_cache.num_free == p.pool.prefix_cache.capacity
     assert not p.retryable  # the request's own ending: the frontend must not move it
 
 
@@ -282,7 +282,7 @@ def test_a_full_reservation_holds_every_block_until_released():
     rx.clock = lambda: float("inf")
     rx.turn()  # both leases end
     assert rx.num_expired == 2 and not rx.held
-    assert pool.blocks.num_free == 19 and pool.blocks.num_reserved == 0
+    assert pool.prefix_cache.num_free == 19 and pool.prefix_cache.num_reserved == 0
 
 
 def test_only_the_prefill_node_that_reserved_may_commit_or_release():
@@ -318,7 +318,10 @@ def test_a_write_its_writer_reports_failed_fails_retryable_and_frees_both_sides(
     assert p.failed == [("r", "KV transfer to decode-0 failed: NIXL: NIXL_ERR_REMOTE_DISCONNECT")]
     assert p.retryable == {"r"} and "r" not in p.tx.by_id and p.sent(KVCommit) == 0
     assert p.sent(KVRelease) == 1 and "r" not in p.rx.held
-    assert p.prefix.num_free == num_free and p.pool.blocks.num_free == p.pool.blocks.capacity
+    assert (
+        p.prefix.num_free == num_free
+        and p.pool.prefix_cache.num_free == p.pool.prefix_cache.capacity
+    )
     assert p.tx.transfer_figures()["tcp"]["num_failed"] == 1
 
 
@@ -393,7 +396,7 @@ def test_a_cache_that_cannot_be_opened_fails_only_what_its_process_answered():
             "KV cache: no such segment",
         )
     ]
-    assert "a" not in p.rx.held and p.pool.blocks.num_free == p.pool.blocks.capacity
+    assert "a" not in p.rx.held and p.pool.prefix_cache.num_free == p.pool.prefix_cache.capacity
     p.start_decode("e2")  # the successor, at the same address
     p.clock.advance(1.0)  # past the hello interval
     job, h = _handoff(p, "b")

@@ -209,7 +209,7 @@ def test_a_chunked_write_whose_grant_is_gone_fails_at_the_renewals_answer():
         ("r", "its reservation on decode-0 ended during its prefill")
     ] and p.retryable == {"r"}
     p.run_for(35)
-    assert "r" not in p.rx.held and p.pool.blocks.num_free == p.pool.blocks.capacity
+    assert "r" not in p.rx.held and p.pool.prefix_cache.num_free == p.pool.prefix_cache.capacity
 
 
 def test_the_auto_rule():
@@ -239,7 +239,10 @@ def test_a_layer_that_cannot_be_written_fails_the_handoff_retryable_and_frees_bo
         ("r", "KV transfer to decode-0 failed: the link broke")
     ] and p.retryable == {"r"}
     assert p.sent(KVCommit) == 0 and p.sent(KVRelease) == 1 and "r" not in p.rx.held
-    assert p.prefix.num_free == num_free and p.pool.blocks.num_free == p.pool.blocks.capacity
+    assert (
+        p.prefix.num_free == num_free
+        and p.pool.prefix_cache.num_free == p.pool.prefix_cache.capacity
+    )
 
 
 def test_a_write_whose_pass_never_ends_is_stopped_at_its_deadline():
@@ -253,7 +256,7 @@ def test_a_write_whose_pass_never_ends_is_stopped_at_its_deadline():
     assert p.failed and "r" not in p.tx.by_id and p.retryable == {"r"}
     assert p.prefix.num_free == num_free and p.sent(KVCommit) == 0
     p.run_for(35)
-    assert "r" not in p.rx.held and p.pool.blocks.num_free == p.pool.blocks.capacity
+    assert "r" not in p.rx.held and p.pool.prefix_cache.num_free == p.pool.prefix_cache.capacity
 
 
 def test_a_backend_with_no_layerwise_form_writes_whole_at_the_end():
@@ -297,7 +300,7 @@ def _backend_pair(workers, backend: str, prompt_len: int):
     palloc.allocate(3)  # so the two nodes' block ids differ
     src = palloc.allocate(num_blocks_for(prompt_len, 16))
     sched = DecodeScheduler(BlockAllocator(dw.num_kv_blocks), 16, 4)
-    sched.blocks.allocate(1)
+    sched.prefix_cache.allocate(1)
     sink = _sink(dw, [backend])
     from common.handoff.receiver import Receiver
     from tests.handoff_util import reserve

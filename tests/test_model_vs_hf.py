@@ -40,7 +40,7 @@ def test_greedy_batch_matches_transformers(make_model, shape):
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     with DeviceWorker(cfg) as worker:
         results = generate(worker, prompts, [params] * len(prompts))
-        assert worker.max_decode_batch == len(prompts)
+        assert worker.decode.max_batch == len(prompts)
     expected = hf_greedy(model_dir, prompts, NEW_TOKENS)
     for n, r, ref in zip(LENGTHS, results, expected):
         assert r["token_ids"] == ref, f"prompt of {n} tokens diverged"

@@ -41,7 +41,7 @@ def test_preemptive_admission_reserves_what_a_request_needs_now():
     assert rx.refusal("c", 16 * 32, 10)[1] is True  # 33 would eat the watermark
     sched.give_back(a, num_a)
     sched.give_back(b, num_b)
-    assert sched.blocks.num_free == 40 and sched.blocks.num_reserved == 0
+    assert sched.prefix_cache.num_free == 40 and sched.prefix_cache.num_reserved == 0
 
 
 def test_the_newest_is_preempted_and_the_oldest_resumes_first():
@@ -52,7 +52,7 @@ def test_the_newest_is_preempted_and_the_oldest_resumes_first():
     sched.preempt(seqs[2], now=1.0)
     sched.preempt(sched.victim(), now=2.0)
     assert [s.request_id for s in sched.preempted] == ["b", "c"] and list(sched.running) == ["a"]
-    assert sched.blocks.num_free == 37  # b's and c's blocks are back
+    assert sched.prefix_cache.num_free == 37  # b's and c's blocks are back
     assert "resume first" in rx.refusal("d", 10, 10)[0]  # nothing new while they wait
     seq = sched.next_resumable()
     assert seq is seqs[1]
@@ -61,7 +61,7 @@ def test_the_newest_is_preempted_and_the_oldest_resumes_first():
     assert sched.drop_preempted("c") is seqs[2] and not sched.preempted
     for rid in ("a", "b"):
         sched.finish(rid)
-    assert sched.blocks.num_free == 40
+    assert sched.prefix_cache.num_free == 40
 
 
 @pytest.mark.parametrize("how", ["swap", "recompute"])
@@ -87,27 +87,27 @@ def test_a_resumed_sequence_continues_token_for_token(tiny_model, how, params):
             seq.block_ids = alloc.allocate(num_blocks_for(len(prompt) + 1, bs))
             (first,), _ = w.prefill([PrefillChunk(prompt, 0, seq.block_ids, params)])
             seq.output_ids.append(first)
-            w.add_decode_seq("s", first, len(prompt), seq.block_ids, params)
+            w.decode.add("s", first, len(prompt), seq.block_ids, params)
             while len(seq.output_ids) < params.max_tokens:
                 if len(seq.output_ids) == preempt_at:
-                    w.remove_decode_seq("s")
+                    w.decode.remove("s")
                     old = seq.block_ids
                     if how == "swap":
-                        w.swap_out("s", old[: num_blocks_for(seq.num_cached, bs)])
+                        w.swap.swap_out("s", old[: num_blocks_for(seq.num_cached, bs)])
                     w.kv_cache[:, :, old] = 7.0  # the blocks go to someone else
                     seq.block_ids = alloc.allocate(num_blocks_for(seq.num_cached + 1, bs))
                     alloc.free(old)
                     assert not set(seq.block_ids) & set(old)
                     if how == "swap":
-                        w.swap_in("s", seq.block_ids)
-                        assert w.swapped_bytes == 0
+                        w.swap.swap_in("s", seq.block_ids)
+                        assert w.swap.swapped_bytes == 0
                     else:
                         w.recompute(prompt + seq.output_ids[:-1], seq.block_ids, chunk_len=16)
-                    w.add_decode_seq("s", seq.output_ids[-1], seq.num_cached, seq.block_ids, params)
-                if w.keys_needing_block():
-                    w.append_block("s", seq.take_block(alloc))
-                seq.output_ids += w.decode_step()
-            w.remove_decode_seq("s")
+                    w.decode.add("s", seq.output_ids[-1], seq.num_cached, seq.block_ids, params)
+                if w.decode.keys_needing_block():
+                    w.decode.append_block("s", seq.take_block(alloc))
+                seq.output_ids += w.decode.step()
+            w.decode.remove("s")
             return seq.output_ids
 
         reference = run(None)

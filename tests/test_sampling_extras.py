@@ -236,13 +236,13 @@ def test_penalties_keep_the_decode_step_free_of_host_copies(worker):
     prompt = PROMPTS[0]
     blocks = alloc.allocate(num_blocks_for(len(prompt) + 30, worker.block_size))
     (tok,), _ = worker.prefill([PrefillChunk(prompt, 0, blocks, p, history=(prompt, []))])
-    worker.add_decode_seq("r", tok, len(prompt), blocks, p, (prompt, [tok]))
-    worker.decode_step()
+    worker.decode.add("r", tok, len(prompt), blocks, p, (prompt, [tok]))
+    worker.decode.step()
     before = worker.h2d.num_writes
     for _ in range(5):  # within the blocks it holds: no block crossing either
-        worker.decode_step()
+        worker.decode.step()
     assert worker.h2d.num_writes == before
-    worker.remove_decode_seq("r")
+    worker.decode.remove("r")
     alloc.free(blocks)
 
 

@@ -32,25 +32,25 @@ def test_steady_decode_makes_no_host_to_device_writes(tiny_model):
             seq.take_block(alloc)
             (tok,), _ = worker.prefill([PrefillChunk(prompt, 0, seq.block_ids, p)])
             blocks_to_join(seq, bs, alloc)
-            worker.add_decode_seq(seq.request_id, tok, len(prompt), seq.block_ids, p)
+            worker.decode.add(seq.request_id, tok, len(prompt), seq.block_ids, p)
             seqs[seq.request_id] = seq
-        before = worker.num_h2d_writes
+        before = worker.h2d.num_writes
         for _ in range(100):  # the longest reaches position 120 < 128: no crossing
-            worker.grow_blocks(seqs, alloc)
-            worker.decode_step()
-        assert worker.num_h2d_writes == before
+            worker.decode.grow_blocks(seqs, alloc)
+            worker.decode.step()
+        assert worker.h2d.num_writes == before
         # The 20-token prompt's next token is at position 120; it enters block 1 at 128.
-        while worker.next_position("2") < bs:
-            worker.grow_blocks(seqs, alloc)
-            worker.decode_step()
-        bytes_before = worker.num_h2d_bytes
-        before = worker.num_h2d_writes
-        worker.grow_blocks(seqs, alloc)
-        worker.decode_step()  # the crossing step: one block-table entry, nothing else
-        assert worker.num_h2d_writes == before + 1 and worker.num_h2d_bytes - bytes_before == 12
-        assert worker.num_blocks("2") == 2 and worker.stats()["num_block_writes"] == 1
-        worker.decode_step()
-        assert worker.num_h2d_writes == before + 1
+        while worker.decode.next_position("2") < bs:
+            worker.decode.grow_blocks(seqs, alloc)
+            worker.decode.step()
+        bytes_before = worker.h2d.num_bytes
+        before = worker.h2d.num_writes
+        worker.decode.grow_blocks(seqs, alloc)
+        worker.decode.step()  # the crossing step: one block-table entry, nothing else
+        assert worker.h2d.num_writes == before + 1 and worker.h2d.num_bytes - bytes_before == 12
+        assert worker.decode.num_blocks("2") == 2 and worker.stats()["num_block_writes"] == 1
+        worker.decode.step()
+        assert worker.h2d.num_writes == before + 1
 
 
 def test_close_releases_weights_and_cache(tiny_model):

@@ -1,1 +1,2 @@
-"""engine: the device platform, the model, its loader, sampling and the device worker. Imports base, kv, kernels; knows no transport."""
+"""engine: the device platform, the model, its loader, sampling and the device worker.
+Imports base, kv, kernels; knows no transport."""

@@ -1,11 +1,6 @@
 """Cores that follow the work. The CPU nodes one launcher starts on a host share its cores
-through a small table in shared memory (/dev/shm/<pool>), a row per node:
-
-    pid     the node's process (a row whose process is gone counts for nothing)
-    share   cores it is owed: the launcher's split, the most it keeps when all are busy
-    held    cores its current forward pass runs on (0 between passes)
-    stamp   when it last began or ended a pass (time.monotonic, the host's clock)
-    start   when its process started (/proc): a pid used again is another process
+through a small table in shared memory (/dev/shm/<pool>), a row per node (core_table.py
+says what a row holds and decides from the table).
 
 A node with work asks before each forward pass (`begin`) and again between layers
 (`between_layers`), and may run on what the others neither hold nor are owed:
@@ -33,10 +28,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import math
 import mmap
 import os
-import stat
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -45,166 +38,30 @@ import numpy as np
 
 from common.base.files import is_at
 from common.base.log import get_logger
-from common.base.procs import is_alive as is_running
-
-MAX_NODES = 64
-PID, SHARE, HELD, STAMP, START = range(5)
-NUM_COLS = 5
-LINGER_S = 0.05  # a node that ended a pass this recently is busy: its share is not lent
-WAIT_S = 0.0005  # how often a node owed its share looks again while a borrower gives it back
-DEADLINE_S = 2.0  # the longest a node owed its share waits for a borrower to give it back
-ROW_BYTES = NUM_COLS * 8  # float64 each
-TABLE_BYTES = MAX_NODES * ROW_BYTES
-SHM_DIR = "/dev/shm"
-PID_MAX = 1 << 22  # the kernel's largest pid (pid_max's ceiling)
-CLOCK_SLACK_S = 1.0  # a stamp this far past now is another node's read racing ours; more is junk
-START_TTL_S = 1.0  # how long a process's start time, read from /proc, is taken as known
+from common.engine.core_table import (
+    DEADLINE_S,
+    HELD,
+    LINGER_S,
+    MAX_NODES,
+    NUM_COLS,
+    PID,
+    SHARE,
+    SHM_DIR,
+    STAMP,
+    START,
+    TABLE_BYTES,
+    WAIT_S,
+    IsAlive,
+    decide,
+    free_cores,
+    is_same_process,
+    is_sane,
+    lent_rows,
+    open_table,
+    process_start,
+)
 
 log = get_logger("cores")
-IsAlive = Callable[[int, int], bool]  # (pid, start) -> does that process still run
-
-
-# ---- who a row is ---------------------------------------------------------------
-
-
-def process_start(pid: int) -> int | None:
-    """pid's start time (clock ticks after boot), from /proc; -1 for a process gone (or a
-    zombie, which runs nothing); None where /proc cannot say."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()  # NOTE: the name may hold ')'
-    except FileNotFoundError:
-        return -1 if os.path.isdir("/proc/self") else None
-    except OSError:
-        return None
-    if len(fields) < 20 or not fields[19].isdigit():
-        return None
-    return -1 if fields[0] in (b"Z", b"X") else int(fields[19])
-
-
-_starts: dict[int, tuple[int | None, float]] = {}  # pid -> (its start, when read)
-
-
-def is_same_process(pid: int, start: int) -> bool:
-    """Does the process that wrote a row (pid, start) still run? A pid used again by
-    another process does not count. The start is read once a START_TTL_S a pid: the
-    common case costs a kill(pid, 0)."""
-    if not is_running(pid):
-        return False
-    now = time.monotonic()
-    known = _starts.get(pid)
-    if known is None or now - known[1] > START_TTL_S:
-        if len(_starts) > 4 * MAX_NODES:
-            _starts.clear()
-        known = _starts[pid] = (process_start(pid), now)
-    return known[0] is None or known[0] == start
-
-
-def is_sane(row: tuple[float, ...], budget: int, now: float) -> bool:
-    """Does a row make sense: finite, a pid in range, whole cores within the budget, a
-    stamp not in the future? Any other counts for nothing and may be claimed."""
-    pid, share, held, stamp, start = row
-    return (
-        all(map(math.isfinite, row))
-        and 1 <= pid <= PID_MAX
-        and pid.is_integer()
-        and 1 <= share <= budget
-        and share.is_integer()
-        and 0 <= held <= budget
-        and held.is_integer()
-        and stamp <= now + CLOCK_SLACK_S
-        and start >= 0
-    )
-
-
-def others(table: np.ndarray, budget: int, me: int, now: float) -> list[tuple[int, tuple]]:
-    """(row, its values) of the other nodes' rows that make sense."""
-    # NOTE: plain floats: a few rows are read faster than numpy reads them
-    return [
-        (r, v)
-        for r in np.flatnonzero(table[:, PID]).tolist()
-        if r != me and is_sane(v := tuple(table[r].tolist()), budget, now)
-    ]
-
-
-# ---- the decision -----------------------------------------------------------------
-
-
-def free_cores(table: np.ndarray, budget: int, me: int, now: float, is_alive: IsAlive) -> int:
-    """Cores the others neither hold nor are owed (table [MAX_NODES, NUM_COLS]; me: my row)."""
-    taken = 0
-    for _, (pid, share, held, stamp, start) in others(table, budget, me, now):
-        is_busy = held > 0 or now - stamp < LINGER_S
-        t = max(held, share if is_busy else 0)
-        # NOTE: only a row that takes something is asked whether its process lives (a syscall)
-        if t and is_alive(int(pid), int(start)):
-            taken += int(t)
-    return budget - taken
-
-
-def lent_rows(table: np.ndarray, budget: int, me: int, now: float, is_alive: IsAlive) -> list[int]:
-    """Other nodes' rows that hold more than they are owed (borrowers that will give back)."""
-    return [
-        r
-        for r, v in others(table, budget, me, now)
-        if v[HELD] > v[SHARE] and is_alive(int(v[PID]), int(v[START]))
-    ]
-
-
-def decide(
-    table: np.ndarray, budget: int, me: int, want: int, now: float, is_alive: IsAlive
-) -> int:
-    """Cores for my next pass (0: wait, a borrower is giving mine back)."""
-    free = free_cores(table, budget, me, now, is_alive)
-    if free >= 1:
-        return min(want, free)
-    return 0 if lent_rows(table, budget, me, now, is_alive) else 1
-
-
-# ---- the table's file ---------------------------------------------------------------
-
-
-def open_table(path: str) -> int:
-    """A descriptor of the table at path, made here or opened; OSError naming why for
-    anything but a plain file of this user's that no one else may write (a link, a file
-    another user planted under the name: its rows are never read)."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _ in range(3):  # NOTE: the last node out may remove it between the two opens
-        try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
-            break
-        except FileExistsError:
-            pass
-        try:
-            fd = os.open(path, flags)
-            break
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            raise OSError(
-                e.errno,
-                f"{path} is a symbolic link" if e.errno == errno.ELOOP else f"{path}: {e.strerror}",
-            ) from None
-    else:
-        raise OSError(errno.EAGAIN, f"{path} was removed and made again as it was opened")
-    st = os.fstat(fd)
-    why = (
-        "is not a plain file"
-        if not stat.S_ISREG(st.st_mode)
-        else f"belongs to uid {st.st_uid}, not {os.getuid()}"
-        if st.st_uid != os.getuid()
-        else f"has mode {st.st_mode & 0o777:o}: others may write it"
-        if st.st_mode & 0o077
-        else f"has {st.st_nlink} names"
-        if st.st_nlink != 1
-        else ""
-    )
-    if why:
-        os.close(fd)
-        raise OSError(errno.EPERM, f"{path} {why}")
-    if st.st_size < TABLE_BYTES:
-        os.ftruncate(fd, TABLE_BYTES)
-    return fd
 
 
 @dataclass

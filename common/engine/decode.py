@@ -27,10 +27,12 @@ from common.base.grammar import bits_to_mask, num_words
 from common.base.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from common.engine import logits as logit_rules
 from common.engine import qwen3
+from common.engine.block_table import BlockTable
 from common.engine.graphs import GraphRunner
 from common.engine.h2d import HostToDevice
 from common.engine.sampling import sample
-from common.kv.blocks import NULL_BLOCK, num_blocks_for
+from common.kv.blocks import num_blocks_for
+from common.kv.sequence import grow_blocks
 
 
 @dataclass
@@ -64,8 +66,6 @@ class DecodeBatch:
         self.platform = platform
         self._h2d = h2d
         self.graphs = GraphRunner(platform)
-        self.num_block_writes = 0  # block-table entries at block crossings
-        self.num_block_copies = 0  # the H2D copies that carried them (one per step at most)
         self.num_steps = 0
         self.num_rows = 0  # summed over steps: / num_steps is the mean batch
         self.max_batch = 0
@@ -80,9 +80,7 @@ class DecodeBatch:
         self._input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self._seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self._step_inc = torch.zeros(n, dtype=torch.int32, device=dev)
-        self._block_tables = torch.full(
-            (n, max_blocks_per_seq), NULL_BLOCK, dtype=torch.int32, device=dev
-        )
+        self.table = BlockTable(n, max_blocks_per_seq, block_size, h2d, pinned)
         self._slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
         self._positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self._temperature = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -95,7 +93,6 @@ class DecodeBatch:
         # Host mirrors, advanced without reading the device back.
         self.host_seq_lens = np.ones(n, dtype=np.int32)
         self._host_seq_lens_t = torch.from_numpy(self.host_seq_lens)  # the same memory
-        self._host_num_blocks = np.zeros(n, dtype=np.int32)
         self._host_is_greedy = np.ones(n, dtype=bool)
         self._host_num_logprobs = np.full(n, -1, dtype=np.int32)
         self._host_is_processed = np.zeros(n, dtype=bool)  # processed (not raw) log-probabilities
@@ -118,18 +115,25 @@ class DecodeBatch:
         self._masks = torch.full((n, words), -1, dtype=torch.int32, device=dev)
         self._slots: dict[str, int] = {}
         self._keys: list[str] = []
-        # Block-table entries waiting for the next launch; staged in two pinned slots
-        # because one may still be read by the device while the other is filled.
-        self._pending_blocks: list[tuple[int, int, int]] = []
-        self._block_staging = torch.zeros(2, 3, n, dtype=torch.int32, pin_memory=pinned)
-        self._block_updates = torch.zeros(3, n, dtype=torch.int32, device=dev)
 
     def capture_graphs(self) -> None:
-        width = self._block_tables.shape[1]
+        width = self.table.max_blocks
         self.graphs.capture(
             lambda n, is_greedy: self._run(n, width, is_greedy), self.max_batch_size
         )
         self._input_ids.zero_()  # the warm-up steps sampled into the padding rows
+
+    def stats(self) -> dict:
+        return {
+            "num_block_writes": self.table.num_block_writes,
+            "num_block_copies": self.table.num_block_copies,
+            "num_decode_steps": self.num_steps,
+            "num_decode_rows": self.num_rows,
+            "device_busy_s": round(self.device_busy_s, 6),
+            "device_idle_s": round(self.device_idle_s, 6),
+            "is_graphed": self.graphs.is_graphed,
+            "max_decode_batch": self.max_batch,
+        }
 
     # ---- rows ------------------------------------------------------------------
 
@@ -146,7 +150,6 @@ class DecodeBatch:
             self._input_ids,
             self._seq_lens,
             self._step_inc,
-            self._block_tables,
             self._temperature,
             self._top_p,
             self._top_k,
@@ -175,22 +178,21 @@ class DecodeBatch:
             raise RuntimeError(f"decode batch is full ({self.max_batch_size} rows)")
         if len(block_ids) < num_blocks_for(num_cached + 1, self.block_size):
             raise ValueError(f"{num_cached + 1} tokens need more than {len(block_ids)} blocks")
-        if len(block_ids) > self._block_tables.shape[1]:
+        if len(block_ids) > self.table.max_blocks:
             raise ValueError(
                 f"{len(block_ids)} blocks exceed the model's maximum length "
-                f"({self._block_tables.shape[1]} blocks)"
+                f"({self.table.max_blocks} blocks)"
             )
         w = self._h2d.write
         w(self._input_ids[row], token_id)
         w(self._seq_lens[row], num_cached + 1)
         w(self._step_inc[row], 1)
-        w(self._block_tables[row, : len(block_ids)], block_ids)
+        self.table.set_row(row, block_ids)
         w(self._temperature[row], params.temperature)
         w(self._top_p[row], params.top_p)
         w(self._top_k[row], params.top_k)
         w(self._seeds[row], params.seed)
         self.host_seq_lens[row] = num_cached + 1
-        self._host_num_blocks[row] = len(block_ids)
         self._host_is_greedy[row] = params.is_greedy
         self._host_num_logprobs[row] = params.num_logprobs
         self._host_is_processed[row] = params.is_processed_logprobs
@@ -212,18 +214,18 @@ class DecodeBatch:
 
     @torch.inference_mode()
     def remove(self, key: str) -> None:
-        self._flush_block_writes(False)  # pending entries name rows that are about to move
+        self.table.flush(None)  # pending entries name rows that are about to move
         row = self._slots.pop(key)
         last = self.num_seqs - 1
         if row != last:
             moved = self._keys[last]
             for buf in self._row_buffers():
                 buf[row].copy_(buf[last])
+            self.table.move_row(row, last)
             if self._rows is not None:
                 self._rows.copy_row(row, last)
             for mirror in (
                 self.host_seq_lens,
-                self._host_num_blocks,
                 self._host_is_greedy,
                 self._host_num_logprobs,
                 self._host_is_processed,
@@ -242,10 +244,9 @@ class DecodeBatch:
         self._input_ids[row].fill_(0)
         self._seq_lens[row].fill_(1)
         self._step_inc[row].fill_(0)
-        self._block_tables[row].fill_(NULL_BLOCK)
+        self.table.reset_row(row)
         self._temperature[row].fill_(0.0)
         self.host_seq_lens[row] = 1
-        self._host_num_blocks[row] = 0
         self._host_is_greedy[row] = True
         self._host_num_logprobs[row] = -1
         self._host_is_processing[row] = False
@@ -259,8 +260,7 @@ class DecodeBatch:
 
     def keys_needing_block(self) -> list[str]:
         """Live sequences whose next token falls past their last block (from the host mirrors)."""
-        n = self.num_seqs
-        rows = np.flatnonzero(self.host_seq_lens[:n] > self._host_num_blocks[:n] * self.block_size)
+        rows = self.table.rows_needing_block(self.host_seq_lens, self.num_seqs)
         return [self._keys[r] for r in rows]
 
     def next_position(self, key: str) -> int:
@@ -268,36 +268,18 @@ class DecodeBatch:
         return int(self.host_seq_lens[self._slots[key]]) - 1
 
     def num_blocks(self, key: str) -> int:
-        return int(self._host_num_blocks[self._slots[key]])
+        return int(self.table.host_num_blocks[self._slots[key]])
 
     def append_block(self, key: str, block_id: int) -> None:
         """The sequence crosses into a new block: one block-table entry, written
         with the next launch."""
-        row = self._slots[key]
-        col = int(self._host_num_blocks[row])
-        self._pending_blocks.append((row, col, block_id))
-        self.num_block_writes += 1
-        self._host_num_blocks[row] = col + 1
+        self.table.append(self._slots[key], block_id)
 
-    def _flush_block_writes(self, is_queued_behind_step: bool) -> None:
-        """All block-table entries since the last flush in one copy: (row, col, block)
-        triples, scattered on the device. Queued behind a running step (at launch),
-        they go from a pinned slot without waiting; a launch reuses a slot only after
-        the step two launches back was collected, so that copy is done. Otherwise
-        (between steps) the copy is a plain blocking one."""
-        if not self._pending_blocks:
-            return
-        k = len(self._pending_blocks)
-        triples = torch.tensor(self._pending_blocks, dtype=torch.int32).T
-        if is_queued_behind_step:
-            staged = self._block_staging[self.num_steps % 2, :, :k]
-            staged.copy_(triples)
-            triples = staged
-        dev = self._block_updates[:, :k]
-        self._h2d.write(dev, triples)
-        self.num_block_copies += 1
-        self._block_tables.index_put_((dev[0].long(), dev[1].long()), dev[2])
-        self._pending_blocks.clear()
+    def grow_blocks(self, seqs: dict, allocator) -> None:
+        """Before a step: every sequence whose next token starts a new block gets one
+        (kv.sequence.grow_blocks picks it) in its block table."""
+        for key, block in grow_blocks(self.keys_needing_block(), seqs, allocator):
+            self.append_block(key, block)
 
     # ---- steps -------------------------------------------------------------------
 
@@ -315,7 +297,8 @@ class DecodeBatch:
             raise RuntimeError(
                 f"sequences {short} need a block for their next position; call append_block first"
             )
-        self._flush_block_writes(True)
+        # Queued behind the running step, from the pinned slot a step two launches back used.
+        self.table.flush(self.num_steps % 2)
         is_greedy = bool(self._host_is_greedy[:n].all())
         ks = self._host_num_logprobs[:n]
         is_plain = not (ks >= 0).any() and not self._host_is_processing[:n].any()
@@ -377,6 +360,11 @@ class DecodeBatch:
             ticket.logprobs = logit_rules.to_host(chosen, top, ids, ticket.num_logprobs)
         return self._sampled_host[ticket.slot, :n].tolist()
 
+    def step(self) -> list[int]:
+        """One token for every live sequence, in keys() order: a launch, collected at once."""
+        ticket = self.launch()
+        return self.collect(ticket) if ticket else []
+
     def mark_idle(self) -> None:
         """The node has nothing to run: the gap before the next step is not device idleness."""
         self._last_end = None
@@ -394,7 +382,7 @@ class DecodeBatch:
         for (-1: none; the full path all the same)."""
         seq_lens = self._seq_lens[:n]
         slot_mapping = self._slot_mapping[:n]
-        block_tables = self._block_tables[:n, :width]
+        block_tables = self.table.tensor[:n, :width]
         kernels.compute_slot_mapping(seq_lens, block_tables, self.block_size, slot_mapping)
         # The host mirror rides along for kernels that take lengths on the host (Ascend);
         # a captured graph never reads it.

@@ -7,8 +7,25 @@ from typing import Callable
 
 import torch
 
+import kernels
+from common.base.env import read_env
+
 # Batch sizes with a captured graph; a batch runs in the smallest bucket that holds it.
 GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def wants_graphs(platform, use_graphs: bool, kv_cache: torch.Tensor) -> bool:
+    """Whether decode steps are captured: the platform can, nothing turned them off, and
+    the attention kernel pays for it."""
+    from kernels import portable
+
+    # Portable attention reads the full table width: graphs would not pay.
+    return (
+        platform.can_capture_graphs
+        and use_graphs
+        and not read_env().disable_graphs
+        and kernels.backend_for(kv_cache).decode_attention is not portable.decode_attention
+    )
 
 
 class GraphRunner:

@@ -32,5 +32,8 @@ class HostToDevice:
         self.write(t, values)
         return t
 
+    def stats(self) -> dict:
+        return {"num_h2d_writes": self.num_writes, "num_h2d_bytes": self.num_bytes}
+
     def reset(self) -> None:
         self.num_writes = self.num_bytes = 0

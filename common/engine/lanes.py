@@ -76,7 +76,8 @@ class Lanes:
             torch.set_num_threads(1)
 
     def _part(self, chunks: list, idx: list[int], num_threads: int, between_layers) -> Callable:
-        """A lane's task: the chunks idx as one forward; post(idx, n) as each layer's KV is written."""
+        """A lane's task: the chunks idx as one forward; post(idx, n) as each layer's KV is
+        written."""
 
         def task(post):
             kv_written = None if post is None else (lambda num_done: post(idx, num_done))
@@ -85,7 +86,8 @@ class Lanes:
         return task
 
     def _run(self, tasks: list[Callable], on_layers) -> list:
-        """Each task(post) on a lane; post(idx, n) calls on_layers(idx, n) on this thread. Their results."""
+        """Each task(post) on a lane; post(idx, n) calls on_layers(idx, n) on this thread.
+        Their results."""
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         post = None if on_layers is None else (lambda idx, n: inbox.put((idx, n)))
         futures = [self._pool.submit(task, post) for task in tasks]
@@ -248,7 +250,8 @@ class Lanes:
 
 def split_tokens(num_tokens: int, context_len: int, num_parts: int, pair_cost: float) -> list[int]:
     """Offsets cutting a chunk of num_tokens after context_len into num_parts of equal cost:
-    a token's matmuls (1) and its attention, pair_cost a (query, key) pair. -> [0, ..., num_tokens]."""
+    a token's matmuls (1) and its attention, pair_cost a (query, key) pair.
+    -> [0, ..., num_tokens]."""
 
     def cost(t: float) -> float:
         return t + pair_cost * (context_len * t + t * t / 2)

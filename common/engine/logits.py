@@ -4,7 +4,8 @@ top-p and top-k (sampling.py), and what is reported of them.
 A request's penalties and masks (SamplingParams) live per row, on the device:
     blocked    [B, V] bool   never this token: outside allowed_token_ids, or a one-token bad word
                              (longer ones: a step mask, grammar.Matcher)
-    stops      [B, V] bool   EOS (unless ignore_eos) and stop tokens: blocked while num_output < min_tokens
+    stops      [B, V] bool   EOS (unless ignore_eos) and stop tokens: blocked while
+                             num_output < min_tokens
     bias       [B, V] fp32   logit_bias
     seen       [B, V] bool   tokens of the prompt or the output so far (repetition_penalty)
     counts     [B, V] int32  how often each token was generated (frequency and presence penalties)

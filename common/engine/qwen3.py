@@ -62,7 +62,8 @@ class Model:
 def random_weights(
     spec: ModelSpec, device, dtype, seed: int = 0, std: float = 0.02
 ) -> Qwen3Weights:
-    """Random weights of the exact shape, made on the device (benchmarks: values do not change cost)."""
+    """Random weights of the exact shape, made on the device (benchmarks: values do not
+    change cost)."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape):

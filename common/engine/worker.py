@@ -18,14 +18,15 @@ import torch
 
 import kernels
 from common.base.config import WorkerConfig, clamp_model_len, parse_core_pool
-from common.base.env import read_env
 from common.base.model_spec import load_spec, preset_spec
 from common.base.request import SamplingParams
 from common.engine import logits as logit_rules
 from common.engine import qwen3
 from common.engine.cores import CorePool
-from common.engine.decode import DecodeBatch, DecodeTicket  # noqa: F401  (DecodeTicket: the nodes' type)
+from common.engine.decode import DecodeBatch
+from common.engine.graphs import wants_graphs
 from common.engine.h2d import HostToDevice
+from common.engine.kv_cache import allocate_kv_cache
 from common.engine.lanes import Lanes
 from common.engine.pass_size import pair_cost, threads_worth
 from common.engine.platform import platform_for
@@ -36,11 +37,8 @@ from common.kv.blocks import (
     BLOCK_DIM,
     NULL_BLOCK,
     block_bytes,
-    cache_shape,
-    kv_cache_blocks,
     num_blocks_for,
 )
-from common.kv.sequence import grow_blocks
 
 
 class DeviceWorker:
@@ -52,15 +50,14 @@ class DeviceWorker:
         self.block_size = cfg.block_size
         self.is_prepared = False
         self.h2d = HostToDevice(self.device)
-        self.swap = SwapSpace(self.h2d, self.platform.is_pinned)
+        self.swap: SwapSpace | None = None  # preempted sequences' KV, in host memory
         self.decode: DecodeBatch | None = None
         self.num_prefill_tokens = 0
         self.num_prefill_passes = 0
         self.num_prefill_chunks = 0  # summed over passes: / num_prefill_passes is the mean batch
         self.prefill_busy_s = 0.0
-        self.lanes: Lanes | None = (
-            None  # CPU prefill: a pass's chunks split over threads (lanes.py)
-        )
+        # CPU prefill: a pass's chunks split over threads (lanes.py)
+        self.lanes: Lanes | None = None
         self.cores: CorePool | None = None  # CPU: the host's cores, shared with its other nodes
 
     # ---- life cycle -------------------------------------------------------
@@ -77,30 +74,16 @@ class DeviceWorker:
             self.weights = load_weights(cfg.model, s, self.device, self.dtype)
         else:
             self.weights = qwen3.random_weights(s, self.device, self.dtype, cfg.seed)
-        if (
-            self.platform.is_host
-        ):  # NOTE: bf16 weights and KV halve what a step streams; sums stay fp32
-            qwen3.set_activation_dtype(self.weights, torch.float32)
+        if self.platform.is_host:  # NOTE: bf16 weights and KV halve what a step streams
+            qwen3.set_activation_dtype(self.weights, torch.float32)  # sums stay fp32
         self.max_model_len = clamp_model_len(cfg.max_model_len, s.max_position_embeddings)
         self.cos_sin = kernels.rotary_cos_sin(
             self.max_model_len, s.head_dim, s.rope_theta, self.device
         )
-        budget = cfg.kv_cache_memory
-        if budget is None and self.platform.is_host:
-            budget = cfg.cpu_kv_cache_memory
-        self.num_kv_blocks = kv_cache_blocks(
-            s,
-            self.block_size,
-            self.dtype,
-            self.platform.free_memory(),
-            budget,
-            cfg.kv_cache_fraction,
-        )
-        shape = cache_shape(
-            s.num_layers, self.num_kv_blocks, self.block_size, s.num_kv_heads, s.head_dim
-        )
-        self.kv_cache = self.platform.allocate(shape, self.dtype, cfg.is_cache_in_shm)
+        self.kv_cache = allocate_kv_cache(self.platform, s, cfg, self.dtype)
+        self.num_kv_blocks = self.kv_cache.shape[BLOCK_DIM]
         self.model = qwen3.Model(s, self.weights, self.cos_sin, self.kv_cache)
+        self.swap = SwapSpace(self.kv_cache, self.h2d, self.platform.is_pinned)
         self.decode = DecodeBatch(
             self.model,
             self.block_size,
@@ -110,39 +93,25 @@ class DeviceWorker:
             self.h2d,
             self.spec.eos_token_ids,
         )
-        self.is_step_queued = (
-            not self.platform.is_host
-        )  # else a step runs in its launch: nothing overlaps it
+        # On the host a step runs in its launch: nothing overlaps it.
+        self.is_step_queued = not self.platform.is_host
         cap = self.num_threads = torch.get_num_threads()  # what this node may use, all told
         if cfg.core_pool and self.platform.is_host:
             name, budget, share = parse_core_pool(cfg.core_pool)
             self.cores = CorePool(name, budget, min(share, cap), cap, torch.set_num_threads)
-            self.decode.cores, self.decode.step_threads = (
-                self.cores,
-                threads_worth(s, self.dtype, 0, 1),
-            )
+            self.decode.cores = self.cores
+            self.decode.step_threads = threads_worth(s, self.dtype, 0, 1)
         if self.platform.is_host and cap > 1:
             # NOTE: a lane runs whole forwards on one torch thread: no barrier per op waits
             # for a core another process holds, and a busy host just time-slices the lanes.
             self.lanes = Lanes(cap, self._forward_chunks, pair_cost(s))
             torch.set_num_threads(1)  # the loop's own ops are small: no pool to wait on
         self._warm_up()
-        if self._wants_graphs():
+        if wants_graphs(self.platform, self.cfg.use_graphs, self.kv_cache):
             self.decode.capture_graphs()
         self.is_prepared = True
         atexit.register(self.close)
         return self
-
-    def _wants_graphs(self) -> bool:
-        from kernels import portable
-
-        # Portable attention reads the full table width: graphs would not pay.
-        return (
-            self.platform.can_capture_graphs
-            and self.cfg.use_graphs
-            and not read_env().disable_graphs
-            and kernels.backend_for(self.kv_cache).decode_attention is not portable.decode_attention
-        )
 
     def close(self) -> None:
         if not self.is_prepared:
@@ -155,6 +124,7 @@ class DeviceWorker:
             self.__dict__.pop(name, None)
         self.decode = None
         self.swap.clear()
+        self.swap = None  # NOTE: it holds the cache
         if self.lanes is not None:
             self.lanes.close()
             self.lanes = None
@@ -193,41 +163,19 @@ class DeviceWorker:
         return block_bytes(self.kv_cache)
 
     def stats(self) -> dict:
-        d, sw = self.decode, self.swap
+        """The worker's figures and its parts' (host-to-device writes, decode steps, swap)."""
         return {
-            "num_h2d_writes": self.h2d.num_writes,
-            "num_h2d_bytes": self.h2d.num_bytes,
-            "num_block_writes": d.num_block_writes,
-            "num_block_copies": d.num_block_copies,
-            "num_decode_steps": d.num_steps,
-            "num_decode_rows": d.num_rows,
-            "num_swap_bytes": sw.num_swap_bytes,
-            "swapped_bytes": sw.swapped_bytes,
-            "device_busy_s": round(d.device_busy_s, 6),
-            "device_idle_s": round(d.device_idle_s, 6),
-            "is_graphed": d.graphs.is_graphed,
+            **self.h2d.stats(),
+            **self.decode.stats(),
+            **self.swap.stats(),
             "prefill_busy_s": round(self.prefill_busy_s, 6),
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_prefill_passes": self.num_prefill_passes,
             "num_prefill_chunks": self.num_prefill_chunks,
-            "max_decode_batch": d.max_batch,
             "num_kv_blocks": self.num_kv_blocks,
             "token_capacity": self.token_capacity,
             **(self.cores.stats() if self.cores is not None else {}),
         }
-
-    # Counters the tests and benchmarks read by name.
-    num_h2d_writes = property(lambda self: self.h2d.num_writes)
-    num_h2d_bytes = property(lambda self: self.h2d.num_bytes)
-    num_decode_steps = property(lambda self: self.decode.num_steps)
-    num_block_writes = property(lambda self: self.decode.num_block_writes)
-    num_block_copies = property(lambda self: self.decode.num_block_copies)
-    num_decode_rows = property(lambda self: self.decode.num_rows)
-    max_decode_batch = property(lambda self: self.decode.max_batch)
-    device_busy_s = property(lambda self: self.decode.device_busy_s)
-    device_idle_s = property(lambda self: self.decode.device_idle_s)
-    swapped_bytes = property(lambda self: self.swap.swapped_bytes)
-    num_swap_bytes = property(lambda self: self.swap.num_swap_bytes)
 
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         return self.h2d.tensor(values, dtype)
@@ -399,17 +347,6 @@ class DeviceWorker:
             self.kv_cache.index_select(BLOCK_DIM, src),
         )
 
-    # ---- preemption: a sequence's KV leaves the cache and comes back ----------
-
-    def swap_out(self, key: str, block_ids: list[int]) -> None:
-        self.swap.swap_out(self.kv_cache, key, block_ids)
-
-    def swap_in(self, key: str, block_ids: list[int]) -> None:
-        self.swap.swap_in(self.kv_cache, key, block_ids)
-
-    def drop_swapped(self, key: str) -> None:
-        self.swap.drop(key)
-
     @torch.inference_mode()
     def recompute(self, token_ids: list[int], block_ids: list[int], chunk_len: int = 2048) -> None:
         """Write the KV of token_ids (positions 0..) into block_ids by prefilling them
@@ -427,66 +364,6 @@ class DeviceWorker:
         """A host copy of the blocks: [L, 2, n, block_size, Hk, D] (tests and tools)."""
         idx = torch.tensor(block_ids, dtype=torch.int64).to(self.device)
         return self.kv_cache.index_select(2, idx).to("cpu")
-
-    # ---- decode: the batch's device-resident step state (decode.py) ------------
-
-    @property
-    def num_decode_seqs(self) -> int:
-        return self.decode.num_seqs
-
-    def add_decode_seq(
-        self,
-        key: str,
-        token_id: int,
-        num_cached: int,
-        block_ids: list[int],
-        params: SamplingParams,
-        history: tuple[list[int], list[int]] = ((), ()),
-    ) -> None:
-        """history: its prompt's tokens and those generated so far, for penalties."""
-        self.decode.add(key, token_id, num_cached, block_ids, params, history)
-
-    def remove_decode_seq(self, key: str) -> None:
-        self.decode.remove(key)
-
-    def set_decode_mask(self, key: str, bits: torch.Tensor) -> None:
-        """A step mask (grammar, bad words) for the sequence's next token, before the step that makes it."""
-        self.decode.set_mask(key, bits)
-
-    def keys_needing_block(self) -> list[str]:
-        return self.decode.keys_needing_block()
-
-    def next_position(self, key: str) -> int:
-        return self.decode.next_position(key)
-
-    def num_blocks(self, key: str) -> int:
-        return self.decode.num_blocks(key)
-
-    def append_block(self, key: str, block_id: int) -> None:
-        self.decode.append_block(key, block_id)
-
-    def grow_blocks(self, seqs: dict, allocator) -> None:
-        """Before a step: every sequence whose next token starts a new block gets one
-        (kv.sequence.grow_blocks picks it) in its block table."""
-        for key, block in grow_blocks(self.decode.keys_needing_block(), seqs, allocator):
-            self.decode.append_block(key, block)
-
-    def launch_decode(self) -> DecodeTicket | None:
-        return self.decode.launch()
-
-    def is_step_done(self, ticket: DecodeTicket) -> bool:
-        return self.decode.is_done(ticket)
-
-    def collect_decode(self, ticket: DecodeTicket) -> list[int]:
-        return self.decode.collect(ticket)
-
-    def decode_step(self) -> list[int]:
-        """One token for every live sequence, in the decode batch's keys() order."""
-        ticket = self.decode.launch()
-        return self.decode.collect(ticket) if ticket else []
-
-    def mark_idle(self) -> None:
-        self.decode.mark_idle()
 
     def _warm_up(self) -> None:
         """Compile the device kernels now, not inside the first request: a node that

@@ -79,11 +79,11 @@ def main(argv=None) -> None:
         print(f"== prefill {a.batch} x {a.prompt_len}")
         print(prof.key_averages().table(sort_by=sort_by, row_limit=a.top))
         for i, (b, t) in enumerate(zip(blocks, firsts)):
-            w.add_decode_seq(str(i), t, a.prompt_len, b, params)
-        w.decode_step()
+            w.decode.add(str(i), t, a.prompt_len, b, params)
+        w.decode.step()
         with profile(activities=activities) as prof:
             for _ in range(a.decode_steps):
-                w.decode_step()
+                w.decode.step()
         is_graphed = bool(w.stats()["is_graphed"])
         print(f"== decode batch {a.batch}, {a.decode_steps} steps (graphed: {is_graphed})")
         print(prof.key_averages().table(sort_by=sort_by, row_limit=a.top))

@@ -1,0 +1,177 @@
+"""The decode node's running batch, step by step: a sequence joins with its first token
+(sampled where it was prefilled), each step is launched with the blocks and grammar masks
+it needs and its tokens are collected, and a sequence that ends leaves the batch.
+
+A row leaves between steps only: where the next step was launched before this one's
+tokens were seen (the pipelined turn, node.py), a sequence that ended with this step
+keeps its row for that one more step, whose token for it is dropped (counted in
+num_discarded_tokens).
+"""
+
+from __future__ import annotations
+
+from common.base import grammar
+from common.base.log import Throttle, get_logger
+from common.base.recent import Recent
+from common.engine.decode import DecodeTicket
+from common.kv.sequence import Sequence, blocks_to_join, finish_reason, num_blocks_short
+from common.wire.protocol import TokenUpdate, ttft_parts
+
+log = get_logger("decode")
+noisy = Throttle(log)
+
+
+class Batch:
+    def __init__(self, worker, scheduler, compiles: grammar.Compiles, ended: Recent):
+        """worker: the DeviceWorker (its decode batch runs the steps); scheduler: the
+        DecodeScheduler (the running sequences and their blocks); compiles: the node's
+        grammars; ended: the requests that ended here, shared with the node."""
+        self.worker = worker
+        self.scheduler = scheduler
+        self.compiles = compiles
+        self.ended = ended
+        self.finished_in_flight: set[str] = set()  # finished, but their row is in the step
+        self.num_finished = 0
+        self.num_discarded_tokens = 0
+        self.num_batched_steps = 0  # steps that ran more than one request
+        self._num_log_tokens = 0  # since the last periodic line
+        self._num_log_steps = 0
+
+    def join(
+        self, seq: Sequence, token: int, logprobs, timings: dict, compiled=None
+    ) -> TokenUpdate:
+        """A newly admitted sequence takes its first token (sampled by the prefill node) and
+        joins the batch, unless that token ends it; its first update. compiled: its grammar,
+        compiled (Compiles.take). ValueError: its grammar cannot go on from its tokens (the
+        sequence has ended here)."""
+        rid = seq.request_id
+        seq.output_ids.append(token)
+        # Its matcher takes every token so far: the mask goes on from there.
+        if seq.params.is_masked_per_step:
+            try:
+                seq.matcher = grammar.matcher_for(
+                    seq.params,
+                    seq.history()[1],
+                    self.worker.spec.vocab_size,
+                    self.compiles.grammars,
+                    compiled,
+                )
+            except ValueError:
+                self.finish(rid, in_batch=False, count=False)
+                raise
+        reason = finish_reason(
+            seq, token, self.worker.spec.eos_token_ids, self.worker.max_model_len
+        )
+        update = TokenUpdate(
+            rid,
+            [token],
+            reason,
+            ttft_parts(timings),
+            index=0,
+            logprobs=[logprobs] if logprobs else None,
+        )
+        if reason:
+            self.finish(rid, in_batch=False)
+            return update
+        blocks_to_join(seq, self.worker.block_size, self.scheduler.prefix_cache)
+        self.worker.decode.add(rid, token, seq.prompt_len, seq.block_ids, seq.params, seq.history())
+        return update
+
+    def launch(self) -> DecodeTicket | None:
+        """The next step on the device, each sequence's new block and grammar mask first;
+        None with no sequence running."""
+        self.worker.decode.grow_blocks(self.scheduler.running, self.scheduler.prefix_cache)
+        for key, seq in self.scheduler.running.items():
+            if seq.matcher is not None:
+                self.worker.decode.set_mask(key, seq.matcher.fill())
+        return self.worker.decode.launch()
+
+    def can_run_ahead(self) -> bool:
+        """Whether the running sequences allow the next step before this one's tokens are
+        seen: no leftover row to remove, no grammar (the next mask needs this step's token),
+        no request that surely ends with the running step (its extra step would write past
+        its reserved blocks), and no block the next step needs that only a preemption
+        would free."""
+        s = self.scheduler
+        if self.finished_in_flight or num_blocks_short(
+            self.worker.decode.keys_needing_block, s.running, s.prefix_cache
+        ):
+            return False
+        if any(seq.matcher is not None for seq in s.running.values()):
+            return False
+        limit = self.worker.max_model_len
+        return not any(
+            len(seq.output_ids) + 1 >= seq.params.max_tokens
+            or seq.prompt_len + len(seq.output_ids) + 1 >= limit
+            for seq in s.running.values()
+        )
+
+    def collect(self, ticket: DecodeTicket, is_next_launched: bool) -> list[TokenUpdate]:
+        """The launched step's tokens, one update per running sequence; a sequence they end
+        leaves the batch now, or after the next step where that one is launched already."""
+        tokens = self.worker.decode.collect(ticket)
+        logprobs = ticket.logprobs or [None] * len(tokens)
+        self._num_log_steps += 1
+        if len(tokens) > 1:
+            self.num_batched_steps += 1
+        updates = []
+        for key, token, lp in zip(ticket.keys, tokens, logprobs):
+            if key in self.finished_in_flight or key not in self.scheduler.running:
+                self.num_discarded_tokens += 1  # ended in the previous step: past its end
+                continue
+            self._num_log_tokens += 1
+            seq = self.scheduler.running[key]
+            seq.output_ids.append(token)
+            if seq.matcher is not None and not seq.matcher.accept(token):
+                noisy.warning("request %s: token %d breaks its grammar", key, token)
+            reason = finish_reason(
+                seq, token, self.worker.spec.eos_token_ids, self.worker.max_model_len
+            )
+            # NOTE: its preemptions are told after each resume too: a request that moves on
+            # elsewhere keeps them in its timings.
+            parts = seq.preemption_parts() if reason or seq.is_preemption_untold else None
+            seq.is_preemption_untold = False
+            updates.append(
+                TokenUpdate(
+                    key,
+                    [token],
+                    reason,
+                    parts,
+                    index=len(seq.output_ids) - 1,
+                    logprobs=[lp] if lp else None,
+                )
+            )
+            if reason:
+                self.num_finished += 1
+                if is_next_launched:
+                    self.finished_in_flight.add(key)  # its row runs once more; removed after that
+                else:
+                    self.finish(key, in_batch=True, count=False)
+        if not is_next_launched:
+            for key in self.finished_in_flight:
+                self.finish(key, in_batch=True, count=False)
+            self.finished_in_flight.clear()
+        return updates
+
+    def finish(self, request_id: str, in_batch: bool, count: bool = True) -> None:
+        """The sequence ends here: its row (in_batch) and its blocks go back."""
+        if in_batch:
+            self.worker.decode.remove(request_id)
+        self.scheduler.finish(request_id)
+        self.num_finished += count
+        self.ended.add(request_id)
+
+    def take_log_counts(self) -> tuple[int, int]:
+        """(tokens, steps) collected since the last call: the periodic line's."""
+        counts = (self._num_log_tokens, self._num_log_steps)
+        self._num_log_tokens = 0
+        self._num_log_steps = 0
+        return counts
+
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_finished": self.num_finished,
+            "num_batched_steps": self.num_batched_steps,
+            "num_discarded_tokens": self.num_discarded_tokens,
+        }
