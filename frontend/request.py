@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.base.request import SamplingParams, TokenLogprobs
+from common.wire.protocol import GenerateOutput
 from frontend.detok import IncrementalDetokenizer
 
 # A ZeroMQ client is its routing id; an in-process one (HTTP) a (kind, peer) pair, so
@@ -126,6 +127,34 @@ class RequestState:
             return {}
         self.is_prompt_logprobs_sent = True
         return {"prompt_logprobs": self.prompt_logprobs, "prompt_token_ids": self.prompt_ids}
+
+    def final_output(
+        self, reason: str, error: str | None, token_ids: list[int], logprobs: list | None
+    ) -> GenerateOutput:
+        """Its last message to the client: the text held back until now, its usage, and
+        where its time went (with its moves, if it moved)."""
+        self.timings["total_ms"] = round((time.time() - self.arrival_time) * 1e3, 3)
+        if self.num_migrations:
+            self.timings["num_migrations"] = self.num_migrations
+            self.timings["migrated_ms"] = round(self.migrated_s * 1e3, 3)
+        usage = {
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": self.num_tokens,
+            "cached_tokens": self.num_cached_tokens,
+        }
+        return GenerateOutput(
+            self.request_id,
+            list(token_ids),
+            self.detok.take(True),
+            True,
+            reason,
+            error,
+            usage,
+            self.timings,
+            logprobs,
+            **self.take_prompt_logprobs(),
+            index=self.index,
+        )
 
     def add_output(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
         """Tokens on their way to the client (a moved request's wait ends with the first)."""
