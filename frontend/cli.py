@@ -126,6 +126,13 @@ def drain_summary(reply) -> str:
     )
 
 
+def _ending(out) -> str:
+    """How an output ended, as the CLI shows it: its finish reason, and its error if any."""
+    if out.error:
+        return f"{out.finish_reason}: {out.error}"
+    return out.finish_reason
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 when every request finished normally; 1 when one failed or the frontend
     did not answer; 2 for bad options; 130 on Ctrl-C (the requests are aborted)."""
@@ -220,17 +227,16 @@ def main(argv: list[str] | None = None) -> int:
             if a.json or len(a.prompt) > 1:
                 results = client.complete_many([dict(prompt=t, **params) for t in a.prompt])
                 for prompt, r in zip(a.prompt, results):
-                    print(
-                        json.dumps(r.to_dict())
-                        if a.json
-                        else f"> {prompt}\n{r.text}\n[{r.finish_reason}{': ' + r.error if r.error else ''}]\n"
-                    )
+                    if a.json:
+                        print(json.dumps(r.to_dict()))
+                    else:
+                        print(f"> {prompt}\n{r.text}\n[{_ending(r)}]\n")
                     rc |= r.finish_reason not in ("stop", "length")
             else:
                 for out in client.generate(a.prompt[0], **params):  # stream as it comes
                     print(out.text, end="", flush=True)
                     if out.is_finished:
-                        print(f"\n[{out.finish_reason}{': ' + out.error if out.error else ''}]")
+                        print(f"\n[{_ending(out)}]")
                         rc |= out.finish_reason not in ("stop", "length")
         except (TimeoutError, ServerError) as e:
             print(f"error: {e}", file=sys.stderr)

@@ -68,7 +68,8 @@ def _choice(
 
 
 def response(call: Call, created: int, choices: list[tuple], use: dict) -> dict:
-    """choices: (text, token ids, finish reason, logprobs, parts or None) of each, in index order."""
+    """choices: (text, token ids, finish reason, logprobs, parts or None) of each, in
+    index order."""
     return {
         "id": call.request.request_id,
         "object": "chat.completion" if call.is_chat else "text_completion",
