@@ -126,6 +126,13 @@ def drain_summary(reply) -> str:
     )
 
 
+def _names(text: str | None) -> list[str] | None:
+    """A comma-separated list of names; None: none given."""
+    if text is None:
+        return None
+    return [n for n in text.split(",") if n]
+
+
 def _ending(out) -> str:
     """How an output ended, as the CLI shows it: its finish reason, and its error if any."""
     if out.error:
@@ -206,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                     a.wait_ready,
                     a.wait_nodes,
                     a.frontend_pid,
-                    [n for n in a.wait_names.split(",") if n] if a.wait_names is not None else None,
+                    _names(a.wait_names),
                 )
             if a.stats:
                 client.connect()

@@ -171,11 +171,13 @@ class GrammarChecker:
                 if not chunk:
                     raise OSError("the grammar checker ended")
                 self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
+        line, rest = self._buf.split(b"\n", 1)
+        self._buf = rest
         return json.loads(line)
 
     def _stop(self) -> None:
-        proc, self._proc = self._proc, None
+        proc = self._proc
+        self._proc = None
         if proc is not None:
             proc.kill()
             proc.wait()

@@ -70,10 +70,9 @@ class HttpServer:
     # ---- plain endpoints ---------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        is_ready = self.frontend.is_ready()
-        return web.json_response(
-            {"status": "ok" if is_ready else "unavailable"}, status=200 if is_ready else 503
-        )
+        if self.frontend.is_ready():
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "unavailable"}, status=503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(

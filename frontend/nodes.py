@@ -176,7 +176,8 @@ class NodeRegistry:
                     )
                     del self.nodes[node.name]
                 continue
-            node.is_alive, node.dead_since = False, now
+            node.is_alive = False
+            node.dead_since = now
             node.prefix_keys = set()  # if it comes back, its next full resync restores it
             await self.lost(node, cause, why)
 

@@ -305,7 +305,9 @@ def parse_detokenize(body, served_model: str, vocab_size: int, max_len: int) -> 
     try:
         m = validate(models.DetokenizeBody, body)
     except ApiError as e:
-        raise ApiError(400, why, "tokens") if e.param == "tokens" else e from None
+        if e.param == "tokens":
+            raise ApiError(400, why, "tokens") from None
+        raise e from None
     _check_model(m, served_model)
     if len(m.tokens) > max_len or any(t >= vocab_size for t in m.tokens):
         raise ApiError(400, why, "tokens")

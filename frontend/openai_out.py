@@ -39,7 +39,12 @@ def _choice(
             "finish_reason": finish_reason,
         }
     elif is_chunk:
-        delta = parts if parts is not None else ({"content": text} if text else {})
+        if parts is not None:
+            delta = parts
+        elif text:
+            delta = {"content": text}
+        else:
+            delta = {}
         choice = {
             "index": index,
             "delta": delta,

@@ -185,13 +185,23 @@ class RequestState:
             num_prompt_logprobs=-1,
         )
 
+    def take_held(self) -> list:
+        """The (node, update) pairs that waited for the prompt's logprobs; none wait after."""
+        held = self.held
+        self.held = []
+        self.held_since = None
+        return held
+
     def move(self, node_id: str, moved_from: str) -> None:
         """Forget its route: it waits to be routed again under a new id (what its old
         nodes still say under the old one is dropped)."""
-        self.node_id, self.moved_from = node_id, moved_from
-        self.held, self.held_since = [], None
-        self.prefill_node = self.decode_node = None
-        self.is_prefilled = self.is_decoding = False
+        self.node_id = node_id
+        self.moved_from = moved_from
+        self.take_held()  # what its old decode node sent is dropped
+        self.prefill_node = None
+        self.decode_node = None
+        self.is_prefilled = False
+        self.is_decoding = False
         self.early_token = None
         self.life_base = len(self.output_ids)
         self.work_tokens = 0
