@@ -68,9 +68,8 @@ class GrammarChecker:
 
     def __init__(self, model: str, vocab_size: int, max_cpu_s: float):
         self.model, self.vocab_size, self.max_cpu_s = model, vocab_size, max_cpu_s
-        self._verdicts: OrderedDict[tuple, str | None] = (
-            OrderedDict()
-        )  # grammar -> error, None if it compiles
+        # grammar -> error, None if it compiles
+        self._verdicts: OrderedDict[tuple, str | None] = OrderedDict()
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._buf = b""

@@ -34,9 +34,8 @@ class RequestState:
     prefill_node: str | None = None  # None while it waits here for its turn
     decode_node: str | None = None
     timings: dict = field(default_factory=dict)
-    num_cached_tokens: int = (
-        0  # of its prompt, from the prefill node's prefix cache (its first life)
-    )
+    # of its prompt, from the prefill node's prefix cache (its first life)
+    num_cached_tokens: int = 0
     is_prefilled: bool = False  # its first token came back (or it ended)
     early_token: int | None = None  # the first token, streamed by the prefill node
     is_decoding: bool = False  # its decode node has sent its first update
@@ -46,15 +45,13 @@ class RequestState:
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None  # monotonic
     output_ids: list[int] = field(default_factory=list)  # every token sent to the client
-    output_logprobs: list[TokenLogprobs | None] = field(
-        default_factory=list
-    )  # each one's, if asked for
+    # each one's, if asked for
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
     is_prompt_only: bool = False  # max_tokens 0: its one token is made and not shown
     index: int = 0  # which of its request's n choices
-    forks: list = field(
-        default_factory=list
-    )  # choice 0, until sent: the other choices, which share its prefill
+    # choice 0, until sent: the other choices, which share its prefill
+    forks: list = field(default_factory=list)
     is_prompt_logprobs_sent: bool = False
     # NOTE: the decode node can finish a request (max_tokens 1) before the prefill node's
     # prompt logprobs reach here: they come over another node's link. Its updates wait.
@@ -68,9 +65,8 @@ class RequestState:
     moved_from: str = ""  # "decode node X (why)", for the log
     stalled_since: float | None = None  # monotonic; None once a token came after the move
     migrated_s: float = 0.0
-    earlier_parts: dict = field(
-        default_factory=dict
-    )  # what its earlier lives' nodes reported (preemptions)
+    # what its earlier lives' nodes reported (preemptions)
+    earlier_parts: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
