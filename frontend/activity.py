@@ -77,14 +77,16 @@ class ActivityLog:
     def tick(self, now: float) -> None:
         """The watchdog's tick: the line, once an interval has passed."""
         if self.last_at is None:
-            self.last_at, self.num_served = now, self.fe.num_served
+            self.last_at = now
+            self.num_served = self.fe.num_served
             self._deltas()
             return
         elapsed = now - self.last_at
         if elapsed < self.interval_s:
             return
         d = self._deltas()
-        served, self.num_served = self.fe.num_served - self.num_served, self.fe.num_served
+        served = self.fe.num_served - self.num_served
+        self.num_served = self.fe.num_served
         self.last_at = now
         num_waiting = self.fe.admission.num_waiting
         num_running = len(self.fe.requests) - num_waiting

@@ -126,6 +126,20 @@ def drain_summary(reply) -> str:
     )
 
 
+def _names(text: str | None) -> list[str] | None:
+    """A comma-separated list of names; None: none given."""
+    if text is None:
+        return None
+    return [n for n in text.split(",") if n]
+
+
+def _ending(out) -> str:
+    """How an output ended, as the CLI shows it: its finish reason, and its error if any."""
+    if out.error:
+        return f"{out.finish_reason}: {out.error}"
+    return out.finish_reason
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 when every request finished normally; 1 when one failed or the frontend
     did not answer; 2 for bad options; 130 on Ctrl-C (the requests are aborted)."""
@@ -199,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                     a.wait_ready,
                     a.wait_nodes,
                     a.frontend_pid,
-                    [n for n in a.wait_names.split(",") if n] if a.wait_names is not None else None,
+                    _names(a.wait_names),
                 )
             if a.stats:
                 client.connect()
@@ -220,17 +234,16 @@ def main(argv: list[str] | None = None) -> int:
             if a.json or len(a.prompt) > 1:
                 results = client.complete_many([dict(prompt=t, **params) for t in a.prompt])
                 for prompt, r in zip(a.prompt, results):
-                    print(
-                        json.dumps(r.to_dict())
-                        if a.json
-                        else f"> {prompt}\n{r.text}\n[{r.finish_reason}{': ' + r.error if r.error else ''}]\n"
-                    )
+                    if a.json:
+                        print(json.dumps(r.to_dict()))
+                    else:
+                        print(f"> {prompt}\n{r.text}\n[{_ending(r)}]\n")
                     rc |= r.finish_reason not in ("stop", "length")
             else:
                 for out in client.generate(a.prompt[0], **params):  # stream as it comes
                     print(out.text, end="", flush=True)
                     if out.is_finished:
-                        print(f"\n[{out.finish_reason}{': ' + out.error if out.error else ''}]")
+                        print(f"\n[{_ending(out)}]")
                         rc |= out.finish_reason not in ("stop", "length")
         except (TimeoutError, ServerError) as e:
             print(f"error: {e}", file=sys.stderr)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
 from common.base.config import check_endpoint
@@ -26,10 +25,10 @@ from common.wire.protocol import (
     ErrorReply,
     GenerateOutput,
     GenerateRequest,
-    OutputBatch,
     StatsReply,
     StatsRequest,
 )
+from frontend.client_messages import Result, StreamEnds, as_output, make_request, unbatch
 
 
 class ServerError(RuntimeError):
@@ -60,83 +59,6 @@ def _silent(endpoint: str, timeout_s: float) -> TimeoutError:
     )
 
 
-@dataclass
-class Result:
-    """A request's answer, whole. With n > 1 its own fields are choice 0's, and choices
-    holds every choice's."""
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    error: str | None = None
-    usage: dict | None = None
-    timings: dict | None = None
-    logprobs: list = field(default_factory=list)  # per token, when asked for
-    prompt_logprobs: list | None = None
-    index: int = 0
-    choices: list["Result"] = field(default_factory=list)
-
-    def add(self, out: GenerateOutput) -> None:
-        if out.index > 0 and out.index != self.index:  # -1: the whole request (an error)
-            while len(self.choices) <= out.index:
-                self.choices.append(Result(self.request_id, index=len(self.choices)))
-            self.choices[out.index].add(out)
-            return
-        self.token_ids += out.token_ids
-        self.text += out.text
-        self.logprobs += out.logprobs or []
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        if out.is_finished:
-            self.finish_reason, self.error, self.usage = out.finish_reason, out.error, out.usage
-        if out.timings:
-            self.timings = out.timings
-        if not self.choices:
-            self.choices.append(self)
-
-    def to_dict(self) -> dict:
-        """JSON-ready; choices (every choice, this one first) only when n > 1.
-        # NOTE: choices[0] is self, so a plain vars() would be circular."""
-        own = {k: v for k, v in vars(self).items() if k != "choices"}
-        if len(self.choices) > 1:
-            own["choices"] = [
-                {k: v for k, v in vars(c).items() if k != "choices"} for c in self.choices
-            ]
-        return own
-
-
-def make_request(prompt=None, *, request_id: str | None = None, **kw) -> GenerateRequest:
-    """kw: GenerateRequest's fields (prompt_token_ids, messages, max_tokens, temperature,
-    top_p, top_k, seed, stop, stop_token_ids, ignore_eos, timeout_s, logprobs, n, ...)."""
-    return GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt, **kw)
-
-
-class _Ends:
-    """When a request's stream ends: once each of its n choices has finished (an
-    ErrorReply about it ends them all)."""
-
-    def __init__(self, n: int):
-        self.n, self.done = n, set()
-
-    def see(self, out: GenerateOutput) -> bool:
-        if out.is_finished:
-            self.done |= set(range(self.n)) if out.index < 0 else {out.index}
-        return len(self.done) >= self.n
-
-
-def _unbatch(msg) -> list:
-    """A reply as the messages it carries (an OutputBatch holds several requests' outputs)."""
-    return list(msg.outputs) if isinstance(msg, OutputBatch) else [msg]
-
-
-def _as_output(rid: str, msg) -> GenerateOutput:
-    """An ErrorReply about a request ends that request's stream."""
-    if isinstance(msg, ErrorReply):
-        return GenerateOutput(rid, [], "", True, "error", msg.error, index=-1)  # all its choices
-    return msg
-
-
 class Client:
     """Blocking client. Several requests may be in flight; outputs are sorted by request id."""
 
@@ -156,7 +78,7 @@ class Client:
         self.connect_timeout_s = connect_timeout_s
         self.is_connected = False
         self._inbox: dict[str, list] = {}  # requests in flight -> outputs not yet read
-        self._ends: dict[str, _Ends] = {}
+        self._ends: dict[str, StreamEnds] = {}
 
     def close(self) -> None:
         """Aborts every request still in flight, then closes the socket."""
@@ -187,13 +109,13 @@ class Client:
         _, msg = self._ch.recv(REPLIES)
         if isinstance(msg, BadMessage):
             raise ServerError(f"malformed reply: {msg.error}")
-        return _unbatch(msg)
+        return unbatch(msg)
 
     def _file(self, msg) -> None:
         """A request's output (or error) into its inbox; the late word on a request this
         client left is dropped."""
         if msg.request_id in self._inbox:
-            self._inbox[msg.request_id].append(_as_output(msg.request_id, msg))
+            self._inbox[msg.request_id].append(as_output(msg.request_id, msg))
 
     def _next_for(self, rid: str) -> GenerateOutput:
         deadline = time.monotonic() + self.idle_timeout_s
@@ -209,13 +131,13 @@ class Client:
     def submit(self, req: GenerateRequest) -> str:
         self.connect()
         self._inbox.setdefault(req.request_id, [])
-        self._ends[req.request_id] = _Ends(req.n)
+        self._ends[req.request_id] = StreamEnds(req.n)
         self._ch.send(req)
         return req.request_id
 
     def stream(self, rid: str) -> Iterator[GenerateOutput]:
         is_finished = False
-        ends = self._ends.pop(rid, _Ends(1))
+        ends = self._ends.pop(rid, StreamEnds(1))
         try:
             while not is_finished:
                 out = self._next_for(rid)
@@ -329,11 +251,11 @@ class AsyncClient:
     async def _read(self) -> None:
         while True:
             _, reply = await self._ch.recv(REPLIES)
-            for msg in _unbatch(reply):
+            for msg in unbatch(reply):
                 if isinstance(msg, StatsReply):
                     self._stats.put_nowait(msg)
                 elif not isinstance(msg, BadMessage) and msg.request_id in self._streams:
-                    self._streams[msg.request_id].put_nowait(_as_output(msg.request_id, msg))
+                    self._streams[msg.request_id].put_nowait(as_output(msg.request_id, msg))
 
     async def close(self) -> None:
         """Aborts every request still in flight, then closes the socket."""
@@ -363,9 +285,10 @@ class AsyncClient:
     async def generate(self, prompt=None, **kw) -> AsyncIterator[GenerateOutput]:
         req = make_request(prompt, **kw)
         await self.connect()
-        queue = self._streams[req.request_id] = asyncio.Queue()
+        queue = asyncio.Queue()
+        self._streams[req.request_id] = queue
         is_finished = False
-        ends = _Ends(req.n)
+        ends = StreamEnds(req.n)
         try:
             await self._ch.send(req)
             while not is_finished:

@@ -43,7 +43,8 @@ class IncrementalDetokenizer:
             if len(after) > len(before) and not after.endswith(REPLACEMENT):
                 start = max(len(self.text) - self.holdback - len(after), 0)
                 self.text += after[len(before) :]
-                self._prefix, self._read = self._read, len(self.token_ids)
+                self._prefix = self._read
+                self._read = len(self.token_ids)
                 self._check_stop(start)
 
     def _check_stop(self, start: int) -> None:

@@ -43,7 +43,10 @@ log = get_logger("frontend")
 
 # NOTE: the lowest priority first, then the imports (torch, xgrammar, the tokenizer: seconds
 # of CPU), so that not even its start takes a core from a node or the frontend's loop.
-_CHILD = "import os, sys; os.nice(19); from frontend.grammar_check import main; sys.exit(main(sys.argv[1:]))"
+_CHILD = (
+    "import os, sys; os.nice(19); "
+    "from frontend.grammar_check import main; sys.exit(main(sys.argv[1:]))"
+)
 MAX_VERDICTS = 1024
 START_TIMEOUT_S = 120.0  # importing xgrammar and torch, loading the tokenizer, on a busy host
 CHECK_TIMEOUT_S = 30.0  # a compile starved of CPU this long is answered "try again"
@@ -65,9 +68,8 @@ class GrammarChecker:
 
     def __init__(self, model: str, vocab_size: int, max_cpu_s: float):
         self.model, self.vocab_size, self.max_cpu_s = model, vocab_size, max_cpu_s
-        self._verdicts: OrderedDict[tuple, str | None] = (
-            OrderedDict()
-        )  # grammar -> error, None if it compiles
+        # grammar -> error, None if it compiles
+        self._verdicts: OrderedDict[tuple, str | None] = OrderedDict()
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._buf = b""
@@ -168,11 +170,13 @@ class GrammarChecker:
                 if not chunk:
                     raise OSError("the grammar checker ended")
                 self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
+        line, rest = self._buf.split(b"\n", 1)
+        self._buf = rest
         return json.loads(line)
 
     def _stop(self) -> None:
-        proc, self._proc = self._proc, None
+        proc = self._proc
+        self._proc = None
         if proc is not None:
             proc.kill()
             proc.wait()
@@ -267,7 +271,8 @@ def _compile_in_child(grammars, grammar: list, max_cpu_s: float) -> dict:
             os.close(r)
             if cpu_s is not None and cpu_s <= max_cpu_s:  # starved, not slow: not its fault
                 return {
-                    "error": "the grammar could not be checked in time (the host is busy): try again",
+                    "error": "the grammar could not be checked in time (the host is busy): "
+                    "try again",
                     "is_transient": True,
                 }
             return {
@@ -280,12 +285,12 @@ def _compile_in_child(grammars, grammar: list, max_cpu_s: float) -> dict:
 def _too_long(kind: str, cpu_s: float, max_cpu_s: float, is_killed: bool = False) -> str:
     if is_killed:
         return (
-            f"the {kind} took more than {max_cpu_s:g}s of CPU to compile (stopped there), the most a "
-            f"request's grammar may take: simplify it"
+            f"the {kind} took more than {max_cpu_s:g}s of CPU to compile (stopped there), "
+            f"the most a request's grammar may take: simplify it"
         )
     return (
-        f"the {kind} took {cpu_s:.2f}s of CPU to compile, more than the {max_cpu_s:g}s a request's grammar "
-        f"may take: simplify it"
+        f"the {kind} took {cpu_s:.2f}s of CPU to compile, more than the {max_cpu_s:g}s "
+        f"a request's grammar may take: simplify it"
     )
 
 

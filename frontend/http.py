@@ -5,7 +5,8 @@ An HTTP request becomes an in-process client of the frontend: the same admission
 routing, limits and deadlines as a ZeroMQ request, with no socket in between.
 Clients are keyed ("http", peer address), so per-client limits hold per host.
 A client that goes away (a dropped stream, a closed connection) aborts its
-request, which frees its KV blocks on every node.
+request, which frees its KV blocks on every node. Here: the routes and the life of a
+call's requests; how their outputs become an answer, whole or streamed, is answers.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from frontend import access_log, openapi, server_timing
 from frontend import openai_api as api
 from frontend import openai_logprobs as lp_shapes
 from frontend import openai_out as shapes
-from frontend import openai_tools as tool_rules
+from frontend.answers import Answer, stream, whole
 from frontend.metrics import CONTENT_TYPE
 from frontend.openai_api import ApiError
 
@@ -32,99 +33,6 @@ noisy = Throttle(log)
 # is ~50 ms to parse; of sixteen MB, half a second of every stream's time).
 BYTES_PER_TOKEN = 64
 MIN_BODY_BYTES = 2 * 2**20
-HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class Answer:
-    """One choice of a call as its outputs arrive: the text (after the prompt's, with
-    echo), the token ids, the logprobs in the call's shape when asked for, and a chat
-    answer's content, reasoning and tool calls where they are split out of its text."""
-
-    def __init__(
-        self,
-        call: api.Call,
-        strings: lp_shapes.TokenStrings,
-        prompt_text: str,
-        is_reasoning: bool = False,
-        prompt_parts: dict | None = None,
-    ):
-        """prompt_parts: shared by a call's choices, the prompt's logprobs in the call's
-        shape, made once (every choice's are the same: n copies cost n shapes otherwise)."""
-        self.call, self.strings = call, strings
-        self.prompt_parts = {} if prompt_parts is None else prompt_parts
-        self.text = [prompt_text] if prompt_text else []
-        self.unsent = prompt_text  # echo: streamed with the first text
-        self.offset = 0  # the next token's text_offset (completions logprobs)
-        self.token_ids: list[int] = []
-        self.is_logprobs = call.request.logprobs is not None
-        self.logprobs: dict | None = None
-        self.split = (
-            tool_rules.Split(call.tool_mode, call.tool_name, is_reasoning)
-            if call.is_chat and (call.tool_mode != "none" or is_reasoning)
-            else None
-        )
-        self.parts = {"content": "", "reasoning_content": "", "tool_calls": []}
-
-    def _completion(self, token_ids: list[int], logprobs: list) -> dict:
-        part = lp_shapes.completion(self.strings, token_ids, logprobs, self.offset)
-        if part["tokens"]:
-            self.offset = part["text_offset"][-1] + len(part["tokens"][-1])
-        return part
-
-    def add(self, msg) -> tuple[str, dict | None, dict | None]:
-        """(the text to stream now, the new tokens' logprobs in the call's shape or None,
-        the split parts of a chat answer to stream now or None)."""
-        text, self.unsent = self.unsent + msg.text, ""
-        part = None
-        if self.is_logprobs and self.call.is_echo and msg.prompt_token_ids is not None:
-            # NOTE: keyed by the list's identity: the choices of one request share the one list
-            key = id(msg.prompt_logprobs)
-            part = self.prompt_parts.get(key)
-            if part is None:
-                part = self.prompt_parts[key] = self._completion(
-                    list(msg.prompt_token_ids), [None, *(msg.prompt_logprobs or [])]
-                )
-            elif part["tokens"]:
-                self.offset = part["text_offset"][-1] + len(part["tokens"][-1])
-        if self.is_logprobs and msg.logprobs is not None:
-            part = (
-                lp_shapes.chat(self.strings, msg.token_ids, msg.logprobs)
-                if self.call.is_chat
-                else lp_shapes.merge(part, self._completion(msg.token_ids, msg.logprobs))
-            )
-        if part is not None:  # extended in place, never rebuilt: linear in the answer's length
-            self.logprobs = lp_shapes.extend(self.logprobs, part)
-        self.text.append(msg.text)
-        self.token_ids += msg.token_ids
-        parts = None
-        if self.split is not None:
-            parts = self.split.feed(msg.text, is_final=msg.is_finished)
-            for k, v in parts.items():
-                self.parts[k] += v
-            if parts.get(
-                "tool_calls"
-            ):  # a streamed call carries its place among the answer's calls
-                first = len(self.parts["tool_calls"]) - len(parts["tool_calls"])
-                parts = {
-                    **parts,
-                    "tool_calls": [
-                        {"index": first + i, **c} for i, c in enumerate(parts["tool_calls"])
-                    ],
-                }
-        return text, part, parts
-
-    def finish_reason(self, reason: str) -> str:
-        return shapes.finish_reason(reason, bool(self.split and self.parts["tool_calls"]))
-
-    def choice(self, reason: str) -> tuple:
-        """This choice in a whole response (out_shape.response's tuple)."""
-        return (
-            "".join(self.text),
-            self.token_ids,
-            self.finish_reason(reason),
-            self.logprobs,
-            self.parts if self.split is not None else None,
-        )
 
 
 class HttpServer:
@@ -162,10 +70,9 @@ class HttpServer:
     # ---- plain endpoints ---------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        is_ready = self.frontend.is_ready()
-        return web.json_response(
-            {"status": "ok" if is_ready else "unavailable"}, status=200 if is_ready else 503
-        )
+        if self.frontend.is_ready():
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "unavailable"}, status=503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -245,7 +152,8 @@ class HttpServer:
         failed = next(((s, out) for s, out, _ in answers if s != 200), None)
         if failed is not None:
             return web.json_response(failed[1], status=failed[0])
-        n, outs = calls[0].request.n, [out for _, out, _ in answers]
+        n = calls[0].request.n
+        outs = [out for _, out, _ in answers]
         choices = [
             {**c, "index": k * n + c["index"]} for k, out in enumerate(outs) for c in out["choices"]
         ]
@@ -287,132 +195,34 @@ class HttpServer:
             out = (status, api.error_body(status, msg.error if is_error else "failed"), None)
         elif call.is_stream:
             states = self.frontend.by_client.get((client, rid))  # none: it ended already
-            num_prompt = (
-                len(states[0].prompt_ids) if states else (msg.usage or {}).get("prompt_tokens", 0)
-            )
-            out = await self._stream(request, call, msg, queues[rid], num_prompt)
+            if states:
+                num_prompt = len(states[0].prompt_ids)
+            else:
+                num_prompt = (msg.usage or {}).get("prompt_tokens", 0)
+            answers = self._new_answers(call)
+            out = await stream(request, call, answers, msg, queues[rid], num_prompt)
         else:
-            (code, body), timings = await self._whole(call, msg, queues[rid])
-            out = (code, body, timings)
+            out = await whole(call, self._new_answers(call), msg, queues[rid])
         done.add(rid)
         return out
 
-    async def _whole(self, call: api.Call, msg, queue: asyncio.Queue) -> tuple[tuple, dict | None]:
-        """((status, body), the first choice's timings: its Server-Timing)."""
-        n = call.request.n
+    def _new_answers(self, call: api.Call) -> list[Answer]:
+        """A call's n choices, before any output: they share the prompt's logprobs."""
         shared: dict = {}
-        answers = [
-            Answer(call, self.strings, self._prompt_text(call), self.is_reasoning, shared)
-            for _ in range(n)
+        prompt_text = self._prompt_text(call)
+        return [
+            Answer(call, self.strings, prompt_text, self.is_reasoning, shared)
+            for _ in range(call.request.n)
         ]
-        finals: dict[int, object] = {}
-        status = None
-        while True:
-            answers[max(msg.index, 0)].add(msg)
-            if msg.is_finished:
-                if msg.finish_reason not in ("stop", "length"):
-                    status = status or 500
-                    error = api.error_body(status, msg.error or msg.finish_reason)
-                    return (status, error), msg.timings
-                finals[msg.index] = msg
-                if len(finals) == n:
-                    break
-            msg, status = await queue.get()
-        choices = [a.choice(finals[i].finish_reason) for i, a in enumerate(answers)]
-        body = shapes.response(call, shapes.now(), choices, _usage(finals.values()))
-        return (200, body), finals[0].timings
 
     def _prompt_text(self, call: api.Call) -> str:
         """What echo puts first: the prompt as given, or its ids' text."""
         r = call.request
         if not call.is_echo:
             return ""
-        return (
-            r.prompt if r.prompt is not None else self.frontend.tokenizer.decode(r.prompt_token_ids)
-        )
-
-    async def _stream(
-        self, request: web.Request, call: api.Call, msg, queue: asyncio.Queue, num_prompt: int
-    ) -> web.StreamResponse:
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", **HEADERS})
-        await out.prepare(request)
-        created, n = shapes.now(), call.request.n
-        events_of = [shapes.text_events(call, created, i) for i in range(n)]
-        shared: dict = {}
-        answers = [
-            Answer(call, self.strings, self._prompt_text(call), self.is_reasoning, shared)
-            for _ in range(n)
-        ]
-        # Events not yet written. Everything already queued goes out in one write: a
-        # socket write per event is most of a stream's cost, and a client that lags
-        # a step behind gets its backlog at once.
-        events = (
-            [
-                shapes.stream_event(shapes.chunk(call, created, is_role=True, index=i))
-                for i in range(n)
-            ]
-            if call.is_chat
-            else []
-        )
-        status, finals = None, {}
-
-        def event(timings: dict | None = None, **kw) -> bytes:  # a chunk of its own, no template
-            c = shapes.chunk(call, created, **kw)
-            if call.is_usage_continuous:  # the usage so far on every chunk
-                c["usage"] = shapes.usage(num_prompt, sum(len(a.token_ids) for a in answers))
-            if timings is not None:  # the last chunk: where the time went (server_timing.py)
-                c["timings"] = server_timing.with_decode(timings)
-            return shapes.stream_event(c)
-
-        while True:
-            i = max(msg.index, 0)
-            text, logprobs, parts = answers[i].add(msg)
-            if parts is not None:  # a chat answer split into content, reasoning and tool calls
-                if parts or logprobs is not None:
-                    events.append(
-                        event(
-                            text=text,
-                            token_ids=msg.token_ids,
-                            logprobs=logprobs,
-                            index=i,
-                            parts=parts,
-                        )
-                    )
-            elif logprobs is not None or (call.is_usage_continuous and (text or msg.token_ids)):
-                events.append(event(text=text, token_ids=msg.token_ids, logprobs=logprobs, index=i))
-            elif text or (call.is_token_ids and msg.token_ids):  # held-back text waits
-                events.append(events_of[i](text, msg.token_ids))
-            if msg.is_finished:
-                if msg.finish_reason not in ("stop", "length"):
-                    # the status line is sent: the error goes in the stream, as OpenAI's servers do
-                    events.append(
-                        shapes.stream_event(
-                            api.error_body(status or 500, msg.error or msg.finish_reason)
-                        )
-                    )
-                    break
-                finals[msg.index] = msg
-                is_last = len(finals) == n and not call.is_usage_streamed  # else: the usage chunk
-                last = (msg.timings or {}) if is_last else None
-                reason = answers[i].finish_reason(msg.finish_reason)
-                events.append(event(finish_reason=reason, index=i, timings=last))
-                if len(finals) == n:
-                    if call.is_usage_streamed:
-                        # pdserve's TTFT parts ride along on the usage chunk (an extra key).
-                        use = shapes.chunk(call, created, use=_usage(finals.values()))
-                        timings = server_timing.with_decode(msg.timings)
-                        events.append(shapes.stream_event({**use, "timings": timings}))
-                    break
-            if queue.empty():
-                if events:
-                    await out.write(b"".join(events))
-                    events.clear()
-                msg, status = await queue.get()
-            else:
-                msg, status = queue.get_nowait()
-        events.append(b"data: [DONE]\n\n")
-        await out.write_eof(b"".join(events))
-        return out
+        if r.prompt is not None:
+            return r.prompt
+        return self.frontend.tokenizer.decode(r.prompt_token_ids)
 
 
 def _client(request: web.Request) -> tuple[str, str]:
@@ -459,14 +269,6 @@ async def _openai_errors(request: web.Request, handler):
             ),
             status=500,
         )
-
-
-def _usage(finals) -> dict:
-    """One usage over a call's choices: the prompt once, every choice's completion."""
-    finals = [f for f in finals if f.usage]
-    prompt = finals[0].usage["prompt_tokens"] if finals else 0
-    cached = finals[0].usage.get("cached_tokens", 0) if finals else 0
-    return shapes.usage(prompt, sum(f.usage["completion_tokens"] for f in finals), cached)
 
 
 async def serve(frontend, cfg) -> web.AppRunner | None:

@@ -1,6 +1,6 @@
 """A client's requests from their arrival to their admission: checked before any work,
 tokenized (a long prompt, or one with a grammar, off the loop: prompts.py), then admitted
-under the client's limits and started (server.py's Frontend.start makes the n choices).
+under the client's limits and started as its n choices (each a RequestState).
 
 A group of requests (an HTTP batch of prompts) is admitted whole or refused whole: its
 prompts are tokenized one per turn of the loop (so no turn does more than one prompt's
@@ -11,13 +11,16 @@ client's limits together, so a refusal leaves nothing of it running.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 from common.base.log import get_logger
 from common.base.request import FINISH_ABORT
 from common.wire.protocol import ErrorReply, GenerateOutput, GenerateRequest
 from frontend import router
+from frontend.detok import IncrementalDetokenizer
 from frontend.prompts import check_reply_logprobs, check_size
-from frontend.request import ClientKey
+from frontend.request import ClientKey, RequestState
 
 log = get_logger("frontend")
 
@@ -36,6 +39,7 @@ class Intake:
         self.pending: dict[tuple, asyncio.Task] = {}
         self._aborted: set[tuple] = set()  # of pending: cancelled by their clients
         self.num_groups: dict[ClientKey, int] = {}  # groups of several prompts being tokenized
+        self.num_requests = 0  # choices started: the next one's node id
 
     async def submit(self, client: ClientKey, reqs: list[GenerateRequest]) -> None:
         """Take a group of a client's requests (most often one): admitted together, or each
@@ -227,7 +231,36 @@ class Intake:
             await self._refuse(client, reqs, refusal, 429)
             return
         for req, (ids, params) in zip(reqs, prepared):
-            fe.start(client, req, ids, params)
+            self._start(client, req, ids, params)
+        fe.wake_dispatch()
+
+    def _start(self, client: ClientKey, req: GenerateRequest, ids: list[int], params) -> None:
+        """An admitted request's n choices, waiting for their turn."""
+        fe = self.fe
+        timeout = req.timeout_s or fe.cfg.default_timeout_s
+        # n choices: n requests, choice i sampled with seed + i (as vLLM does); the others go
+        # to the nodes with choice 0, as its forks: one prefill, the prompt's blocks shared.
+        choices = []
+        fe.by_client[(client, req.request_id)] = choices
+        for i in range(req.n):
+            self.num_requests += 1
+            state = RequestState(
+                f"{self.num_requests:x}",
+                req.request_id,
+                client,
+                ids,
+                dataclasses.replace(params, seed=(params.seed + i) % 2**63),
+                IncrementalDetokenizer(fe.tokenizer, req.stop),
+                time.time(),
+                time.monotonic() + timeout,
+                is_prompt_only=req.max_tokens == 0,
+                index=i,
+            )
+            fe.requests[state.node_id] = state
+            choices.append(state)
+            fe.admission.add(client, state, state.kv_tokens, is_waiting=i == 0)
+            if i:
+                choices[0].forks.append(state)
 
 
 def _why(e: Exception) -> tuple[str, int]:

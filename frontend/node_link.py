@@ -87,11 +87,10 @@ class NodeMessages:
                 for u in msg.updates:
                     await self.on_tokens(node, u)
             finally:
-                outbox, fe.outbox = fe.outbox, None
-                for (
-                    client,
-                    outputs,
-                ) in outbox.items():  # NOTE: one client's failure is not another's
+                outbox = fe.outbox
+                fe.outbox = None
+                # NOTE: one client's failure is not another's
+                for client, outputs in outbox.items():
                     try:
                         await fe.clients.send(
                             outputs[0] if len(outputs) == 1 else OutputBatch(outputs), to=client
@@ -139,8 +138,7 @@ class NodeMessages:
         """The decode node's updates that waited for the prompt's logprobs, now they are here."""
         fe = self.fe
         if req.held and req.prompt_logprobs is not None:
-            held, req.held, req.held_since = req.held, [], None
-            for held_node, h in held:  # in the order they came
+            for held_node, h in req.take_held():  # in the order they came
                 if fe.requests.get(h.request_id) is req and held_node.name == req.decode_node:
                     await self._on_tokens(req, held_node, h)
 

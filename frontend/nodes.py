@@ -5,9 +5,9 @@ A node registers with NodeReady and is refused if it cannot prove its name (its
 messages are tagged NAME/EPOCH, and with keys NAME must be its key's; see
 common/wire/channel.py) or if a live node of that name is registered. A node is
 its name and epoch, not its connection: a link made again (reset by a
-middlebox, say) is the same node on a new route. A node silent past dead_after_s, or whose loop has not
-turned for hung_after_s, is dead: it is lost to its requests (the frontend's
-callback moves them, or fails them).
+middlebox, say) is the same node on a new route. A node silent past dead_after_s,
+or whose loop has not turned for hung_after_s, is dead: it is lost to its requests
+(the frontend's callback moves them, or fails them).
 A dead node that speaks again is back; one dead past forget_after_s is dropped.
 """
 
@@ -161,7 +161,10 @@ class NodeRegistry:
                     )
             elif node.is_alive and loop_age > self.cfg.hung_after_s:
                 cause = "hung"
-                why = f"{node.role} node {node.name} is hung: its loop has not turned for {loop_age:.0f}s"
+                why = (
+                    f"{node.role} node {node.name} is hung: "
+                    f"its loop has not turned for {loop_age:.0f}s"
+                )
                 log.error("%s: it is lost to its requests", why)
             else:
                 if not node.is_alive and now - node.dead_since > self.cfg.forget_after_s:
@@ -173,7 +176,8 @@ class NodeRegistry:
                     )
                     del self.nodes[node.name]
                 continue
-            node.is_alive, node.dead_since = False, now
+            node.is_alive = False
+            node.dead_since = now
             node.prefix_keys = set()  # if it comes back, its next full resync restores it
             await self.lost(node, cause, why)
 

@@ -34,9 +34,6 @@ class OffLoop:
         self._last: Hashable | None = None  # whose job started last
         self.num_refused = 0
 
-    def num_jobs(self, client: Hashable) -> int:
-        return self._counts.get(client, 0)
-
     async def run(self, client: Hashable, fn: Callable, *args):
         """fn(*args) on the thread, in client's turn; Busy if client's share is full. A
         caller cancelled while its job waits takes the job out of the line."""

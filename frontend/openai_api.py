@@ -2,11 +2,11 @@
 shape (the answers' shapes are openai_out.py).
 
 Plain functions, no I/O: frontend/http.py serves them. Each body is first held to its
-model (openai_models.py: every field's type and bounds, in one place); what is left here
-is what one field says of another (top_logprobs needs logprobs, a batch is not streamed)
-and the making of the requests. A parameter pdserve does not implement is refused with a
-400 that names it, never ignored; a parameter given at its no-op value (best_of 1,
-suffix "") is accepted.
+model (openai_models.py: every field's type and bounds, in one place; openai_validate.py
+names a body's first fault); what is left here is what one field says of another
+(top_logprobs needs logprobs, a batch is not streamed) and the making of the requests. A
+parameter pdserve does not implement is refused with a 400 that names it, never ignored; a
+parameter given at its no-op value (best_of 1, suffix "") is accepted.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from common.wire.protocol import GenerateRequest, Structured
 from frontend import openai_models as models
 from frontend import openai_tools as tool_rules
 from frontend.openai_errors import ApiError, error_body
+from frontend.openai_validate import validate
 
 __all__ = [
     "ApiError",
@@ -62,7 +63,7 @@ def parse_calls(
     each with the body's other fields). whitespace: the JSON grammars' (compact or any).
     Raises ApiError."""
     is_chat = kind == "chat"
-    m = models.validate(models.ChatBody if is_chat else models.CompletionBody, body)
+    m = validate(models.ChatBody if is_chat else models.CompletionBody, body)
     _check_model(m, served_model)
     is_echo = bool(not is_chat and m.echo)
     max_tokens = m.max_completion_tokens if is_chat and m.max_completion_tokens else m.max_tokens
@@ -283,7 +284,7 @@ def _logprobs(m, is_chat: bool) -> int | None:
 def parse_tokenize(body, served_model: str) -> GenerateRequest:
     """/tokenize: {"prompt": text} or {"messages": [...], "tools"?, "chat_template_kwargs"?}
     as a request whose prompt the frontend tokenizes (its generation prompt added)."""
-    m = models.validate(models.TokenizeBody, body)
+    m = validate(models.TokenizeBody, body)
     _check_model(m, served_model)
     if (m.prompt is None) == (m.messages is None):
         raise ApiError(400, "give one of 'prompt' or 'messages'")
@@ -302,9 +303,11 @@ def parse_detokenize(body, served_model: str, vocab_size: int, max_len: int) -> 
     """/detokenize: {"tokens": [id, ...]}, each id in the vocabulary, at most max_len."""
     why = f"'tokens' must be a list of at most {max_len} token ids in [0, {vocab_size})"
     try:
-        m = models.validate(models.DetokenizeBody, body)
+        m = validate(models.DetokenizeBody, body)
     except ApiError as e:
-        raise ApiError(400, why, "tokens") if e.param == "tokens" else e from None
+        if e.param == "tokens":
+            raise ApiError(400, why, "tokens") from None
+        raise e from None
     _check_model(m, served_model)
     if len(m.tokens) > max_len or any(t >= vocab_size for t in m.tokens):
         raise ApiError(400, why, "tokens")

@@ -39,7 +39,12 @@ def _choice(
             "finish_reason": finish_reason,
         }
     elif is_chunk:
-        delta = parts if parts is not None else ({"content": text} if text else {})
+        if parts is not None:
+            delta = parts
+        elif text:
+            delta = {"content": text}
+        else:
+            delta = {}
         choice = {
             "index": index,
             "delta": delta,
@@ -68,7 +73,8 @@ def _choice(
 
 
 def response(call: Call, created: int, choices: list[tuple], use: dict) -> dict:
-    """choices: (text, token ids, finish reason, logprobs, parts or None) of each, in index order."""
+    """choices: (text, token ids, finish reason, logprobs, parts or None) of each, in
+    index order."""
     return {
         "id": call.request.request_id,
         "object": "chat.completion" if call.is_chat else "text_completion",

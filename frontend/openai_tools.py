@@ -121,9 +121,8 @@ class Split:
     def __init__(self, mode: str, name: str | None, is_reasoning: bool):
         self.mode, self.name = mode, name
         self.is_reasoning = is_reasoning
-        self.state = (
-            "start" if is_reasoning else "content"
-        )  # start -> reasoning -> content <-> call
+        # start -> reasoning -> content <-> call
+        self.state = "start" if is_reasoning else "content"
         self.pending = ""  # text not yet given back
         self.calls: list[dict] = []
 

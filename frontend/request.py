@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.base.request import SamplingParams, TokenLogprobs
+from common.wire.protocol import GenerateOutput
 from frontend.detok import IncrementalDetokenizer
 
 # A ZeroMQ client is its routing id; an in-process one (HTTP) a (kind, peer) pair, so
@@ -33,9 +34,8 @@ class RequestState:
     prefill_node: str | None = None  # None while it waits here for its turn
     decode_node: str | None = None
     timings: dict = field(default_factory=dict)
-    num_cached_tokens: int = (
-        0  # of its prompt, from the prefill node's prefix cache (its first life)
-    )
+    # of its prompt, from the prefill node's prefix cache (its first life)
+    num_cached_tokens: int = 0
     is_prefilled: bool = False  # its first token came back (or it ended)
     early_token: int | None = None  # the first token, streamed by the prefill node
     is_decoding: bool = False  # its decode node has sent its first update
@@ -45,15 +45,13 @@ class RequestState:
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None  # monotonic
     output_ids: list[int] = field(default_factory=list)  # every token sent to the client
-    output_logprobs: list[TokenLogprobs | None] = field(
-        default_factory=list
-    )  # each one's, if asked for
+    # each one's, if asked for
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
     is_prompt_only: bool = False  # max_tokens 0: its one token is made and not shown
     index: int = 0  # which of its request's n choices
-    forks: list = field(
-        default_factory=list
-    )  # choice 0, until sent: the other choices, which share its prefill
+    # choice 0, until sent: the other choices, which share its prefill
+    forks: list = field(default_factory=list)
     is_prompt_logprobs_sent: bool = False
     # NOTE: the decode node can finish a request (max_tokens 1) before the prefill node's
     # prompt logprobs reach here: they come over another node's link. Its updates wait.
@@ -67,9 +65,8 @@ class RequestState:
     moved_from: str = ""  # "decode node X (why)", for the log
     stalled_since: float | None = None  # monotonic; None once a token came after the move
     migrated_s: float = 0.0
-    earlier_parts: dict = field(
-        default_factory=dict
-    )  # what its earlier lives' nodes reported (preemptions)
+    # what its earlier lives' nodes reported (preemptions)
+    earlier_parts: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -127,6 +124,34 @@ class RequestState:
         self.is_prompt_logprobs_sent = True
         return {"prompt_logprobs": self.prompt_logprobs, "prompt_token_ids": self.prompt_ids}
 
+    def final_output(
+        self, reason: str, error: str | None, token_ids: list[int], logprobs: list | None
+    ) -> GenerateOutput:
+        """Its last message to the client: the text held back until now, its usage, and
+        where its time went (with its moves, if it moved)."""
+        self.timings["total_ms"] = round((time.time() - self.arrival_time) * 1e3, 3)
+        if self.num_migrations:
+            self.timings["num_migrations"] = self.num_migrations
+            self.timings["migrated_ms"] = round(self.migrated_s * 1e3, 3)
+        usage = {
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": self.num_tokens,
+            "cached_tokens": self.num_cached_tokens,
+        }
+        return GenerateOutput(
+            self.request_id,
+            list(token_ids),
+            self.detok.take(True),
+            True,
+            reason,
+            error,
+            usage,
+            self.timings,
+            logprobs,
+            **self.take_prompt_logprobs(),
+            index=self.index,
+        )
+
     def add_output(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
         """Tokens on their way to the client (a moved request's wait ends with the first)."""
         self.output_ids += token_ids
@@ -156,13 +181,23 @@ class RequestState:
             num_prompt_logprobs=-1,
         )
 
+    def take_held(self) -> list:
+        """The (node, update) pairs that waited for the prompt's logprobs; none wait after."""
+        held = self.held
+        self.held = []
+        self.held_since = None
+        return held
+
     def move(self, node_id: str, moved_from: str) -> None:
         """Forget its route: it waits to be routed again under a new id (what its old
         nodes still say under the old one is dropped)."""
-        self.node_id, self.moved_from = node_id, moved_from
-        self.held, self.held_since = [], None
-        self.prefill_node = self.decode_node = None
-        self.is_prefilled = self.is_decoding = False
+        self.node_id = node_id
+        self.moved_from = moved_from
+        self.take_held()  # what its old decode node sent is dropped
+        self.prefill_node = None
+        self.decode_node = None
+        self.is_prefilled = False
+        self.is_decoding = False
         self.early_token = None
         self.life_base = len(self.output_ids)
         self.work_tokens = 0

@@ -35,9 +35,8 @@ class NodeState:
     dead_since: float = 0.0  # monotonic; a node dead past the grace period is forgotten
     num_routed: int = 0  # requests ever sent here
     num_active: int = 0  # decode: routed, not finished
-    num_queued_tokens: int = (
-        0  # prompt tokens routed here to prefill, not yet prefilled (less cached ones)
-    )
+    # prompt tokens routed here to prefill, not yet prefilled (less cached ones)
+    num_queued_tokens: int = 0
     prefix_keys: set[int] = field(default_factory=set)  # route keys of its cached blocks
 
     @property

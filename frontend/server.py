@@ -3,6 +3,7 @@
 client loop:  receive a request -> check, tokenize (a long prompt off the loop:
               prompts.py) -> admit under its client's limits (intake.py)
 dispatch:     clients take turns; a request goes to a prefill/decode pair with room
+              (dispatch.py)
 node loop:    tokens from decode -> detokenize, stop strings -> stream to the client
               (node_link.py)
 watchdog:     silent or hung nodes are lost (their requests move: migrate.py); deadlines
@@ -16,7 +17,6 @@ requests routed to it, and (with keys) only under the name its key proves.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 import socket
@@ -37,17 +37,15 @@ from common.wire.protocol import (
     AbortRequest,
     DrainRequest,
     ErrorReply,
-    Fork,
     GenerateOutput,
     GenerateRequest,
     NodeAbort,
-    PrefillRequest,
     StatsReply,
     StatsRequest,
 )
 from frontend import activity, http, paths, router
 from frontend.admission import Admission
-from frontend.detok import IncrementalDetokenizer
+from frontend.dispatch import Dispatcher
 from frontend.intake import Intake
 from frontend.metrics import Metrics
 from frontend.migrate import Migrations
@@ -92,15 +90,13 @@ class Frontend:
         )
         self.nodes = self.registry.nodes  # by name
         self.requests: dict[str, RequestState] = {}  # by node id
-        self.by_client: dict[
-            tuple[bytes, str], list[RequestState]
-        ] = {}  # (client, its id) -> its n choices
+        # (client, its id) -> its n choices
+        self.by_client: dict[tuple[ClientKey, str], list[RequestState]] = {}
         self.admission = Admission(cfg.max_requests_per_client, cfg.max_kv_tokens_per_client)
-        self.num_requests = 0
         self.num_served = 0
         self.is_draining = False
-        self.num_routes: dict[str, int] = {}  # "prefill -> decode" -> requests routed that way
         self.paths = paths.PathChooser(cfg.disaggregate, time.monotonic)
+        self.dispatcher = Dispatcher(self)
         self.metrics = Metrics(self)
         self.activity = activity.ActivityLog(self, cfg.links.log_interval_s)  # the periodic line
         # In-process clients' replies: local_sink(client, message, http_status).
@@ -213,7 +209,7 @@ class Frontend:
                         client,
                         StatsReply(
                             self.is_ready(),
-                            self.node_stats(),
+                            self.registry.stats(),
                             self.model_info(),
                             self.frontend_stats(),
                         ),
@@ -258,33 +254,6 @@ class Frontend:
         """Requests admitted together or refused together (an HTTP batch of prompts)."""
         await self.intake.submit(client, reqs)
 
-    def start(self, client: ClientKey, req: GenerateRequest, ids: list[int], params) -> None:
-        """An admitted request's n choices, waiting for their turn."""
-        timeout = req.timeout_s or self.cfg.default_timeout_s
-        # n choices: n requests, choice i sampled with seed + i (as vLLM does); the others go
-        # to the nodes with choice 0, as its forks: one prefill, the prompt's blocks shared.
-        choices = self.by_client[(client, req.request_id)] = []
-        for i in range(req.n):
-            self.num_requests += 1
-            state = RequestState(
-                f"{self.num_requests:x}",
-                req.request_id,
-                client,
-                ids,
-                dataclasses.replace(params, seed=(params.seed + i) % 2**63),
-                IncrementalDetokenizer(self.tokenizer, req.stop),
-                time.time(),
-                time.monotonic() + timeout,
-                is_prompt_only=req.max_tokens == 0,
-                index=i,
-            )
-            self.requests[state.node_id] = state
-            choices.append(state)
-            self.admission.add(client, state, state.kv_tokens, is_waiting=i == 0)
-            if i:
-                choices[0].forks.append(state)
-        self._wake.set()
-
     async def abort(self, client: ClientKey, request_id: str) -> None:
         choices = self.by_client.get((client, request_id))
         if choices is None and self.intake.cancel((client, request_id)):
@@ -306,72 +275,8 @@ class Frontend:
             await self._wake.wait()
             self._wake.clear()
             while self.admission.num_waiting:
-                req = self.admission.peek()
-                ids, params = req.continuation()  # a moved request: its prompt and what it streamed
-                can_local = (
-                    not req.forks
-                    and params.num_prompt_logprobs < 0
-                    and not params.is_masked_per_step
-                )
-                choice = None
-
-                def is_local(prefill, decode, work_tokens, local_tokens) -> bool:
-                    nonlocal choice
-                    choice = self.paths.decide(
-                        paths.figures(len(ids), work_tokens, local_tokens, prefill, decode),
-                        decode.name,
-                        can_local,
-                    )
-                    return choice.path == "local"
-
-                num_rows = 1 + sum(f.node_id in self.requests for f in req.forks)
-                route = router.assign(
-                    self.nodes,
-                    self.cfg.max_queued_tokens,
-                    ids,
-                    req.route_keys,
-                    None if self.paths.mode == "always" else is_local,
-                    num_rows,
-                )
-                if (
-                    route is None
-                    and router.choose(self.nodes) is not None
-                    and router.choose(self.nodes, num_rows=num_rows) is None
-                ):
-                    # NOTE: it would wait at the head of the line, and everyone behind it
-                    why = f"no live decode node has the {num_rows} batch rows its n choices need"
-                    await self.fail_request(req, why, 503)
-                    continue
-                if route is None:
-                    break
-                self.admission.next()
-                prefill, decode, req.work_tokens = route
-                if choice is None:  # --disaggregate always: not asked
-                    choice = self.paths.decide(paths.Figures(len(ids)), decode.name, can_local)
-                self.paths.record(choice, decode.name)
-                t = choice.timings()  # a moved request keeps its first life's path
-                req.timings.update({"path_after_move": t["path"]} if req.num_migrations else t)
-                forks, req.forks = [f for f in req.forks if f.node_id in self.requests], []
-                for r in [req, *forks]:
-                    r.prefill_node, r.decode_node = prefill.name, decode.name
-                for _ in forks:
-                    router.routed(prefill, decode, 0)
-                pair = f"{prefill.name} -> {decode.name}"
-                self.num_routes[pair] = self.num_routes.get(pair, 0) + 1 + len(forks)
-                if req.moved_at is not None:
-                    self.migrations.routed(req, pair)
-                await self.node_link.send(
-                    PrefillRequest(
-                        req.node_id,
-                        ids,
-                        params,
-                        req.arrival_time,
-                        decode.name,
-                        decode.ready.kv_endpoint,
-                        [Fork(f.node_id, f.params.seed) for f in forks],
-                    ),
-                    to=prefill.identity,
-                )
+                if not await self.dispatcher.send_next():
+                    break  # no pair has room: wait for the next wake
 
     # ---- figures --------------------------------------------------------------
 
@@ -400,13 +305,10 @@ class Frontend:
             "num_bad_client_messages": self.clients.num_bad,
             "num_bad_node_messages": self.node_link.num_bad,
             "num_node_link_resets": self.node_link.num_reroutes,
-            "routes": dict(self.num_routes),
+            "routes": dict(self.dispatcher.num_routes),
             "migrations": self.migrations.counts(),
             "paths": self.paths.stats(),
         }
-
-    def node_stats(self) -> dict:
-        return self.registry.stats()
 
     # ---- requests leave ----------------------------------------------------------
 
@@ -440,35 +342,10 @@ class Frontend:
                 node = self.nodes.get(name)
                 if node is not None and node.is_alive:
                     await self.node_link.send(NodeAbort(req.node_id), to=node.identity)
-        req.timings["total_ms"] = round((time.time() - req.arrival_time) * 1e3, 3)
-        if req.num_migrations:
-            req.timings.update(
-                num_migrations=req.num_migrations, migrated_ms=round(req.migrated_s * 1e3, 3)
-            )
-        usage = {
-            "prompt_tokens": len(req.prompt_ids),
-            "completion_tokens": req.num_tokens,
-            "cached_tokens": req.num_cached_tokens,
-        }
+        out = req.final_output(reason, error, token_ids, logprobs)
         self.num_served += 1
         self.metrics.finished(req, reason)
-        await self.reply(
-            req.client,
-            GenerateOutput(
-                req.request_id,
-                list(token_ids),
-                req.detok.take(True),
-                True,
-                reason,
-                error,
-                usage,
-                req.timings,
-                logprobs,
-                **req.take_prompt_logprobs(),
-                index=req.index,
-            ),
-            status,
-        )
+        await self.reply(req.client, out, status)
 
     async def fail_request(self, req: RequestState, error: str, status: int) -> None:
         """Every choice of req's request ends with this error."""

@@ -1,4 +1,4 @@
-"""A whole reply's logprobs as frontend/http.Answer gathers them, in process: a decode
+"""A whole reply's logprobs as frontend/answers.Answer gathers them, in process: a decode
 node's steps send a token at a time, and the answer equals its logprobs shaped at once."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from common.base.request import TokenLogprobs
 from frontend import openai_api as api
 from frontend import openai_logprobs as lp
-from frontend.http import Answer
+from frontend.answers import Answer
 
 TOP = 3
 
