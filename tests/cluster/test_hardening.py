@@ -749,7 +749,7 @@ def test_a_commit_with_odd_timings_costs_no_other_request_its_tokens(procs, tiny
     """Token updates of many requests travel in one batch: a part that cannot be computed
     (no stamps) or comes out negative (skewed clocks) must not void the batch."""
     from common.wire.protocol import KVHello, KVReserve, KVReserved, KVWelcome
-    from tests.test_xpyd import FakePrefill
+    from tests.cluster.test_xpyd import FakePrefill
 
     _start(procs, "frontend", "prefill", "decode")
     fake = FakePrefill(procs.kv)

@@ -3,7 +3,7 @@
 import msgpack
 import zmq
 
-from tests.test_cluster import cluster  # noqa: F401  (the shared cluster fixture)
+from tests.cluster.test_cluster import cluster  # noqa: F401  (the shared cluster fixture)
 
 
 def _recv(sock):

@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from launch import ray_cluster
-from launch.cluster_plan import PlanError
 from tests.cluster_util import ROOT, wait_for
 from tests.conftest import clear_prompts
 
@@ -32,18 +30,6 @@ RAY_ENV = {
     "RAY_health_check_failure_threshold": "3",
     "RAY_health_check_initial_delay_ms": "1000",
 }
-
-
-def test_ray_flags_are_read_apart_from_the_launchers():
-    ours, rest = ray_cluster.split_args(["--ray", "--num-decode", "2", "--ray-cpus-per-node", "2"])
-    assert ours == {"address": "auto", "num_cpus": "2", "ship_model": False} and rest == [
-        "--num-decode",
-        "2",
-    ]
-    ours, rest = ray_cluster.split_args(["--model", "M", "--ray", "10.0.0.1:6379"])
-    assert ours["address"] == "10.0.0.1:6379" and rest == ["--model", "M"]
-    with pytest.raises(PlanError, match="whole number"):
-        ray_cluster.split_args(["--ray", "--ray-cpus-per-node", "0"])
 
 
 @pytest.mark.cluster

@@ -1,13 +1,10 @@
 """The CPU backend (kernels/cpu.py, C) against the portable ops it must equal, the
-prefill lanes against one lane, and the thread flags."""
+prefill lanes against one lane, and --cpus read (the flags and the kernels in processes of
+their own: tests/cluster/test_cpu_kernels_processes.py)."""
 
 import importlib
-import json
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +12,6 @@ import torch
 from kernels import portable
 from kernels.backends import backend_for
 
-ROOT = Path(__file__).resolve().parents[1]
 HAS_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
 # NOTE: where a compiler is, a kernel that fails to build fails here, not skips.
 cpu = importlib.import_module("kernels.cpu") if HAS_CC else None
@@ -227,31 +223,6 @@ def test_rope_written_into_the_cache_and_slot_mapping_equal_the_portable_ops():
     assert ops.compute_slot_mapping is cpu.compute_slot_mapping
 
 
-def _kernels_backend_in_a_fresh_process(env: dict) -> subprocess.CompletedProcess:
-    code = (
-        "import torch; from common.engine.platform import configure_kernels; configure_kernels(); "
-        "from kernels.backends import backend_for; from kernels import portable; "
-        "print(backend_for(torch.zeros(1)).decode_attention is portable.decode_attention)"
-    )
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-        timeout=120,
-    )
-
-
-@pytest.mark.cluster
-def test_an_unbuildable_kernel_leaves_the_portable_op_and_says_why(tmp_path):
-    done = _kernels_backend_in_a_fresh_process({"CC": "false", "PDSERVE_HOME": str(tmp_path)})
-    assert done.stdout.strip() == "True", done.stderr
-    assert "fast cpu kernels unavailable" in done.stderr and "failed" in done.stderr
-    done = _kernels_backend_in_a_fresh_process({"PDSERVE_DISABLE_CPU_KERNELS": "1"})
-    assert done.stdout.strip() == "True" and "PDSERVE_DISABLE_CPU_KERNELS" in done.stderr
-
-
 def test_prefill_lanes_equal_one_lane(tiny_model):
     """A pass split over two lanes (threads) writes the same KV and samples the same tokens."""
     from common.base.config import WorkerConfig
@@ -289,37 +260,6 @@ def test_prefill_lanes_equal_one_lane(tiny_model):
     assert (lanes1, lanes2) == (1, 2)
     assert tokens1 == tokens2
     assert torch.allclose(logits1, logits2, atol=1e-4) and torch.allclose(kv1, kv2, atol=1e-5)
-
-
-@pytest.mark.parametrize(
-    "flag,match",
-    [
-        (["--threads", "0"], "--threads must be >= 1"),
-        (["--cpus", "x-y"], "--cpus takes core numbers"),
-    ],
-)
-@pytest.mark.cluster
-def test_bad_thread_flags_are_one_line(tiny_model, flag, match):
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "prefill_node",
-            "--frontend",
-            "tcp://127.0.0.1:1",
-            "--model",
-            str(tiny_model),
-            *flag,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=120,
-    )
-    assert (
-        done.returncode == 2 and match in done.stderr and len(done.stderr.strip().splitlines()) == 1
-    )
 
 
 def test_parse_cpus():
@@ -403,37 +343,6 @@ def test_cpu_bf16_logits_as_accurate_as_transformers_bf16(make_model, weight_std
                 rel(ours, ref32),
                 rel(ref16, ref32),
             )
-
-
-@needs_cc
-@pytest.mark.cluster
-def test_the_attention_benchmark_times_both_kernels_a_line_a_length():
-    """`pdserve bench attention`: the C kernel and torch's for a short and a long chunk after
-    a context, each line with the floor to read them against."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.bench.attention",
-            "--query-lens",
-            "32,300",
-            "--context-len",
-            "40",
-            "--repeats",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [x["query_len"] for x in records] == [32, 300] and all(
-        x["context_len"] == 40 for x in records
-    )
-    assert all(x["c_kernel_ms"] > 0 and x["torch_ms"] > 0 and x["floor_ms"] > 0 for x in records)
 
 
 def test_loading_the_c_kernels_keeps_subnormal_floats():

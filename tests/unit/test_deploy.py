@@ -14,7 +14,7 @@ import yaml
 
 from launch import cluster_plan, ray_cluster
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "deploy" / "kuberay-raycluster.yaml"
 KUBERNETES_VERSION = "1.30"
 

@@ -18,7 +18,7 @@ from decode_node.grammar_wait import COMPILE_DEADLINE_S, GrammarWait
 from decode_node.node import DecodeNode
 from decode_node.scheduler import DecodeScheduler
 from tests.handoff_util import FakeClock, receiver
-from tests.test_grants import _commit_group
+from tests.unit.test_grants import _commit_group
 
 
 def _node(gate: threading.Event, max_queue: int = 8, rows: int = 4, compile=None):

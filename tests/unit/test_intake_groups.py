@@ -9,7 +9,12 @@ import asyncio
 
 from common.wire.protocol import GenerateRequest
 from frontend.prompts import MAX_REPLY_LOGPROBS, OFF_LOOP_CHARS, text_len
-from tests.test_intake import CLIENT, _error, _settled, _submit, make_frontend  # noqa: F401
+from tests.unit import test_intake
+from tests.unit.test_intake import CLIENT, _error, _settled, _submit
+
+# test_intake's frontend fixture, under its own name: pytest finds fixtures among a module's
+# names, and each test's argument `make_frontend` asks for it.
+make_frontend = test_intake.make_frontend
 
 
 def test_the_prompt_logprobs_every_choice_replies_with_are_bounded_before_any_work(make_frontend):

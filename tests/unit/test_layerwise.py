@@ -23,7 +23,7 @@ from common.wire.figures import TransferFigures
 from common.wire.protocol import KVCommit, KVRelease, KVReserve, KVTransfer
 from decode_node.scheduler import DecodeScheduler
 from tests.handoff_util import PREFILL, Pair
-from tests.test_handoff import _sink, _wire, commit_and_decode, needs_nixl
+from tests.unit.test_handoff import _sink, _wire, commit_and_decode, needs_nixl
 
 
 def _reserved(p: Pair, rid: str = "r", prompt_len: int = 10):

@@ -6,7 +6,7 @@ import ast
 import importlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 _PROCESSES = {
     "common",

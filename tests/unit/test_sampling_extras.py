@@ -347,7 +347,7 @@ def test_no_grammar_compile_outlives_its_request_on_either_node():
     from decode_node.scheduler import DecodeScheduler
     from prefill_node.node import PrefillNode
     from tests.handoff_util import receiver
-    from tests.test_grants import _commit_group
+    from tests.unit.test_grants import _commit_group
 
     prefill = object.__new__(PrefillNode)
     prefill.compiles = grammar.Compiles(lambda: SimpleNamespace(compile=lambda g: ("compiled", g)))
