@@ -9,7 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from launch.tools.reference import clear_prompts, hf_greedy, hf_greedy_gaps  # noqa: E402,F401 (the tests import them here)
+# The tests import these from here; ROOT goes on sys.path first.
+from launch.tools.reference import clear_prompts, hf_greedy, hf_greedy_gaps  # noqa: E402,F401
 
 # What a test needs (pytest -m unit is the fast loop): `cluster` starts nodes, a cluster
 # or another Python process; `hosts` needs root (network namespaces); `unit`, the rest,

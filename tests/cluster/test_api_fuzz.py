@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from tests.cluster_util import ROOT, Cluster, is_alive, python_children_of, wait_for
+from tests.cluster_util import ROOT, Cluster, is_alive, python_children_of
 
 pytestmark = pytest.mark.cluster
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")

@@ -189,7 +189,8 @@ def test_stop_token_with_steps_queued_ahead(tiny_model, tmp_path):
         free, first, stopped, long = _stop_beside_a_running_request(p.clients)
         assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: first + 1]
         assert long == (long[0], "length") and len(long[0]) == 120
-        # The step queued behind the stopping one ran, and its token for the stopped request was dropped.
+        # The step queued behind the stopping one ran, and its token for the stopped request was
+        # dropped.
         assert node.num_discarded_tokens > 0
         wait_for(
             lambda: not node.scheduler.running and node.blocks.num_free == node.blocks.capacity,

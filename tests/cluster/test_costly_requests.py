@@ -55,15 +55,18 @@ cases = {
                                        "messages": [{"role": "user", "content": "hi"}],
                                        "tools": [{"type": "function", "function": {
                                            "name": f"f{i}", "description": "x" * 2000,
-                                           "parameters": {"type": "object"}}} for i in range(1000)]}),
+                                           "parameters": {"type": "object"}}}
+                                           for i in range(1000)]}),
 }
 out = {}
 for name, (path, body) in cases.items():
     status, reply, t0, t1 = call(path, body)
     choices = reply.get("choices") or []
-    out[name] = {"status": status, "s": round(t1 - t0, 3), "window": [t0, t1], "error": (reply.get("error") or {}).get("message"),
+    out[name] = {"status": status, "s": round(t1 - t0, 3), "window": [t0, t1],
+                 "error": (reply.get("error") or {}).get("message"),
                  "num_choices": len(choices),
-                 "num_logprobs": [len((c.get("logprobs") or {}).get("tokens") or []) for c in choices]}
+                 "num_logprobs": [len((c.get("logprobs") or {}).get("tokens") or [])
+                                  for c in choices]}
 print(json.dumps(out), flush=True)
 """
 

@@ -127,7 +127,8 @@ def _mixed_endings(procs):
                 client.complete(f"finish {i}", max_tokens=10 + i, ignore_eos=True) for i in range(8)
             ]
             jobs += [cancelled(i) for i in range(4)]
-            # NOTE: the deadline must end them, however fast decoding gets (1,000 tokens in 50 ms is 20,000 steps/s)
+            # NOTE: the deadline must end them, however fast decoding gets (1,000 tokens in 50 ms
+            # is 20,000 steps/s)
             jobs += [
                 client.complete("slow", max_tokens=1000, ignore_eos=True, timeout_s=0.05)
                 for _ in range(3)

@@ -188,8 +188,8 @@ def test_a_joining_host_without_its_key_says_so_in_one_line(tiny_model, tmp_path
     )
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().splitlines()[-1:] == [
-        f"start_cluster: {keys} has no b-decode-0.key_secret: make the keys once for every node name "
-        f"(pdserve keys KEYS --nodes ...) and copy the directory to each host"
+        f"start_cluster: {keys} has no b-decode-0.key_secret: make the keys once for every "
+        "node name (pdserve keys KEYS --nodes ...) and copy the directory to each host"
     ]
     out = subprocess.run(
         [

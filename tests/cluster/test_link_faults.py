@@ -343,9 +343,12 @@ attacks = [("ids", {"prompt_token_ids": [i % vocab for i in range(4_000_000)]}),
            ("text", {"prompt": "lorem ipsum dolor sit amet " * 310_000}),
            ("stops", {"prompt": "hello", "stop": [f"stop string {i} " * 8 for i in range(20_000)]}),
            # 8 KB of JSON schema nested 300 deep: seconds of compiling
-           ("grammar", {"prompt": "hello", "structured": {"kind": "json_schema", "spec": '{"type": "array", "items": ' * 300
-                                                          + '{"type": "integer"}' + "}" * 300}})]
-frames = [(name, msgpack.packb({"v": 2, "type": "generate", "request_id": name, "max_tokens": 4, **body}))
+           ("grammar", {"prompt": "hello",
+                        "structured": {"kind": "json_schema",
+                                       "spec": '{"type": "array", "items": ' * 300
+                                               + '{"type": "integer"}' + "}" * 300}})]
+frames = [(name, msgpack.packb({"v": 2, "type": "generate", "request_id": name,
+                                "max_tokens": 4, **body}))
           for name, body in attacks]   # made before the first goes: only sending is timed
 ctx = zmq.Context()
 s = ctx.socket(zmq.DEALER)

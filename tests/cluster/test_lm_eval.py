@@ -67,7 +67,8 @@ def _write_tasks(root, model_dir, seed: int = 0) -> None:
     common = 'dataset_path: json\ntest_split: test\ndoc_to_text: "{{question}}"\n'
     (root / "pd_mc.yaml").write_text(
         f"task: pdserve_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {mc}\n"
-        'output_type: multiple_choice\ntarget_delimiter: ""\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        'output_type: multiple_choice\ntarget_delimiter: ""\n'
+        'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
         "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
     )
     (root / "pd_gen.yaml").write_text(

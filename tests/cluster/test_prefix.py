@@ -80,7 +80,8 @@ def test_prefix_caching_on_and_off_equal_transformers(tiny_model, tmp_path):
 
 @pytest.mark.cluster
 def test_eviction_under_a_small_budget_stays_exact(tiny_model, tmp_path):
-    # 112 KiB of prefill KV: 13 usable blocks, fewer than the 16 distinct full blocks the prompts make.
+    # 112 KiB of prefill KV: 13 usable blocks, fewer than the 16 distinct full blocks the prompts
+    # make.
     out, stats = _run(tiny_model, tmp_path, kv_memory="112KiB")
     assert out == hf_greedy(tiny_model, _prompts(), NEW_TOKENS)
     assert stats["num_prefix_evictions"] > 0
@@ -102,7 +103,8 @@ def test_cache_aware_routing_keeps_a_prefix_on_one_node_and_spreads_the_rest(tin
             c.wait_ready(120, num_nodes=3)
             shared = [(i * 13 + 1) % 400 for i in range(96)]  # 6 full blocks
             assert c.complete(prompt_token_ids=shared + [1], max_tokens=2).error is None
-            # NOTE: the decode node reports the finished request's blocks too: a prefill node holds it here.
+            # NOTE: the decode node reports the finished request's blocks too: a prefill node
+            # holds it here.
             holder = wait_for(
                 lambda: next(
                     (

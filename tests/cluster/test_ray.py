@@ -418,13 +418,16 @@ def test_serve_on_ray_over_three_hosts_restarts_scales_and_stops_clean(
         # Nothing of ours is left on Ray: every CPU free, every placement group removed,
         # the controller's name gone.
         code = (
-            "import json, time, ray; ray.init(address=%r, namespace='pdserve', log_to_driver=False)\n"
+            "import json, time, ray\n"
+            "ray.init(address=%r, namespace='pdserve', log_to_driver=False)\n"
             "for _ in range(60):\n"
-            "    free, total = ray.available_resources().get('CPU'), ray.cluster_resources().get('CPU')\n"
+            "    free = ray.available_resources().get('CPU')\n"
+            "    total = ray.cluster_resources().get('CPU')\n"
             "    if free == total: break\n"
             "    time.sleep(0.5)\n"
             "groups = [g['state'] for g in ray.util.placement_group_table().values()]\n"
-            "try:\n    ray.get_actor('pdserve:5600'); named = True\nexcept ValueError:\n    named = False\n"
+            "try:\n    ray.get_actor('pdserve:5600'); named = True\n"
+            "except ValueError:\n    named = False\n"
             "print(json.dumps([free, total, groups, named]))" % head
         )
         out = hosts.run("a", [sys.executable, "-c", code], timeout_s=120, cwd=ROOT, env=_env())

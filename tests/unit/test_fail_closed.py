@@ -319,7 +319,8 @@ def test_a_restarted_node_takes_its_name_once_its_predecessor_misses_two_heartbe
 
 
 def _deliver_control(p: Pair) -> None:
-    """Only what is on the control connection arrives (a commit overtakes the KV on the data one)."""
+    """Only what is on the control connection arrives (a commit overtakes the KV on the data
+    one)."""
     while p.link.to_decode:
         p.rx.receive(
             PREFILL, protocol.decode(p.link.to_decode.popleft(), protocol.PREFILL_TO_DECODE)
@@ -459,7 +460,7 @@ def test_kv_verify_refuses_blocks_that_do_not_hold_what_was_written():
     assert "x" not in rx.held and rx.num_incomplete == 1
 
 
-# ---- 5. nixl stops a late write before its blocks can be reused -----------------------------------
+# ---- 5. nixl stops a late write before its blocks can be reused --------------------------------
 
 
 def test_writes_are_given_the_write_deadline_not_the_leases_end():
@@ -504,7 +505,7 @@ def test_a_posted_nixl_write_past_its_deadline_is_stopped_before_it_is_driven():
     assert calls == ["dropped"] and w.remote is None  # never driven on: its connection is dropped
 
 
-# ---- 6. a lost prefill node's reservations go at once ----------------------------------------------
+# ---- 6. a lost prefill node's reservations go at once ------------------------------------------
 
 
 def test_a_lost_prefill_nodes_reservations_are_freed_as_far_as_is_safe():

@@ -12,7 +12,7 @@ from common.handoff.states import Hold, Stage
 from common.kv.blocks import BlockAllocator
 from common.kv.prefix import PrefixCache, block_hashes
 from common.transfer import TransferError
-from common.wire.protocol import Fork, KVCommit, KVRelease, KVReserve, KVReserved, KVTransfer
+from common.wire.protocol import Fork, KVCommit, KVRelease, KVReserve, KVTransfer
 from decode_node.scheduler import DecodeScheduler
 from tests.handoff_util import PREFILL, Pair, receiver, reserve, start_all
 

@@ -440,9 +440,10 @@ def test_nixl_lands_only_what_its_announcer_notified(workers):
     _, dw = workers
     sink = _sink(dw, ["nixl"])
     rx = sink.receivers["nixl"]
-    announce = lambda rid, agent: KVTransfer(
-        rid, "g", "nixl", {"agent": agent}, torch.empty(0, dtype=torch.uint8)
-    )
+
+    def announce(rid, agent):
+        return KVTransfer(rid, "g", "nixl", {"agent": agent}, torch.empty(0, dtype=torch.uint8))
+
     sink.receive(b"p", _wire(announce("r1", "writer-a")), [5])
     assert not sink.is_landed("r1") and sink.progress()
     rx._early[("writer-b", "r1")] = None  # as if writer-b had sent "r1"

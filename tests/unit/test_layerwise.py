@@ -88,7 +88,8 @@ def test_what_goes_layer_by_layer(mode, rate, is_peer_layerwise, layerwise):
 
 def test_during_a_pass_the_node_is_called_on_to_send_what_is_held_back():
     """A CPU pass's lanes call on_layers as each layer's KV is written, and every FEED_S
-    between: KV held back for a full link goes out as the link drains, not only at the next layer."""
+    between: KV held back for a full link goes out as the link drains, not only at the next
+    layer."""
     import time
     from types import SimpleNamespace
 
@@ -345,7 +346,9 @@ def test_each_backend_lands_the_layers_as_the_pass_computes_them(workers, backen
     if backend == "nixl":
         post = writer.agent.transfer
         writer.agent.transfer = lambda handle: posts.append(len(seen)) or post(handle)
-    seen = []  # as each layer's KV is written: (layers written, frames sent, layers landed in the decode cache)
+    # as each layer's KV is written: (layers written, frames sent, layers landed in the decode
+    # cache)
+    seen = []
 
     def on_layers(idx, n):
         if not idx:  # no layer done since the last call: what is held back may move

@@ -111,7 +111,6 @@ def test_the_decode_node_paces_its_local_prompts_to_their_share(monkeypatch):
     at most LOCAL_SHARE of its time on local passes (after one burst), as measured."""
     from common.base.request import SamplingParams
     from common.kv.blocks import BlockAllocator
-    from common.kv.sequence import Sequence
     from common.wire.node import PrefillRequest
     from decode_node import local
     from decode_node.scheduler import DecodeScheduler

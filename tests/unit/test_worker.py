@@ -98,14 +98,12 @@ def test_removing_a_row_keeps_the_others_exact(tiny_model):
 
 def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny_model):
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
-    mk = lambda seed: SamplingParams(
-        max_tokens=24,
-        temperature=1.0,
-        top_p=0.9,
-        top_k=50,  # noqa: E731
-        seed=seed,
-        ignore_eos=True,
-    )
+
+    def mk(seed):
+        return SamplingParams(
+            max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=seed, ignore_eos=True
+        )
+
     with _worker(tiny_model) as worker:
         a = generate(worker, prompts, [mk(1), mk(2)])
         b = generate(worker, prompts, [mk(1), mk(2)])
