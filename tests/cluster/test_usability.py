@@ -271,7 +271,7 @@ def test_an_http_port_in_use_is_one_line(tiny_model, cluster):
 # ---- the pdserve command and the README --------------------------------------------
 
 
-def test_the_pdserve_command():  # what the README and docs say: tests/test_docs.py
+def test_the_pdserve_command():  # what the README and docs say: tests/unit/test_docs.py
     if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():
         assert _SCRIPT.exists(), "launch/env.sh installs the pdserve command into .venv"
     r = _run(*PDSERVE)

@@ -2,7 +2,7 @@
 over bandwidth or FLOPs over the matmul rate, whichever binds), bandwidth measured on
 filled buffers, the KV cache and request lengths each sizes for itself, the memory
 check before anything loads, the tables and the plot. The commands themselves run as
-documented in tests/test_docs.py."""
+documented in tests/cluster/test_docs_run.py."""
 
 from __future__ import annotations
 

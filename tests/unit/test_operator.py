@@ -2,7 +2,7 @@
 the frontend's periodic line, the HTTP access log, each response's server-side phases,
 a drain that says what happens, the launcher's checks before it starts anything, and a
 client with nothing to do. In this process; the same seen in a cluster's log:
-tests/test_operator_cluster.py."""
+tests/cluster/test_operator_cluster.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The Ray controller's key handling and scale (launch/ray_members.py, launch/ray_keys.py)
-on fake actors: no Ray cluster runs here (tests/test_ray.py runs one)."""
+on fake actors: no Ray cluster runs here (tests/cluster/test_ray.py runs one)."""
 
 from __future__ import annotations
 
