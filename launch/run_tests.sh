@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Run the whole test suite, setting up the project's environment first.
 #   bash launch/run_tests.sh [pytest args...]
+# Sourced, it only sets up the environment with the test dependencies ($PY): .ci/run
+# does so to run ruff before the tests.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$PDSERVE_ROOT"
 _test_modules="pytest, openai, matplotlib, lm_eval, tenacity, ray, kubernetes_validate, schemathesis"
+_test_modules="$_test_modules, ruff"
 if ! "$PY" -c "import $_test_modules" >/dev/null 2>&1; then
-    _say_installing "the test dependencies (pytest, openai, lm-eval, ray, schemathesis, ...)" ""
+    _say_installing "the test dependencies (pytest, openai, lm-eval, ray, schemathesis, ruff, ...)" ""
     "$PY" -m pip install -q --disable-pip-version-check -e "$PDSERVE_ROOT[test]"
     _say_installed
 fi
@@ -29,4 +32,6 @@ if [ ! -x "$_aiperf/bin/aiperf" ]; then
     }
     _say_installed
 fi
-exec "$PY" -m pytest -q "$@"
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    exec "$PY" -m pytest -q "$@"
+fi

@@ -115,7 +115,8 @@ def reserve(
 def commit(
     rx: Receiver, request_id: str, prompt_len: int, max_tokens: int, sender: bytes = b"p"
 ) -> None:
-    """Its KV written (zeros, one tcp frame of every layer) and committed, as a prefill node does."""
+    """Its KV written (zeros, one tcp frame of every layer) and committed, as a prefill node
+    does."""
     r = rx.held.get(request_id)
     name, num_layers = (r.name, rx.sink.cache.shape[0]) if r is not None else ("", 0)
     if r is not None:

@@ -1,7 +1,8 @@
 """A client run inside a simulated host (launch/tools/netns.py), printing JSON lines.
 
 python -m tests.netns_client ENDPOINT complete PROMPTS_JSON MAX_TOKENS
-python -m tests.netns_client ENDPOINT streams PROMPTS_JSON MAX_TOKENS    (prints {"started": true} first)
+python -m tests.netns_client ENDPOINT streams PROMPTS_JSON MAX_TOKENS
+    (prints {"started": true} first)
 python -m tests.netns_client ENDPOINT stats
 """
 

@@ -1,0 +1,243 @@
+"""The device worker's life cycle, device-resident decode state, sampling and validation."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from common.base.config import WorkerConfig
+from common.base.request import SamplingParams, validate_prompt
+from common.engine.sampling import sample
+from common.engine.worker import DeviceWorker, PrefillChunk
+from common.kv.blocks import BlockAllocator
+from common.kv.sequence import Sequence, blocks_to_join
+from launch.generate import generate
+
+
+def _worker(model, **kw):
+    return DeviceWorker(WorkerConfig(model=str(model), kv_cache_memory=8 * 2**20, **kw))
+
+
+def test_steady_decode_makes_no_host_to_device_writes(tiny_model):
+    bs = 128
+    with _worker(tiny_model, block_size=bs, max_batch_size=4) as worker:
+        alloc = BlockAllocator(worker.num_kv_blocks)
+        seqs = {}
+        for i, prompt in enumerate([[1], [5, 6, 7], [9] * 20]):
+            p = SamplingParams(max_tokens=200, ignore_eos=True)
+            seq = Sequence(str(i), len(prompt), p, num_reserved=0)
+            seq.num_reserved = seq.num_blocks_needed(bs)
+            alloc.reserve(seq.num_reserved)
+            seq.take_block(alloc)
+            (tok,), _ = worker.prefill([PrefillChunk(prompt, 0, seq.block_ids, p)])
+            blocks_to_join(seq, bs, alloc)
+            worker.decode.add(seq.request_id, tok, len(prompt), seq.block_ids, p)
+            seqs[seq.request_id] = seq
+        before = worker.h2d.num_writes
+        for _ in range(100):  # the longest reaches position 120 < 128: no crossing
+            worker.decode.grow_blocks(seqs, alloc)
+            worker.decode.step()
+        assert worker.h2d.num_writes == before
+        # The 20-token prompt's next token is at position 120; it enters block 1 at 128.
+        while worker.decode.next_position("2") < bs:
+            worker.decode.grow_blocks(seqs, alloc)
+            worker.decode.step()
+        bytes_before = worker.h2d.num_bytes
+        before = worker.h2d.num_writes
+        worker.decode.grow_blocks(seqs, alloc)
+        worker.decode.step()  # the crossing step: one block-table entry, nothing else
+        assert worker.h2d.num_writes == before + 1 and worker.h2d.num_bytes - bytes_before == 12
+        assert worker.decode.num_blocks("2") == 2 and worker.stats()["num_block_writes"] == 1
+        worker.decode.step()
+        assert worker.h2d.num_writes == before + 1
+
+
+def test_close_releases_weights_and_cache(tiny_model):
+    worker = _worker(tiny_model).prepare()
+    cache = weakref.ref(worker.kv_cache)
+    weight = weakref.ref(worker.weights.layers[0].qkv)
+    worker.prepare()  # a second prepare reuses what is there
+    assert cache() is worker.kv_cache
+    worker.close()
+    gc.collect()
+    assert cache() is None and weight() is None
+    assert not worker.is_prepared
+    worker.close()  # harmless
+
+
+def test_context_manager_closes_on_exception(tiny_model):
+    worker = _worker(tiny_model)
+    with pytest.raises(RuntimeError):
+        with worker:
+            cache = weakref.ref(worker.kv_cache)
+            raise RuntimeError("boom")
+    gc.collect()
+    assert cache() is None and not worker.is_prepared
+
+
+def test_kv_budget_sets_capacity(tiny_model):
+    with _worker(tiny_model, block_size=16) as worker:
+        per_block = 2 * worker.spec.num_layers * worker.spec.kv_size * 4 * 16
+        assert worker.num_kv_blocks == 8 * 2**20 // per_block
+        assert worker.token_capacity == (worker.num_kv_blocks - 1) * 16
+        assert worker.kv_cache.numel() * 4 <= 8 * 2**20
+
+
+def test_removing_a_row_keeps_the_others_exact(tiny_model):
+    """Rows leave from the middle of the batch; the rest keep their tokens."""
+    prompts = [[3, 4, 5], [7] * 17, [11, 12]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 40, 30)]
+    with _worker(tiny_model) as worker:
+        together = generate(worker, prompts, params)
+    for prompt, p, r in zip(prompts, params, together):
+        with _worker(tiny_model) as worker:
+            alone = generate(worker, [prompt], [p])[0]
+        assert alone["token_ids"] == r["token_ids"]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny_model):
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+
+    def mk(seed):
+        return SamplingParams(
+            max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=seed, ignore_eos=True
+        )
+
+    with _worker(tiny_model) as worker:
+        a = generate(worker, prompts, [mk(1), mk(2)])
+        b = generate(worker, prompts, [mk(1), mk(2)])
+        alone = generate(worker, prompts[1:], [mk(2)])
+        other = generate(worker, prompts[:1], [mk(3)])
+    assert a[0]["token_ids"] == b[0]["token_ids"] and a[1]["token_ids"] == b[1]["token_ids"]
+    assert alone[0]["token_ids"] == a[1]["token_ids"]
+    assert other[0]["token_ids"] != a[0]["token_ids"]
+
+
+def test_sample_respects_top_k_top_p_and_greedy():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    best = logits.argmax(-1)
+    n = 4
+    t = torch.tensor([0.0, 1.0, 1.0, 5.0])
+    out = sample(
+        logits,
+        t,
+        torch.tensor([1.0, 1.0, 1e-6, 1.0]),
+        torch.tensor([-1, 1, -1, 3]),
+        torch.arange(n),
+        torch.zeros(n, dtype=torch.long),
+    )
+    assert out[0] == best[0] and out[1] == best[1] and out[2] == best[2]
+    top3 = set(logits[3].topk(3).indices.tolist())
+    draws = {
+        sample(
+            logits[3:],
+            t[3:],
+            torch.ones(1),
+            torch.tensor([3]),
+            torch.tensor([s]),
+            torch.zeros(1, dtype=torch.long),
+        ).item()
+        for s in range(200)
+    }
+    assert draws <= top3 and len(draws) == 3
+
+
+def test_sampling_distribution_follows_probabilities():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    counts = torch.zeros(3)
+    for s in range(3000):
+        counts[
+            sample(
+                logits,
+                torch.ones(1),
+                torch.ones(1),
+                torch.tensor([-1]),
+                torch.tensor([s]),
+                torch.tensor([7]),
+            ).item()
+        ] += 1
+    assert torch.allclose(counts / 3000, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_eos_and_stop_tokens_end_generation(tiny_model):
+    with _worker(tiny_model) as worker:
+        free = generate(worker, [[1, 2, 3]], [SamplingParams(max_tokens=20, ignore_eos=True)])[0]
+        stop_at = free["token_ids"][5]
+        first = free["token_ids"].index(stop_at)
+        stopped = generate(
+            worker, [[1, 2, 3]], [SamplingParams(max_tokens=20, stop_token_ids=(stop_at,))]
+        )[0]
+        assert stopped["token_ids"] == free["token_ids"][: first + 1]
+        assert stopped["finish_reason"] == "stop"
+        object.__setattr__(worker.spec, "eos_token_ids", (stop_at,))
+        eos = generate(worker, [[1, 2, 3]], [SamplingParams(max_tokens=20)])[0]
+        assert eos["token_ids"] == stopped["token_ids"] and eos["finish_reason"] == "stop"
+        ignored = generate(worker, [[1, 2, 3]], [SamplingParams(max_tokens=20, ignore_eos=True)])[0]
+        assert ignored["token_ids"] == free["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(seed=-1), "seed"),
+        (dict(stop_token_ids=(10**6,)), "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_params_are_named(params, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**params).validate(vocab_size=512)
+
+
+@pytest.mark.parametrize(
+    "prompt,max_tokens,match",
+    [
+        ([], 4, "empty"),
+        ([1, 512], 4, "outside the vocabulary"),
+        ([1, -1], 4, "outside the vocabulary"),
+        ([1] * 1000, 25, "maximum length"),
+    ],
+)
+def test_bad_prompts_are_named(prompt, max_tokens, match):
+    with pytest.raises(ValueError, match=match):
+        validate_prompt(prompt, max_tokens, vocab_size=512, max_model_len=1024)
+
+
+def test_generate_rejects_too_long_request(tiny_model):
+    with _worker(tiny_model) as worker:
+        with pytest.raises(ValueError, match="maximum length"):
+            generate(worker, [[1] * 1000], [SamplingParams(max_tokens=100)])
+
+
+def test_generate_cli_json(tiny_model, capsys):
+    import json
+
+    from launch import generate as gen_cli
+
+    gen_cli.main(
+        [
+            "--model",
+            str(tiny_model),
+            "--prompt",
+            "hello there",
+            "--prompt",
+            "café",
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+            "--json",
+        ]
+    )
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert len(lines) == 2
+    for r in lines:
+        assert len(r["token_ids"]) == 8 and isinstance(r["text"], str)
+        assert r["ttft_ms"] > 0 and r["decode_ms_per_step"] > 0
