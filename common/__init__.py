@@ -1,5 +1,5 @@
 """What pdserve's processes share, in rooms. Imports run only down this list, and
-a room imports only the rooms it names (tests/test_layout.py checks it):
+a room imports only the rooms it names (tests/unit/test_layout.py checks it):
 
     base      environment variables, logging, the role configs, the model's
               spec, a request's parameters and rules              (nothing of ours)

@@ -231,7 +231,7 @@ def _compile_in_child(grammars, grammar: list, max_cpu_s: float) -> dict:
     child for good. The checker runs no thread besides its main one (xgrammar's compiler is
     made with one, the thread pools of OpenBLAS, OpenMP and the tokenizer are off: ONE_THREAD);
     each reply says how many threads there were at the fork, and the frontend logs any fork
-    made with more (tests/test_grammar_check.py holds it to one)."""
+    made with more (tests/cluster/test_grammar_check.py holds it to one)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the compile

@@ -1,6 +1,6 @@
 """docs/configuration.md: its prose, then every process's flags as tables made from
 the config dataclasses' metadata (common/base/flags.py), so the page cannot drift
-from --help. `python -m launch.docs` writes it; tests/test_docs.py checks it is current.
+from --help. `python -m launch.docs` writes it; tests/unit/test_docs.py checks it is current.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ if ! "$PY" -c "import $_test_modules" >/dev/null 2>&1; then
     "$PY" -m pip install -q --disable-pip-version-check -e "$PDSERVE_ROOT[test]"
     _say_installed
 fi
-# AIPerf, the goodput test's client (tests/test_goodput.py), in an environment of its own
+# AIPerf, the goodput test's client (tests/cluster/test_goodput.py), in an environment of its own
 # layered over this one (it sees these packages): its pins (pyzmq, huggingface-hub, pandas)
 # would otherwise replace the versions pdserve runs with. Without a registry the test is skipped.
 _aiperf="$PDSERVE_VENV/tools/aiperf"

@@ -13,5 +13,5 @@ peer_events.py's; the receiver's answers are reservations.py's, its KV landing a
 commits landing.py's. Each side's state is one enum (states.py: Stage, Hold, with the transitions);
 both count the reservation's lease with lease.Lease. Time comes from a clock and messages
 through a link the caller passes in, so both halves run in a test with a fake
-clock and an in-memory link (tests/test_handoff_states.py).
+clock and an in-memory link (tests/unit/test_handoff_states.py).
 """

@@ -1,6 +1,6 @@
 """What launch/start_cluster.sh starts, decided before anything runs: its options, read
 as the launcher's flags; the node list (names, roles, devices, KV ports); the endpoints;
-each process's arguments; and the thread budget. Pure: tests/test_supervisor.py checks
+each process's arguments; and the thread budget. Pure: tests/unit/test_supervisor.py checks
 the decisions without starting a process (launch/cluster/supervisor.py runs the plan).
 """
 

@@ -2,7 +2,7 @@
 (launch/cluster/plan.py says which, with what), says ready once each node is registered,
 restarts a node that dies with backoff, and stops everything in order: the frontend drains
 first. Its decisions (Backoff, the stop order, readiness) are methods a test drives on a fake
-clock with stand-in processes (tests/test_supervisor.py); launch/start_cluster.py runs it.
+clock with stand-in processes (tests/unit/test_supervisor.py); launch/start_cluster.py runs it.
 
 Each process gets a session of its own, so a terminal's Ctrl-C reaches the launcher
 alone and the cluster drains in order; every child also dies with the launcher

@@ -1,4 +1,4 @@
-"""pdserve on Ray (launch/ray_cluster.py, launch/ray_members.py): a Ray cluster over three
+"""pdserve on Ray (launch/ray/cluster.py, launch/ray/members.py): a Ray cluster over three
 simulated hosts (launch/tools/netns.py; `ray start` in each, as Ray documents), and
 `start_cluster.sh --ray` driving it from host a."""
 

@@ -1,4 +1,4 @@
-"""A model shipped to the machines of a Ray cluster (launch/model_copy.py): copies named
+"""A model shipped to the machines of a Ray cluster (launch/ray/model_copy.py): copies named
 by what their files hold, checked as fetched, dot-files left out, older copies pruned
 unless a member holds them. No Ray: the reader is a function here."""
 

@@ -1,4 +1,4 @@
-"""The Ray controller's key handling and scale (launch/ray_members.py, launch/ray_keys.py)
+"""The Ray controller's key handling and scale (launch/ray/members.py, launch/ray/keys.py)
 on fake actors: no Ray cluster runs here (tests/cluster/test_ray.py runs one)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The launcher's decisions, without a process: its options and plan (launch/cluster_plan.py),
-and the supervisor (launch/supervisor.py) on a fake clock with stand-in processes:
+"""The launcher's decisions, without a process: its options and plan (launch/cluster/plan.py),
+and the supervisor (launch/cluster/supervisor.py) on a fake clock with stand-in processes:
 restart backoff, a node that never becomes ready, a node that dies during start-up,
 the frontend's death, and the stop order (drain first, SIGKILL last)."""
 
