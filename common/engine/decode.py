@@ -7,11 +7,11 @@ writes the samples into the next step's input_ids and advances seq_lens, all on
 the device. The host writes into these buffers only when a sequence joins or
 crosses into a new block, through the counted HostToDevice.
 
-A request that asks for log-probabilities, penalties or masks (not is_plain)
-puts the batch on the full path: its rows' state (logits.RowState, made on
-first use) lives on the device too and advances with each step, and the
-reported log-probabilities come back with the tokens. A batch of plain rows
-never touches it (and on CUDA replays a captured graph).
+Each row's sampling state is a part of its own (sampling_rows.py, `self.sampling`):
+a request that asks for log-probabilities, penalties or masks (not is_plain) puts
+the batch on the full path there, and the reported log-probabilities come back
+with the tokens. A batch of plain rows never touches it (and on CUDA replays a
+captured graph).
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ import numpy as np
 import torch
 
 import kernels
-from common.base.grammar import bits_to_mask, num_words
-from common.base.request import MAX_LOGPROBS, SamplingParams, TokenLogprobs
-from common.engine import logits as logit_rules
+from common.base.request import SamplingParams, TokenLogprobs
 from common.engine import qwen3
 from common.engine.block_table import BlockTable
 from common.engine.graphs import GraphRunner
 from common.engine.h2d import HostToDevice
-from common.engine.sampling import sample
+from common.engine.sampling_rows import SamplingRows
 from common.kv.blocks import num_blocks_for
 from common.kv.sequence import grow_blocks
 
@@ -60,7 +58,6 @@ class DecodeBatch:
         eos_ids: tuple[int, ...] = (),
     ):
         self.model = model
-        self.eos_ids = eos_ids
         self.block_size = block_size
         self.max_batch_size = max_batch_size
         self.platform = platform
@@ -83,36 +80,13 @@ class DecodeBatch:
         self.table = BlockTable(n, max_blocks_per_seq, block_size, h2d, pinned)
         self._slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
         self._positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self._temperature = torch.zeros(n, dtype=torch.float32, device=dev)
-        self._top_p = torch.ones(n, dtype=torch.float32, device=dev)
-        self._top_k = torch.full((n,), -1, dtype=torch.int32, device=dev)
-        self._seeds = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.sampling = SamplingRows(n, model.spec.vocab_size, h2d, pinned, eos_ids)
         self._sampled = torch.zeros(n, dtype=torch.int64, device=dev)
         # Two host slots: a step may be collected while the next one is in flight.
         self._sampled_host = torch.zeros(2, n, dtype=torch.int64, pin_memory=pinned)
         # Host mirrors, advanced without reading the device back.
         self.host_seq_lens = np.ones(n, dtype=np.int32)
         self._host_seq_lens_t = torch.from_numpy(self.host_seq_lens)  # the same memory
-        self._host_is_greedy = np.ones(n, dtype=bool)
-        self._host_num_logprobs = np.full(n, -1, dtype=np.int32)
-        self._host_is_processed = np.zeros(n, dtype=bool)  # processed (not raw) log-probabilities
-        self._host_is_processing = np.zeros(n, dtype=bool)  # penalties or masks
-        self._rows: logit_rules.RowState | None = None  # made when a row first needs it
-        self._is_processed = torch.zeros(n, dtype=torch.bool, device=dev)
-        self._logprobs = (
-            torch.zeros(n, dtype=torch.float32, device=dev),
-            torch.zeros(n, MAX_LOGPROBS, dtype=torch.float32, device=dev),
-            torch.zeros(n, MAX_LOGPROBS, dtype=torch.int64, device=dev),
-        )
-        self._logprobs_host = tuple(
-            torch.zeros(2, *t.shape, dtype=t.dtype, pin_memory=pinned) for t in self._logprobs
-        )
-        # Grammar masks: set on the host before each step (the one per-step copy in, and only
-        # for a batch that has a grammar row); -1 (every token) in the rows without one.
-        words = num_words(model.spec.vocab_size)
-        self._host_has_step_mask = np.zeros(n, dtype=bool)
-        self._mask_staging = torch.full((n, words), -1, dtype=torch.int32, pin_memory=pinned)
-        self._masks = torch.full((n, words), -1, dtype=torch.int32, device=dev)
         self._slots: dict[str, int] = {}
         self._keys: list[str] = []
 
@@ -145,18 +119,6 @@ class DecodeBatch:
         """Live sequences in row order: a step's output order."""
         return list(self._keys)
 
-    def _row_buffers(self) -> tuple[torch.Tensor, ...]:
-        return (
-            self._input_ids,
-            self._seq_lens,
-            self._step_inc,
-            self._temperature,
-            self._top_p,
-            self._top_k,
-            self._seeds,
-            self._is_processed,
-        )
-
     @torch.inference_mode()
     def add(
         self,
@@ -188,27 +150,8 @@ class DecodeBatch:
         w(self._seq_lens[row], num_cached + 1)
         w(self._step_inc[row], 1)
         self.table.set_row(row, block_ids)
-        w(self._temperature[row], params.temperature)
-        w(self._top_p[row], params.top_p)
-        w(self._top_k[row], params.top_k)
-        w(self._seeds[row], params.seed)
+        self.sampling.set_row(row, params, history)
         self.host_seq_lens[row] = num_cached + 1
-        self._host_is_greedy[row] = params.is_greedy
-        self._host_num_logprobs[row] = params.num_logprobs
-        self._host_is_processed[row] = params.is_processed_logprobs
-        self._host_is_processing[row] = params.is_processing
-        self._host_has_step_mask[row] = params.is_masked_per_step
-        self._mask_staging[row].fill_(-1)
-        if not params.is_plain:
-            w(self._is_processed[row], params.is_processed_logprobs)
-        if params.is_processing or self._rows is not None:
-            if self._rows is None:
-                self._rows = logit_rules.RowState.empty(
-                    self.max_batch_size, self.model.spec.vocab_size, self._h2d.device
-                )
-            self._rows.set_row(
-                row, params, list(history[0]), list(history[1]), self.eos_ids, self._h2d.tensor
-            )
         self._slots[key] = row
         self._keys.append(key)
 
@@ -219,21 +162,11 @@ class DecodeBatch:
         last = self.num_seqs - 1
         if row != last:
             moved = self._keys[last]
-            for buf in self._row_buffers():
+            for buf in (self._input_ids, self._seq_lens, self._step_inc):
                 buf[row].copy_(buf[last])
             self.table.move_row(row, last)
-            if self._rows is not None:
-                self._rows.copy_row(row, last)
-            for mirror in (
-                self.host_seq_lens,
-                self._host_is_greedy,
-                self._host_num_logprobs,
-                self._host_is_processed,
-                self._host_is_processing,
-                self._host_has_step_mask,
-                self._mask_staging,
-            ):
-                mirror[row] = mirror[last]
+            self.sampling.move_row(row, last)
+            self.host_seq_lens[row] = self.host_seq_lens[last]
             self._keys[row] = moved
             self._slots[moved] = row
         self._keys.pop()
@@ -245,18 +178,13 @@ class DecodeBatch:
         self._seq_lens[row].fill_(1)
         self._step_inc[row].fill_(0)
         self.table.reset_row(row)
-        self._temperature[row].fill_(0.0)
+        self.sampling.reset_row(row)
         self.host_seq_lens[row] = 1
-        self._host_is_greedy[row] = True
-        self._host_num_logprobs[row] = -1
-        self._host_is_processing[row] = False
-        self._host_has_step_mask[row] = False
-        self._mask_staging[row].fill_(-1)
 
     def set_mask(self, key: str, bits: torch.Tensor) -> None:
         """The step mask (grammar, bad words) for the sequence's next token ([W] int32
         words), before the step that makes it."""
-        self._mask_staging[self._slots[key]].copy_(bits)
+        self.sampling.set_mask(self._slots[key], bits)
 
     def keys_needing_block(self) -> list[str]:
         """Live sequences whose next token falls past their last block (from the host mirrors)."""
@@ -299,29 +227,22 @@ class DecodeBatch:
             )
         # Queued behind the running step, from the pinned slot a step two launches back used.
         self.table.flush(self.num_steps % 2)
-        is_greedy = bool(self._host_is_greedy[:n].all())
-        ks = self._host_num_logprobs[:n]
-        is_plain = not (ks >= 0).any() and not self._host_is_processing[:n].any()
+        plan = self.sampling.plan(n)
         p = self.platform
         t0 = time.perf_counter()
         ticket = DecodeTicket(self._keys[:n], self.num_steps % 2, start=p.event(timing=True))
-        if is_plain and self.graphs.is_graphed:
-            self.graphs.replay(n, is_greedy)
+        if plan.is_plain and self.graphs.is_graphed:
+            self.graphs.replay(n, plan.is_greedy)
         else:
-            if self._host_has_step_mask[:n].any():
-                self._h2d.write(self._masks[:n], self._mask_staging[:n])
+            self.sampling.upload_masks(n)
             width = num_blocks_for(int(self.host_seq_lens[:n].max()), self.block_size)
             if self.cores is None:
-                self._run(n, width, is_greedy, None if is_plain else int(ks.max()))
+                self._run(n, width, plan.is_greedy, plan.num_logprobs)
             else:
                 self.cores.begin(self.step_threads)
                 try:
                     self._run(
-                        n,
-                        width,
-                        is_greedy,
-                        None if is_plain else int(ks.max()),
-                        self.cores.between_layers,
+                        n, width, plan.is_greedy, plan.num_logprobs, self.cores.between_layers
                     )
                 finally:
                     self.cores.end()
@@ -329,10 +250,9 @@ class DecodeBatch:
         if ticket.end is None:  # no events (CPU): the step ran here, in this call
             self.device_busy_s += time.perf_counter() - t0
         self._sampled_host[ticket.slot, :n].copy_(self._sampled[:n], non_blocking=True)
-        if (ks >= 0).any():
-            ticket.num_logprobs = ks.tolist()
-            for dev, host in zip(self._logprobs, self._logprobs_host):
-                host[ticket.slot, :n].copy_(dev[:n], non_blocking=True)
+        if plan.row_num_logprobs is not None:
+            ticket.num_logprobs = plan.row_num_logprobs
+            self.sampling.queue_logprobs(ticket.slot, n)
         ticket.copied = p.event()
         self.host_seq_lens[:n] += 1
         self.num_steps += 1
@@ -356,8 +276,7 @@ class DecodeBatch:
             self._last_end = ticket.end
         n = len(ticket.keys)
         if ticket.num_logprobs is not None:
-            chosen, top, ids = (h[ticket.slot, :n].tolist() for h in self._logprobs_host)
-            ticket.logprobs = logit_rules.to_host(chosen, top, ids, ticket.num_logprobs)
+            ticket.logprobs = self.sampling.read_logprobs(ticket.slot, ticket.num_logprobs)
         return self._sampled_host[ticket.slot, :n].tolist()
 
     def step(self) -> list[int]:
@@ -406,37 +325,6 @@ class DecodeBatch:
             between_layers,
         )
         logits = qwen3.compute_logits(m.weights, hidden)
-        if num_logprobs is not None:
-            rows = self._rows.rows(n) if self._rows is not None else None
-            allowed = (
-                bits_to_mask(self._masks[:n], logits.shape[-1])
-                if self._host_has_step_mask[:n].any()
-                else None
-            )
-            sampled = logit_rules.choose(
-                logits,
-                rows,
-                self._temperature[:n],
-                self._top_p[:n],
-                self._top_k[:n],
-                self._seeds[:n],
-                seq_lens.long(),
-                num_logprobs,
-                self._is_processed[:n],
-                [t[:n] for t in self._logprobs],
-                is_greedy,
-                allowed,
-            )
-        elif is_greedy:
-            sampled = logits.argmax(dim=-1)
-        else:
-            sampled = sample(
-                logits,
-                self._temperature[:n],
-                self._top_p[:n],
-                self._top_k[:n],
-                self._seeds[:n],
-                seq_lens.long(),
-            )
+        sampled = self.sampling.choose(logits, seq_lens, is_greedy, num_logprobs)
         self._sampled[:n].copy_(sampled)
         kernels.advance_step(self._input_ids[:n], sampled, seq_lens, self._step_inc[:n])
