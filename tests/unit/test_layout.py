@@ -231,15 +231,9 @@ def test_no_source_file_is_too_long_to_read_in_one_sitting():
     assert not long, f"over {MAX_LINES} lines:\n" + "\n".join(long)
 
 
-MAX_README_LINES = 300  # the page a newcomer reads first; the rest is in docs/
 MAX_LAUNCH_MODULES = 8  # launch/'s flat modules: more go into a package of their own
 MAX_LINE_LEN = 100  # ruff's line-length (pyproject.toml)
 MAX_LONG_LINE_SHARE = 0.01  # lines ruff cannot wrap (long strings, URLs): a few, not a habit
-
-
-def test_the_readme_is_one_sitting():
-    n = len((ROOT / "README.md").read_text().splitlines())
-    assert n <= MAX_README_LINES, f"README.md: {n} lines, over {MAX_README_LINES}"
 
 
 def test_launch_holds_few_modules_flat():

@@ -63,3 +63,30 @@ def test_a_stand_in_device_serves_with_transformers_tokens(standin, tiny_model):
 def test_an_unknown_device_type_names_the_ones_there_are():
     with pytest.raises(ValueError, match="cpu, cuda, npu"):
         platform.check_device("tpu:0")
+
+
+def test_a_device_that_leaves_out_what_a_device_must_define_is_refused():
+    """A new device declares and defines everything itself: nothing is inherited from
+    another device, so a half-written one fails at once, naming what it lacks."""
+    from common.engine.platform_base import Platform
+
+    with pytest.raises(TypeError, match="does not declare .*is_pinned"):
+
+        class Undeclared(Platform):  # noqa: F841 (the class statement is what fails)
+            type = "half"
+            kernels = kernels_off = nixl_memory = None
+            is_host = True
+            default_dtype = torch.float32
+            can_capture_graphs = False
+
+    class Declared(Platform):
+        type = "half"
+        kernels = kernels_off = nixl_memory = None
+        is_host = is_pinned = True
+        default_dtype = torch.float32
+        can_capture_graphs = False
+
+    with pytest.raises(TypeError, match="abstract"):
+        Declared(torch.device("cpu"))
+    assert not issubclass(platform.CudaPlatform, platform.CpuPlatform)
+    assert not issubclass(platform.NpuPlatform, platform.CpuPlatform)
