@@ -18,6 +18,13 @@ from common.kv.sequence import Sequence, blocks_to_join, finish_reason, num_bloc
 from common.wire.protocol import TokenUpdate, ttft_parts
 
 log = get_logger("decode")
+
+
+class GrammarEnded(ValueError):
+    """A joining sequence's grammar cannot go on from its tokens: the request fails, alone.
+    NOTE: any other error in a join is the node's own fault and is not caught as this."""
+
+
 noisy = Throttle(log)
 
 
@@ -42,7 +49,7 @@ class Batch:
     ) -> TokenUpdate:
         """A newly admitted sequence takes its first token (sampled by the prefill node) and
         joins the batch, unless that token ends it; its first update. compiled: its grammar,
-        compiled (Compiles.take). ValueError: its grammar cannot go on from its tokens (the
+        compiled (Compiles.take). GrammarEnded: its grammar cannot go on from its tokens (the
         sequence has ended here)."""
         rid = seq.request_id
         seq.output_ids.append(token)
@@ -56,9 +63,9 @@ class Batch:
                     self.compiles.grammars,
                     compiled,
                 )
-            except ValueError:
+            except ValueError as e:
                 self.finish(rid, in_batch=False, count=False)
-                raise
+                raise GrammarEnded(str(e)) from e
         reason = finish_reason(
             seq, token, self.worker.spec.eos_token_ids, self.worker.max_model_len
         )

@@ -42,7 +42,7 @@ from common.wire.protocol import (
     TokenBatch,
     TokenUpdate,
 )
-from decode_node.batch import Batch
+from decode_node.batch import Batch, GrammarEnded
 from decode_node.grammar_wait import GrammarWait
 from decode_node.local import LocalPrefill
 from decode_node.preemption import Preemption
@@ -325,7 +325,7 @@ class DecodeNode:
         if its grammar cannot go on from its tokens (the request fails)."""
         try:
             return self.batch.join(seq, token, logprobs, timings, compiled)
-        except ValueError as e:
+        except GrammarEnded as e:
             self.runtime.send(RequestFailed(seq.request_id, str(e)))
             return None
 

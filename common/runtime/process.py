@@ -134,7 +134,8 @@ def worker_config(a: argparse.Namespace, is_host_device: bool) -> WorkerConfig:
 
 def run_node(prog: str, build, stop: threading.Event) -> int:
     """Build a node and run it; a bad option or an unusable device, model or port ends
-    the process with one line on stderr (exit 2 for options, 1 for the rest)."""
+    the process with one line on stderr (exit 2 for options, a model or KV budget the
+    worker refuses as it loads included; 1 for the rest)."""
     try:
         node = build()
     except ValueError as e:

@@ -4,10 +4,11 @@ carries."""
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from common.base.log import get_logger
+from common.base.log import Throttle, get_logger
 from common.transfer.backend import LocalCache, parse
 from common.transfer.copy import TransferError
 from common.wire.limits import Name
@@ -35,6 +36,9 @@ class NixlReceiver:
         self._expected: dict[str, tuple[bytes, str]] = {}  # request -> (KV-link peer, its agent)
         self._landed: set[str] = set()
         self._early: OrderedDict[tuple[str, str], None] = OrderedDict()  # (agent, request) notified
+        # NOTE: progress() runs every turn of the decode node's loop: a broken agent must not
+        # become a log line per turn.
+        self._warnings = Throttle(log)
 
     def describe(self) -> dict:
         return {
@@ -57,7 +61,7 @@ class NixlReceiver:
         try:
             notifs = self.agent.get_new_notifs()  # also moves UCX's connections and receives along
         except Exception as e:
-            log.warning("reading NIXL notifications: %s", e)
+            self._warnings.log(logging.WARNING, "reading NIXL notifications: %s", e)
             notifs = {}
         for agent, messages in notifs.items():
             for m in messages:

@@ -328,3 +328,32 @@ def test_a_decode_node_admits_past_a_grammar_still_compiling():
     finally:
         gate.set()
         node.compiles.close()
+
+
+def test_only_a_grammar_that_cannot_go_on_fails_a_join_alone():
+    """Defect: the decode node caught every ValueError of a sequence's join as its grammar's,
+    so the batch's own refusal (a row for an id already decoding) was sent to the client as
+    a failure while the sequence stayed running, holding its blocks, with no row: a drain
+    then waited out its timeout. Only the grammar's end is the request's; the rest is the
+    node's fault and is not swallowed."""
+    import pytest
+
+    from common.kv.sequence import Sequence
+    from decode_node.batch import Batch
+
+    class Refusing:
+        def add(self, *args):
+            raise ValueError("sequence 'r' is already decoding")
+
+    spec = SimpleNamespace(vocab_size=100, eos_token_ids=(0,))
+    worker = SimpleNamespace(spec=spec, max_model_len=64, block_size=4, decode=Refusing())
+    sched = DecodeScheduler(BlockAllocator(32), 4, 8)
+    block_ids, num_reserved = sched.take_blocks(5, 10)
+    seq = Sequence("r", 5, SamplingParams(max_tokens=10), block_ids, num_reserved, [1] * 5)
+    sent = []
+    node = object.__new__(DecodeNode)
+    node.batch = Batch(worker, sched, SimpleNamespace(grammars={}), Recent(10))
+    node.runtime = SimpleNamespace(send=sent.append)
+    with pytest.raises(ValueError, match="already decoding"):
+        node._join(sched.admit(seq), 7, None, {})
+    assert sent == []
