@@ -14,6 +14,7 @@ __all__ = [
     "compute_slot_mapping",
     "decode_attention",
     "linear",
+    "pack_linear_weight",
     "prefill_attention",
     "qk_norm_rope",
     "qk_norm_rope_write_kv",
@@ -58,6 +59,12 @@ def prefill_attention(
 
 def linear(x, weight, bias=None):
     return backend_for(x).linear(x, weight, bias)
+
+
+def pack_linear_weight(weight):
+    """Once, at load: a linear weight [N, K] laid out as its device's linear() reads it
+    fastest (the same tensor where nothing is faster)."""
+    return backend_for(weight).pack_linear_weight(weight)
 
 
 def silu_mul(gate_up):

@@ -23,6 +23,7 @@ _OPS = (
     "prefill_attention",
     "decode_attention",
     "linear",
+    "pack_linear_weight",
     "silu_mul",
     "qk_norm_rope_write_kv",
     "compute_slot_mapping",

@@ -164,11 +164,21 @@ def decode_attention(
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N], in x's dtype (the activations'), with
-    the weight in its own (a CPU keeps bf16 weights under fp32 activations)."""
+    the weight in its own (a CPU keeps bf16 weights under fp32 activations). A weight packed
+    for oneDNN (pack_linear_weight of a CPU backend) runs through oneDNN's own linear."""
+    if weight.is_mkldnn:
+        bias = None if bias is None else bias.to(weight.dtype)
+        out = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, "none", [], "")
+        return out.to(x.dtype)
     if x.dtype == weight.dtype:
         return F.linear(x, weight, bias)
     out = F.linear(x.to(weight.dtype), weight, bias)
     return out.to(x.dtype)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight as linear() reads it fastest; here, as it is."""
+    return weight
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
