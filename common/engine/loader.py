@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-import kernels
 from common.base.log import get_logger
 from common.base.model_spec import ModelSpec
 from common.engine.qwen3 import LayerWeights, Qwen3Weights
@@ -55,10 +54,6 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, device, dtype) -> Qwen3
             raise KeyError(f"checkpoint {model_dir} has no tensor {name!r}")
         return raw.pop(name).to(device=device, dtype=dtype)
 
-    # The matmuls' weights laid out once as their device's linear reads them fastest (a CPU
-    # with bf16 matrix units: oneDNN's layout). NOTE: a tied lm_head stays the embedding
-    # table itself: packing it would keep a second copy of the largest weight.
-    pack = kernels.pack_linear_weight
     layers = []
     for i in range(spec.num_layers):
         p = f"layers.{i}."
@@ -74,21 +69,21 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, device, dtype) -> Qwen3
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=pack(qkv),
+                qkv=qkv,
                 qkv_bias=bias,
                 q_norm=take(a + "q_norm.weight"),
                 k_norm=take(a + "k_norm.weight"),
-                o_proj=pack(take(a + "o_proj.weight")),
+                o_proj=take(a + "o_proj.weight"),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=pack(
-                    torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                gate_up=torch.cat(
+                    [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
                 ),
-                down=pack(take(p + "mlp.down_proj.weight")),
+                down=take(p + "mlp.down_proj.weight"),
             )
         )
     embed = take("embed_tokens.weight")
     if "lm_head.weight" in raw and not spec.is_tied_embeddings:
-        lm_head = pack(take("lm_head.weight"))
+        lm_head = take("lm_head.weight")
     else:
         raw.pop("lm_head.weight", None)
         lm_head = embed

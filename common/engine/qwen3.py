@@ -44,8 +44,8 @@ class Qwen3Weights:
 
     def num_bytes(self) -> int:
         seen: dict[int, int] = {}
-        for t in self.tensors():
-            seen[t.data_ptr()] = t.numel() * t.element_size()
+        for t in self.tensors():  # NOTE: by object, not data_ptr: a packed weight has none
+            seen[id(t)] = t.numel() * t.element_size()
         return sum(seen.values())
 
 
@@ -197,3 +197,15 @@ def set_activation_dtype(w: Qwen3Weights, dtype: torch.dtype) -> None:
             if getattr(layer, name) is not None:
                 setattr(layer, name, getattr(layer, name).to(dtype))
     w.norm = w.norm.to(dtype)
+
+
+def pack_matmul_weights(w: Qwen3Weights) -> None:
+    """The matmuls' weights laid out once as their device's linear reads them fastest (a CPU
+    with bf16 matrix units: oneDNN's layout; elsewhere as they are). NOTE: a tied lm_head
+    stays the embedding table itself: packing it would keep a second copy of the largest
+    weight."""
+    for layer in w.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            setattr(layer, name, kernels.pack_linear_weight(getattr(layer, name)))
+    if w.lm_head is not w.embed:
+        w.lm_head = kernels.pack_linear_weight(w.lm_head)

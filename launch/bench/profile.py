@@ -43,10 +43,12 @@ def main(argv=None) -> None:
         "--kv-cache-memory", default=None, help="default: 8GiB on accelerators, 1GiB on cpu"
     )
     p.add_argument("--top", type=int, default=15, help="kernels listed")
+    p.add_argument(
+        "--dtype", default=None, help="default: bfloat16 on accelerators, float32 on cpu"
+    )
     a = p.parse_args(argv)
     if a.model is None and a.shape is None:
         a.shape = "qwen3-0.6b"
-    a.dtype = None  # the worker default for the device
     spec, _ = resolve(a)
     a.prompt_len = fit_len(
         a.prompt_len, 1024, spec.max_position_embeddings - a.decode_steps - 16, "--prompt-len"
@@ -59,6 +61,7 @@ def main(argv=None) -> None:
         max_batch_size=a.batch,
         max_model_len=a.prompt_len + a.decode_steps + 16,
         kv_cache_memory=parse_bytes(memory),
+        **({"dtype": a.dtype} if a.dtype else {}),
     )
     # On CPU the profile is of host time; elsewhere of device kernels.
     is_cpu = a.device == "cpu"
