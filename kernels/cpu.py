@@ -33,10 +33,7 @@ LINEAR_WIDEN_ROWS = 96
 LINEAR_COLUMNS = 8  # the C kernel's column tile: threads split N in these
 MIN_COLUMNS_PER_THREAD = 256
 # NOTE: where oneDNN has bf16 (AVX512-BF16, AMX), torch's own bf16 matmul is the fast one.
-PACK_BATCH_HINT = 16  # oneDNN's layout hint for a packed linear weight (any batch runs)
-IS_BF16_NATIVE = (
-    torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-)
+IS_BF16_NATIVE = portable.IS_BF16_NATIVE
 
 
 _FNS, _PREFILL, _ELEMENTWISE, HAS_OPENMP = load(options.current[0].build_dir)
@@ -351,30 +348,23 @@ def silu_mul(gate_up):
     return out
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight on a CPU with bf16 matrix instructions (AVX512-BF16, AMX), laid out once
-    for oneDNN: its linear then streams the weight at the memory's rate instead of laying it
-    out again on every call (1.35-1.9x at 1-64 rows, even from 1,024; Qwen3-0.6B's shapes,
-    launch/bench/linear.py). Elsewhere the weight as it is: the C kernel reads it in place."""
-    if not (IS_BF16_NATIVE and weight.dtype == torch.bfloat16 and weight.dim() == 2):
-        return weight
-    # NOTE: the batch hint only tunes the layout; measured even from 1 to 1,024 rows.
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
-
-
 def linear(x, weight, bias=None):
     """As portable.linear. A bf16 weight under fp32 activations, on a CPU without bf16
     matrix instructions: for a small batch the C kernel reads the weight once, in place,
     widening it in registers; a large batch widens it whole and multiplies at the fp32 rate
     (the widened copy is the batch's scratch, not kept: memory stays at the checkpoint's)."""
-    if IS_BF16_NATIVE or not (
-        weight.dtype == torch.bfloat16
-        and x.dtype == torch.float32
-        and x.dim() == 2
-        and x.stride(-1) == 1
-        and weight.is_contiguous()
-        and x.device.type == "cpu"
-        and weight.device.type == "cpu"
+    if (
+        IS_BF16_NATIVE
+        or weight.is_mkldnn
+        or not (
+            weight.dtype == torch.bfloat16
+            and x.dtype == torch.float32
+            and x.dim() == 2
+            and x.stride(-1) == 1
+            and weight.is_contiguous()
+            and x.device.type == "cpu"
+            and weight.device.type == "cpu"
+        )
     ):
         return portable.linear(x, weight, bias)
     num_rows, size = x.shape

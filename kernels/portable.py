@@ -10,6 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Whether torch's oneDNN multiplies bf16 natively on this CPU (AVX512-BF16, AMX; NOTE: it may
+# also say so for plain AVX-512, where it is no faster, and no slower, than torch's own).
+IS_BF16_NATIVE = (
+    torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+)
+PACK_BATCH_HINT = 16  # oneDNN's layout hint for a packed linear weight (any batch runs)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D] -> [..., D]; statistics in fp32, scale in the input dtype."""
@@ -172,13 +179,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return out.to(x.dtype)
     if x.dtype == weight.dtype:
         return F.linear(x, weight, bias)
+    bias = None if bias is None else bias.to(weight.dtype)  # held in x's dtype (qwen3.py)
     out = F.linear(x.to(weight.dtype), weight, bias)
     return out.to(x.dtype)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as linear() reads it fastest; here, as it is."""
-    return weight
+    """The weight as linear() reads it fastest. A bf16 weight on a CPU whose oneDNN has bf16
+    (IS_BF16_NATIVE) is laid out once for oneDNN: its linear then streams the weight instead
+    of laying it out again on every call (1.3-1.6x at 1-64 rows at Qwen3-0.6B's shapes, even
+    from 1,024: pdserve bench linear). Any other weight as it is (NOTE: this is also the
+    fallback of backends that define none, so it looks at the device)."""
+    if not (
+        IS_BF16_NATIVE
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+    ):
+        return weight
+    # NOTE: the batch hint only tunes the layout; measured even from 1 to 1,024 rows.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -12,23 +12,12 @@ over the causal pairs) at the measured fp32 matmul rate of this host.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from common.runtime.process import HelpFormat
-from launch.bench.common import emit, measure_floors
+from launch.bench.common import best_ms, emit, measure_floors
 from launch.bench.table import cell, show, table
-
-
-def _time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,17 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         tables = torch.arange(1, num_blocks + 1, dtype=torch.int32)[None]
         args = (q, k, v, tables, [n], [a.context_len], a.head_dim**-0.5)
         c_ms = (
-            _time(lambda: cpu.prefill_attention(*args), a.repeats)
+            best_ms(lambda: cpu.prefill_attention(*args), a.repeats)
             if n < cpu.TORCH_MIN_QUERY_LEN
             else None
         )
         if c_ms is None:  # NOTE: the C kernel for this chunk too, only while it is timed
             limit, cpu.TORCH_MIN_QUERY_LEN = cpu.TORCH_MIN_QUERY_LEN, 1 << 30
             try:
-                c_ms = _time(lambda: cpu.prefill_attention(*args), a.repeats)
+                c_ms = best_ms(lambda: cpu.prefill_attention(*args), a.repeats)
             finally:
                 cpu.TORCH_MIN_QUERY_LEN = limit
-        torch_ms = _time(lambda: portable.prefill_attention(*args), a.repeats)
+        torch_ms = best_ms(lambda: portable.prefill_attention(*args), a.repeats)
         pairs = n * a.context_len + n * (n + 1) / 2
         flops = 4 * pairs * a.heads * a.head_dim
         record = {

@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -170,3 +171,14 @@ def hf_model(spec: ModelSpec, device: str, dtype: torch.dtype):
 
 def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
+
+
+def best_ms(fn, repeats: int) -> float:
+    """The best of `repeats` timed calls of fn, in ms (one untimed call first)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3

@@ -1,5 +1,5 @@
 """CPU linear layers in bf16 at a model's matmul shapes: the weight laid out once for oneDNN
-(what kernels/cpu.py's pack_linear_weight does at load where the CPU has bf16 matrix units)
+(what kernels/portable.py's pack_linear_weight does at load where the CPU has bf16 matrix units)
 against torch's own bf16 linear on the checkpoint's layout, on --threads threads.
 
     pdserve bench linear [--shape qwen3-0.6b] [--rows 1,8,64,1024] [--threads 2]
@@ -12,29 +12,18 @@ this host's measured memory bandwidth and the FLOPs over its measured bf16 matmu
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from common.base.model_spec import preset_spec
 from common.runtime.process import HelpFormat
-from launch.bench.common import emit, measure_floors
+from launch.bench.common import best_ms, emit, measure_floors
 from launch.bench.table import cell, show, table
 
 
-def _time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
-
-
 def main(argv: list[str] | None = None) -> int:
-    from kernels import cpu
+    from kernels import portable
 
     p = argparse.ArgumentParser(
         "pdserve bench linear", description=__doc__, formatter_class=HelpFormat
@@ -51,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per side; the best counts")
     a = p.parse_args(argv)
-    if not cpu.IS_BF16_NATIVE:
+    if not portable.IS_BF16_NATIVE:
         print("this CPU has no bf16 matrix units (AVX512-BF16, AMX): nothing is packed here")
         return 2
     torch.set_num_threads(a.threads)
@@ -71,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, (n, k) in layers.items():
             w = torch.randn(n, k, generator=g).bfloat16()
             x = torch.randn(num_rows, k, generator=g)  # fp32 activations, as a CPU node's
-            packed = cpu.pack_linear_weight(w)
-            packed_ms = _time(lambda: cpu.linear(x, packed), a.repeats)
-            torch_ms = _time(lambda: F.linear(x.bfloat16(), w).float(), a.repeats)
+            packed = portable.pack_linear_weight(w)
+            packed_ms = best_ms(lambda: portable.linear(x, packed), a.repeats)
+            torch_ms = best_ms(lambda: F.linear(x.bfloat16(), w).float(), a.repeats)
             floor_ms = max(w.numel() * 2 / bandwidth, 2 * num_rows * n * k / rate) * 1e3
             record = {
                 "bench": "linear",

@@ -328,8 +328,9 @@ def test_cpu_bf16_logits_as_accurate_as_transformers_bf16(make_model, weight_std
             and worker.weights.layers[0].qkv.dtype == torch.bfloat16
         )
         # Where the CPU has bf16 matrix units the weights are laid out for oneDNN once, at
-        # load, and these logits come through that path; elsewhere through the C kernel.
-        assert worker.weights.layers[0].qkv.is_mkldnn == (cpu is not None and cpu.IS_BF16_NATIVE)
+        # load (C kernels or not), and these logits come through that path; elsewhere
+        # through the C kernel.
+        assert worker.weights.layers[0].qkv.is_mkldnn == portable.IS_BF16_NATIVE
         alloc = BlockAllocator(worker.num_kv_blocks)
         chunks = [
             PrefillChunk(p, 0, alloc.allocate(num_blocks_for(len(p), 16)), SamplingParams())

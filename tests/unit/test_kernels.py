@@ -124,3 +124,23 @@ def test_slot_mapping_and_step_advance():
     inc = torch.tensor([1, 0], dtype=torch.int32)
     portable.advance_step(ids, torch.tensor([8, 9]), seq_lens, inc)
     assert ids.tolist() == [8, 9] and seq_lens.tolist() == [7, 1]
+
+
+@pytest.mark.parametrize("is_packed", [False, True])
+def test_a_bf16_linear_under_fp32_activations_takes_an_fp32_bias(is_packed):
+    """Defect: a host keeps a bias in the activations' fp32 (qwen3.set_activation_dtype), and
+    the portable bf16 linear handed it to torch beside the bf16 weight, which refuses mixed
+    dtypes: a bf16 model with attention bias could not run where no faster linear served.
+    Packed (oneDNN's layout, where the CPU has bf16 units) or not, it runs and matches."""
+    from kernels import portable
+
+    if is_packed and not portable.IS_BF16_NATIVE:
+        pytest.skip("this CPU's oneDNN has no bf16: nothing is packed here")
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 32, generator=g).bfloat16()
+    x, bias = torch.randn(5, 32, generator=g), torch.randn(48, generator=g)
+    w = portable.pack_linear_weight(weight) if is_packed else weight
+    assert w.is_mkldnn == is_packed
+    out = portable.linear(x, w, bias)
+    ref = x.double() @ weight.double().T + bias.double()
+    assert out.dtype == torch.float32 and torch.allclose(out.double(), ref, rtol=0.05, atol=0.1)
