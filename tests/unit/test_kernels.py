@@ -132,8 +132,6 @@ def test_a_bf16_linear_under_fp32_activations_takes_an_fp32_bias(is_packed):
     the portable bf16 linear handed it to torch beside the bf16 weight, which refuses mixed
     dtypes: a bf16 model with attention bias could not run where no faster linear served.
     Packed (oneDNN's layout, where the CPU has bf16 units) or not, it runs and matches."""
-    from kernels import portable
-
     if is_packed and not portable.IS_BF16_NATIVE:
         pytest.skip("this CPU's oneDNN has no bf16: nothing is packed here")
     g = torch.Generator().manual_seed(0)
