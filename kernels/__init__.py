@@ -5,7 +5,7 @@ backend loads."""
 
 from __future__ import annotations
 
-from kernels.backends import backend_for
+from kernels.backends import backend_for, describe
 from kernels.portable import rotary_cos_sin  # table set-up, not a hot op: the portable one
 
 __all__ = [
@@ -13,6 +13,8 @@ __all__ = [
     "advance_step",
     "compute_slot_mapping",
     "decode_attention",
+    "describe",
+    "embedding",
     "linear",
     "pack_linear_weight",
     "prefill_attention",
@@ -61,10 +63,15 @@ def linear(x, weight, bias=None):
     return backend_for(x).linear(x, weight, bias)
 
 
-def pack_linear_weight(weight):
+def pack_linear_weight(weight, is_embedding=False):
     """Once, at load: a linear weight [N, K] laid out as its device's linear() reads it
-    fastest (the same tensor where nothing is faster)."""
-    return backend_for(weight).pack_linear_weight(weight)
+    fastest (the same tensor where nothing is faster); is_embedding: a layout its
+    embedding() also reads, or the weight as it is."""
+    return backend_for(weight).pack_linear_weight(weight, is_embedding)
+
+
+def embedding(ids, table):
+    return backend_for(table).embedding(ids, table)
 
 
 def silu_mul(gate_up):

@@ -24,6 +24,7 @@ _OPS = (
     "decode_attention",
     "linear",
     "pack_linear_weight",
+    "embedding",
     "silu_mul",
     "qk_norm_rope_write_kv",
     "compute_slot_mapping",
@@ -57,6 +58,15 @@ def _backend_for_type(device_type: str):
     except ImportError as e:
         log.warning("fast %s kernels unavailable (%s): the portable ones serve", device_type, e)
         return portable
+
+
+def describe(device_type: str) -> str:
+    """What serves this device type's ops, in words (a node's ready line)."""
+    if _backend_for_type(device_type) is portable:
+        return "portable (torch)"
+    name = dict(options.current[0].fast)[device_type]
+    module = importlib.import_module(name)  # loaded already: the backend above is built on it
+    return module.describe() if hasattr(module, "describe") else name
 
 
 def backend_for(t: torch.Tensor):

@@ -1,6 +1,6 @@
 """CPU ops beyond the portable ones, in C: paged decode and prefill attention, and fp32
 norms, rotary embedding and the gated activation in one pass each (cpu_attention.c);
-matmuls with bf16 weights on a CPU without bf16 matrix instructions (cpu_linear.c).
+matmuls with bf16 weights (kernels/cpu_linear.py).
 
 The C files are built and loaded by kernels/cpu_build.py; importing this module raises
 ImportError (and kernels/backends.py keeps the portable op) where they cannot be built.
@@ -11,14 +11,14 @@ attention, which torch's fused kernel computes faster over its gathered KV.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
 
 from kernels import options, portable
 from kernels.cpu_build import load
+from kernels.cpu_linear import describe, embedding, linear, pack_linear_weight  # noqa: F401
+from kernels.cpu_threads import run_split
 
 MIN_ROWS_PER_THREAD = 8
 PREFILL_HEAD_DIM_MULTIPLE = 16  # the prefill kernel's register tile (DB in the C file)
@@ -27,23 +27,8 @@ PREFILL_HEAD_DIM_MULTIPLE = 16  # the prefill kernel's register tile (DB in the 
 # 2,048 (one thread, AVX2; launch/bench/attention.py); below it the C kernel, which takes many
 # short chunks in one call.
 TORCH_MIN_QUERY_LEN = 256
-# From this many rows of x, a bf16 weight is widened whole and the matmul runs at the fp32
-# rate; below it, the C kernel streams the weight once (measured crossover on AVX2: 64-128).
-LINEAR_WIDEN_ROWS = 96
-LINEAR_COLUMNS = 8  # the C kernel's column tile: threads split N in these
-MIN_COLUMNS_PER_THREAD = 256
-# NOTE: where oneDNN has bf16 (AVX512-BF16, AMX), torch's own bf16 matmul is the fast one.
-IS_BF16_NATIVE = portable.IS_BF16_NATIVE
-
-
-_FNS, _PREFILL, _ELEMENTWISE, HAS_OPENMP = load(options.current[0].build_dir)
-_POOL: list[ThreadPoolExecutor] = []  # made on first use by a process given several threads
-
-
-def _pool(num_threads: int) -> ThreadPoolExecutor:
-    if not _POOL or _POOL[0]._max_workers != num_threads:
-        _POOL[:] = [ThreadPoolExecutor(num_threads, thread_name_prefix="attention")]
-    return _POOL[0]
+_LIB = load(options.current[0].build_dir)
+_FNS, _PREFILL, _ELEMENTWISE = _LIB.decode, _LIB.prefill, _LIB.elementwise
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_seq_lens=None):
@@ -59,7 +44,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_se
     lens = seq_lens.to(torch.int32).contiguous()
     row = num_heads * head_dim
 
-    def run(b0: int, b1: int) -> int:
+    def run(b0: int, b1: int, num_threads: int = 1) -> int:
         return fn(
             qf.data_ptr() + 4 * b0 * row,
             k_cache.data_ptr(),
@@ -76,32 +61,19 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_se
             k_cache.stride(0),
             k_cache.stride(1),
             scale,
+            num_threads,
         )
 
-    _run_split(run, num_seqs, num_seqs // MIN_ROWS_PER_THREAD)
+    if _LIB.has_openmp:  # the kernel deals (sequence, KV head) items out to its threads
+        run(0, num_seqs, torch.get_num_threads())
+    else:
+        run_split(run, num_seqs, num_seqs // MIN_ROWS_PER_THREAD)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def _int32_rows(block_tables: torch.Tensor) -> torch.Tensor:
     tables = block_tables.to(torch.int32)
     return tables if tables.stride(-1) == 1 else tables.contiguous()
-
-
-def _run_split(run, num_items: int, max_parts: int) -> None:
-    """run(i0, i1) over [0, num_items), in up to max_parts slices on the torch threads.
-    NOTE: ctypes drops the GIL for the call, so the slices run in parallel."""
-    num_parts = min(torch.get_num_threads(), max_parts)
-    if num_parts > 1:
-        bounds = [num_items * i // num_parts for i in range(num_parts + 1)]
-        rest = [
-            _pool(num_parts - 1).submit(run, i0, i1) for i0, i1 in zip(bounds[1:-1], bounds[2:])
-        ]
-        codes = [run(bounds[0], bounds[1])]  # the calling thread takes the first slice
-        codes += [f.result() for f in rest]
-    else:
-        codes = [run(0, num_items)]
-    if any(codes):
-        raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
 
 
 def _is_cache_ok(k_cache, v_cache) -> bool:
@@ -180,7 +152,7 @@ def prefill_attention(
         )
 
     num_items = meta.shape[1] * num_kv_heads
-    _run_split(run, num_items, num_items)
+    run_split(run, num_items, num_items)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
@@ -346,52 +318,3 @@ def silu_mul(gate_up):
         gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], size
     )
     return out
-
-
-def linear(x, weight, bias=None):
-    """As portable.linear. A bf16 weight under fp32 activations, on a CPU without bf16
-    matrix instructions: for a small batch the C kernel reads the weight once, in place,
-    widening it in registers; a large batch widens it whole and multiplies at the fp32 rate
-    (the widened copy is the batch's scratch, not kept: memory stays at the checkpoint's)."""
-    if (
-        IS_BF16_NATIVE
-        or weight.is_mkldnn
-        or not (
-            weight.dtype == torch.bfloat16
-            and x.dtype == torch.float32
-            and x.dim() == 2
-            and x.stride(-1) == 1
-            and weight.is_contiguous()
-            and x.device.type == "cpu"
-            and weight.device.type == "cpu"
-        )
-    ):
-        return portable.linear(x, weight, bias)
-    num_rows, size = x.shape
-    if num_rows >= LINEAR_WIDEN_ROWS:
-        return F.linear(x, weight.float(), None if bias is None else bias.float())
-    num_columns = weight.shape[0]
-    out = torch.empty((num_rows, num_columns), dtype=torch.float32)
-
-    def run(u0: int, u1: int, num_threads: int = 1) -> int:
-        _ELEMENTWISE["linear_bf16"](
-            x.data_ptr(),
-            x.stride(0),
-            weight.data_ptr(),
-            size,
-            out.data_ptr(),
-            num_columns,
-            num_rows,
-            u0 * LINEAR_COLUMNS,
-            min(u1 * LINEAR_COLUMNS, num_columns),
-            num_threads,
-        )
-        return 0
-
-    num_units = -(-num_columns // LINEAR_COLUMNS)
-    max_threads = max(num_columns // MIN_COLUMNS_PER_THREAD, 1)
-    if HAS_OPENMP:
-        run(0, num_units, min(torch.get_num_threads(), max_threads))
-    else:
-        _run_split(run, num_units, max_threads)
-    return out if bias is None else out.add_(bias)

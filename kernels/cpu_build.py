@@ -1,4 +1,4 @@
-"""The CPU kernels' C library (cpu_attention.c, cpu_linear.c): built once per source,
+"""The CPU kernels' C library (cpu_attention.c, cpu_linear*.c): built once per source,
 compiler and CPU with the system compiler, cached in the build directory the engine names
 (kernels/options.py: $PDSERVE_HOME/kernels), and loaded with its functions typed.
 ImportError where it cannot be built."""
@@ -12,11 +12,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_linear.c")]
+SOURCES = [
+    Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_linear.c", "cpu_linear_vnni.c")
+]
 # NOTE: -ffast-math lets expf vectorize (glibc libmvec); the kernel sees no inf or NaN:
 # scores are finite and the max it subtracts is one of them. It compiles the sources only:
 # a library linked with it carries gcc's crtfastmath, whose constructor sets flush-to-zero
@@ -89,9 +93,18 @@ def build(cache_dir: Path) -> Path:
     return lib
 
 
-def load(build_dir: Path):
-    """The library's functions, typed: (decode attention by dtype, prefill attention by
-    dtype, the elementwise ops by name, whether it has OpenMP)."""
+class Library(NamedTuple):
+    decode: dict  # decode attention by KV dtype
+    prefill: dict  # prefill attention by KV dtype
+    elementwise: dict  # the one-pass ops and the AVX2 bf16 linear, by name
+    vnni: dict  # the bf16 dot-product and tile linears (cpu_linear_vnni.c), by name
+    vnni_paths: int  # which of them this build has: 1 dot product, 2 tiles
+    has_openmp: bool
+
+
+@lru_cache(maxsize=None)
+def load(build_dir: Path) -> Library:
+    """The library's functions, typed; built and opened once per process."""
     lib = ctypes.CDLL(str(build(build_dir)))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     fns = {}
@@ -100,7 +113,24 @@ def load(build_dir: Path):
         (torch.bfloat16, "pdserve_decode_attention_bf16"),
     ):
         fn = getattr(lib, name)
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32]
+        fn.argtypes = [
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            f32,
+            i64,
+        ]
         fn.restype = ctypes.c_int
         fns[dtype] = fn
     prefill = {}
@@ -148,9 +178,19 @@ def load(build_dir: Path):
     for fn, argtypes in elementwise.values():
         fn.argtypes, fn.restype = argtypes, None
     lib.pdserve_has_openmp.restype = ctypes.c_int
-    return (
-        fns,
-        prefill,
-        {name: fn for name, (fn, _) in elementwise.items()},
-        bool(lib.pdserve_has_openmp()),
+    vnni = {"dot": lib.pdserve_linear_vnni_dot, "amx": lib.pdserve_linear_vnni_amx}
+    for fn in vnni.values():
+        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64]
+    vnni["dot"].restype, vnni["amx"].restype = ctypes.c_int, None
+    lib.pdserve_amx_init.restype = lib.pdserve_vnni_paths.restype = ctypes.c_int
+    paths = lib.pdserve_vnni_paths()
+    if paths & 2 and lib.pdserve_amx_init() != 0:
+        paths &= ~2  # the kernel (or a sandbox) refuses this process the tiles
+    return Library(
+        decode=fns,
+        prefill=prefill,
+        elementwise={name: fn for name, (fn, _) in elementwise.items()},
+        vnni=vnni,
+        vnni_paths=paths,
+        has_openmp=bool(lib.pdserve_has_openmp()),
     )

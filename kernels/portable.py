@@ -184,13 +184,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.to(x.dtype)
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_linear_weight(weight: torch.Tensor, is_embedding: bool = False) -> torch.Tensor:
     """The weight as linear() reads it fastest. A bf16 weight on a CPU whose oneDNN has bf16
     (IS_BF16_NATIVE) is laid out once for oneDNN: its linear then streams the weight instead
     of laying it out again on every call (1.3-1.6x at 1-64 rows at Qwen3-0.6B's shapes, even
     from 1,024: pdserve bench linear). Any other weight as it is (NOTE: this is also the
-    fallback of backends that define none, so it looks at the device)."""
-    if not (
+    fallback of backends that define none, so it looks at the device). is_embedding: the
+    weight is also an embedding table, which embedding() must still read (oneDNN's layout
+    cannot be indexed: it stays as it is)."""
+    if is_embedding or not (
         IS_BF16_NATIVE
         and weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
@@ -199,6 +201,11 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
         return weight
     # NOTE: the batch hint only tunes the layout; measured even from 1 to 1,024 rows.
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rows of table [V, H] (a tied table is also the lm_head: packed as its backend packs)."""
+    return F.embedding(ids, table)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 import kernels
 from common.base.model_spec import ModelSpec
@@ -132,7 +131,7 @@ def forward(
     # The ops for this device, looked up once per forward (per call, on CPU, the lookup
     # is a visible share of a small step).
     ops = kernels.backend_for(input_ids)
-    h = F.embedding(input_ids, w.embed).to(w.norm.dtype)  # activations: the norms' dtype
+    h = ops.embedding(input_ids, w.embed).to(w.norm.dtype)  # activations: the norms' dtype
     residual = None
     for i, layer in enumerate(w.layers):
         if residual is None:
@@ -201,11 +200,13 @@ def set_activation_dtype(w: Qwen3Weights, dtype: torch.dtype) -> None:
 
 def pack_matmul_weights(w: Qwen3Weights) -> None:
     """The matmuls' weights laid out once as their device's linear reads them fastest (a CPU
-    with bf16 matrix units: oneDNN's layout; elsewhere as they are). NOTE: a tied lm_head
-    stays the embedding table itself: packing it would keep a second copy of the largest
-    weight."""
+    with bf16 matrix units: their layout; elsewhere as they are). NOTE: a tied lm_head stays
+    the embedding table itself, in a layout both read or as it is: never a second copy of
+    the largest weight."""
     for layer in w.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
             setattr(layer, name, kernels.pack_linear_weight(getattr(layer, name)))
-    if w.lm_head is not w.embed:
+    if w.lm_head is w.embed:
+        w.embed = w.lm_head = kernels.pack_linear_weight(w.lm_head, is_embedding=True)
+    else:
         w.lm_head = kernels.pack_linear_weight(w.lm_head)

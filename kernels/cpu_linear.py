@@ -1,0 +1,202 @@
+"""The CPU's matmuls with bf16 weights, by what the CPU has (kernels/cpu_features.py):
+
+- bf16 tiles (AMX-BF16): each weight is laid out once, at load, in 16-column blocks of
+  input pairs (cpu_linear_vnni.c), a 4-D tensor [N / 16, K / 2, 16, 2]; up to DOT_MAX_ROWS
+  rows of x stream it through the bf16 dot-product instruction, more rows through the
+  tiles. A tied embedding reads its rows from the same tensor (embedding()).
+- bf16 dot products without tiles (AVX512-BF16): oneDNN's own layout, packed once at load.
+- neither (AVX2 and older): the checkpoint's layout, read in place by cpu_linear.c's kernel
+  for fp32 activations, widened whole for a large batch.
+
+x is rounded to bf16 on the first two paths (as oneDNN's bf16 matmul does); sums are fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import options, portable
+from kernels.cpu_build import load
+from kernels.cpu_features import CpuFeatures
+from kernels.cpu_threads import run_split
+
+# Up to this many rows of x a 16-column block streams through vdpbf16ps (measured at
+# Qwen3-0.6B's layers, 2 threads, Xeon with AMX: 1 row 37.6 ms against the tiles' 44.9,
+# 4 rows 42.6 against 44.3, 8 rows 68.5 against 46.3: pdserve bench linear).
+DOT_MAX_ROWS = 4
+TILE_ROWS = 32  # the tile kernel's rows of x per pass: x is padded to a multiple
+# From this many rows of x, a bf16 weight is widened whole and the matmul runs at the fp32
+# rate; below it, the C kernel streams the weight once (measured crossover on AVX2: 64-128).
+LINEAR_WIDEN_ROWS = 96
+LINEAR_COLUMNS = 8  # the AVX2 kernel's column tile: threads split N in these
+MIN_COLUMNS_PER_THREAD = 256
+# NOTE: where oneDNN has bf16 (AVX512-BF16, AMX), torch's own bf16 matmul beats the AVX2 kernel.
+IS_BF16_NATIVE = portable.IS_BF16_NATIVE
+
+FEATURES = CpuFeatures.read()
+_LIB = load(options.current[0].build_dir)
+IS_TILED = bool(_LIB.vnni_paths & 2)  # the tiles are built and this process may use them
+HAS_DOT = bool(_LIB.vnni_paths & 1)
+
+
+def describe() -> str:
+    """The CPU and the path each kernel takes on it, for a node's ready line."""
+    if IS_TILED:
+        matmul = f"bf16 matmul: dot products to {DOT_MAX_ROWS} rows, AMX tiles beyond"
+    elif IS_BF16_NATIVE:
+        matmul = "bf16 matmul: oneDNN, weights packed at load"
+    else:
+        matmul = "bf16 matmul: C kernel, fp32 sums"
+    width = "512" if FEATURES.is_avx512 else "256" if FEATURES.is_avx2 else "scalar"
+    return f"{FEATURES.model} ({FEATURES.describe()}); {matmul}; C attention {width}-bit"
+
+
+def is_tiled(weight: torch.Tensor) -> bool:
+    """Whether this weight is in the tiles' layout (pack_linear_weight on a CPU with AMX)."""
+    return weight.dim() == 4
+
+
+def pack_linear_weight(weight: torch.Tensor, is_embedding: bool = False) -> torch.Tensor:
+    """As portable.pack_linear_weight; where the tiles run, their layout (see the module),
+    which embedding() reads too."""
+    if not (
+        IS_TILED
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.shape[0] % (2 * 16) == 0  # whole pairs of column blocks
+        and weight.shape[1] % 32 == 0  # whole tiles of inputs
+    ):
+        return portable.pack_linear_weight(weight, is_embedding)
+    num_columns, size = weight.shape
+    # [N, K] -> [N / 16, K / 2, 16, 2]: block b, pair p holds W[16b + j, 2p + i] at [b, p, j, i]
+    return weight.view(num_columns // 16, 16, size // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rows of an embedding table [V, H], or of a tied one in the tiles' layout."""
+    if not is_tiled(table):
+        return F.embedding(ids, table)
+    ids = ids.long()
+    rows = table[ids // 16, :, ids % 16]  # [..., H / 2, 2]
+    return rows.reshape(*ids.shape, table.shape[1] * 2)
+
+
+def linear(x, weight, bias=None):
+    """As portable.linear, by the weight's layout (see the module)."""
+    if is_tiled(weight):
+        return _linear_tiled(x, weight, bias)
+    if (
+        IS_BF16_NATIVE
+        or weight.is_mkldnn
+        or not (
+            weight.dtype == torch.bfloat16
+            and x.dtype == torch.float32
+            and x.dim() == 2
+            and x.stride(-1) == 1
+            and weight.is_contiguous()
+            and x.device.type == "cpu"
+            and weight.device.type == "cpu"
+        )
+    ):
+        return portable.linear(x, weight, bias)
+    return _linear_widened(x, weight, bias)
+
+
+def _linear_tiled(x, weight, bias):
+    """x [..., K] by a weight in the tiles' layout -> [..., N] in x's dtype."""
+    num_blocks, num_pairs = weight.shape[:2]
+    size, num_columns = 2 * num_pairs, 16 * num_blocks
+    num_rows = x.numel() // size
+    if num_rows <= DOT_MAX_ROWS and HAS_DOT and x.dtype == torch.float32:
+        # NOTE: a decode step's lone rows: as few torch ops as can be (the kernel rounds x)
+        xf = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, size).contiguous()
+        out = torch.empty((num_rows, num_columns), dtype=torch.float32)
+        code = _LIB.vnni["dot"](
+            xf.data_ptr(),
+            size,
+            weight.data_ptr(),
+            size,
+            out.data_ptr(),
+            num_columns,
+            num_rows,
+            0,
+            num_blocks,
+            torch.get_num_threads() if _LIB.has_openmp else 1,
+        )
+        if code:
+            raise MemoryError("the CPU linear kernel could not allocate its scratch memory")
+        if bias is not None:
+            out.add_(bias)
+        return out.view(*x.shape[:-1], num_columns)
+    return _linear_tiles(x, weight, bias)
+
+
+def _linear_tiles(x, weight, bias):
+    """As _linear_tiled, through the tiles (rows padded to TILE_ROWS)."""
+    num_blocks, num_pairs = weight.shape[:2]
+    size, num_columns = 2 * num_pairs, 16 * num_blocks
+    lead = x.shape[:-1]
+    xb = x.reshape(-1, size).to(torch.bfloat16)
+    num_rows = xb.shape[0]
+    padded = -(-num_rows // TILE_ROWS) * TILE_ROWS
+    xb = F.pad(xb, (0, 0, 0, padded - num_rows)).contiguous()  # [M padded, K]
+    out = torch.empty((padded, num_columns), dtype=torch.float32)
+
+    def run(u0: int, u1: int, num_threads: int = 1) -> int:
+        _LIB.vnni["amx"](
+            xb.data_ptr(),
+            size,
+            weight.data_ptr(),
+            size,
+            out.data_ptr(),
+            num_columns,
+            padded,
+            2 * u0,  # NOTE: the tile kernel takes column blocks in pairs
+            2 * u1,
+            num_threads,
+        )
+        return 0
+
+    num_units = num_blocks // 2
+    if _LIB.has_openmp:
+        run(0, num_units, torch.get_num_threads())
+    else:
+        run_split(run, num_units, num_units)
+    out = out[:num_rows]
+    if bias is not None:
+        out.add_(bias)
+    return out.reshape(*lead, num_columns).to(x.dtype)
+
+
+def _linear_widened(x, weight, bias):
+    """fp32 x [M, K] by a bf16 weight [N, K] in place, on a CPU without bf16 units."""
+    num_rows, size = x.shape
+    if num_rows >= LINEAR_WIDEN_ROWS:
+        return F.linear(x, weight.float(), None if bias is None else bias.float())
+    num_columns = weight.shape[0]
+    out = torch.empty((num_rows, num_columns), dtype=torch.float32)
+
+    def run(u0: int, u1: int, num_threads: int = 1) -> int:
+        _LIB.elementwise["linear_bf16"](
+            x.data_ptr(),
+            x.stride(0),
+            weight.data_ptr(),
+            size,
+            out.data_ptr(),
+            num_columns,
+            num_rows,
+            u0 * LINEAR_COLUMNS,
+            min(u1 * LINEAR_COLUMNS, num_columns),
+            num_threads,
+        )
+        return 0
+
+    num_units = -(-num_columns // LINEAR_COLUMNS)
+    max_threads = max(num_columns // MIN_COLUMNS_PER_THREAD, 1)
+    if _LIB.has_openmp:
+        run(0, num_units, min(torch.get_num_threads(), max_threads))
+    else:
+        run_split(run, num_units, max_threads)
+    return out if bias is None else out.add_(bias)
