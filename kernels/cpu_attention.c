@@ -80,24 +80,44 @@ static void NAME(const float *q, const T *kc, const T *vc, const int32_t *table,
 DEFINE_ATTEND(attend_f32, float, LOAD_F32)
 DEFINE_ATTEND(attend_bf16, uint16_t, LOAD_BF16)
 
-/* Returns 0, or -1 when scratch memory could not be had. */
+/* Returns 0, or -1 when scratch memory could not be had. Work item i is sequence
+ * i / num_parts's part i % num_parts: a contiguous range of its KV heads with their query
+ * groups (a head range, its KV columns and its output are offsets into the same rows).
+ * Items are dealt out over num_threads OpenMP threads where built with OpenMP; a batch
+ * lighter than the threads splits each sequence's heads in as many parts, so one
+ * sequence still runs on every thread. NOTE: a part reads its heads' slice of every
+ * token row: parts no more than the threads, or the rows are walked again for nothing. */
 #define DEFINE_DECODE(NAME, T, ATTEND)                                                   \
 int NAME(const float *q, const T *kc, const T *vc, const int32_t *block_tables,         \
          int64_t bt_stride, const int32_t *seq_lens, float *out, int64_t B, int64_t Hq,  \
          int64_t Hk, int64_t D, int64_t bs, int64_t block_stride, int64_t tok_stride,    \
-         float scale) {                                                                  \
-    int64_t max_n = 1;                                                                   \
+         float scale, int64_t num_threads) {                                             \
+    int64_t max_n = 1, G = Hq / Hk;                                                      \
     for (int64_t b = 0; b < B; b++) max_n = seq_lens[b] > max_n ? seq_lens[b] : max_n;  \
-    float *scratch = alloc_scratch(Hq * (max_n + D));                                 \
-    if (!scratch) return -1;                                                             \
-    for (int64_t b = 0; b < B; b++) {                                                    \
-        int64_t n = seq_lens[b] < 1 ? 1 : seq_lens[b];                                   \
-        ATTEND(q + b * Hq * D, kc, vc, block_tables + b * bt_stride, n, Hq, Hq / Hk, D,  \
-               bs, block_stride, tok_stride, scale, scratch, scratch + Hq * max_n,       \
-               out + b * Hq * D);                                                        \
+    if (num_threads < 1) num_threads = 1;                                                \
+    int64_t num_parts = B >= num_threads ? 1 : (num_threads + B - 1) / B;                \
+    if (num_parts > Hk) num_parts = Hk;                                                  \
+    int64_t num_items = B * num_parts;                                                   \
+    if (num_threads > num_items) num_threads = num_items;                                \
+    int failed = 0;                                                                      \
+    _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")                 \
+    {                                                                                    \
+        float *scratch = alloc_scratch(Hq * (max_n + D));                                \
+        failed |= scratch == NULL;                                                       \
+        _Pragma("omp for schedule(static)")                                              \
+        for (int64_t i = 0; i < num_items; i++) {                                        \
+            int64_t b = i / num_parts, p = i % num_parts;                                \
+            int64_t g0 = Hk * p / num_parts, g1 = Hk * (p + 1) / num_parts;              \
+            int64_t at = b * Hq * D + g0 * G * D;                                        \
+            int64_t n = seq_lens[b] < 1 ? 1 : seq_lens[b];                               \
+            if (scratch)                                                                 \
+                ATTEND(q + at, kc + g0 * D, vc + g0 * D, block_tables + b * bt_stride,   \
+                       n, (g1 - g0) * G, G, D, bs, block_stride, tok_stride, scale,      \
+                       scratch, scratch + (g1 - g0) * G * max_n, out + at);              \
+        }                                                                                \
+        free(scratch);                                                                   \
     }                                                                                    \
-    free(scratch);                                                                       \
-    return 0;                                                                            \
+    return failed ? -1 : 0;                                                              \
 }
 
 DEFINE_DECODE(pdserve_decode_attention_f32, float, attend_f32)

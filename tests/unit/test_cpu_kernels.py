@@ -15,6 +15,7 @@ from kernels.backends import backend_for
 HAS_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
 # NOTE: where a compiler is, a kernel that fails to build fails here, not skips.
 cpu = importlib.import_module("kernels.cpu") if HAS_CC else None
+cpu_linear = importlib.import_module("kernels.cpu_linear") if HAS_CC else None
 needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler: the portable ops serve")
 
 
@@ -153,19 +154,28 @@ def test_prefill_attention_split_over_threads_equals_one_thread_and_odd_heads_fa
 
 
 @needs_cc
-def test_decode_attention_split_over_threads_equals_one_thread():
-    lens = list(range(1, 130, 4))  # 33 rows: split into parts of >= 8 rows
-    k, v, tables = _paged_cache(lens, 2, 32, 16, torch.float32, seed=3)
-    q, seq_lens = torch.randn(len(lens), 4, 32), torch.tensor(lens, dtype=torch.int32)
+@pytest.mark.parametrize(
+    "lens,hk",
+    [
+        (list(range(1, 130, 4)), 2),  # 33 rows: the sequences split over the threads
+        ([200], 4),  # one sequence: its KV heads split over the threads
+        ([3, 70], 3),  # fewer sequences than threads, heads that do not divide evenly
+    ],
+)
+def test_decode_attention_split_over_threads_equals_one_thread(lens, hk):
+    k, v, tables = _paged_cache(lens, hk, 32, 16, torch.float32, seed=3)
+    q, seq_lens = torch.randn(len(lens), 2 * hk, 32), torch.tensor(lens, dtype=torch.int32)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = cpu.decode_attention(q, k, v, tables, seq_lens, 0.2)
-        torch.set_num_threads(3)
-        split = cpu.decode_attention(q, k, v, tables, seq_lens, 0.2)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(one, cpu.decode_attention(q, k, v, tables, seq_lens, 0.2))
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one, split)
+    want = portable.decode_attention(q, k, v, tables, seq_lens, 0.2)
+    assert torch.allclose(one, want, atol=1e-5)
 
 
 @needs_cc
@@ -276,7 +286,7 @@ def test_bf16_weight_linear_equals_the_fp32_matmul_on_one_thread_and_two(num_row
     """x [M, K] fp32 by a bf16 weight: the C kernel (small M) and the widened fp32 matmul
     (large M) equal x @ W.float()^T, whatever the columns' tail and the threads. (A host with
     bf16 matrix instructions takes torch's bf16 matmul instead: told here it has none.)"""
-    monkeypatch.setattr(cpu, "IS_BF16_NATIVE", False)
+    monkeypatch.setattr(cpu_linear, "IS_BF16_NATIVE", False)
     g = torch.Generator().manual_seed(num_rows)
     before = torch.get_num_threads()
     try:
@@ -327,10 +337,13 @@ def test_cpu_bf16_logits_as_accurate_as_transformers_bf16(make_model, weight_std
             worker.kv_cache.dtype == torch.bfloat16
             and worker.weights.layers[0].qkv.dtype == torch.bfloat16
         )
-        # Where the CPU has bf16 matrix units the weights are laid out for oneDNN once, at
-        # load (C kernels or not), and these logits come through that path; elsewhere
-        # through the C kernel.
-        assert worker.weights.layers[0].qkv.is_mkldnn == portable.IS_BF16_NATIVE
+        # Where the CPU has bf16 matrix units the weights are laid out once, at load (for the
+        # tiles where they run, else for oneDNN), and these logits come through that path;
+        # elsewhere through the C kernel.
+        qkv = worker.weights.layers[0].qkv
+        is_tiled = HAS_CC and cpu_linear.IS_TILED
+        assert (qkv.dim() == 4) == is_tiled
+        assert qkv.is_mkldnn == (portable.IS_BF16_NATIVE and not is_tiled)
         alloc = BlockAllocator(worker.num_kv_blocks)
         chunks = [
             PrefillChunk(p, 0, alloc.allocate(num_blocks_for(len(p), 16)), SamplingParams())
