@@ -34,7 +34,7 @@ def ready_message(cfg: DecodeConfig, worker, epoch: str) -> NodeReady:
 def log_ready(cfg: DecodeConfig, worker, num_blocks: int, accepted: list[str]) -> None:
     """num_blocks: usable KV blocks; accepted: the KV transfer backends the sink takes."""
     log.info(
-        "ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s",
+        "ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s; %s",
         cfg.worker.device,
         describe_threads(worker.num_threads),
         num_blocks,
@@ -47,6 +47,7 @@ def log_ready(cfg: DecodeConfig, worker, num_blocks: int, accepted: list[str]) -
         f"preemption on, {cfg.swap_space / 2**20:.4g} MiB swap"
         if cfg.is_preemptive
         else "full reservation",
+        worker.describe_kernels(),
     )
 
 

@@ -133,13 +133,14 @@ class PrefillNode:
         )
         rt.start(self._send_ready, self.stats, self._is_empty)
         log.info(
-            "ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s",
+            "ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s; %s",
             self.cfg.worker.device,
             describe_threads(self.worker.num_threads),
             self.prefix_cache.capacity,
             self.worker.token_capacity,
             self.cfg.token_budget,
             self.cfg.kv_transfer,
+            self.worker.describe_kernels(),
         )
 
     def _close(self) -> None:

@@ -73,6 +73,10 @@ class DecodeBatch:
         self._last_end = None
         self.cores = None  # CPU: the host's shared cores (cores.py), asked each step
         self.step_threads = 1  # cores a step is worth (the worker's estimate)
+        # Host threads a step runs on where no core table is asked (the node's own cores);
+        # NOTE: the loop thread runs its other ops on one (Worker.prepare), so a step sets
+        # its own count and gives it back.
+        self.num_threads: int | None = None
         n, dev, pinned = max_batch_size, h2d.device, platform.is_pinned
         self._input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self._seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
@@ -236,8 +240,14 @@ class DecodeBatch:
         else:
             self.sampling.upload_masks(n)
             width = num_blocks_for(int(self.host_seq_lens[:n].max()), self.block_size)
-            if self.cores is None:
+            if self.cores is None and self.num_threads is None:
                 self._run(n, width, plan.is_greedy, plan.num_logprobs)
+            elif self.cores is None:
+                torch.set_num_threads(self.num_threads)
+                try:
+                    self._run(n, width, plan.is_greedy, plan.num_logprobs)
+                finally:
+                    torch.set_num_threads(1)
             else:
                 self.cores.begin(self.step_threads)
                 try:

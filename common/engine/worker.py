@@ -107,6 +107,7 @@ class DeviceWorker:
             # for a core another process holds, and a busy host just time-slices the lanes.
             self.lanes = Lanes(cap, self._forward_chunks, pair_cost(s))
             torch.set_num_threads(1)  # the loop's own ops are small: no pool to wait on
+            self.decode.num_threads = cap  # NOTE: without a core table a step takes them all
         self._warm_up()
         if wants_graphs(self.platform, self.cfg.use_graphs, self.kv_cache):
             self.decode.capture_graphs()
@@ -162,6 +163,10 @@ class DeviceWorker:
 
     def block_bytes(self) -> int:
         return block_bytes(self.kv_cache)
+
+    def describe_kernels(self) -> str:
+        """The device's kernels and the path each takes here, for a node's ready line."""
+        return kernels.describe(self.device.type)
 
     def stats(self) -> dict:
         """The worker's figures and its parts' (host-to-device writes, decode steps, swap)."""

@@ -94,6 +94,7 @@ def test_the_log_names_each_process_says_its_figures_and_falls_quiet_when_idle(c
     threads = re.search(r"each cpu decode node (\d+ threads?)", launcher)[1]
     ready = next(m for who, _, m in lines if who == "decode-0" and m.startswith("ready on"))
     assert f"({threads} on cores" in ready
+    assert "matmul" in ready or "portable (torch)" in ready  # the kernels it chose, in words
     blocks = int(re.search(r": (\d+) KV blocks", ready)[1])
     assert any(
         m.startswith("decode node decode-0 ready (pid") and f"{blocks} KV blocks" in m
