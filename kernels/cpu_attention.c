@@ -93,16 +93,17 @@ int NAME(const float *q, const T *kc, const T *vc, const int32_t *block_tables, 
          int64_t Hk, int64_t D, int64_t bs, int64_t block_stride, int64_t tok_stride,    \
          float scale, int64_t num_threads) {                                             \
     int64_t max_n = 1, G = Hq / Hk;                                                      \
+    if (B <= 0) return 0;                                                                \
     for (int64_t b = 0; b < B; b++) max_n = seq_lens[b] > max_n ? seq_lens[b] : max_n;  \
     if (num_threads < 1) num_threads = 1;                                                \
     int64_t num_parts = B >= num_threads ? 1 : (num_threads + B - 1) / B;                \
     if (num_parts > Hk) num_parts = Hk;                                                  \
-    int64_t num_items = B * num_parts;                                                   \
+    int64_t num_items = B * num_parts, part_heads = (Hk + num_parts - 1) / num_parts * G; \
     if (num_threads > num_items) num_threads = num_items;                                \
     int failed = 0;                                                                      \
     _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")                 \
     {                                                                                    \
-        float *scratch = alloc_scratch(Hq * (max_n + D));                                \
+        float *scratch = alloc_scratch(part_heads * (max_n + D));                        \
         failed |= scratch == NULL;                                                       \
         _Pragma("omp for schedule(static)")                                              \
         for (int64_t i = 0; i < num_items; i++) {                                        \

@@ -113,24 +113,9 @@ def load(build_dir: Path) -> Library:
         (torch.bfloat16, "pdserve_decode_attention_bf16"),
     ):
         fn = getattr(lib, name)
-        fn.argtypes = [
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-            ptr,
-            ptr,
-            i64,
-            i64,
-            i64,
-            i64,
-            i64,
-            i64,
-            i64,
-            f32,
-            i64,
-        ]
+        # q, K, V, tables, table stride, lens, out, then B, Hq, Hk, D, block size, the
+        # cache's strides, the scale and the threads
+        fn.argtypes = [*[ptr] * 4, i64, ptr, ptr, *[i64] * 7, f32, i64]
         fn.restype = ctypes.c_int
         fns[dtype] = fn
     prefill = {}
@@ -139,26 +124,7 @@ def load(build_dir: Path) -> Library:
         (torch.bfloat16, "pdserve_prefill_attention_bf16"),
     ):
         fn = getattr(lib, name)
-        fn.argtypes = [
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-            i64,
-            i64,
-            i64,
-            i64,
-            i64,
-            f32,
-            i64,
-            i64,
-        ]
+        fn.argtypes = [*[ptr] * 4, i64, *[ptr] * 4, *[i64] * 6, f32, i64, i64]
         fn.restype = ctypes.c_int
         prefill[dtype] = fn
     elementwise = {

@@ -25,7 +25,7 @@ class CpuFeatures:
             except OSError:
                 cpuinfo = ""
         flags: set[str] = set()
-        model = platform.processor() or platform.machine()
+        model = ""
         for line in cpuinfo.splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "flags" and not flags:
@@ -33,7 +33,7 @@ class CpuFeatures:
             elif key.strip() == "model name":
                 model = value.strip()
         return cls(
-            model=model,
+            model=model or platform.machine(),
             is_avx2="avx2" in flags and "fma" in flags,
             is_avx512="avx512f" in flags,
             is_avx512_bf16="avx512_bf16" in flags,

@@ -79,6 +79,8 @@ def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     if not is_tiled(table):
         return F.embedding(ids, table)
     ids = ids.long()
+    if ids.numel() and int(ids.min()) < 0:  # NOTE: as F.embedding: never a row from the end
+        raise IndexError("an embedding id is negative")
     rows = table[ids // 16, :, ids % 16]  # [..., H / 2, 2]
     return rows.reshape(*ids.shape, table.shape[1] * 2)
 

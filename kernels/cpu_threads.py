@@ -12,7 +12,7 @@ _POOL: list[ThreadPoolExecutor] = []  # made on first use by a process given sev
 
 def _pool(num_threads: int) -> ThreadPoolExecutor:
     if not _POOL or _POOL[0]._max_workers != num_threads:
-        _POOL[:] = [ThreadPoolExecutor(num_threads, thread_name_prefix="attention")]
+        _POOL[:] = [ThreadPoolExecutor(num_threads, thread_name_prefix="cpu-kernels")]
     return _POOL[0]
 
 
@@ -30,4 +30,4 @@ def run_split(run, num_items: int, max_parts: int) -> None:
     else:
         codes = [run(0, num_items)]
     if any(codes):
-        raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+        raise MemoryError("a CPU kernel could not allocate its scratch memory")

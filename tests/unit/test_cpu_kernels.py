@@ -328,7 +328,8 @@ def test_cpu_bf16_logits_as_accurate_as_transformers_bf16(make_model, weight_std
         weight_std=weight_std,
     )
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (1, 17, 120)]
+    # (300: a chunk long enough for torch's attention kernel, in bf16 where the CPU has it)
+    prompts = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (1, 17, 120, 300)]
     hf32 = Qwen3ForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     hf16 = Qwen3ForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16).eval()
     cfg = WorkerConfig(model=str(model), device="cpu", dtype="bfloat16", kv_cache_memory=16 * 2**20)
@@ -374,3 +375,16 @@ def test_loading_the_c_kernels_keeps_subnormal_floats():
     ctypes.CDLL(str(lib))
     tiny = torch.tensor([1e-40], dtype=torch.float32)  # a subnormal float32
     assert (tiny * 1.0).item() != 0.0 and (tiny / 2).item() != 0.0
+
+
+@needs_cc
+def test_decode_attention_without_scratch_raises_and_without_rows_returns_none():
+    """Defect: the OpenMP path dropped the kernel's code, so a scratch allocation that
+    failed handed back uninitialised rows; and zero sequences divided by zero in C."""
+    k, v, tables = _paged_cache([5], 2, 32, 16, torch.float32, seed=5)
+    q = torch.randn(1, 4, 32)
+    huge = torch.tensor([2**31 - 1], dtype=torch.int32)  # scratch for 2^31 scores a head
+    with pytest.raises(MemoryError, match="scratch"):
+        cpu.decode_attention(q, k, v, tables, huge, 0.2)
+    empty = cpu.decode_attention(q[:0], k, v, tables[:0], huge[:0], 0.2)
+    assert empty.shape == (0, 4, 32)

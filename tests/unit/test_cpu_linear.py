@@ -97,6 +97,9 @@ def test_the_tiles_layout_reads_back_as_an_embedding():
     assert cpu_linear.is_tiled(packed)
     ids = torch.tensor([[0, 15, 16, 159], [31, 1, 77, 0]])
     assert torch.equal(cpu_linear.embedding(ids, packed), F.embedding(ids, table))
+    for bad in (-1, 160):  # as F.embedding: no row from the end, none past it
+        with pytest.raises(IndexError):
+            cpu_linear.embedding(torch.tensor([3, bad]), packed)
 
 
 def test_an_embedding_is_never_packed_where_its_rows_cannot_be_read():
