@@ -107,7 +107,9 @@ class DeviceWorker:
             # for a core another process holds, and a busy host just time-slices the lanes.
             self.lanes = Lanes(cap, self._forward_chunks, pair_cost(s))
             torch.set_num_threads(1)  # the loop's own ops are small: no pool to wait on
-            self.decode.num_threads = cap  # NOTE: without a core table a step takes them all
+            # NOTE: without a core table a step takes the threads it is worth (a tiny
+            # model's step, one: an op split over threads waits at its end for all of them)
+            self.decode.num_threads = min(cap, threads_worth(s, self.dtype, 0, 1))
         self._warm_up()
         if wants_graphs(self.platform, self.cfg.use_graphs, self.kv_cache):
             self.decode.capture_graphs()
