@@ -143,7 +143,8 @@ def _linear_tiles(x, weight, bias):
     xb = x.reshape(-1, size).to(torch.bfloat16)
     num_rows = xb.shape[0]
     padded = -(-num_rows // TILE_ROWS) * TILE_ROWS
-    xb = F.pad(xb, (0, 0, 0, padded - num_rows)).contiguous()  # [M padded, K]
+    if padded != num_rows or not xb.is_contiguous():  # NOTE: a pad is a copy: only if needed
+        xb = F.pad(xb, (0, 0, 0, padded - num_rows)).contiguous()  # [M padded, K]
     out = torch.empty((padded, num_columns), dtype=torch.float32)
 
     def run(u0: int, u1: int, num_threads: int = 1) -> int:

@@ -165,16 +165,27 @@ static void tile_amx_32x32(const uint16_t *x, int64_t xs, const uint16_t *wp0,
     _tile_stored(3, out + 16 * os + 16, os * 4);
 }
 
-/* Pairs of column blocks; every pair runs all of x's rows (M a multiple of 32) while its
- * weights (32 columns by K) stay in L2. */
+/* Rows of x a block of them holds, in bytes: every pair of column blocks runs one block of
+ * x's rows (M a multiple of 32) before the next block, so both x's block and the pair's
+ * weights (32 columns by K) stay in L2 (1 MiB: 12-20% under no blocking at 1,024 rows of
+ * Qwen3-0.6B's layers, 2 threads, Xeon with AMX; 256 and 512 KiB no better). */
+#define X_BLOCK_BYTES (1024 * 1024)
+
+/* Pairs of column blocks, a block of x's rows at a time. */
 static void blocks_amx(const uint16_t *x, int64_t xs, const uint16_t *wp, int64_t K, float *out,
                        int64_t os, int64_t M, int64_t b0, int64_t b1) {
     const int64_t block = K * 16;
+    int64_t mc = X_BLOCK_BYTES / (2 * K) / 32 * 32;
+    if (mc < 32)
+        mc = 32;
     configure_tiles();
-    for (int64_t b = b0; b + 2 <= b1; b += 2)
-        for (int64_t m = 0; m < M; m += 32)
-            tile_amx_32x32(x + m * xs, xs, wp + b * block, wp + (b + 1) * block, K,
-                           out + m * os + b * 16, os);
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        int64_t m1 = m0 + mc < M ? m0 + mc : M;
+        for (int64_t b = b0; b + 2 <= b1; b += 2)
+            for (int64_t m = m0; m < m1; m += 32)
+                tile_amx_32x32(x + m * xs, xs, wp + b * block, wp + (b + 1) * block, K,
+                               out + m * os + b * 16, os);
+    }
     _tile_release();
 }
 #endif
