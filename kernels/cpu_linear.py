@@ -48,8 +48,7 @@ def describe() -> str:
         matmul = "bf16 matmul: oneDNN, weights packed at load"
     else:
         matmul = "bf16 matmul: C kernel, fp32 sums"
-    width = "512" if FEATURES.is_avx512 else "256" if FEATURES.is_avx2 else "scalar"
-    return f"{FEATURES.model} ({FEATURES.describe()}); {matmul}; C attention {width}-bit"
+    return f"{FEATURES.model} ({FEATURES.describe()}); {matmul}; C attention built for it"
 
 
 def is_tiled(weight: torch.Tensor) -> bool:
