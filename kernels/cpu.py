@@ -17,9 +17,14 @@ import torch
 
 from kernels import options, portable
 from kernels.cpu_build import load
-from kernels.cpu_linear import describe, embedding, linear, pack_linear_weight  # noqa: F401
+from kernels.cpu_linear import (  # noqa: F401
+    HAS_BF16_UNITS,
+    describe,
+    embedding,
+    linear,
+    pack_linear_weight,
+)
 from kernels.cpu_threads import run_split
-from kernels.portable import IS_BF16_NATIVE
 
 MIN_ROWS_PER_THREAD = 8
 PREFILL_HEAD_DIM_MULTIPLE = 16  # the prefill kernel's register tile (DB in the C file)
@@ -110,10 +115,10 @@ def prefill_attention(
     out = torch.empty(q.shape, dtype=torch.float32)
     row_starts = [0, *accumulate(query_lens)]
     short = [i for i, n in enumerate(query_lens) if n < TORCH_MIN_QUERY_LEN]
-    # NOTE: a bf16 cache on a CPU with bf16 matmuls: torch's kernel runs in bf16, as
-    # transformers' bf16 attention does (3.9x its fp32 rate at 1,024 tokens, Xeon with AMX:
-    # launch/bench/attention.py), and the KV is not widened for it
-    long_dtype = torch.bfloat16 if k_cache.dtype == torch.bfloat16 and IS_BF16_NATIVE else qf.dtype
+    # NOTE: a bf16 cache on a CPU with bf16 units: torch's kernel runs in bf16, as
+    # transformers' bf16 attention does (3.9x its fp32 rate at 1,024 tokens, Xeon with AMX,
+    # timed in process), and the KV is not widened for it
+    long_dtype = torch.bfloat16 if k_cache.dtype == torch.bfloat16 and HAS_BF16_UNITS else qf.dtype
     for i, n in enumerate(query_lens):
         if n >= TORCH_MIN_QUERY_LEN:
             a = row_starts[i]

@@ -37,6 +37,8 @@ IS_BF16_NATIVE = portable.IS_BF16_NATIVE
 FEATURES = CpuFeatures.read()
 _LIB = load(options.current[0].build_dir)
 IS_TILED = bool(_LIB.vnni_paths & 2)  # the tiles are built and this process may use them
+# bf16 arithmetic units (NOTE: not IS_BF16_NATIVE, which plain AVX-512 may claim too)
+HAS_BF16_UNITS = FEATURES.is_avx512_bf16 or FEATURES.is_amx_bf16
 HAS_DOT = bool(_LIB.vnni_paths & 1)
 
 

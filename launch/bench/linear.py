@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed passes per side; the best counts")
     p.add_argument("--distinct", type=int, default=28, help="copies of each weight, called in turn")
     a = p.parse_args(argv)
+    if a.distinct < 1:
+        p.error("--distinct: at least 1")
     if not portable.IS_BF16_NATIVE:
         print("this CPU has no bf16 matrix units (AVX512-BF16, AMX): nothing is packed here")
         return 2
@@ -68,15 +70,18 @@ def main(argv: list[str] | None = None) -> int:
             packed = [kernels.pack_linear_weight(w) for w in ws]
             onednn = [portable.pack_linear_weight(w) for w in ws]
             per_call = 1 / a.distinct
-            packed_ms = per_call * best_ms(
-                lambda: [kernels.linear(x, w) for w in packed], a.repeats
-            )
-            onednn_ms = per_call * best_ms(
-                lambda: [portable.linear(x, w) for w in onednn], a.repeats
-            )
-            torch_ms = per_call * best_ms(
-                lambda: [F.linear(x.bfloat16(), w).float() for w in ws], a.repeats
-            )
+
+            def each(fn, weights) -> float:
+                # NOTE: each output dropped as the next call comes: buffers reused, as a model's
+                def run() -> None:
+                    for w in weights:
+                        fn(x, w)
+
+                return per_call * best_ms(run, a.repeats)
+
+            packed_ms = each(kernels.linear, packed)
+            onednn_ms = each(portable.linear, onednn)
+            torch_ms = each(lambda x, w: F.linear(x.bfloat16(), w).float(), ws)
             floor_ms = max(n * k * 2 / bandwidth, 2 * num_rows * n * k / rate) * 1e3
             record = {
                 "bench": "linear",
