@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -72,7 +73,7 @@ class DecodeBatch:
         self.device_idle_s = 0.0  # gaps between consecutive steps on the device
         self._last_end = None
         self.cores = None  # CPU: the host's shared cores (cores.py), asked each step
-        self.step_threads = 1  # cores a step is worth (the worker's estimate)
+        self.threads_worth: Callable[[int], int] = lambda num_rows: 1  # cores a step is worth
         # Host threads a step runs on where no core table is asked (the node's own cores);
         # NOTE: the loop thread runs its other ops on one (Worker.prepare), so a step sets
         # its own count and gives it back.
@@ -243,13 +244,13 @@ class DecodeBatch:
             if self.cores is None and self.num_threads is None:
                 self._run(n, width, plan.is_greedy, plan.num_logprobs)
             elif self.cores is None:
-                torch.set_num_threads(self.num_threads)
+                torch.set_num_threads(min(self.num_threads, self.threads_worth(n)))
                 try:
                     self._run(n, width, plan.is_greedy, plan.num_logprobs)
                 finally:
                     torch.set_num_threads(1)
             else:
-                self.cores.begin(self.step_threads)
+                self.cores.begin(self.threads_worth(n))
                 try:
                     self._run(
                         n, width, plan.is_greedy, plan.num_logprobs, self.cores.between_layers

@@ -241,3 +241,33 @@ def test_generate_cli_json(tiny_model, capsys):
     for r in lines:
         assert len(r["token_ids"]) == 8 and isinstance(r["text"], str)
         assert r["ttft_ms"] > 0 and r["decode_ms_per_step"] > 0
+
+
+def test_a_decode_step_without_a_core_table_runs_on_the_threads_it_is_worth(tiny_model):
+    """Defect: the worker puts its loop thread on one torch thread (the prefill lanes), and a
+    decode step with no core table to ask kept that one: a large model's step streamed its
+    weights on one core of several. A step now takes min(the node's threads, what a step of
+    its rows is worth), and gives the loop thread back its one."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread here: a step has no other to take")
+    with _worker(tiny_model, max_batch_size=4) as worker:
+        d = worker.decode
+        assert d.num_threads == worker.num_threads and d.threads_worth(1) == 1  # tiny: one
+        alloc = BlockAllocator(worker.num_kv_blocks)
+        p = SamplingParams(max_tokens=50, ignore_eos=True)
+        for i in range(3):
+            blocks = alloc.allocate(1)
+            (tok,), _ = worker.prefill([PrefillChunk([1, 2, 3], 0, blocks, p)])
+            d.add(str(i), tok, 3, blocks, p)
+        seen, run = [], d._run
+
+        def spy(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return run(*args, **kwargs)
+
+        d._run = spy
+        d.step()  # worth one thread (a tiny model)
+        d.threads_worth = lambda num_rows: num_rows  # as a large model's step would be
+        d.step()
+        assert seen == [1, min(3, worker.num_threads)]
+        assert torch.get_num_threads() == 1  # the loop thread's own again
