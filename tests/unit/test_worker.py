@@ -274,7 +274,25 @@ def _check_decode_threads(tiny_model):
 
         d._run = spy
         d.step()  # worth one thread (a tiny model)
-        d.threads_worth = lambda num_rows: num_rows  # as a large model's step would be
+        asked = []
+        d.threads_worth = lambda num_rows: asked.append(num_rows) or 5  # a large model's
         d.step()
-        assert worker.num_threads == 2 and seen == [1, 2]
+        assert worker.num_threads == 2 and seen == [1, 2] and asked == [3]  # the step's rows
         assert torch.get_num_threads() == 1  # the loop thread's own again
+
+        class Table:  # a core table: asked for what a step of its rows is worth
+            def begin(self, want):
+                asked.append(want)
+                torch.set_num_threads(2)
+                return 2
+
+            def between_layers(self, num_done):
+                pass
+
+            def end(self):
+                asked.append("end")
+
+        d.cores = Table()
+        d.threads_worth = lambda num_rows: 10 * num_rows
+        d.step()
+        assert asked == [3, 30, "end"] and seen[-1] == 2
