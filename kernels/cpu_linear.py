@@ -21,9 +21,9 @@ from kernels.cpu_build import load
 from kernels.cpu_features import CpuFeatures
 from kernels.cpu_threads import run_split
 
-# Up to this many rows of x a 16-column block streams through vdpbf16ps (measured at
-# Qwen3-0.6B's layers, 2 threads, Xeon with AMX: 1 row 37.6 ms against the tiles' 44.9,
-# 4 rows 42.6 against 44.3, 8 rows 68.5 against 46.3: pdserve bench linear).
+# Up to this many rows of x a 16-column block streams through vdpbf16ps (Qwen3-0.6B's 28
+# layers, 2 threads, Xeon with AMX, timed in process: 1 row 37.6 ms against the tiles' 44.9,
+# 4 rows 42.6 against 44.3, 8 rows 68.5 against 46.3).
 DOT_MAX_ROWS = 4
 TILE_ROWS = 32  # the tile kernel's rows of x per pass: x is padded to a multiple
 # From this many rows of x, a bf16 weight is widened whole and the matmul runs at the fp32
@@ -107,10 +107,15 @@ def linear(x, weight, bias=None):
     return _linear_widened(x, weight, bias)
 
 
+def _tiled_shape(weight) -> tuple[int, int, int]:
+    """(column blocks, K, N) of a weight in the tiles' layout [N / 16, K / 2, 16, 2]."""
+    num_blocks, num_pairs = weight.shape[:2]
+    return num_blocks, 2 * num_pairs, 16 * num_blocks
+
+
 def _linear_tiled(x, weight, bias):
     """x [..., K] by a weight in the tiles' layout -> [..., N] in x's dtype."""
-    num_blocks, num_pairs = weight.shape[:2]
-    size, num_columns = 2 * num_pairs, 16 * num_blocks
+    num_blocks, size, num_columns = _tiled_shape(weight)
     num_rows = x.numel() // size
     if num_rows <= DOT_MAX_ROWS and HAS_DOT and x.dtype == torch.float32:
         # NOTE: a decode step's lone rows: as few torch ops as can be (the kernel rounds x)
@@ -138,8 +143,7 @@ def _linear_tiled(x, weight, bias):
 
 def _linear_tiles(x, weight, bias):
     """As _linear_tiled, through the tiles (rows padded to TILE_ROWS)."""
-    num_blocks, num_pairs = weight.shape[:2]
-    size, num_columns = 2 * num_pairs, 16 * num_blocks
+    num_blocks, size, num_columns = _tiled_shape(weight)
     lead = x.shape[:-1]
     xb = x.reshape(-1, size).to(torch.bfloat16)
     num_rows = xb.shape[0]
