@@ -7,6 +7,7 @@ node's own row and the rules for using it).
     held    cores its current forward pass runs on (0 between passes)
     stamp   when it last began or ended a pass (time.monotonic, the host's clock)
     start   when its process started (/proc): a pid used again is another process
+    want    cores its current pass asked for (it grows into free ones up to this)
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import numpy as np
 from common.base.procs import is_alive as is_running
 
 MAX_NODES = 64
-PID, SHARE, HELD, STAMP, START = range(5)
-NUM_COLS = 5
+PID, SHARE, HELD, STAMP, START, WANT = range(6)
+NUM_COLS = 6
 LINGER_S = 0.05  # a node that ended a pass this recently is busy: its share is not lent
 WAIT_S = 0.0005  # how often a node owed its share looks again while a borrower gives it back
 DEADLINE_S = 2.0  # the longest a node owed its share waits for a borrower to give it back
+YIELD_S = 2.0  # the longest a yielding pass (a decode step) waits for others' passes to end
 ROW_BYTES = NUM_COLS * 8  # float64 each
 TABLE_BYTES = MAX_NODES * ROW_BYTES
 SHM_DIR = "/dev/shm"
@@ -77,7 +79,7 @@ def is_same_process(pid: int, start: int) -> bool:
 def is_sane(row: tuple[float, ...], budget: int, now: float) -> bool:
     """Does a row make sense: finite, a pid in range, whole cores within the budget, a
     stamp not in the future? Any other counts for nothing and may be claimed."""
-    pid, share, held, stamp, start = row
+    pid, share, held, stamp, start, want = row
     return (
         all(map(math.isfinite, row))
         and 1 <= pid <= PID_MAX
@@ -86,6 +88,8 @@ def is_sane(row: tuple[float, ...], budget: int, now: float) -> bool:
         and share.is_integer()
         and 0 <= held <= budget
         and held.is_integer()
+        and 0 <= want <= budget
+        and want.is_integer()
         and stamp <= now + CLOCK_SLACK_S
         and start >= 0
     )
@@ -107,7 +111,7 @@ def others(table: np.ndarray, budget: int, me: int, now: float) -> list[tuple[in
 def free_cores(table: np.ndarray, budget: int, me: int, now: float, is_alive: IsAlive) -> int:
     """Cores the others neither hold nor are owed (table [MAX_NODES, NUM_COLS]; me: my row)."""
     taken = 0
-    for _, (pid, share, held, stamp, start) in others(table, budget, me, now):
+    for _, (pid, share, held, stamp, start, _want) in others(table, budget, me, now):
         is_busy = held > 0 or now - stamp < LINGER_S
         t = max(held, share if is_busy else 0)
         # NOTE: only a row that takes something is asked whether its process lives (a syscall)
@@ -133,6 +137,29 @@ def decide(
     if free >= 1:
         return min(want, free)
     return 0 if lent_rows(table, budget, me, now, is_alive) else 1
+
+
+def decide_yielding(
+    table: np.ndarray, budget: int, me: int, want: int, now: float, is_alive: IsAlive
+) -> int:
+    """Cores for a pass that yields to others' passes in flight (0: wait for them). It runs
+    at once where what it wants is free, or on what is free where every pass in flight has
+    what it asked; else it waits until no other pass holds cores and then takes what it
+    wants, lingering shares included: a node between passes that begins again finds the
+    cores held and is given its share back at the yielder's next layer."""
+    free = free_cores(table, budget, me, now, is_alive)
+    if free >= want:
+        return want
+    passes = [
+        v
+        for _, v in others(table, budget, me, now)
+        if v[HELD] > 0 and is_alive(int(v[PID]), int(v[START]))
+    ]
+    if not passes:
+        return min(want, budget)
+    if free >= 1 and all(v[HELD] >= v[WANT] for v in passes):
+        return free
+    return 0
 
 
 # ---- the table's file ---------------------------------------------------------------

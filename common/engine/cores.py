@@ -51,8 +51,11 @@ from common.engine.core_table import (
     START,
     TABLE_BYTES,
     WAIT_S,
+    WANT,
+    YIELD_S,
     IsAlive,
     decide,
+    decide_yielding,
     free_cores,
     is_same_process,
     is_sane,
@@ -70,6 +73,8 @@ class CoreFigures:
     num_lent_passes: int = 0  # passes that ran on more cores than this node's share
     num_waits: int = 0  # passes that waited for a borrower to give cores back
     wait_s: float = 0.0
+    num_yields: int = 0  # passes that waited for others' passes to end (decode steps)
+    yield_s: float = 0.0
     num_shrinks: int = 0  # layers at which this node gave cores back
     num_reclaims: int = 0  # borrowers' rows taken back at the deadline
 
@@ -173,7 +178,7 @@ class CorePool:
         )
         self.table = np.zeros((MAX_NODES, NUM_COLS))
         self.budget, self.row = self.share, 0
-        self.table[0] = (self.pid, self.share, 0, self.clock() - LINGER_S, self.start)
+        self.table[0] = (self.pid, self.share, 0, self.clock() - LINGER_S, self.start, 0)
         try:
             self._map.close()
         except BufferError:  # a view of it is still alive: the mapping goes with the process
@@ -188,7 +193,7 @@ class CorePool:
         for row in range(MAX_NODES):
             v = tuple(self.table[row].tolist())
             if not is_sane(v, self.budget, now) or not self.is_alive(int(v[PID]), int(v[START])):
-                self.table[row] = (self.pid, self.share, 0, now - LINGER_S, self.start)
+                self.table[row] = (self.pid, self.share, 0, now - LINGER_S, self.start, 0)
                 return row
         raise RuntimeError(f"core pool {self.name}: more than {MAX_NODES} nodes")
 
@@ -201,25 +206,37 @@ class CorePool:
         if not self._is_mine():
             self.row = self._claim()
 
-    def begin(self, want: int) -> int:
+    def begin(self, want: int, yields: bool = False) -> int:
         """Cores for the next pass, at most min(want, cap); waits while a borrower gives
         this node's share back (at most one of its layers), and no longer than deadline_s:
-        a borrower that has not given back by then loses its row."""
+        a borrower that has not given back by then loses its row.
+
+        A pass that yields (a decode step) first waits, at most YIELD_S, for the other
+        nodes' passes in flight to end, rather than take its share back from them: its share
+        is theirs meanwhile. NOTE: on a host of few cores, running beside a prefill pass
+        halves both; taking turns runs each on all of them, so a prompt's first token comes
+        sooner and the decode batch waits fuller (what a colocated engine's prefill chunk
+        does to its decode batch)."""
         want = self._want = max(1, min(want, self.cap))
-        waited_from = deadline = None
+        waited_from = deadline = yield_until = None
         while True:
             with self._locked():
                 self._keep_row()
                 now = self.clock()
-                grant = decide(self.table, self.budget, self.row, want, now, self.is_alive)
-                if not grant and deadline is not None and now >= deadline:
+                is_yielding = yields and (yield_until is None or now < yield_until)
+                seen = (self.table, self.budget, self.row, want, now, self.is_alive)
+                grant = decide_yielding(*seen) if is_yielding else decide(*seen)
+                if not grant and not is_yielding and deadline is not None and now >= deadline:
                     self._reclaim(now)
-                    grant = decide(self.table, self.budget, self.row, want, now, self.is_alive)
+                    grant = decide(*seen)
                 if grant:
-                    self.table[self.row, HELD], self.table[self.row, STAMP] = grant, now
+                    self.table[self.row, [HELD, STAMP, WANT]] = grant, now, min(want, self.budget)
                     break
-                self.table[self.row, STAMP] = now  # busy: the borrower sees my share owed
-            if waited_from is None:
+                # NOTE: a yielder looks idle (its share lent); a waiter busy (its share owed)
+                self.table[self.row, STAMP] = now - LINGER_S if is_yielding else now
+            if is_yielding and yield_until is None:
+                yielded_from, yield_until = now, now + YIELD_S
+            elif not is_yielding and waited_from is None:
                 waited_from, deadline = now, now + self.deadline_s
             time.sleep(WAIT_S)
         f = self.figures
@@ -228,6 +245,9 @@ class CorePool:
         if waited_from is not None:
             f.num_waits += 1
             f.wait_s += now - waited_from
+        if yield_until is not None:
+            f.num_yields += 1
+            f.yield_s += now - yielded_from
         self.set_threads(grant)  # NOTE: always: the pass before may have left others set
         self.held = self.threads = grant
         return grant
@@ -268,7 +288,7 @@ class CorePool:
     def end(self) -> None:
         with self._locked():
             self._keep_row()
-            self.table[self.row, HELD], self.table[self.row, STAMP] = 0, self.clock()
+            self.table[self.row, [HELD, STAMP, WANT]] = 0, self.clock(), 0
         self.held = 0
 
     def _apply(self, grant: int) -> None:
@@ -286,6 +306,8 @@ class CorePool:
             "num_lent_passes": f.num_lent_passes,
             "num_core_waits": f.num_waits,
             "core_wait_s": round(f.wait_s, 6),
+            "num_core_yields": f.num_yields,
+            "core_yield_s": round(f.yield_s, 6),
             "num_core_shrinks": f.num_shrinks,
             "num_core_reclaims": f.num_reclaims,
         }

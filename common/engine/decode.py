@@ -250,7 +250,7 @@ class DecodeBatch:
                 finally:
                     torch.set_num_threads(1)
             else:
-                self.cores.begin(self.threads_worth(n))
+                self.cores.begin(self.threads_worth(n), yields=True)
                 try:
                     self._run(
                         n, width, plan.is_greedy, plan.num_logprobs, self.cores.between_layers

@@ -1,0 +1,148 @@
+"""Decode steps that yield to prefill passes in flight (CorePool.begin(want, yields=True)),
+on a fake clock over one table: on a host of few cores the two take turns on all of them
+rather than run side by side on half, for at most YIELD_S a step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.engine import cores
+from common.engine.core_table import YIELD_S
+from common.engine.cores import MAX_NODES, NUM_COLS, CorePool
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(table, clock, budget=2, share=1, cap=2, pid=1):
+    return CorePool(
+        "t", budget, share, cap, lambda n: None, clock=clock, is_alive=lambda *_: True,
+        table=table, pid=pid,
+    )  # fmt: skip
+
+
+def held(table) -> int:
+    return int(table[:, cores.HELD].sum())
+
+
+@pytest.fixture
+def host():
+    """Two cores, a prefill node and a decode node owed one each, both idle a while."""
+    table, clock = np.zeros((MAX_NODES, NUM_COLS)), Clock()
+    prefill, decode = make(table, clock, pid=1), make(table, clock, pid=2)
+    clock.now += 1.0
+    return table, clock, prefill, decode
+
+
+def run_layers(monkeypatch, clock, pool, num_layers, layer_s=0.01, on_end=None):
+    """While the caller waits in begin(), `pool`'s pass runs num_layers layers and ends."""
+    seen = []
+
+    def a_layer(_s):
+        clock.now += layer_s
+        if pool.held and len(seen) < num_layers:
+            pool.between_layers()
+            seen.append(pool.held)
+            if len(seen) == num_layers:
+                pool.end()
+                if on_end:
+                    on_end()
+
+    monkeypatch.setattr(cores.time, "sleep", a_layer)
+    return seen
+
+
+def test_a_decode_step_waits_for_the_prefill_pass_and_then_runs_on_every_core(
+    host, monkeypatch
+):
+    table, clock, prefill, decode = host
+    assert prefill.begin(2) == 2  # decode idle: its share is lent
+    seen = run_layers(monkeypatch, clock, prefill, num_layers=20)
+    assert decode.begin(2, yields=True) == 2
+    # NOTE: the pass kept both cores to its end: the yielder was not owed its share
+    assert seen == [2] * 20 and prefill.figures.num_shrinks == 0
+    f = decode.stats()
+    assert f["num_core_yields"] == 1 and f["core_yield_s"] == pytest.approx(0.2, abs=0.02)
+    assert f["num_core_waits"] == 0 and held(table) == 2
+
+
+def test_the_two_take_turns_and_a_prefill_pass_takes_its_share_back_at_once(host, monkeypatch):
+    """A prefill pass that begins during a step gets its share at the step's next layer
+    (prefill first, as before); the step after waits for the pass, which grows back to
+    every core as soon as the yielder steps aside."""
+    table, clock, prefill, decode = host
+    assert decode.begin(2, yields=True) == 2  # nothing in flight: at once, no yield
+    assert decode.stats()["num_core_yields"] == 0
+    run_layers(monkeypatch, clock, decode, num_layers=1)
+    assert prefill.begin(2) == 1 and decode.held == 0  # the step gave one back, then ended
+    clock.now += cores.LINGER_S / 2  # decode's next step, while it still lingers
+    seen = run_layers(monkeypatch, clock, prefill, num_layers=5)
+    assert decode.begin(2, yields=True) == 2
+    assert seen[0] == 2  # the pass grew into the yielder's core at its next layer
+    assert decode.figures.num_yields == 1 and held(table) == 2
+
+
+def test_a_step_yields_for_at_most_yield_s_then_takes_its_share_back(host, monkeypatch):
+    table, clock, prefill, decode = host
+    assert prefill.begin(2) == 2
+    layers = []
+
+    def a_long_pass(_s):  # a pass that never ends, a layer every 10 ms
+        clock.now += 0.01
+        layers.append(clock.now)
+        prefill.between_layers()
+
+    monkeypatch.setattr(cores.time, "sleep", a_long_pass)
+    t0 = clock.now
+    assert decode.begin(2, yields=True) == 1
+    assert YIELD_S <= clock.now - t0 < YIELD_S + 0.05
+    assert prefill.held == 1 and prefill.figures.num_shrinks == 1 and held(table) == 2
+    assert decode.figures.num_yields == 1 and decode.figures.num_waits == 1
+
+
+def test_a_step_that_fits_beside_the_passes_in_flight_runs_at_once(monkeypatch):
+    """Sixteen cores, eight owed each: a step that wants four runs beside a pass on eight;
+    one whose pass holds what it asked for (a node capped at one) leaves the rest free."""
+    monkeypatch.setattr(cores.time, "sleep", lambda _s: pytest.fail("waited"))
+    table, clock = np.zeros((MAX_NODES, NUM_COLS)), Clock()
+    prefill = make(table, clock, budget=16, share=8, cap=16, pid=1)
+    decode = make(table, clock, budget=16, share=8, cap=16, pid=2)
+    clock.now += 1.0
+    decode.begin(4)
+    assert prefill.begin(16) == 8  # decode busy: its share kept
+    decode.end()
+    assert decode.begin(4, yields=True) == 4
+    decode.end()
+    prefill.end()
+
+    table, clock = np.zeros((MAX_NODES, NUM_COLS)), Clock()
+    capped, decode = make(table, clock, cap=1, pid=1), make(table, clock, pid=2)
+    clock.now += 1.0
+    assert capped.begin(2) == 1
+    assert decode.begin(2, yields=True) == 1 and decode.figures.num_yields == 0
+
+
+def test_a_yielder_never_takes_the_host_past_its_budget():
+    import random
+
+    rng = random.Random(11)
+    for trial in range(30):
+        table, clock = np.zeros((MAX_NODES, NUM_COLS)), Clock()
+        budget = rng.choice([2, 3, 4])
+        pools = [make(table, clock, budget=budget, share=1, cap=budget, pid=i + 1) for i in
+                 range(rng.choice([2, 3]))]  # fmt: skip
+        for _ in range(300):
+            clock.now += rng.choice([0.0, 0.001, 0.01, 0.1])
+            p = rng.choice(pools)
+            want = rng.randint(1, budget)
+            if p.held:
+                rng.choice([p.between_layers, p.end])()
+            elif cores.decide_yielding(table, budget, p.row, want, clock(), lambda *_: True):
+                p.begin(want, yields=True)  # (a step that would wait is not started here)
+            assert held(table) <= budget, (trial, table[: len(pools)])
