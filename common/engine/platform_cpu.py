@@ -15,6 +15,7 @@ from common.engine.platform_base import Platform, PlatformError, num_bytes
 
 # /dev/shm/pdserve-kv-<pid namespace>-<pid>-<hex>: a CPU cache other processes map
 SHM_PREFIX = "pdserve-kv"
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
 
 
 class CpuPlatform(Platform):
@@ -70,12 +71,11 @@ class CpuPlatform(Platform):
             create=True,
             size=max(nbytes, 1),
         )
-        # a fresh segment reads as zeros
-        return (
-            torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=nbytes)
-            .view(dtype)
-            .view(shape)
-        )
+        cache = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=nbytes)
+        # NOTE: a fresh segment reads as zeros, but each page is allocated at its first touch:
+        # a prefill node's KV write would pay for it (a third of its loop's time under load)
+        cache.zero_()
+        return cache.view(dtype).view(shape)
 
     def share(self, cache: torch.Tensor) -> str:
         segment = self._segment
@@ -100,7 +100,8 @@ class CpuPlatform(Platform):
                     f"segment {name} holds {os.fstat(fd).st_size} bytes, "
                     f"{list(shape)} needs {nbytes}"
                 )
-            mapping = mmap.mmap(fd, nbytes)
+            # NOTE: populated now, not a page fault at a time inside the KV writes
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE)
         finally:
             os.close(fd)
 
