@@ -80,6 +80,25 @@ static void NAME(const float *q, const T *kc, const T *vc, const int32_t *table,
 DEFINE_ATTEND(attend_f32, float, LOAD_F32)
 DEFINE_ATTEND(attend_bf16, uint16_t, LOAD_BF16)
 
+/* cpu_decode_avx512.c: 128-dim heads of a bf16 cache, where this build has AVX-512 */
+extern const int pdserve_has_attend_bf16_d128;
+void pdserve_attend_bf16_d128(const float *q, const uint16_t *kc, const uint16_t *vc,
+                              const int32_t *table, int64_t n, int64_t Hq, int64_t G,
+                              int64_t bs, int64_t block_stride, int64_t tok_stride,
+                              float scale, float *scores, float *out);
+
+static void attend_bf16_best(const float *q, const uint16_t *kc, const uint16_t *vc,
+                             const int32_t *table, int64_t n, int64_t Hq, int64_t G, int64_t D,
+                             int64_t bs, int64_t block_stride, int64_t tok_stride, float scale,
+                             float *scores, float *acc, float *out) {
+    if (pdserve_has_attend_bf16_d128 && D == 128)
+        pdserve_attend_bf16_d128(q, kc, vc, table, n, Hq, G, bs, block_stride, tok_stride,
+                                 scale, scores, out);
+    else
+        attend_bf16(q, kc, vc, table, n, Hq, G, D, bs, block_stride, tok_stride, scale, scores,
+                    acc, out);
+}
+
 /* Returns 0, or -1 when scratch memory could not be had. Work item i is sequence
  * i / num_parts's part i % num_parts: a contiguous range of its KV heads with their query
  * groups (a head range, its KV columns and its output are offsets into the same rows).
@@ -122,7 +141,7 @@ int NAME(const float *q, const T *kc, const T *vc, const int32_t *block_tables, 
 }
 
 DEFINE_DECODE(pdserve_decode_attention_f32, float, attend_f32)
-DEFINE_DECODE(pdserve_decode_attention_bf16, uint16_t, attend_bf16)
+DEFINE_DECODE(pdserve_decode_attention_bf16, uint16_t, attend_bf16_best)
 
 /* ---- paged prefill attention: causal, over chunks whose KV is in the cache ----
  *

@@ -19,7 +19,8 @@ from typing import NamedTuple
 import torch
 
 SOURCES = [
-    Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_linear.c", "cpu_linear_vnni.c")
+    Path(__file__).with_name(n)
+    for n in ("cpu_attention.c", "cpu_decode_avx512.c", "cpu_linear.c", "cpu_linear_vnni.c")
 ]
 # NOTE: -ffast-math lets expf vectorize (glibc libmvec); the kernel sees no inf or NaN:
 # scores are finite and the max it subtracts is one of them. It compiles the sources only:

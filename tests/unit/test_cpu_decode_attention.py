@@ -1,0 +1,42 @@
+"""The CPU decode attention over a bf16 cache with 128-dim heads (every Qwen3 size), which
+runs kernels/cpu_decode_avx512.c where the build has AVX-512: against float64 on the same
+inputs, at block and read-ahead edges, for groups of 1, 2 and 5 query heads, and split
+over threads."""
+
+import pytest
+import torch
+
+from kernels import portable
+from tests.unit.test_cpu_kernels import _paged_cache, cpu, needs_cc
+
+# lengths at and around the block (16) and the read-ahead (8) edges, and one long row
+LENS = [1, 7, 8, 9, 15, 16, 17, 33, 300]
+
+
+@needs_cc
+@pytest.mark.parametrize("hq,hk", [(16, 8), (5, 1), (8, 8)])
+def test_bf16_cache_128_dim_heads_equal_float64(hq, hk):
+    k, v, tables = _paged_cache(LENS, hk, 128, 16, torch.bfloat16, seed=hq)
+    q = torch.randn(len(LENS), hq, 128, generator=torch.Generator().manual_seed(hk))
+    seq_lens = torch.tensor(LENS, dtype=torch.int32)
+    got = cpu.decode_attention(q, k, v, tables, seq_lens, 128**-0.5)
+    want = portable.decode_attention(q.double(), k.double(), v.double(), tables, seq_lens,
+                                     128**-0.5)  # fmt: skip
+    # NOTE: the inputs are the same values: only fp32 sums against float64 ones differ
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() < 2e-6
+
+
+@needs_cc
+@pytest.mark.parametrize("lens", [LENS, [300]])  # rows over threads; one row's heads
+def test_bf16_cache_128_dim_heads_split_over_threads_equal_one_thread(lens):
+    k, v, tables = _paged_cache(lens, 8, 128, 16, torch.bfloat16, seed=5)
+    q, seq_lens = torch.randn(len(lens), 16, 128), torch.tensor(lens, dtype=torch.int32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.decode_attention(q, k, v, tables, seq_lens, 0.1)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(one, cpu.decode_attention(q, k, v, tables, seq_lens, 0.1))
+    finally:
+        torch.set_num_threads(before)
