@@ -30,6 +30,9 @@ LINGER_S = 0.05  # a node that ended a pass this recently is busy: its share is 
 WAIT_S = 0.0005  # how often a node owed its share looks again while a borrower gives it back
 DEADLINE_S = 2.0  # the longest a node owed its share waits for a borrower to give it back
 YIELD_S = 2.0  # the longest a yielding pass (a decode step) waits for others' passes to end
+# how often a yielder looks again: it waits out whole passes, and each look wakes a thread
+# that preempts the pass's own (they run at a lower priority)
+YIELD_POLL_S = 0.002
 ROW_BYTES = NUM_COLS * 8  # float64 each
 TABLE_BYTES = MAX_NODES * ROW_BYTES
 SHM_DIR = "/dev/shm"

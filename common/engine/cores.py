@@ -52,6 +52,7 @@ from common.engine.core_table import (
     TABLE_BYTES,
     WAIT_S,
     WANT,
+    YIELD_POLL_S,
     YIELD_S,
     IsAlive,
     decide,
@@ -238,7 +239,7 @@ class CorePool:
                 yielded_from, yield_until = now, now + YIELD_S
             elif not is_yielding and waited_from is None:
                 waited_from, deadline = now, now + self.deadline_s
-            time.sleep(WAIT_S)
+            time.sleep(YIELD_POLL_S if is_yielding else WAIT_S)
         f = self.figures
         f.num_passes += 1
         f.num_lent_passes += grant > self.share
