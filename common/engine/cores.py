@@ -212,9 +212,9 @@ class CorePool:
         this node's share back (at most one of its layers), and no longer than deadline_s:
         a borrower that has not given back by then loses its row.
 
-        A pass that yields (a decode step) first waits, at most YIELD_S, for the other
-        nodes' passes in flight to end, rather than take its share back from them: its share
-        is theirs meanwhile. NOTE: on a host of few cores, running beside a prefill pass
+        A pass that yields (a decode step) and wants more than its share first waits, at most
+        YIELD_S, for the other nodes' passes in flight to end, rather than take its share back
+        from them and run beside them on less than it wants: its share is theirs meanwhile. NOTE: on a host of few cores, running beside a prefill pass
         halves both; taking turns runs each on all of them, so a prompt's first token comes
         sooner and the decode batch waits fuller (what a colocated engine's prefill chunk
         does to its decode batch)."""
@@ -224,7 +224,11 @@ class CorePool:
             with self._locked():
                 self._keep_row()
                 now = self.clock()
-                is_yielding = yields and (yield_until is None or now < yield_until)
+                # NOTE: a step that fits in its share takes it back (a tiny model's, worth one
+                # core, beside a pass of small prompts on lanes); one that wants more waits
+                is_yielding = (
+                    yields and want > self.share and (yield_until is None or now < yield_until)
+                )
                 seen = (self.table, self.budget, self.row, want, now, self.is_alive)
                 grant = decide_yielding(*seen) if is_yielding else decide(*seen)
                 if not grant and not is_yielding and deadline is not None and now >= deadline:
