@@ -6,6 +6,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import shutil
 from multiprocessing import shared_memory
 
 import torch
@@ -71,11 +72,31 @@ class CpuPlatform(Platform):
             create=True,
             size=max(nbytes, 1),
         )
+        self._reserve(self._segment.name, nbytes)
         cache = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=nbytes)
-        # NOTE: a fresh segment reads as zeros, but each page is allocated at its first touch:
-        # a prefill node's KV write would pay for it (a third of its loop's time under load)
-        cache.zero_()
         return cache.view(dtype).view(shape)
+
+    def _reserve(self, name: str, nbytes: int) -> None:
+        """The segment's pages, had now (a fresh one reads as zeros either way).
+        NOTE: else each page is had at its first touch: a prefill node's KV write paid for
+        it (a third of its loop's time under load), and where /dev/shm is smaller than the
+        cache (a container's 64 MiB) a write past its end killed the writer with SIGBUS."""
+        try:
+            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self.release()
+            free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+            # NOTE: a ValueError, as a KV budget refused at load is: one line, exit 2
+            raise ValueError(
+                f"the KV cache shared with prefill nodes needs {nbytes / 2**20:.0f} MiB in "
+                f"/dev/shm, which has {free / 2**20:.0f} MiB free ({e.strerror}): give "
+                f"--kv-cache-memory less, /dev/shm more (docker run --shm-size), or "
+                f"--kv-transfer tcp"
+            ) from None
 
     def share(self, cache: torch.Tensor) -> str:
         segment = self._segment
