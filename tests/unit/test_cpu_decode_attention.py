@@ -40,3 +40,25 @@ def test_bf16_cache_128_dim_heads_split_over_threads_equal_one_thread(lens):
             assert torch.equal(one, cpu.decode_attention(q, k, v, tables, seq_lens, 0.1))
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_512_bit_preference_is_asked_only_of_a_cpu_with_avx512(monkeypatch):
+    """-mprefer-vector-width is an x86 option: gcc on Arm refuses it, and every C kernel
+    would have fallen back to torch's ops there."""
+    from kernels import cpu_build
+
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "Features\t: fp asimd evtstrm aes")
+    assert cpu_build.flags() == cpu_build.FLAGS
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags\t\t: fpu sse2 avx2 avx512f")
+    assert cpu_build.flags() == cpu_build.FLAGS + cpu_build.AVX512_FLAGS
+
+
+@needs_cc
+def test_the_avx512_kernel_is_built_where_the_cpu_has_avx512():
+    import ctypes
+
+    from kernels import cpu_build, options
+
+    lib = ctypes.CDLL(str(cpu_build.build(options.current[0].build_dir)))  # the one loaded
+    has = ctypes.c_int.in_dll(lib, "pdserve_has_attend_bf16_d128").value
+    assert has == ("avx512f" in cpu_build._cpu_flags().split())
