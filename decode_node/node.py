@@ -103,10 +103,9 @@ class DecodeNode:
 
     def _open_links(self, stop: StopEvent, parts: contextlib.ExitStack) -> None:
         """The links and what talks on them: the node's runtime (the frontend's link), the
-        KV link prefill nodes write to, and the handoff that answers them on it.
-        NOTE: made here, on the thread that runs the loop, not in __init__: a ZeroMQ socket
-        is used only on the thread that made it (tests run the loop on a thread of their
-        own), and the runtime stops with the stop event that run() is given."""
+        KV link prefill nodes write to, and the handoff that answers them on it. NOTE: made
+        here, on the loop's thread: a ZeroMQ socket is used only on the thread that made it
+        (tests run the loop on a thread of their own); the runtime stops with run()'s stop."""
         cfg, w = self.cfg, self.worker
         rt = self.runtime = NodeRuntime(
             "decode",
@@ -128,6 +127,8 @@ class DecodeNode:
         self.kv = Channel(rt.ctx, True, cfg.kv_endpoint, max_message_bytes=kv_limit, domain="nodes")
         parts.callback(self.kv.close)
         self.poller = Poller(self.frontend, self.kv)
+        # NOTE: a step that waits for a prefill pass's cores still reads the links (its grants)
+        w.decode.while_yielding = self._read_links
         self.handoff = Receiver(
             epoch=rt.epoch,
             lease_s=cfg.reservation_lease_s,

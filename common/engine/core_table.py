@@ -142,27 +142,46 @@ def decide(
     return 0 if lent_rows(table, budget, me, now, is_alive) else 1
 
 
+Pass = tuple[int, float, float]  # a pass in flight: (its row, its node's pid, its stamp)
+
+
+def passes_in_flight(
+    table: np.ndarray, budget: int, me: int, now: float, is_alive: IsAlive
+) -> dict[Pass, tuple]:
+    """The other nodes' passes that hold cores -> their rows' values. A row's stamp is set
+    as its pass begins (and where it resizes): (row, pid, stamp) names one pass."""
+    return {
+        (r, v[PID], v[STAMP]): v
+        for r, v in others(table, budget, me, now)
+        if v[HELD] > 0 and is_alive(int(v[PID]), int(v[START]))
+    }
+
+
 def decide_yielding(
-    table: np.ndarray, budget: int, me: int, want: int, now: float, is_alive: IsAlive
+    table: np.ndarray,
+    budget: int,
+    me: int,
+    want: int,
+    now: float,
+    is_alive: IsAlive,
+    waited_for: set[Pass],
 ) -> int:
-    """Cores for a pass that yields to others' passes in flight (0: wait for them). It runs
-    at once where what it wants is free, or on what is free where every pass in flight has
-    what it asked; else it waits until no other pass holds cores and then takes what it
-    wants, lingering shares included: a node between passes that begins again finds the
-    cores held and is given its share back at the yielder's next layer."""
+    """Cores for a pass that yields to the passes in flight it first saw (waited_for); 0:
+    wait on; -1: yield no more (the passes it waited for ended, and others began: it takes
+    its share back as a pass that does not yield would, so a step waits out one pass at
+    most). It runs at once where what it wants is free, or on what is free where every pass
+    in flight has what it asked; with no pass in flight it takes what it wants, lingering
+    shares included (a node between passes that begins again is given its share back at the
+    yielder's next layer)."""
     free = free_cores(table, budget, me, now, is_alive)
     if free >= want:
         return want
-    passes = [
-        v
-        for _, v in others(table, budget, me, now)
-        if v[HELD] > 0 and is_alive(int(v[PID]), int(v[START]))
-    ]
+    passes = passes_in_flight(table, budget, me, now, is_alive)
     if not passes:
         return min(want, budget)
-    if free >= 1 and all(v[HELD] >= v[WANT] for v in passes):
+    if free >= 1 and all(v[HELD] >= v[WANT] for v in passes.values()):
         return free
-    return 0
+    return 0 if waited_for & passes.keys() else -1
 
 
 # ---- the table's file ---------------------------------------------------------------

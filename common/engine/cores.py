@@ -62,6 +62,7 @@ from common.engine.core_table import (
     is_sane,
     lent_rows,
     open_table,
+    passes_in_flight,
     process_start,
 )
 
@@ -107,6 +108,7 @@ class CorePool:
         self.deadline_s = deadline_s
         self.figures = CoreFigures()
         self.held = self.threads = self._want = 0
+        self._stuck: set = set()  # passes a step waited for that outlived YIELD_S
         self.pid = pid or os.getpid()
         self.start = max(process_start(self.pid) or 0, 0)
         self.path = os.path.join(SHM_DIR, name)
@@ -207,54 +209,88 @@ class CorePool:
         if not self._is_mine():
             self.row = self._claim()
 
-    def begin(self, want: int, yields: bool = False) -> int:
+    def begin(
+        self, want: int, yields: bool = False, while_waiting: Callable[[float], None] | None = None
+    ) -> int:
         """Cores for the next pass, at most min(want, cap); waits while a borrower gives
         this node's share back (at most one of its layers), and no longer than deadline_s:
         a borrower that has not given back by then loses its row.
 
-        A pass that yields (a decode step) and wants more than its share first waits, at most
-        YIELD_S, for the other nodes' passes in flight to end, rather than take its share back
-        from them and run beside them on less than it wants: its share is theirs meanwhile. NOTE: on a host of few cores, running beside a prefill pass
-        halves both; taking turns runs each on all of them, so a prompt's first token comes
-        sooner and the decode batch waits fuller (what a colocated engine's prefill chunk
-        does to its decode batch)."""
+        A pass that yields (a decode step) and wants more than its share first waits out the
+        passes in flight (_yield), rather than take its share back from them and run beside
+        them on less than it wants. NOTE: on a host of few cores, running beside a prefill
+        pass halves both; taking turns runs each on all of them, so a prompt's first token
+        comes sooner and the decode batch waits fuller (what a colocated engine's prefill
+        chunk does to its decode batch). while_waiting(timeout_s), given, is called between
+        its looks instead of a sleep: the decode node reads its links there."""
         want = self._want = max(1, min(want, self.cap))
-        waited_from = deadline = yield_until = None
+        grant = self._yield(want, while_waiting) if yields and want > self.share else 0
+        if not grant:
+            grant = self._wait_for_share(want)
+        self.figures.num_passes += 1
+        self.figures.num_lent_passes += grant > self.share
+        self.set_threads(grant)  # NOTE: always: the pass before may have left others set
+        self.held = self.threads = grant
+        return grant
+
+    def _yield(self, want: int, while_waiting: Callable[[float], None] | None) -> int:
+        """Cores once the passes in flight at the first look have ended (0: not waited
+        for: one of those passes outlived YIELD_S, or a new pass began meanwhile; it asks
+        as a pass that does not yield). Its row looks idle meanwhile: its share is theirs.
+        NOTE: a step waits out one pass at most (its tokens' latency: a pass and a step);
+        and a pass that outlived YIELD_S (its node stopped or hung) is not waited for again."""
+        waited_for: set | None = None
+        started = now = self.clock()
         while True:
             with self._locked():
                 self._keep_row()
                 now = self.clock()
-                # NOTE: a step that fits in its share takes it back (a tiny model's, worth one
-                # core, beside a pass of small prompts on lanes); one that wants more waits
-                is_yielding = (
-                    yields and want > self.share and (yield_until is None or now < yield_until)
-                )
+                if waited_for is None:
+                    passes = passes_in_flight(self.table, self.budget, self.row, now, self.is_alive)
+                    waited_for = set(passes) - self._stuck
                 seen = (self.table, self.budget, self.row, want, now, self.is_alive)
-                grant = decide_yielding(*seen) if is_yielding else decide(*seen)
-                if not grant and not is_yielding and deadline is not None and now >= deadline:
+                grant = decide_yielding(*seen, waited_for)
+                if grant > 0:
+                    self.table[self.row, [HELD, STAMP, WANT]] = grant, now, min(want, self.budget)
+                    break
+                if grant < 0 or now >= started + YIELD_S:
+                    if grant == 0:  # the passes it waited for did not end
+                        self._stuck = waited_for
+                    grant = 0
+                    break
+                self.table[self.row, STAMP] = now - LINGER_S  # NOTE: idle: its share is lent
+            if while_waiting is not None:
+                while_waiting(YIELD_POLL_S)
+            else:
+                time.sleep(YIELD_POLL_S)
+        if now > started:
+            self.figures.num_yields += 1
+            self.figures.yield_s += now - started
+        return grant
+
+    def _wait_for_share(self, want: int) -> int:
+        """Cores for a pass that does not yield: what is free, else its share once a
+        borrower gives it back (at its next layer; its row is taken back at the deadline)."""
+        waited_from = deadline = None
+        while True:
+            with self._locked():
+                self._keep_row()
+                now = self.clock()
+                seen = (self.table, self.budget, self.row, want, now, self.is_alive)
+                grant = decide(*seen)
+                if not grant and deadline is not None and now >= deadline:
                     self._reclaim(now)
                     grant = decide(*seen)
                 if grant:
                     self.table[self.row, [HELD, STAMP, WANT]] = grant, now, min(want, self.budget)
                     break
-                # NOTE: a yielder looks idle (its share lent); a waiter busy (its share owed)
-                self.table[self.row, STAMP] = now - LINGER_S if is_yielding else now
-            if is_yielding and yield_until is None:
-                yielded_from, yield_until = now, now + YIELD_S
-            elif not is_yielding and waited_from is None:
+                self.table[self.row, STAMP] = now  # busy: the borrower sees my share owed
+            if waited_from is None:
                 waited_from, deadline = now, now + self.deadline_s
-            time.sleep(YIELD_POLL_S if is_yielding else WAIT_S)
-        f = self.figures
-        f.num_passes += 1
-        f.num_lent_passes += grant > self.share
+            time.sleep(WAIT_S)
         if waited_from is not None:
-            f.num_waits += 1
-            f.wait_s += now - waited_from
-        if yield_until is not None:
-            f.num_yields += 1
-            f.yield_s += now - yielded_from
-        self.set_threads(grant)  # NOTE: always: the pass before may have left others set
-        self.held = self.threads = grant
+            self.figures.num_waits += 1
+            self.figures.wait_s += now - waited_from
         return grant
 
     def _reclaim(self, now: float) -> None:
@@ -286,7 +322,7 @@ class CorePool:
             now = self.clock()
             free = free_cores(self.table, self.budget, self.row, now, self.is_alive)
             grant = max(1, min(self._want, free))
-            self.table[self.row, HELD], self.table[self.row, STAMP] = grant, now
+            self.table[self.row, HELD] = grant  # NOTE: the stamp stays: it names the pass
         self.figures.num_shrinks += grant < self.held
         self._apply(grant)
 

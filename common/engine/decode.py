@@ -74,6 +74,8 @@ class DecodeBatch:
         self._last_end = None
         self.cores = None  # CPU: the host's shared cores (cores.py), asked each step
         self.threads_worth: Callable[[int], int] = lambda num_rows: 1  # cores a step is worth
+        # what a step does while it yields its cores to a prefill pass (the node reads its links)
+        self.while_yielding: Callable[[float], None] | None = None
         # Host threads a step runs on where no core table is asked (the node's own cores);
         # NOTE: the loop thread runs its other ops on one (Worker.prepare), so a step sets
         # its own count and gives it back.
@@ -250,7 +252,8 @@ class DecodeBatch:
                 finally:
                     torch.set_num_threads(1)
             else:
-                self.cores.begin(self.threads_worth(n), yields=True)
+                self.cores.begin(self.threads_worth(n), True, self.while_yielding)
+                t0 = time.perf_counter()  # NOTE: waiting for cores is not the step's time
                 try:
                     self._run(
                         n, width, plan.is_greedy, plan.num_logprobs, self.cores.between_layers

@@ -141,7 +141,12 @@ def test_a_yielder_never_takes_the_host_past_its_budget():
             want = rng.randint(1, budget)
             if p.held:
                 rng.choice([p.between_layers, p.end])()
-            elif cores.decide_yielding(table, budget, p.row, want, clock(), lambda *_: True):
+            elif (
+                cores.decide_yielding(
+                    table, budget, p.row, want, clock(), lambda *_: True,
+                    set(cores.passes_in_flight(table, budget, p.row, clock(), lambda *_: True)),
+                ) > 0
+            ):  # fmt: skip
                 p.begin(want, yields=True)  # (a step that would wait is not started here)
             assert held(table) <= budget, (trial, table[: len(pools)])
 
@@ -156,3 +161,71 @@ def test_a_step_that_fits_in_its_share_takes_it_back_rather_than_wait(host, monk
     assert decode.begin(1, yields=True) == 1
     assert seen == [1] and decode.figures.num_yields == 0 and decode.figures.num_waits == 1
     assert held(table) == 2
+
+
+def test_a_yielding_step_calls_while_waiting_between_its_looks(host, monkeypatch):
+    """A decode node blocked in a yield answered no grant: a prefill node whose write goes
+    layer by layer waited a whole pass and a step for its next prompt's reservation (queue
+    205 ms at the median). The node's hook runs between the looks, with the poll's time."""
+    table, clock, prefill, decode = host
+    assert prefill.begin(2) == 2
+    monkeypatch.setattr(cores.time, "sleep", lambda _s: pytest.fail("slept, not read"))
+    reads = []
+
+    def read_links(timeout_s):  # the node reads its links; meanwhile the pass goes on
+        reads.append(timeout_s)
+        clock.now += timeout_s
+        if len(reads) == 5:
+            prefill.end()
+
+    assert decode.begin(2, True, read_links) == 2
+    assert reads == [cores.YIELD_POLL_S] * 5 and decode.figures.num_yields == 1
+
+
+def test_a_step_waits_out_one_pass_not_the_next_that_begins_in_the_gap(host, monkeypatch):
+    """A step that waited for a pass missed the gap before the next one (a prefill node
+    with a queue begins again within microseconds) and waited that one out too: steps of
+    up to 2 s each while prefill was busy. It waits for the pass it saw, then takes its
+    share back from the next at that one's next layer."""
+    table, clock, prefill, decode = host
+    assert prefill.begin(2) == 2
+    layers = []
+
+    def passes_back_to_back(_s):
+        clock.now += 0.01
+        layers.append(prefill.held)
+        if len(layers) == 10:  # the pass ends, the next begins at once
+            prefill.end()
+            assert prefill.begin(2) == 2
+        elif len(layers) > 10:
+            prefill.between_layers()
+
+    monkeypatch.setattr(cores.time, "sleep", passes_back_to_back)
+    t0 = clock.now
+    assert decode.begin(2, yields=True) == 1
+    assert clock.now - t0 < 0.2 and prefill.held == 1 and held(table) == 2
+    assert decode.figures.num_yields == 1 and decode.figures.num_waits == 1
+
+
+def test_a_pass_that_outlives_yield_s_is_waited_for_once(host, monkeypatch):
+    """A prefill pass short of what it asked (it began beside a step) whose node then
+    stopped made every later step wait YIELD_S: its row holds no more than its share, so
+    it is never taken back. The first step waits YIELD_S; the next ones do not wait."""
+    table, clock, prefill, decode = host
+    decode.begin(1)
+    assert prefill.begin(2) == 1  # decode busy: its share kept
+    decode.end()
+    clock.now += 1.0  # the prefill node stops here, holding one core of the two it asked
+
+    def time_passes(_s):
+        clock.now += 0.01
+
+    monkeypatch.setattr(cores.time, "sleep", time_passes)
+    t0 = clock.now
+    assert decode.begin(2, yields=True) == 1
+    assert YIELD_S <= clock.now - t0 < YIELD_S + 0.05
+    decode.end()
+    for _ in range(3):
+        t0 = clock.now
+        assert decode.begin(2, yields=True) == 1 and clock.now == t0
+        decode.end()

@@ -281,8 +281,8 @@ def _check_decode_threads(tiny_model):
         assert torch.get_num_threads() == 1  # the loop thread's own again
 
         class Table:  # a core table: asked for what a step of its rows is worth
-            def begin(self, want, yields=False):
-                asked.append((want, yields))
+            def begin(self, want, yields=False, while_waiting=None):
+                asked.append((want, yields, while_waiting))
                 torch.set_num_threads(2)
                 return 2
 
@@ -294,5 +294,6 @@ def _check_decode_threads(tiny_model):
 
         d.cores = Table()
         d.threads_worth = lambda num_rows: 10 * num_rows
+        d.while_yielding = reading = lambda timeout_s: None  # the node's: it reads its links
         d.step()
-        assert asked == [3, (30, True), "end"] and seen[-1] == 2  # a step yields to prefill
+        assert asked == [3, (30, True, reading), "end"] and seen[-1] == 2  # yields to prefill
