@@ -241,12 +241,13 @@ class CorePool:
         and a pass that outlived YIELD_S (its node stopped or hung) is not waited for again."""
         waited_for: set | None = None
         started = now = self.clock()
+        has_waited = False
         while True:
             with self._locked():
                 self._keep_row()
                 now = self.clock()
+                passes = passes_in_flight(self.table, self.budget, self.row, now, self.is_alive)
                 if waited_for is None:
-                    passes = passes_in_flight(self.table, self.budget, self.row, now, self.is_alive)
                     waited_for = set(passes) - self._stuck
                 seen = (self.table, self.budget, self.row, want, now, self.is_alive)
                 grant = decide_yielding(*seen, waited_for)
@@ -254,16 +255,19 @@ class CorePool:
                     self.table[self.row, [HELD, STAMP, WANT]] = grant, now, min(want, self.budget)
                     break
                 if grant < 0 or now >= started + YIELD_S:
-                    if grant == 0:  # the passes it waited for did not end
-                        self._stuck = waited_for
+                    if grant == 0:  # the passes it waited for did not end: kept while in flight
+                        self._stuck = (self._stuck | waited_for) & passes.keys()
                     grant = 0
                     break
                 self.table[self.row, STAMP] = now - LINGER_S  # NOTE: idle: its share is lent
+            if not has_waited:
+                has_waited = True
+                self.set_threads(1)  # NOTE: what the loop does meanwhile runs on no lent core
             if while_waiting is not None:
                 while_waiting(YIELD_POLL_S)
             else:
                 time.sleep(YIELD_POLL_S)
-        if now > started:
+        if has_waited:
             self.figures.num_yields += 1
             self.figures.yield_s += now - started
         return grant

@@ -252,7 +252,8 @@ class DecodeBatch:
                 finally:
                     torch.set_num_threads(1)
             else:
-                self.cores.begin(self.threads_worth(n), True, self.while_yielding)
+                reads = self.while_yielding and self._read_while_yielding
+                self.cores.begin(self.threads_worth(n), True, reads)
                 t0 = time.perf_counter()  # NOTE: waiting for cores is not the step's time
                 try:
                     self._run(
@@ -273,6 +274,12 @@ class DecodeBatch:
         self.num_rows += n
         self.max_batch = max(self.max_batch, n)
         return ticket
+
+    def _read_while_yielding(self, timeout_s: float) -> None:
+        # NOTE: out of the step's inference mode: a tensor a handler makes there (a tcp
+        # landing's record) is one no later turn may update in place
+        with torch.inference_mode(False):
+            self.while_yielding(timeout_s)
 
     def is_done(self, ticket: DecodeTicket) -> bool:
         """Whether collect() would return at once (always, where work is not queued)."""

@@ -229,3 +229,40 @@ def test_a_pass_that_outlives_yield_s_is_waited_for_once(host, monkeypatch):
         t0 = clock.now
         assert decode.begin(2, yields=True) == 1 and clock.now == t0
         decode.end()
+
+
+def test_a_stopped_pass_stays_stuck_when_another_outlives_yield_s(monkeypatch):
+    """The stuck passes were replaced, not added to: a long pass of a second node made the
+    first, stopped one, be waited for again, 2 s after every long pass. Three nodes."""
+    table, clock = np.zeros((MAX_NODES, NUM_COLS)), Clock()
+    long = make(table, clock, budget=3, share=2, cap=3, pid=1)
+    stopped, decode = (make(table, clock, budget=3, share=1, cap=3, pid=p) for p in (2, 3))
+    clock.now += 1.0
+    assert long.begin(2) == 2
+    assert stopped.begin(2) == 1  # short of what it asked; its node stops here
+    monkeypatch.setattr(cores.time, "sleep", lambda _s: setattr(clock, "now", clock.now + 0.01))
+
+    def a_step(waits: bool) -> None:
+        t0 = clock.now
+        decode.begin(3, yields=True)
+        assert (clock.now - t0 >= YIELD_S) == waits, clock.now - t0
+        decode.end()
+        long.end()
+        clock.now += 2 * cores.LINGER_S
+
+    a_step(waits=True)  # neither pass ends
+    assert long.begin(2) == 2  # a new long pass, which outlives YIELD_S too
+    a_step(waits=True)
+    a_step(waits=False)  # the stopped pass alone is in flight: not waited for again
+
+
+def test_a_step_granted_at_its_first_look_counts_no_yield(host):
+    """The yield figures counted every step that wanted more than its share, on a clock
+    that moved between two reads."""
+    table, clock, prefill, decode = host
+    ticks = iter(range(100))
+    decode.clock = lambda: 200.0 + next(ticks) * 1e-4  # a clock that always moves
+    for _ in range(5):
+        assert decode.begin(2, yields=True) == 2
+        decode.end()
+    assert decode.figures.num_yields == 0 and decode.figures.yield_s == 0

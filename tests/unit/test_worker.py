@@ -282,7 +282,8 @@ def _check_decode_threads(tiny_model):
 
         class Table:  # a core table: asked for what a step of its rows is worth
             def begin(self, want, yields=False, while_waiting=None):
-                asked.append((want, yields, while_waiting))
+                asked.append((want, yields))
+                while_waiting(0.002)  # as a yield would, inside the step
                 torch.set_num_threads(2)
                 return 2
 
@@ -294,6 +295,9 @@ def _check_decode_threads(tiny_model):
 
         d.cores = Table()
         d.threads_worth = lambda num_rows: 10 * num_rows
-        d.while_yielding = reading = lambda timeout_s: None  # the node's: it reads its links
+        # the node's hook (it reads its links): out of the step's inference mode, where a
+        # tensor a tcp landing made could not be updated by a later turn (review: a crash)
+        d.while_yielding = lambda timeout_s: asked.append((timeout_s, is_inference()))
+        is_inference = torch.is_inference_mode_enabled
         d.step()
-        assert asked == [3, (30, True, reading), "end"] and seen[-1] == 2  # yields to prefill
+        assert asked == [3, (30, True), (0.002, False), "end"] and seen[-1] == 2
