@@ -46,6 +46,7 @@ class CpuPlatform(Platform):
     def __init__(self, device: torch.device):
         super().__init__(device)
         self._segment: shared_memory.SharedMemory | None = None  # a shared CPU cache's
+        self._mapping: mmap.mmap | None = None  # its pages, as this process maps them
 
     def activate(self) -> None:
         pass
@@ -72,19 +73,21 @@ class CpuPlatform(Platform):
             create=True,
             size=max(nbytes, 1),
         )
-        self._reserve(self._segment.name, nbytes)
-        cache = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=nbytes)
+        self._mapping = self._reserve(self._segment.name, nbytes)
+        cache = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes)
         return cache.view(dtype).view(shape)
 
-    def _reserve(self, name: str, nbytes: int) -> None:
-        """The segment's pages, had now (a fresh one reads as zeros either way).
-        NOTE: else each page is had at its first touch: a prefill node's KV write paid for
-        it (a third of its loop's time under load), and where /dev/shm is smaller than the
+    def _reserve(self, name: str, nbytes: int) -> mmap.mmap:
+        """The segment's pages, had now (a fresh one reads as zeros either way), and this
+        process's mapping of them, whole. NOTE: else each page is had at its first touch:
+        a prefill node's KV write paid for it (a third of its loop's time under load), a
+        decode step for each block it first read, and where /dev/shm is smaller than the
         cache (a container's 64 MiB) a write past its end killed the writer with SIGBUS."""
         try:
             fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
             try:
                 os.posix_fallocate(fd, 0, max(nbytes, 1))
+                return mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED | _MAP_POPULATE)
             finally:
                 os.close(fd)
         except OSError as e:
@@ -138,12 +141,15 @@ class CpuPlatform(Platform):
 
     def release(self, cache: torch.Tensor | None = None) -> None:
         segment, self._segment = self._segment, None
+        mapping, self._mapping = self._mapping, None
         if segment is None:
             return
-        try:
-            segment.close()
-        except BufferError:  # a tensor view is still alive somewhere: the mapping goes at exit
-            pass
+        for m in (mapping, segment):
+            try:
+                if m is not None:
+                    m.close()
+            except BufferError:  # a tensor view is still alive: the mapping goes at exit
+                pass
         try:
             segment.unlink()
         except FileNotFoundError:
