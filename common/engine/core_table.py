@@ -149,7 +149,7 @@ def passes_in_flight(
     table: np.ndarray, budget: int, me: int, now: float, is_alive: IsAlive
 ) -> dict[Pass, tuple]:
     """The other nodes' passes that hold cores -> their rows' values. A row's stamp is set
-    as its pass begins (and where it resizes): (row, pid, stamp) names one pass."""
+    as its pass begins and not moved until it ends: (row, pid, stamp) names one pass."""
     return {
         (r, v[PID], v[STAMP]): v
         for r, v in others(table, budget, me, now)
@@ -164,9 +164,11 @@ def decide_yielding(
     want: int,
     now: float,
     is_alive: IsAlive,
+    passes: dict[Pass, tuple],
     waited_for: set[Pass],
 ) -> int:
-    """Cores for a pass that yields to the passes in flight it first saw (waited_for); 0:
+    """Cores for a pass that yields to the passes in flight it first saw (waited_for, of
+    passes: passes_in_flight's, read in the same look); 0:
     wait on; -1: yield no more (the passes it waited for ended, and others began: it takes
     its share back as a pass that does not yield would, so a step waits out one pass at
     most). It runs at once where what it wants is free, or on what is free where every pass
@@ -176,7 +178,6 @@ def decide_yielding(
     free = free_cores(table, budget, me, now, is_alive)
     if free >= want:
         return want
-    passes = passes_in_flight(table, budget, me, now, is_alive)
     if not passes:
         return min(want, budget)
     if free >= 1 and all(v[HELD] >= v[WANT] for v in passes.values()):

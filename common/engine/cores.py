@@ -250,7 +250,7 @@ class CorePool:
                 if waited_for is None:
                     waited_for = set(passes) - self._stuck
                 seen = (self.table, self.budget, self.row, want, now, self.is_alive)
-                grant = decide_yielding(*seen, waited_for)
+                grant = decide_yielding(*seen, passes, waited_for)
                 if grant > 0:
                     self.table[self.row, [HELD, STAMP, WANT]] = grant, now, min(want, self.budget)
                     break

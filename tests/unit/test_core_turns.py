@@ -139,14 +139,11 @@ def test_a_yielder_never_takes_the_host_past_its_budget():
             clock.now += rng.choice([0.0, 0.001, 0.01, 0.1])
             p = rng.choice(pools)
             want = rng.randint(1, budget)
+            passes = cores.passes_in_flight(table, budget, p.row, clock(), lambda *_: True)
+            look = (table, budget, p.row, want, clock(), lambda *_: True, passes, set(passes))
             if p.held:
                 rng.choice([p.between_layers, p.end])()
-            elif (
-                cores.decide_yielding(
-                    table, budget, p.row, want, clock(), lambda *_: True,
-                    set(cores.passes_in_flight(table, budget, p.row, clock(), lambda *_: True)),
-                ) > 0
-            ):  # fmt: skip
+            elif cores.decide_yielding(*look) > 0:
                 p.begin(want, yields=True)  # (a step that would wait is not started here)
             assert held(table) <= budget, (trial, table[: len(pools)])
 
