@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import portable
-from tests.unit.test_cpu_kernels import _paged_cache, cpu, needs_cc
+from tests.unit.test_cpu_kernels import _paged_cache, cpu, equal_on_1_2_3_threads, needs_cc
 
 # lengths at and around the block (16) and the read-ahead (8) edges, and one long row
 LENS = [1, 7, 8, 9, 15, 16, 17, 33, 300]
@@ -31,15 +31,7 @@ def test_bf16_cache_128_dim_heads_equal_float64(hq, hk):
 def test_bf16_cache_128_dim_heads_split_over_threads_equal_one_thread(lens):
     k, v, tables = _paged_cache(lens, 8, 128, 16, torch.bfloat16, seed=5)
     q, seq_lens = torch.randn(len(lens), 16, 128), torch.tensor(lens, dtype=torch.int32)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu.decode_attention(q, k, v, tables, seq_lens, 0.1)
-        for threads in (2, 3):
-            torch.set_num_threads(threads)
-            assert torch.equal(one, cpu.decode_attention(q, k, v, tables, seq_lens, 0.1))
-    finally:
-        torch.set_num_threads(before)
+    equal_on_1_2_3_threads(lambda: cpu.decode_attention(q, k, v, tables, seq_lens, 0.1))
 
 
 def test_the_512_bit_preference_is_asked_only_of_a_cpu_with_avx512(monkeypatch):

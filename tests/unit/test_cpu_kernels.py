@@ -34,6 +34,20 @@ def _paged_cache(lens, num_kv_heads, head_dim, block_size, dtype, seed):
     return k, v, tables
 
 
+def equal_on_1_2_3_threads(call) -> torch.Tensor:
+    """call()'s result on one torch thread, checked equal, bit for bit, on two and three."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = call()
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(one, call()), f"{threads} threads"
+    finally:
+        torch.set_num_threads(before)
+    return one
+
+
 @needs_cc
 def test_the_cpu_backend_is_the_c_one_where_a_compiler_is():
     """CI has a compiler: the exactness tests then run through the C ops, not a silent fallback."""
@@ -170,15 +184,7 @@ def test_prefill_attention_split_over_threads_equals_one_thread_and_odd_heads_fa
 def test_decode_attention_split_over_threads_equals_one_thread(lens, hk):
     k, v, tables = _paged_cache(lens, hk, 32, 16, torch.float32, seed=3)
     q, seq_lens = torch.randn(len(lens), 2 * hk, 32), torch.tensor(lens, dtype=torch.int32)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu.decode_attention(q, k, v, tables, seq_lens, 0.2)
-        for threads in (2, 3):
-            torch.set_num_threads(threads)
-            assert torch.equal(one, cpu.decode_attention(q, k, v, tables, seq_lens, 0.2))
-    finally:
-        torch.set_num_threads(before)
+    one = equal_on_1_2_3_threads(lambda: cpu.decode_attention(q, k, v, tables, seq_lens, 0.2))
     want = portable.decode_attention(q, k, v, tables, seq_lens, 0.2)
     assert torch.allclose(one, want, atol=1e-5)
 
