@@ -74,8 +74,7 @@ class CpuPlatform(Platform):
             size=max(nbytes, 1),
         )
         self._mapping = self._reserve(self._segment.name, nbytes)
-        cache = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes)
-        return cache.view(dtype).view(shape)
+        return _tensor_over(self._mapping, nbytes).view(dtype).view(shape)
 
     def _reserve(self, name: str, nbytes: int) -> mmap.mmap:
         """The segment's pages, had now (a fresh one reads as zeros either way), and this
@@ -132,12 +131,10 @@ class CpuPlatform(Platform):
         def close() -> None:
             try:
                 mapping.close()
-            except BufferError:  # a tensor view is still alive: the mapping goes at exit
+            except BufferError:  # a tensor over it lives: the pages go with its last view
                 pass
 
-        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(
-            shape
-        ), close
+        return _tensor_over(mapping, nbytes).view(dtype).view(shape), close
 
     def release(self, cache: torch.Tensor | None = None) -> None:
         segment, self._segment = self._segment, None
@@ -148,12 +145,21 @@ class CpuPlatform(Platform):
             try:
                 if m is not None:
                     m.close()
-            except BufferError:  # a tensor view is still alive: the mapping goes at exit
+            except BufferError:  # a tensor over it lives: the pages go with its last view
                 pass
         try:
             segment.unlink()
         except FileNotFoundError:
             pass
+
+
+def _tensor_over(mapping: mmap.mmap, nbytes: int) -> torch.Tensor:
+    """The mapping's bytes as a tensor that keeps them mapped while it or a view of it lives.
+    NOTE: torch.frombuffer keeps a reference to what it is given but holds no export of
+    it, so over the mmap itself a close() would unmap the pages under a live tensor (its
+    next read a SIGSEGV); over a memoryview, the close raises BufferError until the last
+    view is gone, and the pages go with it."""
+    return torch.frombuffer(memoryview(mapping), dtype=torch.uint8, count=nbytes)
 
 
 def _pid_namespace() -> str:

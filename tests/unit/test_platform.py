@@ -147,3 +147,36 @@ def test_a_shared_cache_dev_shm_cannot_hold_is_refused_in_one_line(monkeypatch):
     with pytest.raises(ValueError, match="--kv-cache-memory less.*--shm-size.*--kv-transfer tcp"):
         cpu.allocate([2, 2, 64, 16, 2, 32], torch.bfloat16, is_shared=True)
     assert set(os.listdir("/dev/shm")) <= before and cpu._segment is None
+
+
+def _is_mapped(name: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(f"/dev/shm/{name}" in line for line in f)
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MAP_POPULATE"), reason="Linux only")
+def test_a_shared_cache_released_under_a_live_tensor_stays_mapped_until_it_goes():
+    """release() and a peer's close() unmapped the pages under a tensor still alive (torch
+    holds no export of what it wraps): its next read was a SIGSEGV. The pages now stay
+    mapped while any view of them lives, and go with the last. NOTE: the mapping is
+    looked up before any view is touched, so a regression fails here, not in a crash."""
+    import gc
+    import os
+
+    cpu = platform.platform_for("cpu")
+    cache = cpu.allocate([4, 256], torch.float32, is_shared=True)
+    name = cpu.share(cache)
+    peer, close = cpu.open_shared(name, torch.float32, [4, 256])
+    view = cache[1]
+    peer[1, 7] = 3.0
+    close()
+    cpu.release()
+    del cache
+    gc.collect()
+    assert not os.path.exists(f"/dev/shm/{name}")  # unlinked at release, as before
+    assert _is_mapped(name), "release() unmapped the pages under a live view"
+    view[8] = 4.0
+    assert (float(view[7]), float(view[8]), float(peer[1, 8])) == (3.0, 4.0, 4.0)
+    del view, peer, close
+    gc.collect()
+    assert not _is_mapped(name)  # the pages went with the last view
