@@ -123,10 +123,18 @@ def shape_link(hosts, name: str, rate_mbit: float, burst: str = BURST) -> None:
 ENV = {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "UCX_TLS": "tcp"}
 
 
-def start_hosts(hosts, bench: str, args: list[str], logs: Path, label: str) -> tuple:
+def start_hosts(
+    hosts, bench: str, args: list[str], logs: Path, label: str, cpus: dict | None = None
+) -> tuple:
     """start_cluster.sh with args on host a (frontend, a prefill node) and on host b (a decode
-    node, joining a); -> (host a's launcher, host b's, the client endpoint on a)."""
+    node, joining a); -> (host a's launcher, host b's, the client endpoint on a).
+    cpus: host -> the CPUs its launcher runs on (taskset -c; default: every CPU)."""
     env = {**os.environ, **ENV}
+    cpus = cpus or {}
+
+    def pinned(name: str) -> list[str]:
+        return ["taskset", "-c", cpus[name]] if cpus.get(name) else []
+
     common = [
         "bash",
         str(ROOT / "launch/start_cluster.sh"),
@@ -139,6 +147,7 @@ def start_hosts(hosts, bench: str, args: list[str], logs: Path, label: str) -> t
     first = hosts.popen(
         "a",
         [
+            *pinned("a"),
             *common,
             "--host",
             hosts.addr("a"),
@@ -161,6 +170,7 @@ def start_hosts(hosts, bench: str, args: list[str], logs: Path, label: str) -> t
     second = hosts.popen(
         "b",
         [
+            *pinned("b"),
             *common,
             "--host",
             hosts.addr("b"),

@@ -4,7 +4,7 @@ ones' time per output token; and whether every request's (greedy) tokens are the
 
     python -m launch.bench.mixed [--model DIR] [--rate-mbit 200] [--long-len 2048]
         [--short-len 32] [--duration 20] [--long-every 2] [--short-every 0.25]
-        [--modes always,auto] [--kv-layerwise auto]                  (root: simulated hosts)
+        [--modes always,auto] [--kv-layerwise auto] [--cores shared|split]   (root)
 
 Host a runs the frontend and a prefill node, host b a decode node (as `pdserve bench
 layerwise`: start_cluster.sh on each, b joining a, host a's link shaped with tc tbf).
@@ -80,6 +80,10 @@ def _client(endpoint: str, a) -> None:
                 "second_s": stamps[1],
                 "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
                 "steady_tpot_s": (stamps[-1] - stamps[1]) / max(len(stamps) - 2, 1),
+                # the longest wait between two of its tokens (a stall behind another's prefill)
+                "max_gap_s": max(b - a for a, b in zip(stamps[1:], stamps[2:]))
+                if len(stamps) > 2
+                else 0.0,
                 "path": (last.timings or {}).get("path"),
                 "tokens": tokens,
                 "parts": {k: v for k, v in (first or {}).items() if k.endswith("_ms")},
@@ -118,8 +122,17 @@ def _client(endpoint: str, a) -> None:
     print(json.dumps({"rows": rows, "paths": paths}), flush=True)
 
 
+def split_cpus(cpus: list[int]) -> dict[str, str]:
+    """Host a's CPUs and host b's for --cores split: each half of these, b the larger."""
+    if len(cpus) < 2:
+        raise SystemExit("bench mixed: --cores split needs at least 2 CPUs")
+    half = len(cpus) // 2
+    return {"a": ",".join(map(str, cpus[:half])), "b": ",".join(map(str, cpus[half:]))}
+
+
 def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> dict:
     env = {**os.environ, **layerwise.ENV}
+    cpus = split_cpus(sorted(os.sched_getaffinity(0))) if a.cores == "split" else {}
     first, second, endpoint = layerwise.start_hosts(
         hosts,
         "mixed",
@@ -139,6 +152,7 @@ def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> dict:
         ],
         logs,
         mode,
+        cpus,
     )
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     args = ["--client", endpoint, "--vocab-size", str(vocab), "--seed", str(a.seed)]
@@ -152,8 +166,13 @@ def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> dict:
         "short_every",
     ):
         args += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+    pin = ["taskset", "-c", cpus["a"]] if cpus else []
     out = hosts.run(
-        "a", [sys.executable, "-m", "launch.bench.mixed", *args], timeout_s=1800, cwd=ROOT, env=env
+        "a",
+        [*pin, sys.executable, "-m", "launch.bench.mixed", *args],
+        timeout_s=1800,
+        cwd=ROOT,
+        env=env,
     )
     for p in (second, first):  # SIGTERM: each drains and stops
         p.terminate()
@@ -185,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-layerwise", default="auto", help="on both hosts")
     p.add_argument("--kv-transfer", default="tcp", help="the backend between the hosts")
     p.add_argument("--seed", type=int, default=0, help="of the prompts and arrivals")
+    p.add_argument(
+        "--cores",
+        choices=("shared", "split"),
+        default="shared",
+        help="shared: both hosts' launchers run on (and budget) every CPU; split: each host on "
+        "half of them (taskset), as two machines would be",
+    )
     p.add_argument(
         "--cluster-arg",
         action="append",
@@ -233,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             "long_steady_tpot_ms_p90": round(
                 1e3 * _pct([r["steady_tpot_s"] for r in long], 0.9), 2
             ),
+            # every request's longest wait between two decoded tokens, at p90
+            "max_gap_ms_p90": round(1e3 * _pct([r["max_gap_s"] for r in got["rows"]], 0.9), 1),
         }
         print(
             json.dumps(
@@ -244,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                     "burst": a.burst,
                     "kv_transfer": a.kv_transfer,
                     "kv_layerwise": a.kv_layerwise,
+                    "cores": a.cores,
                     "long": [a.long_len, a.long_tokens, a.long_every],
                     "short": [a.short_len, a.short_tokens, a.short_every],
                     "num_short": len(short),
