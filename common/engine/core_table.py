@@ -8,6 +8,7 @@ node's own row and the rules for using it).
     stamp   when it last began or ended a pass (time.monotonic, the host's clock)
     start   when its process started (/proc): a pid used again is another process
     want    cores its current pass asked for (it grows into free ones up to this)
+    end     when its current pass is expected to end (0: not known)
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ import numpy as np
 from common.base.procs import is_alive as is_running
 
 MAX_NODES = 64
-PID, SHARE, HELD, STAMP, START, WANT = range(6)
-NUM_COLS = 6
+PID, SHARE, HELD, STAMP, START, WANT, END = range(7)
+NUM_COLS = 7
 LINGER_S = 0.05  # a node that ended a pass this recently is busy: its share is not lent
 WAIT_S = 0.0005  # how often a node owed its share looks again while a borrower gives it back
 DEADLINE_S = 2.0  # the longest a node owed its share waits for a borrower to give it back
-YIELD_S = 2.0  # the longest a yielding pass (a decode step) waits for others' passes to end
+YIELD_S = 0.5  # the longest a yielding pass (a decode step) waits for others' passes to end
+# A step yields only to passes expected to end this soon (or not known): one that runs longer
+# (a long prompt's) it runs beside, else its sequences' next token would wait the whole pass.
+YIELD_AHEAD_S = 0.25
 # how often a yielder looks again: it waits out whole passes, and each look wakes a thread
 # that preempts the pass's own (they run at a lower priority)
 YIELD_POLL_S = 0.002
@@ -82,7 +86,7 @@ def is_same_process(pid: int, start: int) -> bool:
 def is_sane(row: tuple[float, ...], budget: int, now: float) -> bool:
     """Does a row make sense: finite, a pid in range, whole cores within the budget, a
     stamp not in the future? Any other counts for nothing and may be claimed."""
-    pid, share, held, stamp, start, want = row
+    pid, share, held, stamp, start, want, end = row
     return (
         all(map(math.isfinite, row))
         and 1 <= pid <= PID_MAX
@@ -95,6 +99,7 @@ def is_sane(row: tuple[float, ...], budget: int, now: float) -> bool:
         and want.is_integer()
         and stamp <= now + CLOCK_SLACK_S
         and start >= 0
+        and end >= 0
     )
 
 
@@ -114,7 +119,7 @@ def others(table: np.ndarray, budget: int, me: int, now: float) -> list[tuple[in
 def free_cores(table: np.ndarray, budget: int, me: int, now: float, is_alive: IsAlive) -> int:
     """Cores the others neither hold nor are owed (table [MAX_NODES, NUM_COLS]; me: my row)."""
     taken = 0
-    for _, (pid, share, held, stamp, start, _want) in others(table, budget, me, now):
+    for _, (pid, share, held, stamp, start, _want, _end) in others(table, budget, me, now):
         is_busy = held > 0 or now - stamp < LINGER_S
         t = max(held, share if is_busy else 0)
         # NOTE: only a row that takes something is asked whether its process lives (a syscall)
@@ -171,13 +176,16 @@ def decide_yielding(
     passes: passes_in_flight's, read in the same look); 0:
     wait on; -1: yield no more (the passes it waited for ended, and others began: it takes
     its share back as a pass that does not yield would, so a step waits out one pass at
-    most). It runs at once where what it wants is free, or on what is free where every pass
+    most; and at once where a pass it waited for is expected to run past YIELD_AHEAD_S).
+    It runs at once where what it wants is free, or on what is free where every pass
     in flight has what it asked; with no pass in flight it takes what it wants, lingering
     shares included (a node between passes that begins again is given its share back at the
     yielder's next layer)."""
     free = free_cores(table, budget, me, now, is_alive)
     if free >= want:
         return want
+    if any(v[END] > now + YIELD_AHEAD_S for k, v in passes.items() if k in waited_for):
+        return -1  # a pass it waited for will run on: not worth its sequences' wait
     if not passes:
         return min(want, budget)
     if free >= 1 and all(v[HELD] >= v[WANT] for v in passes.values()):

@@ -40,6 +40,7 @@ from common.base.files import is_at
 from common.base.log import get_logger
 from common.engine.core_table import (
     DEADLINE_S,
+    END,
     HELD,
     LINGER_S,
     MAX_NODES,
@@ -108,6 +109,10 @@ class CorePool:
         self.deadline_s = deadline_s
         self.figures = CoreFigures()
         self.held = self.threads = self._want = 0
+        # core-seconds a token of this node's passes took (smoothed; None: none measured), and
+        # the pass under way: (its tokens, when it began, its cores then)
+        self.token_cost_s: float | None = None
+        self._pass: tuple[int, float, int] | None = None
         self._stuck: set = set()  # passes a step waited for that outlived YIELD_S
         self.pid = pid or os.getpid()
         self.start = max(process_start(self.pid) or 0, 0)
@@ -181,7 +186,7 @@ class CorePool:
         )
         self.table = np.zeros((MAX_NODES, NUM_COLS))
         self.budget, self.row = self.share, 0
-        self.table[0] = (self.pid, self.share, 0, self.clock() - LINGER_S, self.start, 0)
+        self.table[0] = (self.pid, self.share, 0, self.clock() - LINGER_S, self.start, 0, 0)
         try:
             self._map.close()
         except BufferError:  # a view of it is still alive: the mapping goes with the process
@@ -196,7 +201,7 @@ class CorePool:
         for row in range(MAX_NODES):
             v = tuple(self.table[row].tolist())
             if not is_sane(v, self.budget, now) or not self.is_alive(int(v[PID]), int(v[START])):
-                self.table[row] = (self.pid, self.share, 0, now - LINGER_S, self.start, 0)
+                self.table[row] = (self.pid, self.share, 0, now - LINGER_S, self.start, 0, 0)
                 return row
         raise RuntimeError(f"core pool {self.name}: more than {MAX_NODES} nodes")
 
@@ -210,7 +215,11 @@ class CorePool:
             self.row = self._claim()
 
     def begin(
-        self, want: int, yields: bool = False, while_waiting: Callable[[float], None] | None = None
+        self,
+        want: int,
+        yields: bool = False,
+        while_waiting: Callable[[float], None] | None = None,
+        num_tokens: int = 0,
     ) -> int:
         """Cores for the next pass, at most min(want, cap); waits while a borrower gives
         this node's share back (at most one of its layers), and no longer than deadline_s:
@@ -222,7 +231,9 @@ class CorePool:
         pass halves both; taking turns runs each on all of them, so a prompt's first token
         comes sooner and the decode batch waits fuller (what a colocated engine's prefill
         chunk does to its decode batch). while_waiting(timeout_s), given, is called between
-        its looks instead of a sleep: the decode node reads its links there."""
+        its looks instead of a sleep: the decode node reads its links there.
+        num_tokens: the pass's prompt tokens (a prefill pass), from which its end is
+        predicted into the table (the rate of this node's passes before it) for yielders."""
         want = self._want = max(1, min(want, self.cap))
         grant = self._yield(want, while_waiting) if yields and want > self.share else 0
         if not grant:
@@ -231,7 +242,21 @@ class CorePool:
         self.figures.num_lent_passes += grant > self.share
         self.set_threads(grant)  # NOTE: always: the pass before may have left others set
         self.held = self.threads = grant
+        if num_tokens > 0:
+            self._pass = (num_tokens, self.clock(), grant)
+            self._predict_end(num_tokens, grant)
         return grant
+
+    def _predict_end(self, num_tokens: int, cores: int) -> None:
+        """Its end, at the rate of this node's passes so far, where a yielder reads it.
+        NOTE: after its grant, on the cores it has: one granted a single core runs twice as
+        long. A yielder that looks before this reads 0 (not known) and waits YIELD_S at most."""
+        cost = self.token_cost_s
+        with self._locked():
+            if self._is_mine():
+                self.table[self.row, END] = (
+                    0.0 if cost is None else self.clock() + num_tokens * cost / cores
+                )
 
     def _yield(self, want: int, while_waiting: Callable[[float], None] | None) -> int:
         """Cores once the passes in flight at the first look have ended (0: not waited
@@ -333,8 +358,15 @@ class CorePool:
     def end(self) -> None:
         with self._locked():
             self._keep_row()
-            self.table[self.row, [HELD, STAMP, WANT]] = 0, self.clock(), 0
+            now = self.clock()
+            self.table[self.row, [HELD, STAMP, WANT, END]] = 0, now, 0, 0
         self.held = 0
+        if self._pass is not None:
+            num_tokens, began, cores = self._pass
+            self._pass = None
+            cost = (now - began) * cores / num_tokens  # NOTE: a pass that shrank counts long
+            old = self.token_cost_s
+            self.token_cost_s = cost if old is None else (old + cost) / 2
 
     def _apply(self, grant: int) -> None:
         if grant != self.threads:

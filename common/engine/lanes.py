@@ -215,9 +215,11 @@ class Lanes:
         NOTE: on lanes either way: their lower priority lets the frontend and decode steps
         sharing these cores run first (at the same priority those lost 25-40% of TPOT)."""
         is_split = len(self.split(chunks)) > 1
+        num_tokens = sum(len(c.token_ids) for c in chunks)  # its end, predicted for yielders
         if want > 1 and (is_chunk_heavy or not is_split):
-            return self.forward_whole(chunks, cores.begin(want), cores.between_layers, on_layers)
-        cores.begin(min(want, len(chunks)))
+            grant = cores.begin(want, num_tokens=num_tokens)
+            return self.forward_whole(chunks, grant, cores.between_layers, on_layers)
+        cores.begin(min(want, len(chunks)), num_tokens=num_tokens)
         torch.set_num_threads(1)
         return self.forward(chunks, self.num_lanes if is_split else 1, on_layers)
 

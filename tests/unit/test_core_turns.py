@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from common.engine import cores
-from common.engine.core_table import YIELD_S
+from common.engine.core_table import YIELD_AHEAD_S, YIELD_S
 from common.engine.cores import MAX_NODES, NUM_COLS, CorePool
 
 
@@ -263,3 +263,52 @@ def test_a_step_granted_at_its_first_look_counts_no_yield(host):
         assert decode.begin(2, yields=True) == 2
         decode.end()
     assert decode.figures.num_yields == 0 and decode.figures.yield_s == 0
+
+
+def test_a_step_runs_beside_a_pass_predicted_to_run_past_yield_ahead_s(host, monkeypatch):
+    """A step waited out a whole prefill pass (up to 2 s for a long prompt's), so its
+    sequences' next token waited as long. A prefill pass now writes when it should end, at
+    its node's measured rate: a step waits for one that ends within YIELD_AHEAD_S and
+    runs beside one that ends later, on its share, at once."""
+    table, clock, prefill, decode = host
+    assert prefill.begin(2, num_tokens=100) == 2  # its first pass: no rate, no end known
+    assert table[prefill.row, cores.END] == 0
+    clock.now += 0.1  # 100 tokens in 0.1 s on 2 cores: 2 ms of a core a token
+    prefill.end()
+    assert prefill.token_cost_s == pytest.approx(0.002) and table[prefill.row, cores.END] == 0
+    clock.now += 1.0
+
+    # a long prompt's pass, predicted 1,000 tokens * 2 ms / 2 cores = 1 s: not waited for
+    assert prefill.begin(2, num_tokens=1000) == 2
+    assert table[prefill.row, cores.END] == pytest.approx(clock.now + 1.0)
+    layers = []
+
+    def a_layer(_s):  # the pass goes on, a layer every 10 ms
+        clock.now += 0.01
+        layers.append(clock.now)
+        prefill.between_layers()
+
+    monkeypatch.setattr(cores.time, "sleep", a_layer)
+    assert decode.begin(2, yields=True) == 1  # its share, back at the pass's next layer
+    assert len(layers) == 1 and decode.figures.num_yields == 0
+    assert prefill.held == 1 and held(table) == 2
+    decode.end()
+    prefill.end()
+    clock.now += 1.0
+
+    # a short prompt's pass, predicted 100 tokens * ~2 ms / 2 cores: waited for
+    assert prefill.begin(2, num_tokens=100) == 2
+    assert table[prefill.row, cores.END] - clock.now < YIELD_AHEAD_S
+    seen = run_layers(monkeypatch, clock, prefill, num_layers=10)
+    assert decode.begin(2, yields=True) == 2 and seen == [2] * 10
+    assert decode.figures.num_yields == 1
+
+
+def test_a_pass_granted_fewer_cores_is_predicted_to_run_longer(host):
+    """The end is predicted on the cores the pass was granted: beside a step holding its
+    share, a pass on one core runs twice as long as on two."""
+    table, clock, prefill, decode = host
+    prefill.token_cost_s = 0.002
+    assert decode.begin(1, yields=True) == 1  # a step on its share
+    assert prefill.begin(2, num_tokens=100) == 1  # what is free
+    assert table[prefill.row, cores.END] == pytest.approx(clock.now + 0.2)

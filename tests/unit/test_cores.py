@@ -134,7 +134,7 @@ def test_more_nodes_than_cores_each_runs_on_one_and_the_dead_count_for_nothing()
     for p in pools:
         p.end()
     clock.now += 1.0
-    table[10] = (99, 1, 2, clock(), 0, 2)  # a node that died holding two cores
+    table[10] = (99, 1, 2, clock(), 0, 2, 0)  # a node that died holding two cores
     assert pools[0].begin(2) == 2
 
 
@@ -284,15 +284,16 @@ def test_rows_that_make_no_sense_count_for_nothing(bounded):
     asked = []
     bad = [
         (np.nan,) * NUM_COLS,
-        (-1, 1, 2, 0, 0, 0),
-        (1e30, 1, 2, 0, 0, 0),
-        (7, 1, np.inf, 0, 0, 0),
-        (7, 1, 1e9, 0, 0, 0),
-        (7, 0.5, 2, 0, 0, 0),
-        (7, 1, 2, 1e12, 0, 0),
-        (7, 1, 2, 0, -5, 0),
-        (7, 1, 2, 0, 0, 1e9),
-        (7, 1, 2, 0, 0, 0.5),
+        (-1, 1, 2, 0, 0, 0, 0),
+        (1e30, 1, 2, 0, 0, 0, 0),
+        (7, 1, np.inf, 0, 0, 0, 0),
+        (7, 1, 1e9, 0, 0, 0, 0),
+        (7, 0.5, 2, 0, 0, 0, 0),
+        (7, 1, 2, 1e12, 0, 0, 0),
+        (7, 1, 2, 0, -5, 0, 0),
+        (7, 1, 2, 0, 0, 1e9, 0),
+        (7, 1, 2, 0, 0, 0.5, 0),
+        (7, 1, 2, 0, 0, 0, -1),
     ]
     table[MAX_NODES - len(bad) :] = bad
     pool = CorePool(
@@ -309,14 +310,14 @@ def test_rows_that_make_no_sense_count_for_nothing(bounded):
     assert pool.begin(2) == 2 and pool.figures.num_waits == 0
     pool.between_layers()
     assert pool.held == 2 and asked == []
-    table[: MAX_NODES - len(bad)] = (5, 1, 0, bounded(), 0, 0)  # the sane rows all taken
+    table[: MAX_NODES - len(bad)] = (5, 1, 0, bounded(), 0, 0, 0)  # the sane rows all taken
     assert CorePool(
         "t", 2, 1, 2, print, clock=bounded, table=table, pid=2, is_alive=lambda *_: True
     ).row == MAX_NODES - len(bad)  # a junk row is claimed
 
 
 def _borrower_row(table: np.ndarray, pid: int, start: int, clock) -> None:
-    table[5] = (pid, 1, 2, clock(), start, 2)  # holds both cores, one past its share
+    table[5] = (pid, 1, 2, clock(), start, 2, 0)  # holds both cores, one past its share
 
 
 @pytest.mark.parametrize("is_stopped", [True, False])
