@@ -129,8 +129,11 @@ class CpuPlatform(Platform):
             os.close(fd)
 
         def close() -> None:
+            nonlocal mapping
+            m, mapping = mapping, None  # NOTE: else this closure kept the pages mapped
             try:
-                mapping.close()
+                if m is not None:
+                    m.close()
             except BufferError:  # a tensor over it lives: the pages go with its last view
                 pass
 
