@@ -9,14 +9,13 @@ node's own row and the rules for using it).
     start   when its process started (/proc): a pid used again is another process
     want    cores its current pass asked for (it grows into free ones up to this)
     end     when its current pass is expected to end (0: not known)
+    seqs    the sequences its current pass serves: a prefill pass's prompts, a step's batch
 """
 
 from __future__ import annotations
 
-import errno
 import math
 import os
-import stat
 import time
 from typing import Callable
 
@@ -25,15 +24,17 @@ import numpy as np
 from common.base.procs import is_alive as is_running
 
 MAX_NODES = 64
-PID, SHARE, HELD, STAMP, START, WANT, END = range(7)
-NUM_COLS = 7
+PID, SHARE, HELD, STAMP, START, WANT, END, SEQS = range(8)
+NUM_COLS = 8
 LINGER_S = 0.05  # a node that ended a pass this recently is busy: its share is not lent
 WAIT_S = 0.0005  # how often a node owed its share looks again while a borrower gives it back
 DEADLINE_S = 2.0  # the longest a node owed its share waits for a borrower to give it back
-YIELD_S = 0.5  # the longest a yielding pass (a decode step) waits for others' passes to end
-# A step yields only to passes expected to end this soon (or not known): one that runs longer
-# (a long prompt's) it runs beside, else its sequences' next token would wait the whole pass.
+# A step waits out a pass that serves more sequences than its own batch (their first tokens
+# against its sequences' next), or that is expected to end within YIELD_AHEAD_S (or not
+# known); beside a longer one (a long prompt's) it runs on its share at once, else its
+# sequences' next token would wait the whole pass. It waits YIELD_S at most.
 YIELD_AHEAD_S = 0.25
+YIELD_S = 0.5
 # how often a yielder looks again: it waits out whole passes, and each look wakes a thread
 # that preempts the pass's own (they run at a lower priority)
 YIELD_POLL_S = 0.002
@@ -86,9 +87,9 @@ def is_same_process(pid: int, start: int) -> bool:
 def is_sane(row: tuple[float, ...], budget: int, now: float) -> bool:
     """Does a row make sense: finite, a pid in range, whole cores within the budget, a
     stamp not in the future? Any other counts for nothing and may be claimed."""
-    pid, share, held, stamp, start, want, end = row
+    pid, share, held, stamp, start, want, _end, _seqs = row  # NOTE: hints, read as given
     return (
-        all(map(math.isfinite, row))
+        all(map(math.isfinite, row[:END]))
         and 1 <= pid <= PID_MAX
         and pid.is_integer()
         and 1 <= share <= budget
@@ -99,7 +100,6 @@ def is_sane(row: tuple[float, ...], budget: int, now: float) -> bool:
         and want.is_integer()
         and stamp <= now + CLOCK_SLACK_S
         and start >= 0
-        and end >= 0
     )
 
 
@@ -119,7 +119,7 @@ def others(table: np.ndarray, budget: int, me: int, now: float) -> list[tuple[in
 def free_cores(table: np.ndarray, budget: int, me: int, now: float, is_alive: IsAlive) -> int:
     """Cores the others neither hold nor are owed (table [MAX_NODES, NUM_COLS]; me: my row)."""
     taken = 0
-    for _, (pid, share, held, stamp, start, _want, _end) in others(table, budget, me, now):
+    for _, (pid, share, held, stamp, start, *_) in others(table, budget, me, now):
         is_busy = held > 0 or now - stamp < LINGER_S
         t = max(held, share if is_busy else 0)
         # NOTE: only a row that takes something is asked whether its process lives (a syscall)
@@ -171,21 +171,21 @@ def decide_yielding(
     is_alive: IsAlive,
     passes: dict[Pass, tuple],
     waited_for: set[Pass],
+    num_seqs: int = 0,
 ) -> int:
     """Cores for a pass that yields to the passes in flight it first saw (waited_for, of
-    passes: passes_in_flight's, read in the same look); 0:
-    wait on; -1: yield no more (the passes it waited for ended, and others began: it takes
-    its share back as a pass that does not yield would, so a step waits out one pass at
-    most; and at once where a pass it waited for is expected to run past YIELD_AHEAD_S).
-    It runs at once where what it wants is free, or on what is free where every pass
-    in flight has what it asked; with no pass in flight it takes what it wants, lingering
-    shares included (a node between passes that begins again is given its share back at the
-    yielder's next layer)."""
+    passes: passes_in_flight's, read in the same look); 0: wait on; -1: yield no more (the
+    passes it waited for ended and others began, or one it waited for is not worth it:
+    is_not_worth_waiting; it takes its share back as a pass that does not yield would, so a
+    step waits out one pass at most). num_seqs: the yielder's batch. It runs at once where
+    what it wants is free, or on what is free where every pass in flight has what it asked;
+    with no pass in flight it takes what it wants, lingering shares included (a node between
+    passes that begins again is given its share back at the yielder's next layer)."""
     free = free_cores(table, budget, me, now, is_alive)
     if free >= want:
         return want
-    if any(v[END] > now + YIELD_AHEAD_S for k, v in passes.items() if k in waited_for):
-        return -1  # a pass it waited for will run on: not worth its sequences' wait
+    if any(is_not_worth_waiting(v, now, num_seqs) for k, v in passes.items() if k in waited_for):
+        return -1
     if not passes:
         return min(want, budget)
     if free >= 1 and all(v[HELD] >= v[WANT] for v in passes.values()):
@@ -193,47 +193,25 @@ def decide_yielding(
     return 0 if waited_for & passes.keys() else -1
 
 
-# ---- the table's file ---------------------------------------------------------------
+def is_not_worth_waiting(v: tuple, now: float, num_seqs: int) -> bool:
+    """Does a pass in flight (its row's values) run on past YIELD_AHEAD_S, serving no more
+    sequences than a step of num_seqs would keep waiting? Then the step runs beside it.
+    NOTE: junk (NaN, negative) reads as not known: waited for, YIELD_S at most."""
+    ends, seqs = v[END], v[SEQS]
+    return ends > now + YIELD_AHEAD_S and 0 < seqs <= num_seqs
 
 
-def open_table(path: str) -> int:
-    """A descriptor of the table at path, made here or opened; OSError naming why for
-    anything but a plain file of this user's that no one else may write (a link, a file
-    another user planted under the name: its rows are never read)."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _ in range(3):  # NOTE: the last node out may remove it between the two opens
-        try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
-            break
-        except FileExistsError:
-            pass
-        try:
-            fd = os.open(path, flags)
-            break
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            raise OSError(
-                e.errno,
-                f"{path} is a symbolic link" if e.errno == errno.ELOOP else f"{path}: {e.strerror}",
-            ) from None
-    else:
-        raise OSError(errno.EAGAIN, f"{path} was removed and made again as it was opened")
-    st = os.fstat(fd)
-    why = (
-        "is not a plain file"
-        if not stat.S_ISREG(st.st_mode)
-        else f"belongs to uid {st.st_uid}, not {os.getuid()}"
-        if st.st_uid != os.getuid()
-        else f"has mode {st.st_mode & 0o777:o}: others may write it"
-        if st.st_mode & 0o077
-        else f"has {st.st_nlink} names"
-        if st.st_nlink != 1
-        else ""
-    )
-    if why:
-        os.close(fd)
-        raise OSError(errno.EPERM, f"{path} {why}")
-    if st.st_size < TABLE_BYTES:
-        os.ftruncate(fd, TABLE_BYTES)
-    return fd
+def fresh_row(pid: int, share: int, start: int, now: float) -> tuple:
+    """A node's row between passes (idle: its share lent)."""
+    return (pid, share, 0, now - LINGER_S, start) + (0,) * (NUM_COLS - START - 1)
+
+
+def claim_row(table: np.ndarray, budget: int, row: tuple, now: float, is_alive: IsAlive) -> int:
+    """The index of a row given to `row`'s values: a free one, one that makes no sense, or
+    one whose process is gone (the table locked); RuntimeError where none is."""
+    for r in range(MAX_NODES):
+        v = tuple(table[r].tolist())
+        if not is_sane(v, budget, now) or not is_alive(int(v[PID]), int(v[START])):
+            table[r] = row
+            return r
+    raise RuntimeError(f"more than {MAX_NODES} nodes")

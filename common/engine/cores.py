@@ -15,20 +15,18 @@ put more nodes than cores (shares of one each above the budget) does a node run 
 core unasked, as it would with no table. The decision reads the table alone: no
 message to anyone, a few microseconds a pass.
 
-The table is this user's alone: made with O_EXCL, opened with O_NOFOLLOW, and used only
-while it is a plain file of ours that no one else may write; else the node runs on its
-share alone (a fixed split, as --no-core-sharing gives). A row that makes no sense (not
-finite, a pid out of range, more cores than the budget) counts for nothing. A node owed
-its share waits for a borrower at most deadline_s: one that has not given back by then
-(stopped, hung, not a node at all) loses its row, and the waiter runs.
+Decode steps and prefill passes take turns (begin(yields=True)): a step that wants more
+than its share waits out the passes in flight, each then running on every core rather than
+both on half, unless one runs on past YIELD_AHEAD_S for fewer sequences than the step's.
+
+The table's file is this user's alone (core_file.py), else a node runs on its share alone.
+A row that makes no sense counts for nothing. A node owed its share waits for a borrower at
+most deadline_s: one that has not given back by then loses its row, and the waiter runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import mmap
 import os
 import time
 from dataclasses import dataclass
@@ -36,8 +34,8 @@ from typing import Callable
 
 import numpy as np
 
-from common.base.files import is_at
 from common.base.log import get_logger
+from common.engine.core_file import TableFile
 from common.engine.core_table import (
     DEADLINE_S,
     END,
@@ -46,26 +44,27 @@ from common.engine.core_table import (
     MAX_NODES,
     NUM_COLS,
     PID,
+    SEQS,
     SHARE,
     SHM_DIR,
     STAMP,
     START,
-    TABLE_BYTES,
     WAIT_S,
     WANT,
     YIELD_POLL_S,
     YIELD_S,
     IsAlive,
+    claim_row,
     decide,
     decide_yielding,
     free_cores,
+    fresh_row,
     is_same_process,
-    is_sane,
     lent_rows,
-    open_table,
     passes_in_flight,
     process_start,
 )
+from common.engine.pass_time import PassTime
 
 log = get_logger("cores")
 
@@ -109,10 +108,7 @@ class CorePool:
         self.deadline_s = deadline_s
         self.figures = CoreFigures()
         self.held = self.threads = self._want = 0
-        # core-seconds a token of this node's passes took (smoothed; None: none measured), and
-        # the pass under way: (its tokens, when it began, its cores then)
-        self.token_cost_s: float | None = None
-        self._pass: tuple[int, float, int] | None = None
+        self.pass_time = PassTime()  # a prefill pass's predicted end, for yielders
         self._stuck: set = set()  # passes a step waited for that outlived YIELD_S
         self.pid = pid or os.getpid()
         self.start = max(process_start(self.pid) or 0, 0)
@@ -127,16 +123,9 @@ class CorePool:
     def _open(self) -> np.ndarray:
         """The host's table; where it is not safely ours, one of this node's own, on its
         share alone (no lending either way: the others' rows are never read)."""
+        file = TableFile(self.path)
         try:
-            for _ in range(3):
-                fd = open_table(self.path)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                if is_at(self.path, fd):  # NOTE: else the last node out removed it: again
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                    break
-                os.close(fd)
-            else:
-                raise OSError(errno.EAGAIN, f"{self.path} was removed as it was opened, 3 times")
+            table = file.open()
         except OSError as e:
             log.warning(
                 "core pool %s: not shared: %s; this node runs on its share of %d core(s) alone",
@@ -146,9 +135,8 @@ class CorePool:
             )
             self.budget = self.share
             return np.zeros((MAX_NODES, NUM_COLS))
-        self._file = fd
-        self._map = mmap.mmap(fd, TABLE_BYTES)
-        return np.frombuffer(self._map, dtype=np.float64).reshape(MAX_NODES, NUM_COLS)
+        self._file = file
+        return table
 
     @contextlib.contextmanager
     def _locked(self):
@@ -158,22 +146,14 @@ class CorePool:
         share alone."""
         if self._file is None:
             yield
-            return
-        give_up_at = time.monotonic() + self.deadline_s
-        while True:
-            try:
-                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= give_up_at:
-                    self._leave(f"its lock was held for more than {self.deadline_s:g}s")
-                    yield
-                    return
-                time.sleep(WAIT_S)
-        try:
+        elif not self._file.lock(self.deadline_s):
+            self._leave(f"its lock was held for more than {self.deadline_s:g}s")
             yield
-        finally:
-            fcntl.flock(self._file, fcntl.LOCK_UN)
+        else:
+            try:
+                yield
+            finally:
+                self._file.unlock()
 
     def _leave(self, why: str) -> None:
         """Off the host's table, for good: this node's own, on its share alone."""
@@ -186,24 +166,18 @@ class CorePool:
         )
         self.table = np.zeros((MAX_NODES, NUM_COLS))
         self.budget, self.row = self.share, 0
-        self.table[0] = (self.pid, self.share, 0, self.clock() - LINGER_S, self.start, 0, 0)
-        try:
-            self._map.close()
-        except BufferError:  # a view of it is still alive: the mapping goes with the process
-            pass
-        os.close(self._file)
+        self.table[0] = fresh_row(self.pid, self.share, self.start, self.clock())
+        self._file.close()
         self._file = None
 
     def _claim(self) -> int:
-        """A row for this process (the table locked): a free one, one that makes no sense,
-        or one whose process is gone."""
+        """A row for this process (the table locked)."""
         now = self.clock()
-        for row in range(MAX_NODES):
-            v = tuple(self.table[row].tolist())
-            if not is_sane(v, self.budget, now) or not self.is_alive(int(v[PID]), int(v[START])):
-                self.table[row] = (self.pid, self.share, 0, now - LINGER_S, self.start, 0, 0)
-                return row
-        raise RuntimeError(f"core pool {self.name}: more than {MAX_NODES} nodes")
+        me = fresh_row(self.pid, self.share, self.start, now)
+        try:
+            return claim_row(self.table, self.budget, me, now, self.is_alive)
+        except RuntimeError as e:
+            raise RuntimeError(f"core pool {self.name}: {e}") from None
 
     def _is_mine(self) -> bool:
         return self.table[self.row, PID] == self.pid and self.table[self.row, START] == self.start
@@ -220,22 +194,21 @@ class CorePool:
         yields: bool = False,
         while_waiting: Callable[[float], None] | None = None,
         num_tokens: int = 0,
+        num_seqs: int = 0,
     ) -> int:
         """Cores for the next pass, at most min(want, cap); waits while a borrower gives
         this node's share back (at most one of its layers), and no longer than deadline_s:
         a borrower that has not given back by then loses its row.
 
-        A pass that yields (a decode step) and wants more than its share first waits out the
-        passes in flight (_yield), rather than take its share back from them and run beside
-        them on less than it wants. NOTE: on a host of few cores, running beside a prefill
-        pass halves both; taking turns runs each on all of them, so a prompt's first token
-        comes sooner and the decode batch waits fuller (what a colocated engine's prefill
-        chunk does to its decode batch). while_waiting(timeout_s), given, is called between
-        its looks instead of a sleep: the decode node reads its links there.
-        num_tokens: the pass's prompt tokens (a prefill pass), from which its end is
-        predicted into the table (the rate of this node's passes before it) for yielders."""
+        A pass that yields (a decode step) and wants more than its share takes turns with the
+        passes in flight (_yield) rather than run beside them on less. NOTE: on a host of few
+        cores, running beside a prefill pass halves both; turns run each on all of them.
+        while_waiting(timeout_s), given, is called between its looks instead of a sleep: the
+        decode node reads its links there. num_tokens: a prefill pass's prompt tokens, from
+        which its end is predicted (this node's rate so far) for yielders to read; num_seqs:
+        the sequences the pass serves (a prefill pass's prompts, a step's batch)."""
         want = self._want = max(1, min(want, self.cap))
-        grant = self._yield(want, while_waiting) if yields and want > self.share else 0
+        grant = self._yield(want, while_waiting, num_seqs) if yields and want > self.share else 0
         if not grant:
             grant = self._wait_for_share(want)
         self.figures.num_passes += 1
@@ -243,27 +216,21 @@ class CorePool:
         self.set_threads(grant)  # NOTE: always: the pass before may have left others set
         self.held = self.threads = grant
         if num_tokens > 0:
-            self._pass = (num_tokens, self.clock(), grant)
-            self._predict_end(num_tokens, grant)
+            with self._locked():  # NOTE: a yielder that looks before this reads 0: not known
+                if self._is_mine():
+                    now = self.clock()
+                    ends = self.pass_time.begin(num_tokens, grant, now)
+                    self.table[self.row, [END, SEQS]] = ends, num_seqs
         return grant
 
-    def _predict_end(self, num_tokens: int, cores: int) -> None:
-        """Its end, at the rate of this node's passes so far, where a yielder reads it.
-        NOTE: after its grant, on the cores it has: one granted a single core runs twice as
-        long. A yielder that looks before this reads 0 (not known) and waits YIELD_S at most."""
-        cost = self.token_cost_s
-        with self._locked():
-            if self._is_mine():
-                self.table[self.row, END] = (
-                    0.0 if cost is None else self.clock() + num_tokens * cost / cores
-                )
-
-    def _yield(self, want: int, while_waiting: Callable[[float], None] | None) -> int:
-        """Cores once the passes in flight at the first look have ended (0: not waited
-        for: one of those passes outlived YIELD_S, or a new pass began meanwhile; it asks
-        as a pass that does not yield). Its row looks idle meanwhile: its share is theirs.
-        NOTE: a step waits out one pass at most (its tokens' latency: a pass and a step);
-        and a pass that outlived YIELD_S (its node stopped or hung) is not waited for again."""
+    def _yield(
+        self, want: int, while_waiting: Callable[[float], None] | None, num_seqs: int
+    ) -> int:
+        """Cores once the passes in flight at the first look have ended (0: not waited for:
+        one is not worth it, outlived YIELD_S, or a new pass began meanwhile; it asks as a pass
+        that does not yield). Its row looks idle meanwhile: its share is theirs. NOTE: a step
+        waits out one pass at most (its tokens' latency), and never again one that outlived
+        YIELD_S (its node stopped or hung)."""
         waited_for: set | None = None
         started = now = self.clock()
         has_waited = False
@@ -275,7 +242,7 @@ class CorePool:
                 if waited_for is None:
                     waited_for = set(passes) - self._stuck
                 seen = (self.table, self.budget, self.row, want, now, self.is_alive)
-                grant = decide_yielding(*seen, passes, waited_for)
+                grant = decide_yielding(*seen, passes, waited_for, num_seqs)
                 if grant > 0:
                     self.table[self.row, [HELD, STAMP, WANT]] = grant, now, min(want, self.budget)
                     break
@@ -343,6 +310,7 @@ class CorePool:
         """A borrower gives back what another node is now owed (never below one core);
         a node that started short takes what has come free, up to what its pass wants.
         (num_done: the forward's count of layers done, not needed here.)"""
+        t = self.pass_time
         free = free_cores(self.table, self.budget, self.row, self.clock(), self.is_alive)
         if max(1, min(self._want, free)) == self.held and self._is_mine():
             return  # NOTE: the common case reads the table without its lock
@@ -352,6 +320,8 @@ class CorePool:
             free = free_cores(self.table, self.budget, self.row, now, self.is_alive)
             grant = max(1, min(self._want, free))
             self.table[self.row, HELD] = grant  # NOTE: the stamp stays: it names the pass
+            if t.is_running and grant != self.held:
+                self.table[self.row, END] = t.resize(grant, now)
         self.figures.num_shrinks += grant < self.held
         self._apply(grant)
 
@@ -359,14 +329,10 @@ class CorePool:
         with self._locked():
             self._keep_row()
             now = self.clock()
-            self.table[self.row, [HELD, STAMP, WANT, END]] = 0, now, 0, 0
+            self.table[self.row, [HELD, STAMP, WANT, END, SEQS]] = 0, now, 0, 0, 0
         self.held = 0
-        if self._pass is not None:
-            num_tokens, began, cores = self._pass
-            self._pass = None
-            cost = (now - began) * cores / num_tokens  # NOTE: a pass that shrank counts long
-            old = self.token_cost_s
-            self.token_cost_s = cost if old is None else (old + cost) / 2
+        if self.pass_time.is_running:
+            self.pass_time.end(now)
 
     def _apply(self, grant: int) -> None:
         if grant != self.threads:
@@ -393,15 +359,9 @@ class CorePool:
         with self._locked():
             if self._is_mine():
                 self.table[self.row] = 0
-            # NOTE: the last node out removes the table, if the name is still this file
-            if (
-                self._file is not None
-                and not self.table[:, PID].any()
-                and is_at(self.path, self._file)
-            ):
-                os.unlink(self.path)
+            if self._file is not None:
+                self._file.remove_if_empty(self.table)
         if self._file is not None:
             self.table = np.zeros_like(self.table)  # NOTE: drop the view before the map closes
-            self._map.close()
-            os.close(self._file)
+            self._file.close()
             self._file = None

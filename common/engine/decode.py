@@ -253,7 +253,7 @@ class DecodeBatch:
                     torch.set_num_threads(1)
             else:
                 reads = self.while_yielding and self._read_while_yielding
-                self.cores.begin(self.threads_worth(n), True, reads)
+                self.cores.begin(self.threads_worth(n), True, reads, num_seqs=n)
                 t0 = time.perf_counter()  # NOTE: waiting for cores is not the step's time
                 try:
                     self._run(

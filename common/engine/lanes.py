@@ -217,9 +217,9 @@ class Lanes:
         is_split = len(self.split(chunks)) > 1
         num_tokens = sum(len(c.token_ids) for c in chunks)  # its end, predicted for yielders
         if want > 1 and (is_chunk_heavy or not is_split):
-            grant = cores.begin(want, num_tokens=num_tokens)
+            grant = cores.begin(want, num_tokens=num_tokens, num_seqs=len(chunks))
             return self.forward_whole(chunks, grant, cores.between_layers, on_layers)
-        cores.begin(min(want, len(chunks)), num_tokens=num_tokens)
+        cores.begin(min(want, len(chunks)), num_tokens=num_tokens, num_seqs=len(chunks))
         torch.set_num_threads(1)
         return self.forward(chunks, self.num_lanes if is_split else 1, on_layers)
 

@@ -231,7 +231,7 @@ class DeviceWorker:
             )
             return self.lanes.forward_shared(chunks, self.cores, want, is_chunk_heavy, on_layers)
         if self.cores is not None:
-            self.cores.begin(1)
+            self.cores.begin(1, num_tokens=num_tokens, num_seqs=len(chunks))
         every = list(range(len(chunks)))
         return self._forward_chunks(
             chunks, kv_written=on_layers and (lambda n: on_layers(every, n))

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from common.engine import cores
-from common.engine.core_table import YIELD_AHEAD_S, YIELD_S
+from common.engine.core_table import YIELD_S
 from common.engine.cores import MAX_NODES, NUM_COLS, CorePool
+from common.engine.pass_time import PassTime
 
 
 class Clock:
@@ -265,42 +266,55 @@ def test_a_step_granted_at_its_first_look_counts_no_yield(host):
     assert decode.figures.num_yields == 0 and decode.figures.yield_s == 0
 
 
-def test_a_step_runs_beside_a_pass_predicted_to_run_past_yield_ahead_s(host, monkeypatch):
-    """A step waited out a whole prefill pass (up to 2 s for a long prompt's), so its
-    sequences' next token waited as long. A prefill pass now writes when it should end, at
-    its node's measured rate: a step waits for one that ends within YIELD_AHEAD_S and
-    runs beside one that ends later, on its share, at once."""
+def test_a_pass_writes_its_predicted_end_and_a_step_waits_for_a_short_one(host, monkeypatch):
+    """A prefill pass writes when it should end, at its node's measured core-seconds a
+    token (none before its first pass); a step waits out a pass that ends soon."""
     table, clock, prefill, decode = host
     assert prefill.begin(2, num_tokens=100) == 2  # its first pass: no rate, no end known
     assert table[prefill.row, cores.END] == 0
     clock.now += 0.1  # 100 tokens in 0.1 s on 2 cores: 2 ms of a core a token
     prefill.end()
-    assert prefill.token_cost_s == pytest.approx(0.002) and table[prefill.row, cores.END] == 0
+    assert (
+        prefill.pass_time.token_cost_s == pytest.approx(0.002)
+        and table[prefill.row, cores.END] == 0
+    )
     clock.now += 1.0
+    assert prefill.begin(2, num_tokens=100) == 2  # predicted 100 * 2 ms / 2 cores = 0.1 s
+    assert table[prefill.row, cores.END] == pytest.approx(clock.now + 0.1)
+    seen = run_layers(monkeypatch, clock, prefill, num_layers=10)
+    assert decode.begin(2, yields=True) == 2 and seen == [2] * 10
+    assert decode.figures.num_yields == 1
 
-    # a long prompt's pass, predicted 1,000 tokens * 2 ms / 2 cores = 1 s: not waited for
-    assert prefill.begin(2, num_tokens=1000) == 2
+
+def test_a_step_runs_beside_a_long_pass_for_no_more_sequences_than_its_own(host, monkeypatch):
+    """A step waited out a whole prefill pass (up to 2 s for a long prompt's), and its
+    sequences' next token as long. A pass predicted to run past YIELD_AHEAD_S for no more
+    sequences than the step's batch (their first tokens against its next ones) is not
+    waited for: the step runs at once on its share, taken back at the pass's next layer."""
+    table, clock, prefill, decode = host
+    prefill.pass_time.token_cost_s = 0.002
+    assert prefill.begin(2, num_tokens=1000, num_seqs=1) == 2  # 1 s on two cores
     assert table[prefill.row, cores.END] == pytest.approx(clock.now + 1.0)
     layers = []
 
-    def a_layer(_s):  # the pass goes on, a layer every 10 ms
+    def a_layer(_s):
         clock.now += 0.01
         layers.append(clock.now)
         prefill.between_layers()
 
     monkeypatch.setattr(cores.time, "sleep", a_layer)
-    assert decode.begin(2, yields=True) == 1  # its share, back at the pass's next layer
-    assert len(layers) == 1 and decode.figures.num_yields == 0
-    assert prefill.held == 1 and held(table) == 2
-    decode.end()
-    prefill.end()
-    clock.now += 1.0
+    assert decode.begin(2, yields=True, num_seqs=1) == 1
+    assert len(layers) == 1 and decode.figures.num_yields == 0 and prefill.held == 1
 
-    # a short prompt's pass, predicted 100 tokens * ~2 ms / 2 cores: waited for
-    assert prefill.begin(2, num_tokens=100) == 2
-    assert table[prefill.row, cores.END] - clock.now < YIELD_AHEAD_S
-    seen = run_layers(monkeypatch, clock, prefill, num_layers=10)
-    assert decode.begin(2, yields=True) == 2 and seen == [2] * 10
+
+def test_a_step_waits_out_a_long_pass_for_more_sequences_than_its_own(host, monkeypatch):
+    """A pass of many prompts (a burst's) is waited for however long: their first tokens
+    count for more than the step's few sequences' next ones (and the batch fills)."""
+    table, clock, prefill, decode = host
+    prefill.pass_time.token_cost_s = 0.002
+    assert prefill.begin(2, num_tokens=1000, num_seqs=8) == 2
+    seen = run_layers(monkeypatch, clock, prefill, num_layers=30)
+    assert decode.begin(2, yields=True, num_seqs=2) == 2 and seen == [2] * 30
     assert decode.figures.num_yields == 1
 
 
@@ -308,7 +322,34 @@ def test_a_pass_granted_fewer_cores_is_predicted_to_run_longer(host):
     """The end is predicted on the cores the pass was granted: beside a step holding its
     share, a pass on one core runs twice as long as on two."""
     table, clock, prefill, decode = host
-    prefill.token_cost_s = 0.002
+    prefill.pass_time.token_cost_s = 0.002
     assert decode.begin(1, yields=True) == 1  # a step on its share
     assert prefill.begin(2, num_tokens=100) == 1  # what is free
     assert table[prefill.row, cores.END] == pytest.approx(clock.now + 0.2)
+
+
+def test_a_pass_that_shrinks_moves_its_end_and_counts_the_cores_it_held(host):
+    """The end was predicted once, on the cores first granted: a pass that then shrank to
+    one ran twice as long as written, and steps took it for one about to end. It moves
+    with each change of cores, and the node's rate counts the core-seconds held."""
+    table, clock, prefill, decode = host
+    prefill.pass_time.token_cost_s = 0.002
+    assert prefill.begin(2, num_tokens=1000) == 2  # 2 core-seconds: 1 s on two
+    clock.now += 0.2  # 0.4 core-seconds done, 1.6 left
+    table[decode.row, [cores.HELD, cores.STAMP]] = 1, clock.now  # a step took its share
+    prefill.between_layers()
+    assert prefill.held == 1
+    assert table[prefill.row, cores.END] == pytest.approx(clock.now + 1.6)
+    clock.now += 1.6
+    prefill.end()
+    assert prefill.pass_time.token_cost_s == pytest.approx(0.002)  # (0.4 + 1.6) / 1000
+
+
+def test_pass_time_predicts_from_the_core_seconds_a_pass_held():
+    t = PassTime()
+    assert t.begin(100, 2, now=10.0) == 0  # no rate yet: not known
+    assert t.resize(1, now=10.5) == 0  # 1 core-second, then on one core
+    t.end(now=11.5)  # 1 + 1 core-seconds for 100 tokens
+    assert t.token_cost_s == pytest.approx(0.02) and not t.is_running
+    assert t.begin(100, 2, now=20.0) == pytest.approx(21.0)  # 2 core-seconds on 2
+    assert t.resize(1, now=20.5) == pytest.approx(21.5)  # 1 core-second left, on one

@@ -134,7 +134,7 @@ def test_more_nodes_than_cores_each_runs_on_one_and_the_dead_count_for_nothing()
     for p in pools:
         p.end()
     clock.now += 1.0
-    table[10] = (99, 1, 2, clock(), 0, 2, 0)  # a node that died holding two cores
+    table[10] = (99, 1, 2, clock(), 0, 2, 0, 0)  # a node that died holding two cores
     assert pools[0].begin(2) == 2
 
 
@@ -258,6 +258,17 @@ def test_a_table_planted_under_the_name_is_not_used(shm_name, bounded, kind):
     assert path.exists()  # not ours to remove
 
 
+def test_a_table_of_another_layout_is_not_used(shm_name, bounded):
+    """A table an older version made (a column fewer) was grown and read at the new
+    stride: a live old node's row read as junk, its cores taken as free. A file of any
+    size but none or this version's is refused, and the node runs on its share alone."""
+    path = Path("/dev/shm", shm_name)
+    path.write_bytes(np.zeros((MAX_NODES, NUM_COLS - 1)).tobytes())
+    os.chmod(path, 0o600)
+    pool = CorePool(shm_name, 4, 1, 4, lambda n: None, clock=bounded)
+    _alone(pool, path, path.read_bytes())
+
+
 def test_a_symlink_planted_under_the_name_is_not_followed(shm_name, bounded, tmp_path):
     """A symbolic link planted under the table's name was followed: the file it names
     was cut to the table's size and written. It is refused; that file is untouched."""
@@ -284,16 +295,15 @@ def test_rows_that_make_no_sense_count_for_nothing(bounded):
     asked = []
     bad = [
         (np.nan,) * NUM_COLS,
-        (-1, 1, 2, 0, 0, 0, 0),
-        (1e30, 1, 2, 0, 0, 0, 0),
-        (7, 1, np.inf, 0, 0, 0, 0),
-        (7, 1, 1e9, 0, 0, 0, 0),
-        (7, 0.5, 2, 0, 0, 0, 0),
-        (7, 1, 2, 1e12, 0, 0, 0),
-        (7, 1, 2, 0, -5, 0, 0),
-        (7, 1, 2, 0, 0, 1e9, 0),
-        (7, 1, 2, 0, 0, 0.5, 0),
-        (7, 1, 2, 0, 0, 0, -1),
+        (-1, 1, 2, 0, 0, 0, 0, 0),
+        (1e30, 1, 2, 0, 0, 0, 0, 0),
+        (7, 1, np.inf, 0, 0, 0, 0, 0),
+        (7, 1, 1e9, 0, 0, 0, 0, 0),
+        (7, 0.5, 2, 0, 0, 0, 0, 0),
+        (7, 1, 2, 1e12, 0, 0, 0, 0),
+        (7, 1, 2, 0, -5, 0, 0, 0),
+        (7, 1, 2, 0, 0, 1e9, 0, 0),
+        (7, 1, 2, 0, 0, 0.5, 0, 0),
     ]
     table[MAX_NODES - len(bad) :] = bad
     pool = CorePool(
@@ -310,14 +320,14 @@ def test_rows_that_make_no_sense_count_for_nothing(bounded):
     assert pool.begin(2) == 2 and pool.figures.num_waits == 0
     pool.between_layers()
     assert pool.held == 2 and asked == []
-    table[: MAX_NODES - len(bad)] = (5, 1, 0, bounded(), 0, 0, 0)  # the sane rows all taken
+    table[: MAX_NODES - len(bad)] = (5, 1, 0, bounded(), 0, 0, 0, 0)  # the sane rows all taken
     assert CorePool(
         "t", 2, 1, 2, print, clock=bounded, table=table, pid=2, is_alive=lambda *_: True
     ).row == MAX_NODES - len(bad)  # a junk row is claimed
 
 
 def _borrower_row(table: np.ndarray, pid: int, start: int, clock) -> None:
-    table[5] = (pid, 1, 2, clock(), start, 2, 0)  # holds both cores, one past its share
+    table[5] = (pid, 1, 2, clock(), start, 2, 0, 0)  # holds both cores, one past its share
 
 
 @pytest.mark.parametrize("is_stopped", [True, False])

@@ -281,7 +281,7 @@ def _check_decode_threads(tiny_model):
         assert torch.get_num_threads() == 1  # the loop thread's own again
 
         class Table:  # a core table: asked for what a step of its rows is worth
-            def begin(self, want, yields=False, while_waiting=None):
+            def begin(self, want, yields=False, while_waiting=None, num_seqs=0):
                 asked.append((want, yields))
                 while_waiting(0.002)  # as a yield would, inside the step
                 torch.set_num_threads(2)
