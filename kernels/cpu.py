@@ -35,6 +35,13 @@ PREFILL_HEAD_DIM_MULTIPLE = 16  # the prefill kernel's register tile (DB in the 
 TORCH_MIN_QUERY_LEN = 256
 _LIB = load(options.current[0].build_dir)
 _FNS, _PREFILL, _ELEMENTWISE = _LIB.decode, _LIB.prefill, _LIB.elementwise
+# NOTE: a one-pass op is split over torch's threads by rows from this many floats (a
+# prompt's); below it (a decode step's few rows) waking the threads costs more than it saves
+ROW_SPLIT_MIN_FLOATS = 1 << 16
+
+
+def _row_threads(num_floats: int) -> int:
+    return torch.get_num_threads() if _LIB.has_openmp and num_floats >= ROW_SPLIT_MIN_FLOATS else 1
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_seq_lens=None):
@@ -193,6 +200,7 @@ def rms_norm(x, weight, eps):
         x.shape[0],
         x.shape[1],
         eps,
+        _row_threads(x.numel()),
     )
     return out
 
@@ -219,6 +227,7 @@ def add_rms_norm(x, residual, weight, eps):
         x.shape[0],
         x.shape[1],
         eps,
+        _row_threads(x.numel()),
     )
     return out, summed
 
@@ -238,6 +247,7 @@ def _norm_rope(x, weight, cos_sin, positions, eps, out=None, slots=None):
         x.shape[1],
         x.shape[2],
         eps,
+        _row_threads(x.shape[0] * x.shape[1] * x.shape[2]),
     )
     return out
 
@@ -326,6 +336,11 @@ def silu_mul(gate_up):
     size = gate_up.shape[1] // 2
     out = torch.empty((gate_up.shape[0], size), dtype=gate_up.dtype)
     _ELEMENTWISE["silu_mul"](
-        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], size
+        gate_up.data_ptr(),
+        gate_up.stride(0),
+        out.data_ptr(),
+        gate_up.shape[0],
+        size,
+        _row_threads(out.numel()),
     )
     return out

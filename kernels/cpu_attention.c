@@ -287,7 +287,8 @@ DEFINE_PREFILL(pdserve_prefill_attention_bf16, uint16_t, LOAD_BF16)
  * x, res: [T, H] (row strides xs, rs); out, res_out: [T, H] contiguous. */
 void pdserve_rms_norm_f32(const float *x, int64_t xs, const float *res, int64_t rs,
                           const float *w, float *out, float *res_out, int64_t T, int64_t H,
-                          float eps) {
+                          float eps, int64_t num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(num_threads > 1)")
     for (int64_t t = 0; t < T; t++) {
         const float *xt = x + t * xs;
         float *ot = out + t * H, ss = 0.0f;
@@ -313,8 +314,9 @@ void pdserve_rms_norm_f32(const float *x, int64_t xs, const float *res, int64_t 
  * int64, token t's row goes to out + slots[t] * nh * D (a contiguous cache). */
 void pdserve_norm_rope_f32(const float *x, int64_t xs, const float *w, const float *cos_sin,
                            const int64_t *positions, float *out, const int64_t *slots, int64_t T,
-                           int64_t nh, int64_t D, float eps) {
+                           int64_t nh, int64_t D, float eps, int64_t num_threads) {
     int64_t half = D / 2;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(num_threads > 1)")
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_sin + positions[t] * 2 * D, *s = c + D;
         float *ot = out + (slots ? slots[t] : t) * nh * D;
@@ -335,7 +337,9 @@ void pdserve_norm_rope_f32(const float *x, int64_t xs, const float *w, const flo
 }
 
 /* out[t] = silu(gate[t]) * up[t]; gate_up: [T, 2I] (row stride gs), out: [T, I]. */
-void pdserve_silu_mul_f32(const float *gate_up, int64_t gs, float *out, int64_t T, int64_t I) {
+void pdserve_silu_mul_f32(const float *gate_up, int64_t gs, float *out, int64_t T, int64_t I,
+                          int64_t num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(num_threads > 1)")
     for (int64_t t = 0; t < T; t++) {
         const float *g = gate_up + t * gs, *u = g + I;
         float *o = out + t * I;

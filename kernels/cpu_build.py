@@ -145,12 +145,16 @@ def load(build_dir: Path) -> Library:
         fn.restype = ctypes.c_int
         prefill[dtype] = fn
     elementwise = {
-        "rms_norm": (lib.pdserve_rms_norm_f32, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32]),
+        # the last argument of these three: threads, over rows (1 without OpenMP)
+        "rms_norm": (
+            lib.pdserve_rms_norm_f32,
+            [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, i64],
+        ),
         "norm_rope": (
             lib.pdserve_norm_rope_f32,
-            [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32],
+            [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32, i64],
         ),
-        "silu_mul": (lib.pdserve_silu_mul_f32, [ptr, i64, ptr, i64, i64]),
+        "silu_mul": (lib.pdserve_silu_mul_f32, [ptr, i64, ptr, i64, i64, i64]),
         "scatter_rows": (lib.pdserve_scatter_rows_f32, [ptr, i64, ptr, ptr, i64, i64]),
         "slot_mapping": (lib.pdserve_slot_mapping, [ptr, ptr, i64, i64, i64, ptr, i64]),
         "linear_bf16": (

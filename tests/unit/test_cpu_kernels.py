@@ -190,30 +190,6 @@ def test_decode_attention_split_over_threads_equals_one_thread(lens, hk):
 
 
 @needs_cc
-def test_norms_rope_and_activation_equal_the_portable_ops():
-    t = 37
-    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)  # q and k are strided views into it, as in the model
-    q, k = qkv[:, :128].view(t, 4, 32), qkv[:, 128:192].view(t, 2, 32)
-    qw, kw = torch.randn(32), torch.randn(32)
-    table = portable.rotary_cos_sin(512, 32, 1e6)
-    pos = torch.randint(0, 512, (t,))
-    for got, want in zip(
-        cpu.qk_norm_rope(q, k, qw, kw, table, pos, 1e-6),
-        portable.qk_norm_rope(q, k, qw, kw, table, pos, 1e-6),
-    ):
-        assert torch.allclose(got, want, atol=1e-5)
-    x, res, w = torch.randn(t, 96), torch.randn(t, 96), torch.randn(96)
-    assert torch.allclose(cpu.rms_norm(x, w, 1e-6), portable.rms_norm(x, w, 1e-6), atol=1e-5)
-    for got, want in zip(cpu.add_rms_norm(x, res, w, 1e-6), portable.add_rms_norm(x, res, w, 1e-6)):
-        assert torch.allclose(got, want, atol=1e-5)
-    gate_up = torch.randn(t, 2 * 48) * 4
-    assert torch.allclose(cpu.silu_mul(gate_up), portable.silu_mul(gate_up), atol=1e-5)
-    # other dtypes are the portable op's, exactly
-    xb, wb = x.bfloat16(), w.bfloat16()
-    assert torch.equal(cpu.rms_norm(xb, wb, 1e-6), portable.rms_norm(xb, wb, 1e-6))
-
-
-@needs_cc
 def test_rope_written_into_the_cache_and_slot_mapping_equal_the_portable_ops():
     t, nb, bs = 23, 9, 16
     qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)

@@ -1,0 +1,55 @@
+"""The CPU backend's one-pass row ops (RMSNorm, RMSNorm with the residual add, per-head
+RMSNorm with the rotary embedding, SiLU and multiply) against the portable ops, and split
+over threads by rows at a prompt's size."""
+
+import torch
+
+from kernels import portable
+from tests.unit.test_cpu_kernels import cpu, equal_on_1_2_3_threads, needs_cc
+
+
+@needs_cc
+def test_norms_rope_and_activation_equal_the_portable_ops():
+    t = 37
+    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)  # q and k are strided views into it, as in the model
+    q, k = qkv[:, :128].view(t, 4, 32), qkv[:, 128:192].view(t, 2, 32)
+    qw, kw = torch.randn(32), torch.randn(32)
+    table = portable.rotary_cos_sin(512, 32, 1e6)
+    pos = torch.randint(0, 512, (t,))
+    for got, want in zip(
+        cpu.qk_norm_rope(q, k, qw, kw, table, pos, 1e-6),
+        portable.qk_norm_rope(q, k, qw, kw, table, pos, 1e-6),
+    ):
+        assert torch.allclose(got, want, atol=1e-5)
+    x, res, w = torch.randn(t, 96), torch.randn(t, 96), torch.randn(96)
+    assert torch.allclose(cpu.rms_norm(x, w, 1e-6), portable.rms_norm(x, w, 1e-6), atol=1e-5)
+    for got, want in zip(cpu.add_rms_norm(x, res, w, 1e-6), portable.add_rms_norm(x, res, w, 1e-6)):
+        assert torch.allclose(got, want, atol=1e-5)
+    gate_up = torch.randn(t, 2 * 48) * 4
+    assert torch.allclose(cpu.silu_mul(gate_up), portable.silu_mul(gate_up), atol=1e-5)
+    # other dtypes are the portable op's, exactly
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(cpu.rms_norm(xb, wb, 1e-6), portable.rms_norm(xb, wb, 1e-6))
+
+
+@needs_cc
+def test_a_prompts_norms_rope_and_activation_split_over_threads_equal_the_portable_ops():
+    """At a prompt's size (ROW_SPLIT_MIN_FLOATS and more) the one-pass ops split their
+    rows over torch's threads: the same bits on 1, 2 and 3, and the portable ops' values."""
+    t = 700
+    assert t * 96 >= cpu.ROW_SPLIT_MIN_FLOATS
+    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)
+    q, k = qkv[:, :128].view(t, 4, 32), qkv[:, 128:192].view(t, 2, 32)
+    qw, kw = torch.randn(32), torch.randn(32)
+    table, pos = portable.rotary_cos_sin(1024, 32, 1e6), torch.randint(0, 1024, (t,))
+    got = equal_on_1_2_3_threads(lambda: cpu.qk_norm_rope(q, k, qw, kw, table, pos, 1e-6)[0])
+    want = portable.qk_norm_rope(q, k, qw, kw, table, pos, 1e-6)[0]
+    assert torch.allclose(got, want, atol=1e-5)
+    x, res, w = torch.randn(t, 96), torch.randn(t, 96), torch.randn(96)
+    got = equal_on_1_2_3_threads(lambda: torch.cat(cpu.add_rms_norm(x, res, w, 1e-6)))
+    assert torch.allclose(got, torch.cat(portable.add_rms_norm(x, res, w, 1e-6)), atol=1e-5)
+    got = equal_on_1_2_3_threads(lambda: cpu.rms_norm(x, w, 1e-6))
+    assert torch.allclose(got, portable.rms_norm(x, w, 1e-6), atol=1e-5)
+    gate_up = torch.randn(t, 2 * 96) * 4
+    got = equal_on_1_2_3_threads(lambda: cpu.silu_mul(gate_up))
+    assert torch.allclose(got, portable.silu_mul(gate_up), atol=1e-5)
