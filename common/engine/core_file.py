@@ -74,19 +74,26 @@ class TableFile:
         self.fd: int | None = None
         self._map: mmap.mmap | None = None
 
-    def open(self) -> np.ndarray:
-        """The table's rows, mapped; OSError naming why it is not safely ours."""
+    def open(self, deadline_s: float) -> np.ndarray:
+        """The table's rows, mapped; OSError naming why it is not safely ours, or that
+        another held its lock past deadline_s (a node stopped holding it)."""
         for _ in range(3):
-            fd = open_table(self.path)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if is_at(self.path, fd):  # NOTE: else the last node out removed it: again
-                fcntl.flock(fd, fcntl.LOCK_UN)
+            self.fd = open_table(self.path)
+            if not self.lock(deadline_s):
+                self._close_fd()
+                raise OSError(errno.EAGAIN, f"its lock was held for more than {deadline_s:g}s")
+            is_ours = is_at(self.path, self.fd)  # NOTE: else the last node out removed it
+            self.unlock()
+            if is_ours:
                 break
-            os.close(fd)
+            self._close_fd()
         else:
             raise OSError(errno.EAGAIN, f"{self.path} was removed as it was opened, 3 times")
-        self.fd = fd
-        self._map = mmap.mmap(fd, TABLE_BYTES)
+        try:
+            self._map = mmap.mmap(self.fd, TABLE_BYTES)
+        except (OSError, ValueError) as e:
+            self._close_fd()
+            raise OSError(errno.EIO, f"{self.path} could not be mapped: {e}") from None
         return np.frombuffer(self._map, dtype=np.float64).reshape(MAX_NODES, NUM_COLS)
 
     def lock(self, deadline_s: float) -> bool:
@@ -115,5 +122,8 @@ class TableFile:
             self._map.close()
         except BufferError:  # a view of it is still alive: the mapping goes with the process
             pass
+        self._close_fd()
+
+    def _close_fd(self) -> None:
         os.close(self.fd)
         self.fd = None

@@ -9,7 +9,7 @@ node's own row and the rules for using it).
     start   when its process started (/proc): a pid used again is another process
     want    cores its current pass asked for (it grows into free ones up to this)
     end     when its current pass is expected to end (0: not known)
-    seqs    the sequences its current pass serves: a prefill pass's prompts, a step's batch
+    seqs    the prompts its current pass serves (a prefill pass; 0 otherwise)
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ message to anyone, a few microseconds a pass.
 
 Decode steps and prefill passes take turns (begin(yields=True)): a step that wants more
 than its share waits out the passes in flight, each then running on every core rather than
-both on half, unless one runs on past YIELD_AHEAD_S for fewer sequences than the step's.
+both on half, unless one runs on past YIELD_AHEAD_S for no more sequences than the step's.
 
 The table's file is this user's alone (core_file.py), else a node runs on its share alone.
 A row that makes no sense counts for nothing. A node owed its share waits for a borrower at
@@ -109,6 +109,7 @@ class CorePool:
         self.figures = CoreFigures()
         self.held = self.threads = self._want = 0
         self.pass_time = PassTime()  # a prefill pass's predicted end, for yielders
+        self._seqs = 0  # the prompts of the prefill pass under way
         self._stuck: set = set()  # passes a step waited for that outlived YIELD_S
         self.pid = pid or os.getpid()
         self.start = max(process_start(self.pid) or 0, 0)
@@ -125,7 +126,7 @@ class CorePool:
         share alone (no lending either way: the others' rows are never read)."""
         file = TableFile(self.path)
         try:
-            table = file.open()
+            table = file.open(self.deadline_s)
         except OSError as e:
             log.warning(
                 "core pool %s: not shared: %s; this node runs on its share of %d core(s) alone",
@@ -184,9 +185,15 @@ class CorePool:
 
     def _keep_row(self) -> None:
         """A row again (the table locked) where another node took this one back: this node
-        was stopped, or slow, past another's deadline."""
+        was stopped, or slow, past another's deadline. A pass under way writes again what
+        yielders read of it (its HELD is its caller's to write)."""
         if not self._is_mine():
             self.row = self._claim()
+            if self.held:
+                t, now = self.pass_time, self.clock()
+                ends = t.resize(self.held, now) if t.is_running else 0.0
+                want = min(self._want, self.budget)
+                self.table[self.row, [WANT, END, SEQS]] = want, ends, self._seqs
 
     def begin(
         self,
@@ -221,6 +228,7 @@ class CorePool:
                     now = self.clock()
                     ends = self.pass_time.begin(num_tokens, grant, now)
                     self.table[self.row, [END, SEQS]] = ends, num_seqs
+            self._seqs = num_seqs
         return grant
 
     def _yield(
@@ -330,7 +338,7 @@ class CorePool:
             self._keep_row()
             now = self.clock()
             self.table[self.row, [HELD, STAMP, WANT, END, SEQS]] = 0, now, 0, 0, 0
-        self.held = 0
+        self.held = self._seqs = 0
         if self.pass_time.is_running:
             self.pass_time.end(now)
 

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 1e3 * _pct([r["steady_tpot_s"] for r in long], 0.9), 2
             ),
             # every request's longest wait between two decoded tokens, at p90
-            "max_gap_ms_p90": round(1e3 * _pct(gaps, 0.9), 1),
+            "max_gap_ms_p90": round(1e3 * _pct(gaps, 0.9), 1) if gaps else None,
         }
         print(
             json.dumps(

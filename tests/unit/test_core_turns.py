@@ -308,7 +308,7 @@ def test_a_step_runs_beside_a_long_pass_for_no_more_sequences_than_its_own(host,
 
 
 def test_a_step_waits_out_a_long_pass_for_more_sequences_than_its_own(host, monkeypatch):
-    """A pass of many prompts (a burst's) is waited for however long: their first tokens
+    """A pass of many prompts (a burst's) is waited for (YIELD_S at most): their first tokens
     count for more than the step's few sequences' next ones (and the batch fills)."""
     table, clock, prefill, decode = host
     prefill.pass_time.token_cost_s = 0.002
@@ -353,3 +353,28 @@ def test_pass_time_predicts_from_the_core_seconds_a_pass_held():
     assert t.token_cost_s == pytest.approx(0.02) and not t.is_running
     assert t.begin(100, 2, now=20.0) == pytest.approx(21.0)  # 2 core-seconds on 2
     assert t.resize(1, now=20.5) == pytest.approx(21.5)  # 1 core-second left, on one
+
+
+def test_a_pass_whose_row_was_taken_back_writes_its_end_and_prompts_again(host, monkeypatch):
+    """A prefill node stopped past another's deadline loses its row; the row it claims
+    when it runs again held no end and no prompts, so a step waited YIELD_S for a pass it
+    should have run beside. The pass writes them again with its new row."""
+    table, clock, prefill, decode = host
+    prefill.pass_time.token_cost_s = 0.01
+    assert prefill.begin(2, num_tokens=1000, num_seqs=1) == 2  # 5 s on two cores
+    table[prefill.row] = 0  # taken back while it was stopped
+    decode.begin(1)
+    decode.end()
+    clock.now += 1.0
+    prefill.between_layers()
+    assert table[prefill.row, cores.SEQS] == 1 and table[prefill.row, cores.WANT] == 2
+    # 10 core-seconds in all, 2 of them run
+    assert table[prefill.row, cores.END] == pytest.approx(clock.now + 8.0 / prefill.held)
+
+    def a_layer(_s):
+        clock.now += 0.01
+        prefill.between_layers()
+
+    monkeypatch.setattr(cores.time, "sleep", a_layer)
+    assert decode.begin(2, yields=True, num_seqs=4) == 1  # beside it, not waiting it out
+    assert decode.figures.num_yields == 0

@@ -375,6 +375,27 @@ def test_a_borrower_past_the_deadline_claims_a_row_again_and_gives_back(bounded)
     assert sorted(table[:, cores.PID][table[:, cores.PID] > 0]) == [1, 2]
 
 
+def test_a_node_starting_while_another_holds_the_tables_lock_waits_its_deadline(shm_name):
+    """Opening the table took its lock with no deadline: a node stopped holding it stopped
+    every node starting on the host. It waits deadline_s, then runs on its share alone."""
+    import fcntl
+    import time
+
+    first = CorePool(shm_name, 4, 1, 4, lambda n: None)
+    stopped = os.open(f"/dev/shm/{shm_name}", os.O_RDWR)
+    fcntl.flock(stopped, fcntl.LOCK_EX)  # held, and never given back
+    try:
+        t0 = time.monotonic()
+        second = CorePool(shm_name, 4, 2, 4, lambda n: None, deadline_s=0.3)
+        assert time.monotonic() - t0 < 2 and second.budget == second.share == 2
+        assert second.begin(4) == 2
+        second.end()
+        second.close()
+    finally:
+        os.close(stopped)
+        first.close()
+
+
 def test_a_node_stopped_while_holding_the_tables_lock_stops_no_other(shm_name):
     """Defect: the table's lock was taken with no deadline: a node stopped (SIGSTOP, a
     debugger) inside its microsecond hold of it stopped every node on the host in begin(),
