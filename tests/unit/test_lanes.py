@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from common.engine.lanes import Lanes, split_tokens
+from common.engine.lanes import EXPLORE_EVERY, Lanes, split_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -72,6 +72,7 @@ def test_each_part_runs_a_layer_only_once_the_part_before_has_done_it():
         return torch.full((1, 2), float(part))
 
     lanes, heard = Lanes(2, forward), []
+    lanes.is_pipelined = True
     try:
         out = lanes.forward(
             [_chunk(2048)], on_layers=lambda idx, n: heard.append((list(idx), n, time.monotonic()))
@@ -99,6 +100,7 @@ def test_a_part_that_fails_fails_the_pass_and_none_waits_forever():
         return torch.zeros(1, 2)
 
     lanes = Lanes(2, forward)
+    lanes.is_pipelined = True
     done = []
     t = threading.Thread(target=lambda: done.append(_raises(lambda: lanes.forward([_chunk(2048)]))))
     t.start()
@@ -145,6 +147,7 @@ def test_a_chunk_of_a_few_hundred_tokens_is_cut_and_a_short_one_is_not():
     lanes = Lanes(
         2, lambda chunks, *hooks: seen.append(len(chunks[0].token_ids)) or torch.zeros(1, 2)
     )
+    lanes.is_pipelined = True
     try:
         lanes.forward([_chunk(2 * MIN_TOKENS_PER_PART)])
         assert seen == [MIN_TOKENS_PER_PART, MIN_TOKENS_PER_PART]  # no pair cost given: equal runs
@@ -154,6 +157,41 @@ def test_a_chunk_of_a_few_hundred_tokens_is_cut_and_a_short_one_is_not():
         seen.clear()
         lanes.forward([_Chunk(list(range(4096)), 0, list(range(4096)))])
         assert seen == [4096]
+    finally:
+        lanes.close()
+
+
+def test_a_lone_chunk_runs_the_way_that_has_been_faster_here(monkeypatch):
+    """Runs a layer apart were 12% slower than one pass on every lane's thread where the
+    host's cores are this node's (10% faster beside a busy process). A lone chunk runs
+    each way once, then whichever took less time a token, the other way every
+    EXPLORE_EVERY-th chunk (so a host that changes is seen)."""
+    from common.engine import lanes as lanes_mod
+
+    clock, cost = [0.0], {"whole": 1.0, "runs": 1.0}  # seconds a call of each takes
+    monkeypatch.setattr(lanes_mod.time, "perf_counter", lambda: clock[0])
+    calls = []
+
+    def forward(chunks, *hooks):
+        calls.append(len(chunks[0].token_ids))
+        clock[0] += cost["whole" if len(chunks[0].token_ids) == 1024 else "runs"]
+        return torch.zeros(1, 2)
+
+    lanes = Lanes(2, forward)
+
+    def a_pass() -> str:
+        calls.clear()
+        lanes.forward([_chunk(1024)])
+        return "runs" if len(calls) == 2 else "whole"  # runs: two calls, 2 s
+
+    try:
+        assert lanes.is_pipelined is None
+        assert [a_pass() for _ in range(EXPLORE_EVERY)] == ["whole", "runs"] + ["whole"] * 5 + [
+            "runs"
+        ]
+        cost["whole"] = 4.0  # the host changed: one pass now slower than two runs
+        ways = [a_pass() for _ in range(3)]
+        assert ways[-1] == "runs", ways
     finally:
         lanes.close()
 
