@@ -348,6 +348,27 @@ void pdserve_silu_mul_f32(const float *gate_up, int64_t gs, float *out, int64_t 
     }
 }
 
+/* out [P, K] bf16 = x [M, K] fp32 (row stride xs), rounded to nearest even as torch rounds
+ * (a NaN to 0xffff, as its vector code does), rows M..P-1 zeros (the tiles' padding). */
+void pdserve_to_bf16_rows(const float *x, int64_t xs, uint16_t *out, int64_t M, int64_t K,
+                          int64_t P, int64_t num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(num_threads > 1)")
+    for (int64_t t = 0; t < P; t++) {
+        uint16_t *o = out + t * K;
+        if (t >= M) {
+            memset(o, 0, sizeof(uint16_t) * K);
+            continue;
+        }
+        const uint32_t *b = (const uint32_t *)(x + t * xs);
+        _Pragma("omp simd")
+        for (int64_t k = 0; k < K; k++) {
+            uint32_t v = b[k];
+            uint16_t r = (uint16_t)((v + 0x7fffu + ((v >> 16) & 1u)) >> 16);
+            o[k] = ((v & 0x7fffffffu) > 0x7f800000u) ? (uint16_t)0xffff : r;
+        }
+    }
+}
+
 /* dst row slots[t] = src row t: rows of `row` floats; src row stride ss, dst contiguous rows. */
 void pdserve_scatter_rows_f32(const float *src, int64_t ss, float *dst, const int64_t *slots,
                               int64_t T, int64_t row) {

@@ -155,6 +155,7 @@ def load(build_dir: Path) -> Library:
             [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32, i64],
         ),
         "silu_mul": (lib.pdserve_silu_mul_f32, [ptr, i64, ptr, i64, i64, i64]),
+        "to_bf16_rows": (lib.pdserve_to_bf16_rows, [ptr, i64, ptr, i64, i64, i64, i64]),
         "scatter_rows": (lib.pdserve_scatter_rows_f32, [ptr, i64, ptr, ptr, i64, i64]),
         "slot_mapping": (lib.pdserve_slot_mapping, [ptr, ptr, i64, i64, i64, ptr, i64]),
         "linear_bf16": (

@@ -151,3 +151,23 @@ def test_the_ready_line_names_the_cpu_and_its_matmul_path():
     assert cpu_linear.FEATURES.model in said and cpu_linear.FEATURES.describe() in said
     want = "AMX tiles" if cpu_linear.IS_TILED else "oneDNN" if portable.IS_BF16_NATIVE else "C"
     assert want in said
+
+
+@needs_cc
+@pytest.mark.parametrize("num_rows", [5, 1100])
+def test_the_tiles_input_is_rounded_as_torch_rounds_and_padded_with_zeros(num_rows):
+    """The tiles' bf16 input is made in one C pass (torch's conversion and pad were two
+    parallel regions a call): the same bits as torch's x.to(bfloat16), NaN, infinities,
+    the largest finite and subnormals included, the padding rows zero; on 1 thread and 2
+    (1,100 x 1,024 floats: split by rows)."""
+    x = torch.randn(num_rows, 1024, generator=torch.Generator().manual_seed(num_rows)) * 3
+    x[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4e38, 1e-40, -0.0])
+    padded = -(-num_rows // 16) * 16 + 16
+    want = x.to(torch.bfloat16).view(torch.int16)
+    for threads in (1, 2):
+        out = torch.full((padded, 1024), 7.0, dtype=torch.bfloat16)
+        cpu_linear._LIB.elementwise["to_bf16_rows"](
+            x.data_ptr(), x.stride(0), out.data_ptr(), num_rows, 1024, padded, threads
+        )
+        assert torch.equal(out[:num_rows].view(torch.int16), want), threads
+        assert not out[num_rows:].view(torch.int16).any(), threads
