@@ -359,10 +359,11 @@ void pdserve_to_bf16_rows(const float *x, int64_t xs, uint16_t *out, int64_t M, 
             memset(o, 0, sizeof(uint16_t) * K);
             continue;
         }
-        const uint32_t *b = (const uint32_t *)(x + t * xs);
+        const float *xt = x + t * xs;
         _Pragma("omp simd")
         for (int64_t k = 0; k < K; k++) {
-            uint32_t v = b[k];
+            uint32_t v;
+            memcpy(&v, xt + k, sizeof v); /* NOTE: the bits, without breaking aliasing rules */
             uint16_t r = (uint16_t)((v + 0x7fffu + ((v >> 16) & 1u)) >> 16);
             o[k] = ((v & 0x7fffffffu) > 0x7f800000u) ? (uint16_t)0xffff : r;
         }

@@ -62,7 +62,11 @@ def open_table(path: str) -> int:
         os.close(fd)
         raise OSError(errno.EPERM, f"{path} {why}")
     if st.st_size < TABLE_BYTES:
-        os.ftruncate(fd, TABLE_BYTES)
+        try:
+            os.ftruncate(fd, TABLE_BYTES)
+        except OSError:
+            os.close(fd)
+            raise
     return fd
 
 
@@ -79,11 +83,16 @@ class TableFile:
         another held its lock past deadline_s (a node stopped holding it)."""
         for _ in range(3):
             self.fd = open_table(self.path)
-            if not self.lock(deadline_s):
+            try:
+                if not self.lock(deadline_s):
+                    raise OSError(errno.EAGAIN, f"its lock was held for more than {deadline_s:g}s")
+                try:
+                    is_ours = is_at(self.path, self.fd)  # NOTE: else the last node out removed it
+                finally:
+                    self.unlock()
+            except BaseException:
                 self._close_fd()
-                raise OSError(errno.EAGAIN, f"its lock was held for more than {deadline_s:g}s")
-            is_ours = is_at(self.path, self.fd)  # NOTE: else the last node out removed it
-            self.unlock()
+                raise
             if is_ours:
                 break
             self._close_fd()

@@ -110,6 +110,7 @@ class CorePool:
         self.held = self.threads = self._want = 0
         self.pass_time = PassTime()  # a prefill pass's predicted end, for yielders
         self._seqs = 0  # the prompts of the prefill pass under way
+        self._layer_at = 0.0  # when it last looked between layers (or began)
         self._stuck: set = set()  # passes a step waited for that outlived YIELD_S
         self.pid = pid or os.getpid()
         self.start = max(process_start(self.pid) or 0, 0)
@@ -191,7 +192,8 @@ class CorePool:
             self.row = self._claim()
             if self.held:
                 t, now = self.pass_time, self.clock()
-                ends = t.resize(self.held, now) if t.is_running else 0.0
+                # NOTE: stopped past a deadline: from its last layer to now it ran nothing
+                ends = t.resume(self._layer_at, self.held, now) if t.is_running else 0.0
                 want = min(self._want, self.budget)
                 self.table[self.row, [WANT, END, SEQS]] = want, ends, self._seqs
 
@@ -226,7 +228,7 @@ class CorePool:
             with self._locked():  # NOTE: a yielder that looks before this reads 0: not known
                 if self._is_mine():
                     now = self.clock()
-                    ends = self.pass_time.begin(num_tokens, grant, now)
+                    ends, self._layer_at = self.pass_time.begin(num_tokens, grant, now), now
                     self.table[self.row, [END, SEQS]] = ends, num_seqs
             self._seqs = num_seqs
         return grant
@@ -318,13 +320,14 @@ class CorePool:
         """A borrower gives back what another node is now owed (never below one core);
         a node that started short takes what has come free, up to what its pass wants.
         (num_done: the forward's count of layers done, not needed here.)"""
-        t = self.pass_time
-        free = free_cores(self.table, self.budget, self.row, self.clock(), self.is_alive)
+        t, looked = self.pass_time, self.clock()
+        free = free_cores(self.table, self.budget, self.row, looked, self.is_alive)
         if max(1, min(self._want, free)) == self.held and self._is_mine():
+            self._layer_at = looked
             return  # NOTE: the common case reads the table without its lock
         with self._locked():
-            self._keep_row()
-            now = self.clock()
+            self._keep_row()  # NOTE: before _layer_at moves: a stop since the last is not run
+            now = self._layer_at = self.clock()
             free = free_cores(self.table, self.budget, self.row, now, self.is_alive)
             grant = max(1, min(self._want, free))
             self.table[self.row, HELD] = grant  # NOTE: the stamp stays: it names the pass

@@ -22,18 +22,20 @@ import torch
 from common.base.threads import lower_this_thread
 
 LANE_NICE = 10
-# A lone chunk shorter than this per thread runs on one lane: an op split over threads
-# waits at its end for every one of them, and on a shared host one may have no core.
+# A lone chunk with prompt logprobs (kept whole) shorter than this per thread runs on one
+# lane: an op split over threads waits at its end for every one of them, and on a shared
+# host one may have no core.
 MIN_TOKENS_PER_THREAD = 1024
-# A lone chunk is cut into runs a layer apart from this many tokens a run: the lanes meet
-# once a layer, but each streams every weight, which a short run's time is mostly.
+# A lone chunk of this many tokens a lane or more runs on every lane (_forward_lone): as one
+# pass, or cut into runs a layer apart (the lanes meet once a layer, but each streams every
+# weight, which a short run's time is mostly); a shorter one, on one lane.
 MIN_TOKENS_PER_PART = 256
 # A lone chunk runs as runs a layer apart (forward_pipelined) or as one pass on every lane's
 # thread, whichever its node's recent lone chunks took less time a token with: at the 0.6B
 # shape's 1,024 tokens the pass is 12% faster on two idle cores, 10% slower beside a process
 # busy on one of them. Every EXPLORE_EVERY-th lone chunk runs the other way, so a host that
-# changes is seen.
-EXPLORE_EVERY = 8
+# changes is seen (odd: a prompt cut into two chunks is not explored on its second alone).
+EXPLORE_EVERY = 7
 FEED_S = 0.005  # on_layers is called at least this often during a pass
 
 
@@ -61,9 +63,11 @@ class Lanes:
         self.pair_cost = pair_cost  # attention per (query, key) pair over a token's matmuls
         self._pair_cost_0 = pair_cost
         # a lone long chunk: parts a layer apart (True), one pass on every lane's thread
-        # (False), or whichever took less time a token (None)
+        # (False), or whichever took less time for its work (None)
         self.is_pipelined: bool | None = None
-        self.token_s: dict[bool, float] = {}  # pipelined or not -> seconds a token, smoothed
+        # pipelined or not -> seconds a unit of work (a token's matmuls, its attention pairs
+        # at pair_cost each: split_tokens' measure), smoothed
+        self.token_s: dict[bool, float] = {}
         self.num_lone = 0
         self._pool = ThreadPoolExecutor(
             num_lanes, thread_name_prefix="prefill-lane", initializer=_start_lane
@@ -134,7 +138,7 @@ class Lanes:
 
     def _forward_lone(self, chunk, num_lanes: int, on_layers) -> torch.Tensor:
         """One long chunk, as runs a layer apart or as one pass on every lane's thread:
-        whichever is_pipelined says, else whichever has taken less time a token."""
+        whichever is_pipelined says, else whichever has taken less time for its work."""
         is_pipelined = self.is_pipelined
         if is_pipelined is None:
             self.num_lone += 1
@@ -150,7 +154,10 @@ class Lanes:
             out = self.forward_pipelined(chunk, num_lanes, on_layers)
         else:
             out = self.forward_whole([chunk], num_lanes, None, on_layers)
-        took = (time.perf_counter() - began) / len(chunk.token_ids)
+        # NOTE: by its work, not its tokens: a later chunk of a long prompt (more context)
+        # costs more a token, and the two ways differ by ~10% only
+        n, c = len(chunk.token_ids), chunk.context_len
+        took = (time.perf_counter() - began) / (n + self.pair_cost * (c * n + n * n / 2))
         old = self.token_s.get(is_pipelined)
         self.token_s[is_pipelined] = took if old is None else (old + took) / 2
         return out

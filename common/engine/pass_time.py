@@ -36,6 +36,12 @@ class PassTime:
         self._cores, self._since = cores, now
         return self._end(now)
 
+    def resume(self, stopped_at: float, cores: int, now: float) -> float:
+        """Its node stopped at stopped_at (its last layer) and runs again now on cores: the
+        time between ran nothing. Its predicted end (0: not known)."""
+        self.resize(0, max(stopped_at, self._since))
+        return self.resize(cores, now)
+
     def end(self, now: float) -> None:
         """The pass ended: its cost a token, into the node's rate."""
         core_s = self._core_s + self._cores * (now - self._since)

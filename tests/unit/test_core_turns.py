@@ -358,18 +358,19 @@ def test_pass_time_predicts_from_the_core_seconds_a_pass_held():
 def test_a_pass_whose_row_was_taken_back_writes_its_end_and_prompts_again(host, monkeypatch):
     """A prefill node stopped past another's deadline loses its row; the row it claims
     when it runs again held no end and no prompts, so a step waited YIELD_S for a pass it
-    should have run beside. The pass writes them again with its new row."""
+    should have run beside. The pass writes them again with its new row, its end not
+    counting the stop as run (else one stopped past its end read as about to end)."""
     table, clock, prefill, decode = host
     prefill.pass_time.token_cost_s = 0.01
     assert prefill.begin(2, num_tokens=1000, num_seqs=1) == 2  # 5 s on two cores
     table[prefill.row] = 0  # taken back while it was stopped
     decode.begin(1)
     decode.end()
-    clock.now += 1.0
+    clock.now += 6.0  # stopped past the deadline, and past the pass's predicted end
     prefill.between_layers()
     assert table[prefill.row, cores.SEQS] == 1 and table[prefill.row, cores.WANT] == 2
-    # 10 core-seconds in all, 2 of them run
-    assert table[prefill.row, cores.END] == pytest.approx(clock.now + 8.0 / prefill.held)
+    # 10 core-seconds in all, none of them run: the stop ran nothing
+    assert table[prefill.row, cores.END] == pytest.approx(clock.now + 10.0 / prefill.held)
 
     def a_layer(_s):
         clock.now += 0.01

@@ -38,6 +38,13 @@ def test_a_prompts_norms_rope_and_activation_split_over_threads_equal_the_portab
     rows over torch's threads: the same bits on 1, 2 and 3, and the portable ops' values."""
     t = 700
     assert t * 96 >= cpu.ROW_SPLIT_MIN_FLOATS
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:  # split at this size (where the build has OpenMP), not below it
+        assert cpu._row_threads(t * 96) == (2 if cpu._LIB.has_openmp else 1)
+        assert cpu._row_threads(cpu.ROW_SPLIT_MIN_FLOATS - 1) == 1
+    finally:
+        torch.set_num_threads(before)
     qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)
     q, k = qkv[:, :128].view(t, 4, 32), qkv[:, 128:192].view(t, 2, 32)
     qw, kw = torch.randn(32), torch.randn(32)

@@ -1,0 +1,43 @@
+"""Fixtures the core table's tests share (test_cores.py, test_core_file.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+
+import pytest
+
+from common.engine import cores
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def bounded(monkeypatch):
+    """A fake clock that each wait for a borrower moves on by 10 ms; a wait past 60 s of
+    it fails the test instead of hanging it."""
+    clock = _Clock()
+    began = clock.now
+
+    def sleep(_s):
+        clock.now += 0.01
+        if clock.now - began > 60:
+            raise AssertionError("a wait for a borrower with no end")
+
+    monkeypatch.setattr(cores.time, "sleep", sleep)
+    return clock
+
+
+@pytest.fixture
+def shm_name():
+    name = f"pdserve-test-cores-{random.getrandbits(32):x}"
+    yield name
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"/dev/shm/{name}")
