@@ -110,7 +110,7 @@ class CorePool:
         self.held = self.threads = self._want = 0
         self.pass_time = PassTime()  # a prefill pass's predicted end, for yielders
         self._seqs = 0  # the prompts of the prefill pass under way
-        self._layer_at = 0.0  # when it last looked between layers (or began)
+        self._layer_at: float | None = None  # when its pass last looked between layers
         self._stuck: set = set()  # passes a step waited for that outlived YIELD_S
         self.pid = pid or os.getpid()
         self.start = max(process_start(self.pid) or 0, 0)
@@ -184,16 +184,20 @@ class CorePool:
     def _is_mine(self) -> bool:
         return self.table[self.row, PID] == self.pid and self.table[self.row, START] == self.start
 
-    def _keep_row(self) -> None:
+    def _keep_row(self, rewrite: bool = True) -> None:
         """A row again (the table locked) where another node took this one back: this node
         was stopped, or slow, past another's deadline. A pass under way writes again what
         yielders read of it (its HELD is its caller's to write)."""
         if not self._is_mine():
             self.row = self._claim()
-            if self.held:
-                t, now = self.pass_time, self.clock()
-                # NOTE: stopped past a deadline: from its last layer to now it ran nothing
-                ends = t.resume(self._layer_at, self.held, now) if t.is_running else 0.0
+            if self.held and rewrite:
+                t, now, at = self.pass_time, self.clock(), self._layer_at
+                # NOTE: taken back past a deadline between layers: it was stopped, and ran
+                # nothing from its last layer to now; a pass that looks at no layer (lanes)
+                # was running while it borrowed past the deadline
+                ends = 0.0
+                if t.is_running:
+                    ends = t.resize(self.held, now) if at is None else t.resume(at, self.held, now)
                 want = min(self._want, self.budget)
                 self.table[self.row, [WANT, END, SEQS]] = want, ends, self._seqs
 
@@ -228,7 +232,7 @@ class CorePool:
             with self._locked():  # NOTE: a yielder that looks before this reads 0: not known
                 if self._is_mine():
                     now = self.clock()
-                    ends, self._layer_at = self.pass_time.begin(num_tokens, grant, now), now
+                    ends, self._layer_at = self.pass_time.begin(num_tokens, grant, now), None
                     self.table[self.row, [END, SEQS]] = ends, num_seqs
             self._seqs = num_seqs
         return grant
@@ -338,7 +342,7 @@ class CorePool:
 
     def end(self) -> None:
         with self._locked():
-            self._keep_row()
+            self._keep_row(rewrite=False)  # NOTE: its row's pass columns are zeroed below
             now = self.clock()
             self.table[self.row, [HELD, STAMP, WANT, END, SEQS]] = 0, now, 0, 0, 0
         self.held = self._seqs = 0

@@ -22,7 +22,7 @@ import torch
 from common.base.threads import lower_this_thread
 
 LANE_NICE = 10
-# A lone chunk with prompt logprobs (kept whole) shorter than this per thread runs on one
+# A pass kept in one piece (a chunk with prompt logprobs) shorter than this per thread runs on one
 # lane: an op split over threads waits at its end for every one of them, and on a shared
 # host one may have no core.
 MIN_TOKENS_PER_THREAD = 1024
@@ -31,7 +31,7 @@ MIN_TOKENS_PER_THREAD = 1024
 # weight, which a short run's time is mostly); a shorter one, on one lane.
 MIN_TOKENS_PER_PART = 256
 # A lone chunk runs as runs a layer apart (forward_pipelined) or as one pass on every lane's
-# thread, whichever its node's recent lone chunks took less time a token with: at the 0.6B
+# thread, whichever its node's recent lone chunks took less time for their work with: at the 0.6B
 # shape's 1,024 tokens the pass is 12% faster on two idle cores, 10% slower beside a process
 # busy on one of them. Every EXPLORE_EVERY-th lone chunk runs the other way, so a host that
 # changes is seen (odd: a prompt cut into two chunks is not explored on its second alone).
@@ -149,15 +149,17 @@ class Lanes:
                 is_pipelined = t[True] < t[False]
                 if self.num_lone % EXPLORE_EVERY == 0:
                     is_pipelined = not is_pipelined  # the other way now and then: hosts change
+        # NOTE: by its work, not its tokens: a later chunk of a long prompt (more context)
+        # costs more a token, and the two ways differ by ~10% only; at the pair cost before
+        # the pass (a pipelined pass fits it anew)
+        n, c = len(chunk.token_ids), chunk.context_len
+        work = n + self.pair_cost * (c * n + n * n / 2)
         began = time.perf_counter()
         if is_pipelined:
             out = self.forward_pipelined(chunk, num_lanes, on_layers)
         else:
             out = self.forward_whole([chunk], num_lanes, None, on_layers)
-        # NOTE: by its work, not its tokens: a later chunk of a long prompt (more context)
-        # costs more a token, and the two ways differ by ~10% only
-        n, c = len(chunk.token_ids), chunk.context_len
-        took = (time.perf_counter() - began) / (n + self.pair_cost * (c * n + n * n / 2))
+        took = (time.perf_counter() - began) / work
         old = self.token_s.get(is_pipelined)
         self.token_s[is_pipelined] = took if old is None else (old + took) / 2
         return out

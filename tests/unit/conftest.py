@@ -6,9 +6,11 @@ import contextlib
 import os
 import random
 
+import numpy as np
 import pytest
 
 from common.engine import cores
+from common.engine.cores import MAX_NODES, NUM_COLS, CorePool
 
 
 class _Clock:
@@ -41,3 +43,19 @@ def shm_name():
     yield name
     with contextlib.suppress(FileNotFoundError):
         os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.fixture
+def host():
+    """Two cores, a prefill node and a decode node owed one each, both idle a while: (the
+    table, its fake clock, the prefill node's pool, the decode node's)."""
+    table, clock = np.zeros((MAX_NODES, NUM_COLS)), _Clock()
+    prefill, decode = (
+        CorePool(
+            "t", 2, 1, 2, lambda n: None, clock=clock, is_alive=lambda *_: True, table=table,
+            pid=pid,
+        )
+        for pid in (1, 2)
+    )  # fmt: skip
+    clock.now += 1.0
+    return table, clock, prefill, decode
