@@ -110,7 +110,7 @@ class CorePool:
         self.held = self.threads = self._want = 0
         self.pass_time = PassTime()  # a prefill pass's predicted end, for yielders
         self._seqs = 0  # the prompts of the prefill pass under way
-        self._layer_at: float | None = None  # when its pass last looked between layers
+        self._layer_at = 0.0  # when its prefill pass began or last looked between layers
         self._stuck: set = set()  # passes a step waited for that outlived YIELD_S
         self.pid = pid or os.getpid()
         self.start = max(process_start(self.pid) or 0, 0)
@@ -191,13 +191,11 @@ class CorePool:
         if not self._is_mine():
             self.row = self._claim()
             if self.held and rewrite:
-                t, now, at = self.pass_time, self.clock(), self._layer_at
-                # NOTE: taken back past a deadline between layers: it was stopped, and ran
-                # nothing from its last layer to now; a pass that looks at no layer (lanes)
-                # was running while it borrowed past the deadline
-                ends = 0.0
-                if t.is_running:
-                    ends = t.resize(self.held, now) if at is None else t.resume(at, self.held, now)
+                t, now = self.pass_time, self.clock()
+                # NOTE: taken back past a deadline while it looks between layers: it was
+                # stopped, and ran nothing from its last look to now (a lanes pass, which
+                # never looks, is taken back running: end() counts it, and rewrites nothing)
+                ends = t.resume(self._layer_at, self.held, now) if t.is_running else 0.0
                 want = min(self._want, self.budget)
                 self.table[self.row, [WANT, END, SEQS]] = want, ends, self._seqs
 
@@ -232,7 +230,7 @@ class CorePool:
             with self._locked():  # NOTE: a yielder that looks before this reads 0: not known
                 if self._is_mine():
                     now = self.clock()
-                    ends, self._layer_at = self.pass_time.begin(num_tokens, grant, now), None
+                    ends, self._layer_at = self.pass_time.begin(num_tokens, grant, now), now
                     self.table[self.row, [END, SEQS]] = ends, num_seqs
             self._seqs = num_seqs
         return grant

@@ -1,4 +1,5 @@
-"""Fixtures the core table's tests share (test_cores.py, test_core_file.py)."""
+"""Fixtures the core table's tests share (test_cores.py, test_core_file.py,
+test_core_turns.py, test_pass_time.py)."""
 
 from __future__ import annotations
 

@@ -55,7 +55,6 @@ def test_a_pass_whose_row_was_taken_back_writes_its_end_and_prompts_again(host, 
     table, clock, prefill, decode = host
     prefill.pass_time.token_cost_s = 0.01
     assert prefill.begin(2, num_tokens=1000, num_seqs=1) == 2  # 5 s on two cores
-    prefill.between_layers()  # its first layer, at once
     table[prefill.row] = 0  # taken back while it was stopped
     decode.begin(1)
     decode.end()
