@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 
@@ -21,9 +22,10 @@ pytestmark = pytest.mark.cluster
 LEASE_S = 1.0  # the decode node's reservation lease: ends, then its quarantine, in ~2 s
 NEW_TOKENS = 48
 LONG_TOKENS = 160
-# When each try freezes the prefill node after sending the long prompt: sooner on each try,
-# so a machine that prefills it faster than this one is still caught mid-write.
-FREEZE_AFTER_S = (0.05, 0.02, 0.008)
+# When each try freezes the prefill node after sending the long prompt, as a share of the
+# time a prompt as long takes to its first token just before (timed on this host, in this
+# load): its passes, and the write beside them, fill most of that time.
+FREEZE_AT = (0.4, 0.25, 0.6)
 
 
 def _failed_writes(stats: dict) -> int:
@@ -53,9 +55,13 @@ def test_a_write_frozen_past_its_grant_never_lands_in_another_requests_blocks(ti
         wait_for(lambda: _is_live(p, "prefill-0") and _is_live(p, "decode-0"), 60, "the nodes")
         with Client(p.clients) as c:  # the KV link made: the long prompt's grant comes at once
             assert c.complete(prompt_token_ids=[5] * 20, max_tokens=2).error is None
+        tried = []  # (seconds to a first token, freeze after) of each try
         for attempt, (prompt, want) in enumerate(zip(long_prompts, long_expected)):
             spare = f"prefill-{attempt + 1}"
-            run = _freeze_during(p, frozen, spare, prompt, others, FREEZE_AFTER_S[attempt])
+            first_token_s = _first_token_s(p, attempt, len(prompt))
+            freeze_after_s = FREEZE_AT[attempt] * first_token_s
+            tried.append((round(first_token_s, 3), round(freeze_after_s, 3)))
+            run = _freeze_during(p, frozen, spare, prompt, others, freeze_after_s)
             (long_ids, long_error), outs = asyncio.run(run)
             p.procs[spare].send_signal(signal.SIGTERM)  # the next try's prompt goes to prefill-0
             p.procs[spare].wait(30)
@@ -68,7 +74,7 @@ def test_a_write_frozen_past_its_grant_never_lands_in_another_requests_blocks(ti
                 if _failed_writes(c.stats().nodes.get("prefill-0", {})):
                     break  # the frozen write was stopped at its deadline: what this tests
         else:
-            pytest.fail("the freeze never caught a write under way (3 tries)")
+            pytest.fail(f"the freeze never caught a write under way (tries: {tried})")
         assert is_alive(frozen.pid) and is_alive(decode.pid)  # both survived the cancel
         wait_for(lambda: _is_live(p, "prefill-0"), 30, "the frozen prefill node to serve again")
     finally:
@@ -123,6 +129,20 @@ async def _freeze_during(
         return await long_task, list(await asyncio.gather(*tasks))
 
 
-def _is_live(p: Processes, name: str) -> bool:
+def _first_token_s(p: Processes, attempt: int, prompt_len: int) -> float:
+    """Seconds a prompt of prompt_len tokens, new to the prefix cache, takes to its first
+    token through prefill-0 now."""
+    ids = [(7 * attempt + 5 * j) % 389 + 4 for j in range(prompt_len)]
     with Client(p.clients) as c:
-        return bool(c.stats().nodes.get(name, {}).get("is_alive"))
+        start = time.monotonic()
+        assert c.complete(prompt_token_ids=ids, max_tokens=1).error is None
+        return time.monotonic() - start
+
+
+def _is_live(p: Processes, name: str) -> bool:
+    """False while the frontend does not answer yet (still starting, on a busy host)."""
+    try:
+        with Client(p.clients) as c:
+            return bool(c.stats().nodes.get(name, {}).get("is_alive"))
+    except TimeoutError:
+        return False
