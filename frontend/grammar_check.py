@@ -42,9 +42,10 @@ from common.base.log import get_logger
 log = get_logger("frontend")
 
 # NOTE: the lowest priority first, then the imports (torch, xgrammar, the tokenizer: seconds
-# of CPU), so that not even its start takes a core from a node or the frontend's loop.
+# of CPU), so that not even its start takes a core from a node or the frontend's loop; in a
+# session of its own, else it would take its time from the frontend (lower_this_process).
 _CHILD = (
-    "import os, sys; os.nice(19); "
+    "import sys; from common.base.threads import lower_this_process; lower_this_process(19); "
     "from frontend.grammar_check import main; sys.exit(main(sys.argv[1:]))"
 )
 MAX_VERDICTS = 1024

@@ -48,6 +48,12 @@ def test_grammars_are_judged_and_a_slow_one_is_stopped_at_the_limit(tiny_model):
         # the compile is stopped at 0.5 s of CPU, not run to its end (seconds)
         pid = checker._proc.pid
         assert os.getpriority(os.PRIO_PROCESS, pid) == 19  # below everything that serves
+        # ... and in a session of its own, so that its time is not taken from the frontend's
+        # (with autogroups, ranked at 19 against every other session's group)
+        assert os.getsid(pid) == pid != os.getsid(0)
+        if os.path.exists("/proc/self/autogroup"):
+            with open(f"/proc/{pid}/autogroup") as f:
+                assert f.read().split()[-1] == "19"
         error = _error(checker, DEEP)
         assert "to compile (stopped there)" in error and "0.5s" in error, error
         assert checker.num_killed == 1 and checker._proc.pid == pid  # the checker goes on
