@@ -31,10 +31,11 @@ def lower_this_process(nice: int) -> None:
     try:
         os.setsid()
     except (OSError, AttributeError):
-        pass  # a session's leader already (its group is its own)
+        pass  # a process group's leader already: its session stays
     try:
-        with open("/proc/self/autogroup", "w") as f:
-            f.write(str(nice))
+        if os.getsid(0) == os.getpid():  # NOTE: never rank a session it shares with others
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(nice))
     except OSError:
         pass  # no autogroups here: a nice value ranks the process among all
     try:

@@ -178,9 +178,13 @@ class Supervisor:
 
 
 def _spawn(argv: list[str], env: dict[str, str]):
-    return subprocess.Popen(
-        [sys.executable, *argv], env={**os.environ, **env}, start_new_session=True
-    )
+    # NOTE: a process group of its own (a terminal's ^C reaches the supervisor alone, which
+    # drains the nodes in order), but the launcher's session: where the kernel groups
+    # processes by session (autogroup), a nice value ranks threads only within their
+    # session's group, and a node's low-priority work (prefill lanes, the grammar checker)
+    # must rank below its neighbours' decode steps and loops.
+    own_group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    return subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}, **own_group)
 
 
 def _frontend_has(plan: Plan, frontend_pid: int) -> bool:

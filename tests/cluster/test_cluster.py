@@ -358,10 +358,22 @@ def test_sigterm_leaves_no_process(tiny_model, tmp_path):
     c = Cluster(tiny_model, tmp_path / "c.log")
     pids = c.children
     assert len(pids) >= 3
+    # each node in a process group of its own (a terminal's ^C reaches the launcher alone),
+    # in the launcher's session (so the nice values of a node's low-priority threads rank
+    # them below the other nodes' work where the kernel groups processes by session)
+    nodes = [p for p in pids if _is_node(p)]
+    assert len(nodes) == 3 and all(os.getpgid(p) == p for p in nodes), nodes
+    assert {os.getsid(p) for p in pids} == {c.proc.pid}
     c.proc.send_signal(signal.SIGTERM)
     assert c.proc.wait(30) != 0
     wait_for(lambda: _descendants_gone(pids), 15, "every cluster process to exit")
     c.log.close()
+
+
+def _is_node(pid: int) -> bool:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    return any(a in (b"frontend", b"prefill_node", b"decode_node") for a in argv)
 
 
 def test_dead_child_stops_the_cluster_without_restarts(tiny_model, tmp_path):
