@@ -45,7 +45,8 @@ log = get_logger("frontend")
 # of CPU), so that not even its start takes a core from a node or the frontend's loop; in a
 # session of its own, else it would take its time from the frontend (lower_this_process).
 _CHILD = (
-    "import sys; from common.base.threads import lower_this_process; lower_this_process(19); "
+    "import sys; from common.base.threads import lower_this_process; "
+    "lower_this_process(19, 10); "
     "from frontend.grammar_check import main; sys.exit(main(sys.argv[1:]))"
 )
 MAX_VERDICTS = 1024
@@ -99,7 +100,9 @@ class GrammarChecker:
         if self._proc is None or self._proc.poll() is not None:
             self._start()
             if "error" in self._ready:
-                return {"error": self._ready["error"], "is_transient": False}
+                # NOTE: a start that timed out (a busy host) is asked again by the next
+                # request; one that failed (no xgrammar) is this frontend's for good
+                return {"error": self._ready["error"], "is_transient": self._ready.get("is_slow")}
         try:
             self._proc.stdin.write(json.dumps(list(grammar)).encode() + b"\n")
             self._proc.stdin.flush()
@@ -154,9 +157,14 @@ class GrammarChecker:
             )
         except (OSError, TimeoutError) as e:
             self._stop()
+            is_slow = isinstance(e, TimeoutError)
             self._ready = {
-                "error": f"structured outputs are not available: the grammar checker did not start "
-                f"({type(e).__name__})"
+                "error": f"the grammar checker did not start within {START_TIMEOUT_S:.0f}s (a busy "
+                "host): try again"
+                if is_slow
+                else f"structured outputs are not available: the grammar checker did not start "
+                f"({type(e).__name__})",
+                "is_slow": is_slow,
             }
 
     def _read_line(self, timeout_s: float) -> dict:

@@ -270,7 +270,8 @@ class Cluster:
 
     def _kill(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: launcher and children
+            # the launcher's group (its nodes, in groups of their own, die with it)
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
     def stats(self) -> dict:
         with Client(self.endpoint) as c:

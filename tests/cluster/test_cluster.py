@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pty
+import select
 import signal
 import subprocess
+import termios
 import threading
 import time
 
@@ -17,6 +20,7 @@ import pytest
 import zmq
 
 from frontend.client import AsyncClient, Client, make_request
+from launch.cluster import supervisor
 from tests.cluster_util import ROOT, Cluster, Processes, free_base_port, is_alive, wait_for
 from tests.conftest import clear_prompts
 
@@ -368,6 +372,44 @@ def test_sigterm_leaves_no_process(tiny_model, tmp_path):
     assert c.proc.wait(30) != 0
     wait_for(lambda: _descendants_gone(pids), 15, "every cluster process to exit")
     c.log.close()
+
+
+def test_a_node_started_from_a_terminal_under_tostop_is_not_stopped_by_its_logs():
+    """Each node is a background group of the launcher's session: where that session has a
+    terminal set to `stty tostop`, a node's first log line to it would stop the node
+    (SIGTTOU) unless the launcher ignores the signal for its children."""
+    log_line = "import sys; sys.stderr.write('a node logs\\n'); sys.stderr.flush()"
+    pid, fd = pty.fork()
+    if pid == 0:  # a session led by this process, the terminal its own, in the foreground
+        code = 3
+        try:
+            attrs = termios.tcgetattr(0)
+            attrs[3] |= termios.TOSTOP
+            termios.tcsetattr(0, termios.TCSANOW, attrs)
+            supervisor.keep_children_writing()
+            code = supervisor._spawn(["-c", log_line], {}).wait(20)
+        finally:
+            os._exit(code)
+    out, status, deadline = b"", None, time.monotonic() + 30
+    while status is None and time.monotonic() < deadline:
+        out += _read_some(fd)
+        done, st = os.waitpid(pid, os.WNOHANG)
+        status = st if done else None
+    if status is None:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail(f"the launcher's child never ended (stopped by its log line?): {out!r}")
+    out += _read_some(fd)
+    assert os.waitstatus_to_exitcode(status) == 0 and b"a node logs" in out, (status, out)
+
+
+def _read_some(fd: int) -> bytes:
+    if select.select([fd], [], [], 0.05)[0]:
+        try:
+            return os.read(fd, 4096)
+        except OSError:  # the terminal closed
+            return b""
+    return b""
 
 
 def _is_node(pid: int) -> bool:

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from common.base.grammar import GrammarError
+from frontend import grammar_check
 from frontend.grammar_check import GrammarChecker
 from tests.cluster_util import ROOT, is_alive, wait_for
 
@@ -49,11 +50,11 @@ def test_grammars_are_judged_and_a_slow_one_is_stopped_at_the_limit(tiny_model):
         pid = checker._proc.pid
         assert os.getpriority(os.PRIO_PROCESS, pid) == 19  # below everything that serves
         # ... and in a session of its own, so that its time is not taken from the frontend's
-        # (with autogroups, ranked at 19 against every other session's group)
+        # (with autogroups, its group ranked at 10 against every other session's group)
         assert os.getsid(pid) == pid != os.getsid(0)
         if os.path.exists("/proc/self/autogroup"):
             with open(f"/proc/{pid}/autogroup") as f:
-                assert f.read().split()[-1] == "19"
+                assert f.read().split()[-1] == "10"
         error = _error(checker, DEEP)
         assert "to compile (stopped there)" in error and "0.5s" in error, error
         assert checker.num_killed == 1 and checker._proc.pid == pid  # the checker goes on
@@ -70,6 +71,20 @@ def test_grammars_are_judged_and_a_slow_one_is_stopped_at_the_limit(tiny_model):
         checker.close()
     assert checker._proc.poll() is not None
     assert "stopping" in _error(checker, ("regex", "e+f", "compact"))
+
+
+def test_a_checker_slow_to_start_is_asked_again(tiny_model, monkeypatch):
+    """A start that outlives its limit (a busy host) is no verdict: the grammar is refused
+    with a "try again", and the next request starts the checker again and is judged."""
+    monkeypatch.setattr(grammar_check, "START_TIMEOUT_S", 0.01)
+    checker = GrammarChecker(str(tiny_model), _vocab_size(tiny_model), 0.5)
+    try:
+        grammar = ("regex", "a+b", "compact")
+        assert "try again" in _error(checker, grammar) and checker._proc is None
+        monkeypatch.setattr(grammar_check, "START_TIMEOUT_S", 120.0)
+        assert _error(checker, grammar) is None
+    finally:
+        checker.close()
 
 
 PARENT = r"""

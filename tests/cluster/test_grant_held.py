@@ -133,6 +133,7 @@ def _first_token_s(p: Processes, attempt: int, prompt_len: int) -> float:
     """Seconds a prompt of prompt_len tokens, new to the prefix cache, takes to its first
     token through prefill-0 now."""
     ids = [(7 * attempt + 5 * j) % 389 + 4 for j in range(prompt_len)]
+    wait_for(lambda: _is_live(p, "prefill-0"), 60, "prefill-0 to serve (a try before froze it)")
     with Client(p.clients) as c:
         start = time.monotonic()
         assert c.complete(prompt_token_ids=ids, max_tokens=1).error is None
