@@ -29,7 +29,7 @@ from launch.cluster.preflight import (
     memory_refusal,
     role_warnings,
 )
-from launch.cluster.supervisor import Supervisor, keep_children_writing, say
+from launch.cluster.supervisor import Supervisor, say
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    keep_children_writing()
     try:
         return _run(sup, plan, links)
     finally:

@@ -270,7 +270,7 @@ class Cluster:
 
     def _kill(self) -> None:
         if self.proc.poll() is None:
-            # the launcher's group (its nodes, in groups of their own, die with it)
+            # the launcher's group (its nodes, in sessions of their own, die with it)
             os.killpg(self.proc.pid, signal.SIGKILL)
 
     def stats(self) -> dict:

@@ -154,8 +154,8 @@ def run_node(prog: str, build, stop: threading.Event) -> int:
 def die_with_parent() -> None:
     """Linux: get SIGINT when the launching process dies, however it dies.
     NOTE: not SIGTERM, which a node takes as a drain: with its launcher gone there is
-    nothing to wait for. (Launchers start each process in a process group of its own, so
-    no terminal's Ctrl-C reaches it this way.)"""
+    nothing to wait for. (Launchers start each process in its own session, so no
+    terminal's Ctrl-C reaches it this way.)"""
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGINT)

@@ -4,9 +4,9 @@ restarts a node that dies with backoff, and stops everything in order: the front
 first. Its decisions (Backoff, the stop order, readiness) are methods a test drives on a fake
 clock with stand-in processes (tests/unit/test_supervisor.py); launch/start_cluster.py runs it.
 
-Each process gets a process group of its own in the launcher's session (_spawn), so a
-terminal's Ctrl-C reaches the launcher alone and the cluster drains in order; every child
-also dies with the launcher (PR_SET_PDEATHSIG, set by each process itself).
+Each process gets a session of its own, so a terminal's Ctrl-C reaches the launcher
+alone and the cluster drains in order; every child also dies with the launcher
+(PR_SET_PDEATHSIG, set by each process itself).
 """
 
 from __future__ import annotations
@@ -177,27 +177,14 @@ class Supervisor:
             self.sleep(0.1)
 
 
-def keep_children_writing() -> None:
-    """Ignore SIGTTOU, as every process this one starts then does: each is a background
-    group of a terminal's session, which `stty tostop` would stop at its first log line."""
-    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-
-
 def _spawn(argv: list[str], env: dict[str, str]):
-    # NOTE: a process group of its own (a terminal's ^C reaches the supervisor alone, which
-    # drains the nodes in order), but the launcher's session: where the kernel groups
-    # processes by session (autogroup), a nice value ranks threads only within their
-    # session's group, and a node's low-priority work (prefill lanes) must rank below its
-    # neighbours' decode steps and loops. In a terminal's session, a background group is
-    # stopped by a read of the terminal (stdin: none) and, under `stty tostop`, by a write
-    # (SIGTTOU: ignored by the launcher, keep_children_writing, which the child inherits
-    # and which lets its log lines through).
-    own_group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    # NOTE: a session of its own, with no terminal: neither its reads nor its writes
+    # (`stty tostop`) can stop it as a background job of the launcher's terminal would be
     return subprocess.Popen(
         [sys.executable, *argv],
         env={**os.environ, **env},
         stdin=subprocess.DEVNULL,
-        **own_group,
+        start_new_session=True,
     )
 
 
