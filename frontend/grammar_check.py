@@ -64,6 +64,13 @@ ONE_THREAD = {
 _ROOT = Path(__file__).resolve().parent.parent
 
 
+class GrammarNotJudged(GrammarError):
+    """The grammar could not be judged now (the checker starting or replaced, the frontend
+    stopping): not the grammar's fault, so 503, and asked again."""
+
+    status = 503
+
+
 class GrammarChecker:
     """check(grammar) returns if the grammar compiles within max_cpu_s of CPU, or raises
     GrammarError saying why not. Safe to call from several threads (one check at a time)."""
@@ -75,6 +82,9 @@ class GrammarChecker:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._buf = b""
+        self._ready: dict | None = None  # its first line, once it said it
+        self._started_at = 0.0
+        self._unavailable: str | None = None  # why its start failed, for good
         self._is_closed = False
         self.num_killed = 0  # compiles stopped at the CPU limit
         self.max_threads_at_fork = 0  # the checker's threads when it forked a compile (1: safe)
@@ -85,7 +95,7 @@ class GrammarChecker:
             if key not in self._verdicts:
                 reply = self._ask(key)
                 if reply.get("is_transient"):
-                    raise GrammarError(reply["error"])  # not remembered: asked again, tried again
+                    raise GrammarNotJudged(reply["error"])  # not remembered: asked again
                 self._verdicts[key] = reply.get("error")
                 while len(self._verdicts) > MAX_VERDICTS:
                     self._verdicts.popitem(last=False)
@@ -97,12 +107,17 @@ class GrammarChecker:
         """The checker's reply to one grammar; the checker made (again) if it is not running."""
         if self._is_closed:
             return {"error": "the frontend is stopping", "is_transient": True}
+        if self._unavailable is not None:  # its start failed: not asked again
+            return {"error": self._unavailable, "is_transient": False}
         if self._proc is None or self._proc.poll() is not None:
             self._start()
-            if "error" in self._ready:
-                # NOTE: a start that timed out (a busy host) is asked again by the next
-                # request; one that failed (no xgrammar) is this frontend's for good
-                return {"error": self._ready["error"], "is_transient": self._ready.get("is_slow")}
+        if self._ready is None and not self._wait_ready():
+            return {
+                "error": "the grammar checker is still starting (a busy host): try again",
+                "is_transient": True,
+            }
+        if self._unavailable is not None:
+            return {"error": self._unavailable, "is_transient": False}
         try:
             self._proc.stdin.write(json.dumps(list(grammar)).encode() + b"\n")
             self._proc.stdin.flush()
@@ -145,27 +160,37 @@ class GrammarChecker:
             env=env,
             cwd=_ROOT,
         )
-        self._buf = b""
-        start = time.monotonic()
+        self._buf, self._ready, self._started_at = b"", None, time.monotonic()
+
+    def _wait_ready(self) -> bool:
+        """Whether the checker said it is ready (or why it cannot be: _unavailable), waiting
+        up to START_TIMEOUT_S for it. NOTE: one that is only slow (a busy host) is kept: the
+        next request waits on the same start, which a restart would throw away."""
         try:
             self._ready = self._read_line(START_TIMEOUT_S)
-            log.info(
-                "the grammar checker (pid %d) started in %.1fs%s",
+        except TimeoutError:
+            log.warning(
+                "the grammar checker (pid %d) has not started after %.0fs (a busy host?)",
                 self._proc.pid,
-                time.monotonic() - start,
-                f": {self._ready['error']}" if "error" in self._ready else "",
+                time.monotonic() - self._started_at,
             )
-        except (OSError, TimeoutError) as e:
-            self._stop()
-            is_slow = isinstance(e, TimeoutError)
+            return False
+        except OSError as e:
             self._ready = {
-                "error": f"the grammar checker did not start within {START_TIMEOUT_S:.0f}s (a busy "
-                "host): try again"
-                if is_slow
-                else f"structured outputs are not available: the grammar checker did not start "
-                f"({type(e).__name__})",
-                "is_slow": is_slow,
+                "error": f"structured outputs are not available: the grammar checker did not "
+                f"start ({e})"
             }
+        if "error" in self._ready:
+            self._stop()
+            self._unavailable = str(self._ready["error"])
+            log.error("the grammar checker did not start: %s", self._unavailable)
+            return True
+        log.info(
+            "the grammar checker (pid %d) started in %.1fs",
+            self._proc.pid,
+            time.monotonic() - self._started_at,
+        )
+        return True
 
     def _read_line(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s

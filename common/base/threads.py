@@ -37,13 +37,13 @@ def lower_this_process(nice: int, group_nice: int) -> None:
     except (OSError, AttributeError):
         is_alone = False  # NOTE: never rank a session it shares (a group's leader, or a
         # session's: one started with start_new_session, whose children share it)
-    for _ in range(5 if is_alone else 0):
+    for num_left in range(4, -1, -1) if is_alone else ():
         try:
             with open("/proc/self/autogroup", "w") as f:
                 f.write(str(group_nice))
             break
         except BlockingIOError:  # NOTE: unprivileged, one write per 100 ms on the host
-            time.sleep(0.1)
+            time.sleep(0.1 if num_left else 0)
         except OSError:
             break  # no autogroups here: a nice value ranks the process among all
     try:

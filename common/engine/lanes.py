@@ -1,8 +1,11 @@
 """CPU prefill lanes: a pass's prompt chunks split over threads, each running whole
 forwards on one torch thread. No barrier per op waits for a core another process
-holds, and a busy host just time-slices the lanes, which run at a lower priority:
-prefill throughput takes the cores the latency-bound work (decode steps, the
-frontend) leaves, not a share fixed in advance. One long prompt runs as one pass on every
+holds, and a busy host just time-slices the lanes, which run at a lower priority than the
+node's own loop: prefill throughput takes the cores the latency-bound work (decode steps, the
+frontend) leaves, not a share fixed in advance. NOTE: where the kernel groups processes by
+session (autogroup), that priority ranks the lanes within their node only; against the
+other nodes (each a session of its own) the core table keeps the turns
+(docs/bench/2026-11-28-cpu-one-session.md). One long prompt runs as one pass on every
 lane's thread, or as runs of its tokens, a lane each, each a layer behind the one before
 (forward_pipelined: the lanes meet once a layer instead of at every op's end, which a host
 whose cores others take favours): whichever has been faster here."""

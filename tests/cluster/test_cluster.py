@@ -362,6 +362,9 @@ def test_sigterm_leaves_no_process(tiny_model, tmp_path):
     c = Cluster(tiny_model, tmp_path / "c.log")
     pids = c.children
     assert len(pids) >= 3
+    # each process a session of its own: a terminal's ^C reaches the launcher alone
+    nodes = [p for p in pids if _module(p) in ("frontend", "prefill_node", "decode_node")]
+    assert len(nodes) == 3 and all(os.getsid(p) == p for p in nodes), nodes
     c.proc.send_signal(signal.SIGTERM)
     assert c.proc.wait(30) != 0
     wait_for(lambda: _descendants_gone(pids), 15, "every cluster process to exit")
@@ -379,19 +382,25 @@ def test_a_node_started_from_a_terminal_under_tostop_is_not_stopped_by_its_logs(
             attrs = termios.tcgetattr(0)
             attrs[3] |= termios.TOSTOP
             termios.tcsetattr(0, termios.TCSANOW, attrs)
+            # NOTE: as a terminal's shell leaves it (ignored or blocked, it would pass unseen)
+            signal.signal(signal.SIGTTOU, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTTOU})
             code = supervisor._spawn(["-c", log_line], {}).wait(20)
         finally:
             os._exit(code)
     out, status, deadline = b"", None, time.monotonic() + 30
-    while status is None and time.monotonic() < deadline:
+    try:
+        while status is None and time.monotonic() < deadline:
+            out += _read_some(fd)
+            done, st = os.waitpid(pid, os.WNOHANG)
+            status = st if done else None
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the launcher's child never ended (stopped by its log line?): {out!r}")
         out += _read_some(fd)
-        done, st = os.waitpid(pid, os.WNOHANG)
-        status = st if done else None
-    if status is None:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail(f"the launcher's child never ended (stopped by its log line?): {out!r}")
-    out += _read_some(fd)
+    finally:
+        os.close(fd)
     assert os.waitstatus_to_exitcode(status) == 0 and b"a node logs" in out, (status, out)
 
 
@@ -402,6 +411,13 @@ def _read_some(fd: int) -> bytes:
         except OSError:  # the terminal closed
             return b""
     return b""
+
+
+def _module(pid: int) -> str | None:
+    """The module a Python process runs (`-m NAME`), None if none."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    return argv[argv.index(b"-m") + 1].decode() if b"-m" in argv[:-1] else None
 
 
 def test_dead_child_stops_the_cluster_without_restarts(tiny_model, tmp_path):

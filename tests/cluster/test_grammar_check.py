@@ -73,16 +73,32 @@ def test_grammars_are_judged_and_a_slow_one_is_stopped_at_the_limit(tiny_model):
     assert "stopping" in _error(checker, ("regex", "e+f", "compact"))
 
 
-def test_a_checker_slow_to_start_is_asked_again(tiny_model, monkeypatch):
-    """A start that outlives its limit (a busy host) is no verdict: the grammar is refused
-    with a "try again", and the next request starts the checker again and is judged."""
+def test_a_checker_slow_to_start_is_waited_for_not_restarted(tiny_model, monkeypatch):
+    """A start that outlives a request's wait (a busy host) is no verdict: the grammar is
+    refused with a "try again" (503), and the next request waits on the same start, which a
+    restart would throw away, and is judged."""
     monkeypatch.setattr(grammar_check, "START_TIMEOUT_S", 0.01)
     checker = GrammarChecker(str(tiny_model), _vocab_size(tiny_model), 0.5)
     try:
         grammar = ("regex", "a+b", "compact")
-        assert "try again" in _error(checker, grammar) and checker._proc is None
+        with pytest.raises(grammar_check.GrammarNotJudged, match="still starting") as e:
+            checker.check(grammar)
+        assert e.value.status == 503
+        pid = checker._proc.pid
         monkeypatch.setattr(grammar_check, "START_TIMEOUT_S", 120.0)
-        assert _error(checker, grammar) is None
+        assert _error(checker, grammar) is None and checker._proc.pid == pid
+    finally:
+        checker.close()
+
+
+def test_a_checker_that_cannot_start_is_not_started_again(tmp_path):
+    """A start that fails (here: no tokenizer at the model's path) is said to every request
+    after it, with no new checker started for each."""
+    checker = GrammarChecker(str(tmp_path / "no-model"), 512, 0.5)
+    try:
+        first = _error(checker, ("regex", "a+b", "compact"))
+        assert "not available" in first and checker._proc is None
+        assert _error(checker, ("regex", "c+d", "compact")) == first and checker._proc is None
     finally:
         checker.close()
 
