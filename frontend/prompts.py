@@ -14,10 +14,12 @@ with a bounded share of it (frontend/off_loop.py); everything else, the common c
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import json
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from common.base.grammar import MAX_COMPILE_CPU_S
@@ -33,7 +35,8 @@ from common.base.request import (
 from common.base.threads import lower_this_thread
 from common.wire.client import MAX_MESSAGES, MAX_PROMPT_IDS, MAX_STOP
 from common.wire.protocol import GenerateRequest
-from frontend.grammar_check import GrammarChecker
+from frontend import grammar_check
+from frontend.grammar_check import GrammarChecker, GrammarNotJudged
 from frontend.off_loop import OffLoop
 
 log = get_logger("frontend")
@@ -343,7 +346,21 @@ class Prompts:
         """A long prompt (or a grammar), on the tokenizing thread in client's turn; Busy (a
         ValueError) when client has its share of work there already."""
         check_size(req, self.max_chars)
+        if req.structured is not None:
+            await self._checker_started()
         return await self.off_loop_jobs.run(client, self._prepare_here, req)
+
+    async def _checker_started(self) -> None:
+        """The grammar checker's start (seconds of imports) waited for here, on the loop:
+        on the thread it would hold every client's long prompts behind it."""
+        checker = self.grammars()
+        deadline = time.monotonic() + grammar_check.START_WAIT_S
+        while not checker.is_settled():
+            if time.monotonic() > deadline:
+                raise GrammarNotJudged(
+                    "the grammar checker is still starting (a busy host): try again"
+                )
+            await asyncio.sleep(0.05)
 
     def _prepare_here(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
         return prepare(

@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -77,7 +79,7 @@ def test_a_checker_slow_to_start_is_waited_for_not_restarted(tiny_model, monkeyp
     """A start that outlives a request's wait (a busy host) is no verdict: the grammar is
     refused with a "try again" (503), and the next request waits on the same start, which a
     restart would throw away, and is judged."""
-    monkeypatch.setattr(grammar_check, "START_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(grammar_check, "READY_WAIT_S", 0.01)
     checker = GrammarChecker(str(tiny_model), _vocab_size(tiny_model), 0.5)
     try:
         grammar = ("regex", "a+b", "compact")
@@ -85,22 +87,95 @@ def test_a_checker_slow_to_start_is_waited_for_not_restarted(tiny_model, monkeyp
             checker.check(grammar)
         assert e.value.status == 503
         pid = checker._proc.pid
-        monkeypatch.setattr(grammar_check, "START_TIMEOUT_S", 120.0)
+        monkeypatch.setattr(grammar_check, "READY_WAIT_S", 120.0)
         assert _error(checker, grammar) is None and checker._proc.pid == pid
+        assert checker.num_starts == 1 and checker.num_failed_starts == 0
     finally:
         checker.close()
 
 
 def test_a_checker_that_cannot_start_is_not_started_again(tmp_path):
-    """A start that fails (here: no tokenizer at the model's path) is said to every request
-    after it, with no new checker started for each."""
+    """A start that fails saying why (here: no tokenizer at the model's path) is said to
+    every request after it, as this frontend's lack (501), not as the grammar's fault, with
+    no new checker started for each."""
     checker = GrammarChecker(str(tmp_path / "no-model"), 512, 0.5)
     try:
-        first = _error(checker, ("regex", "a+b", "compact"))
-        assert "not available" in first and checker._proc is None
-        assert _error(checker, ("regex", "c+d", "compact")) == first and checker._proc is None
+        with pytest.raises(grammar_check.GrammarUnavailable, match="not available") as e:
+            checker.check(("regex", "a+b", "compact"))
+        assert e.value.status == 501
+        assert _error(checker, ("regex", "c+d", "compact")) == str(e.value)
+        assert checker.num_starts == 1 and checker._proc is None and not checker._verdicts
     finally:
         checker.close()
+
+
+def _fake_checker(monkeypatch, child: str, **limits) -> GrammarChecker:
+    """A checker whose process is `child` (python -c), with the given limits."""
+    monkeypatch.setattr(grammar_check, "_CHILD", child)
+    for name, value in limits.items():
+        monkeypatch.setattr(grammar_check, name, value)
+    return GrammarChecker("unused", 512, 0.5)
+
+
+@pytest.mark.parametrize(
+    "child, why",
+    [
+        ("import time; time.sleep(60)", "silent"),  # hung
+        ("import sys; sys.exit(9)", "exit status 9"),  # ended without a word
+        ("print('hello', flush=True); import time; time.sleep(60)", "not a JSON object"),
+    ],
+)
+def test_a_start_that_hangs_or_ends_silently_is_made_again_then_given_up(monkeypatch, child, why):
+    """Such a start is the host's trouble, not a reason to give up at once: the checker is
+    made again, MAX_STARTS times in all, each request meanwhile told to try again; then
+    structured outputs are said unavailable, naming the last start's failure."""
+    checker = _fake_checker(monkeypatch, child, START_TIMEOUT_S=0.3, READY_WAIT_S=1.0)
+    grammar = ("regex", "a+b", "compact")
+    try:
+        for _ in range(grammar_check.MAX_STARTS - 1):
+            with pytest.raises(grammar_check.GrammarNotJudged, match="still starting"):
+                checker.check(grammar)
+        with pytest.raises(grammar_check.GrammarUnavailable, match=why) as e:
+            checker.check(grammar)
+        assert f"did not start in {grammar_check.MAX_STARTS} tries" in str(e.value)
+        assert checker.num_starts == checker.num_failed_starts == grammar_check.MAX_STARTS
+        with pytest.raises(grammar_check.GrammarUnavailable):
+            checker.check(("regex", "c+d", "compact"))
+        assert checker.num_starts == grammar_check.MAX_STARTS and checker._proc is None
+    finally:
+        checker.close()
+
+
+def test_polling_a_start_never_waits_and_starts_one_checker(monkeypatch):
+    """The frontend's loop polls is_settled while a request's grammar waits for the start:
+    each poll returns at once, and all of them share one start."""
+    checker = _fake_checker(
+        monkeypatch, "import time; time.sleep(1.5); print('{}', flush=True); time.sleep(60)"
+    )
+    try:
+        polls, t0 = 0, time.monotonic()
+        while not checker.is_settled():
+            polls += 1
+            time.sleep(0.02)
+        assert polls > 10 and time.monotonic() - t0 < 30 and checker.num_starts == 1
+        assert checker._ready == {} and checker.is_settled()
+    finally:
+        checker.close()
+
+
+def test_closing_under_a_start_wait_is_a_stop_not_a_failed_start(monkeypatch):
+    """close() while a check waits on the start: the request is told the frontend is
+    stopping (503), and nothing is remembered as the checker's failure or the grammar's."""
+    checker = _fake_checker(monkeypatch, "import time; time.sleep(60)", READY_WAIT_S=30.0)
+    closer = threading.Timer(0.5, checker.close)
+    closer.start()
+    t0 = time.monotonic()
+    with pytest.raises(grammar_check.GrammarNotJudged, match="stopping"):
+        checker.check(("regex", "a+b", "compact"))
+    assert time.monotonic() - t0 < 10
+    assert checker.num_failed_starts == 0 and checker._unavailable is None
+    assert not checker._verdicts
+    closer.join()
 
 
 PARENT = r"""

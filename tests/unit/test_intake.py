@@ -483,3 +483,50 @@ def test_a_fault_while_a_request_is_prepared_is_that_requests_500(make_frontend,
     error, status = _error(fe.replies[0])
     assert status == 500 and "internal error" in error and fe.replies[0][0].request_id == "bad"
     assert set(fe.by_client) == {(CLIENT, "good")} and not fe.intake.pending
+
+
+def test_a_grammar_waits_for_the_checkers_start_on_the_loop_not_the_thread(
+    make_frontend, monkeypatch
+):
+    """Defect: a request with a grammar waited for the grammar checker's start (seconds of
+    imports) on the one thread off the loop, and every client's long prompts waited behind
+    it. The wait is now on the loop: the thread serves others meanwhile, the grammar is
+    checked once the start settles, and past START_WAIT_S the request gets a 503."""
+    from common.wire.client import Structured
+    from frontend import grammar_check
+
+    class Starting:  # a checker whose start settles when told
+        def __init__(self):
+            self.is_started, self.checked = False, []
+
+        def is_settled(self):
+            return self.is_started
+
+        def check(self, grammar):
+            self.checked.append(grammar)
+
+        def close(self):
+            pass
+
+    fe = make_frontend(1)
+    fe.prompts._grammars = checker = Starting()
+    req = GenerateRequest(
+        "g", prompt_token_ids=[1, 2, 3], max_tokens=2, structured=Structured("regex", "a+")
+    )
+
+    async def run():
+        waiting = asyncio.create_task(fe.prompts.off_loop("a", req))
+        await asyncio.sleep(0.2)
+        # another client's job runs on the thread while the grammar waits
+        other = await asyncio.wait_for(fe.prompts.off_loop_jobs.run("b", lambda: "b"), 5)
+        assert not waiting.done() and not checker.checked
+        checker.is_started = True
+        return other, await asyncio.wait_for(waiting, 5)
+
+    other, (ids, params) = asyncio.run(run())
+    assert other == "b" and ids == [1, 2, 3] and checker.checked == [("regex", "a+", "compact")]
+    monkeypatch.setattr(grammar_check, "START_WAIT_S", 0.2)
+    checker.is_started, checker.checked = False, []
+    with pytest.raises(grammar_check.GrammarNotJudged, match="still starting") as e:
+        asyncio.run(fe.prompts.off_loop("a", req))
+    assert e.value.status == 503 and not checker.checked
