@@ -3,6 +3,14 @@
 python -m decode_node --frontend tcp://127.0.0.1:5601 --kv-bind tcp://127.0.0.1:5602 --model DIR
 """
 
+if __name__ == "__main__":
+    # NOTE: first, before the imports below (torch: seconds): a launcher that dies during
+    # them takes this process too
+    from common.base.lifetime import die_with_parent
+
+    die_with_parent("decode_node")
+
+
 import argparse
 import dataclasses
 import sys
@@ -14,7 +22,6 @@ from common.engine.platform import check_device, platform_type, torch_device
 from common.runtime.process import (
     HelpFormat,
     add_worker_args,
-    die_with_parent,
     run_node,
     stop_event_on_signals,
     worker_config,
@@ -33,7 +40,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
-    die_with_parent()
     stop = stop_event_on_signals()
 
     def build() -> DecodeNode:

@@ -1,5 +1,13 @@
 """python -m frontend --model DIR --clients tcp://127.0.0.1:5600 --nodes tcp://127.0.0.1:5601"""
 
+if __name__ == "__main__":
+    # NOTE: first, before the imports below (torch: seconds): a launcher that dies during
+    # them takes this process too
+    from common.base.lifetime import die_with_parent
+
+    die_with_parent("frontend")
+
+
 import argparse
 import asyncio
 import shutil
@@ -10,7 +18,7 @@ from common.base.config import FrontendConfig, NodeLinks
 from common.base.env import read_env
 from common.base.flags import add_flags, flagged
 from common.base.log import add_log_level_arg, get_logger, set_level, set_name
-from common.runtime.process import HelpFormat, add_thread_args, apply_threads, die_with_parent
+from common.runtime.process import HelpFormat, add_thread_args, apply_threads
 from common.wire.channel import LinkError
 from frontend.access_log import set_access_log
 from frontend.server import Frontend
@@ -38,7 +46,6 @@ def main(argv=None) -> int:
     set_level(a.log_level)
     set_name("frontend")
     set_access_log(a.access_log)
-    die_with_parent()
     try:
         apply_threads(a.threads, a.cpus, is_host_device=False)  # no device: one thread unless told
         cfg = FrontendConfig(links=NodeLinks(**flagged(NodeLinks, a)), **flagged(FrontendConfig, a))

@@ -3,6 +3,14 @@
 The frontend names the decode node of each request; this node connects to
 that decode node's KV link on first use."""
 
+if __name__ == "__main__":
+    # NOTE: first, before the imports below (torch: seconds): a launcher that dies during
+    # them takes this process too
+    from common.base.lifetime import die_with_parent
+
+    die_with_parent("prefill_node")
+
+
 import argparse
 import sys
 
@@ -13,7 +21,6 @@ from common.engine.platform import check_device, platform_type, torch_device
 from common.runtime.process import (
     HelpFormat,
     add_worker_args,
-    die_with_parent,
     run_node,
     stop_event_on_signals,
     worker_config,
@@ -32,7 +39,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
-    die_with_parent()
     stop = stop_event_on_signals()
 
     def build() -> PrefillNode:

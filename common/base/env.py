@@ -10,6 +10,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+# A launcher's pid, set in each child's environment; the child reads (and removes) it first
+# thing, before read_env could run (common/base/lifetime.py)
+PARENT_PID_ENV = "PDSERVE_PARENT_PID"
+
 
 @dataclass(frozen=True)
 class Env:

@@ -1,5 +1,5 @@
-"""What every node process does at start: read worker options, tie its life to
-its launcher, and turn SIGTERM/SIGINT into a clean stop."""
+"""What every node process does at start: read worker options and turn SIGTERM/SIGINT
+into a clean stop (its life is tied to its launcher's first: common/base/lifetime.py)."""
 
 from __future__ import annotations
 
@@ -149,16 +149,6 @@ def run_node(prog: str, build, stop: threading.Event) -> int:
     except LinkError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
-
-
-def die_with_parent() -> None:
-    """Linux: get SIGINT when the launching process dies, however it dies.
-    NOTE: not SIGTERM, which a node takes as a drain: with its launcher gone there is
-    nothing to wait for. (Launchers start each process in its own session, so no
-    terminal's Ctrl-C reaches it this way.)"""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGINT)
 
 
 class StopEvent(threading.Event):

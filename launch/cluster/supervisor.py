@@ -6,7 +6,8 @@ clock with stand-in processes (tests/unit/test_supervisor.py); launch/start_clus
 
 Each process gets a session of its own, so a terminal's Ctrl-C reaches the launcher
 alone and the cluster drains in order; every child also dies with the launcher
-(PR_SET_PDEATHSIG, set by each process itself).
+(PR_SET_PDEATHSIG, set by each process itself before its imports, which also ends
+at once if this launcher is gone by then: common/base/lifetime.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from common.base.env import PARENT_PID_ENV
 from launch.cluster import plan as cluster_plan
 from launch.cluster.plan import Node, Plan
 
@@ -182,7 +184,7 @@ def _spawn(argv: list[str], env: dict[str, str]):
     # (`stty tostop`) can stop it as a background job of the launcher's terminal would be
     return subprocess.Popen(
         [sys.executable, *argv],
-        env={**os.environ, **env},
+        env={**os.environ, **env, PARENT_PID_ENV: str(os.getpid())},  # see die_with_parent
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )

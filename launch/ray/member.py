@@ -26,7 +26,7 @@ from pathlib import Path
 
 import ray
 
-from common.base.env import read_env
+from common.base.env import PARENT_PID_ENV, read_env
 from launch.cluster import plan as cluster_plan
 from launch.cluster.leftovers import remove_leftovers
 from launch.cluster.plan import Node, Plan
@@ -77,7 +77,7 @@ class Member:
         # started it (PR_SET_PDEATHSIG), which is this process's for the actor's life.
         self.proc = subprocess.Popen(
             [sys.executable, *argv],
-            env={**os.environ, **env},
+            env={**os.environ, **env, PARENT_PID_ENV: str(os.getpid())},
             start_new_session=True,
             cwd=str(Path(__file__).resolve().parents[2]),
         )

@@ -467,3 +467,30 @@ def test_a_killed_launcher_leaves_no_secret_keys_behind(tiny_model, tmp_path):
         assert not os.path.exists(keys)
     finally:
         c._kill()
+
+
+@pytest.mark.parametrize("module", ["frontend", "prefill_node", "decode_node"])
+def test_a_process_whose_launcher_ended_before_its_imports_does_not_start(module):
+    """Defect: a process tied its life to its launcher's (PR_SET_PDEATHSIG) after its
+    imports, seconds of torch, so a launcher killed meanwhile left it to load and serve with
+    no one to stop it. It now ties it first thing, and ends there if the launcher named in
+    its environment is no longer its parent, before importing anything heavy."""
+    from common.base.env import PARENT_PID_ENV
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-X", "importtime", "-m", module, "--help"]
+    done = subprocess.run(
+        argv, env={**env, PARENT_PID_ENV: str(gone.pid)}, capture_output=True, timeout=120
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"{module}: its launcher (pid {gone.pid}) ended before it started".encode() in (
+        done.stderr
+    )
+    assert b" torch" not in done.stderr and b"zmq" not in done.stderr  # nothing heavy loaded
+    # started by the launcher it names (this test), it goes on
+    done = subprocess.run(
+        argv, env={**env, PARENT_PID_ENV: str(os.getpid())}, capture_output=True, timeout=120
+    )
+    assert done.returncode == 0 and b"usage:" in done.stdout, done.stderr[-2000:]

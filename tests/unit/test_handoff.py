@@ -427,7 +427,6 @@ def test_a_node_asked_for_a_backend_it_cannot_use_says_so_in_one_line(
         "nixl",
     ]
     for module, more in ((decode_main, ["--kv-bind", "tcp://127.0.0.1:5992"]), (prefill_main, [])):
-        monkeypatch.setattr(module, "die_with_parent", lambda: None)
         monkeypatch.setattr(module, "stop_event_on_signals", lambda: None)
         assert module.main(common + more) == 2
     assert capsys.readouterr().err.splitlines() == [
