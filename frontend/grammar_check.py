@@ -20,6 +20,7 @@ JSON of strings. The checker process is frontend/grammar_process.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from common.base.grammar import GrammarError
 from common.base.log import get_logger
-from frontend.grammar_process import CHECK_TIMEOUT_S
+from frontend.grammar_process import CHECK_TIMEOUT_S, cpu_s_of
 
 log = get_logger("frontend")
 
@@ -41,21 +42,24 @@ log = get_logger("frontend")
 # session of its own, else it would take its time from the frontend (lower_this_process).
 # Its replies go to the pipe on a descriptor of their own; what a library prints, to stderr.
 _CHILD = (
-    "import os, sys; from common.base.threads import lower_this_process; "
+    "import os, sys; from common.base.lifetime import set_death_signal; set_death_signal(9); "
+    "from common.base.threads import lower_this_process; "
     "lower_this_process(19, 10); out = os.dup(1); os.dup2(2, 1); "
     "from frontend.grammar_process import main; sys.exit(main(sys.argv[1:], out))"
 )
 MAX_VERDICTS = 1024
 # NOTE: a start is importing xgrammar and torch and loading the tokenizer, at nice 19 on a
-# busy host: seconds, or tens of them. A request waits for it on the frontend's loop (not
-# the checking thread: other clients' long prompts go on) for START_WAIT_S at most, then is
-# told to try again; a start that has said nothing in START_TIMEOUT_S is taken for hung,
-# killed and made again, MAX_STARTS times in all before structured outputs are said to be
-# unavailable for good (as at once when the child says why it cannot start).
+# busy host: seconds, or minutes. A request with a grammar waits for it on the frontend's
+# loop (frontend/prompts.py), never on the checking thread, START_WAIT_S at most, then is
+# told to try again (503). A start is given up when its CPU time stops growing for
+# START_STALL_S (stuck: a lock, a file system) or passes MAX_START_CPU_S (spinning): it is
+# made again, MAX_STARTS times in a row, then after RETRY_AFTER_S. Only the child's own word
+# (no xgrammar, no tokenizer) is final: a 501 for every grammar.
 START_WAIT_S = 60.0
-START_TIMEOUT_S = 120.0
+START_STALL_S = 60.0
+MAX_START_CPU_S = 120.0
 MAX_STARTS = 3
-READY_WAIT_S = 5.0  # the checking thread's own wait (its request waited on the loop first)
+RETRY_AFTER_S = 300.0
 # NOTE: the checker forks: no library it loads may start a thread pool (numpy's OpenBLAS,
 # loaded with torch, starts one thread per core at import), nor may the tokenizer's.
 ONE_THREAD = {
@@ -83,7 +87,8 @@ class GrammarUnavailable(GrammarError):
 
 class GrammarChecker:
     """check(grammar) returns if the grammar compiles within max_cpu_s of CPU, or raises
-    GrammarError saying why not. Safe to call from several threads (one check at a time)."""
+    GrammarError saying why not. Safe to call from several threads (one check at a time);
+    is_settled() never waits, for the frontend's loop. Nothing here waits for a start."""
 
     def __init__(self, model: str, vocab_size: int, max_cpu_s: float):
         self.model, self.vocab_size, self.max_cpu_s = model, vocab_size, max_cpu_s
@@ -91,13 +96,16 @@ class GrammarChecker:
         self._verdicts: OrderedDict[tuple, str | None] = OrderedDict()
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
+        self._dying: list[subprocess.Popen] = []  # killed, not yet reaped
         self._buf = b""
         self._ready: dict | None = None  # its first line, once it said it
-        self._started_at = 0.0
+        self._started_at = self._progress_at = self._start_cpu_s = 0.0
         self._unavailable: str | None = None  # why it cannot start, for good
+        self._failed: str | None = None  # why the last start failed
+        self._retry_at = 0.0  # after MAX_STARTS failed starts in a row: none before this
         self._is_closed = False
         self.num_starts = 0
-        self.num_failed_starts = 0  # hung, or ended without saying why
+        self.num_failed_starts = 0  # in a row: stuck, spinning or ended without a word
         self.num_killed = 0  # compiles stopped at the CPU limit
         self.max_threads_at_fork = 0  # the checker's threads when it forked a compile (1: safe)
 
@@ -117,28 +125,39 @@ class GrammarChecker:
             if self._verdicts[key] is not None:
                 raise GrammarError(self._verdicts[key])
 
+    @property
+    def is_starting(self) -> bool:
+        """A start under way (read without the lock: a hint, right by the next look)."""
+        return not self._is_closed and self._proc is not None and self._ready is None
+
     def is_settled(self) -> bool:
-        """Whether a check would find the checker ready (or unable to start), a start begun
-        where none runs; never waits (the loop polls it: frontend/prompts.py)."""
-        if not self._lock.acquire(blocking=False):
-            return True
+        """Whether a check would find no start under way (a start is begun where none runs);
+        never waits: the frontend's loop polls it (frontend/prompts.py)."""
+        if not self._lock.acquire(blocking=False):  # a check holds it
+            return not self.is_starting
         try:
-            return self._is_closed or self._settle(0.0)
+            return self._is_closed or self._settle()
         finally:
             self._lock.release()
 
     def _ask(self, grammar: tuple) -> dict:
-        """The checker's reply to one grammar; the checker made (again) if it is not running."""
-        is_settled = self._is_closed or self._settle(READY_WAIT_S)
-        if self._is_closed:  # NOTE: close() kills the child under a wait: not a failed start
-            return {"error": "the frontend is stopping", "is_transient": True}
-        if not is_settled:
+        """The checker's reply to one grammar, or why there is none now."""
+        if self._is_closed or not self._settle():
             return {
-                "error": "the grammar checker is still starting (a busy host): try again",
+                "error": "the frontend is stopping"
+                if self._is_closed
+                else "the grammar checker is still starting (a busy host): try again",
                 "is_transient": True,
             }
         if self._unavailable is not None:
             return {"error": self._unavailable, "is_unavailable": True}
+        if self._proc is None:  # after MAX_STARTS failed starts, until _retry_at
+            return {
+                "error": f"structured outputs are not available now: the grammar checker did "
+                f"not start in {MAX_STARTS} tries (the last: {self._failed}); it is tried "
+                f"again in {max(self._retry_at - time.monotonic(), 0):.0f}s",
+                "is_transient": True,
+            }
         try:
             self._proc.stdin.write(json.dumps(list(grammar)).encode() + b"\n")
             self._proc.stdin.flush()
@@ -170,30 +189,34 @@ class GrammarChecker:
             )
         return reply
 
-    def _settle(self, wait_s: float) -> bool:
-        """Whether the checker is ready, or cannot start for good (_unavailable), after up to
-        wait_s for its first line; a checker made where none runs, or where a ready one has
-        ended since. Lock held. NOTE: a start that is only slow is kept: the next request
-        waits on the same start, which a restart would throw away."""
+    def _settle(self) -> bool:
+        """Whether no start is under way, after one look at it (never a wait): a checker
+        made where none runs (or a ready one ended since), a stuck or spinning start given
+        up. Lock held."""
+        self._dying = [p for p in self._dying if p.poll() is None]
         if self._unavailable is not None:
+            return True
+        if self._proc is None and time.monotonic() < self._retry_at:
             return True
         if self._proc is None or (self._ready is not None and self._proc.poll() is not None):
             self._start()
         if self._ready is not None:
             return True
-        left = START_TIMEOUT_S - (time.monotonic() - self._started_at)
         try:
-            line = self._read_line(max(min(wait_s, left), 0.0))
+            line = self._read_line(0.0)
         except TimeoutError:
-            return False if left > wait_s else self._fail_start(f"silent {START_TIMEOUT_S:.0f}s")
+            why = self._stalled()
+            return False if why is None else self._fail_start(why)
         except (OSError, ValueError) as e:
             return self._fail_start(str(e), is_ended=isinstance(e, OSError))
-        if "error" in line:  # why it cannot start (no xgrammar, no tokenizer): for good
+        if "error" in line and line.get("is_final", True):  # no xgrammar, no tokenizer
             self._stop()
             self._unavailable = str(line["error"])
             log.error("the grammar checker cannot start: %s", self._unavailable)
             return True
-        self._ready = line
+        if "error" in line:
+            return self._fail_start(str(line["error"]))
+        self._ready, self.num_failed_starts = line, 0
         log.info(
             "the grammar checker (pid %d) started in %.1fs",
             self._proc.pid,
@@ -201,27 +224,43 @@ class GrammarChecker:
         )
         return True
 
+    def _stalled(self) -> str | None:
+        """Why a silent start is given up, if it is: its CPU time no longer grows (or, where
+        /proc cannot say, it is silent that long), or it has spent too much."""
+        now, cpu_s = time.monotonic(), cpu_s_of(self._proc.pid)
+        if cpu_s is not None and cpu_s > self._start_cpu_s:
+            self._start_cpu_s, self._progress_at = cpu_s, now
+        if cpu_s is not None and cpu_s > MAX_START_CPU_S:
+            return f"it spent {cpu_s:.0f}s of CPU without starting"
+        if now - self._progress_at > START_STALL_S:
+            return f"no progress in {START_STALL_S:.0f}s"
+        return None
+
     def _fail_start(self, why: str, is_ended: bool = False) -> bool:
-        """A start that hung or ended without a word: made again, up to MAX_STARTS in all."""
+        """A start stuck, spinning or ended without a word: made again, MAX_STARTS times in
+        a row, then not before RETRY_AFTER_S. True where none is made now."""
         pid = self._proc.pid
-        try:  # NOTE: its pipe closes just before it ends
-            code = self._proc.wait(1.0) if is_ended else self._proc.poll()
+        try:  # NOTE: its pipe closes just before it ends; a moment at most
+            code = self._proc.wait(0.05) if is_ended else None
         except subprocess.TimeoutExpired:
             code = None
         self._stop()
         if self._is_closed:
             return False
         self.num_failed_starts += 1
-        why = f"{why}, exit status {code}" if code is not None else why
-        if self.num_failed_starts < MAX_STARTS:
+        self._failed = f"{why}, exit status {code}" if code is not None else why
+        if self.num_failed_starts % MAX_STARTS:
             log.warning("the grammar checker (pid %d) did not start (%s): again", pid, why)
             self._start()
             return False
-        self._unavailable = (
-            f"structured outputs are not available: the grammar checker did not start in "
-            f"{MAX_STARTS} tries (the last: {why})"
+        self._retry_at = time.monotonic() + RETRY_AFTER_S
+        log.error(
+            "the grammar checker did not start in %d tries (the last: %s): structured "
+            "outputs are refused for %.0fs, then it is tried again",
+            MAX_STARTS,
+            self._failed,
+            RETRY_AFTER_S,
         )
-        log.error("%s", self._unavailable)
         return True
 
     def _start(self) -> None:
@@ -236,7 +275,11 @@ class GrammarChecker:
             cwd=_ROOT,
         )
         self.num_starts += 1
-        self._buf, self._ready, self._started_at = b"", None, time.monotonic()
+        self._buf, self._ready = b"", None
+        self._started_at = self._progress_at = time.monotonic()
+        self._start_cpu_s = 0.0
+        if self._is_closed:  # NOTE: close() ran meanwhile, and may not have seen this one
+            self._stop()
 
     def _read_line(self, timeout_s: float) -> dict:
         """The checker's next line, a JSON object (ValueError if it is not one)."""
@@ -262,13 +305,15 @@ class GrammarChecker:
         return obj
 
     def _stop(self) -> None:
-        proc = self._proc
-        self._proc = None
+        """The checker killed, not waited for: one stuck in the kernel may take a while to
+        die, and the loop must not wait on it (reaped by a later _settle)."""
+        proc, self._proc = self._proc, None
         if proc is not None:
             proc.kill()
-            proc.wait()
-            proc.stdin.close()
-            proc.stdout.close()
+            for pipe in (proc.stdin, proc.stdout):
+                with contextlib.suppress(OSError):  # NOTE: a flush into a closed pipe
+                    pipe.close()
+            self._dying.append(proc)
 
     def close(self) -> None:
         """Without the lock: a check under way sees its checker end and answers at once."""
@@ -276,4 +321,5 @@ class GrammarChecker:
         proc = self._proc
         if proc is not None:
             proc.kill()
-            proc.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(1.0)

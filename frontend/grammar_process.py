@@ -5,8 +5,6 @@ a compile, kills it past the CPU limit, and writes the verdict as a JSON line.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -14,12 +12,13 @@ import sys
 import time
 
 from common.base.grammar import GrammarError
+from common.base.lifetime import set_death_signal
 
 CHECK_TIMEOUT_S = 30.0  # a compile starved of CPU this long is answered "try again"
 POLL_S = 0.01
 
 
-def _cpu_s(pid: int) -> float | None:
+def cpu_s_of(pid: int) -> float | None:
     """The CPU time (user + system) a live child has used; None where /proc cannot say."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -27,11 +26,6 @@ def _cpu_s(pid: int) -> float | None:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return None
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _num_threads() -> int:
@@ -55,7 +49,7 @@ def _compile_in_child(grammars, grammar: list, max_cpu_s: float) -> dict:
     pid = os.fork()
     if pid == 0:  # the compile
         os.close(r)
-        _die_with_parent()
+        set_death_signal(signal.SIGKILL)
         try:
             grammars.compile(tuple(grammar))
             error = None
@@ -82,7 +76,7 @@ def _compile_in_child(grammars, grammar: list, max_cpu_s: float) -> dict:
             if reply["error"] is None and cpu_s > max_cpu_s:
                 reply["error"] = _too_long(grammar[0], cpu_s, max_cpu_s)
             return {**reply, "cpu_s": round(cpu_s, 3)}
-        cpu_s = _cpu_s(pid)
+        cpu_s = cpu_s_of(pid)
         wall_s = time.monotonic() - start
         if (cpu_s if cpu_s is not None else wall_s) > max_cpu_s or wall_s > CHECK_TIMEOUT_S:
             os.kill(pid, signal.SIGKILL)
@@ -127,11 +121,15 @@ def main(argv: list[str], out_fd: int = 1) -> int:
         # one thread: the limit bounds the CPU a grammar costs the host, all of it
         grammars = grammar.for_model(model, vocab_size, max_threads=1)
     except Exception as e:
+        # NOTE: final (said to every grammar) unless the host's trouble of the moment: out
+        # of memory, an I/O error; a tokenizer that is not there is an OSError of no errno
+        is_final = not isinstance(e, MemoryError) and getattr(e, "errno", None) is None
         say(
             {
                 "error": str(e)
                 if isinstance(e, GrammarError)
-                else f"structured outputs are not available here ({type(e).__name__}: {e})"
+                else f"structured outputs are not available here ({type(e).__name__}: {e})",
+                "is_final": is_final,
             }
         )
         return 0

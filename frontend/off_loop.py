@@ -34,9 +34,11 @@ class OffLoop:
         self._last: Hashable | None = None  # whose job started last
         self.num_refused = 0
 
-    async def run(self, client: Hashable, fn: Callable, *args):
+    async def run(self, client: Hashable, fn: Callable, *args, wait_for=None):
         """fn(*args) on the thread, in client's turn; Busy if client's share is full. A
-        caller cancelled while its job waits takes the job out of the line."""
+        caller cancelled while its job waits takes the job out of the line. wait_for: an
+        async callable awaited first, on the loop, the job counted in client's share
+        meanwhile (what it needs before it may take the thread: the grammar checker's start)."""
         count = self._counts.get(client, 0)
         if count >= self.max_per_client:
             self.num_refused += 1
@@ -45,13 +47,19 @@ class OffLoop:
                 f"or to have their grammar checked (the limit per client is "
                 f"{self.max_per_client}); retry when some finish"
             )
+        self._counts[client] = count + 1
+        if wait_for is not None:
+            try:
+                await wait_for()
+            except BaseException:
+                self._release(client)
+                raise
         job = (asyncio.get_running_loop().create_future(), fn, args)
         if client not in self._lines:
             self._lines[client] = deque()
             if self._last in self._lines and self._last != client:
                 self._lines.move_to_end(self._last)  # served last: it goes after the newcomer
         self._lines[client].append(job)
-        self._counts[client] = count + 1
         self._next()
         try:
             return await job[0]

@@ -19,7 +19,6 @@ import functools
 import inspect
 import json
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from common.base.grammar import MAX_COMPILE_CPU_S
@@ -313,6 +312,7 @@ class Prompts:
         )
         self.is_processed_logprobs = is_processed_logprobs
         self._grammars = None  # made for the first request with a grammar
+        self._start_poll: asyncio.Future | None = None  # while the checker starts
         self.max_chars = max_prompt_chars(tokenizer, max_model_len)
         self._pool = ThreadPoolExecutor(
             1, thread_name_prefix="tokenize", initializer=lambda: lower_this_thread(19)
@@ -346,20 +346,25 @@ class Prompts:
         """A long prompt (or a grammar), on the tokenizing thread in client's turn; Busy (a
         ValueError) when client has its share of work there already."""
         check_size(req, self.max_chars)
-        if req.structured is not None:
-            await self._checker_started()
-        return await self.off_loop_jobs.run(client, self._prepare_here, req)
+        wait_for = self._checker_started if req.structured is not None else None
+        return await self.off_loop_jobs.run(client, self._prepare_here, req, wait_for=wait_for)
 
     async def _checker_started(self) -> None:
-        """The grammar checker's start (seconds of imports) waited for here, on the loop:
-        on the thread it would hold every client's long prompts behind it."""
-        checker = self.grammars()
-        deadline = time.monotonic() + grammar_check.START_WAIT_S
+        """The grammar checker's start (seconds of imports) waited for here, on the loop: on
+        the thread it would hold every client's long prompts behind it. One poll for all the
+        requests waiting; GrammarNotJudged (503) past START_WAIT_S."""
+        if self._start_poll is None or self._start_poll.done():
+            self._start_poll = asyncio.ensure_future(self._poll_checker(self.grammars()))
+        try:
+            await asyncio.wait_for(asyncio.shield(self._start_poll), grammar_check.START_WAIT_S)
+        except asyncio.TimeoutError:
+            raise GrammarNotJudged(
+                "the grammar checker is still starting (a busy host): try again"
+            ) from None
+
+    @staticmethod
+    async def _poll_checker(checker: GrammarChecker) -> None:
         while not checker.is_settled():
-            if time.monotonic() > deadline:
-                raise GrammarNotJudged(
-                    "the grammar checker is still starting (a busy host): try again"
-                )
             await asyncio.sleep(0.05)
 
     def _prepare_here(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:

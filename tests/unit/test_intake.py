@@ -490,8 +490,9 @@ def test_a_grammar_waits_for_the_checkers_start_on_the_loop_not_the_thread(
 ):
     """Defect: a request with a grammar waited for the grammar checker's start (seconds of
     imports) on the one thread off the loop, and every client's long prompts waited behind
-    it. The wait is now on the loop: the thread serves others meanwhile, the grammar is
-    checked once the start settles, and past START_WAIT_S the request gets a 503."""
+    it. The wait is now on the loop, counted in the client's share of the thread: the thread
+    serves others meanwhile, the grammar is checked once the start settles, and past
+    START_WAIT_S the request gets a 503."""
     from common.wire.client import Structured
     from frontend import grammar_check
 
@@ -525,6 +526,23 @@ def test_a_grammar_waits_for_the_checkers_start_on_the_loop_not_the_thread(
 
     other, (ids, params) = asyncio.run(run())
     assert other == "b" and ids == [1, 2, 3] and checker.checked == [("regex", "a+", "compact")]
+
+    # the requests waiting count in their client's share of the thread
+    from frontend.off_loop import Busy
+
+    async def flood():
+        fe.prompts.off_loop_jobs.max_per_client = 2
+        waiting = [asyncio.create_task(fe.prompts.off_loop("a", req)) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        with pytest.raises(Busy):
+            await fe.prompts.off_loop("a", req)
+        checker.is_started = True
+        await asyncio.gather(*waiting)
+        fe.prompts.off_loop_jobs.max_per_client = 64
+        return fe.prompts.off_loop_jobs._counts
+
+    checker.is_started = False
+    assert asyncio.run(flood()) == {}
     monkeypatch.setattr(grammar_check, "START_WAIT_S", 0.2)
     checker.is_started, checker.checked = False, []
     with pytest.raises(grammar_check.GrammarNotJudged, match="still starting") as e:
