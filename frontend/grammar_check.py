@@ -103,6 +103,8 @@ class GrammarChecker:
         self._unavailable: str | None = None  # why it cannot start, for good
         self._failed: str | None = None  # why the last start failed
         self._retry_at = 0.0  # after MAX_STARTS failed starts in a row: none before this
+        self._is_launching = False  # in _start
+        self._is_proven = False  # the running checker has judged a grammar
         self._is_closed = False
         self.num_starts = 0
         self.num_failed_starts = 0  # in a row: stuck, spinning or ended without a word
@@ -128,7 +130,9 @@ class GrammarChecker:
     @property
     def is_starting(self) -> bool:
         """A start under way (read without the lock: a hint, right by the next look)."""
-        return not self._is_closed and self._proc is not None and self._ready is None
+        return not self._is_closed and (
+            self._is_launching or (self._proc is not None and self._ready is None)
+        )
 
     def is_settled(self) -> bool:
         """Whether a check would find no start under way (a start is begun where none runs);
@@ -151,25 +155,37 @@ class GrammarChecker:
             }
         if self._unavailable is not None:
             return {"error": self._unavailable, "is_unavailable": True}
-        if self._proc is None:  # after MAX_STARTS failed starts, until _retry_at
+        if self._proc is None:  # resting after MAX_STARTS failed starts, or none made
+            rest_s = self._retry_at - time.monotonic()
             return {
-                "error": f"structured outputs are not available now: the grammar checker did "
-                f"not start in {MAX_STARTS} tries (the last: {self._failed}); it is tried "
-                f"again in {max(self._retry_at - time.monotonic(), 0):.0f}s",
+                "error": "structured outputs are not available now: the grammar checker "
+                + (
+                    f"did not start in {MAX_STARTS} tries (the last: {self._failed}); it is "
+                    f"tried again in {rest_s:.0f}s"
+                    if rest_s > 0
+                    else f"could not be started ({self._failed}): try again"
+                ),
                 "is_transient": True,
             }
         try:
-            self._proc.stdin.write(json.dumps(list(grammar)).encode() + b"\n")
-            self._proc.stdin.flush()
+            self._write_line(json.dumps(list(grammar)).encode() + b"\n", CHECK_TIMEOUT_S)
             reply = self._read_line(CHECK_TIMEOUT_S + 10 * self.max_cpu_s)
         except (OSError, TimeoutError, ValueError) as e:
             # NOTE: a checker that stopped answering (or answers nonsense) is replaced; this
-            # grammar is not judged by it (the next request asks the new one).
-            self._stop()
+            # grammar is not judged by it (the next request asks the new one). One that has
+            # judged nothing yet counts as a failed start: else one that dies at every
+            # grammar would be made again for every request, for good.
+            why = f"it failed at a grammar ({type(e).__name__}: {e})"
+            if self._is_proven:
+                log.warning("the grammar checker (pid %d): %s; replaced", self._proc.pid, why)
+                self._stop()
+            else:
+                self._fail_start(why, is_ended=isinstance(e, OSError))
             return {
                 "error": f"the grammar could not be checked ({type(e).__name__}): try again",
                 "is_transient": True,
             }
+        self._is_proven, self.num_failed_starts = True, 0
         num_threads = reply.get("num_threads", 0)
         if isinstance(num_threads, int) and num_threads > self.max_threads_at_fork:
             self.max_threads_at_fork = num_threads
@@ -200,7 +216,7 @@ class GrammarChecker:
             return True
         if self._proc is None or (self._ready is not None and self._proc.poll() is not None):
             self._start()
-        if self._ready is not None:
+        if self._proc is None or self._ready is not None:  # none could be made; or ready
             return True
         try:
             line = self._read_line(0.0)
@@ -216,7 +232,7 @@ class GrammarChecker:
             return True
         if "error" in line:
             return self._fail_start(str(line["error"]))
-        self._ready, self.num_failed_starts = line, 0
+        self._ready = line
         log.info(
             "the grammar checker (pid %d) started in %.1fs",
             self._proc.pid,
@@ -247,39 +263,66 @@ class GrammarChecker:
         self._stop()
         if self._is_closed:
             return False
-        self.num_failed_starts += 1
-        self._failed = f"{why}, exit status {code}" if code is not None else why
-        if self.num_failed_starts % MAX_STARTS:
-            log.warning("the grammar checker (pid %d) did not start (%s): again", pid, why)
+        self._note_failure(f"{why}, exit status {code}" if code is not None else why, pid)
+        if time.monotonic() >= self._retry_at:
             self._start()
-            return False
+        return self._proc is None
+
+    def _note_failure(self, why: str, pid: int | None = None) -> None:
+        """One more failed start in a row; the MAX_STARTS-th rests the checker."""
+        self.num_failed_starts += 1
+        self._failed = why
+        if self.num_failed_starts % MAX_STARTS:
+            log.warning("the grammar checker (pid %s) did not start (%s): again", pid or "-", why)
+            return
         self._retry_at = time.monotonic() + RETRY_AFTER_S
         log.error(
             "the grammar checker did not start in %d tries (the last: %s): structured "
             "outputs are refused for %.0fs, then it is tried again",
             MAX_STARTS,
-            self._failed,
+            why,
             RETRY_AFTER_S,
         )
-        return True
 
     def _start(self) -> None:
-        self._stop()
-        path = os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "PYTHONPATH": path, **ONE_THREAD}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, self.model, str(self.vocab_size), str(self.max_cpu_s)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            cwd=_ROOT,
-        )
-        self.num_starts += 1
-        self._buf, self._ready = b"", None
-        self._started_at = self._progress_at = time.monotonic()
-        self._start_cpu_s = 0.0
-        if self._is_closed:  # NOTE: close() ran meanwhile, and may not have seen this one
+        self._is_launching = True  # NOTE: a poll meanwhile (lock held) sees a start under way
+        try:
             self._stop()
+            path = os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH")) if p)
+            argv = [sys.executable, "-c", _CHILD, self.model, str(self.vocab_size)]
+            try:
+                self._proc = subprocess.Popen(
+                    [*argv, str(self.max_cpu_s)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    env={**os.environ, "PYTHONPATH": path, **ONE_THREAD},
+                    cwd=_ROOT,
+                )
+            except OSError as e:  # no memory, descriptors or processes left: as a failed start
+                self._note_failure(f"no process could be made: {e}")
+                return
+            os.set_blocking(self._proc.stdin.fileno(), False)  # see _write_line
+            self.num_starts += 1
+            self._buf, self._ready, self._is_proven = b"", None, False
+            self._started_at = self._progress_at = time.monotonic()
+            self._start_cpu_s = 0.0
+            if self._is_closed:  # NOTE: close() ran meanwhile, and may not have seen this one
+                self._stop()
+        finally:
+            self._is_launching = False
+
+    def _write_line(self, data: bytes, timeout_s: float) -> None:
+        """All of data to the checker, or TimeoutError. NOTE: a grammar's line may be more
+        than the pipe holds (64 KiB), and a checker that stopped reading must not hold the
+        checking thread for good."""
+        deadline, fd, view = time.monotonic() + timeout_s, self._proc.stdin.fileno(), data
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the grammar checker read nothing in {timeout_s:.0f}s")
+            if select.select([], [fd], [], left)[1]:
+                with contextlib.suppress(BlockingIOError):
+                    view = view[os.write(fd, view) :]
 
     def _read_line(self, timeout_s: float) -> dict:
         """The checker's next line, a JSON object (ValueError if it is not one)."""

@@ -121,9 +121,14 @@ def main(argv: list[str], out_fd: int = 1) -> int:
         # one thread: the limit bounds the CPU a grammar costs the host, all of it
         grammars = grammar.for_model(model, vocab_size, max_threads=1)
     except Exception as e:
-        # NOTE: final (said to every grammar) unless the host's trouble of the moment: out
-        # of memory, an I/O error; a tokenizer that is not there is an OSError of no errno
-        is_final = not isinstance(e, MemoryError) and getattr(e, "errno", None) is None
+        # NOTE: final (said to every grammar) only where a new start would meet it again: no
+        # xgrammar, no tokenizer there (an OSError of no errno), a tokenizer it cannot read;
+        # not the host's trouble of the moment (memory, I/O, the network)
+        is_final = isinstance(e, (ImportError, GrammarError, ValueError)) or (
+            isinstance(e, OSError)
+            and e.errno is None
+            and not isinstance(e, (ConnectionError, TimeoutError))
+        )
         say(
             {
                 "error": str(e)

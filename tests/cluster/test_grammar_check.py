@@ -166,6 +166,73 @@ def test_a_start_that_fails_is_made_again_then_given_a_rest(monkeypatch, child, 
         checker.close()
 
 
+def test_a_checker_that_dies_at_each_grammar_rests_like_a_failed_start(monkeypatch):
+    """A checker that says it is ready but dies at its first grammar (its forks failing,
+    killed for memory) has not started: made again MAX_STARTS times, not for every request
+    for good, then rested with the reason said."""
+    checker = _fake_checker(
+        monkeypatch,
+        "print('{\"ready\": true}', flush=True); import sys; sys.stdin.readline()",
+        RETRY_AFTER_S=600.0,
+    )
+    try:
+        for _ in range(grammar_check.MAX_STARTS):
+            with pytest.raises(grammar_check.GrammarNotJudged, match="could not be checked"):
+                _error_raised(checker, ("regex", "a+b", "compact"))
+        with pytest.raises(grammar_check.GrammarNotJudged, match="failed at a grammar") as e:
+            _error_raised(checker, ("regex", "a+b", "compact"))
+        assert f"did not start in {grammar_check.MAX_STARTS} tries" in str(e.value)
+        assert checker.num_starts == grammar_check.MAX_STARTS and not checker._verdicts
+    finally:
+        checker.close()
+
+
+def _error_raised(checker: GrammarChecker, grammar) -> None:
+    _settle(checker)
+    checker.check(grammar)
+
+
+def test_no_process_for_the_checker_is_a_failed_start_not_a_crash(monkeypatch):
+    """Popen failing (no descriptors, no memory) on the loop's poll: the request is told why
+    (503), each try counts as a failed start, and the MAX_STARTS-th rests the checker."""
+
+    def no_process(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    checker = _fake_checker(monkeypatch, "unused", RETRY_AFTER_S=600.0)
+    monkeypatch.setattr(grammar_check.subprocess, "Popen", no_process)
+    try:
+        assert checker.is_settled() and checker.num_failed_starts == 1
+        with pytest.raises(grammar_check.GrammarNotJudged, match="Too many open files") as e:
+            checker.check(("regex", "a+b", "compact"))
+        assert "could not be started" in str(e.value) and checker.num_failed_starts == 2
+        with pytest.raises(grammar_check.GrammarNotJudged, match="tried again in"):
+            checker.check(("regex", "a+b", "compact"))
+        assert checker.num_failed_starts == grammar_check.MAX_STARTS and checker.is_settled()
+        assert checker.num_failed_starts == grammar_check.MAX_STARTS  # resting: no more tries
+    finally:
+        checker.close()
+
+
+def test_a_checker_that_stops_reading_does_not_hold_the_thread(monkeypatch):
+    """A grammar's line larger than the pipe holds, to a checker that no longer reads: the
+    write gives up at CHECK_TIMEOUT_S (a 503), rather than holding the checking thread, and
+    every client's long prompts behind it, for good."""
+    checker = _fake_checker(
+        monkeypatch,
+        "print('{\"ready\": true}', flush=True); import time; time.sleep(60)",
+        CHECK_TIMEOUT_S=0.5,
+    )
+    try:
+        _settle(checker)
+        t0 = time.monotonic()
+        with pytest.raises(grammar_check.GrammarNotJudged, match="TimeoutError"):
+            checker.check(("regex", "a" * 300_000, "compact"))
+        assert time.monotonic() - t0 < 10
+    finally:
+        checker.close()
+
+
 def test_polls_during_a_check_see_a_start_under_way(monkeypatch):
     """While a check holds the checker (here: the lock held), the loop's poll answers from
     what it can see: a start under way is not settled, so a request keeps waiting on the

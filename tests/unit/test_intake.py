@@ -548,3 +548,14 @@ def test_a_grammar_waits_for_the_checkers_start_on_the_loop_not_the_thread(
     with pytest.raises(grammar_check.GrammarNotJudged, match="still starting") as e:
         asyncio.run(fe.prompts.off_loop("a", req))
     assert e.value.status == 503 and not checker.checked
+    assert not fe.prompts.off_loop_jobs._counts  # its share given back
+
+    async def cancelled():  # a client gone while its request waits gives its share back
+        waiting = asyncio.create_task(fe.prompts.off_loop("a", req))
+        await asyncio.sleep(0.05)
+        assert fe.prompts.off_loop_jobs._counts == {"a": 1}
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        return fe.prompts.off_loop_jobs._counts
+
+    assert asyncio.run(cancelled()) == {}
