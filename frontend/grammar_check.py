@@ -214,7 +214,11 @@ class GrammarChecker:
             return True
         if self._proc is None and time.monotonic() < self._retry_at:
             return True
-        if self._proc is None or (self._ready is not None and self._proc.poll() is not None):
+        if self._ready is not None and self._proc is not None and self._proc.poll() is not None:
+            if not self._is_proven:  # NOTE: as a death at its first grammar (see _ask)
+                return self._fail_start("it ended after it said it was ready", is_ended=True)
+            self._start()
+        elif self._proc is None:
             self._start()
         if self._proc is None or self._ready is not None:  # none could be made; or ready
             return True
@@ -315,12 +319,15 @@ class GrammarChecker:
         """All of data to the checker, or TimeoutError. NOTE: a grammar's line may be more
         than the pipe holds (64 KiB), and a checker that stopped reading must not hold the
         checking thread for good."""
-        deadline, fd, view = time.monotonic() + timeout_s, self._proc.stdin.fileno(), data
+        deadline, fd = time.monotonic() + timeout_s, self._proc.stdin.fileno()
+        view = memoryview(data)
         while view:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"the grammar checker read nothing in {timeout_s:.0f}s")
-            if select.select([], [fd], [], left)[1]:
+                raise TimeoutError(
+                    f"the grammar checker did not take the whole line in {timeout_s:g}s"
+                )
+            if _is_ready(fd, select.POLLOUT, left):
                 with contextlib.suppress(BlockingIOError):
                     view = view[os.write(fd, view) :]
 
@@ -330,9 +337,9 @@ class GrammarChecker:
         fd = self._proc.stdout.fileno()
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
-            if not select.select([fd], [], [], max(left, 0.0))[0]:
+            if not _is_ready(fd, select.POLLIN, max(left, 0.0)):
                 if left <= 0:
-                    raise TimeoutError(f"no answer in {timeout_s:.0f}s")
+                    raise TimeoutError(f"no answer in {timeout_s:g}s")
                 continue
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -366,3 +373,11 @@ class GrammarChecker:
             proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(1.0)
+
+
+def _is_ready(fd: int, event: int, timeout_s: float) -> bool:
+    """Whether fd is ready for event within timeout_s. NOTE: poll, not select: a frontend
+    holding a thousand clients' sockets has pipes past select's limit of 1024."""
+    poller = select.poll()
+    poller.register(fd, event)
+    return bool(poller.poll(timeout_s * 1000))

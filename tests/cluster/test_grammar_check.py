@@ -166,6 +166,25 @@ def test_a_start_that_fails_is_made_again_then_given_a_rest(monkeypatch, child, 
         checker.close()
 
 
+def test_a_checker_that_dies_idle_before_a_verdict_counts_as_a_failed_start(monkeypatch):
+    """A checker that says it is ready and ends before any grammar (killed for memory while
+    idle) has not started either: counted, and rested at MAX_STARTS."""
+    checker = _fake_checker(
+        monkeypatch, "print('{\"ready\": true}', flush=True)", RETRY_AFTER_S=600.0
+    )
+    try:
+        for _ in range(20):
+            if checker.num_failed_starts == grammar_check.MAX_STARTS:
+                break
+            _settle(checker)
+            time.sleep(0.2)  # it ends meanwhile
+        assert checker.num_starts == checker.num_failed_starts == grammar_check.MAX_STARTS
+        with pytest.raises(grammar_check.GrammarNotJudged, match="after it said it was ready"):
+            checker.check(("regex", "a+b", "compact"))
+    finally:
+        checker.close()
+
+
 def test_a_checker_that_dies_at_each_grammar_rests_like_a_failed_start(monkeypatch):
     """A checker that says it is ready but dies at its first grammar (its forks failing,
     killed for memory) has not started: made again MAX_STARTS times, not for every request
@@ -228,7 +247,8 @@ def test_a_checker_that_stops_reading_does_not_hold_the_thread(monkeypatch):
         t0 = time.monotonic()
         with pytest.raises(grammar_check.GrammarNotJudged, match="TimeoutError"):
             checker.check(("regex", "a" * 300_000, "compact"))
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 3  # the read's deadline, not the write's, is 5.5 s
+        assert "did not take the whole line" in checker._failed
     finally:
         checker.close()
 
