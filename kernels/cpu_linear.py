@@ -4,7 +4,11 @@
   input pairs (cpu_linear_vnni.c), a 4-D tensor [N / 16, K / 2, 16, 2]; up to DOT_MAX_ROWS
   rows of x stream it through the bf16 dot-product instruction, more rows through the
   tiles. A tied embedding reads its rows from the same tensor (embedding()).
-- bf16 dot products without tiles (AVX512-BF16): oneDNN's own layout, packed once at load.
+- bf16 dot products without tiles (AVX512-BF16): the same layout, every row count through
+  the dot product: up to 4 rows as above, more 8 rows by 3 column blocks a pass (AMD EPYC,
+  2 threads, Qwen3-0.6B's shapes: 0.8-1.1x oneDNN's packed linear from 1 to 1,024 rows; a
+  tied lm_head, which oneDNN's layout cannot hold as an embedding, 0.5-0.7x the table as it
+  is from 1 to 128 rows: pdserve bench linear).
 - neither (AVX2 and older): the checkpoint's layout, read in place by cpu_linear.c's kernel
   for fp32 activations, widened whole for a large batch.
 
@@ -40,12 +44,15 @@ IS_TILED = bool(_LIB.vnni_paths & 2)  # the tiles are built and this process may
 # bf16 arithmetic units (NOTE: not IS_BF16_NATIVE, which plain AVX-512 may claim too)
 HAS_BF16_UNITS = FEATURES.is_avx512_bf16 or FEATURES.is_amx_bf16
 HAS_DOT = bool(_LIB.vnni_paths & 1)
+IS_PACKED = IS_TILED or HAS_DOT  # bf16 weights take the layout above
 
 
 def describe() -> str:
     """The CPU and the path each kernel takes on it, for a node's ready line."""
     if IS_TILED:
         matmul = f"bf16 matmul: dot products to {DOT_MAX_ROWS} rows, AMX tiles beyond"
+    elif HAS_DOT:
+        matmul = "bf16 matmul: dot products, weights packed at load"
     elif IS_BF16_NATIVE:
         matmul = "bf16 matmul: oneDNN, weights packed at load"
     else:
@@ -54,15 +61,16 @@ def describe() -> str:
 
 
 def is_tiled(weight: torch.Tensor) -> bool:
-    """Whether this weight is in the tiles' layout (pack_linear_weight on a CPU with AMX)."""
+    """Whether this weight is in the tiles' layout (pack_linear_weight on a CPU with AMX or
+    bf16 dot products)."""
     return weight.dim() == 4
 
 
 def pack_linear_weight(weight: torch.Tensor, is_embedding: bool = False) -> torch.Tensor:
-    """As portable.pack_linear_weight; where the tiles run, their layout (see the module),
-    which embedding() reads too."""
+    """As portable.pack_linear_weight; where the tiles or the dot product run, their layout
+    (see the module), which embedding() reads too."""
     if not (
-        IS_TILED
+        IS_PACKED
         and weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
@@ -114,10 +122,13 @@ def _tiled_shape(weight) -> tuple[int, int, int]:
 
 
 def _linear_tiled(x, weight, bias):
-    """x [..., K] by a weight in the tiles' layout -> [..., N] in x's dtype."""
+    """x [..., K] by a weight in the tiles' layout -> [..., N] in x's dtype; through the dot
+    product for a decode step's few rows, or for every row count where there are no tiles."""
     num_blocks, size, num_columns = _tiled_shape(weight)
     num_rows = x.numel() // size
-    if num_rows <= DOT_MAX_ROWS and HAS_DOT and x.dtype == torch.float32:
+    if not IS_TILED and x.dtype != torch.float32:  # NOTE: the dot kernel reads fp32 x
+        return _linear_tiled(x.float(), weight, bias).to(x.dtype)
+    if (num_rows <= DOT_MAX_ROWS or not IS_TILED) and HAS_DOT and x.dtype == torch.float32:
         # NOTE: a decode step's lone rows: as few torch ops as can be (the kernel rounds x)
         xf = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, size).contiguous()
         out = torch.empty((num_rows, num_columns), dtype=torch.float32)

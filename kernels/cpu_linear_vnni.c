@@ -81,9 +81,71 @@ static void tile_dot(const uint16_t *x, int64_t xs, int64_t num_m, const uint16_
             _mm512_storeu_ps(out + i * os + j * 16, acc[i][j]);
 }
 
+/* More rows (a CPU without tiles): WR rows of x by WB column blocks a pass, WR * WB
+ * accumulators with WB weights and a broadcast in registers (8 * 3 + 3 + 1 of 32), so the
+ * panel of WB blocks (96 KB at K = 1,024) is read from L2 once per WR rows, each weight row
+ * multiplied with WR pairs of x. The 4 x 8 tile above spills at this size. The bounds are
+ * constants where the block is whole (wide_dot_full), so the loops unroll. */
+#define WR 8
+#define WB 3
+static inline __attribute__((always_inline)) void wide_dot(const uint16_t *x, int64_t xs,
+                                                           int64_t num_m, const uint16_t *wp,
+                                                           int64_t K, int64_t num_b, float *out,
+                                                           int64_t os) {
+    const int64_t num_pairs = K / 2, block = num_pairs * 32;
+    __m512 acc[WR][WB];
+    for (int i = 0; i < WR; i++)
+        for (int j = 0; j < WB; j++)
+            acc[i][j] = _mm512_setzero_ps();
+    const uint32_t *xr[WR];
+    for (int i = 0; i < WR; i++)
+        xr[i] = (const uint32_t *)(x + (i < num_m ? i : 0) * xs);
+    for (int64_t p = 0; p < num_pairs; p++) {
+        __m512bh w[WB];
+        for (int j = 0; j < WB; j++)
+            if (j < num_b)
+                w[j] = (__m512bh)_mm512_loadu_si512(wp + j * block + p * 32);
+        for (int i = 0; i < WR; i++) {
+            if (i >= num_m)
+                break;
+            __m512bh v = (__m512bh)_mm512_set1_epi32((int)xr[i][p]);
+            for (int j = 0; j < WB; j++)
+                if (j < num_b)
+                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], v, w[j]);
+        }
+    }
+    for (int i = 0; i < num_m; i++)
+        for (int j = 0; j < num_b; j++)
+            _mm512_storeu_ps(out + i * os + j * 16, acc[i][j]);
+}
+
+static void wide_dot_full(const uint16_t *x, int64_t xs, const uint16_t *wp, int64_t K,
+                          float *out, int64_t os) {
+    wide_dot(x, xs, WR, wp, K, WB, out, os);
+}
+
+static void wide_dot_part(const uint16_t *x, int64_t xs, int64_t num_m, const uint16_t *wp,
+                          int64_t K, int64_t num_b, float *out, int64_t os) {
+    wide_dot(x, xs, num_m, wp, K, num_b, out, os);
+}
+
 static void blocks_dot(const uint16_t *x, int64_t xs, const uint16_t *wp, int64_t K, float *out,
                        int64_t os, int64_t M, int64_t b0, int64_t b1) {
     const int64_t block = K * 16;
+    if (M > 4) {
+        for (int64_t b = b0; b < b1; b += WB) {
+            int64_t num_b = b1 - b < WB ? b1 - b : WB;
+            for (int64_t m = 0; m < M; m += WR) {
+                int64_t num_m = M - m < WR ? M - m : WR;
+                if (num_m == WR && num_b == WB)
+                    wide_dot_full(x + m * xs, xs, wp + b * block, K, out + m * os + b * 16, os);
+                else
+                    wide_dot_part(x + m * xs, xs, num_m, wp + b * block, K, num_b,
+                                  out + m * os + b * 16, os);
+            }
+        }
+        return;
+    }
     for (int64_t b = b0; b < b1; b += NB) {
         int64_t num_b = b1 - b < NB ? b1 - b : NB;
         for (int64_t m = 0; m < M; m += 4)

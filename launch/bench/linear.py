@@ -1,7 +1,8 @@
 """CPU linear layers in bf16 at a model's matmul shapes: the weight as the CPU backend lays
 it out at load (kernels.pack_linear_weight: the tiles' layout on a CPU with AMX, oneDNN's on
-one with bf16 dot products alone), against oneDNN's packed layout and torch's own bf16 linear
-on the checkpoint's layout, on --threads threads.
+one with bf16 dot products alone, a tied lm_head as the embedding table it also is), against
+oneDNN's packed layout (which a tied table cannot take) and torch's own bf16 linear on the
+checkpoint's layout (a tied table's on a CPU without tiles before), on --threads threads.
 
     pdserve bench linear [--shape qwen3-0.6b] [--rows 1,8,64,1024] [--threads 2]
 
@@ -60,16 +61,21 @@ def main(argv: list[str] | None = None) -> int:
         "o": (d, q),
         "gate_up": (2 * spec.intermediate_size, d),
         "down": (d, spec.intermediate_size),
+        "lm_head": (spec.vocab_size, d),
     }
     g = torch.Generator().manual_seed(0)
     rows = []
     for num_rows in a.rows:
         for name, (n, k) in layers.items():
-            ws = [torch.randn(n, k, generator=g).bfloat16() for _ in range(a.distinct)]
+            # NOTE: the lm_head alone is larger than any cache: two copies do
+            num_copies = min(a.distinct, 2) if name == "lm_head" else a.distinct
+            ws = [torch.randn(n, k, generator=g).bfloat16() for _ in range(num_copies)]
             x = torch.randn(num_rows, k, generator=g)  # fp32 activations, as a CPU node's
-            packed = [kernels.pack_linear_weight(w) for w in ws]
+            # a tied lm_head is packed as the embedding table it also is
+            is_table = name == "lm_head" and spec.is_tied_embeddings
+            packed = [kernels.pack_linear_weight(w, is_embedding=is_table) for w in ws]
             onednn = [portable.pack_linear_weight(w) for w in ws]
-            per_call = 1 / a.distinct
+            per_call = 1 / num_copies
 
             def each(fn, weights) -> float:
                 # NOTE: each output dropped as the next call comes: buffers reused, as a model's
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 "dtype": "bfloat16",
                 "threads": a.threads,
                 "shape": a.shape,
-                "layer": name,
+                "layer": f"{name} (tied)" if is_table else name,
                 "rows": num_rows,
                 "kernels": kernels.describe("cpu"),
                 "packed_ms": round(packed_ms, 3),
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(
                 [
                     str(num_rows),
-                    name,
+                    record["layer"],
                     cell(packed_ms, 3),
                     cell(onednn_ms, 3),
                     cell(torch_ms, 3),

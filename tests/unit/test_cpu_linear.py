@@ -24,7 +24,7 @@ PATHS = ["dot", "tiles", "onednn", "widened"]
 
 def _can_run(path: str) -> bool:
     return {
-        "dot": cpu_linear.IS_TILED and cpu_linear.HAS_DOT,
+        "dot": cpu_linear.HAS_DOT,
         "tiles": cpu_linear.IS_TILED,
         "onednn": portable.IS_BF16_NATIVE,
         "widened": True,
@@ -45,16 +45,17 @@ def test_each_bf16_linear_path_this_cpu_runs_equals_a_float64_reference(
         pytest.skip(f"this CPU cannot run the {path} path ({cpu_linear.FEATURES.describe()})")
     if path == "tiles":
         monkeypatch.setattr(cpu_linear, "DOT_MAX_ROWS", 0)
-    elif path == "dot" and num_rows > cpu_linear.DOT_MAX_ROWS:
-        pytest.skip("more rows than the dot-product path takes")
+    elif path == "dot" and cpu_linear.IS_TILED and num_rows > cpu_linear.DOT_MAX_ROWS:
+        pytest.skip("more rows than the dot-product path takes where there are tiles")
     elif path == "widened":
         monkeypatch.setattr(cpu_linear, "IS_BF16_NATIVE", False)
     g = torch.Generator().manual_seed(num_rows)
-    weight = torch.randn(96, 160, generator=g).bfloat16()  # N: 3 pairs of 16; K: 5 tiles
-    x, bias = torch.randn(num_rows, 160, generator=g), torch.randn(96, generator=g)
+    # N: 5 pairs of 16 (column blocks in passes of 3 and a part); K: 5 tiles
+    weight = torch.randn(160, 160, generator=g).bfloat16()
+    x, bias = torch.randn(num_rows, 160, generator=g), torch.randn(160, generator=g)
     if path in ("dot", "tiles"):
         packed = cpu_linear.pack_linear_weight(weight)
-        assert cpu_linear.is_tiled(packed) and packed.shape == (6, 80, 16, 2)
+        assert cpu_linear.is_tiled(packed) and packed.shape == (10, 80, 16, 2)
     elif path == "onednn":
         packed = portable.pack_linear_weight(weight)
         assert packed.is_mkldnn
@@ -90,8 +91,8 @@ def test_a_weight_the_tiles_cannot_take_keeps_another_layout():
 @needs_cc
 def test_the_tiles_layout_reads_back_as_an_embedding():
     """A tied table packed once is also the embedding: its rows come back exactly."""
-    if not cpu_linear.IS_TILED:
-        pytest.skip("this CPU has no AMX tiles: nothing is in their layout")
+    if not cpu_linear.IS_PACKED:
+        pytest.skip("this CPU has neither AMX tiles nor bf16 dot products: none is packed")
     table = torch.randn(160, 64).bfloat16()
     packed = cpu_linear.pack_linear_weight(table, is_embedding=True)
     assert cpu_linear.is_tiled(packed)
@@ -120,7 +121,7 @@ def test_a_tied_bf16_model_keeps_one_copy_of_its_table(make_model):
     with DeviceWorker(cfg) as worker:
         w = worker.weights
         assert w.embed is w.lm_head
-        assert cpu_linear.is_tiled(w.lm_head) == cpu_linear.IS_TILED
+        assert cpu_linear.is_tiled(w.lm_head) == cpu_linear.IS_PACKED
 
 
 def test_cpu_features_are_read_from_cpuinfo():
@@ -149,7 +150,15 @@ def test_the_ready_line_names_the_cpu_and_its_matmul_path():
 
     said = kernels.describe("cpu")
     assert cpu_linear.FEATURES.model in said and cpu_linear.FEATURES.describe() in said
-    want = "AMX tiles" if cpu_linear.IS_TILED else "oneDNN" if portable.IS_BF16_NATIVE else "C"
+    want = (
+        "AMX tiles"
+        if cpu_linear.IS_TILED
+        else "dot products"
+        if cpu_linear.HAS_DOT
+        else "oneDNN"
+        if portable.IS_BF16_NATIVE
+        else "C"
+    )
     assert want in said
 
 
