@@ -18,6 +18,7 @@ import torch
 from kernels import options, portable
 from kernels.cpu_build import load
 from kernels.cpu_linear import (  # noqa: F401
+    FEATURES,
     HAS_BF16_UNITS,
     describe,
     embedding,
@@ -29,10 +30,14 @@ from kernels.cpu_threads import run_split
 MIN_ROWS_PER_THREAD = 8
 PREFILL_HEAD_DIM_MULTIPLE = 16  # the prefill kernel's register tile (DB in the C file)
 # From this many query tokens a chunk's attention is torch's (its fused CPU kernel, over the
-# chunk's KV gathered from the cache): even with the C kernel at 256 tokens, 1.7x its rate at
-# 2,048 (one thread, AVX2; launch/bench/attention.py); below it the C kernel, which takes many
-# short chunks in one call.
-TORCH_MIN_QUERY_LEN = 256
+# chunk's KV gathered from the cache), where torch's is the faster: with AMX tiles (its bf16
+# kernel runs on them) or without AVX-512 (even with the C kernel at 256 tokens, 1.7x its
+# rate at 2,048, one thread, AVX2; launch/bench/attention.py). Below it, and at every length
+# on AVX-512 without tiles, the C kernel, which takes many short chunks in one call (AMD EPYC
+# with AVX512-BF16, 2 threads: 1.4-2.3x torch's rate in fp32 from 256 to 2,048 tokens, 1.9-3.7x
+# its bf16 from 256 to 4,096 at Qwen3-0.6B's heads).
+TORCH_QUERY_LEN = 256
+TORCH_MIN_QUERY_LEN = TORCH_QUERY_LEN if FEATURES.is_amx_bf16 or not FEATURES.is_avx512 else 1 << 62
 _LIB = load(options.current[0].build_dir)
 _FNS, _PREFILL, _ELEMENTWISE = _LIB.decode, _LIB.prefill, _LIB.elementwise
 # NOTE: a one-pass op is split over torch's threads by rows from this many floats (a
