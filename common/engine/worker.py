@@ -107,7 +107,12 @@ class DeviceWorker:
         if self.platform.is_host and cap > 1:
             # NOTE: a lane runs whole forwards on one torch thread: no barrier per op waits
             # for a core another process holds, and a busy host just time-slices the lanes.
-            self.lanes = Lanes(cap, self._forward_chunks, pair_cost(s))
+            self.lanes = Lanes(
+                cap,
+                self._forward_chunks,
+                pair_cost(s),
+                lambda num_tokens: threads_worth(self.spec, self.dtype, num_tokens, 1),
+            )
             torch.set_num_threads(1)  # the loop's own ops are small: no pool to wait on
             # NOTE: without a core table a step takes the threads it is worth (a tiny
             # model's step, one: an op split over threads waits at its end for all of them)

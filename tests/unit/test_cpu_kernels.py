@@ -320,7 +320,7 @@ def test_cpu_bf16_logits_as_accurate_as_transformers_bf16(make_model, weight_std
         weight_std=weight_std,
     )
     g = torch.Generator().manual_seed(1)
-    # (300: a chunk long enough for torch's attention kernel, in bf16 where the CPU has it)
+    # (300: a chunk long enough for torch's attention kernel, where it takes long chunks)
     lens = (1, 5, 17, 33, 64, 90, 120, 150, 200, 250, 280, 300)
     prompts = [torch.randint(0, 400, (n,), generator=g).tolist() for n in lens]
     hf32 = Qwen3ForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()

@@ -161,6 +161,38 @@ def test_a_chunk_of_a_few_hundred_tokens_is_cut_and_a_short_one_is_not():
         lanes.close()
 
 
+def test_a_short_lone_chunk_worth_every_thread_takes_them_all():
+    """Defect: a lone chunk shorter than MIN_TOKENS_PER_PART a lane ran on one lane, so a
+    prefill host of its own ran a 128-token prompt of Qwen3-0.6B on one of its two cores
+    (300 ms; 205-215 as one pass on both). Where the chunk is worth every lane's thread
+    (worth: pass_size.threads_worth) it runs on all of them, either way; a tiny model's
+    (worth one) stays on one lane. The ways are timed apart from long chunks' (a short
+    chunk's time is mostly streaming the weights, whichever way it runs)."""
+    from common.engine.lanes import MIN_TOKENS_PER_PART
+
+    calls = []
+
+    def forward(chunks, *hooks):
+        calls.append(len(chunks[0].token_ids))
+        return torch.zeros(1, 2)
+
+    short = MIN_TOKENS_PER_PART  # half of what two lanes need to be cut before
+    one_lane, every_lane = [[short], [short]], [[short], [short // 2] * 2]
+    for worth, want in ((lambda n: 1, one_lane), (lambda n: 8, every_lane)):
+        lanes = Lanes(2, forward, worth=worth)
+        seen = []
+        try:
+            for _ in range(2):  # each way once: one pass on both threads, then runs
+                calls.clear()
+                lanes.forward([_chunk(short)])
+                seen.append(list(calls))
+        finally:
+            lanes.close()
+        assert seen == want, seen
+        assert bool(lanes.token_s) == (worth(short) > 1)  # timed: it ran on every lane
+        assert all(is_short for _, is_short in lanes.token_s)
+
+
 def test_a_lone_chunk_runs_the_way_that_has_been_faster_here(monkeypatch):
     """Runs a layer apart were 12% slower than one pass on every lane's thread where the
     host's cores are this node's (10% faster beside a busy process). A lone chunk runs
