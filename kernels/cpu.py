@@ -6,7 +6,8 @@ The C files are built and loaded by kernels/cpu_build.py; importing this module 
 ImportError (and kernels/backends.py keeps the portable op) where they cannot be built.
 Everything the kernels read stays where the worker put it: the cache is read
 in place through the block tables, never gathered; except a long prompt chunk's
-attention, which torch's fused kernel computes faster over its gathered KV.
+attention where torch's fused kernel computes it faster over its gathered KV (see
+TORCH_MIN_QUERY_LEN).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ PREFILL_HEAD_DIM_MULTIPLE = 16  # the prefill kernel's register tile (DB in the 
 # rate at 2,048, one thread, AVX2; launch/bench/attention.py). Below it, and at every length
 # on AVX-512 without tiles, the C kernel, which takes many short chunks in one call (AMD EPYC
 # with AVX512-BF16, 2 threads: 1.4-2.3x torch's rate in fp32 from 256 to 2,048 tokens, 1.9-3.7x
-# its bf16 from 256 to 4,096 at Qwen3-0.6B's heads).
+# its bf16 from 256 to 4,096 at Qwen3-0.6B's heads). NOTE: the C kernel splits a chunk by KV
+# head: a lone chunk on more threads than its KV heads goes to torch's (split by queries).
 TORCH_QUERY_LEN = 256
 TORCH_MIN_QUERY_LEN = TORCH_QUERY_LEN if FEATURES.is_amx_bf16 or not FEATURES.is_avx512 else 1 << 62
 _LIB = load(options.current[0].build_dir)
@@ -126,13 +128,16 @@ def prefill_attention(
     qf = q.float().contiguous()
     out = torch.empty(q.shape, dtype=torch.float32)
     row_starts = [0, *accumulate(query_lens)]
-    short = [i for i, n in enumerate(query_lens) if n < TORCH_MIN_QUERY_LEN]
+    long_len = TORCH_MIN_QUERY_LEN
+    if torch.get_num_threads() > num_kv_heads * len(query_lens):
+        long_len = min(long_len, TORCH_QUERY_LEN)  # the C kernel would leave threads idle
+    short = [i for i, n in enumerate(query_lens) if n < long_len]
     # NOTE: a bf16 cache on a CPU with bf16 units: torch's kernel runs in bf16, as
     # transformers' bf16 attention does (3.9x its fp32 rate at 1,024 tokens, Xeon with AMX,
     # timed in process), and the KV is not widened for it
     long_dtype = torch.bfloat16 if k_cache.dtype == torch.bfloat16 and HAS_BF16_UNITS else qf.dtype
     for i, n in enumerate(query_lens):
-        if n >= TORCH_MIN_QUERY_LEN:
+        if n >= long_len:
             a = row_starts[i]
             out[a : a + n] = portable.prefill_attention(
                 qf[a : a + n].to(long_dtype),

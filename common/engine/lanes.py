@@ -31,10 +31,11 @@ LANE_NICE = 10
 MIN_TOKENS_PER_THREAD = 1024
 # A lone chunk of this many tokens a lane or more runs on every lane (_forward_lone): as one
 # pass, or cut into runs a layer apart (the lanes meet once a layer, but each streams every
-# weight, which a short run's time is mostly); a shorter one too where it is worth every
-# lane's thread (worth: pass_size.threads_worth; Qwen3-0.6B's 128 tokens on two idle cores,
-# in process: 300 ms on one lane, 205-215 as one pass, 190-200 as two runs), else on one
-# lane (a tiny model's: an op split over threads then waits at its end for all of them).
+# weight, which a short run's time is mostly). A shorter one runs as one pass on every
+# lane's thread where it is worth them (worth: pass_size.threads_worth; Qwen3-0.6B's 128
+# tokens on two idle cores, in process: 300 ms on one lane, 205-215 as one pass), else on
+# one lane (a tiny model's: an op split over threads then waits at its end for all of them).
+# NOTE: never cut: a run of no tokens would be a pass of none.
 MIN_TOKENS_PER_PART = 256
 # A lone chunk runs as runs a layer apart (forward_pipelined) or as one pass on every lane's
 # thread, whichever its node's recent lone chunks took less time for their work with: at the 0.6B
@@ -76,11 +77,9 @@ class Lanes:
         # a lone long chunk: parts a layer apart (True), one pass on every lane's thread
         # (False), or whichever took less time for its work (None)
         self.is_pipelined: bool | None = None
-        # (pipelined or not, shorter than MIN_TOKENS_PER_PART a lane) -> seconds a unit of
-        # work (a token's matmuls, its attention pairs at pair_cost each: split_tokens'
-        # measure), smoothed. NOTE: by length too: a short chunk's work is mostly streaming
-        # the weights, so its time a unit is more whichever way it runs
-        self.token_s: dict[tuple[bool, bool], float] = {}
+        # pipelined or not -> seconds a unit of work (a token's matmuls, its attention pairs
+        # at pair_cost each: split_tokens' measure), smoothed
+        self.token_s: dict[bool, float] = {}
         self.num_lone = 0
         self._pool = ThreadPoolExecutor(
             num_lanes, thread_name_prefix="prefill-lane", initializer=_start_lane
@@ -153,10 +152,9 @@ class Lanes:
         """One long chunk, as runs a layer apart or as one pass on every lane's thread:
         whichever is_pipelined says, else whichever has taken less time for its work."""
         is_pipelined = self.is_pipelined
-        is_short = len(chunk.token_ids) < MIN_TOKENS_PER_PART * num_lanes
         if is_pipelined is None:
             self.num_lone += 1
-            t = {way: s for (way, short), s in self.token_s.items() if short == is_short}
+            t = self.token_s
             if len(t) < 2:
                 is_pipelined = False in t  # each way once, one pass first
             else:
@@ -174,8 +172,8 @@ class Lanes:
         else:
             out = self.forward_whole([chunk], num_lanes, None, on_layers)
         took = (time.perf_counter() - began) / work
-        old = self.token_s.get((is_pipelined, is_short))
-        self.token_s[is_pipelined, is_short] = took if old is None else (old + took) / 2
+        old = self.token_s.get(is_pipelined)
+        self.token_s[is_pipelined] = took if old is None else (old + took) / 2
         return out
 
     def forward_pipelined(self, chunk, num_parts: int, on_layers=None) -> torch.Tensor:
@@ -283,16 +281,12 @@ class Lanes:
         lanes = self.split(chunks, num_lanes)
         num_tokens = sum(len(c.token_ids) for c in chunks)
         if len(lanes) == 1 and num_lanes > 1:
-            if (
-                len(chunks) == 1
-                and chunks[0].prompt_targets is None
-                and (
-                    num_tokens >= MIN_TOKENS_PER_PART * num_lanes
-                    or self.worth(num_tokens) >= num_lanes
-                )
-            ):
+            is_lone = len(chunks) == 1 and chunks[0].prompt_targets is None
+            if is_lone and num_tokens >= MIN_TOKENS_PER_PART * num_lanes:
                 return self._forward_lone(chunks[0], num_lanes, on_layers)
-            if num_tokens >= MIN_TOKENS_PER_THREAD * num_lanes:
+            if num_tokens >= MIN_TOKENS_PER_THREAD * num_lanes or (
+                is_lone and self.worth(num_tokens) >= num_lanes
+            ):
                 return self.forward_whole(
                     chunks, num_lanes, None, on_layers
                 )  # every thread on one long chunk
