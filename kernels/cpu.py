@@ -37,7 +37,7 @@ PREFILL_HEAD_DIM_MULTIPLE = 16  # the prefill kernel's register tile (DB in the 
 # on AVX-512 without tiles, the C kernel, which takes many short chunks in one call (AMD EPYC
 # with AVX512-BF16, 2 threads: 1.4-2.3x torch's rate in fp32 from 256 to 2,048 tokens, 1.9-3.7x
 # its bf16 from 256 to 4,096 at Qwen3-0.6B's heads). NOTE: the C kernel splits a chunk by KV
-# head: a lone chunk on more threads than its KV heads goes to torch's (split by queries).
+# head: a long chunk on more threads than its KV heads goes to torch's (split by queries).
 TORCH_QUERY_LEN = 256
 TORCH_MIN_QUERY_LEN = TORCH_QUERY_LEN if FEATURES.is_amx_bf16 or not FEATURES.is_avx512 else 1 << 62
 _LIB = load(options.current[0].build_dir)
@@ -129,8 +129,8 @@ def prefill_attention(
     out = torch.empty(q.shape, dtype=torch.float32)
     row_starts = [0, *accumulate(query_lens)]
     long_len = TORCH_MIN_QUERY_LEN
-    if torch.get_num_threads() > num_kv_heads * len(query_lens):
-        long_len = min(long_len, TORCH_QUERY_LEN)  # the C kernel would leave threads idle
+    if torch.get_num_threads() > num_kv_heads:  # NOTE: C splits a chunk by KV head at most
+        long_len = min(long_len, TORCH_QUERY_LEN)  # idle threads beside a long chunk
     short = [i for i, n in enumerate(query_lens) if n < long_len]
     # NOTE: a bf16 cache on a CPU with bf16 units: torch's kernel runs in bf16, as
     # transformers' bf16 attention does (3.9x its fp32 rate at 1,024 tokens, Xeon with AMX,

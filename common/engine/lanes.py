@@ -285,7 +285,7 @@ class Lanes:
             if is_lone and num_tokens >= MIN_TOKENS_PER_PART * num_lanes:
                 return self._forward_lone(chunks[0], num_lanes, on_layers)
             if num_tokens >= MIN_TOKENS_PER_THREAD * num_lanes or (
-                is_lone and self.worth(num_tokens) >= num_lanes
+                len(chunks) == 1 and self.worth(num_tokens) >= num_lanes  # one piece either way
             ):
                 return self.forward_whole(
                     chunks, num_lanes, None, on_layers
@@ -304,7 +304,9 @@ class Lanes:
 def split_tokens(num_tokens: int, context_len: int, num_parts: int, pair_cost: float) -> list[int]:
     """Offsets cutting a chunk of num_tokens after context_len into num_parts of equal cost:
     a token's matmuls (1) and its attention, pair_cost a (query, key) pair.
-    -> [0, ..., num_tokens]."""
+    -> [0, ..., num_tokens]. ValueError for more parts than tokens (a part of none)."""
+    if not 1 <= num_parts <= num_tokens:
+        raise ValueError(f"{num_tokens} tokens cannot make {num_parts} nonempty parts")
 
     def cost(t: float) -> float:
         return t + pair_cost * (context_len * t + t * t / 2)

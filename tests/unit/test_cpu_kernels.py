@@ -152,9 +152,9 @@ def test_long_chunks_beside_short_ones_equal_the_naive_attention(dtype, monkeypa
 
 @needs_cc
 def test_a_lone_long_chunk_on_more_threads_than_kv_heads_goes_to_torch(monkeypatch):
-    """Where the C kernel takes every length (AVX-512 without tiles), a lone long chunk on
-    more threads than its KV heads still goes to torch's kernel: the C one splits a chunk by
-    KV head and would leave threads idle."""
+    """Where the C kernel takes every length (AVX-512 without tiles), a long chunk on more
+    threads than its KV heads still goes to torch's kernel: the C one splits a chunk by KV
+    head and would leave threads idle (beside short chunks too, which end at once)."""
     monkeypatch.setattr(cpu, "TORCH_MIN_QUERY_LEN", 1 << 62)
     to_torch, reference = [], portable.prefill_attention
     monkeypatch.setattr(
@@ -163,15 +163,17 @@ def test_a_lone_long_chunk_on_more_threads_than_kv_heads_goes_to_torch(monkeypat
         lambda *a, **k: to_torch.append(a[4]) or reference(*a, **k),
     )
     n = cpu.TORCH_QUERY_LEN
-    k, v, tables = _paged_cache([n], 2, 32, 16, torch.float32, seed=4)
-    q = torch.randn(n, 4, 32)
-    want = _naive_prefill_attention(q, k, v, tables, [n], [0], 32**-0.5)
+    lens = [n, 1, 1, 1]  # a long chunk beside short ones, which end at once
+    k, v, tables = _paged_cache(lens, 2, 32, 16, torch.float32, seed=4)
+    q = torch.randn(sum(lens), 4, 32)
+    zeros = [0] * len(lens)
+    want = _naive_prefill_attention(q, k, v, tables, lens, zeros, 32**-0.5)
     before = torch.get_num_threads()
     try:
         for threads, sent in ((2, []), (3, [[n]])):
             torch.set_num_threads(threads)
             to_torch.clear()
-            got = cpu.prefill_attention(q, k, v, tables, [n], [0], 32**-0.5)
+            got = cpu.prefill_attention(q, k, v, tables, lens, zeros, 32**-0.5)
             assert to_torch == sent and torch.allclose(got.double(), want, atol=1e-5)
     finally:
         torch.set_num_threads(before)
@@ -383,7 +385,7 @@ def test_cpu_bf16_logits_as_accurate_as_transformers_bf16(make_model, weight_std
     assert sum(ours) / len(ours) <= sum(theirs) / len(theirs) + 1e-3, errors
     assert max(ours) <= max(theirs) + 2e-3, errors
     # and no prompt far worse than transformers' on it (a regression on one prompt alone)
-    assert all(a <= 1.5 * b + 2e-3 for a, b in errors), errors
+    assert all(a <= 1.5 * b + 5e-4 for a, b in errors), errors
 
 
 def test_loading_the_c_kernels_keeps_subnormal_floats():

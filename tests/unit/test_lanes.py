@@ -38,6 +38,9 @@ def test_split_tokens_cuts_parts_of_equal_cost(num_tokens, context_len, num_part
 
 def test_split_tokens_keeps_every_part_nonempty():
     assert split_tokens(3, 0, 3, 10.0) == [0, 1, 2, 3]
+    for num_tokens, num_parts in ((1, 2), (3, 5), (2, 0)):  # a part of none: refused
+        with pytest.raises(ValueError):
+            split_tokens(num_tokens, 5000, num_parts, 1e-3)
 
 
 @dataclass
@@ -180,9 +183,9 @@ def test_a_short_lone_chunk_worth_every_thread_takes_them_all():
         lanes = Lanes(2, forward, worth=worth)
         try:
             for n in (1, 2, MIN_TOKENS_PER_PART, 2 * MIN_TOKENS_PER_PART - 1):
-                for _ in range(3):
-                    calls.clear()
-                    lanes.forward([_chunk(n)])
+                for chunk in (_chunk(n), _chunk(n), _Chunk(list(range(n)), 0, list(range(n)))):
+                    calls.clear()  # (the last asks for prompt logprobs: one piece either way)
+                    lanes.forward([chunk])
                     assert calls == [(n, threads)], (n, calls)
         finally:
             lanes.close()
