@@ -9,9 +9,10 @@
  * 16 columns). So a decode step (a few rows of x) streams each weight byte once through
  * the vector unit, and a larger batch runs the same bytes through the tile unit.
  *
- * Shapes: x [M, K] bf16 (fp32 for the dot product; row stride xs elements), out [M, N] fp32 (row stride os), K a
- * multiple of 32 and N of 16 (the caller checks); sums are fp32. A call computes the
- * column blocks [b0, b1), split over num_threads OpenMP threads where built with OpenMP.
+ * Shapes: x [M, K] bf16 (fp32 for the dot product; row stride xs elements), out [M, N] fp32
+ * (row stride os), K a multiple of 32 and N of 16 (the caller checks); sums are fp32. A call
+ * computes the column blocks [b0, b1), split over num_threads OpenMP threads where built
+ * with OpenMP.
  * Without the instructions the functions are absent from pdserve_vnni_paths() and the
  * caller never calls them.
  */
@@ -42,81 +43,82 @@ int pdserve_vnni_paths(void) {
 }
 
 #if defined(__AVX512BF16__)
-/* Up to 4 rows of x by NB column blocks: NB * 4 accumulators. Each weight row (64 bytes)
- * is loaded once and multiplied with every row of x; x's pair is a 4-byte broadcast. */
-#define NB 8
 /* Rows of 64 bytes each stream is prefetched ahead: the hardware prefetcher alone kept a
  * step at 25 GB/s; 32 ahead took it to 29 (Xeon with AMX, 2 threads; 8 ahead 28.6, 128 ahead
  * 26.4). */
 #define AHEAD 32
-static void tile_dot(const uint16_t *x, int64_t xs, int64_t num_m, const uint16_t *wp,
-                     int64_t K, int64_t num_b, float *out, int64_t os) {
-    const int64_t num_pairs = K / 2, block = num_pairs * 32;
-    __m512 acc[4][NB];
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < NB; j++)
-            acc[i][j] = _mm512_setzero_ps();
-    const uint32_t *xr[4];
-    for (int i = 0; i < 4; i++)
-        xr[i] = (const uint32_t *)(x + (i < num_m ? i : 0) * xs);
-    for (int64_t p = 0; p < num_pairs; p++) {
-        __m512bh w[NB];
-        for (int j = 0; j < NB; j++)
-            if (j < num_b) {
-                w[j] = (__m512bh)_mm512_loadu_si512(wp + j * block + p * 32);
-                /* NOTE: a prefetch never faults, past the weight's end included */
-                _mm_prefetch((const char *)(wp + j * block + (p + AHEAD) * 32), _MM_HINT_T0);
-            }
-        for (int i = 0; i < 4; i++) {
-            if (i >= num_m)
-                break;
-            __m512bh v = (__m512bh)_mm512_set1_epi32((int)xr[i][p]);
-            for (int j = 0; j < NB; j++)
-                if (j < num_b)
-                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], v, w[j]);
-        }
-    }
-    for (int i = 0; i < num_m; i++)
-        for (int j = 0; j < num_b; j++)
-            _mm512_storeu_ps(out + i * os + j * 16, acc[i][j]);
-}
 
-/* More rows (a CPU without tiles): WR rows of x by WB column blocks a pass, WR * WB
- * accumulators with WB weights and a broadcast in registers (8 * 3 + 3 + 1 of 32), so the
- * panel of WB blocks (96 KB at K = 1,024) is read from L2 once per WR rows, each weight row
- * multiplied with WR pairs of x. The 4 x 8 tile above spills at this size. The bounds are
- * constants where the block is whole (wide_dot_full), so the loops unroll. */
+/* DOT_TILE(name, R, B, IS_PREFETCH): up to R rows of x by up to B column blocks, R * B
+ * accumulators. Each weight row (64 bytes) is loaded once and multiplied with every row's
+ * pair of x (a 4-byte broadcast). Called with constant num_m and num_b where the tile is
+ * whole (or, for a decode step's rows, one constant per count), so the loops unroll and only
+ * the accumulators in use take registers (a 4 x 8 tile with 1 row live would spill). */
+#define DOT_TILE(name, R, B, IS_PREFETCH)                                                   \
+    static inline __attribute__((always_inline)) void name(                               \
+        const uint16_t *x, int64_t xs, int64_t num_m, const uint16_t *wp, int64_t K,       \
+        int64_t num_b, float *out, int64_t os) {                                           \
+        const int64_t num_pairs = K / 2, block = num_pairs * 32;                           \
+        __m512 acc[R][B];                                                                  \
+        for (int i = 0; i < R; i++)                                                        \
+            for (int j = 0; j < B; j++)                                                    \
+                acc[i][j] = _mm512_setzero_ps();                                           \
+        const uint32_t *xr[R];                                                             \
+        for (int i = 0; i < R; i++)                                                        \
+            xr[i] = (const uint32_t *)(x + (i < num_m ? i : 0) * xs);                      \
+        for (int64_t p = 0; p < num_pairs; p++) {                                          \
+            __m512bh w[B];                                                                 \
+            for (int j = 0; j < B; j++)                                                    \
+                if (j < num_b) {                                                           \
+                    w[j] = (__m512bh)_mm512_loadu_si512(wp + j * block + p * 32);          \
+                    /* NOTE: a prefetch never faults, past the weight's end included */    \
+                    if (IS_PREFETCH)                                                       \
+                        _mm_prefetch((const char *)(wp + j * block + (p + AHEAD) * 32),    \
+                                     _MM_HINT_T0);                                         \
+                }                                                                          \
+            for (int i = 0; i < R; i++) {                                                  \
+                if (i >= num_m)                                                            \
+                    break;                                                                 \
+                __m512bh v = (__m512bh)_mm512_set1_epi32((int)xr[i][p]);                   \
+                for (int j = 0; j < B; j++)                                                \
+                    if (j < num_b)                                                         \
+                        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], v, w[j]);                  \
+            }                                                                              \
+        }                                                                                  \
+        for (int i = 0; i < num_m; i++)                                                    \
+            for (int j = 0; j < num_b; j++)                                                \
+                _mm512_storeu_ps(out + i * os + j * 16, acc[i][j]);                        \
+    }
+
+/* A decode step's rows (1-4) by NB column blocks, streamed from memory: prefetched. */
+#define NB 8
+DOT_TILE(tile_dot, 4, NB, 1)
+/* More rows (a CPU without tiles): WR rows of x by WB column blocks a pass (8 * 3 + 3 + 1
+ * of 32 registers), so the panel of WB blocks (96 KB at K = 1,024) is read from L2 once per
+ * WR rows, each weight row multiplied with WR pairs of x. */
 #define WR 8
 #define WB 3
-static inline __attribute__((always_inline)) void wide_dot(const uint16_t *x, int64_t xs,
-                                                           int64_t num_m, const uint16_t *wp,
-                                                           int64_t K, int64_t num_b, float *out,
-                                                           int64_t os) {
-    const int64_t num_pairs = K / 2, block = num_pairs * 32;
-    __m512 acc[WR][WB];
-    for (int i = 0; i < WR; i++)
-        for (int j = 0; j < WB; j++)
-            acc[i][j] = _mm512_setzero_ps();
-    const uint32_t *xr[WR];
-    for (int i = 0; i < WR; i++)
-        xr[i] = (const uint32_t *)(x + (i < num_m ? i : 0) * xs);
-    for (int64_t p = 0; p < num_pairs; p++) {
-        __m512bh w[WB];
-        for (int j = 0; j < WB; j++)
-            if (j < num_b)
-                w[j] = (__m512bh)_mm512_loadu_si512(wp + j * block + p * 32);
-        for (int i = 0; i < WR; i++) {
-            if (i >= num_m)
-                break;
-            __m512bh v = (__m512bh)_mm512_set1_epi32((int)xr[i][p]);
-            for (int j = 0; j < WB; j++)
-                if (j < num_b)
-                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], v, w[j]);
-        }
+DOT_TILE(wide_dot, WR, WB, 0)
+
+/* The tiles of a few rows, one constant row count each (see DOT_TILE). */
+static void few_dot(const uint16_t *x, int64_t xs, int64_t num_m, const uint16_t *wp,
+                    int64_t K, int64_t num_b, float *out, int64_t os) {
+    if (num_b != NB) {
+        tile_dot(x, xs, num_m, wp, K, num_b, out, os);
+        return;
     }
-    for (int i = 0; i < num_m; i++)
-        for (int j = 0; j < num_b; j++)
-            _mm512_storeu_ps(out + i * os + j * 16, acc[i][j]);
+    switch (num_m) {
+    case 1:
+        tile_dot(x, xs, 1, wp, K, NB, out, os);
+        break;
+    case 2:
+        tile_dot(x, xs, 2, wp, K, NB, out, os);
+        break;
+    case 3:
+        tile_dot(x, xs, 3, wp, K, NB, out, os);
+        break;
+    default:
+        tile_dot(x, xs, 4, wp, K, NB, out, os);
+    }
 }
 
 static void wide_dot_full(const uint16_t *x, int64_t xs, const uint16_t *wp, int64_t K,
@@ -146,11 +148,9 @@ static void blocks_dot(const uint16_t *x, int64_t xs, const uint16_t *wp, int64_
         }
         return;
     }
-    for (int64_t b = b0; b < b1; b += NB) {
+    for (int64_t b = b0; b < b1 && M > 0; b += NB) {
         int64_t num_b = b1 - b < NB ? b1 - b : NB;
-        for (int64_t m = 0; m < M; m += 4)
-            tile_dot(x + m * xs, xs, M - m < 4 ? M - m : 4, wp + b * block, K, num_b,
-                     out + m * os + b * 16, os);
+        few_dot(x, xs, M, wp + b * block, K, num_b, out + b * 16, os);
     }
 }
 #endif
