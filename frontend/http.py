@@ -173,8 +173,15 @@ class HttpServer:
         done: set[str] = set()
         try:
             await self.frontend.submit_group(client, [c.request for c in calls])
+            # NOTE: read now, before any await: a short request may end before its answer
+            # is read, and its state with it (its stream's usage then said 0 prompt tokens)
+            prompt_lens = {
+                rid: len(states[0].prompt_ids)
+                for rid in queues
+                if (states := self.frontend.by_client.get((client, rid)))
+            }
             return await asyncio.gather(
-                *[self._answer(request, client, c, queues, done) for c in calls]
+                *[self._answer(request, client, c, queues, done, prompt_lens) for c in calls]
             )
         finally:
             # NOTE: runs on a client disconnect too (aiohttp cancels the handler): no request
@@ -185,7 +192,13 @@ class HttpServer:
                     await self.frontend.abort(client, rid)  # one that ended: answered to nobody
 
     async def _answer(
-        self, request: web.Request, client, call: api.Call, queues: dict, done: set[str]
+        self,
+        request: web.Request,
+        client,
+        call: api.Call,
+        queues: dict,
+        done: set[str],
+        prompt_lens: dict[str, int],
     ) -> web.StreamResponse | tuple[int, dict, dict | None]:
         """Its StreamResponse, or (status, body, the timings its Server-Timing says)."""
         rid = call.request.request_id
@@ -194,11 +207,7 @@ class HttpServer:
             is_error = isinstance(msg, (GenerateOutput, ErrorReply))
             out = (status, api.error_body(status, msg.error if is_error else "failed"), None)
         elif call.is_stream:
-            states = self.frontend.by_client.get((client, rid))  # none: it ended already
-            if states:
-                num_prompt = len(states[0].prompt_ids)
-            else:
-                num_prompt = (msg.usage or {}).get("prompt_tokens", 0)
+            num_prompt = prompt_lens.get(rid, (msg.usage or {}).get("prompt_tokens", 0))
             answers = self._new_answers(call)
             out = await stream(request, call, answers, msg, queues[rid], num_prompt)
         else:

@@ -559,3 +559,55 @@ def test_a_grammar_waits_for_the_checkers_start_on_the_loop_not_the_thread(
         return fe.prompts.off_loop_jobs._counts
 
     assert asyncio.run(cancelled()) == {}
+
+
+def test_a_stream_that_ends_before_its_answer_is_read_keeps_its_prompt_count(
+    make_frontend, monkeypatch
+):
+    """Defect (seen once in a full run): a short streamed request could end before its
+    answer's first message was read, its state gone with it, and the stream's continuous
+    usage then said 0 prompt tokens. The count is read as the request is submitted."""
+    import types
+
+    from common.wire.protocol import GenerateOutput
+    from frontend import http as http_mod
+    from frontend import openai_api as api
+
+    fe = make_frontend(1)
+    server = http_mod.HttpServer(fe, "m")
+    call = api.parse(
+        {
+            "prompt": [5, 6, 7, 8],
+            "max_tokens": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+        "completions",
+        "m",
+        64,
+    )
+    rid = call.request.request_id
+
+    async def submit_group(client, reqs):  # admitted, then ended before the answer reads
+        fe.by_client[(client, rid)] = [types.SimpleNamespace(prompt_ids=[5, 6, 7, 8])]
+
+        def end():
+            queue = server.streams[rid]
+            queue.put_nowait((GenerateOutput(rid, [1], "a"), None))
+            usage = {"prompt_tokens": 4, "completion_tokens": 2}
+            queue.put_nowait((GenerateOutput(rid, [2], "b", True, "length", usage=usage), None))
+            del fe.by_client[(client, rid)]
+
+        asyncio.get_running_loop().call_soon(end)
+
+    seen = []
+
+    async def stream(request, call, answers, msg, queue, num_prompt):
+        seen.append(num_prompt)
+        return "streamed"
+
+    monkeypatch.setattr(fe, "submit_group", submit_group)
+    monkeypatch.setattr(http_mod, "stream", stream)
+    request = types.SimpleNamespace(remote="127.0.0.1")
+    assert asyncio.run(server._serve(request, [call])) == ["streamed"]
+    assert seen == [4]
