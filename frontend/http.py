@@ -42,6 +42,7 @@ class HttpServer:
         self.strings = lp_shapes.TokenStrings(frontend.tokenizer)
         self.is_reasoning = bool(frontend.cfg.reasoning_parser)
         self.streams: dict[str, asyncio.Queue] = {}  # request id -> (message, status) queue
+        self.prompt_lens: dict[str, int] = {}  # request id -> its prompt's tokens, as it ran
         self.openapi_doc = openapi.openapi(
             served_model, frontend.spec.vocab_size, frontend.max_model_len
         )
@@ -51,6 +52,12 @@ class HttpServer:
         rid = getattr(msg, "request_id", None)
         queue = self.streams.get(rid)
         if queue is not None:
+            if rid not in self.prompt_lens:
+                # NOTE: read while its state lives: a short request may end before its
+                # answer reads its first message, and its state with it
+                states = self.frontend.by_client.get((client, rid))
+                if states:
+                    self.prompt_lens[rid] = len(states[0].prompt_ids)
             queue.put_nowait((msg, status))
 
     def app(self, is_metrics_only: bool = False) -> web.Application:
@@ -173,32 +180,20 @@ class HttpServer:
         done: set[str] = set()
         try:
             await self.frontend.submit_group(client, [c.request for c in calls])
-            # NOTE: read now, before any await: a short request may end before its answer
-            # is read, and its state with it (its stream's usage then said 0 prompt tokens)
-            prompt_lens = {
-                rid: len(states[0].prompt_ids)
-                for rid in queues
-                if (states := self.frontend.by_client.get((client, rid)))
-            }
             return await asyncio.gather(
-                *[self._answer(request, client, c, queues, done, prompt_lens) for c in calls]
+                *[self._answer(request, client, c, queues, done) for c in calls]
             )
         finally:
             # NOTE: runs on a client disconnect too (aiohttp cancels the handler): no request
             # may keep decoding for nobody (nor its other choices, one failed).
             for rid in queues:
                 self.streams.pop(rid, None)
+                self.prompt_lens.pop(rid, None)
                 if rid not in done or (client, rid) in self.frontend.by_client:
                     await self.frontend.abort(client, rid)  # one that ended: answered to nobody
 
     async def _answer(
-        self,
-        request: web.Request,
-        client,
-        call: api.Call,
-        queues: dict,
-        done: set[str],
-        prompt_lens: dict[str, int],
+        self, request: web.Request, client, call: api.Call, queues: dict, done: set[str]
     ) -> web.StreamResponse | tuple[int, dict, dict | None]:
         """Its StreamResponse, or (status, body, the timings its Server-Timing says)."""
         rid = call.request.request_id
@@ -207,7 +202,8 @@ class HttpServer:
             is_error = isinstance(msg, (GenerateOutput, ErrorReply))
             out = (status, api.error_body(status, msg.error if is_error else "failed"), None)
         elif call.is_stream:
-            num_prompt = prompt_lens.get(rid, (msg.usage or {}).get("prompt_tokens", 0))
+            # (a request whose first message is its last: that message's usage says it)
+            num_prompt = self.prompt_lens.get(rid, (msg.usage or {}).get("prompt_tokens", 0))
             answers = self._new_answers(call)
             out = await stream(request, call, answers, msg, queues[rid], num_prompt)
         else:

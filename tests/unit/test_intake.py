@@ -566,39 +566,14 @@ def test_a_stream_that_ends_before_its_answer_is_read_keeps_its_prompt_count(
 ):
     """Defect (seen once in a full run): a short streamed request could end before its
     answer's first message was read, its state gone with it, and the stream's continuous
-    usage then said 0 prompt tokens. The count is read as the request is submitted."""
+    usage then said 0 prompt tokens. The count is read as the first message is delivered,
+    while the state lives: for a request admitted at once, and for one prepared off the
+    loop (a grammar, a long prompt), which is admitted only after submit returns."""
     import types
 
     from common.wire.protocol import GenerateOutput
     from frontend import http as http_mod
     from frontend import openai_api as api
-
-    fe = make_frontend(1)
-    server = http_mod.HttpServer(fe, "m")
-    call = api.parse(
-        {
-            "prompt": [5, 6, 7, 8],
-            "max_tokens": 2,
-            "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        },
-        "completions",
-        "m",
-        64,
-    )
-    rid = call.request.request_id
-
-    async def submit_group(client, reqs):  # admitted, then ended before the answer reads
-        fe.by_client[(client, rid)] = [types.SimpleNamespace(prompt_ids=[5, 6, 7, 8])]
-
-        def end():
-            queue = server.streams[rid]
-            queue.put_nowait((GenerateOutput(rid, [1], "a"), None))
-            usage = {"prompt_tokens": 4, "completion_tokens": 2}
-            queue.put_nowait((GenerateOutput(rid, [2], "b", True, "length", usage=usage), None))
-            del fe.by_client[(client, rid)]
-
-        asyncio.get_running_loop().call_soon(end)
 
     seen = []
 
@@ -606,8 +581,39 @@ def test_a_stream_that_ends_before_its_answer_is_read_keeps_its_prompt_count(
         seen.append(num_prompt)
         return "streamed"
 
-    monkeypatch.setattr(fe, "submit_group", submit_group)
     monkeypatch.setattr(http_mod, "stream", stream)
     request = types.SimpleNamespace(remote="127.0.0.1")
-    assert asyncio.run(server._serve(request, [call])) == ["streamed"]
-    assert seen == [4]
+    client = ("http", "127.0.0.1")
+    for is_off_loop in (False, True):
+        fe = make_frontend(1)
+        monkeypatch.setattr(fe.prompts, "is_off_loop", lambda req: is_off_loop)
+        server = http_mod.HttpServer(fe, "m")
+        call = api.parse(
+            {
+                "prompt": [5, 6, 7, 8],
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+            "completions",
+            "m",
+            64,
+        )
+        rid = call.request.request_id
+
+        async def run():
+            serving = asyncio.create_task(server._serve(request, [call]))
+            while (client, rid) not in fe.by_client:  # admitted (off the loop: later)
+                await asyncio.sleep(0.01)
+            # its outputs, then its end, all before the answer reads the first one
+            server._deliver(client, GenerateOutput(rid, [1], "a"), None)
+            usage = {"prompt_tokens": 4, "completion_tokens": 2}
+            server._deliver(
+                client, GenerateOutput(rid, [2], "b", True, "length", usage=usage), None
+            )
+            del fe.by_client[(client, rid)]
+            return await serving
+
+        seen.clear()
+        assert asyncio.run(run()) == ["streamed"] and seen == [4], is_off_loop
+        assert not server.prompt_lens  # forgotten with its stream
