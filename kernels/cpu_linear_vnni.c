@@ -116,8 +116,11 @@ static void few_dot(const uint16_t *x, int64_t xs, int64_t num_m, const uint16_t
     case 3:
         tile_dot(x, xs, 3, wp, K, NB, out, os);
         break;
-    default:
+    case 4:
         tile_dot(x, xs, 4, wp, K, NB, out, os);
+        break;
+    default: /* NOTE: not reached (1-4 rows): as asked, not as 4 */
+        tile_dot(x, xs, num_m, wp, K, NB, out, os);
     }
 }
 

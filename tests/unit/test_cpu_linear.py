@@ -33,7 +33,7 @@ def _can_run(path: str) -> bool:
 
 @needs_cc
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("num_rows", [1, 3, 4, 5, 33, 70])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 33, 70])
 def test_each_bf16_linear_path_this_cpu_runs_equals_a_float64_reference(
     path, num_rows, monkeypatch
 ):
