@@ -84,8 +84,8 @@ int pdserve_vnni_paths(void) {
                         acc[i][j] = _mm512_dpbf16_ps(acc[i][j], v, w[j]);                  \
             }                                                                              \
         }                                                                                  \
-        for (int i = 0; i < num_m; i++)                                                    \
-            for (int j = 0; j < num_b; j++)                                                \
+        for (int i = 0; i < num_m && i < R; i++)                                           \
+            for (int j = 0; j < num_b && j < B; j++)                                       \
                 _mm512_storeu_ps(out + i * os + j * 16, acc[i][j]);                        \
     }
 
@@ -119,7 +119,7 @@ static void few_dot(const uint16_t *x, int64_t xs, int64_t num_m, const uint16_t
     case 4:
         tile_dot(x, xs, 4, wp, K, NB, out, os);
         break;
-    default: /* NOTE: not reached (1-4 rows): as asked, not as 4 */
+    default: /* NOTE: not reached (blocks_dot asks 1-4 rows); the tile stores 4 at most */
         tile_dot(x, xs, num_m, wp, K, NB, out, os);
     }
 }

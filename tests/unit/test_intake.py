@@ -603,7 +603,9 @@ def test_a_stream_that_ends_before_its_answer_is_read_keeps_its_prompt_count(
 
         async def run():
             serving = asyncio.create_task(server._serve(request, [call]))
+            deadline = time.monotonic() + 30
             while (client, rid) not in fe.by_client:  # admitted (off the loop: later)
+                assert time.monotonic() < deadline and not fe.replies, fe.replies
                 await asyncio.sleep(0.01)
             # its outputs, then its end, all before the answer reads the first one
             server._deliver(client, GenerateOutput(rid, [1], "a"), None)
