@@ -18,7 +18,10 @@ The path whose sum of the two is smaller wins. A local prompt costs the decode n
 running sequences its compute time: over any LOCAL_WINDOW_S, the prompts routed to one decode
 node with sequences running may take at most LOCAL_SHARE of it, which bounds how much
 their time per output token grows (the decode node holds to it too, as measured:
-decode_node/local.py). A request local prefill cannot serve (n > 1, prompt
+decode_node/local.py). Where the two nodes share cores that no launcher shares out (one
+machine, two launchers: common/base/placement.py), a local prompt takes cores the prefill
+node's work takes too, at the decode node's priority, and gives nothing back to its steps:
+it goes local only while no sequence runs there. A request local prefill cannot serve (n > 1, prompt
 logprobs, a grammar) and any request before the rates are measured is disaggregated.
 """
 
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 
 from common.base.frontend_config import DISAGGREGATE
 from common.base.layerwise import is_layerwise
+from common.base.placement import is_core_shared
 from common.base.request import LOCAL_CHUNK_TOKENS, LOCAL_SHARE, LOCAL_WINDOW_S
 
 SHORT_PROMPT = 256  # a handoff of a prompt this short times its fixed cost, not its bytes
@@ -53,6 +57,7 @@ class Figures:
     decode_rate: float = 0.0  # prompt tokens/s prefilled on the decode node
     step_s: float = 0.0  # the decode node's step
     num_running: int = 0  # requests on the decode node
+    is_core_shared: bool = False  # the two nodes' launchers both use some of the same cores
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,12 @@ class PathChooser:
         d, loc = d_first + d_second, l_first + l_second
         if loc >= d:
             return Choice("disaggregated", "sooner through the prefill node", loc, d)
+        if f.is_core_shared and f.num_running:
+            # NOTE: the prefill node's launcher runs its passes on these cores either way: a
+            # local prompt only adds to what the running sequences wait behind.
+            return Choice(
+                "disaggregated", "the decode node shares its cores with the prefill node", loc, d
+            )
         if (
             f.num_running
             and self.local_load_s(decode, self.clock()) + cost > LOCAL_SHARE * LOCAL_WINDOW_S
@@ -188,6 +199,7 @@ def figures(prompt_len: int, work_tokens: int, local_tokens: int, prefill, decod
         decode_rate=_rate(ds, "num_local_prefill_tokens", "local_prefill_busy_s"),
         step_s=_rate(ds, "device_busy_s", "num_decode_steps"),
         num_running=decode.num_active,
+        is_core_shared=is_core_shared(ps, ds),
     )
 
 

@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Callable
 
+from common.base.placement import placement
 from common.wire.channel import Channel, node_tag
 from common.wire.protocol import FRONTEND_TO_HEARTBEAT, Heartbeat, ReadyReply
 
@@ -98,6 +99,7 @@ class HeartbeatThread:
         self.is_forgotten = is_forgotten  # set when the frontend asks us to register again
         self.wants_stats = threading.Event()  # set shortly before each beat
         self._stats = first_stats
+        self._where = placement()  # NOTE: the node's thread, once: its CPUs as it started
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-heartbeat", daemon=True)
         self._last_turn = time.monotonic()
@@ -129,6 +131,7 @@ class HeartbeatThread:
                 figures = {
                     **self._stats,
                     "host": HOST,
+                    **self._where,
                     "loop_age_s": round(time.monotonic() - self._last_turn, 3),
                 }
                 ch.send(Heartbeat(role, name, figures, os.getpid(), epoch), block=False)

@@ -4,6 +4,7 @@ start_cluster.sh, token for token: tests/cluster/test_paths_cluster.py)."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -310,3 +311,51 @@ def test_decide_counts_nothing_until_recorded():
     chooser.record(c, "decode-0")
     assert chooser.counts == {"local: sooner on the decode node": 1}
     assert chooser.local_load_s("decode-0", 100.0) == pytest.approx(256 / RATE)
+
+
+def test_nodes_whose_launchers_share_cores_keep_prompts_off_running_sequences():
+    """Two launchers on one machine, on the same cores: a short prompt behind long ones goes
+    local only while the decode node runs nothing (its steps would wait for it, and the
+    prefill node's passes take those cores either way)."""
+    chooser = PathChooser("auto", FakeClock())
+    behind = dict(prefill_queued=8000, is_core_shared=True)
+    c = _route(chooser, _figures(num_running=4, **behind), "decode-0")
+    assert (c.path, c.why) == (
+        "disaggregated",
+        "the decode node shares its cores with the prefill node",
+    )
+    assert c.local_s < c.disaggregated_s  # sooner locally all the same
+    assert _route(chooser, _figures(num_running=0, **behind), "decode-0").path == "local"
+    # the same load where each launcher has cores of its own: local, within its share
+    assert _route(chooser, _figures(num_running=4, prefill_queued=8000), "decode-1").path == "local"
+
+
+def test_core_sharing_is_read_from_where_the_nodes_say_they_run():
+    from common.base.placement import format_cpus, is_core_shared, parse_cpus, placement
+
+    here = placement()
+    assert set(here) == {"machine", "launcher", "cpus"}
+    assert parse_cpus(here["cpus"]) == frozenset(os.sched_getaffinity(0))
+    assert format_cpus([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert parse_cpus("0-2,5,7-8") == {0, 1, 2, 5, 7, 8}
+    for hostile in ("3-1", "x", "-1", "0-99999999", 7, None, "0," * 5000, "1-2-3"):
+        assert parse_cpus(hostile) == frozenset(), hostile
+
+    a = {"machine": "m", "launcher": "10@5", "cpus": "0-3"}
+    assert is_core_shared(a, {**a, "launcher": "11@6", "cpus": "3-7"})
+    assert not is_core_shared(a, {**a, "launcher": "11@6", "cpus": "4-7"})  # split cores
+    assert not is_core_shared(a, dict(a))  # one launcher: its plan shares them out
+    assert not is_core_shared(a, {**a, "machine": "n", "launcher": "11@6"})  # two machines
+    assert not is_core_shared({}, {})  # nodes that say nothing of it
+    assert not is_core_shared({**a, "machine": ["m"]}, {**a, "machine": ["m"], "launcher": "x"})
+
+    class Node:
+        def __init__(self, name, stats):
+            self.name, self.stats = name, stats
+            self.num_queued_tokens = self.num_active = 0
+
+    shared = paths.figures(
+        10, 10, 10, Node("p", a), Node("d", {**a, "launcher": "11@6", "cpus": "0"})
+    )
+    assert shared.is_core_shared
+    assert not paths.figures(10, 10, 10, Node("p", a), Node("d", a)).is_core_shared
