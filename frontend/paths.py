@@ -21,8 +21,9 @@ their time per output token grows (the decode node holds to it too, as measured:
 decode_node/local.py). Where the two nodes share cores that no launcher shares out (one
 machine, two launchers: common/base/placement.py), a local prompt takes cores the prefill
 node's work takes too, at the decode node's priority, and gives nothing back to its steps:
-it goes local only while no sequence runs there. A request local prefill cannot serve (n > 1, prompt
-logprobs, a grammar) and any request before the rates are measured is disaggregated.
+only a prompt of one local chunk goes local, and only while no sequence runs there. A
+request local prefill cannot serve (n > 1, prompt logprobs, a grammar) and any request
+before the rates are measured is disaggregated.
 """
 
 from __future__ import annotations
@@ -150,9 +151,12 @@ class PathChooser:
         d, loc = d_first + d_second, l_first + l_second
         if loc >= d:
             return Choice("disaggregated", "sooner through the prefill node", loc, d)
-        if f.is_core_shared and f.num_running:
+        if f.is_core_shared and (
+            f.num_running or f.prompt_len - f.decode_cached > LOCAL_CHUNK_TOKENS
+        ):
             # NOTE: the prefill node's launcher runs its passes on these cores either way: a
-            # local prompt only adds to what the running sequences wait behind.
+            # local prompt only adds to what running sequences wait behind, and one of more
+            # than a chunk holds the node's loop from those that arrive meanwhile.
             return Choice(
                 "disaggregated", "the decode node shares its cores with the prefill node", loc, d
             )

@@ -326,6 +326,12 @@ def test_nodes_whose_launchers_share_cores_keep_prompts_off_running_sequences():
     )
     assert c.local_s < c.disaggregated_s  # sooner locally all the same
     assert _route(chooser, _figures(num_running=0, **behind), "decode-0").path == "local"
+    # more than one local chunk would hold the idle node's loop from what arrives next
+    idle_long = _figures(prompt_len=300, num_running=0, **behind)
+    assert _route(chooser, idle_long, "decode-0").path == "disaggregated"
+    # ... unless its history is cached there, and one chunk is left to compute
+    cached = _figures(prompt_len=300, decode_cached=100, num_running=0, **behind)
+    assert _route(chooser, cached, "decode-0").path == "local"
     # the same load where each launcher has cores of its own: local, within its share
     assert _route(chooser, _figures(num_running=4, prefill_queued=8000), "decode-1").path == "local"
 
