@@ -117,8 +117,13 @@ def test_auto_prefills_on_an_idle_decode_node_once_the_handoff_is_measured(auto,
         assert sum(r.timings["path"] == "local" for r in got) >= len(got) // 2, [
             r.timings for r in got
         ]
-        frontend = c.stats().frontend["paths"]
+        stats = c.stats()
+        frontend = stats.frontend["paths"]
     assert frontend["mode"] == "auto" and frontend["handoff_ms"]
+    # One launcher's nodes: one machine, one launcher (so not core-shared, above), CPUs named.
+    where = {n: (s["machine"], s["launcher"]) for n, s in stats.nodes.items()}
+    assert len(set(where.values())) == 1 and all(where["prefill-0"]), where
+    assert all(s["cpus"] for s in stats.nodes.values()), stats.nodes
     metrics = urllib.request.urlopen(auto.http + "/metrics", timeout=10).read().decode()
     assert 'pdserve_paths_total{path="local",why="sooner on the decode node"}' in metrics
     wait_for(
