@@ -330,9 +330,11 @@ def test_a_lost_prefill_nodes_reservations_are_freed_at_once(tiny_model, tmp_pat
         assert all(r.error is None for r in results), [r.error for r in results if r.error][:3]
         # NOTE: one heartbeat's figures, both read from it: a later read may be another beat.
         seen = wait_for(
-            lambda: (s := c.stats())["decode-0"].get("num_peer_drops", 0) >= 1
-            and _idle(s, ("prefill-0", "decode-0"))
-            and s,
+            lambda: (
+                (s := c.stats())["decode-0"].get("num_peer_drops", 0) >= 1
+                and _idle(s, ("prefill-0", "decode-0"))
+                and s
+            ),
             10,
             "every block back, freed as the node was lost",
         )
