@@ -18,6 +18,7 @@ from typing import Awaitable, Callable
 
 from common.base.config import FrontendConfig
 from common.base.log import Throttle, get_logger
+from common.base.placement import read_placement
 from common.wire.channel import node_tag, tag_name
 from common.wire.protocol import Heartbeat, NodeReady, ReadyReply
 from frontend.router import NodeState, figure
@@ -80,6 +81,7 @@ class NodeRegistry:
         else:
             self.seen(node)
             node.stats = msg.stats
+            node.placement = read_placement(msg.stats)  # NOTE: read once a beat, not per route
 
     async def on_ready(self, sender: bytes, ready: NodeReady) -> None:
         old = self.nodes.get(ready.name)

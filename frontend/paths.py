@@ -183,6 +183,7 @@ def figures(prompt_len: int, work_tokens: int, local_tokens: int, prefill, decod
     backend = (
         ps.get("kv_links", {}).get(decode.name) if isinstance(ps.get("kv_links"), dict) else None
     )
+    backend = backend if isinstance(backend, str) else None  # NOTE: a peer's figure: any type
     writes = ps.get("kv_writes", {}).get(backend) if isinstance(ps.get("kv_writes"), dict) else None
     link_rate = _number(writes, "bytes_per_s") if isinstance(writes, dict) else 0.0
     token_bytes = int(_number(ps, "kv_token_bytes"))
@@ -203,7 +204,7 @@ def figures(prompt_len: int, work_tokens: int, local_tokens: int, prefill, decod
         decode_rate=_rate(ds, "num_local_prefill_tokens", "local_prefill_busy_s"),
         step_s=_rate(ds, "device_busy_s", "num_decode_steps"),
         num_running=decode.num_active,
-        is_core_shared=is_core_shared(ps, ds),
+        is_core_shared=is_core_shared(prefill.placement, decode.placement),
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.base.placement import Placement
 from common.kv.prefix import block_hashes, num_reusable_blocks, route_key
 from common.wire.protocol import NodeReady
 
@@ -38,6 +39,7 @@ class NodeState:
     # prompt tokens routed here to prefill, not yet prefilled (less cached ones)
     num_queued_tokens: int = 0
     prefix_keys: set[int] = field(default_factory=set)  # route keys of its cached blocks
+    placement: Placement | None = None  # from its last heartbeat (common/base/placement.py)
 
     @property
     def role(self) -> str:

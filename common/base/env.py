@@ -13,6 +13,9 @@ from pathlib import Path
 # A launcher's pid, set in each child's environment; the child reads (and removes) it first
 # thing, before read_env could run (common/base/lifetime.py)
 PARENT_PID_ENV = "PDSERVE_PARENT_PID"
+# One launcher's id, the same in every node it starts: its nodes share cores by its plan
+# (common/base/placement.py)
+LAUNCHER_ENV = "PDSERVE_LAUNCHER"
 
 
 @dataclass(frozen=True)

@@ -1,49 +1,56 @@
 """Where a process runs, as its heartbeat says it (frontend/paths.py reads it): the machine,
-the launcher that started it and the CPUs it may run on. Two nodes on one machine whose
-CPUs overlap compete for those cores; started by one launcher, they share them by its plan
-(a decode node's steps come first: common/engine/cores.py); started by two, nothing
-arranges it, and every thread of one takes cores the other counted on."""
+the launcher that started it, the CPUs it may run on and the threads it computes on. Nodes
+of one launcher are given their cores by its plan (a decode node's steps come first:
+common/engine/cores.py). Nodes of two launchers (or started by hand) on one machine, whose
+CPUs overlap and whose threads outnumber those CPUs, compete for cores nothing shares out:
+every thread of one takes a core the other counted on."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import socket
+from dataclasses import dataclass
+
+from common.base.env import LAUNCHER_ENV
+
+MAX_CPUS = 8192  # Linux's largest CPU count: a CPU list past it is not a machine's
 
 
-def _machine_id() -> str:
-    """The same for every process of one running kernel, containers and network
-    namespaces included (its boot id); the host name where there is none."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip() or socket.gethostname()
-    except OSError:
-        return socket.gethostname()
+@dataclass(frozen=True)
+class Placement:
+    """A node's place, as read from its heartbeat (frontend side)."""
+
+    machine: str
+    launcher: str
+    cpus: frozenset[int]
+    num_threads: int  # threads computing on the host's cores (0: the device is not the host)
 
 
-def _launcher_id() -> str:
-    """The parent process, named by pid and start time (pids repeat across containers)."""
-    ppid = os.getppid()
-    try:
-        with open(f"/proc/{ppid}/stat") as f:
-            # NOTE: field 2 (the name) may hold spaces and parentheses: split after its ")".
-            start = f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        start = "?"
-    return f"{ppid}@{start}"
+def parse_cpus(text: str) -> frozenset[int]:
+    """ "0-2,5" -> {0, 1, 2, 5}; a ValueError for anything else, or for ranges that name
+    more than MAX_CPUS CPUs in all (repeats counted: the work is bounded, not just the
+    result)."""
+    if not isinstance(text, str) or len(text) > 8 * MAX_CPUS:
+        raise ValueError(f"not a CPU list: {str(text)[:64]!r}")
+    out: set[int] = set()
+    num_named = 0
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not (lo.isascii() and lo.isdigit() and (not hi or (hi.isascii() and hi.isdigit()))):
+            raise ValueError(f"CPU lists take numbers such as 0-3 or 1,5, got {text[:64]!r}")
+        a, b = int(lo), int(hi or lo)
+        num_named += b - a + 1
+        if a > b or b >= MAX_CPUS or num_named > MAX_CPUS:
+            raise ValueError(f"not a CPU list of at most {MAX_CPUS} CPUs: {text[:64]!r}")
+        out.update(range(a, b + 1))
+    return frozenset(out)
 
 
-def _cpus() -> str:
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return ""
-    return format_cpus(cpus)
-
-
-def format_cpus(cpus: list[int]) -> str:
+def format_cpus(cpus) -> str:
     """[0, 1, 2, 5] -> "0-2,5"."""
     runs: list[list[int]] = []
-    for c in cpus:
+    for c in sorted(cpus):
         if runs and c == runs[-1][1] + 1:
             runs[-1][1] = c
         else:
@@ -51,35 +58,52 @@ def format_cpus(cpus: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def parse_cpus(text, limit: int = 65_536) -> frozenset[int]:
-    """ "0-2,5" -> {0, 1, 2, 5}; empty for anything else (a heartbeat's figure is hostile:
-    bad text, or ranges past limit CPUs, read as unknown)."""
-    out: set[int] = set()
-    if not isinstance(text, str) or len(text) > 4096:
-        return frozenset()
+def _machine_id() -> str:
+    """The same for every process of one running kernel, containers and network
+    namespaces included (its boot id); the host name where there is none."""
     try:
-        for part in filter(None, text.split(",")):
-            lo, _, hi = part.partition("-")
-            a, b = int(lo), int(hi or lo)
-            if not 0 <= a <= b < limit or len(out) + b - a >= limit:
-                return frozenset()
-            out.update(range(a, b + 1))
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()[:64] or socket.gethostname()
+    except OSError:
+        return socket.gethostname()
+
+
+def placement() -> dict:
+    """This process's figures for its heartbeat (its worker's stats add num_host_threads).
+    Its launcher: the id start_cluster.sh gives the nodes it plans (LAUNCHER_ENV), else one
+    of its own (started by hand: nothing shares its cores out with another's)."""
+    try:
+        cpus = format_cpus(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = ""
+    launcher = os.environ.get(LAUNCHER_ENV, "")[:64] or f"self-{secrets.token_hex(8)}"
+    return {
+        "machine": _machine_id(),
+        "launcher": launcher,
+        "cpus": cpus,
+    }
+
+
+def read_placement(stats: dict) -> Placement | None:
+    """A heartbeat's placement figures (hostile: None where any is missing or bad)."""
+    machine, launcher = stats.get("machine"), stats.get("launcher")
+    threads = stats.get("num_host_threads")
+    if not (isinstance(machine, str) and machine and isinstance(launcher, str) and launcher):
+        return None
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
+        return None
+    try:
+        cpus = parse_cpus(stats.get("cpus"))
     except ValueError:
-        return frozenset()
-    return frozenset(out)
+        return None
+    return Placement(machine, launcher, cpus, threads)
 
 
-def placement() -> dict[str, str]:
-    """This process's figures for its heartbeat."""
-    return {"machine": _machine_id(), "launcher": _launcher_id(), "cpus": _cpus()}
-
-
-def is_core_shared(a: dict, b: dict) -> bool:
-    """Whether two nodes' heartbeats (a, b) say they run on one machine, on CPUs they both
-    may use, started by different launchers: nothing shares those cores out between them."""
-    machine, launcher = a.get("machine"), a.get("launcher")
-    if not isinstance(machine, str) or not machine or machine != b.get("machine"):
+def is_core_shared(a: Placement | None, b: Placement | None) -> bool:
+    """Whether two nodes compete for cores that no launcher shares out between them: one
+    machine, two launchers, CPUs in common, and more threads than their CPUs in all."""
+    if a is None or b is None or a.machine != b.machine or a.launcher == b.launcher:
         return False
-    if not isinstance(launcher, str) or launcher == b.get("launcher"):
+    if not (a.num_threads and b.num_threads and a.cpus & b.cpus):
         return False
-    return bool(parse_cpus(a.get("cpus")) & parse_cpus(b.get("cpus")))
+    return a.num_threads + b.num_threads > len(a.cpus | b.cpus)

@@ -189,6 +189,8 @@ class DeviceWorker:
             "num_prefill_chunks": self.num_prefill_chunks,
             "num_kv_blocks": self.num_kv_blocks,
             "token_capacity": self.token_capacity,
+            # threads computing on the host's cores (common/base/placement.py)
+            "num_host_threads": self.num_threads if self.platform.is_host else 0,
             **(self.cores.stats() if self.cores is not None else {}),
         }
 

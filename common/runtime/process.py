@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 
+from common.base import placement
 from common.base.config import WorkerConfig
 from common.base.flags import add_flags, flagged
 from common.base.log import add_log_level_arg, set_level, set_name
@@ -54,16 +55,10 @@ def add_thread_args(p: argparse.ArgumentParser) -> None:
 
 def parse_cpus(text: str) -> set[int]:
     """'0-3,6' -> {0, 1, 2, 3, 6}, or a ValueError."""
-    cpus: set[int] = set()
     try:
-        for part in text.split(","):
-            lo, _, hi = part.strip().partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
+        return set(placement.parse_cpus(text))
     except ValueError:
         raise ValueError(f"--cpus takes core numbers such as 0-3 or 1,5, got {text!r}") from None
-    if not cpus:
-        raise ValueError(f"--cpus names no core: {text!r}")
-    return cpus
 
 
 def apply_threads(threads: int | None, cpus: str | None, is_host_device: bool) -> None:
@@ -109,14 +104,8 @@ def describe_threads(num: int | None = None) -> str:
     import torch
 
     num = torch.get_num_threads() if num is None else num
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    where = (
-        f"cores {cores[0]}-{cores[-1]}"
-        if cores and cores == list(range(cores[0], cores[-1] + 1))
-        else f"cores {','.join(map(str, cores))}"
-        if cores
-        else f"{os.cpu_count()} cores"
-    )
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ()
+    where = f"cores {placement.format_cpus(cores)}" if cores else f"{os.cpu_count()} cores"
     return f"{num} thread{'s' * (num > 1)} on {where}"
 
 

@@ -13,6 +13,7 @@ at once if this launcher is gone by then: common/base/lifetime.py).
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,12 +21,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from common.base.env import PARENT_PID_ENV
+from common.base.env import LAUNCHER_ENV, PARENT_PID_ENV
 from launch.cluster import plan as cluster_plan
 from launch.cluster.plan import Node, Plan
 
 MAX_BACKOFF_S = 30
 STABLE_S = 60  # a node that ran this long starts its backoff over
+LAUNCH_ID = secrets.token_hex(8)  # this launcher's, in each node's env (LAUNCHER_ENV)
 STOP_GRACE_S = 10  # after the drain: SIGTERM, then SIGKILL this much later
 
 
@@ -184,7 +186,8 @@ def _spawn(argv: list[str], env: dict[str, str]):
     # (`stty tostop`) can stop it as a background job of the launcher's terminal would be
     return subprocess.Popen(
         [sys.executable, *argv],
-        env={**os.environ, **env, PARENT_PID_ENV: str(os.getpid())},  # see die_with_parent
+        # see die_with_parent; LAUNCHER_ENV: its nodes share cores by this launcher's plan
+        env={**os.environ, **env, PARENT_PID_ENV: str(os.getpid()), LAUNCHER_ENV: LAUNCH_ID},
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )

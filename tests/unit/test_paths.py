@@ -172,7 +172,7 @@ def test_modes_and_what_needs_a_prefill_node():
 def test_figures_come_from_the_nodes_stats():
     class Node:
         def __init__(self, name, stats, num_queued_tokens=0, num_active=0):
-            self.name, self.stats = name, stats
+            self.name, self.stats, self.placement = name, stats, None
             self.num_queued_tokens, self.num_active = num_queued_tokens, num_active
 
     prefill = Node(
@@ -336,32 +336,64 @@ def test_nodes_whose_launchers_share_cores_keep_prompts_off_running_sequences():
     assert _route(chooser, _figures(num_running=4, prefill_queued=8000), "decode-1").path == "local"
 
 
-def test_core_sharing_is_read_from_where_the_nodes_say_they_run():
-    from common.base.placement import format_cpus, is_core_shared, parse_cpus, placement
+def test_core_sharing_is_read_from_where_the_nodes_say_they_run(monkeypatch):
+    from common.base.env import LAUNCHER_ENV
+    from common.base.placement import (
+        format_cpus,
+        is_core_shared,
+        parse_cpus,
+        placement,
+        read_placement,
+    )
 
-    here = placement()
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    here, there = placement(), placement()
     assert set(here) == {"machine", "launcher", "cpus"}
     assert parse_cpus(here["cpus"]) == frozenset(os.sched_getaffinity(0))
-    assert format_cpus([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
-    assert parse_cpus("0-2,5,7-8") == {0, 1, 2, 5, 7, 8}
-    for hostile in ("3-1", "x", "-1", "0-99999999", 7, None, "0," * 5000, "1-2-3"):
-        assert parse_cpus(hostile) == frozenset(), hostile
+    assert here["launcher"] != there["launcher"]  # started by hand: a launcher of its own
+    monkeypatch.setenv(LAUNCHER_ENV, "plan-1")
+    assert placement()["launcher"] == placement()["launcher"] == "plan-1"
 
-    a = {"machine": "m", "launcher": "10@5", "cpus": "0-3"}
-    assert is_core_shared(a, {**a, "launcher": "11@6", "cpus": "3-7"})
-    assert not is_core_shared(a, {**a, "launcher": "11@6", "cpus": "4-7"})  # split cores
-    assert not is_core_shared(a, dict(a))  # one launcher: its plan shares them out
-    assert not is_core_shared(a, {**a, "machine": "n", "launcher": "11@6"})  # two machines
-    assert not is_core_shared({}, {})  # nodes that say nothing of it
-    assert not is_core_shared({**a, "machine": ["m"]}, {**a, "machine": ["m"], "launcher": "x"})
+    assert format_cpus([8, 0, 1, 2, 5, 7]) == "0-2,5,7-8"
+    assert parse_cpus("0-2,5,7-8") == {0, 1, 2, 5, 7, 8} and parse_cpus(" 3") == {3}
+    hostile = ["3-1", "x", "-1", "0-8192", "1-2-3", "", "0,", "٠-٣", "1_0", "0--1"]
+    hostile += [",".join(["0-8191"] * 2), ",".join(["0-32766"] * 511), "0," * 40_000, None, 7]
+    for text in hostile:  # each refused, and quickly: the work counts repeats too
+        with pytest.raises(ValueError):
+            parse_cpus(text)
+
+    def beat(**kw):
+        return {"machine": "m", "launcher": "a", "cpus": "0-3", "num_host_threads": 4, **kw}
+
+    a = read_placement(beat())
+    assert a is not None and a.cpus == {0, 1, 2, 3} and a.num_threads == 4
+    for bad in (
+        beat(machine=["m"]),
+        beat(launcher=""),
+        beat(cpus="0-99999"),
+        beat(num_host_threads=True),
+        beat(num_host_threads=-1),
+        {},
+    ):
+        assert read_placement(bad) is None, bad
+
+    def shared(**kw):
+        return is_core_shared(a, read_placement(beat(launcher="b", **kw)))
+
+    assert shared(cpus="2-5")  # 8 threads on the 6 CPUs 0-5
+    assert shared(cpus="0-3")
+    assert not shared(cpus="4-7")  # split cores
+    assert not shared(cpus="0-7", num_host_threads=4)  # 8 threads on 8 CPUs: room for each
+    assert not shared(num_host_threads=0)  # the other computes on an accelerator
+    assert not is_core_shared(a, read_placement(beat()))  # one launcher: its plan shares them
+    assert not is_core_shared(a, read_placement(beat(machine="n", launcher="b")))
+    assert not is_core_shared(a, None)
 
     class Node:
         def __init__(self, name, stats):
-            self.name, self.stats = name, stats
+            self.name, self.stats, self.placement = name, stats, read_placement(stats)
             self.num_queued_tokens = self.num_active = 0
 
-    shared = paths.figures(
-        10, 10, 10, Node("p", a), Node("d", {**a, "launcher": "11@6", "cpus": "0"})
-    )
-    assert shared.is_core_shared
-    assert not paths.figures(10, 10, 10, Node("p", a), Node("d", a)).is_core_shared
+    both = beat(launcher="b", kv_links={"d": ["tcp"]}, kv_writes={"tcp": 1})  # hostile links
+    assert paths.figures(10, 10, 10, Node("p", beat()), Node("d", both)).is_core_shared
+    assert not paths.figures(10, 10, 10, Node("p", beat()), Node("d", beat())).is_core_shared
