@@ -394,6 +394,7 @@ def test_core_sharing_is_read_from_where_the_nodes_say_they_run(monkeypatch):
             self.name, self.stats, self.placement = name, stats, read_placement(stats)
             self.num_queued_tokens = self.num_active = 0
 
-    both = beat(launcher="b", kv_links={"d": ["tcp"]}, kv_writes={"tcp": 1})  # hostile links
-    assert paths.figures(10, 10, 10, Node("p", beat()), Node("d", both)).is_core_shared
+    hostile = beat(kv_links={"d": ["tcp"]}, kv_writes={"tcp": 1})  # a list once raised here
+    f = paths.figures(10, 10, 10, Node("p", hostile), Node("d", beat(launcher="b")))
+    assert f.is_core_shared and f.link_rate == 0.0
     assert not paths.figures(10, 10, 10, Node("p", beat()), Node("d", beat())).is_core_shared
