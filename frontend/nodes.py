@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 
 from common.base.config import FrontendConfig
 from common.base.log import Throttle, get_logger
-from common.base.placement import read_placement
+from common.base.placement import placement_key, read_placement
 from common.wire.channel import node_tag, tag_name
 from common.wire.protocol import Heartbeat, NodeReady, ReadyReply
 from frontend.router import NodeState, figure
@@ -81,7 +81,9 @@ class NodeRegistry:
         else:
             self.seen(node)
             node.stats = msg.stats
-            node.placement = read_placement(msg.stats)  # NOTE: read once a beat, not per route
+            # NOTE: read as a beat changes it, not per route (the same text comes every beat)
+            if node.placement_key != (key := placement_key(msg.stats)):
+                node.placement, node.placement_key = read_placement(msg.stats), key
 
     async def on_ready(self, sender: bytes, ready: NodeReady) -> None:
         old = self.nodes.get(ready.name)

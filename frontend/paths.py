@@ -39,6 +39,7 @@ from common.base.placement import is_core_shared
 from common.base.request import LOCAL_CHUNK_TOKENS, LOCAL_SHARE, LOCAL_WINDOW_S
 
 SHORT_PROMPT = 256  # a handoff of a prompt this short times its fixed cost, not its bytes
+MAX_TOKEN_BYTES = 2**30  # KV bytes a token: a node's figure past this is not a model's
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,8 @@ def figures(prompt_len: int, work_tokens: int, local_tokens: int, prefill, decod
     backend = backend if isinstance(backend, str) else None  # NOTE: a peer's figure: any type
     writes = ps.get("kv_writes", {}).get(backend) if isinstance(ps.get("kv_writes"), dict) else None
     link_rate = _number(writes, "bytes_per_s") if isinstance(writes, dict) else 0.0
-    token_bytes = int(_number(ps, "kv_token_bytes"))
+    # NOTE: a peer's figure: an int past a float's range would overflow in the rule
+    token_bytes = int(min(_number(ps, "kv_token_bytes"), MAX_TOKEN_BYTES))
     # NOTE: the prefill node's own rule; with no rate measured, predict() takes the transfer
     # as free either way.
     mode = ps.get("kv_layerwise")

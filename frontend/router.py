@@ -40,6 +40,7 @@ class NodeState:
     num_queued_tokens: int = 0
     prefix_keys: set[int] = field(default_factory=set)  # route keys of its cached blocks
     placement: Placement | None = None  # from its last heartbeat (common/base/placement.py)
+    placement_key: tuple = ()  # the figures it was read from
 
     @property
     def role(self) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from common.base.env import LAUNCHER_ENV
 
 MAX_CPUS = 8192  # Linux's largest CPU count: a CPU list past it is not a machine's
+MAX_CPUS_TEXT = 4096  # a heartbeat's strings are at most this long (common/wire/node.py)
 
 
 @dataclass(frozen=True)
@@ -36,15 +37,21 @@ def parse_cpus(text: str) -> frozenset[int]:
     out: set[int] = set()
     num_named = 0
     for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        if not (lo.isascii() and lo.isdigit() and (not hi or (hi.isascii() and hi.isdigit()))):
+        lo, _, hi = (s.strip() for s in part.partition("-"))
+        if not (_is_number(lo) and (_is_number(hi) or not hi)):  # "1-": 1, as it always was
             raise ValueError(f"CPU lists take numbers such as 0-3 or 1,5, got {text[:64]!r}")
         a, b = int(lo), int(hi or lo)
+        if a > b:
+            raise ValueError(f"the range {a}-{b} names no CPU (in {text[:64]!r})")
         num_named += b - a + 1
-        if a > b or b >= MAX_CPUS or num_named > MAX_CPUS:
-            raise ValueError(f"not a CPU list of at most {MAX_CPUS} CPUs: {text[:64]!r}")
+        if b >= MAX_CPUS or num_named > MAX_CPUS:
+            raise ValueError(f"a CPU list names at most {MAX_CPUS} CPUs, below {MAX_CPUS}")
         out.update(range(a, b + 1))
     return frozenset(out)
+
+
+def _is_number(text: str) -> bool:
+    return text.isascii() and text.isdigit()
 
 
 def format_cpus(cpus) -> str:
@@ -76,12 +83,19 @@ def placement() -> dict:
         cpus = format_cpus(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = ""
+    if len(cpus) > MAX_CPUS_TEXT:  # NOTE: a longer string and the whole beat is refused
+        cpus = ""
     launcher = os.environ.get(LAUNCHER_ENV, "")[:64] or f"self-{secrets.token_hex(8)}"
     return {
         "machine": _machine_id(),
         "launcher": launcher,
         "cpus": cpus,
     }
+
+
+def placement_key(stats: dict) -> tuple:
+    """The figures read_placement reads, to compare beats by."""
+    return tuple(stats.get(k) for k in ("machine", "launcher", "cpus", "num_host_threads"))
 
 
 def read_placement(stats: dict) -> Placement | None:

@@ -57,8 +57,8 @@ def parse_cpus(text: str) -> set[int]:
     """'0-3,6' -> {0, 1, 2, 3, 6}, or a ValueError."""
     try:
         return set(placement.parse_cpus(text))
-    except ValueError:
-        raise ValueError(f"--cpus takes core numbers such as 0-3 or 1,5, got {text!r}") from None
+    except ValueError as e:
+        raise ValueError(f"--cpus: {e}") from None
 
 
 def apply_threads(threads: int | None, cpus: str | None, is_host_device: bool) -> None:

@@ -353,6 +353,9 @@ def test_core_sharing_is_read_from_where_the_nodes_say_they_run(monkeypatch):
     assert here["launcher"] != there["launcher"]  # started by hand: a launcher of its own
     monkeypatch.setenv(LAUNCHER_ENV, "plan-1")
     assert placement()["launcher"] == placement()["launcher"] == "plan-1"
+    # a CPU list longer than a heartbeat's strings may be is left out (else every beat goes)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(0, 4096, 2)))
+    assert placement()["cpus"] == ""
 
     assert format_cpus([8, 0, 1, 2, 5, 7]) == "0-2,5,7-8"
     assert parse_cpus("0-2,5,7-8") == {0, 1, 2, 5, 7, 8} and parse_cpus(" 3") == {3}
@@ -397,4 +400,16 @@ def test_core_sharing_is_read_from_where_the_nodes_say_they_run(monkeypatch):
     hostile = beat(kv_links={"d": ["tcp"]}, kv_writes={"tcp": 1})  # a list once raised here
     f = paths.figures(10, 10, 10, Node("p", hostile), Node("d", beat(launcher="b")))
     assert f.is_core_shared and f.link_rate == 0.0
+    for mode in ("auto", "off"):  # an int past a float's range once overflowed in the rule
+        huge = beat(
+            kv_links={"d": "tcp"},
+            kv_writes={"tcp": {"bytes_per_s": 1.0}},
+            kv_token_bytes=1e308,
+            kv_layerwise=mode,
+            num_prefill_tokens=100,
+            prefill_busy_s=1.0,
+        )
+        f = paths.figures(10, 10, 10, Node("p", huge), Node("d", beat()))
+        c = PathChooser("auto", FakeClock()).decide(f, "d")  # its KV would take ages: local
+        assert (c.path, f.kv_token_bytes) == ("local", paths.MAX_TOKEN_BYTES)
     assert not paths.figures(10, 10, 10, Node("p", beat()), Node("d", beat())).is_core_shared
