@@ -39,10 +39,10 @@ def parse_cpus(text: str) -> frozenset[int]:
     for part in text.split(","):
         lo, _, hi = (s.strip() for s in part.partition("-"))
         if not (_is_number(lo) and (_is_number(hi) or not hi)):  # "1-": 1, as it always was
-            raise ValueError(f"CPU lists take numbers such as 0-3 or 1,5, got {text[:64]!r}")
+            raise ValueError(f"{part.strip()[:64]!r} is not a CPU number or range")
         a, b = int(lo), int(hi or lo)
         if a > b:
-            raise ValueError(f"the range {a}-{b} names no CPU (in {text[:64]!r})")
+            raise ValueError(f"the range {a}-{b} names no CPU")
         num_named += b - a + 1
         if b >= MAX_CPUS or num_named > MAX_CPUS:
             raise ValueError(f"a CPU list names at most {MAX_CPUS} CPUs, below {MAX_CPUS}")

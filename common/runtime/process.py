@@ -58,7 +58,7 @@ def parse_cpus(text: str) -> set[int]:
     try:
         return set(placement.parse_cpus(text))
     except ValueError as e:
-        raise ValueError(f"--cpus: {e}") from None
+        raise ValueError(f"--cpus takes core numbers such as 0-3 or 1,5 ({text!r}: {e})") from None
 
 
 def apply_threads(threads: int | None, cpus: str | None, is_host_device: bool) -> None:
