@@ -100,17 +100,15 @@ def placement_key(stats: dict) -> tuple:
 
 def read_placement(stats: dict) -> Placement | None:
     """A heartbeat's placement figures (hostile: None where any is missing or bad)."""
-    machine, launcher = stats.get("machine"), stats.get("launcher")
-    threads = stats.get("num_host_threads")
+    machine, launcher, cpus, threads = placement_key(stats)
     if not (isinstance(machine, str) and machine and isinstance(launcher, str) and launcher):
         return None
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
         return None
     try:
-        cpus = parse_cpus(stats.get("cpus"))
+        return Placement(machine, launcher, parse_cpus(cpus), threads)
     except ValueError:
         return None
-    return Placement(machine, launcher, cpus, threads)
 
 
 def is_core_shared(a: Placement | None, b: Placement | None) -> bool:
