@@ -15,6 +15,7 @@ class CpuFeatures:
     is_avx512: bool
     is_avx512_bf16: bool
     is_amx_bf16: bool
+    vendor: str = ""  # e.g. GenuineIntel, AuthenticAMD: some libraries choose paths by it
 
     @classmethod
     def read(cls, cpuinfo: str | None = None) -> CpuFeatures:
@@ -25,19 +26,22 @@ class CpuFeatures:
             except OSError:
                 cpuinfo = ""
         flags: set[str] = set()
-        model = ""
+        model = vendor = ""
         for line in cpuinfo.splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "flags" and not flags:
                 flags = set(value.split())
-            elif key.strip() == "model name":
+            elif key.strip() == "model name" and not model:
                 model = value.strip()
+            elif key.strip() == "vendor_id" and not vendor:
+                vendor = value.strip()
         return cls(
             model=model or platform.machine(),
             is_avx2="avx2" in flags and "fma" in flags,
             is_avx512="avx512f" in flags,
             is_avx512_bf16="avx512_bf16" in flags,
             is_amx_bf16="amx_bf16" in flags and "amx_tile" in flags,
+            vendor=vendor,
         )
 
     def describe(self) -> str:

@@ -13,6 +13,7 @@
   for fp32 activations, widened whole for a large batch.
 
 x is rounded to bf16 on the first two paths (as oneDNN's bf16 matmul does); sums are fp32.
+fp32 weights: kernels/cpu_linear_fp32.py (oneDNN where torch's own leaves AVX-512 unused).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import options, portable
+from kernels import cpu_linear_fp32, options, portable
 from kernels.cpu_build import load
 from kernels.cpu_features import CpuFeatures
 from kernels.cpu_threads import run_split
@@ -45,6 +46,7 @@ IS_TILED = bool(_LIB.vnni_paths & 2)  # the tiles are built and this process may
 HAS_BF16_UNITS = FEATURES.is_avx512_bf16 or FEATURES.is_amx_bf16
 HAS_DOT = bool(_LIB.vnni_paths & 1)
 IS_PACKED = IS_TILED or HAS_DOT  # bf16 weights take the layout above
+IS_ONEDNN_FP32 = cpu_linear_fp32.is_onednn_faster(FEATURES)  # fp32 weights: that module's way
 
 
 def describe() -> str:
@@ -57,6 +59,8 @@ def describe() -> str:
         matmul = "bf16 matmul: oneDNN, weights packed at load"
     else:
         matmul = "bf16 matmul: C kernel, fp32 sums"
+    if IS_ONEDNN_FP32:
+        matmul += "; fp32 matmul: oneDNN"
     return f"{FEATURES.model} ({FEATURES.describe()}); {matmul}; C attention built for it"
 
 
@@ -77,6 +81,8 @@ def pack_linear_weight(weight: torch.Tensor, is_embedding: bool = False) -> torc
         and weight.shape[0] % (2 * 16) == 0  # whole pairs of column blocks
         and weight.shape[1] % 32 == 0  # whole tiles of inputs
     ):
+        if IS_ONEDNN_FP32 and not is_embedding:
+            return cpu_linear_fp32.pack(weight)
         return portable.pack_linear_weight(weight, is_embedding)
     num_columns, size = weight.shape
     # [N, K] -> [N / 16, K / 2, 16, 2]: block b, pair p holds W[16b + j, 2p + i] at [b, p, j, i]
@@ -98,6 +104,8 @@ def linear(x, weight, bias=None):
     """As portable.linear, by the weight's layout (see the module)."""
     if is_tiled(weight):
         return _linear_tiled(x, weight, bias)
+    if IS_ONEDNN_FP32 and cpu_linear_fp32.is_served(x, weight):
+        return cpu_linear_fp32.linear(x, weight, bias)
     if (
         IS_BF16_NATIVE
         or weight.is_mkldnn

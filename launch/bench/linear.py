@@ -1,16 +1,17 @@
-"""CPU linear layers in bf16 at a model's matmul shapes: the weight as the CPU backend lays
-it out at load (kernels.pack_linear_weight: the tiles' layout on a CPU with AMX, oneDNN's on
-one with bf16 dot products alone, a tied lm_head as the embedding table it also is), against
-oneDNN's packed layout (which a tied table cannot take) and torch's own bf16 linear on the
-checkpoint's layout (a tied table's on a CPU without tiles before), on --threads threads.
+"""CPU linear layers at a model's matmul shapes: the weight as the CPU backend lays it out
+at load (kernels.pack_linear_weight; in bf16 the tiles' layout on a CPU with AMX, the dot
+products' on one with bf16 units alone, a tied lm_head as the embedding table it also is; in
+fp32 oneDNN's where torch's own leaves AVX-512 unused: kernels/cpu_linear_fp32.py), against
+oneDNN's packed layout (which a tied table cannot take) and torch's own linear on the
+checkpoint's layout, on --threads threads.
 
-    pdserve bench linear [--shape qwen3-0.6b] [--rows 1,8,64,1024] [--threads 2]
+    pdserve bench linear [--shape qwen3-0.6b] [--dtype bfloat16] [--rows 1,8,64,1024]
 
 Each call takes the next of --distinct copies of the layer's weight, so the weights come
 from memory as a model's do, not from the last-level cache. One JSON line per (rows,
 layer) on stdout, then a table on stderr: each side's ms per call (the best of
 --repeats), the ratio, and the floor: the larger of the weight's bytes over this host's
-measured memory bandwidth and the FLOPs over its measured bf16 matmul rate.
+measured memory bandwidth and the FLOPs over its measured matmul rate in --dtype.
 """
 
 from __future__ import annotations
@@ -42,18 +43,25 @@ def main(argv: list[str] | None = None) -> int:
         default=[1, 8, 64, 1024],
         help="comma-separated rows of x (decode batch, prefill tokens)",
     )
+    p.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the weights' dtype"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--repeats", type=int, default=5, help="timed passes per side; the best counts")
     p.add_argument("--distinct", type=int, default=28, help="copies of each weight, called in turn")
     a = p.parse_args(argv)
     if a.distinct < 1:
         p.error("--distinct: at least 1")
-    if not portable.IS_BF16_NATIVE:
+    dtype = getattr(torch, a.dtype)
+    if dtype == torch.bfloat16 and not portable.IS_BF16_NATIVE:
         print("this CPU has no bf16 matrix units (AVX512-BF16, AMX): nothing is packed here")
+        return 2
+    if not torch.backends.mkldnn.is_available():
+        print("this torch has no oneDNN: there is nothing to compare")
         return 2
     torch.set_num_threads(a.threads)
     spec = preset_spec(a.shape)
-    floors = measure_floors("cpu", torch.bfloat16)
+    floors = measure_floors("cpu", dtype)
     bandwidth, rate = floors["bandwidth_GBps"] * 1e9, floors["matmul_TFLOPs"] * 1e12
     d, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
     layers = {
@@ -69,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, (n, k) in layers.items():
             # NOTE: the lm_head alone is larger than any cache: two copies do
             num_copies = min(a.distinct, 2) if name == "lm_head" else a.distinct
-            ws = [torch.randn(n, k, generator=g).bfloat16() for _ in range(num_copies)]
+            ws = [torch.randn(n, k, generator=g).to(dtype) for _ in range(num_copies)]
             x = torch.randn(num_rows, k, generator=g)  # fp32 activations, as a CPU node's
             # a tied lm_head is packed as the embedding table it also is
             is_table = name == "lm_head" and spec.is_tied_embeddings
             packed = [kernels.pack_linear_weight(w, is_embedding=is_table) for w in ws]
-            onednn = [portable.pack_linear_weight(w) for w in ws]
+            onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws]
             per_call = 1 / num_copies
 
             def each(fn, weights) -> float:
@@ -87,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
 
             packed_ms = each(kernels.linear, packed)
             onednn_ms = each(portable.linear, onednn)
-            torch_ms = each(lambda x, w: F.linear(x.bfloat16(), w).float(), ws)
-            floor_ms = max(n * k * 2 / bandwidth, 2 * num_rows * n * k / rate) * 1e3
+            torch_ms = each(lambda x, w: F.linear(x.to(dtype), w).float(), ws)
+            floor_ms = max(n * k * dtype.itemsize / bandwidth, 2 * num_rows * n * k / rate) * 1e3
             record = {
                 "bench": "linear",
                 "device": "cpu",
-                "dtype": "bfloat16",
+                "dtype": a.dtype,
                 "threads": a.threads,
                 "shape": a.shape,
                 "layer": f"{name} (tied)" if is_table else name,
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 "packed_ms": round(packed_ms, 3),
                 "onednn_ms": round(onednn_ms, 3),
                 "torch_ms": round(torch_ms, 3),
-                "peer": "torch F.linear bf16 (oneDNN, the checkpoint's layout)",
+                "peer": f"torch F.linear {a.dtype} (the checkpoint's layout)",
                 "packed_speedup": round(torch_ms / packed_ms, 2),
                 "floor": "roofline",
                 "floor_ms": round(floor_ms, 3),
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     show(
         table(
-            f"linear: {a.shape} in bf16 on cpu, {a.threads} thread(s)",
+            f"linear: {a.shape} in {a.dtype} on cpu, {a.threads} thread(s)",
             ["rows", "layer", "packed ms", "oneDNN ms", "torch ms", "speedup", "floor ms"],
             rows,
             [

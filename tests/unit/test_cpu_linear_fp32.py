@@ -1,0 +1,111 @@
+"""The CPU's fp32 matmuls (kernels/cpu_linear_fp32.py): oneDNN's packed and per-call paths and
+torch's, each against a float64 reference on any x86 CPU with oneDNN; the rule that chooses
+oneDNN by what the CPU is; and the backend taking it only where that rule says so."""
+
+import importlib
+import os
+import shutil
+
+import pytest
+import torch
+
+from kernels import cpu_linear_fp32 as fp32
+from kernels.cpu_features import CpuFeatures
+
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"
+)
+HAS_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+
+
+def _reference(x, weight, bias):
+    return x.double() @ weight.double().T + (0 if bias is None else bias.double())
+
+
+@needs_onednn
+@pytest.mark.parametrize("num_rows", [1, 3, 15, 16, 70])
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_each_fp32_path_equals_a_float64_reference(num_rows, size):
+    """A small weight stays as it is (oneDNN from 16 rows, torch's below); a large one is
+    packed once; with a bias and without, on 1 thread and 2. Sums are fp32: a relative
+    error of a few 1e-6 at K = 1,024."""
+    n, k = (160, 96) if size == "small" else (1024, 1024)
+    g = torch.Generator().manual_seed(num_rows)
+    weight = torch.randn(n, k, generator=g)
+    x, bias = torch.randn(num_rows, k, generator=g), torch.randn(n, generator=g)
+    packed = fp32.pack(weight)
+    assert packed.is_mkldnn == (size == "large")
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for b in (bias, None):
+                got = (
+                    torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+                    if packed.is_mkldnn
+                    else fp32.linear(x, packed, b)
+                )
+                want = _reference(x, weight, b)
+                assert got.dtype == torch.float32 and got.shape == want.shape
+                err = ((got.double() - want).abs().max() / want.abs().max()).item()
+                assert err < 1e-5, (size, num_rows, threads, b is None, err)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_onednn
+def test_a_strided_input_reads_as_its_values():
+    """A slice of columns (strided rows) through the per-call oneDNN path."""
+    whole = torch.randn(40, 200)
+    x = whole[:, 8:136]
+    weight = torch.randn(64, 128)
+    got = fp32.linear(x, weight, None)
+    assert torch.allclose(got.double(), _reference(x, weight, None), rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_only_large_fp32_cpu_matrices_are_packed_and_plain_fp32_ones_taken():
+    big = torch.randn(1024, 1024)
+    assert fp32.pack(big).is_mkldnn
+    for other in (big.bfloat16(), torch.randn(1023, 1024), torch.randn(1 << 20)):
+        assert fp32.pack(other) is other
+    x = torch.randn(4, 1024)
+    assert fp32.is_served(x, big)
+    for xs, w in ((x.bfloat16(), big), (x, big.bfloat16()), (x[None], big), (x, fp32.pack(big))):
+        assert not fp32.is_served(xs, w)
+
+
+@pytest.mark.parametrize(
+    "vendor, flags, want",
+    [
+        ("AuthenticAMD", "avx2 fma avx512f avx512_bf16", True),
+        ("AuthenticAMD", "avx2 fma", False),
+        ("GenuineIntel", "avx2 fma avx512f amx_bf16 amx_tile", False),
+        ("HygonGenuine", "avx2 fma avx512f", True),
+    ],
+)
+def test_onednn_serves_fp32_where_the_cpu_has_avx512_and_is_not_intels(vendor, flags, want):
+    text = f"processor\t: 0\nvendor_id\t: {vendor}\nmodel name\t: X\nflags\t\t: {flags}\n"
+    f = CpuFeatures.read(text)
+    assert f.vendor == vendor
+    assert fp32.is_onednn_faster(f) == (want and torch.backends.mkldnn.is_available())
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler: the portable ops serve")
+def test_the_backend_takes_the_fp32_path_only_where_the_rule_says(monkeypatch):
+    """Through kernels.linear and pack_linear_weight: the packed layout and the ready line's
+    words where the rule holds on this CPU; as they were where it does not (forced off)."""
+    import kernels
+
+    cpu_linear = importlib.import_module("kernels.cpu_linear")
+    weight = torch.randn(1024, 1024)
+    x = torch.randn(20, 1024)
+    want = _reference(x, weight, None)
+    for rule in sorted({cpu_linear.IS_ONEDNN_FP32, False}):
+        monkeypatch.setattr(cpu_linear, "IS_ONEDNN_FP32", rule)
+        packed = kernels.pack_linear_weight(weight)
+        assert packed.is_mkldnn == rule
+        assert kernels.pack_linear_weight(weight, is_embedding=True) is weight
+        got = kernels.linear(x, packed)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-3)
+        assert ("fp32 matmul: oneDNN" in kernels.describe("cpu")) == rule
