@@ -51,6 +51,27 @@ def _start_lane() -> None:
     lower_this_thread(LANE_NICE)
 
 
+def run_on_own_thread(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """fn() on a new thread (it inherits this one's priority), waited for; its result or its
+    error here."""
+    got: list = []
+
+    def target() -> None:
+        try:
+            got.append((fn(), None))
+        except BaseException as e:  # NOTE: raised again on the caller's thread
+            got.append((None, e))
+
+    name = f"{threading.current_thread().name}-pass"
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    out, error = got[0]
+    if error is not None:
+        raise error
+    return out
+
+
 class Lanes:
     """forward(chunks) -> the hidden state of each chunk's last token [len(chunks), H].
 
@@ -88,25 +109,40 @@ class Lanes:
     def close(self) -> None:
         self._pool.shutdown()
 
-    @torch.inference_mode()  # NOTE: thread-local: a lane thread must enter it itself
     def _on_lane(
-        self, chunks: list, num_threads: int = 1, between_layers=None, kv_written=None
+        self, chunks: list, num_threads: int, between_layers, kv_written, may_grow: bool = False
     ) -> torch.Tensor:
-        torch.set_num_threads(
-            num_threads
-        )  # NOTE: per thread: this lane's ops, and the pool it starts
+        """The forward on this lane's thread, or, on more than one thread (or one that
+        between_layers may give more: may_grow), on a thread that ends with the pass.
+        NOTE: an OpenMP pool lives as long as the thread that started it, and while more
+        threads are pooled than the process has CPUs, libgomp puts every pool's idle threads
+        to sleep at once instead of letting them spin: each parallel region of the decode
+        steps (or of another lane's passes) then waits for a wake-up (two threads, Qwen3-0.6B's
+        attention at batch 1: 26 against 90 us a layer)."""
+        if num_threads == 1 and not may_grow:
+            return self._forward_on(chunks, 1, between_layers, kv_written)
+        return run_on_own_thread(
+            lambda: self._forward_on(chunks, num_threads, between_layers, kv_written)
+        )
+
+    @torch.inference_mode()  # NOTE: thread-local: the thread that runs it must enter it itself
+    def _forward_on(self, chunks: list, num_threads: int, between_layers, kv_written):
+        torch.set_num_threads(num_threads)  # NOTE: per thread: its ops, and the pool it starts
         try:
             return self._forward(chunks, between_layers, kv_written)
         finally:
             torch.set_num_threads(1)
 
-    def _part(self, chunks: list, idx: list[int], num_threads: int, between_layers) -> Callable:
+    def _part(
+        self, chunks: list, idx: list[int], num_threads: int, between_layers, may_grow=False
+    ) -> Callable:
         """A lane's task: the chunks idx as one forward; post(idx, n) as each layer's KV is
         written."""
 
         def task(post):
             kv_written = None if post is None else (lambda num_done: post(idx, num_done))
-            return self._on_lane([chunks[i] for i in idx], num_threads, between_layers, kv_written)
+            part = [chunks[i] for i in idx]
+            return self._on_lane(part, num_threads, between_layers, kv_written, may_grow)
 
         return task
 
@@ -144,8 +180,10 @@ class Lanes:
         """The chunks as one pass on num_threads threads, started from a lane: they keep its
         lower priority, so the latency-bound work on this host still comes first.
         between_layers(n), called on the lane, may resize the pool (torch.set_num_threads)."""
+        every = list(range(len(chunks)))
+        may_grow = between_layers is not None
         return self._run(
-            [self._part(chunks, list(range(len(chunks))), num_threads, between_layers)], on_layers
+            [self._part(chunks, every, num_threads, between_layers, may_grow)], on_layers
         )[0]
 
     def _forward_lone(self, chunk, num_lanes: int, on_layers) -> torch.Tensor:

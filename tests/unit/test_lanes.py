@@ -291,3 +291,50 @@ def test_the_faster_way_is_found_by_work_not_tokens(monkeypatch):
         lanes.close()
     num_in_runs = sum(n < 2048 for n in parts) // 2
     assert num_in_runs >= 60, num_in_runs  # of 80: all but the first and the explorations
+
+
+def _num_tasks() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not torch.backends.openmp.is_available(), reason="torch without OpenMP")
+def test_a_pass_on_several_threads_leaves_no_thread_pool_behind():
+    """Defect: a lane that ran a pass on two threads kept the OpenMP pool it started (an
+    idle thread) as long as the lane lived; with more threads pooled than the process has
+    CPUs, libgomp stops letting idle pool threads spin, and every parallel region of the
+    node's decode steps waited for a wake-up (attention at batch 1: 26 against 90 us a
+    layer). Now such a pass runs on a thread that ends with it, pool and all; its result,
+    its layers' hooks and its error come back as before."""
+    seen = []
+
+    def forward(chunks, between_layers=None, kv_written=None):
+        a = torch.randn(256, 256)
+        for _ in range(4):
+            a = torch.tanh(a @ a)  # parallel regions on every thread granted
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        if kv_written is not None:
+            kv_written(1)
+        if len(chunks[0].token_ids) == 3:
+            raise RuntimeError("this pass fails")
+        return torch.full((len(chunks), 2), float(torch.get_num_threads()))
+
+    lanes = Lanes(2, forward, worth=lambda n: 8)
+    try:
+        lanes.forward([_chunk(1)], 1)  # the lanes' threads start
+        before = _num_tasks()
+        heard = []
+        out = lanes.forward_whole([_chunk(2)], 2, on_layers=lambda idx, n: heard.append((idx, n)))
+        with pytest.raises(RuntimeError, match="this pass fails"):
+            lanes.forward_whole([_chunk(3)], 2)
+        deadline = time.monotonic() + 5
+        while _num_tasks() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _num_tasks() == before  # no pool thread, no pass thread left
+        assert out.tolist() == [[2.0, 2.0]] and ([0], 1) in heard
+        assert seen[-2][0].startswith("prefill-lane") and seen[-2][0].endswith("-pass")
+        lanes.forward([_chunk(4)], 1)
+        assert seen[-1][1] == 1 and not seen[-1][0].endswith("-pass")  # one thread: the lane's
+    finally:
+        lanes.close()
