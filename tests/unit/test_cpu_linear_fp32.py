@@ -23,12 +23,13 @@ def _reference(x, weight, bias):
 
 
 @needs_onednn
-@pytest.mark.parametrize("num_rows", [1, 3, 15, 16, 70])
+@pytest.mark.parametrize("num_rows", [1, 3, 15, 16, 17, 70, 430])
 @pytest.mark.parametrize("size", ["small", "large"])
 def test_each_fp32_path_equals_a_float64_reference(num_rows, size):
     """A small weight stays as it is (oneDNN from 16 rows, torch's below); a large one is
-    packed once; with a bias and without, on 1 thread and 2. Sums are fp32: a relative
-    error of a few 1e-6 at K = 1,024."""
+    packed once; rows padded to oneDNN's counts (17, 70, 430) come back as many as asked;
+    with a bias and without, on 1 thread and 2. Sums are fp32: a relative error of a few
+    1e-6 at K = 1,024."""
     n, k = (160, 96) if size == "small" else (1024, 1024)
     g = torch.Generator().manual_seed(num_rows)
     weight = torch.randn(n, k, generator=g)
@@ -40,17 +41,30 @@ def test_each_fp32_path_equals_a_float64_reference(num_rows, size):
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for b in (bias, None):
-                got = (
-                    torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-                    if packed.is_mkldnn
-                    else fp32.linear(x, packed, b)
-                )
+                got = fp32.linear(x, packed, b)
                 want = _reference(x, weight, b)
                 assert got.dtype == torch.float32 and got.shape == want.shape
                 err = ((got.double() - want).abs().max() / want.abs().max()).item()
                 assert err < 1e-5, (size, num_rows, threads, b is None, err)
     finally:
         torch.set_num_threads(before)
+
+
+def test_rows_are_padded_to_few_counts_and_never_by_more_than_an_eighth():
+    """oneDNN makes a primitive per shape and keeps 1,024: a prefill's many token counts
+    meet few of them."""
+    counts = {fp32.padded_rows(n) for n in range(16, 4096)}
+    assert len(counts) <= 8 * 8 + 1  # 8 an octave from 16, and 4,096 itself
+    for n in range(16, 4096):
+        assert n <= fp32.padded_rows(n) <= n + n // 8
+    assert [fp32.padded_rows(n) for n in (16, 17, 32, 33, 430)] == [16, 18, 32, 36, 448]
+
+
+@needs_onednn
+def test_no_rows_give_no_rows():
+    weight = torch.randn(1024, 1024)
+    for w in (weight, fp32.pack(weight), torch.randn(64, 32)):
+        assert fp32.linear(torch.randn(0, w.shape[1]), w, None).shape == (0, w.shape[0])
 
 
 @needs_onednn
@@ -71,7 +85,8 @@ def test_only_large_fp32_cpu_matrices_are_packed_and_plain_fp32_ones_taken():
         assert fp32.pack(other) is other
     x = torch.randn(4, 1024)
     assert fp32.is_served(x, big)
-    for xs, w in ((x.bfloat16(), big), (x, big.bfloat16()), (x[None], big), (x, fp32.pack(big))):
+    assert fp32.is_served(x, fp32.pack(big))
+    for xs, w in ((x.bfloat16(), big), (x, big.bfloat16()), (x[None], big)):
         assert not fp32.is_served(xs, w)
 
 
