@@ -81,7 +81,7 @@ def pack_linear_weight(weight: torch.Tensor, is_embedding: bool = False) -> torc
         and weight.shape[0] % (2 * 16) == 0  # whole pairs of column blocks
         and weight.shape[1] % 32 == 0  # whole tiles of inputs
     ):
-        if IS_ONEDNN_FP32 and not is_embedding:
+        if IS_ONEDNN_FP32 and weight.dtype == torch.float32 and not is_embedding:
             return cpu_linear_fp32.pack(weight)
         return portable.pack_linear_weight(weight, is_embedding)
     num_columns, size = weight.shape

@@ -6,14 +6,19 @@ the AVX2 peak). oneDNN, also in torch, runs AVX-512 there: 2.2-2.9x from 64 rows
 model's and Qwen3-0.6B's shapes (pdserve bench linear --dtype float32). Its call costs ~10 us
 more, which a large weight repays from one row and a small one from about 16:
 
-- a weight of at least PACK_MIN_ELEMENTS is laid out once, at load, in oneDNN's layout;
-- a smaller one stays as it is: ONEDNN_MIN_ROWS rows and more go through oneDNN, which lays
-  it out on each call (cheap for a small weight), fewer through torch's own.
+- a weight of at least PACK_MIN_ELEMENTS is laid out once, at load, in oneDNN's layout,
+  except a tied lm_head, which the embedding must still index: it stays as it is and goes
+  through oneDNN all the same (Qwen3-0.6B's, 622 MB, two threads: 15.6 ms a row against
+  torch's 28.5; 19.0 against 69.8 at 2 rows; no copy of it is made);
+- a smaller one stays as it is: ONEDNN_MIN_ROWS rows and more go through oneDNN, fewer
+  through torch's own.
 
 NOTE: oneDNN makes a primitive for each shape it meets (160 us at the tiny model's, 600 at
 Qwen3-0.6B's qkv) and keeps the last 1,024: a prefill's token count differs from pass to
 pass, so from ONEDNN_MIN_ROWS rows x is padded with zero rows to one of 8 counts an octave
 (at most 1/8 more rows): random 300-700-row passes, 3 tiny matmuls, 295 us against 407-514.
+The thread count is part of a primitive's key too: a host of many cores, whose passes take
+many grants, may still miss.
 
 Where the vendor is Intel, or the CPU has no AVX-512, or torch has no oneDNN, every fp32
 weight stays as it is and torch's linear serves (IS_ONEDNN_FP32 is False); the functions
@@ -26,10 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_features import CpuFeatures
+from kernels.portable import PACK_BATCH_HINT
 
 PACK_MIN_ELEMENTS = 1 << 20  # 4 MiB of fp32: oneDNN's call cost repaid from one row
 ONEDNN_MIN_ROWS = 16  # a smaller weight's crossover (128 x 512: 23.6 us against 22.6)
-PACK_BATCH_HINT = 16  # the layout's batch hint; only tunes it (any row count runs)
 
 
 def is_onednn_faster(features: CpuFeatures) -> bool:
@@ -74,16 +79,17 @@ def padded_rows(num_rows: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """fp32 x [M, K] by an fp32 weight [N, K] -> [M, N]: a packed one through oneDNN; a
-    plain one through oneDNN from ONEDNN_MIN_ROWS rows where it is small (a large one,
-    unpacked: a tied lm_head, would be laid out again on every call), else torch's."""
+    """fp32 x [M, K] by an fp32 weight [N, K] (+ bias [N]) -> [M, N]: through oneDNN,
+    except a small plain weight's few rows (fewer than ONEDNN_MIN_ROWS), torch's."""
     num_rows = x.shape[0]
     if num_rows == 0:
         return x.new_zeros((0, weight.shape[0]))
     if not weight.is_mkldnn:
-        if num_rows < ONEDNN_MIN_ROWS or weight.numel() >= PACK_MIN_ELEMENTS:
+        if num_rows < ONEDNN_MIN_ROWS and weight.numel() < PACK_MIN_ELEMENTS:
             return F.linear(x, weight, bias)
         weight = weight.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()  # NOTE: oneDNN reads the bias as contiguous, whatever its strides
     rows = padded_rows(num_rows) if num_rows >= ONEDNN_MIN_ROWS else num_rows
     if rows == num_rows:
         x = x.contiguous()  # NOTE: oneDNN reads x row-major: a slice of columns is copied

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels import cpu_linear_fp32 as fp32
+from kernels import portable
 from kernels.cpu_features import CpuFeatures
 
 needs_onednn = pytest.mark.skipif(
@@ -24,17 +25,18 @@ def _reference(x, weight, bias):
 
 @needs_onednn
 @pytest.mark.parametrize("num_rows", [1, 3, 15, 16, 17, 70, 430])
-@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("size", ["small", "large", "large tied"])
 def test_each_fp32_path_equals_a_float64_reference(num_rows, size):
     """A small weight stays as it is (oneDNN from 16 rows, torch's below); a large one is
-    packed once; rows padded to oneDNN's counts (17, 70, 430) come back as many as asked;
-    with a bias and without, on 1 thread and 2. Sums are fp32: a relative error of a few
-    1e-6 at K = 1,024."""
+    packed once, or, tied to the embedding, stays as it is and goes through oneDNN too;
+    rows padded to oneDNN's counts (17, 70, 430) come back as many as asked; with a bias
+    and without, on 1 thread and 2. Sums are fp32: a relative error of a few 1e-6 at
+    K = 1,024."""
     n, k = (160, 96) if size == "small" else (1024, 1024)
     g = torch.Generator().manual_seed(num_rows)
     weight = torch.randn(n, k, generator=g)
     x, bias = torch.randn(num_rows, k, generator=g), torch.randn(n, generator=g)
-    packed = fp32.pack(weight)
+    packed = weight if size == "large tied" else fp32.pack(weight)
     assert packed.is_mkldnn == (size == "large")
     before = torch.get_num_threads()
     try:
@@ -68,13 +70,15 @@ def test_no_rows_give_no_rows():
 
 
 @needs_onednn
-def test_a_strided_input_reads_as_its_values():
-    """A slice of columns (strided rows) through the per-call oneDNN path."""
-    whole = torch.randn(40, 200)
-    x = whole[:, 8:136]
-    weight = torch.randn(64, 128)
-    got = fp32.linear(x, weight, None)
-    assert torch.allclose(got.double(), _reference(x, weight, None), rtol=1e-5, atol=1e-4)
+def test_a_strided_input_or_bias_reads_as_its_values():
+    """A slice of columns (strided rows) and a bias of every other value, through oneDNN
+    with a plain weight and a packed one (oneDNN itself reads a bias as contiguous)."""
+    x = torch.randn(40, 1100)[:, 8:1032]
+    for weight in (torch.randn(64, 1024), torch.randn(1024, 1024)):
+        bias = torch.randn(2 * weight.shape[0])[::2]
+        got = fp32.linear(x, fp32.pack(weight), bias)
+        want = _reference(x, weight, bias)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-3)
 
 
 @needs_onednn
@@ -121,6 +125,9 @@ def test_the_backend_takes_the_fp32_path_only_where_the_rule_says(monkeypatch):
         packed = kernels.pack_linear_weight(weight)
         assert packed.is_mkldnn == rule
         assert kernels.pack_linear_weight(weight, is_embedding=True) is weight
+        # a bf16 weight the dot products' layout does not take keeps the way it had
+        odd = torch.randn(100, 64).bfloat16()
+        assert kernels.pack_linear_weight(odd).is_mkldnn == portable.IS_BF16_NATIVE
         got = kernels.linear(x, packed)
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-3)
         assert ("fp32 matmul: oneDNN" in kernels.describe("cpu")) == rule
