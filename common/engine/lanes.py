@@ -66,7 +66,7 @@ def run_on_own_thread(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     thread.join()
-    out, error = got[0]
+    out, error = got.pop()  # NOTE: no cycle left holding the failed pass's frames
     if error is not None:
         raise error
     return out
