@@ -38,12 +38,14 @@ def _stopping_prompts(model_dir, num_prompts: int, seed: int):
 @pytest.fixture
 def squeezed(tiny_model, tmp_path):
     """A cluster whose decode node holds 19 blocks of 16 tokens (8 KiB each) and room in
-    host memory for the KV of about two preempted requests."""
+    host memory for two blocks of preempted KV: a young request's, so that some preempted
+    requests are swapped and others recomputed. NOTE: with room for about two requests
+    (48 KiB), 3-6 of ~50 preemptions were recomputed alone, and none in a full suite's run."""
     p = Processes(
         tiny_model,
         free_base_port(),
         tmp_path,
-        decode=["--kv-cache-memory", "160KiB", "--max-batch-size", "64", "--swap-space", "48KiB"],
+        decode=["--kv-cache-memory", "160KiB", "--max-batch-size", "64", "--swap-space", "16KiB"],
         frontend=["--dead-after", "10"],
     )
     for role in ("frontend", "prefill", "decode"):
