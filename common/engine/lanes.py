@@ -66,10 +66,13 @@ def run_on_own_thread(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     thread.join()
-    out, error = got.pop()  # NOTE: no cycle left holding the failed pass's frames
-    if error is not None:
+    out, error = got.pop()
+    if error is None:
+        return out
+    try:
         raise error
-    return out
+    finally:
+        del error  # NOTE: its traceback holds this frame: no cycle keeps the pass's tensors
 
 
 class Lanes:
@@ -152,8 +155,9 @@ class Lanes:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         post = None if on_layers is None else (lambda idx, n: inbox.put((idx, n)))
         futures = [self._pool.submit(task, post) for task in tasks]
-        for f in futures:
-            f.add_done_callback(lambda _: inbox.put(None))
+        for future in futures:
+            future.add_done_callback(lambda _: inbox.put(None))
+        future = None  # NOTE: no name here may hold a future (see below)
         num_running, error = len(futures), None
         while num_running:  # NOTE: to the end even if on_layers fails: the lanes write the cache
             try:
@@ -170,9 +174,18 @@ class Lanes:
                     on_layers(*item)
                 except Exception as e:
                     error = e
+        failures = [e for e in (f.exception() for f in futures) if e is not None]
+        error = error or (failures[0] if failures else None)
+        results = None if error else [f.result() for f in futures]
+        # NOTE: a future holds its error, whose traceback would hold this frame once raised
+        # here: a cycle that kept a failed pass's tensors until the collector ran
+        del futures, failures
         if error is not None:
-            raise error
-        return [f.result() for f in futures]
+            try:
+                raise error
+            finally:
+                del error
+        return results
 
     def forward_whole(
         self, chunks: list, num_threads: int, between_layers=None, on_layers=None

@@ -304,9 +304,10 @@ def _is_libgomp() -> bool:
     started it (Intel's keeps them for the process)."""
     try:
         with open("/proc/self/maps") as f:
-            return "libgomp" in f.read()
+            maps = f.read()
     except OSError:
         return False
+    return "libgomp" in maps and "libiomp" not in maps
 
 
 @pytest.mark.skipif(not _is_libgomp(), reason="torch's OpenMP is not libgomp")
@@ -347,4 +348,38 @@ def test_a_pass_on_several_threads_leaves_no_thread_pool_behind():
         lanes.forward([_chunk(4)], 1)
         assert seen[-1][1] == 1 and not seen[-1][0].endswith("-pass")  # one thread: the lane's
     finally:
+        lanes.close()
+
+
+def test_a_failed_pass_leaves_no_cycle_holding_its_tensors():
+    """Defect: a failed pass's error, raised again on the lane and in the loop's thread,
+    formed reference cycles (the raising frame held the error, or a future did) that kept
+    the pass's tensors until the cyclic collector ran. Now they go with the error, on one
+    lane's thread and on a pass thread of its own."""
+    import gc
+    import weakref
+
+    refs = []
+
+    def forward(chunks, between_layers=None, kv_written=None):
+        activations = torch.zeros(4, 4)
+        refs.append(weakref.ref(activations))
+        raise RuntimeError("this pass fails")
+
+    lanes = Lanes(2, forward, worth=lambda n: 1)
+    gc.disable()
+    try:
+        for run in (
+            lambda: lanes.forward([_chunk(3)], 1),
+            lambda: lanes.forward_whole([_chunk(3)], 2),
+        ):
+            try:
+                run()
+            except RuntimeError as e:
+                assert "this pass fails" in str(e)
+            else:
+                raise AssertionError("the pass's error was not raised")
+            assert refs[-1]() is None
+    finally:
+        gc.enable()
         lanes.close()
