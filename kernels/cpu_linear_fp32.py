@@ -8,8 +8,8 @@ more, which a large weight repays from one row and a small one from about 16:
 
 - a weight of at least PACK_MIN_ELEMENTS is laid out once, at load, in oneDNN's layout,
   except a tied lm_head, which the embedding must still index: it stays as it is and goes
-  through oneDNN all the same (Qwen3-0.6B's, 622 MB, two threads: 15.6 ms a row against
-  torch's 28.5; 19.0 against 69.8 at 2 rows; no copy of it is made);
+  through oneDNN all the same (Qwen3-0.6B's, 622 MB, two threads: 16.3 ms a row against
+  torch's 29.5, 28.3 against 67.7 at 8 rows; no copy of it is made);
 - a smaller one stays as it is: ONEDNN_MIN_ROWS rows and more go through oneDNN, fewer
   through torch's own.
 
@@ -85,7 +85,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if num_rows == 0:
         return x.new_zeros((0, weight.shape[0]))
     if not weight.is_mkldnn:
-        if num_rows < ONEDNN_MIN_ROWS and weight.numel() < PACK_MIN_ELEMENTS:
+        is_small = weight.numel() < PACK_MIN_ELEMENTS
+        # NOTE: oneDNN reads a plain weight row-major: a strided large one would be copied
+        # whole on every call
+        if num_rows < ONEDNN_MIN_ROWS and is_small or not (is_small or weight.is_contiguous()):
             return F.linear(x, weight, bias)
         weight = weight.contiguous()
     if bias is not None:

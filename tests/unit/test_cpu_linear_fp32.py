@@ -26,7 +26,7 @@ def _reference(x, weight, bias):
 @needs_onednn
 @pytest.mark.parametrize("num_rows", [1, 3, 15, 16, 17, 70, 430])
 @pytest.mark.parametrize("size", ["small", "large", "large tied"])
-def test_each_fp32_path_equals_a_float64_reference(num_rows, size):
+def test_each_fp32_path_equals_a_float64_reference(num_rows, size, monkeypatch):
     """A small weight stays as it is (oneDNN from 16 rows, torch's below); a large one is
     packed once, or, tied to the embedding, stays as it is and goes through oneDNN too;
     rows padded to oneDNN's counts (17, 70, 430) come back as many as asked; with a bias
@@ -38,6 +38,8 @@ def test_each_fp32_path_equals_a_float64_reference(num_rows, size):
     x, bias = torch.randn(num_rows, k, generator=g), torch.randn(n, generator=g)
     packed = weight if size == "large tied" else fp32.pack(weight)
     assert packed.is_mkldnn == (size == "large")
+    if size != "small" or num_rows >= fp32.ONEDNN_MIN_ROWS:  # oneDNN's, never torch's
+        monkeypatch.setattr(fp32, "F", None)
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
@@ -60,6 +62,21 @@ def test_rows_are_padded_to_few_counts_and_never_by_more_than_an_eighth():
     for n in range(16, 4096):
         assert n <= fp32.padded_rows(n) <= n + n // 8
     assert [fp32.padded_rows(n) for n in (16, 17, 32, 33, 430)] == [16, 18, 32, 36, 448]
+
+
+@needs_onednn
+def test_a_strided_large_weight_is_not_copied_on_every_call(monkeypatch):
+    """oneDNN would copy a plain weight it cannot read row-major: a large one goes to
+    torch's linear instead."""
+    weight = torch.randn(1024, 1024)
+    called = []
+    monkeypatch.setattr(
+        fp32.torch.ops.mkldnn, "_linear_pointwise", lambda *a: called.append(a) or None
+    )
+    x = torch.randn(20, 1024)
+    got = fp32.linear(x, weight.t(), None)
+    assert not called
+    assert torch.allclose(got.double(), x.double() @ weight.double(), rtol=1e-5, atol=1e-3)
 
 
 @needs_onednn
