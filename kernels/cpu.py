@@ -1,5 +1,6 @@
-"""CPU ops beyond the portable ones, in C: paged decode and prefill attention, and fp32
-norms, rotary embedding and the gated activation in one pass each (cpu_attention.c);
+"""CPU ops beyond the portable ones, in C: paged decode and prefill attention
+(cpu_attention.c), and fp32 norms, rotary embedding (written into an fp32 or bf16 cache)
+and the gated activation in one pass each (cpu_rows.c);
 matmuls with bf16 weights (kernels/cpu_linear.py).
 
 The C files are built and loaded by kernels/cpu_build.py; importing this module raises
@@ -245,7 +246,7 @@ def add_rms_norm(x, residual, weight, eps):
 def _norm_rope(x, weight, cos_sin, positions, eps, out=None, slots=None):
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype)
-    _ELEMENTWISE["norm_rope"](
+    _ELEMENTWISE["norm_rope_bf16" if out.dtype == torch.bfloat16 else "norm_rope"](
         x.data_ptr(),
         x.stride(0),
         weight.data_ptr(),
@@ -288,11 +289,13 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps):
 def qk_norm_rope_write_kv(
     q, k, v, q_weight, k_weight, cos_sin, positions, eps, k_cache, v_cache, slot_mapping
 ):
-    """As portable.qk_norm_rope_write_kv; into an fp32 cache, the rotated k and v are
-    written straight to their slots (no [T, Hk, D] intermediate, no index copy)."""
+    """As portable.qk_norm_rope_write_kv; into an fp32 or bf16 cache, the rotated k and v
+    are written straight to their slots (no [T, Hk, D] intermediate, no index copy; in bf16
+    rounded once, as the portable op rounds)."""
     positions = positions.to(torch.int64)
     if not (
-        k_cache.dtype == torch.float32
+        k_cache.dtype in (torch.float32, torch.bfloat16)
+        and v_cache.dtype == k_cache.dtype
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and slot_mapping.dtype == torch.int64
@@ -305,7 +308,7 @@ def qk_norm_rope_write_kv(
         portable.write_kv(k_cache, v_cache, k, v, slot_mapping)
         return q
     _norm_rope(k, k_weight, cos_sin, positions, eps, k_cache, slot_mapping)
-    _ELEMENTWISE["scatter_rows"](
+    _ELEMENTWISE["scatter_rows_bf16" if v_cache.dtype == torch.bfloat16 else "scatter_rows"](
         v.data_ptr(),
         v.stride(0),
         v_cache.data_ptr(),

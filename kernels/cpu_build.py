@@ -1,4 +1,4 @@
-"""The CPU kernels' C library (cpu_attention.c, cpu_linear*.c): built once per source,
+"""The CPU kernels' C library (cpu_attention.c, cpu_rows.c, cpu_linear*.c): built once per source,
 compiler and CPU with the system compiler, cached in the build directory the engine names
 (kernels/options.py: $PDSERVE_HOME/kernels), and loaded with its functions typed.
 ImportError where it cannot be built."""
@@ -20,7 +20,13 @@ import torch
 
 SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("cpu_attention.c", "cpu_decode_avx512.c", "cpu_linear.c", "cpu_linear_vnni.c")
+    for n in (
+        "cpu_attention.c",
+        "cpu_decode_avx512.c",
+        "cpu_rows.c",
+        "cpu_linear.c",
+        "cpu_linear_vnni.c",
+    )
 ]
 # NOTE: -ffast-math lets expf vectorize (glibc libmvec); the kernel sees no inf or NaN:
 # scores are finite and the max it subtracts is one of them. It compiles the sources only:
@@ -154,9 +160,14 @@ def load(build_dir: Path) -> Library:
             lib.pdserve_norm_rope_f32,
             [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32, i64],
         ),
+        "norm_rope_bf16": (  # the same, its rows rounded to bf16 (into a bf16 cache)
+            lib.pdserve_norm_rope_bf16,
+            [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32, i64],
+        ),
         "silu_mul": (lib.pdserve_silu_mul_f32, [ptr, i64, ptr, i64, i64, i64]),
         "to_bf16_rows": (lib.pdserve_to_bf16_rows, [ptr, i64, ptr, i64, i64, i64, i64]),
         "scatter_rows": (lib.pdserve_scatter_rows_f32, [ptr, i64, ptr, ptr, i64, i64]),
+        "scatter_rows_bf16": (lib.pdserve_scatter_rows_bf16, [ptr, i64, ptr, ptr, i64, i64]),
         "slot_mapping": (lib.pdserve_slot_mapping, [ptr, ptr, i64, i64, i64, ptr, i64]),
         "linear_bf16": (
             lib.pdserve_linear_bf16,

@@ -60,3 +60,37 @@ def test_a_prompts_norms_rope_and_activation_split_over_threads_equal_the_portab
     gate_up = torch.randn(t, 2 * 96) * 4
     got = equal_on_1_2_3_threads(lambda: cpu.silu_mul(gate_up))
     assert torch.allclose(got, portable.silu_mul(gate_up), atol=1e-5)
+
+
+@needs_cc
+def test_rope_written_into_a_bf16_cache_rounds_as_the_portable_op(monkeypatch):
+    """Into a bf16 cache the C op writes the rotated k and v itself, each value rounded once
+    to nearest even: v's rows are the portable op's bits, k's within one bf16 step of them
+    (the rotation's fp32 sums may differ in their last bit), and q is the fp32 op's."""
+    t, nb, bs = 29, 7, 16
+    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32) * 3
+    q, k, v = (
+        qkv[:, :128].view(t, 4, 32),
+        qkv[:, 128:192].view(t, 2, 32),
+        qkv[:, 192:].view(t, 2, 32),
+    )
+    qw, kw = torch.randn(32), torch.randn(32)
+    table, pos = portable.rotary_cos_sin(512, 32, 1e6), torch.randint(0, 512, (t,))
+    slots = torch.randperm(nb * bs)[:t]
+    caches = [[torch.zeros(nb, bs, 2, 32, dtype=torch.bfloat16) for _ in "kv"] for _ in "ab"]
+    with monkeypatch.context() as m:  # the C op's own write, not the portable fallback's
+        m.setattr(cpu.portable, "write_kv", None)
+        got_q = cpu.qk_norm_rope_write_kv(q, k, v, qw, kw, table, pos, 1e-6, *caches[0], slots)
+    want_q = portable.qk_norm_rope_write_kv(q, k, v, qw, kw, table, pos, 1e-6, *caches[1], slots)
+    assert got_q.dtype == torch.float32 and torch.allclose(got_q, want_q, atol=1e-5)
+    assert torch.equal(caches[0][1], caches[1][1])
+    got_k, want_k = caches[0][0].float(), caches[1][0].float()
+    assert torch.allclose(got_k, want_k, rtol=2**-7, atol=1e-6)
+    written = torch.zeros(nb * bs, dtype=torch.bool)
+    written[slots] = True
+    assert (got_k.view(nb * bs, -1)[~written] == 0).all()  # no slot but its own is touched
+    assert (got_k == want_k).float().mean() > 0.95  # rounded as torch rounds, not truncated
+    # a NaN is written as the portable op writes one (NaN), not as a number
+    v[0, 0, 0] = float("nan")
+    cpu.qk_norm_rope_write_kv(q, k, v, qw, kw, table, pos, 1e-6, *caches[0], slots)
+    assert caches[0][1].view(nb * bs, 2, 32)[slots[0], 0, 0].isnan()

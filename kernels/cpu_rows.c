@@ -1,0 +1,141 @@
+/* The CPU backend's one-pass row ops (kernels/cpu.py): RMSNorm (with the residual add),
+ * per-head RMSNorm with the rotary embedding (written to a cache in fp32 or bf16), SiLU and
+ * multiply, fp32 to bf16 rows, and the decode step's slot mapping. Built with the attention
+ * kernels by kernels/cpu_build.py; kernels/portable.py is the reference they are tested
+ * against. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* x rounded to bf16 to nearest even, as torch rounds (a NaN to 0xffff, as its vector code
+ * does). NOTE: the bits through memcpy, without breaking aliasing rules. */
+static inline uint16_t f32_to_bf16(float x) {
+    uint32_t v;
+    memcpy(&v, &x, sizeof v);
+    uint16_t r = (uint16_t)((v + 0x7fffu + ((v >> 16) & 1u)) >> 16);
+    return ((v & 0x7fffffffu) > 0x7f800000u) ? (uint16_t)0xffff : r;
+}
+
+#define STORE_F32(x) (x)
+#define STORE_BF16(x) f32_to_bf16(x)
+
+/* One pass each over rows whose last dimension is contiguous (row strides in elements). */
+
+/* out[t] = rms_norm(x[t] (+ res[t])) * w; with res, x + res is also written to res_out.
+ * x, res: [T, H] (row strides xs, rs); out, res_out: [T, H] contiguous. */
+void pdserve_rms_norm_f32(const float *x, int64_t xs, const float *res, int64_t rs,
+                          const float *w, float *out, float *res_out, int64_t T, int64_t H,
+                          float eps, int64_t num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(num_threads > 1)")
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * xs;
+        float *ot = out + t * H, ss = 0.0f;
+        if (res) {
+            const float *rt = res + t * rs;
+            float *st = res_out + t * H;
+            _Pragma("omp simd reduction(+:ss)")
+            for (int64_t h = 0; h < H; h++) { st[h] = xt[h] + rt[h]; ss += st[h] * st[h]; }
+            xt = st;
+        } else {
+            _Pragma("omp simd reduction(+:ss)")
+            for (int64_t h = 0; h < H; h++) ss += xt[h] * xt[h];
+        }
+        float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        _Pragma("omp simd")
+        for (int64_t h = 0; h < H; h++) ot[h] = w[h] * (xt[h] * inv);
+    }
+}
+
+/* Per-head RMSNorm, then the rotary embedding at each token's position.
+ * x: [T, nh, D] fp32 (token stride xs, heads contiguous); cos_sin: [max_pos, 2, D] (halves
+ * repeated); positions: [T] int64. out: [T, nh, D] contiguous, or, given slots [T] int64,
+ * token t's row goes to out + slots[t] * nh * D (a contiguous cache), in fp32 or rounded to
+ * bf16 (the cache's dtype: the rotation itself is fp32 either way). */
+#define DEFINE_NORM_ROPE(NAME, T_OUT, STORE)                                                \
+void NAME(const float *x, int64_t xs, const float *w, const float *cos_sin,                 \
+          const int64_t *positions, T_OUT *out, const int64_t *slots, int64_t T, int64_t nh, \
+          int64_t D, float eps, int64_t num_threads) {                                      \
+    int64_t half = D / 2;                                                                   \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(num_threads > 1)")\
+    for (int64_t t = 0; t < T; t++) {                                                       \
+        const float *c = cos_sin + positions[t] * 2 * D, *s = c + D;                        \
+        T_OUT *ot = out + (slots ? slots[t] : t) * nh * D;                                  \
+        for (int64_t h = 0; h < nh; h++) {                                                  \
+            const float *xh = x + t * xs + h * D;                                           \
+            T_OUT *oh = ot + h * D;                                                         \
+            float ss = 0.0f;                                                                \
+            _Pragma("omp simd reduction(+:ss)")                                             \
+            for (int64_t d = 0; d < D; d++) ss += xh[d] * xh[d];                            \
+            float inv = 1.0f / sqrtf(ss / (float)D + eps);                                  \
+            _Pragma("omp simd")                                                             \
+            for (int64_t d = 0; d < half; d++) {                                            \
+                float a = w[d] * (xh[d] * inv), b = w[d + half] * (xh[d + half] * inv);     \
+                oh[d] = STORE(a * c[d] - b * s[d]);                                         \
+                oh[d + half] = STORE(b * c[d + half] + a * s[d + half]);                    \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+}
+
+DEFINE_NORM_ROPE(pdserve_norm_rope_f32, float, STORE_F32)
+DEFINE_NORM_ROPE(pdserve_norm_rope_bf16, uint16_t, STORE_BF16)
+
+/* out[t] = silu(gate[t]) * up[t]; gate_up: [T, 2I] (row stride gs), out: [T, I]. */
+void pdserve_silu_mul_f32(const float *gate_up, int64_t gs, float *out, int64_t T, int64_t I,
+                          int64_t num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(num_threads > 1)")
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * gs, *u = g + I;
+        float *o = out + t * I;
+        _Pragma("omp simd")
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* out [P, K] bf16 = x [M, K] fp32 (row stride xs), rounded as f32_to_bf16, rows M..P-1
+ * zeros (the tiles' padding). */
+void pdserve_to_bf16_rows(const float *x, int64_t xs, uint16_t *out, int64_t M, int64_t K,
+                          int64_t P, int64_t num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(num_threads > 1)")
+    for (int64_t t = 0; t < P; t++) {
+        uint16_t *o = out + t * K;
+        if (t >= M) {
+            memset(o, 0, sizeof(uint16_t) * K);
+            continue;
+        }
+        const float *xt = x + t * xs;
+        _Pragma("omp simd")
+        for (int64_t k = 0; k < K; k++) o[k] = f32_to_bf16(xt[k]);
+    }
+}
+
+/* dst row slots[t] = src row t: rows of `row` floats; src row stride ss, dst contiguous rows
+ * (fp32, or rounded to bf16 as f32_to_bf16). */
+void pdserve_scatter_rows_f32(const float *src, int64_t ss, float *dst, const int64_t *slots,
+                              int64_t T, int64_t row) {
+    for (int64_t t = 0; t < T; t++)
+        memcpy(dst + slots[t] * row, src + t * ss, sizeof(float) * row);
+}
+
+void pdserve_scatter_rows_bf16(const float *src, int64_t ss, uint16_t *dst,
+                               const int64_t *slots, int64_t T, int64_t row) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *s = src + t * ss;
+        uint16_t *d = dst + slots[t] * row;
+        _Pragma("omp simd")
+        for (int64_t k = 0; k < row; k++) d[k] = f32_to_bf16(s[k]);
+    }
+}
+
+/* The slot of each sequence's current token (position seq_lens[b] - 1): out [B] int64.
+ * tables [B, bt_stride] int32 with W usable entries; seq_lens [B] int32. */
+void pdserve_slot_mapping(const int32_t *seq_lens, const int32_t *tables, int64_t bt_stride,
+                          int64_t W, int64_t bs, int64_t *out, int64_t B) {
+    for (int64_t b = 0; b < B; b++) {
+        /* floor division and modulo as the portable op (a padding row has length 0) */
+        const int64_t pos = seq_lens[b] - 1, r = ((pos % bs) + bs) % bs;
+        int64_t i = (pos - r) / bs;
+        i = i < 0 ? 0 : (i >= W ? W - 1 : i);
+        out[b] = (int64_t)tables[b * bt_stride + i] * bs + r;
+    }
+}
