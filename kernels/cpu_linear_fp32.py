@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_features import CpuFeatures
-from kernels.portable import PACK_BATCH_HINT
+from kernels.portable import onednn_linear, onednn_pack
 
 PACK_MIN_ELEMENTS = 1 << 20  # 4 MiB of fp32: oneDNN's call cost repaid from one row
 ONEDNN_MIN_ROWS = 16  # a smaller weight's crossover (128 x 512: 23.6 us against 22.6)
@@ -56,7 +56,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         and weight.numel() >= PACK_MIN_ELEMENTS
     ):
         return weight
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
+    return onednn_pack(weight)
 
 
 def is_served(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -86,9 +86,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         return x.new_zeros((0, weight.shape[0]))
     if not weight.is_mkldnn:
         is_small = weight.numel() < PACK_MIN_ELEMENTS
+        is_few_rows = num_rows < ONEDNN_MIN_ROWS
         # NOTE: oneDNN reads a plain weight row-major: a strided large one would be copied
         # whole on every call
-        if num_rows < ONEDNN_MIN_ROWS and is_small or not (is_small or weight.is_contiguous()):
+        is_strided_large = not (is_small or weight.is_contiguous())
+        if is_small and is_few_rows or is_strided_large:
             return F.linear(x, weight, bias)
         weight = weight.contiguous()
     if bias is not None:
@@ -98,4 +100,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         x = x.contiguous()  # NOTE: oneDNN reads x row-major: a slice of columns is copied
     else:
         x = torch.cat([x, x.new_zeros(rows - num_rows, x.shape[1])])
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:num_rows]
+    return onednn_linear(x, weight, bias)[:num_rows]

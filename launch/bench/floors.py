@@ -10,7 +10,7 @@ import torch
 
 from common.base.model_spec import ModelSpec
 from common.wire.codec import dtype_name
-from kernels.portable import PACK_BATCH_HINT
+from kernels.portable import onednn_linear, onednn_pack
 
 # What binds a step, as its record names it.
 MEMORY, COMPUTE = "memory bandwidth", "matmul rate"
@@ -65,8 +65,8 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, m: int) -> float:
     if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
         # NOTE: torch's fp32 matmul (MKL) runs AVX2 on a CPU not Intel's; oneDNN, which a
         # node uses there (kernels/cpu_linear_fp32.py), runs its widest vectors
-        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), PACK_BATCH_HINT)
-        ways.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+        packed = onednn_pack(b.t())
+        ways.append(lambda: onednn_linear(a, packed))
     best = float("inf")
     for way in ways:
         for _ in range(8):

@@ -82,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             # a tied lm_head is packed as the embedding table it also is
             is_table = name == "lm_head" and spec.is_tied_embeddings
             packed = [kernels.pack_linear_weight(w, is_embedding=is_table) for w in ws]
-            onednn = [
-                torch.ops.mkldnn._reorder_linear_weight(w, portable.PACK_BATCH_HINT) for w in ws
-            ]
+            onednn = [portable.onednn_pack(w) for w in ws]
             per_call = 1 / num_copies
 
             def each(fn, weights) -> float:
