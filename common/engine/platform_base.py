@@ -27,8 +27,10 @@ And what it does:
     open_shared(h, ...)     that process's view of the shared allocation, and how to close it
     release(cache)          the cache's shared segment, if any, is unlinked
 
-Shared by all, each overridable: torch_device(name) (the same name) and, for a device
-whose work runs as it is called or whose queues are not used yet, no streams or graphs:
+Shared by all, each overridable: torch_device(name) (the same name), hold(t) (a tensor that
+lives as long as the worker, the weights, where the device reads it fastest: t itself) and,
+for a device whose work runs as it is called or whose queues are not used yet, no streams
+or graphs:
     event(timing)           a marker queued on the current stream, or None (no queue)
     side_stream()           a second queue for copies beside the forward pass, or None
     on_stream(stream)       context: queue work on stream (nothing for None)
@@ -130,6 +132,11 @@ class Platform(abc.ABC):
 
     @abc.abstractmethod
     def release(self, cache: torch.Tensor | None = None) -> None: ...
+
+    def hold(self, t: torch.Tensor) -> torch.Tensor:
+        """t, which lives as long as the worker (a weight), where this device reads it
+        fastest: as it is."""
+        return t
 
     # ---- queues and graphs: none unless a device has them ------------------------------
 

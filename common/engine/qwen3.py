@@ -198,6 +198,17 @@ def set_activation_dtype(w: Qwen3Weights, dtype: torch.dtype) -> None:
     w.norm = w.norm.to(dtype)
 
 
+def hold_matrices(w: Qwen3Weights, hold: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Every matrix replaced by hold(it) (Platform.hold), a tied lm_head once: it stays the
+    embedding table."""
+    for layer in w.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            setattr(layer, name, hold(getattr(layer, name)))
+    is_tied = w.lm_head is w.embed
+    w.embed = hold(w.embed)
+    w.lm_head = w.embed if is_tied else hold(w.lm_head)
+
+
 def pack_matmul_weights(w: Qwen3Weights) -> None:
     """The matmuls' weights laid out once as their device's linear reads them fastest (a CPU
     with bf16 matrix units: their layout; elsewhere as they are). NOTE: a tied lm_head stays

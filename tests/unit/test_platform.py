@@ -10,7 +10,7 @@ import torch
 
 from common.base.config import WorkerConfig
 from common.base.request import SamplingParams
-from common.engine import platform
+from common.engine import platform, platform_cpu
 from common.engine.worker import DeviceWorker
 from kernels import options
 from launch.generate import generate
@@ -180,3 +180,54 @@ def test_a_shared_cache_released_under_a_live_tensor_stays_mapped_until_it_goes(
     del view, peer, close
     gc.collect()
     assert not _is_mapped(name)  # the pages went with the last view
+
+
+def _mapping_of(address: int) -> dict | None:
+    """The /proc/self/smaps entry holding address: its fields, and its VmFlags as a set."""
+    entry = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                entry = {} if start <= address < end else None
+            elif entry is not None:
+                key, _, value = line.partition(":")
+                entry[key] = set(value.split()) if key == "VmFlags" else value.strip()
+                if key == "VmFlags":
+                    return entry
+    return None
+
+
+@pytest.mark.skipif(
+    platform_cpu.huge_page_zeros(platform_cpu.HUGE_PAGE) is None,
+    reason="this kernel gives no huge pages on request (not Linux, or the setting `never`)",
+)
+def test_host_weights_and_cache_are_held_in_memory_advised_huge_pages():
+    """A decode step streams every weight; over 4 KiB pages it walked the page tables every
+    4 KiB of it. A weight of 2 MiB or more is copied, the same values, to a 2 MiB boundary
+    in a mapping advised huge pages (VmFlags hg), had before any step; so is a cache of
+    the node's own, zeroed. A smaller tensor, a view and oneDNN's own layout stay as they
+    are; and the pages go with the last view."""
+    import gc
+
+    cpu = platform.platform_for("cpu")
+    weight = torch.randn(1536, 1024).bfloat16()  # 3 MiB
+    held = cpu.hold(weight)
+    assert torch.equal(held, weight) and held.data_ptr() != weight.data_ptr()
+    assert held.data_ptr() % platform_cpu.HUGE_PAGE == 0 and held.is_contiguous()
+    mapping = _mapping_of(held.data_ptr())
+    assert "hg" in mapping["VmFlags"]
+    assert int(mapping["Rss"].split()[0]) * 1024 >= 3 << 20  # had now, not at a first touch
+    small, strided = torch.randn(64, 64), weight.t()
+    assert cpu.hold(small) is small and cpu.hold(strided) is strided
+    if torch.backends.mkldnn.is_available():
+        packed = torch.randn(1536, 1024).to_mkldnn()
+        assert cpu.hold(packed) is packed
+    cache = cpu.allocate([2, 2, 64, 16, 2, 128], torch.bfloat16)
+    assert cache.shape == (2, 2, 64, 16, 2, 128) and not cache.any()
+    assert "hg" in _mapping_of(cache.data_ptr())["VmFlags"]
+    address = held.data_ptr()
+    del held, cache
+    gc.collect()
+    assert _mapping_of(address) is None
