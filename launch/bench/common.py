@@ -20,7 +20,12 @@ from common.kv.blocks import num_blocks_for
 from decode_node.scheduler import WATERMARK
 
 # NOTE: re-exported: the benchmarks' names for them
-from launch.bench.floors import matmul_params, measure_floors, sync  # noqa: F401
+from launch.bench.floors import (  # noqa: F401
+    matmul_params,
+    measure_bandwidth,
+    measure_floors,
+    sync,
+)
 from launch.cluster import memory_check
 
 

@@ -9,8 +9,9 @@ tokens/s over --steps full-batch steps (with the mean context they ran at),
 host-to-device writes per steady step (the copies that carry block-table entries at
 block crossings are counted apart), the share of each step the device sat idle, and
 the step's floor as a roofline: the larger of its bytes (every weight, and the
-batch's KV) over the measured memory bandwidth and its FLOPs over the measured matmul
-rate; "bound" names which binds. The benchmark sizes the node's KV cache and each
+batch's KV) over the memory bandwidth measured around that batch's steps (a copy just
+before and one just after: their mean) and its FLOPs over the measured matmul rate;
+"bound" names which binds. The benchmark sizes the node's KV cache and each
 request's length itself, and refuses in one line a model the device cannot hold.
 """
 
@@ -37,6 +38,7 @@ from launch.bench.common import (
     fit_len,
     hf_model,
     kv_budget,
+    measure_bandwidth,
     measure_floors,
     resolve,
     sync,
@@ -223,6 +225,7 @@ def table_of(records: list[dict]) -> str:
             cell(x["floor_ms_per_step"], 3),
             cell(x["floor_fraction"], 2),
             x["bound"],
+            cell(x["bandwidth_GBps"], 1),
             cell(x["mean_context_len"], 0),
             cell(x["h2d_writes_per_steady_step"]),
             cell(x["device_idle_share"], 3),
@@ -231,8 +234,9 @@ def table_of(records: list[dict]) -> str:
         for x in records
     ]
     notes = [
-        f"floor: the larger of bytes / {r['bandwidth_GBps']:g} GB/s and FLOPs / "
-        f"{r['matmul_TFLOPs']:g} TFLOP/s (measured here); of floor: floor / measured"
+        f"floor: the larger of bytes / GB/s (a copy's, the mean of one just before and one just "
+        f"after the row's steps) and FLOPs / {r['matmul_TFLOPs']:g} TFLOP/s (measured here); "
+        "of floor: floor / measured"
     ]
     notes += sorted(
         {
@@ -250,6 +254,7 @@ def table_of(records: list[dict]) -> str:
             "floor ms",
             "of floor",
             "bound",
+            "GB/s",
             "mean ctx",
             "h2d/step",
             "idle share",
@@ -315,6 +320,9 @@ def main(argv=None) -> None:
     try:
         node.wait_ready()
         for batch in batches:
+            # NOTE: a shared host's bandwidth drifts by the minute (44-85 GB/s within an hour
+            # on one VM): each row's floor is at a copy's rate just before and after its steps
+            before = measure_bandwidth(a.device)
             r = run_batch(
                 node,
                 spec,
@@ -326,15 +334,22 @@ def main(argv=None) -> None:
                 max_tokens[batch],
                 a.steps,
             )
+            after = measure_bandwidth(a.device)
+            row_floors = {
+                **floors,
+                "bandwidth_GBps": float(f"{(before + after) / 2:.3g}"),
+                "bandwidth_GBps_before_after": [before, after],
+                "bandwidth_GBps_at_start": floors["bandwidth_GBps"],
+            }
             cost = decode_cost(spec, elem, batch, r["mean_context_len"])
-            results.append((batch, r, roofline(*cost, floors)))
+            results.append((batch, r, row_floors, roofline(*cost, row_floors)))
             print(f"  batch {batch}: {r['ms_per_step']:.2f} ms/step", file=sys.stderr, flush=True)
     except (RuntimeError, TimeoutError) as e:  # the node refused, exited or never came up
         raise SystemExit(f"{p.prog}: {e}") from None
     finally:
         node.close()
     records = []
-    for batch, r, roof in results:
+    for batch, r, row_floors, roof in results:
         record = {
             "bench": "decode",
             "device": device_name(a.device),
@@ -351,7 +366,7 @@ def main(argv=None) -> None:
             "step_gflop": roof["gflop"],
             "step_gbytes": roof["gbytes"],
             "floor_fraction": round(roof["floor_ms"] / r["ms_per_step"], 3),
-            **floors,
+            **row_floors,
         }
         if a.baseline == "transformers":
             base_ms = transformers_decode(spec, a.device, dtype, batch, a.context_len)

@@ -21,9 +21,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_floors(device_str: str, dtype: torch.dtype) -> dict:
-    """Memory bandwidth (a large device copy, bytes read + written) and the dense
-    matmul rate (8192^3, 1024^3 on a host, in the model dtype), each the best of several runs."""
+def measure_bandwidth(device_str: str) -> float:
+    """Memory bandwidth in GB/s: a large device copy, bytes read + written, the best of 8."""
     device = torch.device(device_str)
     n = (1 << 30) if device.type == "cuda" else (1 << 28)
     # NOTE: filled, not torch.empty: an untouched host buffer's pages are not there yet (the
@@ -38,8 +37,15 @@ def measure_floors(device_str: str, dtype: torch.dtype) -> dict:
         dst.copy_(src)
         sync(device)
         best = min(best, time.perf_counter() - t0)
-    bandwidth = 2 * n / best
     del src, dst
+    return float(f"{2 * n / best / 1e9:.3g}")
+
+
+def measure_floors(device_str: str, dtype: torch.dtype) -> dict:
+    """Memory bandwidth (measure_bandwidth) and the dense matmul rate (8192^3, 1024^3 on a
+    host, in the model dtype), each the best of several runs."""
+    device = torch.device(device_str)
+    bandwidth = measure_bandwidth(device_str)
     m = 8192 if device.type == "cuda" else 1024
     # NOTE: a host without bf16 matrix units multiplies bf16 weights fastest widened to
     # fp32: the floor is the better of the two rates this machine has.
@@ -50,7 +56,7 @@ def measure_floors(device_str: str, dtype: torch.dtype) -> dict:
     # NOTE: three significant figures, not one decimal: a busy 2-core CPU does about
     # 0.04 TFLOP/s, which one decimal rounds to 0 (and a floor to a division by zero).
     return {
-        "bandwidth_GBps": float(f"{bandwidth / 1e9:.3g}"),
+        "bandwidth_GBps": bandwidth,
         "matmul_TFLOPs": float(f"{max(rates.values()):.3g}"),
         "matmul_TFLOPs_by_dtype": {k: float(f"{v:.3g}") for k, v in rates.items()},
     }
