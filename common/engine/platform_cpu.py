@@ -70,7 +70,7 @@ class CpuPlatform(Platform):
     def release_memory(self) -> None:
         pass
 
-    # ---- a cache other processes map: a shared-memory segment ------------------
+    # ---- memory held for the worker's life: in huge pages where it can be had ---------
 
     def hold(self, t: torch.Tensor) -> torch.Tensor:
         """t copied into huge pages where it spans one or more and they can be had (see the
@@ -81,6 +81,8 @@ class CpuPlatform(Platform):
         if held is None:
             return t
         return held.view(t.dtype).view(t.shape).copy_(t)
+
+    # ---- the KV cache: its own, or one other processes map (a shared-memory segment) ---
 
     def allocate(self, shape, dtype: torch.dtype, is_shared: bool = False) -> torch.Tensor:
         if not is_shared:
