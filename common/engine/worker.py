@@ -79,6 +79,7 @@ class DeviceWorker:
             qwen3.set_activation_dtype(self.weights, torch.float32)  # sums stay fp32
         qwen3.pack_matmul_weights(self.weights)
         qwen3.hold_matrices(self.weights, self.platform.hold)
+        self.platform.release_memory()  # NOTE: on a host, what hold copied from
         self.max_model_len = clamp_model_len(cfg.max_model_len, s.max_position_embeddings)
         self.cos_sin = kernels.rotary_cos_sin(
             self.max_model_len, s.head_dim, s.rope_theta, self.device

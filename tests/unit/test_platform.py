@@ -231,3 +231,31 @@ def test_host_weights_and_cache_are_held_in_memory_advised_huge_pages():
     del held, cache
     gc.collect()
     assert _mapping_of(address) is None
+
+
+@pytest.mark.skipif(
+    platform_cpu.huge_page_zeros(platform_cpu.HUGE_PAGE) is None,
+    reason="this kernel gives no huge pages on request (not Linux, or the setting `never`)",
+)
+def test_a_host_worker_holds_its_tied_table_once_in_huge_pages_with_transformers_tokens(
+    make_model,
+):
+    """prepare() holds every weight (a tied table of 4 MiB here; the layers' matrices are
+    too small to be held) and its KV cache in huge pages: the table is still the lm_head
+    itself, not a second copy, and the tokens are transformers' own."""
+    model = make_model(vocab_size=8192, hidden_size=128)
+    prompts = [[5, 17, 99, 3, 250], [7000] * 20]
+    with DeviceWorker(WorkerConfig(model=str(model), device="cpu", kv_cache_memory=8 << 20)) as w:
+        table = w.weights.embed
+        assert w.weights.lm_head is table and table.shape == (8192, 128)
+        assert table.data_ptr() % platform_cpu.HUGE_PAGE == 0
+        assert "hg" in _mapping_of(table.data_ptr())["VmFlags"]
+        assert "hg" in _mapping_of(w.kv_cache.data_ptr())["VmFlags"]
+        qkv = w.weights.layers[0].qkv
+        assert qkv.numel() * qkv.element_size() < platform_cpu.HUGE_PAGE
+        assert "hg" not in (_mapping_of(qkv.data_ptr()) or {}).get("VmFlags", set())
+        got = [
+            r["token_ids"]
+            for r in generate(w, prompts, [SamplingParams(max_tokens=8, ignore_eos=True)] * 2)
+        ]
+    assert got == hf_greedy(model, prompts, 8)
