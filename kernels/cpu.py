@@ -246,7 +246,7 @@ def add_rms_norm(x, residual, weight, eps):
 def _norm_rope(x, weight, cos_sin, positions, eps, out=None, slots=None):
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype)
-    _ELEMENTWISE["norm_rope_bf16" if out.dtype == torch.bfloat16 else "norm_rope"](
+    failed = _ELEMENTWISE["norm_rope_bf16" if out.dtype == torch.bfloat16 else "norm_rope"](
         x.data_ptr(),
         x.stride(0),
         weight.data_ptr(),
@@ -254,12 +254,15 @@ def _norm_rope(x, weight, cos_sin, positions, eps, out=None, slots=None):
         positions.data_ptr(),
         out.data_ptr(),
         None if slots is None else slots.data_ptr(),
+        0 if slots is None else out.numel() // (x.shape[1] * x.shape[2]),
         x.shape[0],
         x.shape[1],
         x.shape[2],
         eps,
         _row_threads(x.shape[0] * x.shape[1] * x.shape[2]),
     )
+    if failed:
+        raise IndexError("a KV slot is outside the cache")
     return out
 
 
@@ -302,20 +305,27 @@ def qk_norm_rope_write_kv(
         and slot_mapping.is_contiguous()
         and _rows_ok(v)
         and v.stride(1) == v.shape[2]
+        and k_cache.shape[-2:] == k.shape[1:] == v.shape[1:]  # a token's row: [Hk, D]
         and _is_rope_ok(q, k, q_weight, cos_sin, positions)
     ):
         q, k = qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps)
         portable.write_kv(k_cache, v_cache, k, v, slot_mapping)
         return q
     _norm_rope(k, k_weight, cos_sin, positions, eps, k_cache, slot_mapping)
-    _ELEMENTWISE["scatter_rows_bf16" if v_cache.dtype == torch.bfloat16 else "scatter_rows"](
+    row = v.shape[1] * v.shape[2]
+    failed = _ELEMENTWISE[
+        "scatter_rows_bf16" if v_cache.dtype == torch.bfloat16 else "scatter_rows"
+    ](
         v.data_ptr(),
         v.stride(0),
         v_cache.data_ptr(),
         slot_mapping.data_ptr(),
+        v_cache.numel() // row,
         v.shape[0],
-        v.shape[1] * v.shape[2],
+        row,
     )
+    if failed:
+        raise IndexError("a KV slot is outside the cache")
     return _norm_rope(q, q_weight, cos_sin, positions, eps)
 
 

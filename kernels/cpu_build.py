@@ -158,16 +158,19 @@ def load(build_dir: Path) -> Library:
         ),
         "norm_rope": (
             lib.pdserve_norm_rope_f32,
-            [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32, i64],
+            [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, i64],
         ),
         "norm_rope_bf16": (  # the same, its rows rounded to bf16 (into a bf16 cache)
             lib.pdserve_norm_rope_bf16,
-            [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32, i64],
+            [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, i64],
         ),
         "silu_mul": (lib.pdserve_silu_mul_f32, [ptr, i64, ptr, i64, i64, i64]),
         "to_bf16_rows": (lib.pdserve_to_bf16_rows, [ptr, i64, ptr, i64, i64, i64, i64]),
-        "scatter_rows": (lib.pdserve_scatter_rows_f32, [ptr, i64, ptr, ptr, i64, i64]),
-        "scatter_rows_bf16": (lib.pdserve_scatter_rows_bf16, [ptr, i64, ptr, ptr, i64, i64]),
+        "scatter_rows": (lib.pdserve_scatter_rows_f32, [ptr, i64, ptr, ptr, i64, i64, i64]),
+        "scatter_rows_bf16": (
+            lib.pdserve_scatter_rows_bf16,
+            [ptr, i64, ptr, ptr, i64, i64, i64],
+        ),
         "slot_mapping": (lib.pdserve_slot_mapping, [ptr, ptr, i64, i64, i64, ptr, i64]),
         "linear_bf16": (
             lib.pdserve_linear_bf16,
@@ -176,6 +179,8 @@ def load(build_dir: Path) -> Library:
     }
     for fn, argtypes in elementwise.values():
         fn.argtypes, fn.restype = argtypes, None
+    for name in ("norm_rope", "norm_rope_bf16", "scatter_rows", "scatter_rows_bf16"):
+        elementwise[name][0].restype = ctypes.c_int  # -1: a slot outside the cache
     lib.pdserve_has_openmp.restype = ctypes.c_int
     vnni = {"dot": lib.pdserve_linear_vnni_dot, "amx": lib.pdserve_linear_vnni_amx}
     for fn in vnni.values():

@@ -16,6 +16,15 @@ static inline uint16_t f32_to_bf16(float x) {
     return ((v & 0x7fffffffu) > 0x7f800000u) ? (uint16_t)0xffff : r;
 }
 
+/* Whether every slot names a row of a cache of num_slots rows. NOTE: the callers' slots are
+ * the node's own, but a wrong one would write past the cache: checked, as torch's index
+ * copy checked it. */
+static int slots_inside(const int64_t *slots, int64_t T, int64_t num_slots) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 0;
+    return 1;
+}
+
 #define STORE_F32(x) (x)
 #define STORE_BF16(x) f32_to_bf16(x)
 
@@ -49,12 +58,14 @@ void pdserve_rms_norm_f32(const float *x, int64_t xs, const float *res, int64_t 
 /* Per-head RMSNorm, then the rotary embedding at each token's position.
  * x: [T, nh, D] fp32 (token stride xs, heads contiguous); cos_sin: [max_pos, 2, D] (halves
  * repeated); positions: [T] int64. out: [T, nh, D] contiguous, or, given slots [T] int64,
- * token t's row goes to out + slots[t] * nh * D (a contiguous cache), in fp32 or rounded to
- * bf16 (the cache's dtype: the rotation itself is fp32 either way). */
+ * token t's row goes to out + slots[t] * nh * D (a contiguous cache of num_slots rows), in
+ * fp32 or rounded to bf16 (the cache's dtype: the rotation itself is fp32 either way).
+ * Returns 0, or -1 (nothing written) where a slot is outside the cache. */
 #define DEFINE_NORM_ROPE(NAME, T_OUT, STORE)                                                \
-void NAME(const float *x, int64_t xs, const float *w, const float *cos_sin,                 \
-          const int64_t *positions, T_OUT *out, const int64_t *slots, int64_t T, int64_t nh, \
-          int64_t D, float eps, int64_t num_threads) {                                      \
+int NAME(const float *x, int64_t xs, const float *w, const float *cos_sin,                  \
+         const int64_t *positions, T_OUT *out, const int64_t *slots, int64_t num_slots,      \
+         int64_t T, int64_t nh, int64_t D, float eps, int64_t num_threads) {                \
+    if (slots && !slots_inside(slots, T, num_slots)) return -1;                             \
     int64_t half = D / 2;                                                                   \
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(num_threads > 1)")\
     for (int64_t t = 0; t < T; t++) {                                                       \
@@ -75,6 +86,7 @@ void NAME(const float *x, int64_t xs, const float *w, const float *cos_sin,     
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
+    return 0;                                                                               \
 }
 
 DEFINE_NORM_ROPE(pdserve_norm_rope_f32, float, STORE_F32)
@@ -109,22 +121,27 @@ void pdserve_to_bf16_rows(const float *x, int64_t xs, uint16_t *out, int64_t M, 
     }
 }
 
-/* dst row slots[t] = src row t: rows of `row` floats; src row stride ss, dst contiguous rows
- * (fp32, or rounded to bf16 as f32_to_bf16). */
-void pdserve_scatter_rows_f32(const float *src, int64_t ss, float *dst, const int64_t *slots,
-                              int64_t T, int64_t row) {
+/* dst row slots[t] = src row t: rows of `row` floats; src row stride ss, dst num_slots
+ * contiguous rows (fp32, or rounded to bf16 as f32_to_bf16). Returns 0, or -1 (nothing
+ * written) where a slot is outside dst. */
+int pdserve_scatter_rows_f32(const float *src, int64_t ss, float *dst, const int64_t *slots,
+                             int64_t num_slots, int64_t T, int64_t row) {
+    if (!slots_inside(slots, T, num_slots)) return -1;
     for (int64_t t = 0; t < T; t++)
         memcpy(dst + slots[t] * row, src + t * ss, sizeof(float) * row);
+    return 0;
 }
 
-void pdserve_scatter_rows_bf16(const float *src, int64_t ss, uint16_t *dst,
-                               const int64_t *slots, int64_t T, int64_t row) {
+int pdserve_scatter_rows_bf16(const float *src, int64_t ss, uint16_t *dst,
+                              const int64_t *slots, int64_t num_slots, int64_t T, int64_t row) {
+    if (!slots_inside(slots, T, num_slots)) return -1;
     for (int64_t t = 0; t < T; t++) {
         const float *s = src + t * ss;
         uint16_t *d = dst + slots[t] * row;
         _Pragma("omp simd")
         for (int64_t k = 0; k < row; k++) d[k] = f32_to_bf16(s[k]);
     }
+    return 0;
 }
 
 /* The slot of each sequence's current token (position seq_lens[b] - 1): out [B] int64.

@@ -2,6 +2,7 @@
 RMSNorm with the rotary embedding, SiLU and multiply) against the portable ops, and split
 over threads by rows at a prompt's size."""
 
+import pytest
 import torch
 
 from kernels import portable
@@ -90,7 +91,30 @@ def test_rope_written_into_a_bf16_cache_rounds_as_the_portable_op(monkeypatch):
     written[slots] = True
     assert (got_k.view(nb * bs, -1)[~written] == 0).all()  # no slot but its own is touched
     assert (got_k == want_k).float().mean() > 0.95  # rounded as torch rounds, not truncated
-    # a NaN is written as the portable op writes one (NaN), not as a number
-    v[0, 0, 0] = float("nan")
+    # a NaN is written as the portable op writes one (NaN), not as a number: one whose
+    # payload is in its low bits only, which rounding alone would turn into inf
+    v[0, 0, 0] = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)[0]
     cpu.qk_norm_rope_write_kv(q, k, v, qw, kw, table, pos, 1e-6, *caches[0], slots)
     assert caches[0][1].view(nb * bs, 2, 32)[slots[0], 0, 0].isnan()
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_kv_slot_outside_the_cache_is_refused_with_nothing_written(dtype):
+    """torch's index copy refused a slot past the cache; the C write checks it too, before
+    any row is written, rather than writing past the cache's end."""
+    t, nb, bs = 5, 3, 16
+    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)
+    q, k, v = (
+        qkv[:, :128].view(t, 4, 32),
+        qkv[:, 128:192].view(t, 2, 32),
+        qkv[:, 192:].view(t, 2, 32),
+    )
+    qw, kw = torch.randn(32), torch.randn(32)
+    table, pos = portable.rotary_cos_sin(64, 32, 1e6), torch.arange(t)
+    k_cache, v_cache = (torch.zeros(nb, bs, 2, 32, dtype=dtype) for _ in "kv")
+    for bad in (nb * bs, -1):
+        slots = torch.tensor([0, 1, 2, bad, 3])
+        with pytest.raises(IndexError, match="outside the cache"):
+            cpu.qk_norm_rope_write_kv(q, k, v, qw, kw, table, pos, 1e-6, k_cache, v_cache, slots)
+        assert not k_cache.any() and not v_cache.any()
