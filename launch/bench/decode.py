@@ -234,9 +234,8 @@ def table_of(records: list[dict]) -> str:
         for x in records
     ]
     notes = [
-        f"floor: the larger of bytes / GB/s (a copy's, the mean of one just before and one just "
-        f"after the row's steps) and FLOPs / {r['matmul_TFLOPs']:g} TFLOP/s (measured here); "
-        "of floor: floor / measured"
+        f"floor: the larger of bytes / GB/s (a copy's, {r['bandwidth_when']}) and FLOPs / "
+        f"{r['matmul_TFLOPs']:g} TFLOP/s (measured here); of floor: floor / measured"
     ]
     notes += sorted(
         {
@@ -299,6 +298,7 @@ def main(argv=None) -> None:
     batches = [int(b) for b in a.batch_sizes.split(",")]
     check_memory(a, spec, elem, 0)  # the weights alone, before the floors' buffers
     floors = measure_floors(a.device, dtype)
+    is_host = torch.device(a.device).type == "cpu"
     max_tokens = {b: a.max_tokens or tokens_needed(spec, elem, floors, b, a, room) for b in batches}
     max_len = a.context_len + max(max_tokens.values()) + 1
     kv_bytes = max(
@@ -322,7 +322,8 @@ def main(argv=None) -> None:
         for batch in batches:
             # NOTE: a shared host's bandwidth drifts by the minute (44-85 GB/s within an hour
             # on one VM): each row's floor is at a copy's rate just before and after its steps
-            before = measure_bandwidth(a.device)
+            # (a host's only: an accelerator's copy needs 2 GiB beside the node's memory)
+            before = measure_bandwidth(a.device) if is_host else floors["bandwidth_GBps"]
             r = run_batch(
                 node,
                 spec,
@@ -334,12 +335,15 @@ def main(argv=None) -> None:
                 max_tokens[batch],
                 a.steps,
             )
-            after = measure_bandwidth(a.device)
+            after = measure_bandwidth(a.device) if is_host else before
             row_floors = {
                 **floors,
                 "bandwidth_GBps": float(f"{(before + after) / 2:.3g}"),
                 "bandwidth_GBps_before_after": [before, after],
                 "bandwidth_GBps_at_start": floors["bandwidth_GBps"],
+                "bandwidth_when": "the mean of one just before and one just after the row's steps"
+                if is_host
+                else "measured before the node started",
             }
             cost = decode_cost(spec, elem, batch, r["mean_context_len"])
             results.append((batch, r, row_floors, roofline(*cost, row_floors)))

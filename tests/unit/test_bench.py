@@ -168,3 +168,35 @@ def test_serving_with_nothing_to_measure_says_so_in_one_line(capsys):
         serving.main(["--endpoint", f"tcp://127.0.0.1:{port}", "--num-prompts", "1", "--quiet"])
     want = f"pdserve bench: nothing answers at tcp://127.0.0.1:{port} within 5s"
     assert str(e.value).startswith(want)
+
+
+def test_each_decode_row_shows_the_bandwidth_its_floor_was_set_against():
+    """A shared host's bandwidth drifted from 44 to 79 GB/s within one batch size's steps,
+    and every row was set against one copy before the node started: each row now carries
+    the rate around its own steps, and the table shows it."""
+    rows = []
+    for batch, gbps in ((1, 44.5), (8, 79.3)):
+        rows.append(
+            {
+                "batch": batch,
+                "shape": "qwen3-0.6b",
+                "device": "cpu",
+                "dtype": "bfloat16",
+                "context_len": 256,
+                "ms_per_step": 30.0,
+                "tokens_per_s": batch * 33.3,
+                "floor_ms_per_step": 1.22 / gbps * 1e3,
+                "floor_fraction": 0.8,
+                "bound": "memory bandwidth",
+                "bandwidth_GBps": gbps,
+                "bandwidth_when": "the mean of one just before and one just after the row's steps",
+                "matmul_TFLOPs": 0.9,
+                "mean_context_len": 272,
+                "h2d_writes_per_steady_step": 0.0,
+                "device_idle_share": 0.0,
+            }
+        )
+    text = decode.table_of(rows)
+    assert "GB/s" in text.splitlines()[2]
+    assert [line.split()[7] for line in text.splitlines()[4:6]] == ["44.5", "79.3"]
+    assert "just before and one just after the row's steps" in text
