@@ -298,6 +298,7 @@ def qk_norm_rope_write_kv(
     positions = positions.to(torch.int64)
     if not (
         k_cache.dtype in (torch.float32, torch.bfloat16)
+        and v_cache.shape == k_cache.shape  # NOTE: else k written, then v refused
         and v_cache.dtype == k_cache.dtype
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()

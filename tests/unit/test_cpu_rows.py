@@ -118,3 +118,24 @@ def test_a_kv_slot_outside_the_cache_is_refused_with_nothing_written(dtype):
         with pytest.raises(IndexError, match="outside the cache"):
             cpu.qk_norm_rope_write_kv(q, k, v, qw, kw, table, pos, 1e-6, k_cache, v_cache, slots)
         assert not k_cache.any() and not v_cache.any()
+
+
+@needs_cc
+def test_a_cache_whose_token_row_is_not_the_heads_takes_the_portable_write():
+    """The C write puts token t's [Hk, D] row at slot * Hk * D: a cache laid out otherwise
+    ([1, 64] rows for k's [2, 32] here) would be written at the wrong places without a
+    word. It goes to the portable write, which refuses the shapes."""
+    t = 3
+    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)
+    q, k, v = (
+        qkv[:, :128].view(t, 4, 32),
+        qkv[:, 128:192].view(t, 2, 32),
+        qkv[:, 192:].view(t, 2, 32),
+    )
+    qw, kw = torch.randn(32), torch.randn(32)
+    table, pos = portable.rotary_cos_sin(64, 32, 1e6), torch.arange(t)
+    k_cache, v_cache = (torch.zeros(2, 16, 1, 64) for _ in "kv")
+    with pytest.raises(RuntimeError):
+        cpu.qk_norm_rope_write_kv(
+            q, k, v, qw, kw, table, pos, 1e-6, k_cache, v_cache, torch.tensor([0, 1, 2])
+        )
