@@ -21,6 +21,7 @@ import argparse
 import math
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -194,6 +195,25 @@ def transformers_decode(
     return times[len(times) // 2] * 1e3
 
 
+def around_steps(device: str, floors: dict, run: Callable[[], dict]) -> tuple[dict, dict]:
+    """run()'s figures, and the floors its row is set against. NOTE: a shared host's
+    bandwidth drifts by the minute (44-85 GB/s within an hour on one VM): there a row's
+    bandwidth is the mean of a copy's just before and just after its steps. An accelerator
+    keeps the one measured before the node started: its copy needs 2 GiB beside the node."""
+    if torch.device(device).type != "cpu":
+        return run(), {**floors, "bandwidth_when": "measured before the node started"}
+    before = measure_bandwidth(device)
+    figures = run()
+    after = measure_bandwidth(device)
+    return figures, {
+        **floors,
+        "bandwidth_GBps": float(f"{(before + after) / 2:.3g}"),
+        "bandwidth_GBps_before_after": [before, after],
+        "bandwidth_GBps_at_start": floors["bandwidth_GBps"],
+        "bandwidth_when": "the mean of one just before and one just after the row's steps",
+    }
+
+
 def tokens_needed(
     spec, elem: int, floors: dict, batch: int, a: argparse.Namespace, room: int
 ) -> int:
@@ -298,7 +318,6 @@ def main(argv=None) -> None:
     batches = [int(b) for b in a.batch_sizes.split(",")]
     check_memory(a, spec, elem, 0)  # the weights alone, before the floors' buffers
     floors = measure_floors(a.device, dtype)
-    is_host = torch.device(a.device).type == "cpu"
     max_tokens = {b: a.max_tokens or tokens_needed(spec, elem, floors, b, a, room) for b in batches}
     max_len = a.context_len + max(max_tokens.values()) + 1
     kv_bytes = max(
@@ -320,31 +339,21 @@ def main(argv=None) -> None:
     try:
         node.wait_ready()
         for batch in batches:
-            # NOTE: a shared host's bandwidth drifts by the minute (44-85 GB/s within an hour
-            # on one VM): each row's floor is at a copy's rate just before and after its steps
-            # (a host's only: an accelerator's copy needs 2 GiB beside the node's memory)
-            before = measure_bandwidth(a.device) if is_host else floors["bandwidth_GBps"]
-            r = run_batch(
-                node,
-                spec,
-                dtype,
-                batch,
-                a.context_len,
-                a.block_size,
-                a.window,
-                max_tokens[batch],
-                a.steps,
+            r, row_floors = around_steps(
+                a.device,
+                floors,
+                lambda: run_batch(
+                    node,
+                    spec,
+                    dtype,
+                    batch,
+                    a.context_len,
+                    a.block_size,
+                    a.window,
+                    max_tokens[batch],
+                    a.steps,
+                ),
             )
-            after = measure_bandwidth(a.device) if is_host else before
-            row_floors = {
-                **floors,
-                "bandwidth_GBps": float(f"{(before + after) / 2:.3g}"),
-                "bandwidth_GBps_before_after": [before, after],
-                "bandwidth_GBps_at_start": floors["bandwidth_GBps"],
-                "bandwidth_when": "the mean of one just before and one just after the row's steps"
-                if is_host
-                else "measured before the node started",
-            }
             cost = decode_cost(spec, elem, batch, r["mean_context_len"])
             results.append((batch, r, row_floors, roofline(*cost, row_floors)))
             print(f"  batch {batch}: {r['ms_per_step']:.2f} ms/step", file=sys.stderr, flush=True)

@@ -200,3 +200,34 @@ def test_each_decode_row_shows_the_bandwidth_its_floor_was_set_against():
     assert "GB/s" in text.splitlines()[2]
     assert [line.split()[7] for line in text.splitlines()[4:6]] == ["44.5", "79.3"]
     assert "just before and one just after the row's steps" in text
+
+
+def test_a_host_row_is_set_against_the_bandwidth_around_its_steps_an_accelerator_is_not(
+    monkeypatch,
+):
+    """On a host a copy's bandwidth is measured just before and just after a row's steps,
+    and the row's floor takes their mean; an accelerator's would need 2 GiB beside the
+    node's memory: it is never measured while the node is up."""
+    calls = []
+    rates = iter([40.0, 80.0])
+
+    def measure(device):
+        calls.append(("measure", device))
+        return next(rates)
+
+    def run():
+        calls.append(("run",))
+        return {"ms_per_step": 1.0}
+
+    monkeypatch.setattr(decode, "measure_bandwidth", measure)
+    start = {"bandwidth_GBps": 50.0, "matmul_TFLOPs": 0.9}
+    figures, floors = decode.around_steps("cpu", start, run)
+    assert figures == {"ms_per_step": 1.0}
+    assert calls == [("measure", "cpu"), ("run",), ("measure", "cpu")]
+    assert floors["bandwidth_GBps"] == 60.0 and floors["bandwidth_GBps_before_after"] == [40, 80]
+    assert floors["bandwidth_GBps_at_start"] == 50.0 and "just before" in floors["bandwidth_when"]
+    calls.clear()
+    figures, floors = decode.around_steps("cuda:0", start, run)
+    assert calls == [("run",)] and floors["bandwidth_GBps"] == 50.0
+    assert "bandwidth_GBps_before_after" not in floors
+    assert floors["bandwidth_when"] == "measured before the node started"
