@@ -11,7 +11,6 @@ the same steps alternated in one process: 2-5% less time a step (1% when the mem
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 import secrets
@@ -221,12 +220,9 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor | None:
 
 
 def _malloc_trim():
-    """glibc's malloc_trim, or None (another C library)."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:
-        return None
+    """glibc's malloc_trim, or None (another C library): looked up among the symbols this
+    process has loaded already, libc's among them (no search of the library path)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim

@@ -14,6 +14,8 @@ import torch
 import kernels
 from common.base.model_spec import ModelSpec
 
+MATRICES = ("qkv", "o_proj", "gate_up", "down")  # a layer's matmul weights
+
 
 @dataclass
 class LayerWeights:
@@ -202,7 +204,7 @@ def hold_matrices(w: Qwen3Weights, hold: Callable[[torch.Tensor], torch.Tensor])
     """Every matrix replaced by hold(it) (Platform.hold), a tied lm_head once: it stays the
     embedding table."""
     for layer in w.layers:
-        for name in ("qkv", "o_proj", "gate_up", "down"):
+        for name in MATRICES:
             setattr(layer, name, hold(getattr(layer, name)))
     is_tied = w.lm_head is w.embed
     w.embed = hold(w.embed)
@@ -215,7 +217,7 @@ def pack_matmul_weights(w: Qwen3Weights) -> None:
     the embedding table itself, in a layout both read or as it is: never a second copy of
     the largest weight."""
     for layer in w.layers:
-        for name in ("qkv", "o_proj", "gate_up", "down"):
+        for name in MATRICES:
             setattr(layer, name, kernels.pack_linear_weight(getattr(layer, name)))
     if w.lm_head is w.embed:
         w.embed = w.lm_head = kernels.pack_linear_weight(w.lm_head, is_embedding=True)

@@ -48,6 +48,13 @@ def equal_on_1_2_3_threads(call) -> torch.Tensor:
     return one
 
 
+def qkv_views(t: int, scale: float = 1.0):
+    """q [t, 4, 32], k and v [t, 2, 32]: strided views into one [t, 256] projection, as the
+    model's are."""
+    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32) * scale
+    return qkv[:, :128].view(t, 4, 32), qkv[:, 128:192].view(t, 2, 32), qkv[:, 192:].view(t, 2, 32)
+
+
 @needs_cc
 def test_the_cpu_backend_is_the_c_one_where_a_compiler_is():
     """CI has a compiler: the exactness tests then run through the C ops, not a silent fallback."""
@@ -223,12 +230,7 @@ def test_decode_attention_split_over_threads_equals_one_thread(lens, hk):
 @needs_cc
 def test_rope_written_into_the_cache_and_slot_mapping_equal_the_portable_ops():
     t, nb, bs = 23, 9, 16
-    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)
-    q, k, v = (
-        qkv[:, :128].view(t, 4, 32),
-        qkv[:, 128:192].view(t, 2, 32),
-        qkv[:, 192:].view(t, 2, 32),
-    )
+    q, k, v = qkv_views(t)
     qw, kw = torch.randn(32), torch.randn(32)
     table = portable.rotary_cos_sin(512, 32, 1e6)
     pos = torch.randint(0, 512, (t,))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import portable
-from tests.unit.test_cpu_kernels import cpu, equal_on_1_2_3_threads, needs_cc
+from tests.unit.test_cpu_kernels import cpu, equal_on_1_2_3_threads, needs_cc, qkv_views
 
 
 @needs_cc
@@ -69,12 +69,7 @@ def test_rope_written_into_a_bf16_cache_rounds_as_the_portable_op(monkeypatch):
     to nearest even: v's rows are the portable op's bits, k's within one bf16 step of them
     (the rotation's fp32 sums may differ in their last bit), and q is the fp32 op's."""
     t, nb, bs = 29, 7, 16
-    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32) * 3
-    q, k, v = (
-        qkv[:, :128].view(t, 4, 32),
-        qkv[:, 128:192].view(t, 2, 32),
-        qkv[:, 192:].view(t, 2, 32),
-    )
+    q, k, v = qkv_views(t, scale=3)
     qw, kw = torch.randn(32), torch.randn(32)
     table, pos = portable.rotary_cos_sin(512, 32, 1e6), torch.randint(0, 512, (t,))
     slots = torch.randperm(nb * bs)[:t]
@@ -104,12 +99,7 @@ def test_a_kv_slot_outside_the_cache_is_refused_with_nothing_written(dtype):
     """torch's index copy refused a slot past the cache; the C write checks it too, before
     any row is written, rather than writing past the cache's end."""
     t, nb, bs = 5, 3, 16
-    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)
-    q, k, v = (
-        qkv[:, :128].view(t, 4, 32),
-        qkv[:, 128:192].view(t, 2, 32),
-        qkv[:, 192:].view(t, 2, 32),
-    )
+    q, k, v = qkv_views(t)
     qw, kw = torch.randn(32), torch.randn(32)
     table, pos = portable.rotary_cos_sin(64, 32, 1e6), torch.arange(t)
     k_cache, v_cache = (torch.zeros(nb, bs, 2, 32, dtype=dtype) for _ in "kv")
@@ -126,12 +116,7 @@ def test_a_cache_whose_token_row_is_not_the_heads_takes_the_portable_write():
     ([1, 64] rows for k's [2, 32] here) would be written at the wrong places without a
     word. It goes to the portable write, which refuses the shapes."""
     t = 3
-    qkv = torch.randn(t, 4 * 32 + 2 * 2 * 32)
-    q, k, v = (
-        qkv[:, :128].view(t, 4, 32),
-        qkv[:, 128:192].view(t, 2, 32),
-        qkv[:, 192:].view(t, 2, 32),
-    )
+    q, k, v = qkv_views(t)
     qw, kw = torch.randn(32), torch.randn(32)
     table, pos = portable.rotary_cos_sin(64, 32, 1e6), torch.arange(t)
     k_cache, v_cache = (torch.zeros(2, 16, 1, 64) for _ in "kv")
