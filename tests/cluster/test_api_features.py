@@ -192,7 +192,7 @@ def test_n_choices_each_equal_the_request_alone_with_seed_plus_i(oai, cluster, p
         seed=40,
         n=4,
         logprobs=2,
-        extra_body={"return_token_ids": True},
+        extra_body={"return_token_ids": True, "ignore_eos": True},
     )
     wait_for(
         lambda: (
@@ -214,7 +214,7 @@ def test_n_choices_each_equal_the_request_alone_with_seed_plus_i(oai, cluster, p
             temperature=0.9,
             seed=40 + i,
             logprobs=2,
-            extra_body={"return_token_ids": True},
+            extra_body={"return_token_ids": True, "ignore_eos": True},
         )
         assert c.model_extra["token_ids"] == alone.choices[0].model_extra["token_ids"]
         assert c.logprobs.token_logprobs == pytest.approx(
@@ -673,6 +673,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(oai):
             max_tokens=6,
             temperature=0,
             stream=True,
+            extra_body={"ignore_eos": True},
             stream_options={"include_usage": True},
         )
     )
@@ -704,7 +705,9 @@ def test_vllms_extras_at_their_defaults_are_taken_and_otherwise_refused(cluster)
     }
     status, r = _post(
         cluster.http + "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extras},
+        # NOTE: ignore_eos, else a sampled EOS on some CPU's rounding ends it at one token.
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": True}
+        | extras,
     )
     assert status == 200 and r["usage"]["completion_tokens"] == 2
     status, r = _post(cluster.http + "/tokenize", {"prompt": "hi", "add_special_tokens": True})

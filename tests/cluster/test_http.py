@@ -407,18 +407,24 @@ def test_health_deadline_and_a_dead_decode_node(tiny_model, tmp_path):
         for role in ("frontend", "prefill", "decode"):
             procs.start(role)
         wait_for(lambda: _get(url + "/health")[0] == 200, 120, "/health to say 200")
-        code, reply = _post(url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+        code, reply = _post(
+            url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True}
+        )
         assert code == 200 and reply["usage"]["completion_tokens"] == 2
         decode = procs.procs["decode"]
         decode.send_signal(signal.SIGSTOP)  # frozen: silent for 5 s before it counts as dead
         try:
-            code, reply = _post(url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+            code, reply = _post(
+                url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True}
+            )
             assert code == 504 and reply["error"]["type"] == "timeout", reply
         finally:
             decode.send_signal(signal.SIGCONT)
         decode.kill()
         wait_for(lambda: _get(url + "/health")[0] == 503, 30, "/health to say 503")
-        code, reply = _post(url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+        code, reply = _post(
+            url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True}
+        )
         assert code == 503 and reply["error"]["type"] == "service_unavailable"
         assert "no live prefill and decode node pair" in reply["error"]["message"]
     finally:
