@@ -56,22 +56,31 @@ def generate(
         blocks_to_join(seq, bs, alloc)
         prompt, prior = seq.params.split(ids)
         worker.decode.add(
-            key, tok, len(ids), seq.block_ids, seq.params, (prompt, prior + seq.output_ids)
+            key,
+            tok,
+            len(ids),
+            seq.block_ids,
+            seq.params,
+            (prompt, prior + seq.output_ids),
+            ids + seq.output_ids,
         )
     num_steps, t1 = 0, time.perf_counter()
     while worker.decode.num_seqs:
-        worker.decode.grow_blocks(seqs, alloc)
-        ticket = worker.decode.launch()
-        tokens = worker.decode.collect(ticket)
-        for key, tok, lp in zip(ticket.keys, tokens, ticket.logprobs or [None] * len(tokens)):
+        k = _num_drafts(worker, [seqs[key] for key in worker.decode.keys()])
+        worker.decode.grow_blocks(seqs, alloc, k)
+        ticket = worker.decode.launch(k)
+        tokens = worker.decode.collect_many(ticket)
+        for key, row, lp in zip(ticket.keys, tokens, ticket.logprobs or [None] * len(tokens)):
             seq = seqs[key]
-            seq.output_ids.append(tok)
-            logprobs[key].append(lp)
-            reason = finish_reason(seq, tok, spec.eos_token_ids, worker.max_model_len)
-            if reason:
-                reasons[key] = reason
-                worker.decode.remove(key)
-                seq.release(alloc)
+            for tok in row:
+                seq.output_ids.append(tok)
+                logprobs[key].append(lp)
+                reason = finish_reason(seq, tok, spec.eos_token_ids, worker.max_model_len)
+                if reason:
+                    reasons[key] = reason
+                    worker.decode.remove(key)
+                    seq.release(alloc)
+                    break
         num_steps += 1
     step_ms = (time.perf_counter() - t1) * 1e3 / max(num_steps, 1)
     return [
@@ -84,6 +93,15 @@ def generate(
         }
         for k, s in seqs.items()
     ]
+
+
+def _num_drafts(worker: DeviceWorker, seqs: list[Sequence]) -> int:
+    """The drafts the next step verifies: the worker's most where every row is plain, no
+    more than any row has tokens left to make after the first (its blocks end there)."""
+    v = worker.decode.verifier
+    if v is None or not all(s.params.is_plain for s in seqs):
+        return 0
+    return max(min(v.max_k, *(s.params.max_tokens - len(s.output_ids) - 1 for s in seqs)), 0)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,6 +28,7 @@ from common.base.parse import (
     parse_dtype,
     parse_swap,
 )
+from common.base.speculative import SpeculativeConfig, parse_speculative
 
 # NOTE: the names its callers import from here, wherever they are defined.
 __all__ = [
@@ -123,6 +124,17 @@ class WorkerConfig:
             "NAME:BUDGET:SHARE (cores in all, cores owed to this node); --threads caps this node",
             parse=str,
             metavar="NAME:BUDGET:SHARE",
+        ),
+    )
+    speculative: SpeculativeConfig = field(
+        default=SpeculativeConfig(),
+        metadata=flag(
+            "--speculative-config",
+            "decode: draft tokens and verify them in the step, e.g. "
+            '\'{"method": "ngram", "num_speculative_tokens": 3}\' (prompt lookup), or off',
+            parse=parse_speculative,
+            metavar="JSON",
+            default_text="off",
         ),
     )
     is_cache_in_shm: bool = (

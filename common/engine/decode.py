@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -27,9 +28,11 @@ import kernels
 from common.base.request import SamplingParams, TokenLogprobs
 from common.engine import qwen3
 from common.engine.block_table import BlockTable
+from common.engine.drafting import Drafter
 from common.engine.graphs import GraphRunner
 from common.engine.h2d import HostToDevice
 from common.engine.sampling_rows import SamplingRows
+from common.engine.verify import Verifier
 from common.kv.blocks import num_blocks_for
 from common.kv.sequence import grow_blocks
 
@@ -45,6 +48,7 @@ class DecodeTicket:
     copied: object | None = None
     num_logprobs: list[int] | None = None  # per row (-1: none), when any row asked
     logprobs: list[TokenLogprobs | None] | None = None  # per row, once collected
+    num_drafts: int = 0  # k of a verify step (0: a plain step)
 
 
 class DecodeBatch:
@@ -57,6 +61,8 @@ class DecodeBatch:
         platform,
         h2d: HostToDevice,
         eos_ids: tuple[int, ...] = (),
+        drafter: Drafter | None = None,
+        max_speculative_tokens: int = 0,
     ):
         self.model = model
         self.block_size = block_size
@@ -67,9 +73,8 @@ class DecodeBatch:
         self.num_steps = 0
         self.num_rows = 0  # summed over steps: / num_steps is the mean batch
         self.max_batch = 0
-        self.device_busy_s = (
-            0.0  # steps, measured on the device (where it has events; else the host's time)
-        )
+        # steps, measured on the device (where it has events; else the host's time)
+        self.device_busy_s = 0.0
         self.device_idle_s = 0.0  # gaps between consecutive steps on the device
         self._last_end = None
         self.cores = None  # CPU: the host's shared cores (cores.py), asked each step
@@ -96,12 +101,12 @@ class DecodeBatch:
         self._host_seq_lens_t = torch.from_numpy(self.host_seq_lens)  # the same memory
         self._slots: dict[str, int] = {}
         self._keys: list[str] = []
+        # Verify steps (verify.py), where a drafter is given.
+        self.verifier = drafter and Verifier(drafter, n, max_speculative_tokens, dev, pinned)
 
     def capture_graphs(self) -> None:
         width = self.table.max_blocks
-        self.graphs.capture(
-            lambda n, is_greedy: self._run(n, width, is_greedy), self.max_batch_size
-        )
+        self.graphs.capture(lambda n, greedy: self._run(n, width, greedy), self.max_batch_size)
         self._input_ids.zero_()  # the warm-up steps sampled into the padding rows
 
     def stats(self) -> dict:
@@ -114,7 +119,7 @@ class DecodeBatch:
             "device_idle_s": round(self.device_idle_s, 6),
             "is_graphed": self.graphs.is_graphed,
             "max_decode_batch": self.max_batch,
-        }
+        } | (self.verifier.stats() if self.verifier else {})
 
     # ---- rows ------------------------------------------------------------------
 
@@ -135,11 +140,13 @@ class DecodeBatch:
         block_ids: list[int],
         params: SamplingParams,
         history: tuple[list[int], list[int]] = ((), ()),
+        token_ids: list[int] | None = None,
     ) -> None:
         """A sequence joins: num_cached tokens are in the cache at block_ids, and
         token_id (at position num_cached) is its next input. history: its prompt's
         tokens and those it generated so far (token_id the last), read only where
-        penalties need them."""
+        penalties need them. token_ids: all num_cached + 1 of its tokens, token_id the
+        last; the drafter's, where there is one."""
         if key in self._slots:
             raise ValueError(f"sequence {key!r} is already decoding")
         row = self.num_seqs
@@ -152,12 +159,16 @@ class DecodeBatch:
                 f"{len(block_ids)} blocks exceed the model's maximum length "
                 f"({self.table.max_blocks} blocks)"
             )
+        if self.verifier and (token_ids is None or len(token_ids) != num_cached + 1):
+            raise ValueError(f"a drafter needs the sequence's {num_cached + 1} tokens")
         w = self._h2d.write
         w(self._input_ids[row], token_id)
         w(self._seq_lens[row], num_cached + 1)
         w(self._step_inc[row], 1)
         self.table.set_row(row, block_ids)
         self.sampling.set_row(row, params, history)
+        if self.verifier:
+            self.verifier.drafter.set_row(row, token_ids)
         self.host_seq_lens[row] = num_cached + 1
         self._slots[key] = row
         self._keys.append(key)
@@ -173,6 +184,8 @@ class DecodeBatch:
                 buf[row].copy_(buf[last])
             self.table.move_row(row, last)
             self.sampling.move_row(row, last)
+            if self.verifier:
+                self.verifier.drafter.move_row(row, last)
             self.host_seq_lens[row] = self.host_seq_lens[last]
             self._keys[row] = moved
             self._slots[moved] = row
@@ -193,9 +206,11 @@ class DecodeBatch:
         words), before the step that makes it."""
         self.sampling.set_mask(self._slots[key], bits)
 
-    def keys_needing_block(self) -> list[str]:
-        """Live sequences whose next token falls past their last block (from the host mirrors)."""
-        rows = self.table.rows_needing_block(self.host_seq_lens, self.num_seqs)
+    def keys_needing_block(self, lookahead: int = 0) -> list[str]:
+        """Live sequences whose next token, or the lookahead tokens after it (a verify
+        step's drafts), falls past their last block (from the host mirrors)."""
+        lens = self.host_seq_lens + lookahead if lookahead else self.host_seq_lens
+        rows = self.table.rows_needing_block(lens, self.num_seqs)
         return [self._keys[r] for r in rows]
 
     def next_position(self, key: str) -> int:
@@ -210,24 +225,28 @@ class DecodeBatch:
         with the next launch."""
         self.table.append(self._slots[key], block_id)
 
-    def grow_blocks(self, seqs: dict, allocator) -> None:
-        """Before a step: every sequence whose next token starts a new block gets one
-        (kv.sequence.grow_blocks picks it) in its block table."""
-        for key, block in grow_blocks(self.keys_needing_block(), seqs, allocator):
-            self.append_block(key, block)
+    def grow_blocks(self, seqs: dict, allocator, lookahead: int = 0) -> None:
+        """Before a step: every sequence whose next token (and lookahead more) starts a new
+        block gets one (kv.sequence.grow_blocks picks it) in its block table."""
+        while keys := self.keys_needing_block(lookahead):
+            for key, block in grow_blocks(keys, seqs, allocator):
+                self.append_block(key, block)
 
     # ---- steps -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def launch(self) -> DecodeTicket | None:
+    def launch(self, num_drafts: int = 0) -> DecodeTicket | None:
         """Queue one step on the device and the copy of its samples to the host;
         return without waiting. The next step may be launched before this one is
         collected: its inputs are already on the device. The batch must not change
-        while a step is in flight."""
-        n = self.num_seqs
+        while a step is in flight. num_drafts: k > 0 makes it a verify step (verify.py)
+        for a batch of plain rows, collected (collect_many) before the next launch."""
+        n, k = self.num_seqs, num_drafts
         if n == 0:
             return None
-        short = self.keys_needing_block()
+        if k and not (self.verifier and 0 < k <= self.verifier.max_k):
+            raise ValueError(f"no verify step of {k} drafts here")
+        short = self.keys_needing_block(k)
         if short:
             raise RuntimeError(
                 f"sequences {short} need a block for their next position; call append_block first"
@@ -235,41 +254,46 @@ class DecodeBatch:
         # Queued behind the running step, from the pinned slot a step two launches back used.
         self.table.flush(self.num_steps % 2)
         plan = self.sampling.plan(n)
+        if k and not plan.is_plain:
+            raise ValueError("a verify step takes plain rows only")
+        run = partial(self._verify, k) if k else self._run
         p = self.platform
         t0 = time.perf_counter()
         ticket = DecodeTicket(self._keys[:n], self.num_steps % 2, start=p.event(timing=True))
-        if plan.is_plain and self.graphs.is_graphed:
+        ticket.num_drafts = k
+        if plan.is_plain and self.graphs.is_graphed and not k:
             self.graphs.replay(n, plan.is_greedy)
         else:
             self.sampling.upload_masks(n)
-            width = num_blocks_for(int(self.host_seq_lens[:n].max()), self.block_size)
+            width = num_blocks_for(int(self.host_seq_lens[:n].max()) + k, self.block_size)
             if self.cores is None and self.num_threads is None:
-                self._run(n, width, plan.is_greedy, plan.num_logprobs)
+                run(n, width, plan.is_greedy, plan.num_logprobs)
             elif self.cores is None:
-                torch.set_num_threads(min(self.num_threads, self.threads_worth(n)))
+                torch.set_num_threads(min(self.num_threads, self.threads_worth(n * (k + 1))))
                 try:
-                    self._run(n, width, plan.is_greedy, plan.num_logprobs)
+                    run(n, width, plan.is_greedy, plan.num_logprobs)
                 finally:
                     torch.set_num_threads(1)
             else:
                 reads = self.while_yielding and self._read_while_yielding
-                self.cores.begin(self.threads_worth(n), True, reads, num_seqs=n)
+                self.cores.begin(self.threads_worth(n * (k + 1)), True, reads, num_seqs=n)
                 t0 = time.perf_counter()  # NOTE: waiting for cores is not the step's time
                 try:
-                    self._run(
-                        n, width, plan.is_greedy, plan.num_logprobs, self.cores.between_layers
-                    )
+                    run(n, width, plan.is_greedy, plan.num_logprobs, self.cores.between_layers)
                 finally:
                     self.cores.end()
         ticket.end = p.event(timing=True)
         if ticket.end is None:  # no events (CPU): the step ran here, in this call
             self.device_busy_s += time.perf_counter() - t0
-        self._sampled_host[ticket.slot, :n].copy_(self._sampled[:n], non_blocking=True)
+        if k:
+            self.verifier.queue_copy(ticket.slot, n, k)
+        else:
+            self._sampled_host[ticket.slot, :n].copy_(self._sampled[:n], non_blocking=True)
+            self.host_seq_lens[:n] += 1  # a verify step's growth is known when collected
         if plan.row_num_logprobs is not None:
             ticket.num_logprobs = plan.row_num_logprobs
             self.sampling.queue_logprobs(ticket.slot, n)
         ticket.copied = p.event()
-        self.host_seq_lens[:n] += 1
         self.num_steps += 1
         self.num_rows += n
         self.max_batch = max(self.max_batch, n)
@@ -286,7 +310,27 @@ class DecodeBatch:
         return ticket.copied is None or ticket.copied.query()
 
     def collect(self, ticket: DecodeTicket) -> list[int]:
-        """Wait for a launched step; its tokens, in the ticket's key order."""
+        """Wait for a launched plain step; its tokens, in the ticket's key order."""
+        if ticket.num_drafts:
+            raise ValueError("a verify step makes several tokens a row: collect_many")
+        self._wait(ticket)
+        n = len(ticket.keys)
+        if ticket.num_logprobs is not None:
+            ticket.logprobs = self.sampling.read_logprobs(ticket.slot, ticket.num_logprobs)
+        return self._sampled_host[ticket.slot, :n].tolist()
+
+    def collect_many(self, ticket: DecodeTicket) -> list[list[int]]:
+        """Wait for a launched step; each row's tokens in the ticket's key order: one for a
+        plain step, a verify step's accepted drafts and the token after them."""
+        if not ticket.num_drafts:
+            return [[t] for t in self.collect(ticket)]
+        self._wait(ticket)
+        n = len(ticket.keys)
+        tokens, made = self.verifier.read(ticket.slot, n, ticket.num_drafts)
+        self.host_seq_lens[:n] += made.astype(np.int32)
+        return tokens
+
+    def _wait(self, ticket: DecodeTicket) -> None:
         if ticket.copied is None:
             self.platform.synchronize()  # no events here: a no-op on CPU
         else:
@@ -295,10 +339,6 @@ class DecodeBatch:
             if self._last_end is not None:
                 self.device_idle_s += max(self._last_end.elapsed_time(ticket.start), 0.0) / 1e3
             self._last_end = ticket.end
-        n = len(ticket.keys)
-        if ticket.num_logprobs is not None:
-            ticket.logprobs = self.sampling.read_logprobs(ticket.slot, ticket.num_logprobs)
-        return self._sampled_host[ticket.slot, :n].tolist()
 
     def step(self) -> list[int]:
         """One token for every live sequence, in keys() order: a launch, collected at once."""
@@ -308,6 +348,24 @@ class DecodeBatch:
     def mark_idle(self) -> None:
         """The node has nothing to run: the gap before the next step is not device idleness."""
         self._last_end = None
+
+    def _verify(
+        self, k: int, n: int, width: int, is_greedy: bool, num_logprobs=None, between_layers=None
+    ) -> None:
+        """The device part of a verify step of k drafts over rows [0, n) (verify.py)."""
+        self.verifier.run(
+            self.model,
+            k,
+            self._input_ids[:n],
+            self._seq_lens[:n],
+            self._step_inc[:n],
+            self.table.tensor[:n, :width],
+            self.host_seq_lens[:n],
+            self.block_size,
+            self.sampling,
+            is_greedy,
+            between_layers,
+        )
 
     def _run(
         self,

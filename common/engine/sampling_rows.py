@@ -207,6 +207,18 @@ class SamplingRows:
             seq_lens.long(),
         )
 
+    def choose_spread(
+        self, logits: torch.Tensor, positions: torch.Tensor, n: int, repeats: int, is_greedy: bool
+    ) -> torch.Tensor:
+        """The plain path for rows [0, n), row i's logits at rows [i * repeats, (i + 1) *
+        repeats) of logits [n * repeats, V] (a verify step's positions; positions [n *
+        repeats] seed each draw as seq_lens do a step's). Each draw depends on its row's
+        seed and position only, so it is the token a plain step there would sample."""
+        if is_greedy:
+            return logits.argmax(dim=-1)
+        params = (self._temperature, self._top_p, self._top_k, self._seeds)
+        return sample(logits, *(t[:n].repeat_interleave(repeats) for t in params), positions)
+
     def queue_logprobs(self, slot: int, n: int) -> None:
         """Queue the copy of rows [0, n)'s log-probabilities to host slot `slot`, behind
         the step that makes them."""

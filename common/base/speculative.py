@@ -1,0 +1,63 @@
+"""What `--speculative-config` asks for: a drafting method and how many tokens it may
+propose a step. The spelling is vLLM's (a JSON object, `method` and
+`num_speculative_tokens`, prompt lookup's `prompt_lookup_min` / `prompt_lookup_max`),
+or `off`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+METHODS = ("off", "ngram")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "off"
+    num_speculative_tokens: int = 0  # K: the most drafts a sequence is verified with a step
+    prompt_lookup_min: int = 1  # n-gram: the shortest suffix that may match
+    prompt_lookup_max: int = 3  # n-gram: the longest, tried first
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r}: expected one of {METHODS}")
+        k = self.num_speculative_tokens
+        if self.method == "off":
+            if k:
+                raise ValueError("num_speculative_tokens needs a method")
+            return
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], not {k}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 8:
+            raise ValueError(
+                "prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max <= 8, not "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+
+    @property
+    def is_on(self) -> bool:
+        return self.method != "off"
+
+
+def parse_speculative(text: str) -> SpeculativeConfig:
+    """`off`, or a JSON object of SpeculativeConfig's fields (no others)."""
+    if text.strip().lower() in ("", "off", "none"):
+        return SpeculativeConfig()
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is neither 'off' nor JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    known = set(SpeculativeConfig.__dataclass_fields__)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"--speculative-config: unknown fields {unknown}; known: {sorted(known)}")
+    for name, value in fields.items():
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if (name == "method") != isinstance(value, str) or (name != "method" and not is_int):
+            raise ValueError(f"--speculative-config: {name} = {value!r} has the wrong type")
+    return SpeculativeConfig(**fields)

@@ -1,0 +1,53 @@
+"""Drafts for speculative decoding: a drafter proposes up to k tokens per decode row from
+the row's own tokens, on the device, and is told which tokens each verify step made.
+
+One interface (Drafter); the decode batch never names an implementation: make_drafter
+picks it from the SpeculativeConfig. A drafter's state is per row, and rows move as the
+batch's do (a leaving row is filled by the last live one)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from common.base.speculative import SpeculativeConfig
+from common.engine.h2d import HostToDevice
+
+
+class Drafter(Protocol):
+    def set_row(self, row: int, token_ids: list[int]) -> None:
+        """A sequence joins at row: every token it has (prompt, then output; the last is
+        its next input), through the counted host-to-device copy."""
+
+    def move_row(self, row: int, src: int) -> None:
+        """Row src's state into row (on the device)."""
+
+    def propose(self, n: int, seq_lens: torch.Tensor, k: int, width: int) -> torch.Tensor:
+        """Drafts [n, k] int64 for rows [0, n), -1 where none: the tokens proposed to follow
+        each row's seq_lens[i] tokens. width: an upper bound of seq_lens (host-known)."""
+
+    def append(self, n: int, seq_lens: torch.Tensor, tokens: torch.Tensor) -> None:
+        """A verify step made tokens [n, k + 1] at positions seq_lens[i] + j of each row
+        (seq_lens: the lengths before it). Those past what was accepted are overwritten
+        before they are read: a drafter reads a row only below its length."""
+
+
+def make_drafter(
+    config: SpeculativeConfig, max_rows: int, max_len: int, h2d: HostToDevice
+) -> Drafter | None:
+    """The config's drafter for max_rows rows of up to max_len tokens; None when off."""
+    if not config.is_on:
+        return None
+    if config.method == "ngram":
+        from common.engine.drafting.ngram import NgramDrafter
+
+        return NgramDrafter(
+            max_rows,
+            max_len,
+            config.num_speculative_tokens,
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            h2d,
+        )
+    raise ValueError(f"no drafter for method {config.method!r}")

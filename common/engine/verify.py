@@ -1,0 +1,114 @@
+"""A verify step: each decode row's next input and k drafts scored in one forward, the
+longest run of drafts the model agrees with accepted, all on the device.
+
+The forward spreads row i over k + 1 rows of a decode step: its next input at position
+L - 1 (L = its seq_len) and draft j at L - 1 + j, each with its own length L + j over the
+row's block table, so each sees the row's cache and the drafts before it, nothing after.
+All k + 1 write their KV first (the blocks for L + k tokens are the caller's to reserve).
+Token j of the row is what a plain step at length L + j would choose (the same argmax,
+or the same seeded draw); draft j + 1 is accepted while it equals token j. With a
+accepted, tokens 0..a are the row's, token a is its next input and its length grows by
+a + 1. A rejected draft's KV lies past that length: never read, overwritten when the
+row gets there. Drafts of -1 (none) are never accepted, so such a row makes one token,
+the one a plain step would.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import kernels
+from common.engine import qwen3
+from common.engine.drafting import Drafter
+from common.engine.sampling_rows import SamplingRows
+
+
+class Verifier:
+    def __init__(self, drafter: Drafter, max_batch_size: int, max_k: int, device, is_pinned: bool):
+        self.drafter = drafter
+        self.max_k = max_k
+        n = max_batch_size
+        self._steps = torch.arange(max_k + 1, dtype=torch.int32, device=device)
+        # Per row: the step's tokens [n, max_k + 1], accepted and proposed drafts [n].
+        self._targets = torch.zeros(n, max_k + 1, dtype=torch.int64, device=device)
+        self._counts = torch.zeros(2, n, dtype=torch.int64, device=device)
+        # Two host slots, as the plain step's samples.
+        self._targets_host = torch.zeros(2, n, max_k + 1, dtype=torch.int64, pin_memory=is_pinned)
+        self._counts_host = torch.zeros(2, 2, n, dtype=torch.int64, pin_memory=is_pinned)
+        self.num_steps = 0
+        self.num_drafted = 0  # drafts proposed (not -1), summed over rows and steps
+        self.num_accepted = 0
+
+    def stats(self) -> dict:
+        return {
+            "num_verify_steps": self.num_steps,
+            "num_drafted_tokens": self.num_drafted,
+            "num_accepted_tokens": self.num_accepted,
+        }
+
+    def run(
+        self,
+        model: "qwen3.Model",
+        k: int,
+        input_ids: torch.Tensor,
+        seq_lens: torch.Tensor,
+        step_inc: torch.Tensor,
+        block_tables: torch.Tensor,
+        host_seq_lens: np.ndarray,
+        block_size: int,
+        sampling: SamplingRows,
+        is_greedy: bool,
+        between_layers=None,
+    ) -> None:
+        """The device part of a verify step over rows [0, n): input_ids, seq_lens, step_inc
+        [n] (advanced in place), block_tables [n, W] covering L + k tokens, host_seq_lens
+        [n] the host's copy of seq_lens."""
+        n, k1 = input_ids.shape[0], k + 1
+        drafts = self.drafter.propose(n, seq_lens, k, int(host_seq_lens.max()))  # [n, k]
+        ids = torch.cat([input_ids[:, None], drafts.clamp(min=0)], 1).view(-1)  # [n * k1]
+        lens = (seq_lens[:, None] + self._steps[:k1]).view(-1)  # [n * k1] int32
+        tables = block_tables.repeat_interleave(k1, 0)  # [n * k1, W]
+        slots = torch.empty(n * k1, dtype=torch.int64, device=ids.device)
+        kernels.compute_slot_mapping(lens, tables, block_size, slots)
+        # The host's lengths ride along for kernels that take them there (Ascend).
+        host_lens = torch.from_numpy(
+            (host_seq_lens[:n, None] + np.arange(k1, dtype=np.int32)).reshape(-1)
+        )
+        attn = qwen3.AttentionInputs(
+            is_prefill=False,
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=lens,
+            host_seq_lens=host_lens,
+        )
+        m = model
+        positions = lens.long() - 1
+        hidden = qwen3.forward(
+            m.spec, m.weights, m.kv_cache, m.cos_sin, ids, positions, attn, between_layers
+        )
+        logits = qwen3.compute_logits(m.weights, hidden)
+        targets = sampling.choose_spread(logits, lens.long(), n, k1, is_greedy).view(n, k1)
+        accepted = (drafts == targets[:, :k]).long().cumprod(1).sum(1)  # [n]
+        self.drafter.append(n, seq_lens, targets)
+        self._targets[:n, :k1].copy_(targets)
+        self._counts[0, :n].copy_(accepted)
+        torch.sum(drafts >= 0, 1, out=self._counts[1, :n])
+        input_ids.copy_(targets.gather(1, accepted[:, None])[:, 0])
+        seq_lens.add_((accepted.int() + 1) * step_inc)
+
+    def queue_copy(self, slot: int, n: int, k: int) -> None:
+        """Rows [0, n)'s tokens and counts to host slot `slot`, behind the step."""
+        self._targets_host[slot, :n, : k + 1].copy_(self._targets[:n, : k + 1], non_blocking=True)
+        self._counts_host[slot, :, :n].copy_(self._counts[:, :n], non_blocking=True)
+
+    def read(self, slot: int, n: int, k: int) -> tuple[list[list[int]], np.ndarray]:
+        """A collected step's tokens per row (its accepted drafts and the token after), and
+        how many each row made [n]."""
+        accepted, drafted = self._counts_host[slot, :, :n].numpy()
+        targets = self._targets_host[slot, :n, : k + 1].tolist()
+        self.num_steps += 1
+        self.num_drafted += int(drafted.sum())
+        self.num_accepted += int(accepted.sum())
+        made = accepted + 1
+        return [row[:m] for row, m in zip(targets, made.tolist())], made

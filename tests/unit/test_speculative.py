@@ -1,0 +1,165 @@
+"""Speculative decoding in the decode batch: the config, prompt lookup's drafts, and verify
+steps whose tokens are those of plain decoding, token for token."""
+
+import random
+
+import pytest
+import torch
+
+from common.base.config import WorkerConfig
+from common.base.request import SamplingParams
+from common.base.speculative import SpeculativeConfig, parse_speculative
+from common.engine.drafting.ngram import NgramDrafter
+from common.engine.h2d import HostToDevice
+from common.engine.worker import DeviceWorker
+from launch.generate import generate
+from tests.conftest import hf_greedy
+
+NGRAM = SpeculativeConfig("ngram", 4)
+
+
+def _worker(model, spec=NGRAM, **kw):
+    return DeviceWorker(
+        WorkerConfig(model=str(model), kv_cache_memory=8 * 2**20, speculative=spec, **kw)
+    )
+
+
+def test_the_config_takes_vllms_spelling_and_names_what_is_wrong():
+    assert parse_speculative("off") == SpeculativeConfig()
+    assert not parse_speculative("off").is_on
+    got = parse_speculative('{"method": "ngram", "num_speculative_tokens": 5}')
+    assert got == SpeculativeConfig("ngram", 5) and got.is_on
+    for text, match in [
+        ("{", "neither 'off' nor JSON"),
+        ("[1]", "JSON object"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle'"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', r"in \[1, 16\]"),
+        ('{"method": "ngram", "num_speculative_tokens": 99}', r"in \[1, 16\]"),
+        ('{"method": "ngram", "num_speculative_tokens": true}', "wrong type"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown fields"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
+            '"prompt_lookup_max": 2}',
+            "prompt_lookup_min <= prompt_lookup_max",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            parse_speculative(text)
+
+
+def _lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup by hand: the longest suffix (max_n down to min_n) found earlier, ending
+    before the last token; its latest place; up to k known tokens after it, -1 past them."""
+    length = len(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        if length < n + 1:
+            continue
+        suffix = tokens[length - n :]
+        starts = [p for p in range(length - n) if tokens[p : p + n] == suffix]
+        if starts:
+            after = tokens[starts[-1] + n : starts[-1] + n + k]
+            return after + [-1] * (k - len(after))
+    return [-1] * k
+
+
+def test_prompt_lookup_proposes_what_the_hand_lookup_does():
+    rng = random.Random(3)
+    max_len, k = 64, 4
+    d = NgramDrafter(8, max_len, k, 1, 3, HostToDevice(torch.device("cpu")))
+    rows = [[rng.randrange(4) for _ in range(rng.randrange(1, 40))] for _ in range(8)]
+    rows[0] = [7]  # nothing before its only token
+    rows[1] = [1, 2, 3, 9, 1, 2, 3]  # the 3-gram beats the later 1-gram
+    for i, r in enumerate(rows):
+        d.set_row(i, r)
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.int32)
+    got = d.propose(8, lens, k, max(len(r) for r in rows)).tolist()
+    assert got == [_lookup(r, k, 1, 3) for r in rows]
+    assert got[1] == [9, 1, 2, 3] and got[0] == [-1] * k
+    # A verify step's tokens land after each row's length; a moved row takes its tokens.
+    made = torch.tensor([[5, 6, 7, 8, 9]] * 8)
+    d.append(8, lens, made)
+    d.move_row(0, 1)
+    lens2 = lens + 2  # two of the five accepted: the rest lies past the length
+    lens2[0] = lens2[1]
+    rows2 = [r + [5, 6] for r in rows]
+    rows2[0] = rows2[1]
+    got = d.propose(8, lens2, k, int(lens2.max())).tolist()
+    assert got == [_lookup(r, k, 1, 3) for r in rows2]
+
+
+def test_verify_steps_make_plain_decodings_tokens_and_accept_drafts(tiny_model):
+    """Prompts that repeat, so prompt lookup proposes from the first step; rows of several
+    lengths leave at different steps. fp32 against transformers' own Qwen3."""
+    prompts = [[5, 6, 7, 8, 9] * 6, [3, 4, 5], [11, 12, 13, 14] * 3 + [11]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 30, 25)]
+    with _worker(tiny_model, spec=SpeculativeConfig()) as worker:
+        plain = generate(worker, prompts, params)
+    with _worker(tiny_model) as worker:
+        spec = generate(worker, prompts, params)
+        stats = worker.decode.stats()
+    assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+    for prompt, p, r in zip(prompts, params, spec):
+        assert r["token_ids"] == hf_greedy(tiny_model, [prompt], p.max_tokens)[0]
+    assert stats["num_verify_steps"] > 0 and stats["num_drafted_tokens"] > 0
+
+
+class _Oracle:
+    """A drafter that knows each sequence's plain decoding: it proposes the next k tokens
+    of it, every `wrong_every`th of them changed."""
+
+    def __init__(self, sequences: list[list[int]], wrong_every: int = 0):
+        self.sequences = sequences
+        self.wrong_every = wrong_every
+        self.rows: dict[int, list[int]] = {}
+
+    def set_row(self, row, token_ids):
+        self.rows[row] = next(s for s in self.sequences if s[: len(token_ids)] == token_ids)
+
+    def move_row(self, row, src):
+        self.rows[row] = self.rows[src]
+
+    def propose(self, n, seq_lens, k, width):
+        drafts = []
+        for row, length in enumerate(seq_lens.tolist()):
+            after = self.rows[row][length : length + k]
+            after += [-1] * (k - len(after))
+            if self.wrong_every:
+                after = [
+                    t + 1 if (length + j) % self.wrong_every == 0 else t
+                    for j, t in enumerate(after)
+                ]
+            drafts.append(after)
+        return torch.tensor(drafts, dtype=torch.int64)
+
+    def append(self, n, seq_lens, tokens):
+        pass
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_drafts_that_are_right_are_all_accepted_and_a_wrong_one_cuts_the_run(tiny_model, sampled):
+    prompts = [[1, 2, 3], [40, 41, 42, 43, 44]]
+    temp = dict(temperature=0.9, top_p=0.95, seed=8) if sampled else {}
+    params = [SamplingParams(max_tokens=21, ignore_eos=True, **temp) for _ in prompts]
+    with _worker(tiny_model, spec=SpeculativeConfig()) as worker:
+        plain = [p + r["token_ids"] for p, r in zip(prompts, generate(worker, prompts, params))]
+    with _worker(tiny_model, block_size=128) as worker:
+        worker.decode.verifier.drafter = _Oracle(plain)
+        before = worker.h2d.num_writes
+        got = generate(worker, prompts, params)
+        v = worker.decode.verifier
+        # Each step makes 5 tokens a row: 20 after the first in 4 steps, 16 drafts accepted.
+        assert (v.num_steps, v.num_accepted, v.num_drafted) == (4, 2 * 16, 2 * 16)
+        assert [p + r["token_ids"] for p, r in zip(prompts, got)] == plain
+        spec_writes = worker.h2d.num_writes - before
+    with _worker(tiny_model) as worker:
+        worker.decode.verifier.drafter = _Oracle(plain, wrong_every=3)
+        got = generate(worker, prompts, params)
+        v = worker.decode.verifier
+        assert [p + r["token_ids"] for p, r in zip(prompts, got)] == plain
+        assert 0 < v.num_accepted < v.num_drafted and v.num_steps > 4
+    # The same host-to-device writes as plain decoding in one block (prefill and joins): a
+    # verify step adds none, though its rows advance by counts only the device knows.
+    with _worker(tiny_model, spec=SpeculativeConfig(), block_size=128) as worker:
+        before = worker.h2d.num_writes
+        generate(worker, prompts, params)
+        assert spec_writes == worker.h2d.num_writes - before
