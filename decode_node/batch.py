@@ -2,6 +2,10 @@
 (sampled where it was prefilled), each step is launched with the blocks and grammar masks
 it needs and its tokens are collected, and a sequence that ends leaves the batch.
 
+With speculative decoding on, a step may verify drafts (DraftChooser picks how many)
+and make several tokens a row; the first that ends its request ends it, and the rest
+are dropped. A verify step is never run ahead: the next one's rows depend on its counts.
+
 A row leaves between steps only: where the next step was launched before this one's
 tokens were seen (the pipelined turn, node.py), a sequence that ended with this step
 keeps its row for that one more step, whose token for it is dropped (counted in
@@ -16,6 +20,7 @@ from common.base.recent import Recent
 from common.engine.decode import DecodeTicket
 from common.kv.sequence import Sequence, blocks_to_join, finish_reason, num_blocks_short
 from common.wire.protocol import TokenUpdate, ttft_parts
+from decode_node.drafts import DraftChooser
 
 log = get_logger("decode")
 
@@ -41,6 +46,10 @@ class Batch:
         self.num_finished = 0
         self.num_discarded_tokens = 0
         self.num_batched_steps = 0  # steps that ran more than one request
+        verifier = worker.decode.verifier
+        self.drafts = verifier and DraftChooser(verifier.max_k)
+        self._next_k: int | None = None  # drafts for the next launch, once chosen (0 only)
+        self._is_verifying = False  # a verify step is launched and not yet collected
         self._num_log_tokens = 0  # since the last periodic line
         self._num_log_steps = 0
 
@@ -81,17 +90,58 @@ class Batch:
             self.finish(rid, in_batch=False)
             return update
         blocks_to_join(seq, self.worker.block_size, self.scheduler.prefix_cache)
-        self.worker.decode.add(rid, token, seq.prompt_len, seq.block_ids, seq.params, seq.history())
+        self.worker.decode.add(
+            rid,
+            token,
+            seq.prompt_len,
+            seq.block_ids,
+            seq.params,
+            seq.history(),
+            seq.prompt_ids + seq.output_ids,
+        )
         return update
 
     def launch(self) -> DecodeTicket | None:
         """The next step on the device, each sequence's new block and grammar mask first;
         None with no sequence running."""
-        self.worker.decode.grow_blocks(self.scheduler.running, self.scheduler.prefix_cache)
-        for key, seq in self.scheduler.running.items():
+        k = self._num_drafts()
+        self._next_k = None
+        s = self.scheduler
+        self.worker.decode.grow_blocks(s.running, s.prefix_cache, k)
+        for key, seq in s.running.items():
             if seq.matcher is not None:
                 self.worker.decode.set_mask(key, seq.matcher.fill())
-        return self.worker.decode.launch()
+        ticket = self.worker.decode.launch(k)
+        self._is_verifying = k > 0 and ticket is not None
+        return ticket
+
+    def _num_drafts(self) -> int:
+        """Drafts the next step verifies: 0 with speculation off, with a row that is not
+        plain, or one with no room past its next token."""
+        if self._next_k is not None:
+            return self._next_k
+        if not self.drafts:
+            return 0
+        return self.drafts.choose(self.worker.decode.keys(), self._room())
+
+    def _room(self) -> int:
+        """The most drafts every running row can take: its tokens to come (max_tokens), its
+        blocks and reservation (the free pool is the preemptions' to share), and the
+        model's length."""
+        room = self.drafts.max_k
+        limit, bs = self.worker.max_model_len, self.worker.block_size
+        for seq in self.scheduler.running.values():
+            if not seq.params.is_plain:
+                return 0
+            num_tokens = seq.prompt_len + len(seq.output_ids)  # with the next input
+            num_blocks = len(seq.block_ids) + seq.num_reserved
+            room = min(
+                room,
+                seq.params.max_tokens - len(seq.output_ids) - 1,
+                limit - num_tokens,
+                num_blocks * bs - num_tokens,
+            )
+        return max(room, 0)
 
     def can_run_ahead(self) -> bool:
         """Whether the running sequences allow the next step before this one's tokens are
@@ -100,6 +150,12 @@ class Batch:
         its reserved blocks), and no block the next step needs that only a preemption
         would free."""
         s = self.scheduler
+        if self._is_verifying:
+            return False  # the next step's rows, blocks and lengths wait for its counts
+        k = self._num_drafts()
+        if k:
+            return False  # a verify step waits for this step's tokens
+        self._next_k = 0  # NOTE: only a 0 is kept for the launch: it is safe for any rows
         if self.finished_in_flight or num_blocks_short(
             self.worker.decode.keys_needing_block, s.running, s.prefix_cache
         ):
@@ -116,24 +172,23 @@ class Batch:
     def collect(self, ticket: DecodeTicket, is_next_launched: bool) -> list[TokenUpdate]:
         """The launched step's tokens, one update per running sequence; a sequence they end
         leaves the batch now, or after the next step where that one is launched already."""
-        tokens = self.worker.decode.collect(ticket)
+        tokens = self.worker.decode.collect_many(ticket)
+        self._is_verifying = False
+        if self.drafts:
+            accepted = ticket.num_accepted or [0] * len(tokens)
+            self.drafts.observe(ticket.keys, ticket.num_drafts, ticket.busy_s, accepted)
         logprobs = ticket.logprobs or [None] * len(tokens)
         self._num_log_steps += 1
         if len(tokens) > 1:
             self.num_batched_steps += 1
         updates = []
-        for key, token, lp in zip(ticket.keys, tokens, logprobs):
+        for key, row, lp in zip(ticket.keys, tokens, logprobs):
             if key in self.finished_in_flight or key not in self.scheduler.running:
-                self.num_discarded_tokens += 1  # ended in the previous step: past its end
+                self.num_discarded_tokens += len(row)  # ended in the previous step: past its end
                 continue
-            self._num_log_tokens += 1
             seq = self.scheduler.running[key]
-            seq.output_ids.append(token)
-            if seq.matcher is not None and not seq.matcher.accept(token):
-                noisy.warning("request %s: token %d breaks its grammar", key, token)
-            reason = finish_reason(
-                seq, token, self.worker.spec.eos_token_ids, self.worker.max_model_len
-            )
+            made, reason = self._take(seq, row)
+            self._num_log_tokens += len(made)
             # NOTE: its preemptions are told after each resume too: a request that moves on
             # elsewhere keeps them in its timings.
             parts = seq.preemption_parts() if reason or seq.is_preemption_untold else None
@@ -141,10 +196,10 @@ class Batch:
             updates.append(
                 TokenUpdate(
                     key,
-                    [token],
+                    made,
                     reason,
                     parts,
-                    index=len(seq.output_ids) - 1,
+                    index=len(seq.output_ids) - len(made),
                     logprobs=[lp] if lp else None,
                 )
             )
@@ -160,11 +215,28 @@ class Batch:
             self.finished_in_flight.clear()
         return updates
 
+    def _take(self, seq: Sequence, row: list[int]) -> tuple[list[int], str | None]:
+        """A step's tokens for the sequence, in order, up to the first that ends it; -> those
+        taken and its finish reason (None: it goes on)."""
+        for i, token in enumerate(row):
+            seq.output_ids.append(token)
+            if seq.matcher is not None and not seq.matcher.accept(token):
+                noisy.warning("request %s: token %d breaks its grammar", seq.request_id, token)
+            reason = finish_reason(
+                seq, token, self.worker.spec.eos_token_ids, self.worker.max_model_len
+            )
+            if reason:
+                self.num_discarded_tokens += len(row) - i - 1
+                return row[: i + 1], reason
+        return row, None
+
     def finish(self, request_id: str, in_batch: bool, count: bool = True) -> None:
         """The sequence ends here: its row (in_batch) and its blocks go back."""
         if in_batch:
             self.worker.decode.remove(request_id)
         self.scheduler.finish(request_id)
+        if self.drafts:
+            self.drafts.forget(request_id)
         self.num_finished += count
         self.ended.add(request_id)
 
@@ -181,4 +253,4 @@ class Batch:
             "num_finished": self.num_finished,
             "num_batched_steps": self.num_batched_steps,
             "num_discarded_tokens": self.num_discarded_tokens,
-        }
+        } | ({"num_draft_probes": self.drafts.num_probes} if self.drafts else {})

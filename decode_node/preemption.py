@@ -66,7 +66,15 @@ class Preemption:
         else:
             w.recompute(seq.prompt_ids + seq.output_ids[:-1], block_ids)
             self.num_recomputed += 1
-        w.decode.add(rid, seq.output_ids[-1], seq.num_cached, block_ids, seq.params, seq.history())
+        w.decode.add(
+            rid,
+            seq.output_ids[-1],
+            seq.num_cached,
+            block_ids,
+            seq.params,
+            seq.history(),
+            seq.prompt_ids + seq.output_ids,
+        )
         seq.is_preemption_untold = True
         log.debug(
             "resumed %s after %.0f ms (%s)",

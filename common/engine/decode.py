@@ -49,6 +49,8 @@ class DecodeTicket:
     num_logprobs: list[int] | None = None  # per row (-1: none), when any row asked
     logprobs: list[TokenLogprobs | None] | None = None  # per row, once collected
     num_drafts: int = 0  # k of a verify step (0: a plain step)
+    busy_s: float = 0.0  # the step's time on the device, once collected
+    num_accepted: list[int] | None = None  # a verify step's, per row, once collected
 
 
 class DecodeBatch:
@@ -101,8 +103,17 @@ class DecodeBatch:
         self._host_seq_lens_t = torch.from_numpy(self.host_seq_lens)  # the same memory
         self._slots: dict[str, int] = {}
         self._keys: list[str] = []
-        # Verify steps (verify.py), where a drafter is given.
-        self.verifier = drafter and Verifier(drafter, n, max_speculative_tokens, dev, pinned)
+        # Verify steps (verify.py) over these same buffers, where a drafter is given.
+        self.verifier = drafter and Verifier(
+            drafter,
+            max_speculative_tokens,
+            model,
+            (self._input_ids, self._seq_lens, self._step_inc),
+            self.host_seq_lens,
+            self.table,
+            self.sampling,
+            pinned,
+        )
 
     def capture_graphs(self) -> None:
         width = self.table.max_blocks
@@ -256,7 +267,7 @@ class DecodeBatch:
         plan = self.sampling.plan(n)
         if k and not plan.is_plain:
             raise ValueError("a verify step takes plain rows only")
-        run = partial(self._verify, k) if k else self._run
+        run = partial(self.verifier.run, k) if k else self._run
         p = self.platform
         t0 = time.perf_counter()
         ticket = DecodeTicket(self._keys[:n], self.num_steps % 2, start=p.event(timing=True))
@@ -284,7 +295,8 @@ class DecodeBatch:
                     self.cores.end()
         ticket.end = p.event(timing=True)
         if ticket.end is None:  # no events (CPU): the step ran here, in this call
-            self.device_busy_s += time.perf_counter() - t0
+            ticket.busy_s = time.perf_counter() - t0
+            self.device_busy_s += ticket.busy_s
         if k:
             self.verifier.queue_copy(ticket.slot, n, k)
         else:
@@ -328,6 +340,7 @@ class DecodeBatch:
         n = len(ticket.keys)
         tokens, made = self.verifier.read(ticket.slot, n, ticket.num_drafts)
         self.host_seq_lens[:n] += made.astype(np.int32)
+        ticket.num_accepted = [len(row) - 1 for row in tokens]
         return tokens
 
     def _wait(self, ticket: DecodeTicket) -> None:
@@ -335,7 +348,8 @@ class DecodeBatch:
             self.platform.synchronize()  # no events here: a no-op on CPU
         else:
             ticket.copied.synchronize()
-            self.device_busy_s += ticket.start.elapsed_time(ticket.end) / 1e3
+            ticket.busy_s = ticket.start.elapsed_time(ticket.end) / 1e3
+            self.device_busy_s += ticket.busy_s
             if self._last_end is not None:
                 self.device_idle_s += max(self._last_end.elapsed_time(ticket.start), 0.0) / 1e3
             self._last_end = ticket.end
@@ -348,24 +362,6 @@ class DecodeBatch:
     def mark_idle(self) -> None:
         """The node has nothing to run: the gap before the next step is not device idleness."""
         self._last_end = None
-
-    def _verify(
-        self, k: int, n: int, width: int, is_greedy: bool, num_logprobs=None, between_layers=None
-    ) -> None:
-        """The device part of a verify step of k drafts over rows [0, n) (verify.py)."""
-        self.verifier.run(
-            self.model,
-            k,
-            self._input_ids[:n],
-            self._seq_lens[:n],
-            self._step_inc[:n],
-            self.table.tensor[:n, :width],
-            self.host_seq_lens[:n],
-            self.block_size,
-            self.sampling,
-            is_greedy,
-            between_layers,
-        )
 
     def _run(
         self,

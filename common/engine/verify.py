@@ -20,17 +20,35 @@ import torch
 
 import kernels
 from common.engine import qwen3
+from common.engine.block_table import BlockTable
 from common.engine.drafting import Drafter
 from common.engine.sampling_rows import SamplingRows
 
 
 class Verifier:
-    def __init__(self, drafter: Drafter, max_batch_size: int, max_k: int, device, is_pinned: bool):
+    def __init__(
+        self,
+        drafter: Drafter,
+        max_k: int,
+        model: "qwen3.Model",
+        rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        host_seq_lens: np.ndarray,
+        table: BlockTable,
+        sampling: SamplingRows,
+        is_pinned: bool,
+    ):
+        """rows: the decode batch's input_ids, seq_lens and step_inc [max_batch_size] on
+        the device, advanced here; host_seq_lens: its host copy of seq_lens (read only)."""
         self.drafter = drafter
         self.max_k = max_k
-        n = max_batch_size
+        self.model = model
+        self._rows = rows
+        self._host_seq_lens = host_seq_lens
+        self._table = table
+        self._sampling = sampling
+        n, device = rows[0].shape[0], rows[0].device
         self._steps = torch.arange(max_k + 1, dtype=torch.int32, device=device)
-        # Per row: the step's tokens [n, max_k + 1], accepted and proposed drafts [n].
+        # Per row: the step's tokens [n, max_k + 1]; accepted and proposed drafts [2, n].
         self._targets = torch.zeros(n, max_k + 1, dtype=torch.int64, device=device)
         self._counts = torch.zeros(2, n, dtype=torch.int64, device=device)
         # Two host slots, as the plain step's samples.
@@ -49,31 +67,29 @@ class Verifier:
 
     def run(
         self,
-        model: "qwen3.Model",
         k: int,
-        input_ids: torch.Tensor,
-        seq_lens: torch.Tensor,
-        step_inc: torch.Tensor,
-        block_tables: torch.Tensor,
-        host_seq_lens: np.ndarray,
-        block_size: int,
-        sampling: SamplingRows,
+        n: int,
+        width: int,
         is_greedy: bool,
+        num_logprobs: int | None = None,
         between_layers=None,
     ) -> None:
-        """The device part of a verify step over rows [0, n): input_ids, seq_lens, step_inc
-        [n] (advanced in place), block_tables [n, W] covering L + k tokens, host_seq_lens
-        [n] the host's copy of seq_lens."""
-        n, k1 = input_ids.shape[0], k + 1
+        """The device part of a verify step of k drafts over rows [0, n), their block tables
+        [n, width] covering L + k tokens each (a plain step's arguments after k; a verify
+        step has no log-probabilities to report)."""
+        input_ids, seq_lens, step_inc = (t[:n] for t in self._rows)
+        block_tables = self._table.tensor[:n, :width]
+        host_seq_lens = self._host_seq_lens[:n]
+        k1 = k + 1
         drafts = self.drafter.propose(n, seq_lens, k, int(host_seq_lens.max()))  # [n, k]
         ids = torch.cat([input_ids[:, None], drafts.clamp(min=0)], 1).view(-1)  # [n * k1]
         lens = (seq_lens[:, None] + self._steps[:k1]).view(-1)  # [n * k1] int32
         tables = block_tables.repeat_interleave(k1, 0)  # [n * k1, W]
         slots = torch.empty(n * k1, dtype=torch.int64, device=ids.device)
-        kernels.compute_slot_mapping(lens, tables, block_size, slots)
+        kernels.compute_slot_mapping(lens, tables, self._table.block_size, slots)
         # The host's lengths ride along for kernels that take them there (Ascend).
         host_lens = torch.from_numpy(
-            (host_seq_lens[:n, None] + np.arange(k1, dtype=np.int32)).reshape(-1)
+            (host_seq_lens[:, None] + np.arange(k1, dtype=np.int32)).reshape(-1)
         )
         attn = qwen3.AttentionInputs(
             is_prefill=False,
@@ -82,13 +98,13 @@ class Verifier:
             seq_lens=lens,
             host_seq_lens=host_lens,
         )
-        m = model
+        m = self.model
         positions = lens.long() - 1
         hidden = qwen3.forward(
             m.spec, m.weights, m.kv_cache, m.cos_sin, ids, positions, attn, between_layers
         )
         logits = qwen3.compute_logits(m.weights, hidden)
-        targets = sampling.choose_spread(logits, lens.long(), n, k1, is_greedy).view(n, k1)
+        targets = self._sampling.choose_spread(logits, lens.long(), n, k1, is_greedy).view(n, k1)
         accepted = (drafts == targets[:, :k]).long().cumprod(1).sum(1)  # [n]
         self.drafter.append(n, seq_lens, targets)
         self._targets[:n, :k1].copy_(targets)

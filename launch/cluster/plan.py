@@ -13,6 +13,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.base.speculative import parse_speculative
+
 USAGE = """usage: pdserve serve [--demo] [--model DIR] [--host 127.0.0.1] [--advertise-host H]
      [--base-port 5600] [--name-prefix P] [--join NODE_ENDPOINT]
      [--prefill-devices D[,D...]] [--decode-devices D[,D...]]      one node per device listed
@@ -24,6 +26,7 @@ USAGE = """usage: pdserve serve [--demo] [--model DIR] [--host 127.0.0.1] [--adv
      [--block-size N] [--token-budget N] [--kv-cache-fraction F]
      [--http-port 8000 | --no-http] [--no-access-log] [--served-model-name NAME] [--log-level LEVEL]
      [--no-prefix-caching] [--swap-space GIB] [--no-preemption] [--kv-verify]
+     [--speculative-config JSON|off]
      [--reasoning-parser qwen3] [--tool-call-parser qwen3|hermes|none] [--enable-auto-tool-choice]
      [--logprobs-mode raw_logprobs|processed_logprobs] [--allow-json-whitespace]
      [--keys DIR | --no-keys] [--no-restart-nodes] [--no-core-sharing] [--drain-timeout S]
@@ -125,6 +128,7 @@ VALUED = {
     "--keys": ("keys", ""),
     "--drain-timeout": ("drain_timeout", "30"),
     "--swap-space": ("swap_space", ""),
+    "--speculative-config": ("speculative_config", ""),
     "--reasoning-parser": ("reasoning_parser", ""),
     "--tool-call-parser": ("tool_call_parser", ""),
     "--logprobs-mode": ("logprobs_mode", ""),
@@ -239,6 +243,10 @@ def make_plan(a: argparse.Namespace, num_cores: int, home: Path) -> Plan:
         raise PlanError(f"--ready-timeout needs whole seconds, got '{a.ready_timeout}'")
     if not re.fullmatch(r"\d+(\.\d+)?", a.drain_timeout):
         raise PlanError(f"--drain-timeout needs seconds, got '{a.drain_timeout}'")
+    try:
+        parse_speculative(a.speculative_config)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     prefill_devs = devices_for(a.prefill_devices, a.num_prefill, "prefill")
     decode_devs = devices_for(a.decode_devices, a.num_decode, "decode")
     if not re.fullmatch(r"[A-Za-z0-9._-]*", a.prefix):
@@ -373,7 +381,7 @@ def node_argv(plan: Plan, node: Node) -> list[str]:
     ]
     argv += ["--core-pool", plan.core_pools[node.name]] if node.name in plan.core_pools else []
     if node.role == "decode":
-        argv += ["--kv-bind", node.kv]
+        argv += ["--kv-bind", node.kv] + _given(a, ("speculative_config", "--speculative-config"))
         if plan.advertise:
             argv += ["--kv-advertise", f"tcp://{plan.advertise}:{node.kv.rsplit(':', 1)[1]}"]
         argv += ["--swap-space", a.swap_space] * bool(a.swap_space) + [

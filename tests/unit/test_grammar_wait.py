@@ -342,6 +342,8 @@ def test_only_a_grammar_that_cannot_go_on_fails_a_join_alone():
     from decode_node.batch import Batch
 
     class Refusing:
+        verifier = None  # no speculative decoding
+
         def add(self, *args):
             raise ValueError("sequence 'r' is already decoding")
 

@@ -1,0 +1,84 @@
+"""How many drafts the next decode step verifies: the k (0 included) expected to make the
+most tokens a second, from each row's acceptance so far and each (batch size, k)'s
+measured step time, so a load whose drafts do not pay runs plain steps.
+
+Each row's acceptance p is a moving mean of its accepted drafts over those it was
+verified with (a step that proposed none counts as none accepted); a verify step of k
+is expected to make 1 + p + ... + p^k tokens in that row. A (batch size, k) not yet
+measured is tried once. While plain steps win, a verify step is still tried now and then
+(a probe) to see whether acceptance has grown; the gap between probes doubles each time
+one does not pay, so a load that never matches pays for few.
+"""
+
+from __future__ import annotations
+
+PRIOR = 0.3  # a new row's acceptance, until it is measured
+SMOOTHING = 0.3  # weight of a new measurement (acceptance and step times alike)
+FIRST_PROBE_GAP = 16  # plain steps before the first probe
+MAX_PROBE_GAP = 1024
+
+
+def _bucket(num_rows: int) -> int:
+    """Batch sizes measured together: 1, 2, 3-4, 5-8, ..."""
+    return 1 << max(num_rows - 1, 0).bit_length()
+
+
+class DraftChooser:
+    def __init__(self, max_k: int):
+        self.max_k = max_k
+        self.candidates = sorted({0, 1, max(max_k // 2, 1), max_k})
+        self._acceptance: dict[str, float] = {}
+        self._step_s: dict[tuple[int, int], float] = {}
+        self._probe_gap = FIRST_PROBE_GAP
+        self._num_plain = 0  # plain steps since the last verify step
+        self._is_probe = False
+        self.num_probes = 0
+
+    def forget(self, key: str) -> None:
+        self._acceptance.pop(key, None)
+
+    def choose(self, keys: list[str], limit: int) -> int:
+        """k for a step over these rows, at most limit (what the rows' blocks and lengths
+        allow; 0 where the batch cannot be verified)."""
+        self._is_probe = False
+        if limit <= 0 or not keys:
+            return 0
+        bucket = _bucket(len(keys))
+        ps = [self._acceptance.get(key, PRIOR) for key in keys]
+        best_k, best_rate = 0, 0.0
+        for k in sorted({min(k, limit) for k in self.candidates}):
+            step_s = self._step_s.get((bucket, k))
+            if step_s is None:
+                return k  # never measured at this size: measure it
+            tokens = sum(_expected_tokens(p, k) for p in ps)
+            if tokens / step_s > best_rate:
+                best_k, best_rate = k, tokens / step_s
+        if best_k == 0 and self._num_plain >= self._probe_gap:
+            self._is_probe = True
+            self.num_probes += 1
+            return min(self.max_k, limit)
+        return best_k
+
+    def observe(self, keys: list[str], k: int, step_s: float, accepted: list[int]) -> None:
+        """A collected step of k drafts over these rows took step_s; accepted: each row's
+        accepted drafts (a verify step's)."""
+        key = (_bucket(len(keys)), k)
+        old = self._step_s.get(key)
+        self._step_s[key] = step_s if old is None else old + SMOOTHING * (step_s - old)
+        if k == 0:
+            self._num_plain += 1
+            return
+        is_won = False
+        for row_key, a in zip(keys, accepted):
+            p = self._acceptance.get(row_key, PRIOR)
+            self._acceptance[row_key] = p + SMOOTHING * (a / k - p)
+            is_won |= a > 0
+        if self._is_probe:
+            # NOTE: a probe that accepted nothing doubles the gap; one that did starts over.
+            self._probe_gap = FIRST_PROBE_GAP if is_won else min(2 * self._probe_gap, MAX_PROBE_GAP)
+        self._num_plain = 0
+
+
+def _expected_tokens(p: float, k: int) -> float:
+    """1 + p + ... + p^k: a row's tokens from a step of k drafts, each accepted with p."""
+    return sum(p**j for j in range(k + 1))

@@ -1,0 +1,90 @@
+"""Speculative decoding through launch/start_cluster.sh: a decode node that verifies prompt
+lookup's drafts answers as transformers does, token for token, alongside requests that
+cannot be verified (log-probabilities), and ends a request at its stop token mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from frontend.client import AsyncClient
+from tests.cluster_util import Cluster, wait_for
+from tests.conftest import clear_prompts
+
+pytestmark = pytest.mark.cluster
+
+NEW_TOKENS = 32
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "cluster.log"
+    c = Cluster(tiny_model, log, "--speculative-config", NGRAM)
+    yield c
+    c.stop()
+
+
+def _repeating_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of a short random run said a few times: prompt lookup finds its drafts."""
+    rng = np.random.RandomState(seed)
+    runs = [rng.randint(0, 400, size=int(rng.randint(2, 7))).tolist() for _ in range(n)]
+    return [run * int(rng.randint(2, 6)) + run[:1] for run in runs]
+
+
+def test_verified_drafts_answer_as_transformers(cluster, tiny_model):
+    prompts, expected = clear_prompts(tiny_model, _repeating_prompts(24), NEW_TOKENS, 8)
+
+    async def run():
+        async with AsyncClient(cluster.endpoint) as client:
+            plain = [
+                client.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True)
+                for p in prompts
+            ]
+            # not plain: log-probabilities put the batch on plain steps while it runs
+            reported = client.complete(
+                prompt_token_ids=prompts[0], max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1
+            )
+            return await asyncio.gather(*plain, reported)
+
+    *results, reported = asyncio.run(run())
+    for i, (r, ref) in enumerate(zip(results, expected)):
+        assert r.error is None, r.error
+        assert r.token_ids == ref, f"request {i} diverged"
+        assert r.finish_reason == "length" and r.usage["completion_tokens"] == NEW_TOKENS
+    assert reported.token_ids == expected[0] and len(reported.logprobs) == NEW_TOKENS
+    wait_for(lambda: cluster.stats()["decode-0"].get("num_verify_steps", 0) > 0, 10, "verify steps")
+    stats = cluster.stats()["decode-0"]
+    assert stats["num_drafted_tokens"] > 0
+
+
+def test_a_stop_token_inside_a_verified_run_ends_the_request_there(cluster, tiny_model):
+    prompts, expected = clear_prompts(tiny_model, _repeating_prompts(24, seed=1), NEW_TOKENS, 4)
+
+    async def run():
+        async with AsyncClient(cluster.endpoint) as client:
+            return await asyncio.gather(
+                *[
+                    client.complete(
+                        prompt_token_ids=p,
+                        max_tokens=NEW_TOKENS,
+                        ignore_eos=True,
+                        stop_token_ids=[ref[9]],
+                    )
+                    for p, ref in zip(prompts, expected)
+                ]
+            )
+
+    for r, ref in zip(asyncio.run(run()), expected):
+        end = ref.index(ref[9]) + 1
+        assert r.token_ids == ref[:end] and r.finish_reason == "stop"
+    wait_for(lambda: _all_blocks_free(cluster), 10, "every block back")
+
+
+def _all_blocks_free(cluster) -> bool:
+    return all(
+        s["num_free_blocks"] == s["num_usable_blocks"] and not s.get("num_reserved_blocks")
+        for s in cluster.stats().values()
+    )
