@@ -17,7 +17,7 @@ from __future__ import annotations
 from common.base import grammar
 from common.base.log import Throttle, get_logger
 from common.base.recent import Recent
-from common.engine.decode import DecodeTicket
+from common.engine.ticket import DecodeTicket
 from common.kv.sequence import Sequence, blocks_to_join, finish_reason, num_blocks_short
 from common.wire.protocol import TokenUpdate, ttft_parts
 from decode_node.drafts import DraftChooser

@@ -21,7 +21,7 @@ from common.base import grammar
 from common.base.config import DecodeConfig, endpoint_host, is_loopback_endpoint
 from common.base.log import IdleQuiet, Throttle, get_logger
 from common.base.recent import Recent
-from common.engine.decode import DecodeTicket
+from common.engine.ticket import DecodeTicket
 from common.engine.worker import DeviceWorker
 from common.handoff.receiver import Receiver
 from common.kv.prefix import PrefixCache

@@ -17,7 +17,6 @@ captured graph).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -25,32 +24,17 @@ import numpy as np
 import torch
 
 import kernels
-from common.base.request import SamplingParams, TokenLogprobs
+from common.base.request import SamplingParams
 from common.engine import qwen3
 from common.engine.block_table import BlockTable
 from common.engine.drafting import Drafter
 from common.engine.graphs import GraphRunner
 from common.engine.h2d import HostToDevice
 from common.engine.sampling_rows import SamplingRows
+from common.engine.ticket import DecodeTicket
 from common.engine.verify import Verifier
 from common.kv.blocks import num_blocks_for
 from common.kv.sequence import grow_blocks
-
-
-@dataclass
-class DecodeTicket:
-    """A launched decode step: whose tokens it makes and where they land on the host."""
-
-    keys: list[str]
-    slot: int
-    start: object | None = None  # platform events; None where work is not queued (CPU)
-    end: object | None = None
-    copied: object | None = None
-    num_logprobs: list[int] | None = None  # per row (-1: none), when any row asked
-    logprobs: list[TokenLogprobs | None] | None = None  # per row, once collected
-    num_drafts: int = 0  # k of a verify step (0: a plain step)
-    busy_s: float = 0.0  # the step's time on the device, once collected
-    num_accepted: list[int] | None = None  # a verify step's, per row, once collected
 
 
 class DecodeBatch:
@@ -189,14 +173,14 @@ class DecodeBatch:
         self.table.flush(None)  # pending entries name rows that are about to move
         row = self._slots.pop(key)
         last = self.num_seqs - 1
+        if self.verifier:
+            self.verifier.drafter.remove_row(row, last)
         if row != last:
             moved = self._keys[last]
             for buf in (self._input_ids, self._seq_lens, self._step_inc):
                 buf[row].copy_(buf[last])
             self.table.move_row(row, last)
             self.sampling.move_row(row, last)
-            if self.verifier:
-                self.verifier.drafter.move_row(row, last)
             self.host_seq_lens[row] = self.host_seq_lens[last]
             self._keys[row] = moved
             self._slots[moved] = row
@@ -329,7 +313,10 @@ class DecodeBatch:
         n = len(ticket.keys)
         if ticket.num_logprobs is not None:
             ticket.logprobs = self.sampling.read_logprobs(ticket.slot, ticket.num_logprobs)
-        return self._sampled_host[ticket.slot, :n].tolist()
+        tokens = self._sampled_host[ticket.slot, :n].tolist()
+        if self.verifier:
+            self.verifier.drafter.took([[t] for t in tokens])
+        return tokens
 
     def collect_many(self, ticket: DecodeTicket) -> list[list[int]]:
         """Wait for a launched step; each row's tokens in the ticket's key order: one for a
@@ -341,6 +328,7 @@ class DecodeBatch:
         tokens, made = self.verifier.read(ticket.slot, n, ticket.num_drafts)
         self.host_seq_lens[:n] += made.astype(np.int32)
         ticket.num_accepted = [len(row) - 1 for row in tokens]
+        self.verifier.drafter.took(tokens)
         return tokens
 
     def _wait(self, ticket: DecodeTicket) -> None:
@@ -402,4 +390,6 @@ class DecodeBatch:
         logits = qwen3.compute_logits(m.weights, hidden)
         sampled = self.sampling.choose(logits, seq_lens, is_greedy, num_logprobs)
         self._sampled[:n].copy_(sampled)
+        if self.verifier:  # the drafter's rows hold every token, a plain step's too
+            self.verifier.drafter.append(n, seq_lens, self._sampled[:n, None])
         kernels.advance_step(self._input_ids[:n], sampled, seq_lens, self._step_inc[:n])

@@ -11,7 +11,7 @@ from common.base.request import SamplingParams
 from common.base.speculative import SpeculativeConfig, parse_speculative
 from common.engine.drafting.ngram import NgramDrafter
 from common.engine.h2d import HostToDevice
-from common.engine.worker import DeviceWorker
+from common.engine.worker import DeviceWorker, PrefillChunk
 from launch.generate import generate
 from tests.conftest import hf_greedy
 
@@ -78,7 +78,7 @@ def test_prompt_lookup_proposes_what_the_hand_lookup_does():
     # A verify step's tokens land after each row's length; a moved row takes its tokens.
     made = torch.tensor([[5, 6, 7, 8, 9]] * 8)
     d.append(8, lens, made)
-    d.move_row(0, 1)
+    d.remove_row(0, 1)
     lens2 = lens + 2  # two of the five accepted: the rest lies past the length
     lens2[0] = lens2[1]
     rows2 = [r + [5, 6] for r in rows]
@@ -115,8 +115,8 @@ class _Oracle:
     def set_row(self, row, token_ids):
         self.rows[row] = next(s for s in self.sequences if s[: len(token_ids)] == token_ids)
 
-    def move_row(self, row, src):
-        self.rows[row] = self.rows[src]
+    def remove_row(self, row, last):
+        self.rows[row] = self.rows[last]
 
     def propose(self, n, seq_lens, k, width):
         drafts = []
@@ -132,6 +132,9 @@ class _Oracle:
         return torch.tensor(drafts, dtype=torch.int64)
 
     def append(self, n, seq_lens, tokens):
+        pass
+
+    def took(self, tokens):
         pass
 
 
@@ -163,3 +166,26 @@ def test_drafts_that_are_right_are_all_accepted_and_a_wrong_one_cuts_the_run(tin
         before = worker.h2d.num_writes
         generate(worker, prompts, params)
         assert spec_writes == worker.h2d.num_writes - before
+
+
+def test_prompt_lookups_rows_hold_every_token_plain_steps_and_verify_steps_alike(tiny_model):
+    """The drafter's rows are written on the device by every step; a row that leaves is
+    filled by the last, its tokens with it."""
+    prompts = [[5, 6, 7] * 4, [9, 8] * 3, [1, 2, 3, 4]]
+    p = SamplingParams(max_tokens=40, ignore_eos=True)
+    with _worker(tiny_model, block_size=128) as worker:
+        d, rows = worker.decode, {}
+        for key, prompt in zip("abc", prompts):
+            (first,), _ = worker.prefill([PrefillChunk(prompt, 0, [1 + "abc".index(key)], p)])
+            d.add(key, first, len(prompt), [1 + "abc".index(key)], p, token_ids=prompt + [first])
+            rows[key] = prompt + [first]
+        for k in (0, 0, 3, 0, 2, 2, 0):
+            ticket = d.launch(k)
+            for key, made in zip(ticket.keys, d.collect_many(ticket)):
+                rows[key] += made
+            if k == 3:
+                d.remove("a")  # row 0 leaves: row 2 ("c") moves into it
+        for row, key in enumerate(d.keys()):
+            n = len(rows[key])
+            assert d.verifier.drafter.tokens[row, :n].tolist() == rows[key]
+            assert int(d.host_seq_lens[row]) == n

@@ -20,17 +20,23 @@ class Drafter(Protocol):
         """A sequence joins at row: every token it has (prompt, then output; the last is
         its next input), through the counted host-to-device copy."""
 
-    def move_row(self, row: int, src: int) -> None:
-        """Row src's state into row (on the device)."""
+    def remove_row(self, row: int, last: int) -> None:
+        """The sequence at row leaves; the last live row's state moves into it (unless row
+        is the last)."""
 
     def propose(self, n: int, seq_lens: torch.Tensor, k: int, width: int) -> torch.Tensor:
         """Drafts [n, k] int64 for rows [0, n), -1 where none: the tokens proposed to follow
         each row's seq_lens[i] tokens. width: an upper bound of seq_lens (host-known)."""
 
     def append(self, n: int, seq_lens: torch.Tensor, tokens: torch.Tensor) -> None:
-        """A verify step made tokens [n, k + 1] at positions seq_lens[i] + j of each row
-        (seq_lens: the lengths before it). Those past what was accepted are overwritten
-        before they are read: a drafter reads a row only below its length."""
+        """On the device, in every step: it made tokens [n, k + 1] (k = 0: a plain step) at
+        positions
+        seq_lens[i] + j of each row (seq_lens: the lengths before it). Those past what was
+        accepted are overwritten before they are read: a drafter reads a row only below
+        its length."""
+
+    def took(self, tokens: list[list[int]]) -> None:
+        """On the host, once a step is collected: each row's new tokens, in row order."""
 
 
 def make_drafter(

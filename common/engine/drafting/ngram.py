@@ -34,8 +34,9 @@ class NgramDrafter:
             raise ValueError(f"{len(token_ids)} tokens exceed the drafter's rows")
         self._h2d.write(self.tokens[row, : len(token_ids)], token_ids)
 
-    def move_row(self, row: int, src: int) -> None:
-        self.tokens[row].copy_(self.tokens[src])
+    def remove_row(self, row: int, last: int) -> None:
+        if row != last:
+            self.tokens[row].copy_(self.tokens[last])
 
     def propose(self, n: int, seq_lens: torch.Tensor, k: int, width: int) -> torch.Tensor:
         width = min(width, self.tokens.shape[1])
@@ -62,3 +63,6 @@ class NgramDrafter:
     def append(self, n: int, seq_lens: torch.Tensor, tokens: torch.Tensor) -> None:
         pos = seq_lens[:n, None].long() + self._steps[: tokens.shape[1]]  # [n, k + 1]
         self.tokens[:n].scatter_(1, pos, tokens.to(self.tokens.dtype))
+
+    def took(self, tokens: list[list[int]]) -> None:
+        pass  # every step appends its tokens on the device (append)

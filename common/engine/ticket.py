@@ -1,0 +1,23 @@
+"""A launched decode step, as the host keeps it until its tokens are collected."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.base.request import TokenLogprobs
+
+
+@dataclass
+class DecodeTicket:
+    """A launched decode step: whose tokens it makes and where they land on the host."""
+
+    keys: list[str]
+    slot: int
+    start: object | None = None  # platform events; None where work is not queued (CPU)
+    end: object | None = None
+    copied: object | None = None
+    num_logprobs: list[int] | None = None  # per row (-1: none), when any row asked
+    logprobs: list[TokenLogprobs | None] | None = None  # per row, once collected
+    num_drafts: int = 0  # k of a verify step (0: a plain step)
+    busy_s: float = 0.0  # the step's time on the device, once collected
+    num_accepted: list[int] | None = None  # a verify step's, per row, once collected
