@@ -131,7 +131,8 @@ class WorkerConfig:
         metadata=flag(
             "--speculative-config",
             "decode: draft tokens and verify them in the step, e.g. "
-            '\'{"method": "ngram", "num_speculative_tokens": 3}\' (prompt lookup), or off',
+            '\'{"method": "ngram", "num_speculative_tokens": 3}\' (prompt lookup; "suffix": '
+            "suffix decoding), or off",
             parse=parse_speculative,
             metavar="JSON",
             default_text="off",

@@ -1,14 +1,14 @@
 """What `--speculative-config` asks for: a drafting method and how many tokens it may
-propose a step. The spelling is vLLM's (a JSON object, `method` and
-`num_speculative_tokens`, prompt lookup's `prompt_lookup_min` / `prompt_lookup_max`),
-or `off`."""
+propose a step. The spelling is vLLM's (a JSON object: `method`, `num_speculative_tokens`;
+prompt lookup's `prompt_lookup_min` / `prompt_lookup_max`; suffix decoding's
+`suffix_decoding_max_tree_depth` / `suffix_decoding_max_cached_requests`), or `off`."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -18,6 +18,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 0  # K: the most drafts a sequence is verified with a step
     prompt_lookup_min: int = 1  # n-gram: the shortest suffix that may match
     prompt_lookup_max: int = 3  # n-gram: the longest, tried first
+    # suffix: a match and its drafts together are at most this long
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000  # suffix: finished requests kept to match
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -36,6 +39,10 @@ class SpeculativeConfig:
                 "prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max <= 8, not "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
+        if not 2 <= self.suffix_decoding_max_tree_depth <= 64:
+            raise ValueError("suffix_decoding_max_tree_depth must be in [2, 64]")
+        if not 0 <= self.suffix_decoding_max_cached_requests <= 100_000:
+            raise ValueError("suffix_decoding_max_cached_requests must be in [0, 100000]")
 
     @property
     def is_on(self) -> bool:

@@ -25,9 +25,10 @@ import torch
 
 import kernels
 from common.base.request import SamplingParams
+from common.base.speculative import SpeculativeConfig
 from common.engine import qwen3
 from common.engine.block_table import BlockTable
-from common.engine.drafting import Drafter
+from common.engine.drafting import make_drafter
 from common.engine.graphs import GraphRunner
 from common.engine.h2d import HostToDevice
 from common.engine.sampling_rows import SamplingRows
@@ -47,8 +48,7 @@ class DecodeBatch:
         platform,
         h2d: HostToDevice,
         eos_ids: tuple[int, ...] = (),
-        drafter: Drafter | None = None,
-        max_speculative_tokens: int = 0,
+        speculative: SpeculativeConfig = SpeculativeConfig(),
     ):
         self.model = model
         self.block_size = block_size
@@ -88,9 +88,11 @@ class DecodeBatch:
         self._slots: dict[str, int] = {}
         self._keys: list[str] = []
         # Verify steps (verify.py) over these same buffers, where a drafter is given.
+        max_len = max_blocks_per_seq * block_size
+        drafter = make_drafter(speculative, n, max_len, h2d, pinned)
         self.verifier = drafter and Verifier(
             drafter,
-            max_speculative_tokens,
+            speculative.num_speculative_tokens,
             model,
             (self._input_ids, self._seq_lens, self._step_inc),
             self.host_seq_lens,

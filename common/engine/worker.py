@@ -25,7 +25,6 @@ from common.engine import logits as logit_rules
 from common.engine import qwen3
 from common.engine.cores import CorePool
 from common.engine.decode import DecodeBatch
-from common.engine.drafting import make_drafter
 from common.engine.graphs import wants_graphs
 from common.engine.h2d import HostToDevice
 from common.engine.kv_cache import allocate_kv_cache
@@ -97,8 +96,7 @@ class DeviceWorker:
             self.platform,
             self.h2d,
             self.spec.eos_token_ids,
-            make_drafter(cfg.speculative, cfg.max_batch_size, self.max_model_len, self.h2d),
-            cfg.speculative.num_speculative_tokens,
+            cfg.speculative,
         )
         # On the host a step runs in its launch: nothing overlaps it.
         self.is_step_queued = not self.platform.is_host

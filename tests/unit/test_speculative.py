@@ -10,6 +10,7 @@ from common.base.config import WorkerConfig
 from common.base.request import SamplingParams
 from common.base.speculative import SpeculativeConfig, parse_speculative
 from common.engine.drafting.ngram import NgramDrafter
+from common.engine.drafting.suffix import SuffixDrafter
 from common.engine.h2d import HostToDevice
 from common.engine.worker import DeviceWorker, PrefillChunk
 from launch.generate import generate
@@ -29,6 +30,10 @@ def test_the_config_takes_vllms_spelling_and_names_what_is_wrong():
     assert not parse_speculative("off").is_on
     got = parse_speculative('{"method": "ngram", "num_speculative_tokens": 5}')
     assert got == SpeculativeConfig("ngram", 5) and got.is_on
+    got = parse_speculative(
+        '{"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 32}'
+    )
+    assert got == SpeculativeConfig("suffix", 8, suffix_decoding_max_tree_depth=32)
     for text, match in [
         ("{", "neither 'off' nor JSON"),
         ("[1]", "JSON object"),
@@ -37,6 +42,11 @@ def test_the_config_takes_vllms_spelling_and_names_what_is_wrong():
         ('{"method": "ngram", "num_speculative_tokens": 99}', r"in \[1, 16\]"),
         ('{"method": "ngram", "num_speculative_tokens": true}', "wrong type"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown fields"),
+        (
+            '{"method": "suffix", "num_speculative_tokens": 2, '
+            '"suffix_decoding_max_tree_depth": 1}',
+            "max_tree_depth",
+        ),
         (
             '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
             '"prompt_lookup_max": 2}',
@@ -87,20 +97,53 @@ def test_prompt_lookup_proposes_what_the_hand_lookup_does():
     assert got == [_lookup(r, k, 1, 3) for r in rows2]
 
 
-def test_verify_steps_make_plain_decodings_tokens_and_accept_drafts(tiny_model):
+def test_suffix_decoding_drafts_from_its_own_tokens_and_finished_requests():
+    cpu = HostToDevice(torch.device("cpu"))
+    d = SuffixDrafter(4, 4, 24, 1, cpu)
+
+    def propose(n):
+        return d.propose(n, torch.zeros(n, dtype=torch.int32), 4, 0).tolist()
+
+    d.set_row(0, [5, 6, 7, 8, 5, 6])  # its own earlier [5, 6]: then 7, 8 (two: a 2-match)
+    d.set_row(1, [1, 2, 3, 4, 50, 60, 70])
+    d.set_row(2, [40, 41])  # found nowhere
+    assert propose(3) == [[7, 8, -1, -1], [-1] * 4, [-1] * 4]
+    d.remove_row(1, 2)  # row 1 finishes (cached); row 2 moves into it
+    d.set_row(2, [9, 3, 4])
+    d.set_row(3, [1, 2, 3, 4])
+    assert propose(4)[2:] == [[50, 60, -1, -1], [50, 60, 70, -1]]  # the finished one's
+    d.took([[7], [42], [50], [9]])  # each row's new token
+    got = propose(4)
+    assert got[0] == [8, 5, -1, -1] and got[2] == [60, 70, -1, -1]
+    d.remove_row(0, 3)  # a second finished request pushes the first out (max_cached=1)
+    assert d.num_cached == 1
+    got = propose(3)
+    assert got[2] == [-1] * 4  # [4, 50] was the first finished request's alone
+    assert got[0] == [3, -1, -1, -1]  # the moved row: [..., 9] as in row 2's [9, 3, ...]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_verify_steps_make_plain_decodings_tokens_and_accept_drafts(tiny_model, method):
     """Prompts that repeat, so prompt lookup proposes from the first step; rows of several
     lengths leave at different steps. fp32 against transformers' own Qwen3."""
     prompts = [[5, 6, 7, 8, 9] * 6, [3, 4, 5], [11, 12, 13, 14] * 3 + [11]]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 30, 25)]
     with _worker(tiny_model, spec=SpeculativeConfig()) as worker:
         plain = generate(worker, prompts, params)
-    with _worker(tiny_model) as worker:
+    with _worker(tiny_model, spec=SpeculativeConfig(method, 4)) as worker:
         spec = generate(worker, prompts, params)
         stats = worker.decode.stats()
+        # Asked again: suffix decoding drafts from the first answers, all of them right.
+        again = generate(worker, prompts, params)
+        v = worker.decode.verifier
+        num_accepted = v.num_accepted - stats["num_accepted_tokens"]
     assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+    assert [r["token_ids"] for r in again] == [r["token_ids"] for r in plain]
     for prompt, p, r in zip(prompts, params, spec):
         assert r["token_ids"] == hf_greedy(tiny_model, [prompt], p.max_tokens)[0]
     assert stats["num_verify_steps"] > 0 and stats["num_drafted_tokens"] > 0
+    if method == "suffix":
+        assert num_accepted >= sum(p.max_tokens for p in params) // 2
 
 
 class _Oracle:

@@ -40,9 +40,14 @@ class Drafter(Protocol):
 
 
 def make_drafter(
-    config: SpeculativeConfig, max_rows: int, max_len: int, h2d: HostToDevice
+    config: SpeculativeConfig,
+    max_rows: int,
+    max_len: int,
+    h2d: HostToDevice,
+    is_pinned: bool = False,
 ) -> Drafter | None:
-    """The config's drafter for max_rows rows of up to max_len tokens; None when off."""
+    """The config's drafter for max_rows rows of up to max_len tokens (is_pinned: host
+    buffers it copies from are pinned); None when off."""
     if not config.is_on:
         return None
     if config.method == "ngram":
@@ -55,5 +60,16 @@ def make_drafter(
             config.prompt_lookup_min,
             config.prompt_lookup_max,
             h2d,
+        )
+    if config.method == "suffix":
+        from common.engine.drafting.suffix import SuffixDrafter
+
+        return SuffixDrafter(
+            max_rows,
+            config.num_speculative_tokens,
+            config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_cached_requests,
+            h2d,
+            is_pinned,
         )
     raise ValueError(f"no drafter for method {config.method!r}")

@@ -1,0 +1,113 @@
+"""Suffix decoding on the host: a row's last tokens are looked up among every token this
+node has seen, its running requests' and those of up to max_cached finished ones (the
+least recently finished dropped first), and the tokens that followed the latest place
+they occurred are its drafts.
+
+The index maps the last m tokens before a position (m of MATCH_LENGTHS, up to the depth
+less the drafts) to the latest (source, position) where they occurred with a token after
+them; a lookup tries the longest m first. A source is indexed as far as its tokens go
+when a row of it proposes and when it finishes. The drafts are at most as many as the
+match is long (a short match is weak evidence) and go to the device in one counted copy
+a step: this method's steps copy to the device, prompt lookup's do not.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from common.engine.h2d import HostToDevice
+
+MATCH_LENGTHS = (1, 2, 4, 8, 16, 32)
+
+
+class SuffixDrafter:
+    def __init__(
+        self,
+        max_rows: int,
+        max_k: int,
+        max_depth: int,
+        max_cached: int,
+        h2d: HostToDevice,
+        is_pinned: bool = False,
+    ):
+        self.lengths = [m for m in MATCH_LENGTHS if m <= max(max_depth - max_k, 1)]
+        self.max_cached = max_cached
+        self._h2d = h2d
+        self._sources: dict[int, list[int]] = {}  # id -> tokens, live and finished
+        self._indexed: dict[int, int] = {}  # id -> positions indexed (those before it)
+        self._index: dict[tuple[int, ...], tuple[int, int]] = {}
+        self._finished: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._row_source: list[int | None] = [None] * max_rows
+        self._next_id = 0
+        self._staging = torch.full((max_rows, max_k), -1, dtype=torch.int64, pin_memory=is_pinned)
+        self._drafts = torch.full((max_rows, max_k), -1, dtype=torch.int64, device=h2d.device)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._finished)
+
+    def set_row(self, row: int, token_ids: list[int]) -> None:
+        self._row_source[row] = sid = self._next_id
+        self._next_id += 1
+        self._sources[sid] = list(token_ids)
+        self._indexed[sid] = 0
+
+    def remove_row(self, row: int, last: int) -> None:
+        sid = self._row_source[row]
+        self._index_source(sid)
+        self._finished[sid] = None
+        while len(self._finished) > self.max_cached:
+            self._drop(self._finished.popitem(last=False)[0])
+        self._row_source[row] = self._row_source[last]
+        self._row_source[last] = None
+
+    def took(self, tokens: list[list[int]]) -> None:
+        for row, made in enumerate(tokens):
+            self._sources[self._row_source[row]].extend(made)
+
+    def append(self, n: int, seq_lens: torch.Tensor, tokens: torch.Tensor) -> None:
+        pass  # the host learns a step's tokens when it is collected (took)
+
+    def propose(self, n: int, seq_lens: torch.Tensor, k: int, width: int) -> torch.Tensor:
+        rows = [self._lookup(self._row_source[row], k) for row in range(n)]
+        staging = self._staging[:n, :k]
+        staging.copy_(torch.tensor([r + [-1] * (k - len(r)) for r in rows], dtype=torch.int64))
+        self._h2d.write(self._drafts[:n, :k], staging)
+        return self._drafts[:n, :k]
+
+    def _lookup(self, sid: int, k: int) -> list[int]:
+        """Up to k drafts for source sid's next tokens, [] where its suffix is not found."""
+        self._index_source(sid)
+        tokens = self._sources[sid]
+        for m in reversed(self.lengths):
+            if m > len(tokens):
+                continue
+            hit = self._index.get(tuple(tokens[-m:]))
+            if hit is not None:
+                where, end = hit
+                return self._sources[where][end : end + min(k, m)]
+        return []
+
+    def _index_source(self, sid: int) -> None:
+        """Index source sid's windows that end before its last token (each has one after)."""
+        tokens, start = self._sources[sid], self._indexed[sid]
+        for end in range(max(start, 1), len(tokens)):
+            for m in self.lengths:
+                if m > end:
+                    break
+                self._index[tuple(tokens[end - m : end])] = (sid, end)
+        self._indexed[sid] = max(len(tokens), start)
+
+    def _drop(self, sid: int) -> None:
+        """A finished source leaves the cache; its windows leave the index where they are
+        still its own (a later occurrence elsewhere took the others)."""
+        tokens = self._sources.pop(sid)
+        for end in range(1, self._indexed.pop(sid)):
+            for m in self.lengths:
+                if m > end:
+                    break
+                key = tuple(tokens[end - m : end])
+                if self._index.get(key, (None,))[0] == sid:
+                    del self._index[key]
