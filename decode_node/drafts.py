@@ -12,6 +12,8 @@ one does not pay, so a load that never matches pays for few.
 
 from __future__ import annotations
 
+import numpy as np
+
 PRIOR = 0.3  # a new row's acceptance, until it is measured
 SMOOTHING = 0.3  # weight of a new measurement (acceptance and step times alike)
 FIRST_PROBE_GAP = 16  # plain steps before the first probe
@@ -44,13 +46,14 @@ class DraftChooser:
         if limit <= 0 or not keys:
             return 0
         bucket = _bucket(len(keys))
-        ps = [self._acceptance.get(key, PRIOR) for key in keys]
+        get = self._acceptance.get
+        ps = np.fromiter((get(key, PRIOR) for key in keys), np.float64, len(keys))
         best_k, best_rate = 0, 0.0
         for k in sorted({min(k, limit) for k in self.candidates}):
             step_s = self._step_s.get((bucket, k))
             if step_s is None:
                 return k  # never measured at this size: measure it
-            tokens = sum(_expected_tokens(p, k) for p in ps)
+            tokens = _expected_tokens(ps, k)
             if tokens / step_s > best_rate:
                 best_k, best_rate = k, tokens / step_s
         if best_k == 0 and self._num_plain >= self._probe_gap:
@@ -79,6 +82,8 @@ class DraftChooser:
         self._num_plain = 0
 
 
-def _expected_tokens(p: float, k: int) -> float:
-    """1 + p + ... + p^k: a row's tokens from a step of k drafts, each accepted with p."""
-    return sum(p**j for j in range(k + 1))
+def _expected_tokens(ps: np.ndarray, k: int) -> float:
+    """The rows' tokens from a step of k drafts: 1 + p + ... + p^k a row, each of its
+    drafts accepted with its p ([n] in [0, 1])."""
+    ps = np.minimum(ps, 1 - 1e-9)  # NOTE: the closed form divides by 1 - p
+    return float(np.sum((1 - ps ** (k + 1)) / (1 - ps)))

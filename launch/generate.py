@@ -7,101 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 from common.base.config import WorkerConfig
-from common.base.request import SamplingParams, validate_prompt
-from common.engine.worker import DeviceWorker, PrefillChunk
-from common.kv.blocks import BlockAllocator, num_blocks_for
-from common.kv.sequence import Sequence, blocks_to_join, finish_reason
+from common.base.request import SamplingParams
+from common.engine.worker import DeviceWorker
 from common.runtime.process import HelpFormat
-
-
-def generate(
-    worker: DeviceWorker, prompts: list[list[int]], params: list[SamplingParams]
-) -> list[dict]:
-    """Prefill every prompt as one batch, then decode them as one batch.
-    Returns per prompt: token_ids, finish_reason, ttft_ms, decode_ms_per_step, and the
-    logprobs of each token (TokenLogprobs, where its params ask for them)."""
-    bs, spec = worker.block_size, worker.spec
-    alloc = BlockAllocator(worker.num_kv_blocks)
-    seqs: dict[str, Sequence] = {}
-    for i, (ids, p) in enumerate(zip(prompts, params)):
-        p.validate(spec.vocab_size)
-        validate_prompt(ids, p.max_tokens, spec.vocab_size, worker.max_model_len)
-        seq = Sequence(str(i), len(ids), p)
-        seq.num_reserved = seq.num_blocks_needed(bs)
-        alloc.reserve(seq.num_reserved)
-        for _ in range(num_blocks_for(len(ids), bs)):
-            seq.take_block(alloc)
-        seqs[seq.request_id] = seq
-    t0 = time.perf_counter()
-    chunks = [
-        PrefillChunk(
-            ids, 0, s.block_ids, s.params, s.params.split(ids) if s.params.is_processing else None
-        )
-        for ids, s in zip(prompts, seqs.values())
-    ]
-    firsts, _ = worker.prefill(chunks)
-    ttft_ms = (time.perf_counter() - t0) * 1e3
-    reasons: dict[str, str] = {}
-    logprobs: dict[str, list] = {key: [c.logprobs] for key, c in zip(seqs, chunks)}
-    for (key, seq), (ids, tok) in zip(seqs.items(), zip(prompts, firsts)):
-        seq.output_ids.append(tok)
-        reason = finish_reason(seq, tok, spec.eos_token_ids, worker.max_model_len)
-        if reason:
-            reasons[key] = reason
-            seq.release(alloc)
-            continue
-        blocks_to_join(seq, bs, alloc)
-        prompt, prior = seq.params.split(ids)
-        worker.decode.add(
-            key,
-            tok,
-            len(ids),
-            seq.block_ids,
-            seq.params,
-            (prompt, prior + seq.output_ids),
-            ids + seq.output_ids,
-        )
-    num_steps, t1 = 0, time.perf_counter()
-    while worker.decode.num_seqs:
-        k = _num_drafts(worker, [seqs[key] for key in worker.decode.keys()])
-        worker.decode.grow_blocks(seqs, alloc, k)
-        ticket = worker.decode.launch(k)
-        tokens = worker.decode.collect_many(ticket)
-        for key, row, lp in zip(ticket.keys, tokens, ticket.logprobs or [None] * len(tokens)):
-            seq = seqs[key]
-            for tok in row:
-                seq.output_ids.append(tok)
-                logprobs[key].append(lp)
-                reason = finish_reason(seq, tok, spec.eos_token_ids, worker.max_model_len)
-                if reason:
-                    reasons[key] = reason
-                    worker.decode.remove(key)
-                    seq.release(alloc)
-                    break
-        num_steps += 1
-    step_ms = (time.perf_counter() - t1) * 1e3 / max(num_steps, 1)
-    return [
-        {
-            "token_ids": s.output_ids,
-            "finish_reason": reasons[k],
-            "ttft_ms": round(ttft_ms, 3),
-            "decode_ms_per_step": round(step_ms, 3),
-            "logprobs": logprobs[k],
-        }
-        for k, s in seqs.items()
-    ]
-
-
-def _num_drafts(worker: DeviceWorker, seqs: list[Sequence]) -> int:
-    """The drafts the next step verifies: the worker's most where every row is plain, no
-    more than any row has tokens left to make after the first (its blocks end there)."""
-    v = worker.decode.verifier
-    if v is None or not all(s.params.is_plain for s in seqs):
-        return 0
-    return max(min(v.max_k, *(s.params.max_tokens - len(s.output_ids) - 1 for s in seqs)), 0)
+from launch.tools.offline import generate
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -133,11 +134,20 @@ def run_node(prog: str, build, stop: threading.Event) -> int:
     except LinkError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
+    freeze_startup_objects()
     try:
         return node.run(stop)
     except LinkError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
+
+
+def freeze_startup_objects() -> None:
+    """What starting made (modules, the model's records) lives as long as the process: out
+    of the garbage collector's way. NOTE: else each full collection walks it all, a pause
+    of ~60 ms in a serving step with torch loaded (measured while a drafter made tuples)."""
+    gc.collect()
+    gc.freeze()
 
 
 class StopEvent(threading.Event):

@@ -242,7 +242,7 @@ def test_n_choices_each_equal_the_request_alone_with_seed_plus_i(oai, cluster, p
 def test_penalties_and_bias_through_the_api_equal_the_workers(oai, cluster, tiny_model):
     from common.base.config import WorkerConfig
     from common.engine.worker import DeviceWorker
-    from launch.generate import generate
+    from launch.tools.offline import generate
 
     body = dict(presence_penalty=1.5, frequency_penalty=0.75, logit_bias={"7": 3.0, "11": -100})
     r = oai.completions.create(

@@ -10,7 +10,7 @@ from common.base.config import WorkerConfig
 from common.base.request import SamplingParams
 from common.engine.worker import DeviceWorker, PrefillChunk
 from common.kv.blocks import BlockAllocator, num_blocks_for
-from launch.generate import generate
+from launch.tools.offline import generate
 from tests.conftest import hf_greedy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -19,7 +19,7 @@ from common.kv.sequence import blocks_to_join
 from common.wire import protocol
 from common.wire.protocol import KVTransfer
 from decode_node.scheduler import DecodeScheduler
-from launch.generate import generate
+from launch.tools.offline import generate
 from tests.handoff_util import reserve, start_all
 
 

@@ -65,7 +65,7 @@ ALLOWED = {
     # The entry points (the CLI, the launcher, keys, a tiny model, offline generation), over
     # everything and under nothing: no process imports them; the CLI reaches launch.bench
     # by name only.
-    "launch": {*_PROCESSES, "launch.cluster", "launch.ray"},
+    "launch": {*_PROCESSES, "launch.cluster", "launch.ray", "launch.tools"},
 }
 OURS = ("common", "kernels", "frontend", "prefill_node", "decode_node", "launch")
 

@@ -124,7 +124,7 @@ def test_worker_hands_its_host_lengths_to_the_npu_kernels(npu, tiny_model, monke
     from common.base.request import SamplingParams
     from common.engine.worker import DeviceWorker
     from kernels import backends
-    from launch.generate import generate
+    from launch.tools.offline import generate
 
     ops, calls = npu
     merged = backends._merge(ops)

@@ -13,7 +13,7 @@ from common.base.request import SamplingParams
 from common.engine import platform, platform_cpu
 from common.engine.worker import DeviceWorker
 from kernels import options
-from launch.generate import generate
+from launch.tools.offline import generate
 from tests.conftest import hf_greedy
 
 

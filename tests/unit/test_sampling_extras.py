@@ -14,7 +14,7 @@ from common.base.request import SamplingParams
 from common.engine.sampling import sample
 from common.engine.worker import DeviceWorker, PrefillChunk
 from common.kv.blocks import BlockAllocator, num_blocks_for
-from launch.generate import generate
+from launch.tools.offline import generate
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8, 77, 12], [300, 301, 5, 5, 9], list(range(40, 75))]
 

@@ -1,6 +1,7 @@
 """Speculative decoding in the decode batch: the config, prompt lookup's drafts, and verify
 steps whose tokens are those of plain decoding, token for token."""
 
+import json
 import random
 
 import pytest
@@ -13,7 +14,7 @@ from common.engine.drafting.ngram import NgramDrafter
 from common.engine.drafting.suffix import SuffixDrafter
 from common.engine.h2d import HostToDevice
 from common.engine.worker import DeviceWorker, PrefillChunk
-from launch.generate import generate
+from launch.tools.offline import generate
 from tests.conftest import hf_greedy
 
 NGRAM = SpeculativeConfig("ngram", 4)
@@ -232,3 +233,23 @@ def test_prompt_lookups_rows_hold_every_token_plain_steps_and_verify_steps_alike
             n = len(rows[key])
             assert d.verifier.drafter.tokens[row, :n].tolist() == rows[key]
             assert int(d.host_seq_lens[row]) == n
+
+
+def test_the_benchmark_sets_speculation_against_plain_decoding_in_one_run(tiny_model, capsys):
+    from launch.bench import spec
+
+    argv = ["--model", str(tiny_model), "--batch-sizes", "1,2", "--prompt-len", "12"]
+    assert spec.main([*argv, "--output-len", "10", "--kv-cache-memory", "16MiB"]) == 0
+    out = capsys.readouterr()
+    records = [json.loads(line) for line in out.out.splitlines()]
+    assert [(r["batch_size"], r["load"]) for r in records] == [
+        (1, "fresh"),
+        (1, "repeat"),
+        (2, "fresh"),
+        (2, "repeat"),
+    ]
+    for r in records:
+        assert r["is_identical"] and r["device"] == "cpu" and r["baseline_tokens_per_s"] > 0
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["baseline_tokens_per_s"], 1e-2)
+    assert "speedup" in out.err and "NO" not in out.err
+    assert spec.main([*argv, "--speculative-config", "off"]) == 2

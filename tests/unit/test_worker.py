@@ -12,7 +12,7 @@ from common.engine.sampling import sample
 from common.engine.worker import DeviceWorker, PrefillChunk
 from common.kv.blocks import BlockAllocator
 from common.kv.sequence import Sequence, blocks_to_join
-from launch.generate import generate
+from launch.tools.offline import generate
 
 
 def _worker(model, **kw):

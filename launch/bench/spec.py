@@ -1,0 +1,175 @@
+r"""Speculative decoding against plain decoding, in one process, on the decode node's own
+batch code and draft chooser (launch/tools/offline.py drives them as the node's loop does).
+
+    pdserve bench spec --shape qwen3-0.6b --dtype bfloat16 --batch-sizes 1,8 \
+        --prompt-len 256 --output-len 64 \
+        [--speculative-config '{"method": "suffix", "num_speculative_tokens": 4}']
+
+For each batch size, the same random prompts (greedy, ignore_eos) three times: with
+speculation off (the baseline), then on, twice on one worker: `fresh` (not seen before:
+what prompt lookup and suffix decoding find in the prompts, the outputs and other
+requests') and `repeat` (the same requests asked again: suffix decoding's cache holds
+their answers). Each worker first serves a batch of other prompts, as a node that has
+been running has: its draft chooser has measured its steps. One JSON line per (batch size,
+load) on stdout, then a table on stderr:
+decode tokens/s against the baseline's in the same run, the accepted drafts per
+verify step and row, the share of steps that verified, and whether the tokens equal
+the baseline's (they must: a verify step makes plain decoding's tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+from common.base.config import WorkerConfig, parse_bytes
+from common.base.request import SamplingParams
+from common.base.speculative import parse_speculative
+from common.engine.worker import DeviceWorker
+from common.runtime.process import HelpFormat, freeze_startup_objects
+from decode_node.drafts import DraftChooser
+from launch.bench.common import device_name, emit
+from launch.bench.table import cell, show, table
+from launch.tools.offline import generate
+
+DEFAULT_CONFIG = '{"method": "suffix", "num_speculative_tokens": 4}'
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="pdserve bench spec", description=__doc__, formatter_class=HelpFormat
+    )
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--model", help="a Hugging Face Qwen3 directory")
+    g.add_argument("--shape", help="a preset shape with random weights, e.g. qwen3-0.6b")
+    p.add_argument("--device", default="cpu", help="cpu, cuda:N or npu:N")
+    p.add_argument("--dtype", default=None, help="default: the device's")
+    p.add_argument("--batch-sizes", default="1,8", help="comma-separated")
+    p.add_argument("--prompt-len", type=int, default=256, help="tokens in each random prompt")
+    p.add_argument("--output-len", type=int, default=64, help="tokens each request makes")
+    p.add_argument(
+        "--speculative-config",
+        default=DEFAULT_CONFIG,
+        metavar="JSON",
+        help="the speculative side's config, as a decode node takes it",
+    )
+    p.add_argument("--kv-cache-memory", default="2GiB", metavar="SIZE", help="each worker's")
+    p.add_argument("--seed", type=int, default=0, help="the prompts' random seed")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
+    try:
+        spec = parse_speculative(a.speculative_config)
+        sizes = [int(x) for x in a.batch_sizes.split(",")]
+        parse_bytes(a.kv_cache_memory)
+        if not spec.is_on:
+            raise ValueError("--speculative-config must name a method")
+        if min(sizes) < 1 or a.prompt_len < 1 or a.output_len < 2:
+            raise ValueError("batch sizes and --prompt-len >= 1, --output-len >= 2")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    base = dict(
+        model=a.model,
+        shape=a.shape,
+        device=a.device,
+        dtype=a.dtype,
+        kv_cache_memory=parse_bytes(a.kv_cache_memory),
+        max_batch_size=max(sizes),
+        max_model_len=a.prompt_len + a.output_len + 1,
+    )
+    rows = []
+    for size in sizes:
+        rng = random.Random(a.seed + size)
+        with DeviceWorker(WorkerConfig(**base)) as worker:
+            freeze_startup_objects()  # as a node does once it is built
+            vocab = min(worker.spec.vocab_size, 32_000)
+            warm, prompts = (
+                [[rng.randrange(1, vocab) for _ in range(a.prompt_len)] for _ in range(size)]
+                for _ in range(2)
+            )
+            params = [SamplingParams(max_tokens=a.output_len, ignore_eos=True)] * size
+            generate(worker, warm, params)
+            plain = generate(worker, prompts, params)
+        with DeviceWorker(WorkerConfig(**base, speculative=spec)) as worker:
+            freeze_startup_objects()
+            chooser = DraftChooser(spec.num_speculative_tokens)
+            generate(worker, warm, params, chooser)
+            runs = {}
+            for load in ("fresh", "repeat"):
+                before = worker.decode.stats()
+                out = generate(worker, prompts, params, chooser)
+                runs[load] = (out, before, worker.decode.stats())
+        for load, (out, before, after) in runs.items():
+            rec = _record(a, spec, size, load, plain, out, before, after)
+            emit(rec)
+            rows.append(rec)
+    show(_table(rows))
+    return 0
+
+
+def _tokens_per_s(out: list[dict]) -> float:
+    """Decode tokens (all but each request's first, the prefill's) over the decode time."""
+    made = sum(len(r["token_ids"]) - 1 for r in out)
+    return made / out[0]["decode_s"]
+
+
+def _record(a, spec, size, load, plain, out, before, after) -> dict:
+    def grew(key: str) -> int:
+        return after.get(key, 0) - before.get(key, 0)
+
+    num_verify = grew("num_verify_steps")
+    num_steps = out[0]["num_decode_steps"]
+    baseline = _tokens_per_s(plain)
+    got = _tokens_per_s(out)
+    return {
+        "bench": "spec",
+        "device": device_name(a.device),
+        "model": a.model or a.shape,
+        "dtype": a.dtype,
+        "speculative_config": spec.__dict__,
+        "batch_size": size,
+        "prompt_len": a.prompt_len,
+        "output_len": a.output_len,
+        "load": load,
+        "tokens_per_s": round(got, 2),
+        "baseline": "speculation off, same prompts, same process",
+        "baseline_tokens_per_s": round(baseline, 2),
+        "speedup": round(got / baseline, 3),
+        "num_steps": num_steps,
+        "baseline_num_steps": plain[0]["num_decode_steps"],
+        "verify_share": round(num_verify / max(num_steps, 1), 3),
+        "accepted_per_verify_row": round(
+            grew("num_accepted_tokens") / max(num_verify * size, 1), 3
+        ),
+        "drafted_tokens": grew("num_drafted_tokens"),
+        "accepted_tokens": grew("num_accepted_tokens"),
+        "is_identical": [r["token_ids"] for r in out] == [r["token_ids"] for r in plain],
+    }
+
+
+def _table(rows: list[dict]) -> str:
+    head = ["batch", "load", "tok/s", "off tok/s", "speedup", "verify share", "accepted/row"]
+    head.append("same")
+    body = [
+        [
+            cell(r["batch_size"]),
+            r["load"],
+            cell(r["tokens_per_s"]),
+            cell(r["baseline_tokens_per_s"]),
+            f"{r['speedup']:.2f}x",
+            cell(r["verify_share"]),
+            cell(r["accepted_per_verify_row"]),
+            "yes" if r["is_identical"] else "NO",
+        ]
+        for r in rows
+    ]
+    title = f"speculative decoding on {rows[0]['device']}: {rows[0]['speculative_config']}"
+    return table(title, head, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
