@@ -2,12 +2,14 @@
 most tokens a second, from each row's acceptance so far and each (batch size, k)'s
 measured step time, so a load whose drafts do not pay runs plain steps.
 
-Each row's acceptance p is a moving mean of its accepted drafts over those it was
-verified with (a step that proposed none counts as none accepted); a verify step of k
-is expected to make 1 + p + ... + p^k tokens in that row. A (batch size, k) not yet
-measured is tried once. While plain steps win, a verify step is still tried now and then
-(a probe) to see whether acceptance has grown; the gap between probes doubles each time
-one does not pay, so a load that never matches pays for few.
+Each row's acceptance p is the chance a draft is accepted given those before it were:
+of a step that accepted a of its drafts, a were accepted and, where a < k, one was
+tried and refused (a step that proposed none: one refused); p is the ratio of the two's
+moving sums. A verify step of k is expected to make 1 + p + ... + p^k tokens in that
+row. A (batch size, k) not yet measured is tried once. While plain steps win, a verify
+step of one draft (the cheapest) is still tried now and then (a probe) to see whether
+acceptance has grown; the gap between probes doubles each time one accepts nothing, so
+a load that never matches pays for few.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class DraftChooser:
     def __init__(self, max_k: int):
         self.max_k = max_k
         self.candidates = sorted({0, 1, max(max_k // 2, 1), max_k})
-        self._acceptance: dict[str, float] = {}
+        self._acceptance: dict[str, tuple[float, float]] = {}  # (accepted, tried), decayed
         self._step_s: dict[tuple[int, int], float] = {}
         self._probe_gap = FIRST_PROBE_GAP
         self._num_plain = 0  # plain steps since the last verify step
@@ -47,7 +49,7 @@ class DraftChooser:
             return 0
         bucket = _bucket(len(keys))
         get = self._acceptance.get
-        ps = np.fromiter((get(key, PRIOR) for key in keys), np.float64, len(keys))
+        ps = np.fromiter((_ratio(get(key)) for key in keys), np.float64, len(keys))
         best_k, best_rate = 0, 0.0
         for k in sorted({min(k, limit) for k in self.candidates}):
             step_s = self._step_s.get((bucket, k))
@@ -59,7 +61,7 @@ class DraftChooser:
         if best_k == 0 and self._num_plain >= self._probe_gap:
             self._is_probe = True
             self.num_probes += 1
-            return min(self.max_k, limit)
+            return 1
         return best_k
 
     def observe(self, keys: list[str], k: int, step_s: float, accepted: list[int]) -> None:
@@ -72,14 +74,20 @@ class DraftChooser:
             self._num_plain += 1
             return
         is_won = False
+        keep = 1 - SMOOTHING
         for row_key, a in zip(keys, accepted):
-            p = self._acceptance.get(row_key, PRIOR)
-            self._acceptance[row_key] = p + SMOOTHING * (a / k - p)
+            won, tried = self._acceptance.get(row_key, (0.0, 0.0))
+            self._acceptance[row_key] = (keep * won + a, keep * tried + a + (a < k))
             is_won |= a > 0
         if self._is_probe:
             # NOTE: a probe that accepted nothing doubles the gap; one that did starts over.
             self._probe_gap = FIRST_PROBE_GAP if is_won else min(2 * self._probe_gap, MAX_PROBE_GAP)
         self._num_plain = 0
+
+
+def _ratio(counts: tuple[float, float] | None) -> float:
+    """A row's acceptance from its (accepted, tried) sums; PRIOR before any."""
+    return PRIOR if counts is None or counts[1] <= 0 else counts[0] / counts[1]
 
 
 def _expected_tokens(ps: np.ndarray, k: int) -> float:

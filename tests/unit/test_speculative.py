@@ -14,6 +14,7 @@ from common.engine.drafting.ngram import NgramDrafter
 from common.engine.drafting.suffix import SuffixDrafter
 from common.engine.h2d import HostToDevice
 from common.engine.worker import DeviceWorker, PrefillChunk
+from decode_node.drafts import DraftChooser
 from launch.tools.offline import generate
 from tests.conftest import hf_greedy
 
@@ -253,3 +254,43 @@ def test_the_benchmark_sets_speculation_against_plain_decoding_in_one_run(tiny_m
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["baseline_tokens_per_s"], 1e-2)
     assert "speedup" in out.err and "NO" not in out.err
     assert spec.main([*argv, "--speculative-config", "off"]) == 2
+
+
+def _serve(chooser, steps: int, cost, accept, rows: int = 4) -> list[int]:
+    """steps decode steps of `rows` rows on a fake clock: a step of k costs cost(k) and each
+    row accepts accept(k) of its drafts; -> the k of each step."""
+    keys = [f"r{i}" for i in range(rows)]
+    chosen = []
+    for _ in range(steps):
+        k = chooser.choose(keys, 4)
+        chooser.observe(keys, k, cost(k), [accept(k) for _ in keys])
+        chosen.append(k)
+    return chosen
+
+
+def test_the_chooser_turns_speculation_down_where_drafts_never_match():
+    chosen = _serve(DraftChooser(4), 2000, lambda k: 1.0 + 0.3 * k, lambda k: 0)
+    # each k measured once, then probes of one draft at gaps doubling from 16
+    assert chosen[:4] == [0, 1, 2, 4] and chosen[4:].count(4) == chosen[4:].count(2) == 0
+    assert sum(k > 0 for k in chosen) <= 3 + 8 and chosen[-200:] == [0] * 200
+
+
+def test_the_chooser_verifies_where_drafts_pay_and_as_many_as_pay():
+    # every draft accepted, a draft costs a tenth of a step: the most drafts
+    assert _serve(DraftChooser(4), 200, lambda k: 1.0 + 0.1 * k, lambda k: k)[-100:] == [4] * 100
+    # each draft accepted with p = 1/2, a draft costs 0.4 of a step: one pays (1.5 tokens
+    # for 1.4), two do not (1.75 for 1.8)
+    rng = random.Random(0)
+
+    def geometric(k):
+        a = 0
+        while a < k and rng.random() < 0.5:
+            a += 1
+        return a
+
+    half = _serve(DraftChooser(4), 400, lambda k: 1.0 + 0.4 * k, geometric, rows=16)
+    assert half[-100:].count(1) > 50 and 4 not in half[-100:]
+    # acceptance that comes later is found by a probe
+    late = iter([0] * 100 + [4] * 10**6)
+    chosen = _serve(DraftChooser(4), 400, lambda k: 1.0 + 0.1 * k, lambda k: min(next(late), k))
+    assert chosen[-50:] == [4] * 50
