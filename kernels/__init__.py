@@ -23,6 +23,7 @@ __all__ = [
     "rms_norm",
     "rotary_cos_sin",
     "silu_mul",
+    "verify_attention",
     "write_kv",
 ]
 
@@ -49,6 +50,14 @@ def qk_norm_rope_write_kv(
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     return backend_for(k).write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def verify_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, num_queries, host_seq_lens=None
+):
+    return backend_for(q).verify_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, num_queries, host_seq_lens
+    )
 
 
 def prefill_attention(

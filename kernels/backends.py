@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import logging
 import types
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 
@@ -33,7 +33,11 @@ _OPS = (
 
 
 def _merge(fast) -> types.SimpleNamespace:
-    return types.SimpleNamespace(**{op: getattr(fast, op, getattr(portable, op)) for op in _OPS})
+    ops = {op: getattr(fast, op, getattr(portable, op)) for op in _OPS}
+    # NOTE: a backend without a verify attention of its own spreads it over its decode one
+    spread = partial(portable.verify_attention, decode_attention=ops["decode_attention"])
+    ops["verify_attention"] = getattr(fast, "verify_attention", spread)
+    return types.SimpleNamespace(**ops)
 
 
 def configure(opts: KernelOptions) -> None:

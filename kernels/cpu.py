@@ -57,6 +57,31 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_se
     fn = _FNS.get(k_cache.dtype)
     if fn is None or not _is_cache_ok(k_cache, v_cache) or q.device.type != "cpu":
         return portable.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return _decode(fn, q, k_cache, v_cache, block_tables, seq_lens, scale, 1)
+
+
+def verify_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, num_queries, host_seq_lens=None
+):
+    """As portable.verify_attention, each row's KV read once for all its queries: its Q
+    queries ride as Q times the heads ([B, Hk, G, Q, D]), each masked to its own tokens."""
+    fn = _FNS.get(k_cache.dtype)
+    if fn is None or not _is_cache_ok(k_cache, v_cache) or q.device.type != "cpu":
+        return portable.verify_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, num_queries
+        )
+    nq, num_heads, head_dim = q.shape
+    b, num_kv_heads = nq // num_queries, k_cache.shape[2]
+    # [B, Q, Hk, G, D] -> [B, Hk, G, Q, D]: a KV head's queries together, a query's heads apart
+    spread = q.view(b, num_queries, num_kv_heads, -1, head_dim).permute(0, 2, 3, 1, 4)
+    rows = spread.reshape(b, num_heads * num_queries, head_dim)
+    out = _decode(fn, rows, k_cache, v_cache, block_tables, seq_lens, scale, num_queries)
+    out = out.view(b, num_kv_heads, -1, num_queries, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(nq, num_heads, head_dim)
+
+
+def _decode(fn, q, k_cache, v_cache, block_tables, seq_lens, scale, num_queries):
+    """The C decode attention over q [B, Hq', D] (Hq' = Hq * num_queries)."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     qf = q.float().contiguous()
@@ -83,6 +108,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_se
             k_cache.stride(1),
             scale,
             num_threads,
+            num_queries,
         )
 
     if _LIB.has_openmp:  # the kernel deals (sequence, KV head) items out to its threads

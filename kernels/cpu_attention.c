@@ -9,7 +9,9 @@
  *   q, out       [B, Hq, D] fp32, contiguous
  *   k, v cache   [num_blocks, block_size, Hk, D] (fp32 or bf16)
  *   block_tables [B, bt_stride] int32;  seq_lens [B] int32 (tokens, >= 1)
- * Query head h reads KV head h / (Hq / Hk).
+ * Query head h reads KV head h / (Hq / Hk). A verify step's row asks Q queries (its next
+ * input and Q - 1 drafts) as Q times the heads, [B, Hk, G, Q, D]: query j of a row of n
+ * tokens reads the first n - (Q - 1 - j) of them (Q = 1: a plain step).
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,14 +34,29 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
+/* Head h's scores sh[0:n] -> its softmax over the first n - (Q - 1 - h % Q) (its query's
+ * tokens), zeros after them. */
+static void softmax_head(float *sh, int64_t n, int64_t h, int64_t Q) {
+    int64_t m_n = n - (Q - 1 - h % Q);
+    if (m_n < 1) m_n = 1;
+    float m = sh[0], sum = 0.0f;
+    for (int64_t t = 1; t < m_n; t++) m = sh[t] > m ? sh[t] : m;
+    _Pragma("omp simd reduction(+:sum)")
+    for (int64_t t = 0; t < m_n; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }
+    const float inv = 1.0f / sum;
+    _Pragma("omp simd")
+    for (int64_t t = 0; t < m_n; t++) sh[t] *= inv;
+    for (int64_t t = m_n; t < n; t++) sh[t] = 0.0f;
+}
+
 /* One sequence: its Hq query heads over n tokens. A token's K (and V) row holds
  * every KV head ([Hk, D], contiguous), so it is read once, by all query heads.
  * scores: scratch [Hq, n]; acc: scratch [Hq, D]. */
 #define DEFINE_ATTEND(NAME, T, LOAD)                                                      \
 static void NAME(const float *q, const T *kc, const T *vc, const int32_t *table,        \
                  int64_t n, int64_t Hq, int64_t G, int64_t D, int64_t bs,                \
-                 int64_t block_stride, int64_t tok_stride, float scale, float *scores,   \
-                 float *acc, float *out) {                                               \
+                 int64_t block_stride, int64_t tok_stride, float scale, int64_t Q,       \
+                 float *scores, float *acc, float *out) {                                \
     const T *k = kc, *v = vc;                                                            \
     for (int64_t t = 0; t < n; t++) {                                                    \
         if (t % bs == 0) k = kc + (int64_t)table[t / bs] * block_stride;                 \
@@ -53,14 +70,7 @@ static void NAME(const float *q, const T *kc, const T *vc, const int32_t *table,
             scores[h * n + t] = s * scale;                                               \
         }                                                                                \
     }                                                                                    \
-    for (int64_t h = 0; h < Hq; h++) {                                                   \
-        float *sh = scores + h * n, m = sh[0], sum = 0.0f;                               \
-        for (int64_t t = 1; t < n; t++) m = sh[t] > m ? sh[t] : m;                       \
-        _Pragma("omp simd reduction(+:sum)")                                            \
-        for (int64_t t = 0; t < n; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }       \
-        float inv = 1.0f / sum;                                                          \
-        for (int64_t t = 0; t < n; t++) sh[t] *= inv;                                    \
-    }                                                                                    \
+    for (int64_t h = 0; h < Hq; h++) softmax_head(scores + h * n, n, h, Q);              \
     memset(acc, 0, sizeof(float) * Hq * D);                                              \
     for (int64_t t = 0; t < n; t++) {                                                    \
         if (t % bs == 0) v = vc + (int64_t)table[t / bs] * block_stride;                 \
@@ -85,18 +95,18 @@ extern const int pdserve_has_attend_bf16_d128;
 void pdserve_attend_bf16_d128(const float *q, const uint16_t *kc, const uint16_t *vc,
                               const int32_t *table, int64_t n, int64_t Hq, int64_t G,
                               int64_t bs, int64_t block_stride, int64_t tok_stride,
-                              float scale, float *scores, float *out);
+                              float scale, int64_t Q, float *scores, float *out);
 
 static void attend_bf16_best(const float *q, const uint16_t *kc, const uint16_t *vc,
                              const int32_t *table, int64_t n, int64_t Hq, int64_t G, int64_t D,
                              int64_t bs, int64_t block_stride, int64_t tok_stride, float scale,
-                             float *scores, float *acc, float *out) {
+                             int64_t Q, float *scores, float *acc, float *out) {
     if (pdserve_has_attend_bf16_d128 && D == 128)
         pdserve_attend_bf16_d128(q, kc, vc, table, n, Hq, G, bs, block_stride, tok_stride,
-                                 scale, scores, out);
+                                 scale, Q, scores, out);
     else
-        attend_bf16(q, kc, vc, table, n, Hq, G, D, bs, block_stride, tok_stride, scale, scores,
-                    acc, out);
+        attend_bf16(q, kc, vc, table, n, Hq, G, D, bs, block_stride, tok_stride, scale, Q,
+                    scores, acc, out);
 }
 
 /* Returns 0, or -1 when scratch memory could not be had. Work item i is sequence
@@ -110,8 +120,8 @@ static void attend_bf16_best(const float *q, const uint16_t *kc, const uint16_t 
 int NAME(const float *q, const T *kc, const T *vc, const int32_t *block_tables,         \
          int64_t bt_stride, const int32_t *seq_lens, float *out, int64_t B, int64_t Hq,  \
          int64_t Hk, int64_t D, int64_t bs, int64_t block_stride, int64_t tok_stride,    \
-         float scale, int64_t num_threads) {                                             \
-    int64_t max_n = 1, G = Hq / Hk;                                                      \
+         float scale, int64_t num_threads, int64_t Q) {                                  \
+    int64_t max_n = 1, G = Hq / Hk;  /* NOTE: Q divides G: a part starts at a query 0 */  \
     if (B <= 0) return 0;                                                                \
     for (int64_t b = 0; b < B; b++) max_n = seq_lens[b] > max_n ? seq_lens[b] : max_n;  \
     if (num_threads < 1) num_threads = 1;                                                \
@@ -132,7 +142,7 @@ int NAME(const float *q, const T *kc, const T *vc, const int32_t *block_tables, 
             int64_t n = seq_lens[b] < 1 ? 1 : seq_lens[b];                               \
             if (scratch)                                                                 \
                 ATTEND(q + at, kc + g0 * D, vc + g0 * D, block_tables + b * bt_stride,   \
-                       n, (g1 - g0) * G, G, D, bs, block_stride, tok_stride, scale,      \
+                       n, (g1 - g0) * G, G, D, bs, block_stride, tok_stride, scale, Q,   \
                        scratch, scratch + (g1 - g0) * G * max_n, out + at);              \
         }                                                                                \
         free(scratch);                                                                   \

@@ -137,8 +137,8 @@ def load(build_dir: Path) -> Library:
     ):
         fn = getattr(lib, name)
         # q, K, V, tables, table stride, lens, out, then B, Hq, Hk, D, block size, the
-        # cache's strides, the scale and the threads
-        fn.argtypes = [*[ptr] * 4, i64, ptr, ptr, *[i64] * 7, f32, i64]
+        # cache's strides, the scale, the threads and the queries per row
+        fn.argtypes = [*[ptr] * 4, i64, ptr, ptr, *[i64] * 7, f32, i64, i64]
         fn.restype = ctypes.c_int
         fns[dtype] = fn
     prefill = {}

@@ -45,21 +45,22 @@ static inline void fetch_ahead(const uint16_t *c, const int32_t *table, int64_t 
     for (int64_t b = 0; b < num_bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T1);
 }
 
-/* sh[0:n] -> softmax(sh[0:n]) in place. */
-static void softmax_row(float *sh, int64_t n) {
+/* sh[0:m_n] -> softmax(sh[0:m_n]) in place, zeros in sh[m_n:n] (a draft's later keys). */
+static void softmax_row(float *sh, int64_t n, int64_t m_n) {
     float m = sh[0], sum = 0.0f;
-    for (int64_t t = 1; t < n; t++) m = sh[t] > m ? sh[t] : m;
+    for (int64_t t = 1; t < m_n; t++) m = sh[t] > m ? sh[t] : m;
     _Pragma("omp simd reduction(+:sum)")
-    for (int64_t t = 0; t < n; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }
+    for (int64_t t = 0; t < m_n; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }
     const float inv = 1.0f / sum;
     _Pragma("omp simd")
-    for (int64_t t = 0; t < n; t++) sh[t] *= inv;
+    for (int64_t t = 0; t < m_n; t++) sh[t] *= inv;
+    for (int64_t t = m_n; t < n; t++) sh[t] = 0.0f;
 }
 
 void pdserve_attend_bf16_d128(const float *q, const uint16_t *kc, const uint16_t *vc,
                               const int32_t *table, int64_t n, int64_t Hq, int64_t G,
                               int64_t bs, int64_t block_stride, int64_t tok_stride,
-                              float scale, float *scores, float *out) {
+                              float scale, int64_t Q, float *scores, float *out) {
     const int64_t num_kv = Hq / G;
     /* Scores: each token's row, a KV head at a time, widened once for its G query heads. */
     for (int64_t t = 0; t < n; t++) {
@@ -81,7 +82,10 @@ void pdserve_attend_bf16_d128(const float *q, const uint16_t *kc, const uint16_t
             }
         }
     }
-    for (int64_t h = 0; h < Hq; h++) softmax_row(scores + h * n, n);
+    for (int64_t h = 0; h < Hq; h++) {  /* head h: query h % Q of Q (cpu_attention.c) */
+        const int64_t m_n = n - (Q - 1 - h % Q);
+        softmax_row(scores + h * n, n, m_n < 1 ? 1 : m_n);
+    }
     /* P @ V: token rows in order (a stream the prefetchers follow), each KV head's widened
      * once for its G query heads; the sums [Hq, 128] stay in L1. */
     for (int64_t i = 0; i < Hq * 128; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());
@@ -109,10 +113,10 @@ const int pdserve_has_attend_bf16_d128 = 0;
 void pdserve_attend_bf16_d128(const float *q, const uint16_t *kc, const uint16_t *vc,
                               const int32_t *table, int64_t n, int64_t Hq, int64_t G,
                               int64_t bs, int64_t block_stride, int64_t tok_stride,
-                              float scale, float *scores, float *out) {
+                              float scale, int64_t Q, float *scores, float *out) {
     /* never called: cpu_attention.c asks pdserve_has_attend_bf16_d128 first */
     (void)q, (void)kc, (void)vc, (void)table, (void)n, (void)Hq, (void)G, (void)bs;
-    (void)block_stride, (void)tok_stride, (void)scale, (void)scores, (void)out;
+    (void)block_stride, (void)tok_stride, (void)scale, (void)Q, (void)scores, (void)out;
 }
 
 #endif

@@ -183,6 +183,29 @@ def decode_attention(
     return o[:, :, 0]
 
 
+def verify_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_queries: int,
+    host_seq_lens: torch.Tensor | None = None,
+    decode_attention=decode_attention,
+) -> torch.Tensor:
+    """A verify step's attention: q [B * Q, Hq, D], row i's Q queries together (its next
+    input, then its drafts); seq_lens [B] counts row i's tokens with all Q, and query j
+    reads the first seq_lens[i] - (Q - 1 - j). -> [B * Q, Hq, D]. Spread over a decode
+    attention (the backend's) of B * Q rows, each row's table repeated."""
+    steps = torch.arange(num_queries, device=seq_lens.device, dtype=seq_lens.dtype)
+    lens = (seq_lens[:, None] - (num_queries - 1) + steps).reshape(-1)
+    tables = block_tables.repeat_interleave(num_queries, 0)
+    if host_seq_lens is not None:
+        host_seq_lens = (host_seq_lens[:, None] - (num_queries - 1) + steps.cpu()).reshape(-1)
+    return decode_attention(q, k_cache, v_cache, tables, lens, scale, host_seq_lens)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N], in x's dtype (the activations'), with
     the weight in its own (a CPU keeps bf16 weights under fp32 activations). A weight packed

@@ -108,6 +108,9 @@ class AttentionInputs:
     query_lens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)
     prefill_meta: torch.Tensor | None = None  # [3, B] int32: chunk starts, lengths, contexts
+    # decode, a verify step: each row's queries (its next input and drafts), the row's
+    # seq_lens counting all of them (kernels.verify_attention)
+    num_queries: int = 1
 
 
 def forward(
@@ -172,9 +175,20 @@ def forward(
                 scale,
                 attn.prefill_meta,
             )
-        else:
+        elif attn.num_queries == 1:
             o = ops.decode_attention(
                 q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale, attn.host_seq_lens
+            )
+        else:
+            o = ops.verify_attention(
+                q,
+                k_cache,
+                v_cache,
+                attn.block_tables,
+                attn.seq_lens,
+                scale,
+                attn.num_queries,
+                attn.host_seq_lens,
             )
         h = ops.linear(o.reshape(num_tokens, spec.q_size), layer.o_proj)
         x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)

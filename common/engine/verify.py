@@ -1,10 +1,11 @@
 """A verify step: each decode row's next input and k drafts scored in one forward, the
 longest run of drafts the model agrees with accepted, all on the device.
 
-The forward spreads row i over k + 1 rows of a decode step: its next input at position
-L - 1 (L = its seq_len) and draft j at L - 1 + j, each with its own length L + j over the
-row's block table, so each sees the row's cache and the drafts before it, nothing after.
-All k + 1 write their KV first (the blocks for L + k tokens are the caller's to reserve).
+The forward spreads row i over k + 1 query rows: its next input at position L - 1 (L =
+its seq_len) and draft j at L - 1 + j, each seeing the row's first L + j tokens (the
+cache and the drafts before it, nothing after: kernels.verify_attention, which on CPU
+reads the row's KV once for all k + 1). All k + 1 write their KV first (the blocks for
+L + k tokens are the caller's to reserve).
 Token j of the row is what a plain step at length L + j would choose (the same argmax,
 or the same seeded draw); draft j + 1 is accepted while it equals token j. With a
 accepted, tokens 0..a are the row's, token a is its next input and its length grows by
@@ -87,16 +88,14 @@ class Verifier:
         tables = block_tables.repeat_interleave(k1, 0)  # [n * k1, W]
         slots = torch.empty(n * k1, dtype=torch.int64, device=ids.device)
         kernels.compute_slot_mapping(lens, tables, self._table.block_size, slots)
-        # The host's lengths ride along for kernels that take them there (Ascend).
-        host_lens = torch.from_numpy(
-            (host_seq_lens[:, None] + np.arange(k1, dtype=np.int32)).reshape(-1)
-        )
         attn = qwen3.AttentionInputs(
             is_prefill=False,
             slot_mapping=slots,
-            block_tables=tables,
-            seq_lens=lens,
-            host_seq_lens=host_lens,
+            block_tables=block_tables,
+            seq_lens=seq_lens + k,
+            # the host's lengths ride along for kernels that take them there (Ascend)
+            host_seq_lens=torch.from_numpy(host_seq_lens + k),
+            num_queries=k1,
         )
         m = self.model
         positions = lens.long() - 1

@@ -54,3 +54,40 @@ def test_the_avx512_kernel_is_built_where_the_cpu_has_avx512():
     lib = ctypes.CDLL(str(cpu_build.build(options.current[0].build_dir)))  # the one loaded
     has = ctypes.c_int.in_dll(lib, "pdserve_has_attend_bf16_d128").value
     assert has == ("avx512f" in cpu_build._cpu_flags().split())
+
+
+def _verify_float64(q, k, v, tables, seq_lens, scale, num_queries):
+    """Each query by hand: query j of row i over the first seq_lens[i] - (Q - 1 - j)."""
+    rows = []
+    for i, n in enumerate(seq_lens.tolist()):
+        for j in range(num_queries):
+            lens = torch.tensor([n - (num_queries - 1 - j)], dtype=torch.int32)
+            one = q[i * num_queries + j][None].double()
+            rows.append(portable.decode_attention(one, k.double(), v.double(), tables[i : i + 1],
+                                                  lens, scale)[0])  # fmt: skip
+    return torch.stack(rows)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 128), (torch.float32, 64)])
+@pytest.mark.parametrize("num_queries", [1, 3, 5])
+def test_a_verify_steps_queries_each_read_their_own_tokens_equal_float64(
+    dtype, head_dim, num_queries
+):
+    """A verify step's rows: each row's KV read once for its Q queries (Q times the heads),
+    query j masked to the row's first n - (Q - 1 - j) tokens; over 1 and 2 threads."""
+    lens = [n + num_queries - 1 for n in (1, 8, 16, 17, 300)]
+    k, v, tables = _paged_cache(lens, 2, head_dim, 16, dtype, seed=num_queries)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(len(lens) * num_queries, 6, head_dim, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    want = _verify_float64(q, k, v, tables, seq_lens, 0.1, num_queries)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        got = cpu.verify_attention(q, k, v, tables, seq_lens, 0.1, num_queries)
+        assert (got.double() - want).abs().max() < 2e-6
+    # the portable spread (other devices' way) computes in the cache's dtype: bf16 rounds
+    qc = q.to(dtype)
+    spread = portable.verify_attention(qc, k, v, tables, seq_lens, 0.1, num_queries)
+    want = _verify_float64(qc, k, v, tables, seq_lens, 0.1, num_queries)
+    assert (spread.double() - want).abs().max() < (2e-5 if dtype == torch.float32 else 2e-2)
