@@ -93,6 +93,8 @@ class Batch:
             self.finish(rid, in_batch=False)
             return update
         blocks_to_join(seq, self.worker.block_size, self.scheduler.prefix_cache)
+        if self.drafts and seq.params.no_drafts:
+            self.drafts.opt_out(rid)
         self.worker.decode.add(
             rid,
             token,

@@ -41,6 +41,10 @@ class DraftChooser:
     def forget(self, key: str) -> None:
         self._acceptance.pop(key, None)
 
+    def opt_out(self, key: str) -> None:
+        """The row's request takes no drafts: it counts as one that never accepts any."""
+        self._acceptance[key] = (0.0, float("inf"))
+
     def choose(self, keys: list[str], limit: int) -> int:
         """k for a step over these rows, at most limit (what the rows' blocks and lengths
         allow; 0 where the batch cannot be verified)."""

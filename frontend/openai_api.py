@@ -133,6 +133,7 @@ def parse_calls(
                 stop=list(stop),
                 stop_token_ids=list(m.stop_token_ids or ()),
                 ignore_eos=bool(m.ignore_eos),
+                speculative=_or(m.speculative, True),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 presence_penalty=_or(m.presence_penalty, 0.0),

@@ -138,6 +138,7 @@ class _Common(_Strict):
     stop: Union[Word, items(Word, MAX_STOP)] | None = None
     stop_token_ids: items(TokenId, MAX_STOP_TOKEN_IDS) | None = None
     ignore_eos: bool | None = None
+    speculative: bool | None = None
     return_token_ids: bool | None = None
     logit_bias: entries(Short, float, MAX_LOGIT_BIAS) | None = None
     allowed_token_ids: items(TokenId, MAX_PROMPT_IDS) | None = None

@@ -250,6 +250,7 @@ def prepare(
         allowed_token_ids=tuple(req.allowed_token_ids or ()),
         bad_words_ids=_bad_words(tokenizer, req.bad_words),
         grammar=_grammar(req, grammars),
+        no_drafts=not req.speculative,
     )
     params.validate(spec.vocab_size)
     validate_prompt(ids, params.max_tokens, spec.vocab_size, max_model_len)

@@ -71,6 +71,7 @@ class SamplingParams:
     num_prior_outputs: int = 0  # a moved request: the prompt's last tokens are outputs it streamed
     # Structured output: (kind, spec, whitespace) (common/base/grammar.py).
     grammar: tuple[str, ...] = ()
+    no_drafts: bool = False  # the request opts out of speculative decoding
 
     def split(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
         """A prompt as sent to a node -> (the client's prompt, the outputs already streamed)."""

@@ -98,6 +98,7 @@ class DecodeBatch:
             self.host_seq_lens,
             self.table,
             self.sampling,
+            h2d,
             pinned,
         )
 
@@ -165,7 +166,7 @@ class DecodeBatch:
         self.table.set_row(row, block_ids)
         self.sampling.set_row(row, params, history)
         if self.verifier:
-            self.verifier.drafter.set_row(row, token_ids)
+            self.verifier.set_row(row, token_ids, params.no_drafts)
         self.host_seq_lens[row] = num_cached + 1
         self._slots[key] = row
         self._keys.append(key)
@@ -176,7 +177,7 @@ class DecodeBatch:
         row = self._slots.pop(key)
         last = self.num_seqs - 1
         if self.verifier:
-            self.verifier.drafter.remove_row(row, last)
+            self.verifier.remove_row(row, last)
         if row != last:
             moved = self._keys[last]
             for buf in (self._input_ids, self._seq_lens, self._step_inc):

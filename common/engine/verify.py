@@ -23,6 +23,7 @@ import kernels
 from common.engine import qwen3
 from common.engine.block_table import BlockTable
 from common.engine.drafting import Drafter
+from common.engine.h2d import HostToDevice
 from common.engine.sampling_rows import SamplingRows
 
 
@@ -36,6 +37,7 @@ class Verifier:
         host_seq_lens: np.ndarray,
         table: BlockTable,
         sampling: SamplingRows,
+        h2d: HostToDevice,
         is_pinned: bool,
     ):
         """rows: the decode batch's input_ids, seq_lens and step_inc [max_batch_size] on
@@ -47,7 +49,11 @@ class Verifier:
         self._host_seq_lens = host_seq_lens
         self._table = table
         self._sampling = sampling
+        self._h2d = h2d
         n, device = rows[0].shape[0], rows[0].device
+        # Rows whose request opted out (SamplingParams.no_drafts): their drafts are none.
+        self._no_drafts = torch.zeros(n, dtype=torch.bool, device=device)
+        self._host_no_drafts = np.zeros(n, dtype=bool)
         self._steps = torch.arange(max_k + 1, dtype=torch.int32, device=device)
         # Per row: the step's tokens [n, max_k + 1]; accepted and proposed drafts [2, n].
         self._targets = torch.zeros(n, max_k + 1, dtype=torch.int64, device=device)
@@ -66,6 +72,21 @@ class Verifier:
             "num_accepted_tokens": self.num_accepted,
         }
 
+    def set_row(self, row: int, token_ids: list[int], no_drafts: bool) -> None:
+        """A sequence joins at row: its tokens to the drafter; whether it opted out (written
+        only where the row's flag changes)."""
+        self.drafter.set_row(row, token_ids)
+        if self._host_no_drafts[row] != no_drafts:
+            self._h2d.write(self._no_drafts[row], no_drafts)
+            self._host_no_drafts[row] = no_drafts
+
+    def remove_row(self, row: int, last: int) -> None:
+        """The sequence at row leaves; the last live row moves into it (drafter and flag)."""
+        self.drafter.remove_row(row, last)
+        if row != last:
+            self._no_drafts[row].copy_(self._no_drafts[last])
+            self._host_no_drafts[row] = self._host_no_drafts[last]
+
     def run(
         self,
         k: int,
@@ -83,6 +104,7 @@ class Verifier:
         host_seq_lens = self._host_seq_lens[:n]
         k1 = k + 1
         drafts = self.drafter.propose(n, seq_lens, k, int(host_seq_lens.max()))  # [n, k]
+        drafts = drafts.masked_fill(self._no_drafts[:n, None], -1)
         ids = torch.cat([input_ids[:, None], drafts.clamp(min=0)], 1).view(-1)  # [n * k1]
         lens = (seq_lens[:, None] + self._steps[:k1]).view(-1)  # [n * k1] int32
         tables = block_tables.repeat_interleave(k1, 0)  # [n * k1, W]

@@ -55,6 +55,7 @@ class GenerateRequest:
     )
     stop_token_ids: Annotated[list[I32], MaxLen(MAX_STOP_TOKEN_IDS)] = field(default_factory=list)
     ignore_eos: bool = False
+    speculative: bool = True  # False: no drafts verified for it (where the node speculates)
     timeout_s: float | None = None
     # Reported: each output token's log-probability and this many likeliest alternatives;
     # prompt_logprobs: the same for each prompt token after the first.

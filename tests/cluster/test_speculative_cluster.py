@@ -47,9 +47,14 @@ def test_verified_drafts_answer_as_transformers(cluster, tiny_model):
             reported = client.complete(
                 prompt_token_ids=prompts[0], max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1
             )
-            return await asyncio.gather(*plain, reported)
+            opted_out = client.complete(
+                prompt_token_ids=prompts[1], max_tokens=NEW_TOKENS, ignore_eos=True,
+                speculative=False,
+            )  # fmt: skip
+            return await asyncio.gather(*plain, reported, opted_out)
 
-    *results, reported = asyncio.run(run())
+    *results, reported, opted_out = asyncio.run(run())
+    assert opted_out.token_ids == expected[1]
     for i, (r, ref) in enumerate(zip(results, expected)):
         assert r.error is None, r.error
         assert r.token_ids == ref, f"request {i} diverged"

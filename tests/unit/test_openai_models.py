@@ -54,6 +54,7 @@ def _refused(body, kind: str = "completions") -> api.ApiError:
                 "stop": "x",
                 "bad_words": "no",
                 "n": 3,
+                "speculative": False,
             },
             "completions",
             dict(
@@ -72,6 +73,7 @@ def _refused(body, kind: str = "completions") -> api.ApiError:
                 stop=["x"],
                 bad_words=["no"],
                 n=3,
+                speculative=False,
             ),
         ),
         (

@@ -213,6 +213,23 @@ def test_drafts_that_are_right_are_all_accepted_and_a_wrong_one_cuts_the_run(tin
         assert spec_writes == worker.h2d.num_writes - before
 
 
+def test_a_request_that_opts_out_is_verified_with_no_drafts(tiny_model):
+    prompts = [[1, 2, 3], [40, 41, 42, 43, 44]]
+    params = [
+        SamplingParams(max_tokens=21, ignore_eos=True),
+        SamplingParams(max_tokens=21, ignore_eos=True, no_drafts=True),
+    ]
+    with _worker(tiny_model, spec=SpeculativeConfig()) as worker:
+        plain = [p + r["token_ids"] for p, r in zip(prompts, generate(worker, prompts, params))]
+    with _worker(tiny_model) as worker:
+        worker.decode.verifier.drafter = _Oracle(plain)
+        got = generate(worker, prompts, params)
+        v = worker.decode.verifier
+        assert [p + r["token_ids"] for p, r in zip(prompts, got)] == plain
+        # the first row's drafts, all right; none of the second's
+        assert v.num_drafted == v.num_accepted == 16  # 4 steps of 4, then the second alone
+
+
 def test_prompt_lookups_rows_hold_every_token_plain_steps_and_verify_steps_alike(tiny_model):
     """The drafter's rows are written on the device by every step; a row that leaves is
     filled by the last, its tokens with it."""
