@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from common.base import grammar
 from common.base.log import Throttle, get_logger
 from common.base.recent import Recent
@@ -33,6 +35,7 @@ class GrammarEnded(ValueError):
 
 
 noisy = Throttle(log)
+MIN_VERIFY_ROWS = 64  # a verify step may spread to this many rows whatever the batch's size
 
 
 class Batch:
@@ -133,23 +136,36 @@ class Batch:
         return self.drafts.choose(self.worker.decode.keys(), self._room())
 
     def _room(self) -> int:
-        """The most drafts every running row can take: its tokens to come (max_tokens), its
-        blocks and reservation (the free pool is the preemptions' to share), and the
-        model's length."""
-        room = self.drafts.max_k
+        """The most drafts every running row can take: its tokens to come (max_tokens), the
+        model's length, at most a full batch's rows in all (a verify step's logits are no
+        larger than a plain step's can be), and blocks: a row's own and its reservation,
+        then the free pool's beyond the watermark (kept for plain steps to grow into)."""
+        d, rows = self.worker.decode, self.scheduler.running.values()
+        if not rows:
+            return 0
+        room = min(self.drafts.max_k, max(d.max_batch_size, MIN_VERIFY_ROWS) // len(rows) - 1)
         limit, bs = self.worker.max_model_len, self.worker.block_size
-        for seq in self.scheduler.running.values():
+        num_tokens, num_blocks = [], []
+        for seq in rows:
             if not seq.params.is_plain:
                 return 0
-            num_tokens = seq.prompt_len + len(seq.output_ids)  # with the next input
-            num_blocks = len(seq.block_ids) + seq.num_reserved
-            room = min(
-                room,
-                seq.params.max_tokens - len(seq.output_ids) - 1,
-                limit - num_tokens,
-                num_blocks * bs - num_tokens,
-            )
-        return max(room, 0)
+            n = seq.prompt_len + len(seq.output_ids)  # with the next input
+            room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1, limit - n)
+            num_tokens.append(n)
+            num_blocks.append(len(seq.block_ids) + seq.num_reserved)
+        if room <= 0:
+            return 0
+        tokens, have = np.array(num_tokens), np.array(num_blocks)
+        pool = self.scheduler.prefix_cache.num_available - self.scheduler.watermark
+
+        def is_held(k: int) -> bool:  # the pool holds what L + k tokens need past each row's
+            return int(np.maximum(-(-(tokens + k) // bs) - have, 0).sum()) <= pool
+
+        lo, hi = 0, room  # NOTE: need grows with k: the largest held k by halving
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if is_held(mid) else (lo, mid - 1)
+        return lo
 
     def can_run_ahead(self) -> bool:
         """Whether the running sequences allow the next step before this one's tokens are

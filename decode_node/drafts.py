@@ -5,11 +5,14 @@ measured step time, so a load whose drafts do not pay runs plain steps.
 Each row's acceptance p is the chance a draft is accepted given those before it were:
 of a step that accepted a of its drafts, a were accepted and, where a < k, one was
 tried and refused (a step that proposed none: one refused); p is the ratio of the two's
-moving sums. A verify step of k is expected to make 1 + p + ... + p^k tokens in that
-row. A (batch size, k) not yet measured is tried once. While plain steps win, a verify
-step of one draft (the cheapest) is still tried now and then (a probe) to see whether
-acceptance has grown; the gap between probes doubles each time one accepts nothing, so
-a load that never matches pays for few.
+moving sums with PRIOR_TRIALS drafts more at the batch's rate (the same sums over every
+row, itself starting from PRIOR): one step's luck is no rate. A verify step of k is
+expected to make 1 + p + ... + p^k tokens in that row. At each batch size, plain steps
+and steps of one draft are measured first (each tried once); a step of more drafts,
+until it is measured, is reckoned to cost as those two say, each draft alike. While
+plain steps win, a step of one draft (the cheapest) is still tried now and then (a
+probe) to see whether acceptance has grown; the gap between probes doubles with each,
+and starts over once verifying pays, so a load that never matches pays for few.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from __future__ import annotations
 import numpy as np
 
 PRIOR = 0.3  # a new row's acceptance, until it is measured
+PRIOR_TRIALS = 2.0  # what PRIOR weighs against a row's own drafts
 SMOOTHING = 0.3  # weight of a new measurement (acceptance and step times alike)
 FIRST_PROBE_GAP = 16  # plain steps before the first probe
 MAX_PROBE_GAP = 1024
+MAX_AWAY = 1024  # rows' acceptance kept beyond the batch's before it is pruned
 
 
 def _bucket(num_rows: int) -> int:
@@ -32,10 +37,11 @@ class DraftChooser:
         self.max_k = max_k
         self.candidates = sorted({0, 1, max(max_k // 2, 1), max_k})
         self._acceptance: dict[str, tuple[float, float]] = {}  # (accepted, tried), decayed
+        self._pooled = (0.0, 0.0)  # the same over every row
         self._step_s: dict[tuple[int, int], float] = {}
         self._probe_gap = FIRST_PROBE_GAP
         self._num_plain = 0  # plain steps since the last verify step
-        self._is_probe = False
+        self._is_probing = False  # the last choice was a probe
         self.num_probes = 0
 
     def forget(self, key: str) -> None:
@@ -47,26 +53,28 @@ class DraftChooser:
 
     def choose(self, keys: list[str], limit: int) -> int:
         """k for a step over these rows, at most limit (what the rows' blocks and lengths
-        allow; 0 where the batch cannot be verified)."""
-        self._is_probe = False
+        allow; 0 where the batch cannot be verified). NOTE: asked again before the step is
+        observed, it answers the same and counts nothing twice."""
+        self._is_probing = False
         if limit <= 0 or not keys:
             return 0
         bucket = _bucket(len(keys))
-        get = self._acceptance.get
-        ps = np.fromiter((_ratio(get(key)) for key in keys), np.float64, len(keys))
-        best_k, best_rate = 0, 0.0
-        for k in sorted({min(k, limit) for k in self.candidates}):
-            step_s = self._step_s.get((bucket, k))
-            if step_s is None:
-                return k  # never measured at this size: measure it
-            tokens = _expected_tokens(ps, k)
-            if tokens / step_s > best_rate:
-                best_k, best_rate = k, tokens / step_s
-        if best_k == 0 and self._num_plain >= self._probe_gap:
-            self._is_probe = True
-            self.num_probes += 1
-            return 1
-        return best_k
+        plain_s, one_s = self._step_s.get((bucket, 0)), self._step_s.get((bucket, 1))
+        if plain_s is None or one_s is None:
+            return 0 if plain_s is None else 1  # not measured at this size: measure it
+        get, prior = self._acceptance.get, _ratio(self._pooled, PRIOR)
+        ps = np.fromiter((_ratio(get(key), prior) for key in keys), np.float64, len(keys))
+        best_k, best_rate = 0, len(keys) / plain_s
+        for k in sorted({min(k, limit) for k in self.candidates} - {0}):
+            step_s = self._step_s.get((bucket, k), plain_s + k * (one_s - plain_s))
+            rate = _expected_tokens(ps, k) / max(step_s, 1e-9)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k:
+            self._probe_gap = FIRST_PROBE_GAP  # verifying pays: probe soon once it stops
+            return best_k
+        self._is_probing = self._num_plain >= self._probe_gap
+        return 1 if self._is_probing else 0
 
     def observe(self, keys: list[str], k: int, step_s: float, accepted: list[int]) -> None:
         """A collected step of k drafts over these rows took step_s; accepted: each row's
@@ -77,21 +85,28 @@ class DraftChooser:
         if k == 0:
             self._num_plain += 1
             return
-        is_won = False
+        if self._is_probing:  # the next probe waits twice as long
+            self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP)
+            self.num_probes += 1
+            self._is_probing = False
         keep = 1 - SMOOTHING
+        all_won, all_tried = 0, 0
         for row_key, a in zip(keys, accepted):
             won, tried = self._acceptance.get(row_key, (0.0, 0.0))
             self._acceptance[row_key] = (keep * won + a, keep * tried + a + (a < k))
-            is_won |= a > 0
-        if self._is_probe:
-            # NOTE: a probe that accepted nothing doubles the gap; one that did starts over.
-            self._probe_gap = FIRST_PROBE_GAP if is_won else min(2 * self._probe_gap, MAX_PROBE_GAP)
+            all_won, all_tried = all_won + a, all_tried + a + (a < k)
+        self._pooled = (keep * self._pooled[0] + all_won, keep * self._pooled[1] + all_tried)
         self._num_plain = 0
+        if len(self._acceptance) > len(keys) + MAX_AWAY:
+            # NOTE: rows that left without forget() (a preempted request aborted): dropped
+            # here, with those merely preempted, which start over at the batch's rate
+            self._acceptance = {key: self._acceptance[key] for key in keys}
 
 
-def _ratio(counts: tuple[float, float] | None) -> float:
-    """A row's acceptance from its (accepted, tried) sums; PRIOR before any."""
-    return PRIOR if counts is None or counts[1] <= 0 else counts[0] / counts[1]
+def _ratio(counts: tuple[float, float] | None, prior: float) -> float:
+    """An acceptance from (accepted, tried) sums and PRIOR_TRIALS drafts at prior."""
+    won, tried = counts or (0.0, 0.0)
+    return (won + prior * PRIOR_TRIALS) / (tried + PRIOR_TRIALS)
 
 
 def _expected_tokens(ps: np.ndarray, k: int) -> float:

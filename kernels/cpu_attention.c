@@ -35,8 +35,8 @@ static inline float bf16_to_f32(uint16_t x) {
 }
 
 /* Head h's scores sh[0:n] -> its softmax over the first n - (Q - 1 - h % Q) (its query's
- * tokens), zeros after them. */
-static void softmax_head(float *sh, int64_t n, int64_t h, int64_t Q) {
+ * tokens), zeros after them. cpu_decode_avx512.c's kernel calls it too. */
+void pdserve_softmax_head(float *sh, int64_t n, int64_t h, int64_t Q) {
     int64_t m_n = n - (Q - 1 - h % Q);
     if (m_n < 1) m_n = 1;
     float m = sh[0], sum = 0.0f;
@@ -70,7 +70,8 @@ static void NAME(const float *q, const T *kc, const T *vc, const int32_t *table,
             scores[h * n + t] = s * scale;                                               \
         }                                                                                \
     }                                                                                    \
-    for (int64_t h = 0; h < Hq; h++) softmax_head(scores + h * n, n, h, Q);              \
+    for (int64_t h = 0; h < Hq; h++)                                                     \
+        pdserve_softmax_head(scores + h * n, n, h, Q);                                   \
     memset(acc, 0, sizeof(float) * Hq * D);                                              \
     for (int64_t t = 0; t < n; t++) {                                                    \
         if (t % bs == 0) v = vc + (int64_t)table[t / bs] * block_stride;                 \

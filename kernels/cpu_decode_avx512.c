@@ -45,17 +45,8 @@ static inline void fetch_ahead(const uint16_t *c, const int32_t *table, int64_t 
     for (int64_t b = 0; b < num_bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T1);
 }
 
-/* sh[0:m_n] -> softmax(sh[0:m_n]) in place, zeros in sh[m_n:n] (a draft's later keys). */
-static void softmax_row(float *sh, int64_t n, int64_t m_n) {
-    float m = sh[0], sum = 0.0f;
-    for (int64_t t = 1; t < m_n; t++) m = sh[t] > m ? sh[t] : m;
-    _Pragma("omp simd reduction(+:sum)")
-    for (int64_t t = 0; t < m_n; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }
-    const float inv = 1.0f / sum;
-    _Pragma("omp simd")
-    for (int64_t t = 0; t < m_n; t++) sh[t] *= inv;
-    for (int64_t t = m_n; t < n; t++) sh[t] = 0.0f;
-}
+/* cpu_attention.c: head h's softmax over its query's tokens, zeros after them */
+void pdserve_softmax_head(float *sh, int64_t n, int64_t h, int64_t Q);
 
 void pdserve_attend_bf16_d128(const float *q, const uint16_t *kc, const uint16_t *vc,
                               const int32_t *table, int64_t n, int64_t Hq, int64_t G,
@@ -82,10 +73,7 @@ void pdserve_attend_bf16_d128(const float *q, const uint16_t *kc, const uint16_t
             }
         }
     }
-    for (int64_t h = 0; h < Hq; h++) {  /* head h: query h % Q of Q (cpu_attention.c) */
-        const int64_t m_n = n - (Q - 1 - h % Q);
-        softmax_row(scores + h * n, n, m_n < 1 ? 1 : m_n);
-    }
+    for (int64_t h = 0; h < Hq; h++) pdserve_softmax_head(scores + h * n, n, h, Q);
     /* P @ V: token rows in order (a stream the prefetchers follow), each KV head's widened
      * once for its G query heads; the sums [Hq, 128] stay in L1. */
     for (int64_t i = 0; i < Hq * 128; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());

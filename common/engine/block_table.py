@@ -19,7 +19,10 @@ class BlockTable:
         block_size: int,
         h2d: HostToDevice,
         is_pinned: bool,
+        max_entries_per_row: int = 1,
     ):
+        """max_entries_per_row: the most blocks a row may take between two launches (one a
+        plain step, more where a verify step's drafts cross blocks)."""
         n, dev = max_batch_size, h2d.device
         self.block_size = block_size
         self._h2d = h2d
@@ -30,8 +33,9 @@ class BlockTable:
         # Entries waiting for the next launch; staged in two pinned slots because one may
         # still be read by the device while the other is filled.
         self._pending: list[tuple[int, int, int]] = []
-        self._staging = torch.zeros(2, 3, n, dtype=torch.int32, pin_memory=is_pinned)
-        self._updates = torch.zeros(3, n, dtype=torch.int32, device=dev)
+        m = n * max_entries_per_row
+        self._staging = torch.zeros(2, 3, m, dtype=torch.int32, pin_memory=is_pinned)
+        self._updates = torch.zeros(3, m, dtype=torch.int32, device=dev)
 
     @property
     def max_blocks(self) -> int:

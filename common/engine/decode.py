@@ -75,7 +75,9 @@ class DecodeBatch:
         self._input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self._seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self._step_inc = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.table = BlockTable(n, max_blocks_per_seq, block_size, h2d, pinned)
+        # NOTE: a verify step's drafts may cross blocks: a row may take several a launch
+        per_row = num_blocks_for(speculative.num_speculative_tokens + 1, block_size) + 1
+        self.table = BlockTable(n, max_blocks_per_seq, block_size, h2d, pinned, per_row)
         self._slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
         self._positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self.sampling = SamplingRows(n, model.spec.vocab_size, h2d, pinned, eos_ids)

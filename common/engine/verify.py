@@ -5,7 +5,9 @@ The forward spreads row i over k + 1 query rows: its next input at position L - 
 its seq_len) and draft j at L - 1 + j, each seeing the row's first L + j tokens (the
 cache and the drafts before it, nothing after: kernels.verify_attention, which on CPU
 reads the row's KV once for all k + 1). All k + 1 write their KV first (the blocks for
-L + k tokens are the caller's to reserve).
+L + k tokens are the caller's to reserve). NOTE: on CUDA the spread changes how many rows
+the decode attention splits its sums over: tokens equal plain decoding's up to the
+order of those sums (near-ties; not yet run on a GPU).
 Token j of the row is what a plain step at length L + j would choose (the same argmax,
 or the same seeded draw); draft j + 1 is accepted while it equals token j. With a
 accepted, tokens 0..a are the row's, token a is its next input and its length grows by

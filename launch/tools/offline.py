@@ -114,4 +114,8 @@ def _num_drafts(worker: DeviceWorker, seqs: list[Sequence]) -> int:
     v = worker.decode.verifier
     if v is None or not all(s.params.is_plain for s in seqs):
         return 0
-    return max(min(v.max_k, *(s.params.max_tokens - len(s.output_ids) - 1 for s in seqs)), 0)
+    room = min(
+        min(s.params.max_tokens - len(s.output_ids) - 1 for s in seqs),
+        min(worker.max_model_len - s.prompt_len - len(s.output_ids) for s in seqs),
+    )
+    return max(min(v.max_k, room), 0)

@@ -1,5 +1,6 @@
-"""Drafts for speculative decoding: a drafter proposes up to k tokens per decode row from
-the row's own tokens, on the device, and is told which tokens each verify step made.
+"""Drafts for speculative decoding: a drafter proposes up to k tokens per decode row, from
+the row's own tokens (prompt lookup, on the device) or from every token the node has seen
+(suffix decoding, on the host), and is told the tokens each step made.
 
 One interface (Drafter); the decode batch never names an implementation: make_drafter
 picks it from the SpeculativeConfig. A drafter's state is per row, and rows move as the
@@ -30,10 +31,9 @@ class Drafter(Protocol):
 
     def append(self, n: int, seq_lens: torch.Tensor, tokens: torch.Tensor) -> None:
         """On the device, in every step: it made tokens [n, k + 1] (k = 0: a plain step) at
-        positions
-        seq_lens[i] + j of each row (seq_lens: the lengths before it). Those past what was
-        accepted are overwritten before they are read: a drafter reads a row only below
-        its length."""
+        positions seq_lens[i] + j of each row (seq_lens: the lengths before it). Those past
+        what was accepted are overwritten before they are read: a drafter reads a row only
+        below its length."""
 
     def took(self, tokens: list[list[int]]) -> None:
         """On the host, once a step is collected: each row's new tokens, in row order."""

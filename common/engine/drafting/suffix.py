@@ -6,9 +6,13 @@ they occurred are its drafts.
 The index maps the last m tokens before a position (m of MATCH_LENGTHS, up to the depth
 less the drafts) to the latest (source, position) where they occurred with a token after
 them; a lookup tries the longest m first. A source is indexed as far as its tokens go
-when a row of it proposes and when it finishes. The drafts are at most as many as the
-match is long (a short match is weak evidence) and go to the device in one counted copy
-a step: this method's steps copy to the device, prompt lookup's do not.
+when a row of it proposes and when it finishes, its last MAX_INDEXED tokens only (older
+windows leave as new ones come; a long prompt's start is prompt lookup's). NOTE: the
+index costs ~1 KB of host memory a token: the finished sources kept are bounded by
+their indexed tokens (MAX_CACHED_TOKENS) as well as by count, and keep those tokens
+alone. The drafts are at most as many as the match is long (a short match is weak
+evidence) and go to the device in one counted copy a step: this method's steps copy to
+the device, prompt lookup's do not.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import torch
 from common.engine.h2d import HostToDevice
 
 MATCH_LENGTHS = (1, 2, 4, 8, 16, 32)
+MAX_INDEXED = 2048  # a joining source's last tokens indexed: ~5 ms of the loop's at most
+MAX_CACHED_TOKENS = 1 << 17  # finished sources' indexed tokens kept, all told (~130 MB)
 
 
 class SuffixDrafter:
@@ -36,7 +42,9 @@ class SuffixDrafter:
         self.max_cached = max_cached
         self._h2d = h2d
         self._sources: dict[int, list[int]] = {}  # id -> tokens, live and finished
-        self._indexed: dict[int, int] = {}  # id -> positions indexed (those before it)
+        self._indexed: dict[int, tuple[int, int]] = {}  # id -> [first, end) of ends indexed
+        self._base: dict[int, int] = {}  # id -> the position of its tokens' first kept
+        self._num_cached_tokens = 0
         self._index: dict[tuple[int, ...], tuple[int, int]] = {}
         self._finished: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._row_source: list[int | None] = [None] * max_rows
@@ -52,14 +60,29 @@ class SuffixDrafter:
         self._row_source[row] = sid = self._next_id
         self._next_id += 1
         self._sources[sid] = list(token_ids)
-        self._indexed[sid] = 0
+        self._base[sid] = 0
+        start = max(len(token_ids) - MAX_INDEXED, 1)
+        self._indexed[sid] = (start, start)
 
     def remove_row(self, row: int, last: int) -> None:
         sid = self._row_source[row]
-        self._index_source(sid)
-        self._finished[sid] = None
-        while len(self._finished) > self.max_cached:
-            self._drop(self._finished.popitem(last=False)[0])
+        if self.max_cached:
+            self._index_source(sid)
+            first, end = self._indexed[sid]
+            base = max(first - MATCH_LENGTHS[-1], 0)  # the tokens its windows hold, alone
+            self._sources[sid] = self._sources[sid][base:]
+            self._base[sid] = base
+            self._finished[sid] = None
+            self._num_cached_tokens += end - first
+            while len(self._finished) > self.max_cached or (
+                self._num_cached_tokens > MAX_CACHED_TOKENS
+            ):
+                oldest = self._finished.popitem(last=False)[0]
+                first, end = self._indexed[oldest]
+                self._num_cached_tokens -= end - first
+                self._drop(oldest)
+        else:
+            self._drop(sid)
         self._row_source[row] = self._row_source[last]
         self._row_source[last] = None
 
@@ -87,27 +110,38 @@ class SuffixDrafter:
             hit = self._index.get(tuple(tokens[-m:]))
             if hit is not None:
                 where, end = hit
+                end -= self._base[where]
                 return self._sources[where][end : end + min(k, m)]
         return []
 
     def _index_source(self, sid: int) -> None:
         """Index source sid's windows that end before its last token (each has one after)."""
-        tokens, start = self._sources[sid], self._indexed[sid]
-        for end in range(max(start, 1), len(tokens)):
+        tokens, (first, start) = self._sources[sid], self._indexed[sid]  # base 0: live
+        for end in range(start, len(tokens)):
             for m in self.lengths:
                 if m > end:
                     break
                 self._index[tuple(tokens[end - m : end])] = (sid, end)
-        self._indexed[sid] = max(len(tokens), start)
+        end = max(len(tokens), start)
+        while end - first > MAX_INDEXED:  # the oldest windows leave as new ones come
+            self._unindex(sid, first)
+            first += 1
+        self._indexed[sid] = (first, end)
 
     def _drop(self, sid: int) -> None:
-        """A finished source leaves the cache; its windows leave the index where they are
-        still its own (a later occurrence elsewhere took the others)."""
-        tokens = self._sources.pop(sid)
-        for end in range(1, self._indexed.pop(sid)):
-            for m in self.lengths:
-                if m > end:
-                    break
-                key = tuple(tokens[end - m : end])
-                if self._index.get(key, (None,))[0] == sid:
-                    del self._index[key]
+        """A source leaves: its windows leave the index, its tokens with them."""
+        first, stop = self._indexed[sid]
+        for end in range(first, stop):
+            self._unindex(sid, end)
+        del self._sources[sid], self._indexed[sid], self._base[sid]
+
+    def _unindex(self, sid: int, end: int) -> None:
+        """Source sid's windows ending at end leave the index where they are still its own
+        (a later place elsewhere took the others)."""
+        tokens, base = self._sources[sid], self._base[sid]
+        for m in self.lengths:
+            if m > end:
+                break
+            key = tuple(tokens[end - m - base : end - base])
+            if self._index.get(key, (None,))[0] == sid:
+                del self._index[key]

@@ -1,0 +1,119 @@
+"""The decode node's batch with speculative decoding on: its turn as the node runs it (a
+step run ahead wherever the batch allows), blocks grown for the drafts from a request's
+reservation or from the free pool, a stop token inside a verified run, and every block
+back at the end; tokens equal to plain decoding's."""
+
+import pytest
+
+from common.base.config import WorkerConfig
+from common.base.recent import Recent
+from common.base.request import SamplingParams
+from common.base.speculative import SpeculativeConfig
+from common.engine.worker import DeviceWorker, PrefillChunk
+from common.kv.blocks import num_blocks_for
+from common.kv.prefix import PrefixCache
+from common.kv.sequence import Sequence
+from decode_node.batch import Batch
+from decode_node.scheduler import DecodeScheduler
+from tests.unit.test_speculative import _Oracle
+
+PROMPTS = [[5, 6, 7, 8] * 4, [9, 8] * 3, [1, 2, 3, 4, 5] * 3 + [1], [11, 12, 13] * 5]
+STOP_ROW = 3  # its request stops at its 12th token
+
+
+def _serve(model, spec, is_preemptive, stops=None, oracle=None, block_size=16):
+    """The node's turn over PROMPTS (launch; the next one ahead where can_run_ahead says;
+    collect), the draft chooser taking every draft the rows have room for. -> (tokens per
+    request, the batch, the worker's stats, (free, reserved) blocks at the end)."""
+    cfg = WorkerConfig(
+        model=str(model),
+        kv_cache_memory=8 * 2**20,
+        block_size=block_size,
+        max_batch_size=4,
+        speculative=spec,
+    )
+    out = {}
+    with DeviceWorker(cfg) as w:
+        cache = PrefixCache(w.num_kv_blocks)
+        s = DecodeScheduler(cache, block_size, 4, is_preemptive=is_preemptive)
+        b = Batch(w, s, None, Recent(100))
+        if oracle:
+            w.decode.verifier.drafter = oracle
+            b.drafts.choose = lambda keys, limit: limit
+        for i, prompt in enumerate(PROMPTS):
+            stop = (stops[i],) if stops and i == STOP_ROW else ()
+            p = SamplingParams(max_tokens=30 + 3 * i, ignore_eos=True, stop_token_ids=stop)
+            seq = Sequence(f"r{i}", len(prompt), p, prompt_ids=list(prompt))
+            need = s.blocks_at_reserve(len(prompt), p.max_tokens)
+            cache.reserve(need)
+            seq.num_reserved = need
+            for _ in range(num_blocks_for(len(prompt), block_size)):
+                seq.take_block(cache)
+            (first,), _ = w.prefill([PrefillChunk(prompt, 0, seq.block_ids, p)])
+            s.admit(seq)
+            b.join(seq, first, None, {})
+            out[seq.request_id] = [first]
+        running = b.launch()
+        while running is not None:
+            ahead = b.launch() if b.can_run_ahead() else None
+            for update in b.collect(running, is_next_launched=ahead is not None):
+                out[update.request_id].extend(update.token_ids)
+            running = ahead if ahead is not None or not s.running else b.launch()
+        return out, b, w.decode.stats(), (cache.num_free, cache.num_reserved)
+
+
+@pytest.mark.parametrize("is_preemptive", [True, False], ids=["preemptive", "reserved"])
+def test_the_nodes_turn_verifies_drafts_and_gives_every_block_back(tiny_model, is_preemptive):
+    plain, _, plain_stats, plain_blocks = _serve(tiny_model, SpeculativeConfig(), is_preemptive)
+    whole = [PROMPTS[i] + plain[f"r{i}"] for i in range(len(PROMPTS))]
+    got, _, stats, blocks = _serve(
+        tiny_model, SpeculativeConfig("ngram", 4), is_preemptive, oracle=_Oracle(whole)
+    )
+    assert got == plain and blocks == plain_blocks and blocks[1] == 0
+    # drafts that are all right: far fewer steps; the drafts' blocks came from the pool
+    # where nothing was reserved (preemptive)
+    assert stats["num_verify_steps"] > 0
+    assert stats["num_decode_steps"] * 3 < plain_stats["num_decode_steps"]
+
+
+def test_a_stop_token_inside_a_verified_run_ends_the_request_there(tiny_model):
+    plain, *_ = _serve(tiny_model, SpeculativeConfig(), True)
+    row = plain[f"r{STOP_ROW}"]
+    stops = {STOP_ROW: row[11]}
+    want, *_ = _serve(tiny_model, SpeculativeConfig(), True, stops)
+    end = row.index(row[11]) + 1
+    assert want[f"r{STOP_ROW}"] == row[:end]
+    whole = [PROMPTS[i] + plain[f"r{i}"] for i in range(len(PROMPTS))]  # past the stop too
+    got, batch, stats, blocks = _serve(
+        tiny_model, SpeculativeConfig("ngram", 4), True, stops, oracle=_Oracle(whole)
+    )
+    assert got == want and blocks[1] == 0 and stats["num_verify_steps"] > 0
+    assert batch.num_discarded_tokens > 0  # drafts accepted past the stop, dropped
+
+
+def test_drafts_never_take_the_pools_last_blocks(tiny_model):
+    """A preemptive node's rows hold no reservation: drafts grow into the free pool only
+    beyond its watermark; with the pool that low, the steps are plain."""
+    plain, *_ = _serve(tiny_model, SpeculativeConfig(), True)
+    whole = [PROMPTS[i] + plain[f"r{i}"] for i in range(len(PROMPTS))]
+    cfg = WorkerConfig(
+        model=str(tiny_model),
+        kv_cache_memory=8 * 2**20,
+        max_batch_size=4,
+        speculative=SpeculativeConfig("ngram", 4),
+    )
+    with DeviceWorker(cfg) as w:
+        cache = PrefixCache(w.num_kv_blocks)
+        s = DecodeScheduler(cache, 16, 4, is_preemptive=True)
+        b = Batch(w, s, None, Recent(100))
+        w.decode.verifier.drafter = _Oracle(whole)
+        seq = Sequence("r0", 16, SamplingParams(max_tokens=40), prompt_ids=PROMPTS[0])
+        seq.output_ids = list(range(13))  # 29 tokens with the next input: two blocks
+        seq.take_block(cache)  # holds one: the next token takes one from the pool
+        s.admit(seq)
+        held = cache.allocate(cache.num_available - s.watermark - 1)
+        assert b._room() == 3  # one block past the watermark: tokens up to 32
+        cache.free(held[:1])
+        assert b._room() == 4  # two: 33 tokens
+        cache.allocate(2)
+        assert b._room() == 0  # none: the next token's block is the watermark's
