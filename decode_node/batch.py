@@ -131,7 +131,7 @@ class Batch:
         plain, or one with no room past its next token."""
         if self._next_k is not None:
             return self._next_k
-        if not self.drafts:
+        if not self.drafts or self.drafts.is_resting(self.worker.decode.num_seqs):
             return 0
         return self.drafts.choose(self.worker.decode.keys(), self._room())
 

@@ -24,6 +24,7 @@ PRIOR_TRIALS = 2.0  # what PRIOR weighs against a row's own drafts
 SMOOTHING = 0.3  # weight of a new measurement (acceptance and step times alike)
 FIRST_PROBE_GAP = 16  # plain steps before the first probe
 MAX_PROBE_GAP = 1024
+RECHECK = 8  # plain steps between reckonings while plain steps win
 MAX_AWAY = 1024  # rows' acceptance kept beyond the batch's before it is pruned
 
 
@@ -42,6 +43,7 @@ class DraftChooser:
         self._probe_gap = FIRST_PROBE_GAP
         self._num_plain = 0  # plain steps since the last verify step
         self._is_probing = False  # the last choice was a probe
+        self._plain_until = (0, 0)  # (bucket, plain steps): plain until then (choose)
         self.num_probes = 0
 
     def forget(self, key: str) -> None:
@@ -56,7 +58,7 @@ class DraftChooser:
         allow; 0 where the batch cannot be verified). NOTE: asked again before the step is
         observed, it answers the same and counts nothing twice."""
         self._is_probing = False
-        if limit <= 0 or not keys:
+        if limit <= 0 or not keys or self.is_resting(len(keys)):
             return 0
         bucket = _bucket(len(keys))
         plain_s, one_s = self._step_s.get((bucket, 0)), self._step_s.get((bucket, 1))
@@ -74,7 +76,17 @@ class DraftChooser:
             self._probe_gap = FIRST_PROBE_GAP  # verifying pays: probe soon once it stops
             return best_k
         self._is_probing = self._num_plain >= self._probe_gap
+        # NOTE: reckoned again after RECHECK more plain steps or at another batch size, the
+        # probe's time included (the rows' acceptance changes only when they are verified)
+        until = min(self._num_plain + RECHECK, self._probe_gap)
+        self._plain_until = (bucket, until) if not self._is_probing else (0, 0)
         return 1 if self._is_probing else 0
+
+    def is_resting(self, num_rows: int) -> bool:
+        """Plain steps won lately at this batch size and nothing was verified since: the
+        next step is plain, unreckoned (and what limits its drafts need not be asked)."""
+        until = self._plain_until
+        return until[0] == _bucket(num_rows) and self._num_plain < until[1]
 
     def observe(self, keys: list[str], k: int, step_s: float, accepted: list[int]) -> None:
         """A collected step of k drafts over these rows took step_s; accepted: each row's
@@ -85,6 +97,7 @@ class DraftChooser:
         if k == 0:
             self._num_plain += 1
             return
+        self._plain_until = (0, 0)
         if self._is_probing:  # the next probe waits twice as long
             self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP)
             self.num_probes += 1

@@ -5,12 +5,13 @@ batch code and draft chooser (launch/tools/offline.py drives them as the node's 
         --prompt-len 256 --output-len 64 \
         [--speculative-config '{"method": "suffix", "num_speculative_tokens": 4}']
 
-For each batch size, the same random prompts (greedy, ignore_eos) three times: with
-speculation off (the baseline), then on, twice on one worker: `fresh` (not seen before:
-what prompt lookup and suffix decoding find in the prompts, the outputs and other
-requests') and `repeat` (the same requests asked again: suffix decoding's cache holds
-their answers). Each worker first serves a batch of other prompts, as a node that has
-been running has: its draft chooser has measured its steps. One JSON line per (batch size,
+For each batch size and each of --rounds rounds, new random prompts (greedy, ignore_eos)
+four times, the two workers in turn (a host's memory bandwidth drifts by the minute):
+speculation off (the baseline), then on twice, `fresh` (not seen before: what prompt
+lookup and suffix decoding find in the prompts, the outputs and other requests') and
+`repeat` (the same requests asked again: suffix decoding's cache holds their answers),
+then off again. Both workers first serve a batch of other prompts, as a running node has:
+its draft chooser has measured its steps. One JSON line per (batch size,
 load) on stdout, then a table on stderr:
 decode tokens/s against the baseline's in the same run, the accepted drafts per
 verify step and row, the share of steps that verified, and whether the tokens equal
@@ -56,6 +57,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--kv-cache-memory", default="2GiB", metavar="SIZE", help="each worker's")
     p.add_argument("--seed", type=int, default=0, help="the prompts' random seed")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of new prompts, each side in turn")
     return p.parse_args(argv)
 
 
@@ -67,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         parse_bytes(a.kv_cache_memory)
         if not spec.is_on:
             raise ValueError("--speculative-config must name a method")
-        if min(sizes) < 1 or a.prompt_len < 1 or a.output_len < 2:
-            raise ValueError("batch sizes and --prompt-len >= 1, --output-len >= 2")
+        if min(sizes) < 1 or a.prompt_len < 1 or a.output_len < 2 or a.rounds < 1:
+            raise ValueError("batch sizes, --prompt-len, --rounds >= 1; --output-len >= 2")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -84,47 +86,50 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for size in sizes:
         rng = random.Random(a.seed + size)
-        with DeviceWorker(WorkerConfig(**base)) as worker:
+        params = [SamplingParams(max_tokens=a.output_len, ignore_eos=True)] * size
+        with (
+            DeviceWorker(WorkerConfig(**base)) as off,
+            DeviceWorker(WorkerConfig(**base, speculative=spec)) as on,
+        ):
             freeze_startup_objects()  # as a node does once it is built
-            vocab = min(worker.spec.vocab_size, 32_000)
-            warm, prompts = (
-                [[rng.randrange(1, vocab) for _ in range(a.prompt_len)] for _ in range(size)]
-                for _ in range(2)
-            )
-            params = [SamplingParams(max_tokens=a.output_len, ignore_eos=True)] * size
-            generate(worker, warm, params)
-            plain = generate(worker, prompts, params)
-        with DeviceWorker(WorkerConfig(**base, speculative=spec)) as worker:
-            freeze_startup_objects()
+            vocab = min(off.spec.vocab_size, 32_000)
+
+            def new_prompts() -> list[list[int]]:
+                return [[rng.randrange(1, vocab) for _ in range(a.prompt_len)] for _ in range(size)]
+
             chooser = DraftChooser(spec.num_speculative_tokens)
-            generate(worker, warm, params, chooser)
-            runs = {}
-            for load in ("fresh", "repeat"):
-                before = worker.decode.stats()
-                out = generate(worker, prompts, params, chooser)
-                runs[load] = (out, before, worker.decode.stats())
-        for load, (out, before, after) in runs.items():
-            rec = _record(a, spec, size, load, plain, out, before, after)
+            warm = new_prompts()
+            generate(off, warm, params)
+            generate(on, warm, params, chooser)
+            runs = {"off": [], "fresh": [], "repeat": []}
+            for _ in range(a.rounds):  # NOTE: the sides alternate: a host's bandwidth drifts
+                prompts = new_prompts()
+                for load, worker in (("off", off), ("fresh", on), ("repeat", on), ("off", off)):
+                    before = worker.decode.stats()
+                    out = generate(worker, prompts, params, chooser if worker is on else None)
+                    runs[load].append((out, before, worker.decode.stats()))
+        for load in ("fresh", "repeat"):
+            rec = _record(a, spec, size, load, runs["off"], runs[load])
             emit(rec)
             rows.append(rec)
     show(_table(rows))
     return 0
 
 
-def _tokens_per_s(out: list[dict]) -> float:
-    """Decode tokens (all but each request's first, the prefill's) over the decode time."""
-    made = sum(len(r["token_ids"]) - 1 for r in out)
-    return made / out[0]["decode_s"]
+def _tokens_per_s(runs: list[tuple]) -> float:
+    """Decode tokens (all but each request's first, the prefill's) over the decode time, of
+    every run together."""
+    made = sum(len(r["token_ids"]) - 1 for out, _, _ in runs for r in out)
+    return made / sum(out[0]["decode_s"] for out, _, _ in runs)
 
 
-def _record(a, spec, size, load, plain, out, before, after) -> dict:
+def _record(a, spec, size, load, plain, runs) -> dict:
     def grew(key: str) -> int:
-        return after.get(key, 0) - before.get(key, 0)
+        return sum(after.get(key, 0) - before.get(key, 0) for _, before, after in runs)
 
     num_verify = grew("num_verify_steps")
-    num_steps = out[0]["num_decode_steps"]
-    baseline = _tokens_per_s(plain)
-    got = _tokens_per_s(out)
+    num_steps = sum(out[0]["num_decode_steps"] for out, _, _ in runs)
+    baseline, got = _tokens_per_s(plain), _tokens_per_s(runs)
     return {
         "bench": "spec",
         "device": device_name(a.device),
@@ -134,20 +139,24 @@ def _record(a, spec, size, load, plain, out, before, after) -> dict:
         "batch_size": size,
         "prompt_len": a.prompt_len,
         "output_len": a.output_len,
+        "rounds": a.rounds,
         "load": load,
         "tokens_per_s": round(got, 2),
-        "baseline": "speculation off, same prompts, same process",
+        "baseline": "speculation off, the same prompts, before and after each round's runs",
         "baseline_tokens_per_s": round(baseline, 2),
         "speedup": round(got / baseline, 3),
         "num_steps": num_steps,
-        "baseline_num_steps": plain[0]["num_decode_steps"],
+        "baseline_num_steps": sum(out[0]["num_decode_steps"] for out, _, _ in plain) // 2,
         "verify_share": round(num_verify / max(num_steps, 1), 3),
         "accepted_per_verify_row": round(
             grew("num_accepted_tokens") / max(num_verify * size, 1), 3
         ),
         "drafted_tokens": grew("num_drafted_tokens"),
         "accepted_tokens": grew("num_accepted_tokens"),
-        "is_identical": [r["token_ids"] for r in out] == [r["token_ids"] for r in plain],
+        "is_identical": all(
+            [r["token_ids"] for r in out] == [r["token_ids"] for r in ref]
+            for (out, _, _), (ref, _, _) in zip(runs, plain[::2])
+        ),
     }
 
 
