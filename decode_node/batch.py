@@ -14,8 +14,6 @@ num_discarded_tokens).
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from common.base import grammar
@@ -55,7 +53,6 @@ class Batch:
         self.drafts = verifier and DraftChooser(verifier.max_k)
         self._next_k: int | None = None  # drafts for the next launch, once chosen (0 only)
         self._is_verifying = False  # a verify step is launched and not yet collected
-        self._last_collected_at = 0.0
         self._num_log_tokens = 0  # since the last periodic line
         self._num_log_steps = 0
 
@@ -112,7 +109,6 @@ class Batch:
     def launch(self) -> DecodeTicket | None:
         """The next step on the device, each sequence's new block and grammar mask first;
         None with no sequence running."""
-        launched_at = time.perf_counter()
         k = self._num_drafts()
         self._next_k = None
         s = self.scheduler
@@ -122,8 +118,6 @@ class Batch:
                 self.worker.decode.set_mask(key, seq.matcher.fill())
         ticket = self.worker.decode.launch(k)
         self._is_verifying = k > 0 and ticket is not None
-        if ticket is not None:
-            ticket.launched_at = launched_at
         return ticket
 
     def _num_drafts(self) -> int:
@@ -199,12 +193,10 @@ class Batch:
         tokens = self.worker.decode.collect_many(ticket)
         self._is_verifying = False
         if self.drafts:
-            # NOTE: a step's cost is the host's time too (drafts, blocks, tokens): from its
-            # launch, or the last collect where it was launched behind that step, to now.
-            now = time.perf_counter()
-            step_s = now - max(ticket.launched_at, self._last_collected_at)
-            self._last_collected_at = now
+            # NOTE: a step's cost: its own time (drafts included; not a CPU step's wait for
+            # the cores it shares) and the host's in taking its tokens
             accepted = ticket.num_accepted or [0] * len(tokens)
+            step_s = ticket.busy_s + ticket.taken_s
             self.drafts.observe(ticket.keys, ticket.num_drafts, step_s, accepted)
         logprobs = ticket.logprobs or [None] * len(tokens)
         self._num_log_steps += 1

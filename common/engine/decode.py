@@ -315,12 +315,13 @@ class DecodeBatch:
         if ticket.num_drafts:
             raise ValueError("a verify step makes several tokens a row: collect_many")
         self._wait(ticket)
-        n = len(ticket.keys)
+        t0, n = time.perf_counter(), len(ticket.keys)
         if ticket.num_logprobs is not None:
             ticket.logprobs = self.sampling.read_logprobs(ticket.slot, ticket.num_logprobs)
         tokens = self._sampled_host[ticket.slot, :n].tolist()
         if self.verifier:
             self.verifier.drafter.took([[t] for t in tokens])
+        ticket.taken_s = time.perf_counter() - t0
         return tokens
 
     def collect_many(self, ticket: DecodeTicket) -> list[list[int]]:
@@ -329,11 +330,12 @@ class DecodeBatch:
         if not ticket.num_drafts:
             return [[t] for t in self.collect(ticket)]
         self._wait(ticket)
-        n = len(ticket.keys)
+        t0, n = time.perf_counter(), len(ticket.keys)
         tokens, made = self.verifier.read(ticket.slot, n, ticket.num_drafts)
         self.host_seq_lens[:n] += made.astype(np.int32)
         ticket.num_accepted = [len(row) - 1 for row in tokens]
         self.verifier.drafter.took(tokens)
+        ticket.taken_s = time.perf_counter() - t0
         return tokens
 
     def _wait(self, ticket: DecodeTicket) -> None:

@@ -20,5 +20,5 @@ class DecodeTicket:
     logprobs: list[TokenLogprobs | None] | None = None  # per row, once collected
     num_drafts: int = 0  # k of a verify step (0: a plain step)
     busy_s: float = 0.0  # the step's time on the device, once collected
-    launched_at: float = 0.0  # perf_counter() when its launch began (the caller's, if it sets it)
+    taken_s: float = 0.0  # the host's time taking its tokens, once collected (the wait aside)
     num_accepted: list[int] | None = None  # a verify step's, per row, once collected

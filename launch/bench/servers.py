@@ -97,6 +97,7 @@ def start_pdserve(a, model: str, logs: Path, root: Path = ROOT, name: str = "pds
         str(a.port),
         *kv,
         *a.pdserve_arg,
+        *(a.against_arg if name != "pdserve" else []),
     ]
     env = {**os.environ, "PDSERVE_VENV": sys.prefix}  # the other checkout: this environment
     return Server(

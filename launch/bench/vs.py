@@ -247,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--pdserve-arg", action="append", default=[], help="one more start_cluster.sh flag"
     )
+    p.add_argument(
+        "--against-arg",
+        action="append",
+        default=[],
+        help="one more start_cluster.sh flag for --against's checkout alone (a checkout against "
+        "itself with a flag: --against DIR --against-arg=--speculative-config ...)",
+    )
     p.add_argument("--vllm-arg", action="append", default=[], help="one more vLLM server flag")
     p.add_argument("--logs", default=None, help="server logs go here (default: a temporary folder)")
     p.add_argument("--save-json", default=None, help="also append the JSON line to this file")

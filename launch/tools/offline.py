@@ -69,14 +69,14 @@ def generate(
         )
     num_steps, t1 = 0, time.perf_counter()
     while worker.decode.num_seqs:
-        keys, launched_at = worker.decode.keys(), time.perf_counter()
+        keys = worker.decode.keys()
         k = _num_drafts(worker, [seqs[key] for key in keys])
         k = drafts.choose(keys, k) if drafts else k
         worker.decode.grow_blocks(seqs, alloc, k)
         ticket = worker.decode.launch(k)
         tokens = worker.decode.collect_many(ticket)
         if drafts:
-            step_s = time.perf_counter() - launched_at  # as the node: the host's time too
+            step_s = ticket.busy_s + ticket.taken_s  # as the decode node counts it
             drafts.observe(keys, k, step_s, ticket.num_accepted or [0] * len(keys))
         for key, row, lp in zip(ticket.keys, tokens, ticket.logprobs or [None] * len(tokens)):
             seq = seqs[key]
