@@ -34,7 +34,7 @@ def ready_message(cfg: DecodeConfig, worker, epoch: str) -> NodeReady:
 def log_ready(cfg: DecodeConfig, worker, num_blocks: int, accepted: list[str]) -> None:
     """num_blocks: usable KV blocks; accepted: the KV transfer backends the sink takes."""
     log.info(
-        "ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s; %s",
+        "ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s, %s; %s",
         cfg.worker.device,
         describe_threads(worker.num_threads),
         num_blocks,
@@ -47,8 +47,17 @@ def log_ready(cfg: DecodeConfig, worker, num_blocks: int, accepted: list[str]) -
         f"preemption on, {cfg.swap_space / 2**20:.4g} MiB swap"
         if cfg.is_preemptive
         else "full reservation",
+        _speculation(cfg.worker.speculative),
         worker.describe_kernels(),
     )
+
+
+def _speculation(spec) -> str:
+    """What the ready line says of speculative decoding."""
+    if not spec.is_on:
+        return "no speculative decoding"
+    kind = {"ngram": "prompt lookup", "suffix": "suffix decoding"}[spec.method]
+    return f"speculative decoding: {kind}, up to {spec.num_speculative_tokens} drafts a step"
 
 
 def handoff_figures(h: Receiver) -> dict:

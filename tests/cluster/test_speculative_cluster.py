@@ -63,6 +63,9 @@ def test_verified_drafts_answer_as_transformers(cluster, tiny_model):
     wait_for(lambda: cluster.stats()["decode-0"].get("num_verify_steps", 0) > 0, 10, "verify steps")
     stats = cluster.stats()["decode-0"]
     assert stats["num_drafted_tokens"] > 0
+    cluster.log.flush()  # the decode node says so when it is ready
+    ready = b"speculative decoding: prompt lookup, up to 4 drafts a step"
+    assert ready in open(cluster.log.name, "rb").read()
 
 
 def test_a_stop_token_inside_a_verified_run_ends_the_request_there(cluster, tiny_model):
