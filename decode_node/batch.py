@@ -130,13 +130,14 @@ class Batch:
         return self.drafts.choose(self.worker.decode.keys(), self._room())
 
     def _room(self) -> int:
-        """The most drafts every running row can take: its tokens to come (max_tokens), the
-        model's length, at most a full batch's rows in all (a verify step's logits are no
-        larger than a plain step's can be), and blocks: a row's own and its reservation,
-        then the free pool's beyond the watermark (kept for plain steps to grow into)."""
+        """The most drafts every running row can take (none where every row opted out): its
+        tokens to come (max_tokens), the model's length, at most a full batch's rows or
+        MIN_VERIFY_ROWS in all (a verify step's logits stay a plain step's size), and
+        blocks: a row's own and its reservation, then the free pool's beyond the watermark
+        (kept for plain steps to grow into)."""
         d, rows = self.worker.decode, self.scheduler.running.values()
-        if not rows:
-            return 0
+        if all(seq.params.no_drafts for seq in rows):
+            return 0  # no rows, or none that takes drafts
         room = min(self.drafts.max_k, max(d.max_batch_size, MIN_VERIFY_ROWS) // len(rows) - 1)
         limit, bs = self.worker.max_model_len, self.worker.block_size
         num_tokens, num_blocks = [], []

@@ -24,7 +24,7 @@ PRIOR_TRIALS = 2.0  # what PRIOR weighs against a row's own drafts
 SMOOTHING = 0.3  # weight of a new measurement (acceptance and step times alike)
 FIRST_PROBE_GAP = 16  # plain steps before the first probe
 MAX_PROBE_GAP = 1024
-MARGIN = 0.03  # how much more a second verify steps must make than plain ones
+MARGIN = 0.03  # how much more verify steps must make a second than plain ones
 RECHECK = 8  # plain steps between reckonings while plain steps win
 MAX_AWAY = 1024  # rows' acceptance kept beyond the batch's before it is pruned
 
@@ -69,7 +69,7 @@ class DraftChooser:
         ps = np.fromiter((_ratio(get(key), prior) for key in keys), np.float64, len(keys))
         # NOTE: verifying must beat plain steps by a margin: where no draft is accepted
         # the two cost alike at a small batch, and noise alone would pick either
-        best_k, best_rate = 0, len(keys) / plain_s * (1 + MARGIN)
+        best_k, best_rate = 0, len(keys) / max(plain_s, 1e-9) * (1 + MARGIN)
         for k in sorted({min(k, limit) for k in self.candidates} - {0}):
             step_s = self._step_s.get((bucket, k), plain_s + k * (one_s - plain_s))
             rate = _expected_tokens(ps, k) / max(step_s, 1e-9)

@@ -266,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     workloads = [w for w in a.workloads.split(",") if w]
     unknown = [w for w in workloads if w not in WORKLOADS]
+    if a.against_arg and not a.against:
+        p.error("--against-arg needs --against")
     if unknown or not workloads or a.runs < 1:
         p.error(f"--workloads takes {', '.join(WORKLOADS)}; --runs >= 1")
     servers = ["pdserve"]

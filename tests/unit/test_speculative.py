@@ -151,6 +151,43 @@ def test_suffix_decodings_index_is_bounded_by_tokens(monkeypatch):
     assert not empty._index and not empty._sources
 
 
+def test_suffix_decodings_sliding_index_keeps_repeats_inside_it(monkeypatch):
+    """Found in review: a window sliding out deleted a key a later place inside still held."""
+    from common.engine.drafting import suffix
+
+    monkeypatch.setattr(suffix, "MAX_INDEXED", 64)
+    rng = random.Random(0)
+    motif = [7, 8, 9, 10, 11]
+    tokens = [rng.randrange(100, 200) for _ in range(10)] + motif
+    tokens += [rng.randrange(100, 200) for _ in range(40)] + motif
+    tokens += [rng.randrange(100, 200) for _ in range(40)]
+    d = SuffixDrafter(1, 4, 24, 4, HostToDevice(torch.device("cpu")))
+    d.set_row(0, tokens[:1])
+    for t in tokens[1:]:  # a token a step, each a verify step
+        d.took([[t]])
+        d.propose(1, torch.zeros(1, dtype=torch.int32), 4, 0)
+    first, end = d._indexed[0]
+    assert first > 12 and first <= 57  # the first motif's windows out, the second's in
+    assert d._index[(7, 8)] == (0, 57) and d._index[(7, 8, 9, 10)] == (0, 59)
+
+
+def test_suffix_decoding_indexes_a_bounded_number_of_windows_a_step(monkeypatch):
+    """Found in review: a row back from a long rest was indexed whole in one step."""
+    from common.engine.drafting import suffix
+
+    monkeypatch.setattr(suffix, "INDEX_BUDGET", 100)
+    placed = []
+    d = SuffixDrafter(4, 4, 24, 4, HostToDevice(torch.device("cpu")))
+    monkeypatch.setattr(d, "_place", lambda *a: placed.append(a))
+    for row in range(4):
+        d.set_row(row, list(range(row, row + 3000)))
+    d.propose(4, torch.zeros(4, dtype=torch.int32), 4, 0)
+    assert len(placed) == 100
+    for _ in range(50):
+        d.propose(4, torch.zeros(4, dtype=torch.int32), 4, 0)
+    assert len(placed) == 4 * suffix.MAX_INDEXED  # each row's window, whole at last
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_verify_steps_make_plain_decodings_tokens_and_accept_drafts(tiny_model, method):
     """Prompts that repeat, so prompt lookup proposes from the first step; rows of several
@@ -354,9 +391,10 @@ def test_drafts_that_cross_several_blocks_in_one_step_are_written_whole(tiny_mod
     """Found in review: the block table staged one new block a row per launch; a verify step
     of k drafts can take ceil((k + 1) / block_size) + 1."""
     prompts, p = [[5, 6, 7, 8, 9] * 3] * 2, SamplingParams(max_tokens=30, ignore_eos=True)
-    with _worker(tiny_model, spec=SpeculativeConfig(), block_size=2) as worker:
+    small = dict(block_size=2, max_batch_size=2)  # NOTE: staging then holds 2 entries a row
+    with _worker(tiny_model, spec=SpeculativeConfig(), **small) as worker:
         plain = generate(worker, prompts, [p, p])
-    with _worker(tiny_model, spec=SpeculativeConfig("ngram", 8), block_size=2) as worker:
+    with _worker(tiny_model, spec=SpeculativeConfig("ngram", 8), **small) as worker:
         got = generate(worker, prompts, [p, p])
         assert worker.decode.stats()["num_verify_steps"] > 0
     assert [r["token_ids"] for r in got] == [r["token_ids"] for r in plain]

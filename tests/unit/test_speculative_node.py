@@ -70,8 +70,8 @@ def test_the_nodes_turn_verifies_drafts_and_gives_every_block_back(tiny_model, i
         tiny_model, SpeculativeConfig("ngram", 4), is_preemptive, oracle=_Oracle(whole)
     )
     assert got == plain and blocks == plain_blocks and blocks[1] == 0
-    # drafts that are all right: far fewer steps; the drafts' blocks came from the pool
-    # where nothing was reserved (preemptive)
+    # drafts that are all right: far fewer steps (preemptive: with no reservation, their
+    # blocks from the pool, as test_drafts_never_take_the_pools_last_blocks reckons)
     assert stats["num_verify_steps"] > 0
     assert stats["num_decode_steps"] * 3 < plain_stats["num_decode_steps"]
 
@@ -117,3 +117,7 @@ def test_drafts_never_take_the_pools_last_blocks(tiny_model):
         assert b._room() == 4  # two: 33 tokens
         cache.allocate(2)
         assert b._room() == 0  # none: the next token's block is the watermark's
+        cache.free(held)
+        assert b._room() == 4
+        seq.params = SamplingParams(max_tokens=40, no_drafts=True)
+        assert b._room() == 0  # every row opted out: no verify step to pay for

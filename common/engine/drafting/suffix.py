@@ -5,14 +5,16 @@ they occurred are its drafts.
 
 The index maps the last m tokens before a position (m of MATCH_LENGTHS, up to the depth
 less the drafts) to the latest (source, position) where they occurred with a token after
-them; a lookup tries the longest m first. A source is indexed as far as its tokens go
-when a row of it proposes and when it finishes, its last MAX_INDEXED tokens only (older
-windows leave as new ones come; a long prompt's start is prompt lookup's). NOTE: the
-index costs ~1 KB of host memory a token: the finished sources kept are bounded by
-their indexed tokens (MAX_CACHED_TOKENS) as well as by count, and keep those tokens
-alone. The drafts are at most as many as the match is long (a short match is weak
-evidence) and go to the device in one counted copy a step: this method's steps copy to
-the device, prompt lookup's do not.
+them (sources in the order they joined); a lookup tries the longest m first. A source's
+last MAX_INDEXED tokens are indexed (older windows leave as it grows; a long prompt's
+start is prompt lookup's), as its row proposes and as it finishes, at most
+INDEX_BUDGET windows a step in all: a row that joins long or comes back after many plain
+steps is caught up over steps, and no step stalls the loop. NOTE: the index costs ~1 KB
+of host memory a token: the finished sources kept are bounded by their indexed tokens
+(MAX_CACHED_TOKENS) as well as by count, and keep those tokens alone. The drafts are at
+most as many as the match is long (a short match is weak evidence) and go to the device
+in one counted copy a step: this method's steps copy to the device, prompt lookup's do
+not.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 from common.engine.h2d import HostToDevice
 
 MATCH_LENGTHS = (1, 2, 4, 8, 16, 32)
-MAX_INDEXED = 2048  # a joining source's last tokens indexed: ~5 ms of the loop's at most
+MAX_INDEXED = 1024  # a source's last tokens indexed
+INDEX_BUDGET = 4096  # windows indexed a step, all rows together (a few ms on a CPU)
 MAX_CACHED_TOKENS = 1 << 17  # finished sources' indexed tokens kept, all told (~130 MB)
 
 
@@ -49,6 +52,7 @@ class SuffixDrafter:
         self._finished: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._row_source: list[int | None] = [None] * max_rows
         self._next_id = 0
+        self._budget = INDEX_BUDGET  # windows left to index this step
         self._staging = torch.full((max_rows, max_k), -1, dtype=torch.int64, pin_memory=is_pinned)
         self._drafts = torch.full((max_rows, max_k), -1, dtype=torch.int64, device=h2d.device)
 
@@ -62,12 +66,12 @@ class SuffixDrafter:
         self._sources[sid] = list(token_ids)
         self._base[sid] = 0
         start = max(len(token_ids) - MAX_INDEXED, 1)
-        self._indexed[sid] = (start, start)
+        self._indexed[sid] = (start, start)  # none yet
 
     def remove_row(self, row: int, last: int) -> None:
         sid = self._row_source[row]
         if self.max_cached:
-            self._index_source(sid)
+            self._index_source(sid, INDEX_BUDGET // 16)
             first, end = self._indexed[sid]
             base = max(first - MATCH_LENGTHS[-1], 0)  # the tokens its windows hold, alone
             self._sources[sid] = self._sources[sid][base:]
@@ -94,6 +98,7 @@ class SuffixDrafter:
         pass  # the host learns a step's tokens when it is collected (took)
 
     def propose(self, n: int, seq_lens: torch.Tensor, k: int, width: int) -> torch.Tensor:
+        self._budget = INDEX_BUDGET
         rows = [self._lookup(self._row_source[row], k) for row in range(n)]
         staging = self._staging[:n, :k]
         staging.copy_(torch.tensor([r + [-1] * (k - len(r)) for r in rows], dtype=torch.int64))
@@ -102,7 +107,7 @@ class SuffixDrafter:
 
     def _lookup(self, sid: int, k: int) -> list[int]:
         """Up to k drafts for source sid's next tokens, [] where its suffix is not found."""
-        self._index_source(sid)
+        self._budget = self._index_source(sid, self._budget)
         tokens = self._sources[sid]
         for m in reversed(self.lengths):
             if m > len(tokens):
@@ -114,19 +119,34 @@ class SuffixDrafter:
                 return self._sources[where][end : end + min(k, m)]
         return []
 
-    def _index_source(self, sid: int) -> None:
-        """Index source sid's windows that end before its last token (each has one after)."""
-        tokens, (first, start) = self._sources[sid], self._indexed[sid]  # base 0: live
-        for end in range(start, len(tokens)):
-            for m in self.lengths:
-                if m > end:
-                    break
-                self._index[tuple(tokens[end - m : end])] = (sid, end)
-        end = max(len(tokens), start)
-        while end - first > MAX_INDEXED:  # the oldest windows leave as new ones come
+    def _index_source(self, sid: int, budget: int) -> int:
+        """Index live source sid's windows ending in its last MAX_INDEXED positions but its
+        very last (each has a token after it), dropping those that fell out first; at most
+        budget windows placed or dropped. -> the budget left. NOTE: the index holds exactly
+        the windows ending in [first, end): a finished source is cut below first."""
+        tokens, (first, end) = self._sources[sid], self._indexed[sid]  # base 0: live
+        lo = max(len(tokens) - MAX_INDEXED, 1)
+        while first < min(end, lo) and budget > 0:
             self._unindex(sid, first)
-            first += 1
+            first, budget = first + 1, budget - 1
+        if first >= end:
+            first = end = max(end, lo)  # nothing left indexed: from the window's start
+        if first >= lo:  # the fallen-out ones are gone: fill upward
+            while end < len(tokens) and budget > 0:
+                self._place(sid, tokens, end)
+                end, budget = end + 1, budget - 1
         self._indexed[sid] = (first, end)
+        return budget
+
+    def _place(self, sid: int, tokens: list[int], end: int) -> None:
+        """Source sid's windows ending at end, each where no later place holds it."""
+        for m in self.lengths:
+            if m > end:
+                break
+            key = tuple(tokens[end - m : end])
+            held = self._index.get(key)
+            if held is None or held < (sid, end):
+                self._index[key] = (sid, end)
 
     def _drop(self, sid: int) -> None:
         """A source leaves: its windows leave the index, its tokens with them."""
@@ -136,12 +156,12 @@ class SuffixDrafter:
         del self._sources[sid], self._indexed[sid], self._base[sid]
 
     def _unindex(self, sid: int, end: int) -> None:
-        """Source sid's windows ending at end leave the index where they are still its own
-        (a later place elsewhere took the others)."""
+        """Source sid's windows ending at end leave the index where they are still this place
+        (a later one, its own or another's, took the others)."""
         tokens, base = self._sources[sid], self._base[sid]
         for m in self.lengths:
             if m > end:
                 break
             key = tuple(tokens[end - m - base : end - base])
-            if self._index.get(key, (None,))[0] == sid:
+            if self._index.get(key) == (sid, end):
                 del self._index[key]
