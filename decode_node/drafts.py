@@ -7,9 +7,10 @@ of a step that accepted a of its drafts, a were accepted and, where a < k, one w
 tried and refused (a step that proposed none: one refused); p is the ratio of the two's
 moving sums with PRIOR_TRIALS drafts more at the batch's rate (the same sums over every
 row, itself starting from PRIOR): one step's luck is no rate. A verify step of k is
-expected to make 1 + p + ... + p^k tokens in that row. At each batch size, plain steps
-and steps of one draft are measured first (each tried once); a step of more drafts,
-until it is measured, is reckoned to cost as those two say, each draft alike. While
+expected to make 1 + p + ... + p^k tokens in that row. A batch size's plain steps are
+measured first; a step of one draft, until it is measured there, is reckoned to cost
+what it did against plain steps at the nearest size measured (the very first is tried);
+a step of more drafts, as those two say, each draft alike. While
 plain steps win, a step of one draft (the cheapest) is still tried now and then (a
 probe) to see whether acceptance has grown; the gap between probes doubles with each,
 and starts over once verifying pays, so a load that never matches pays for few.
@@ -63,8 +64,13 @@ class DraftChooser:
             return 0
         bucket = _bucket(len(keys))
         plain_s, one_s = self._step_s.get((bucket, 0)), self._step_s.get((bucket, 1))
-        if plain_s is None or one_s is None:
-            return 0 if plain_s is None else 1  # not measured at this size: measure it
+        if plain_s is None:
+            return 0  # a plain step measures this size first
+        if one_s is None:  # reckoned from the nearest size measured, or measured if none is
+            ratio = self._nearest_ratio(bucket)
+            if ratio is None:
+                return 1
+            one_s = plain_s * ratio
         get, prior = self._acceptance.get, _ratio(self._pooled, PRIOR)
         ps = np.fromiter((_ratio(get(key), prior) for key in keys), np.float64, len(keys))
         # NOTE: verifying must beat plain steps by a margin: where no draft is accepted
@@ -84,6 +90,15 @@ class DraftChooser:
         until = min(self._num_plain + RECHECK, self._probe_gap)
         self._plain_until = (bucket, until) if not self._is_probing else (0, 0)
         return 1 if self._is_probing else 0
+
+    def _nearest_ratio(self, bucket: int) -> float | None:
+        """A step of one draft's time over a plain step's at the nearest batch size that has
+        both measured (the larger of two as near: the dearer); None if none has."""
+        sizes = [b for (b, k) in self._step_s if k == 1 and (b, 0) in self._step_s]
+        if not sizes:
+            return None
+        near = min(sizes, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
+        return self._step_s[(near, 1)] / max(self._step_s[(near, 0)], 1e-9)
 
     def is_resting(self, num_rows: int) -> bool:
         """Plain steps won lately at this batch size and nothing was verified since: the

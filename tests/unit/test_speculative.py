@@ -359,6 +359,16 @@ def test_the_chooser_turns_speculation_down_where_drafts_never_match():
     assert sum(k > 0 for k in chosen) <= 1 + 7 and chosen[-200:] == [0] * 200
 
 
+def test_the_chooser_reckons_a_new_batch_size_from_the_nearest_measured():
+    """A node's batch passes through many sizes: trying drafts once at each cost a fresh
+    node 15% of its TPOT in a short serving run. A size not measured is reckoned from the
+    nearest one that is."""
+    chooser = DraftChooser(4)
+    _serve(chooser, 200, lambda k: 1.0 + 1.0 * k, lambda k: 0, rows=1)
+    at_16 = _serve(chooser, 12, lambda k: 16.0 * (1.0 + 1.0 * k), lambda k: 0, rows=16)
+    assert at_16 == [0] * 12  # a draft doubled a step at 1 row: none tried at 16
+
+
 def test_the_chooser_forgets_rows_that_left_unannounced():
     chooser = DraftChooser(4)
     for i in range(3000):  # requests that leave without forget(): aborted while preempted
