@@ -70,8 +70,11 @@ def generate(
     num_steps, t1 = 0, time.perf_counter()
     while worker.decode.num_seqs:
         keys = worker.decode.keys()
-        k = _num_drafts(worker, [seqs[key] for key in keys])
-        k = drafts.choose(keys, k) if drafts else k
+        if drafts and drafts.is_resting(len(keys)):
+            k = 0  # as the decode node: no limits asked while plain steps win
+        else:
+            k = _num_drafts(worker, [seqs[key] for key in keys])
+            k = drafts.choose(keys, k) if drafts else k
         worker.decode.grow_blocks(seqs, alloc, k)
         ticket = worker.decode.launch(k)
         tokens = worker.decode.collect_many(ticket)
