@@ -14,7 +14,6 @@ from common.engine.drafting.ngram import NgramDrafter
 from common.engine.drafting.suffix import SuffixDrafter
 from common.engine.h2d import HostToDevice
 from common.engine.worker import DeviceWorker, PrefillChunk
-from decode_node.drafts import DraftChooser
 from launch.tools.offline import generate
 from tests.conftest import hf_greedy
 
@@ -335,66 +334,6 @@ def test_the_benchmark_sets_speculation_against_plain_decoding_in_one_run(tiny_m
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["baseline_tokens_per_s"], 1e-2)
     assert "speedup" in out.err and "NO" not in out.err
     assert spec.main([*argv, "--speculative-config", "off"]) == 2
-
-
-def _serve(chooser, steps: int, cost, accept, rows: int = 4) -> list[int]:
-    """steps decode steps of `rows` rows on a fake clock: a step of k costs cost(k) and each
-    row accepts accept(k) of its drafts; -> the k of each step."""
-    keys = [f"r{i}" for i in range(rows)]
-    chosen = []
-    for _ in range(steps):
-        k = chooser.choose(keys, 4)
-        assert chooser.choose(keys, 4) == k  # asked twice (run ahead, then launch): the same
-        chooser.observe(keys, k, cost(k), [accept(k) for _ in keys])
-        chosen.append(k)
-    return chosen
-
-
-def test_the_chooser_turns_speculation_down_where_drafts_never_match():
-    chooser = DraftChooser(4)
-    chosen = _serve(chooser, 2000, lambda k: 1.0 + 0.3 * k, lambda k: 0)
-    # plain and one draft measured, then probes of one draft at gaps doubling from 16
-    assert chosen[:2] == [0, 1] and set(chosen) == {0, 1}
-    assert chooser.num_probes == chosen[2:].count(1)
-    assert sum(k > 0 for k in chosen) <= 1 + 7 and chosen[-200:] == [0] * 200
-
-
-def test_the_chooser_reckons_a_new_batch_size_from_the_nearest_measured():
-    """A node's batch passes through many sizes: trying drafts once at each cost a fresh
-    node 15% of its TPOT in a short serving run. A size not measured is reckoned from the
-    nearest one that is."""
-    chooser = DraftChooser(4)
-    _serve(chooser, 200, lambda k: 1.0 + 1.0 * k, lambda k: 0, rows=1)
-    at_16 = _serve(chooser, 12, lambda k: 16.0 * (1.0 + 1.0 * k), lambda k: 0, rows=16)
-    assert at_16 == [0] * 12  # a draft doubled a step at 1 row: none tried at 16
-
-
-def test_the_chooser_forgets_rows_that_left_unannounced():
-    chooser = DraftChooser(4)
-    for i in range(3000):  # requests that leave without forget(): aborted while preempted
-        chooser.observe([f"gone{i}"], 1, 1.0, [1])
-    assert len(chooser._acceptance) <= 1 + 1024
-
-
-def test_the_chooser_verifies_where_drafts_pay_and_as_many_as_pay():
-    # every draft accepted, a draft costs a tenth of a step: the most drafts
-    assert _serve(DraftChooser(4), 200, lambda k: 1.0 + 0.1 * k, lambda k: k)[-100:] == [4] * 100
-    # each draft accepted with p = 0.7, a draft costs half a step: one or two pay (1.7
-    # tokens for 1.5, 2.19 for 2), four do not (2.77 for 3)
-    rng = random.Random(0)
-
-    def geometric(k):
-        a = 0
-        while a < k and rng.random() < 0.7:
-            a += 1
-        return a
-
-    some = _serve(DraftChooser(4), 400, lambda k: 1.0 + 0.5 * k, geometric, rows=16)
-    assert sum(k in (1, 2) for k in some[-100:]) > 80 and 4 not in some[-100:]
-    # acceptance that comes later is found by a probe
-    late = iter([0] * 100 + [4] * 10**6)
-    chosen = _serve(DraftChooser(4), 400, lambda k: 1.0 + 0.1 * k, lambda k: min(next(late), k))
-    assert chosen[-50:] == [4] * 50
 
 
 def test_drafts_that_cross_several_blocks_in_one_step_are_written_whole(tiny_model):
