@@ -43,17 +43,19 @@ def test_verified_drafts_answer_as_transformers(cluster, tiny_model):
                 client.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True)
                 for p in prompts
             ]
-            # not plain: log-probabilities put the batch on plain steps while it runs
-            reported = client.complete(
-                prompt_token_ids=prompts[0], max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1
-            )
             opted_out = client.complete(
                 prompt_token_ids=prompts[1], max_tokens=NEW_TOKENS, ignore_eos=True,
                 speculative=False,
             )  # fmt: skip
-            return await asyncio.gather(*plain, reported, opted_out)
+            answers = await asyncio.gather(*plain, opted_out)
+            # NOTE: not plain (log-probabilities): a batch holding it runs plain steps, so it
+            # comes after the batch above, which a decode node's first steps verify
+            reported = await client.complete(
+                prompt_token_ids=prompts[0], max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1
+            )
+            return [*answers, reported]
 
-    *results, reported, opted_out = asyncio.run(run())
+    *results, opted_out, reported = asyncio.run(run())
     assert opted_out.token_ids == expected[1]
     for i, (r, ref) in enumerate(zip(results, expected)):
         assert r.error is None, r.error
