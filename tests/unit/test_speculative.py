@@ -60,7 +60,8 @@ def test_the_config_takes_vllms_spelling_and_names_what_is_wrong():
 
 def _lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Prompt lookup by hand: the longest suffix (max_n down to min_n) found earlier, ending
-    before the last token; its latest place; up to k known tokens after it, -1 past them."""
+    before the last token; its latest place; the k tokens after it, those to the row's end
+    repeated past it."""
     length = len(tokens)
     for n in range(max_n, min_n - 1, -1):
         if length < n + 1:
@@ -68,8 +69,8 @@ def _lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
         suffix = tokens[length - n :]
         starts = [p for p in range(length - n) if tokens[p : p + n] == suffix]
         if starts:
-            after = tokens[starts[-1] + n : starts[-1] + n + k]
-            return after + [-1] * (k - len(after))
+            start = starts[-1] + n  # what followed, repeated past the row's end
+            return [tokens[start + i % (length - start)] for i in range(k)]
     return [-1] * k
 
 
@@ -96,6 +97,22 @@ def test_prompt_lookup_proposes_what_the_hand_lookup_does():
     rows2[0] = rows2[1]
     got = d.propose(8, lens2, k, int(lens2.max())).tolist()
     assert got == [_lookup(r, k, 1, 3) for r in rows2]
+
+
+def test_drafts_from_a_loop_carry_on_round_it_past_the_rows_end():
+    cpu = HostToDevice(torch.device("cpu"))
+    rows = [[4, 4, 4], [9, 1, 2, 1, 2], [5, 6, 7, 8, 5, 6, 7, 8, 5]]
+    want = [[4, 4, 4, 4], [1, 2, 1, 2], [6, 7, 8, 5]]
+    ngram = NgramDrafter(3, 16, 4, 1, 3, cpu)
+    suffix = SuffixDrafter(3, 4, 24, 0, cpu)
+    for i, r in enumerate(rows):
+        ngram.set_row(i, r)
+        suffix.set_row(i, r)
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.int32)
+    assert ngram.propose(3, lens, 4, 9).tolist() == want
+    # Suffix decoding drafts at most as many as its match is long: [4, 4] and [1, 2] are
+    # 2-matches, [8, 5] is found as a 4-match.
+    assert suffix.propose(3, lens, 4, 0).tolist() == [[4, 4, -1, -1], [1, 2, -1, -1], want[2]]
 
 
 def test_suffix_decoding_drafts_from_its_own_tokens_and_finished_requests():

@@ -1,8 +1,8 @@
 """Prompt lookup on the device: a row's last n tokens are looked for earlier in its own
 tokens (prompt and output), longest n first, and the tokens that followed the latest
-match are its drafts. Each row's tokens live in a device buffer written once when the
-sequence joins and appended on the device by every verify step, so proposing copies
-nothing from the host."""
+match are its drafts (repeated where they reach the row's end). Each row's tokens live in
+a device buffer written once when the sequence joins and appended on the device by every
+verify step, so proposing copies nothing from the host."""
 
 from __future__ import annotations
 
@@ -55,10 +55,12 @@ class NgramDrafter:
             is_hit &= p[None, :] <= lens - size - 1
             latest = torch.where(is_hit, p[None, :], -1).amax(1, keepdim=True)  # [n, 1]
             start = torch.where((start < 0) & (latest >= 0), latest + size, start)
-        pos = start + self._steps[:k]  # [n, k]
-        is_known = (start >= 0) & (pos < lens)
-        drafts = rows.gather(1, pos.clamp(0, width - 1)).long()
-        return drafts.masked_fill_(~is_known, -1)
+        # What followed the match runs up to the row's end; past it the drafts repeat it
+        # (the suffix recurs every lens - start tokens: loops and repeated lines).
+        period = (lens - start).clamp_(min=1)
+        pos = start + self._steps[:k] % period  # [n, k]
+        drafts = rows.gather(1, pos.clamp_(0, width - 1)).long()
+        return drafts.masked_fill_(start < 0, -1)
 
     def append(self, n: int, seq_lens: torch.Tensor, tokens: torch.Tensor) -> None:
         pos = seq_lens[:n, None].long() + self._steps[: tokens.shape[1]]  # [n, k + 1]

@@ -1,7 +1,7 @@
 """Suffix decoding on the host: a row's last tokens are looked up among every token this
 node has seen, its running requests' and those of up to max_cached finished ones (the
 least recently finished dropped first), and the tokens that followed the latest place
-they occurred are its drafts.
+they occurred are its drafts (where that place is the row's own, repeated past its end).
 
 The index maps the last m tokens before a position (m of MATCH_LENGTHS, up to the depth
 less the drafts) to the latest (source, position) where they occurred with a token after
@@ -115,6 +115,9 @@ class SuffixDrafter:
             hit = self._index.get(tuple(tokens[-m:]))
             if hit is not None:
                 where, end = hit
+                if where == sid:  # its own: the tokens since recur every len - end of them
+                    period = len(tokens) - end
+                    return [tokens[end + i % period] for i in range(min(k, m))]
                 end -= self._base[where]
                 return self._sources[where][end : end + min(k, m)]
         return []
