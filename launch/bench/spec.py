@@ -1,27 +1,31 @@
 r"""Speculative decoding against plain decoding, in one process, on the decode node's own
 batch code and draft chooser (launch/tools/offline.py drives them as the node's loop does).
 
-    pdserve bench spec --shape qwen3-0.6b --dtype bfloat16 --batch-sizes 1,8 \
+    pdserve bench spec --shape qwen3-0.6b --dtype bfloat16 --batch-sizes 1,8,32 \
         --prompt-len 256 --output-len 64 \
         [--speculative-config '{"method": "suffix", "num_speculative_tokens": 4}']
 
-For each batch size and each of --rounds rounds, new random prompts (greedy, ignore_eos)
-four times, the two workers in turn (a host's memory bandwidth drifts by the minute):
-speculation off (the baseline), then on twice, `fresh` (not seen before: what prompt
-lookup and suffix decoding find in the prompts, the outputs and other requests') and
-`repeat` (the same requests asked again: suffix decoding's cache holds their answers),
-then off again. Both workers first serve a batch of other prompts, as a running node has:
-its draft chooser has measured its steps. One JSON line per (batch size,
-load) on stdout, then a table on stderr:
-decode tokens/s against the baseline's in the same run, the accepted drafts per
-verify step and row, the share of steps that verified, and whether the tokens equal
-the baseline's (they must: a verify step makes plain decoding's tokens).
+For each batch size and each of --rounds rounds, new random prompts (ignore_eos), the two
+workers in turn (a host's memory bandwidth drifts by the minute), as --loads asks:
+- greedy: speculation off (the baseline), then on twice, `fresh` (not seen before: what
+  prompt lookup and suffix decoding find in the prompts, the outputs and other requests')
+  and `repeat` (the same requests asked again: suffix decoding's cache holds their
+  answers, as an edit's output holds its input), then off again;
+- `sampled`: other new prompts at temperature 1.0, each request seeded, off, on, off: drafts
+  that almost never match, which the draft chooser must turn down.
+Both workers first serve a batch of other prompts, as a running node has: its draft
+chooser has measured its steps. One JSON line per (batch size, load) on stdout, then a
+table on stderr: decode tokens/s and the requests' time per output token (p50) against
+the baseline's in the same run, the accepted drafts per verify step and row, the share of
+steps that verified, and whether the tokens equal the baseline's (they must: a verify
+step makes plain decoding's tokens, a seeded draw included).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 
 from common.base.config import WorkerConfig, parse_bytes
@@ -35,6 +39,7 @@ from launch.bench.table import cell, show, table
 from launch.tools.offline import generate
 
 DEFAULT_CONFIG = '{"method": "suffix", "num_speculative_tokens": 4}'
+LOADS = ("fresh", "repeat", "sampled")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,7 +51,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--shape", help="a preset shape with random weights, e.g. qwen3-0.6b")
     p.add_argument("--device", default="cpu", help="cpu, cuda:N or npu:N")
     p.add_argument("--dtype", default=None, help="default: the device's")
-    p.add_argument("--batch-sizes", default="1,8", help="comma-separated")
+    p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
+    p.add_argument("--loads", default=",".join(LOADS), help="comma-separated, of " + str(LOADS))
     p.add_argument("--prompt-len", type=int, default=256, help="tokens in each random prompt")
     p.add_argument("--output-len", type=int, default=64, help="tokens each request makes")
     p.add_argument(
@@ -66,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = parse_speculative(a.speculative_config)
         sizes = [int(x) for x in a.batch_sizes.split(",")]
+        loads = [x for x in LOADS if x in a.loads.split(",")]
+        if not loads or set(a.loads.split(",")) - set(LOADS):
+            raise ValueError(f"--loads takes one or more of {LOADS}")
         parse_bytes(a.kv_cache_memory)
         if not spec.is_on:
             raise ValueError("--speculative-config must name a method")
@@ -86,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for size in sizes:
         rng = random.Random(a.seed + size)
-        params = [SamplingParams(max_tokens=a.output_len, ignore_eos=True)] * size
+        greedy = [SamplingParams(max_tokens=a.output_len, ignore_eos=True)] * size
+        sampled = [
+            SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=1.0, seed=i + 1)
+            for i in range(size)
+        ]
         with (
             DeviceWorker(WorkerConfig(**base)) as off,
             DeviceWorker(WorkerConfig(**base, speculative=spec)) as on,
@@ -99,17 +112,26 @@ def main(argv: list[str] | None = None) -> int:
 
             chooser = DraftChooser(spec.num_speculative_tokens)
             warm = new_prompts()
-            generate(off, warm, params)
-            generate(on, warm, params, chooser)
-            runs = {"off": [], "fresh": [], "repeat": []}
+            generate(off, warm, greedy)
+            generate(on, warm, greedy, chooser)
+            runs = {"off": [], "off sampled": [], **{load: [] for load in loads}}
+            orders = []
+            if {"fresh", "repeat"} & set(loads):
+                on_loads = [(load, on) for load in ("fresh", "repeat") if load in loads]
+                orders.append((greedy, [("off", off), *on_loads, ("off", off)]))
+            if "sampled" in loads:
+                plain = ("off sampled", off)
+                orders.append((sampled, [plain, ("sampled", on), plain]))
             for _ in range(a.rounds):  # NOTE: the sides alternate: a host's bandwidth drifts
-                prompts = new_prompts()
-                for load, worker in (("off", off), ("fresh", on), ("repeat", on), ("off", off)):
-                    before = worker.decode.stats()
-                    out = generate(worker, prompts, params, chooser if worker is on else None)
-                    runs[load].append((out, before, worker.decode.stats()))
-        for load in ("fresh", "repeat"):
-            rec = _record(a, spec, size, load, runs["off"], runs[load])
+                for params, order in orders:
+                    prompts = new_prompts()
+                    for load, worker in order:
+                        before = worker.decode.stats()
+                        out = generate(worker, prompts, params, chooser if worker is on else None)
+                        runs[load].append((out, before, worker.decode.stats()))
+        for load in loads:
+            plain = runs["off sampled" if load == "sampled" else "off"]
+            rec = _record(a, spec, size, load, plain, runs[load])
             emit(rec)
             rows.append(rec)
     show(_table(rows))
@@ -121,6 +143,11 @@ def _tokens_per_s(runs: list[tuple]) -> float:
     every run together."""
     made = sum(len(r["token_ids"]) - 1 for out, _, _ in runs for r in out)
     return made / sum(out[0]["decode_s"] for out, _, _ in runs)
+
+
+def _tpot_p50_ms(runs: list[tuple]) -> float:
+    """The median over every request of its decode time per token after the first."""
+    return statistics.median(r["tpot_ms"] for out, _, _ in runs for r in out)
 
 
 def _record(a, spec, size, load, plain, runs) -> dict:
@@ -145,6 +172,9 @@ def _record(a, spec, size, load, plain, runs) -> dict:
         "baseline": "speculation off, the same prompts, before and after each round's runs",
         "baseline_tokens_per_s": round(baseline, 2),
         "speedup": round(got / baseline, 3),
+        "tpot_p50_ms": round(_tpot_p50_ms(runs), 3),
+        "baseline_tpot_p50_ms": round(_tpot_p50_ms(plain), 3),
+        "tpot_ratio": round(_tpot_p50_ms(runs) / _tpot_p50_ms(plain), 3),
         "num_steps": num_steps,
         "baseline_num_steps": sum(out[0]["num_decode_steps"] for out, _, _ in plain) // 2,
         "verify_share": round(num_verify / max(num_steps, 1), 3),
@@ -161,8 +191,8 @@ def _record(a, spec, size, load, plain, runs) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
-    head = ["batch", "load", "tok/s", "off tok/s", "speedup", "verify share", "accepted/row"]
-    head.append("same")
+    head = ["batch", "load", "tok/s", "off tok/s", "speedup", "TPOT p50 ms", "off ms", "TPOT/off"]
+    head += ["verify share", "accepted/row", "same"]
     body = [
         [
             cell(r["batch_size"]),
@@ -170,6 +200,9 @@ def _table(rows: list[dict]) -> str:
             cell(r["tokens_per_s"]),
             cell(r["baseline_tokens_per_s"]),
             f"{r['speedup']:.2f}x",
+            cell(r["tpot_p50_ms"]),
+            cell(r["baseline_tpot_p50_ms"]),
+            f"{r['tpot_ratio']:.2f}x",
             cell(r["verify_share"]),
             cell(r["accepted_per_verify_row"]),
             "yes" if r["is_identical"] else "NO",

@@ -23,8 +23,9 @@ def generate(
     """Prefill every prompt as one batch, then decode them as one batch. With speculative
     decoding on, every step verifies as many drafts as the rows have room for, or as
     drafts (the decode node's chooser) picks.
-    Returns per prompt: token_ids, finish_reason, ttft_ms, decode_ms_per_step, decode_s
-    and num_decode_steps (the batch's), and the logprobs of each token (TokenLogprobs,
+    Returns per prompt: token_ids, finish_reason, ttft_ms, tpot_ms (its decode time over
+    its tokens after the first), decode_ms_per_step, decode_s and num_decode_steps (the
+    batch's), and the logprobs of each token (TokenLogprobs,
     where its params ask for them)."""
     bs, spec = worker.block_size, worker.spec
     alloc = BlockAllocator(worker.num_kv_blocks)
@@ -48,6 +49,7 @@ def generate(
     firsts, _ = worker.prefill(chunks)
     ttft_ms = (time.perf_counter() - t0) * 1e3
     reasons: dict[str, str] = {}
+    ended: dict[str, float] = {}  # key -> perf_counter when its last token was taken
     logprobs: dict[str, list] = {key: [c.logprobs] for key, c in zip(seqs, chunks)}
     for (key, seq), (ids, tok) in zip(seqs.items(), zip(prompts, firsts)):
         seq.output_ids.append(tok)
@@ -89,6 +91,7 @@ def generate(
                 reason = finish_reason(seq, tok, spec.eos_token_ids, worker.max_model_len)
                 if reason:
                     reasons[key] = reason
+                    ended[key] = time.perf_counter()
                     worker.decode.remove(key)
                     seq.release(alloc)
                     if drafts:
@@ -102,6 +105,7 @@ def generate(
             "token_ids": s.output_ids,
             "finish_reason": reasons[k],
             "ttft_ms": round(ttft_ms, 3),
+            "tpot_ms": round((ended.get(k, t1) - t1) * 1e3 / max(len(s.output_ids) - 1, 1), 3),
             "decode_ms_per_step": round(step_ms, 3),
             "decode_s": decode_s,
             "num_decode_steps": num_steps,

@@ -340,17 +340,21 @@ def test_the_benchmark_sets_speculation_against_plain_decoding_in_one_run(tiny_m
     assert spec.main([*argv, "--output-len", "10", "--kv-cache-memory", "16MiB"]) == 0
     out = capsys.readouterr()
     records = [json.loads(line) for line in out.out.splitlines()]
-    assert [(r["batch_size"], r["load"]) for r in records] == [
-        (1, "fresh"),
-        (1, "repeat"),
-        (2, "fresh"),
-        (2, "repeat"),
-    ]
+    loads = ("fresh", "repeat", "sampled")
+    got = [(r["batch_size"], r["load"]) for r in records]
+    assert got == [(b, x) for b in (1, 2) for x in loads]
     for r in records:
         assert r["is_identical"] and r["device"] == "cpu" and r["baseline_tokens_per_s"] > 0
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["baseline_tokens_per_s"], 1e-2)
-    assert "speedup" in out.err and "NO" not in out.err
+        ratio = r["tpot_p50_ms"] / r["baseline_tpot_p50_ms"]
+        assert r["tpot_ratio"] == pytest.approx(ratio, 1e-2)
+    # The sampled load has a baseline of its own: other prompts, other tokens.
+    assert records[2]["baseline_tokens_per_s"] != records[0]["baseline_tokens_per_s"]
+    assert "TPOT p50" in out.err and "NO" not in out.err
     assert spec.main([*argv, "--speculative-config", "off"]) == 2
+    assert spec.main([*argv, "--loads", "fresh,edit"]) == 2
+    assert spec.main([*argv, "--output-len", "4", "--loads", "sampled"]) == 0
+    assert [json.loads(x)["load"] for x in capsys.readouterr().out.splitlines()] == ["sampled"] * 2
 
 
 def test_drafts_that_cross_several_blocks_in_one_step_are_written_whole(tiny_model):
