@@ -93,8 +93,8 @@ class Batch:
             self.finish(rid, in_batch=False)
             return update
         blocks_to_join(seq, self.worker.block_size, self.scheduler.prefix_cache)
-        if self.drafts and seq.params.no_drafts:
-            self.drafts.opt_out(rid)
+        if self.drafts:
+            self.drafts.join(rid, not seq.params.is_greedy, seq.params.no_drafts)
         self.worker.decode.add(
             rid,
             token,
@@ -125,9 +125,10 @@ class Batch:
         plain, or one with no room past its next token."""
         if self._next_k is not None:
             return self._next_k
-        if not self.drafts or self.drafts.is_resting(self.worker.decode.num_seqs):
+        if not self.drafts:
             return 0
-        return self.drafts.choose(self.worker.decode.keys(), self._room())
+        keys = self.worker.decode.keys()
+        return 0 if self.drafts.is_resting(keys) else self.drafts.choose(keys, self._room())
 
     def _room(self) -> int:
         """The most drafts every running row can take (none where every row opted out): its
@@ -196,24 +197,29 @@ class Batch:
         if self.drafts:
             # NOTE: a step's cost: its own time (drafts included; not a CPU step's wait for
             # the cores it shares) and the host's in taking its tokens
-            accepted = ticket.num_accepted or [0] * len(tokens)
             step_s = ticket.busy_s + ticket.taken_s
-            self.drafts.observe(ticket.keys, ticket.num_drafts, step_s, accepted)
+            self.drafts.observe(ticket.keys, ticket.num_drafts, step_s, ticket.num_accepted or [])
         logprobs = ticket.logprobs or [None] * len(tokens)
+        drafted = ticket.num_drafted or [0] * len(tokens)
+        accepted = ticket.num_accepted or [0] * len(tokens)
         self._num_log_steps += 1
         if len(tokens) > 1:
             self.num_batched_steps += 1
         updates = []
-        for key, row, lp in zip(ticket.keys, tokens, logprobs):
+        for key, row, lp, num_drafted, num_accepted in zip(
+            ticket.keys, tokens, logprobs, drafted, accepted
+        ):
             if key in self.finished_in_flight or key not in self.scheduler.running:
                 self.num_discarded_tokens += len(row)  # ended in the previous step: past its end
                 continue
             seq = self.scheduler.running[key]
+            seq.num_draft_tokens += num_drafted
+            seq.num_accepted_tokens += num_accepted
             made, reason = self._take(seq, row)
             self._num_log_tokens += len(made)
             # NOTE: its preemptions are told after each resume too: a request that moves on
             # elsewhere keeps them in its timings.
-            parts = seq.preemption_parts() if reason or seq.is_preemption_untold else None
+            parts = seq.decode_parts() if reason or seq.is_preemption_untold else None
             seq.is_preemption_untold = False
             updates.append(
                 TokenUpdate(

@@ -6,7 +6,10 @@ Each row's acceptance p is the chance a draft is accepted given those before it 
 of a step that accepted a of its drafts, a were accepted and, where a < k, one was
 tried and refused (a step that proposed none: one refused); p is the ratio of the two's
 moving sums with PRIOR_TRIALS drafts more at the batch's rate (the same sums over every
-row, itself starting from PRIOR): one step's luck is no rate. A verify step of k is
+row of its class, itself starting from PRIOR): one step's luck is no rate. Sampled rows
+are a class apart from greedy ones (a draft matches a draw less often than an argmax),
+and so are batches with a sampled row in their step times (a verify step samples each of
+its positions). A verify step of k is
 expected to make 1 + p + ... + p^k tokens in that row. A batch size's plain steps are
 measured first; a step of one draft, until it is measured there, is reckoned to cost
 what it did against plain steps at the nearest size measured (the very first is tried);
@@ -30,7 +33,7 @@ RECHECK = 8  # plain steps between reckonings while plain steps win
 MAX_AWAY = 1024  # rows' acceptance kept beyond the batch's before it is pruned
 
 
-def _bucket(num_rows: int) -> int:
+def _size(num_rows: int) -> int:
     """Batch sizes measured together: 1, 2, 3-4, 5-8, ..."""
     return 1 << max(num_rows - 1, 0).bit_length()
 
@@ -40,29 +43,40 @@ class DraftChooser:
         self.max_k = max_k
         self.candidates = sorted({0, 1, max(max_k // 2, 1), max_k})
         self._acceptance: dict[str, tuple[float, float]] = {}  # (accepted, tried), decayed
-        self._pooled = (0.0, 0.0)  # the same over every row
-        self._step_s: dict[tuple[int, int], float] = {}
+        self._sampled: set[str] = set()  # rows that sample (the rest take the argmax)
+        self._pooled = [(0.0, 0.0), (0.0, 0.0)]  # the same over every greedy, sampled row
+        # (batch size, whether a row samples), k -> a step's time
+        self._step_s: dict[tuple[tuple[int, bool], int], float] = {}
         self._probe_gap = FIRST_PROBE_GAP
         self._num_plain = 0  # plain steps since the last verify step
         self._is_probing = False  # the last choice was a probe
         self._plain_until = (0, 0)  # (bucket, plain steps): plain until then (choose)
         self.num_probes = 0
 
+    def join(self, key: str, is_sampled: bool, is_opted_out: bool = False) -> None:
+        """A row joins: whether it samples, and whether its request takes no drafts (it
+        counts as one that never accepts any)."""
+        if is_sampled:
+            self._sampled.add(key)
+        if is_opted_out:
+            self._acceptance[key] = (0.0, float("inf"))
+
     def forget(self, key: str) -> None:
         self._acceptance.pop(key, None)
+        self._sampled.discard(key)
 
-    def opt_out(self, key: str) -> None:
-        """The row's request takes no drafts: it counts as one that never accepts any."""
-        self._acceptance[key] = (0.0, float("inf"))
+    def _bucket(self, keys: list[str]) -> tuple[int, bool]:
+        """Steps measured together: a batch size's, with a sampled row or with none."""
+        return _size(len(keys)), not self._sampled.isdisjoint(keys)
 
     def choose(self, keys: list[str], limit: int) -> int:
         """k for a step over these rows, at most limit (what the rows' blocks and lengths
         allow; 0 where the batch cannot be verified). NOTE: asked again before the step is
         observed, it answers the same and counts nothing twice."""
         self._is_probing = False
-        if limit <= 0 or not keys or self.is_resting(len(keys)):
+        if limit <= 0 or not keys or self.is_resting(keys):
             return 0
-        bucket = _bucket(len(keys))
+        bucket = self._bucket(keys)
         plain_s, one_s = self._step_s.get((bucket, 0)), self._step_s.get((bucket, 1))
         if plain_s is None:
             return 0  # a plain step measures this size first
@@ -71,8 +85,11 @@ class DraftChooser:
             if ratio is None:
                 return 1
             one_s = plain_s * ratio
-        get, prior = self._acceptance.get, _ratio(self._pooled, PRIOR)
-        ps = np.fromiter((_ratio(get(key), prior) for key in keys), np.float64, len(keys))
+        get, sampled = self._acceptance.get, self._sampled
+        priors = [_ratio(pooled, PRIOR) for pooled in self._pooled]
+        ps = np.fromiter(
+            (_ratio(get(key), priors[key in sampled]) for key in keys), np.float64, len(keys)
+        )
         # NOTE: verifying must beat plain steps by a margin: where no draft is accepted
         # the two cost alike at a small batch, and noise alone would pick either
         best_k, best_rate = 0, len(keys) / max(plain_s, 1e-9) * (1 + MARGIN)
@@ -91,25 +108,32 @@ class DraftChooser:
         self._plain_until = (bucket, until) if not self._is_probing else (0, 0)
         return 1 if self._is_probing else 0
 
-    def _nearest_ratio(self, bucket: int) -> float | None:
-        """A step of one draft's time over a plain step's at the nearest batch size that has
-        both measured (the larger of two as near: the dearer); None if none has."""
-        sizes = [b for (b, k) in self._step_s if k == 1 and (b, 0) in self._step_s]
+    def _nearest_ratio(self, bucket: tuple[int, bool]) -> float | None:
+        """A step of one draft's time over a plain step's at the nearest batch size of the
+        class that has both measured (the larger of two as near: the dearer); None if none
+        has."""
+        size, is_sampled = bucket
+        sizes = [
+            b
+            for (b, s), k in self._step_s
+            if k == 1 and s == is_sampled and ((b, s), 0) in self._step_s
+        ]
         if not sizes:
             return None
-        near = min(sizes, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
-        return self._step_s[(near, 1)] / max(self._step_s[(near, 0)], 1e-9)
+        near = min(sizes, key=lambda b: (abs(b.bit_length() - size.bit_length()), -b))
+        near_bucket = (near, is_sampled)
+        return self._step_s[(near_bucket, 1)] / max(self._step_s[(near_bucket, 0)], 1e-9)
 
-    def is_resting(self, num_rows: int) -> bool:
-        """Plain steps won lately at this batch size and nothing was verified since: the
-        next step is plain, unreckoned (and what limits its drafts need not be asked)."""
+    def is_resting(self, keys: list[str]) -> bool:
+        """Plain steps won lately for a batch like this one and nothing was verified since:
+        the next step is plain, unreckoned (and what limits its drafts need not be asked)."""
         until = self._plain_until
-        return until[0] == _bucket(num_rows) and self._num_plain < until[1]
+        return self._num_plain < until[1] and until[0] == self._bucket(keys)
 
     def observe(self, keys: list[str], k: int, step_s: float, accepted: list[int]) -> None:
         """A collected step of k drafts over these rows took step_s; accepted: each row's
         accepted drafts (a verify step's)."""
-        key = (_bucket(len(keys)), k)
+        key = (self._bucket(keys), k)
         old = self._step_s.get(key)
         self._step_s[key] = step_s if old is None else old + SMOOTHING * (step_s - old)
         if k == 0:
@@ -121,17 +145,22 @@ class DraftChooser:
             self.num_probes += 1
             self._is_probing = False
         keep = 1 - SMOOTHING
-        all_won, all_tried = 0, 0
+        sums = [[0, 0], [0, 0]]  # accepted, tried: greedy rows', sampled rows'
         for row_key, a in zip(keys, accepted):
             won, tried = self._acceptance.get(row_key, (0.0, 0.0))
             self._acceptance[row_key] = (keep * won + a, keep * tried + a + (a < k))
-            all_won, all_tried = all_won + a, all_tried + a + (a < k)
-        self._pooled = (keep * self._pooled[0] + all_won, keep * self._pooled[1] + all_tried)
+            pooled = sums[row_key in self._sampled]
+            pooled[0], pooled[1] = pooled[0] + a, pooled[1] + a + (a < k)
+        for i, (won, tried) in enumerate(sums):
+            if tried:  # NOTE: a class with no row here keeps its rate as it was
+                old_won, old_tried = self._pooled[i]
+                self._pooled[i] = (keep * old_won + won, keep * old_tried + tried)
         self._num_plain = 0
         if len(self._acceptance) > len(keys) + MAX_AWAY:
             # NOTE: rows that left without forget() (a preempted request aborted): dropped
-            # here, with those merely preempted, which start over at the batch's rate
+            # here, with those merely preempted, which start over at their class's rate
             self._acceptance = {key: self._acceptance[key] for key in keys}
+            self._sampled.intersection_update(keys)
 
 
 def _ratio(counts: tuple[float, float] | None, prior: float) -> float:

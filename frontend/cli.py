@@ -28,6 +28,7 @@ def format_stats(stats: StatsReply) -> str:
         "waiting",
         "free blocks",
         "preempted",
+        "drafts accepted",
     )
     rows = []
     for name, n in sorted(stats.nodes.items()):
@@ -45,6 +46,7 @@ def format_stats(stats: StatsReply) -> str:
                 waiting,
                 free,
                 n.get("num_preemptions", ""),
+                _drafts_accepted(n),
             )
         )
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
@@ -62,6 +64,15 @@ def format_stats(stats: StatsReply) -> str:
         "routes: " + (", ".join(f"{k}: {v}" for k, v in sorted(routes.items())) or "none yet")
     )
     return "\n".join(lines)
+
+
+def _drafts_accepted(n: dict) -> str:
+    """A speculating decode node's accepted drafts of those verified, and the mean tokens a
+    row made per verify step; '' for other nodes."""
+    drafted, accepted = n.get("num_drafted_tokens"), n.get("num_accepted_tokens")
+    if not isinstance(drafted, int) or not isinstance(accepted, int):
+        return ""
+    return f"{accepted}/{drafted} ({n.get('mean_accepted_len', '?')} a step)"
 
 
 def _add_link_args(p: argparse.ArgumentParser) -> None:

@@ -159,6 +159,7 @@ class Metrics:
         yield alive
         yield from families.values()
         yield from _transfer_families(fe.nodes)
+        yield from _spec_decode_families(fe.nodes)
         moved = CounterMetricFamily(
             "pdserve_migrations",
             "requests moved to other nodes, by cause "
@@ -251,3 +252,36 @@ def _transfer_families(nodes: dict):
             if _count(f.get("bytes_per_s")):
                 rate.add_metric(row, f["bytes_per_s"])
     yield from (transfers, nbytes, failed, seconds, layerwise, chunked, rate)
+
+
+# Speculative decoding's running counts per decode node, under vLLM's spec_decode names.
+SPEC_DECODE_COUNTS = {
+    "num_drafts": ("num_drafts", "rows verified with one draft or more, over verify steps"),
+    "num_draft_tokens": ("num_drafted_tokens", "draft tokens verified"),
+    "num_accepted_tokens": ("num_accepted_tokens", "draft tokens accepted"),
+}
+
+
+def _spec_decode_families(nodes: dict):
+    """Drafts, draft tokens and accepted tokens per decode node that speculates, and the
+    accepted ones by their place in the draft (a figure that does not parse is left out)."""
+    counts = {
+        k: CounterMetricFamily(f"pdserve_spec_decode_{k}", h, labels=["node"])
+        for k, (_, h) in SPEC_DECODE_COUNTS.items()
+    }
+    per_pos = CounterMetricFamily(
+        "pdserve_spec_decode_num_accepted_tokens_per_pos",
+        "draft tokens accepted, by their place in the draft (from 0)",
+        labels=["node", "position"],
+    )
+    for name, node in list(nodes.items()):
+        figures = [node.stats.get(key) for key, _ in SPEC_DECODE_COUNTS.values()]
+        if not all(map(_count, figures)):
+            continue
+        for family, value in zip(counts.values(), figures):
+            family.add_metric([name], value)
+        by_pos = node.stats.get("num_accepted_per_pos")
+        if isinstance(by_pos, list) and len(by_pos) <= 64 and all(map(_count, by_pos)):
+            for pos, value in enumerate(by_pos):
+                per_pos.add_metric([name, str(pos)], value)
+    yield from (*counts.values(), per_pos)

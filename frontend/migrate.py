@@ -45,7 +45,7 @@ from frontend.router import NodeState
 log = get_logger("frontend")
 CAUSES = ("dead", "hung", "restarted", "handoff", "link", "drain")
 # What a node's timings say of one of its lives; the rest describe a continuation's TTFT.
-_PER_NODE_PARTS = ("num_preemptions", "preempted_ms")
+_PER_NODE_PARTS = ("num_preemptions", "preempted_ms", "num_draft_tokens", "num_accepted_tokens")
 
 
 class Migrations:

@@ -331,9 +331,10 @@ class DecodeBatch:
             return [[t] for t in self.collect(ticket)]
         self._wait(ticket)
         t0, n = time.perf_counter(), len(ticket.keys)
-        tokens, made = self.verifier.read(ticket.slot, n, ticket.num_drafts)
+        tokens, made, drafted = self.verifier.read(ticket.slot, n, ticket.num_drafts)
         self.host_seq_lens[:n] += made.astype(np.int32)
         ticket.num_accepted = [len(row) - 1 for row in tokens]
+        ticket.num_drafted = drafted.tolist()
         self.verifier.drafter.took(tokens)
         ticket.taken_s = time.perf_counter() - t0
         return tokens

@@ -22,3 +22,4 @@ class DecodeTicket:
     busy_s: float = 0.0  # the step's time on the device, once collected
     taken_s: float = 0.0  # the host's time taking its tokens, once collected (the wait aside)
     num_accepted: list[int] | None = None  # a verify step's, per row, once collected
+    num_drafted: list[int] | None = None  # a verify step's drafts, per row, once collected

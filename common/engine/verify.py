@@ -64,14 +64,20 @@ class Verifier:
         self._targets_host = torch.zeros(2, n, max_k + 1, dtype=torch.int64, pin_memory=is_pinned)
         self._counts_host = torch.zeros(2, 2, n, dtype=torch.int64, pin_memory=is_pinned)
         self.num_steps = 0
+        self.num_drafts = 0  # rows verified with one draft or more, over steps
         self.num_drafted = 0  # drafts proposed (not -1), summed over rows and steps
         self.num_accepted = 0
+        self.num_accepted_per_pos = [0] * max_k  # [j]: rows whose draft j was accepted
 
     def stats(self) -> dict:
         return {
             "num_verify_steps": self.num_steps,
+            "num_drafts": self.num_drafts,
             "num_drafted_tokens": self.num_drafted,
             "num_accepted_tokens": self.num_accepted,
+            "num_accepted_per_pos": list(self.num_accepted_per_pos),
+            # vLLM's mean acceptance length: tokens a row made per verify step with drafts
+            "mean_accepted_len": round(1 + self.num_accepted / max(self.num_drafts, 1), 3),
         }
 
     def set_row(self, row: int, token_ids: list[int], no_drafts: bool) -> None:
@@ -141,13 +147,16 @@ class Verifier:
         self._targets_host[slot, :n, : k + 1].copy_(self._targets[:n, : k + 1], non_blocking=True)
         self._counts_host[slot, :, :n].copy_(self._counts[:, :n], non_blocking=True)
 
-    def read(self, slot: int, n: int, k: int) -> tuple[list[list[int]], np.ndarray]:
-        """A collected step's tokens per row (its accepted drafts and the token after), and
-        how many each row made [n]."""
+    def read(self, slot: int, n: int, k: int) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
+        """A collected step's tokens per row (its accepted drafts and the token after), how
+        many each row made [n] and how many drafts each row had [n]."""
         accepted, drafted = self._counts_host[slot, :, :n].numpy()
         targets = self._targets_host[slot, :n, : k + 1].tolist()
         self.num_steps += 1
+        self.num_drafts += int((drafted > 0).sum())
         self.num_drafted += int(drafted.sum())
         self.num_accepted += int(accepted.sum())
+        for j in range(int(accepted.max(initial=0))):
+            self.num_accepted_per_pos[j] += int((accepted > j).sum())
         made = accepted + 1
-        return [row[:m] for row, m in zip(targets, made.tolist())], made
+        return [row[:m] for row, m in zip(targets, made.tolist())], made, drafted

@@ -24,6 +24,8 @@ class Sequence:
     preempted_at: float = 0.0  # monotonic, while preempted
     is_swapped: bool = False  # preempted with its KV in host memory (else: recomputed)
     is_preemption_untold: bool = False  # resumed since its preemptions were last reported
+    num_draft_tokens: int = 0  # decode: drafts verified for it (speculative decoding)
+    num_accepted_tokens: int = 0  # decode: of those, accepted
     matcher: object = None  # decode, a request with a grammar: its matcher (base/grammar.py)
     is_cacheable: bool = (
         True  # decode: its KV may be kept for a follow-up (not: it did not land whole)
@@ -57,14 +59,17 @@ class Sequence:
         prompt, prior = self.params.split(self.prompt_ids)
         return prompt, prior + self.output_ids
 
-    def preemption_parts(self) -> dict | None:
-        """On a preempted request's last update: how often and how long it was preempted."""
-        if not self.num_preemptions:
-            return None
-        return {
-            "num_preemptions": self.num_preemptions,
-            "preempted_ms": round(self.preempted_s * 1e3, 3),
-        }
+    def decode_parts(self) -> dict | None:
+        """On a request's last update (and a resumed one's next): how often and how long it
+        was preempted, and how many drafts were verified for it and accepted; None: none."""
+        parts = {}
+        if self.num_preemptions:
+            parts["num_preemptions"] = self.num_preemptions
+            parts["preempted_ms"] = round(self.preempted_s * 1e3, 3)
+        if self.num_draft_tokens:
+            parts["num_draft_tokens"] = self.num_draft_tokens
+            parts["num_accepted_tokens"] = self.num_accepted_tokens
+        return parts or None
 
     def release(self, allocator: BlockAllocator) -> None:
         """Give every block and reservation back; safe to call once per sequence."""

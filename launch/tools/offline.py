@@ -59,6 +59,8 @@ def generate(
             seq.release(alloc)
             continue
         blocks_to_join(seq, bs, alloc)
+        if drafts:
+            drafts.join(key, not seq.params.is_greedy, seq.params.no_drafts)
         prompt, prior = seq.params.split(ids)
         worker.decode.add(
             key,
@@ -72,7 +74,7 @@ def generate(
     num_steps, t1 = 0, time.perf_counter()
     while worker.decode.num_seqs:
         keys = worker.decode.keys()
-        if drafts and drafts.is_resting(len(keys)):
+        if drafts and drafts.is_resting(keys):
             k = 0  # as the decode node: no limits asked while plain steps win
         else:
             k = _num_drafts(worker, [seqs[key] for key in keys])

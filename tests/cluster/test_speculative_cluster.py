@@ -1,13 +1,16 @@
 """Speculative decoding through launch/start_cluster.sh: a decode node that verifies prompt
 lookup's drafts answers as transformers does, token for token, alongside requests that
-cannot be verified (log-probabilities), and ends a request at its stop token mid-run."""
+cannot be verified (log-probabilities), says its drafts in each request's timings and on
+/metrics, and ends a request at its stop token mid-run."""
 
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.client import AsyncClient
 from tests.cluster_util import Cluster, wait_for
@@ -25,6 +28,18 @@ def cluster(tiny_model, tmp_path_factory):
     c = Cluster(tiny_model, log, "--speculative-config", NGRAM)
     yield c
     c.stop()
+
+
+def _metrics(cluster) -> dict:
+    """decode-0's samples on /metrics: (name, position label or '') -> value."""
+    with urllib.request.urlopen(cluster.http + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {
+        (s.name, s.labels.get("position", "")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.labels.get("node") == "decode-0"
+    }
 
 
 def _repeating_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -65,6 +80,27 @@ def test_verified_drafts_answer_as_transformers(cluster, tiny_model):
     wait_for(lambda: cluster.stats()["decode-0"].get("num_verify_steps", 0) > 0, 10, "verify steps")
     stats = cluster.stats()["decode-0"]
     assert stats["num_drafted_tokens"] > 0
+    # Each request's timings say its drafts and how many were accepted; the opted-out one
+    # had none.
+    timed = [r.timings for r in results if "num_draft_tokens" in (r.timings or {})]
+    assert timed and all(0 <= t["num_accepted_tokens"] <= t["num_draft_tokens"] for t in timed)
+    assert "num_draft_tokens" not in (opted_out.timings or {})
+    assert sum(t["num_accepted_tokens"] for t in timed) <= stats["num_accepted_tokens"]
+    # /metrics: vLLM's spec_decode counts, as the node's heartbeat gives them.
+    names = {
+        "num_draft_tokens": "num_drafted_tokens",
+        "num_accepted_tokens": "num_accepted_tokens",
+        "num_drafts": "num_drafts",
+    }
+
+    def metrics_agree() -> bool:
+        m, stats = _metrics(cluster), cluster.stats()["decode-0"]
+        per_pos = [v for (n, pos), v in m.items() if n.endswith("accepted_tokens_per_pos_total")]
+        return sum(per_pos) == stats["num_accepted_tokens"] > 0 and all(
+            m[(f"pdserve_spec_decode_{k}_total", "")] == stats[key] for k, key in names.items()
+        )
+
+    wait_for(metrics_agree, 10, "/metrics to give the node's speculative decoding counts")
     cluster.log.flush()  # the decode node says so when it is ready
     ready = b"speculative decoding: prompt lookup, up to 4 drafts a step"
     assert ready in open(cluster.log.name, "rb").read()

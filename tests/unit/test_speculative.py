@@ -277,6 +277,9 @@ def test_drafts_that_are_right_are_all_accepted_and_a_wrong_one_cuts_the_run(tin
         v = worker.decode.verifier
         # Each step makes 5 tokens a row: 20 after the first in 4 steps, 16 drafts accepted.
         assert (v.num_steps, v.num_accepted, v.num_drafted) == (4, 2 * 16, 2 * 16)
+        stats = v.stats()
+        assert stats["num_drafts"] == 2 * 4 and stats["num_accepted_per_pos"] == [8, 8, 8, 8]
+        assert stats["mean_accepted_len"] == 5.0
         assert [p + r["token_ids"] for p, r in zip(prompts, got)] == plain
         spec_writes = worker.h2d.num_writes - before
     with _worker(tiny_model) as worker:
@@ -285,6 +288,9 @@ def test_drafts_that_are_right_are_all_accepted_and_a_wrong_one_cuts_the_run(tin
         v = worker.decode.verifier
         assert [p + r["token_ids"] for p, r in zip(prompts, got)] == plain
         assert 0 < v.num_accepted < v.num_drafted and v.num_steps > 4
+        by_pos = v.stats()["num_accepted_per_pos"]
+        assert sum(by_pos) == v.num_accepted and by_pos == sorted(by_pos, reverse=True)
+        assert by_pos[0] > by_pos[-1]  # a wrong draft cuts the run: later places less often
     # The same host-to-device writes as plain decoding in one block (prefill and joins): a
     # verify step adds none, though its rows advance by counts only the device knows.
     with _worker(tiny_model, spec=SpeculativeConfig(), block_size=128) as worker:

@@ -24,10 +24,11 @@ PROMPTS = [[5, 6, 7, 8] * 4, [9, 8] * 3, [1, 2, 3, 4, 5] * 3 + [1], [11, 12, 13]
 STOP_ROW = 3  # its request stops at its 12th token
 
 
-def _serve(model, spec, is_preemptive, stops=None, oracle=None, block_size=16):
+def _serve(model, spec, is_preemptive, stops=None, oracle=None, block_size=16, parts=None):
     """The node's turn over PROMPTS (launch; the next one ahead where can_run_ahead says;
     collect), the draft chooser taking every draft the rows have room for. -> (tokens per
-    request, the batch, the worker's stats, (free, reserved) blocks at the end)."""
+    request, the batch, the worker's stats, (free, reserved) blocks at the end); parts, if
+    given, takes each request's timings parts from its last update."""
     cfg = WorkerConfig(
         model=str(model),
         kv_cache_memory=8 * 2**20,
@@ -61,6 +62,8 @@ def _serve(model, spec, is_preemptive, stops=None, oracle=None, block_size=16):
             ahead = b.launch() if b.can_run_ahead() else None
             for update in b.collect(running, is_next_launched=ahead is not None):
                 out[update.request_id].extend(update.token_ids)
+                if update.finish_reason and parts is not None:
+                    parts[update.request_id] = update.timings or {}
             running = ahead if ahead is not None or not s.running else b.launch()
         return out, b, w.decode.stats(), (cache.num_free, cache.num_reserved)
 
@@ -69,10 +72,16 @@ def _serve(model, spec, is_preemptive, stops=None, oracle=None, block_size=16):
 def test_the_nodes_turn_verifies_drafts_and_gives_every_block_back(tiny_model, is_preemptive):
     plain, _, plain_stats, plain_blocks = _serve(tiny_model, SpeculativeConfig(), is_preemptive)
     whole = [PROMPTS[i] + plain[f"r{i}"] for i in range(len(PROMPTS))]
+    parts = {}
     got, _, stats, blocks = _serve(
-        tiny_model, SpeculativeConfig("ngram", 4), is_preemptive, oracle=_Oracle(whole)
+        tiny_model, SpeculativeConfig("ngram", 4), is_preemptive, oracle=_Oracle(whole), parts=parts
     )
     assert got == plain and blocks == plain_blocks and blocks[1] == 0
+    # Each request's timings say its drafts: together, the node's.
+    assert sorted(parts) == sorted(plain)
+    for key in ("num_draft_tokens", "num_accepted_tokens"):
+        assert all(p[key] > 0 for p in parts.values())
+        assert sum(p[key] for p in parts.values()) == stats[key.replace("draft", "drafted")]
     # drafts that are all right: far fewer steps (preemptive: with no reservation, their
     # blocks from the pool, as test_drafts_never_take_the_pools_last_blocks reckons)
     assert stats["num_verify_steps"] > 0
@@ -129,7 +138,10 @@ def test_drafts_never_take_the_pools_last_blocks(tiny_model):
 def _run_chooser(chooser, steps: int, cost, accept, rows: int = 4) -> list[int]:
     """steps decode steps of `rows` rows on a fake clock: a step of k costs cost(k) and each
     row accepts accept(k) of its drafts; -> the k of each step."""
-    keys = [f"r{i}" for i in range(rows)]
+    return _run_chooser_on(chooser, [f"r{i}" for i in range(rows)], steps, cost, accept)
+
+
+def _run_chooser_on(chooser, keys: list[str], steps: int, cost, accept) -> list[int]:
     chosen = []
     for _ in range(steps):
         k = chooser.choose(keys, 4)
@@ -187,3 +199,31 @@ def test_the_chooser_verifies_where_drafts_pay_and_as_many_as_pay():
         DraftChooser(4), 400, lambda k: 1.0 + 0.1 * k, lambda k: min(next(late), k)
     )
     assert chosen[-50:] == [4] * 50
+
+
+def test_the_chooser_keeps_sampled_rows_and_their_steps_apart_from_greedy_ones():
+    """Greedy rows whose drafts all match say nothing of sampled rows' (a draw matches less
+    often), nor do greedy steps' times of steps with a sampled row (each of a verify step's
+    positions is sampled): a sampled load that follows starts from its own class."""
+    chooser = DraftChooser(4)
+    greedy = _run_chooser(chooser, 100, lambda k: 1.0 + 0.1 * k, lambda k: k)
+    assert greedy[-50:] == [4] * 50
+    for key in (f"r{i}" for i in range(4)):
+        chooser.forget(key)
+    # Sampled rows: nothing accepted, and a verify step dear. The first of them are tried
+    # (their class has no rate of its own yet); the next ones start from that.
+    keys = [f"s{i}" for i in range(4)]
+    for key in keys:
+        chooser.join(key, is_sampled=True)
+    first = _run_chooser_on(chooser, keys, 60, lambda k: 1.5 + 1.0 * k, lambda k: 0)
+    assert 0 < sum(k > 0 for k in first) <= 6
+    for key in keys:
+        chooser.forget(key)
+    later = [f"t{i}" for i in range(4)]
+    for key in later:
+        chooser.join(key, is_sampled=True)
+    chosen = _run_chooser_on(chooser, later, 60, lambda k: 1.5 + 1.0 * k, lambda k: 0)
+    assert sum(k > 0 for k in chosen) <= 3  # probes at most
+    # A greedy batch still verifies at once: its class's rate and step times are its own.
+    back = [f"g{i}" for i in range(4)]
+    assert chooser.choose(back, 4) == 4
