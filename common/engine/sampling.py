@@ -40,33 +40,66 @@ def sample(
     positions: torch.Tensor,
     min_p: torch.Tensor | None = None,
     logp_out: torch.Tensor | None = None,
+    is_filtered: bool | None = None,
 ) -> torch.Tensor:
     """logits [B, V] fp32; per-row params [B]; positions [B] = index of the token
     being sampled. -> [B] int64. Rows with temperature 0 take the argmax.
     min_p [B]: drop tokens less likely than min_p times the likeliest (after temperature).
     logp_out [B, V]: filled with the log-probabilities sampled from (greedy rows: of the
-    logits as given)."""
+    logits as given). is_filtered: whether a row may have top-p < 1 or top-k (False skips
+    the sort); None: read from the tensors where that costs nothing (on the CPU), else
+    assumed (a captured graph cannot branch on them).
+    NOTE: a row's token depends on its own logits, params, seed and position alone, on
+    either path: the draw is the argmax over token ids of its kept logits plus noise
+    keyed by token id, and what top-k and top-p keep is decided by value."""
     greedy = logits.argmax(dim=-1)
-    vocab = logits.shape[-1]
     scaled = logits / temperature.clamp_min(1e-5)[:, None]
     if min_p is not None:
         floor = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p.clamp_min(1e-30))[:, None]
         scaled = scaled.masked_fill((scaled < floor) & (min_p > 0)[:, None], float("-inf"))
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    if is_filtered is None:
+        is_filtered = logits.device.type != "cpu" or bool(((top_k > 0) | (top_p < 1)).any())
+    if is_filtered:
+        scaled = _keep_top(scaled, top_p, top_k)
+    if logp_out is not None:
+        logp_out.copy_(
+            torch.where(
+                (temperature > 0)[:, None],
+                torch.log_softmax(scaled, dim=-1),
+                torch.log_softmax(logits, dim=-1),
+            )
+        )
+    sampled = _gumbel_argmax(scaled, seeds, positions)
+    return torch.where(temperature > 0, sampled, greedy)
+
+
+def _gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor):
+    """Each row's argmax of scaled [B, V] plus Gumbel noise keyed by token id -> [B]: a draw
+    from its softmax (no normalizing needed: a row's constant leaves its argmax as is).
+    NOTE: on the CPU a row at a time: a batch's [B, V] int64 temporaries cost more in
+    fresh pages than in hashing (8 rows of Qwen3's vocabulary: 14 against 3 ms)."""
+    vocab = scaled.shape[-1]
+    if scaled.device.type != "cpu":
+        u = uniform_noise(seeds, positions, vocab)
+        return (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
+    out = torch.empty(scaled.shape[0], dtype=torch.int64)
+    for i in range(scaled.shape[0]):
+        u = uniform_noise(seeds[i : i + 1], positions[i : i + 1], vocab)
+        out[i] = (scaled[i : i + 1] - torch.log(-torch.log(u))).argmax()
+    return out
+
+
+def _keep_top(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """scaled [B, V] with -inf below each row's floor: the least value its top-k (k > 0)
+    and then its top-p (p < 1: the smallest run of likeliest tokens whose mass reaches p,
+    the first always kept) keep. NOTE: only the sorted values are read, never the order of
+    ties, so ties at the floor are all kept and the floor is the same on any path."""
+    values = scaled.sort(dim=-1, descending=True).values  # [B, V]
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
     k = top_k.long()[:, None]
     drop = (k > 0) & (ranks >= k)
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    logp = torch.log_softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    if logp_out is not None:
-        sampled_logp = torch.empty_like(logp).scatter_(1, order, logp)
-        logp_out.copy_(
-            torch.where((temperature > 0)[:, None], sampled_logp, torch.log_softmax(logits, dim=-1))
-        )
-    # Gumbel-max with noise indexed by token id, so it does not depend on the sort.
-    u = uniform_noise(seeds, positions, vocab).gather(1, order)
-    choice = (logp - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)
-    sampled = order.gather(1, choice)[:, 0]
-    return torch.where(temperature > 0, sampled, greedy)
+    probs = torch.softmax(values.masked_fill(drop, float("-inf")), dim=-1)
+    drop |= ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p < 1)[:, None]
+    num_kept = (~drop).sum(dim=-1, keepdim=True)  # [B, 1]: what is dropped is a tail
+    floor = values.gather(1, num_kept - 1)
+    return scaled.masked_fill(scaled < floor, float("-inf"))

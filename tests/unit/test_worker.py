@@ -301,3 +301,27 @@ def _check_decode_threads(tiny_model):
         is_inference = torch.is_inference_mode_enabled
         d.step()
         assert asked == [3, (30, True), (0.002, False), "end"] and seen[-1] == 2
+
+
+def test_a_rows_draw_is_its_own_alone_or_beside_filtered_rows():
+    """A row's token depends on its logits, params, seed and position alone: the same
+    whether its batch takes the sort (a row with top-k or top-p) or not, and ties at a
+    top-k floor are all kept (decided by value, not by the sort's order of ties)."""
+    torch.manual_seed(0)
+    n, vocab = 12, 5000
+    logits = torch.randn(n, vocab) * 3
+    temp = torch.rand(n) + 0.3
+    top_p = torch.where(torch.arange(n) % 3 == 0, torch.rand(n), torch.ones(n))
+    top_k = torch.where(torch.arange(n) % 4 == 1, torch.randint(1, 50, (n,)), torch.full((n,), -1))
+    seeds, pos = torch.arange(n) + 7, torch.arange(n) + 100
+    together = sample(logits, temp, top_p, top_k, seeds, pos)
+    for i in range(n):
+        row = [t[i : i + 1] for t in (logits, temp, top_p, top_k, seeds, pos)]
+        assert sample(*row) == together[i]
+        assert sample(*row, is_filtered=True) == together[i]
+    tied = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0]])
+    draws = {
+        sample(tied, torch.ones(1), torch.ones(1), torch.tensor([2]), torch.tensor([s]), pos[:1])
+        for s in range(300)
+    }
+    assert {int(d) for d in draws} == {1, 2, 3}
