@@ -101,6 +101,7 @@ class DeviceWorker:
         # On the host a step runs in its launch: nothing overlaps it.
         self.is_step_queued = not self.platform.is_host
         cap = self.num_threads = torch.get_num_threads()  # what this node may use, all told
+        self._loop_threads = cap  # the calling thread's, given back at close
         # cores a step of n rows is worth: asked of a core table, or taken up to the cap
         self.decode.threads_worth = functools.partial(threads_worth, s, self.dtype, 0)
         if cfg.core_pool and self.platform.is_host:
@@ -145,6 +146,10 @@ class DeviceWorker:
         if self.cores is not None:
             self.cores.close()
             self.cores = None
+        if self.platform.is_host:
+            # NOTE: set to one for the loop's own ops: a worker made after this one in the
+            # same process would otherwise take one thread for all its work
+            torch.set_num_threads(self._loop_threads)
         self.platform.release()
         self.platform.release_memory()
 

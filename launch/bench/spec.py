@@ -27,11 +27,15 @@ import argparse
 import random
 import statistics
 import sys
+from contextlib import ExitStack
+
+import torch
 
 from common.base.config import WorkerConfig, parse_bytes
 from common.base.request import SamplingParams
 from common.base.speculative import parse_speculative
 from common.engine.worker import DeviceWorker
+from common.kv.blocks import num_blocks_for
 from common.runtime.process import HelpFormat, freeze_startup_objects
 from decode_node.drafts import DraftChooser
 from launch.bench.common import device_name, emit
@@ -100,10 +104,21 @@ def main(argv: list[str] | None = None) -> int:
             SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=1.0, seed=i + 1)
             for i in range(size)
         ]
-        with (
-            DeviceWorker(WorkerConfig(**base)) as off,
-            DeviceWorker(WorkerConfig(**base, speculative=spec)) as on,
-        ):
+        with ExitStack() as stack:
+            threads = torch.get_num_threads()
+            off = stack.enter_context(DeviceWorker(WorkerConfig(**base)))
+            # NOTE: a worker leaves the calling thread at one thread (its loop's small ops):
+            # the second takes the same threads as the first
+            torch.set_num_threads(threads)
+            on = stack.enter_context(DeviceWorker(WorkerConfig(**base, speculative=spec)))
+            need = size * num_blocks_for(a.prompt_len + a.output_len, off.block_size)
+            if need > min(off.num_kv_blocks, on.num_kv_blocks):
+                print(
+                    f"error: batch {size} needs {need} KV blocks, {off.num_kv_blocks} fit in "
+                    f"--kv-cache-memory {a.kv_cache_memory}: give it more",
+                    file=sys.stderr,
+                )
+                return 2
             freeze_startup_objects()  # as a node does once it is built
             vocab = min(off.spec.vocab_size, 32_000)
 

@@ -325,3 +325,19 @@ def test_a_rows_draw_is_its_own_alone_or_beside_filtered_rows():
         for s in range(300)
     }
     assert {int(d) for d in draws} == {1, 2, 3}
+
+
+def test_a_worker_gives_the_calling_thread_its_threads_back_at_close(tiny_model):
+    """A worker on the CPU leaves the calling thread one thread for its loop's small ops;
+    at close it gives back what it found, or the next worker in the process (a benchmark's
+    second side, a test's next) would take one thread for all its work."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with _worker(tiny_model) as worker:
+            assert worker.num_threads == 2 and torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with _worker(tiny_model) as worker:
+            assert worker.num_threads == 2
+    finally:
+        torch.set_num_threads(before)
