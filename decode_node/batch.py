@@ -121,8 +121,8 @@ class Batch:
         return ticket
 
     def _num_drafts(self) -> int:
-        """Drafts the next step verifies: 0 with speculation off, with a row that is not
-        plain, or one with no room past its next token."""
+        """Drafts the next step verifies: 0 with speculation off, with a row that has
+        penalties or masks, or one with no room past its next token."""
         if self._next_k is not None:
             return self._next_k
         if not self.drafts:
@@ -143,8 +143,8 @@ class Batch:
         limit, bs = self.worker.max_model_len, self.worker.block_size
         num_tokens, num_blocks = [], []
         for seq in rows:
-            if not seq.params.is_plain:
-                return 0
+            if seq.params.is_processing:
+                return 0  # penalties and masks: plain steps
             n = seq.prompt_len + len(seq.output_ids)  # with the next input
             room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1, limit - n)
             num_tokens.append(n)
@@ -228,7 +228,7 @@ class Batch:
                     reason,
                     parts,
                     index=len(seq.output_ids) - len(made),
-                    logprobs=[lp] if lp else None,
+                    logprobs=lp[: len(made)] if lp and lp[0] else None,
                 )
             )
             if reason:

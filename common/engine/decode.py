@@ -240,7 +240,8 @@ class DecodeBatch:
         return without waiting. The next step may be launched before this one is
         collected: its inputs are already on the device. The batch must not change
         while a step is in flight. num_drafts: k > 0 makes it a verify step (verify.py)
-        for a batch of plain rows, collected (collect_many) before the next launch."""
+        for a batch with no penalties or masks, collected (collect_many) before the next
+        launch."""
         n, k = self.num_seqs, num_drafts
         if n == 0:
             return None
@@ -254,8 +255,8 @@ class DecodeBatch:
         # Queued behind the running step, from the pinned slot a step two launches back used.
         self.table.flush(self.num_steps % 2)
         plan = self.sampling.plan(n)
-        if k and not plan.is_plain:
-            raise ValueError("a verify step takes plain rows only")
+        if k and not plan.is_verifiable:
+            raise ValueError("a verify step takes rows with no penalties or masks only")
         run = partial(self.verifier.run, k) if k else self._run
         p = self.platform
         t0 = time.perf_counter()
@@ -287,13 +288,14 @@ class DecodeBatch:
             ticket.busy_s = time.perf_counter() - t0
             self.device_busy_s += ticket.busy_s
         if k:
-            self.verifier.queue_copy(ticket.slot, n, k)
+            self.verifier.queue_copy(ticket.slot, n, k, plan.row_num_logprobs is not None)
         else:
             self._sampled_host[ticket.slot, :n].copy_(self._sampled[:n], non_blocking=True)
             self.host_seq_lens[:n] += 1  # a verify step's growth is known when collected
         if plan.row_num_logprobs is not None:
             ticket.num_logprobs = plan.row_num_logprobs
-            self.sampling.queue_logprobs(ticket.slot, n)
+            if not k:  # a verify step's: queue_copy
+                self.sampling.queue_logprobs(ticket.slot, n)
         ticket.copied = p.event()
         self.num_steps += 1
         self.num_rows += n
@@ -326,16 +328,17 @@ class DecodeBatch:
 
     def collect_many(self, ticket: DecodeTicket) -> list[list[int]]:
         """Wait for a launched step; each row's tokens in the ticket's key order: one for a
-        plain step, a verify step's accepted drafts and the token after them."""
+        plain step, a verify step's accepted drafts and the token after them. Where rows
+        asked, ticket.logprobs holds each row's tokens' (a list a row)."""
         if not ticket.num_drafts:
-            return [[t] for t in self.collect(ticket)]
+            tokens = self.collect(ticket)
+            if ticket.logprobs is not None:
+                ticket.logprobs = [[lp] for lp in ticket.logprobs]
+            return [[t] for t in tokens]
         self._wait(ticket)
         t0, n = time.perf_counter(), len(ticket.keys)
-        tokens, made, drafted = self.verifier.read(ticket.slot, n, ticket.num_drafts)
+        tokens, made = self.verifier.collect(ticket, n)
         self.host_seq_lens[:n] += made.astype(np.int32)
-        ticket.num_accepted = [len(row) - 1 for row in tokens]
-        ticket.num_drafted = drafted.tolist()
-        self.verifier.drafter.took(tokens)
         ticket.taken_s = time.perf_counter() - t0
         return tokens
 

@@ -28,6 +28,7 @@ class SamplingPlan:
 
     is_greedy: bool  # every row takes the argmax
     is_plain: bool  # no row asks for log-probabilities, penalties or masks
+    is_verifiable: bool  # no row asks for penalties or masks (a verify step may take it)
     num_logprobs: int | None  # None when plain, else the most any row asked for (-1: none)
     row_num_logprobs: list[int] | None  # per row (-1: none), when any row asked
 
@@ -68,6 +69,9 @@ class SamplingRows:
         self._logprobs_host = tuple(
             torch.zeros(2, *t.shape, dtype=t.dtype, pin_memory=is_pinned) for t in self._logprobs
         )
+        self._is_pinned = is_pinned
+        self._spread: tuple[torch.Tensor, ...] = ()  # the same for a verify step's positions
+        self._spread_host: tuple[torch.Tensor, ...] = ()
         # Grammar masks [n, W] int32 words: set on the host before each step (the one per-step
         # copy in, and only for a batch that has a grammar row); -1 (every token) in the rows
         # without one.
@@ -155,6 +159,7 @@ class SamplingRows:
         return SamplingPlan(
             is_greedy=bool(self._host_is_greedy[:n].all()),
             is_plain=is_plain,
+            is_verifiable=not self._host_is_processing[:n].any(),
             num_logprobs=None if is_plain else int(ks.max()),
             row_num_logprobs=ks.tolist() if is_reported else None,
         )
@@ -207,17 +212,73 @@ class SamplingRows:
             seq_lens.long(),
         )
 
+    def add_spread_rows(self, num_rows: int) -> None:
+        """Room for the log-probabilities of a verify step's num_rows positions (rows times
+        their k + 1), on the device and in two host slots."""
+        dev = self._h2d.device
+        self._spread = tuple(
+            torch.zeros(num_rows, *t.shape[1:], dtype=t.dtype, device=dev) for t in self._logprobs
+        )
+        self._spread_host = tuple(
+            torch.zeros(2, *t.shape, dtype=t.dtype, pin_memory=self._is_pinned)
+            for t in self._spread
+        )
+
     def choose_spread(
-        self, logits: torch.Tensor, positions: torch.Tensor, n: int, repeats: int, is_greedy: bool
+        self,
+        logits: torch.Tensor,
+        positions: torch.Tensor,
+        n: int,
+        repeats: int,
+        is_greedy: bool,
+        num_logprobs: int | None = None,
     ) -> torch.Tensor:
         """The plain path for rows [0, n), row i's logits at rows [i * repeats, (i + 1) *
         repeats) of logits [n * repeats, V] (a verify step's positions; positions [n *
         repeats] seed each draw as seq_lens do a step's). Each draw depends on its row's
-        seed and position only, so it is the token a plain step there would sample."""
+        seed and position only, so it is the token a plain step there would sample.
+        num_logprobs >= 0 (the most any row asked for): each position's log-probabilities
+        too, raw or of the distribution sampled from, as the full path reports them
+        (queue_spread_logprobs)."""
+        is_reported = num_logprobs is not None and num_logprobs >= 0
+
+        def spread(t: torch.Tensor) -> torch.Tensor:
+            return t[:n].repeat_interleave(repeats)
+
+        processed = None
+        if is_reported and not is_greedy and self._host_is_processed[:n].any():
+            processed = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         if is_greedy:
-            return logits.argmax(dim=-1)
-        params = (self._temperature, self._top_p, self._top_k, self._seeds)
-        return sample(logits, *(t[:n].repeat_interleave(repeats) for t in params), positions)
+            chosen = logits.argmax(dim=-1)
+        else:
+            params = (self._temperature, self._top_p, self._top_k, self._seeds)
+            chosen = sample(logits, *map(spread, params), positions, logp_out=processed)
+        if is_reported:
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            if processed is not None:  # a greedy row's processed are its raw ones
+                logp = torch.where(spread(self._is_processed)[:, None], processed, logp)
+            rows, k = logits.shape[0], num_logprobs
+            lp, top, ids = logit_rules.report(logp, chosen, k)
+            self._spread[0][:rows].copy_(lp)
+            if k:
+                self._spread[1][:rows, :k].copy_(top)
+                self._spread[2][:rows, :k].copy_(ids)
+        return chosen
+
+    def queue_spread_logprobs(self, slot: int, num_rows: int) -> None:
+        """As queue_logprobs, for a verify step's num_rows positions."""
+        for dev, host in zip(self._spread, self._spread_host):
+            host[slot, :num_rows].copy_(dev[:num_rows], non_blocking=True)
+
+    def read_spread_logprobs(
+        self, slot: int, row_num_logprobs: list[int], repeats: int, made: list[int]
+    ) -> list[list[TokenLogprobs | None]]:
+        """Once a verify step's copies are done: per row, what its made[i] tokens report."""
+        num_rows = len(row_num_logprobs) * repeats
+        chosen, top, ids = (h[slot, :num_rows].tolist() for h in self._spread_host)
+        ks = np.repeat(row_num_logprobs, repeats).tolist()
+        flat = logit_rules.to_host(chosen, top, ids, ks)
+        return [flat[i * repeats : i * repeats + m] for i, m in enumerate(made)]
 
     def queue_logprobs(self, slot: int, n: int) -> None:
         """Queue the copy of rows [0, n)'s log-probabilities to host slot `slot`, behind

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.base.request import TokenLogprobs
-
 
 @dataclass
 class DecodeTicket:
@@ -17,7 +15,8 @@ class DecodeTicket:
     end: object | None = None
     copied: object | None = None
     num_logprobs: list[int] | None = None  # per row (-1: none), when any row asked
-    logprobs: list[TokenLogprobs | None] | None = None  # per row, once collected
+    # per row once collected (collect_many: a list a row, one per token made)
+    logprobs: list | None = None
     num_drafts: int = 0  # k of a verify step (0: a plain step)
     busy_s: float = 0.0  # the step's time on the device, once collected
     taken_s: float = 0.0  # the host's time taking its tokens, once collected (the wait aside)

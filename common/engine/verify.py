@@ -27,6 +27,7 @@ from common.engine.block_table import BlockTable
 from common.engine.drafting import Drafter
 from common.engine.h2d import HostToDevice
 from common.engine.sampling_rows import SamplingRows
+from common.engine.ticket import DecodeTicket
 
 
 class Verifier:
@@ -51,6 +52,7 @@ class Verifier:
         self._host_seq_lens = host_seq_lens
         self._table = table
         self._sampling = sampling
+        sampling.add_spread_rows(sampling.max_batch_size * (max_k + 1))
         self._h2d = h2d
         n, device = rows[0].shape[0], rows[0].device
         # Rows whose request opted out (SamplingParams.no_drafts): their drafts are none.
@@ -105,8 +107,8 @@ class Verifier:
         between_layers=None,
     ) -> None:
         """The device part of a verify step of k drafts over rows [0, n), their block tables
-        [n, width] covering L + k tokens each (a plain step's arguments after k; a verify
-        step has no log-probabilities to report)."""
+        [n, width] covering L + k tokens each (a plain step's arguments after k; where rows
+        ask for log-probabilities, every position's are made: the sampler keeps them)."""
         input_ids, seq_lens, step_inc = (t[:n] for t in self._rows)
         block_tables = self._table.tensor[:n, :width]
         host_seq_lens = self._host_seq_lens[:n]
@@ -133,7 +135,8 @@ class Verifier:
             m.spec, m.weights, m.kv_cache, m.cos_sin, ids, positions, attn, between_layers
         )
         logits = qwen3.compute_logits(m.weights, hidden)
-        targets = self._sampling.choose_spread(logits, lens.long(), n, k1, is_greedy).view(n, k1)
+        targets = self._sampling.choose_spread(logits, lens.long(), n, k1, is_greedy, num_logprobs)
+        targets = targets.view(n, k1)
         accepted = (drafts == targets[:, :k]).long().cumprod(1).sum(1)  # [n]
         self.drafter.append(n, seq_lens, targets)
         self._targets[:n, :k1].copy_(targets)
@@ -142,16 +145,21 @@ class Verifier:
         input_ids.copy_(targets.gather(1, accepted[:, None])[:, 0])
         seq_lens.add_((accepted.int() + 1) * step_inc)
 
-    def queue_copy(self, slot: int, n: int, k: int) -> None:
-        """Rows [0, n)'s tokens and counts to host slot `slot`, behind the step."""
+    def queue_copy(self, slot: int, n: int, k: int, is_reported: bool) -> None:
+        """Rows [0, n)'s tokens and counts to host slot `slot`, behind the step, and their
+        log-probabilities where rows asked (is_reported)."""
         self._targets_host[slot, :n, : k + 1].copy_(self._targets[:n, : k + 1], non_blocking=True)
         self._counts_host[slot, :, :n].copy_(self._counts[:, :n], non_blocking=True)
+        if is_reported:
+            self._sampling.queue_spread_logprobs(slot, n * (k + 1))
 
-    def read(self, slot: int, n: int, k: int) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
-        """A collected step's tokens per row (its accepted drafts and the token after), how
-        many each row made [n] and how many drafts each row had [n]."""
-        accepted, drafted = self._counts_host[slot, :, :n].numpy()
-        targets = self._targets_host[slot, :n, : k + 1].tolist()
+    def collect(self, ticket: DecodeTicket, n: int) -> tuple[list[list[int]], np.ndarray]:
+        """A verify step whose copies are done: each row's tokens (its accepted drafts and the
+        token after) and how many it made [n]; each row's accepted and proposed drafts and
+        its tokens' log-probabilities (where asked) into the ticket; the drafter told."""
+        accepted, drafted = self._counts_host[ticket.slot, :, :n].numpy()
+        k1 = ticket.num_drafts + 1
+        targets = self._targets_host[ticket.slot, :n, :k1].tolist()
         self.num_steps += 1
         self.num_drafts += int((drafted > 0).sum())
         self.num_drafted += int(drafted.sum())
@@ -159,4 +167,11 @@ class Verifier:
         for j in range(int(accepted.max(initial=0))):
             self.num_accepted_per_pos[j] += int((accepted > j).sum())
         made = accepted + 1
-        return [row[:m] for row, m in zip(targets, made.tolist())], made, drafted
+        tokens = [row[:m] for row, m in zip(targets, made.tolist())]
+        ticket.num_accepted, ticket.num_drafted = accepted.tolist(), drafted.tolist()
+        if ticket.num_logprobs is not None:
+            ticket.logprobs = self._sampling.read_spread_logprobs(
+                ticket.slot, ticket.num_logprobs, k1, made.tolist()
+            )
+        self.drafter.took(tokens)
+        return tokens, made

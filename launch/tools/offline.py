@@ -87,9 +87,9 @@ def generate(
             drafts.observe(keys, k, step_s, ticket.num_accepted or [0] * len(keys))
         for key, row, lp in zip(ticket.keys, tokens, ticket.logprobs or [None] * len(tokens)):
             seq = seqs[key]
-            for tok in row:
+            for j, tok in enumerate(row):
                 seq.output_ids.append(tok)
-                logprobs[key].append(lp)
+                logprobs[key].append(lp[j] if lp else None)
                 reason = finish_reason(seq, tok, spec.eos_token_ids, worker.max_model_len)
                 if reason:
                     reasons[key] = reason
@@ -118,10 +118,11 @@ def generate(
 
 
 def _num_drafts(worker: DeviceWorker, seqs: list[Sequence]) -> int:
-    """The drafts the next step verifies: the worker's most where every row is plain, no
-    more than any row has tokens left to make after the first (its blocks end there)."""
+    """The drafts the next step verifies: the worker's most where no row has penalties or
+    masks, no more than any row has tokens left to make after the first (its blocks end
+    there)."""
     v = worker.decode.verifier
-    if v is None or not all(s.params.is_plain for s in seqs):
+    if v is None or any(s.params.is_processing for s in seqs):
         return 0
     room = min(
         min(s.params.max_tokens - len(s.output_ids) - 1 for s in seqs),

@@ -1,6 +1,6 @@
 """Speculative decoding through launch/start_cluster.sh: a decode node that verifies prompt
-lookup's drafts answers as transformers does, token for token, alongside requests that
-cannot be verified (log-probabilities), says its drafts in each request's timings and on
+lookup's drafts answers as transformers does, token for token (one of them asking for
+log-probabilities), says its drafts in each request's timings and on
 /metrics, and ends a request at its stop token mid-run."""
 
 from __future__ import annotations
@@ -62,13 +62,10 @@ def test_verified_drafts_answer_as_transformers(cluster, tiny_model):
                 prompt_token_ids=prompts[1], max_tokens=NEW_TOKENS, ignore_eos=True,
                 speculative=False,
             )  # fmt: skip
-            answers = await asyncio.gather(*plain, opted_out)
-            # NOTE: not plain (log-probabilities): a batch holding it runs plain steps, so it
-            # comes after the batch above, which a decode node's first steps verify
-            reported = await client.complete(
+            reported = client.complete(
                 prompt_token_ids=prompts[0], max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1
-            )
-            return [*answers, reported]
+            )  # verified beside the rest: its tokens' log-probabilities come with them
+            return await asyncio.gather(*plain, opted_out, reported)
 
     *results, opted_out, reported = asyncio.run(run())
     assert opted_out.token_ids == expected[1]

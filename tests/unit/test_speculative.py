@@ -299,6 +299,38 @@ def test_drafts_that_are_right_are_all_accepted_and_a_wrong_one_cuts_the_run(tin
         assert spec_writes == worker.h2d.num_writes - before
 
 
+@pytest.mark.parametrize("processed", [False, True], ids=["raw", "processed"])
+def test_verified_tokens_report_the_log_probabilities_plain_steps_do(tiny_model, processed):
+    """Rows that ask for log-probabilities are verified too: each token's, and its
+    likeliest alternatives', equal to plain decoding's (a greedy row and a sampled one
+    with top-p, raw or of the distribution sampled from, beside a row that asks none)."""
+    prompts = [[1, 2, 3], [40, 41, 42, 43, 44], [7, 8]]
+    asked = dict(ignore_eos=True, is_processed_logprobs=processed)
+    params = [
+        SamplingParams(max_tokens=21, num_logprobs=3, **asked),
+        SamplingParams(max_tokens=17, num_logprobs=0, temperature=0.8, top_p=0.9, seed=5, **asked),
+        SamplingParams(max_tokens=19, ignore_eos=True, temperature=0.8, seed=6),
+    ]
+    with _worker(tiny_model, spec=SpeculativeConfig()) as worker:
+        plain = generate(worker, prompts, params)
+    whole = [p + r["token_ids"] for p, r in zip(prompts, plain)]
+    with _worker(tiny_model) as worker:
+        worker.decode.verifier.drafter = _Oracle(whole, wrong_every=4)
+        got = generate(worker, prompts, params)
+        v = worker.decode.verifier
+        assert v.num_steps > 0 and 0 < v.num_accepted < v.num_drafted
+    for mine, theirs, p in zip(got, plain, params):
+        assert mine["token_ids"] == theirs["token_ids"]
+        if p.num_logprobs < 0:
+            assert all(lp is None for lp in mine["logprobs"])
+            continue
+        assert len(mine["logprobs"]) == len(theirs["logprobs"]) == p.max_tokens
+        for a, b in zip(mine["logprobs"], theirs["logprobs"]):
+            assert a.top_ids == b.top_ids and len(a.top_ids) == p.num_logprobs
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-4)
+
+
 def test_a_request_that_opts_out_is_verified_with_no_drafts(tiny_model):
     prompts = [[1, 2, 3], [40, 41, 42, 43, 44]]
     params = [
