@@ -121,8 +121,8 @@ class Batch:
         return ticket
 
     def _num_drafts(self) -> int:
-        """Drafts the next step verifies: 0 with speculation off, with a row that has
-        penalties or masks, or one with no room past its next token."""
+        """Drafts the next step verifies: 0 with speculation off, with a row whose mask
+        depends on its tokens, or one with no room past its next token."""
         if self._next_k is not None:
             return self._next_k
         if not self.drafts:
@@ -143,8 +143,8 @@ class Batch:
         limit, bs = self.worker.max_model_len, self.worker.block_size
         num_tokens, num_blocks = [], []
         for seq in rows:
-            if seq.params.is_processing:
-                return 0  # penalties and masks: plain steps
+            if seq.params.is_masked_per_step:
+                return 0  # a grammar, a bad word of several tokens: plain steps
             n = seq.prompt_len + len(seq.output_ids)  # with the next input
             room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1, limit - n)
             num_tokens.append(n)

@@ -240,8 +240,8 @@ class DecodeBatch:
         return without waiting. The next step may be launched before this one is
         collected: its inputs are already on the device. The batch must not change
         while a step is in flight. num_drafts: k > 0 makes it a verify step (verify.py)
-        for a batch with no penalties or masks, collected (collect_many) before the next
-        launch."""
+        for a batch with no grammar (no mask that depends on the tokens), collected
+        (collect_many) before the next launch."""
         n, k = self.num_seqs, num_drafts
         if n == 0:
             return None
@@ -256,7 +256,7 @@ class DecodeBatch:
         self.table.flush(self.num_steps % 2)
         plan = self.sampling.plan(n)
         if k and not plan.is_verifiable:
-            raise ValueError("a verify step takes rows with no penalties or masks only")
+            raise ValueError("a verify step takes no row whose mask depends on its tokens")
         run = partial(self.verifier.run, k) if k else self._run
         p = self.platform
         t0 = time.perf_counter()

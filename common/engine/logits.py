@@ -116,6 +116,39 @@ class RowState:
             t = getattr(self, f)
             t[dst].copy_(t[src])
 
+    def spread(self, drafts: torch.Tensor) -> "RowState":
+        """A verify step's state: rows [0, n)'s each spread over its k + 1 positions
+        (drafts [n, k], -1 none), position j's as if drafts 0..j-1 had been generated (its
+        token counts only where they are accepted). -> n * (k + 1) rows, fresh tensors."""
+        n, k = drafts.shape
+        k1 = k + 1
+        st = RowState(
+            *(getattr(self, f)[:n].repeat_interleave(k1, 0) for f in self.__dataclass_fields__)
+        )
+        steps = torch.arange(k1, device=drafts.device)
+        # draft i counts at positions j > i: [n, k1, k] (none where there is none)
+        before = (steps[:, None] > steps[None, :k]) & (drafts >= 0)[:, None, :]
+        rows = torch.arange(n * k1, device=drafts.device).view(n, k1, 1).expand(n, k1, k)
+        cols = drafts.clamp(min=0)[:, None, :].expand(n, k1, k)
+        added = torch.zeros_like(st.counts)
+        added.index_put_((rows.reshape(-1), cols.reshape(-1)), before.reshape(-1).int(), True)
+        st.counts += added
+        st.seen |= added > 0
+        st.num_output += steps.repeat(n).int()
+        return st
+
+    def observe_runs(self, tokens: torch.Tensor, num_made: torch.Tensor) -> None:
+        """A verify step's tokens [n, k + 1], of which row i made its first num_made[i]
+        [n], join what each row has generated."""
+        n, k1 = tokens.shape
+        made = torch.arange(k1, device=tokens.device)[None, :] < num_made[:, None]  # [n, k1]
+        rows = torch.arange(n, device=tokens.device)[:, None].expand(n, k1)
+        added = torch.zeros_like(self.counts[:n])
+        added.index_put_((rows, tokens), made.int(), accumulate=True)
+        self.counts[:n] += added
+        self.seen[:n] |= added > 0
+        self.num_output[:n].add_(num_made.int())
+
     def observe(self, sampled: torch.Tensor) -> None:
         """The tokens just chosen [B] join what each row has generated."""
         rows = torch.arange(sampled.shape[0], device=sampled.device)

@@ -28,7 +28,7 @@ class SamplingPlan:
 
     is_greedy: bool  # every row takes the argmax
     is_plain: bool  # no row asks for log-probabilities, penalties or masks
-    is_verifiable: bool  # no row asks for penalties or masks (a verify step may take it)
+    is_verifiable: bool  # no row's mask depends on its tokens (a verify step may take it)
     num_logprobs: int | None  # None when plain, else the most any row asked for (-1: none)
     row_num_logprobs: list[int] | None  # per row (-1: none), when any row asked
 
@@ -159,7 +159,7 @@ class SamplingRows:
         return SamplingPlan(
             is_greedy=bool(self._host_is_greedy[:n].all()),
             is_plain=is_plain,
-            is_verifiable=not self._host_is_processing[:n].any(),
+            is_verifiable=not self._host_has_step_mask[:n].any(),
             num_logprobs=None if is_plain else int(ks.max()),
             row_num_logprobs=ks.tolist() if is_reported else None,
         )
@@ -228,42 +228,43 @@ class SamplingRows:
         self,
         logits: torch.Tensor,
         positions: torch.Tensor,
-        n: int,
-        repeats: int,
+        drafts: torch.Tensor,
         is_greedy: bool,
         num_logprobs: int | None = None,
     ) -> torch.Tensor:
-        """The plain path for rows [0, n), row i's logits at rows [i * repeats, (i + 1) *
-        repeats) of logits [n * repeats, V] (a verify step's positions; positions [n *
-        repeats] seed each draw as seq_lens do a step's). Each draw depends on its row's
-        seed and position only, so it is the token a plain step there would sample.
+        """The tokens of a verify step over rows [0, n) (drafts [n, k], -1 none), row i's
+        logits at rows [i * (k + 1), (i + 1) * (k + 1)) of logits [n * (k + 1), V]
+        (positions [n * (k + 1)] seed each draw as seq_lens do a step's). Each is the token
+        a step there would choose: the same draw (it depends on a row's seed and position
+        only), and a row's penalties as if its drafts before that position had been made.
         num_logprobs >= 0 (the most any row asked for): each position's log-probabilities
-        too, raw or of the distribution sampled from, as the full path reports them
-        (queue_spread_logprobs)."""
-        is_reported = num_logprobs is not None and num_logprobs >= 0
+        too, as a step reports them (queue_spread_logprobs)."""
+        n, k1 = drafts.shape[0], drafts.shape[1] + 1
+        is_processing = bool(self._host_is_processing[:n].any())
 
         def spread(t: torch.Tensor) -> torch.Tensor:
-            return t[:n].repeat_interleave(repeats)
+            return t[:n].repeat_interleave(k1)
 
-        processed = None
-        if is_reported and not is_greedy and self._host_is_processed[:n].any():
-            processed = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        if is_greedy:
-            chosen = logits.argmax(dim=-1)
-        else:
-            params = (self._temperature, self._top_p, self._top_k, self._seeds)
-            chosen = sample(logits, *map(spread, params), positions, logp_out=processed)
-        if is_reported:
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            if processed is not None:  # a greedy row's processed are its raw ones
-                logp = torch.where(spread(self._is_processed)[:, None], processed, logp)
-            rows, k = logits.shape[0], num_logprobs
-            lp, top, ids = logit_rules.report(logp, chosen, k)
-            self._spread[0][:rows].copy_(lp)
-            if k:
-                self._spread[1][:rows, :k].copy_(top)
-                self._spread[2][:rows, :k].copy_(ids)
-        return chosen
+        params = [spread(t) for t in (self._temperature, self._top_p, self._top_k, self._seeds)]
+        if num_logprobs is None and not is_processing:
+            return logits.argmax(dim=-1) if is_greedy else sample(logits, *params, positions)
+        num_rows = logits.shape[0]
+        return logit_rules.choose(
+            logits,
+            self._rows.rows(n).spread(drafts) if is_processing else None,
+            *params,
+            positions,
+            -1 if num_logprobs is None else num_logprobs,
+            spread(self._is_processed),
+            [t[:num_rows] for t in self._spread],
+            is_greedy,
+        )
+
+    def observe_verified(self, tokens: torch.Tensor, num_made: torch.Tensor) -> None:
+        """A verify step's tokens [n, k + 1], row i's first num_made[i] made: what the
+        rows' penalties count, where a row of the batch has them."""
+        if self._host_is_processing[: tokens.shape[0]].any():
+            self._rows.observe_runs(tokens, num_made)
 
     def queue_spread_logprobs(self, slot: int, num_rows: int) -> None:
         """As queue_logprobs, for a verify step's num_rows positions."""

@@ -135,9 +135,10 @@ class Verifier:
             m.spec, m.weights, m.kv_cache, m.cos_sin, ids, positions, attn, between_layers
         )
         logits = qwen3.compute_logits(m.weights, hidden)
-        targets = self._sampling.choose_spread(logits, lens.long(), n, k1, is_greedy, num_logprobs)
+        targets = self._sampling.choose_spread(logits, lens.long(), drafts, is_greedy, num_logprobs)
         targets = targets.view(n, k1)
         accepted = (drafts == targets[:, :k]).long().cumprod(1).sum(1)  # [n]
+        self._sampling.observe_verified(targets, accepted + 1)
         self.drafter.append(n, seq_lens, targets)
         self._targets[:n, :k1].copy_(targets)
         self._counts[0, :n].copy_(accepted)

@@ -118,11 +118,11 @@ def generate(
 
 
 def _num_drafts(worker: DeviceWorker, seqs: list[Sequence]) -> int:
-    """The drafts the next step verifies: the worker's most where no row has penalties or
-    masks, no more than any row has tokens left to make after the first (its blocks end
-    there)."""
+    """The drafts the next step verifies: the worker's most where no row's mask depends on
+    its tokens, no more than any row has tokens left to make after the first (its blocks
+    end there)."""
     v = worker.decode.verifier
-    if v is None or any(s.params.is_processing for s in seqs):
+    if v is None or any(s.params.is_masked_per_step for s in seqs):
         return 0
     room = min(
         min(s.params.max_tokens - len(s.output_ids) - 1 for s in seqs),

@@ -250,7 +250,7 @@ class _Oracle:
             after += [-1] * (k - len(after))
             if self.wrong_every:
                 after = [
-                    t + 1 if (length + j) % self.wrong_every == 0 else t
+                    (t - 1 if t else 1) if (length + j) % self.wrong_every == 0 else t
                     for j, t in enumerate(after)
                 ]
             drafts.append(after)
@@ -329,6 +329,40 @@ def test_verified_tokens_report_the_log_probabilities_plain_steps_do(tiny_model,
             assert a.top_ids == b.top_ids and len(a.top_ids) == p.num_logprobs
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
             assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3], ids=["right", "every-third-wrong"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_verified_rows_with_penalties_bias_and_masks_make_plain_steps_tokens(
+    tiny_model, sampled, wrong_every
+):
+    """Each position of a verify step is scored as a step there would be: penalties count
+    the drafts before it as made, min_tokens counts them too, a bias and a fixed mask apply
+    alike; what is accepted is counted after. Drafts of plain decoding (all right, or every
+    third wrong) beside a row with no penalties."""
+    prompts = [[1, 2, 3, 1, 2, 3], [40, 41, 42, 43, 44], [7, 8, 7, 8], [9, 10, 11]]
+    draw = dict(temperature=0.9, seed=3) if sampled else {}
+    rules = [
+        dict(presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=2.0),
+        dict(logit_bias_ids=(5, 17, 30), logit_bias=(2.0, 1.5, -50.0), min_p=0.05),
+        dict(min_tokens=12, stop_token_ids=(4, 6, 9), allowed_token_ids=tuple(range(3, 60))),
+        {},
+    ]
+    params = [
+        SamplingParams(max_tokens=20 + i, ignore_eos=i != 2, **draw, **r)
+        for i, r in enumerate(rules)
+    ]
+    with _worker(tiny_model, spec=SpeculativeConfig()) as worker:
+        plain = generate(worker, prompts, params)
+    whole = [p + r["token_ids"] for p, r in zip(prompts, plain)]
+    with _worker(tiny_model) as worker:
+        worker.decode.verifier.drafter = _Oracle(whole, wrong_every)
+        got = generate(worker, prompts, params)
+        v = worker.decode.verifier
+        assert v.num_steps > 2 and 0 < v.num_accepted
+        assert (v.num_accepted < v.num_drafted) == bool(wrong_every)
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in plain]
+    assert [r["finish_reason"] for r in got] == [r["finish_reason"] for r in plain]
 
 
 def test_a_request_that_opts_out_is_verified_with_no_drafts(tiny_model):
