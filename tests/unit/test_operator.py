@@ -320,3 +320,19 @@ def test_loading_a_checkpoint_says_each_shard_as_it_is_read(stderr, make_model):
         for i, line in enumerate(lines[:-1])
     )
     assert re.fullmatch(r"weights on cpu in float32: [\d.]+s in all", lines[-1])
+
+
+def test_stats_show_a_speculating_decode_nodes_accepted_drafts():
+    from common.wire.client import StatsReply
+    from frontend.cli import format_stats
+
+    spec = {"num_drafted_tokens": 40, "num_accepted_tokens": 25, "mean_accepted_len": 2.25}
+    nodes = {
+        "decode-0": {"role": "decode", "is_alive": True, **spec},
+        "prefill-0": {"role": "prefill", "is_alive": True},
+    }
+    lines = format_stats(StatsReply(True, nodes)).splitlines()
+    assert "drafts accepted" in lines[0]
+    row = next(line for line in lines if line.startswith("decode-0"))
+    assert row.endswith("25/40 (2.25 a step)")
+    assert "a step" not in next(line for line in lines if line.startswith("prefill-0"))
