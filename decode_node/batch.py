@@ -93,8 +93,7 @@ class Batch:
             self.finish(rid, in_batch=False)
             return update
         blocks_to_join(seq, self.worker.block_size, self.scheduler.prefix_cache)
-        if self.drafts:
-            self.drafts.join(rid, not seq.params.is_greedy, seq.params.no_drafts)
+        self.resumed(seq)
         self.worker.decode.add(
             rid,
             token,
@@ -105,6 +104,11 @@ class Batch:
             seq.prompt_ids + seq.output_ids,
         )
         return update
+
+    def resumed(self, seq: Sequence) -> None:
+        """A sequence is in the batch, joined or resumed: the draft chooser learns its class."""
+        if self.drafts:
+            self.drafts.join(seq.request_id, not seq.params.is_greedy, seq.params.no_drafts)
 
     def launch(self) -> DecodeTicket | None:
         """The next step on the device, each sequence's new block and grammar mask first;

@@ -136,6 +136,14 @@ class DraftChooser:
         key = (self._bucket(keys), k)
         old = self._step_s.get(key)
         self._step_s[key] = step_s if old is None else old + SMOOTHING * (step_s - old)
+        if max(len(self._acceptance), len(self._sampled)) > len(keys) + MAX_AWAY:
+            # NOTE: rows that left without forget() (a preempted request aborted): dropped
+            # here, with those merely preempted, which start over at their class's rate
+            # (a resume joins again: its class is known)
+            self._acceptance = {
+                key: self._acceptance[key] for key in keys if key in self._acceptance
+            }
+            self._sampled.intersection_update(keys)
         if k == 0:
             self._num_plain += 1
             return
@@ -156,11 +164,6 @@ class DraftChooser:
                 old_won, old_tried = self._pooled[i]
                 self._pooled[i] = (keep * old_won + won, keep * old_tried + tried)
         self._num_plain = 0
-        if len(self._acceptance) > len(keys) + MAX_AWAY:
-            # NOTE: rows that left without forget() (a preempted request aborted): dropped
-            # here, with those merely preempted, which start over at their class's rate
-            self._acceptance = {key: self._acceptance[key] for key in keys}
-            self._sampled.intersection_update(keys)
 
 
 def _ratio(counts: tuple[float, float] | None, prior: float) -> float:

@@ -77,9 +77,9 @@ class DecodeNode:
             is_layerwise=cfg.kv_layerwise != "off",
         )
         self.local = LocalPrefill(w, self.scheduler, cfg.max_queue)
-        self.preemption = Preemption(w, self.scheduler, cfg.swap_space)
         self.ended = Recent(ENDED_MEMORY)  # the latest requests that ended here
         self.batch = Batch(w, self.scheduler, self.compiles, self.ended)
+        self.preemption = Preemption(w, self.scheduler, cfg.swap_space, self.batch.resumed)
         self.in_flight: DecodeTicket | None = None  # the step on the device
         self.pending_aborts: set[str] = set()  # running: removed between steps, not under one
         self.num_forked = 0  # sequences admitted over another's prompt blocks (n > 1)

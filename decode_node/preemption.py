@@ -16,10 +16,11 @@ noisy = Throttle(log)
 
 
 class Preemption:
-    def __init__(self, worker, scheduler, swap_space: int):
+    def __init__(self, worker, scheduler, swap_space: int, on_resume=None):
         """worker: the DeviceWorker; scheduler: the DecodeScheduler; swap_space: bytes of
-        host memory for swapped KV."""
+        host memory for swapped KV; on_resume(seq): told of each sequence back in the batch."""
         self.worker, self.scheduler, self.swap_space = worker, scheduler, swap_space
+        self.on_resume = on_resume
         self.num_preemptions = 0
         self.num_swapped = 0  # preemptions that kept the KV in host memory
         self.num_recomputed = 0  # resumptions that prefilled the KV again
@@ -76,6 +77,8 @@ class Preemption:
             seq.prompt_ids + seq.output_ids,
         )
         seq.is_preemption_untold = True
+        if self.on_resume is not None:
+            self.on_resume(seq)
         log.debug(
             "resumed %s after %.0f ms (%s)",
             rid,

@@ -168,7 +168,11 @@ class NodeMessages:
             cached = parts.pop("cached_tokens", None)  # a count that rides with them: usage's
             if isinstance(cached, int) and not req.num_migrations:
                 req.num_cached_tokens = min(cached, len(req.prompt_ids))
-            if node.name == req.decode_node and req.timings.get("path") == "disaggregated":
+            if (
+                node.name == req.decode_node
+                and req.timings.get("path") == "disaggregated"
+                and "kv_transfer_ms" in parts  # NOTE: a last update's counts are no handoff
+            ):
                 handoff_ms = sum(
                     v
                     for k in ("kv_transfer_ms", "decode_admission_ms")

@@ -173,8 +173,13 @@ def test_the_chooser_reckons_a_new_batch_size_from_the_nearest_measured():
 def test_the_chooser_forgets_rows_that_left_unannounced():
     chooser = DraftChooser(4)
     for i in range(3000):  # requests that leave without forget(): aborted while preempted
-        chooser.observe([f"gone{i}"], 1, 1.0, [1])
-    assert len(chooser._acceptance) <= 1 + 1024
+        chooser.join(f"gone{i}", is_sampled=True)
+        chooser.observe([f"gone{i}"], 1 if i < 1500 else 0, 1.0, [1] if i < 1500 else [])
+    # plain steps too: a load that seldom verifies leaks nothing either
+    assert len(chooser._acceptance) <= 1 + 1024 and len(chooser._sampled) <= 1 + 1024
+    # a row still running keeps its class; one that comes back (a resume) joins again
+    chooser.observe(["gone2999"], 0, 1.0, [])
+    assert "gone2999" in chooser._sampled
 
 
 def test_the_chooser_verifies_where_drafts_pay_and_as_many_as_pay():

@@ -11,6 +11,7 @@ from common.wire.protocol import TokenUpdate
 from frontend import server
 from frontend.detok import IncrementalDetokenizer
 from frontend.node_link import NodeMessages
+from frontend.paths import PathChooser
 from frontend.request import RequestState
 
 PROMPT = [5, 6, 7, 8]
@@ -192,3 +193,18 @@ def test_the_prompt_logprobs_come_once_and_every_choice_of_the_request_gets_them
         ("reply", [9], PROMPT_LPS),
     ]
     assert fork.prompt_logprobs == PROMPT_LPS and not fork.held
+
+
+def test_a_last_update_of_counts_alone_is_no_handoff_for_the_path_rule():
+    """Defect: a decode node's last update carrying only counts (drafts, preemptions) was
+    taken as a handoff of 0 s, pulling the path rule's estimate of the node's handoffs
+    down with every request it finished."""
+    hub, link, prefill, decode, req = _setup(num_prompt_logprobs=-1, max_tokens=4)
+    hub.paths = PathChooser("auto", time.monotonic)
+    hub.paths.observe_handoff("decode-0", len(req.prompt_ids), 0.050)
+    req.timings["path"] = "disaggregated"
+    asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9, 10], None, index=0)))
+    parts = {"num_draft_tokens": 4, "num_accepted_tokens": 2, "num_preemptions": 1}
+    asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [11, 12], "length", parts, index=2)))
+    assert hub.paths.handoff_s["decode-0"] == 0.050
+    assert req.timings["num_accepted_tokens"] == 2
