@@ -108,7 +108,8 @@ class Batch:
     def resumed(self, seq: Sequence) -> None:
         """A sequence is in the batch, joined or resumed: the draft chooser learns its class."""
         if self.drafts:
-            self.drafts.join(seq.request_id, not seq.params.is_greedy, seq.params.no_drafts)
+            p = seq.params
+            self.drafts.join(seq.request_id, not p.is_greedy, p.no_drafts, not p.is_plain)
 
     def launch(self) -> DecodeTicket | None:
         """The next step on the device, each sequence's new block and grammar mask first;

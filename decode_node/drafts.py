@@ -9,7 +9,8 @@ moving sums with PRIOR_TRIALS drafts more at the batch's rate (the same sums ove
 row of its class, itself starting from PRIOR): one step's luck is no rate. Sampled rows
 are a class apart from greedy ones (a draft matches a draw less often than an argmax),
 and so are batches with a sampled row in their step times (a verify step samples each of
-its positions). A verify step of k is
+its positions), and batches with a row that has penalties or log-probabilities (each
+position's are made). A verify step of k is
 expected to make 1 + p + ... + p^k tokens in that row. A batch size's plain steps are
 measured first; a step of one draft, until it is measured there, is reckoned to cost
 what it did against plain steps at the nearest size measured (the very first is tried);
@@ -44,8 +45,9 @@ class DraftChooser:
         self.candidates = sorted({0, 1, max(max_k // 2, 1), max_k})
         self._acceptance: dict[str, tuple[float, float]] = {}  # (accepted, tried), decayed
         self._sampled: set[str] = set()  # rows that sample (the rest take the argmax)
+        self._costly: set[str] = set()  # rows with penalties or log-probabilities
         self._pooled = [(0.0, 0.0), (0.0, 0.0)]  # the same over every greedy, sampled row
-        # (batch size, whether a row samples), k -> a step's time
+        # (batch size, (whether a row samples, one has penalties or logprobs)), k -> step time
         self._step_s: dict[tuple[tuple[int, bool], int], float] = {}
         self._probe_gap = FIRST_PROBE_GAP
         self._num_plain = 0  # plain steps since the last verify step
@@ -53,21 +55,28 @@ class DraftChooser:
         self._plain_until = (0, 0)  # (bucket, plain steps): plain until then (choose)
         self.num_probes = 0
 
-    def join(self, key: str, is_sampled: bool, is_opted_out: bool = False) -> None:
-        """A row joins: whether it samples, and whether its request takes no drafts (it
-        counts as one that never accepts any)."""
+    def join(
+        self, key: str, is_sampled: bool, is_opted_out: bool = False, is_costly: bool = False
+    ) -> None:
+        """A row joins: whether it samples, whether its request takes no drafts (it counts
+        as one that never accepts any), and whether it has penalties or log-probabilities
+        (a verify step with such a row scores each position's: its times are apart)."""
         if is_sampled:
             self._sampled.add(key)
+        if is_costly:
+            self._costly.add(key)
         if is_opted_out:
             self._acceptance[key] = (0.0, float("inf"))
 
     def forget(self, key: str) -> None:
         self._acceptance.pop(key, None)
         self._sampled.discard(key)
+        self._costly.discard(key)
 
-    def _bucket(self, keys: list[str]) -> tuple[int, bool]:
+    def _bucket(self, keys: list[str]) -> tuple[int, tuple[bool, bool]]:
         """Steps measured together: a batch size's, with a sampled row or with none."""
-        return _size(len(keys)), not self._sampled.isdisjoint(keys)
+        kind = (not self._sampled.isdisjoint(keys), not self._costly.isdisjoint(keys))
+        return _size(len(keys)), kind
 
     def choose(self, keys: list[str], limit: int) -> int:
         """k for a step over these rows, at most limit (what the rows' blocks and lengths
@@ -108,20 +117,18 @@ class DraftChooser:
         self._plain_until = (bucket, until) if not self._is_probing else (0, 0)
         return 1 if self._is_probing else 0
 
-    def _nearest_ratio(self, bucket: tuple[int, bool]) -> float | None:
+    def _nearest_ratio(self, bucket: tuple[int, tuple[bool, bool]]) -> float | None:
         """A step of one draft's time over a plain step's at the nearest batch size of the
         class that has both measured (the larger of two as near: the dearer); None if none
         has."""
-        size, is_sampled = bucket
+        size, kind = bucket
         sizes = [
-            b
-            for (b, s), k in self._step_s
-            if k == 1 and s == is_sampled and ((b, s), 0) in self._step_s
+            b for (b, s), k in self._step_s if k == 1 and s == kind and ((b, s), 0) in self._step_s
         ]
         if not sizes:
             return None
         near = min(sizes, key=lambda b: (abs(b.bit_length() - size.bit_length()), -b))
-        near_bucket = (near, is_sampled)
+        near_bucket = (near, kind)
         return self._step_s[(near_bucket, 1)] / max(self._step_s[(near_bucket, 0)], 1e-9)
 
     def is_resting(self, keys: list[str]) -> bool:
@@ -136,7 +143,7 @@ class DraftChooser:
         key = (self._bucket(keys), k)
         old = self._step_s.get(key)
         self._step_s[key] = step_s if old is None else old + SMOOTHING * (step_s - old)
-        if max(len(self._acceptance), len(self._sampled)) > len(keys) + MAX_AWAY:
+        if max(len(self._acceptance), len(self._sampled), len(self._costly)) > len(keys) + MAX_AWAY:
             # NOTE: rows that left without forget() (a preempted request aborted): dropped
             # here, with those merely preempted, which start over at their class's rate
             # (a resume joins again: its class is known)
@@ -144,6 +151,7 @@ class DraftChooser:
                 key: self._acceptance[key] for key in keys if key in self._acceptance
             }
             self._sampled.intersection_update(keys)
+            self._costly.intersection_update(keys)
         if k == 0:
             self._num_plain += 1
             return

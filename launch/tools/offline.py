@@ -60,7 +60,8 @@ def generate(
             continue
         blocks_to_join(seq, bs, alloc)
         if drafts:
-            drafts.join(key, not seq.params.is_greedy, seq.params.no_drafts)
+            p = seq.params
+            drafts.join(key, not p.is_greedy, p.no_drafts, not p.is_plain)
         prompt, prior = seq.params.split(ids)
         worker.decode.add(
             key,

@@ -232,3 +232,18 @@ def test_the_chooser_keeps_sampled_rows_and_their_steps_apart_from_greedy_ones()
     # A greedy batch still verifies at once: its class's rate and step times are its own.
     back = [f"g{i}" for i in range(4)]
     assert chooser.choose(back, 4) == 4
+
+
+def test_the_chooser_times_steps_with_a_costly_row_apart():
+    """A verify step with a row that has penalties or log-probabilities scores each of its
+    positions' (many times a plain verify step's work): its times do not stand for a
+    plain batch's, nor the other way round."""
+    chooser = DraftChooser(4)
+    cheap = _run_chooser(chooser, 100, lambda k: 1.0 + 0.1 * k, lambda k: k)
+    assert cheap[-20:] == [4] * 20
+    keys = ["r0", "r1", "r2", "c"]
+    chooser.join("c", is_sampled=False, is_costly=True)
+    costly = _run_chooser_on(chooser, keys, 60, lambda k: 1.0 + 2.0 * k, lambda k: k // 2)
+    assert costly[0] == 0 and costly[-20:].count(0) >= 18  # measured plain first, then dear
+    chooser.forget("c")
+    assert chooser.choose(["r0", "r1", "r2", "r3"], 4) == 4  # the plain batch's own times
