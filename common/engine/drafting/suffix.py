@@ -107,15 +107,18 @@ class SuffixDrafter:
         pass  # the host learns a step's tokens when it is collected (took)
 
     def propose(self, n: int, seq_lens: torch.Tensor, k: int, width: int) -> torch.Tensor:
-        self._budget = INDEX_BUDGET
-        rows = [self._lookup(self._row_source[row], k) for row in range(n)]
-        while self._pending and self._budget > 0:  # finished requests, what is left over
+        # Finished requests first (what the rows will look up), with half the budget at
+        # most; the rows' own windows with the rest, as they look up.
+        self._budget = INDEX_BUDGET // 2
+        while self._pending and self._budget > 0:
             sid = self._pending[0]
             if sid in self._sources:  # NOTE: not if dropped from the cache meanwhile
                 self._budget = self._index_source(sid, self._budget)
                 if self._indexed[sid][1] < self._base[sid] + len(self._sources[sid]):
                     break  # the budget ran out inside it
             self._pending.popleft()
+        self._budget += INDEX_BUDGET - INDEX_BUDGET // 2
+        rows = [self._lookup(self._row_source[row], k) for row in range(n)]
         staging = self._staging[:n, :k]
         staging.copy_(torch.tensor([r + [-1] * (k - len(r)) for r in rows], dtype=torch.int64))
         self._h2d.write(self._drafts[:n, :k], staging)
