@@ -17,7 +17,8 @@ what it did against plain steps at the nearest size measured (the very first is 
 a step of more drafts, as those two say, each draft alike. While
 plain steps win, a step of one draft (the cheapest) is still tried now and then (a
 probe) to see whether acceptance has grown; the gap between probes doubles with each,
-and starts over once verifying pays, so a load that never matches pays for few.
+and starts over once verifying pays for that kind of batch (greedy, sampled, costly),
+so a load that never matches pays for few.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class DraftChooser:
         self._pooled = [(0.0, 0.0), (0.0, 0.0)]  # the same over every greedy, sampled row
         # (batch size, (whether a row samples, one has penalties or logprobs)), k -> step time
         self._step_s: dict[tuple[tuple[int, bool], int], float] = {}
-        self._probe_gap = FIRST_PROBE_GAP
+        # per kind of batch (sampled, costly): verifying that pays for greedy rows says
+        # nothing of sampled ones' probes
+        self._probe_gap: dict[tuple[bool, bool], int] = {}
         self._num_plain = 0  # plain steps since the last verify step
         self._is_probing = False  # the last choice was a probe
         self._plain_until = (0, 0)  # (bucket, plain steps): plain until then (choose)
@@ -107,13 +110,15 @@ class DraftChooser:
             rate = _expected_tokens(ps, k) / max(step_s, 1e-9)
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        kind = bucket[1]
+        gap = self._probe_gap.get(kind, FIRST_PROBE_GAP)
         if best_k:
-            self._probe_gap = FIRST_PROBE_GAP  # verifying pays: probe soon once it stops
+            self._probe_gap[kind] = FIRST_PROBE_GAP  # verifying pays: probe soon once it stops
             return best_k
-        self._is_probing = self._num_plain >= self._probe_gap
+        self._is_probing = self._num_plain >= gap
         # NOTE: reckoned again after RECHECK more plain steps or at another batch size, the
         # probe's time included (the rows' acceptance changes only when they are verified)
-        until = min(self._num_plain + RECHECK, self._probe_gap)
+        until = min(self._num_plain + RECHECK, gap)
         self._plain_until = (bucket, until) if not self._is_probing else (0, 0)
         return 1 if self._is_probing else 0
 
@@ -156,8 +161,9 @@ class DraftChooser:
             self._num_plain += 1
             return
         self._plain_until = (0, 0)
-        if self._is_probing:  # the next probe waits twice as long
-            self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP)
+        if self._is_probing:  # the next probe of this kind waits twice as long
+            gap = self._probe_gap.get(key[0][1], FIRST_PROBE_GAP)
+            self._probe_gap[key[0][1]] = min(2 * gap, MAX_PROBE_GAP)
             self.num_probes += 1
             self._is_probing = False
         keep = 1 - SMOOTHING

@@ -247,3 +247,17 @@ def test_the_chooser_times_steps_with_a_costly_row_apart():
     assert costly[0] == 0 and costly[-20:].count(0) >= 18  # measured plain first, then dear
     chooser.forget("c")
     assert chooser.choose(["r0", "r1", "r2", "r3"], 4) == 4  # the plain batch's own times
+
+
+def test_a_sampled_loads_probes_keep_their_gaps_while_greedy_rows_verify():
+    """Probes of one draft come at gaps that double while they fail; verifying that pays
+    for greedy rows (a load of both in turn) starts the gap over for greedy batches alone."""
+    chooser = DraftChooser(4)
+    greedy, sampled = ["g0", "g1"], ["s0", "s1"]
+    for key in sampled:
+        chooser.join(key, is_sampled=True)
+    chosen = []
+    for _ in range(40):  # in turn: 5 greedy steps (drafts all right), 20 sampled (none)
+        _run_chooser_on(chooser, greedy, 5, lambda k: 1.0 + 0.1 * k, lambda k: k)
+        chosen += _run_chooser_on(chooser, sampled, 20, lambda k: 1.0 + 0.5 * k, lambda k: 0)
+    assert sum(k > 0 for k in chosen[-400:]) <= 2  # 800 sampled steps: gaps up to 1024
