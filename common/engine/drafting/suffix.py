@@ -9,7 +9,8 @@ them (sources in the order they joined); a lookup tries the longest m first. A s
 last MAX_INDEXED tokens are indexed (older windows leave as it grows; a long prompt's
 start is prompt lookup's), as its row proposes, and once finished with what the verify
 steps' budget leaves (a load that does not verify pays nothing), at most INDEX_BUDGET
-windows a step in all (~1.7 us each here): a row that joins long or comes back after many
+windows a step in all and WINDOWS_PER_DRAFT for each draft it verifies (~1.7 us each
+here): a row that joins long or comes back after many
 plain steps is caught up over steps, and no step stalls the loop. NOTE: the index costs ~1 KB
 of host memory a token: the finished sources kept are bounded by their indexed tokens
 (MAX_CACHED_TOKENS) as well as by count, and keep those tokens alone. The drafts are at
@@ -29,6 +30,7 @@ from common.engine.h2d import HostToDevice
 MATCH_LENGTHS = (1, 2, 4, 8, 16, 32)
 MAX_INDEXED = 1024  # a source's last tokens indexed
 INDEX_BUDGET = 4096  # windows indexed a step, all rows together (a few ms on a CPU)
+WINDOWS_PER_DRAFT = 64  # ... and at most this many for each draft the step verifies
 MAX_CACHED_TOKENS = 1 << 17  # finished sources' indexed tokens kept, all told (~130 MB)
 
 
@@ -107,9 +109,11 @@ class SuffixDrafter:
         pass  # the host learns a step's tokens when it is collected (took)
 
     def propose(self, n: int, seq_lens: torch.Tensor, k: int, width: int) -> torch.Tensor:
-        # Finished requests first (what the rows will look up), with half the budget at
-        # most; the rows' own windows with the rest, as they look up.
-        self._budget = INDEX_BUDGET // 2
+        # NOTE: the step's indexing grows with its drafts, as its work does: a probe of one
+        # draft on a small model pays for few. Finished requests first (what the rows will
+        # look up), with half the budget at most; the rows' own windows with the rest.
+        budget = min(INDEX_BUDGET, WINDOWS_PER_DRAFT * k * n)
+        self._budget = budget // 2
         while self._pending and self._budget > 0:
             sid = self._pending[0]
             if sid in self._sources:  # NOTE: not if dropped from the cache meanwhile
@@ -117,7 +121,7 @@ class SuffixDrafter:
                 if self._indexed[sid][1] < self._base[sid] + len(self._sources[sid]):
                     break  # the budget ran out inside it
             self._pending.popleft()
-        self._budget += INDEX_BUDGET - INDEX_BUDGET // 2
+        self._budget += budget - budget // 2
         rows = [self._lookup(self._row_source[row], k) for row in range(n)]
         staging = self._staging[:n, :k]
         staging.copy_(torch.tensor([r + [-1] * (k - len(r)) for r in rows], dtype=torch.int64))
