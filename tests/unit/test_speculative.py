@@ -220,6 +220,23 @@ def test_suffix_decoding_indexes_finished_requests_only_in_verify_steps():
     assert not d._pending and len(d._index) > 0
 
 
+def test_suffix_decoding_indexes_a_finished_request_newest_first(monkeypatch):
+    """A request asked again looks up its cached answer's end first: with a step's budget
+    for a few windows, those are the newest."""
+    from common.engine.drafting import suffix
+
+    monkeypatch.setattr(suffix, "INDEX_BUDGET", 20)  # 10 for finished requests a step
+    d = SuffixDrafter(1, 4, 24, 4, HostToDevice(torch.device("cpu")))
+    d.set_row(0, list(range(1000, 1200)))
+    d.remove_row(0, 0)
+    d.set_row(0, [1195, 1196])
+    assert d.propose(1, torch.zeros(1, dtype=torch.int32), 4, 0).tolist() == [[1197, 1198, -1, -1]]
+    assert d._pending  # the rest of it over the steps to come
+    for _ in range(40):
+        d.propose(1, torch.zeros(1, dtype=torch.int32), 4, 0)
+    assert not d._pending and d._indexed[0] == (1, 200)
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_verify_steps_make_plain_decodings_tokens_and_accept_drafts(tiny_model, method):
     """Prompts that repeat, so prompt lookup proposes from the first step; rows of several

@@ -118,7 +118,8 @@ class SuffixDrafter:
             sid = self._pending[0]
             if sid in self._sources:  # NOTE: not if dropped from the cache meanwhile
                 self._budget = self._index_source(sid, self._budget)
-                if self._indexed[sid][1] < self._base[sid] + len(self._sources[sid]):
+                (first, end), length = self._indexed[sid], self._base[sid] + len(self._sources[sid])
+                if end < length or first > max(length - MAX_INDEXED, 1):
                     break  # the budget ran out inside it
             self._pending.popleft()
         self._budget += budget - budget // 2
@@ -157,12 +158,18 @@ class SuffixDrafter:
         while first < min(end, lo) and budget > 0:
             self._unindex(sid, first)
             first, budget = first + 1, budget - 1
+        is_finished = sid in self._finished
         if first >= end:
-            first = end = max(end, lo)  # nothing left indexed: from the window's start
+            # nothing left indexed: a live source from the window's start; a finished one
+            # from its newest window down (what a request asked again looks up first)
+            first = end = length if is_finished else max(end, lo)
         if first >= lo:  # the fallen-out ones are gone: fill upward
             while end < length and budget > 0:
                 self._place(sid, end)
                 end, budget = end + 1, budget - 1
+            while is_finished and first > lo and budget > 0:  # then down to the start
+                first, budget = first - 1, budget - 1
+                self._place(sid, first)
         self._indexed[sid] = (first, end)
         return budget
 
