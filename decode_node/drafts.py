@@ -50,6 +50,7 @@ class DraftChooser:
         self._pooled = [(0.0, 0.0), (0.0, 0.0)]  # the same over every greedy, sampled row
         # (batch size, (whether a row samples, one has penalties or logprobs)), k -> step time
         self._step_s: dict[tuple[tuple[int, bool], int], float] = {}
+        self._is_warm: set = set()  # the kinds of step seen once (their first is not timed)
         # per kind of batch (sampled, costly): verifying that pays for greedy rows says
         # nothing of sampled ones' probes
         self._probe_gap: dict[tuple[bool, bool], int] = {}
@@ -147,7 +148,13 @@ class DraftChooser:
         accepted drafts (a verify step's)."""
         key = (self._bucket(keys), k)
         old = self._step_s.get(key)
-        self._step_s[key] = step_s if old is None else old + SMOOTHING * (step_s - old)
+        if key not in self._is_warm:
+            # NOTE: a kind of step's first pays for its set-up (a kernel's first call at its
+            # shapes, an empty index's growth: 136 against 48 ms at Qwen3-0.6B's shape):
+            # not its time
+            self._is_warm.add(key)
+        else:
+            self._step_s[key] = step_s if old is None else old + SMOOTHING * (step_s - old)
         if max(len(self._acceptance), len(self._sampled), len(self._costly)) > len(keys) + MAX_AWAY:
             # NOTE: rows that left without forget() (a preempted request aborted): dropped
             # here, with those merely preempted, which start over at their class's rate
