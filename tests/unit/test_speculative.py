@@ -204,39 +204,6 @@ def test_suffix_decoding_indexes_a_bounded_number_of_windows_a_step(monkeypatch)
     assert len(placed) == 4 * suffix.MAX_INDEXED  # each row's window, whole at last
 
 
-def test_suffix_decoding_indexes_finished_requests_only_in_verify_steps():
-    """Found measuring: 32 requests finishing together were indexed in the loop at once.
-    A finish now places nothing; the next verify step indexes it (within its budget), and
-    a finished request dropped from the cache before that leaves nothing pending."""
-    cpu = HostToDevice(torch.device("cpu"))
-    d = SuffixDrafter(2, 4, 24, 2, cpu)
-    for i in range(3):  # the first falls out of the cache (max_cached=2), never indexed
-        d.set_row(0, [100 * i + j for j in range(50)])
-        d.remove_row(0, 0)
-        assert not d._index
-    assert len(d._pending) == 2 and d.num_cached == 2
-    d.set_row(0, [120, 121, 122])  # the second request's 20th-22nd tokens
-    assert d.propose(1, torch.zeros(1, dtype=torch.int32), 4, 0).tolist() == [[123, 124, -1, -1]]
-    assert not d._pending and len(d._index) > 0
-
-
-def test_suffix_decoding_indexes_a_finished_request_newest_first(monkeypatch):
-    """A request asked again looks up its cached answer's end first: with a step's budget
-    for a few windows, those are the newest."""
-    from common.engine.drafting import suffix
-
-    monkeypatch.setattr(suffix, "INDEX_BUDGET", 20)  # 10 for finished requests a step
-    d = SuffixDrafter(1, 4, 24, 4, HostToDevice(torch.device("cpu")))
-    d.set_row(0, list(range(1000, 1200)))
-    d.remove_row(0, 0)
-    d.set_row(0, [1195, 1196])
-    assert d.propose(1, torch.zeros(1, dtype=torch.int32), 4, 0).tolist() == [[1197, 1198, -1, -1]]
-    assert d._pending  # the rest of it over the steps to come
-    for _ in range(40):
-        d.propose(1, torch.zeros(1, dtype=torch.int32), 4, 0)
-    assert not d._pending and d._indexed[0] == (1, 200)
-
-
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_verify_steps_make_plain_decodings_tokens_and_accept_drafts(tiny_model, method):
     """Prompts that repeat, so prompt lookup proposes from the first step; rows of several

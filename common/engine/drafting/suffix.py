@@ -7,11 +7,9 @@ The index maps the last m tokens before a position (m of MATCH_LENGTHS, up to th
 less the drafts) to the latest (source, position) where they occurred with a token after
 them (sources in the order they joined); a lookup tries the longest m first. A source's
 last MAX_INDEXED tokens are indexed (older windows leave as it grows; a long prompt's
-start is prompt lookup's), as its row proposes, and once finished with what the verify
-steps' budget leaves (a load that does not verify pays nothing), at most INDEX_BUDGET
-windows a step in all and WINDOWS_PER_DRAFT for each draft it verifies (~1.7 us each
-here): a row that joins long or comes back after many
-plain steps is caught up over steps, and no step stalls the loop. NOTE: the index costs ~1 KB
+start is prompt lookup's), as its row proposes and as it finishes, at most
+INDEX_BUDGET windows a step in all: a row that joins long or comes back after many plain
+steps is caught up over steps, and no step stalls the loop. NOTE: the index costs ~1 KB
 of host memory a token: the finished sources kept are bounded by their indexed tokens
 (MAX_CACHED_TOKENS) as well as by count, and keep those tokens alone. The drafts are at
 most as many as the match is long (a short match is weak evidence) and go to the device
@@ -21,7 +19,7 @@ not.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 import torch
 
@@ -30,7 +28,6 @@ from common.engine.h2d import HostToDevice
 MATCH_LENGTHS = (1, 2, 4, 8, 16, 32)
 MAX_INDEXED = 1024  # a source's last tokens indexed
 INDEX_BUDGET = 4096  # windows indexed a step, all rows together (a few ms on a CPU)
-WINDOWS_PER_DRAFT = 64  # ... and at most this many for each draft the step verifies
 MAX_CACHED_TOKENS = 1 << 17  # finished sources' indexed tokens kept, all told (~130 MB)
 
 
@@ -53,7 +50,6 @@ class SuffixDrafter:
         self._num_cached_tokens = 0
         self._index: dict[tuple[int, ...], tuple[int, int]] = {}
         self._finished: OrderedDict[int, None] = OrderedDict()  # oldest first
-        self._pending: deque[int] = deque()  # finished sources not yet indexed whole
         self._row_source: list[int | None] = [None] * max_rows
         self._next_id = 0
         self._budget = INDEX_BUDGET  # windows left to index this step
@@ -73,29 +69,22 @@ class SuffixDrafter:
         self._indexed[sid] = (start, start)  # none yet
 
     def remove_row(self, row: int, last: int) -> None:
-        """The row's request finishes: its last MAX_INDEXED tokens stay, cached, their
-        windows indexed by the verify steps to come (within their budget: a finish costs
-        nothing where no step verifies)."""
         sid = self._row_source[row]
         if self.max_cached:
-            tokens, (first, end) = self._sources[sid], self._indexed[sid]
-            # the tokens its windows hold and will hold, alone
-            lo = max(len(tokens) - MAX_INDEXED, 1)
-            base = max((lo if first == end else min(first, lo)) - MATCH_LENGTHS[-1], 0)
-            self._sources[sid] = tokens[base:]
+            self._index_source(sid, INDEX_BUDGET // 16)
+            first, end = self._indexed[sid]
+            base = max(first - MATCH_LENGTHS[-1], 0)  # the tokens its windows hold, alone
+            self._sources[sid] = self._sources[sid][base:]
             self._base[sid] = base
             self._finished[sid] = None
-            self._pending.append(sid)
-            self._num_cached_tokens += len(tokens) - base
+            self._num_cached_tokens += end - first
             while len(self._finished) > self.max_cached or (
                 self._num_cached_tokens > MAX_CACHED_TOKENS
             ):
                 oldest = self._finished.popitem(last=False)[0]
-                self._num_cached_tokens -= len(self._sources[oldest])
+                first, end = self._indexed[oldest]
+                self._num_cached_tokens -= end - first
                 self._drop(oldest)
-            # NOTE: both in the order they finished: the dropped ones lead the pending
-            while self._pending and self._pending[0] not in self._sources:
-                self._pending.popleft()
         else:
             self._drop(sid)
         self._row_source[row] = self._row_source[last]
@@ -109,20 +98,7 @@ class SuffixDrafter:
         pass  # the host learns a step's tokens when it is collected (took)
 
     def propose(self, n: int, seq_lens: torch.Tensor, k: int, width: int) -> torch.Tensor:
-        # NOTE: the step's indexing grows with its drafts, as its work does: a probe of one
-        # draft on a small model pays for few. Finished requests first (what the rows will
-        # look up), with half the budget at most; the rows' own windows with the rest.
-        budget = min(INDEX_BUDGET, WINDOWS_PER_DRAFT * k * n)
-        self._budget = budget // 2
-        while self._pending and self._budget > 0:
-            sid = self._pending[0]
-            if sid in self._sources:  # NOTE: not if dropped from the cache meanwhile
-                self._budget = self._index_source(sid, self._budget)
-                (first, end), length = self._indexed[sid], self._base[sid] + len(self._sources[sid])
-                if end < length or first > max(length - MAX_INDEXED, 1):
-                    break  # the budget ran out inside it
-            self._pending.popleft()
-        self._budget += budget - budget // 2
+        self._budget = INDEX_BUDGET
         rows = [self._lookup(self._row_source[row], k) for row in range(n)]
         staging = self._staging[:n, :k]
         staging.copy_(torch.tensor([r + [-1] * (k - len(r)) for r in rows], dtype=torch.int64))
@@ -147,39 +123,30 @@ class SuffixDrafter:
         return []
 
     def _index_source(self, sid: int, budget: int) -> int:
-        """Index source sid's windows ending in its last MAX_INDEXED positions but its very
-        last (each has a token after it), dropping those that fell out first; at most
+        """Index live source sid's windows ending in its last MAX_INDEXED positions but its
+        very last (each has a token after it), dropping those that fell out first; at most
         budget windows placed or dropped. -> the budget left. NOTE: the index holds exactly
-        the windows ending in [first, end); positions count from the source's start, its
-        tokens from base (a finished source's: cut below what its windows need)."""
-        tokens, (first, end) = self._sources[sid], self._indexed[sid]
-        length = self._base[sid] + len(tokens)
-        lo = max(length - MAX_INDEXED, 1)
+        the windows ending in [first, end): a finished source is cut below first."""
+        tokens, (first, end) = self._sources[sid], self._indexed[sid]  # base 0: live
+        lo = max(len(tokens) - MAX_INDEXED, 1)
         while first < min(end, lo) and budget > 0:
             self._unindex(sid, first)
             first, budget = first + 1, budget - 1
-        is_finished = sid in self._finished
         if first >= end:
-            # nothing left indexed: a live source from the window's start; a finished one
-            # from its newest window down (what a request asked again looks up first)
-            first = end = length if is_finished else max(end, lo)
+            first = end = max(end, lo)  # nothing left indexed: from the window's start
         if first >= lo:  # the fallen-out ones are gone: fill upward
-            while end < length and budget > 0:
-                self._place(sid, end)
+            while end < len(tokens) and budget > 0:
+                self._place(sid, tokens, end)
                 end, budget = end + 1, budget - 1
-            while is_finished and first > lo and budget > 0:  # then down to the start
-                first, budget = first - 1, budget - 1
-                self._place(sid, first)
         self._indexed[sid] = (first, end)
         return budget
 
-    def _place(self, sid: int, end: int) -> None:
+    def _place(self, sid: int, tokens: list[int], end: int) -> None:
         """Source sid's windows ending at end, each where no later place holds it."""
-        tokens, base = self._sources[sid], self._base[sid]
         for m in self.lengths:
             if m > end:
                 break
-            key = tuple(tokens[end - m - base : end - base])
+            key = tuple(tokens[end - m : end])
             held = self._index.get(key)
             if held is None or held < (sid, end):
                 self._index[key] = (sid, end)
