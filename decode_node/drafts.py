@@ -49,7 +49,7 @@ class DraftChooser:
         self._costly: set[str] = set()  # rows with penalties or log-probabilities
         self._pooled = [(0.0, 0.0), (0.0, 0.0)]  # the same over every greedy, sampled row
         # (batch size, (whether a row samples, one has penalties or logprobs)), k -> step time
-        self._step_s: dict[tuple[tuple[int, bool], int], float] = {}
+        self._step_s: dict[tuple[tuple[int, tuple[bool, bool]], int], float] = {}
         self._is_warm: set = set()  # the kinds of step seen once (their first is not timed)
         # per kind of batch (sampled, costly): verifying that pays for greedy rows says
         # nothing of sampled ones' probes
@@ -78,7 +78,8 @@ class DraftChooser:
         self._costly.discard(key)
 
     def _bucket(self, keys: list[str]) -> tuple[int, tuple[bool, bool]]:
-        """Steps measured together: a batch size's, with a sampled row or with none."""
+        """Steps measured together: a batch size's, of a kind (a sampled row or none, a row
+        with penalties or log-probabilities or none)."""
         kind = (not self._sampled.isdisjoint(keys), not self._costly.isdisjoint(keys))
         return _size(len(keys)), kind
 
