@@ -100,6 +100,8 @@ def _keep_top(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) ->
     drop = (k > 0) & (ranks >= k)
     probs = torch.softmax(values.masked_fill(drop, float("-inf")), dim=-1)
     drop |= ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p < 1)[:, None]
-    num_kept = (~drop).sum(dim=-1, keepdim=True)  # [B, 1]: what is dropped is a tail
+    # [B, 1]: what is dropped is a tail; NOTE: the first always stays, also where a top_p
+    # below float32's least (5e-324 is "in (0, 1]") reads as 0 here
+    num_kept = (~drop).sum(dim=-1, keepdim=True).clamp_(min=1)
     floor = values.gather(1, num_kept - 1)
     return scaled.masked_fill(scaled < floor, float("-inf"))

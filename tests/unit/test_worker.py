@@ -341,3 +341,14 @@ def test_a_worker_gives_the_calling_thread_its_threads_back_at_close(tiny_model)
             assert worker.num_threads == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_top_p_below_float32s_least_keeps_the_likeliest_token():
+    """Found by the API fuzz: top_p=5e-324 is in (0, 1] but 0 in float32, and every token
+    was dropped: the sampler indexed the floor at -1 and the prefill node died."""
+    logits = torch.tensor([[0.5, 3.0, 1.0, -2.0]] * 2)
+    tiny = torch.tensor([5e-324, 1e-60], dtype=torch.float64).float()
+    assert (tiny == 0).all()
+    top_k, seeds = torch.tensor([-1, 2]), torch.arange(2)
+    got = sample(logits, torch.ones(2), tiny, top_k, seeds, torch.zeros(2, dtype=torch.long))
+    assert got.tolist() == [1, 1]
