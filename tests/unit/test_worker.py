@@ -352,3 +352,16 @@ def test_a_top_p_below_float32s_least_keeps_the_likeliest_token():
     top_k, seeds = torch.tensor([-1, 2]), torch.arange(2)
     got = sample(logits, torch.ones(2), tiny, top_k, seeds, torch.zeros(2, dtype=torch.long))
     assert got.tolist() == [1, 1]
+
+
+def test_a_large_vocabularys_rows_draw_as_a_batch_would():
+    """On the CPU a large vocabulary's noise is made a row at a time (fresh pages cost more
+    than hashing): the same draws as the batch's."""
+    from common.engine import sampling
+
+    torch.manual_seed(1)
+    n, vocab = 3, sampling.ROW_AT_A_TIME + 7
+    scaled, seeds, pos = torch.randn(n, vocab), torch.arange(n) + 11, torch.arange(n) + 5
+    noise = sampling.uniform_noise(seeds, pos, vocab)
+    batched = (scaled - torch.log(-torch.log(noise))).argmax(-1)
+    assert sampling._gumbel_argmax(scaled, seeds, pos).tolist() == batched.tolist()
