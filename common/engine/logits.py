@@ -130,10 +130,7 @@ class RowState:
         before = (steps[:, None] > steps[None, :k]) & (drafts >= 0)[:, None, :]
         rows = torch.arange(n * k1, device=drafts.device).view(n, k1, 1).expand(n, k1, k)
         cols = drafts.clamp(min=0)[:, None, :].expand(n, k1, k)
-        added = torch.zeros_like(st.counts)
-        added.index_put_((rows.reshape(-1), cols.reshape(-1)), before.reshape(-1).int(), True)
-        st.counts += added
-        st.seen |= added > 0
+        _count_tokens(st.counts, st.seen, rows.reshape(-1), cols.reshape(-1), before.reshape(-1))
         st.num_output += steps.repeat(n).int()
         return st
 
@@ -143,10 +140,7 @@ class RowState:
         n, k1 = tokens.shape
         made = torch.arange(k1, device=tokens.device)[None, :] < num_made[:, None]  # [n, k1]
         rows = torch.arange(n, device=tokens.device)[:, None].expand(n, k1)
-        added = torch.zeros_like(self.counts[:n])
-        added.index_put_((rows, tokens), made.int(), accumulate=True)
-        self.counts[:n] += added
-        self.seen[:n] |= added > 0
+        _count_tokens(self.counts[:n], self.seen[:n], rows, tokens, made)
         self.num_output[:n].add_(num_made.int())
 
     def observe(self, sampled: torch.Tensor) -> None:
@@ -157,6 +151,15 @@ class RowState:
         )
         self.seen[rows, sampled] = True
         self.num_output.add_(1)
+
+
+def _count_tokens(counts, seen, rows, cols, is_counted) -> None:
+    """counts [R, V] and seen [R, V] in place: token cols[i] once more in row rows[i] where
+    is_counted[i] (a row's token may come several times: summed, no host sync)."""
+    added = torch.zeros_like(counts)
+    added.index_put_((rows, cols), is_counted.int(), accumulate=True)
+    counts += added
+    seen |= added > 0
 
 
 def process(

@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 on_loads = [(load, on) for load in ("fresh", "repeat") if load in loads]
                 orders.append((greedy, [("off", off), *on_loads, ("off", off)]))
             if "sampled" in loads:
-                plain = ("off sampled", off)
-                orders.append((sampled, [plain, ("sampled", on), plain]))
+                off_sampled = ("off sampled", off)
+                orders.append((sampled, [off_sampled, ("sampled", on), off_sampled]))
             for _ in range(a.rounds):  # NOTE: the sides alternate: a host's bandwidth drifts
                 for params, order in orders:
                     prompts = new_prompts()
