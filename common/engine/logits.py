@@ -244,18 +244,19 @@ def report(
 def to_host(
     chosen_lp: list[float], top_lp: list[list[float]], top_ids: list[list[int]], ks: list[int]
 ) -> list[TokenLogprobs | None]:
-    """Per row (ks[i] < 0: none asked): what is reported, -inf as LOGPROB_FLOOR."""
+    """Per row (ks[i] < 0: none asked): what is reported, -inf (and NaN: a row whose every
+    token is masked) as LOGPROB_FLOOR: the wire refuses what is not finite."""
     out: list[TokenLogprobs | None] = []
     for lp, tops, ids, k in zip(chosen_lp, top_lp, top_ids, ks):
         if k < 0:
             out.append(None)
             continue
-        out.append(
-            TokenLogprobs(
-                max(lp, LOGPROB_FLOOR), list(ids[:k]), [max(v, LOGPROB_FLOOR) for v in tops[:k]]
-            )
-        )
+        out.append(TokenLogprobs(_floor(lp), list(ids[:k]), [_floor(v) for v in tops[:k]]))
     return out
+
+
+def _floor(logprob: float) -> float:
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NOTE: NaN too
 
 
 def choose_first(

@@ -29,7 +29,9 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     row = _mix32((s & _M32) ^ _mix32(((s >> 32) & _M32) ^ _mix32(positions.long() & _M32)))
     ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     h = _mix32(row[:, None] ^ ids[None, :])
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # NOTE: 2**24 - 0.5 rounds to 2**24 in float32: u would be 1 and its token's Gumbel
+    # noise +inf (NaN where masked), winning against every mask
+    return (((h >> 8).float() + 0.5) * (1.0 / (1 << 24))).clamp_(max=1.0 - 2.0**-24)
 
 
 def sample(

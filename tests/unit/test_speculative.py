@@ -167,6 +167,22 @@ def test_suffix_decodings_index_is_bounded_by_tokens(monkeypatch):
     assert not empty._index and not empty._sources
 
 
+def test_suffix_decodings_cache_counts_what_a_lagging_row_holds(monkeypatch):
+    """Found in review: a row that ran plain steps after a first verify step kept nearly all
+    its tokens when it finished (its indexed windows lag) but counted only those indexed."""
+    from common.engine.drafting import suffix
+
+    monkeypatch.setattr(suffix, "MAX_CACHED_TOKENS", 4096)
+    d = SuffixDrafter(1, 4, 24, 1000, HostToDevice(torch.device("cpu")))
+    for i in range(6):
+        d.set_row(0, [i] * 2000)
+        d.propose(1, torch.zeros(1, dtype=torch.int32), 4, 0)
+        d.took([list(range(3000))])
+        d.remove_row(0, 0)
+        held = sum(len(t) for t in d._sources.values())
+        assert held == d._num_cached_tokens <= 4096
+
+
 def test_suffix_decodings_sliding_index_keeps_repeats_inside_it(monkeypatch):
     """Found in review: a window sliding out deleted a key a later place inside still held."""
     from common.engine.drafting import suffix

@@ -365,3 +365,26 @@ def test_a_large_vocabularys_rows_draw_as_a_batch_would():
     noise = sampling.uniform_noise(seeds, pos, vocab)
     batched = (scaled - torch.log(-torch.log(noise))).argmax(-1)
     assert sampling._gumbel_argmax(scaled, seeds, pos).tolist() == batched.tolist()
+
+
+def test_noise_of_one_never_draws_a_masked_token():
+    """Found in review: (2**24 - 0.5) / 2**24 rounds to 1.0 in float32; its token's Gumbel
+    noise was +inf (NaN where masked) and won against top-k and every mask, ~0.9% of
+    draws at Qwen3's vocabulary. Seed 44 at position 0 hits one at token 149155."""
+    vocab = 151936
+    logits = torch.full((2, vocab), float("-inf"))
+    logits[0] = 0.0
+    logits[:, 7] = 50.0
+    one = torch.ones(2)
+    got = sample(logits, one, one, torch.tensor([1, -1]), torch.tensor([44, 44]), torch.zeros(2))
+    assert got.tolist() == [7, 7]
+
+
+def test_a_row_with_every_token_masked_reports_finite_logprobs():
+    """Found in review: a processed log-probability of a fully masked row was NaN, which
+    the wire refuses for the whole batch of updates."""
+    from common.engine.logits import LOGPROB_FLOOR, to_host
+
+    nan = float("nan")
+    (got,) = to_host([nan], [[nan, float("-inf")]], [[0, 1]], [2])
+    assert got.logprob == LOGPROB_FLOOR and got.top_logprobs == [LOGPROB_FLOOR] * 2

@@ -77,13 +77,14 @@ class SuffixDrafter:
             self._sources[sid] = self._sources[sid][base:]
             self._base[sid] = base
             self._finished[sid] = None
-            self._num_cached_tokens += end - first
+            # NOTE: what it holds, not what it indexed: a row that ran plain steps lags, and
+            # keeps the tokens its windows still need
+            self._num_cached_tokens += len(self._sources[sid])
             while len(self._finished) > self.max_cached or (
                 self._num_cached_tokens > MAX_CACHED_TOKENS
             ):
                 oldest = self._finished.popitem(last=False)[0]
-                first, end = self._indexed[oldest]
-                self._num_cached_tokens -= end - first
+                self._num_cached_tokens -= len(self._sources[oldest])
                 self._drop(oldest)
         else:
             self._drop(sid)
