@@ -14,6 +14,8 @@ num_discarded_tokens).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from common.base import grammar
@@ -116,18 +118,25 @@ class Batch:
         None with no sequence running."""
         k = self._num_drafts()
         self._next_k = None
-        s = self.scheduler
-        self.worker.decode.grow_blocks(s.running, s.prefix_cache, k)
-        for key, seq in s.running.items():
-            if seq.matcher is not None:
-                self.worker.decode.set_mask(key, seq.matcher.fill())
-        ticket = self.worker.decode.launch(k)
+        s, d = self.scheduler, self.worker.decode
+        d.grow_blocks(s.running, s.prefix_cache, k)
+        t0 = time.perf_counter()
+        masked = [(key, seq.matcher) for key, seq in s.running.items() if seq.matcher is not None]
+        # NOTE: a verify step's drafts are proposed first where a row's mask depends on its
+        # tokens: each of its positions is masked as if the drafts before it were made
+        drafts = d.propose(k) if k and masked else {}
+        for key, m in masked:
+            d.set_mask(key, m.fill_ahead(drafts[key]) if k else m.fill())
+        masks_s = time.perf_counter() - t0
+        ticket = d.launch(k)
+        if ticket is not None:
+            ticket.masks_s = masks_s
         self._is_verifying = k > 0 and ticket is not None
         return ticket
 
     def _num_drafts(self) -> int:
-        """Drafts the next step verifies: 0 with speculation off, with a row whose mask
-        depends on its tokens, or one with no room past its next token."""
+        """Drafts the next step verifies: 0 with speculation off, or with a row with no room
+        past its next token."""
         if self._next_k is not None:
             return self._next_k
         if not self.drafts:
@@ -148,8 +157,6 @@ class Batch:
         limit, bs = self.worker.max_model_len, self.worker.block_size
         num_tokens, num_blocks = [], []
         for seq in rows:
-            if seq.params.is_masked_per_step:
-                return 0  # a grammar, a bad word of several tokens: plain steps
             n = seq.prompt_len + len(seq.output_ids)  # with the next input
             room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1, limit - n)
             num_tokens.append(n)
@@ -201,8 +208,8 @@ class Batch:
         self._is_verifying = False
         if self.drafts:
             # NOTE: a step's cost: its own time (drafts included; not a CPU step's wait for
-            # the cores it shares) and the host's in taking its tokens
-            step_s = ticket.busy_s + ticket.taken_s
+            # the cores it shares) and the host's in making its masks and taking its tokens
+            step_s = ticket.masks_s + ticket.busy_s + ticket.taken_s
             self.drafts.observe(ticket.keys, ticket.num_drafts, step_s, ticket.num_accepted or [])
         logprobs = ticket.logprobs or [None] * len(tokens)
         drafted = ticket.num_drafted or [0] * len(tokens)

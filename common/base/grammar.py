@@ -304,6 +304,32 @@ class Matcher:
                 self.bits[w[-1] // 32] &= ~(1 << (w[-1] % 32)) if w[-1] % 32 != 31 else 0x7FFFFFFF
         return self.bits
 
+    def fill_ahead(self, drafts: list[int]) -> torch.Tensor:
+        """The masks of a verify step's positions ([len(drafts) + 1, W] int32 words, a new
+        tensor): position j's as if drafts 0..j-1 had been made. The matcher takes the
+        drafts its masks allow and rolls them back: it ends as it began. NOTE: past a
+        draft its mask refuses (or none, -1) the masks repeat that position's: the draft is
+        never accepted there (the step's token is masked to others), so none after it is."""
+        out = torch.empty(len(drafts) + 1, self.bits.shape[0], dtype=torch.int32)
+        tail, num_taken = self._tail, 0
+        out[0] = self.fill()
+        for j, token in enumerate(drafts):
+            word = token // 32
+            is_allowed = 0 <= word < out.shape[1] and (int(out[j, word]) >> (token % 32)) & 1
+            if is_allowed and self._m is not None and not self._m.is_terminated():
+                is_allowed = self._m.accept_token(token)
+                num_taken += is_allowed
+            if not is_allowed:
+                out[j + 1 :] = out[j]
+                break
+            if self._bad_words:
+                self._tail = (self._tail + [token])[-max(len(w) for w in self._bad_words) :]
+            out[j + 1] = self.fill()
+        if num_taken:
+            self._m.rollback(num_taken)
+        self._tail = tail
+        return out
+
     def accept(self, token: int) -> bool:
         """False if the grammar did not allow it (it was not masked to it)."""
         if self._bad_words:

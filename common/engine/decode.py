@@ -206,6 +206,12 @@ class DecodeBatch:
         words), before the step that makes it."""
         self.sampling.set_mask(self._slots[key], bits)
 
+    @torch.inference_mode()
+    def propose(self, k: int) -> dict[str, list[int]]:
+        """Each sequence's k drafts (-1: none) for the next step, a verify step of k, ahead
+        of its launch: where a row's mask depends on its tokens (set_mask, [k + 1, W])."""
+        return dict(zip(self._keys, self.verifier.propose_ahead(k, self.num_seqs)))
+
     def keys_needing_block(self, lookahead: int = 0) -> list[str]:
         """Live sequences whose next token, or the lookahead tokens after it (a verify
         step's drafts), falls past their last block (from the host mirrors)."""
@@ -239,9 +245,9 @@ class DecodeBatch:
         """Queue one step on the device and the copy of its samples to the host;
         return without waiting. The next step may be launched before this one is
         collected: its inputs are already on the device. The batch must not change
-        while a step is in flight. num_drafts: k > 0 makes it a verify step (verify.py)
-        for a batch with no grammar (no mask that depends on the tokens), collected
-        (collect_many) before the next launch."""
+        while a step is in flight. num_drafts: k > 0 makes it a verify step (verify.py;
+        a row whose mask depends on its tokens has its positions' masks set after
+        propose), collected (collect_many) before the next launch."""
         n, k = self.num_seqs, num_drafts
         if n == 0:
             return None
@@ -255,8 +261,6 @@ class DecodeBatch:
         # Queued behind the running step, from the pinned slot a step two launches back used.
         self.table.flush(self.num_steps % 2)
         plan = self.sampling.plan(n)
-        if k and not plan.is_verifiable:
-            raise ValueError("a verify step takes no row whose mask depends on its tokens")
         run = partial(self.verifier.run, k) if k else self._run
         p = self.platform
         t0 = time.perf_counter()
@@ -265,7 +269,7 @@ class DecodeBatch:
         if plan.is_plain and self.graphs.is_graphed and not k:
             self.graphs.replay(n, plan.is_greedy)
         else:
-            self.sampling.upload_masks(n)
+            self.sampling.upload_masks(n, k)
             width = num_blocks_for(int(self.host_seq_lens[:n].max()) + k, self.block_size)
             if self.cores is None and self.num_threads is None:
                 run(n, width, plan.is_greedy, plan.num_logprobs)

@@ -28,7 +28,6 @@ class SamplingPlan:
 
     is_greedy: bool  # every row takes the argmax
     is_plain: bool  # no row asks for log-probabilities, penalties or masks
-    is_verifiable: bool  # no row's mask depends on its tokens (a verify step may take it)
     num_logprobs: int | None  # None when plain, else the most any row asked for (-1: none)
     row_num_logprobs: list[int] | None  # per row (-1: none), when any row asked
 
@@ -79,6 +78,10 @@ class SamplingRows:
         self._host_has_step_mask = np.zeros(n, dtype=bool)
         self._mask_staging = torch.full((n, words), -1, dtype=torch.int32, pin_memory=is_pinned)
         self._masks = torch.full((n, words), -1, dtype=torch.int32, device=dev)
+        # The same for a verify step's positions (made on a grammar's first), each masked
+        # row's set ahead of the step: row -> [k + 1, W] (Matcher.fill_ahead).
+        self._spread_masks: tuple[torch.Tensor, torch.Tensor] | None = None  # staging, device
+        self._ahead: dict[int, torch.Tensor] = {}
 
     # ---- rows ------------------------------------------------------------------
 
@@ -146,8 +149,12 @@ class SamplingRows:
         self._mask_staging[row].fill_(-1)
 
     def set_mask(self, row: int, bits: torch.Tensor) -> None:
-        """The row's step mask ([W] int32 words), sent with the next step's masks."""
-        self._mask_staging[row].copy_(bits)
+        """The row's step mask ([W] int32 words), sent with the next step's masks; before a
+        verify step of k drafts, its positions' ([k + 1, W])."""
+        if bits.dim() == 2:
+            self._ahead[row] = bits
+        else:
+            self._mask_staging[row].copy_(bits)
 
     # ---- steps -------------------------------------------------------------------
 
@@ -159,15 +166,35 @@ class SamplingRows:
         return SamplingPlan(
             is_greedy=bool(self._host_is_greedy[:n].all()),
             is_plain=is_plain,
-            is_verifiable=not self._host_has_step_mask[:n].any(),
             num_logprobs=None if is_plain else int(ks.max()),
             row_num_logprobs=ks.tolist() if is_reported else None,
         )
 
-    def upload_masks(self, n: int) -> None:
-        """Before a step on the full path: rows [0, n)'s step masks, where any row has one."""
-        if self._host_has_step_mask[:n].any():
-            self._h2d.write(self._masks[:n], self._mask_staging[:n])
+    def upload_masks(self, n: int, k: int = 0) -> None:
+        """Before a step on the full path: rows [0, n)'s step masks, where any row has one
+        (a verify step of k drafts: each position's, set ahead, -1 in rows without)."""
+        masked = np.flatnonzero(self._host_has_step_mask[:n])
+        if not k:
+            if len(masked):
+                self._h2d.write(self._masks[:n], self._mask_staging[:n])
+            return
+        ahead, self._ahead = self._ahead, {}
+        if not len(masked):
+            return
+        if any(row not in ahead or ahead[row].shape[0] != k + 1 for row in masked.tolist()):
+            raise ValueError(f"a verify step of {k} drafts needs its masked rows' masks ahead")
+        k1, words = k + 1, self._masks.shape[1]
+        if self._spread_masks is None:
+            num_rows = self._spread[0].shape[0]
+            self._spread_masks = (
+                torch.empty(num_rows, words, dtype=torch.int32, pin_memory=self._is_pinned),
+                torch.empty(num_rows, words, dtype=torch.int32, device=self._h2d.device),
+            )
+        staging = self._spread_masks[0][: n * k1]
+        staging.fill_(-1)
+        for row in masked.tolist():
+            staging[row * k1 : (row + 1) * k1] = ahead[row]
+        self._h2d.write(self._spread_masks[1][: n * k1], staging)
 
     def choose(
         self,
@@ -241,6 +268,12 @@ class SamplingRows:
         too, as a step reports them (queue_spread_logprobs)."""
         n, k1 = drafts.shape[0], drafts.shape[1] + 1
         is_processing = bool(self._host_is_processing[:n].any())
+        num_rows = logits.shape[0]
+        allowed = (
+            bits_to_mask(self._spread_masks[1][:num_rows], logits.shape[-1])
+            if self._host_has_step_mask[:n].any()
+            else None
+        )
 
         def spread(t: torch.Tensor) -> torch.Tensor:
             return t[:n].repeat_interleave(k1)
@@ -248,7 +281,6 @@ class SamplingRows:
         params = [spread(t) for t in (self._temperature, self._top_p, self._top_k, self._seeds)]
         if num_logprobs is None and not is_processing:
             return logits.argmax(dim=-1) if is_greedy else sample(logits, *params, positions)
-        num_rows = logits.shape[0]
         return logit_rules.choose(
             logits,
             self._rows.rows(n).spread(drafts) if is_processing else None,
@@ -258,6 +290,7 @@ class SamplingRows:
             spread(self._is_processed),
             [t[:num_rows] for t in self._spread],
             is_greedy,
+            allowed,
         )
 
     def observe_verified(self, tokens: torch.Tensor, num_made: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ class DecodeTicket:
     logprobs: list | None = None
     num_drafts: int = 0  # k of a verify step (0: a plain step)
     busy_s: float = 0.0  # the step's time on the device, once collected
+    masks_s: float = 0.0  # the host's time making its rows' step masks (before launch)
     taken_s: float = 0.0  # the host's time taking its tokens, once collected (the wait aside)
     num_accepted: list[int] | None = None  # a verify step's, per row, once collected
     num_drafted: list[int] | None = None  # a verify step's drafts, per row, once collected

@@ -59,6 +59,7 @@ class Verifier:
         self._no_drafts = torch.zeros(n, dtype=torch.bool, device=device)
         self._host_no_drafts = np.zeros(n, dtype=bool)
         self._steps = torch.arange(max_k + 1, dtype=torch.int32, device=device)
+        self._ahead: torch.Tensor | None = None  # drafts proposed ahead of the step [n, k]
         # Per row: the step's tokens [n, max_k + 1]; accepted and proposed drafts [2, n].
         self._targets = torch.zeros(n, max_k + 1, dtype=torch.int64, device=device)
         self._counts = torch.zeros(2, n, dtype=torch.int64, device=device)
@@ -97,6 +98,15 @@ class Verifier:
             self._no_drafts[row].copy_(self._no_drafts[last])
             self._host_no_drafts[row] = self._host_no_drafts[last]
 
+    def propose_ahead(self, k: int, n: int) -> list[list[int]]:
+        """The drafts [n][k] (-1: none) the next verify step of k over rows [0, n) will
+        verify, proposed now and read to the host (a row whose mask depends on its tokens
+        needs them for its positions' masks: Matcher.fill_ahead)."""
+        seq_lens = self._rows[1][:n]
+        drafts = self.drafter.propose(n, seq_lens, k, int(self._host_seq_lens[:n].max()))
+        self._ahead = drafts.masked_fill(self._no_drafts[:n, None], -1)
+        return self._ahead.tolist()
+
     def run(
         self,
         k: int,
@@ -113,8 +123,10 @@ class Verifier:
         block_tables = self._table.tensor[:n, :width]
         host_seq_lens = self._host_seq_lens[:n]
         k1 = k + 1
-        drafts = self.drafter.propose(n, seq_lens, k, int(host_seq_lens.max()))  # [n, k]
-        drafts = drafts.masked_fill(self._no_drafts[:n, None], -1)
+        drafts, self._ahead = self._ahead, None
+        if drafts is None or drafts.shape != (n, k):
+            drafts = self.drafter.propose(n, seq_lens, k, int(host_seq_lens.max()))  # [n, k]
+            drafts = drafts.masked_fill(self._no_drafts[:n, None], -1)
         ids = torch.cat([input_ids[:, None], drafts.clamp(min=0)], 1).view(-1)  # [n * k1]
         lens = (seq_lens[:, None] + self._steps[:k1]).view(-1)  # [n * k1] int32
         tables = block_tables.repeat_interleave(k1, 0)  # [n * k1, W]

@@ -1,6 +1,6 @@
 """Speculative decoding through launch/start_cluster.sh: a decode node that verifies prompt
 lookup's drafts answers as transformers does, token for token (one of them asking for
-log-probabilities), says its drafts in each request's timings and on
+log-probabilities, two with a grammar), says its drafts in each request's timings and on
 /metrics, and ends a request at its stop token mid-run."""
 
 from __future__ import annotations
@@ -101,6 +101,39 @@ def test_verified_drafts_answer_as_transformers(cluster, tiny_model):
     cluster.log.flush()  # the decode node says so when it is ready
     ready = b"speculative decoding: prompt lookup, up to 4 drafts a step"
     assert ready in open(cluster.log.name, "rb").read()
+
+
+def test_grammar_rows_beside_verified_ones_answer_as_masked_transformers(cluster, tiny_model):
+    """Requests under a regex and a JSON object, beside others whose drafts are verified:
+    each as transformers' greedy decoding masked by its matcher, to its end (EOS)."""
+    from common.wire.client import Structured
+    from tests.unit.test_speculative_grammar import JSON, PROMPTS, REGEX, masked_greedy
+
+    prompts, _ = clear_prompts(tiny_model, _repeating_prompts(24, seed=2), NEW_TOKENS, 6)
+    grammars = [(REGEX, PROMPTS[0]), (JSON, PROMPTS[1]), (REGEX, PROMPTS[2])]
+    expected = [masked_greedy(tiny_model, prompt, g, NEW_TOKENS) for g, prompt in grammars]
+
+    async def run():
+        async with AsyncClient(cluster.endpoint) as client:
+            plain = [
+                client.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True)
+                for p in prompts
+            ]
+            structured = [
+                client.complete(
+                    prompt_token_ids=prompt,
+                    max_tokens=NEW_TOKENS,
+                    structured=Structured(g[0], g[1], g[2]),
+                )
+                for g, prompt in grammars
+            ]
+            return await asyncio.gather(*structured, *plain)
+
+    results = asyncio.run(run())
+    for r, ref in zip(results, expected):
+        assert r.error is None, r.error
+        assert r.token_ids == ref[: len(r.token_ids)] and len(r.token_ids) >= len(ref) - 1
+    wait_for(lambda: _all_blocks_free(cluster), 10, "every block back")
 
 
 def test_a_stop_token_inside_a_verified_run_ends_the_request_there(cluster, tiny_model):
