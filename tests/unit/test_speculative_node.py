@@ -135,6 +135,38 @@ def test_drafts_never_take_the_pools_last_blocks(tiny_model):
         assert b._room() == 0  # every row opted out: no verify step to pay for
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_the_first_step_after_a_handoff_verifies_drafts_from_the_prompt(tiny_model, method):
+    """A request joins as from a handoff (its tokens and first token; no KV of drafts):
+    its very first decode step verifies drafts the node proposed from its prompt (each
+    token of the vocabulary occurs in it, so whatever the first token, a match)."""
+    cfg = WorkerConfig(
+        model=str(tiny_model),
+        kv_cache_memory=8 * 2**20,
+        max_batch_size=4,
+        speculative=SpeculativeConfig(method, 4),
+    )
+    with DeviceWorker(cfg) as w:
+        prompt = list(range(w.spec.vocab_size))
+        cache = PrefixCache(w.num_kv_blocks)
+        s = DecodeScheduler(cache, 16, 4, is_preemptive=True)
+        b = Batch(w, s, None, Recent(100))
+        b.drafts.choose = lambda keys, limit: limit
+        p = SamplingParams(max_tokens=8, ignore_eos=True)
+        seq = Sequence("r0", len(prompt), p, prompt_ids=prompt)
+        for _ in range(num_blocks_for(len(prompt), 16)):
+            seq.take_block(cache)
+        (first,), _ = w.prefill([PrefillChunk(prompt, 0, seq.block_ids, p)])
+        s.admit(seq)
+        b.join(seq, first, None, {})
+        ticket = b.launch()
+        assert ticket.num_drafts == 4
+        (update,) = b.collect(ticket, is_next_launched=False)
+        # suffix decoding's drafts are at most as many as its match is long
+        assert ticket.num_drafted[0] >= 1 and len(update.token_ids) == 1 + ticket.num_accepted[0]
+        b.finish("r0", in_batch=True)
+
+
 def _run_chooser(chooser, steps: int, cost, accept, rows: int = 4) -> list[int]:
     """steps decode steps of `rows` rows on a fake clock: a step of k costs cost(k) and each
     row accepts accept(k) of its drafts; -> the k of each step."""
