@@ -120,9 +120,7 @@ class DecodeNode:
         parts.callback(rt.term)
         parts.callback(rt.close)
         self.frontend = rt.frontend
-        kv_limit = 64 * 2**20 + w.max_model_len * w.spec.kv_bytes_per_token(
-            w.kv_cache.element_size()
-        )
+        kv_limit = 64 * 2**20 + w.max_model_len * w.block_bytes() // w.block_size
         # With keys, only the cluster's nodes get past the handshake.
         self.kv = Channel(rt.ctx, True, cfg.kv_endpoint, max_message_bytes=kv_limit, domain="nodes")
         parts.callback(self.kv.close)

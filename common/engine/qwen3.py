@@ -13,6 +13,7 @@ import torch
 
 import kernels
 from common.base.model_spec import ModelSpec
+from kernels import kv_quant
 
 MATRICES = ("qkv", "o_proj", "gate_up", "down")  # a layer's matmul weights
 
@@ -137,6 +138,10 @@ def forward(
     # is a visible share of a small step).
     ops = kernels.backend_for(input_ids)
     h = ops.embedding(input_ids, w.embed).to(w.norm.dtype)  # activations: the norms' dtype
+    tables = attn.block_tables
+    is_quantized = kv_quant.is_quantized(kv_cache)
+    if is_quantized:  # attention reads the blocks it names, dequantized (kv_quant.py)
+        used, tables = kv_quant.blocks_used(tables)
     residual = None
     for i, layer in enumerate(w.layers):
         if residual is None:
@@ -149,27 +154,34 @@ def forward(
         k = k.view(num_tokens, spec.num_kv_heads, d)
         v = v.view(num_tokens, spec.num_kv_heads, d)
         k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-        q = ops.qk_norm_rope_write_kv(
-            q,
-            k,
-            v,
-            layer.q_norm,
-            layer.k_norm,
-            cos_sin,
-            positions,
-            eps,
-            k_cache,
-            v_cache,
-            attn.slot_mapping,
-        )
+        if is_quantized:
+            q, k = ops.qk_norm_rope(q, k, layer.q_norm, layer.k_norm, cos_sin, positions, eps)
+            kv_quant.write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+        else:
+            q = ops.qk_norm_rope_write_kv(
+                q,
+                k,
+                v,
+                layer.q_norm,
+                layer.k_norm,
+                cos_sin,
+                positions,
+                eps,
+                k_cache,
+                v_cache,
+                attn.slot_mapping,
+            )
         if kv_written is not None:
             kv_written(i + 1)
+        if is_quantized:
+            k_cache = kv_quant.dense_blocks(k_cache, used, q.dtype)
+            v_cache = kv_quant.dense_blocks(v_cache, used, q.dtype)
         if attn.is_prefill:
             o = ops.prefill_attention(
                 q,
                 k_cache,
                 v_cache,
-                attn.block_tables,
+                tables,
                 attn.query_lens,
                 attn.context_lens,
                 scale,
@@ -177,14 +189,14 @@ def forward(
             )
         elif attn.num_queries == 1:
             o = ops.decode_attention(
-                q, k_cache, v_cache, attn.block_tables, attn.seq_lens, scale, attn.host_seq_lens
+                q, k_cache, v_cache, tables, attn.seq_lens, scale, attn.host_seq_lens
             )
         else:
             o = ops.verify_attention(
                 q,
                 k_cache,
                 v_cache,
-                attn.block_tables,
+                tables,
                 attn.seq_lens,
                 scale,
                 attn.num_queries,

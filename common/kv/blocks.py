@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from common.base.model_spec import ModelSpec
-
 NULL_BLOCK = 0
 
 
@@ -128,15 +126,15 @@ class BlockAllocator:
 
 
 def kv_cache_blocks(
-    spec: ModelSpec,
+    token_bytes: int,
     block_size: int,
-    dtype: torch.dtype,
     free_bytes: int,
     memory_bytes: int | None,
     memory_fraction: float,
 ) -> int:
-    """How many blocks fit in memory_bytes, or else in memory_fraction of free_bytes."""
-    nbytes = spec.kv_bytes_per_token(dtype.itemsize) * block_size
+    """How many blocks of tokens of token_bytes (every layer's K and V) fit in memory_bytes,
+    or else in memory_fraction of free_bytes."""
+    nbytes = token_bytes * block_size
     budget = memory_bytes if memory_bytes is not None else int(free_bytes * memory_fraction)
     num_blocks = budget // nbytes
     if num_blocks < 2:

@@ -30,7 +30,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 DTYPES = {
     dtype_name(d): d
-    for d in (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8)
+    for d in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.int8,
+    )
 }
 
 

@@ -9,9 +9,10 @@ def hf_greedy(model_dir, prompts, max_new_tokens):
     return [tokens for tokens, _ in hf_greedy_gaps(model_dir, prompts, max_new_tokens)]
 
 
-def hf_greedy_gaps(model_dir, prompts, max_new_tokens):
+def hf_greedy_gaps(model_dir, prompts, max_new_tokens, make_cache=None):
     """transformers' greedy tokens for each prompt, and at each step the gap between the
-    two best logits. NOTE: where the gap is within float32 rounding (the tiny models'
+    two best logits; make_cache(): the cache each prompt's generation keeps (default:
+    transformers' own). NOTE: where the gap is within float32 rounding (the tiny models'
     logits are about 1 in size), sums taken in another order (a batch, paged
     attention) may pick the other token: such a step has no single right answer."""
     import torch
@@ -28,6 +29,7 @@ def hf_greedy_gaps(model_dir, prompts, max_new_tokens):
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
+                past_key_values=make_cache() if make_cache else None,
                 output_logits=True,
                 return_dict_in_generate=True,
             )
@@ -36,13 +38,13 @@ def hf_greedy_gaps(model_dir, prompts, max_new_tokens):
     return out
 
 
-def clear_prompts(model_dir, candidates, max_new_tokens, count, min_gap=1e-3):
+def clear_prompts(model_dir, candidates, max_new_tokens, count, min_gap=1e-3, make_cache=None):
     """The first count candidates whose greedy tokens are unambiguous (every step's two
-    best logits at least min_gap apart), and those tokens."""
+    best logits at least min_gap apart), and those tokens (make_cache: as hf_greedy_gaps)."""
     chosen = [
         (ids, tokens)
         for ids, (tokens, gaps) in zip(
-            candidates, hf_greedy_gaps(model_dir, candidates, max_new_tokens)
+            candidates, hf_greedy_gaps(model_dir, candidates, max_new_tokens, make_cache)
         )
         if min(gaps) >= min_gap
     ]

@@ -60,6 +60,7 @@ def test_the_newest_is_preempted_and_the_oldest_resumes_first():
     assert sched.prefix_cache.num_free == 40
 
 
+@pytest.mark.parametrize("kv_format", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("how", ["swap", "recompute"])
 @pytest.mark.parametrize(
     "params",
@@ -69,13 +70,14 @@ def test_the_newest_is_preempted_and_the_oldest_resumes_first():
     ],
     ids=["greedy", "seeded"],
 )
-def test_a_resumed_sequence_continues_token_for_token(tiny_model, how, params):
+def test_a_resumed_sequence_continues_token_for_token(tiny_model, how, params, kv_format):
     """Decode, preempt mid-block, clobber the freed blocks, resume in other blocks:
-    the tokens equal an unpreempted run's."""
+    the tokens equal an unpreempted run's (an 8-bit cache's scales go and come back too)."""
     bs, prompt = 16, list(range(3, 24))
-    with DeviceWorker(
-        WorkerConfig(model=str(tiny_model), block_size=bs, kv_cache_memory=2**20)
-    ) as w:
+    cfg = WorkerConfig(
+        model=str(tiny_model), block_size=bs, kv_cache_memory=2**20, kv_cache_dtype=kv_format
+    )
+    with DeviceWorker(cfg) as w:
 
         def run(preempt_at: int | None) -> list[int]:
             alloc = BlockAllocator(w.num_kv_blocks)
