@@ -37,6 +37,8 @@ def _merge(fast) -> types.SimpleNamespace:
     # NOTE: a backend without a verify attention of its own spreads it over its decode one
     spread = partial(portable.verify_attention, decode_attention=ops["decode_attention"])
     ops["verify_attention"] = getattr(fast, "verify_attention", spread)
+    # whether decode and verify attention read an 8-bit cache in place (kernels/kv_quant.py)
+    ops["reads_8bit_kv"] = getattr(fast, "reads_8bit_kv", False)
     return types.SimpleNamespace(**ops)
 
 

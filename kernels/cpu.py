@@ -17,7 +17,7 @@ from itertools import accumulate
 
 import torch
 
-from kernels import options, portable
+from kernels import kv_quant, options, portable
 from kernels.cpu_build import load
 from kernels.cpu_linear import (  # noqa: F401
     FEATURES,
@@ -52,10 +52,15 @@ def _row_threads(num_floats: int) -> int:
     return torch.get_num_threads() if _LIB.has_openmp and num_floats >= ROW_SPLIT_MIN_FLOATS else 1
 
 
+# decode and verify attention read an 8-bit cache's rows in place (kernels/kv_quant.py)
+reads_8bit_kv = True
+
+
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, host_seq_lens=None):
     """As portable.decode_attention: q [B, Hq, D] over the paged cache -> [B, Hq, D]."""
     fn = _FNS.get(k_cache.dtype)
     if fn is None or not _is_cache_ok(k_cache, v_cache) or q.device.type != "cpu":
+        k_cache, v_cache, block_tables = kv_quant.dense(k_cache, v_cache, block_tables, q.dtype)
         return portable.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return _decode(fn, q, k_cache, v_cache, block_tables, seq_lens, scale, 1)
 
@@ -67,6 +72,7 @@ def verify_attention(
     queries ride as Q times the heads ([B, Hk, G, Q, D]), each masked to its own tokens."""
     fn = _FNS.get(k_cache.dtype)
     if fn is None or not _is_cache_ok(k_cache, v_cache) or q.device.type != "cpu":
+        k_cache, v_cache, block_tables = kv_quant.dense(k_cache, v_cache, block_tables, q.dtype)
         return portable.verify_attention(
             q, k_cache, v_cache, block_tables, seq_lens, scale, num_queries
         )

@@ -134,6 +134,8 @@ def load(build_dir: Path) -> Library:
     for dtype, name in (
         (torch.float32, "pdserve_decode_attention_f32"),
         (torch.bfloat16, "pdserve_decode_attention_bf16"),
+        (torch.int8, "pdserve_decode_attention_i8"),  # 8-bit KV (kernels/kv_quant.py)
+        (torch.uint8, "pdserve_decode_attention_e4m3"),
     ):
         fn = getattr(lib, name)
         # q, K, V, tables, table stride, lens, out, then B, Hq, Hk, D, block size, the

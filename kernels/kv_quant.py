@@ -13,9 +13,11 @@ copies, selects and sends bytes on every device; not every op takes float8 tenso
 two dtypes tell the formats apart wherever a cache's dtype is compared (the KV link's
 handshake).
 
-NOTE: attention reads a dense copy of the blocks its batch touches, dequantized into the
+NOTE: prefill attention, and every attention on a device whose backend does not say
+reads_8bit_kv, reads a dense copy of the blocks its batch touches, dequantized into the
 activations' dtype (dense_blocks): the same on every device and exact against the
-reference's quantize-dequantize; kernels that read the 8-bit rows in place come next.
+reference's quantize-dequantize. The CPU's decode and verify attention read the rows in
+place (cpu_attention.c), a byte a value.
 """
 
 from __future__ import annotations
@@ -88,3 +90,14 @@ def blocks_used(block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def dense_blocks(cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Blocks ids [U] of one layer's quantized cache, dequantized: [U, block_size, Hk, D]."""
     return dequantize(cache.index_select(0, ids), dtype)
+
+
+def dense(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's caches as attention in dtype reads them, with the tables to read them by:
+    a quantized cache's named blocks dequantized, any other as it is."""
+    if not is_quantized(k_cache):
+        return k_cache, v_cache, block_tables
+    ids, tables = blocks_used(block_tables)
+    return dense_blocks(k_cache, ids, dtype), dense_blocks(v_cache, ids, dtype), tables

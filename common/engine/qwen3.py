@@ -140,7 +140,10 @@ def forward(
     h = ops.embedding(input_ids, w.embed).to(w.norm.dtype)  # activations: the norms' dtype
     tables = attn.block_tables
     is_quantized = kv_quant.is_quantized(kv_cache)
-    if is_quantized:  # attention reads the blocks it names, dequantized (kv_quant.py)
+    # NOTE: where attention does not read 8-bit rows in place, it reads the blocks its step
+    # names, dequantized once a layer (kv_quant.py)
+    is_dense = is_quantized and (attn.is_prefill or not getattr(ops, "reads_8bit_kv", False))
+    if is_dense:
         used, tables = kv_quant.blocks_used(tables)
     residual = None
     for i, layer in enumerate(w.layers):
@@ -173,7 +176,7 @@ def forward(
             )
         if kv_written is not None:
             kv_written(i + 1)
-        if is_quantized:
+        if is_dense:
             k_cache = kv_quant.dense_blocks(k_cache, used, q.dtype)
             v_cache = kv_quant.dense_blocks(v_cache, used, q.dtype)
         if attn.is_prefill:

@@ -2,9 +2,12 @@
 format says (against the reference's quantize-dequantize, tests/kv_quant_ref.py), a budget
 holds as many more blocks as its rows are smaller, and a worker's greedy tokens equal
 transformers' own Qwen3 whose cache applies the same loss (fp32), through prefill, plain
-decode steps and verify steps alike."""
+decode steps and verify steps alike; the CPU's decode and verify attention read 8-bit rows
+in place as float64 reads them dequantized."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -14,10 +17,11 @@ from common.base.config import WorkerConfig
 from common.base.request import SamplingParams
 from common.base.speculative import SpeculativeConfig
 from common.engine.worker import DeviceWorker
-from kernels import kv_quant
+from kernels import kv_quant, portable
 from launch.tools.offline import generate
 from tests.conftest import clear_prompts
 from tests.kv_quant_ref import QuantizedReferenceCache, quantize_dequantize
+from tests.unit.test_cpu_kernels import _paged_cache, cpu, needs_cc
 
 NEW_TOKENS = 24
 
@@ -86,3 +90,68 @@ def test_greedy_tokens_equal_transformers_with_the_same_loss(tiny_model, candida
             assert [o["token_ids"] for o in out] == expected, spec.method
             if spec.is_on:
                 assert w.decode.stats()["num_verify_steps"] > 0
+
+
+@needs_cc
+@pytest.mark.parametrize("kv_format", ["int8", "fp8"])
+@pytest.mark.parametrize("num_queries", [1, 3])
+def test_the_cpu_kernel_reads_8bit_rows_in_place_as_float64_over_dequantized(
+    kv_format, num_queries
+):
+    """Decode (one query a row) and verify (three) attention over 8-bit rows, read in place
+    by cpu_attention.c, against float64 over the same rows dequantized; over 1 and 2
+    threads, at block edges and one long row, 128-dim heads and groups of 3."""
+    lens = [n + num_queries - 1 for n in (1, 15, 16, 17, 300)]
+    k, v, tables = _paged_cache(lens, 2, 128, 16, torch.float32, seed=num_queries)
+    k, v = (kv_quant.quantize(x, kv_quant.FORMATS[kv_format]) for x in (k, v))
+    q = torch.randn(len(lens) * num_queries, 6, 128, generator=torch.Generator().manual_seed(3))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    kd, vd = (kv_quant.dequantize(x, torch.float64) for x in (k, v))
+    want = portable.verify_attention(q.double(), kd, vd, tables, seq_lens, 0.1, num_queries)
+    assert k.dtype in cpu._FNS  # the C kernel's, not the dense copy's way
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            if num_queries == 1:
+                got = cpu.decode_attention(q, k, v, tables, seq_lens, 0.1)
+            else:
+                got = cpu.verify_attention(q, k, v, tables, seq_lens, 0.1, num_queries)
+            assert got.dtype == torch.float32 and (got.double() - want).abs().max() < 2e-6
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_cc
+def test_the_cpu_kernel_reads_every_e4m3_value_as_torch_does():
+    """A row of one token attends to itself alone: its output is its V row, dequantized.
+    Every e4m3 code but the two NaNs (the quantizer clamps to 448), subnormals included."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    v = torch.zeros(3, 16, 1, 128 + kv_quant.SCALE_BYTES, dtype=torch.uint8)  # 3 blocks
+    for i, row in enumerate(codes.view(2, 127)):  # block 1 + i's first token: scale 2
+        v[1 + i, 0, 0, :127] = row
+        v[1 + i, 0, 0, 128:] = torch.tensor([2.0]).view(torch.uint8)
+    k = v.clone()
+    tables = torch.tensor([[1], [2]], dtype=torch.int32)
+    q = torch.randn(2, 1, 128)
+    out = cpu.decode_attention(q, k, v, tables, torch.tensor([1, 1], dtype=torch.int32), 0.1)
+    want = codes.view(2, 127).view(torch.float8_e4m3fn).float() * 2.0
+    assert torch.equal(out[:, 0, :127], want)
+
+
+def test_the_benchmark_sets_each_format_against_the_models_dtype(tiny_model, capsys):
+    from launch.bench import kv
+
+    argv = ["--model", str(tiny_model), "--batch", "2", "--context-len", "40", "--steps", "3"]
+    assert kv.main([*argv, "--prefill-len", "8", "--kv-cache-memory", "4MiB"]) == 0
+    out = capsys.readouterr()
+    records = {r["kv_cache_dtype"]: r for r in map(json.loads, out.out.splitlines())}
+    assert sorted(records) == ["auto", "fp8", "int8"]
+    full = records["auto"]
+    for r in records.values():
+        assert r["peer"].startswith("--kv-cache-dtype auto") and r["tpot_ms"] > 0
+        assert r["capacity_vs_auto"] == round(r["sequences_held"] / full["sequences_held"], 2)
+    # head_dim 16 in fp32: rows of 16 + 4 bytes against 64
+    assert records["int8"]["kv_bytes_per_token"] * 64 == full["kv_bytes_per_token"] * 20
+    assert records["int8"]["capacity_vs_auto"] > 3 and "seqs held" in out.err
+    assert kv.main([*argv, "--formats", "int8"]) == 2  # nothing to set it against
