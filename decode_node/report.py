@@ -7,6 +7,7 @@ import os
 
 from common.base.config import DecodeConfig
 from common.base.log import get_logger
+from common.engine.kv_cache import format_name
 from common.handoff.receiver import Receiver
 from common.runtime.process import describe_threads
 from common.wire.protocol import NodeReady
@@ -34,11 +35,13 @@ def ready_message(cfg: DecodeConfig, worker, epoch: str) -> NodeReady:
 def log_ready(cfg: DecodeConfig, worker, num_blocks: int, accepted: list[str]) -> None:
     """num_blocks: usable KV blocks; accepted: the KV transfer backends the sink takes."""
     log.info(
-        "ready on %s (%s): %d KV blocks (%d tokens), batch up to %d, KV at %s (%s), %s, %s; %s",
+        "ready on %s (%s): %d KV blocks (%d tokens in %s), batch up to %d, KV at %s (%s), %s, "
+        "%s; %s",
         cfg.worker.device,
         describe_threads(worker.num_threads),
         num_blocks,
         worker.token_capacity,
+        format_name(str(worker.kv_cache.dtype).removeprefix("torch.")),
         cfg.worker.max_batch_size,
         cfg.kv_endpoint
         if cfg.kv_advertise is None

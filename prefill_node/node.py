@@ -18,6 +18,7 @@ from common.base import grammar
 from common.base.config import PrefillConfig, check_endpoint
 from common.base.log import IdleQuiet, Throttle, get_logger
 from common.base.request import check_request
+from common.engine.kv_cache import format_name
 from common.engine.prefill_job import PrefillChunk, PrefillJob
 from common.engine.worker import DeviceWorker
 from common.handoff.sender import Sender
@@ -133,11 +134,12 @@ class PrefillNode:
         )
         rt.start(self._send_ready, self.stats, self._is_empty)
         log.info(
-            "ready on %s (%s): %d KV blocks (%d tokens), token budget %d, KV transfer %s; %s",
+            "ready on %s (%s): %d KV blocks (%d tokens in %s), token budget %d, KV transfer %s; %s",
             self.cfg.worker.device,
             describe_threads(self.worker.num_threads),
             self.prefix_cache.capacity,
             self.worker.token_capacity,
+            format_name(str(self.worker.kv_cache.dtype).removeprefix("torch.")),
             self.cfg.token_budget,
             self.cfg.kv_transfer,
             self.worker.describe_kernels(),

@@ -31,13 +31,18 @@ def allocate_kv_cache(
     return platform.allocate(shape, dtype, cfg.is_cache_in_shm)
 
 
-def describe_dtype(dtype_name: str) -> str:
+def format_name(dtype_name: str) -> str:
     """A cache's dtype, as the KV link names it ("int8", "bfloat16"), as --kv-cache-dtype
-    says it: the 8-bit formats by name."""
+    names its format: the 8-bit ones by name, any other as its dtype."""
     names = {str(d).removeprefix("torch."): name for name, d in kv_quant.FORMATS.items()}
-    name = names.get(dtype_name)
-    return f"{name} (8-bit KV, --kv-cache-dtype {name})" if name else dtype_name
+    return names.get(dtype_name, dtype_name)
+
+
+def describe_dtype(dtype_name: str) -> str:
+    """format_name, the 8-bit formats with the flag that makes them."""
+    name = format_name(dtype_name)
+    return f"{name} (8-bit KV, --kv-cache-dtype {name})" if is_quantized_dtype(dtype_name) else name
 
 
 def is_quantized_dtype(dtype_name: str) -> bool:
-    return any(str(d).removeprefix("torch.") == dtype_name for d in kv_quant.FORMATS.values())
+    return format_name(dtype_name) in kv_quant.FORMATS

@@ -85,6 +85,8 @@ def test_8bit_kv_crosses_the_handoff_and_answers_as_the_reference(
             assert r.error is None, r.error
             assert r.token_ids == ref, f"request {i} diverged"
         wait_for(lambda: _free(procs.clients), 10, "every block back")
+        for role in ("prefill", "decode"):  # each says its format when ready
+            assert f"tokens in {kv_format})" in (tmp_path / f"{role}.log").read_text()
     finally:
         procs.stop()
 
