@@ -52,8 +52,9 @@ void pdserve_softmax_head(float *sh, int64_t n, int64_t h, int64_t Q) {
 
 /* One sequence: its Hq query heads over n tokens. A token's K (and V) row holds
  * every KV head ([Hk, D], contiguous), so it is read once, by all query heads.
- * scores: scratch [Hq, n]; acc: scratch [Hq, D]. */
-#define DEFINE_ATTEND(NAME, T, LOAD)                                                      \
+ * scores: scratch [Hq, n]; acc: scratch [Hq, D]. ROW: a head's row, in elements; SCALE(row):
+ * what the row's values are multiplied by (8-bit rows' own scale; 1 for the others). */
+#define DEFINE_ATTEND(NAME, T, LOAD, ROW, SCALE)                                          \
 static void NAME(const float *q, const T *kc, const T *vc, const int32_t *table,        \
                  int64_t n, int64_t Hq, int64_t G, int64_t D, int64_t bs,                \
                  int64_t block_stride, int64_t tok_stride, float scale, int64_t Q,       \
@@ -64,11 +65,11 @@ static void NAME(const float *q, const T *kc, const T *vc, const int32_t *table,
         else k += tok_stride;                                                            \
         for (int64_t h = 0; h < Hq; h++) {                                               \
             const float *qh = q + h * D;                                                 \
-            const T *kh = k + (h / G) * D;                                               \
+            const T *kh = k + (h / G) * (ROW);                                           \
             float s = 0.0f;                                                              \
             _Pragma("omp simd reduction(+:s)")                                          \
             for (int64_t d = 0; d < D; d++) s += qh[d] * LOAD(kh[d]);                    \
-            scores[h * n + t] = s * scale;                                               \
+            scores[h * n + t] = s * SCALE(kh) * scale;                                   \
         }                                                                                \
     }                                                                                    \
     for (int64_t h = 0; h < Hq; h++)                                                     \
@@ -78,8 +79,8 @@ static void NAME(const float *q, const T *kc, const T *vc, const int32_t *table,
         if (t % bs == 0) v = vc + (int64_t)table[t / bs] * block_stride;                 \
         else v += tok_stride;                                                            \
         for (int64_t h = 0; h < Hq; h++) {                                               \
-            float p = scores[h * n + t], *a = acc + h * D;                               \
-            const T *vh = v + (h / G) * D;                                               \
+            const T *vh = v + (h / G) * (ROW);                                           \
+            float p = scores[h * n + t] * SCALE(vh), *a = acc + h * D;                   \
             _Pragma("omp simd")                                                          \
             for (int64_t d = 0; d < D; d++) a[d] += p * LOAD(vh[d]);                     \
         }                                                                                \
@@ -89,8 +90,9 @@ static void NAME(const float *q, const T *kc, const T *vc, const int32_t *table,
 
 #define LOAD_F32(x) (x)
 #define LOAD_BF16(x) bf16_to_f32(x)
-DEFINE_ATTEND(attend_f32, float, LOAD_F32)
-DEFINE_ATTEND(attend_bf16, uint16_t, LOAD_BF16)
+#define UNSCALED(row) 1.0f
+DEFINE_ATTEND(attend_f32, float, LOAD_F32, D, UNSCALED)
+DEFINE_ATTEND(attend_bf16, uint16_t, LOAD_BF16, D, UNSCALED)
 
 /* 8-bit rows (kernels/kv_quant.py): a (token, head) row is D values, then its fp32 scale,
  * which multiplies the row's score (K) or its token's weight (V): each row is read once,
@@ -116,43 +118,9 @@ static inline float row_scale(const uint8_t *row, int64_t D) {
 
 #define LOAD_I8(x) ((float)(int8_t)(x))
 #define LOAD_E4M3(x) e4m3_to_f32(x)
-#define DEFINE_ATTEND_8BIT(NAME, LOAD)                                                    \
-static void NAME(const float *q, const uint8_t *kc, const uint8_t *vc,                   \
-                 const int32_t *table, int64_t n, int64_t Hq, int64_t G, int64_t D,      \
-                 int64_t bs, int64_t block_stride, int64_t tok_stride, float scale,      \
-                 int64_t Q, float *scores, float *acc, float *out) {                     \
-    const int64_t R = D + 4;  /* a row: its values, then its scale */                   \
-    const uint8_t *k = kc, *v = vc;                                                      \
-    for (int64_t t = 0; t < n; t++) {                                                    \
-        if (t % bs == 0) k = kc + (int64_t)table[t / bs] * block_stride;                 \
-        else k += tok_stride;                                                            \
-        for (int64_t h = 0; h < Hq; h++) {                                               \
-            const float *qh = q + h * D;                                                 \
-            const uint8_t *kh = k + (h / G) * R;                                         \
-            float s = 0.0f;                                                              \
-            _Pragma("omp simd reduction(+:s)")                                          \
-            for (int64_t d = 0; d < D; d++) s += qh[d] * LOAD(kh[d]);                    \
-            scores[h * n + t] = s * row_scale(kh, D) * scale;                            \
-        }                                                                                \
-    }                                                                                    \
-    for (int64_t h = 0; h < Hq; h++)                                                     \
-        pdserve_softmax_head(scores + h * n, n, h, Q);                                   \
-    memset(acc, 0, sizeof(float) * Hq * D);                                              \
-    for (int64_t t = 0; t < n; t++) {                                                    \
-        if (t % bs == 0) v = vc + (int64_t)table[t / bs] * block_stride;                 \
-        else v += tok_stride;                                                            \
-        for (int64_t h = 0; h < Hq; h++) {                                               \
-            const uint8_t *vh = v + (h / G) * R;                                         \
-            float p = scores[h * n + t] * row_scale(vh, D), *a = acc + h * D;            \
-            _Pragma("omp simd")                                                          \
-            for (int64_t d = 0; d < D; d++) a[d] += p * LOAD(vh[d]);                     \
-        }                                                                                \
-    }                                                                                    \
-    memcpy(out, acc, sizeof(float) * Hq * D);                                            \
-}
-
-DEFINE_ATTEND_8BIT(attend_i8, LOAD_I8)
-DEFINE_ATTEND_8BIT(attend_e4m3, LOAD_E4M3)
+#define ROW_SCALE(row) row_scale((row), D)
+DEFINE_ATTEND(attend_i8, uint8_t, LOAD_I8, D + 4, ROW_SCALE)
+DEFINE_ATTEND(attend_e4m3, uint8_t, LOAD_E4M3, D + 4, ROW_SCALE)
 
 /* cpu_decode_avx512.c: 128-dim heads of a bf16 cache, where this build has AVX-512 */
 extern const int pdserve_has_attend_bf16_d128;

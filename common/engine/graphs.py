@@ -15,16 +15,20 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512
 
 
 def wants_graphs(platform, use_graphs: bool, kv_cache: torch.Tensor) -> bool:
-    """Whether decode steps are captured: the platform can, nothing turned them off, and
-    the attention kernel pays for it."""
-    from kernels import portable
+    """Whether decode steps are captured: the platform can, nothing turned them off, the
+    attention kernel pays for it, and the cache is read where it lies."""
+    from kernels import kv_quant, portable
 
-    # Portable attention reads the full table width: graphs would not pay.
+    ops = kernels.backend_for(kv_cache)
     return (
         platform.can_capture_graphs
         and use_graphs
         and not read_env().disable_graphs
-        and kernels.backend_for(kv_cache).decode_attention is not portable.decode_attention
+        # Portable attention reads the full table width: graphs would not pay.
+        and ops.decode_attention is not portable.decode_attention
+        # NOTE: an 8-bit cache a backend does not read in place is read through the blocks
+        # a step names (torch.unique: a read back, which a capture cannot hold)
+        and (not kv_quant.is_quantized(kv_cache) or getattr(ops, "reads_8bit_kv", False))
     )
 
 

@@ -155,3 +155,23 @@ def test_the_benchmark_sets_each_format_against_the_models_dtype(tiny_model, cap
     assert records["int8"]["kv_bytes_per_token"] * 64 == full["kv_bytes_per_token"] * 20
     assert records["int8"]["capacity_vs_auto"] > 3 and "seqs held" in out.err
     assert kv.main([*argv, "--formats", "int8"]) == 2  # nothing to set it against
+
+
+def test_decode_graphs_are_captured_over_an_8bit_cache_only_where_read_in_place(monkeypatch):
+    """A backend that reads an 8-bit cache through dequantized blocks (torch.unique reads
+    the device back) cannot be captured: its decode steps run eager."""
+    import types
+
+    import kernels
+    from common.engine import graphs
+
+    platform = types.SimpleNamespace(can_capture_graphs=True)
+    int8 = torch.zeros(1, 2, 2, 16, 1, 20, dtype=torch.int8)
+    bf16 = torch.zeros(1, 2, 2, 16, 1, 16, dtype=torch.bfloat16)
+    for reads_in_place in (False, True):
+        ops = types.SimpleNamespace(decode_attention=lambda *a: None)
+        if reads_in_place:
+            ops.reads_8bit_kv = True
+        monkeypatch.setattr(kernels, "backend_for", lambda t, ops=ops: ops)
+        assert graphs.wants_graphs(platform, True, int8) == reads_in_place
+        assert graphs.wants_graphs(platform, True, bf16)
