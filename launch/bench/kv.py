@@ -30,7 +30,7 @@ from common.engine.worker import DeviceWorker, PrefillChunk
 from common.kv.blocks import BlockAllocator, num_blocks_for
 from common.runtime.process import HelpFormat
 from kernels import kv_quant
-from launch.bench.common import device_name, emit, fit_len, kv_budget, resolve
+from launch.bench.common import check_memory, device_name, emit, fit_len, kv_budget, resolve
 from launch.bench.table import cell, show, table
 
 
@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     lens = [a.context_len + a.steps + 1] * a.batch + [a.prefill_len] * a.prefill_batch
     budget = kv_budget(a, spec, dtype.itemsize, lens, 16)
     a.kv_cache_memory = a.kv_cache_memory or f"{budget // 2**20}MiB"
+    # NOTE: every format's worker is held at once (they alternate): each its weights and KV
+    weights = spec.num_params() * dtype.itemsize
+    check_memory(a, spec, dtype.itemsize, budget * len(formats), weights * (len(formats) - 1))
     base = dict(
         model=a.model,
         shape=a.shape,
