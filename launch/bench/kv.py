@@ -7,8 +7,11 @@ For each format: the tokens and the sequences (of --context-len plus --steps tok
 KV budget holds; a KV token's bytes, what a handoff sends over a link; decode TPOT, the
 median of --steps steps over --batch rows of --context-len tokens each (their KV filled
 with random values, no prefill: the step reads every token's K and V, where the format
-pays); and prefill tokens/s over --prefill-batch prompts of --prefill-len tokens, where
-each layer's K and V are quantized as they are written. Rounds alternate the formats (a
+pays); prefill tokens/s over --prefill-batch prompts of --prefill-len tokens, where
+each layer's K and V are quantized as they are written; and against the model's dtype's
+own greedy decoding of the same --prefill-batch prompts (--quality-tokens each): the share
+of tokens equal to it up to each request's first difference, and the largest and mean
+difference of the chosen tokens' log-probabilities there. Rounds alternate the formats (a
 host's memory bandwidth drifts by the minute). One JSON line per format on stdout, each
 with the model's dtype's figures from the same run beside it, then a table on stderr.
 """
@@ -32,6 +35,7 @@ from common.runtime.process import HelpFormat
 from kernels import kv_quant
 from launch.bench.common import check_memory, device_name, emit, fit_len, kv_budget, resolve
 from launch.bench.table import cell, show, table
+from launch.tools.offline import generate
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,6 +66,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "the prompts)",
     )
     p.add_argument("--rounds", type=int, default=2, help="rounds, each format in turn")
+    p.add_argument("--quality-tokens", type=int, default=32, help="greedy tokens compared")
     return p.parse_args(argv)
 
 
@@ -110,6 +115,29 @@ def _prefill_tokens_per_s(w: DeviceWorker, batch: int, prompt_len: int, rng) -> 
     return batch * prompt_len / (time.perf_counter() - t0)
 
 
+def _greedy(w: DeviceWorker, prompts: list[list[int]], num_tokens: int) -> list[tuple]:
+    """Each prompt's greedy tokens and their log-probabilities."""
+    params = [SamplingParams(max_tokens=num_tokens, ignore_eos=True, num_logprobs=0)]
+    out = generate(w, prompts, params * len(prompts))
+    return [(o["token_ids"], [lp.logprob for lp in o["logprobs"]]) for o in out]
+
+
+def _quality(runs: list[tuple], full: list[tuple]) -> dict:
+    """Greedy agreement with the model's dtype's run: tokens equal before each request's
+    first difference over all tokens, and the chosen tokens' log-probability differences
+    there (the same token at the same place, after the same tokens)."""
+    same, diffs = 0, []
+    for (tokens, lps), (ref, ref_lps) in zip(runs, full):
+        n = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), len(ref))
+        same += n
+        diffs += [abs(a - b) for a, b in zip(lps[: n + 1], ref_lps[: n + 1])]
+    return {
+        "greedy_agreement": round(same / sum(len(ref) for ref, _ in full), 3),
+        "max_logprob_diff": round(max(diffs), 4),
+        "mean_logprob_diff": round(sum(diffs) / len(diffs), 5),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     formats = a.formats.split(",")
@@ -132,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=a.dtype,
         kv_cache_memory=budget,
         max_batch_size=max(a.batch, a.prefill_batch),
-        max_model_len=max(a.context_len + a.steps, a.prefill_len) + 2,
+        max_model_len=max(a.context_len + a.steps, a.prefill_len, 64 + a.quality_tokens) + 2,
     )
     rng = random.Random(0)
     figures = {f: {"decode_ms": [], "prefill_tokens_per_s": []} for f in formats}
@@ -145,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         for w in workers.values():  # first calls at these shapes: not timed
             _decode_ms(w, a.batch, a.context_len, 2)
             _prefill_tokens_per_s(w, 1, 16, rng)
+        vocab = min(spec.vocab_size, 32_000)
+        prompts = [[rng.randrange(1, vocab) for _ in range(64)] for _ in range(a.prefill_batch)]
+        greedy = {f: _greedy(w, prompts, a.quality_tokens) for f, w in workers.items()}
+        for f in formats:
+            figures[f].update(_quality(greedy[f], greedy["auto"]))
         for _ in range(a.rounds):
             for f, w in workers.items():
                 figures[f]["decode_ms"] += _decode_ms(w, a.batch, a.context_len, a.steps)
@@ -175,6 +208,8 @@ def _record(a, kv_format: str, w: DeviceWorker, fig: dict, full: DeviceWorker) -
         "tpot_ms": round(statistics.median(fig["decode_ms"]), 2),
         "prefill_tokens_per_s": round(statistics.median(fig["prefill_tokens_per_s"]), 1),
         "prefill_len": a.prefill_len,
+        **{k: fig[k] for k in ("greedy_agreement", "max_logprob_diff", "mean_logprob_diff")},
+        "quality_tokens": a.quality_tokens,
     }
 
 
@@ -200,6 +235,8 @@ def _table(records: list[dict]) -> str:
             f"{r['tpot_vs_auto']:.2f}x",
             f"{r['prefill_tokens_per_s']:,.0f}",
             f"{r['prefill_vs_auto']:.2f}x",
+            f"{r['greedy_agreement']:.3f}",
+            f"{r['max_logprob_diff']:.4f}",
         ]
         for r in records
     ]
@@ -209,7 +246,7 @@ def _table(records: list[dict]) -> str:
         f"{r0['batch']} at {r0['context_len']} tokens, KV budget {r0['kv_cache_memory']}"
     )
     header = ["kv", "seqs held", "vs auto", "bytes/token", "TPOT ms", "vs auto",
-              "prefill tok/s", "vs auto"]  # fmt: skip
+              "prefill tok/s", "vs auto", "greedy same", "max |dlogp|"]  # fmt: skip
     return table(title, header, rows)
 
 

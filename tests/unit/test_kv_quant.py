@@ -154,6 +154,10 @@ def test_the_benchmark_sets_each_format_against_the_models_dtype(tiny_model, cap
     # head_dim 16 in fp32: rows of 16 + 4 bytes against 64
     assert records["int8"]["kv_bytes_per_token"] * 64 == full["kv_bytes_per_token"] * 20
     assert records["int8"]["capacity_vs_auto"] > 3 and "seqs held" in out.err
+    # against the model's dtype's own greedy tokens: itself exactly; 8 bits close by
+    assert full["greedy_agreement"] == 1.0 and full["max_logprob_diff"] == 0.0
+    for r in (records["int8"], records["fp8"]):
+        assert 0 < r["greedy_agreement"] <= 1 and 0 < r["max_logprob_diff"] < 1
     assert kv.main([*argv, "--formats", "int8"]) == 2  # nothing to set it against
 
 
