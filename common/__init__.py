@@ -8,7 +8,8 @@ a room imports only the rooms it names (tests/unit/test_layout.py checks it):
               a sequence's host-side state                        base
     wire      messages by link, their codec, channels, keys       base
     engine    device platform, model, loader, sampling, worker    base, kv, kernels
-    transfer  KV transfer backends                                base, kv, wire, engine
+    transfer  KV transfer backends (int8 on the wire: kernels)   base, kv, wire, engine,
+                                                                  kernels
     handoff   reserve -> write -> commit, both halves             base, kv, wire, transfer
     runtime   a node process: frontend link, heartbeat, threads   base, wire
 """

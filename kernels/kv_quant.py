@@ -22,6 +22,8 @@ place (cpu_attention.c), a byte a value.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 SCALE_BYTES = 4  # an fp32 scale after each head's D values
@@ -62,6 +64,21 @@ def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if rows.dtype == torch.uint8:
         values = values.contiguous().view(torch.float8_e4m3fn)
     return (values.float() * scale).to(dtype)
+
+
+def round_trip_rate(like: torch.Tensor, synchronize, num_bytes: int = 4 * 2**20) -> float:
+    """Bytes/s (of like's dtype) at which like's device quantizes rows [.., D] of like's
+    dtype to int8 and dequantizes them back: what int8 on the KV wire costs (kv_wire.py).
+    synchronize: waits for the device (its platform's)."""
+    d = like.shape[-1]
+    x = torch.randn(max(num_bytes // (d * like.element_size()), 1), d, device=like.device)
+    x = x.to(like.dtype)
+    dequantize(quantize(x, torch.int8), like.dtype)  # warm: the first call pays allocations
+    synchronize()
+    start = time.perf_counter()
+    dequantize(quantize(x, torch.int8), like.dtype)
+    synchronize()
+    return x.nbytes / max(time.perf_counter() - start, 1e-9)
 
 
 def write_kv(

@@ -71,11 +71,12 @@ class PrefillNode:
             free_blocks=self.prefix_cache.free,
             drop_job=self._drop_job,
             fail=self._fail,
-            checksums=(lambda ids: transfer.block_checksums(cache, ids))
+            checksums=(lambda ids, wire: transfer.block_checksums(cache, ids, wire))
             if cfg.is_kv_verified
             else None,
             num_layers=cache.shape[0],
             layerwise=cfg.kv_layerwise,
+            wire_dtype=cfg.kv_wire_dtype,
         )
         # Made by run(), on its thread (_open_frontend): the frontend's channel and the rest
         # that rides on its ZeroMQ context.

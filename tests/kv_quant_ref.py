@@ -39,3 +39,27 @@ class QuantizedReferenceCache(DynamicCache):
             *args,
             **kwargs,
         )
+
+
+class WireReferenceCache(DynamicCache):
+    """The reference for int8 on the KV wire (--kv-wire-dtype int8): the prompt's own pass
+    attends to its exact keys and values (the prefill node computes them so), but keeps
+    them quantize-dequantized (what lands on the decode node); each token decoded after is
+    kept exact."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.prompt_done: set[int] = set()
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx in self.prompt_done:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        self.prompt_done.add(layer_idx)
+        super().update(
+            quantize_dequantize(key_states, "int8"),
+            quantize_dequantize(value_states, "int8"),
+            layer_idx,
+            *args,
+            **kwargs,
+        )
+        return key_states, value_states

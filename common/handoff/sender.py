@@ -53,13 +53,16 @@ class Sender:
         drop_job: Callable[[Job], None],
         fail: Callable[[str, str, bool], None],
         clock: Callable[[], float] = time.monotonic,
-        checksums: Callable[[list[int]], object] | None = None,
+        checksums: Callable[[list[int], str], object] | None = None,
         num_layers: int = 0,
         layerwise: str = "off",
+        wire_dtype: str = "same",
     ):
-        """checksums (--kv-verify): local block ids -> their checksums (a device tensor,
-        queued with the write), sent with the commit. layerwise: --kv-layerwise (writes.py)."""
+        """checksums (--kv-verify): (local block ids, the wire's format) -> their checksums as
+        the decode node lands them (a device tensor, queued with the write), sent with the
+        commit. layerwise: --kv-layerwise (writes.py); wire_dtype: --kv-wire-dtype."""
         self.handoff_lease_s = handoff_lease_s
+        self.wire_dtype = wire_dtype
         self.num_layers = num_layers
         self.layerwise = layerwise
         self.checksums = checksums
@@ -133,12 +136,7 @@ class Sender:
         if ack.is_accepted:
             self.num_handoffs += 1
             if h.peer.writer is not None:  # the rate the decode node got its KV at
-                writes.observe_ack(
-                    h,
-                    self._figures(h.peer),
-                    self.clock(),
-                    num_blocks_for(h.job.prompt_len, self.block_size) * self.block_bytes,
-                )
+                writes.observe_ack(h, self._figures(h.peer), self.clock(), h.wire_bytes)
             for rid in h.ids:
                 self.handed_off.add(rid)
             self.end_handoff(h, None)
@@ -172,7 +170,7 @@ class Sender:
         h = self.by_id.get(job.request_id)
         if h is not None:
             h.first_token = first_token
-            h.timings = timings
+            h.timings = timings | h.timings  # the write's own (its wire's format) kept
             h.first_logprobs = logprobs
             h.lease_deadline = self.clock() + self.handoff_lease_s
             self._commit(h)
@@ -272,6 +270,9 @@ class Sender:
 
     def _write(self, h: Handoff, num_done: int | None = None, end_block: int | None = None) -> None:
         try:
+            if h.stage is Stage.RESERVED:
+                rate = writes.rate_to(h.peer, self.transfers)
+                writes.choose_wire(h, self.wire_dtype, rate, self.block_bytes)
             writes.write(h, self.num_layers, num_done, self.checksums, self.clock, end_block)
         except TransferError as e:
             self._figures(h.peer).num_failed += 1
@@ -300,12 +301,11 @@ class Sender:
             # ends below; advance() releases the reservation and fails it
             self._fail_write(h, f"KV transfer to {h.peer.name} failed: {error}")
         elif h.stage is Stage.WRITING:
-            num_bytes = len(h.job.block_ids) * self.block_bytes
-            self.bytes_written += num_bytes
+            self.bytes_written += h.wire_bytes
             is_pushed = h.layers_sent >= 0 and h.peer.writer.is_layerwise
             is_chunked = is_pushed and h.blocks_sent > 0  # begun a pass before
             self._figures(h.peer).observe(
-                self.clock() - h.write_started, num_bytes, is_pushed, is_chunked
+                self.clock() - h.write_started, h.wire_bytes, is_pushed, is_chunked, h.wire
             )
         h.stage = Stage.WRITTEN if h.stage is Stage.WRITING else Stage.CANCELLED
         h.written_at = time.time()

@@ -104,6 +104,8 @@ class Handoff:
     write_deadline: float = INF  # a write still under way then is stopped
     num_written: int = 0  # units of the write, as its backend counts them
     layers_sent: int = -1  # pushed layer by layer: the layers written so far
+    wire: str = "same"  # the format its KV crosses in (common/base/kv_wire.py)
+    wire_bytes: int = 0  # what its write puts on the link
     blocks_sent: int = 0  # (of its blocks from blocks_sent on); those before, all
     pushed_at: float = -INF  # a pass computing its prompt last pushed it then
     # --kv-verify: of each block, taken when its write starts (a device tensor; its list once

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from common.base import kv_wire
 from common.base.layerwise import is_layerwise
 from common.handoff.states import Handoff, Stage
 from common.transfer import TransferError
@@ -30,6 +31,20 @@ def rate_to(peer, figures: dict) -> float:
     backend."""
     f = figures.get(peer.writer.name if peer.writer else "")
     return f.bytes_per_s if f else 0.0
+
+
+def choose_wire(h: Handoff, mode: str, bytes_per_s: float, block_bytes: int) -> None:
+    """As its write starts: the format its KV crosses in (mode: --kv-wire-dtype; bytes_per_s:
+    the link's measured rate), said in its timings where its writer could send int8."""
+    w, num_blocks = h.peer.writer, len(h.job.block_ids)
+    h.wire, h.wire_bytes = "same", num_blocks * block_bytes
+    if "int8" not in w.wire_dtypes:
+        return
+    int8_bytes = w.wire_bytes(num_blocks)
+    c = kv_wire.choose(mode, h.wire_bytes, int8_bytes, bytes_per_s, w.round_trip_bytes_per_s)
+    h.timings.update(c.stamps())
+    if c.dtype == "int8":
+        h.wire, h.wire_bytes = "int8", int8_bytes
 
 
 def can_start(
@@ -80,13 +95,16 @@ def write(
         within_s = h.write_deadline - clock()
         if num_done is None:
             if checksums is not None:
-                h.checksums = checksums(h.job.block_ids)  # NOTE: before the blocks can be freed
+                # NOTE: before the blocks can be freed
+                h.checksums = checksums(h.job.block_ids, h.wire)
             h.num_written = w.write(
-                rid, h.reservation, h.job.block_ids, h.dst_block_ids, within_s=within_s
+                rid, h.reservation, h.job.block_ids, h.dst_block_ids, within_s=within_s, wire=h.wire
             )
             h.stage, h.write_started = Stage.WRITING, clock()
             return
-        w.begin(rid, h.reservation, h.job.block_ids, h.dst_block_ids, within_s=within_s)
+        w.begin(
+            rid, h.reservation, h.job.block_ids, h.dst_block_ids, within_s=within_s, wire=h.wire
+        )
         h.stage, h.write_started, h.layers_sent, h.blocks_sent = Stage.WRITING, clock(), 0, 0
     if h.stage is not Stage.WRITING or h.layers_sent < 0:
         return
@@ -107,7 +125,7 @@ def write(
         h.blocks_sent, h.layers_sent = max(h.blocks_sent, end_block), 0  # the next pass's blocks
     if num_done is None:
         if checksums is not None:
-            h.checksums = checksums(h.job.block_ids)
+            h.checksums = checksums(h.job.block_ids, h.wire)
         # NOTE: timed from here, what the pass did not hide (the figures' write time)
         h.num_written, h.write_started = w.end(rid), clock()
 

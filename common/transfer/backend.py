@@ -74,9 +74,13 @@ class KVWriter(abc.ABC):
     end(rid) that no more will come, and returns what write() returns. Every (layer,
     block) is written once. poll() names it ended only after end(). renew(rid, within_s):
     its reservation was renewed while it spans passes, the new bound replaces begin()'s.
-    A whole write is the same: begun, every layer at once, ended."""
+    A whole write is the same: begun, every layer at once, ended.
+
+    wire: the format its KV crosses in, "same" (the cache's) or one of wire_dtypes
+    (common/base/kv_wire.py); a writer is asked only for those it names."""
 
     name: ClassVar[str]
+    wire_dtypes: tuple[str, ...] = ()  # formats other than the cache's it can send
     is_layerwise: ClassVar[bool]  # it writes layers as they come (WholeWrite's: False)
     is_stalled: bool  # every write under way waits on the peer (or a thread): no need to poll hard
     src: torch.Tensor  # this node's cache [layers, 2, blocks, block_size, kv_heads, head_dim]
@@ -88,9 +92,10 @@ class KVWriter(abc.ABC):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         within_s: float,
+        wire: str = "same",
     ) -> int:
         """As WholeWriter.write: begun, every layer queued, ended."""
-        self.begin(request_id, reservation, src_block_ids, dst_block_ids, within_s)
+        self.begin(request_id, reservation, src_block_ids, dst_block_ids, within_s, wire)
         try:
             self.write_layers(request_id, 0, self.src.shape[0])
         except TransferError:  # stopped part-way: not started, as far as the caller knows
@@ -102,6 +107,16 @@ class KVWriter(abc.ABC):
         """write() could not queue every layer of a write it began: forget it. NOTE: only a
         writer whose write_layers can raise TransferError has anything to forget."""
 
+    def wire_bytes(self, num_blocks: int) -> int:
+        """What a write of num_blocks blocks puts on the link as int8 (where wire_dtypes
+        names it)."""
+        raise NotImplementedError
+
+    def round_trip_bytes_per_s(self) -> float:
+        """Bytes/s (of the cache's dtype) this node quantizes and dequantizes KV at (where
+        wire_dtypes names int8)."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def begin(
         self,
@@ -110,6 +125,7 @@ class KVWriter(abc.ABC):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         within_s: float,
+        wire: str = "same",
     ) -> None: ...
 
     @abc.abstractmethod
@@ -237,6 +253,7 @@ class WholeWrite(KVWriter):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         within_s: float,
+        wire: str = "same",
     ) -> int:
         return self.inner.write(request_id, reservation, src_block_ids, dst_block_ids, within_s)
 
@@ -247,6 +264,7 @@ class WholeWrite(KVWriter):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         within_s: float,
+        wire: str = "same",
     ) -> None:
         self._begun[request_id] = (
             reservation,

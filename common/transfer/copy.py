@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import kv_quant
+
 
 class TransferError(RuntimeError):
     """A KV transfer that cannot happen, with the reason."""
@@ -65,13 +67,19 @@ def copy_blocks(
 
 
 @torch.inference_mode()
-def block_checksums(cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+def block_checksums(cache: torch.Tensor, block_ids: list[int], wire: str = "same") -> torch.Tensor:
     """[n] int32 on the cache's device, queued on the current stream: for each block, the
     sum of its KV (every layer, K and V) read as 32-bit words, wrapping around. What
     --kv-verify compares on both sides of a handoff: a block that holds another block's
     KV, or nothing, differs. Integer sums do not depend on the order they are taken in,
     so processes with different thread counts agree. No copy of the blocks: per stretch
-    of consecutive ids, one pass over memory in its own order (~10 GB/s on one core)."""
+    of consecutive ids, one pass over memory in its own order (~10 GB/s on one core).
+    wire "int8": of the blocks as the decode node lands them from int8 rows (quantized and
+    dequantized here as the KV link does: a copy of them)."""
+    if wire == "int8":
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=cache.device)
+        rows = kv_quant.quantize(cache.index_select(2, ids), torch.int8)
+        cache, block_ids = kv_quant.dequantize(rows, cache.dtype), list(range(len(block_ids)))
     word = torch.int32 if cache.shape[-1] * cache.element_size() % 4 == 0 else torch.uint8
     planes = cache.shape[0] * cache.shape[1]
     sums = []

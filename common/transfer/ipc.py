@@ -102,6 +102,7 @@ class IpcWriter(KVWriter):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         within_s: float,
+        wire: str = "same",
     ) -> None:
         if any(not 0 < b < self._num_dst_blocks for b in dst_block_ids):
             raise TransferError(

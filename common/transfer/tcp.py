@@ -6,7 +6,11 @@ memory on a side stream, so the forward pass that follows is not held up; the
 decode side lands each frame in the reserved blocks from a thread of its own,
 on its own side stream, and admits the request once every frame is in. A unit
 of a write is a layer: a commit must say every layer, and every layer must
-have arrived (a frame lost with a reset connection fails the handoff)."""
+have arrived (a frame lost with a reset connection fails the handoff).
+
+A write may cross as int8 (common/base/kv_wire.py): the writer quantizes each gathered
+frame's rows (kernels/kv_quant.py: D values and their scale, [.., D + 4] int8) and the
+receiver dequantizes them into its pages; both caches are then in the model's dtype."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from common.transfer.backend import Backend, KVWriter, LocalCache, Send, parse
 from common.transfer.copy import TransferError, copy_blocks
 from common.wire.limits import Range
 from common.wire.protocol import KVTransfer, KVWelcome
+from kernels import kv_quant
 
 log = get_logger("transfer")
 
@@ -49,6 +54,7 @@ class TcpHeader:
 
     first_layer: Annotated[int, Range(0, 4096)]
     first_block: Annotated[int, Range(0, 2**31 - 1)] = 0
+    is_int8: bool = False  # data is [.., D + 4] int8: quantized rows and their scales
 
 
 @dataclass
@@ -66,6 +72,7 @@ class _Write:
     frames: deque[_Frame] = field(default_factory=deque)
     idx: torch.Tensor | None = None  # the source block ids (on the device that gathers)
     num_bytes_left: int = 0  # of the whole write, not yet on the socket
+    is_int8: bool = False  # it crosses as int8 rows and scales
     is_open: bool = True  # more layers may come (until end())
     is_cancelled: bool = False
 
@@ -81,6 +88,22 @@ class TcpWriter(KVWriter):
         self.stream = self._platform.side_stream()
         self._writes: OrderedDict[str, _Write] = OrderedDict()  # sent in this order
         self.is_stalled = False  # the last poll found the link refusing: only the peer can move
+        # NOTE: an 8-bit cache's blocks already cross in 8 bits, as they are
+        self.wire_dtypes = () if kv_quant.is_quantized(cache) else ("int8",)
+        self._round_trip_rate = 0.0  # bytes/s of quantizing and dequantizing, once measured
+
+    def round_trip_bytes_per_s(self) -> float:
+        """The rate this node's device quantizes and dequantizes the cache's KV at, in bytes
+        of the cache's dtype: measured on first call (a few milliseconds)."""
+        if self._round_trip_rate <= 0:
+            self._round_trip_rate = kv_quant.round_trip_rate(
+                self.src[0, 0, :1], self._platform.synchronize
+            )
+        return self._round_trip_rate
+
+    def wire_bytes(self, num_blocks: int) -> int:
+        """What a write of num_blocks blocks puts on the socket as int8."""
+        return num_blocks * self.src[:, :, :1, ..., :1].numel() * (self.src.shape[-1] + 4)
 
     def begin(
         self,
@@ -89,13 +112,20 @@ class TcpWriter(KVWriter):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         within_s: float,
+        wire: str = "same",
     ) -> None:
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
         if request_id in self._writes:
             raise TransferError(f"a second write of {request_id} under way")
-        w = _Write(reservation, time.monotonic() + max(within_s, 0.0))
-        w.num_bytes_left = len(src_block_ids) * self.src[:, :, :1].numel() * self.src.element_size()
+        if wire not in ("same", *self.wire_dtypes):
+            raise TransferError(f"cannot send this cache's KV as {wire}")
+        w = _Write(reservation, time.monotonic() + max(within_s, 0.0), is_int8=wire == "int8")
+        w.num_bytes_left = (
+            self.wire_bytes(len(src_block_ids))
+            if w.is_int8
+            else len(src_block_ids) * self.src[:, :, :1].numel() * self.src.element_size()
+        )
         w.idx = torch.tensor(src_block_ids, dtype=torch.int64)
         if self.stream is not None:
             self._platform.wait_for_current(self.stream)
@@ -111,7 +141,7 @@ class TcpWriter(KVWriter):
     ) -> None:
         """Frames of layers [first_layer, end_layer) of the write's blocks `blocks` (all if
         None), gathered now (CPU) or on the side stream behind what the device has queued
-        (CUDA)."""
+        (CUDA), quantized if it crosses as int8."""
         w = self._writes[request_id]
         blocks = range(w.idx.shape[0]) if blocks is None else blocks
         num_layers, num_blocks = frame_shape(self.src, len(blocks))
@@ -122,17 +152,21 @@ class TcpWriter(KVWriter):
             for b in range(blocks.start, blocks.stop, num_blocks):
                 idx = w.idx[b : min(b + num_blocks, blocks.stop)]
                 if self.stream is None:
-                    w.frames.append(_Frame(first, b, group.index_select(2, idx), None))
+                    w.frames.append(_Frame(first, b, self._gather(group, idx, w), None))
                     continue
                 with self._platform.on_stream(self.stream):
-                    host = torch.empty(
-                        (group.shape[0], 2, idx.shape[0], *group.shape[3:]),
-                        dtype=group.dtype,
-                        pin_memory=True,
-                    )
-                    host.copy_(group.index_select(2, idx), non_blocking=True)
+                    kv = self._gather(group, idx, w)
+                    host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+                    host.copy_(kv, non_blocking=True)
                     ready = self._platform.event()
                 w.frames.append(_Frame(first, b, host, ready))
+
+    @staticmethod
+    def _gather(group: torch.Tensor, idx: torch.Tensor, w: _Write) -> torch.Tensor:
+        """Blocks idx of a group of layers: [layers, 2, len(idx), block_size, Hk, D] as the
+        cache holds them, or int8 rows [.., D + 4] where the write crosses as int8."""
+        kv = group.index_select(2, idx)
+        return kv_quant.quantize(kv, torch.int8) if w.is_int8 else kv
 
     def end(self, request_id: str) -> int:
         self._writes[request_id].is_open = False
@@ -172,6 +206,8 @@ class TcpWriter(KVWriter):
             ):
                 f = w.frames[0]
                 header = {"first_layer": f.first_layer, "first_block": f.first_block}
+                if w.is_int8:
+                    header["is_int8"] = True
                 if not self.send(KVTransfer(rid, w.reservation, "tcp", header, f.kv)):
                     self.is_stalled = True  # not connected, or full: when it takes more
                     return stopped
@@ -251,10 +287,14 @@ class TcpReceiver:
         first_layer, first_block = h.first_layer, h.first_block
         kv, c = msg.data, self.cache
         layers, blocks = (kv.shape[0], kv.shape[2]) if kv.dim() == 6 else (0, 0)
+        # NOTE: int8 rows land in a cache of the model's dtype only (an 8-bit one's pages
+        # cross as they are: the handshake refuses caches that differ)
+        row, dtype = (c.shape[-1] + 4, torch.int8) if h.is_int8 else (c.shape[-1], c.dtype)
         if (
             kv.dim() != 6
-            or tuple(kv.shape) != (layers, 2, blocks, *c.shape[3:])
-            or kv.dtype != c.dtype
+            or (h.is_int8 and kv_quant.is_quantized(c))
+            or tuple(kv.shape) != (layers, 2, blocks, *c.shape[3:-1], row)
+            or kv.dtype != dtype
             or layers == 0
             or blocks == 0
             or not 0 <= first_layer <= c.shape[0] - layers
@@ -262,8 +302,8 @@ class TcpReceiver:
         ):
             raise TransferError(
                 f"KV frame {tuple(kv.shape)} {kv.dtype} at layer {first_layer}, block "
-                f"{first_block} does not fit {len(dst_block_ids)} reserved blocks of this "
-                f"cache {tuple(c.shape)} {c.dtype}"
+                f"{first_block}{' (int8 rows)' if h.is_int8 else ''} does not fit "
+                f"{len(dst_block_ids)} reserved blocks of this cache {tuple(c.shape)} {c.dtype}"
             )
         got = self._got.setdefault(
             msg.request_id, torch.zeros(c.shape[0], len(dst_block_ids), dtype=torch.bool)
@@ -278,24 +318,28 @@ class TcpReceiver:
         dst = list(dst_block_ids[first_block : first_block + blocks])
         if self.stream is None:
             with torch.inference_mode():
+                if h.is_int8:
+                    kv = kv_quant.dequantize(kv, c.dtype)
                 copy_blocks(kv, list(range(blocks)), c[first_layer : first_layer + layers], dst)
             return
         with self._lock:
             self._landing.setdefault(msg.request_id, []).append(None)
         # NOTE: kv aliases zmq's receive buffer, which the tensor keeps alive.
-        self._queue.put((msg.request_id, first_layer, kv, dst))
+        self._queue.put((msg.request_id, first_layer, kv, h.is_int8, dst))
 
     @torch.inference_mode()
     def _run(self) -> None:
         p = self._platform
         p.activate()
         while (item := self._queue.get()) is not None:
-            rid, first, kv, dst_ids = item
+            rid, first, kv, is_int8, dst_ids = item
             try:
                 pinned = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
                 pinned.copy_(kv)  # the host copy, off the decode loop
                 with p.on_stream(self.stream):
                     staged = pinned.to(self.cache.device, non_blocking=True)
+                    if is_int8:
+                        staged = kv_quant.dequantize(staged, self.cache.dtype)
                     copy_blocks(
                         staged,
                         list(range(len(dst_ids))),

@@ -12,7 +12,8 @@ WRITE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 @dataclass
 class TransferFigures:
     num_transfers: int = 0  # writes completed
-    num_bytes: int = 0  # in those
+    num_bytes: int = 0  # in those, as they crossed the link
+    num_int8: int = 0  # of those, crossed as int8 rows (--kv-wire-dtype)
     num_failed: int = 0  # writes refused at the start, or cut by the decode node's restart
     write_s_sum: float = 0.0
     num_layerwise: int = 0  # of those, pushed layer by layer during the prefill
@@ -25,10 +26,17 @@ class TransferFigures:
     # before; the last entry: longer than every bound.
 
     def observe(
-        self, seconds: float, num_bytes: int, is_layerwise: bool = False, is_chunked: bool = False
+        self,
+        seconds: float,
+        num_bytes: int,
+        is_layerwise: bool = False,
+        is_chunked: bool = False,
+        wire: str = "same",
     ) -> None:
-        """is_layerwise: pushed during the pass (is_chunked: passes), seconds the tail after it."""
+        """is_layerwise: pushed during the pass (is_chunked: passes), seconds the tail after it;
+        wire: the format it crossed in."""
         self.num_transfers += 1
+        self.num_int8 += wire == "int8"
         self.num_layerwise += is_layerwise
         self.num_chunked += is_chunked
         self.num_bytes += num_bytes
@@ -46,6 +54,7 @@ class TransferFigures:
         return {
             "num_transfers": self.num_transfers,
             "num_bytes": self.num_bytes,
+            "num_int8": self.num_int8,
             "num_failed": self.num_failed,
             "write_s_sum": round(self.write_s_sum, 6),
             "num_layerwise": self.num_layerwise,

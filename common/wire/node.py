@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
+from common.base import kv_wire
 from common.base.request import SamplingParams, TokenLogprobs
 from common.wire.limits import I32, Figures, Id, MaxLen, Name, Parts, Range, Text
 
@@ -209,7 +210,7 @@ def ttft_parts(t: dict) -> dict:
     cached = t.get("cached_tokens")  # the prefill node's prefix-cache hit, in tokens
     if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
         parts["cached_tokens"] = cached
-    return {k: v for k, v in parts.items() if v is not None}
+    return {k: v for k, v in parts.items() if v is not None} | kv_wire.describe(t)
 
 
 @dataclass

@@ -78,6 +78,7 @@ VALUED = {
     "--dtype": ("dtype", ""),
     "--kv-cache-memory": ("kv_cache_memory", ""),
     "--kv-cache-dtype": ("kv_cache_dtype", ""),
+    "--kv-wire-dtype": ("kv_wire_dtype", ""),
     "--max-batch-size": ("max_batch_size", "64"),
     "--max-num-seqs": ("max_batch_size", "64"),
     "--max-model-len": ("max_model_len", ""),
@@ -213,9 +214,12 @@ def make_plan(a: argparse.Namespace, num_cores: int, home: Path) -> Plan:
     except ValueError as e:
         raise PlanError(str(e)) from None
     from common.base.config import KV_CACHE_DTYPES  # NOTE: here: it loads torch
+    from common.base.kv_wire import KV_WIRE_DTYPES
 
     if a.kv_cache_dtype not in ("", *KV_CACHE_DTYPES):
         raise PlanError(f"--kv-cache-dtype is one of {', '.join(KV_CACHE_DTYPES)}")
+    if a.kv_wire_dtype not in ("", *KV_WIRE_DTYPES):
+        raise PlanError(f"--kv-wire-dtype is one of {', '.join(KV_WIRE_DTYPES)}")
     prefill_devs = devices_for(a.prefill_devices, a.num_prefill, "prefill")
     decode_devs = devices_for(a.decode_devices, a.num_decode, "decode")
     if not re.fullmatch(r"[A-Za-z0-9._-]*", a.prefix):
@@ -363,7 +367,7 @@ def node_argv(plan: Plan, node: Node) -> list[str]:
             + a.decode_args
         )
     else:
-        argv += _given(a, ("token_budget", "--token-budget"))
+        argv += _given(a, ("token_budget", "--token-budget"), ("kv_wire_dtype", "--kv-wire-dtype"))
         argv += (
             ["--no-prefix-caching"] * a.no_prefix_caching
             + ["--kv-verify"] * a.kv_verify

@@ -9,6 +9,7 @@ USAGE = """usage: pdserve serve [--demo] [--model DIR] [--host 127.0.0.1] [--adv
      [--disaggregate auto|always|never]
      [--dtype T] [--kv-cache-memory SIZE] [--max-batch-size N] [--max-model-len N]
      [--block-size N] [--token-budget N] [--kv-cache-fraction F] [--kv-cache-dtype auto|int8|fp8]
+     [--kv-wire-dtype same|auto|int8]
      [--http-port 8000 | --no-http] [--no-access-log] [--served-model-name NAME] [--log-level LEVEL]
      [--no-prefix-caching] [--swap-space GIB] [--no-preemption] [--kv-verify]
      [--speculative-config JSON|off]

@@ -3,7 +3,9 @@
 token), over each KV transfer (tcp layer by layer, ipc, dist; nixl where it is installed),
 a prompt asked again from the prefill node's prefix cache (its 8-bit blocks) alike, with
 every block back after; a pair whose caches differ refuses the handoff with an error
-that names both formats, and the frontend answers every request."""
+that names both formats, and the frontend answers every request. int8 on the wire alone
+(--kv-wire-dtype, caches in fp32) answers as transformers whose prompt KV went through
+the same quantize-dequantize once, and each request's timings say the format and why."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 from frontend.client import AsyncClient, Client
 from tests.cluster_util import Processes, free_base_port, wait_for
 from tests.conftest import clear_prompts
-from tests.kv_quant_ref import QuantizedReferenceCache
+from tests.kv_quant_ref import QuantizedReferenceCache, WireReferenceCache
 from tests.unit.test_handoff import needs_nixl
 
 pytestmark = pytest.mark.cluster
@@ -50,6 +52,13 @@ def _prefix_hits(clients: str) -> int:
         return c.stats().nodes["prefill-0"].get("num_prefix_hit_tokens", 0)
 
 
+def _tcp_writes(clients: str) -> tuple[int, int]:
+    """The prefill node's (tcp writes, those that crossed as int8), once its stats say."""
+    with Client(clients) as c:
+        w = c.stats().nodes["prefill-0"].get("kv_writes", {}).get("tcp", {})
+    return w.get("num_transfers", 0), w.get("num_int8", 0)
+
+
 def _start(procs: Processes) -> None:
     for role in ("frontend", "prefill", "decode"):
         procs.start(role)
@@ -57,12 +66,14 @@ def _start(procs: Processes) -> None:
         c.wait_ready(120)
 
 
-def _ask(procs: Processes, prompts: list[list[int]]) -> list:
+def _ask(procs: Processes, prompts: list[list[int]], **params) -> list:
     async def run():
         async with AsyncClient(procs.clients) as client:
             return await asyncio.gather(
                 *[
-                    client.complete(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True)
+                    client.complete(
+                        prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True, **params
+                    )
                     for p in prompts
                 ]
             )
@@ -116,5 +127,77 @@ def test_nodes_whose_caches_differ_refuse_the_handoff_by_name(tiny_model, tmp_pa
             assert r.finish_reason == "error", r.token_ids
             assert "int8 (8-bit KV" in r.error and "float32" in r.error, r.error
         wait_for(lambda: _free(procs.clients), 10, "every block back")
+    finally:
+        procs.stop()
+
+
+def _reference_logprobs(model_dir, prompt: list[int], make_cache=None) -> list[float]:
+    """transformers' greedy tokens' log-probabilities (make_cache: the cache it keeps)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        gen = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            past_key_values=make_cache() if make_cache else None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = gen.sequences[0, len(prompt) :].tolist()
+    return [torch.log_softmax(lg[0], -1)[t].item() for lg, t in zip(gen.logits, tokens)]
+
+
+@pytest.mark.parametrize("layerwise", ["off", "on"])
+def test_int8_on_the_wire_answers_as_the_reference_that_quantizes_the_prompt_once(
+    tiny_model, tmp_path, layerwise
+):
+    prompts, expected = clear_prompts(
+        tiny_model, _candidates(12), NEW_TOKENS, 5, make_cache=WireReferenceCache
+    )
+    # Tokens alike, log-probabilities tell the two apart: the prompt's KV crossed in int8.
+    wire = [_reference_logprobs(tiny_model, p, WireReferenceCache) for p in prompts]
+    exact = [_reference_logprobs(tiny_model, p) for p in prompts]
+    assert max(abs(a - b) for w, e in zip(wire, exact) for a, b in zip(w, e)) > 1e-3
+    prefill = ["--kv-transfer", "tcp", "--kv-layerwise", layerwise, "--kv-wire-dtype", "int8"]
+    procs = Processes(
+        tiny_model, free_base_port(), tmp_path, prefill=prefill, decode=["--kv-transfer", "tcp"]
+    )
+    try:
+        _start(procs)
+        results = _ask(procs, prompts, logprobs=0)
+        for i, (r, ref, ref_logprobs) in enumerate(zip(results, expected, wire)):
+            assert r.error is None, r.error
+            assert r.token_ids == ref, f"request {i} diverged"
+            got = [x.logprob for x in r.logprobs]
+            assert got == pytest.approx(ref_logprobs, abs=1e-4), f"request {i}"
+            assert r.timings["kv_wire"] == "int8", r.timings
+            assert r.timings["kv_wire_why"] == "--kv-wire-dtype int8"
+        # --kv-verify (every test cluster) passed each; the prefill node counts them
+        wait_for(lambda: _tcp_writes(procs.clients) == (5, 5), 10, "five int8 writes counted")
+        wait_for(lambda: _free(procs.clients), 10, "every block back")
+    finally:
+        procs.stop()
+
+
+def test_auto_keeps_the_kv_as_it_is_until_a_link_rate_says_otherwise(tiny_model, tmp_path):
+    prompts, expected = clear_prompts(tiny_model, _candidates(8), NEW_TOKENS, 3)
+    prefill = ["--kv-transfer", "tcp", "--kv-wire-dtype", "auto"]
+    procs = Processes(
+        tiny_model, free_base_port(), tmp_path, prefill=prefill, decode=["--kv-transfer", "tcp"]
+    )
+    try:
+        _start(procs)
+        for r, ref in zip(_ask(procs, prompts), expected):
+            assert r.error is None and r.token_ids == ref, r.error
+            assert (r.timings["kv_wire"], r.timings["kv_wire_why"]) == (
+                "same",
+                "auto: no link rate measured yet",  # a tiny prompt's write times no link
+            )
     finally:
         procs.stop()

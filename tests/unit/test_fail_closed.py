@@ -439,7 +439,7 @@ def test_a_commit_for_a_grant_of_an_earlier_life_is_refused():
 
 def test_kv_verify_refuses_blocks_that_do_not_hold_what_was_written():
     p = Pair()
-    p.tx.checksums = lambda ids: transfer.block_checksums(p.src, ids)
+    p.tx.checksums = lambda ids, wire: transfer.block_checksums(p.src, ids, wire)
     p.rx.is_verifying = True
     for rid, is_corrupt in (("good", False), ("bad", True)):
         job, h = _handoff(p, rid, prompt_len=10)
@@ -469,8 +469,8 @@ def test_writes_are_given_the_write_deadline_not_the_leases_end():
     seen = {}
     writer = h.peer.writer
     real = writer.write
-    writer.write = lambda *a, within_s: (
-        seen.setdefault("within_s", within_s) and real(*a, within_s=within_s)
+    writer.write = lambda *a, within_s, **kw: (
+        seen.setdefault("within_s", within_s) and real(*a, within_s=within_s, **kw)
     )
     p.tx.start_writes([job])
     assert seen["within_s"] == pytest.approx(h.lease.write_deadline - p.clock())

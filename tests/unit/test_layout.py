@@ -32,7 +32,7 @@ ALLOWED = {
     "common.kv": {"common.base"},
     "common.wire": {"common.base"},
     "common.engine": {"common.base", "common.kv", "kernels"},
-    "common.transfer": {"common.base", "common.kv", "common.wire", "common.engine"},
+    "common.transfer": {"common.base", "common.kv", "common.wire", "common.engine", "kernels"},
     "common.handoff": {"common.base", "common.kv", "common.wire", "common.transfer"},
     "common.runtime": {"common.base", "common.wire"},
     "frontend": {"common.base", "common.kv", "common.wire", "common.runtime"},

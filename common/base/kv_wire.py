@@ -1,0 +1,77 @@
+"""The wire's format of a prompt's KV (--kv-wire-dtype), chosen per write on the prefill
+node: as the cache holds it, or each (token, head) row as 8-bit values and its scale
+(kernels/kv_quant.py), which the decode node dequantizes into its pages as they land.
+
+Only a backend that streams bytes can carry it (tcp: a one-sided write lands in the peer's
+pages as they are), and only between caches in the model's dtype (an 8-bit cache already
+sends its pages as they are). `auto` sends int8 where the link time the smaller bytes save
+outweighs the quantizing and dequantizing: saved = (bytes - wire bytes) / link rate, cost =
+bytes / the round-trip rate measured on this node's device. Until a link rate is measured
+(common/handoff/writes.py), the KV crosses as it is.
+
+NOTE: int8 on the wire is lossy: the decode node decodes from KV quantized once, as an
+int8 cache would hold it; the default (`same`) keeps the model's dtype end to end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_WIRE_DTYPES = ("same", "auto", "int8")  # what --kv-wire-dtype takes
+
+# Why a write crossed as it did: its index is what a request's timings carry (numbers only).
+WHY = (
+    "--kv-wire-dtype same",
+    "--kv-wire-dtype int8",
+    "auto: no link rate measured yet",
+    "auto: the link time saved outweighs quantizing",
+    "auto: quantizing costs more than the link time saved",
+)
+
+
+@dataclass(frozen=True)
+class WireChoice:
+    dtype: str  # "same" or "int8"
+    why: int  # an index into WHY
+    saved_s: float = 0.0  # auto: the link time int8 would save
+    cost_s: float = 0.0  # auto: the quantize and dequantize it would cost
+
+    def stamps(self) -> dict:
+        """What a request's timings carry of it (common/wire/node.py: wire_parts)."""
+        out = {"kv_wire_int8": int(self.dtype == "int8"), "kv_wire_why": self.why}
+        if self.why >= 3:
+            out |= {"kv_wire_saved_ms": self.saved_s * 1e3, "kv_wire_cost_ms": self.cost_s * 1e3}
+        return out
+
+
+def choose(
+    mode: str, num_bytes: int, wire_bytes: int, link_bytes_per_s: float, round_trip_bytes_per_s
+) -> WireChoice:
+    """mode: --kv-wire-dtype; num_bytes: the write in the cache's format, wire_bytes in int8;
+    link_bytes_per_s: the link's measured rate (0: none yet); round_trip_bytes_per_s: a
+    callable -> the rate of quantizing and dequantizing, in bytes of the cache's format (only
+    called when it matters: the first call measures it)."""
+    if mode != "auto":
+        return WireChoice(mode, WHY.index(f"--kv-wire-dtype {mode}"))
+    if link_bytes_per_s <= 0:
+        return WireChoice("same", 2)
+    saved_s = max(num_bytes - wire_bytes, 0) / link_bytes_per_s
+    cost_s = num_bytes / max(round_trip_bytes_per_s(), 1.0)
+    return (
+        WireChoice("int8", 3, saved_s, cost_s)
+        if saved_s > cost_s
+        else (WireChoice("same", 4, saved_s, cost_s))
+    )
+
+
+def describe(stamps: dict) -> dict:
+    """A request's stamps -> its timings' parts: the wire's format and why ({} if no write
+    of its crossed a link that could carry int8). Stamps come off the wire: checked."""
+    is_int8, why = stamps.get("kv_wire_int8"), stamps.get("kv_wire_why")
+    if is_int8 not in (0, 1) or not isinstance(why, int) or not 0 <= why < len(WHY):
+        return {}
+    parts = {"kv_wire": "int8" if is_int8 else "same", "kv_wire_why": WHY[why]}
+    for key in ("kv_wire_saved_ms", "kv_wire_cost_ms"):
+        value = stamps.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            parts[key] = round(value, 3)
+    return parts
