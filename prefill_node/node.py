@@ -77,6 +77,7 @@ class PrefillNode:
             num_layers=cache.shape[0],
             layerwise=cfg.kv_layerwise,
             wire_dtype=cfg.kv_wire_dtype,
+            prefill_s=self.pass_budget.seconds_for,
         )
         # Made by run(), on its thread (_open_frontend): the frontend's channel and the rest
         # that rides on its ZeroMQ context.

@@ -21,6 +21,10 @@ class PassBudget:
         self.block_size = block_size
         self.rate: float | None = None  # prompt tokens/s of recent passes (smoothed)
 
+    def seconds_for(self, num_tokens: int) -> float:
+        """A prompt's expected prefill at the measured rate (0 until one is measured)."""
+        return num_tokens / self.rate if self.rate else 0.0
+
     def after_pass(self, budget: int, num_tokens: int, elapsed_s: float) -> int:
         """The next passes' budget, once a pass of num_tokens took elapsed_s under budget."""
         if self.max_pass_s <= 0 or num_tokens < MIN_PASS_TOKENS // 4 or elapsed_s <= 0:

@@ -57,12 +57,14 @@ class Sender:
         num_layers: int = 0,
         layerwise: str = "off",
         wire_dtype: str = "same",
+        prefill_s: Callable[[int], float] = lambda num_tokens: 0.0,
     ):
         """checksums (--kv-verify): (local block ids, the wire's format) -> their checksums as
         the decode node lands them (a device tensor, queued with the write), sent with the
-        commit. layerwise: --kv-layerwise (writes.py); wire_dtype: --kv-wire-dtype."""
+        commit. layerwise: --kv-layerwise (writes.py); wire_dtype: --kv-wire-dtype; prefill_s:
+        a prompt's length -> the seconds its prefill is expected to take (0: unknown)."""
         self.handoff_lease_s = handoff_lease_s
-        self.wire_dtype = wire_dtype
+        self.wire_dtype, self.prefill_s = wire_dtype, prefill_s
         self.num_layers = num_layers
         self.layerwise = layerwise
         self.checksums = checksums
@@ -270,9 +272,10 @@ class Sender:
 
     def _write(self, h: Handoff, num_done: int | None = None, end_block: int | None = None) -> None:
         try:
-            if h.stage is Stage.RESERVED:
+            if h.stage is Stage.RESERVED:  # pushed layer by layer (num_done): beside its prefill
                 rate = writes.rate_to(h.peer, self.transfers)
-                writes.choose_wire(h, self.wire_dtype, rate, self.block_bytes)
+                hidden_s = 0.0 if num_done is None else self.prefill_s(h.job.prompt_len)
+                writes.choose_wire(h, self.wire_dtype, rate, self.block_bytes, hidden_s)
             writes.write(h, self.num_layers, num_done, self.checksums, self.clock, end_block)
         except TransferError as e:
             self._figures(h.peer).num_failed += 1

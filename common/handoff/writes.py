@@ -33,15 +33,20 @@ def rate_to(peer, figures: dict) -> float:
     return f.bytes_per_s if f else 0.0
 
 
-def choose_wire(h: Handoff, mode: str, bytes_per_s: float, block_bytes: int) -> None:
+def choose_wire(
+    h: Handoff, mode: str, bytes_per_s: float, block_bytes: int, hidden_s: float = 0.0
+) -> None:
     """As its write starts: the format its KV crosses in (mode: --kv-wire-dtype; bytes_per_s:
-    the link's measured rate), said in its timings where its writer could send int8."""
+    the link's measured rate; hidden_s: the prefill a write pushed layer by layer runs
+    beside), said in its timings where its writer could send int8."""
     w, num_blocks = h.peer.writer, len(h.job.block_ids)
     h.wire, h.wire_bytes = "same", num_blocks * block_bytes
     if "int8" not in w.wire_dtypes:
         return
     int8_bytes = w.wire_bytes(num_blocks)
-    c = kv_wire.choose(mode, h.wire_bytes, int8_bytes, bytes_per_s, w.round_trip_bytes_per_s)
+    c = kv_wire.choose(
+        mode, h.wire_bytes, int8_bytes, bytes_per_s, w.round_trip_bytes_per_s, hidden_s
+    )
     h.timings.update(c.stamps())
     if c.dtype == "int8":
         h.wire, h.wire_bytes = "int8", int8_bytes

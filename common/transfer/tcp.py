@@ -97,7 +97,7 @@ class TcpWriter(KVWriter):
         of the cache's dtype: measured on first call (a few milliseconds)."""
         if self._round_trip_rate <= 0:
             self._round_trip_rate = kv_quant.round_trip_rate(
-                self.src[0, 0, :1], self._platform.synchronize
+                self.src[0, 0, :1], self._platform.synchronize, FRAME_BYTES
             )
         return self._round_trip_rate
 

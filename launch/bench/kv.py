@@ -11,7 +11,10 @@ pays); prefill tokens/s over --prefill-batch prompts of --prefill-len tokens, wh
 each layer's K and V are quantized as they are written; and against the model's dtype's
 own greedy decoding of the same --prefill-batch prompts (--quality-tokens each): the share
 of tokens equal to it up to each request's first difference, and the largest and mean
-difference of the chosen tokens' log-probabilities there. Rounds alternate the formats (a
+difference of the chosen tokens' log-probabilities there. For the model's dtype, int8 on
+the KV wire (--kv-wire-dtype): a --prefill-len prompt's KV quantized (the prefill node's
+cost) and dequantized (the decode node's), against its share of the prefill's time, and
+its bytes against the model's dtype's. Rounds alternate the formats (a
 host's memory bandwidth drifts by the minute). One JSON line per format on stdout, each
 with the model's dtype's figures from the same run beside it, then a table on stderr.
 """
@@ -32,6 +35,7 @@ from common.base.request import SamplingParams
 from common.engine.worker import DeviceWorker, PrefillChunk
 from common.kv.blocks import BlockAllocator, num_blocks_for
 from common.runtime.process import HelpFormat
+from common.transfer import tcp
 from kernels import kv_quant
 from launch.bench.common import check_memory, device_name, emit, fit_len, kv_budget, resolve
 from launch.bench.table import cell, show, table
@@ -115,6 +119,30 @@ def _prefill_tokens_per_s(w: DeviceWorker, batch: int, prompt_len: int, rng) -> 
     return batch * prompt_len / (time.perf_counter() - t0)
 
 
+def _wire_ms(w: DeviceWorker, prompt_len: int, rounds: int = 3) -> tuple[float, float, float]:
+    """A prompt's KV as int8 on the KV wire: (quantize ms, dequantize ms, bytes over the
+    cache's), the medians of rounds, on a prompt's worth of the worker's cache in the tcp
+    writer's frames (each quantized as it is gathered, each dequantized as it lands)."""
+    num_blocks = num_blocks_for(prompt_len, w.block_size)
+    kv = w.kv_cache[:, :, 1 : 1 + num_blocks]
+    layers, blocks = tcp.frame_shape(w.kv_cache, num_blocks)
+    frames = [
+        kv[i : i + layers, :, b : b + blocks]
+        for i in range(0, kv.shape[0], layers)
+        for b in range(0, num_blocks, blocks)
+    ]
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        rows = [kv_quant.quantize(f, torch.int8) for f in frames]
+        t1 = time.perf_counter()
+        for r in rows:
+            kv_quant.dequantize(r, kv.dtype)
+        times.append((1e3 * (t1 - t0), 1e3 * (time.perf_counter() - t1)))
+    wire_bytes = sum(r.nbytes for r in rows)
+    return (*(statistics.median(t) for t in zip(*times)), wire_bytes / kv.nbytes)
+
+
 def _greedy(w: DeviceWorker, prompts: list[list[int]], num_tokens: int) -> list[tuple]:
     """Each prompt's greedy tokens and their log-probabilities."""
     params = [SamplingParams(max_tokens=num_tokens, ignore_eos=True, num_logprobs=0)]
@@ -183,7 +211,15 @@ def main(argv: list[str] | None = None) -> int:
                 figures[f]["decode_ms"] += _decode_ms(w, a.batch, a.context_len, a.steps)
                 rate = _prefill_tokens_per_s(w, a.prefill_batch, a.prefill_len, rng)
                 figures[f]["prefill_tokens_per_s"].append(rate)
+        quantize_ms, dequantize_ms, wire_bytes = _wire_ms(workers["auto"], a.prefill_len)
         records = [_record(a, f, workers[f], figures[f], workers["auto"]) for f in formats]
+        prefill_ms = 1e3 * a.prefill_len / records[formats.index("auto")]["prefill_tokens_per_s"]
+        records[formats.index("auto")] |= {
+            "wire_int8_quantize_ms": round(quantize_ms, 2),
+            "wire_int8_dequantize_ms": round(dequantize_ms, 2),
+            "wire_int8_quantize_vs_prefill": round(quantize_ms / prefill_ms, 3),
+            "wire_int8_bytes_vs_auto": round(wire_bytes, 3),
+        }
         records = [dict(r, **_against(r, records[formats.index("auto")])) for r in records]
     for r in records:
         emit(r)

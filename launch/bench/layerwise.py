@@ -2,7 +2,8 @@
 is shaped so that a long prompt's transfer is comparable to its prefill.
 
     python -m launch.bench.layerwise [--model DIR] [--rate-mbit 200] [--prompt-lens 256,1024,2048]
-        [--num-requests 5] [--kv-transfer tcp]                      (root: simulated hosts)
+        [--num-requests 5] [--kv-transfer tcp] [--flag=--kv-layerwise --modes off,on]
+                                                                    (root: simulated hosts)
 
 Host a runs the frontend and a prefill node, host b a decode node (`start_cluster.sh`
 on each, b joining a), each host a network namespace of its own (launch/tools/netns.py);
@@ -12,7 +13,10 @@ a time (light load: no queueing), each prompt fresh (no prefix cache hits), stre
 the time to the first token (the prefill node's) and to the second (the first one the
 decode node samples, after the KV landed). One JSON line per mode and prompt length,
 then one with the ratios (on / off) of the medians: where layer by layer pays, its
-second token comes at about max(prefill, transfer) instead of their sum.
+second token comes at about max(prefill, transfer) instead of their sum. --flag compares
+another prefill node flag's values the same way (--flag=--kv-wire-dtype --modes same,auto:
+int8 on the wire; the ratios are then the last mode's over the first's), and each request's
+wire format and why are counted from its timings.
 Without --model, a random Qwen3 of 8 layers (hidden 256, 2 KV heads of 64, fp32: 8 KiB
 of KV a token) is made on first use.
 """
@@ -27,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from common.runtime.process import HelpFormat
@@ -66,7 +71,7 @@ def _client(
             for n in prompt_lens:
                 for _ in range(num_requests):
                     prompt = rng.integers(1, vocab_size - 1, size=n).tolist()
-                    start, times, num_tokens = time.monotonic(), [], 0
+                    start, times, num_tokens, wire = time.monotonic(), [], 0, ""
                     async for out in client.generate(
                         prompt_token_ids=prompt, max_tokens=4, ignore_eos=True
                     ):
@@ -75,7 +80,11 @@ def _client(
                         num_tokens += len(out.token_ids)
                         while len(times) < min(num_tokens, 2):
                             times.append(time.monotonic() - start)
-                    rows.append((n, *times[:2]))
+                        t = out.timings or {}
+                        wire = wire or (
+                            f"{t['kv_wire']}: {t['kv_wire_why']}" if t.get("kv_wire") else ""
+                        )
+                    rows.append((n, *times[:2], wire))
         return rows
 
     rows = asyncio.run(run())
@@ -203,11 +212,12 @@ def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> list:
             model,
             "--kv-transfer",
             a.kv_transfer,
-            "--kv-layerwise",
+            a.flag,
             mode,
             "--max-model-len",
             str(max(a.prompt_lens) + 64),
             "--no-prefix-caching",
+            *(["--dtype", a.dtype] if a.dtype else []),
             *a.cluster_arg,
         ],
         logs,
@@ -275,8 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--num-requests", type=int, default=5, help="per prompt length and mode")
     p.add_argument("--kv-transfer", default="tcp", help="the backend between the hosts")
-    p.add_argument("--modes", default="off,on", help="--kv-layerwise values, in order")
+    p.add_argument("--flag", default="--kv-layerwise", help="the prefill node flag the modes set")
+    p.add_argument("--modes", default="off,on", help="--flag's values, in order")
     p.add_argument("--seed", type=int, default=0, help="of the prompts")
+    p.add_argument("--dtype", help="the nodes' --dtype (default: the CPU's, float32)")
     p.add_argument(
         "--cluster-arg",
         action="append",
@@ -299,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(exist_ok=True)
     cfg = json.loads((Path(model) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    dtype_bytes = 2 if cfg.get("torch_dtype") in ("bfloat16", "float16") else 4
+    dtype_bytes = 2 if a.dtype in ("bfloat16", "float16") else 4  # a CPU node's default: fp32
     kv_bytes_per_token = (
         cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * dtype_bytes
     )
@@ -334,22 +346,28 @@ def main(argv: list[str] | None = None) -> int:
                         ),
                         "first_token_ms": [round(1e3 * x, 1) for x in firsts],
                         "second_token_ms": [round(1e3 * x, 1) for x in seconds],
+                        # per request, where its link could carry int8: format: why
+                        "kv_wire": dict(Counter(r[3] for r in rows if r[0] == n and r[3])),
                     }
                 ),
                 flush=True,
             )
-    if {"on", "off"} <= medians.keys():
+    modes = a.modes.split(",")
+    if len(modes) > 1:
+        last, first = modes[-1], modes[0]
+        ratios = {
+            n: {
+                "first_token": round(medians[last][n][0] / medians[first][n][0], 3),
+                "second_token": round(medians[last][n][1] / medians[first][n][1], 3),
+            }
+            for n in a.prompt_lens
+        }
         print(
             json.dumps(
                 {
                     "bench": "layerwise",
-                    "ratios_on_off": {
-                        n: {
-                            "first_token": round(medians["on"][n][0] / medians["off"][n][0], 3),
-                            "second_token": round(medians["on"][n][1] / medians["off"][n][1], 3),
-                        }
-                        for n in a.prompt_lens
-                    },
+                    "flag": a.flag,
+                    f"ratios_{last}_{first}": ratios,
                     "logs": str(logs),
                 }
             ),

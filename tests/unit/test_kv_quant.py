@@ -158,6 +158,9 @@ def test_the_benchmark_sets_each_format_against_the_models_dtype(tiny_model, cap
     assert full["greedy_agreement"] == 1.0 and full["max_logprob_diff"] == 0.0
     for r in (records["int8"], records["fp8"]):
         assert 0 < r["greedy_agreement"] <= 1 and 0 < r["max_logprob_diff"] < 1
+    # int8 on the wire from the model's dtype's cache: rows of 16 + 4 bytes against 64
+    assert full["wire_int8_bytes_vs_auto"] == round(20 / 64, 3)
+    assert full["wire_int8_quantize_ms"] > 0 and full["wire_int8_quantize_vs_prefill"] > 0
     assert kv.main([*argv, "--formats", "int8"]) == 2  # nothing to set it against
 
 

@@ -42,6 +42,21 @@ def test_the_rule_sends_int8_only_where_the_link_time_saved_outweighs_quantizing
     fast = kv_wire.choose("auto", 10**6, 5 * 10**5, 1e11, _rate(1e9))  # 5 us saved, 1 ms cost
     assert (fast.dtype, fast.why) == ("same", 4)
     assert calls == [1e9, 1e9]
+    # The measured link rate is low by each write's latency: int8 needs twice its cost back.
+    margin = kv_wire.choose("auto", 10**6, 5 * 10**5, 1e9 / 3, lambda: 1e9)  # 1.5 ms for 1 ms
+    assert margin.dtype == "same" and margin.saved_s == pytest.approx(1.5e-3)
+    # Pushed layer by layer beside a prefill of 0.4 s, a 1 s transfer saves 0.5 - 0 ...
+    beside = kv_wire.choose("auto", 10**6, 5 * 10**5, 1e6, lambda: 1e9, hidden_s=0.4)
+    assert beside.dtype == "int8" and beside.saved_s == pytest.approx(0.5)
+    beside = kv_wire.choose("auto", 10**6, 5 * 10**5, 1e6, lambda: 1e9, hidden_s=0.7)
+    assert beside.dtype == "int8" and beside.saved_s == pytest.approx(0.3)
+    # A saving of a few ms is within the latency the link rate folds in: not trusted.
+    small = kv_wire.choose("auto", 10**6, 5 * 10**5, 1e8, lambda: 1e12)  # 5 ms for ~0
+    assert small.dtype == "same" and small.saved_s == pytest.approx(5e-3)
+    # ... and nothing where the prefill hides all of it either way (nothing measured then).
+    calls.clear()
+    hidden = kv_wire.choose("auto", 10**6, 5 * 10**5, 1e6, _rate(1e9), hidden_s=1.5)
+    assert (hidden.dtype, hidden.why, calls) == ("same", 4, [])
 
 
 def test_timings_say_the_format_and_why_and_ignore_what_does_not_parse():
