@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from frontend.client import AsyncClient, Client
+from tests.cluster.test_speculative_cluster import _repeating_prompts
 from tests.cluster_util import Processes, free_base_port, wait_for
 from tests.conftest import clear_prompts
 from tests.kv_quant_ref import QuantizedReferenceCache, WireReferenceCache
@@ -23,12 +24,15 @@ from tests.unit.test_handoff import needs_nixl
 pytestmark = pytest.mark.cluster
 
 NEW_TOKENS = 16
+SPECULATE = '{"method": "ngram", "num_speculative_tokens": 3}'
 CASES = [
     ("int8", ("--kv-transfer", "tcp", "--kv-layerwise", "on")),
     ("int8", ("--kv-transfer", "ipc")),
     ("int8", ("--kv-transfer", "dist")),
     pytest.param("int8", ("--kv-transfer", "nixl"), marks=needs_nixl),
     ("fp8", ("--kv-transfer", "ipc")),
+    # verify steps read and write 8-bit rows; drafts rejected roll back
+    ("int8", ("--kv-transfer", "tcp", "--speculative-config", SPECULATE)),
 ]
 
 
@@ -45,6 +49,11 @@ def _free(clients: str) -> bool:
             and not s.get("num_reserved_blocks")
             for s in c.stats().nodes.values()
         )
+
+
+def _decode_stats(clients: str) -> dict:
+    with Client(clients) as c:
+        return c.stats().nodes["decode-0"]
 
 
 def _prefix_hits(clients: str) -> int:
@@ -84,14 +93,15 @@ def _ask(procs: Processes, prompts: list[list[int]], **params) -> list:
 @pytest.mark.parametrize(
     "kv_format,transfer",
     CASES,
-    ids=["int8-tcp-layerwise", "int8-ipc", "int8-dist", "int8-nixl", "fp8-ipc"],
+    ids=["int8-tcp-layerwise", "int8-ipc", "int8-dist", "int8-nixl", "fp8-ipc", "int8-speculative"],
 )
 def test_8bit_kv_crosses_the_handoff_and_answers_as_the_reference(
     tiny_model, tmp_path, kv_format, transfer
 ):
+    is_speculative = SPECULATE in transfer  # prompts whose continuations prompt lookup finds
     prompts, expected = clear_prompts(
         tiny_model,
-        _candidates(12),
+        _repeating_prompts(24) if is_speculative else _candidates(12),
         NEW_TOKENS,
         6,
         make_cache=lambda: QuantizedReferenceCache(kv_format),
@@ -105,6 +115,10 @@ def test_8bit_kv_crosses_the_handoff_and_answers_as_the_reference(
                 assert r.error is None, r.error
                 assert r.token_ids == ref, f"request {i} diverged (asked again: {again})"
         wait_for(lambda: _prefix_hits(procs.clients) > 0, 10, "the prefill node's prefix hits")
+        if is_speculative:
+            wait_for(lambda: _decode_stats(procs.clients).get("num_verify_steps", 0) > 0, 10,
+                     "verify steps")  # fmt: skip
+            assert _decode_stats(procs.clients)["num_accepted_tokens"] > 0
         wait_for(lambda: _free(procs.clients), 10, "every block back")
         for role in ("prefill", "decode"):  # each says its format when ready
             assert f"tokens in {kv_format})" in (tmp_path / f"{role}.log").read_text()

@@ -2,7 +2,9 @@
 (written here, nothing downloaded) through pdserve's OpenAI API (its local-completions
 model: echo + logprobs for loglikelihoods, greedy generation with stop strings) and
 through transformers' own model (its hf model) on the same checkpoint. The scores and
-every answer are the same."""
+every answer are the same. On an 8-bit KV cache (int8, fp8), every choice's
+loglikelihood equals transformers' whose cache applies the same loss, and its distance
+from the unquantized model's is bounded and printed."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import random
 import pytest
 
 from tests.cluster_util import Cluster
+from tests.kv_quant_ref import QuantizedReferenceCache
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
 
@@ -79,14 +82,16 @@ def _write_tasks(root, model_dir, seed: int = 0) -> None:
     )
 
 
-def _evaluate(model: str, model_args: str, tasks_dir, batch_size: int = 1) -> dict:
+def _evaluate(
+    model: str, model_args: str, tasks_dir, batch_size: int = 1, tasks=("pdserve_mc", "pdserve_gen")
+) -> dict:
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     return simple_evaluate(
         model=model,
         model_args=model_args,
-        tasks=["pdserve_mc", "pdserve_gen"],
+        tasks=list(tasks),
         task_manager=TaskManager(include_path=str(tasks_dir)),
         batch_size=batch_size,
         log_samples=True,
@@ -146,3 +151,71 @@ def test_lm_eval_scores_the_same_on_pdserve_as_on_transformers(
     # pdserve drops them (as vLLM does): the texts are the same up to those.
     assert [s["resps"][0][0] for s in gen_a] == [s["resps"][0][0].rstrip("\ufffd") for s in gen_b]
     assert any(s["resps"][0][0] for s in gen_a)  # something was generated
+
+
+def _loglikelihoods(model_dir, pairs, make_cache=None) -> list[float]:
+    """transformers' loglikelihood of each (context, continuation), split into tokens as
+    lm-eval splits them (the whole encoded, the context's tokens first); make_cache(): a
+    cache the one forward pass stores its keys and values in, and attends to."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    for context, continuation in pairs:
+        whole, n = tok.encode(context + continuation), len(tok.encode(context))
+        with torch.no_grad():
+            cache = make_cache() if make_cache else None
+            logits = model(torch.tensor([whole]), past_key_values=cache, use_cache=bool(cache))
+        logp = torch.log_softmax(logits.logits[0].float(), dim=-1)
+        out.append(sum(logp[n - 1 + i, t].item() for i, t in enumerate(whole[n:])))
+    return out
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "fp8"])
+def test_lm_eval_on_an_8bit_cache_scores_as_its_reference_near_the_full_model(
+    tiny_model, tmp_path, monkeypatch, kv_format
+):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _write_tasks(tmp_path, tiny_model)
+    cluster = Cluster(
+        tiny_model,
+        tmp_path / "c.log",
+        "--served-model-name",
+        MODEL,
+        "--kv-cache-dtype",
+        kv_format,
+    )
+    try:
+        ours = _evaluate(
+            "local-completions",
+            f"model={MODEL},base_url={cluster.http}/v1/completions,"
+            f"tokenizer_backend=huggingface,tokenizer={tiny_model},num_concurrent=1,"
+            "max_retries=1",
+            tmp_path,
+            batch_size=4,
+            tasks=("pdserve_mc",),
+        )
+    finally:
+        cluster.stop()
+    samples = sorted(ours["samples"]["pdserve_mc"], key=lambda s: s["doc_id"])
+    pairs = [tuple(args) for s in samples for args in s["arguments"]]
+    got = [float(r[0][0]) for s in samples for r in s["resps"]]
+    assert len(got) == len(pairs) == 24 * 4
+    ref = _loglikelihoods(tiny_model, pairs, lambda: QuantizedReferenceCache(kv_format))
+    assert got == pytest.approx(ref, abs=1e-4)  # the same loss, token for token
+    full = _loglikelihoods(tiny_model, pairs)
+    diffs = [abs(a - b) for a, b in zip(got, full)]
+    print(
+        json.dumps(
+            {
+                "kv_cache_dtype": kv_format,
+                "acc": ours["results"]["pdserve_mc"]["acc,none"],
+                "max_loglikelihood_diff_vs_full": round(max(diffs), 5),
+                "mean_loglikelihood_diff_vs_full": round(sum(diffs) / len(diffs), 5),
+            }
+        )
+    )
+    assert 0 < max(diffs) < (0.1 if kv_format == "int8" else 0.5)  # lossy, and close

@@ -65,26 +65,32 @@ def test_the_newest_is_preempted_and_the_oldest_resumes_first():
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(max_tokens=48, ignore_eos=True),
-        SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.9, top_k=40, seed=1234),
+        SamplingParams(max_tokens=48, ignore_eos=True, num_logprobs=0),
+        SamplingParams(
+            max_tokens=48, ignore_eos=True, temperature=0.9, top_k=40, seed=1234, num_logprobs=0
+        ),
     ],
     ids=["greedy", "seeded"],
 )
 def test_a_resumed_sequence_continues_token_for_token(tiny_model, how, params, kv_format):
     """Decode, preempt mid-block, clobber the freed blocks, resume in other blocks:
-    the tokens equal an unpreempted run's (an 8-bit cache's scales go and come back too)."""
+    the tokens equal an unpreempted run's (an 8-bit cache's scales go and come back too),
+    and so do their log-probabilities: swapped back exactly; recomputed, KV written by a
+    prefill where decode steps wrote it, within float tolerance (8-bit caches too)."""
     bs, prompt = 16, list(range(3, 24))
     cfg = WorkerConfig(
         model=str(tiny_model), block_size=bs, kv_cache_memory=2**20, kv_cache_dtype=kv_format
     )
     with DeviceWorker(cfg) as w:
 
-        def run(preempt_at: int | None) -> list[int]:
+        def run(preempt_at: int | None) -> tuple[list[int], list[float]]:
             alloc = BlockAllocator(w.num_kv_blocks)
             seq = Sequence("s", len(prompt), params, prompt_ids=prompt)
             seq.block_ids = alloc.allocate(num_blocks_for(len(prompt) + 1, bs))
-            (first,), _ = w.prefill([PrefillChunk(prompt, 0, seq.block_ids, params)])
+            chunk = PrefillChunk(prompt, 0, seq.block_ids, params)
+            (first,), _ = w.prefill([chunk])
             seq.output_ids.append(first)
+            logprobs = [chunk.logprobs.logprob]
             w.decode.add("s", first, len(prompt), seq.block_ids, params)
             while len(seq.output_ids) < params.max_tokens:
                 if len(seq.output_ids) == preempt_at:
@@ -104,10 +110,17 @@ def test_a_resumed_sequence_continues_token_for_token(tiny_model, how, params, k
                     w.decode.add("s", seq.output_ids[-1], seq.num_cached, seq.block_ids, params)
                 if w.decode.keys_needing_block():
                     w.decode.append_block("s", seq.take_block(alloc))
-                seq.output_ids += w.decode.step()
+                ticket = w.decode.launch()
+                seq.output_ids += w.decode.collect(ticket)
+                logprobs += [lp.logprob for lp in ticket.logprobs]
             w.decode.remove("s")
-            return seq.output_ids
+            return seq.output_ids, logprobs
 
-        reference = run(None)
-        assert run(29) == reference  # 21 + 28 = 49 tokens cached: mid-block
-        assert run(12) == reference  # 32 cached: on a block boundary
+        tokens, logprobs = run(None)
+        for preempt_at in (29, 12):  # 21 + 28 = 49 tokens cached: mid-block; 32: a boundary
+            got, got_logprobs = run(preempt_at)
+            assert got == tokens
+            if how == "swap":
+                assert got_logprobs == logprobs
+            else:
+                assert got_logprobs == pytest.approx(logprobs, abs=1e-4)
