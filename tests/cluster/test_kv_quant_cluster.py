@@ -1,11 +1,12 @@
 """An 8-bit KV cache through the nodes: a prefill and a decode node started with the same
 --kv-cache-dtype answer as transformers whose cache applies the same loss (fp32, token for
-token), over each KV transfer (tcp layer by layer, ipc, dist; nixl where it is installed),
-a prompt asked again from the prefill node's prefix cache (its 8-bit blocks) alike, with
-every block back after; a pair whose caches differ refuses the handoff with an error
-that names both formats, and the frontend answers every request. int8 on the wire alone
-(--kv-wire-dtype, caches in fp32) answers as transformers whose prompt KV went through
-the same quantize-dequantize once, and each request's timings say the format and why."""
+token), over each KV transfer (tcp layer by layer, ipc, dist; nixl where it is installed)
+and with prompt lookup's drafts verified, a prompt asked again from the prefill node's
+prefix cache (its 8-bit blocks) and n = 3 greedy forks alike, with every block back
+after; a pair whose caches differ refuses the handoff with an error that names both
+formats, and the frontend answers every request. int8 on the wire alone (--kv-wire-dtype,
+caches in fp32) answers as transformers whose prompt KV went through the same
+quantize-dequantize once, and each request's timings say the format and why."""
 
 from __future__ import annotations
 
@@ -114,11 +115,16 @@ def test_8bit_kv_crosses_the_handoff_and_answers_as_the_reference(
             for i, (r, ref) in enumerate(zip(_ask(procs, prompts), expected)):
                 assert r.error is None, r.error
                 assert r.token_ids == ref, f"request {i} diverged (asked again: {again})"
+        # n = 3: the forks share the prompt's blocks and copy its last (scales with them)
+        for r, ref in zip(_ask(procs, prompts[:2], n=3), expected):
+            assert len(r.choices) == 3 and all(c.token_ids == ref for c in r.choices), r.error
         wait_for(lambda: _prefix_hits(procs.clients) > 0, 10, "the prefill node's prefix hits")
         if is_speculative:
+            # NOTE: how many drafts it accepts here is the node's controller's choice (it
+            # rests where they miss); accepted and rolled-back ones over 8-bit rows, step by
+            # step: tests/unit/test_kv_quant.py
             wait_for(lambda: _decode_stats(procs.clients).get("num_verify_steps", 0) > 0, 10,
                      "verify steps")  # fmt: skip
-            assert _decode_stats(procs.clients)["num_accepted_tokens"] > 0
         wait_for(lambda: _free(procs.clients), 10, "every block back")
         for role in ("prefill", "decode"):  # each says its format when ready
             assert f"tokens in {kv_format})" in (tmp_path / f"{role}.log").read_text()
