@@ -157,7 +157,7 @@ class PrefillConfig(NodeConfig):
         default="same",
         metadata=flag(
             "--kv-wire-dtype",
-            "how a prompt's KV crosses a tcp link from a cache in the model's dtype: same, "
+            "how a prompt's KV crosses a tcp or dist link from a cache in the model's dtype: same, "
             "int8 (each token and head's row with its scale, about half the bytes; lossy), "
             "or auto: int8 where the link time saved outweighs quantizing",
             choices=KV_WIRE_DTYPES,

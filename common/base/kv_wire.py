@@ -2,15 +2,15 @@
 node: as the cache holds it, or each (token, head) row as 8-bit values and its scale
 (kernels/kv_quant.py), which the decode node dequantizes into its pages as they land.
 
-Only a backend that streams bytes can carry it (tcp: a one-sided write lands in the peer's
-pages as they are), and only between caches in the model's dtype (an 8-bit cache already
-sends its pages as they are). `auto` sends int8 where the link time the smaller bytes save
-is at least MIN_SAVED_S and COST_MARGIN times the cost of quantizing and dequantizing
-(bytes / the round-trip rate measured on this node's device). With T = bytes / link rate
-and T8 = wire bytes / link rate, a whole write saves T - T8; one pushed layer by layer
-during a prefill of P seconds hides up to P of its transfer, so it saves max(T - P, 0) -
-max(T8 - P, 0). Until a link rate is measured (common/handoff/writes.py), the KV crosses
-as it is.
+Only a backend whose receiver lands what it is sent can carry it (tcp, dist: a one-sided
+write, ipc's or nixl's, lands in the peer's pages as they are), and only between caches in
+the model's dtype (an 8-bit cache already sends its pages as they are). `auto` sends int8
+where the link time the smaller bytes save is at least MIN_SAVED_S and COST_MARGIN times
+the cost of quantizing and dequantizing (bytes / the round-trip rate measured on this
+node's device). With T = bytes / link rate and T8 = wire bytes / link rate, a whole write
+saves T - T8; one pushed layer by layer during a prefill of P seconds hides up to P of its
+transfer, so it saves max(T - P, 0) - max(T8 - P, 0). Until a link rate is measured
+(common/handoff/writes.py), the KV crosses as it is.
 
 NOTE: int8 on the wire is lossy: the decode node decodes from KV quantized once, as an
 int8 cache would hold it; the default (`same`) keeps the model's dtype end to end."""

@@ -16,9 +16,11 @@ from typing import Callable, ClassVar, Protocol
 
 import torch
 
+from common.engine.platform import platform_for
 from common.transfer.copy import TransferError
 from common.wire import codec
 from common.wire.protocol import KVTransfer, KVWelcome, ProtocolError
+from kernels import kv_quant
 
 Send = Callable[[KVTransfer], bool]  # on the KV link; False: not now (not connected, or full)
 NO_DATA = torch.empty(0, dtype=torch.uint8)
@@ -39,6 +41,8 @@ class WholeWriter(Protocol):
 
     name: str
     is_stalled: bool  # every write under way waits on the peer (or a thread): no need to poll hard
+    src: torch.Tensor  # this node's cache
+    wire_dtypes: tuple[str, ...]  # as KVWriter's
 
     def write(
         self,
@@ -47,11 +51,13 @@ class WholeWriter(Protocol):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         within_s: float,
+        wire: str = "same",
     ) -> int:
         """Start the write into the grant `reservation`; returns at once, with the units of
         it the receiver will count (KVCommit.num_written). Source blocks stay untouched
         until poll() names it. within_s: past this the write must be stopped, whatever the
-        peer does (poll() then names it failed): the reservation may end soon after."""
+        peer does (poll() then names it failed): the reservation may end soon after.
+        wire: as KVWriter's."""
 
     def poll(self) -> list[tuple[str, str | None]]:
         """(request id, why it failed or None) for writes that ended since the last call."""
@@ -108,14 +114,15 @@ class KVWriter(abc.ABC):
         writer whose write_layers can raise TransferError has anything to forget."""
 
     def wire_bytes(self, num_blocks: int) -> int:
-        """What a write of num_blocks blocks puts on the link as int8 (where wire_dtypes
-        names it)."""
-        raise NotImplementedError
+        """What a write of num_blocks blocks puts on the link as int8."""
+        return int8_wire_bytes(self.src, num_blocks)
 
     def round_trip_bytes_per_s(self) -> float:
-        """Bytes/s (of the cache's dtype) this node quantizes and dequantizes KV at (where
-        wire_dtypes names int8)."""
-        raise NotImplementedError
+        """Bytes/s (of the cache's dtype) this node quantizes and dequantizes KV at,
+        measured on first call (a few milliseconds)."""
+        if not getattr(self, "_round_trip_rate", 0.0):
+            self._round_trip_rate = round_trip_rate(self.src)
+        return self._round_trip_rate
 
     @abc.abstractmethod
     def begin(
@@ -239,6 +246,7 @@ class WholeWrite(KVWriter):
 
     def __init__(self, writer: WholeWriter):
         self.inner, self.name = writer, writer.name
+        self.src, self.wire_dtypes = writer.src, writer.wire_dtypes
         self._begun: dict[str, tuple] = {}
         self._dropped: list[tuple[str, str | None]] = []  # cancelled before end()
 
@@ -255,7 +263,9 @@ class WholeWrite(KVWriter):
         within_s: float,
         wire: str = "same",
     ) -> int:
-        return self.inner.write(request_id, reservation, src_block_ids, dst_block_ids, within_s)
+        return self.inner.write(
+            request_id, reservation, src_block_ids, dst_block_ids, within_s, wire
+        )
 
     def begin(
         self,
@@ -271,6 +281,7 @@ class WholeWrite(KVWriter):
             src_block_ids,
             dst_block_ids,
             time.monotonic() + within_s,
+            wire,
         )
 
     def write_layers(
@@ -280,12 +291,13 @@ class WholeWrite(KVWriter):
 
     def renew(self, request_id: str, within_s: float) -> None:
         if request_id in self._begun:
-            self._begun[request_id] = (*self._begun[request_id][:3], time.monotonic() + within_s)
+            reservation, src, dst, _, wire = self._begun[request_id]
+            self._begun[request_id] = (reservation, src, dst, time.monotonic() + within_s, wire)
 
     def end(self, request_id: str) -> int:
-        reservation, src, dst, deadline = self._begun.pop(request_id)
+        reservation, src, dst, deadline, wire = self._begun.pop(request_id)
         return self.inner.write(
-            request_id, reservation, src, dst, within_s=deadline - time.monotonic()
+            request_id, reservation, src, dst, deadline - time.monotonic(), wire
         )
 
     def flush(self) -> None:
@@ -303,3 +315,20 @@ class WholeWrite(KVWriter):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def int8_wire_bytes(cache: torch.Tensor, num_blocks: int) -> int:
+    """What num_blocks blocks of a cache in the model's dtype are as int8 rows: a byte a
+    value and each (token, head) row's 4-byte scale (kernels/kv_quant.py)."""
+    rows = cache[:, :, :1, ..., :1].numel()  # (token, head) rows of a block, every layer
+    return num_blocks * rows * (cache.shape[-1] + kv_quant.SCALE_BYTES)
+
+
+def round_trip_rate(cache: torch.Tensor) -> float:
+    """Bytes/s at which this process quantizes a cache's rows to int8 and back, over
+    PROBE_BYTES of rows like the cache's (a writer quantizes a frame of about that)."""
+    sync = platform_for(cache.device).synchronize
+    return kv_quant.round_trip_rate(cache[0, 0, :1], sync, PROBE_BYTES)
+
+
+PROBE_BYTES = 2**20  # tcp's frames aim at this size

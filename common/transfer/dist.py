@@ -9,7 +9,9 @@ decode node joins the group on the first announcement (in a thread: joining
 waits for the peer), runs the matching receives in order, one buffer at a time,
 and lands each in the reserved blocks unless its reservation ended meanwhile.
 A send past its deadline is given up and the writer moves to a new group: the
-old one's thread waits out the group's timeout on its own.
+old one's thread waits out the group's timeout on its own. A write may cross as int8
+rows and their scales (common/base/kv_wire.py): quantized as it is gathered, the
+announcement says so, and the receive dequantizes the buffer as it lands.
 Process groups: gloo on CPU, nccl on CUDA, hccl on Ascend.
 
 NOTE: the store and the group's connections are not authenticated (CURVE covers
@@ -37,6 +39,7 @@ from common.transfer.backend import NO_DATA, Backend, LocalCache, Send, parse
 from common.transfer.copy import TransferError, copy_blocks
 from common.wire.limits import Name, Range
 from common.wire.protocol import KVTransfer, KVWelcome
+from kernels import kv_quant
 
 log = get_logger("transfer")
 JOIN_TIMEOUT = timedelta(seconds=30)
@@ -53,6 +56,7 @@ class DistHeader:
 
     group: Name
     tag: Annotated[int, Range(0, 2**31 - 1)]
+    is_int8: bool = False  # the send is [.., D + 4] int8 rows: values and their scales
 
 
 def _group(store: dist.Store, name: str, rank: int, device: torch.device):
@@ -114,6 +118,7 @@ class _Send:
     buf: torch.Tensor  # the gathered blocks: its own memory, not the cache's
     ready: object | None  # the gather is done (a platform event)
     deadline: float  # monotonic
+    is_int8: bool = False
     is_announced: bool = False
     is_cancelled: bool = False
     error: str | None = None
@@ -135,6 +140,8 @@ class DistWriter:
         self.src, self.send = cache, send
         self._platform = platform_for(cache.device)
         self.stream = self._platform.side_stream()
+        # NOTE: an 8-bit cache's blocks already cross in 8 bits, as they are
+        self.wire_dtypes = () if kv_quant.is_quantized(cache) else ("int8",)
         self._num_tags = 0
         self._sends: OrderedDict[str, _Send] = OrderedDict()
         self._pipe: _Pipe | None = None
@@ -164,9 +171,12 @@ class DistWriter:
         src_block_ids: list[int],
         dst_block_ids: list[int],
         within_s: float,
+        wire: str = "same",
     ) -> int:
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} blocks for {len(dst_block_ids)} reserved")
+        if wire not in ("same", *self.wire_dtypes):
+            raise TransferError(f"cannot send this cache's KV as {wire}")
         if request_id in self._sends:
             raise TransferError(f"a second write of {request_id} under way")
         if self._pipe.error:
@@ -179,9 +189,11 @@ class DistWriter:
             self._platform.wait_for_current(self.stream)
             with self._platform.on_stream(self.stream):
                 buf = self.src.index_select(2, idx.to(self.src.device, non_blocking=True))
+                buf = kv_quant.quantize(buf, torch.int8) if wire == "int8" else buf
                 ready = self._platform.event()
         else:
             buf = self.src.index_select(2, idx)
+            buf = kv_quant.quantize(buf, torch.int8) if wire == "int8" else buf
         self._num_tags = (self._num_tags + 1) % 2**31
         self._sends[request_id] = _Send(
             request_id,
@@ -190,6 +202,7 @@ class DistWriter:
             buf,
             ready,
             time.monotonic() + max(within_s, 0.0),
+            wire == "int8",
         )
         return 1
 
@@ -211,10 +224,11 @@ class DistWriter:
                 else None
             )
             if why is None and not s.is_announced and not is_blocked:
+                header = {"group": self.group, "tag": s.tag}
+                if s.is_int8:
+                    header["is_int8"] = True
                 if (s.ready is not None and not s.ready.query()) or not self.send(
-                    KVTransfer(
-                        rid, s.reservation, "dist", {"group": self.group, "tag": s.tag}, NO_DATA
-                    )
+                    KVTransfer(rid, s.reservation, "dist", header, NO_DATA)
                 ):
                     is_blocked = True  # in order: the later ones wait
                 else:
@@ -255,6 +269,7 @@ class _Recv:
     group: str
     tag: int
     dst_block_ids: list[int]
+    is_int8: bool = False  # the buffer is int8 rows and scales, dequantized as it lands
     buf: torch.Tensor | None = None
     is_forgotten: bool = False
     is_done: bool = False
@@ -262,8 +277,11 @@ class _Recv:
 
     def run(self, pg):
         c = self.receiver.cache
+        row, dtype = (c.shape[-1] + 4, torch.int8) if self.is_int8 else (c.shape[-1], c.dtype)
         self.buf = torch.empty(
-            (c.shape[0], 2, len(self.dst_block_ids), *c.shape[3:]), dtype=c.dtype, device=c.device
+            (c.shape[0], 2, len(self.dst_block_ids), *c.shape[3:-1], row),
+            dtype=dtype,
+            device=c.device,
         )
         return pg.recv([self.buf], 1, self.tag)
 
@@ -307,6 +325,10 @@ class DistReceiver:
         m = parse(DistHeader, msg.header, "dist header")
         if msg.request_id in self._recvs:
             raise TransferError(f"a second KV announcement for {msg.request_id}")
+        if m.is_int8 and kv_quant.is_quantized(self.cache):
+            raise TransferError(
+                "int8 rows announced for an 8-bit cache (its pages cross as they are)"
+            )
         owner, pipe = self._groups.get(m.group, (sender, None))
         if owner != sender:
             raise TransferError("that KV process group belongs to another prefill node")
@@ -319,7 +341,7 @@ class DistReceiver:
             pipe = _Pipe(lambda: _group(self.store, group, 0, device), group[:8])
             self._groups[group] = (sender, pipe)
         r = self._recvs[msg.request_id] = _Recv(
-            self, msg.request_id, m.group, m.tag, list(dst_block_ids)
+            self, msg.request_id, m.group, m.tag, list(dst_block_ids), m.is_int8
         )
         pipe.put(r)  # NOTE: even if the request is dropped later, to keep the pairing in order
 
@@ -328,9 +350,8 @@ class DistReceiver:
         with self._lock:
             if error is None and not r.is_forgotten:
                 with torch.inference_mode():
-                    copy_blocks(
-                        r.buf, list(range(len(r.dst_block_ids))), self.cache, r.dst_block_ids
-                    )
+                    buf = kv_quant.dequantize(r.buf, self.cache.dtype) if r.is_int8 else r.buf
+                    copy_blocks(buf, list(range(len(r.dst_block_ids))), self.cache, r.dst_block_ids)
             r.buf, r.error, r.is_done = None, error, True
 
     def is_landed(self, request_id: str) -> bool:

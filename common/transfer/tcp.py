@@ -90,20 +90,6 @@ class TcpWriter(KVWriter):
         self.is_stalled = False  # the last poll found the link refusing: only the peer can move
         # NOTE: an 8-bit cache's blocks already cross in 8 bits, as they are
         self.wire_dtypes = () if kv_quant.is_quantized(cache) else ("int8",)
-        self._round_trip_rate = 0.0  # bytes/s of quantizing and dequantizing, once measured
-
-    def round_trip_bytes_per_s(self) -> float:
-        """The rate this node's device quantizes and dequantizes the cache's KV at, in bytes
-        of the cache's dtype: measured on first call (a few milliseconds)."""
-        if self._round_trip_rate <= 0:
-            self._round_trip_rate = kv_quant.round_trip_rate(
-                self.src[0, 0, :1], self._platform.synchronize, FRAME_BYTES
-            )
-        return self._round_trip_rate
-
-    def wire_bytes(self, num_blocks: int) -> int:
-        """What a write of num_blocks blocks puts on the socket as int8."""
-        return num_blocks * self.src[:, :, :1, ..., :1].numel() * (self.src.shape[-1] + 4)
 
     def begin(
         self,

@@ -5,8 +5,9 @@ and with prompt lookup's drafts verified, a prompt asked again from the prefill 
 prefix cache (its 8-bit blocks) and n = 3 greedy forks alike, with every block back
 after; a pair whose caches differ refuses the handoff with an error that names both
 formats, and the frontend answers every request. int8 on the wire alone (--kv-wire-dtype,
-caches in fp32) answers as transformers whose prompt KV went through the same
-quantize-dequantize once, and each request's timings say the format and why."""
+caches in fp32; tcp whole and layer by layer, dist) answers as transformers whose prompt
+KV went through the same quantize-dequantize once, and each request's timings say the
+format and why."""
 
 from __future__ import annotations
 
@@ -62,10 +63,10 @@ def _prefix_hits(clients: str) -> int:
         return c.stats().nodes["prefill-0"].get("num_prefix_hit_tokens", 0)
 
 
-def _tcp_writes(clients: str) -> tuple[int, int]:
-    """The prefill node's (tcp writes, those that crossed as int8), once its stats say."""
+def _writes(clients: str, backend: str) -> tuple[int, int]:
+    """The prefill node's (writes, those that crossed as int8), once its stats say."""
     with Client(clients) as c:
-        w = c.stats().nodes["prefill-0"].get("kv_writes", {}).get("tcp", {})
+        w = c.stats().nodes["prefill-0"].get("kv_writes", {}).get(backend, {})
     return w.get("num_transfers", 0), w.get("num_int8", 0)
 
 
@@ -173,9 +174,11 @@ def _reference_logprobs(model_dir, prompt: list[int], make_cache=None) -> list[f
     return [torch.log_softmax(lg[0], -1)[t].item() for lg, t in zip(gen.logits, tokens)]
 
 
-@pytest.mark.parametrize("layerwise", ["off", "on"])
+@pytest.mark.parametrize(
+    "backend,layerwise", [("tcp", "off"), ("tcp", "on"), ("dist", "off")], ids=str
+)
 def test_int8_on_the_wire_answers_as_the_reference_that_quantizes_the_prompt_once(
-    tiny_model, tmp_path, layerwise
+    tiny_model, tmp_path, backend, layerwise
 ):
     prompts, expected = clear_prompts(
         tiny_model, _candidates(12), NEW_TOKENS, 5, make_cache=WireReferenceCache
@@ -184,9 +187,9 @@ def test_int8_on_the_wire_answers_as_the_reference_that_quantizes_the_prompt_onc
     wire = [_reference_logprobs(tiny_model, p, WireReferenceCache) for p in prompts]
     exact = [_reference_logprobs(tiny_model, p) for p in prompts]
     assert max(abs(a - b) for w, e in zip(wire, exact) for a, b in zip(w, e)) > 1e-3
-    prefill = ["--kv-transfer", "tcp", "--kv-layerwise", layerwise, "--kv-wire-dtype", "int8"]
+    prefill = ["--kv-transfer", backend, "--kv-layerwise", layerwise, "--kv-wire-dtype", "int8"]
     procs = Processes(
-        tiny_model, free_base_port(), tmp_path, prefill=prefill, decode=["--kv-transfer", "tcp"]
+        tiny_model, free_base_port(), tmp_path, prefill=prefill, decode=["--kv-transfer", backend]
     )
     try:
         _start(procs)
@@ -199,7 +202,7 @@ def test_int8_on_the_wire_answers_as_the_reference_that_quantizes_the_prompt_onc
             assert r.timings["kv_wire"] == "int8", r.timings
             assert r.timings["kv_wire_why"] == "--kv-wire-dtype int8"
         # --kv-verify (every test cluster) passed each; the prefill node counts them
-        wait_for(lambda: _tcp_writes(procs.clients) == (5, 5), 10, "five int8 writes counted")
+        wait_for(lambda: _writes(procs.clients, backend) == (5, 5), 10, "five int8 writes counted")
         wait_for(lambda: _free(procs.clients), 10, "every block back")
     finally:
         procs.stop()

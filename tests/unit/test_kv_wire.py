@@ -1,9 +1,11 @@
 """int8 on the KV wire (--kv-wire-dtype): the rule that chooses it, tcp frames of int8 rows
 that land dequantized (exactly what the reference's quantize-dequantize gives, never the
-bytes as they are), --kv-verify's sums over what lands, and a request's timings and the
-node's figures saying which format it crossed in and why."""
+bytes as they are), dist's one send alike, --kv-verify's sums over what lands, and a
+request's timings and the node's figures saying which format it crossed in and why."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -130,6 +132,35 @@ def test_int8_frames_are_refused_where_they_do_not_fit():
     assert tcp.TcpWriter(eight_bit, lambda m: True).wire_dtypes == ()
     with pytest.raises(transfer.TransferError, match="cannot send"):
         tcp.TcpWriter(eight_bit, lambda m: True).write("r", "g", [1], [1], 30, wire="int8")
+
+
+def test_dist_sends_int8_rows_that_land_as_the_reference_quantizes_them():
+    """dist's one send a write, quantized as it is gathered, dequantized as it lands."""
+    torch.manual_seed(1)
+    src = torch.randn(2, 2, 8, 4, 2, 16).to(torch.bfloat16)
+    dst = torch.zeros_like(src)
+    sink = transfer.KVSink(transfer.LocalCache(dst, "127.0.0.1"), ["dist"])
+    frames = []
+    writer = transfer.open_writer(
+        "dist", _wire(sink.welcome("e1")), src, lambda m: frames.append(_wire(m)) or True
+    )
+    assert writer.wire_dtypes == ("int8",)
+    assert writer.wire_bytes(3) == 3 * (2 * 2 * 4 * 2) * (16 + 4)
+    src_ids, dst_ids = [1, 2, 6], [3, 4, 5]
+    writer.write("r", "g", src_ids, dst_ids, 30, wire="int8")
+    done, deadline = [], time.monotonic() + 60
+    while not (done and sink.is_landed("r")):  # both sides join their group first
+        assert time.monotonic() < deadline, "the write did not complete"
+        done += writer.poll()
+        for f in frames:
+            assert f.header["is_int8"] is True
+            sink.receive(b"p", f, dst_ids)
+        frames.clear()
+        time.sleep(0.01)
+    assert done == [("r", None)] and sink.landing_error("r") is None
+    assert torch.equal(dst[:, :, dst_ids], quantize_dequantize(src[:, :, src_ids], "int8"))
+    writer.close()
+    sink.close()
 
 
 @pytest.mark.parametrize("layerwise", ["off", "on"])
