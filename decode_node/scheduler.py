@@ -193,7 +193,7 @@ class DecodeScheduler:
             r.block_ids,
             r.num_reserved - len(c.forks) * share,
             prompt_ids=c.prompt_ids,
-            is_cacheable=not r.error,
+            is_cacheable=not (r.error or r.is_lossy),
         )
         out = [Joining(own, c.first_token, c.first_logprobs, c.timings)]
         # NOTE: a fork is no more cacheable than its request: KV that did not land whole (or
@@ -207,7 +207,7 @@ class DecodeScheduler:
                 r.block_ids[:num_full],
                 share,
                 prompt_ids=c.prompt_ids,
-                is_cacheable=not r.error,
+                is_cacheable=not (r.error or r.is_lossy),
             )
             self.prefix_cache.share(seq.block_ids)
             if num_full < len(r.block_ids):

@@ -10,7 +10,12 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # The tests import these from here; ROOT goes on sys.path first.
-from launch.tools.reference import clear_prompts, hf_greedy, hf_greedy_gaps  # noqa: E402,F401
+from launch.tools.reference import (  # noqa: E402,F401
+    clear_prompts,
+    hf_greedy,
+    hf_greedy_gaps,
+    hf_greedy_logprobs,
+)
 
 # What a test needs, and the room its file is in: `unit` tests (tests/unit) run in this
 # process and are the fast loop (pytest -m unit, or pytest tests/unit: the same tests);

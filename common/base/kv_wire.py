@@ -33,6 +33,7 @@ WHY = (
     "auto: no link rate measured yet",
     "auto: the link time saved outweighs quantizing",
     "auto: the link time saved does not repay quantizing",
+    "auto: the prefill hides the transfer either way",
 )
 
 
@@ -46,7 +47,7 @@ class WireChoice:
     def stamps(self) -> dict:
         """What a request's timings carry of it (common/wire/node.py: wire_parts)."""
         out = {"kv_wire_int8": int(self.dtype == "int8"), "kv_wire_why": self.why}
-        if self.why >= 3:
+        if self.why in (3, 4):
             out |= {"kv_wire_saved_ms": self.saved_s * 1e3, "kv_wire_cost_ms": self.cost_s * 1e3}
         return out
 
@@ -71,7 +72,7 @@ def choose(
     full_s, int8_s = num_bytes / link_bytes_per_s, wire_bytes / link_bytes_per_s
     saved_s = max(full_s - hidden_s, 0.0) - max(int8_s - hidden_s, 0.0)
     if saved_s <= 0:
-        return WireChoice("same", 4)  # hidden behind the prefill either way
+        return WireChoice("same", 5)
     cost_s = num_bytes / max(round_trip_bytes_per_s(), 1.0)
     is_int8 = saved_s >= max(COST_MARGIN * cost_s, MIN_SAVED_S)
     return WireChoice("int8" if is_int8 else "same", 3 if is_int8 else 4, saved_s, cost_s)

@@ -314,6 +314,7 @@ class Receiver:
             if r.error:
                 self.num_verify_failures += 1
                 log.error("request %s: %s", r.request_id, r.error)
+        r.is_lossy = self.sink.is_lossy(r.request_id)
         self.sink.forget(r.request_id)
         self.admitted.add(r.request_id, r.name)
         return r

@@ -172,7 +172,9 @@ class Sender:
         h = self.by_id.get(job.request_id)
         if h is not None:
             h.first_token = first_token
-            h.timings = timings | h.timings  # the write's own (its wire's format) kept
+            # NOTE: the node's own stamps, which its first token's update carries too
+            timings.update(h.timings)  # the write's (its wire's format), if it began
+            h.timings = timings
             h.first_logprobs = logprobs
             h.lease_deadline = self.clock() + self.handoff_lease_s
             self._commit(h)
@@ -273,7 +275,7 @@ class Sender:
     def _write(self, h: Handoff, num_done: int | None = None, end_block: int | None = None) -> None:
         try:
             if h.stage is Stage.RESERVED:  # pushed layer by layer (num_done): beside its prefill
-                rate = writes.rate_to(h.peer, self.transfers)
+                rate = writes.wire_rate_to(h.peer, self.transfers)
                 hidden_s = 0.0 if num_done is None else self.prefill_s(h.job.prompt_len)
                 writes.choose_wire(h, self.wire_dtype, rate, self.block_bytes, hidden_s)
             writes.write(h, self.num_layers, num_done, self.checksums, self.clock, end_block)

@@ -160,6 +160,7 @@ class Reservation:
     num_reserved: int = 0  # further blocks promised for the outputs
     commit: KVCommit | None = None
     error: str | None = None  # FAILED: why; once taken by next_ready(): why its KV is unusable
+    is_lossy: bool = False  # taken by next_ready(): its KV landed from int8 rows (kv_wire.py)
     reason: str = "waiting for blocks"  # WAITING: why, for the answer
     reserved_at: float = field(default_factory=time.time)
     fork_ids: list[str] = field(default_factory=list)  # n > 1: the others, forked at admission

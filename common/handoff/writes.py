@@ -33,6 +33,14 @@ def rate_to(peer, figures: dict) -> float:
     return f.bytes_per_s if f else 0.0
 
 
+def wire_rate_to(peer, figures: dict) -> float:
+    """The link rate the wire's format is chosen by: whole writes', else, where every write
+    goes layer by layer (long prompts), their tails'. NOTE: a tail rate reads high where
+    the pass hid part of the transfer, which favours the KV as it is: a safe error."""
+    f = figures.get(peer.writer.name if peer.writer else "")
+    return (f.bytes_per_s or f.tail_bytes_per_s) if f else 0.0
+
+
 def choose_wire(
     h: Handoff, mode: str, bytes_per_s: float, block_bytes: int, hidden_s: float = 0.0
 ) -> None:
@@ -154,5 +162,6 @@ def observe_ack(h: Handoff, figures, now: float, num_bytes: int) -> None:
     """Its commit acknowledged: a whole write's start to here is the rate the decode node
     got its KV at (the writer's own end can be earlier: tcp's is when the last frame is
     queued on the socket). figures: that backend's TransferFigures."""
-    if h.layers_sent < 0 and num_bytes >= MIN_RATE_BYTES and now > h.write_started:
-        figures.observe_rate(num_bytes / (now - h.write_started))
+    if num_bytes >= MIN_RATE_BYTES and now > h.write_started:
+        # layer by layer: timed from the pass's end (write()), its tail
+        figures.observe_rate(num_bytes / (now - h.write_started), is_tail=h.layers_sent >= 0)

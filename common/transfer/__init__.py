@@ -299,6 +299,10 @@ class KVSink:
             (e for r in self.receivers.values() if (e := r.landing_error(request_id))), None
         )
 
+    def is_lossy(self, request_id: str) -> bool:
+        """Its KV landed from int8 rows: not the exact values (not for a prefix cache)."""
+        return any(r.is_lossy(request_id) for r in self.receivers.values())
+
     def forget(self, request_id: str) -> None:
         for r in self.receivers.values():
             r.forget(request_id)

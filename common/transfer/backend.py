@@ -186,6 +186,10 @@ class KVReceiver(Protocol):
 
     def landing_error(self, request_id: str) -> str | None: ...
 
+    def is_lossy(self, request_id: str) -> bool:
+        """Some of the request's KV arrived as int8 rows (--kv-wire-dtype): its blocks hold
+        them dequantized, not the prefill node's exact values."""
+
     def forget(self, request_id: str) -> None:
         """Its blocks go back to the pool: return once nothing of ours can still write them."""
 

@@ -75,11 +75,10 @@ def block_checksums(cache: torch.Tensor, block_ids: list[int], wire: str = "same
     so processes with different thread counts agree. No copy of the blocks: per stretch
     of consecutive ids, one pass over memory in its own order (~10 GB/s on one core).
     wire "int8": of the blocks as the decode node lands them from int8 rows (quantized and
-    dequantized here as the KV link does: a copy of them)."""
+    dequantized here as the KV link does, a layer and WIRE_PIECE_BYTES of blocks at a time:
+    the copies stay small whatever the prompt's length)."""
     if wire == "int8":
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=cache.device)
-        rows = kv_quant.quantize(cache.index_select(2, ids), torch.int8)
-        cache, block_ids = kv_quant.dequantize(rows, cache.dtype), list(range(len(block_ids)))
+        return _landed_int8_checksums(cache, block_ids)
     word = torch.int32 if cache.shape[-1] * cache.element_size() % 4 == 0 else torch.uint8
     planes = cache.shape[0] * cache.shape[1]
     sums = []
@@ -91,3 +90,21 @@ def block_checksums(cache: torch.Tensor, block_ids: list[int], wire: str = "same
     if not sums:
         return torch.zeros(0, dtype=torch.int32, device=cache.device)
     return torch.cat(sums)
+
+
+WIRE_PIECE_BYTES = 2**20  # of the cache's, quantized and dequantized at once for a checksum
+
+
+def _landed_int8_checksums(cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """block_checksums of the blocks as int8 rows land them. NOTE: a sum wraps, so adding
+    a layer's sums at a time gives what summing the whole would."""
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=cache.device)
+    per_block = cache[0, :, :1].numel() * cache.element_size()
+    step = max(1, WIRE_PIECE_BYTES // per_block)
+    sums = torch.zeros(len(block_ids), dtype=torch.int32, device=cache.device)
+    for layer in range(cache.shape[0]):
+        for b in range(0, len(block_ids), step):
+            piece = cache[layer : layer + 1].index_select(2, ids[b : b + step])
+            landed = kv_quant.dequantize(kv_quant.quantize(piece, torch.int8), cache.dtype)
+            sums[b : b + step] += block_checksums(landed, list(range(landed.shape[2])))
+    return sums

@@ -277,7 +277,9 @@ class _Recv:
 
     def run(self, pg):
         c = self.receiver.cache
-        row, dtype = (c.shape[-1] + 4, torch.int8) if self.is_int8 else (c.shape[-1], c.dtype)
+        row, dtype = (c.shape[-1], c.dtype)
+        if self.is_int8:
+            row, dtype = kv_quant.row_size(c.shape[-1], "int8"), torch.int8
         self.buf = torch.empty(
             (c.shape[0], 2, len(self.dst_block_ids), *c.shape[3:-1], row),
             dtype=dtype,
@@ -302,7 +304,7 @@ class DistReceiver:
         self._groups: dict[
             str, tuple[bytes, _Pipe]
         ] = {}  # name -> (the peer that made it, its pipe)
-        self._recvs: dict[str, _Recv] = {}
+        self._recvs: dict[str, _Recv] = {}  # NOTE: a _Recv says whether it is int8 rows
         self._lock = threading.Lock()  # the pipes' threads land while the loop may forget
 
     def describe(self) -> dict:
@@ -320,6 +322,10 @@ class DistReceiver:
     def landing_error(self, request_id: str) -> str | None:
         r = self._recvs.get(request_id)
         return r.error if r is not None else None
+
+    def is_lossy(self, request_id: str) -> bool:
+        r = self._recvs.get(request_id)
+        return r is not None and r.is_int8
 
     def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
         m = parse(DistHeader, msg.header, "dist header")

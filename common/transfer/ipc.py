@@ -227,6 +227,9 @@ class IpcReceiver:
     def landing_error(self, request_id: str) -> str | None:
         return None
 
+    def is_lossy(self, request_id: str) -> bool:
+        return False  # the prefill node copies its own pages
+
     def forget(self, request_id: str) -> None:
         pass
 

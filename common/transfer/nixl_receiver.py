@@ -84,6 +84,9 @@ class NixlReceiver:
     def landing_error(self, request_id: str) -> str | None:
         return None
 
+    def is_lossy(self, request_id: str) -> bool:
+        return False  # the prefill node writes its own pages
+
     def num_units(self, num_blocks: int) -> int:
         return 1
 

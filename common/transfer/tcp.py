@@ -244,6 +244,7 @@ class TcpReceiver:
             str, torch.Tensor
         ] = {}  # request -> [layers, its blocks]: which arrived (bool)
         self.failed: dict[str, str] = {}  # request -> why its KV did not land
+        self.lossy: set[str] = set()  # requests some of whose frames were int8 rows
         self._lock = threading.Condition()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._platform = platform_for(cache.device)
@@ -268,6 +269,9 @@ class TcpReceiver:
     def landing_error(self, request_id: str) -> str | None:
         return self.failed.get(request_id)
 
+    def is_lossy(self, request_id: str) -> bool:
+        return request_id in self.lossy
+
     def receive(self, sender: bytes, msg: KVTransfer, dst_block_ids: list[int]) -> None:
         h = parse(TcpHeader, msg.header, "tcp header")
         first_layer, first_block = h.first_layer, h.first_block
@@ -275,7 +279,10 @@ class TcpReceiver:
         layers, blocks = (kv.shape[0], kv.shape[2]) if kv.dim() == 6 else (0, 0)
         # NOTE: int8 rows land in a cache of the model's dtype only (an 8-bit one's pages
         # cross as they are: the handshake refuses caches that differ)
-        row, dtype = (c.shape[-1] + 4, torch.int8) if h.is_int8 else (c.shape[-1], c.dtype)
+        row, dtype = (c.shape[-1], c.dtype)
+        if h.is_int8:
+            row, dtype = kv_quant.row_size(c.shape[-1], "int8"), torch.int8
+        per_block = c[0, :, :1].numel() * c.element_size()  # a layer's block in the cache
         if (
             kv.dim() != 6
             or (h.is_int8 and kv_quant.is_quantized(c))
@@ -285,6 +292,9 @@ class TcpReceiver:
             or blocks == 0
             or not 0 <= first_layer <= c.shape[0] - layers
             or first_block + blocks > len(dst_block_ids)
+            # NOTE: an int8 frame lands through temporaries several times its size: no
+            # larger than a writer makes one (frame_shape), whatever the link allows
+            or (h.is_int8 and layers * blocks * per_block > max(FRAME_BYTES, per_block))
         ):
             raise TransferError(
                 f"KV frame {tuple(kv.shape)} {kv.dtype} at layer {first_layer}, block "
@@ -301,6 +311,8 @@ class TcpReceiver:
                 f"{msg.request_id} arrived twice"
             )
         part.fill_(True)
+        if h.is_int8:
+            self.lossy.add(msg.request_id)
         dst = list(dst_block_ids[first_block : first_block + blocks])
         if self.stream is None:
             with torch.inference_mode():
@@ -358,6 +370,7 @@ class TcpReceiver:
             events = self._landing.pop(request_id, [])
             self.failed.pop(request_id, None)
             self._got.pop(request_id, None)
+            self.lossy.discard(request_id)
         for e in events:
             e.synchronize()
 

@@ -21,6 +21,9 @@ class TransferFigures:
     bytes_per_s: float = (
         0.0  # whole writes' rate, start to acknowledgement (moving average; 0: none)
     )
+    # Layer-wise writes' bytes over their tail (what the pass did not hide): the link's rate
+    # where the link is the bound, above it where the pass hid part (moving average; 0: none)
+    tail_bytes_per_s: float = 0.0
     write_s_counts: list[int] = field(default_factory=lambda: [0] * (len(WRITE_BUCKETS_S) + 1))
     # write_s_counts[i]: writes that took at most WRITE_BUCKETS_S[i] and more than the bucket
     # before; the last entry: longer than every bound.
@@ -45,8 +48,14 @@ class TransferFigures:
             next((i for i, b in enumerate(WRITE_BUCKETS_S) if seconds <= b), len(WRITE_BUCKETS_S))
         ] += 1
 
-    def observe_rate(self, rate: float) -> None:
-        self.bytes_per_s = rate if self.bytes_per_s <= 0 else 0.8 * self.bytes_per_s + 0.2 * rate
+    def observe_rate(self, rate: float, is_tail: bool = False) -> None:
+        if is_tail:
+            old = self.tail_bytes_per_s
+            self.tail_bytes_per_s = rate if old <= 0 else 0.8 * old + 0.2 * rate
+        else:
+            self.bytes_per_s = (
+                rate if self.bytes_per_s <= 0 else 0.8 * self.bytes_per_s + 0.2 * rate
+            )
 
     def as_dict(self) -> dict:
         # NOTE: the bucket counts are keys, not a list: a heartbeat's figures nest three
@@ -60,6 +69,7 @@ class TransferFigures:
             "num_layerwise": self.num_layerwise,
             "num_chunked": self.num_chunked,
             "bytes_per_s": round(self.bytes_per_s),
+            "tail_bytes_per_s": round(self.tail_bytes_per_s),
             **dict(zip(BUCKET_KEYS, self.write_s_counts)),
         }
 

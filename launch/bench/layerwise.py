@@ -34,6 +34,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from common.base.parse import DTYPES
 from common.runtime.process import HelpFormat
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -311,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(exist_ok=True)
     cfg = json.loads((Path(model) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    dtype_bytes = 2 if a.dtype in ("bfloat16", "float16") else 4  # a CPU node's default: fp32
+    # a CPU node's default: fp32
+    dtype_bytes = DTYPES[a.dtype].itemsize if a.dtype in DTYPES else 4
     kv_bytes_per_token = (
         cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * dtype_bytes
     )

@@ -15,6 +15,25 @@ def hf_greedy_gaps(model_dir, prompts, max_new_tokens, make_cache=None):
     transformers' own). NOTE: where the gap is within float32 rounding (the tiny models'
     logits are about 1 in size), sums taken in another order (a batch, paged
     attention) may pick the other token: such a step has no single right answer."""
+    return [
+        (tokens, [float(top[0] - top[1]) for top in (lg.topk(2).values for lg in logits)])
+        for tokens, logits in _greedy_logits(model_dir, prompts, max_new_tokens, make_cache)
+    ]
+
+
+def hf_greedy_logprobs(model_dir, prompts, max_new_tokens, make_cache=None):
+    """transformers' greedy tokens' log-probabilities for each prompt (make_cache: as
+    hf_greedy_gaps)."""
+    import torch
+
+    return [
+        [torch.log_softmax(lg, -1)[t].item() for lg, t in zip(logits, tokens)]
+        for tokens, logits in _greedy_logits(model_dir, prompts, max_new_tokens, make_cache)
+    ]
+
+
+def _greedy_logits(model_dir, prompts, max_new_tokens, make_cache):
+    """(greedy tokens, each step's logits [vocab]) for each prompt, one at a time, fp32."""
     import torch
     from transformers import Qwen3ForCausalLM
 
@@ -33,8 +52,7 @@ def hf_greedy_gaps(model_dir, prompts, max_new_tokens, make_cache=None):
                 output_logits=True,
                 return_dict_in_generate=True,
             )
-            gaps = [float(top[0] - top[1]) for top in (lg[0].topk(2).values for lg in gen.logits)]
-            out.append((gen.sequences[0, len(ids) :].tolist(), gaps))
+            out.append((gen.sequences[0, len(ids) :].tolist(), [lg[0] for lg in gen.logits]))
     return out
 
 

@@ -19,7 +19,7 @@ import pytest
 from frontend.client import AsyncClient, Client
 from tests.cluster.test_speculative_cluster import _repeating_prompts
 from tests.cluster_util import Processes, free_base_port, wait_for
-from tests.conftest import clear_prompts
+from tests.conftest import clear_prompts, hf_greedy_logprobs
 from tests.kv_quant_ref import QuantizedReferenceCache, WireReferenceCache
 from tests.unit.test_handoff import needs_nixl
 
@@ -152,28 +152,6 @@ def test_nodes_whose_caches_differ_refuse_the_handoff_by_name(tiny_model, tmp_pa
         procs.stop()
 
 
-def _reference_logprobs(model_dir, prompt: list[int], make_cache=None) -> list[float]:
-    """transformers' greedy tokens' log-probabilities (make_cache: the cache it keeps)."""
-    import torch
-    from transformers import Qwen3ForCausalLM
-
-    model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        gen = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            past_key_values=make_cache() if make_cache else None,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = gen.sequences[0, len(prompt) :].tolist()
-    return [torch.log_softmax(lg[0], -1)[t].item() for lg, t in zip(gen.logits, tokens)]
-
-
 @pytest.mark.parametrize(
     "backend,layerwise", [("tcp", "off"), ("tcp", "on"), ("dist", "off")], ids=str
 )
@@ -184,8 +162,8 @@ def test_int8_on_the_wire_answers_as_the_reference_that_quantizes_the_prompt_onc
         tiny_model, _candidates(12), NEW_TOKENS, 5, make_cache=WireReferenceCache
     )
     # Tokens alike, log-probabilities tell the two apart: the prompt's KV crossed in int8.
-    wire = [_reference_logprobs(tiny_model, p, WireReferenceCache) for p in prompts]
-    exact = [_reference_logprobs(tiny_model, p) for p in prompts]
+    wire = hf_greedy_logprobs(tiny_model, prompts, NEW_TOKENS, WireReferenceCache)
+    exact = hf_greedy_logprobs(tiny_model, prompts, NEW_TOKENS)
     assert max(abs(a - b) for w, e in zip(wire, exact) for a, b in zip(w, e)) > 1e-3
     prefill = ["--kv-transfer", backend, "--kv-layerwise", layerwise, "--kv-wire-dtype", "int8"]
     procs = Processes(

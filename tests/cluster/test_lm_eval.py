@@ -101,6 +101,18 @@ def _evaluate(
     )
 
 
+def _evaluate_ours(cluster, model_dir, tasks_dir, **kw) -> dict:
+    """Through pdserve's OpenAI API, batches of prompts in one call, as users run it."""
+    return _evaluate(
+        "local-completions",
+        f"model={MODEL},base_url={cluster.http}/v1/completions,"
+        f"tokenizer_backend=huggingface,tokenizer={model_dir},num_concurrent=1,max_retries=1",
+        tasks_dir,
+        batch_size=4,
+        **kw,
+    )
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
     c = Cluster(
@@ -116,13 +128,7 @@ def test_lm_eval_scores_the_same_on_pdserve_as_on_transformers(
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     _write_tasks(tmp_path, tiny_model)
-    ours = _evaluate(
-        "local-completions",
-        f"model={MODEL},base_url={cluster.http}/v1/completions,"
-        f"tokenizer_backend=huggingface,tokenizer={tiny_model},num_concurrent=1,max_retries=1",
-        tmp_path,
-        batch_size=4,
-    )  # batches of prompts in one call, as users run it
+    ours = _evaluate_ours(cluster, tiny_model, tmp_path)
     theirs = _evaluate("hf", f"pretrained={tiny_model},dtype=float32,device=cpu", tmp_path)
     for task, metrics in (
         ("pdserve_mc", ("acc,none", "acc_norm,none")),
@@ -189,15 +195,7 @@ def test_lm_eval_on_an_8bit_cache_scores_as_its_reference_near_the_full_model(
         kv_format,
     )
     try:
-        ours = _evaluate(
-            "local-completions",
-            f"model={MODEL},base_url={cluster.http}/v1/completions,"
-            f"tokenizer_backend=huggingface,tokenizer={tiny_model},num_concurrent=1,"
-            "max_retries=1",
-            tmp_path,
-            batch_size=4,
-            tasks=("pdserve_mc",),
-        )
+        ours = _evaluate_ours(cluster, tiny_model, tmp_path, tasks=("pdserve_mc",))
     finally:
         cluster.stop()
     samples = sorted(ours["samples"]["pdserve_mc"], key=lambda s: s["doc_id"])

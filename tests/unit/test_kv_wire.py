@@ -15,8 +15,9 @@ from common.base import kv_wire
 from common.transfer import tcp
 from common.wire import protocol
 from common.wire.node import ttft_parts
-from common.wire.protocol import KVCommit
-from tests.handoff_util import Pair
+from common.wire.protocol import KVCommit, KVTransfer
+from kernels import kv_quant
+from tests.handoff_util import Pair, start_all
 from tests.kv_quant_ref import quantize_dequantize
 
 calls = []
@@ -58,7 +59,12 @@ def test_the_rule_sends_int8_only_where_the_link_time_saved_outweighs_quantizing
     # ... and nothing where the prefill hides all of it either way (nothing measured then).
     calls.clear()
     hidden = kv_wire.choose("auto", 10**6, 5 * 10**5, 1e6, _rate(1e9), hidden_s=1.5)
-    assert (hidden.dtype, hidden.why, calls) == ("same", 4, [])
+    assert (hidden.dtype, kv_wire.WHY[hidden.why], calls) == (
+        "same",
+        "auto: the prefill hides the transfer either way",
+        [],
+    )
+    assert "kv_wire_saved_ms" not in hidden.stamps()
 
 
 def test_timings_say_the_format_and_why_and_ignore_what_does_not_parse():
@@ -82,6 +88,7 @@ def _wire(msg):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_frames_land_as_the_reference_quantizes_them(dtype, monkeypatch):
+    monkeypatch.setattr(transfer.copy, "WIRE_PIECE_BYTES", 300)  # checksums piece by piece
     torch.manual_seed(0)
     src = torch.randn(3, 2, 10, 4, 2, 16).to(dtype)  # [L, 2, blocks, block_size, Hk, D]
     dst = torch.zeros_like(src)
@@ -128,6 +135,15 @@ def test_int8_frames_are_refused_where_they_do_not_fit():
     sink = transfer.KVSink(transfer.LocalCache(torch.zeros_like(src), "127.0.0.1"), ["tcp"])
     with pytest.raises(transfer.TransferError, match="does not fit"):
         sink.receive(b"p", _wire(lie), [1, 2])
+    # An int8 frame larger than a writer makes one (its landing's temporaries are several
+    # times its size) is refused, whatever the link lets through.
+    per_block = src[0, :, :1].nbytes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tcp, "FRAME_BYTES", 2 * per_block)
+        big = kv_quant.quantize(src[:, :, 1:4], torch.int8)  # 2 layers x 3 blocks
+        frame = KVTransfer("b", "g", "tcp", {"first_layer": 0, "is_int8": True}, big)
+        with pytest.raises(transfer.TransferError, match="does not fit"):
+            sink.receive(b"p", _wire(frame), [1, 2, 3])
     # An 8-bit cache's own writer has nothing smaller to send.
     assert tcp.TcpWriter(eight_bit, lambda m: True).wire_dtypes == ()
     with pytest.raises(transfer.TransferError, match="cannot send"):
@@ -181,10 +197,42 @@ def test_a_handoff_crosses_in_int8_verified_and_says_so(layerwise):
     r = p.rx.next_ready()
     assert r is not None and r.error is None, r and r.error
     assert torch.equal(p.dst[:, :, r.block_ids], quantize_dequantize(src, "int8"))
+    # Its blocks hold lossy KV: never kept in the decode node's prefix cache under the
+    # prompt's hashes (a later prompt would take them for exact).
+    assert r.is_lossy
+    (seq,), _ = start_all(p.pool, r)
+    assert not seq.is_cacheable
     (commit,) = [m for m in p.link.sent if isinstance(m, KVCommit)]
     parts = ttft_parts(commit.timings)
     assert (parts["kv_wire"], parts["kv_wire_why"]) == ("int8", "--kv-wire-dtype int8")
     figures = p.tx.transfers["tcp"]
     assert figures.num_int8 == 1
     assert figures.num_bytes == tcp.TcpWriter(p.src, None).wire_bytes(len(r.block_ids))
+    p.close()
+
+
+def test_auto_learns_the_link_from_layer_wise_writes_too(monkeypatch):
+    """Where every write goes layer by layer (no whole write ever times the link), the
+    tails after the passes give auto its rate: it chooses, rather than waiting forever."""
+    from common.handoff import writes
+
+    monkeypatch.setattr(writes, "MIN_RATE_BYTES", 0)  # the test's caches are tiny
+    p = Pair(layerwise="on")
+    p.tx.wire_dtype = "auto"
+    whys = []
+    for rid in ("a", "b"):
+        job = p.job(rid, prompt_len=10)
+        p.tx.begin(job)
+        p.pump()
+        p.tx.push_layers([(job, None)], p.src.shape[0])
+        p.tx.start_writes([job])
+        p.tx.set_first_token(job, 3, {})
+        p.clock.advance(1.0)  # a slow link: the tail after the pass takes a second
+        p.pump()
+        assert p.rx.next_ready().error is None
+        (commit,) = [m for m in p.link.sent if isinstance(m, KVCommit) and m.request_id == rid]
+        whys.append(ttft_parts(commit.timings)["kv_wire_why"])
+    assert whys[0] == "auto: no link rate measured yet"
+    assert p.tx.transfers["tcp"].tail_bytes_per_s > 0 and p.tx.transfers["tcp"].bytes_per_s == 0
+    assert whys[1] != whys[0]  # measured: a choice made on it (a few bytes: not worth it)
     p.close()
