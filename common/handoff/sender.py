@@ -274,9 +274,11 @@ class Sender:
 
     def _write(self, h: Handoff, num_done: int | None = None, end_block: int | None = None) -> None:
         try:
-            if h.stage is Stage.RESERVED:  # pushed layer by layer (num_done): beside its prefill
-                rate = writes.wire_rate_to(h.peer, self.transfers)
-                hidden_s = 0.0 if num_done is None else self.prefill_s(h.job.prompt_len)
+            if h.stage is Stage.RESERVED:
+                rate, is_tail = writes.wire_rate_to(h.peer, self.transfers)
+                # pushed layer by layer (num_done) by a writer that does: beside its prefill
+                is_beside = num_done is not None and h.peer.writer.is_layerwise and not is_tail
+                hidden_s = self.prefill_s(h.job.prompt_len) if is_beside else 0.0
                 writes.choose_wire(h, self.wire_dtype, rate, self.block_bytes, hidden_s)
             writes.write(h, self.num_layers, num_done, self.checksums, self.clock, end_block)
         except TransferError as e:

@@ -33,12 +33,15 @@ def rate_to(peer, figures: dict) -> float:
     return f.bytes_per_s if f else 0.0
 
 
-def wire_rate_to(peer, figures: dict) -> float:
-    """The link rate the wire's format is chosen by: whole writes', else, where every write
-    goes layer by layer (long prompts), their tails'. NOTE: a tail rate reads high where
-    the pass hid part of the transfer, which favours the KV as it is: a safe error."""
+def wire_rate_to(peer, figures: dict) -> tuple[float, bool]:
+    """(the link rate the wire's format is chosen by, whether it is of tails): whole
+    writes', else, where every write goes layer by layer (long prompts), their tails'. A
+    tail is what the pass did not hide: a tail rate leaves the hiding out already (and
+    reads high where the pass hid part, which favours the KV as it is: a safe error)."""
     f = figures.get(peer.writer.name if peer.writer else "")
-    return (f.bytes_per_s or f.tail_bytes_per_s) if f else 0.0
+    if f is None or f.bytes_per_s > 0:
+        return (f.bytes_per_s if f else 0.0), False
+    return f.tail_bytes_per_s, f.tail_bytes_per_s > 0
 
 
 def choose_wire(

@@ -300,9 +300,14 @@ class WholeWrite(KVWriter):
 
     def end(self, request_id: str) -> int:
         reservation, src, dst, deadline, wire = self._begun.pop(request_id)
-        return self.inner.write(
-            request_id, reservation, src, dst, deadline - time.monotonic(), wire
-        )
+        try:
+            return self.inner.write(
+                request_id, reservation, src, dst, deadline - time.monotonic(), wire
+            )
+        except TransferError as e:
+            # NOTE: begun, its handoff waits for poll() to name it ended (and free its blocks)
+            self._dropped.append((request_id, str(e)))
+            raise
 
     def flush(self) -> None:
         pass

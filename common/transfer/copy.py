@@ -92,19 +92,21 @@ def block_checksums(cache: torch.Tensor, block_ids: list[int], wire: str = "same
     return torch.cat(sums)
 
 
-WIRE_PIECE_BYTES = 2**20  # of the cache's, quantized and dequantized at once for a checksum
+WIRE_PIECE_BYTES = 8 * 2**20  # of the cache's, quantized and dequantized at once for a sum
 
 
 def _landed_int8_checksums(cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    """block_checksums of the blocks as int8 rows land them. NOTE: a sum wraps, so adding
-    a layer's sums at a time gives what summing the whole would."""
+    """block_checksums of the blocks as int8 rows land them, a piece of blocks (every
+    layer) at a time, or a layer of a block where one is more than a piece. NOTE: a sum
+    wraps, so adding a layer's sums at a time gives what summing the whole would."""
     ids = torch.tensor(block_ids, dtype=torch.int64, device=cache.device)
-    per_block = cache[0, :, :1].numel() * cache.element_size()
-    step = max(1, WIRE_PIECE_BYTES // per_block)
+    per_block = cache[:, :, :1].numel() * cache.element_size()  # every layer's
+    num_layers = cache.shape[0] if per_block <= WIRE_PIECE_BYTES else 1
+    step = max(1, WIRE_PIECE_BYTES // (per_block // cache.shape[0] * num_layers))
     sums = torch.zeros(len(block_ids), dtype=torch.int32, device=cache.device)
-    for layer in range(cache.shape[0]):
+    for first in range(0, cache.shape[0], num_layers):
         for b in range(0, len(block_ids), step):
-            piece = cache[layer : layer + 1].index_select(2, ids[b : b + step])
+            piece = cache[first : first + num_layers].index_select(2, ids[b : b + step])
             landed = kv_quant.dequantize(kv_quant.quantize(piece, torch.int8), cache.dtype)
             sums[b : b + step] += block_checksums(landed, list(range(landed.shape[2])))
     return sums

@@ -577,3 +577,45 @@ def test_shared_segments_of_another_pid_namespace_are_left_alone():
         for name in (ours, theirs):
             if os.path.exists(f"/dev/shm/{name}"):
                 os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_whole_write_refused_as_it_ends_a_pushed_one_is_ended_and_frees_its_blocks():
+    """A writer with no layer-wise form (dist) starts a write begun during the pass at its
+    end; refused then (its process group broke), the handoff still ends: failed, retryable,
+    its blocks freed on this side, not held until the decode node restarts."""
+    from common.transfer.backend import WholeWrite
+
+    class Broken:  # a WholeWriter whose pipe failed
+        name, is_stalled, wire_dtypes = "tcp", True, ()
+
+        def __init__(self, src):
+            self.src = src
+
+        def write(self, *a, **kw):
+            raise transfer.TransferError("the KV process group failed")
+
+        def poll(self):
+            return []
+
+        def cancel(self, request_id):
+            pass
+
+        def close(self):
+            pass
+
+    class BrokenPair(Pair):
+        def _open_writer(self, welcome, send):
+            return WholeWrite(Broken(self.src))
+
+    p = BrokenPair(layerwise="on")
+    num_free = p.prefix.num_free
+    job = p.job("r", prompt_len=10)
+    p.tx.begin(job)
+    p.pump()
+    p.tx.push_layers([(job, None)], 1)  # begun during the pass
+    p.tx.start_writes([job])  # ended: the inner write is refused
+    p.tx.set_first_token(job, 3, {})
+    p.run_for(5.0)
+    assert [rid for rid, _ in p.failed] == ["r"] and "r" in p.retryable
+    assert "process group failed" in p.failed[0][1]
+    assert p.prefix.num_free == num_free and not p.tx.by_id
