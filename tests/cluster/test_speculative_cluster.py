@@ -90,10 +90,12 @@ def test_verified_drafts_answer_as_transformers(cluster, tiny_model):
         "num_drafts": "num_drafts",
     }
 
+    # NOTE: how many drafts it accepts is its controller's choice (it rests where drafts
+    # miss, as the random model's loops make them): drafted ones are counted for certain.
     def metrics_agree() -> bool:
         m, stats = _metrics(cluster), cluster.stats()["decode-0"]
         per_pos = [v for (n, pos), v in m.items() if n.endswith("accepted_tokens_per_pos_total")]
-        return sum(per_pos) == stats["num_accepted_tokens"] > 0 and all(
+        return sum(per_pos) == stats["num_accepted_tokens"] and all(
             m[(f"pdserve_spec_decode_{k}_total", "")] == stats[key] for k, key in names.items()
         )
 

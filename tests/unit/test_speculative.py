@@ -390,3 +390,34 @@ def test_drafts_that_cross_several_blocks_in_one_step_are_written_whole(tiny_mod
         got = generate(worker, prompts, [p, p])
         assert worker.decode.stats()["num_verify_steps"] > 0
     assert [r["token_ids"] for r in got] == [r["token_ids"] for r in plain]
+
+
+def test_metrics_give_each_nodes_draft_counts_and_accepted_by_position():
+    """/metrics' spec_decode families from decode nodes' stats: counts under vLLM's names,
+    accepted tokens by their place in the draft; a node whose figures do not parse (or that
+    does not speculate) is left out."""
+    from types import SimpleNamespace
+
+    from frontend.metrics import _spec_decode_families
+
+    stats = {"num_drafts": 5, "num_drafted_tokens": 12, "num_accepted_tokens": 7}
+    nodes = {
+        "decode-0": SimpleNamespace(stats={**stats, "num_accepted_per_pos": [4, 2, 1]}),
+        "decode-1": SimpleNamespace(stats={**stats, "num_drafts": "x"}),
+        "prefill-0": SimpleNamespace(stats={}),
+    }
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in _spec_decode_families(nodes)
+        for s in family.samples
+    }
+    node = (("node", "decode-0"),)
+    assert got[("pdserve_spec_decode_num_draft_tokens_total", node)] == 12
+    assert got[("pdserve_spec_decode_num_accepted_tokens_total", node)] == 7
+    by_pos = {
+        dict(labels)["position"]: v
+        for (name, labels), v in got.items()
+        if name == "pdserve_spec_decode_num_accepted_tokens_per_pos_total"
+    }
+    assert by_pos == {"0": 4, "1": 2, "2": 1} and sum(by_pos.values()) == 7
+    assert not any(dict(labels).get("node") != "decode-0" for _, labels in got)
