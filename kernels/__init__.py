@@ -97,5 +97,5 @@ def compute_slot_mapping(seq_lens, block_tables, block_size, out):
     return backend_for(seq_lens).compute_slot_mapping(seq_lens, block_tables, block_size, out)
 
 
-def advance_step(input_ids, sampled, seq_lens, step_inc):
-    return backend_for(input_ids).advance_step(input_ids, sampled, seq_lens, step_inc)
+def advance_step(input_ids, sampled, seq_lens, step_inc, history=None):
+    return backend_for(input_ids).advance_step(input_ids, sampled, seq_lens, step_inc, history)

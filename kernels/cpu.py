@@ -1,6 +1,7 @@
 """CPU ops beyond the portable ones, in C: paged decode and prefill attention
 (cpu_attention.c), and fp32 norms, rotary embedding (written into an fp32 or bf16 cache)
-and the gated activation in one pass each (cpu_rows.c);
+and the gated activation in one pass each (cpu_rows.c), the decode step's bookkeeping
+(kernels/cpu_steps.py);
 matmuls with bf16 weights (kernels/cpu_linear.py).
 
 The C files are built and loaded by kernels/cpu_build.py; importing this module raises
@@ -27,6 +28,7 @@ from kernels.cpu_linear import (  # noqa: F401
     linear,
     pack_linear_weight,
 )
+from kernels.cpu_steps import advance_step, compute_slot_mapping  # noqa: F401
 from kernels.cpu_threads import run_split
 
 MIN_ROWS_PER_THREAD = 8
@@ -360,29 +362,6 @@ def qk_norm_rope_write_kv(
     if failed:
         raise IndexError("a KV slot is outside the cache")
     return _norm_rope(q, q_weight, cos_sin, positions, eps)
-
-
-def compute_slot_mapping(seq_lens, block_tables, block_size, out):
-    """As portable.compute_slot_mapping, in one pass."""
-    if not (
-        seq_lens.dtype == torch.int32
-        and seq_lens.is_contiguous()
-        and out.dtype == torch.int64
-        and out.is_contiguous()
-        and block_tables.dtype == torch.int32
-        and block_tables.stride(-1) == 1
-        and seq_lens.device.type == "cpu"
-    ):
-        return portable.compute_slot_mapping(seq_lens, block_tables, block_size, out)
-    _ELEMENTWISE["slot_mapping"](
-        seq_lens.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        block_tables.shape[1],
-        block_size,
-        out.data_ptr(),
-        seq_lens.shape[0],
-    )
 
 
 def silu_mul(gate_up):

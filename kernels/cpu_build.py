@@ -174,6 +174,7 @@ def load(build_dir: Path) -> Library:
             [ptr, i64, ptr, ptr, i64, i64, i64],
         ),
         "slot_mapping": (lib.pdserve_slot_mapping, [ptr, ptr, i64, i64, i64, ptr, i64]),
+        "advance_step": (lib.pdserve_advance_step, [ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
         "linear_bf16": (
             lib.pdserve_linear_bf16,
             [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64],

@@ -1,6 +1,6 @@
 /* The CPU backend's one-pass row ops (kernels/cpu.py): RMSNorm (with the residual add),
  * per-head RMSNorm with the rotary embedding (written to a cache in fp32 or bf16), SiLU and
- * multiply, fp32 to bf16 rows, and the decode step's slot mapping. Built with the attention
+ * multiply, fp32 to bf16 rows, and the decode step's slot mapping and advance. Built with the attention
  * kernels by kernels/cpu_build.py; kernels/portable.py is the reference they are tested
  * against. */
 #include <math.h>
@@ -154,5 +154,21 @@ void pdserve_slot_mapping(const int32_t *seq_lens, const int32_t *tables, int64_
         int64_t i = (pos - r) / bs;
         i = i < 0 ? 0 : (i >= W ? W - 1 : i);
         out[b] = (int64_t)tables[b * bt_stride + i] * bs + r;
+    }
+}
+
+/* After a decode step's sampling, each row b in [0, B): its sampled token becomes its next
+ * input, written first at position seq_lens[b] of its history row (where history is not
+ * NULL: [B, hist_stride] int32, hist_width usable; a position past it is skipped), and its
+ * length grows by step_inc[b] (0 on a padding row). */
+void pdserve_advance_step(int64_t *input_ids, const int64_t *sampled, int32_t *seq_lens,
+                          const int32_t *step_inc, int32_t *history, int64_t hist_stride,
+                          int64_t hist_width, int64_t B) {
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t pos = seq_lens[b];
+        if (history != NULL && pos >= 0 && pos < hist_width)
+            history[b * hist_stride + pos] = (int32_t)sampled[b];
+        input_ids[b] = sampled[b];
+        seq_lens[b] += step_inc[b];
     }
 }

@@ -261,9 +261,18 @@ def compute_slot_mapping(
 
 
 def advance_step(
-    input_ids: torch.Tensor, sampled: torch.Tensor, seq_lens: torch.Tensor, step_inc: torch.Tensor
+    input_ids: torch.Tensor,
+    sampled: torch.Tensor,
+    seq_lens: torch.Tensor,
+    step_inc: torch.Tensor,
+    history: torch.Tensor | None = None,
 ) -> None:
     """After sampling: the sampled ids become the next inputs, each live sequence grows by one.
-    step_inc [B] is 1 for live rows and 0 for padding rows."""
+    step_inc [B] is 1 for live rows and 0 for padding rows. history: each row's tokens
+    [>= B, W] (a drafter's), where row b's sampled id is written at position seq_lens[b]
+    first. NOTE: W must exceed every seq_lens[b] (the C op skips a position past it)."""
+    if history is not None:
+        pos = seq_lens[:, None].long()  # [B, 1]
+        history[: pos.shape[0]].scatter_(1, pos, sampled[:, None].to(history.dtype))
     input_ids.copy_(sampled)
     seq_lens.add_(step_inc)

@@ -405,6 +405,6 @@ class DecodeBatch:
         logits = qwen3.compute_logits(m.weights, hidden)
         sampled = self.sampling.choose(logits, seq_lens, is_greedy, num_logprobs)
         self._sampled[:n].copy_(sampled)
-        if self.verifier:  # the drafter's rows hold every token, a plain step's too
-            self.verifier.drafter.append(n, seq_lens, self._sampled[:n, None])
-        kernels.advance_step(self._input_ids[:n], sampled, seq_lens, self._step_inc[:n])
+        # the drafter's rows hold every token, a plain step's too (written as it advances)
+        history = self.verifier.drafter.history if self.verifier else None
+        kernels.advance_step(self._input_ids[:n], sampled, seq_lens, self._step_inc[:n], history)

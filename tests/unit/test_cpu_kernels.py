@@ -5,6 +5,7 @@ their own: tests/cluster/test_cpu_kernels_processes.py)."""
 import importlib
 import os
 import shutil
+from unittest import mock
 
 import pytest
 import torch
@@ -251,6 +252,23 @@ def test_rope_written_into_the_cache_and_slot_mapping_equal_the_portable_ops():
     assert torch.equal(got, want)
     ops = backend_for(lens)
     assert ops.compute_slot_mapping is cpu.compute_slot_mapping
+
+    # the step's advance, a drafter's history written as it goes: one C call, as portable
+    sampled = torch.randint(0, 1 << 20, (6,))
+    inc = torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.int32)
+    history = [torch.randint(0, 9, (8, 80), dtype=torch.int32) for _ in range(2)]
+    history[1].copy_(history[0])
+    states = [(torch.zeros(6, dtype=torch.int64), lens.clone()) for _ in range(2)]
+    reference = portable.advance_step
+    with mock.patch.object(portable, "advance_step", side_effect=AssertionError("not C")):
+        cpu.advance_step(states[0][0], sampled, states[0][1], inc, history[0])
+    reference(states[1][0], sampled, states[1][1], inc, history[1])
+    assert all(torch.equal(a, b) for a, b in zip(states[0], states[1]))
+    assert torch.equal(history[0], history[1]) and history[0][3, 64] == sampled[3]
+    assert states[0][1].tolist() == (lens + inc).tolist()
+    cpu.advance_step(states[0][0], sampled, states[0][1], inc)  # no history: the same advance
+    assert states[0][1].tolist() == (lens + 2 * inc).tolist()
+    assert ops.advance_step is cpu.advance_step
 
 
 def test_prefill_lanes_equal_one_lane(tiny_model):

@@ -122,8 +122,12 @@ def test_slot_mapping_and_step_advance():
     assert slots.tolist() == [7 * 4 + 1, 5 * 4 + 0]
     ids = torch.tensor([1, 2])
     inc = torch.tensor([1, 0], dtype=torch.int32)
-    portable.advance_step(ids, torch.tensor([8, 9]), seq_lens, inc)
+    history = torch.zeros(3, 8, dtype=torch.int32)
+    portable.advance_step(ids, torch.tensor([8, 9]), seq_lens, inc, history)
     assert ids.tolist() == [8, 9] and seq_lens.tolist() == [7, 1]
+    # each row's token at its length before the step (a padding row's too); the rest kept
+    assert history[0].tolist() == [0] * 6 + [8, 0] and history[1].tolist() == [0, 9] + [0] * 6
+    assert not history[2].any()
 
 
 @pytest.mark.parametrize("is_packed", [False, True])

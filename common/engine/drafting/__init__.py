@@ -17,6 +17,11 @@ from common.engine.h2d import HostToDevice
 
 
 class Drafter(Protocol):
+    # Each row's tokens on the device [max_rows, W] int32, which a plain step writes its
+    # token into as it advances (kernels.advance_step: no op of the drafter's own in a
+    # plain step); None where the drafter keeps none there.
+    history: torch.Tensor | None
+
     def set_row(self, row: int, token_ids: list[int]) -> None:
         """A sequence joins at row: every token it has (prompt, then output; the last is
         its next input), through the counted host-to-device copy."""
@@ -30,7 +35,7 @@ class Drafter(Protocol):
         each row's seq_lens[i] tokens. width: an upper bound of seq_lens (host-known)."""
 
     def append(self, n: int, seq_lens: torch.Tensor, tokens: torch.Tensor) -> None:
-        """On the device, in every step: it made tokens [n, k + 1] (k = 0: a plain step) at
+        """On the device, in every verify step: it made tokens [n, k + 1] at
         positions seq_lens[i] + j of each row (seq_lens: the lengths before it). Those past
         what was accepted are overwritten before they are read: a drafter reads a row only
         below its length."""

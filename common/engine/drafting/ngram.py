@@ -2,7 +2,7 @@
 tokens (prompt and output), longest n first, and the tokens that followed the latest
 match are its drafts (repeated where they reach the row's end). Each row's tokens live in
 a device buffer written once when the sequence joins and appended on the device by every
-verify step, so proposing copies nothing from the host."""
+step (a plain step's advance writes it: history), so proposing copies nothing from the host."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class NgramDrafter:
         # or not, and a row at the model's limit must not write out of bounds.
         width = max_len + max_k + 1
         self.tokens = torch.zeros(max_rows, width, dtype=torch.int32, device=h2d.device)
+        self.history = self.tokens  # a plain step's token lands here (kernels.advance_step)
         self._steps = torch.arange(max_k + 1, device=h2d.device)
 
     def set_row(self, row: int, token_ids: list[int]) -> None:
@@ -67,4 +68,4 @@ class NgramDrafter:
         self.tokens[:n].scatter_(1, pos, tokens.to(self.tokens.dtype))
 
     def took(self, tokens: list[list[int]]) -> None:
-        pass  # every step appends its tokens on the device (append)
+        pass  # every step appends its tokens on the device (history, append)

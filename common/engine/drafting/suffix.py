@@ -55,6 +55,7 @@ class SuffixDrafter:
         self._budget = INDEX_BUDGET  # windows left to index this step
         self._staging = torch.full((max_rows, max_k), -1, dtype=torch.int64, pin_memory=is_pinned)
         self._drafts = torch.full((max_rows, max_k), -1, dtype=torch.int64, device=h2d.device)
+        self.history = None  # the host's tokens are what it indexes (took)
 
     @property
     def num_cached(self) -> int:

@@ -1,0 +1,62 @@
+"""The CPU decode step's bookkeeping in C (cpu_rows.c), one call each where torch would
+take several small ops (each ~5 us of dispatch, a tenth of a tiny model's step): the
+slot of each row's current token, and the advance after sampling. Served by kernels/cpu.py;
+kernels/portable.py is the reference they are tested against."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import options, portable
+from kernels.cpu_build import load
+
+_ELEMENTWISE = load(options.current[0].build_dir).elementwise
+
+
+def compute_slot_mapping(seq_lens, block_tables, block_size, out):
+    """As portable.compute_slot_mapping, in one pass."""
+    if not (
+        seq_lens.dtype == torch.int32
+        and seq_lens.is_contiguous()
+        and out.dtype == torch.int64
+        and out.is_contiguous()
+        and block_tables.dtype == torch.int32
+        and block_tables.stride(-1) == 1
+        and seq_lens.device.type == "cpu"
+    ):
+        return portable.compute_slot_mapping(seq_lens, block_tables, block_size, out)
+    _ELEMENTWISE["slot_mapping"](
+        seq_lens.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        block_size,
+        out.data_ptr(),
+        seq_lens.shape[0],
+    )
+
+
+def advance_step(input_ids, sampled, seq_lens, step_inc, history=None):
+    """As portable.advance_step, in one pass (a position past history's width skipped)."""
+    is_history_ok = history is None or (
+        history.dtype == torch.int32 and history.stride(1) == 1 and history.device.type == "cpu"
+    )
+    if not (
+        is_history_ok
+        and input_ids.dtype == sampled.dtype == torch.int64
+        and seq_lens.dtype == step_inc.dtype == torch.int32
+        and all(t.is_contiguous() and t.device.type == "cpu" for t in (input_ids, sampled))
+        and seq_lens.is_contiguous()
+        and step_inc.is_contiguous()
+    ):
+        return portable.advance_step(input_ids, sampled, seq_lens, step_inc, history)
+    _ELEMENTWISE["advance_step"](
+        input_ids.data_ptr(),
+        sampled.data_ptr(),
+        seq_lens.data_ptr(),
+        step_inc.data_ptr(),
+        None if history is None else history.data_ptr(),
+        0 if history is None else history.stride(0),
+        0 if history is None else history.shape[1],
+        input_ids.shape[0],
+    )
