@@ -13,12 +13,15 @@ its positions), and batches with a row that has penalties or log-probabilities (
 position's are made). A verify step of k is
 expected to make 1 + p + ... + p^k tokens in that row. A batch size's plain steps are
 measured first; a step of one draft, until it is measured there, is reckoned to cost
-what it did against plain steps at the nearest size measured (the very first is tried);
-a step of more drafts, as those two say, each draft alike. While
-plain steps win, a step of one draft (the cheapest) is still tried now and then (a
-probe) to see whether acceptance has grown; the gap between probes doubles with each,
-and starts over once verifying pays for that kind of batch (greedy, sampled, costly),
-so a load that never matches pays for few.
+what it did against plain steps at the nearest size measured, of the same kind of batch
+if one is, else of another (the very first is tried); a step of more drafts, as those
+two say, each draft alike. While plain steps win, a step of one draft (the cheapest) is
+still tried now and then (a probe) to see whether acceptance has grown; the gap between
+probes doubles with each, and starts over once verifying pays for that kind of batch
+(greedy, sampled, costly), so a load that never matches pays for few; and for a kind
+whose verifying never paid, it is never so short that probes cost more than PROBE_SHARE
+of the plain steps' time (a tiny model's verify step costs 2-6x a plain one: the host's
+work around it).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ PRIOR_TRIALS = 2.0  # what PRIOR weighs against a row's own drafts
 SMOOTHING = 0.3  # weight of a new measurement (acceptance and step times alike)
 FIRST_PROBE_GAP = 16  # plain steps before the first probe
 MAX_PROBE_GAP = 1024
+PROBE_SHARE = 0.01  # a probe's time beyond a plain step's, at most this of the gap's
 MARGIN = 0.03  # how much more verify steps must make a second than plain ones
 RECHECK = 8  # plain steps between reckonings while plain steps win
 MAX_AWAY = 1024  # rows' acceptance kept beyond the batch's before it is pruned
@@ -54,8 +58,10 @@ class DraftChooser:
         # per kind of batch (sampled, costly): verifying that pays for greedy rows says
         # nothing of sampled ones' probes
         self._probe_gap: dict[tuple[bool, bool], int] = {}
+        self._has_paid: set[tuple[bool, bool]] = set()  # kinds whose verifying once paid
         self._num_plain = 0  # plain steps since the last verify step
         self._is_probing = False  # the last choice was a probe
+        self._next_gap = FIRST_PROBE_GAP  # the probe gap after it, should it fail
         self._plain_until = (0, 0)  # (bucket, plain steps): plain until then (choose)
         self.num_probes = 0
 
@@ -113,11 +119,20 @@ class DraftChooser:
             if rate > best_rate:
                 best_k, best_rate = k, rate
         kind = bucket[1]
-        gap = self._probe_gap.get(kind, FIRST_PROBE_GAP)
+        # NOTE: where verifying never paid for this kind of batch, probes cost at most
+        # PROBE_SHARE; where it did, they come soon after it stops (its acceptance may
+        # come back), their gaps doubling as they fail
+        extra = (one_s - plain_s) / max(plain_s, 1e-9) / PROBE_SHARE  # in plain steps
+        floor = FIRST_PROBE_GAP if kind in self._has_paid else int(extra)
+        floor = min(max(floor, FIRST_PROBE_GAP), MAX_PROBE_GAP)
+        gap = self._probe_gap.get(kind, floor)
         if best_k:
             self._probe_gap[kind] = FIRST_PROBE_GAP  # verifying pays: probe soon once it stops
+            self._has_paid.add(kind)
             return best_k
         self._is_probing = self._num_plain >= gap
+        if self._is_probing:  # should it fail, the next waits twice as long, and long enough
+            self._next_gap = min(max(2 * gap, floor), MAX_PROBE_GAP)
         # NOTE: reckoned again after RECHECK more plain steps or at another batch size, the
         # probe's time included (the rows' acceptance changes only when they are verified)
         until = min(self._num_plain + RECHECK, gap)
@@ -125,18 +140,18 @@ class DraftChooser:
         return 1 if self._is_probing else 0
 
     def _nearest_ratio(self, bucket: tuple[int, tuple[bool, bool]]) -> float | None:
-        """A step of one draft's time over a plain step's at the nearest batch size of the
-        class that has both measured (the larger of two as near: the dearer); None if none
-        has."""
+        """A step of one draft's time over a plain step's at the nearest batch size that has
+        both measured, of the same kind of batch if one has, else of any (the larger of
+        two as near: the dearer); None if none has."""
         size, kind = bucket
-        sizes = [
-            b for (b, s), k in self._step_s if k == 1 and s == kind and ((b, s), 0) in self._step_s
-        ]
-        if not sizes:
+        measured = [b for b, k in self._step_s if k == 1 and (b, 0) in self._step_s]
+        if not measured:
             return None
-        near = min(sizes, key=lambda b: (abs(b.bit_length() - size.bit_length()), -b))
-        near_bucket = (near, kind)
-        return self._step_s[(near_bucket, 1)] / max(self._step_s[(near_bucket, 0)], 1e-9)
+        near = min(
+            measured,
+            key=lambda b: (b[1] != kind, abs(b[0].bit_length() - size.bit_length()), -b[0]),
+        )
+        return self._step_s[(near, 1)] / max(self._step_s[(near, 0)], 1e-9)
 
     def is_resting(self, keys: list[str]) -> bool:
         """Plain steps won lately for a batch like this one and nothing was verified since:
@@ -169,9 +184,8 @@ class DraftChooser:
             self._num_plain += 1
             return
         self._plain_until = (0, 0)
-        if self._is_probing:  # the next probe of this kind waits twice as long
-            gap = self._probe_gap.get(key[0][1], FIRST_PROBE_GAP)
-            self._probe_gap[key[0][1]] = min(2 * gap, MAX_PROBE_GAP)
+        if self._is_probing:  # the next probe of this kind waits longer (choose)
+            self._probe_gap[key[0][1]] = self._next_gap
             self.num_probes += 1
             self._is_probing = False
         keep = 1 - SMOOTHING

@@ -248,6 +248,8 @@ class _Oracle:
     """A drafter that knows each sequence's plain decoding: it proposes the next k tokens
     of it, every `wrong_every`th of them changed."""
 
+    history = None  # it keeps no tokens on the device
+
     def __init__(self, sequences: list[list[int]], wrong_every: int = 0):
         self.sequences = sequences
         self.wrong_every = wrong_every

@@ -82,6 +82,8 @@ def test_verified_rows_with_penalties_bias_and_masks_make_plain_steps_tokens(
 class _Constant:
     """A drafter that proposes the same drafts for every row at every step."""
 
+    history = None  # it keeps no tokens on the device
+
     def __init__(self, drafts: list[int]):
         self.drafts = drafts
 
