@@ -13,12 +13,13 @@ workers in turn (a host's memory bandwidth drifts by the minute), as --loads ask
   answers, as an edit's output holds its input), then off again;
 - `sampled`: other new prompts at temperature 1.0, each request seeded, off, on, off: drafts
   that almost never match, which the draft chooser must turn down.
-Both workers first serve a batch of other prompts, as a running node has: its draft
-chooser has measured its steps. One JSON line per (batch size, load) on stdout, then a
-table on stderr: decode tokens/s and the requests' time per output token (p50) against
-the baseline's in the same run, the accepted drafts per verify step and row, the share of
-steps that verified, and whether the tokens equal the baseline's (they must: a verify
-step makes plain decoding's tokens, a seeded draw included).
+Both workers first serve a batch of other prompts (greedy, and sampled where that load
+runs), as a running node has: its draft chooser has measured its kinds of steps. One
+JSON line per (batch size, load) on stdout, then a table on stderr: decode tokens/s and
+the requests' time per output token (p50) against the baseline's in the same run, the
+accepted drafts per verify step and row, the share of steps that verified, and whether
+the tokens equal the baseline's (they must: a verify step makes plain decoding's tokens,
+a seeded draw included).
 """
 
 from __future__ import annotations
@@ -126,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
                 return [[rng.randrange(1, vocab) for _ in range(a.prompt_len)] for _ in range(size)]
 
             chooser = DraftChooser(spec.num_speculative_tokens)
-            warm = new_prompts()
-            generate(off, warm, greedy)
-            generate(on, warm, greedy, chooser)
+            for params in [greedy] + ([sampled] if "sampled" in loads else []):
+                warm = new_prompts()
+                generate(off, warm, params)
+                generate(on, warm, params, chooser)
             runs = {"off": [], "off sampled": [], **{load: [] for load in loads}}
             orders = []
             if {"fresh", "repeat"} & set(loads):
