@@ -18,6 +18,7 @@ __all__ = [
     "linear",
     "pack_linear_weight",
     "prefill_attention",
+    "prompt_lookup",
     "qk_norm_rope",
     "qk_norm_rope_write_kv",
     "rms_norm",
@@ -99,3 +100,8 @@ def compute_slot_mapping(seq_lens, block_tables, block_size, out):
 
 def advance_step(input_ids, sampled, seq_lens, step_inc, history=None):
     return backend_for(input_ids).advance_step(input_ids, sampled, seq_lens, step_inc, history)
+
+
+def prompt_lookup(tokens, seq_lens, k, min_n, max_n, width):
+    """Drafts [n, k] from each row's own tokens (speculative decoding's prompt lookup)."""
+    return backend_for(tokens).prompt_lookup(tokens, seq_lens, k, min_n, max_n, width)

@@ -29,6 +29,7 @@ _OPS = (
     "qk_norm_rope_write_kv",
     "compute_slot_mapping",
     "advance_step",
+    "prompt_lookup",
 )
 
 

@@ -28,7 +28,7 @@ from kernels.cpu_linear import (  # noqa: F401
     linear,
     pack_linear_weight,
 )
-from kernels.cpu_steps import advance_step, compute_slot_mapping  # noqa: F401
+from kernels.cpu_steps import advance_step, compute_slot_mapping, prompt_lookup  # noqa: F401
 from kernels.cpu_threads import run_split
 
 MIN_ROWS_PER_THREAD = 8

@@ -175,6 +175,10 @@ def load(build_dir: Path) -> Library:
         ),
         "slot_mapping": (lib.pdserve_slot_mapping, [ptr, ptr, i64, i64, i64, ptr, i64]),
         "advance_step": (lib.pdserve_advance_step, [ptr, ptr, ptr, ptr, ptr, i64, i64, i64]),
+        "prompt_lookup": (
+            lib.pdserve_prompt_lookup,
+            [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr],
+        ),
         "linear_bf16": (
             lib.pdserve_linear_bf16,
             [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64],

@@ -1,6 +1,6 @@
 /* The CPU backend's one-pass row ops (kernels/cpu.py): RMSNorm (with the residual add),
  * per-head RMSNorm with the rotary embedding (written to a cache in fp32 or bf16), SiLU and
- * multiply, fp32 to bf16 rows, and the decode step's slot mapping and advance. Built with the attention
+ * multiply, fp32 to bf16 rows, the decode step's slot mapping and advance, and prompt lookup. Built with the attention
  * kernels by kernels/cpu_build.py; kernels/portable.py is the reference they are tested
  * against. */
 #include <math.h>
@@ -170,5 +170,42 @@ void pdserve_advance_step(int64_t *input_ids, const int64_t *sampled, int32_t *s
             history[b * hist_stride + pos] = (int32_t)sampled[b];
         input_ids[b] = sampled[b];
         seq_lens[b] += step_inc[b];
+    }
+}
+
+/* Prompt lookup (kernels/portable.py prompt_lookup, the reference): for each row b of rows
+ * [n, stride] int32 (its tokens [0, lens[b]), at most width of them read), the last m
+ * tokens (m from max_n down to min_n, the first found wins) looked for at their latest
+ * earlier place ending before the last token; the tokens after it are the drafts, those
+ * up to the row's end repeated past it. drafts [n, k] int64, -1 where none is found. */
+void pdserve_prompt_lookup(const int32_t *rows, int64_t stride, int64_t width,
+                           const int32_t *lens, int64_t n, int64_t k, int64_t min_n,
+                           int64_t max_n, int64_t *drafts) {
+    for (int64_t b = 0; b < n; b++) {
+        const int32_t *r = rows + b * stride;
+        const int64_t len = lens[b] < width ? lens[b] : width;
+        int64_t start = -1;
+        for (int64_t m = max_n; m >= min_n && start < 0; m--) {
+            if (width <= m || len - m - 1 < 0) continue;
+            const int32_t *suffix = r + len - m;
+            /* windows [p, p + m) with p <= len - m - 1: a token follows each */
+            for (int64_t p = len - m - 1; p >= 0; p--) {
+                if (memcmp(r + p, suffix, (size_t)m * sizeof *r) == 0) {
+                    start = p + m;
+                    break;
+                }
+            }
+        }
+        int64_t *out = drafts + b * k;
+        const int64_t period = len - start > 1 ? len - start : 1;
+        for (int64_t j = 0; j < k; j++) {
+            if (start < 0) {
+                out[j] = -1;
+                continue;
+            }
+            int64_t pos = start + j % period;
+            pos = pos < 0 ? 0 : (pos >= width ? width - 1 : pos);
+            out[j] = r[pos];
+        }
     }
 }

@@ -276,3 +276,32 @@ def advance_step(
         history[: pos.shape[0]].scatter_(1, pos, sampled[:, None].to(history.dtype))
     input_ids.copy_(sampled)
     seq_lens.add_(step_inc)
+
+
+def prompt_lookup(
+    tokens: torch.Tensor, seq_lens: torch.Tensor, k: int, min_n: int, max_n: int, width: int
+) -> torch.Tensor:
+    """Drafts [n, k] int64 (-1: none) for rows tokens [n, >= width] int32 of seq_lens [n]
+    tokens each (at most width): each row's last m tokens (m from max_n down to min_n, the
+    longest found wins) at their latest earlier place that a token follows; the drafts
+    are what followed, repeated past the row's end (the suffix recurs every len - start
+    tokens: loops and repeated lines)."""
+    rows = tokens[:, :width]  # [n, W]
+    lens = seq_lens[:, None].long()  # [n, 1]
+    start = torch.full_like(lens, -1)  # where each row's drafts begin
+    steps = torch.arange(max(k, max_n), device=tokens.device)
+    for size in range(max_n, min_n - 1, -1):
+        if width <= size:
+            continue
+        suffix = rows.gather(1, (lens - size + steps[:size]).clamp_(min=0))  # [n, size]
+        windows = rows.unfold(1, size, 1)  # [n, W - size + 1, size]
+        is_hit = (windows == suffix[:, None, :]).all(-1)  # [n, P]
+        # A match must end before the last token: at least one token follows it.
+        p = torch.arange(is_hit.shape[1], device=rows.device)
+        is_hit &= p[None, :] <= lens - size - 1
+        latest = torch.where(is_hit, p[None, :], -1).amax(1, keepdim=True)  # [n, 1]
+        start = torch.where((start < 0) & (latest >= 0), latest + size, start)
+    period = (lens - start).clamp_(min=1)
+    pos = start + steps[:k] % period  # [n, k]
+    drafts = rows.gather(1, pos.clamp_(0, width - 1)).long()
+    return drafts.masked_fill_(start < 0, -1)

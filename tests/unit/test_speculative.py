@@ -1,8 +1,11 @@
 """Speculative decoding in the decode batch: the config, prompt lookup's drafts, and verify
 steps whose tokens are those of plain decoding, token for token."""
 
+import importlib
 import json
+import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from common.engine.drafting.ngram import NgramDrafter
 from common.engine.drafting.suffix import SuffixDrafter
 from common.engine.h2d import HostToDevice
 from common.engine.worker import DeviceWorker, PrefillChunk
+from kernels import portable
 from launch.tools.offline import generate
 from tests.conftest import hf_greedy
 
@@ -97,6 +101,27 @@ def test_prompt_lookup_proposes_what_the_hand_lookup_does():
     rows2[0] = rows2[1]
     got = d.propose(8, lens2, k, int(lens2.max())).tolist()
     assert got == [_lookup(r, k, 1, 3) for r in rows2]
+
+
+@pytest.mark.parametrize("backend", ["portable", "cpu"])
+def test_each_prompt_lookup_op_proposes_what_the_hand_lookup_does(backend, monkeypatch):
+    """kernels.prompt_lookup's portable op (CUDA, NPU) and the CPU's C op alike, over rows
+    of a few distinct tokens (many matches), lengths up to the width and past it."""
+    if backend == "cpu" and not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler")
+    ops = importlib.import_module(f"kernels.{backend}")
+    if backend == "cpu":  # the C op itself, never the portable one it falls back to
+        monkeypatch.setattr(portable, "prompt_lookup", None)
+    rng = random.Random(5)
+    for k, (min_n, max_n) in ((4, (1, 3)), (7, (2, 5)), (1, (1, 1))):
+        rows = [[rng.randrange(3) for _ in range(rng.randrange(1, 48))] for _ in range(16)]
+        tokens = torch.randint(0, 3, (16, 64), dtype=torch.int32)  # past a row: anything
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = torch.tensor(r)
+        lens = torch.tensor([len(r) for r in rows], dtype=torch.int32)
+        width = int(lens.max())
+        got = ops.prompt_lookup(tokens, lens, k, min_n, max_n, width).tolist()
+        assert got == [_lookup(r, k, min_n, max_n) for r in rows]
 
 
 def test_drafts_from_a_loop_carry_on_round_it_past_the_rows_end():
