@@ -18,15 +18,13 @@ if one is, else of another (the very first is tried); a step of more drafts, as 
 two say, each draft alike. While plain steps win, a step of one draft (the cheapest) is
 still tried now and then (a probe) to see whether acceptance has grown; the gap between
 probes doubles with each, and starts over once verifying pays for that kind of batch
-(greedy, sampled, costly), so a load that never matches pays for few; and for a kind
-whose verifying never paid, it is never so short that probes cost more than PROBE_SHARE
-of the plain steps' time (a tiny model's verify step costs 2-6x a plain one: the host's
-work around it).
+(greedy, sampled, costly), so a load that never matches pays for few; and where this
+kind's verify steps are measured and lately did not pay at this size, it is never so short
+that probes cost more than PROBE_SHARE of the plain steps' time (a tiny model's verify
+step costs 2-6x a plain one: the host's work around it).
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 PRIOR = 0.3  # a new row's acceptance, until it is measured
 PRIOR_TRIALS = 2.0  # what PRIOR weighs against a row's own drafts
@@ -58,7 +56,8 @@ class DraftChooser:
         # per kind of batch (sampled, costly): verifying that pays for greedy rows says
         # nothing of sampled ones' probes
         self._probe_gap: dict[tuple[bool, bool], int] = {}
-        self._has_paid: set[tuple[bool, bool]] = set()  # kinds whose verifying once paid
+        # (batch size, kind) -> its verify steps' tokens a second over plain steps', smoothed
+        self._paid: dict[tuple[int, tuple[bool, bool]], float] = {}
         self._num_plain = 0  # plain steps since the last verify step
         self._is_probing = False  # the last choice was a probe
         self._next_gap = FIRST_PROBE_GAP  # the probe gap after it, should it fail
@@ -100,35 +99,36 @@ class DraftChooser:
         plain_s, one_s = self._step_s.get((bucket, 0)), self._step_s.get((bucket, 1))
         if plain_s is None:
             return 0  # a plain step measures this size first
+        is_own_kind = True  # whether one_s is this kind of batch's (else another's)
         if one_s is None:  # reckoned from the nearest size measured, or measured if none is
-            ratio = self._nearest_ratio(bucket)
-            if ratio is None:
+            near = self._nearest_ratio(bucket)
+            if near is None:
                 return 1
+            ratio, is_own_kind = near
             one_s = plain_s * ratio
         get, sampled = self._acceptance.get, self._sampled
         priors = [_ratio(pooled, PRIOR) for pooled in self._pooled]
-        ps = np.fromiter(
-            (_ratio(get(key), priors[key in sampled]) for key in keys), np.float64, len(keys)
-        )
+        ps = [_ratio(get(key), priors[key in sampled]) for key in keys]
         # NOTE: verifying must beat plain steps by a margin: where no draft is accepted
         # the two cost alike at a small batch, and noise alone would pick either
         best_k, best_rate = 0, len(keys) / max(plain_s, 1e-9) * (1 + MARGIN)
-        for k in sorted({min(k, limit) for k in self.candidates} - {0}):
+        ks = sorted({min(k, limit) for k in self.candidates} - {0})
+        for k, made in zip(ks, _expected_tokens(ps, ks)):
             step_s = self._step_s.get((bucket, k), plain_s + k * (one_s - plain_s))
-            rate = _expected_tokens(ps, k) / max(step_s, 1e-9)
+            rate = made / max(step_s, 1e-9)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         kind = bucket[1]
-        # NOTE: where verifying never paid for this kind of batch, probes cost at most
-        # PROBE_SHARE; where it did, they come soon after it stops (its acceptance may
-        # come back), their gaps doubling as they fail
+        # NOTE: probes cost at most PROBE_SHARE of the plain steps' time where this kind's
+        # verify steps are measured and lately did not pay at this size; where they paid
+        # (acceptance may come back), or their cost is another kind's (a guess), probes
+        # come at gaps doubling from FIRST_PROBE_GAP
+        is_bound = is_own_kind and self._paid.get(bucket, 0.0) <= 1 + MARGIN
         extra = (one_s - plain_s) / max(plain_s, 1e-9) / PROBE_SHARE  # in plain steps
-        floor = FIRST_PROBE_GAP if kind in self._has_paid else int(extra)
-        floor = min(max(floor, FIRST_PROBE_GAP), MAX_PROBE_GAP)
+        floor = min(max(int(extra) if is_bound else 0, FIRST_PROBE_GAP), MAX_PROBE_GAP)
         gap = self._probe_gap.get(kind, floor)
         if best_k:
             self._probe_gap[kind] = FIRST_PROBE_GAP  # verifying pays: probe soon once it stops
-            self._has_paid.add(kind)
             return best_k
         self._is_probing = self._num_plain >= gap
         if self._is_probing:  # should it fail, the next waits twice as long, and long enough
@@ -139,10 +139,10 @@ class DraftChooser:
         self._plain_until = (bucket, until) if not self._is_probing else (0, 0)
         return 1 if self._is_probing else 0
 
-    def _nearest_ratio(self, bucket: tuple[int, tuple[bool, bool]]) -> float | None:
+    def _nearest_ratio(self, bucket: tuple[int, tuple[bool, bool]]) -> tuple[float, bool] | None:
         """A step of one draft's time over a plain step's at the nearest batch size that has
         both measured, of the same kind of batch if one has, else of any (the larger of
-        two as near: the dearer); None if none has."""
+        two as near: the dearer), and whether it is the same kind's; None if none has."""
         size, kind = bucket
         measured = [b for b, k in self._step_s if k == 1 and (b, 0) in self._step_s]
         if not measured:
@@ -151,7 +151,7 @@ class DraftChooser:
             measured,
             key=lambda b: (b[1] != kind, abs(b[0].bit_length() - size.bit_length()), -b[0]),
         )
-        return self._step_s[(near, 1)] / max(self._step_s[(near, 0)], 1e-9)
+        return self._step_s[(near, 1)] / max(self._step_s[(near, 0)], 1e-9), near[1] == kind
 
     def is_resting(self, keys: list[str]) -> bool:
         """Plain steps won lately for a batch like this one and nothing was verified since:
@@ -184,6 +184,11 @@ class DraftChooser:
             self._num_plain += 1
             return
         self._plain_until = (0, 0)
+        plain_s = self._step_s.get((key[0], 0))
+        if plain_s is not None:  # whether verifying paid here (choose's probe gaps)
+            gain = (len(keys) + sum(accepted)) * plain_s / max(step_s * len(keys), 1e-12)
+            old_gain = self._paid.get(key[0], gain)
+            self._paid[key[0]] = old_gain + SMOOTHING * (gain - old_gain)
         if self._is_probing:  # the next probe of this kind waits longer (choose)
             self._probe_gap[key[0][1]] = self._next_gap
             self.num_probes += 1
@@ -208,8 +213,10 @@ def _ratio(counts: tuple[float, float] | None, prior: float) -> float:
     return (won + prior * PRIOR_TRIALS) / (tried + PRIOR_TRIALS)
 
 
-def _expected_tokens(ps: np.ndarray, k: int) -> float:
-    """The rows' tokens from a step of k drafts: 1 + p + ... + p^k a row, each of its
-    drafts accepted with its p ([n] in [0, 1])."""
-    ps = np.minimum(ps, 1 - 1e-9)  # NOTE: the closed form divides by 1 - p
-    return float(np.sum((1 - ps ** (k + 1)) / (1 - ps)))
+def _expected_tokens(ps: list[float], ks: list[int]) -> list[float]:
+    """The rows' tokens from a step of k drafts, for each k of ks: 1 + p + ... + p^k a row,
+    each of its drafts accepted with its p (in [0, 1]). NOTE: plain Python: numpy's calls
+    on a few rows, cold after a forward, cost a tiny model's choose ~80 us (~2% of its
+    plain steps' time at one reckoning every RECHECK steps)."""
+    ps = [min(p, 1 - 1e-9) for p in ps]  # NOTE: the closed form divides by 1 - p
+    return [sum((1 - p ** (k + 1)) / (1 - p) for p in ps) for k in ks]

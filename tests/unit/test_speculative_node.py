@@ -16,7 +16,7 @@ from common.kv.blocks import num_blocks_for
 from common.kv.prefix import PrefixCache
 from common.kv.sequence import Sequence
 from decode_node.batch import Batch
-from decode_node.drafts import PROBE_SHARE, DraftChooser
+from decode_node.drafts import FIRST_PROBE_GAP, PROBE_SHARE, DraftChooser
 from decode_node.scheduler import DecodeScheduler
 from tests.unit.test_speculative import _Oracle
 
@@ -339,12 +339,35 @@ def test_probes_where_a_verify_step_is_dear_cost_at_most_a_share_of_plain_steps(
 
 def test_a_kind_of_batch_never_verified_is_reckoned_from_another_kinds_steps():
     """Sampled rows' first batch has no verify step of its own measured: where greedy
-    batches' say a draft is dear, it runs plain steps but for a probe (trying drafts at
-    once cost the tiny model two verify steps, the first untimed, a new kind of batch)."""
+    batches' say a draft is dear, it runs plain steps but for probes (trying drafts at
+    once cost the tiny model two verify steps, the first untimed, a new kind of batch).
+    Its probes come at gaps doubling from FIRST_PROBE_GAP until its own cost is measured
+    (another kind's is a guess), then at gaps that keep them within PROBE_SHARE."""
     chooser = DraftChooser(4)
     _run_chooser(chooser, 40, lambda k: 1.0 + 0.8 * k, lambda k: 0)
     keys = [f"s{i}" for i in range(4)]
     for key in keys:
         chooser.join(key, is_sampled=True)
-    chosen = _run_chooser_on(chooser, keys, 40, lambda k: 1.2 + 1.0 * k, lambda k: 0)
-    assert chosen == [0] * 40  # a probe of theirs waits 100 steps (greedy's cost)
+    chosen = _run_chooser_on(chooser, keys, 300, lambda k: 1.2 + 1.0 * k, lambda k: 0)
+    verified = [i for i, k in enumerate(chosen) if k]
+    # plain steps measured, then a probe (the greedy steps' plain run counts), untimed
+    assert chosen[:4] == [0, 0, 1, 0]
+    gaps = [b - a for a, b in zip(verified, verified[1:])]
+    assert gaps[:2] == [2 * FIRST_PROBE_GAP + 1, 4 * FIRST_PROBE_GAP + 1]
+    assert gaps[2] > 1.0 / 1.2 / PROBE_SHARE and len(verified) == 4
+
+
+def test_probes_stay_within_their_share_at_a_size_where_verifying_never_paid():
+    """Found in review: a kind marked as paying from an estimate (another size's cheap
+    verify step and the prior acceptance) kept probing every 16-64 steps at a size where a
+    verify step cost 4x, for the node's life. Whether verifying paid is measured, per
+    batch size."""
+    chooser = DraftChooser(4)
+    alone = _run_chooser(chooser, 50, lambda k: 1.0 + 0.1 * k, lambda k: 0, rows=1)
+    assert 1 in alone
+    chooser.forget("r0")
+    at_8 = _run_chooser(chooser, 400, lambda k: 1.0 + 3.0 * k, lambda k: 0, rows=8)
+    # its own cost measured (by the second probe, the first untimed), probes keep their share
+    # (the estimate's mark: probes at 117 and 246, 1.8%)
+    after = at_8[60:]
+    assert sum(3.0 * k for k in after) / len(after) <= PROBE_SHARE
