@@ -19,9 +19,9 @@ two say, each draft alike. While plain steps win, a step of one draft (the cheap
 still tried now and then (a probe) to see whether acceptance has grown; the gap between
 probes doubles with each, and starts over once verifying pays for that kind of batch
 (greedy, sampled, costly), so a load that never matches pays for few; and where this
-kind's verify steps are measured and lately did not pay at this size, it is never so short
-that probes cost more than PROBE_SHARE of the plain steps' time (a tiny model's verify
-step costs 2-6x a plain one: the host's work around it).
+kind's verify steps are measured and none paid at this size since its last failed probe,
+it is never so short that probes cost more than PROBE_SHARE of the plain steps' time (a
+tiny model's verify step costs 2-6x a plain one: the host's work around it).
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ class DraftChooser:
         # per kind of batch (sampled, costly): verifying that pays for greedy rows says
         # nothing of sampled ones' probes
         self._probe_gap: dict[tuple[bool, bool], int] = {}
-        # (batch size, kind) -> its verify steps' tokens a second over plain steps', smoothed
-        self._paid: dict[tuple[int, tuple[bool, bool]], float] = {}
+        # (batch size, kind)s where a timed verify step made more tokens a second than plain
+        # steps, since their last failed probe
+        self._has_paid: set[tuple[int, tuple[bool, bool]]] = set()
         self._num_plain = 0  # plain steps since the last verify step
         self._is_probing = False  # the last choice was a probe
         self._next_gap = FIRST_PROBE_GAP  # the probe gap after it, should it fail
@@ -123,10 +124,12 @@ class DraftChooser:
         # verify steps are measured and lately did not pay at this size; where they paid
         # (acceptance may come back), or their cost is another kind's (a guess), probes
         # come at gaps doubling from FIRST_PROBE_GAP
-        is_bound = is_own_kind and self._paid.get(bucket, 0.0) <= 1 + MARGIN
+        is_bound = is_own_kind and bucket not in self._has_paid
         extra = (one_s - plain_s) / max(plain_s, 1e-9) / PROBE_SHARE  # in plain steps
         floor = min(max(int(extra) if is_bound else 0, FIRST_PROBE_GAP), MAX_PROBE_GAP)
-        gap = self._probe_gap.get(kind, floor)
+        # NOTE: the gap is kept per kind, the floor per size: a reset where verifying paid
+        # at another size lets no dear probe through here
+        gap = max(self._probe_gap.get(kind, floor), floor)
         if best_k:
             self._probe_gap[kind] = FIRST_PROBE_GAP  # verifying pays: probe soon once it stops
             return best_k
@@ -164,7 +167,8 @@ class DraftChooser:
         accepted drafts (a verify step's)."""
         key = (self._bucket(keys), k)
         old = self._step_s.get(key)
-        if key not in self._is_warm:
+        is_timed = key in self._is_warm
+        if not is_timed:
             # NOTE: a kind of step's first pays for its set-up (a kernel's first call at its
             # shapes, an empty index's growth: 136 against 48 ms at Qwen3-0.6B's shape):
             # not its time
@@ -185,10 +189,12 @@ class DraftChooser:
             return
         self._plain_until = (0, 0)
         plain_s = self._step_s.get((key[0], 0))
-        if plain_s is not None:  # whether verifying paid here (choose's probe gaps)
+        if plain_s is not None and is_timed:  # whether verifying paid here (probe gaps)
             gain = (len(keys) + sum(accepted)) * plain_s / max(step_s * len(keys), 1e-12)
-            old_gain = self._paid.get(key[0], gain)
-            self._paid[key[0]] = old_gain + SMOOTHING * (gain - old_gain)
+            if gain > 1 + MARGIN:
+                self._has_paid.add(key[0])
+            elif self._is_probing and gain < 1:  # a probe that lost to plain steps
+                self._has_paid.discard(key[0])
         if self._is_probing:  # the next probe of this kind waits longer (choose)
             self._probe_gap[key[0][1]] = self._next_gap
             self.num_probes += 1

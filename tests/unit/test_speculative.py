@@ -106,7 +106,8 @@ def test_prompt_lookup_proposes_what_the_hand_lookup_does():
 @pytest.mark.parametrize("backend", ["portable", "cpu"])
 def test_each_prompt_lookup_op_proposes_what_the_hand_lookup_does(backend, monkeypatch):
     """kernels.prompt_lookup's portable op (CUDA, NPU) and the CPU's C op alike, over rows
-    of a few distinct tokens (many matches), lengths up to the width and past it."""
+    of a few distinct tokens (many matches), in a buffer wider than the lengths (the
+    drafter's width is its rows' longest: kernels/cpu_rows.c clamps a length past it)."""
     if backend == "cpu" and not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler")
     ops = importlib.import_module(f"kernels.{backend}")
