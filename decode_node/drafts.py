@@ -21,7 +21,9 @@ probes doubles with each, and starts over once verifying pays for that kind of b
 (greedy, sampled, costly), so a load that never matches pays for few; and where this
 kind's verify steps are measured and none paid at this size since its last failed probe,
 it is never so short that probes cost more than PROBE_SHARE of the plain steps' time (a
-tiny model's verify step costs 2-6x a plain one: the host's work around it).
+tiny model's verify step costs 2-6x a plain one: the host's work around it; up to ~11x,
+where MAX_PROBE_GAP caps the gap). Plain steps are counted per batch size and kind, since
+that bucket's own last verify step.
 """
 
 from __future__ import annotations
@@ -57,9 +59,11 @@ class DraftChooser:
         # nothing of sampled ones' probes
         self._probe_gap: dict[tuple[bool, bool], int] = {}
         # (batch size, kind)s where a timed verify step made more tokens a second than plain
-        # steps, since their last failed probe
+        # steps (by MARGIN), since their last failed probe
         self._has_paid: set[tuple[int, tuple[bool, bool]]] = set()
-        self._num_plain = 0  # plain steps since the last verify step
+        # (batch size, kind) -> its plain steps since its own last verify step (NOTE: per
+        # bucket: a size whose turns come between another's verify steps still probes)
+        self._plain: dict[tuple[int, tuple[bool, bool]], int] = {}
         self._is_probing = False  # the last choice was a probe
         self._next_gap = FIRST_PROBE_GAP  # the probe gap after it, should it fail
         self._plain_until = (0, 0)  # (bucket, plain steps): plain until then (choose)
@@ -121,7 +125,8 @@ class DraftChooser:
                 best_k, best_rate = k, rate
         kind = bucket[1]
         # NOTE: probes cost at most PROBE_SHARE of the plain steps' time where this kind's
-        # verify steps are measured and lately did not pay at this size; where they paid
+        # verify steps are measured and none paid at this size since its last failed probe
+        # (up to a verify step of ~11x a plain one: MAX_PROBE_GAP); where one paid
         # (acceptance may come back), or their cost is another kind's (a guess), probes
         # come at gaps doubling from FIRST_PROBE_GAP
         is_bound = is_own_kind and bucket not in self._has_paid
@@ -133,12 +138,13 @@ class DraftChooser:
         if best_k:
             self._probe_gap[kind] = FIRST_PROBE_GAP  # verifying pays: probe soon once it stops
             return best_k
-        self._is_probing = self._num_plain >= gap
+        num_plain = self._plain.get(bucket, 0)
+        self._is_probing = num_plain >= gap
         if self._is_probing:  # should it fail, the next waits twice as long, and long enough
             self._next_gap = min(max(2 * gap, floor), MAX_PROBE_GAP)
         # NOTE: reckoned again after RECHECK more plain steps or at another batch size, the
         # probe's time included (the rows' acceptance changes only when they are verified)
-        until = min(self._num_plain + RECHECK, gap)
+        until = min(num_plain + RECHECK, gap)
         self._plain_until = (bucket, until) if not self._is_probing else (0, 0)
         return 1 if self._is_probing else 0
 
@@ -160,7 +166,8 @@ class DraftChooser:
         """Plain steps won lately for a batch like this one and nothing was verified since:
         the next step is plain, unreckoned (and what limits its drafts need not be asked)."""
         until = self._plain_until
-        return self._num_plain < until[1] and until[0] == self._bucket(keys)
+        bucket = self._bucket(keys)
+        return until[0] == bucket and self._plain.get(bucket, 0) < until[1]
 
     def observe(self, keys: list[str], k: int, step_s: float, accepted: list[int]) -> None:
         """A collected step of k drafts over these rows took step_s; accepted: each row's
@@ -185,7 +192,7 @@ class DraftChooser:
             self._sampled.intersection_update(keys)
             self._costly.intersection_update(keys)
         if k == 0:
-            self._num_plain += 1
+            self._plain[key[0]] = self._plain.get(key[0], 0) + 1
             return
         self._plain_until = (0, 0)
         plain_s = self._step_s.get((key[0], 0))
@@ -195,8 +202,9 @@ class DraftChooser:
                 self._has_paid.add(key[0])
             elif self._is_probing and gain < 1:  # a probe that lost to plain steps
                 self._has_paid.discard(key[0])
-        if self._is_probing:  # the next probe of this kind waits longer (choose)
-            self._probe_gap[key[0][1]] = self._next_gap
+        if self._is_probing:  # the next probe of this kind waits longer (choose) unless it paid
+            is_paid = key[0] in self._has_paid
+            self._probe_gap[key[0][1]] = FIRST_PROBE_GAP if is_paid else self._next_gap
             self.num_probes += 1
             self._is_probing = False
         keep = 1 - SMOOTHING
@@ -210,7 +218,7 @@ class DraftChooser:
             if tried:  # NOTE: a class with no row here keeps its rate as it was
                 old_won, old_tried = self._pooled[i]
                 self._pooled[i] = (keep * old_won + won, keep * old_tried + tried)
-        self._num_plain = 0
+        self._plain[key[0]] = 0
 
 
 def _ratio(counts: tuple[float, float] | None, prior: float) -> float:
