@@ -1,8 +1,8 @@
 /* The CPU backend's one-pass row ops (kernels/cpu.py): RMSNorm (with the residual add),
  * per-head RMSNorm with the rotary embedding (written to a cache in fp32 or bf16), SiLU and
- * multiply, fp32 to bf16 rows, the decode step's slot mapping and advance, and prompt lookup. Built with the attention
- * kernels by kernels/cpu_build.py; kernels/portable.py is the reference they are tested
- * against. */
+ * multiply, fp32 to bf16 rows, the decode step's slot mapping and advance, and prompt
+ * lookup. Built with the attention kernels by kernels/cpu_build.py; kernels/portable.py is
+ * the reference they are tested against. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
