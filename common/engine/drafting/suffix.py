@@ -4,12 +4,17 @@ least recently finished dropped first), and the tokens that followed the latest 
 they occurred are its drafts (where that place is the row's own, repeated past its end).
 
 The index maps the last m tokens before a position (m of MATCH_LENGTHS, up to the depth
-less the drafts) to the latest (source, position) where they occurred with a token after
-them (sources in the order they joined); a lookup tries the longest m first. A source's
+less the drafts) to the latest (source, position) where
+they occurred with a token after them (sources in the order they joined); a lookup tries
+the longest m first. A source's
 last MAX_INDEXED tokens are indexed (older windows leave as it grows; a long prompt's
-start is prompt lookup's), as its row proposes and as it finishes, at most
-INDEX_BUDGET windows a step in all: a row that joins long or comes back after many plain
-steps is caught up over steps, and no step stalls the loop. NOTE: the index costs ~1 KB
+start is prompt lookup's), as its row proposes, at most INDEX_BUDGET windows a step in all:
+a row that joins long or comes back after many plain steps is caught up over steps, and no
+step stalls the loop. A finished source is indexed by the steps that propose after it
+(newest first), not as it finishes: where the last verify step accepted nothing (drafts
+that miss, probed now and then) only LEAN_BUDGET windows of them a step, so a load whose
+drafts never match does not pay to index every output (the oldest leave unindexed, for
+nothing); where drafts are taken, up to FINISHED_BUDGET. NOTE: the index costs ~1 KB
 of host memory a token: the finished sources kept are bounded by their indexed tokens
 (MAX_CACHED_TOKENS) as well as by count, and keep those tokens alone. The drafts are at
 most as many as the match is long (a short match is weak evidence) and go to the device
@@ -28,6 +33,8 @@ from common.engine.h2d import HostToDevice
 MATCH_LENGTHS = (1, 2, 4, 8, 16, 32)
 MAX_INDEXED = 1024  # a source's last tokens indexed
 INDEX_BUDGET = 4096  # windows indexed a step, all rows together (a few ms on a CPU)
+FINISHED_BUDGET = INDEX_BUDGET // 2  # of them, finished sources' where drafts are taken
+LEAN_BUDGET = 64  # finished sources' windows a step where the last verify step took none
 MAX_CACHED_TOKENS = 1 << 17  # finished sources' indexed tokens kept, all told (~130 MB)
 
 
@@ -50,6 +57,9 @@ class SuffixDrafter:
         self._num_cached_tokens = 0
         self._index: dict[tuple[int, ...], tuple[int, int]] = {}
         self._finished: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._unindexed: OrderedDict[int, None] = OrderedDict()  # finished, windows to go
+        self._is_taken = True  # the last verify step's rows took a draft (else: lean)
+        self._has_proposed = False
         self._row_source: list[int | None] = [None] * max_rows
         self._next_id = 0
         self._budget = INDEX_BUDGET  # windows left to index this step
@@ -72,12 +82,13 @@ class SuffixDrafter:
     def remove_row(self, row: int, last: int) -> None:
         sid = self._row_source[row]
         if self.max_cached:
-            self._index_source(sid, INDEX_BUDGET // 16)
             first, end = self._indexed[sid]
-            base = max(first - MATCH_LENGTHS[-1], 0)  # the tokens its windows hold, alone
+            lo = max(len(self._sources[sid]) - MAX_INDEXED, 1)
+            # the tokens its windows hold and will hold (indexed by later steps), alone
+            base = max(min(first if first < end else lo, lo) - MATCH_LENGTHS[-1], 0)
             self._sources[sid] = self._sources[sid][base:]
             self._base[sid] = base
-            self._finished[sid] = None
+            self._finished[sid] = self._unindexed[sid] = None
             # NOTE: what it holds, not what it indexed: a row that ran plain steps lags, and
             # keeps the tokens its windows still need
             self._num_cached_tokens += len(self._sources[sid])
@@ -93,6 +104,9 @@ class SuffixDrafter:
         self._row_source[last] = None
 
     def took(self, tokens: list[list[int]]) -> None:
+        if self._has_proposed:  # a verify step: whether any row took a draft
+            self._is_taken = any(len(made) > 1 for made in tokens)
+            self._has_proposed = False
         for row, made in enumerate(tokens):
             self._sources[self._row_source[row]].extend(made)
 
@@ -101,11 +115,27 @@ class SuffixDrafter:
 
     def propose(self, n: int, seq_lens: torch.Tensor, k: int, width: int) -> torch.Tensor:
         self._budget = INDEX_BUDGET
+        self._has_proposed = True
+        self._index_finished(FINISHED_BUDGET if self._is_taken else LEAN_BUDGET)
         rows = [self._lookup(self._row_source[row], k) for row in range(n)]
         staging = self._staging[:n, :k]
         staging.copy_(torch.tensor([r + [-1] * (k - len(r)) for r in rows], dtype=torch.int64))
         self._h2d.write(self._drafts[:n, :k], staging)
         return self._drafts[:n, :k]
+
+    def _index_finished(self, budget: int) -> None:
+        """Finished sources' windows, the newest source first, up to budget of them (taken
+        from the step's)."""
+        left, done = budget, []
+        for sid in reversed(self._unindexed):
+            if left <= 0:
+                break
+            left = self._index_source(sid, left)
+            if self._indexed[sid][1] >= self._base[sid] + len(self._sources[sid]):
+                done.append(sid)
+        self._budget -= budget - left
+        for sid in done:
+            del self._unindexed[sid]
 
     def _lookup(self, sid: int, k: int) -> list[int]:
         """Up to k drafts for source sid's next tokens, [] where its suffix is not found."""
@@ -125,33 +155,37 @@ class SuffixDrafter:
         return []
 
     def _index_source(self, sid: int, budget: int) -> int:
-        """Index live source sid's windows ending in its last MAX_INDEXED positions but its
+        """Index source sid's windows ending in its last MAX_INDEXED positions but its
         very last (each has a token after it), dropping those that fell out first; at most
         budget windows placed or dropped. -> the budget left. NOTE: the index holds exactly
-        the windows ending in [first, end): a finished source is cut below first."""
-        tokens, (first, end) = self._sources[sid], self._indexed[sid]  # base 0: live
-        lo = max(len(tokens) - MAX_INDEXED, 1)
+        the windows ending in [first, end) (positions in the whole source: a finished one
+        keeps its tokens from base, MATCH_LENGTHS[-1] below the first it will hold)."""
+        tokens, (first, end), base = self._sources[sid], self._indexed[sid], self._base[sid]
+        total = base + len(tokens)
+        lo = max(total - MAX_INDEXED, 1)
         while first < min(end, lo) and budget > 0:
             self._unindex(sid, first)
             first, budget = first + 1, budget - 1
         if first >= end:
             first = end = max(end, lo)  # nothing left indexed: from the window's start
         if first >= lo:  # the fallen-out ones are gone: fill upward
-            while end < len(tokens) and budget > 0:
-                self._place(sid, tokens, end)
+            while end < total and budget > 0:
+                self._place(sid, end)
                 end, budget = end + 1, budget - 1
         self._indexed[sid] = (first, end)
         return budget
 
-    def _place(self, sid: int, tokens: list[int], end: int) -> None:
+    def _place(self, sid: int, end: int) -> None:
         """Source sid's windows ending at end, each where no later place holds it."""
+        index, place = self._index, (sid, end)
+        tokens, at = self._sources[sid], end - self._base[sid]
         for m in self.lengths:
             if m > end:
                 break
-            key = tuple(tokens[end - m : end])
-            held = self._index.get(key)
-            if held is None or held < (sid, end):
-                self._index[key] = (sid, end)
+            key = tuple(tokens[at - m : at])
+            held = index.get(key)
+            if held is None or held < place:
+                index[key] = place
 
     def _drop(self, sid: int) -> None:
         """A source leaves: its windows leave the index, its tokens with them."""
@@ -159,14 +193,16 @@ class SuffixDrafter:
         for end in range(first, stop):
             self._unindex(sid, end)
         del self._sources[sid], self._indexed[sid], self._base[sid]
+        self._unindexed.pop(sid, None)
 
     def _unindex(self, sid: int, end: int) -> None:
         """Source sid's windows ending at end leave the index where they are still this place
         (a later one, its own or another's, took the others)."""
-        tokens, base = self._sources[sid], self._base[sid]
+        index, place = self._index, (sid, end)
+        tokens, at = self._sources[sid], end - self._base[sid]
         for m in self.lengths:
             if m > end:
                 break
-            key = tuple(tokens[end - m - base : end - base])
-            if self._index.get(key) == (sid, end):
-                del self._index[key]
+            key = tuple(tokens[at - m : at])
+            if index.get(key) == place:
+                del index[key]
