@@ -69,8 +69,10 @@ def prefill_attention(
     )
 
 
-def linear(x, weight, bias=None):
-    return backend_for(x).linear(x, weight, bias)
+def linear(x, weight, bias=None, num_seqs=None):
+    """num_seqs: the rows are that many sequences' (a verify step's several rows each),
+    each row computed as in a call of num_seqs rows (see portable.linear)."""
+    return backend_for(x).linear(x, weight, bias, num_seqs)
 
 
 def pack_linear_weight(weight, is_embedding=False):

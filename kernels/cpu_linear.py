@@ -100,10 +100,10 @@ def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return rows.reshape(*ids.shape, table.shape[1] * 2)
 
 
-def linear(x, weight, bias=None):
+def linear(x, weight, bias=None, num_seqs=None):
     """As portable.linear, by the weight's layout (see the module)."""
     if is_tiled(weight):
-        return _linear_tiled(x, weight, bias)
+        return _linear_tiled(x, weight, bias, num_seqs)
     if IS_ONEDNN_FP32 and cpu_linear_fp32.is_served(x, weight):
         return cpu_linear_fp32.linear(x, weight, bias)
     if (
@@ -119,7 +119,7 @@ def linear(x, weight, bias=None):
             and weight.device.type == "cpu"
         )
     ):
-        return portable.linear(x, weight, bias)
+        return portable.linear(x, weight, bias, num_seqs)
     return _linear_widened(x, weight, bias)
 
 
@@ -129,14 +129,20 @@ def _tiled_shape(weight) -> tuple[int, int, int]:
     return num_blocks, 2 * num_pairs, 16 * num_blocks
 
 
-def _linear_tiled(x, weight, bias):
+def _linear_tiled(x, weight, bias, num_seqs=None):
     """x [..., K] by a weight in the tiles' layout -> [..., N] in x's dtype; through the dot
-    product for a decode step's few rows, or for every row count where there are no tiles."""
+    product for a decode step's few rows (a verify step's by its sequences: num_seqs), or
+    for every row count where there are no tiles.
+    NOTE: the two sum a row in another order (vdpbf16ps adds a pair's odd product, then its
+    even one, rounding each time; the tiles otherwise: ~1e-6 apart at K = 1,024), and a row's
+    sum is the same whatever the rows beside it on either path: so a verify step's rows
+    take the path its sequences' plain step takes, and greedy tokens stay plain decoding's."""
     num_blocks, size, num_columns = _tiled_shape(weight)
     num_rows = x.numel() // size
     if not IS_TILED and x.dtype != torch.float32:  # NOTE: the dot kernel reads fp32 x
         return _linear_tiled(x.float(), weight, bias).to(x.dtype)
-    if (num_rows <= DOT_MAX_ROWS or not IS_TILED) and HAS_DOT and x.dtype == torch.float32:
+    is_few = (num_rows if num_seqs is None else num_seqs) <= DOT_MAX_ROWS
+    if (is_few or not IS_TILED) and HAS_DOT and x.dtype == torch.float32:
         # NOTE: a decode step's lone rows: as few torch ops as can be (the kernel rounds x)
         xf = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, size).contiguous()
         out = torch.empty((num_rows, num_columns), dtype=torch.float32)

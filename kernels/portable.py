@@ -206,10 +206,19 @@ def verify_attention(
     return decode_attention(q, k_cache, v_cache, tables, lens, scale, host_seq_lens)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    num_seqs: int | None = None,
+) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N], in x's dtype (the activations'), with
     the weight in its own (a CPU keeps bf16 weights under fp32 activations). A weight packed
-    for oneDNN (pack_linear_weight of a CPU backend) runs through oneDNN's own linear."""
+    for oneDNN (pack_linear_weight of a CPU backend) runs through oneDNN's own linear.
+    num_seqs: the M rows are that many sequences' (a verify step: each sequence's next
+    input and its drafts); a backend that picks its kernel by M picks it by num_seqs, so a
+    row comes out as in a plain step of num_seqs rows (kernels/cpu_linear.py). NOTE: here
+    torch picks: a library whose sums depend on M may still differ in the last bit."""
     if weight.is_mkldnn:
         bias = None if bias is None else bias.to(weight.dtype)
         return onednn_linear(x.to(weight.dtype), weight, bias).to(x.dtype)

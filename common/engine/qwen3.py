@@ -146,12 +146,15 @@ def forward(
     if is_dense:
         used, tables = kv_quant.blocks_used(tables)
     residual = None
+    # a verify step's rows are its sequences' (several each): ops.linear computes each
+    # as in a plain step of its sequences (kernels/portable.py)
+    num_seqs = None if attn.is_prefill or attn.num_queries == 1 else num_tokens // attn.num_queries
     for i, layer in enumerate(w.layers):
         if residual is None:
             x, residual = ops.rms_norm(h, layer.input_norm, eps), h
         else:
             x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
-        qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = ops.linear(x, layer.qkv, layer.qkv_bias, num_seqs)
         q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         q = q.view(num_tokens, spec.num_heads, d)
         k = k.view(num_tokens, spec.num_kv_heads, d)
@@ -205,18 +208,21 @@ def forward(
                 attn.num_queries,
                 attn.host_seq_lens,
             )
-        h = ops.linear(o.reshape(num_tokens, spec.q_size), layer.o_proj)
+        h = ops.linear(o.reshape(num_tokens, spec.q_size), layer.o_proj, None, num_seqs)
         x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
-        h = ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up)), layer.down)
+        gate_up = ops.linear(x, layer.gate_up, None, num_seqs)
+        h = ops.linear(ops.silu_mul(gate_up), layer.down, None, num_seqs)
         if between_layers is not None and i + 1 < len(w.layers):
             between_layers(i + 1)
     h, _ = ops.add_rms_norm(h, residual, w.norm, eps)
     return h
 
 
-def compute_logits(w: Qwen3Weights, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [N, H] -> fp32 logits [N, V]."""
-    return kernels.linear(hidden, w.lm_head).float()
+def compute_logits(
+    w: Qwen3Weights, hidden: torch.Tensor, num_seqs: int | None = None
+) -> torch.Tensor:
+    """hidden [N, H] -> fp32 logits [N, V]. num_seqs: as kernels.linear's."""
+    return kernels.linear(hidden, w.lm_head, None, num_seqs).float()
 
 
 def set_activation_dtype(w: Qwen3Weights, dtype: torch.dtype) -> None:

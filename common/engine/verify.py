@@ -146,7 +146,7 @@ class Verifier:
         hidden = qwen3.forward(
             m.spec, m.weights, m.kv_cache, m.cos_sin, ids, positions, attn, between_layers
         )
-        logits = qwen3.compute_logits(m.weights, hidden)
+        logits = qwen3.compute_logits(m.weights, hidden, n)
         targets = self._sampling.choose_spread(logits, lens.long(), drafts, is_greedy, num_logprobs)
         targets = targets.view(n, k1)
         accepted = (drafts == targets[:, :k]).long().cumprod(1).sum(1)  # [n]

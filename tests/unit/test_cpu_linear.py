@@ -180,3 +180,24 @@ def test_the_tiles_input_is_rounded_as_torch_rounds_and_padded_with_zeros(num_ro
         )
         assert torch.equal(out[:num_rows].view(torch.int16), want), threads
         assert not out[num_rows:].view(torch.int16).any(), threads
+
+
+@needs_cc
+@pytest.mark.parametrize("num_seqs", [1, 2, 4, 5])
+def test_a_verify_steps_rows_equal_its_sequences_plain_step_bit_for_bit(num_seqs):
+    """A verify step of 4 drafts has 5 rows a sequence: each sequence's rows must come out
+    as its row in a plain step of num_seqs rows, bit for bit, or greedy tokens with
+    speculation could differ from plain decoding's. Where there are tiles, the dot product
+    and the tiles sum a row in different orders (found: one bf16 request's tokens differed
+    at batch 1), so the path is chosen by the sequences, not the rows."""
+    if not cpu_linear.IS_PACKED:
+        pytest.skip(f"no bf16 dot products or tiles here ({cpu_linear.FEATURES.describe()})")
+    g = torch.Generator().manual_seed(num_seqs)
+    weight = cpu_linear.pack_linear_weight((torch.randn(256, 1024, generator=g) * 0.05).bfloat16())
+    x = torch.randn(num_seqs * 5, 1024, generator=g)
+    plain_rows = x[::5].contiguous()  # each sequence's next input: its first row
+    plain = cpu_linear.linear(plain_rows, weight)
+    verify = cpu_linear.linear(x, weight, None, num_seqs)
+    assert torch.equal(verify[::5], plain)
+    # every row as it would be alone among num_seqs rows: the second rows as a plain step
+    assert torch.equal(verify[1::5], cpu_linear.linear(x[1::5].contiguous(), weight))
