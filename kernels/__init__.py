@@ -70,8 +70,8 @@ def prefill_attention(
 
 
 def linear(x, weight, bias=None, num_seqs=None):
-    """num_seqs: the rows are that many sequences' (a verify step's several rows each),
-    each row computed as in a call of num_seqs rows (see portable.linear)."""
+    """num_seqs: the rows are that many sequences' (a verify step's several rows each): the
+    kernel is picked as for a call of num_seqs rows (see portable.linear)."""
     return backend_for(x).linear(x, weight, bias, num_seqs)
 
 

@@ -105,7 +105,7 @@ def linear(x, weight, bias=None, num_seqs=None):
     if is_tiled(weight):
         return _linear_tiled(x, weight, bias, num_seqs)
     if IS_ONEDNN_FP32 and cpu_linear_fp32.is_served(x, weight):
-        return cpu_linear_fp32.linear(x, weight, bias)
+        return cpu_linear_fp32.linear(x, weight, bias, num_seqs)
     if (
         IS_BF16_NATIVE
         or weight.is_mkldnn

@@ -78,15 +78,22 @@ def padded_rows(num_rows: int) -> int:
     return -(-num_rows // step) * step
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_seqs: int | None = None,
+) -> torch.Tensor:
     """fp32 x [M, K] by an fp32 weight [N, K] (+ bias [N]) -> [M, N]: through oneDNN,
-    except a small plain weight's few rows (fewer than ONEDNN_MIN_ROWS), torch's."""
+    except a small plain weight's few rows (fewer than ONEDNN_MIN_ROWS; a verify step's
+    sequences: num_seqs, as portable.linear's), torch's. NOTE: either library's sum of a
+    row may differ in the last bit with the rows beside it (MKL's at 1 row and 2)."""
     num_rows = x.shape[0]
     if num_rows == 0:
         return x.new_zeros((0, weight.shape[0]))
     if not weight.is_mkldnn:
         is_small = weight.numel() < PACK_MIN_ELEMENTS
-        is_few_rows = num_rows < ONEDNN_MIN_ROWS
+        is_few_rows = (num_rows if num_seqs is None else num_seqs) < ONEDNN_MIN_ROWS
         # NOTE: oneDNN reads a plain weight row-major: a strided large one would be copied
         # whole on every call
         is_strided_large = not (is_small or weight.is_contiguous())

@@ -4,9 +4,8 @@ least recently finished dropped first), and the tokens that followed the latest 
 they occurred are its drafts (where that place is the row's own, repeated past its end).
 
 The index maps the last m tokens before a position (m of MATCH_LENGTHS, up to the depth
-less the drafts) to the latest (source, position) where
-they occurred with a token after them (sources in the order they joined); a lookup tries
-the longest m first. A source's
+less the drafts) to the latest (source, position) where they occurred with a token after
+them (sources in the order they joined); a lookup tries the longest m first. A source's
 last MAX_INDEXED tokens are indexed (older windows leave as it grows; a long prompt's
 start is prompt lookup's), as its row proposes, at most INDEX_BUDGET windows a step in all:
 a row that joins long or comes back after many plain steps is caught up over steps, and no
@@ -125,7 +124,8 @@ class SuffixDrafter:
 
     def _index_finished(self, budget: int) -> None:
         """Finished sources' windows, the newest source first, up to budget of them (taken
-        from the step's)."""
+        from the step's). NOTE: a source's from its oldest unindexed one up, as a live row's."""
+        budget = min(budget, self._budget)
         left, done = budget, []
         for sid in reversed(self._unindexed):
             if left <= 0:
