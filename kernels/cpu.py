@@ -17,6 +17,7 @@ from __future__ import annotations
 from itertools import accumulate
 
 import torch
+import torch.nn.functional as F
 
 from kernels import kv_quant, options, portable
 from kernels.cpu_build import load
@@ -174,14 +175,9 @@ def prefill_attention(
     for i, n in enumerate(query_lens):
         if n >= long_len:
             a = row_starts[i]
-            out[a : a + n] = portable.prefill_attention(
-                qf[a : a + n].to(long_dtype),
-                k_cache,
-                v_cache,
-                block_tables[i : i + 1],
-                [n],
-                [context_lens[i]],
-                scale,
+            table = block_tables[i]
+            out[a : a + n] = _long_chunk(
+                qf[a : a + n], k_cache, v_cache, table, context_lens[i], scale, long_dtype
             )
     if not short:
         return out if q.dtype == torch.float32 else out.to(q.dtype)
@@ -217,6 +213,34 @@ def prefill_attention(
     num_items = meta.shape[1] * num_kv_heads
     run_split(run, num_items, num_items)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _long_chunk(q, k_cache, v_cache, table, context_len, scale, dtype):
+    """As portable.prefill_attention of one chunk q [n, Hq, D] after context_len cached
+    tokens, in dtype, each operand laid out [1, H, len, D] contiguous (torch's CPU kernel
+    read the strided views ~30% slower: Qwen3-0.6B's heads, 1,024 tokens, bf16, two Xeon
+    cores with AMX: 8.9 against 6.9 ms a layer). -> [n, Hq, D] in dtype."""
+    total, block_size = context_len + q.shape[0], k_cache.shape[1]
+    blocks = table[: -(-total // block_size)].long()
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:  # [len, H, D] -> [1, H, len, D]
+        return x.transpose(0, 1).to(dtype, memory_format=torch.contiguous_format)[None]
+
+    k = heads_first(k_cache[blocks].flatten(0, 1)[:total])
+    v = heads_first(v_cache[blocks].flatten(0, 1)[:total])
+    mask = None
+    if context_len:  # NOTE: is_causal aligns top-left: after a context, the mask is explicit
+        mask = torch.arange(total)[None, :] <= torch.arange(context_len, total)[:, None]
+    o = F.scaled_dot_product_attention(
+        heads_first(q),
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=not context_len,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
 
 
 def _rows_ok(x: torch.Tensor) -> bool:

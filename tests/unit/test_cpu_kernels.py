@@ -126,11 +126,9 @@ def test_long_chunks_beside_short_ones_equal_the_naive_attention(dtype, monkeypa
     (Set here: a CPU where the C kernel is the faster at every length sends none to torch.)"""
     monkeypatch.setattr(cpu, "TORCH_MIN_QUERY_LEN", cpu.TORCH_QUERY_LEN)
     n = cpu.TORCH_QUERY_LEN
-    to_torch, reference = [], portable.prefill_attention
+    to_torch, reference = [], cpu._long_chunk  # torch's kernel: each chunk's query count
     monkeypatch.setattr(
-        cpu.portable,
-        "prefill_attention",
-        lambda *a, **k: to_torch.append(a[4]) or reference(*a, **k),
+        cpu, "_long_chunk", lambda *a, **k: to_torch.append([len(a[0])]) or reference(*a, **k)
     )
     query_lens, context_lens = [5, n, 40, n + 37, 1], [11, 0, 0, 70, 300]
     k, v, tables = _paged_cache(
@@ -164,11 +162,9 @@ def test_a_lone_long_chunk_on_more_threads_than_kv_heads_goes_to_torch(monkeypat
     threads than its KV heads still goes to torch's kernel: the C one splits a chunk by KV
     head and would leave threads idle (beside short chunks too, which end at once)."""
     monkeypatch.setattr(cpu, "TORCH_MIN_QUERY_LEN", 1 << 62)
-    to_torch, reference = [], portable.prefill_attention
+    to_torch, reference = [], cpu._long_chunk  # torch's kernel: each chunk's query count
     monkeypatch.setattr(
-        cpu.portable,
-        "prefill_attention",
-        lambda *a, **k: to_torch.append(a[4]) or reference(*a, **k),
+        cpu, "_long_chunk", lambda *a, **k: to_torch.append([len(a[0])]) or reference(*a, **k)
     )
     n = cpu.TORCH_QUERY_LEN
     lens = [n, 1, 1, 1]  # a long chunk beside short ones, which end at once
