@@ -148,3 +148,21 @@ def test_the_backend_takes_the_fp32_path_only_where_the_rule_says(monkeypatch):
         got = kernels.linear(x, packed)
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-3)
         assert ("fp32 matmul: oneDNN" in kernels.describe("cpu")) == rule
+
+
+@needs_onednn
+def test_a_verify_steps_rows_take_the_library_of_its_sequences_plain_step(monkeypatch):
+    """A small weight's rows go to torch's linear below ONEDNN_MIN_ROWS, to oneDNN from it:
+    a verify step of 4 sequences (20 rows) takes torch's, as their plain step of 4 rows
+    does (num_seqs); 20 rows of 20 sequences take oneDNN's."""
+    weight = torch.randn(64, 32)
+    called = []
+    onednn = fp32.onednn_linear
+    monkeypatch.setattr(fp32, "onednn_linear", lambda *a: called.append(a) or onednn(*a))
+    x = torch.randn(20, 32)
+    want = x.double() @ weight.double().t()
+    for num_seqs, is_onednn in ((4, False), (None, True), (20, True)):
+        called.clear()
+        got = fp32.linear(x, weight, None, num_seqs)
+        assert bool(called) == is_onednn
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)

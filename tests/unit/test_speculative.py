@@ -281,6 +281,24 @@ def test_suffix_decoding_indexes_finished_requests_leanly_while_drafts_miss(monk
     assert set(d._finished) <= set(placed)  # each finished one
 
 
+def test_suffix_decodings_finished_requests_take_no_more_than_the_steps_budget(monkeypatch):
+    """Review: FINISHED_BUDGET is fixed at import; a step's budget set lower must still bound
+    the windows a step indexes, finished requests' and rows' together."""
+    from common.engine.drafting import suffix
+
+    monkeypatch.setattr(suffix, "INDEX_BUDGET", 100)
+    d = SuffixDrafter(2, 4, 24, 100, HostToDevice(torch.device("cpu")))
+    placed = []
+    place = d._place
+    monkeypatch.setattr(d, "_place", lambda sid, end: (placed.append(sid), place(sid, end)))
+    for i in range(4):  # finished requests with 300 windows each, none indexed
+        d.set_row(1, list(range(i * 1000, i * 1000 + 300)))
+        d.remove_row(1, 1)
+    d.set_row(0, list(range(50_000, 50_400)))
+    d.propose(1, torch.zeros(1, dtype=torch.int32), 4, 0)  # the first: FINISHED_BUDGET asked
+    assert len(placed) == 100 and d._budget == 0
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_verify_steps_make_plain_decodings_tokens_and_accept_drafts(tiny_model, method):
     """Prompts that repeat, so prompt lookup proposes from the first step; rows of several
