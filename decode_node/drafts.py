@@ -196,14 +196,15 @@ class DraftChooser:
             return
         self._plain_until = (0, 0)
         plain_s = self._step_s.get((key[0], 0))
+        is_paid = key[0] in self._has_paid  # NOTE: where this step's own gain is unknown
         if plain_s is not None and is_timed:  # whether verifying paid here (probe gaps)
             gain = (len(keys) + sum(accepted)) * plain_s / max(step_s * len(keys), 1e-12)
-            if gain > 1 + MARGIN:
+            is_paid = gain > 1 + MARGIN
+            if is_paid:
                 self._has_paid.add(key[0])
             elif self._is_probing and gain < 1:  # a probe that lost to plain steps
                 self._has_paid.discard(key[0])
         if self._is_probing:  # the next probe of this kind waits longer (choose) unless it paid
-            is_paid = key[0] in self._has_paid
             self._probe_gap[key[0][1]] = FIRST_PROBE_GAP if is_paid else self._next_gap
             self.num_probes += 1
             self._is_probing = False

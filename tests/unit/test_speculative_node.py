@@ -405,3 +405,23 @@ def test_a_size_whose_turns_come_between_anothers_verify_steps_still_finds_its_d
         )
     assert sum(k > 0 for k in at_8[: 30 * 40]) <= 30 * 40 * PROBE_SHARE / 0.8 + 2
     assert sum(k > 0 for k in at_8[-400:]) > 300  # found, and verified from then on
+
+
+def test_a_probe_that_only_breaks_even_where_drafts_once_paid_does_not_bring_the_next_soon():
+    """Review: a probe whose gain was between 1 and 1 + MARGIN at a size where verifying had
+    paid set the next probe FIRST_PROBE_GAP steps on, forever (the size stayed marked as
+    paid): probes every 17 steps that never pay. Only a probe that pays brings the next
+    soon; one that breaks even waits longer, as one that loses does."""
+    chooser = DraftChooser(4)
+    keys = ["r0", "r1", "r2", "r3"]
+    verified = []
+    for step in range(1500):
+        k = chooser.choose(keys, 4)
+        # 100 steps where every draft is right, then one row's first draft alone: a probe
+        # of one draft makes 5 tokens where 4 plain steps' rows make 4, at 1.24x the time
+        accepted = [k] * 4 if step < 100 else [min(k, 1), 0, 0, 0]
+        chooser.observe(keys, k, 1.0 + 0.24 * k, accepted)
+        if k and step >= 100:
+            verified.append(step)
+    gaps = [b - a for a, b in zip(verified, verified[1:])]
+    assert len(gaps) >= 3 and gaps[-1] > 2 * FIRST_PROBE_GAP and gaps[-1] >= 2 * gaps[-3]
