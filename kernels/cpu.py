@@ -223,9 +223,14 @@ def _long_chunk(q, k_cache, v_cache, table, context_len, scale, dtype):
     total, block_size = context_len + q.shape[0], k_cache.shape[1]
     blocks = table[: -(-total // block_size)].long()
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [1, Hk, total, D], one copy
-        rows = cache.permute(2, 0, 1, 3)[:, blocks].flatten(1, 2)[:, :total]
-        return rows.to(dtype)[None]
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [1, Hk, total, D]
+        heads_first = torch.empty((cache.shape[2], len(blocks), *cache.shape[1::2]), dtype=dtype)
+        view = heads_first.permute(1, 2, 0, 3)  # [blocks, block_size, Hk, D] over it
+        if cache.dtype == dtype:  # NOTE: one copy, straight into place
+            torch.index_select(cache, 0, blocks, out=view)
+        else:
+            view.copy_(cache[blocks])
+        return heads_first.flatten(1, 2)[None, :, :total]
 
     k, v = gather(k_cache), gather(v_cache)
     q = q.transpose(0, 1).to(dtype, memory_format=torch.contiguous_format)[None]
@@ -233,14 +238,9 @@ def _long_chunk(q, k_cache, v_cache, table, context_len, scale, dtype):
     if context_len:  # NOTE: is_causal aligns top-left: after a context, the mask is explicit
         where = torch.arange(total, device=q.device)
         mask = where[None, :] <= where[context_len:, None]
+    causal = not context_len
     o = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,
-        is_causal=not context_len,
-        scale=scale,
-        enable_gqa=True,
+        q, k, v, mask, is_causal=causal, scale=scale, enable_gqa=True
     )
     return o[0].transpose(0, 1)
 
