@@ -8,8 +8,8 @@ The C files are built and loaded by kernels/cpu_build.py; importing this module 
 ImportError (and kernels/backends.py keeps the portable op) where they cannot be built.
 Everything the kernels read stays where the worker put it: the cache is read
 in place through the block tables, never gathered; except a long prompt chunk's
-attention where torch's fused kernel computes it faster over its gathered KV (see
-TORCH_MIN_QUERY_LEN).
+attention (kernels/cpu_long_chunk.py: on AMX tiles over K and V packed once a call, or where
+torch's fused kernel computes it faster over its gathered KV: TORCH_MIN_QUERY_LEN).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
 
+from kernels import cpu_long_chunk as long_chunk
 from kernels import kv_quant, options, portable
 from kernels.cpu_build import load
 from kernels.cpu_linear import (  # noqa: F401
@@ -32,6 +32,7 @@ from kernels.cpu_linear import (  # noqa: F401
 from kernels.cpu_steps import advance_step, compute_slot_mapping, prompt_lookup  # noqa: F401
 from kernels.cpu_threads import run_split
 
+_long_chunk = long_chunk.attend  # NOTE: by this name, so a test can count the chunks it takes
 MIN_ROWS_PER_THREAD = 8
 PREFILL_HEAD_DIM_MULTIPLE = 16  # the prefill kernel's register tile (DB in the C file)
 # From this many query tokens a chunk's attention is torch's (its fused CPU kernel, over the
@@ -42,6 +43,8 @@ PREFILL_HEAD_DIM_MULTIPLE = 16  # the prefill kernel's register tile (DB in the 
 # with AVX512-BF16, 2 threads: 1.4-2.3x torch's rate in fp32 from 256 to 2,048 tokens, 1.9-3.7x
 # its bf16 from 256 to 4,096 at Qwen3-0.6B's heads). NOTE: the C kernel splits a chunk by KV
 # head: a long chunk on more threads than its KV heads goes to torch's (split by queries).
+# Where the tiles serve a chunk (a bf16 cache on a CPU with AMX), they take it from
+# long_chunk.TILES_MIN_QUERY_LEN queries instead.
 TORCH_QUERY_LEN = 256
 TORCH_MIN_QUERY_LEN = TORCH_QUERY_LEN if FEATURES.is_amx_bf16 or not FEATURES.is_avx512 else 1 << 62
 _LIB = load(options.current[0].build_dir)
@@ -165,7 +168,9 @@ def prefill_attention(
     out = torch.empty(q.shape, dtype=torch.float32)
     row_starts = [0, *accumulate(query_lens)]
     long_len = TORCH_MIN_QUERY_LEN
-    if torch.get_num_threads() > num_kv_heads:  # NOTE: C splits a chunk by KV head at most
+    if long_chunk.is_tiled(q, k_cache):
+        long_len = long_chunk.TILES_MIN_QUERY_LEN
+    elif torch.get_num_threads() > num_kv_heads:  # NOTE: C splits a chunk by KV head at most
         long_len = min(long_len, TORCH_QUERY_LEN)  # idle threads beside a long chunk
     short = [i for i, n in enumerate(query_lens) if n < long_len]
     # NOTE: a bf16 cache on a CPU with bf16 units: torch's kernel runs in bf16, as
@@ -175,9 +180,15 @@ def prefill_attention(
     for i, n in enumerate(query_lens):
         if n >= long_len:
             a = row_starts[i]
-            table = block_tables[i]
-            out[a : a + n] = _long_chunk(
-                qf[a : a + n], k_cache, v_cache, table, context_lens[i], scale, long_dtype
+            _long_chunk(
+                qf[a : a + n],
+                k_cache,
+                v_cache,
+                block_tables[i],
+                context_lens[i],
+                scale,
+                long_dtype,
+                out[a : a + n],
             )
     if not short:
         return out if q.dtype == torch.float32 else out.to(q.dtype)
@@ -213,36 +224,6 @@ def prefill_attention(
     num_items = meta.shape[1] * num_kv_heads
     run_split(run, num_items, num_items)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
-
-
-def _long_chunk(q, k_cache, v_cache, table, context_len, scale, dtype):
-    """As portable.prefill_attention of one chunk q [n, Hq, D] after context_len cached
-    tokens, in dtype, each operand heads-first, a head's rows contiguous (torch's CPU kernel
-    read the token-major views ~30% slower: Qwen3-0.6B's heads, 1,024 tokens, bf16, two Xeon
-    cores with AMX: 8.9 against 6.9 ms a layer). -> [n, Hq, D] in dtype."""
-    total, block_size = context_len + q.shape[0], k_cache.shape[1]
-    blocks = table[: -(-total // block_size)].long()
-
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [1, Hk, total, D]
-        heads_first = torch.empty((cache.shape[2], len(blocks), *cache.shape[1::2]), dtype=dtype)
-        view = heads_first.permute(1, 2, 0, 3)  # [blocks, block_size, Hk, D] over it
-        if cache.dtype == dtype:  # NOTE: one copy, straight into place
-            torch.index_select(cache, 0, blocks, out=view)
-        else:
-            view.copy_(cache[blocks])
-        return heads_first.flatten(1, 2)[None, :, :total]
-
-    k, v = gather(k_cache), gather(v_cache)
-    q = q.transpose(0, 1).to(dtype, memory_format=torch.contiguous_format)[None]
-    mask = None
-    if context_len:  # NOTE: is_causal aligns top-left: after a context, the mask is explicit
-        where = torch.arange(total, device=q.device)
-        mask = where[None, :] <= where[context_len:, None]
-    causal = not context_len
-    o = F.scaled_dot_product_attention(
-        q, k, v, mask, is_causal=causal, scale=scale, enable_gqa=True
-    )
-    return o[0].transpose(0, 1)
 
 
 def _rows_ok(x: torch.Tensor) -> bool:

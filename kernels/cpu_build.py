@@ -22,6 +22,7 @@ SOURCES = [
     Path(__file__).with_name(n)
     for n in (
         "cpu_attention.c",
+        "cpu_attention_tiles.c",
         "cpu_decode_avx512.c",
         "cpu_rows.c",
         "cpu_linear.c",
@@ -122,6 +123,7 @@ class Library(NamedTuple):
     elementwise: dict  # the one-pass ops and the AVX2 bf16 linear, by name
     vnni: dict  # the bf16 dot-product and tile linears (cpu_linear_vnni.c), by name
     vnni_paths: int  # which of them this build has: 1 dot product, 2 tiles
+    prefill_tiles: ctypes._CFuncPtr  # a long chunk's attention on the tiles (bf16 cache)
     has_openmp: bool
 
 
@@ -194,6 +196,11 @@ def load(build_dir: Path) -> Library:
         fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64]
     vnni["dot"].restype, vnni["amx"].restype = ctypes.c_int, None
     lib.pdserve_amx_init.restype = lib.pdserve_vnni_paths.restype = ctypes.c_int
+    tiles = lib.pdserve_prefill_tiles_bf16
+    # q and its row stride, K, V, table, then n, the context, Hq, Hk, D, the block size and
+    # the cache's strides, the scale, out, its row stride and the threads
+    tiles.argtypes = [ptr, i64, *[ptr] * 3, *[i64] * 8, f32, ptr, i64, i64]
+    tiles.restype = ctypes.c_int
     paths = lib.pdserve_vnni_paths()
     if paths & 2 and lib.pdserve_amx_init() != 0:
         paths &= ~2  # the kernel (or a sandbox) refuses this process the tiles
@@ -203,5 +210,6 @@ def load(build_dir: Path) -> Library:
         elementwise={name: fn for name, (fn, _) in elementwise.items()},
         vnni=vnni,
         vnni_paths=paths,
+        prefill_tiles=tiles,
         has_openmp=bool(lib.pdserve_has_openmp()),
     )

@@ -121,9 +121,10 @@ def _naive_prefill_attention(q, k_cache, v_cache, tables, query_lens, context_le
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_chunks_beside_short_ones_equal_the_naive_attention(dtype, monkeypatch):
-    """Chunks from cpu.TORCH_MIN_QUERY_LEN queries go to torch's kernel, the others to the C
-    one in one call: each chunk's rows land in place, with and without a cached context.
-    (Set here: a CPU where the C kernel is the faster at every length sends none to torch.)"""
+    """Chunks from cpu.TORCH_MIN_QUERY_LEN queries (from the tiles' own length where they serve)
+    go to the long-chunk path, the others to the C one in one call: each chunk's rows land in
+    place, with and without a cached context. (Set here: a CPU where the C kernel is the
+    faster at every length sends none to torch.)"""
     monkeypatch.setattr(cpu, "TORCH_MIN_QUERY_LEN", cpu.TORCH_QUERY_LEN)
     n = cpu.TORCH_QUERY_LEN
     to_torch, reference = [], cpu._long_chunk  # torch's kernel: each chunk's query count
@@ -153,7 +154,9 @@ def test_long_chunks_beside_short_ones_equal_the_naive_attention(dtype, monkeypa
         assert torch.allclose(
             got.double(), want[rows], atol=1e-5 if dtype == torch.float32 else 2e-2
         )
-    assert to_torch == [[n], [n + 37], [n]]  # the long chunks, one by one
+    # the long chunks, one by one (where the tiles serve, from their shorter length)
+    long_len = cpu.long_chunk.TILES_MIN_QUERY_LEN if cpu.long_chunk.is_tiled(q, k) else n
+    assert to_torch == [[m] for m in query_lens + [n] if m >= long_len]
 
 
 @needs_cc
