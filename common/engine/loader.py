@@ -9,8 +9,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from common.base.config import WorkerConfig
 from common.base.log import get_logger
-from common.base.model_spec import ModelSpec
+from common.base.model_spec import ModelSpec, load_spec, preset_spec
+from common.engine import qwen3
 from common.engine.qwen3 import LayerWeights, Qwen3Weights
 
 log = get_logger("loader")
@@ -25,6 +27,23 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     if single.exists():
         return [single]
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def load_model(cfg: WorkerConfig, platform, dtype) -> tuple[ModelSpec, Qwen3Weights]:
+    """The model's spec and weights as its platform computes with them: cfg.model's checkpoint
+    (else random at cfg.shape), the matrices laid out for the device's linear and held where
+    the platform keeps them; on a host, the vectors in fp32 (the sums stay fp32)."""
+    spec = load_spec(cfg.model) if cfg.model else preset_spec(cfg.shape)
+    if cfg.model:
+        weights = load_weights(cfg.model, spec, platform.device, dtype)
+    else:
+        weights = qwen3.random_weights(spec, platform.device, dtype, cfg.seed)
+    if platform.is_host:  # NOTE: bf16 weights and KV halve what a step streams
+        qwen3.set_activation_dtype(weights, torch.float32)
+    qwen3.pack_matmul_weights(weights)
+    qwen3.hold_matrices(weights, platform.hold)
+    platform.release_memory()  # NOTE: on a host, what hold copied from
+    return spec, weights
 
 
 def load_weights(model_dir: str | Path, spec: ModelSpec, device, dtype) -> Qwen3Weights:

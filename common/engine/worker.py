@@ -19,7 +19,6 @@ import torch
 
 import kernels
 from common.base.config import WorkerConfig, clamp_model_len, parse_core_pool
-from common.base.model_spec import load_spec, preset_spec
 from common.base.request import SamplingParams
 from common.engine import logits as logit_rules
 from common.engine import qwen3
@@ -28,7 +27,7 @@ from common.engine.decode import DecodeBatch
 from common.engine.graphs import wants_graphs
 from common.engine.h2d import HostToDevice
 from common.engine.kv_cache import allocate_kv_cache
-from common.engine.lanes import Lanes
+from common.engine.lanes import Lanes, run_on_own_thread
 from common.engine.pass_size import pair_cost, threads_worth
 from common.engine.platform import platform_for
 from common.engine.prefill_job import PrefillChunk
@@ -66,41 +65,17 @@ class DeviceWorker:
     def prepare(self) -> "DeviceWorker":
         if self.is_prepared:
             return self
-        cfg = self.cfg
-        self.platform.activate()
-        s = self.spec = load_spec(cfg.model) if cfg.model else preset_spec(cfg.shape)
-        if cfg.model:
-            from common.engine.loader import load_weights
-
-            self.weights = load_weights(cfg.model, s, self.device, self.dtype)
+        cap = self.num_threads = torch.get_num_threads()  # what this node may use, all told
+        if self.platform.is_host:
+            # NOTE: an OpenMP pool lives as long as its thread: the load's, beside each pass's
+            # (lanes.py), has libgomp sleep idle threads at once (more pooled than CPUs), and
+            # each op waits for a wake-up (0.6B bf16, 128 tokens, 2 cores: ~180 -> ~140 ms)
+            run_on_own_thread(functools.partial(self._load, cap))
         else:
-            self.weights = qwen3.random_weights(s, self.device, self.dtype, cfg.seed)
-        if self.platform.is_host:  # NOTE: bf16 weights and KV halve what a step streams
-            qwen3.set_activation_dtype(self.weights, torch.float32)  # sums stay fp32
-        qwen3.pack_matmul_weights(self.weights)
-        qwen3.hold_matrices(self.weights, self.platform.hold)
-        self.platform.release_memory()  # NOTE: on a host, what hold copied from
-        self.max_model_len = clamp_model_len(cfg.max_model_len, s.max_position_embeddings)
-        self.cos_sin = kernels.rotary_cos_sin(
-            self.max_model_len, s.head_dim, s.rope_theta, self.device
-        )
-        self.kv_cache = allocate_kv_cache(self.platform, s, cfg, self.dtype)
-        self.num_kv_blocks = self.kv_cache.shape[BLOCK_DIM]
-        self.model = qwen3.Model(s, self.weights, self.cos_sin, self.kv_cache)
-        self.swap = SwapSpace(self.kv_cache, self.h2d, self.platform.is_pinned)
-        self.decode = DecodeBatch(
-            self.model,
-            self.block_size,
-            cfg.max_batch_size,
-            self.max_blocks_per_seq,
-            self.platform,
-            self.h2d,
-            self.spec.eos_token_ids,
-            cfg.speculative,
-        )
+            self._load(cap)
+        cfg, s = self.cfg, self.spec
         # On the host a step runs in its launch: nothing overlaps it.
         self.is_step_queued = not self.platform.is_host
-        cap = self.num_threads = torch.get_num_threads()  # what this node may use, all told
         self._loop_threads = cap  # the calling thread's, given back at close
         # cores a step of n rows is worth: asked of a core table, or taken up to the cap
         self.decode.threads_worth = functools.partial(threads_worth, s, self.dtype, 0)
@@ -127,6 +102,34 @@ class DeviceWorker:
         self.is_prepared = True
         atexit.register(self.close)
         return self
+
+    def _load(self, num_threads: int) -> None:
+        """The weights, the KV cache and the step state, on num_threads torch threads."""
+        torch.set_num_threads(num_threads)  # NOTE: per thread: a new one's is the default
+        from common.engine.loader import load_model  # NOTE: safetensors: where needed
+
+        cfg = self.cfg
+        self.platform.activate()
+        self.spec, self.weights = load_model(cfg, self.platform, self.dtype)
+        s = self.spec
+        self.max_model_len = clamp_model_len(cfg.max_model_len, s.max_position_embeddings)
+        self.cos_sin = kernels.rotary_cos_sin(
+            self.max_model_len, s.head_dim, s.rope_theta, self.device
+        )
+        self.kv_cache = allocate_kv_cache(self.platform, s, cfg, self.dtype)
+        self.num_kv_blocks = self.kv_cache.shape[BLOCK_DIM]
+        self.model = qwen3.Model(s, self.weights, self.cos_sin, self.kv_cache)
+        self.swap = SwapSpace(self.kv_cache, self.h2d, self.platform.is_pinned)
+        self.decode = DecodeBatch(
+            self.model,
+            self.block_size,
+            cfg.max_batch_size,
+            self.max_blocks_per_seq,
+            self.platform,
+            self.h2d,
+            self.spec.eos_token_ids,
+            cfg.speculative,
+        )
 
     def close(self) -> None:
         if not self.is_prepared:
