@@ -151,7 +151,9 @@ def prefill_attention(
 ):
     """As portable.prefill_attention: causal attention of packed chunks [T, Hq, D] over
     their cached KV, read in place. Work is split by (chunk, KV head) over the threads.
-    A chunk of TORCH_MIN_QUERY_LEN queries or more goes to torch's fused kernel instead."""
+    A chunk of long_chunk.TILES_MIN_QUERY_LEN queries or more goes to the tiles where they
+    serve (kernels/cpu_long_chunk.py), else one of TORCH_MIN_QUERY_LEN or more to torch's
+    fused kernel."""
     fn = _PREFILL.get(k_cache.dtype)
     if (
         fn is None

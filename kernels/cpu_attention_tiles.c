@@ -30,30 +30,12 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__linux__)
 #include <immintrin.h>
+#include "cpu_tiles.h"
 #define HAS_TILES 1
 #endif
 
 #ifdef HAS_TILES
 #define QB 32 /* query rows a work item */
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* C tiles 0-3 (16 rows of 16 fp32), A tiles 4-5 (16 rows of 32 bf16), B tiles 6-7 (16 pairs
- * by 16 columns): the same configuration as cpu_linear_vnni.c's. */
-static void configure_tiles(void) {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 /* 2^t for t <= 0, 16 at a time: 2^round(t) times a degree-6 polynomial in the rest
  * (|rest| <= 0.5; relative error ~2e-7, under bf16's rounding of P by four orders), 0 far
@@ -240,7 +222,7 @@ int pdserve_prefill_tiles_bf16(const float *q, int64_t qs, const uint16_t *kc,
             else
                 configure_tiles();
             /* NOTE: every thread reaches the loop (a work-sharing loop must be met by all);
-             * one without scratch takes no item and the call reports the failure */
+             * one without scratch skips the items it takes, and the call reports -1 */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t w = 0; w < Hq * num_blocks; w++) {
                 if (s == NULL || p == NULL)
@@ -263,7 +245,16 @@ int pdserve_prefill_tiles_bf16(const float *q, int64_t qs, const uint16_t *kc,
 #else
     (void)q, (void)kc, (void)vc, (void)table, (void)n, (void)context_len, (void)Hq, (void)Hk;
     (void)D, (void)bs, (void)block_stride, (void)tok_stride, (void)scale, (void)out, (void)os;
-    (void)num_threads;
+    (void)num_threads, (void)qs;
     return -1;
+#endif
+}
+
+/* 1 where this build has the kernel above (AMX and AVX512-BF16), else 0. */
+int pdserve_prefill_tiles_available(void) {
+#ifdef HAS_TILES
+    return 1;
+#else
+    return 0;
 #endif
 }

@@ -29,6 +29,7 @@ SOURCES = [
         "cpu_linear_vnni.c",
     )
 ]
+HEADERS = [Path(__file__).with_name("cpu_tiles.h")]  # included by SOURCES: in the build's key
 # NOTE: -ffast-math lets expf vectorize (glibc libmvec); the kernel sees no inf or NaN:
 # scores are finite and the max it subtracts is one of them. It compiles the sources only:
 # a library linked with it carries gcc's crtfastmath, whose constructor sets flush-to-zero
@@ -73,7 +74,7 @@ def build(cache_dir: Path) -> Path:
     key = hashlib.sha256(
         "\0".join(
             [
-                *(src.read_text() for src in SOURCES),
+                *(src.read_text() for src in SOURCES + HEADERS),
                 version,
                 " ".join(flags()),
                 " ".join(LINK_FLAGS),
@@ -123,7 +124,7 @@ class Library(NamedTuple):
     elementwise: dict  # the one-pass ops and the AVX2 bf16 linear, by name
     vnni: dict  # the bf16 dot-product and tile linears (cpu_linear_vnni.c), by name
     vnni_paths: int  # which of them this build has: 1 dot product, 2 tiles
-    prefill_tiles: ctypes._CFuncPtr  # a long chunk's attention on the tiles (bf16 cache)
+    prefill_tiles: ctypes._CFuncPtr | None  # a chunk's attention on the tiles (None: not built)
     has_openmp: bool
 
 
@@ -196,6 +197,7 @@ def load(build_dir: Path) -> Library:
         fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64]
     vnni["dot"].restype, vnni["amx"].restype = ctypes.c_int, None
     lib.pdserve_amx_init.restype = lib.pdserve_vnni_paths.restype = ctypes.c_int
+    lib.pdserve_prefill_tiles_available.restype = ctypes.c_int
     tiles = lib.pdserve_prefill_tiles_bf16
     # q and its row stride, K, V, table, then n, the context, Hq, Hk, D, the block size and
     # the cache's strides, the scale, out, its row stride and the threads
@@ -210,6 +212,6 @@ def load(build_dir: Path) -> Library:
         elementwise={name: fn for name, (fn, _) in elementwise.items()},
         vnni=vnni,
         vnni_paths=paths,
-        prefill_tiles=tiles,
+        prefill_tiles=tiles if lib.pdserve_prefill_tiles_available() else None,
         has_openmp=bool(lib.pdserve_has_openmp()),
     )

@@ -26,6 +26,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAS_AMX 1
+#include "cpu_tiles.h"
 #endif
 
 #define PATH_DOT 1 /* vdpbf16ps: pdserve_linear_vnni_dot */
@@ -204,25 +205,6 @@ int pdserve_linear_vnni_dot(const float *x, int64_t xs, const uint16_t *wp, int6
 }
 
 #ifdef HAS_AMX
-/* The tile configuration: C tiles 0-3 (16 rows of 16 fp32), A tiles 4-5 (16 rows of x by
- * 32 inputs), B tiles 6-7 (16 input pairs by 16 columns, 64 bytes a row). */
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-static void configure_tiles(void) {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 /* 32 rows of x by 32 columns: A and B each loaded once per 32 inputs and used twice. */
 static void tile_amx_32x32(const uint16_t *x, int64_t xs, const uint16_t *wp0,
                            const uint16_t *wp1, int64_t K, float *out, int64_t os) {

@@ -19,13 +19,14 @@ from kernels import options
 from kernels.cpu_build import load
 
 _LIB = load(options.current[0].build_dir)
-IS_TILED = bool(_LIB.vnni_paths & 2)  # the tiles are built and this process may use them
+# the kernel is built (AMX and AVX512-BF16) and this process may use the tiles
+IS_TILED = bool(_LIB.vnni_paths & 2) and _LIB.prefill_tiles is not None
 TILE_FEATURES = 32  # the kernel's head size is a multiple of this (a tile's bf16 inputs)
 # From this many queries a chunk's attention runs on the tiles where they serve (is_tiled);
 # shorter chunks go to cpu_attention.c's kernel, which takes them all in one call (Qwen3-0.6B's
-# heads, bf16 cache, two Xeon cores with AMX, in process: one chunk of 16 tokens 0.07 ms
-# against 0.14, of 256 0.56 against 1.55; 16 chunks of 8 tokens 2.6 against 2.3 ms, of 16
-# 2.7 against 3.3).
+# heads, bf16 cache, two Xeon cores with AMX: `pdserve bench attention`, one chunk of 16
+# tokens 0.04 ms against 0.12, of 256 0.53 against 1.59; through prefill_attention in
+# process, 16 chunks of 8 tokens 2.6 against 2.3 ms, of 16 2.7 against 3.3).
 TILES_MIN_QUERY_LEN = 16
 
 

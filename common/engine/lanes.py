@@ -18,12 +18,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
 from common.base.threads import lower_this_thread
 
+T = TypeVar("T")
 LANE_NICE = 10
 # A pass kept in one piece (a chunk with prompt logprobs) shorter than this per thread runs on one
 # lane: an op split over threads waits at its end for every one of them, and on a shared
@@ -51,21 +52,33 @@ def _start_lane() -> None:
     lower_this_thread(LANE_NICE)
 
 
-def run_on_own_thread(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """fn() on a new thread (it inherits this one's priority), waited for; its result or its
-    error here."""
+def run_on_own_thread(fn: Callable[[], T], what: str = "pass") -> T:
+    """fn() on a new thread (it inherits this one's priority; named after this one and
+    `what`), waited for; its result or its error here."""
     got: list = []
+    ended = threading.Event()
 
     def target() -> None:
         try:
             got.append((fn(), None))
         except BaseException as e:  # NOTE: raised again on the caller's thread
             got.append((None, e))
+        finally:
+            ended.set()
 
-    name = f"{threading.current_thread().name}-pass"
+    name = f"{threading.current_thread().name}-{what}"
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
-    thread.join()
+    try:
+        ended.wait()
+    except BaseException:
+        # NOTE: an interrupt here (Ctrl-C where Python's own handler stands) is raised once fn
+        # has ended: never beside the caller's next steps, nor at exit (a load left running
+        # aborted the process). Not join(): on Python 3.11 one interrupted marks the thread
+        # ended while it runs, and the next returns at once.
+        ended.wait()
+        raise
+    thread.join()  # NOTE: at once: fn has returned
     out, error = got.pop()
     if error is None:
         return out

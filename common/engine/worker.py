@@ -68,9 +68,9 @@ class DeviceWorker:
         cap = self.num_threads = torch.get_num_threads()  # what this node may use, all told
         if self.platform.is_host:
             # NOTE: an OpenMP pool lives as long as its thread: the load's, beside each pass's
-            # (lanes.py), has libgomp sleep idle threads at once (more pooled than CPUs), and
-            # each op waits for a wake-up (0.6B bf16, 128 tokens, 2 cores: ~180 -> ~140 ms)
-            run_on_own_thread(functools.partial(self._load, cap))
+            # (lanes.py), had libgomp sleep idle threads at once (more pooled than CPUs), each
+            # op waiting for a wake-up (0.6B bf16, 128 tokens, 2 cores: 187-206 -> 154-157 ms)
+            run_on_own_thread(functools.partial(self._load, cap), "load")
         else:
             self._load(cap)
         cfg, s = self.cfg, self.spec
@@ -105,7 +105,7 @@ class DeviceWorker:
 
     def _load(self, num_threads: int) -> None:
         """The weights, the KV cache and the step state, on num_threads torch threads."""
-        torch.set_num_threads(num_threads)  # NOTE: per thread: a new one's is the default
+        torch.set_num_threads(num_threads)  # NOTE: per thread; a new one takes the last set
         from common.engine.loader import load_model  # NOTE: safetensors: where needed
 
         cfg = self.cfg

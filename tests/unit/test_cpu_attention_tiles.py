@@ -16,11 +16,11 @@ needs_tiles = pytest.mark.skipif(
 )
 
 
-def _chunk(n, context_len, num_heads, num_kv_heads, head_dim, seed):
+def _chunk(n, context_len, num_heads, num_kv_heads, head_dim, seed, block_size=16):
     """q [n, Hq, D] fp32 as a strided view (the model's q is a slice of its projection), a
     shuffled paged bf16 cache holding context and chunk, and its block table."""
     g = torch.Generator().manual_seed(seed)
-    block_size, total = 16, context_len + n
+    total = context_len + n
     num_blocks = -(-total // block_size)
     shape = (num_blocks + 3, block_size, num_kv_heads, head_dim)
     k = torch.randn(shape, generator=g).bfloat16()
@@ -45,17 +45,19 @@ def _float64(q, k_cache, v_cache, table, context_len, scale):
 
 @needs_tiles
 @pytest.mark.parametrize(
-    "n,context_len,heads",
+    "n,context_len,heads,block_size",
     [
-        (16, 0, (4, 2, 32)),
-        (33, 50, (16, 8, 128)),  # a block of 32 rows and one row beyond it
-        (100, 0, (6, 2, 64)),
-        (257, 300, (16, 8, 128)),  # keys not a multiple of 32, over a context
-        (1024, 0, (16, 8, 128)),
+        (16, 0, (4, 2, 32), 16),
+        (33, 50, (16, 8, 128), 16),  # a block of 32 rows and one row beyond it
+        (100, 0, (6, 2, 64), 16),
+        (257, 300, (16, 8, 128), 16),  # keys not a multiple of 32, over a context
+        (1024, 0, (16, 8, 128), 16),
+        (40, 23, (3, 3, 256), 5),  # a KV head a query head, the widest head, odd blocks
+        (70, 1, (8, 1, 96), 32),  # one KV head for eight
     ],
 )
-def test_tiles_attention_is_nearer_float64_than_torchs(n, context_len, heads):
-    q, k, v, table = _chunk(n, context_len, *heads, seed=n + context_len)
+def test_tiles_attention_is_nearer_float64_than_torchs(n, context_len, heads, block_size):
+    q, k, v, table = _chunk(n, context_len, *heads, seed=n + context_len, block_size=block_size)
     scale = heads[2] ** -0.5
     want = _float64(q, k, v, table, context_len, scale)
     out = torch.full(q.shape, float("nan"))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from common.engine.lanes import EXPLORE_EVERY, Lanes, split_tokens
+from common.engine.lanes import EXPLORE_EVERY, Lanes, run_on_own_thread, split_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -383,3 +383,32 @@ def test_a_failed_pass_leaves_no_cycle_holding_its_tensors():
     finally:
         gc.enable()
         lanes.close()
+
+
+def test_run_on_own_thread_returns_raises_and_outlives_no_interrupt():
+    """Its result or its error on the caller's thread, from a thread named for it; an
+    interrupt while it waits (Ctrl-C where Python's handler stands) is raised only once the
+    thread has ended: nothing runs on beside the caller (a load left running had the
+    process abort at exit)."""
+    names = []
+    assert run_on_own_thread(lambda: names.append(threading.current_thread().name) or 7, "x") == 7
+    assert names == [f"{threading.current_thread().name}-x"]
+    with pytest.raises(ZeroDivisionError):
+        run_on_own_thread(lambda: 1 / 0)
+    done = threading.Event()
+
+    def slow() -> None:
+        time.sleep(0.6)
+        done.set()
+
+    import os
+    import signal
+
+    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_on_own_thread(slow)
+        assert done.is_set()  # the wait went on to the thread's end
+    finally:
+        timer.cancel()

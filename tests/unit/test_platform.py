@@ -5,6 +5,8 @@ its module."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -284,3 +286,29 @@ def test_a_host_worker_hands_back_what_its_weights_were_copied_from(monkeypatch,
     monkeypatch.setattr(platform_cpu, "_malloc_trim", lambda: trims.append)
     platform.platform_for("cpu").release_memory()
     assert trims == [0]
+
+
+def test_a_host_worker_loads_on_a_thread_of_its_own_and_its_errors_reach_the_caller(
+    monkeypatch, tiny_model
+):
+    """The load runs on a thread that ends (the OpenMP pool it starts ends with it, not kept
+    beside each pass's), with the caller's torch threads; its error is the caller's."""
+    from common.engine import loader
+
+    seen = []
+    load_model = loader.load_model
+
+    def spy(*a):
+        seen.append((threading.current_thread(), torch.get_num_threads()))
+        return load_model(*a)
+
+    monkeypatch.setattr(loader, "load_model", spy)
+    before = torch.get_num_threads()
+    cfg = WorkerConfig(model=str(tiny_model), device="cpu", kv_cache_memory=2**20)
+    with DeviceWorker(cfg):
+        [(thread, num_threads)] = seen
+        assert thread is not threading.current_thread() and not thread.is_alive()
+        assert num_threads == before
+    monkeypatch.setattr(loader, "load_model", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        DeviceWorker(cfg).prepare()
