@@ -36,17 +36,18 @@ _long_chunk = long_chunk.attend  # NOTE: by this name, so a test can count the c
 MIN_ROWS_PER_THREAD = 8
 PREFILL_HEAD_DIM_MULTIPLE = 16  # the prefill kernel's register tile (DB in the C file)
 # From this many query tokens a chunk's attention is torch's (its fused CPU kernel, over the
-# chunk's KV gathered from the cache), where torch's is the faster: with AMX tiles (its bf16
-# kernel runs on them) or without AVX-512 (even with the C kernel at 256 tokens, 1.7x its
-# rate at 2,048, one thread, AVX2; launch/bench/attention.py). Below it, and at every length
-# on AVX-512 without tiles, the C kernel, which takes many short chunks in one call (AMD EPYC
-# with AVX512-BF16, 2 threads: 1.4-2.3x torch's rate in fp32 from 256 to 2,048 tokens, 1.9-3.7x
-# its bf16 from 256 to 4,096 at Qwen3-0.6B's heads). NOTE: the C kernel splits a chunk by KV
-# head: a long chunk on more threads than its KV heads goes to torch's (split by queries).
-# Where the tiles serve a chunk (a bf16 cache on a CPU with AMX), they take it from
-# long_chunk.TILES_MIN_QUERY_LEN queries instead.
+# chunk's KV gathered from the cache), where torch's is the faster: without AVX-512 (even
+# with the C kernel at 256 tokens, 1.7x its rate at 2,048, one thread, AVX2;
+# launch/bench/attention.py). Below it, and at every length on AVX-512, the C kernel, which
+# takes many short chunks in one call (AMD EPYC with AVX512-BF16, 2 threads: 1.4-2.3x
+# torch's rate in fp32 from 256 to 2,048 tokens, 1.9-3.7x its bf16 from 256 to 4,096 at
+# Qwen3-0.6B's heads; a Xeon with AMX, an fp32 cache: 18.0 against 24.4 ms at 1,024 tokens
+# at those heads, 0.59 against 1.09 at 430 at the tiny model's on one thread). NOTE: the C
+# kernel splits a chunk by KV head: a long chunk on more threads than its KV heads goes to
+# torch's (split by queries). Where the tiles serve a chunk (a bf16 cache on a CPU with
+# AMX), they take it from long_chunk.TILES_MIN_QUERY_LEN queries instead.
 TORCH_QUERY_LEN = 256
-TORCH_MIN_QUERY_LEN = TORCH_QUERY_LEN if FEATURES.is_amx_bf16 or not FEATURES.is_avx512 else 1 << 62
+TORCH_MIN_QUERY_LEN = TORCH_QUERY_LEN if not FEATURES.is_avx512 else 1 << 62
 _LIB = load(options.current[0].build_dir)
 _FNS, _PREFILL, _ELEMENTWISE = _LIB.decode, _LIB.prefill, _LIB.elementwise
 # NOTE: a one-pass op is split over torch's threads by rows from this many floats (a
