@@ -115,28 +115,9 @@ static void attend_block(const float *q, int64_t qs, int64_t n, int64_t context_
                                     : _mm512_setzero_ps();
             _mm256_storeu_si256((__m256i *)(qa + i * D + d), (__m256i)_mm512_cvtneps_pbh(x));
         }
-    /* S = Q K^T: 32 rows by 32 keys a pass, 32 features a tile */
-    for (int64_t k0 = 0; k0 < span; k0 += 32) {
-        const uint16_t *b0 = kp + k0 * D, *b1 = kp + (k0 + 16) * D;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t d = 0; d < D; d += 32) {
-            _tile_loadd(4, qa + d, D * 2);
-            _tile_loadd(5, qa + 16 * D + d, D * 2);
-            _tile_loadd(6, b0 + d * 16, 64);
-            _tile_loadd(7, b1 + d * 16, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, s + k0, L * 4);
-        _tile_stored(1, s + k0 + 16, L * 4);
-        _tile_stored(2, s + 16 * L + k0, L * 4);
-        _tile_stored(3, s + 16 * L + k0 + 16, L * 4);
-    }
+    /* S = Q K^T: 32 rows by 32 keys a pass, 32 features a step */
+    for (int64_t k0 = 0; k0 < span; k0 += 32)
+        tiles_32x32(qa, D, kp + k0 * D, kp + (k0 + 16) * D, D, s + k0, L);
     /* softmax of each row over its own keys, in fp32; P in bf16, zero past the keys */
     float inv[QB];
     const float c = scale * 1.4426950408889634f; /* exp(x * scale) = 2^(x * c) */
@@ -163,27 +144,10 @@ static void attend_block(const float *q, int64_t qs, int64_t n, int64_t context_
         }
         inv[i] = num ? 1.0f / _mm512_reduce_add_ps(vsum) : 0.0f;
     }
-    /* O = P V: 32 rows by 32 features a pass, 32 keys a tile */
+    /* O = P V: 32 rows by 32 features a pass, 32 keys a step */
     for (int64_t c = 0; c < D; c += 32) {
-        const uint16_t *b0 = vp + (c / 16) * (L / 2) * 32, *b1 = b0 + (L / 2) * 32;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t k0 = 0; k0 < span; k0 += 32) {
-            _tile_loadd(4, p + k0, L * 2);
-            _tile_loadd(5, p + 16 * L + k0, L * 2);
-            _tile_loadd(6, b0 + k0 * 16, 64);
-            _tile_loadd(7, b1 + k0 * 16, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, o + c, D * 4);
-        _tile_stored(1, o + c + 16, D * 4);
-        _tile_stored(2, o + 16 * D + c, D * 4);
-        _tile_stored(3, o + 16 * D + c + 16, D * 4);
+        const uint16_t *b0 = vp + (c / 16) * (L / 2) * 32;
+        tiles_32x32(p, L, b0, b0 + (L / 2) * 32, span, o + c, D);
     }
     for (int64_t i = 0; i < num_rows; i++) {
         float *dst = out + (r0 + i) * os + h * D;

@@ -205,29 +205,6 @@ int pdserve_linear_vnni_dot(const float *x, int64_t xs, const uint16_t *wp, int6
 }
 
 #ifdef HAS_AMX
-/* 32 rows of x by 32 columns: A and B each loaded once per 32 inputs and used twice. */
-static void tile_amx_32x32(const uint16_t *x, int64_t xs, const uint16_t *wp0,
-                           const uint16_t *wp1, int64_t K, float *out, int64_t os) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k = 0; k < K; k += 32) {
-        _tile_loadd(4, x + k, xs * 2);
-        _tile_loadd(5, x + 16 * xs + k, xs * 2);
-        _tile_loadd(6, wp0 + k * 16, 64);
-        _tile_loadd(7, wp1 + k * 16, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_stored(0, out, os * 4);
-    _tile_stored(1, out + 16, os * 4);
-    _tile_stored(2, out + 16 * os, os * 4);
-    _tile_stored(3, out + 16 * os + 16, os * 4);
-}
-
 /* Rows of x a block of them holds, in bytes: every pair of column blocks runs one block of
  * x's rows (M a multiple of 32) before the next block, so both x's block and the pair's
  * weights (32 columns by K) stay in L2 (1 MiB: 12-20% under no blocking at 1,024 rows of
@@ -246,7 +223,7 @@ static void blocks_amx(const uint16_t *x, int64_t xs, const uint16_t *wp, int64_
         int64_t m1 = m0 + mc < M ? m0 + mc : M;
         for (int64_t b = b0; b + 2 <= b1; b += 2)
             for (int64_t m = m0; m < m1; m += 32)
-                tile_amx_32x32(x + m * xs, xs, wp + b * block, wp + (b + 1) * block, K,
+                tiles_32x32(x + m * xs, xs, wp + b * block, wp + (b + 1) * block, K,
                                out + m * os + b * 16, os);
     }
     _tile_release();
