@@ -29,7 +29,8 @@ SOURCES = [
         "cpu_linear_vnni.c",
     )
 ]
-HEADERS = [Path(__file__).with_name("cpu_tiles.h")]  # included by SOURCES: in the build's key
+# every header beside them, which SOURCES may include: in the build's key
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # NOTE: -ffast-math lets expf vectorize (glibc libmvec); the kernel sees no inf or NaN:
 # scores are finite and the max it subtracts is one of them. It compiles the sources only:
 # a library linked with it carries gcc's crtfastmath, whose constructor sets flush-to-zero
@@ -83,9 +84,13 @@ def build(cache_dir: Path) -> Path:
         ).encode()
     ).hexdigest()[:16]
     lib = cache_dir / f"cpu_attention-{key}.so"
+    cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_own(cache_dir)
     if lib.is_file():
-        return lib
-    cache_dir.mkdir(parents=True, exist_ok=True)
+        st = lib.stat()
+        if _is_owner(st) and not st.st_mode & 0o022:
+            return lib
+        lib.unlink()  # NOTE: someone else's, or others could have written it: built again
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     with tempfile.TemporaryDirectory(dir=cache_dir) as build:
@@ -114,8 +119,25 @@ def build(cache_dir: Path) -> Path:
     if done.returncode != 0:
         os.unlink(tmp)
         raise ImportError(f"building the CPU attention kernel failed: {done.stderr.strip()[:500]}")
+    os.chmod(tmp, 0o755)  # NOTE: whatever the umask: a library others may write is not loaded
     os.replace(tmp, lib)  # NOTE: atomic: processes starting together each see a whole file
     return lib
+
+
+def _is_owner(st: os.stat_result) -> bool:
+    return not hasattr(os, "getuid") or st.st_uid == os.getuid()
+
+
+def _check_own(cache_dir: Path) -> None:
+    """NOTE: a library found in cache_dir is loaded and run. The default is a predictable name
+    under /tmp: another user could have made it, with a library of theirs in it. So it must
+    be this user's (else ImportError: the portable ops serve), and others may not write to it
+    (closed to them here where they could)."""
+    st = cache_dir.stat()
+    if not _is_owner(st):
+        raise ImportError(f"{cache_dir} belongs to another user (uid {st.st_uid}): not used")
+    if st.st_mode & 0o022:
+        os.chmod(cache_dir, st.st_mode & 0o7755)
 
 
 class Library(NamedTuple):

@@ -56,6 +56,34 @@ def test_the_avx512_kernel_is_built_where_the_cpu_has_avx512():
     assert has == ("avx512f" in cpu_build._cpu_flags().split())
 
 
+@needs_cc
+def test_a_build_directory_not_this_users_is_refused_and_closed_to_others(tmp_path, monkeypatch):
+    """A library found in the build directory is loaded and run, and the default one is a
+    predictable name under /tmp: another user's directory is refused (the portable ops then
+    serve), one of ours others may write to is closed to them, and a library others could
+    have written is built again, not loaded."""
+    import os
+    import stat
+
+    from kernels import cpu_build, options
+
+    ours = cpu_build.build(options.current[0].build_dir)  # built already: found, not built
+    d = tmp_path / "kernels"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    planted = d / ours.name
+    tampered = ours.read_bytes() + b"others' bytes"
+    planted.write_bytes(tampered)
+    os.chmod(planted, 0o666)
+    assert cpu_build.build(d) == planted  # built again, in place of the one others could write
+    assert stat.S_IMODE(d.stat().st_mode) == 0o755
+    assert stat.S_IMODE(planted.stat().st_mode) == 0o755 and planted.read_bytes() != tampered
+    uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+    with pytest.raises(ImportError, match="another user"):
+        cpu_build.build(d)
+
+
 def _verify_float64(q, k, v, tables, seq_lens, scale, num_queries):
     """Each query by hand: query j of row i over the first seq_lens[i] - (Q - 1 - j)."""
     rows = []
