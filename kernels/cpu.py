@@ -45,7 +45,10 @@ PREFILL_HEAD_DIM_MULTIPLE = 16  # the prefill kernel's register tile (DB in the 
 # at those heads, 0.59 against 1.09 at 430 at the tiny model's on one thread). NOTE: the C
 # kernel splits a chunk by KV head: a long chunk on more threads than its KV heads goes to
 # torch's (split by queries). Where the tiles serve a chunk (a bf16 cache on a CPU with
-# AMX), they take it from long_chunk.TILES_MIN_QUERY_LEN queries instead.
+# AMX), they take it from long_chunk.TILES_MIN_QUERY_LEN queries instead; a bf16 cache whose
+# head size they do not take goes to torch's from TORCH_QUERY_LEN there (its bf16 kernel runs
+# on the tiles: 13.3-13.9 against the C kernel's 25.3-25.8 ms at 1,024 tokens, 16 / 8 heads
+# of 80, one thread).
 TORCH_QUERY_LEN = 256
 TORCH_MIN_QUERY_LEN = TORCH_QUERY_LEN if not FEATURES.is_avx512 else 1 << 62
 _LIB = load(options.current[0].build_dir)
@@ -173,8 +176,11 @@ def prefill_attention(
     long_len = TORCH_MIN_QUERY_LEN
     if long_chunk.is_tiled(q, k_cache):
         long_len = long_chunk.TILES_MIN_QUERY_LEN
-    elif torch.get_num_threads() > num_kv_heads:  # NOTE: C splits a chunk by KV head at most
-        long_len = min(long_len, TORCH_QUERY_LEN)  # idle threads beside a long chunk
+    elif (
+        torch.get_num_threads() > num_kv_heads  # NOTE: C splits a chunk by KV head at most
+        or (k_cache.dtype == torch.bfloat16 and long_chunk.HAS_TILES)  # torch's bf16 on tiles
+    ):
+        long_len = min(long_len, TORCH_QUERY_LEN)
     short = [i for i, n in enumerate(query_lens) if n < long_len]
     # NOTE: a bf16 cache on a CPU with bf16 units: torch's kernel runs in bf16, as
     # transformers' bf16 attention does (3.9x its fp32 rate at 1,024 tokens, Xeon with AMX,

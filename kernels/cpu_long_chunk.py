@@ -5,7 +5,7 @@ more): on AMX tiles over a bf16 cache
 call), else torch's fused kernel over the chunk's KV gathered heads-first.
 
 Qwen3-0.6B's heads (16 / 8 x 128), bf16 cache, two Xeon cores with AMX, in process: 1,024
-tokens 5.1 ms a layer on the tiles against 6.9 through torch's (its inner products are small
+tokens 5.2 ms a layer on the tiles against 6.9 through torch's (its inner products are small
 oneDNN calls), 2,048 tokens 19.4 against 23.0; the tiles' output (fp32, P rounded to bf16
 as torch's is) is the nearer to float64's.
 """
@@ -19,8 +19,8 @@ from kernels import options
 from kernels.cpu_build import load
 
 _LIB = load(options.current[0].build_dir)
-# the kernel is built (AMX and AVX512-BF16) and this process may use the tiles
-IS_TILED = bool(_LIB.vnni_paths & 2) and _LIB.prefill_tiles is not None
+HAS_TILES = bool(_LIB.vnni_paths & 2)  # AMX tiles this process may use (torch's oneDNN too)
+IS_TILED = HAS_TILES and _LIB.prefill_tiles is not None  # and the kernel here is built
 TILE_FEATURES = 32  # the kernel's head size is a multiple of this (a tile's bf16 inputs)
 # From this many queries a chunk's attention runs on the tiles where they serve (is_tiled);
 # shorter chunks go to cpu_attention.c's kernel, which takes them all in one call (Qwen3-0.6B's

@@ -22,9 +22,11 @@ from typing import Callable, TypeVar
 
 import torch
 
+from common.base.log import get_logger
 from common.base.threads import lower_this_thread
 
 T = TypeVar("T")
+log = get_logger("lanes")
 LANE_NICE = 10
 # A pass kept in one piece (a chunk with prompt logprobs) shorter than this per thread runs on one
 # lane: an op split over threads waits at its end for every one of them, and on a shared
@@ -54,7 +56,8 @@ def _start_lane() -> None:
 
 def run_on_own_thread(fn: Callable[[], T], what: str = "pass") -> T:
     """fn() on a new thread (it inherits this one's priority; named after this one and
-    `what`), waited for; its result or its error here."""
+    `what`), waited for; its result or its error here. An interrupt while waiting is raised
+    once fn has ended; a second while it still runs is raised at once (fn left running)."""
     got: list = []
     ended = threading.Event()
 
@@ -68,15 +71,22 @@ def run_on_own_thread(fn: Callable[[], T], what: str = "pass") -> T:
 
     name = f"{threading.current_thread().name}-{what}"
     thread = threading.Thread(target=target, name=name, daemon=True)
-    thread.start()
     try:
+        try:
+            thread.start()
+        except RuntimeError:  # NOTE: no thread to be had: nothing runs, nothing to wait for
+            ended.set()
+            raise
         ended.wait()
     except BaseException:
-        # NOTE: an interrupt here (Ctrl-C where Python's own handler stands) is raised once fn
-        # has ended: never beside the caller's next steps, nor at exit (a load left running
-        # aborted the process). Not join(): on Python 3.11 one interrupted marks the thread
-        # ended while it runs, and the next returns at once.
-        ended.wait()
+        if not ended.is_set():
+            # NOTE: an interrupt (Ctrl-C where Python's own handler stands) is raised once fn
+            # has ended, never beside the caller's next steps; a second one abandons it (the
+            # process may then abort at exit, torch's threads still running). Not join(): on
+            # Python 3.11 one interrupted marks the thread ended while it runs.
+            log.warning("interrupted: waiting for %s to end (again to abandon it)", name)
+            ended.wait()
+        got.clear()  # NOTE: fn's result or error goes with the interrupt, and no cycle with it
         raise
     thread.join()  # NOTE: at once: fn has returned
     out, error = got.pop()

@@ -161,7 +161,7 @@ def test_long_chunks_beside_short_ones_equal_the_naive_attention(dtype, monkeypa
 
 @needs_cc
 def test_a_lone_long_chunk_on_more_threads_than_kv_heads_goes_to_torch(monkeypatch):
-    """Where the C kernel takes every length (AVX-512 without tiles), a long chunk on more
+    """Where the C kernel takes every length (an fp32 cache on AVX-512), a long chunk on more
     threads than its KV heads still goes to torch's kernel: the C one splits a chunk by KV
     head and would leave threads idle (beside short chunks too, which end at once)."""
     monkeypatch.setattr(cpu, "TORCH_MIN_QUERY_LEN", 1 << 62)
@@ -440,3 +440,38 @@ def test_decode_attention_without_scratch_raises_and_without_rows_returns_none(m
     monkeypatch.setitem(cpu._FNS, torch.float32, lambda *args: -1)
     with pytest.raises(MemoryError, match="scratch"):
         cpu.decode_attention(q, k, v, tables, lens, 0.2)
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    "dtype,head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 48), (torch.float32, 64)]
+)
+def test_which_chunks_take_the_long_chunk_path_by_cache_and_cpu(dtype, head_dim, monkeypatch):
+    """The rule, on this CPU: a bf16 cache whose head size the tiles take goes to them from
+    TILES_MIN_QUERY_LEN; another bf16 one on a CPU with tiles to torch's (its bf16 kernel
+    runs on them) from TORCH_QUERY_LEN; an fp32 one stays on the C kernel at every length on
+    AVX-512 (the faster there), and goes to torch's from TORCH_QUERY_LEN on AVX2."""
+    long_chunk = cpu.long_chunk
+    taken, reference = [], cpu._long_chunk
+    monkeypatch.setattr(
+        cpu, "_long_chunk", lambda *a, **k: taken.append(len(a[0])) or reference(*a, **k)
+    )
+    n = cpu.TORCH_QUERY_LEN
+    lens = [15, 16, n - 1, n]
+    k, v, tables = _paged_cache(lens, 2, head_dim, 16, dtype, seed=head_dim)
+    q = torch.randn(sum(lens), 4, head_dim).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # NOTE: no more threads than KV heads: that rule aside
+        got = cpu.prefill_attention(q, k, v, tables, lens, [0] * 4, head_dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    if long_chunk.is_tiled(q, k):
+        want = [16, n - 1, n]
+    elif (dtype == torch.bfloat16 and long_chunk.HAS_TILES) or not cpu.FEATURES.is_avx512:
+        want = [n]
+    else:
+        want = []
+    assert taken == want
+    expected = _naive_prefill_attention(q, k, v, tables, lens, [0] * 4, head_dim**-0.5)
+    assert torch.allclose(got.double(), expected, atol=1e-5 if dtype == torch.float32 else 2e-2)

@@ -3,6 +3,8 @@ layer behind the one before (common/engine/lanes.py)."""
 
 from __future__ import annotations
 
+import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -395,20 +397,31 @@ def test_run_on_own_thread_returns_raises_and_outlives_no_interrupt():
     assert names == [f"{threading.current_thread().name}-x"]
     with pytest.raises(ZeroDivisionError):
         run_on_own_thread(lambda: 1 / 0)
+    main = threading.main_thread()
+    assert threading.current_thread() is main
     done = threading.Event()
 
-    def slow() -> None:
-        time.sleep(0.6)
+    def is_waiting() -> bool:  # the caller is in run_on_own_thread's wait, past start()
+        frame, codes = sys._current_frames().get(main.ident), set()
+        while frame is not None:
+            codes.add(frame.f_code)
+            frame = frame.f_back
+        return run_on_own_thread.__code__ in codes and threading.Thread.start.__code__ not in codes
+
+    def interrupts_then_ends() -> None:
+        # NOTE: fn itself interrupts its caller, once waiting: never after the call returned
+        deadline = time.monotonic() + 60
+        while not is_waiting():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        signal.pthread_kill(main.ident, signal.SIGINT)
+        time.sleep(0.2)
         done.set()
 
-    import os
-    import signal
-
-    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
-            run_on_own_thread(slow)
+            run_on_own_thread(interrupts_then_ends)
         assert done.is_set()  # the wait went on to the thread's end
     finally:
-        timer.cancel()
+        signal.signal(signal.SIGINT, old)

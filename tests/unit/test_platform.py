@@ -304,11 +304,19 @@ def test_a_host_worker_loads_on_a_thread_of_its_own_and_its_errors_reach_the_cal
 
     monkeypatch.setattr(loader, "load_model", spy)
     before = torch.get_num_threads()
+    # NOTE: a new thread takes the threads last set anywhere: a lane's one, say
+    torch.set_num_threads(2)
+    lane = threading.Thread(target=torch.set_num_threads, args=(1,))
+    lane.start()
+    lane.join()
     cfg = WorkerConfig(model=str(tiny_model), device="cpu", kv_cache_memory=2**20)
-    with DeviceWorker(cfg):
-        [(thread, num_threads)] = seen
-        assert thread is not threading.current_thread() and not thread.is_alive()
-        assert num_threads == before
+    try:
+        with DeviceWorker(cfg):
+            [(thread, num_threads)] = seen
+            assert thread is not threading.current_thread() and not thread.is_alive()
+            assert num_threads == 2  # the caller's
+    finally:
+        torch.set_num_threads(before)
     monkeypatch.setattr(loader, "load_model", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         DeviceWorker(cfg).prepare()
