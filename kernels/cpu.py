@@ -156,8 +156,8 @@ def prefill_attention(
     """As portable.prefill_attention: causal attention of packed chunks [T, Hq, D] over
     their cached KV, read in place. Work is split by (chunk, KV head) over the threads.
     A chunk of long_chunk.TILES_MIN_QUERY_LEN queries or more goes to the tiles where they
-    serve (kernels/cpu_long_chunk.py), else one of TORCH_MIN_QUERY_LEN or more to torch's
-    fused kernel."""
+    serve (kernels/cpu_long_chunk.py), else one of TORCH_MIN_QUERY_LEN or more (of
+    TORCH_QUERY_LEN where the rule below says) to torch's fused kernel."""
     fn = _PREFILL.get(k_cache.dtype)
     if (
         fn is None
@@ -178,7 +178,7 @@ def prefill_attention(
         long_len = long_chunk.TILES_MIN_QUERY_LEN
     elif (
         torch.get_num_threads() > num_kv_heads  # NOTE: C splits a chunk by KV head at most
-        or (k_cache.dtype == torch.bfloat16 and long_chunk.HAS_TILES)  # torch's bf16 on tiles
+        or (k_cache.dtype == torch.bfloat16 and FEATURES.is_amx_bf16)  # torch's bf16 on tiles
     ):
         long_len = min(long_len, TORCH_QUERY_LEN)
     short = [i for i, n in enumerate(query_lens) if n < long_len]

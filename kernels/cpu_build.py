@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from functools import lru_cache
@@ -17,6 +19,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+log = logging.getLogger("pdserve.kernels")
 
 SOURCES = [
     Path(__file__).with_name(n)
@@ -84,13 +88,18 @@ def build(cache_dir: Path) -> Path:
         ).encode()
     ).hexdigest()[:16]
     lib = cache_dir / f"cpu_attention-{key}.so"
-    cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _check_own(cache_dir)
-    if lib.is_file():
-        st = lib.stat()
-        if _is_owner(st) and not st.st_mode & 0o022:
-            return lib
-        lib.unlink()  # NOTE: someone else's, or others could have written it: built again
+    try:
+        cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_own(cache_dir)
+        if os.path.lexists(lib):
+            st = os.lstat(lib)
+            if stat.S_ISREG(st.st_mode) and _is_owner(st) and not _is_open_to_others(st):
+                return lib
+            # NOTE: a link, someone else's, or others could have written it: built again
+            log.warning("%s is not this user's alone: building the CPU kernels again", lib)
+            lib.unlink(missing_ok=True)
+    except OSError as e:
+        raise ImportError(f"the CPU kernels' build directory {cache_dir}: {e}") from e
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     with tempfile.TemporaryDirectory(dir=cache_dir) as build:
@@ -128,16 +137,27 @@ def _is_owner(st: os.stat_result) -> bool:
     return not hasattr(os, "getuid") or st.st_uid == os.getuid()
 
 
+def _is_open_to_others(st: os.stat_result) -> bool:
+    return os.name != "nt" and bool(st.st_mode & 0o022)  # NOTE: Windows' modes say nothing
+
+
 def _check_own(cache_dir: Path) -> None:
     """NOTE: a library found in cache_dir is loaded and run. The default is a predictable name
-    under /tmp: another user could have made it, with a library of theirs in it. So it must
-    be this user's (else ImportError: the portable ops serve), and others may not write to it
-    (closed to them here where they could)."""
-    st = cache_dir.stat()
-    if not _is_owner(st):
-        raise ImportError(f"{cache_dir} belongs to another user (uid {st.st_uid}): not used")
-    if st.st_mode & 0o022:
+    under /tmp: another user could have made it (or a link to swap after this check), with a
+    library of theirs in it. So it (and a link to it) must be this user's, else ImportError
+    (the portable ops serve), and others may not write to it (closed to them here)."""
+    link, st = os.lstat(cache_dir), os.stat(cache_dir)
+    for who in (link, st):
+        if not _is_owner(who):
+            raise ImportError(
+                f"{cache_dir} belongs to another user (uid {who.st_uid}): the CPU kernels "
+                "are not built there (set PDSERVE_HOME to a directory of yours)"
+            )
+    if _is_open_to_others(st):
+        log.warning("closing %s to other users: the CPU kernels are loaded from it", cache_dir)
         os.chmod(cache_dir, st.st_mode & 0o7755)
+        if _is_open_to_others(os.stat(cache_dir)):
+            raise ImportError(f"{cache_dir} stays writable by other users: not used")
 
 
 class Library(NamedTuple):

@@ -224,7 +224,7 @@ static void blocks_amx(const uint16_t *x, int64_t xs, const uint16_t *wp, int64_
         for (int64_t b = b0; b + 2 <= b1; b += 2)
             for (int64_t m = m0; m < m1; m += 32)
                 tiles_32x32(x + m * xs, xs, wp + b * block, wp + (b + 1) * block, K,
-                               out + m * os + b * 16, os);
+                            out + m * os + b * 16, os);
     }
     _tile_release();
 }

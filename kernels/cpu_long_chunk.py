@@ -19,8 +19,8 @@ from kernels import options
 from kernels.cpu_build import load
 
 _LIB = load(options.current[0].build_dir)
-HAS_TILES = bool(_LIB.vnni_paths & 2)  # AMX tiles this process may use (torch's oneDNN too)
-IS_TILED = HAS_TILES and _LIB.prefill_tiles is not None  # and the kernel here is built
+# AMX tiles this process may use, and the kernel built (AMX and AVX512-BF16)
+IS_TILED = bool(_LIB.vnni_paths & 2) and _LIB.prefill_tiles is not None
 TILE_FEATURES = 32  # the kernel's head size is a multiple of this (a tile's bf16 inputs)
 # From this many queries a chunk's attention runs on the tiles where they serve (is_tiled);
 # shorter chunks go to cpu_attention.c's kernel, which takes them all in one call (Qwen3-0.6B's

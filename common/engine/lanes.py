@@ -59,9 +59,10 @@ def run_on_own_thread(fn: Callable[[], T], what: str = "pass") -> T:
     `what`), waited for; its result or its error here. An interrupt while waiting is raised
     once fn has ended; a second while it still runs is raised at once (fn left running)."""
     got: list = []
-    ended = threading.Event()
+    began, ended = threading.Event(), threading.Event()
 
     def target() -> None:
+        began.set()
         try:
             got.append((fn(), None))
         except BaseException as e:  # NOTE: raised again on the caller's thread
@@ -79,7 +80,8 @@ def run_on_own_thread(fn: Callable[[], T], what: str = "pass") -> T:
             raise
         ended.wait()
     except BaseException:
-        if not ended.is_set():
+        # NOTE: interrupted inside start() before the thread existed, it never begins
+        if not ended.is_set() and began.wait(1.0):
             # NOTE: an interrupt (Ctrl-C where Python's own handler stands) is raised once fn
             # has ended, never beside the caller's next steps; a second one abandons it (the
             # process may then abort at exit, torch's threads still running). Not join(): on

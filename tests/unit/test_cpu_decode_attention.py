@@ -78,6 +78,9 @@ def test_a_build_directory_not_this_users_is_refused_and_closed_to_others(tmp_pa
     assert cpu_build.build(d) == planted  # built again, in place of the one others could write
     assert stat.S_IMODE(d.stat().st_mode) == 0o755
     assert stat.S_IMODE(planted.stat().st_mode) == 0o755 and planted.read_bytes() != tampered
+    planted.unlink()
+    planted.symlink_to(ours)  # a link, even to a library of ours: built again in its place
+    assert cpu_build.build(d) == planted and not planted.is_symlink()
     uid = os.getuid()
     monkeypatch.setattr(os, "getuid", lambda: uid + 1)
     with pytest.raises(ImportError, match="another user"):

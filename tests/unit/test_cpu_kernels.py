@@ -468,7 +468,7 @@ def test_which_chunks_take_the_long_chunk_path_by_cache_and_cpu(dtype, head_dim,
         torch.set_num_threads(before)
     if long_chunk.is_tiled(q, k):
         want = [16, n - 1, n]
-    elif (dtype == torch.bfloat16 and long_chunk.HAS_TILES) or not cpu.FEATURES.is_avx512:
+    elif (dtype == torch.bfloat16 and cpu.FEATURES.is_amx_bf16) or not cpu.FEATURES.is_avx512:
         want = [n]
     else:
         want = []
