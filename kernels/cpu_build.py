@@ -71,7 +71,15 @@ def flags() -> list[str]:
 
 def build(cache_dir: Path) -> Path:
     """The library, built into cache_dir unless a build of these sources, compiler, flags
-    and CPU is there; ImportError where it cannot be built."""
+    and CPU is there; ImportError where it cannot be built (any filesystem or compiler
+    error included: the portable ops then serve, never a failed start)."""
+    try:
+        return _build(cache_dir)
+    except OSError as e:
+        raise ImportError(f"the CPU kernels could not be built in {cache_dir}: {e}") from e
+
+
+def _build(cache_dir: Path) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise ImportError("no C compiler (cc or gcc) to build the CPU attention kernel")
@@ -88,18 +96,17 @@ def build(cache_dir: Path) -> Path:
         ).encode()
     ).hexdigest()[:16]
     lib = cache_dir / f"cpu_attention-{key}.so"
-    try:
-        cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _check_own(cache_dir)
-        if os.path.lexists(lib):
-            st = os.lstat(lib)
-            if stat.S_ISREG(st.st_mode) and _is_owner(st) and not _is_open_to_others(st):
-                return lib
-            # NOTE: a link, someone else's, or others could have written it: built again
-            log.warning("%s is not this user's alone: building the CPU kernels again", lib)
-            lib.unlink(missing_ok=True)
-    except OSError as e:
-        raise ImportError(f"the CPU kernels' build directory {cache_dir}: {e}") from e
+    for d in reversed([cache_dir, *cache_dir.parents]):  # NOTE: each one made is ours alone
+        if not d.exists():
+            d.mkdir(mode=0o700, exist_ok=True)
+    _check_own(cache_dir)
+    if os.path.lexists(lib):
+        st = os.lstat(lib)
+        if _is_trusted(st):
+            return lib
+        # NOTE: a link, someone else's, or others could have written it: built again
+        log.warning("%s is not this user's alone: building the CPU kernels again", lib)
+        lib.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     with tempfile.TemporaryDirectory(dir=cache_dir) as build:
@@ -135,6 +142,30 @@ def build(cache_dir: Path) -> Path:
 
 def _is_owner(st: os.stat_result) -> bool:
     return not hasattr(os, "getuid") or st.st_uid == os.getuid()
+
+
+def _is_trusted(st: os.stat_result) -> bool:
+    """A library this user wrote and no one else could have: a file of ours others cannot
+    write to."""
+    return stat.S_ISREG(st.st_mode) and _is_owner(st) and not _is_open_to_others(st)
+
+
+def _open_trusted(lib: Path) -> ctypes.CDLL:
+    """The library, loaded from the file checked: opened without following a link, checked
+    on the open file, loaded through it where /proc names it (NOTE: between build() and here
+    a directory above could be swapped by whoever may write to its parent: the path would
+    then name another file). ImportError where it is not a library of ours."""
+    try:
+        fd = os.open(lib, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
+    except OSError as e:
+        raise ImportError(f"the CPU kernels' library {lib}: {e}") from e
+    try:
+        if not _is_trusted(os.fstat(fd)):
+            raise ImportError(f"{lib} is not this user's alone: the CPU kernels are not loaded")
+        via = f"/proc/self/fd/{fd}"
+        return ctypes.CDLL(via if os.path.exists(via) else str(lib))
+    finally:
+        os.close(fd)  # NOTE: a loaded library keeps its own mapping
 
 
 def _is_open_to_others(st: os.stat_result) -> bool:
@@ -173,7 +204,7 @@ class Library(NamedTuple):
 @lru_cache(maxsize=None)
 def load(build_dir: Path) -> Library:
     """The library's functions, typed; built and opened once per process."""
-    lib = ctypes.CDLL(str(build(build_dir)))
+    lib = _open_trusted(build(build_dir))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     fns = {}
     for dtype, name in (

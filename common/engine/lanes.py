@@ -72,16 +72,18 @@ def run_on_own_thread(fn: Callable[[], T], what: str = "pass") -> T:
 
     name = f"{threading.current_thread().name}-{what}"
     thread = threading.Thread(target=target, name=name, daemon=True)
+    is_started = False
     try:
         try:
             thread.start()
         except RuntimeError:  # NOTE: no thread to be had: nothing runs, nothing to wait for
             ended.set()
             raise
+        is_started = True
         ended.wait()
     except BaseException:
         # NOTE: interrupted inside start() before the thread existed, it never begins
-        if not ended.is_set() and began.wait(1.0):
+        if not ended.is_set() and (is_started or began.wait(1.0)):
             # NOTE: an interrupt (Ctrl-C where Python's own handler stands) is raised once fn
             # has ended, never beside the caller's next steps; a second one abandons it (the
             # process may then abort at exit, torch's threads still running). Not join(): on

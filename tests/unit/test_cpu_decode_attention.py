@@ -81,6 +81,13 @@ def test_a_build_directory_not_this_users_is_refused_and_closed_to_others(tmp_pa
     planted.unlink()
     planted.symlink_to(ours)  # a link, even to a library of ours: built again in its place
     assert cpu_build.build(d) == planted and not planted.is_symlink()
+    os.chmod(planted, 0o775)  # opened and checked as it is loaded: refused, not loaded
+    with pytest.raises(ImportError, match="not this user's alone"):
+        cpu_build._open_trusted(planted)
+    with monkeypatch.context() as m:  # any filesystem or compiler error: the portable ops
+        m.setenv("CC", str(tmp_path / "no-such-cc"))
+        with pytest.raises(ImportError, match="could not be built"):
+            cpu_build.build(d)
     uid = os.getuid()
     monkeypatch.setattr(os, "getuid", lambda: uid + 1)
     with pytest.raises(ImportError, match="another user"):
