@@ -163,9 +163,12 @@ def _open_trusted(lib: Path) -> ctypes.CDLL:
         if not _is_trusted(os.fstat(fd)):
             raise ImportError(f"{lib} is not this user's alone: the CPU kernels are not loaded")
         via = f"/proc/self/fd/{fd}"
+        # NOTE: fd stays open for the process: dlopen knows a library by its name, and a
+        # later load through a reused /proc/self/fd/N would get this one back
         return ctypes.CDLL(via if os.path.exists(via) else str(lib))
-    finally:
-        os.close(fd)  # NOTE: a loaded library keeps its own mapping
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _is_open_to_others(st: os.stat_result) -> bool:
