@@ -4,7 +4,7 @@ ones' time per output token; and whether every request's (greedy) tokens are the
 
     python -m launch.bench.mixed [--model DIR] [--rate-mbit 200] [--long-len 2048]
         [--short-len 32] [--duration 20] [--long-every 2] [--short-every 0.25]
-        [--modes always,auto] [--kv-layerwise auto] [--cores shared|split]   (root)
+        [--modes always,auto] [--runs 1] [--kv-layerwise auto] [--cores shared|split]   (root)
 
 Host a runs the frontend and a prefill node, host b a decode node (as `pdserve bench
 layerwise`: start_cluster.sh on each, b joining a, host a's link shaped with tc tbf).
@@ -14,8 +14,12 @@ the rates are measured), then for --duration seconds a long prompt arrives every
 cache hits), streaming. One JSON line per mode (TTFT p50/p90 of the short prompts and of
 their second token, TPOT p50/p90 of the long ones, the paths taken), then the ratios (each
 mode over the first): the short prompts should not wait behind the long ones' prefill and
-KV, nor the long ones pay for it. The bound for a short prompt's TTFT is its own prefill
-on an idle node. Without --model, the 8-layer shape of `pdserve bench layerwise` (made once).
+KV, nor the long ones pay for it. With --runs N the modes alternate N times (a fresh
+cluster each), each pair's ratios printed, then one line of each figure's median over the
+runs, the medians' ratios and the range of the runs' own ratios: where two modes take the
+same paths, that range is what one pair of runs can show on this host. The bound for a
+short prompt's TTFT is its own prefill on an idle node. Without --model, the 8-layer shape
+of `pdserve bench layerwise` (made once).
 """
 
 from __future__ import annotations
@@ -200,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-every", type=float, default=2.0, help="seconds between long prompts")
     p.add_argument("--short-every", type=float, default=0.25, help="seconds between short prompts")
     p.add_argument("--modes", default="always,auto", help="--disaggregate values, in order")
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="the modes this many times, alternating; then each figure's median over the runs",
+    )
     p.add_argument("--kv-layerwise", default="auto", help="on both hosts")
     p.add_argument("--kv-transfer", default="tcp", help="the backend between the hosts")
     p.add_argument("--seed", type=int, default=0, help="of the prompts and arrivals")
@@ -222,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.client:
         _client(a.client, a)
         return 0
+    if a.runs < 1:
+        p.error("--runs takes 1 or more")
     from launch.tools import netns
 
     why = netns.why_not()
@@ -230,103 +242,148 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model or layerwise.default_model()
     logs = Path(f"/tmp/bench-mixed-{os.getpid()}")
     logs.mkdir(exist_ok=True)
-    figures, tokens = {}, {}
-    for mode in a.modes.split(","):
-        with netns.Hosts(["a", "b"]) as hosts:
-            layerwise.shape_link(hosts, "a", a.rate_mbit, a.burst)
-            got = _run_mode(a, hosts, model, mode, logs)
-        (logs / f"{mode}-requests.json").write_text(
-            json.dumps(got["rows"])
-        )  # each request's figures
-        tokens[mode] = {r["i"]: r["tokens"] for r in got["rows"]}
-        short = [r for r in got["rows"] if r["kind"] == "short"]
-        gaps = [r["max_gap_s"] for r in got["rows"] if r["max_gap_s"] is not None]
-        long = [r for r in got["rows"] if r["kind"] == "long"]
-        f = figures[mode] = {
-            "short_ttft_ms_p50": round(1e3 * statistics.median(r["ttft_s"] for r in short), 1),
-            "short_ttft_ms_p90": round(1e3 * _pct([r["ttft_s"] for r in short], 0.9), 1),
-            # the first token decoded: behind the handoff (its reservation, KV and commit)
-            "short_second_ms_p50": round(1e3 * statistics.median(r["second_s"] for r in short), 1),
-            "short_second_ms_p90": round(1e3 * _pct([r["second_s"] for r in short], 0.9), 1),
-            "long_tpot_ms_p50": round(1e3 * statistics.median(r["tpot_s"] for r in long), 2),
-            "long_tpot_ms_p90": round(1e3 * _pct([r["tpot_s"] for r in long], 0.9), 2),
-            "long_ttft_ms_p50": round(1e3 * statistics.median(r["ttft_s"] for r in long), 1),
-            # of the long ones' TPOT: the handoff (first token to second) and the decode steps
-            # after it
-            "long_handoff_ms_p50": round(
-                1e3 * statistics.median(r["second_s"] - r["ttft_s"] for r in long), 1
-            ),
-            "long_steady_tpot_ms_p90": round(
-                1e3 * _pct([r["steady_tpot_s"] for r in long], 0.9), 2
-            ),
-            # every request's longest wait between two decoded tokens, at p90
-            "max_gap_ms_p90": round(1e3 * _pct(gaps, 0.9), 1) if gaps else None,
-        }
-        print(
-            json.dumps(
-                {
-                    "bench": "mixed",
-                    "device": "cpu",
-                    "mode": mode,
-                    "rate_mbit": a.rate_mbit,
-                    "burst": a.burst,
-                    "kv_transfer": a.kv_transfer,
-                    "kv_layerwise": a.kv_layerwise,
-                    "cores": a.cores,
-                    "long": [a.long_len, a.long_tokens, a.long_every],
-                    "short": [a.short_len, a.short_tokens, a.short_every],
-                    "num_short": len(short),
-                    "num_long": len(long),
-                    **f,
-                    "short_paths": {
-                        p: sum(r["path"] == p for r in short) for p in ("local", "disaggregated")
-                    },
-                    # each path's own short TTFT p50 (what a prompt there waited), where any took it
-                    "short_ttft_ms_p50_by_path": {
-                        p: round(
-                            1e3 * statistics.median(r["ttft_s"] for r in short if r["path"] == p), 1
-                        )
-                        for p in ("local", "disaggregated")
-                        if any(r["path"] == p for r in short)
-                    },
-                    # where that time went: each stage's p50 (the first update's timings)
-                    "short_parts_ms_p50_by_path": {
-                        p: _parts_p50([r for r in short if r["path"] == p])
-                        for p in ("local", "disaggregated")
-                        if any(r["path"] == p for r in short)
-                    },
-                    "long_paths": {
-                        p: sum(r["path"] == p for r in long) for p in ("local", "disaggregated")
-                    },
-                    "decisions": (got.get("paths") or {}).get("decisions"),
-                }
-            ),
-            flush=True,
-        )
     modes = a.modes.split(",")
-    if len(modes) > 1:
-        base = figures[modes[0]]
-        # Greedy: each request's tokens the same whichever path it took.
-        same = {m: tokens[m] == tokens[modes[0]] for m in modes[1:]}
-        print(
-            json.dumps(
-                {
-                    "bench": "mixed",
-                    "against": modes[0],
-                    "tokens_equal": same,
-                    "ratios": {
-                        m: {
-                            k: round(v / base[k], 3) if base[k] else None
-                            for k, v in figures[m].items()
-                        }
-                        for m in modes[1:]
-                    },
-                    "logs": str(logs),
-                }
-            ),
-            flush=True,
-        )
+    runs: list[dict] = []  # per run: mode -> its figures
+    tokens: dict = {}
+    for run in range(a.runs):
+        figures = {}
+        for mode in modes:  # NOTE: alternating: a drift of the host's speed hits every mode
+            figures[mode], tokens[mode] = _measure(a, model, mode, logs, run)
+        runs.append(figures)
+        if len(modes) > 1:
+            _print_ratios(a, modes, figures, tokens, logs, run)
+    if a.runs > 1:
+        _print_medians(modes, runs)
     return 0
+
+
+def _measure(a, model: str, mode: str, logs: Path, run: int) -> tuple[dict, dict]:
+    """One fresh cluster in this mode: its figures (one JSON line printed) and each
+    request's tokens."""
+    from launch.tools import netns
+
+    with netns.Hosts(["a", "b"]) as hosts:
+        layerwise.shape_link(hosts, "a", a.rate_mbit, a.burst)
+        got = _run_mode(a, hosts, model, mode, logs)
+    # each request's figures
+    (logs / f"{mode}-{run}-requests.json").write_text(json.dumps(got["rows"]))
+    short = [r for r in got["rows"] if r["kind"] == "short"]
+    gaps = [r["max_gap_s"] for r in got["rows"] if r["max_gap_s"] is not None]
+    long = [r for r in got["rows"] if r["kind"] == "long"]
+    f = {
+        "short_ttft_ms_p50": round(1e3 * statistics.median(r["ttft_s"] for r in short), 1),
+        "short_ttft_ms_p90": round(1e3 * _pct([r["ttft_s"] for r in short], 0.9), 1),
+        # the first token decoded: behind the handoff (its reservation, KV and commit)
+        "short_second_ms_p50": round(1e3 * statistics.median(r["second_s"] for r in short), 1),
+        "short_second_ms_p90": round(1e3 * _pct([r["second_s"] for r in short], 0.9), 1),
+        "long_tpot_ms_p50": round(1e3 * statistics.median(r["tpot_s"] for r in long), 2),
+        "long_tpot_ms_p90": round(1e3 * _pct([r["tpot_s"] for r in long], 0.9), 2),
+        "long_ttft_ms_p50": round(1e3 * statistics.median(r["ttft_s"] for r in long), 1),
+        # of the long ones' TPOT: the handoff (first token to second) and the decode steps
+        # after it
+        "long_handoff_ms_p50": round(
+            1e3 * statistics.median(r["second_s"] - r["ttft_s"] for r in long), 1
+        ),
+        "long_steady_tpot_ms_p90": round(1e3 * _pct([r["steady_tpot_s"] for r in long], 0.9), 2),
+        # every request's longest wait between two decoded tokens, at p90
+        "max_gap_ms_p90": round(1e3 * _pct(gaps, 0.9), 1) if gaps else None,
+    }
+
+    def by_path(rows: list, fn) -> dict:
+        return {
+            p: fn([r for r in rows if r["path"] == p])
+            for p in ("local", "disaggregated")
+            if any(r["path"] == p for r in rows)
+        }
+
+    record = {
+        "bench": "mixed",
+        "device": "cpu",
+        "mode": mode,
+        "run": run,
+        "rate_mbit": a.rate_mbit,
+        "burst": a.burst,
+        "kv_transfer": a.kv_transfer,
+        "kv_layerwise": a.kv_layerwise,
+        "cores": a.cores,
+        "long": [a.long_len, a.long_tokens, a.long_every],
+        "short": [a.short_len, a.short_tokens, a.short_every],
+        "num_short": len(short),
+        "num_long": len(long),
+        **f,
+        "short_paths": {p: sum(r["path"] == p for r in short) for p in ("local", "disaggregated")},
+        # each path's own short TTFT p50 (what a prompt there waited), where any took it
+        "short_ttft_ms_p50_by_path": by_path(
+            short, lambda rows: round(1e3 * statistics.median(r["ttft_s"] for r in rows), 1)
+        ),
+        # where that time went: each stage's p50 (the first update's timings)
+        "short_parts_ms_p50_by_path": by_path(short, _parts_p50),
+        "long_paths": {p: sum(r["path"] == p for r in long) for p in ("local", "disaggregated")},
+        "decisions": (got.get("paths") or {}).get("decisions"),
+    }
+    print(json.dumps(record), flush=True)
+    return f, {r["i"]: r["tokens"] for r in got["rows"]}
+
+
+def _ratios(modes: list[str], figures: dict) -> dict:
+    """Each mode's figures over the first mode's."""
+    base = figures[modes[0]]
+    return {
+        m: {
+            k: round(v / base[k], 3) if base[k] and v is not None else None
+            for k, v in figures[m].items()
+        }
+        for m in modes[1:]
+    }
+
+
+def _print_ratios(a, modes: list[str], figures: dict, tokens: dict, logs: Path, run: int) -> None:
+    # Greedy: each request's tokens the same whichever path it took.
+    same = {m: tokens[m] == tokens[modes[0]] for m in modes[1:]}
+    print(
+        json.dumps(
+            {
+                "bench": "mixed",
+                "run": run,
+                "against": modes[0],
+                "tokens_equal": same,
+                "ratios": _ratios(modes, figures),
+                "logs": str(logs),
+            }
+        ),
+        flush=True,
+    )
+
+
+def _print_medians(modes: list[str], runs: list[dict]) -> None:
+    """Over the runs: each mode's median figures, their ratios, and the range of each run's
+    own ratios (how far one pair of runs can be trusted on this host)."""
+    medians = {
+        m: {
+            k: statistics.median(r[m][k] for r in runs)
+            if all(r[m][k] is not None for r in runs)
+            else None
+            for k in runs[0][m]
+        }
+        for m in modes
+    }
+    each = [_ratios(modes, r) for r in runs] if len(modes) > 1 else []
+    spread = (
+        {
+            m: {
+                k: [min(e[m][k] for e in each), max(e[m][k] for e in each)]
+                for k in each[0][m]
+                if all(e[m][k] is not None for e in each)
+            }
+            for m in modes[1:]
+        }
+        if each
+        else {}
+    )
+    out = {"bench": "mixed", "runs": len(runs), "medians": medians}
+    if len(modes) > 1:
+        out |= {"against": modes[0], "ratios": _ratios(modes, medians), "run_ratios": spread}
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
