@@ -133,7 +133,7 @@ def split_cpus(cpus: list[int]) -> dict[str, str]:
     return {"a": ",".join(map(str, cpus[:half])), "b": ",".join(map(str, cpus[half:]))}
 
 
-def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> dict:
+def _run_mode(a, hosts, model: str, mode: str, logs: Path, label: str) -> dict:
     env = {**os.environ, **layerwise.ENV}
     cpus = split_cpus(sorted(os.sched_getaffinity(0))) if a.cores == "split" else {}
     first, second, endpoint = layerwise.start_hosts(
@@ -154,7 +154,7 @@ def _run_mode(a, hosts, model: str, mode: str, logs: Path) -> dict:
             *a.cluster_arg,
         ],
         logs,
-        mode,
+        label,
         cpus,
     )
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
@@ -242,31 +242,44 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model or layerwise.default_model()
     logs = Path(f"/tmp/bench-mixed-{os.getpid()}")
     logs.mkdir(exist_ok=True)
-    modes = a.modes.split(",")
-    runs: list[dict] = []  # per run: mode -> its figures
+    modes = _labels(a.modes.split(","))
+    runs: list[dict] = []  # per run: label -> its figures
     tokens: dict = {}
     for run in range(a.runs):
         figures = {}
-        for mode in modes:  # NOTE: alternating: a drift of the host's speed hits every mode
-            figures[mode], tokens[mode] = _measure(a, model, mode, logs, run)
+        for label, mode in modes.items():  # NOTE: alternating: a host's drift hits each mode
+            name = label if a.runs == 1 else f"{label}-{run}"  # its logs' and figures' files
+            figures[label], tokens[label] = _measure(a, model, mode, logs, run, name)
         runs.append(figures)
         if len(modes) > 1:
-            _print_ratios(a, modes, figures, tokens, logs, run)
+            _print_ratios(list(modes), figures, tokens, logs, run)
     if a.runs > 1:
-        _print_medians(modes, runs)
+        _print_medians(list(modes), runs)
     return 0
 
 
-def _measure(a, model: str, mode: str, logs: Path, run: int) -> tuple[dict, dict]:
+def _labels(modes: list[str]) -> dict[str, str]:
+    """label -> mode: a mode named again is labelled by its place (`always,always`: always,
+    always#2), so an A/A pair keeps both runs' figures."""
+    out: dict[str, str] = {}
+    for mode in modes:
+        label, k = mode, 1
+        while label in out:
+            k += 1
+            label = f"{mode}#{k}"
+        out[label] = mode
+    return out
+
+
+def _measure(a, model: str, mode: str, logs: Path, run: int, name: str) -> tuple[dict, dict]:
     """One fresh cluster in this mode: its figures (one JSON line printed) and each
-    request's tokens."""
+    request's tokens. name: of its files in logs (its hosts' logs, each request's figures)."""
     from launch.tools import netns
 
     with netns.Hosts(["a", "b"]) as hosts:
         layerwise.shape_link(hosts, "a", a.rate_mbit, a.burst)
-        got = _run_mode(a, hosts, model, mode, logs)
-    # each request's figures
-    (logs / f"{mode}-{run}-requests.json").write_text(json.dumps(got["rows"]))
+        got = _run_mode(a, hosts, model, mode, logs, name)
+    (logs / f"{name}-requests.json").write_text(json.dumps(got["rows"]))  # each request's
     short = [r for r in got["rows"] if r["kind"] == "short"]
     gaps = [r["max_gap_s"] for r in got["rows"] if r["max_gap_s"] is not None]
     long = [r for r in got["rows"] if r["kind"] == "long"]
@@ -337,7 +350,7 @@ def _ratios(modes: list[str], figures: dict) -> dict:
     }
 
 
-def _print_ratios(a, modes: list[str], figures: dict, tokens: dict, logs: Path, run: int) -> None:
+def _print_ratios(modes: list[str], figures: dict, tokens: dict, logs: Path, run: int) -> None:
     # Greedy: each request's tokens the same whichever path it took.
     same = {m: tokens[m] == tokens[modes[0]] for m in modes[1:]}
     print(
@@ -356,11 +369,12 @@ def _print_ratios(a, modes: list[str], figures: dict, tokens: dict, logs: Path, 
 
 
 def _print_medians(modes: list[str], runs: list[dict]) -> None:
-    """Over the runs: each mode's median figures, their ratios, and the range of each run's
-    own ratios (how far one pair of runs can be trusted on this host)."""
+    """Over the runs: each mode's median figures (None where a run lacks the figure), their
+    ratios, and the range of each run's own ratios, a figure left out there where a run has
+    no ratio for it (how far one pair of runs can be trusted on this host)."""
     medians = {
         m: {
-            k: statistics.median(r[m][k] for r in runs)
+            k: round(statistics.median(r[m][k] for r in runs), 3)
             if all(r[m][k] is not None for r in runs)
             else None
             for k in runs[0][m]

@@ -7,8 +7,22 @@ from launch.bench import mixed
 
 
 def test_ratios_are_each_mode_over_the_first():
-    figures = {"always": {"a": 10.0, "b": 0.0, "c": None}, "auto": {"a": 5.0, "b": 3.0, "c": 1.0}}
-    assert mixed._ratios(["always", "auto"], figures) == {"auto": {"a": 0.5, "b": None, "c": None}}
+    figures = {
+        "always": {"a": 10.0, "b": 0.0, "c": None, "d": 4.0},
+        "auto": {"a": 5.0, "b": 3.0, "c": 1.0, "d": None},
+    }
+    assert mixed._ratios(["always", "auto"], figures) == {
+        "auto": {"a": 0.5, "b": None, "c": None, "d": None}
+    }
+
+
+def test_a_mode_named_twice_keeps_both_runs_figures():
+    assert mixed._labels(["always", "auto", "always", "always"]) == {
+        "always": "always",
+        "auto": "auto",
+        "always#2": "always",
+        "always#3": "always",
+    }
 
 
 def test_medians_over_runs_and_the_runs_own_ratio_range(capsys):
@@ -30,6 +44,6 @@ def test_medians_over_runs_and_the_runs_own_ratio_range(capsys):
 
 
 def test_one_mode_has_medians_alone(capsys):
-    mixed._print_medians(["auto"], [{"auto": {"ttft": 3.0}}, {"auto": {"ttft": 5.0}}])
+    mixed._print_medians(["auto"], [{"auto": {"ttft": 0.1}}, {"auto": {"ttft": 0.2}}])
     out = json.loads(capsys.readouterr().out)
-    assert out == {"bench": "mixed", "runs": 2, "medians": {"auto": {"ttft": 4.0}}}
+    assert out == {"bench": "mixed", "runs": 2, "medians": {"auto": {"ttft": 0.15}}}
