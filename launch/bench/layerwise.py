@@ -30,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -308,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         raise SystemExit(f"bench layerwise: {why}")
     model = a.model or default_model()
-    logs = Path(f"/tmp/bench-layerwise-{os.getpid()}")
-    logs.mkdir(exist_ok=True)
+    # NOTE: a name no one can take first (run as root; the logs are opened for writing)
+    logs = Path(tempfile.mkdtemp(prefix="bench-layerwise-"))
     cfg = json.loads((Path(model) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     # a CPU node's default: fp32

@@ -30,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -240,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         raise SystemExit(f"bench mixed: {why}")
     model = a.model or layerwise.default_model()
-    logs = Path(f"/tmp/bench-mixed-{os.getpid()}")
-    logs.mkdir(exist_ok=True)
+    # NOTE: a name no one can take first (run as root; the logs are opened for writing)
+    logs = Path(tempfile.mkdtemp(prefix="bench-mixed-"))
     modes = _labels(a.modes.split(","))
     runs: list[dict] = []  # per run: label -> its figures
     tokens: dict = {}
