@@ -326,7 +326,7 @@ class DecodeBatch:
             ticket.logprobs = self.sampling.read_logprobs(ticket.slot, ticket.num_logprobs)
         tokens = self._sampled_host[ticket.slot, :n].tolist()
         if self.verifier:
-            self.verifier.drafter.took([[t] for t in tokens])
+            self.verifier.drafter.took_one(tokens)
         ticket.taken_s = time.perf_counter() - t0
         return tokens
 

@@ -359,6 +359,9 @@ class _Oracle:
     def took(self, tokens):
         pass
 
+    def took_one(self, tokens):
+        pass
+
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_drafts_that_are_right_are_all_accepted_and_a_wrong_one_cuts_the_run(tiny_model, sampled):

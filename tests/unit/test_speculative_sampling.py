@@ -102,6 +102,9 @@ class _Constant:
     def took(self, tokens):
         pass
 
+    def took_one(self, tokens):
+        pass
+
 
 def _chi2_holds(draws: list[int], probs: torch.Tensor) -> bool:
     """Whether draws fit probs [V]: a chi-square over the tokens expected 10 times or more

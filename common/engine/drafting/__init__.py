@@ -41,7 +41,12 @@ class Drafter(Protocol):
         below its length."""
 
     def took(self, tokens: list[list[int]]) -> None:
-        """On the host, once a step is collected: each row's new tokens, in row order."""
+        """On the host, once a verify step is collected: each row's new tokens, in row
+        order."""
+
+    def took_one(self, tokens: list[int]) -> None:
+        """On the host, once a plain step is collected: each row's one new token, in row
+        order (NOTE: every plain step of a running batch: a drafter keeps it cheap)."""
 
 
 def make_drafter(

@@ -53,3 +53,6 @@ class NgramDrafter:
 
     def took(self, tokens: list[list[int]]) -> None:
         pass  # every step appends its tokens on the device (history, append)
+
+    def took_one(self, tokens: list[int]) -> None:
+        pass
