@@ -10,16 +10,15 @@ last MAX_INDEXED tokens are indexed (older windows leave as it grows; a long pro
 start is prompt lookup's), as its row proposes, at most INDEX_BUDGET windows a step in all:
 a row that joins long or comes back after many plain steps is caught up over steps, and no
 step stalls the loop. A finished source is indexed by the steps that propose after it
-(newest first), not as it finishes. Where most rows of the last verify step accepted
-nothing (drafts that miss) or plain steps ran since it (a probe, now and then), a step
-indexes only LEAN_BUDGET windows of finished sources and LEAN_ROWS_BUDGET of the rows', so
-a load whose drafts never match does not pay to index every output (the oldest leave
-unindexed, for nothing); where drafts are taken, up to FINISHED_BUDGET and the rest of
-INDEX_BUDGET. NOTE: the index costs ~1 KB of host memory a token: the finished sources
-kept are bounded by their indexed tokens (MAX_CACHED_TOKENS) as well as by count, and
-keep those tokens alone. The drafts are at most as many as the match is long (a short
-match is weak evidence) and go to the device in one counted copy a step: this method's
-steps copy to the device, prompt lookup's do not.
+(newest first), not as it finishes: where the last verify step accepted nothing (drafts
+that miss, probed now and then) only LEAN_BUDGET windows of them a step, so a load whose
+drafts never match does not pay to index every output (the oldest leave unindexed, for
+nothing); where drafts are taken, up to FINISHED_BUDGET. A plain step's tokens wait apart
+(took_one) until the rows change or propose. NOTE: the index costs ~1 KB of host memory a
+token: the finished sources kept are bounded by their indexed tokens (MAX_CACHED_TOKENS)
+as well as by count, and keep those tokens alone. The drafts are at most as many as the
+match is long (a short match is weak evidence) and go to the device in one counted copy a
+step: this method's steps copy to the device, prompt lookup's do not.
 """
 
 from __future__ import annotations
@@ -35,8 +34,6 @@ MAX_INDEXED = 1024  # a source's last tokens indexed
 INDEX_BUDGET = 4096  # windows indexed a step, all rows together (a few ms on a CPU)
 FINISHED_BUDGET = INDEX_BUDGET // 2  # of them, finished sources' where drafts are taken
 LEAN_BUDGET = 64  # finished sources' windows a step where the last verify step took none
-LEAN_ROWS_BUDGET = 192  # the rows' own in such a step, each row an equal share
-LEAN_AFTER = 8  # plain steps since the last propose that make the next one lean too
 MAX_CACHED_TOKENS = 1 << 17  # finished sources' indexed tokens kept, all told (~130 MB)
 MAX_PENDING = 256  # plain steps' tokens held before they join their sources
 
@@ -61,13 +58,10 @@ class SuffixDrafter:
         self._index: dict[tuple[int, ...], tuple[int, int]] = {}
         self._finished: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._unindexed: OrderedDict[int, None] = OrderedDict()  # finished, windows to go
-        # at least half the last verify step's rows took a draft (else: lean). NOTE: not
-        # any one: at batch 32 a few sampled rows take one by luck at most probes
-        self._is_taken = True
+        self._is_taken = True  # the last verify step's rows took a draft (else: lean)
         self._has_proposed = False
         # plain steps' tokens, each a list in row order, not yet in their sources (flush)
         self._pending: list[list[int]] = []
-        self._num_plain = 0  # plain steps since the last propose
         self._row_source: list[int | None] = [None] * max_rows
         self._next_id = 0
         self._budget = INDEX_BUDGET  # windows left to index this step
@@ -115,17 +109,17 @@ class SuffixDrafter:
 
     def took(self, tokens: list[list[int]]) -> None:
         self._flush()
-        if self._has_proposed:  # a verify step: whether its rows took drafts
-            self._is_taken = 2 * sum(len(made) > 1 for made in tokens) >= len(tokens)
+        if self._has_proposed:  # a verify step: whether any row took a draft
+            self._is_taken = any(len(made) > 1 for made in tokens)
             self._has_proposed = False
         for row, made in enumerate(tokens):
             self._sources[self._row_source[row]].extend(made)
 
     def took_one(self, tokens: list[int]) -> None:
-        # NOTE: kept as they come: a row's by one extend per flush, not one per step (a
-        # tiny model's plain step is ~1 ms, and a batch of 32 rows' extends cost ~1% of it)
+        # NOTE: the list is kept as it comes (its caller must not change it): a row's
+        # tokens join by one extend a flush, not one a step (at batch 32, ~1% of a tiny
+        # model's ~1.6 ms step)
         self._pending.append(tokens)
-        self._num_plain += 1
         if len(self._pending) >= MAX_PENDING:
             self._flush()
 
@@ -146,17 +140,8 @@ class SuffixDrafter:
         self._flush()
         self._budget = INDEX_BUDGET
         self._has_proposed = True
-        # NOTE: a probe where drafts do not pay comes after up to ~1,000 plain steps:
-        # indexing every row's tokens since (4,096 windows at ~4 us) cost a tiny model's
-        # probe ~10 plain steps. Lean, each row's oldest unindexed windows first (a
-        # prompt's start, which an edit's output repeats), an equal share so that no row
-        # starves; verify steps that follow each other keep up at that share (k + 1
-        # windows a row a step) and catch up at the full budget where their drafts are taken
-        is_lean = not self._is_taken or self._num_plain >= LEAN_AFTER
-        self._num_plain = 0
-        self._index_finished(LEAN_BUDGET if is_lean else FINISHED_BUDGET)
-        share = max(LEAN_ROWS_BUDGET // max(n, 1), 1) if is_lean else None
-        rows = [self._lookup(self._row_source[row], k, share) for row in range(n)]
+        self._index_finished(FINISHED_BUDGET if self._is_taken else LEAN_BUDGET)
+        rows = [self._lookup(self._row_source[row], k) for row in range(n)]
         staging = self._staging[:n, :k]
         staging.copy_(torch.tensor([r + [-1] * (k - len(r)) for r in rows], dtype=torch.int64))
         self._h2d.write(self._drafts[:n, :k], staging)
@@ -177,11 +162,9 @@ class SuffixDrafter:
         for sid in done:
             del self._unindexed[sid]
 
-    def _lookup(self, sid: int, k: int, share: int | None = None) -> list[int]:
-        """Up to k drafts for source sid's next tokens, [] where its suffix is not found;
-        its windows indexed first, up to share of the step's budget (None: what is left)."""
-        budget = self._budget if share is None else min(share, self._budget)
-        self._budget -= budget - self._index_source(sid, budget)
+    def _lookup(self, sid: int, k: int) -> list[int]:
+        """Up to k drafts for source sid's next tokens, [] where its suffix is not found."""
+        self._budget = self._index_source(sid, self._budget)
         tokens = self._sources[sid]
         for m in reversed(self.lengths):
             if m > len(tokens):
