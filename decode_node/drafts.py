@@ -35,11 +35,7 @@ FIRST_PROBE_GAP = 16  # plain steps before the first probe
 MAX_PROBE_GAP = 1024
 PROBE_SHARE = 0.01  # a probe's time beyond a plain step's, at most this of the gap's
 MARGIN = 0.03  # how much more verify steps must make a second than plain ones
-# plain steps between reckonings while plain steps win (a reckoning at batch 32 costs ~50
-# us, ~3% of a tiny model's step). NOTE: a row that joins a resting batch of the same size
-# waits for the next one, up to RECHECK steps (a new row's acceptance is its class's until
-# it is verified; a resumed one's known acceptance waits too)
-RECHECK = 32
+RECHECK = 8  # plain steps between reckonings while plain steps win
 MAX_AWAY = 1024  # rows' acceptance kept beyond the batch's before it is pruned
 
 

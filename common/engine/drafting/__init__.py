@@ -46,8 +46,7 @@ class Drafter(Protocol):
 
     def took_one(self, tokens: list[int]) -> None:
         """On the host, once a plain step is collected: each row's one new token, in row
-        order (NOTE: every plain step of a running batch: a drafter keeps it cheap, and
-        may keep the list itself)."""
+        order (NOTE: every plain step of a running batch: a drafter keeps it cheap)."""
 
 
 def make_drafter(

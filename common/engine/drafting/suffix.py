@@ -14,17 +14,19 @@ step stalls the loop. A finished source is indexed by the steps that propose aft
 that miss, probed now and then) only LEAN_BUDGET windows of them a step, so a load whose
 drafts never match does not pay to index every output (the oldest leave unindexed, for
 nothing); where drafts are taken, up to FINISHED_BUDGET. A plain step's tokens wait apart
-(took_one) until the rows change or propose. NOTE: the index costs ~1 KB of host memory a
-token: the finished sources kept are bounded by their indexed tokens (MAX_CACHED_TOKENS)
-as well as by count, and keep those tokens alone. The drafts are at most as many as the
-match is long (a short match is weak evidence) and go to the device in one counted copy a
-step: this method's steps copy to the device, prompt lookup's do not.
+(took_one) until the rows change, propose or take a verify step's tokens, or MAX_PENDING
+steps have waited. NOTE: the index costs ~1 KB of host memory a token: the finished
+sources kept are bounded by their indexed tokens (MAX_CACHED_TOKENS) as well as by count,
+and keep those tokens alone. The drafts are at most as many as the match is long (a short
+match is weak evidence) and go to the device in one counted copy a step: this method's
+steps copy to the device, prompt lookup's do not.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from common.engine.h2d import HostToDevice
@@ -60,8 +62,14 @@ class SuffixDrafter:
         self._unindexed: OrderedDict[int, None] = OrderedDict()  # finished, windows to go
         self._is_taken = True  # the last verify step's rows took a draft (else: lean)
         self._has_proposed = False
-        # plain steps' tokens, each a list in row order, not yet in their sources (flush)
-        self._pending: list[list[int]] = []
+        # plain steps' tokens [MAX_PENDING, max_rows], rows in order, not yet in their
+        # sources (flush). NOTE: an array, not a list a step: lists kept ~100 steps each
+        # outlived the young generation, and the collections of the older ones that followed
+        # ran inside steps the draft chooser times (at batch 1 on a tiny model it then
+        # verified where verifying did not pay)
+        self._pending = np.zeros((MAX_PENDING, max_rows), dtype=np.int64)
+        self._num_pending = 0
+        self._num_pending_rows = 0
         self._row_source: list[int | None] = [None] * max_rows
         self._next_id = 0
         self._budget = INDEX_BUDGET  # windows left to index this step
@@ -116,22 +124,23 @@ class SuffixDrafter:
             self._sources[self._row_source[row]].extend(made)
 
     def took_one(self, tokens: list[int]) -> None:
-        # NOTE: the list is kept as it comes (its caller must not change it): a row's
-        # tokens join by one extend a flush, not one a step (at batch 32, ~1% of a tiny
-        # model's ~1.6 ms step)
-        self._pending.append(tokens)
-        if len(self._pending) >= MAX_PENDING:
+        # NOTE: a row's tokens join its source by one extend a flush, not one a step
+        self._pending[self._num_pending, : len(tokens)] = tokens
+        self._num_pending += 1
+        self._num_pending_rows = len(tokens)
+        if self._num_pending >= len(self._pending):
             self._flush()
 
     def _flush(self) -> None:
         """The plain steps' tokens into their rows' sources, before the rows change or are
         read. NOTE: every pending step has the same rows (a row that joins or leaves
         flushes first)."""
-        if self._pending:
+        if self._num_pending:
             sources, row_source = self._sources, self._row_source
-            for row, made in enumerate(zip(*self._pending)):
+            held = self._pending[: self._num_pending, : self._num_pending_rows]
+            for row, made in enumerate(held.T.tolist()):
                 sources[row_source[row]].extend(made)
-            self._pending.clear()
+            self._num_pending = 0
 
     def append(self, n: int, seq_lens: torch.Tensor, tokens: torch.Tensor) -> None:
         pass  # the host learns a step's tokens when it is collected (took)
