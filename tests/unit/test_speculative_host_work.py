@@ -13,7 +13,8 @@ from decode_node.drafts import DraftChooser
 
 
 def test_suffix_decodings_plain_steps_held_apart_change_nothing(monkeypatch):
-    """A plain step's tokens wait in took_one until rows change or propose: random joins,
+    """A plain step's tokens wait in took_one until rows change, propose or take a verify
+    step's tokens, or MAX_PENDING steps are held: random joins,
     leaves, plain and verify steps give the drafts and sources of taking each at once."""
     from common.engine.drafting import suffix
 
@@ -71,9 +72,14 @@ def test_suffix_decodings_held_tokens_leave_nothing_for_the_collector():
     before = len(gc.get_objects())
     for t in range(200):
         d.took_one([t, t + 1, t + 2, t + 3])  # a new list a step, as a step's .tolist()
-    assert len(gc.get_objects()) - before < 20
+    assert len(gc.get_objects()) - before < 100  # lists: 200 more
     d.propose(4, torch.zeros(4, dtype=torch.int32), 4, 0)  # flushed into the sources
     assert d._sources[d._row_source[2]][3:] == [t + 2 for t in range(200)]
+    d.took_one([7, 7])  # NOTE: a narrower step, then a wider one: no stale column read
+    d.took_one([8, 8, 8, 8])
+    d.propose(4, torch.zeros(4, dtype=torch.int32), 4, 0)
+    assert d._sources[d._row_source[1]][-2:] == [7, 8]
+    assert d._sources[d._row_source[2]][-2:] == [201, 8]  # its last plain token, then 8
 
 
 def test_the_chooser_keeps_a_batchs_bucket_until_a_row_joins_or_leaves():
@@ -93,6 +99,7 @@ def test_the_chooser_keeps_a_batchs_bucket_until_a_row_joins_or_leaves():
     chooser.forget("b")  # a leave alone
     assert chooser._bucket(keys) == (4, (False, False))
     chooser.join("c", is_sampled=False, is_costly=True)
-    keys.append("d")  # NOTE: the caller's list changed in place: not the kept copy
-    assert chooser._bucket(keys) == (4, (False, True)) and chooser._last[0] == keys
-    assert chooser._bucket(keys[:1]) == (1, (False, False))
+    assert chooser._bucket(keys) == (4, (False, True))
+    keys.pop()  # NOTE: the caller's list changed in place: not the kept copy
+    keys.pop()
+    assert chooser._bucket(keys) == (1, (False, False))

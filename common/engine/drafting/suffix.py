@@ -125,6 +125,8 @@ class SuffixDrafter:
 
     def took_one(self, tokens: list[int]) -> None:
         # NOTE: a row's tokens join its source by one extend a flush, not one a step
+        if self._num_pending and len(tokens) != self._num_pending_rows:
+            self._flush()  # held steps share their rows (a row change flushes first)
         self._pending[self._num_pending, : len(tokens)] = tokens
         self._num_pending += 1
         self._num_pending_rows = len(tokens)
@@ -143,7 +145,7 @@ class SuffixDrafter:
             self._num_pending = 0
 
     def append(self, n: int, seq_lens: torch.Tensor, tokens: torch.Tensor) -> None:
-        pass  # the host learns a step's tokens when it is collected (took)
+        pass  # the host learns a step's tokens when it is collected (took, took_one)
 
     def propose(self, n: int, seq_lens: torch.Tensor, k: int, width: int) -> torch.Tensor:
         self._flush()
