@@ -68,9 +68,9 @@ class DraftChooser:
         self._next_gap = FIRST_PROBE_GAP  # the probe gap after it, should it fail
         self._plain_until = (0, 0)  # (bucket, plain steps): plain until then (choose)
         self.num_probes = 0
-        # the last batch's keys and bucket (NOTE: asked twice a step of the same rows; a
-        # batch of 32 rows' sets cost ~1% of a tiny model's step): rows joining or leaving
-        # a class clear it
+        # the last batch's keys and bucket (NOTE: asked twice a step of the same rows; at
+        # batch 32 is_resting and observe took 1.9 us a step with two set scans each, 0.9
+        # us with it kept): rows joining or leaving a class clear it
         self._last: tuple[list[str], tuple[int, tuple[bool, bool]]] | None = None
 
     def join(

@@ -63,10 +63,10 @@ class SuffixDrafter:
         self._is_taken = True  # the last verify step's rows took a draft (else: lean)
         self._has_proposed = False
         # plain steps' tokens [MAX_PENDING, max_rows], rows in order, not yet in their
-        # sources (flush). NOTE: an array, not a list a step: lists kept ~100 steps each
-        # outlived the young generation, and the collections of the older ones that followed
-        # ran inside steps the draft chooser times (at batch 1 on a tiny model it then
-        # verified where verifying did not pay)
+        # sources (flush). NOTE: an array, not a list a step: lists held up to MAX_PENDING
+        # steps outlived the young generation, and the collections of the older ones that
+        # followed ran inside steps the draft chooser times (at batch 1 on a tiny model it
+        # then verified where verifying did not pay)
         self._pending = np.zeros((MAX_PENDING, max_rows), dtype=np.int64)
         self._num_pending = 0
         self._num_pending_rows = 0
