@@ -226,7 +226,7 @@ def test_suffix_decodings_sliding_index_keeps_repeats_inside_it(monkeypatch):
         d.propose(1, torch.zeros(1, dtype=torch.int32), 4, 0)
     first, end = d._indexed[0]
     assert first > 12 and first <= 57  # the first motif's windows out, the second's in
-    assert d._index[(7, 8)] == (0, 57) and d._index[(7, 8, 9, 10)] == (0, 59)
+    assert d._index[hash((7, 8))] == 57 and d._index[hash((7, 8, 9, 10))] == 59  # source 0
 
 
 def test_suffix_decoding_indexes_a_bounded_number_of_windows_a_step(monkeypatch):
