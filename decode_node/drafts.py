@@ -21,9 +21,9 @@ probes doubles with each, and starts over once verifying pays for that kind of b
 (greedy, sampled, costly), so a load that never matches pays for few; and where this
 kind's verify steps are measured and none paid at this size since its last failed probe,
 it is never so short that probes cost more than PROBE_SHARE of the plain steps' time (a
-tiny model's verify step costs 2-6x a plain one: the host's work around it; up to ~11x,
-where MAX_PROBE_GAP caps the gap). Plain steps are counted per batch size and kind, since
-that bucket's own last verify step.
+tiny model's verify step costs 2-20x a plain one: the host's work around it, most of it
+indexing the tokens since the last probe; up to ~41x, where MAX_PROBE_GAP caps the gap).
+Plain steps are counted per batch size and kind, since that bucket's own last verify step.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ PRIOR = 0.3  # a new row's acceptance, until it is measured
 PRIOR_TRIALS = 2.0  # what PRIOR weighs against a row's own drafts
 SMOOTHING = 0.3  # weight of a new measurement (acceptance and step times alike)
 FIRST_PROBE_GAP = 16  # plain steps before the first probe
-MAX_PROBE_GAP = 1024
+MAX_PROBE_GAP = 4096
 PROBE_SHARE = 0.01  # a probe's time beyond a plain step's, at most this of the gap's
 MARGIN = 0.03  # how much more verify steps must make a second than plain ones
 RECHECK = 8  # plain steps between reckonings while plain steps win
@@ -137,7 +137,7 @@ class DraftChooser:
         kind = bucket[1]
         # NOTE: probes cost at most PROBE_SHARE of the plain steps' time where this kind's
         # verify steps are measured and none paid at this size since its last failed probe
-        # (up to a verify step of ~11x a plain one: MAX_PROBE_GAP); where one paid
+        # (up to a verify step of ~41x a plain one: MAX_PROBE_GAP); where one paid
         # (acceptance may come back), or their cost is another kind's (a guess), probes
         # come at gaps doubling from FIRST_PROBE_GAP
         is_bound = is_own_kind and bucket not in self._has_paid
