@@ -35,7 +35,7 @@ FIRST_PROBE_GAP = 16  # plain steps before the first probe
 MAX_PROBE_GAP = 4096
 PROBE_SHARE = 0.01  # a probe's time beyond a plain step's, at most this of the gap's
 MARGIN = 0.03  # how much more verify steps must make a second than plain ones
-RECHECK = 8  # plain steps between reckonings while plain steps win
+RECHECK = 32  # plain steps between reckonings while plain steps win
 MAX_AWAY = 1024  # rows' acceptance kept beyond the batch's before it is pruned
 
 

@@ -129,6 +129,30 @@ def test_the_chooser_keeps_a_batchs_bucket_until_a_row_joins_or_leaves():
     assert chooser._bucket(keys) == (1, (False, False))
 
 
+def test_a_resting_batch_is_reckoned_once_in_32_plain_steps(monkeypatch):
+    """Timed in `pdserve bench spec`'s loop at batch 32 on the tiny model: a reckoning
+    (choose, and the rows' room asked first) cost ~75 us, cold after a forward; one every 8
+    plain steps was ~0.7% of the steps' time. While plain steps win and no row joins or
+    leaves, one in 32 (and each probe's)."""
+    from decode_node import drafts
+
+    chooser, keys = DraftChooser(4), [f"r{i}" for i in range(32)]
+    reckoned = []
+    real = drafts._expected_tokens
+    monkeypatch.setattr(
+        drafts, "_expected_tokens", lambda ps, ks: reckoned.append(1) or real(ps, ks)
+    )
+    asked = 0
+    for _ in range(2000):  # drafts that never match, a verify step 3x a plain one
+        k = 0
+        if not chooser.is_resting(keys):
+            asked += 1
+            k = chooser.choose(keys, 4)
+        chooser.observe(keys, k, 1.0 + 2.0 * k, [0] * len(keys))
+    assert chooser.num_probes >= 2 and len(reckoned) <= asked
+    assert asked <= 2000 / 32 + 2 * chooser.num_probes + 4  # at 8: ~250
+
+
 def test_a_block_allocator_made_after_the_start_gives_the_collector_nothing_to_walk():
     """Found measuring: `pdserve bench spec` makes an allocator a run (the offline loop);
     its free list of 262,144 ids (a 2 GiB cache of the tiny model) was a list each young
