@@ -10,10 +10,11 @@ last MAX_INDEXED tokens are indexed (older windows leave as it grows; a long pro
 start is prompt lookup's), as its row proposes, at most INDEX_BUDGET windows a step in all:
 a row that joins long or comes back after many plain steps is caught up over steps, and no
 step stalls the loop. A finished source is indexed by the steps that propose after it
-(newest first), not as it finishes: where the last verify step accepted nothing (drafts
-that miss, probed now and then) only LEAN_BUDGET windows of them a step, so a load whose
-drafts never match does not pay to index every output (the oldest leave unindexed, for
-nothing); where drafts are taken, up to FINISHED_BUDGET. A plain step's tokens wait apart
+(newest first), not as it finishes: where fewer than TAKEN_SHARE of the last verify
+step's rows took a draft (drafts that miss, probed now and then; a few rows of a large
+batch match by chance) only LEAN_BUDGET windows of them a step, so a load whose drafts
+never match does not pay to index every output (the oldest leave unindexed, for nothing);
+where drafts are taken, up to FINISHED_BUDGET. A plain step's tokens wait apart
 (took_one) until the rows change, propose or take a verify step's tokens, or MAX_PENDING
 steps have waited. NOTE: the index costs ~1 KB of host memory a token: the finished
 sources kept are bounded by their indexed tokens (MAX_CACHED_TOKENS) as well as by count,
@@ -36,7 +37,8 @@ MATCH_LENGTHS = (1, 2, 4, 8, 16, 32)
 MAX_INDEXED = 1024  # a source's last tokens indexed
 INDEX_BUDGET = 4096  # windows indexed a step, all rows together (a few ms on a CPU)
 FINISHED_BUDGET = INDEX_BUDGET // 2  # of them, finished sources' where drafts are taken
-LEAN_BUDGET = 64  # finished sources' windows a step where the last verify step took none
+LEAN_BUDGET = 64  # finished sources' windows a step where the last verify step took few
+TAKEN_SHARE = 0.25  # of a verify step's rows, taking a draft: drafts are taken (else: lean)
 MAX_CACHED_TOKENS = 1 << 17  # finished sources' indexed tokens kept, all told (~130 MB)
 MAX_PENDING = 256  # plain steps' tokens held before they join their sources
 END_BITS = 32  # a place in the index: its source's id << END_BITS | its end
@@ -68,7 +70,7 @@ class SuffixDrafter:
         self._index: dict[int, int] = {}
         self._finished: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._unindexed: OrderedDict[int, None] = OrderedDict()  # finished, windows to go
-        self._is_taken = True  # the last verify step's rows took a draft (else: lean)
+        self._is_taken = True  # TAKEN_SHARE of the last verify step's rows took a draft
         self._has_proposed = False
         # plain steps' tokens [MAX_PENDING, max_rows], rows in order, not yet in their
         # sources (flush). NOTE: an array, not a list a step: lists held up to MAX_PENDING
@@ -125,8 +127,11 @@ class SuffixDrafter:
 
     def took(self, tokens: list[list[int]]) -> None:
         self._flush()
-        if self._has_proposed:  # a verify step: whether any row took a draft
-            self._is_taken = any(len(made) > 1 for made in tokens)
+        if self._has_proposed:  # a verify step: whether enough of its rows took a draft
+            # NOTE: not any row: at batch 32 on the tiny model, 1-3 rows of each probe took
+            # one by chance, and each probe after it indexed FINISHED_BUDGET windows
+            num_taken = sum(len(made) > 1 for made in tokens)
+            self._is_taken = num_taken >= TAKEN_SHARE * len(tokens)
             self._has_proposed = False
         for row, made in enumerate(tokens):
             self._sources[self._row_source[row]].extend(made)
