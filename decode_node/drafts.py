@@ -22,7 +22,9 @@ probes doubles with each, and starts over once verifying pays for that kind of b
 kind's verify steps are measured and none paid at this size since its last failed probe,
 it is never so short that probes cost more than PROBE_SHARE of the plain steps' time (a
 tiny model's verify step costs 2-20x a plain one: the host's work around it, most of it
-indexing the tokens since the last probe; up to ~41x, where MAX_PROBE_GAP caps the gap).
+indexing the tokens since the last probe; up to ~41x, where MAX_FLOOR_GAP caps that
+floor). Doubling alone stops at MAX_PROBE_GAP: a cheap probe's gap stays short enough to
+find drafts that start to match within a request's life.
 Plain steps are counted per batch size and kind, since that bucket's own last verify step.
 """
 
@@ -32,7 +34,8 @@ PRIOR = 0.3  # a new row's acceptance, until it is measured
 PRIOR_TRIALS = 2.0  # what PRIOR weighs against a row's own drafts
 SMOOTHING = 0.3  # weight of a new measurement (acceptance and step times alike)
 FIRST_PROBE_GAP = 16  # plain steps before the first probe
-MAX_PROBE_GAP = 4096
+MAX_PROBE_GAP = 1024  # where gaps doubling from failed probes stop
+MAX_FLOOR_GAP = 4096  # where the gap that keeps dear probes within PROBE_SHARE stops
 PROBE_SHARE = 0.01  # a probe's time beyond a plain step's, at most this of the gap's
 MARGIN = 0.03  # how much more verify steps must make a second than plain ones
 RECHECK = 32  # plain steps between reckonings while plain steps win
@@ -137,12 +140,12 @@ class DraftChooser:
         kind = bucket[1]
         # NOTE: probes cost at most PROBE_SHARE of the plain steps' time where this kind's
         # verify steps are measured and none paid at this size since its last failed probe
-        # (up to a verify step of ~41x a plain one: MAX_PROBE_GAP); where one paid
+        # (up to a verify step of ~41x a plain one: MAX_FLOOR_GAP); where one paid
         # (acceptance may come back), or their cost is another kind's (a guess), probes
         # come at gaps doubling from FIRST_PROBE_GAP
         is_bound = is_own_kind and bucket not in self._has_paid
         extra = (one_s - plain_s) / max(plain_s, 1e-9) / PROBE_SHARE  # in plain steps
-        floor = min(max(int(extra) if is_bound else 0, FIRST_PROBE_GAP), MAX_PROBE_GAP)
+        floor = min(max(int(extra) if is_bound else 0, FIRST_PROBE_GAP), MAX_FLOOR_GAP)
         # NOTE: the gap is kept per kind, the floor per size: a reset where verifying paid
         # at another size lets no dear probe through here
         gap = max(self._probe_gap.get(kind, floor), floor)
@@ -152,7 +155,7 @@ class DraftChooser:
         num_plain = self._plain.get(bucket, 0)
         self._is_probing = num_plain >= gap
         if self._is_probing:  # should it fail, the next waits twice as long, and long enough
-            self._next_gap = min(max(2 * gap, floor), MAX_PROBE_GAP)
+            self._next_gap = max(min(2 * gap, MAX_PROBE_GAP), floor)
         # NOTE: reckoned again after RECHECK more plain steps or at another batch size, the
         # probe's time included (the rows' acceptance changes only when they are verified)
         until = min(num_plain + RECHECK, gap)
@@ -243,6 +246,6 @@ def _expected_tokens(ps: list[float], ks: list[int]) -> list[float]:
     """The rows' tokens from a step of k drafts, for each k of ks: 1 + p + ... + p^k a row,
     each of its drafts accepted with its p (in [0, 1]). NOTE: plain Python: numpy's calls
     on a few rows, cold after a forward, cost a tiny model's choose ~80 us (~2% of its
-    plain steps' time at one reckoning every RECHECK steps)."""
+    plain steps' time when it reckoned every 8 steps)."""
     ps = [min(p, 1 - 1e-9) for p in ps]  # NOTE: the closed form divides by 1 - p
     return [sum((1 - p ** (k + 1)) / (1 - p) for p in ps) for k in ks]
