@@ -11,12 +11,12 @@ start is prompt lookup's), as its row proposes, at most INDEX_BUDGET windows a s
 a row that joins long or comes back after many plain steps is caught up over steps, and no
 step stalls the loop. A finished source is indexed by the steps that propose after it
 (newest first), not as it finishes: where fewer than TAKEN_SHARE of the last verify
-step's rows took a draft (drafts that miss, probed now and then; a few rows of a large
-batch match by chance) only LEAN_BUDGET windows of them a step, so a load whose drafts
-never match does not pay to index every output (the oldest leave unindexed, for nothing);
-where drafts are taken, up to FINISHED_BUDGET. A plain step's tokens wait apart
+step's rows with drafts took one (drafts that miss, probed now and then; a few rows of a
+large batch match by chance) only LEAN_BUDGET windows of them a step, so a load whose
+drafts never match does not pay to index every output (the oldest leave unindexed, for
+nothing); where drafts are taken, up to FINISHED_BUDGET. A plain step's tokens wait apart
 (took_one) until the rows change, propose or take a verify step's tokens, or MAX_PENDING
-steps have waited. NOTE: the index costs ~1 KB of host memory a token: the finished
+steps have waited. NOTE: the index costs ~0.5 KB of host memory a token: the finished
 sources kept are bounded by their indexed tokens (MAX_CACHED_TOKENS) as well as by count,
 and keep those tokens alone. The index holds ints alone (a window's hash, a place packed in
 one), which the garbage collector never tracks. The drafts are at most as many as the match
@@ -39,7 +39,7 @@ INDEX_BUDGET = 4096  # windows indexed a step, all rows together (a few ms on a 
 FINISHED_BUDGET = INDEX_BUDGET // 2  # of them, finished sources' where drafts are taken
 LEAN_BUDGET = 64  # finished sources' windows a step where the last verify step took few
 TAKEN_SHARE = 0.25  # of a verify step's rows, taking a draft: drafts are taken (else: lean)
-MAX_CACHED_TOKENS = 1 << 17  # finished sources' indexed tokens kept, all told (~130 MB)
+MAX_CACHED_TOKENS = 1 << 17  # finished sources' indexed tokens kept, all told (~65 MB)
 MAX_PENDING = 256  # plain steps' tokens held before they join their sources
 END_BITS = 32  # a place in the index: its source's id << END_BITS | its end
 END_MASK = (1 << END_BITS) - 1
@@ -70,8 +70,9 @@ class SuffixDrafter:
         self._index: dict[int, int] = {}
         self._finished: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._unindexed: OrderedDict[int, None] = OrderedDict()  # finished, windows to go
-        self._is_taken = True  # TAKEN_SHARE of the last verify step's rows took a draft
+        self._is_taken = True  # TAKEN_SHARE of the last verify step's drafted rows took one
         self._has_proposed = False
+        self._num_drafted_rows = 0  # rows the last propose found drafts for
         # plain steps' tokens [MAX_PENDING, max_rows], rows in order, not yet in their
         # sources (flush). NOTE: an array, not a list a step: lists held up to MAX_PENDING
         # steps outlived the young generation, and the collections of the older ones that
@@ -127,11 +128,12 @@ class SuffixDrafter:
 
     def took(self, tokens: list[list[int]]) -> None:
         self._flush()
-        if self._has_proposed:  # a verify step: whether enough of its rows took a draft
-            # NOTE: not any row: at batch 32 on the tiny model, 1-3 rows of each probe took
-            # one by chance, and each probe after it indexed FINISHED_BUDGET windows
+        if self._has_proposed:  # a verify step: whether enough of its drafted rows took one
+            # NOTE: not any row: at batch 32 on the tiny model 8, 3, 1 and 5 rows of four
+            # probes took a draft by chance, and each probe after one indexed FINISHED_BUDGET
+            # windows; of the rows with drafts, not all (a row without has none to take)
             num_taken = sum(len(made) > 1 for made in tokens)
-            self._is_taken = num_taken >= TAKEN_SHARE * len(tokens)
+            self._is_taken = num_taken >= TAKEN_SHARE * max(self._num_drafted_rows, 1)
             self._has_proposed = False
         for row, made in enumerate(tokens):
             self._sources[self._row_source[row]].extend(made)
@@ -166,6 +168,7 @@ class SuffixDrafter:
         self._has_proposed = True
         self._index_finished(FINISHED_BUDGET if self._is_taken else LEAN_BUDGET)
         rows = [self._lookup(self._row_source[row], k) for row in range(n)]
+        self._num_drafted_rows = sum(1 for r in rows if r)
         staging = self._staging[:n, :k]
         staging.copy_(torch.tensor([r + [-1] * (k - len(r)) for r in rows], dtype=torch.int64))
         self._h2d.write(self._drafts[:n, :k], staging)
