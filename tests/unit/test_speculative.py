@@ -281,37 +281,6 @@ def test_suffix_decoding_indexes_finished_requests_leanly_while_drafts_miss(monk
     assert set(d._finished) <= set(placed)  # each finished one
 
 
-def test_a_draft_a_few_rows_of_a_large_batch_take_by_chance_keeps_indexing_lean(monkeypatch):
-    """Found measuring: at batch 32 on the tiny model 1-5 rows of a probe took a draft by
-    chance, and the probe after it indexed FINISHED_BUDGET finished windows (~4 ms of a
-    ~12 ms probe). Drafts are taken where TAKEN_SHARE of a verify step's rows took one."""
-    from common.engine.drafting import suffix
-
-    d = SuffixDrafter(9, 4, 24, 100, HostToDevice(torch.device("cpu")))
-    placed = []
-    place = d._place
-    monkeypatch.setattr(d, "_place", lambda sid, end: (placed.append(sid), place(sid, end)))
-    rng = random.Random(4)
-    zeros = torch.zeros(8, dtype=torch.int32)
-    for row in range(8):
-        d.set_row(row, [rng.randrange(1000) for _ in range(3)])
-    d.propose(8, zeros, 4, 0)
-    d.took([[5]] * 8)  # a verify step that took no draft
-    for _ in range(4):  # then requests finish on row 8, 300 windows each to index
-        d.set_row(8, [rng.randrange(1000) for _ in range(300)])
-        d.remove_row(8, 8)
-    for num_taken in (1, 2):  # of 8 rows
-        d.propose(8, zeros, 4, 0)
-        d.took([[5, 6] if row < num_taken else [5] for row in range(8)])  # a verify step's
-        placed.clear()
-        d.propose(8, zeros, 4, 0)
-        num_finished = sum(sid in d._finished for sid in placed)
-        if num_taken == 1:
-            assert num_finished == suffix.LEAN_BUDGET  # any row's draft: FINISHED_BUDGET
-        else:
-            assert num_finished > suffix.LEAN_BUDGET and not d._unindexed  # the rest
-
-
 def test_suffix_decodings_finished_requests_take_no_more_than_the_steps_budget(monkeypatch):
     """Review: FINISHED_BUDGET is fixed at import; a step's budget set lower must still bound
     the windows a step indexes, finished requests' and rows' together."""

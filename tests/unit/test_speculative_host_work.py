@@ -1,7 +1,9 @@
 """Speculative decoding's host work in plain steps: suffix decoding's tokens held apart
 until the rows change or are read, in an array the collector does not track, and its index
-of ints; the draft chooser's bucket of a batch kept while its rows are the same; the block
-allocator the offline loop (`pdserve bench spec`) makes a call, which no collection walks."""
+of ints, finished requests indexed leanly after drafts a few rows took by chance; the draft
+chooser's bucket of a batch kept while its rows are the same, its reckonings and probes;
+the block allocator the offline loop (`pdserve bench spec`) makes a call, which no
+collection walks."""
 
 import gc
 import random
@@ -11,7 +13,7 @@ import torch
 from common.engine.drafting.suffix import SuffixDrafter
 from common.engine.h2d import HostToDevice
 from common.kv.blocks import BlockAllocator
-from decode_node.drafts import DraftChooser
+from decode_node.drafts import MAX_PROBE_GAP, PROBE_SHARE, DraftChooser
 
 
 def test_suffix_decodings_plain_steps_held_apart_change_nothing(monkeypatch):
@@ -104,6 +106,73 @@ def test_suffix_decodings_index_leaves_nothing_for_the_collector():
     assert len(gc.get_objects()) - before < 50  # as tuples: ~4,000 more
     assert not gc.is_tracked(d._index) and len(d._index) > 2000
     assert got[3] == motif[10:14]  # the finished row's motif, where the row's suffix is
+
+
+def test_a_draft_a_few_rows_of_a_large_batch_take_by_chance_keeps_indexing_lean(monkeypatch):
+    """Found measuring: at batch 32 on the tiny model 8, 3, 1 and 5 rows of four probes took
+    a draft by chance, and each probe after one indexed FINISHED_BUDGET finished windows
+    (~4 ms of a ~12 ms probe). Drafts are taken where TAKEN_SHARE of a verify step's rows
+    with drafts took one (review: a row given none has none to take)."""
+    from common.engine.drafting import suffix
+
+    placed = []
+
+    def finished_windows_after(num_taken: int, num_drafted: int) -> int:
+        """Finished windows the propose after a verify step indexes, where num_taken of
+        num_drafted rows of 8 took a draft (the others had none)."""
+        d = SuffixDrafter(9, 4, 24, 100, HostToDevice(torch.device("cpu")))
+        place = d._place
+        monkeypatch.setattr(d, "_place", lambda sid, end: (placed.append(sid), place(sid, end)))
+        rng = random.Random(4)
+        zeros = torch.zeros(8, dtype=torch.int32)
+        motifs = [[rng.randrange(1000, 2000) for _ in range(3)] for _ in range(8)]
+        for row in range(8):  # a drafted row repeats itself: its suffix is found
+            unique = [rng.randrange(2000, 10**6) for _ in range(6)]
+            d.set_row(row, [row] + (motifs[row] * 2 if row < num_drafted else unique))
+        d.propose(8, zeros, 4, 0)
+        # none taken (lean); a drafted row goes on repeating, the others do not
+        unique = [rng.randrange(10**6, 2 * 10**6) for _ in range(8)]
+        d.took([[motifs[row][0] if row < num_drafted else unique[row]] for row in range(8)])
+        for _ in range(4):  # then requests finish on row 8, 300 windows each to index
+            d.set_row(8, [rng.randrange(1000) for _ in range(300)])
+            d.remove_row(8, 8)
+        drafts = d.propose(8, zeros, 4, 0).tolist()
+        assert sum(row[0] >= 0 for row in drafts) == num_drafted
+        made = [drafts[row][: 2 if row < num_taken else 1] for row in range(num_drafted)]
+        d.took(made + [[7]] * (8 - num_drafted))
+        placed.clear()
+        d.propose(8, zeros, 4, 0)
+        return sum(sid in d._finished for sid in placed)
+
+    assert finished_windows_after(1, 8) == suffix.LEAN_BUDGET  # any row: FINISHED_BUDGET
+    assert finished_windows_after(2, 8) > suffix.LEAN_BUDGET  # a quarter
+    assert finished_windows_after(1, 2) > suffix.LEAN_BUDGET  # of 2 rows with drafts: half
+
+
+def _probes(cost_of_one: float, num_steps: int, num_rows: int) -> list[int]:
+    """The steps that verified, drafts never matching, a verify step of one draft costing
+    cost_of_one plain steps (a fake clock)."""
+    chooser, keys = DraftChooser(4), [f"r{i}" for i in range(num_rows)]
+    verified = []
+    for step in range(num_steps):
+        k = 0 if chooser.is_resting(keys) else chooser.choose(keys, 4)
+        chooser.observe(keys, k, 1.0 + (cost_of_one - 1.0) * k, [0] * num_rows)
+        if k:
+            verified.append(step)
+    return verified
+
+
+def test_dear_probes_wait_for_their_share_and_cheap_ones_stop_doubling_at_the_cap():
+    """A probe at batch 32 on the tiny model cost 13-20x a plain step (indexing the rows'
+    tokens since the last one): its gap keeps it within PROBE_SHARE past 1,024 steps, the
+    cap once. Found in review: the higher cap let cheap probes' gaps double to 4,096 too,
+    and drafts that began to match waited up to ~4,000 steps for one."""
+    dear = _probes(20.0, 12_000, 1)
+    assert all(b - a > 19.0 / PROBE_SHARE for a, b in zip(dear[2:], dear[3:]))
+    assert len(dear) >= 4 and 19.0 * len(dear[2:]) / (12_000 - dear[1]) <= 0.012
+    cheap = _probes(1.1, 12_000, 4)
+    gaps = [b - a for a, b in zip(cheap, cheap[1:])]
+    assert gaps[-3:] == [MAX_PROBE_GAP + 1] * 3  # doubled to the cap, no further
 
 
 def test_the_chooser_keeps_a_batchs_bucket_until_a_row_joins_or_leaves():

@@ -312,7 +312,7 @@ def test_a_sampled_loads_probes_keep_their_gaps_while_greedy_rows_verify():
 
 
 def test_probes_where_a_verify_step_is_dear_cost_at_most_a_share_of_plain_steps():
-    """A tiny model's verify step costs 2-6x a plain one (the host's work around it): probes
+    """A tiny model's verify step costs 2-20x a plain one (the host's work around it): probes
     16 steps apart cost 5% and more of a load whose drafts never match. Where verifying
     never paid, a probe waits at least as many plain steps as it costs over PROBE_SHARE;
     where it paid, probes come soon after it stops paying."""
@@ -324,12 +324,6 @@ def test_probes_where_a_verify_step_is_dear_cost_at_most_a_share_of_plain_steps(
     assert verified[:2] == [2, 3] and all(g > 0.8 / PROBE_SHARE for g in gaps[1:])
     assert len(gaps) >= 4
     assert 0.8 * len(verified[2:]) / (len(chosen) - verified[1]) <= PROBE_SHARE
-    # a probe at batch 32 on the tiny model cost 13-20x a plain step (indexing the tokens
-    # since the last one): gaps past 1,024, the cap once, still keep them within the share
-    dear = _run_chooser(DraftChooser(4), 12_000, lambda k: 1.0 + 19.0 * k, lambda k: 0, rows=1)
-    verified = [i for i, k in enumerate(dear) if k]
-    assert all(b - a > 19.0 / PROBE_SHARE for a, b in zip(verified[2:], verified[3:]))
-    assert len(verified) >= 4 and 19.0 * len(verified[2:]) / (12_000 - verified[1]) <= 0.012
     # where one draft costs a tenth more, the gaps double from FIRST_PROBE_GAP as before
     cheap = _run_chooser(DraftChooser(4), 200, lambda k: 1.0 + 0.1 * k, lambda k: 0, rows=1)
     assert [i for i, k in enumerate(cheap) if k][:4] == [2, 3, 20, 53]
