@@ -22,7 +22,7 @@ probes doubles with each, and starts over once verifying pays for that kind of b
 kind's verify steps are measured and none paid at this size since its last failed probe,
 it is never so short that probes cost more than PROBE_SHARE of the plain steps' time (a
 tiny model's verify step costs 2-20x a plain one: the host's work around it, most of it
-indexing the tokens since the last probe; up to ~41x, where MAX_FLOOR_GAP caps that
+indexing the tokens since the last probe; up to ~42x, where MAX_FLOOR_GAP caps that
 floor). Doubling alone stops at MAX_PROBE_GAP: a cheap probe's gap stays short enough to
 find drafts that start to match within a request's life.
 Plain steps are counted per batch size and kind, since that bucket's own last verify step.
@@ -140,7 +140,7 @@ class DraftChooser:
         kind = bucket[1]
         # NOTE: probes cost at most PROBE_SHARE of the plain steps' time where this kind's
         # verify steps are measured and none paid at this size since its last failed probe
-        # (up to a verify step of ~41x a plain one: MAX_FLOOR_GAP); where one paid
+        # (up to a verify step of ~42x a plain one: MAX_FLOOR_GAP); where one paid
         # (acceptance may come back), or their cost is another kind's (a guess), probes
         # come at gaps doubling from FIRST_PROBE_GAP
         is_bound = is_own_kind and bucket not in self._has_paid
@@ -155,7 +155,9 @@ class DraftChooser:
         num_plain = self._plain.get(bucket, 0)
         self._is_probing = num_plain >= gap
         if self._is_probing:  # should it fail, the next waits twice as long, and long enough
-            self._next_gap = max(min(2 * gap, MAX_PROBE_GAP), floor)
+            # NOTE: not the floor: the gap is kept per kind and the floor is this size's
+            # (each choose applies its own); stored, a dear size's would hold a cheap one's
+            self._next_gap = min(2 * gap, MAX_PROBE_GAP)
         # NOTE: reckoned again after RECHECK more plain steps or at another batch size, the
         # probe's time included (the rows' acceptance changes only when they are verified)
         until = min(num_plain + RECHECK, gap)

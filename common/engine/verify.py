@@ -186,5 +186,5 @@ class Verifier:
             ticket.logprobs = self._sampling.read_spread_logprobs(
                 ticket.slot, ticket.num_logprobs, k1, made.tolist()
             )
-        self.drafter.took(tokens)
+        self.drafter.took(tokens, int((drafted > 0).sum()))  # after the opted-out's mask
         return tokens, made

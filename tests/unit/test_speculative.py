@@ -333,6 +333,7 @@ class _Oracle:
         self.sequences = sequences
         self.wrong_every = wrong_every
         self.rows: dict[int, list[int]] = {}
+        self.num_drafted_rows: list[int | None] = []  # what each verify step told took()
 
     def set_row(self, row, token_ids):
         self.rows[row] = next(s for s in self.sequences if s[: len(token_ids)] == token_ids)
@@ -356,8 +357,8 @@ class _Oracle:
     def append(self, n, seq_lens, tokens):
         pass
 
-    def took(self, tokens):
-        pass
+    def took(self, tokens, num_drafted_rows=None):
+        self.num_drafted_rows.append(num_drafted_rows)
 
     def took_one(self, tokens):
         pass
@@ -414,6 +415,9 @@ def test_a_request_that_opts_out_is_verified_with_no_drafts(tiny_model):
         assert [p + r["token_ids"] for p, r in zip(prompts, got)] == plain
         # the first row's drafts, all right; none of the second's
         assert v.num_drafted == v.num_accepted == 16  # 4 steps of 4, then the second alone
+        # the drafter hears of one row with drafts a step (its share of rows that took one)
+        told = v.drafter.num_drafted_rows
+        assert told[:4] == [1] * 4 and set(told[4:]) <= {0}
 
 
 def test_prompt_lookups_rows_hold_every_token_plain_steps_and_verify_steps_alike(tiny_model):

@@ -139,7 +139,7 @@ def test_a_draft_a_few_rows_of_a_large_batch_take_by_chance_keeps_indexing_lean(
         drafts = d.propose(8, zeros, 4, 0).tolist()
         assert sum(row[0] >= 0 for row in drafts) == num_drafted
         made = [drafts[row][: 2 if row < num_taken else 1] for row in range(num_drafted)]
-        d.took(made + [[7]] * (8 - num_drafted))
+        d.took(made + [[7]] * (8 - num_drafted), num_drafted)
         placed.clear()
         d.propose(8, zeros, 4, 0)
         return sum(sid in d._finished for sid in placed)
@@ -173,6 +173,26 @@ def test_dear_probes_wait_for_their_share_and_cheap_ones_stop_doubling_at_the_ca
     cheap = _probes(1.1, 12_000, 4)
     gaps = [b - a for a, b in zip(cheap, cheap[1:])]
     assert gaps[-3:] == [MAX_PROBE_GAP + 1] * 3  # doubled to the cap, no further
+
+
+def test_a_dear_sizes_long_probe_gap_is_not_a_cheap_sizes_of_the_same_kind():
+    """Found in review: a failed probe stored its size's floor as the kind's next gap, so a
+    cheap size of the same kind (a batch of 4, verify steps 1.1x) waited a dear one's
+    ~1,900 steps (a batch of 32, 20x) for its next probe. Each size's own floor applies."""
+    chooser = DraftChooser(4)
+    four, many = [f"r{i}" for i in range(4)], [f"r{i}" for i in range(32)]
+
+    def step(keys: list[str], cost_of_one: float) -> int:
+        k = 0 if chooser.is_resting(keys) else chooser.choose(keys, 4)
+        chooser.observe(keys, k, 1.0 + (cost_of_one - 1.0) * k, [0] * len(keys))
+        return k
+
+    while not step(four, 1.1) or chooser.num_probes < 9:  # its gaps at the cap, then a probe
+        pass
+    for _ in range(5000):  # the dear size's turn: probes ~1,900 steps apart
+        step(many, 20.0)
+    waited = next(i for i in range(1, 5000) if step(four, 1.1))
+    assert waited <= MAX_PROBE_GAP + 1
 
 
 def test_the_chooser_keeps_a_batchs_bucket_until_a_row_joins_or_leaves():

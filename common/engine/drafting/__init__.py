@@ -40,9 +40,10 @@ class Drafter(Protocol):
         what was accepted are overwritten before they are read: a drafter reads a row only
         below its length."""
 
-    def took(self, tokens: list[list[int]]) -> None:
+    def took(self, tokens: list[list[int]], num_drafted_rows: int | None = None) -> None:
         """On the host, once a verify step is collected: each row's new tokens, in row
-        order."""
+        order; num_drafted_rows: how many rows had a draft to take (those whose request
+        opted out had none; None: every row)."""
 
     def took_one(self, tokens: list[int]) -> None:
         """On the host, once a plain step is collected: each row's one new token, in row

@@ -51,7 +51,7 @@ class NgramDrafter:
         pos = seq_lens[:n, None].long() + self._steps[: tokens.shape[1]]  # [n, k + 1]
         self.tokens[:n].scatter_(1, pos, tokens.to(self.tokens.dtype))
 
-    def took(self, tokens: list[list[int]]) -> None:
+    def took(self, tokens: list[list[int]], num_drafted_rows: int | None = None) -> None:
         pass  # every step appends its tokens on the device (history, append)
 
     def took_one(self, tokens: list[int]) -> None:

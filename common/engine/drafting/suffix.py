@@ -72,7 +72,6 @@ class SuffixDrafter:
         self._unindexed: OrderedDict[int, None] = OrderedDict()  # finished, windows to go
         self._is_taken = True  # TAKEN_SHARE of the last verify step's drafted rows took one
         self._has_proposed = False
-        self._num_drafted_rows = 0  # rows the last propose found drafts for
         # plain steps' tokens [MAX_PENDING, max_rows], rows in order, not yet in their
         # sources (flush). NOTE: an array, not a list a step: lists held up to MAX_PENDING
         # steps outlived the young generation, and the collections of the older ones that
@@ -126,14 +125,15 @@ class SuffixDrafter:
         self._row_source[row] = self._row_source[last]
         self._row_source[last] = None
 
-    def took(self, tokens: list[list[int]]) -> None:
+    def took(self, tokens: list[list[int]], num_drafted_rows: int | None = None) -> None:
         self._flush()
         if self._has_proposed:  # a verify step: whether enough of its drafted rows took one
             # NOTE: not any row: at batch 32 on the tiny model 8, 3, 1 and 5 rows of four
             # probes took a draft by chance, and each probe after one indexed FINISHED_BUDGET
             # windows; of the rows with drafts, not all (a row without has none to take)
             num_taken = sum(len(made) > 1 for made in tokens)
-            self._is_taken = num_taken >= TAKEN_SHARE * max(self._num_drafted_rows, 1)
+            num_drafted = len(tokens) if num_drafted_rows is None else num_drafted_rows
+            self._is_taken = num_taken >= TAKEN_SHARE * max(num_drafted, 1)
             self._has_proposed = False
         for row, made in enumerate(tokens):
             self._sources[self._row_source[row]].extend(made)
@@ -168,7 +168,6 @@ class SuffixDrafter:
         self._has_proposed = True
         self._index_finished(FINISHED_BUDGET if self._is_taken else LEAN_BUDGET)
         rows = [self._lookup(self._row_source[row], k) for row in range(n)]
-        self._num_drafted_rows = sum(1 for r in rows if r)
         staging = self._staging[:n, :k]
         staging.copy_(torch.tensor([r + [-1] * (k - len(r)) for r in rows], dtype=torch.int64))
         self._h2d.write(self._drafts[:n, :k], staging)
