@@ -99,7 +99,7 @@ class _Constant:
     def append(self, n, seq_lens, tokens):
         pass
 
-    def took(self, tokens):
+    def took(self, tokens, num_drafted_rows=None):
         pass
 
     def took_one(self, tokens):
