@@ -174,7 +174,8 @@ class Verifier:
         k1 = ticket.num_drafts + 1
         targets = self._targets_host[ticket.slot, :n, :k1].tolist()
         self.num_steps += 1
-        self.num_drafts += int((drafted > 0).sum())
+        num_drafted_rows = int((drafted > 0).sum())  # after the opted-out rows' mask
+        self.num_drafts += num_drafted_rows
         self.num_drafted += int(drafted.sum())
         self.num_accepted += int(accepted.sum())
         for j in range(int(accepted.max(initial=0))):
@@ -186,5 +187,5 @@ class Verifier:
             ticket.logprobs = self._sampling.read_spread_logprobs(
                 ticket.slot, ticket.num_logprobs, k1, made.tolist()
             )
-        self.drafter.took(tokens, int((drafted > 0).sum()))  # after the opted-out's mask
+        self.drafter.took(tokens, num_drafted_rows)
         return tokens, made

@@ -149,17 +149,18 @@ def test_a_draft_a_few_rows_of_a_large_batch_take_by_chance_keeps_indexing_lean(
     assert finished_windows_after(1, 2) > suffix.LEAN_BUDGET  # of 2 rows with drafts: half
 
 
+def _step(chooser: DraftChooser, keys: list[str], cost_of_one: float) -> int:
+    """One decode step on a fake clock, as the node asks (drafts never matching, a verify
+    step of one draft costing cost_of_one plain steps); -> its k."""
+    k = 0 if chooser.is_resting(keys) else chooser.choose(keys, 4)
+    chooser.observe(keys, k, 1.0 + (cost_of_one - 1.0) * k, [0] * len(keys))
+    return k
+
+
 def _probes(cost_of_one: float, num_steps: int, num_rows: int) -> list[int]:
-    """The steps that verified, drafts never matching, a verify step of one draft costing
-    cost_of_one plain steps (a fake clock)."""
+    """The steps that verified, in num_steps over num_rows rows."""
     chooser, keys = DraftChooser(4), [f"r{i}" for i in range(num_rows)]
-    verified = []
-    for step in range(num_steps):
-        k = 0 if chooser.is_resting(keys) else chooser.choose(keys, 4)
-        chooser.observe(keys, k, 1.0 + (cost_of_one - 1.0) * k, [0] * num_rows)
-        if k:
-            verified.append(step)
-    return verified
+    return [step for step in range(num_steps) if _step(chooser, keys, cost_of_one)]
 
 
 def test_dear_probes_wait_for_their_share_and_cheap_ones_stop_doubling_at_the_cap():
@@ -182,16 +183,12 @@ def test_a_dear_sizes_long_probe_gap_is_not_a_cheap_sizes_of_the_same_kind():
     chooser = DraftChooser(4)
     four, many = [f"r{i}" for i in range(4)], [f"r{i}" for i in range(32)]
 
-    def step(keys: list[str], cost_of_one: float) -> int:
-        k = 0 if chooser.is_resting(keys) else chooser.choose(keys, 4)
-        chooser.observe(keys, k, 1.0 + (cost_of_one - 1.0) * k, [0] * len(keys))
-        return k
-
-    while not step(four, 1.1) or chooser.num_probes < 9:  # its gaps at the cap, then a probe
+    # its gaps at the cap, then a probe
+    while not _step(chooser, four, 1.1) or chooser.num_probes < 9:
         pass
     for _ in range(5000):  # the dear size's turn: probes ~1,900 steps apart
-        step(many, 20.0)
-    waited = next(i for i in range(1, 5000) if step(four, 1.1))
+        _step(chooser, many, 20.0)
+    waited = next(i for i in range(1, 5000) if _step(chooser, four, 1.1))
     assert waited <= MAX_PROBE_GAP + 1
 
 
