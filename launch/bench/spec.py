@@ -34,7 +34,7 @@ import torch
 
 from common.base.config import WorkerConfig, parse_bytes
 from common.base.request import SamplingParams
-from common.base.speculative import parse_speculative
+from common.base.speculative import SpeculativeConfig, parse_speculative
 from common.engine.worker import DeviceWorker
 from common.kv.blocks import num_blocks_for
 from common.runtime.process import HelpFormat, freeze_startup_objects
@@ -44,6 +44,7 @@ from launch.bench.table import cell, show, table
 from launch.tools.offline import generate
 
 DEFAULT_CONFIG = '{"method": "suffix", "num_speculative_tokens": 4}'
+OFF = SpeculativeConfig("off")  # the side it is measured against
 LOADS = ("fresh", "repeat", "sampled")
 
 
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         with ExitStack() as stack:
             threads = torch.get_num_threads()
-            off = stack.enter_context(DeviceWorker(WorkerConfig(**base)))
+            off = stack.enter_context(DeviceWorker(WorkerConfig(**base, speculative=OFF)))
             # NOTE: a worker leaves the calling thread at one thread (its loop's small ops):
             # the second takes the same threads as the first
             torch.set_num_threads(threads)
