@@ -12,7 +12,8 @@ the step's floor as a roofline: the larger of its bytes (every weight, and the
 batch's KV) over the memory bandwidth measured around that batch's steps (a copy just
 before and one just after: their mean) and its FLOPs over the measured matmul rate;
 "bound" names which binds. The benchmark sizes the node's KV cache and each
-request's length itself, and refuses in one line a model the device cannot hold.
+request's length itself, and refuses in one line a model the device cannot hold. The
+node runs plain steps (--speculative-config off) unless a --node-arg says otherwise.
 """
 
 from __future__ import annotations
@@ -333,7 +334,10 @@ def main(argv=None) -> None:
         else 0
     )
     check_memory(a, spec, elem, kv_bytes, baseline)
-    args = worker_args(a, max(batches), max_len, kv_bytes) + ["--block-size", str(a.block_size)]
+    # NOTE: plain steps, as the floors model them (one token a row): speculation is bench
+    # spec's; a --node-arg of --speculative-config, given after, wins
+    args = ["--speculative-config", "off", *worker_args(a, max(batches), max_len, kv_bytes)]
+    args += ["--block-size", str(a.block_size)]
     node = NodeUnderTest("decode_node", args, a.base_port, a.node_log, kv_is_router=False)
     results = []
     try:
