@@ -12,12 +12,14 @@ import time
 from common.base.log import IdleQuiet, get_logger
 
 log = get_logger("frontend")
-# What the line sums over the nodes, from their heartbeats: name -> (role, stats key).
+# What the line sums over the nodes, from their heartbeats: name -> (role, stats keys
+# summed). NOTE: a decode step makes a token a row and, in a verify step, one more for
+# each accepted draft (speculative decoding): rows alone undercount.
 COUNTS = {
-    "prompt": ("prefill", "num_prefill_tokens"),
-    "generated": ("decode", "num_decode_rows"),
-    "hits": ("prefill", "num_prefix_hit_tokens"),
-    "queried": ("prefill", "num_prefix_prompt_tokens"),
+    "prompt": ("prefill", ("num_prefill_tokens",)),
+    "generated": ("decode", ("num_decode_rows", "num_accepted_tokens")),
+    "hits": ("prefill", ("num_prefix_hit_tokens",)),
+    "queried": ("prefill", ("num_prefix_prompt_tokens",)),
 }
 
 
@@ -44,10 +46,10 @@ class ActivityLog:
         for node in list(self.fe.nodes.values()):
             if not node.is_alive:
                 continue
-            for name, (role, key) in COUNTS.items():
+            for name, (role, keys) in COUNTS.items():
                 if node.role != role:
                     continue
-                value = _number(node.stats, key)
+                value = sum(_number(node.stats, key) for key in keys)
                 pid, last = self.seen.get((node.name, name), (node.ready.pid, 0))
                 is_same = pid == node.ready.pid and value >= last
                 out[name] += value - last if is_same else value

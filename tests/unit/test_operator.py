@@ -115,7 +115,8 @@ def test_the_frontend_says_one_periodic_line_like_vllms(stderr):
     prefill.stats.update(
         num_prefill_tokens=5000, num_prefix_hit_tokens=1000, num_prefix_prompt_tokens=4000
     )
-    decode.stats["num_decode_rows"] = 800
+    # 700 rows stepped, 100 drafts accepted in verify steps: 800 tokens made
+    decode.stats.update(num_decode_rows=700, num_accepted_tokens=100)
     act.tick(5.0)  # not an interval yet
     act.tick(10.0)
     assert _messages(stderr) == [
@@ -127,7 +128,8 @@ def test_the_frontend_says_one_periodic_line_like_vllms(stderr):
         act.tick(now)
     lines = _messages(stderr)
     assert len(lines) == 1 and lines[0].endswith("| idle now")
-    decode.ready.pid, decode.stats["num_decode_rows"] = 2, 10  # restarted: counts from its start
+    decode.ready.pid = 2  # restarted: counts from its start
+    decode.stats.update(num_decode_rows=8, num_accepted_tokens=2)
     fe.num_served = 21
     act.tick(50.0)
     assert "generation 1 tok/s" in _messages(stderr)[-1]

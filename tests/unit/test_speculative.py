@@ -72,8 +72,12 @@ def test_auto_is_prompt_lookup_on_a_cpu_decode_node_and_off_elsewhere():
     assert suffix.for_decode_node(is_host=False) is suffix  # asked for: kept everywhere
     off = parse_speculative("off")
     assert off.for_decode_node(is_host=True) == off and not off.is_on
-    with pytest.raises(ValueError, match="needs a method"):
-        SpeculativeConfig("auto", 3)
+    assert parse_speculative("") == auto  # the launcher's value where the flag is not given
+    for method in ("auto", "off"):  # a field beside either would be dropped: refused
+        with pytest.raises(ValueError, match="num_speculative_tokens: needs a method"):
+            SpeculativeConfig(method, 3)
+        with pytest.raises(ValueError, match="prompt_lookup_min: needs a method"):
+            parse_speculative(f'{{"method": "{method}", "prompt_lookup_min": 0}}')
 
 
 def _lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -479,6 +483,11 @@ def test_the_benchmark_sets_speculation_against_plain_decoding_in_one_run(tiny_m
     assert spec.main([*argv, "--loads", "fresh,edit"]) == 2
     assert spec.main([*argv, "--output-len", "4", "--loads", "sampled"]) == 0
     assert [json.loads(x)["load"] for x in capsys.readouterr().out.splitlines()] == ["sampled"] * 2
+    # auto: what a decode node on this device runs (a CPU: prompt lookup of 4 drafts)
+    auto = ["--output-len", "4", "--loads", "sampled", "--speculative-config", "auto"]
+    assert spec.main([*argv, *auto]) == 0
+    configs = [json.loads(x)["speculative_config"] for x in capsys.readouterr().out.splitlines()]
+    assert [(c["method"], c["num_speculative_tokens"]) for c in configs] == [("ngram", 4)] * 2
 
 
 def test_drafts_that_cross_several_blocks_in_one_step_are_written_whole(tiny_model):
