@@ -76,17 +76,17 @@ def parse_speculative(text: str) -> SpeculativeConfig:
     if word in ("", "auto"):  # NOTE: empty: the default, as the launcher's unset value
         return SpeculativeConfig("auto")
     try:
-        fields = json.loads(text)
+        values = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"--speculative-config is neither 'off' nor JSON: {e}") from None
-    if not isinstance(fields, dict):
+    if not isinstance(values, dict):
         raise ValueError("--speculative-config must be a JSON object")
     known = set(SpeculativeConfig.__dataclass_fields__)
-    unknown = sorted(set(fields) - known)
+    unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"--speculative-config: unknown fields {unknown}; known: {sorted(known)}")
-    for name, value in fields.items():
+    for name, value in values.items():
         is_int = isinstance(value, int) and not isinstance(value, bool)
         if (name == "method") != isinstance(value, str) or (name != "method" and not is_int):
             raise ValueError(f"--speculative-config: {name} = {value!r} has the wrong type")
-    return SpeculativeConfig(**fields)
+    return SpeculativeConfig(**values)
