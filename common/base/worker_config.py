@@ -103,11 +103,10 @@ class WorkerConfig:
             "--speculative-config",
             "decode: draft tokens and verify them in the step, e.g. "
             '\'{"method": "ngram", "num_speculative_tokens": 3}\' (prompt lookup; "suffix": '
-            "suffix decoding), off, or auto: prompt lookup of 4 drafts on a CPU (within 3% of "
-            "plain decoding there where drafts never match), off on other devices",
+            "suffix decoding), or off",
             parse=parse_speculative,
             metavar="JSON",
-            default_text="auto",
+            default_text="off",
         ),
     )
     is_cache_in_shm: bool = (

@@ -62,22 +62,14 @@ def test_the_config_takes_vllms_spelling_and_names_what_is_wrong():
             parse_speculative(text)
 
 
-def test_auto_is_prompt_lookup_on_a_cpu_decode_node_and_off_elsewhere():
-    auto = SpeculativeConfig()
-    assert auto == parse_speculative("auto") and auto.method == "auto"
-    assert not auto.is_on  # a worker given auto drafts nothing: a decode node decides
-    assert auto.for_decode_node(is_host=True) == SpeculativeConfig("ngram", 4)
-    assert auto.for_decode_node(is_host=False) == SpeculativeConfig("off")
-    suffix = SpeculativeConfig("suffix", 2)
-    assert suffix.for_decode_node(is_host=False) is suffix  # asked for: kept everywhere
-    off = parse_speculative("off")
-    assert off.for_decode_node(is_host=True) == off and not off.is_on
-    assert parse_speculative("") == auto  # the launcher's value where the flag is not given
-    for method in ("auto", "off"):  # a field beside either would be dropped: refused
-        with pytest.raises(ValueError, match="num_speculative_tokens: needs a method"):
-            SpeculativeConfig(method, 3)
-        with pytest.raises(ValueError, match="prompt_lookup_min: needs a method"):
-            parse_speculative(f'{{"method": "{method}", "prompt_lookup_min": 0}}')
+def test_off_is_the_default_and_takes_no_other_field():
+    assert SpeculativeConfig() == parse_speculative("") == parse_speculative("off")
+    assert not SpeculativeConfig().is_on
+    # a field beside off would be dropped silently: refused
+    with pytest.raises(ValueError, match="num_speculative_tokens: needs a method"):
+        SpeculativeConfig("off", 3)
+    with pytest.raises(ValueError, match="prompt_lookup_min: needs a method"):
+        parse_speculative('{"method": "off", "prompt_lookup_min": 0}')
 
 
 def _lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -483,11 +475,6 @@ def test_the_benchmark_sets_speculation_against_plain_decoding_in_one_run(tiny_m
     assert spec.main([*argv, "--loads", "fresh,edit"]) == 2
     assert spec.main([*argv, "--output-len", "4", "--loads", "sampled"]) == 0
     assert [json.loads(x)["load"] for x in capsys.readouterr().out.splitlines()] == ["sampled"] * 2
-    # auto: what a decode node on this device runs (a CPU: prompt lookup of 4 drafts)
-    auto = ["--output-len", "4", "--loads", "sampled", "--speculative-config", "auto"]
-    assert spec.main([*argv, *auto]) == 0
-    configs = [json.loads(x)["speculative_config"] for x in capsys.readouterr().out.splitlines()]
-    assert [(c["method"], c["num_speculative_tokens"]) for c in configs] == [("ngram", 4)] * 2
 
 
 def test_drafts_that_cross_several_blocks_in_one_step_are_written_whole(tiny_model):
