@@ -60,10 +60,7 @@ def _speculation(spec) -> str:
     if not spec.is_on:
         return "no speculative decoding"
     kind = {"ngram": "prompt lookup", "suffix": "suffix decoding"}[spec.method]
-    return (
-        f"speculative decoding: {kind}, up to {spec.num_speculative_tokens} drafts a step, "
-        "where they pay (--speculative-config off: none)"
-    )
+    return f"speculative decoding: {kind}, up to {spec.num_speculative_tokens} drafts a step"
 
 
 def handoff_figures(h: Receiver) -> dict:

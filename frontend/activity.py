@@ -37,7 +37,7 @@ class ActivityLog:
         self.quiet = IdleQuiet()
         self.last_at: float | None = None
         self.num_served = 0
-        self.seen: dict[tuple[str, str], tuple[int, int]] = {}  # (node, count) -> (pid, value)
+        self.seen: dict[tuple[str, str], tuple[int, int]] = {}  # (node, key) -> (pid, value)
 
     def _deltas(self) -> dict[str, int]:
         """Each count's growth since the last look, summed over the live nodes (a node
@@ -49,11 +49,16 @@ class ActivityLog:
             for name, (role, keys) in COUNTS.items():
                 if node.role != role:
                     continue
-                value = sum(_number(node.stats, key) for key in keys)
-                pid, last = self.seen.get((node.name, name), (node.ready.pid, 0))
-                is_same = pid == node.ready.pid and value >= last
-                out[name] += value - last if is_same else value
-                self.seen[(node.name, name)] = (node.ready.pid, value)
+                for key in keys:
+                    # NOTE: each key apart, and a key absent from a heartbeat left as it was:
+                    # summed first, one that comes and goes read as a restart each time
+                    if key not in node.stats:
+                        continue
+                    value = _number(node.stats, key)
+                    pid, last = self.seen.get((node.name, key), (node.ready.pid, 0))
+                    is_same = pid == node.ready.pid and value >= last
+                    out[name] += value - last if is_same else value
+                    self.seen[(node.name, key)] = (node.ready.pid, value)
         return out
 
     def _kv_usage(self) -> float | None:

@@ -129,10 +129,20 @@ def test_the_frontend_says_one_periodic_line_like_vllms(stderr):
     lines = _messages(stderr)
     assert len(lines) == 1 and lines[0].endswith("| idle now")
     decode.ready.pid = 2  # restarted: counts from its start
-    decode.stats.update(num_decode_rows=8, num_accepted_tokens=2)
+    decode.stats.update(num_decode_rows=80, num_accepted_tokens=20)
     fe.num_served = 21
     act.tick(50.0)
-    assert "generation 1 tok/s" in _messages(stderr)[-1]
+    assert "generation 10 tok/s" in _messages(stderr)[-1]
+    # a heartbeat without one of the keys leaves it as it was: no restart read, no spike
+    del decode.stats["num_accepted_tokens"]
+    decode.stats["num_decode_rows"] = 180
+    fe.num_served = 22
+    act.tick(60.0)
+    assert "generation 10 tok/s" in _messages(stderr)[-1]
+    decode.stats.update(num_decode_rows=280, num_accepted_tokens=20)
+    fe.num_served = 23
+    act.tick(70.0)
+    assert "generation 10 tok/s" in _messages(stderr)[-1]
 
 
 def test_the_access_log_says_each_request_and_can_be_turned_off(stderr):
