@@ -48,7 +48,7 @@ class DecodeBatch:
         platform,
         h2d: HostToDevice,
         eos_ids: tuple[int, ...] = (),
-        speculative: SpeculativeConfig = SpeculativeConfig("off"),
+        speculative: SpeculativeConfig = SpeculativeConfig(),
     ):
         self.model = model
         self.block_size = block_size

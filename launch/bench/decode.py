@@ -334,10 +334,7 @@ def main(argv=None) -> None:
         else 0
     )
     check_memory(a, spec, elem, kv_bytes, baseline)
-    # NOTE: plain steps, as the floors model them (one token a row): speculation is bench
-    # spec's; a --node-arg of --speculative-config, given after, wins
-    args = ["--speculative-config", "off", *worker_args(a, max(batches), max_len, kv_bytes)]
-    args += ["--block-size", str(a.block_size)]
+    args = worker_args(a, max(batches), max_len, kv_bytes) + ["--block-size", str(a.block_size)]
     node = NodeUnderTest("decode_node", args, a.base_port, a.node_log, kv_is_router=False)
     results = []
     try:

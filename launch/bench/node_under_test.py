@@ -258,8 +258,12 @@ class NodeUnderTest:
 def worker_args(
     a: argparse.Namespace, max_batch: int, max_model_len: int, kv_bytes: int | None = None
 ) -> list[str]:
-    """The node's options; kv_bytes: its KV cache (else --kv-cache-memory, else its default)."""
-    args = ["--model", a.model] if a.model else ["--shape", a.shape]
+    """The node's options; kv_bytes: its KV cache (else --kv-cache-memory, else its default).
+    NOTE: plain steps (--speculative-config off) whatever the default: a decode node's step
+    times and floors here are of one token a row (speculation is bench spec's); a
+    --node-arg, given after, wins."""
+    args = ["--speculative-config", "off"]
+    args += ["--model", a.model] if a.model else ["--shape", a.shape]
     args += [
         "--device",
         a.device,

@@ -68,10 +68,7 @@ def run_backend(a, backend: str, base_port: int, spec, dtype) -> dict:
         node_arg=a.node_arg,
     )
     # One row beyond the long requests: a timed handoff (max_tokens 1) ends at admission.
-    # NOTE: plain steps (the background rows' step time is a figure; their prompts of one
-    # token repeated would be drafted), unless a --node-arg after it says otherwise
-    args = ["--speculative-config", "off"]
-    args += worker_args(ns, a.decode_batch + 1, a.prompt_len + a.decode_tokens + 16)
+    args = worker_args(ns, a.decode_batch + 1, a.prompt_len + a.decode_tokens + 16)
     place = a.place or {}
     node = NodeUnderTest(
         "decode_node",

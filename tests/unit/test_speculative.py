@@ -31,7 +31,7 @@ def _worker(model, spec=NGRAM, **kw):
 
 
 def test_the_config_takes_vllms_spelling_and_names_what_is_wrong():
-    assert parse_speculative("off") == SpeculativeConfig("off")
+    assert parse_speculative("off") == SpeculativeConfig()
     assert not parse_speculative("off").is_on
     got = parse_speculative('{"method": "ngram", "num_speculative_tokens": 5}')
     assert got == SpeculativeConfig("ngram", 5) and got.is_on
@@ -315,7 +315,7 @@ def test_verify_steps_make_plain_decodings_tokens_and_accept_drafts(tiny_model, 
     lengths leave at different steps. fp32 against transformers' own Qwen3."""
     prompts = [[5, 6, 7, 8, 9] * 6, [3, 4, 5], [11, 12, 13, 14] * 3 + [11]]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 30, 25)]
-    with _worker(tiny_model, spec=SpeculativeConfig("off")) as worker:
+    with _worker(tiny_model, spec=SpeculativeConfig()) as worker:
         plain = generate(worker, prompts, params)
     with _worker(tiny_model, spec=SpeculativeConfig(method, 4)) as worker:
         spec = generate(worker, prompts, params)
@@ -379,7 +379,7 @@ def test_drafts_that_are_right_are_all_accepted_and_a_wrong_one_cuts_the_run(tin
     prompts = [[1, 2, 3], [40, 41, 42, 43, 44]]
     temp = dict(temperature=0.9, top_p=0.95, seed=8) if sampled else {}
     params = [SamplingParams(max_tokens=21, ignore_eos=True, **temp) for _ in prompts]
-    with _worker(tiny_model, spec=SpeculativeConfig("off")) as worker:
+    with _worker(tiny_model, spec=SpeculativeConfig()) as worker:
         plain = [p + r["token_ids"] for p, r in zip(prompts, generate(worker, prompts, params))]
     with _worker(tiny_model, block_size=128) as worker:
         worker.decode.verifier.drafter = _Oracle(plain)
@@ -404,7 +404,7 @@ def test_drafts_that_are_right_are_all_accepted_and_a_wrong_one_cuts_the_run(tin
         assert by_pos[0] > by_pos[-1]  # a wrong draft cuts the run: later places less often
     # The same host-to-device writes as plain decoding in one block (prefill and joins): a
     # verify step adds none, though its rows advance by counts only the device knows.
-    with _worker(tiny_model, spec=SpeculativeConfig("off"), block_size=128) as worker:
+    with _worker(tiny_model, spec=SpeculativeConfig(), block_size=128) as worker:
         before = worker.h2d.num_writes
         generate(worker, prompts, params)
         assert spec_writes == worker.h2d.num_writes - before
@@ -416,7 +416,7 @@ def test_a_request_that_opts_out_is_verified_with_no_drafts(tiny_model):
         SamplingParams(max_tokens=21, ignore_eos=True),
         SamplingParams(max_tokens=21, ignore_eos=True, no_drafts=True),
     ]
-    with _worker(tiny_model, spec=SpeculativeConfig("off")) as worker:
+    with _worker(tiny_model, spec=SpeculativeConfig()) as worker:
         plain = [p + r["token_ids"] for p, r in zip(prompts, generate(worker, prompts, params))]
     with _worker(tiny_model) as worker:
         worker.decode.verifier.drafter = _Oracle(plain)
@@ -482,7 +482,7 @@ def test_drafts_that_cross_several_blocks_in_one_step_are_written_whole(tiny_mod
     of k drafts can take ceil((k + 1) / block_size) + 1."""
     prompts, p = [[5, 6, 7, 8, 9] * 3] * 2, SamplingParams(max_tokens=30, ignore_eos=True)
     small = dict(block_size=2, max_batch_size=2)  # NOTE: staging then holds 2 entries a row
-    with _worker(tiny_model, spec=SpeculativeConfig("off"), **small) as worker:
+    with _worker(tiny_model, spec=SpeculativeConfig(), **small) as worker:
         plain = generate(worker, prompts, [p, p])
     with _worker(tiny_model, spec=SpeculativeConfig("ngram", 8), **small) as worker:
         got = generate(worker, prompts, [p, p])
