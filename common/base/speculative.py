@@ -28,8 +28,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r}: expected one of {METHODS}")
         k = self.num_speculative_tokens
         if self.method == "off":
-            # NOTE: a field given beside off would be dropped silently ([1:]: all but method)
-            given = [f.name for f in fields(self)[1:] if getattr(self, f.name) != f.default]
+            # NOTE: a field given beside off would be dropped silently
+            given = [
+                f.name
+                for f in fields(self)
+                if f.name != "method" and getattr(self, f.name) != f.default
+            ]
             if given:
                 raise ValueError(f"{', '.join(given)}: needs a method, not {self.method}")
             return

@@ -260,8 +260,9 @@ def worker_args(
 ) -> list[str]:
     """The node's options; kv_bytes: its KV cache (else --kv-cache-memory, else its default).
     NOTE: plain steps (--speculative-config off) whatever the default: a decode node's step
-    times and floors here are of one token a row (speculation is bench spec's); a
-    --node-arg, given after, wins."""
+    times and floors here are of one token a row (bench transfer's background rows, one
+    token repeated, would draft well; speculation is bench spec's); a --node-arg, given
+    after, wins."""
     args = ["--speculative-config", "off"]
     args += ["--model", a.model] if a.model else ["--shape", a.shape]
     args += [
