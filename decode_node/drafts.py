@@ -26,6 +26,10 @@ indexing the tokens since the last probe; up to ~42x, where MAX_FLOOR_GAP caps t
 floor). Doubling alone stops at MAX_PROBE_GAP: a cheap probe's gap stays short enough to
 find drafts that start to match within a request's life.
 Plain steps are counted per batch size and kind, since that bucket's own last verify step.
+While verifying wins, a plain step now and then (a check, at gaps doubling from
+FIRST_CHECK_GAP verify steps) brings the plain steps' time up to date: on cores shared
+with other work (a prefill node's) a time from before verifying began may be twice
+today's; and no verify step is reckoned cheaper than a plain one.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ FIRST_PROBE_GAP = 16  # plain steps before the first probe
 MAX_PROBE_GAP = 1024  # where gaps doubling from failed probes stop
 MAX_FLOOR_GAP = 4096  # where the gap that keeps dear probes within PROBE_SHARE stops
 PROBE_SHARE = 0.01  # a probe's time beyond a plain step's, at most this of the gap's
+FIRST_CHECK_GAP = 16  # verify steps before the first plain step that checks they still pay
+MAX_CHECK_GAP = 256  # where check gaps, doubling while verifying wins, stop
 MARGIN = 0.03  # how much more verify steps must make a second than plain ones
 RECHECK = 32  # plain steps between reckonings while plain steps win
 MAX_AWAY = 1024  # rows' acceptance kept beyond the batch's before it is pruned
@@ -68,6 +74,9 @@ class DraftChooser:
         # bucket: a size whose turns come between another's verify steps still probes)
         self._plain: dict[tuple[int, tuple[bool, bool]], int] = {}
         self._is_probing = False  # the last choice was a probe
+        self._is_checking = False  # the last choice was a check (choose)
+        self._verified: dict[tuple[int, tuple[bool, bool]], int] = {}  # since its last plain
+        self._check_gap: dict[tuple[int, tuple[bool, bool]], int] = {}  # verify steps a check
         self._next_gap = FIRST_PROBE_GAP  # the probe gap after it, should it fail
         self._plain_until = (0, 0)  # (bucket, plain steps): plain until then (choose)
         self.num_probes = 0
@@ -111,7 +120,7 @@ class DraftChooser:
         """k for a step over these rows, at most limit (what the rows' blocks and lengths
         allow; 0 where the batch cannot be verified). NOTE: asked again before the step is
         observed, it answers the same and counts nothing twice."""
-        self._is_probing = False
+        self._is_probing = self._is_checking = False
         if limit <= 0 or not keys or self.is_resting(keys):
             return 0
         bucket = self._bucket(keys)
@@ -132,8 +141,8 @@ class DraftChooser:
         # the two cost alike at a small batch, and noise alone would pick either
         best_k, best_rate = 0, len(keys) / max(plain_s, 1e-9) * (1 + MARGIN)
         ks = sorted({min(k, limit) for k in self.candidates} - {0})
-        for k, made in zip(ks, _expected_tokens(ps, ks)):
-            step_s = self._step_s.get((bucket, k), plain_s + k * (one_s - plain_s))
+        costs = self._verify_costs(bucket, plain_s, one_s, ks)
+        for k, made, step_s in zip(ks, _expected_tokens(ps, ks), costs):
             rate = made / max(step_s, 1e-9)
             if rate > best_rate:
                 best_k, best_rate = k, rate
@@ -151,7 +160,13 @@ class DraftChooser:
         gap = max(self._probe_gap.get(kind, floor), floor)
         if best_k:
             self._probe_gap[kind] = FIRST_PROBE_GAP  # verifying pays: probe soon once it stops
-            return best_k
+            # NOTE: a plain step now and then (a check): the plain time it is weighed against
+            # is otherwise from before verifying began (on shared cores, maybe 2x today's)
+            self._is_checking = self._verified.get(bucket, 0) >= self._check_gap.get(
+                bucket, FIRST_CHECK_GAP
+            )
+            return 0 if self._is_checking else best_k
+        self._check_gap.pop(bucket, None)  # plain steps win: checks start over
         num_plain = self._plain.get(bucket, 0)
         self._is_probing = num_plain >= gap
         if self._is_probing:  # should it fail, the next waits twice as long, and long enough
@@ -163,6 +178,17 @@ class DraftChooser:
         until = min(num_plain + RECHECK, gap)
         self._plain_until = (bucket, until) if not self._is_probing else (0, 0)
         return 1 if self._is_probing else 0
+
+    def _verify_costs(
+        self, bucket: tuple[int, tuple[bool, bool]], plain_s: float, one_s: float, ks: list[int]
+    ) -> list[float]:
+        """Each k's step time: measured where it is, else a plain step's and k drafts at the
+        dearest a draft was measured here (one_s: one draft's, maybe reckoned). NOTE: never
+        below a plain step's (a verify step does its work and more): a noisy CPU timed one
+        below it, and drafts reckoned to save time were verified at any acceptance."""
+        measured = {k: self._step_s[(bucket, k)] for k in ks if (bucket, k) in self._step_s}
+        per_draft = max([one_s - plain_s, 0.0] + [(s - plain_s) / k for k, s in measured.items()])
+        return [max(measured.get(k, plain_s + k * per_draft), plain_s) for k in ks]
 
     def _nearest_ratio(self, bucket: tuple[int, tuple[bool, bool]]) -> tuple[float, bool] | None:
         """A step of one draft's time over a plain step's at the nearest batch size that has
@@ -196,6 +222,10 @@ class DraftChooser:
             # shapes, an empty index's growth: 136 against 48 ms at Qwen3-0.6B's shape):
             # not its time
             self._is_warm.add(key)
+        elif self._is_checking and k == 0:  # today's plain time, not one smoothed from before
+            self._step_s[key] = step_s
+            gap = self._check_gap.get(key[0], FIRST_CHECK_GAP)
+            self._check_gap[key[0]] = min(2 * gap, MAX_CHECK_GAP)
         else:
             self._step_s[key] = step_s if old is None else old + SMOOTHING * (step_s - old)
         if max(len(self._acceptance), len(self._sampled), len(self._costly)) > len(keys) + MAX_AWAY:
@@ -209,12 +239,16 @@ class DraftChooser:
             self._costly.intersection_update(keys)
         if k == 0:
             self._plain[key[0]] = self._plain.get(key[0], 0) + 1
+            self._verified[key[0]] = 0
+            self._is_checking = False
             return
+        self._verified[key[0]] = self._verified.get(key[0], 0) + 1
         self._plain_until = (0, 0)
         plain_s = self._step_s.get((key[0], 0))
         is_paid = key[0] in self._has_paid  # NOTE: where this step's own gain is unknown
         if plain_s is not None and is_timed:  # whether verifying paid here (probe gaps)
-            gain = (len(keys) + sum(accepted)) * plain_s / max(step_s * len(keys), 1e-12)
+            # NOTE: a step timed below a plain one costs a plain one's (_verify_costs)
+            gain = (len(keys) + sum(accepted)) / len(keys) * plain_s / max(step_s, plain_s, 1e-12)
             is_paid = gain > 1 + MARGIN
             if is_paid:
                 self._has_paid.add(key[0])
