@@ -26,10 +26,11 @@ indexing the tokens since the last probe; up to ~42x, where MAX_FLOOR_GAP caps t
 floor). Doubling alone stops at MAX_PROBE_GAP: a cheap probe's gap stays short enough to
 find drafts that start to match within a request's life.
 Plain steps are counted per batch size and kind, since that bucket's own last verify step.
-While verifying wins, a plain step now and then (a check, at gaps doubling from
-FIRST_CHECK_GAP verify steps) brings the plain steps' time up to date: on cores shared
-with other work (a prefill node's) a time from before verifying began may be twice
-today's; and no verify step is reckoned cheaper than a plain one.
+While verifying wins by less than CHECK_BELOW, a plain step now and then (a check, at gaps
+doubling from FIRST_CHECK_GAP verify steps) brings the plain steps' time up to date: on
+cores shared with other work (a prefill node's) a time from before verifying began may be
+twice today's, which a larger win outlasts; and no verify step is reckoned cheaper than a
+plain one.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ MAX_FLOOR_GAP = 4096  # where the gap that keeps dear probes within PROBE_SHARE 
 PROBE_SHARE = 0.01  # a probe's time beyond a plain step's, at most this of the gap's
 FIRST_CHECK_GAP = 16  # verify steps before the first plain step that checks they still pay
 MAX_CHECK_GAP = 256  # where check gaps, doubling while verifying wins, stop
+CHECK_BELOW = 2.0  # verifying that wins by less than this (tokens a second) is checked
 MARGIN = 0.03  # how much more verify steps must make a second than plain ones
 RECHECK = 32  # plain steps between reckonings while plain steps win
 MAX_AWAY = 1024  # rows' acceptance kept beyond the batch's before it is pruned
@@ -161,9 +163,10 @@ class DraftChooser:
         if best_k:
             self._probe_gap[kind] = FIRST_PROBE_GAP  # verifying pays: probe soon once it stops
             # NOTE: a plain step now and then (a check): the plain time it is weighed against
-            # is otherwise from before verifying began (on shared cores, maybe 2x today's)
-            self._is_checking = self._verified.get(bucket, 0) >= self._check_gap.get(
-                bucket, FIRST_CHECK_GAP
+            # is otherwise from before verifying began (on shared cores, maybe 2x today's);
+            # a win of CHECK_BELOW or more holds against that, and is not checked
+            self._is_checking = best_rate * plain_s < CHECK_BELOW * len(keys) and (
+                self._verified.get(bucket, 0) >= self._check_gap.get(bucket, FIRST_CHECK_GAP)
             )
             return 0 if self._is_checking else best_k
         self._check_gap.pop(bucket, None)  # plain steps win: checks start over

@@ -84,7 +84,7 @@ def test_the_chooser_forgets_rows_that_left_unannounced():
 def test_the_chooser_verifies_where_drafts_pay_and_as_many_as_pay():
     # every draft accepted, a draft costs a tenth of a step: the most drafts
     every = _run_chooser(DraftChooser(4), 200, lambda k: 1.0 + 0.1 * k, lambda k: k)
-    assert _verifies(every[-100:], 4)
+    assert every[-100:] == [4] * 100  # a win of 3.6x: no plain step checks it
     # each draft accepted with p = 0.7, a draft costs half a step: one or two pay (1.7
     # tokens for 1.5, 2.19 for 2), four do not (2.77 for 3)
     rng = random.Random(0)
