@@ -53,6 +53,8 @@ def main(argv=None) -> int:
             is_cache_in_shm=transfer.needs_shared_cache(
                 a.kv_transfer, device, not is_loopback_endpoint(reachable)
             ),
+            # auto (the default) becomes what a decode node on this device runs
+            speculative=worker.speculative.for_decode_node(platform_type(device).is_host),
         )
         return DecodeNode(DecodeConfig(worker=worker, **flagged(DecodeConfig, a)))
 

@@ -1,21 +1,22 @@
 """What `--speculative-config` asks for: a drafting method and how many tokens it may
 propose a step. The spelling is vLLM's (a JSON object: `method`, `num_speculative_tokens`;
 prompt lookup's `prompt_lookup_min` / `prompt_lookup_max`; suffix decoding's
-`suffix_decoding_max_tree_depth` / `suffix_decoding_max_cached_requests`), or `off` (the
-default)."""
+`suffix_decoding_max_tree_depth` / `suffix_decoding_max_cached_requests`), `off`, or
+`auto` (the default): a decode node's choice for its device (for_decode_node)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("off", "ngram", "suffix")
+METHODS = ("off", "auto", "ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
+AUTO_METHOD, AUTO_TOKENS = "ngram", 4  # what auto turns on, where it does
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "off"
+    method: str = "auto"
     num_speculative_tokens: int = 0  # K: the most drafts a sequence is verified with a step
     prompt_lookup_min: int = 1  # n-gram: the shortest suffix that may match
     prompt_lookup_max: int = 3  # n-gram: the longest, tried first
@@ -27,8 +28,8 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r}: expected one of {METHODS}")
         k = self.num_speculative_tokens
-        if self.method == "off":
-            # NOTE: a field given beside off would be dropped silently
+        if self.method in ("off", "auto"):
+            # NOTE: auto picks every field itself: one given beside either would be dropped
             given = [
                 f.name
                 for f in fields(self)
@@ -53,13 +54,31 @@ class SpeculativeConfig:
 
     @property
     def is_on(self) -> bool:
-        return self.method != "off"
+        """Whether a worker given this config drafts (auto: a decode node decides first)."""
+        return self.method not in ("off", "auto")
+
+    def for_decode_node(self, is_host: bool) -> SpeculativeConfig:
+        """What a decode node on this device runs. auto: prompt lookup of AUTO_TOKENS drafts
+        on a CPU (is_host), measured there as fast as plain decoding where drafts never
+        match (the draft chooser rests: docs/BENCHMARKS.md), and off elsewhere until it is
+        measured there.
+        NOTE: prompt lookup, not suffix decoding: its drafts are made on the device, so a
+        steady verify step copies nothing from the host either."""
+        if self.method != "auto":
+            return self
+        if not is_host:
+            return SpeculativeConfig("off")
+        return SpeculativeConfig(AUTO_METHOD, AUTO_TOKENS)
 
 
 def parse_speculative(text: str) -> SpeculativeConfig:
-    """`off` (or nothing), or a JSON object of SpeculativeConfig's fields (no others)."""
-    if text.strip().lower() in ("", "off", "none"):
+    """`off`, `auto` (or nothing), or a JSON object of SpeculativeConfig's fields (no
+    others)."""
+    word = text.strip().lower()
+    if word in ("off", "none"):
         return SpeculativeConfig("off")
+    if word in ("", "auto"):  # NOTE: empty: the default, as the launcher's unset value
+        return SpeculativeConfig("auto")
     try:
         values = json.loads(text)
     except json.JSONDecodeError as e:

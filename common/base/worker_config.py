@@ -103,10 +103,11 @@ class WorkerConfig:
             "--speculative-config",
             "decode: draft tokens and verify them in the step, e.g. "
             '\'{"method": "ngram", "num_speculative_tokens": 3}\' (prompt lookup; "suffix": '
-            "suffix decoding), or off",
+            "suffix decoding), off, or auto: prompt lookup of 4 drafts on a CPU (it turns "
+            "itself down where drafts miss), off on other devices",
             parse=parse_speculative,
             metavar="JSON",
-            default_text="off",
+            default_text="auto",
         ),
     )
     is_cache_in_shm: bool = (

@@ -48,7 +48,7 @@ class DecodeBatch:
         platform,
         h2d: HostToDevice,
         eos_ids: tuple[int, ...] = (),
-        speculative: SpeculativeConfig = SpeculativeConfig(),
+        speculative: SpeculativeConfig = SpeculativeConfig("off"),
     ):
         self.model = model
         self.block_size = block_size

@@ -35,6 +35,7 @@ import torch
 from common.base.config import WorkerConfig, parse_bytes
 from common.base.request import SamplingParams
 from common.base.speculative import SpeculativeConfig, parse_speculative
+from common.engine.platform import platform_type
 from common.engine.worker import DeviceWorker
 from common.kv.blocks import num_blocks_for
 from common.runtime.process import HelpFormat, freeze_startup_objects
@@ -76,14 +77,16 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     try:
+        # auto: what a decode node on this device runs
         spec = parse_speculative(a.speculative_config)
+        spec = spec.for_decode_node(platform_type(a.device).is_host)
         sizes = [int(x) for x in a.batch_sizes.split(",")]
         loads = [x for x in LOADS if x in a.loads.split(",")]
         if not loads or set(a.loads.split(",")) - set(LOADS):
             raise ValueError(f"--loads takes one or more of {LOADS}")
         parse_bytes(a.kv_cache_memory)
         if not spec.is_on:
-            raise ValueError("--speculative-config must name a method")
+            raise ValueError(f"--speculative-config must name a method (auto is off on {a.device})")
         if min(sizes) < 1 or a.prompt_len < 1 or a.output_len < 2 or a.rounds < 1:
             raise ValueError("batch sizes, --prompt-len, --rounds >= 1; --output-len >= 2")
     except ValueError as e:

@@ -12,7 +12,7 @@ USAGE = """usage: pdserve serve [--demo] [--model DIR] [--host 127.0.0.1] [--adv
      [--kv-wire-dtype same|auto|int8]
      [--http-port 8000 | --no-http] [--no-access-log] [--served-model-name NAME] [--log-level LEVEL]
      [--no-prefix-caching] [--swap-space GIB] [--no-preemption] [--kv-verify]
-     [--speculative-config JSON|off]
+     [--speculative-config JSON|auto|off]
      [--reasoning-parser qwen3] [--tool-call-parser qwen3|hermes|none] [--enable-auto-tool-choice]
      [--logprobs-mode raw_logprobs|processed_logprobs] [--allow-json-whitespace]
      [--keys DIR | --no-keys] [--no-restart-nodes] [--no-core-sharing] [--drain-timeout S]

@@ -1,7 +1,7 @@
-"""Speculative decoding through launch/start_cluster.sh: a decode node that verifies prompt
-lookup's drafts answers as transformers does, token for token (one of them asking for
-log-probabilities, two with a grammar), says its drafts in each request's timings and on
-/metrics, and ends a request at its stop token mid-run."""
+"""Speculative decoding through launch/start_cluster.sh: a decode node on a CPU verifies
+prompt lookup's drafts with no flag given (auto), and answers as transformers does, token
+for token (one of them asking for log-probabilities, two with a grammar), says its drafts in
+each request's timings and on /metrics, and ends a request at its stop token mid-run."""
 
 from __future__ import annotations
 
@@ -19,13 +19,12 @@ from tests.conftest import clear_prompts
 pytestmark = pytest.mark.cluster
 
 NEW_TOKENS = 32
-NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "cluster.log"
-    c = Cluster(tiny_model, log, "--speculative-config", NGRAM)
+    c = Cluster(tiny_model, log)  # NOTE: no --speculative-config: a CPU node's default
     yield c
     c.stop()
 

@@ -77,7 +77,7 @@ def test_greedy_tokens_equal_transformers_with_the_same_loss(tiny_model, candida
         make_cache=lambda: QuantizedReferenceCache(kv_format),
     )
     params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
-    for spec in (SpeculativeConfig(), SpeculativeConfig("ngram", 3)):
+    for spec in (SpeculativeConfig("off"), SpeculativeConfig("ngram", 3)):
         cfg = WorkerConfig(
             model=str(tiny_model),
             kv_cache_memory=8 * 2**20,

@@ -31,7 +31,7 @@ def _worker(model, spec=NGRAM, **kw):
 
 
 def test_the_config_takes_vllms_spelling_and_names_what_is_wrong():
-    assert parse_speculative("off") == SpeculativeConfig()
+    assert parse_speculative("off") == SpeculativeConfig("off")
     assert not parse_speculative("off").is_on
     got = parse_speculative('{"method": "ngram", "num_speculative_tokens": 5}')
     assert got == SpeculativeConfig("ngram", 5) and got.is_on
@@ -62,14 +62,22 @@ def test_the_config_takes_vllms_spelling_and_names_what_is_wrong():
             parse_speculative(text)
 
 
-def test_off_is_the_default_and_takes_no_other_field():
-    assert SpeculativeConfig() == parse_speculative("") == parse_speculative("off")
-    assert not SpeculativeConfig().is_on
-    # a field beside off would be dropped silently: refused
-    with pytest.raises(ValueError, match="num_speculative_tokens: needs a method"):
-        SpeculativeConfig("off", 3)
-    with pytest.raises(ValueError, match="prompt_lookup_min: needs a method"):
-        parse_speculative('{"method": "off", "prompt_lookup_min": 0}')
+def test_auto_is_prompt_lookup_on_a_cpu_decode_node_and_off_elsewhere():
+    auto = SpeculativeConfig()
+    assert auto == parse_speculative("auto") and auto.method == "auto"
+    assert not auto.is_on  # a worker given auto drafts nothing: a decode node decides
+    assert auto.for_decode_node(is_host=True) == SpeculativeConfig("ngram", 4)
+    assert auto.for_decode_node(is_host=False) == SpeculativeConfig("off")
+    suffix = SpeculativeConfig("suffix", 2)
+    assert suffix.for_decode_node(is_host=False) is suffix  # asked for: kept everywhere
+    off = parse_speculative("off")
+    assert off.for_decode_node(is_host=True) == off and not off.is_on
+    assert parse_speculative("") == auto  # the launcher's value where the flag is not given
+    for method in ("auto", "off"):  # a field beside either would be dropped: refused
+        with pytest.raises(ValueError, match="num_speculative_tokens: needs a method"):
+            SpeculativeConfig(method, 3)
+        with pytest.raises(ValueError, match="prompt_lookup_min: needs a method"):
+            parse_speculative(f'{{"method": "{method}", "prompt_lookup_min": 0}}')
 
 
 def _lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -315,7 +323,7 @@ def test_verify_steps_make_plain_decodings_tokens_and_accept_drafts(tiny_model, 
     lengths leave at different steps. fp32 against transformers' own Qwen3."""
     prompts = [[5, 6, 7, 8, 9] * 6, [3, 4, 5], [11, 12, 13, 14] * 3 + [11]]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 30, 25)]
-    with _worker(tiny_model, spec=SpeculativeConfig()) as worker:
+    with _worker(tiny_model, spec=SpeculativeConfig("off")) as worker:
         plain = generate(worker, prompts, params)
     with _worker(tiny_model, spec=SpeculativeConfig(method, 4)) as worker:
         spec = generate(worker, prompts, params)
@@ -379,7 +387,7 @@ def test_drafts_that_are_right_are_all_accepted_and_a_wrong_one_cuts_the_run(tin
     prompts = [[1, 2, 3], [40, 41, 42, 43, 44]]
     temp = dict(temperature=0.9, top_p=0.95, seed=8) if sampled else {}
     params = [SamplingParams(max_tokens=21, ignore_eos=True, **temp) for _ in prompts]
-    with _worker(tiny_model, spec=SpeculativeConfig()) as worker:
+    with _worker(tiny_model, spec=SpeculativeConfig("off")) as worker:
         plain = [p + r["token_ids"] for p, r in zip(prompts, generate(worker, prompts, params))]
     with _worker(tiny_model, block_size=128) as worker:
         worker.decode.verifier.drafter = _Oracle(plain)
@@ -404,7 +412,7 @@ def test_drafts_that_are_right_are_all_accepted_and_a_wrong_one_cuts_the_run(tin
         assert by_pos[0] > by_pos[-1]  # a wrong draft cuts the run: later places less often
     # The same host-to-device writes as plain decoding in one block (prefill and joins): a
     # verify step adds none, though its rows advance by counts only the device knows.
-    with _worker(tiny_model, spec=SpeculativeConfig(), block_size=128) as worker:
+    with _worker(tiny_model, spec=SpeculativeConfig("off"), block_size=128) as worker:
         before = worker.h2d.num_writes
         generate(worker, prompts, params)
         assert spec_writes == worker.h2d.num_writes - before
@@ -416,7 +424,7 @@ def test_a_request_that_opts_out_is_verified_with_no_drafts(tiny_model):
         SamplingParams(max_tokens=21, ignore_eos=True),
         SamplingParams(max_tokens=21, ignore_eos=True, no_drafts=True),
     ]
-    with _worker(tiny_model, spec=SpeculativeConfig()) as worker:
+    with _worker(tiny_model, spec=SpeculativeConfig("off")) as worker:
         plain = [p + r["token_ids"] for p, r in zip(prompts, generate(worker, prompts, params))]
     with _worker(tiny_model) as worker:
         worker.decode.verifier.drafter = _Oracle(plain)
@@ -475,6 +483,11 @@ def test_the_benchmark_sets_speculation_against_plain_decoding_in_one_run(tiny_m
     assert spec.main([*argv, "--loads", "fresh,edit"]) == 2
     assert spec.main([*argv, "--output-len", "4", "--loads", "sampled"]) == 0
     assert [json.loads(x)["load"] for x in capsys.readouterr().out.splitlines()] == ["sampled"] * 2
+    # auto: what a decode node on this device runs (a CPU: prompt lookup of 4 drafts)
+    auto = ["--output-len", "4", "--loads", "sampled", "--speculative-config", "auto"]
+    assert spec.main([*argv, *auto]) == 0
+    configs = [json.loads(x)["speculative_config"] for x in capsys.readouterr().out.splitlines()]
+    assert [(c["method"], c["num_speculative_tokens"]) for c in configs] == [("ngram", 4)] * 2
 
 
 def test_drafts_that_cross_several_blocks_in_one_step_are_written_whole(tiny_model):
@@ -482,7 +495,7 @@ def test_drafts_that_cross_several_blocks_in_one_step_are_written_whole(tiny_mod
     of k drafts can take ceil((k + 1) / block_size) + 1."""
     prompts, p = [[5, 6, 7, 8, 9] * 3] * 2, SamplingParams(max_tokens=30, ignore_eos=True)
     small = dict(block_size=2, max_batch_size=2)  # NOTE: staging then holds 2 entries a row
-    with _worker(tiny_model, spec=SpeculativeConfig(), **small) as worker:
+    with _worker(tiny_model, spec=SpeculativeConfig("off"), **small) as worker:
         plain = generate(worker, prompts, [p, p])
     with _worker(tiny_model, spec=SpeculativeConfig("ngram", 8), **small) as worker:
         got = generate(worker, prompts, [p, p])

@@ -151,7 +151,7 @@ def test_fill_ahead_masks_each_position_and_leaves_the_matcher_as_it_was(grammar
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_grammar_rows_verify_drafts_and_answer_as_plain_steps(tiny_model, grammars, sampled):
     params = _params(sampled)
-    plain, plain_stats, blocks = _serve(tiny_model, grammars, params, SpeculativeConfig())
+    plain, plain_stats, blocks = _serve(tiny_model, grammars, params, SpeculativeConfig("off"))
     assert plain_stats.get("num_verify_steps", 0) == 0
     if not sampled:  # plain steps under a grammar: transformers' own masked argmax
         assert list(plain.values()) == _reference(tiny_model, grammars, params)

@@ -68,7 +68,8 @@ def _serve(model, spec, is_preemptive, stops=None, oracle=None, block_size=16, p
 
 @pytest.mark.parametrize("is_preemptive", [True, False], ids=["preemptive", "reserved"])
 def test_the_nodes_turn_verifies_drafts_and_gives_every_block_back(tiny_model, is_preemptive):
-    plain, _, plain_stats, plain_blocks = _serve(tiny_model, SpeculativeConfig(), is_preemptive)
+    off = SpeculativeConfig("off")
+    plain, _, plain_stats, plain_blocks = _serve(tiny_model, off, is_preemptive)
     whole = [PROMPTS[i] + plain[f"r{i}"] for i in range(len(PROMPTS))]
     parts = {}
     got, _, stats, blocks = _serve(
@@ -87,10 +88,10 @@ def test_the_nodes_turn_verifies_drafts_and_gives_every_block_back(tiny_model, i
 
 
 def test_a_stop_token_inside_a_verified_run_ends_the_request_there(tiny_model):
-    plain, *_ = _serve(tiny_model, SpeculativeConfig(), True)
+    plain, *_ = _serve(tiny_model, SpeculativeConfig("off"), True)
     row = plain[f"r{STOP_ROW}"]
     stops = {STOP_ROW: row[11]}
-    want, *_ = _serve(tiny_model, SpeculativeConfig(), True, stops)
+    want, *_ = _serve(tiny_model, SpeculativeConfig("off"), True, stops)
     end = row.index(row[11]) + 1
     assert want[f"r{STOP_ROW}"] == row[:end]
     whole = [PROMPTS[i] + plain[f"r{i}"] for i in range(len(PROMPTS))]  # past the stop too
@@ -104,7 +105,7 @@ def test_a_stop_token_inside_a_verified_run_ends_the_request_there(tiny_model):
 def test_drafts_never_take_the_pools_last_blocks(tiny_model):
     """A preemptive node's rows hold no reservation: drafts grow into the free pool only
     beyond its watermark; with the pool that low, the steps are plain."""
-    plain, *_ = _serve(tiny_model, SpeculativeConfig(), True)
+    plain, *_ = _serve(tiny_model, SpeculativeConfig("off"), True)
     whole = [PROMPTS[i] + plain[f"r{i}"] for i in range(len(PROMPTS))]
     cfg = WorkerConfig(
         model=str(tiny_model),

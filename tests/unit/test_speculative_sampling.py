@@ -25,7 +25,7 @@ def test_verified_tokens_report_the_log_probabilities_plain_steps_do(tiny_model,
         SamplingParams(max_tokens=17, num_logprobs=0, temperature=0.8, top_p=0.9, seed=5, **asked),
         SamplingParams(max_tokens=19, ignore_eos=True, temperature=0.8, seed=6),
     ]
-    with _worker(tiny_model, spec=SpeculativeConfig()) as worker:
+    with _worker(tiny_model, spec=SpeculativeConfig("off")) as worker:
         plain = generate(worker, prompts, params)
     whole = [p + r["token_ids"] for p, r in zip(prompts, plain)]
     with _worker(tiny_model) as worker:
@@ -66,7 +66,7 @@ def test_verified_rows_with_penalties_bias_and_masks_make_plain_steps_tokens(
         SamplingParams(max_tokens=20 + i, ignore_eos=i != 2, **draw, **r)
         for i, r in enumerate(rules)
     ]
-    with _worker(tiny_model, spec=SpeculativeConfig()) as worker:
+    with _worker(tiny_model, spec=SpeculativeConfig("off")) as worker:
         plain = generate(worker, prompts, params)
     whole = [p + r["token_ids"] for p, r in zip(prompts, plain)]
     with _worker(tiny_model) as worker:
