@@ -184,6 +184,8 @@ class Batch:
         s = self.scheduler
         if self._is_verifying:
             return False  # the next step's rows, blocks and lengths wait for its counts
+        if self.drafts and self.drafts.is_checking:
+            return False  # NOTE: chosen before the check is timed, the next is a check too
         k = self._num_drafts()
         if k:
             return False  # a verify step waits for this step's tokens

@@ -26,11 +26,11 @@ indexing the tokens since the last probe; up to ~42x, where MAX_FLOOR_GAP caps t
 floor). Doubling alone stops at MAX_PROBE_GAP: a cheap probe's gap stays short enough to
 find drafts that start to match within a request's life.
 Plain steps are counted per batch size and kind, since that bucket's own last verify step.
-While verifying wins by less than CHECK_BELOW, a plain step now and then (a check, at gaps
-doubling from FIRST_CHECK_GAP verify steps) brings the plain steps' time up to date: on
-cores shared with other work (a prefill node's) a time from before verifying began may be
-twice today's, which a larger win outlasts; and no verify step is reckoned cheaper than a
-plain one.
+While verifying wins, a plain step now and then (a check) brings the plain steps' time up
+to date: on cores shared with other work (a prefill node's) a time from before verifying
+began may be twice today's. Checks come at gaps doubling from FIRST_CHECK_GAP verify steps
+where the win is under CHECK_BELOW, and LONG_CHECK_GAP apart where it is larger (which a
+time twice today's does not undo). No verify step is reckoned cheaper than a plain one.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ MAX_FLOOR_GAP = 4096  # where the gap that keeps dear probes within PROBE_SHARE 
 PROBE_SHARE = 0.01  # a probe's time beyond a plain step's, at most this of the gap's
 FIRST_CHECK_GAP = 16  # verify steps before the first plain step that checks they still pay
 MAX_CHECK_GAP = 256  # where check gaps, doubling while verifying wins, stop
-CHECK_BELOW = 2.0  # verifying that wins by less than this (tokens a second) is checked
+CHECK_BELOW = 2.0  # verifying that wins by less than this (tokens a second) is checked...
+LONG_CHECK_GAP = 1024  # ...at gaps from FIRST_CHECK_GAP; a larger win only this far apart
 MARGIN = 0.03  # how much more verify steps must make a second than plain ones
 RECHECK = 32  # plain steps between reckonings while plain steps win
 MAX_AWAY = 1024  # rows' acceptance kept beyond the batch's before it is pruned
@@ -164,10 +165,10 @@ class DraftChooser:
             self._probe_gap[kind] = FIRST_PROBE_GAP  # verifying pays: probe soon once it stops
             # NOTE: a plain step now and then (a check): the plain time it is weighed against
             # is otherwise from before verifying began (on shared cores, maybe 2x today's);
-            # a win of CHECK_BELOW or more holds against that, and is not checked
-            self._is_checking = best_rate * plain_s < CHECK_BELOW * len(keys) and (
-                self._verified.get(bucket, 0) >= self._check_gap.get(bucket, FIRST_CHECK_GAP)
-            )
+            # a win of CHECK_BELOW or more holds against that, and is checked seldom
+            is_close = best_rate * plain_s < CHECK_BELOW * len(keys)
+            gap = self._check_gap.get(bucket, FIRST_CHECK_GAP) if is_close else LONG_CHECK_GAP
+            self._is_checking = self._verified.get(bucket, 0) >= gap
             return 0 if self._is_checking else best_k
         self._check_gap.pop(bucket, None)  # plain steps win: checks start over
         num_plain = self._plain.get(bucket, 0)
@@ -185,10 +186,11 @@ class DraftChooser:
     def _verify_costs(
         self, bucket: tuple[int, tuple[bool, bool]], plain_s: float, one_s: float, ks: list[int]
     ) -> list[float]:
-        """Each k's step time: measured where it is, else a plain step's and k drafts at the
-        dearest a draft was measured here (one_s: one draft's, maybe reckoned). NOTE: never
-        below a plain step's (a verify step does its work and more): a noisy CPU timed one
-        below it, and drafts reckoned to save time were verified at any acceptance."""
+        """Each k of ks's step time: measured at this bucket where it is, else a plain step's
+        and k drafts at the dearest a draft cost in one_s (one draft's, maybe reckoned from
+        another size) or in the measured steps of ks. NOTE: never below a plain step's (a
+        verify step does its work and more): a noisy CPU timed one below it, and drafts
+        reckoned to save time were verified at any acceptance."""
         measured = {k: self._step_s[(bucket, k)] for k in ks if (bucket, k) in self._step_s}
         per_draft = max([one_s - plain_s, 0.0] + [(s - plain_s) / k for k, s in measured.items()])
         return [max(measured.get(k, plain_s + k * per_draft), plain_s) for k in ks]
@@ -206,6 +208,11 @@ class DraftChooser:
             key=lambda b: (b[1] != kind, abs(b[0].bit_length() - size.bit_length()), -b[0]),
         )
         return self._step_s[(near, 1)] / max(self._step_s[(near, 0)], 1e-9), near[1] == kind
+
+    @property
+    def is_checking(self) -> bool:
+        """The last choice was a check: the next step is chosen once it is observed."""
+        return self._is_checking
 
     def is_resting(self, keys: list[str]) -> bool:
         """Plain steps won lately for a batch like this one and nothing was verified since:

@@ -164,3 +164,34 @@ def test_the_first_step_after_a_handoff_verifies_drafts_from_the_prompt(tiny_mod
         # suffix decoding's drafts are at most as many as its match is long
         assert ticket.num_drafted[0] >= 1 and len(update.token_ids) == 1 + ticket.num_accepted[0]
         b.finish("r0", in_batch=True)
+
+
+def test_no_step_runs_ahead_of_a_check(tiny_model):
+    """Where steps queue (CUDA) the next is launched before this one is collected, where
+    the batch allows. After a check (a plain step that times plain steps afresh) the next is
+    chosen once the check is timed: chosen before, it was a second check."""
+    cfg = WorkerConfig(
+        model=str(tiny_model),
+        kv_cache_memory=8 * 2**20,
+        max_batch_size=4,
+        speculative=SpeculativeConfig("ngram", 4),
+    )
+    with DeviceWorker(cfg) as w:
+        cache = PrefixCache(w.num_kv_blocks)
+        s = DecodeScheduler(cache, 16, 4, is_preemptive=True)
+        b = Batch(w, s, None, Recent(100))
+        prompt, p = PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True)
+        seq = Sequence("r0", len(prompt), p, prompt_ids=list(prompt))
+        for _ in range(num_blocks_for(len(prompt), 16)):
+            seq.take_block(cache)
+        (first,), _ = w.prefill([PrefillChunk(prompt, 0, seq.block_ids, p)])
+        s.admit(seq)
+        b.join(seq, first, None, {})
+        running = b.launch()
+        assert b.can_run_ahead()  # a plain step, nothing in the way
+        b._next_k = None
+        b.drafts._is_checking = True  # as choose leaves it when it hands out a check
+        assert not b.can_run_ahead()
+        b.collect(running, is_next_launched=False)
+        assert not b.drafts.is_checking  # timed: the next step may be chosen
+        b.finish("r0", in_batch=True)
