@@ -177,10 +177,10 @@ class Batch:
 
     def can_run_ahead(self) -> bool:
         """Whether the running sequences allow the next step before this one's tokens are
-        seen: no leftover row to remove, no grammar (the next mask needs this step's token),
-        no request that surely ends with the running step (its extra step would write past
-        its reserved blocks), and no block the next step needs that only a preemption
-        would free."""
+        seen: no verify step or check (the chooser's) running, no leftover row to remove, no
+        grammar (the next mask needs this step's token), no request that surely ends with
+        the running step (its extra step would write past its reserved blocks), and no
+        block the next step needs that only a preemption would free."""
         s = self.scheduler
         if self._is_verifying:
             return False  # the next step's rows, blocks and lengths wait for its counts

@@ -187,10 +187,14 @@ def test_no_step_runs_ahead_of_a_check(tiny_model):
         (first,), _ = w.prefill([PrefillChunk(prompt, 0, seq.block_ids, p)])
         s.admit(seq)
         b.join(seq, first, None, {})
+        # the chooser's past: plain steps timed while the cores were busy, then verify steps
+        # of one draft that pay (by under 2x) against them: a check is due
+        for _ in range(20):
+            b.drafts.observe(["r0"], 0, 3.0, [])
+        for i in range(20):
+            b.drafts.observe(["r0"], 1, 1.5, [int(i % 3 == 0)])
         running = b.launch()
-        assert b.can_run_ahead()  # a plain step, nothing in the way
-        b._next_k = None
-        b.drafts._is_checking = True  # as choose leaves it when it hands out a check
+        assert running.num_drafts == 0 and b.drafts.is_checking
         assert not b.can_run_ahead()
         b.collect(running, is_next_launched=False)
         assert not b.drafts.is_checking  # timed: the next step may be chosen
