@@ -7,6 +7,18 @@ import random
 from decode_node.drafts import FIRST_PROBE_GAP, LONG_CHECK_GAP, PROBE_SHARE, DraftChooser
 
 
+def _geometric(rng: random.Random, p: float):
+    """Drafts accepted one after another, each with p, until one is not."""
+
+    def accept(k: int) -> int:
+        a = 0
+        while a < k and rng.random() < p:
+            a += 1
+        return a
+
+    return accept
+
+
 def _run_chooser(chooser, steps: int, cost, accept, rows: int = 4) -> list[int]:
     """steps decode steps of `rows` rows on a fake clock: a step of k costs cost(k) and each
     row accepts accept(k) of its drafts; -> the k of each step."""
@@ -76,14 +88,7 @@ def test_the_chooser_verifies_where_drafts_pay_and_as_many_as_pay():
     assert every[-100:] == [4] * 100  # a win of 3.6x: no plain step checks it
     # each draft accepted with p = 0.7, a draft costs half a step: one or two pay (1.7
     # tokens for 1.5, 2.19 for 2), four do not (2.77 for 3)
-    rng = random.Random(0)
-
-    def geometric(k):
-        a = 0
-        while a < k and rng.random() < 0.7:
-            a += 1
-        return a
-
+    geometric = _geometric(random.Random(0), 0.7)
     some = _run_chooser(DraftChooser(4), 400, lambda k: 1.0 + 0.5 * k, geometric, rows=16)
     assert sum(k in (1, 2) for k in some[-100:]) > 80 and 4 not in some[-100:]
     # acceptance that comes later is found by a probe
@@ -276,18 +281,6 @@ def test_a_verify_step_timed_below_a_plain_one_is_not_reckoned_to_save_time():
     assert sum(k > 0 for k in chosen[-500:]) <= 6  # probes at most
 
 
-def _geometric(rng: random.Random, p: float):
-    """Drafts accepted one after another, each with p, until one is not."""
-
-    def accept(k: int) -> int:
-        a = 0
-        while a < k and rng.random() < p:
-            a += 1
-        return a
-
-    return accept
-
-
 def _run_after_busy_plain_steps(plain_s: float, steps: int, cost, accept) -> list[int]:
     """Plain steps of 4 rows timed at plain_s (the cores were busy), then steps on the fake
     clock: -> the k of each."""
@@ -320,13 +313,14 @@ def _share_verified_with_noise(seed: int) -> float:
     sigma 0.4), drafts accepted at 0.6 (about 1.3 of 4): the share of the steps that
     verified, after the first two requests."""
     rng, chooser = random.Random(seed), DraftChooser(4)
+    accept = _geometric(rng, 0.6)
     num_steps = num_verified = 0
     for r in range(8):
         key, made = f"q{r}", 0
         chooser.join(key, is_sampled=False)
         while made < 64:
             k = chooser.choose([key], 4)
-            accepted = _geometric(rng, 0.6)(k)
+            accepted = accept(k)
             chooser.observe([key], k, (0.054 + 0.0008 * k) * rng.lognormvariate(0, 0.4), [accepted])
             made += 1 + accepted
             num_steps, num_verified = num_steps + (r >= 2), num_verified + (r >= 2 and k > 0)

@@ -4,6 +4,8 @@ reservation or from the free pool, a stop token inside a verified run, and every
 back at the end; tokens equal to plain decoding's (the draft chooser on a fake clock:
 test_draft_chooser)."""
 
+import contextlib
+
 import pytest
 
 from common.base.config import WorkerConfig
@@ -102,13 +104,12 @@ def test_a_stop_token_inside_a_verified_run_ends_the_request_there(tiny_model):
     assert batch.num_discarded_tokens > 0  # drafts accepted past the stop, dropped
 
 
-def test_drafts_never_take_the_pools_last_blocks(tiny_model):
-    """A preemptive node's rows hold no reservation: drafts grow into the free pool only
-    beyond its watermark; with the pool that low, the steps are plain."""
-    plain, *_ = _serve(tiny_model, SpeculativeConfig("off"), True)
-    whole = [PROMPTS[i] + plain[f"r{i}"] for i in range(len(PROMPTS))]
+@contextlib.contextmanager
+def _preemptive_batch(model):
+    """A worker with prompt lookup of 4 drafts, and a preemptive node's batch over it: ->
+    (worker, prefix cache, scheduler, batch)."""
     cfg = WorkerConfig(
-        model=str(tiny_model),
+        model=str(model),
         kv_cache_memory=8 * 2**20,
         max_batch_size=4,
         speculative=SpeculativeConfig("ngram", 4),
@@ -116,7 +117,15 @@ def test_drafts_never_take_the_pools_last_blocks(tiny_model):
     with DeviceWorker(cfg) as w:
         cache = PrefixCache(w.num_kv_blocks)
         s = DecodeScheduler(cache, 16, 4, is_preemptive=True)
-        b = Batch(w, s, None, Recent(100))
+        yield w, cache, s, Batch(w, s, None, Recent(100))
+
+
+def test_drafts_never_take_the_pools_last_blocks(tiny_model):
+    """A preemptive node's rows hold no reservation: drafts grow into the free pool only
+    beyond its watermark; with the pool that low, the steps are plain."""
+    plain, *_ = _serve(tiny_model, SpeculativeConfig("off"), True)
+    whole = [PROMPTS[i] + plain[f"r{i}"] for i in range(len(PROMPTS))]
+    with _preemptive_batch(tiny_model) as (w, cache, s, b):
         w.decode.verifier.drafter = _Oracle(whole)
         seq = Sequence("r0", 16, SamplingParams(max_tokens=40), prompt_ids=PROMPTS[0])
         seq.output_ids = list(range(13))  # 29 tokens with the next input: two blocks
@@ -170,16 +179,7 @@ def test_no_step_runs_ahead_of_a_check(tiny_model):
     """Where steps queue (CUDA) the next is launched before this one is collected, where
     the batch allows. After a check (a plain step that times plain steps afresh) the next is
     chosen once the check is timed: chosen before, it was a second check."""
-    cfg = WorkerConfig(
-        model=str(tiny_model),
-        kv_cache_memory=8 * 2**20,
-        max_batch_size=4,
-        speculative=SpeculativeConfig("ngram", 4),
-    )
-    with DeviceWorker(cfg) as w:
-        cache = PrefixCache(w.num_kv_blocks)
-        s = DecodeScheduler(cache, 16, 4, is_preemptive=True)
-        b = Batch(w, s, None, Recent(100))
+    with _preemptive_batch(tiny_model) as (w, cache, s, b):
         prompt, p = PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True)
         seq = Sequence("r0", len(prompt), p, prompt_ids=list(prompt))
         for _ in range(num_blocks_for(len(prompt), 16)):
