@@ -12,7 +12,8 @@ Causes: "dead" (silent past --dead-after), "hung" (its loop stopped turning),
 not hand the KV to the decode node: that node restarted or went silent, the
 write failed, or its KV did not all land), "link" (its node's link to the
 frontend was made again and what was in flight on it was lost: a gap in its
-tokens, or a NodeSync found the node without it or done with it unseen),
+tokens, a NodeSync found the node without it or done with it unseen, or the prompt's
+logprobs, held for, never came),
 "drain" (pdserve drain, or SIGTERM to the node). A request moves at most
 --max-migrations times; a moved request waits at most --migration-wait seconds
 while no prefill and decode node pair is alive.

@@ -105,6 +105,15 @@ class NodeMessages:
         req = fe.requests.get(u.request_id)
         if req is None or node.name not in (req.prefill_node, req.decode_node):
             # Finished here already (the node should drop it too), or not this node's to report.
+            if u.prompt_logprobs is not None:
+                # NOTE: its request's other choices may wait for these (watchdog: they prefill
+                # again); said, so that a wait is explained in the log.
+                noisy.info(
+                    "the prompt's logprobs for %s came from %s node %s after it ended or moved",
+                    u.request_id,
+                    node.role,
+                    node.name,
+                )
             await fe.node_link.send(NodeAbort(u.request_id), to=node.identity)
             return
         if any(t >= fe.spec.vocab_size for t in u.token_ids):

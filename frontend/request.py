@@ -73,13 +73,14 @@ class RequestState:
         return len(self.output_ids)
 
     def is_waiting_prompt_logprobs(self, node_name: str) -> bool:
-        """Whether an update from this node waits for the prompt's logprobs (its first life
-        asked for them, and they have not come)."""
+        """Whether an update from this node waits for the prompt's logprobs: they were asked
+        for, have not come, and this life's prefill computes them (it began before any token
+        was streamed: a later one prefills without them, RequestState.continuation)."""
         return (
             node_name == self.decode_node
             and self.params.num_prompt_logprobs >= 0
             and self.prompt_logprobs is None
-            and not self.num_migrations
+            and self.life_base == 0
         )
 
     @property

@@ -389,11 +389,15 @@ class Frontend:
                 elif req.moved_at is not None:  # NOTE: every request, every tick: test first
                     await self.migrations.check_wait(req, now)
                 elif req.held_since is not None and now - req.held_since > PROMPT_LOGPROBS_WAIT_S:
-                    await self.finish(
+                    # NOTE: they come once, in one update (with choice 0's): lost on the way,
+                    # or dropped with a choice that ended or moved first, they never come.
+                    # Nothing was streamed yet: its prefill runs again, and brings them.
+                    await self.migrations.move_or_fail(
                         req,
-                        FINISH_ERROR,
-                        f"the prompt's logprobs did not come from prefill node {req.prefill_node}",
-                        status=502,
+                        req.prefill_node,
+                        "link",
+                        f"the prompt's logprobs did not come from prefill node "
+                        f"{req.prefill_node} in {PROMPT_LOGPROBS_WAIT_S:.0f}s",
                     )
             if self.admission.num_waiting:
                 self._wake.set()

@@ -329,7 +329,7 @@ class PrefillNode:
 
     def _send(self, updates: list[TokenUpdate]) -> None:
         """First tokens stream to the frontend at once; any it cannot take now the decode
-        nodes send."""
+        nodes send (a prompt's logprobs are not among them: the frontend prefills again)."""
         if updates and not self.frontend.send(TokenBatch(updates), block=False):
             noisy.warning(
                 "could not stream %d first tokens early: the decode nodes will", len(updates)
