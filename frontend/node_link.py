@@ -130,9 +130,11 @@ class NodeMessages:
             and req.prompt_logprobs is None
         ):
             # Sent once per request (with choice 0's update): every choice routed with it has them.
+            # NOTE: a continuation's are of its outputs too (request.py): the prompt's are cut.
+            lps = u.prompt_logprobs[: len(req.prompt_ids) - 1]
             for choice in fe.by_client.get((req.client, req.request_id), [req]):
                 if choice.prefill_node == node.name and choice.prompt_logprobs is None:
-                    choice.prompt_logprobs = u.prompt_logprobs
+                    choice.prompt_logprobs = lps
                     if choice is not req:
                         await self._release_held(choice)
         if req.is_waiting_prompt_logprobs(node.name):

@@ -74,13 +74,12 @@ class RequestState:
 
     def is_waiting_prompt_logprobs(self, node_name: str) -> bool:
         """Whether an update from this node waits for the prompt's logprobs: they were asked
-        for, have not come, and this life's prefill computes them (it began before any token
-        was streamed: a later one prefills without them, RequestState.continuation)."""
+        for and have not come (each life's prefill computes them until they do:
+        RequestState.continuation)."""
         return (
             node_name == self.decode_node
             and self.params.num_prompt_logprobs >= 0
             and self.prompt_logprobs is None
-            and self.life_base == 0
         )
 
     @property
@@ -174,12 +173,16 @@ class RequestState:
         follow are the ones an undisturbed run gives."""
         if not self.output_ids:
             return self.prompt_ids, self.params
-        # NOTE: penalties count the outputs as outputs, and the prompt's logprobs came already.
+        # NOTE: penalties count the outputs as outputs. The prompt's logprobs, if they never
+        # came (their one update lost), are asked for again: those of the prompt and the
+        # outputs, cut to the prompt's when they come (node_link.py).
         return self.prompt_ids + self.output_ids, dataclasses.replace(
             self.params,
             max_tokens=self.params.max_tokens - len(self.output_ids),
             num_prior_outputs=len(self.output_ids),
-            num_prompt_logprobs=-1,
+            num_prompt_logprobs=(
+                -1 if self.prompt_logprobs is not None else self.params.num_prompt_logprobs
+            ),
         )
 
     def take_held(self) -> list:

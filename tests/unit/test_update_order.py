@@ -140,6 +140,8 @@ def _watchdog_tick(hub, max_migrations: int, monkeypatch) -> list:
         requests=hub.requests,
         finish=hub.finish,
         cfg=SimpleNamespace(max_migrations=max_migrations),
+        spec=SimpleNamespace(eos_token_ids=()),
+        max_model_len=64,
         nodes={
             "prefill-0": SimpleNamespace(identity=b"p"),
             "decode-0": SimpleNamespace(identity=b"d"),
@@ -185,6 +187,42 @@ def test_a_choice_whose_prompt_logprobs_never_come_is_prefilled_again(monkeypatc
     )
     assert hub.sent == [
         ("finish", "length", None, [9], {"prompt_logprobs": PROMPT_LPS, "prompt_token_ids": PROMPT})
+    ]
+
+
+def test_a_choice_that_streamed_a_token_asks_again_for_the_prompt_logprobs_it_lacks(
+    monkeypatch,
+):
+    """A fork's first token streams from the prefill node without the prompt's logprobs
+    (choice 0's update carries them); if that update is lost, the fork's next life asks
+    for them again, of its prompt and outputs, and the client gets the prompt's."""
+    hub, link, prefill, decode, req = _setup(max_tokens=3)
+    asyncio.run(link.on_tokens(prefill, TokenUpdate("r1", [9], None, index=0)))
+    assert hub.sent == [("reply", [9], None)]
+    asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9, 10], None, index=0)))
+    assert req.held  # the decode node's, after the prefill node's first token
+    req.held_since -= server.PROMPT_LOGPROBS_WAIT_S + 1
+    _watchdog_tick(hub, 2, monkeypatch)
+    assert req.num_migrations == 1 and req.output_ids == [9]
+    ids, params = req.continuation()
+    assert ids == PROMPT + [9] and params.num_prompt_logprobs == 0 and params.max_tokens == 2
+    req.prefill_node, req.decode_node = "prefill-0", "decode-0"  # routed again
+    asyncio.run(link.on_tokens(decode, TokenUpdate(req.node_id, [10, 11], "length", index=0)))
+    assert len(hub.sent) == 1 and req.held  # waits for them again
+    of_both = [*PROMPT_LPS, TokenLogprobs(-0.5, [], [])]  # the prompt's, and its output's
+    asyncio.run(
+        link.on_tokens(
+            prefill, TokenUpdate(req.node_id, [], None, index=0, prompt_logprobs=of_both)
+        )
+    )
+    assert hub.sent[1:] == [
+        (
+            "finish",
+            "length",
+            None,
+            [9, 10, 11],
+            {"prompt_logprobs": PROMPT_LPS, "prompt_token_ids": PROMPT},
+        )
     ]
 
 
