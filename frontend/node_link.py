@@ -108,7 +108,7 @@ class NodeMessages:
             if u.prompt_logprobs is not None:
                 # NOTE: its request's other choices may wait for these (watchdog: they prefill
                 # again); said, so that a wait is explained in the log.
-                noisy.info(
+                noisy.warning(
                     "the prompt's logprobs for %s came from %s node %s after it ended or moved",
                     u.request_id,
                     node.role,
@@ -132,7 +132,8 @@ class NodeMessages:
             # Sent once per request (with choice 0's update): every choice routed with it has them.
             # NOTE: a continuation's are of its outputs too (request.py): the prompt's are cut.
             lps = u.prompt_logprobs[: len(req.prompt_ids) - 1]
-            for choice in fe.by_client.get((req.client, req.request_id), [req]):
+            # NOTE: a copy: a choice released here ends, and finish() drops it from the list
+            for choice in list(fe.by_client.get((req.client, req.request_id), [req])):
                 if choice.prefill_node == node.name and choice.prompt_logprobs is None:
                     choice.prompt_logprobs = lps
                     if choice is not req:

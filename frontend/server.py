@@ -384,6 +384,8 @@ class Frontend:
             last = now
             await self.registry.check(now)
             for req in list(self.requests.values()):
+                if self.requests.get(req.node_id) is not req:
+                    continue  # NOTE: ended or moved by another task while this tick awaited
                 if now > req.deadline:
                     await self.finish(req, FINISH_ABORT, "deadline exceeded", status=504)
                 elif req.moved_at is not None:  # NOTE: every request, every tick: test first

@@ -41,6 +41,9 @@ class FakeHub:
         self, req, reason, error, token_ids=(), is_node_done=False, status=None, logprobs=None
     ):
         if self.requests.pop(req.node_id, None) is not None:
+            choices = self.by_client.get((req.client, req.request_id), [])
+            if req in choices:  # as Frontend.finish: an ended choice leaves its request's list
+                choices.remove(req)
             self.sent.append(
                 ("finish", reason, error, list(req.output_ids), req.take_prompt_logprobs())
             )
@@ -118,13 +121,16 @@ def test_held_updates_stream_in_order_once_the_prompt_logprobs_come():
     assert req.output_ids == [9, 10, 11] and not req.held
 
 
-def _watchdog_tick(hub, max_migrations: int, monkeypatch) -> list:
+def _watchdog_tick(hub, max_migrations: int, monkeypatch, on_send=None) -> list:
     """One turn of the frontend's watchdog over hub's requests, with the moves real
-    (frontend/migrate.py); what it sent the nodes."""
+    (frontend/migrate.py); what it sent the nodes. on_send: awaited at each send (what
+    another task does meanwhile)."""
     sent_nodes, requeued = [], []
 
     async def send_node(msg, to):
         sent_nodes.append((type(msg).__name__, msg.request_id, to))
+        if on_send is not None:
+            await on_send()
 
     num_checks = 0
 
@@ -190,6 +196,23 @@ def test_a_choice_whose_prompt_logprobs_never_come_is_prefilled_again(monkeypatc
     ]
 
 
+def test_a_choice_that_ends_while_the_watchdog_waits_is_not_moved(monkeypatch):
+    """The watchdog's turn awaits (a move's sends); a choice another task ends meanwhile is
+    passed over, not moved: moving it would drop it twice and stop the watchdog."""
+    hub, link, prefill, decode, req = _setup()
+    fork = _choice(hub, req, 1)
+    for c in (req, fork):
+        asyncio.run(link.on_tokens(decode, TokenUpdate(c.node_id, [9], "length", index=0)))
+        c.held_since -= server.PROMPT_LOGPROBS_WAIT_S + 1
+
+    async def end_the_fork():
+        await hub.finish(fork, "abort", None)
+
+    _, requeued = _watchdog_tick(hub, 2, monkeypatch, on_send=end_the_fork)
+    assert requeued == [req] and list(hub.requests) == [req.node_id]
+    assert hub.sent == [("finish", "abort", None, [], {})]
+
+
 def test_a_choice_that_streamed_a_token_asks_again_for_the_prompt_logprobs_it_lacks(
     monkeypatch,
 ):
@@ -245,14 +268,10 @@ def test_a_choice_whose_prompt_logprobs_never_come_past_its_moves_ends_with_an_e
     ]
 
 
-def test_the_prompt_logprobs_come_once_and_every_choice_of_the_request_gets_them():
-    """Defect: the prefill node sent the prompt's logprobs with each of n choices' updates
-    (n=64, 20 logprobs, 1,000 prompt tokens: ~19 MiB in one message, past the link's limit,
-    which dropped the link). They come once, with choice 0's update: a choice whose decode
-    node was heard first waits for them, then streams them with its tokens."""
-    hub, link, prefill, decode, req = _setup(max_tokens=2)
-    fork = RequestState(
-        "r1.1",
+def _choice(hub, req, index: int) -> RequestState:
+    """Choice `index` of req's request, routed with it (as its fork)."""
+    choice = RequestState(
+        f"r1.{index}",
         "r1",
         b"c",
         list(PROMPT),
@@ -262,9 +281,43 @@ def test_the_prompt_logprobs_come_once_and_every_choice_of_the_request_gets_them
         time.monotonic() + 60,
         prefill_node="prefill-0",
         decode_node="decode-0",
-        index=1,
+        index=index,
     )
-    hub.requests["r1.1"] = fork
+    hub.requests[choice.node_id] = choice
+    return choice
+
+
+def test_every_choice_held_for_the_prompt_logprobs_gets_them_when_they_come():
+    """Defect (CI: n=16 with prompt_logprobs, a 502 after 10s): every choice's decode update
+    was heard first and waited; when the logprobs came, each choice released ended and left
+    its request's list while that list was walked, so every other choice was passed over and
+    waited on for logprobs that had come."""
+    hub, link, prefill, decode, req = _setup()
+    choices = [req, *(_choice(hub, req, i) for i in range(1, 6))]
+    hub.by_client[(b"c", "r1")] = list(choices)
+    for c in choices:
+        asyncio.run(link.on_tokens(decode, TokenUpdate(c.node_id, [9], "length", index=0)))
+    assert hub.sent == [] and all(c.held for c in choices)
+    asyncio.run(
+        link.on_tokens(prefill, TokenUpdate("r1", [], None, index=0, prompt_logprobs=PROMPT_LPS))
+    )
+    with_them = (
+        "finish",
+        "length",
+        None,
+        [9],
+        {"prompt_logprobs": PROMPT_LPS, "prompt_token_ids": PROMPT},
+    )
+    assert hub.sent == [with_them] * 6 and not hub.requests
+
+
+def test_the_prompt_logprobs_come_once_and_every_choice_of_the_request_gets_them():
+    """Defect: the prefill node sent the prompt's logprobs with each of n choices' updates
+    (n=64, 20 logprobs, 1,000 prompt tokens: ~19 MiB in one message, past the link's limit,
+    which dropped the link). They come once, with choice 0's update: a choice whose decode
+    node was heard first waits for them, then streams them with its tokens."""
+    hub, link, prefill, decode, req = _setup(max_tokens=2)
+    fork = _choice(hub, req, 1)
     hub.by_client[(b"c", "r1")] = [req, fork]
     asyncio.run(link.on_tokens(decode, TokenUpdate("r1.1", [7, 8], "length", index=0)))
     assert hub.sent == [] and fork.held  # its decode node first: it waits
