@@ -28,6 +28,7 @@ class Hub(Protocol):
     node_link: AsyncChannel
     clients: AsyncChannel
     outbox: dict | None  # while a TokenBatch is handled: client -> its outputs
+    by_client: dict[tuple[ClientKey, str], list[RequestState]]  # a request's choices running
 
     async def finish(
         self,
@@ -41,6 +42,8 @@ class Hub(Protocol):
     ) -> None: ...
 
     async def reply(self, client: ClientKey, msg, status: int | None = None) -> None: ...
+
+    async def fail_request(self, req: RequestState, error: str, status: int) -> None: ...
 
     def unroute(self, req: RequestState) -> None: ...
 

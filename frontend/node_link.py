@@ -129,15 +129,20 @@ class NodeMessages:
             and node.name == req.prefill_node
             and req.prompt_logprobs is None
         ):
+            num_lps, num_prompt = len(u.prompt_logprobs), len(req.prompt_ids)
+            if num_lps != num_prompt - 1:  # one per prompt token after the first
+                why = f"{num_lps} prompt logprobs for a prompt of {num_prompt} tokens"
+                await fe.fail_request(req, f"prefill node {node.name} sent {why}", 502)
+                return
             # Sent once per request (with choice 0's update): every choice routed with it has them.
-            # NOTE: a continuation's are of its outputs too (request.py): the prompt's are cut.
-            lps = u.prompt_logprobs[: len(req.prompt_ids) - 1]
             # NOTE: a copy: a choice released here ends, and finish() drops it from the list
             for choice in list(fe.by_client.get((req.client, req.request_id), [req])):
                 if choice.prefill_node == node.name and choice.prompt_logprobs is None:
-                    choice.prompt_logprobs = lps
+                    choice.prompt_logprobs = u.prompt_logprobs
                     if choice is not req:
                         await self._release_held(choice)
+            if fe.requests.get(u.request_id) is not req:
+                return  # NOTE: ended or moved while the releases awaited
         if req.is_waiting_prompt_logprobs(node.name):
             req.held.append((node, u))
             req.held_since = req.held_since or time.monotonic()
@@ -147,11 +152,14 @@ class NodeMessages:
             await self._release_held(req)
 
     async def _release_held(self, req) -> None:
-        """The decode node's updates that waited for the prompt's logprobs, now they are here."""
+        """Its nodes' updates that waited for the prompt's logprobs, now they are here."""
         fe = self.fe
         if req.held and req.prompt_logprobs is not None:
             for held_node, h in req.take_held():  # in the order they came
-                if fe.requests.get(h.request_id) is req and held_node.name == req.decode_node:
+                if fe.requests.get(h.request_id) is req and held_node.name in (
+                    req.prefill_node,
+                    req.decode_node,
+                ):
                     await self._on_tokens(req, held_node, h)
 
     async def _on_tokens(self, req, node: NodeState, u: TokenUpdate) -> None:

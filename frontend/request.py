@@ -74,10 +74,11 @@ class RequestState:
 
     def is_waiting_prompt_logprobs(self, node_name: str) -> bool:
         """Whether an update from this node waits for the prompt's logprobs: they were asked
-        for and have not come (each life's prefill computes them until they do:
-        RequestState.continuation)."""
+        for and have not come. Either node's: a fork's first token from its prefill node too
+        (choice 0's update carries them), so that no token streams before them, and a choice
+        that moves without them moves with nothing streamed (its next prefill brings them)."""
         return (
-            node_name == self.decode_node
+            node_name in (self.prefill_node, self.decode_node)
             and self.params.num_prompt_logprobs >= 0
             and self.prompt_logprobs is None
         )
@@ -173,16 +174,13 @@ class RequestState:
         follow are the ones an undisturbed run gives."""
         if not self.output_ids:
             return self.prompt_ids, self.params
-        # NOTE: penalties count the outputs as outputs. The prompt's logprobs, if they never
-        # came (their one update lost), are asked for again: those of the prompt and the
-        # outputs, cut to the prompt's when they come (node_link.py).
+        # NOTE: penalties count the outputs as outputs, and the prompt's logprobs came already
+        # (no token streams before them: is_waiting_prompt_logprobs).
         return self.prompt_ids + self.output_ids, dataclasses.replace(
             self.params,
             max_tokens=self.params.max_tokens - len(self.output_ids),
             num_prior_outputs=len(self.output_ids),
-            num_prompt_logprobs=(
-                -1 if self.prompt_logprobs is not None else self.params.num_prompt_logprobs
-            ),
+            num_prompt_logprobs=-1,
         )
 
     def take_held(self) -> list:

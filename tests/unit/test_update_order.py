@@ -213,40 +213,59 @@ def test_a_choice_that_ends_while_the_watchdog_waits_is_not_moved(monkeypatch):
     assert hub.sent == [("finish", "abort", None, [], {})]
 
 
-def test_a_choice_that_streamed_a_token_asks_again_for_the_prompt_logprobs_it_lacks(
-    monkeypatch,
-):
-    """A fork's first token streams from the prefill node without the prompt's logprobs
-    (choice 0's update carries them); if that update is lost, the fork's next life asks
-    for them again, of its prompt and outputs, and the client gets the prompt's."""
-    hub, link, prefill, decode, req = _setup(max_tokens=3)
-    asyncio.run(link.on_tokens(prefill, TokenUpdate("r1", [9], None, index=0)))
-    assert hub.sent == [("reply", [9], None)]
-    asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9, 10], None, index=0)))
-    assert req.held  # the decode node's, after the prefill node's first token
-    req.held_since -= server.PROMPT_LOGPROBS_WAIT_S + 1
-    _watchdog_tick(hub, 2, monkeypatch)
-    assert req.num_migrations == 1 and req.output_ids == [9]
-    ids, params = req.continuation()
-    assert ids == PROMPT + [9] and params.num_prompt_logprobs == 0 and params.max_tokens == 2
-    req.prefill_node, req.decode_node = "prefill-0", "decode-0"  # routed again
-    asyncio.run(link.on_tokens(decode, TokenUpdate(req.node_id, [10, 11], "length", index=0)))
-    assert len(hub.sent) == 1 and req.held  # waits for them again
-    of_both = [*PROMPT_LPS, TokenLogprobs(-0.5, [], [])]  # the prompt's, and its output's
-    asyncio.run(
-        link.on_tokens(
-            prefill, TokenUpdate(req.node_id, [], None, index=0, prompt_logprobs=of_both)
-        )
-    )
-    assert hub.sent[1:] == [
-        (
-            "finish",
-            "length",
-            None,
-            [9, 10, 11],
-            {"prompt_logprobs": PROMPT_LPS, "prompt_token_ids": PROMPT},
-        )
+def test_a_forks_first_token_waits_for_the_prompt_logprobs_too(monkeypatch):
+    """Defect (review): a fork's first token from its prefill node streamed at once (choice
+    0's update carries the prompt's logprobs); with that update lost, the fork moved, and
+    they came after its first token, or never. It waits with the decode node's updates, so
+    it moves with nothing streamed, and its next prefill brings them first."""
+    hub, link, prefill, decode, req = _setup(max_tokens=2)
+    fork = _choice(hub, req, 1)
+    hub.by_client[(b"c", "r1")] = [req, fork]
+    asyncio.run(link.on_tokens(prefill, TokenUpdate("f1", [7], None, index=0)))
+    asyncio.run(link.on_tokens(decode, TokenUpdate("f1", [7, 8], "length", index=0)))
+    assert hub.sent == [] and len(fork.held) == 2  # choice 0's update never comes
+    fork.held_since -= server.PROMPT_LOGPROBS_WAIT_S + 1
+    _, requeued = _watchdog_tick(hub, 2, monkeypatch)
+    assert requeued == [fork] and fork.output_ids == []
+    assert fork.continuation() == (PROMPT, fork.params)  # its next prefill: the prompt's logprobs
+    fork.prefill_node, fork.decode_node = "prefill-0", "decode-0"  # routed again, alone
+    lps = TokenUpdate(fork.node_id, [7], None, index=0, prompt_logprobs=PROMPT_LPS)
+    asyncio.run(link.on_tokens(prefill, lps))
+    asyncio.run(link.on_tokens(decode, TokenUpdate(fork.node_id, [7, 8], "length", index=0)))
+    assert hub.sent == [
+        ("reply", [7], PROMPT_LPS),
+        ("finish", "length", None, [7, 8], {}),
     ]
+
+
+def test_a_forks_first_token_heard_before_choice_0s_streams_once_they_come():
+    hub, link, prefill, decode, req = _setup(max_tokens=2)
+    fork = _choice(hub, req, 1)
+    hub.by_client[(b"c", "r1")] = [req, fork]
+    asyncio.run(link.on_tokens(prefill, TokenUpdate("f1", [7], None, index=0)))
+    assert hub.sent == [] and fork.held
+    lps = TokenUpdate("r1", [9], None, index=0, prompt_logprobs=PROMPT_LPS)
+    asyncio.run(link.on_tokens(prefill, lps))
+    assert hub.sent == [("reply", [7], PROMPT_LPS), ("reply", [9], PROMPT_LPS)]
+    assert fork.output_ids == [7] and not fork.held
+
+
+def test_a_prefill_node_that_sends_the_wrong_number_of_prompt_logprobs_fails_the_request():
+    """One per prompt token after the first, or the node is wrong: every choice ends with
+    an error naming it, instead of answering with a prompt's logprobs cut short."""
+    hub, link, prefill, decode, req = _setup()
+    fork = _choice(hub, req, 1)
+    hub.by_client[(b"c", "r1")] = [req, fork]
+    failed = []
+
+    async def fail_request(r, error, status):
+        failed.append((r.node_id, error, status))
+
+    hub.fail_request = fail_request
+    few = TokenUpdate("r1", [], None, index=0, prompt_logprobs=PROMPT_LPS[:1])
+    asyncio.run(link.on_tokens(prefill, few))
+    why = "prefill node prefill-0 sent 1 prompt logprobs for a prompt of 4 tokens"
+    assert failed == [("r1", why, 502)] and fork.prompt_logprobs is None and hub.sent == []
 
 
 def test_a_choice_whose_prompt_logprobs_never_come_past_its_moves_ends_with_an_error(
@@ -271,7 +290,7 @@ def test_a_choice_whose_prompt_logprobs_never_come_past_its_moves_ends_with_an_e
 def _choice(hub, req, index: int) -> RequestState:
     """Choice `index` of req's request, routed with it (as its fork)."""
     choice = RequestState(
-        f"r1.{index}",
+        f"f{index}",
         "r1",
         b"c",
         list(PROMPT),
@@ -319,13 +338,13 @@ def test_the_prompt_logprobs_come_once_and_every_choice_of_the_request_gets_them
     hub, link, prefill, decode, req = _setup(max_tokens=2)
     fork = _choice(hub, req, 1)
     hub.by_client[(b"c", "r1")] = [req, fork]
-    asyncio.run(link.on_tokens(decode, TokenUpdate("r1.1", [7, 8], "length", index=0)))
+    asyncio.run(link.on_tokens(decode, TokenUpdate("f1", [7, 8], "length", index=0)))
     assert hub.sent == [] and fork.held  # its decode node first: it waits
     asyncio.run(
         link.on_tokens(prefill, TokenUpdate("r1", [9], None, index=0, prompt_logprobs=PROMPT_LPS))
     )
     asyncio.run(
-        link.on_tokens(prefill, TokenUpdate("r1.1", [7], None, index=0))
+        link.on_tokens(prefill, TokenUpdate("f1", [7], None, index=0))
     )  # none with the fork's
     assert hub.sent == [
         (
