@@ -80,8 +80,6 @@ def generate(
         else:
             k = _num_drafts(worker, [seqs[key] for key in keys])
             k = drafts.choose(keys, k) if drafts else k
-        if k and worker.platform.is_host and not worker.decode.propose(k):
-            k = 0  # as the decode node: no row has a draft, and the step runs plain
         worker.decode.grow_blocks(seqs, alloc, k)
         ticket = worker.decode.launch(k)
         tokens = worker.decode.collect_many(ticket)
