@@ -54,8 +54,9 @@ class RequestState:
     forks: list = field(default_factory=list)
     is_prompt_logprobs_sent: bool = False
     # NOTE: the decode node can finish a request (max_tokens 1) before the prefill node's
-    # prompt logprobs reach here: they come over another node's link. Its updates wait.
-    held: list = field(default_factory=list)  # (node, update) of the decode node's, until they come
+    # prompt logprobs reach here (another node's link), and a fork's first token comes
+    # without them (choice 0's update carries them): its nodes' updates wait.
+    held: list = field(default_factory=list)  # (node, update) until they come
     held_since: float | None = None  # monotonic
     last_output_at: float | None = None  # monotonic
     # Moves to other nodes (a node lost or drained): how many, since when it waits to go

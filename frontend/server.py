@@ -58,7 +58,7 @@ log = get_logger("frontend")
 noisy = Throttle(log)  # lines about what clients and peers send
 WATCHDOG_S = 0.1  # the watchdog's tick
 STALL_S = 0.2  # a tick later than this by: the loop was held up
-PROMPT_LOGPROBS_WAIT_S = 10.0  # a decode node's updates wait this long for the prompt's logprobs
+PROMPT_LOGPROBS_WAIT_S = 10.0  # a choice's updates wait this long for the prompt's logprobs
 
 
 class Frontend:
