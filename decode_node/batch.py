@@ -123,8 +123,14 @@ class Batch:
         t0 = time.perf_counter()
         masked = [(key, seq.matcher) for key, seq in s.running.items() if seq.matcher is not None]
         # NOTE: a verify step's drafts are proposed first where a row's mask depends on its
-        # tokens: each of its positions is masked as if the drafts before it were made
-        drafts = d.propose(k) if k and masked else {}
+        # tokens (each of its positions is masked as if the drafts before it were made), and
+        # on the host, where reading them waits on nothing: with no draft in any row, the step
+        # runs plain (the same tokens, from one position a row, not k + 1)
+        is_ahead = k > 0 and (bool(masked) or self.worker.platform.is_host)
+        drafts = d.propose(k) if is_ahead else {}
+        if is_ahead and not drafts:
+            self.drafts.observe_none_proposed(d.keys(), k)
+            k = 0
         for key, m in masked:
             d.set_mask(key, m.fill_ahead(drafts[key]) if k else m.fill())
         masks_s = time.perf_counter() - t0

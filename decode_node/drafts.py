@@ -138,7 +138,12 @@ class DraftChooser:
         is_own_kind = True  # whether one_s is this kind of batch's (else another's)
         if one_s is None:  # reckoned from the nearest size measured, or measured if none is
             near = self._nearest_ratio(bucket)
-            if near is None:
+            if near is None:  # tried at once, then (where none was proposed) at probe gaps
+                gap = self._probe_gap.get(bucket[1], 0)
+                if self._plain.get(bucket, 0) < gap:
+                    return 0
+                self._is_probing = gap > 0
+                self._next_gap = min(2 * gap, MAX_PROBE_GAP)
                 return 1
             ratio, is_own_kind = near
             one_s = plain_s * ratio
@@ -226,6 +231,20 @@ class DraftChooser:
         bucket = self._bucket(keys)
         return until[0] == bucket and self._plain.get(bucket, 0) < until[1]
 
+    def observe_none_proposed(self, keys: list[str], k: int) -> None:
+        """A step chosen to verify k drafts found none in any row (the host proposes them
+        before its launch) and runs plain, observed as one: each row refused a draft, and a
+        probe failed (the next waits twice as long)."""
+        bucket = self._bucket(keys)
+        self._learn_acceptance(keys, k, [0] * len(keys))
+        if self._is_probing:
+            self._probe_gap[bucket[1]] = self._next_gap
+            self.num_probes += 1
+            self._is_probing = False
+        else:  # NOTE: a first try (no step of one draft timed anywhere) probes from now on
+            self._probe_gap.setdefault(bucket[1], FIRST_PROBE_GAP)
+        self._plain[bucket] = 0  # NOTE: the next probe's gap counts from this one
+
     def observe(self, keys: list[str], k: int, step_s: float, accepted: list[int]) -> None:
         """A collected step of k drafts over these rows took step_s; accepted: each row's
         accepted drafts (a verify step's)."""
@@ -273,6 +292,12 @@ class DraftChooser:
             self._probe_gap[key[0][1]] = FIRST_PROBE_GAP if is_paid else self._next_gap
             self.num_probes += 1
             self._is_probing = False
+        self._learn_acceptance(keys, k, accepted)
+        self._plain[key[0]] = 0
+
+    def _learn_acceptance(self, keys: list[str], k: int, accepted: list[int]) -> None:
+        """Each row's drafts of a step of k, and its class's: a accepted, one refused where
+        a < k."""
         keep = 1 - SMOOTHING
         sums = [[0, 0], [0, 0]]  # accepted, tried: greedy rows', sampled rows'
         for row_key, a in zip(keys, accepted):
@@ -284,7 +309,6 @@ class DraftChooser:
             if tried:  # NOTE: a class with no row here keeps its rate as it was
                 old_won, old_tried = self._pooled[i]
                 self._pooled[i] = (keep * old_won + won, keep * old_tried + tried)
-        self._plain[key[0]] = 0
 
 
 def _ratio(counts: tuple[float, float] | None, prior: float) -> float:

@@ -208,8 +208,8 @@ class DecodeBatch:
 
     @torch.inference_mode()
     def propose(self, k: int) -> dict[str, list[int]]:
-        """Each sequence's k drafts (-1: none) for the next step, a verify step of k, ahead
-        of its launch: where a row's mask depends on its tokens (set_mask, [k + 1, W])."""
+        """Each sequence's k drafts (-1: none) for a verify step of k, ahead of its launch
+        (a row's mask may depend on them: set_mask, [k + 1, W]); {} where no row has one."""
         return dict(zip(self._keys, self.verifier.propose_ahead(k, self.num_seqs)))
 
     def keys_needing_block(self, lookahead: int = 0) -> list[str]:

@@ -101,11 +101,17 @@ class Verifier:
     def propose_ahead(self, k: int, n: int) -> list[list[int]]:
         """The drafts [n][k] (-1: none) the next verify step of k over rows [0, n) will
         verify, proposed now and read to the host (a row whose mask depends on its tokens
-        needs them for its positions' masks: Matcher.fill_ahead)."""
+        needs them for its positions' masks: Matcher.fill_ahead); [] where no row has one,
+        and nothing is kept (the step should run plain: a verify step would compute k + 1
+        positions a row for the one token a plain step makes)."""
         seq_lens = self._rows[1][:n]
         drafts = self.drafter.propose(n, seq_lens, k, int(self._host_seq_lens[:n].max()))
-        self._ahead = drafts.masked_fill(self._no_drafts[:n, None], -1)
-        return self._ahead.tolist()
+        drafts = drafts.masked_fill(self._no_drafts[:n, None], -1)
+        rows = drafts.tolist()
+        if all(t < 0 for row in rows for t in row):
+            return []
+        self._ahead = drafts
+        return rows
 
     def run(
         self,

@@ -81,10 +81,16 @@ def generate(
             k = _num_drafts(worker, [seqs[key] for key in keys])
             k = drafts.choose(keys, k) if drafts else k
         worker.decode.grow_blocks(seqs, alloc, k)
+        t0 = time.perf_counter()
+        # NOTE: as the decode node (with a chooser): no row has a draft, and the step runs plain
+        if drafts and k and worker.platform.is_host and not worker.decode.propose(k):
+            drafts.observe_none_proposed(keys, k)
+            k = 0
+        ahead_s = time.perf_counter() - t0
         ticket = worker.decode.launch(k)
         tokens = worker.decode.collect_many(ticket)
         if drafts:
-            step_s = ticket.busy_s + ticket.taken_s  # as the decode node counts it
+            step_s = ahead_s + ticket.busy_s + ticket.taken_s  # as the decode node counts it
             drafts.observe(keys, k, step_s, ticket.num_accepted or [0] * len(keys))
         for key, row, lp in zip(ticket.keys, tokens, ticket.logprobs or [None] * len(tokens)):
             seq = seqs[key]

@@ -333,3 +333,45 @@ def test_one_noisy_check_does_not_turn_verifying_off_where_it_pays():
     made verifying look a loss; verifying then waited for probes to come back."""
     shares = [_share_verified_with_noise(seed) for seed in range(100)]
     assert sum(shares) / len(shares) > 0.82  # whole: 0.77; at half: 0.85
+
+
+def _run_on_host(chooser, keys: list[str], steps: int, proposes) -> list[int]:
+    """steps decode steps as the host runs them: a step chosen to verify k proposes its
+    drafts first; where proposes(step) is false, no row has one and the step runs plain
+    (1.0 on the fake clock), observed as one; else every draft is accepted (a step of k
+    costs 1.0 + 0.1 k). -> the k chosen for each step."""
+    chosen = []
+    for step in range(steps):
+        k = chooser.choose(keys, 4)
+        chosen.append(k)
+        if k and not proposes(step):
+            chooser.observe_none_proposed(keys, k)
+            chooser.observe(keys, 0, 1.0, [])
+            continue
+        chooser.observe(keys, k, 1.0 + 0.1 * k, [k] * len(keys) if k else [])
+    return chosen
+
+
+def test_a_load_whose_drafts_are_never_found_tries_them_at_doubling_gaps():
+    """Review: where a step chosen to verify found no draft and ran plain, observed as a
+    plain step, the chooser tried again on the very next step (on this fake clock, 800
+    tries in 1,000 steps against a handful). A step that found none closes its probe as
+    failed, and the next waits twice as long."""
+    chooser, keys = DraftChooser(4), ["r0", "r1"]
+    chosen = _run_on_host(chooser, keys, 1000, lambda step: False)
+    tried = [i for i, k in enumerate(chosen) if k]
+    assert tried[0] == 2  # two plain steps (the first untimed), then a first try
+    gaps = [b - a for a, b in zip(tried, tried[1:])]
+    assert gaps[0] == FIRST_PROBE_GAP and all(b == 2 * a for a, b in zip(gaps, gaps[1:]))
+    assert len(tried) <= 7 and chooser.num_probes == len(tried) - 1
+
+
+def test_drafts_that_stop_being_found_turn_verifying_off():
+    """Review: rows whose step found no draft were not counted as refusing one, so their
+    acceptance never fell: a load whose drafts stopped matching chose verify steps on every
+    step (each proposing its drafts for nothing). Each such step counts a refusal a row."""
+    chooser, keys = DraftChooser(4), ["r0", "r1"]
+    chosen = _run_on_host(chooser, keys, 1200, lambda step: step < 200)
+    assert chosen[150:200] == [4] * 50  # every draft accepted: verifying pays
+    assert sum(k > 0 for k in chosen[400:]) <= 6
+    assert max(won / tried for won, tried in chooser._acceptance.values()) < 0.1

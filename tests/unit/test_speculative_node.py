@@ -104,6 +104,21 @@ def test_a_stop_token_inside_a_verified_run_ends_the_request_there(tiny_model):
     assert batch.num_discarded_tokens > 0  # drafts accepted past the stop, dropped
 
 
+def test_a_step_with_no_draft_in_any_row_runs_plain(tiny_model):
+    """Drafts chosen (k > 0) and none proposed (a sampled load's drafts, found almost never):
+    a verify step would compute k + 1 positions a row for the one token a plain step makes;
+    on the host, where the drafts are read first for nothing, the step runs plain."""
+    plain, _, plain_stats, _ = _serve(tiny_model, SpeculativeConfig("off"), True)
+    known = [PROMPTS[i] + plain[f"r{i}"][:1] for i in range(len(PROMPTS))]  # nothing past
+    spec = SpeculativeConfig("ngram", 4)
+    got, batch, stats, blocks = _serve(tiny_model, spec, True, oracle=_Oracle(known))
+    assert got == plain and blocks[1] == 0
+    assert stats["num_verify_steps"] == 0
+    assert stats["num_decode_steps"] == plain_stats["num_decode_steps"]
+    won, tried = batch.drafts._pooled[0]  # greedy rows' drafts, over the run
+    assert won == 0 and tried > 0  # the chooser was told: each row refused what was asked
+
+
 @contextlib.contextmanager
 def _preemptive_batch(model):
     """A worker with prompt lookup of 4 drafts, and a preemptive node's batch over it: ->
