@@ -144,6 +144,13 @@ class NodeMessages:
             if fe.requests.get(u.request_id) is not req:
                 return  # NOTE: ended or moved while the releases awaited
         if req.is_waiting_prompt_logprobs(node.name):
+            if len(req.held) >= req.max_held_updates:
+                # NOTE: held updates are kept unread: past what the choice's tokens explain,
+                # the node is not serving it (a hostile one would spend our memory)
+                why = f"{node.role} node {node.name} sent {len(req.held) + 1} updates"
+                why += " before the prompt's logprobs"
+                await fe.finish(req, FINISH_ERROR, why, status=502)
+                return
             req.held.append((node, u))
             req.held_since = req.held_since or time.monotonic()
             return

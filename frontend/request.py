@@ -85,6 +85,14 @@ class RequestState:
         )
 
     @property
+    def max_held_updates(self) -> int:
+        """The most updates held for the prompt's logprobs before its nodes are taken to be
+        misbehaving: each life's (the list is kept through a move) prefill token, a decode
+        update a token and one of counts alone, twice over (an update sent again after a
+        link's reset)."""
+        return 2 * (self.params.max_tokens + 2) * (self.num_migrations + 1)
+
+    @property
     def kv_tokens(self) -> int:
         return len(self.prompt_ids) + self.params.max_tokens
 

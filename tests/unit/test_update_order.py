@@ -372,3 +372,17 @@ def test_a_last_update_of_counts_alone_is_no_handoff_for_the_path_rule():
     asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [11, 12], "length", parts, index=2)))
     assert hub.paths.handoff_s["decode-0"] == 0.050
     assert req.timings["num_accepted_tokens"] == 2
+
+
+def test_a_node_that_floods_a_held_choice_with_updates_fails_it():
+    """A node's updates for a choice waiting for the prompt's logprobs are kept unread; one
+    that sends more than its tokens explain (a hostile or broken node) ends that choice with
+    an error naming it, not our memory."""
+    hub, link, prefill, decode, req = _setup(max_tokens=4)
+    for i in range(req.max_held_updates):
+        asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9], None, index=0)))
+    assert hub.sent == [] and len(req.held) == req.max_held_updates == 12
+    asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9], None, index=0)))
+    (sent,) = hub.sent
+    assert sent[:2] == ("finish", "error") and "decode node decode-0 sent 13 updates" in sent[2]
+    assert "r1" not in hub.requests
