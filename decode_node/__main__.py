@@ -47,6 +47,8 @@ def main(argv=None) -> int:
         check_device(a.device)  # its platform says whether this machine has it
         worker = worker_config(a, platform_type(a.device).is_host)
         device, reachable = torch_device(worker.device), a.kv_advertise or a.kv_endpoint
+        platform = platform_type(device)
+        is_row_exact = platform.is_row_exact(worker.torch_dtype or platform.default_dtype)
         transfer.check_usable(a.kv_transfer, device)
         worker = dataclasses.replace(
             worker,
@@ -54,7 +56,7 @@ def main(argv=None) -> int:
                 a.kv_transfer, device, not is_loopback_endpoint(reachable)
             ),
             # auto (the default) becomes what a decode node on this device runs
-            speculative=worker.speculative.for_decode_node(platform_type(device).is_host),
+            speculative=worker.speculative.for_decode_node(platform.is_host, is_row_exact),
         )
         return DecodeNode(DecodeConfig(worker=worker, **flagged(DecodeConfig, a)))
 

@@ -57,16 +57,19 @@ class SpeculativeConfig:
         """Whether a worker given this config drafts (auto: a decode node decides first)."""
         return self.method not in ("off", "auto")
 
-    def for_decode_node(self, is_host: bool) -> SpeculativeConfig:
+    def for_decode_node(self, is_host: bool, is_row_exact: bool = True) -> SpeculativeConfig:
         """What a decode node on this device runs. auto: prompt lookup of AUTO_TOKENS drafts
         on a CPU (is_host), measured there as fast as plain decoding where drafts never
         match (the draft chooser rests: docs/BENCHMARKS.md), and off elsewhere until it is
         measured there.
         NOTE: prompt lookup, not suffix decoding: its drafts are made on the device, so a
-        steady verify step copies nothing from the host either."""
+        steady verify step copies nothing from the host either.
+        NOTE: off where a matmul's row may round apart alone and among others (not
+        is_row_exact: Platform.is_row_exact; bf16 on a CPU without bf16 units): a verify
+        step's tokens could differ from plain decoding's. Asked for by name, it runs."""
         if self.method != "auto":
             return self
-        if not is_host:
+        if not is_host or not is_row_exact:
             return SpeculativeConfig("off")
         return SpeculativeConfig(AUTO_METHOD, AUTO_TOKENS)
 

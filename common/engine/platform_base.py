@@ -28,7 +28,8 @@ And what it does:
     release(cache)          the cache's shared segment, if any, is unlinked
 
 Shared by all, each overridable: torch_device(name) (the same name), hold(t) (a tensor that
-lives as long as the worker, the weights, where the device reads it fastest: t itself) and,
+lives as long as the worker, the weights, where the device reads it fastest: t itself),
+is_row_exact(dtype) (a matmul's row the same alone and among others: float32 alone) and,
 for a device whose work runs as it is called or whose queues are not used yet, no streams
 or graphs:
     event(timing)           a marker queued on the current stream, or None (no queue)
@@ -92,6 +93,12 @@ class Platform(abc.ABC):
         return torch.device(name)
 
     # ---- what this machine has -----------------------------------------------------
+
+    @classmethod
+    def is_row_exact(cls, dtype: torch.dtype) -> bool:
+        """Whether a matmul's row comes out the same in this dtype alone and among others
+        (a verify step's tokens then equal plain decoding's): known of float32 alone."""
+        return dtype == torch.float32
 
     @classmethod
     @abc.abstractmethod

@@ -33,6 +33,7 @@ from contextlib import ExitStack
 import torch
 
 from common.base.config import WorkerConfig, parse_bytes
+from common.base.parse import DTYPES
 from common.base.request import SamplingParams
 from common.base.speculative import SpeculativeConfig, parse_speculative
 from common.engine.platform import platform_type
@@ -79,14 +80,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # auto: what a decode node on this device runs
         spec = parse_speculative(a.speculative_config)
-        spec = spec.for_decode_node(platform_type(a.device).is_host)
+        platform = platform_type(a.device)
+        if a.dtype is not None and a.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {a.dtype!r}")
+        dtype = DTYPES[a.dtype] if a.dtype else platform.default_dtype
+        spec = spec.for_decode_node(platform.is_host, platform.is_row_exact(dtype))
         sizes = [int(x) for x in a.batch_sizes.split(",")]
         loads = [x for x in LOADS if x in a.loads.split(",")]
         if not loads or set(a.loads.split(",")) - set(LOADS):
             raise ValueError(f"--loads takes one or more of {LOADS}")
         parse_bytes(a.kv_cache_memory)
         if not spec.is_on:
-            raise ValueError(f"--speculative-config must name a method (auto is off on {a.device})")
+            where = f"{a.device} in {str(dtype).removeprefix('torch.')}"
+            raise ValueError(f"--speculative-config must name a method (auto is off on {where})")
         if min(sizes) < 1 or a.prompt_len < 1 or a.output_len < 2 or a.rounds < 1:
             raise ValueError("batch sizes, --prompt-len, --rounds >= 1; --output-len >= 2")
     except ValueError as e:
