@@ -289,7 +289,10 @@ class DraftChooser:
             elif self._is_probing and gain < 1:  # a probe that lost to plain steps
                 self._has_paid.discard(key[0])
         if self._is_probing:  # the next probe of this kind waits longer (choose) unless it paid
-            self._probe_gap[key[0][1]] = FIRST_PROBE_GAP if is_paid else self._next_gap
+            gap = FIRST_PROBE_GAP if is_paid else self._next_gap
+            # NOTE: an untimed probe (its kind's first) whose drafts were taken: whether it
+            # paid is unknown; the next step tries again (timed), not a doubled gap later
+            self._probe_gap[key[0][1]] = 0 if not is_timed and sum(accepted) else gap
             self.num_probes += 1
             self._is_probing = False
         self._learn_acceptance(keys, k, accepted)

@@ -83,9 +83,10 @@ def generate(
         worker.decode.grow_blocks(seqs, alloc, k)
         t0 = time.perf_counter()
         # NOTE: as the decode node (with a chooser): no row has a draft, and the step runs plain
+        # (timed as one: the chooser's plain time)
         if drafts and k and worker.platform.is_host and not worker.decode.propose(k):
             drafts.observe_none_proposed(keys, k)
-            k = 0
+            k, t0 = 0, time.perf_counter()
         ahead_s = time.perf_counter() - t0
         ticket = worker.decode.launch(k)
         tokens = worker.decode.collect_many(ticket)

@@ -375,3 +375,15 @@ def test_drafts_that_stop_being_found_turn_verifying_off():
     assert chosen[150:200] == [4] * 50  # every draft accepted: verifying pays
     assert sum(k > 0 for k in chosen[400:]) <= 6
     assert max(won / tried for won, tried in chooser._acceptance.values()) < 0.1
+
+
+def test_drafts_found_after_a_quiet_start_are_verified_from_the_probe_that_finds_them():
+    """Review: a load whose first drafts came late found them in a probe that was its kind's
+    first verify step (not timed): taken for a failed probe, the next verify step came a
+    doubled gap later (1,025 steps on). An untimed probe whose drafts were taken tries
+    again on the next step, timed."""
+    chooser, keys = DraftChooser(4), ["r0", "r1"]
+    chosen = _run_on_host(chooser, keys, 1500, lambda step: step >= 600)
+    verified = [i for i, k in enumerate(chosen) if k and i >= 600]
+    assert verified[0] < 1100 and verified[1] == verified[0] + 1  # the probe, then timed
+    assert all(chosen[verified[0] + 8 :])  # every draft accepted: verifying pays
