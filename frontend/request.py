@@ -57,6 +57,7 @@ class RequestState:
     # prompt logprobs reach here (another node's link), and a fork's first token comes
     # without them (choice 0's update carries them): its nodes' updates wait.
     held: list = field(default_factory=list)  # (node, update) until they come
+    held_size: int = 0  # what they hold: one an update, one a token, one a token's logprobs
     held_since: float | None = None  # monotonic
     last_output_at: float | None = None  # monotonic
     # Moves to other nodes (a node lost or drained): how many, since when it waits to go
@@ -85,12 +86,12 @@ class RequestState:
         )
 
     @property
-    def max_held_updates(self) -> int:
-        """The most updates held for the prompt's logprobs before its nodes are taken to be
-        misbehaving: each life's (the list is kept through a move) prefill token, a decode
-        update a token and one of counts alone, twice over (an update sent again after a
-        link's reset)."""
-        return 2 * (self.params.max_tokens + 2) * (self.num_migrations + 1)
+    def max_held_size(self) -> int:
+        """The most its nodes' held updates may hold (held_size) before they are taken to be
+        misbehaving: a life's (a move drops what was held) are at most max_tokens + 2
+        updates (the prefill node's token, the decode node's first, one a step, one of counts
+        alone), as many tokens and their logprobs: 3 (max_tokens + 2); 4x, with room."""
+        return 4 * (self.params.max_tokens + 2)
 
     @property
     def kv_tokens(self) -> int:
@@ -196,6 +197,7 @@ class RequestState:
         """The (node, update) pairs that waited for the prompt's logprobs; none wait after."""
         held = self.held
         self.held = []
+        self.held_size = 0
         self.held_since = None
         return held
 

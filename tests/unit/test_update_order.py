@@ -121,10 +121,10 @@ def test_held_updates_stream_in_order_once_the_prompt_logprobs_come():
     assert req.output_ids == [9, 10, 11] and not req.held
 
 
-def _watchdog_tick(hub, max_migrations: int, monkeypatch, on_send=None) -> list:
+def _watchdog_tick(hub, max_migrations: int, monkeypatch, on_send=None) -> tuple[list, list]:
     """One turn of the frontend's watchdog over hub's requests, with the moves real
-    (frontend/migrate.py); what it sent the nodes. on_send: awaited at each send (what
-    another task does meanwhile)."""
+    (frontend/migrate.py); -> (what it sent the nodes, the requests it queued to route
+    again). on_send: awaited at each send (what another task does meanwhile)."""
     sent_nodes, requeued = [], []
 
     async def send_node(msg, to):
@@ -376,13 +376,19 @@ def test_a_last_update_of_counts_alone_is_no_handoff_for_the_path_rule():
 
 def test_a_node_that_floods_a_held_choice_with_updates_fails_it():
     """A node's updates for a choice waiting for the prompt's logprobs are kept unread; one
-    that sends more than its tokens explain (a hostile or broken node) ends that choice with
-    an error naming it, not our memory."""
+    that sends more than its tokens explain (a hostile or broken node), in updates or in
+    their length, ends that choice with an error naming it, not our memory."""
     hub, link, prefill, decode, req = _setup(max_tokens=4)
-    for i in range(req.max_held_updates):
+    assert req.max_held_size == 24  # 2 a one-token update
+    for i in range(12):
         asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9], None, index=0)))
-    assert hub.sent == [] and len(req.held) == req.max_held_updates == 12
+    assert hub.sent == [] and len(req.held) == 12
     asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9], None, index=0)))
     (sent,) = hub.sent
-    assert sent[:2] == ("finish", "error") and "decode node decode-0 sent 13 updates" in sent[2]
+    assert sent[:2] == ("finish", "error") and "decode node decode-0 sent more" in sent[2]
+    assert "(13 updates, size 26" in sent[2]
     assert "r1" not in hub.requests
+    hub, link, prefill, decode, req = _setup(max_tokens=4)
+    asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9] * 10**5, None, index=0)))
+    (sent,) = hub.sent  # one update, of more tokens than the choice can make
+    assert sent[:2] == ("finish", "error") and "(1 updates, size 100001" in sent[2]
