@@ -64,9 +64,9 @@ class SpeculativeConfig:
         measured there.
         NOTE: prompt lookup, not suffix decoding: its drafts are made on the device, so a
         steady verify step copies nothing from the host either.
-        NOTE: off where a matmul's row may round apart alone and among others (not
-        is_row_exact: Platform.is_row_exact; bf16 on a CPU without bf16 units): a verify
-        step's tokens could differ from plain decoding's. Asked for by name, it runs."""
+        NOTE: off where a row's logits may round apart alone and among others (not
+        is_row_exact: Platform.is_row_exact; bf16): a verify step's tokens could differ
+        from plain decoding's. Asked for by name, it runs."""
         if self.method != "auto":
             return self
         if not is_host or not is_row_exact:

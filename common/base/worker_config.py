@@ -104,8 +104,8 @@ class WorkerConfig:
             "decode: draft tokens and verify them in the step, e.g. "
             '\'{"method": "ngram", "num_speculative_tokens": 3}\' (prompt lookup; "suffix": '
             "suffix decoding), off, or auto: prompt lookup of 4 drafts on a CPU (it turns "
-            "itself down where drafts miss; in bf16 only with bf16 units, where a verify "
-            "step's tokens equal plain decoding's), off on other devices",
+            "itself down where drafts miss; in float32, where a verify step's tokens "
+            "equal plain decoding's), off on other devices",
             parse=parse_speculative,
             metavar="JSON",
             default_text="auto",

@@ -96,8 +96,11 @@ class Platform(abc.ABC):
 
     @classmethod
     def is_row_exact(cls, dtype: torch.dtype) -> bool:
-        """Whether a matmul's row comes out the same in this dtype alone and among others
-        (a verify step's tokens then equal plain decoding's): known of float32 alone."""
+        """Whether a row's logits come out the same in this dtype alone and among others
+        (a verify step's tokens then equal plain decoding's): known of float32 alone.
+        NOTE: bf16 on a CPU is not: oneDNN without bf16 units rounds one row apart from
+        several, and with them a batch's rows change paths with its size (dot products to
+        4 rows, AMX tiles beyond: kernels/cpu_linear.py); bench spec saw tokens differ."""
         return dtype == torch.float32
 
     @classmethod

@@ -45,17 +45,6 @@ class CpuPlatform(Platform):
         pass
 
     @classmethod
-    def is_row_exact(cls, dtype: torch.dtype) -> bool:
-        """float32, and bf16 where the CPU has bf16 units: the CPU kernels' own matmul
-        (kernels/cpu_linear.py); oneDNN's without them rounds one row apart from several.
-        NOTE: assumes the CPU kernels are on (PDSERVE_DISABLE_CPU_KERNELS leaves oneDNN's)."""
-        from kernels.cpu_features import CpuFeatures
-
-        features = CpuFeatures.read()
-        has_units = features.is_avx512_bf16 or features.is_amx_bf16
-        return dtype == torch.float32 or (dtype == torch.bfloat16 and has_units)
-
-    @classmethod
     def why_not_shared(cls) -> str | None:
         return None if os.path.isdir("/dev/shm") else "no /dev/shm here"
 
