@@ -241,8 +241,10 @@ class DraftChooser:
             self._probe_gap[bucket[1]] = self._next_gap
             self.num_probes += 1
             self._is_probing = False
-        else:  # NOTE: a first try (no step of one draft timed anywhere) probes from now on
-            self._probe_gap.setdefault(bucket[1], FIRST_PROBE_GAP)
+        elif not self._probe_gap.get(bucket[1]):
+            # NOTE: a first try (no step of one draft timed anywhere), or the try again after
+            # an untimed probe that found drafts (a gap of 0: observe): probes from now on
+            self._probe_gap[bucket[1]] = FIRST_PROBE_GAP
         self._plain[bucket] = 0  # NOTE: the next probe's gap counts from this one
 
     def observe(self, keys: list[str], k: int, step_s: float, accepted: list[int]) -> None:
@@ -291,7 +293,8 @@ class DraftChooser:
         if self._is_probing:  # the next probe of this kind waits longer (choose) unless it paid
             gap = FIRST_PROBE_GAP if is_paid else self._next_gap
             # NOTE: an untimed probe (its kind's first) whose drafts were taken: whether it
-            # paid is unknown; the next step tries again (timed), not a doubled gap later
+            # paid is unknown; tried again soon (timed), not a doubled gap later: on the next
+            # step where no size has a step of one draft timed (choose), else at the floor
             self._probe_gap[key[0][1]] = 0 if not is_timed and sum(accepted) else gap
             self.num_probes += 1
             self._is_probing = False

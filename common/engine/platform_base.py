@@ -29,7 +29,7 @@ And what it does:
 
 Shared by all, each overridable: torch_device(name) (the same name), hold(t) (a tensor that
 lives as long as the worker, the weights, where the device reads it fastest: t itself),
-is_row_exact(dtype) (a matmul's row the same alone and among others: float32 alone) and,
+is_row_exact(dtype) (a row's logits the same alone and among others: float32 alone) and,
 for a device whose work runs as it is called or whose queues are not used yet, no streams
 or graphs:
     event(timing)           a marker queued on the current stream, or None (no queue)

@@ -387,3 +387,20 @@ def test_drafts_found_after_a_quiet_start_are_verified_from_the_probe_that_finds
     verified = [i for i, k in enumerate(chosen) if k and i >= 600]
     assert verified[0] < 1100 and verified[1] == verified[0] + 1  # the probe, then timed
     assert all(chosen[verified[0] + 8 :])  # every draft accepted: verifying pays
+
+
+def test_a_probe_that_found_drafts_once_does_not_try_every_step_after():
+    """Review: after an untimed probe found drafts (its gap set to 0, to try again at once),
+    a try that found none kept the gap at 0: every later step proposed drafts for nothing
+    (989 of 989 steps on this fake clock) and none ran ahead."""
+    chooser, keys = DraftChooser(4), ["r0", "r1"]
+    found = []
+
+    def proposes(step: int) -> bool:  # once: the first probe after step 600
+        if step >= 600 and not found:
+            found.append(step)
+            return True
+        return False
+
+    chosen = _run_on_host(chooser, keys, 2000, proposes)
+    assert found and sum(k > 0 for k in chosen[found[0] + 1 :]) <= 8
