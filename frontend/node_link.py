@@ -144,13 +144,13 @@ class NodeMessages:
             if fe.requests.get(u.request_id) is not req:
                 return  # NOTE: ended or moved while the releases awaited
         if req.is_waiting_prompt_logprobs(node.name):
-            size = 1 + len(u.token_ids) + len(u.logprobs or ())
+            size = req.held_size_of(u)
             if req.held_size + size > req.max_held_size:
                 # NOTE: held updates are kept unread: past what the choice's tokens explain,
                 # the node is not serving it (a hostile one would spend our memory)
                 why = f"{node.role} node {node.name} sent more than the choice can make"
                 why += f" before the prompt's logprobs ({len(req.held) + 1} updates, size"
-                why += f" {req.held_size + size}: updates, tokens and logprobs)"
+                why += f" {req.held_size + size}: updates, tokens and logprob entries)"
                 await fe.finish(req, FINISH_ERROR, why, status=502)
                 return
             req.held.append((node, u))

@@ -57,7 +57,7 @@ class RequestState:
     # prompt logprobs reach here (another node's link), and a fork's first token comes
     # without them (choice 0's update carries them): its nodes' updates wait.
     held: list = field(default_factory=list)  # (node, update) until they come
-    held_size: int = 0  # what they hold: one an update, one a token, one a token's logprobs
+    held_size: int = 0  # what they hold: one an update, a token, a logprob entry, a top one
     held_since: float | None = None  # monotonic
     last_output_at: float | None = None  # monotonic
     # Moves to other nodes (a node lost or drained): how many, since when it waits to go
@@ -90,8 +90,9 @@ class RequestState:
         """The most its nodes' held updates may hold (held_size) before they are taken to be
         misbehaving: a life's (a move drops what was held) are at most max_tokens + 2
         updates (the prefill node's token, the decode node's first, one a step, one of counts
-        alone), as many tokens and their logprobs: 3 (max_tokens + 2); 4x, with room."""
-        return 4 * (self.params.max_tokens + 2)
+        alone), as many tokens, and each token's logprob with its top ones where asked:
+        (max_tokens + 2) (3 + top); twice that, with room."""
+        return 2 * (self.params.max_tokens + 2) * (3 + max(self.params.num_logprobs, 0))
 
     @property
     def kv_tokens(self) -> int:
@@ -192,6 +193,15 @@ class RequestState:
             num_prior_outputs=len(self.output_ids),
             num_prompt_logprobs=-1,
         )
+
+    @staticmethod
+    def held_size_of(u) -> int:
+        """An update's weight in held_size (a TokenUpdate): one, a token one, each logprob
+        entry one and its top ones one each, of its tokens' and of the prompt's."""
+        size = 1 + len(u.token_ids)
+        for entries in (u.logprobs, u.prompt_logprobs):
+            size += sum(1 + len(e.top_ids) for e in entries or ())
+        return size
 
     def take_held(self) -> list:
         """The (node, update) pairs that waited for the prompt's logprobs; none wait after."""

@@ -3,6 +3,7 @@ a decode node that ends a request (max_tokens 1) can be heard before the prefill
 whose update carries the prompt's logprobs. What the client gets is the same either way."""
 
 import asyncio
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -379,16 +380,37 @@ def test_a_node_that_floods_a_held_choice_with_updates_fails_it():
     that sends more than its tokens explain (a hostile or broken node), in updates or in
     their length, ends that choice with an error naming it, not our memory."""
     hub, link, prefill, decode, req = _setup(max_tokens=4)
-    assert req.max_held_size == 24  # 2 a one-token update
-    for i in range(12):
+    assert req.max_held_size == 36  # 2 a one-token update
+    for i in range(18):
         asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9], None, index=0)))
-    assert hub.sent == [] and len(req.held) == 12
+    assert hub.sent == [] and len(req.held) == 18
     asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9], None, index=0)))
     (sent,) = hub.sent
     assert sent[:2] == ("finish", "error") and "decode node decode-0 sent more" in sent[2]
-    assert "(13 updates, size 26" in sent[2]
+    assert "(19 updates, size 38" in sent[2]
     assert "r1" not in hub.requests
     hub, link, prefill, decode, req = _setup(max_tokens=4)
     asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9] * 10**5, None, index=0)))
     (sent,) = hub.sent  # one update, of more tokens than the choice can make
     assert sent[:2] == ("finish", "error") and "(1 updates, size 100001" in sent[2]
+    # nor in logprobs it holds unread: the prompt's, from a node that does not send them
+    hub, link, prefill, decode, req = _setup(max_tokens=4)
+    lps = [TokenLogprobs(-1.0, [], [])] * 100
+    asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9], None, 0, prompt_logprobs=lps)))
+    (sent,) = hub.sent
+    assert sent[:2] == ("finish", "error") and "(1 updates, size 102" in sent[2]
+
+
+def test_a_well_behaved_life_stays_within_what_a_held_choice_may_hold():
+    """The most a life's nodes send before the prompt's logprobs come: the prefill node's
+    token, the decode node's first update (the same token again), one a step, and one of
+    counts alone, each token with its logprob and top 5: all held, none refused."""
+    hub, link, prefill, decode, req = _setup(max_tokens=6)
+    req.params = dataclasses.replace(req.params, num_logprobs=5)
+    lp = [TokenLogprobs(-1.0, [1, 2, 3, 4, 5], [-1.0] * 5)]
+    updates = [(prefill, TokenUpdate("r1", [9], None, index=0, logprobs=lp))]
+    updates += [(decode, TokenUpdate("r1", [9 + i], None, index=i, logprobs=lp)) for i in range(6)]
+    updates.append((decode, TokenUpdate("r1", [], "length", index=6)))
+    for node, u in updates:
+        asyncio.run(link.on_tokens(node, u))
+    assert hub.sent == [] and len(req.held) == 8
