@@ -145,7 +145,7 @@ class NodeMessages:
                 return  # NOTE: ended or moved while the releases awaited
         if req.is_waiting_prompt_logprobs(node.name):
             size = req.held_size_of(u)
-            if req.held_size + size > req.max_held_size:
+            if req.is_held_full(size):
                 # NOTE: held updates are kept unread: past what the choice's tokens explain,
                 # the node is not serving it (a hostile one would spend our memory)
                 why = f"{node.role} node {node.name} sent more than the choice can make"

@@ -85,14 +85,18 @@ class RequestState:
             and self.prompt_logprobs is None
         )
 
-    @property
-    def max_held_size(self) -> int:
-        """The most its nodes' held updates may hold (held_size) before they are taken to be
-        misbehaving: a life's (a move drops what was held) are at most max_tokens + 2
-        updates (the prefill node's token, the decode node's first, one a step, one of counts
-        alone), as many tokens, and each token's logprob with its top ones where asked:
-        (max_tokens + 2) (3 + top); twice that, with room."""
-        return 2 * (self.params.max_tokens + 2) * (3 + max(self.params.num_logprobs, 0))
+    def is_held_full(self, size: int) -> bool:
+        """Whether one more held update, of held_size_of size, is more than its nodes can
+        send before the prompt's logprobs come; they are taken to be misbehaving. A life's
+        (a move drops what was held) are at most max_tokens + 2 updates (the prefill node's
+        token, the decode node's first, one a step, one of counts alone), as many tokens,
+        and each token's logprob with its top ones (ids and logprobs) where asked: each
+        twice over, with room."""
+        num_updates = self.params.max_tokens + 2
+        per_token = 3 + 2 * max(self.params.num_logprobs, 0)
+        return len(self.held) >= 2 * num_updates or self.held_size + size > (
+            2 * num_updates * per_token
+        )
 
     @property
     def kv_tokens(self) -> int:
@@ -197,10 +201,11 @@ class RequestState:
     @staticmethod
     def held_size_of(u) -> int:
         """An update's weight in held_size (a TokenUpdate): one, a token one, each logprob
-        entry one and its top ones one each, of its tokens' and of the prompt's."""
+        entry one and its top ids and logprobs one each, of its tokens' and of the prompt's
+        (NOTE: the two top lists apart: the wire does not hold them to one length)."""
         size = 1 + len(u.token_ids)
         for entries in (u.logprobs, u.prompt_logprobs):
-            size += sum(1 + len(e.top_ids) for e in entries or ())
+            size += sum(1 + len(e.top_ids) + len(e.top_logprobs) for e in entries or ())
         return size
 
     def take_held(self) -> list:

@@ -380,14 +380,13 @@ def test_a_node_that_floods_a_held_choice_with_updates_fails_it():
     that sends more than its tokens explain (a hostile or broken node), in updates or in
     their length, ends that choice with an error naming it, not our memory."""
     hub, link, prefill, decode, req = _setup(max_tokens=4)
-    assert req.max_held_size == 36  # 2 a one-token update
-    for i in range(18):
+    for i in range(12):  # twice a life's: max_tokens + 2
         asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9], None, index=0)))
-    assert hub.sent == [] and len(req.held) == 18
+    assert hub.sent == [] and len(req.held) == 12
     asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9], None, index=0)))
     (sent,) = hub.sent
     assert sent[:2] == ("finish", "error") and "decode node decode-0 sent more" in sent[2]
-    assert "(19 updates, size 38" in sent[2]
+    assert "(13 updates, size 26" in sent[2]
     assert "r1" not in hub.requests
     hub, link, prefill, decode, req = _setup(max_tokens=4)
     asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9] * 10**5, None, index=0)))
@@ -399,6 +398,12 @@ def test_a_node_that_floods_a_held_choice_with_updates_fails_it():
     asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9], None, 0, prompt_logprobs=lps)))
     (sent,) = hub.sent
     assert sent[:2] == ("finish", "error") and "(1 updates, size 102" in sent[2]
+    # nor in top logprobs beside no top ids (the wire does not hold the two to one length)
+    hub, link, prefill, decode, req = _setup(max_tokens=4)
+    lps = [TokenLogprobs(-1.0, [], [-1.0] * 100)]
+    asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9], None, index=0, logprobs=lps)))
+    (sent,) = hub.sent
+    assert sent[:2] == ("finish", "error") and "(1 updates, size 103" in sent[2]
 
 
 def test_a_well_behaved_life_stays_within_what_a_held_choice_may_hold():
