@@ -122,10 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             # the second takes the same threads as the first
             torch.set_num_threads(threads)
             on = stack.enter_context(DeviceWorker(WorkerConfig(**base, speculative=spec)))
-            need = size * num_blocks_for(a.prompt_len + a.output_len, off.block_size)
+            # NOTE: the largest batch's, checked at the first: every size's workers are alike
+            need = max(sizes) * num_blocks_for(a.prompt_len + a.output_len, off.block_size)
             if need > min(off.num_kv_blocks, on.num_kv_blocks):
                 print(
-                    f"error: batch {size} needs {need} KV blocks, {off.num_kv_blocks} fit in "
+                    f"error: batch {max(sizes)} needs {need} KV blocks, {off.num_kv_blocks} fit in "
                     f"--kv-cache-memory {a.kv_cache_memory}: give it more",
                     file=sys.stderr,
                 )

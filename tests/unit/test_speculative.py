@@ -497,6 +497,13 @@ def test_the_benchmark_sets_speculation_against_plain_decoding_in_one_run(tiny_m
     assert spec.main([*argv, *auto]) == 0
     configs = [json.loads(x)["speculative_config"] for x in capsys.readouterr().out.splitlines()]
     assert [(c["method"], c["num_speculative_tokens"]) for c in configs] == [("ngram", 4)] * 2
+    # auto is off in bf16 (a row's logits round apart alone and among others): said, no run
+    assert spec.main([*argv, *auto, "--dtype", "bfloat16"]) == 2
+    assert "auto is off on cpu in bfloat16" in capsys.readouterr().err
+    # the largest batch's KV is checked before any batch runs
+    assert spec.main([*argv, "--batch-sizes", "1,64", "--kv-cache-memory", "1MiB"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "batch 64 needs" in out.err
 
 
 def test_drafts_that_cross_several_blocks_in_one_step_are_written_whole(tiny_model):
