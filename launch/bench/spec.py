@@ -124,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             on = stack.enter_context(DeviceWorker(WorkerConfig(**base, speculative=spec)))
             # NOTE: the largest batch's, checked at the first: every size's workers are alike
             need = max(sizes) * num_blocks_for(a.prompt_len + a.output_len, off.block_size)
-            if need > min(off.num_kv_blocks, on.num_kv_blocks):
+            have = min(off.num_kv_blocks, on.num_kv_blocks)
+            if need > have:
                 print(
-                    f"error: batch {max(sizes)} needs {need} KV blocks, {off.num_kv_blocks} fit in "
+                    f"error: batch {max(sizes)} needs {need} KV blocks, {have} fit in "
                     f"--kv-cache-memory {a.kv_cache_memory}: give it more",
                     file=sys.stderr,
                 )
