@@ -66,13 +66,18 @@ def test_verified_drafts_answer_as_transformers(cluster, tiny_model):
             )  # verified beside the rest: its tokens' log-probabilities come with them
             return await asyncio.gather(*plain, opted_out, reported)
 
-    *results, opted_out, reported = asyncio.run(run())
-    assert opted_out.token_ids == expected[1]
-    for i, (r, ref) in enumerate(zip(results, expected)):
-        assert r.error is None, r.error
-        assert r.token_ids == ref, f"request {i} diverged"
-        assert r.finish_reason == "length" and r.usage["completion_tokens"] == NEW_TOKENS
-    assert reported.token_ids == expected[0] and len(reported.logprobs) == NEW_TOKENS
+    # NOTE: a try that finds no draft runs plain, and the next comes plain steps later: the
+    # prompts again (a few times) until a request's drafts were verified
+    for _ in range(4):
+        *results, opted_out, reported = asyncio.run(run())
+        assert opted_out.token_ids == expected[1]
+        for i, (r, ref) in enumerate(zip(results, expected)):
+            assert r.error is None, r.error
+            assert r.token_ids == ref, f"request {i} diverged"
+            assert r.finish_reason == "length" and r.usage["completion_tokens"] == NEW_TOKENS
+        assert reported.token_ids == expected[0] and len(reported.logprobs) == NEW_TOKENS
+        if any("num_draft_tokens" in (r.timings or {}) for r in results):
+            break
     wait_for(lambda: cluster.stats()["decode-0"].get("num_verify_steps", 0) > 0, 10, "verify steps")
     stats = cluster.stats()["decode-0"]
     assert stats["num_drafted_tokens"] > 0
