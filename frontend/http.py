@@ -18,7 +18,7 @@ from aiohttp import web
 from common.base.log import Throttle, get_logger
 from common.wire.channel import LinkError
 from common.wire.protocol import ErrorReply, GenerateOutput
-from frontend import access_log, openapi, server_timing
+from frontend import access_log, json_body, openapi, server_timing
 from frontend import openai_api as api
 from frontend import openai_logprobs as lp_shapes
 from frontend import openai_out as shapes
@@ -153,7 +153,7 @@ class HttpServer:
             out = answers[0]
             if isinstance(out, web.StreamResponse):
                 return out
-            return web.json_response(out[1], status=out[0], headers=server_timing.headers(out[2]))
+            return await _whole(out[1], out[0], server_timing.headers(out[2]))
         # A batch of prompts (what evaluation harnesses send): each its own call, admitted
         # together and answered together; choice i of prompt k is at index k * n + i, as vLLM's.
         failed = next(((s, out) for s, out, _ in answers if s != 200), None)
@@ -169,7 +169,7 @@ class HttpServer:
             sum(o["usage"]["completion_tokens"] for o in outs),
             sum(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs),
         )
-        return web.json_response({**outs[0], "choices": choices, "usage": use})
+        return await _whole({**outs[0], "choices": choices, "usage": use})
 
     async def _serve(self, request: web.Request, calls: list[api.Call]) -> list:
         """Calls submitted together (a batch's, or one alone), each answered streamed (its
@@ -240,6 +240,12 @@ async def _json(request: web.Request):
         return await request.json()
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "the request body is not valid JSON") from None
+
+
+async def _whole(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:
+    """A whole answer: its JSON encoded a piece at a time, the loop's other work between."""
+    data = await json_body.encode(body)
+    return web.Response(body=data, status=status, headers=headers, content_type="application/json")
 
 
 def _refuse(e: Exception) -> web.Response:
