@@ -109,6 +109,7 @@ class Verifier:
         drafts = drafts.masked_fill(self._no_drafts[:n, None], -1)
         rows = drafts.tolist()
         if all(t < 0 for row in rows for t in row):
+            self.drafter.proposed_none()
             return []
         self._ahead = drafts
         return rows

@@ -361,6 +361,7 @@ class _Oracle:
         self.wrong_every = wrong_every
         self.rows: dict[int, list[int]] = {}
         self.num_drafted_rows: list[int | None] = []  # what each verify step told took()
+        self.num_proposed_none = 0
 
     def set_row(self, row, token_ids):
         self.rows[row] = next(s for s in self.sequences if s[: len(token_ids)] == token_ids)
@@ -389,6 +390,9 @@ class _Oracle:
 
     def took_one(self, tokens):
         pass
+
+    def proposed_none(self):
+        self.num_proposed_none += 1
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])

@@ -149,6 +149,40 @@ def test_a_draft_a_few_rows_of_a_large_batch_take_by_chance_keeps_indexing_lean(
     assert finished_windows_after(1, 2) > suffix.LEAN_BUDGET  # of 2 rows with drafts: half
 
 
+def test_a_try_that_finds_no_draft_indexes_leanly_after_it(monkeypatch):
+    """A verify step's rows took their drafts; then the load's drafts stop matching, and
+    each try finds none and runs plain (proposed_none). The tries after it index finished
+    requests as after a verify step that took none: LEAN_BUDGET windows, not FINISHED_BUDGET
+    (it kept the last verify step's verdict)."""
+    from common.engine.drafting import suffix
+
+    def finished_windows_after(is_told: bool) -> int:
+        d = SuffixDrafter(9, 4, 24, 100, HostToDevice(torch.device("cpu")))
+        placed = []
+        place = d._place
+        monkeypatch.setattr(d, "_place", lambda sid, end: (placed.append(sid), place(sid, end)))
+        rng = random.Random(5)
+        zeros = torch.zeros(8, dtype=torch.int32)
+        motifs = [[rng.randrange(1000, 2000) for _ in range(3)] for _ in range(8)]
+        for row in range(8):
+            d.set_row(row, [row] + motifs[row] * 2)
+        drafts = d.propose(8, zeros, 4, 0).tolist()
+        d.took([drafts[row][:2] for row in range(8)])  # every row took one: taken
+        d.propose(8, zeros, 4, 0)  # a try (its drafts, whatever they are, not verified)
+        if is_told:
+            d.proposed_none()
+        d.took_one([rng.randrange(10**6, 2 * 10**6) for _ in range(8)])
+        for _ in range(4):  # requests finish on row 8, 300 windows each to index
+            d.set_row(8, [rng.randrange(1000) for _ in range(300)])
+            d.remove_row(8, 8)
+        placed.clear()
+        d.propose(8, zeros, 4, 0)
+        return sum(sid in d._finished for sid in placed)
+
+    assert finished_windows_after(is_told=False) > suffix.LEAN_BUDGET
+    assert finished_windows_after(is_told=True) == suffix.LEAN_BUDGET
+
+
 def _step(chooser: DraftChooser, keys: list[str], cost_of_one: float) -> int:
     """One decode step on a fake clock, as the node asks (drafts never matching, a verify
     step of one draft costing cost_of_one plain steps); -> its k."""

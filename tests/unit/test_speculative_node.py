@@ -111,12 +111,14 @@ def test_a_step_with_no_draft_in_any_row_runs_plain(tiny_model):
     plain, _, plain_stats, _ = _serve(tiny_model, SpeculativeConfig("off"), True)
     known = [PROMPTS[i] + plain[f"r{i}"][:1] for i in range(len(PROMPTS))]  # nothing past
     spec = SpeculativeConfig("ngram", 4)
-    got, batch, stats, blocks = _serve(tiny_model, spec, True, oracle=_Oracle(known))
+    oracle = _Oracle(known)
+    got, batch, stats, blocks = _serve(tiny_model, spec, True, oracle=oracle)
     assert got == plain and blocks[1] == 0
     assert stats["num_verify_steps"] == 0
     assert stats["num_decode_steps"] == plain_stats["num_decode_steps"]
     won, tried = batch.drafts._pooled[0]  # greedy rows' drafts, over the run
     assert won == 0 and tried > 0  # the chooser was told: each row refused what was asked
+    assert oracle.num_proposed_none > 0  # and the drafter
 
 
 @contextlib.contextmanager

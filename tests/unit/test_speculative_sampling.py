@@ -105,6 +105,9 @@ class _Constant:
     def took_one(self, tokens):
         pass
 
+    def proposed_none(self):
+        pass
+
 
 def _chi2_holds(draws: list[int], probs: torch.Tensor) -> bool:
     """Whether draws fit probs [V]: a chi-square over the tokens expected 10 times or more

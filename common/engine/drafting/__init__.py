@@ -49,6 +49,10 @@ class Drafter(Protocol):
         """On the host, once a plain step is collected: each row's one new token, in row
         order (NOTE: every plain step of a running batch: a drafter keeps it cheap)."""
 
+    def proposed_none(self) -> None:
+        """What propose just gave had no draft in any row, and no verify step takes it (the
+        step runs plain): as telling, as a verify step whose rows took none."""
+
 
 def make_drafter(
     config: SpeculativeConfig,

@@ -56,3 +56,6 @@ class NgramDrafter:
 
     def took_one(self, tokens: list[int]) -> None:
         pass
+
+    def proposed_none(self) -> None:
+        pass

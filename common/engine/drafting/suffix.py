@@ -6,22 +6,22 @@ they occurred are its drafts (where that place is the row's own, repeated past i
 The index maps the last m tokens before a position (m of MATCH_LENGTHS, up to the depth
 less the drafts) to the latest (source, position) where they occurred with a token after
 them (sources in the order they joined); a lookup tries the longest m first. A source's
-last MAX_INDEXED tokens are indexed (older windows leave as it grows; a long prompt's
-start is prompt lookup's), as its row proposes, at most INDEX_BUDGET windows a step in all:
-a row that joins long or comes back after many plain steps is caught up over steps, and no
-step stalls the loop. A finished source is indexed by the steps that propose after it
-(newest first), not as it finishes: where fewer than TAKEN_SHARE of the last verify
-step's rows with drafts took one (drafts that miss, probed now and then; a few rows of a
-large batch match by chance) only LEAN_BUDGET windows of them a step, so a load whose
-drafts never match does not pay to index every output (the oldest leave unindexed, for
-nothing); where drafts are taken, up to FINISHED_BUDGET. A plain step's tokens wait apart
-(took_one) until the rows change, propose or take a verify step's tokens, or MAX_PENDING
-steps have waited. NOTE: the index costs ~0.5 KB of host memory a token: the finished
-sources kept are bounded by their indexed tokens (MAX_CACHED_TOKENS) as well as by count,
-and keep those tokens alone. The index holds ints alone (a window's hash, a place packed in
-one), which the garbage collector never tracks. The drafts are at most as many as the match
-is long (a short match is weak evidence) and go to the device in one counted copy a step:
-this method's steps copy to the device, prompt lookup's do not.
+last MAX_INDEXED tokens are indexed (older windows leave as it grows; a long prompt's start
+is prompt lookup's), as its row proposes, at most INDEX_BUDGET windows a step in all: a row
+that joins long or comes back after many plain steps is caught up over steps, and no step
+stalls the loop. A finished source is indexed by the steps that propose after it (newest
+first), not as it finishes: where fewer than TAKEN_SHARE of the last verify step's rows
+with drafts took one, or the last proposal had none (drafts that miss, probed now and then;
+a few rows of a large batch match by chance) only LEAN_BUDGET windows of them a step, so a
+load whose drafts never match does not pay to index every output (the oldest leave
+unindexed, for nothing); where drafts are taken, up to FINISHED_BUDGET. A plain step's
+tokens wait apart (took_one) until the rows change, propose or take a verify step's tokens,
+or MAX_PENDING steps have waited. NOTE: the index costs ~0.5 KB of host memory a token: the
+finished sources kept are bounded by their indexed tokens (MAX_CACHED_TOKENS) as well as by
+count, and keep those tokens alone. The index holds ints alone (a window's hash, a place
+packed in one), which the garbage collector never tracks. The drafts are at most as many as
+the match is long (a short match is weak evidence) and go to the device in one counted copy
+a step: this method's steps copy to the device, prompt lookup's do not.
 """
 
 from __future__ import annotations
@@ -137,6 +137,11 @@ class SuffixDrafter:
             self._has_proposed = False
         for row, made in enumerate(tokens):
             self._sources[self._row_source[row]].extend(made)
+
+    def proposed_none(self) -> None:
+        # NOTE: else the last verify step's _is_taken stays, and a load whose drafts stopped
+        # matching indexes FINISHED_BUDGET finished windows at each try, not LEAN_BUDGET
+        self._is_taken = self._has_proposed = False
 
     def took_one(self, tokens: list[int]) -> None:
         # NOTE: a row's tokens join its source by one extend a flush, not one a step
