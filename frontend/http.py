@@ -244,8 +244,10 @@ async def _json(request: web.Request):
 
 async def _whole(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:
     """A whole answer: its JSON encoded a piece at a time, the loop's other work between."""
-    data = await json_body.encode(body)
-    return web.Response(body=data, status=status, headers=headers, content_type="application/json")
+    data = await json_body.encode(body)  # NOTE: ASCII (json.dumps's), labelled as json_response's
+    return web.Response(
+        body=data, status=status, headers=headers, content_type="application/json", charset="utf-8"
+    )
 
 
 def _refuse(e: Exception) -> web.Response:
