@@ -8,11 +8,11 @@ import asyncio
 
 from aiohttp import web
 
+from frontend import json_body, server_timing
 from frontend import openai_api as api
 from frontend import openai_logprobs as lp_shapes
 from frontend import openai_out as shapes
 from frontend import openai_tools as tool_rules
-from frontend import server_timing
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -149,6 +149,14 @@ async def whole(
     return 200, body, finals[0].timings
 
 
+async def stream_event(event: dict, logprobs: dict | None) -> bytes:
+    """shapes.stream_event's bytes; where the event has many logprobs (an echo's prompt's),
+    encoded a piece at a time, the loop's other work between (json_body)."""
+    if logprobs is None or max(map(len, logprobs.values()), default=0) <= json_body.CHUNK:
+        return shapes.stream_event(event)
+    return b"data: " + await json_body.encode(event, json_body.COMPACT) + b"\n\n"
+
+
 async def stream(
     request: web.Request,
     call: api.Call,
@@ -174,13 +182,13 @@ async def stream(
     status = None
     finals = {}
 
-    def event(timings: dict | None = None, **kw) -> bytes:  # a chunk of its own, no template
+    async def event(timings: dict | None = None, **kw) -> bytes:  # a chunk of its own
         c = shapes.chunk(call, created, **kw)
         if call.is_usage_continuous:  # the usage so far on every chunk
             c["usage"] = shapes.usage(num_prompt, sum(len(a.token_ids) for a in answers))
         if timings is not None:  # the last chunk: where the time went (server_timing.py)
             c["timings"] = server_timing.with_decode(timings)
-        return shapes.stream_event(c)
+        return await stream_event(c, kw.get("logprobs"))
 
     while True:
         i = max(msg.index, 0)
@@ -188,7 +196,7 @@ async def stream(
         if parts is not None:  # a chat answer split into content, reasoning and tool calls
             if parts or logprobs is not None:
                 events.append(
-                    event(
+                    await event(
                         text=text,
                         token_ids=msg.token_ids,
                         logprobs=logprobs,
@@ -197,7 +205,9 @@ async def stream(
                     )
                 )
         elif logprobs is not None or (call.is_usage_continuous and (text or msg.token_ids)):
-            events.append(event(text=text, token_ids=msg.token_ids, logprobs=logprobs, index=i))
+            events.append(
+                await event(text=text, token_ids=msg.token_ids, logprobs=logprobs, index=i)
+            )
         elif text or (call.is_token_ids and msg.token_ids):  # held-back text waits
             events.append(events_of[i](text, msg.token_ids))
         if msg.is_finished:
@@ -210,7 +220,7 @@ async def stream(
             is_last = len(finals) == n and not call.is_usage_streamed  # else: the usage chunk
             last = (msg.timings or {}) if is_last else None
             reason = answers[i].finish_reason(msg.finish_reason)
-            events.append(event(finish_reason=reason, index=i, timings=last))
+            events.append(await event(finish_reason=reason, index=i, timings=last))
             if len(finals) == n:
                 if call.is_usage_streamed:
                     # pdserve's TTFT parts ride along on the usage chunk (an extra key).

@@ -7,6 +7,8 @@ import asyncio
 import json
 
 from frontend import json_body
+from frontend import openai_out as shapes
+from frontend.answers import stream_event
 
 
 def _completions_body(num_choices: int, num_tokens: int, top: int = 5) -> dict:
@@ -68,6 +70,8 @@ def test_the_bytes_are_json_dumps_of_every_shape():
         "a string",
     ):
         assert asyncio.run(json_body.encode(body)) == json.dumps(body).encode()
+        compact = asyncio.run(json_body.encode(body, json_body.COMPACT))
+        assert compact == json.dumps(body, separators=(",", ":")).encode()
 
 
 def test_a_large_body_gives_the_loop_its_turns():
@@ -95,6 +99,44 @@ def test_a_large_body_gives_the_loop_its_turns():
     before, after = asyncio.run(run())
     # NOTE: one json.dumps of it (what answering did) leaves the ticker no turn at all
     assert after - before >= num_chars // json_body.YIELD_CHARS - 1 > 10, (before, after)
+
+
+def _turns_while(coro_fn) -> tuple[object, int]:
+    """(what coro_fn() gave, how many turns another task had while it ran)."""
+
+    async def run():
+        num_ticks, is_done = 0, False
+
+        async def tick():
+            nonlocal num_ticks
+            while not is_done:
+                num_ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        before = num_ticks
+        out = await coro_fn()
+        is_done = True
+        await ticker
+        return out, num_ticks - before
+
+    return asyncio.run(run())
+
+
+def test_a_stream_event_with_many_logprobs_gives_the_loop_its_turns():
+    """A streamed choice's first event with echo carries the prompt's logprobs: its bytes
+    are stream_event's, and a large one is encoded with the loop's other work between."""
+    body = _completions_body(1, 4000, top=20)
+    logprobs = body["choices"][0]["logprobs"]
+    event = {"id": "cmpl-1", "choices": [{"index": 0, "text": "", "logprobs": logprobs}]}
+    got, num_turns = _turns_while(lambda: stream_event(event, logprobs))
+    assert got == shapes.stream_event(event)
+    assert num_turns > 10, num_turns  # one json.dumps of it: none
+    small = {"tokens": ["a"], "token_logprobs": [-1.0], "top_logprobs": [{"a": -1.0}]}
+    event = {"choices": [{"index": 0, "text": "a", "logprobs": small}]}
+    got, _ = _turns_while(lambda: stream_event(event, small))
+    assert got == shapes.stream_event(event)
 
 
 def test_no_piece_is_more_than_a_chunk_of_a_list():
