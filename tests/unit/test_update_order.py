@@ -419,3 +419,25 @@ def test_a_well_behaved_life_stays_within_what_a_held_choice_may_hold():
     for node, u in updates:
         asyncio.run(link.on_tokens(node, u))
     assert hub.sent == [] and len(req.held) == 8
+
+
+def test_a_speculative_life_stays_within_what_a_held_choice_may_hold():
+    """With speculative decoding a decode update carries several tokens (a verify step's
+    accepted drafts and its own), each with its logprob and top 5: fewer updates, as many
+    tokens; the first repeats the prefill node's token with the drafts that followed it."""
+    hub, link, prefill, decode, req = _setup(max_tokens=6)
+    req.params = dataclasses.replace(req.params, num_logprobs=5)
+    lp = TokenLogprobs(-1.0, [1, 2, 3, 4, 5], [-1.0] * 5)
+    runs = [[9, 10, 11, 12], [13, 14]]  # 6 tokens: the first repeated, then 4 steps' worth
+    updates = [(prefill, TokenUpdate("r1", [9], None, index=0, logprobs=[lp]))]
+    updates += [
+        (
+            decode,
+            TokenUpdate("r1", run, None, index=sum(map(len, runs[:i])), logprobs=[lp] * len(run)),
+        )
+        for i, run in enumerate(runs)
+    ]
+    updates.append((decode, TokenUpdate("r1", [], "length", index=6)))
+    for node, u in updates:
+        asyncio.run(link.on_tokens(node, u))
+    assert hub.sent == [] and len(req.held) == 4
