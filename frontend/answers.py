@@ -152,7 +152,7 @@ async def whole(
 async def stream_event(event: dict, logprobs: dict | None) -> bytes:
     """shapes.stream_event's bytes; where the event has many logprobs (an echo's prompt's),
     encoded a piece at a time, the loop's other work between (json_body)."""
-    if logprobs is None or max(map(len, logprobs.values()), default=0) <= json_body.CHUNK:
+    if logprobs is None or max(map(len, logprobs.values()), default=0) <= json_body.LONG:
         return shapes.stream_event(event)
     return b"data: " + await json_body.encode(event, json_body.COMPACT) + b"\n\n"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 from frontend import json_body
 from frontend import openai_out as shapes
@@ -74,33 +75,6 @@ def test_the_bytes_are_json_dumps_of_every_shape():
         assert compact == json.dumps(body, separators=(",", ":")).encode()
 
 
-def test_a_large_body_gives_the_loop_its_turns():
-    body = _completions_body(16, 901)
-    num_chars = len(json.dumps(body))
-
-    async def run() -> tuple[int, int]:
-        num_ticks = 0
-        is_done = False
-
-        async def tick():
-            nonlocal num_ticks
-            while not is_done:
-                num_ticks += 1
-                await asyncio.sleep(0)
-
-        ticker = asyncio.create_task(tick())
-        await asyncio.sleep(0)
-        before = num_ticks
-        await json_body.encode(body)
-        is_done = True
-        await ticker
-        return before, num_ticks
-
-    before, after = asyncio.run(run())
-    # NOTE: one json.dumps of it (what answering did) leaves the ticker no turn at all
-    assert after - before >= num_chars // json_body.YIELD_CHARS - 1 > 10, (before, after)
-
-
 def _turns_while(coro_fn) -> tuple[object, int]:
     """(what coro_fn() gave, how many turns another task had while it ran)."""
 
@@ -124,6 +98,15 @@ def _turns_while(coro_fn) -> tuple[object, int]:
     return asyncio.run(run())
 
 
+def test_a_large_body_gives_the_loop_its_turns():
+    body = _completions_body(16, 901)
+    got, num_turns = _turns_while(lambda: json_body.encode(body))
+    assert got == json.dumps(body).encode()
+    # NOTE: one json.dumps of it (what answering did) leaves another task no turn at all
+    # (a turn every YIELD_CHARS: a piece may end past it, so at least every two)
+    assert num_turns >= len(got) // (2 * json_body.YIELD_CHARS) - 1 > 5, num_turns
+
+
 def test_a_stream_event_with_many_logprobs_gives_the_loop_its_turns():
     """A streamed choice's first event with echo carries the prompt's logprobs: its bytes
     are stream_event's, and a large one is encoded with the loop's other work between."""
@@ -139,8 +122,89 @@ def test_a_stream_event_with_many_logprobs_gives_the_loop_its_turns():
     assert got == shapes.stream_event(event)
 
 
-def test_no_piece_is_more_than_a_chunk_of_a_list():
-    body = _completions_body(4, 2000, top=20)
-    longest = max(len(p) for p in json_body.pieces(body))
-    one_item = max(len(json.dumps(t)) for t in body["choices"][0]["logprobs"]["top_logprobs"])
-    assert longest <= json_body.CHUNK * (one_item + 2), (longest, one_item)
+def test_no_piece_is_much_more_than_a_turns_worth():
+    """Runs of a list's items are sized to YIELD_CHARS by the last run: a chat answer's
+    entries of top 20 each, which 256 at a time were half a megabyte a piece."""
+    entry = {
+        "token": "tok\u00e9",
+        "logprob": -0.123456789,
+        "bytes": [116, 111, 107, 195, 169],
+        "top_logprobs": [
+            {"token": f"tok{j}\u00e9", "logprob": -1.23456789 - j, "bytes": [116, 111, 195]}
+            for j in range(20)
+        ],
+    }
+    chat = {"choices": [{"index": 0, "logprobs": {"content": [entry] * 4000}}]}
+    for body in (chat, _completions_body(4, 2000, top=20)):
+        longest = max(len(p) for p in json_body.pieces(body))
+        assert longest <= 2 * json_body.YIELD_CHARS, longest
+
+
+def test_small_choices_are_encoded_together():
+    """A batch's thousands of short choices are encoded in runs, not walked one by one (a
+    walk of each cost 18x one json.dumps of them all)."""
+    choices = [{"index": i, "text": "The answer is 42.", "logprobs": None} for i in range(20_000)]
+    body = {"id": "x", "choices": choices, "usage": {"prompt_tokens": 1}}
+    got = list(json_body.pieces(body))
+    assert "".join(got) == json.dumps(body)
+    assert len(got) <= 3 * len(json.dumps(body)) // json_body.YIELD_CHARS + 20, len(got)
+    small = {"choices": [{"index": 0, "text": "hi", "logprobs": {"tokens": ["hi"]}}]}
+    assert list(json_body.pieces(small)) == [json.dumps(small)]  # small: one call
+
+
+def _random_json(rng: random.Random, depth: int):
+    """Any JSON-able value, odd ones included: lists around the walk's lengths, nesting
+    past its depth, keys of every type json.dumps takes."""
+    r = rng.random()
+    if depth > 7 or r < 0.35:
+        return rng.choice(
+            [
+                0,
+                -1,
+                10**30,
+                1.5,
+                float("nan"),
+                float("inf"),
+                True,
+                None,
+                "",
+                "\u00e9\u2028\ud800",
+                'a"b\\',
+                "\x00",
+                2**63,
+                -0.0,
+            ]
+        )
+    if r < 0.65:
+        n = rng.choice([0, 1, 2, json_body.LONG, json_body.LONG + 1, 300])
+        if rng.random() < 0.5:
+            return [_random_json(rng, 9) for _ in range(n)]
+        items = [_random_json(rng, depth + 1) for _ in range(min(n, 4))]
+        return tuple(items) if rng.random() < 0.3 else items
+    keys = [
+        rng.choice(["a", "b", 1, 2.5, True, None, float("inf"), "\u00e9", 10**20])
+        for _ in range(rng.randrange(5))
+    ]
+    return {key: _random_json(rng, depth + 1) for key in keys}
+
+
+def _outcome(fn):
+    try:
+        return "ok", fn()
+    except Exception as e:  # the same failure as json.dumps's, whatever it is
+        return "error", type(e).__name__
+
+
+def test_any_value_gives_json_dumps_bytes_or_its_error():
+    rng = random.Random(1)
+    values = [_random_json(rng, 0) for _ in range(600)]
+    circular: list = []
+    circular.append(circular)
+    long_text = "\u00e9" * (json_body.YIELD_CHARS + 1)  # a piece of its own
+    values += [{(1, 2): 1}, {"a": {1j}}, {"a": 10**5000}, {"a": [circular] * 100}]
+    values += [{"a": [long_text, 1], "b": long_text}, [[long_text]] * 3]
+    for value in values:
+        for seps in (json_body.WIDE, json_body.COMPACT):
+            want = _outcome(lambda: json.dumps(value, separators=seps).encode())
+            got = _outcome(lambda: "".join(json_body.pieces(value, seps)).encode())
+            assert got == want, (str(value)[:200], seps)
