@@ -5,7 +5,7 @@ An answer with logprobs is large: sixteen choices of a 900-token prompt's logpro
 is 1.5 MB of JSON and 40-70 ms of one json.dumps on an idle core (several times that on a
 loaded one), all of it holding the one loop every stream and node link runs on. Here the
 containers that hold something large (the choices, their logprobs and the lists in those)
-are walked, their lists encoded in runs of items sized to about YIELD_CHARS of output, and
+are walked, their lists encoded in runs of items sized to about half YIELD_CHARS, and
 the loop is given a turn after each YIELD_CHARS (characters out are a fair measure of the
 encoder's work); what holds nothing large is encoded in one call, as before.
 """
