@@ -5,7 +5,7 @@
     pdserve bench [KIND] [options]            a benchmark (launch/bench/): serving (the default:
                                               a running cluster), prefill, decode, transfer,
                                               migration, vs, profile, layerwise, mixed, ray-start,
-                                              attention, linear, spec, kv
+                                              attention, linear, spec, kv, answer
     pdserve scale --endpoint E --num-prefill N --num-decode M
                                               add or drain nodes of a cluster on Ray (serve --ray)
     pdserve drain NODE [--endpoint ...]       move a node's requests elsewhere; it stops once empty
@@ -62,6 +62,7 @@ BENCHMARKS = (
     "linear",
     "spec",
     "kv",
+    "answer",
 )
 
 

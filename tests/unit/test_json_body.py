@@ -208,3 +208,14 @@ def test_any_value_gives_json_dumps_bytes_or_its_error():
             want = _outcome(lambda: json.dumps(value, separators=seps).encode())
             got = _outcome(lambda: "".join(json_body.pieces(value, seps)).encode())
             assert got == want, (str(value)[:200], seps)
+
+
+def test_the_answer_benchmark_prints_a_record_a_shape(capsys):
+    from launch.bench import answer
+
+    assert answer.main(["--repeats", "1"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["shape"] for r in records] == list(answer.SHAPES)
+    for r in records:
+        assert r["bench"] == "answer" and r["peer"] and r["num_bytes"] > 300_000
+        assert 0 < r["longest_hold_ms"] <= r["total_ms"] and r["peer_total_ms"] > 0
