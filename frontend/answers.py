@@ -15,6 +15,9 @@ from frontend import openai_out as shapes
 from frontend import openai_tools as tool_rules
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# tokens of logprobs in a streamed event that one call encodes (a step's; top 20 each, ~1,000
+# nodes: under json_body.BUDGET); an event with more is json_body's (an echo's prompt's)
+SMALL_LOGPROBS = 16
 
 
 class Answer:
@@ -152,7 +155,7 @@ async def whole(
 async def stream_event(event: dict, logprobs: dict | None) -> bytes:
     """shapes.stream_event's bytes; where the event has many logprobs (an echo's prompt's),
     encoded a piece at a time, the loop's other work between (json_body)."""
-    if logprobs is None or max(map(len, logprobs.values()), default=0) <= json_body.LONG:
+    if logprobs is None or max(map(len, logprobs.values()), default=0) <= SMALL_LOGPROBS:
         return shapes.stream_event(event)
     return b"data: " + await json_body.encode(event, json_body.COMPACT) + b"\n\n"
 

@@ -3,11 +3,12 @@ a piece at a time with the frontend's loop taking turns between the pieces.
 
 An answer with logprobs is large: sixteen choices of a 900-token prompt's logprobs, top 5,
 is 1.5 MB of JSON and 40-70 ms of one json.dumps on an idle core (several times that on a
-loaded one), all of it holding the one loop every stream and node link runs on. Here the
-containers that hold something large (the choices, their logprobs and the lists in those)
-are walked, their lists encoded in runs of items sized to about half YIELD_CHARS, and
-the loop is given a turn after each YIELD_CHARS (characters out are a fair measure of the
-encoder's work); what holds nothing large is encoded in one call, as before.
+loaded one), all of it holding the one loop every stream and node link runs on. Here what
+weighs more than BUDGET nodes (counted only that far: the choices, their logprobs, the
+lists in those) is walked, and the entries of each container it walks are encoded together
+in runs of at most BUDGET nodes, whatever their sizes; the loop is given a turn after each
+YIELD_CHARS of output (characters out, and a little for each call, are a fair measure of
+the encoder's work). What weighs less is one call, as before.
 """
 
 from __future__ import annotations
@@ -17,76 +18,101 @@ import json
 from typing import Iterator
 
 YIELD_CHARS = 64 * 1024  # output between the loop's turns: a few milliseconds of encoding
-LONG = 64  # a list longer than this is encoded in runs of its items, never at once
-FIRST_RUN = 16  # a list's first run of items; each later one sized by the last's output
-MAX_RUN = 4096  # items a run, however small they are
-# NOTE: the walk goes this deep and no deeper: body -> choices -> a choice -> its logprobs
-# -> their lists. Below it, an item is encoded whole (a token's top logprobs: small).
-MAX_DEPTH = 4
+PIECE_CHARS = 64  # what a piece costs beyond its characters (its call), counted as these
+BUDGET = 2048  # nodes one call encodes at most (~30 KB), where the walk can split them
+STR_CHARS = 64  # a string weighs a node per this many characters
+# NOTE: deeper than this, what is left is one call (json.dumps's own check finds a cycle)
+MAX_DEPTH = 8
 WIDE, COMPACT = (", ", ": "), (",", ":")  # json.dumps's separators: its default, and tight
+_LEAVES = frozenset((int, float, bool, type(None)))  # a node each, whatever their value
 
 
-def pieces(obj, separators: tuple[str, str] = WIDE, depth: int = 0) -> Iterator[str]:
+def pieces(obj, separators: tuple[str, str] = WIDE) -> Iterator[str]:
     """obj's JSON (json.dumps's with these separators, in pieces): each piece one call of
-    the encoder on about YIELD_CHARS of output at most, where the walk's depth allows."""
-    if not _is_large(obj, depth):  # NOTE: what is small is one call: walking it costs more
-        yield json.dumps(obj, separators=separators)
+    the encoder, on at most about BUDGET nodes where they can be split."""
+    dumps = json.JSONEncoder(separators=separators).encode  # json.dumps's, made once
+    return _pieces(obj, dumps, separators, 0)
+
+
+def _pieces(obj, dumps, separators: tuple[str, str], depth: int) -> Iterator[str]:
+    if depth >= MAX_DEPTH or not isinstance(obj, (dict, list, tuple)):
+        yield dumps(obj)  # a scalar, or a string however long: one call
+    elif _weight(obj, BUDGET) <= BUDGET:  # NOTE: what is small is one call: walking costs more
+        yield dumps(obj)
     elif isinstance(obj, dict):
-        comma, colon = separators
         yield "{"
-        for i, (key, value) in enumerate(obj.items()):
-            yield (comma if i else "") + _encoded_key(key, separators) + colon
-            yield from pieces(value, separators, depth + 1)
+        yield from _runs(list(obj.items()), True, dumps, separators, depth)
         yield "}"
-    elif isinstance(obj, (list, tuple)):
-        yield "["
-        yield from _runs(obj, separators, depth)
-        yield "]"
-    else:  # a long string: a piece of its own
-        yield json.dumps(obj, separators=separators)
-
-
-def _is_large(obj, depth: int) -> bool:
-    """Whether obj holds, within the walk's depth, a list longer than LONG or a string
-    longer than YIELD_CHARS: what one call should not encode at once."""
-    if isinstance(obj, str):
-        return len(obj) > YIELD_CHARS
-    if isinstance(obj, dict):
-        items = obj.values()
-    elif isinstance(obj, (list, tuple)):
-        if len(obj) > LONG:
-            return True
-        items = obj
     else:
-        return False
-    return depth < MAX_DEPTH and any(_is_large(item, depth + 1) for item in items)
+        yield "["
+        yield from _runs(obj, False, dumps, separators, depth)
+        yield "]"
 
 
-def _runs(items, separators: tuple[str, str], depth: int) -> Iterator[str]:
-    """A large list's items, without its brackets: a large one walked (where the depth
-    allows), the others encoded together in runs, each sized from the last to give about
-    half YIELD_CHARS (thousands of a batch's small choices, or 16 entries of top 20 each)."""
-    comma, can_walk = separators[0], depth < MAX_DEPTH
-    size, i = FIRST_RUN, 0
-    while i < len(items):
+def _weight(obj, budget: int, depth: int = 0) -> int:
+    """obj's nodes (a string: one per STR_CHARS characters), counted until they pass
+    budget, and MAX_DEPTH deep (below, a container counts as its length: a cycle ends):
+    a number over budget means "more than one call should encode"."""
+    if isinstance(obj, str):
+        return 1 + len(obj) // STR_CHARS
+    if isinstance(obj, dict):
+        n, items = len(obj), obj.values()
+    elif isinstance(obj, (list, tuple)):
+        n, items = len(obj), obj
+    else:
+        return 1
+    for item in items:
+        if n > budget:
+            break
+        kind = type(item)
+        if kind in _LEAVES:  # NOTE: most nodes are: one type lookup, not isinstance calls
+            continue
+        if kind is str:
+            n += len(item) // STR_CHARS
+        elif kind is list and (not item or _is_leaf(item[0]) and _is_leaf(item[-1])):
+            n += len(item)  # NOTE: numbers, as its ends say (a token's bytes, token ids)
+        elif depth < MAX_DEPTH and isinstance(item, (dict, list, tuple)):
+            n += _weight(item, budget - n, depth + 1)
+    return n
+
+
+def _is_leaf(value) -> bool:
+    return type(value) in _LEAVES
+
+
+def _runs(entries, is_dict: bool, dumps, separators: tuple[str, str], depth: int):
+    """A large container's entries (a dict's (key, value) pairs, or a list's items), without
+    its brackets: consecutive small ones encoded together, up to BUDGET nodes a call; one
+    over BUDGET alone walked (a choice with its logprobs, the list of a long prompt's)."""
+    comma, colon = separators
+    i, num = 0, len(entries)
+    while i < num:
         lead = comma if i else ""
-        if can_walk and _is_large(items[i], depth + 1):
+        value = entries[i][1] if is_dict else entries[i]
+        weight = _weight(value, BUDGET)
+        if weight > BUDGET:  # alone, walked
+            if is_dict:
+                lead += _encoded_key(entries[i][0], dumps, colon) + colon
             yield lead
-            yield from pieces(items[i], separators, depth + 1)
+            yield from _pieces(value, dumps, separators, depth + 1)
             i += 1
             continue
-        j = min(i + size, len(items))
-        if can_walk:  # up to the next large item (NOTE: a check an item: only where walked)
-            j = next((m for m in range(i + 1, j) if _is_large(items[m], depth + 1)), j)
-        text = json.dumps(list(items[i:j]), separators=separators)[1:-1]
-        yield lead + text
-        size = max(1, min(MAX_RUN, (j - i) * (YIELD_CHARS // 2) // max(len(text), 1)))
+        j = i + 1  # then the entries after it, while they fit in the call's budget
+        while j < num:
+            item = entries[j][1] if is_dict else entries[j]
+            nxt = 1 if type(item) in _LEAVES else _weight(item, BUDGET - weight)
+            if weight + nxt > BUDGET:
+                break
+            weight += nxt
+            j += 1
+        run = dict(entries[i:j]) if is_dict else list(entries[i:j])
+        yield lead + dumps(run)[1:-1]
         i = j
 
 
-def _encoded_key(key, separators: tuple[str, str]) -> str:
+def _encoded_key(key, dumps, colon: str) -> str:
     """A key as json.dumps writes it: quoted, a number's or a bool's text if not a string."""
-    return json.dumps({key: None}, separators=separators)[1 : -len(separators[1] + "null}")]
+    return dumps({key: None})[1 : -len(colon + "null}")]
 
 
 async def encode(body, separators: tuple[str, str] = WIDE) -> bytes:
@@ -96,7 +122,7 @@ async def encode(body, separators: tuple[str, str] = WIDE) -> bytes:
     num_since = 0
     for piece in pieces(body, separators):
         out.append(piece)
-        num_since += len(piece)
+        num_since += len(piece) + PIECE_CHARS
         if num_since >= YIELD_CHARS:
             num_since = 0
             await asyncio.sleep(0)

@@ -5,8 +5,9 @@ YIELD_CHARS) against one json.dumps of it (aiohttp's json_response, what it did 
     pdserve bench answer [--repeats 7]
 
 Answers of the shapes the OpenAI API gives, with made-up token texts: n choices with echo
-and a long prompt's logprobs (top 5), one chat choice with top 20 for each of 4,000 tokens,
-and a batch of 4,096 short choices (a harness's prompts, n each). One JSON line per shape
+and a long prompt's logprobs (top 5), chat choices with top 20 (one of 4,000 tokens, 64 of
+64), and batches (a harness's prompts, n each): short choices with echo and top 20 before
+long ones, 4,096 short choices, 10,000 choices with their token ids. One JSON line per shape
 on stdout, then a table on stderr: each side's longest hold of the loop (for one json.dumps,
 all of it) and its whole time, the best of --repeats.
 """
@@ -61,10 +62,30 @@ def _batch(num_choices: int) -> dict:
     }
 
 
+def _short_then_long() -> dict:
+    """A batch with echo and top 20: four 1-token prompts, then 150 of 63 tokens, three times
+    (what once sized a run by the short ones and took it of long ones)."""
+    short, long = (_completions(1, n, 20)["choices"][0] for n in (1, 63))
+    return {"object": "text_completion", "choices": ([short] * 4 + [long] * 150) * 3}
+
+
+def _token_ids(num_choices: int, num_tokens: int) -> dict:
+    choice = {"text": "x", "token_ids": list(range(num_tokens)), "finish_reason": "length"}
+    return {
+        "object": "text_completion",
+        "choices": [{"index": i, **choice} for i in range(num_choices)],
+    }
+
+
 SHAPES = {
     "n16 x 900 prompt logprobs, top 5": lambda: _completions(16, 901, 5),
     "chat 4,000 tokens, top 20": lambda: _chat(4000, 20),
+    "chat n64 x 64 tokens, top 20": lambda: {
+        "choices": [c for _ in range(64) for c in _chat(64, 20)["choices"]]
+    },
+    "batch, short then long, top 20": _short_then_long,
     "batch of 4,096 short choices": lambda: _batch(4096),
+    "batch of 10,000 x 65 token ids": lambda: _token_ids(10_000, 65),
 }
 
 

@@ -122,27 +122,43 @@ def test_a_stream_event_with_many_logprobs_gives_the_loop_its_turns():
     assert got == shapes.stream_event(event)
 
 
-def test_no_piece_is_much_more_than_a_turns_worth():
-    """Runs of a list's items are sized to YIELD_CHARS by the last run: a chat answer's
-    entries of top 20 each, which 256 at a time were half a megabyte a piece."""
-    entry = {
-        "token": "tok\u00e9",
-        "logprob": -0.123456789,
-        "bytes": [116, 111, 107, 195, 169],
-        "top_logprobs": [
-            {"token": f"tok{j}\u00e9", "logprob": -1.23456789 - j, "bytes": [116, 111, 195]}
-            for j in range(20)
-        ],
+def _chat_choice(index: int, num_tokens: int, top: int) -> dict:
+    def entry(i: int) -> dict:
+        return {"token": f" tok{i}\u00e9", "logprob": -0.123456789, "bytes": [116, 111, 195]}
+
+    content = [
+        {**entry(i), "top_logprobs": [entry(i + j) for j in range(top)]} for i in range(num_tokens)
+    ]
+    return {
+        "index": index,
+        "message": {"content": "x" * num_tokens},
+        "logprobs": {"content": content},
     }
-    chat = {"choices": [{"index": 0, "logprobs": {"content": [entry] * 4000}}]}
-    for body in (chat, _completions_body(4, 2000, top=20)):
-        longest = max(len(p) for p in json_body.pieces(body))
-        assert longest <= 2 * json_body.YIELD_CHARS, longest
+
+
+def test_no_piece_is_more_than_a_turns_worth():
+    """Runs are sized in nodes, whatever the sizes of their items. Reviews found pieces of
+    a megabyte and more: 64 chat choices of 64 tokens, top 20 (no list over 64 long: one
+    call of 6.8 MB); a first run of 16 choices of 43 KB; runs sized by short choices, then
+    taken of long ones (1 MB, over and over); 256 chat entries of top 20 (0.5 MB)."""
+    big = _completions_body(1, 63, top=20)["choices"][0]
+    small = _completions_body(1, 1, top=20)["choices"][0]
+    bodies = {
+        "n64 chat": {"choices": [_chat_choice(i, 64, 20) for i in range(64)]},
+        "a batch of 43 KB choices": {"choices": [big] * 200},
+        "short, then long": {"choices": ([small] * 4 + [big] * 150) * 3},
+        "a long chat answer": {"choices": [_chat_choice(0, 4000, 20)]},
+        "completions, top 20": _completions_body(4, 2000, top=20),
+    }
+    for name, body in bodies.items():
+        got = list(json_body.pieces(body))
+        assert "".join(got) == json.dumps(body), name
+        assert max(map(len, got)) <= json_body.YIELD_CHARS, (name, max(map(len, got)))
 
 
 def test_small_choices_are_encoded_together():
     """A batch's thousands of short choices are encoded in runs, not walked one by one (a
-    walk of each cost 18x one json.dumps of them all)."""
+    walk of each cost 18x one json.dumps of them all); what is small is one call."""
     choices = [{"index": i, "text": "The answer is 42.", "logprobs": None} for i in range(20_000)]
     body = {"id": "x", "choices": choices, "usage": {"prompt_tokens": 1}}
     got = list(json_body.pieces(body))
@@ -176,7 +192,7 @@ def _random_json(rng: random.Random, depth: int):
             ]
         )
     if r < 0.65:
-        n = rng.choice([0, 1, 2, json_body.LONG, json_body.LONG + 1, 300])
+        n = rng.choice([0, 1, 2, 64, 300, 2 * json_body.BUDGET])
         if rng.random() < 0.5:
             return [_random_json(rng, 9) for _ in range(n)]
         items = [_random_json(rng, depth + 1) for _ in range(min(n, 4))]
