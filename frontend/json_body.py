@@ -8,7 +8,10 @@ weighs more than BUDGET nodes (counted only that far: the choices, their logprob
 lists in those) is walked, and the entries of each container it walks are encoded together
 in runs of at most BUDGET nodes, whatever their sizes; the loop is given a turn after each
 YIELD_CHARS of output (characters out, and a little for each call, are a fair measure of
-the encoder's work). What weighs less is one call, as before.
+the encoder's work). What weighs less is one call, as before. NOTE: the bytes are
+json.dumps's for the values an answer holds (plain dicts, lists, strings and numbers);
+a list subclass that slices otherwise, or nesting within a few frames of the recursion
+limit, may differ.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Iterator
 YIELD_CHARS = 64 * 1024  # output between the loop's turns: a few milliseconds of encoding
 PIECE_CHARS = 64  # what a piece costs beyond its characters (its call), counted as these
 BUDGET = 2048  # nodes one call encodes at most (~30 KB), where the walk can split them
-STR_CHARS = 64  # a string weighs a node per this many characters
+STR_CHARS = 64  # a string weighs a node per this many characters of its output at most
 # NOTE: deeper than this, what is left is one call (json.dumps's own check finds a cycle)
 MAX_DEPTH = 8
 WIDE, COMPACT = (", ", ": "), (",", ":")  # json.dumps's separators: its default, and tight
@@ -36,7 +39,7 @@ def pieces(obj, separators: tuple[str, str] = WIDE) -> Iterator[str]:
 
 def _pieces(obj, dumps, separators: tuple[str, str], depth: int) -> Iterator[str]:
     if depth >= MAX_DEPTH or not isinstance(obj, (dict, list, tuple)):
-        yield dumps(obj)  # a scalar, or a string however long: one call
+        yield dumps(obj)  # a scalar, or a string however long: one call (fast: C's loop)
     elif _weight(obj, BUDGET) <= BUDGET:  # NOTE: what is small is one call: walking costs more
         yield dumps(obj)
     elif isinstance(obj, dict):
@@ -50,34 +53,40 @@ def _pieces(obj, dumps, separators: tuple[str, str], depth: int) -> Iterator[str
 
 
 def _weight(obj, budget: int, depth: int = 0) -> int:
-    """obj's nodes (a string: one per STR_CHARS characters), counted until they pass
-    budget, and MAX_DEPTH deep (below, a container counts as its length: a cycle ends):
-    a number over budget means "more than one call should encode"."""
+    """obj's nodes (a container: one, and its entries'), counted until they pass budget and
+    MAX_DEPTH deep (below, a container counts as its length: a cycle ends): a number over
+    budget means "more than one call should encode"."""
+    if type(obj) in _LEAVES:
+        return 1
     if isinstance(obj, str):
-        return 1 + len(obj) // STR_CHARS
+        return _str_weight(obj)
     if isinstance(obj, dict):
-        n, items = len(obj), obj.values()
+        items = obj.values()
     elif isinstance(obj, (list, tuple)):
-        n, items = len(obj), obj
+        if _LEAVES.issuperset(map(type, obj)):  # numbers alone (ids, bytes): checked in C
+            return 1 + len(obj)
+        items = obj
     else:
         return 1
+    n = 1
     for item in items:
         if n > budget:
             break
-        kind = type(item)
-        if kind in _LEAVES:  # NOTE: most nodes are: one type lookup, not isinstance calls
-            continue
-        if kind is str:
-            n += len(item) // STR_CHARS
-        elif kind is list and (not item or _is_leaf(item[0]) and _is_leaf(item[-1])):
-            n += len(item)  # NOTE: numbers, as its ends say (a token's bytes, token ids)
-        elif depth < MAX_DEPTH and isinstance(item, (dict, list, tuple)):
-            n += _weight(item, budget - n, depth + 1)
+        if type(item) in _LEAVES:  # NOTE: most nodes are: one type lookup
+            n += 1
+        elif isinstance(item, str):
+            n += _str_weight(item)
+        elif isinstance(item, (dict, list, tuple)):
+            n += _weight(item, budget - n, depth + 1) if depth < MAX_DEPTH else 1 + len(item)
+        else:
+            n += 1
     return n
 
 
-def _is_leaf(value) -> bool:
-    return type(value) in _LEAVES
+def _str_weight(text: str) -> int:
+    """A string's nodes: its output over STR_CHARS, at the most json.dumps writes a character
+    (an escape: six; a character beyond ASCII with ensure_ascii, twelve)."""
+    return 1 + len(text) * (6 if text.isascii() else 12) // STR_CHARS
 
 
 def _runs(entries, is_dict: bool, dumps, separators: tuple[str, str], depth: int):
@@ -100,7 +109,7 @@ def _runs(entries, is_dict: bool, dumps, separators: tuple[str, str], depth: int
         j = i + 1  # then the entries after it, while they fit in the call's budget
         while j < num:
             item = entries[j][1] if is_dict else entries[j]
-            nxt = 1 if type(item) in _LEAVES else _weight(item, BUDGET - weight)
+            nxt = 1 if type(item) in _LEAVES else _weight(item, BUDGET - weight)  # 1 at least
             if weight + nxt > BUDGET:
                 break
             weight += nxt

@@ -136,11 +136,20 @@ def _chat_choice(index: int, num_tokens: int, top: int) -> dict:
     }
 
 
+def _with_last_logprobs_none(choice: dict, num_tokens: int) -> dict:
+    """A choice whose top_logprobs list starts and ends with None (echo's first token; a last
+    token the node sent no logprobs for): not a list of numbers, whatever its ends say."""
+    top = _completions_body(1, num_tokens, top=20)["choices"][0]["logprobs"]["top_logprobs"]
+    return {**choice, "logprobs": {**choice["logprobs"], "top_logprobs": top[:-1] + [None]}}
+
+
 def test_no_piece_is_more_than_a_turns_worth():
     """Runs are sized in nodes, whatever the sizes of their items. Reviews found pieces of
     a megabyte and more: 64 chat choices of 64 tokens, top 20 (no list over 64 long: one
     call of 6.8 MB); a first run of 16 choices of 43 KB; runs sized by short choices, then
-    taken of long ones (1 MB, over and over); 256 chat entries of top 20 (0.5 MB)."""
+    taken of long ones (1 MB, over and over); 256 chat entries of top 20 (0.5 MB); a list of
+    numbers by its ends (250 KB); strings weighed by characters, not output (1.1 MB); empty
+    choices that weighed nothing (4 MB)."""
     big = _completions_body(1, 63, top=20)["choices"][0]
     small = _completions_body(1, 1, top=20)["choices"][0]
     bodies = {
@@ -149,11 +158,16 @@ def test_no_piece_is_more_than_a_turns_worth():
         "short, then long": {"choices": ([small] * 4 + [big] * 150) * 3},
         "a long chat answer": {"choices": [_chat_choice(0, 4000, 20)]},
         "completions, top 20": _completions_body(4, 2000, top=20),
+        "last logprobs none": {"choices": [_with_last_logprobs_none(big, 300)] * 64},
+        "empty choices": {"choices": [{}] * 300_000},
+        "texts beyond ASCII": {"choices": [{"text": "\U0001f600" * 600}] * 1024},
     }
     for name, body in bodies.items():
         got = list(json_body.pieces(body))
         assert "".join(got) == json.dumps(body), name
-        assert max(map(len, got)) <= json_body.YIELD_CHARS, (name, max(map(len, got)))
+        # (escaped text is C's loop: twice a turn's characters at most, for a fraction of it)
+        bound = json_body.YIELD_CHARS * (2 if name == "texts beyond ASCII" else 1)
+        assert max(map(len, got)) <= bound, (name, max(map(len, got)))
 
 
 def test_small_choices_are_encoded_together():
