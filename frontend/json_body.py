@@ -2,7 +2,7 @@
 a piece at a time with the frontend's loop taking turns between the pieces.
 
 An answer with logprobs is large: sixteen choices of a 900-token prompt's logprobs, top 5,
-is 1.5 MB of JSON and 40-70 ms of one json.dumps on an idle core (several times that on a
+is 1.9 MB of JSON and 40-70 ms of one json.dumps on an idle core (several times that on a
 loaded one), all of it holding the one loop every stream and node link runs on. Here what
 weighs more than BUDGET nodes (counted only that far: the choices, their logprobs, the
 lists in those) is walked, and the entries of each container it walks are encoded together
@@ -23,7 +23,7 @@ from typing import Iterator
 YIELD_CHARS = 64 * 1024  # output between the loop's turns: a few milliseconds of encoding
 PIECE_CHARS = 64  # what a piece costs beyond its characters (its call), counted as these
 BUDGET = 2048  # nodes one call encodes at most (~30 KB), where the walk can split them
-STR_CHARS = 64  # a string weighs a node per this many characters of its output at most
+STR_CHARS = 32  # a string weighs a node per this many characters of its output at most
 # NOTE: deeper than this, what is left is one call (json.dumps's own check finds a cycle)
 MAX_DEPTH = 8
 WIDE, COMPACT = (", ", ": "), (",", ":")  # json.dumps's separators: its default, and tight
@@ -38,10 +38,16 @@ def pieces(obj, separators: tuple[str, str] = WIDE) -> Iterator[str]:
 
 
 def _pieces(obj, dumps, separators: tuple[str, str], depth: int) -> Iterator[str]:
+    if _weight(obj, BUDGET) <= BUDGET:  # NOTE: what is small is one call: walking costs more
+        yield dumps(obj)
+    else:
+        yield from _walk(obj, dumps, separators, depth)
+
+
+def _walk(obj, dumps, separators: tuple[str, str], depth: int) -> Iterator[str]:
+    """obj, weighed over BUDGET: its entries in runs (_runs), where it can be split."""
     if depth >= MAX_DEPTH or not isinstance(obj, (dict, list, tuple)):
         yield dumps(obj)  # a scalar, or a string however long: one call (fast: C's loop)
-    elif _weight(obj, BUDGET) <= BUDGET:  # NOTE: what is small is one call: walking costs more
-        yield dumps(obj)
     elif isinstance(obj, dict):
         yield "{"
         yield from _runs(list(obj.items()), True, dumps, separators, depth)
@@ -60,15 +66,20 @@ def _weight(obj, budget: int, depth: int = 0) -> int:
         return 1
     if isinstance(obj, str):
         return _str_weight(obj)
+    n = 1
     if isinstance(obj, dict):
         items = obj.values()
+        for key in obj:  # NOTE: keys are output too (a top logprobs map's: token texts)
+            if n > budget:
+                break
+            if type(key) is str:
+                n += _str_weight(key) - 1
     elif isinstance(obj, (list, tuple)):
         if _LEAVES.issuperset(map(type, obj)):  # numbers alone (ids, bytes): checked in C
             return 1 + len(obj)
         items = obj
     else:
         return 1
-    n = 1
     for item in items:
         if n > budget:
             break
@@ -85,8 +96,10 @@ def _weight(obj, budget: int, depth: int = 0) -> int:
 
 def _str_weight(text: str) -> int:
     """A string's nodes: its output over STR_CHARS, at the most json.dumps writes a character
-    (an escape: six; a character beyond ASCII with ensure_ascii, twelve)."""
-    return 1 + len(text) * (6 if text.isascii() else 12) // STR_CHARS
+    (printable ASCII: two, a quote's escape; other ASCII: six; beyond, with ensure_ascii:
+    twelve). NOTE: both checks are C's loops."""
+    most = (2 if text.isprintable() else 6) if text.isascii() else 12
+    return 1 + len(text) * most // STR_CHARS
 
 
 def _runs(entries, is_dict: bool, dumps, separators: tuple[str, str], depth: int):
@@ -103,7 +116,7 @@ def _runs(entries, is_dict: bool, dumps, separators: tuple[str, str], depth: int
             if is_dict:
                 lead += _encoded_key(entries[i][0], dumps, colon) + colon
             yield lead
-            yield from _pieces(value, dumps, separators, depth + 1)
+            yield from _walk(value, dumps, separators, depth + 1)  # NOTE: weighed already
             i += 1
             continue
         j = i + 1  # then the entries after it, while they fit in the call's budget

@@ -149,7 +149,7 @@ def test_no_piece_is_more_than_a_turns_worth():
     call of 6.8 MB); a first run of 16 choices of 43 KB; runs sized by short choices, then
     taken of long ones (1 MB, over and over); 256 chat entries of top 20 (0.5 MB); a list of
     numbers by its ends (250 KB); strings weighed by characters, not output (1.1 MB); empty
-    choices that weighed nothing (4 MB)."""
+    choices that weighed nothing (4 MB); keys not weighed (top logprobs maps: 216 KB)."""
     big = _completions_body(1, 63, top=20)["choices"][0]
     small = _completions_body(1, 1, top=20)["choices"][0]
     bodies = {
@@ -161,6 +161,17 @@ def test_no_piece_is_more_than_a_turns_worth():
         "last logprobs none": {"choices": [_with_last_logprobs_none(big, 300)] * 64},
         "empty choices": {"choices": [{}] * 100_000},
         "texts beyond ASCII": {"choices": [{"text": "\U0001f600" * 600}] * 1024},
+        "escaped top logprobs keys": {
+            "choices": [
+                {
+                    "logprobs": {
+                        "top_logprobs": [
+                            {"\x01" * 16 + f"{j} {i}": -1.0 for j in range(20)} for i in range(4000)
+                        ]
+                    }
+                }
+            ]
+        },
     }
     for name, body in bodies.items():
         got = list(json_body.pieces(body))
