@@ -76,3 +76,85 @@ def test_the_direct_decoder_matches_the_tokenizer_and_is_used_only_where_it_may_
     calls = []
     tok.decode = lambda ids, **kw: calls.append(kw) or "x"
     assert text_decoder(tok)([1, 2]) == "x" and calls == [{"skip_special_tokens": True}]
+
+
+def _counting(d):
+    """d's decoder, counting the ids it is given (the detokenizer's work)."""
+    decode, seen = d._decode, [0]
+
+    def count(ids):
+        seen[0] += len(ids)
+        return decode(ids)
+
+    d._decode = count
+    return seen
+
+
+def test_a_window_that_never_makes_a_whole_character_costs_a_bounded_amount_a_token(tiny_model):
+    """Tokens that decode to lone bytes (a character's first byte again and again), or to
+    nothing (special tokens, ids the tokenizer lacks): each costs the same however long the
+    output, where the window once grew with it (the output's square on the frontend's loop)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    lone = next(i for i in range(len(tok)) if tok.decode([i]) == "\ufffd")
+    unknown = len(tok) + 1  # the model's vocabulary may be larger than the tokenizer's
+    assert tok.decode([unknown]) == ""
+    for ids in ([lone] * 3000, [lone, unknown, tok.all_special_ids[0]] * 1000, [unknown] * 3000):
+        d = IncrementalDetokenizer(tok, ["never"])
+        seen = _counting(d)
+        pieces = []
+        for t in ids:
+            d.add([t])
+            pieces.append(d.take())
+        pieces.append(d.take(is_final=True))
+        assert seen[0] <= 40 * len(ids), seen[0]
+        # All but the last lone byte, which could have begun a character when the output ended
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)[:-1]
+
+
+def test_any_tokens_in_any_updates_make_the_text_they_make_decoded_whole(tiny_model):
+    """Random ids, many of them partial characters, specials or ids the tokenizer lacks,
+    arriving a few at a time: the streamed text is the tokens' text decoded at once."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    partial = [i for i in range(len(tok)) if "\ufffd" in tok.decode([i])]
+    odd = tok.all_special_ids + [len(tok), len(tok) + 7]
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [
+            rng.choice(partial)
+            if rng.random() < 0.5
+            else rng.choice(odd)
+            if rng.random() < 0.4
+            else rng.randrange(len(tok))
+            for _ in range(rng.randint(1, 80))
+        ] + tok.encode(" end")
+        d, pieces, i = IncrementalDetokenizer(tok, []), [], 0
+        while i < len(ids):
+            k = rng.randint(1, 6)
+            assert d.add(ids[i : i + k]) == len(ids[i : i + k])
+            pieces.append(d.take())
+            i += k
+        pieces.append(d.take(is_final=True))
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True), ids
+
+
+def test_a_stop_string_inside_an_update_takes_the_tokens_up_to_it(tiny_model):
+    """A verify step's update carries several tokens: those after the one that completed
+    the stop string are not taken, as one token a step would never have made them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    ids = tok.encode("the water is hot and the day is long")
+    one = IncrementalDetokenizer(tok, ["is hot"])
+    num_taken = next(n + 1 for n, t in enumerate(ids) if one.add([t]) and one.is_stopped)
+    assert num_taken < len(ids)
+    many = IncrementalDetokenizer(tok, ["is hot"])
+    assert many.add(ids[:2]) == 2
+    assert many.add(ids[2:]) == num_taken - 2 and many.is_stopped
+    assert many.add(ids[:1]) == 0
+    assert many.take(is_final=True) == one.take(is_final=True) == "the water "
