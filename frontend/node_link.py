@@ -217,7 +217,7 @@ class NodeMessages:
             return
         if not token_ids and not u.finish_reason:
             return  # the repeated first token alone: nothing new for the client
-        req.add_output(token_ids, logprobs)
+        token_ids = req.add_output(token_ids, logprobs)
         logprobs = (
             req.output_logprobs[len(req.output_logprobs) - len(token_ids) :]
             if req.params.num_logprobs >= 0

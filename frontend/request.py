@@ -168,20 +168,25 @@ class RequestState:
             index=self.index,
         )
 
-    def add_output(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
-        """Tokens on their way to the client (a moved request's wait ends with the first)."""
+    def add_output(
+        self, token_ids: list[int], logprobs: list[TokenLogprobs] | None = None
+    ) -> list[int]:
+        """Tokens on their way to the client (a moved request's wait ends with the first).
+        Returns those kept: a stop string ends them at the token that completed it, as it
+        would have one token a step (a verify step's update carries several)."""
+        token_ids = token_ids[: self.detok.add(token_ids)]
         self.output_ids += token_ids
         if self.params.num_logprobs >= 0:
             self.output_logprobs += list(logprobs or [])[: len(token_ids)] + [None] * max(
                 len(token_ids) - len(logprobs or []), 0
             )
-        self.detok.add(token_ids)
         if token_ids:
             now = time.monotonic()
             if self.stalled_since is not None:
                 self.migrated_s += now - self.stalled_since
                 self.stalled_since = None
             self.last_output_at = now
+        return token_ids
 
     def continuation(self) -> tuple[list[int], SamplingParams]:
         """What its next prefill computes: the prompt and every token streamed so far,

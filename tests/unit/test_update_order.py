@@ -441,3 +441,27 @@ def test_a_speculative_life_stays_within_what_a_held_choice_may_hold():
     for node, u in updates:
         asyncio.run(link.on_tokens(node, u))
     assert hub.sent == [] and len(req.held) == 4
+
+
+def test_a_stop_string_inside_a_verify_steps_update_ends_the_tokens_there():
+    """A decode update of several tokens (a verify step's) whose second completes a stop
+    string: the client gets the tokens to it, their logprobs, and usage that counts them,
+    as one token a step would have given; those after it are not the request's."""
+    hub, link, prefill, decode, req = _setup(num_prompt_logprobs=-1, max_tokens=16)
+    req.params = dataclasses.replace(req.params, num_logprobs=0)
+    req.detok = IncrementalDetokenizer(FakeTokenizer(), ["cd"])  # tokens 2 and 3 make "cd"
+    finished = []
+
+    async def finish(r, reason, error, token_ids=(), logprobs=None, **kw):
+        hub.requests.pop(r.node_id, None)
+        finished.append((reason, list(token_ids), logprobs, r.final_output(reason, None, [], [])))
+
+    hub.finish = finish
+    lps = [TokenLogprobs(-0.5 - i, [], []) for i in range(5)]
+    asyncio.run(link.on_tokens(prefill, TokenUpdate("r1", [1], None, index=0, logprobs=lps[:1])))
+    update = TokenUpdate("r1", [1, 2, 3, 4, 5], None, index=0, logprobs=lps)
+    asyncio.run(link.on_tokens(decode, update))
+    [(reason, token_ids, logprobs, out)] = finished
+    assert (reason, token_ids, logprobs) == ("stop", [2, 3], lps[1:3])
+    assert req.output_ids == [1, 2, 3] and req.output_logprobs == lps[:3]
+    assert out.usage["completion_tokens"] == 3 and out.text == "b"
