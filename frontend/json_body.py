@@ -22,7 +22,7 @@ from typing import Iterator
 
 YIELD_CHARS = 64 * 1024  # output between the loop's turns: a few milliseconds of encoding
 PIECE_CHARS = 64  # what a piece costs beyond its characters (its call), counted as these
-BUDGET = 2048  # nodes one call encodes at most (~30 KB), where the walk can split them
+BUDGET = 2048  # nodes one call encodes at most (10-40 KB), where the walk can split them
 STR_CHARS = 32  # a string weighs a node per this many characters of its output at most
 # NOTE: deeper than this, what is left is one call (json.dumps's own check finds a cycle)
 MAX_DEPTH = 8
@@ -69,11 +69,7 @@ def _weight(obj, budget: int, depth: int = 0) -> int:
     n = 1
     if isinstance(obj, dict):
         items = obj.values()
-        for key in obj:  # NOTE: keys are output too (a top logprobs map's: token texts)
-            if n > budget:
-                break
-            if type(key) is str:
-                n += _str_weight(key) - 1
+        n += _keys_weight(obj, budget)  # NOTE: keys are output too (a top logprobs map's)
     elif isinstance(obj, (list, tuple)):
         if _LEAVES.issuperset(map(type, obj)):  # numbers alone (ids, bytes): checked in C
             return 1 + len(obj)
@@ -94,6 +90,31 @@ def _weight(obj, budget: int, depth: int = 0) -> int:
     return n
 
 
+def _keys_weight(obj: dict, budget: int) -> int:
+    """A dict's keys' nodes, counted until they pass budget. Keys that are all strings, and
+    no more than budget, are weighed as one string of them all (C's loops; the widest
+    character's output for each)."""
+    if len(obj) <= budget:
+        try:
+            joined = "".join(obj)
+        except TypeError:  # a key that is no string: each weighed
+            pass
+        else:
+            return len(obj) + _str_weight(joined) - 1
+    n = 0
+    for key in obj:
+        if n > budget:
+            break
+        n += _key_weight(key)
+    return n
+
+
+def _key_weight(key) -> int:
+    """A dict key's nodes: a string's as any string's (its quotes, colon and comma ride
+    with it), another key's text one."""
+    return _str_weight(key) if isinstance(key, str) else 1
+
+
 def _str_weight(text: str) -> int:
     """A string's nodes: its output over STR_CHARS, at the most json.dumps writes a character
     (printable ASCII: two, a quote's escape; other ASCII: six; beyond, with ensure_ascii:
@@ -111,7 +132,7 @@ def _runs(entries, is_dict: bool, dumps, separators: tuple[str, str], depth: int
     while i < num:
         lead = comma if i else ""
         value = entries[i][1] if is_dict else entries[i]
-        weight = _weight(value, BUDGET)
+        weight = _weight(value, BUDGET) + (_key_weight(entries[i][0]) if is_dict else 0)
         if weight > BUDGET:  # alone, walked
             if is_dict:
                 lead += _encoded_key(entries[i][0], dumps, colon) + colon
@@ -123,6 +144,7 @@ def _runs(entries, is_dict: bool, dumps, separators: tuple[str, str], depth: int
         while j < num:
             item = entries[j][1] if is_dict else entries[j]
             nxt = 1 if type(item) in _LEAVES else _weight(item, BUDGET - weight)  # 1 at least
+            nxt += _key_weight(entries[j][0]) if is_dict else 0
             if weight + nxt > BUDGET:
                 break
             weight += nxt

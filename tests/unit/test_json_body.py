@@ -149,7 +149,8 @@ def test_no_piece_is_more_than_a_turns_worth():
     call of 6.8 MB); a first run of 16 choices of 43 KB; runs sized by short choices, then
     taken of long ones (1 MB, over and over); 256 chat entries of top 20 (0.5 MB); a list of
     numbers by its ends (250 KB); strings weighed by characters, not output (1.1 MB); empty
-    choices that weighed nothing (4 MB); keys not weighed (top logprobs maps: 216 KB)."""
+    choices that weighed nothing (4 MB); keys not weighed (top logprobs maps: 216 KB), and
+    short ones weighed as nothing (100 KB)."""
     big = _completions_body(1, 63, top=20)["choices"][0]
     small = _completions_body(1, 1, top=20)["choices"][0]
     bodies = {
@@ -173,6 +174,23 @@ def test_no_piece_is_more_than_a_turns_worth():
             ]
         },
     }
+    # Keys that weighed nothing: short ones (each output's few characters), escaping ones
+    bodies["short escaping keys"] = {
+        "choices": [
+            {
+                "logprobs": {
+                    "top_logprobs": [
+                        {
+                            "\U0001f600" + chr(0x10000 + j) + str(i): -1.2345678901234567e-05
+                            for j in range(21)
+                        }
+                        for i in range(4000)
+                    ]
+                }
+            }
+        ]
+    }
+    bodies["a dict of many short keys"] = {"\\" * 15 + str(i): 0 for i in range(100_000)}
     for name, body in bodies.items():
         got = list(json_body.pieces(body))
         assert "".join(got) == json.dumps(body), name
@@ -188,7 +206,7 @@ def test_small_choices_are_encoded_together():
     body = {"id": "x", "choices": choices, "usage": {"prompt_tokens": 1}}
     got = list(json_body.pieces(body))
     assert "".join(got) == json.dumps(body)
-    assert len(got) <= 3 * len(json.dumps(body)) // json_body.YIELD_CHARS + 20, len(got)
+    assert len(got) <= 5 * len(json.dumps(body)) // json_body.YIELD_CHARS + 20, len(got)
     small = {"choices": [{"index": 0, "text": "hi", "logprobs": {"tokens": ["hi"]}}]}
     assert list(json_body.pieces(small)) == [json.dumps(small)]  # small: one call
 
@@ -260,3 +278,26 @@ def test_the_answer_benchmark_prints_a_record_a_shape(capsys):
     for r in records:
         assert r["bench"] == "answer" and r["peer"] and r["num_bytes"] > 300_000
         assert 0 < r["longest_hold_ms"] <= r["total_ms"] and r["peer_total_ms"] > 0
+
+
+def test_a_dicts_keys_are_weighed_no_further_than_the_budget(monkeypatch):
+    """Keys once weighed as nothing when short: the count never passed the budget, so every
+    key of a large dict was visited in Python, again at each level above it (a stretch of
+    444 ms without a turn, four times one json.dumps)."""
+    calls = []
+    for name in ("_str_weight", "_key_weight"):
+        real = getattr(json_body, name, None)
+        if real is None:
+            continue
+        monkeypatch.setattr(json_body, name, lambda k, real=real: calls.append(k) or real(k))
+
+    class Key(str):
+        pass
+
+    for keys in (map(str, range(300_000)), range(300_000), map(Key, map(str, range(300_000)))):
+        calls.clear()
+        obj = dict.fromkeys(keys, 0)
+        assert json_body._weight(obj, json_body.BUDGET) > json_body.BUDGET
+        assert len(calls) <= 2 * json_body.BUDGET + 2, len(calls)
+    # A str subclass's key weighs as the text it writes
+    assert json_body._weight({Key("x" * 5000): 1}, json_body.BUDGET) > 5000 * 2 // 32
