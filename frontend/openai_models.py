@@ -141,7 +141,7 @@ class _Common(_Strict):
     speculative: bool | None = None
     return_token_ids: bool | None = None
     logit_bias: entries(Short, float, MAX_LOGIT_BIAS) | None = None
-    allowed_token_ids: items(TokenId, MAX_PROMPT_IDS) | None = None
+    allowed_token_ids: items(TokenId, MAX_PROMPT_IDS, 1) | None = None  # [] allows none
     bad_words: Union[Word, items(Word, MAX_BAD_WORDS)] | None = None
     prompt_logprobs: _range(int, 0, MAX_LOGPROBS) = None
     response_format: ResponseFormat | None = None

@@ -301,6 +301,13 @@ def test_streams_tools_and_batches_are_what_the_answer_is_shaped_by():
             "allowed_token_ids",
             "'allowed_token_ids[0]'",
         ),
+        # Empty: no token may be sampled (not "no restriction", which is leaving it out)
+        (
+            {"prompt": "hi", "allowed_token_ids": []},
+            "completions",
+            "allowed_token_ids",
+            "at least 1",
+        ),
         (
             {"prompt": "hi", "stream_options": {"include_usage": True}},
             "completions",
