@@ -18,7 +18,7 @@ from aiohttp import web
 from common.base.log import Throttle, get_logger
 from common.wire.channel import LinkError
 from common.wire.protocol import ErrorReply, GenerateOutput
-from frontend import access_log, json_body, openapi, server_timing
+from frontend import access_log, http_site, json_body, openapi, server_timing
 from frontend import openai_api as api
 from frontend import openai_logprobs as lp_shapes
 from frontend import openai_out as shapes
@@ -33,6 +33,7 @@ noisy = Throttle(log)
 # is ~50 ms to parse; of sixteen MB, half a second of every stream's time).
 BYTES_PER_TOKEN = 64
 MIN_BODY_BYTES = 2 * 2**20
+BODY_S = 30.0  # a request body arrives whole within this
 
 
 class HttpServer:
@@ -237,9 +238,14 @@ def _client(request: web.Request) -> tuple[str, str]:
 
 async def _json(request: web.Request):
     try:
-        return await request.json()
+        # NOTE: a handler reading a body is not idle: only this ends a body that never comes
+        return await asyncio.wait_for(request.json(), BODY_S)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_S:.0f}s") from None
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "the request body is not valid JSON") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
 
 
 async def _whole(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -295,10 +301,12 @@ async def serve(frontend, cfg) -> web.AppRunner | None:
     runner = web.AppRunner(
         server.app(is_metrics_only=not cfg.http_port),
         handler_cancellation=True,
+        keepalive_timeout=http_site.IDLE_S,
         **access_log.runner_args(),
     )
     await runner.setup()
-    site = web.TCPSite(runner, cfg.http_host, port)
+    num_fds = http_site.raise_fd_limit()
+    site = http_site.CappedSite(runner, cfg.http_host, port, http_site.max_connections(num_fds))
     try:
         await site.start()
     except OSError as e:
@@ -308,9 +316,11 @@ async def serve(frontend, cfg) -> web.AppRunner | None:
             f"choose another {'--http-port' if cfg.http_port else '--metrics-port'}"
         ) from None
     log.info(
-        "%s at http://%s:%d",
+        "%s at http://%s:%d (at most %d connections at once, idle ones closed after %.0fs)",
         "OpenAI API, /metrics and /health" if cfg.http_port else "/metrics and /health",
         cfg.http_host,
         port,
+        site.max_connections,
+        http_site.IDLE_S,
     )
     return runner

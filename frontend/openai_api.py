@@ -204,7 +204,7 @@ def _call_in(call: models.ToolCall) -> dict:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # NOTE: deep nesting is C's recursion
             raise ApiError(400, "a tool call's arguments must be JSON", "messages") from None
     return {
         "type": "function",

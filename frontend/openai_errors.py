@@ -17,6 +17,7 @@ class ApiError(Exception):
 _ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
+    408: "timeout",
     429: "rate_limit_error",
     503: "service_unavailable",
     504: "timeout",

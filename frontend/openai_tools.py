@@ -93,7 +93,7 @@ def _whole_items(text: str) -> list:
             i += 1
         try:
             item, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # NOTE: a model may nest past C's stack
             return items
         items.append(item)
 
@@ -191,7 +191,7 @@ class Split:
     def _parsed(body: str) -> dict | None:
         try:
             obj = json.loads(body)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None

@@ -137,8 +137,11 @@ def prompt_ids(tokenizer, req: GenerateRequest, max_model_len: int = 2**31) -> l
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
     if req.prompt is not None:
-        _check_count(_count_tokens(tokenizer, req.prompt, True), max_model_len)
-        return tokenizer.encode(req.prompt)
+        try:
+            _check_count(_count_tokens(tokenizer, req.prompt, True), max_model_len)
+            return tokenizer.encode(req.prompt)
+        except TypeError:  # NOTE: the fast tokenizer's word for text it cannot take
+            raise ValueError("the prompt cannot be tokenized (a lone surrogate?)") from None
     if req.prompt_token_ids is not None:
         return list(req.prompt_token_ids)
     for m in req.messages:
@@ -184,6 +187,8 @@ def _template_kwargs(req: GenerateRequest, tokenizer) -> dict:
             kwargs["tools"] = json.loads(req.tools)
         except json.JSONDecodeError as e:
             raise ValueError(f"tools is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError("tools is nested too deeply") from None
     return kwargs
 
 

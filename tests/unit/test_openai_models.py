@@ -371,6 +371,21 @@ def test_streams_tools_and_batches_are_what_the_answer_is_shaped_by():
             "messages",
             "arguments must be JSON",
         ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"function": {"name": "f", "arguments": "[" * 10**5 + "]" * 10**5}}
+                        ],
+                    }
+                ]
+            },
+            "chat",
+            "messages",
+            "arguments must be JSON",  # nested past json's stack: no RecursionError, no 500
+        ),
         ({"messages": USER, "logprobs": 3}, "chat", "logprobs", "'top_logprobs'"),
         ({"messages": USER, "top_logprobs": 3}, "chat", "top_logprobs", "needs 'logprobs': true"),
         (

@@ -1,0 +1,111 @@
+"""What an HTTP client can do to the frontend short of a request: hold connections open and
+idle, send a body that never ends, nest JSON past the parser's stack, send text the
+tokenizer cannot take. Each is a clear answer for that client, never a 500 or a frontend
+whose descriptors are all used up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import ClientSession, web
+
+from common.wire.client import GenerateRequest
+from frontend import http, http_site, openai_tools, prompts
+from frontend.openai_api import ApiError
+
+DEEP = "[" * 100_000 + "]" * 100_000  # past json's recursion limit
+
+
+async def _eof_within(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
+    """What the server sent before it closed the connection (fails past timeout_s)."""
+    return await asyncio.wait_for(reader.read(), timeout_s)
+
+
+def test_connections_past_the_cap_are_refused_and_idle_ones_are_closed():
+    """aiohttp's default kept a connection that sends nothing for an hour: 20,000 idle
+    sockets from one host used up the frontend's descriptors, and every new client, HTTP or
+    ZeroMQ, failed. Now the site holds at most its cap (503 past it), and closes idle ones."""
+
+    async def run():
+        async def health(request):
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app, keepalive_timeout=0.5)
+        await runner.setup()
+        site = http_site.CappedSite(runner, "127.0.0.1", 0, max_connections=3)
+        await site.start()
+        try:
+            idle = [await asyncio.open_connection("127.0.0.1", site.port) for _ in range(3)]
+            await asyncio.sleep(0)  # NOTE: counted once made: let the loop take them
+            reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+            refused = await _eof_within(reader, 5)
+            writer.close()
+            assert refused.startswith(b"HTTP/1.1 503") and b"too many HTTP connections" in refused
+            assert site.num_refused == 1
+            # The idle ones are closed without a word, and their places are free again
+            for reader, writer in idle:
+                assert await _eof_within(reader, 10) == b""
+                writer.close()
+            async with ClientSession() as s:
+                async with s.get(f"http://127.0.0.1:{site.port}/health") as r:
+                    assert r.status == 200 and await r.text() == "ok"
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
+
+
+def test_the_cap_is_a_share_of_a_raised_open_files_limit():
+    import resource
+
+    limit = http_site.raise_fd_limit()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert limit == soft and (soft == hard or soft == http_site.MAX_FDS)
+    assert http_site.max_connections(limit) == limit // http_site.FD_SHARE
+    assert http_site.max_connections(10) == 16
+
+
+class _Body:
+    """A request whose body is given by json()."""
+
+    def __init__(self, json_fn):
+        self.json = json_fn
+
+
+def test_a_body_too_deep_or_that_never_ends_is_the_clients_error(monkeypatch):
+    async def deep():
+        return json.loads(DEEP)
+
+    async def never():
+        await asyncio.Event().wait()
+
+    with pytest.raises(ApiError) as e:
+        asyncio.run(http._json(_Body(deep)))
+    assert (e.value.status, e.value.message) == (400, "the request body is nested too deeply")
+    monkeypatch.setattr(http, "BODY_S", 0.05)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(http._json(_Body(never)))
+    assert e.value.status == 408 and "did not arrive" in e.value.message
+
+
+def test_tools_too_deep_and_text_the_tokenizer_cannot_take_are_refused(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    user = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="tools is nested too deeply"):
+        prompts.prompt_ids(tok, GenerateRequest(request_id="r", messages=user, tools=DEEP))
+    with pytest.raises(ValueError, match="cannot be tokenized"):
+        prompts.prompt_ids(tok, GenerateRequest(request_id="r", prompt="a\ud800b"))
+
+
+def test_a_tool_call_the_model_nests_past_the_stack_is_text_not_an_error():
+    split = openai_tools.Split("auto", None, False)
+    out = split.feed("<tool_call>" + DEEP + "</tool_call>", is_final=True)
+    assert "tool_calls" not in out and out["content"].startswith("<tool_call>[[[")
+    required = openai_tools.Split("required", None, False)
+    assert required.feed("[" + DEEP, is_final=True) == {}
