@@ -1,17 +1,16 @@
 """Incremental detokenization with stop strings.
 
-Text is released only once it is stable: a token that ends inside a multi-byte
-character waits for the rest of it, and the tail that could still grow into a
-stop string is held back. A stop string ends the request and is never streamed.
+Text is released only once it is stable: a character whose bytes have not all come
+waits for the rest of them, and the tail that could still grow into a stop string is
+held back. A stop string ends the request and is never streamed.
 """
 
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
-# Tokens that may wait in the window for a character's last bytes before the text that no
-# longer changes is taken from all but the last MAX_CHAR_BYTES of them.
-MAX_PENDING = 8
-MAX_CHAR_BYTES = 4  # UTF-8's longest character; a window's token carries at least one byte
+# The decode window's tokens, at most (past it, the window starts again nearer its end)
+MAX_WINDOW = 16
+MIN_WINDOW = 4  # tokens a window keeps when it starts again: a character's bytes at most
 
 
 def text_decoder(tokenizer):
@@ -25,14 +24,26 @@ def text_decoder(tokenizer):
 
 
 class IncrementalDetokenizer:
+    """Text from tokens, decoded over a short window of the latest ones (a token's text can
+    depend on those before it: a leading space, a character's first bytes). All of the
+    window's text but a last U+FFFD (a character whose bytes may still come) is stable.
+    NOTE: a character's bytes may straddle every token boundary (byte-level BPE does that
+    to CJK text), so text is taken a character at a time, not a token at a time; and the
+    window is kept short, or each token would decode the whole output again."""
+
     def __init__(self, tokenizer, stop: list[str] = ()):
         self._decode = text_decoder(tokenizer)
+        # ids that decode to nothing (specials are skipped, unknown ids have no text): kept
+        # out of the window, which they would only make longer
+        self._num_vocab = len(tokenizer)
+        self._special = frozenset(tokenizer.all_special_ids)
         self.stop = list(stop)  # each non-empty: the frontend refuses an empty one
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        self._ids: list[int] = []  # the window's tokens: none that decodes to nothing alone
+        self._ids: list[int] = []  # the window's tokens
         self.text = ""  # decoded so far, stable characters only
-        self._prefix = 0  # token index where the decode window starts
-        self._read = 0  # tokens already turned into text
+        self._num_done = 0  # characters of the window's stable text already in self.text
+        self._grown_at = 0  # the latest token with whose arrival the stable text grew
+        self._is_pending = False  # the window's text ends in a character still coming
         self._num_sent = 0  # characters handed out by take()
         self.is_stopped = False
 
@@ -42,38 +53,34 @@ class IncrementalDetokenizer:
         for i, t in enumerate(token_ids):
             if self.is_stopped:
                 return i
+            if t >= self._num_vocab or t in self._special:
+                continue
             self._ids.append(t)
-            before = self._decode(self._ids[self._prefix : self._read])
-            after = self._decode(self._ids[self._prefix :])
-            if len(after) > len(before) and not after.endswith(REPLACEMENT):
-                self._commit(before, after, len(self._ids))
-            elif not self._decode([t]):
-                self._ids.pop()  # a special token, or an id the tokenizer lacks: no bytes
-            elif len(self._ids) - self._read > MAX_PENDING:
-                self._commit_stable_head(before, after)
+            window = self._decode(self._ids)
+            self._is_pending = window.endswith(REPLACEMENT)
+            num_stable = len(window) - self._is_pending
+            if num_stable > self._num_done:
+                start = max(len(self.text) - self.holdback, 0)
+                self.text += window[self._num_done : num_stable]
+                self._num_done, self._grown_at = num_stable, len(self._ids) - 1
+                self._check_stop(start)
+            if len(self._ids) > MAX_WINDOW:
+                self._start_window_again()
         return len(token_ids)
 
-    def _commit(self, before: str, after: str, num_read: int) -> None:
-        """Text for the window's tokens [_read, num_read): after (the window's text to
-        num_read) past before."""
-        start = max(len(self.text) - self.holdback - len(after), 0)
-        self.text += after[len(before) :]
-        self._prefix = self._read
-        self._read = num_read
-        self._check_stop(start)
-
-    def _commit_stable_head(self, before: str, after: str) -> None:
-        """Takes the text of all but the window's last MAX_CHAR_BYTES tokens where they no
-        longer change it: a character cut there is whole in after, or never will be.
-        NOTE: a window whose text never ends in a whole character (lone bytes the model
-        makes) would otherwise grow with the output and be decoded whole at each token: a
-        cost in the output's square on the frontend's loop, which every client shares."""
+    def _start_window_again(self) -> None:
+        """The window starts at the token with which the text last grew: the bytes of the
+        character that may still be coming are all at or after it. Its text to there is all
+        in self.text already."""
         n = len(self._ids)
-        for num_read in range(n - MAX_CHAR_BYTES, max(n - 2 * MAX_CHAR_BYTES, self._read), -1):
-            head = self._decode(self._ids[self._prefix : num_read])
-            if head.startswith(before) and after.startswith(head):
-                self._commit(before, head, num_read)
-                return
+        # NOTE: text that has not grown for a whole window (tokens with no bytes that the
+        # tokenizer does not call special) starts again MIN_WINDOW from the end all the same
+        start = self._grown_at if self._grown_at > 0 else n - MIN_WINDOW
+        del self._ids[:start]
+        self._grown_at -= start
+        # NOTE: the window's first characters may now be U+FFFD where a character's last
+        # bytes begin it: done all the same (the one pending is the last, if any)
+        self._num_done = len(self._decode(self._ids)) - self._is_pending
 
     def _check_stop(self, start: int) -> None:
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
@@ -82,15 +89,9 @@ class IncrementalDetokenizer:
             self.is_stopped = True
 
     def take(self, is_final: bool = False) -> str:
-        """The text not yet handed out that can no longer change."""
-        if is_final and not self.is_stopped and self._read < len(self._ids):
-            # The request ended inside a character (max_tokens cut it): its bytes would show as
-            # one U+FFFD, so it is dropped; replacement marks before it (invalid bytes the
-            # model made) stay.
-            before = self._decode(self._ids[self._prefix : self._read])
-            tail = self._decode(self._ids[self._prefix :])[len(before) :]
-            self.text += tail[:-1] if tail.endswith(REPLACEMENT) else tail
-            self._read = len(self._ids)
+        """The text not yet handed out that can no longer change. At the end, a character
+        whose bytes did not all come (max_tokens cut it) is dropped: it would show as one
+        U+FFFD; marks before it (invalid bytes the model made) were taken as they came."""
         end = len(self.text) if (is_final or self.is_stopped) else len(self.text) - self.holdback
         if end <= self._num_sent:
             return ""

@@ -158,3 +158,75 @@ def test_a_stop_string_inside_an_update_takes_the_tokens_up_to_it(tiny_model):
     assert many.add(ids[2:]) == num_taken - 2 and many.is_stopped
     assert many.add(ids[:1]) == 0
     assert many.take(is_final=True) == one.take(is_final=True) == "the water "
+
+
+def _fast(vocab: dict[str, int], decoder):
+    """A tokenizer of these whole tokens (no merges) with this decoder, as transformers
+    loads one."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.WordLevel(vocab, unk_token=next(iter(vocab))))
+    t.decoder = decoder
+    return PreTrainedTokenizerFast(tokenizer_object=t, clean_up_tokenization_spaces=False)
+
+
+def _byte_text(data: bytes) -> str:
+    """Bytes as a byte-level BPE token's text: printable Latin-1 stands for itself, the
+    other bytes for the characters from 256 on, in order."""
+    kept = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = {b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in kept)}
+    return "".join(chr(b) if b in kept else others[b] for b in data)
+
+
+def test_characters_split_at_every_token_boundary_stream_whole_and_cheaply():
+    """Byte-level tokens can end every one inside a character (a euro sign's bytes E2 82 |
+    AC E2 82 | AC ...): no token ends a character, yet each is streamed as it completes
+    one, and the window stays short (it once grew with the output)."""
+    from tokenizers import decoders
+
+    tok = _fast(
+        {_byte_text(b"a"): 0, _byte_text(b"\xe2\x82"): 1, _byte_text(b"\xac\xe2\x82"): 2},
+        decoders.ByteLevel(),
+    )
+    ids = [1] + [2] * 2000
+    d = IncrementalDetokenizer(tok, [])
+    seen, pieces = _counting(d), []
+    for t in ids:
+        d.add([t])
+        pieces.append(d.take())
+    assert pieces[1:4] == ["\u20ac"] * 3 and seen[0] <= 40 * len(ids)
+    assert "".join(pieces) + d.take(is_final=True) == "\u20ac" * 2000
+
+
+def test_a_space_that_is_text_only_beside_others_is_kept():
+    """A sentencepiece decoder strips the text's first space: "\u2581" alone decodes to
+    nothing, yet before a word it is a space (an indented first line keeps its indent)."""
+    from tokenizers import decoders
+
+    decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + [decoders.Strip(" ", 1, 0)]
+    )
+    tok = _fast({"<unk>": 0, "\u2581": 1, "\u2581Hello": 2, "<0x20>": 3}, decoder)
+    for ids in ([1, 2], [1, 1, 1, 2], [3, 2], [2, 1, 1, 2]):
+        d = IncrementalDetokenizer(tok, [])
+        pieces = [d.take() for t in ids if d.add([t]) is not None]
+        assert "".join(pieces) + d.take(is_final=True) == tok.decode(ids), ids
+
+
+def test_a_stop_string_is_found_in_text_a_token_ends_inside_a_character():
+    """The stable text of a token that also begins a character ("a" of a token a|E2) is
+    searched for stop strings as it comes, and the tokens after the one that completed it
+    are not taken, even in one update (a verify step's)."""
+    from tokenizers import decoders
+
+    vocab = {_byte_text(b"a"): 0, _byte_text(b"a\xe2"): 1, _byte_text(b"\xc3"): 2}
+    vocab |= {_byte_text(b"\xa9\xff"): 3, _byte_text(b"\xff"): 4}
+    tok = _fast(vocab, decoders.ByteLevel())
+    d = IncrementalDetokenizer(tok, ["aa"])
+    assert d.add([0, 1, 0, 0]) == 2 and d.is_stopped and d.take(is_final=True) == ""
+    d = IncrementalDetokenizer(tok, ["\u00e9"])  # é: C3 | A9, then bytes never valid
+    assert d.add([2, 3] + [4] * 12) == 2 and d.is_stopped
+    d = IncrementalDetokenizer(tok, ["\ufffd\ufffd"])  # marks of invalid bytes, as stop
+    assert d.add([4, 4, 4, 4]) == 3 and d.is_stopped

@@ -21,6 +21,11 @@ PROMPT_LPS = [TokenLogprobs(-1.0 - i, [], []) for i in range(len(PROMPT) - 1)]
 
 
 class FakeTokenizer:
+    all_special_ids = ()
+
+    def __len__(self):
+        return 100
+
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(97 + i % 26) for i in ids)
 
