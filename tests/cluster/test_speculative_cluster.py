@@ -173,7 +173,8 @@ def test_a_stop_string_inside_a_verified_run_ends_the_tokens_there(cluster, tiny
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     marks = [t for t in range(len(tok)) if len(s := tok.decode([t])) == 1 and s.isalnum()][:4]
-    num_tokens = 6
+    # NOTE: long enough for the chooser's probe, should earlier tests have turned it down
+    num_tokens = 45
 
     async def run():
         async with AsyncClient(cluster.endpoint) as client:
@@ -181,7 +182,7 @@ def test_a_stop_string_inside_a_verified_run_ends_the_tokens_there(cluster, tiny
                 *[
                     client.complete(
                         prompt_token_ids=[t] * 12,
-                        max_tokens=NEW_TOKENS,
+                        max_tokens=2 * num_tokens,
                         ignore_eos=True,
                         logit_bias={str(t): 100},
                         stop=[tok.decode([t]) * num_tokens],
