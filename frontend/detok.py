@@ -8,9 +8,19 @@ held back. A stop string ends the request and is never streamed.
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
-# The decode window's tokens, at most (past it, the window starts again nearer its end)
-MAX_WINDOW = 16
-MIN_WINDOW = 4  # tokens a window keeps when it starts again: a character's bytes at most
+# The decode window's tokens, at most: past it, the window starts again with its last
+# KEPT_TOKENS, which hold every byte of a character still coming (three at most, a token
+# at least one of them).
+MAX_WINDOW = 24
+KEPT_TOKENS = 12
+
+
+def pending_marks(tokenizer) -> int:
+    """How many U+FFFDs a character still coming shows as, at most: one (byte-level BPE), or
+    one a byte where a sentencepiece decoder falls back to bytes (three of a four-byte one)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    state = decoder.__getstate__() if decoder is not None else b""
+    return 3 if b'"ByteFallback"' in state else 1
 
 
 def text_decoder(tokenizer):
@@ -26,7 +36,7 @@ def text_decoder(tokenizer):
 class IncrementalDetokenizer:
     """Text from tokens, decoded over a short window of the latest ones (a token's text can
     depend on those before it: a leading space, a character's first bytes). All of the
-    window's text but a last U+FFFD (a character whose bytes may still come) is stable.
+    window's text but its last U+FFFDs (a character whose bytes may still come) is stable.
     NOTE: a character's bytes may straddle every token boundary (byte-level BPE does that
     to CJK text), so text is taken a character at a time, not a token at a time; and the
     window is kept short, or each token would decode the whole output again."""
@@ -36,14 +46,17 @@ class IncrementalDetokenizer:
         # ids that decode to nothing (specials are skipped, unknown ids have no text): kept
         # out of the window, which they would only make longer
         self._num_vocab = len(tokenizer)
-        self._special = frozenset(tokenizer.all_special_ids)
+        self._max_pending = pending_marks(tokenizer)
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        self._special = frozenset(tokenizer.all_special_ids).union(
+            i for i, t in added.items() if getattr(t, "special", False)
+        )
         self.stop = list(stop)  # each non-empty: the frontend refuses an empty one
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self._ids: list[int] = []  # the window's tokens
         self.text = ""  # decoded so far, stable characters only
         self._num_done = 0  # characters of the window's stable text already in self.text
-        self._grown_at = 0  # the latest token with whose arrival the stable text grew
-        self._is_pending = False  # the window's text ends in a character still coming
+        self._num_pending = 0  # the window's last U+FFFDs: a character that may still come
         self._num_sent = 0  # characters handed out by take()
         self.is_stopped = False
 
@@ -57,30 +70,24 @@ class IncrementalDetokenizer:
                 continue
             self._ids.append(t)
             window = self._decode(self._ids)
-            self._is_pending = window.endswith(REPLACEMENT)
-            num_stable = len(window) - self._is_pending
+            num_marks = len(window) - len(window.rstrip(REPLACEMENT))
+            self._num_pending = min(num_marks, self._max_pending)
+            num_stable = len(window) - self._num_pending
             if num_stable > self._num_done:
                 start = max(len(self.text) - self.holdback, 0)
                 self.text += window[self._num_done : num_stable]
-                self._num_done, self._grown_at = num_stable, len(self._ids) - 1
+                self._num_done = num_stable
                 self._check_stop(start)
             if len(self._ids) > MAX_WINDOW:
                 self._start_window_again()
         return len(token_ids)
 
     def _start_window_again(self) -> None:
-        """The window starts at the token with which the text last grew: the bytes of the
-        character that may still be coming are all at or after it. Its text to there is all
-        in self.text already."""
-        n = len(self._ids)
-        # NOTE: text that has not grown for a whole window (tokens with no bytes that the
-        # tokenizer does not call special) starts again MIN_WINDOW from the end all the same
-        start = self._grown_at if self._grown_at > 0 else n - MIN_WINDOW
-        del self._ids[:start]
-        self._grown_at -= start
-        # NOTE: the window's first characters may now be U+FFFD where a character's last
-        # bytes begin it: done all the same (the one pending is the last, if any)
-        self._num_done = len(self._decode(self._ids)) - self._is_pending
+        """The window keeps its last KEPT_TOKENS: its text but the pending marks is all in
+        self.text already. NOTE: its first characters may now be U+FFFD where a character's
+        last bytes begin it: taken all the same."""
+        del self._ids[:-KEPT_TOKENS]
+        self._num_done = max(len(self._decode(self._ids)) - self._num_pending, 0)
 
     def _check_stop(self, start: int) -> None:
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
@@ -90,8 +97,8 @@ class IncrementalDetokenizer:
 
     def take(self, is_final: bool = False) -> str:
         """The text not yet handed out that can no longer change. At the end, a character
-        whose bytes did not all come (max_tokens cut it) is dropped: it would show as one
-        U+FFFD; marks before it (invalid bytes the model made) were taken as they came."""
+        whose bytes did not all come (max_tokens cut it) is dropped: it would show as U+FFFD;
+        marks before it (invalid bytes the model made) were taken as they came."""
         end = len(self.text) if (is_final or self.is_stopped) else len(self.text) - self.holdback
         if end <= self._num_sent:
             return ""

@@ -113,6 +113,21 @@ def test_a_window_that_never_makes_a_whole_character_costs_a_bounded_amount_a_to
         assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)[:-1]
 
 
+def test_tokens_of_no_text_between_a_characters_bytes_change_nothing(tiny_model):
+    """Special tokens the tokenizer skips (its added ones, not only those it names special)
+    between a character's bytes, more of them than a window holds."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    ids = tok.encode("x\u4e2d the")
+    named = set(tok.all_special_ids)
+    special = next(i for i, t in tok.added_tokens_decoder.items() if t.special and i not in named)
+    for ids in (ids[:2] + [special] * 40 + ids[2:], [ids[0]] + [special] * 40 + ids[1:]):
+        d = IncrementalDetokenizer(tok, ["th"])
+        d.add(ids)
+        assert d.text == "x\u4e2d " and d.is_stopped, ids
+
+
 def test_any_tokens_in_any_updates_make_the_text_they_make_decoded_whole(tiny_model):
     """Random ids, many of them partial characters, specials or ids the tokenizer lacks,
     arriving a few at a time: the streamed text is the tokens' text decoded at once."""
@@ -201,15 +216,20 @@ def test_characters_split_at_every_token_boundary_stream_whole_and_cheaply():
 
 def test_a_space_that_is_text_only_beside_others_is_kept():
     """A sentencepiece decoder strips the text's first space: "\u2581" alone decodes to
-    nothing, yet before a word it is a space (an indented first line keeps its indent)."""
+    nothing, yet before a word it is a space (an indented first line keeps its indent).
+    Its byte fallback shows a character still coming as a U+FFFD for each byte."""
     from tokenizers import decoders
 
     decoder = decoders.Sequence(
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         + [decoders.Strip(" ", 1, 0)]
     )
-    tok = _fast({"<unk>": 0, "\u2581": 1, "\u2581Hello": 2, "<0x20>": 3}, decoder)
-    for ids in ([1, 2], [1, 1, 1, 2], [3, 2], [2, 1, 1, 2]):
+    vocab = {"<unk>": 0, "\u2581": 1, "\u2581Hello": 2, "<0x20>": 3}
+    vocab |= {f"<0x{b:02X}>": 4 + i for i, b in enumerate("\u4e2d\U0001f642".encode())}
+    tok = _fast(vocab, decoder)
+    # byte fallback: a character still coming shows as one U+FFFD a byte (中: 3, 🙂: 4)
+    cjk, emoji = [4, 5, 6], [7, 8, 9, 10]
+    for ids in ([1, 2], [1, 1, 1, 2], [3, 2], [2, 1, 1, 2], [2, *cjk, 1, *emoji, 2, *cjk]):
         d = IncrementalDetokenizer(tok, [])
         pieces = [d.take() for t in ids if d.add([t]) is not None]
         assert "".join(pieces) + d.take(is_final=True) == tok.decode(ids), ids
