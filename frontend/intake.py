@@ -19,7 +19,8 @@ from common.base.request import FINISH_ABORT
 from common.wire.protocol import ErrorReply, GenerateOutput, GenerateRequest
 from frontend import router
 from frontend.detok import IncrementalDetokenizer
-from frontend.prompts import check_reply_logprobs, check_size
+from frontend.prompts import check_size
+from frontend.reply_cost import check_reply_logprobs
 from frontend.request import ClientKey, RequestState
 
 log = get_logger("frontend")

@@ -40,9 +40,6 @@ from frontend.off_loop import OffLoop
 
 log = get_logger("frontend")
 
-MAX_REPLY_LOGPROBS = 2**17  # prompt logprobs in a reply of several choices, every one's counted
-
-
 # NOTE: what a request costs the frontend's event loop is bounded: a prompt of more text
 # than this is tokenized on a thread of its own (at low priority), and one of more text
 # than any prompt the model can take (max_prompt_chars) is refused unread.
@@ -76,29 +73,6 @@ def text_len(req: GenerateRequest) -> int:
     )
 
 
-def check_reply_logprobs(reqs: list[GenerateRequest], prompt_lens: list[int]) -> None:
-    """ValueError if the prompt logprobs one reply would hold pass MAX_REPLY_LOGPROBS: every
-    choice of every prompt of a group (an HTTP batch is one reply). A single choice of a
-    single prompt is bounded by the model's length alone.
-    NOTE: the reply is built and written on the frontend's loop: its bytes (and the time
-    to write them) grow with the choices x the prompt x the alternatives."""
-    if len(reqs) == 1 and reqs[0].n == 1:
-        return
-    num = sum(
-        req.n * n * (req.prompt_logprobs + 1)
-        for req, n in zip(reqs, prompt_lens)
-        if req.prompt_logprobs is not None
-    )
-    if num > MAX_REPLY_LOGPROBS:
-        what = "n x prompt tokens x (prompt_logprobs + 1)"
-        what += " over the prompts" if len(reqs) > 1 else ""
-        raise ValueError(
-            f"{what} is {num} logprobs, more than the {MAX_REPLY_LOGPROBS} a reply "
-            f"of several choices may hold: ask for fewer choices, prompts or prompt "
-            f"logprobs"
-        )
-
-
 def _json_len(value) -> int:
     """The length of plain data as JSON text (what a client sent, about); past any limit
     for what is not plain data."""
@@ -122,7 +96,16 @@ def _count_tokens(tokenizer, text: str, add_special_tokens: bool) -> int | None:
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or len(text) <= OFF_LOOP_CHARS:
         return None
-    return len(backend.encode(text, add_special_tokens=add_special_tokens))
+    return len(_tokenized(backend.encode, text, "the text", add_special_tokens=add_special_tokens))
+
+
+def _tokenized(encode, text: str, what: str, **kw):
+    """encode(text, **kw); a fast tokenizer's TypeError (its word for text it cannot take,
+    a lone surrogate) is the client's error."""
+    try:
+        return encode(text, **kw)
+    except TypeError:
+        raise ValueError(f"{what} cannot be tokenized (a lone surrogate?)") from None
 
 
 def _check_count(n: int | None, max_model_len: int) -> None:
@@ -137,11 +120,8 @@ def prompt_ids(tokenizer, req: GenerateRequest, max_model_len: int = 2**31) -> l
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
     if req.prompt is not None:
-        try:
-            _check_count(_count_tokens(tokenizer, req.prompt, True), max_model_len)
-            return tokenizer.encode(req.prompt)
-        except TypeError:  # NOTE: the fast tokenizer's word for text it cannot take
-            raise ValueError("the prompt cannot be tokenized (a lone surrogate?)") from None
+        _check_count(_count_tokens(tokenizer, req.prompt, True), max_model_len)
+        return _tokenized(tokenizer.encode, req.prompt, "the prompt")
     if req.prompt_token_ids is not None:
         return list(req.prompt_token_ids)
     for m in req.messages:
@@ -295,7 +275,7 @@ def _bad_words(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
         if not w.strip():
             raise ValueError("a bad word must not be empty")
         for text in dict.fromkeys((w, w if w.startswith(" ") else " " + w)):
-            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            ids = tuple(_tokenized(tokenizer.encode, text, "a bad word", add_special_tokens=False))
             if ids:
                 seqs[ids] = None
     return tuple(seqs)

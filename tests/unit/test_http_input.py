@@ -101,6 +101,11 @@ def test_tools_too_deep_and_text_the_tokenizer_cannot_take_are_refused(tiny_mode
         prompts.prompt_ids(tok, GenerateRequest(request_id="r", messages=user, tools=DEEP))
     with pytest.raises(ValueError, match="cannot be tokenized"):
         prompts.prompt_ids(tok, GenerateRequest(request_id="r", prompt="a\ud800b"))
+    long = [{"role": "user", "content": "a" * prompts.OFF_LOOP_CHARS + "\ud800"}]
+    with pytest.raises(ValueError, match="cannot be tokenized"):
+        prompts.prompt_ids(tok, GenerateRequest(request_id="r", messages=long))
+    with pytest.raises(ValueError, match="a bad word cannot be tokenized"):
+        prompts._bad_words(tok, ["a\ud800"])
 
 
 def test_a_tool_call_the_model_nests_past_the_stack_is_text_not_an_error():

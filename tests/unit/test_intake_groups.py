@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 
 from common.wire.protocol import GenerateRequest
-from frontend.prompts import MAX_REPLY_LOGPROBS, OFF_LOOP_CHARS, text_len
+from frontend.prompts import OFF_LOOP_CHARS, text_len
+from frontend.reply_cost import MAX_REPLY_LOGPROBS
 from tests.unit import test_intake
 from tests.unit.test_intake import CLIENT, _error, _settled, _submit
 
@@ -21,7 +22,7 @@ def test_the_prompt_logprobs_every_choice_replies_with_are_bounded_before_any_wo
     """Every choice's reply holds the prompt's logprobs: n x the prompt x (prompt_logprobs + 1)
     of them (64 x 900 x 6: ~346k, 0.4 s of the frontend's loop to shape and write). Refused
     with a 400 naming the product and the limit, before the request reaches a node."""
-    from frontend.prompts import MAX_REPLY_LOGPROBS
+    from frontend.reply_cost import MAX_REPLY_LOGPROBS
 
     fe = make_frontend(64)
     prompt = [(7 * i) % 400 + 1 for i in range(900)]

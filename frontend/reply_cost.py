@@ -1,0 +1,31 @@
+"""What one reply may hold: its cost is checked before any work starts, since the reply
+is built and written on the frontend's one loop."""
+
+from __future__ import annotations
+
+from common.wire.protocol import GenerateRequest
+
+MAX_REPLY_LOGPROBS = 2**17  # prompt logprobs in a reply of several choices, every one's counted
+
+
+def check_reply_logprobs(reqs: list[GenerateRequest], prompt_lens: list[int]) -> None:
+    """ValueError if the prompt logprobs one reply would hold pass MAX_REPLY_LOGPROBS: every
+    choice of every prompt of a group (an HTTP batch is one reply). A single choice of a
+    single prompt is bounded by the model's length alone.
+    NOTE: the reply is built and written on the frontend's loop: its bytes (and the time
+    to write them) grow with the choices x the prompt x the alternatives."""
+    if len(reqs) == 1 and reqs[0].n == 1:
+        return
+    num = sum(
+        req.n * n * (req.prompt_logprobs + 1)
+        for req, n in zip(reqs, prompt_lens)
+        if req.prompt_logprobs is not None
+    )
+    if num > MAX_REPLY_LOGPROBS:
+        what = "n x prompt tokens x (prompt_logprobs + 1)"
+        what += " over the prompts" if len(reqs) > 1 else ""
+        raise ValueError(
+            f"{what} is {num} logprobs, more than the {MAX_REPLY_LOGPROBS} a reply "
+            f"of several choices may hold: ask for fewer choices, prompts or prompt "
+            f"logprobs"
+        )
