@@ -83,7 +83,11 @@ class CappedSite(web.BaseSite):
 
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            connection, self._host, self._port, reuse_address=True
+            connection,
+            self._host,
+            self._port,
+            backlog=128,  # TCPSite's, as reuse_address
+            reuse_address=True,
         )
 
 
