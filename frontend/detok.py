@@ -15,12 +15,11 @@ MAX_WINDOW = 24
 KEPT_TOKENS = 12
 
 
-def pending_marks(tokenizer) -> int:
-    """How many U+FFFDs a character still coming shows as, at most: one (byte-level BPE), or
-    one a byte where a sentencepiece decoder falls back to bytes (three of a four-byte one)."""
+def falls_back_to_bytes(tokenizer) -> bool:
+    """Whether the tokenizer's decoder writes byte tokens (<0xE4>) as a run: a run that is
+    not all UTF-8 shows as a U+FFFD a byte, those of characters already whole included."""
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    state = decoder.__getstate__() if decoder is not None else b""
-    return 3 if b'"ByteFallback"' in state else 1
+    return decoder is not None and b'"ByteFallback"' in decoder.__getstate__()
 
 
 def text_decoder(tokenizer):
@@ -36,7 +35,7 @@ def text_decoder(tokenizer):
 class IncrementalDetokenizer:
     """Text from tokens, decoded over a short window of the latest ones (a token's text can
     depend on those before it: a leading space, a character's first bytes). All of the
-    window's text but its last U+FFFDs (a character whose bytes may still come) is stable.
+    window's text but its last U+FFFD (a character whose bytes may still come) is stable.
     NOTE: a character's bytes may straddle every token boundary (byte-level BPE does that
     to CJK text), so text is taken a character at a time, not a token at a time; and the
     window is kept short, or each token would decode the whole output again."""
@@ -46,7 +45,8 @@ class IncrementalDetokenizer:
         # ids that decode to nothing (specials are skipped, unknown ids have no text): kept
         # out of the window, which they would only make longer
         self._num_vocab = len(tokenizer)
-        self._max_pending = pending_marks(tokenizer)
+        self._is_byte_fallback = falls_back_to_bytes(tokenizer)
+        self._token_text = tokenizer.convert_ids_to_tokens if self._is_byte_fallback else None
         added = getattr(tokenizer, "added_tokens_decoder", {})
         self._special = frozenset(tokenizer.all_special_ids).union(
             i for i, t in added.items() if getattr(t, "special", False)
@@ -70,24 +70,43 @@ class IncrementalDetokenizer:
                 continue
             self._ids.append(t)
             window = self._decode(self._ids)
-            num_marks = len(window) - len(window.rstrip(REPLACEMENT))
-            self._num_pending = min(num_marks, self._max_pending)
+            if self._is_byte_fallback:
+                # NOTE: a window ending in a mark may be a run of bytes that becomes text:
+                # it waits, up to a whole window (then its marks are taken as they are)
+                is_waiting = window.endswith(REPLACEMENT) and len(self._ids) <= 2 * MAX_WINDOW
+                self._num_pending = len(window) - self._num_done if is_waiting else 0
+            else:  # byte-level: a character still coming is one last mark
+                self._num_pending = int(window.endswith(REPLACEMENT))
             num_stable = len(window) - self._num_pending
             if num_stable > self._num_done:
                 start = max(len(self.text) - self.holdback, 0)
                 self.text += window[self._num_done : num_stable]
                 self._num_done = num_stable
                 self._check_stop(start)
-            if len(self._ids) > MAX_WINDOW:
+            # NOTE: a run of bytes waiting to be UTF-8 is not cut (it waits two windows)
+            if len(self._ids) > MAX_WINDOW and not (self._is_byte_fallback and self._num_pending):
                 self._start_window_again()
         return len(token_ids)
 
     def _start_window_again(self) -> None:
         """The window keeps its last KEPT_TOKENS: its text but the pending marks is all in
         self.text already. NOTE: its first characters may now be U+FFFD where a character's
-        last bytes begin it: taken all the same."""
-        del self._ids[:-KEPT_TOKENS]
+        last bytes begin it: taken all the same. A decoder that falls back to bytes is cut
+        before a token that is no byte (a run decoded apart from its start would show as
+        marks), or, in a run of bytes whole to here, before its last character's bytes
+        (kept for the space a sentencepiece decoder strips from a text's first token)."""
+        n = len(self._ids)
+        cut = n - KEPT_TOKENS
+        if self._is_byte_fallback:  # NOTE: nothing is pending here: the text is all taken
+            cut = next((c for c in range(cut, n) if not self._is_byte(c)), None)
+            if cut is None:
+                whole = (k for k in range(1, 5) if self._decode(self._ids[-k:])[:1] != REPLACEMENT)
+                cut = n - next(whole, 0)
+        del self._ids[:cut]
         self._num_done = max(len(self._decode(self._ids)) - self._num_pending, 0)
+
+    def _is_byte(self, index: int) -> bool:
+        return str(self._token_text(self._ids[index])).startswith("<0x")
 
     def _check_stop(self, start: int) -> None:
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]

@@ -217,7 +217,8 @@ def test_characters_split_at_every_token_boundary_stream_whole_and_cheaply():
 def test_a_space_that_is_text_only_beside_others_is_kept():
     """A sentencepiece decoder strips the text's first space: "\u2581" alone decodes to
     nothing, yet before a word it is a space (an indented first line keeps its indent).
-    Its byte fallback shows a character still coming as a U+FFFD for each byte."""
+    Its byte fallback shows a run of bytes as a U+FFFD a byte until the run is all UTF-8:
+    characters written in byte tokens, one after another for longer than a window."""
     from tokenizers import decoders
 
     decoder = decoders.Sequence(
@@ -229,10 +230,15 @@ def test_a_space_that_is_text_only_beside_others_is_kept():
     tok = _fast(vocab, decoder)
     # byte fallback: a character still coming shows as one U+FFFD a byte (中: 3, 🙂: 4)
     cjk, emoji = [4, 5, 6], [7, 8, 9, 10]
-    for ids in ([1, 2], [1, 1, 1, 2], [3, 2], [2, 1, 1, 2], [2, *cjk, 1, *emoji, 2, *cjk]):
+    runs = [2, *cjk, *cjk, *emoji, 1, 2], [*(cjk + emoji) * 20, 1, 2], [2, *cjk * 40]
+    for ids in ([1, 2], [1, 1, 1, 2], [3, 2], [2, 1, 1, 2], [2, *cjk, 1, *emoji, 2, *cjk], *runs):
         d = IncrementalDetokenizer(tok, [])
         pieces = [d.take() for t in ids if d.add([t]) is not None]
         assert "".join(pieces) + d.take(is_final=True) == tok.decode(ids), ids
+    d = IncrementalDetokenizer(tok, [])
+    seen = _counting(d)
+    d.add([7] * 2000)  # an emoji's first byte again and again: a run that is never UTF-8
+    assert seen[0] <= 40 * 2000 and d.text == "\ufffd" * len(d.text)
 
 
 def test_a_stop_string_is_found_in_text_a_token_ends_inside_a_character():
