@@ -35,7 +35,8 @@ def text_decoder(tokenizer):
 class IncrementalDetokenizer:
     """Text from tokens, decoded over a short window of the latest ones (a token's text can
     depend on those before it: a leading space, a character's first bytes). All of the
-    window's text but its last U+FFFD (a character whose bytes may still come) is stable.
+    window's text but its last U+FFFD (a character whose bytes may still come) is stable;
+    where the decoder falls back to bytes, a window ending in U+FFFD waits whole.
     NOTE: a character's bytes may straddle every token boundary (byte-level BPE does that
     to CJK text), so text is taken a character at a time, not a token at a time; and the
     window is kept short, or each token would decode the whole output again."""
@@ -72,7 +73,7 @@ class IncrementalDetokenizer:
             window = self._decode(self._ids)
             if self._is_byte_fallback:
                 # NOTE: a window ending in a mark may be a run of bytes that becomes text:
-                # it waits, up to a whole window (then its marks are taken as they are)
+                # it waits, up to two windows (then its marks are taken as they are)
                 is_waiting = window.endswith(REPLACEMENT) and len(self._ids) <= 2 * MAX_WINDOW
                 self._num_pending = len(window) - self._num_done if is_waiting else 0
             else:  # byte-level: a character still coming is one last mark
