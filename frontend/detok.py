@@ -74,7 +74,11 @@ class IncrementalDetokenizer:
             if self._is_byte_fallback:
                 # NOTE: a window ending in a mark may be a run of bytes that becomes text:
                 # it waits, up to two windows (then its marks are taken as they are)
-                is_waiting = window.endswith(REPLACEMENT) and len(self._ids) <= 2 * MAX_WINDOW
+                is_waiting = (
+                    window.endswith(REPLACEMENT)
+                    and self._is_byte(len(self._ids) - 1)  # not a word's own mark
+                    and len(self._ids) <= 2 * MAX_WINDOW
+                )
                 self._num_pending = len(window) - self._num_done if is_waiting else 0
             else:  # byte-level: a character still coming is one last mark
                 self._num_pending = int(window.endswith(REPLACEMENT))

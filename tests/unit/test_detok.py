@@ -225,12 +225,13 @@ def test_a_space_that_is_text_only_beside_others_is_kept():
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         + [decoders.Strip(" ", 1, 0)]
     )
-    vocab = {"<unk>": 0, "\u2581": 1, "\u2581Hello": 2, "<0x20>": 3}
+    vocab = {"<unk>": 0, "\u2581": 1, "\u2581Hello": 2, "<0x20>": 3, "\u2581x\ufffd": 11}
     vocab |= {f"<0x{b:02X}>": 4 + i for i, b in enumerate("\u4e2d\U0001f642".encode())}
     tok = _fast(vocab, decoder)
     # byte fallback: a character still coming shows as one U+FFFD a byte (中: 3, 🙂: 4)
     cjk, emoji = [4, 5, 6], [7, 8, 9, 10]
     runs = [2, *cjk, *cjk, *emoji, 1, 2], [*(cjk + emoji) * 20, 1, 2], [2, *cjk * 40]
+    runs += ([2, 11], [11, 2, 11])  # a word's own U+FFFD is no byte still coming
     for ids in ([1, 2], [1, 1, 1, 2], [3, 2], [2, 1, 1, 2], [2, *cjk, 1, *emoji, 2, *cjk], *runs):
         d = IncrementalDetokenizer(tok, [])
         pieces = [d.take() for t in ids if d.add([t]) is not None]
