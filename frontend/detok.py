@@ -121,8 +121,11 @@ class IncrementalDetokenizer:
 
     def take(self, is_final: bool = False) -> str:
         """The text not yet handed out that can no longer change. At the end, a character
-        whose bytes did not all come (max_tokens cut it) is dropped: it would show as U+FFFD;
-        marks before it (invalid bytes the model made) were taken as they came."""
+        whose bytes did not all come (max_tokens cut it) is dropped, and so are marks of
+        invalid bytes just before it not yet handed out (as vLLM drops them): the text ends
+        where its last whole character does. Marks with text after them stay."""
+        if is_final and not self.is_stopped:
+            self.text = self.text[: max(len(self.text.rstrip(REPLACEMENT)), self._num_sent)]
         end = len(self.text) if (is_final or self.is_stopped) else len(self.text) - self.holdback
         if end <= self._num_sent:
             return ""
