@@ -165,42 +165,6 @@ def test_a_stop_token_inside_a_verified_run_ends_the_request_there(cluster, tiny
     wait_for(lambda: _all_blocks_free(cluster), 10, "every block back")
 
 
-def test_a_stop_string_inside_a_verified_run_ends_the_tokens_there(cluster, tiny_model):
-    """A token forced (logit_bias) after a prompt of it said again and again: prompt lookup's
-    drafts are all taken, and the stop string's last token comes inside a verify step's run.
-    The request's tokens, and its usage, end at it, as one token a step would end them."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_model))
-    marks = [t for t in range(len(tok)) if len(s := tok.decode([t])) == 1 and s.isalnum()][:4]
-    # NOTE: long enough for the chooser's probe, should earlier tests have turned it down
-    num_tokens = 45
-
-    async def run():
-        async with AsyncClient(cluster.endpoint) as client:
-            return await asyncio.gather(
-                *[
-                    client.complete(
-                        prompt_token_ids=[t] * 12,
-                        max_tokens=2 * num_tokens,
-                        ignore_eos=True,
-                        logit_bias={str(t): 100},
-                        stop=[tok.decode([t]) * num_tokens],
-                    )
-                    for t in marks
-                ]
-            )
-
-    before = cluster.stats()["decode-0"]["num_drafted_tokens"]
-    for r, t in zip(asyncio.run(run()), marks):
-        assert (r.token_ids, r.finish_reason, r.text) == ([t] * num_tokens, "stop", "")
-        assert r.usage["completion_tokens"] == num_tokens
-    wait_for(
-        lambda: cluster.stats()["decode-0"]["num_drafted_tokens"] > before, 10, "drafts verified"
-    )
-    wait_for(lambda: _all_blocks_free(cluster), 10, "every block back")
-
-
 def _all_blocks_free(cluster) -> bool:
     return all(
         s["num_free_blocks"] == s["num_usable_blocks"] and not s.get("num_reserved_blocks")
