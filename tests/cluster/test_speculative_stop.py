@@ -9,21 +9,16 @@ import asyncio
 import pytest
 
 from frontend.client import AsyncClient
+
+# NOTE: its module-scoped cluster fixture, made anew for this module (a fresh chooser)
 from tests.cluster.test_speculative_cluster import _all_blocks_free as all_blocks_free
-from tests.cluster_util import Cluster, wait_for
+from tests.cluster.test_speculative_cluster import cluster  # noqa: F401, F811
+from tests.cluster_util import wait_for
 
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "cluster.log"
-    c = Cluster(tiny_model, log)  # NOTE: no --speculative-config: a CPU node's default
-    yield c
-    c.stop()
-
-
-def test_a_stop_string_inside_a_verified_run_ends_the_tokens_there(cluster, tiny_model):
+def test_a_stop_string_inside_a_verified_run_ends_the_tokens_there(cluster, tiny_model):  # noqa: F811
     """A token forced (logit_bias) after a prompt of it said again and again: prompt lookup's
     drafts are all taken, and the stop string's last token comes inside a verify step's run.
     The request's tokens, and its usage, end at it, as one token a step would end them.
