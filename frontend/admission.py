@@ -19,6 +19,7 @@ class ClientLoad:
     waiting: deque = field(default_factory=deque)  # admitted, not yet sent to a node
     num_requests: int = 0  # waiting + running
     num_kv_tokens: int = 0  # prompt + max_tokens, over those
+    items: set = field(default_factory=set)  # waiting + running
 
 
 class Admission:
@@ -58,6 +59,7 @@ class Admission:
             self.num_waiting += 1
         load.num_requests += 1
         load.num_kv_tokens += kv_tokens
+        load.items.add(item)
 
     def peek(self):
         """The item next() would give, left in place; None if none waits."""
@@ -72,6 +74,11 @@ class Admission:
                 self.num_waiting -= 1
                 return load.waiting.popleft()
         return None
+
+    def items_of(self, client: Hashable) -> list:
+        """Every item of client's, waiting or running."""
+        load = self.clients.get(client)
+        return list(load.items) if load is not None else []
 
     def requeue(self, client: Hashable, item) -> None:
         """A running item goes back to the front of its client's line (it moves to
@@ -93,5 +100,6 @@ class Admission:
             pass  # it was running
         load.num_requests -= 1
         load.num_kv_tokens -= kv_tokens
+        load.items.discard(item)
         if load.num_requests <= 0:
             del self.clients[client]

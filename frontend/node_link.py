@@ -92,8 +92,8 @@ class NodeMessages:
                 # NOTE: one client's failure is not another's
                 for client, outputs in outbox.items():
                     try:
-                        await fe.clients.send(
-                            outputs[0] if len(outputs) == 1 else OutputBatch(outputs), to=client
+                        await fe.client_link.send(
+                            client, outputs[0] if len(outputs) == 1 else OutputBatch(outputs)
                         )
                     except Exception:
                         log.exception("could not send %d outputs to a client", len(outputs))

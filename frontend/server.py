@@ -45,6 +45,7 @@ from common.wire.protocol import (
 )
 from frontend import activity, http, paths, router
 from frontend.admission import Admission
+from frontend.client_link import MAX_QUEUED, ClientLink
 from frontend.dispatch import Dispatcher
 from frontend.intake import Intake
 from frontend.metrics import Metrics
@@ -81,6 +82,7 @@ class Frontend:
         self.intake = Intake(self)
         self.migrations = Migrations(self)
         self.node_messages = NodeMessages(self, self.migrations)
+        self.client_link = ClientLink(self)
         self.registry = NodeRegistry(
             cfg,
             self.keys is not None,
@@ -118,6 +120,7 @@ class Frontend:
             max_message_bytes=limit,
             domain="clients" if self.cfg.is_client_auth else None,
             max_list_len=max(self.max_model_len, MAX_MESSAGES) + 1,
+            max_queued=MAX_QUEUED,
         )
         self.node_link = AsyncChannel(
             ctx, True, self.cfg.node_endpoint, max_message_bytes=limit, domain="nodes"
@@ -228,7 +231,7 @@ class Frontend:
             if self.outbox is not None and isinstance(msg, GenerateOutput):
                 self.outbox.setdefault(client, []).append(msg)
             else:
-                await self.clients.send(msg, to=client)
+                await self.client_link.send(client, msg)
         elif self.local_sink is not None:
             self.local_sink(client, msg, status)
 
@@ -303,6 +306,7 @@ class Frontend:
             "num_served": self.num_served,
             "num_overloaded": self.admission.num_refused,
             "num_bad_client_messages": self.clients.num_bad,
+            "num_clients_dropped": self.client_link.num_dropped,
             "num_bad_node_messages": self.node_link.num_bad,
             "num_node_link_resets": self.node_link.num_reroutes,
             "routes": dict(self.dispatcher.num_routes),

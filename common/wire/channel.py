@@ -293,16 +293,38 @@ class AsyncChannel(Inbound):
         server: str | None = None,
         domain: str | None = None,
         max_list_len: int | None = None,
+        max_queued: int | None = None,
     ):
+        """max_queued (a ROUTER): the messages a peer may leave unread; past them, or to a
+        peer that is gone, send() refuses at once (ROUTER_MANDATORY) instead of dropping."""
         self._init_receiver(ctx.keys, is_router, domain, max_list_len)
         self.sock = ctx.aio.socket(zmq.ROUTER if is_router else zmq.DEALER)
-        _open(ctx, self.sock, is_router, endpoint, max_message_bytes, server, domain)
-
-    async def send(self, msg, to: bytes | None = None) -> None:
-        frames = protocol.encode(msg)
-        await self.sock.send_multipart(
-            [self.route(to), *frames] if self.is_router else frames, copy=False
+        self.is_mandatory = bool(is_router and max_queued)
+        if self.is_mandatory:
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        _open(
+            ctx, self.sock, is_router, endpoint, max_message_bytes, server, domain, None, max_queued
         )
+
+    async def send(self, msg, to: bytes | None = None) -> str | None:
+        """None once queued; with max_queued, why it was not: "gone" (no connection under
+        that route) or "full" (its peer left max_queued messages unread)."""
+        frames = protocol.encode(msg)
+        if not self.is_mandatory:
+            await self.sock.send_multipart(
+                [self.route(to), *frames] if self.is_router else frames, copy=False
+            )
+            return None
+        try:
+            # NOTE: never waits: a wait for one peer's room would hold every other peer's.
+            await self.sock.send_multipart([self.route(to), *frames], copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return "full"
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            return "gone"
+        return None
 
     async def recv(self, allowed: tuple[type, ...] | None = None) -> tuple[bytes | None, object]:
         return self._unpack(await self.sock.recv_multipart(copy=False), allowed)

@@ -192,6 +192,25 @@ def test_client_port_answers_any_frames_and_keeps_serving(procs, tiny_model):
     _exact(procs.clients, tiny_model)
 
 
+def test_a_client_gone_mid_stream_has_its_requests_aborted_at_their_next_token(procs):
+    """A ZeroMQ client that exits without aborting: the frontend notices at its next reply
+    (the connection is gone), so the nodes stop decoding for no one and free its blocks."""
+    _start(procs, "frontend", "prefill", "decode")
+    ctx, s = _raw(procs.clients)
+    try:
+        _send(s, type="generate", request_id="r", prompt_token_ids=PROMPT, max_tokens=1000)
+        _send(s, type="generate", request_id="q", prompt_token_ids=PROMPT, max_tokens=1000)
+        assert s.poll(30_000)
+        first = msgpack.unpackb(s.recv(), raw=False)  # a token: both are decoding
+        assert first["type"] in ("output", "outputs") and not first.get("error"), first
+    finally:
+        ctx.destroy()  # both requests still running: 1,000 tokens take seconds
+    with Client(procs.clients) as c:
+        wait_for(lambda: c.stats().frontend["num_clients_dropped"] == 1, 30, "the drop")
+        wait_for(lambda: c.stats().frontend["num_running"] == 0, 5, "both aborted")
+    wait_for(lambda: _all_free(procs.clients), 10, "every block free")
+
+
 def test_node_port_garbage_kills_no_loop_and_no_node(procs, tiny_model):
     _start(procs, "frontend", "prefill", "decode")
     ctx, s = _raw(procs.nodes, identity=b"decode-0/1/heartbeat")

@@ -1,0 +1,58 @@
+"""Replies to ZeroMQ clients, and what becomes of a client that cannot take them.
+
+A client that exits without aborting its requests, or stops reading its replies, is
+noticed at its next reply: the client socket refuses a message for a connection that is
+gone, or for one that left MAX_QUEUED messages unread (never waited on: a wait for one
+client would hold every other). Then each request of that client is aborted on its nodes,
+freeing their blocks, rather than decoded for no one or piled up in the frontend's memory
+(a TokenBatch's outputs for one client are one message, so a client that never reads
+held up to the queue's length of them; at 4,096 requests with logprobs, gigabytes).
+"""
+
+from __future__ import annotations
+
+from common.base.log import Throttle, get_logger
+from common.base.request import FINISH_ABORT
+
+noisy = Throttle(get_logger("frontend"))
+
+MAX_QUEUED = 10_000  # replies a client may leave unread: ~100 s of one node's steps
+
+WHY = {
+    "gone": "its connection is gone",
+    "full": f"it left {MAX_QUEUED:,} replies unread",
+}
+
+
+class ClientLink:
+    def __init__(self, fe):
+        self.fe = fe
+        self.num_dropped = 0  # clients whose requests were aborted for this
+        self._dropping: set[bytes] = set()
+
+    async def send(self, client: bytes, msg) -> None:
+        """To a ZeroMQ client by its routing id; a client that cannot take it is dropped."""
+        why = await self.fe.clients.send(msg, to=client)
+        if why is not None and client not in self._dropping:
+            await self._drop(client, WHY[why])
+
+    async def _drop(self, client: bytes, why: str) -> None:
+        """Abort every request of client: its nodes free their blocks."""
+        fe = self.fe
+        requests = fe.admission.items_of(client)
+        if not requests:
+            return  # a reply to a stats or drain request, say: nothing to free
+        # NOTE: each finish replies to client, and that reply fails too: not dropped again.
+        self._dropping.add(client)
+        try:
+            self.num_dropped += 1
+            noisy.warning(
+                "client %s: %s; its %d requests in flight are aborted",
+                client.hex(),
+                why,
+                len(requests),
+            )
+            for req in requests:
+                await fe.finish(req, FINISH_ABORT, f"the client is unreachable: {why}")
+        finally:
+            self._dropping.discard(client)
