@@ -11,10 +11,13 @@ held up to the queue's length of them; at 4,096 requests with logprobs, gigabyte
 
 from __future__ import annotations
 
+import asyncio
+
 from common.base.log import Throttle, get_logger
 from common.base.request import FINISH_ABORT
 
-noisy = Throttle(get_logger("frontend"))
+log = get_logger("frontend")
+noisy = Throttle(log)
 
 MAX_QUEUED = 10_000  # replies a client may leave unread: ~100 s of one node's steps
 
@@ -28,23 +31,32 @@ class ClientLink:
     def __init__(self, fe):
         self.fe = fe
         self.num_dropped = 0  # clients whose requests were aborted for this
-        self._dropping: set[bytes] = set()
+        self._dropping: set[bytes] = set()  # each with a drop task under way
+        self._tasks: set[asyncio.Task] = set()
 
     async def send(self, client: bytes, msg) -> None:
         """To a ZeroMQ client by its routing id; a client that cannot take it is dropped."""
         why = await self.fe.clients.send(msg, to=client)
-        if why is not None and client not in self._dropping:
-            await self._drop(client, WHY[why])
+        if why is None or client in self._dropping:
+            return
+        # NOTE: in a task of its own, never here: whoever replied may be walking requests
+        # (a lost node's, say) that the drop would end under it. Each finish in the drop
+        # replies to client, and that reply is refused too: not a second drop.
+        self._dropping.add(client)
+        task = asyncio.create_task(self._drop(client, WHY[why]))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _drop(self, client: bytes, why: str) -> None:
-        """Abort every request of client: its nodes free their blocks."""
+        """Abort every request of client, waiting or running (its nodes free their blocks),
+        and drop those still being tokenized."""
         fe = self.fe
-        requests = fe.admission.items_of(client)
-        if not requests:
-            return  # a reply to a stats or drain request, say: nothing to free
-        # NOTE: each finish replies to client, and that reply fails too: not dropped again.
-        self._dropping.add(client)
         try:
+            requests = fe.admission.items_of(client)
+            for key in [k for k in fe.intake.pending if k[0] == client]:
+                fe.intake.cancel(key)
+            if not requests:
+                return  # a reply to a stats or drain request, say: nothing to free
             self.num_dropped += 1
             noisy.warning(
                 "client %s: %s; its %d requests in flight are aborted",
@@ -54,5 +66,7 @@ class ClientLink:
             )
             for req in requests:
                 await fe.finish(req, FINISH_ABORT, f"the client is unreachable: {why}")
+        except Exception:  # one client's drop must not end the frontend's loop
+            log.exception("could not drop client %s", client.hex())
         finally:
             self._dropping.discard(client)

@@ -66,6 +66,8 @@ class Migrations:
         prefill node's reservations on decode nodes are freed there at once (as far as
         that is safe: common/handoff/receiver.py drop_peer)."""
         for req in list(self.fe.requests.values()):
+            if self.fe.requests.get(req.node_id) is not req:
+                continue  # NOTE: ended or moved by another task while this loop awaited
             if req.decode_node == node.name or (
                 req.prefill_node == node.name and not req.is_decoding
             ):

@@ -35,6 +35,17 @@ class Clients:
         return why
 
 
+class NodeLink:
+    async def send(self, msg, to: bytes) -> None:
+        pass
+
+
+async def _dropped(fe) -> None:
+    """Every drop under way has ended."""
+    while fe.client_link._tasks:
+        await asyncio.sleep(0)
+
+
 @pytest.mark.parametrize("why", ["full", "gone"])
 def test_a_client_that_cannot_take_a_reply_has_every_request_aborted(make_frontend, why):
     fe = make_frontend(16)
@@ -48,8 +59,10 @@ def test_a_client_that_cannot_take_a_reply_has_every_request_aborted(make_fronte
         assert len(fe.requests) == 5 and fe.client_link.num_dropped == 0
         fe.clients.verdicts[b"a"] = why
         await fe.reply(b"a", StatsRequest())  # any reply: a's cannot be taken
+        await _dropped(fe)
         # the same again (a's requests are gone): nothing more to drop
         await fe.reply(b"a", StatsRequest())
+        await _dropped(fe)
 
     asyncio.run(run())
     assert fe.client_link.num_dropped == 1
@@ -70,10 +83,37 @@ def test_a_dropped_clients_tokens_still_in_flight_are_not_sent(make_frontend):
         await _settled(fe)
         fe.clients.verdicts[b"a"] = "gone"
         await fe.client_link.send(b"a", GenerateOutput("x", [7], "a"))
+        await _dropped(fe)
 
     asyncio.run(run())
     assert fe.client_link.num_dropped == 1 and not fe.requests
     assert fe.clients.num_calls == 3  # the output, then each choice's last message, once
+
+
+def test_a_drop_never_ends_requests_under_a_lost_nodes_walk(make_frontend):
+    """Defect: the drop ran inside the reply that was refused, so a lost node's walk over
+    its requests, replying to one that could move no more, saw the drop end the next one
+    under it and moved a finished request (a KeyError: the frontend's watchdog died)."""
+    fe = make_frontend(16)
+    fe.clients, fe.node_link = Clients(), NodeLink()
+
+    async def run():
+        for rid in ("r1", "r2"):
+            await fe.submit(b"a", GenerateRequest(rid, prompt_token_ids=[1, 2, 3], max_tokens=50))
+        await _settled(fe)
+        while fe.admission.num_waiting:
+            assert await fe.dispatcher.send_next()
+        r1, r2 = fe.requests.values()
+        assert r1.decode_node == r2.decode_node == "decode-0"
+        r1.num_migrations = fe.cfg.max_migrations  # moved as often as it may: it fails
+        fe.clients.verdicts[b"a"] = "gone"
+        await fe.migrations.node_lost(fe.nodes["decode-0"], "dead", "killed")
+        await _dropped(fe)
+        return r2
+
+    r2 = asyncio.run(run())
+    assert not fe.requests and fe.client_link.num_dropped == 1
+    assert r2.num_migrations == 1  # moved before the drop (in its own task) ended it
 
 
 def test_the_client_socket_refuses_a_peer_gone_or_not_reading_without_waiting():
