@@ -4,9 +4,9 @@ A client that exits without aborting its requests, or stops reading its replies,
 noticed at its next reply: the client socket refuses a message for a connection that is
 gone, or for one that left MAX_QUEUED messages unread (never waited on: a wait for one
 client would hold every other). Then each request of that client is aborted on its nodes,
-freeing their blocks, rather than decoded for no one or piled up in the frontend's memory
-(a TokenBatch's outputs for one client are one message, so a client that never reads
-held up to the queue's length of them; at 4,096 requests with logprobs, gigabytes).
+freeing their blocks, rather than decoded for no one or piled up in the frontend's memory.
+NOTE: the bound counts messages, not bytes: a TokenBatch's outputs for one client are one
+message: megabytes for thousands of requests asking for logprobs.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from common.base.request import FINISH_ABORT
 log = get_logger("frontend")
 noisy = Throttle(log)
 
-MAX_QUEUED = 10_000  # replies a client may leave unread: ~100 s of one node's steps
+MAX_QUEUED = 1_000  # replies a client may leave unread, beyond what its own queue holds
 
 WHY = {
     "gone": "its connection is gone",
