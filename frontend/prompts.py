@@ -211,6 +211,8 @@ def prepare(
         raise ValueError(f"timeout_s must be positive, got {req.timeout_s}")
     if "" in req.stop:  # it would match at once: an answer of nothing, surely not what was meant
         raise ValueError("a stop string must not be empty")
+    if req.allowed_token_ids == []:  # NOTE: no token could be sampled; refused as over HTTP
+        raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
     if req.max_tokens == 0 and req.prompt_logprobs is None:
         raise ValueError("max_tokens 0 (the prompt alone) needs prompt_logprobs")
     ids = prompt_ids(tokenizer, req, max_model_len)

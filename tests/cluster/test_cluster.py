@@ -285,6 +285,18 @@ def test_bad_client_input_gets_clear_errors_and_service_goes_on(cluster):
             ),
             "stop string must not be empty",
         ),
+        (
+            msgpack.packb(
+                {
+                    "v": 2,
+                    "type": "generate",
+                    "request_id": "b9",
+                    "prompt": "x",
+                    "allowed_token_ids": [],
+                }
+            ),
+            "allowed_token_ids must not be empty",
+        ),
         (msgpack.packb({"v": 2, "type": "abort", "request_id": "nobody"}), "unknown request_id"),
     ]
     try:
