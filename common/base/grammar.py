@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import threading
 import time
@@ -87,6 +88,15 @@ def for_model(model_dir: str | None, vocab_size: int, max_threads: int = 8) -> "
     return Grammars(AutoTokenizer.from_pretrained(model_dir), vocab_size, max_threads)
 
 
+def _finite(text: str) -> float:
+    """A JSON number as a float; past a double's range (xgrammar fails on it without a
+    word) an OverflowError naming it."""
+    value = float(text)
+    if math.isinf(value):
+        raise OverflowError(f"the number {text[:32]} is out of range")
+    return value
+
+
 class Grammars:
     """The grammars of one tokenizer: compiled once each (the latest MAX_COMPILED kept)."""
 
@@ -129,7 +139,7 @@ class Grammars:
         c, is_any = self._compiler, whitespace == "any"
         try:
             if kind == "json_schema":
-                json.loads(spec)  # a plain error before xgrammar's own
+                json.loads(spec, parse_float=_finite)  # a plain error before xgrammar's own
                 return c.compile_json_schema(spec, any_whitespace=is_any)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=is_any)
@@ -150,12 +160,14 @@ class Grammars:
             raise
         except json.JSONDecodeError as e:
             raise GrammarError(f"the {kind} is not valid JSON: {e}") from None
+        except OverflowError as e:
+            raise GrammarError(f"the {kind} cannot be compiled: {e}") from None
         except re.error as e:
             raise GrammarError(f"the regex does not compile: {e}") from None
         except Exception as e:  # xgrammar's own errors (RuntimeError, ValueError, ...)
-            raise GrammarError(
-                f"the {kind} cannot be compiled: {str(e).splitlines()[0][:300]}"
-            ) from None
+            # NOTE: some have no text ("minimum": 1e400 is an IndexError of none)
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            raise GrammarError(f"the {kind} cannot be compiled: {lines[0][:300]}") from None
 
     def xgrammar_matcher(self, grammar: tuple[str, ...], compiled=None):
         return self._xgr.GrammarMatcher(

@@ -277,6 +277,25 @@ def test_a_grammar_that_ended_masks_to_eos_alone(tiny_model):
     assert torch.equal(again.fill(), m.fill())
 
 
+def test_a_grammar_xgrammar_fails_on_without_a_word_is_refused_naming_why(tiny_model, monkeypatch):
+    """Defect: xgrammar fails without a word on a number past a double's range (a
+    schema's "minimum": 1e400), and the error's own wording then raised an IndexError:
+    a 400 that named only that type."""
+    from common.base.grammar import GrammarError, for_model
+
+    grammars = for_model(str(tiny_model), 512, max_threads=1)
+    schema = '{"type": "integer", "minimum": 1e400}'
+    with pytest.raises(GrammarError, match="cannot be compiled: the number 1e400 is out of range"):
+        grammars.compile(("json_schema", schema, "compact"))
+
+    def silent(*args, **kwargs):
+        raise RuntimeError()
+
+    monkeypatch.setattr(grammars._compiler, "compile_regex", silent)
+    with pytest.raises(GrammarError, match="the regex cannot be compiled: RuntimeError$"):
+        grammars.compile(("regex", "a+", "compact"))
+
+
 def test_a_node_compiles_grammars_beside_its_loop(tiny_model):
     """Defect: a node compiled each request's grammar on its loop: a client streaming
     distinct grammars just under the frontend's 0.5 s limit stalled every running
