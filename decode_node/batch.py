@@ -21,6 +21,7 @@ import numpy as np
 from common.base import grammar
 from common.base.log import Throttle, get_logger
 from common.base.recent import Recent
+from common.base.request import FINISH_ERROR
 from common.engine.ticket import DecodeTicket
 from common.kv.sequence import Sequence, blocks_to_join, finish_reason, num_blocks_short
 from common.wire.protocol import TokenUpdate, ttft_parts
@@ -51,6 +52,7 @@ class Batch:
         self.num_finished = 0
         self.num_discarded_tokens = 0
         self.num_batched_steps = 0  # steps that ran more than one request
+        self.failed: list[tuple[str, str]] = []  # (request id, why): ended here, told by the node
         verifier = worker.decode.verifier
         self.drafts = verifier and DraftChooser(verifier.max_k)
         self._next_k: int | None = None  # drafts for the next launch, once chosen (0 only)
@@ -238,20 +240,22 @@ class Batch:
             seq.num_accepted_tokens += num_accepted
             made, reason = self._take(seq, row)
             self._num_log_tokens += len(made)
+            if reason == FINISH_ERROR:  # NOTE: its grammar: ends here, failed, its tokens unsent
+                self.failed.append((key, seq.matcher.cost.error))
             # NOTE: its preemptions are told after each resume too: a request that moves on
             # elsewhere keeps them in its timings.
             parts = seq.decode_parts() if reason or seq.is_preemption_untold else None
             seq.is_preemption_untold = False
-            updates.append(
-                TokenUpdate(
-                    key,
-                    made,
-                    reason,
-                    parts,
-                    index=len(seq.output_ids) - len(made),
-                    logprobs=lp[: len(made)] if lp and lp[0] else None,
-                )
+            update = TokenUpdate(
+                key,
+                made,
+                reason,
+                parts,
+                index=len(seq.output_ids) - len(made),
+                logprobs=lp[: len(made)] if lp and lp[0] else None,
             )
+            if reason != FINISH_ERROR:
+                updates.append(update)
             if reason:
                 self.num_finished += 1
                 if is_next_launched:
@@ -271,6 +275,9 @@ class Batch:
             seq.output_ids.append(token)
             if seq.matcher is not None and not seq.matcher.accept(token):
                 noisy.warning("request %s: token %d breaks its grammar", seq.request_id, token)
+            if seq.matcher is not None and seq.matcher.cost.error is not None:
+                self.num_discarded_tokens += len(row) - i - 1
+                return row[: i + 1], FINISH_ERROR
             reason = finish_reason(
                 seq, token, self.worker.spec.eos_token_ids, self.worker.max_model_len
             )

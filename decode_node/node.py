@@ -325,7 +325,7 @@ class DecodeNode:
         try:
             return self.batch.join(seq, token, logprobs, timings, compiled)
         except GrammarEnded as e:
-            self.runtime.send(RequestFailed(seq.request_id, str(e)))
+            self.runtime.send(RequestFailed(seq.request_id, str(e), is_bad_request=True))
             return None
 
     def _can_pipeline(self) -> bool:
@@ -352,9 +352,11 @@ class DecodeNode:
     # ---- send and report ------------------------------------------------------
 
     def _send(self, updates: list[TokenUpdate]) -> None:
-        """The turn's tokens to the frontend, one message for all."""
+        """The turn's tokens to the frontend, one message for all; then who failed in it."""
         if updates:
             self.runtime.send(TokenBatch(updates))
+        while self.batch.failed:
+            self.runtime.send(RequestFailed(*self.batch.failed.pop(), is_bad_request=True))
 
     def _end_turn(self) -> None:
         """Each turn's upkeep: the device's idle time, the runtime (registration, heartbeat,

@@ -75,7 +75,8 @@ class NodeMessages:
             if msg.is_retryable:  # its KV's way was cut, or its KV did not land whole
                 await self.migrations.move_or_fail(req, req.decode_node, "handoff", msg.error)
             else:
-                await fe.finish(req, FINISH_ERROR, msg.error, status=500)
+                status = 400 if msg.is_bad_request else 500
+                await fe.finish(req, FINISH_ERROR, msg.error, status=status)
         elif isinstance(msg, NodeSynced):
             await self.migrations.on_synced(node, msg)
         elif isinstance(msg, NodeDraining):

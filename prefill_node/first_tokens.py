@@ -12,13 +12,24 @@ from common.engine.prefill_job import PrefillChunk, PrefillJob
 from common.wire.protocol import TokenUpdate, ttft_parts
 
 
+def take_grammar(job: PrefillJob, vocab_size: int, compiles: grammar.Compiles) -> None:
+    """A waiting prompt's compiled grammar, and its matcher past any tokens it streamed
+    before a move. GrammarError: the grammar does not compile, or following those tokens
+    costs too much (said before any pass is spent on it)."""
+    job.grammar, job.is_compiling = compiles.take(job.request_id), False
+    outputs = job.params.split(job.token_ids)[1]
+    job.matcher = grammar.matcher_for(
+        job.params, outputs, vocab_size, compiles.grammars, job.grammar
+    )
+
+
 def first_token_mask(
     chunk: PrefillChunk, vocab_size: int, compiles: grammar.Compiles
 ) -> torch.Tensor:
     """The step mask of a prompt's first token ([W] int32 words), after any tokens it
     streamed before a move (its history's outputs)."""
     job = chunk.job
-    matcher = grammar.matcher_for(
+    matcher = job.matcher or grammar.matcher_for(
         job.params, chunk.history[1], vocab_size, compiles.grammars, job.grammar
     )
     return matcher.fill().clone()

@@ -40,7 +40,7 @@ from common.wire.protocol import (
     TokenBatch,
     TokenUpdate,
 )
-from prefill_node.first_tokens import first_token_mask, first_token_updates
+from prefill_node.first_tokens import first_token_mask, first_token_updates, take_grammar
 from prefill_node.pass_budget import PassBudget
 from prefill_node.scheduler import PrefillScheduler
 
@@ -269,7 +269,7 @@ class PrefillNode:
             if not self.compiles.is_done(job.request_id):
                 continue
             try:
-                job.grammar, job.is_compiling = self.compiles.take(job.request_id), False
+                take_grammar(job, self.worker.spec.vocab_size, self.compiles)
             except ValueError as e:  # GrammarError, said to the client
                 for rid in job.request_ids:
                     self.handoffs.abort(rid)

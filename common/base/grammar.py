@@ -29,6 +29,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from common.base.grammar_cost import CostMeter
+
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 WHITESPACE = ("compact", "any")
 MAX_COMPILED = 256  # grammars kept compiled, the most recently used
@@ -259,7 +261,8 @@ def matcher_for(
 ) -> "Matcher":
     """The matcher of a request whose mask changes token by token (params.is_masked_per_step:
     a grammar, from grammars, or a bad word of several tokens), past the tokens it has
-    generated so far. compiled: its grammar, compiled already (Compiles.take)."""
+    generated so far. compiled: its grammar, compiled already (Compiles.take). GrammarError:
+    following those tokens cost too much (grammar_cost.py)."""
     g = grammars.xgrammar_matcher(params.grammar, compiled) if params.grammar else None
     is_json = g is not None and params.grammar[0].startswith("json")
     m = Matcher(
@@ -271,6 +274,11 @@ def matcher_for(
     )
     for t in tokens:
         m.accept(t)
+        if m.cost.error is not None:
+            break  # NOTE: not a moment more of it: the request fails
+    m.cost.check_replay(len(tokens))
+    if m.cost.error is not None:
+        raise GrammarError(m.cost.error)
     return m
 
 
@@ -294,6 +302,7 @@ class Matcher:
         self._also = also
         self._bad_words = bad_words
         self._tail: list[int] = []  # the last tokens, as many as the longest bad word needs
+        self.cost = CostMeter()  # its calls into xgrammar; cost.error: too costly to go on
 
     def fill(self) -> torch.Tensor:
         """The next token's mask ([W] int32 words; this matcher's buffer)."""
@@ -303,7 +312,7 @@ class Matcher:
             if self._m.is_terminated():
                 self.bits.copy_(self._stop_only)
             else:
-                self._m.fill_next_token_bitmask(self.bits[None])
+                self.cost.call(self._m.fill_next_token_bitmask, self.bits[None])
         else:
             self.bits.fill_(-1)
         if self._also is not None:
@@ -329,7 +338,7 @@ class Matcher:
             word = token // 32
             is_allowed = 0 <= word < out.shape[1] and (int(out[j, word]) >> (token % 32)) & 1
             if is_allowed and self._m is not None and not self._m.is_terminated():
-                is_allowed = self._m.accept_token(token)
+                is_allowed = self.cost.call(self._m.accept_token, token)
                 num_taken += is_allowed
             if not is_allowed:
                 out[j + 1 :] = out[j]
@@ -338,7 +347,7 @@ class Matcher:
                 self._tail = (self._tail + [token])[-max(len(w) for w in self._bad_words) :]
             out[j + 1] = self.fill()
         if num_taken:
-            self._m.rollback(num_taken)
+            self.cost.call(self._m.rollback, num_taken)
         self._tail = tail
         return out
 
@@ -350,4 +359,4 @@ class Matcher:
             # NOTE: the grammar is whole and its mask allows only EOS: with ignore_eos the
             # request runs on to max_tokens on EOS tokens (not shown), which is no error.
             return True
-        return self._m is None or bool(self._m.accept_token(token))
+        return self._m is None or bool(self.cost.call(self._m.accept_token, token))

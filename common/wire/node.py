@@ -145,12 +145,14 @@ class Heartbeat:
 @dataclass
 class RequestFailed:
     """is_retryable: the failure was the path's, not the request's (its decode node
-    restarted, went silent or dropped the KV link): the frontend may move it."""
+    restarted, went silent or dropped the KV link): the frontend may move it.
+    is_bad_request: the request's own (its grammar): the client is told so (a 400)."""
 
     TYPE: ClassVar[str] = "failed"
     request_id: Id
     error: Text
     is_retryable: bool = False
+    is_bad_request: bool = False
 
 
 @dataclass

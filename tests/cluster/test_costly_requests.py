@@ -51,6 +51,10 @@ cases = {
                                                 "prompt_logprobs": 20}),
     "bad_words": ("/v1/completions", {"model": model, "prompt": "hello", "max_tokens": 4,
                                       "bad_words": [f"w{i}" for i in range(200_000)]}),
+    # a 45-byte grammar whose parse costs more with every token: it ends, with a 400
+    "ambiguous_grammar": ("/v1/completions", {
+        "model": model, "prompt": "x", "max_tokens": 900, "min_tokens": 900,
+        "structured_outputs": {"grammar": 'root ::= root root | root | "a" | ""'}}),
     "tools": ("/v1/chat/completions", {"model": model, "max_tokens": 4,
                                        "messages": [{"role": "user", "content": "hi"}],
                                        "tools": [{"type": "function", "function": {
@@ -130,6 +134,8 @@ def test_costly_requests_are_answered_and_no_process_or_stream_pays(tiny_model, 
         assert (
             report["bad_words"]["status"] == 400 and "bad_words" in report["bad_words"]["error"]
         ), report
+        grammar = report["ambiguous_grammar"]
+        assert grammar["status"] == 400 and "costs too much" in grammar["error"], grammar
         assert report["tools"]["status"] in (200, 400, 413), (
             report
         )  # 413: the body over the size cap

@@ -122,6 +122,7 @@ EXAMPLES = [
     p.Heartbeat("decode", "decode-0", {"num_running": 3}, 42, "42-ab12cd34"),
     p.RequestFailed("r1", "boom"),
     p.RequestFailed("r2", "decode node decode-1 restarted during the KV write", True),
+    p.RequestFailed("r3", "the grammar costs too much to follow", is_bad_request=True),
     p.NodeSynced(3, ["1a"], ["2b.1"]),
     p.NodeDraining("decode-1", 42),
     p.PrefixUpdate("prefill-0", 42, [-5, 2**62], [7], False),

@@ -1,0 +1,131 @@
+"""A grammar whose parse costs more with every token (an ambiguous one: xgrammar's Earley
+parser keeps every way to read the output) ends its request with a clear error before it
+stalls the node's batch; ordinary grammars never trip the meter."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from common.base import grammar_cost
+from common.base.grammar import GrammarError, for_model, matcher_for
+from common.base.grammar_cost import CostMeter
+from common.base.request import SamplingParams
+from common.base.speculative import SpeculativeConfig
+from common.engine.prefill_job import PrefillJob
+from prefill_node.first_tokens import take_grammar
+from tests.unit import test_speculative_grammar as spec_grammar
+
+AMBIGUOUS = ("grammar", 'root ::= root root | root | "a" | ""', "compact")
+MAX_TOKENS = 1000
+
+
+@pytest.fixture(scope="module")
+def grammars(tiny_model):
+    from transformers import AutoConfig
+
+    vocab_size = AutoConfig.from_pretrained(str(tiny_model)).vocab_size
+    return for_model(str(tiny_model), vocab_size, max_threads=1)
+
+
+@pytest.fixture(scope="module")
+def a_token(tiny_model) -> int:
+    from transformers import AutoTokenizer
+
+    (token,) = AutoTokenizer.from_pretrained(str(tiny_model)).encode("a")
+    return token
+
+
+def _params(g=AMBIGUOUS, **kw) -> SamplingParams:
+    # min_tokens: no EOS, so the grammar's output must go on
+    return SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, grammar=g, **kw)
+
+
+def test_the_meter_refuses_two_slow_calls_in_a_row_a_slow_mean_or_a_slow_replay():
+    slow = grammar_cost.MAX_CALL_S * 1.5
+    m = CostMeter()
+    for cost_s in (slow, 1e-5, slow, 1e-5):  # one at a time: a hiccup
+        m.add(cost_s)
+    assert m.error is None
+    m.add(slow)
+    m.add(slow)
+    assert "ms of CPU for one token" in m.error and "over 6 masks and tokens" in m.error
+    mean = CostMeter()
+    for _ in range(grammar_cost.MIN_CALLS - 1):
+        mean.add(grammar_cost.MAX_MEAN_S * 2)
+    assert mean.error is None  # too few calls to judge
+    mean.add(grammar_cost.MAX_MEAN_S * 2)
+    assert "ms of CPU a token" in mean.error
+    replay = CostMeter()
+    num_calls = int(grammar_cost.MAX_REPLAY_S / grammar_cost.MAX_MEAN_S) + 100
+    for _ in range(num_calls):
+        replay.add(grammar_cost.MAX_MEAN_S * 0.99)
+    assert replay.error is None  # each call and their mean below the limits: the replay's
+    replay.check_replay(num_calls)
+    assert f"to follow its {num_calls} tokens so far" in replay.error
+
+
+def test_an_ambiguous_grammar_trips_the_meter_and_a_plain_one_never(grammars, a_token):
+    vocab_size = grammars.info.vocab_size
+    m = matcher_for(_params(), [], vocab_size, grammars)
+    for num_tokens in range(1, 400):
+        m.fill()
+        assert m.accept(a_token)
+        if m.cost.error is not None:
+            break
+    assert m.cost.error is not None and "ambiguous" in m.cost.error, num_tokens
+    # its replay, as a node that takes the request over runs it: refused, not run to the end
+    with pytest.raises(GrammarError, match="costs too much"):
+        matcher_for(_params(), [a_token] * 2000, vocab_size, grammars)
+    plain = matcher_for(_params(("regex", "a+", "compact")), [], vocab_size, grammars)
+    for _ in range(2 * num_tokens + 200):
+        plain.fill()
+        assert plain.accept(a_token)
+    assert plain.cost.error is None and plain.cost.num_calls > 2 * grammar_cost.MIN_CALLS
+
+
+def test_a_prefill_node_refuses_to_follow_a_moved_requests_costly_outputs(grammars, a_token):
+    """A request moved with outputs it streamed: its matcher is brought past them when its
+    grammar is taken, so one too costly to follow fails before any pass is spent on it."""
+    compiles = SimpleNamespace(grammars=grammars, take=lambda rid: None)
+
+    def job(num_outputs: int) -> PrefillJob:
+        p = _params(num_prior_outputs=num_outputs)
+        return PrefillJob("r", [3, 4, 5] + [a_token] * num_outputs, p, 0.0, "d", "tcp://x:1")
+
+    short = job(8)
+    take_grammar(short, grammars.info.vocab_size, compiles)
+    assert short.matcher is not None and not short.is_compiling
+    with pytest.raises(GrammarError, match="costs too much"):
+        take_grammar(job(2000), grammars.info.vocab_size, compiles)
+
+
+@pytest.mark.parametrize("spec", [SpeculativeConfig("off"), SpeculativeConfig("ngram", 4)])
+def test_a_decode_node_ends_a_costly_grammars_request_and_the_batch_goes_on(
+    tiny_model, grammars, monkeypatch, spec
+):
+    """Its row ends failed (the node tells the frontend: a 400), its blocks go back, and the
+    other rows run to their end."""
+    failed = []
+    monkeypatch.setattr(spec_grammar, "NEW_TOKENS", 40)
+    params = spec_grammar._params(sampled=False)
+    _, _, blocks = spec_grammar._serve(tiny_model, grammars, params, spec)
+    params[0] = _params()
+    real_collect = spec_grammar.Batch.collect
+
+    def collect(batch, *args, **kwargs):
+        updates = real_collect(batch, *args, **kwargs)
+        failed.extend(batch.failed)
+        batch.failed.clear()
+        return updates
+
+    monkeypatch.setattr(spec_grammar.Batch, "collect", collect)
+    out, stats, got_blocks = spec_grammar._serve(tiny_model, grammars, params, spec)
+    ((rid, error),) = failed
+    assert rid == "r0" and "costs too much" in error
+    assert len(out["r0"]) < MAX_TOKENS // 2  # its tokens in the failing step are not sent
+    assert [len(out[f"r{i}"]) for i in (1, 2, 3)] == [40, 40, 40]
+    assert got_blocks == blocks and got_blocks[1] == 0  # every block back
+    if spec.method != "off":
+        assert stats["num_verify_steps"] > 0
