@@ -5,10 +5,12 @@ costs more with each token, about the square of the output so far, and all of it
 node's loop, which every sequence in its batch waits on; a replay of the tokens so far (a
 request that moved or was preempted) costs the sum. A compile within the frontend's limit
 says nothing of this. The meter times each call into xgrammar in the calling thread's CPU
-time (another process's load is not the grammar's) and names a grammar too costly once two
-calls in a row pass MAX_CALL_S, its calls average more than MAX_MEAN_S from the
-MIN_CALLS-th on, or a replay passes MAX_REPLAY_S. Ordinary grammars cost microseconds a
-call, well under all three.
+time (another process's load is not the grammar's) and names a grammar too costly once
+- two calls in a row pass MAX_CALL_S, or
+- its recent calls average more than MIN_SLOW_S and GROWTH times its first NUM_FIRST did
+  (a cost that grows with the output; a grammar that is merely slow, the same all along,
+  is not refused: a simple EBNF one over a 150k-token vocabulary costs ~2 ms a call), or
+- a replay passes MAX_REPLAY_S (before a node that runs it counts as hung).
 """
 
 from __future__ import annotations
@@ -16,18 +18,22 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-MAX_CALL_S = 0.05  # a mask or a token, twice in a row
-# The mean from MIN_CALLS calls on. NOTE: a verify step makes up to 2k + 2 calls a row (its
-# drafts' masks): a stall of k + 1 times this a step, at most, before the request ends.
-MAX_MEAN_S = 0.002
-MIN_CALLS = 64
-MAX_REPLAY_S = 2.0  # to follow the tokens a request made before it moved or was preempted
+MAX_CALL_S = 0.05  # a mask or a token
+# NOTE: a verify step makes up to 2k + 2 calls a row (its drafts' masks): the stall a step
+# before a growing cost is refused is up to k + 1 times that of a plain step.
+MIN_SLOW_S = 0.01
+GROWTH = 4.0
+NUM_FIRST = 64  # the first calls: what the grammar costs before its output grows
+RECENT = 1 / 32  # each call's weight in the recent mean (a moving average)
+MAX_REPLAY_S = 20.0  # under --hung-after's default of 30 s
 
 
 class CostMeter:
     def __init__(self):
         self.num_calls = 0
         self.total_s = 0.0
+        self.first_s = 0.0  # the first NUM_FIRST calls'
+        self.recent_s = 0.0  # the recent calls' mean
         self._num_slow = 0  # calls in a row past MAX_CALL_S
         self.error: str | None = None  # set once, when the grammar is found too costly
 
@@ -48,17 +54,30 @@ class CostMeter:
         """One call of cost_s seconds."""
         self.num_calls += 1
         self.total_s += cost_s
+        if self.num_calls <= NUM_FIRST:
+            self.first_s += cost_s
+            self.recent_s = self.first_s / self.num_calls
+        else:
+            self.recent_s += RECENT * (cost_s - self.recent_s)
         self._num_slow = self._num_slow + 1 if cost_s > MAX_CALL_S else 0
         if self.error is not None:
             return
+        first_mean_s = self.first_s / min(self.num_calls, NUM_FIRST)
         if self._num_slow >= 2:
             self._refuse(f"{cost_s * 1e3:.0f} ms of CPU for one token")
-        elif self.num_calls >= MIN_CALLS and self.total_s > MAX_MEAN_S * self.num_calls:
-            self._refuse(f"{self.total_s / self.num_calls * 1e3:.1f} ms of CPU a token")
+        elif (
+            self.num_calls > 2 * NUM_FIRST
+            and self.recent_s > MIN_SLOW_S
+            and self.recent_s > GROWTH * first_mean_s
+        ):
+            self._refuse(
+                f"{self.recent_s * 1e3:.1f} ms of CPU a token lately, "
+                f"{first_mean_s * 1e3:.2f} ms at first"
+            )
 
     def _refuse(self, why: str) -> None:
         self.error = (
-            f"the grammar costs too much to follow ({why} over {self.num_calls} masks and "
+            f"the grammar costs too much to follow ({why}, over {self.num_calls} masks and "
             f"tokens): an ambiguous grammar costs more with every token; write it so that each "
             f"text parses one way"
         )

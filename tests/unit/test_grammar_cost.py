@@ -42,7 +42,7 @@ def _params(g=AMBIGUOUS, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, grammar=g, **kw)
 
 
-def test_the_meter_refuses_two_slow_calls_in_a_row_a_slow_mean_or_a_slow_replay():
+def test_the_meter_refuses_two_slow_calls_in_a_row_a_growing_cost_or_a_slow_replay():
     slow = grammar_cost.MAX_CALL_S * 1.5
     m = CostMeter()
     for cost_s in (slow, 1e-5, slow, 1e-5):  # one at a time: a hiccup
@@ -51,17 +51,28 @@ def test_the_meter_refuses_two_slow_calls_in_a_row_a_slow_mean_or_a_slow_replay(
     m.add(slow)
     m.add(slow)
     assert "ms of CPU for one token" in m.error and "over 6 masks and tokens" in m.error
-    mean = CostMeter()
-    for _ in range(grammar_cost.MIN_CALLS - 1):
-        mean.add(grammar_cost.MAX_MEAN_S * 2)
-    assert mean.error is None  # too few calls to judge
-    mean.add(grammar_cost.MAX_MEAN_S * 2)
-    assert "ms of CPU a token" in mean.error
+    # the same cost all along, however slow (below MAX_CALL_S): never refused
+    steady = CostMeter()
+    for _ in range(5000):
+        steady.add(grammar_cost.MIN_SLOW_S * 2)
+    assert steady.error is None
+    # a cost that grows: refused once it is past MIN_SLOW_S and GROWTH times the first calls'
+    growing = CostMeter()
+    for n in range(1, 5000):
+        growing.add(1e-6 * n * n / 100)  # as an ambiguous grammar's: the square of the output
+        if growing.error is not None:
+            break
+    assert "lately" in growing.error and "at first" in growing.error
+    assert growing.recent_s < 2 * grammar_cost.MIN_SLOW_S  # no later than it must
+    cheap_then_slow = CostMeter()  # the first calls cheap, the rest a steady cost
+    for n in range(3 * grammar_cost.NUM_FIRST):
+        cheap_then_slow.add(grammar_cost.MIN_SLOW_S / 2 if n > 64 else 1e-5)
+    assert cheap_then_slow.error is None  # past GROWTH, but below MIN_SLOW_S
     replay = CostMeter()
-    num_calls = int(grammar_cost.MAX_REPLAY_S / grammar_cost.MAX_MEAN_S) + 100
+    num_calls = int(grammar_cost.MAX_REPLAY_S / grammar_cost.MIN_SLOW_S) + 100
     for _ in range(num_calls):
-        replay.add(grammar_cost.MAX_MEAN_S * 0.99)
-    assert replay.error is None  # each call and their mean below the limits: the replay's
+        replay.add(grammar_cost.MIN_SLOW_S * 0.99)
+    assert replay.error is None  # each call below the limits: the replay's
     replay.check_replay(num_calls)
     assert f"to follow its {num_calls} tokens so far" in replay.error
 
@@ -82,7 +93,7 @@ def test_an_ambiguous_grammar_trips_the_meter_and_a_plain_one_never(grammars, a_
     for _ in range(2 * num_tokens + 200):
         plain.fill()
         assert plain.accept(a_token)
-    assert plain.cost.error is None and plain.cost.num_calls > 2 * grammar_cost.MIN_CALLS
+    assert plain.cost.error is None and plain.cost.num_calls > 2 * grammar_cost.NUM_FIRST
 
 
 def test_a_prefill_node_refuses_to_follow_a_moved_requests_costly_outputs(grammars, a_token):
