@@ -99,6 +99,15 @@ def _finite(text: str) -> float:
     return value
 
 
+def _int64(text: str) -> int:
+    """A JSON integer; past 64 bits (xgrammar fails on it without a word) an OverflowError
+    naming it."""
+    value = int(text)
+    if not -(2**63) <= value < 2**63:
+        raise OverflowError(f"the number {text[:32]} is out of range")
+    return value
+
+
 class Grammars:
     """The grammars of one tokenizer: compiled once each (the latest MAX_COMPILED kept)."""
 
@@ -141,7 +150,8 @@ class Grammars:
         c, is_any = self._compiler, whitespace == "any"
         try:
             if kind == "json_schema":
-                json.loads(spec, parse_float=_finite)  # a plain error before xgrammar's own
+                # a plain error before xgrammar's own
+                json.loads(spec, parse_float=_finite, parse_int=_int64)
                 return c.compile_json_schema(spec, any_whitespace=is_any)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=is_any)
@@ -272,11 +282,11 @@ def matcher_for(
         [w for w in params.bad_words_ids if len(w) > 1],
         grammars.stop_only if g is not None else None,
     )
-    for t in tokens:
+    for i, t in enumerate(tokens):
         m.accept(t)
+        m.cost.check_replay(i + 1)
         if m.cost.error is not None:
             break  # NOTE: not a moment more of it: the request fails
-    m.cost.check_replay(len(tokens))
     if m.cost.error is not None:
         raise GrammarError(m.cost.error)
     return m
@@ -340,7 +350,7 @@ class Matcher:
             if is_allowed and self._m is not None and not self._m.is_terminated():
                 is_allowed = self.cost.call(self._m.accept_token, token)
                 num_taken += is_allowed
-            if not is_allowed:
+            if not is_allowed or self.cost.error is not None:  # NOTE: refused: no more of it
                 out[j + 1 :] = out[j]
                 break
             if self._bad_words:

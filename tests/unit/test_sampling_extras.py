@@ -287,6 +287,9 @@ def test_a_grammar_xgrammar_fails_on_without_a_word_is_refused_naming_why(tiny_m
     schema = '{"type": "integer", "minimum": 1e400}'
     with pytest.raises(GrammarError, match="cannot be compiled: the number 1e400 is out of range"):
         grammars.compile(("json_schema", schema, "compact"))
+    schema = '{"type": "integer", "minimum": 1' + "0" * 400 + "}"  # past 64 bits: the same
+    with pytest.raises(GrammarError, match="cannot be compiled: the number 1000+ is out of"):
+        grammars.compile(("json_schema", schema, "compact"))
 
     def silent(*args, **kwargs):
         raise RuntimeError()
