@@ -8,11 +8,15 @@ word's character class at the start of each sentence, over a vocabulary of 150k 
 ~100 ms a mask). A compile within the frontend's limit says nothing of either. The meter
 times each call into xgrammar in the calling thread's CPU time (another process's load is
 not the grammar's) and names a grammar too costly once
-- its calls cost more than MAX_MEAN_S each on average, beyond ALLOWANCE_S in all (what one
-  request may take from the loop: ordinary grammars cost 0.01-2 ms a call), or
+- one call passes MAX_CALL_S (an ambiguous grammar over a vocabulary with tokens of a
+  hundred spaces went from 1 s to 4.5 s a call: the next is not waited for), or
+- its calls cost more than MAX_MEAN_S each on average, beyond ALLOWANCE_S in all
+  (ordinary grammars cost 0.01-2.5 ms a call), or
 - its recent calls average more than MIN_SLOW_S and GROWTH times its first NUM_FIRST did:
   a cost that grows with the output, found well before the mean passes its limit, or
 - a replay passes MAX_REPLAY_S (before a node that runs it counts as hung).
+NOTE: a call is judged once it has returned: one call's stall is bounded only by how much
+more it costs than the one before. Each node that takes a request over meters it afresh.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+MAX_CALL_S = 0.25  # one mask or token (a word's start over 150k tokens: ~0.1 s)
 MAX_MEAN_S = 0.01  # a mask or a token, on average
-ALLOWANCE_S = 2.0
+ALLOWANCE_S = 2.0  # what a request's calls may take beyond MAX_MEAN_S each
 # NOTE: a verify step makes up to 2k + 2 calls a row (its drafts' masks): the stall a step
 # before a growing cost is refused is up to k + 1 times that of a plain step.
 MIN_SLOW_S = 0.01
@@ -67,7 +72,12 @@ class CostMeter:
         if self.error is not None:
             return
         first_mean_s = self.first_s / min(self.num_calls, NUM_FIRST)
-        if self.total_s > ALLOWANCE_S + MAX_MEAN_S * self.num_calls:
+        if cost_s > MAX_CALL_S:
+            self._refuse(
+                f"{cost_s * 1e3:.0f} ms of CPU for one mask or token",
+                f"at most {MAX_CALL_S * 1e3:.0f} ms",
+            )
+        elif self.total_s > ALLOWANCE_S + MAX_MEAN_S * self.num_calls:
             self._refuse(
                 f"{self.total_s / self.num_calls * 1e3:.1f} ms of CPU a mask or token",
                 f"at most {MAX_MEAN_S * 1e3:.0f} ms on average",

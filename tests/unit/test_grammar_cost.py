@@ -43,7 +43,12 @@ def _params(g=AMBIGUOUS, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, grammar=g, **kw)
 
 
-def test_the_meter_refuses_a_slow_mean_a_growing_cost_or_a_slow_replay():
+def test_the_meter_refuses_a_slow_call_a_slow_mean_a_growing_cost_or_a_slow_replay():
+    one = CostMeter()
+    one.add(grammar_cost.MAX_CALL_S * 0.9)  # a mask at a costly state: served
+    assert one.error is None
+    one.add(grammar_cost.MAX_CALL_S * 1.1)  # at once, whatever the allowance left
+    assert "for one mask or token" in one.error and "over 2 masks" in one.error
     # slow all along, under the mean's limit: never refused, however long
     steady = CostMeter()
     for _ in range(20_000):
