@@ -17,9 +17,12 @@ from typing import Hashable
 @dataclass
 class ClientLoad:
     waiting: deque = field(default_factory=deque)  # admitted, not yet sent to a node
-    num_requests: int = 0  # waiting + running
-    num_kv_tokens: int = 0  # prompt + max_tokens, over those
     items: set = field(default_factory=set)  # waiting + running
+    num_kv_tokens: int = 0  # prompt + max_tokens, over those
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.items)
 
 
 class Admission:
@@ -57,9 +60,8 @@ class Admission:
         if is_waiting:
             load.waiting.append(item)
             self.num_waiting += 1
-        load.num_requests += 1
-        load.num_kv_tokens += kv_tokens
         load.items.add(item)
+        load.num_kv_tokens += kv_tokens
 
     def peek(self):
         """The item next() would give, left in place; None if none waits."""
@@ -98,8 +100,7 @@ class Admission:
             self.num_waiting -= 1
         except ValueError:
             pass  # it was running
-        load.num_requests -= 1
-        load.num_kv_tokens -= kv_tokens
         load.items.discard(item)
-        if load.num_requests <= 0:
+        load.num_kv_tokens -= kv_tokens
+        if not load.items:
             del self.clients[client]

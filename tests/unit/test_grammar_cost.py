@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from common.base import grammar_cost
-from common.base.grammar import GrammarError, for_model, matcher_for
+from common.base.grammar import GrammarError, matcher_for
 from common.base.grammar_cost import CostMeter
 from common.base.request import SamplingParams
 from common.base.speculative import SpeculativeConfig
@@ -22,12 +22,8 @@ AMBIGUOUS = ("grammar", 'root ::= root root | root | "a" | ""', "compact")
 MAX_TOKENS = 1000
 
 
-@pytest.fixture(scope="module")
-def grammars(tiny_model):
-    from transformers import AutoConfig
-
-    vocab_size = AutoConfig.from_pretrained(str(tiny_model)).vocab_size
-    return for_model(str(tiny_model), vocab_size, max_threads=1)
+# test_speculative_grammar's fixture, under its own name: the tiny model's grammars.
+grammars = spec_grammar.grammars
 
 
 @pytest.fixture(scope="module")
