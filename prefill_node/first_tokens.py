@@ -1,38 +1,11 @@
-"""A prompt's first tokens on the prefill node: the step mask the first is sampled under,
-and the updates the node streams to the frontend itself while the prompt's KV is on its way
-to the decode node."""
+"""A prompt's first tokens on the prefill node: the updates the node streams to the
+frontend itself while the prompt's KV is on its way to the decode node."""
 
 from __future__ import annotations
 
-import torch
-
-from common.base import grammar
 from common.base.request import stop_reason
-from common.engine.prefill_job import PrefillChunk, PrefillJob
+from common.engine.prefill_job import PrefillJob
 from common.wire.protocol import TokenUpdate, ttft_parts
-
-
-def take_grammar(job: PrefillJob, vocab_size: int, compiles: grammar.Compiles) -> None:
-    """A waiting prompt's compiled grammar, and its matcher past any tokens it streamed
-    before a move. GrammarError: the grammar does not compile, or following those tokens
-    costs too much (said before any pass is spent on it)."""
-    job.grammar, job.is_compiling = compiles.take(job.request_id), False
-    outputs = job.params.split(job.token_ids)[1]
-    job.matcher = grammar.matcher_for(
-        job.params, outputs, vocab_size, compiles.grammars, job.grammar
-    )
-
-
-def first_token_mask(
-    chunk: PrefillChunk, vocab_size: int, compiles: grammar.Compiles
-) -> torch.Tensor:
-    """The step mask of a prompt's first token ([W] int32 words), after any tokens it
-    streamed before a move (its history's outputs)."""
-    job = chunk.job
-    matcher = job.matcher or grammar.matcher_for(
-        job.params, chunk.history[1], vocab_size, compiles.grammars, job.grammar
-    )
-    return matcher.fill().clone()
 
 
 def first_token_updates(

@@ -40,7 +40,8 @@ from common.wire.protocol import (
     TokenBatch,
     TokenUpdate,
 )
-from prefill_node.first_tokens import first_token_mask, first_token_updates, take_grammar
+from prefill_node.first_tokens import first_token_updates
+from prefill_node.grammars import PrefillGrammars
 from prefill_node.pass_budget import PassBudget
 from prefill_node.scheduler import PrefillScheduler
 
@@ -52,8 +53,9 @@ class PrefillNode:
     def __init__(self, cfg: PrefillConfig):
         self.cfg = cfg
         self.worker = DeviceWorker(cfg.worker).prepare()  # the weights and the KV cache, once
-        self.compiles = grammar.Compiles(
-            lambda: grammar.for_model(cfg.worker.model, self.worker.spec.vocab_size)
+        vocab_size = self.worker.spec.vocab_size
+        self.grammars = PrefillGrammars(
+            lambda: grammar.for_model(cfg.worker.model, vocab_size), vocab_size
         )
         self.prefix_cache = PrefixCache(self.worker.num_kv_blocks, cfg.is_prefix_caching)
         self.scheduler = PrefillScheduler(
@@ -150,7 +152,7 @@ class PrefillNode:
     def _close(self) -> None:
         """The grammar compiles, the handoffs (their KV links), the worker, then the
         frontend's channel and the ZeroMQ context, once every socket on it is closed."""
-        self.compiles.close()
+        self.grammars.close()
         self.handoffs.close()
         self.worker.close()
         if self.runtime is not None:
@@ -222,9 +224,7 @@ class PrefillNode:
             check_endpoint("decode_kv_endpoint", req.decode_kv_endpoint, self.cfg.allow_remote)
             job = PrefillJob.of(req, time.time())
             self.handoffs.begin(job)  # the reservation comes back while the prompt waits or runs
-            if req.params.grammar:  # compiled beside the loop; the prompt waits for it
-                self.compiles.submit(job.request_id, req.params.grammar)
-                job.is_compiling = True
+            self.grammars.submit(job)  # compiled beside the loop; the prompt waits for it
         except (ValueError, LinkError) as e:
             for rid in dict.fromkeys(ids):
                 self._fail(rid, str(e))
@@ -254,7 +254,7 @@ class PrefillNode:
         if self.scheduler.abort(job.request_id) is None and job.block_ids:
             self.prefix_cache.free(job.block_ids)
         job.block_ids = []
-        self.compiles.drop(job.request_id)
+        self.grammars.drop(job.request_id)
 
     # ---- admit ------------------------------------------------------------
 
@@ -265,16 +265,11 @@ class PrefillNode:
 
     def _take_compiled(self) -> None:
         """Prompts whose grammar has compiled may start; one that does not compile fails."""
-        for job in [j for j in self.scheduler.waiting if j.is_compiling]:
-            if not self.compiles.is_done(job.request_id):
-                continue
-            try:
-                take_grammar(job, self.worker.spec.vocab_size, self.compiles)
-            except ValueError as e:  # GrammarError, said to the client
-                for rid in job.request_ids:
-                    self.handoffs.abort(rid)
-                for rid in job.request_ids:
-                    self._fail(rid, str(e))
+        for job, error in self.grammars.take_compiled(self.scheduler.waiting):
+            for rid in job.request_ids:
+                self.handoffs.abort(rid)
+            for rid in job.request_ids:
+                self._fail(rid, error, is_bad_request=True)
 
     # ---- forward, collect, send --------------------------------------------
 
@@ -285,7 +280,7 @@ class PrefillNode:
         sampled, so their commits go out at once."""
         for c in chunks:
             if c.is_last and c.params.is_masked_per_step:
-                c.mask = first_token_mask(c, self.worker.spec.vocab_size, self.compiles)
+                c.mask = self.grammars.first_token_mask(c)
         finished = [c.job for c in chunks if c.is_last]
         bs = self.worker.block_size
         parts = [(c.job, None if c.is_last else c.end // bs) for c in chunks]
@@ -342,10 +337,14 @@ class PrefillNode:
         self._receive(0)
         self.handoffs.advance()
 
-    def _fail(self, request_id: str, error: str, is_retryable: bool = False) -> None:
+    def _fail(
+        self, request_id: str, error: str, is_retryable: bool = False, is_bad_request: bool = False
+    ) -> None:
+        """is_bad_request: the request's own fault (its grammar): the client is told, a 400."""
         self.num_failed += 1
         noisy.warning("request %s failed: %s", request_id, error)
-        if not self.frontend.send(RequestFailed(request_id, error, is_retryable), block=False):
+        failed = RequestFailed(request_id, error, is_retryable, is_bad_request)
+        if not self.frontend.send(failed, block=False):
             log.error("could not tell the frontend that %s failed", request_id)
 
     # ---- report -------------------------------------------------------------

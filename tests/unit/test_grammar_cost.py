@@ -15,7 +15,8 @@ from common.base.grammar_cost import CostMeter
 from common.base.request import SamplingParams
 from common.base.speculative import SpeculativeConfig
 from common.engine.prefill_job import PrefillJob
-from prefill_node.first_tokens import take_grammar
+from prefill_node.grammars import PrefillGrammars
+from prefill_node.node import PrefillNode
 from tests.unit import test_speculative_grammar as spec_grammar
 
 AMBIGUOUS = ("grammar", 'root ::= root root | root | "a" | ""', "compact")
@@ -101,18 +102,33 @@ def test_an_ambiguous_grammar_trips_the_meter_and_a_plain_one_never(grammars, a_
 
 def test_a_prefill_node_refuses_to_follow_a_moved_requests_costly_outputs(grammars, a_token):
     """A request moved with outputs it streamed: its matcher is brought past them when its
-    grammar is taken, so one too costly to follow fails before any pass is spent on it."""
-    compiles = SimpleNamespace(grammars=grammars, take=lambda rid: None)
+    grammar is taken, so one too costly to follow fails before any pass is spent on it,
+    and the client is told it is its request's fault (a 400)."""
+    vocab_size = grammars.info.vocab_size
+    node = object.__new__(PrefillNode)
+    node.grammars = PrefillGrammars(lambda: grammars, vocab_size)
+    node.grammars.compiles.close()  # no thread: its compiles are stood in for
+    node.grammars.compiles = SimpleNamespace(
+        grammars=grammars, take=lambda rid: None, is_done=lambda rid: True
+    )
 
-    def job(num_outputs: int) -> PrefillJob:
+    def job(rid: str, num_outputs: int) -> PrefillJob:
         p = _params(num_prior_outputs=num_outputs)
-        return PrefillJob("r", [3, 4, 5] + [a_token] * num_outputs, p, 0.0, "d", "tcp://x:1")
+        job = PrefillJob(rid, [3, 4, 5] + [a_token] * num_outputs, p, 0.0, "d", "tcp://x:1")
+        job.is_compiling = True
+        return job
 
-    short = job(8)
-    take_grammar(short, grammars.info.vocab_size, compiles)
+    short, costly = job("short", 8), job("costly", 2000)
+    aborted, sent = [], []
+    node.scheduler = SimpleNamespace(waiting=[short, costly])
+    node.handoffs = SimpleNamespace(abort=aborted.append)
+    node.frontend = SimpleNamespace(send=lambda msg, block: sent.append(msg) or True)
+    node.num_failed = 0
+    node._take_compiled()
     assert short.matcher is not None and not short.is_compiling
-    with pytest.raises(GrammarError, match="costs too much"):
-        take_grammar(job(2000), grammars.info.vocab_size, compiles)
+    assert aborted == ["costly"] and [m.request_id for m in sent] == ["costly"]
+    assert "costs too much" in sent[0].error and sent[0].is_bad_request
+    assert not sent[0].is_retryable and node.num_failed == 1
 
 
 @pytest.mark.parametrize("spec", [SpeculativeConfig("off"), SpeculativeConfig("ngram", 4)])

@@ -367,12 +367,15 @@ def test_no_grammar_compile_outlives_its_request_on_either_node():
     from decode_node.grammar_wait import GrammarWait
     from decode_node.node import DecodeNode
     from decode_node.scheduler import DecodeScheduler
+    from prefill_node.grammars import PrefillGrammars
     from prefill_node.node import PrefillNode
     from tests.handoff_util import receiver
     from tests.unit.test_grants import _commit_group
 
     prefill = object.__new__(PrefillNode)
-    prefill.compiles = grammar.Compiles(lambda: SimpleNamespace(compile=lambda g: ("compiled", g)))
+    prefill.grammars = PrefillGrammars(
+        lambda: SimpleNamespace(compile=lambda g: ("compiled", g)), vocab_size=100
+    )
     prefill.worker = SimpleNamespace(spec=SimpleNamespace(vocab_size=100), max_model_len=1024)
     prefill.scheduler = SimpleNamespace(fits_at_all=lambda n: True, add=lambda job: None)
     prefill.cfg = SimpleNamespace(allow_remote=False)
@@ -393,8 +396,8 @@ def test_no_grammar_compile_outlives_its_request_on_either_node():
             "tcp://127.0.0.1:9",
         )
     )
-    assert failed == ["r0"] and prefill.compiles.keys() == []
-    prefill.compiles.close()
+    assert failed == ["r0"] and prefill.grammars.compiles.keys() == []
+    prefill.grammars.close()
 
     gate = threading.Event()
     node = object.__new__(DecodeNode)
