@@ -55,10 +55,12 @@ class IncrementalDetokenizer:
         self.stop = list(stop)  # each non-empty: the frontend refuses an empty one
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self._ids: list[int] = []  # the window's tokens
-        self.text = ""  # decoded so far, stable characters only
-        self._num_done = 0  # characters of the window's stable text already in self.text
+        # Stable text not yet handed out by take(): its last holdback characters at least,
+        # where a stop string may still begin.
+        # NOTE: only this tail is kept, so adding to it costs the tail, not the output.
+        self.unsent = ""
+        self._num_done = 0  # characters of the window's stable text already taken as stable
         self._num_pending = 0  # the window's last U+FFFDs: a character that may still come
-        self._num_sent = 0  # characters handed out by take()
         self.is_stopped = False
 
     def add(self, token_ids: list[int]) -> int:
@@ -84,8 +86,8 @@ class IncrementalDetokenizer:
                 self._num_pending = int(window.endswith(REPLACEMENT))
             num_stable = len(window) - self._num_pending
             if num_stable > self._num_done:
-                start = max(len(self.text) - self.holdback, 0)
-                self.text += window[self._num_done : num_stable]
+                start = max(len(self.unsent) - self.holdback, 0)
+                self.unsent += window[self._num_done : num_stable]
                 self._num_done = num_stable
                 self._check_stop(start)
             # NOTE: a run of bytes waiting to be UTF-8 is not cut (it waits two windows)
@@ -94,8 +96,8 @@ class IncrementalDetokenizer:
         return len(token_ids)
 
     def _start_window_again(self) -> None:
-        """The window keeps its last KEPT_TOKENS: its text but the pending marks is all in
-        self.text already. NOTE: its first characters may now be U+FFFD where a character's
+        """The window keeps its last KEPT_TOKENS: its text but the pending marks is all taken
+        as stable already. NOTE: its first characters may now be U+FFFD where a character's
         last bytes begin it: taken all the same. A decoder that falls back to bytes is cut
         before a token that is no byte (a run decoded apart from its start would show as
         marks), or, in a run of bytes whole to here, before its last character's bytes
@@ -114,9 +116,9 @@ class IncrementalDetokenizer:
         return str(self._token_text(self._ids[index])).startswith("<0x")
 
     def _check_stop(self, start: int) -> None:
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [i for i in (self.unsent.find(s, start) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            self.unsent = self.unsent[: min(hits)]
             self.is_stopped = True
 
     def take(self, is_final: bool = False) -> str:
@@ -125,10 +127,11 @@ class IncrementalDetokenizer:
         invalid bytes just before it not yet handed out (as vLLM drops them): the text ends
         where its last whole character does. Marks with text after them stay."""
         if is_final and not self.is_stopped:
-            self.text = self.text[: max(len(self.text.rstrip(REPLACEMENT)), self._num_sent)]
-        end = len(self.text) if (is_final or self.is_stopped) else len(self.text) - self.holdback
-        if end <= self._num_sent:
+            self.unsent = self.unsent.rstrip(REPLACEMENT)
+        end = len(self.unsent)
+        if not (is_final or self.is_stopped):
+            end -= self.holdback
+        if end <= 0:
             return ""
-        out = self.text[self._num_sent : end]
-        self._num_sent = end
+        out, self.unsent = self.unsent[:end], self.unsent[end:]
         return out

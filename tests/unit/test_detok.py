@@ -120,6 +120,25 @@ def test_a_window_that_never_makes_a_whole_character_costs_a_bounded_amount_a_to
         assert text.rstrip("\ufffd") == whole.rstrip("\ufffd")
 
 
+def test_a_long_stream_keeps_only_its_unsent_tail(tiny_model):
+    """Each token adds to the text not yet handed out, never to the whole output: what a
+    stream holds is its stop strings' holdback and a token's text, however long it runs
+    (a text grown in place would be copied whole a token, its cost the output's square)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    ids = tok.encode("the quick brown fox jumps over the lazy dog 中文 🙂 ") * 200
+    d = IncrementalDetokenizer(tok, ["never in it", "nor this"])
+    pieces, longest = [], 0
+    for t in ids:
+        d.add([t])
+        longest = max(longest, len(d.unsent))
+        pieces.append(d.take())
+    pieces.append(d.take(is_final=True))
+    assert "".join(pieces) == tok.decode(ids) and len(pieces[-1]) == d.holdback
+    assert longest <= d.holdback + max(len(tok.decode([t])) for t in ids) and not d.unsent
+
+
 def test_tokens_of_no_text_between_a_characters_bytes_change_nothing(tiny_model):
     """Special tokens the tokenizer skips (its added ones, not only those it names special)
     between a character's bytes, more of them than a window holds."""
@@ -132,7 +151,7 @@ def test_tokens_of_no_text_between_a_characters_bytes_change_nothing(tiny_model)
     for ids in (ids[:2] + [special] * 40 + ids[2:], [ids[0]] + [special] * 40 + ids[1:]):
         d = IncrementalDetokenizer(tok, ["th"])
         d.add(ids)
-        assert d.text == "x\u4e2d " and d.is_stopped, ids
+        assert d.unsent == "x\u4e2d " and d.is_stopped, ids
 
 
 def test_any_tokens_in_any_updates_make_the_text_they_make_decoded_whole(tiny_model):
@@ -246,7 +265,7 @@ def test_a_space_that_is_text_only_beside_others_is_kept():
     d = IncrementalDetokenizer(tok, [])
     seen = _counting(d)
     d.add([7] * 2000)  # an emoji's first byte again and again: a run that is never UTF-8
-    assert seen[0] <= 40 * 2000 and d.text == "\ufffd" * len(d.text)
+    assert seen[0] <= 40 * 2000 and d.unsent == "\ufffd" * len(d.unsent)
 
 
 def test_a_stop_string_is_found_in_text_a_token_ends_inside_a_character():
