@@ -19,7 +19,7 @@ import time
 from common import transfer
 from common.base import grammar
 from common.base.config import DecodeConfig, endpoint_host, is_loopback_endpoint
-from common.base.log import IdleQuiet, Throttle, get_logger
+from common.base.log import Throttle, get_logger
 from common.base.recent import Recent
 from common.engine.ticket import DecodeTicket
 from common.engine.worker import DeviceWorker
@@ -83,8 +83,7 @@ class DecodeNode:
         self.in_flight: DecodeTicket | None = None  # the step on the device
         self.pending_aborts: set[str] = set()  # running: removed between steps, not under one
         self.num_forked = 0  # sequences admitted over another's prompt blocks (n > 1)
-        self._last_log = 0.0
-        self.quiet = IdleQuiet()  # the periodic line: while busy, and once as it goes idle
+        self.line = report_line.PeriodicLine(log, cfg.links.log_interval_s)
 
     # ---- the loop ---------------------------------------------------------
 
@@ -399,12 +398,6 @@ class DecodeNode:
 
     def _log_line(self) -> None:
         """The periodic line: while busy, and once as the node goes idle."""
-        now = time.monotonic()
-        if now - self._last_log < self.cfg.links.log_interval_s:
-            return
-        elapsed = now - self._last_log if self._last_log else 0.0
-        num_tokens, num_steps = self.batch.take_log_counts()
-        is_busy, line = report_line.decode(self.stats(), num_tokens, num_steps, elapsed)
-        if self.quiet.says(is_busy):
-            log.info("%s", line)
-        self._last_log = now
+        if (elapsed := self.line.due_s()) is not None:
+            num_tokens, num_steps = self.batch.take_log_counts()
+            self.line.say(*report_line.decode(self.stats(), num_tokens, num_steps, elapsed))

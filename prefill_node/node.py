@@ -16,7 +16,7 @@ import time
 from common import transfer
 from common.base import grammar
 from common.base.config import PrefillConfig, check_endpoint
-from common.base.log import IdleQuiet, Throttle, get_logger
+from common.base.log import Throttle, get_logger
 from common.base.request import check_request
 from common.engine.kv_cache import format_name
 from common.engine.prefill_job import PrefillChunk, PrefillJob
@@ -88,9 +88,8 @@ class PrefillNode:
         self._poller: Poller | None = None
         self.prefix_report: PrefixReport | None = None
         self.num_failed = 0
-        self._last_log = 0.0
-        self.quiet = IdleQuiet()  # the periodic line: while busy, and once as it goes idle
-        self._log_tokens = 0
+        self.line = report_line.PeriodicLine(log, cfg.links.log_interval_s)
+        self._log_tokens = 0  # prompt tokens since the last line
 
     # ---- the loop ---------------------------------------------------------
 
@@ -398,12 +397,8 @@ class PrefillNode:
         }
 
     def _report(self) -> None:
-        now = time.monotonic()
         self.runtime.turn()
         self.prefix_report.turn()
-        if now - self._last_log >= self.cfg.links.log_interval_s:
-            elapsed = now - self._last_log if self._last_log else 0.0
-            is_busy, line = report_line.prefill(self.stats(), self._log_tokens, elapsed)
-            if self.quiet.says(is_busy):
-                log.info("%s", line)
-            self._last_log, self._log_tokens = now, 0
+        if (elapsed := self.line.due_s()) is not None:
+            self.line.say(*report_line.prefill(self.stats(), self._log_tokens, elapsed))
+            self._log_tokens = 0

@@ -46,6 +46,22 @@ def test_every_line_names_its_process_and_the_part_that_spoke(stderr):
     assert names == ["decode-1", "decode-1/transfer", "frontend"]
 
 
+def test_a_nodes_periodic_line_is_due_each_interval_and_said_while_busy():
+    """The first look is due at once (0 s elapsed), then one each interval, its seconds those
+    since the last; an idle node says one line as it goes idle, then none."""
+    from common.runtime.report_line import PeriodicLine
+
+    now, said = [100.0], []
+    line = PeriodicLine(SimpleNamespace(info=lambda fmt, s: said.append(s)), 10.0, lambda: now[0])
+    looks = []
+    for t, is_busy in ((100, True), (105, True), (110, True), (125, False), (130, False)):
+        now[0] = t
+        if (elapsed := line.due_s()) is not None:
+            looks.append(elapsed)
+            line.say(is_busy, f"at {t}")
+    assert looks == [0.0, 10.0, 15.0] and said == ["at 100", "at 110", "at 125"]
+
+
 def test_an_idle_process_says_one_line_as_it_becomes_idle_then_nothing():
     """Defect: every node logged a zero line every 10 s while idle."""
     from common.base.log import IdleQuiet
