@@ -299,11 +299,13 @@ class DecodeNode:
         return updates
 
     def _fail_committed(self, r, error: str, is_retryable: bool) -> None:
-        """A committed request that cannot start: its blocks go back, its sequences fail."""
+        """A committed request whose grammar failed: its blocks go back, its sequences fail
+        (retryable: this node's fault, it moves on; else the grammar's own, a 400)."""
         self._give_back(r)
         for rid in [r.request_id, *r.fork_ids]:
             self.ended.add(rid)
-            self.runtime.send(RequestFailed(rid, error, is_retryable=is_retryable))
+            failed = RequestFailed(rid, error, is_retryable, is_bad_request=not is_retryable)
+            self.runtime.send(failed)
 
     def _give_back(self, r) -> None:
         self.scheduler.give_back(r.block_ids, r.num_reserved)

@@ -23,16 +23,17 @@ class PrefillGrammars:
             self.compiles.submit(job.request_id, job.params.grammar)
             job.is_compiling = True
 
-    def take_compiled(self, jobs: list[PrefillJob]) -> list[tuple[PrefillJob, str]]:
+    def take_compiled(self, jobs: list[PrefillJob]) -> list[tuple[PrefillJob, ValueError]]:
         """The waiting jobs whose grammar has compiled take it and may start; those refused,
-        with why: the grammar did not compile, or following the tokens it streamed before a
-        move costs too much (the request's own grammar: the client is told, a 400)."""
+        with the GrammarError that says why: the grammar did not compile, or following the
+        tokens the request streamed before a move costs too much (the request's own fault),
+        or, is_retryable, this node could not compile it (its vocabulary, say)."""
         refused = []
         for job in [j for j in jobs if j.is_compiling and self.compiles.is_done(j.request_id)]:
             try:
                 self.take(job)
             except ValueError as e:  # GrammarError
-                refused.append((job, str(e)))
+                refused.append((job, e))
         return refused
 
     def take(self, job: PrefillJob) -> None:

@@ -264,11 +264,12 @@ class PrefillNode:
 
     def _take_compiled(self) -> None:
         """Prompts whose grammar has compiled may start; one that does not compile fails."""
-        for job, error in self.grammars.take_compiled(self.scheduler.waiting):
+        for job, e in self.grammars.take_compiled(self.scheduler.waiting):
+            is_ours = getattr(e, "is_retryable", False)  # the frontend moves it elsewhere
             for rid in job.request_ids:
                 self.handoffs.abort(rid)
             for rid in job.request_ids:
-                self._fail(rid, error, is_bad_request=True)
+                self._fail(rid, str(e), is_retryable=is_ours, is_bad_request=not is_ours)
 
     # ---- forward, collect, send --------------------------------------------
 

@@ -40,7 +40,7 @@ class PrefillJob:
     forks: list = field(default_factory=list)  # n > 1: the other sequences (Fork), sampled with it
     is_compiling: bool = False  # its grammar is being compiled (beside the loop): it waits
     grammar: object = None  # its grammar, compiled
-    matcher: object = None  # its grammar's matcher, past its prior outputs (take_grammar)
+    matcher: object = None  # its grammar's matcher, past its prior outputs (PrefillGrammars.take)
 
     @classmethod
     def of(cls, req, recv_time: float) -> PrefillJob:

@@ -5,6 +5,7 @@ grammars never trip the meter."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -129,6 +130,41 @@ def test_a_prefill_node_refuses_to_follow_a_moved_requests_costly_outputs(gramma
     assert aborted == ["costly"] and [m.request_id for m in sent] == ["costly"]
     assert "costs too much" in sent[0].error and sent[0].is_bad_request
     assert not sent[0].is_retryable and node.num_failed == 1
+
+
+def test_a_grammar_a_prefill_node_cannot_compile_is_its_fault_or_the_requests():
+    """A grammar that does not compile is the request's own fault (a 400, each fork's); one
+    this node could not compile for a reason of its own (its vocabulary does not load) is
+    retryable: the frontend moves the request on, no 400 for a server's fault."""
+
+    def no_vocabulary():
+        raise RuntimeError("tokenizer.json unreadable")
+
+    def bad_regex():
+        return SimpleNamespace(compile=lambda g: (_ for _ in ()).throw(GrammarError("no")))
+
+    for make, is_ours in ((no_vocabulary, True), (bad_regex, False)):
+        node = object.__new__(PrefillNode)
+        node.grammars = PrefillGrammars(make, 100)
+        p = SamplingParams(max_tokens=4, grammar=("regex", "a+", "compact"))
+        job = PrefillJob("r", [3, 4, 5], p, 0.0, "d", "tcp://x:1")
+        job.forks = [SimpleNamespace(request_id="r-1")]
+        node.grammars.submit(job)
+        aborted, sent = [], []
+        node.scheduler = SimpleNamespace(waiting=[job])
+        node.handoffs = SimpleNamespace(abort=aborted.append)
+        node.frontend = SimpleNamespace(send=lambda msg, block: sent.append(msg) or True)
+        node.num_failed = 0
+        try:
+            deadline = time.monotonic() + 30
+            while not node.grammars.compiles.is_done("r"):  # on the grammars' thread
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+            node._take_compiled()
+        finally:
+            node.grammars.close()
+        assert aborted == ["r", "r-1"] and [m.request_id for m in sent] == ["r", "r-1"]
+        assert {(m.is_retryable, m.is_bad_request) for m in sent} == {(is_ours, not is_ours)}
 
 
 @pytest.mark.parametrize("spec", [SpeculativeConfig("off"), SpeculativeConfig("ngram", 4)])

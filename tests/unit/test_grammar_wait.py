@@ -300,10 +300,10 @@ def test_a_decode_node_admits_past_a_grammar_still_compiling():
         node._admit()
         # It fails, and so do those queued behind it while it holds the one compile thread:
         # the node's fault, not their grammars': each may go to another decode node.
-        assert [(m.request_id, m.is_retryable) for m in sent] == [
-            ("slow", True),
-            ("bad", True),
-            ("quick", True),
+        assert [(m.request_id, m.is_retryable, m.is_bad_request) for m in sent] == [
+            ("slow", True, False),
+            ("bad", True, False),
+            ("quick", True, False),
         ]
         assert "did not compile within 30s" in sent[0].error and "held by" in sent[1].error
         gate.set()  # the thread is the next compile's
@@ -319,7 +319,8 @@ def test_a_decode_node_admits_past_a_grammar_still_compiling():
             time.sleep(0.001)
             node._admit()
         assert [(m.request_id, m.is_retryable) for m in sent[3:]] == [("bad2", False)]
-        assert "regex does not" in sent[3].error  # the grammar's own fault: said, not moved
+        # the grammar's own fault: said (a 400), not moved
+        assert "regex does not" in sent[3].error and sent[3].is_bad_request
         assert joined[2:] == [("quick2", ("compiled", ("regex", "a+", "compact")))]
         assert not node.grammars.waiting and node.compiles.keys() == []
         for rid in ("plain", "quick2"):
