@@ -12,7 +12,17 @@ from common.base.request import (
     MAX_STOP_TOKEN_IDS,
     TokenLogprobs,
 )
-from common.wire.limits import I32, I32_MAX, Id, MaxLen, Name, NodeFigures, Plain, Range
+from common.wire.limits import (
+    I32,
+    I32_MAX,
+    Id,
+    MaxItems,
+    MaxLen,
+    Name,
+    NodeFigures,
+    Plain,
+    Range,
+)
 
 # ---- client <-> frontend (documented in docs/protocol.md) ---------------------
 # NOTE: every list is bounded, and its length is checked before its items: a client
@@ -20,6 +30,8 @@ from common.wire.limits import I32, I32_MAX, Id, MaxLen, Name, NodeFigures, Plai
 MAX_PROMPT_IDS = 2**20  # the frontend refuses more than its max_model_len anyway
 MAX_STOP = 64  # stop strings per request (and MAX_STOP_CHARS in all, frontend/request.py)
 MAX_MESSAGES = 4096  # chat messages per request
+# their items in all (a message's fields, its content parts, its tool calls and theirs)
+MAX_MESSAGE_ITEMS = 2**16
 MAX_N = 64  # choices per request
 
 
@@ -43,7 +55,12 @@ class GenerateRequest:
     # A message: role, content (text or null), and an assistant's tool_calls or a tool's
     # tool_call_id.
     messages: (
-        Annotated[list[Annotated[dict, Plain(depth=5, max_items=64)]], MaxLen(MAX_MESSAGES)] | None
+        Annotated[
+            list[Annotated[dict, Plain(depth=5, max_items=64)]],
+            MaxLen(MAX_MESSAGES),
+            MaxItems(MAX_MESSAGE_ITEMS),
+        ]
+        | None
     ) = None
     max_tokens: Annotated[int, Range(0, I32_MAX)] = 16  # 0: the prompt alone (with prompt_logprobs)
     temperature: float = 0.0

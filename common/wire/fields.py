@@ -11,7 +11,15 @@ import types
 import typing
 from typing import Annotated, Any, Callable, Union
 
-from common.wire.limits import MaxLen, Plain, ProtocolError, Range, check_limit
+from common.wire.limits import (
+    MaxItems,
+    MaxLen,
+    Plain,
+    ProtocolError,
+    Range,
+    check_limit,
+    check_num_items,
+)
 
 MAX_DEPTH = 8  # of nested lists and maps in any field
 
@@ -45,11 +53,14 @@ def _checker(t) -> Callable[[Any, str, int], Any]:
         base, *limits = typing.get_args(t)
         inner = _is_map if base is dict else _checker(base)  # a map's own rule walks it, once
         lengths = [limit for limit in limits if isinstance(limit, MaxLen)]
+        counts = [limit for limit in limits if isinstance(limit, MaxItems)]
 
         def check(value, where, depth):
             for limit in lengths:  # NOTE: before the items: a long list is refused unread
                 if isinstance(value, (list, tuple, str, bytes)) and len(value) > limit.n:
                     raise ProtocolError(f"{where} is longer than {limit.n}")
+            for limit in counts:  # and counted before they are walked
+                check_num_items(value, limit, where)
             value = inner(value, where, depth)
             for limit in limits:
                 check_limit(value, limit, where)

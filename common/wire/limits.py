@@ -33,6 +33,15 @@ class MaxLen:
 
 
 @dataclass(frozen=True)
+class MaxItems:
+    """At most n items in all (list entries and map entries, every level counted), counted
+    before the value is walked: nesting within each level's limits can still multiply to
+    millions of items, each costing the walk (and the receiver) its time."""
+
+    n: int
+
+
+@dataclass(frozen=True)
 class Plain:
     """A map of plain data: string keys, at most max_items entries per level, depth
     levels deep, finite numbers; is_numbers: every value a finite number >= 0;
@@ -54,6 +63,24 @@ Figures = Annotated[dict, Plain()]  # a node's stats
 NodeFigures = Annotated[
     dict, Plain(depth=Plain.depth + 1)
 ]  # node name -> its Figures: one level more
+
+
+def check_num_items(value: Any, limit: MaxItems, where: str) -> None:
+    """ProtocolError once value's items pass limit.n; never counts much past it."""
+    num_items, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            num_items += len(v)
+            children = v.values()
+        elif isinstance(v, (list, tuple)):
+            num_items += len(v)
+            children = v
+        else:
+            continue
+        if num_items > limit.n:  # NOTE: before its children: a long list is not read
+            raise ProtocolError(f"{where} holds more than {limit.n} items in all")
+        stack.extend(c for c in children if isinstance(c, (dict, list, tuple)))
 
 
 def check_limit(value: Any, limit, where: str) -> None:

@@ -386,6 +386,42 @@ def test_malformed_is_named(frames, match):
         p.decode(frames)
 
 
+def test_chat_messages_are_bounded_in_all_not_only_level_by_level():
+    """Lists nested within each level's limits (4 deep, 63 wide: 15.75 million items in one
+    message of 16 MiB) cost the frontend's loop seconds to walk: their items are counted
+    first, and the count stops once past the limit, never reading the rest."""
+    from common.wire.client import MAX_MESSAGE_ITEMS, MAX_MESSAGES
+
+    def generate(messages):
+        return [
+            msgpack.packb({"v": 2, "type": "generate", "request_id": "a", "messages": messages})
+        ]
+
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}] * 2
+    turns = [
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "content": [{"type": "text", "text": "ok"}], "tool_call_id": "c"},
+    ] * (MAX_MESSAGES // 2)  # a long conversation of tool calls and their answers holds
+    assert len(p.decode(generate(turns)).messages) == MAX_MESSAGES
+    deep = [[[[1] * 63] * 63] * 63] * 4  # each level within the 64 a level may hold
+    bomb = [{"role": "user", "content": deep}]
+    seen = []
+
+    class Counted(list):  # NOTE: counts reads of the items, to show the count stops early
+        def __iter__(self):
+            seen.append(len(self))
+            return super().__iter__()
+
+    with pytest.raises(p.ProtocolError, match=f"more than {MAX_MESSAGE_ITEMS} items in all"):
+        p.decode(generate(bomb))
+    from common.wire.limits import MaxItems, check_num_items
+
+    nested = Counted([Counted([Counted([0] * 63) for _ in range(63)]) for _ in range(63)])
+    with pytest.raises(p.ProtocolError, match="in all"):
+        check_num_items({"content": nested}, MaxItems(2000), "messages")
+    assert sum(seen) <= 2000 + 63 * 2  # read no further than the limit and a level past it
+
+
 def test_tensor_size_mismatch_is_caught_and_request_id_kept():
     frames = p.encode(KV_EXAMPLE)
     with pytest.raises(p.ProtocolError, match="holds") as e:
