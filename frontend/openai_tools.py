@@ -124,12 +124,21 @@ class Split:
         # start -> reasoning -> content <-> call
         self.state = "start" if is_reasoning else "content"
         self.pending = ""  # text not yet given back
+        # Text that only extends a wait (_is_waiting), after pending; joined when it ends.
+        # NOTE: added to pending and searched token by token, a long wait would cost each
+        # token its whole length (the answer's square in all, on the frontend's loop).
+        self._waiting: list[str] = []
+        self._tail = ""  # the last characters of a call's text, where its close may begin
         self.calls: list[dict] = []
 
     def feed(self, text: str, is_final: bool = False) -> dict:
         """New text -> {"content": str, "reasoning_content": str, "tool_calls": [calls whole]}
         (the parts there are). Required and named calls are given whole at the end."""
-        self.pending += text
+        if not is_final and self._is_waiting(text):
+            self._waiting.append(text)
+            return {}
+        self.pending += "".join(self._waiting) + text
+        self._waiting = []
         out = {"content": "", "reasoning_content": "", "tool_calls": []}
         if self.mode in ("required", "named"):
             if is_final:
@@ -186,6 +195,23 @@ class Split:
                 self.calls.append(call)
             self.pending, self.state = self.pending[i + len(TOOL_CLOSE) :], "content"
         return {k: v for k, v in out.items() if v}
+
+    def _is_waiting(self, text: str) -> bool:
+        """Whether text gives nothing back yet, and changes no state: a required or named
+        call's (given whole at the end), a call's that does not close it, or blank text
+        before a reasoning block may open."""
+        if self.mode in ("required", "named"):
+            return True
+        if self.state == "call":
+            before = self._tail if self._waiting else self.pending[1 - len(TOOL_CLOSE) :]
+            recent = before + text
+            self._tail = recent[1 - len(TOOL_CLOSE) :]
+            return TOOL_CLOSE not in recent
+        return (
+            self.state == "start"
+            and text.isspace()
+            and (bool(self._waiting) or not self.pending or self.pending.isspace())
+        )
 
     @staticmethod
     def _parsed(body: str) -> dict | None:
