@@ -68,9 +68,21 @@ def text_len(req: GenerateRequest) -> int:
         return len(req.prompt) if isinstance(req.prompt, str) else 0
     return (
         sum(_json_len(m) for m in req.messages or ())
-        + len(req.tools or "")
+        + _tools_len(req.tools)
         + (_json_len(req.chat_template_kwargs) if req.chat_template_kwargs else 0)
     )
+
+
+def _tools_len(tools: str | None) -> int:
+    """The tools' text as the template renders them: JSON written again, which can be far
+    longer than what was sent (`9e15` becomes `9000000000000000.0`); tools that do not parse
+    are refused later, their length as sent."""
+    if not tools:
+        return 0
+    try:
+        return max(len(tools), _json_len(json.loads(tools)))
+    except (ValueError, RecursionError):
+        return len(tools)
 
 
 def _json_len(value) -> int:

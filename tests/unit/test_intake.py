@@ -247,7 +247,13 @@ def test_tools_and_tool_calls_count_as_the_prompts_text(make_frontend):
             },
         ],
     )
-    for req in (tools, calls):
+    # Found by a hunt: 64 KB of short numbers the template writes again four times longer
+    # (`9e15`: `9000000000000000.0`), tokenized on the loop as if 64 KB.
+    x = ",".join(["9e15"] * 12_000)
+    grows = '[{"type": "function", "function": {"name": "f", "x": [' + x + "]}}]"
+    assert len(grows) < OFF_LOOP_CHARS
+    grows = GenerateRequest("g", messages=[{"role": "user", "content": "hi"}], tools=grows)
+    for req in (tools, calls, grows):
         assert text_len(req) > OFF_LOOP_CHARS and fe.prompts.is_off_loop(req)
     (reply,) = _submit(fe, tools)
     error, status = _error(reply)
