@@ -145,8 +145,12 @@ class Grammars:
             return compiled
 
     def _compile(self, kind: str, spec: str, whitespace: str):
-        if kind not in KINDS or whitespace not in WHITESPACE:
+        if kind not in KINDS:
             raise GrammarError(f"a grammar is one of {', '.join(KINDS)}, got {kind[:32]!r}")
+        if whitespace not in WHITESPACE:
+            raise GrammarError(
+                f"a grammar's whitespace is one of {', '.join(WHITESPACE)}, got {whitespace[:32]!r}"
+            )
         c, is_any = self._compiler, whitespace == "any"
         try:
             if kind == "json_schema":

@@ -51,6 +51,8 @@ def test_grammars_are_judged_and_a_slow_one_is_stopped_at_the_limit(tiny_model):
         assert "regex does not compile" in _error(checker, ("regex", "[", "compact"))
         assert "not valid JSON" in _error(checker, ("json_schema", "{", "compact"))
         assert "a grammar is one of" in _error(checker, ("nope", "x", "compact"))
+        bad_whitespace = _error(checker, ("json_object", "", "tabs"))
+        assert "whitespace is one of compact, any, got 'tabs'" in bad_whitespace
         # the compile is stopped at 0.5 s of CPU, not run to its end (seconds)
         pid = checker._proc.pid
         assert os.getpriority(os.PRIO_PROCESS, pid) == 19  # below everything that serves
