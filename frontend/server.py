@@ -43,7 +43,7 @@ from common.wire.protocol import (
     StatsReply,
     StatsRequest,
 )
-from frontend import activity, http, paths, router
+from frontend import activity, http, paths, router, watchdog
 from frontend.admission import Admission
 from frontend.client_link import MAX_QUEUED, ClientLink
 from frontend.dispatch import Dispatcher
@@ -57,9 +57,6 @@ from frontend.request import ClientKey, RequestState
 
 log = get_logger("frontend")
 noisy = Throttle(log)  # lines about what clients and peers send
-WATCHDOG_S = 0.1  # the watchdog's tick
-STALL_S = 0.2  # a tick later than this by: the loop was held up
-PROMPT_LOGPROBS_WAIT_S = 10.0  # a choice's updates wait this long for the prompt's logprobs
 
 
 class Frontend:
@@ -157,7 +154,7 @@ class Frontend:
             self._client_loop(),
             self.node_messages.run(),
             self._dispatch_loop(),
-            self._watchdog_loop(),
+            watchdog.watchdog_loop(self),
             self.activity.run(),
         )
         tasks = [asyncio.create_task(c, name=c.__name__) for c in loops]
@@ -367,43 +364,3 @@ class Frontend:
 
     def wake_dispatch(self) -> None:
         self._wake.set()
-
-    # ---- watchdog -------------------------------------------------------------
-
-    async def _watchdog_loop(self) -> None:
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(WATCHDOG_S)
-            now = time.monotonic()
-            # NOTE: a tick this late means the loop itself was held up, and with it the node
-            # loop that reads heartbeats: that time is not nodes' silence.
-            if now - last > WATCHDOG_S + STALL_S:
-                log.warning(
-                    "the frontend's loop was held up for %.2fs, and every stream with it: "
-                    "if this recurs, give the frontend a core of its own (its --cpus) or "
-                    "run fewer nodes on this host",
-                    now - last - WATCHDOG_S,
-                )
-                self.registry.excuse(now - last - WATCHDOG_S)
-            last = now
-            await self.registry.check(now)
-            for req in list(self.requests.values()):
-                if self.requests.get(req.node_id) is not req:
-                    continue  # NOTE: ended or moved by another task while this tick awaited
-                if now > req.deadline:
-                    await self.finish(req, FINISH_ABORT, "deadline exceeded", status=504)
-                elif req.moved_at is not None:  # NOTE: every request, every tick: test first
-                    await self.migrations.check_wait(req, now)
-                elif req.held_since is not None and now - req.held_since > PROMPT_LOGPROBS_WAIT_S:
-                    # NOTE: they come once, in one update (with choice 0's): lost on the way,
-                    # or dropped with a choice that ended or moved first, they never come.
-                    # Nothing was streamed yet: its prefill runs again, and brings them.
-                    await self.migrations.move_or_fail(
-                        req,
-                        req.prefill_node,
-                        "link",
-                        f"the prompt's logprobs did not come from prefill node "
-                        f"{req.prefill_node} in {PROMPT_LOGPROBS_WAIT_S:.0f}s",
-                    )
-            if self.admission.num_waiting:
-                self._wake.set()

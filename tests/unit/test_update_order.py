@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from common.base.request import SamplingParams, TokenLogprobs
 from common.wire.protocol import TokenUpdate
-from frontend import server
+from frontend import watchdog
 from frontend.detok import IncrementalDetokenizer
 from frontend.migrate import Migrations
 from frontend.node_link import NodeMessages
@@ -164,11 +164,11 @@ def _watchdog_tick(hub, max_migrations: int, monkeypatch, on_send=None) -> tuple
         _wake=asyncio.Event(),
     )
     fe.migrations = Migrations(fe)
-    monkeypatch.setattr(server, "WATCHDOG_S", 0.001)
+    monkeypatch.setattr(watchdog, "WATCHDOG_S", 0.001)
 
     async def run():
         try:
-            await server.Frontend._watchdog_loop(fe)
+            await watchdog.watchdog_loop(fe)
         except asyncio.CancelledError:
             pass
 
@@ -184,7 +184,7 @@ def test_a_choice_whose_prompt_logprobs_never_come_is_prefilled_again(monkeypatc
     hub, link, prefill, decode, req = _setup()
     asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9], "length", index=0)))
     assert hub.sent == [] and req.held_since is not None
-    req.held_since -= server.PROMPT_LOGPROBS_WAIT_S + 1
+    req.held_since -= watchdog.PROMPT_LOGPROBS_WAIT_S + 1
     sent_nodes, requeued = _watchdog_tick(hub, 2, monkeypatch)
     assert hub.sent == [] and requeued == [req] and req.num_migrations == 1
     assert sorted(sent_nodes) == [("NodeAbort", "r1", b"d"), ("NodeAbort", "r1", b"p")]
@@ -209,7 +209,7 @@ def test_a_choice_that_ends_while_the_watchdog_waits_is_not_moved(monkeypatch):
     fork = _choice(hub, req, 1)
     for c in (req, fork):
         asyncio.run(link.on_tokens(decode, TokenUpdate(c.node_id, [9], "length", index=0)))
-        c.held_since -= server.PROMPT_LOGPROBS_WAIT_S + 1
+        c.held_since -= watchdog.PROMPT_LOGPROBS_WAIT_S + 1
 
     async def end_the_fork():
         await hub.finish(fork, "abort", None)
@@ -230,7 +230,7 @@ def test_a_forks_first_token_waits_for_the_prompt_logprobs_too(monkeypatch):
     asyncio.run(link.on_tokens(prefill, TokenUpdate("f1", [7], None, index=0)))
     asyncio.run(link.on_tokens(decode, TokenUpdate("f1", [7, 8], "length", index=0)))
     assert hub.sent == [] and len(fork.held) == 2  # choice 0's update never comes
-    fork.held_since -= server.PROMPT_LOGPROBS_WAIT_S + 1
+    fork.held_since -= watchdog.PROMPT_LOGPROBS_WAIT_S + 1
     _, requeued = _watchdog_tick(hub, 2, monkeypatch)
     assert requeued == [fork] and fork.output_ids == []
     assert fork.continuation() == (PROMPT, fork.params)  # its next prefill: the prompt's logprobs
@@ -279,14 +279,14 @@ def test_a_choice_whose_prompt_logprobs_never_come_past_its_moves_ends_with_an_e
 ):
     hub, link, prefill, decode, req = _setup()
     asyncio.run(link.on_tokens(decode, TokenUpdate("r1", [9], "length", index=0)))
-    req.held_since -= server.PROMPT_LOGPROBS_WAIT_S + 1
+    req.held_since -= watchdog.PROMPT_LOGPROBS_WAIT_S + 1
     _, requeued = _watchdog_tick(hub, 0, monkeypatch)
     assert requeued == [] and hub.sent == [
         (
             "finish",
             "error",
             f"the prompt's logprobs did not come from prefill node prefill-0 in "
-            f"{server.PROMPT_LOGPROBS_WAIT_S:.0f}s",
+            f"{watchdog.PROMPT_LOGPROBS_WAIT_S:.0f}s",
             [],
             {},
         )
