@@ -1,7 +1,9 @@
 """Per-client admission: limits, and round-robin dispatch across clients.
 
 A request is admitted under its client's limits (requests in flight, KV tokens
-they may claim) or refused at once as overloaded. Admitted requests wait here,
+they may claim), and while the prompt tokens waiting here over all clients stay
+under a bound (each client's limits alone let many clients hold unbounded memory
+here), or refused at once as overloaded. Admitted requests wait here,
 one queue per client, until the nodes have room; then clients take turns, one
 request each, so a client with thousands queued delays another's request by at
 most one turn of the queue.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 
 @dataclass
@@ -26,12 +28,34 @@ class ClientLoad:
 
 
 class Admission:
-    def __init__(self, max_requests: int, max_kv_tokens: int):
+    def __init__(
+        self,
+        max_requests: int,
+        max_kv_tokens: int,
+        max_waiting_tokens: int = 2**62,
+        num_tokens_of: Callable[[object], int] = lambda item: 0,
+    ):
+        """num_tokens_of(item): the prompt tokens a waiting item holds here."""
         self.max_requests = max_requests
         self.max_kv_tokens = max_kv_tokens
+        self.max_waiting_tokens = max_waiting_tokens
+        self._num_tokens_of = num_tokens_of
         self.clients: OrderedDict[Hashable, ClientLoad] = OrderedDict()  # turn order
         self.num_waiting = 0
+        self.num_waiting_tokens = 0  # over the waiting items, every client's
         self.num_refused = 0
+
+    def overload(self, num_tokens: int) -> str | None:
+        """Why a request of num_tokens prompt tokens may not wait here now, whoever sends it
+        (the frontend's own bound, not a client's), or None."""
+        if self.num_waiting_tokens + num_tokens <= self.max_waiting_tokens:
+            return None
+        self.num_refused += 1
+        return (
+            f"overloaded: {self.num_waiting_tokens} prompt tokens wait for the nodes here, and "
+            f"this request adds {num_tokens} (the limit: --max-waiting-tokens "
+            f"{self.max_waiting_tokens}); retry later"
+        )
 
     def refusal(self, client: Hashable, kv_tokens: int, num_requests: int = 1) -> str | None:
         """Why this client may not add num_requests requests (a request's n choices, each
@@ -60,6 +84,7 @@ class Admission:
         if is_waiting:
             load.waiting.append(item)
             self.num_waiting += 1
+            self.num_waiting_tokens += self._num_tokens_of(item)
         load.items.add(item)
         load.num_kv_tokens += kv_tokens
 
@@ -74,7 +99,9 @@ class Admission:
             self.clients.move_to_end(client)  # whoever is served goes to the back
             if load.waiting:
                 self.num_waiting -= 1
-                return load.waiting.popleft()
+                item = load.waiting.popleft()
+                self.num_waiting_tokens -= self._num_tokens_of(item)
+                return item
         return None
 
     def items_of(self, client: Hashable) -> list:
@@ -89,6 +116,7 @@ class Admission:
         if load is not None:
             load.waiting.appendleft(item)
             self.num_waiting += 1
+            self.num_waiting_tokens += self._num_tokens_of(item)
 
     def done(self, client: Hashable, item, kv_tokens: int) -> None:
         """The item ended, waiting or running."""
@@ -98,6 +126,7 @@ class Admission:
         try:
             load.waiting.remove(item)
             self.num_waiting -= 1
+            self.num_waiting_tokens -= self._num_tokens_of(item)
         except ValueError:
             pass  # it was running
         load.items.discard(item)

@@ -227,9 +227,10 @@ class Intake:
         kv_tokens = sum(
             req.n * (len(ids) + params.max_tokens) for req, (ids, params) in zip(reqs, prepared)
         )
-        refusal = fe.admission.refusal(client, kv_tokens, num)
+        overload = fe.admission.overload(sum(len(ids) for ids, _ in prepared))
+        refusal = overload or fe.admission.refusal(client, kv_tokens, num)
         if refusal:
-            await self._refuse(client, reqs, refusal, 429)
+            await self._refuse(client, reqs, refusal, 503 if overload else 429)
             return
         for req, (ids, params) in zip(reqs, prepared):
             self._start(client, req, ids, params)

@@ -91,7 +91,12 @@ class Frontend:
         self.requests: dict[str, RequestState] = {}  # by node id
         # (client, its id) -> its n choices
         self.by_client: dict[tuple[ClientKey, str], list[RequestState]] = {}
-        self.admission = Admission(cfg.max_requests_per_client, cfg.max_kv_tokens_per_client)
+        self.admission = Admission(
+            cfg.max_requests_per_client,
+            cfg.max_kv_tokens_per_client,
+            cfg.max_waiting_tokens,
+            lambda req: len(req.prompt_ids),
+        )
         self.num_served = 0
         self.is_draining = False
         self.paths = paths.PathChooser(cfg.disaggregate, time.monotonic)
@@ -298,6 +303,7 @@ class Frontend:
             "is_draining": self.is_draining,
             "is_authenticated": bool(self.keys),
             "num_waiting": self.admission.num_waiting,
+            "num_waiting_tokens": self.admission.num_waiting_tokens,
             "num_running": len(self.requests) - self.admission.num_waiting,
             "num_clients": len(self.admission.clients),
             "num_served": self.num_served,

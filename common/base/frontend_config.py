@@ -61,6 +61,14 @@ class FrontendConfig:
             "prompt + max_tokens over a client's requests in flight; past it: overloaded",
         ),
     )
+    max_waiting_tokens: int = field(
+        default=2**25,
+        metadata=flag(
+            "--max-waiting-tokens",
+            "prompt tokens of the requests waiting here for the nodes, over all clients; "
+            "past it: overloaded (a 503)",
+        ),
+    )
     max_queued_tokens: int = field(
         default=32768,
         metadata=flag(
@@ -209,10 +217,17 @@ class FrontendConfig:
         if self.is_client_auth and not self.keys_dir:
             raise ValueError("client keys need a key directory (--keys DIR)")
         if (
-            min(self.max_requests_per_client, self.max_kv_tokens_per_client, self.max_queued_tokens)
+            min(
+                self.max_requests_per_client,
+                self.max_kv_tokens_per_client,
+                self.max_queued_tokens,
+                self.max_waiting_tokens,
+            )
             < 1
         ):
-            raise ValueError("per-client limits and max_queued_tokens must be >= 1")
+            raise ValueError(
+                "per-client limits, max_queued_tokens and max_waiting_tokens must be >= 1"
+            )
         if self.hung_after_s <= 0:
             raise ValueError("hung_after_s must be positive")
         if self.forget_after_s <= 0 or self.drain_timeout_s < 0:

@@ -178,6 +178,41 @@ def test_admission_counts_every_choice_before_it_admits():
     assert a.refusal("c", 20, 2) is None
 
 
+def test_the_prompts_waiting_over_all_clients_are_bounded(make_frontend):
+    """Found by a hunt: each client's limits held, but nothing bounded what all clients
+    together left waiting here (each connection 2^24 KV tokens of prompts, 0.63 GiB of
+    ids): prompt tokens waiting over all clients are counted as they wait and leave, and
+    a request past the bound is refused whoever sends it (a 503 naming the flag)."""
+    a = Admission(4096, 10**6, max_waiting_tokens=10, num_tokens_of=len)
+    a.add("c1", "abcd", 8)
+    a.add("c2", "efg", 7)
+    a.add("c2", "xyzxyzxyz", 9, is_waiting=False)  # a fork: it waits with its lead
+    assert a.num_waiting_tokens == 7 and a.overload(3) is None
+    why = a.overload(4)
+    assert "7 prompt tokens wait" in why and "--max-waiting-tokens 10" in why
+    assert a.next() == "abcd" and a.num_waiting_tokens == 3  # sent to the nodes
+    a.requeue("c1", "abcd")  # it moves: it waits again
+    assert a.num_waiting_tokens == 7
+    a.done("c2", "efg", 7)
+    a.done("c1", "abcd", 8)
+    assert a.num_waiting_tokens == 0 and a.num_refused == 1
+
+    fe = make_frontend(16, max_waiting_tokens=12)
+    other = ("http", "127.0.0.2")
+    replies = _submit(fe, GenerateRequest("a", prompt_token_ids=[1] * 8, max_tokens=2))
+    assert not replies and fe.admission.num_waiting_tokens == 8  # no dispatch runs here
+
+    async def from_another_client():
+        await fe.submit(other, GenerateRequest("b", prompt_token_ids=[1] * 5, max_tokens=2))
+        await _settled(fe)
+
+    asyncio.run(from_another_client())
+    (reply,) = fe.replies
+    error, status = _error(reply)
+    assert status == 503 and error.startswith("overloaded:") and "--max-waiting-tokens" in error
+    assert fe.admission.num_waiting_tokens == 8
+
+
 def test_n_above_the_clients_request_limit_is_a_400_not_a_retry(make_frontend):
     fe = make_frontend(64, max_requests_per_client=8)
     (reply,) = _submit(fe, GenerateRequest("a", prompt_token_ids=[1, 2, 3], max_tokens=2, n=9))
@@ -418,7 +453,7 @@ def test_a_batch_is_admitted_whole_or_refused_whole(make_frontend):
     KV tokens are counted together: refused, none of it starts; admitted, all of it."""
     fe = make_frontend(16, max_requests_per_client=4)
     for i in range(3):  # three requests of this client in flight
-        fe.admission.add(CLIENT, f"running-{i}", 10)
+        fe.admission.add(CLIENT, f"running-{i}", 10, is_waiting=False)
     status, body = _post(fe, {"prompt": ["a", "b"], "max_tokens": 2})
     assert status == 429
     assert "3 requests in flight, and this request adds 2" in body["error"]["message"]
