@@ -47,7 +47,8 @@ class Answer:
         self.split = None
         if call.is_chat and (call.tool_mode != "none" or is_reasoning):
             self.split = tool_rules.Split(call.tool_mode, call.tool_name, is_reasoning)
-        self.parts = {"content": "", "reasoning_content": "", "tool_calls": []}
+        # a chat answer's split parts, each a list of pieces (tool calls: whole ones)
+        self.parts: dict[str, list] = {"content": [], "reasoning_content": [], "tool_calls": []}
 
     def _completion(self, token_ids: list[int], logprobs: list) -> dict:
         part = lp_shapes.completion(self.strings, token_ids, logprobs, self.offset)
@@ -87,9 +88,12 @@ class Answer:
                 part = lp_shapes.chat(self.strings, msg.token_ids, msg.logprobs)
             else:
                 part = lp_shapes.merge(part, self._completion(msg.token_ids, msg.logprobs))
-        if part is not None:  # extended in place, never rebuilt: linear in the answer's length
-            self.logprobs = lp_shapes.extend(self.logprobs, part)
-        self.text.append(msg.text)
+        # NOTE: only a whole response keeps its text and logprobs (a stream has sent them:
+        # kept, a long answer's logprobs would hold kilobytes a token to its end)
+        if not self.call.is_stream:
+            if part is not None:  # extended in place, never rebuilt: linear in its length
+                self.logprobs = lp_shapes.extend(self.logprobs, part)
+            self.text.append(msg.text)
         self.token_ids += msg.token_ids
         parts = None
         if self.split is not None:
@@ -101,7 +105,10 @@ class Answer:
         place among the answer's calls."""
         parts = self.split.feed(msg.text, is_final=msg.is_finished)
         for k, v in parts.items():
-            self.parts[k] += v
+            if k == "tool_calls":  # kept by a stream too: it numbers its calls
+                self.parts[k] += v
+            elif not self.call.is_stream:  # text for the whole response, in pieces
+                self.parts[k].append(v)
         if not parts.get("tool_calls"):
             return parts
         first = len(self.parts["tool_calls"]) - len(parts["tool_calls"])
@@ -118,7 +125,9 @@ class Answer:
             self.token_ids,
             self.finish_reason(reason),
             self.logprobs,
-            self.parts if self.split is not None else None,
+            {k: v if k == "tool_calls" else "".join(v) for k, v in self.parts.items()}
+            if self.split is not None
+            else None,
         )
 
 

@@ -218,12 +218,7 @@ class NodeMessages:
             return
         if not token_ids and not u.finish_reason:
             return  # the repeated first token alone: nothing new for the client
-        token_ids = req.add_output(token_ids, logprobs)
-        logprobs = (
-            req.output_logprobs[len(req.output_logprobs) - len(token_ids) :]
-            if req.params.num_logprobs >= 0
-            else None
-        )
+        token_ids, logprobs = req.add_output(token_ids, logprobs)
         if req.detok.is_stopped:
             await fe.finish(req, FINISH_STOP, None, token_ids, logprobs=logprobs)
         elif u.finish_reason:

@@ -45,8 +45,6 @@ class RequestState:
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None  # monotonic
     output_ids: list[int] = field(default_factory=list)  # every token sent to the client
-    # each one's, if asked for
-    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
     is_prompt_only: bool = False  # max_tokens 0: its one token is made and not shown
     index: int = 0  # which of its request's n choices
@@ -170,23 +168,26 @@ class RequestState:
 
     def add_output(
         self, token_ids: list[int], logprobs: list[TokenLogprobs] | None = None
-    ) -> list[int]:
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Tokens on their way to the client (a moved request's wait ends with the first).
-        Returns those kept: a stop string ends them at the token that completed it, as it
-        would have one token a step (a verify step's update carries several)."""
+        Returns those kept, and their logprobs where the request asked (one each, None
+        where an update lacked them): a stop string ends them at the token that completed
+        it, as it would have one token a step (a verify step's update carries several).
+        NOTE: the logprobs are not kept here: the client has them once they are sent."""
         token_ids = token_ids[: self.detok.add(token_ids)]
         self.output_ids += token_ids
         if self.params.num_logprobs >= 0:
-            self.output_logprobs += list(logprobs or [])[: len(token_ids)] + [None] * max(
-                len(token_ids) - len(logprobs or []), 0
-            )
+            kept = list(logprobs or [])[: len(token_ids)]
+            logprobs = kept + [None] * (len(token_ids) - len(kept))
+        else:
+            logprobs = None
         if token_ids:
             now = time.monotonic()
             if self.stalled_since is not None:
                 self.migrated_s += now - self.stalled_since
                 self.stalled_since = None
             self.last_output_at = now
-        return token_ids
+        return token_ids, logprobs
 
     def continuation(self) -> tuple[list[int], SamplingParams]:
         """What its next prefill computes: the prompt and every token streamed so far,

@@ -87,3 +87,22 @@ def test_choices_extending_their_logprobs_leave_the_shared_prompt_part_alone():
         ids = prompt_ids + list(range(first, first + 4))
         lps = [None, *prompt_lps, *(_logprobs(i) for i in range(first, first + 4))]
         assert a.logprobs == lp.completion(strings, ids, lps)
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_a_streamed_answer_keeps_no_text_or_logprobs_it_has_sent(kind):
+    """Found by a hunt: a streamed choice kept every token's logprobs (kilobytes a token
+    with 20 alternatives) and its text to its end, though only a whole response reads them:
+    n=64 long choices held gigabytes. A stream's answer hands each update's out and keeps
+    only its token ids (the usage counts them); a whole one keeps all, as before."""
+    strings = lp.TokenStrings(_Tokenizer())
+    streamed, whole = (
+        Answer(_call(kind, stream=True), strings, ""),
+        Answer(_call(kind), strings, ""),
+    )
+    for i in range(5, 505):
+        sent = streamed.add(_msg(i))
+        assert sent[0] == f"t{i}" and sent[1] is not None  # each update's own, handed out
+        whole.add(_msg(i))
+    assert streamed.logprobs is None and streamed.text == [] and len(streamed.token_ids) == 500
+    assert whole.logprobs is not None and "".join(whole.text).endswith("t504")
