@@ -44,6 +44,11 @@ log = get_logger("frontend")
 # than this is tokenized on a thread of its own (at low priority), and one of more text
 # than any prompt the model can take (max_prompt_chars) is refused unread.
 OFF_LOOP_CHARS = 64 * 2**10
+# Tools longer than this are rendered off the loop whatever their length counts: a template
+# writes them again, and may indent each item (`tojson(indent=4)`: a line and 4 spaces a
+# level of nesting), so their rendered text can be many times what was sent.
+ON_LOOP_TOOLS_CHARS = 2**10
+MAX_TOOLS_DEPTH = 32  # levels of nesting in the tools (an indent a level: bounded)
 MAX_STOP_CHARS = 16 * 2**10  # all stop strings of a request together
 MAX_BAD_WORD_CHARS = 16 * 2**10  # all bad words together (each is tokenized twice, on the loop)
 # The most items each list of a request may hold: what a ZeroMQ client's message is held to
@@ -68,21 +73,9 @@ def text_len(req: GenerateRequest) -> int:
         return len(req.prompt) if isinstance(req.prompt, str) else 0
     return (
         sum(_json_len(m) for m in req.messages or ())
-        + _tools_len(req.tools)
+        + len(req.tools or "")
         + (_json_len(req.chat_template_kwargs) if req.chat_template_kwargs else 0)
     )
-
-
-def _tools_len(tools: str | None) -> int:
-    """The tools' text as the template renders them: JSON written again, which can be far
-    longer than what was sent (`9e15` becomes `9000000000000000.0`); tools that do not parse
-    are refused later, their length as sent."""
-    if not tools:
-        return 0
-    try:
-        return max(len(tools), _json_len(json.loads(tools)))
-    except (ValueError, RecursionError):
-        return len(tools)
 
 
 def _json_len(value) -> int:
@@ -181,7 +174,21 @@ def _template_kwargs(req: GenerateRequest, tokenizer) -> dict:
             raise ValueError(f"tools is not valid JSON: {e}") from None
         except RecursionError:
             raise ValueError("tools is nested too deeply") from None
+        if _depth(kwargs["tools"]) > MAX_TOOLS_DEPTH:
+            raise ValueError(f"tools nest more than {MAX_TOOLS_DEPTH} levels deep")
     return kwargs
+
+
+def _depth(value) -> int:
+    """Levels of lists and maps in plain data (0: a scalar)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, level = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            stack.extend((c, level + 1) for c in children)
+    return deepest
 
 
 @functools.lru_cache(maxsize=8)
@@ -327,8 +334,13 @@ class Prompts:
         return self._grammars
 
     def is_off_loop(self, req: GenerateRequest) -> bool:
-        """A long prompt, or a grammar (its compiling may take a while, for all its few bytes)."""
-        return text_len(req) > OFF_LOOP_CHARS or req.structured is not None
+        """A long prompt, tools of more than a few lines, or a grammar (its compiling may take
+        a while, for all its few bytes)."""
+        return (
+            text_len(req) > OFF_LOOP_CHARS
+            or len(req.tools or "") > ON_LOOP_TOOLS_CHARS
+            or req.structured is not None
+        )
 
     def now(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
         """The common case, on the loop: ValueError says what is wrong."""

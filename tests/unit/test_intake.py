@@ -283,13 +283,28 @@ def test_tools_and_tool_calls_count_as_the_prompts_text(make_frontend):
         ],
     )
     # Found by a hunt: 64 KB of short numbers the template writes again four times longer
-    # (`9e15`: `9000000000000000.0`), tokenized on the loop as if 64 KB.
+    # (`9e15`: `9000000000000000.0`), tokenized on the loop as if 64 KB; and a review: a
+    # template that indents them writes a line a nested item. Tools of more than a few lines
+    # are rendered off the loop, and nest at most MAX_TOOLS_DEPTH levels.
     x = ",".join(["9e15"] * 12_000)
     grows = '[{"type": "function", "function": {"name": "f", "x": [' + x + "]}}]"
     assert len(grows) < OFF_LOOP_CHARS
     grows = GenerateRequest("g", messages=[{"role": "user", "content": "hi"}], tools=grows)
-    for req in (tools, calls, grows):
+    for req in (tools, calls):
         assert text_len(req) > OFF_LOOP_CHARS and fe.prompts.is_off_loop(req)
+    indented = json.dumps([{"type": "function", "function": {"name": "f", "x": [[[0]]] * 400}}])
+    assert fe.prompts.is_off_loop(grows) and len(indented) < OFF_LOOP_CHARS
+    indented = GenerateRequest("i", messages=[{"role": "user", "content": "hi"}], tools=indented)
+    assert fe.prompts.is_off_loop(indented)
+    small = '[{"type": "function", "function": {"name": "f"}}]'
+    small = GenerateRequest("s", messages=[{"role": "user", "content": "hi"}], tools=small)
+    assert not fe.prompts.is_off_loop(small)  # an ordinary tool or two: on the loop
+    deep = "[" * 40 + "]" * 40
+    deep = GenerateRequest("d", messages=[{"role": "user", "content": "hi"}], tools=deep)
+    (reply,) = _submit(fe, deep)
+    error, status = _error(reply)
+    assert status == 400 and "tools nest more than 32 levels deep" in error, error
+    fe.replies.clear()
     (reply,) = _submit(fe, tools)
     error, status = _error(reply)
     assert status == 400 and "characters (its messages, tool calls and tools)" in error, error
