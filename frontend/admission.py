@@ -47,8 +47,11 @@ class Admission:
 
     def overload(self, num_tokens: int) -> str | None:
         """Why a request of num_tokens prompt tokens may not wait here now, whoever sends it
-        (the frontend's own bound, not a client's), or None."""
-        if self.num_waiting_tokens + num_tokens <= self.max_waiting_tokens:
+        (the frontend's own bound, not a client's), or None. NOTE: with nothing waiting, any
+        request may (a bound below one prompt would refuse it forever)."""
+        if not self.num_waiting_tokens or (
+            self.num_waiting_tokens + num_tokens <= self.max_waiting_tokens
+        ):
             return None
         self.num_refused += 1
         return (

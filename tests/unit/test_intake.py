@@ -196,6 +196,7 @@ def test_the_prompts_waiting_over_all_clients_are_bounded(make_frontend):
     a.done("c2", "efg", 7)
     a.done("c1", "abcd", 8)
     assert a.num_waiting_tokens == 0 and a.num_refused == 1
+    assert a.overload(50) is None  # nothing waits: one prompt past the bound still may
 
     fe = make_frontend(16, max_waiting_tokens=12)
     other = ("http", "127.0.0.2")
