@@ -25,6 +25,7 @@ from frontend import openai_out as shapes
 from frontend.answers import Answer, stream, whole
 from frontend.metrics import CONTENT_TYPE
 from frontend.openai_api import ApiError
+from frontend.reply_cost import check_whole_reply_logprobs
 
 log = get_logger("http")
 noisy = Throttle(log)
@@ -147,7 +148,9 @@ class HttpServer:
                 None if kind == "chat" else 16,
                 "any" if self.frontend.cfg.is_json_whitespace else "compact",
             )
-        except ApiError as e:
+            whole = [c.request for c in calls if not c.is_stream]
+            check_whole_reply_logprobs(whole, self.frontend.max_model_len)
+        except (ApiError, ValueError) as e:
             return _refuse(e)
         answers = await self._serve(request, calls)
         if len(calls) == 1:

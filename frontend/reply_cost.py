@@ -29,3 +29,28 @@ def check_reply_logprobs(reqs: list[GenerateRequest], prompt_lens: list[int]) ->
             f"of several choices may hold: ask for fewer choices, prompts or prompt "
             f"logprobs"
         )
+
+
+def check_whole_reply_logprobs(reqs: list[GenerateRequest], max_model_len: int) -> None:
+    """ValueError if the output logprobs a whole (not streamed) reply would hold may pass
+    MAX_REPLY_LOGPROBS: n x max_tokens (what the model's length leaves, where unset) x
+    (logprobs + 1), over a batch's prompts. A single choice of a single prompt is bounded
+    by the model's length alone.
+    NOTE: a whole reply keeps every token's logprobs until its last choice ends (about
+    90 bytes each), then builds and writes them on the frontend's loop; a stream sends
+    them as they come."""
+    if len(reqs) == 1 and reqs[0].n == 1:
+        return
+    num = sum(
+        req.n
+        * min(max_model_len if req.max_tokens is None else req.max_tokens, max_model_len)
+        * (req.logprobs + 1)
+        for req in reqs
+        if req.logprobs is not None
+    )
+    if num > MAX_REPLY_LOGPROBS:
+        raise ValueError(
+            f"n x max_tokens x (logprobs + 1) over the prompts is {num} logprobs, more than "
+            f"the {MAX_REPLY_LOGPROBS} a whole reply of several choices may hold: stream it, "
+            f"or ask for fewer choices, prompts, tokens or logprobs"
+        )

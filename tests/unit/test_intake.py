@@ -676,3 +676,18 @@ def test_a_stream_that_ends_before_its_answer_is_read_keeps_its_prompt_count(
         seen.clear()
         assert asyncio.run(run()) == ["streamed"] and seen == [4], is_off_loop
         assert not server.prompt_lens  # forgotten with its stream
+
+
+def test_a_whole_reply_of_several_choices_is_bounded_in_output_logprobs(make_frontend):
+    """Found by a hunt: a whole (not streamed) batch of 64 prompts x 4 choices x 1,000
+    tokens with 20 logprobs each held every token's logprobs to its end (0.5 GB of the
+    frontend's memory, a 97 MB reply, the loop held up to 2 s). Its output logprobs are
+    counted before any work, as its prompt logprobs are: past the bound, a 400 naming it;
+    a stream, or one choice of one prompt, is not held to it."""
+    fe = make_frontend()  # no node: a request let through is refused there (a 503)
+    many = {"prompt": ["a", "b"], "max_tokens": 1000, "logprobs": 20, "n": 4}
+    status, body = _post(fe, many)
+    assert status == 400 and "n x max_tokens x (logprobs + 1)" in body["error"]["message"]
+    for fine in ({**many, "prompt": "a", "n": 1}, {**many, "max_tokens": 100}):
+        status, body = _post(fe, fine)
+        assert status == 503, body
