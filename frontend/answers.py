@@ -8,6 +8,7 @@ import asyncio
 
 from aiohttp import web
 
+from common.base.log import Throttle, get_logger
 from frontend import json_body, server_timing
 from frontend import openai_api as api
 from frontend import openai_logprobs as lp_shapes
@@ -18,6 +19,9 @@ HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # tokens of logprobs in a streamed event that one call encodes (a step's; top 20 each, ~1,000
 # nodes: under json_body.BUDGET); an event with more is json_body's (an echo's prompt's)
 SMALL_LOGPROBS = 16
+WRITE_DEADLINE_S = 30.0  # a stream's write waits this long for its client to read, at most
+
+noisy = Throttle(get_logger("frontend"))
 
 
 class Answer:
@@ -242,11 +246,31 @@ async def stream(
                 break
         if queue.empty():
             if events:
-                await out.write(b"".join(events))
+                await write(request, out.write(b"".join(events)))
                 events.clear()
             msg, status = await queue.get()
         else:
             msg, status = queue.get_nowait()
     events.append(b"data: [DONE]\n\n")
-    await out.write_eof(b"".join(events))
+    await write(request, out.write_eof(b"".join(events)))
     return out
+
+
+async def write(request: web.Request, writing) -> None:
+    """A stream's write (the coroutine `writing`), waiting for its client to read at most
+    WRITE_DEADLINE_S; past it the connection is cut and the handler ends as a hang-up ends
+    it (its requests are aborted).
+    NOTE: a client that keeps its connection open and reads nothing would hold the handler
+    and every output still to come (kilobytes a token with logprobs) for as long as it
+    liked: its request ends on the nodes, so no limit of its client's would hold it back."""
+    try:
+        await asyncio.wait_for(writing, WRITE_DEADLINE_S)
+    except asyncio.TimeoutError:
+        noisy.warning(
+            "a streaming client at %s read nothing for %.0fs: its connection is closed",
+            request.remote,
+            WRITE_DEADLINE_S,
+        )
+        if request.transport is not None:
+            request.transport.abort()
+        raise asyncio.CancelledError from None
