@@ -116,9 +116,9 @@ class HttpServer:
             ids = await fe.prompts.tokenize(_client(request), req)
         except (ApiError, ValueError) as e:
             return _refuse(e)
-        return web.json_response(
-            {"count": len(ids), "max_model_len": fe.max_model_len, "tokens": ids}
-        )
+        # NOTE: encoded a piece at a time, as a whole answer: a long text's ids (up to the
+        # body's size in bytes, past the model's length) are megabytes of JSON
+        return await _whole({"count": len(ids), "max_model_len": fe.max_model_len, "tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         fe = self.frontend

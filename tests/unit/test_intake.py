@@ -691,3 +691,32 @@ def test_a_whole_reply_of_several_choices_is_bounded_in_output_logprobs(make_fro
     for fine in ({**many, "prompt": "a", "n": 1}, {**many, "max_tokens": 100}):
         status, body = _post(fe, fine)
         assert status == 503, body
+
+
+def test_tokenizes_ids_are_written_a_piece_at_a_time(make_frontend):
+    """Found by a hunt: /tokenize answered a text's ids, any number of them (262,144 for
+    64 Ki emoji, 256 times the tiny model's length), encoded in one piece on the loop. They
+    are encoded as a whole answer is, the loop taking turns between the pieces."""
+    from frontend.http import HttpServer
+
+    fe = make_frontend()
+    server = HttpServer(fe, "m")
+    turns = [0]
+
+    async def count_turns():
+        while True:
+            turns[0] += 1
+            await asyncio.sleep(0)
+
+    async def run():
+        text = "\U0001f642" * 65536  # on the loop (not past OFF_LOOP_CHARS)
+        other = asyncio.create_task(count_turns())
+        await asyncio.sleep(0)
+        start = turns[0]
+        response = await server.tokenize(_Post({"model": "m", "prompt": text}))
+        other.cancel()
+        return response, turns[0] - start
+
+    response, num_turns = asyncio.run(run())
+    body = json.loads(response.body)
+    assert body["count"] == len(body["tokens"]) > 65536 and num_turns > 10
