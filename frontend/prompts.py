@@ -44,11 +44,11 @@ log = get_logger("frontend")
 # than this is tokenized on a thread of its own (at low priority), and one of more text
 # than any prompt the model can take (max_prompt_chars) is refused unread.
 OFF_LOOP_CHARS = 64 * 2**10
-# Tools longer than this are rendered off the loop whatever their length counts: a template
-# writes them again, and may indent each item (`tojson(indent=4)`: a line and 4 spaces a
-# level of nesting), so their rendered text can be many times what was sent.
-ON_LOOP_TOOLS_CHARS = 2**10
-MAX_TOOLS_DEPTH = 32  # levels of nesting in the tools (an indent a level: bounded)
+# A template writes the tools again, longer than sent: a short number written out (`9e15`
+# is `9000000000000000.0`, 4.5 times), and where it indents JSON, each item on a line of its
+# own with an indent a level of nesting (at most MAX_TOOLS_DEPTH).
+TOOLS_GROWTH = 5
+MAX_TOOLS_DEPTH = 32
 MAX_STOP_CHARS = 16 * 2**10  # all stop strings of a request together
 MAX_BAD_WORD_CHARS = 16 * 2**10  # all bad words together (each is tokenized twice, on the loop)
 # The most items each list of a request may hold: what a ZeroMQ client's message is held to
@@ -177,6 +177,15 @@ def _template_kwargs(req: GenerateRequest, tokenizer) -> dict:
         if _depth(kwargs["tools"]) > MAX_TOOLS_DEPTH:
             raise ValueError(f"tools nest more than {MAX_TOOLS_DEPTH} levels deep")
     return kwargs
+
+
+def tools_growth(tokenizer) -> int:
+    """How many times longer than sent the model's chat template may write the tools:
+    TOOLS_GROWTH, or where the template indents JSON, a line of its own and an indent a
+    level for each item (an item of two characters, `0,`, takes 4 x MAX_TOOLS_DEPTH + 3)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    text = template if isinstance(template, str) else " ".join(map(str, template.values()))
+    return 4 * MAX_TOOLS_DEPTH + 1 if "indent" in text else TOOLS_GROWTH
 
 
 def _depth(value) -> int:
@@ -321,6 +330,7 @@ class Prompts:
         self._grammars = None  # made for the first request with a grammar
         self._start_poll: asyncio.Future | None = None  # while the checker starts
         self.max_chars = max_prompt_chars(tokenizer, max_model_len)
+        self.tools_growth = tools_growth(tokenizer)
         self._pool = ThreadPoolExecutor(
             1, thread_name_prefix="tokenize", initializer=lambda: lower_this_thread(19)
         )
@@ -334,13 +344,10 @@ class Prompts:
         return self._grammars
 
     def is_off_loop(self, req: GenerateRequest) -> bool:
-        """A long prompt, tools of more than a few lines, or a grammar (its compiling may take
-        a while, for all its few bytes)."""
-        return (
-            text_len(req) > OFF_LOOP_CHARS
-            or len(req.tools or "") > ON_LOOP_TOOLS_CHARS
-            or req.structured is not None
-        )
+        """A long prompt (its tools counted as long as the template may write them), or a
+        grammar (its compiling may take a while, for all its few bytes)."""
+        grown = (self.tools_growth - 1) * len(req.tools or "")
+        return text_len(req) + grown > OFF_LOOP_CHARS or req.structured is not None
 
     def now(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
         """The common case, on the loop: ValueError says what is wrong."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -257,7 +258,7 @@ def test_tools_and_tool_calls_count_as_the_prompts_text(make_frontend):
     so a one-word message with 2 MB of tools was rendered and tokenized on the loop (1.9 s).
     They count: such a prompt goes off the loop, or is refused unread past the longest
     text the model can take."""
-    from frontend.prompts import OFF_LOOP_CHARS, text_len
+    from frontend.prompts import OFF_LOOP_CHARS, TOOLS_GROWTH, text_len, tools_growth
 
     fe = make_frontend(16)
     big = json.dumps(
@@ -285,21 +286,24 @@ def test_tools_and_tool_calls_count_as_the_prompts_text(make_frontend):
     )
     # Found by a hunt: 64 KB of short numbers the template writes again four times longer
     # (`9e15`: `9000000000000000.0`), tokenized on the loop as if 64 KB; and a review: a
-    # template that indents them writes a line a nested item. Tools of more than a few lines
-    # are rendered off the loop, and nest at most MAX_TOOLS_DEPTH levels.
+    # template that indents them writes a line a nested item. The tools count as long as
+    # the model's template may write them, and nest at most MAX_TOOLS_DEPTH levels.
     x = ",".join(["9e15"] * 12_000)
     grows = '[{"type": "function", "function": {"name": "f", "x": [' + x + "]}}]"
     assert len(grows) < OFF_LOOP_CHARS
     grows = GenerateRequest("g", messages=[{"role": "user", "content": "hi"}], tools=grows)
     for req in (tools, calls):
         assert text_len(req) > OFF_LOOP_CHARS and fe.prompts.is_off_loop(req)
-    indented = json.dumps([{"type": "function", "function": {"name": "f", "x": [[[0]]] * 400}}])
-    assert fe.prompts.is_off_loop(grows) and len(indented) < OFF_LOOP_CHARS
-    indented = GenerateRequest("i", messages=[{"role": "user", "content": "hi"}], tools=indented)
-    assert fe.prompts.is_off_loop(indented)
-    small = '[{"type": "function", "function": {"name": "f"}}]'
-    small = GenerateRequest("s", messages=[{"role": "user", "content": "hi"}], tools=small)
-    assert not fe.prompts.is_off_loop(small)  # an ordinary tool or two: on the loop
+    assert fe.prompts.is_off_loop(grows) and fe.prompts.tools_growth == TOOLS_GROWTH
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * 100}}
+    agent = GenerateRequest(
+        "s", messages=[{"role": "user", "content": "hi"}], tools=json.dumps([tool] * 40)
+    )
+    assert not fe.prompts.is_off_loop(agent)  # an agent's few kilobytes of tools: on the loop
+    indenting = SimpleNamespace(chat_template="{{ tools | tojson(indent=4) }}")
+    fe.prompts.tools_growth = tools_growth(indenting)  # a template that indents: far less
+    assert fe.prompts.is_off_loop(agent)
+    fe.prompts.tools_growth = TOOLS_GROWTH
     deep = "[" * 40 + "]" * 40
     deep = GenerateRequest("d", messages=[{"role": "user", "content": "hi"}], tools=deep)
     (reply,) = _submit(fe, deep)
