@@ -15,8 +15,6 @@ with a bounded share of it (frontend/off_loop.py); everything else, the common c
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +33,7 @@ from common.base.threads import lower_this_thread
 from common.wire.client import MAX_MESSAGES, MAX_PROMPT_IDS, MAX_STOP
 from common.wire.protocol import GenerateRequest
 from frontend import grammar_check
+from frontend.chat_template import render, template_kwargs, tools_growth
 from frontend.grammar_check import GrammarChecker, GrammarNotJudged
 from frontend.off_loop import OffLoop
 
@@ -44,11 +43,6 @@ log = get_logger("frontend")
 # than this is tokenized on a thread of its own (at low priority), and one of more text
 # than any prompt the model can take (max_prompt_chars) is refused unread.
 OFF_LOOP_CHARS = 64 * 2**10
-# A template writes the tools again, longer than sent: a short number written out (`9e15`
-# is `9000000000000000.0`, 4.5 times), and where it indents JSON, each item on a line of its
-# own with an indent a level of nesting (at most MAX_TOOLS_DEPTH).
-TOOLS_GROWTH = 5
-MAX_TOOLS_DEPTH = 32
 MAX_STOP_CHARS = 16 * 2**10  # all stop strings of a request together
 MAX_BAD_WORD_CHARS = 16 * 2**10  # all bad words together (each is tokenized twice, on the loop)
 # The most items each list of a request may hold: what a ZeroMQ client's message is held to
@@ -138,72 +132,12 @@ def prompt_ids(tokenizer, req: GenerateRequest, max_model_len: int = 2**31) -> l
                 "each message needs a string role and string content (an assistant's "
                 "tool calls may stand for it)"
             )
-    kwargs = _template_kwargs(req, tokenizer)
+    kwargs = template_kwargs(req, tokenizer)
     if text_len(req) > OFF_LOOP_CHARS:
-        text = _render(tokenizer, req.messages, False, kwargs)
+        text = render(tokenizer, req.messages, False, kwargs)
         _check_count(_count_tokens(tokenizer, text, False), max_model_len)
-    ids = _render(tokenizer, req.messages, True, kwargs)
+    ids = render(tokenizer, req.messages, True, kwargs)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # an encoding or a list
-
-
-def _render(tokenizer, messages: list[dict], is_tokenized: bool, kwargs: dict):
-    """The chat template over a client's messages and variables. NOTE: whatever it raises
-    (a template's own raise_exception, a variable of the wrong type) is that request's
-    error, never its loop's."""
-    try:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=is_tokenized, **kwargs
-        )
-    except Exception as e:
-        raise ValueError(
-            f"the chat template cannot render these messages: {type(e).__name__}: {str(e)[:200]}"
-        ) from None
-
-
-def _template_kwargs(req: GenerateRequest, tokenizer) -> dict:
-    """What the chat template gets besides the messages: the tools, and the request's
-    chat_template_kwargs (Qwen3's enable_thinking, say): variables of the template alone.
-    NOTE: apply_chat_template's own parameters are not a client's to set (chat_template
-    would run a template of its choosing; return_tensors, padding change what comes back)."""
-    reserved = _template_parameters(type(tokenizer))
-    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in reserved}
-    if req.tools:
-        try:
-            kwargs["tools"] = json.loads(req.tools)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"tools is not valid JSON: {e}") from None
-        except RecursionError:
-            raise ValueError("tools is nested too deeply") from None
-        if _depth(kwargs["tools"]) > MAX_TOOLS_DEPTH:
-            raise ValueError(f"tools nest more than {MAX_TOOLS_DEPTH} levels deep")
-    return kwargs
-
-
-def tools_growth(tokenizer) -> int:
-    """How many times longer than sent the model's chat template may write the tools:
-    TOOLS_GROWTH, or where the template indents JSON, a line of its own and an indent a
-    level for each item (an item of two characters, `0,`, takes 4 x MAX_TOOLS_DEPTH + 3)."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    text = template if isinstance(template, str) else " ".join(map(str, template.values()))
-    return 4 * MAX_TOOLS_DEPTH + 1 if "indent" in text else TOOLS_GROWTH
-
-
-def _depth(value) -> int:
-    """Levels of lists and maps in plain data (0: a scalar)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        v, level = stack.pop()
-        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
-        if children is not None:
-            deepest = max(deepest, level)
-            stack.extend((c, level + 1) for c in children)
-    return deepest
-
-
-@functools.lru_cache(maxsize=8)
-def _template_parameters(tokenizer_type: type) -> frozenset[str]:
-    named = inspect.signature(tokenizer_type.apply_chat_template).parameters.values()
-    return frozenset(p.name for p in named if p.kind is not p.VAR_KEYWORD) | {"messages"}
 
 
 def check_size(req: GenerateRequest, max_chars: int) -> None:

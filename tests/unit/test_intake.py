@@ -258,7 +258,8 @@ def test_tools_and_tool_calls_count_as_the_prompts_text(make_frontend):
     so a one-word message with 2 MB of tools was rendered and tokenized on the loop (1.9 s).
     They count: such a prompt goes off the loop, or is refused unread past the longest
     text the model can take."""
-    from frontend.prompts import OFF_LOOP_CHARS, TOOLS_GROWTH, text_len, tools_growth
+    from frontend.chat_template import TOOLS_GROWTH, tools_growth
+    from frontend.prompts import OFF_LOOP_CHARS, text_len
 
     fe = make_frontend(16)
     big = json.dumps(
