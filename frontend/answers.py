@@ -19,7 +19,8 @@ HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # tokens of logprobs in a streamed event that one call encodes (a step's; top 20 each, ~1,000
 # nodes: under json_body.BUDGET); an event with more is json_body's (an echo's prompt's)
 SMALL_LOGPROBS = 16
-WRITE_DEADLINE_S = 30.0  # a stream's write waits this long for its client to read, at most
+WRITE_DEADLINE_S = 30.0  # a stream's write of a piece waits this long for its client, at most
+WRITE_PIECE = 64 * 1024  # bytes a stream writes at once (its progress is judged a piece at a time)
 
 noisy = Throttle(get_logger("frontend"))
 
@@ -246,28 +247,37 @@ async def stream(
                 break
         if queue.empty():
             if events:
-                await write(request, out.write(b"".join(events)))
+                await write(request, out, b"".join(events))
                 events.clear()
             msg, status = await queue.get()
         else:
             msg, status = queue.get_nowait()
     events.append(b"data: [DONE]\n\n")
-    await write(request, out.write_eof(b"".join(events)))
+    await write(request, out, b"".join(events), is_eof=True)
     return out
 
 
-async def write(request: web.Request, writing) -> None:
-    """A stream's write (the coroutine `writing`), waiting for its client to read at most
-    WRITE_DEADLINE_S; past it the connection is cut and the handler ends as a hang-up ends
-    it (its requests are aborted).
+async def write(
+    request: web.Request, out: web.StreamResponse, data: bytes, is_eof: bool = False
+) -> None:
+    """A stream's write of data, a WRITE_PIECE at a time, each piece waiting at most
+    WRITE_DEADLINE_S for its client to take it; past it the connection is cut and the
+    handler ends as a hang-up ends it (its requests are aborted).
     NOTE: a client that keeps its connection open and reads nothing would hold the handler
     and every output still to come (kilobytes a token with logprobs) for as long as it
-    liked: its request ends on the nodes, so no limit of its client's would hold it back."""
+    liked: its request ends on the nodes, so no limit of its client's would hold it back.
+    The deadline is a piece's, not the whole write's: a client that reads, however slowly,
+    takes a piece well within it, where a write of all that piled up while it read might
+    not end in time."""
     try:
-        await asyncio.wait_for(writing, WRITE_DEADLINE_S)
+        for i in range(0, len(data), WRITE_PIECE):
+            await asyncio.wait_for(out.write(data[i : i + WRITE_PIECE]), WRITE_DEADLINE_S)
+        if is_eof:
+            await asyncio.wait_for(out.write_eof(), WRITE_DEADLINE_S)
     except asyncio.TimeoutError:
         noisy.warning(
-            "a streaming client at %s read nothing for %.0fs: its connection is closed",
+            "a streaming client at %s took nothing of its stream for %.0fs: its connection "
+            "is closed",
             request.remote,
             WRITE_DEADLINE_S,
         )
