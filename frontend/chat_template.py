@@ -46,7 +46,7 @@ def template_kwargs(req: GenerateRequest, tokenizer) -> dict:
             raise ValueError(f"tools is not valid JSON: {e}") from None
         except RecursionError:
             raise ValueError("tools is nested too deeply") from None
-        if _depth(kwargs["tools"]) > MAX_TOOLS_DEPTH:
+        if _is_deeper(kwargs["tools"], MAX_TOOLS_DEPTH):
             raise ValueError(f"tools nest more than {MAX_TOOLS_DEPTH} levels deep")
     return kwargs
 
@@ -60,16 +60,18 @@ def tools_growth(tokenizer) -> int:
     return 4 * MAX_TOOLS_DEPTH + 1 if "indent" in text else TOOLS_GROWTH
 
 
-def _depth(value) -> int:
-    """Levels of lists and maps in plain data (0: a scalar)."""
-    deepest, stack = 0, [(value, 1)]
+def _is_deeper(value, limit: int) -> bool:
+    """Whether plain data nests lists and maps more than limit levels deep (at once, once
+    one does: the rest is not walked)."""
+    stack = [(value, 1)]
     while stack:
         v, level = stack.pop()
         children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
         if children is not None:
-            deepest = max(deepest, level)
-            stack.extend((c, level + 1) for c in children)
-    return deepest
+            if level > limit:
+                return True
+            stack.extend((c, level + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 @functools.lru_cache(maxsize=8)
