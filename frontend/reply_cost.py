@@ -6,6 +6,10 @@ from __future__ import annotations
 from common.wire.protocol import GenerateRequest
 
 MAX_REPLY_LOGPROBS = 2**17  # prompt logprobs in a reply of several choices, every one's counted
+# output logprobs in a whole reply of several choices, at most (about 90 bytes each held until
+# the reply is written): counted before the prompts are, so an unset max_tokens counts as the
+# model's whole length
+MAX_WHOLE_REPLY_LOGPROBS = 2**22
 
 
 def check_reply_logprobs(reqs: list[GenerateRequest], prompt_lens: list[int]) -> None:
@@ -33,7 +37,7 @@ def check_reply_logprobs(reqs: list[GenerateRequest], prompt_lens: list[int]) ->
 
 def check_whole_reply_logprobs(reqs: list[GenerateRequest], max_model_len: int) -> None:
     """ValueError if the output logprobs a whole (not streamed) reply would hold may pass
-    MAX_REPLY_LOGPROBS: n x max_tokens (what the model's length leaves, where unset) x
+    MAX_WHOLE_REPLY_LOGPROBS: n x max_tokens (what the model's length leaves, where unset) x
     (logprobs + 1), over a batch's prompts. A single choice of a single prompt is bounded
     by the model's length alone.
     NOTE: a whole reply keeps every token's logprobs until its last choice ends (about
@@ -48,9 +52,10 @@ def check_whole_reply_logprobs(reqs: list[GenerateRequest], max_model_len: int) 
         for req in reqs
         if req.logprobs is not None
     )
-    if num > MAX_REPLY_LOGPROBS:
+    if num > MAX_WHOLE_REPLY_LOGPROBS:
         raise ValueError(
             f"n x max_tokens x (logprobs + 1) over the prompts is {num} logprobs, more than "
-            f"the {MAX_REPLY_LOGPROBS} a whole reply of several choices may hold: stream it, "
-            f"or ask for fewer choices, prompts, tokens or logprobs"
+            f"the {MAX_WHOLE_REPLY_LOGPROBS} a whole reply of several choices may hold: stream "
+            f"it, or ask for fewer choices, prompts, tokens (max_tokens unset counts as the "
+            f"model's length) or logprobs"
         )

@@ -690,7 +690,7 @@ def test_a_whole_reply_of_several_choices_is_bounded_in_output_logprobs(make_fro
     counted before any work, as its prompt logprobs are: past the bound, a 400 naming it;
     a stream, or one choice of one prompt, is not held to it."""
     fe = make_frontend()  # no node: a request let through is refused there (a 503)
-    many = {"prompt": ["a", "b"], "max_tokens": 1000, "logprobs": 20, "n": 4}
+    many = {"prompt": ["a"] * 64, "max_tokens": 1000, "logprobs": 20, "n": 4}
     status, body = _post(fe, many)
     assert status == 400 and "n x max_tokens x (logprobs + 1)" in body["error"]["message"]
     for fine in ({**many, "prompt": "a", "n": 1}, {**many, "max_tokens": 100}):
