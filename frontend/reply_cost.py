@@ -6,10 +6,10 @@ from __future__ import annotations
 from common.wire.protocol import GenerateRequest
 
 MAX_REPLY_LOGPROBS = 2**17  # prompt logprobs in a reply of several choices, every one's counted
-# output logprobs in a whole reply of several choices, at most (about 90 bytes each held until
-# the reply is written): counted before the prompts are, so an unset max_tokens counts as the
-# model's whole length
-MAX_WHOLE_REPLY_LOGPROBS = 2**22
+# output logprobs in a whole reply of several choices, at most (held until the reply is
+# written: about 60 bytes each in a completion's shape, 300 in a chat's, so 300 MB at most):
+# counted before the prompts are, so an unset max_tokens counts as the model's whole length
+MAX_WHOLE_REPLY_LOGPROBS = 2**20
 
 
 def check_reply_logprobs(reqs: list[GenerateRequest], prompt_lens: list[int]) -> None:
@@ -40,9 +40,9 @@ def check_whole_reply_logprobs(reqs: list[GenerateRequest], max_model_len: int) 
     MAX_WHOLE_REPLY_LOGPROBS: n x max_tokens (what the model's length leaves, where unset) x
     (logprobs + 1), over a batch's prompts. A single choice of a single prompt is bounded
     by the model's length alone.
-    NOTE: a whole reply keeps every token's logprobs until its last choice ends (about
-    90 bytes each), then builds and writes them on the frontend's loop; a stream sends
-    them as they come."""
+    NOTE: a whole reply keeps every token's logprobs until its last choice ends (up to 300
+    bytes each, in a chat's shape), then builds and writes them on the frontend's loop; a
+    stream sends them as they come."""
     if len(reqs) == 1 and reqs[0].n == 1:
         return
     num = sum(
