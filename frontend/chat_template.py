@@ -56,7 +56,7 @@ def tools_growth(tokenizer) -> int:
     TOOLS_GROWTH, or where the template indents JSON, a line of its own and an indent a
     level for each item (an item of two characters, `0,`, takes 4 x MAX_TOOLS_DEPTH + 3)."""
     template = getattr(tokenizer, "chat_template", None) or ""
-    text = template if isinstance(template, str) else " ".join(map(str, template.values()))
+    text = template if isinstance(template, str) else str(template)  # named ones: a dict
     return 4 * MAX_TOOLS_DEPTH + 1 if "indent" in text else TOOLS_GROWTH
 
 
