@@ -125,7 +125,7 @@ class DecodeNode:
         parts.callback(self.kv.close)
         self.poller = Poller(self.frontend, self.kv)
         # NOTE: a step that waits for a prefill pass's cores still reads the links (its grants)
-        w.decode.while_yielding = self._read_links
+        w.decode.runner.while_yielding = self._read_links
         self.handoff = Receiver(
             epoch=rt.epoch,
             lease_s=cfg.reservation_lease_s,
@@ -363,7 +363,7 @@ class DecodeNode:
         """Each turn's upkeep: the device's idle time, the runtime (registration, heartbeat,
         draining), the prefix cache's report, the periodic line."""
         if self.in_flight is None and not self.scheduler.running:
-            self.worker.decode.mark_idle()
+            self.worker.decode.runner.mark_idle()
         self.runtime.turn()
         self.prefix_report.turn()
         self._log_line()

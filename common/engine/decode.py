@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Callable
 
 import numpy as np
 import torch
@@ -32,6 +31,7 @@ from common.engine.drafting import make_drafter
 from common.engine.graphs import GraphRunner
 from common.engine.h2d import HostToDevice
 from common.engine.sampling_rows import SamplingRows
+from common.engine.step_runner import StepRunner
 from common.engine.ticket import DecodeTicket
 from common.engine.verify import Verifier
 from common.kv.blocks import num_blocks_for
@@ -59,18 +59,8 @@ class DecodeBatch:
         self.num_steps = 0
         self.num_rows = 0  # summed over steps: / num_steps is the mean batch
         self.max_batch = 0
-        # steps, measured on the device (where it has events; else the host's time)
-        self.device_busy_s = 0.0
-        self.device_idle_s = 0.0  # gaps between consecutive steps on the device
-        self._last_end = None
-        self.cores = None  # CPU: the host's shared cores (cores.py), asked each step
-        self.threads_worth: Callable[[int], int] = lambda num_rows: 1  # cores a step is worth
-        # what a step does while it yields its cores to a prefill pass (the node reads its links)
-        self.while_yielding: Callable[[float], None] | None = None
-        # Host threads a step runs on where no core table is asked (the node's own cores);
-        # NOTE: the loop thread runs its other ops on one (Worker.prepare), so a step sets
-        # its own count and gives it back.
-        self.num_threads: int | None = None
+        # where a step runs on the host, and the device's time (busy, idle) it keeps
+        self.runner = StepRunner(platform)
         n, dev, pinned = max_batch_size, h2d.device, platform.is_pinned
         self._input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self._seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
@@ -115,8 +105,8 @@ class DecodeBatch:
             "num_block_copies": self.table.num_block_copies,
             "num_decode_steps": self.num_steps,
             "num_decode_rows": self.num_rows,
-            "device_busy_s": round(self.device_busy_s, 6),
-            "device_idle_s": round(self.device_idle_s, 6),
+            "device_busy_s": round(self.runner.device_busy_s, 6),
+            "device_idle_s": round(self.runner.device_idle_s, 6),
             "is_graphed": self.graphs.is_graphed,
             "max_decode_batch": self.max_batch,
         } | (self.verifier.stats() if self.verifier else {})
@@ -271,26 +261,11 @@ class DecodeBatch:
         else:
             self.sampling.upload_masks(n, k)
             width = num_blocks_for(int(self.host_seq_lens[:n].max()) + k, self.block_size)
-            if self.cores is None and self.num_threads is None:
-                run(n, width, plan.is_greedy, plan.num_logprobs)
-            elif self.cores is None:
-                torch.set_num_threads(min(self.num_threads, self.threads_worth(n * (k + 1))))
-                try:
-                    run(n, width, plan.is_greedy, plan.num_logprobs)
-                finally:
-                    torch.set_num_threads(1)
-            else:
-                reads = self.while_yielding and self._read_while_yielding
-                self.cores.begin(self.threads_worth(n * (k + 1)), True, reads, num_seqs=n)
-                t0 = time.perf_counter()  # NOTE: waiting for cores is not the step's time
-                try:
-                    run(n, width, plan.is_greedy, plan.num_logprobs, self.cores.between_layers)
-                finally:
-                    self.cores.end()
+            args = (n, width, plan.is_greedy, plan.num_logprobs)
+            t0 = self.runner.run(run, args, num_seqs=n, num_rows=n * (k + 1))
         ticket.end = p.event(timing=True)
         if ticket.end is None:  # no events (CPU): the step ran here, in this call
-            ticket.busy_s = time.perf_counter() - t0
-            self.device_busy_s += ticket.busy_s
+            self.runner.count_host_time(ticket, t0)
         if k:
             self.verifier.queue_copy(ticket.slot, n, k, plan.row_num_logprobs is not None)
         else:
@@ -306,12 +281,6 @@ class DecodeBatch:
         self.max_batch = max(self.max_batch, n)
         return ticket
 
-    def _read_while_yielding(self, timeout_s: float) -> None:
-        # NOTE: out of the step's inference mode: a tensor a handler makes there (a tcp
-        # landing's record) is one no later turn may update in place
-        with torch.inference_mode(False):
-            self.while_yielding(timeout_s)
-
     def is_done(self, ticket: DecodeTicket) -> bool:
         """Whether collect() would return at once (always, where work is not queued)."""
         return ticket.copied is None or ticket.copied.query()
@@ -320,7 +289,7 @@ class DecodeBatch:
         """Wait for a launched plain step; its tokens, in the ticket's key order."""
         if ticket.num_drafts:
             raise ValueError("a verify step makes several tokens a row: collect_many")
-        self._wait(ticket)
+        self.runner.wait(ticket)
         t0, n = time.perf_counter(), len(ticket.keys)
         if ticket.num_logprobs is not None:
             ticket.logprobs = self.sampling.read_logprobs(ticket.slot, ticket.num_logprobs)
@@ -339,32 +308,17 @@ class DecodeBatch:
             if ticket.logprobs is not None:
                 ticket.logprobs = [[lp] for lp in ticket.logprobs]
             return [[t] for t in tokens]
-        self._wait(ticket)
+        self.runner.wait(ticket)
         t0, n = time.perf_counter(), len(ticket.keys)
         tokens, made = self.verifier.collect(ticket, n)
         self.host_seq_lens[:n] += made.astype(np.int32)
         ticket.taken_s = time.perf_counter() - t0
         return tokens
 
-    def _wait(self, ticket: DecodeTicket) -> None:
-        if ticket.copied is None:
-            self.platform.synchronize()  # no events here: a no-op on CPU
-        else:
-            ticket.copied.synchronize()
-            ticket.busy_s = ticket.start.elapsed_time(ticket.end) / 1e3
-            self.device_busy_s += ticket.busy_s
-            if self._last_end is not None:
-                self.device_idle_s += max(self._last_end.elapsed_time(ticket.start), 0.0) / 1e3
-            self._last_end = ticket.end
-
     def step(self) -> list[int]:
         """One token for every live sequence, in keys() order: a launch, collected at once."""
         ticket = self.launch()
         return self.collect(ticket) if ticket else []
-
-    def mark_idle(self) -> None:
-        """The node has nothing to run: the gap before the next step is not device idleness."""
-        self._last_end = None
 
     def _run(
         self,

@@ -78,11 +78,11 @@ class DeviceWorker:
         self.is_step_queued = not self.platform.is_host
         self._loop_threads = cap  # the calling thread's, given back at close
         # cores a step of n rows is worth: asked of a core table, or taken up to the cap
-        self.decode.threads_worth = functools.partial(threads_worth, s, self.dtype, 0)
+        self.decode.runner.threads_worth = functools.partial(threads_worth, s, self.dtype, 0)
         if cfg.core_pool and self.platform.is_host:
             name, budget, share = parse_core_pool(cfg.core_pool)
             self.cores = CorePool(name, budget, min(share, cap), cap, torch.set_num_threads)
-            self.decode.cores = self.cores
+            self.decode.runner.cores = self.cores
         if self.platform.is_host and cap > 1:
             # NOTE: a lane runs whole forwards on one torch thread: no barrier per op waits
             # for a core another process holds, and a busy host just time-slices the lanes.
@@ -95,7 +95,7 @@ class DeviceWorker:
             torch.set_num_threads(1)  # the loop's own ops are small: no pool to wait on
             # NOTE: without a core table a step takes the threads it is worth (a tiny
             # model's step, one: an op split over threads waits at its end for all of them)
-            self.decode.num_threads = cap
+            self.decode.runner.num_threads = cap
         self._warm_up()
         if wants_graphs(self.platform, self.cfg.use_graphs, self.kv_cache):
             self.decode.capture_graphs()

@@ -258,8 +258,8 @@ def test_a_decode_step_without_a_core_table_runs_on_the_threads_it_is_worth(tiny
 
 def _check_decode_threads(tiny_model):
     with _worker(tiny_model, max_batch_size=4) as worker:
-        d = worker.decode
-        assert d.num_threads == worker.num_threads and d.threads_worth(1) == 1  # tiny: one
+        d, r = worker.decode, worker.decode.runner
+        assert r.num_threads == worker.num_threads and r.threads_worth(1) == 1  # tiny: one
         alloc = BlockAllocator(worker.num_kv_blocks)
         p = SamplingParams(max_tokens=50, ignore_eos=True)
         for i in range(3):
@@ -275,7 +275,7 @@ def _check_decode_threads(tiny_model):
         d._run = spy
         d.step()  # worth one thread (a tiny model)
         asked = []
-        d.threads_worth = lambda num_rows: asked.append(num_rows) or 5  # a large model's
+        d.runner.threads_worth = lambda num_rows: asked.append(num_rows) or 5  # a large model's
         d.step()
         assert worker.num_threads == 2 and seen == [1, 2] and asked == [3]  # the step's rows
         assert torch.get_num_threads() == 1  # the loop thread's own again
@@ -293,11 +293,11 @@ def _check_decode_threads(tiny_model):
             def end(self):
                 asked.append("end")
 
-        d.cores = Table()
-        d.threads_worth = lambda num_rows: 10 * num_rows
+        d.runner.cores = Table()
+        d.runner.threads_worth = lambda num_rows: 10 * num_rows
         # the node's hook (it reads its links): out of the step's inference mode, where a
         # tensor a tcp landing made could not be updated by a later turn (review: a crash)
-        d.while_yielding = lambda timeout_s: asked.append((timeout_s, is_inference()))
+        d.runner.while_yielding = lambda timeout_s: asked.append((timeout_s, is_inference()))
         is_inference = torch.is_inference_mode_enabled
         d.step()
         assert asked == [3, (30, True), (0.002, False), "end"] and seen[-1] == 2
