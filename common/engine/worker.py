@@ -3,8 +3,8 @@
 prepare() loads the weights, allocates the KV cache as one tensor and every
 persistent buffer, once; prefill() and the decode steps then run any number of
 times; close() releases all of it. The worker is the model and its prefill
-passes; the decode batch's step state (decode.py), the captured graphs
-(graphs.py) and the swap space (swap.py) are its parts, and every device call
+passes (their first tokens: first_tokens.py); the decode batch's step state (decode.py),
+the captured graphs (graphs.py) and the swap space (swap.py) are its parts, and every device call
 that differs by device type goes through its platform (platform.py).
 """
 
@@ -20,8 +20,8 @@ import torch
 import kernels
 from common.base.config import WorkerConfig, clamp_model_len, parse_core_pool
 from common.base.request import SamplingParams
+from common.engine import first_tokens, qwen3
 from common.engine import logits as logit_rules
-from common.engine import qwen3
 from common.engine.cores import CorePool
 from common.engine.decode import DecodeBatch
 from common.engine.graphs import wants_graphs
@@ -31,7 +31,6 @@ from common.engine.lanes import Lanes, run_on_own_thread
 from common.engine.pass_size import pair_cost, threads_worth
 from common.engine.platform import platform_for
 from common.engine.prefill_job import PrefillChunk
-from common.engine.sampling import sample
 from common.engine.swap import SwapSpace
 from common.kv.blocks import (
     BLOCK_DIM,
@@ -322,46 +321,9 @@ class DeviceWorker:
         if not sampled_idx:
             return out, None
         logits = qwen3.compute_logits(self.weights, last_hidden[sampled_idx])
-        # Rows to sample: (chunk, 0) its own first token, (chunk, j) its fork j's (n > 1),
-        # which samples the same logits again with its own params (seed).
-        rows = [
-            (k, i, j)
-            for k, i in enumerate(sampled_idx)
-            for j in range(1 + len(chunks[i].fork_params))
-        ]
-        row_logits = (
-            logits
-            if len(rows) == len(sampled_idx)
-            else logits[self._to_device([k for k, _, _ in rows], torch.int64)]
+        first_tokens.choose(
+            logits, chunks, sampled_idx, out, self.spec.eos_token_ids, self._to_device
         )
-        ps = [chunks[i].fork_params[j - 1] if j else chunks[i].params for _, i, j in rows]
-        positions = [chunks[i].context_len + len(chunks[i].token_ids) for _, i, _ in rows]
-        reported = [None] * len(rows)
-        if all(p.is_plain for p in ps):
-            tokens = sample(
-                row_logits,
-                self._to_device([p.temperature for p in ps], torch.float32),
-                self._to_device([p.top_p for p in ps], torch.float32),
-                self._to_device([p.top_k for p in ps], torch.int32),
-                self._to_device([p.seed for p in ps], torch.int64),
-                self._to_device(positions, torch.int64),
-            ).tolist()
-        else:
-            tokens, reported = logit_rules.choose_first(
-                row_logits,
-                ps,
-                [chunks[i].history for _, i, _ in rows],
-                positions,
-                self.spec.eos_token_ids,
-                self._to_device,
-                [chunks[i].mask for _, i, _ in rows],
-            )
-        for (_, i, j), t, lp in zip(rows, tokens, reported):
-            if j:
-                chunks[i].fork_tokens.append(t)
-                chunks[i].fork_logprobs.append(lp)
-            else:
-                out[i], chunks[i].logprobs = t, lp
         return out, (logits if return_logits else None)
 
     @torch.inference_mode()
