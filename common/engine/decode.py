@@ -262,7 +262,7 @@ class DecodeBatch:
             self.sampling.upload_masks(n, k)
             width = num_blocks_for(int(self.host_seq_lens[:n].max()) + k, self.block_size)
             args = (n, width, plan.is_greedy, plan.num_logprobs)
-            t0 = self.runner.run(run, args, num_seqs=n, num_rows=n * (k + 1))
+            t0 = self.runner.run(run, args, num_seqs=n, num_rows=n * (k + 1), t0=t0)
         ticket.end = p.event(timing=True)
         if ticket.end is None:  # no events (CPU): the step ran here, in this call
             self.runner.count_host_time(ticket, t0)

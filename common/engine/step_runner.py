@@ -32,11 +32,11 @@ class StepRunner:
         # its own count and gives it back.
         self.num_threads: int | None = None
 
-    def run(self, step: Callable, args: tuple, num_seqs: int, num_rows: int) -> float:
+    def run(self, step: Callable, args: tuple, num_seqs: int, num_rows: int, t0: float) -> float:
         """step(*args[, between_layers]): a step's device part over num_seqs sequences and
         num_rows query rows (a verify step's k + 1 a sequence), on the threads it may use.
-        Returns when its host time started (after any wait for cores)."""
-        t0 = time.perf_counter()
+        t0: when the step's host time started (its launch: its masks' upload counts);
+        returns it, or where the step waited for cores, when the wait ended."""
         if self.cores is None and self.num_threads is None:
             step(*args)
         elif self.cores is None:

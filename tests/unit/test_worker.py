@@ -388,3 +388,23 @@ def test_a_row_with_every_token_masked_reports_finite_logprobs():
     nan = float("nan")
     (got,) = to_host([nan], [[nan, float("-inf")]], [[0, 1]], [2])
     assert got.logprob == LOGPROB_FLOOR and got.top_logprobs == [LOGPROB_FLOOR] * 2
+
+
+def test_a_steps_host_time_counts_its_masks_upload(tiny_model):
+    """On a host without device events a step's time is its launch's: its masks' upload
+    (a verify step's grows with k) counts, which the draft chooser and the frontend's
+    route choice read. Review: a split of the launch timed the step from after it."""
+    import time
+
+    with _worker(tiny_model, max_batch_size=2) as worker:
+        d = worker.decode
+        alloc = BlockAllocator(worker.num_kv_blocks)
+        p = SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.7, top_k=5, seed=1)
+        blocks = alloc.allocate(1)
+        (tok,), _ = worker.prefill([PrefillChunk([1, 2, 3], 0, blocks, p)])
+        d.add("a", tok, 3, blocks, p)
+        upload = d.sampling.upload_masks
+        d.sampling.upload_masks = lambda *a: time.sleep(0.05) or upload(*a)
+        ticket = d.launch()
+        d.collect(ticket)
+        assert ticket.busy_s >= 0.05
