@@ -123,6 +123,7 @@ class Frontend:
             domain="clients" if self.cfg.is_client_auth else None,
             max_list_len=max(self.max_model_len, MAX_MESSAGES) + 1,
             max_queued=MAX_QUEUED,
+            takes_tags=False,
         )
         self.node_link = AsyncChannel(
             ctx, True, self.cfg.node_endpoint, max_message_bytes=limit, domain="nodes"

@@ -294,10 +294,12 @@ class AsyncChannel(Inbound):
         domain: str | None = None,
         max_list_len: int | None = None,
         max_queued: int | None = None,
+        takes_tags: bool = True,
     ):
         """max_queued (a ROUTER): the messages a peer may leave unread; past them, or to a
-        peer that is gone, send() refuses at once (ROUTER_MANDATORY) instead of dropping."""
-        self._init_receiver(ctx.keys, is_router, domain, max_list_len)
+        peer that is gone, send() refuses at once (ROUTER_MANDATORY) instead of dropping.
+        takes_tags: False on a ROUTER of clients (peers.py: a tagged message is refused)."""
+        self._init_receiver(ctx.keys, is_router, domain, max_list_len, takes_tags)
         self.sock = ctx.aio.socket(zmq.ROUTER if is_router else zmq.DEALER)
         self.is_mandatory = bool(is_router and max_queued)
         if self.is_mandatory:

@@ -9,7 +9,8 @@ the message is refused; on open links the tag is as good as the port's reach. Re
 to the route the peer last spoke from; `rerouted` lists peers seen on a new route (their
 connection was replaced: what was in flight on the old one may be lost), and a DEALER's
 take_reconnects() says when its own connection was replaced. Clients send no tag: a
-client is its routing id.
+client is its routing id, and a ROUTER of clients (takes_tags False) refuses a tagged
+message: a tag there would let one client speak, and be answered, as another.
 """
 
 from __future__ import annotations
@@ -57,9 +58,12 @@ class Inbound:
         is_router: bool,
         domain: str | None,
         max_list_len: int | None,
+        takes_tags: bool = True,
     ) -> None:
-        """keys: the context's (None: open links); domain: whom a router admits."""
+        """keys: the context's (None: open links); domain: whom a router admits;
+        takes_tags: whether its peers are nodes, named by their tags (else: clients)."""
         self.is_router = is_router
+        self.takes_tags = takes_tags
         self.num_bad = 0
         self.num_reroutes = 0
         self.max_list_len = max_list_len or codec.MAX_LIST_LEN
@@ -93,14 +97,20 @@ class Inbound:
             msg, tag = protocol.decode_from(frames, allowed, self.max_list_len)
         except ProtocolError as e:
             self.num_bad += 1
-            return self._sender(route, codec.sender_of(frames), proven), BadMessage(
-                route, str(e), e.request_id
-            )
+            tag = codec.sender_of(frames) if self.takes_tags else None
+            return self._sender(route, tag, proven), BadMessage(route, str(e), e.request_id)
         except Exception as e:  # noqa: BLE001 - no input may escape as an exception
             self.num_bad += 1
             return route, BadMessage(route, f"undecodable message ({type(e).__name__})", None)
         if not self.is_router:
             return None, msg
+        if tag is not None and not self.takes_tags:
+            self.num_bad += 1
+            return route, BadMessage(
+                route,
+                "a client's message carries no 'from' tag (a client is its connection)",
+                getattr(msg, "request_id", None),
+            )
         if tag is not None and self._keys is not None and tag_name(tag) != proven:
             self.num_bad += 1
             return route, BadMessage(
@@ -116,7 +126,7 @@ class Inbound:
         if route is None:
             return None
         sender = route
-        if tag is not None and (self._keys is None or tag_name(tag) == proven):
+        if tag is not None and self.takes_tags and (self._keys is None or tag_name(tag) == proven):
             sender = tag.encode()
             old = self._routes.pop(sender, None)
             if old is not None and old != route:

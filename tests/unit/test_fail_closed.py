@@ -619,3 +619,51 @@ def test_a_whole_write_refused_as_it_ends_a_pushed_one_is_ended_and_frees_its_bl
     assert [rid for rid, _ in p.failed] == ["r"] and "r" in p.retryable
     assert "process group failed" in p.failed[0][1]
     assert p.prefix.num_free == num_free and not p.tx.by_id
+
+
+def test_a_client_cannot_speak_or_be_answered_as_another_by_a_from_tag():
+    """Defect (hunt): the client port named a sender by its message's "from" tag, as a node
+    link does, so one client could abort another's request, take its replies (they went
+    to the tagging connection, for good) and pass for many clients under the per-client
+    limits. A ROUTER of clients refuses a tagged message and names every client by its
+    connection; a node link still names its peer by the tag."""
+    import asyncio
+
+    import zmq
+
+    from common.wire.channel import AsyncChannel, open_async_context
+    from common.wire.protocol import CLIENT_TO_FRONTEND, AbortRequest
+
+    def tagged(msg, tag: str) -> list[bytes]:
+        frames = protocol.encode(msg)
+        header = msgpack.unpackb(frames[0], raw=False)
+        return [msgpack.packb({**header, "from": tag}, use_bin_type=True), *frames[1:]]
+
+    async def run(takes_tags: bool):
+        ctx = open_async_context()
+        router = AsyncChannel(ctx, True, "tcp://127.0.0.1:0", takes_tags=takes_tags)
+        endpoint = router.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        raw = zmq.Context()
+        victim, attacker = raw.socket(zmq.DEALER), raw.socket(zmq.DEALER)
+        victim.setsockopt(zmq.IDENTITY, b"victim")
+        try:
+            for s in (victim, attacker):
+                s.connect(endpoint)
+            victim.send_multipart(protocol.encode(AbortRequest("v1")))
+            attacker.send_multipart(tagged(AbortRequest("v1"), "victim"))
+            seen = [await asyncio.wait_for(router.recv(CLIENT_TO_FRONTEND), 10) for _ in "ab"]
+        finally:
+            victim.close(0)
+            attacker.close(0)
+            raw.term()
+            router.close()
+            ctx.term()
+        return seen, router.num_bad
+
+    seen, num_bad = asyncio.run(run(takes_tags=False))
+    senders = {sender for sender, _ in seen}
+    assert b"victim" in senders and len(senders) == 2 and num_bad == 1
+    refused = next(msg for sender, msg in seen if sender != b"victim")
+    assert "carries no 'from' tag" in refused.error and refused.request_id == "v1"
+    seen, num_bad = asyncio.run(run(takes_tags=True))  # a node link: the tag names the peer
+    assert {sender for sender, _ in seen} == {b"victim"} and num_bad == 0
