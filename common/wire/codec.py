@@ -104,7 +104,9 @@ MAX_TAG_LEN = 256  # of a "from" tag
 
 
 def _request_id(value) -> str | None:
-    return value if isinstance(value, str) and 0 < len(value) <= 256 else None
+    """The id an error about the message may name (it is logged: printable only)."""
+    is_id = isinstance(value, str) and 0 < len(value) <= 256 and value.isprintable()
+    return value if is_id else None
 
 
 def _unpack(buf: bytes, max_list_len: int) -> dict:

@@ -33,6 +33,12 @@ class MaxLen:
 
 
 @dataclass(frozen=True)
+class Printable:
+    """A string with no control characters (str.isprintable): an id a client chose is
+    written into logs, where a newline would forge a line of its own."""
+
+
+@dataclass(frozen=True)
 class MaxItems:
     """At most n items in all (list entries and map entries, every level counted), counted
     before the value is walked: nesting within each level's limits can still multiply to
@@ -54,7 +60,7 @@ class Plain:
 
 
 Name = Annotated[str, MaxLen(128)]  # node names, message kinds
-Id = Annotated[str, MaxLen(256)]  # request ids
+Id = Annotated[str, MaxLen(256), Printable()]  # request ids
 Text = Annotated[str, MaxLen(4096)]  # errors, reasons
 I32 = Annotated[int, Range(0, I32_MAX)]  # token ids, block ids, lengths, counts
 Stamps = Annotated[dict, Plain(depth=1, max_items=32, is_numbers=True)]  # wall-clock stamps
@@ -90,6 +96,8 @@ def check_limit(value: Any, limit, where: str) -> None:
         raise ProtocolError(f"{where} must be in [{limit.lo}, {limit.hi}], got {value!r}")
     if isinstance(limit, Plain):
         _plain(value, limit, where, 0)
+    if isinstance(limit, Printable) and not value.isprintable():
+        raise ProtocolError(f"{where} may hold no control characters (newlines, tabs)")
 
 
 def _plain(value: Any, rule: Plain, where: str, depth: int) -> None:

@@ -464,3 +464,15 @@ def test_field_limits_refuse_what_receivers_cannot_use(field, value):
     p.decode([msgpack.packb(commit)])  # as given: fine
     with pytest.raises(p.ProtocolError, match=field):
         p.decode([msgpack.packb({**commit, field: value})])
+
+
+@pytest.mark.parametrize("rid", ["a\nERROR the frontend stops", "a\rb", "a\x1b[2Jb", "a\u2028b"])
+def test_a_request_id_that_would_forge_a_log_line_is_refused_unnamed(rid):
+    """Hunt: a request id is a client's text written into the frontend's log ("rejected
+    request %s"), and one holding a newline wrote a line of the client's choosing. An id
+    with a control character is refused, and the refusal does not name it."""
+    good = {"v": 2, "type": "abort", "request_id": "ok id, ünïcode"}
+    assert p.decode([msgpack.packb(good)]).request_id == good["request_id"]
+    with pytest.raises(p.ProtocolError, match="control characters") as e:
+        p.decode([msgpack.packb({**good, "request_id": rid})])
+    assert e.value.request_id is None
