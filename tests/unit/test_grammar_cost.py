@@ -195,3 +195,57 @@ def test_a_decode_node_ends_a_costly_grammars_request_and_the_batch_goes_on(
     assert got_blocks == blocks and got_blocks[1] == 0  # every block back
     if spec.method != "off":
         assert stats["num_verify_steps"] > 0
+
+
+NO_TEXT = ("grammar", "root ::= root", "compact")
+# "a", "b", then a rule with no way to end: the tiny model's vocabulary is one character a
+# token, so "a" is the prefill node's token, "b" the decode node's, then nothing may follow
+DEAD_END = ("grammar", 'root ::= "a" "b" x\nx ::= x "c"', "compact")
+
+
+def test_a_grammar_that_matches_no_text_is_refused_before_any_work(grammars):
+    """Hunt: `root ::= root` compiled, and the request ran every step under a mask that
+    allowed no token: token 0 a step, a 200 with garbage ending in "length". A grammar
+    whose first mask allows nothing is refused when it compiles (the frontend's check, a
+    400), and one that comes to a dead end is refused where its output is followed."""
+    for g in (NO_TEXT, ("grammar", 'x ::= x "b"\nroot ::= x', "compact")):
+        with pytest.raises(GrammarError, match="matches no text"):
+            grammars.compile(g)
+    vocab_size = grammars.info.vocab_size
+    a, b = (grammars.info.decoded_vocab.index(c.encode()) for c in "ab")
+    m = matcher_for(SamplingParams(max_tokens=8, grammar=DEAD_END), [a], vocab_size, grammars)
+    assert m.error is None and m.accept(b) and m.error is None
+    assert not m.fill().any() and "allows no next token" in m.error
+    with pytest.raises(GrammarError, match="allows no next token"):  # a move's replay
+        matcher_for(SamplingParams(max_tokens=8, grammar=DEAD_END), [a, b], vocab_size, grammars)
+    m = matcher_for(SamplingParams(max_tokens=8, grammar=DEAD_END), [], vocab_size, grammars)
+    assert not m.accept(b) and "does not allow token" in m.error
+
+
+@pytest.mark.parametrize("spec", [SpeculativeConfig("off"), SpeculativeConfig("ngram", 4)])
+def test_a_decode_node_ends_a_request_whose_grammar_has_no_way_on(
+    tiny_model, grammars, monkeypatch, spec
+):
+    """The row whose grammar comes to a dead end fails there (a 400 for the client), with
+    none of the tokens its empty masks made; the other rows run to their end."""
+    failed = []
+    monkeypatch.setattr(spec_grammar, "NEW_TOKENS", 30)
+    params = spec_grammar._params(sampled=False)
+    _, _, blocks = spec_grammar._serve(tiny_model, grammars, params, spec)
+    params[0] = SamplingParams(max_tokens=30, grammar=DEAD_END)
+    real_collect = spec_grammar.Batch.collect
+
+    def collect(batch, *args, **kwargs):
+        updates = real_collect(batch, *args, **kwargs)
+        failed.extend(batch.failed)
+        batch.failed.clear()
+        return updates
+
+    monkeypatch.setattr(spec_grammar.Batch, "collect", collect)
+    out, _, got_blocks = spec_grammar._serve(tiny_model, grammars, params, spec)
+    ((rid, error),) = failed
+    assert rid == "r0" and "allows no next token" in error, error
+    a, b = (grammars.info.decoded_vocab.index(c.encode()) for c in "ab")
+    assert out["r0"] == [a, b]
+    assert [len(out[f"r{i}"]) for i in (1, 2, 3)] == [30, 30, 30]
+    assert got_blocks == blocks and got_blocks[1] == 0  # every block back
