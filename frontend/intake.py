@@ -16,7 +16,7 @@ import time
 
 from common.base.log import get_logger
 from common.base.request import FINISH_ABORT
-from common.wire.protocol import ErrorReply, GenerateOutput, GenerateRequest
+from common.wire.protocol import GenerateOutput, GenerateRequest
 from frontend import router
 from frontend.detok import IncrementalDetokenizer
 from frontend.prompts import check_size
@@ -106,6 +106,12 @@ class Intake:
                 ),
             )
 
+    def is_preparing(self, key: tuple) -> bool:
+        """Whether a request of this key is being prepared, by a task other than this one
+        (a refusal that names its id must not end it)."""
+        task = self.pending.get(key)
+        return task is not None and task is not asyncio.current_task()
+
     def cancel(self, key: tuple) -> bool:
         """A request still being tokenized is dropped with its group (a job of theirs that
         has not started is taken out of its line), each answered as cancelled; False if
@@ -170,12 +176,7 @@ class Intake:
     ) -> None:
         fe = self.fe
         for req in reqs:
-            key = (client, req.request_id)
-            if key in self.pending and self.pending[key] is not asyncio.current_task():
-                # NOTE: a duplicate id: the error must not end the request of that id
-                await fe.reply(client, ErrorReply(why, req.request_id), status)
-            else:
-                await fe.reply_error(client, req.request_id or None, why, status)
+            await fe.reply_error(client, req.request_id or None, why, status)
 
     async def _admit_later(self, client: ClientKey, reqs: list[GenerateRequest]) -> None:
         fe = self.fe

@@ -241,8 +241,11 @@ class Frontend:
     async def reply_error(
         self, client: ClientKey, request_id: str | None, error: str, status: int = 400
     ) -> None:
+        """An error for a request of that id that ends it; where one of that id runs or is
+        being prepared, an error beside it (it is not that request's: a duplicate id)."""
         noisy.info("rejected request %s: %s", request_id, error)
-        if request_id is not None and (client, request_id) not in self.by_client:
+        key = (client, request_id)
+        if request_id is not None and not (key in self.by_client or self.intake.is_preparing(key)):
             # index -1: every choice of it ends with this
             await self.reply(
                 client,

@@ -417,6 +417,35 @@ def test_a_request_cancelled_while_it_waits_for_the_thread_never_runs(make_front
     assert msg.finish_reason == "abort" and "cancelled" in msg.error and not fe.intake.pending
 
 
+def test_an_error_naming_a_request_being_prepared_does_not_end_it(make_frontend):
+    """Hunt: a malformed message naming the id of a request still being prepared (its
+    prompt tokenized off the loop) was answered with an output that ended that id, while
+    the request was admitted and ran on for a client that had stopped reading it. The
+    error is answered beside it (as a duplicate id's), and the request's own refusal
+    still ends it."""
+    fe = make_frontend(16)
+    prepare = fe.prompts._prepare_here
+    fe.prompts._prepare_here = lambda req: (time.sleep(0.2), prepare(req))[1]
+    fe.prompts.is_off_loop = lambda req: True
+
+    async def run():
+        await fe.submit(CLIENT, GenerateRequest("r", prompt="hi", max_tokens=2))
+        await asyncio.sleep(0.05)
+        assert (CLIENT, "r") in fe.intake.pending
+        await fe.reply_error(CLIENT, "r", "max_tokens must be in [0, 2147483647]")
+        await _settled(fe)
+        # its own refusal, made while it is prepared: its prompt is longer than the model
+        await fe.submit(CLIENT, GenerateRequest("s", prompt="hi " * 5000, max_tokens=2))
+        await _settled(fe)
+
+    asyncio.run(run())
+    ((msg, status),) = [r for r in fe.replies if r[0].request_id == "r"]
+    assert isinstance(msg, ErrorReply) and status == 400 and "max_tokens" in msg.error
+    assert (CLIENT, "r") in fe.by_client  # admitted: the error was not its
+    ((msg, status),) = [r for r in fe.replies if r[0].request_id == "s"]
+    assert isinstance(msg, GenerateOutput) and msg.is_finished and "exceeds" in msg.error
+
+
 # ---- a batch of prompts: one tokenized per loop turn, admitted whole or refused whole --------
 
 
