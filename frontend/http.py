@@ -281,8 +281,13 @@ async def _openai_errors(request: web.Request, handler):
         return web.json_response(
             api.error_body(e.status, f"{message}: {request.method} {request.path}"), status=e.status
         )
-    except (asyncio.CancelledError, ConnectionError):
+    except asyncio.CancelledError:
         raise  # the client went away
+    except ConnectionError:
+        # NOTE: the client went away (mid-body, say): nothing to answer, and not aiohttp's
+        # traceback and 500 for each (a log any client could fill): ended as a hang-up is
+        noisy.info("an HTTP client went away during %s %s", request.method, request.path)
+        raise asyncio.CancelledError from None
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
         return web.json_response(

@@ -114,3 +114,43 @@ def test_a_tool_call_the_model_nests_past_the_stack_is_text_not_an_error():
     assert "tool_calls" not in out and out["content"].startswith("<tool_call>[[[")
     required = openai_tools.Split("required", None, False)
     assert required.feed("[" + DEEP, is_final=True) == {}
+
+
+def test_a_client_that_hangs_up_mid_body_fills_no_log(caplog):
+    """Hunt: each client that sent half a body and hung up cost an unthrottled traceback
+    at ERROR ("Error handling request") and a 500 in the access log: 2.3 KB of log a
+    hang-up, any client's to fill. A hang-up is ended as one, quietly."""
+    import logging
+
+    async def run():
+        async def echo(request):
+            return web.json_response(await http._json(request))
+
+        app = web.Application(middlewares=[http._openai_errors])
+        app.router.add_post("/v1/completions", echo)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = http_site.CappedSite(runner, "127.0.0.1", 0, max_connections=64)
+        await site.start()
+        try:
+            for _ in range(5):
+                _, writer = await asyncio.open_connection("127.0.0.1", site.port)
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                    b'\r\nContent-Length: 1000\r\n\r\n{"prompt": "hal'
+                )
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.close()
+            await asyncio.sleep(0.3)
+            async with ClientSession() as s:  # and the server goes on
+                async with s.post(f"http://127.0.0.1:{site.port}/v1/completions", json=[1]) as r:
+                    assert r.status == 200 and await r.json() == [1]
+        finally:
+            await runner.cleanup()
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(run())
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+    assert any("went away" in r.getMessage() for r in caplog.records)
