@@ -118,6 +118,8 @@ def prompt_ids(tokenizer, req: GenerateRequest, max_model_len: int = 2**31) -> l
     given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+    if req.messages is None and (req.tools is not None or req.chat_template_kwargs is not None):
+        raise ValueError("tools and chat_template_kwargs are the chat template's: give messages")
     if req.prompt is not None:
         _check_count(_count_tokens(tokenizer, req.prompt, True), max_model_len)
         return _tokenized(tokenizer.encode, req.prompt, "the prompt")

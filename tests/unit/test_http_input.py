@@ -108,6 +108,20 @@ def test_tools_too_deep_and_text_the_tokenizer_cannot_take_are_refused(tiny_mode
         prompts._bad_words(tok, ["a\ud800"])
 
 
+def test_a_chat_templates_variables_beside_a_prompt_are_refused_not_ignored(tiny_model):
+    """Hunt: on the ZeroMQ port, tools (even "not json") and chat_template_kwargs beside a
+    text prompt or token ids were dropped without a word: the client believed the model
+    saw its tools. They are the chat template's, and only a chat has one."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    for given in ({"prompt": "hi"}, {"prompt_token_ids": [1, 2]}):
+        assert prompts.prompt_ids(tok, GenerateRequest(request_id="r", **given))
+        for extra in ({"tools": "not json"}, {"chat_template_kwargs": {"enable_thinking": 0}}):
+            with pytest.raises(ValueError, match="the chat template's: give messages"):
+                prompts.prompt_ids(tok, GenerateRequest(request_id="r", **given, **extra))
+
+
 def test_a_tool_call_the_model_nests_past_the_stack_is_text_not_an_error():
     split = openai_tools.Split("auto", None, False)
     out = split.feed("<tool_call>" + DEEP + "</tool_call>", is_final=True)
