@@ -446,6 +446,19 @@ def test_an_error_naming_a_request_being_prepared_does_not_end_it(make_frontend)
     assert isinstance(msg, GenerateOutput) and msg.is_finished and "exceeds" in msg.error
 
 
+def test_a_restarted_frontends_requests_never_take_an_earlier_lifes_ids(make_frontend):
+    """Hunt (suspected): node ids were a count from 1 in each frontend process, and nodes
+    outlive a frontend that restarts: a new request could take the id of one a node still
+    decoded (its tokens streamed to the new client) or had aborted in the last minute (the
+    new one refused). Each life's ids are its own."""
+    lives = [make_frontend(16), make_frontend(16)]
+    for fe in lives:
+        _submit(fe, *(GenerateRequest(f"r{i}", prompt="hi", max_tokens=2, n=2) for i in "ab"))
+    first, second = (set(fe.requests) for fe in lives)
+    assert len(first) == len(second) == 4 and not first & second
+    assert all(i.isprintable() and len(i) < 32 for i in first | second)
+
+
 # ---- a batch of prompts: one tokenized per loop turn, admitted whole or refused whole --------
 
 
