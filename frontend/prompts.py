@@ -221,14 +221,20 @@ def _grammar(req: GenerateRequest, grammars) -> tuple[str, ...]:
 
 
 def _logit_bias(bias: dict | None) -> dict:
-    """OpenAI's {"token id": bias} -> SamplingParams' two tuples."""
-    ids, values = [], []
+    """OpenAI's {"token id": bias} -> SamplingParams' two tuples. NOTE: a key is ASCII
+    digits (int() takes other scripts' too), and names its token once ("7" and "07" are
+    one token: which bias would hold is no one's guess)."""
+    ids, values = {}, []
     for key, value in (bias or {}).items():
-        if not key.strip().lstrip("-").isdigit():
+        digits = key.strip().removeprefix("-")
+        if not (digits.isascii() and digits.isdigit()):
             raise ValueError(f"logit_bias keys are token ids, got {key[:32]!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"logit_bias values are numbers, got {value!r}")
-        ids.append(int(key))
+        token = int(digits) * (-1 if key.strip().startswith("-") else 1)
+        if token in ids:
+            raise ValueError(f"logit_bias names token {token} twice ({ids[token]!r}, {key!r})")
+        ids[token] = key
         values.append(float(value))
     return {"logit_bias_ids": tuple(ids), "logit_bias": tuple(values)}
 

@@ -168,3 +168,17 @@ def test_a_client_that_hangs_up_mid_body_fills_no_log(caplog):
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
     assert any("went away" in r.getMessage() for r in caplog.records)
+
+
+def test_logit_bias_keys_are_ascii_ids_each_named_once():
+    """Hunt: " 1", "1" and "01" named one token three times, each with its own bias, and
+    the request said nothing of which held; int() took other scripts' digits as ids."""
+    assert prompts._logit_bias({" 7": 2, "11": -100.0}) == {
+        "logit_bias_ids": (7, 11),
+        "logit_bias": (2.0, -100.0),
+    }
+    with pytest.raises(ValueError, match="names token 1 twice"):
+        prompts._logit_bias({" 1": 1, "01": 2})
+    for key in ("١٢", "²", "1.5", "", "-"):
+        with pytest.raises(ValueError, match="keys are token ids"):
+            prompts._logit_bias({key: 1})
