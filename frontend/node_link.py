@@ -73,7 +73,10 @@ class NodeMessages:
             if req is None or node.name not in (req.prefill_node, req.decode_node):
                 return
             if msg.is_retryable:  # its KV's way was cut, or its KV did not land whole
-                await self.migrations.move_or_fail(req, req.decode_node, "handoff", msg.error)
+                # NOTE: or the prefill node's own fault (a grammar it could not compile): the
+                # log names who said so, not only the decode node it leaves
+                why = msg.error if node.name == req.decode_node else f"{node.name}: {msg.error}"
+                await self.migrations.move_or_fail(req, req.decode_node, "handoff", why)
             else:
                 status = 400 if msg.is_bad_request else 500
                 await fe.finish(req, FINISH_ERROR, msg.error, status=status)

@@ -470,3 +470,26 @@ def test_a_stop_string_inside_a_verify_steps_update_ends_the_tokens_there():
     assert (reason, token_ids, logprobs) == ("stop", [2, 3], lps[1:3])
     assert req.output_ids == [1, 2, 3]
     assert out.usage["completion_tokens"] == 3 and out.text == "b"
+
+
+def test_a_retryable_failure_is_logged_as_said_by_the_node_that_said_it():
+    """A prefill node's retryable failure (its own: a grammar it could not compile) moved
+    the request with a log that blamed the decode node alone; the move's reason now names
+    the node that said it."""
+    from common.wire.protocol import RequestFailed
+
+    hub, _, prefill, decode, _ = _setup()
+    moved = []
+
+    async def move_or_fail(req, lost, cause, why):
+        moved.append((lost, cause, why))
+
+    link = NodeMessages(hub, SimpleNamespace(move_or_fail=move_or_fail))
+    nodes = {b"p": prefill, b"d": decode}
+    hub.registry = SimpleNamespace(by_identity=nodes.get, seen=lambda node: None)
+    for sender, error in ((b"p", "the grammar could not be compiled here"), (b"d", "cut")):
+        asyncio.run(link.on_message(sender, RequestFailed("r1", error, is_retryable=True)))
+    assert moved == [
+        ("decode-0", "handoff", "prefill-0: the grammar could not be compiled here"),
+        ("decode-0", "handoff", "cut"),
+    ]
