@@ -44,7 +44,7 @@ class Intake:
         self.num_requests = 0  # choices started: the next one's node id
         # NOTE: nodes outlive a frontend that restarts: ids of this life never name a request
         # of an earlier one (still decoding there, or remembered as aborted)
-        self._life = secrets.token_hex(3)
+        self.life = secrets.token_hex(3)
 
     async def submit(self, client: ClientKey, reqs: list[GenerateRequest]) -> None:
         """Take a group of a client's requests (most often one): admitted together, or each
@@ -252,7 +252,7 @@ class Intake:
         for i in range(req.n):
             self.num_requests += 1
             state = RequestState(
-                f"{self._life}-{self.num_requests:x}",
+                f"{self.life}-{self.num_requests:x}",
                 req.request_id,
                 client,
                 ids,

@@ -148,13 +148,14 @@ class Frontend:
             loop.add_signal_handler(sig, stop.set)
         self._wake = asyncio.Event()
         log.info(
-            "serving clients at %s, nodes at %s (%s; %s)",
+            "serving clients at %s, nodes at %s (%s; %s); the nodes know its requests as %s-N",
             self.cfg.client_endpoint,
             self.cfg.node_endpoint,
             f"CURVE keys from {self.cfg.keys_dir}"
             if self.keys
             else "open links: anyone who reaches the node port can join",
             describe_threads(),
+            self.intake.life,
         )
         loops = (
             self._client_loop(),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -91,6 +92,12 @@ def _exact(endpoint: str, model, n_tokens: int = 8) -> None:
     assert r.error is None and r.token_ids == hf_greedy(model, [PROMPT], n_tokens)[0], r.error
 
 
+def _node_id_life(p: Processes) -> str:
+    """What the frontend's ids on the nodes start with (its ready line says)."""
+    text = (p.log_dir / "frontend.log").read_text()
+    return re.search(r"the nodes know its requests as ([0-9a-f]+)-N", text).group(1)
+
+
 def _start(p: Processes, *roles) -> None:
     for role in roles:
         p.start(role)
@@ -132,8 +139,9 @@ def test_kv_port_takes_only_kv_messages_and_none_can_stop_it(procs, tiny_model):
             params={"max_tokens": 2},
             timings={"prefill_end": "soon", "arrival": "now"},
         )
+        life = _node_id_life(procs)
         for rid in range(1, 40):  # the frontend's ids for the running requests are among these
-            _send(s, type="node_abort", request_id=f"{rid:x}")
+            _send(s, type="node_abort", request_id=f"{life}-{rid:x}")
         results = await asyncio.gather(*tasks)
         await client.close()
         return ctx, results
@@ -322,23 +330,28 @@ def test_a_node_speaks_only_for_requests_routed_to_it(procs, tiny_model):
             max_model_len=256,
         )
         assert _replies(s, 10)[0]["is_accepted"]  # registered: its reports reach the checks
+        life = _node_id_life(procs)
         for rid in range(1, 40):
             _send(
                 s,
                 "rogue-0/1",
                 type="tokens",
                 updates=[
-                    {"request_id": f"{rid:x}", "token_ids": [1, 2, 3], "finish_reason": "stop"}
+                    {
+                        "request_id": f"{life}-{rid:x}",
+                        "token_ids": [1, 2, 3],
+                        "finish_reason": "stop",
+                    }
                 ],
             )
-            _send(s, "rogue-0/1", type="failed", request_id=f"{rid:x}", error="injected")
+            _send(s, "rogue-0/1", type="failed", request_id=f"{life}-{rid:x}", error="injected")
             _send(
                 s,
                 "rogue-0/1",
                 type="node_synced",
                 sync_id=rid,
-                missing=[f"{rid:x}"],
-                ended=[f"{rid:x}"],
+                missing=[f"{life}-{rid:x}"],
+                ended=[f"{life}-{rid:x}"],
             )
         results = await asyncio.gather(*jobs)
         ctx.destroy()
