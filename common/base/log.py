@@ -5,6 +5,7 @@ can be told apart in one log."""
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 
@@ -13,6 +14,8 @@ from common.base.env import read_env
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ROLES = ("frontend", "prefill", "decode")  # a process's own loggers; the rest are its parts
 _name: str | None = None  # this process's name, once set_name has said it
+# C0 and C1 controls and the line and paragraph separators: what may break a line
+CONTROL_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def set_name(name: str | None) -> None:
@@ -37,6 +40,17 @@ class _Format(logging.Formatter):
         )
         record.who = f"{who:<9}"
         return super().format(record)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # NOTE: one line a message (a traceback follows it apart): text a client chose (an
+        # id, a field's name, an error that quotes them) may not forge lines of its own
+        if CONTROL_CHARS.search(record.message):
+            record.message = CONTROL_CHARS.sub(_escape, record.message)
+        return super().formatMessage(record)
+
+
+def _escape(match: re.Match) -> str:
+    return match.group().encode("unicode_escape").decode("ascii")
 
 
 class _Stderr(logging.StreamHandler):

@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 import torch
 
+from common.base.log import CONTROL_CHARS
 from common.wire.fields import build, field_names, hints
 from common.wire.limits import I32_MAX, ProtocolError
 
@@ -105,7 +106,7 @@ MAX_TAG_LEN = 256  # of a "from" tag
 
 def _request_id(value) -> str | None:
     """The id an error about the message may name (it is logged: printable only)."""
-    is_id = isinstance(value, str) and 0 < len(value) <= 256 and value.isprintable()
+    is_id = isinstance(value, str) and 0 < len(value) <= 256 and not CONTROL_CHARS.search(value)
     return value if is_id else None
 
 
@@ -137,7 +138,8 @@ def _unpack_error(buf: bytes, limits: dict, error: Exception) -> ProtocolError:
     except Exception:  # noqa: BLE001 - the same failure, now placed
         pass
     if isinstance(key, str) and "exceeds max" in str(error):
-        return ProtocolError(f"{key[:64]} holds more than {limits['max_array_len']} items", rid)
+        name = key[:64] if not CONTROL_CHARS.search(key[:64]) else _short(key)
+        return ProtocolError(f"{name} holds more than {limits['max_array_len']} items", rid)
     return ProtocolError(f"malformed msgpack: {type(error).__name__}", rid)
 
 

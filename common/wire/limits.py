@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+from common.base.log import CONTROL_CHARS
+
 
 class ProtocolError(ValueError):
     """A message that cannot be decoded; request_id is set when the header named one."""
@@ -34,8 +36,8 @@ class MaxLen:
 
 @dataclass(frozen=True)
 class Printable:
-    """A string with no control characters (str.isprintable): an id a client chose is
-    written into logs, where a newline would forge a line of its own."""
+    """A string with no control characters (nor line or paragraph separators): an id a
+    client chose is written into logs, where a newline would forge a line of its own."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def check_limit(value: Any, limit, where: str) -> None:
         raise ProtocolError(f"{where} must be in [{limit.lo}, {limit.hi}], got {value!r}")
     if isinstance(limit, Plain):
         _plain(value, limit, where, 0)
-    if isinstance(limit, Printable) and not value.isprintable():
+    if isinstance(limit, Printable) and CONTROL_CHARS.search(value):
         raise ProtocolError(f"{where} may hold no control characters (newlines, tabs)")
 
 

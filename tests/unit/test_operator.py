@@ -46,6 +46,25 @@ def test_every_line_names_its_process_and_the_part_that_spoke(stderr):
     assert names == ["decode-1", "decode-1/transfer", "frontend"]
 
 
+def test_a_message_is_one_line_whatever_text_a_client_put_in_it(stderr):
+    """Review: a field's name a client chose reached the frontend's log in an error
+    ("x\n<a line of its own> holds more than N items"). Every message is one line, its
+    controls written escaped; a traceback still follows it on lines of its own."""
+    set_name = pdlog.set_name
+    set_name("frontend")
+    log = get_logger("frontend")
+    log.info("rejected request %s: %s", "r1", "x\n12:00:00.000 frontend  ERROR forged\u2028")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("a fault\r")
+    lines = _lines(stderr)
+    assert lines[0].endswith("rejected request r1: x\\n12:00:00.000 frontend  ERROR forged\\u2028")
+    assert lines[1].endswith("ERROR a fault\\r")
+    assert lines[2] == "Traceback (most recent call last):"
+    assert lines[-1] == "ValueError: boom" and len(lines) > 3
+
+
 def test_a_nodes_periodic_line_is_due_each_interval_and_said_while_busy():
     """The first look is due at once (0 s elapsed), then one each interval, its seconds those
     since the last; an idle node says one line as it goes idle, then none."""

@@ -471,8 +471,19 @@ def test_a_request_id_that_would_forge_a_log_line_is_refused_unnamed(rid):
     """Hunt: a request id is a client's text written into the frontend's log ("rejected
     request %s"), and one holding a newline wrote a line of the client's choosing. An id
     with a control character is refused, and the refusal does not name it."""
-    good = {"v": 2, "type": "abort", "request_id": "ok id, ünïcode"}
-    assert p.decode([msgpack.packb(good)]).request_id == good["request_id"]
+    for ok in ("ok id, ünïcode", "a\u200db", "a\u00a0b", "日本"):  # text, not controls
+        good = {"v": 2, "type": "abort", "request_id": ok}
+        assert p.decode([msgpack.packb(good)]).request_id == ok
     with pytest.raises(p.ProtocolError, match="control characters") as e:
         p.decode([msgpack.packb({**good, "request_id": rid})])
     assert e.value.request_id is None
+
+
+def test_a_fields_name_in_an_error_holds_no_line_of_its_own():
+    """Review: a field's name a client chose was written as it was into "X holds more than
+    N items", which the frontend logs."""
+    bad = {"v": 2, "type": "abort", "request_id": "r", "x\nFORGED": [1] * 9}
+    with pytest.raises(p.ProtocolError) as e:
+        p.decode_from([msgpack.packb(bad)], max_list_len=8)
+    assert "holds more than 8 items" in str(e.value) and "\n" not in str(e.value)
+    assert e.value.request_id == "r"
