@@ -132,13 +132,19 @@ class Receiver:
         return r if r is not None and r.sender == sender else None
 
     def refusal(
-        self, request_id: str, prompt_len: int, max_tokens: int, fork_ids: list[str] = ()
+        self,
+        request_id: str,
+        prompt_len: int,
+        max_tokens: int,
+        fork_ids: list[str] = (),
+        own: Reservation | None = None,
     ) -> tuple[str, bool] | None:
-        """(reason, is_retryable) if this request (and its forks) cannot be reserved now."""
+        """(reason, is_retryable) if this request (and its forks) cannot be reserved now.
+        own: the line's entry of this request, weighed on its turn (its forks are its own)."""
         ids = [request_id, *fork_ids]
-        taken = [f for f in ids if f in self.held or self.holds_fork(f)]
+        taken = [f for f in ids if f in self.held or self._forked_into(f, own) is not None]
         if taken:
-            r = self.held.get(taken[0]) or self._forked_into(taken[0])
+            r = self.held.get(taken[0]) or self._forked_into(taken[0], own)
             if r is not None and r.hold is Hold.FAILED:  # a grant on its way out (its writer stops)
                 return f"request {taken[0]!r} has a grant here that is being released", True
             return f"request {taken[0]!r} is already on this decode node", False
@@ -160,10 +166,15 @@ class Receiver:
         """A fork of a request held or in line here (it runs once that request is admitted)."""
         return self._forked_into(request_id) is not None
 
-    def _forked_into(self, request_id: str) -> Reservation | None:
-        """The reservation, held or in line, that request_id is a fork of."""
+    def _forked_into(self, request_id: str, other_than=None) -> Reservation | None:
+        """The reservation, held or in line (other_than aside), that request_id is a fork of."""
         return next(
-            (r for r in (*self.held.values(), *self.waiting) if request_id in r.fork_ids), None
+            (
+                r
+                for r in (*self.held.values(), *self.waiting)
+                if r is not other_than and request_id in r.fork_ids
+            ),
+            None,
         )
 
     def refuse(
@@ -246,7 +257,8 @@ class Receiver:
     def _grant_line(self, now: float) -> None:
         """The line's head is granted unasked while it fits; one that never can is told."""
         while (w := self.waiting.head()) is not None:
-            refusal = self.refusal(w.request_id, w.prompt_len, w.max_tokens, w.fork_ids)
+            # NOTE: its own entry is still in the line: its forks are not another's
+            refusal = self.refusal(w.request_id, w.prompt_len, w.max_tokens, w.fork_ids, own=w)
             if refusal is not None and refusal[1]:
                 return
             self.waiting.pop_head()

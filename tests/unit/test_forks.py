@@ -106,6 +106,28 @@ def test_one_fork_aborted_before_admission_goes_alone_and_all_aborted_frees_the_
     assert "a" not in rx.held and sched.prefix_cache.num_available == free
 
 
+def test_a_request_with_forks_that_waits_in_line_is_granted_on_its_turn():
+    """Hunt: a request of n > 1 that had to wait for blocks was refused for good on its
+    turn ("request 'b1' is already on this decode node", a 500): its own entry, still in
+    the line, was taken for another request holding its forks. Another request that does
+    name a fork held here is still refused."""
+    from common.wire.protocol import KVRelease
+
+    sent = []
+    sched = DecodeScheduler(BlockAllocator(41), BS, 8)
+    rx = receiver(sched, send=lambda m, to: sent.append(m) or True)
+    rx.receive(b"p", KVReserve("a", 140, 8, 1))  # most of the blocks
+    assert sent[-1].block_ids
+    rx.receive(b"p", KVReserve("b", 20, 8, 2, ["b1"]))
+    assert sent[-1].is_queued and sent[-1].block_ids is None
+    rx.receive(b"p", KVReserve("c", 4, 4, 3, ["b1"]))  # names b's fork: not its to take
+    assert sent[-1].block_ids is None and "already on this decode node" in sent[-1].reason
+    rx.receive(b"p", KVRelease("a", rx.held["a"].name))
+    rx.turn()
+    assert sent[-1].request_id == "b" and sent[-1].block_ids, sent[-1]
+    assert {"b", "b1"} <= rx.held_ids() and not rx.waiting
+
+
 def test_a_commit_must_fork_what_was_reserved():
     sched = DecodeScheduler(BlockAllocator(41), BS, 8)
     acks = []
