@@ -140,7 +140,12 @@ class Grammars:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
             compiled = self._compile(*grammar)
-            self._check_matches_some(compiled)
+            try:
+                self._check_matches_some(compiled)
+            except GrammarError:
+                raise
+            except Exception as e:  # xgrammar's own, as a compile's: the grammar's fault
+                raise GrammarError(f"the grammar cannot be followed: {type(e).__name__}") from None
             self._compiled[key] = compiled
             while len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
@@ -309,6 +314,14 @@ def matcher_for(
     return m
 
 
+# NOTE: a grammar's own dead end, or one the request's other rules make (min_tokens holds
+# back the EOS a whole grammar allows alone; bad_words, logit_bias, allowed_token_ids)
+NO_WAY_ON = (
+    "the grammar cannot go on from here, under its rules and the request's own (min_tokens, "
+    "bad_words, logit_bias, allowed_token_ids)"
+)
+
+
 class Matcher:
     """What one request's next token may be: its grammar's mask, a fixed mask beside it,
     and no last token of a bad word whose other tokens the output just ended with
@@ -359,7 +372,7 @@ class Matcher:
                 self.bits[w[-1] // 32] &= ~(1 << (w[-1] % 32)) if w[-1] % 32 != 31 else 0x7FFFFFFF
         if self._dead_end is None and not bool(self.bits.any()):
             # NOTE: a step under this mask could only make a token it forbids
-            self._dead_end = "the grammar allows no next token here (it has no way on)"
+            self._dead_end = f"{NO_WAY_ON}: it allows no next token here"
         return self.bits
 
     def fill_ahead(self, drafts: list[int]) -> torch.Tensor:
@@ -400,5 +413,5 @@ class Matcher:
         is_allowed = self._m is None or bool(self.cost.call(self._m.accept_token, token))
         if not is_allowed and self._dead_end is None:
             # NOTE: made under a mask that allowed nothing (or past it): not an output to keep
-            self._dead_end = f"the grammar does not allow token {token} here (it has no way on)"
+            self._dead_end = f"{NO_WAY_ON}: token {token} was made, which it does not allow"
         return is_allowed

@@ -167,17 +167,10 @@ def test_a_grammar_a_prefill_node_cannot_compile_is_its_fault_or_the_requests():
         assert {(m.is_retryable, m.is_bad_request) for m in sent} == {(is_ours, not is_ours)}
 
 
-@pytest.mark.parametrize("spec", [SpeculativeConfig("off"), SpeculativeConfig("ngram", 4)])
-def test_a_decode_node_ends_a_costly_grammars_request_and_the_batch_goes_on(
-    tiny_model, grammars, monkeypatch, spec
-):
-    """Its row ends failed (the node tells the frontend: a 400), its blocks go back, and the
-    other rows run to their end."""
+def _serve_failing(model, grammars, params, spec, monkeypatch) -> tuple:
+    """test_speculative_grammar's serve, with the (request id, error) of each row the
+    decode node ended failed (what it tells the frontend: a 400) as a fourth item."""
     failed = []
-    monkeypatch.setattr(spec_grammar, "NEW_TOKENS", 40)
-    params = spec_grammar._params(sampled=False)
-    _, _, blocks = spec_grammar._serve(tiny_model, grammars, params, spec)
-    params[0] = _params()
     real_collect = spec_grammar.Batch.collect
 
     def collect(batch, *args, **kwargs):
@@ -187,7 +180,20 @@ def test_a_decode_node_ends_a_costly_grammars_request_and_the_batch_goes_on(
         return updates
 
     monkeypatch.setattr(spec_grammar.Batch, "collect", collect)
-    out, stats, got_blocks = spec_grammar._serve(tiny_model, grammars, params, spec)
+    return (*spec_grammar._serve(model, grammars, params, spec), failed)
+
+
+@pytest.mark.parametrize("spec", [SpeculativeConfig("off"), SpeculativeConfig("ngram", 4)])
+def test_a_decode_node_ends_a_costly_grammars_request_and_the_batch_goes_on(
+    tiny_model, grammars, monkeypatch, spec
+):
+    """Its row ends failed (the node tells the frontend: a 400), its blocks go back, and the
+    other rows run to their end."""
+    monkeypatch.setattr(spec_grammar, "NEW_TOKENS", 40)
+    params = spec_grammar._params(sampled=False)
+    _, _, blocks = spec_grammar._serve(tiny_model, grammars, params, spec)
+    params[0] = _params()
+    out, stats, got_blocks, failed = _serve_failing(tiny_model, grammars, params, spec, monkeypatch)
     ((rid, error),) = failed
     assert rid == "r0" and "costs too much" in error
     assert len(out["r0"]) < MAX_TOKENS // 2  # its tokens in the failing step are not sent
@@ -216,10 +222,11 @@ def test_a_grammar_that_matches_no_text_is_refused_before_any_work(grammars):
     m = matcher_for(SamplingParams(max_tokens=8, grammar=DEAD_END), [a], vocab_size, grammars)
     assert m.error is None and m.accept(b) and m.error is None
     assert not m.fill().any() and "allows no next token" in m.error
+    assert "cannot go on from here" in m.error and "min_tokens" in m.error  # what may cause it
     with pytest.raises(GrammarError, match="allows no next token"):  # a move's replay
         matcher_for(SamplingParams(max_tokens=8, grammar=DEAD_END), [a, b], vocab_size, grammars)
     m = matcher_for(SamplingParams(max_tokens=8, grammar=DEAD_END), [], vocab_size, grammars)
-    assert not m.accept(b) and "does not allow token" in m.error
+    assert not m.accept(b) and f"token {b} was made, which it does not allow" in m.error
 
 
 @pytest.mark.parametrize("spec", [SpeculativeConfig("off"), SpeculativeConfig("ngram", 4)])
@@ -228,21 +235,11 @@ def test_a_decode_node_ends_a_request_whose_grammar_has_no_way_on(
 ):
     """The row whose grammar comes to a dead end fails there (a 400 for the client), with
     none of the tokens its empty masks made; the other rows run to their end."""
-    failed = []
     monkeypatch.setattr(spec_grammar, "NEW_TOKENS", 30)
     params = spec_grammar._params(sampled=False)
     _, _, blocks = spec_grammar._serve(tiny_model, grammars, params, spec)
     params[0] = SamplingParams(max_tokens=30, grammar=DEAD_END)
-    real_collect = spec_grammar.Batch.collect
-
-    def collect(batch, *args, **kwargs):
-        updates = real_collect(batch, *args, **kwargs)
-        failed.extend(batch.failed)
-        batch.failed.clear()
-        return updates
-
-    monkeypatch.setattr(spec_grammar.Batch, "collect", collect)
-    out, _, got_blocks = spec_grammar._serve(tiny_model, grammars, params, spec)
+    out, _, got_blocks, failed = _serve_failing(tiny_model, grammars, params, spec, monkeypatch)
     ((rid, error),) = failed
     assert rid == "r0" and "allows no next token" in error, error
     a, b = (grammars.info.decoded_vocab.index(c.encode()) for c in "ab")
