@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from common.base import grammar
+from common.base import grammar, grammar_matcher
 from common.base.log import get_logger
 from common.base.recent import Recent
 from common.base.request import FINISH_ERROR
@@ -71,7 +71,7 @@ class Batch:
         # Its matcher takes every token so far: the mask goes on from there.
         if seq.params.is_masked_per_step:
             try:
-                seq.matcher = grammar.matcher_for(
+                seq.matcher = grammar_matcher.matcher_for(
                     seq.params,
                     seq.history()[1],
                     self.worker.spec.vocab_size,

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from common.base import grammar
+from common.base import grammar, grammar_matcher
 from common.engine.prefill_job import PrefillChunk, PrefillJob
 
 
@@ -42,7 +42,7 @@ class PrefillGrammars:
         before any pass is spent on the prompt)."""
         job.grammar, job.is_compiling = self.compiles.take(job.request_id), False
         outputs = job.params.split(job.token_ids)[1]
-        job.matcher = grammar.matcher_for(
+        job.matcher = grammar_matcher.matcher_for(
             job.params, outputs, self.vocab_size, self.compiles.grammars, job.grammar
         )
 
@@ -51,7 +51,7 @@ class PrefillGrammars:
         streamed before a move (its history's outputs); a bad word of several tokens is
         matched without a grammar (no compile, no cost to refuse)."""
         job = chunk.job
-        matcher = job.matcher or grammar.matcher_for(
+        matcher = job.matcher or grammar_matcher.matcher_for(
             job.params, chunk.history[1], self.vocab_size, self.compiles.grammars, job.grammar
         )
         return matcher.fill().clone()

@@ -3,7 +3,7 @@ top-p and top-k (sampling.py), and what is reported of them.
 
 A request's penalties and masks (SamplingParams) live per row, on the device:
     blocked    [B, V] bool   never this token: outside allowed_token_ids, or a one-token bad word
-                             (longer ones: a step mask, grammar.Matcher)
+                             (longer ones: a step mask, grammar_matcher.Matcher)
     stops      [B, V] bool   EOS (unless ignore_eos) and stop tokens: blocked while
                              num_output < min_tokens
     bias       [B, V] fp32   logit_bias

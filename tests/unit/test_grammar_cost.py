@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from common.base import grammar_cost
-from common.base.grammar import GrammarError, matcher_for
+from common.base.grammar import GrammarError
 from common.base.grammar_cost import CostMeter
+from common.base.grammar_matcher import matcher_for
 from common.base.request import SamplingParams
 from common.base.speculative import SpeculativeConfig
 from common.engine.prefill_job import PrefillJob

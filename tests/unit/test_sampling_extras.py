@@ -252,7 +252,8 @@ def test_a_grammar_that_ended_masks_to_eos_alone(tiny_model):
     and a matcher made again from those tokens (a move, a preemption) says the same."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from common.base.grammar import bits_to_mask, for_model, matcher_for
+    from common.base.grammar import bits_to_mask, for_model
+    from common.base.grammar_matcher import matcher_for
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     vocab_size = AutoConfig.from_pretrained(str(tiny_model)).vocab_size
@@ -309,7 +310,8 @@ def test_a_node_compiles_grammars_beside_its_loop(tiny_model):
     import threading
     import time
 
-    from common.base.grammar import Compiles, GrammarError, for_model, matcher_for
+    from common.base.grammar import Compiles, GrammarError, for_model
+    from common.base.grammar_matcher import matcher_for
     from common.base.model_spec import load_spec
 
     vocab_size = load_spec(str(tiny_model)).vocab_size

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from common.base.config import WorkerConfig
-from common.base.grammar import bits_to_mask, for_model, matcher_for
+from common.base.grammar import bits_to_mask, for_model
+from common.base.grammar_matcher import matcher_for
 from common.base.recent import Recent
 from common.base.request import SamplingParams
 from common.base.speculative import SpeculativeConfig
