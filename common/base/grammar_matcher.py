@@ -17,7 +17,8 @@ def matcher_for(
     """The matcher of a request whose mask changes token by token (params.is_masked_per_step:
     a grammar, from grammars, or a bad word of several tokens), past the tokens it has
     generated so far. compiled: its grammar, compiled already (Compiles.take). GrammarError:
-    following those tokens cost too much (grammar_cost.py)."""
+    following those tokens cost too much (grammar_cost.py), or the grammar cannot go on
+    from where they led."""
     g = grammars.xgrammar_matcher(params.grammar, compiled) if params.grammar else None
     is_json = g is not None and params.grammar[0].startswith("json")
     m = Matcher(

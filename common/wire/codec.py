@@ -105,7 +105,7 @@ MAX_TAG_LEN = 256  # of a "from" tag
 
 
 def _request_id(value) -> str | None:
-    """The id an error about the message may name (it is logged: printable only)."""
+    """The id an error about the message may name (it is logged: no control characters)."""
     is_id = isinstance(value, str) and 0 < len(value) <= 256 and not CONTROL_CHARS.search(value)
     return value if is_id else None
 
