@@ -142,7 +142,7 @@ class Receiver:
         """(reason, is_retryable) if this request (and its forks) cannot be reserved now.
         own: the line's entry of this request, weighed on its turn (its forks are its own)."""
         ids = [request_id, *fork_ids]
-        taken = [f for f in ids if f in self.held or self._forked_into(f, own) is not None]
+        taken = [f for f in ids if self._is_taken(f, own)]
         if taken:
             r = self.held.get(taken[0]) or self._forked_into(taken[0], own)
             if r is not None and r.hold is Hold.FAILED:  # a grant on its way out (its writer stops)
@@ -165,6 +165,17 @@ class Receiver:
     def holds_fork(self, request_id: str) -> bool:
         """A fork of a request held or in line here (it runs once that request is admitted)."""
         return self._forked_into(request_id) is not None
+
+    def _is_taken(self, request_id: str, own: Reservation | None) -> bool:
+        """Whether request_id is another request's here: held, in line, or a fork of one
+        held or in line (own, the line's entry weighed on its turn, aside). NOTE: a fork id
+        naming a request in line is taken too: a peer may not claim another's id as a fork."""
+        w = self.waiting.find(request_id)
+        return (
+            request_id in self.held
+            or (w is not None and w is not own)
+            or self._forked_into(request_id, own) is not None
+        )
 
     def _forked_into(self, request_id: str, other_than=None) -> Reservation | None:
         """The reservation, held or in line (other_than aside), that request_id is a fork of."""

@@ -218,3 +218,27 @@ def test_a_handoff_with_forks_through_both_halves():
     p.tx.begin(failing)
     p.run_for(p.tx.handoff_lease_s + 1)
     assert {rid for rid, _ in p.failed} == {"t", "t1"} and p.retryable == {"t", "t1"}
+
+
+def test_a_peer_cannot_claim_a_waiting_requests_id_as_a_fork():
+    """Review: a request in line was not checked against the fork ids a later reserve named,
+    so a hostile prefill node's request "x" with fork "b" (b waiting for blocks) queued
+    behind b; on b's turn b was refused for good (its id was x's fork), and on x's turn x
+    was granted holding b's id. A fork id naming a request in line is refused at once."""
+    from common.wire.protocol import KVRelease
+
+    sent = []
+    sched = DecodeScheduler(BlockAllocator(41), BS, 8)
+    rx = receiver(sched, send=lambda m, to: sent.append((to, m)) or True)
+    rx.receive(b"p", KVReserve("a", 140, 8, 1))
+    rx.receive(b"p", KVReserve("b", 20, 8, 2, ["b1"]))
+    assert sent[-1][1].is_queued
+    rx.receive(b"evil", KVReserve("x", 4, 4, 3, ["b"]))
+    to, m = sent[-1]
+    assert to == b"evil" and m.block_ids is None and "'b' is already on" in m.reason
+    assert [w.request_id for w in rx.waiting] == ["b"]
+    rx.receive(b"p", KVRelease("a", rx.held["a"].name))
+    rx.turn()
+    to, m = sent[-1]
+    assert to == b"p" and m.request_id == "b" and m.block_ids
+    assert "x" not in rx.held and rx.held["b"].fork_ids == ["b1"]
