@@ -28,7 +28,14 @@ from common.wire.protocol import (
     StatsReply,
     StatsRequest,
 )
-from frontend.client_messages import Result, StreamEnds, as_output, make_request, unbatch
+from frontend.client_messages import (
+    Result,
+    StreamEnds,
+    as_output,
+    check_request_id,
+    make_request,
+    unbatch,
+)
 
 
 class ServerError(RuntimeError):
@@ -129,6 +136,7 @@ class Client:
         return self._inbox[rid].pop(0)
 
     def submit(self, req: GenerateRequest) -> str:
+        check_request_id(req.request_id)
         self.connect()
         self._inbox.setdefault(req.request_id, [])
         self._ends[req.request_id] = StreamEnds(req.n)

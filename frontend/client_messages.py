@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from common.base.log import CONTROL_CHARS
 from common.wire.protocol import ErrorReply, GenerateOutput, GenerateRequest, OutputBatch
 
 
@@ -61,7 +62,23 @@ class Result:
 def make_request(prompt=None, *, request_id: str | None = None, **kw) -> GenerateRequest:
     """kw: GenerateRequest's fields (prompt_token_ids, messages, max_tokens, temperature,
     top_p, top_k, seed, stop, stop_token_ids, ignore_eos, timeout_s, logprobs, n, ...)."""
-    return GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt, **kw)
+    request_id = request_id or uuid.uuid4().hex
+    check_request_id(request_id)
+    return GenerateRequest(request_id=request_id, prompt=prompt, **kw)
+
+
+def check_request_id(request_id) -> None:
+    """ValueError for an id the frontend refuses without naming it (its error could not be
+    tied to the request, whose caller would wait out its idle timeout)."""
+    if (
+        not isinstance(request_id, str)
+        or not 0 < len(request_id) <= 256
+        or CONTROL_CHARS.search(request_id)
+    ):
+        raise ValueError(
+            f"request_id must be 1 to 256 characters with no control characters, got "
+            f"{str(request_id)[:64]!r}"
+        )
 
 
 class StreamEnds:

@@ -147,3 +147,19 @@ def test_the_client_socket_refuses_a_peer_gone_or_not_reading_without_waiting():
     finally:
         sink.close()
         ctx.term()
+
+
+def test_the_client_library_refuses_an_id_the_frontend_would_refuse_unnamed():
+    """Review: the frontend refuses an id with a control character (or past 256 characters)
+    without naming it, so the async client could not tie the refusal to its request and
+    waited out its idle timeout. The library refuses such an id before it sends."""
+    from common.wire.protocol import GenerateRequest
+    from frontend.client import Client
+    from frontend.client_messages import make_request
+
+    assert make_request("hi", request_id="ok id, ünïcode").request_id == "ok id, ünïcode"
+    for rid in ("a\nb", "x" * 257, "a\u2028b"):
+        with pytest.raises(ValueError, match="no control characters"):
+            make_request("hi", request_id=rid)
+        with pytest.raises(ValueError, match="no control characters"):  # before any connect
+            Client("tcp://127.0.0.1:1").submit(GenerateRequest(request_id=rid, prompt="hi"))
