@@ -39,7 +39,10 @@ class _Format(logging.Formatter):
             self.role if _name is None else _name if self.role in ROLES else f"{_name}/{self.role}"
         )
         record.who = f"{who:<9}"
-        return super().format(record)
+        text = super().format(record)
+        # NOTE: a traceback follows its message behind a bar: an exception's text may quote
+        # a client's, and no line of it may pass for a log line of its own
+        return text.replace("\n", "\n| ") if "\n" in text else text
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         # NOTE: one line a message (a traceback follows it apart): text a client chose (an

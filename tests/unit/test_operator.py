@@ -30,7 +30,11 @@ def _lines(capsys) -> list[str]:
 
 def _messages(capsys) -> list[str]:
     """Each logged line's message: past its time, name and level."""
-    return [m[1] for line in _lines(capsys) if (m := re.match(r"\d\S+ \S+ +[A-Z]+ (.*)", line))]
+    return _messages_of(_lines(capsys))
+
+
+def _messages_of(lines: list[str]) -> list[str]:
+    return [m[1] for line in lines if (m := re.match(r"\d\S+ \S+ +[A-Z]+ (.*)", line))]
 
 
 def test_every_line_names_its_process_and_the_part_that_spoke(stderr):
@@ -49,20 +53,22 @@ def test_every_line_names_its_process_and_the_part_that_spoke(stderr):
 def test_a_message_is_one_line_whatever_text_a_client_put_in_it(stderr):
     """Review: a field's name a client chose reached the frontend's log in an error
     ("x\n<a line of its own> holds more than N items"). Every message is one line, its
-    controls written escaped; a traceback still follows it on lines of its own."""
+    controls written escaped; a traceback follows it behind a bar, so an exception's text
+    that quotes a client's cannot pass for a line of its own either."""
     set_name = pdlog.set_name
     set_name("frontend")
     log = get_logger("frontend")
     log.info("rejected request %s: %s", "r1", "x\n12:00:00.000 frontend  ERROR forged\u2028")
     try:
-        raise ValueError("boom")
+        raise ValueError("bad name 'y\n12:00:00.000 frontend  ERROR forged'")
     except ValueError:
         log.exception("a fault\r")
     lines = _lines(stderr)
     assert lines[0].endswith("rejected request r1: x\\n12:00:00.000 frontend  ERROR forged\\u2028")
     assert lines[1].endswith("ERROR a fault\\r")
-    assert lines[2] == "Traceback (most recent call last):"
-    assert lines[-1] == "ValueError: boom" and len(lines) > 3
+    assert lines[2] == "| Traceback (most recent call last):"
+    assert lines[-2:] == ["| ValueError: bad name 'y", "| 12:00:00.000 frontend  ERROR forged'"]
+    assert len(_messages_of(lines)) == 2  # the two logged, no third
 
 
 def test_a_nodes_periodic_line_is_due_each_interval_and_said_while_busy():
