@@ -162,10 +162,6 @@ class Receiver:
             f for r in (*self.held.values(), *self.waiting) for f in (r.request_id, *r.fork_ids)
         }
 
-    def holds_fork(self, request_id: str) -> bool:
-        """A fork of a request held or in line here (it runs once that request is admitted)."""
-        return self._forked_into(request_id) is not None
-
     def _is_taken(self, request_id: str, own: Reservation | None) -> bool:
         """Whether request_id is another request's here: held, in line, or a fork of one
         held or in line (own, the line's entry weighed on its turn, aside). NOTE: a fork id
